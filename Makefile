@@ -1,0 +1,33 @@
+# The two commands README.md opens with. Both create .venv from Python 3.11 and install the pinned set.
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"ortflow needs Python 3.11, found {sys.version.split()[0]}: set PYTHON=/path/to/python3.11"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/ortflow run examples/gpt/config.yaml
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check ortflow tests bench
+
+bench: setup
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) runs examples/*/runs

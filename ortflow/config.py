@@ -1,0 +1,565 @@
+"""The run configuration: one frozen pydantic model per section, loaded from YAML.
+
+Field names follow ONNX Runtime's C++ ``TrainingRunner::Parameters`` where one applies
+(``num_train_steps``, ``gradient_accumulation_steps``, ``display_loss_steps``, ``checkpoint_period``, ...).
+
+Two kinds of checks live here:
+
+* structural and cross-field checks run when a :class:`RunConfig` is built (pydantic), and
+* file checks (:func:`check_files`) that need the disk: the model exists, is valid ONNX, and the engine can run it.
+
+:func:`find_problems` runs both and returns every problem at once, so ``ortflow validate`` can list them all.
+This module imports nothing from ortflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (see ENGINE_NOTES.md).
+MAX_OPSET = 21
+MAX_IR_VERSION = 10
+
+#: Name of the resolved config that configure writes into the run folder; every rank loads it again.
+RESOLVED_CONFIG_NAME = "config.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; ``problems`` lists every reason, each naming the field and the fix."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        where = f" in {source}" if source else ""
+        super().__init__(f"{len(problems)} problem(s){where}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
+    """Relative paths resolve against the config file's folder (passed as validation context ``base_dir``)."""
+    if value is None:
+        return None
+    value = Path(value).expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not value.is_absolute() and base is not None:
+        value = Path(base) / value
+    return value
+
+
+LossName = Literal["cross_entropy", "mse", "bce_with_logits", "l1", "model_output"]
+
+
+class ModelConfig(_Section):
+    """The user's ONNX model and how it is turned into a training graph."""
+
+    path: Path = Field(description="Path to the ONNX model to train (the reference's model_path).")
+    loss: LossName = Field(
+        "cross_entropy",
+        description="Loss added by the engine: cross_entropy, mse, bce_with_logits, l1; or model_output when the "
+        "model already outputs a scalar loss.",
+    )
+    loss_output: str | None = Field(
+        None,
+        description="Model output fed to the loss (default: the first output). With loss=model_output, the output "
+        "that holds the loss.",
+    )
+    label_input: str = Field(
+        "labels",
+        description="Name of the label/target input the loss adds (cross_entropy needs int64 labels of shape [N]).",
+    )
+    frozen: tuple[str, ...] = Field(
+        (),
+        description="fnmatch patterns of float initializers that are not trained (default: all float initializers "
+        "are trained).",
+    )
+
+    _resolve_path = field_validator("path", mode="after")(_resolve)
+
+
+SourceFormat = Literal["auto", "parquet", "csv", "arrow", "jsonl", "npz", "text"]
+
+
+class TextConfig(_Section):
+    """How a plain-text corpus becomes fixed-length token windows."""
+
+    seq_len: int = Field(128, gt=1, description="Tokens per window; inputs and labels are shifted by one token.")
+    tokenizer: Path | None = Field(
+        None, description="A local `tokenizers` JSON file; default: byte-level (vocabulary of 256)."
+    )
+    input_name: str = Field("input_ids", description="Model input that receives the token window.")
+    label_name: str = Field("labels", description="Input that receives the next-token targets.")
+
+    _resolve_path = field_validator("tokenizer", mode="after")(_resolve)
+
+
+class DataConfig(_Section):
+    """Training and evaluation data (the reference's train_data_dir / test_data_dir) and how it is sharded."""
+
+    train: tuple[str, ...] = Field(
+        description="Training source(s): files or glob patterns (relative ones resolve against the config's folder)."
+    )
+    test: tuple[str, ...] = Field(
+        (), description="Evaluation source(s); when empty, eval_fraction of the training rows is held out."
+    )
+    format: SourceFormat = Field("auto", description="Source format; auto picks it from the file extension.")
+    columns: dict[str, str] = Field(
+        {}, description="Model input name -> source column name (default: columns named like the inputs)."
+    )
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of rows held out for eval when test is empty.")
+    rows_per_shard: int = Field(65536, gt=0, description="Rows per Arrow shard file (the last may be short).")
+    text: TextConfig = Field(TextConfig(), description="Settings for format=text corpora.")
+    memory_budget_mb: int = Field(256, gt=0, description="Memory the sharder and loader may use for buffers.")
+    prefetch_batches: int = Field(2, ge=0, description="Batches the loader prepares ahead in a background thread.")
+
+    @field_validator("train", "test", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, (str, Path)) else value
+
+    @field_validator("train", "test", mode="after")
+    @classmethod
+    def _resolve_sources(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        return tuple(str(_resolve(Path(v), info)) for v in value)
+
+    @field_validator("train", mode="after")
+    @classmethod
+    def _train_not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("give at least one training file or glob pattern")
+        return value
+
+
+class TrainConfig(_Section):
+    """Loop hyper-parameters. Steps are micro-batch steps, as in the reference; weight updates = steps / accumulation."""
+
+    batch_size: int = Field(gt=0, description="Samples per micro-batch per rank.")
+    eval_batch_size: int | None = Field(None, gt=0, description="Samples per eval batch per rank (default: batch_size).")
+    num_train_steps: int = Field(
+        gt=0, description="Forward/backward passes per rank; must be a multiple of gradient_accumulation_steps."
+    )
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches summed before each weight update.")
+    display_loss_steps: int = Field(10, gt=0, description="Show the loss (mean over ranks) every this many updates.")
+    evaluation_period: int = Field(100, ge=0, description="Evaluate every this many weight updates (0: only at the end).")
+    max_eval_batches: int | None = Field(None, gt=0, description="Cap on eval batches per rank (default: whole split).")
+    seed: int = Field(0, ge=0, description="Seed for shuffling and any randomness in the run.")
+
+    @property
+    def num_weight_updates(self) -> int:
+        """Optimizer steps in the whole run."""
+        return self.num_train_steps // self.gradient_accumulation_steps
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        """eval_batch_size, defaulting to batch_size."""
+        return self.eval_batch_size or self.batch_size
+
+    @model_validator(mode="after")
+    def _steps_multiple(self) -> TrainConfig:
+        if self.num_train_steps % self.gradient_accumulation_steps:
+            k = self.gradient_accumulation_steps
+            lower = self.num_train_steps // k * k
+            raise ValueError(
+                f"train.num_train_steps ({self.num_train_steps}) must be a multiple of "
+                f"train.gradient_accumulation_steps ({k}); use {lower or k} or {lower + k}"
+            )
+        return self
+
+
+class OptimizerConfig(_Section):
+    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters."""
+
+    name: Literal["adamw", "sgd", "lamb"] = Field("adamw", description="adamw or sgd; lamb is not supported yet.")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate, reached at the end of warm-up.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
+    epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    max_grad_norm: float | None = Field(
+        None, gt=0, description="Clip the global gradient norm to this value before the step (default: no clipping)."
+    )
+
+    @model_validator(mode="after")
+    def _supported(self) -> OptimizerConfig:
+        if self.name == "lamb":
+            raise ValueError(
+                "optimizer.name 'lamb' is not supported yet: onnxruntime-training 1.19.2 builds only AdamW and SGD "
+                "optimizer graphs; use 'adamw' or 'sgd'"
+            )
+        return self
+
+
+class LRScheduleConfig(_Section):
+    """Learning-rate schedule, computed from the weight-update step and set before every optimizer step."""
+
+    name: Literal["constant", "linear", "cosine", "polynomial"] = Field(
+        "constant", description="Shape after warm-up: constant, linear, cosine or polynomial decay."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Weight updates of linear warm-up from 0 to the peak rate.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Decay ends at learning_rate * min_lr_ratio (linear, cosine, polynomial)."
+    )
+    power: float = Field(1.0, gt=0, description="Exponent of polynomial decay.")
+
+
+class PrecisionConfig(_Section):
+    """Mixed precision (the reference's use_mixed_precision, use_bfloat16, loss_scale)."""
+
+    use_mixed_precision: bool = Field(False, description="Train in FP16 with FP32 master weights (not supported yet).")
+    use_bfloat16: bool = Field(False, description="Use BF16 instead of FP16 for mixed precision.")
+    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
+
+
+class DistributedConfig(_Section):
+    """Processes, devices and parallelism. data x horizontal x pipeline parallel sizes = num_ranks."""
+
+    num_ranks: int = Field(1, gt=0, description="World size: processes mpiexec starts.")
+    hostfile: Path | None = Field(None, description="MPI host file for multi-node runs (default: this machine only).")
+    num_hosts: int = Field(1, gt=0, description="Hosts the ranks are spread over (must match the host file).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider of every rank.")
+    threads_per_rank: int | None = Field(
+        None, gt=0, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
+    )
+    data_parallel_size: int | None = Field(None, gt=0, description="Data-parallel replicas (default: num_ranks).")
+    horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
+    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (only 1 is supported).")
+    use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
+    enable_adasum: bool = Field(False, description="Adasum all-reduce (not supported yet).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; needs use_nccl (not supported yet).")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Abort the job when a collective waits longer than this, naming the stalled ranks."
+    )
+
+    _resolve_path = field_validator("hostfile", mode="after")(_resolve)
+
+    @property
+    def resolved_data_parallel_size(self) -> int:
+        """data_parallel_size, defaulting to num_ranks."""
+        return self.data_parallel_size or self.num_ranks
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints (the reference's checkpoints_dir, checkpoint_period, max_num_checkpoints, checkpoint_to_load_path)."""
+
+    dir: Path | None = Field(None, description="Checkpoint folder (default: <output_dir>/checkpoints).")
+    period: int = Field(100, ge=0, description="Save every this many weight updates (0: only the final one).")
+    max_num_checkpoints: int = Field(3, gt=0, description="Newest complete checkpoints kept while training.")
+    checkpoint_to_load_path: Path | None = Field(
+        None, description="Resume from this checkpoint (default: the newest complete one in dir, if any)."
+    )
+
+    _resolve_paths = field_validator("dir", "checkpoint_to_load_path", mode="after")(_resolve)
+
+
+class TensorBoardConfig(_Section):
+    """TensorBoard event files, written by rank 0."""
+
+    log_dir: Path | None = Field(None, description="Event folder (default: <output_dir>/tensorboard).")
+    scalar_names: tuple[str, ...] = Field(
+        ("train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s", "train/tokens_per_s"),
+        description="Scalars to log; any subset of the default.",
+    )
+    histogram_names: tuple[str, ...] = Field((), description="fnmatch patterns of parameters whose histograms to log.")
+
+    _resolve_path = field_validator("log_dir", mode="after")(_resolve)
+
+
+class ExportConfig(_Section):
+    """The inference model made from a checkpoint."""
+
+    path: Path | None = Field(None, description="Where to write the model (default: <output_dir>/export/model.onnx).")
+    outputs: tuple[str, ...] = Field((), description="Graph outputs to keep (default: the model's original outputs).")
+    optimize: bool = Field(False, description="Apply ONNX Runtime's offline graph optimization.")
+    quantize: bool = Field(False, description="Dynamic int8 quantization, with the eval accuracy change reported.")
+    tolerance: float = Field(1e-4, gt=0, description="Max abs difference to the eval graph accepted by verification.")
+
+    _resolve_path = field_validator("path", mode="after")(_resolve)
+
+
+class ScheduleConfig(_Section):
+    """When a served deployment runs the pipeline."""
+
+    cron: str | None = Field(None, description="Cron expression, e.g. '0 3 * * *'.")
+    interval_s: float | None = Field(None, gt=0, description="Seconds between runs.")
+    timezone: str = Field("UTC", description="Timezone of the cron expression.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScheduleConfig:
+        if self.cron and self.interval_s:
+            raise ValueError("schedule: set either cron or interval_s, not both")
+        return self
+
+
+class RunConfig(_Section):
+    """The whole run. Every path may be relative to the config file's folder."""
+
+    name: str = Field("ortflow-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run and deployment name.")
+    output_dir: Path = Field(description="Run folder: artifacts, shards, checkpoints, logs and the exported model.")
+    model: ModelConfig = Field(description="The ONNX model and its loss.")
+    data: DataConfig = Field(description="Training and evaluation data.")
+    train: TrainConfig = Field(description="Loop hyper-parameters.")
+    optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer.")
+    lr_schedule: LRScheduleConfig = Field(LRScheduleConfig(), description="Learning-rate schedule.")
+    precision: PrecisionConfig = Field(PrecisionConfig(), description="Mixed precision.")
+    distributed: DistributedConfig = Field(DistributedConfig(), description="Ranks, devices, parallelism.")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and retention.")
+    tensorboard: TensorBoardConfig = Field(TensorBoardConfig(), description="TensorBoard logging.")
+    export: ExportConfig = Field(ExportConfig(), description="Inference model export.")
+    schedule: ScheduleConfig = Field(ScheduleConfig(), description="Deployment schedule.")
+
+    _resolve_path = field_validator("output_dir", mode="after")(_resolve)
+
+    # Derived paths: one place decides the run folder's layout.
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.output_dir / "artifacts"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.output_dir / "data"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.checkpoint.dir or self.output_dir / "checkpoints"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.tensorboard.log_dir or self.output_dir / "tensorboard"
+
+    @property
+    def export_path(self) -> Path:
+        return self.export.path or self.output_dir / "export" / "model.onnx"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        problems = _cross_field_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def section_fingerprint(self, *sections: str) -> str:
+        """sha256 of the named sections' resolved values: a cache key that changes when they do."""
+        data = self.model_dump(mode="json", include=set(sections) if sections else None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _cross_field_problems(cfg: RunConfig) -> list[str]:
+    """Checks that span sections, each naming the field and what would be valid."""
+    problems: list[str] = []
+    dist, prec = cfg.distributed, cfg.precision
+    product = dist.resolved_data_parallel_size * dist.horizontal_parallel_size * dist.pipeline_parallel_size
+    if product != dist.num_ranks:
+        problems.append(
+            f"distributed: data_parallel_size ({dist.resolved_data_parallel_size}) x horizontal_parallel_size "
+            f"({dist.horizontal_parallel_size}) x pipeline_parallel_size ({dist.pipeline_parallel_size}) = {product} "
+            f"must equal distributed.num_ranks ({dist.num_ranks})"
+        )
+    if dist.horizontal_parallel_size != 1:
+        problems.append("distributed.horizontal_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
+    if dist.pipeline_parallel_size != 1:
+        problems.append("distributed.pipeline_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
+    if dist.enable_adasum:
+        problems.append("distributed.enable_adasum is not supported yet; set it to false (plain mean all-reduce)")
+    if dist.zero_stage and not dist.use_nccl:
+        problems.append(f"distributed.zero_stage {dist.zero_stage} needs distributed.use_nccl: true")
+    elif dist.zero_stage:
+        problems.append("distributed.zero_stage > 0 is not supported yet (the engine keeps full optimizer state); use 0")
+    if dist.num_hosts > 1 and dist.hostfile is None:
+        problems.append(f"distributed.num_hosts is {dist.num_hosts}: give distributed.hostfile listing the hosts")
+    if dist.num_ranks < dist.num_hosts:
+        problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be >= distributed.num_hosts ({dist.num_hosts})")
+    if prec.use_bfloat16 and not prec.use_mixed_precision:
+        problems.append("precision.use_bfloat16 needs precision.use_mixed_precision: true")
+    if prec.use_mixed_precision:
+        if dist.device != "cuda":
+            problems.append(
+                "precision.use_mixed_precision needs a GPU build: set distributed.device: cuda (the CPU engine has no "
+                "fp16/bf16 training kernels)"
+            )
+        problems.append(
+            "precision.use_mixed_precision is not supported yet: onnxruntime-training 1.19.2 generates fp32 training "
+            "graphs only; set it to false"
+        )
+    if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
+        problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
+    ckpt = cfg.checkpoint
+    if ckpt.period and ckpt.period > cfg.train.num_weight_updates:
+        problems.append(
+            f"checkpoint.period ({ckpt.period}) is longer than the run ({cfg.train.num_weight_updates} weight updates); "
+            "lower it or use 0 for only the final checkpoint"
+        )
+    if cfg.optimizer.name == "sgd" and (cfg.optimizer.weight_decay or cfg.optimizer.max_grad_norm):
+        problems.append(
+            "optimizer.weight_decay and optimizer.max_grad_norm apply to adamw only; the engine's SGD graph takes neither"
+        )
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError([f"--set {dotted}: '{key}' is a value, not a section"])
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Parse ``a.b=c`` overrides; values are read as YAML scalars/lists (``3`` -> int, ``[a, b]`` -> list)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--set '{item}': expected KEY=VALUE, e.g. train.batch_size=8"])
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return parsed
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling (README lists every field)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        problems.extend(f"{loc}: {m}" if loc else m for m in msg.split("\n"))
+    return problems
+
+
+def config_from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None) -> RunConfig:
+    """Build a RunConfig from a plain dict, raising :class:`ConfigError` with every problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a YAML mapping of sections (name, output_dir, model, data, train, ...)"], source)
+    try:
+        return RunConfig.model_validate(raw, context={"base_dir": base_dir})
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err), source) from None
+
+
+def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read YAML with the safe loader and apply ``--set`` overrides."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError([f"cannot read config file: {err.strerror}; check the path"], str(path)) from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a YAML mapping of sections"], str(path))
+    for key, value in parse_overrides(overrides):
+        _set_dotted(raw, key, value)
+    return raw
+
+
+def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load and validate a config file; relative paths resolve against its folder."""
+    path = Path(path).resolve()
+    return config_from_dict(read_config_dict(path, overrides), base_dir=path.parent, source=str(path))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (absolute paths), loadable by :func:`load_config`."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
+    """Write the resolved config into the run folder (atomically) and return its path."""
+    run_dir = Path(run_dir or cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / RESOLVED_CONFIG_NAME
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(cfg))
+    tmp.replace(target)
+    return target
+
+
+def load_run_config(run_dir: Path | str) -> RunConfig:
+    """Load the resolved config a configured run folder holds (what every rank does at start)."""
+    path = Path(run_dir) / RESOLVED_CONFIG_NAME
+    if not path.exists():
+        raise ConfigError([f"{path} does not exist: run `ortflow configure CONFIG` first"], str(run_dir))
+    return load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# File checks
+
+
+def check_model_file(path: Path) -> list[str]:
+    """Problems with the ONNX model file: missing, not ONNX, opset/IR too new, external data outside its folder."""
+    import onnx  # local: only file checks need it
+
+    if not path.exists():
+        return [f"model.path: {path} does not exist; check the path (relative paths start at the config's folder)"]
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # noqa: BLE001 - onnx raises several types for bad files
+        return [f"model.path: {path} is not a valid ONNX model ({type(err).__name__}: {err}); re-export it"]
+    problems = []
+    if proto.ir_version > MAX_IR_VERSION:
+        problems.append(
+            f"model.path: IR version {proto.ir_version} is newer than the engine runs (<= {MAX_IR_VERSION}); re-export "
+            f"with onnx 1.17 or set `model.ir_version = {MAX_IR_VERSION}` before saving"
+        )
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
+            problems.append(
+                f"model.path: opset {opset.version} is newer than the engine runs (<= {MAX_OPSET}); re-export with "
+                f"opset_version={MAX_OPSET} (torch.onnx.export) or opset_imports=[make_opsetid('', {MAX_OPSET})]"
+            )
+    folder = path.resolve().parent
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                target = (folder / entry.value).resolve()
+                if not target.is_relative_to(folder):
+                    problems.append(
+                        f"model.path: initializer '{tensor.name}' keeps its data at '{entry.value}', outside the "
+                        f"model's folder; refused for safety: move the data file next to the model"
+                    )
+                elif not target.exists():
+                    problems.append(f"model.path: external data file '{entry.value}' of '{tensor.name}' is missing")
+    if not problems:
+        try:
+            onnx.checker.check_model(str(path))
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"model.path: the ONNX checker rejects {path.name}: {err}")
+    return problems
+
+
+def check_files(cfg: RunConfig) -> list[str]:
+    """Checks that need the disk: the model file and the host file."""
+    problems = check_model_file(cfg.model.path)
+    if cfg.distributed.hostfile is not None and not cfg.distributed.hostfile.exists():
+        problems.append(f"distributed.hostfile: {cfg.distributed.hostfile} does not exist")
+    tok = cfg.data.text.tokenizer
+    if tok is not None and not tok.exists():
+        problems.append(f"data.text.tokenizer: {tok} does not exist")
+    return problems
+
+
+def find_problems(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[RunConfig | None, list[str]]:
+    """Every problem with a config file at once: YAML, fields, cross-field rules, then the files it names."""
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as err:
+        return None, err.problems
+    return cfg, check_files(cfg)
