@@ -389,12 +389,6 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
-    ckpt = cfg.checkpoint
-    if ckpt.period and ckpt.period > cfg.train.num_weight_updates:
-        problems.append(
-            f"checkpoint.period ({ckpt.period}) is longer than the run ({cfg.train.num_weight_updates} weight updates); "
-            "lower it or use 0 for only the final checkpoint"
-        )
     if cfg.optimizer.name == "sgd" and (cfg.optimizer.weight_decay or cfg.optimizer.max_grad_norm):
         problems.append(
             "optimizer.weight_decay and optimizer.max_grad_norm apply to adamw only; the engine's SGD graph takes neither"
@@ -437,7 +431,7 @@ def _format_validation_error(err: ValidationError) -> list[str]:
             msg = "unknown field; check the spelling (README lists every field)"
         elif e["type"] == "missing":
             msg = "required field is missing"
-        problems.extend(f"{loc}: {m}" if loc else m for m in msg.split("\n"))
+        problems.extend(m if not loc or m.startswith(loc) else f"{loc}: {m}" for m in msg.split("\n"))
     return problems
 
 
