@@ -27,6 +27,11 @@ SetOpt = Annotated[
 ]
 
 
+@app.callback()
+def _root() -> None:
+    """Train ONNX models data-parallel with ONNX Runtime's training engine, under mpirun, orchestrated by Prefect."""
+
+
 def _fail(message: str, code: int = 1) -> None:
     console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code)
