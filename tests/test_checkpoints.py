@@ -1,0 +1,183 @@
+"""Checkpoint manager: atomic writes, verification, resume choice, failure handling (real engine for round trips)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import helpers_models as hm
+import numpy as np
+import pytest
+
+from ortflow.trainer.checkpoints import (
+    CHECKPOINT_FILE,
+    META_FILE,
+    CheckpointError,
+    CheckpointManager,
+    list_complete,
+    resolve_resume,
+    step_dirname,
+    verify,
+)
+
+
+def fake_writer(state: bytes, path: Path) -> None:
+    """Stands in for the engine: the 'state' is the bytes to store."""
+    path.write_bytes(state)
+
+
+def manager(directory: Path, period: int = 1, keep: int = 10, **kw) -> CheckpointManager:
+    return CheckpointManager(directory, period, keep, is_writer=True, clock=lambda: 0.0, writer=fake_writer, **kw)
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Path:
+    return hm.make_artifacts(tmp_path_factory.mktemp("artifacts"))
+
+
+def test_step_dirname_sorts_by_step():
+    names = [step_dirname(s) for s in (5, 120, 1200, 99999999)]
+    assert names[1] == "step-00000120"
+    assert sorted(names) == names
+
+
+def test_save_writes_meta_last_with_fields_and_checksum(tmp_path):
+    mgr = manager(tmp_path, period=1)
+    path = mgr.save(3, b"abcdef", {"global_cursor": 24, "eval_loss": 1.5, "config_fingerprint": "fp"})
+    assert path == tmp_path / "step-00000003"
+    meta = json.loads((path / META_FILE).read_text())
+    assert meta["step"] == 3 and meta["global_cursor"] == 24 and meta["config_fingerprint"] == "fp"
+    assert meta["format"] == 1 and meta["ortflow_version"] and meta["created"] == "1970-01-01T00:00:00Z"
+    assert meta["files"][CHECKPOINT_FILE]["bytes"] == 6
+    info = verify(path)
+    assert (info.step, info.global_cursor, info.eval_loss, info.train_loss) == (3, 24, 1.5, None)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]  # no temporary folder left
+
+
+def test_should_save_every_period_and_final_never_twice(tmp_path):
+    mgr = manager(tmp_path, period=3)
+    saved = [s for s in range(1, 11) if mgr.maybe_save(s, b"x", {}, final=(s == 10))]
+    assert saved == [3, 6, 9, 10]
+    assert mgr.maybe_save(10, b"x", {}, final=True) is None  # the same step is never saved twice
+    only_final = manager(tmp_path / "p0", period=0)
+    assert [s for s in range(1, 6) if only_final.maybe_save(s, b"x", {}, final=(s == 5))] == [5]
+
+
+def test_non_writer_rank_writes_nothing(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", 1, 3, is_writer=False, writer=fake_writer)
+    assert mgr.maybe_save(1, b"x", {}) is None
+    assert not (tmp_path / "ck").exists()
+
+
+def test_round_trip_restores_parameters_and_optimizer_state_bit_exactly(tmp_path, art):
+    from ortflow.engine import api
+
+    state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    keep_alive = hm.train_steps(art, state, 3, seed=0)
+    mgr = CheckpointManager(tmp_path, 3, 2, is_writer=True)
+    info = verify(mgr.maybe_save(3, state, {"global_cursor": 24}))
+    before = hm.snapshot(state)
+
+    loaded = api.CheckpointState.load_checkpoint(str(info.checkpoint_path))
+    after = hm.snapshot(loaded)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert np.array_equal(before[name], after[name]), name
+    # Adam moments live only in the optimizer state: continuing both runs must stay bitwise equal.
+    hm.train_steps(art, state, 2, seed=10)
+    hm.train_steps(art, loaded, 2, seed=10)
+    cont, resumed = hm.snapshot(state), hm.snapshot(loaded)
+    for name in cont:
+        assert np.array_equal(cont[name], resumed[name]), name
+    assert not np.array_equal(cont["fc1.weight"], before["fc1.weight"])  # the continuation did change something
+    del keep_alive
+
+
+def test_half_written_checkpoints_are_never_loaded(tmp_path):
+    mgr = manager(tmp_path)
+    mgr.save(4, b"good", {})
+    # A writer that died: a temporary folder (even with a meta) and a step folder without meta.json.
+    tmp = tmp_path / f".tmp-step-00000010-{os.getpid()}"
+    tmp.mkdir()
+    (tmp / CHECKPOINT_FILE).write_bytes(b"newer")
+    meta = (tmp_path / "step-00000004" / META_FILE).read_text()
+    (tmp / META_FILE).write_text(meta.replace('"step": 4', '"step": 10'))
+    (tmp_path / "step-00000009").mkdir()
+    (tmp_path / "step-00000009" / CHECKPOINT_FILE).write_bytes(b"half")
+    assert [c.step for c in list_complete(tmp_path)] == [4]
+    assert mgr.latest().step == 4
+    assert resolve_resume(tmp_path, None).step == 4
+
+
+def test_truncated_newest_falls_back_to_previous_with_warning(tmp_path, caplog):
+    mgr = manager(tmp_path)
+    mgr.save(1, b"first-state", {})
+    newest = mgr.save(2, b"second-state", {})
+    with open(newest / CHECKPOINT_FILE, "r+b") as f:
+        f.truncate(4)
+    with pytest.raises(CheckpointError, match=r"truncated: 4 of 12 bytes"):
+        verify(newest)
+    with caplog.at_level(logging.WARNING, logger="ortflow.trainer.checkpoints"):
+        assert mgr.latest().step == 1
+    assert "step-00000002" in caplog.text and "truncated" in caplog.text
+
+
+def test_checksum_mismatch_is_named(tmp_path):
+    path = manager(tmp_path).save(1, b"abcdef", {})
+    (path / CHECKPOINT_FILE).write_bytes(b"abcdeX")  # same size, other bytes
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        verify(path)
+
+
+def test_explicit_corrupted_checkpoint_raises_instead_of_falling_back(tmp_path):
+    mgr = manager(tmp_path)
+    first = mgr.save(1, b"one", {})
+    second = mgr.save(2, b"two", {})
+    (second / CHECKPOINT_FILE).write_bytes(b"tw")
+    with pytest.raises(CheckpointError, match="step-00000002"):
+        resolve_resume(tmp_path, second)
+    assert resolve_resume(tmp_path, first).step == 1
+    assert resolve_resume(tmp_path, None).step == 1
+    assert resolve_resume(tmp_path / "empty", None) is None
+    (first / META_FILE).unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        resolve_resume(tmp_path, first)
+
+
+def test_failed_save_keeps_previous_checkpoints_and_leaves_no_tmp(tmp_path):
+    mgr = manager(tmp_path, keep=1)
+    mgr.save(1, b"one", {})
+
+    def disk_full(state, path):
+        path.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    failing = CheckpointManager(tmp_path, 1, 1, is_writer=True, writer=disk_full)
+    with pytest.raises(CheckpointError, match="No space left on device.*intact"):
+        failing.maybe_save(2, b"two", {})
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert verify(tmp_path / "step-00000001").step == 1
+    assert failing.should_save(2)  # a failed step may be saved again
+
+
+def test_resaving_a_step_replaces_the_complete_folder(tmp_path):
+    manager(tmp_path).save(5, b"old", {})
+    manager(tmp_path).save(5, b"new-state", {})
+    assert (tmp_path / "step-00000005" / CHECKPOINT_FILE).read_bytes() == b"new-state"
+    assert verify(tmp_path / "step-00000005").step == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005"]
+
+
+def test_stale_tmp_folders_of_dead_writers_are_removed_at_start(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / f".tmp-step-00000007-{dead_pid}").mkdir()
+    live = tmp_path / f".tmp-step-00000008-{os.getppid()}"  # the parent process is alive: maybe another writer
+    live.mkdir()
+    manager(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
