@@ -1,0 +1,180 @@
+"""The configure stage: check the config, build the training artifacts once, and record what was built.
+
+``configure(cfg)`` writes into the run folder (``cfg.output_dir``):
+
+* ``artifacts/`` - the engine's training, eval and optimizer models and the initial checkpoint;
+* ``config.yaml`` - the resolved config every rank loads;
+* ``configure.json`` - written last: the fingerprint of what the artifacts were built from, and the inputs the data
+  stage must provide (``train_inputs``, in the engine's order, label included).
+
+A second call with the same model bytes and the same ``model`` and ``optimizer`` sections finds the fingerprint in
+``configure.json`` and the artifact files in place, and does no work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ortflow.config import (
+    RESOLVED_CONFIG_NAME,
+    ConfigError,
+    RunConfig,
+    check_files,
+    dump_config,
+    write_resolved_config,
+)
+from ortflow.engine import ORT_VERSION
+from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
+
+log = logging.getLogger(__name__)
+
+#: Name of the record configure writes last into the run folder.
+CONFIGURE_RECORD_NAME = "configure.json"
+
+# Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
+_ARTIFACTS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ConfigureResult:
+    """What :func:`configure` did.
+
+    Attributes:
+        run_dir: The run folder (``cfg.output_dir``).
+        artifacts_dir: Folder holding the training artifacts.
+        reused: True when the artifacts were already up to date and nothing was built.
+        info: The contents of ``configure.json``.
+    """
+
+    run_dir: Path
+    artifacts_dir: Path
+    reused: bool
+    info: dict[str, Any]
+
+
+def _external_data_files(model_path: Path) -> list[Path]:
+    proto = onnx.load(str(model_path), load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in proto.graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return [model_path.parent / loc for loc in sorted(locations)]
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """sha256 over the model file, its external data files, the model and optimizer sections and the engine version.
+
+    Args:
+        cfg: The run config.
+
+    Returns:
+        A hex digest that changes whenever the artifacts would.
+    """
+    digest = hashlib.sha256()
+    for path in [cfg.model.path, *_external_data_files(cfg.model.path)]:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    digest.update(cfg.section_fingerprint("model", "optimizer").encode())
+    digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
+    return digest.hexdigest()
+
+
+def read_configure_record(run_dir: Path | str) -> dict[str, Any] | None:
+    """The ``configure.json`` of a run folder, or None when it is missing or unreadable."""
+    try:
+        return json.loads((Path(run_dir) / CONFIGURE_RECORD_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_config_if_changed(cfg: RunConfig) -> None:
+    # Sections outside the fingerprint (batch size, schedule, ...) may change without a rebuild; the ranks must
+    # still see them, so the resolved config is rewritten whenever its text differs.
+    target = cfg.output_dir / RESOLVED_CONFIG_NAME
+    if not target.exists() or target.read_text() != dump_config(cfg):
+        write_resolved_config(cfg)
+
+
+def configure(cfg: RunConfig) -> ConfigureResult:
+    """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
+
+    Args:
+        cfg: The run config.
+
+    Returns:
+        Where the run folder and artifacts are, whether existing artifacts were reused, and the configure record.
+
+    Raises:
+        ConfigError: With every problem found, each naming the field to fix (missing or unrunnable model, frozen
+            patterns that match nothing, a loss output the model lacks, ...).
+    """
+    problems = check_files(cfg)
+    if problems:
+        raise ConfigError(problems)
+    run_dir, artifacts_dir = cfg.output_dir, cfg.artifacts_dir
+    record_path = run_dir / CONFIGURE_RECORD_NAME
+    key = fingerprint(cfg)
+
+    previous = read_configure_record(run_dir)
+    if (
+        previous is not None
+        and previous.get("fingerprint") == key
+        and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
+    ):
+        _write_config_if_changed(cfg)
+        log.info("configure: unchanged, reusing %s", artifacts_dir)
+        return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The old record goes first: a crash while rebuilding must not leave it vouching for half-replaced artifacts.
+    record_path.unlink(missing_ok=True)
+    model = inspect_model(cfg.model.path)
+    try:
+        built = build_artifacts(cfg, artifacts_dir)
+    except ArtifactsError as err:
+        raise ConfigError([str(err)]) from None
+    write_resolved_config(cfg)
+    record = {
+        "fingerprint": key,
+        "model_path": str(cfg.model.path),
+        "artifacts_dir": str(artifacts_dir),
+        "artifact_files": list(ARTIFACT_FILES),
+        "train_inputs": [t.to_dict() for t in built.train_inputs],
+        "eval_inputs": [t.to_dict() for t in built.eval_inputs],
+        "model_inputs": [t.to_dict() for t in model.inputs],
+        "model_outputs": [t.to_dict() for t in model.outputs],
+        "trainable": list(built.trainable),
+        "frozen": list(built.frozen),
+        "loss": built.loss,
+        "loss_output": built.loss_output,
+        "label_input": built.label_input,
+        "num_parameters": built.num_parameters,
+        "optimizer": cfg.optimizer.name,
+        "opset": model.opset,
+        "ir_version": model.ir_version,
+        "ort_version": ORT_VERSION,
+    }
+    _write_json_atomic(record_path, record)
+    log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)
+    return ConfigureResult(run_dir, artifacts_dir, reused=False, info=record)
