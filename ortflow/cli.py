@@ -56,6 +56,35 @@ def validate(config: ConfigArg, overrides: SetOpt = None) -> None:
     console.print(f"[green]{config}: valid[/]")
 
 
+@app.command()
+def train(
+    run_dir: Annotated[Path, typer.Argument(help="Configured run folder (configure and prepare-data done).")],
+    np_: Annotated[int | None, typer.Option("--np", "-n", help="Ranks (default: distributed.num_ranks).")] = None,
+    hostfile: Annotated[Path | None, typer.Option(help="MPI host file for multi-node runs.")] = None,
+    threads: Annotated[int | None, typer.Option(help="Threads per rank (default: cores / local ranks).")] = None,
+    mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
+) -> None:
+    """Launch the ranks with mpiexec and stream their output; exits with the job's status."""
+    from ortflow.config import load_run_config
+    from ortflow.trainer.launch import LaunchError, launch
+
+    try:
+        cfg = load_run_config(run_dir)
+    except ConfigError as err:
+        _fail(str(err))
+    dist = cfg.distributed
+    try:
+        result = launch(
+            run_dir, np_ or dist.num_ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
+            threads=threads or dist.threads_per_rank, mpiexec=mpiexec,
+        )
+    except LaunchError as err:
+        _fail(str(err))
+    if not result.ok:
+        _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
+    console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
+
+
 def main() -> None:
     """Entry point of the ``ortflow`` console script."""
     app(prog_name="ortflow")

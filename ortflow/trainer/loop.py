@@ -1,0 +1,152 @@
+"""The training loop: one function, top to bottom (TrainingRunner::Run)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime
+
+from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.lr_schedule import learning_rate
+from ortflow.trainer.metrics import Progress, TensorBoardLog
+from ortflow.trainer.runtime import Runtime
+
+log = logging.getLogger("ortflow.trainer")
+
+
+@dataclass
+class StopFlag:
+    """Set by a signal handler; honoured by every rank at the same weight update."""
+
+    requested: bool = False
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a rank's loop ended."""
+
+    step: int
+    global_cursor: int
+    train_loss: float | None
+    eval_loss: float | None
+    stopped: bool
+
+
+def evaluate(rt: Runtime, eval_batches: Callable[[], Iterator[tuple[dict, int]]]) -> float | None:
+    """Mean eval loss over the whole eval split, each rank taking its share; None if the split is empty."""
+    rt.module.eval()
+    names = rt.module.input_names()
+    sums = np.zeros(2)
+    for feeds, rows in eval_batches():
+        sums += (float(rt.module(*(feeds[n] for n in names))) * rows, rows)
+    rt.module.train()
+    # Sync point: the eval split is sharded over ranks, so the mean needs every rank's loss sum and row count.
+    total = rt.comm.allreduce_sum(sums, "eval loss")
+    return float(total[0] / total[1]) if total[1] else None
+
+
+def clip_gradients(grads: list[np.ndarray], max_norm: float | None) -> float:
+    """Global L2 norm of the (averaged) gradients; scales them down in place to ``max_norm`` if it is exceeded."""
+    norm = float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
+    if max_norm is not None and norm > max_norm:
+        scale = np.float32(max_norm / (norm + 1e-6))
+        for grad in grads:
+            grad *= scale
+    return norm
+
+
+def train(
+    rt: Runtime,
+    train_batches: Callable[[int], Iterator[dict[str, np.ndarray]]],
+    eval_batches: Callable[[], Iterator[tuple[dict, int]]],
+    checkpoints: CheckpointManager,
+    tensorboard: TensorBoardLog | None,
+    progress: Progress | None,
+    stop: StopFlag,
+    tokens_per_sample: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TrainResult:
+    """Run weight updates from the resume point to ``num_weight_updates``.
+
+    Args:
+        rt: The started rank (session, optimizer, communicator, config).
+        train_batches: ``cursor -> iterator`` of this rank's micro-batches from a global sample cursor.
+        eval_batches: Iterator factory over this rank's share of the eval split, yielding (feeds, rows).
+        checkpoints: Owns when to save and what to keep; the loop only offers each step.
+        tensorboard: Rank 0's event writer (None on other ranks).
+        progress: Rank 0's progress reporter (None on other ranks).
+        stop: Stop request from a signal; all ranks agree on it through the update's all-reduce.
+        tokens_per_sample: For tokens/s (text data), else None.
+        clock: Time source for throughput.
+    """
+    cfg, comm, module, optimizer = rt.cfg, rt.comm, rt.module, rt.optimizer
+    k, world, batch = cfg.train.gradient_accumulation_steps, comm.size, cfg.train.batch_size
+    total, period = cfg.train.num_weight_updates, cfg.train.evaluation_period
+    step = rt.resume.step if rt.resume else 0
+    cursor = rt.resume.global_cursor if rt.resume else 0
+    names = module.input_names()
+    batches = train_batches(cursor)
+    grads: list[np.ndarray] = []
+    scalars = np.zeros(2, dtype=np.float32)  # [this rank's mean loss, stop requested]
+    train_loss = eval_loss = None
+    window_start, window_samples = clock(), 0
+
+    while step < total and not scalars[1]:
+        lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
+        optimizer.set_learning_rate(lr)
+        onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
+
+        loss_sum = 0.0
+        for _ in range(k):  # the engine sums the micro-batches' gradients
+            feeds = next(batches)
+            loss_sum += float(module(*(feeds[n] for n in names)))
+        if not grads:  # zero-copy views of the engine's buffers; their addresses last as long as the module
+            grads = [rt.state.parameters[n].grad for n in rt.trainable]
+        scalars[:] = (loss_sum / k, float(stop.requested))
+        # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop.
+        comm.average_gradients(grads, k * world, scalars)
+        grad_norm = clip_gradients(grads, cfg.optimizer.max_grad_norm)
+        optimizer.step()
+        module.lazy_reset_grad()
+        step += 1
+        cursor += k * world * batch
+        window_samples += k * world * batch
+        train_loss = float(scalars[0]) / world
+
+        evaluated = period > 0 and step % period == 0 or step == total
+        eval_loss = evaluate(rt, eval_batches) if evaluated else None
+        if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated or step == total):
+            elapsed = clock() - window_start
+            samples_per_s = window_samples / elapsed if elapsed > 0 else None
+            tokens_per_s = samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None
+            fields = {
+                "loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm,
+                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
+            }
+            progress.report(step, fields, final=step == total)
+            if tensorboard is not None:
+                tensorboard.scalars(step, {
+                    "train/loss": train_loss, "eval/loss": eval_loss, "train/learning_rate": lr,
+                    "train/grad_norm": grad_norm, "train/samples_per_s": samples_per_s,
+                    "train/tokens_per_s": tokens_per_s,
+                })
+                tensorboard.histograms(step, {n: rt.state.parameters[n].data for n in rt.trainable})
+                tensorboard.flush()
+            window_start, window_samples = clock(), 0
+
+        meta = {
+            "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
+            "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": world,
+            "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
+            "config_fingerprint": cfg.section_fingerprint(),
+        }
+        stopping = bool(scalars[1])
+        checkpoints.maybe_save(step, rt.state, meta, final=step == total or stopping)
+
+    if scalars[1]:
+        log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
+    return TrainResult(step, cursor, train_loss, eval_loss, stopped=bool(scalars[1]))

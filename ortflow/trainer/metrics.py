@@ -1,0 +1,117 @@
+"""What rank 0 reports: TensorBoard events, the progress line, and ``progress.json`` for the orchestrator."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+log = logging.getLogger("ortflow.trainer")
+
+PROGRESS_FILE = "progress.json"
+
+
+class TensorBoardLog:
+    """Scalars and parameter histograms in TensorBoard's event format, filtered by the config's names."""
+
+    def __init__(self, log_dir: Path, scalar_names: tuple[str, ...], histogram_patterns: tuple[str, ...]):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(log_dir))
+        self._scalars = set(scalar_names)
+        self._patterns = histogram_patterns
+
+    def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
+        """Write the named scalars that the config asks for (None values are skipped)."""
+        kept = [
+            summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
+            for tag, value in values.items()
+            if tag in self._scalars and value is not None
+        ]
+        if kept:
+            self._emit(step, summary_pb2.Summary(value=kept))
+
+    def histograms(self, step: int, params: Mapping[str, np.ndarray]) -> None:
+        """Histograms of the parameters whose names match the config's patterns."""
+        if not self._patterns:
+            return
+        values = []
+        for name, array in params.items():
+            if any(fnmatch.fnmatchcase(name, p) for p in self._patterns):
+                counts, edges = np.histogram(array, bins=30)
+                flat = array.reshape(-1)
+                histo = summary_pb2.HistogramProto(
+                    min=float(flat.min()), max=float(flat.max()), num=float(flat.size), sum=float(flat.sum()),
+                    sum_squares=float(np.dot(flat, flat)), bucket_limit=edges[1:].tolist(), bucket=counts.tolist(),
+                )
+                values.append(summary_pb2.Summary.Value(tag=f"params/{name}", histo=histo))
+        if values:
+            self._emit(step, summary_pb2.Summary(value=values))
+
+    def _emit(self, step: int, summary: summary_pb2.Summary) -> None:
+        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def format_duration(seconds: float) -> str:
+    """``3h04m``, ``4m12s`` or ``9s``."""
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class Progress:
+    """The rank-0 progress line with ETA, and ``progress.json`` (written atomically) for whoever watches the run."""
+
+    def __init__(self, run_dir: Path, total: int, first_step: int, clock: Callable[[], float] = time.monotonic):
+        self.path = run_dir / PROGRESS_FILE
+        self.total = total
+        self.first_step = first_step
+        self.clock = clock
+        self.started = clock()
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left, from the mean time per update since this process started."""
+        done = step - self.first_step
+        if done <= 0:
+            return None
+        return (self.clock() - self.started) / done * (self.total - step)
+
+    def report(self, step: int, fields: Mapping[str, float | int | str | None], final: bool = False) -> None:
+        """Log the progress line and rewrite progress.json."""
+        eta = self.eta(step)
+        parts = [f"step {step}/{self.total}"]
+        for key, value in fields.items():
+            if value is None:
+                continue
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        if eta is not None and not final:
+            parts.append(f"eta {format_duration(eta)}")
+        log.info(" | ".join(parts))
+        record = {"step": step, "total": self.total, "eta_s": eta, "final": final, "time": time.time(), **fields}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path)
+
+
+def read_progress(run_dir: Path) -> dict | None:
+    """The last progress record of a run, or None before the first."""
+    try:
+        return json.loads((Path(run_dir) / PROGRESS_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

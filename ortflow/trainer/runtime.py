@@ -1,0 +1,121 @@
+"""Rank start-up, in the order of the C++ TrainingRunner's ``Initialize()``.
+
+1. MPI: world rank/size and local rank/size (the communicator for CPU ranks).
+2. Device and execution provider for the local rank.
+3. Communicator for gradients (MPI on CPU; the NCCL seam is ``comm.create_communicator``).
+4. Model and session configuration: threads, the artifacts, the checkpoint to start from.
+5. Session: the engine's ``Module`` and ``Optimizer``.
+6. Checkpoint load. The engine's Python API binds parameter values when the session is created, so the checkpoint is
+   chosen and verified before step 5 and handed to the session; what the reference guards against (values loaded into
+   a graph that is not final yet) cannot happen because the values are matched to the final graph by name, and the
+   names are checked against the session's parameters here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime
+
+from ortflow.config import RunConfig, load_run_config
+from ortflow.engine import api
+from ortflow.trainer import checkpoints
+from ortflow.trainer.comm import Communicator, create_communicator
+
+log = logging.getLogger("ortflow.trainer")
+
+HEARTBEAT_DIR = ".ranks"
+
+
+@dataclass
+class Runtime:
+    """Everything a rank holds while training."""
+
+    cfg: RunConfig
+    run_dir: Path
+    comm: Communicator
+    device: str
+    threads: int
+    state: object
+    module: object
+    optimizer: object
+    trainable: list[str]
+    resume: checkpoints.CheckpointInfo | None
+
+
+def available_cores() -> int:
+    """Cores this process may run on (affinity-aware)."""
+    return len(os.sched_getaffinity(0))
+
+
+def threads_per_rank(cfg: RunConfig, local_size: int, cores: int) -> int:
+    """distributed.threads_per_rank, or the machine's cores shared evenly by the ranks on it (at least 1)."""
+    return cfg.distributed.threads_per_rank or max(1, cores // max(1, local_size))
+
+
+def session_options(threads: int) -> onnxruntime.SessionOptions:
+    """One intra-op pool of ``threads`` per rank, so ranks x threads = cores and ranks do not oversubscribe."""
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return options
+
+
+def select_device(cfg: RunConfig, local_rank: int) -> str:
+    """The engine device string for this rank."""
+    if cfg.distributed.device == "cpu":
+        return "cpu"
+    raise NotImplementedError("distributed.device: cuda is not available in this build; use cpu")  # GPU issue
+
+
+def start_mpi(run_dir: Path) -> tuple[RunConfig, Communicator]:
+    """Step 1: the resolved config and the process group (MPI under a launcher, else a group of one)."""
+    cfg = load_run_config(run_dir)  # every rank validates the resolved config again
+    comm = create_communicator(run_dir / HEARTBEAT_DIR, cfg.distributed.collective_timeout_s, cfg.distributed.use_nccl)
+    return cfg, comm
+
+
+def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
+    """Steps 2-6 on a rank whose process group is up: device, communicator, session configuration, session, state."""
+    run_dir = Path(run_dir)
+    if comm.size != cfg.distributed.num_ranks:
+        raise RuntimeError(
+            f"started with {comm.size} rank(s) but distributed.num_ranks is {cfg.distributed.num_ranks}: launch with "
+            f"`ortflow train {run_dir} --np {cfg.distributed.num_ranks}` or change the config"
+        )
+    # 2. Device and execution provider for the local rank.
+    device = select_device(cfg, comm.local_rank)
+    # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.
+    threads = threads_per_rank(cfg, comm.local_size, available_cores())
+    chosen = None
+    if comm.rank == 0:
+        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
+        chosen = (str(found.path), found.meta) if found else None
+    # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
+    chosen = comm.broadcast(chosen, "choose checkpoint")
+    resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    state_file = resume.path / checkpoints.CHECKPOINT_FILE if resume else cfg.artifacts_dir / "checkpoint"
+    state = api.CheckpointState.load_checkpoint(str(state_file))
+    # 5. Session.
+    module = api.Module(
+        str(cfg.artifacts_dir / "training_model.onnx"),
+        state,
+        str(cfg.artifacts_dir / "eval_model.onnx"),
+        device=device,
+        session_options=session_options(threads),
+    )
+    optimizer = api.Optimizer(str(cfg.artifacts_dir / "optimizer_model.onnx"), module)
+    # 6. The loaded values must be the session's parameters, in one order on every rank.
+    trainable = sorted(name for name, param in state.parameters if param.requires_grad)
+    if not trainable:
+        raise RuntimeError(f"{state_file} holds no trainable parameters: re-run `ortflow configure`")
+    where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
+    log.info(
+        "rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s",
+        comm.rank, comm.size, comm.local_rank, comm.local_size, device, threads, where,
+    )
+    return Runtime(cfg, run_dir, comm, device, threads, state, module, optimizer, trainable, resume)
