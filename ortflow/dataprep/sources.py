@@ -1,0 +1,188 @@
+"""Readers for every source kind, streaming chunks of bounded size.
+
+Tables (Parquet, CSV, Arrow IPC/Feather, JSON Lines, NumPy ``.npz``) yield chunks of their columns; plain text
+corpora are tokenized (byte-level, vocabulary 256, or a local ``tokenizers`` JSON file), concatenated over the files
+in order, and cut into non-overlapping windows of ``seq_len + 1`` tokens (the tail shorter than a window is dropped).
+Every reader except ``.npz`` (whose arrays NumPy loads whole, one file at a time) keeps memory bounded.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.ipc as ipc
+import pyarrow.json as pjson
+import pyarrow.parquet as pq
+
+from ortflow.dataprep.errors import DataError
+
+EXTENSIONS = {
+    ".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".npz": "npz", ".txt": "text", ".text": "text",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source file and its format."""
+
+    path: Path
+    format: str
+
+
+def resolve_sources(patterns: tuple[str, ...], fmt: str, field: str) -> list[Source]:
+    """Expand files and glob patterns (sorted, so the order is stable) and decide each file's format.
+
+    Raises:
+        DataError: a pattern matches nothing, an extension is unknown, or text is mixed with tables.
+    """
+    sources = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        files = [Path(m) for m in matches if Path(m).is_file()]
+        if not files:
+            raise DataError(f"{field}: '{pattern}' matches no file; check the path (relative to the config's folder)")
+        for path in files:
+            kind = fmt if fmt != "auto" else EXTENSIONS.get(path.suffix.lower())
+            if kind is None:
+                raise DataError(
+                    f"{field}: cannot tell the format of {path} from its extension; set data.format to one of "
+                    f"parquet, csv, arrow, jsonl, npz, text"
+                )
+            sources.append(Source(path, kind))
+    if len({s.format == "text" for s in sources}) > 1:
+        raise DataError(f"{field}: mixes text files with tables; prepare them as separate runs or convert the text")
+    return sources
+
+
+def fingerprint_entry(source: Source) -> dict:
+    """What identifies a source file's content cheaply: path, format, size and modification time."""
+    st = source.path.stat()
+    path = str(source.path.resolve())
+    return {"path": path, "format": source.format, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def estimate_bytes(sources: list[Source], token_itemsize: int = 8) -> int:
+    """Rough in-memory size of the rows the sources produce (sizes the sharder's shuffle buckets)."""
+    total = 0
+    for s in sources:
+        if s.format == "parquet":
+            meta = pq.ParquetFile(s.path).metadata
+            total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        elif s.format == "text":  # at most one token per byte, stored twice (inputs and labels)
+            total += os.path.getsize(s.path) * 2 * token_itemsize
+        else:
+            total += os.path.getsize(s.path)
+    return total
+
+
+def table_chunks(source: Source, columns: list[str], chunk_bytes: int) -> Iterator[pa.Table | dict[str, np.ndarray]]:
+    """Stream a table source as chunks holding ``columns`` (Arrow tables, or numpy arrays for ``.npz``).
+
+    Raises:
+        DataError: the file cannot be read, or lacks a column (the message lists the columns it has).
+    """
+    path, fmt = source.path, source.format
+    try:
+        if fmt == "parquet":
+            pf = pq.ParquetFile(path)
+            _need(columns, pf.schema_arrow.names, path)
+            rows = max(1, chunk_bytes * pf.metadata.num_rows // max(1, estimate_bytes([source])))
+            for batch in pf.iter_batches(batch_size=min(rows, 1 << 20), columns=columns):
+                yield pa.Table.from_batches([batch])
+        elif fmt == "arrow":
+            with pa.memory_map(str(path)) as mm:
+                try:
+                    reader = ipc.open_file(mm)
+                    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                except pa.ArrowInvalid:
+                    mm.seek(0)
+                    reader = ipc.open_stream(mm)
+                    batches = iter(reader)
+                _need(columns, reader.schema.names, path)
+                for batch in batches:
+                    yield pa.Table.from_batches([batch]).select(columns)
+        elif fmt in ("csv", "jsonl"):
+            if fmt == "csv":
+                reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=chunk_bytes))
+            else:
+                reader = pjson.open_json(path, read_options=pjson.ReadOptions(block_size=chunk_bytes))
+            _need(columns, reader.schema.names, path)
+            for batch in reader:
+                yield pa.Table.from_batches([batch]).select(columns)
+        elif fmt == "npz":
+            with np.load(path, allow_pickle=False) as npz:
+                _need(columns, list(npz.files), path)
+                arrays = {c: npz[c] for c in columns}
+            lengths = {c: a.shape[0] if a.ndim else None for c, a in arrays.items()}
+            if len(set(lengths.values())) != 1:
+                raise DataError(f"{path}: arrays have different row counts {lengths}; need one row per sample")
+            n = next(iter(lengths.values())) or 0
+            row_bytes = max(1, sum(a[:1].nbytes for a in arrays.values()))
+            step = max(1, chunk_bytes // row_bytes)
+            for start in range(0, n, step):
+                yield {c: a[start : start + step] for c, a in arrays.items()}
+        else:
+            raise DataError(f"{path}: unsupported format '{fmt}'")
+    except (pa.ArrowInvalid, OSError, ValueError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path}: cannot read it as {fmt} ({err}); check the file or set data.format") from None
+
+
+def _need(columns: list[str], present: list[str], path: Path) -> None:
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise DataError(
+            f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {present}); map model inputs to source "
+            f"columns with data.columns: {{input_name: column_name}}"
+        )
+
+
+def load_tokenizer(path: Path | None):
+    """A function ``list[str] -> list[list[int]]`` for a ``tokenizers`` JSON file; None means byte-level."""
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer  # optional dependency, only for tokenizer files
+    except ImportError:
+        raise DataError(
+            f"data.text.tokenizer names {path}, which needs the `tokenizers` package: pip install tokenizers "
+            f"(or remove data.text.tokenizer to use the byte-level tokenizer)"
+        ) from None
+    if not Path(path).exists():
+        raise DataError(f"data.text.tokenizer: {path} does not exist; check the path")
+    tok = Tokenizer.from_file(str(path))
+    return lambda lines: [enc.ids for enc in tok.encode_batch(lines)]
+
+
+def text_windows(sources: list[Source], seq_len: int, tokenizer, chunk_bytes: int) -> Iterator[np.ndarray]:
+    """Token windows ``[n, seq_len + 1]`` (int64) from text files, read ``chunk_bytes`` at a time."""
+    width = seq_len + 1
+    carry = np.empty(0, dtype=np.int64)
+    for source in sources:
+        with open(source.path, "rb") as f:
+            while True:
+                if tokenizer is None:
+                    raw = f.read(chunk_bytes)
+                    if not raw:
+                        break
+                    tokens = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+                else:
+                    lines = f.readlines(chunk_bytes)  # whole lines, so no word or UTF-8 character is split
+                    if not lines:
+                        break
+                    ids = tokenizer([line.decode("utf-8", errors="replace") for line in lines])
+                    tokens = np.fromiter((t for seq in ids for t in seq), dtype=np.int64)
+                carry = np.concatenate([carry, tokens])
+                n = len(carry) // width
+                if n:
+                    yield carry[: n * width].reshape(n, width)
+                    carry = carry[n * width :]
