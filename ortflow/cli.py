@@ -85,6 +85,25 @@ def train(
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
 
 
+@app.command(name="configure")
+def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
+    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged)."""
+    from ortflow.configure import configure
+
+    cfg = _load(config, overrides)
+    try:
+        result = configure(cfg)
+    except ConfigError as err:
+        _fail(str(err))
+    state = "unchanged, reused existing artifacts" if result.reused else "built artifacts"
+    console.print(f"[green]configured[/] {result.run_dir}: {state}", highlight=False)
+    console.print(
+        f"  {result.info['num_parameters']:,} trainable parameters in {len(result.info['trainable'])} tensors, "
+        f"{len(result.info['frozen'])} frozen; loss {result.info['loss']}",
+        highlight=False,
+    )
+
+
 def main() -> None:
     """Entry point of the ``ortflow`` console script."""
     app(prog_name="ortflow")

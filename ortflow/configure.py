@@ -147,11 +147,10 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    # The old record goes first: a crash while rebuilding must not leave it vouching for half-replaced artifacts.
-    record_path.unlink(missing_ok=True)
     model = inspect_model(cfg.model.path)
     try:
-        built = build_artifacts(cfg, artifacts_dir)
+        # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
+        built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     write_resolved_config(cfg)

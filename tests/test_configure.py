@@ -348,3 +348,37 @@ def test_opset_22_model_is_refused_with_the_re_export_hint(tmp_path):
 def test_missing_model_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         configure(make_cfg(tmp_path, tmp_path / "nope.onnx"))
+
+
+def test_a_failed_reconfigure_keeps_the_previous_artifacts_and_record(tmp_path):
+    model = build_mlp(tmp_path / "mlp.onnx")
+    first = configure(make_cfg(tmp_path, model))
+    stamps = mtimes(first.artifacts_dir)
+    with pytest.raises(ConfigError):
+        configure(make_cfg(tmp_path, model, model={"frozen": ["nothing*"]}))
+    again = configure(make_cfg(tmp_path, model))
+    assert again.reused and mtimes(again.artifacts_dir) == stamps
+
+
+def test_cli_configure_reports_reuse_and_errors_without_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+
+    build_mlp(tmp_path / "mlp.onnx")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "output_dir: run\nmodel: {path: mlp.onnx}\ndata: {train: train.parquet}\n"
+        "train: {batch_size: 4, num_train_steps: 2}\n"
+    )
+    runner = CliRunner()
+    first = runner.invoke(app, ["configure", str(config)])
+    assert first.exit_code == 0, first.output
+    assert "built artifacts" in first.output and "195 trainable parameters" in first.output
+    assert str(tmp_path / "run") in first.output.replace("\n", "")
+    second = runner.invoke(app, ["configure", str(config)])
+    assert "unchanged, reused" in second.output
+    bad = runner.invoke(app, ["configure", str(config), "--set", "model.loss_output=nope"])
+    assert bad.exit_code == 1
+    assert "model.loss_output: 'nope' is not a model output" in bad.output
+    assert "Traceback" not in bad.output

@@ -255,7 +255,7 @@ def _load_for_engine(path: Path) -> onnx.ModelProto | None:
     return proto if proto.ByteSize() < _PROTO_LIMIT else None
 
 
-def build_artifacts(cfg: RunConfig, out_dir: Path) -> ArtifactsInfo:
+def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
     """Build the training, eval and optimizer models and the initial checkpoint into ``out_dir``.
 
     Everything is written into a scratch folder next to ``out_dir`` first and swapped in at the end, so a crash
@@ -264,6 +264,8 @@ def build_artifacts(cfg: RunConfig, out_dir: Path) -> ArtifactsInfo:
     Args:
         cfg: The run config; reads the ``model`` and ``optimizer`` sections.
         out_dir: The artifacts folder (replaced if it exists).
+        stale_record: A file that vouches for the old artifacts (configure.json); deleted just before the new
+            artifacts replace the old, so a failed build leaves old artifacts and their record as they were.
 
     Returns:
         What was built, including the training model's inputs in the engine's order.
@@ -308,6 +310,8 @@ def build_artifacts(cfg: RunConfig, out_dir: Path) -> ArtifactsInfo:
         if missing:
             raise RuntimeError(f"the engine did not write {missing} into {scratch}")
         train_inputs, eval_inputs = _user_inputs(scratch, set(trainable) | set(frozen))
+        if stale_record is not None:
+            stale_record.unlink(missing_ok=True)
         _swap_in(scratch, out_dir)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
