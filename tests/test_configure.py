@@ -382,3 +382,13 @@ def test_cli_configure_reports_reuse_and_errors_without_traceback(tmp_path):
     assert bad.exit_code == 1
     assert "model.loss_output: 'nope' is not a model output" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_cross_entropy_on_3d_logits_asks_for_a_reshape(tmp_path):
+    model = onnx.load(str(build_mlp(tmp_path / "base.onnx")))
+    model.graph.node.append(helper.make_node("Unsqueeze", ["logits", "axes"], ["logits3d"]))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), "axes"))
+    model.graph.output.insert(0, helper.make_tensor_value_info("logits3d", TensorProto.FLOAT, [1, "batch", 3]))
+    onnx.save(model, str(tmp_path / "m3.onnx"))
+    with pytest.raises(ConfigError, match=r"cross_entropy needs 2-D scores \[N, C\].*reshape it"):
+        configure(make_cfg(tmp_path, tmp_path / "m3.onnx"))

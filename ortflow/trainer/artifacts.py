@@ -235,7 +235,8 @@ def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
         return output_name
     if output.dtype != "float32":
         raise ArtifactsError(f"model.loss_output: '{output_name}' is {output.dtype}; the engine's losses need float32")
-    if cfg.model.loss == "cross_entropy" and len(output.shape) != 2:
+    # An output without shape information reports (); only a known rank other than 2 is refused here.
+    if cfg.model.loss == "cross_entropy" and output.shape and len(output.shape) != 2:
         raise ArtifactsError(
             f"model.loss cross_entropy needs 2-D scores [N, C], but '{output_name}' has shape {list(output.shape)}; "
             "reshape it in the model (e.g. [B, T, V] -> [B*T, V])"
