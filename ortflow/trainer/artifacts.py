@@ -278,7 +278,6 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     trainable, frozen = split_parameters(info, cfg.model.frozen)
     output_name = _check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
-    loss = _ConfiguredLoss(_loss_block(cfg), output_name, label_name)
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +288,8 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         if proto is None:
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
         try:
+            # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
+            loss = _ConfiguredLoss(_loss_block(cfg), output_name, label_name)
             engine_artifacts.generate_artifacts(
                 proto if proto is not None else str(cfg.model.path),
                 requires_grad=trainable,
@@ -300,8 +301,9 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
             raise ArtifactsError(
                 f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
-                f"{type(err).__name__}: {err}. Ops without gradients in onnxruntime-training 1.19.2 include Elu, "
-                "Selu, Softplus, ReduceMax, CumSum, Einsum; LayerNormalization must declare all its outputs"
+                f"{type(err).__name__}: {err}. Common causes: ops without gradients in onnxruntime-training 1.19.2 "
+                "(Elu, Selu, Softplus, ReduceMax, CumSum, Einsum, ...) or nodes whose optional outputs are not "
+                "declared (LayerNormalization, SoftmaxCrossEntropyLoss); re-export the model without them"
             ) from err
         finally:
             os.chdir(cwd)
