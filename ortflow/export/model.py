@@ -1,0 +1,469 @@
+"""Export: a complete checkpoint plus the eval model -> an inference ONNX model, verified before it is written.
+
+No training session is made. The engine's own ``Module.export_model_for_inferencing`` needs the training model and
+builds a training session (ENGINE_NOTES.md); here the checkpoint file is only read (``CheckpointState``), and the
+inference graph is cut out of the eval model with ``onnx``:
+
+1. the parameters (graph inputs of the eval model) become initializers holding the checkpoint's values;
+2. the graph keeps only the nodes the chosen outputs need; an output computed from the label input is refused (it
+   belongs to the loss), so no loss node, label input, gradient or optimizer node can remain;
+3. the result is checked for training-only operators, stamped with ``metadata_props``, verified against the eval
+   graph in a plain ``InferenceSession``, optionally optimized offline and/or quantized, and only then renamed into
+   place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ortflow import __version__
+from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_config
+from ortflow.export import verify as verification
+from ortflow.export.retention import export_choice
+from ortflow.export.verify import ExportError
+from ortflow.trainer.checkpoints import (
+    META_FILE,
+    CheckpointError,
+    CheckpointInfo,
+    list_complete,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIGURE_RECORD = "configure.json"
+EVAL_MODEL = "eval_model.onnx"
+TRAINING_DOMAINS = frozenset({"ai.onnx.training", "ai.onnx.preview.training"})
+#: Operators that only training graphs hold: gradient accumulation, optimizers, the engine's loss internals and the
+#: standard loss operators its loss blocks add. Any ``*Grad`` operator counts too.
+TRAINING_OP_TYPES = frozenset({
+    "InPlaceAccumulator", "InPlaceAccumulatorV2", "ZeroGradient", "Gradient", "YieldOp", "PassThrough",
+    "AdamOptimizer", "AdamWOptimizer", "SGDOptimizer", "SGDOptimizerV2", "LambOptimizer", "InplaceClipGradNorm",
+    "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal", "SoftmaxCrossEntropy", "SparseSoftmaxCrossEntropy",
+    "NegativeLogLikelihoodLoss", "NegativeLogLikelihoodLossInternal", "BroadcastGradientArgs",
+})
+_PROTO_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """Where export reads from.
+
+    Attributes:
+        checkpoint: The verified checkpoint.
+        eval_model: The eval model (forward + loss) the inference graph is cut from.
+        data_dir: Prepared data whose eval split verification runs on (None: random inputs).
+        record: ``configure.json`` of the run, when found (original outputs, label and loss names).
+        config: The run config, when found.
+    """
+
+    checkpoint: CheckpointInfo
+    eval_model: Path
+    data_dir: Path | None
+    record: dict | None
+    config: RunConfig | None
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_model` wrote and how it checked it.
+
+    Attributes:
+        path: The inference model.
+        checkpoint: The checkpoint folder it was made from.
+        step: That checkpoint's step.
+        eval_loss: Its recorded eval loss (None if no evaluation ran).
+        inputs: The model's inputs.
+        outputs: The model's outputs.
+        verification: The float model against the eval graph (and the optimized model, if asked).
+        optimized: Whether ONNX Runtime's offline (basic level) optimization was applied.
+        quantization: The int8 model against the float one, when quantized.
+    """
+
+    path: Path
+    checkpoint: Path
+    step: int
+    eval_loss: float | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    verification: verification.Verification
+    optimized: bool = False
+    quantization: verification.QuantizationReport | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        data = asdict(self)
+        data["path"], data["checkpoint"] = str(self.path), str(self.checkpoint)
+        return data
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finding the checkpoint, the eval model and the data
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _run_config(run_dir: Path) -> RunConfig | None:
+    if not (run_dir / RESOLVED_CONFIG_NAME).exists():
+        return None
+    try:
+        return load_config(run_dir / RESOLVED_CONFIG_NAME)
+    except ValueError as err:
+        log.warning("export: ignoring %s: %s", run_dir / RESOLVED_CONFIG_NAME, err)
+        return None
+
+
+def resolve_source(source: Path, eval_model: Path | None = None, config: RunConfig | None = None) -> ExportSource:
+    """Find the checkpoint, eval model, data and configure record that ``source`` names.
+
+    Args:
+        source: A run folder (its best checkpoint by eval loss, else the newest, is used) or a checkpoint folder
+            (holding ``meta.json``), possibly copied away from its run.
+        eval_model: The eval model; default: ``<run>/artifacts/eval_model.onnx`` for a run folder, and for a checkpoint
+            folder ``eval_model.onnx`` inside it, next to it, or in ``<ckpt>/../../artifacts/``.
+        config: The run config, if the caller has it (default: ``<run>/config.yaml`` when present).
+
+    Raises:
+        ExportError: nothing usable at ``source``, or no eval model found.
+        CheckpointError: the checkpoint named is damaged.
+    """
+    source = Path(source)
+    if not source.is_dir():
+        raise ExportError(f"{source} does not exist or is not a folder; give a run folder or a checkpoint folder")
+    if (source / META_FILE).exists():
+        checkpoint = verify(source)  # named explicitly: a damaged one is refused, never swapped for another
+        run_dir = source.parent.parent
+        candidates = [source / EVAL_MODEL, source.parent / EVAL_MODEL, run_dir / "artifacts" / EVAL_MODEL]
+        data_dir = run_dir / "data"
+        config = config or _run_config(run_dir)
+    else:
+        run_dir = source
+        config = config or _run_config(run_dir)
+        directory = config.checkpoints_dir if config else run_dir / "checkpoints"
+        good = []
+        for info in list_complete(directory):
+            try:
+                good.append(verify(info.path))
+            except CheckpointError as err:
+                log.warning("export: skipping damaged checkpoint %s: %s", info.path.name, err)
+        checkpoint = export_choice(good)
+        if checkpoint is None:
+            raise ExportError(
+                f"no complete, undamaged checkpoint in {directory}: train first (`ortflow train`), or name a "
+                "checkpoint folder (one holding meta.json)"
+            )
+        artifacts = config.artifacts_dir if config else run_dir / "artifacts"
+        candidates = [artifacts / EVAL_MODEL]
+        data_dir = config.data_dir if config else run_dir / "data"
+    if eval_model is not None:
+        candidates = [Path(eval_model)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ExportError(
+            f"no eval model for {checkpoint.path}: looked at {', '.join(map(str, candidates))}; pass --eval-model "
+            "(the run's artifacts/eval_model.onnx) or copy it into the checkpoint folder"
+        )
+    record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
+    return ExportSource(
+        checkpoint=checkpoint,
+        eval_model=found,
+        data_dir=data_dir if (data_dir / "manifest.json").exists() else None,
+        record=record,
+        config=config,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cutting the inference graph out of the eval model
+
+
+def load_parameters(checkpoint_file: Path) -> dict[str, np.ndarray]:
+    """Parameter values stored in an engine checkpoint file (read only: no training session is made)."""
+    from ortflow.engine import api  # here: the rest of export (and the exported model) never needs the engine
+
+    state = api.CheckpointState.load_checkpoint(str(checkpoint_file))
+    return {name: np.array(param.data, copy=True) for name, param in state.parameters}
+
+
+def label_names(eval_proto: onnx.ModelProto, record: dict | None, config: RunConfig | None) -> set[str]:
+    """Inputs of the eval graph that only the loss reads (the label or target)."""
+    inputs = {i.name for i in eval_proto.graph.input}
+    if record is not None and "label_input" in record:
+        names = {record["label_input"]} if record["label_input"] else set()
+    elif config is not None:
+        names = set() if config.model.loss == "model_output" else {config.model.label_input}
+    else:
+        names = {"labels", "target"}
+    return names & inputs
+
+
+def _subgraph_names(node: onnx.NodeProto) -> set[str]:
+    """Every name read inside a node's subgraphs (If/Loop/Scan bodies may read outer-scope tensors)."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for graph in graphs:
+            for inner in graph.node:
+                names.update(inner.input)
+                names |= _subgraph_names(inner)
+    return names
+
+
+def _node_inputs(node: onnx.NodeProto) -> set[str]:
+    return {n for n in node.input if n} | _subgraph_names(node)
+
+
+def default_outputs(eval_proto: onnx.ModelProto, record: dict | None, labels: set[str]) -> list[str]:
+    """The original model's outputs: from ``configure.json`` when present, else what the eval graph feeds its loss.
+
+    Without a record, the loss part of the eval graph is the set of nodes downstream of the label input; the tensors
+    it reads from the rest of the graph are the model's outputs (for ``model_output`` losses, the eval outputs).
+    """
+    if record and record.get("model_outputs"):
+        names = [o["name"] if isinstance(o, dict) else str(o) for o in record["model_outputs"]]
+        if record.get("loss") == "model_output":
+            names = [n for n in names if n != record.get("loss_output")] or names
+        return names
+    graph = eval_proto.graph
+    tainted = _downstream(graph, labels)
+    if not labels:
+        return [o.name for o in graph.output]
+    produced = {out for node in graph.node for out in node.output}
+    fed_to_loss = []
+    for node in graph.node:
+        if any(out in tainted for out in node.output):
+            fed_to_loss += [n for n in node.input if n in produced and n not in tainted and n not in fed_to_loss]
+    return fed_to_loss
+
+
+def _downstream(graph: onnx.GraphProto, sources: set[str]) -> set[str]:
+    """Tensors computed (directly or not) from ``sources``; ONNX graphs list nodes in topological order."""
+    tainted = set(sources)
+    for node in graph.node:
+        if _node_inputs(node) & tainted:
+            tainted.update(node.output)
+    return tainted
+
+
+def training_ops(model: onnx.ModelProto) -> list[str]:
+    """``domain:op_type`` of every node that only belongs in a training graph (gradients, optimizers, losses)."""
+    found = []
+    for node in model.graph.node:
+        if node.domain in TRAINING_DOMAINS or node.op_type.endswith("Grad") or node.op_type in TRAINING_OP_TYPES:
+            found.append(f"{node.domain or 'ai.onnx'}:{node.op_type} ({node.name or node.output[0]})")
+    return found
+
+
+def build_inference_model(
+    eval_proto: onnx.ModelProto,
+    parameters: dict[str, np.ndarray],
+    outputs: Sequence[str],
+    labels: set[str],
+) -> onnx.ModelProto:
+    """The inference graph: the eval graph's nodes that ``outputs`` need, with the parameters as initializers.
+
+    Args:
+        eval_proto: The eval model (parameters are graph inputs there).
+        parameters: Parameter values from the checkpoint.
+        outputs: Tensors to output.
+        labels: The label inputs; an output computed from one is refused.
+
+    Raises:
+        ExportError: an output is unknown, belongs to the loss, or the result holds training-only operators.
+    """
+    graph = eval_proto.graph
+    produced = {out: node for node in graph.node for out in node.output}
+    graph_inputs = {i.name: i for i in graph.input}
+    initializers = {t.name: t for t in graph.initializer}
+    tainted = _downstream(graph, labels)
+    for name in outputs:
+        if name not in produced and name not in graph_inputs and name not in initializers:
+            raise ExportError(
+                f"output '{name}' is not a tensor of the eval model; choose from the model's outputs, e.g. "
+                f"{default_outputs(eval_proto, None, labels)}"
+            )
+        if name in tainted:
+            raise ExportError(
+                f"output '{name}' is computed from the label input {sorted(labels)}: it belongs to the loss, which an "
+                "inference model does not hold; choose outputs computed from the model's inputs"
+            )
+    needed: set[str] = set()
+    stack = list(outputs)
+    keep_nodes: set[int] = set()
+    node_ids = {id(node): i for i, node in enumerate(graph.node)}
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        node = produced.get(name)
+        if node is not None and node_ids[id(node)] not in keep_nodes:
+            keep_nodes.add(node_ids[id(node)])
+            stack.extend(_node_inputs(node))
+
+    nodes = [node for i, node in enumerate(graph.node) if i in keep_nodes]
+    new_inits = []
+    for name in sorted(needed):
+        if name in parameters and (name in graph_inputs or name in initializers):
+            value = parameters[name]
+            declared = graph_inputs.get(name) or None
+            if declared is not None:
+                expected = helper.tensor_dtype_to_np_dtype(declared.type.tensor_type.elem_type)
+                if value.dtype != expected:
+                    raise ExportError(
+                        f"parameter '{name}' is {value.dtype} in the checkpoint but {expected} in the eval model: the "
+                        "checkpoint and eval model come from different runs; pass the run's eval model"
+                    )
+            new_inits.append(numpy_helper.from_array(value, name))
+        elif name in initializers:
+            new_inits.append(initializers[name])
+    inputs = [i for i in graph.input if i.name in needed and i.name not in parameters]
+
+    typed = _value_infos(eval_proto)
+    out_infos = [typed.get(name) or helper.make_empty_tensor_value_info(name) for name in outputs]
+    value_info = [vi for vi in graph.value_info if vi.name in needed and vi.name not in set(outputs)]
+    new_graph = helper.make_graph(nodes, graph.name or "ortflow_inference", inputs, out_infos, new_inits,
+                                  value_info=value_info)
+    used_domains = {n.domain for n in nodes} | {f.domain for f in eval_proto.functions} | {""}
+    opsets = [o for o in eval_proto.opset_import if o.domain in used_domains or o.domain == "ai.onnx"]
+    model = helper.make_model(new_graph, opset_imports=opsets, producer_name="ortflow", producer_version=__version__)
+    model.ir_version = eval_proto.ir_version
+    model.functions.extend(eval_proto.functions)
+    bad = training_ops(model)
+    if bad:
+        raise ExportError(
+            f"the inference graph for outputs {list(outputs)} still holds training-only operators {bad}; choose "
+            "outputs computed before the loss"
+        )
+    return model
+
+
+def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Types of the graph's tensors (shape inference where it works; the engine's contrib ops may defeat it)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception as err:  # noqa: BLE001 - onnx raises several types; types only improve the output's metadata
+        log.debug("shape inference failed: %s", err)
+        inferred = model
+    graph = inferred.graph
+    return {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _metadata(checkpoint: CheckpointInfo, source: ExportSource) -> dict[str, str]:
+    fingerprint = checkpoint.meta.get("config_fingerprint") or (source.record or {}).get("fingerprint") or ""
+    return {
+        "ortflow_version": __version__,
+        "config_fingerprint": str(fingerprint),
+        "step": str(checkpoint.step),
+        "eval_loss": "none" if checkpoint.eval_loss is None else repr(checkpoint.eval_loss),
+        "ortflow_checkpoint": checkpoint.path.name,
+    }
+
+
+def _stamp(path: Path, metadata: dict[str, str]) -> None:
+    model = onnx.load(str(path))
+    kept = [p for p in model.metadata_props if p.key not in metadata]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in metadata.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+
+
+def export_model(
+    source: Path,
+    out: Path,
+    outputs: Sequence[str] = (),
+    eval_model: Path | None = None,
+    optimize: bool = False,
+    quantize: bool = False,
+    tolerance: float = 1e-4,
+    config: RunConfig | None = None,
+) -> ExportResult:
+    """Export an inference model from a checkpoint and the eval model, verify it, and write it atomically.
+
+    Args:
+        source: A run folder (best checkpoint by eval loss, else the newest) or a checkpoint folder.
+        out: Where to write the model (replaced atomically; nothing is written when verification fails).
+        outputs: Outputs to keep (default: the original model's outputs).
+        eval_model: The eval model (default: found next to the checkpoint or in the run's artifacts).
+        optimize: Apply ONNX Runtime's offline graph optimization at the basic level (portable across machines).
+        quantize: Dynamic int8 quantization of the weights; the change in outputs (and loss, when the labels are
+            known) on the eval split is reported in the result.
+        tolerance: Largest absolute difference to the eval graph's outputs accepted by verification.
+        config: The run config (default: the run folder's ``config.yaml`` when present).
+
+    Returns:
+        Where the model is and the verification numbers.
+
+    Raises:
+        CheckpointError: the checkpoint is damaged.
+        ExportError: no checkpoint or eval model, a bad output name, or a verification mismatch.
+    """
+    src = resolve_source(Path(source), eval_model, config)
+    checkpoint = src.checkpoint
+    eval_proto = onnx.load(str(src.eval_model))
+    labels = label_names(eval_proto, src.record, src.config)
+    names = list(outputs) or default_outputs(eval_proto, src.record, labels)
+    if not names:
+        raise ExportError(f"cannot tell the model's outputs from {src.eval_model}; pass them with --outputs")
+    parameters = load_parameters(checkpoint.checkpoint_path)
+    model = build_inference_model(eval_proto, parameters, names, labels)
+    if model.ByteSize() > _PROTO_LIMIT:
+        raise ExportError("the model is over 2 GB; export with external data is not supported yet")
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    plain, optimized_path, quantized_path = (Path(f"{stem}.{kind}.onnx") for kind in ("fp32", "opt", "int8"))
+    batch_size = src.config.train.resolved_eval_batch_size if src.config else 8
+    try:
+        onnx.save(model, str(plain))
+        onnx.checker.check_model(str(plain))
+        feeds, data_note = verification.sample_batches(src.data_dir, eval_proto, parameters, batch_size, labels)
+        reference = verification.reference_outputs(eval_proto, parameters, feeds, names)
+        result = verification.verify_against(plain, feeds, reference, tolerance, data_note)
+        final = plain
+        if optimize:
+            verification.optimize_offline(plain, optimized_path)
+            result = verification.verify_against(optimized_path, feeds, reference, tolerance, data_note)
+            final = optimized_path
+        quant = None
+        if quantize:
+            quant = verification.quantize(final, quantized_path, feeds, src.record, labels, data_note)
+            final = quantized_path
+        _stamp(final, _metadata(checkpoint, src))
+        os.replace(final, out)
+    finally:
+        for tmp in (plain, optimized_path, quantized_path):
+            tmp.unlink(missing_ok=True)
+    log.info("exported %s from %s (outputs %s, max abs diff %s)", out, checkpoint.path, names, result.max_abs_diff)
+    return ExportResult(
+        path=out,
+        checkpoint=checkpoint.path,
+        step=checkpoint.step,
+        eval_loss=checkpoint.eval_loss,
+        inputs=tuple(i.name for i in model.graph.input),
+        outputs=tuple(names),
+        verification=result,
+        optimized=optimize,
+        quantization=quant,
+    )
