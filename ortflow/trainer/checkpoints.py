@@ -230,7 +230,7 @@ def retention_to_delete(steps: Sequence[int], keep_newest: int, protect: Collect
     if keep_newest < 0:
         raise ValueError(f"keep_newest must be >= 0, got {keep_newest}")
     unique = sorted(set(steps))
-    newest = set(unique[len(unique) - keep_newest :]) if keep_newest else set()
+    newest = set(unique[max(0, len(unique) - keep_newest) :]) if keep_newest else set()
     keep = newest | set(protect)
     return [step for step in unique if step not in keep]
 
