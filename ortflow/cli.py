@@ -104,6 +104,25 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     )
 
 
+@app.command(name="prepare-data")
+def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
+    """Shard the data sources into Arrow files + manifest.json in the run folder (a no-op when nothing changed)."""
+    from ortflow.dataprep import DataError, prepare_data
+
+    cfg = _load(config, overrides)
+    try:
+        manifest = prepare_data(cfg)
+    except DataError as err:
+        _fail(str(err))
+    shards = sum(len(s) for s in manifest.splits.values())
+    console.print(
+        f"{cfg.data_dir}: {manifest.num_rows('train')} train + {manifest.num_rows('eval')} eval rows, {shards} "
+        f"shard(s), {manifest.num_bytes / 1e6:.1f} MB, {'reused (unchanged)' if manifest.reused else 'written'}",
+        highlight=False,
+        soft_wrap=True,  # one line, whatever the terminal's width
+    )
+
+
 def main() -> None:
     """Entry point of the ``ortflow`` console script."""
     app(prog_name="ortflow")
