@@ -1,0 +1,72 @@
+"""Helpers that make real, tiny run folders (configured and sharded) for the trainer's tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ortflow.config import RunConfig, config_from_dict
+from ortflow.configure import configure
+from ortflow.dataprep import prepare_data
+from ortflow.examples.mlp import build_mlp
+
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+
+
+def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None = None, **sections) -> RunConfig:
+    """Configure + shard an MLP classifier run under ``root/name``; ``sections`` override config sections."""
+    root.mkdir(parents=True, exist_ok=True)
+    model = model or root / "mlp.onnx"
+    if not model.exists():
+        build_mlp(model, num_features=8, hidden=16, num_classes=3, seed=0)
+    data = root / "data.npz"
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        features = rng.normal(size=(num_rows, 8)).astype(np.float32)
+        labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
+        np.savez(data, features=features, labels=labels)
+    raw = {
+        "name": name,
+        "output_dir": str(root / name),
+        "model": {"path": str(model)},
+        "data": {"train": [str(data)], "eval_fraction": 0.125, "rows_per_shard": 100},
+        "train": {"batch_size": 4, "num_train_steps": 20, "display_loss_steps": 1, "evaluation_period": 0},
+        "optimizer": {"learning_rate": 0.01},
+        "checkpoint": {"period": 5, "max_num_checkpoints": 2},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    cfg = config_from_dict(raw)
+    configure(cfg)
+    prepare_data(cfg)
+    return cfg
+
+
+def rank_command(cfg: RunConfig, script: str | None = None, *args: str) -> list[str]:
+    """mpiexec command for the run's ranks: the real entry point, or a test script wrapping it."""
+    target = [script, *args] if script else ["-m", "ortflow.trainer"]
+    return [MPIEXEC, "-n", str(cfg.distributed.num_ranks), "-prepend-rank", sys.executable, "-u", *target,
+            str(cfg.output_dir)]
+
+
+def run_ranks(cfg: RunConfig, script: str | None = None, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the job to its end; output (both streams) in ``.stdout``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        rank_command(cfg, script, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout, env=env, stdin=subprocess.DEVNULL, check=False,
+    )
+
+
+def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
+    """Trainable parameters of the newest checkpoint of a run."""
+    from ortflow.engine import api
+    from ortflow.trainer.checkpoints import list_complete
+
+    newest = list_complete(cfg.checkpoints_dir)[-1]
+    state = api.CheckpointState.load_checkpoint(str(newest.path / "checkpoint"))
+    return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}

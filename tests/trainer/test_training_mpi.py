@@ -1,0 +1,191 @@
+"""The trainer for real: ranks under ``mpiexec -n 2`` (the bundled MPICH), tiny MLP, tiny data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortflow.trainer.checkpoints import list_complete, verify
+from ortflow.trainer.launch import launch
+from ortflow.trainer.metrics import read_progress
+
+from .runs import final_parameters, make_run, rank_command, run_ranks
+
+pytestmark = pytest.mark.mpi
+FAULT = str(Path(__file__).with_name("fault_rank.py"))
+
+
+def digests(output: str) -> dict[tuple[int, int], str]:
+    """(rank, step) -> parameter sha256, from the ranks' log lines."""
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) at step (\d+)", output)
+    return {(int(rank), int(step)): digest for rank, digest, step in found}
+
+
+def test_two_ranks_match_one_rank_on_the_concatenated_batch(tmp_path):
+    two = make_run(tmp_path, "two", distributed={"num_ranks": 2}, train={"batch_size": 4})
+    one = make_run(tmp_path, "one", distributed={"num_ranks": 1}, train={"batch_size": 8})
+    out_two, out_one = run_ranks(two), run_ranks(one)
+    assert out_two.returncode == 0, out_two.stdout
+    assert out_one.returncode == 0, out_one.stdout
+    p2, p1 = final_parameters(two), final_parameters(one)
+    assert p2.keys() == p1.keys()
+    for name in p1:
+        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert any(not np.array_equal(p1[n], final_parameters_initial(one)[n]) for n in p1)  # it really trained
+    # Both ranks logged the same parameter digest at every checkpoint: bitwise identical replicas.
+    seen = digests(out_two.stdout)
+    steps = {step for _, step in seen}
+    assert steps == {5, 10, 15, 20}
+    for step in steps:
+        assert seen[(0, step)] == seen[(1, step)]
+
+
+def final_parameters_initial(cfg):
+    from ortflow.engine import api
+
+    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
+    return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}
+
+
+def test_accumulation_equals_one_step_on_a_larger_batch(tmp_path):
+    accumulated = make_run(tmp_path, "acc", distributed={"num_ranks": 1},
+                           train={"batch_size": 4, "gradient_accumulation_steps": 3, "num_train_steps": 30})
+    large = make_run(tmp_path, "large", distributed={"num_ranks": 1},
+                     train={"batch_size": 12, "gradient_accumulation_steps": 1, "num_train_steps": 10})
+    assert run_ranks(accumulated).returncode == 0
+    assert run_ranks(large).returncode == 0
+    pa, pl = final_parameters(accumulated), final_parameters(large)
+    for name in pl:
+        np.testing.assert_allclose(pa[name], pl[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    meta = list_complete(accumulated.checkpoints_dir)[-1].meta
+    assert meta["step"] == 10 and meta["global_cursor"] == 120  # 10 updates x 3 micro-batches x 4 samples
+
+
+def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
+    cfg = make_run(tmp_path, "keep", distributed={"num_ranks": 2}, checkpoint={"period": 2, "max_num_checkpoints": 3})
+    assert run_ranks(cfg).returncode == 0
+    names = sorted(p.name for p in cfg.checkpoints_dir.iterdir())
+    assert names == ["step-00000016", "step-00000018", "step-00000020"]  # no temporary folders either
+    for info in list_complete(cfg.checkpoints_dir):
+        verify(info.path)
+
+
+def _kill_when(cfg, proc, min_step):
+    """SIGKILL the whole job once progress shows ``min_step`` updates; returns the step seen."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        progress = read_progress(cfg.output_dir)
+        if progress and progress["step"] >= min_step:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return progress["step"]
+        if proc.poll() is not None:
+            pytest.fail("the job ended before it could be killed")
+        time.sleep(0.002)
+    pytest.fail("no progress within 60 s")
+
+
+def test_killed_job_resumes_to_bitwise_identical_parameters(tmp_path):
+    settings = dict(distributed={"num_ranks": 2}, train={"num_train_steps": 1500, "batch_size": 8},
+                    checkpoint={"period": 25, "max_num_checkpoints": 2},
+                    lr_schedule={"name": "cosine", "warmup_steps": 50})
+    steady = make_run(tmp_path, "steady", **settings)
+    killed = make_run(tmp_path, "killed", **settings)
+    assert run_ranks(steady).returncode == 0
+
+    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _kill_when(killed, proc, min_step=60)
+    before = [info.step for info in list_complete(killed.checkpoints_dir)]
+    assert before and max(before) < 1500, before  # interrupted between checkpoints, before the end
+    resumed = run_ranks(killed)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout
+    a, b = final_parameters(steady), final_parameters(killed)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert list_complete(killed.checkpoints_dir)[-1].meta["global_cursor"] == 1500 * 2 * 8
+
+
+def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
+    cfg = make_run(tmp_path, "fail", distributed={"num_ranks": 2})
+    started = time.monotonic()
+    out = run_ranks(cfg, FAULT, "raise", timeout=60)
+    assert out.returncode != 0
+    assert "injected failure on rank 1" in out.stdout
+    assert time.monotonic() - started < 30  # prompt: no rank waits for the collective timeout
+
+
+def test_a_hung_rank_is_named_when_the_collective_times_out(tmp_path):
+    cfg = make_run(tmp_path, "hang", distributed={"num_ranks": 2, "collective_timeout_s": 2.0})
+    started = time.monotonic()
+    out = run_ranks(cfg, FAULT, "hang", timeout=60)
+    assert out.returncode != 0
+    assert "stalled: rank 1" in out.stdout, out.stdout
+    assert time.monotonic() - started < 30
+
+
+def test_sigterm_stops_all_ranks_and_keeps_checkpoints_whole(tmp_path):
+    cfg = make_run(tmp_path, "term", distributed={"num_ranks": 2}, train={"num_train_steps": 3000},
+                   checkpoint={"period": 50, "max_num_checkpoints": 2})
+    lines: list[str] = []
+    proc_box = []
+
+    import threading
+
+    def terminate_when_running():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            progress = read_progress(cfg.output_dir)
+            if progress and progress["step"] >= 60 and proc_box:
+                os.killpg(proc_box[0].pid, signal.SIGTERM)
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=terminate_when_running)
+    watcher.start()
+    result = launch(cfg.output_dir, 2, on_line=lines.append, on_start=proc_box.append)
+    watcher.join()
+    assert result.returncode != 0
+    output = "\n".join(lines)
+    assert "SIGTERM received" in output
+    kept = list_complete(cfg.checkpoints_dir)
+    assert kept and kept[-1].step < 3000
+    for info in kept:
+        verify(info.path)
+    assert not [p for p in cfg.checkpoints_dir.iterdir() if p.name.startswith(".tmp")]
+    # No rank outlives the launcher.
+    time.sleep(0.5)
+    alive = subprocess.run(["pgrep", "-f", f"ortflow.trainer {cfg.output_dir}"], capture_output=True, text=True)
+    assert alive.stdout.strip() == ""
+    # And the stopped run resumes from where it stopped.
+    assert json.loads((kept[-1].path / "meta.json").read_text())["global_cursor"] == kept[-1].step * 2 * 4
+
+
+def test_tensorboard_and_progress_written_by_rank_zero(tmp_path):
+    cfg = make_run(tmp_path, "tb", distributed={"num_ranks": 2}, train={"evaluation_period": 5})
+    assert run_ranks(cfg).returncode == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cfg.tensorboard_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s"} <= tags
+    assert [e.step for e in events.Scalars("eval/loss")] == [5, 10, 15, 20]
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert losses[-1] < losses[0]
+    progress = read_progress(cfg.output_dir)
+    assert progress["step"] == progress["total"] == 20 and progress["final"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))
