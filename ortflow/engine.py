@@ -2,7 +2,8 @@
 
 * ``import onnxruntime.training`` imports torch through ``training/optim``; registering an empty module under that
   name first keeps torch out (ortflow never needs it: ``api``, ``artifacts`` and ``onnxblock`` do not).
-* The engine logs every graph transformer at INFO while building artifacts; ortflow keeps it at WARNING.
+* The engine logs every graph transformer at INFO while building artifacts, whatever the default logger's severity:
+  the gradient builder makes its own ``SessionOptions``. ortflow hands it options that log warnings and errors only.
 
 Only ``ortflow.trainer`` and ``ortflow.export`` import this module.
 """
@@ -25,7 +26,14 @@ def _import() -> tuple[ModuleType, ModuleType, ModuleType]:
 
     onnxruntime.set_default_logger_severity(3)
     from onnxruntime.training import api, artifacts, onnxblock
+    from onnxruntime.training.onnxblock import _training_graph_utils
 
+    def quiet_options() -> onnxruntime.SessionOptions:
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        return options
+
+    _training_graph_utils.SessionOptions = quiet_options
     return api, artifacts, onnxblock
 
 
