@@ -1,0 +1,241 @@
+"""RunConfig: YAML loading, --set overrides, every validation rule, and the file checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from typer.testing import CliRunner
+
+from ortflow.cli import app
+from ortflow.config import (
+    ConfigError,
+    config_from_dict,
+    dump_config,
+    find_problems,
+    load_config,
+    parse_overrides,
+)
+
+BASE = """
+name: unit
+output_dir: runs/unit
+model: {path: model.onnx}
+data: {train: "corpus/*.txt", format: text}
+train: {batch_size: 4, num_train_steps: 12, gradient_accumulation_steps: 3}
+"""
+
+
+def write(tmp_path: Path, text: str = BASE, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def problems_of(tmp_path: Path, *overrides: str) -> list[str]:
+    try:
+        load_config(write(tmp_path), list(overrides))
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def tiny_model(path: Path, opset: int = 17, ir: int = 8) -> Path:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir
+    onnx.save(model, path)
+    return path
+
+
+# -- loading -----------------------------------------------------------------------------------------------------------
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    cfg = load_config(write(tmp_path))
+    assert cfg.model.path == tmp_path / "model.onnx"
+    assert cfg.output_dir == tmp_path / "runs/unit"
+    assert cfg.data.train == (str(tmp_path / "corpus/*.txt"),)
+    assert cfg.checkpoints_dir == tmp_path / "runs/unit/checkpoints"
+    assert cfg.train.num_weight_updates == 4
+
+
+def test_overrides_set_nested_values_with_yaml_types(tmp_path):
+    cfg = load_config(write(tmp_path), ["train.batch_size=16", "optimizer.learning_rate=3e-4",
+                                        "lr_schedule.name=cosine", "model.frozen=[emb.*, 'ln_*']"])
+    assert cfg.train.batch_size == 16
+    assert cfg.optimizer.learning_rate == pytest.approx(3e-4)
+    assert cfg.lr_schedule.name == "cosine"
+    assert cfg.model.frozen == ("emb.*", "ln_*")
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_overrides(["train.batch_size"])
+
+
+def test_override_into_a_value_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="'name' is a value"):
+        load_config(write(tmp_path), ["name.sub=1"])
+
+
+def test_yaml_is_loaded_with_the_safe_loader(tmp_path):
+    evil = BASE + "extra: !!python/object/apply:os.system ['echo hacked']\n"
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, evil))
+
+
+def test_unknown_field_is_named(tmp_path):
+    assert any("train.batchsize: unknown field" in p for p in problems_of(tmp_path, "train.batchsize=3"))
+
+
+def test_missing_required_field_is_named(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"output_dir": "x", "model": {"path": "m.onnx"}, "data": {"train": "a"}})
+    assert "train: required field is missing" in err.value.problems
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path))
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(cfg))
+    assert load_config(again) == cfg
+
+
+def test_field_errors_are_all_reported_at_once(tmp_path):
+    problems = problems_of(tmp_path, "train.batch_size=0", "optimizer.learning_rate=-1", "data.eval_fraction=2")
+    assert len(problems) == 3
+    assert {p.split(":")[0] for p in problems} == {"train.batch_size", "optimizer.learning_rate", "data.eval_fraction"}
+
+
+# -- validation rules --------------------------------------------------------------------------------------------------
+
+
+def test_parallel_sizes_must_multiply_to_the_world_size(tmp_path):
+    (problem,) = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.data_parallel_size=3")
+    assert "= 3 must equal distributed.num_ranks (4)" in problem
+
+
+def test_horizontal_and_pipeline_parallelism_are_refused_not_ignored(tmp_path):
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.data_parallel_size=1",
+                           "distributed.horizontal_parallel_size=2", "distributed.pipeline_parallel_size=2")
+    assert any("horizontal_parallel_size > 1 is not supported yet" in p for p in problems)
+    assert any("pipeline_parallel_size > 1 is not supported yet" in p for p in problems)
+
+
+def test_num_train_steps_must_be_a_multiple_of_accumulation(tmp_path):
+    (problem,) = problems_of(tmp_path, "train.num_train_steps=10")
+    assert problem == (
+        "train.num_train_steps (10) must be a multiple of train.gradient_accumulation_steps (3); use 9 or 12"
+    )
+
+
+def test_zero_needs_nccl(tmp_path):
+    assert any("zero_stage 2 needs distributed.use_nccl: true" in p for p in problems_of(tmp_path, "distributed.zero_stage=2"))
+
+
+def test_mixed_precision_needs_a_gpu_build(tmp_path):
+    problems = problems_of(tmp_path, "precision.use_mixed_precision=true")
+    assert any("needs a GPU build" in p and "distributed.device: cuda" in p for p in problems)
+
+
+def test_bfloat16_needs_mixed_precision(tmp_path):
+    assert any("use_bfloat16 needs" in p for p in problems_of(tmp_path, "precision.use_bfloat16=true"))
+
+
+def test_lamb_is_declared_but_refused(tmp_path):
+    (problem,) = problems_of(tmp_path, "optimizer.name=lamb")
+    assert "'lamb' is not supported yet" in problem and "use 'adamw' or 'sgd'" in problem
+
+
+def test_adasum_is_refused(tmp_path):
+    assert any("enable_adasum is not supported yet" in p for p in problems_of(tmp_path, "distributed.enable_adasum=true"))
+
+
+def test_model_output_loss_needs_the_output_name(tmp_path):
+    assert any("model.loss_output" in p for p in problems_of(tmp_path, "model.loss=model_output"))
+
+
+def test_multi_host_needs_a_hostfile(tmp_path):
+    problems = problems_of(tmp_path, "distributed.num_hosts=2", "distributed.num_ranks=2")
+    assert any("give distributed.hostfile" in p for p in problems)
+
+
+def test_schedule_takes_cron_or_interval_not_both(tmp_path):
+    problems = problems_of(tmp_path, "schedule.cron='0 3 * * *'", "schedule.interval_s=60")
+    assert any("either cron or interval_s" in p for p in problems)
+
+
+# -- file checks -------------------------------------------------------------------------------------------------------
+
+
+def test_missing_model_file_is_named(tmp_path):
+    _, problems = find_problems(write(tmp_path))
+    assert problems == [f"model.path: {tmp_path / 'model.onnx'} does not exist; check the path (relative paths start "
+                        "at the config's folder)"]
+
+
+def test_not_an_onnx_file_is_refused(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"definitely not protobuf \x00\xff")
+    _, problems = find_problems(write(tmp_path))
+    assert len(problems) == 1 and "is not a valid ONNX model" in problems[0]
+
+
+def test_opset_and_ir_too_new_are_refused_with_the_fix(tmp_path):
+    tiny_model(tmp_path / "model.onnx", opset=22, ir=11)
+    _, problems = find_problems(write(tmp_path))
+    assert any("opset 22 is newer than the engine runs (<= 21)" in p and "opset_version=21" in p for p in problems)
+    assert any("IR version 11 is newer than the engine runs (<= 10)" in p for p in problems)
+
+
+def test_a_runnable_model_passes(tmp_path):
+    tiny_model(tmp_path / "model.onnx")
+    cfg, problems = find_problems(write(tmp_path))
+    assert problems == [] and cfg is not None
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    tiny_model(model_dir / "model.onnx")
+    proto = onnx.load(model_dir / "model.onnx")
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [1], [1.0])
+    weight.data_location = TensorProto.EXTERNAL
+    del weight.float_data[:]
+    weight.external_data.add(key="location", value="../secrets.bin")
+    proto.graph.initializer.append(weight)
+    onnx.save(proto, model_dir / "model.onnx")
+    _, problems = find_problems(write(tmp_path, BASE.replace("model.onnx", "m/model.onnx")))
+    assert any("outside the model's folder" in p and "'w'" in p for p in problems)
+
+
+# -- CLI ---------------------------------------------------------------------------------------------------------------
+
+
+def test_validate_prints_every_problem_and_exits_1(tmp_path):
+    result = CliRunner().invoke(app, ["validate", str(write(tmp_path)), "--set", "optimizer.name=lamb",
+                                      "--set", "train.num_train_steps=10"])
+    assert result.exit_code == 1
+    assert "2 problem(s)" in result.output
+    assert "lamb" in result.output and "multiple of" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_validate_accepts_a_good_config(tmp_path):
+    tiny_model(tmp_path / "model.onnx")
+    result = CliRunner().invoke(app, ["validate", str(write(tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert "valid" in result.output
+
+
+def test_help_lists_the_commands():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("validate", "configure", "prepare-data", "train"):
+        assert command in result.output
