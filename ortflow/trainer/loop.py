@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -57,6 +58,21 @@ def clip_gradients(grads: list[np.ndarray], max_norm: float | None) -> float:
         for grad in grads:
             grad *= scale
     return norm
+
+
+def check_ranks_identical(rt: Runtime, step: int) -> str:
+    """sha256 of this rank's trainable parameters; raises if any rank's differs from rank 0's (ranks diverged)."""
+    digest = hashlib.sha256()
+    for name in rt.trainable:
+        digest.update(rt.state.parameters[name].data.tobytes())
+    mine = digest.hexdigest()
+    # Sync point: data-parallel replicas must hold identical parameters; a silent divergence would poison checkpoints.
+    reference = rt.comm.broadcast(mine, "parameter digest")
+    mismatches = rt.comm.allreduce_sum(np.array([float(mine != reference)]), "parameter digest check")[0]
+    log.info("rank %d parameters sha256 %s at step %d", rt.comm.rank, mine, step)
+    if mismatches:
+        raise RuntimeError(f"ranks diverged at step {step}: {int(mismatches)} rank(s) differ from rank 0's parameters")
+    return mine
 
 
 def train(
@@ -144,8 +160,10 @@ def train(
             "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
             "config_fingerprint": cfg.section_fingerprint(),
         }
-        stopping = bool(scalars[1])
-        checkpoints.maybe_save(step, rt.state, meta, final=step == total or stopping)
+        final = step == total or bool(scalars[1])
+        if checkpoints.should_save(step, final=final):
+            meta["params_sha256"] = check_ranks_identical(rt, step)
+            checkpoints.save(step, rt.state, meta)
 
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
