@@ -92,10 +92,12 @@ def table_chunks(source: Source, columns: list[str], chunk_bytes: int) -> Iterat
     path, fmt = source.path, source.format
     try:
         if fmt == "parquet":
-            pf = pq.ParquetFile(path)
+            # pre_buffer (the default) reads ahead the whole file: measured 188 MB of Arrow memory for a 158 MB
+            # source read in 2 MB batches, 20 MB without it
+            pf = pq.ParquetFile(path, pre_buffer=False)
             _need(columns, pf.schema_arrow.names, path)
             rows = max(1, chunk_bytes * pf.metadata.num_rows // max(1, estimate_bytes([source])))
-            for batch in pf.iter_batches(batch_size=min(rows, 1 << 20), columns=columns):
+            for batch in pf.iter_batches(batch_size=min(rows, 1 << 20), columns=columns, use_threads=False):
                 yield pa.Table.from_batches([batch])
         elif fmt == "arrow":
             with pa.memory_map(str(path)) as mm:

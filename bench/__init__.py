@@ -1,0 +1,1 @@
+"""Benchmarks: python -m bench.<name>; results go to bench/results/."""
