@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages stay whole lines: users grep them
 
 ConfigArg = Annotated[Path, typer.Argument(help="Run config (YAML).", show_default=False)]
 SetOpt = Annotated[
@@ -121,6 +121,60 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
         highlight=False,
         soft_wrap=True,  # one line, whatever the terminal's width
     )
+
+
+@app.command(name="retain")
+def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
+    """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
+    from ortflow.export.retention import retain_checkpoints
+
+    index = retain_checkpoints(_load(config, overrides))
+    for entry in index.kept:
+        console.print(f"  keep   step {entry['step']}: {', '.join(entry['reasons'])}", highlight=False)
+    for entry in index.deleted:
+        console.print(f"  delete step {entry['step']}", highlight=False)
+    for entry in index.damaged:
+        console.print(f"  [yellow]damaged[/] step {entry['step']} (left in place): {entry['error']}", highlight=False)
+    console.print(f"[green]index written[/] to {index.path}", highlight=False)
+
+
+@app.command(name="export")
+def export_cmd(
+    source: Annotated[Path, typer.Argument(help="Run folder (best checkpoint, else newest) or checkpoint folder.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Model to write (default: the run's export.path).")]
+    = None,
+    outputs: Annotated[str | None, typer.Option(help="Comma-separated outputs (default: the model's own).")] = None,
+    eval_model: Annotated[Path | None, typer.Option(help="Eval model (default: found next to the checkpoint).")]
+    = None,
+    optimize: Annotated[bool, typer.Option(help="ONNX Runtime offline graph optimization (basic level).")] = False,
+    quantize: Annotated[bool, typer.Option(help="Dynamic int8 quantization; reports the accuracy change.")] = False,
+    tolerance: Annotated[float, typer.Option(help="Max abs difference to the eval graph accepted.")] = 1e-4,
+) -> None:
+    """Export a verified inference model from a checkpoint and the eval model (no training session)."""
+    import json
+
+    from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
+    from ortflow.export import export_model
+
+    if out is None:
+        if not (source / RESOLVED_CONFIG_NAME).exists():
+            _fail(f"{source} is not a configured run folder: give the output path with -o model.onnx")
+        out = load_run_config(source).export_path
+    names = [n.strip() for n in outputs.split(",") if n.strip()] if outputs else []
+    try:
+        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance)
+    except ValueError as err:  # ExportError, CheckpointError, ConfigError: each message says what to do
+        _fail(str(err))
+    ver = result.verification
+    console.print(
+        f"[green]exported[/] {result.path} from {result.checkpoint.name} (step {result.step}, eval loss "
+        f"{result.eval_loss}); outputs {list(result.outputs)}; max abs diff to the eval graph {ver.max_abs_diff} "
+        f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if result.quantization is not None:
+        console.print(f"int8: {json.dumps(result.to_dict()['quantization'])}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from ortflow.dataprep.prepare import prepare_data
 from ortflow.examples.mlp import build_mlp
 from ortflow.export import ExportError, VerificationError, export_model
 from ortflow.export.model import TRAINING_DOMAINS, training_ops
-from ortflow.export.verify import verify_against
+from ortflow.export.verify import NUM_BATCHES, verify_against
 from ortflow.trainer.checkpoints import CHECKPOINT_FILE, CheckpointError, CheckpointManager
 
 EVAL_LOSSES = {1: 0.9, 2: 0.4, 3: 0.6}  # step 2 is the best: export's default
@@ -84,8 +84,9 @@ def engine_eval_loss(cfg, step: int) -> float:
     state = api.CheckpointState.load_checkpoint(str(cfg.checkpoints_dir / f"step-{step:08d}" / CHECKPOINT_FILE))
     module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
     module.eval()
-    losses = [float(module(f["features"], f["labels"])) for f, _ in EvalLoader(cfg.data_dir, 4, 0, 1).batches(4)]
-    return float(np.mean(losses))
+    batches = [f for f, _ in EvalLoader(cfg.data_dir, 4, 0, 1).batches(NUM_BATCHES)]
+    losses = [float(module(f["features"], f["labels"])) for f in batches]
+    return float(np.average(losses, weights=[len(f["labels"]) for f in batches]))
 
 
 def run_plain(model: Path, x: np.ndarray) -> np.ndarray:
@@ -209,3 +210,21 @@ def test_optimize_and_quantize_report_the_accuracy_change(run, tmp_path):
     assert training_ops(model) == []
     assert {p.key: p.value for p in model.metadata_props}["step"] == "2"
     assert json.dumps(result.to_dict())  # the CLI prints this
+
+
+def test_cli_export_and_retain(run, tmp_path):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "cli.onnx"
+    done = runner.invoke(app, ["export", str(run.output_dir), "-o", str(out), "--outputs", "logits", "--quantize"])
+    assert done.exit_code == 0, done.output
+    assert "from step-00000002" in done.output and "int8:" in done.output and out.exists()
+    refused = runner.invoke(app, ["export", str(run.checkpoints_dir / "step-00000001")])
+    assert refused.exit_code == 1 and "-o model.onnx" in refused.output
+    retained = runner.invoke(app, ["retain", str(run.output_dir / "config.yaml")])  # keeps 5: deletes nothing here
+    assert retained.exit_code == 0, retained.output
+    assert "keep   step 2: best_eval_loss, export_source" in retained.output and "delete" not in retained.output
+    assert (run.output_dir / "checkpoints.json").exists()

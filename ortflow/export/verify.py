@@ -20,7 +20,7 @@ from onnx import helper
 
 log = logging.getLogger(__name__)
 
-NUM_BATCHES = 4
+NUM_BATCHES = 8
 """Eval batches verification and the quantization report run on."""
 
 
@@ -292,7 +292,7 @@ def quantize(
     loss_kind = (record or {}).get("loss")
     loss_output = (record or {}).get("loss_output")
     label = next(iter(labels), None)
-    losses: list[tuple[float, float]] = []
+    losses: list[tuple[float, float, int]] = []
     for batch in batches:
         a, b = run(fp32, batch, outputs), run(int8, batch, outputs)
         for name in outputs:
@@ -302,13 +302,14 @@ def quantize(
         if loss_kind and loss_output in outputs and label in batch:
             pair = (_loss(loss_kind, a[loss_output], batch[label]), _loss(loss_kind, b[loss_output], batch[label]))
             if None not in pair:
-                losses.append(pair)
+                losses.append((*pair, len(batch[label])))
     report = QuantizationReport(
         max_abs_diff={n: float(np.concatenate(d).max(initial=0.0)) for n, d in diffs.items()},
         mean_abs_diff={n: float(np.concatenate(d).mean()) for n, d in diffs.items()},
         argmax_agreement={n: float(np.concatenate(v).mean()) for n, v in agree.items()},
-        loss_fp32=float(np.mean([p[0] for p in losses])) if losses else None,
-        loss_int8=float(np.mean([p[1] for p in losses])) if losses else None,
+        # Weighted by rows, as the trainer averages its eval loss (the last eval batch may be short).
+        loss_fp32=float(np.average([p[0] for p in losses], weights=[p[2] for p in losses])) if losses else None,
+        loss_int8=float(np.average([p[1] for p in losses], weights=[p[2] for p in losses])) if losses else None,
         bytes_fp32=model.stat().st_size,
         bytes_int8=out.stat().st_size,
         data=data_note,
