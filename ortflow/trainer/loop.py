@@ -50,14 +50,9 @@ def evaluate(rt: Runtime, eval_batches: Callable[[], Iterator[tuple[dict, int]]]
     return float(total[0] / total[1]) if total[1] else None
 
 
-def clip_gradients(grads: list[np.ndarray], max_norm: float | None) -> float:
-    """Global L2 norm of the (averaged) gradients; scales them down in place to ``max_norm`` if it is exceeded."""
-    norm = float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
-    if max_norm is not None and norm > max_norm:
-        scale = np.float32(max_norm / (norm + 1e-6))
-        for grad in grads:
-            grad *= scale
-    return norm
+def gradient_norm(grads: list[np.ndarray]) -> float:
+    """Global L2 norm of the averaged gradients (clipping itself is in the optimizer graph: optimizer.max_grad_norm)."""
+    return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
 
 
 def check_ranks_identical(rt: Runtime, step: int) -> str:
@@ -110,6 +105,7 @@ def train(
     scalars = np.zeros(2, dtype=np.float32)  # [this rank's mean loss, stop requested]
     train_loss = eval_loss = None
     window_start, window_samples = clock(), 0
+    fingerprint = cfg.section_fingerprint()
 
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
@@ -125,17 +121,18 @@ def train(
         scalars[:] = (loss_sum / k, float(stop.requested))
         # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop.
         comm.average_gradients(grads, k * world, scalars)
-        grad_norm = clip_gradients(grads, cfg.optimizer.max_grad_norm)
-        optimizer.step()
-        module.lazy_reset_grad()
         step += 1
         cursor += k * world * batch
         window_samples += k * world * batch
         train_loss = float(scalars[0]) / world
-
         evaluated = period > 0 and step % period == 0 or step == total
+        report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
+        grad_norm = gradient_norm(grads) if report else None  # a pass over every gradient: only when shown
+        optimizer.step()
+        module.lazy_reset_grad()
+
         eval_loss = evaluate(rt, eval_batches) if evaluated else None
-        if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated or step == total):
+        if report:
             elapsed = clock() - window_start
             samples_per_s = window_samples / elapsed if elapsed > 0 else None
             tokens_per_s = samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None
@@ -154,15 +151,13 @@ def train(
                 tensorboard.flush()
             window_start, window_samples = clock(), 0
 
-        meta = {
-            "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
-            "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": world,
-            "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
-            "config_fingerprint": cfg.section_fingerprint(),
-        }
-        final = step == total or bool(scalars[1])
-        if checkpoints.should_save(step, final=final):
-            meta["params_sha256"] = check_ranks_identical(rt, step)
+        if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
+            meta = {
+                "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
+                "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": world, "config_fingerprint": fingerprint,
+                "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
+                "params_sha256": check_ranks_identical(rt, step),
+            }
             checkpoints.save(step, rt.state, meta)
 
     if scalars[1]:
