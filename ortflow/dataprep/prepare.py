@@ -69,6 +69,9 @@ def prepare_data(cfg: RunConfig) -> Manifest:
             old = read_manifest(data_dir)
             if old.fingerprint == fingerprint:
                 verify_data(data_dir)
+                for spec, info in zip(specs, old.inputs, strict=True):  # batch sizes are not in the fingerprint
+                    for b in {cfg.train.batch_size, cfg.train.resolved_eval_batch_size}:
+                        merges_leading_dims(spec, tuple(info.row_shape), b, info.column)
                 log.info("data in %s is up to date (fingerprint %s): nothing to do", data_dir, fingerprint[:12])
                 return old.with_reused(True)
             log.info("sources or data settings changed: rewriting the shards in %s", data_dir)

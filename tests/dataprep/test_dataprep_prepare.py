@@ -131,6 +131,13 @@ def test_fixed_batch_dim_is_checked_against_batch_size(tmp_path, parquet_source)
         prepare_data(cfg)
 
 
+def test_fixed_batch_dim_is_checked_again_on_reuse(tmp_path, parquet_source):
+    prepare_data(make_cfg(tmp_path, [str(parquet_source)], inputs=_inputs_with("labels", shape=[2]), batch_size=2))
+    cfg = make_cfg(tmp_path, [str(parquet_source)], inputs=_inputs_with("labels", shape=[2]), batch_size=4)
+    with pytest.raises(DataError, match="column 'labels'.*train.batch_size"):
+        prepare_data(cfg)
+
+
 def test_unknown_glob_and_extension_are_named(tmp_path):
     with pytest.raises(DataError, match="'.*nothing\\*.parquet' matches no file"):
         prepare_data(make_cfg(tmp_path, [str(tmp_path / "nothing*.parquet")]))
