@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import helpers_models as hm
 import numpy as np
 import pytest
 
@@ -24,6 +23,7 @@ from ortflow.trainer.checkpoints import (
     step_dirname,
     verify,
 )
+from tests import helpers_models as hm
 
 
 def fake_writer(state: bytes, path: Path) -> None:
@@ -181,3 +181,14 @@ def test_stale_tmp_folders_of_dead_writers_are_removed_at_start(tmp_path):
     live.mkdir()
     manager(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+def test_a_checkpoint_set_aside_by_a_dead_replacing_writer_is_restored(tmp_path):
+    manager(tmp_path).save(5, b"old", {})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    aside = tmp_path / f".tmp-replaced-step-00000005-{int(dead.stdout)}"
+    os.rename(tmp_path / "step-00000005", aside)  # the writer died between moving the old one aside and the new in
+    (tmp_path / f".tmp-step-00000005-{int(dead.stdout)}").mkdir()
+    manager(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005"]
+    assert verify(tmp_path / "step-00000005").step == 5

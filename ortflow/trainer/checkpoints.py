@@ -349,11 +349,23 @@ class CheckpointManager:
             pid = int(pid_text) if pid_text.isdigit() else None
             # Our own pid cannot belong to a live writer: this manager has not written yet.
             if pid is None or pid == os.getpid() or not _pid_alive(pid):
+                if self._restore_replaced(child):
+                    continue
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)
         if removed:
             log.info("removed %d stale temporary checkpoint folder(s): %s", len(removed), [p.name for p in removed])
         return removed
+
+    def _restore_replaced(self, aside: Path) -> bool:
+        """Put back a complete checkpoint set aside for replacement when its writer died before the new one landed."""
+        match = re.match(rf"^{re.escape(_TMP_PREFIX)}replaced-(step-\d+)-\d+$", aside.name)
+        if not match or not (aside / META_FILE).exists() or (self.directory / match.group(1)).exists():
+            return False
+        os.rename(aside, self.directory / match.group(1))
+        _fsync_dir(self.directory)
+        log.warning("restored %s, set aside by a writer that stopped while replacing it", match.group(1))
+        return True
 
     def save(self, step: int, state: Any, meta: dict) -> Path | None:
         """Write the checkpoint of ``step`` atomically, then delete checkpoints beyond ``max_num_checkpoints``.
