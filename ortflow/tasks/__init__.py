@@ -1,1 +1,21 @@
-"""tasks."""
+"""Prefect tasks: thin wrappers that call one plain function each (configure, prepare_data, train, retention,
+export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortflow.tasks.caching`)."""
+
+from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
+from ortflow.tasks.stages import configure, export, export_checkpoint, prepare_data, publish_summary, retain_checkpoints
+from ortflow.tasks.training import TrainingFailed, train
+
+__all__ = [
+    "STAGES",
+    "StageCache",
+    "TrainingFailed",
+    "configure",
+    "export",
+    "export_checkpoint",
+    "invalidate",
+    "prepare_data",
+    "publish_summary",
+    "retain_checkpoints",
+    "stage_key",
+    "train",
+]

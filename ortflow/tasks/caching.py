@@ -1,0 +1,232 @@
+"""Cache keys of the pipeline's stages: the stage's config sections, the fingerprints of its input files, and
+whether its outputs are still on disk.
+
+A key built only from inputs replays a stale result once the outputs are deleted; a key that hashes the outputs
+themselves never matches (the key is computed before the stage writes them). So each stage keeps a *generation*
+token in ``<output_dir>/.ortflow/cache/<stage>``: the token is part of the key, and it is replaced whenever the
+stage's outputs are missing or incomplete. While the outputs stay intact the key stays the same and Prefect returns
+the persisted result; once they are gone the key changes and the stage runs again. ``invalidate`` replaces tokens on
+purpose (``ortflow run --from STAGE``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+
+from ortflow.config import RunConfig
+from ortflow.configure import fingerprint as configure_fingerprint
+from ortflow.configure import read_configure_record
+from ortflow.trainer.artifacts import ARTIFACT_FILES
+from ortflow.trainer.checkpoints import list_complete
+
+#: The stages in pipeline order; ``--from STAGE`` reruns the named one and every later one.
+STAGES: tuple[str, ...] = ("configure", "prepare_data", "train", "retain", "export")
+
+CACHE_DIR = ".ortflow/cache"
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _manifest_fingerprint(cfg: RunConfig) -> str | None:
+    try:
+        return json.loads((cfg.data_dir / "manifest.json").read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
+def _final_checkpoint(cfg: RunConfig) -> dict | None:
+    """Step and checkpoint hash of the newest complete checkpoint (the train stage's result)."""
+    done = list_complete(cfg.checkpoints_dir)
+    if not done:
+        return None
+    newest = done[-1]
+    return {"step": newest.step, "files": newest.meta.get("files")}
+
+
+def _index(cfg: RunConfig) -> dict | None:
+    try:
+        return json.loads((cfg.output_dir / "checkpoints.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- what each stage's key is made of ----------------------------------------------------------------------------
+
+
+def _configure_inputs(cfg: RunConfig) -> dict:
+    # configure.fingerprint covers the model file (and its external data) and the model/optimizer sections.
+    return {"fingerprint": configure_fingerprint(cfg)}
+
+
+def _prepare_inputs(cfg: RunConfig) -> dict:
+    from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
+
+    data = cfg.data
+    train = resolve_sources(data.train, data.format, "data.train")
+    test = resolve_sources(data.test, data.format, "data.test") if data.test else []
+    record = read_configure_record(cfg.output_dir) or {}
+    return {
+        "data": cfg.model_dump(mode="json", include={"data"}),
+        "seed": cfg.train.seed,
+        "model_inputs": record.get("fingerprint"),
+        "sources": [fingerprint_entry(s) for s in [*train, *test]],
+    }
+
+
+def _train_inputs(cfg: RunConfig) -> dict:
+    sections = ("model", "optimizer", "lr_schedule", "train", "precision", "distributed", "checkpoint")
+    return {
+        "sections": cfg.section_fingerprint(*sections),
+        "artifacts": (read_configure_record(cfg.output_dir) or {}).get("fingerprint"),
+        "data": _manifest_fingerprint(cfg),
+    }
+
+
+def _retain_inputs(cfg: RunConfig) -> dict:
+    # The final checkpoint identifies the training result; retention never deletes it.
+    return {"checkpoint": cfg.model_dump(mode="json", include={"checkpoint"}), "final": _final_checkpoint(cfg)}
+
+
+def _export_inputs(cfg: RunConfig) -> dict:
+    index = _index(cfg) or {}
+    source = next((k for k in index.get("kept", []) if k.get("step") == index.get("export_step")), None)
+    return {"export": cfg.model_dump(mode="json", include={"export"}), "source": source}
+
+
+# --- whether each stage's outputs are intact --------------------------------------------------------------------
+
+
+def _configure_done(cfg: RunConfig) -> bool:
+    record = read_configure_record(cfg.output_dir)
+    return record is not None and all((cfg.artifacts_dir / name).exists() for name in ARTIFACT_FILES)
+
+
+def _prepare_done(cfg: RunConfig) -> bool:
+    try:
+        manifest = json.loads((cfg.data_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    shards = [shard for split in manifest.get("splits", {}).values() for shard in split]
+    return bool(shards) and all((cfg.data_dir / shard["file"]).exists() for shard in shards)
+
+
+def _train_done(cfg: RunConfig) -> bool:
+    final = _final_checkpoint(cfg)
+    return final is not None and final["step"] >= cfg.train.num_weight_updates
+
+
+def _retain_done(cfg: RunConfig) -> bool:
+    index = _index(cfg)
+    return index is not None and all(Path(k["path"]).exists() for k in index.get("kept", []))
+
+
+def _export_done(cfg: RunConfig) -> bool:
+    return cfg.export_path.exists()
+
+
+_STAGE_PARTS: dict[str, tuple[Callable[[RunConfig], dict], Callable[[RunConfig], bool]]] = {
+    "configure": (_configure_inputs, _configure_done),
+    "prepare_data": (_prepare_inputs, _prepare_done),
+    "train": (_train_inputs, _train_done),
+    "retain": (_retain_inputs, _retain_done),
+    "export": (_export_inputs, _export_done),
+}
+
+
+def _token_path(cfg: RunConfig, stage: str) -> Path:
+    return cfg.output_dir / CACHE_DIR / stage
+
+
+def _write_token(path: Path) -> str:
+    token = uuid.uuid4().hex
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(token)
+    os.replace(tmp, path)
+    return token
+
+
+def generation(cfg: RunConfig, stage: str, outputs_intact: bool) -> str:
+    """The stage's generation token; a new one when its outputs are not intact (so the old key no longer matches)."""
+    path = _token_path(cfg, stage)
+    if outputs_intact:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            pass
+    return _write_token(path)
+
+
+def outputs_intact(cfg: RunConfig, stage: str) -> bool:
+    """Whether the stage's outputs are on disk and complete."""
+    return _STAGE_PARTS[stage][1](cfg)
+
+
+def stage_key(cfg: RunConfig, stage: str) -> str:
+    """The cache key of ``stage`` for this config and the current state of the run folder.
+
+    Args:
+        cfg: The run config.
+        stage: One of :data:`STAGES`.
+
+    Returns:
+        A hex digest of the stage's config sections, its input fingerprints and its generation token.
+    """
+    inputs, done = _STAGE_PARTS[stage]
+    return _hash({"stage": stage, "inputs": inputs(cfg), "generation": generation(cfg, stage, done(cfg))})
+
+
+def invalidate(cfg: RunConfig, from_stage: str) -> list[str]:
+    """Make ``from_stage`` and every later stage run again on the next pipeline run (new generation tokens).
+
+    Args:
+        cfg: The run config.
+        from_stage: One of :data:`STAGES`.
+
+    Returns:
+        The stages invalidated, in order.
+
+    Raises:
+        ValueError: ``from_stage`` is not a stage name.
+    """
+    if from_stage not in STAGES:
+        raise ValueError(f"unknown stage '{from_stage}'; use one of {', '.join(STAGES)}")
+    stages = list(STAGES[STAGES.index(from_stage):])
+    for stage in stages:
+        _write_token(_token_path(cfg, stage))
+    return stages
+
+
+@dataclass
+class StageCache(CachePolicy):
+    """Prefect cache policy of one pipeline stage; the task's ``config`` argument supplies the run folder.
+
+    Tasks without a ``config`` argument (or whose key cannot be computed, e.g. a missing model file) get no key,
+    so they run and report the real error.
+    """
+
+    stage: str = ""
+
+    def compute_key(
+        self,
+        task_ctx: TaskRunContext,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> str | None:
+        cfg = inputs.get("config")
+        if not isinstance(cfg, RunConfig):
+            return None
+        return stage_key(cfg, self.stage)

@@ -1,0 +1,131 @@
+"""The pipeline's tasks other than train: each calls one plain function and returns a small JSON-ready record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from ortflow.config import RunConfig
+from ortflow.tasks.caching import StageCache
+from ortflow.tasks.common import forward_logs, retry_transient
+from ortflow.trainer.metrics import read_progress
+
+# Every stage writes its outputs atomically and skips work that is already done, so running one twice is safe.
+_RETRY = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_condition_fn": retry_transient}
+
+
+@task(name="configure", cache_policy=StageCache(stage="configure"), persist_result=True, **_RETRY)
+def configure(config: RunConfig) -> dict:
+    """Build the training artifacts (or find them up to date) and write the resolved config into the run folder."""
+    from ortflow.configure import configure as run_configure
+
+    with forward_logs():
+        result = run_configure(config)
+    return {
+        "run_dir": str(result.run_dir),
+        "artifacts_dir": str(result.artifacts_dir),
+        "reused": result.reused,
+        "fingerprint": result.info.get("fingerprint"),
+    }
+
+
+@task(name="prepare_data", cache_policy=StageCache(stage="prepare_data"), persist_result=True, **_RETRY)
+def prepare_data(config: RunConfig) -> dict:
+    """Shard the sources into Arrow files and write the manifest (a no-op when they are up to date)."""
+    from ortflow.dataprep import prepare_data as run_prepare
+
+    with forward_logs():
+        manifest = run_prepare(config)
+    return {
+        "data_dir": str(config.data_dir),
+        "reused": manifest.reused,
+        "fingerprint": manifest.fingerprint,
+        "rows": {split: manifest.num_rows(split) for split in manifest.splits},
+    }
+
+
+@task(name="retain_checkpoints", cache_policy=StageCache(stage="retain"), persist_result=True, **_RETRY)
+def retain_checkpoints(config: RunConfig) -> dict:
+    """Keep the newest, best and final checkpoints, delete the rest, and write ``checkpoints.json``."""
+    from ortflow.export.retention import retain_checkpoints as run_retain
+
+    with forward_logs():
+        index = run_retain(config)
+    return index.to_dict()
+
+
+@task(name="export", cache_policy=StageCache(stage="export"), persist_result=True, **_RETRY)
+def export(config: RunConfig) -> dict:
+    """Export the inference model from the run's best (else newest) checkpoint to ``export.path``, verified."""
+    from ortflow.export import export_model
+
+    opts = config.export
+    with forward_logs():
+        result = export_model(
+            config.output_dir, config.export_path, outputs=opts.outputs, optimize=opts.optimize,
+            quantize=opts.quantize, tolerance=opts.tolerance, config=config,
+        )
+    return result.to_dict()
+
+
+@task(name="export_checkpoint", cache_policy=NO_CACHE, **_RETRY)
+def export_checkpoint(
+    checkpoint: str, output: str, outputs: tuple[str, ...] = (), optimize: bool = False, quantize: bool = False,
+    tolerance: float = 1e-4,
+) -> dict:
+    """Export one checkpoint folder (or a run folder's best checkpoint) to ``output``; see ``export_model``."""
+    from ortflow.export import export_model
+
+    with forward_logs():
+        result = export_model(
+            Path(checkpoint), Path(output), outputs=outputs, optimize=optimize, quantize=quantize, tolerance=tolerance,
+        )
+    create_markdown_artifact(
+        f"Exported step {result.step} of `{result.checkpoint}` to `{result.path}`; max abs difference to the eval "
+        f"graph {result.verification.max_abs_diff} (tolerance {result.verification.tolerance}).",
+        description="ortflow export",
+    )
+    return result.to_dict()
+
+
+def summary_rows(progress: dict | None, index: dict | None, exported: dict | None) -> list[dict]:
+    """The pipeline's result as metric/value rows: steps, final and best eval loss, throughput, checkpoints, model."""
+    progress, index, exported = progress or {}, index or {}, exported or {}
+    kept = index.get("kept", [])
+    scored = [k["eval_loss"] for k in kept if k.get("eval_loss") is not None]
+    rows = [
+        ("steps", f"{progress.get('step')}/{progress.get('total')}"),
+        ("final train loss", progress.get("loss")),
+        ("final eval loss", progress.get("eval_loss")),
+        ("best eval loss", min(scored) if scored else None),
+        ("samples/s", progress.get("samples_per_s")),
+        ("tokens/s", progress.get("tokens_per_s")),
+        ("kept checkpoints", ", ".join(f"step {k['step']} ({'/'.join(k.get('reasons', []))})" for k in kept) or None),
+        ("exported model", exported.get("path")),
+        ("export source step", exported.get("step")),
+    ]
+    return [{"metric": name, "value": value} for name, value in rows]
+
+
+def _markdown(name: str, rows: list[dict]) -> str:
+    def fmt(value: object) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = [f"# ortflow run `{name}`", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {r['metric']} | {fmt(r['value'])} |" for r in rows]
+    return "\n".join(lines)
+
+
+@task(name="publish_summary", cache_policy=NO_CACHE)
+def publish_summary(config: RunConfig, index: dict, exported: dict) -> dict:
+    """Publish the run's result as a markdown and a table artifact (always runs, so every flow run shows one)."""
+    rows = summary_rows(read_progress(config.output_dir), index, exported)
+    key = "ortflow-" + "".join(c if c.isalnum() else "-" for c in config.name.lower())
+    create_markdown_artifact(_markdown(config.name, rows), key=key, description=f"Result of {config.name}")
+    create_table_artifact(rows, description=f"Result of {config.name}")
+    return {row["metric"]: row["value"] for row in rows}
