@@ -1,0 +1,103 @@
+"""STYLE.md's import rules, checked by importing each package in a fresh interpreter and reading every module's imports."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "ortflow"
+
+
+def loaded_by(module: str) -> set[str]:
+    """Top-level names of everything in sys.modules after importing ``module`` in a fresh interpreter."""
+    code = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [
+        ("ortflow.config", {"ortflow.dataprep", "ortflow.trainer", "ortflow.export", "prefect", "mpi4py",
+                            "onnxruntime"}),
+        ("ortflow.dataprep", {"ortflow.trainer", "ortflow.export", "ortflow.tasks", "prefect", "mpi4py",
+                              "onnxruntime.training"}),
+        ("ortflow.trainer.loop", {"prefect", "ortflow.tasks", "ortflow.flows"}),
+        ("ortflow.trainer.__main__", {"prefect", "ortflow.tasks", "ortflow.flows", "mpi4py"}),
+        ("ortflow.export", {"prefect", "mpi4py", "ortflow.tasks"}),
+    ],
+)
+def test_package_does_not_pull_in_what_it_must_not(module, forbidden):
+    loaded = loaded_by(module)
+    assert not (forbidden & loaded), f"{module} imports {sorted(forbidden & loaded)}"
+
+
+def test_ranks_never_import_prefect_and_mpi_waits_for_a_launcher():
+    # A rank's entry point imports the trainer; MPI is initialised only by comm.create_communicator under mpiexec.
+    loaded = loaded_by("ortflow.trainer.__main__")
+    assert "prefect" not in loaded and "mpi4py" not in loaded
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+MODULES = {p.relative_to(ROOT.parent).with_suffix("").as_posix().replace("/", "."): _imports(p)
+           for p in ROOT.rglob("*.py")}
+
+
+def who_imports(prefix: str) -> set[str]:
+    return {mod for mod, names in MODULES.items() if any(n == prefix or n.startswith(prefix + ".") for n in names)}
+
+
+def test_only_comm_imports_mpi_nccl_or_cupy():
+    for library in ("mpi4py", "cupy"):
+        assert who_imports(library) <= {"ortflow.trainer.comm"}, library
+
+
+def test_only_the_engine_module_imports_onnxruntime_training():
+    assert who_imports("onnxruntime.training") == {"ortflow.engine"}
+
+
+def test_only_trainer_export_and_configure_reach_the_engine():
+    users = who_imports("ortflow.engine")
+    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.configure")
+    assert users and all(u.startswith(allowed) for u in users), users
+
+
+def test_only_orchestration_layers_import_prefect():
+    allowed = ("ortflow.tasks", "ortflow.flows", "ortflow.deployments", "ortflow.cli")
+    offenders = {m for m in who_imports("prefect") if not m.startswith(allowed)}
+    assert not offenders, offenders
+
+
+def test_flows_call_only_config_and_tasks():
+    for module, names in MODULES.items():
+        if module.startswith("ortflow.flows"):
+            ours = {n for n in names if n.startswith("ortflow")}
+            allowed = ("ortflow.config", "ortflow.tasks", "ortflow.flows")
+            assert all(n == "ortflow" or n.startswith(allowed) for n in ours), (module, ours)
+
+
+def test_config_imports_nothing_from_ortflow():
+    assert not {n for n in MODULES["ortflow.config"] if n.startswith("ortflow")}
+
+
+def test_no_torch_and_no_pickle_anywhere():
+    # (onnxruntime itself imports torch when it is installed, e.g. by the bench extra: the runtime never needs it.)
+    assert not who_imports("torch")
+    assert not who_imports("pickle") and not who_imports("cloudpickle")
+    project = (ROOT.parent / "pyproject.toml").read_text()
+    runtime = project.split("dependencies = [", 1)[1].split("]", 1)[0]
+    assert "torch" not in runtime
