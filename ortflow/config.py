@@ -562,3 +562,27 @@ def find_problems(path: Path | str, overrides: list[str] | tuple[str, ...] = ())
     except ConfigError as err:
         return None, err.problems
     return cfg, check_files(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference documentation
+
+
+def reference_markdown() -> str:
+    """A markdown table of every config field with its type, default and description (README's config reference)."""
+
+    def rows(model: type[BaseModel], prefix: str) -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                out.extend(rows(annotation, f"{prefix}{name}."))
+                continue
+            kind = str(annotation).replace("typing.", "").replace("pathlib.", "").replace("<class '", "")
+            kind = kind.replace("'>", "").replace("|", "\\|")
+            default = "*required*" if field.is_required() else f"`{json.dumps(field.default, default=str)}`"
+            out.append(f"| `{prefix}{name}` | {kind} | {default} | {field.description} |")
+        return out
+
+    header = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    return "\n".join(header + rows(RunConfig, ""))
