@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean docs
 
 $(STAMP): pyproject.toml requirements.lock
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"ortflow needs Python 3.11, found {sys.version.split()[0]}: set PYTHON=/path/to/python3.11"'
@@ -31,3 +31,6 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) runs examples/*/runs
+
+docs: setup
+	$(BIN)/python tools/update_readme.py
