@@ -320,7 +320,7 @@ def build_inference_model(
     for name in sorted(needed):
         if name in parameters and (name in graph_inputs or name in initializers):
             value = parameters[name]
-            declared = graph_inputs.get(name) or None
+            declared = graph_inputs.get(name)
             if declared is not None:
                 expected = helper.tensor_dtype_to_np_dtype(declared.type.tensor_type.elem_type)
                 if value.dtype != expected:
