@@ -371,11 +371,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"distributed.zero_stage {dist.zero_stage} needs distributed.use_nccl: true")
     elif dist.zero_stage:
         problems.append("distributed.zero_stage > 0 is not supported yet (the engine keeps full optimizer state); use 0")
-    if dist.device == "cuda" or dist.use_nccl:
-        problems.append(
-            "distributed.device: cuda and distributed.use_nccl are not supported yet in this build (GPU ranks and the "
-            "NCCL communicator are being added); use device: cpu and use_nccl: false"
-        )
+    # device: cuda and use_nccl need the machine (the GPU engine, CUDA libraries, GPUs, CuPy/NCCL): each rank checks
+    # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
     if dist.num_hosts > 1 and dist.hostfile is None:
         problems.append(f"distributed.num_hosts is {dist.num_hosts}: give distributed.hostfile listing the hosts")
     if dist.num_ranks < dist.num_hosts:

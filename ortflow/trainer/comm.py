@@ -7,12 +7,16 @@ Two implementations share one small interface:
 * :class:`MPIComm` for ranks under ``mpiexec``: gradients are packed into one contiguous buffer, summed with a single
   in-place ``Allreduce`` and unpacked with the mean's scale fused into the copy back. Small scalars (loss, the stop
   flag) ride at the end of the same buffer, so a weight update costs exactly one collective.
+* :class:`NCCLComm` (``distributed.use_nccl``) wraps one of those two: gradients are averaged with NCCL through CuPy,
+  in place in the engine's own device buffers when the engine runs on CUDA, or staged through device memory when it
+  runs on the CPU. Everything else (broadcasts, barriers, the watchdog) stays on the wrapped process group.
 
 Every MPI collective runs under a watchdog: each rank records, in a small heartbeat file, the sequence number and label
 of the collective it last entered. A rank that waits longer than the timeout reads the other ranks' records, names
 those that never arrived (and where they were last seen), and aborts the whole job.
 
-The NCCL communicator (GPU ranks) plugs in beside these two: :func:`create_communicator` is the seam.
+:func:`create_communicator` makes the process group at rank start (before the device is chosen); :func:`attach_nccl`
+adds NCCL once the rank's GPU is known (the reference's order: MPI, device, NCCL, session).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -48,8 +53,11 @@ class Communicator(Protocol):
     local_rank: int
     local_size: int
 
-    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+    def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
         """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks."""
+
+    def gradient_norm(self, grads: Sequence) -> float:
+        """Global L2 norm of the averaged gradients (clipping itself is in the optimizer graph)."""
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         """Sum of a small float64 array over ranks (a new array)."""
@@ -67,6 +75,11 @@ class Communicator(Protocol):
         """Release resources (stop the watchdog)."""
 
 
+def gradient_norm(grads: Sequence[np.ndarray]) -> float:
+    """Global L2 norm of host gradients."""
+    return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
+
+
 class SingleProcessComm:
     """The process group of one: collectives reduce over nothing."""
 
@@ -81,8 +94,14 @@ class SingleProcessComm:
             for grad in grads:
                 grad *= scale
 
+    def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads)
+
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return np.array(values, dtype=np.float64, copy=True)
+
+    def watched(self, label: str, call: Callable[[], object]) -> object:
+        return call()
 
     def broadcast(self, obj: object, label: str) -> object:
         return obj
@@ -209,6 +228,7 @@ class MPIComm:
         self._slices: list[slice] = []
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
+        self._closed = False
 
     def _timed_out(self, message: str) -> None:
         sys.stderr.write(f"[rank {self.rank}] ERROR: {message}\n")
@@ -221,6 +241,12 @@ class MPIComm:
             return call()
         finally:
             self.watchdog.leave()
+
+    #: Run a blocking call (a collective, or a wait on one) under the watchdog.
+    watched = _collective
+
+    def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads)
 
     def _layout(self, grads: Sequence[np.ndarray], num_scalars: int) -> np.ndarray:
         sizes = [g.size for g in grads]
@@ -262,6 +288,9 @@ class MPIComm:
         self.comm.Abort(code)
 
     def close(self) -> None:
+        if self._closed:  # an NCCLComm wrapping this one closes it too
+            return
+        self._closed = True
         self.watchdog.close()
         self.heartbeats.close()
 
@@ -272,15 +301,209 @@ def launched_by_mpi(environ: dict[str, str] | os._Environ = os.environ) -> bool:
 
 
 def create_communicator(heartbeat_dir: Path, timeout_s: float, use_nccl: bool = False) -> Communicator:
-    """The communicator for this process: MPI under a launcher, else the single-process one.
+    """The process group for this process: MPI under a launcher, else the single-process one.
+
+    NCCL is added later, by :func:`attach_nccl`, once the rank's GPU is chosen (it needs this group to share its id).
 
     Args:
         heartbeat_dir: Shared folder for the watchdog's per-rank heartbeat records.
         timeout_s: Abort when one collective waits longer than this.
-        use_nccl: Reduce gradients with NCCL on the GPU (not available yet in this build).
+        use_nccl: Accepted for the call sites' sake; the group itself is the same with or without NCCL.
     """
-    if use_nccl:
-        raise NotImplementedError("distributed.use_nccl: the NCCL communicator is not available yet; set it to false")
     if launched_by_mpi():
         return MPIComm(heartbeat_dir, timeout_s)
     return SingleProcessComm()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# NCCL through CuPy
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A float32 tensor the engine owns on the GPU: its device address and element count (no host copy)."""
+
+    ptr: int
+    count: int
+    name: str = ""
+
+
+#: One launch for a whole list of tensors (like llm.c's and apex's multi-tensor kernels): blockIdx.y picks the tensor.
+_MULTI_TENSOR_SRC = r"""
+extern "C" __global__ void sum_squares(const unsigned long long* ptrs, const long long* counts, double* out) {
+    const float* x = (const float*)ptrs[blockIdx.y];
+    long long n = counts[blockIdx.y];
+    double acc = 0.0;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        double v = x[i];
+        acc += v * v;
+    }
+    __shared__ double part[256];
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) atomicAdd(out, part[0]);
+}
+extern "C" __global__ void scale(const unsigned long long* ptrs, const long long* counts, float factor) {
+    float* x = (float*)ptrs[blockIdx.y];
+    long long n = counts[blockIdx.y];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] *= factor;
+}
+"""
+
+
+class NCCLComm:
+    """Gradients averaged with NCCL; every other collective goes to the wrapped MPI (or single-process) group.
+
+    * Engine on CUDA: ``grads`` are :class:`DeviceBuffer` s, the engine's own gradient buffers. One NCCL group call
+      all-reduces each of them in place (``ncclAvg`` when the divisor is the world size, else a sum and one scaling
+      launch), the loss/stop scalars ride in the same group, and one multi-tensor launch sums the squares for the
+      norm (one read of the gradients).
+      The host waits once per update, under the watchdog.
+    * Engine on the CPU: ``grads`` are host views; they are packed into one host buffer, copied to the GPU,
+      all-reduced there and copied back (staging through device memory).
+
+    Args:
+        group: The process group (rank, size, broadcast of the NCCL id, the watchdog).
+        device_index: This rank's GPU among the visible ones.
+    """
+
+    def __init__(self, group: Communicator, device_index: int):
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as err:
+            raise RuntimeError(
+                f"distributed.use_nccl needs CuPy with NCCL ({err}): install ortflow's `cuda` extra (docs/gpu.md) or "
+                "set use_nccl: false"
+            ) from None
+        self._cp, self._nccl, self.group = cupy, nccl, group
+        self.rank, self.size = group.rank, group.size
+        self.local_rank, self.local_size = group.local_rank, group.local_size
+        self.device_index = device_index
+        cupy.cuda.Device(device_index).use()
+        # Rank bootstrap as in llm.c's zero.cuh: rank 0 makes the unique id, the process group broadcasts it.
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = group.broadcast(uid, "nccl unique id")
+        self.comm = group.watched("nccl init", lambda: nccl.NcclCommunicator(self.size, uid, self.rank))
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        try:
+            module = cupy.RawModule(code=_MULTI_TENSOR_SRC)
+            self._sum_squares, self._scale = module.get_function("sum_squares"), module.get_function("scale")
+            module.compile()
+        except Exception as err:  # noqa: BLE001 - CuPy raises several kinds for a missing or broken NVRTC
+            raise RuntimeError(
+                f"CuPy cannot compile kernels on GPU {device_index} ({type(err).__name__}: {err}); it needs NVRTC: "
+                "install the `cuda` extra (cupy with its [ctk] libraries) or set CUDA_PATH to a CUDA toolkit"
+            ) from None
+        self._scalars = cupy.zeros(8, dtype=cupy.float64)  # [scalars..., sum of squares]
+        self._table: tuple | None = None
+        self._host: np.ndarray | None = None
+        self._device_flat = None
+        self._norm_sq = 0.0
+        self._closed = False
+
+    # -- the gradient path ----------------------------------------------------------------------------------------
+    def _tensor_table(self, grads: Sequence[DeviceBuffer]) -> tuple:
+        cp = self._cp
+        key = tuple((g.ptr, g.count) for g in grads)
+        if self._table is None or self._table[0] != key:
+            ptrs = cp.asarray(np.array([g.ptr for g in grads], dtype=np.uint64))
+            counts = cp.asarray(np.array([g.count for g in grads], dtype=np.int64))
+            self._table = (key, ptrs, counts, max(g.count for g in grads))
+        return self._table
+
+    def _launch(self, kernel, table: tuple, *args) -> None:
+        _, ptrs, counts, largest = table
+        blocks = int(min(max(1, -(-largest // 256)), 1024))
+        kernel((blocks, len(table[0])), (256,), (ptrs, counts, *args), stream=self.stream)
+
+    def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
+        if grads and isinstance(grads[0], np.ndarray):
+            return self._average_host(grads, divisor, scalars)
+        cp, nccl, stream = self._cp, self._nccl, self.stream
+        table = self._tensor_table(grads)
+        n = scalars.size
+        host = np.zeros(self._scalars.size, dtype=np.float64)
+        host[:n] = scalars
+        # Sync point: the engine ran the backward pass on its own stream; NCCL must not read half-written gradients.
+        cp.cuda.runtime.deviceSynchronize()
+        self._scalars.set(host, stream=stream)
+        average = divisor == self.size  # NCCL divides while it reduces: no extra pass over the gradients
+        op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
+        nccl.groupStart()
+        for grad in grads:
+            self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
+        self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
+                            stream.ptr)
+        nccl.groupEnd()
+        if not average:
+            self._launch(self._scale, table, np.float32(1.0 / divisor))
+        self._launch(self._sum_squares, table, self._scalars[n : n + 1])
+        # Sync point: the engine's optimizer runs on its own stream and must see the averaged gradients; the wait is
+        # where a stalled rank shows, so it runs under the watchdog.
+        self.group.watched("gradient all-reduce (nccl)", stream.synchronize)
+        result = self._scalars.get()
+        scalars[:] = result[:n]
+        self._norm_sq = float(result[n])
+
+    def _average_host(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        cp, nccl, stream = self._cp, self._nccl, self.stream
+        sizes = [g.size for g in grads]
+        total = sum(sizes) + scalars.size
+        if self._host is None or self._host.size != total:
+            self._host = np.empty(total, dtype=np.float32)
+            self._device_flat = cp.empty(total, dtype=cp.float32)
+        flat, offset = self._host, 0
+        for grad in grads:
+            flat[offset : offset + grad.size] = grad.reshape(-1)
+            offset += grad.size
+        flat[offset:] = scalars
+        self._device_flat.set(flat, stream=stream)
+        self.comm.allReduce(self._device_flat.data.ptr, self._device_flat.data.ptr, total, nccl.NCCL_FLOAT32,
+                            nccl.NCCL_SUM, stream.ptr)
+        self._device_flat.get(stream=stream, out=flat)
+        # Sync point: the host reads the sums next.
+        self.group.watched("gradient all-reduce (nccl, staged)", stream.synchronize)
+        scale, offset = np.float32(1.0 / divisor), 0
+        for grad in grads:
+            np.multiply(flat[offset : offset + grad.size].reshape(grad.shape), scale, out=grad)
+            offset += grad.size
+        scalars[:] = flat[offset:]
+
+    def gradient_norm(self, grads: Sequence) -> float:
+        if grads and isinstance(grads[0], np.ndarray):
+            return gradient_norm(grads)
+        return float(np.sqrt(self._norm_sq))  # summed on the device by average_gradients, in the same wait
+
+    # -- everything else runs on the process group ----------------------------------------------------------------
+    def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        return self.group.allreduce_sum(values, label)
+
+    def broadcast(self, obj: object, label: str) -> object:
+        return self.group.broadcast(obj, label)
+
+    def barrier(self, label: str) -> None:
+        self.group.barrier(label)
+
+    def watched(self, label: str, call: Callable[[], object]) -> object:
+        return self.group.watched(label, call)
+
+    def abort(self, code: int) -> None:
+        self.group.abort(code)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.stream.synchronize()
+            self.group.close()
+
+
+def attach_nccl(group: Communicator, device_index: int) -> NCCLComm:
+    """Join this rank to NCCL on GPU ``device_index`` (after the process group is up and the device is chosen)."""
+    return NCCLComm(group, device_index)

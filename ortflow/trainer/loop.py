@@ -50,11 +50,6 @@ def evaluate(rt: Runtime, eval_batches: Callable[[], Iterator[tuple[dict, int]]]
     return float(total[0] / total[1]) if total[1] else None
 
 
-def gradient_norm(grads: list[np.ndarray]) -> float:
-    """Global L2 norm of the averaged gradients (clipping itself is in the optimizer graph: optimizer.max_grad_norm)."""
-    return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
-
-
 def check_ranks_identical(rt: Runtime, step: int) -> str:
     """sha256 of this rank's trainable parameters; raises if any rank's differs from rank 0's (ranks diverged)."""
     digest = hashlib.sha256()
@@ -101,7 +96,7 @@ def train(
     cursor = rt.resume.global_cursor if rt.resume else 0
     names = module.input_names()
     batches = train_batches(cursor)
-    grads: list[np.ndarray] = []
+    grads: list = []
     scalars = np.zeros(2, dtype=np.float32)  # [this rank's mean loss, stop requested]
     train_loss = eval_loss = None
     window_start, window_samples = clock(), 0
@@ -116,8 +111,8 @@ def train(
         for _ in range(k):  # the engine sums the micro-batches' gradients
             feeds = next(batches)
             loss_sum += float(module(*(feeds[n] for n in names)))
-        if not grads:  # zero-copy views of the engine's buffers; their addresses last as long as the module
-            grads = [rt.state.parameters[n].grad for n in rt.trainable]
+        if not grads:  # the engine's own buffers (host views, device buffers on CUDA), fixed for the module's life
+            grads = rt.gradient_buffers()
         scalars[:] = (loss_sum / k, float(stop.requested))
         # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop.
         comm.average_gradients(grads, k * world, scalars)
@@ -127,7 +122,7 @@ def train(
         train_loss = float(scalars[0]) / world
         evaluated = period > 0 and step % period == 0 or step == total
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
-        grad_norm = gradient_norm(grads) if report else None  # a pass over every gradient: only when shown
+        grad_norm = comm.gradient_norm(grads) if report else None  # a pass over every gradient: only when shown
         optimizer.step()
         module.lazy_reset_grad()
 

@@ -1,8 +1,8 @@
 """Rank start-up, in the order of the C++ TrainingRunner's ``Initialize()``.
 
 1. MPI: world rank/size and local rank/size (the communicator for CPU ranks).
-2. Device and execution provider for the local rank.
-3. Communicator for gradients (MPI on CPU; the NCCL seam is ``comm.create_communicator``).
+2. Device and execution provider for the local rank (``cuda:<local rank>`` among the visible GPUs).
+3. Communicator for gradients: the MPI group, joined to NCCL on the rank's GPU when ``use_nccl`` is set.
 4. Model and session configuration: threads, the artifacts, the checkpoint to start from.
 5. Session: the engine's ``Module`` and ``Optimizer``.
 6. Checkpoint load. The engine's Python API binds parameter values when the session is created, so the checkpoint is
@@ -18,12 +18,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnxruntime
 
 from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
-from ortflow.trainer import checkpoints
-from ortflow.trainer.comm import Communicator, create_communicator
+from ortflow.trainer import checkpoints, cuda_libs
+from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -45,6 +46,22 @@ class Runtime:
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
 
+    def gradient_buffers(self) -> list:
+        """The engine's gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA.
+
+        On CUDA ``Parameter.grad`` returns a host copy, so the device addresses are read from the gradients' OrtValues
+        instead; the engine allocates them once with the module, so they stay valid for its whole life.
+        """
+        if self.device == "cpu":
+            return [self.state.parameters[n].grad for n in self.trainable]
+        buffers = []
+        for name in self.trainable:
+            grad = self.state._state.get_parameter(name).grad  # the engine's C OrtValue (no copy)
+            if grad.data_type() != "tensor(float)":
+                raise TypeError(f"gradient of {name} is {grad.data_type()}: only float32 gradients are supported")
+            buffers.append(DeviceBuffer(grad.data_ptr(), int(np.prod(grad.shape(), dtype=np.int64)), name))
+        return buffers
+
 
 def available_cores() -> int:
     """Cores this process may run on (affinity-aware)."""
@@ -65,11 +82,28 @@ def session_options(threads: int) -> onnxruntime.SessionOptions:
     return options
 
 
-def select_device(cfg: RunConfig, local_rank: int) -> str:
-    """The engine device string for this rank."""
+def select_device(cfg: RunConfig, local_rank: int, local_size: int = 1) -> str:
+    """The engine device string for this rank: ``cpu``, or ``cuda:<local rank>`` among the visible GPUs.
+
+    For CUDA it first loads the engine's CUDA 11.8 / cuDNN 8 libraries from pip's ``nvidia-*-cu11`` packages (see
+    :mod:`ortflow.trainer.cuda_libs`) and fails clearly when the engine, the libraries or the GPUs are missing.
+    """
     if cfg.distributed.device == "cpu":
         return "cpu"
-    raise NotImplementedError("distributed.device: cuda is not available in this build; use cpu")  # GPU issue
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise RuntimeError(
+            f"distributed.device is cuda but the installed engine ({onnxruntime.__version__}) is the CPU build: "
+            "install onnxruntime-training==1.19.2 in place of onnxruntime-training-cpu (docs/gpu.md)"
+        )
+    index = cuda_libs.gpu_for_local_rank(local_rank, local_size)
+    report = cuda_libs.preload()
+    engine_missing = [name for name in report.missing if name in cuda_libs.ENGINE_LIBRARIES]
+    if engine_missing:
+        raise RuntimeError(
+            f"the GPU engine needs {', '.join(engine_missing)} (CUDA 11.8 / cuDNN 8): install ortflow's `cuda` extra "
+            f"or name their folder in {cuda_libs.ENV_DIRS} (docs/gpu.md); `ortflow doctor` lists what is found"
+        )
+    return f"cuda:{index}"
 
 
 def start_mpi(run_dir: Path) -> tuple[RunConfig, Communicator]:
@@ -88,7 +122,12 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
             f"`ortflow train {run_dir} --np {cfg.distributed.num_ranks}` or change the config"
         )
     # 2. Device and execution provider for the local rank.
-    device = select_device(cfg, comm.local_rank)
+    device = select_device(cfg, comm.local_rank, comm.local_size)
+    # 3. NCCL joins on the rank's GPU (CPU ranks with use_nccl still need one: they stage gradients through it).
+    if cfg.distributed.use_nccl:
+        if device == "cpu":
+            cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
+        comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size))
     # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
     chosen = None

@@ -1,0 +1,130 @@
+"""Find and load the CUDA libraries the engine's GPU build needs, so nobody edits LD_LIBRARY_PATH.
+
+The GPU engine (``onnxruntime-training==1.19.2``) links against CUDA 11.8 and cuDNN 8 by soname
+(``libcudart.so.11.0``, ``libcublas.so.11``, ``libcudnn.so.8``, ...). The pip packages ``nvidia-*-cu11`` install those
+files under ``site-packages/nvidia/<part>/lib``, a folder the dynamic loader does not search. Loading each file once,
+by full path and with ``RTLD_GLOBAL``, before the engine creates its first CUDA session makes the loader reuse it when
+the engine's CUDA provider (and cuDNN's own sub-libraries) ask for the soname. NCCL (``libnccl.so.2``) is found the
+same way for CuPy.
+
+Search order: the folders in ``ORTFLOW_CUDA_LIB_DIRS`` (``os.pathsep``-separated), then every ``nvidia/*/lib`` folder
+on ``sys.path``, then the loader's own path (``LD_LIBRARY_PATH``, ldconfig). Only ``ctypes`` is imported here: the
+module is safe to import anywhere (``ortflow doctor`` uses it on machines without GPUs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Sonames the engine's CUDA provider needs, in dependency order (cuBLASLt before cuBLAS).
+ENGINE_LIBRARIES = (
+    "libcudart.so.11.0",
+    "libcublasLt.so.11",
+    "libcublas.so.11",
+    "libcufft.so.10",
+    "libcurand.so.10",
+    "libcudnn.so.8",
+    "libcudnn_ops_infer.so.8",
+    "libcudnn_ops_train.so.8",
+)
+#: Loaded when present but not needed by every model (convolutions).
+OPTIONAL_LIBRARIES = ("libcudnn_cnn_infer.so.8", "libcudnn_cnn_train.so.8", "libcudnn_adv_infer.so.8",
+                      "libcudnn_adv_train.so.8")
+NCCL_LIBRARY = "libnccl.so.2"
+ENV_DIRS = "ORTFLOW_CUDA_LIB_DIRS"
+
+
+@dataclass
+class LoadReport:
+    """What :func:`preload` found: soname -> path (or "system" when only the loader's own path had it)."""
+
+    loaded: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+
+def search_dirs(environ: dict[str, str] | os._Environ = os.environ, paths: list[str] | None = None) -> list[Path]:
+    """Folders to look in, in order: ``ORTFLOW_CUDA_LIB_DIRS``, then ``nvidia/*/lib`` of each ``sys.path`` entry."""
+    dirs = [Path(p) for p in environ.get(ENV_DIRS, "").split(os.pathsep) if p]
+    for entry in sys.path if paths is None else paths:
+        dirs += sorted(Path(p) for p in glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib")))
+    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+
+
+def find(soname: str, dirs: list[Path]) -> Path | None:
+    """The first ``dirs/soname`` that exists."""
+    return next((d / soname for d in dirs if (d / soname).exists()), None)
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}  # kept alive for the process: unloading would pull them from under the engine
+
+
+def preload(
+    sonames: tuple[str, ...] = ENGINE_LIBRARIES + (NCCL_LIBRARY,),
+    optional: tuple[str, ...] = OPTIONAL_LIBRARIES,
+    dirs: list[Path] | None = None,
+) -> LoadReport:
+    """Load ``sonames`` globally from the search folders (or the loader's path); report what is missing.
+
+    Call before the engine creates a CUDA session and before CuPy touches NCCL. Loading twice is harmless.
+    """
+    dirs = search_dirs() if dirs is None else dirs
+    report = LoadReport()
+    for soname in sonames + optional:
+        path = find(soname, dirs)
+        try:
+            _LOADED[soname] = ctypes.CDLL(str(path) if path else soname, mode=ctypes.RTLD_GLOBAL)
+            report.loaded[soname] = str(path) if path else "system"
+        except OSError:
+            if soname not in optional:
+                report.missing.append(soname)
+    return report
+
+
+def gpu_count() -> tuple[int, str | None]:
+    """(GPUs this process may use, None) from the CUDA driver, honouring CUDA_VISIBLE_DEVICES; (0, reason) if none."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0, "no NVIDIA driver (libcuda.so.1 not found)"
+    if (err := cuda.cuInit(0)) != 0:
+        return 0, f"the CUDA driver failed to start (cuInit error {err}; CUDA_VISIBLE_DEVICES may hide every GPU)"
+    count = ctypes.c_int(0)
+    if (err := cuda.cuDeviceGetCount(ctypes.byref(count))) != 0:
+        return 0, f"cuDeviceGetCount error {err}"
+    return count.value, None if count.value else "the driver sees no GPU (check CUDA_VISIBLE_DEVICES)"
+
+
+def gpu_names(count: int) -> list[str]:
+    """Each visible GPU's name from the driver (empty when there is none)."""
+    if not count:
+        return []
+    cuda = ctypes.CDLL("libcuda.so.1")
+    names = []
+    for index in range(count):
+        device, name = ctypes.c_int(), ctypes.create_string_buffer(128)
+        cuda.cuDeviceGet(ctypes.byref(device), index)
+        cuda.cuDeviceGetName(name, 128, device)
+        names.append(name.value.decode(errors="replace"))
+    return names
+
+
+def gpu_for_local_rank(local_rank: int, local_size: int) -> int:
+    """The GPU index (among the visible ones) of a local rank; a clear error when there are too few GPUs.
+
+    Raises:
+        RuntimeError: no usable GPU, or more ranks on this host than visible GPUs (NCCL needs one GPU per rank).
+    """
+    count, why = gpu_count()
+    if not count:
+        raise RuntimeError(f"distributed.device cuda / use_nccl need a GPU, but {why}; run `ortflow doctor`")
+    if local_size > count:
+        raise RuntimeError(
+            f"{local_size} ranks on this host but only {count} GPU(s) visible: give each rank its own GPU "
+            f"(distributed.num_ranks per host <= GPUs) or widen CUDA_VISIBLE_DEVICES"
+        )
+    return local_rank
