@@ -1,0 +1,149 @@
+"""What every comparison shares: the benchmark's run folder, process launching, and min/median/max summaries.
+
+Each contender runs in its own process tree (so thread pools and MPI start clean) and prints one line
+``BENCH_RESULT {json}`` from rank 0; :func:`run_contender` starts it and returns that record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RESULT_TAG = "BENCH_RESULT "
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The measured workload and how processes are started."""
+
+    shape: dict  # GPTShape fields
+    batch_size: int  # samples per rank per step
+    warmup_steps: int  # excluded from timing
+    timed_steps: int
+    display_steps: int  # trainer progress window (steps); warmup_steps and timed_steps are multiples of it
+    mpiexec: tuple[str, ...]  # launcher prefix, e.g. (".venv/bin/mpiexec",) or ("mpirun", "--allow-run-as-root")
+    python: str = sys.executable
+    env: dict = field(default_factory=dict)
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.timed_steps
+
+
+def default_mpiexec() -> tuple[str, ...]:
+    """$BENCH_MPIEXEC (split like a shell would), else the mpiexec beside this Python (the PyPI mpich wheel)."""
+    if os.environ.get("BENCH_MPIEXEC"):
+        return tuple(shlex.split(os.environ["BENCH_MPIEXEC"]))
+    return (str(Path(sys.executable).parent / "mpiexec"),)
+
+
+def summarize(values: list[float]) -> dict:
+    """min / median / max / n of a list of measurements (None entries, failed runs, are dropped)."""
+    kept = [v for v in values if v is not None]
+    if not kept:
+        return {"min": None, "median": None, "max": None, "n": 0}
+    return {"min": min(kept), "median": statistics.median(kept), "max": max(kept), "n": len(kept)}
+
+
+def host_info() -> dict:
+    """Where the numbers come from."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for name in ("numpy", "onnxruntime", "onnx", "torch", "mpi4py"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
+            versions[name] = None
+    return {
+        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(), "versions": versions,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }  # fmt: skip
+
+
+def thread_env(threads: int) -> dict:
+    """Environment pinning every thread pool a rank might start (OpenMP, MKL, OpenBLAS) to ``threads``."""
+    n = str(threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
+
+
+def parse_result(output: str) -> dict | None:
+    """The last ``BENCH_RESULT`` record in a process's output."""
+    found = None
+    for line in output.splitlines():
+        at = line.find(RESULT_TAG)
+        if at >= 0:
+            found = json.loads(line[at + len(RESULT_TAG) :])
+    return found
+
+
+def run_command(cmd: list[str], env: dict, timeout: float, log: Path | None = None) -> tuple[int, str, float]:
+    """Run ``cmd``; returns (exit status, output, wall seconds). Output is also written to ``log``."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env},
+            timeout=timeout, stdin=subprocess.DEVNULL, check=False,
+        )  # fmt: skip
+        code, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as err:
+        code, out = 124, (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else str(err)
+    wall = time.perf_counter() - t0
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"$ {shlex.join(cmd)}\n{out}\nexit {code} after {wall:.1f} s\n")
+    return code, out, wall
+
+
+def spawn_ranks(cmd: list[str], world: int, env: dict, timeout: float) -> tuple[int, str]:
+    """Start ``world`` copies of ``cmd`` the way torchrun does (RANK, WORLD_SIZE, MASTER_ADDR/PORT); rank 0's output."""
+    port = 29500 + (os.getpid() * 7 + int(time.time())) % 2000
+    procs = []
+    for rank in range(world):
+        rank_env = {**os.environ, **env, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)}  # fmt: skip
+        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=rank_env,
+                                      stdin=subprocess.DEVNULL))  # fmt: skip
+    try:
+        output, _ = procs[0].communicate(timeout=timeout)
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return 124, "timed out"
+    return max(codes, key=abs), output
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty folder at ``path``."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def random_tokens(rows: int, seq_len: int, vocab: int, seed: int) -> np.ndarray:
+    """[rows, seq_len + 1] token ids with some structure (a noisy repeating pattern) so that the loss can fall."""
+    rng = np.random.default_rng(seed)
+    base = (np.arange(seq_len + 1)[None, :] * rng.integers(1, 7, (rows, 1)) + rng.integers(0, vocab, (rows, 1)))
+    noise = rng.random((rows, seq_len + 1)) < 0.1
+    return np.where(noise, rng.integers(0, vocab, (rows, seq_len + 1)), base % vocab).astype(np.int64)

@@ -1,0 +1,180 @@
+"""Markdown report (and PNG plots, when matplotlib is installed) from a results JSON written by ``python -m bench``.
+
+``python -m bench.report RESULTS.json`` re-renders a report, e.g. for results brought back from the device machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+GOALS = {"overhead": 0.03, "efficiency_2": 0.95, "efficiency_16": 0.90, "ortflow_over_torch": 1.0}
+
+
+def _f(value, fmt: str = "{:.3f}") -> str:
+    return fmt.format(value) if isinstance(value, int | float) else "-"
+
+
+def _mmm(s: dict | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    if not s or s.get("median") is None:
+        return "-"
+    return " / ".join(fmt.format(s[k] * scale) for k in ("min", "median", "max"))
+
+
+def _layout(label: str) -> tuple[int, int]:
+    n, t = label.split()[1].split("x")
+    return int(n), int(t)
+
+
+def plot(record: dict, out: Path) -> list[str]:
+    """Throughput per layout (ortflow vs PyTorch) and weak-scaling efficiency; returns the PNG names written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    names = []
+    summary = record["summary"]
+    layouts = sorted({label.split()[1] for label in summary}, key=lambda x: tuple(map(int, x.split("x"))))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.27
+    for i, kind in enumerate(("ortflow", "torch", "bare")):
+        xs, meds, lo, hi = [], [], [], []
+        for j, layout in enumerate(layouts):
+            s = summary.get(f"{kind} {layout}", {}).get("tokens_per_s")
+            if s and s["median"]:
+                xs.append(j + (i - 1) * width)
+                meds.append(s["median"])
+                lo.append(s["median"] - s["min"])
+                hi.append(s["max"] - s["median"])
+        if xs:
+            ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label={"torch": "PyTorch DDP (gloo)",
+                   "ortflow": "ortflow trainer", "bare": "bare engine loop"}[kind])  # fmt: skip
+    ax.set_xticks(range(len(layouts)), [f"{x} (ranks x threads)" if k == 0 else x for k, x in enumerate(layouts)])
+    ax.set_ylabel("tokens/s (median, min-max)")
+    ax.set_title(f"Throughput, {record['host']['host']} ({record['host']['cores']} cores)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    name = out.stem + "-throughput.png"
+    fig.savefig(out.parent / name, dpi=110)
+    plt.close(fig)
+    names.append(name)
+
+    eff = record["ratios"]["weak_scaling_efficiency"]
+    if any(eff[k] for k in eff):
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        for kind, series in eff.items():
+            pts = sorted((int(n), s["median"]) for n, s in series.items() if s.get("median") is not None)
+            if pts:
+                ax.plot([1] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], marker="o",
+                        label="ortflow" if kind == "ortflow" else "PyTorch DDP")  # fmt: skip
+        ax.axhline(0.95, ls="--", lw=0.8, color="gray")
+        ax.axhline(0.90, ls=":", lw=0.8, color="gray")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks (1 thread each, fixed batch per rank)")
+        ax.set_ylabel("weak-scaling efficiency")
+        ax.set_ylim(0, 1.1)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        name = out.stem + "-scaling.png"
+        fig.savefig(out.parent / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def render(record: dict, plots: list[str]) -> str:
+    """The report's markdown."""
+    h, m, r = record["host"], record["model"], record["ratios"]
+    lines = [f"# ortflow benchmark: {h['host']}, {h['date']}", "", "```", record["command"], "```", ""]
+    lines += [f"{h['cpu']}, {h['cores']} cores; Python {h['python']}; "
+              + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + ".", ""]  # fmt: skip
+    s = record["setup"]
+    lines += [f"Model: the PyTorch GPT of `bench/torch_gpt.py` exported to ONNX, {m['shape']}, "
+              f"{m['num_params'] / 1e6:.2f} M parameters, {m['train_flops_per_token'] / 1e6:.1f} MFLOP per token "
+              f"(training: 6 x matmul parameters + attention). Batch {s['batch_size']} x {m['shape']['seq_len']} "
+              f"tokens per rank (weak scaling); AdamW. Each contender: {s['warmup_steps']} warm-up steps, then "
+              f"{s['timed_steps']} timed; {max((len(v) for v in record['runs'].values()), default=0)} interleaved "
+              f"rounds; figures are min / median / max over rounds; ratios are taken within a round.", ""]  # fmt: skip
+
+    ov = r["trainer_overhead"]
+    eff = r["weak_scaling_efficiency"]
+    lines += ["## Goals", "", "| goal | measured (median; min..max) | met |", "|---|---|---|"]
+    if ov.get("median") is not None:
+        lines.append(f"| trainer overhead vs bare engine loop <= 3% (1x1) | {ov['median']:+.1%} "
+                     f"({ov['min']:+.1%}..{ov['max']:+.1%}) | {'yes' if ov['median'] <= GOALS['overhead'] else 'no'} |")
+    for n, e in eff.get("ortflow", {}).items():
+        goal = GOALS["efficiency_2"] if int(n) <= 2 else GOALS["efficiency_16"] if int(n) >= 16 else None
+        if e.get("median") is not None:
+            met = "-" if goal is None else ("yes" if e["median"] >= goal else "no")
+            lines.append(f"| weak-scaling efficiency, {n} ranks{f' >= {goal}' if goal else ''} | {e['median']:.3f} "
+                         f"({e['min']:.3f}..{e['max']:.3f}) | {met} |")
+    for layout, q in r["ortflow_over_torch"].items():
+        if q.get("median") is not None:
+            lines.append(f"| ortflow / PyTorch DDP throughput >= 1, {layout} | {q['median']:.3f} "
+                         f"({q['min']:.3f}..{q['max']:.3f}) | {'yes' if q['median'] >= 1 else 'no'} |")
+    lines.append("")
+
+    lines += ["## Throughput", "", "| contender (ranks x threads) | step time ms | samples/s | tokens/s | "
+              "GFLOP/s | fraction of GEMM ceiling |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for label in sorted(record["summary"], key=lambda x: (_layout(x), x)):
+        sm = record["summary"][label]
+        fc = record["fraction_of_ceiling"].get(label, {})
+        lines.append(f"| {label} | {_mmm(sm['step_time_s'], 1e3, '{:.1f}')} | {_mmm(sm['samples_per_s'], 1, '{:.2f}')} "
+                     f"| {_mmm(sm['tokens_per_s'], 1, '{:.0f}')} | {_f(fc.get('gflops'), '{:.1f}')} | "
+                     f"{_f(fc.get('fraction'), '{:.1%}')} |")
+    lines.append("")
+    lines += [f"![{p}]({p})" for p in plots] + [""]
+    if r.get("intra_op_speedup"):
+        speedups = [f"{k} {v['median']:.2f}" for k, v in r["intra_op_speedup"].items() if v.get("median")]
+        lines += ["Speed-up of 1 rank x all threads over 1 x 1: " + ", ".join(speedups) + ".", ""]
+
+    c = record["ceiling"]
+    lines += ["## Ceiling", "", f"float32 GEMM (numpy matmul): {_f(c['gemm_gflops_1_thread'], '{:.1f}')} GFLOP/s with "
+              f"1 thread, {_f(c['gemm_gflops_all_threads'], '{:.1f}')} GFLOP/s with {c['cores']} threads. The fraction "
+              "above is achieved GFLOP/s / (1-thread GEMM GFLOP/s x cores used).", ""]  # fmt: skip
+    sanity = record.get("sanity")
+    if sanity:
+        lines += ["## Same model", "", "First losses from the same initial weights on the same batches, same AdamW: "
+                  f"engine {[round(x, 5) for x in sanity['engine_losses']]}, PyTorch "
+                  f"{[round(x, 5) for x in sanity['torch_losses']]}; relative difference at step 1 "
+                  f"{sanity['first_step_rel_diff']:.1e}, at most {sanity['max_rel_diff']:.1e}.", ""]  # fmt: skip
+    ar = record.get("allreduce")
+    if ar:
+        lines += ["## All-reduce", "", f"{ar['world']} ranks, {ar['bytes'] / 1e6:.1f} MB in {ar['num_tensors']} "
+                  f"gradients: ortflow `MPIComm.average_gradients` (pack, one Allreduce, unpack with the 1/N scale) "
+                  f"{_mmm(ar['ortflow'], 1e3, '{:.2f}')} ms vs a bare mpi4py Allreduce of the same bytes "
+                  f"{_mmm(ar['bare_mpi'], 1e3, '{:.2f}')} ms (min / median / max); ratio of medians "
+                  f"{ar['ratio_median']:.2f}.", ""]  # fmt: skip
+    ck = record.get("checkpoint")
+    if ck:
+        lines += ["## Checkpoints", "", f"The trainer's save of a complete checkpoint ({ck['bytes'] / 1e6:.1f} MB: "
+                  f"parameters + AdamW moments, fsync, checksum, meta.json, rename): {_mmm(ck['save'], 1e3, '{:.0f}')} "
+                  f"ms. Every {ck['period_steps']} steps of {_f(ck['step_time_s'], '{:.3f}')} s (ortflow 1x1) that is "
+                  f"{_f(ck.get('fraction_of_training'), '{:.2%}')} of training time.", ""]  # fmt: skip
+    dp = record.get("dataprep")
+    if dp:
+        w = dp["write"]
+        lines += ["## Data preparation", "", f"`prepare_data` {w['prepare_data_mb_per_s']} MB/s vs pyarrow's own IPC "
+                  f"write {w['pyarrow_ipc_write_mb_per_s']} MB/s (ratio {w['ratio_prepare_over_pyarrow']}; "
+                  f"{w['note']}). "
+                  "Full results: `bench/results/dataprep.json` (from `bench/bench_dataprep.py`).", ""]  # fmt: skip
+    lines += [f"Suite wall time: {record.get('wall_s', 0):.0f} s. Per-run logs: `{Path(record.get('logs', '')).name}`."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(json_path: Path) -> Path:
+    """Render ``json_path``'s report beside it (``.md`` and PNGs); returns the markdown path."""
+    json_path = Path(json_path)
+    record = json.loads(json_path.read_text())
+    md = json_path.with_suffix(".md")
+    md.write_text(render(record, plot(record, md)))
+    return md
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(write_report(Path(arg)))
