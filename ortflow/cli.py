@@ -177,6 +177,19 @@ def export_cmd(
         console.print(f"int8: {json.dumps(result.to_dict()['quantization'])}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def doctor() -> None:
+    """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing."""
+    from ortflow.trainer.cuda_libs import diagnose
+
+    rows = diagnose()
+    for item, found, detail in rows:
+        mark = "[green]ok[/]     " if found else "[yellow]missing[/]"
+        console.print(f"{mark} {item}: {detail}", highlight=False)
+    gpu_ready = all(found for _, found, _ in rows)
+    console.print("GPU training (device: cuda, use_nccl): " + ("ready" if gpu_ready else "not ready, see above"))
+
+
 def _progress_bar(run_dir: Path, stop) -> None:
     """Show progress.json as a rich progress bar until ``stop`` (a threading.Event) is set."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -128,3 +128,41 @@ def gpu_for_local_rank(local_rank: int, local_size: int) -> int:
             f"(distributed.num_ranks per host <= GPUs) or widen CUDA_VISIBLE_DEVICES"
         )
     return local_rank
+
+
+def diagnose() -> list[tuple[str, bool, str]]:
+    """What ``ortflow doctor`` prints: (item, found, detail) for the engine build, CUDA libraries, GPUs, NCCL, MPI."""
+    import importlib.metadata as metadata
+    import importlib.util
+    import shutil
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    rows: list[tuple[str, bool, str]] = []
+    gpu_engine, cpu_engine = version("onnxruntime-training"), version("onnxruntime-training-cpu")
+    if gpu_engine:
+        rows.append(("engine", True, f"onnxruntime-training {gpu_engine} (GPU build: CUDA 11.8, cuDNN 8)"))
+    elif cpu_engine:
+        rows.append(("engine", True, f"onnxruntime-training-cpu {cpu_engine} (CPU only; for GPUs install "
+                                     "onnxruntime-training==1.19.2 instead, see docs/gpu.md)"))
+    else:
+        rows.append(("engine", False, "no onnxruntime-training build installed"))
+    report = preload()
+    for soname in ENGINE_LIBRARIES + (NCCL_LIBRARY,):
+        where = report.loaded.get(soname)
+        rows.append((soname, where is not None, where or "missing: install the `cuda` extra or set " + ENV_DIRS))
+    count, why = gpu_count()
+    names = gpu_names(count)
+    rows.append(("GPUs", count > 0, ", ".join(f"{i}: {n}" for i, n in enumerate(names)) if count else str(why)))
+    cupy = importlib.util.find_spec("cupy")
+    rows.append(("CuPy", cupy is not None, "found" if cupy else "missing: needed for use_nccl (the `cuda` extra)"))
+    mpi4py = importlib.util.find_spec("mpi4py")
+    launcher = Path(sys.executable).parent / "mpiexec"
+    launcher_path = str(launcher) if launcher.exists() else shutil.which("mpiexec")
+    rows.append(("mpi4py", mpi4py is not None, "found" if mpi4py else "missing"))
+    rows.append(("mpiexec", launcher_path is not None, launcher_path or "missing (the mpich wheel brings one)"))
+    return rows

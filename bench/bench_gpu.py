@@ -1,0 +1,254 @@
+"""GPU benchmark: ortflow on 1 and 2 CUDA ranks (NCCL), PyTorch DDP (NCCL) on the same GPT, and all-reduce bandwidth.
+
+Stages (``bench/device_gpu.sh`` runs them all on a 2-GPU machine and writes ``bench/results/gpu.{json,md}``):
+
+* ``prepare ROOT``: the GPT (``ortflow.examples.gpt.build_gpt``), random tokens, and configured + sharded run folders:
+  ``c1``/``c2`` (equivalence: 1 rank at batch 2b vs 2 NCCL ranks at batch b) and ``t1``/``t2`` (throughput, batch B per
+  GPU).
+* ``steps RUN_DIR`` under mpiexec: the loop's per-update work (forward+backward, NCCL average, AdamW step) timed
+  after a warm-up, on in-memory batches so data loading is not measured; prints one JSON line.
+* ``allreduce`` under mpiexec -n 2: bus bandwidth of ``NCCLComm.average_gradients`` against a bare CuPy NCCL
+  all-reduce on the same buffers, at 16 MB, 256 MB and 1 GB.
+* ``ddp`` under ``torch.distributed.run`` (the machine's own PyTorch): ``bench.torch_gpt.GPT`` of the same shape.
+* ``equivalence C1 C2 LOG``: final parameters of the two equivalence runs and the per-rank sha256 lines of C2's log.
+* ``report DIR``: collects the JSON files into ``gpu.json`` and ``gpu.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPE = {"vocab_size": 8192, "seq_len": 128, "d_model": 256, "num_layers": 8, "num_heads": 4}
+SMALL = {"vocab_size": 512, "seq_len": 64, "d_model": 128, "num_layers": 2, "num_heads": 4}
+BATCH = 32  # per GPU, throughput runs
+SIZES_MB = (16, 256, 1024)
+
+
+def emit(record: dict) -> None:
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def _config(root: Path, name: str, model: Path, data: Path, ranks: int, batch: int, steps: int, period: int):
+    from ortflow.config import config_from_dict
+
+    return config_from_dict({
+        "name": name, "output_dir": str(root / name),
+        "model": {"path": str(model), "loss": "cross_entropy", "label_input": "labels"},
+        "data": {"train": [str(data)], "eval_fraction": 0.0, "rows_per_shard": 4096},
+        "train": {"batch_size": batch, "num_train_steps": steps, "display_loss_steps": 5, "evaluation_period": 0},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-3},
+        "distributed": {"num_ranks": ranks, "device": "cuda", "use_nccl": ranks > 1},
+        "checkpoint": {"period": period, "max_num_checkpoints": 10},
+    })  # fmt: skip
+
+
+def _tokens(path: Path, shape: dict, rows: int, seed: int) -> Path:
+    tokens = np.random.default_rng(seed).integers(0, shape["vocab_size"], (rows, shape["seq_len"] + 1), dtype=np.int64)
+    np.savez(path, input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+    return path
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from ortflow.configure import configure
+    from ortflow.dataprep import prepare_data
+    from ortflow.examples.gpt import build_gpt
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    small, big = build_gpt(root / "small.onnx", **SMALL), build_gpt(root / "gpt.onnx", **SHAPE)
+    small_data, big_data = _tokens(root / "small.npz", SMALL, 1024, 1), _tokens(root / "tokens.npz", SHAPE, 4096, 2)
+    runs = [_config(root, "c1", small, small_data, 1, 16, 20, 5), _config(root, "c2", small, small_data, 2, 8, 20, 5),
+            _config(root, "t1", big, big_data, 1, BATCH, 40, 0), _config(root, "t2", big, big_data, 2, BATCH, 40, 0)]
+    for cfg in runs:
+        configure(cfg)
+        prepare_data(cfg)
+
+
+def steps(args: argparse.Namespace) -> None:
+    """The loop's update without data loading, checkpoints or logging; the job's pace is its slowest rank's."""
+    from ortflow.trainer.runtime import init_runtime, start_mpi
+
+    cfg, group = start_mpi(Path(args.run_dir))
+    rt = init_runtime(Path(args.run_dir), cfg, group)
+    comm = rt.comm  # NCCL on 2 ranks
+    rng = np.random.default_rng(comm.rank)
+    vocab, seq, batch = SHAPE["vocab_size"], SHAPE["seq_len"], cfg.train.batch_size
+    feeds = [(rng.integers(0, vocab, (batch, seq), dtype=np.int64),
+              rng.integers(0, vocab, (batch * seq,), dtype=np.int64)) for _ in range(8)]
+    grads = rt.gradient_buffers()
+    scalars = np.zeros(2, dtype=np.float32)
+    times = []
+    for k in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        ids, labels = feeds[k % len(feeds)]
+        scalars[0] = float(rt.module(ids, labels))  # inputs in the model's order: input_ids, labels
+        comm.average_gradients(grads, comm.size, scalars)
+        rt.optimizer.step()
+        rt.module.lazy_reset_grad()
+        times.append(time.perf_counter() - start)
+    mean = float(np.mean(times[args.warmup :]))
+    worst = float(comm.allreduce_sum(np.array([mean if r == comm.rank else 0.0 for r in range(comm.size)]), "t").max())
+    if comm.rank == 0:
+        emit({"kind": "ortflow", "world": comm.size, "batch_per_gpu": batch, "step_time_s": worst,
+              "step_times_s": times[args.warmup :], "device": rt.device})  # fmt: skip
+    comm.close()
+
+
+def allreduce(args: argparse.Namespace) -> None:
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    from ortflow.trainer.comm import DeviceBuffer, attach_nccl, create_communicator
+
+    group = create_communicator(Path(args.heartbeats), 600.0, True)
+    comm = attach_nccl(group, group.local_rank)
+    size, rows = comm.size, []
+    scalars = np.zeros(2, dtype=np.float32)
+    for mb in SIZES_MB:
+        count = mb * 2**20 // 4
+        buf = cp.ones(count, dtype=cp.float32)
+        grads = [DeviceBuffer(buf.data.ptr, count, "x")]
+
+        def raw(b=buf, n=count):
+            comm.comm.allReduce(b.data.ptr, b.data.ptr, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, comm.stream.ptr)
+            comm.stream.synchronize()
+
+        def ours(g=grads):
+            comm.average_gradients(g, size, scalars)
+
+        result = {"size_mb": mb}
+        for name, call in (("raw_nccl", raw), ("ortflow", ours), ("raw_nccl_again", raw)):
+            iters = 5 if mb >= 1024 else 20
+            for _ in range(3):
+                call()
+            group.barrier("bw")
+            start = time.perf_counter()
+            for _ in range(iters):
+                call()
+            elapsed = (time.perf_counter() - start) / iters
+            result[name] = {"time_s": elapsed, "busbw_GBps": 2 * (size - 1) / size * count * 4 / elapsed / 1e9}
+        raw_bw = max(result["raw_nccl"]["busbw_GBps"], result["raw_nccl_again"]["busbw_GBps"])
+        result["ratio_to_raw"] = result["ortflow"]["busbw_GBps"] / raw_bw
+        rows.append(result)
+        del buf
+    if comm.rank == 0:
+        emit({"kind": "allreduce", "world": size, "rows": rows, "nccl_version": nccl.get_version()})
+    comm.close()
+
+
+def ddp(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.torch_gpt import GPT, GPTShape
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    model = GPT(GPTShape(**SHAPE), seed=0).cuda()
+    if world > 1:
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local))
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["seq_len"] + 1), generator=gen).cuda()
+               for _ in range(8)]  # fmt: skip
+    times = []
+    for k in range(args.warmup + args.steps):
+        chunk = batches[k % len(batches)]
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(chunk[:, :-1]), chunk[:, 1:].reshape(-1))
+        loss.backward()  # DDP all-reduces its gradient buckets during backward
+        opt.step()
+        loss.item()  # the host waits for the update, as ortflow's loop does for its loss
+        times.append(time.perf_counter() - start)
+    mean = float(np.mean(times[args.warmup :]))
+    if world > 1:
+        worst = torch.tensor([mean], dtype=torch.float64, device="cuda")
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        mean = float(worst[0])
+        dist.destroy_process_group()
+    if rank == 0:
+        emit({"kind": "ddp", "world": world, "batch_per_gpu": BATCH, "step_time_s": mean, "torch": torch.__version__,
+              "step_times_s": times[args.warmup :]})  # fmt: skip
+
+
+def equivalence(args: argparse.Namespace) -> None:
+    from ortflow.config import load_run_config
+    from ortflow.engine import api
+    from ortflow.trainer.checkpoints import list_complete
+
+    def final(run: str) -> dict[str, np.ndarray]:
+        cfg = load_run_config(Path(run))
+        state = api.CheckpointState.load_checkpoint(str(list_complete(cfg.checkpoints_dir)[-1].path / "checkpoint"))
+        return {n: np.array(p.data) for n, p in state.parameters if p.requires_grad}
+
+    one, two = final(args.one), final(args.two)
+    diffs = {n: float(np.max(np.abs(one[n] - two[n]))) for n in one}
+    rel = {n: diffs[n] / max(float(np.max(np.abs(one[n]))), 1e-12) for n in one}
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) at step (\d+)", Path(args.log).read_text())
+    by_step: dict[int, dict[int, str]] = {}
+    for rank, digest, step in found:
+        by_step.setdefault(int(step), {})[int(rank)] = digest
+    identical = bool(by_step) and all(len(set(d.values())) == 1 and len(d) == 2 for d in by_step.values())
+    emit({"kind": "equivalence", "max_abs_diff": max(diffs.values()), "max_rel_diff": max(rel.values()),
+          "worst_param": max(diffs, key=diffs.get), "num_params": len(one), "ranks_identical": identical,
+          "sha256_by_step": {str(s): d for s, d in sorted(by_step.items())}})  # fmt: skip
+
+
+def report(args: argparse.Namespace) -> None:
+    found: dict[str, dict] = {}
+    for path in sorted(Path(args.dir).glob("*.log")):
+        for line in path.read_text().splitlines():
+            if line.startswith("RESULT ") or "RESULT {" in line:
+                found[path.stem] = json.loads(line[line.index("{") :])
+    t1, t2 = found.get("ortflow1", {}).get("step_time_s"), found.get("ortflow2", {}).get("step_time_s")
+    d1, d2 = found.get("ddp1", {}).get("step_time_s"), found.get("ddp2", {}).get("step_time_s")
+    tokens = BATCH * SHAPE["seq_len"]
+    summary = {
+        "shape": SHAPE, "batch_per_gpu": BATCH, "tokens_per_gpu_step": tokens,
+        "ortflow_tokens_per_s": {"1": tokens / t1 if t1 else None, "2": 2 * tokens / t2 if t2 else None},
+        "ddp_tokens_per_s": {"1": tokens / d1 if d1 else None, "2": 2 * tokens / d2 if d2 else None},
+        "weak_scaling_efficiency": {"ortflow": t1 / t2 if t1 and t2 else None, "ddp": d1 / d2 if d1 and d2 else None},
+        "ratio_to_ddp": {"1": d1 / t1 if d1 and t1 else None, "2": d2 / t2 if d2 and t2 else None},
+    }
+    out = {"summary": summary, "runs": found}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu.json").write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps(summary, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("prepare").add_argument("root")
+    p = sub.add_parser("steps")
+    p.add_argument("run_dir")
+    for q in (p, sub.add_parser("ddp")):
+        q.add_argument("--steps", type=int, default=50)
+        q.add_argument("--warmup", type=int, default=10)
+    sub.add_parser("allreduce").add_argument("heartbeats")
+    e = sub.add_parser("equivalence")
+    for name in ("one", "two", "log"):
+        e.add_argument(name)
+    r = sub.add_parser("report")
+    r.add_argument("dir")
+    r.add_argument("out")
+    args = parser.parse_args(argv)
+    {"prepare": prepare, "steps": steps, "allreduce": allreduce, "ddp": ddp, "equivalence": equivalence,
+     "report": report}[args.cmd](args)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""GPU set-up errors and library lookup: these run everywhere (no GPU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime
+import pytest
+
+from ortflow.config import config_from_dict
+from ortflow.trainer import cuda_libs
+from ortflow.trainer.runtime import select_device
+
+
+def _cfg(tmp_path: Path, **distributed):
+    return config_from_dict({
+        "output_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path / "m.onnx")},
+        "data": {"train": [str(tmp_path / "d.npz")]}, "train": {"batch_size": 2, "num_train_steps": 2},
+        "distributed": distributed,
+    })  # fmt: skip
+
+
+def test_config_accepts_cuda_and_nccl(tmp_path):
+    cfg = _cfg(tmp_path, device="cuda", use_nccl=True, num_ranks=2)
+    assert cfg.distributed.device == "cuda" and cfg.distributed.use_nccl
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in onnxruntime.get_available_providers(), reason="GPU engine installed")
+def test_cuda_with_the_cpu_engine_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"CPU build: install onnxruntime-training==1\.19\.2"):
+        select_device(_cfg(tmp_path, device="cuda"), 0)
+
+
+def test_libraries_are_found_in_pip_nvidia_folders_and_the_env_folders(tmp_path):
+    pip_lib = tmp_path / "site" / "nvidia" / "cublas" / "lib"
+    pip_lib.mkdir(parents=True)
+    (pip_lib / "libcublas.so.11").write_bytes(b"")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "libcublas.so.11").write_bytes(b"")
+    dirs = cuda_libs.search_dirs({cuda_libs.ENV_DIRS: str(extra)}, [str(tmp_path / "site")])
+    assert dirs == [extra, pip_lib]  # the explicit folders win
+    assert cuda_libs.find("libcublas.so.11", dirs) == extra / "libcublas.so.11"
+    assert cuda_libs.find("libcudnn.so.8", dirs) is None
+
+
+def test_a_library_that_cannot_load_is_reported_missing(tmp_path):
+    (tmp_path / "libortflow_absent.so.1").write_bytes(b"not an ELF file")
+    report = cuda_libs.preload(("libortflow_absent.so.1",), (), dirs=[tmp_path])
+    assert report.missing == ["libortflow_absent.so.1"] and not report.loaded

@@ -1,0 +1,110 @@
+"""GPU ranks and the NCCL communicator, for real: needs 2 CUDA GPUs, the GPU engine and CuPy (skipped otherwise).
+
+Tolerance for 2 NCCL ranks vs 1 rank on the concatenated batch: the CUDA provider runs matmuls in TF32 by default
+(10-bit mantissa, relative error ~5e-4 per product) and cuBLAS picks kernels by batch shape, so the two runs' gradients
+differ at ~1e-3 relative, not at fp32 rounding; AdamW turns that into parameter differences far below one learning
+rate step (0.01 here). Hence atol 1e-3 (a tenth of a step) and rtol 1e-3; the ranks themselves must stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortflow.trainer import cuda_libs
+
+
+def _ready() -> str | None:
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return "the GPU engine (onnxruntime-training) is not installed"
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    count, why = cuda_libs.gpu_count()
+    return None if count >= 2 else f"needs 2 GPUs ({why or f'{count} found'})"
+
+
+REASON = _ready()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+
+
+def _run(cfg, ranks: int) -> str:
+    from tests.trainer.runs import MPIEXEC
+
+    mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
+    out = subprocess.run([mpiexec, "-n", str(ranks), "-prepend-rank", sys.executable, "-u", "-m", "ortflow.trainer",
+                          str(cfg.output_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out.stdout
+
+
+def _digests(output: str) -> dict[tuple[int, int], str]:
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) at step (\d+)", output)
+    return {(int(rank), int(step)): digest for rank, digest, step in found}
+
+
+def test_two_nccl_ranks_match_one_cuda_rank_and_stay_identical(tmp_path):
+    from tests.trainer.runs import final_parameters, make_run
+
+    two = make_run(tmp_path, "two", distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True},
+                   train={"batch_size": 4})
+    one = make_run(tmp_path, "one", distributed={"num_ranks": 1, "device": "cuda"}, train={"batch_size": 8})
+    log = _run(two, 2)
+    _run(one, 1)
+    assert "on cuda:0" in log and "on cuda:1" in log
+    p2, p1 = final_parameters(two), final_parameters(one)
+    for name in p1:
+        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-3, atol=1e-3, err_msg=name)
+    seen = _digests(log)
+    assert {step for _, step in seen} == {5, 10, 15, 20}
+    assert all(seen[(0, step)] == seen[(1, step)] for _, step in seen)
+
+
+def test_cpu_ranks_with_nccl_stage_through_the_gpu(tmp_path):
+    from tests.trainer.runs import final_parameters, make_run
+
+    two = make_run(tmp_path, "staged", distributed={"num_ranks": 2, "use_nccl": True}, train={"batch_size": 4})
+    one = make_run(tmp_path, "cpu", distributed={"num_ranks": 1}, train={"batch_size": 8})
+    _run(two, 2)
+    _run(one, 1)
+    p2, p1 = final_parameters(two), final_parameters(one)
+    for name in p1:  # CPU arithmetic on both sides: only the summation order differs
+        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_gradient_buffers_are_the_engines_device_memory_and_are_averaged_in_place(tmp_path):
+    from ortflow.trainer.comm import NCCLComm, SingleProcessComm
+    from ortflow.trainer.runtime import init_runtime
+    from tests.trainer.runs import make_run
+
+    cfg = make_run(tmp_path, "gpu1", distributed={"num_ranks": 1, "device": "cuda", "use_nccl": True})
+    rt = init_runtime(cfg.output_dir, cfg, SingleProcessComm())
+    assert isinstance(rt.comm, NCCLComm) and rt.device == "cuda:0"
+    names = rt.module.input_names()
+    rng = np.random.default_rng(0)
+    feeds = {n: np.array([0, 1, 2, 1]) if n == "labels" else rng.normal(size=(4, 8)).astype(np.float32) for n in names}
+    rt.module(*(feeds[n] for n in names))
+    buffers = rt.gradient_buffers()
+    before = [rt.state.parameters[n].grad.copy() for n in rt.trainable]  # host copies on CUDA
+    scalars = np.array([1.5, 0.0], dtype=np.float32)
+    rt.comm.average_gradients(buffers, 4.0, scalars)  # one rank, divisor 4: gradients / 4 in the engine's buffers
+    after = [rt.state.parameters[n].grad for n in rt.trainable]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_allclose(a, b / 4, rtol=1e-6)
+    assert scalars[0] == 1.5
+    expected_norm = float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in after)))
+    assert rt.comm.gradient_norm(buffers) == pytest.approx(expected_norm, rel=1e-6)
+    rt.optimizer.step()
+    rt.module.lazy_reset_grad()
+    rt.module(*(feeds[n] for n in names))
+    assert [b.ptr for b in rt.gradient_buffers()] == [b.ptr for b in buffers]  # the addresses stay put
