@@ -421,7 +421,8 @@ class NCCLComm:
     def _launch(self, kernel, table: tuple, *args) -> None:
         _, ptrs, counts, largest = table
         blocks = int(min(max(1, -(-largest // 256)), 1024))
-        kernel((blocks, len(table[0])), (256,), (ptrs, counts, *args), stream=self.stream)
+        with self.stream:
+            kernel((blocks, len(table[0])), (256,), (ptrs, counts, *args))
 
     def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
         if grads and isinstance(grads[0], np.ndarray):
