@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from ortflow.tasks.caching import StageCache
 from ortflow.tasks.common import forward_logs, retry_transient
 from ortflow.trainer.launch import launch
 from ortflow.trainer.metrics import format_duration, read_progress
+
+log = logging.getLogger(__name__)
 
 
 class TrainingFailed(RuntimeError):
@@ -56,15 +59,15 @@ class _ProgressWatcher:
     def _update(self) -> None:
         record = read_progress(self.run_dir)
         if record is not None and record != self.last:
-            self.last = record
             update_progress_artifact(self.artifact_id, progress_percent(record), description=describe_progress(record))
+            self.last = record
 
     def _loop(self) -> None:
         while not self.stop.wait(self.interval_s):
             try:
                 self._update()
-            except Exception:  # noqa: BLE001 - a failed artifact update must not stop training
-                pass
+            except Exception as err:  # noqa: BLE001 - a failed artifact update must not stop training
+                log.debug("progress artifact update failed: %s", err)
 
     def __enter__(self) -> _ProgressWatcher:
         self.thread.start()
@@ -75,8 +78,8 @@ class _ProgressWatcher:
         self.thread.join(timeout=10)
         try:
             self._update()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as err:  # noqa: BLE001
+            log.warning("progress artifact update failed: %s", err)
 
 
 @task(

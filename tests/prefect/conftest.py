@@ -1,0 +1,111 @@
+"""A real local Prefect server (SQLite in a temporary PREFECT_HOME) for the pipeline tests, started once per session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Start ``prefect server start`` on a free port; yields the environment that points clients at it.
+
+    The test process uses it through ``temporary_settings``; subprocesses (``ortflow serve``, ``prefect deployment
+    run``) get the returned environment.
+    """
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        PREFECT_RUNNER_POLL_FREQUENCY,
+        temporary_settings,
+    )
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = (home / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        client_env = {**env, "PREFECT_API_URL": url}
+        with temporary_settings(
+            updates={
+                PREFECT_API_URL: url,
+                PREFECT_HOME: home,
+                PREFECT_RESULTS_LOCAL_STORAGE_PATH: home / "storage",
+                PREFECT_RUNNER_POLL_FREQUENCY: 1,
+            }
+        ):
+            try:
+                yield client_env
+            finally:
+                # Send the buffered run logs while the server is up (at exit they would go to an ephemeral server).
+                from prefect.logging.handlers import APILogWorker
+
+                APILogWorker.drain_all(timeout=10)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def mlp_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny MLP classifier model and a 256-row npz data set shared by the pipeline tests."""
+    import numpy as np
+
+    from ortflow.examples.mlp import build_mlp
+
+    root = tmp_path_factory.mktemp("mlp-sources")
+    model = build_mlp(root / "mlp.onnx", num_features=8, hidden=16, num_classes=3, seed=0)
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(256, 8)).astype(np.float32)
+    labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
+    np.savez(root / "data.npz", features=features, labels=labels)
+    return {"model": model, "data": root / "data.npz"}

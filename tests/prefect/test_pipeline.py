@@ -1,0 +1,176 @@
+"""The pipeline flow against a real local Prefect server: completion, reruns that skip finished stages, a killed
+and retried train task, and a train task timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+from prefect import flow
+
+from ortflow import tasks
+from ortflow.flows import train_pipeline
+from ortflow.tasks.caching import invalidate
+from ortflow.trainer.metrics import read_progress
+from tests.prefect.helpers import final_parameters, mlp_config, processes_mentioning, rank_pids, wait_for
+
+pytestmark = pytest.mark.prefect
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    """Stage name -> state name ("Cached", "Completed", "Failed", ...) of a flow run's task runs, from the server."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = read_task_runs(client, flow_run_id)
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+def read_task_runs(client, flow_run_id) -> list:
+    """The flow run's task runs (sort and limit given: the server refuses the sync client's None defaults)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    return client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+        limit=100,
+    )
+
+
+def artifacts_of(flow_run_id, kind: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterType,
+        FlowRunFilter,
+        TaskRunFilter,
+    )
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(  # every field given: the server refuses the sync client's None defaults
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=[kind])
+            ),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), sort=ArtifactSort.CREATED_DESC,
+            limit=100, offset=0,
+        )
+
+
+STAGES = ("configure", "prepare_data", "train", "retain_checkpoints", "export")
+
+
+def test_pipeline_completes_on_tiny_data_and_publishes_its_summary(prefect_server, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "complete")
+    state = train_pipeline(cfg, return_state=True)
+
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["steps"] == "20/20"
+    assert summary["exported model"] == str(cfg.export_path) and cfg.export_path.exists()
+    assert summary["best eval loss"] is not None and summary["final eval loss"] is not None
+    assert "step 20" in summary["kept checkpoints"]
+    states = task_states(state.state_details.flow_run_id)
+    assert all(states[s] == "Completed" for s in STAGES), states
+    markdown = artifacts_of(state.state_details.flow_run_id, "markdown")
+    assert any("best eval loss" in a.data and str(cfg.export_path) in a.data for a in markdown)
+    progress = artifacts_of(state.state_details.flow_run_id, "progress")
+    assert [a.data for a in progress] == [100.0]  # the train task's bar, finished
+
+
+def test_rerun_after_failed_export_does_not_rerun_finished_stages(prefect_server, mlp_sources, tmp_path):
+    broken = mlp_config(tmp_path, mlp_sources, "rerun", export={"outputs": ["no_such_output"]})
+    failed = train_pipeline(broken, return_state=True)
+    assert failed.is_failed()
+    first = task_states(failed.state_details.flow_run_id)
+    assert first["export"] == "Failed" and first["train"] == "Completed", first
+    checkpoints = sorted(p.name for p in broken.checkpoints_dir.iterdir())
+
+    fixed = mlp_config(tmp_path, mlp_sources, "rerun")  # the user fixes export.outputs and runs again
+    rerun = train_pipeline(fixed, return_state=True)
+    assert rerun.is_completed(), rerun
+    second = task_states(rerun.state_details.flow_run_id)
+    assert {s: second[s] for s in STAGES} == {
+        "configure": "Cached", "prepare_data": "Cached", "train": "Cached", "retain_checkpoints": "Cached",
+        "export": "Completed",
+    }
+    assert sorted(p.name for p in fixed.checkpoints_dir.iterdir()) == checkpoints
+    assert fixed.export_path.exists()
+
+    # An output that vanished makes its stage run again; --from reruns a stage and every later one.
+    fixed.export_path.unlink()
+    third = task_states(train_pipeline(fixed, return_state=True).state_details.flow_run_id)
+    assert third["train"] == "Cached" and third["export"] == "Completed", third
+    invalidate(fixed, "retain")
+    fourth = task_states(train_pipeline(fixed, return_state=True).state_details.flow_run_id)
+    assert [fourth[s] for s in STAGES] == ["Cached", "Cached", "Cached", "Completed", "Completed"], fourth
+
+
+def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_parameters(
+    prefect_server, mlp_sources, tmp_path
+):
+    from ortflow.configure import configure
+    from ortflow.dataprep import prepare_data
+    from ortflow.trainer.launch import launch
+
+    sections = {
+        "train": {"num_train_steps": 6000, "display_loss_steps": 250, "evaluation_period": 0},
+        "checkpoint": {"period": 500, "max_num_checkpoints": 2},
+    }
+    reference = mlp_config(tmp_path, mlp_sources, "uninterrupted", **sections)
+    configure(reference)
+    prepare_data(reference)
+    assert launch(reference.output_dir, 2, threads=1, on_line=lambda line: None).ok
+
+    cfg = mlp_config(tmp_path, mlp_sources, "killed", **sections)
+    killed = []
+
+    def kill_one_rank() -> None:
+        # Wait for a checkpoint to exist and training to be under way, then SIGKILL one rank (a crashed node).
+        record = wait_for(lambda: (r := read_progress(cfg.output_dir)) and 1500 <= r["step"] < 4000 and r, 120,
+                          "training to pass step 1500")
+        pids = rank_pids(cfg.output_dir)
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(record["step"])
+
+    killer = threading.Thread(target=kill_one_rank, daemon=True)
+    killer.start()
+    state = train_pipeline(cfg, return_state=True)
+    killer.join(timeout=5)
+
+    assert killed, "the rank was never killed"
+    assert state.is_completed(), state
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = read_task_runs(client, state.state_details.flow_run_id)
+    train_run = next(r for r in runs if r.name.startswith("train-"))
+    assert train_run.run_count == 2  # failed once, retried once
+    ours, theirs = final_parameters(cfg), final_parameters(reference)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+@flow
+def _train_with_timeout(config, timeout_s: float) -> None:
+    tasks.train.with_options(timeout_seconds=timeout_s, retries=0)(config)
+
+
+def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_path):
+    from ortflow.configure import configure
+    from ortflow.dataprep import prepare_data
+
+    cfg = mlp_config(tmp_path, mlp_sources, "timeout",
+                     train={"num_train_steps": 500000, "display_loss_steps": 1000, "evaluation_period": 0},
+                     checkpoint={"period": 100000})
+    configure(cfg)
+    prepare_data(cfg)
+    state = _train_with_timeout(cfg, 6.0, return_state=True)
+    assert state.is_failed()
+    assert read_progress(cfg.output_dir) is not None, "training never started; the timeout proves nothing"
+    wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the ranks to exit after the timeout")
