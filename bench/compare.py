@@ -52,6 +52,7 @@ def trainer_step_time(output: str, setup: Setup, world: int) -> float | None:
 def run_one(c: Contender, root: Path, setup: Setup, logs: Path, timeout: float = 900) -> dict:
     """Run a contender once; returns its record (step_time_s None when it failed: see its log)."""
     env = {**setup.env, **thread_env(c.threads)}
+    logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{c.kind}-{c.ranks}x{c.threads}.log"
     shape = json.dumps(setup.shape)
     if c.kind == "ortflow":
