@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml requirements.lock
 
 setup: $(STAMP)
 
+# The GPT example trains on the standard library's own source files (their folder differs between machines).
+STDLIB_GLOB = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/*.py
+
 demo: setup
-	$(BIN)/ortflow run examples/gpt/config.yaml
+	$(BIN)/python examples/gpt/build_model.py
+	$(BIN)/ortflow run examples/gpt/config.yaml --set 'data.train=$(STDLIB_GLOB)'
+	$(BIN)/ortflow sample examples/gpt/runs/export/model.onnx --prompt 'def ' --max-new-tokens 200
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
