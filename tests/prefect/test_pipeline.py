@@ -30,7 +30,7 @@ def task_states(flow_run_id) -> dict[str, str]:
 
 
 def read_task_runs(client, flow_run_id) -> list:
-    """The flow run's task runs (sort and limit given: the server refuses the sync client's None defaults)."""
+    """The flow run's task runs, oldest first."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
@@ -52,7 +52,7 @@ def artifacts_of(flow_run_id, kind: str) -> list:
     from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
-        return client.read_artifacts(  # every field given: the server refuses the sync client's None defaults
+        return client.read_artifacts(
             artifact_filter=ArtifactFilter(
                 flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=[kind])
             ),
