@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         path = RESULTS_DIR / "dataprep.json"
         record["dataprep"] = json.loads(path.read_text()) if code == 0 and path.exists() else None
     record["logs"] = str(logs)
+    record["load_average_at_end"] = os.getloadavg()
     record["wall_s"] = time.perf_counter() - started
 
     from bench.report import write_report

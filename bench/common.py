@@ -76,6 +76,7 @@ def host_info() -> dict:
     return {
         "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
         "python": platform.python_version(), "versions": versions,
+        "load_average_at_start": os.getloadavg(),  # other processes on the machine skew every timing
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }  # fmt: skip
 

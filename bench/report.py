@@ -162,6 +162,10 @@ def render(record: dict, plots: list[str]) -> str:
                   f"write {w['pyarrow_ipc_write_mb_per_s']} MB/s (ratio {w['ratio_prepare_over_pyarrow']}; "
                   f"{w['note']}). "
                   "Full results: `bench/results/dataprep.json` (from `bench/bench_dataprep.py`).", ""]  # fmt: skip
+    if "load_average_at_end" in record:
+        lines += [f"Load average (1, 5, 15 min) at start {h.get('load_average_at_start')}, at end "
+                  f"{record['load_average_at_end']}: anything above 0 here came from other processes sharing the cores.",
+                  ""]  # fmt: skip
     lines += [f"Suite wall time: {record.get('wall_s', 0):.0f} s. Per-run logs: `{Path(record.get('logs', '')).name}`."]
     return "\n".join(lines) + "\n"
 
