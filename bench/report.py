@@ -164,7 +164,7 @@ def render(record: dict, plots: list[str]) -> str:
                   "Full results: `bench/results/dataprep.json` (from `bench/bench_dataprep.py`).", ""]  # fmt: skip
     if "load_average_at_end" in record:
         lines += [f"Load average (1, 5, 15 min) at start {h.get('load_average_at_start')}, at end "
-                  f"{record['load_average_at_end']}: anything above 0 here came from other processes sharing the cores.",
+                  f"{record['load_average_at_end']}: load above 0 comes from other processes on the cores.",
                   ""]  # fmt: skip
     lines += [f"Suite wall time: {record.get('wall_s', 0):.0f} s. Per-run logs: `{Path(record.get('logs', '')).name}`."]
     return "\n".join(lines) + "\n"
