@@ -371,6 +371,11 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"distributed.zero_stage {dist.zero_stage} needs distributed.use_nccl: true")
     elif dist.zero_stage:
         problems.append("distributed.zero_stage > 0 is not supported yet (the engine keeps full optimizer state); use 0")
+    if dist.device == "cuda" and not dist.use_nccl:
+        problems.append(
+            "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
+            "there with NCCL (the engine gives no host views of them), also on a single rank"
+        )
     # device: cuda and use_nccl need the machine (the GPU engine, CUDA libraries, GPUs, CuPy/NCCL): each rank checks
     # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
     if dist.num_hosts > 1 and dist.hostfile is None:
@@ -391,10 +396,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
-    if cfg.optimizer.name == "sgd" and (cfg.optimizer.weight_decay or cfg.optimizer.max_grad_norm):
-        problems.append(
-            "optimizer.weight_decay and optimizer.max_grad_norm apply to adamw only; the engine's SGD graph takes neither"
-        )
+    if cfg.optimizer.name == "sgd" and cfg.optimizer.weight_decay:
+        problems.append("optimizer.weight_decay applies to adamw only (the engine's SGD graph has no decay); set it to 0")
     return problems
 
 

@@ -267,22 +267,12 @@ def test_weight_decay_reaches_the_optimizer_graph(tmp_path):
     np.testing.assert_allclose(weights[0] - weights[1], LR * 0.5 * weights[0], rtol=1e-3, atol=1e-9)
 
 
-def test_max_grad_norm_clips_the_gradient(tmp_path):
+def test_max_grad_norm_is_not_put_in_the_optimizer_graph(tmp_path):
+    # The engine's InplaceClipGradNorm is not deterministic; the trainer clips (tests/trainer/test_clipping.py).
     model = build_mlp(tmp_path / "mlp.onnx")
-    batch = mlp_batch(np.random.default_rng(6))
-    changes = []
-    for clip in (None, 1e-9):
-        # A large epsilon makes AdamW's update proportional to the gradient, so clipping shows in the step size.
-        cfg = make_cfg(tmp_path / f"clip{clip}", model, optimizer={"max_grad_norm": clip, "epsilon": 1.0})
-        result = configure(cfg)
-        ops = [n.op_type for n in onnx.load(str(result.artifacts_dir / "optimizer_model.onnx")).graph.node]
-        assert ("InplaceClipGradNorm" in ops) == (clip is not None)
-        engine = Engine(result.artifacts_dir)
-        start = engine.param("fc2.weight")
-        engine.step(*batch)
-        changes.append(np.abs(engine.param("fc2.weight") - start).max())
-    assert changes[0] > 1e-6
-    assert changes[1] < changes[0] * 1e-3
+    result = configure(make_cfg(tmp_path / "clip", model, optimizer={"max_grad_norm": 1.0}))
+    ops = [n.op_type for n in onnx.load(str(result.artifacts_dir / "optimizer_model.onnx")).graph.node]
+    assert "AdamWOptimizer" in ops and not any("Clip" in op for op in ops)
 
 
 def test_configure_json_records_the_inputs_in_engine_order(tmp_path):

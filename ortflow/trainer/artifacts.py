@@ -1,7 +1,7 @@
 """Inspect a user's ONNX model and build the engine's training artifacts from it.
 
 The artifacts are what every rank loads: ``training_model.onnx`` (forward + loss + gradients), ``eval_model.onnx``
-(forward + loss), ``optimizer_model.onnx`` (AdamW or SGD, with optional gradient clipping) and ``checkpoint`` (the
+(forward + loss), ``optimizer_model.onnx`` (AdamW or SGD) and ``checkpoint`` (the
 initial parameters). They are built once, in one process, by :func:`build_artifacts`.
 
 How the config maps onto the engine (each point checked against onnxruntime-training 1.19.2):
@@ -11,7 +11,9 @@ How the config maps onto the engine (each point checked against onnxruntime-trai
   built-in ``LossType`` path always names it ``labels`` or ``target``).
 * ``model_output``: the block returns the model's own loss output; the engine builds gradients from it unchanged.
 * The optimizer is an ``onnxblock.optim`` block built with the config's betas, epsilon and weight decay (the
-  ``OptimType`` enum would take the engine's defaults, eps=1e-6) and ``ClipGradNorm`` when max_grad_norm is set.
+  ``OptimType`` enum would take the engine's defaults, eps=1e-6). Gradient clipping is NOT put in the graph: the
+  engine's ``InplaceClipGradNorm`` is not deterministic (two identical single-process runs ended with different
+  parameters, so data-parallel replicas drifted apart); the trainer clips the averaged gradients itself.
 """
 
 from __future__ import annotations
@@ -207,13 +209,10 @@ def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
 
 def _optimizer_block(cfg: RunConfig) -> onnxblock.Block:
     opt = cfg.optimizer
-    clip = onnxblock.optim.ClipGradNorm(opt.max_grad_norm) if opt.max_grad_norm else None
     if opt.name == "sgd":
-        return onnxblock.optim.SGD(clip_grad=clip)
+        return onnxblock.optim.SGD()
     if opt.name == "adamw":
-        return onnxblock.optim.AdamW(
-            betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay, clip_grad=clip
-        )
+        return onnxblock.optim.AdamW(betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
     raise ArtifactsError(f"optimizer.name '{opt.name}' is not supported by the engine; use 'adamw' or 'sgd'")
 
 

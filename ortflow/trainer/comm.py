@@ -59,6 +59,9 @@ class Communicator(Protocol):
     def gradient_norm(self, grads: Sequence) -> float:
         """Global L2 norm of the averaged gradients (clipping itself is in the optimizer graph)."""
 
+    def scale_gradients(self, grads: Sequence, factor: float) -> None:
+        """In place: every gradient times ``factor`` (gradient clipping)."""
+
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         """Sum of a small float64 array over ranks (a new array)."""
 
@@ -80,6 +83,13 @@ def gradient_norm(grads: Sequence[np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
 
 
+def scale_gradients(grads: Sequence[np.ndarray], factor: float) -> None:
+    """Host gradients times ``factor``, in place."""
+    scale = np.float32(factor)
+    for grad in grads:
+        grad *= scale
+
+
 class SingleProcessComm:
     """The process group of one: collectives reduce over nothing."""
 
@@ -96,6 +106,9 @@ class SingleProcessComm:
 
     def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
         return gradient_norm(grads)
+
+    def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
+        scale_gradients(grads, factor)
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return np.array(values, dtype=np.float64, copy=True)
@@ -247,6 +260,9 @@ class MPIComm:
 
     def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
         return gradient_norm(grads)
+
+    def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
+        scale_gradients(grads, factor)
 
     def _layout(self, grads: Sequence[np.ndarray], num_scalars: int) -> np.ndarray:
         sizes = [g.size for g in grads]
@@ -481,6 +497,13 @@ class NCCLComm:
         if grads and isinstance(grads[0], np.ndarray):
             return gradient_norm(grads)
         return float(np.sqrt(self._norm_sq))  # summed on the device by average_gradients, in the same wait
+
+    def scale_gradients(self, grads: Sequence, factor: float) -> None:
+        if grads and isinstance(grads[0], np.ndarray):
+            return scale_gradients(grads, factor)
+        self._launch(self._scale, self._tensor_table(grads), np.float32(factor))
+        # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
+        self.stream.synchronize()
 
     # -- everything else runs on the process group ----------------------------------------------------------------
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:

@@ -122,7 +122,13 @@ def train(
         train_loss = float(scalars[0]) / world
         evaluated = period > 0 and step % period == 0 or step == total
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
-        grad_norm = comm.gradient_norm(grads) if report else None  # a pass over every gradient: only when shown
+        max_norm = cfg.optimizer.max_grad_norm
+        # The norm is a pass over every gradient: only when clipping or when it is shown. Every rank holds the same
+        # averaged gradients, so every rank computes the same norm and clips alike (the engine's own clipping
+        # operator is not deterministic, so clipping is done here and not in the optimizer graph).
+        grad_norm = comm.gradient_norm(grads) if max_norm is not None or report else None
+        if max_norm is not None and grad_norm > max_norm:
+            comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
         optimizer.step()
         module.lazy_reset_grad()
 

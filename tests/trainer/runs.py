@@ -70,3 +70,21 @@ def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     newest = list_complete(cfg.checkpoints_dir)[-1]
     state = api.CheckpointState.load_checkpoint(str(newest.path / "checkpoint"))
     return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}
+
+
+def make_text_run(root: Path, name: str, **sections) -> RunConfig:
+    """Configure + shard a tiny byte-level GPT run on text (ortflow's own sources) under ``root/name``."""
+    from ortflow.examples.gpt import build_gpt
+
+    root.mkdir(parents=True, exist_ok=True)
+    model = root / "gpt.onnx"
+    if not model.exists():
+        build_gpt(model, seq_len=16, d_model=32, num_layers=1, num_heads=2)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        sources = sorted((Path(__file__).resolve().parents[2] / "ortflow").rglob("*.py"))[:6]
+        corpus.write_text("\n".join(p.read_text() for p in sources))
+    base = {"data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 16}, "eval_fraction": 0.05}}
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return make_run(root, name, model=model, **base)
