@@ -45,7 +45,7 @@ def _config(root: Path, name: str, model: Path, data: Path, ranks: int, batch: i
         "data": {"train": [str(data)], "eval_fraction": 0.0, "rows_per_shard": 4096},
         "train": {"batch_size": batch, "num_train_steps": steps, "display_loss_steps": 5, "evaluation_period": 0},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
-        "distributed": {"num_ranks": ranks, "device": "cuda", "use_nccl": ranks > 1},
+        "distributed": {"num_ranks": ranks, "device": "cuda", "use_nccl": True},
         "checkpoint": {"period": period, "max_num_checkpoints": 10},
     })  # fmt: skip
 

@@ -12,20 +12,21 @@ NCCLDIR=$(dirname "$(find / -name libnccl.so.2 -path '*site-packages*' 2>/dev/nu
 NVRTC=$(dirname "$(find /usr/local/cuda/ -name 'libnvrtc.so.1[23]' 2>/dev/null | head -1)")
 export ORTFLOW_CUDA_LIB_DIRS=$G/cuda11:$NCCLDIR CUDA_PATH=/usr/local/cuda
 export LD_LIBRARY_PATH=$G/site/lib:$NVRTC   # mpich's libmpi (pip --target layout) and NVRTC for CuPy's kernels
-# mpi4py must bind the carried MPICH (the launcher we use), not the machine's Open MPI; the engine's pure-Python
-# dependencies installed --no-deps by build-payload.sh (flatbuffers, sympy) ride in the last piece as extra.tgz.
-export MPI4PY_LIBMPI=$(find $G/site -name 'libmpi.so.12' | head -1) MPI4PY_MPIABI=mpich
+# pip --target installs the mpich wheel's launcher but not its libmpi, so the ranks use the machine's Open MPI 4.1.6
+# (mpi4py 4.1's wheel binds whichever MPI it finds). The engine's pure-Python dependencies that build-payload.sh
+# installs --no-deps (flatbuffers, sympy) and pytest ride in the last piece as extra.tgz.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 mkdir -p $G/extra && tar -C $G/extra -xzf /tmp/gpay/extra.tgz 2>/dev/null || true
-export PYTHONPATH=$G/site:$G/extra:$PWD PATH=$G/site/bin:$PATH
+export PYTHONPATH=$G/site:$G/extra:$PWD
 echo "nccl: $NCCLDIR nvrtc: $NVRTC"; nvidia-smi -L
 W=/tmp/gb; L=$W/logs; rm -rf $W; mkdir -p $L
 # One log per stage in $L (read by the equivalence and report stages), all of them appended to $OUT/all.log.
 t() { local name=$1; shift; echo "== $name" | tee -a "$OUT/all.log"; timeout "$@" 2>&1 | tee "$L/$name.log" >> "$OUT/all.log"; tail -8 "$L/$name.log"; }
 t doctor 60 $PY -m ortflow.cli doctor
-t pytest-gpu 150 env PYTHONPATH=$PYTHONPATH:/opt/torch/.venv/lib/python3.12/site-packages PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -q -p no:cacheprovider tests/gpu -x
+t pytest-gpu 150 env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -q -p no:cacheprovider tests/gpu -x
 t prepare 120 $PY bench/bench_gpu.py prepare $W
 t train-c1 90 mpiexec -n 1 $PY -m ortflow.trainer $W/c1
-t train-c2 90 mpiexec -n 2 -prepend-rank $PY -m ortflow.trainer $W/c2
+t train-c2 90 mpiexec -n 2 --tag-output $PY -m ortflow.trainer $W/c2
 t equivalence 60 $PY bench/bench_gpu.py equivalence $W/c1 $W/c2 "$L/train-c2.log"
 t ortflow1 90 mpiexec -n 1 $PY bench/bench_gpu.py steps $W/t1
 t ortflow2 90 mpiexec -n 2 $PY bench/bench_gpu.py steps $W/t2

@@ -25,10 +25,15 @@ def test_config_accepts_cuda_and_nccl(tmp_path):
     assert cfg.distributed.device == "cuda" and cfg.distributed.use_nccl
 
 
+def test_cuda_without_nccl_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="device cuda needs distributed.use_nccl: true"):
+        _cfg(tmp_path, device="cuda", use_nccl=False)
+
+
 @pytest.mark.skipif("CUDAExecutionProvider" in onnxruntime.get_available_providers(), reason="GPU engine installed")
 def test_cuda_with_the_cpu_engine_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match=r"CPU build: install onnxruntime-training==1\.19\.2"):
-        select_device(_cfg(tmp_path, device="cuda"), 0)
+        select_device(_cfg(tmp_path, device="cuda", use_nccl=True), 0)
 
 
 def test_libraries_are_found_in_pip_nvidia_folders_and_the_env_folders(tmp_path):

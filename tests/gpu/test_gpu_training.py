@@ -38,10 +38,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 
 def _run(cfg, ranks: int) -> str:
+    from ortflow.trainer.launch import launcher_flavor
     from tests.trainer.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
-    out = subprocess.run([mpiexec, "-n", str(ranks), "-prepend-rank", sys.executable, "-u", "-m", "ortflow.trainer",
+    tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
+    out = subprocess.run([mpiexec, "-n", str(ranks), tag, sys.executable, "-u", "-m", "ortflow.trainer",
                           str(cfg.output_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
@@ -58,7 +60,8 @@ def test_two_nccl_ranks_match_one_cuda_rank_and_stay_identical(tmp_path):
 
     two = make_run(tmp_path, "two", distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True},
                    train={"batch_size": 4})
-    one = make_run(tmp_path, "one", distributed={"num_ranks": 1, "device": "cuda"}, train={"batch_size": 8})
+    one = make_run(tmp_path, "one", distributed={"num_ranks": 1, "device": "cuda", "use_nccl": True},
+                   train={"batch_size": 8})
     log = _run(two, 2)
     _run(one, 1)
     assert "on cuda:0" in log and "on cuda:1" in log
