@@ -32,6 +32,7 @@ lint: setup
 	$(BIN)/ruff check ortflow tests bench
 
 bench: setup
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev,bench]"
 	$(BIN)/python -m bench
 
 clean:
