@@ -376,11 +376,6 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
             "there with NCCL (the engine gives no host views of them), also on a single rank"
         )
-    if dist.device == "cuda" and not dist.use_nccl:
-        problems.append(
-            "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
-            "there with NCCL (the engine gives no host views of them), also on a single rank"
-        )
     # device: cuda and use_nccl need the machine (the GPU engine, CUDA libraries, GPUs, CuPy/NCCL): each rank checks
     # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
     if dist.num_hosts > 1 and dist.hostfile is None:
