@@ -57,7 +57,7 @@ class Communicator(Protocol):
         """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks."""
 
     def gradient_norm(self, grads: Sequence) -> float:
-        """Global L2 norm of the averaged gradients (clipping itself is in the optimizer graph)."""
+        """Global L2 norm of the averaged gradients (the same on every rank; the trainer clips with it)."""
 
     def scale_gradients(self, grads: Sequence, factor: float) -> None:
         """In place: every gradient times ``factor`` (gradient clipping)."""
@@ -362,7 +362,22 @@ extern "C" __global__ void sum_squares(const unsigned long long* ptrs, const lon
         if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
         __syncthreads();
     }
-    if (threadIdx.x == 0) atomicAdd(out, part[0]);
+    // One partial per block, summed in a fixed order by sum_in_order: an atomicAdd here would make the norm (and so
+    // the clipping factor) depend on block timing and differ between ranks in the last bits.
+    if (threadIdx.x == 0) out[blockIdx.y * gridDim.x + blockIdx.x] = part[0];
+}
+extern "C" __global__ void sum_in_order(const double* parts, long long n, double* out) {
+    // One block of 256 threads: each thread sums a fixed strided share, then a fixed tree: the same order every time.
+    double acc = 0.0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) acc += parts[i];
+    __shared__ double part[256];
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = part[0];
 }
 extern "C" __global__ void scale(const unsigned long long* ptrs, const long long* counts, float factor) {
     float* x = (float*)ptrs[blockIdx.y];
@@ -411,6 +426,7 @@ class NCCLComm:
         try:
             module = cupy.RawModule(code=_MULTI_TENSOR_SRC)
             self._sum_squares, self._scale = module.get_function("sum_squares"), module.get_function("scale")
+            self._sum_in_order = module.get_function("sum_in_order")
             module.compile()
         except Exception as err:  # noqa: BLE001 - CuPy raises several kinds for a missing or broken NVRTC
             raise RuntimeError(
@@ -419,6 +435,7 @@ class NCCLComm:
             ) from None
         self._scalars = cupy.zeros(8, dtype=cupy.float64)  # [scalars..., sum of squares]
         self._table: tuple | None = None
+        self._parts = None  # per-block partial sums of squares
         self._host: np.ndarray | None = None
         self._device_flat = None
         self._norm_sq = 0.0
@@ -434,9 +451,19 @@ class NCCLComm:
             self._table = (key, ptrs, counts, max(g.count for g in grads))
         return self._table
 
+    @staticmethod
+    def _blocks(table: tuple) -> int:
+        return int(min(max(1, -(-table[3] // 256)), 1024))
+
+    def _partials(self, table: tuple):
+        size = self._blocks(table) * len(table[0])
+        if self._parts is None or self._parts.size != size:
+            self._parts = self._cp.zeros(size, dtype=self._cp.float64)
+        return self._parts
+
     def _launch(self, kernel, table: tuple, *args) -> None:
         _, ptrs, counts, largest = table
-        blocks = int(min(max(1, -(-largest // 256)), 1024))
+        blocks = self._blocks(table)
         with self.stream:
             kernel((blocks, len(table[0])), (256,), (ptrs, counts, *args))
 
@@ -461,7 +488,10 @@ class NCCLComm:
         nccl.groupEnd()
         if not average:
             self._launch(self._scale, table, np.float32(1.0 / divisor))
-        self._launch(self._sum_squares, table, self._scalars[n : n + 1])
+        partials = self._partials(table)
+        self._launch(self._sum_squares, table, partials)
+        with stream:
+            self._sum_in_order((1,), (256,), (partials, np.int64(partials.size), self._scalars[n : n + 1]))
         # Sync point: the engine's optimizer runs on its own stream and must see the averaged gradients; the wait is
         # where a stalled rank shows, so it runs under the watchdog.
         self.group.watched("gradient all-reduce (nccl)", stream.synchronize)

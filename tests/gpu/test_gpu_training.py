@@ -111,3 +111,19 @@ def test_gradient_buffers_are_the_engines_device_memory_and_are_averaged_in_plac
     rt.module.lazy_reset_grad()
     rt.module(*(feeds[n] for n in names))
     assert [b.ptr for b in rt.gradient_buffers()] == [b.ptr for b in buffers]  # the addresses stay put
+
+
+def test_clipping_on_the_gpu_is_deterministic_and_keeps_ranks_identical(tmp_path):
+    from tests.trainer.runs import make_text_run
+
+    settings = dict(distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True},
+                    optimizer={"learning_rate": 0.003, "max_grad_norm": 0.1},
+                    checkpoint={"period": 1, "max_num_checkpoints": 1}, train={"display_loss_steps": 1})
+    logs = [_run(make_text_run(tmp_path, name, **settings), 2) for name in ("clip-a", "clip-b")]
+    runs = [_digests(log) for log in logs]
+    for seen in runs:
+        assert len({step for _, step in seen}) == 20
+        assert all(seen[(0, step)] == seen[(1, step)] for _, step in seen)  # clipped alike on both ranks
+    assert runs[0][(0, 20)] == runs[1][(0, 20)]  # the device norm is summed in a fixed order: runs repeat exactly
+    norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", logs[0])]
+    assert norms and max(norms) > 0.1  # the norm is logged before clipping: clipping was active
