@@ -25,7 +25,8 @@ def test_config_reference_is_current():
 
 def test_every_command_the_readme_uses_exists():
     listed = CliRunner().invoke(app, ["--help"]).output
-    used = set(re.findall(r"^ortflow ([a-z-]+)", README, re.M)) | set(re.findall(r"`ortflow ([a-z-]+)", README))
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", README, re.S))
+    used = set(re.findall(r"^ortflow ([a-z-]+)", blocks, re.M)) | set(re.findall(r"`ortflow ([a-z-]+)", README))
     assert used, "README names no ortflow commands"
     missing = sorted(c for c in used if c not in listed)
     assert not missing, f"README uses commands the CLI lacks: {missing}"

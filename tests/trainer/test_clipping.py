@@ -28,4 +28,6 @@ def test_clipped_training_is_deterministic_and_ranks_stay_identical(tmp_path):
     p1, p1_again, p2 = final_parameters(first), final_parameters(again), final_parameters(two)
     for name in p1:
         assert np.array_equal(p1[name], p1_again[name]), name  # the engine's own clip operator failed this
-        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-4, atol=1e-6, err_msg=name)
+        # Summation order differs between 2x4 and 1x8 samples; AdamW divides by sqrt(v), which magnifies float
+        # rounding on tiny gradients: atol 1e-5 is 0.3% of one step at this learning rate.
+        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-4, atol=1e-5, err_msg=name)
