@@ -276,6 +276,10 @@ class MPIComm:
         for grad in grads:
             if grad.dtype != np.float32:
                 raise TypeError(f"gradients must be float32, got {grad.dtype}: mixed precision is not supported yet")
+        if self.size == 1:  # `mpiexec -n 1`: nothing to exchange, so no packing copies (only the mean's scale)
+            if divisor != 1.0:
+                scale_gradients(grads, 1.0 / divisor)
+            return
         flat = self._layout(grads, scalars.size)
         for grad, part in zip(grads, self._slices, strict=True):
             flat[part] = grad.reshape(-1)
