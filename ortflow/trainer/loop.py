@@ -132,7 +132,9 @@ def train(
         optimizer.step()
         module.lazy_reset_grad()
 
+        paused = clock()
         eval_loss = evaluate(rt, eval_batches) if evaluated else None
+        window_start += clock() - paused  # throughput counts training time only
         if report:
             elapsed = clock() - window_start
             samples_per_s = window_samples / elapsed if elapsed > 0 else None
@@ -159,7 +161,9 @@ def train(
                 "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
                 "params_sha256": check_ranks_identical(rt, step),
             }
+            paused = clock()
             checkpoints.save(step, rt.state, meta)
+            window_start += clock() - paused
 
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
