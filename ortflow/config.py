@@ -138,16 +138,20 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """Loop hyper-parameters. Steps are micro-batch steps, as in the reference; weight updates = steps / accumulation."""
+    """Loop hyper-parameters. Steps are micro-batches, as in the reference; weight updates = steps / accumulation."""
 
     batch_size: int = Field(gt=0, description="Samples per micro-batch per rank.")
-    eval_batch_size: int | None = Field(None, gt=0, description="Samples per eval batch per rank (default: batch_size).")
+    eval_batch_size: int | None = Field(
+        None, gt=0, description="Samples per eval batch per rank (default: batch_size)."
+    )
     num_train_steps: int = Field(
         gt=0, description="Forward/backward passes per rank; must be a multiple of gradient_accumulation_steps."
     )
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches summed before each weight update.")
     display_loss_steps: int = Field(10, gt=0, description="Show the loss (mean over ranks) every this many updates.")
-    evaluation_period: int = Field(100, ge=0, description="Evaluate every this many weight updates (0: only at the end).")
+    evaluation_period: int = Field(
+        100, ge=0, description="Evaluate every this many weight updates (0: only at the end)."
+    )
     max_eval_batches: int | None = Field(None, gt=0, description="Cap on eval batches per rank (default: whole split).")
     seed: int = Field(0, ge=0, description="Seed for shuffling and any randomness in the run.")
 
@@ -246,7 +250,7 @@ class DistributedConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Checkpoints (the reference's checkpoints_dir, checkpoint_period, max_num_checkpoints, checkpoint_to_load_path)."""
+    """Checkpoints: the reference's checkpoints_dir, checkpoint_period, max_num_checkpoints, checkpoint_to_load_path."""
 
     dir: Path | None = Field(None, description="Checkpoint folder (default: <output_dir>/checkpoints).")
     period: int = Field(100, ge=0, description="Save every this many weight updates (0: only the final one).")
@@ -263,7 +267,10 @@ class TensorBoardConfig(_Section):
 
     log_dir: Path | None = Field(None, description="Event folder (default: <output_dir>/tensorboard).")
     scalar_names: tuple[str, ...] = Field(
-        ("train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s", "train/tokens_per_s"),
+        (
+            "train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s",
+            "train/tokens_per_s",
+        ),
         description="Scalars to log; any subset of the default.",
     )
     histogram_names: tuple[str, ...] = Field((), description="fnmatch patterns of parameters whose histograms to log.")
@@ -370,7 +377,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if dist.zero_stage and not dist.use_nccl:
         problems.append(f"distributed.zero_stage {dist.zero_stage} needs distributed.use_nccl: true")
     elif dist.zero_stage:
-        problems.append("distributed.zero_stage > 0 is not supported yet (the engine keeps full optimizer state); use 0")
+        problems.append(
+            "distributed.zero_stage > 0 is not supported yet (the engine keeps full optimizer state); use 0"
+        )
     if dist.device == "cuda" and not dist.use_nccl:
         problems.append(
             "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
@@ -397,7 +406,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
     if cfg.optimizer.name == "sgd" and cfg.optimizer.weight_decay:
-        problems.append("optimizer.weight_decay applies to adamw only (the engine's SGD graph has no decay); set it to 0")
+        problems.append(
+            "optimizer.weight_decay applies to adamw only (the engine's SGD graph has no decay); set it to 0"
+        )
     return problems
 
 
@@ -443,7 +454,8 @@ def _format_validation_error(err: ValidationError) -> list[str]:
 def config_from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None) -> RunConfig:
     """Build a RunConfig from a plain dict, raising :class:`ConfigError` with every problem."""
     if not isinstance(raw, dict):
-        raise ConfigError(["the config must be a YAML mapping of sections (name, output_dir, model, data, train, ...)"], source)
+        problems = ["the config must be a YAML mapping of sections (name, output_dir, model, data, train, ...)"]
+        raise ConfigError(problems, source)
     try:
         return RunConfig.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as err:

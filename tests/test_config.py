@@ -137,7 +137,8 @@ def test_num_train_steps_must_be_a_multiple_of_accumulation(tmp_path):
 
 
 def test_zero_needs_nccl(tmp_path):
-    assert any("zero_stage 2 needs distributed.use_nccl: true" in p for p in problems_of(tmp_path, "distributed.zero_stage=2"))
+    problems = problems_of(tmp_path, "distributed.zero_stage=2")
+    assert any("zero_stage 2 needs distributed.use_nccl: true" in p for p in problems)
 
 
 def test_mixed_precision_needs_a_gpu_build(tmp_path):
@@ -155,7 +156,8 @@ def test_lamb_is_declared_but_refused(tmp_path):
 
 
 def test_adasum_is_refused(tmp_path):
-    assert any("enable_adasum is not supported yet" in p for p in problems_of(tmp_path, "distributed.enable_adasum=true"))
+    problems = problems_of(tmp_path, "distributed.enable_adasum=true")
+    assert any("enable_adasum is not supported yet" in p for p in problems)
 
 
 def test_model_output_loss_needs_the_output_name(tmp_path):

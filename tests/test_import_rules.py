@@ -1,4 +1,4 @@
-"""STYLE.md's import rules, checked by importing each package in a fresh interpreter and reading every module's imports."""
+"""STYLE.md's import rules: each package imported in a fresh interpreter, and every module's imports read."""
 
 from __future__ import annotations
 

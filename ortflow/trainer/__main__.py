@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ortflow.trainer", description=__doc__)
     parser.add_argument("run_dir", type=Path, help="A configured run folder (holds config.yaml and artifacts/).")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
+    )
     return run_rank(args.run_dir)
 
 

@@ -53,7 +53,9 @@ def rank_command(cfg: RunConfig, script: str | None = None, *args: str) -> list[
             str(cfg.output_dir)]
 
 
-def run_ranks(cfg: RunConfig, script: str | None = None, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_ranks(
+    cfg: RunConfig, script: str | None = None, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run the job to its end; output (both streams) in ``.stdout``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
