@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.examples.mlp import IR_VERSION, OPSET
+from ortflow.examples.mlp import save_model
 
 _INIT_STD = 0.02
 
@@ -159,10 +159,4 @@ def build_gpt(
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["tokens", vocab_size])],
         g.initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ortflow.examples")
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_model(graph, path)

@@ -13,6 +13,17 @@ OPSET = 17
 IR_VERSION = 9
 
 
+def save_model(graph: onnx.GraphProto, path: str | Path) -> Path:
+    """Wrap ``graph`` in an opset-17, IR-9 model, check it fully, and write it to ``path`` (folders created)."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ortflow.examples")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
 def build_mlp(
     path: Path | str, num_features: int = 8, hidden: int = 16, num_classes: int = 3, seed: int = 0
 ) -> Path:
@@ -53,10 +64,4 @@ def build_mlp(
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_classes])],
         initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ortflow.examples")
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_model(graph, path)
