@@ -8,38 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+
+from ortflow.examples.mlp import build_mlp
 
 NUM_FEATURES = 8
 HIDDEN = 16
 NUM_CLASSES = 3
-
-
-def build_tiny_mlp(path: Path, seed: int = 0) -> Path:
-    """x[N, 8] -> Gemm -> Relu -> Gemm -> logits[N, 3]; opset 17, IR 8 so the engine runs it."""
-    rng = np.random.default_rng(seed)
-    inits = [
-        numpy_helper.from_array((rng.standard_normal((NUM_FEATURES, HIDDEN)) * 0.3).astype(np.float32), "fc1.weight"),
-        numpy_helper.from_array(np.zeros(HIDDEN, np.float32), "fc1.bias"),
-        numpy_helper.from_array((rng.standard_normal((HIDDEN, NUM_CLASSES)) * 0.3).astype(np.float32), "fc2.weight"),
-        numpy_helper.from_array(np.zeros(NUM_CLASSES, np.float32), "fc2.bias"),
-    ]
-    nodes = [
-        helper.make_node("Gemm", ["x", "fc1.weight", "fc1.bias"], ["h"], name="fc1"),
-        helper.make_node("Relu", ["h"], ["a"], name="relu"),
-        helper.make_node("Gemm", ["a", "fc2.weight", "fc2.bias"], ["logits"], name="fc2"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "tiny_mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", NUM_FEATURES])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", NUM_CLASSES])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-    return path
 
 
 def make_artifacts(folder: Path, seed: int = 0) -> Path:
@@ -47,7 +21,7 @@ def make_artifacts(folder: Path, seed: int = 0) -> Path:
     from ortflow.engine import artifacts
 
     folder.mkdir(parents=True, exist_ok=True)
-    model = onnx.load(str(build_tiny_mlp(folder / "model.onnx", seed)))
+    model = onnx.load(str(build_mlp(folder / "model.onnx", NUM_FEATURES, HIDDEN, NUM_CLASSES, seed)))
     previous = Path.cwd()
     os.chdir(folder)  # generate_artifacts may drop temp.onnx into the current folder
     try:
