@@ -54,7 +54,7 @@ def check_ranks_identical(rt: Runtime, step: int) -> str:
     """sha256 of this rank's trainable parameters; raises if any rank's differs from rank 0's (ranks diverged)."""
     digest = hashlib.sha256()
     for name in rt.trainable:
-        digest.update(rt.state.parameters[name].data.tobytes())
+        digest.update(np.ascontiguousarray(rt.state.parameters[name].data))  # no copy: the views are contiguous
     mine = digest.hexdigest()
     # Sync point: data-parallel replicas must hold identical parameters; a silent divergence would poison checkpoints.
     reference = rt.comm.broadcast(mine, "parameter digest")
