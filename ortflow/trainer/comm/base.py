@@ -1,0 +1,96 @@
+"""The communicator seam: what the training loop needs from the process group, and the group of one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than ``distributed.collective_timeout_s``."""
+
+
+class Communicator(Protocol):
+    """What the training loop needs from the process group."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
+        """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks."""
+
+    def gradient_norm(self, grads: Sequence) -> float:
+        """Global L2 norm of the averaged gradients (the same on every rank; the trainer clips with it)."""
+
+    def scale_gradients(self, grads: Sequence, factor: float) -> None:
+        """In place: every gradient times ``factor`` (gradient clipping)."""
+
+    def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        """Sum of a small float64 array over ranks (a new array)."""
+
+    def broadcast(self, obj: object, label: str) -> object:
+        """Rank 0's ``obj`` on every rank."""
+
+    def barrier(self, label: str) -> None:
+        """Wait for every rank."""
+
+    def abort(self, code: int) -> None:
+        """Stop every rank of the job now."""
+
+    def close(self) -> None:
+        """Release resources (stop the watchdog)."""
+
+
+def gradient_norm(grads: Sequence[np.ndarray]) -> float:
+    """Global L2 norm of host gradients."""
+    return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
+
+
+def scale_gradients(grads: Sequence[np.ndarray], factor: float) -> None:
+    """Host gradients times ``factor``, in place."""
+    scale = np.float32(factor)
+    for grad in grads:
+        grad *= scale
+
+
+class SingleProcessComm:
+    """The process group of one: collectives reduce over nothing."""
+
+    rank = 0
+    size = 1
+    local_rank = 0
+    local_size = 1
+
+    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        if divisor != 1.0:
+            scale = np.float32(1.0 / divisor)
+            for grad in grads:
+                grad *= scale
+
+    def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads)
+
+    def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
+        scale_gradients(grads, factor)
+
+    def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        return np.array(values, dtype=np.float64, copy=True)
+
+    def watched(self, label: str, call: Callable[[], object]) -> object:
+        return call()
+
+    def broadcast(self, obj: object, label: str) -> object:
+        return obj
+
+    def barrier(self, label: str) -> None:
+        pass
+
+    def abort(self, code: int) -> None:
+        raise SystemExit(code)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,130 @@
+"""Ranks under an MPI launcher: the only module that imports mpi4py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
+from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
+
+#: Environment variables that MPI launchers set in every rank (MPICH/Hydra, Open MPI, Slurm's PMI).
+_LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+class MPIComm:
+    """Ranks started by an MPI launcher."""
+
+    def __init__(self, heartbeat_dir: Path, timeout_s: float):
+        from mpi4py import MPI  # the only MPI import in ortflow
+
+        self._mpi = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = local.Get_rank()
+        self.local_size = local.Get_size()
+        local.Free()
+        self.hostname = socket.gethostname()
+        self._flat: np.ndarray | None = None
+        self._slices: list[slice] = []
+        self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
+        self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
+        self._closed = False
+
+    def _timed_out(self, message: str) -> None:
+        sys.stderr.write(f"[rank {self.rank}] ERROR: {message}\n")
+        sys.stderr.flush()
+        self.comm.Abort(3)
+
+    def _collective(self, label: str, call: Callable[[], object]) -> object:
+        self.watchdog.enter(label)
+        try:
+            return call()
+        finally:
+            self.watchdog.leave()
+
+    #: Run a blocking call (a collective, or a wait on one) under the watchdog.
+    watched = _collective
+
+    def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads)
+
+    def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
+        scale_gradients(grads, factor)
+
+    def _layout(self, grads: Sequence[np.ndarray], num_scalars: int) -> np.ndarray:
+        sizes = [g.size for g in grads]
+        if self._flat is None or len(self._slices) != len(sizes) or self._flat.size != sum(sizes) + num_scalars:
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+            self._slices = [slice(a, b) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+            self._flat = np.empty(offsets[-1] + num_scalars, dtype=np.float32)
+        return self._flat
+
+    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        for grad in grads:
+            if grad.dtype != np.float32:
+                raise TypeError(f"gradients must be float32, got {grad.dtype}: mixed precision is not supported yet")
+        if self.size == 1:  # `mpiexec -n 1`: nothing to exchange, so no packing copies (only the mean's scale)
+            if divisor != 1.0:
+                scale_gradients(grads, 1.0 / divisor)
+            return
+        flat = self._layout(grads, scalars.size)
+        for grad, part in zip(grads, self._slices, strict=True):
+            flat[part] = grad.reshape(-1)
+        flat[flat.size - scalars.size :] = scalars
+        # One collective per weight update: gradients and scalars travel together.
+        self._collective("gradient all-reduce", lambda: self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM))
+        scale = np.float32(1.0 / divisor)
+        for grad, part in zip(grads, self._slices, strict=True):
+            np.multiply(flat[part].reshape(grad.shape), scale, out=grad)
+        scalars[:] = flat[flat.size - scalars.size :]
+
+    def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        buffer = np.array(values, dtype=np.float64, copy=True)
+        self._collective(label, lambda: self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM))
+        return buffer
+
+    def broadcast(self, obj: object, label: str) -> object:
+        return self._collective(label, lambda: self.comm.bcast(obj, root=0))
+
+    def barrier(self, label: str) -> None:
+        self._collective(label, self.comm.Barrier)
+
+    def abort(self, code: int) -> None:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        self.comm.Abort(code)
+
+    def close(self) -> None:
+        if self._closed:  # an NCCLComm wrapping this one closes it too
+            return
+        self._closed = True
+        self.watchdog.close()
+        self.heartbeats.close()
+
+
+def launched_by_mpi(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Whether this process was started by an MPI launcher (so MPI must be initialized)."""
+    return any(name in environ for name in _LAUNCHER_ENV)
+
+
+def create_communicator(heartbeat_dir: Path, timeout_s: float, use_nccl: bool = False) -> Communicator:
+    """The process group for this process: MPI under a launcher, else the single-process one.
+
+    NCCL is added later, by :func:`attach_nccl`, once the rank's GPU is chosen (it needs this group to share its id).
+
+    Args:
+        heartbeat_dir: Shared folder for the watchdog's per-rank heartbeat records.
+        timeout_s: Abort when one collective waits longer than this.
+        use_nccl: Accepted for the call sites' sake; the group itself is the same with or without NCCL.
+    """
+    if launched_by_mpi():
+        return MPIComm(heartbeat_dir, timeout_s)
+    return SingleProcessComm()

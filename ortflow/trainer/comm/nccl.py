@@ -1,0 +1,199 @@
+"""Gradients averaged with NCCL through CuPy: the only module that imports CuPy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ortflow.trainer.comm.base import Communicator, gradient_norm, scale_gradients
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A float32 tensor the engine owns on the GPU: its device address and element count (no host copy)."""
+
+    ptr: int
+    count: int
+    name: str = ""
+
+
+#: One launch for a whole list of tensors (like llm.c's and apex's multi-tensor kernels): blockIdx.y picks the tensor.
+_MULTI_TENSOR_SRC = (Path(__file__).parent / "multi_tensor.cu").read_text()
+
+
+class NCCLComm:
+    """Gradients averaged with NCCL; every other collective goes to the wrapped MPI (or single-process) group.
+
+    * Engine on CUDA: ``grads`` are :class:`DeviceBuffer` s, the engine's own gradient buffers. One NCCL group call
+      all-reduces each of them in place (``ncclAvg`` when the divisor is the world size, else a sum and one scaling
+      launch), the loss/stop scalars ride in the same group, and one multi-tensor launch sums the squares for the
+      norm (one read of the gradients).
+      The host waits once per update, under the watchdog.
+    * Engine on the CPU: ``grads`` are host views; they are packed into one host buffer, copied to the GPU,
+      all-reduced there and copied back (staging through device memory).
+
+    Args:
+        group: The process group (rank, size, broadcast of the NCCL id, the watchdog).
+        device_index: This rank's GPU among the visible ones.
+    """
+
+    def __init__(self, group: Communicator, device_index: int):
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as err:
+            raise RuntimeError(
+                f"distributed.use_nccl needs CuPy with NCCL ({err}): install ortflow's `cuda` extra (docs/gpu.md) or "
+                "set use_nccl: false"
+            ) from None
+        self._cp, self._nccl, self.group = cupy, nccl, group
+        self.rank, self.size = group.rank, group.size
+        self.local_rank, self.local_size = group.local_rank, group.local_size
+        self.device_index = device_index
+        cupy.cuda.Device(device_index).use()
+        # Rank bootstrap as in llm.c's zero.cuh: rank 0 makes the unique id, the process group broadcasts it.
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = group.broadcast(uid, "nccl unique id")
+        self.comm = group.watched("nccl init", lambda: nccl.NcclCommunicator(self.size, uid, self.rank))
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        try:
+            module = cupy.RawModule(code=_MULTI_TENSOR_SRC)
+            self._sum_squares, self._scale = module.get_function("sum_squares"), module.get_function("scale")
+            self._sum_in_order = module.get_function("sum_in_order")
+            module.compile()
+        except Exception as err:  # noqa: BLE001 - CuPy raises several kinds for a missing or broken NVRTC
+            raise RuntimeError(
+                f"CuPy cannot compile kernels on GPU {device_index} ({type(err).__name__}: {err}); it needs NVRTC: "
+                "install the `cuda` extra (cupy with its [ctk] libraries) or set CUDA_PATH to a CUDA toolkit"
+            ) from None
+        self._scalars = cupy.zeros(8, dtype=cupy.float64)  # [scalars..., sum of squares]
+        self._table: tuple | None = None
+        self._parts = None  # per-block partial sums of squares
+        self._host: np.ndarray | None = None
+        self._device_flat = None
+        self._norm_sq = 0.0
+        self._closed = False
+
+    # -- the gradient path ----------------------------------------------------------------------------------------
+    def _tensor_table(self, grads: Sequence[DeviceBuffer]) -> tuple:
+        cp = self._cp
+        key = tuple((g.ptr, g.count) for g in grads)
+        if self._table is None or self._table[0] != key:
+            ptrs = cp.asarray(np.array([g.ptr for g in grads], dtype=np.uint64))
+            counts = cp.asarray(np.array([g.count for g in grads], dtype=np.int64))
+            self._table = (key, ptrs, counts, max(g.count for g in grads))
+        return self._table
+
+    @staticmethod
+    def _blocks(table: tuple) -> int:
+        return int(min(max(1, -(-table[3] // 256)), 1024))
+
+    def _partials(self, table: tuple):
+        size = self._blocks(table) * len(table[0])
+        if self._parts is None or self._parts.size != size:
+            self._parts = self._cp.zeros(size, dtype=self._cp.float64)
+        return self._parts
+
+    def _launch(self, kernel, table: tuple, *args) -> None:
+        _, ptrs, counts, largest = table
+        blocks = self._blocks(table)
+        with self.stream:
+            kernel((blocks, len(table[0])), (256,), (ptrs, counts, *args))
+
+    def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
+        if grads and isinstance(grads[0], np.ndarray):
+            return self._average_host(grads, divisor, scalars)
+        cp, nccl, stream = self._cp, self._nccl, self.stream
+        table = self._tensor_table(grads)
+        n = scalars.size
+        host = np.zeros(self._scalars.size, dtype=np.float64)
+        host[:n] = scalars
+        # Sync point: the engine ran the backward pass on its own stream; NCCL must not read half-written gradients.
+        cp.cuda.runtime.deviceSynchronize()
+        self._scalars.set(host, stream=stream)
+        average = divisor == self.size  # NCCL divides while it reduces: no extra pass over the gradients
+        op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
+        nccl.groupStart()
+        for grad in grads:
+            self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
+        self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
+                            stream.ptr)
+        nccl.groupEnd()
+        if not average:
+            self._launch(self._scale, table, np.float32(1.0 / divisor))
+        partials = self._partials(table)
+        self._launch(self._sum_squares, table, partials)
+        with stream:
+            self._sum_in_order((1,), (256,), (partials, np.int64(partials.size), self._scalars[n : n + 1]))
+        # Sync point: the engine's optimizer runs on its own stream and must see the averaged gradients; the wait is
+        # where a stalled rank shows, so it runs under the watchdog.
+        self.group.watched("gradient all-reduce (nccl)", stream.synchronize)
+        result = self._scalars.get()
+        scalars[:] = result[:n]
+        self._norm_sq = float(result[n])
+
+    def _average_host(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        cp, nccl, stream = self._cp, self._nccl, self.stream
+        sizes = [g.size for g in grads]
+        total = sum(sizes) + scalars.size
+        if self._host is None or self._host.size != total:
+            self._host = np.empty(total, dtype=np.float32)
+            self._device_flat = cp.empty(total, dtype=cp.float32)
+        flat, offset = self._host, 0
+        for grad in grads:
+            flat[offset : offset + grad.size] = grad.reshape(-1)
+            offset += grad.size
+        flat[offset:] = scalars
+        self._device_flat.set(flat, stream=stream)
+        self.comm.allReduce(self._device_flat.data.ptr, self._device_flat.data.ptr, total, nccl.NCCL_FLOAT32,
+                            nccl.NCCL_SUM, stream.ptr)
+        self._device_flat.get(stream=stream, out=flat)
+        # Sync point: the host reads the sums next.
+        self.group.watched("gradient all-reduce (nccl, staged)", stream.synchronize)
+        scale, offset = np.float32(1.0 / divisor), 0
+        for grad in grads:
+            np.multiply(flat[offset : offset + grad.size].reshape(grad.shape), scale, out=grad)
+            offset += grad.size
+        scalars[:] = flat[offset:]
+
+    def gradient_norm(self, grads: Sequence) -> float:
+        if grads and isinstance(grads[0], np.ndarray):
+            return gradient_norm(grads)
+        return float(np.sqrt(self._norm_sq))  # summed on the device by average_gradients, in the same wait
+
+    def scale_gradients(self, grads: Sequence, factor: float) -> None:
+        if grads and isinstance(grads[0], np.ndarray):
+            return scale_gradients(grads, factor)
+        self._launch(self._scale, self._tensor_table(grads), np.float32(factor))
+        # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
+        self.stream.synchronize()
+
+    # -- everything else runs on the process group ----------------------------------------------------------------
+    def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        return self.group.allreduce_sum(values, label)
+
+    def broadcast(self, obj: object, label: str) -> object:
+        return self.group.broadcast(obj, label)
+
+    def barrier(self, label: str) -> None:
+        self.group.barrier(label)
+
+    def watched(self, label: str, call: Callable[[], object]) -> object:
+        return self.group.watched(label, call)
+
+    def abort(self, code: int) -> None:
+        self.group.abort(code)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.stream.synchronize()
+            self.group.close()
+
+
+def attach_nccl(group: Communicator, device_index: int) -> NCCLComm:
+    """Join this rank to NCCL on GPU ``device_index`` (after the process group is up and the device is chosen)."""
+    return NCCLComm(group, device_index)
