@@ -90,6 +90,13 @@ def test_flows_call_only_config_and_tasks():
             assert all(n == "ortflow" or n.startswith(allowed) for n in ours), (module, ours)
 
 
+def test_graph_passes_import_nothing_from_ortflow_outside_graph():
+    for module, names in MODULES.items():
+        if module.startswith("ortflow.graph"):
+            ours = {n for n in names if n.startswith("ortflow")}
+            assert all(n.startswith("ortflow.graph") for n in ours), (module, ours)
+
+
 def test_config_imports_nothing_from_ortflow():
     assert not {n for n in MODULES["ortflow.config"] if n.startswith("ortflow")}
 
