@@ -5,7 +5,8 @@
 * ``artifacts/`` - the engine's training, eval and optimizer models and the initial checkpoint;
 * ``config.yaml`` - the resolved config every rank loads;
 * ``configure.json`` - written last: the fingerprint of what the artifacts were built from, and the inputs the data
-  stage must provide (``train_inputs``, in the engine's order, label included).
+  stage must provide (``train_inputs``, in the engine's order, label included), and ``graph_rewrites``: what the
+  model-preparation pass (:mod:`ortflow.graph.prepare`) changed in the graph the engine got.
 
 A second call with the same model bytes and the same ``model`` and ``optimizer`` sections finds the fingerprint in
 ``configure.json`` and the artifact files in place, and does no work.
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 CONFIGURE_RECORD_NAME = "configure.json"
 
 # Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
-_ARTIFACTS_FORMAT = 1
+# 2: the model-preparation pass (ortflow.graph.prepare) rewrites the graph before the engine sees it.
+_ARTIFACTS_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "loss_output": built.loss_output,
         "label_input": built.label_input,
         "num_parameters": built.num_parameters,
+        "graph_rewrites": list(built.rewrites),
         "optimizer": cfg.optimizer.name,
         "opset": model.opset,
         "ir_version": model.ir_version,

@@ -374,11 +374,12 @@ def test_cli_configure_reports_reuse_and_errors_without_traceback(tmp_path):
     assert "Traceback" not in bad.output
 
 
-def test_cross_entropy_on_3d_logits_asks_for_a_reshape(tmp_path):
+def test_cross_entropy_on_a_1d_output_is_refused_with_the_loss_to_use(tmp_path):
+    # [B, T, V] logits are flattened by the preparation pass (tests/graph/); one score per row cannot be classes.
     model = onnx.load(str(build_mlp(tmp_path / "base.onnx")))
-    model.graph.node.append(helper.make_node("Unsqueeze", ["logits", "axes"], ["logits3d"]))
-    model.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), "axes"))
-    model.graph.output.insert(0, helper.make_tensor_value_info("logits3d", TensorProto.FLOAT, [1, "batch", 3]))
-    onnx.save(model, str(tmp_path / "m3.onnx"))
-    with pytest.raises(ConfigError, match=r"cross_entropy needs 2-D scores \[N, C\].*reshape it"):
-        configure(make_cfg(tmp_path, tmp_path / "m3.onnx"))
+    model.graph.node.append(helper.make_node("ReduceSum", ["logits", "axes"], ["score"], keepdims=0))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    model.graph.output.insert(0, helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch"]))
+    onnx.save(model, str(tmp_path / "m1.onnx"))
+    with pytest.raises(ConfigError, match=r"cross_entropy needs class scores .*use model.loss bce_with_logits"):
+        configure(make_cfg(tmp_path, tmp_path / "m1.onnx"))

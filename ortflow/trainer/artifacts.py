@@ -33,6 +33,9 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
+from ortflow.graph.common import GraphError
+from ortflow.graph.differentiable import explain_engine_error
+from ortflow.graph.prepare import PreparedModel, prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class ArtifactsInfo:
         loss_output: The model output the loss reads (or, for model_output, the loss itself).
         label_input: Name of the label/target input (None for model_output).
         num_parameters: Number of trained scalar values.
+        rewrites: What the model-preparation pass changed (``ortflow.graph.prepare``), one entry per pass.
     """
 
     artifacts_dir: Path
@@ -109,6 +113,7 @@ class ArtifactsInfo:
     loss_output: str
     label_input: str | None
     num_parameters: int
+    rewrites: tuple[dict, ...] = ()
 
 
 def _tensor_type_info(name: str, type_proto: onnx.TypeProto) -> TensorInfo:
@@ -234,11 +239,11 @@ def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
         return output_name
     if output.dtype != "float32":
         raise ArtifactsError(f"model.loss_output: '{output_name}' is {output.dtype}; the engine's losses need float32")
-    # An output without shape information reports (); only a known rank other than 2 is refused here.
-    if cfg.model.loss == "cross_entropy" and output.shape and len(output.shape) != 2:
+    # An output without shape information reports (); [B, T, V] (or more dims) is flattened by the preparation pass.
+    if cfg.model.loss == "cross_entropy" and len(output.shape) == 1:
         raise ArtifactsError(
-            f"model.loss cross_entropy needs 2-D scores [N, C], but '{output_name}' has shape {list(output.shape)}; "
-            "reshape it in the model (e.g. [B, T, V] -> [B*T, V])"
+            f"model.loss cross_entropy needs class scores [N, C] or [B, T, C], but '{output_name}' has shape "
+            f"{list(output.shape)}; for one score per row use model.loss bce_with_logits"
         )
     label = next((i for i in info.inputs if i.name == cfg.model.label_input), None)
     if label is not None and cfg.model.loss == "cross_entropy" and label.dtype != "int64":
@@ -249,10 +254,53 @@ def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
     return output_name
 
 
-def _load_for_engine(path: Path) -> onnx.ModelProto | None:
-    """The model with its external data, or None when it is too big for a ModelProto (the engine then needs a path)."""
-    proto = onnx.load(str(path), load_external_data=True)
-    return proto if proto.ByteSize() < _PROTO_LIMIT else None
+def _prepare(cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None) -> PreparedModel:
+    """Run the model-preparation pass on the model's graph (external data is not loaded: no pass reads weights)."""
+    graph_only = onnx.load(str(cfg.model.path), load_external_data=False)
+    try:
+        return prepare_model(graph_only, set(trainable), cfg.model.loss, output_name, label_name)
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def _engine_input(model_path: Path, prepared: PreparedModel, scratch: Path, proto_limit: int = _PROTO_LIMIT):
+    """What generate_artifacts gets: the prepared proto with its weights, or a path when that would pass 2 GB.
+
+    A big prepared model is written into ``scratch`` beside hard links (or copies) of the external data files, at the
+    same relative locations, so the user's folder is never written to.
+    """
+    model = prepared.model
+    files = [entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"]
+    size = model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in set(files))
+    if size < proto_limit:
+        if files:
+            model = onnx.ModelProto.FromString(model.SerializeToString())
+            onnx.external_data_helper.load_external_data_for_model(model, str(model_path.parent))
+        return model
+    if not prepared.report:
+        return str(model_path)
+    for name in sorted(set(files)):
+        target = scratch / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(model_path.parent / name, target)
+        except OSError:  # another filesystem: copy once
+            shutil.copyfile(model_path.parent / name, target)
+    path = scratch / f"prepared-{model_path.name}"
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def _artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, trainable: list[str]) -> ArtifactsError:
+    explained = explain_engine_error(str(err), prepared.model, set(trainable))
+    if explained is not None:
+        return ArtifactsError(f"model.path: the engine could not differentiate {cfg.model.path.name}: {explained}")
+    return ArtifactsError(
+        f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
+        f"{type(err).__name__}: {err}. ortflow already declared LayerNormalization/Dropout outputs and replaced Splits "
+        "with unused outputs; see the README's 'What configure does to your model' for the ops the engine cannot "
+        "differentiate and what to write instead"
+    )
 
 
 def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
@@ -277,20 +325,21 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     trainable, frozen = split_parameters(info, cfg.model.frozen)
     output_name = _check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
+    prepared = _prepare(cfg, trainable, output_name, label_name)
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        proto = _load_for_engine(cfg.model.path)
+        engine_model = _engine_input(Path(cfg.model.path), prepared, scratch)
         cwd = os.getcwd()
-        if proto is None:
+        if isinstance(engine_model, str):
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
         try:
             # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
-            loss = _ConfiguredLoss(_loss_block(cfg), output_name, label_name)
+            loss = _ConfiguredLoss(_loss_block(cfg), prepared.loss_input, prepared.label_input)
             engine_artifacts.generate_artifacts(
-                proto if proto is not None else str(cfg.model.path),
+                engine_model,
                 requires_grad=trainable,
                 frozen_params=frozen,
                 loss=loss,
@@ -298,16 +347,16 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
                 artifact_directory=scratch,
             )
         except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
-            raise ArtifactsError(
-                f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
-                f"{type(err).__name__}: {err}. Common causes: ops without gradients in onnxruntime-training 1.19.2 "
-                "(Elu, Selu, Softplus, ReduceMax, CumSum, Einsum, ...) or nodes whose optional outputs are not "
-                "declared (LayerNormalization, SoftmaxCrossEntropyLoss); re-export the model without them"
-            ) from err
+            raise _artifacts_error(cfg, err, prepared, trainable) from err
         finally:
             os.chdir(cwd)
         for leftover in ("temp.onnx", "temp.onnx.data"):
             (scratch / leftover).unlink(missing_ok=True)
+        if isinstance(engine_model, str) and Path(engine_model).parent == scratch:  # the big prepared model's copy
+            Path(engine_model).unlink()
+            for name in {e.value for t in prepared.model.graph.initializer for e in t.external_data
+                         if e.key == "location"}:
+                (scratch / name).unlink(missing_ok=True)
         missing = [f for f in ARTIFACT_FILES if not (scratch / f).exists()]
         if missing:
             raise RuntimeError(f"the engine did not write {missing} into {scratch}")
@@ -330,6 +379,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         loss_output=output_name,
         label_input=label_name,
         num_parameters=sum(sizes[n] for n in trainable),
+        rewrites=tuple(prepared.report),
     )
     log.info(
         "built artifacts in %s: %d trainable tensors (%d values), %d frozen, loss %s on '%s'",

@@ -1,0 +1,105 @@
+"""What every pass shares: the error type, name bookkeeping, small node builders and the one-line change log."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+log = logging.getLogger("ortflow.graph")
+
+
+class GraphError(ValueError):
+    """The model holds something the engine cannot train; the message names the node, the op and a fix."""
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """How errors and logs name a node: its name, else its first output."""
+    return node.name or (node.output[0] if node.output else node.op_type)
+
+
+def opset_version(model: onnx.ModelProto) -> int:
+    """The model's version of the default ONNX domain."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name read inside a node's subgraphs (If/Loop/Scan bodies may read outer-scope tensors)."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for graph in graphs:
+            for inner in graph.node:
+                names.update(inner.input)
+                names |= subgraph_reads(inner)
+    return names
+
+
+def consumed_names(graph: onnx.GraphProto) -> set[str]:
+    """Tensors that some node reads (subgraphs included) or that the graph outputs."""
+    used = {o.name for o in graph.output}
+    for node in graph.node:
+        used.update(n for n in node.input if n)
+        used |= subgraph_reads(node)
+    return used
+
+
+class Names:
+    """Hands out tensor and node names that the graph does not use yet."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self._taken = {i.name for i in graph.input} | {o.name for o in graph.output}
+        self._taken |= {t.name for t in graph.initializer} | {v.name for v in graph.value_info}
+        for node in graph.node:
+            self._taken.update(node.input)
+            self._taken.update(node.output)
+            self._taken.add(node.name)
+
+    def new(self, base: str) -> str:
+        """``base``, or ``base_1``, ``base_2``, ... whichever is free; the name is then taken."""
+        name, i = base, 0
+        while name in self._taken:
+            i += 1
+            name = f"{base}_{i}"
+        self._taken.add(name)
+        return name
+
+
+def int64_constant(names: Names, base: str, values: list[int] | int) -> tuple[onnx.NodeProto, str]:
+    """A Constant node holding int64 ``values`` (a list: 1-D, an int: a scalar); not an initializer, so nothing new
+    can become a parameter."""
+    out = names.new(base)
+    tensor = numpy_helper.from_array(np.asarray(values, dtype=np.int64), out)
+    return helper.make_node("Constant", [], [out], name=names.new(f"{base}/const"), value=tensor), out
+
+
+def constant_values(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of ``name`` when it is an initializer or a Constant node's ``value``, else None."""
+    for tensor in graph.initializer:
+        if tensor.name == name:
+            return numpy_helper.to_array(tensor)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output and node.output[0] == name:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+                if attr.name == "value_ints":
+                    return np.asarray(list(attr.ints), dtype=np.int64)
+                if attr.name == "value_int":
+                    return np.asarray(attr.i, dtype=np.int64)
+    return None
+
+
+def report_change(pass_name: str, lines: list[str], report: list[dict] | None) -> None:
+    """Log once what a pass changed (one summary line, details at debug); add ``{"pass", "changes"}`` to ``report``."""
+    if not lines:
+        return
+    shown = "; ".join(lines[:3]) + (f"; and {len(lines) - 3} more" if len(lines) > 3 else "")
+    summary = f"{pass_name}: {len(lines)} change(s): {shown}"
+    log.info("%s", summary)
+    for line in lines:
+        log.debug("%s: %s", pass_name, line)
+    if report is not None:
+        report.append({"pass": pass_name, "changes": list(lines)})

@@ -1,0 +1,69 @@
+"""The model-preparation pass configure runs before the engine builds the training graph.
+
+Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then repeated
+inputs, then the logits flattening for the loss, and last the check that every node on the trained path has a
+gradient (it runs on the graph the engine will see). No step changes an initializer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from ortflow.graph.differentiable import check_differentiable
+from ortflow.graph.logits import flatten_logits
+from ortflow.graph.optional_outputs import declare_optional_outputs
+from ortflow.graph.repeated import separate_repeated_inputs
+from ortflow.graph.split import split_to_slices
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """What :func:`prepare_model` returns.
+
+    Attributes:
+        model: The model the engine gets.
+        loss_input: The tensor the loss reads (the configured output, or its flattened form).
+        label_input: The label tensor the loss reads (the label input, or its flattened form); None for model_output.
+        report: One ``{"pass", "changes"}`` entry per pass that changed something (for configure.json).
+    """
+
+    model: onnx.ModelProto
+    loss_input: str
+    label_input: str | None
+    report: list[dict] = field(default_factory=list)
+
+
+def prepare_model(
+    model: onnx.ModelProto,
+    trainable: set[str],
+    loss: str,
+    loss_output: str,
+    label_input: str | None,
+) -> PreparedModel:
+    """Rewrite the user's model into one the engine trains correctly, or say why it cannot.
+
+    Args:
+        model: The user's model (left unchanged).
+        trainable: Names of the parameters to train.
+        loss: The configured loss (``cross_entropy``, ``mse``, ..., ``model_output``).
+        loss_output: The model output the loss reads.
+        label_input: The label input's name (None for ``model_output``).
+
+    Returns:
+        The prepared model, the names the loss must read, and the report of what changed.
+
+    Raises:
+        GraphError: A node on the trained path has no gradient in the engine (naming node, op and fix).
+    """
+    report: list[dict] = []
+    model = declare_optional_outputs(model, report)
+    model = split_to_slices(model, report)
+    model = separate_repeated_inputs(model, report)
+    loss_input, label = loss_output, label_input
+    if loss == "cross_entropy" and label_input is not None:
+        model, flat = flatten_logits(model, loss_output, label_input, report)
+        loss_input, label = flat.scores, flat.labels
+    check_differentiable(model, trainable, [loss_input])
+    return PreparedModel(model, loss_input, label, report)
