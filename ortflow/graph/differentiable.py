@@ -51,6 +51,8 @@ NO_GRADIENT: dict[str, str] = {
     "CumSum": "write it as a MatMul with a triangular matrix of ones (Trilu of ones)",
     "Einsum": "write it as the equivalent MatMul / Transpose / Reshape (torch: use matmul instead of einsum)",
     "InstanceNormalization": "write it with ReduceMean, Sub, Mul, Sqrt and Div, then scale and bias",
+    "LpNormalization": "write it as x / ReduceL2(x, keepdims=1) (p=2) or x / ReduceSum(Abs(x), keepdims=1) (p=1)",
+    "LRN": _NO_SUBSTITUTE,
     "GroupNormalization": "Reshape to [N, groups, -1], LayerNormalization (axis=-1, all outputs), Reshape back, then "
                           "scale and bias",
 }

@@ -64,9 +64,9 @@ def _axis_length(shapes: dict[str, onnx.TypeProto], name: str, axis: int) -> int
 
 
 def _dynamic_bounds(
-    graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, axis: int, names: Names, nodes: list
-) -> list[tuple[str, str]]:
-    """(start, end) tensor names per part, computed in the graph."""
+    node: onnx.NodeProto, opset: int, axis: int, wanted: list[int], names: Names, nodes: list
+) -> dict[int, tuple[str, str]]:
+    """(start, end) tensor names of the ``wanted`` parts, computed in the graph."""
     base = node_label(node)
     count = len(node.output)
 
@@ -84,17 +84,18 @@ def _dynamic_bounds(
         zero_node, zero = int64_constant(names, f"{base}/axis0", 0)
         nodes.append(zero_node)
         ends = op("CumSum", [node.input[1], zero], "ends")
-        bounds = []
-        for i in range(count):
-            end = op("Slice", [ends, const(f"i{i}", [i]), const(f"i{i}_next", [i + 1])], f"end{i}")
-            size = op("Slice", [node.input[1], const(f"j{i}", [i]), const(f"j{i}_next", [i + 1])], f"size{i}")
-            bounds.append((op("Sub", [end, size], f"start{i}"), end))
+        bounds = {}
+        for i in wanted:
+            first, after = const(f"part{i}", [i]), const(f"part{i}_next", [i + 1])
+            end = op("Slice", [ends, first, after], f"end{i}")
+            size = op("Slice", [node.input[1], first, after], f"size{i}")
+            bounds[i] = (op("Sub", [end, size], f"start{i}"), end)
         return bounds
     dim = op("Gather", [op("Shape", [node.input[0]], "shape"), const("axis", [axis])], "dim")
     chunk = op("Div", [op("Add", [dim, const("count_minus_1", [count - 1])], "dim_up"), const("count", [count])],
                "chunk")
-    return [(op("Mul", [chunk, const(f"k{i}", [i])], f"start{i}"),
-             op("Mul", [chunk, const(f"k{i + 1}", [i + 1])], f"end{i}")) for i in range(count)]
+    return {i: (op("Mul", [chunk, const(f"k{i}", [i])], f"start{i}"),
+                op("Mul", [chunk, const(f"k{i + 1}", [i + 1])], f"end{i}")) for i in wanted}
 
 
 def split_to_slices(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
@@ -135,6 +136,7 @@ def split_to_slices(model: onnx.ModelProto, report: list[dict] | None = None) ->
             new_nodes.append(node)
             continue
         axis = int(_attr(node, "axis", 0))
+        wanted = [i for i, output in enumerate(node.output) if output and output in used]
         sizes = _static_sizes(graph, node, opset, _axis_length(shapes, node.input[0], axis))
         if sizes is not None and len(sizes) != len(node.output):
             raise GraphError(
@@ -142,25 +144,21 @@ def split_to_slices(model: onnx.ModelProto, report: list[dict] | None = None) ->
                 "re-export the model (it is not valid ONNX)"
             )
         if sizes is not None:
-            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-            bounds = []
-            for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
-                c1, s = int64_constant(names, f"{node_label(node)}/start{i}", [int(start)])
-                c2, e = int64_constant(names, f"{node_label(node)}/end{i}", [int(start + size)])
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+            bounds = {}
+            for i in wanted:
+                c1, start = int64_constant(names, f"{node_label(node)}/start{i}", [starts[i]])
+                c2, end = int64_constant(names, f"{node_label(node)}/end{i}", [starts[i] + sizes[i]])
                 new_nodes += [c1, c2]
-                bounds.append((s, e))
+                bounds[i] = (start, end)
         else:
-            bounds = _dynamic_bounds(graph, node, opset, axis, names, new_nodes)
+            bounds = _dynamic_bounds(node, opset, axis, wanted, names, new_nodes)
         axes_node, axes = int64_constant(names, f"{node_label(node)}/axes", [axis])
         new_nodes.append(axes_node)
-        kept = []
-        for i, output in enumerate(node.output):
-            if output and output in used:
-                start, end = bounds[i]
-                new_nodes.append(helper.make_node("Slice", [node.input[0], start, end, axes], [output],
-                                                  name=names.new(f"{node_label(node)}/slice{i}")))
-                kept.append(i)
-        changes.append(f"Split '{node_label(node)}' -> Slice of outputs {kept} (of {len(node.output)}; the rest "
+        for i in wanted:
+            new_nodes.append(helper.make_node("Slice", [node.input[0], *bounds[i], axes], [node.output[i]],
+                                              name=names.new(f"{node_label(node)}/slice{i}")))
+        changes.append(f"Split '{node_label(node)}' -> Slice of outputs {wanted} (of {len(node.output)}; the rest "
                        "unused)")
     del graph.node[:]
     graph.node.extend(new_nodes)
