@@ -1,7 +1,9 @@
 """Generate text from an exported byte-level language model with plain ONNX Runtime (no training engine).
 
 The model takes token ids ``int64 [B, T]`` (T may be fixed, as in the bundled GPT example) and returns logits
-``[B*T, V]`` or ``[B, T, V]``. Tokens are UTF-8 bytes (V = 256), the data stage's default text tokenization.
+``[B, T, V]``, ``[B*T, V]`` or ``[B, V]`` (next-token logits only). A batch dim fixed above 1 (a model exported
+without dynamic axes) is filled with copies of the context and row 0 is read. Tokens are UTF-8 bytes (V = 256),
+the data stage's default text tokenization.
 """
 
 from __future__ import annotations
@@ -17,19 +19,42 @@ class SampleError(ValueError):
     """The model cannot be sampled from (wrong inputs or outputs)."""
 
 
-def _window_length(session: onnxruntime.InferenceSession, seq_len: int | None) -> tuple[str, int]:
+def _token_input(session: onnxruntime.InferenceSession, seq_len: int | None) -> tuple[str, int, int]:
+    """The token-id input's name, the batch size to feed (its fixed batch dim, else 1) and the window length."""
     inputs = session.get_inputs()
     if len(inputs) != 1 or "int64" not in inputs[0].type or len(inputs[0].shape) != 2:
         found = ", ".join(f"{i.name} {i.type} {i.shape}" for i in inputs)
-        raise SampleError(f"expected one int64 [batch, tokens] input (token ids), found: {found}")
-    dim = inputs[0].shape[1]
+        raise SampleError(
+            f"expected one int64 [batch, tokens] input (token ids), found: {found}; sample works with causal "
+            "language models whose only input is the token ids"
+        )
+    batch_dim, dim = inputs[0].shape
+    batch = batch_dim if isinstance(batch_dim, int) and batch_dim > 0 else 1
     if isinstance(dim, int) and dim > 0:
         if seq_len is not None and seq_len != dim:
             raise SampleError(f"the model's input takes exactly {dim} tokens; drop --seq-len or pass {dim}")
-        return inputs[0].name, dim
+        return inputs[0].name, batch, dim
     if seq_len is None:
         raise SampleError("the model's token dimension is symbolic: pass the context length with --seq-len")
-    return inputs[0].name, seq_len
+    return inputs[0].name, batch, seq_len
+
+
+def last_position_logits(logits: np.ndarray, batch: int, window: int) -> np.ndarray:
+    """Row 0's logits at the last position, from ``[B, T, V]``, ``[B*T, V]`` or ``[B, V]`` outputs.
+
+    Raises:
+        SampleError: The output has none of these shapes.
+    """
+    if logits.ndim == 3 and logits.shape[:2] == (batch, window):
+        return logits[0, -1]
+    if logits.ndim == 2 and logits.shape[0] == batch * window:
+        return logits.reshape(batch, window, -1)[0, -1]
+    if logits.ndim == 2 and logits.shape[0] == batch:
+        return logits[0]
+    raise SampleError(
+        f"the model's first output has shape {list(logits.shape)} for a batch of {batch} x {window} tokens; sample "
+        f"reads logits shaped [{batch}, {window}, V], [{batch * window}, V] or [{batch}, V]"
+    )
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
@@ -76,21 +101,24 @@ def generate(
     Raises:
         SampleError: the model is not a token-id -> logits model.
     """
-    session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    name, window = _window_length(session, seq_len)
+    try:
+        session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own exception types for unloadable models
+        raise SampleError(f"ONNX Runtime cannot load {model}: {err}") from None
+    name, batch, window = _token_input(session, seq_len)
     rng = np.random.default_rng(seed)
     tokens = list(prompt.encode("utf-8")) or [ord("\n")]
     start = len(tokens)
-    ids = np.zeros((1, window), dtype=np.int64)
+    ids = np.zeros((batch, window), dtype=np.int64)
     for _ in range(max_new_tokens):
         context = tokens[-window:]
         ids[:] = 0
-        ids[0, window - len(context):] = context
-        logits = session.run(None, {name: ids})[0]
-        if logits.size % window:
-            raise SampleError(f"output shape {logits.shape} does not hold one row of logits per token position")
-        last = logits.reshape(window, -1)[-1]
-        token = sample_next(last, temperature, top_k, rng)
+        ids[:, window - len(context):] = context  # every row the same context: a fixed batch dim is filled
+        try:
+            logits = session.run(None, {name: ids})[0]
+        except Exception as err:  # noqa: BLE001 - a model that needs other inputs or shapes fails here
+            raise SampleError(f"the model failed on token ids of shape {list(ids.shape)}: {err}") from None
+        token = sample_next(last_position_logits(logits, batch, window), temperature, top_k, rng)
         if token > 255:
             raise SampleError(f"the model predicts token {token}: only byte-level models (vocabulary 256) work here")
         tokens.append(token)

@@ -50,3 +50,62 @@ def test_a_model_without_token_ids_is_refused(tmp_path):
 
     with pytest.raises(SampleError, match="int64"):
         generate(build_mlp(tmp_path / "mlp.onnx"), "a", max_new_tokens=1)
+
+
+def _fixed_batch_lm(path, batch, layout):
+    """input_ids int64 [batch, T] -> next-byte logits laid out as 'btv' [batch, T, 256], 'flat' [batch*T, 256] or
+    'last' [batch, 256]; row r's logits are shifted by r so that reading any row other than 0 gives other bytes."""
+    table = np.full((256, 256), -5.0, np.float32)
+    table[np.arange(256), (np.arange(256) + 1) % 256] = 5.0
+    offsets = np.zeros((batch, 1, 256), np.float32)
+    for r in range(1, batch):
+        offsets[r, 0, (np.arange(256) + 1 + 7 * r) % 256] = 20.0  # row r predicts b + 1 + 7r
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["g"]), helper.make_node("Add", ["g", "off"], ["btv"])]
+    inits = [numpy_helper.from_array(table, "table"), numpy_helper.from_array(offsets, "off")]
+    if layout == "btv":
+        out, shape = "btv", [batch, T, 256]
+    elif layout == "flat":
+        inits.append(numpy_helper.from_array(np.array([-1, 256], np.int64), "shape"))
+        nodes.append(helper.make_node("Reshape", ["btv", "shape"], ["flat"]))
+        out, shape = "flat", [batch * T, 256]
+    else:
+        inits.append(numpy_helper.from_array(np.array([-1], np.int64), "start"))
+        inits.append(numpy_helper.from_array(np.array([T], np.int64), "end"))
+        inits.append(numpy_helper.from_array(np.array([1], np.int64), "axis"))
+        inits.append(numpy_helper.from_array(np.array([1], np.int64), "sq"))
+        nodes += [helper.make_node("Slice", ["btv", "start", "end", "axis"], ["lastpos"]),
+                  helper.make_node("Squeeze", ["lastpos", "sq"], ["last"])]
+        out, shape = "last", [batch, 256]
+    graph = helper.make_graph(nodes, "lm", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, T])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["btv", "flat", "last"])
+def test_fixed_batch_above_one_is_filled_and_row_0_at_the_last_position_is_read(tmp_path, layout):
+    model = _fixed_batch_lm(tmp_path / "m.onnx", batch=3, layout=layout)
+    assert generate(model, "a", max_new_tokens=4, temperature=0) == "bcde"
+
+
+def test_logits_of_an_unexpected_shape_are_refused_naming_the_shapes_read(tmp_path):
+    table = numpy_helper.from_array(np.zeros((256, 256), np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["g"]),
+         helper.make_node("Transpose", ["g"], ["odd"], perm=[2, 0, 1])],
+        "odd", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [2, T])],
+        [helper.make_tensor_value_info("odd", TensorProto.FLOAT, [256, 2, T])], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(tmp_path / "odd.onnx"))
+    expected = r"shape \[256, 2, 8\].*reads logits shaped \[2, 8, V\], \[16, V\] or \[2, V\]"
+    with pytest.raises(SampleError, match=expected):
+        generate(tmp_path / "odd.onnx", "a", max_new_tokens=1)
+
+
+def test_a_file_onnx_runtime_cannot_load_is_a_sample_error(tmp_path):
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    with pytest.raises(SampleError, match="ONNX Runtime cannot load"):
+        generate(tmp_path / "junk.onnx", "a", max_new_tokens=1)
