@@ -73,7 +73,8 @@ class ModelConfig(_Section):
     )
     label_input: str = Field(
         "labels",
-        description="Name of the label/target input the loss adds (cross_entropy needs int64 labels of shape [N]).",
+        description="Name of the label/target input the loss adds (cross_entropy: int64 labels [N] for scores "
+        "[N, C], [B, T] for logits [B, T, V]).",
     )
     frozen: tuple[str, ...] = Field(
         (),
