@@ -158,3 +158,25 @@ def gpt2_style(path, vocab: int = 13, seq_len: int = 4, width: int = 8, heads: i
     return b.save(path, [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq_len])],
                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, seq_len, vocab])],
                   {logits: "logits"})
+
+
+def batchnorm_classifier(path, features: int = 4, hidden: int = 6, classes: int = 3, training_mode: bool = False,
+                         seed: int = 0) -> Path:
+    """x -> Linear -> BatchNormalization (inference mode, as an ``eval()`` export writes it) -> Relu -> Linear.
+
+    ``training_mode``: the same graph with BatchNormalization in training mode (batch statistics, 3 outputs), the
+    reference for what the engine's training graph computes.
+    """
+    b = Builder(seed)
+    h = b.linear("x", "fc1", features, hidden)
+    stats = [b.param("bn.weight", (hidden,), value=1 + 0.2 * b.rng.standard_normal(hidden)),
+             b.param("bn.bias", (hidden,), std=0.1),
+             b.param("bn.running_mean", (hidden,), std=0.1),
+             b.param("bn.running_var", (hidden,), value=1 + 0.1 * b.rng.random(hidden))]
+    if training_mode:
+        h = b.op("BatchNormalization", [h, *stats], num_outputs=3, training_mode=1)[0]
+    else:
+        h = b.op("BatchNormalization", [h, *stats])
+    logits = b.linear(b.op("Relu", [h]), "fc2", hidden, classes)
+    return b.save(path, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])],
+                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])], {logits: "logits"})

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from ortflow.graph.buffers import statistics_buffers
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
@@ -26,12 +27,14 @@ class PreparedModel:
         model: The model the engine gets.
         loss_input: The tensor the loss reads (the configured output, or its flattened form).
         label_input: The label tensor the loss reads (the label input, or its flattened form); None for model_output.
+        frozen: Initializers the engine must not train whatever the config says (running statistics).
         report: One ``{"pass", "changes"}`` entry per pass that changed something (for configure.json).
     """
 
     model: onnx.ModelProto
     loss_input: str
     label_input: str | None
+    frozen: tuple[str, ...] = ()
     report: list[dict] = field(default_factory=list)
 
 
@@ -52,12 +55,14 @@ def prepare_model(
         label_input: The label input's name (None for ``model_output``).
 
     Returns:
-        The prepared model, the names the loss must read, and the report of what changed.
+        The prepared model, the names the loss must read, parameters to freeze, and the report of what changed.
 
     Raises:
         GraphError: A node on the trained path has no gradient in the engine (naming node, op and fix).
     """
     report: list[dict] = []
+    buffers = statistics_buffers(model, trainable, report)
+    trainable = trainable - set(buffers)
     model = declare_optional_outputs(model, report)
     model = split_to_slices(model, report)
     model = separate_repeated_inputs(model, report)
@@ -66,4 +71,4 @@ def prepare_model(
         model, flat = flatten_logits(model, loss_output, label_input, report)
         loss_input, label = flat.scores, flat.labels
     check_differentiable(model, trainable, [loss_input])
-    return PreparedModel(model, loss_input, label, report)
+    return PreparedModel(model, loss_input, label, tuple(buffers), report)

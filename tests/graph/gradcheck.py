@@ -108,7 +108,9 @@ def assert_gradients_match(reference: Reference, grads: dict[str, np.ndarray], s
         indices = sample_indices(got.shape, rng)
         want = reference.gradient_entries(name, indices)
         got_entries = np.array([got[i] for i in indices], np.float64)
-        scale = max(np.abs(want).max(), 1e-6)
+        # A gradient that is exactly 0 in float64 (a bias before BatchNormalization) is fp32 noise (~1e-8) in the
+        # engine: the absolute floor, 1e-6, is still far below the O(1e-2..1) gradients of a wrong result.
+        scale = max(np.abs(want).max(), 1e-2)
         np.testing.assert_allclose(got_entries, want, rtol=RTOL, atol=ATOL_OF_MAX * scale, err_msg=name)
         checked += len(indices)
     return checked

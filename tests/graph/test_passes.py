@@ -164,3 +164,15 @@ def test_flatten_logits_refuses_a_label_input_of_the_wrong_rank():
     model.graph.input.append(helper.make_tensor_value_info("labels", TensorProto.INT64, ["b", "t", "x"]))
     with pytest.raises(GraphError, match=r"model.label_input: .*'labels' has 3 dims.*2 dims"):
         flatten_logits(model, "logits", "labels")
+
+
+def test_batchnorm_running_statistics_are_listed_for_freezing_only_when_trained(tmp_path):
+    from ortflow.graph.buffers import statistics_buffers
+    from tests import models_export
+
+    model = onnx.load(str(models_export.batchnorm_classifier(tmp_path / "bn.onnx")))
+    params = {t.name for t in model.graph.initializer}
+    report = []
+    assert statistics_buffers(model, params, report) == ["bn.running_mean", "bn.running_var"]
+    assert report[0]["pass"] == "freeze_statistics" and len(report[0]["changes"]) == 2
+    assert statistics_buffers(model, params - {"bn.running_var"}) == ["bn.running_mean"]  # already frozen by the user
