@@ -15,6 +15,22 @@ class GraphError(ValueError):
     """The model holds something the engine cannot train; the message names the node, the op and a fix."""
 
 
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                         onnx.TensorProto.BFLOAT16})
+
+
+def elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor shape inference can tell (initializers included); others are absent."""
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - onnx raises several types; callers treat unknown types conservatively
+        graph = model.graph
+    values = [*graph.value_info, *graph.input, *graph.output]
+    types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return types
+
+
 def node_label(node: onnx.NodeProto) -> str:
     """How errors and logs name a node: its name, else its first output."""
     return node.name or (node.output[0] if node.output else node.op_type)

@@ -12,7 +12,7 @@ import re
 
 import onnx
 
-from ortflow.graph.common import GraphError, node_label
+from ortflow.graph.common import FLOAT_TYPES, GraphError, elem_types, node_label
 
 _ZERO_GRADIENT = ("its gradient is zero almost everywhere: compute it from values that need no gradient (model "
                   "inputs, frozen parameters) or remove it from the trained path")
@@ -59,20 +59,7 @@ NO_GRADIENT: dict[str, str] = {
 #: Reductions whose gradient the engine builds wrongly (an invalid Unsqueeze) when keepdims=0.
 _KEEPDIMS_BROKEN = frozenset({"ReduceL2", "ReduceLogSumExp"})
 _CONTRIB_NO_GRADIENT = {"SimplifiedLayerNormalization": "use LayerNormalization (with all three outputs)"}
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-                          onnx.TensorProto.BFLOAT16})
 _MAX_NAMES = 8
-
-
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    try:
-        graph = onnx.shape_inference.infer_shapes(model).graph
-    except Exception:  # noqa: BLE001 - without types every tensor counts as float (more nodes checked, none missed)
-        graph = model.graph
-    values = [*graph.value_info, *graph.input, *graph.output]
-    types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
-    types.update({t.name: t.data_type for t in model.graph.initializer})
-    return types
 
 
 def _upstream_params(model: onnx.ModelProto, names: list[str], trainable: set[str]) -> list[str]:
@@ -93,11 +80,11 @@ def _upstream_params(model: onnx.ModelProto, names: list[str], trainable: set[st
 
 def trained_path(model: onnx.ModelProto, trainable: set[str], loss_inputs: list[str]) -> list[onnx.NodeProto]:
     """Nodes the engine must differentiate: a float input depends on ``trainable`` and an output reaches the loss."""
-    types = _elem_types(model)
+    types = elem_types(model)
     tainted = set(trainable)
     for node in model.graph.node:
         if any(n in tainted for n in node.input):
-            tainted.update(o for o in node.output if types.get(o, onnx.TensorProto.FLOAT) in _FLOAT_TYPES)
+            tainted.update(o for o in node.output if types.get(o, onnx.TensorProto.FLOAT) in FLOAT_TYPES)
     producer = {out: node for node in model.graph.node for out in node.output}
     reaching, stack = set(), list(loss_inputs)
     while stack:
@@ -108,7 +95,7 @@ def trained_path(model: onnx.ModelProto, trainable: set[str], loss_inputs: list[
         if name in producer:
             stack.extend(n for n in producer[name].input if n)
     return [n for n in model.graph.node if any(o in reaching for o in n.output)
-            and any(i in tainted and types.get(i, onnx.TensorProto.FLOAT) in _FLOAT_TYPES for i in n.input)]
+            and any(i in tainted and types.get(i, onnx.TensorProto.FLOAT) in FLOAT_TYPES for i in n.input)]
 
 
 def _problem(model: onnx.ModelProto, node: onnx.NodeProto, why: str, trainable: set[str]) -> str:
@@ -156,6 +143,7 @@ def _keepdims(node: onnx.NodeProto) -> int:
 
 
 _NOT_REGISTERED = re.compile(r"gradient builder has not been registered: (\S+) for node (\S*)")
+_NO_GRADIENT_ARG = re.compile(r"failed to find NodeArg by name: (\S+)_grad\b")
 
 
 def explain_engine_error(message: str, model: onnx.ModelProto, trainable: set[str]) -> str | None:
@@ -171,6 +159,13 @@ def explain_engine_error(message: str, model: onnx.ModelProto, trainable: set[st
         if node is not None:
             return _problem(model, node, why, trainable)
         return f"an {op_type} node is on the trained path but {why}"
+    match = _NO_GRADIENT_ARG.search(message)
+    if match and match.group(1) in trainable:
+        name = match.group(1)
+        readers = [f"{node_label(n)} ({n.op_type}) input {list(n.input).index(name)}"
+                   for n in model.graph.node if name in n.input]
+        return (f"parameter '{name}' gets no gradient: it feeds only inputs the engine does not differentiate "
+                f"({'; '.join(readers[:_MAX_NAMES]) or 'no node'}); freeze it: model.frozen: [{name}]")
     if "OutputDefs().size()" in message:
         return ("a node on the trained path lacks an optional output that its gradient reads (ortflow declares them "
                 "for LayerNormalization and Dropout); declare all of the node's outputs in the model")

@@ -1,9 +1,10 @@
 """Declare the optional outputs the engine's gradient builder reads.
 
-``torch.onnx.export`` writes ``LayerNormalization`` with only ``Y`` and ``Dropout`` with only ``output``; the
-engine's gradient for LayerNormalization reads ``Mean`` and ``InvStdDev`` and the one for Dropout reads ``mask``, and
-without them it stops with ``GradientBuilderBase::O(size_t, bool) const i < node_->OutputDefs().size()`` (measured
-with onnxruntime-training 1.19.2). Declaring the outputs changes no value the model computes.
+``torch.onnx.export`` writes ``LayerNormalization`` with only ``Y``, ``Dropout`` with only ``output`` and
+``SoftmaxCrossEntropyLoss`` (``F.cross_entropy`` inside the model) with only ``output``; the engine's gradients read
+``Mean`` and ``InvStdDev``, ``mask`` and ``log_prob``, and without them it stops with
+``GradientBuilderBase::O(size_t, bool) const i < node_->OutputDefs().size()`` (measured with onnxruntime-training
+1.19.2). Declaring the outputs changes no value the model computes.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from ortflow.graph.common import Names, node_label, report_change
 NEEDED_OUTPUTS: dict[str, tuple[str, ...]] = {
     "LayerNormalization": ("Y", "Mean", "InvStdDev"),
     "Dropout": ("output", "mask"),
+    "SoftmaxCrossEntropyLoss": ("output", "log_prob"),
 }
 
 
 def declare_optional_outputs(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
-    """Give every LayerNormalization and Dropout node (default domain) all of its outputs.
+    """Give every LayerNormalization, Dropout and SoftmaxCrossEntropyLoss node (default domain) all its outputs.
 
     Missing or empty-named outputs get fresh names ``<node>.<Output>``; nothing reads them.
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from ortflow.graph.buffers import statistics_buffers
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
 from ortflow.graph.split import split_to_slices
+from ortflow.graph.untrainable import untrainable_initializers
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class PreparedModel:
         model: The model the engine gets.
         loss_input: The tensor the loss reads (the configured output, or its flattened form).
         label_input: The label tensor the loss reads (the label input, or its flattened form); None for model_output.
-        frozen: Initializers the engine must not train whatever the config says (running statistics).
+        frozen: Initializers the engine must not train whatever the config says (running statistics, constants
+            that feed only inputs the engine does not differentiate, unused ones).
         report: One ``{"pass", "changes"}`` entry per pass that changed something (for configure.json).
     """
 
@@ -61,7 +62,7 @@ def prepare_model(
         GraphError: A node on the trained path has no gradient in the engine (naming node, op and fix).
     """
     report: list[dict] = []
-    buffers = statistics_buffers(model, trainable, report)
+    buffers = untrainable_initializers(model, trainable, report)
     trainable = trainable - set(buffers)
     model = declare_optional_outputs(model, report)
     model = split_to_slices(model, report)

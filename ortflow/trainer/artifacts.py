@@ -326,11 +326,14 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     output_name = _check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
     prepared = _prepare(cfg, trainable, output_name, label_name)
-    if prepared.frozen:  # running statistics (BatchNormalization): the engine updates them, they take no gradient
+    if prepared.frozen:  # not weights (running statistics, constants the engine does not differentiate): no gradient
         trainable = [n for n in trainable if n not in prepared.frozen]
         frozen = sorted([*frozen, *prepared.frozen])
         if not trainable:
-            raise ArtifactsError("nothing to train: every parameter left by model.frozen is a running statistic")
+            raise ArtifactsError(
+                f"nothing to train: the parameters model.frozen leaves ({', '.join(prepared.frozen)}) are running "
+                "statistics or constants the engine does not differentiate; freeze fewer parameters"
+            )
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ def test_batchnorm_trains_with_batch_statistics_and_evaluates_with_running_ones(
     train_mode = models_export.batchnorm_classifier(tmp_path / "bn_train.onnx", training_mode=True)
     result = configure(make_cfg(tmp_path, path))  # nothing frozen in the config
     assert set(STATS) <= set(result.info["frozen"])
-    assert "freeze_statistics" in [r["pass"] for r in result.info["graph_rewrites"]]
+    assert "freeze_untrainable" in [r["pass"] for r in result.info["graph_rewrites"]]
 
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((5, 4)).astype(np.float32), rng.integers(0, 3, 5)

@@ -177,3 +177,39 @@ def test_initial_checkpoint_holds_the_models_weights_bit_for_bit(tmp_path):
         assert stored[name].tobytes() == value.tobytes(), name
     assert stored["transformer.wpe_twin.weight"].tobytes() == stored["transformer.wpe.weight"].tobytes()
 
+
+
+def test_engine_failure_for_a_parameter_without_gradient_says_to_freeze_it(tmp_path):
+    # The engine's message (measured: a trained Clip bound, before ortflow froze those) for a parameter whose inputs it
+    # does not differentiate; configure freezes the ones it knows, and turns this failure for others into the fix.
+    from ortflow.graph.differentiable import explain_engine_error
+
+    model = onnx.load(str(_act_model(tmp_path / "m.onnx", "Relu", after="fc1")))
+    message = ("[ONNXRuntimeError] : 1 : FAIL : graph_augmenter.cc:23 AddToExistingNodeArgs add graph outputs - "
+               "failed to find NodeArg by name: fc2.weight_grad")
+    text = explain_engine_error(message, model, {"fc1.weight", "fc2.weight"})
+    assert text is not None and "parameter 'fc2.weight' gets no gradient" in text
+    assert "model.frozen: [fc2.weight]" in text and "(MatMul) input 1" in text
+
+
+def test_cross_entropy_inside_the_model_trains_as_model_output(tmp_path):
+    """torch's F.cross_entropy exports as SoftmaxCrossEntropyLoss with only 'output'; the gradient needs 'log_prob'."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "fc.weight")
+    nodes = [helper.make_node("MatMul", ["x", "fc.weight"], ["logits"], name="/fc/MatMul"),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "target"], ["loss"], name="/loss")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4]),
+                                           helper.make_tensor_value_info("target", TensorProto.INT64, ["b"])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 3])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    path = tmp_path / "ce.onnx"
+    onnx.save(model, str(path))
+    result = configure(make_cfg(tmp_path, path, loss="model_output", loss_output="loss"))
+    assert "declares log_prob" in result.info["graph_rewrites"][0]["changes"][0]
+    x, y = _classifier_inputs(features=4)
+    by_name = {"x": x, "target": y}
+    inputs = [by_name[i["name"]] for i in result.info["train_inputs"]]
+    _, grads = engine_loss_and_gradients(result.artifacts_dir, inputs)
+    assert assert_gradients_match(Reference(path, {"x": x, "target": y}, y), grads) > 0

@@ -16,6 +16,7 @@ from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
 from ortflow.graph.split import split_to_slices
+from ortflow.graph.untrainable import untrainable_initializers
 
 
 def make_model(nodes, inputs, outputs, inits=(), opset=17):
@@ -167,12 +168,30 @@ def test_flatten_logits_refuses_a_label_input_of_the_wrong_rank():
 
 
 def test_batchnorm_running_statistics_are_listed_for_freezing_only_when_trained(tmp_path):
-    from ortflow.graph.buffers import statistics_buffers
     from tests import models_export
 
     model = onnx.load(str(models_export.batchnorm_classifier(tmp_path / "bn.onnx")))
     params = {t.name for t in model.graph.initializer}
     report = []
-    assert statistics_buffers(model, params, report) == ["bn.running_mean", "bn.running_var"]
-    assert report[0]["pass"] == "freeze_statistics" and len(report[0]["changes"]) == 2
-    assert statistics_buffers(model, params - {"bn.running_var"}) == ["bn.running_mean"]  # already frozen by the user
+    assert untrainable_initializers(model, params, report) == ["bn.running_mean", "bn.running_var"]
+    assert report[0]["pass"] == "freeze_untrainable" and len(report[0]["changes"]) == 2
+    assert untrainable_initializers(model, params - {"bn.running_var"}) == ["bn.running_mean"]  # frozen by the user
+
+
+def test_constants_feeding_only_inputs_without_gradient_are_listed_for_freezing():
+    scalars = {n: numpy_helper.from_array(np.array(v, np.float32), n)
+               for n, v in (("ratio", 0.1), ("lo", -1.0), ("hi", 1.0), ("zero", 0.0), ("two", 2.0), ("unused", 3.0))}
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Dropout", ["h", "ratio"], ["d"]),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["c"]),
+             helper.make_node("Greater", ["c", "zero"], ["pos"]),  # bool output: no gradient reaches 'zero' ...
+             helper.make_node("Where", ["pos", "c", "two"], ["w"]),  # ... but 'two' is a Where branch: trained
+             helper.make_node("Pow", ["w", "two"], ["y"])]
+    model = make_model(nodes, [f32("x", ["b", 4])], [f32("y", ["b", 4])], [w, *scalars.values()])
+    report = []
+    frozen = untrainable_initializers(model, {"W", *scalars}, report)
+    assert frozen == ["hi", "lo", "ratio", "unused", "zero"]
+    text = " ".join(report[0]["changes"])
+    assert "Dropout ratio" in text and "Clip bound" in text and "whose outputs are not floats" in text
+    assert "'unused' is read by no node" in text
