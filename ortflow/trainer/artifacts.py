@@ -33,9 +33,7 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.common import GraphError
-from ortflow.graph.differentiable import explain_engine_error
-from ortflow.graph.prepare import PreparedModel, prepare_model
+from ortflow.trainer.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +45,6 @@ ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onn
 _PROTO_LIMIT = 2**31 - 1
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-
-
-class ArtifactsError(ValueError):
-    """The model and the config cannot be turned into training artifacts; the message names the field to fix."""
 
 
 @dataclass(frozen=True)
@@ -254,55 +248,6 @@ def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
     return output_name
 
 
-def _prepare(cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None) -> PreparedModel:
-    """Run the model-preparation pass on the model's graph (external data is not loaded: no pass reads weights)."""
-    graph_only = onnx.load(str(cfg.model.path), load_external_data=False)
-    try:
-        return prepare_model(graph_only, set(trainable), cfg.model.loss, output_name, label_name)
-    except GraphError as err:
-        raise ArtifactsError(str(err)) from None
-
-
-def _engine_input(model_path: Path, prepared: PreparedModel, scratch: Path, proto_limit: int = _PROTO_LIMIT):
-    """What generate_artifacts gets: the prepared proto with its weights, or a path when that would pass 2 GB.
-
-    A big prepared model is written into ``scratch`` beside hard links (or copies) of the external data files, at the
-    same relative locations, so the user's folder is never written to.
-    """
-    model = prepared.model
-    files = [entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"]
-    size = model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in set(files))
-    if size < proto_limit:
-        if files:
-            model = onnx.ModelProto.FromString(model.SerializeToString())
-            onnx.external_data_helper.load_external_data_for_model(model, str(model_path.parent))
-        return model
-    if not prepared.report:
-        return str(model_path)
-    for name in sorted(set(files)):
-        target = scratch / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(model_path.parent / name, target)
-        except OSError:  # another filesystem: copy once
-            shutil.copyfile(model_path.parent / name, target)
-    path = scratch / f"prepared-{model_path.name}"
-    onnx.save(model, str(path))
-    return str(path)
-
-
-def _artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, trainable: list[str]) -> ArtifactsError:
-    explained = explain_engine_error(str(err), prepared.model, set(trainable))
-    if explained is not None:
-        return ArtifactsError(f"model.path: the engine could not differentiate {cfg.model.path.name}: {explained}")
-    return ArtifactsError(
-        f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
-        f"{type(err).__name__}: {err}. ortflow already declared LayerNormalization/Dropout outputs and replaced Splits "
-        "with unused outputs; see the README's 'What configure does to your model' for the ops the engine cannot "
-        "differentiate and what to write instead"
-    )
-
-
 def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
     """Build the training, eval and optimizer models and the initial checkpoint into ``out_dir``.
 
@@ -325,7 +270,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     trainable, frozen = split_parameters(info, cfg.model.frozen)
     output_name = _check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
-    prepared = _prepare(cfg, trainable, output_name, label_name)
+    prepared = prepare(cfg, trainable, output_name, label_name)
     if prepared.frozen:  # not weights (running statistics, constants the engine does not differentiate): no gradient
         trainable = [n for n in trainable if n not in prepared.frozen]
         frozen = sorted([*frozen, *prepared.frozen])
@@ -339,7 +284,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        engine_model = _engine_input(Path(cfg.model.path), prepared, scratch)
+        engine_model = engine_input(Path(cfg.model.path), prepared, scratch, _PROTO_LIMIT)
         cwd = os.getcwd()
         if isinstance(engine_model, str):
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
@@ -355,7 +300,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
                 artifact_directory=scratch,
             )
         except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
-            raise _artifacts_error(cfg, err, prepared, trainable) from err
+            raise artifacts_error(cfg, err, prepared, trainable) from err
         finally:
             os.chdir(cwd)
         for leftover in ("temp.onnx", "temp.onnx.data"):

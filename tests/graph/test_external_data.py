@@ -11,7 +11,7 @@ from onnx import TensorProto, numpy_helper
 from ortflow.configure import configure
 from ortflow.engine import api, artifacts
 from ortflow.graph.prepare import prepare_model
-from ortflow.trainer.artifacts import _engine_input
+from ortflow.trainer.engine_input import engine_input
 from tests import models_export
 from tests.graph.test_export_patterns import make_cfg
 
@@ -46,7 +46,7 @@ def test_a_prepared_model_over_the_proto_limit_goes_to_the_engine_as_a_file_in_s
     prepared = prepare_model(graph_only, set(weights), "cross_entropy", "logits", "labels")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    engine_path = _engine_input(path, prepared, scratch, proto_limit=1)  # as if the model were over 2 GB
+    engine_path = engine_input(path, prepared, scratch, proto_limit=1)  # as if the model were over 2 GB
     assert isinstance(engine_path, str) and os.path.dirname(engine_path) == str(scratch)
     assert (scratch / "m.data").read_bytes() == (path.parent / "m.data").read_bytes()
     out = tmp_path / "artifacts"

@@ -1,0 +1,70 @@
+"""The model the engine gets: the user's model after ortflow's preparation pass, as a proto or (over 2 GB) a file.
+
+Used by :func:`ortflow.trainer.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import onnx
+
+from ortflow.config import RunConfig
+from ortflow.graph.common import GraphError
+from ortflow.graph.differentiable import explain_engine_error
+from ortflow.graph.prepare import PreparedModel, prepare_model
+
+
+class ArtifactsError(ValueError):
+    """The model and the config cannot be turned into training artifacts; the message names the field to fix."""
+
+
+def prepare(cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None) -> PreparedModel:
+    """Run the model-preparation pass on the model's graph (external data is not loaded: no pass reads weights)."""
+    graph_only = onnx.load(str(cfg.model.path), load_external_data=False)
+    try:
+        return prepare_model(graph_only, set(trainable), cfg.model.loss, output_name, label_name)
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path, proto_limit: int):
+    """What generate_artifacts gets: the prepared proto with its weights, or a path when that would pass 2 GB.
+
+    A big prepared model is written into ``scratch`` beside hard links (or copies) of the external data files, at the
+    same relative locations, so the user's folder is never written to.
+    """
+    model = prepared.model
+    files = [entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"]
+    size = model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in set(files))
+    if size < proto_limit:
+        if files:
+            model = onnx.ModelProto.FromString(model.SerializeToString())
+            onnx.external_data_helper.load_external_data_for_model(model, str(model_path.parent))
+        return model
+    if not prepared.report:
+        return str(model_path)
+    for name in sorted(set(files)):
+        target = scratch / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(model_path.parent / name, target)
+        except OSError:  # another filesystem: copy once
+            shutil.copyfile(model_path.parent / name, target)
+    path = scratch / f"prepared-{model_path.name}"
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, trainable: list[str]) -> ArtifactsError:
+    explained = explain_engine_error(str(err), prepared.model, set(trainable))
+    if explained is not None:
+        return ArtifactsError(f"model.path: the engine could not differentiate {cfg.model.path.name}: {explained}")
+    return ArtifactsError(
+        f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
+        f"{type(err).__name__}: {err}. ortflow already declared LayerNormalization/Dropout outputs and replaced Splits "
+        "with unused outputs; see the README's 'What configure does to your model' for the ops the engine cannot "
+        "differentiate and what to write instead"
+    )
