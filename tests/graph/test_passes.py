@@ -195,3 +195,19 @@ def test_constants_feeding_only_inputs_without_gradient_are_listed_for_freezing(
     text = " ".join(report[0]["changes"])
     assert "Dropout ratio" in text and "Clip bound" in text and "whose outputs are not floats" in text
     assert "'unused' is read by no node" in text
+
+
+def test_prepare_model_keeps_every_initializer_and_leaves_its_input_alone(tmp_path):
+    from ortflow.graph.prepare import prepare_model
+    from tests import models_export
+
+    model = onnx.load(str(models_export.gpt2_style(tmp_path / "g.onnx")))
+    before = model.SerializeToString()
+    params = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    prepared = prepare_model(model, params, "cross_entropy", "logits", "labels")
+    assert model.SerializeToString() == before
+    assert [t.SerializeToString() for t in prepared.model.graph.initializer] == [
+        t.SerializeToString() for t in model.graph.initializer]
+    assert [r["pass"] for r in prepared.report] == ["declare_optional_outputs", "flatten_logits"]
+    assert prepared.loss_input != "logits" and prepared.label_input != "labels"
+    onnx.checker.check_model(prepared.model, full_check=True)
