@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 CONFIGURE_RECORD_NAME = "configure.json"
 
 # Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
-_ARTIFACTS_FORMAT = 1
+_ARTIFACTS_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "loss_output": built.loss_output,
         "label_input": built.label_input,
         "num_parameters": built.num_parameters,
+        "batch": built.batch.to_dict() if built.batch else None,
         "optimizer": cfg.optimizer.name,
         "opset": model.opset,
         "ir_version": model.ir_version,

@@ -33,6 +33,7 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
+from ortflow.graph.batch import BatchReport, make_batch_symbolic
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class ArtifactsInfo:
         loss_output: The model output the loss reads (or, for model_output, the loss itself).
         label_input: Name of the label/target input (None for model_output).
         num_parameters: Number of trained scalar values.
+        batch: What the batch-dimension pass decided (None when the model was too big to load here).
     """
 
     artifacts_dir: Path
@@ -109,6 +111,7 @@ class ArtifactsInfo:
     loss_output: str
     label_input: str | None
     num_parameters: int
+    batch: BatchReport | None = None
 
 
 def _tensor_type_info(name: str, type_proto: onnx.TypeProto) -> TensorInfo:
@@ -283,6 +286,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
         proto = _load_for_engine(cfg.model.path)
+        proto, batch = make_batch_symbolic(proto) if proto is not None else (None, None)  # ortflow/graph/batch.py
         cwd = os.getcwd()
         if proto is None:
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
@@ -330,6 +334,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         loss_output=output_name,
         label_input=label_name,
         num_parameters=sum(sizes[n] for n in trainable),
+        batch=batch,
     )
     log.info(
         "built artifacts in %s: %d trainable tensors (%d values), %d frozen, loss %s on '%s'",
