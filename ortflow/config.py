@@ -110,8 +110,11 @@ class DataConfig(_Section):
         (), description="Evaluation source(s); when empty, eval_fraction of the training rows is held out."
     )
     format: SourceFormat = Field("auto", description="Source format; auto picks it from the file extension.")
-    columns: dict[str, str] = Field(
-        {}, description="Model input name -> source column name (default: columns named like the inputs)."
+    columns: dict[str, str | tuple[str, ...]] = Field(
+        {},
+        description="Model input name -> source column, list of columns, or glob pattern ('f*', natural order f0, "
+        "f1, ..., f10); several columns of one value each are stacked into one [k] row (default: the column named "
+        "like the input).",
     )
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of rows held out for eval when test is empty.")
     rows_per_shard: int = Field(65536, gt=0, description="Rows per Arrow shard file (the last may be short).")
