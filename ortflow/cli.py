@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ortflow.config import ConfigError, find_problems, load_config
+from ortflow.config import ConfigError, load_config
 
 app = typer.Typer(
     name="ortflow",
@@ -45,9 +45,22 @@ def _load(config: Path, overrides: list[str] | None):
 
 
 @app.command()
-def validate(config: ConfigArg, overrides: SetOpt = None) -> None:
-    """Check a config and the files it names; print every problem at once (exit 1 if any)."""
-    _, problems = find_problems(config, overrides or [])
+def validate(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    deep: Annotated[
+        bool, typer.Option("--deep", help="Also build the training artifacts in a temporary folder (engine errors).")
+    ] = False,
+) -> None:
+    """Check everything checkable without training; print every problem at once (exit 1 if any).
+
+    The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
+    the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
+    and export paths can be written; with --deep, that the engine can build the training graph.
+    """
+    from ortflow.validate import validate as find_all
+
+    problems = find_all(config, overrides or [], deep=deep)
     if problems:
         console.print(f"[bold red]{config}: {len(problems)} problem(s)[/]")
         for problem in problems:

@@ -80,7 +80,7 @@ def prepare_data(cfg: RunConfig) -> Manifest:
         except DataError as err:
             log.warning("rewriting the shards in %s: %s", data_dir, err)
 
-    wanted = _column_plan(cfg, specs, text)
+    wanted = column_plan(cfg, specs, text)
     plan: dict[str, ColumnPlan] = {}  # as resolved against the first source; every later source must agree
     dtypes = {s.name: s.dtype for s in specs}
     chunk_bytes = max(1 << 16, data.memory_budget_mb * (1 << 20) // 16)
@@ -91,13 +91,13 @@ def prepare_data(cfg: RunConfig) -> Manifest:
             for windows in text_windows(sources, data.text.seq_len, tokenizer, chunk_bytes):
                 chunk = {data.text.input_name: windows[:, :-1], data.text.label_name: windows[:, 1:]}
                 plan.update({n: ColumnPlan(n, (n,), False) for n in wanted})
-                yield _canonical(chunk, plan, dtypes, f"{field} text windows", shapes)
+                yield canonical_table(chunk, plan, dtypes, f"{field} text windows", shapes)
         else:
             for source in sources:
-                here = _resolve_plan(wanted, source, plan)
+                here = resolve_plan(wanted, source, plan)
                 needed = sorted({c for p in here.values() for c in p.columns})
                 for chunk in table_chunks(source, needed, chunk_bytes):
-                    yield _canonical(chunk, here, dtypes, str(source.path), shapes)
+                    yield canonical_table(chunk, here, dtypes, str(source.path), shapes)
 
     # Check the first chunk of every source before anything is written (shapes are fixed by the first one seen).
     shapes: dict[str, tuple[int, ...]] = {}
@@ -168,7 +168,7 @@ def _fingerprint(cfg: RunConfig, specs: list[InputSpec], train: list[Source], te
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str, str | tuple[str, ...]]:
+def column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str, str | tuple[str, ...]]:
     """Model input name -> source column, columns or pattern (the text inputs for text corpora)."""
     names = [s.name for s in specs]
     if text:
@@ -188,7 +188,7 @@ def _column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str
     return {n: cfg.data.columns.get(n, n) for n in names}
 
 
-def _resolve_plan(
+def resolve_plan(
     wanted: dict[str, str | tuple[str, ...]], source: Source, first: dict[str, ColumnPlan]
 ) -> dict[str, ColumnPlan]:
     """The columns each input reads in ``source``; the first source's resolution is stored in ``first``."""
@@ -204,7 +204,7 @@ def _resolve_plan(
     return here
 
 
-def _canonical(
+def canonical_table(
     chunk, plan: dict[str, ColumnPlan], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]]
 ) -> pa.Table:
     """A source chunk as a table in the shard schema; row shapes must match the first chunk's."""
