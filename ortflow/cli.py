@@ -151,6 +151,44 @@ def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     console.print(f"[green]index written[/] to {index.path}", highlight=False)
 
 
+CheckpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpoint", "-c",
+        help="Which checkpoint of a run folder: best, latest, initial (the configured weights, before training), "
+        "step-N or N (default: best by eval loss, else latest).",
+    ),
+]  # fmt: skip
+
+
+@app.command()
+def evaluate(
+    source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one.")],
+    checkpoint: CheckpointOpt = None,
+    max_batches: Annotated[int | None, typer.Option(min=1, help="Cap on eval batches (default: all).")] = None,
+) -> None:
+    """Eval loss (and accuracy for cross_entropy classifiers) of a checkpoint on the run's eval split.
+
+    Uses the engine's eval graph with the run's eval batch size, counting every eval row once, so the loss equals
+    what training records for the same checkpoint. `--checkpoint initial` evaluates the configured weights.
+    """
+    import json
+
+    from ortflow.export.evaluate import evaluate_checkpoint
+
+    try:
+        result = evaluate_checkpoint(source, checkpoint, max_batches)
+    except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
+        _fail(str(err))
+    accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
+    console.print(
+        f"{Path(result.checkpoint).name} (step {result.step}): eval loss {result.loss}{accuracy} over "
+        f"{result.num_rows} rows",
+        highlight=False,
+    )
+    print(json.dumps(result.to_dict()))
+
+
 @app.command(name="export")
 def export_cmd(
     source: Annotated[Path, typer.Argument(help="Run folder (best checkpoint, else newest) or checkpoint folder.")],
@@ -162,6 +200,7 @@ def export_cmd(
     optimize: Annotated[bool, typer.Option(help="ONNX Runtime offline graph optimization (basic level).")] = False,
     quantize: Annotated[bool, typer.Option(help="Dynamic int8 quantization; reports the accuracy change.")] = False,
     tolerance: Annotated[float, typer.Option(help="Max abs difference to the eval graph accepted.")] = 1e-4,
+    checkpoint: CheckpointOpt = None,
 ) -> None:
     """Export a verified inference model from a checkpoint and the eval model (no training session)."""
     import json
@@ -175,7 +214,8 @@ def export_cmd(
         out = load_run_config(source).export_path
     names = [n.strip() for n in outputs.split(",") if n.strip()] if outputs else []
     try:
-        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance)
+        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance,
+                              checkpoint=checkpoint)
     except ValueError as err:  # ExportError, CheckpointError, ConfigError: each message says what to do
         _fail(str(err))
     ver = result.verification
