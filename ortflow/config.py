@@ -181,14 +181,31 @@ class TrainConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters."""
+    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters.
 
-    name: Literal["adamw", "sgd", "lamb"] = Field("adamw", description="adamw or sgd; lamb is not supported yet.")
+    adamw is the engine's ``AdamWOptimizer`` with ``adam_mode=1`` (the HuggingFace variant, not torch.optim.AdamW):
+    at update t with gradient g, ``m = beta1*m + (1-beta1)*g``, ``v = beta2*v + (1-beta2)*g*g``,
+    ``p -= lr * sqrt(1-beta2**t) / (1-beta1**t) * m / (sqrt(v) + epsilon)``, then ``p -= lr * weight_decay * p``.
+    Epsilon is added to the *uncorrected* sqrt(v) (torch adds it to sqrt(v / (1-beta2**t))) and the decay follows the
+    step (torch decays first), so with the same settings the two drift apart by a few percent of max|p| over hundreds
+    of updates.
+    """
+
+    name: Literal["adamw", "sgd", "lamb"] = Field(
+        "adamw",
+        description="adamw or sgd; lamb is not supported yet. adamw is the HuggingFace rule (the engine's "
+        "adam_mode=1): p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then p -= lr*weight_decay*p; "
+        "README 'The optimizer' compares it with torch.optim.AdamW.",
+    )
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate, reached at the end of warm-up.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
     beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
-    epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    epsilon: float = Field(
+        1e-8, gt=0, description="AdamW epsilon, added to the uncorrected sqrt(v) (not to torch's bias-corrected one)."
+    )
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decoupled weight decay: p -= lr*weight_decay*p, after the Adam step."
+    )
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip the global gradient norm to this value before the step (default: no clipping)."
     )
