@@ -77,7 +77,10 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
 def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
     """The training model's inputs as configure will build them (label included), and loss/output problems."""
     model = cfg.model
-    proto = onnx.load(str(model.path))
+    try:
+        proto = onnx.load(str(model.path))
+    except Exception as err:  # noqa: BLE001 - onnx raises several types (external data, protobuf)
+        return None, [f"model.path: cannot load {model.path} with its weights ({type(err).__name__}: {err})"]
     proto, _ = make_batch_symbolic(proto)
     inits = {t.name for t in proto.graph.initializer}
     inputs = [_spec(i) for i in proto.graph.input if i.name not in inits]
