@@ -100,7 +100,12 @@ def train(
 
 @app.command(name="configure")
 def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
-    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged)."""
+    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged).
+
+    A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
+    optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
+    p -= lr*weight_decay*p (README, 'The optimizer').
+    """
     from ortflow.configure import configure
 
     cfg = _load(config, overrides)
