@@ -143,3 +143,41 @@ def classification_data(num_rows: int, seed: int = 0) -> tuple[np.ndarray, np.nd
     features = rng.normal(size=(num_rows, NUM_FEATURES)).astype(np.float32)
     labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
     return features, labels
+
+
+def flattened_logits_model(batch: int = 2, seq: int = 5, vocab: int = 7, hard_coded: bool = False,
+                           path: Path | None = None, seed: int = 0) -> onnx.ModelProto:
+    """GPT-2-style head traced at a fixed batch: ``input_ids`` [batch, T] -> ``logits`` [batch*T, V].
+
+    ``logits.view(-1, V)`` traces to a Reshape of the Constant ``[-1, V]`` (batch-agnostic);
+    ``logits.view(batch * T, V)`` with a Python int traces to the Constant ``[batch*T, V]`` (``hard_coded``).
+    Positions come from shape arithmetic (Shape -> Gather -> Range), as torch exports ``arange(x.size(1))``.
+    """
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((vocab, 8)) / 3).astype(np.float32), "wte"),
+        numpy_helper.from_array((rng.standard_normal((seq, 8)) / 3).astype(np.float32), "wpe"),
+        numpy_helper.from_array((rng.standard_normal((8, vocab)) / 3).astype(np.float32), "lm_head"),
+    ]
+    flat = [batch * seq, vocab] if hard_coded else [-1, vocab]
+    nodes = [
+        helper.make_node("Gather", ["wte", "input_ids"], ["tok"]),
+        helper.make_node("Shape", ["input_ids"], ["/Shape_output_0"]),
+        helper.make_node("Constant", [], ["/Constant_output_0"], value=numpy_helper.from_array(np.array(1, np.int64))),
+        helper.make_node("Gather", ["/Shape_output_0", "/Constant_output_0"], ["/Gather_output_0"], axis=0),
+        helper.make_node("Constant", [], ["/zero"], value=numpy_helper.from_array(np.array(0, np.int64))),
+        helper.make_node("Constant", [], ["/one"], value=numpy_helper.from_array(np.array(1, np.int64))),
+        helper.make_node("Range", ["/zero", "/Gather_output_0", "/one"], ["positions"]),
+        helper.make_node("Gather", ["wpe", "positions"], ["pos"]),
+        helper.make_node("Add", ["tok", "pos"], ["x"]),
+        helper.make_node("MatMul", ["x", "lm_head"], ["scores"]),
+        helper.make_node("Constant", [], ["/flat"], value=numpy_helper.from_array(np.array(flat, np.int64))),
+        helper.make_node("Reshape", ["scores", "/flat"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "main_graph",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch * seq, vocab])],
+        inits,
+    )  # fmt: skip
+    return _save(graph, path)

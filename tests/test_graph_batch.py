@@ -13,6 +13,7 @@ from ortflow.graph.batch import BATCH_DIM, make_batch_symbolic
 from .models_data import (
     batch_mean_classifier,
     fixed_batch_classifier,
+    flattened_logits_model,
     reshape_batch_classifier,
     sequence_logits_model,
 )
@@ -73,3 +74,28 @@ def test_a_fixed_batch_sequence_model_with_int_inputs_becomes_symbolic():
     out, report = make_batch_symbolic(sequence_logits_model(batch=3))
     assert report.symbolic
     assert leading(out) == {"input_ids": BATCH_DIM, "logits": BATCH_DIM}
+
+
+def test_flattened_logits_become_a_multiple_of_the_symbolic_batch_and_train_at_another_size(tmp_path):
+    from ortflow.config import config_from_dict
+    from ortflow.engine import api
+    from ortflow.trainer.artifacts import build_artifacts
+
+    out, report = make_batch_symbolic(flattened_logits_model(batch=2, seq=5))
+    assert report.symbolic and leading(out) == {"input_ids": BATCH_DIM, "logits": f"{BATCH_DIM}*5"}
+    flattened_logits_model(batch=2, seq=5, path=tmp_path / "gpt.onnx")
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path / "gpt.onnx")},
+                            "data": {"train": "x"}, "train": {"batch_size": 3, "num_train_steps": 1}})  # fmt: skip
+    built = build_artifacts(cfg, tmp_path / "artifacts")
+    assert built.batch.symbolic
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "artifacts" / "checkpoint"))
+    module = api.Module(str(tmp_path / "artifacts" / "training_model.onnx"), state,
+                        str(tmp_path / "artifacts" / "eval_model.onnx"))  # fmt: skip
+    ids = np.random.default_rng(0).integers(0, 7, (3, 5))  # batch 3, traced at 2
+    loss = float(module(ids, np.roll(ids, -1, axis=1).reshape(-1)))
+    assert np.isfinite(loss) and loss > 0
+
+
+def test_a_flattening_constant_that_holds_the_batch_keeps_it_fixed():
+    out, report = make_batch_symbolic(flattened_logits_model(batch=2, seq=5, hard_coded=True))
+    assert not report.symbolic and out.graph.output[0].type.tensor_type.shape.dim[0].dim_value == 10

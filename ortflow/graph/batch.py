@@ -4,14 +4,18 @@
 model would only train and evaluate at the traced batch size, and the short last eval batch would crash the engine.
 
 The pass renames the fixed leading dim ``D`` of the inputs (and of the outputs that share it) to the symbolic
-``batch`` when that is sound, and otherwise returns the model unchanged. Whether the graph depends on ``D`` cannot
-be read off reliably (traced shape arithmetic hides it in Constants, Expand, Tile, ConstantOfShape, or in ops that
-mix rows such as a batch mean), so it is tested, with plain ONNX Runtime inference on synthetic inputs:
+``batch`` when that is sound, and otherwise returns the model unchanged. An output whose leading dim is ``k * D``
+(logits a traced ``view(-1, V)`` flattened to ``[D*T, V]``) becomes ``batch*k``.
+
+Whether the graph depends on ``D`` cannot be read off reliably (traced shape arithmetic hides it in Constants,
+Expand, Tile, ConstantOfShape, or in ops that mix rows such as a batch mean), so it is tested, with plain ONNX
+Runtime inference on synthetic inputs:
 
 1. the original model at batch ``D`` gives reference outputs;
-2. the symbolic model must run at batch ``D + 1`` and at batch 1, its outputs' leading dims must follow the batch,
-   and every row must equal the reference row computed from the same input row (rows are independent), to a
-   tolerance of ``1e-4 * (1 + |reference|)`` (kernels may block differently at other batch sizes).
+2. the symbolic model must run at batch ``D + 1`` and at batch 1, its outputs' leading dims must follow the batch
+   (``k * n`` rows at batch ``n``), and every row must equal the reference row computed from the same input row
+   (rows are independent), to a tolerance of ``1e-4 * (1 + |reference|)`` (kernels may block differently at other
+   batch sizes).
 
 Anything else (a failure, other leading dims, rows that differ) keeps the dim fixed, and the report says why. The
 check is skipped, and the dim kept, when inputs disagree on the leading dim or the model is too large to run here.
@@ -96,18 +100,20 @@ def make_batch_symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, BatchR
             log.info("batch dims kept as exported: %s", why)
         return model, BatchReport(None, False, reason=why)
     inputs = tuple(i.name for i in _data_inputs(model))
-    outputs = tuple(o.name for o in model.graph.output if (_dims(o) or [None])[0] == batch)
+    factors = _output_factors(model, batch)
+    outputs = tuple(factors)
     candidate = onnx.ModelProto()
     candidate.CopyFrom(model)
     graph = candidate.graph
     for info in [*graph.input, *graph.output]:
         if info.name in inputs or info.name in outputs:
+            k = factors.get(info.name, 1)
             dim = info.type.tensor_type.shape.dim[0]
             dim.Clear()
-            dim.dim_param = BATCH_DIM
+            dim.dim_param = BATCH_DIM if k == 1 else f"{BATCH_DIM}*{k}"
     del graph.value_info[:]
     reason = "" if model.ByteSize() <= _MAX_CHECK_BYTES else "the model is too large to test-run here"
-    reason = reason or _rows_independent(model, candidate, batch)
+    reason = reason or _rows_independent(model, candidate, batch, factors)
     if reason:
         log.warning(
             "batch dim kept fixed at %d (inputs %s): %s; train.batch_size and train.eval_batch_size must be %d, "
@@ -117,6 +123,16 @@ def make_batch_symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, BatchR
     log.info("batch dim %d made symbolic ('%s') on inputs %s and outputs %s: the graph does not depend on it",
              batch, BATCH_DIM, list(inputs), list(outputs))  # fmt: skip
     return candidate, BatchReport(batch, True, inputs, outputs)
+
+
+def _output_factors(model: onnx.ModelProto, batch: int) -> dict[str, int]:
+    """Outputs whose fixed leading dim is a multiple ``k * batch``, with their ``k``."""
+    factors = {}
+    for output in model.graph.output:
+        first = (_dims(output) or [None])[0]
+        if isinstance(first, int) and first > 0 and first % batch == 0:
+            factors[output.name] = first // batch
+    return factors
 
 
 def _synthetic(model: onnx.ModelProto, rows: int, seed: int) -> dict[str, np.ndarray]:
@@ -144,7 +160,9 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarra
     return session.run([o.name for o in model.graph.output], feeds)
 
 
-def _rows_independent(original: onnx.ModelProto, candidate: onnx.ModelProto, batch: int) -> str:
+def _rows_independent(
+    original: onnx.ModelProto, candidate: onnx.ModelProto, batch: int, factors: dict[str, int]
+) -> str:
     """Empty when the candidate runs at other batch sizes with row-wise identical outputs; else why not."""
     big = _synthetic(original, batch + 1, seed=0)
     try:
@@ -152,20 +170,20 @@ def _rows_independent(original: onnx.ModelProto, candidate: onnx.ModelProto, bat
     except Exception as err:  # noqa: BLE001 - ONNX Runtime raises several types
         return f"the model does not run on synthetic inputs ({type(err).__name__}: {str(err)[:200]})"
     names = [o.name for o in original.graph.output]
-    leading = {o.name: (_dims(o) or [None])[0] for o in original.graph.output}
-    for rows, take in ((batch + 1, slice(0, batch)), (1, slice(0, 1))):
+    for rows, common in ((batch + 1, batch), (1, 1)):
         try:
             got = _run(candidate, {k: v[:rows] for k, v in big.items()})
         except Exception as err:  # noqa: BLE001
             return f"the graph fails at batch size {rows} ({type(err).__name__}: {str(err)[:200]})"
         for name, ref, out in zip(names, reference, got, strict=True):
-            if leading[name] != batch:  # not a batched output: it must not change shape
+            k = factors.get(name)
+            if k is None:  # not a batched output: it must not change shape
                 if out.shape != ref.shape:
                     return f"output '{name}' changes shape with the batch size ({ref.shape} -> {out.shape})"
                 continue
-            if out.shape[0] != rows:
-                return f"output '{name}' has {out.shape[0]} rows at batch size {rows}"
-            want = ref[take]
-            if out[take].shape != want.shape or not np.allclose(out[take], want, rtol=1e-4, atol=1e-4):
+            if out.shape[0] != k * rows:
+                return f"output '{name}' has {out.shape[0]} rows at batch size {rows}, not {k * rows}"
+            want, have = ref[: k * common], out[: k * common]
+            if have.shape != want.shape or not np.allclose(have, want, rtol=1e-4, atol=1e-4):
                 return f"output '{name}' rows change with the batch size (the graph mixes rows or hard-codes {batch})"
     return ""
