@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ortflow.config import ConfigError, find_problems, load_config
+from ortflow.config import ConfigError, load_config
 
 app = typer.Typer(
     name="ortflow",
@@ -45,9 +45,22 @@ def _load(config: Path, overrides: list[str] | None):
 
 
 @app.command()
-def validate(config: ConfigArg, overrides: SetOpt = None) -> None:
-    """Check a config and the files it names; print every problem at once (exit 1 if any)."""
-    _, problems = find_problems(config, overrides or [])
+def validate(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    deep: Annotated[
+        bool, typer.Option("--deep", help="Also build the training artifacts in a temporary folder (engine errors).")
+    ] = False,
+) -> None:
+    """Check everything checkable without training; print every problem at once (exit 1 if any).
+
+    The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
+    the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
+    and export paths can be written; with --deep, that the engine can build the training graph.
+    """
+    from ortflow.validate import validate as find_all
+
+    problems = find_all(config, overrides or [], deep=deep)
     if problems:
         console.print(f"[bold red]{config}: {len(problems)} problem(s)[/]")
         for problem in problems:
@@ -87,7 +100,12 @@ def train(
 
 @app.command(name="configure")
 def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
-    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged)."""
+    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged).
+
+    A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
+    optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
+    p -= lr*weight_decay*p (README, 'The optimizer').
+    """
     from ortflow.configure import configure
 
     cfg = _load(config, overrides)
@@ -138,6 +156,44 @@ def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     console.print(f"[green]index written[/] to {index.path}", highlight=False)
 
 
+CheckpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpoint", "-c",
+        help="Which checkpoint of a run folder: best, latest, initial (the configured weights, before training), "
+        "step-N or N (default: best by eval loss, else latest).",
+    ),
+]  # fmt: skip
+
+
+@app.command()
+def evaluate(
+    source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one.")],
+    checkpoint: CheckpointOpt = None,
+    max_batches: Annotated[int | None, typer.Option(min=1, help="Cap on eval batches (default: all).")] = None,
+) -> None:
+    """Eval loss (and accuracy for cross_entropy classifiers) of a checkpoint on the run's eval split.
+
+    Uses the engine's eval graph with the run's eval batch size, counting every eval row once, so the loss equals
+    what training records for the same checkpoint. `--checkpoint initial` evaluates the configured weights.
+    """
+    import json
+
+    from ortflow.export.evaluate import evaluate_checkpoint
+
+    try:
+        result = evaluate_checkpoint(source, checkpoint, max_batches)
+    except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
+        _fail(str(err))
+    accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
+    console.print(
+        f"{Path(result.checkpoint).name} (step {result.step}): eval loss {result.loss}{accuracy} over "
+        f"{result.num_rows} rows",
+        highlight=False,
+    )
+    print(json.dumps(result.to_dict()))
+
+
 @app.command(name="export")
 def export_cmd(
     source: Annotated[Path, typer.Argument(help="Run folder (best checkpoint, else newest) or checkpoint folder.")],
@@ -149,6 +205,7 @@ def export_cmd(
     optimize: Annotated[bool, typer.Option(help="ONNX Runtime offline graph optimization (basic level).")] = False,
     quantize: Annotated[bool, typer.Option(help="Dynamic int8 quantization; reports the accuracy change.")] = False,
     tolerance: Annotated[float, typer.Option(help="Max abs difference to the eval graph accepted.")] = 1e-4,
+    checkpoint: CheckpointOpt = None,
 ) -> None:
     """Export a verified inference model from a checkpoint and the eval model (no training session)."""
     import json
@@ -162,7 +219,8 @@ def export_cmd(
         out = load_run_config(source).export_path
     names = [n.strip() for n in outputs.split(",") if n.strip()] if outputs else []
     try:
-        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance)
+        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance,
+                              checkpoint=checkpoint)
     except ValueError as err:  # ExportError, CheckpointError, ConfigError: each message says what to do
         _fail(str(err))
     ver = result.verification

@@ -111,8 +111,11 @@ class DataConfig(_Section):
         (), description="Evaluation source(s); when empty, eval_fraction of the training rows is held out."
     )
     format: SourceFormat = Field("auto", description="Source format; auto picks it from the file extension.")
-    columns: dict[str, str] = Field(
-        {}, description="Model input name -> source column name (default: columns named like the inputs)."
+    columns: dict[str, str | tuple[str, ...]] = Field(
+        {},
+        description="Model input name -> source column, list of columns, or glob pattern ('f*', natural order f0, "
+        "f1, ..., f10); several columns of one value each are stacked into one [k] row (default: the column named "
+        "like the input).",
     )
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of rows held out for eval when test is empty.")
     rows_per_shard: int = Field(65536, gt=0, description="Rows per Arrow shard file (the last may be short).")
@@ -179,14 +182,31 @@ class TrainConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters."""
+    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters.
 
-    name: Literal["adamw", "sgd", "lamb"] = Field("adamw", description="adamw or sgd; lamb is not supported yet.")
+    adamw is the engine's ``AdamWOptimizer`` with ``adam_mode=1`` (the HuggingFace variant, not torch.optim.AdamW):
+    at update t with gradient g, ``m = beta1*m + (1-beta1)*g``, ``v = beta2*v + (1-beta2)*g*g``,
+    ``p -= lr * sqrt(1-beta2**t) / (1-beta1**t) * m / (sqrt(v) + epsilon)``, then ``p -= lr * weight_decay * p``.
+    Epsilon is added to the *uncorrected* sqrt(v) (torch adds it to sqrt(v / (1-beta2**t))) and the decay follows the
+    step (torch decays first), so with the same settings the two drift apart by a few percent of max|p| over hundreds
+    of updates.
+    """
+
+    name: Literal["adamw", "sgd", "lamb"] = Field(
+        "adamw",
+        description="adamw or sgd; lamb is not supported yet. adamw is the HuggingFace rule (the engine's "
+        "adam_mode=1): p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then p -= lr*weight_decay*p; "
+        "README 'The optimizer' compares it with torch.optim.AdamW.",
+    )
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate, reached at the end of warm-up.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
     beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
-    epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    epsilon: float = Field(
+        1e-8, gt=0, description="AdamW epsilon, added to the uncorrected sqrt(v) (not to torch's bias-corrected one)."
+    )
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decoupled weight decay: p -= lr*weight_decay*p, after the Adam step."
+    )
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip the global gradient norm to this value before the step (default: no clipping)."
     )

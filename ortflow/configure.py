@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CONFIGURE_RECORD_NAME = "configure.json"
 
 # Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
-# 2: the model-preparation pass (ortflow.graph.prepare) rewrites the graph before the engine sees it.
+# 2: the batch-dimension pass and the model-preparation pass (ortflow.graph) rewrite the graph before the engine.
 _ARTIFACTS_FORMAT = 2
 
 
@@ -172,6 +172,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "label_input": built.label_input,
         "num_parameters": built.num_parameters,
         "graph_rewrites": list(built.rewrites),
+        "batch": built.batch.to_dict() if built.batch else None,
         "optimizer": cfg.optimizer.name,
         "opset": model.opset,
         "ir_version": model.ir_version,

@@ -230,7 +230,11 @@ def test_validate_prints_every_problem_and_exits_1(tmp_path):
 
 
 def test_validate_accepts_a_good_config(tmp_path):
-    tiny_model(tmp_path / "model.onnx")
+    from .models_data import sequence_logits_model
+
+    sequence_logits_model(seq=128, vocab=256, path=tmp_path / "model.onnx")  # input_ids [B, T] -> logits [B, T, V]
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("hello world " * 40)
     result = CliRunner().invoke(app, ["validate", str(write(tmp_path))])
     assert result.exit_code == 0, result.output
     assert "valid" in result.output

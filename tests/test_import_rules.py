@@ -30,6 +30,8 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.trainer.loop", {"prefect", "ortflow.tasks", "ortflow.flows"}),
         ("ortflow.trainer.__main__", {"prefect", "ortflow.tasks", "ortflow.flows", "mpi4py"}),
         ("ortflow.export", {"prefect", "mpi4py", "ortflow.tasks"}),
+        ("ortflow.graph.batch", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.dataprep"}),
+        ("ortflow.validate", {"prefect", "mpi4py", "onnxruntime.training", "ortflow.tasks"}),  # engine: --deep only
     ],
 )
 def test_package_does_not_pull_in_what_it_must_not(module, forbidden):

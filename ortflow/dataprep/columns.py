@@ -18,8 +18,9 @@ import pyarrow.compute as pc
 from ortflow.dataprep.errors import DataError
 
 _LIST_TYPES = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
-# numpy kinds a source kind may be converted to without losing meaning (values are range-checked by the cast).
-_ALLOWED = {"b": "biuf", "i": "iuf", "u": "iuf", "f": "f"}
+# numpy kinds a source kind may be converted to (values are checked by the cast: floats feed integer inputs only when
+# every value is a whole number in range, as CSV readers give labels written "1.0").
+_ALLOWED = {"b": "biuf", "i": "iuf", "u": "iuf", "f": "fiu"}
 
 
 def storage_dtype(dtype: str) -> np.dtype:
@@ -43,7 +44,7 @@ def _check_kind(src: np.dtype | pa.DataType, dtype: str, column: str, input_name
     if src_np is None or dtype_kind(dtype) not in _ALLOWED.get(src_np.kind, ""):
         raise DataError(
             f"column '{column}' ({where}) holds {src}, but model input '{input_name}' is {dtype}; convert the column "
-            f"to a numeric type that fits {dtype} (floats cannot feed integer inputs)"
+            f"to a numeric type that fits {dtype}"
         )
 
 
@@ -99,7 +100,10 @@ def _cast(flat: pa.Array, dtype: str, column: str, where: str) -> pa.Array:
     try:
         return pc.cast(flat, target, safe=not pa.types.is_floating(target))
     except pa.ArrowInvalid as err:
-        raise DataError(f"column '{column}' ({where}) does not fit {dtype}: {err}; convert it in the source") from None
+        raise DataError(
+            f"column '{column}' ({where}) does not fit the model input's {dtype} without losing information ({err}); "
+            f"fix the values in the source (class labels must be whole numbers)"
+        ) from None
 
 
 def _wrap(flat: pa.Array, dims: tuple[int, ...], n_rows: int) -> pa.Array:

@@ -276,6 +276,10 @@ class Prefetcher:
 class EvalLoader:
     """This rank's contiguous share of the eval split, in order: rows ``[r*N//W, (r+1)*N//W)``.
 
+    When the model fixes its batch dim (an input's declared leading dim is an integer), every batch must have exactly
+    ``batch_size`` rows: the short last batch is padded with copies of its first row, and :meth:`weighted_batches`
+    says how to weight the losses so that every real row counts exactly once.
+
     Args:
         data_dir: the prepared data folder.
         batch_size: rows per batch on this rank.
@@ -285,19 +289,49 @@ class EvalLoader:
 
     def __init__(self, data_dir: Path, batch_size: int, rank: int, world_size: int):
         _check_rank(batch_size, rank, world_size)
-        self._split = _Split(Path(data_dir), read_manifest(Path(data_dir)), "eval")
+        manifest = read_manifest(Path(data_dir))
+        self._split = _Split(Path(data_dir), manifest, "eval")
         total = self._split.num_rows
         self._lo, self._hi = rank * total // world_size, (rank + 1) * total // world_size
         self.batch_size = batch_size
         self.num_samples: int = self._hi - self._lo
+        self.fixed_batch: bool = any(
+            i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 for i in manifest.inputs
+        )
 
-    def batches(self, max_batches: int | None = None) -> Iterator[tuple[dict[str, np.ndarray], int]]:
-        """Yield ``(feeds, real_rows)``; the last batch may be short (``real_rows < batch_size``)."""
+    def _rows(self, max_batches: int | None) -> Iterator[np.ndarray]:
         for k, start in enumerate(range(self._lo, self._hi, self.batch_size)):
             if max_batches is not None and k >= max_batches:
                 return
-            rows = np.arange(start, min(start + self.batch_size, self._hi), dtype=np.int64)
-            yield self._split.gather(rows), len(rows)
+            yield np.arange(start, min(start + self.batch_size, self._hi), dtype=np.int64)
+
+    def batches(self, max_batches: int | None = None) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """Yield ``(feeds, real_rows)``; the last batch may be short, or padded to ``batch_size`` when fixed.
+
+        Padded batches hold their ``real_rows`` real rows first, then copies of the first one.
+        """
+        for rows in self._rows(max_batches):
+            real = len(rows)
+            if self.fixed_batch and real < self.batch_size:
+                rows = np.concatenate([rows, np.full(self.batch_size - real, rows[0], dtype=np.int64)])
+            yield self._split.gather(rows), real
+
+    def weighted_batches(self, max_batches: int | None = None) -> Iterator[tuple[dict[str, np.ndarray], float, int]]:
+        """Yield ``(feeds, weight, real_rows)``: the sum of ``weight * mean batch loss`` is the sum of row losses.
+
+        A full batch has weight ``B``. A padded batch (``r`` real rows + ``B - r`` copies of its first row ``x0``)
+        has weight ``B`` and is followed by a batch of ``B`` copies of ``x0`` with weight ``-(B - r)`` and 0 rows:
+        ``B * mean(pad) - (B - r) * loss(x0)`` is exactly the real rows' loss sum, for any loss that is a mean over
+        rows of equal size (every loss the engine adds; also a model_output mean loss), at any number of ranks.
+        """
+        for rows in self._rows(max_batches):
+            real = len(rows)
+            if not self.fixed_batch or real == self.batch_size:
+                yield self._split.gather(rows), float(real), real
+                continue
+            pad = np.full(self.batch_size - real, rows[0], dtype=np.int64)
+            yield self._split.gather(np.concatenate([rows, pad])), float(self.batch_size), real
+            yield self._split.gather(np.full(self.batch_size, rows[0], dtype=np.int64)), -float(len(pad)), 0
 
 
 def _check_rank(batch_size: int, rank: int, world_size: int) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from ortflow.config import RunConfig
-from ortflow.dataprep.columns import arrow_to_canonical, numpy_to_canonical, shard_field
+from ortflow.dataprep.columns import shard_field
 from ortflow.dataprep.errors import DataError
+from ortflow.dataprep.features import ColumnPlan, resolve, stack
 from ortflow.dataprep.loader import verify_data
 from ortflow.dataprep.manifest import (
     FORMAT_VERSION,
@@ -31,6 +32,7 @@ from ortflow.dataprep.sources import (
     fingerprint_entry,
     load_tokenizer,
     resolve_sources,
+    source_columns,
     table_chunks,
     text_windows,
 )
@@ -78,7 +80,8 @@ def prepare_data(cfg: RunConfig) -> Manifest:
         except DataError as err:
             log.warning("rewriting the shards in %s: %s", data_dir, err)
 
-    plan = _column_plan(cfg, specs, text)
+    wanted = column_plan(cfg, specs, text)
+    plan: dict[str, ColumnPlan] = {}  # as resolved against the first source; every later source must agree
     dtypes = {s.name: s.dtype for s in specs}
     chunk_bytes = max(1 << 16, data.memory_budget_mb * (1 << 20) // 16)
     tokenizer = load_tokenizer(data.text.tokenizer) if text else None
@@ -87,11 +90,14 @@ def prepare_data(cfg: RunConfig) -> Manifest:
         if text:
             for windows in text_windows(sources, data.text.seq_len, tokenizer, chunk_bytes):
                 chunk = {data.text.input_name: windows[:, :-1], data.text.label_name: windows[:, 1:]}
-                yield _canonical(chunk, plan, dtypes, f"{field} text windows", shapes)
+                plan.update({n: ColumnPlan(n, (n,), False) for n in wanted})
+                yield canonical_table(chunk, plan, dtypes, f"{field} text windows", shapes)
         else:
             for source in sources:
-                for chunk in table_chunks(source, sorted(set(plan.values())), chunk_bytes):
-                    yield _canonical(chunk, plan, dtypes, str(source.path), shapes)
+                here = resolve_plan(wanted, source, plan)
+                needed = sorted({c for p in here.values() for c in p.columns})
+                for chunk in table_chunks(source, needed, chunk_bytes):
+                    yield canonical_table(chunk, here, dtypes, str(source.path), shapes)
 
     # Check the first chunk of every source before anything is written (shapes are fixed by the first one seen).
     shapes: dict[str, tuple[int, ...]] = {}
@@ -103,9 +109,10 @@ def prepare_data(cfg: RunConfig) -> Manifest:
         raise DataError("data.train: the sources hold no complete sample (text shorter than data.text.seq_len + 1?)")
     inputs = []
     for spec in specs:
-        merge = {merges_leading_dims(spec, shapes[spec.name], b, plan[spec.name])
+        label = plan[spec.name].label
+        merge = {merges_leading_dims(spec, shapes[spec.name], b, label)
                  for b in {cfg.train.batch_size, cfg.train.resolved_eval_batch_size}}  # fmt: skip
-        inputs.append(InputInfo(spec.name, plan[spec.name], spec.dtype, list(spec.shape), list(shapes[spec.name]),
+        inputs.append(InputInfo(spec.name, label, spec.dtype, list(spec.shape), list(shapes[spec.name]),
                                 merge.pop()))  # fmt: skip
     schema = shard_schema([shard_field(i.name, i.dtype, tuple(i.row_shape)) for i in inputs])
 
@@ -161,8 +168,8 @@ def _fingerprint(cfg: RunConfig, specs: list[InputSpec], train: list[Source], te
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str, str]:
-    """Model input name -> source column (the text inputs for text corpora)."""
+def column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str, str | tuple[str, ...]]:
+    """Model input name -> source column, columns or pattern (the text inputs for text corpora)."""
     names = [s.name for s in specs]
     if text:
         fed = {cfg.data.text.input_name, cfg.data.text.label_name}
@@ -181,21 +188,34 @@ def _column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str
     return {n: cfg.data.columns.get(n, n) for n in names}
 
 
-def _canonical(
-    chunk, plan: dict[str, str], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]]
+def resolve_plan(
+    wanted: dict[str, str | tuple[str, ...]], source: Source, first: dict[str, ColumnPlan]
+) -> dict[str, ColumnPlan]:
+    """The columns each input reads in ``source``; the first source's resolution is stored in ``first``."""
+    present = source_columns(source)
+    here = {name: resolve(name, spec, present, str(source.path)) for name, spec in wanted.items()}
+    for name, plan in here.items():
+        seen = first.setdefault(name, plan)
+        if seen.columns != plan.columns:
+            raise DataError(
+                f"data.columns.{name}: {wanted[name]!r} gives columns {list(plan.columns)} in {source.path} but "
+                f"{list(seen.columns)} in the first source; every source needs the same feature columns"
+            )
+    return here
+
+
+def canonical_table(
+    chunk, plan: dict[str, ColumnPlan], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]]
 ) -> pa.Table:
     """A source chunk as a table in the shard schema; row shapes must match the first chunk's."""
     arrays, fields = [], []
-    for name, column in plan.items():
+    for name, columns in plan.items():
         dtype = dtypes[name]
-        if isinstance(chunk, dict):
-            arr, row_shape = numpy_to_canonical(chunk[column], column, name, dtype, where)
-        else:
-            arr, row_shape = arrow_to_canonical(chunk.column(column), column, name, dtype, where)
+        arr, row_shape = stack(chunk, columns, dtype, where)
         if shapes.setdefault(name, row_shape) != row_shape:
             raise DataError(
-                f"column '{column}' ({where}) has rows of shape {list(row_shape)}, earlier rows {list(shapes[name])}; "
-                f"every row of an input needs the same shape"
+                f"column '{columns.label}' ({where}) has rows of shape {list(row_shape)}, earlier rows "
+                f"{list(shapes[name])}; every row of an input needs the same shape"
             )
         arrays.append(arr)
         fields.append(shard_field(name, dtype, row_shape))

@@ -139,6 +139,35 @@ def table_chunks(source: Source, columns: list[str], chunk_bytes: int) -> Iterat
         raise DataError(f"{path}: cannot read it as {fmt} ({err}); check the file or set data.format") from None
 
 
+def source_columns(source: Source) -> list[str]:
+    """The column (or ``.npz`` array) names of a table source, read from its schema or first block only.
+
+    Raises:
+        DataError: the file cannot be read as its format.
+    """
+    path, fmt = source.path, source.format
+    try:
+        if fmt == "parquet":
+            return list(pq.ParquetFile(path).schema_arrow.names)
+        if fmt == "arrow":
+            with pa.memory_map(str(path)) as mm:
+                try:
+                    return list(ipc.open_file(mm).schema.names)
+                except pa.ArrowInvalid:
+                    mm.seek(0)
+                    return list(ipc.open_stream(mm).schema.names)
+        if fmt == "csv":
+            return list(pcsv.open_csv(path).schema.names)
+        if fmt == "jsonl":
+            return list(pjson.open_json(path).schema.names)
+        if fmt == "npz":
+            with np.load(path, allow_pickle=False) as npz:
+                return list(npz.files)
+    except (pa.ArrowInvalid, OSError, ValueError) as err:
+        raise DataError(f"{path}: cannot read it as {fmt} ({err}); check the file or set data.format") from None
+    raise DataError(f"{path}: format '{fmt}' has no columns")
+
+
 def _need(columns: list[str], present: list[str], path: Path) -> None:
     missing = [c for c in columns if c not in present]
     if missing:

@@ -70,7 +70,16 @@ def merges_leading_dims(spec: InputSpec, row_shape: tuple[int, ...], batch_size:
             f"input '{spec.name}' has {len(declared)} dims {list(declared)}; reshape the column so that each row has "
             f"{max(len(declared) - 1, 0)} dims (or {len(declared)} dims when the model merges batch and sequence)"
         )
-    for want, got in zip(declared, batch_shape, strict=True):
+    for axis, (want, got) in enumerate(zip(declared, batch_shape, strict=True)):
+        if axis == 0 and isinstance(want, int) and want > 0 and want != got:
+            rows = want // row_shape[0] if merge and row_shape[0] and want % row_shape[0] == 0 else want
+            raise DataError(
+                f"column '{column}' feeds model input '{spec.name}', which has a fixed batch dim of {want} that its "
+                f"graph depends on (configure.json "
+                f"'batch' says why it was kept), so every batch must hold {rows} rows, not {batch_size}: set "
+                f"train.batch_size and train.eval_batch_size to {rows}, or export the model with a dynamic batch dim "
+                f"(torch.onnx.export(..., dynamic_axes={{'{spec.name}': {{0: 'batch'}}}}))"
+            )
         if isinstance(want, int) and want > 0 and want != got:
             raise DataError(
                 f"column '{column}': a batch would be {list(batch_shape)} but model input '{spec.name}' is fixed at "

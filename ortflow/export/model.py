@@ -28,13 +28,11 @@ from onnx import helper, numpy_helper
 from ortflow import __version__
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_config
 from ortflow.export import verify as verification
-from ortflow.export.retention import export_choice
+from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
 from ortflow.trainer.checkpoints import (
     META_FILE,
-    CheckpointError,
     CheckpointInfo,
-    list_complete,
     verify,
 )
 
@@ -127,7 +125,9 @@ def _run_config(run_dir: Path) -> RunConfig | None:
         return None
 
 
-def resolve_source(source: Path, eval_model: Path | None = None, config: RunConfig | None = None) -> ExportSource:
+def resolve_source(
+    source: Path, eval_model: Path | None = None, config: RunConfig | None = None, checkpoint: str | None = None
+) -> ExportSource:
     """Find the checkpoint, eval model, data and configure record that ``source`` names.
 
     Args:
@@ -136,6 +136,8 @@ def resolve_source(source: Path, eval_model: Path | None = None, config: RunConf
         eval_model: The eval model; default: ``<run>/artifacts/eval_model.onnx`` for a run folder, and for a checkpoint
             folder ``eval_model.onnx`` inside it, next to it, or in ``<ckpt>/../../artifacts/``.
         config: The run config, if the caller has it (default: ``<run>/config.yaml`` when present).
+        checkpoint: For a run folder, which checkpoint: ``best``, ``latest``, ``initial`` (the configured weights),
+            ``step-N`` or ``N`` (default: best, else latest).
 
     Raises:
         ExportError: nothing usable at ``source``, or no eval model found.
@@ -145,7 +147,9 @@ def resolve_source(source: Path, eval_model: Path | None = None, config: RunConf
     if not source.is_dir():
         raise ExportError(f"{source} does not exist or is not a folder; give a run folder or a checkpoint folder")
     if (source / META_FILE).exists():
-        checkpoint = verify(source)  # named explicitly: a damaged one is refused, never swapped for another
+        if checkpoint is not None:
+            raise ExportError(f"{source} is a checkpoint folder: --checkpoint applies to run folders only")
+        chosen = verify(source)  # named explicitly: a damaged one is refused, never swapped for another
         run_dir = source.parent.parent
         candidates = [source / EVAL_MODEL, source.parent / EVAL_MODEL, run_dir / "artifacts" / EVAL_MODEL]
         data_dir = run_dir / "data"
@@ -153,19 +157,7 @@ def resolve_source(source: Path, eval_model: Path | None = None, config: RunConf
     else:
         run_dir = source
         config = config or _run_config(run_dir)
-        directory = config.checkpoints_dir if config else run_dir / "checkpoints"
-        good = []
-        for info in list_complete(directory):
-            try:
-                good.append(verify(info.path))
-            except CheckpointError as err:
-                log.warning("export: skipping damaged checkpoint %s: %s", info.path.name, err)
-        checkpoint = export_choice(good)
-        if checkpoint is None:
-            raise ExportError(
-                f"no complete, undamaged checkpoint in {directory}: train first (`ortflow train`), or name a "
-                "checkpoint folder (one holding meta.json)"
-            )
+        chosen = pick_checkpoint(run_dir, config, checkpoint)
         artifacts = config.artifacts_dir if config else run_dir / "artifacts"
         candidates = [artifacts / EVAL_MODEL]
         data_dir = config.data_dir if config else run_dir / "data"
@@ -174,12 +166,12 @@ def resolve_source(source: Path, eval_model: Path | None = None, config: RunConf
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise ExportError(
-            f"no eval model for {checkpoint.path}: looked at {', '.join(map(str, candidates))}; pass --eval-model "
+            f"no eval model for {chosen.path}: looked at {', '.join(map(str, candidates))}; pass --eval-model "
             "(the run's artifacts/eval_model.onnx) or copy it into the checkpoint folder"
         )
     record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
     return ExportSource(
-        checkpoint=checkpoint,
+        checkpoint=chosen,
         eval_model=found,
         data_dir=data_dir if (data_dir / "manifest.json").exists() else None,
         record=record,
@@ -397,6 +389,7 @@ def export_model(
     quantize: bool = False,
     tolerance: float = 1e-4,
     config: RunConfig | None = None,
+    checkpoint: str | None = None,
 ) -> ExportResult:
     """Export an inference model from a checkpoint and the eval model, verify it, and write it atomically.
 
@@ -410,6 +403,8 @@ def export_model(
             known) on the eval split is reported in the result.
         tolerance: Largest absolute difference to the eval graph's outputs accepted by verification.
         config: The run config (default: the run folder's ``config.yaml`` when present).
+        checkpoint: Which checkpoint of a run folder: ``best``, ``latest``, ``initial``, ``step-N`` (default: best,
+            else latest).
 
     Returns:
         Where the model is and the verification numbers.
@@ -418,7 +413,7 @@ def export_model(
         CheckpointError: the checkpoint is damaged.
         ExportError: no checkpoint or eval model, a bad output name, or a verification mismatch.
     """
-    src = resolve_source(Path(source), eval_model, config)
+    src = resolve_source(Path(source), eval_model, config, checkpoint)
     checkpoint = src.checkpoint
     eval_proto = onnx.load(str(src.eval_model))
     labels = label_names(eval_proto, src.record, src.config)

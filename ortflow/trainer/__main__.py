@@ -57,7 +57,7 @@ def run_rank(run_dir: Path) -> int:
         progress = Progress(rt.run_dir, cfg.train.num_weight_updates, start) if writer else None
         try:
             result = train(
-                rt, loader.iter_from, lambda: evals.batches(cfg.train.max_eval_batches), manager, tensorboard,
+                rt, loader.iter_from, lambda: evals.weighted_batches(cfg.train.max_eval_batches), manager, tensorboard,
                 progress, stop, tokens_per_sample=loader.tokens_per_sample,
             )
         finally:

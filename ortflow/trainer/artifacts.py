@@ -33,6 +33,7 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
+from ortflow.graph.batch import BatchReport
 from ortflow.trainer.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class ArtifactsInfo:
         label_input: Name of the label/target input (None for model_output).
         num_parameters: Number of trained scalar values.
         rewrites: What the model-preparation pass changed (``ortflow.graph.prepare``), one entry per pass.
+        batch: What the batch-dimension pass decided (None when the model was too big to load here).
     """
 
     artifacts_dir: Path
@@ -108,6 +110,7 @@ class ArtifactsInfo:
     label_input: str | None
     num_parameters: int
     rewrites: tuple[dict, ...] = ()
+    batch: BatchReport | None = None
 
 
 def _tensor_type_info(name: str, type_proto: onnx.TypeProto) -> TensorInfo:
@@ -270,7 +273,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     trainable, frozen = split_parameters(info, cfg.model.frozen)
     output_name = _check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
-    prepared = prepare(cfg, trainable, output_name, label_name)
+    prepared, batch = prepare(cfg, trainable, output_name, label_name, _PROTO_LIMIT)
     if prepared.frozen:  # not weights (running statistics, constants the engine does not differentiate): no gradient
         trainable = [n for n in trainable if n not in prepared.frozen]
         frozen = sorted([*frozen, *prepared.frozen])
@@ -333,6 +336,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         label_input=label_name,
         num_parameters=sum(sizes[n] for n in trainable),
         rewrites=tuple(prepared.report),
+        batch=batch,
     )
     log.info(
         "built artifacts in %s: %d trainable tensors (%d values), %d frozen, loss %s on '%s'",

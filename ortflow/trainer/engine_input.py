@@ -12,6 +12,7 @@ from pathlib import Path
 import onnx
 
 from ortflow.config import RunConfig
+from ortflow.graph.batch import BatchReport, make_batch_symbolic
 from ortflow.graph.common import GraphError
 from ortflow.graph.differentiable import explain_engine_error
 from ortflow.graph.prepare import PreparedModel, prepare_model
@@ -21,13 +22,30 @@ class ArtifactsError(ValueError):
     """The model and the config cannot be turned into training artifacts; the message names the field to fix."""
 
 
-def prepare(cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None) -> PreparedModel:
-    """Run the model-preparation pass on the model's graph (external data is not loaded: no pass reads weights)."""
-    graph_only = onnx.load(str(cfg.model.path), load_external_data=False)
+def prepare(
+    cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None, proto_limit: int
+) -> tuple[PreparedModel, BatchReport | None]:
+    """The batch-dimension pass (:mod:`ortflow.graph.batch`), then the model-preparation pass.
+
+    The batch pass test-runs the model at two batch sizes, so it needs the weights: it runs when the model with its
+    external data fits in a proto (report None otherwise: the batch dims stay as exported). The preparation passes
+    never read weights.
+    """
+    model = onnx.load(str(cfg.model.path), load_external_data=False)
+    batch = None
+    if _data_bytes(Path(cfg.model.path), model) < proto_limit:
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        model, batch = make_batch_symbolic(model)
     try:
-        return prepare_model(graph_only, set(trainable), cfg.model.loss, output_name, label_name)
+        return prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name), batch
     except GraphError as err:
         raise ArtifactsError(str(err)) from None
+
+
+def _data_bytes(model_path: Path, model: onnx.ModelProto) -> int:
+    """Bytes of the model with its external data loaded."""
+    files = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    return model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in files)
 
 
 def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path, proto_limit: int):

@@ -37,16 +37,22 @@ class TrainResult:
     stopped: bool
 
 
-def evaluate(rt: Runtime, eval_batches: Callable[[], Iterator[tuple[dict, int]]]) -> float | None:
-    """Mean eval loss over the whole eval split, each rank taking its share; None if the split is empty."""
+def evaluate(rt: Runtime, eval_batches: Callable[[], Iterator[tuple[dict, float, int]]]) -> float | None:
+    """Mean eval loss over the whole eval split, each rank taking its share; None if the split is empty.
+
+    ``eval_batches`` yields ``(feeds, weight, rows)`` (``EvalLoader.weighted_batches``): padded batches of a model
+    with a fixed batch dim are weighted so that every real row counts exactly once.
+    """
     rt.module.eval()
     names = rt.module.input_names()
     sums = np.zeros(2)
-    for feeds, rows in eval_batches():
-        sums += (float(rt.module(*(feeds[n] for n in names))) * rows, rows)
+    for feeds, weight, rows in eval_batches():
+        sums += (float(rt.module(*(feeds[n] for n in names))) * weight, rows)
     rt.module.train()
     # Sync point: the eval split is sharded over ranks, so the mean needs every rank's loss sum and row count.
     total = rt.comm.allreduce_sum(sums, "eval loss")
+    if rt.comm.rank == 0:
+        log.info("eval loss %.6g over %d rows", total[0] / total[1] if total[1] else float("nan"), int(total[1]))
     return float(total[0] / total[1]) if total[1] else None
 
 
@@ -68,7 +74,7 @@ def check_ranks_identical(rt: Runtime, step: int) -> str:
 def train(
     rt: Runtime,
     train_batches: Callable[[int], Iterator[dict[str, np.ndarray]]],
-    eval_batches: Callable[[], Iterator[tuple[dict, int]]],
+    eval_batches: Callable[[], Iterator[tuple[dict, float, int]]],
     checkpoints: CheckpointManager,
     tensorboard: TensorBoardLog | None,
     progress: Progress | None,
@@ -81,7 +87,7 @@ def train(
     Args:
         rt: The started rank (session, optimizer, communicator, config).
         train_batches: ``cursor -> iterator`` of this rank's micro-batches from a global sample cursor.
-        eval_batches: Iterator factory over this rank's share of the eval split, yielding (feeds, rows).
+        eval_batches: Iterator factory over this rank's share of the eval split, yielding (feeds, weight, rows).
         checkpoints: Owns when to save and what to keep; the loop only offers each step.
         tensorboard: Rank 0's event writer (None on other ranks).
         progress: Rank 0's progress reporter (None on other ranks).

@@ -93,7 +93,8 @@ def _inputs_with(name, **change):
 @pytest.mark.parametrize(
     ("inputs", "columns", "message"),
     [
-        (_inputs_with("labels", dtype="int64"), {"labels": "x"}, "column 'x'.*model input 'labels'"),  # rank and kind
+        # (whole-number floats feed int inputs losslessly, so x's [3] rows must clash with labels' fixed dim instead)
+        (_inputs_with("labels", dtype="int64", shape=["B", 2]), {"labels": "x"}, "column 'x'.*model input 'labels'"),
         (_inputs_with("ids", dtype="int32", shape=["B", 4]), {}, r"column 'ids': rows have shape \[\].*2 dims"),
         (_inputs_with("x", shape=["B", 4]), {}, r"column 'x'.*fixed at \['B', 4\]"),
         (_inputs_with("x", shape=["B", 3, 1]), {}, r"column 'x': rows have shape \[3\].*3 dims"),
@@ -109,11 +110,18 @@ def test_bad_dtype_or_shape_names_the_column_before_writing(tmp_path, inputs, co
     assert not cfg.data_dir.exists()
 
 
-def test_float_column_cannot_feed_integer_input(tmp_path):
-    pq.write_table(pa.table({"ids": np.arange(4.0), "x": [[0.0] * 3] * 4, "labels": np.arange(4)}), tmp_path / "f.pq")
+def test_float_column_feeds_integer_input_only_without_losing_information(tmp_path):
+    pq.write_table(pa.table({"ids": [0.0, 1.0, 2.5, 3.0], "x": [[0.0] * 3] * 4, "labels": np.arange(4)}),
+                   tmp_path / "f.pq")  # fmt: skip
     cfg = make_cfg(tmp_path, [str(tmp_path / "f.pq")])
-    with pytest.raises(DataError, match="column 'ids'.*double.*'ids' is int64"):
+    with pytest.raises(DataError, match="column 'ids'.*int64 without losing information.*2.5"):
         prepare_data(cfg)
+    assert not cfg.data_dir.exists()
+    # Whole numbers written as floats (a CSV's "1.0") lose nothing: they are cast.
+    pq.write_table(pa.table({"ids": np.arange(4.0), "x": [[0.0] * 3] * 4, "labels": np.arange(4)}), tmp_path / "f.pq")
+    prepare_data(cfg)
+    held = next(TrainLoader(cfg.data_dir, 4, 0, 1).iter_from(0))["ids"]
+    assert held.dtype == np.int64 and sorted(held.tolist()) == [0, 1, 2, 3]
 
 
 def test_ragged_lists_and_missing_columns_are_named(tmp_path):

@@ -1,0 +1,101 @@
+"""``ortflow evaluate``: eval loss (and accuracy for classifiers) of any checkpoint of a run on its eval split.
+
+The loss is the training engine's own eval graph run on the checkpoint's parameters, weighted exactly as the
+trainer's evaluations are (``EvalLoader.weighted_batches``: every row once, padded batches of fixed-batch models
+corrected), so it equals the eval loss training records for the same checkpoint. Accuracy (cross_entropy only) is the
+share of labels equal to the argmax of the loss output over its last axis, counted per position for ``[B, T, V]``
+logits; it comes from the inference graph cut out of the eval model (as export makes it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+import onnxruntime
+
+from ortflow.export.model import build_inference_model, label_names, load_parameters, resolve_source
+from ortflow.export.verify import ExportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What :func:`evaluate_checkpoint` measured.
+
+    Attributes:
+        checkpoint: The checkpoint folder (the artifacts folder for ``initial``).
+        step: Its step (0 for ``initial``).
+        loss: Mean eval loss over the rows (None when the eval split is empty).
+        accuracy: Share of correct argmax predictions (cross_entropy only, else None).
+        num_rows: Eval rows evaluated.
+    """
+
+    checkpoint: str
+    step: int
+    loss: float | None
+    accuracy: float | None
+    num_rows: int
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_batches: int | None = None) -> Evaluation:
+    """Evaluate a checkpoint of a configured, prepared run on its eval split (one process, CPU).
+
+    Args:
+        source: A run folder, or a checkpoint folder inside one.
+        checkpoint: For a run folder: ``best``, ``latest``, ``initial``, ``step-N`` or ``N`` (default: best, else
+            latest).
+        max_batches: Cap on eval batches (default: the whole split).
+
+    Raises:
+        ExportError: no run config, checkpoint, eval model or prepared eval data.
+    """
+    from ortflow.dataprep.loader import EvalLoader
+    from ortflow.engine import api
+
+    src = resolve_source(Path(source), None, None, checkpoint)
+    cfg = src.config
+    if cfg is None or src.data_dir is None:
+        raise ExportError(f"{source}: evaluate needs a configured run folder with prepared data (config.yaml, "
+                          "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
+    batch = cfg.train.resolved_eval_batch_size
+    loader = EvalLoader(src.data_dir, batch, rank=0, world_size=1)
+    state = api.CheckpointState.load_checkpoint(str(src.checkpoint.checkpoint_path))
+    module = api.Module(str(cfg.artifacts_dir / "training_model.onnx"), state, str(src.eval_model), device="cpu")
+    module.eval()
+    names = module.input_names()
+    total, rows = 0.0, 0
+    for feeds, weight, real in loader.weighted_batches(max_batches):
+        total += float(module(*(feeds[n] for n in names))) * weight
+        rows += real
+    loss = total / rows if rows else None
+    accuracy = _accuracy(src, loader, max_batches) if (src.record or {}).get("loss") == "cross_entropy" else None
+    log.info("evaluated %s: loss %s, accuracy %s over %d rows", src.checkpoint.path, loss, accuracy, rows)
+    return Evaluation(str(src.checkpoint.path), src.checkpoint.step, loss, accuracy, rows)
+
+
+def _accuracy(src, loader, max_batches: int | None) -> float | None:
+    """Share of labels equal to the argmax of the loss output (per position for sequence outputs)."""
+    record = src.record
+    eval_proto = onnx.load(str(src.eval_model))
+    labels = label_names(eval_proto, record, src.config)
+    label, output = record["label_input"], record["loss_output"]
+    model = build_inference_model(eval_proto, load_parameters(src.checkpoint.checkpoint_path), [output], labels)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    inputs = [i.name for i in session.get_inputs()]
+    correct = counted = 0
+    for feeds, real in loader.batches(max_batches):
+        scores = session.run([output], {n: feeds[n] for n in inputs})[0]
+        fed = len(feeds[inputs[0]])  # rows fed (real, or the padded batch size)
+        predicted = scores.reshape(fed, -1, scores.shape[-1]).argmax(axis=-1)[:real]
+        truth = feeds[label].reshape(fed, -1)[:real]
+        correct += int((predicted == truth).sum())
+        counted += truth.size
+    return correct / counted if counted else None

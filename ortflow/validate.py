@@ -1,0 +1,215 @@
+"""``ortflow validate``: every problem that can be found without training, all at once.
+
+Checks, in order (each problem names the field and the fix):
+
+1. the YAML, every field and the cross-field rules; the model file, host file and tokenizer exist (config.py);
+2. the model against the loss: the loss output exists, its dtype and rank fit the loss (``[N, C]`` or
+   ``[B, T, V]`` for cross_entropy), the label name is free;
+3. the data: every source pattern matches files, every column (or feature pattern) exists in every source, and the
+   first rows of each source fit the training model's inputs (dtypes, per-row shapes) at ``train.batch_size`` and
+   ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch.py, so a batch
+   dim counts as fixed only when the graph really depends on it);
+4. the run folder, checkpoint, TensorBoard and export paths can be written;
+5. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
+   (operators without gradients, ...) show up, and the data checks use the built model's real inputs.
+
+The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
+(int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ortflow.config import RunConfig, find_problems
+from ortflow.dataprep.errors import DataError
+from ortflow.dataprep.features import ColumnPlan
+from ortflow.dataprep.prepare import canonical_table, column_plan, resolve_plan
+from ortflow.dataprep.sources import Source, resolve_sources, table_chunks, text_windows
+from ortflow.dataprep.specs import InputSpec, merges_leading_dims
+from ortflow.graph.batch import make_batch_symbolic
+
+log = logging.getLogger(__name__)
+
+#: Sources whose column names are read; the rows of only the first source of each split are checked.
+MAX_SOURCES_CHECKED = 64
+_FIRST_ROWS_BYTES = 1 << 20
+
+
+def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep: bool = False) -> list[str]:
+    """Every problem with a config, its model, data and paths (empty when it is valid).
+
+    Args:
+        path: The config file.
+        overrides: ``--set`` overrides.
+        deep: Also build the training artifacts in a temporary folder (seconds to minutes for large models).
+    """
+    cfg, problems = find_problems(path, overrides)
+    if cfg is None:
+        return problems
+    specs = None
+    if not any(p.startswith("model.path") for p in problems):
+        specs, model_problems = predicted_inputs(cfg)
+        problems += model_problems
+        if deep and not model_problems:
+            built, deep_problems = build_in_temporary_folder(cfg)
+            problems += deep_problems
+            specs = built or specs
+    problems += data_problems(cfg, specs)
+    problems += path_problems(cfg)
+    return list(dict.fromkeys(problems))  # the same problem found twice is listed once
+
+
+def _spec(info: onnx.ValueInfoProto) -> InputSpec:
+    tensor = info.type.tensor_type
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)).name if tensor.elem_type else "float32"
+    dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim)
+    return InputSpec(info.name, dtype, dims)
+
+
+def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
+    """The training model's inputs as configure will build them (label included), and loss/output problems."""
+    model = cfg.model
+    try:
+        proto = onnx.load(str(model.path))
+    except Exception as err:  # noqa: BLE001 - onnx raises several types (external data, protobuf)
+        return None, [f"model.path: cannot load {model.path} with its weights ({type(err).__name__}: {err})"]
+    proto, _ = make_batch_symbolic(proto)
+    inits = {t.name for t in proto.graph.initializer}
+    inputs = [_spec(i) for i in proto.graph.input if i.name not in inits]
+    outputs = {o.name: _spec(o) for o in proto.graph.output}
+    if not outputs:
+        return None, ["model.path: the model has no outputs"]
+    name = model.loss_output or next(iter(outputs))
+    out = outputs.get(name)
+    if out is None:
+        return None, [f"model.loss_output: '{name}' is not a model output; outputs are {list(outputs)}"]
+    if model.loss == "model_output":
+        if out.shape not in ((), (1,)):
+            return None, [f"model.loss_output: '{name}' must be a scalar loss for model.loss model_output, but its "
+                          f"shape is {list(out.shape)}"]  # fmt: skip
+        return inputs, []
+    problems = []
+    if out.dtype != "float32":
+        problems.append(f"model.loss_output: '{name}' is {out.dtype}; the engine's losses need float32")
+    if model.loss == "cross_entropy":
+        if out.shape and len(out.shape) not in (2, 3):
+            problems.append(
+                f"model.loss cross_entropy needs scores [N, C] or [B, T, V], but '{name}' has shape "
+                f"{list(out.shape)}; pick the output holding the class scores in model.loss_output"
+            )
+        label = InputSpec(model.label_input, "int64", out.shape[:-1])
+    else:
+        label = InputSpec(model.label_input, out.dtype, out.shape)
+    clash = next((i for i in inputs if i.name == model.label_input), None)
+    if clash is not None:
+        problems.append(
+            f"model.label_input: the model already has an input '{clash.name}'; the loss adds its own "
+            f"'{model.label_input}' input: set model.label_input to another name"
+        )
+    return (None if problems else [*inputs, label]), problems
+
+
+def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
+    """Build the artifacts as configure would, in a temporary folder; (the real train inputs, problems)."""
+    from ortflow.trainer.artifacts import build_artifacts  # the engine: only for --deep
+
+    with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
+        try:
+            built = build_artifacts(cfg, Path(tmp) / "artifacts")
+        except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
+            return None, [str(err)]
+    return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
+            for t in built.train_inputs], []  # fmt: skip
+
+
+def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:
+    found: dict[str, list[Source]] = {"data.train": [], "data.test": []}
+    problems = []
+    for field, patterns in (("data.train", cfg.data.train), ("data.test", cfg.data.test)):
+        for pattern in patterns:  # one at a time, so every pattern that matches nothing is listed
+            try:
+                found[field] += resolve_sources((pattern,), cfg.data.format, field)
+            except DataError as err:
+                problems.append(str(err))
+    return found, problems
+
+
+def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
+    """Sources, columns, and the first rows' dtypes and shapes against the inputs at both batch sizes."""
+    sources, problems = _sources(cfg)
+    if specs is None:
+        return problems
+    text = any(s.format == "text" for group in sources.values() for s in group)
+    try:
+        wanted = column_plan(cfg, specs, text)
+    except DataError as err:
+        return [*problems, str(err)]
+    dtypes = {s.name: s.dtype for s in specs}
+    for field, group in sources.items():
+        shapes: dict[str, tuple[int, ...]] = {}
+        plan: dict[str, ColumnPlan] = {}
+        try:
+            if text and group:
+                windows = next(text_windows(group[:1], cfg.data.text.seq_len, None, _FIRST_ROWS_BYTES), None)
+                if windows is not None:
+                    shapes = {n: (cfg.data.text.seq_len,) for n in wanted}
+                    plan = {n: ColumnPlan(n, (n,), False) for n in wanted}
+            for index, source in enumerate([] if text else group[:MAX_SOURCES_CHECKED]):
+                here = resolve_plan(wanted, source, plan)
+                if index == 0:  # the rows of the first source: dtypes and row shapes
+                    needed = sorted({c for p in here.values() for c in p.columns})
+                    chunk = next(table_chunks(source, needed, _FIRST_ROWS_BYTES), None)
+                    if chunk is not None:
+                        canonical_table(chunk, here, dtypes, str(source.path), shapes)
+        except DataError as err:
+            problems.append(str(err))
+            continue
+        for spec in specs:
+            if spec.name not in shapes:
+                continue
+            label = plan[spec.name].label
+            for batch in sorted({cfg.train.batch_size, cfg.train.resolved_eval_batch_size}):
+                try:
+                    merges_leading_dims(spec, shapes[spec.name], batch, label)
+                except DataError as err:
+                    problems.append(f"{field}: {err}")
+    return problems
+
+
+def _writable(path: Path, field: str, is_dir: bool) -> str | None:
+    """Why ``path`` cannot be created or written, or None."""
+    if path.exists():
+        if is_dir and not path.is_dir():
+            return f"{field}: {path} is a file, not a folder; choose a folder path"
+        if not is_dir and path.is_dir():
+            return f"{field}: {path} is a folder; give the file to write, e.g. {path / 'model.onnx'}"
+        target = path if is_dir else path.parent
+        return None if os.access(target, os.W_OK | os.X_OK) else f"{field}: {target} is not writable; fix its " \
+            "permissions or choose another path"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{field}: cannot create {path}: {parent} is a file, not a folder; choose another path"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{field}: cannot create {path}: {parent} is not writable; fix its permissions or choose another path"
+    return None
+
+
+def path_problems(cfg: RunConfig) -> list[str]:
+    """The run folder and the checkpoint, TensorBoard and export paths must be writable."""
+    checks = [
+        (cfg.output_dir, "output_dir", True),
+        (cfg.checkpoints_dir, "checkpoint.dir", True),
+        (cfg.tensorboard_dir, "tensorboard.log_dir", True),
+        (cfg.export_path, "export.path", False),
+    ]
+    return [p for p in (_writable(Path(path), field, is_dir) for path, field, is_dir in checks) if p]

@@ -1,0 +1,86 @@
+"""``ortflow evaluate`` on any checkpoint (``initial`` included) and ``ortflow export --checkpoint initial``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+from typer.testing import CliRunner
+
+from ortflow.cli import app
+from ortflow.dataprep import EvalLoader
+from ortflow.export.evaluate import evaluate_checkpoint
+from ortflow.trainer.checkpoints import list_complete
+
+from .models_data import reshape_batch_classifier
+from .trainer.runs import make_run, run_ranks
+
+
+def reference(model_path, cfg) -> tuple[float, float, int]:
+    """Mean cross-entropy and accuracy of an inference model over the run's eval rows, in float64 numpy."""
+    session = onnxruntime.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    losses, hits = [], []
+    for feeds, real in EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, 0, 1).batches():
+        z = session.run(["logits"], {"features": feeds["features"]})[0][:real].astype(np.float64)
+        y = feeds["labels"][:real]
+        z -= z.max(axis=1, keepdims=True)
+        losses.append(np.log(np.exp(z).sum(axis=1)) - z[np.arange(real), y])
+        hits.append(z.argmax(axis=1) == y)
+    return float(np.concatenate(losses).mean()), float(np.concatenate(hits).mean()), len(np.concatenate(losses))
+
+
+def cli(*args: str) -> dict:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1]) if args[0] == "evaluate" else {}
+
+
+def test_initial_weights_evaluate_and_export_before_any_training(tmp_path):
+    cfg = make_run(tmp_path, "run", train={"eval_batch_size": 5})  # 64 eval rows: the last batch is short
+    cli("export", str(cfg.output_dir), "--checkpoint", "initial", "-o", str(tmp_path / "initial.onnx"))
+    exported = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "initial.onnx")).graph.initializer}
+    for tensor in onnx.load(str(cfg.model.path)).graph.initializer:  # the configured weights, bit for bit
+        assert exported[tensor.name].tobytes() == numpy_helper.to_array(tensor).tobytes(), tensor.name
+    loss, accuracy, rows = reference(tmp_path / "initial.onnx", cfg)
+    result = cli("evaluate", str(cfg.output_dir), "--checkpoint", "initial")
+    assert result["step"] == 0 and result["num_rows"] == rows == 64
+    assert result["loss"] == pytest.approx(loss, rel=1e-6)
+    assert result["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert not list_complete(cfg.checkpoints_dir)  # nothing was trained or written
+
+
+def test_a_fixed_batch_model_evaluates_every_row_once(tmp_path):
+    model = reshape_batch_classifier(batch=4, path=tmp_path / "fixed.onnx")
+    del model
+    cfg = make_run(tmp_path, "run", num_rows=90, model=tmp_path / "fixed.onnx", data={"eval_fraction": 0.1})
+    cli("export", str(cfg.output_dir), "--checkpoint", "initial", "-o", str(tmp_path / "initial.onnx"))
+    loss, accuracy, rows = reference(tmp_path / "initial.onnx", cfg)
+    result = evaluate_checkpoint(cfg.output_dir, "initial")
+    assert result.num_rows == rows == 9  # 2 full batches of 4 and one padded batch with 1 real row
+    assert result.loss == pytest.approx(loss, rel=2e-6) and result.accuracy == pytest.approx(accuracy)
+
+
+@pytest.mark.mpi
+def test_a_trained_checkpoint_evaluates_to_the_loss_training_recorded(tmp_path):
+    cfg = make_run(tmp_path, "run", train={"eval_batch_size": 5, "num_train_steps": 10})
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout
+    final = list_complete(cfg.checkpoints_dir)[-1]
+    result = evaluate_checkpoint(cfg.output_dir, "latest")
+    assert result.step == final.step == 10 and result.num_rows == 64
+    assert result.loss == pytest.approx(final.eval_loss, rel=1e-6)
+    initial = evaluate_checkpoint(cfg.output_dir, "initial")
+    assert initial.loss > result.loss  # training lowered it
+
+
+def test_an_unknown_checkpoint_lists_the_ones_there(tmp_path):
+    cfg = make_run(tmp_path, "run")
+    result = CliRunner().invoke(app, ["evaluate", str(cfg.output_dir), "--checkpoint", "step-7"])
+    assert result.exit_code == 1
+    assert "no " in result.output and "step-00000007" in result.output and "'initial'" in result.output
+    result = CliRunner().invoke(app, ["export", str(cfg.output_dir)])
+    assert result.exit_code == 1 and "--checkpoint initial" in result.output

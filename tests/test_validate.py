@@ -1,0 +1,125 @@
+"""``ortflow validate``: each case of issue 12 item 6, the path checks, and every problem at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ortflow.cli import app
+from ortflow.config import config_from_dict
+from ortflow.configure import configure
+from ortflow.dataprep import DataError, prepare_data
+from ortflow.validate import validate
+
+from .models_data import (
+    classification_data,
+    fixed_batch_classifier,
+    reshape_batch_classifier,
+    sequence_logits_model,
+    undifferentiable_model,
+)
+
+
+def setup(tmp_path: Path, model_builder=fixed_batch_classifier, **changes) -> Path:
+    """A valid classifier config (Parquet data) with ``changes`` merged into its sections; returns its path."""
+    model_builder(path=tmp_path / "model.onnx")
+    x, y = classification_data(40)
+    pq.write_table(pa.table({"features": pa.array(list(x), type=pa.list_(pa.float32())), "labels": y}),
+                   tmp_path / "train.parquet")  # fmt: skip
+    raw = {
+        "output_dir": "run", "model": {"path": "model.onnx"}, "data": {"train": "*.parquet"},
+        "train": {"batch_size": 4, "num_train_steps": 2},
+    }  # fmt: skip
+    for section, values in changes.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_valid_config_has_no_problems(tmp_path):
+    result = CliRunner().invoke(app, ["validate", str(setup(tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert "valid" in result.output
+
+
+def test_a_glob_that_matches_nothing(tmp_path):
+    problems = validate(setup(tmp_path, data={"train": ["*.parquet", "missing/*.csv"]}))
+    assert len(problems) == 1 and "data.train: '" in problems[0] and "missing/*.csv' matches no file" in problems[0]
+
+
+def test_a_missing_column(tmp_path):
+    problems = validate(setup(tmp_path, data={"columns": {"labels": "label"}}))
+    assert any("no column 'label' for model input 'labels'" in p for p in problems), problems
+    problems = validate(setup(tmp_path, data={"columns": {"features": "x*"}}))
+    assert any("pattern 'x*' matches no column" in p for p in problems), problems
+
+
+def test_a_batch_size_that_conflicts_with_a_fixed_batch_dim(tmp_path):
+    # The Reshape constants hard-code batch 4: batch_size 8 cannot work, and the message gives the fix.
+    problems = validate(setup(tmp_path, reshape_batch_classifier, train={"batch_size": 8}))
+    assert problems and all("fixed batch dim of 4" in p and "set train.batch_size and train.eval_batch_size to 4"
+                            in p for p in problems), problems  # fmt: skip
+    problems = validate(setup(tmp_path, reshape_batch_classifier, train={"eval_batch_size": 3}))
+    assert len(problems) == 2 and all("not 3" in p for p in problems)  # features and labels
+    # The same fixed batch of 4 in a graph that does not use it becomes symbolic: batch_size 8 is fine.
+    assert validate(setup(tmp_path, fixed_batch_classifier, train={"batch_size": 8})) == []
+
+
+def test_prepare_data_reports_the_same_conflict_before_training(tmp_path):
+    cfg = config_from_dict(yaml.safe_load(setup(tmp_path, reshape_batch_classifier).read_text()), base_dir=tmp_path)
+    configure(cfg)
+    bad = cfg.model_copy(update={"train": cfg.train.model_copy(update={"batch_size": 8})})
+    with pytest.raises(DataError, match="fixed batch dim of 4.*set train.batch_size and train.eval_batch_size to 4"):
+        prepare_data(bad)
+    assert not (cfg.data_dir / "manifest.json").exists()
+
+
+def write_sequences(path: Path, label_rows) -> None:
+    ids = np.random.default_rng(0).integers(0, 7, (12, 5))
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int64())), "labels": label_rows(ids)}),
+                   path)  # fmt: skip
+
+
+def test_three_d_logits_with_cross_entropy_are_valid_when_labels_have_one_per_position(tmp_path):
+    write_sequences(tmp_path / "seq.parquet", lambda ids: pa.array(list(ids), type=pa.list_(pa.int64())))
+    path = setup(tmp_path, sequence_logits_model, data={"train": "seq.parquet"})
+    assert validate(path) == []
+    # One label per sequence does not fit [B, T, V] logits: the label rank is named.
+    write_sequences(tmp_path / "seq.parquet", lambda ids: ids[:, 0])
+    problems = validate(path)
+    assert len(problems) == 1 and "column 'labels': rows have shape []" in problems[0]
+    assert "model input 'labels' has 2 dims" in problems[0]
+
+
+def test_a_model_the_engine_cannot_differentiate_shows_only_with_deep(tmp_path):
+    path = setup(tmp_path, undifferentiable_model)
+    assert validate(path) == []  # the graph itself is fine; only the gradient builder refuses it
+    result = CliRunner().invoke(app, ["validate", str(path), "--deep"])
+    assert result.exit_code == 1
+    assert "1 problem(s)" in result.output
+    assert "model.path:" in result.output and "Softplus" in result.output  # the engine names the op
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()  # nothing was written into the run folder
+
+
+def test_unwritable_output_and_export_paths(tmp_path):
+    (tmp_path / "afile").write_text("")
+    problems = validate(setup(tmp_path, output_dir="afile/run", export={"path": str(tmp_path)}))
+    assert any(p.startswith("output_dir: cannot create") and "is a file" in p for p in problems), problems
+    assert any(p.startswith("export.path:") and "is a folder" in p for p in problems), problems
+
+
+def test_every_problem_at_once(tmp_path):
+    path = setup(tmp_path, reshape_batch_classifier, data={"train": ["*.parquet", "none.csv"]},
+                 train={"batch_size": 8}, export={"path": str(tmp_path)})  # fmt: skip
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 1
+    assert "4 problem(s)" in result.output  # the glob, features and labels at batch 8, the export path
+    assert "none.csv' matches no file" in result.output and "is a folder" in result.output
