@@ -33,6 +33,7 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
+from ortflow.trainer import mixed_precision
 
 log = logging.getLogger(__name__)
 
@@ -185,16 +186,21 @@ def split_parameters(info: ModelInfo, frozen_patterns: tuple[str, ...]) -> tuple
 class _ConfiguredLoss(onnxblock.Block):
     """Applies the engine's loss block to one named model output with a named label input."""
 
-    def __init__(self, loss_block: onnxblock.Block | None, output_name: str, label_name: str | None):
+    def __init__(self, loss_block: onnxblock.Block | None, output_name: str, label_name: str | None,
+                 scale_input: str | None = None):
         super().__init__()
         self._loss = loss_block
         self._output = output_name
         self._label = label_name
+        self._scale = scale_input
 
     def build(self, *graph_outputs: str) -> str:
-        if self._loss is None:  # model_output: backpropagate from the model's own loss
-            return self._output
-        return self._loss(self._output, self._label)
+        # model_output: backpropagate from the model's own loss
+        loss = self._output if self._loss is None else self._loss(self._output, self._label)
+        if self._scale is None:
+            return loss
+        mixed_precision.add_scale_input(self.base.graph, self._scale)  # fp16 loss scaling: loss x scale input
+        return onnxblock.blocks.Mul()(loss, self._scale)
 
 
 def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
@@ -255,6 +261,18 @@ def _load_for_engine(path: Path) -> onnx.ModelProto | None:
     return proto if proto.ByteSize() < _PROTO_LIMIT else None
 
 
+def _mixed_precision(cfg: RunConfig, proto: onnx.ModelProto | None) -> onnx.ModelProto | None:
+    """The model rewritten for ``precision.use_mixed_precision`` (ortflow/trainer/mixed_precision.py)."""
+    if not cfg.precision.use_mixed_precision:
+        return proto
+    if proto is None:
+        raise ArtifactsError("precision.use_mixed_precision: models over 2 GB are not supported yet; use fp32")
+    try:
+        return mixed_precision.prepare_model(cfg, proto)
+    except ValueError as err:
+        raise ArtifactsError(str(err)) from err
+
+
 def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
     """Build the training, eval and optimizer models and the initial checkpoint into ``out_dir``.
 
@@ -282,13 +300,14 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        proto = _load_for_engine(cfg.model.path)
+        proto = _mixed_precision(cfg, _load_for_engine(cfg.model.path))
+        scale_input = mixed_precision.scale_input(cfg)
         cwd = os.getcwd()
         if proto is None:
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
         try:
             # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
-            loss = _ConfiguredLoss(_loss_block(cfg), output_name, label_name)
+            loss = _ConfiguredLoss(_loss_block(cfg), output_name, label_name, scale_input)
             engine_artifacts.generate_artifacts(
                 proto if proto is not None else str(cfg.model.path),
                 requires_grad=trainable,
@@ -311,7 +330,9 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         missing = [f for f in ARTIFACT_FILES if not (scratch / f).exists()]
         if missing:
             raise RuntimeError(f"the engine did not write {missing} into {scratch}")
-        train_inputs, eval_inputs = _user_inputs(scratch, set(trainable) | set(frozen))
+        if scale_input:
+            mixed_precision.unscale_eval_model(scratch / "eval_model.onnx", scale_input)
+        train_inputs, eval_inputs = _user_inputs(scratch, set(trainable) | set(frozen) | {scale_input} - {None})
         if stale_record is not None:
             stale_record.unlink(missing_ok=True)
         _swap_in(scratch, out_dir)
