@@ -282,17 +282,16 @@ def strip_autocast(model: onnx.ModelProto) -> onnx.ModelProto:
     """Undo :func:`autocast` (also on graphs the engine built around it): the fp32 graph, parameters untouched.
 
     Casts and constants that autocast added are removed (their readers read the original tensor again), rewritten
-    Casts go back to fp32, and outputs renamed inside the graph get their names back.
+    Casts go back to fp32, outputs renamed inside the graph get their names back, and ``value_info`` is dropped.
     """
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
-    outputs = {o.name for o in graph.output}
     alias: dict[str, str] = {}  # added tensor -> the tensor it stands for
     kept = []
     for node in graph.node:
         if node.name.startswith("autocast/") and node.doc_string.startswith("autocast:"):
-            if node.op_type == "Cast" and node.output[0] in outputs:
+            if node.doc_string.startswith("autocast: output "):
                 alias[node.input[0]] = node.output[0]  # the renamed producer gets the output's name back
             elif node.op_type == "Cast":
                 alias[node.output[0]] = node.input[0]
@@ -316,6 +315,7 @@ def strip_autocast(model: onnx.ModelProto) -> onnx.ModelProto:
             node.output[j] = resolve(name)
     del graph.node[:]
     graph.node.extend(kept)
+    del graph.value_info[:]  # they record compute types; shape inference recovers the fp32 ones
     return result
 
 
