@@ -30,6 +30,7 @@ import numpy as np
 SHAPE = {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12}
 BATCH = 16
 PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
+              "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
               "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}  # fmt: skip
 
 
@@ -145,6 +146,7 @@ def torch_run(args: argparse.Namespace) -> None:
 
 
 LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"): "ortflow fp16 mixed",
+          ("ortflow", "fp16-softmax16"): "ortflow fp16 mixed, Softmax in fp16",
           ("ortflow", "bf16"): "ortflow bf16 mixed", ("torch", "tf32"): "PyTorch TF32 eager",
           ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
 
@@ -153,7 +155,7 @@ def report(args: argparse.Namespace) -> None:
     runs: dict[tuple[str, str, int], dict] = {}
     for path in sorted(Path(args.dir).glob("*.log")):
         for line in path.read_text().splitlines():
-            if "RESULT {" in line:
+            if "RESULT {" in line and '"kind"' in line:
                 r = json.loads(line[line.index("{") :])
                 runs[(r["kind"], r["precision"], r["world"])] = r
     ms = {key: r["step_time_s"] * 1e3 for key, r in runs.items()}
@@ -165,7 +167,7 @@ def report(args: argparse.Namespace) -> None:
     ratios = {}
     for world in (1, 2):
         base = ms.get(("ortflow", "fp32", world))
-        for prec in ("fp16", "bf16"):
+        for prec in ("fp16", "fp16-softmax16", "bf16"):
             mine = ms.get(("ortflow", prec, world))
             if not mine:
                 continue
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("root")
-    p.add_argument("--precisions", default="fp32,fp16,bf16")
+    p.add_argument("--precisions", default="fp32,fp16,fp16-softmax16,bf16")
     s = sub.add_parser("steps")
     s.add_argument("run_dir")
     t = sub.add_parser("torch")

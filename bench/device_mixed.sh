@@ -29,7 +29,7 @@ if has tests; then
     tests/gpu/test_gpu_mixed_precision.py
 fi
 TORCH="env -u PYTHONPATH -u LD_LIBRARY_PATH python3 -m torch.distributed.run --standalone"
-PRECS=${PRECS:-fp32 fp16 bf16}; MODES=${MODES-tf32 bf16 compile}  # which contenders (env overrides)
+PRECS=${PRECS:-fp32 fp16 fp16-softmax16 bf16}; MODES=${MODES-tf32 bf16 compile}  # which contenders (env overrides)
 if has bench1; then
   t prepare 300 $PY bench/bench_mixed.py prepare $W/b --precisions "${PRECS// /,}"
   for p in $PRECS; do t ortflow-$p-1 120 mpiexec -n 1 $PY bench/bench_mixed.py steps $W/b/$p; done

@@ -228,9 +228,11 @@ class PrecisionConfig(_Section):
         2000, ge=1, description="Clean weight updates in a row before a dynamic loss scale doubles."
     )
     fp32_ops: tuple[str, ...] = Field(
-        (),
-        description="Op types to compute in FP32 besides the defaults (LayerNormalization, Softmax, LogSoftmax, "
-        "reductions, losses).",
+        (
+            "LayerNormalization", "Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
+            "ReduceLogSumExp", "ReduceProd", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+        ),
+        description="Op types computed in FP32 (inputs cast up, outputs kept FP32); everything else runs in FP16/BF16.",
     )
 
 

@@ -7,8 +7,9 @@ Tolerance of the fp16 (and bf16) loss curve against fp32: the fp32 baseline alre
 CUDA provider's default), whose 10-bit mantissa equals fp16's, so what differs is activations and elementwise ops
 rounded to 11 (fp16) or 8 (bf16) significant bits; over 200 updates the trajectories separate slowly. Compared on
 means over windows of 20 updates (the per-batch noise is identical in both runs, since the batches are): fp16 within
-2% of fp32 and bf16 (16x coarser rounding) within 4%, both far below what breaks training (a missing loss scale or a
-wrongly typed op moves the curve by tens of percent, or to nan).
+1% of fp32, bf16 (8x coarser rounding) within 2%. Measured on an H200 (bench/results/mixed-h200-dev.log): at most
+0.11% (fp16) and 0.44% (bf16), so the bounds leave 9x and 4.5x of room, while what breaks training (a missing loss
+scale, a wrongly typed op) moves the curve by tens of percent or to nan.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _run(cfg, ranks: int, *script: str) -> str:
     return out.stdout
 
 
-def _make(tmp_path: Path, name: str, precision: str, ranks: int = 1, steps: int = 200, **sections):
+def _make(tmp_path: Path, name: str, kind: str, ranks: int = 1, steps: int = 200, **sections):
     from ortflow.examples.gpt import build_gpt
     from tests.trainer.runs import make_text_run
 
@@ -74,7 +75,8 @@ def _make(tmp_path: Path, name: str, precision: str, ranks: int = 1, steps: int 
     if not model.exists():  # make_text_run reuses it: a little wider and deeper than its default
         build_gpt(model, seq_len=16, d_model=64, num_layers=2, num_heads=2)
     mixed = {"fp32": {}, "fp16": {"use_mixed_precision": True},
-             "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}[precision]
+             "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
+             "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}[kind]
     settings = {
         "distributed": {"num_ranks": ranks, "device": "cuda", "use_nccl": True},
         "train": {"batch_size": 16, "num_train_steps": steps, "display_loss_steps": 1},
@@ -110,7 +112,7 @@ def fp32_curve(tmp_path_factory):
 
 
 @one_gpu
-@pytest.mark.parametrize(("precision", "tolerance"), [("fp16", 0.02), ("bf16", 0.04)])
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp16", 0.01), ("fp16-softmax16", 0.01), ("bf16", 0.02)])
 def test_mixed_precision_follows_the_fp32_loss_curve(fp32_curve, precision, tolerance):
     root, reference = fp32_curve
     curve = _progress(_run(_make(root, precision, precision), 1))
@@ -122,7 +124,7 @@ def test_mixed_precision_follows_the_fp32_loss_curve(fp32_curve, precision, tole
     windows = np.abs(got.reshape(10, 20).mean(1) - ref.reshape(10, 20).mean(1)) / ref.reshape(10, 20).mean(1)
     print(f"{precision}: window relative differences {np.round(windows, 4).tolist()}")
     assert windows.max() < tolerance, windows
-    if precision == "fp16":
+    if precision.startswith("fp16"):
         assert curve[200]["loss_scale"] >= 1.0 and "skipped_updates" in curve[200]
 
 

@@ -55,3 +55,9 @@ def test_checkpoint_state_round_trips_through_meta_json():
     resumed = loss_scale.from_config(prec, loss_scale.saved_state(meta))
     assert resumed == scaler
     assert loss_scale.from_config(prec, loss_scale.saved_state({})).scale == prec.initial_loss_scale
+
+
+def test_the_configs_default_fp32_ops_are_the_autocast_pass_default():
+    from ortflow.graph.autocast import DEFAULT_FP32_OPS
+
+    assert PrecisionConfig().fp32_ops == DEFAULT_FP32_OPS  # config.py imports nothing from ortflow: kept in step here
