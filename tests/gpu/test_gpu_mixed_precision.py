@@ -5,11 +5,12 @@ under mpiexec, with the same data order in every run.
 
 Tolerance of the fp16 (and bf16) loss curve against fp32: the fp32 baseline already runs its matmuls in TF32 (the
 CUDA provider's default), whose 10-bit mantissa equals fp16's, so what differs is activations and elementwise ops
-rounded to 11 (fp16) or 8 (bf16) significant bits; over 200 updates the trajectories separate slowly. Compared on
-means over windows of 20 updates (the per-batch noise is identical in both runs, since the batches are): fp16 within
-1% of fp32, bf16 (8x coarser rounding) within 2%. Measured on an H200 (bench/results/mixed-h200-dev.log): at most
-0.11% (fp16) and 0.44% (bf16), so the bounds leave 9x and 4.5x of room, while what breaks training (a missing loss
-scale, a wrongly typed op) moves the curve by tens of percent or to nan.
+rounded to 11 (fp16) or 8 (bf16) significant bits, and the trajectories then separate chaotically. Compared on means
+over windows of 20 updates (the batches, hence the sampling noise, are the same in both runs). Measured: fp16 at most
+0.11% (one H200) and 0.75% (2-GPU H200 machine), bf16 0.44% and 1.67% (bench/results/mixed-h200-dev.log,
+mixed-h200x2.log): the run-to-run spread across machines is itself 5x, so the bounds are 3% (fp16) and 5% (bf16),
+about 4x and 3x the worst seen, against a loss that falls by about 2 nats (40%). The curve alone cannot see a loss
+scale that is not divided out (AdamW is nearly scale-invariant), so the logged gradient norms are compared too.
 """
 
 from __future__ import annotations
@@ -103,6 +104,37 @@ def _digests(log: str) -> dict[tuple[int, int], str]:
     return {(int(rank), int(step)): digest for rank, digest, step in found}
 
 
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it (Open MPI's ranks do not share its process group)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    family, changed = {proc.pid}, True
+    while changed:
+        found = {pid for pid, parent in parents.items() if parent in family} - family
+        family |= found
+        changed = bool(found)
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in family - {proc.pid}):
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return "zombie" if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z" else "alive"
+    except OSError:
+        return "zombie"
+
+
 @pytest.fixture(scope="module")
 def fp32_curve(tmp_path_factory):
     if COUNT < 1:
@@ -112,7 +144,7 @@ def fp32_curve(tmp_path_factory):
 
 
 @one_gpu
-@pytest.mark.parametrize(("precision", "tolerance"), [("fp16", 0.01), ("fp16-softmax16", 0.01), ("bf16", 0.02)])
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp16", 0.03), ("fp16-softmax16", 0.03), ("bf16", 0.05)])
 def test_mixed_precision_follows_the_fp32_loss_curve(fp32_curve, precision, tolerance):
     root, reference = fp32_curve
     curve = _progress(_run(_make(root, precision, precision), 1))
@@ -124,25 +156,30 @@ def test_mixed_precision_follows_the_fp32_loss_curve(fp32_curve, precision, tole
     windows = np.abs(got.reshape(10, 20).mean(1) - ref.reshape(10, 20).mean(1)) / ref.reshape(10, 20).mean(1)
     print(f"{precision}: window relative differences {np.round(windows, 4).tolist()}")
     assert windows.max() < tolerance, windows
+    # The loss scale must be divided out exactly once: the logged (unscaled) gradient norm matches fp32's.
+    norms = np.array([curve[s]["grad_norm"] for s in steps[100:]]) / [reference[s]["grad_norm"] for s in steps[100:]]
+    assert 0.8 < float(np.median(norms)) < 1.25, np.median(norms)
     if precision.startswith("fp16"):
         assert curve[200]["loss_scale"] >= 1.0 and "skipped_updates" in curve[200]
 
 
 @two_gpus
 def test_injected_overflow_skips_that_update_on_both_ranks_halves_the_scale_and_recovers(tmp_path):
+    # Starting at 2**10 (not the default 2**16, where this model's fp16 embedding gradients overflow by themselves in
+    # the first updates), so that the injected overflow is the only one and "exactly that update" can be checked.
     cfg = _make(tmp_path, "overflow", "fp16", ranks=2, steps=30, checkpoint={"period": 1},
-                precision={"loss_scale_growth_interval": 8})
+                precision={"loss_scale_growth_interval": 8, "initial_loss_scale": 2.0**10})
     log = _run(cfg, 2, str(HERE / "overflow_rank.py"), "10")
     seen, progress = _digests(log), _progress(log)
     assert all(seen[(0, s)] == seen[(1, s)] for s in range(1, 31))  # the ranks stay bitwise identical throughout
     assert seen[(0, 10)] == seen[(0, 9)]  # update 10 was skipped on every rank: parameters unchanged
     assert all(seen[(0, s)] != seen[(0, s - 1)] for s in (*range(2, 10), *range(11, 31)))  # every other one stepped
     scale = {s: progress[s]["loss_scale"] for s in progress}  # printed with 4 significant digits
-    # 2**16 at the start, doubled after updates 1-8, halved by the overflow at 10, doubled after 11-18.
-    assert scale[7] == pytest.approx(2.0**16, rel=1e-3) and scale[9] == pytest.approx(2.0**17, rel=1e-3)
+    # 2**10 at the start, doubled after updates 1-8, halved by the overflow at 10, doubled after 11-18.
+    assert scale[7] == pytest.approx(2.0**10, rel=1e-3) and scale[9] == pytest.approx(2.0**11, rel=1e-3)
     assert progress[9]["skipped_updates"] == 0
-    assert scale[10] == pytest.approx(2.0**16, rel=1e-3) and progress[10]["skipped_updates"] == 1
-    assert scale[17] == pytest.approx(2.0**16, rel=1e-3) and scale[18] == pytest.approx(2.0**17, rel=1e-3)
+    assert scale[10] == pytest.approx(2.0**10, rel=1e-3) and progress[10]["skipped_updates"] == 1
+    assert scale[17] == pytest.approx(2.0**10, rel=1e-3) and scale[18] == pytest.approx(2.0**11, rel=1e-3)
     assert progress[30]["skipped_updates"] == 1
     losses = [progress[s]["loss"] for s in range(11, 31)]
     assert np.isfinite(losses).all() and losses[-1] < progress[1]["loss"]  # training carries on and learns
@@ -167,11 +204,10 @@ def test_killed_fp16_run_resumes_to_bitwise_identical_parameters_and_scale(tmp_p
     while time.monotonic() < deadline:
         progress = read_progress(killed.output_dir)
         if progress and progress["step"] >= 110:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_job(proc)
             break
         assert proc.poll() is None, "the job ended before it could be killed"
         time.sleep(0.002)
-    proc.wait()
     before = max(info.step for info in list_complete(killed.checkpoints_dir))
     assert 100 <= before < 400
     resumed = _run(killed, 1)
