@@ -71,3 +71,21 @@ def test_compute_export_stores_fp16_weights_and_follows_the_fp32_model(mixed_run
     largest = float(np.abs(reference).max())
     assert 1e-4 < result.verification.tolerance <= 4 * 2**-10 * 2 * largest
     assert result.verification.max_abs_diff["logits"] <= result.verification.tolerance
+
+
+def test_a_bf16_compute_export_is_refused_with_the_reason(tmp_path):
+    from ortflow.export.verify import ExportError
+
+    cfg = config_from_dict({
+        "output_dir": str(tmp_path / "run"),
+        "model": {"path": str(save(build_tiny_lm(flatten=True, full_layer_norm=True), tmp_path / "lm.onnx"))},
+        "data": {"train": [str(tmp_path / "none.npz")]}, "train": {"batch_size": 2, "num_train_steps": 2},
+        "distributed": {"device": "cuda", "use_nccl": True},
+        "precision": {"use_mixed_precision": True, "use_bfloat16": True}, "export": {"precision": "compute"},
+    })  # fmt: skip
+    configure(cfg)
+    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
+    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True).save(1, state, {"eval_loss": None})
+    with pytest.raises(ExportError, match="no bf16 kernels.*export fp32"):
+        export_model(cfg.output_dir, tmp_path / "bf16.onnx", config=cfg)
+    assert not (tmp_path / "bf16.onnx").exists()

@@ -434,6 +434,11 @@ def export_model(
     src = resolve_source(Path(source), eval_model, config)
     checkpoint = src.checkpoint
     precision = precision or (src.config.export.precision if src.config else "fp32")
+    if precision == "compute" and src.config is not None and src.config.precision.use_bfloat16:
+        raise ExportError(
+            "export.precision compute: a bf16 model cannot be verified here (the CPU provider that verification runs "
+            "on has no bf16 kernels); export fp32 (the default) and convert it where it will run"
+        )
     eval_proto = onnx.load(str(src.eval_model))
     if precision == "fp32":  # a mixed-precision run's eval graph without its casts: the user's fp32 model
         eval_proto = strip_autocast(eval_proto)
