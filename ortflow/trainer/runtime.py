@@ -159,4 +159,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         comm.rank, comm.size, comm.local_rank, comm.local_size, device, threads, where,
     )
     scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
+    if scaler.enabled:
+        log.info("rank %d loss scale %g (%s; %d clean updates, %d skipped so far)", comm.rank, scaler.scale,
+                 "dynamic" if scaler.dynamic else "static", scaler.clean_updates, scaler.skipped_updates)
     return Runtime(cfg, run_dir, comm, device, threads, state, module, optimizer, trainable, resume, scaler)
