@@ -237,9 +237,24 @@ class LRScheduleConfig(_Section):
 class PrecisionConfig(_Section):
     """Mixed precision (the reference's use_mixed_precision, use_bfloat16, loss_scale)."""
 
-    use_mixed_precision: bool = Field(False, description="Train in FP16 with FP32 master weights (not supported yet).")
+    use_mixed_precision: bool = Field(
+        False, description="Compute in FP16 (or BF16) with FP32 master weights; GPUs only (docs/mixed-precision.md)."
+    )
     use_bfloat16: bool = Field(False, description="Use BF16 instead of FP16 for mixed precision.")
-    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
+    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling (FP16 only).")
+    initial_loss_scale: float = Field(
+        2.0**16, ge=1, description="Starting scale of dynamic loss scaling (a power of two keeps scaling exact)."
+    )
+    loss_scale_growth_interval: int = Field(
+        2000, ge=1, description="Clean weight updates in a row before a dynamic loss scale doubles."
+    )
+    fp32_ops: tuple[str, ...] = Field(
+        (
+            "LayerNormalization", "Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
+            "ReduceLogSumExp", "ReduceProd", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+        ),
+        description="Op types computed in FP32 (inputs cast up, outputs kept FP32); everything else runs in FP16/BF16.",
+    )
 
 
 class DistributedConfig(_Section):
@@ -290,7 +305,7 @@ class TensorBoardConfig(_Section):
     scalar_names: tuple[str, ...] = Field(
         (
             "train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s",
-            "train/tokens_per_s",
+            "train/tokens_per_s", "train/loss_scale", "train/skipped_updates",
         ),
         description="Scalars to log; any subset of the default.",
     )
@@ -307,6 +322,9 @@ class ExportConfig(_Section):
     optimize: bool = Field(False, description="Apply ONNX Runtime's offline graph optimization.")
     quantize: bool = Field(False, description="Dynamic int8 quantization, with the eval accuracy change reported.")
     tolerance: float = Field(1e-4, gt=0, description="Max abs difference to the eval graph accepted by verification.")
+    precision: Literal["fp32", "compute"] = Field(
+        "fp32", description="fp32, or the mixed-precision compute type (fp16/bf16 weights and activations)."
+    )
 
     _resolve_path = field_validator("path", mode="after")(_resolve)
 
@@ -414,16 +432,16 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be >= distributed.num_hosts ({dist.num_hosts})")
     if prec.use_bfloat16 and not prec.use_mixed_precision:
         problems.append("precision.use_bfloat16 needs precision.use_mixed_precision: true")
-    if prec.use_mixed_precision:
-        if dist.device != "cuda":
-            problems.append(
-                "precision.use_mixed_precision needs a GPU build: set distributed.device: cuda (the CPU engine has no "
-                "fp16/bf16 training kernels)"
-            )
+    if prec.use_mixed_precision and dist.device != "cuda":
         problems.append(
-            "precision.use_mixed_precision is not supported yet: onnxruntime-training 1.19.2 generates fp32 training "
-            "graphs only; set it to false"
+            "precision.use_mixed_precision needs distributed.device: cuda: the CPU build of onnxruntime-training has "
+            "no fp16/bf16 training kernels; on CPUs train in fp32 (use_mixed_precision: false), or on GPUs install "
+            "the GPU engine (docs/gpu.md)"
         )
+    if prec.use_bfloat16 and prec.loss_scale:
+        problems.append("precision.loss_scale applies to fp16 only (bf16 has fp32's range): set it to 0")
+    if cfg.export.precision == "compute" and not prec.use_mixed_precision:
+        problems.append("export.precision compute needs precision.use_mixed_precision: true (or use fp32)")
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
     if cfg.optimizer.name == "sgd" and cfg.optimizer.weight_decay:

@@ -141,9 +141,18 @@ def test_zero_needs_nccl(tmp_path):
     assert any("zero_stage 2 needs distributed.use_nccl: true" in p for p in problems)
 
 
-def test_mixed_precision_needs_a_gpu_build(tmp_path):
-    problems = problems_of(tmp_path, "precision.use_mixed_precision=true")
-    assert any("needs a GPU build" in p and "distributed.device: cuda" in p for p in problems)
+def test_mixed_precision_on_the_cpu_is_refused_with_why_and_what_instead(tmp_path):
+    (problem,) = problems_of(tmp_path, "precision.use_mixed_precision=true")
+    assert "needs distributed.device: cuda" in problem and "no fp16/bf16 training kernels" in problem
+    assert "train in fp32 (use_mixed_precision: false)" in problem
+
+
+def test_mixed_precision_on_cuda_is_accepted_and_loss_scale_rules(tmp_path):
+    gpu = ["distributed.device=cuda", "distributed.use_nccl=true", "precision.use_mixed_precision=true"]
+    assert problems_of(tmp_path, *gpu) == []
+    assert any("loss_scale applies to fp16 only" in p
+               for p in problems_of(tmp_path, *gpu, "precision.use_bfloat16=true", "precision.loss_scale=128"))
+    assert any("export.precision compute needs" in p for p in problems_of(tmp_path, "export.precision=compute"))
 
 
 def test_bfloat16_needs_mixed_precision(tmp_path):

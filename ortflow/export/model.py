@@ -30,6 +30,7 @@ from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_config
 from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
+from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
 from ortflow.trainer.checkpoints import (
     META_FILE,
     CheckpointInfo,
@@ -359,6 +360,14 @@ def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 # Writing
 
 
+def _compute_tolerance(reference: list[dict[str, np.ndarray]], config: RunConfig | None) -> float:
+    """Four units in the last place of the largest reference output in the compute type (fp16: 2**-10 relative,
+    bf16: 2**-7): kernels fused differently at the exported model's optimization level round differently."""
+    largest = max((float(np.abs(v).max()) for batch in reference for v in batch.values() if v.size), default=1.0)
+    ulp = 2.0**-7 if config is not None and config.precision.use_bfloat16 else 2.0**-10
+    return 4 * ulp * largest
+
+
 def _metadata(checkpoint: CheckpointInfo, source: ExportSource) -> dict[str, str]:
     fingerprint = checkpoint.meta.get("config_fingerprint") or (source.record or {}).get("fingerprint") or ""
     return {
@@ -390,6 +399,7 @@ def export_model(
     tolerance: float = 1e-4,
     config: RunConfig | None = None,
     checkpoint: str | None = None,
+    precision: str | None = None,
 ) -> ExportResult:
     """Export an inference model from a checkpoint and the eval model, verify it, and write it atomically.
 
@@ -405,6 +415,9 @@ def export_model(
         config: The run config (default: the run folder's ``config.yaml`` when present).
         checkpoint: Which checkpoint of a run folder: ``best``, ``latest``, ``initial``, ``step-N`` (default: best,
             else latest).
+        precision: ``fp32`` (default; a mixed-precision run's autocast casts are removed) or ``compute`` (the
+            graph as trained, fp16/bf16 weights stored in the compute type); default: the config's
+            ``export.precision``. Verified against the eval graph in the same precision.
 
     Returns:
         Where the model is and the verification numbers.
@@ -415,13 +428,23 @@ def export_model(
     """
     src = resolve_source(Path(source), eval_model, config, checkpoint)
     checkpoint = src.checkpoint
+    precision = precision or (src.config.export.precision if src.config else "fp32")
+    if precision == "compute" and src.config is not None and src.config.precision.use_bfloat16:
+        raise ExportError(
+            "export.precision compute: a bf16 model cannot be verified here (the CPU provider that verification runs "
+            "on has no bf16 kernels); export fp32 (the default) and convert it where it will run"
+        )
     eval_proto = onnx.load(str(src.eval_model))
+    if precision == "fp32":  # a mixed-precision run's eval graph without its casts: the user's fp32 model
+        eval_proto = strip_autocast(eval_proto)
     labels = label_names(eval_proto, src.record, src.config)
     names = list(outputs) or default_outputs(eval_proto, src.record, labels)
     if not names:
         raise ExportError(f"cannot tell the model's outputs from {src.eval_model}; pass them with --outputs")
     parameters = load_parameters(checkpoint.checkpoint_path)
     model = build_inference_model(eval_proto, parameters, names, labels)
+    if precision == "compute":
+        model = fold_parameter_casts(model)
     if model.ByteSize() > _PROTO_LIMIT:
         raise ExportError("the model is over 2 GB; export with external data is not supported yet")
 
@@ -435,6 +458,8 @@ def export_model(
         onnx.checker.check_model(str(plain))
         feeds, data_note = verification.sample_batches(src.data_dir, eval_proto, parameters, batch_size, labels)
         reference = verification.reference_outputs(eval_proto, parameters, feeds, names)
+        if precision == "compute":
+            tolerance = max(tolerance, _compute_tolerance(reference, src.config))
         result = verification.verify_against(plain, feeds, reference, tolerance, data_note)
         final = plain
         if optimize:

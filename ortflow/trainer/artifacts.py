@@ -18,6 +18,7 @@ How the config maps onto the engine (each point checked against onnxruntime-trai
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import os
@@ -34,6 +35,7 @@ from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.batch import BatchReport
+from ortflow.trainer import mixed_precision
 from ortflow.trainer.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
 
 log = logging.getLogger(__name__)
@@ -187,16 +189,21 @@ def split_parameters(info: ModelInfo, frozen_patterns: tuple[str, ...]) -> tuple
 class _ConfiguredLoss(onnxblock.Block):
     """Applies the engine's loss block to one named model output with a named label input."""
 
-    def __init__(self, loss_block: onnxblock.Block | None, output_name: str, label_name: str | None):
+    def __init__(self, loss_block: onnxblock.Block | None, output_name: str, label_name: str | None,
+                 scale_input: str | None = None):
         super().__init__()
         self._loss = loss_block
         self._output = output_name
         self._label = label_name
+        self._scale = scale_input
 
     def build(self, *graph_outputs: str) -> str:
-        if self._loss is None:  # model_output: backpropagate from the model's own loss
-            return self._output
-        return self._loss(self._output, self._label)
+        # model_output: backpropagate from the model's own loss
+        loss = self._output if self._loss is None else self._loss(self._output, self._label)
+        if self._scale is None:
+            return loss
+        mixed_precision.add_scale_input(self.base.graph, self._scale)  # fp16 loss scaling: loss x scale input
+        return onnxblock.blocks.Mul()(loss, self._scale)
 
 
 def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
@@ -251,6 +258,20 @@ def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
     return output_name
 
 
+def _mixed_precision(cfg: RunConfig, prepared):
+    """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/trainer/mixed_precision.py)."""
+    if not cfg.precision.use_mixed_precision:
+        return prepared
+    if prepared.model.ByteSize() >= _PROTO_LIMIT or any(t.external_data for t in prepared.model.graph.initializer):
+        raise ArtifactsError(
+            "precision.use_mixed_precision: models with external data or over 2 GB are not supported yet; use fp32"
+        )
+    try:
+        return dataclasses.replace(prepared, model=mixed_precision.prepare_model(cfg, prepared.model))
+    except ValueError as err:
+        raise ArtifactsError(str(err)) from err
+
+
 def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
     """Build the training, eval and optimizer models and the initial checkpoint into ``out_dir``.
 
@@ -287,13 +308,15 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
+        prepared = _mixed_precision(cfg, prepared)
+        scale_input = mixed_precision.scale_input(cfg)
         engine_model = engine_input(Path(cfg.model.path), prepared, scratch, _PROTO_LIMIT)
         cwd = os.getcwd()
         if isinstance(engine_model, str):
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
         try:
             # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
-            loss = _ConfiguredLoss(_loss_block(cfg), prepared.loss_input, prepared.label_input)
+            loss = _ConfiguredLoss(_loss_block(cfg), prepared.loss_input, prepared.label_input, scale_input)
             engine_artifacts.generate_artifacts(
                 engine_model,
                 requires_grad=trainable,
@@ -316,7 +339,9 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         missing = [f for f in ARTIFACT_FILES if not (scratch / f).exists()]
         if missing:
             raise RuntimeError(f"the engine did not write {missing} into {scratch}")
-        train_inputs, eval_inputs = _user_inputs(scratch, set(trainable) | set(frozen))
+        if scale_input:
+            mixed_precision.unscale_eval_model(scratch / "eval_model.onnx", scale_input)
+        train_inputs, eval_inputs = _user_inputs(scratch, set(trainable) | set(frozen) | {scale_input} - {None})
         if stale_record is not None:
             stale_record.unlink(missing_ok=True)
         _swap_in(scratch, out_dir)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime
 
+from ortflow.trainer import loss_scale
 from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -46,7 +47,7 @@ def evaluate(rt: Runtime, eval_batches: Callable[[], Iterator[tuple[dict, float,
     rt.module.eval()
     names = rt.module.input_names()
     sums = np.zeros(2)
-    for feeds, weight, rows in eval_batches():
+    for feeds, weight, rows in eval_batches():  # the eval model takes no loss scale (configure fixed it to 1)
         sums += (float(rt.module(*(feeds[n] for n in names))) * weight, rows)
     rt.module.train()
     # Sync point: the eval split is sharded over ranks, so the mean needs every rank's loss sum and row count.
@@ -95,7 +96,7 @@ def train(
         tokens_per_sample: For tokens/s (text data), else None.
         clock: Time source for throughput.
     """
-    cfg, comm, module, optimizer = rt.cfg, rt.comm, rt.module, rt.optimizer
+    cfg, comm, module, optimizer, scaler = rt.cfg, rt.comm, rt.module, rt.optimizer, rt.loss_scale
     k, world, batch = cfg.train.gradient_accumulation_steps, comm.size, cfg.train.batch_size
     total, period = cfg.train.num_weight_updates, cfg.train.evaluation_period
     step = rt.resume.step if rt.resume else 0
@@ -115,13 +116,14 @@ def train(
 
         loss_sum = 0.0
         for _ in range(k):  # the engine sums the micro-batches' gradients
-            feeds = next(batches)
+            feeds = scaler.feed(next(batches))  # fp16: the graph multiplies the loss by the scale input
             loss_sum += float(module(*(feeds[n] for n in names)))
         if not grads:  # the engine's own buffers (host views, device buffers on CUDA), fixed for the module's life
             grads = rt.gradient_buffers()
-        scalars[:] = (loss_sum / k, float(stop.requested))
-        # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop.
-        comm.average_gradients(grads, k * world, scalars)
+        scalars[:] = (loss_sum / k / scaler.scale, float(stop.requested))
+        # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop
+        # (the loss scale is divided out here too).
+        comm.average_gradients(grads, k * world * scaler.scale, scalars)
         step += 1
         cursor += k * world * batch
         window_samples += k * world * batch
@@ -132,10 +134,13 @@ def train(
         # The norm is a pass over every gradient: only when clipping or when it is shown. Every rank holds the same
         # averaged gradients, so every rank computes the same norm and clips alike (the engine's own clipping
         # operator is not deterministic, so clipping is done here and not in the optimizer graph).
-        grad_norm = comm.gradient_norm(grads) if max_norm is not None or report else None
-        if max_norm is not None and grad_norm > max_norm:
+        grad_norm = comm.gradient_norm(grads) if max_norm is not None or report or scaler.needs_norm else None
+        # fp16 overflow: every rank has the same norm, so every rank skips this update alike (and halves the scale).
+        stepped = scaler.update(grad_norm)
+        if stepped and max_norm is not None and grad_norm > max_norm:
             comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
-        optimizer.step()
+        if stepped:
+            optimizer.step()
         module.lazy_reset_grad()
 
         paused = clock()
@@ -147,7 +152,7 @@ def train(
             tokens_per_s = samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None
             fields = {
                 "loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm,
-                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
+                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, **scaler.report(),
             }
             progress.report(step, fields, final=step == total)
             if tensorboard is not None:
@@ -155,6 +160,7 @@ def train(
                     "train/loss": train_loss, "eval/loss": eval_loss, "train/learning_rate": lr,
                     "train/grad_norm": grad_norm, "train/samples_per_s": samples_per_s,
                     "train/tokens_per_s": tokens_per_s,
+                    **{f"train/{name}": value for name, value in scaler.report().items()},
                 })
                 tensorboard.histograms(step, {n: rt.state.parameters[n].data for n in rt.trainable})
                 tensorboard.flush()
@@ -166,6 +172,7 @@ def train(
                 "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": world, "config_fingerprint": fingerprint,
                 "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
                 "params_sha256": check_ranks_identical(rt, step),
+                loss_scale.META_KEY: loss_scale.checkpoint_state(scaler),
             }
             paused = clock()
             checkpoints.save(step, rt.state, meta)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ import onnxruntime
 
 from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
-from ortflow.trainer import checkpoints, cuda_libs
+from ortflow.trainer import checkpoints, cuda_libs, loss_scale
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 
 log = logging.getLogger("ortflow.trainer")
@@ -45,6 +45,7 @@ class Runtime:
     optimizer: object
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
+    loss_scale: loss_scale.LossScaler = field(default_factory=loss_scale.LossScaler)
 
     def gradient_buffers(self) -> list:
         """The engine's gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA.
@@ -157,4 +158,8 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         "rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s",
         comm.rank, comm.size, comm.local_rank, comm.local_size, device, threads, where,
     )
-    return Runtime(cfg, run_dir, comm, device, threads, state, module, optimizer, trainable, resume)
+    scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
+    if scaler.enabled:
+        log.info("rank %d loss scale %g (%s; %d clean updates, %d skipped so far)", comm.rank, scaler.scale,
+                 "dynamic" if scaler.dynamic else "static", scaler.clean_updates, scaler.skipped_updates)
+    return Runtime(cfg, run_dir, comm, device, threads, state, module, optimizer, trainable, resume, scaler)

@@ -46,8 +46,9 @@ class Communicator(Protocol):
 
 
 def gradient_norm(grads: Sequence[np.ndarray]) -> float:
-    """Global L2 norm of host gradients."""
-    return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
+    """Global L2 norm of host gradients (inf or nan when a gradient overflowed: fp16 loss scaling skips that update)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
 
 
 def scale_gradients(grads: Sequence[np.ndarray], factor: float) -> None:

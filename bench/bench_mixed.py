@@ -1,0 +1,211 @@
+"""Mixed-precision benchmark: ortflow fp32 / fp16 / bf16 against PyTorch TF32, bf16 autocast and torch.compile.
+
+The model of issue 14: ``ortflow.examples.gpt`` with vocab 8192, T 256, d 768, 12 layers, 12 heads (97.8M
+parameters); batch 16 x 256 tokens per GPU; AdamW everywhere (PyTorch's fused AdamW; the engine's AdamW graph);
+1 and 2 GPUs. ``bench/device_mixed.sh final`` runs every stage in one device call and writes ``mixed.json``/``.md``.
+
+Stages:
+
+* ``prepare ROOT``: the ONNX GPT and one configured run per precision (artifacts only: the timed loop feeds
+  in-memory batches, so no data stage).
+* ``steps RUN_DIR`` under mpiexec: the loop's per-update work (forward+backward, loss scale, NCCL average and norm,
+  the skip decision, AdamW) after a warm-up; the world size comes from the launcher.
+* ``torch MODE`` under ``torch.distributed.run`` (the machine's PyTorch): ``bench.torch_gpt.GPT`` of the same shape,
+  MODE ``tf32`` (TF32 matmuls, fp32 weights), ``bf16`` (bf16 autocast, eager) or ``compile`` (bf16 autocast +
+  torch.compile); DDP on 2 GPUs.
+* ``report DIR OUT``: medians per contender, ratios and weak scaling, into ``mixed.json`` and ``mixed.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPE = {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12}
+BATCH = 16
+PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
+              "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
+              "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}  # fmt: skip
+
+
+def emit(record: dict) -> None:
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from ortflow.config import config_from_dict
+    from ortflow.configure import configure
+    from ortflow.examples.gpt import build_gpt
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    model = build_gpt(root / "gpt.onnx", **SHAPE)
+    for name in args.precisions.split(","):
+        start = time.perf_counter()
+        configure(config_from_dict({
+            "name": name, "output_dir": str(root / name),
+            "model": {"path": str(model), "loss": "cross_entropy"},
+            "data": {"train": [str(root / "unused.npz")]},
+            "train": {"batch_size": BATCH, "num_train_steps": 100},
+            "optimizer": {"name": "adamw", "learning_rate": 1e-4},
+            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True},
+            "precision": PRECISIONS[name],
+        }))  # fmt: skip
+        print(f"configured {name} in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def steps(args: argparse.Namespace) -> None:
+    """The loop's update without data loading, checkpoints or logging; the job's pace is its slowest rank's."""
+    from ortflow.trainer.runtime import init_runtime, start_mpi
+
+    cfg, group = start_mpi(Path(args.run_dir))
+    cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"num_ranks": group.size})})
+    rt = init_runtime(Path(args.run_dir), cfg, group)
+    comm, scaler, names = rt.comm, rt.loss_scale, rt.module.input_names()
+    rng = np.random.default_rng(comm.rank)
+    vocab, seq = SHAPE["vocab_size"], SHAPE["seq_len"]
+    batches = []
+    for _ in range(8):
+        tokens = rng.integers(0, vocab, (BATCH, seq + 1), dtype=np.int64)
+        batches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].reshape(-1)})
+    grads, scalars, times, losses, forward = [], np.zeros(2, dtype=np.float32), [], [], []
+    for k in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        feeds = scaler.feed(batches[k % len(batches)])
+        loss = float(rt.module(*(feeds[n] for n in names)))
+        forward.append(time.perf_counter() - start)
+        grads = grads or rt.gradient_buffers()
+        scalars[0] = loss / scaler.scale
+        comm.average_gradients(grads, comm.size * scaler.scale, scalars)
+        norm = comm.gradient_norm(grads) if scaler.needs_norm else None
+        if scaler.update(norm):
+            rt.optimizer.step()
+        rt.module.lazy_reset_grad()
+        times.append(time.perf_counter() - start)
+        losses.append(float(scalars[0]) / comm.size)
+    median = float(np.median(times[args.warmup :]))
+    worst = float(comm.allreduce_sum(np.array([median if r == comm.rank else 0.0 for r in range(comm.size)]),
+                                     "t").max())  # fmt: skip
+    if comm.rank == 0:
+        emit({"kind": "ortflow", "precision": Path(args.run_dir).name, "world": comm.size, "step_time_s": worst,
+              "forward_backward_s": float(np.median(forward[args.warmup :])), "losses": losses,
+              "skipped_updates": scaler.skipped_updates, "loss_scale": scaler.scale, "device": rt.device})  # fmt: skip
+    comm.close()
+
+
+def torch_run(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.torch_gpt import GPT, GPTShape
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    torch.backends.cuda.matmul.allow_tf32 = True  # what PyTorch users run: TF32 for whatever stays fp32
+    torch.backends.cudnn.allow_tf32 = True
+    model = GPT(GPTShape(**SHAPE), seed=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
+    if args.mode == "compile":
+        model = torch.compile(model)
+    if world > 1:
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local))
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["seq_len"] + 1), generator=gen).cuda()
+               for _ in range(8)]  # fmt: skip
+    autocast = args.mode in ("bf16", "compile")
+    times, losses = [], []
+    for k in range(args.warmup + args.steps):
+        chunk = batches[k % len(batches)]
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(chunk[:, :-1]).float(), chunk[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())  # the host waits for the update, as ortflow's loop does for its loss
+        times.append(time.perf_counter() - start)
+    median = float(np.median(times[args.warmup :]))
+    if world > 1:
+        worst = torch.tensor([median], dtype=torch.float64, device="cuda")
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        median = float(worst[0])
+        dist.destroy_process_group()
+    if rank == 0:
+        emit({"kind": "torch", "precision": args.mode, "world": world, "step_time_s": median, "losses": losses,
+              "torch": torch.__version__})  # fmt: skip
+
+
+LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"): "ortflow fp16 mixed",
+          ("ortflow", "fp16-softmax16"): "ortflow fp16 mixed, Softmax in fp16",
+          ("ortflow", "bf16"): "ortflow bf16 mixed", ("torch", "tf32"): "PyTorch TF32 eager",
+          ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
+
+
+def report(args: argparse.Namespace) -> None:
+    runs: dict[tuple[str, str, int], dict] = {}
+    for path in sorted(Path(args.dir).glob("*.log")):
+        for line in path.read_text().splitlines():
+            if "RESULT {" in line and '"kind"' in line:
+                r = json.loads(line[line.index("{") :])
+                runs[(r["kind"], r["precision"], r["world"])] = r
+    ms = {key: r["step_time_s"] * 1e3 for key, r in runs.items()}
+    rows = ["| contender | 1 GPU ms/update | 2 GPUs ms/update | weak scaling |", "|---|---|---|---|"]
+    for (kind, prec), label in LABELS.items():
+        one, two = ms.get((kind, prec, 1)), ms.get((kind, prec, 2))
+        cells = [f"{v:.1f}" if v else "-" for v in (one, two)]
+        rows.append(f"| {label} | {cells[0]} | {cells[1]} | {f'{one / two:.2f}' if one and two else '-'} |")
+    ratios = {}
+    for world in (1, 2):
+        base = ms.get(("ortflow", "fp32", world))
+        for prec in ("fp16", "fp16-softmax16", "bf16"):
+            mine = ms.get(("ortflow", prec, world))
+            if not mine:
+                continue
+            for key, name in ((("ortflow", "fp32"), "ortflow_fp32"), (("torch", "bf16"), "torch_bf16_eager"),
+                              (("torch", "compile"), "torch_compile"), (("torch", "tf32"), "torch_tf32")):
+                other = ms.get((*key, world)) if key != ("ortflow", "fp32") else base
+                if other:
+                    ratios[f"{world}gpu {prec} speedup vs {name}"] = round(other / mine, 3)
+    summary = {"shape": SHAPE, "batch_per_gpu": BATCH, "ms_per_update": {f"{k[0]} {k[1]} x{k[2]}": round(v, 2)
+               for k, v in ms.items()}, "ratios": ratios}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mixed.json").write_text(json.dumps({"summary": summary, "runs": {" ".join(map(str, k)): r
+                                                for k, r in runs.items()}}, indent=1))  # fmt: skip
+    table = "\n".join(rows) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in ratios.items()) + "\n"
+    (out / "mixed.md").write_text(table)
+    print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("root")
+    p.add_argument("--precisions", default="fp32,fp16,fp16-softmax16,bf16")
+    s = sub.add_parser("steps")
+    s.add_argument("run_dir")
+    t = sub.add_parser("torch")
+    t.add_argument("mode", choices=["tf32", "bf16", "compile"])
+    for q in (s, t):
+        q.add_argument("--steps", type=int, default=20)
+        q.add_argument("--warmup", type=int, default=10)
+    r = sub.add_parser("report")
+    r.add_argument("dir")
+    r.add_argument("out")
+    args = parser.parse_args(argv)
+    {"prepare": prepare, "steps": steps, "torch": torch_run, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""configure with precision.use_mixed_precision builds fp16/bf16 training graphs on any machine (they train on GPUs)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from ortflow.config import config_from_dict
+from ortflow.configure import configure
+from ortflow.engine import api
+from ortflow.trainer.artifacts import ArtifactsError, build_artifacts
+from ortflow.trainer.loss_scale import INPUT_NAME
+from tests.models_precision import build_tiny_lm, save
+
+
+def _cfg(tmp_path, model, **precision):
+    return config_from_dict({
+        "output_dir": str(tmp_path / "run"),
+        "model": {"path": str(model), "loss": "cross_entropy"},
+        "data": {"train": [str(tmp_path / "none.npz")]},
+        "train": {"batch_size": 2, "num_train_steps": 2},
+        "distributed": {"device": "cuda", "use_nccl": True},
+        "precision": {"use_mixed_precision": True, **precision},
+    })  # fmt: skip
+
+
+def _inputs(path) -> dict[str, int]:
+    return {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(path), load_external_data=False).graph.input}
+
+
+def test_fp16_artifacts_scale_the_loss_in_training_only_and_keep_fp32_master_weights(tmp_path):
+    original = build_tiny_lm(flatten=True, full_layer_norm=True)
+    cfg = _cfg(tmp_path, save(original, tmp_path / "lm.onnx"))
+    configure(cfg)
+    art = cfg.artifacts_dir
+    train_inputs, eval_inputs = _inputs(art / "training_model.onnx"), _inputs(art / "eval_model.onnx")
+    assert train_inputs[INPUT_NAME] == onnx.TensorProto.FLOAT and INPUT_NAME not in eval_inputs
+    training = onnx.load(str(art / "training_model.onnx"))
+    assert any(n.op_type == "Cast" and n.name.startswith("autocast/") for n in training.graph.node)
+    record = json.loads((cfg.output_dir / "configure.json").read_text())
+    assert [i["name"] for i in record["train_inputs"]] == ["input_ids", "labels"]  # the data stage's columns
+    state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in original.graph.initializer}
+    for name, param in state.parameters:
+        assert param.data.dtype == np.float32 and np.array_equal(param.data, weights[name]), name
+
+
+def test_bf16_artifacts_have_no_scale_input(tmp_path):
+    cfg = _cfg(tmp_path, save(build_tiny_lm(flatten=True, full_layer_norm=True), tmp_path / "lm.onnx"),
+               use_bfloat16=True)
+    build_artifacts(cfg, cfg.artifacts_dir)
+    assert INPUT_NAME not in _inputs(cfg.artifacts_dir / "training_model.onnx")
+    training = onnx.load(str(cfg.artifacts_dir / "training_model.onnx"))
+    assert any(n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for a in n.attribute)
+               for n in training.graph.node)
+
+
+def test_a_model_input_named_like_the_scale_is_refused(tmp_path):
+    model = build_tiny_lm(flatten=True, full_layer_norm=True)
+    model.graph.input[0].name = INPUT_NAME
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name == "input_ids":
+                node.input[i] = INPUT_NAME
+    cfg = _cfg(tmp_path, save(model, tmp_path / "lm.onnx"))
+    with pytest.raises(ArtifactsError, match=f"input named '{INPUT_NAME}'.*rename it"):
+        build_artifacts(cfg, cfg.artifacts_dir)
