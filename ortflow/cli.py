@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ortflow.config import ConfigError, find_problems, load_config
 
@@ -33,7 +34,7 @@ def _root() -> None:
 
 
 def _fail(message: str, code: int = 1) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # `[rank 0]`, `[/x` stay text
     raise typer.Exit(code)
 
 
@@ -49,9 +50,9 @@ def validate(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Check a config and the files it names; print every problem at once (exit 1 if any)."""
     _, problems = find_problems(config, overrides or [])
     if problems:
-        console.print(f"[bold red]{config}: {len(problems)} problem(s)[/]")
+        console.print(f"[bold red]{escape(str(config))}: {len(problems)} problem(s)[/]")
         for problem in problems:
-            console.print(f"  - {problem}", highlight=False)
+            console.print(f"  - {escape(problem)}", highlight=False)
         raise typer.Exit(1)
     console.print(f"[green]{config}: valid[/]")
 
@@ -80,6 +81,9 @@ def train(
         )
     except LaunchError as err:
         _fail(str(err))
+    if result.returncode in (130, 143):  # the ranks stopped together on a signal and saved a stop checkpoint
+        console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
+        raise typer.Exit(result.returncode)
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")

@@ -34,7 +34,8 @@ from ortflow.dataprep.sources import (
     table_chunks,
     text_windows,
 )
-from ortflow.dataprep.specs import InputSpec, merges_leading_dims, read_train_inputs
+from ortflow.dataprep.specs import CONFIGURE_NAME, InputSpec, merges_leading_dims, read_train_inputs
+from ortflow.dataprep.values import ValueRules, check_column, rules_from_record
 
 log = logging.getLogger(__name__)
 _STAGING = ".staging"
@@ -82,16 +83,22 @@ def prepare_data(cfg: RunConfig) -> Manifest:
     dtypes = {s.name: s.dtype for s in specs}
     chunk_bytes = max(1 << 16, data.memory_budget_mb * (1 << 20) // 16)
     tokenizer = load_tokenizer(data.text.tokenizer) if text else None
+    record = json.loads((cfg.output_dir / CONFIGURE_NAME).read_text())
+    rules = rules_from_record(record, cfg.model.loss, cfg.model.ignore_index)
 
     def stream(sources: list[Source], field: str) -> Iterator[pa.Table]:
         if text:
+            first = 0
             for windows in text_windows(sources, data.text.seq_len, tokenizer, chunk_bytes):
                 chunk = {data.text.input_name: windows[:, :-1], data.text.label_name: windows[:, 1:]}
-                yield _canonical(chunk, plan, dtypes, f"{field} text windows", shapes)
+                yield _canonical(chunk, plan, dtypes, f"{field} text windows", shapes, rules, first)
+                first += len(windows)
         else:
             for source in sources:
+                first = 0
                 for chunk in table_chunks(source, sorted(set(plan.values())), chunk_bytes):
-                    yield _canonical(chunk, plan, dtypes, str(source.path), shapes)
+                    yield _canonical(chunk, plan, dtypes, str(source.path), shapes, rules, first)
+                    first += len(next(iter(chunk.values()))) if isinstance(chunk, dict) else chunk.num_rows
 
     # Check the first chunk of every source before anything is written (shapes are fixed by the first one seen).
     shapes: dict[str, tuple[int, ...]] = {}
@@ -182,12 +189,16 @@ def _column_plan(cfg: RunConfig, specs: list[InputSpec], text: bool) -> dict[str
 
 
 def _canonical(
-    chunk, plan: dict[str, str], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]]
+    chunk, plan: dict[str, str], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]],
+    rules: ValueRules, first_row: int,
 ) -> pa.Table:
-    """A source chunk as a table in the shard schema; row shapes must match the first chunk's."""
+    """A source chunk as a table in the shard schema; row shapes must match the first chunk's; values checked."""
     arrays, fields = [], []
     for name, column in plan.items():
         dtype = dtypes[name]
+        # Values are checked before the cast: float64 beyond float32's range is still visible as such.
+        check_column(chunk[column] if isinstance(chunk, dict) else chunk.column(column), name, rules, column, where,
+                     first_row)
         if isinstance(chunk, dict):
             arr, row_shape = numpy_to_canonical(chunk[column], column, name, dtype, where)
         else:

@@ -417,7 +417,7 @@ class CheckpointManager:
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             self._saved_steps.discard(step)
-            if isinstance(err, OSError):
+            if isinstance(err, (OSError, RuntimeError)):  # the engine's writer raises RuntimeError (disk full)
                 raise CheckpointError(
                     f"could not write checkpoint {name} in {self.directory}: {err}; the earlier checkpoints are "
                     "intact and no partial folder was left. Free disk space or point checkpoint.dir elsewhere"

@@ -13,10 +13,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
+from ortflow.trainer.lifeline import launcher_environment
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,9 @@ def build_command(
         cmd += ["-prepend-rank"]
         if hostfile:
             cmd += ["-f", str(hostfile)]
-    return cmd + [python, "-u", "-m", "ortflow.trainer", str(run_dir)]
+    # -P: the working folder is not put first on the import path, so a folder named `ortflow` there cannot shadow the
+    # installed package in the ranks.
+    return cmd + [python, "-u", "-P", "-m", "ortflow.trainer", str(run_dir)]
 
 
 def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores: int) -> dict[str, str]:
@@ -96,6 +103,7 @@ def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores:
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(per_rank)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(launcher_environment())  # ranks on this host exit within a second if this process dies
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the hosts we run on
     return env
 
@@ -135,11 +143,13 @@ def launch(
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
     errors: deque[str] = deque(maxlen=20)
+    started = time.time()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
     )
     if on_start is not None:
         on_start(proc)
+    restore = _forward_stop_signals(proc)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -151,7 +161,65 @@ def launch(
     except BaseException:  # KeyboardInterrupt, a task timeout, a cancelled flow: no orphaned ranks
         stop_job(proc)
         raise
+    finally:
+        restore()
+    if proc.returncode:
+        for line in _stall_messages(Path(run_dir), started, seen=errors):
+            errors.append(line)
+            on_line(line)
     return LaunchResult(proc.returncode, tuple(errors))
+
+
+def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
+    """The watchdog's messages of this job that the abort kept out of the stream (each rank also left a file)."""
+    lines = []
+    for path in sorted((run_dir / HEARTBEAT_DIR).glob("stall-rank-*.txt")):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text and not any(text in line for line in seen):
+            lines.append(f"[watchdog {path.stem.removeprefix('stall-')}] {text}")
+    return lines
+
+
+def _forward_stop_signals(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> Callable[[], None]:
+    """While the job runs, SIGTERM/SIGINT to this process go to the job's process group; returns the restorer.
+
+    The ranks then stop together after the current update, write a stop checkpoint and exit 143 (130 for SIGINT),
+    while this process keeps streaming their output. After ``grace_s`` the group is killed. Only the main thread can
+    own signal handlers; elsewhere (a Prefect task's worker thread) the flow's own cancellation calls stop_job.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    first: list[float] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            return
+        if not first:
+            first.append(signum)
+            log.warning("%s: asking the ranks to stop after the current update (%.0f s grace)",
+                        signal.Signals(signum).name, grace_s)
+            timer = threading.Timer(grace_s, _kill_group, args=(proc,))
+            timer.daemon = True
+            timer.start()
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        log.error("the ranks did not stop within the grace period: killing the job")
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def stop_job(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:

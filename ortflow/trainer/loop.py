@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime
 
 from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.guards import check_update
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import Runtime
@@ -24,6 +25,7 @@ class StopFlag:
     """Set by a signal handler; honoured by every rank at the same weight update."""
 
     requested: bool = False
+    signum: int = 0  # the signal this rank received (0: none; it stops because another rank did)
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,13 @@ def train(
         evaluated = period > 0 and step % period == 0 or step == total
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
         max_norm = cfg.optimizer.max_grad_norm
-        # The norm is a pass over every gradient: only when clipping or when it is shown. Every rank holds the same
-        # averaged gradients, so every rank computes the same norm and clips alike (the engine's own clipping
-        # operator is not deterministic, so clipping is done here and not in the optimizer graph).
-        grad_norm = comm.gradient_norm(grads) if max_norm is not None or report else None
+        # The norm is one pass over the gradients (a few ms of a step), computed every update: it guards against NaN.
+        # Every rank holds the same averaged gradients, so every rank computes the same norm, clips alike and stops
+        # alike (the engine's own clipping operator is not deterministic, so clipping is done here).
+        grad_norm = comm.gradient_norm(grads)
+        if not check_update(step, train_loss, grad_norm):
+            module.lazy_reset_grad()  # a skipped update (fp16 overflow with loss scaling): no step, no checkpoint
+            continue
         if max_norm is not None and grad_norm > max_norm:
             comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
         optimizer.step()
