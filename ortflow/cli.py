@@ -83,7 +83,7 @@ def train(
         _fail(str(err))
     if result.returncode in (130, 143):  # the ranks stopped together on a signal and saved a stop checkpoint
         console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
-        raise typer.Exit(result.returncode)
+        raise typer.Exit(128 + result.signal if result.signal else result.returncode)
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")

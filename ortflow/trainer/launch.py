@@ -39,6 +39,7 @@ class LaunchResult:
 
     returncode: int
     error_lines: tuple[str, ...]
+    signal: int = 0  # the stop signal this process received and passed on (0: none)
 
     @property
     def ok(self) -> bool:
@@ -149,7 +150,8 @@ def launch(
     )
     if on_start is not None:
         on_start(proc)
-    restore = _forward_stop_signals(proc)
+    received: list[int] = []
+    restore = _forward_stop_signals(proc, received)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -167,7 +169,7 @@ def launch(
         for line in _stall_messages(Path(run_dir), started, seen=errors):
             errors.append(line)
             on_line(line)
-    return LaunchResult(proc.returncode, tuple(errors))
+    return LaunchResult(proc.returncode, tuple(errors), received[0] if received else 0)
 
 
 def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
@@ -185,24 +187,29 @@ def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
     return lines
 
 
-def _forward_stop_signals(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> Callable[[], None]:
-    """While the job runs, SIGTERM/SIGINT to this process go to the job's process group; returns the restorer.
+def _forward_stop_signals(proc: subprocess.Popen, received: list[int], grace_s: float = STOP_GRACE_S
+                          ) -> Callable[[], None]:
+    """While the job runs, SIGTERM/SIGINT to this process become SIGTERM to the job's process group.
 
-    The ranks then stop together after the current update, write a stop checkpoint and exit 143 (130 for SIGINT),
-    while this process keeps streaming their output. After ``grace_s`` the group is killed. Only the main thread can
-    own signal handlers; elsewhere (a Prefect task's worker thread) the flow's own cancellation calls stop_job.
+    The ranks then stop together after the current update, write a stop checkpoint and exit, while this process keeps
+    streaming their output; the signal is recorded in ``received`` (the caller exits 128 + it). SIGINT is passed on
+    as SIGTERM because MPICH's mpiexec treats a second SIGINT as "kill now", and a process manager that signals every
+    process at once has already sent it one. After ``grace_s`` the group is killed. Only the main thread can own
+    signal handlers; elsewhere (a Prefect task's worker thread) the flow's own cancellation calls stop_job.
+
+    Returns:
+        A function that restores the previous handlers.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    first: list[float] = []
 
     def forward(signum: int, _frame: object) -> None:
         try:
-            os.killpg(proc.pid, signum)
+            os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        if not first:
-            first.append(signum)
+        if not received:
+            received.append(signum)
             log.warning("%s: asking the ranks to stop after the current update (%.0f s grace)",
                         signal.Signals(signum).name, grace_s)
             timer = threading.Timer(grace_s, _kill_group, args=(proc,))

@@ -33,6 +33,8 @@ def start_with_fault(path):
         calls[0] += 1
         if calls[0] != update:
             return real_average(grads, divisor, scalars)
+        with open(run_dir / "fault-times.txt", "a") as f:  # when each rank reached the faulty update
+            f.write(f"{comm.rank} {time.time() + (2.0 if kind == 'stop' and comm.rank != victim else 0.0)}\n")
         if comm.rank != victim:
             if kind == "stop":
                 time.sleep(2.0)
