@@ -97,7 +97,7 @@ def run_rank(run_dir: Path) -> int:
     except ValueError as err:  # ortflow's own errors (data, checkpoint, config) say what to do: no traceback
         log.error("rank %d: %s; stopping every rank", comm.rank, err)
         comm.abort(1)
-        raise
+        return 1  # not reached under MPI (Abort ends the process); no traceback either way
     except BaseException:
         log.exception("rank %d failed; stopping every rank", comm.rank)
         comm.abort(1)

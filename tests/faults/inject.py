@@ -5,6 +5,9 @@ Modes:
   stop:R:U      - rank R is SIGSTOPped while it waits inside weight update U's all-reduce (the others arrive 2 s
                   later, so they wait in the same collective as the stopped rank).
   stop-before:R:U - rank R SIGSTOPs itself just before weight update U's all-reduce.
+  kill-write:0:U  - rank 0 SIGKILLs itself inside the checkpoint write of step U (state file written, no meta.json).
+  kill-retention:0:U - rank 0 SIGKILLs itself while retention deletes an old checkpoint after saving step U
+                  (meta.json of the old one removed, its folder not yet).
 """
 
 import logging
@@ -51,6 +54,38 @@ def start_with_fault(path):
     return cfg, comm
 
 
-entry.start_mpi = start_with_fault
+def kill_in_checkpoints():
+    """Patch the checkpoint manager so that rank 0 dies inside the write or the retention of step ``update``."""
+    from ortflow.trainer import checkpoints
+
+    real_save, real_delete = checkpoints.CheckpointManager.save, checkpoints.delete_checkpoint
+    saving = [0]
+
+    def save(self, step, state, meta):
+        saving[0] = step
+        if kind == "kill-write" and step == update and self.is_writer:
+            real_writer = self._writer
+
+            def writer(state, path):
+                real_writer(state, path)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            self._writer = writer
+        return real_save(self, step, state, meta)
+
+    def delete(path):
+        if kind == "kill-retention" and saving[0] == update:
+            (Path(path) / checkpoints.META_FILE).unlink(missing_ok=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_delete(path)
+
+    checkpoints.CheckpointManager.save = save
+    checkpoints.delete_checkpoint = delete
+
+
+if kind.startswith("kill-"):
+    kill_in_checkpoints()
+else:
+    entry.start_mpi = start_with_fault
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
 sys.exit(entry.run_rank(run_dir))

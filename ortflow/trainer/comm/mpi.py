@@ -48,7 +48,7 @@ class MPIComm:
             pass
         sys.stderr.write(f"ERROR: {message}\n")
         sys.stderr.flush()
-        time.sleep(1.0)
+        time.sleep(0.5)
         self.comm.Abort(3)
 
     def _collective(self, label: str, call: Callable[[], object]) -> object:
