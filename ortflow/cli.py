@@ -65,7 +65,10 @@ def train(
     threads: Annotated[int | None, typer.Option(help="Threads per rank (default: cores / local ranks).")] = None,
     mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
 ) -> None:
-    """Launch the ranks with mpiexec and stream their output; exits with the job's status."""
+    """Launch the ranks with mpiexec and stream their output; exits with the job's status.
+
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130; killed after 30 s).
+    """
     from ortflow.config import load_run_config
     from ortflow.trainer.launch import LaunchError, launch
 

@@ -80,6 +80,24 @@ def _disk_full(root: Path) -> trials.Outcome:
         files.untmpfs(mount)
 
 
+def markdown(record: dict) -> str:
+    """The campaign's figures as a markdown table (bench/results/faults-campaign.md)."""
+    lines = [
+        f"# Fault campaign, {record['started']} ({record['minutes']} min)", "",
+        f"Command: `{record['command']}`  ", f"Machine: {record['machine']}", "",
+        f"**{record['survived']} of {record['trials']} trials survived, {record['failed']} failed.**", "",
+        "| group | category | trials | survived | failed | failures belong to |", "|---|---|---|---|---|---|",
+    ]
+    for name, entry in sorted(record["by_category"].items(), key=lambda kv: (kv[1].get("group", ""), kv[0])):
+        owners = sorted({f["owner"] or "this suite" for f in entry["failures"]})
+        lines.append(f"| {entry.get('group', '')} | {name} | {entry['trials']} | {entry['survived']} | "
+                     f"{entry['failed']} | {', '.join(owners)} |")
+    failures = [(n, f) for n, e in record["by_category"].items() for f in e["failures"]]
+    if failures:
+        lines += ["", "## Failures", ""] + [f"- {n}: {f['detail'][:300]}" for n, f in failures[:40]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="Multiply every trial count.")
@@ -111,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(record))
     print(f"{survived}/{total} trials survived; figures in {args.out.with_suffix('.json')}")
     return 0 if survived == total else 1
 
