@@ -80,7 +80,7 @@ def train(
     try:
         result = launch(
             run_dir, np_ or dist.num_ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
-            threads=threads or dist.threads_per_rank, mpiexec=mpiexec,
+            threads=threads or dist.threads_per_rank, mpiexec=mpiexec, forward_signals=True,
         )
     except LaunchError as err:
         _fail(str(err))

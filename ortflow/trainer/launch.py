@@ -122,6 +122,7 @@ def launch(
     mpiexec: str | Path | None = None,
     on_line: Callable[[str], None] = print,
     on_start: Callable[[subprocess.Popen], None] | None = None,
+    forward_signals: bool = False,
 ) -> LaunchResult:
     """Run the training job and stream its output.
 
@@ -134,10 +135,13 @@ def launch(
         mpiexec: Launcher to use (default: the bundled MPICH).
         on_line: Receives every output line, already prefixed with its rank by the launcher.
         on_start: Receives the launcher process (to watch or stop it).
+        forward_signals: Own SIGTERM/SIGINT while the job runs (``ortflow train``): they stop the ranks cleanly and
+            the result carries the signal. Leave False where another framework owns the signals (Prefect).
 
     Returns:
-        The exit status and the last error lines. SIGINT/SIGTERM to this process are passed to the ranks, which stop
-        after the current update; after STOP_GRACE_S the whole process group is killed.
+        The exit status, the last error lines and the stop signal received. Otherwise (a KeyboardInterrupt, a task
+        timeout, a cancelled flow) the job's process group gets SIGTERM (ranks stop after the current update) and,
+        after STOP_GRACE_S, SIGKILL.
     """
     exe = find_mpiexec(mpiexec)
     cmd = build_command(Path(run_dir).resolve(), num_ranks, exe, launcher_flavor(exe), hostfile)
@@ -151,7 +155,7 @@ def launch(
     if on_start is not None:
         on_start(proc)
     received: list[int] = []
-    restore = _forward_stop_signals(proc, received)
+    restore = _forward_stop_signals(proc, received) if forward_signals else (lambda: None)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
