@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import time
 from pathlib import Path
 
+from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.trainer import lifeline
 from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.guards import NonFiniteError
+from ortflow.trainer.integrity import verify_artifacts
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import init_runtime, start_mpi
@@ -48,6 +51,13 @@ def _install_stop_handlers(stop: StopFlag, clock=time.monotonic) -> None:
     signal.signal(signal.SIGINT, request_stop)
 
 
+def _configure_record(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / CONFIGURE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_rank(run_dir: Path) -> int:
     """Train this rank to the end (or to a stop request); returns the process exit status."""
     from ortflow.dataprep.loader import EvalLoader, TrainLoader, verify_data
@@ -61,6 +71,7 @@ def run_rank(run_dir: Path) -> int:
         rt = init_runtime(run_dir, cfg, comm)
         if comm.rank == 0:
             verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
+            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # and a flipped bit in a model
         # Sync point: no rank reads shards before rank 0 has verified them.
         comm.barrier("verify data")
         loader = TrainLoader(

@@ -36,3 +36,20 @@ def test_nan_gradients_on_one_rank_stop_both_at_that_update(tmp_path):
     assert "weight update 7: non-finite gradient norm" in out.stdout
     assert "Traceback" not in out.stdout
     assert [c.step for c in list_complete(cfg.checkpoints_dir)] == [5]  # nothing written after the bad update
+
+
+@pytest.mark.mpi
+def test_an_artifact_that_differs_from_configure_stops_the_job_before_any_step(tmp_path):
+    import json
+
+    cfg = make_run(tmp_path, "artifact", distributed={"num_ranks": 2})
+    record_path = cfg.output_dir / "configure.json"
+    record = json.loads(record_path.read_text())
+    assert set(record["artifact_sha256"]) == {"training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+                                              "checkpoint"}
+    record["artifact_sha256"]["training_model.onnx"] = "0" * 64  # as if the file had changed after configure
+    record_path.write_text(json.dumps(record))
+    out = run_ranks(cfg)
+    assert out.returncode != 0
+    assert "training_model.onnx does not match its sha256 in configure.json" in out.stdout
+    assert "Traceback" not in out.stdout and not list_complete(cfg.checkpoints_dir)

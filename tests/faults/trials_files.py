@@ -18,13 +18,15 @@ import pyarrow.ipc as ipc
 from ortflow.config import ConfigError, check_model_file, config_from_dict
 from ortflow.dataprep import DataError, verify_data
 from ortflow.trainer.checkpoints import CheckpointError, list_complete, verify
+from ortflow.trainer.integrity import ArtifactsDamaged, verify_artifacts
 
 from ..trainer.runs import final_parameters, run_ranks
 from . import procs
 from .trials import Outcome, _resume_to_end, _same, fresh_run
 
 #: File kinds a resume trusts, and the owner of their integrity when it is not this suite's work.
-FILE_KINDS = {"checkpoint": "", "meta": "checkpoint meta.json integrity", "manifest": "", "shard": ""}
+FILE_KINDS = {"checkpoint": "", "meta": "checkpoint meta.json integrity", "manifest": "", "shard": "",
+              "artifact": ""}
 
 
 def trained_run(root: Path):
@@ -40,7 +42,8 @@ def trained_run(root: Path):
 def _target(cfg, kind: str) -> Path:
     newest = list_complete(cfg.checkpoints_dir)[-1].path
     return {"checkpoint": newest / "checkpoint", "meta": newest / "meta.json",
-            "manifest": cfg.data_dir / "manifest.json", "shard": cfg.data_dir / "train-00000.arrow"}[kind]
+            "manifest": cfg.data_dir / "manifest.json", "shard": cfg.data_dir / "train-00000.arrow",
+            "artifact": cfg.artifacts_dir / "training_model.onnx"}[kind]
 
 
 def corruption_trial(root: Path, kind: str, mode: str, rng: random.Random) -> Outcome:
@@ -62,9 +65,11 @@ def corruption_trial(root: Path, kind: str, mode: str, rng: random.Random) -> Ou
         try:
             if kind in ("checkpoint", "meta"):
                 verify(path.parent)
+            elif kind == "artifact":
+                verify_artifacts(cfg.artifacts_dir, json.loads((cfg.output_dir / "configure.json").read_text()))
             else:
                 verify_data(cfg.data_dir)
-        except (CheckpointError, DataError) as err:
+        except (CheckpointError, DataError, ArtifactsDamaged) as err:
             named = path.name in str(err)
             return Outcome(f"{mode}-{kind}", named, f"{what}: detected{'' if named else ' (file not named)'}: "
                            f"{str(err)[:160]}")
