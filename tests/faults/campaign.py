@@ -20,7 +20,7 @@ from . import trials
 from . import trials_files as files
 
 
-def plan(scale: float) -> list[tuple[str, callable]]:
+def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
     """(category group, zero-argument trial) for the whole campaign."""
     n = lambda count: max(1, round(count * scale))  # noqa: E731
     rng = random.Random(19)
@@ -67,7 +67,12 @@ def plan(scale: float) -> list[tuple[str, callable]]:
     jobs += [("fuzz", lambda: (reference(), files.fuzz_model_trial(root / "mlp.onnx", root, rng))[1])
              for _ in range(n(40))]
     jobs += [("fuzz", lambda i=i: (reference(), files.fuzz_data_trial(root, rng, f"fd-{i}"))[1]) for i in range(n(30))]
-    return jobs
+    return [(group, job) for group, job in jobs if not only or only == group or only in _names(job)]
+
+
+def _names(job) -> str:
+    """The constants a trial lambda was bound with (its kind, phase or target), for --only."""
+    return " ".join(str(v) for v in (job.__defaults__ or ()))
 
 
 def _disk_full(root: Path) -> trials.Outcome:
@@ -102,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="Multiply every trial count.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/faults-campaign"))
+    parser.add_argument("--only", default="", help="Run only the trials whose lambda names this phase or group.")
     args = parser.parse_args(argv)
     start = time.time()
     by_category: dict[str, dict] = defaultdict(lambda: {"trials": 0, "survived": 0, "failed": 0, "failures": []})
-    for group, job in plan(args.scale):
+    for group, job in plan(args.scale, args.only):
         try:
             outcome = job()
         except Exception as err:  # noqa: BLE001 - a trial that crashes is a failed trial, recorded

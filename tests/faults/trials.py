@@ -121,7 +121,8 @@ def _resumed_outcome(cfg: RunConfig, reference: dict, category: str, what: str, 
 def kill_in_save_trial(root: Path, reference: dict, phase: str, rng: random.Random, name: str) -> Outcome:
     """Rank 0 is SIGKILLed inside a checkpoint write (``write``) or inside retention (``retention``); resume."""
     cfg = fresh_run(root, name)
-    update = rng.choice([10, 15, 20, 25])
+    # Retention deletes only once max_num_checkpoints (2) are kept: from the third save (step 15) on.
+    update = rng.choice([15, 20, 25] if phase == "retention" else [10, 15, 20, 25])
     out = run_ranks(cfg, INJECT, f"kill-{phase}:0:{update}", timeout=120)
     if out.returncode == 0:
         return Outcome(f"kill-during-{phase}", False, "the injected kill did not happen")
