@@ -96,7 +96,7 @@ def _read_meta(path: Path) -> dict:
             f"{meta_path} is missing: the checkpoint is incomplete (its writer stopped before finishing); "
             "use another checkpoint or delete this folder"
         ) from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, and bytes that are not UTF-8
         raise CheckpointError(f"{meta_path} cannot be read as JSON ({err}); use another checkpoint") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_path} is not a JSON object; use another checkpoint")
