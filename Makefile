@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean docs
+.PHONY: setup demo test lint bench clean docs faults
 
 $(STAMP): pyproject.toml requirements.lock
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"ortflow needs Python 3.11, found {sys.version.split()[0]}: set PYTHON=/path/to/python3.11"'
@@ -34,6 +34,10 @@ lint: setup
 bench: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev,bench]"
 	$(BIN)/python -m bench
+
+# The long fault-injection campaign (tests/faults/campaign.py, about 30 min on 2 cores); figures in bench/results/.
+faults: setup
+	$(BIN)/python -m tests.faults.campaign $(FAULTS_ARGS)
 
 clean:
 	rm -rf $(VENV) runs examples/*/runs

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ortflow.config import ConfigError, load_config
 
@@ -33,7 +34,7 @@ def _root() -> None:
 
 
 def _fail(message: str, code: int = 1) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # `[rank 0]`, `[/x` stay text
     raise typer.Exit(code)
 
 
@@ -62,9 +63,9 @@ def validate(
 
     problems = find_all(config, overrides or [], deep=deep)
     if problems:
-        console.print(f"[bold red]{config}: {len(problems)} problem(s)[/]")
+        console.print(f"[bold red]{escape(str(config))}: {len(problems)} problem(s)[/]")
         for problem in problems:
-            console.print(f"  - {problem}", highlight=False)
+            console.print(f"  - {escape(problem)}", highlight=False)
         raise typer.Exit(1)
     console.print(f"[green]{config}: valid[/]")
 
@@ -77,7 +78,10 @@ def train(
     threads: Annotated[int | None, typer.Option(help="Threads per rank (default: cores / local ranks).")] = None,
     mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
 ) -> None:
-    """Launch the ranks with mpiexec and stream their output; exits with the job's status."""
+    """Launch the ranks with mpiexec and stream their output; exits with the job's status.
+
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130; killed after 30 s).
+    """
     from ortflow.config import load_run_config
     from ortflow.trainer.launch import LaunchError, launch
 
@@ -89,10 +93,13 @@ def train(
     try:
         result = launch(
             run_dir, np_ or dist.num_ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
-            threads=threads or dist.threads_per_rank, mpiexec=mpiexec,
+            threads=threads or dist.threads_per_rank, mpiexec=mpiexec, forward_signals=True,
         )
     except LaunchError as err:
         _fail(str(err))
+    if result.returncode in (130, 143):  # the ranks stopped together on a signal and saved a stop checkpoint
+        console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
+        raise typer.Exit(128 + result.signal if result.signal else result.returncode)
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")

@@ -39,8 +39,33 @@ class ConfigError(ValueError):
         super().__init__(f"{len(problems)} problem(s){where}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+#: Upper bound of counts and sizes (steps, rows, batch sizes): far beyond any real run, well inside int64 arithmetic.
+MAX_COUNT = 2**31 - 1
+
+
+def _is_number_field(annotation: Any) -> bool:
+    kinds = getattr(annotation, "__args__", None) or (annotation,)
+    return any(kind in (int, float) for kind in kinds) and bool not in kinds
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: .inf / .nan in a float field is refused (it would train to NaN losses with exit 0).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        # pydantic reads `batch_size: true` as 1; a boolean in a number field is always a mistake.
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is None or not _is_number_field(field.annotation):
+                    continue
+                if isinstance(value, bool):
+                    raise ValueError(f"{name} is `{str(value).lower()}`, a boolean; give a number")
+                if isinstance(value, int) and abs(value) > MAX_COUNT:
+                    raise ValueError(f"{name} is {value}, beyond any real run; give at most {MAX_COUNT}")
+        return data
 
 
 def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
@@ -80,6 +105,13 @@ class ModelConfig(_Section):
         (),
         description="fnmatch patterns of float initializers that are not trained (default: all float initializers "
         "are trained).",
+    )
+    ignore_index: int | None = Field(
+        None,
+        ge=-(2**31),
+        lt=2**31,
+        description="cross_entropy: the one label value the loss skips (e.g. -100 for padding). Any other label "
+        "outside [0, classes) is refused by prepare-data.",
     )
 
     _resolve_path = field_validator("path", mode="after")(_resolve)
@@ -144,9 +176,9 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     """Loop hyper-parameters. Steps are micro-batches, as in the reference; weight updates = steps / accumulation."""
 
-    batch_size: int = Field(gt=0, description="Samples per micro-batch per rank.")
+    batch_size: int = Field(gt=0, le=2**24, description="Samples per micro-batch per rank.")
     eval_batch_size: int | None = Field(
-        None, gt=0, description="Samples per eval batch per rank (default: batch_size)."
+        None, gt=0, le=2**24, description="Samples per eval batch per rank (default: batch_size)."
     )
     num_train_steps: int = Field(
         gt=0, description="Forward/backward passes per rank; must be a multiple of gradient_accumulation_steps."
@@ -157,7 +189,7 @@ class TrainConfig(_Section):
         100, ge=0, description="Evaluate every this many weight updates (0: only at the end)."
     )
     max_eval_batches: int | None = Field(None, gt=0, description="Cap on eval batches per rank (default: whole split).")
-    seed: int = Field(0, ge=0, description="Seed for shuffling and any randomness in the run.")
+    seed: int = Field(0, ge=0, lt=2**31, description="Seed for shuffling and any randomness in the run.")
 
     @property
     def num_weight_updates(self) -> int:
@@ -198,14 +230,15 @@ class OptimizerConfig(_Section):
         "adam_mode=1): p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then p -= lr*weight_decay*p; "
         "README 'The optimizer' compares it with torch.optim.AdamW.",
     )
-    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate, reached at the end of warm-up.")
+    learning_rate: float = Field(1e-3, gt=0, le=1e3, description="Peak learning rate, reached at the end of warm-up.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
     beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
     epsilon: float = Field(
-        1e-8, gt=0, description="AdamW epsilon, added to the uncorrected sqrt(v) (not to torch's bias-corrected one)."
+        1e-8, gt=0, le=1.0,
+        description="AdamW epsilon, added to the uncorrected sqrt(v) (not to torch's bias-corrected one).",
     )
     weight_decay: float = Field(
-        0.0, ge=0, description="AdamW decoupled weight decay: p -= lr*weight_decay*p, after the Adam step."
+        0.0, ge=0, le=1e3, description="AdamW decoupled weight decay: p -= lr*weight_decay*p, after the Adam step."
     )
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip the global gradient norm to this value before the step (default: no clipping)."
@@ -231,7 +264,7 @@ class LRScheduleConfig(_Section):
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1, description="Decay ends at learning_rate * min_lr_ratio (linear, cosine, polynomial)."
     )
-    power: float = Field(1.0, gt=0, description="Exponent of polynomial decay.")
+    power: float = Field(1.0, gt=0, le=1e3, description="Exponent of polynomial decay.")
 
 
 class PrecisionConfig(_Section):
@@ -265,7 +298,7 @@ class DistributedConfig(_Section):
     num_hosts: int = Field(1, gt=0, description="Hosts the ranks are spread over (must match the host file).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider of every rank.")
     threads_per_rank: int | None = Field(
-        None, gt=0, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
+        None, gt=0, le=4096, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
     )
     data_parallel_size: int | None = Field(None, gt=0, description="Data-parallel replicas (default: num_ranks).")
     horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
@@ -274,7 +307,8 @@ class DistributedConfig(_Section):
     enable_adasum: bool = Field(False, description="Adasum all-reduce (not supported yet).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; needs use_nccl (not supported yet).")
     collective_timeout_s: float = Field(
-        600.0, gt=0, description="Abort the job when a collective waits longer than this, naming the stalled ranks."
+        600.0, ge=1.0, le=7 * 86400,
+        description="Abort the job when a collective waits longer than this, naming the stalled ranks (1 s to 7 days).",
     )
 
     _resolve_path = field_validator("hostfile", mode="after")(_resolve)
@@ -310,6 +344,15 @@ class TensorBoardConfig(_Section):
         description="Scalars to log; any subset of the default.",
     )
     histogram_names: tuple[str, ...] = Field((), description="fnmatch patterns of parameters whose histograms to log.")
+
+    @field_validator("scalar_names", mode="after")
+    @classmethod
+    def _known_scalars(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        known = cls.model_fields["scalar_names"].default  # the default logs every scalar ortflow writes
+        unknown = [name for name in value if name not in known]
+        if unknown:
+            raise ValueError(f"unknown scalar(s) {unknown} would silently log nothing; choose from {list(known)}")
+        return value
 
     _resolve_path = field_validator("log_dir", mode="after")(_resolve)
 
@@ -442,6 +485,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("precision.loss_scale applies to fp16 only (bf16 has fp32's range): set it to 0")
     if cfg.export.precision == "compute" and not prec.use_mixed_precision:
         problems.append("export.precision compute needs precision.use_mixed_precision: true (or use fp32)")
+    if cfg.model.ignore_index is not None and cfg.model.loss != "cross_entropy":
+        problems.append(f"model.ignore_index applies to cross_entropy only (model.loss is {cfg.model.loss}); remove it")
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
     if cfg.optimizer.name == "sgd" and cfg.optimizer.weight_decay:
@@ -473,7 +518,13 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError([f"--set '{item}': expected KEY=VALUE, e.g. train.batch_size=8"])
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            problem = str(err).replace("\n", " ")
+            raise ConfigError([f"--set '{item}': the value is not valid YAML ({problem}); quote it: {key}='\"...\"'"]) \
+                from None
+        parsed.append((key.strip(), value))
     return parsed
 
 
@@ -505,13 +556,21 @@ def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = 
     """Read YAML with the safe loader and apply ``--set`` overrides."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as err:
         raise ConfigError([f"cannot read config file: {err.strerror}; check the path"], str(path)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            [f"not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the file as UTF-8"],
+            str(path),
+        ) from None
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
+    except RecursionError:
+        raise ConfigError(["nested too deeply to read (YAML nesting of hundreds of levels); flatten it"], str(path)) \
+            from None
     if not isinstance(raw, dict):
         raise ConfigError(["the config must be a YAML mapping of sections"], str(path))
     for key, value in parse_overrides(overrides):
@@ -576,9 +635,16 @@ def check_model_file(path: Path) -> list[str]:
                 f"opset_version={MAX_OPSET} (torch.onnx.export) or opset_imports=[make_opsetid('', {MAX_OPSET})]"
             )
     folder = path.resolve().parent
+    problems.extend(_short_initializers(proto))
     for tensor in proto.graph.initializer:
         for entry in tensor.external_data:
             if entry.key == "location":
+                if "\0" in entry.value:
+                    problems.append(
+                        f"model.path: initializer '{tensor.name}' names its external data file {entry.value!r}, "
+                        "which holds a NUL byte (a damaged model); re-export it"
+                    )
+                    continue
                 target = (folder / entry.value).resolve()
                 if not target.is_relative_to(folder):
                     problems.append(
@@ -595,9 +661,34 @@ def check_model_file(path: Path) -> list[str]:
     return problems
 
 
+def _short_initializers(proto: Any) -> list[str]:
+    """Initializers whose stored bytes do not fill their declared shape (the engine fails without naming them)."""
+    import math
+
+    import onnx
+
+    problems = []
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.HasField("raw_data"):
+            continue
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, ValueError, TypeError):
+            continue
+        want = math.prod(tensor.dims) * itemsize
+        if len(tensor.raw_data) != want:
+            problems.append(
+                f"model.path: initializer '{tensor.name}' declares shape {list(tensor.dims)} ({want} bytes) but holds "
+                f"{len(tensor.raw_data)} bytes; the model file is damaged or was edited: re-export it"
+            )
+    return problems
+
+
 def check_files(cfg: RunConfig) -> list[str]:
-    """Checks that need the disk: the model file and the host file."""
+    """Checks that need the disk: the model file, the host file, the tokenizer, the output folder."""
     problems = check_model_file(cfg.model.path)
+    if cfg.output_dir.exists() and not cfg.output_dir.is_dir():
+        problems.append(f"output_dir: {cfg.output_dir} is a file, not a folder; choose another output_dir")
     if cfg.distributed.hostfile is not None and not cfg.distributed.hostfile.exists():
         problems.append(f"distributed.hostfile: {cfg.distributed.hostfile} does not exist")
     tok = cfg.data.text.tokenizer

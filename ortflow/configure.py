@@ -34,6 +34,7 @@ from ortflow.config import (
 )
 from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
+from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "opset": model.opset,
         "ir_version": model.ir_version,
         "ort_version": ORT_VERSION,
+        DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

@@ -14,6 +14,14 @@ from ortflow.dataprep.errors import DataError
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "eval")
+#: The manifest's own sha256, over its other fields (canonical JSON): any edit or flipped bit is detected.
+CHECKSUM_KEY = "manifest_sha256"
+
+
+def content_checksum(data: dict) -> str:
+    """sha256 of a manifest's fields other than the checksum, as canonical JSON."""
+    body = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -62,9 +70,10 @@ class Manifest:
         return sum(s.bytes for shards in self.splits.values() for s in shards)
 
     def to_json(self) -> str:
-        """The manifest as JSON (without ``reused``), with stable key order."""
+        """The manifest as JSON (without ``reused``), with stable key order and its own checksum."""
         data = asdict(self)
         data.pop("reused")
+        data[CHECKSUM_KEY] = content_checksum(data)
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
     def with_reused(self, reused: bool) -> Manifest:
@@ -82,12 +91,18 @@ def read_manifest(data_dir: Path) -> Manifest:
     if not path.exists():
         raise DataError(f"{path} does not exist: prepare the data first (`ortflow prepare-data CONFIG`)")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
         if raw.get("format") != FORMAT_VERSION:
             raise DataError(
                 f"{path}: data format {raw.get('format')} but this ortflow reads format {FORMAT_VERSION}; "
                 f"re-run prepare-data"
             )
+        stored = raw.pop(CHECKSUM_KEY, None)
+        if stored != content_checksum(raw):
+            why = "has no checksum (written by an older ortflow)" if stored is None else "does not match its checksum"
+            raise DataError(f"{path} {why}: it was edited or corrupted; re-run prepare-data")
         raw["inputs"] = [InputInfo(**i) for i in raw["inputs"]]
         raw["splits"] = {k: [ShardInfo(**s) for s in raw["splits"].get(k, [])] for k in SPLITS}
         return Manifest(**raw)

@@ -36,7 +36,8 @@ from ortflow.dataprep.sources import (
     table_chunks,
     text_windows,
 )
-from ortflow.dataprep.specs import InputSpec, merges_leading_dims, read_train_inputs
+from ortflow.dataprep.specs import CONFIGURE_NAME, InputSpec, merges_leading_dims, read_train_inputs
+from ortflow.dataprep.values import ValueRules, check_column, rules_from_record
 
 log = logging.getLogger(__name__)
 _STAGING = ".staging"
@@ -85,19 +86,25 @@ def prepare_data(cfg: RunConfig) -> Manifest:
     dtypes = {s.name: s.dtype for s in specs}
     chunk_bytes = max(1 << 16, data.memory_budget_mb * (1 << 20) // 16)
     tokenizer = load_tokenizer(data.text.tokenizer) if text else None
+    record = json.loads((cfg.output_dir / CONFIGURE_NAME).read_text())
+    rules = rules_from_record(record, cfg.model.loss, cfg.model.ignore_index)
 
     def stream(sources: list[Source], field: str) -> Iterator[pa.Table]:
         if text:
+            first = 0
             for windows in text_windows(sources, data.text.seq_len, tokenizer, chunk_bytes):
                 chunk = {data.text.input_name: windows[:, :-1], data.text.label_name: windows[:, 1:]}
                 plan.update({n: ColumnPlan(n, (n,), False) for n in wanted})
-                yield canonical_table(chunk, plan, dtypes, f"{field} text windows", shapes)
+                yield canonical_table(chunk, plan, dtypes, f"{field} text windows", shapes, rules, first)
+                first += len(windows)
         else:
             for source in sources:
+                first = 0
                 here = resolve_plan(wanted, source, plan)
                 needed = sorted({c for p in here.values() for c in p.columns})
                 for chunk in table_chunks(source, needed, chunk_bytes):
-                    yield canonical_table(chunk, here, dtypes, str(source.path), shapes)
+                    yield canonical_table(chunk, here, dtypes, str(source.path), shapes, rules, first)
+                    first += len(next(iter(chunk.values()))) if isinstance(chunk, dict) else chunk.num_rows
 
     # Check the first chunk of every source before anything is written (shapes are fixed by the first one seen).
     shapes: dict[str, tuple[int, ...]] = {}
@@ -205,12 +212,17 @@ def resolve_plan(
 
 
 def canonical_table(
-    chunk, plan: dict[str, ColumnPlan], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]]
+    chunk, plan: dict[str, ColumnPlan], dtypes: dict[str, str], where: str, shapes: dict[str, tuple[int, ...]],
+    rules: ValueRules, first_row: int,
 ) -> pa.Table:
-    """A source chunk as a table in the shard schema; row shapes must match the first chunk's."""
+    """A source chunk as a table in the shard schema; row shapes must match the first chunk's; values checked."""
     arrays, fields = [], []
     for name, columns in plan.items():
         dtype = dtypes[name]
+        # Values are checked before the cast: float64 beyond float32's range is still visible as such.
+        for column in columns.columns:
+            check_column(chunk[column] if isinstance(chunk, dict) else chunk.column(column), name, rules, column,
+                         where, first_row)
         arr, row_shape = stack(chunk, columns, dtype, where)
         if shapes.setdefault(name, row_shape) != row_shape:
             raise DataError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +134,7 @@ def table_chunks(source: Source, columns: list[str], chunk_bytes: int) -> Iterat
                 yield {c: a[start : start + step] for c, a in arrays.items()}
         else:
             raise DataError(f"{path}: unsupported format '{fmt}'")
-    except (pa.ArrowInvalid, OSError, ValueError) as err:
+    except (pa.ArrowInvalid, OSError, ValueError, EOFError, zipfile.BadZipFile) as err:  # a truncated .npz: EOF/zip
         if isinstance(err, DataError):
             raise
         raise DataError(f"{path}: cannot read it as {fmt} ({err}); check the file or set data.format") from None

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
+from ortflow.dataprep.specs import CONFIGURE_NAME
+from ortflow.trainer import lifeline
 from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.guards import NonFiniteError
+from ortflow.trainer.integrity import verify_artifacts
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import init_runtime, start_mpi
@@ -17,17 +23,39 @@ log = logging.getLogger("ortflow.trainer")
 
 #: Exit status of a run stopped by SIGINT/SIGTERM after a clean checkpoint (128 + SIGTERM, as shells report it).
 EXIT_STOPPED = 143
+#: ... and by SIGINT (Ctrl-C) alone: 128 + SIGINT.
+EXIT_INTERRUPTED = 130
+#: Exit status of a run stopped by a non-finite loss or gradient norm (every rank stops at the same update).
+EXIT_NONFINITE = 4
 
 
-def _install_stop_handlers(stop: StopFlag) -> None:
+#: Repeats of a stop signal within this many seconds are the same request (a process manager signalling the whole
+#: process tree at once reaches a rank directly, through the launcher and through ``ortflow train``).
+_REPEAT_WINDOW_S = 5.0
+
+
+def _install_stop_handlers(stop: StopFlag, clock=time.monotonic) -> None:
+    first: list[float] = []
+
     def request_stop(signum: int, _frame: object) -> None:
-        if stop.requested:  # a second signal means "now"
-            raise KeyboardInterrupt
+        if stop.requested:
+            if clock() - first[0] > _REPEAT_WINDOW_S:  # a signal sent again later means "now"
+                raise KeyboardInterrupt
+            return
+        first.append(clock())
         stop.requested = True
+        stop.signum = signum
         log.warning("%s received: stopping after the current weight update", signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+
+
+def _configure_record(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / CONFIGURE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def run_rank(run_dir: Path) -> int:
@@ -36,11 +64,14 @@ def run_rank(run_dir: Path) -> int:
 
     stop = StopFlag()
     _install_stop_handlers(stop)
+    lifeline.die_with_parent()  # the launcher's proxy (our parent) died: the job is gone, so is this rank
+    lifeline.follow_launcher()  # `ortflow train` (or the flow) died: exit within a second, not at the next print
     cfg, comm = start_mpi(run_dir)
     try:
         rt = init_runtime(run_dir, cfg, comm)
         if comm.rank == 0:
             verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
+            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # and a flipped bit in a model
         # Sync point: no rank reads shards before rank 0 has verified them.
         comm.barrier("verify data")
         loader = TrainLoader(
@@ -66,7 +97,18 @@ def run_rank(run_dir: Path) -> int:
         # Sync point: rank 0 may still be writing the final checkpoint; nobody reports success before it is done.
         comm.barrier("finish")
         comm.close()
-        return EXIT_STOPPED if result.stopped else 0
+        if not result.stopped:
+            return 0
+        return EXIT_INTERRUPTED if stop.signum == signal.SIGINT else EXIT_STOPPED
+    except NonFiniteError as err:  # raised on every rank at the same update (same all-reduced values): no abort
+        if comm.rank == 0:
+            log.error("%s", err)
+        comm.close()
+        return EXIT_NONFINITE
+    except ValueError as err:  # ortflow's own errors (data, checkpoint, config) say what to do: no traceback
+        log.error("rank %d: %s; stopping every rank", comm.rank, err)
+        comm.abort(1)
+        return 1  # not reached under MPI (Abort ends the process); no traceback either way
     except BaseException:
         log.exception("rank %d failed; stopping every rank", comm.rank)
         comm.abort(1)

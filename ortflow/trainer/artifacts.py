@@ -213,6 +213,8 @@ def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
         "bce_with_logits": onnxblock.loss.BCEWithLogitsLoss,
         "l1": onnxblock.loss.L1Loss,
     }
+    if cfg.model.loss == "cross_entropy" and cfg.model.ignore_index is not None:
+        return onnxblock.loss.CrossEntropyLoss(ignore_index=cfg.model.ignore_index)
     return None if cfg.model.loss == "model_output" else blocks[cfg.model.loss]()
 
 

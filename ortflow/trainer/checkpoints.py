@@ -96,7 +96,7 @@ def _read_meta(path: Path) -> dict:
             f"{meta_path} is missing: the checkpoint is incomplete (its writer stopped before finishing); "
             "use another checkpoint or delete this folder"
         ) from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, and bytes that are not UTF-8
         raise CheckpointError(f"{meta_path} cannot be read as JSON ({err}); use another checkpoint") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_path} is not a JSON object; use another checkpoint")
@@ -417,7 +417,7 @@ class CheckpointManager:
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             self._saved_steps.discard(step)
-            if isinstance(err, OSError):
+            if isinstance(err, (OSError, RuntimeError)):  # the engine's writer raises RuntimeError (disk full)
                 raise CheckpointError(
                     f"could not write checkpoint {name} in {self.directory}: {err}; the earlier checkpoints are "
                     "intact and no partial folder was left. Free disk space or point checkpoint.dir elsewhere"

@@ -13,10 +13,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
+from ortflow.trainer.lifeline import launcher_environment
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class LaunchResult:
 
     returncode: int
     error_lines: tuple[str, ...]
+    signal: int = 0  # the stop signal this process received and passed on (0: none)
 
     @property
     def ok(self) -> bool:
@@ -86,7 +92,9 @@ def build_command(
         cmd += ["-prepend-rank"]
         if hostfile:
             cmd += ["-f", str(hostfile)]
-    return cmd + [python, "-u", "-m", "ortflow.trainer", str(run_dir)]
+    # -P: the working folder is not put first on the import path, so a folder named `ortflow` there cannot shadow the
+    # installed package in the ranks.
+    return cmd + [python, "-u", "-P", "-m", "ortflow.trainer", str(run_dir)]
 
 
 def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores: int) -> dict[str, str]:
@@ -96,6 +104,7 @@ def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores:
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(per_rank)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(launcher_environment())  # ranks on this host exit within a second if this process dies
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the hosts we run on
     return env
 
@@ -113,6 +122,7 @@ def launch(
     mpiexec: str | Path | None = None,
     on_line: Callable[[str], None] = print,
     on_start: Callable[[subprocess.Popen], None] | None = None,
+    forward_signals: bool = False,
 ) -> LaunchResult:
     """Run the training job and stream its output.
 
@@ -125,21 +135,27 @@ def launch(
         mpiexec: Launcher to use (default: the bundled MPICH).
         on_line: Receives every output line, already prefixed with its rank by the launcher.
         on_start: Receives the launcher process (to watch or stop it).
+        forward_signals: Own SIGTERM/SIGINT while the job runs (``ortflow train``): they stop the ranks cleanly and
+            the result carries the signal. Leave False where another framework owns the signals (Prefect).
 
     Returns:
-        The exit status and the last error lines. SIGINT/SIGTERM to this process are passed to the ranks, which stop
-        after the current update; after STOP_GRACE_S the whole process group is killed.
+        The exit status, the last error lines and the stop signal received. Otherwise (a KeyboardInterrupt, a task
+        timeout, a cancelled flow) the job's process group gets SIGTERM (ranks stop after the current update) and,
+        after STOP_GRACE_S, SIGKILL.
     """
     exe = find_mpiexec(mpiexec)
     cmd = build_command(Path(run_dir).resolve(), num_ranks, exe, launcher_flavor(exe), hostfile)
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
     errors: deque[str] = deque(maxlen=20)
+    started = time.time()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
     )
     if on_start is not None:
         on_start(proc)
+    received: list[int] = []
+    restore = _forward_stop_signals(proc, received) if forward_signals else (lambda: None)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -151,7 +167,70 @@ def launch(
     except BaseException:  # KeyboardInterrupt, a task timeout, a cancelled flow: no orphaned ranks
         stop_job(proc)
         raise
-    return LaunchResult(proc.returncode, tuple(errors))
+    finally:
+        restore()
+    if proc.returncode:
+        for line in _stall_messages(Path(run_dir), started, seen=errors):
+            errors.append(line)
+            on_line(line)
+    return LaunchResult(proc.returncode, tuple(errors), received[0] if received else 0)
+
+
+def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
+    """The watchdog's messages of this job that the abort kept out of the stream (each rank also left a file)."""
+    lines = []
+    for path in sorted((run_dir / HEARTBEAT_DIR).glob("stall-rank-*.txt")):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text and not any(text in line for line in seen):
+            lines.append(f"[watchdog {path.stem.removeprefix('stall-')}] {text}")
+    return lines
+
+
+def _forward_stop_signals(proc: subprocess.Popen, received: list[int], grace_s: float = STOP_GRACE_S
+                          ) -> Callable[[], None]:
+    """While the job runs, SIGTERM/SIGINT to this process become SIGTERM to the job's process group.
+
+    The ranks then stop together after the current update, write a stop checkpoint and exit, while this process keeps
+    streaming their output; the signal is recorded in ``received`` (the caller exits 128 + it). SIGINT is passed on
+    as SIGTERM because MPICH's mpiexec treats a second SIGINT as "kill now", and a process manager that signals every
+    process at once has already sent it one. After ``grace_s`` the group is killed. Only the main thread can own
+    signal handlers; elsewhere (a Prefect task's worker thread) the flow's own cancellation calls stop_job.
+
+    Returns:
+        A function that restores the previous handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        if not received:
+            received.append(signum)
+            log.warning("%s: asking the ranks to stop after the current update (%.0f s grace)",
+                        signal.Signals(signum).name, grace_s)
+            timer = threading.Timer(grace_s, _kill_group, args=(proc,))
+            timer.daemon = True
+            timer.start()
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        log.error("the ranks did not stop within the grace period: killing the job")
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def stop_job(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:

@@ -13,6 +13,7 @@ import onnxruntime
 
 from ortflow.trainer import loss_scale
 from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.guards import check_update
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import Runtime
@@ -25,6 +26,7 @@ class StopFlag:
     """Set by a signal handler; honoured by every rank at the same weight update."""
 
     requested: bool = False
+    signum: int = 0  # the signal this rank received (0: none; it stops because another rank did)
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,13 @@ def train(
         evaluated = period > 0 and step % period == 0 or step == total
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
         max_norm = cfg.optimizer.max_grad_norm
-        # The norm is a pass over every gradient: only when clipping or when it is shown. Every rank holds the same
-        # averaged gradients, so every rank computes the same norm and clips alike (the engine's own clipping
-        # operator is not deterministic, so clipping is done here and not in the optimizer graph).
-        grad_norm = comm.gradient_norm(grads) if max_norm is not None or report or scaler.needs_norm else None
-        # fp16 overflow: every rank has the same norm, so every rank skips this update alike (and halves the scale).
-        stepped = scaler.update(grad_norm)
+        # The norm is one pass over the gradients, computed every update: it guards the parameters against NaN/inf.
+        # Every rank holds the same averaged gradients, so every rank computes the same norm, clips alike and decides
+        # alike (the engine's own clipping operator is not deterministic, so clipping is done here).
+        grad_norm = comm.gradient_norm(grads)
+        # fp16 loss scaling overflows on purpose now and then: that update is skipped on every rank (scale halved);
+        # any other non-finite loss or norm stops the job before it reaches the parameters or a checkpoint.
+        stepped = scaler.update(grad_norm) and check_update(step, train_loss, grad_norm, skip_overflow=scaler.enabled)
         if stepped and max_norm is not None and grad_norm > max_norm:
             comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
         if stepped:

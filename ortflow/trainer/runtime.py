@@ -25,10 +25,11 @@ from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
 from ortflow.trainer import checkpoints, cuda_libs, loss_scale
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
+from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
 
 log = logging.getLogger("ortflow.trainer")
 
-HEARTBEAT_DIR = ".ranks"
+__all__ = ["HEARTBEAT_DIR", "Runtime", "init_runtime", "start_mpi"]
 
 
 @dataclass

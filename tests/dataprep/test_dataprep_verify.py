@@ -10,7 +10,7 @@ import pytest
 from dataprep_helpers import make_cfg
 
 from ortflow.dataprep import DataError, TrainLoader, prepare_data, verify_data
-from ortflow.dataprep.manifest import sha256_file
+from ortflow.dataprep.manifest import CHECKSUM_KEY, content_checksum, sha256_file
 
 
 @pytest.fixture
@@ -59,6 +59,7 @@ def _rewrite_with_schema_change(path):
     for shard in raw["splits"]["train"]:
         if shard["file"] == path.name:
             shard.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+    raw[CHECKSUM_KEY] = content_checksum(raw)  # a consistent manifest: only the shard's schema is wrong
     manifest_path.write_text(json.dumps(raw))
 
 
@@ -81,4 +82,23 @@ def test_other_format_version_is_refused(data_dir):
 def test_damaged_manifest_is_named(data_dir):
     (data_dir / "manifest.json").write_text("{not json")
     with pytest.raises(DataError, match=r"manifest\.json is damaged.*re-run prepare-data"):
+        verify_data(data_dir)
+
+
+@pytest.mark.parametrize("edit", ["seed", "flip", "rows"])
+def test_any_manifest_edit_is_detected(data_dir, edit):
+    path = data_dir / "manifest.json"
+    text = path.read_text()
+    if edit == "seed":  # the case: seed 0 -> 1 resumed silently into different parameters
+        raw = json.loads(text)
+        raw["seed"] += 1
+        path.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+    elif edit == "rows":
+        raw = json.loads(text)
+        raw["splits"]["train"][0]["num_rows"] += 1
+        path.write_text(json.dumps(raw))
+    else:  # one flipped bit anywhere in a digit keeps valid JSON
+        pos = next(i for i, c in enumerate(text) if c.isdigit() and i > len(text) // 2)
+        path.write_text(text[:pos] + chr(ord(text[pos]) ^ 1) + text[pos + 1 :])
+    with pytest.raises(DataError, match=r"manifest\.json does not match its checksum.*re-run prepare-data"):
         verify_data(data_dir)

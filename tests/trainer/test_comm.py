@@ -1,6 +1,7 @@
 """Single-process collectives, heartbeats and the collective watchdog (no MPI needed)."""
 
 import threading
+import time
 
 import numpy as np
 
@@ -67,3 +68,36 @@ def test_watchdog_fires_only_when_a_collective_overruns(tmp_path):
         assert "collective #2 'eval loss'" in messages[0]
     finally:
         dog.close()
+
+
+def test_a_silent_rank_inside_the_same_collective_is_named_a_live_one_is_not(tmp_path):
+    beats = [Heartbeats(tmp_path, rank, 3) for rank in range(3)]
+    for beat in beats:
+        beat.write(7, "gradient all-reduce")  # everyone entered the same collective
+    now = beats[0].read(0)[1] + 30
+    beats[0].beat(now - 0.5)
+    beats[1].beat(now - 25)  # SIGSTOPped 25 s ago: its watchdog thread stopped beating
+    beats[2].beat(now - 0.5)
+    message = describe_stall(beats[0], 7, "gradient all-reduce", 30.0, now=now, stale_s=2.0)
+    assert "rank 1 (stopped or wedged: no sign of life for 25 s, inside collective #7" in message
+    assert "rank 2" not in message and "rank 0" not in message and "none found" not in message
+
+
+def test_the_watchdog_thread_beats_while_the_rank_waits(tmp_path):
+    beats = Heartbeats(tmp_path, 0, 1)
+    dog = Watchdog(10.0, beats, lambda msg: None)
+    try:
+        first = beats.last_beat(0)
+        dog.enter("barrier")  # the main thread now waits; the beat must go on without it
+        time.sleep(2.5)
+        assert beats.last_beat(0) > first + 1.0
+    finally:
+        dog.close()
+
+
+def test_a_timed_out_rank_leaves_its_message_for_the_launcher(tmp_path):
+    beat = Heartbeats(tmp_path, 3, 4)
+    path = beat.leave_message("ERROR: collective #2 'barrier' waited 9 s; stalled: rank 1")
+    assert path.name == "stall-rank-00003.txt" and "stalled: rank 1" in path.read_text()
+    Heartbeats(tmp_path, 3, 4)  # the next run of this rank removes the old message
+    assert not path.exists()

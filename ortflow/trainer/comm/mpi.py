@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -39,8 +40,15 @@ class MPIComm:
         self._closed = False
 
     def _timed_out(self, message: str) -> None:
-        sys.stderr.write(f"[rank {self.rank}] ERROR: {message}\n")
+        # The message must outlive the abort: a file the launcher replays, then the job output, then a moment for the
+        # launcher's proxy to forward it before MPI kills everything.
+        try:
+            self.heartbeats.leave_message(f"ERROR: {message}")
+        except OSError:
+            pass
+        sys.stderr.write(f"ERROR: {message}\n")
         sys.stderr.flush()
+        time.sleep(0.5)
         self.comm.Abort(3)
 
     def _collective(self, label: str, call: Callable[[], object]) -> object:

@@ -1,0 +1,122 @@
+"""Process helpers for the fault tests: start ``ortflow train``, find its process tree, signal parts of it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ortflow.trainer.metrics import read_progress
+
+ORTFLOW = str(Path(sys.executable).parent / "ortflow")
+
+
+def children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            tree.setdefault(int(fields[1]), []).append(int(entry))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (not zombies)."""
+    tree, out, todo = children_map(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The rank processes (``-m ortflow.trainer`` or a test entry) below ``pid``."""
+    return [p for p in descendants(pid) if "ortflow.trainer" in cmdline(p) or "inject.py" in cmdline(p)]
+
+
+def launcher_of(pid: int) -> int | None:
+    """The mpiexec process below ``pid``."""
+    return next((p for p in descendants(pid) if os.path.basename(cmdline(p).split(" ")[0]) == "mpiexec"), None)
+
+
+def start_train(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """``ortflow train RUN_DIR`` in its own session, output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([ORTFLOW, "train", str(run_dir), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """Wait until the run's progress record reaches ``step``; returns the step seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = read_progress(run_dir)
+        if record and record.get("step", 0) >= step:
+            return record["step"]
+        if proc.poll() is not None:
+            raise RuntimeError(f"the job ended (exit {proc.returncode}) before step {step}: {proc.stdout.read()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no step {step} within {timeout} s")
+
+
+def signal_target(proc: subprocess.Popen, target: str, sig: int) -> list[int]:
+    """Send ``sig`` to part of the job: cli, launcher, group (the launcher's process group) or all. Returns pids."""
+    launcher = launcher_of(proc.pid)
+    if target == "cli":
+        pids = [proc.pid]
+    elif target == "launcher":
+        pids = [launcher]
+    elif target == "group":
+        os.killpg(launcher, sig)
+        return [launcher]
+    elif target == "all":  # docker stop, systemd, Kubernetes: every process of the tree at once
+        pids = [proc.pid, *descendants(proc.pid)]
+    else:
+        raise ValueError(target)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` still running (zombies count as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything below it (test cleanup)."""
+    for p in [*descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,102 @@
+"""The bounded fault-injection set for CI: a few trials of each kind, each asserting its property.
+
+The long campaign (``make faults``, tests/faults/campaign.py) runs the same trials many times and records figures.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from . import trials
+from . import trials_files as files
+
+pytestmark = [pytest.mark.mpi, pytest.mark.faults]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    return trials.reference_parameters(root)
+
+
+def check(outcome: trials.Outcome) -> None:
+    assert outcome.ok, f"{outcome.category}: {outcome.detail}"
+
+
+@pytest.mark.parametrize("target", ["rank", "cli"])
+def test_a_random_kill_resumes_bit_identical(root, reference, target):
+    check(trials.kill_trial(root, reference, target, random.Random(target), f"kill-{target}"))
+
+
+@pytest.mark.parametrize("phase", ["write"])
+def test_a_kill_inside_checkpointing_resumes_bit_identical(root, reference, phase):
+    check(trials.kill_in_save_trial(root, reference, phase, random.Random(phase), f"save-{phase}"))
+
+
+@pytest.mark.parametrize("target, sig", [
+    ("cli", signal.SIGTERM), ("all", signal.SIGTERM), ("all", signal.SIGINT),
+])
+def test_a_stop_signal_stops_every_rank_at_one_update_with_a_checkpoint(root, target, sig):
+    check(trials.signal_trial(root, target, sig, f"stop-{target}-{sig}"))
+
+
+@pytest.mark.parametrize("target", ["cli", "proxy"])
+def test_ranks_exit_within_two_seconds_of_their_launcher(root, target):
+    check(trials.orphan_trial(root, target, f"orphan-{target}"))
+
+
+@pytest.mark.parametrize("victim, inside", [(1, True)])
+def test_a_sigstopped_rank_is_named_and_the_job_aborted_in_time(root, victim, inside):
+    check(trials.hang_trial(root, victim, inside, f"hang-{victim}-{inside}"))
+
+
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+@pytest.mark.parametrize("kind", list(files.FILE_KINDS))
+def test_a_damaged_file_is_detected_and_named(root, kind, mode, request):
+    if kind == "meta" and mode == "flip":
+        request.applymarker(pytest.mark.xfail(
+            reason="meta.json carries no checksum yet: the checkpoint helper's part of issue 19", strict=False))
+    for seed in range(2):
+        check(files.corruption_trial(root, kind, mode, random.Random(f"{kind}{mode}{seed}")))
+
+
+def test_a_full_disk_fails_the_job_cleanly_and_keeps_the_earlier_checkpoint(root):
+    mount = root / "tmpfs"
+    if not files.tmpfs(mount):
+        pytest.skip("needs root to mount a small tmpfs (the disk-full trial)")
+    try:
+        check(files.disk_full_trial(root, mount))
+    finally:
+        files.untmpfs(mount)
+
+
+@pytest.mark.xfail(reason="two jobs on one run folder race without the run lock (the Prefect helper's runlock.py)",
+                   strict=False)
+def test_concurrent_runs_on_one_folder_end_sound(root, reference):
+    check(files.concurrent_trial(root, reference, "concurrent"))
+
+
+def test_fuzzed_configs_give_messages_never_crashes(root):
+    base = trials.fresh_run(root, "fuzzbase").model_dump(mode="json")
+    rng = random.Random(0)
+    for _ in range(60):
+        check(files.fuzz_config_trial(base, rng))
+
+
+def test_fuzzed_models_give_messages_never_crashes(root, reference):
+    rng = random.Random(1)
+    for _ in range(15):
+        check(files.fuzz_model_trial(root / "mlp.onnx", root, rng))
+
+
+def test_fuzzed_data_is_refused_or_sound(root, reference):
+    rng = random.Random(2)
+    for i in range(3):
+        check(files.fuzz_data_trial(root, rng, f"fuzzdata-{i}"))
