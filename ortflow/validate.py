@@ -34,6 +34,7 @@ from ortflow.dataprep.features import ColumnPlan
 from ortflow.dataprep.prepare import canonical_table, column_plan, resolve_plan
 from ortflow.dataprep.sources import Source, resolve_sources, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
+from ortflow.dataprep.values import ValueRules
 from ortflow.graph.batch import make_batch_symbolic
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,10 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
     except DataError as err:
         return [*problems, str(err)]
     dtypes = {s.name: s.dtype for s in specs}
+    rules = ValueRules(
+        cfg.model.label_input if cfg.model.loss == "cross_entropy" else None, None, cfg.model.ignore_index,
+        frozenset(s.name for s in specs if s.dtype.startswith("float")),
+    )
     for field, group in sources.items():
         shapes: dict[str, tuple[int, ...]] = {}
         plan: dict[str, ColumnPlan] = {}
@@ -167,8 +172,8 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
                 if index == 0:  # the rows of the first source: dtypes and row shapes
                     needed = sorted({c for p in here.values() for c in p.columns})
                     chunk = next(table_chunks(source, needed, _FIRST_ROWS_BYTES), None)
-                    if chunk is not None:
-                        canonical_table(chunk, here, dtypes, str(source.path), shapes)
+                    if chunk is not None:  # values too (labels in range, finite floats), on these first rows
+                        canonical_table(chunk, here, dtypes, str(source.path), shapes, rules, 0)
         except DataError as err:
             problems.append(str(err))
             continue

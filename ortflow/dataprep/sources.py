@@ -164,7 +164,7 @@ def source_columns(source: Source) -> list[str]:
         if fmt == "npz":
             with np.load(path, allow_pickle=False) as npz:
                 return list(npz.files)
-    except (pa.ArrowInvalid, OSError, ValueError) as err:
+    except (pa.ArrowInvalid, OSError, ValueError, EOFError, zipfile.BadZipFile) as err:  # a truncated .npz
         raise DataError(f"{path}: cannot read it as {fmt} ({err}); check the file or set data.format") from None
     raise DataError(f"{path}: format '{fmt}' has no columns")
 
