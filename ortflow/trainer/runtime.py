@@ -84,7 +84,9 @@ def build_update(cfg: RunConfig, comm: Communicator, state, trainable: list[str]
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size)
         segments = exchange.segments
-        update = optim.build_update(cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks)
+        update = optim.build_update(
+            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, num_tensors=len(trainable)
+        )
     else:
         exchange = Zero0(comm)
         update = optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params)

@@ -80,6 +80,7 @@ class Update:
         decay: For each segment, whether weight decay applies (False for names in ``optimizer.no_weight_decay``).
         sum_across_ranks: Sums per-tensor partial sums over the ranks that share tensors (ZeRO-1); Lamb's trust ratios
             need whole-tensor norms.
+        num_tensors: Trainable tensors in all (every rank's segments index into them); default: from ``segments``.
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class Update:
         params: Sequence[np.ndarray],
         decay: Sequence[bool],
         sum_across_ranks: SumAcrossRanks = _identity,
+        num_tensors: int | None = None,
     ):
         if not (len(segments) == len(params) == len(decay)):
             raise ValueError("segments, params and decay must have one entry per segment")
@@ -100,7 +102,8 @@ class Update:
         self.params = list(params)
         self.decay = list(decay)
         self.sum_across_ranks = sum_across_ranks
-        self.num_tensors = max((s.index for s in self.segments), default=-1) + 1
+        # All ranks must agree on it (per-tensor sums are exchanged): the trainable count, not this rank's share.
+        self.num_tensors = num_tensors if num_tensors is not None else max((s.index for s in segments), default=-1) + 1
         total = sum(s.size for s in self.segments)
         self.state = {name: np.zeros(total, dtype=np.float32) for name in rule.state_names}
         self.step_count = 0
