@@ -171,8 +171,9 @@ def load_optimizer(folder: Path, update, optimizer: str) -> None:
             f"{folder.name} holds optimizer state {sorted(pieces)} (written by {written_by}) but optimizer "
             f"{optimizer} needs {list(wanted)}: resume with the optimizer that wrote it, or start a new run"
         )
-    if written_by and written_by.split("/")[0] != optimizer.split("/")[0]:
-        log.warning("%s was written by optimizer %s; continuing with %s", folder.name, written_by, optimizer)
+    if written_by and written_by != optimizer:
+        fix = " (set optimizer.rule: engine to continue it bit for bit)" if written_by == "adamw/engine" else ""
+        log.warning("%s was written by optimizer %s; continuing with %s%s", folder.name, written_by, optimizer, fix)
     for k, sname in enumerate(wanted):
         by_name: dict[str, list] = {}
         for piece in pieces[sname]:
