@@ -78,18 +78,21 @@ def optimizer_label(cfg: RunConfig) -> str:
     return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
 
 
-def build_update(cfg: RunConfig, comm: Communicator, state, trainable: list[str]) -> tuple[optim.Update, Zero0 | Zero1]:
-    """ortflow's update over the engine's parameter buffers (host views), with its ZeRO stage."""
+def build_update(
+    cfg: RunConfig, comm: Communicator, state, trainable: list[str], threads: int = 1
+) -> tuple[optim.Update, Zero0 | Zero1]:
+    """ortflow's update over the engine's parameter buffers (host views), with its ZeRO stage and ``threads``."""
     params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size)
         segments = exchange.segments
         update = optim.build_update(
-            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, num_tensors=len(trainable)
+            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
         )
     else:
         exchange = Zero0(comm)
-        update = optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params)
+        segments = optim.whole_segments(trainable, [p.size for p in params])
+        update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
     return update, exchange
 
 
@@ -188,7 +191,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         )
     if resume:
         load_parameters(state, resume.path)
-    update, exchange = build_update(cfg, comm, state, trainable)
+    update, exchange = build_update(cfg, comm, state, trainable, threads)
     if resume:
         h5state.load_optimizer(resume.path, update, optimizer_label(cfg))
     where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"

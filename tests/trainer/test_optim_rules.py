@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from ortflow.config import OptimizerConfig
-from ortflow.trainer.optim import build_update, whole_segments
+from ortflow.trainer.optim import Update, build_rule, build_update, whole_segments
 from tests.models_optim import TRAINABLE, build_tied_lm, lm_batch
 
 SIZES = (700, 33, 20000, 1)  # a tensor larger than a chunk, odd sizes, a scalar
@@ -173,3 +173,22 @@ def test_adamw_engine_rule_reproduces_the_engine_graph_bit_for_bit(tmp_path):
             assert np.array_equal(mine, engine), f"step {k + 1}: {name} differs by {np.abs(mine - engine).max()}"
     # The torch rule on the same run would not be bit-identical (the check is sharp).
     assert update.step_count == 30
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+def test_threads_give_the_same_bits_as_one_thread(name):
+    opt = OptimizerConfig(name=name, weight_decay=0.01, momentum=0.9 if name == "sgd" else 0.0)
+    rng = np.random.default_rng(4)
+    init = [rng.standard_normal(s).astype(np.float32) for s in SIZES]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in SIZES] for _ in range(5)]
+    results = []
+    for threads in (1, 3):
+        params = [p.copy() for p in init]
+        # Many chunks (512 elements), so the threads really share the work.
+        update = Update(build_rule(opt), whole_segments(NAMES, SIZES), params, [True] * 4, chunk=512, threads=threads)
+        assert len(update._plan) == threads
+        for g in grads:
+            update.step([x.copy() for x in g], 1e-2)
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        assert np.array_equal(a, b)

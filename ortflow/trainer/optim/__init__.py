@@ -46,6 +46,7 @@ def build_update(
     params: Sequence[np.ndarray],
     sum_across_ranks: SumAcrossRanks | None = None,
     num_tensors: int | None = None,
+    threads: int = 1,
 ) -> Update:
     """The rank's update for its segments (:func:`whole_segments` without sharding, ``zero.shard_segments`` with).
 
@@ -55,9 +56,10 @@ def build_update(
         params: 1-D float32 views of each segment's elements in the engine's parameter buffers.
         sum_across_ranks: Sums per-tensor partial sums over ranks (ZeRO-1); None without sharding.
         num_tensors: Trainable tensors in all (ZeRO-1, where a rank's segments cover only some).
+        threads: Threads sharing the element-wise work (the rank's intra-op threads).
     """
     rule = build_rule(opt)
     flags = decays([s.name for s in segments], opt.no_weight_decay)
     if sum_across_ranks is None:
-        return Update(rule, segments, params, flags)
-    return Update(rule, segments, params, flags, sum_across_ranks, num_tensors)
+        return Update(rule, segments, params, flags, num_tensors=num_tensors, threads=threads)
+    return Update(rule, segments, params, flags, sum_across_ranks, num_tensors, threads=threads)

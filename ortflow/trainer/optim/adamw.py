@@ -111,6 +111,6 @@ class AdamW:
         for i, (seg, p) in enumerate(zip(update.segments, update.params, strict=True)):
             m, v = update.state_views(i)
             root = engine_sqrt(v, seg.lo, seg.numel)  # the engine's approximate sqrt, bit for bit
-            for part in chunks(seg.size):
+            for part in chunks(seg.size, update.chunk):
                 _engine_finish(p[part], m[part], root[part], t2[: part.stop - part.start], update.decay[i], eps,
                                lr_c, lr_wd)

@@ -7,19 +7,20 @@ segment order, so a checkpoint can name each piece by (parameter, element range)
 
 Element-wise rules run over *chunks* of a few thousand elements: every numpy pass of a rule then reads and writes data
 that sits in the CPU's L1/L2 cache, so the rule as a whole costs about one pass over main memory for each array it
-touches (parameter, gradient, each state) instead of one per numpy operation (bench/results/optim_cpu.md).
+touches (parameter, gradient, each state) instead of one per numpy operation (bench/results/optim-cpu.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-#: Elements per chunk: 16K float32 = 64 KiB per array, so the 4-6 arrays a rule touches stay in L2 (measured fastest
-#: among 4K..256K and whole tensors on the 2-core machine; bench/results/optim_cpu.md).
-CHUNK = 16384
+#: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
+#: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
+CHUNK = 65536
 
 #: Sums the per-tensor partial sums of every rank (identity on one rank / without sharding).
 SumAcrossRanks = Callable[[np.ndarray], np.ndarray]
@@ -70,6 +71,18 @@ def chunks(size: int, chunk: int = CHUNK) -> Iterator[slice]:
         yield slice(start, min(start + chunk, size))
 
 
+def _plan(segments: Sequence[Segment], chunk: int, threads: int) -> list[list[tuple[int, slice]]]:
+    """The chunks of all segments dealt into ``threads`` groups of about equal elements (contiguous runs)."""
+    work = [(i, part) for i, seg in enumerate(segments) for part in chunks(seg.size, chunk)]
+    total = sum(p.stop - p.start for _, p in work) or 1
+    groups: list[list[tuple[int, slice]]] = [[] for _ in range(threads)]
+    done = 0
+    for item in work:
+        groups[min(threads - 1, done * threads // total)].append(item)
+        done += item[1].stop - item[1].start
+    return [g for g in groups if g] or [[]]
+
+
 class Update:
     """The in-place weight update of one rank: ``update.step(grads, lr)`` after the gradients are averaged.
 
@@ -81,6 +94,9 @@ class Update:
         sum_across_ranks: Sums per-tensor partial sums over the ranks that share tensors (ZeRO-1); Lamb's trust ratios
             need whole-tensor norms.
         num_tensors: Trainable tensors in all (every rank's segments index into them); default: from ``segments``.
+        chunk: Elements per chunk (:data:`CHUNK`; the benchmark varies it).
+        threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); numpy releases
+            the GIL inside each operation. Element-wise rules give the same bits with any thread count.
     """
 
     def __init__(
@@ -91,6 +107,8 @@ class Update:
         decay: Sequence[bool],
         sum_across_ranks: SumAcrossRanks = _identity,
         num_tensors: int | None = None,
+        chunk: int = CHUNK,
+        threads: int = 1,
     ):
         if not (len(segments) == len(params) == len(decay)):
             raise ValueError("segments, params and decay must have one entry per segment")
@@ -108,7 +126,12 @@ class Update:
         self.state = {name: np.zeros(total, dtype=np.float32) for name in rule.state_names}
         self.step_count = 0
         largest = max((s.size for s in self.segments), default=0)
-        self.scratch = [np.empty(min(CHUNK, max(largest, 1)), dtype=np.float32) for _ in range(2)]
+        self.chunk = chunk
+        width = min(chunk, max(largest, 1))
+        self.scratch = [np.empty(width, dtype=np.float32) for _ in range(2)]
+        self._plan = _plan(self.segments, chunk, max(1, threads))
+        self._thread_scratch = [[np.empty(width, dtype=np.float32) for _ in range(2)] for _ in self._plan]
+        self._pool = ThreadPoolExecutor(len(self._plan)) if len(self._plan) > 1 else None
 
     @property
     def state_bytes(self) -> int:
@@ -135,9 +158,15 @@ class Update:
 
     def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, *consts) -> None:
         """Run an element-wise ``kernel(p, g, *states, t1, t2, decay, *consts)`` over every chunk of every segment."""
-        t1, t2 = self.scratch
-        for i, (p, g) in enumerate(zip(self.params, grads, strict=True)):
-            states = self.state_views(i)
-            for part in chunks(p.size):
+
+        def run(group: int) -> None:
+            t1, t2 = self._thread_scratch[group]
+            for i, part in self._plan[group]:
                 n = part.stop - part.start
-                kernel(p[part], g[part], *(s[part] for s in states), t1[:n], t2[:n], self.decay[i], *consts)
+                states = [s[part] for s in self.state_views(i)]
+                kernel(self.params[i][part], grads[i][part], *states, t1[:n], t2[:n], self.decay[i], *consts)
+
+        if self._pool is None:
+            run(0)
+        else:
+            list(self._pool.map(run, range(len(self._plan))))
