@@ -1,13 +1,13 @@
 """ortflow's update vs the engine's optimizer step, 1 rank on the CPU, side by side in one run.
 
-    .venv/bin/python -m bench.optim_cpu [--d-model 512 --num-layers 3] [--rounds 7] [--out bench/results/optim-cpu.md]
+    .venv/bin/python -m bench.optim_cpu [--d-model 512 --num-layers 3] [--rounds 7] [--threads 1] [--out FILE.md]
 
 The model is ortflow's example GPT (its parameter tensors are what the update touches; forward/backward is run once
-to fill the engine's gradient buffers). The engine's AdamW graph (onnxblock ``AdamW``, adam_mode=1) is built for it as
-ortflow built it before owning the update. Every variant updates the same engine buffers in interleaved rounds (engine,
-then each variant, repeated), ``--threads`` intra-op threads for the engine and update threads for ortflow (the engine's AdamW kernel loops over
-tensors on one thread whatever the pool), so a loaded machine slows all alike; the median per variant is
-reported with its ratio to the engine's step.
+to fill the engine's gradient buffers). The engine's AdamW graph (onnxblock ``AdamW``, adam_mode=1) is built for it
+as ortflow built it before owning the update. Every variant updates the same engine buffers in interleaved rounds
+(engine, then each variant, repeated), so a loaded machine slows all alike. ``--threads``: the engine's intra-op
+threads and ortflow's update threads (the engine's AdamW kernel loops over tensors on one thread whatever its pool).
+The median per variant is reported with its ratio to the engine's step.
 """
 
 from __future__ import annotations
