@@ -44,7 +44,7 @@ class Runtime:
     state: object
     module: object
     update: optim.Update
-    exchange: Zero0 | Zero1
+    exchange: object  # Zero0, Zero1 (host) or optim.device.Zero1Device
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
 
@@ -94,6 +94,26 @@ def build_update(
         segments = optim.whole_segments(trainable, [p.size for p in params])
         update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
     return update, exchange
+
+
+def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
+    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1 over NCCL)."""
+    from ortflow.trainer.optim.device import DeviceUpdate, Zero1Device
+
+    params = []
+    for name in trainable:
+        value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
+        params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
+    rule = optim.build_rule(cfg.optimizer)
+    if cfg.distributed.zero_stage == 1 and comm.size > 1:
+        exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size)
+        decay = optim.decays([s.name for s in exchange.segments], cfg.optimizer.no_weight_decay)
+        update = DeviceUpdate(rule, exchange.segments, exchange.param_ptrs(), decay, comm.stream,
+                              exchange.sum_across_ranks, len(trainable))
+        return update, exchange
+    segments = optim.whole_segments(trainable, [p.count for p in params])
+    decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
+    return DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream), Zero0(comm)
 
 
 def available_cores() -> int:
@@ -184,14 +204,12 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     if not trainable:
         raise RuntimeError(f"{state_file} holds no trainable parameters: re-run `ortflow configure`")
-    if device != "cpu":
-        raise RuntimeError(
-            "distributed.device cuda: ortflow's device update (fused CuPy kernels) is not wired into the trainer yet; "
-            "train on the CPU (device: cpu)"
-        )
     if resume:
-        load_parameters(state, resume.path)
-    update, exchange = build_update(cfg, comm, state, trainable, threads)
+        load_parameters(state, resume.path, on_device=device != "cpu")
+    if device == "cpu":
+        update, exchange = build_update(cfg, comm, state, trainable, threads)
+    else:
+        update, exchange = build_device_update(cfg, comm, state, trainable)
     if resume:
         h5state.load_optimizer(resume.path, update, optimizer_label(cfg))
     where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
@@ -202,7 +220,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     return Runtime(cfg, run_dir, comm, device, threads, state, module, update, exchange, trainable, resume)
 
 
-def load_parameters(state, folder: Path) -> None:
+def load_parameters(state, folder: Path, on_device: bool = False) -> None:
     """Copy a checkpoint's parameters into the session's buffers by name (shapes and names checked)."""
     values = h5state.read_params(folder)
     names = {name for name, _ in state.parameters}
@@ -218,4 +236,7 @@ def load_parameters(state, folder: Path) -> None:
             raise checkpoints.CheckpointError(
                 f"{folder.name}: {name} has shape {list(values[name].shape)}, the model {list(view.shape)}"
             )
-        view[...] = values[name]  # the CPU engine's buffers are writable views
+        if on_device:
+            param.data = np.ascontiguousarray(values[name])  # copied into the engine's device buffer
+        else:
+            view[...] = values[name]  # the CPU engine's buffers are writable views

@@ -89,6 +89,8 @@ def write_params(path: Path, params: dict[str, np.ndarray], trainable: set[str],
 def write_optimizer(path: Path, state: TrainState) -> None:
     """One optimizer-state file: every segment of every state of this rank."""
     update = state.update
+    if hasattr(update, "to_host"):  # a device update: its state into the host mirrors first
+        update.to_host()
     with h5py.File(path, "w") as f:
         f.attrs["step_count"] = update.step_count
         f.attrs["optimizer"] = state.optimizer
@@ -191,3 +193,5 @@ def load_optimizer(folder: Path, update, optimizer: str) -> None:
                     "(a shard file is missing or the model changed); use another checkpoint"
                 )
     update.step_count = step
+    if hasattr(update, "to_device"):
+        update.to_device()

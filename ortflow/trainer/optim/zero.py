@@ -27,9 +27,14 @@ def shard_bounds(total: int, world: int) -> list[int]:
     return [r * total // world for r in range(world + 1)]
 
 
-def shard_segments(names: Sequence[str], sizes: Sequence[int], rank: int, world: int) -> list[Segment]:
-    """The segments of rank ``rank``: the pieces of each tensor that fall in its range of the packed layout."""
-    bounds = shard_bounds(int(sum(sizes)), world)
+def shard_segments(
+    names: Sequence[str], sizes: Sequence[int], rank: int, world: int, bounds: Sequence[int] | None = None
+) -> list[Segment]:
+    """The segments of rank ``rank``: the pieces of each tensor that fall in its range of the packed layout.
+
+    ``bounds`` overrides :func:`shard_bounds` (the NCCL path pads to equal ranges).
+    """
+    bounds = list(bounds) if bounds is not None else shard_bounds(int(sum(sizes)), world)
     start, stop = bounds[rank], bounds[rank + 1]
     segments, offset, base = [], 0, 0
     for index, (name, size) in enumerate(zip(names, sizes, strict=True)):
