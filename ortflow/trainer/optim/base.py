@@ -129,9 +129,22 @@ class Update:
         self.chunk = chunk
         width = min(chunk, max(largest, 1))
         self.scratch = [np.empty(width, dtype=np.float32) for _ in range(2)]
-        self._plan = _plan(self.segments, chunk, max(1, threads))
+        # Threads only pay off over several chunks; tiny models stay on the calling thread.
+        self._plan = _plan(self.segments, chunk, max(1, threads) if total >= 2 * chunk else 1)
         self._thread_scratch = [[np.empty(width, dtype=np.float32) for _ in range(2)] for _ in self._plan]
         self._pool = ThreadPoolExecutor(len(self._plan)) if len(self._plan) > 1 else None
+        self._bound: list | None = None
+
+    def _bind(self) -> None:
+        self._bound = []
+        for group, work in enumerate(self._plan):
+            t1, t2 = self._thread_scratch[group]
+            items = []
+            for i, part in work:
+                n = part.stop - part.start
+                states = tuple(s[part] for s in self.state_views(i))
+                items.append((i, part, self.params[i][part], states, t1[:n], t2[:n], self.decay[i]))
+            self._bound.append(items)
 
     @property
     def state_bytes(self) -> int:
@@ -158,13 +171,12 @@ class Update:
 
     def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, *consts) -> None:
         """Run an element-wise ``kernel(p, g, *states, t1, t2, decay, *consts)`` over every chunk of every segment."""
+        if self._bound is None:  # views of parameters, state and scratch per chunk, made once (per-step overhead)
+            self._bind()
 
         def run(group: int) -> None:
-            t1, t2 = self._thread_scratch[group]
-            for i, part in self._plan[group]:
-                n = part.stop - part.start
-                states = [s[part] for s in self.state_views(i)]
-                kernel(self.params[i][part], grads[i][part], *states, t1[:n], t2[:n], self.decay[i], *consts)
+            for i, part, p, states, t1, t2, decay in self._bound[group]:
+                kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
 
         if self._pool is None:
             run(0)
