@@ -102,18 +102,21 @@ class MPIComm:
 
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         mpi = self._mpi
-        self._collective(
-            "zero-1 gradient reduce-scatter",
-            lambda: self.comm.Reduce_scatter(flat, out, list(counts), op=mpi.SUM),
-        )
+        if len(set(counts)) == 1 and flat.size == counts[0] * self.size:  # the block variant: much faster in MPICH
+            call = lambda: self.comm.Reduce_scatter_block(flat, out, op=mpi.SUM)  # noqa: E731
+        else:
+            call = lambda: self.comm.Reduce_scatter(flat, out, list(counts), op=mpi.SUM)  # noqa: E731
+        self._collective("zero-1 gradient reduce-scatter", call)
 
     def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
         mpi = self._mpi
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        self._collective(
-            "zero-1 parameter all-gather",
-            lambda: self.comm.Allgatherv(mpi.IN_PLACE, [flat, list(counts), displs, mpi.FLOAT]),
-        )
+        if len(set(counts)) == 1 and flat.size == counts[0] * self.size:
+            # In place over equal ranges: MPICH's Allgatherv measured 42x slower (bench: zero.shard_bounds).
+            call = lambda: self.comm.Allgather(mpi.IN_PLACE, flat)  # noqa: E731
+        else:
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+            call = lambda: self.comm.Allgatherv(mpi.IN_PLACE, [flat, list(counts), displs, mpi.FLOAT])  # noqa: E731
+        self._collective("zero-1 parameter all-gather", call)
 
     def broadcast(self, obj: object, label: str) -> object:
         return self._collective(label, lambda: self.comm.bcast(obj, root=0))

@@ -5,10 +5,10 @@ averaged gradients of the segments this rank updates), ``exchange.norm(mine)`` /
 clipping, ``update.step(mine, lr)``, then ``exchange.gather()`` (parameters back into every rank's engine buffers).
 
 ZeRO-1 (Rajbhandari et al. 2020, stage 1): the trainable parameters in sorted-name order form one packed layout (the
-layout of the stage-0 all-reduce); it is cut into ``world`` contiguous ranges of equal bytes (``r * total // world``,
-so the cut depends only on the sizes and the world size). A rank's range may begin or end inside a tensor: its
-segments are the pieces of tensors in its range. Per update: one reduce-scatter of the packed gradients (each rank
-receives the sum of its range), one small all-gather of [sum of squares of its range, loss, stop] summed in rank order
+layout of the stage-0 all-reduce); it is cut into ``world`` contiguous ranges of ``ceil(total / world)`` elements
+(the last shorter), so the cut depends only on the sizes and the world size. A rank's range may begin or end inside
+a tensor: its segments are the pieces of tensors in its range. Per update: one reduce-scatter of the packed
+gradients (each rank receives the sum of its range), one small all-gather of [sum of squares of its range, loss, stop] summed in rank order
 (every rank gets the same global norm, bit for bit), the update of the rank's range, one all-gather of the parameters.
 Each rank holds optimizer state for its range only.
 """
@@ -23,8 +23,14 @@ from ortflow.trainer.optim.base import Segment
 
 
 def shard_bounds(total: int, world: int) -> list[int]:
-    """Boundaries of the ``world`` ranges of a packed layout of ``total`` float32 elements (equal bytes +-1 element)."""
-    return [r * total // world for r in range(world + 1)]
+    """Boundaries of the ``world`` ranges of a packed layout of ``total`` float32 elements.
+
+    Every range holds ``ceil(total / world)`` elements but the last (fewer, possibly none): equal bytes, and
+    equal counts once the layout is padded to ``world`` ranges, which the block collectives need (MPICH's in-place
+    ``Allgatherv`` measured 42x slower than ``Allgather`` on 2 ranks, 39 MB: 538 vs 12.8 ms).
+    """
+    chunk = -(-total // world)
+    return [min(r * chunk, total) for r in range(world + 1)]
 
 
 def shard_segments(
@@ -88,11 +94,13 @@ class Zero1:
     def __init__(self, comm, names: Sequence[str], params: Sequence[np.ndarray], rank: int, world: int):
         self.comm, self.params, self.rank, self.world = comm, list(params), rank, world
         sizes = [p.size for p in self.params]
-        self.bounds = shard_bounds(int(sum(sizes)), world)
-        self.counts = [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
+        total = int(sum(sizes))
+        self.bounds = shard_bounds(total, world)
+        chunk = -(-total // world)
+        self.counts = [chunk] * world  # equal counts over the padded layout (block collectives)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        self.flat = np.empty(self.offsets[-1], dtype=np.float32)  # packed gradients, then packed parameters
-        self.shard = np.empty(self.counts[rank], dtype=np.float32)  # this rank's summed gradients
+        self.flat = np.zeros(chunk * world, dtype=np.float32)  # packed gradients, then parameters; padding stays 0
+        self.shard = np.empty(chunk, dtype=np.float32)  # this rank's summed gradients (and padding)
         self.segments = shard_segments(names, sizes, rank, world)
         self._norm_sq = 0.0
 
