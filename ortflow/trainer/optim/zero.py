@@ -4,13 +4,13 @@ Both stages present the loop with one sequence per update: ``mine = exchange.red
 averaged gradients of the segments this rank updates), ``exchange.norm(mine)`` / ``exchange.scale(mine, f)`` for
 clipping, ``update.step(mine, lr)``, then ``exchange.gather()`` (parameters back into every rank's engine buffers).
 
-ZeRO-1 (Rajbhandari et al. 2020, stage 1): the trainable parameters in sorted-name order form one packed layout (the
-layout of the stage-0 all-reduce); it is cut into ``world`` contiguous ranges of ``ceil(total / world)`` elements
-(the last shorter), so the cut depends only on the sizes and the world size. A rank's range may begin or end inside
-a tensor: its segments are the pieces of tensors in its range. Per update: one reduce-scatter of the packed
-gradients (each rank receives the sum of its range), one small all-gather of [sum of squares of its range, loss, stop] summed in rank order
-(every rank gets the same global norm, bit for bit), the update of the rank's range, one all-gather of the parameters.
-Each rank holds optimizer state for its range only.
+ZeRO-1 (Rajbhandari et al. 2020, stage 1): the trainable parameters in sorted-name order form one packed layout
+(the layout of the stage-0 all-reduce); it is cut into ``world`` contiguous ranges of ``ceil(total / world)``
+elements (the last shorter), so the cut depends only on the sizes and the world size. A rank's range may begin or
+end inside a tensor: its segments are the pieces of tensors in its range. Per update: one reduce-scatter of the
+packed gradients (each rank receives the sum of its range), one small all-gather of [sum of squares of its range,
+loss, stop] summed in rank order (every rank gets the same global norm, bit for bit), the update of the rank's
+range, one all-gather of the parameters. Each rank holds optimizer state for its range only.
 """
 
 from __future__ import annotations
