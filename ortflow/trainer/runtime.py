@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,9 @@ class Runtime:
     exchange: object  # Zero0, Zero1 (host) or optim.device.Zero1Device
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
+    #: Small named arrays/scalars saved with every checkpoint (e.g. a loss scaler's state); read them back on resume
+    #: with ``h5state.read_extra_state(rt.resume.path)``.
+    extra_state: Callable[[], dict] | None = None
 
     def train_state(self) -> h5state.TrainState:
         """What this rank writes into a checkpoint (parameters on rank 0, optimizer state as sharded)."""
@@ -54,6 +58,7 @@ class Runtime:
             parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
             trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
             rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.stage == 1,
+            extra_state=self.extra_state,
         )
 
     def gradient_buffers(self) -> list:
