@@ -90,8 +90,9 @@ def steps(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         ids, labels = feeds[k % len(feeds)]
         scalars[0] = float(rt.module(ids, labels))  # inputs in the model's order: input_ids, labels
-        comm.average_gradients(grads, comm.size, scalars)
-        rt.optimizer.step()
+        mine = rt.exchange.reduce(grads, comm.size, scalars)
+        rt.update.step(mine, cfg.optimizer.learning_rate)
+        rt.exchange.gather()
         rt.module.lazy_reset_grad()
         times.append(time.perf_counter() - start)
     mean = float(np.mean(times[args.warmup :]))

@@ -48,7 +48,10 @@ art = cfg.artifacts_dir
 state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
 module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"), device="cpu",
                     session_options=session_options(1))
-optimizer = api.Optimizer(str(art / "optimizer_model.onnx"), module)
+from ortflow.trainer.runtime import build_update
+from ortflow.trainer.comm import SingleProcessComm
+names_t = sorted(n for n, p in state.parameters if p.requires_grad)
+update, _ = build_update(cfg, SingleProcessComm(), state, names_t)
 module.train()
 batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, 0, 1, prefetch=0).iter_from(0)
 names, times = module.input_names(), []
@@ -56,7 +59,7 @@ for _ in range(int(sys.argv[2])):
     feeds = next(batches)
     start = time.perf_counter()
     float(module(*(feeds[n] for n in names)))
-    optimizer.step()
+    update.step([state.parameters[n].grad.reshape(-1) for n in names_t], cfg.optimizer.learning_rate)
     module.lazy_reset_grad()
     times.append(time.perf_counter() - start)
 print(np.mean(times[int(sys.argv[3]):]))

@@ -1,7 +1,8 @@
 """Processes the benchmark starts: ``python -m bench.workers KIND ...``; each prints one ``BENCH_RESULT {json}``.
 
-* ``bare RUN_DIR``: the bare engine loop on the run's artifacts and batches: ``module(*inputs); optimizer.step();
-  module.lazy_reset_grad()`` and nothing else (the batches are read before timing starts).
+* ``bare RUN_DIR``: the bare loop on the run's artifacts and batches: ``module(*inputs); optimizer.step();
+  module.lazy_reset_grad()`` and nothing else, where ``optimizer.step()`` is ortflow's update on the engine's buffers
+  (the artifacts hold no optimizer graph any more; the batches are read before timing starts).
 * ``torch``: the same GPT in eager PyTorch, DistributedDataParallel over gloo when WORLD_SIZE > 1 (ranks started
   like torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 * ``sanity RUN_DIR``: the first losses of the engine (bare loop) and PyTorch from the same initial weights on the same
@@ -44,10 +45,34 @@ def _engine(run_dir: Path, threads: int):
     state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
     module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"), device="cpu",
                         session_options=session_options(threads))  # fmt: skip
-    optimizer = api.Optimizer(str(art / "optimizer_model.onnx"), module)
-    optimizer.set_learning_rate(cfg.optimizer.learning_rate)
     module.train()
-    return cfg, state, module, optimizer
+    return cfg, state, module, _Update(cfg, state)
+
+
+class _Update:
+    """ortflow's update on the engine's buffers behind the old ``optimizer.step()`` call (what the trainer applies)."""
+
+    def __init__(self, cfg, state):
+        from ortflow.trainer import optim
+
+        self.names = sorted(n for n, p in state.parameters if p.requires_grad)
+        self.grads = [state.parameters[n].grad for n in self.names]
+        params = [state.parameters[n].data.reshape(-1) for n in self.names]
+        self.update = optim.build_update(cfg.optimizer, optim.whole_segments(self.names, [p.size for p in params]),
+                                         params)
+        self.lr = cfg.optimizer.learning_rate
+        self.state = state
+
+    def step(self) -> None:
+        if self.grads[0] is None:  # the engine allocates gradients at the first backward
+            self.grads = [self.state.parameters[n].grad for n in self.names]
+        self.update.step([g.reshape(-1) for g in self.grads], self.lr)
+
+    def train_state(self):
+        from ortflow.trainer.checkpoints.h5state import TrainState
+
+        return TrainState(lambda: {n: p.data.copy() for n, p in self.state.parameters}, self.names, self.update,
+                          "adamw/torch")
 
 
 def _batches(cfg, count: int, rank: int = 0, world: int = 1) -> list[dict[str, np.ndarray]]:
@@ -188,6 +213,7 @@ def allreduce(args: argparse.Namespace) -> None:
 
 def checkpoint(args: argparse.Namespace) -> None:
     from ortflow.trainer.checkpoints import CheckpointManager
+    from ortflow.trainer.checkpoints.h5state import write_state
 
     cfg, state, module, optimizer = _engine(args.run_dir, 1)
     feeds = _batches(cfg, 1)[0]
@@ -195,10 +221,10 @@ def checkpoint(args: argparse.Namespace) -> None:
     optimizer.step()  # the AdamW moments exist only after a step
     times, size = [], 0
     with tempfile.TemporaryDirectory(dir=cfg.output_dir) as tmp:
-        manager = CheckpointManager(Path(tmp), period=1, max_num_checkpoints=1, is_writer=True)
+        manager = CheckpointManager(Path(tmp), period=1, max_num_checkpoints=1, is_writer=True, writer=write_state)
         for step in range(1, args.repeats + 1):
             t0 = time.perf_counter()
-            path = manager.save(step, state, {"global_cursor": step, "bench": True})
+            path = manager.save(step, optimizer.train_state(), {"global_cursor": step, "bench": True})
             times.append(time.perf_counter() - t0)
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     emit({"save_s": times, "bytes": size})

@@ -373,6 +373,55 @@ def sample(
     out.write("\n")
 
 
+checkpoint_app = typer.Typer(
+    help="Inspect, verify or merge a checkpoint folder (HDF5; no engine needed).", no_args_is_help=True
+)
+app.add_typer(checkpoint_app, name="checkpoint")
+CheckpointArg = Annotated[Path, typer.Argument(help="A checkpoint folder (step-NNNNNNNN).", show_default=False)]
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect(path: CheckpointArg) -> None:
+    """Print a checkpoint's step, data cursor, files, parameters and optimizer state as JSON (verified first)."""
+    import json
+
+    from ortflow.trainer.checkpoints import CheckpointError
+    from ortflow.trainer.checkpoints.tools import inspect
+
+    try:
+        print(json.dumps(inspect(path), indent=1))
+    except CheckpointError as err:
+        _fail(str(err))
+
+
+@checkpoint_app.command("verify")
+def checkpoint_verify(path: CheckpointArg) -> None:
+    """Check meta.json's digest and every file's size and sha256; exit 1 naming the damaged file."""
+    from ortflow.trainer.checkpoints import CheckpointError, verify
+
+    try:
+        info = verify(path)
+    except CheckpointError as err:
+        _fail(str(err))
+    console.print(f"ok: {info.path} (step {info.step}, {len(info.meta['files'])} file(s) verified)", highlight=False)
+
+
+@checkpoint_app.command("merge")
+def checkpoint_merge(
+    path: CheckpointArg,
+    out: Annotated[Path, typer.Option("--out", "-o", help="HDF5 file to write (one dataset per tensor).")],
+) -> None:
+    """Gather parameters and every rank's optimizer shards into one HDF5 file readable with plain h5py."""
+    from ortflow.trainer.checkpoints import CheckpointError
+    from ortflow.trainer.checkpoints.tools import merge
+
+    try:
+        info = merge(path, out)
+    except (CheckpointError, ValueError) as err:
+        _fail(str(err))
+    console.print(f"merged {info.path} (step {info.step}) into {out}", highlight=False)
+
+
 def main() -> None:
     """Entry point of the ``ortflow`` console script."""
     app(prog_name="ortflow")

@@ -65,7 +65,7 @@ def who_imports(prefix: str) -> set[str]:
 
 def test_only_comm_imports_mpi_nccl_or_cupy():
     assert who_imports("mpi4py") == {"ortflow.trainer.comm.mpi"}
-    assert who_imports("cupy") <= {"ortflow.trainer.comm.nccl"}
+    assert who_imports("cupy") <= {"ortflow.trainer.comm.nccl", "ortflow.trainer.optim.device"}
 
 
 def test_only_the_engine_module_imports_onnxruntime_training():

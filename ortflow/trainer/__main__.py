@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.trainer import lifeline
 from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.checkpoints.h5state import write_state
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.integrity import verify_artifacts
 from ortflow.trainer.loop import StopFlag, train
@@ -79,8 +81,11 @@ def run_rank(run_dir: Path) -> int:
         )
         evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, comm.rank, comm.size)
         writer = comm.rank == 0
+        # Under ZeRO-1 every rank writes its optimizer shard into one temporary folder named after rank 0's pid.
+        shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if rt.exchange.stage == 1 else None
         manager = CheckpointManager(
-            cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer
+            cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
+            writer=write_state, shared=shared,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard

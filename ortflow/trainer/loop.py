@@ -88,7 +88,7 @@ def train(
     """Run weight updates from the resume point to ``num_weight_updates``.
 
     Args:
-        rt: The started rank (session, optimizer, communicator, config).
+        rt: The started rank (session, update, exchange, communicator, config).
         train_batches: ``cursor -> iterator`` of this rank's micro-batches from a global sample cursor.
         eval_batches: Iterator factory over this rank's share of the eval split, yielding (feeds, weight, rows).
         checkpoints: Owns when to save and what to keep; the loop only offers each step.
@@ -98,7 +98,7 @@ def train(
         tokens_per_sample: For tokens/s (text data), else None.
         clock: Time source for throughput.
     """
-    cfg, comm, module, optimizer, scaler = rt.cfg, rt.comm, rt.module, rt.optimizer, rt.loss_scale
+    cfg, comm, module, update, exchange, scaler = rt.cfg, rt.comm, rt.module, rt.update, rt.exchange, rt.loss_scale
     k, world, batch = cfg.train.gradient_accumulation_steps, comm.size, cfg.train.batch_size
     total, period = cfg.train.num_weight_updates, cfg.train.evaluation_period
     step = rt.resume.step if rt.resume else 0
@@ -113,7 +113,6 @@ def train(
 
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
-        optimizer.set_learning_rate(lr)
         onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
 
         loss_sum = 0.0
@@ -123,9 +122,9 @@ def train(
         if not grads:  # the engine's own buffers (host views, device buffers on CUDA), fixed for the module's life
             grads = rt.gradient_buffers()
         scalars[:] = (loss_sum / k / scaler.scale, float(stop.requested))
-        # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop
-        # (the loss scale is divided out here too).
-        comm.average_gradients(grads, k * world * scaler.scale, scalars)
+        # Sync point: mean gradient over k micro-batches x ranks, plus loss and stop (ZeRO-1: this rank's share); the
+        # loss scale is divided out here too.
+        mine = exchange.reduce(grads, k * world * scaler.scale, scalars)
         step += 1
         cursor += k * world * batch
         window_samples += k * world * batch
@@ -134,16 +133,17 @@ def train(
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
         max_norm = cfg.optimizer.max_grad_norm
         # The norm is one pass over the gradients, computed every update: it guards the parameters against NaN/inf.
-        # Every rank holds the same averaged gradients, so every rank computes the same norm, clips alike and decides
-        # alike (the engine's own clipping operator is not deterministic, so clipping is done here).
-        grad_norm = comm.gradient_norm(grads)
+        # Every rank gets the same norm (ZeRO-1: summed from the shards in rank order), so every rank clips alike and
+        # decides alike (the engine's own clipping operator is not deterministic, so clipping is done here).
+        grad_norm = exchange.norm(mine)
         # fp16 loss scaling overflows on purpose now and then: that update is skipped on every rank (scale halved);
         # any other non-finite loss or norm stops the job before it reaches the parameters or a checkpoint.
         stepped = scaler.update(grad_norm) and check_update(step, train_loss, grad_norm, skip_overflow=scaler.enabled)
         if stepped and max_norm is not None and grad_norm > max_norm:
-            comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
+            exchange.scale(mine, max_norm / (grad_norm + 1e-6))
         if stepped:
-            optimizer.step()
+            update.step(mine, lr)  # ortflow's rule, in place on the engine's parameter buffers
+        exchange.gather()  # Sync point (ZeRO-1): every rank's updated shard back into every rank's parameters
         module.lazy_reset_grad()
 
         paused = clock()
@@ -178,7 +178,7 @@ def train(
                 loss_scale.META_KEY: loss_scale.checkpoint_state(scaler),
             }
             paused = clock()
-            checkpoints.save(step, rt.state, meta)
+            checkpoints.save(step, rt.train_state(), meta)
             window_start += clock() - paused
 
     if scalars[1]:

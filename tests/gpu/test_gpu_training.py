@@ -107,7 +107,7 @@ def test_gradient_buffers_are_the_engines_device_memory_and_are_averaged_in_plac
     assert scalars[0] == 1.5
     expected_norm = float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in after)))
     assert rt.comm.gradient_norm(buffers) == pytest.approx(expected_norm, rel=1e-6)
-    rt.optimizer.step()
+    rt.update.step(rt.exchange.reduce(buffers, 1.0, scalars), 0.01)  # ortflow's device update on the same buffers
     rt.module.lazy_reset_grad()
     rt.module(*(feeds[n] for n in names))
     assert [b.ptr for b in rt.gradient_buffers()] == [b.ptr for b in buffers]  # the addresses stay put
@@ -127,3 +127,21 @@ def test_clipping_on_the_gpu_is_deterministic_and_keeps_ranks_identical(tmp_path
     assert runs[0][(0, 20)] == runs[1][(0, 20)]  # the device norm is summed in a fixed order: runs repeat exactly
     norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", logs[0])]
     assert norms and max(norms) > 0.1  # the norm is logged before clipping: clipping was active
+
+
+def test_zero1_on_nccl_keeps_ranks_identical_and_matches_zero0(tmp_path):
+    from tests.trainer.runs import final_parameters, make_text_run
+
+    runs = {}
+    for stage in (0, 1):
+        cfg = make_text_run(tmp_path, f"z{stage}", distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True,
+                                                                "zero_stage": stage},
+                            optimizer={"learning_rate": 0.003, "max_grad_norm": 0.5},
+                            checkpoint={"period": 1, "max_num_checkpoints": 1}, train={"display_loss_steps": 1})
+        seen = _digests(_run(cfg, 2))
+        assert all(seen[(0, step)] == seen[(1, step)] for _, step in seen)  # identical after every update
+        runs[stage] = final_parameters(cfg)
+        if stage == 1:
+            assert len(list(next(cfg.checkpoints_dir.glob("step-*")).glob("optimizer-rank*.h5"))) == 2
+    for name in runs[0]:  # same gradients; the norm summed from shards: fp32 rounding apart (as on the CPU test)
+        np.testing.assert_allclose(runs[1][name], runs[0][name], rtol=1e-4, atol=1e-6, err_msg=name)

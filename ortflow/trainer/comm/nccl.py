@@ -175,6 +175,24 @@ class NCCLComm:
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return self.group.allreduce_sum(values, label)
 
+    def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        return self.group.allgather_sum(values, label)
+
+    def reduce_scatter_device(self, send_ptr: int, recv_ptr: int, count: int) -> None:
+        """ZeRO-1 on the GPU: ``recv`` (``count`` floats) = sum over ranks of this rank's range of ``send``."""
+        nccl = self._nccl
+        self.comm.reduceScatter(send_ptr, recv_ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, self.stream.ptr)
+
+    def all_gather_device(self, send_ptr: int, recv_ptr: int, count: int) -> None:
+        """ZeRO-1 on the GPU: every rank's ``count`` floats into ``recv`` (in place when send = recv + rank x count)."""
+        self.comm.allGather(send_ptr, recv_ptr, count, self._nccl.NCCL_FLOAT32, self.stream.ptr)
+
+    def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
+        self.group.reduce_scatter(flat, out, counts)  # host ZeRO-1 over the process group (CPU engine)
+
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+        self.group.all_gather(flat, counts)
+
     def broadcast(self, obj: object, label: str) -> object:
         return self.group.broadcast(obj, label)
 

@@ -1,0 +1,124 @@
+"""ZeRO-1 vs ZeRO-0 at N CPU ranks, side by side in one run: per-rank update time, step time, optimizer memory.
+
+    .venv/bin/mpiexec -n 2 .venv/bin/python -m bench.optim_zero [--d-model 512 --num-layers 3] [--rounds 5]
+        [--out bench/results/optim-zero-2ranks.md]
+
+Every rank runs the engine's forward/backward of ortflow's example GPT (1 thread, batch 2 x 64), then that stage's
+exchange + update + gather (AdamW torch rule, clipping on so the global norm is computed), stages interleaved in
+rounds from the same parameters. Reported per stage, the median over rounds of the mean over ranks: gradient
+exchange (all-reduce, or reduce-scatter + the small norm all-gather), the update, the parameter all-gather, the
+whole step (forward/backward included), and the optimizer-state bytes each rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ortflow.config import OptimizerConfig
+from ortflow.examples import build_gpt
+from ortflow.trainer import optim
+from ortflow.trainer.comm.mpi import MPIComm
+from ortflow.trainer.optim.zero import Zero0, Zero1
+
+
+def session(folder: Path, d_model: int, num_layers: int):
+    from ortflow.engine import api, artifacts
+    from ortflow.trainer.runtime import session_options
+
+    model = onnx.load(str(build_gpt(folder / "gpt.onnx", seq_len=64, d_model=d_model, num_layers=num_layers,
+                                    num_heads=4)))
+    names = sorted(t.name for t in model.graph.initializer)
+    cwd = Path.cwd()
+    os.chdir(folder)
+    try:
+        artifacts.generate_artifacts(model, requires_grad=names, frozen_params=[],
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
+                                     artifact_directory=str(folder))
+    finally:
+        os.chdir(cwd)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
+                        session_options=session_options(1))
+    module.train()
+    return state, module, names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        comm = MPIComm(Path(tmp) / ".ranks", 600.0)
+        state, module, names = session(Path(tmp), args.d_model, args.num_layers)
+        params = [state.parameters[n].data.reshape(-1) for n in names]
+        initial = [p.copy() for p in params]
+        grads_engine = [state.parameters[n].grad for n in names]
+        opt = OptimizerConfig(weight_decay=0.01, max_grad_norm=1.0)
+        zero1 = Zero1(comm, names, params, comm.rank, comm.size)
+        stages = {
+            "ZeRO-0": (Zero0(comm), optim.build_update(opt, optim.whole_segments(names, [p.size for p in params]),
+                                                        params)),
+            "ZeRO-1": (zero1, optim.build_update(opt, zero1.segments, zero1.my_params(), zero1.sum_across_ranks,
+                                                 len(names))),
+        }
+        rng = np.random.default_rng(comm.rank)
+        times = {k: {"forward+backward": [], "exchange": [], "update": [], "gather": [], "step": []} for k in stages}
+        for _ in range(args.rounds + 1):
+            ids = rng.integers(0, 256, (2, 64)).astype(np.int64)
+            for name, (exchange, update) in stages.items():
+                for p, q in zip(params, initial, strict=True):
+                    p[...] = q  # every stage starts each round from the same parameters
+                t0 = time.perf_counter()
+                module(ids, np.roll(ids, -1, axis=1).reshape(-1))
+                t1 = time.perf_counter()
+                scalars = np.zeros(2, dtype=np.float32)
+                mine = exchange.reduce(grads_engine, comm.size, scalars)
+                norm = exchange.norm(mine)
+                if norm > 1.0:
+                    exchange.scale(mine, 1.0 / (norm + 1e-6))
+                t2 = time.perf_counter()
+                update.step(mine, 1e-4)
+                t3 = time.perf_counter()
+                exchange.gather()
+                t4 = time.perf_counter()
+                module.lazy_reset_grad()
+                total = comm.allreduce_sum(np.array([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0]), "times")
+                for key, value in zip(times[name], total / comm.size, strict=True):
+                    times[name][key].append(float(value))
+        state_bytes = {k: comm.allreduce_sum(np.array([u.state_bytes]), "bytes") / comm.size for k, (_, u) in
+                       stages.items()}
+        comm.close()
+    if comm.rank == 0:
+        num = int(sum(p.size for p in params))
+        lines = [
+            f"# ZeRO-1 vs ZeRO-0 on {comm.size} CPU ranks - {num:,} parameters (AdamW torch, clipping on)", "",
+            "Command: `mpiexec -n {} python -m bench.optim_zero {}`  ".format(comm.size, " ".join(sys.argv[1:])),
+            f"Median over {args.rounds} interleaved rounds of the mean over ranks, ms; state: MiB per rank.", "",
+            "| stage | forward+backward | exchange | update | gather | step | optimizer state |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name in stages:
+            med = {k: statistics.median(v[1:]) * 1e3 for k, v in times[name].items()}
+            lines.append(f"| {name} | {med['forward+backward']:.1f} | {med['exchange']:.1f} | {med['update']:.1f} | "
+                         f"{med['gather']:.1f} | {med['step']:.1f} | {state_bytes[name][0] / 2**20:.1f} |")
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The update on CUDA buffers: fused multi-tensor CuPy kernels (``update.cu``), one launch per step for AdamW and SGD.
+
+:class:`DeviceUpdate` has the interface of :class:`~ortflow.trainer.optim.base.Update` (``step``, ``segments``,
+``rule``, ``state_views``, ``step_count``, ``state_bytes``) over device addresses: the engine's parameter buffers and
+gradient buffers (:class:`~ortflow.trainer.comm.DeviceBuffer`), optimizer state in CuPy arrays. Kernels run on the
+communicator's NCCL stream, after the gradient exchange on the same stream, and the step ends with one stream
+synchronize (the engine's next forward runs on its own stream and must see the new parameters). Lamb takes three
+launches (moments and partial norms, fixed-order sums, apply) and one small host round trip for the trust ratios,
+which also gives ZeRO-1 the place for its one small sum over ranks.
+
+:class:`Zero1Device` is ZeRO-1 on NCCL: pack, reduce-scatter of equal padded ranges (NCCL needs equal counts), scale
+and norm partials in one kernel, a small host all-gather of [norm^2, scalars] in rank order, the update of this rank's
+range, pack, in-place all-gather, unpack.
+
+Written to mirror the host rules operation for operation; run on the device by tests/gpu/test_gpu_optim.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ortflow.trainer.optim.adamw import AdamW
+from ortflow.trainer.optim.base import Segment
+from ortflow.trainer.optim.lamb import Lamb
+from ortflow.trainer.optim.sgd import SGD
+from ortflow.trainer.optim.zero import shard_segments
+
+f32 = np.float32
+_SRC = (Path(__file__).parent / "update.cu").read_text()
+_THREADS = 256
+
+
+def _cupy():
+    import cupy  # only here and in comm/nccl.py
+
+    return cupy
+
+
+class _Table:
+    """Device arrays of per-tensor addresses and counts for one multi-tensor launch."""
+
+    def __init__(self, cp, columns: Sequence[Sequence[int]], counts: Sequence[int], decay: Sequence[bool]):
+        self.columns = [cp.asarray(np.asarray(c, dtype=np.uint64)) for c in columns]
+        self.counts = cp.asarray(np.asarray(counts, dtype=np.int64))
+        self.decay = cp.asarray(np.asarray(decay, dtype=np.int32))
+        self.num = len(counts)
+        self.blocks = int(min(max(1, -(-max(counts, default=1) // _THREADS)), 1024))
+
+
+class DeviceUpdate:
+    """The in-place update of one rank's segments on the GPU (see the module docstring).
+
+    Args:
+        rule: An AdamW, SGD or Lamb rule object (its hyper-parameters; the arithmetic is in update.cu).
+        segments: This rank's segments.
+        param_ptrs: Device address of each segment's first element in the engine's parameter buffers.
+        decay: Per segment, whether weight decay applies.
+        stream: The CuPy stream of the gradient exchange (NCCLComm.stream).
+        sum_across_ranks: Sums per-tensor host sums over ranks (ZeRO-1), for Lamb.
+        num_tensors: Trainable tensors in all.
+    """
+
+    def __init__(self, rule, segments: Sequence[Segment], param_ptrs: Sequence[int], decay: Sequence[bool], stream,
+                 sum_across_ranks=None, num_tensors: int | None = None):
+        cp = self._cp = _cupy()
+        self.rule, self.segments, self.decay, self.stream = rule, list(segments), list(decay), stream
+        self.param_ptrs = [int(p) for p in param_ptrs]
+        self.sum_across_ranks = sum_across_ranks or (lambda v: v)
+        self.num_tensors = num_tensors if num_tensors is not None else max((s.index for s in segments), default=-1) + 1
+        total = sum(s.size for s in self.segments)
+        self.state = {name: cp.zeros(total, dtype=cp.float32) for name in rule.state_names}
+        self._host = {name: np.zeros(total, dtype=np.float32) for name in rule.state_names}
+        self.step_count = 0
+        module = cp.RawModule(code=_SRC, options=("--std=c++11",))
+        self._k = {name: module.get_function(name) for name in
+                   ("adamw_torch", "adamw_engine", "sgd", "lamb_moments", "sum_pairs", "lamb_apply")}
+        self._grad_key = None
+        self._table = None
+        counts = [s.size for s in self.segments]
+        self._state_cols = [[self.state[n].data.ptr + 4 * s.offset for s in self.segments] for n in rule.state_names]
+        self._counts = counts
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.state.values())
+
+    def _launch_table(self, grad_ptrs: Sequence[int]) -> _Table:
+        key = tuple(grad_ptrs)
+        if self._grad_key != key:
+            self._table = _Table(self._cp, [self.param_ptrs, list(grad_ptrs), *self._state_cols], self._counts,
+                                 self.decay)
+            self._grad_key = key
+        return self._table
+
+    def state_views(self, i: int) -> list[np.ndarray]:
+        """Host mirrors of one segment's state (current after :meth:`to_host`; pushed by :meth:`to_device`)."""
+        seg = self.segments[i]
+        return [self._host[n][seg.offset : seg.offset + seg.size] for n in self.rule.state_names]
+
+    def to_host(self) -> None:
+        """Copy the device state into the host mirrors (before a checkpoint is written)."""
+        self.stream.synchronize()
+        for name, arr in self.state.items():
+            arr.get(out=self._host[name])
+
+    def to_device(self) -> None:
+        """Copy the host mirrors to the device (after a checkpoint was loaded into them)."""
+        for name, arr in self.state.items():
+            arr.set(self._host[name])
+
+    def step(self, grads: Sequence, lr: float) -> None:
+        """One update; ``grads`` are per segment objects with ``.ptr`` (DeviceBuffer) on this rank's GPU."""
+        if len(grads) != len(self.segments):
+            raise ValueError(f"expected {len(self.segments)} gradient segments, got {len(grads)}")
+        self.step_count += 1
+        table = self._launch_table([g.ptr for g in grads])
+        grid, block = (table.blocks, table.num), (_THREADS,)
+        rule, t, k = self.rule, self.step_count, self._k
+        with self.stream:
+            if isinstance(rule, AdamW) and rule.rule == "torch":
+                bc1, bc2 = 1.0 - rule.beta1**t, 1.0 - rule.beta2**t
+                k["adamw_torch"](grid, block, (*table.columns, table.counts, table.decay,
+                                               f32(1.0 - lr * rule.weight_decay), f32(1.0 - rule.beta1),
+                                               f32(rule.beta1), f32(1.0 - rule.beta2), f32(rule.beta2),
+                                               f32(rule.eps * np.sqrt(bc2)), f32(lr * np.sqrt(bc2) / bc1)))
+            elif isinstance(rule, AdamW):
+                b1, b2, lr32 = f32(rule.beta1), f32(rule.beta2), f32(lr)
+                alpha_c, beta_c = f32(1) - f32(float(b1) ** t), f32(1) - f32(float(b2) ** t)
+                lr_c = f32(lr32 * (np.sqrt(beta_c) / alpha_c))
+                k["adamw_engine"](grid, block, (*table.columns, table.counts, table.decay, f32(1) - b1, b1,
+                                                f32(1) - b2, b2, f32(rule.eps), lr_c, lr32 * f32(rule.weight_decay)))
+            elif isinstance(rule, SGD):
+                momentum = table.columns[2] if rule.momentum > 0 else table.columns[0]
+                k["sgd"](grid, block, (table.columns[0], table.columns[1], momentum, table.counts, table.decay,
+                                       f32(rule.weight_decay), f32(lr), f32(rule.momentum),
+                                       f32(1.0 - rule.dampening), np.int32(rule.nesterov), np.int32(t == 1),
+                                       np.int32(rule.momentum > 0)))
+            elif isinstance(rule, Lamb):
+                self._lamb(table, grid, block, lr)
+            else:
+                raise TypeError(f"no device kernel for {type(rule).__name__}")
+        # Sync point: the engine's next forward (its own stream) must read the updated parameters.
+        self.stream.synchronize()
+
+    def _lamb(self, table: _Table, grid, block, lr: float) -> None:
+        cp, rule, t = self._cp, self.rule, self.step_count
+        bc1, bc2 = 1.0 - rule.beta1**t, 1.0 - rule.beta2**t
+        partials = cp.zeros(table.num * table.blocks * 2, dtype=cp.float64)
+        self._k["lamb_moments"](grid, block, (*table.columns, table.counts, table.decay, f32(1.0 - rule.beta1),
+                                              f32(rule.beta1), f32(1.0 - rule.beta2), f32(rule.beta2),
+                                              f32(rule.eps * np.sqrt(bc2)), f32(np.sqrt(bc2) / bc1),
+                                              f32(rule.weight_decay), partials))
+        sums = cp.zeros(2 * self.num_tensors, dtype=cp.float64)
+        index = cp.asarray(np.array([s.index for s in self.segments], dtype=np.int32))
+        self._k["sum_pairs"]((table.num,), block, (partials, np.int32(table.blocks), np.int32(self.num_tensors),
+                                                   index, sums))
+        host = sums.get(stream=self.stream)
+        self.stream.synchronize()
+        ratios = rule.trust_ratios(self.sum_across_ranks(host))
+        factor = cp.asarray(np.array([f32(lr * ratios[s.index]) for s in self.segments], dtype=np.float32))
+        self._k["lamb_apply"](grid, block, (table.columns[0], table.columns[1], table.counts, factor))
+
+
+class Zero1Device:
+    """ZeRO-1 over NCCL for CUDA ranks (see the module docstring); the interface of :class:`~.zero.Zero1`.
+
+    Args:
+        comm: An NCCLComm (``stream``, ``reduce_scatter_device``, ``all_gather_device``, ``allgather_sum``).
+        names: Trainable names, sorted (the packed order).
+        params: DeviceBuffers of every trainable parameter (the engine's buffers).
+    """
+
+    stage = 1
+
+    def __init__(self, comm, names: Sequence[str], params: Sequence, rank: int, world: int):
+        cp = self._cp = _cupy()
+        self.comm, self.rank, self.world, self.params = comm, rank, world, list(params)
+        sizes = [p.count for p in self.params]
+        total = int(sum(sizes))
+        self.chunk = -(-total // world)  # NCCL's reduce-scatter takes equal counts: ranges padded to world x chunk
+        bounds = [min(r * self.chunk, total) for r in range(world + 1)]
+        self.segments = shard_segments(names, sizes, rank, world, bounds)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.flat = cp.zeros(self.chunk * world, dtype=cp.float32)
+        self.shard = cp.zeros(self.chunk, dtype=cp.float32)
+        module = cp.RawModule(code=_SRC, options=("--std=c++11",))
+        self._pack, self._scale_square = module.get_function("pack"), module.get_function("scale_square")
+        self._sum, self._scale = module.get_function("sum_in_order"), module.get_function("scale")
+        self._blocks = int(min(max(1, -(-self.chunk // _THREADS)), 1024))
+        self._partials = cp.zeros(self._blocks, dtype=cp.float64)
+        self._norm = cp.zeros(1, dtype=cp.float64)
+        self._norm_sq = 0.0
+        self._all = _Table(cp, [[p.ptr for p in self.params]], sizes, [True] * len(sizes))
+        self._all_offsets = cp.asarray(self.offsets[:-1])
+        base = bounds[rank]
+        mine = [(self.params[s.index].ptr + 4 * s.lo, int(self.offsets[s.index]) + s.lo, s.size) for s in self.segments]
+        self._mine = _Table(cp, [[m[0] for m in mine]], [m[2] for m in mine], [True] * len(mine))
+        self._mine_offsets = cp.asarray(np.array([m[1] for m in mine], dtype=np.int64))
+        self._grad_views = [_Ptr(self.shard.data.ptr + 4 * (m[1] - base), m[2]) for m in mine]
+
+    def param_ptrs(self) -> list[int]:
+        """Device addresses of this rank's segments in the engine's parameter buffers."""
+        return [self.params[s.index].ptr + 4 * s.lo for s in self.segments]
+
+    def _launch_pack(self, table: _Table, offsets, to_tensors: bool) -> None:
+        self._pack((table.blocks, table.num), (_THREADS,),
+                   (table.columns[0], self.flat, offsets, table.counts, np.int32(to_tensors)))
+
+    def reduce(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> list:
+        cp, stream = self._cp, self.comm.stream
+        grad_table = _Table(cp, [[g.ptr for g in grads]], [g.count for g in grads], [True] * len(grads))
+        # Sync point: the engine wrote the gradients on its own stream.
+        cp.cuda.runtime.deviceSynchronize()
+        with stream:
+            self._launch_pack(grad_table, self._all_offsets, False)
+            self.comm.reduce_scatter_device(self.flat.data.ptr, self.shard.data.ptr, self.chunk)
+            self._scale_square((self._blocks,), (_THREADS,), (self.shard, np.int64(self.chunk),
+                                                              f32(1.0 / divisor), self._partials))
+            self._sum((1,), (_THREADS,), (self._partials, np.int64(self._blocks), self._norm))
+        norm_sq = self._norm.get(stream=stream)
+        stream.synchronize()
+        small = np.concatenate([norm_sq.astype(np.float64), scalars.astype(np.float64)])
+        # Sync point: the global norm and the loss/stop scalars, summed in rank order on every rank.
+        total = self.comm.allgather_sum(small, "zero-1 norm and scalars (nccl)")
+        self._norm_sq = float(total[0])
+        scalars[:] = total[1:]
+        return self._grad_views
+
+    def norm(self, mine) -> float:
+        return float(np.sqrt(self._norm_sq))
+
+    def scale(self, mine, factor: float) -> None:
+        with self.comm.stream:
+            self._scale((self._blocks,), (_THREADS,), (self.shard, np.int64(self.chunk), f32(factor)))
+
+    def gather(self) -> None:
+        stream = self.comm.stream
+        with stream:
+            self._launch_pack(self._mine, self._mine_offsets, False)
+            start = self.flat.data.ptr + 4 * self.rank * self.chunk
+            self.comm.all_gather_device(start, self.flat.data.ptr, self.chunk)
+            self._launch_pack(self._all, self._all_offsets, True)
+        # Sync point: the engine's next forward reads every parameter.
+        self.comm.watched("zero-1 parameter all-gather (nccl)", stream.synchronize)
+
+    def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
+        return self.comm.allgather_sum(values, "zero-1 lamb norms")
+
+
+class _Ptr:
+    """A device address and element count (the DeviceBuffer shape) for a segment of the shard."""
+
+    def __init__(self, ptr: int, count: int):
+        self.ptr, self.count = int(ptr), int(count)

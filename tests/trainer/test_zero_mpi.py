@@ -1,0 +1,100 @@
+"""ZeRO stage 1 for real under mpiexec: sharded optimizer state, identical ranks, resharding on resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from ortflow.trainer.checkpoints import list_complete
+
+from .runs import final_parameters, make_run, rank_command, run_ranks
+from .test_training_mpi import _kill_when, digests
+
+pytestmark = pytest.mark.mpi
+
+# Clipping on (max_grad_norm below the typical norm), so the sharded global norm is exercised every update.
+SETTINGS = dict(optimizer={"learning_rate": 0.01, "weight_decay": 0.01, "max_grad_norm": 0.5,
+                           "no_weight_decay": ["*bias"]},
+                checkpoint={"period": 1, "max_num_checkpoints": 100})
+
+
+def state_bytes(path) -> int:
+    with h5py.File(path, "r") as f:
+        return sum(ds.nbytes for group in f.values() for ds in group.values())
+
+
+def test_zero1_ranks_identical_every_update_equal_zero0_and_half_the_state(tmp_path):
+    zero1 = make_run(tmp_path, "zero1", distributed={"num_ranks": 2, "zero_stage": 1}, **SETTINGS)
+    zero0 = make_run(tmp_path, "zero0", distributed={"num_ranks": 2, "zero_stage": 0}, **SETTINGS)
+    out1, out0 = run_ranks(zero1), run_ranks(zero0)
+    assert out1.returncode == 0, out1.stdout
+    assert out0.returncode == 0, out0.stdout
+    # A checkpoint (and so a digest of each rank's parameters) after every update: identical after each.
+    seen = digests(out1.stdout)
+    assert {step for _, step in seen} == set(range(1, 21))
+    for step in range(1, 21):
+        assert seen[(0, step)] == seen[(1, step)], step
+    # Equal to ZeRO-0 within fp32 rounding: with 2 ranks the reduce-scatter adds the same two numbers as the
+    # all-reduce, so gradients are identical; the clipping norm is summed in another order (two float64 partial
+    # sums instead of one), which can move the float32 clip factor by 1 ulp (6e-8 relative) per update. Over 20
+    # updates such differences stay below 1e-6 relative to the parameters; a wrong shard (stale or another rank's
+    # values) differs by 1e-3 or more.
+    p1, p0 = final_parameters(zero1), final_parameters(zero0)
+    for name in p0:
+        np.testing.assert_allclose(p1[name], p0[name], rtol=2e-6, atol=1e-7, err_msg=name)
+    # Optimizer state per rank: about half of ZeRO-0's (shards balanced by bytes, +-1 element).
+    newest1, newest0 = list_complete(zero1.checkpoints_dir)[-1].path, list_complete(zero0.checkpoints_dir)[-1].path
+    full = state_bytes(newest0 / "optimizer.h5")
+    shards = [state_bytes(p) for p in sorted(newest1.glob("optimizer-rank*.h5"))]
+    assert len(shards) == 2 and sum(shards) == full
+    for shard in shards:
+        assert abs(shard / full - 0.5) <= 8 / full, (shard, full)  # within one element of each of 2 states
+
+
+def test_zero1_killed_job_resumes_bitwise_identical(tmp_path):
+    settings = dict(distributed={"num_ranks": 2, "zero_stage": 1}, train={"num_train_steps": 600, "batch_size": 8},
+                    checkpoint={"period": 25, "max_num_checkpoints": 2},
+                    optimizer={"name": "lamb", "learning_rate": 0.01},
+                    lr_schedule={"name": "cosine", "warmup_steps": 50})
+    steady = make_run(tmp_path, "steady", **settings)
+    killed = make_run(tmp_path, "killed", **settings)
+    assert run_ranks(steady).returncode == 0
+    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _kill_when(killed, proc, min_step=60)
+    before = [info.step for info in list_complete(killed.checkpoints_dir)]
+    assert before and max(before) < 600, before
+    resumed = run_ranks(killed)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout
+    a, b = final_parameters(steady), final_parameters(killed)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(tmp_path, ranks):
+    base = make_run(tmp_path, "base", distributed={"num_ranks": 2, "zero_stage": 1},
+                    train={"num_train_steps": 10}, checkpoint={"period": 5, "max_num_checkpoints": 3})
+    assert run_ranks(base).returncode == 0
+    start = list_complete(base.checkpoints_dir)[-1]
+    assert start.step == 10 and len(list(start.path.glob("optimizer-rank*.h5"))) == 2
+    runs = {}
+    for stage in (1, 0):  # ZeRO-1 resharded vs ZeRO-0 started from the same state on the same number of ranks
+        cfg = make_run(tmp_path, f"r{ranks}z{stage}", distributed={"num_ranks": ranks, "zero_stage": stage},
+                       train={"num_train_steps": 16},
+                       checkpoint={"period": 3, "max_num_checkpoints": 3, "checkpoint_to_load_path": str(start.path)})
+        out = run_ranks(cfg, timeout=300)
+        assert out.returncode == 0, out.stdout
+        assert "starting from step 10" in out.stdout
+        runs[stage] = cfg
+    last = list_complete(runs[1].checkpoints_dir)[-1]
+    # Continued at the exact sample: 10 updates x 2 ranks x 4, then 6 updates x ranks x 4.
+    assert last.step == 16 and last.meta["global_cursor"] == 10 * 2 * 4 + 6 * ranks * 4
+    p1, p0 = final_parameters(runs[1]), final_parameters(runs[0])
+    for name in p0:  # as above: identical gradients up to the reduction order of 3 ranks, a few fp32 ulps
+        np.testing.assert_allclose(p1[name], p0[name], rtol=2e-6, atol=1e-7, err_msg=name)
