@@ -16,6 +16,8 @@ from ortflow.configure import configure
 from ortflow.engine import api
 from ortflow.export import export_model
 from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.checkpoints.h5state import TrainState, write_state
+from ortflow.trainer.optim import build_update, whole_segments
 from tests.models_precision import build_tiny_lm, save
 
 
@@ -33,7 +35,12 @@ def mixed_run(tmp_path_factory):
     })  # fmt: skip
     configure(cfg)
     state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
-    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True).save(1, state, {"eval_loss": None})
+    names = sorted(n for n, p in state.parameters if p.requires_grad)
+    params = [state.parameters[n].data.reshape(-1) for n in names]
+    update = build_update(cfg.optimizer, whole_segments(names, [p.size for p in params]), params)
+    train_state = TrainState(lambda: {n: np.array(p.data) for n, p in state.parameters}, names, update, "adamw/torch")
+    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True, writer=write_state).save(1, train_state,
+                                                                                            {"eval_loss": None})
     return cfg, original
 
 
@@ -85,7 +92,12 @@ def test_a_bf16_compute_export_is_refused_with_the_reason(tmp_path):
     })  # fmt: skip
     configure(cfg)
     state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
-    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True).save(1, state, {"eval_loss": None})
+    names = sorted(n for n, p in state.parameters if p.requires_grad)
+    params = [state.parameters[n].data.reshape(-1) for n in names]
+    update = build_update(cfg.optimizer, whole_segments(names, [p.size for p in params]), params)
+    train_state = TrainState(lambda: {n: np.array(p.data) for n, p in state.parameters}, names, update, "adamw/torch")
+    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True, writer=write_state).save(1, train_state,
+                                                                                            {"eval_loss": None})
     with pytest.raises(ExportError, match="no bf16 kernels.*export fp32"):
         export_model(cfg.output_dir, tmp_path / "bf16.onnx", config=cfg)
     assert not (tmp_path / "bf16.onnx").exists()

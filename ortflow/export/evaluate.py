@@ -67,8 +67,13 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_batches
                           "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
     batch = cfg.train.resolved_eval_batch_size
     loader = EvalLoader(src.data_dir, batch, rank=0, world_size=1)
-    state = api.CheckpointState.load_checkpoint(str(src.checkpoint.checkpoint_path))
+    # The engine's session starts from the configured weights; the checkpoint's values (HDF5, or a format 1 engine
+    # file) are then copied into its parameter buffers by name.
+    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
     module = api.Module(str(cfg.artifacts_dir / "training_model.onnx"), state, str(src.eval_model), device="cpu")
+    values = load_parameters(src.checkpoint.path)
+    for name, param in state.parameters:
+        param.data[...] = values[name]
     module.eval()
     names = module.input_names()
     total, rows = 0.0, 0
@@ -87,7 +92,7 @@ def _accuracy(src, loader, max_batches: int | None) -> float | None:
     eval_proto = onnx.load(str(src.eval_model))
     labels = label_names(eval_proto, record, src.config)
     label, output = record["label_input"], record["loss_output"]
-    model = build_inference_model(eval_proto, load_parameters(src.checkpoint.checkpoint_path), [output], labels)
+    model = build_inference_model(eval_proto, load_parameters(src.checkpoint.path), [output], labels)
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     inputs = [i.name for i in session.get_inputs()]
     correct = counted = 0

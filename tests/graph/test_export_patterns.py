@@ -11,10 +11,11 @@ import onnx
 import onnxruntime
 import pytest
 
-from ortflow.config import config_from_dict
+from ortflow.config import OptimizerConfig, config_from_dict
 from ortflow.configure import configure
 from ortflow.engine import api
 from ortflow.export.model import build_inference_model, default_outputs, label_names, load_parameters
+from ortflow.trainer import optim
 from tests import models_export
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients
 
@@ -80,13 +81,14 @@ def test_configure_gradients_and_one_update(tmp_path, pattern):
     state = api.CheckpointState.load_checkpoint(str(result.artifacts_dir / "checkpoint"))
     module = api.Module(str(result.artifacts_dir / "training_model.onnx"), state,
                         str(result.artifacts_dir / "eval_model.onnx"))
-    optimizer = api.Optimizer(str(result.artifacts_dir / "optimizer_model.onnx"), module)
-    optimizer.set_learning_rate(LR)
+    names = sorted(n for n, p in state.parameters if p.requires_grad)
+    params = [state.parameters[n].data.reshape(-1) for n in names]  # ortflow's update works on the engine's views
+    update = optim.build_update(OptimizerConfig(), optim.whole_segments(names, [p.size for p in params]), params)
     module.eval()
     before = float(module(*inputs))
     module.train()
     module(*inputs)
-    optimizer.step()
+    update.step([state.parameters[n].grad.reshape(-1) for n in names], LR)
     module.eval()
     after = float(module(*inputs))
     assert before == pytest.approx(loss, rel=1e-5)  # the eval graph computes the training graph's loss

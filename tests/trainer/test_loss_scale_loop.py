@@ -7,6 +7,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ortflow.dataprep.loader import TrainLoader
 from ortflow.trainer.checkpoints import CheckpointManager, list_complete
+from ortflow.trainer.checkpoints.h5state import write_state
 from ortflow.trainer.comm import SingleProcessComm
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.loss_scale import LossScaler
@@ -28,7 +29,7 @@ def test_a_non_finite_gradient_skips_exactly_that_update_and_is_reported(tmp_pat
             yield {**feeds, "features": feeds["features"] * 1e38} if k == 4 else feeds  # update 5 overflows
 
     tensorboard = TensorBoardLog(cfg.tensorboard_dir, cfg.tensorboard.scalar_names, ())
-    manager = CheckpointManager(cfg.checkpoints_dir, 1, 8, is_writer=True)
+    manager = CheckpointManager(cfg.checkpoints_dir, 1, 8, is_writer=True, writer=write_state)
     result = train(rt, batches, lambda: iter(()), manager, tensorboard, Progress(cfg.output_dir, 8, 0), StopFlag())
     tensorboard.close()
     assert result.step == 8 and rt.loss_scale.skipped_updates == 1
