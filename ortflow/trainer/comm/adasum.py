@@ -57,15 +57,13 @@ def tensor_offsets(counts: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
 
 
-def _dots(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
-    """(a.b, |a|^2, |b|^2) accumulated in float64."""
-    dot = aa = bb = 0.0
+def _dots(a, b, xp) -> tuple:
+    """(a.b, |a|^2, |b|^2) accumulated in float64, as 0-d arrays of ``xp`` (no device-to-host wait on CuPy)."""
+    dot = aa = bb = xp.zeros((), dtype=xp.float64)
     for start in range(0, a.size, _CHUNK):
-        x = a[start : start + _CHUNK].astype(np.float64)
-        y = b[start : start + _CHUNK].astype(np.float64)
-        dot += float(np.dot(x, y))
-        aa += float(np.dot(x, x))
-        bb += float(np.dot(y, y))
+        x = a[start : start + _CHUNK].astype(xp.float64)
+        y = b[start : start + _CHUNK].astype(xp.float64)
+        dot, aa, bb = dot + xp.dot(x, y), aa + xp.dot(x, x), bb + xp.dot(y, y)
     return dot, aa, bb
 
 
@@ -89,9 +87,7 @@ def _pieces(lo: int, hi: int, offsets: np.ndarray) -> list[tuple[int, int, int]]
     return pieces
 
 
-def adasum_allreduce(
-    flat: np.ndarray, counts: Sequence[int], group: PeerGroup, scratch: np.ndarray | None = None
-) -> None:
+def adasum_allreduce(flat, counts: Sequence[int], group: PeerGroup, scratch=None, xp=np) -> None:
     """Replace ``flat`` (float32, every rank's packed vector) by the Adasum of all ranks' vectors, in place.
 
     Args:
@@ -99,6 +95,8 @@ def adasum_allreduce(
         counts: Elements per tensor (the per-layer boundaries), the same on every rank.
         group: Point-to-point and sub-group sums over the ranks (a power of two of them).
         scratch: Optional float32 buffer of at least ``flat.size // 2 + 1`` elements to receive into.
+        xp: The array module of ``flat``: numpy on the host, CuPy on the GPU (then ``group`` exchanges device
+            buffers, and the dot products reach the host once per level).
 
     Raises:
         ValueError: If the number of ranks is not a power of two or the sizes disagree.
@@ -112,7 +110,7 @@ def adasum_allreduce(
     if size == 1:
         return
     half = flat.size // 2 + 1  # the largest half a rank keeps
-    recv = scratch if scratch is not None and scratch.size >= half else np.empty(half, np.float32)
+    recv = scratch if scratch is not None and scratch.size >= half else xp.empty(half, xp.float32)
     lo, hi = 0, flat.size
     segments: list[tuple[int, int]] = []
     level = 1
@@ -127,12 +125,13 @@ def adasum_allreduce(
         mine = flat[keep[0] : keep[1]]
         pieces = _pieces(keep[0], keep[1], offsets)
         # [dot, |left group's|^2, |right group's|^2] per tensor: the same order on both sides of the pair.
-        sums = np.zeros((len(counts), 3), dtype=np.float64)
+        partial = xp.zeros((len(counts), 3), dtype=xp.float64)
         for t, start, stop in pieces:
             a = mine[start - keep[0] : stop - keep[0]]
             b = other[start - keep[0] : stop - keep[0]]
-            dot, a_sq, b_sq = _dots(a, b)
-            sums[t] = (dot, a_sq, b_sq) if left else (dot, b_sq, a_sq)
+            dot, a_sq, b_sq = _dots(a, b, xp)
+            partial[t, 0], partial[t, 1], partial[t, 2] = (dot, a_sq, b_sq) if left else (dot, b_sq, a_sq)
+        sums = partial if xp is np else xp.asnumpy(partial)
         # Sync point: the coefficients need the dot products over the whole vector, held by 2 * level ranks.
         sums = group.group_allreduce_sum(sums.reshape(-1), 2 * level, f"adasum dots level {level}").reshape(-1, 3)
         for t, start, stop in pieces:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
@@ -86,6 +87,16 @@ class MPIComm:
         for grad, part in zip(grads, self._slices, strict=True):
             np.multiply(flat[part].reshape(grad.shape), scale, out=grad)
         scalars[:] = flat[flat.size - scalars.size :]
+
+    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        flat = self._layout(tensors, 0)
+        scale = np.float32(1.0 / divisor)
+        for tensor, part in zip(tensors, self._slices, strict=True):
+            np.multiply(tensor.reshape(-1), scale, out=flat[part])
+        adasum_allreduce(flat, [t.size for t in tensors], self)
+        for tensor, part in zip(tensors, self._slices, strict=True):
+            tensor.reshape(-1)[:] = flat[part]
+        scalars[:] = self.allreduce_sum(scalars, "adasum scalars")
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         buffer = np.array(values, dtype=np.float64, copy=True)
