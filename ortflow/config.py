@@ -180,22 +180,40 @@ class TrainConfig(_Section):
 class OptimizerConfig(_Section):
     """Optimizer (the reference's training_optimizer_name) and its hyper-parameters."""
 
-    name: Literal["adamw", "sgd", "lamb"] = Field("adamw", description="adamw or sgd; lamb is not supported yet.")
+    name: Literal["adamw", "sgd", "lamb"] = Field(
+        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (README: Optimizers)."
+    )
+    rule: Literal["torch", "engine"] = Field(
+        "torch",
+        description="AdamW arithmetic: torch (torch.optim.AdamW) or engine (ONNX Runtime's adam_mode=1, epsilon added "
+        "to the uncorrected sqrt(v); continues runs started before ortflow owned the update bit for bit).",
+    )
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate, reached at the end of warm-up.")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
-    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
-    epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW/Lamb first-moment decay.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW/Lamb second-moment decay.")
+    epsilon: float = Field(1e-8, gt=0, description="AdamW/Lamb epsilon.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="Weight decay: decoupled for adamw and lamb, added to the gradient (L2) for sgd."
+    )
+    no_weight_decay: tuple[str, ...] = Field(
+        (), description="fnmatch patterns of parameter names without weight decay (e.g. '*bias', '*norm*')."
+    )
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (0: plain SGD).")
+    dampening: float = Field(0.0, ge=0, le=1, description="SGD momentum dampening (as torch.optim.SGD).")
+    nesterov: bool = Field(False, description="SGD Nesterov momentum (needs momentum > 0 and dampening 0).")
+    ratio_min: float = Field(0.0, ge=0, description="Lamb: lower bound of the trust ratio ||p|| / ||r||.")
+    ratio_max: float | None = Field(None, gt=0, description="Lamb: upper bound of the trust ratio (default: none).")
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip the global gradient norm to this value before the step (default: no clipping)."
     )
 
     @model_validator(mode="after")
-    def _supported(self) -> OptimizerConfig:
-        if self.name == "lamb":
+    def _consistent(self) -> OptimizerConfig:
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError("optimizer.nesterov needs optimizer.momentum > 0 and optimizer.dampening 0")
+        if self.ratio_max is not None and self.ratio_max < self.ratio_min:
             raise ValueError(
-                "optimizer.name 'lamb' is not supported yet: onnxruntime-training 1.19.2 builds only AdamW and SGD "
-                "optimizer graphs; use 'adamw' or 'sgd'"
+                f"optimizer.ratio_max ({self.ratio_max}) must be >= optimizer.ratio_min ({self.ratio_min})"
             )
         return self
 
@@ -240,7 +258,9 @@ class DistributedConfig(_Section):
         description="Combine the data-parallel ranks' contributions with Adasum instead of the mean: gradients for "
         "sgd, each rank's own optimizer delta for adamw and lamb (needs a power-of-two data_parallel_size).",
     )
-    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; needs use_nccl (not supported yet).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="ZeRO stage: 0 (every rank holds all optimizer state) or 1 (each rank updates its shard)."
+    )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="Abort the job when a collective waits longer than this, naming the stalled ranks."
     )
@@ -384,12 +404,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.enable_adasum and dist.zero_stage:
         problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
-    if dist.zero_stage and not dist.use_nccl:
-        problems.append(f"distributed.zero_stage {dist.zero_stage} needs distributed.use_nccl: true")
-    elif dist.zero_stage:
-        problems.append(
-            "distributed.zero_stage > 0 is not supported yet (the engine keeps full optimizer state); use 0"
-        )
+    if dist.zero_stage > 1:
+        problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
     if dist.device == "cuda" and not dist.use_nccl:
         problems.append(
             "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
@@ -415,10 +431,6 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
-    if cfg.optimizer.name == "sgd" and cfg.optimizer.weight_decay:
-        problems.append(
-            "optimizer.weight_decay applies to adamw only (the engine's SGD graph has no decay); set it to 0"
-        )
     return problems
 
 

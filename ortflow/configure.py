@@ -2,12 +2,12 @@
 
 ``configure(cfg)`` writes into the run folder (``cfg.output_dir``):
 
-* ``artifacts/`` - the engine's training, eval and optimizer models and the initial checkpoint;
+* ``artifacts/`` - the engine's training and eval models and the initial checkpoint;
 * ``config.yaml`` - the resolved config every rank loads;
 * ``configure.json`` - written last: the fingerprint of what the artifacts were built from, and the inputs the data
   stage must provide (``train_inputs``, in the engine's order, label included).
 
-A second call with the same model bytes and the same ``model`` and ``optimizer`` sections finds the fingerprint in
+A second call with the same model bytes and the same ``model`` section finds the fingerprint in
 ``configure.json`` and the artifact files in place, and does no work.
 """
 
@@ -72,7 +72,7 @@ def _external_data_files(model_path: Path) -> list[Path]:
 
 
 def fingerprint(cfg: RunConfig) -> str:
-    """sha256 over the model file, its external data files, the model and optimizer sections and the engine version.
+    """sha256 over the model file, its external data files, the model section and the engine version.
 
     Args:
         cfg: The run config.
@@ -86,7 +86,7 @@ def fingerprint(cfg: RunConfig) -> str:
         with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-    digest.update(cfg.section_fingerprint("model", "optimizer").encode())
+    digest.update(cfg.section_fingerprint("model").encode())  # the optimizer is not in the artifacts
     digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
     return digest.hexdigest()
 

@@ -136,9 +136,10 @@ def test_num_train_steps_must_be_a_multiple_of_accumulation(tmp_path):
     )
 
 
-def test_zero_needs_nccl(tmp_path):
+def test_zero_stage_above_1_is_refused_and_stage_1_accepted_on_cpu(tmp_path):
     problems = problems_of(tmp_path, "distributed.zero_stage=2")
-    assert any("zero_stage 2 needs distributed.use_nccl: true" in p for p in problems)
+    assert any("zero_stage 2 is not supported; use 0 or 1" in p for p in problems)
+    assert not problems_of(tmp_path, "distributed.zero_stage=1")
 
 
 def test_mixed_precision_needs_a_gpu_build(tmp_path):
@@ -150,9 +151,11 @@ def test_bfloat16_needs_mixed_precision(tmp_path):
     assert any("use_bfloat16 needs" in p for p in problems_of(tmp_path, "precision.use_bfloat16=true"))
 
 
-def test_lamb_is_declared_but_refused(tmp_path):
-    (problem,) = problems_of(tmp_path, "optimizer.name=lamb")
-    assert "'lamb' is not supported yet" in problem and "use 'adamw' or 'sgd'" in problem
+def test_lamb_and_sgd_momentum_are_accepted_and_nesterov_needs_momentum(tmp_path):
+    assert not problems_of(tmp_path, "optimizer.name=lamb")
+    assert not problems_of(tmp_path, "optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.nesterov=true")
+    (problem,) = problems_of(tmp_path, "optimizer.name=sgd", "optimizer.nesterov=true")
+    assert "nesterov needs optimizer.momentum > 0" in problem
 
 
 def test_adasum_needs_a_power_of_two_of_data_parallel_ranks(tmp_path):
@@ -225,11 +228,11 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
 
 
 def test_validate_prints_every_problem_and_exits_1(tmp_path):
-    result = CliRunner().invoke(app, ["validate", str(write(tmp_path)), "--set", "optimizer.name=lamb",
-                                      "--set", "train.num_train_steps=10"])
+    result = CliRunner().invoke(app, ["validate", str(write(tmp_path)), "--set", "optimizer.ratio_min=2",
+                                      "--set", "optimizer.ratio_max=1", "--set", "train.num_train_steps=10"])
     assert result.exit_code == 1
     assert "2 problem(s)" in result.output
-    assert "lamb" in result.output and "multiple of" in result.output
+    assert "ratio_max" in result.output and "multiple of" in result.output
     assert "Traceback" not in result.output
 
 

@@ -20,7 +20,9 @@ from ortflow.examples.mlp import build_mlp
 from ortflow.export import ExportError, VerificationError, export_model
 from ortflow.export.model import TRAINING_DOMAINS, training_ops
 from ortflow.export.verify import NUM_BATCHES, verify_against
-from ortflow.trainer.checkpoints import CHECKPOINT_FILE, CheckpointError, CheckpointManager
+from ortflow.trainer.checkpoints import PARAMS_FILE, CheckpointError, CheckpointManager
+from ortflow.trainer.checkpoints.h5state import TrainState, read_params, write_state
+from ortflow.trainer.optim import build_update, whole_segments
 
 EVAL_LOSSES = {1: 0.9, 2: 0.4, 3: 0.6}  # step 2 is the best: export's default
 
@@ -47,17 +49,29 @@ def run(tmp_path_factory):
     art = cfg.artifacts_dir
     state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
     module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
-    optimizer = api.Optimizer(str(art / "optimizer_model.onnx"), module)
-    optimizer.set_learning_rate(0.05)
-    manager = CheckpointManager(cfg.checkpoints_dir, 1, 5, is_writer=True)
+    names = sorted(n for n, p in state.parameters if p.requires_grad)
+    params = [state.parameters[n].data.reshape(-1) for n in names]
+    update = build_update(cfg.optimizer, whole_segments(names, [p.size for p in params]), params)
+    train_state = TrainState(lambda: {n: np.array(p.data) for n, p in state.parameters}, names, update, "adamw/torch")
+    manager = CheckpointManager(cfg.checkpoints_dir, 1, 5, is_writer=True, writer=write_state)
     module.train()
     for step, loss in EVAL_LOSSES.items():
         x = rng.standard_normal((8, 8)).astype(np.float32)
         module(x, rng.integers(0, 3, 8).astype(np.int64))
-        optimizer.step()
+        update.step([state.parameters[n].grad.reshape(-1) for n in names], 0.05)
         module.lazy_reset_grad()
-        manager.maybe_save(step, state, {"eval_loss": loss, "config_fingerprint": cfg.section_fingerprint()})
+        manager.maybe_save(step, train_state, {"eval_loss": loss, "config_fingerprint": cfg.section_fingerprint()})
     return cfg
+
+
+def checkpoint_state(cfg, step: int):
+    """The engine's state holding a checkpoint's parameters (the artifacts' state, values from params.h5)."""
+    from ortflow.engine import api
+
+    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
+    for name, value in read_params(cfg.checkpoints_dir / f"step-{step:08d}").items():
+        state.parameters[name].data[...] = value  # the CPU state's buffers are writable views
+    return state
 
 
 def features(n: int = 5, seed: int = 1) -> np.ndarray:
@@ -69,7 +83,7 @@ def engine_export(cfg, step: int, out: Path) -> Path:
     from ortflow.engine import api
 
     art = cfg.artifacts_dir
-    state = api.CheckpointState.load_checkpoint(str(cfg.checkpoints_dir / f"step-{step:08d}" / CHECKPOINT_FILE))
+    state = checkpoint_state(cfg, step)
     module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
     module.export_model_for_inferencing(str(out), ["logits"])
     return out
@@ -81,7 +95,7 @@ def engine_eval_loss(cfg, step: int) -> float:
     from ortflow.engine import api
 
     art = cfg.artifacts_dir
-    state = api.CheckpointState.load_checkpoint(str(cfg.checkpoints_dir / f"step-{step:08d}" / CHECKPOINT_FILE))
+    state = checkpoint_state(cfg, step)
     module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
     module.eval()
     batches = [f for f, _ in EvalLoader(cfg.data_dir, 4, 0, 1).batches(NUM_BATCHES)]
@@ -166,11 +180,11 @@ def test_export_from_a_checkpoint_folder_copied_elsewhere(run, tmp_path):
 def test_corrupted_checkpoint_is_refused_with_a_clear_message(run, tmp_path):
     broken = tmp_path / "step-00000002"
     shutil.copytree(run.checkpoints_dir / "step-00000002", broken)
-    data = bytearray((broken / CHECKPOINT_FILE).read_bytes())
+    data = bytearray((broken / PARAMS_FILE).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (broken / CHECKPOINT_FILE).write_bytes(bytes(data))
+    (broken / PARAMS_FILE).write_bytes(bytes(data))
     out = tmp_path / "model.onnx"
-    with pytest.raises(CheckpointError, match=r"step-00000002/checkpoint: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=r"step-00000002/params.h5: checksum mismatch"):
         export_model(broken, out, eval_model=run.artifacts_dir / "eval_model.onnx")
     assert not out.exists()
 

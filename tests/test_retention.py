@@ -12,8 +12,8 @@ from ortflow.export.retention import INDEX_NAME, export_choice, plan_retention, 
 from ortflow.trainer.checkpoints import CHECKPOINT_FILE, CheckpointInfo, CheckpointManager, retention_to_delete
 
 
-def fake_writer(state: bytes, path: Path) -> None:
-    path.write_bytes(state)
+def fake_writer(state: bytes, folder: Path) -> None:
+    (folder / CHECKPOINT_FILE).write_bytes(state)
 
 
 def infos(losses: dict[int, float | None]) -> list[CheckpointInfo]:

@@ -192,11 +192,18 @@ def resolve_source(source: Path, eval_model: Path | None = None, config: RunConf
 
 
 def load_parameters(checkpoint_file: Path) -> dict[str, np.ndarray]:
-    """Parameter values stored in an engine checkpoint file (read only: no training session is made)."""
-    from ortflow.engine import api  # here: the rest of export (and the exported model) never needs the engine
+    """Parameter values of a checkpoint, read without the engine's session.
 
-    state = api.CheckpointState.load_checkpoint(str(checkpoint_file))
-    return {name: np.array(param.data, copy=True) for name, param in state.parameters}
+    Args:
+        checkpoint_file: A checkpoint folder (format 2: ``params.h5`` with h5py), or a format 1 folder's or the
+            artifacts' engine ``checkpoint`` file (its flatbuffers read directly).
+    """
+    from ortflow.trainer.checkpoints import h5state, legacy
+
+    path = Path(checkpoint_file)
+    if path.is_dir():
+        return h5state.read_params(path)
+    return legacy.read_engine_checkpoint(path).parameters
 
 
 def label_names(eval_proto: onnx.ModelProto, record: dict | None, config: RunConfig | None) -> set[str]:
@@ -425,7 +432,7 @@ def export_model(
     names = list(outputs) or default_outputs(eval_proto, src.record, labels)
     if not names:
         raise ExportError(f"cannot tell the model's outputs from {src.eval_model}; pass them with --outputs")
-    parameters = load_parameters(checkpoint.checkpoint_path)
+    parameters = load_parameters(checkpoint.path)
     model = build_inference_model(eval_proto, parameters, names, labels)
     if model.ByteSize() > _PROTO_LIMIT:
         raise ExportError("the model is over 2 GB; export with external data is not supported yet")

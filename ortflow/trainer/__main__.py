@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.checkpoints.h5state import write_state
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import init_runtime, start_mpi
@@ -48,8 +50,11 @@ def run_rank(run_dir: Path) -> int:
         )
         evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, comm.rank, comm.size)
         writer = comm.rank == 0
+        # Under ZeRO-1 every rank writes its optimizer shard into one temporary folder named after rank 0's pid.
+        shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if rt.exchange.stage == 1 else None
         manager = CheckpointManager(
-            cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer
+            cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
+            writer=write_state, shared=shared,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard

@@ -1,8 +1,8 @@
 """Inspect a user's ONNX model and build the engine's training artifacts from it.
 
 The artifacts are what every rank loads: ``training_model.onnx`` (forward + loss + gradients), ``eval_model.onnx``
-(forward + loss), ``optimizer_model.onnx`` (AdamW or SGD) and ``checkpoint`` (the
-initial parameters). They are built once, in one process, by :func:`build_artifacts`.
+(forward + loss) and ``checkpoint`` (the initial parameters). No optimizer graph: ortflow applies the update itself
+(:mod:`ortflow.trainer.optim`). They are built once, in one process, by :func:`build_artifacts`.
 
 How the config maps onto the engine (each point checked against onnxruntime-training 1.19.2):
 
@@ -10,10 +10,8 @@ How the config maps onto the engine (each point checked against onnxruntime-trai
   loss output need not be the model's first) and hands the engine's loss block the configured label name (the
   built-in ``LossType`` path always names it ``labels`` or ``target``).
 * ``model_output``: the block returns the model's own loss output; the engine builds gradients from it unchanged.
-* The optimizer is an ``onnxblock.optim`` block built with the config's betas, epsilon and weight decay (the
-  ``OptimType`` enum would take the engine's defaults, eps=1e-6). Gradient clipping is NOT put in the graph: the
-  engine's ``InplaceClipGradNorm`` is not deterministic (two identical single-process runs ended with different
-  parameters, so data-parallel replicas drifted apart); the trainer clips the averaged gradients itself.
+* No optimizer graph is built (``optimizer=None``): the engine only computes forward and backward; ortflow averages,
+  clips and applies the update (AdamW, SGD, Lamb) on the engine's buffers.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from ortflow.engine import onnxblock
 log = logging.getLogger(__name__)
 
 #: Files build_artifacts writes into the artifacts folder; all must exist for artifacts to count as built.
-ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
+ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "checkpoint")
 
 # onnx cannot serialise a ModelProto over 2 GB; the engine then needs the model's path (and writes temp.onnx into
 # the current folder, so build_artifacts switches into its scratch folder for those).
@@ -207,15 +205,6 @@ def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
     return None if cfg.model.loss == "model_output" else blocks[cfg.model.loss]()
 
 
-def _optimizer_block(cfg: RunConfig) -> onnxblock.Block:
-    opt = cfg.optimizer
-    if opt.name == "sgd":
-        return onnxblock.optim.SGD()
-    if opt.name == "adamw":
-        return onnxblock.optim.AdamW(betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
-    raise ArtifactsError(f"optimizer.name '{opt.name}' is not supported by the engine; use 'adamw' or 'sgd'")
-
-
 def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
     """The output the loss reads; checks names and shapes against the model before the engine sees them."""
     if not info.outputs:
@@ -256,13 +245,13 @@ def _load_for_engine(path: Path) -> onnx.ModelProto | None:
 
 
 def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
-    """Build the training, eval and optimizer models and the initial checkpoint into ``out_dir``.
+    """Build the training and eval models and the initial checkpoint into ``out_dir``.
 
     Everything is written into a scratch folder next to ``out_dir`` first and swapped in at the end, so a crash
     never leaves a mix of old and new artifacts.
 
     Args:
-        cfg: The run config; reads the ``model`` and ``optimizer`` sections.
+        cfg: The run config; reads the ``model`` section.
         out_dir: The artifacts folder (replaced if it exists).
         stale_record: A file that vouches for the old artifacts (configure.json); deleted just before the new
             artifacts replace the old, so a failed build leaves old artifacts and their record as they were.
@@ -294,7 +283,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
                 requires_grad=trainable,
                 frozen_params=frozen,
                 loss=loss,
-                optimizer=_optimizer_block(cfg),
+                optimizer=None,
                 artifact_directory=scratch,
             )
         except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors

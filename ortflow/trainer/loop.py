@@ -79,7 +79,7 @@ def train(
     """Run weight updates from the resume point to ``num_weight_updates``.
 
     Args:
-        rt: The started rank (session, optimizer, communicator, config).
+        rt: The started rank (session, update, exchange, communicator, config).
         train_batches: ``cursor -> iterator`` of this rank's micro-batches from a global sample cursor.
         eval_batches: Iterator factory over this rank's share of the eval split, yielding (feeds, rows).
         checkpoints: Owns when to save and what to keep; the loop only offers each step.
@@ -89,7 +89,7 @@ def train(
         tokens_per_sample: For tokens/s (text data), else None.
         clock: Time source for throughput.
     """
-    cfg, comm, module, optimizer = rt.cfg, rt.comm, rt.module, rt.optimizer
+    cfg, comm, module, update, exchange = rt.cfg, rt.comm, rt.module, rt.update, rt.exchange
     k, world, batch = cfg.train.gradient_accumulation_steps, comm.size, cfg.train.batch_size
     total, period = cfg.train.num_weight_updates, cfg.train.evaluation_period
     step = rt.resume.step if rt.resume else 0
@@ -104,7 +104,6 @@ def train(
 
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
-        optimizer.set_learning_rate(lr)
         onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
 
         loss_sum = 0.0
@@ -114,8 +113,8 @@ def train(
         if not grads:  # the engine's own buffers (host views, device buffers on CUDA), fixed for the module's life
             grads = rt.gradient_buffers()
         scalars[:] = (loss_sum / k, float(stop.requested))
-        # Sync point: the update's only collective - mean gradient over k micro-batches x ranks, plus loss and stop.
-        comm.average_gradients(grads, k * world, scalars)
+        # Sync point: mean gradient over k micro-batches x ranks, plus loss and stop (ZeRO-1: this rank's share).
+        mine = exchange.reduce(grads, k * world, scalars)
         step += 1
         cursor += k * world * batch
         window_samples += k * world * batch
@@ -123,13 +122,13 @@ def train(
         evaluated = period > 0 and step % period == 0 or step == total
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
         max_norm = cfg.optimizer.max_grad_norm
-        # The norm is a pass over every gradient: only when clipping or when it is shown. Every rank holds the same
-        # averaged gradients, so every rank computes the same norm and clips alike (the engine's own clipping
-        # operator is not deterministic, so clipping is done here and not in the optimizer graph).
-        grad_norm = comm.gradient_norm(grads) if max_norm is not None or report else None
+        # The norm is a pass over the gradients: only when clipping or when it is shown. Every rank gets the same
+        # norm (ZeRO-1: summed from the shards in rank order) and clips alike.
+        grad_norm = exchange.norm(mine) if max_norm is not None or report else None
         if max_norm is not None and grad_norm > max_norm:
-            comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
-        optimizer.step()
+            exchange.scale(mine, max_norm / (grad_norm + 1e-6))
+        update.step(mine, lr)  # ortflow's rule, in place on the engine's parameter buffers
+        exchange.gather()  # Sync point (ZeRO-1): every rank's updated shard back into every rank's parameters
         module.lazy_reset_grad()
 
         paused = clock()
@@ -162,7 +161,7 @@ def train(
                 "params_sha256": check_ranks_identical(rt, step),
             }
             paused = clock()
-            checkpoints.save(step, rt.state, meta)
+            checkpoints.save(step, rt.train_state(), meta)
             window_start += clock() - paused
 
     if scalars[1]:

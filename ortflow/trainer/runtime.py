@@ -4,11 +4,10 @@
 2. Device and execution provider for the local rank (``cuda:<local rank>`` among the visible GPUs).
 3. Communicator for gradients: the MPI group, joined to NCCL on the rank's GPU when ``use_nccl`` is set.
 4. Model and session configuration: threads, the artifacts, the checkpoint to start from.
-5. Session: the engine's ``Module`` and ``Optimizer``.
-6. Checkpoint load. The engine's Python API binds parameter values when the session is created, so the checkpoint is
-   chosen and verified before step 5 and handed to the session; what the reference guards against (values loaded into
-   a graph that is not final yet) cannot happen because the values are matched to the final graph by name, and the
-   names are checked against the session's parameters here.
+5. Session: the engine's ``Module`` (forward and backward only), created from the artifacts' initial state.
+6. Checkpoint load: the chosen checkpoint's parameters (HDF5, or a format 1 engine file) are copied by name into the
+   session's parameter buffers, then ortflow's update (:mod:`ortflow.trainer.optim`) is built over them, sharded under
+   ZeRO-1, and its optimizer state loaded (resharded from any rank count).
 """
 
 from __future__ import annotations
@@ -23,8 +22,10 @@ import onnxruntime
 
 from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
-from ortflow.trainer import checkpoints, cuda_libs
+from ortflow.trainer import checkpoints, cuda_libs, optim
+from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
+from ortflow.trainer.optim.zero import Zero0, Zero1
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -42,9 +43,18 @@ class Runtime:
     threads: int
     state: object
     module: object
-    optimizer: object
+    update: optim.Update
+    exchange: Zero0 | Zero1
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
+
+    def train_state(self) -> h5state.TrainState:
+        """What this rank writes into a checkpoint (parameters on rank 0, optimizer state as sharded)."""
+        return h5state.TrainState(
+            parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
+            trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
+            rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.stage == 1,
+        )
 
     def gradient_buffers(self) -> list:
         """The engine's gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA.
@@ -61,6 +71,24 @@ class Runtime:
                 raise TypeError(f"gradient of {name} is {grad.data_type()}: only float32 gradients are supported")
             buffers.append(DeviceBuffer(grad.data_ptr(), int(np.prod(grad.shape(), dtype=np.int64)), name))
         return buffers
+
+
+def optimizer_label(cfg: RunConfig) -> str:
+    """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
+    return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
+
+
+def build_update(cfg: RunConfig, comm: Communicator, state, trainable: list[str]) -> tuple[optim.Update, Zero0 | Zero1]:
+    """ortflow's update over the engine's parameter buffers (host views), with its ZeRO stage."""
+    params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
+    if cfg.distributed.zero_stage == 1 and comm.size > 1:
+        exchange = Zero1(comm, trainable, params, comm.rank, comm.size)
+        segments = exchange.segments
+        update = optim.build_update(cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks)
+    else:
+        exchange = Zero0(comm)
+        update = optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params)
+    return update, exchange
 
 
 def available_cores() -> int:
@@ -137,7 +165,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
     chosen = comm.broadcast(chosen, "choose checkpoint")
     resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
-    state_file = resume.path / checkpoints.CHECKPOINT_FILE if resume else cfg.artifacts_dir / "checkpoint"
+    state_file = cfg.artifacts_dir / "checkpoint"
     state = api.CheckpointState.load_checkpoint(str(state_file))
     # 5. Session.
     module = api.Module(
@@ -147,14 +175,42 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         device=device,
         session_options=session_options(threads),
     )
-    optimizer = api.Optimizer(str(cfg.artifacts_dir / "optimizer_model.onnx"), module)
-    # 6. The loaded values must be the session's parameters, in one order on every rank.
+    # 6. The checkpoint's values into the session's buffers, by name; then the update and its state.
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     if not trainable:
         raise RuntimeError(f"{state_file} holds no trainable parameters: re-run `ortflow configure`")
+    if device != "cpu":
+        raise RuntimeError(
+            "distributed.device cuda: ortflow's device update (fused CuPy kernels) is not wired into the trainer yet; "
+            "train on the CPU (device: cpu)"
+        )
+    if resume:
+        load_parameters(state, resume.path)
+    update, exchange = build_update(cfg, comm, state, trainable)
+    if resume:
+        h5state.load_optimizer(resume.path, update, optimizer_label(cfg))
     where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
     log.info(
         "rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s",
         comm.rank, comm.size, comm.local_rank, comm.local_size, device, threads, where,
     )
-    return Runtime(cfg, run_dir, comm, device, threads, state, module, optimizer, trainable, resume)
+    return Runtime(cfg, run_dir, comm, device, threads, state, module, update, exchange, trainable, resume)
+
+
+def load_parameters(state, folder: Path) -> None:
+    """Copy a checkpoint's parameters into the session's buffers by name (shapes and names checked)."""
+    values = h5state.read_params(folder)
+    names = {name for name, _ in state.parameters}
+    if set(values) != names:
+        missing, extra = sorted(names - set(values)), sorted(set(values) - names)
+        raise checkpoints.CheckpointError(
+            f"{folder.name} does not match the model: missing {missing[:5]}, unknown {extra[:5]}; resume from a "
+            "checkpoint of this model or start a new run"
+        )
+    for name, param in state.parameters:
+        view = param.data
+        if view.shape != values[name].shape:
+            raise checkpoints.CheckpointError(
+                f"{folder.name}: {name} has shape {list(values[name].shape)}, the model {list(view.shape)}"
+            )
+        view[...] = values[name]  # the CPU engine's buffers are writable views

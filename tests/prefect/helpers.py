@@ -78,9 +78,10 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, interva
 
 def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     """Trainable parameters of the run's newest complete checkpoint."""
-    from ortflow.engine import api
+    import h5py
+
     from ortflow.trainer.checkpoints import list_complete
 
     newest = list_complete(cfg.checkpoints_dir)[-1]
-    state = api.CheckpointState.load_checkpoint(str(newest.path / "checkpoint"))
-    return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}
+    with h5py.File(newest.path / "params.h5", "r") as f:  # plain h5py: one dataset per parameter
+        return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values() if ds.attrs["requires_grad"]}

@@ -66,12 +66,13 @@ def run_ranks(
 
 def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     """Trainable parameters of the newest checkpoint of a run."""
-    from ortflow.engine import api
+    import h5py
+
     from ortflow.trainer.checkpoints import list_complete
 
     newest = list_complete(cfg.checkpoints_dir)[-1]
-    state = api.CheckpointState.load_checkpoint(str(newest.path / "checkpoint"))
-    return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}
+    with h5py.File(newest.path / "params.h5", "r") as f:  # plain h5py: one dataset per parameter
+        return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values() if ds.attrs["requires_grad"]}
 
 
 def make_text_run(root: Path, name: str, **sections) -> RunConfig:

@@ -36,6 +36,15 @@ class Communicator(Protocol):
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         """Sum of a small float64 array over ranks (a new array)."""
 
+    def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        """Sum of a small float64 array over ranks, added in rank order: bitwise the same on every rank."""
+
+    def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
+        """ZeRO-1: ``out`` becomes the sum over ranks of this rank's range of ``flat`` (ranges of ``counts``)."""
+
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+        """ZeRO-1: in place, every rank's range of ``flat`` (ranges of ``counts``) from that rank."""
+
     def broadcast(self, obj: object, label: str) -> object:
         """Rank 0's ``obj`` on every rank."""
 
@@ -86,6 +95,15 @@ class SingleProcessComm:
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return np.array(values, dtype=np.float64, copy=True)
+
+    def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        return np.array(values, dtype=np.float64, copy=True)
+
+    def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
+        out[...] = flat[: out.size]
+
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+        pass
 
     def watched(self, label: str, call: Callable[[], object]) -> object:
         return call()

@@ -121,6 +121,30 @@ class MPIComm:
         self._collective(label, lambda: sub.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM))
         return buffer
 
+    def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        mine = np.array(values, dtype=np.float64, copy=True)
+        parts = np.empty((self.size, mine.size), dtype=np.float64)
+        self._collective(label, lambda: self.comm.Allgather(mine, parts))
+        total = parts[0].copy()
+        for row in parts[1:]:  # rank order, so every rank adds the same numbers in the same order
+            total += row
+        return total
+
+    def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
+        mpi = self._mpi
+        self._collective(
+            "zero-1 gradient reduce-scatter",
+            lambda: self.comm.Reduce_scatter(flat, out, list(counts), op=mpi.SUM),
+        )
+
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+        mpi = self._mpi
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        self._collective(
+            "zero-1 parameter all-gather",
+            lambda: self.comm.Allgatherv(mpi.IN_PLACE, [flat, list(counts), displs, mpi.FLOAT]),
+        )
+
     def broadcast(self, obj: object, label: str) -> object:
         return self._collective(label, lambda: self.comm.bcast(obj, root=0))
 

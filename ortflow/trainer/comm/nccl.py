@@ -224,6 +224,15 @@ class NCCLComm:
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return self.group.allreduce_sum(values, label)
 
+    def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:
+        return self.group.allgather_sum(values, label)
+
+    def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
+        self.group.reduce_scatter(flat, out, counts)  # host ZeRO-1 over the process group (CPU engine)
+
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+        self.group.all_gather(flat, counts)
+
     def broadcast(self, obj: object, label: str) -> object:
         return self.group.broadcast(obj, label)
 

@@ -1,0 +1,192 @@
+"""The HDF5 files of a checkpoint (format 2): parameters once, optimizer state whole or one file per rank.
+
+``params.h5``: group ``parameters`` with one dataset per parameter (float32, the tensor's shape; the ONNX name in the
+``name`` attribute and, with ``/`` and ``%`` escaped, as the dataset name), attribute ``requires_grad``; group
+``extra_state`` with the small arrays of the ``extra_state`` hook (e.g. a loss scaler).
+``optimizer.h5`` (ZeRO-0, written by rank 0) or ``optimizer-rank%05d-of-%05d.h5`` (ZeRO-1, each rank its own): one group
+per state name (``exp_avg``, ``exp_avg_sq``, ``momentum``), in it one 1-D dataset per segment with attributes ``name``,
+``lo``, ``hi`` (element range of the flattened tensor) and ``numel``; root attributes ``step_count``, ``optimizer``,
+``rank``, ``world_size``. Any number of optimizer files is read back into any sharding (resume on another rank count).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ortflow.trainer.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError
+
+log = logging.getLogger("ortflow.trainer.checkpoints")
+
+OPTIMIZER_FILE = "optimizer.h5"
+
+
+def shard_file(rank: int, world: int) -> str:
+    """Name of rank ``rank``'s optimizer-state file under ZeRO-1."""
+    return f"optimizer-rank{rank:05d}-of-{world:05d}.h5"
+
+
+def escape(name: str) -> str:
+    """An ONNX name as an HDF5 dataset name (``/`` would make groups)."""
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
+@dataclass
+class TrainState:
+    """What a rank contributes to a checkpoint.
+
+    Attributes:
+        parameters: Returns every parameter (trainable and frozen) by name, host arrays; called on rank 0 only.
+        trainable: Names of trained parameters.
+        update: The rank's :class:`~ortflow.trainer.optim.Update` (segments, flat state, step count).
+        optimizer: Config name of the rule ("adamw/torch", "sgd", ...), recorded and checked on load.
+        rank: This rank.
+        world_size: Ranks.
+        sharded: True under ZeRO-1 (each rank writes its own optimizer file).
+        extra_state: Returns small named arrays/scalars to keep (the mixed-precision loss scaler), or None.
+    """
+
+    parameters: Callable[[], dict[str, np.ndarray]]
+    trainable: list[str]
+    update: object
+    optimizer: str
+    rank: int = 0
+    world_size: int = 1
+    sharded: bool = False
+    extra_state: Callable[[], dict[str, np.ndarray | float | int]] | None = field(default=None)
+
+
+def write_state(state: TrainState, folder: Path) -> None:
+    """Write this rank's files of a checkpoint into ``folder`` (the :class:`CheckpointManager` writer)."""
+    if state.rank == 0:
+        write_params(folder / PARAMS_FILE, state.parameters(), set(state.trainable),
+                     state.extra_state() if state.extra_state else None)
+    if state.sharded:
+        write_optimizer(folder / shard_file(state.rank, state.world_size), state)
+    elif state.rank == 0:
+        write_optimizer(folder / OPTIMIZER_FILE, state)
+
+
+def write_params(path: Path, params: dict[str, np.ndarray], trainable: set[str], extra: dict | None = None) -> None:
+    """``params.h5``: one dataset per parameter (and the extra state)."""
+    with h5py.File(path, "w") as f:
+        group = f.create_group("parameters")
+        for name in sorted(params):
+            ds = group.create_dataset(escape(name), data=np.asarray(params[name], dtype=np.float32))
+            ds.attrs["name"] = name
+            ds.attrs["requires_grad"] = name in trainable
+        if extra:
+            eg = f.create_group("extra_state")
+            for key, value in extra.items():
+                eg.create_dataset(escape(key), data=np.asarray(value)).attrs["name"] = key
+
+
+def write_optimizer(path: Path, state: TrainState) -> None:
+    """One optimizer-state file: every segment of every state of this rank."""
+    update = state.update
+    with h5py.File(path, "w") as f:
+        f.attrs["step_count"] = update.step_count
+        f.attrs["optimizer"] = state.optimizer
+        f.attrs["rank"], f.attrs["world_size"] = state.rank, state.world_size
+        for k, sname in enumerate(update.rule.state_names):
+            group = f.create_group(sname)
+            for i, seg in enumerate(update.segments):
+                ds = group.create_dataset(escape(seg.name), data=update.state_views(i)[k])
+                ds.attrs.update({"name": seg.name, "lo": seg.lo, "hi": seg.hi, "numel": seg.numel})
+
+
+def _open(path: Path) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read as HDF5 ({err}); the checkpoint is damaged") from None
+
+
+def read_params(folder: Path) -> dict[str, np.ndarray]:
+    """Every parameter of a checkpoint folder by ONNX name (format 2 ``params.h5``, or a format 1 engine file)."""
+    folder = Path(folder)
+    if not (folder / PARAMS_FILE).exists() and (folder / CHECKPOINT_FILE).exists():
+        from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
+
+        return read_engine_checkpoint(folder / CHECKPOINT_FILE).parameters
+    with _open(folder / PARAMS_FILE) as f:
+        return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
+
+
+def read_extra_state(folder: Path) -> dict[str, np.ndarray]:
+    """The ``extra_state`` saved with a checkpoint ({} if none)."""
+    path = Path(folder) / PARAMS_FILE
+    if not path.exists():
+        return {}
+    with _open(path) as f:
+        return {ds.attrs["name"]: ds[()] for ds in f["extra_state"].values()} if "extra_state" in f else {}
+
+
+def optimizer_files(folder: Path) -> list[Path]:
+    """The optimizer-state files of a format 2 folder (one, or one per rank that wrote it)."""
+    return sorted(Path(folder).glob("optimizer*.h5"))
+
+
+def _pieces(folder: Path) -> tuple[int, str | None, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
+    folder = Path(folder)
+    if not (folder / PARAMS_FILE).exists() and (folder / CHECKPOINT_FILE).exists():
+        from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
+
+        legacy = read_engine_checkpoint(folder / CHECKPOINT_FILE)
+        log.warning("%s is a format 1 (engine) checkpoint: its AdamW moments are converted; the next checkpoint "
+                    "is written in HDF5 (format 2)", folder.name)
+        pieces = {
+            s: [(n, 0, a.size, a.reshape(-1)) for n, a in arrays.items()] for s, arrays in legacy.optimizer.items()
+        }
+        return legacy.step, "adamw/engine" if pieces else None, pieces
+    files = optimizer_files(folder)
+    if not files:
+        raise CheckpointError(f"{folder} holds no optimizer state (optimizer*.h5); the checkpoint is incomplete")
+    step, name, pieces = None, None, {}
+    for path in files:
+        with _open(path) as f:
+            step, name = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
+            for sname, group in f.items():
+                for ds in group.values():
+                    a = ds.attrs
+                    pieces.setdefault(sname, []).append((a["name"], int(a["lo"]), int(a["hi"]), ds[()]))
+    return step, name, pieces
+
+
+def load_optimizer(folder: Path, update, optimizer: str) -> None:
+    """Fill ``update``'s state (any sharding) and step count from a checkpoint's optimizer files (any sharding).
+
+    Raises:
+        CheckpointError: the state names differ (another optimizer wrote it) or an element is not covered.
+    """
+    step, written_by, pieces = _pieces(folder)
+    wanted = update.rule.state_names
+    if wanted and set(wanted) - set(pieces):
+        raise CheckpointError(
+            f"{folder.name} holds optimizer state {sorted(pieces)} (written by {written_by}) but optimizer "
+            f"{optimizer} needs {list(wanted)}: resume with the optimizer that wrote it, or start a new run"
+        )
+    if written_by and written_by.split("/")[0] != optimizer.split("/")[0]:
+        log.warning("%s was written by optimizer %s; continuing with %s", folder.name, written_by, optimizer)
+    for k, sname in enumerate(wanted):
+        by_name: dict[str, list] = {}
+        for piece in pieces[sname]:
+            by_name.setdefault(piece[0], []).append(piece)
+        for i, seg in enumerate(update.segments):
+            target, covered = update.state_views(i)[k], 0
+            for _, lo, hi, values in by_name.get(seg.name, ()):
+                a, b = max(lo, seg.lo), min(hi, seg.hi)
+                if a < b:
+                    target[a - seg.lo : b - seg.lo] = values[a - lo : b - lo]
+                    covered += b - a
+            if covered != seg.size:
+                raise CheckpointError(
+                    f"{folder.name}: optimizer state {sname} of {seg.name} covers {covered} of {seg.size} elements "
+                    "(a shard file is missing or the model changed); use another checkpoint"
+                )
+    update.step_count = step
