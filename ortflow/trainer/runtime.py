@@ -25,6 +25,7 @@ from ortflow.engine import api
 from ortflow.trainer import checkpoints, cuda_libs, optim
 from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
+from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.zero import Zero0, Zero1
 
 log = logging.getLogger("ortflow.trainer")
@@ -44,7 +45,7 @@ class Runtime:
     state: object
     module: object
     update: optim.Update
-    exchange: Zero0 | Zero1
+    exchange: Zero0 | Zero1 | AdasumExchange
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
 
@@ -54,6 +55,7 @@ class Runtime:
             parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
             trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
             rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.stage == 1,
+            replica=writes_per_rank(self.exchange) and self.exchange.stage == 0,
         )
 
     def gradient_buffers(self) -> list:
@@ -73,12 +75,19 @@ class Runtime:
         return buffers
 
 
+def writes_per_rank(exchange) -> bool:
+    """Whether every rank writes its own optimizer file: ZeRO-1 shards, or Adasum's per-rank (replica) states."""
+    return exchange.stage == 1 or getattr(exchange, "per_rank_state", False)
+
+
 def optimizer_label(cfg: RunConfig) -> str:
     """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
     return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
 
 
-def build_update(cfg: RunConfig, comm: Communicator, state, trainable: list[str]) -> tuple[optim.Update, Zero0 | Zero1]:
+def build_update(
+    cfg: RunConfig, comm: Communicator, state, trainable: list[str]
+) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
     """ortflow's update over the engine's parameter buffers (host views), with its ZeRO stage."""
     params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
@@ -86,7 +95,10 @@ def build_update(cfg: RunConfig, comm: Communicator, state, trainable: list[str]
         segments = exchange.segments
         update = optim.build_update(cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks)
     else:
-        exchange = Zero0(comm)
+        if cfg.distributed.enable_adasum and comm.size > 1:
+            exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name))
+        else:
+            exchange = Zero0(comm)
         update = optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params)
     return update, exchange
 
@@ -188,7 +200,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         load_parameters(state, resume.path)
     update, exchange = build_update(cfg, comm, state, trainable)
     if resume:
-        h5state.load_optimizer(resume.path, update, optimizer_label(cfg))
+        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=comm.rank)
     where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
     log.info(
         "rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s",

@@ -96,7 +96,8 @@ class MPIComm:
         adasum_allreduce(flat, [t.size for t in tensors], self)
         for tensor, part in zip(tensors, self._slices, strict=True):
             tensor.reshape(-1)[:] = flat[part]
-        scalars[:] = self.allreduce_sum(scalars, "adasum scalars")
+        if scalars.size:
+            scalars[:] = self.allreduce_sum(scalars, "adasum scalars")
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         buffer = np.array(values, dtype=np.float64, copy=True)

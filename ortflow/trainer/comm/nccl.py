@@ -206,7 +206,8 @@ class NCCLComm:
         # Sync point: the update reads the combined tensors next, on the engine's stream.
         self.group.watched("adasum (nccl)", self.stream.synchronize)
         self._norm_sq = float(self._scalars[0:1].get()[0])  # the same on every rank: the tensors are identical
-        scalars[:] = self.group.allreduce_sum(scalars, "adasum scalars")
+        if scalars.size:
+            scalars[:] = self.group.allreduce_sum(scalars, "adasum scalars")
 
     def gradient_norm(self, grads: Sequence) -> float:
         if grads and isinstance(grads[0], np.ndarray):
