@@ -306,7 +306,11 @@ class DistributedConfig(_Section):
     horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (only 1 is supported).")
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
-    enable_adasum: bool = Field(False, description="Adasum all-reduce (not supported yet).")
+    enable_adasum: bool = Field(
+        False,
+        description="Combine the data-parallel ranks' contributions with Adasum instead of the mean: gradients for "
+        "sgd, each rank's own optimizer delta for adamw and lamb (needs a power-of-two data_parallel_size).",
+    )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="ZeRO stage: 0 (every rank holds all optimizer state) or 1 (each rank updates its shard)."
     )
@@ -458,8 +462,14 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("distributed.horizontal_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
     if dist.pipeline_parallel_size != 1:
         problems.append("distributed.pipeline_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
-    if dist.enable_adasum:
-        problems.append("distributed.enable_adasum is not supported yet; set it to false (plain mean all-reduce)")
+    dp = dist.resolved_data_parallel_size
+    if dist.enable_adasum and dp & (dp - 1):
+        problems.append(
+            f"distributed.enable_adasum needs a power-of-two number of data-parallel ranks (its tree pairs ranks "
+            f"level by level), got {dp}: use {1 << (dp.bit_length() - 1)} or {1 << dp.bit_length()} ranks"
+        )
+    if dist.enable_adasum and dist.zero_stage:
+        problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
     if dist.device == "cuda" and not dist.use_nccl:

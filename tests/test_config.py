@@ -167,9 +167,13 @@ def test_lamb_and_sgd_momentum_are_accepted_and_nesterov_needs_momentum(tmp_path
     assert "nesterov needs optimizer.momentum > 0" in problem
 
 
-def test_adasum_is_refused(tmp_path):
-    problems = problems_of(tmp_path, "distributed.enable_adasum=true")
-    assert any("enable_adasum is not supported yet" in p for p in problems)
+def test_adasum_needs_a_power_of_two_of_data_parallel_ranks(tmp_path):
+    assert not problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=4")
+    (problem,) = problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=3")
+    assert "power-of-two" in problem and "use 2 or 4 ranks" in problem
+    problems = problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=2",
+                           "distributed.zero_stage=1", "distributed.use_nccl=true")
+    assert any("use zero_stage 0 with it" in p for p in problems)
 
 
 def test_model_output_loss_needs_the_output_name(tmp_path):

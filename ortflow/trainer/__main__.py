@@ -19,7 +19,7 @@ from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.integrity import verify_artifacts
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
-from ortflow.trainer.runtime import init_runtime, start_mpi
+from ortflow.trainer.runtime import init_runtime, start_mpi, writes_per_rank
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -81,8 +81,10 @@ def run_rank(run_dir: Path) -> int:
         )
         evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, comm.rank, comm.size)
         writer = comm.rank == 0
-        # Under ZeRO-1 every rank writes its optimizer shard into one temporary folder named after rank 0's pid.
-        shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if rt.exchange.stage == 1 else None
+        # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file into one temporary folder
+        # named after rank 0's pid.
+        per_rank = writes_per_rank(rt.exchange)
+        shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
             writer=write_state, shared=shared,

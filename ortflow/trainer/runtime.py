@@ -27,6 +27,7 @@ from ortflow.trainer import checkpoints, cuda_libs, loss_scale, optim
 from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
+from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.zero import Zero0, Zero1
 
 log = logging.getLogger("ortflow.trainer")
@@ -46,7 +47,7 @@ class Runtime:
     state: object
     module: object
     update: optim.Update
-    exchange: object  # Zero0, Zero1 (host) or optim.device.Zero1Device
+    exchange: object  # Zero0, Zero1, AdasumExchange (host) or optim.device.Zero1Device
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
     loss_scale: loss_scale.LossScaler = field(default_factory=loss_scale.LossScaler)
@@ -61,6 +62,7 @@ class Runtime:
             trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
             rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.stage == 1,
             extra_state=self.extra_state,
+            replica=writes_per_rank(self.exchange) and self.exchange.stage == 0,
         )
 
     def gradient_buffers(self) -> list:
@@ -80,6 +82,11 @@ class Runtime:
         return buffers
 
 
+def writes_per_rank(exchange) -> bool:
+    """Whether every rank writes its own optimizer file: ZeRO-1 shards, or Adasum's per-rank (replica) states."""
+    return exchange.stage == 1 or getattr(exchange, "per_rank_state", False)
+
+
 def optimizer_label(cfg: RunConfig) -> str:
     """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
     return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
@@ -87,8 +94,8 @@ def optimizer_label(cfg: RunConfig) -> str:
 
 def build_update(
     cfg: RunConfig, comm: Communicator, state, trainable: list[str], threads: int = 1
-) -> tuple[optim.Update, Zero0 | Zero1]:
-    """ortflow's update over the engine's parameter buffers (host views), with its ZeRO stage and ``threads``."""
+) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
+    """ortflow's update over the engine's parameter buffers (host views), with its exchange and ``threads``."""
     params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size)
@@ -97,7 +104,10 @@ def build_update(
             cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
         )
     else:
-        exchange = Zero0(comm)
+        if cfg.distributed.enable_adasum and comm.size > 1:
+            exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name))
+        else:
+            exchange = Zero0(comm)
         segments = optim.whole_segments(trainable, [p.size for p in params])
         update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
     return update, exchange
@@ -218,7 +228,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     else:
         update, exchange = build_device_update(cfg, comm, state, trainable)
     if resume:
-        h5state.load_optimizer(resume.path, update, optimizer_label(cfg))
+        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=comm.rank)
     where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
     log.info(
         "rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s",

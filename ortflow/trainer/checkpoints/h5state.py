@@ -48,6 +48,8 @@ class TrainState:
         rank: This rank.
         world_size: Ranks.
         sharded: True under ZeRO-1 (each rank writes its own optimizer file).
+        replica: True when every rank holds whole-model state of its own (Adasum's per-rank optimizers): each rank
+            writes its own file too, marked ``replica``, and on resume each rank reads one file whole.
         extra_state: Returns small named arrays/scalars to keep (the mixed-precision loss scaler), or None.
     """
 
@@ -58,6 +60,7 @@ class TrainState:
     rank: int = 0
     world_size: int = 1
     sharded: bool = False
+    replica: bool = False
     extra_state: Callable[[], dict[str, np.ndarray | float | int]] | None = field(default=None)
 
 
@@ -66,7 +69,7 @@ def write_state(state: TrainState, folder: Path) -> None:
     if state.rank == 0:
         write_params(folder / PARAMS_FILE, state.parameters(), set(state.trainable),
                      state.extra_state() if state.extra_state else None)
-    if state.sharded:
+    if state.sharded or state.replica:
         write_optimizer(folder / shard_file(state.rank, state.world_size), state)
     elif state.rank == 0:
         write_optimizer(folder / OPTIMIZER_FILE, state)
@@ -95,6 +98,7 @@ def write_optimizer(path: Path, state: TrainState) -> None:
         f.attrs["step_count"] = update.step_count
         f.attrs["optimizer"] = state.optimizer
         f.attrs["rank"], f.attrs["world_size"] = state.rank, state.world_size
+        f.attrs["replica"] = state.replica
         for k, sname in enumerate(update.rule.state_names):
             group = f.create_group(sname)
             for i, seg in enumerate(update.segments):
@@ -134,7 +138,20 @@ def optimizer_files(folder: Path) -> list[Path]:
     return sorted(Path(folder).glob("optimizer*.h5"))
 
 
-def _pieces(folder: Path) -> tuple[int, str | None, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
+def _replica_choice(files: list[Path], rank: int) -> list[Path]:
+    """Per-rank (replica) states: rank r reads file r modulo their number; sharded files are all read together."""
+    with _open(files[0]) as f:
+        replica = bool(f.attrs.get("replica", False))
+    if not replica:
+        return files
+    if len(files) > 1:
+        log.info("per-rank optimizer states: rank %d resumes from %s", rank, files[rank % len(files)].name)
+    return [files[rank % len(files)]]
+
+
+def _pieces(
+    folder: Path, rank: int = 0
+) -> tuple[int, str | None, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
     folder = Path(folder)
     if not (folder / PARAMS_FILE).exists() and (folder / CHECKPOINT_FILE).exists():
         from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
@@ -149,6 +166,7 @@ def _pieces(folder: Path) -> tuple[int, str | None, dict[str, list[tuple[str, in
     files = optimizer_files(folder)
     if not files:
         raise CheckpointError(f"{folder} holds no optimizer state (optimizer*.h5); the checkpoint is incomplete")
+    files = _replica_choice(files, rank)
     step, name, pieces = None, None, {}
     for path in files:
         with _open(path) as f:
@@ -160,13 +178,13 @@ def _pieces(folder: Path) -> tuple[int, str | None, dict[str, list[tuple[str, in
     return step, name, pieces
 
 
-def load_optimizer(folder: Path, update, optimizer: str) -> None:
+def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0) -> None:
     """Fill ``update``'s state (any sharding) and step count from a checkpoint's optimizer files (any sharding).
 
     Raises:
         CheckpointError: the state names differ (another optimizer wrote it) or an element is not covered.
     """
-    step, written_by, pieces = _pieces(folder)
+    step, written_by, pieces = _pieces(folder, rank)
     wanted = update.rule.state_names
     if wanted and set(wanted) - set(pieces):
         raise CheckpointError(

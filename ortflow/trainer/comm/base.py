@@ -23,6 +23,10 @@ class Communicator(Protocol):
     def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
         """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks."""
 
+    def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray) -> None:
+        """In place: every tensor is divided by ``divisor`` on its own rank, then replaced by the Adasum of all ranks'
+        (per tensor, the same bytes on every rank); ``scalars`` becomes its sum over ranks."""
+
     def gradient_norm(self, grads: Sequence) -> float:
         """Global L2 norm of the averaged gradients (the same on every rank; the trainer clips with it)."""
 
@@ -80,6 +84,9 @@ class SingleProcessComm:
             scale = np.float32(1.0 / divisor)
             for grad in grads:
                 grad *= scale
+
+    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        self.average_gradients(tensors, divisor, scalars)  # Adasum of one vector is that vector
 
     def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
         return gradient_norm(grads)

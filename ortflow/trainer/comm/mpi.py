@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
@@ -35,6 +36,7 @@ class MPIComm:
         self.hostname = socket.gethostname()
         self._flat: np.ndarray | None = None
         self._slices: list[slice] = []
+        self._groups: dict[int, object] = {}  # group size -> MPI sub-communicator of consecutive ranks
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
         self._closed = False
@@ -94,9 +96,38 @@ class MPIComm:
             np.multiply(flat[part].reshape(grad.shape), scale, out=grad)
         scalars[:] = flat[flat.size - scalars.size :]
 
+    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        flat = self._layout(tensors, 0)
+        scale = np.float32(1.0 / divisor)
+        for tensor, part in zip(tensors, self._slices, strict=True):
+            np.multiply(tensor.reshape(-1), scale, out=flat[part])
+        adasum_allreduce(flat, [t.size for t in tensors], self)
+        for tensor, part in zip(tensors, self._slices, strict=True):
+            tensor.reshape(-1)[:] = flat[part]
+        if scalars.size:
+            scalars[:] = self.allreduce_sum(scalars, "adasum scalars")
+
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         buffer = np.array(values, dtype=np.float64, copy=True)
         self._collective(label, lambda: self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM))
+        return buffer
+
+    # -- point to point and sub-groups (Adasum's tree) --------------------------------------------------------------
+    def sendrecv(self, send: np.ndarray, peer: int, recv: np.ndarray, label: str) -> None:
+        """Exchange buffers with ``peer`` (both sides call this with each other's rank)."""
+        self._collective(label, lambda: self.comm.Sendrecv(send, dest=peer, sendtag=7, recvbuf=recv, source=peer,
+                                                           recvtag=7))
+
+    def group_allreduce_sum(self, values: np.ndarray, group_size: int, label: str) -> np.ndarray:
+        """Sum of a small float64 array over the ``group_size`` consecutive ranks that include this one."""
+        if group_size == self.size:
+            return self.allreduce_sum(values, label)
+        if group_size not in self._groups:  # made once per size, by every rank in the same order
+            self._groups[group_size] = self._collective(
+                "split group", lambda: self.comm.Split(color=self.rank // group_size, key=self.rank))
+        sub = self._groups[group_size]
+        buffer = np.array(values, dtype=np.float64, copy=True)
+        self._collective(label, lambda: sub.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM))
         return buffer
 
     def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:

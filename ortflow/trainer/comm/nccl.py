@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.base import Communicator, gradient_norm, scale_gradients
 
 
@@ -158,6 +159,55 @@ class NCCLComm:
             np.multiply(flat[offset : offset + grad.size].reshape(grad.shape), scale, out=grad)
             offset += grad.size
         scalars[:] = flat[offset:]
+
+    # -- Adasum (comm/adasum.py's schedule on device buffers) -------------------------------------------------------
+    def _device_view(self, buffer: DeviceBuffer):
+        cp = self._cp
+        memory = cp.cuda.UnownedMemory(buffer.ptr, buffer.count * 4, self)
+        return cp.ndarray((buffer.count,), dtype=cp.float32, memptr=cp.cuda.MemoryPointer(memory, 0))
+
+    def sendrecv(self, send, peer: int, recv, label: str) -> None:
+        """Exchange device buffers with ``peer`` on the NCCL stream (callers run inside ``with self.stream``)."""
+        nccl = self._nccl
+        if send.size == 0 and recv.size == 0:  # both sides of the pair see the same (empty) halves
+            return
+        nccl.groupStart()
+        self.comm.send(send.data.ptr, send.size, nccl.NCCL_FLOAT32, peer, self.stream.ptr)
+        self.comm.recv(recv.data.ptr, recv.size, nccl.NCCL_FLOAT32, peer, self.stream.ptr)
+        nccl.groupEnd()
+
+    def group_allreduce_sum(self, values: np.ndarray, group_size: int, label: str) -> np.ndarray:
+        return self.group.group_allreduce_sum(values, group_size, label)
+
+    def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray) -> None:
+        if tensors and isinstance(tensors[0], np.ndarray):
+            raise RuntimeError("Adasum with use_nccl needs device: cuda (CPU ranks: set use_nccl: false)")
+        cp = self._cp
+        total = sum(t.count for t in tensors)
+        if self._device_flat is None or self._device_flat.size != total:
+            self._device_flat = cp.empty(total, dtype=cp.float32)
+        flat, views = self._device_flat, [self._device_view(t) for t in tensors]
+        # Sync point: the engine wrote the gradients (or the optimizer the deltas) on its own stream.
+        cp.cuda.runtime.deviceSynchronize()
+        with self.stream:
+            offset = 0
+            for view in views:
+                cp.multiply(view, cp.float32(1.0 / divisor), out=flat[offset : offset + view.size])
+                offset += view.size
+            adasum_allreduce(flat, [t.count for t in tensors], self, xp=cp)
+            offset = 0
+            for view in views:
+                view[...] = flat[offset : offset + view.size]
+                offset += view.size
+            table = self._tensor_table(tensors)
+            partials = self._partials(table)
+            self._launch(self._sum_squares, table, partials)
+            self._sum_in_order((1,), (256,), (partials, np.int64(partials.size), self._scalars[0:1]))
+        # Sync point: the update reads the combined tensors next, on the engine's stream.
+        self.group.watched("adasum (nccl)", self.stream.synchronize)
+        self._norm_sq = float(self._scalars[0:1].get()[0])  # the same on every rank: the tensors are identical
+        if scalars.size:
+            scalars[:] = self.group.allreduce_sum(scalars, "adasum scalars")
 
     def gradient_norm(self, grads: Sequence) -> float:
         if grads and isinstance(grads[0], np.ndarray):

@@ -1,0 +1,84 @@
+"""Adasum around the update (``distributed.enable_adasum``), as Horovod applies it.
+
+The exchange presents the loop with the same calls as :mod:`.zero` (``reduce``, ``norm``, ``scale``, ``update.step``,
+``gather``); the combination itself is :func:`ortflow.trainer.comm.adasum.adasum_allreduce`, per tensor.
+
+* ``gradients`` (SGD): each rank's mean gradient over its micro-batches is combined with Adasum in ``reduce``; every
+  rank then holds the same combined gradient and takes the same step (momentum state stays replicated).
+* ``deltas`` (AdamW, Lamb): an adaptive optimizer's step is not linear in the gradient, so Adasum combines the
+  *updates*: each rank steps its own optimizer on its own mean gradient (its moments are its own and differ between
+  ranks), then ``gather`` replaces every parameter by ``start + adasum(p - start)``. ``start`` is the same on every
+  rank, and so is the combination, so the ranks stay bitwise identical. Memory: one fp32 copy of the parameters
+  (``start``) plus the communicator's packed buffer and half-size receive buffer, and every rank's optimizer state is
+  saved in its own file (``optimizer-rankNNNNN-of-NNNNN.h5``, marked ``replica``).
+
+Clipping (``optimizer.max_grad_norm``) applies to what the update consumes: the combined gradient in ``gradients``
+mode, each rank's own gradient in ``deltas`` mode (the logged ``grad_norm`` is then rank 0's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ortflow.trainer.comm.base import gradient_norm, scale_gradients
+
+_NO_SCALARS = np.zeros(0, dtype=np.float32)
+
+
+def adasum_mode(optimizer_name: str) -> str:
+    """``gradients`` for sgd, ``deltas`` for the adaptive rules (adamw, lamb)."""
+    return "gradients" if optimizer_name == "sgd" else "deltas"
+
+
+class AdasumExchange:
+    """Data-parallel exchange that combines ranks with Adasum instead of the mean.
+
+    Args:
+        comm: The process group (``adasum_tensors``, ``allreduce_sum``); a power of two of ranks.
+        params: 1-D host views of every trainable parameter in the engine's buffers (trainable order).
+        mode: ``gradients`` or ``deltas`` (:func:`adasum_mode`).
+    """
+
+    stage = 0
+
+    def __init__(self, comm, params: Sequence[np.ndarray], mode: str):
+        if mode not in ("gradients", "deltas"):
+            raise ValueError(f"Adasum mode must be gradients or deltas, got {mode!r}")
+        self.comm, self.params, self.mode = comm, list(params), mode
+        #: Each rank's optimizer state is its own (deltas): every rank writes it into the checkpoint.
+        self.per_rank_state = mode == "deltas"
+        self._start = [np.empty_like(p) for p in self.params] if mode == "deltas" else []
+
+    def reduce(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> list[np.ndarray]:
+        local = divisor / self.comm.size  # the loop's divisor is micro-batches x ranks; a rank's own mean is local
+        if self.mode == "gradients":
+            # Sync point: the update's collective - Adasum of the ranks' mean gradients, plus loss and stop.
+            self.comm.adasum_tensors(grads, local, scalars)
+            return [g.reshape(-1) for g in grads]
+        scale_gradients(grads, 1.0 / local)
+        # Sync point: loss and stop must agree on every rank before anyone steps.
+        scalars[:] = self.comm.allreduce_sum(scalars, "loss and stop")
+        for start, p in zip(self._start, self.params, strict=True):
+            np.copyto(start, p)
+        return [g.reshape(-1) for g in grads]
+
+    def norm(self, mine: Sequence[np.ndarray]) -> float:
+        return self.comm.gradient_norm(mine) if self.mode == "gradients" else gradient_norm(mine)
+
+    def scale(self, mine: Sequence[np.ndarray], factor: float) -> None:
+        scale_gradients(mine, factor)
+
+    def gather(self) -> None:
+        if self.mode == "gradients":
+            return
+        for start, p in zip(self._start, self.params, strict=True):
+            p -= start  # this rank's update
+        # Sync point: the ranks' updates combined per tensor; identical bytes on every rank.
+        self.comm.adasum_tensors(self.params, 1.0, _NO_SCALARS)
+        for start, p in zip(self._start, self.params, strict=True):
+            p += start
+
+    def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
+        return values  # every rank updates whole tensors

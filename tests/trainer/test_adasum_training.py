@@ -1,0 +1,116 @@
+"""Adasum in the trainer: the exchange's two modes, and real 2-rank training under mpiexec (identity, resume)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from ortflow.trainer.checkpoints import list_complete
+from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
+
+from .runs import final_parameters, make_run, rank_command, run_ranks
+from .test_adasum import reference
+from .test_training_mpi import _kill_when
+
+
+class _TwoRanks:
+    """Rank 0 of a 2-rank group whose other rank contributes ``other`` (float64 reference arithmetic)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, other: list[np.ndarray]):
+        self.other = other
+        self.calls = 0
+
+    def adasum_tensors(self, tensors, divisor, scalars):
+        self.calls += 1
+        for t, o in zip(tensors, self.other, strict=True):
+            t[...] = reference([t.astype(np.float64) / divisor, o], [t.size])
+        if scalars.size:
+            scalars[:] = scalars * 2
+
+    def allreduce_sum(self, values, label):
+        return np.asarray(values, dtype=np.float64) * 2
+
+    def gradient_norm(self, grads):
+        return float(np.sqrt(sum(float(g @ g) for g in grads)))
+
+
+def test_deltas_mode_steps_locally_and_applies_the_adasum_of_the_updates():
+    params = [np.array([1.0, 2.0, 3.0], np.float32), np.array([-1.0, 0.5], np.float32)]
+    start = [p.copy() for p in params]
+    other = [np.array([0.1, 0.0, -0.2]), np.array([0.3, 0.3])]
+    comm = _TwoRanks(other)
+    exchange = AdasumExchange(comm, params, "deltas")
+    grads = [np.array([2.0, 2.0, 2.0], np.float32), np.array([4.0, -4.0], np.float32)]
+    scalars = np.array([1.0, 0.0], np.float32)
+    mine = exchange.reduce(grads, 4.0, scalars)  # 2 micro-batches x 2 ranks: the local mean halves the sum
+    assert comm.calls == 0 and scalars.tolist() == [2.0, 0.0]  # no Adasum before the local step
+    np.testing.assert_array_equal(mine[0], [1.0, 1.0, 1.0])
+    for p, g in zip(params, mine, strict=True):  # a stand-in local step: p -= 0.1 * g
+        p -= np.float32(0.1) * g
+    exchange.gather()
+    for p, s, g, o in zip(params, start, mine, other, strict=True):
+        delta = -0.1 * g.astype(np.float64)
+        np.testing.assert_allclose(p, s + reference([delta, o], [s.size]), rtol=1e-6, atol=1e-7)
+
+
+def test_gradients_mode_combines_the_mean_gradients_before_the_step():
+    params = [np.zeros(3, np.float32)]
+    comm = _TwoRanks([np.array([0.0, 1.0, 0.0])])  # orthogonal to ours: Adasum adds
+    exchange = AdasumExchange(comm, params, "gradients")
+    # divisor 4 = 2 micro-batches x 2 ranks: this rank's mean gradient is half its sum.
+    mine = exchange.reduce([np.array([2.0, 0.0, 0.0], np.float32)], 4.0, np.zeros(2, np.float32))
+    np.testing.assert_array_equal(mine[0], [1.0, 1.0, 0.0])
+    exchange.gather()
+    assert adasum_mode("sgd") == "gradients" and adasum_mode("adamw") == adasum_mode("lamb") == "deltas"
+
+
+def _digests(output: str) -> dict[tuple[int, int], str]:
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) at step (\d+)", output)
+    return {(int(rank), int(step)): digest for rank, digest, step in found}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", [{"name": "sgd", "learning_rate": 0.05}, {"name": "adamw"}, {"name": "lamb"}])
+def test_adasum_ranks_stay_identical_and_differ_from_the_mean(tmp_path, optimizer):
+    settings = dict(distributed={"num_ranks": 2}, optimizer=optimizer, train={"num_train_steps": 20})
+    ada = make_run(tmp_path, "ada", **{**settings, "distributed": {"num_ranks": 2, "enable_adasum": True}})
+    mean = make_run(tmp_path, "mean", **settings)
+    out = run_ranks(ada)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert run_ranks(mean).returncode == 0
+    seen = _digests(out.stdout)
+    assert {step for _, step in seen} == {5, 10, 15, 20}
+    assert all(seen[(0, step)] == seen[(1, step)] for _, step in seen)  # bitwise identical replicas
+    a, m = final_parameters(ada), final_parameters(mean)
+    assert any(not np.allclose(a[n], m[n], rtol=1e-4, atol=1e-6) for n in a)  # Adasum really replaced the mean
+    files = sorted(p.name for p in list_complete(ada.checkpoints_dir)[-1].path.glob("optimizer*.h5"))
+    per_rank = optimizer["name"] != "sgd"
+    assert files == (["optimizer-rank00000-of-00002.h5", "optimizer-rank00001-of-00002.h5"] if per_rank
+                     else ["optimizer.h5"])
+
+
+@pytest.mark.mpi
+def test_adasum_adamw_killed_job_resumes_bitwise_with_per_rank_optimizer_states(tmp_path):
+    settings = dict(distributed={"num_ranks": 2, "enable_adasum": True},
+                    train={"num_train_steps": 600, "batch_size": 8},
+                    checkpoint={"period": 25, "max_num_checkpoints": 2})
+    steady = make_run(tmp_path, "steady", **settings)
+    killed = make_run(tmp_path, "killed", **settings)
+    assert run_ranks(steady, timeout=300).returncode == 0
+    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _kill_when(killed, proc, min_step=40)
+    before = [info.step for info in list_complete(killed.checkpoints_dir)]
+    assert before and max(before) < 600, before
+    resumed = run_ranks(killed, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"starting from step {max(before)}" in resumed.stdout
+    a, b = final_parameters(steady), final_parameters(killed)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
