@@ -45,6 +45,7 @@ def build_deployments(cfg: RunConfig) -> list[RunnerDeployment]:
         description=f"Train {cfg.model.path.name} into {cfg.output_dir} and export it.",
         tags=tags,
         entrypoint_type=EntrypointType.MODULE_PATH,
+        concurrency_limit=1,  # one pipeline run at a time; a schedule overlapping a run waits for it
     )
     export = export_only.to_deployment(
         cfg.name,
