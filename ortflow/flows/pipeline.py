@@ -69,10 +69,10 @@ def export_only(
     quantize: bool = False,
     tolerance: float = 1e-4,
 ) -> dict:
-    """Export an existing checkpoint (a ``step-N`` folder, or a run folder for its best one) to an ONNX model.
+    """Export an existing checkpoint (a ``step-N`` folder, a run folder or ``OUTPUT_DIR/latest`` for its best one).
 
     Args:
-        checkpoint: Checkpoint folder or run folder.
+        checkpoint: Checkpoint folder, run folder, or OUTPUT_DIR/latest (the newest completed version).
         output: Path of the inference model to write.
         outputs: Graph outputs to keep (default: the model's original outputs).
         optimize: Apply ONNX Runtime's offline graph optimization.

@@ -78,10 +78,12 @@ def export_checkpoint(
 ) -> dict:
     """Export one checkpoint folder (or a run folder's best checkpoint) to ``output``; see ``export_model``."""
     from ortflow.export import export_model
+    from ortflow.versions import resolve_run
 
     with forward_logs():
         result = export_model(
-            Path(checkpoint), Path(output), outputs=outputs, optimize=optimize, quantize=quantize, tolerance=tolerance,
+            resolve_run(Path(checkpoint)), Path(output), outputs=outputs, optimize=optimize, quantize=quantize,
+            tolerance=tolerance,
         )
     create_markdown_artifact(
         key="ortflow-export",
