@@ -99,9 +99,10 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
 
 
 def version_name(flow_run_id: str | None, now: float | None = None) -> str:
-    """``20261123T031500Z-5f3e2a1b``: UTC start time first, so names sort by time."""
+    """``20261123T031500Z-5f3e2a1b``: UTC start time first, so names sort by time; then the end of the flow run id
+    (its start is a timestamp too)."""
     stamp = datetime.fromtimestamp(now if now is not None else time.time(), UTC).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{(flow_run_id or uuid.uuid4().hex).replace('-', '')[:8]}"
+    return f"{stamp}-{(flow_run_id or uuid.uuid4().hex).replace('-', '')[-8:]}"
 
 
 def version_config(cfg: RunConfig, folder: Path, init_from: Path | None) -> RunConfig:

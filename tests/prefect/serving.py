@@ -49,7 +49,8 @@ def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: P
     """Run ``ortflow serve CONFIG`` from ``cwd`` until the block ends; waits for both deployments to exist."""
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ortflow.cli", "serve", str(config_file)], env=env, stdout=out,
+            # The console script, as users run it (``python -m`` would put the start folder first on sys.path).
+            [str(Path(sys.executable).parent / "ortflow"), "serve", str(config_file)], env=env, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
         )
         try:

@@ -1,0 +1,52 @@
+"""docs/pipeline.md's deploy block, run from a fresh clone by tools/deploy_from_clone.sh against the test server:
+`prefect deploy` (its build step writes the example), a process worker, and a deployment run that completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from ortflow.versions import read_registry
+
+pytestmark = pytest.mark.prefect
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _committed() -> bool:
+    out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "docs", "prefect.yaml", "tools",
+                          "ortflow"], capture_output=True, text=True)
+    return out.returncode == 0 and not out.stdout.strip()
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout to clone")
+def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp_path):
+    if not _committed():
+        pytest.skip("docs/, prefect.yaml, tools/ or ortflow/ have uncommitted changes: the clone would not test them")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    overrides = ["train.num_train_steps=4", "train.evaluation_period=0", "checkpoint.period=0",
+                 f"data.train={stdlib}/[a-c]*.py"]
+    env = {**prefect_server, "ORTFLOW_VENV": str(Path(sys.executable).parents[1]), "ORTFLOW_CLONE_DIR": str(tmp_path),
+           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
+    env.pop("VIRTUAL_ENV", None)
+    done = subprocess.run(
+        ["bash", str(ROOT / "tools" / "deploy_from_clone.sh"), "--watch-timeout", "400",
+         "--params", json.dumps({"overrides": overrides})],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    log = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, log
+    assert "Completed" in done.stdout + done.stderr, log
+    clone = tmp_path / "ortflow"
+    assert (clone / "examples/gpt/deploy/config.yaml").exists()  # written by prefect.yaml's build step
+    versions = read_registry(clone / "examples/gpt/deploy/runs")
+    assert [v["status"] for v in versions] == ["completed"], versions
+    assert versions[0]["steps"] == "4/4"  # the run's overrides applied
+    assert Path(versions[0]["exported model"]).exists()
+    assert os.path.commonpath([versions[0]["path"], str(clone)]) == str(clone)
