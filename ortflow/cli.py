@@ -201,14 +201,18 @@ def doctor() -> None:
     console.print("GPU training (device: cuda, use_nccl): " + ("ready" if gpu_ready else "not ready, see above"))
 
 
-def _progress_bar(run_dir: Path, stop) -> None:
-    """Show progress.json as a rich progress bar until ``stop`` (a threading.Event) is set."""
+def _progress_bar(run_dir, stop) -> None:
+    """Show progress.json as a rich progress bar until ``stop`` (a threading.Event) is set.
+
+    ``run_dir`` is the folder, or a function returning it (a new version's folder appears once the run has begun).
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ortflow.tasks.training import describe_progress
     from ortflow.trainer.metrics import read_progress
 
-    start = read_progress(run_dir)
+    folder = run_dir if callable(run_dir) else (lambda: run_dir)
+    start = read_progress(folder())
     seen = start.get("time") if start else None
     columns = (
         TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -218,7 +222,7 @@ def _progress_bar(run_dir: Path, stop) -> None:
     with Progress(*columns, console=console, transient=False) as bar:
         task_id = None
         while not stop.wait(0.5):
-            record = read_progress(run_dir)
+            record = read_progress(folder())
             if record is None or record.get("time") == seen:  # a record left by an earlier run is not this run's
                 continue
             if task_id is None:
@@ -282,7 +286,7 @@ def run(
 
     signal.signal(signal.SIGTERM, on_sigterm)
     stop = threading.Event()
-    watcher = threading.Thread(target=lambda: _progress_bar(_newest_run_dir(cfg), stop), daemon=True)
+    watcher = threading.Thread(target=_progress_bar, args=(lambda: _newest_run_dir(cfg), stop), daemon=True)
     command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
                          else ["ortflow", "run", str(config)])
     with terminal(console, cfg.output_dir / "logs") as log_file:
