@@ -8,6 +8,7 @@
 # ORTFLOW_VENV=/path/to/.venv links an installed environment as the clone's .venv (then `make setup` finds it up to
 # date); tests use it, and extra args such as --params '{"overrides": [...]}' to train a few steps only.
 # ORTFLOW_CLONE_DIR=DIR clones there (default: a new temporary folder); the clone is left for inspection.
+# ORTFLOW_PULL=git_clone deploys prefect.yaml's git_clone variant (the worker clones the repository for each run).
 set -euo pipefail
 : "${PREFECT_API_URL:?set PREFECT_API_URL to the server to deploy to (e.g. http://127.0.0.1:4200/api)}"
 source_repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
@@ -17,11 +18,37 @@ cd "$work/ortflow"
 if [ -n "${ORTFLOW_VENV:-}" ]; then
     ln -s "$ORTFLOW_VENV" .venv
 fi
+if [ "${ORTFLOW_PULL:-}" = git_clone ]; then
+    # The git_clone variant that prefect.yaml describes, cloning this repository's current branch: each flow run
+    # then works in a clone of its own, not in this folder.
+    python3 - "$source_repo" "$(git -C "$source_repo" rev-parse --abbrev-ref HEAD)" <<'PY'
+import sys
+repo, branch = sys.argv[1:]
+pull = f"""pull:
+  - prefect.deployments.steps.git_clone:
+      id: clone
+      repository: "{repo}"
+      branch: "{branch}"
+  - prefect.deployments.steps.run_shell_script:
+      directory: "{{{{ clone.directory }}}}"
+      script: ortflow example gpt examples/gpt/deploy
+      stream_output: true
+"""
+text = open("prefect.yaml").read()
+start, end = text.index("\npull:\n") + 1, text.index("\ndefinitions:")
+open("prefect.yaml", "w").write(text[:start] + pull + text[end:])
+PY
+fi
 steps=$(sed -n '/<!-- deploy-steps:begin -->/,/<!-- deploy-steps:end -->/p' docs/pipeline.md | grep -v '^<!--' \
         | grep -v '^```')
 [ -n "$steps" ] || { echo "docs/pipeline.md has no deploy-steps block" >&2; exit 2; }
 extra=$(printf ' %q' "$@")
-steps=$(printf '%s\n' "$steps" | sed "s|^prefect deployment run .*|&${extra//|/\\|}|")
+with_extra=""
+while IFS= read -r line; do
+    [[ $line == "prefect deployment run "* ]] && line+="$extra"
+    with_extra+="$line"$'\n'
+done <<< "$steps"
+steps=$with_extra
 printf 'running in %s:\n%s\n' "$PWD" "$steps"
 cleanup() { jobs -p | xargs -r kill 2>/dev/null || true; }
 trap cleanup EXIT

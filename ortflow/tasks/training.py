@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import threading
@@ -118,7 +119,10 @@ class _ProgressWatcher:
         self.artifact_id = create_progress_artifact(
             progress_percent(self.started), key=key, description=describe_progress(None)
         )
-        self.thread = threading.Thread(target=self._loop, name="ortflow-progress", daemon=True)
+        # The thread runs in a copy of this context: Prefect's settings and run context are context variables, and a
+        # bare thread would talk to another API (a temporary server of its own when the URL is set per context).
+        context = contextvars.copy_context()
+        self.thread = threading.Thread(target=context.run, args=(self._loop,), name="ortflow-progress", daemon=True)
 
     def _update(self) -> None:
         record = read_progress(self.run_dir)

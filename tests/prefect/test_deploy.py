@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -26,14 +25,15 @@ def _committed() -> bool:
 
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout to clone")
-def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp_path):
+@pytest.mark.parametrize("pull", ["working_directory", "git_clone"])
+def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp_path, pull):
     if not _committed():
         pytest.skip("docs/, prefect.yaml, tools/ or ortflow/ have uncommitted changes: the clone would not test them")
     stdlib = sysconfig.get_paths()["stdlib"]
     overrides = ["train.num_train_steps=4", "train.evaluation_period=0", "checkpoint.period=0",
                  f"data.train={stdlib}/[a-c]*.py"]
     env = {**prefect_server, "ORTFLOW_VENV": str(Path(sys.executable).parents[1]), "ORTFLOW_CLONE_DIR": str(tmp_path),
-           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
+           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_PREFETCH_SECONDS": "2", "ORTFLOW_PULL": pull}
     env.pop("VIRTUAL_ENV", None)
     done = subprocess.run(
         ["bash", str(ROOT / "tools" / "deploy_from_clone.sh"), "--watch-timeout", "400",
@@ -45,8 +45,14 @@ def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp
     assert "Completed" in done.stdout + done.stderr, log
     clone = tmp_path / "ortflow"
     assert (clone / "examples/gpt/deploy/config.yaml").exists()  # written by prefect.yaml's build step
-    versions = read_registry(clone / "examples/gpt/deploy/runs")
+    registries = list(tmp_path.rglob("registry.json"))
+    assert len(registries) == 1, registries
+    runs = registries[0].parent
+    if pull == "git_clone":  # the run worked in a clone the pull step made, not in the folder deployed from
+        assert runs != clone / "examples/gpt/deploy/runs" and runs.parts[-4:] == ("examples", "gpt", "deploy", "runs")
+    else:
+        assert runs == clone / "examples/gpt/deploy/runs"
+    versions = read_registry(runs)
     assert [v["status"] for v in versions] == ["completed"], versions
     assert versions[0]["steps"] == "4/4"  # the run's overrides applied
     assert Path(versions[0]["exported model"]).exists()
-    assert os.path.commonpath([versions[0]["path"], str(clone)]) == str(clone)
