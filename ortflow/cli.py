@@ -218,7 +218,7 @@ def _progress_bar(run_dir, stop) -> None:
         TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         TextColumn("{task.description}"),
     )
-    # The same console as the log lines (runconsole.terminal): rich keeps the bar on its own line below them.
+    # The same console as the log lines (cli_terminal.terminal): rich keeps the bar on its own line below them.
     with Progress(*columns, console=console, transient=False) as bar:
         task_id = None
         while not stop.wait(0.5):
@@ -268,8 +268,8 @@ def run(
     import signal
     import threading
 
+    from ortflow.cli_terminal import failure_advice, terminal
     from ortflow.flows import train_pipeline
-    from ortflow.runconsole import failure_advice, terminal
     from ortflow.tasks.caching import STAGES
 
     cfg = _load(config, overrides)

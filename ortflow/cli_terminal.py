@@ -12,7 +12,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s | %(message)s"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(run_name)s| %(message)s"
+
+
+class _FileFormatter(logging.Formatter):
+    """The log file's lines name the task or flow run (Prefect puts the names on its run loggers' records)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        name = getattr(record, "task_run_name", None) or getattr(record, "flow_run_name", None)
+        record.run_name = f"'{name}' " if name else ""
+        return super().format(record)
 
 
 class _NoTraceback(logging.Formatter):
@@ -55,7 +64,7 @@ def terminal(console: Console, log_dir: Path) -> Iterator[Path]:
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / time.strftime("run-%Y%m%dT%H%M%SZ.log", time.gmtime())
     file_handler = logging.FileHandler(path)
-    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    file_handler.setFormatter(_FileFormatter(LOG_FORMAT))
     file_handler.setLevel(logging.DEBUG)
     root = logging.getLogger()
     handlers = _console_handlers()

@@ -9,7 +9,7 @@ import logging
 from rich.console import Console
 from rich.progress import Progress
 
-from ortflow.runconsole import terminal
+from ortflow.cli_terminal import terminal
 
 
 def test_log_lines_share_the_progress_bars_console_and_tracebacks_go_to_the_file(tmp_path):
