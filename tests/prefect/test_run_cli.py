@@ -85,7 +85,8 @@ def test_sigterm_stops_ortflow_run_its_ranks_and_its_temporary_server(mlp_source
     config_file = write_config(cfg, tmp_path / "sigterm.yaml")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_UI_ENABLED="false", OMP_NUM_THREADS="1")  # no API URL: a temporary server
+               PREFECT_SERVER_UI_ENABLED="false", OMP_NUM_THREADS="1",  # no API URL: a temporary server
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # (slow to start on a loaded machine)
     proc = subprocess.Popen([ORTFLOW, "run", str(config_file)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
