@@ -116,5 +116,4 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
 
 def staged(stage_task: Any, cfg: RunConfig) -> Any:
     """The task with its retries and timeout from the config (today's defaults: 2 retries, no time limit)."""
-    name = "train" if stage_task.name == "train" else stage_task.name
-    return stage_task.with_options(**stage_options(cfg, name))
+    return stage_task.with_options(**stage_options(cfg, stage_task.name))
