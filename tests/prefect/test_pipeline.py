@@ -64,8 +64,14 @@ def artifacts_of(flow_run_id, kind: str) -> list:
 STAGES = ("configure", "prepare_data", "train", "retain_checkpoints", "export")
 
 
-def test_pipeline_completes_on_tiny_data_and_publishes_its_summary(prefect_server, mlp_sources, tmp_path):
-    cfg = mlp_config(tmp_path, mlp_sources, "complete")
+def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curve(
+    prefect_server, mlp_sources, tmp_path
+):
+    from ortflow.tasks.charts import loss_curve
+    from ortflow.trainer.checkpoints import list_complete
+
+    cfg = mlp_config(tmp_path, mlp_sources, "complete", train={"display_loss_steps": 1, "evaluation_period": 5},
+                     checkpoint={"period": 5, "max_num_checkpoints": 10})
     state = train_pipeline(cfg, return_state=True)
 
     assert state.is_completed(), state
@@ -85,25 +91,16 @@ def test_pipeline_completes_on_tiny_data_and_publishes_its_summary(prefect_serve
     assert {"ortflow-complete-summary", "ortflow-complete-results", "ortflow-complete-training",
             "ortflow-complete-loss-curve"} <= keys
 
-
-def test_loss_curve_artifact_holds_the_runs_losses(prefect_server, mlp_sources, tmp_path):
-    from ortflow.tasks.charts import loss_curve
-    from ortflow.trainer.checkpoints import list_complete
-
-    cfg = mlp_config(tmp_path, mlp_sources, "chart", train={"display_loss_steps": 1, "evaluation_period": 5},
-                     checkpoint={"period": 5, "max_num_checkpoints": 10})
-    state = train_pipeline(cfg, return_state=True)
-    assert state.is_completed(), state
+    # The loss-curve chart holds the run's losses: the ones the ranks recorded with each checkpoint.
     curve = loss_curve(cfg.tensorboard_dir)
     assert [s for s, _ in curve["train"]] == list(range(1, 21)) and [s for s, _ in curve["eval"]] == [5, 10, 15, 20]
     train, evals = dict(curve["train"]), dict(curve["eval"])
     metas = list_complete(cfg.checkpoints_dir)
     assert [m.step for m in metas] == [5, 10, 15, 20]
-    for meta in metas:  # the losses the ranks recorded with each checkpoint
+    for meta in metas:
         assert train[meta.step] == pytest.approx(meta.train_loss, rel=1e-6)
         assert evals[meta.step] == pytest.approx(meta.eval_loss, rel=1e-6)
-    markdown = artifacts_of(state.state_details.flow_run_id, "markdown")
-    chart = next(a for a in markdown if a.key == "ortflow-chart-loss-curve")
+    chart = next(a for a in markdown if a.key == "ortflow-complete-loss-curve")
     assert "data:image/svg+xml;base64," in chart.data
     for step, loss in curve["train"]:
         assert f"| {step} | {loss:.6g} |" in chart.data

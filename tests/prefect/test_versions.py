@@ -1,5 +1,6 @@
-"""Versioned scheduled training against a real local Prefect server: scheduled runs train new versions (continue
-warm-starts from the previous one), unchanged data is skipped, a killed rank's retry resumes its own version folder,
+"""Versioned scheduled training against a real local Prefect server: the server's scheduler creates runs of a served
+interval schedule and they complete (the SQLAlchemy pin), scheduled runs train new versions (continue warm-starts
+from the previous one), unchanged data is skipped, a killed rank's retry resumes its own version folder,
 and a second run on a busy folder is refused with the holder named."""
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
                  "a scheduled run skipped as unchanged", 1)
 
     first, second = _entries(base, "completed")[:2]
-    for entry in (first, second):
-        assert read_flow_run(entry["flow_run_id"]).auto_scheduled  # both were scheduled runs
+    for entry in (first, second):  # both were created by the server's scheduler service and completed
+        run = read_flow_run(entry["flow_run_id"])
+        assert run.auto_scheduled and run.state.is_completed(), run.state
         assert Path(entry["path"]).parent == base / "versions" and (Path(entry["path"]) / "export/model.onnx").exists()
         assert entry["steps"] == "40/40"
     assert first["parent"] is None and second["parent"] == first["version"]
