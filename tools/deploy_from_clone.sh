@@ -16,6 +16,11 @@ work=${ORTFLOW_CLONE_DIR:-$(mktemp -d)}
 git clone --quiet "$source_repo" "$work/ortflow"
 cd "$work/ortflow"
 if [ -n "${ORTFLOW_VENV:-}" ]; then
+    # `make setup` must find it up to date (its stamp names this pyproject.toml + requirements.lock): otherwise it
+    # would reinstall ortflow from this clone into the shared environment.
+    stamp="$ORTFLOW_VENV/.installed-$(cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)"
+    [ -e "$stamp" ] || { echo "$ORTFLOW_VENV is not set up from this commit's pyproject.toml and requirements.lock" \
+                              "(no $stamp): run make setup there first" >&2; exit 2; }
     ln -s "$ORTFLOW_VENV" .venv
 fi
 if [ "${ORTFLOW_PULL:-}" = git_clone ]; then

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _committed() -> bool:
     out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "docs", "prefect.yaml", "tools",
-                          "ortflow"], capture_output=True, text=True)
+                          "ortflow", "pyproject.toml", "requirements.lock", "Makefile"], capture_output=True, text=True)
     return out.returncode == 0 and not out.stdout.strip()
 
 
@@ -28,7 +28,8 @@ def _committed() -> bool:
 @pytest.mark.parametrize("pull", ["working_directory", "git_clone"])
 def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp_path, pull):
     if not _committed():
-        pytest.skip("docs/, prefect.yaml, tools/ or ortflow/ have uncommitted changes: the clone would not test them")
+        pytest.skip("uncommitted changes in docs/, prefect.yaml, tools/, ortflow/ or the pins: the clone would not test "
+                    "them")
     stdlib = sysconfig.get_paths()["stdlib"]
     overrides = ["train.num_train_steps=4", "train.evaluation_period=0", "checkpoint.period=0",
                  f"data.train={stdlib}/[a-c]*.py"]
