@@ -55,7 +55,17 @@ while IFS= read -r line; do
 done <<< "$steps"
 steps=$with_extra
 printf 'running in %s:\n%s\n' "$PWD" "$steps"
-cleanup() { jobs -p | xargs -r kill 2>/dev/null || true; }
+stop_tree() {  # a background step (the worker) and everything it started
+    local pid=$1 child
+    for child in $(pgrep -P "$pid"); do stop_tree "$child"; done
+    kill "$pid" 2>/dev/null || true
+}
+cleanup() {
+    local status=$? pid
+    for pid in $(jobs -p); do stop_tree "$pid"; done
+    wait 2>/dev/null || true
+    exit "$status"
+}
 trap cleanup EXIT
 set -x
 eval "$steps"
