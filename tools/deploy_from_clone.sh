@@ -55,15 +55,16 @@ while IFS= read -r line; do
 done <<< "$steps"
 steps=$with_extra
 printf 'running in %s:\n%s\n' "$PWD" "$steps"
-stop_tree() {  # a background step (the worker) and everything it started
-    local pid=$1 child
-    for child in $(pgrep -P "$pid"); do stop_tree "$child"; done
-    kill "$pid" 2>/dev/null || true
+stop_tree() {  # signal a background step (the worker) and everything it started
+    local sig=$1 pid=$2 child
+    for child in $(pgrep -P "$pid"); do stop_tree "$sig" "$child"; done
+    kill "-$sig" "$pid" 2>/dev/null || true
 }
 cleanup() {
     local status=$? pid
-    for pid in $(jobs -p); do stop_tree "$pid"; done
-    wait 2>/dev/null || true
+    for pid in $(jobs -pr); do stop_tree TERM "$pid"; done
+    for _ in $(seq 40); do [ -z "$(jobs -pr)" ] && break; sleep 0.5; done
+    for pid in $(jobs -pr); do stop_tree KILL "$pid"; done  # a worker that is still shutting down after 20 s
     exit "$status"
 }
 trap cleanup EXIT
