@@ -22,6 +22,7 @@ HOLD = textwrap.dedent(
     with runlock.hold(sys.argv[1], flow_run_id="fr-123", purpose="train"):
         print("held", flush=True)
         time.sleep(float(sys.argv[2]))
+        open(sys.argv[1] + "/releasing", "w").close()  # the last thing before the lock is released
     """
 )
 
@@ -66,7 +67,7 @@ def test_waiting_writer_gets_the_lock_when_the_holder_finishes(tmp_path):
         started = time.monotonic()
         with runlock.hold(tmp_path, wait=True, timeout_s=60, poll_s=0.1):
             waited = time.monotonic() - started
-            assert proc.poll() is not None, "got the lock while the holder still ran"
+            assert (tmp_path / "releasing").exists(), "got the lock while the holder still held it"
         assert waited > 0.5
     finally:
         proc.wait()
