@@ -21,6 +21,7 @@ if [ -n "${ORTFLOW_VENV:-}" ]; then
     stamp="$ORTFLOW_VENV/.installed-$(cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)"
     [ -e "$stamp" ] || { echo "$ORTFLOW_VENV is not set up from this commit's pyproject.toml and requirements.lock" \
                               "(no $stamp): run make setup there first" >&2; exit 2; }
+    touch "$stamp"  # newer than this fresh clone's files, so make sees nothing to redo
     ln -s "$ORTFLOW_VENV" .venv
 fi
 if [ "${ORTFLOW_PULL:-}" = git_clone ]; then
