@@ -33,6 +33,8 @@ def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp
     stdlib = sysconfig.get_paths()["stdlib"]
     overrides = ["train.num_train_steps=4", "train.evaluation_period=0", "checkpoint.period=0",
                  f"data.train={stdlib}/[a-c]*.py"]
+    if pull == "git_clone":  # each run works in a fresh clone the worker deletes afterwards: outputs go elsewhere
+        overrides.append(f"output_dir={tmp_path / 'runs'}")
     env = {**prefect_server, "ORTFLOW_VENV": str(Path(sys.executable).parents[1]), "ORTFLOW_CLONE_DIR": str(tmp_path),
            "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_PREFETCH_SECONDS": "2", "ORTFLOW_PULL": pull}
     env.pop("VIRTUAL_ENV", None)
@@ -51,8 +53,10 @@ def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp
     registries = list(tmp_path.rglob("registry.json"))
     assert len(registries) == 1, registries
     runs = registries[0].parent
-    if pull == "git_clone":  # the run worked in a clone the pull step made, not in the folder deployed from
-        assert runs != clone / "examples/gpt/deploy/runs" and runs.parts[-4:] == ("examples", "gpt", "deploy", "runs")
+    if pull == "git_clone":  # the run worked in a clone of its own (the log names it), outputs in output_dir
+        assert runs == tmp_path / "runs"
+        assert "Deployment step 'git_clone' completed successfully" in log
+        assert f"{clone}/examples/gpt/deploy" not in log  # nothing ran in the folder deployed from
     else:
         assert runs == clone / "examples/gpt/deploy/runs"
     versions = read_registry(runs)

@@ -82,8 +82,8 @@ def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources)
         deployment = client.read_deployment_by_name("train-pipeline/served")
         # The whole RunConfig goes through the API as JSON and is validated again by the flow run.
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
-    wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and (long.output_dir / "progress.json").exists(), 120,
-             "two ranks training")
+    wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and any(long.output_dir.glob("versions/*/progress.json")),
+             240, "two ranks training")  # a served run trains a new version
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)
     state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None, 90,
