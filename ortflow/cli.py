@@ -77,6 +77,8 @@ def train(
     hostfile: Annotated[Path | None, typer.Option(help="MPI host file for multi-node runs.")] = None,
     threads: Annotated[int | None, typer.Option(help="Threads per rank (default: cores / local ranks).")] = None,
     mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
+    wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
+    = False,
 ) -> None:
     """Launch the ranks with mpiexec and stream their output; exits with the job's status.
 
@@ -90,12 +92,15 @@ def train(
     except ConfigError as err:
         _fail(str(err))
     dist = cfg.distributed
+    from ortflow.runlock import RunFolderLocked, hold
+
     try:
-        result = launch(
-            run_dir, np_ or dist.num_ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
-            threads=threads or dist.threads_per_rank, mpiexec=mpiexec, forward_signals=True,
-        )
-    except LaunchError as err:
+        with hold(run_dir, wait=wait, purpose="ortflow train"):  # one writer per run folder
+            result = launch(
+                run_dir, np_ or dist.num_ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
+                threads=threads or dist.threads_per_rank, mpiexec=mpiexec, forward_signals=True,
+            )
+    except (LaunchError, RunFolderLocked) as err:
         _fail(str(err))
     if result.returncode in (130, 143):  # the ranks stopped together on a signal and saved a stop checkpoint
         console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
@@ -203,7 +208,8 @@ def evaluate(
 
 @app.command(name="export")
 def export_cmd(
-    source: Annotated[Path, typer.Argument(help="Run folder (best checkpoint, else newest) or checkpoint folder.")],
+    source: Annotated[Path, typer.Argument(
+        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version).")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Model to write (default: the run's export.path).")]
     = None,
     outputs: Annotated[str | None, typer.Option(help="Comma-separated outputs (default: the model's own).")] = None,
@@ -219,7 +225,12 @@ def export_cmd(
 
     from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
     from ortflow.export import export_model
+    from ortflow.versions import resolve_run
 
+    try:
+        source = resolve_run(source)  # OUTPUT_DIR/latest: the newest completed version
+    except ValueError as err:
+        _fail(str(err))
     if out is None:
         if not (source / RESOLVED_CONFIG_NAME).exists():
             _fail(f"{source} is not a configured run folder: give the output path with -o model.onnx")
@@ -255,29 +266,45 @@ def doctor() -> None:
     console.print("GPU training (device: cuda, use_nccl): " + ("ready" if gpu_ready else "not ready, see above"))
 
 
-def _progress_bar(run_dir: Path, stop) -> None:
-    """Show progress.json as a rich progress bar until ``stop`` (a threading.Event) is set."""
+def _progress_bar(run_dir, stop) -> None:
+    """Show progress.json as a rich progress bar until ``stop`` (a threading.Event) is set.
+
+    ``run_dir`` is the folder, or a function returning it (a new version's folder appears once the run has begun).
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ortflow.tasks.training import describe_progress
     from ortflow.trainer.metrics import read_progress
 
-    start = read_progress(run_dir)
+    folder = run_dir if callable(run_dir) else (lambda: run_dir)
+    start = read_progress(folder())
     seen = start.get("time") if start else None
     columns = (
         TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         TextColumn("{task.description}"),
     )
+    # The same console as the log lines (cli_terminal.terminal): rich keeps the bar on its own line below them.
     with Progress(*columns, console=console, transient=False) as bar:
         task_id = None
         while not stop.wait(0.5):
-            record = read_progress(run_dir)
+            record = read_progress(folder())
             if record is None or record.get("time") == seen:  # a record left by an earlier run is not this run's
                 continue
             if task_id is None:
                 task_id = bar.add_task("", total=record.get("total") or 1)
             bar.update(task_id, completed=record.get("step", 0), total=record.get("total") or 1,
                        description=describe_progress(record))
+
+
+def _newest_run_dir(cfg) -> Path:
+    """The folder the progress bar watches: the running version's, once plan_version registered it."""
+    from ortflow.versions import read_registry
+
+    try:
+        running = [e for e in read_registry(cfg.output_dir) if e.get("status") == "running" and e.get("path")]
+    except ValueError:
+        running = []
+    return Path(running[-1]["path"]) if running else cfg.output_dir
 
 
 @app.command()
@@ -290,33 +317,68 @@ def run(
             "--from", help="Rerun this stage and every later one: configure, prepare_data, train, retain, export."
         ),
     ] = None,
+    new_version: Annotated[bool, typer.Option(
+        "--new-version", help="Train a new model version under OUTPUT_DIR/versions/ (as deployments do).")] = False,
+    policy: Annotated[str | None, typer.Option(
+        help="With --new-version: retrain (configured weights) or continue (warm start from the latest version).")]
+    = None,
+    skip_unchanged: Annotated[bool | None, typer.Option(
+        "--skip-unchanged/--no-skip-unchanged",
+        help="With --new-version: skip when config, model and data are unchanged since the latest version.")] = None,
+    wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
+    = False,
 ) -> None:
     """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun."""
+    import shlex
+    import signal
     import threading
 
+    from ortflow.cli_terminal import failure_advice, terminal
     from ortflow.flows import train_pipeline
-    from ortflow.tasks.caching import STAGES, invalidate
+    from ortflow.tasks.caching import STAGES
 
     cfg = _load(config, overrides)
-    if from_stage is not None:
-        if from_stage not in STAGES:
-            _fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
-        console.print(f"rerunning {', '.join(invalidate(cfg, from_stage))}")
+    if from_stage is not None and from_stage not in STAGES:
+        _fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
+    if policy is not None and policy not in ("retrain", "continue"):
+        _fail(f"--policy {policy}: use retrain or continue")
+    terminated = []
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        # Unwind like Ctrl-C: the launcher stops the ranks and atexit stops Prefect's temporary server.
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     stop = threading.Event()
-    watcher = threading.Thread(target=_progress_bar, args=(cfg.output_dir, stop), daemon=True)
-    watcher.start()
-    try:
-        # The flow runs in this (main) thread: Prefect's SIGTERM bridge and task timeouts need it, and Ctrl-C reaches
-        # the launcher, which stops the ranks' process group.
-        state = train_pipeline(cfg, return_state=True)
-    finally:
-        stop.set()
-        watcher.join(timeout=5)
+    watcher = threading.Thread(target=_progress_bar, args=(lambda: _newest_run_dir(cfg), stop), daemon=True)
+    command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
+                         else ["ortflow", "run", str(config)])
+    with terminal(console, cfg.output_dir / "logs") as log_file:
+        watcher.start()
+        try:
+            # The flow runs in this (main) thread: Prefect's SIGTERM bridge and task timeouts need it, and Ctrl-C
+            # reaches the launcher, which stops the ranks' process group.
+            state = train_pipeline(cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
+                                   new_version=new_version, wait_for_lock=wait or None, return_state=True)
+        except KeyboardInterrupt:
+            state = None
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+    if state is None or terminated:
+        _fail(f"stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the log is in {log_file}",
+              code=143 if terminated else 130)
     if not state.is_completed():
         try:
             state.result()
-        except BaseException as err:  # noqa: BLE001 - the flow's own failure, shown without a traceback
-            _fail(f"pipeline {state.name.lower()}: {err}")
+        except BaseException as err:  # noqa: BLE001 - the stage's own failure, shown without a traceback
+            console.print(f"error: pipeline {state.name.lower()}: {err}", highlight=False, markup=False,
+                          style="bold red")
+            for line in failure_advice(err, command):
+                console.print(f"  {line}", highlight=False, markup=False)
+            console.print(f"  full log with tracebacks: {log_file}", highlight=False, markup=False)
+            raise typer.Exit(1) from None
         _fail(f"pipeline ended in state {state.name}")
     from rich.table import Table
 
@@ -324,6 +386,38 @@ def run(
     for key, value in state.result().items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+@app.command()
+def runs(config: ConfigArg, overrides: SetOpt = None) -> None:
+    """List the model versions in the config's output_dir (registry.json): status, parent, losses, model."""
+    from rich.table import Table
+
+    from ortflow.runlock import holder
+    from ortflow.versions import describe, read_registry
+
+    cfg = _load(config, overrides)
+    try:
+        entries = read_registry(cfg.output_dir)
+    except ValueError as err:
+        _fail(str(err))
+    if not entries:
+        console.print(f"{cfg.output_dir}: no versions yet (deployment runs and `ortflow run --new-version` add them)",
+                      highlight=False)
+        return
+    busy = holder(cfg.output_dir) is not None
+    table = Table(title=f"versions in {cfg.output_dir}")
+    for column in ("version", "status", "policy", "parent", "steps", "final eval loss", "best eval loss",
+                   "exported model"):
+        table.add_column(column)
+    for e in entries:
+        status = describe(e, busy)
+        if status == "skipped":
+            status = f"skipped ({e.get('reason')})"
+        cells = [e.get("steps"), e.get("final eval loss"), e.get("best eval loss"), e.get("exported model")]
+        table.add_row(e["version"], status, e.get("policy") or "-", e.get("parent") or "-",
+                      *("-" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c) for c in cells))
+    Console(soft_wrap=True).print(table)
 
 
 @app.command()
@@ -340,7 +434,8 @@ def serve(
 
 @app.command()
 def sample(
-    model: Annotated[Path, typer.Argument(help="Exported byte-level language model (.onnx).")],
+    model: Annotated[Path, typer.Argument(
+        help="Exported byte-level language model (.onnx), or OUTPUT_DIR/latest (the newest version's).")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Bytes to generate.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0, help="Softmax temperature; 0 is greedy.")] = 0.8,
@@ -355,7 +450,12 @@ def sample(
     the next byte.
     """
     from ortflow.sample import SampleError, generate
+    from ortflow.versions import resolve_model
 
+    try:
+        model = resolve_model(model)  # OUTPUT_DIR/latest: the newest completed version's exported model
+    except ValueError as err:
+        _fail(str(err))
     if not model.exists():
         _fail(f"{model} does not exist; export a model first (ortflow run CONFIG or ortflow export)")
     out = sys.stdout
@@ -420,6 +520,24 @@ def checkpoint_merge(
     except (CheckpointError, ValueError) as err:
         _fail(str(err))
     console.print(f"merged {info.path} (step {info.step}) into {out}", highlight=False)
+
+
+@app.command()
+def example(
+    kind: Annotated[str, typer.Argument(help="gpt (byte-level GPT on text) or mlp (classifier on tabular data).")],
+    folder: Annotated[Path, typer.Argument(help="Folder to write config.yaml and model.onnx into.")],
+    data: Annotated[str | None, typer.Option(
+        help="Training glob for the config (gpt default: this Python's stdlib *.py; mlp: synthetic data/train.npz).")]
+    = None,
+) -> None:
+    """Write a runnable example (config, model, and the MLP's data) from the installed package."""
+    from ortflow.examples.write import write_example
+
+    try:
+        config = write_example(kind, folder, data)
+    except ValueError as err:
+        _fail(str(err))
+    console.print(f"wrote {config} and {folder / 'model.onnx'}; next: ortflow run {config}", highlight=False)
 
 
 def main() -> None:

@@ -158,7 +158,12 @@ class DataConfig(_Section):
     @field_validator("train", "test", mode="before")
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
-        return (value,) if isinstance(value, (str, Path)) else value
+        value = (value,) if isinstance(value, (str, Path)) else value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, str) and not v.strip() for v in value):
+            raise ValueError(
+                "an entry is empty (an unset environment variable in a deployment's template?); give a file or glob"
+            )
+        return value
 
     @field_validator("train", "test", mode="after")
     @classmethod
@@ -336,8 +341,12 @@ class CheckpointConfig(_Section):
     checkpoint_to_load_path: Path | None = Field(
         None, description="Resume from this checkpoint (default: the newest complete one in dir, if any)."
     )
+    init_from: Path | None = Field(
+        None, description="Warm start: a checkpoint folder whose weights (and optimizer state) training starts from "
+        "at step 0, unless dir already holds a checkpoint to resume. Set by versions.policy continue."
+    )
 
-    _resolve_paths = field_validator("dir", "checkpoint_to_load_path", mode="after")(_resolve)
+    _resolve_paths = field_validator("dir", "checkpoint_to_load_path", "init_from", mode="after")(_resolve)
 
 
 class TensorBoardConfig(_Section):
@@ -394,6 +403,47 @@ class ScheduleConfig(_Section):
         return self
 
 
+class PipelineConfig(_Section):
+    """How the Prefect pipeline runs its stages: retries, timeouts, and waiting for a busy run folder."""
+
+    retries: int = Field(2, ge=0, description="Retries of configure, prepare_data, retain and export after a crash or "
+                         "I/O error (errors that would repeat are never retried).")
+    retry_delays_s: tuple[float, ...] = Field(
+        (2.0, 10.0), description="Seconds before each retry of those stages (the last value repeats)."
+    )
+    train_retries: int = Field(2, ge=0, description="Retries of the train stage; each resumes from the newest "
+                               "complete checkpoint of its own run folder.")
+    train_retry_delays_s: tuple[float, ...] = Field((5.0, 30.0), description="Seconds before each train retry.")
+    stage_timeout_s: float | None = Field(
+        None, gt=0, description="Time limit of configure, prepare_data, retain and export each (default: none)."
+    )
+    train_timeout_s: float | None = Field(
+        None, gt=0, description="Time limit of one train attempt; the ranks are stopped when it passes (default: none)."
+    )
+    wait_for_lock: bool = Field(
+        False, description="When another run holds the run folder, wait for it instead of failing at once."
+    )
+    lock_timeout_s: float | None = Field(
+        None, gt=0, description="With wait_for_lock, fail after waiting this long (default: wait as long as it takes)."
+    )
+
+
+class VersionsConfig(_Section):
+    """Model versions: what a deployment or scheduled run (or `ortflow run --new-version`) trains."""
+
+    policy: Literal["retrain", "continue"] = Field(
+        "retrain", description="retrain: start from model.path's weights; continue: warm-start from the previous "
+        "successful version's checkpoint, on the current data."
+    )
+    continue_from: Literal["final", "best"] = Field(
+        "final", description="With policy continue: the previous version's final checkpoint or its best by eval loss."
+    )
+    skip_unchanged: bool = Field(
+        False, description="Skip the run (recorded as skipped) when config, model and data are unchanged since the "
+        "last successful version."
+    )
+
+
 class RunConfig(_Section):
     """The whole run. Every path may be relative to the config file's folder."""
 
@@ -410,6 +460,8 @@ class RunConfig(_Section):
     tensorboard: TensorBoardConfig = Field(TensorBoardConfig(), description="TensorBoard logging.")
     export: ExportConfig = Field(ExportConfig(), description="Inference model export.")
     schedule: ScheduleConfig = Field(ScheduleConfig(), description="Deployment schedule.")
+    pipeline: PipelineConfig = Field(PipelineConfig(), description="Stage retries, timeouts, run-folder lock.")
+    versions: VersionsConfig = Field(VersionsConfig(), description="Model versions of scheduled runs.")
 
     _resolve_path = field_validator("output_dir", mode="after")(_resolve)
 
@@ -588,6 +640,25 @@ def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
     """Load and validate a config file; relative paths resolve against its folder."""
     path = Path(path).resolve()
     return config_from_dict(read_config_dict(path, overrides), base_dir=path.parent, source=str(path))
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...], base_dir: Path | None = None) -> RunConfig:
+    """A copy of ``cfg`` with ``--set``-style overrides applied and validated like the CLI's.
+
+    Args:
+        cfg: The config to start from.
+        overrides: ``KEY=VALUE`` items (``train.num_train_steps=50``).
+        base_dir: Folder that relative paths in the values resolve against (default: the current folder).
+
+    Raises:
+        ConfigError: an override is malformed or makes the config invalid.
+    """
+    if not overrides:
+        return cfg
+    raw = cfg.model_dump(mode="json")
+    for key, value in parse_overrides(overrides):
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw, base_dir=base_dir or Path.cwd(), source="overrides " + " ".join(overrides))
 
 
 def dump_config(cfg: RunConfig) -> str:

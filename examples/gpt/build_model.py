@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 from ortflow.examples import build_gpt
-
-# Sized for the demo: 0.87M parameters; one training step at batch 8 x 64 tokens takes ~50 ms on one core.
-SIZES = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "num_layers": 4, "num_heads": 4, "seed": 0}
+from ortflow.examples.write import GPT_SIZES as SIZES  # the same model `ortflow example gpt DIR` writes
 
 
 def main(argv: list[str]) -> int:

@@ -2,31 +2,62 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prefect import flow
 
 from ortflow import tasks
 from ortflow.config import RunConfig
 
+Stage = Literal["configure", "prepare_data", "train", "retain", "export"]
+
 
 @flow(name="train-pipeline", log_prints=True)
-def train_pipeline(config: RunConfig) -> dict:
+def train_pipeline(
+    config: RunConfig | str,
+    overrides: list[str] | None = None,
+    from_stage: Stage | None = None,
+    policy: Literal["retrain", "continue"] | None = None,
+    skip_unchanged: bool | None = None,
+    new_version: bool = False,
+    wait_for_lock: bool | None = None,
+) -> dict:
     """Configure, prepare the data, train under mpiexec, keep the best checkpoints, export, and publish a summary.
 
     Stages whose inputs and outputs are unchanged return their cached result; a failed training resumes from its
-    last complete checkpoint.
+    last complete checkpoint. The flow run holds ``output_dir``'s lock throughout: a second run on the same folder is
+    refused with the holder named (or waits, with ``wait_for_lock``).
 
     Args:
-        config: The whole run config (a deployment's parameters are validated against it).
+        config: The whole run config, or the path of a config file (relative to the flow run's working folder).
+        overrides: ``--set``-style changes for this run only (``["train.num_train_steps=50"]``).
+        from_stage: Rerun this stage and every later one (``ortflow run --from``).
+        policy: ``retrain`` or ``continue`` for this run (default: ``versions.policy``).
+        skip_unchanged: Skip when config, model and data are unchanged since the last version (default: config's).
+        new_version: Train a new model version under ``output_dir/versions/`` (deployments set this).
+        wait_for_lock: Wait for a busy run folder instead of failing (default: ``pipeline.wait_for_lock``).
 
     Returns:
-        The summary: steps, final and best eval loss, throughput, kept checkpoints, exported model path.
+        The summary: version, steps, final and best eval loss, throughput, kept checkpoints, exported model path.
     """
-    tasks.configure(config)
-    tasks.prepare_data(config)
-    tasks.train(config)
-    index = tasks.retain_checkpoints(config)
-    exported = tasks.export(config)
-    return tasks.publish_summary(config, index, exported)
+    cfg = tasks.resolve_config(config, overrides, policy, skip_unchanged, wait_for_lock)
+    with tasks.run_folder_lock(cfg, "pipeline"):
+        plan = tasks.plan_version(cfg, new_version, from_stage)
+        if plan.skipped_because:
+            return tasks.publish_skipped(cfg, plan)
+        run = plan.config
+        try:
+            tasks.staged(tasks.configure, run)(run)
+            tasks.staged(tasks.prepare_data, run)(run)
+            tasks.staged(tasks.train, run)(run)
+            index = tasks.staged(tasks.retain_checkpoints, run)(run)
+            exported = tasks.staged(tasks.export, run)(run)
+            summary = tasks.publish_summary(run, index, exported, plan.version)
+        except Exception:
+            tasks.finish_version(cfg, plan, "failed")
+            raise
+        tasks.finish_version(cfg, plan, "completed", summary)
+    return summary
 
 
 @flow(name="export-only", log_prints=True)
@@ -38,10 +69,10 @@ def export_only(
     quantize: bool = False,
     tolerance: float = 1e-4,
 ) -> dict:
-    """Export an existing checkpoint (a ``step-N`` folder, or a run folder for its best one) to an ONNX model.
+    """Export an existing checkpoint (a ``step-N`` folder, a run folder or ``OUTPUT_DIR/latest`` for its best one).
 
     Args:
-        checkpoint: Checkpoint folder or run folder.
+        checkpoint: Checkpoint folder, run folder, or OUTPUT_DIR/latest (the newest completed version).
         output: Path of the inference model to write.
         outputs: Graph outputs to keep (default: the model's original outputs).
         optimize: Apply ONNX Runtime's offline graph optimization.

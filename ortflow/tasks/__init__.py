@@ -2,6 +2,15 @@
 export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortflow.tasks.caching`)."""
 
 from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
+from ortflow.tasks.runs import (
+    finish_version,
+    plan_version,
+    publish_skipped,
+    resolve_config,
+    run_folder_lock,
+    stage_options,
+    staged,
+)
 from ortflow.tasks.stages import configure, export, export_checkpoint, prepare_data, publish_summary, retain_checkpoints
 from ortflow.tasks.training import TrainingFailed, train
 
@@ -12,6 +21,13 @@ __all__ = [
     "configure",
     "export",
     "export_checkpoint",
+    "finish_version",
+    "plan_version",
+    "publish_skipped",
+    "resolve_config",
+    "run_folder_lock",
+    "stage_options",
+    "staged",
     "invalidate",
     "prepare_data",
     "publish_summary",

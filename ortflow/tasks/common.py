@@ -3,26 +3,47 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 from collections.abc import Iterator
 from typing import Any
 
 from prefect import get_run_logger
 
+#: OSErrors that a second try meets again (a bad or unwritable path), so they are not retried.
+_REPEATING_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                     errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL}
+
+
+def will_repeat(err: BaseException) -> bool:
+    """Whether running the same stage again would fail the same way.
+
+    Every deterministic ortflow error (ConfigError, DataError, ExportError, CheckpointError) is a ValueError; a busy
+    run folder (RunFolderLocked) is refused at once; path errors (missing, not writable, a file where a folder
+    belongs) repeat; a training job whose ranks failed on a config, model or shape error says so (``will_repeat``).
+    """
+    from ortflow.runlock import RunFolderLocked
+
+    if isinstance(err, ValueError | RunFolderLocked | TypeError):
+        return True
+    if isinstance(err, OSError) and err.errno in _REPEATING_ERRNOS:
+        return True
+    return bool(getattr(err, "will_repeat", False))
+
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry condition: retry crashes and I/O errors, never a bad config or bad data.
-
-    Every deterministic ortflow error (ConfigError, DataError, ExportError, CheckpointError) is a ValueError; running
-    those twice gives the same answer, so the run fails at once with the message that names the fix.
-    """
+    """Retry condition: retry crashes and passing I/O errors, never a failure that would repeat (``will_repeat``)."""
     try:
         state.result()
-    except ValueError:
-        return False
-    except BaseException:  # noqa: BLE001 - anything else may go away on a second try
-        return True
+    except BaseException as err:  # noqa: BLE001 - anything else may go away on a second try
+        return not will_repeat(err)
     return True
+
+
+def artifact_key(cfg: Any, kind: str) -> str:
+    """Stable artifact key per run name (= deployment name) and kind: ``ortflow-<name>-<kind>``."""
+    slug = "".join(c if c.isalnum() else "-" for c in cfg.name.lower()).strip("-")
+    return f"ortflow-{slug}-{kind}"
 
 
 class _RunLoggerHandler(logging.Handler):

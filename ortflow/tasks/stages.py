@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ortflow.config import RunConfig
 from ortflow.tasks.caching import StageCache
-from ortflow.tasks.common import forward_logs, retry_transient
+from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress
 
 # Every stage writes its outputs atomically and skips work that is already done, so running one twice is safe.
@@ -78,25 +78,31 @@ def export_checkpoint(
 ) -> dict:
     """Export one checkpoint folder (or a run folder's best checkpoint) to ``output``; see ``export_model``."""
     from ortflow.export import export_model
+    from ortflow.versions import resolve_run
 
     with forward_logs():
         result = export_model(
-            Path(checkpoint), Path(output), outputs=outputs, optimize=optimize, quantize=quantize, tolerance=tolerance,
+            resolve_run(Path(checkpoint)), Path(output), outputs=outputs, optimize=optimize, quantize=quantize,
+            tolerance=tolerance,
         )
     create_markdown_artifact(
-        f"Exported step {result.step} of `{result.checkpoint}` to `{result.path}`; max abs difference to the eval "
-        f"graph {result.verification.max_abs_diff} (tolerance {result.verification.tolerance}).",
+        key="ortflow-export",
+        markdown=f"Exported step {result.step} of `{result.checkpoint}` to `{result.path}`; max abs difference to "
+        f"the eval graph {result.verification.max_abs_diff} (tolerance {result.verification.tolerance}).",
         description="ortflow export",
     )
     return result.to_dict()
 
 
-def summary_rows(progress: dict | None, index: dict | None, exported: dict | None) -> list[dict]:
+def summary_rows(
+    progress: dict | None, index: dict | None, exported: dict | None, version: str | None = None
+) -> list[dict]:
     """The pipeline's result as metric/value rows: steps, final and best eval loss, throughput, checkpoints, model."""
     progress, index, exported = progress or {}, index or {}, exported or {}
     kept = index.get("kept", [])
     scored = [k["eval_loss"] for k in kept if k.get("eval_loss") is not None]
-    rows = [
+    rows = [("version", version)] if version else []
+    rows += [
         ("steps", f"{progress.get('step')}/{progress.get('total')}"),
         ("final train loss", progress.get("loss")),
         ("final eval loss", progress.get("eval_loss")),
@@ -122,10 +128,11 @@ def _markdown(name: str, rows: list[dict]) -> str:
 
 
 @task(name="publish_summary", cache_policy=NO_CACHE)
-def publish_summary(config: RunConfig, index: dict, exported: dict) -> dict:
-    """Publish the run's result as a markdown and a table artifact (always runs, so every flow run shows one)."""
-    rows = summary_rows(read_progress(config.output_dir), index, exported)
-    key = "ortflow-" + "".join(c if c.isalnum() else "-" for c in config.name.lower())
-    create_markdown_artifact(_markdown(config.name, rows), key=key, description=f"Result of {config.name}")
-    create_table_artifact(rows, description=f"Result of {config.name}")
+def publish_summary(config: RunConfig, index: dict, exported: dict, version: str | None = None) -> dict:
+    """Publish the run's result as a markdown and a table artifact (always runs, so every flow run shows one), with
+    keys stable per run name: ``ortflow-<name>-summary`` and ``ortflow-<name>-results``."""
+    rows = summary_rows(read_progress(config.output_dir), index, exported, version)
+    create_markdown_artifact(_markdown(config.name, rows), key=artifact_key(config, "summary"),
+                             description=f"Result of {config.name}")
+    create_table_artifact(rows, key=artifact_key(config, "results"), description=f"Result of {config.name}")
     return {row["metric"]: row["value"] for row in rows}

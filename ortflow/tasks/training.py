@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import re
 import threading
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
+from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.tasks.caching import StageCache
-from ortflow.tasks.common import forward_logs, retry_transient
+from ortflow.tasks.charts import chart_markdown, loss_curve
+from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.launch import launch
 from ortflow.trainer.metrics import format_duration, read_progress
 
@@ -19,7 +28,48 @@ log = logging.getLogger(__name__)
 
 
 class TrainingFailed(RuntimeError):
-    """The mpiexec job ended with a non-zero status (retried: training resumes from the last complete checkpoint)."""
+    """The mpiexec job ended with a non-zero status (retried: training resumes from the last complete checkpoint),
+    unless the ranks failed on an error that would repeat (``will_repeat``: a bad config, model, shape or path)."""
+
+    def __init__(self, message: str, will_repeat: bool = False):
+        super().__init__(message)
+        self.will_repeat = will_repeat
+
+
+#: Rank error lines that a second attempt would meet again (the config, the model, a shape, a path, bad data).
+_REPEATING = re.compile(
+    r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
+    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank"
+)
+
+
+def failure_repeats(error_lines: tuple[str, ...]) -> bool:
+    """Whether a failed job's error lines name an error that a retry would meet again."""
+    return any(_REPEATING.search(line) for line in error_lines)
+
+
+_RANK_LEVEL = re.compile(r"^\[(\d+)\]\s+(?:\d\d:\d\d:\d\d\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+_RANK = re.compile(r"^\[(\d+)\]")
+
+
+class RankLineLevels:
+    """The log level of each rank output line: the level the rank logged it at; lines outside the log format
+    (a traceback's lines, stderr) keep the level of that rank's previous line, and a ``Traceback`` is an ERROR."""
+
+    def __init__(self) -> None:
+        self.previous: dict[str, int] = {}
+
+    def __call__(self, line: str) -> int:
+        match = _RANK_LEVEL.match(line)
+        rank = (match or _RANK.match(line) or [None, ""])[1]
+        if match:
+            level = logging.getLevelName(match[2])
+        elif "Traceback (most recent call last)" in line:
+            level = logging.ERROR
+        else:
+            level = self.previous.get(rank, logging.INFO)
+        self.previous[rank] = level
+        return level
 
 
 def describe_progress(record: dict | None) -> str:
@@ -45,16 +95,34 @@ def progress_percent(record: dict | None) -> float:
     return max(0.0, min(100.0, 100.0 * record["step"] / record["total"]))
 
 
-class _ProgressWatcher:
-    """Polls ``progress.json`` from a small thread and mirrors it into one Prefect progress artifact."""
+def final_description(record: dict | None, exc: BaseException | None) -> str:
+    """The progress artifact's last words: Completed, Failed at step N (why), or Cancelled at step N."""
+    step = f"step {record.get('step')}/{record.get('total')}" if record else "before the first step"
+    if exc is None:
+        return f"Completed: {describe_progress(record)}"
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ in ("TerminationSignal", "CancelledError", "Abort"):
+        return f"Cancelled at {step}"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"Failed at {step}: {reason}"
 
-    def __init__(self, run_dir: Path, interval_s: float = 1.0):
+
+class _ProgressWatcher:
+    """Polls ``progress.json`` from a small thread and mirrors it into one keyed Prefect progress artifact, which
+    ends with the attempt's final state (never a stale ETA)."""
+
+    def __init__(self, run_dir: Path, key: str, interval_s: float = 1.0):
         self.run_dir = run_dir
         self.interval_s = interval_s
         self.stop = threading.Event()
         self.last: dict | None = None
-        self.artifact_id = create_progress_artifact(0.0, description=describe_progress(None))
-        self.thread = threading.Thread(target=self._loop, name="ortflow-progress", daemon=True)
+        self.started = read_progress(run_dir)  # a record left by an earlier attempt
+        self.artifact_id = create_progress_artifact(
+            progress_percent(self.started), key=key, description=describe_progress(None)
+        )
+        # The thread runs in a copy of this context: Prefect's settings and run context are context variables, and a
+        # bare thread would talk to another API (a temporary server of its own when the URL is set per context).
+        context = contextvars.copy_context()
+        self.thread = threading.Thread(target=context.run, args=(self._loop,), name="ortflow-progress", daemon=True)
 
     def _update(self) -> None:
         record = read_progress(self.run_dir)
@@ -73,13 +141,24 @@ class _ProgressWatcher:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.stop.set()
         self.thread.join(timeout=10)
         try:
-            self._update()
+            record = read_progress(self.run_dir) or self.last
+            self.last = record or self.last
+            final = final_description(record, exc)
+            update_progress_artifact(self.artifact_id, progress_percent(record), description=final)
         except Exception as err:  # noqa: BLE001
             log.warning("progress artifact update failed: %s", err)
+
+
+def publish_loss_curve(config: RunConfig) -> dict[str, list[tuple[int, float]]]:
+    """The loss-curve chart artifact of the run, from its TensorBoard events; returns the points drawn."""
+    curve = loss_curve(config.tensorboard_dir)
+    create_markdown_artifact(chart_markdown(config.name, curve), key=artifact_key(config, "loss-curve"),
+                             description=f"Train and eval loss of {config.name} against step")
+    return curve
 
 
 @task(
@@ -110,16 +189,31 @@ def train(config: RunConfig) -> dict:
     target = config.output_dir / RESOLVED_CONFIG_NAME
     if not target.exists() or target.read_text() != dump_config(config):
         write_resolved_config(config)
-    dist = config.distributed
-    with forward_logs() as logger, _ProgressWatcher(config.output_dir) as watcher:
-        result = launch(
-            config.output_dir, dist.num_ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-            threads=dist.threads_per_rank, on_line=logger.info,
-        )
-    if not result.ok:
-        raise TrainingFailed(result.summary())
+    dist, pipe = config.distributed, config.pipeline
+    from ortflow.tasks.runs import flow_run_id
+
+    levels = RankLineLevels()
+    with (
+        runlock.hold(config.output_dir, wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s,
+                     flow_run_id=flow_run_id(), purpose="train"),
+        forward_logs() as logger,
+    ):
+        try:
+            with _ProgressWatcher(config.output_dir, artifact_key(config, "progress")) as watcher:
+                result = launch(
+                    config.output_dir, dist.num_ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
+                    threads=dist.threads_per_rank, on_line=lambda line: logger.log(levels(line), "%s", line),
+                )
+                if not result.ok:
+                    raise TrainingFailed(result.summary(), will_repeat=failure_repeats(result.error_lines))
+        finally:
+            try:
+                publish_loss_curve(config)
+            except Exception as err:  # noqa: BLE001 - the chart must not hide the training's own outcome
+                logger.warning("loss curve artifact not published: %s", err)
     record = watcher.last or read_progress(config.output_dir) or {}
     rows = [{"metric": key, "value": record.get(key)} for key in
             ("step", "total", "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s")]
-    create_table_artifact(rows, description=f"Training of {config.name}: last progress record")
+    create_table_artifact(rows, key=artifact_key(config, "training"),
+                          description=f"Training of {config.name}: last progress record")
     return {"progress": record, "checkpoints_dir": str(config.checkpoints_dir)}

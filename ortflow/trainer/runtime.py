@@ -200,12 +200,14 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size))
     # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
-    chosen = None
+    chosen = warm = None
     if comm.rank == 0:
         found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
         chosen = (str(found.path), found.meta) if found else None
+        if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
+            warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)
     # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
-    chosen = comm.broadcast(chosen, "choose checkpoint")
+    chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
     resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
     state_file = cfg.artifacts_dir / "checkpoint"
     state = api.CheckpointState.load_checkpoint(str(state_file))
@@ -221,15 +223,16 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     if not trainable:
         raise RuntimeError(f"{state_file} holds no trainable parameters: re-run `ortflow configure`")
-    if resume:
-        load_parameters(state, resume.path, on_device=device != "cpu")
+    if resume or warm:  # a warm start takes the earlier version's weights only (its optimizer state starts fresh)
+        load_parameters(state, resume.path if resume else Path(warm), on_device=device != "cpu")
     if device == "cpu":
         update, exchange = build_update(cfg, comm, state, trainable, threads)
     else:
         update, exchange = build_device_update(cfg, comm, state, trainable)
     if resume:
         h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=comm.rank)
-    where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
+    where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
+        "the initial weights"
     log.info(
         "rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s",
         comm.rank, comm.size, comm.local_rank, comm.local_size, device, threads, where,

@@ -1,28 +1,20 @@
-"""Served deployments against a real local Prefect server: a run started with the CLI completes; a cancelled run
-leaves no rank process alive."""
+"""Served deployments against a real local Prefect server: a run started with the CLI completes (from a start folder
+that would shadow ortflow), ``overrides`` change one run only, a cancelled run leaves no rank process alive."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from ortflow.config import load_run_config
+from ortflow.versions import read_registry, resolve_run
 from tests.prefect.helpers import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
+from tests.prefect.serving import serving
 
 pytestmark = pytest.mark.prefect
-
-
-def _deployment_exists(name: str) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        with get_client(sync_client=True) as client:
-            client.read_deployment_by_name(name)
-        return True
-    except ObjectNotFound:
-        return False
 
 
 def _flow_run(flow_run_id):
@@ -34,27 +26,16 @@ def _flow_run(flow_run_id):
 
 @pytest.fixture(scope="module")
 def served(prefect_server, mlp_sources, tmp_path_factory):
-    """``ortflow serve CONFIG`` in a subprocess, until the module's tests are done."""
+    """``ortflow serve CONFIG`` in a subprocess, until the module's tests are done. It starts from a folder holding a
+    package named ``ortflow`` that fails on import: served runs must import the installed ortflow instead."""
     root = tmp_path_factory.mktemp("served")
     cfg = mlp_config(root, mlp_sources, "served")
     config_file = write_config(cfg, root / "served.yaml")
-    log = (root / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ortflow.cli", "serve", str(config_file)], env=prefect_server, stdout=log,
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: _deployment_exists("train-pipeline/served") and _deployment_exists("export-only/served"),
-                 90, "ortflow serve to register its deployments")
+    start = root / "checkout"
+    (start / "ortflow").mkdir(parents=True)
+    (start / "ortflow" / "__init__.py").write_text("raise ImportError('the start folder was imported')\n")
+    with serving(config_file, prefect_server, "served", start, root / "serve.log"):
         yield {"cfg": cfg, "root": root, "env": prefect_server, "log": root / "serve.log"}
-    finally:
-        proc.terminate()  # the runner pauses its schedules and exits on SIGTERM
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_served_deployment_started_with_prefect_cli_completes(served):
@@ -66,8 +47,28 @@ def test_served_deployment_started_with_prefect_cli_completes(served):
     )
     assert done.returncode == 0, done.stdout + done.stderr + served["log"].read_text()[-3000:]
     assert "Completed" in done.stdout + done.stderr
-    assert cfg.export_path.exists()
-    assert (cfg.output_dir / "checkpoints.json").exists()
+    latest = resolve_run(cfg.output_dir / "latest")  # a served run trains a new version
+    assert latest.parent == cfg.output_dir / "versions"
+    assert (latest / "export" / "model.onnx").exists() and (latest / "checkpoints.json").exists()
+
+
+def test_overrides_change_one_run_only(served):
+    from prefect.client.orchestration import get_client
+
+    cfg = served["cfg"]
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("train-pipeline/served")
+        short = client.create_flow_run_from_deployment(
+            deployment.id, parameters={"overrides": ["train.num_train_steps=10", "train.evaluation_period=5"]})
+        plain = client.create_flow_run_from_deployment(deployment.id)
+    for run in (short, plain):
+        state = wait_for(lambda run=run: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None,
+                         240, "the flow run to end")
+        assert state.is_completed(), (state, served["log"].read_text()[-3000:])
+    steps = {e["flow_run_id"]: e["steps"] for e in read_registry(cfg.output_dir)}
+    assert steps[str(short.id)] == "10/10" and steps[str(plain.id)] == "20/20"
+    assert load_run_config(Path(next(e["path"] for e in read_registry(cfg.output_dir)
+                                     if e["flow_run_id"] == str(plain.id)))).train.num_train_steps == 20
 
 
 def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources):
@@ -81,8 +82,8 @@ def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources)
         deployment = client.read_deployment_by_name("train-pipeline/served")
         # The whole RunConfig goes through the API as JSON and is validated again by the flow run.
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
-    wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and (long.output_dir / "progress.json").exists(), 120,
-             "two ranks training")
+    wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and any(long.output_dir.glob("versions/*/progress.json")),
+             240, "two ranks training")  # a served run trains a new version
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)
     state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None, 90,

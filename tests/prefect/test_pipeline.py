@@ -64,8 +64,14 @@ def artifacts_of(flow_run_id, kind: str) -> list:
 STAGES = ("configure", "prepare_data", "train", "retain_checkpoints", "export")
 
 
-def test_pipeline_completes_on_tiny_data_and_publishes_its_summary(prefect_server, mlp_sources, tmp_path):
-    cfg = mlp_config(tmp_path, mlp_sources, "complete")
+def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curve(
+    prefect_server, mlp_sources, tmp_path
+):
+    from ortflow.tasks.charts import loss_curve
+    from ortflow.trainer.checkpoints import list_complete
+
+    cfg = mlp_config(tmp_path, mlp_sources, "complete", train={"display_loss_steps": 1, "evaluation_period": 5},
+                     checkpoint={"period": 5, "max_num_checkpoints": 10})
     state = train_pipeline(cfg, return_state=True)
 
     assert state.is_completed(), state
@@ -80,6 +86,24 @@ def test_pipeline_completes_on_tiny_data_and_publishes_its_summary(prefect_serve
     assert any("best eval loss" in a.data and str(cfg.export_path) in a.data for a in markdown)
     progress = artifacts_of(state.state_details.flow_run_id, "progress")
     assert [a.data for a in progress] == [100.0]  # the train task's bar, finished
+    assert progress[0].key == "ortflow-complete-progress" and progress[0].description.startswith("Completed: step 20")
+    keys = {a.key for kind in ("markdown", "table") for a in artifacts_of(state.state_details.flow_run_id, kind)}
+    assert {"ortflow-complete-summary", "ortflow-complete-results", "ortflow-complete-training",
+            "ortflow-complete-loss-curve"} <= keys
+
+    # The loss-curve chart holds the run's losses: the ones the ranks recorded with each checkpoint.
+    curve = loss_curve(cfg.tensorboard_dir)
+    assert [s for s, _ in curve["train"]] == list(range(1, 21)) and [s for s, _ in curve["eval"]] == [5, 10, 15, 20]
+    train, evals = dict(curve["train"]), dict(curve["eval"])
+    metas = list_complete(cfg.checkpoints_dir)
+    assert [m.step for m in metas] == [5, 10, 15, 20]
+    for meta in metas:
+        assert train[meta.step] == pytest.approx(meta.train_loss, rel=1e-6)
+        assert evals[meta.step] == pytest.approx(meta.eval_loss, rel=1e-6)
+    chart = next(a for a in markdown if a.key == "ortflow-complete-loss-curve")
+    assert "data:image/svg+xml;base64," in chart.data
+    for step, loss in curve["train"]:
+        assert f"| {step} | {loss:.6g} |" in chart.data
 
 
 def test_rerun_after_failed_export_does_not_rerun_finished_stages(prefect_server, mlp_sources, tmp_path):

@@ -1,0 +1,99 @@
+"""``ortflow run`` in a terminal: Prefect's log lines and the progress bar share one console (the bar stays on its
+own line below the logs), tracebacks go to a log file instead of the terminal, and a failed stage is reported as
+its own message plus the command that reruns or fixes it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(run_name)s| %(message)s"
+
+
+class _FileFormatter(logging.Formatter):
+    """The log file's lines name the task or flow run (Prefect puts the names on its run loggers' records)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        name = getattr(record, "task_run_name", None) or getattr(record, "flow_run_name", None)
+        record.run_name = f"'{name}' " if name else ""
+        return super().format(record)
+
+
+class _NoTraceback(logging.Formatter):
+    """Formats a record without its exception text (the log file keeps it); the record itself is left untouched."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            text = self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+        return text.split("\nTraceback (most recent call last)")[0]
+
+
+def _console_handlers() -> list[logging.Handler]:
+    from prefect.logging.configuration import setup_logging
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    def found() -> list[logging.Handler]:
+        loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                          if isinstance(lg, logging.Logger))]
+        return [h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)]
+
+    return found() or (setup_logging(), found())[1]
+
+
+@contextlib.contextmanager
+def terminal(console: Console, log_dir: Path) -> Iterator[Path]:
+    """Route Prefect's console logging through ``console`` without tracebacks, and every record (tracebacks
+    included) into a new log file under ``log_dir``.
+
+    Yields:
+        The log file's path.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / time.strftime("run-%Y%m%dT%H%M%SZ.log", time.gmtime())
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(_FileFormatter(LOG_FORMAT))
+    file_handler.setLevel(logging.DEBUG)
+    root = logging.getLogger()
+    handlers = _console_handlers()
+    saved = [(h, h.console, h.formatter) for h in handlers]
+    for handler in handlers:
+        handler.console = console  # one console: rich prints log lines above the live progress bar
+        handler.setFormatter(_NoTraceback(handler.formatter))
+    root.addHandler(file_handler)
+    previous_level = root.level
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        yield path
+    finally:
+        root.removeHandler(file_handler)
+        root.setLevel(previous_level)
+        file_handler.close()
+        for handler, old_console, formatter in saved:
+            handler.console = old_console
+            handler.setFormatter(formatter)
+
+
+def failure_advice(err: BaseException, command: str) -> list[str]:
+    """What to do after a failed ``ortflow run``: fix-then-rerun for errors that would repeat, else rerun."""
+    from ortflow.runlock import RunFolderLocked
+    from ortflow.tasks.common import will_repeat
+
+    if isinstance(err, RunFolderLocked):
+        return [f"to queue behind it instead: {command} --wait"]
+    if will_repeat(err):
+        return [f"fix the problem above, then: {command}"]
+    return [f"to retry (finished stages are skipped, training resumes from its newest checkpoint): {command}"]

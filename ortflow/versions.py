@@ -1,0 +1,268 @@
+"""Model versions: each deployment or scheduled run trains a new version in its own folder under ``output_dir``.
+
+Layout (``output_dir`` of the config)::
+
+    registry.json                  every version: status, fingerprints, parent, losses, exported model
+    latest -> versions/<name>      the newest completed version (a symlink, replaced atomically)
+    versions/<name>/               one run folder per version (config.yaml, artifacts/, data/, checkpoints/,
+                                   tensorboard/, progress.json, checkpoints.json, export/model.onnx)
+
+Version names are ``YYYYmmddTHHMMSSZ-<flow run id prefix>``, so sorting by name sorts by start time. A retry of
+the same flow run finds its entry by flow-run id and resumes the same folder. Writers of the registry hold the run
+folder's lock (:mod:`ortflow.runlock`); readers never need it (the file is replaced atomically).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ortflow.config import ConfigError, RunConfig, config_from_dict
+
+log = logging.getLogger(__name__)
+
+REGISTRY_NAME = "registry.json"
+VERSIONS_DIR = "versions"
+LATEST = "latest"
+
+#: Sections whose values decide what a version trains (a change means "not unchanged" for skip_unchanged).
+TRAINING_SECTIONS = ("model", "data", "train", "optimizer", "lr_schedule", "precision", "distributed", "export")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one pipeline run does: train in ``config.output_dir`` (a version folder or the run folder), or skip."""
+
+    config: RunConfig
+    version: str | None
+    parent: str | None = None
+    resumed: bool = False
+    skipped_because: str | None = None
+
+
+def registry_path(base: Path) -> Path:
+    return Path(base) / REGISTRY_NAME
+
+
+def read_registry(base: Path) -> list[dict]:
+    """The registry's entries, oldest first (empty when there is none)."""
+    try:
+        data = json.loads(registry_path(base).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{registry_path(base)} cannot be read ({err}); restore it or move it aside") from None
+    return list(data.get("versions", []))
+
+
+def _write_registry(base: Path, entries: list[dict]) -> None:
+    path = registry_path(base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": 1, "versions": entries}, indent=1))
+    os.replace(tmp, path)
+
+
+def _update(base: Path, name: str, **fields: object) -> dict:
+    entries = read_registry(base)
+    entry = next(e for e in entries if e["version"] == name)
+    entry.update(fields)
+    _write_registry(base, entries)
+    return entry
+
+
+def fingerprints(cfg: RunConfig) -> dict[str, str]:
+    """Cheap identities of what a version trains: config sections, model file (+ optimizer), data sources.
+
+    Raises:
+        DataError: a data glob matches nothing (never train on an empty source).
+    """
+    from ortflow.configure import fingerprint as model_fingerprint
+    from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
+
+    data = cfg.data
+    sources = resolve_sources(data.train, data.format, "data.train")
+    sources += resolve_sources(data.test, data.format, "data.test") if data.test else []
+    digest = hashlib.sha256(json.dumps([fingerprint_entry(s) for s in sources], sort_keys=True).encode())
+    return {
+        "config": cfg.section_fingerprint(*TRAINING_SECTIONS),
+        "model": model_fingerprint(cfg),
+        "data": digest.hexdigest(),
+    }
+
+
+def version_name(flow_run_id: str | None, now: float | None = None) -> str:
+    """``20261123T031500Z-5f3e2a1b``: UTC start time first, so names sort by time; then the end of the flow run id
+    (its start is a timestamp too)."""
+    stamp = datetime.fromtimestamp(now if now is not None else time.time(), UTC).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{(flow_run_id or uuid.uuid4().hex).replace('-', '')[-8:]}"
+
+
+def version_config(cfg: RunConfig, folder: Path, init_from: Path | None) -> RunConfig:
+    """The config of a version folder: every output inside it, warm-started from ``init_from`` when given."""
+    raw = cfg.model_dump(mode="json")
+    raw["output_dir"] = str(folder)
+    raw["checkpoint"].update(dir=None, checkpoint_to_load_path=None, init_from=str(init_from) if init_from else None)
+    raw["tensorboard"]["log_dir"] = None
+    raw["export"]["path"] = None
+    return config_from_dict(raw, source=f"version {folder.name}")
+
+
+def _warm_start_checkpoint(parent: dict, continue_from: str) -> Path:
+    key = "best_checkpoint" if continue_from == "best" else "final_checkpoint"
+    path = parent.get(key) or parent.get("final_checkpoint")
+    if not path or not Path(path).exists():
+        raise ConfigError([
+            f"versions.policy continue: version {parent['version']}'s {continue_from} checkpoint ({path}) is gone; "
+            "use policy retrain, or restore the checkpoint"
+        ])
+    return Path(path)
+
+
+def plan_run(
+    cfg: RunConfig, flow_run_id: str | None, new_version: bool, now: float | None = None
+) -> Plan:
+    """Decide the folder a pipeline run trains in, registering a new version when asked to.
+
+    Call with the run folder's lock held. A run whose flow-run id is already registered (a Prefect retry of the
+    flow run) resumes its own version folder.
+
+    Args:
+        cfg: The run config (``output_dir`` is the base folder holding versions).
+        flow_run_id: The Prefect flow run (None outside one).
+        new_version: Train a new version (deployments) instead of training ``output_dir`` itself (``ortflow run``).
+        now: Start time (seconds since the epoch) for the version name.
+
+    Returns:
+        The plan: the folder's config, its version and parent, or why the run is skipped.
+
+    Raises:
+        ConfigError: ``continue`` cannot warm-start (the model changed, or the parent's checkpoint is gone).
+        DataError: a data glob matches nothing.
+    """
+    if not new_version:
+        return Plan(cfg, None)
+    base = cfg.output_dir
+    entries = read_registry(base)
+    mine = next((e for e in entries if flow_run_id and e.get("flow_run_id") == flow_run_id and e.get("path")), None)
+    if mine is not None:
+        init = mine.get("init_from")
+        _update(base, mine["version"], status="running", retried_at=time.time())
+        log.info("flow run %s resumes its version %s", flow_run_id, mine["version"])
+        return Plan(version_config(cfg, Path(mine["path"]), Path(init) if init else None), mine["version"],
+                    mine.get("parent"), resumed=True)
+    policy = cfg.versions
+    prints = fingerprints(cfg)
+    done = [e for e in entries if e.get("status") == "completed"]
+    last = done[-1] if done else None
+    name = version_name(flow_run_id, now)
+    entry = {"version": name, "flow_run_id": flow_run_id, "started": time.time(), "policy": policy.policy,
+             "fingerprints": prints}
+    if policy.skip_unchanged and last is not None and last.get("fingerprints") == prints:
+        reason = f"config, model and data unchanged since version {last['version']}"
+        _write_registry(base, [*entries, {**entry, "status": "skipped", "reason": reason, "parent": last["version"]}])
+        return Plan(cfg, name, last["version"], skipped_because=reason)
+    parent, init_from = None, None
+    if policy.policy == "continue" and last is not None:
+        if last["fingerprints"]["model"] != prints["model"]:
+            raise ConfigError([
+                f"versions.policy continue: the model file or the model/optimizer sections changed since version "
+                f"{last['version']}, so its checkpoint does not fit; use policy retrain for this run"
+            ])
+        parent, init_from = last["version"], _warm_start_checkpoint(last, policy.continue_from)
+    elif policy.policy == "continue":
+        log.info("versions.policy continue: no earlier successful version, training from %s", cfg.model.path)
+    folder = base / VERSIONS_DIR / name
+    run_cfg = version_config(cfg, folder, init_from)
+    _write_registry(base, [*entries, {**entry, "status": "running", "path": str(folder), "parent": parent,
+                                      "init_from": str(init_from) if init_from else None}])
+    return Plan(run_cfg, name, parent)
+
+
+def finish_version(base: Path, name: str, status: str, summary: dict | None = None) -> dict:
+    """Record a version's end: status, losses, checkpoints and exported model; ``latest`` follows completed ones."""
+    from ortflow.trainer.checkpoints import list_complete
+
+    fields: dict[str, object] = {"status": status, "finished": time.time()}
+    entry = next(e for e in read_registry(base) if e["version"] == name)
+    folder = Path(entry["path"])
+    if summary is not None:
+        fields.update({k: summary.get(k) for k in ("steps", "final train loss", "final eval loss", "best eval loss",
+                                                     "exported model")})
+    try:
+        index = json.loads((folder / "checkpoints.json").read_text())
+    except (OSError, ValueError):
+        index = {}
+    scored = [k for k in index.get("kept", []) if k.get("eval_loss") is not None]
+    if scored:
+        fields["best_checkpoint"] = min(scored, key=lambda k: k["eval_loss"])["path"]
+    complete = list_complete(folder / "checkpoints")
+    if complete:
+        fields["final_checkpoint"] = str(complete[-1].path)
+    entry = _update(base, name, **fields)
+    if status == "completed":
+        _point_latest(Path(base), folder)
+    return entry
+
+
+def _point_latest(base: Path, folder: Path) -> None:
+    link = base / LATEST
+    tmp = base / f".{LATEST}.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(folder.relative_to(base))
+        os.replace(tmp, link)
+    except OSError as err:  # a filesystem without symlinks: the registry alone still answers `latest`
+        log.warning("cannot point %s at %s (%s); `latest` is resolved from %s", link, folder, err, REGISTRY_NAME)
+
+
+def latest_version(base: Path) -> dict | None:
+    """The newest completed version's registry entry, or None."""
+    done = [e for e in read_registry(base) if e.get("status") == "completed"]
+    return done[-1] if done else None
+
+
+def resolve_run(source: Path) -> Path:
+    """A run folder from what a user typed: ``OUTPUT_DIR/latest`` (or ``latest`` inside OUTPUT_DIR) is the newest
+    completed version; anything else is returned as is.
+
+    Raises:
+        ValueError: ``latest`` was asked for but no version has completed.
+    """
+    source = Path(source)
+    if source.name != LATEST:
+        return source
+    base = source.parent
+    entry = latest_version(base)
+    if entry is not None:
+        return Path(entry["path"])
+    if (base / "checkpoints").is_dir():  # an unversioned run folder: `ortflow run CONFIG` trains it in place
+        return base
+    raise ValueError(
+        f"{source}: no completed version in {base.resolve()} ({REGISTRY_NAME} lists none); train one first "
+        "(a deployment run, or `ortflow run CONFIG --new-version`)"
+    )
+
+
+def resolve_model(source: Path) -> Path:
+    """An exported model from what a user typed: ``OUTPUT_DIR/latest`` is the newest version's exported model."""
+    source = Path(source)
+    if source.name != LATEST:
+        return source
+    entry = latest_version(source.parent)
+    if entry is not None and entry.get("exported model"):
+        return Path(entry["exported model"])
+    return resolve_run(source) / "export" / "model.onnx"
+
+
+def describe(entry: dict, lock_held: bool) -> str:
+    """The status to show: ``running`` entries whose folder nobody holds are ``interrupted``."""
+    status = entry.get("status", "?")
+    return "interrupted" if status == "running" and not lock_held else status

@@ -1,0 +1,68 @@
+"""``ortflow serve`` in a subprocess and flow-run queries against the test server."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.prefect.helpers import wait_for
+
+
+def deployment_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_deployment_by_name(name)
+        return True
+    except ObjectNotFound:
+        return False
+
+
+def flow_runs_of(deployment_name: str) -> list:
+    """Every flow run of a deployment, oldest expected start first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(deployment_name)
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200,
+        )
+
+
+def read_flow_run(flow_run_id):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+@contextlib.contextmanager
+def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: Path) -> Iterator[subprocess.Popen]:
+    """Run ``ortflow serve CONFIG`` from ``cwd`` until the block ends; waits for both deployments to exist."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            # The console script, as users run it (``python -m`` would put the start folder first on sys.path).
+            [str(Path(sys.executable).parent / "ortflow"), "serve", str(config_file)], env=env, stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+        )
+        try:
+            wait_for(lambda: proc.poll() is not None or (deployment_exists(f"train-pipeline/{name}")
+                                                          and deployment_exists(f"export-only/{name}")),
+                     90, "ortflow serve to register its deployments")
+            assert proc.poll() is None, log.read_text()[-3000:]
+            yield proc
+        finally:
+            proc.terminate()  # the runner pauses its schedules and exits on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

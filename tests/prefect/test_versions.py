@@ -1,0 +1,177 @@
+"""Versioned scheduled training against a real local Prefect server: the server's scheduler creates runs of a served
+interval schedule and they complete (the SQLAlchemy pin), scheduled runs train new versions (continue warm-starts
+from the previous one), unchanged data is skipped, a killed rank's retry resumes its own version folder,
+and a second run on a busy folder is refused with the holder named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortflow.flows import train_pipeline
+from ortflow.tasks.charts import loss_curve
+from ortflow.trainer.metrics import read_progress
+from ortflow.versions import read_registry, resolve_run
+from tests.prefect.helpers import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
+from tests.prefect.serving import flow_runs_of, read_flow_run, serving
+
+pytestmark = pytest.mark.prefect
+
+
+def _write_data(path: Path, rows: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    features = rng.normal(size=(rows, 8)).astype(np.float32)
+    labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, features=features, labels=labels)
+    return path
+
+
+def _entries(base: Path, status: str) -> list[dict]:
+    return [e for e in read_registry(base) if e.get("status") == status]
+
+
+def _first_and_last_train_loss(version: dict) -> tuple[float, float]:
+    curve = loss_curve(Path(version["path"]) / "tensorboard")["train"]
+    return curve[0][1], curve[-1][1]
+
+
+def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
+    prefect_server, mlp_sources, tmp_path
+):
+    data = tmp_path / "data"
+    _write_data(data / "part-0.npz", 256, seed=0)
+    cfg = mlp_config(
+        tmp_path, mlp_sources, "versioned",
+        data={"train": [str(data / "*.npz")]},
+        train={"num_train_steps": 40, "display_loss_steps": 1, "evaluation_period": 20},
+        optimizer={"learning_rate": 0.05},
+        versions={"policy": "continue", "skip_unchanged": True},
+        schedule={"interval_s": 5},
+    )
+    config_file = write_config(cfg, tmp_path / "versioned.yaml")
+    start_folder = tmp_path / "checkout"  # a folder holding a package named ortflow must not shadow the installed one
+    (start_folder / "ortflow").mkdir(parents=True)
+    (start_folder / "ortflow" / "__init__.py").write_text("raise ImportError('the working folder was imported')\n")
+    base = cfg.output_dir
+    with serving(config_file, prefect_server, "versioned", start_folder, tmp_path / "serve.log"):
+        def no_failed_runs():
+            failed = [r for r in flow_runs_of("train-pipeline/versioned") if r.state and r.state.is_failed()]
+            assert not failed, f"{failed[0].state}\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
+
+        wait_for(lambda: no_failed_runs() or _entries(base, "completed"), 240, "the first scheduled version", 1)
+        _write_data(data / "part-1.npz", 256, seed=1)  # new data arrives
+        wait_for(lambda: no_failed_runs() or len(_entries(base, "completed")) == 2, 240, "a second version", 1)
+        second = _entries(base, "completed")[1]["version"]
+        wait_for(lambda: no_failed_runs() or any(e.get("parent") == second for e in _entries(base, "skipped")), 120,
+                 "a scheduled run skipped as unchanged", 1)
+
+    first, second = _entries(base, "completed")[:2]
+    for entry in (first, second):  # both were created by the server's scheduler service and completed
+        run = read_flow_run(entry["flow_run_id"])
+        assert run.auto_scheduled and run.state.is_completed(), run.state
+        assert Path(entry["path"]).parent == base / "versions" and (Path(entry["path"]) / "export/model.onnx").exists()
+        assert entry["steps"] == "40/40"
+    assert first["parent"] is None and second["parent"] == first["version"]
+    assert second["fingerprints"]["data"] != first["fingerprints"]["data"]
+    assert second["init_from"] == first["final_checkpoint"]
+    assert first["version"] < second["version"]  # names sort by time
+    # continue warm-starts: the second version's first loss is near the first version's final loss, not its initial.
+    first_initial, first_final = _first_and_last_train_loss(first)
+    second_initial, _ = _first_and_last_train_loss(second)
+    assert first_initial - first_final > 0.2, (first_initial, first_final)
+    assert abs(second_initial - first_final) < 0.5 * abs(second_initial - first_initial), (
+        first_initial, first_final, second_initial)
+    skipped = next(e for e in _entries(base, "skipped") if e.get("parent") == second["version"])
+    assert "unchanged since version " + second["version"] in skipped["reason"]
+    assert "path" not in skipped  # nothing was trained or written for it
+    assert sorted(p.name for p in (base / "versions").iterdir()) == sorted(e["version"] for e in (first, second))
+    assert resolve_run(base / "latest") == Path(second["path"])
+    assert (base / "latest").resolve() == Path(second["path"]).resolve()
+
+
+def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "killed-version",
+                     train={"num_train_steps": 4000, "display_loss_steps": 100, "evaluation_period": 0},
+                     checkpoint={"period": 250, "max_num_checkpoints": 2})
+    killed = []
+
+    def kill_one_rank() -> None:
+        def running_version():
+            running = [e for e in read_registry(cfg.output_dir) if e.get("status") == "running"]
+            return running and Path(running[0]["path"])
+
+        folder = wait_for(running_version, 120, "the version folder")
+        record = wait_for(lambda: (r := read_progress(folder)) and 800 <= r["step"] < 3000 and r, 180,
+                          "training to pass step 800")
+        os.kill(rank_pids(folder)[0], signal.SIGKILL)
+        killed.append(record["step"])
+
+    killer = threading.Thread(target=kill_one_rank, daemon=True)
+    killer.start()
+    state = train_pipeline(cfg, new_version=True, return_state=True)
+    killer.join(timeout=5)
+
+    assert killed, "the rank was never killed"
+    assert state.is_completed(), state
+    entries = read_registry(cfg.output_dir)
+    assert len(entries) == 1 and entries[0]["status"] == "completed", entries
+    assert entries[0]["flow_run_id"] == str(state.state_details.flow_run_id)
+    folder = Path(entries[0]["path"])
+    assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [folder.name]
+    from prefect.client.orchestration import get_client
+
+    from tests.prefect.test_pipeline import read_task_runs
+
+    with get_client(sync_client=True) as client:
+        train_run = next(r for r in read_task_runs(client, state.state_details.flow_run_id)
+                         if r.name.startswith("train-"))
+    assert train_run.run_count == 2  # failed once, retried once
+    # The retry wrote into the same folder and resumed there: a second event file whose first step is past the kill's
+    # last checkpoint, not step 1.
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = sorted((folder / "tensorboard").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 2, files
+    first_steps, resumed_steps = ([e.step for e in EventFileLoader(str(f)).Load() if e.summary.value] for f in files)
+    # Resuming from checkpoint step c (a multiple of 250), the first step logged is the next multiple of 100; a
+    # restart from scratch would log step 100 first.
+    resumed_from = max(c for c in range(250, 4000, 250) if c < min(resumed_steps))
+    assert min(resumed_steps) - resumed_from <= 100 and killed[0] - 250 <= resumed_from <= max(first_steps), (
+        resumed_steps[:3], killed, max(first_steps))
+    assert read_progress(folder)["step"] == 4000
+
+
+def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_server, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "busy",
+                     train={"num_train_steps": 400000, "display_loss_steps": 1000, "evaluation_period": 0},
+                     checkpoint={"period": 100000})
+    config_file = write_config(cfg, tmp_path / "busy.yaml")
+    command = [sys.executable, "-m", "ortflow.cli", "run", str(config_file)]
+    first = subprocess.Popen(command, env=prefect_server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, text=True)
+    try:
+        wait_for(lambda: first.poll() is not None or len(rank_pids(cfg.output_dir)) == 2, 180, "two ranks training")
+        assert first.poll() is None, first.stdout.read()
+        ranks = sorted(rank_pids(cfg.output_dir))
+        second = subprocess.run(command, env=prefect_server, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1
+        message = second.stdout + second.stderr
+        assert f"is in use by pid {first.pid} on {os.uname().nodename}" in message, message
+        assert "flow run " in message and "pipeline" in message
+        assert "--wait" in message  # the command that queues instead
+        assert "launching" not in message  # the second run never started ranks: nothing trained twice
+        assert sorted(rank_pids(cfg.output_dir)) == ranks
+        assert not (cfg.output_dir / "versions").exists()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=90)
+    assert first.returncode == 143, out[-3000:]
+    wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the first run's processes to exit")

@@ -1,0 +1,122 @@
+"""The pipeline's small parts, without a server: which failures are retried, rank line levels, the progress
+artifact's final words, stage options from the config, the loss-curve data, overrides, and the shipped examples."""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import numpy as np
+import pytest
+
+from ortflow.config import ConfigError, apply_overrides, config_from_dict, find_problems
+from ortflow.runlock import RunFolderLocked
+from ortflow.tasks.charts import chart_markdown, loss_curve
+from ortflow.tasks.common import will_repeat
+from ortflow.tasks.runs import stage_options
+from ortflow.tasks.training import RankLineLevels, TrainingFailed, failure_repeats, final_description
+from ortflow.trainer.metrics import TensorBoardLog
+
+
+def _cfg(tmp_path, **sections):
+    raw = {"output_dir": str(tmp_path), "model": {"path": str(tmp_path / "m.onnx")}, "data": {"train": ["x.npz"]},
+           "train": {"batch_size": 2, "num_train_steps": 4}, **sections}
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize(("err", "repeats"), [
+    (ValueError("bad shape"), True),
+    (RunFolderLocked.__new__(RunFolderLocked), True),
+    (OSError(errno.EACCES, "Permission denied"), True),
+    (FileNotFoundError(errno.ENOENT, "No such file"), True),
+    (IsADirectoryError(errno.EISDIR, "Is a directory"), True),
+    (OSError(errno.EIO, "I/O error"), False),
+    (ConnectionResetError(errno.ECONNRESET, "reset"), False),
+    (RuntimeError("rank 1 was killed"), False),
+    (TrainingFailed("exit 1", will_repeat=True), True),
+    (TrainingFailed("exit 137"), False),
+])
+def test_only_failures_that_would_not_repeat_are_retried(err, repeats):
+    assert will_repeat(err) is repeats
+
+
+def test_failed_jobs_are_classified_by_the_ranks_error_lines():
+    assert failure_repeats(("[0] ValueError: data.columns names no column 'x'",))
+    assert failure_repeats(("[1] onnxruntime...: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions",))
+    assert not failure_repeats(("[1] BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "killed by signal 9"))
+
+
+def test_rank_lines_keep_their_level_and_tracebacks_are_errors():
+    levels = RankLineLevels()
+    lines = [
+        ("[0] 03:12:04 INFO step 10/20 | loss 1.0", logging.INFO),
+        ("[1] 03:12:04 WARNING SIGTERM received: stopping after the current weight update", logging.WARNING),
+        ("[1] 03:12:05 ERROR rank 1 failed; stopping every rank", logging.ERROR),
+        ("[1] Traceback (most recent call last):", logging.ERROR),
+        ('[1]   File "loop.py", line 3', logging.ERROR),
+        ("[0] some stray stdout line", logging.INFO),
+    ]
+    assert [levels(line) for line, _ in lines] == [level for _, level in lines]
+
+
+def test_progress_artifact_ends_with_the_final_state_not_an_eta():
+    record = {"step": 8, "total": 20, "loss": 0.5, "eta_s": 34}
+    assert final_description(record, None).startswith("Completed: step 8/20")
+    assert "ETA" not in final_description(record, TrainingFailed("training failed with exit status 137:\n[1] x"))
+    assert final_description(record, TrainingFailed("training failed with exit status 137:\n[1] x")) == (
+        "Failed at step 8/20: training failed with exit status 137:")
+    assert final_description(record, KeyboardInterrupt()) == "Cancelled at step 8/20"
+
+
+def test_retries_and_timeouts_come_from_the_config_with_todays_defaults(tmp_path):
+    default = _cfg(tmp_path)
+    assert {k: v for k, v in stage_options(default, "export").items() if k != "retry_condition_fn"} == {
+        "retries": 2, "retry_delay_seconds": [2.0, 10.0], "timeout_seconds": None}
+    assert stage_options(default, "train")["retry_delay_seconds"] == [5.0, 30.0]
+    custom = _cfg(tmp_path, pipeline={"train_retries": 3, "train_retry_delays_s": [1], "train_timeout_s": 60})
+    options = stage_options(custom, "train")
+    assert (options["retries"], options["retry_delay_seconds"], options["timeout_seconds"]) == (3, [1, 1, 1], 60)
+
+
+def test_loss_curve_holds_the_logged_losses_and_a_resume_overrides_a_repeated_step(tmp_path):
+    first = TensorBoardLog(tmp_path, ("train/loss", "eval/loss"), ())
+    for step, loss in [(1, 1.5), (2, 1.25), (3, 1.0)]:
+        first.scalars(step, {"train/loss": loss, "eval/loss": loss + 0.5 if step == 2 else None})
+    first.close()
+    resumed = TensorBoardLog(tmp_path, ("train/loss", "eval/loss"), ())  # a retry resumes from step 2
+    resumed.scalars(3, {"train/loss": 0.875})
+    resumed.scalars(4, {"train/loss": 0.75, "eval/loss": 1.0})
+    resumed.close()
+    curve = loss_curve(tmp_path)
+    assert curve == {"train": [(1, 1.5), (2, 1.25), (3, 0.875), (4, 0.75)], "eval": [(2, 1.75), (4, 1.0)]}
+    text = chart_markdown("demo", curve)
+    assert "data:image/svg+xml;base64," in text and "| 3 | 0.875 |  |" in text and "| 4 | 0.75 | 1 |" in text
+    assert "No losses" in chart_markdown("demo", loss_curve(tmp_path / "none"))
+
+
+def test_overrides_apply_to_one_config_and_are_validated(tmp_path):
+    cfg = _cfg(tmp_path)
+    changed = apply_overrides(cfg, ["train.num_train_steps=8", "versions.policy=continue"])
+    assert (changed.train.num_train_steps, changed.versions.policy) == (8, "continue")
+    assert cfg.train.num_train_steps == 4  # the original is untouched
+    with pytest.raises(ConfigError, match="train.num_train_steps"):
+        apply_overrides(cfg, ["train.num_train_steps=-1"])
+
+
+def test_an_empty_data_entry_from_an_unset_environment_variable_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unset environment variable"):
+        _cfg(tmp_path, data={"train": [""]})
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_examples_from_the_installed_package_are_valid_configs(tmp_path, kind):
+    from ortflow.examples.write import write_example
+
+    config = write_example(kind, tmp_path / kind)
+    cfg, problems = find_problems(config)
+    assert problems == [] and cfg.model.path == tmp_path / kind / "model.onnx"
+    if kind == "mlp":
+        data = np.load(tmp_path / "mlp" / "data" / "train.npz")
+        assert data["features"].shape == (2048, 8) and set(np.unique(data["labels"])) <= {0, 1, 2}
+    else:
+        assert cfg.data.train[0].endswith("*.py")

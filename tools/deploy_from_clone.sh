@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Runs docs/pipeline.md's "prefect deploy with a process work pool" block, word for word, in a fresh clone of this
+# repository (its committed HEAD), against the Prefect server that PREFECT_API_URL names, and waits for the
+# deployment run to finish (`prefect deployment run ... --watch` exits non-zero unless it completes).
+#
+#   PREFECT_API_URL=http://127.0.0.1:4200/api tools/deploy_from_clone.sh [EXTRA ARGS for `prefect deployment run`]
+#
+# ORTFLOW_VENV=/path/to/.venv links an installed environment as the clone's .venv (then `make setup` finds it up to
+# date); tests use it, and extra args such as --params '{"overrides": [...]}' to train a few steps only.
+# ORTFLOW_CLONE_DIR=DIR clones there (default: a new temporary folder); the clone is left for inspection.
+# ORTFLOW_PULL=git_clone deploys prefect.yaml's git_clone variant (the worker clones the repository for each run).
+set -euo pipefail
+: "${PREFECT_API_URL:?set PREFECT_API_URL to the server to deploy to (e.g. http://127.0.0.1:4200/api)}"
+source_repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
+work=${ORTFLOW_CLONE_DIR:-$(mktemp -d)}
+git clone --quiet "$source_repo" "$work/ortflow"
+cd "$work/ortflow"
+if [ -n "${ORTFLOW_VENV:-}" ]; then
+    # `make setup` must find it up to date (its stamp names this pyproject.toml + requirements.lock): otherwise it
+    # would reinstall ortflow from this clone into the shared environment.
+    stamp="$ORTFLOW_VENV/.installed-$(cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)"
+    [ -e "$stamp" ] || { echo "$ORTFLOW_VENV is not set up from this commit's pyproject.toml and requirements.lock" \
+                              "(no $stamp): run make setup there first" >&2; exit 2; }
+    touch "$stamp"  # newer than this fresh clone's files, so make sees nothing to redo
+    ln -s "$ORTFLOW_VENV" .venv
+fi
+if [ "${ORTFLOW_PULL:-}" = git_clone ]; then
+    # The git_clone variant that prefect.yaml describes, cloning this repository's current branch: each flow run
+    # then works in a clone of its own, not in this folder.
+    python3 - "$source_repo" "$(git -C "$source_repo" rev-parse --abbrev-ref HEAD)" <<'PY'
+import sys
+repo, branch = sys.argv[1:]
+pull = f"""pull:
+  - prefect.deployments.steps.git_clone:
+      id: clone
+      repository: "{repo}"
+      branch: "{branch}"
+  - prefect.deployments.steps.run_shell_script:
+      directory: "{{{{ clone.directory }}}}"
+      script: ortflow example gpt examples/gpt/deploy
+      stream_output: true
+"""
+text = open("prefect.yaml").read()
+start, end = text.index("\npull:\n") + 1, text.index("\ndefinitions:")
+open("prefect.yaml", "w").write(text[:start] + pull + text[end:])
+PY
+fi
+steps=$(sed -n '/<!-- deploy-steps:begin -->/,/<!-- deploy-steps:end -->/p' docs/pipeline.md | grep -v '^<!--' \
+        | grep -v '^```')
+[ -n "$steps" ] || { echo "docs/pipeline.md has no deploy-steps block" >&2; exit 2; }
+extra=$(printf ' %q' "$@")
+with_extra=""
+while IFS= read -r line; do
+    [[ $line == "prefect deployment run "* ]] && line+="$extra"
+    with_extra+="$line"$'\n'
+done <<< "$steps"
+steps=$with_extra
+printf 'running in %s:\n%s\n' "$PWD" "$steps"
+stop_tree() {  # signal a background step (the worker) and everything it started
+    local sig=$1 pid=$2 child
+    for child in $(pgrep -P "$pid"); do stop_tree "$sig" "$child"; done
+    kill "-$sig" "$pid" 2>/dev/null || true
+}
+cleanup() {
+    local status=$? pid
+    for pid in $(jobs -pr); do stop_tree TERM "$pid"; done
+    for _ in $(seq 40); do [ -z "$(jobs -pr)" ] && break; sleep 0.5; done
+    for pid in $(jobs -pr); do stop_tree KILL "$pid"; done  # a worker that is still shutting down after 20 s
+    exit "$status"
+}
+trap cleanup EXIT
+set -x
+eval "$steps"
