@@ -25,8 +25,7 @@ from . import procs
 from .trials import Outcome, _resume_to_end, _same, fresh_run
 
 #: File kinds a resume trusts, and the owner of their integrity when it is not this suite's work.
-FILE_KINDS = {"checkpoint": "", "meta": "checkpoint meta.json integrity", "manifest": "", "shard": "",
-              "artifact": ""}
+FILE_KINDS = {"checkpoint": "", "optimizer": "", "meta": "", "manifest": "", "shard": "", "artifact": ""}
 
 
 def trained_run(root: Path):
@@ -41,7 +40,7 @@ def trained_run(root: Path):
 
 def _target(cfg, kind: str) -> Path:
     newest = list_complete(cfg.checkpoints_dir)[-1].path
-    return {"checkpoint": newest / "checkpoint", "meta": newest / "meta.json",
+    return {"checkpoint": newest / "params.h5", "optimizer": newest / "optimizer.h5", "meta": newest / "meta.json",
             "manifest": cfg.data_dir / "manifest.json", "shard": cfg.data_dir / "train-00000.arrow",
             "artifact": cfg.artifacts_dir / "training_model.onnx"}[kind]
 
@@ -63,7 +62,7 @@ def corruption_trial(root: Path, kind: str, mode: str, rng: random.Random) -> Ou
             what = f"cut to {cut} of {len(original)} bytes"
         path.write_bytes(bytes(data))
         try:
-            if kind in ("checkpoint", "meta"):
+            if kind in ("checkpoint", "optimizer", "meta"):
                 verify(path.parent)
             elif kind == "artifact":
                 verify_artifacts(cfg.artifacts_dir, json.loads((cfg.output_dir / "configure.json").read_text()))
