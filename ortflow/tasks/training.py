@@ -13,7 +13,10 @@ from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_r
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.common import forward_logs, retry_transient
 from ortflow.trainer.launch import launch
+from ortflow.trainer.layout import host_resources, launch_layout
 from ortflow.trainer.metrics import format_duration, read_progress
+from ortflow.trainer.profiling import top_operators_table
+from ortflow.trainer.timing import read_timing
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +114,21 @@ def train(config: RunConfig) -> dict:
     if not target.exists() or target.read_text() != dump_config(config):
         write_resolved_config(config)
     dist = config.distributed
+    layout, _ = launch_layout(config, config.output_dir, host_resources())  # num_ranks auto: this host's layout
     with forward_logs() as logger, _ProgressWatcher(config.output_dir) as watcher:
         result = launch(
-            config.output_dir, dist.num_ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-            threads=dist.threads_per_rank, on_line=logger.info,
+            config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
+            threads=layout.threads, on_line=logger.info,
         )
     if not result.ok:
         raise TrainingFailed(result.summary())
     record = watcher.last or read_progress(config.output_dir) or {}
     rows = [{"metric": key, "value": record.get(key)} for key in
             ("step", "total", "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s")]
+    shares = (read_timing(config.output_dir) or {}).get("shares", {})  # where the run's wall time went
+    rows += [{"metric": f"time share: {phase}", "value": share} for phase, share in shares.items()]
     create_table_artifact(rows, description=f"Training of {config.name}: last progress record")
+    top_ops = top_operators_table(config.output_dir)  # train.profile_steps: the per-operator profile
+    if top_ops:
+        create_table_artifact(top_ops, description=f"Training of {config.name}: top operators of the profiled updates")
     return {"progress": record, "checkpoints_dir": str(config.checkpoints_dir)}

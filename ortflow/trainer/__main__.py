@@ -39,6 +39,7 @@ def run_rank(run_dir: Path) -> int:
     cfg, comm = start_mpi(run_dir)
     try:
         rt = init_runtime(run_dir, cfg, comm)
+        cfg = rt.cfg  # with a global batch, the per-rank batch and accumulation for this world size
         if comm.rank == 0:
             verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
         # Sync point: no rank reads shards before rank 0 has verified them.
