@@ -162,6 +162,7 @@ def train(
                 tensorboard.flush()
             window_samples = 0
             timer.new_window()
+        timer.lap("other")
 
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
             meta = {

@@ -93,8 +93,9 @@ class StepProfiler:
         options.enable_profiling = True
         options.profile_file_prefix = str(self._folder() / f".rank-{self.rt.comm.rank}")
         art = self.rt.cfg.artifacts_dir
-        module = api.Module(str(art / "training_model.onnx"), self.rt.state, str(art / "eval_model.onnx"),
-                            device="cpu", session_options=options)  # fmt: skip
+        # No eval model: its session would write a second trace under the same name.
+        module = api.Module(str(art / "training_model.onnx"), self.rt.state, None, device="cpu",
+                            session_options=options)  # fmt: skip
         module.train()
         log.info("rank %d profiling updates %d..%d", self.rt.comm.rank, *self.steps)
         return module
@@ -121,7 +122,7 @@ class StepProfiler:
             return
         timed, self._session = self._session, None
         measured, calls = timed.seconds, timed.calls
-        del timed
+        timed.module = None  # the loop may still hold the wrapper: drop the session itself, which writes the trace
         gc.collect()
         folder, rank = self._folder(), self.rt.comm.rank
         written = sorted(folder.glob(f".rank-{rank}_*.json"), key=lambda p: p.stat().st_size)
