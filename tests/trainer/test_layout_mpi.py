@@ -40,7 +40,7 @@ def test_fixed_global_batch_gives_the_same_trajectory_on_every_layout(tmp_path):
     assert run_ranks(one).returncode == 0
     out = run_ranks(two)
     assert out.returncode == 0, out.stdout
-    # auto on a (pretend) 4-core host: 4 ranks x 1 micro-batch of the model's fixed 4 rows, launched like `ortflow train`
+    # auto on a (pretend) 4-core host: 4 ranks x 1 micro-batch of the model's fixed 4 rows, started like `ortflow train`
     layout, plan = launch_layout(auto, auto.output_dir, Host(4, 16 * 2**30))
     assert (layout.ranks, plan.batch_size, plan.accumulation) == (4, 4, 1)
     lines = []
