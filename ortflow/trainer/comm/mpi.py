@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
+from ortflow.trainer.comm.buckets import DEFAULT_BUCKET_VALUES, Bucket, plan_buckets
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
 #: Environment variables that MPI launchers set in every rank (MPICH/Hydra, Open MPI, Slurm's PMI).
@@ -75,16 +76,47 @@ class MPIComm:
             if divisor != 1.0:
                 scale_gradients(grads, 1.0 / divisor)
             return
-        flat = self._layout(grads, scalars.size)
-        for grad, part in zip(grads, self._slices, strict=True):
-            flat[part] = grad.reshape(-1)
-        flat[flat.size - scalars.size :] = scalars
-        # One collective per weight update: gradients and scalars travel together.
-        self._collective("gradient all-reduce", lambda: self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM))
-        scale = np.float32(1.0 / divisor)
-        for grad, part in zip(grads, self._slices, strict=True):
-            np.multiply(flat[part].reshape(grad.shape), scale, out=grad)
-        scalars[:] = flat[flat.size - scalars.size :]
+        # Cache-sized buckets, gradients and scalars together (comm/buckets.py says why; bench/bench_exchange.py).
+        self._collective("gradient all-reduce", lambda: self._exchange_buckets(grads, divisor, scalars))
+
+    def _bucket_plan(self, grads: Sequence[np.ndarray], num_scalars: int, bucket_values: int):
+        """The bucket plan and pack buffers, made once for these gradient sizes (the last pack holds the scalars)."""
+        key = (tuple(g.size for g in grads), num_scalars, bucket_values)
+        if getattr(self, "_plan_key", None) != key:
+            plan = plan_buckets(key[0], bucket_values)
+            if not any(b.packed for b in plan):
+                plan.append(Bucket((), packed=True))
+            last = max(i for i, b in enumerate(plan) if b.packed)
+            packs = [np.empty(b.size + (num_scalars if i == last else 0), np.float32) if b.packed else None
+                     for i, b in enumerate(plan)]  # fmt: skip
+            self._plan_key, self._plan = key, (plan, packs, last)
+        return self._plan
+
+    def _exchange_buckets(self, grads, divisor: float, scalars: np.ndarray, bucket_values: int = 0) -> None:
+        """Bucket by bucket: pack (small gradients) or take in place (slices of large ones), all-reduce, scale."""
+        plan, packs, last = self._bucket_plan(grads, scalars.size, bucket_values or DEFAULT_BUCKET_VALUES)
+        flats, scale = [g.reshape(-1) for g in grads], np.float32(1.0 / divisor)
+        allreduce, in_place, op = self.comm.Allreduce, self._mpi.IN_PLACE, self._mpi.SUM
+        for i, (bucket, pack) in enumerate(zip(plan, packs, strict=True)):
+            if not bucket.packed:  # a slice of one large gradient: no copies, reduced where it lies
+                piece = bucket.pieces[0]
+                view = flats[piece.index][piece.start : piece.stop]
+                allreduce(in_place, view, op=op)
+                np.multiply(view, scale, out=view)
+                continue
+            at = 0
+            for piece in bucket.pieces:
+                pack[at : at + piece.size] = flats[piece.index][piece.start : piece.stop]
+                at += piece.size
+            if i == last:
+                pack[at:] = scalars
+            allreduce(in_place, pack, op=op)
+            at = 0
+            for piece in bucket.pieces:
+                np.multiply(pack[at : at + piece.size], scale, out=flats[piece.index][piece.start : piece.stop])
+                at += piece.size
+            if i == last:
+                scalars[:] = pack[at:]
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         buffer = np.array(values, dtype=np.float64, copy=True)
