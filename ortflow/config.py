@@ -290,8 +290,8 @@ class TensorBoardConfig(_Section):
     scalar_names: tuple[str, ...] = Field(
         (
             "train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s",
-            "train/tokens_per_s", "time/data", "time/forward_backward", "time/comm", "time/comm_wait", "time/update",
-            "time/eval", "time/checkpoint", "time/other",
+            "train/tokens_per_s", "time/data", "time/forward_backward", "time/comm", "time/comm_wait", "time/norm_clip",
+            "time/update", "time/eval", "time/checkpoint", "time/other",
         ),
         description="Scalars to log; any subset of the default (time/*: each phase's share of the window's wall time).",
     )

@@ -106,12 +106,12 @@ def train(
     timer, profiler = PhaseTimer(clock), StepProfiler.for_run(rt)  # step-time breakdown; per-op profile on demand
 
     while step < total and not scalars[1]:
-        timer.lap("other")  # reporting and bookkeeping of the previous update
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
         optimizer.set_learning_rate(lr)
         onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
 
         loss_sum, engine = 0.0, profiler.module_for(step + 1)
+        timer.lap("other")  # reporting of the previous update, learning rate, seed
         for _ in range(k):  # the engine sums the micro-batches' gradients
             feeds = next(batches)
             timer.lap("data")
@@ -137,6 +137,7 @@ def train(
         grad_norm = comm.gradient_norm(grads) if max_norm is not None or report else None
         if max_norm is not None and grad_norm > max_norm:
             comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
+        timer.lap("norm_clip")
         optimizer.step()
         module.lazy_reset_grad()
         timer.lap("update")

@@ -8,9 +8,10 @@ A lap costs one clock read and one dict update (well under a microsecond), so th
   rank. Without a barrier (which would cost a second collective) the wait is estimated as the time in the exchange
   minus the fastest exchange seen so far in this run: the fastest one is the closest to a pure transfer. At one rank
   both are the cost of scaling the gradients;
-* ``update``: learning rate, gradient norm and clipping, the optimizer step, resetting gradients;
+* ``norm_clip``: the gradient norm (when clipping, or on display steps) and clipping, with the loop's bookkeeping;
+* ``update``: the optimizer step and resetting the gradients (the engine's work, as in a bare loop);
 * ``eval``, ``checkpoint`` (with the parameter-digest check before it), and ``other``: reporting (progress line,
-  TensorBoard) and the loop's bookkeeping.
+  TensorBoard), the learning rate and the seed.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-PHASES = ("data", "forward_backward", "comm", "comm_wait", "update", "eval", "checkpoint", "other")
+PHASES = ("data", "forward_backward", "comm", "comm_wait", "norm_clip", "update", "eval", "checkpoint", "other")
 #: Short labels for the progress line.
-LABELS = {"data": "data", "forward_backward": "fwd+bwd", "comm": "comm", "comm_wait": "wait", "update": "update",
+LABELS = {"data": "data", "forward_backward": "fwd+bwd", "comm": "comm", "comm_wait": "wait", "norm_clip": "norm",
+          "update": "update",
           "eval": "eval", "checkpoint": "ckpt", "other": "other"}  # fmt: skip
 TIMING_FILE = "timing.json"
+#: Display windows kept for timing.json (a window's seconds per phase; benchmarks skip the warm-up windows).
+MAX_WINDOWS = 2000
 
 
 class PhaseTimer:
@@ -36,6 +40,7 @@ class PhaseTimer:
         self.clock = clock
         self.window = dict.fromkeys(PHASES, 0.0)
         self.total = dict.fromkeys(PHASES, 0.0)
+        self.windows: list[dict[str, float]] = []  # each finished window's seconds (the last MAX_WINDOWS)
         self.bare_comm = math.inf
         self._last = clock()
 
@@ -78,13 +83,16 @@ class PhaseTimer:
         return {f"time/{p}": s for p, s in self.shares().items()}
 
     def new_window(self) -> None:
-        """Start the next display window's counters."""
+        """Keep the finished window's counters and start the next window's."""
+        self.windows.append(self.window)
+        del self.windows[:-MAX_WINDOWS]
         self.window = dict.fromkeys(PHASES, 0.0)
 
     def summary(self) -> dict:
         """The whole run's seconds and shares per phase (``timing.json``)."""
         return {"seconds": dict(self.total), "shares": self.shares(self.total), "wall_s": sum(self.total.values()),
-                "bare_exchange_s": None if math.isinf(self.bare_comm) else self.bare_comm}  # fmt: skip
+                "bare_exchange_s": None if math.isinf(self.bare_comm) else self.bare_comm,
+                "windows": self.windows}  # fmt: skip
 
     def write_summary(self, run_dir: Path) -> Path:
         """Write :meth:`summary` into the run folder (atomically)."""
