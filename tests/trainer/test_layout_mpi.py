@@ -101,3 +101,38 @@ def test_profiled_updates_write_a_trace_per_rank_and_leave_training_unchanged(tm
     # The profiling session shares the parameters and hands its gradients over: bit-identical training.
     for name, value in final_parameters(plain).items():
         np.testing.assert_array_equal(final_parameters(profiled)[name], value, err_msg=name)
+
+
+def test_tune_times_candidates_and_auto_starts_the_recorded_winner(tmp_path):
+    from ortflow.trainer.layout import read_tuned
+    from ortflow.trainer.tune import tune
+
+    cfg = _run(tmp_path, "tuned", "auto")
+    host = Host(2, 16 * 2**30)
+    path = tune(cfg, host, updates=2, warmup=1)
+    record = json.loads(path.read_text())
+    assert [(c["ranks"], c["threads"]) for c in record["candidates"]] == [(2, 1), (1, 2)]
+    assert all(c["samples_per_s"] > 0 and c["samples_per_update"] == 16 for c in record["candidates"])
+    best = max(record["candidates"], key=lambda c: c["samples_per_s"])
+    assert read_tuned(cfg.output_dir, host).pair == (best["ranks"], best["threads"])
+    assert launch_layout(cfg, cfg.output_dir, host)[0].pair == (best["ranks"], best["threads"])
+    assert not (cfg.output_dir / "checkpoints").exists()  # tuning trains in memory only
+
+
+def test_cli_train_np_auto_prints_the_layout_and_profiles(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = _run(tmp_path, "cli", 1)
+    ortflow = str(Path(sys.executable).parent / "ortflow")
+    out = subprocess.run([ortflow, "train", str(cfg.output_dir), "--np", "auto", "--threads", "1", "--profile", "2:2"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    cores = len(__import__("os").sched_getaffinity(0))
+    ranks = max(r for r in range(1, cores + 1) if 16 % (r * 4) == 0)
+    assert f"layout: {ranks} rank(s) x 1 thread(s) (auto:" in out.stderr
+    assert (cfg.output_dir / "profile" / "rank-0.json").exists()
+    bad = subprocess.run([ortflow, "train", str(cfg.output_dir), "--np", "3"], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "cannot be split over 3 rank(s) and the model's fixed batch dim 4" in bad.stderr
