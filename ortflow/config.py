@@ -256,6 +256,11 @@ class DistributedConfig(_Section):
     horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (only 1 is supported).")
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
+    exchange_bucket_mb: float = Field(
+        0.0, ge=0,
+        description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "
+        "cache); 0: one collective for all gradients (docs/layout.md has the measurements).",
+    )
     enable_adasum: bool = Field(False, description="Adasum all-reduce (not supported yet).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; needs use_nccl (not supported yet).")
     collective_timeout_s: float = Field(

@@ -123,6 +123,8 @@ def start_mpi(run_dir: Path) -> tuple[RunConfig, Communicator]:
     """Step 1: the resolved config and the process group (MPI under a launcher, else a group of one)."""
     cfg = load_run_config(run_dir)  # every rank validates the resolved config again
     comm = create_communicator(run_dir / HEARTBEAT_DIR, cfg.distributed.collective_timeout_s, cfg.distributed.use_nccl)
+    if hasattr(comm, "bucket_values"):  # MPIComm: the exchange's bucket size (float32 values)
+        comm.bucket_values = int(cfg.distributed.exchange_bucket_mb * 2**20) // 4
     return cfg, comm
 
 

@@ -1,21 +1,20 @@
 """How the gradient exchange cuts the gradients into cache-sized buckets (a pure plan, tested without MPI).
 
 Packing every gradient into one flat buffer, all-reducing it and unpacking it with the 1/N scale streams the whole
-gradient set through memory three times beyond the collective itself (13 MB: 7.3 ms against 3.3 ms for a bare
-Allreduce of the same bytes at 2 ranks). On CPU ranks the collective is itself memory traffic on the same core, so
-overlapping cannot hide those passes; what helps is to make them hit the cache: gradients are exchanged bucket by
-bucket, each bucket small enough to stay in cache between its packing, its reduction and its scaling. A large
-gradient is reduced in place in slices of its own memory (no packing at all); small ones are packed together so that
-the collectives stay few. bench/bench_exchange.py measures the choices.
+gradient set through memory twice beyond the collective itself (13 MB: 7.3 ms against 3.3 ms for a bare Allreduce of
+the same bytes at 2 ranks). On CPU ranks the collective is itself memory traffic on the same core, so overlapping
+cannot hide those passes; what can help is to make them hit the cache: gradients exchanged bucket by bucket, each
+bucket small enough to stay in cache between its packing, its reduction and its scaling. A large gradient is reduced
+in place in slices of its own memory (no packing at all); small ones are packed together so that the collectives stay
+few. Every bucket is one more synchronisation of all ranks, though, which costs much more than the passes it saves
+when ranks share cores with other processes: bench/bench_exchange.py measures the choices, and one bucket (a single
+collective) stays the default until a dedicated host shows otherwise (docs/layout.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-#: Bucket size in float32 values; bench/bench_exchange.py picked it (256 KiB .. 4 MiB measured, see docs/layout.md).
-DEFAULT_BUCKET_VALUES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Bucket:
         return sum(p.size for p in self.pieces)
 
 
-def plan_buckets(sizes: Sequence[int], bucket_values: int = DEFAULT_BUCKET_VALUES) -> list[Bucket]:
+def plan_buckets(sizes: Sequence[int], bucket_values: int) -> list[Bucket]:
     """Cut gradients of ``sizes`` values into buckets of about ``bucket_values``, in order.
 
     A gradient of at least half a bucket is reduced in place, in slices of at most ``bucket_values``; smaller ones

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
-from ortflow.trainer.comm.buckets import DEFAULT_BUCKET_VALUES, Bucket, plan_buckets
+from ortflow.trainer.comm.buckets import Bucket, plan_buckets
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
 #: Environment variables that MPI launchers set in every rank (MPICH/Hydra, Open MPI, Slurm's PMI).
@@ -20,6 +20,9 @@ _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "M
 
 class MPIComm:
     """Ranks started by an MPI launcher."""
+
+    #: Gradient values per bucket of the exchange (distributed.exchange_bucket_mb); 0: one collective for everything.
+    bucket_values: int = 0
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
         from mpi4py import MPI  # the only MPI import in ortflow
@@ -76,7 +79,7 @@ class MPIComm:
             if divisor != 1.0:
                 scale_gradients(grads, 1.0 / divisor)
             return
-        # Cache-sized buckets, gradients and scalars together (comm/buckets.py says why; bench/bench_exchange.py).
+        # One collective by default, or cache-sized buckets (comm/buckets.py, docs/layout.md: measured both).
         self._collective("gradient all-reduce", lambda: self._exchange_buckets(grads, divisor, scalars))
 
     def _bucket_plan(self, grads: Sequence[np.ndarray], num_scalars: int, bucket_values: int):
@@ -94,7 +97,8 @@ class MPIComm:
 
     def _exchange_buckets(self, grads, divisor: float, scalars: np.ndarray, bucket_values: int = 0) -> None:
         """Bucket by bucket: pack (small gradients) or take in place (slices of large ones), all-reduce, scale."""
-        plan, packs, last = self._bucket_plan(grads, scalars.size, bucket_values or DEFAULT_BUCKET_VALUES)
+        values = bucket_values or self.bucket_values or sum(g.size for g in grads) + 1
+        plan, packs, last = self._bucket_plan(grads, scalars.size, values)
         flats, scale = [g.reshape(-1) for g in grads], np.float32(1.0 / divisor)
         allreduce, in_place, op = self.comm.Allreduce, self._mpi.IN_PLACE, self._mpi.SUM
         for i, (bucket, pack) in enumerate(zip(plan, packs, strict=True)):
