@@ -120,6 +120,31 @@ class Pipelined:
         scalars[:] = self.tail
 
 
+class PostAll:
+    """Every gradient reduced in place by its own non-blocking Iallreduce, all posted at once, then the scale:
+    no packing, and the ranks meet in one wait rather than once per collective. ``any``: scale each gradient as
+    soon as its reduction completes (Waitany), while it is in cache."""
+
+    def __init__(self, mpi, comm, any_order: bool):
+        self.mpi, self.comm, self.any_order = mpi, comm, any_order
+
+    def __call__(self, grads, divisor, scalars):
+        mpi, comm = self.mpi, self.comm
+        flats = [g.reshape(-1) for g in grads]
+        reqs = [comm.Iallreduce(mpi.IN_PLACE, f, op=mpi.SUM) for f in flats]
+        tail = comm.Iallreduce(mpi.IN_PLACE, scalars, op=mpi.SUM)
+        scale = np.float32(1.0 / divisor)
+        if self.any_order:
+            for _ in range(len(reqs)):
+                i = mpi.Request.Waitany(reqs)
+                np.multiply(flats[i], scale, out=flats[i])
+        else:
+            mpi.Request.Waitall(reqs)
+            for f in flats:
+                np.multiply(f, scale, out=f)
+        tail.Wait()
+
+
 class Buckets:
     """Buckets, blocking: what MPIComm does, parameterised by bucket size."""
 
@@ -151,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         flat = np.ones(sum(g.size for g in grads) + scalars.size, dtype=np.float32)
         contenders = {"bare": lambda g, d, s: world.Allreduce(mpi.IN_PLACE, flat, op=mpi.SUM),
                       "ortflow": comm.average_gradients,
-                      "packed": Packed(mpi, world, grads, scalars.size)}  # fmt: skip
+                      "packed": Packed(mpi, world, grads, scalars.size),
+                      "postall": PostAll(mpi, world, False), "postall-any": PostAll(mpi, world, True)}  # fmt: skip
         for kib in map(int, args.buckets_kib.split(",")):
             contenders[f"buckets-{kib}"] = Buckets(comm, kib * 256)
             contenders[f"ipipe-{kib}"] = Pipelined(mpi, world, grads, scalars.size, kib * 256)

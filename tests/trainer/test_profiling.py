@@ -46,7 +46,8 @@ def test_only_kernel_events_count_and_fences_and_sessions_do_not():
     ]
     table = markdown_table(rows, {"steps": [1, 2], "forward_backward_s": 0.0011})
     assert "| Softmax | 1 | 0.60 | 0.600 | 60.0% |" in table
-    assert "kernels 1.0 ms in the table, forward+backward measured 1.1 ms" in table
+    assert "kernels 1.0 ms in all, forward+backward measured 1.1 ms" in table
+    assert "kernels 5.0 ms in all" in markdown_table(rows[:1], {"steps": [1, 2], "forward_backward_s": 0.0}, 5.0)
     assert top_operators(events, limit=1)[0]["op_type"] == "Softmax"
 
 
