@@ -21,8 +21,9 @@ from pathlib import Path
 #: Bytes a rank holds per trainable fp32 parameter: the value, its gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16
 #: A rank's memory beyond its parameters and optimizer state: interpreter, engine, graphs, activations of a small
-#: micro-batch. Measured: 0.35-0.45 GB resident for the bench GPT (3.3 M parameters, batch 8 x 128); rounded up.
-RANK_BASE_BYTES = 768 * 2**20
+#: micro-batch. Measured: 695 MB peak resident for a rank of the bench GPT (3.3 M parameters, 53 MB of state, batch
+#: 8 x 128, attention included); rounded up to leave room for larger micro-batches.
+RANK_BASE_BYTES = 1024 * 2**20
 #: Share of the host's available memory that auto may plan for (the rest: page cache, the launcher, data shards).
 MEMORY_SHARE = 0.8
 #: The winner of ``ortflow tune``, kept in the run folder and reused by ``auto`` on a host of the same size.

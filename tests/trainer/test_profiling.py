@@ -62,3 +62,14 @@ def test_profile_option_parsing():
 def test_recorded_trace_is_the_chrome_trace_format():
     events = json.loads(RECORDED.read_text())
     assert isinstance(events, list) and all({"ph", "ts", "name"} <= set(e) for e in events)
+
+
+def test_top_operators_table_reads_rank_zeros_trace_of_a_run_folder(tmp_path):
+    from ortflow.trainer.profiling import top_operators_table
+
+    assert top_operators_table(tmp_path) is None  # not profiled
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "rank-0.json").write_text(RECORDED.read_text())
+    rows = top_operators_table(tmp_path, limit=3)
+    assert len(rows) == 3 and rows[0]["op_type"] == "Gemm"
+    assert set(rows[0]) == {"op_type", "calls", "total_ms", "mean_ms", "share"}
