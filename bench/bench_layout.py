@@ -161,8 +161,9 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
         for label in runs:
             if label != "ortflow auto":
                 ratios[f"ortflow auto / {label}"] = _ratio(runs, "ortflow auto", label)
-    record = {"command": "python -m bench.bench_layout " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                    vars(args).items() if k not in ("out", "work") and v is not None),
+    options = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+               if k not in ("out", "work") and v is not None]  # fmt: skip
+    record = {"command": "python -m bench.bench_layout " + " ".join(options),
               "host": info, "load_average_at_end": os.getloadavg(), "global_batch": args.global_batch,
               "rows": rows, "best_torch": best_torch, "ratios": ratios, "runs": runs, "wall_s": wall}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
