@@ -10,7 +10,8 @@ order reversed every other round) and each started together on all ranks (a barr
 collective is timed, not the ranks' skew):
 
 * ``bare``: ``Allreduce(IN_PLACE)`` of one contiguous float32 buffer of the same bytes (no mean, no copies);
-* ``ortflow``: ``MPIComm.average_gradients`` as the trainer calls it (gradients + 2 scalars, mean over ranks);
+* ``ortflow``: ``MPIComm.average_gradients`` as the trainer calls it (gradients + 2 scalars, mean over ranks; since
+  2026-11-23 04:25 UTC the ``postall`` scheme below, before that one packed collective);
 * ``packed``: the previous exchange (pack everything, one Allreduce, unpack with the 1/N scale);
 * ``buckets-K``: cache-sized buckets of K KiB, blocking (ortflow.trainer.comm.buckets);
 * ``ipipe-K``: the same buckets as a non-blocking ``Iallreduce`` pipeline two deep (pack the next bucket while the
@@ -146,7 +147,7 @@ class PostAll:
 
 
 class Buckets:
-    """Buckets, blocking: what MPIComm does, parameterised by bucket size."""
+    """Buckets, blocking: MPIComm with distributed.exchange_bucket_mb, parameterised by bucket size."""
 
     def __init__(self, comm_obj, bucket_values):
         self.comm, self.bucket_values = comm_obj, bucket_values

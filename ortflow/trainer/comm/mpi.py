@@ -21,7 +21,8 @@ _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "M
 class MPIComm:
     """Ranks started by an MPI launcher."""
 
-    #: Gradient values per bucket of the exchange (distributed.exchange_bucket_mb); 0: one collective for everything.
+    #: Gradient values per bucket of the exchange (distributed.exchange_bucket_mb); 0: one in-place all-reduce per
+    #: gradient, all posted at once.
     bucket_values: int = 0
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
@@ -79,8 +80,22 @@ class MPIComm:
             if divisor != 1.0:
                 scale_gradients(grads, 1.0 / divisor)
             return
-        # One collective by default, or cache-sized buckets (comm/buckets.py, docs/layout.md: measured both).
-        self._collective("gradient all-reduce", lambda: self._exchange_buckets(grads, divisor, scalars))
+        # Every gradient in place, all collectives posted at once (the fastest measured here), or cache-sized
+        # buckets with distributed.exchange_bucket_mb (comm/buckets.py; docs/layout.md has the measurements).
+        exchange = self._exchange_buckets if self.bucket_values else self._exchange_posted
+        self._collective("gradient all-reduce", lambda: exchange(grads, divisor, scalars))
+
+    def _exchange_posted(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+        """One non-blocking all-reduce per gradient, in place (no packing), all posted before any wait, so the ranks
+        meet once; then the 1/divisor scale, one pass."""
+        mpi = self._mpi
+        flats = [g.reshape(-1) for g in grads]  # views of the engine's buffers
+        requests = [self.comm.Iallreduce(mpi.IN_PLACE, f, op=mpi.SUM) for f in flats]
+        requests.append(self.comm.Iallreduce(mpi.IN_PLACE, scalars, op=mpi.SUM))
+        mpi.Request.Waitall(requests)
+        scale = np.float32(1.0 / divisor)
+        for flat in flats:
+            np.multiply(flat, scale, out=flat)
 
     def _bucket_plan(self, grads: Sequence[np.ndarray], num_scalars: int, bucket_values: int):
         """The bucket plan and pack buffers, made once for these gradient sizes (the last pack holds the scalars)."""
@@ -97,7 +112,7 @@ class MPIComm:
 
     def _exchange_buckets(self, grads, divisor: float, scalars: np.ndarray, bucket_values: int = 0) -> None:
         """Bucket by bucket: pack (small gradients) or take in place (slices of large ones), all-reduce, scale."""
-        values = bucket_values or self.bucket_values or sum(g.size for g in grads) + 1
+        values = bucket_values or self.bucket_values or sum(g.size for g in grads) + 1  # 0 here: one pack
         plan, packs, last = self._bucket_plan(grads, scalars.size, values)
         flats, scale = [g.reshape(-1) for g in grads], np.float32(1.0 / divisor)
         allreduce, in_place, op = self.comm.Allreduce, self._mpi.IN_PLACE, self._mpi.SUM
