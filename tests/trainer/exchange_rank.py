@@ -9,7 +9,7 @@ import numpy as np
 from ortflow.trainer.comm import MPIComm
 
 comm = MPIComm(Path(tempfile.mkdtemp()) / "hb", 60.0)
-shapes = [(7, 5), (3,), (64,), (1,), (40, 3), (2, 2, 2)]
+shapes = [(7, 5), (3,), (64,), (1,), (40, 3), (2, 2, 2), (129, 130)]  # the last one reduced in place
 all_ranks = [[np.random.default_rng([r, i]).standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)]
              for r in range(comm.size)]  # fmt: skip
 expected = [sum(ranks[i] for ranks in all_ranks) / np.float32(3.0) for i in range(len(shapes))]

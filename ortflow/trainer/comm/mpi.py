@@ -14,6 +14,10 @@ from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_
 from ortflow.trainer.comm.buckets import Bucket, plan_buckets
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
+#: Gradients of at least this many values are all-reduced in place; smaller ones are packed into one collective
+#: (each collective is one more meeting of all ranks, which costs more than packing a small gradient).
+POSTED_MIN_VALUES = 16384
+
 #: Environment variables that MPI launchers set in every rank (MPICH/Hydra, Open MPI, Slurm's PMI).
 _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -21,8 +25,8 @@ _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "M
 class MPIComm:
     """Ranks started by an MPI launcher."""
 
-    #: Gradient values per bucket of the exchange (distributed.exchange_bucket_mb); 0: one in-place all-reduce per
-    #: gradient, all posted at once.
+    #: Gradient values per bucket of the exchange (distributed.exchange_bucket_mb); 0: large gradients in place and
+    #: the small ones packed, all collectives posted at once.
     bucket_values: int = 0
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
@@ -80,22 +84,39 @@ class MPIComm:
             if divisor != 1.0:
                 scale_gradients(grads, 1.0 / divisor)
             return
-        # Every gradient in place, all collectives posted at once (the fastest measured here), or cache-sized
+        # Large gradients in place, small ones packed, all posted at once (the fastest measured here), or cache-sized
         # buckets with distributed.exchange_bucket_mb (comm/buckets.py; docs/layout.md has the measurements).
         exchange = self._exchange_buckets if self.bucket_values else self._exchange_posted
         self._collective("gradient all-reduce", lambda: exchange(grads, divisor, scalars))
 
     def _exchange_posted(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
-        """One non-blocking all-reduce per gradient, in place (no packing), all posted before any wait, so the ranks
-        meet once; then the 1/divisor scale, one pass."""
+        """Large gradients all-reduced in place (no packing), the small ones and the scalars packed into one buffer;
+        every collective posted before any wait, so the ranks meet once; then the 1/divisor scale, one pass."""
         mpi = self._mpi
         flats = [g.reshape(-1) for g in grads]  # views of the engine's buffers
-        requests = [self.comm.Iallreduce(mpi.IN_PLACE, f, op=mpi.SUM) for f in flats]
-        requests.append(self.comm.Iallreduce(mpi.IN_PLACE, scalars, op=mpi.SUM))
+        key = tuple(f.size for f in flats)
+        if getattr(self, "_posted_key", None) != key:
+            small = [i for i, n in enumerate(key) if n < POSTED_MIN_VALUES]
+            self._posted_key, self._small = key, small
+            self._pack = np.empty(sum(key[i] for i in small) + scalars.size, np.float32)
+        small, pack = self._small, self._pack
+        at = 0
+        for i in small:
+            pack[at : at + key[i]] = flats[i]
+            at += key[i]
+        pack[at:] = scalars
+        requests = [self.comm.Iallreduce(mpi.IN_PLACE, pack, op=mpi.SUM)]
+        requests += [self.comm.Iallreduce(mpi.IN_PLACE, f, op=mpi.SUM) for f in flats if f.size >= POSTED_MIN_VALUES]
         mpi.Request.Waitall(requests)
         scale = np.float32(1.0 / divisor)
         for flat in flats:
-            np.multiply(flat, scale, out=flat)
+            if flat.size >= POSTED_MIN_VALUES:
+                np.multiply(flat, scale, out=flat)
+        at = 0
+        for i in small:
+            np.multiply(pack[at : at + key[i]], scale, out=flats[i])
+            at += key[i]
+        scalars[:] = pack[at:]
 
     def _bucket_plan(self, grads: Sequence[np.ndarray], num_scalars: int, bucket_values: int):
         """The bucket plan and pack buffers, made once for these gradient sizes (the last pack holds the scalars)."""
