@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{[round(x, 2) for x in load_end]}; {args.rounds} interleaved rounds, {time.time() - started:.0f} s.", "",
         "| figure | min / median / max over rounds |", "|---|---|",
         f"| added by the trainer (counters; goal <= 1%) | {spread(rows['added'])} |",
-        f"| engine forward+backward, trainer vs bare (paired, cross-process) | {spread(rows['engine'])} |",
+        "| engine calls (forward+backward + optimizer step), trainer vs bare (paired, cross-process) | "
+        f"{spread(rows['engine'])} |",
         f"| wall per update, trainer vs bare (paired, cross-process) | {spread(rows['wall'])} |",
         "", "Per update, median over rounds (ms): bare "
         f"{np.median(rows['bare_ms']):.1f}, trainer {np.median(rows['trainer_ms']):.1f}; trainer phases: "
