@@ -259,7 +259,7 @@ class DistributedConfig(_Section):
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "
-        "cache); 0: one collective for all gradients (docs/layout.md has the measurements).",
+        "cache); 0: large gradients reduced in place and small ones packed, all posted at once (docs/layout.md).",
     )
     enable_adasum: bool = Field(False, description="Adasum all-reduce (not supported yet).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; needs use_nccl (not supported yet).")

@@ -7,8 +7,9 @@ cannot hide those passes; what can help is to make them hit the cache: gradients
 bucket small enough to stay in cache between its packing, its reduction and its scaling. A large gradient is reduced
 in place in slices of its own memory (no packing at all); small ones are packed together so that the collectives stay
 few. Every bucket is one more synchronisation of all ranks, though, which costs much more than the passes it saves
-when ranks share cores with other processes: bench/bench_exchange.py measures the choices, and one bucket (a single
-collective) stays the default until a dedicated host shows otherwise (docs/layout.md).
+when ranks share cores with other processes: bench/bench_exchange.py measures the choices, and the default exchange
+(MPIComm._exchange_posted: large gradients in place, small ones packed, every collective posted at once) stays in
+place until a dedicated host shows buckets faster (docs/layout.md).
 """
 
 from __future__ import annotations
