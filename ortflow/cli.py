@@ -73,19 +73,28 @@ def validate(
 @app.command()
 def train(
     run_dir: Annotated[Path, typer.Argument(help="Configured run folder (configure and prepare-data done).")],
-    np_: Annotated[int | None, typer.Option("--np", "-n", help="Ranks (default: distributed.num_ranks).")] = None,
+    np_: Annotated[
+        str | None, typer.Option("--np", "-n", help="Ranks, or auto for this host (default: distributed.num_ranks).")
+    ] = None,
     hostfile: Annotated[Path | None, typer.Option(help="MPI host file for multi-node runs.")] = None,
     threads: Annotated[int | None, typer.Option(help="Threads per rank (default: cores / local ranks).")] = None,
     mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
     wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
     = False,
+    profile: Annotated[
+        str | None, typer.Option(help="Profile weight updates A:B per operator (traces in RUN_DIR/profile/).")
+    ] = None,
 ) -> None:
     """Launch the ranks with mpiexec and stream their output; exits with the job's status.
 
     SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130; killed after 30 s).
     """
+    import os
+
     from ortflow.config import load_run_config
     from ortflow.trainer.launch import LaunchError, launch
+    from ortflow.trainer.layout import LayoutError, host_resources, launch_layout
+    from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
         cfg = load_run_config(run_dir)
@@ -94,11 +103,24 @@ def train(
     dist = cfg.distributed
     from ortflow.runlock import RunFolderLocked, hold
 
+    if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
+        _fail(f"--np {np_}: give a number of ranks or auto")
+    try:
+        if profile:
+            parse_steps(profile)
+            os.environ[PROFILE_ENV] = profile  # the ranks inherit it (overrides train.profile_steps)
+        ranks = np_ if np_ in (None, "auto") else int(np_)
+        layout, plan = launch_layout(cfg, run_dir, host_resources(), ranks, threads)
+    except (LayoutError, ValueError) as err:
+        _fail(str(err))
+    split = f"; {plan.ranks} x {plan.batch_size} x {plan.accumulation} steps = {plan.global_batch}" if plan else ""
+    console.print(f"layout: {layout.ranks} rank(s) x {layout.threads} thread(s) ({layout.reason}){split}",
+                  highlight=False)  # fmt: skip
     try:
         with hold(run_dir, wait=wait, purpose="ortflow train"):  # one writer per run folder
             result = launch(
-                run_dir, np_ or dist.num_ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
-                threads=threads or dist.threads_per_rank, mpiexec=mpiexec, forward_signals=True,
+                run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
+                threads=layout.threads, mpiexec=mpiexec, forward_signals=True,
             )
     except (LaunchError, RunFolderLocked) as err:
         _fail(str(err))
@@ -108,6 +130,38 @@ def train(
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
+
+
+@app.command()
+def tune(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    updates: Annotated[int, typer.Option(min=1, help="Timed weight updates per candidate.")] = 6,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed weight updates first.")] = 2,
+    mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
+) -> None:
+    """Time candidate ranks x threads layouts on this host; num_ranks auto then uses the fastest (layout.json)."""
+    import json
+
+    from ortflow.configure import configure
+    from ortflow.dataprep import DataError, prepare_data
+    from ortflow.trainer.launch import LaunchError
+    from ortflow.trainer.layout import LayoutError, host_resources
+    from ortflow.trainer.tune import tune as tune_layouts
+
+    cfg = _load(config, overrides)
+    try:
+        configure(cfg)  # both are no-ops when the run folder is up to date
+        prepare_data(cfg)
+        path = tune_layouts(cfg, host_resources(), updates, warmup, mpiexec)
+    except (ConfigError, DataError, LayoutError, LaunchError) as err:
+        _fail(str(err))
+    record = json.loads(path.read_text())
+    for row in record["candidates"]:
+        console.print(f"  {row['ranks']} x {row['threads']}: {row['samples_per_s']:.1f} samples/s", highlight=False)
+    best = record["best"]
+    console.print(f"[green]fastest[/]: {best['ranks']} rank(s) x {best['threads']} thread(s), recorded in {path}",
+                  highlight=False)  # fmt: skip
 
 
 @app.command(name="configure")

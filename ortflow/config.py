@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -189,12 +189,22 @@ class TrainConfig(_Section):
         gt=0, description="Forward/backward passes per rank; must be a multiple of gradient_accumulation_steps."
     )
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches summed before each weight update.")
+    global_batch_size: int | None = Field(
+        None, gt=0,
+        description="Samples per weight update on any layout: per-rank batch (<= batch_size) and accumulation are "
+        "derived from the ranks; num_train_steps then counts weight updates (leave gradient_accumulation_steps 1).",
+    )
     display_loss_steps: int = Field(10, gt=0, description="Show the loss (mean over ranks) every this many updates.")
     evaluation_period: int = Field(
         100, ge=0, description="Evaluate every this many weight updates (0: only at the end)."
     )
     max_eval_batches: int | None = Field(None, gt=0, description="Cap on eval batches per rank (default: whole split).")
     seed: int = Field(0, ge=0, lt=2**31, description="Seed for shuffling and any randomness in the run.")
+    profile_steps: tuple[int, int] | None = Field(
+        None,
+        description="Profile these weight updates [start, end] (1-based, inclusive) with the engine's per-operator "
+        "profiler: a Chrome trace per rank in <output_dir>/profile/ and a top-operators table.",
+    )
 
     @property
     def num_weight_updates(self) -> int:
@@ -208,6 +218,13 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _steps_multiple(self) -> TrainConfig:
+        if self.profile_steps and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(f"train.profile_steps {list(self.profile_steps)}: need [start, end], 1 <= start <= end")
+        if self.global_batch_size and self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "train.gradient_accumulation_steps is derived from train.global_batch_size and the ranks: leave it "
+                "at 1 (or unset global_batch_size)"
+            )
         if self.num_train_steps % self.gradient_accumulation_steps:
             k = self.gradient_accumulation_steps
             lower = self.num_train_steps // k * k
@@ -300,7 +317,11 @@ class PrecisionConfig(_Section):
 class DistributedConfig(_Section):
     """Processes, devices and parallelism. data x horizontal x pipeline parallel sizes = num_ranks."""
 
-    num_ranks: int = Field(1, gt=0, description="World size: processes mpiexec starts.")
+    num_ranks: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        1,
+        description="World size: processes mpiexec starts; auto picks ranks and threads for the host "
+        "(docs/layout.md).",
+    )
     hostfile: Path | None = Field(None, description="MPI host file for multi-node runs (default: this machine only).")
     num_hosts: int = Field(1, gt=0, description="Hosts the ranks are spread over (must match the host file).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider of every rank.")
@@ -311,6 +332,11 @@ class DistributedConfig(_Section):
     horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (only 1 is supported).")
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
+    exchange_bucket_mb: float = Field(
+        0.0, ge=0,
+        description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "
+        "cache); 0: large gradients reduced in place and small ones packed, all posted at once (docs/layout.md).",
+    )
     enable_adasum: bool = Field(
         False,
         description="Combine the data-parallel ranks' contributions with Adasum instead of the mean: gradients for "
@@ -328,8 +354,8 @@ class DistributedConfig(_Section):
 
     @property
     def resolved_data_parallel_size(self) -> int:
-        """data_parallel_size, defaulting to num_ranks."""
-        return self.data_parallel_size or self.num_ranks
+        """data_parallel_size, defaulting to num_ranks (None while num_ranks is auto)."""
+        return self.data_parallel_size or (None if self.num_ranks == "auto" else self.num_ranks)
 
 
 class CheckpointConfig(_Section):
@@ -356,9 +382,11 @@ class TensorBoardConfig(_Section):
     scalar_names: tuple[str, ...] = Field(
         (
             "train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_s",
-            "train/tokens_per_s", "train/loss_scale", "train/skipped_updates",
+            "train/tokens_per_s", "train/loss_scale", "train/skipped_updates", "time/data", "time/forward_backward",
+            "time/comm", "time/comm_wait", "time/norm_clip", "time/update", "time/eval", "time/checkpoint",
+            "time/other",
         ),
-        description="Scalars to log; any subset of the default.",
+        description="Scalars to log; any subset of the default (time/*: each phase's share of the window's wall time).",
     )
     histogram_names: tuple[str, ...] = Field((), description="fnmatch patterns of parameters whose histograms to log.")
 
@@ -503,8 +531,12 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     """Checks that span sections, each naming the field and what would be valid."""
     problems: list[str] = []
     dist, prec = cfg.distributed, cfg.precision
-    product = dist.resolved_data_parallel_size * dist.horizontal_parallel_size * dist.pipeline_parallel_size
-    if product != dist.num_ranks:
+    if dist.num_ranks == "auto":
+        if dist.data_parallel_size is not None:
+            problems.append("distributed.data_parallel_size needs a number of ranks: unset it with num_ranks auto")
+    elif (
+        product := dist.resolved_data_parallel_size * dist.horizontal_parallel_size * dist.pipeline_parallel_size
+    ) != dist.num_ranks:
         problems.append(
             f"distributed: data_parallel_size ({dist.resolved_data_parallel_size}) x horizontal_parallel_size "
             f"({dist.horizontal_parallel_size}) x pipeline_parallel_size ({dist.pipeline_parallel_size}) = {product} "
@@ -533,8 +565,15 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
     if dist.num_hosts > 1 and dist.hostfile is None:
         problems.append(f"distributed.num_hosts is {dist.num_hosts}: give distributed.hostfile listing the hosts")
-    if dist.num_ranks < dist.num_hosts:
+    if dist.num_ranks != "auto" and dist.num_ranks < dist.num_hosts:
         problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be >= distributed.num_hosts ({dist.num_hosts})")
+    gb = cfg.train.global_batch_size
+    if gb and dist.num_ranks != "auto" and gb % dist.num_ranks:
+        lower = gb // dist.num_ranks * dist.num_ranks
+        problems.append(
+            f"train.global_batch_size {gb} cannot be split over distributed.num_ranks {dist.num_ranks}: use "
+            f"{' or '.join(str(v) for v in (lower, lower + dist.num_ranks) if v > 0)}, or num_ranks auto"
+        )
     if prec.use_bfloat16 and not prec.use_mixed_precision:
         problems.append("precision.use_bfloat16 needs precision.use_mixed_precision: true")
     if prec.use_mixed_precision and dist.device != "cuda":

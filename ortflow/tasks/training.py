@@ -22,7 +22,10 @@ from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.launch import launch
+from ortflow.trainer.layout import host_resources, launch_layout
 from ortflow.trainer.metrics import format_duration, read_progress
+from ortflow.trainer.profiling import top_operators_table
+from ortflow.trainer.timing import read_timing
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +195,7 @@ def train(config: RunConfig) -> dict:
     dist, pipe = config.distributed, config.pipeline
     from ortflow.tasks.runs import flow_run_id
 
+    layout, _ = launch_layout(config, config.output_dir, host_resources())  # num_ranks auto: this host's layout
     levels = RankLineLevels()
     with (
         runlock.hold(config.output_dir, wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s,
@@ -201,8 +205,8 @@ def train(config: RunConfig) -> dict:
         try:
             with _ProgressWatcher(config.output_dir, artifact_key(config, "progress")) as watcher:
                 result = launch(
-                    config.output_dir, dist.num_ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-                    threads=dist.threads_per_rank, on_line=lambda line: logger.log(levels(line), "%s", line),
+                    config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
+                    threads=layout.threads, on_line=lambda line: logger.log(levels(line), "%s", line),
                 )
                 if not result.ok:
                     raise TrainingFailed(result.summary(), will_repeat=failure_repeats(result.error_lines))
@@ -214,6 +218,12 @@ def train(config: RunConfig) -> dict:
     record = watcher.last or read_progress(config.output_dir) or {}
     rows = [{"metric": key, "value": record.get(key)} for key in
             ("step", "total", "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s")]
+    shares = (read_timing(config.output_dir) or {}).get("shares", {})  # where the run's wall time went
+    rows += [{"metric": f"time share: {phase}", "value": share} for phase, share in shares.items()]
     create_table_artifact(rows, key=artifact_key(config, "training"),
                           description=f"Training of {config.name}: last progress record")
+    top_ops = top_operators_table(config.output_dir)  # train.profile_steps: the per-operator profile
+    if top_ops:
+        create_table_artifact(top_ops, key=artifact_key(config, "top-operators"),
+                              description=f"Training of {config.name}: top operators of the profiled updates")
     return {"progress": record, "checkpoints_dir": str(config.checkpoints_dir)}

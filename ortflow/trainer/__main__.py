@@ -71,6 +71,7 @@ def run_rank(run_dir: Path) -> int:
     cfg, comm = start_mpi(run_dir)
     try:
         rt = init_runtime(run_dir, cfg, comm)
+        cfg = rt.cfg  # with a global batch, the per-rank batch and accumulation for this world size
         if comm.rank == 0:
             verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
             verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # and a flipped bit in a model

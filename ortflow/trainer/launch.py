@@ -103,6 +103,9 @@ def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores:
     env = dict(os.environ)
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(per_rank)
+    if threads:
+        env["ORTFLOW_THREADS_PER_RANK"] = str(threads)  # the engine's intra-op pool (trainer.runtime.threads_per_rank)
+    env["ORTFLOW_NUM_RANKS"] = str(num_ranks)  # the world the launcher chose (--np, auto): ranks accept it
     env["PYTHONUNBUFFERED"] = "1"
     env.update(launcher_environment())  # ranks on this host exit within a second if this process dies
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the hosts we run on

@@ -16,7 +16,9 @@ from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
+from ortflow.trainer.profiling import StepProfiler
 from ortflow.trainer.runtime import Runtime
+from ortflow.trainer.timing import PhaseTimer
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -108,23 +110,29 @@ def train(
     grads: list = []
     scalars = np.zeros(2, dtype=np.float32)  # [this rank's mean loss, stop requested]
     train_loss = eval_loss = None
-    window_start, window_samples = clock(), 0
+    window_samples = 0
     fingerprint = cfg.section_fingerprint()
+    timer, profiler = PhaseTimer(clock), StepProfiler.for_run(rt)  # step-time breakdown; per-op profile on demand
 
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
         onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
 
-        loss_sum = 0.0
+        loss_sum, engine = 0.0, profiler.module_for(step + 1)
+        timer.lap("other")  # reporting of the previous update, learning rate, seed
         for _ in range(k):  # the engine sums the micro-batches' gradients
             feeds = scaler.feed(next(batches))  # fp16: the graph multiplies the loss by the scale input
-            loss_sum += float(module(*(feeds[n] for n in names)))
+            timer.lap("data")
+            loss_sum += float(engine(*(feeds[n] for n in names)))
+            timer.lap("forward_backward")
         if not grads:  # the engine's own buffers (host views, device buffers on CUDA), fixed for the module's life
             grads = rt.gradient_buffers()
+        profiler.after_backward(step + 1)
         scalars[:] = (loss_sum / k / scaler.scale, float(stop.requested))
         # Sync point: mean gradient over k micro-batches x ranks, plus loss and stop (ZeRO-1: this rank's share); the
         # loss scale is divided out here too.
         mine = exchange.reduce(grads, k * world * scaler.scale, scalars)
+        timer.lap_exchange()
         step += 1
         cursor += k * world * batch
         window_samples += k * world * batch
@@ -141,33 +149,37 @@ def train(
         stepped = scaler.update(grad_norm) and check_update(step, train_loss, grad_norm, skip_overflow=scaler.enabled)
         if stepped and max_norm is not None and grad_norm > max_norm:
             exchange.scale(mine, max_norm / (grad_norm + 1e-6))
+        timer.lap("norm_clip")
         if stepped:
             update.step(mine, lr)  # ortflow's rule, in place on the engine's parameter buffers
         exchange.gather()  # Sync point (ZeRO-1): every rank's updated shard back into every rank's parameters
         module.lazy_reset_grad()
+        timer.lap("update")
 
-        paused = clock()
         eval_loss = evaluate(rt, eval_batches) if evaluated else None
-        window_start += clock() - paused  # throughput counts training time only
+        timer.lap("eval")
         if report:
-            elapsed = clock() - window_start
+            elapsed = timer.training_seconds()  # throughput counts training time only
             samples_per_s = window_samples / elapsed if elapsed > 0 else None
             tokens_per_s = samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None
             fields = {
                 "loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm,
-                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, **scaler.report(),
+                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "time": timer.describe(),
+                **scaler.report(),
             }
             progress.report(step, fields, final=step == total)
             if tensorboard is not None:
                 tensorboard.scalars(step, {
                     "train/loss": train_loss, "eval/loss": eval_loss, "train/learning_rate": lr,
                     "train/grad_norm": grad_norm, "train/samples_per_s": samples_per_s,
-                    "train/tokens_per_s": tokens_per_s,
+                    "train/tokens_per_s": tokens_per_s, **timer.scalars(),
                     **{f"train/{name}": value for name, value in scaler.report().items()},
                 })
                 tensorboard.histograms(step, {n: rt.state.parameters[n].data for n in rt.trainable})
                 tensorboard.flush()
-            window_start, window_samples = clock(), 0
+            window_samples = 0
+            timer.new_window()
+        timer.lap("other")
 
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
             meta = {
@@ -177,10 +189,12 @@ def train(
                 "params_sha256": check_ranks_identical(rt, step),
                 loss_scale.META_KEY: loss_scale.checkpoint_state(scaler),
             }
-            paused = clock()
             checkpoints.save(step, rt.train_state(), meta)
-            window_start += clock() - paused
+        timer.lap("checkpoint")
 
+    profiler.close()
+    if progress is not None:
+        timer.write_summary(rt.run_dir)  # the whole run's breakdown, for the run summary
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
     return TrainResult(step, cursor, train_loss, eval_loss, stopped=bool(scalars[1]))

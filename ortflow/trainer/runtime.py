@@ -23,7 +23,7 @@ import onnxruntime
 
 from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
-from ortflow.trainer import checkpoints, cuda_libs, loss_scale, optim
+from ortflow.trainer import checkpoints, cuda_libs, layout, loss_scale, optim
 from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
@@ -54,6 +54,7 @@ class Runtime:
     #: Small named arrays/scalars saved with every checkpoint (e.g. a loss scaler's state); read them back on resume
     #: with ``h5state.read_extra_state(rt.resume.path)``.
     extra_state: Callable[[], dict] | None = None
+    _grads: list | None = None
 
     def train_state(self) -> h5state.TrainState:
         """What this rank writes into a checkpoint (parameters on rank 0, optimizer state as sharded)."""
@@ -71,6 +72,11 @@ class Runtime:
         On CUDA ``Parameter.grad`` returns a host copy, so the device addresses are read from the gradients' OrtValues
         instead; the engine allocates them once with the module, so they stay valid for its whole life.
         """
+        if self._grads is None:  # the first call's buffers: a profiling module (trainer.profiling) swaps the state's
+            self._grads = self._read_gradient_buffers()
+        return self._grads
+
+    def _read_gradient_buffers(self) -> list:
         if self.device == "cpu":
             return [self.state.parameters[n].grad for n in self.trainable]
         buffers = []
@@ -138,9 +144,16 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def threads_per_rank(cfg: RunConfig, local_size: int, cores: int) -> int:
-    """distributed.threads_per_rank, or the machine's cores shared evenly by the ranks on it (at least 1)."""
-    return cfg.distributed.threads_per_rank or max(1, cores // max(1, local_size))
+#: Threads per rank chosen by the launcher (``--threads``, or the auto layout), read by every rank.
+THREADS_ENV = "ORTFLOW_THREADS_PER_RANK"
+
+
+def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict | None = None) -> int:
+    """distributed.threads_per_rank, else the launcher's choice, else the cores shared evenly by the local ranks."""
+    chosen = (os.environ if environ is None else environ).get(THREADS_ENV, "")
+    if cfg.distributed.threads_per_rank:
+        return cfg.distributed.threads_per_rank
+    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, local_size))
 
 
 def session_options(threads: int) -> onnxruntime.SessionOptions:
@@ -180,17 +193,21 @@ def start_mpi(run_dir: Path) -> tuple[RunConfig, Communicator]:
     """Step 1: the resolved config and the process group (MPI under a launcher, else a group of one)."""
     cfg = load_run_config(run_dir)  # every rank validates the resolved config again
     comm = create_communicator(run_dir / HEARTBEAT_DIR, cfg.distributed.collective_timeout_s, cfg.distributed.use_nccl)
+    if hasattr(comm, "bucket_values"):  # MPIComm: the exchange's bucket size (float32 values)
+        comm.bucket_values = int(cfg.distributed.exchange_bucket_mb * 2**20) // 4
     return cfg, comm
 
 
 def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     """Steps 2-6 on a rank whose process group is up: device, communicator, session configuration, session, state."""
     run_dir = Path(run_dir)
-    if comm.size != cfg.distributed.num_ranks:
+    expected = os.environ.get("ORTFLOW_NUM_RANKS") or str(cfg.distributed.num_ranks)  # `ortflow train --np` wins
+    if expected != "auto" and comm.size != int(expected):
         raise RuntimeError(
-            f"started with {comm.size} rank(s) but distributed.num_ranks is {cfg.distributed.num_ranks}: launch with "
-            f"`ortflow train {run_dir} --np {cfg.distributed.num_ranks}` or change the config"
+            f"started with {comm.size} rank(s) but distributed.num_ranks is {expected}: launch with "
+            f"`ortflow train {run_dir} --np {expected}` or change the config"
         )
+    cfg = layout.rank_config(cfg, comm.size, run_dir)  # a global batch: per-rank batch x accumulation for this world
     # 2. Device and execution provider for the local rank.
     device = select_device(cfg, comm.local_rank, comm.local_size)
     # 3. NCCL joins on the rank's GPU (CPU ranks with use_nccl still need one: they stage gradients through it).

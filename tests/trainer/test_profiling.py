@@ -1,0 +1,75 @@
+"""The top-operators table from ONNX Runtime's Chrome trace: a recorded trace and hand-made events."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ortflow.trainer.profiling import markdown_table, parse_steps, top_operators
+
+#: Recorded by `train.profile_steps: [2, 4]` on tests/models_perf.py's classifier, 2 ranks x 2 micro-batches (rank 0).
+RECORDED = Path(__file__).with_name("data") / "profile_fixed_batch_classifier.json"
+
+
+def test_recorded_trace_gives_per_op_calls_totals_and_shares():
+    rows = top_operators(RECORDED)
+    ops = {r["op_type"]: r for r in rows}
+    # 3 profiled updates x 2 micro-batches = 6 training runs; the classifier's graph has 4 Gemm nodes per run
+    # (the backward MatMuls) and one ReluGrad, one SoftmaxCrossEntropyLoss(Grad).
+    assert ops["Gemm"]["calls"] == 24
+    assert ops["ReluGrad"]["calls"] == ops["SoftmaxCrossEntropyLoss"]["calls"] == 6
+    assert [r["total_ms"] for r in rows] == sorted((r["total_ms"] for r in rows), reverse=True)
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    # Independently of the parser: every kernel event's duration, read with a regex from the raw text.
+    raw = RECORDED.read_text()
+    durations = [int(d) for d in re.findall(r'"dur"\s*:\s*(\d+)[^{}]*"name"\s*:\s*"[^"]*_kernel_time"', raw)]
+    assert len(durations) == sum(r["calls"] for r in rows)
+    assert sum(r["total_ms"] for r in rows) == pytest.approx(sum(durations) / 1000.0)
+    assert ops["Gemm"]["mean_ms"] == pytest.approx(ops["Gemm"]["total_ms"] / 24)
+
+
+def test_only_kernel_events_count_and_fences_and_sessions_do_not():
+    events = [
+        {"cat": "Session", "name": "model_run", "dur": 1000},
+        {"cat": "Node", "name": "a_fence_before", "dur": 7, "args": {"op_name": "MatMul"}},
+        {"cat": "Node", "name": "a_kernel_time", "dur": 300, "args": {"op_name": "MatMul"}},
+        {"cat": "Node", "name": "b_kernel_time", "dur": 100, "args": {"op_name": "MatMul"}},
+        {"cat": "Node", "name": "c_kernel_time", "dur": 600, "args": {"op_name": "Softmax"}},
+    ]
+    rows = top_operators(events)
+    assert rows == [
+        {"op_type": "Softmax", "calls": 1, "total_ms": 0.6, "mean_ms": 0.6, "share": 0.6},
+        {"op_type": "MatMul", "calls": 2, "total_ms": 0.4, "mean_ms": 0.2, "share": 0.4},
+    ]
+    table = markdown_table(rows, {"steps": [1, 2], "forward_backward_s": 0.0011})
+    assert "| Softmax | 1 | 0.60 | 0.600 | 60.0% |" in table
+    assert "kernels 1.0 ms in all, forward+backward measured 1.1 ms" in table
+    assert "kernels 5.0 ms in all" in markdown_table(rows[:1], {"steps": [1, 2], "forward_backward_s": 0.0}, 5.0)
+    assert top_operators(events, limit=1)[0]["op_type"] == "Softmax"
+
+
+def test_profile_option_parsing():
+    assert parse_steps("3:7") == (3, 7)
+    assert parse_steps("5") == (5, 5)
+    for bad in ("0:2", "4:2", "a:b"):
+        with pytest.raises(ValueError, match="--profile"):
+            parse_steps(bad)
+
+
+def test_recorded_trace_is_the_chrome_trace_format():
+    events = json.loads(RECORDED.read_text())
+    assert isinstance(events, list) and all({"ph", "ts", "name"} <= set(e) for e in events)
+
+
+def test_top_operators_table_reads_rank_zeros_trace_of_a_run_folder(tmp_path):
+    from ortflow.trainer.profiling import top_operators_table
+
+    assert top_operators_table(tmp_path) is None  # not profiled
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "rank-0.json").write_text(RECORDED.read_text())
+    rows = top_operators_table(tmp_path, limit=3)
+    assert len(rows) == 3 and rows[0]["op_type"] == "Gemm"
+    assert set(rows[0]) == {"op_type", "calls", "total_ms", "mean_ms", "share"}
