@@ -95,7 +95,13 @@ def _progress(log: str) -> dict[int, dict[str, float]]:
     found = {}
     for step, rest in re.findall(r"step (\d+)/\d+ \| (.*)", log):
         fields = dict(re.findall(r"(\w+) ([-+0-9.e]+|inf|nan)", rest))
-        found[int(step)] = {k: float(v) for k, v in fields.items()}
+        numbers = {}
+        for k, v in fields.items():  # the line also holds words (the step-time breakdown): keep the numbers
+            try:
+                numbers[k] = float(v)
+            except ValueError:
+                continue
+        found[int(step)] = numbers
     return found
 
 

@@ -163,7 +163,9 @@ class NCCLComm:
     # -- Adasum (comm/adasum.py's schedule on device buffers) -------------------------------------------------------
     def _device_view(self, buffer: DeviceBuffer):
         cp = self._cp
-        memory = cp.cuda.UnownedMemory(buffer.ptr, buffer.count * 4, self)
+        if buffer.count == 0:  # an empty tensor may have a null address, which CuPy cannot wrap
+            return cp.empty(0, dtype=cp.float32)
+        memory = cp.cuda.UnownedMemory(buffer.ptr, buffer.count * 4, self, self.device_index)
         return cp.ndarray((buffer.count,), dtype=cp.float32, memptr=cp.cuda.MemoryPointer(memory, 0))
 
     def sendrecv(self, send, peer: int, recv, label: str) -> None:
