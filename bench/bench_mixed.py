@@ -82,10 +82,11 @@ def steps(args: argparse.Namespace) -> None:
         forward.append(time.perf_counter() - start)
         grads = grads or rt.gradient_buffers()
         scalars[0] = loss / scaler.scale
-        comm.average_gradients(grads, comm.size * scaler.scale, scalars)
-        norm = comm.gradient_norm(grads) if scaler.needs_norm else None
+        mine = rt.exchange.reduce(grads, comm.size * scaler.scale, scalars)  # as the loop: ortflow's exchange
+        norm = rt.exchange.norm(mine) if scaler.needs_norm else None
         if scaler.update(norm):
-            rt.optimizer.step()
+            rt.update.step(mine, 1e-4)  # ortflow's update (fused device kernels on CUDA)
+        rt.exchange.gather()
         rt.module.lazy_reset_grad()
         times.append(time.perf_counter() - start)
         losses.append(float(scalars[0]) / comm.size)
