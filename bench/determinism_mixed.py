@@ -39,9 +39,10 @@ def train_once(run_dir: Path, batches: list[dict]) -> tuple[list[float], dict[st
         loss = float(rt.module(*(feeds[n] for n in names)))
         grads = grads or rt.gradient_buffers()
         scalars[0] = loss / scaler.scale
-        rt.comm.average_gradients(grads, scaler.scale, scalars)
-        if scaler.update(rt.comm.gradient_norm(grads)):
-            rt.optimizer.step()
+        mine = rt.exchange.reduce(grads, scaler.scale, scalars)  # as the loop: ortflow's exchange and update
+        if scaler.update(rt.exchange.norm(mine)):
+            rt.update.step(mine, cfg.optimizer.learning_rate)
+        rt.exchange.gather()
         rt.module.lazy_reset_grad()
         losses.append(loss / scaler.scale)
     params = {n: np.array(rt.state.parameters[n].data) for n in rt.trainable}

@@ -15,7 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 def build_fixed_batch_classifier(path: Path, batch: int = 4, features: int = 8, hidden: int = 16, classes: int = 3,
                                  seed: int = 0) -> Path:  # fmt: skip
-    """``x [batch, features] -> logits [batch, classes]`` with a fixed batch dim and a Shape-arithmetic Reshape."""
+    """``x [batch, features] -> logits [batch, classes]`` with a fixed batch dim and a Shape-arithmetic Reshape.
+
+    The hidden activations also go through ``h.view(batch, hidden)`` as a traced export writes it (the batch size as a
+    Constant feeding Reshape), so the graph only runs at ``batch`` and configure keeps the dim fixed.
+    """
     rng = np.random.default_rng(seed)
     inits = [
         numpy_helper.from_array((rng.normal(size=(features, hidden)) * 0.3).astype(np.float32), "fc1.weight"),
@@ -41,7 +45,11 @@ def build_fixed_batch_classifier(path: Path, batch: int = 4, features: int = 8, 
         helper.make_node("MatMul", ["/Reshape_output_0", "fc1.weight"], ["/fc1/MatMul_output_0"], name="/fc1/MatMul"),
         helper.make_node("Add", ["fc1.bias", "/fc1/MatMul_output_0"], ["/fc1/Add_output_0"], name="/fc1/Add"),
         helper.make_node("Relu", ["/fc1/Add_output_0"], ["/Relu_output_0"], name="/Relu"),
-        helper.make_node("MatMul", ["/Relu_output_0", "fc2.weight"], ["/fc2/MatMul_output_0"], name="/fc2/MatMul"),
+        helper.make_node("Constant", [], ["/Constant_3_output_0"], name="/Constant_3",
+                         value=numpy_helper.from_array(np.array([batch, hidden], np.int64))),
+        helper.make_node("Reshape", ["/Relu_output_0", "/Constant_3_output_0"], ["/Reshape_1_output_0"],
+                         name="/Reshape_1"),
+        helper.make_node("MatMul", ["/Reshape_1_output_0", "fc2.weight"], ["/fc2/MatMul_output_0"], name="/fc2/MatMul"),
         helper.make_node("Add", ["fc2.bias", "/fc2/MatMul_output_0"], ["logits"], name="/fc2/Add"),
     ]  # fmt: skip
     graph = helper.make_graph(

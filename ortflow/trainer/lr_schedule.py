@@ -1,7 +1,7 @@
 """Learning-rate schedules, computed from the weight-update step.
 
 The engine's own ``LinearLRScheduler`` is the only one it has (and its Python arguments are swapped), so the trainer
-computes the rate itself and calls ``optimizer.set_learning_rate`` before every step.
+computes the rate itself and hands it to ``update.step(grads, lr)`` every update.
 
 For update ``step`` (0-based: the rate used by the ``step``-th optimizer step) of ``total`` updates, with peak rate
 ``lr``, ``w`` warm-up updates and floor ``lr_min = lr * min_lr_ratio``:

@@ -80,8 +80,9 @@ def measure(run_dir: Path, updates: int, warmup: int) -> dict | None:
         for _ in range(k):
             feeds = next(batches)
             module(*(feeds[n] for n in names))
-        comm.average_gradients(grads, k * comm.size, scalars)
-        rt.optimizer.step()
+        mine = rt.exchange.reduce(grads, k * comm.size, scalars)  # as the loop: exchange, update, gather
+        rt.update.step(mine, cfg.optimizer.learning_rate)
+        rt.exchange.gather()
         module.lazy_reset_grad()
         times.append(time.perf_counter() - start)
     batches.close()

@@ -83,11 +83,12 @@ def disk_full_trial(root: Path, mount: Path) -> Outcome:
     """Checkpoints on a full tmpfs: the job fails with a message naming the space, the earlier checkpoint intact."""
     cfg = fresh_run(root, "diskfull", train={"num_train_steps": 40},
                     checkpoint={"dir": str(mount / "ckpt"), "period": 5, "max_num_checkpoints": 5})
-    # Leave room for about two checkpoints: the third write hits "no space left on device" inside the engine.
+    # Leave room for about two checkpoints: the third write hits "no space left on device" inside h5py.
     params = (cfg.artifacts_dir / "checkpoint").stat().st_size  # parameters only; with Adam moments about 3x
+    per_checkpoint = 3 * params + 32768  # params.h5 + optimizer.h5 headers (~9 KB each) + meta.json + the folder
     free = shutil.disk_usage(mount).free
     with open(mount / "filler", "wb") as f:
-        f.write(b"\0" * max(0, free - int(2.5 * (3 * params + 8192))))
+        f.write(b"\0" * max(0, free - int(2.5 * per_checkpoint)))
     try:
         out = run_ranks(cfg, timeout=120)
     finally:
