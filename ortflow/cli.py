@@ -48,7 +48,11 @@ def _load(config: Path, overrides: list[str] | None):
 @app.command()
 def validate(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Check a config and the files it names; print every problem at once (exit 1 if any)."""
-    _, problems = find_problems(config, overrides or [])
+    cfg, problems = find_problems(config, overrides or [])
+    if cfg is not None and not problems:  # a configured run: its data's values too (labels, NaN, float32 range)
+        from ortflow.dataprep.values import scan_sources
+
+        problems = scan_sources(cfg)
     if problems:
         console.print(f"[bold red]{escape(str(config))}: {len(problems)} problem(s)[/]")
         for problem in problems:
