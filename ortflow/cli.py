@@ -62,12 +62,18 @@ def validate(
     from ortflow.validate import validate as find_all
 
     problems = find_all(config, overrides or [], deep=deep)
+    if not problems:  # a configured run: every value of its data too (labels vs the model's classes, NaN, range)
+        from ortflow.config import find_problems
+        from ortflow.dataprep.values import scan_sources
+
+        cfg, _ = find_problems(config, overrides or [])
+        problems = scan_sources(cfg) if cfg is not None else []
     if problems:
         console.print(f"[bold red]{escape(str(config))}: {len(problems)} problem(s)[/]")
         for problem in problems:
             console.print(f"  - {escape(problem)}", highlight=False)
         raise typer.Exit(1)
-    console.print(f"[green]{config}: valid[/]")
+    console.print(f"[green]{escape(str(config))}: valid[/]")
 
 
 @app.command()

@@ -11,6 +11,7 @@ output has) and the config (``model.ignore_index``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,3 +149,43 @@ def check_column(source: pa.Array | pa.ChunkedArray | np.ndarray, name: str, rul
         check_labels(values, per_row, rules, column, where, first_row)
     else:
         check_floats(values, per_row, column, where, first_row)
+
+
+def scan_sources(cfg) -> list[str]:
+    """Every value problem in a configured run's table sources, for ``ortflow validate`` ([] before configure).
+
+    Reads each source once (labels and float columns only); one problem per file at most.
+    """
+    from ortflow.dataprep.sources import resolve_sources, table_chunks
+    from ortflow.dataprep.specs import CONFIGURE_NAME
+
+    try:
+        record = json.loads((cfg.output_dir / CONFIGURE_NAME).read_text())
+    except (OSError, ValueError):
+        return []  # not configured yet: the class count is unknown; prepare-data checks every value anyway
+    rules = rules_from_record(record, cfg.model.loss, cfg.model.ignore_index)
+    plan = {}
+    for spec in record.get("train_inputs", []):
+        column = cfg.data.columns.get(spec["name"], spec["name"])
+        if isinstance(column, str) and (spec["name"] == rules.label_input or spec["name"] in rules.float_inputs):
+            plan[spec["name"]] = column
+    problems: list[str] = []
+    for patterns, field in ((cfg.data.train, "data.train"), (cfg.data.test, "data.test")):
+        try:
+            sources = resolve_sources(patterns, cfg.data.format, field) if patterns else []
+        except DataError as err:
+            problems.append(str(err))
+            continue
+        for source in sources:
+            if source.format == "text" or not plan:
+                continue
+            first = 0
+            try:
+                for chunk in table_chunks(source, sorted(set(plan.values())), 1 << 24):
+                    for name, column in plan.items():
+                        values = chunk[column] if isinstance(chunk, dict) else chunk.column(column)
+                        check_column(values, name, rules, column, str(source.path), first)
+                    first += len(next(iter(chunk.values()))) if isinstance(chunk, dict) else chunk.num_rows
+            except DataError as err:
+                problems.append(str(err))
+    return problems

@@ -133,3 +133,28 @@ def test_a_truncated_npz_is_named(tmp_path):
     cfg = make_cfg(tmp_path, [str(path)])
     with pytest.raises(DataError, match=r"train\.npz: cannot read it as npz .*check the file"):
         prepare_data(cfg)
+
+
+def test_validate_reports_bad_values_of_a_configured_run(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from ortflow.config import load_config
+    from ortflow.configure import configure
+    from ortflow.examples.mlp import build_mlp
+
+    build_mlp(tmp_path / "mlp.onnx", num_features=4, hidden=8, num_classes=3, seed=0)
+    labels = np.arange(40) % 3
+    labels[17] = 3
+    np.savez(tmp_path / "train.npz", features=np.zeros((40, 4), np.float32), labels=labels)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": "run", "model": {"path": "mlp.onnx"},
+                                      "data": {"train": "train.npz"},
+                                      "train": {"batch_size": 4, "num_train_steps": 2}}))
+    runner = CliRunner()
+    assert runner.invoke(app, ["validate", str(config)]).exit_code == 0  # before configure the class count is unknown
+    configure(load_config(config))
+    result = runner.invoke(app, ["validate", str(config)])
+    assert result.exit_code == 1
+    assert "class labels [3] at row 17" in result.output and "train.npz" in result.output

@@ -238,6 +238,7 @@ class MPIComm:
     def abort(self, code: int) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(0.5)  # the error line this rank just wrote must reach the launcher before MPI kills every proxy
         self.comm.Abort(code)
 
     def close(self) -> None:
