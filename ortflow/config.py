@@ -554,6 +554,11 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.enable_adasum and dist.zero_stage:
         problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
+    if dist.enable_adasum and dist.device == "cuda":
+        problems.append(
+            "distributed.enable_adasum is not wired into the GPU trainer yet (its NCCL reduction exists, the device "
+            "update does not call it): train with Adasum on CPU ranks, or set enable_adasum: false"
+        )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
     if dist.device == "cuda" and not dist.use_nccl:
