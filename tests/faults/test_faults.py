@@ -59,10 +59,7 @@ def test_a_sigstopped_rank_is_named_and_the_job_aborted_in_time(root, victim, in
 
 @pytest.mark.parametrize("mode", ["flip", "truncate"])
 @pytest.mark.parametrize("kind", list(files.FILE_KINDS))
-def test_a_damaged_file_is_detected_and_named(root, kind, mode, request):
-    if kind == "meta" and mode == "flip":
-        request.applymarker(pytest.mark.xfail(
-            reason="meta.json carries no checksum yet: the checkpoint helper's part of issue 19", strict=False))
+def test_a_damaged_file_is_detected_and_named(root, kind, mode):
     for seed in range(2):
         check(files.corruption_trial(root, kind, mode, random.Random(f"{kind}{mode}{seed}")))
 
@@ -77,8 +74,6 @@ def test_a_full_disk_fails_the_job_cleanly_and_keeps_the_earlier_checkpoint(root
         files.untmpfs(mount)
 
 
-@pytest.mark.xfail(reason="two jobs on one run folder race without the run lock (the Prefect helper's runlock.py)",
-                   strict=False)
 def test_concurrent_runs_on_one_folder_end_sound(root, reference):
     check(files.concurrent_trial(root, reference, "concurrent"))
 
