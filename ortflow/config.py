@@ -80,6 +80,11 @@ class ModelConfig(_Section):
         description="fnmatch patterns of float initializers that are not trained (default: all float initializers "
         "are trained).",
     )
+    pipeline_cuts: tuple[str, ...] = Field(
+        (),
+        description="With distributed.pipeline_parallel_size P > 1: the P-1 tensor names where the model is cut into "
+        "stages, in graph order (default: chosen to balance trainable parameters; docs/parallel.md).",
+    )
 
     _resolve_path = field_validator("path", mode="after")(_resolve)
 
@@ -231,9 +236,13 @@ class DistributedConfig(_Section):
     threads_per_rank: int | None = Field(
         None, gt=0, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
     )
-    data_parallel_size: int | None = Field(None, gt=0, description="Data-parallel replicas (default: num_ranks).")
+    data_parallel_size: int | None = Field(
+        None, gt=0, description="Data-parallel replicas (default: num_ranks / pipeline_parallel_size)."
+    )
     horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
-    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (only 1 is supported).")
+    pipeline_parallel_size: int = Field(
+        1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
+    )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     enable_adasum: bool = Field(False, description="Adasum all-reduce (not supported yet).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; needs use_nccl (not supported yet).")
@@ -245,8 +254,9 @@ class DistributedConfig(_Section):
 
     @property
     def resolved_data_parallel_size(self) -> int:
-        """data_parallel_size, defaulting to num_ranks."""
-        return self.data_parallel_size or self.num_ranks
+        """data_parallel_size, defaulting to num_ranks / (horizontal x pipeline parallel sizes)."""
+        model_parallel = self.horizontal_parallel_size * self.pipeline_parallel_size
+        return self.data_parallel_size or max(1, self.num_ranks // model_parallel)
 
 
 class CheckpointConfig(_Section):
@@ -370,8 +380,13 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.horizontal_parallel_size != 1:
         problems.append("distributed.horizontal_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
-    if dist.pipeline_parallel_size != 1:
-        problems.append("distributed.pipeline_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
+    cuts = cfg.model.pipeline_cuts
+    if cuts and len(cuts) != dist.pipeline_parallel_size - 1:
+        problems.append(
+            f"model.pipeline_cuts names {len(cuts)} tensor(s) but distributed.pipeline_parallel_size "
+            f"{dist.pipeline_parallel_size} needs {dist.pipeline_parallel_size - 1}; list one cut per stage boundary "
+            "or leave it empty to choose them automatically"
+        )
     if dist.enable_adasum:
         problems.append("distributed.enable_adasum is not supported yet; set it to false (plain mean all-reduce)")
     if dist.zero_stage and not dist.use_nccl:

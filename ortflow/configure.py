@@ -33,6 +33,7 @@ from ortflow.config import (
 )
 from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
+from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, read_stages_record
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def fingerprint(cfg: RunConfig) -> str:
                 digest.update(block)
     digest.update(cfg.section_fingerprint("model", "optimizer").encode())
     digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
+    if cfg.distributed.pipeline_parallel_size > 1:  # stage artifacts depend on the stage count
+        digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
     return digest.hexdigest()
 
 
@@ -141,6 +144,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         previous is not None
         and previous.get("fingerprint") == key
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
+        and (cfg.distributed.pipeline_parallel_size == 1 or read_stages_record(artifacts_dir) is not None)
     ):
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
@@ -151,6 +155,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
         built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
+        stages = build_stage_artifacts(cfg, artifacts_dir) if cfg.distributed.pipeline_parallel_size > 1 else None
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     write_resolved_config(cfg)
@@ -173,6 +178,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "opset": model.opset,
         "ir_version": model.ir_version,
         "ort_version": ORT_VERSION,
+        "pipeline_cuts": stages["cuts"] if stages else [],
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

@@ -195,8 +195,12 @@ def load_parameters(checkpoint_file: Path) -> dict[str, np.ndarray]:
     """Parameter values stored in an engine checkpoint file (read only: no training session is made)."""
     from ortflow.engine import api  # here: the rest of export (and the exported model) never needs the engine
 
-    state = api.CheckpointState.load_checkpoint(str(checkpoint_file))
-    return {name: np.array(param.data, copy=True) for name, param in state.parameters}
+    parameters = {}
+    # A pipeline run's checkpoint holds one file per stage (checkpoint, checkpoint.stage-01, ...): stitched here.
+    for file in [checkpoint_file, *sorted(Path(checkpoint_file).parent.glob(f"{Path(checkpoint_file).name}.stage-*"))]:
+        state = api.CheckpointState.load_checkpoint(str(file))
+        parameters.update({name: np.array(param.data, copy=True) for name, param in state.parameters})
+    return parameters
 
 
 def label_names(eval_proto: onnx.ModelProto, record: dict | None, config: RunConfig | None) -> set[str]:

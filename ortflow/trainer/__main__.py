@@ -43,13 +43,13 @@ def run_rank(run_dir: Path) -> int:
             verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
         # Sync point: no rank reads shards before rank 0 has verified them.
         comm.barrier("verify data")
-        loader = TrainLoader(
-            cfg.data_dir, cfg.train.batch_size, comm.rank, comm.size, prefetch=cfg.data.prefetch_batches
-        )
-        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, comm.rank, comm.size)
+        shard, shards = rt.data_shard()
+        loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=cfg.data.prefetch_batches)
+        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards)
         writer = comm.rank == 0
         manager = CheckpointManager(
-            cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer
+            cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
+            **rt.checkpoint_writer(),
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard

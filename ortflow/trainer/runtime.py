@@ -46,6 +46,14 @@ class Runtime:
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
 
+    def data_shard(self) -> tuple[int, int]:
+        """(shard index, number of shards) of the training data this rank reads."""
+        return self.comm.rank, self.comm.size
+
+    def checkpoint_writer(self) -> dict:
+        """Keyword arguments for this rank's CheckpointManager (a pipeline rank writes every stage's file)."""
+        return {}
+
     def gradient_buffers(self) -> list:
         """The engine's gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA.
 
@@ -128,6 +136,10 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         if device == "cpu":
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size))
+    if cfg.distributed.pipeline_parallel_size > 1:  # a pipeline stage: its own artifacts and process groups
+        from ortflow.trainer.parallel.stages import init_stage_runtime
+
+        return init_stage_runtime(run_dir, cfg, comm, device)
     # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
     chosen = None

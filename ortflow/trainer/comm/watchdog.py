@@ -77,8 +77,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="ortflow-watchdog", daemon=True)
         self._thread.start()
 
-    def enter(self, label: str) -> None:
-        self.seq += 1
+    def enter(self, label: str, count: bool = True) -> None:
+        """Start timing a wait; ``count=False`` for point-to-point waits, which only some ranks make (the collective
+        sequence numbers must stay comparable across ranks)."""
+        self.seq += count
         self._label = label
         self.heartbeats.write(self.seq, label)
         self._entered = self.clock()
