@@ -142,8 +142,10 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     optimizer = api.Optimizer(str(folder / "optimizer_model.onnx"), module)
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     info = record["stages"][stage]
-    log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s",
-             comm.rank, stage, num_stages, replica, num_replicas, len(trainable), info["receives"], info["sends"])
+    where = f"step {resume.step} ({resume.path.name})" if resume else "the initial weights"
+    log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, starting "
+             "from %s", comm.rank, stage, num_stages, replica, num_replicas, len(trainable), info["receives"],
+             info["sends"], where)
     rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, optimizer, trainable, resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
