@@ -18,7 +18,7 @@ B, T, V, D = 2, 8, 32, 16
 
 
 def build_torchlike(path: Path | None = None, *, num_blocks: int = 2, tied: bool = False, dropout: bool = False,
-                    ln_outputs: int = 3, seed: int = 0) -> onnx.ModelProto:
+                    ln_outputs: int = 3, vocab: int = V, seed: int = 0) -> onnx.ModelProto:
     """The model (saved to ``path`` when given). ``ln_outputs=1`` is torch's single-output LayerNormalization."""
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
@@ -44,7 +44,7 @@ def build_torchlike(path: Path | None = None, *, num_blocks: int = 2, tied: bool
                                       axis=-1, epsilon=1e-5))
         return outs[0]
 
-    wte = param("wte", (V, D))
+    wte = param("wte", (vocab, D))
     x = op("Gather", [wte, "input_ids"], "embed", axis=0)
     for i in range(num_blocks):
         p = f"blocks.{i}"
@@ -65,11 +65,12 @@ def build_torchlike(path: Path | None = None, *, num_blocks: int = 2, tied: bool
             act = op("Dropout", [act], f"{p}.drop")
         x = op("Add", [x, op("Reshape", [act, back], f"{p}.unflat")], f"{p}.resid")
     h = layer_norm(x, "ln_f")
-    head = op("Transpose", [wte], "wte_t", perm=[1, 0]) if tied else param("lm_head.weight", (D, V))
+    head = op("Transpose", [wte], "wte_t", perm=[1, 0]) if tied else param("lm_head.weight", (D, vocab))
     logits = op("MatMul", [h, head], "logits_3d")
-    op("Reshape", [logits, const("flat_logits", np.array([-1, V], np.int64))], "logits")
-    graph = helper.make_graph(nodes, "torchlike", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, T])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [B * T, V])], inits)
+    op("Reshape", [logits, const("flat_logits", np.array([-1, vocab], np.int64))], "logits")
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, T])
+    out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [B * T, vocab])
+    graph = helper.make_graph(nodes, "torchlike", [ids], [out], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     onnx.checker.check_model(model)
     if path is not None:
