@@ -6,15 +6,18 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
+import ortflow
 from ortflow.trainer.checkpoints import list_complete, verify
 
-from .runs import make_text_run, rank_command, run_ranks
+from ..models_pipeline import B, T, build_torchlike
+from .runs import make_run, make_text_run, rank_command, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -26,6 +29,19 @@ TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2
 # AdamW's early steps move a weight by ~lr whatever its gradient's size, so a 1e-7 relative change in a gradient is
 # at most ~lr * 1e-7 * steps in a weight; 1e-6 is far above that and far below one step's change (~1e-2).
 ATOL = 1e-6
+
+
+def torchlike_run(root, name, **sections):
+    """A run on the torch-export-shaped model (fixed batch 2, Shape/Reshape chains, single LM head)."""
+    model = root / "torchlike.onnx"
+    if not model.exists():
+        build_torchlike(model, num_blocks=2, vocab=256)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted(Path(ortflow.__file__).parent.rglob("*.py"))[:6]))
+    data = {"train": [str(corpus)], "format": "text", "text": {"seq_len": T}, "eval_fraction": 0.05}
+    return make_run(root, name, model=model, data=data, train={**TRAIN, "batch_size": B, "max_eval_batches": 1},
+                    **sections)
 
 
 def stage_parameters(cfg, checkpoint=None) -> dict[str, np.ndarray]:
@@ -64,6 +80,16 @@ def test_two_stages_train_to_the_unsplit_parameters(tmp_path):
     folder = list_complete(split.checkpoints_dir)[-1].path
     assert {f.name for f in folder.glob("checkpoint*")} == {"checkpoint", "checkpoint.stage-01"}
     verify(folder)  # both stage files are listed with their checksums in meta.json
+
+
+def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(tmp_path):
+    unsplit = torchlike_run(tmp_path, "pp1", distributed={"num_ranks": 1})
+    split = torchlike_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
+    out1, out2 = run_ranks(unsplit), run_ranks(split)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    p1, p2 = stage_parameters(unsplit), stage_parameters(split)
+    assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL
 
 
 def test_two_stages_by_two_replicas_match_and_replicas_are_bitwise_identical(tmp_path):
@@ -130,3 +156,14 @@ def test_export_stitches_the_stages_into_the_unsplit_eval_graph(tmp_path):
     np.testing.assert_array_equal(logits[0], logits_ref[0])
     initial = stage_parameters(split, split.artifacts_dir)  # artifacts/checkpoint: the unsplit initial weights
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
+
+
+def test_a_hung_stage_is_named_when_its_neighbour_times_out(tmp_path):
+    cfg = make_text_run(tmp_path, "hang", distributed={"num_ranks": 2, "pipeline_parallel_size": 2,
+                                                       "collective_timeout_s": 2.0}, train=TRAIN)
+    started = time.monotonic()
+    out = run_ranks(cfg, str(Path(__file__).with_name("fault_stage.py")), timeout=60)
+    assert out.returncode != 0
+    assert "'recv grad mb0 <- stage 1' waited" in out.stdout, out.stdout
+    assert "stalled: rank 1 (last entered" in out.stdout, out.stdout
+    assert time.monotonic() - started < 40

@@ -41,6 +41,7 @@ class MPIComm:
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
         self._pending: list = []
         self._pending_requests: list = []
+        self._world_of: dict[int, int] = {}
         self._closed = False
 
     def _timed_out(self, message: str) -> None:
@@ -67,7 +68,7 @@ class MPIComm:
         sub.comm = self._collective(label, lambda: self.comm.Split(color, key=self.rank))
         sub.rank, sub.size = sub.comm.Get_rank(), sub.comm.Get_size()
         sub._flat, sub._slices, sub._pending, sub._pending_requests = None, [], [], []
-        sub._closed = True  # the parent owns the watchdog
+        sub._closed, sub._world_of = True, {}  # the parent owns the watchdog
         return sub
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
@@ -85,10 +86,20 @@ class MPIComm:
     def recv(self, source: int, tag: int, label: str) -> np.ndarray:
         """Receive an array sent by :meth:`send` from ``source``, under the watchdog (``label`` names the peer)."""
         header = np.empty(_HEADER, dtype=np.int64)
-        self._point_to_point(label, lambda: self.comm.Recv(header, source=source, tag=2 * tag))
+        peer = self._world_rank(source)
+        self._point_to_point(label, lambda: self.comm.Recv(header, source=source, tag=2 * tag), peer)
         array = np.empty(tuple(int(d) for d in header if d >= 0), dtype=np.float32)
-        self._point_to_point(label, lambda: self.comm.Recv(array, source=source, tag=2 * tag + 1))
+        self._point_to_point(label, lambda: self.comm.Recv(array, source=source, tag=2 * tag + 1), peer)
         return array
+
+    def _world_rank(self, rank: int) -> int:
+        """World rank of this group's ``rank`` (stall reports name world ranks)."""
+        if rank not in self._world_of:
+            mine, world = self.comm.Get_group(), self._mpi.COMM_WORLD.Get_group()
+            self._world_of[rank] = self._mpi.Group.Translate_ranks(mine, [rank], world)[0]
+            mine.Free()
+            world.Free()
+        return self._world_of[rank]
 
     def wait_sends(self, label: str) -> None:
         """Wait until every started send has been received."""
@@ -96,8 +107,8 @@ class MPIComm:
         self._point_to_point(label, lambda: self._mpi.Request.Waitall(requests))
         self._pending = []
 
-    def _point_to_point(self, label: str, call: Callable[[], object]) -> object:
-        self.watchdog.enter(label, count=False)
+    def _point_to_point(self, label: str, call: Callable[[], object], peer: int | None = None) -> object:
+        self.watchdog.enter(label, count=False, peer=peer)
         try:
             return call()
         finally:

@@ -44,12 +44,18 @@ class Heartbeats:
         os.close(self._fd)
 
 
-def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: float, now: float) -> str:
-    """The message a waiting rank prints: which ranks never reached collective ``my_seq``, and where they are."""
+def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: float, now: float,
+                   peer: int | None = None) -> str:
+    """The message a waiting rank prints: which ranks never reached collective ``my_seq``, and where they are.
+
+    For a point-to-point wait (``peer`` given) the stalled rank is the peer, wherever it is.
+    """
     stalled = []
-    for rank in range(heartbeats.size):
+    for rank in range(heartbeats.size) if peer is None else [peer]:
         record = heartbeats.read(rank)
-        if record is None:
+        if peer is not None and record is not None:
+            stalled.append(f"rank {rank} (last entered #{record[0]} '{record[2]}' {now - record[1]:.0f} s ago)")
+        elif record is None:
             stalled.append(f"rank {rank} (no heartbeat: it never started)")
         elif record[0] < my_seq:
             seq, when, where = record
@@ -72,16 +78,18 @@ class Watchdog:
         self.clock = clock
         self.seq = 0
         self._label = ""
+        self._peer: int | None = None
         self._entered: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ortflow-watchdog", daemon=True)
         self._thread.start()
 
-    def enter(self, label: str, count: bool = True) -> None:
-        """Start timing a wait; ``count=False`` for point-to-point waits, which only some ranks make (the collective
-        sequence numbers must stay comparable across ranks)."""
+    def enter(self, label: str, count: bool = True, peer: int | None = None) -> None:
+        """Start timing a wait; ``count=False`` and the ``peer`` world rank for point-to-point waits, which only some
+        ranks make (the collective sequence numbers must stay comparable across ranks)."""
         self.seq += count
         self._label = label
+        self._peer = peer
         self.heartbeats.write(self.seq, label)
         self._entered = self.clock()
 
@@ -94,7 +102,7 @@ class Watchdog:
             entered = self._entered
             if entered is not None and self.clock() - entered > self.timeout:
                 waited = self.clock() - entered
-                self.on_timeout(describe_stall(self.heartbeats, self.seq, self._label, waited, time.time()))
+                self.on_timeout(describe_stall(self.heartbeats, self.seq, self._label, waited, time.time(), self._peer))
                 return
 
     def close(self) -> None:
