@@ -25,6 +25,7 @@ from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
 from ortflow.trainer import checkpoints, cuda_libs
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
+from ortflow.trainer.parallel.layout import check_checkpoint_layout
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -149,6 +150,8 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
     chosen = comm.broadcast(chosen, "choose checkpoint")
     resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    if resume:
+        check_checkpoint_layout(resume.meta, resume.path, 1)
     state_file = resume.path / checkpoints.CHECKPOINT_FILE if resume else cfg.artifacts_dir / "checkpoint"
     state = api.CheckpointState.load_checkpoint(str(state_file))
     # 5. Session.

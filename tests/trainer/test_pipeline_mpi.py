@@ -167,3 +167,15 @@ def test_a_hung_stage_is_named_when_its_neighbour_times_out(tmp_path):
     assert "'recv grad mb0 <- stage 1' waited" in out.stdout, out.stdout
     assert "stalled: rank 1 (last entered" in out.stdout, out.stdout
     assert time.monotonic() - started < 40
+
+
+def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path):
+    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                          train={**TRAIN, "num_train_steps": 2})
+    assert run_ranks(split).returncode == 0
+    folder = list_complete(split.checkpoints_dir)[-1].path
+    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1},
+                            checkpoint={"checkpoint_to_load_path": str(folder)}, train={**TRAIN, "num_train_steps": 4})
+    out = run_ranks(unsplit)
+    assert out.returncode != 0
+    assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout

@@ -101,6 +101,14 @@ class MPIComm:
             world.Free()
         return self._world_of[rank]
 
+    def send_object(self, obj: object, dest: int, tag: int) -> None:
+        """Start sending a small picklable object (a shape) to ``dest``; completes in :meth:`wait_sends`."""
+        self._pending_requests.append(self.comm.isend(obj, dest=dest, tag=2 * tag))
+
+    def recv_object(self, source: int, tag: int, label: str) -> object:
+        """Receive what :meth:`send_object` sent, under the watchdog."""
+        return self._point_to_point(label, lambda: self.comm.recv(source=source, tag=2 * tag), self._world_rank(source))
+
     def wait_sends(self, label: str) -> None:
         """Wait until every started send has been received."""
         requests, self._pending_requests = self._pending_requests, []

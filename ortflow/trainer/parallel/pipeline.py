@@ -22,7 +22,6 @@ import numpy as np
 import onnxruntime
 
 from ortflow.trainer.checkpoints import CheckpointManager
-from ortflow.trainer.comm.base import gradient_norm, scale_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.parallel.stages import StageRuntime, state_bytes
@@ -135,7 +134,7 @@ def train_pipeline(
     step = rt.resume.step if rt.resume else 0
     cursor = rt.resume.global_cursor if rt.resume else 0
     batches = train_batches(cursor)
-    grads = [rt.state.parameters[n].grad for n in rt.trainable]
+    grads = rt.gradient_buffers()  # host views on the CPU, device buffers on CUDA
     scalars = np.zeros(3)  # [loss sum (last stages), stop requested, squared gradient norm (replica 0 of each stage)]
     train_loss = eval_loss = None
     window_start, window_samples = clock(), 0
@@ -145,14 +144,14 @@ def train_pipeline(
         loss_sum, _ = pipeline_step(rt, batches, k)
         # Sync point: a stage's replicas average their gradients (the unsplit loop's all-reduce, per stage).
         rt.stage_comm.average_gradients(grads, k * replicas, np.zeros(0, np.float32))
-        norm_sq = gradient_norm(grads) ** 2 if rt.replica == 0 else 0.0
+        norm_sq = rt.stage_comm.gradient_norm(grads) ** 2 if rt.replica == 0 else 0.0
         local = np.array([loss_sum / k, float(stop.requested), norm_sq])
         # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
         scalars = rt.comm.allreduce_sum(local, "pipeline loss, stop, norm")
         train_loss, grad_norm = float(scalars[0]) / replicas, float(np.sqrt(scalars[2]))
         max_norm = cfg.optimizer.max_grad_norm
         if max_norm is not None and grad_norm > max_norm:
-            scale_gradients(grads, max_norm / (grad_norm + 1e-6))
+            rt.stage_comm.scale_gradients(grads, max_norm / (grad_norm + 1e-6))
         rt.update(lr)
         step += 1
         cursor += k * replicas * batch

@@ -18,6 +18,7 @@ from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer import checkpoints
 from ortflow.trainer.comm import Communicator
+from ortflow.trainer.parallel.layout import check_checkpoint_layout
 from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.trainer.runtime import Runtime, available_cores, session_options, threads_per_rank
 
@@ -123,7 +124,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
             f"{cfg.artifacts_dir} holds no {num_stages}-stage pipeline artifacts: re-run `ortflow configure` with "
             f"distributed.pipeline_parallel_size {num_stages}"
         )
-    # Sync points (collective over the world): the two sub-groups every rank joins.
+    # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     stage_comm = comm.split(stage, "pipeline stage group")
     pipe_comm = comm.split(num_stages + replica, "pipeline replica group")
     chosen = None
@@ -133,6 +134,8 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
     chosen = comm.broadcast(chosen, "choose checkpoint")
     resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    if resume:
+        check_checkpoint_layout(resume.meta, resume.path, num_stages)
     folder = stage_dir(cfg.artifacts_dir, stage)
     state = read_stage_state(resume.path, stage) if resume else api.CheckpointState.load_checkpoint(
         str(folder / "checkpoint"))
