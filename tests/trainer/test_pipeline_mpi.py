@@ -65,9 +65,12 @@ def losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"\] \S+ INFO step \d+/\d+ \| loss ([0-9.e+-]+)", output)]
 
 
-def test_two_stages_train_to_the_unsplit_parameters(tmp_path):
-    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=TRAIN)
-    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2}, train=TRAIN)
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])  # 0.5: below the measured norms (1.3-2.5), so every update clips
+def test_two_stages_train_to_the_unsplit_parameters(tmp_path, max_grad_norm):
+    opt = {"max_grad_norm": max_grad_norm}
+    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=TRAIN, optimizer=opt)
+    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2}, train=TRAIN,
+                          optimizer=opt)
     out1, out2 = run_ranks(unsplit), run_ranks(split)
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
@@ -77,6 +80,8 @@ def test_two_stages_train_to_the_unsplit_parameters(tmp_path):
     print("max |param diff| pp2 vs pp1:", worst)
     assert worst < ATOL
     np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", out2.stdout)]
+    assert norms and (max_grad_norm is None or min(norms) > max_grad_norm)  # the clipping case really clipped
     folder = list_complete(split.checkpoints_dir)[-1].path
     assert {f.name for f in folder.glob("checkpoint*")} == {"checkpoint", "checkpoint.stage-01"}
     verify(folder)  # both stage files are listed with their checksums in meta.json
@@ -179,3 +184,27 @@ def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path):
     out = run_ranks(unsplit)
     assert out.returncode != 0
     assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout
+
+
+def test_a_stop_signal_on_one_stage_stops_every_stage_at_the_same_update(tmp_path):
+    from ortflow.trainer.metrics import read_progress
+
+    cfg = make_text_run(tmp_path, "stop", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                        train={**TRAIN, "num_train_steps": 4000, "evaluation_period": 0},
+                        checkpoint={"period": 1000, "max_num_checkpoints": 2})
+    proc = subprocess.Popen(rank_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and ((read_progress(cfg.output_dir) or {}).get("step") or 0) < 3:
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-f", f"ortflow.trainer {cfg.output_dir}"], capture_output=True, text=True)
+    pids = sorted(int(p) for p in ranks.stdout.split())
+    assert len(pids) == 2, ranks.stdout
+    subprocess.run(["kill", "-TERM", str(pids[-1])], check=True)  # one rank only: the stop flag must spread
+    output, _ = proc.communicate(timeout=120)
+    stopped = {int(step) for step in re.findall(r"ranks stopped together after step (\d+)", output)}
+    assert len(stopped) == 1 and output.count("ranks stopped together") == 2, output[-3000:]
+    (step,) = stopped
+    kept = list_complete(cfg.checkpoints_dir)
+    assert kept[-1].step == step < 2000
+    verify(kept[-1].path)

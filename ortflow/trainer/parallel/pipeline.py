@@ -17,6 +17,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime
@@ -45,38 +46,59 @@ def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[tuple[str, 
     return order + [("B", i) for i in range(num_micro - warmup, num_micro)]
 
 
-def pipeline_step(rt: StageRuntime, batches: Iterator[dict[str, np.ndarray]], k: int) -> tuple[float, int]:
-    """Forward and backward passes of ``k`` micro-batches through the pipeline; gradients accumulate in the engine.
+@dataclass
+class StepStats:
+    """What one pipeline step did on this rank (the bench reads it; the loop uses the loss).
 
-    Returns:
-        (sum of the k micro-batch losses on the last stage, else 0.0; the most received inputs held at once).
+    Attributes:
+        loss_sum: Sum of the micro-batch losses on the last stage, else 0.0.
+        most_held: The most micro-batches whose received inputs were held at once.
+        held_bytes: Bytes of received inputs held at that moment (the stage's only stashed activations).
+        compute_s: Seconds inside the engine's forward/backward calls (the rest of the step is waiting/transfer).
     """
+
+    loss_sum: float = 0.0
+    most_held: int = 0
+    held_bytes: int = 0
+    compute_s: float = 0.0
+
+
+def pipeline_step(rt: StageRuntime, batches: Iterator[dict[str, np.ndarray]], k: int,
+                  clock: Callable[[], float] = time.perf_counter) -> StepStats:
+    """Forward and backward passes of ``k`` micro-batches through the pipeline; gradients accumulate in the engine."""
     pipe, stage = rt.pipe_comm, rt.stage
     micro = [next(batches) for _ in range(k)]
     held: dict[int, dict[str, np.ndarray]] = {}
-    most, loss_sum = 0, 0.0
+    stats = StepStats()
     for kind, i in one_f_one_b(stage, rt.num_stages, k):
         if i not in held:  # receive (or, on stage 0, take from the batch) this micro-batch's inputs
             feeds = dict(micro[i])
             for name in rt.receives:
                 feeds[name] = pipe.recv(stage - 1, _ACT, f"recv act mb{i} <- stage {stage - 1}")
             held[i] = feeds
-            most = max(most, len(held))
+            if len(held) > stats.most_held:
+                stats.most_held = len(held)
+                stats.held_bytes = sum(f[n].nbytes for f in held.values() for n in rt.receives)
+        started = clock()
         if kind == "F":
-            for y in rt.forward(held[i]):
+            outputs = rt.forward(held[i])
+            stats.compute_s += clock() - started
+            for y in outputs:
                 pipe.send(y, stage + 1, _ACT)
             continue
         grads = None
         if not rt.last:
             grads = [pipe.recv(stage + 1, _GRAD, f"recv grad mb{i} <- stage {stage + 1}") for _ in rt.sends]
+            started = clock()
         loss, back = rt.backward(held.pop(i), grads)
+        stats.compute_s += clock() - started
         if rt.last:
-            loss_sum += loss
+            stats.loss_sum += loss
         for g in back:
             pipe.send(g, stage - 1, _GRAD)
     # Sync point: the sent tensors' buffers must outlive their sends; a stalled peer shows here.
     pipe.wait_sends(f"pipeline sends of stage {stage}")
-    return loss_sum, most
+    return stats
 
 
 def evaluate_pipeline(rt: StageRuntime, eval_batches: Callable[[], Iterator[tuple[dict, int]]]) -> float | None:
@@ -141,7 +163,7 @@ def train_pipeline(
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
         onnxruntime.set_seed(cfg.train.seed + step)
-        loss_sum, _ = pipeline_step(rt, batches, k)
+        loss_sum = pipeline_step(rt, batches, k).loss_sum
         # Sync point: a stage's replicas average their gradients (the unsplit loop's all-reduce, per stage).
         rt.stage_comm.average_gradients(grads, k * replicas, np.zeros(0, np.float32))
         norm_sq = rt.stage_comm.gradient_norm(grads) ** 2 if rt.replica == 0 else 0.0
