@@ -101,6 +101,58 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
     comm.close()
 
 
+def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int) -> None:
+    """One process, no MPI: the engine memory of one rank's calls on one micro-batch (unsplit, or stage ``stage``).
+
+    Unsplit: the training call. Stage 0: the eval-model forward, then the training call (recompute + backward) driven
+    by a gradient of the sent tensor's shape. Last stage: the training call on a received tensor of its shape. Peak
+    RSS above the started session's RSS = activations + engine workspace (no MPI buffers in this process).
+    """
+    import onnx
+
+    from ortflow.config import load_run_config
+    from ortflow.dataprep.loader import TrainLoader
+    from ortflow.engine import api
+    from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.trainer.parallel.stages import stage_session_options
+    from ortflow.trainer.runtime import session_options
+
+    cfg = load_run_config(run_dir)
+    folder = cfg.artifacts_dir if stage is None else stage_dir(cfg.artifacts_dir, stage)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    options = session_options(1) if stage is None else stage_session_options(1, "cpu")  # as the trainer makes them
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device="cpu",
+                        session_options=options)
+    batch = TrainLoader(cfg.data_dir, micro_batch, 0, 1, prefetch=0).batch(0, 0)
+    info = read_stages_record(cfg.artifacts_dir)["stages"][stage] if stage is not None else None
+    feeds = dict(batch)
+    graph = onnx.load(str(folder / "training_model.onnx"), load_external_data=False).graph
+    for i in graph.input:  # received tensors and arriving gradients: random, of the declared shape (batch filled in)
+        if i.name in feeds or (info is None) or not (i.name in info["receives"] or i.name.endswith(GRAD_IN_SUFFIX)):
+            continue
+        dims = [d.dim_value or micro_batch for d in i.type.tensor_type.shape.dim]
+        feeds[i.name] = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss_kb("VmRSS")
+    last = info is None or info["index"] == len(read_stages_record(cfg.artifacts_dir)["stages"]) - 1
+    for _ in range(calls):
+        if not last:  # a middle stage's forward pass runs the eval model first
+            module.eval()
+            module(*(feeds[n] for n in module.input_names()))
+        module.train()
+        module(*(feeds[n] for n in module.input_names()))
+    print(json.dumps({"activations_peak": 1024 * (_rss_kb("VmHWM") - before)}), flush=True)
+
+
+def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> int:
+    cmd = [sys.executable, "-m", "bench.bench_pipeline", "--memory", str(run_dir), "--calls", "3",
+           "--memory-batch", str(micro_batch)]
+    cmd += [] if stage is None else ["--stage", str(stage)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])["activations_peak"]
+
+
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Path:
     from ortflow.config import config_from_dict
     from ortflow.configure import configure
@@ -138,6 +190,11 @@ def _launch(run_dir: Path, ranks: int, warmup: int, steps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--memory", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-batch", type=int, nargs="+", default=[4, 32],
+                        help="micro-batch sizes (sequences) of the memory measurement")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
@@ -145,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.warmup, args.steps)
+    if args.memory:
+        return memory_worker(args.memory, args.stage, args.calls, args.memory_batch[0])
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         root = Path(tmp)
         runs = {("pp1", m): (_configure(root, f"pp1-m{m}", 1, 1, m), 1) for m in args.micro[:1]}
@@ -152,10 +211,14 @@ def main(argv: list[str] | None = None) -> None:
             runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m), 2)
             runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m), 2)
         results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
+        first = args.micro[0]
+        engine_memory = {b: {"pp1": _memory(runs[("pp1", first)][0], None, b),
+                             "pp2": [_memory(runs[("pp2", first)][0], s, b) for s in (0, 1)]}
+                         for b in args.memory_batch}
         for _ in range(args.rounds):
             for (kind, m), (run_dir, ranks) in runs.items():
                 results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
-    summary = summarize(results, args.micro)
+    summary = summarize(results, args.micro, engine_memory)
     command = "python -m bench.bench_pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
@@ -166,59 +229,64 @@ def main(argv: list[str] | None = None) -> None:
     print(report(record))
 
 
-def summarize(results: dict, micro: list[int]) -> dict:
+def summarize(results: dict, micro: list[int], engine_memory: dict) -> dict:
     """Medians over rounds: memory per rank, samples/s, and each stage's idle fraction vs (P-1)/(m+P-1)."""
     def med(key: str, pick) -> float:
         return statistics.median(pick(r) for r in results[key])
 
-    first = f"pp1-m{micro[0]}"
-    memory = {"pp1": results[first][0][0]["memory"],
-              "pp2": [r["memory"] for r in results[f"pp2-m{micro[0]}"][0]]}
-    for name, ranks in (("pp1", [0]), ("pp2", [0, 1])):
-        key = first if name == "pp1" else f"pp2-m{micro[0]}"
-        peaks = [statistics.median(round_[rank]["memory"]["activations_peak"] for round_ in results[key])
-                 for rank in ranks]
-        if name == "pp1":
-            memory["pp1"]["activations_peak"] = peaks[0]
-        else:
-            for rank, peak in zip(ranks, peaks, strict=True):
-                memory["pp2"][rank]["activations_peak"] = peak
+    first = micro[0]
+    ranks = {"pp1": results[f"pp1-m{first}"][0][0]["memory"]}
+    ranks.update({f"pp2 stage {s}": results[f"pp2-m{first}"][0][s]["memory"] for s in (0, 1)})
+    for key, index in (("pp1", 0), ("pp2 stage 0", 0), ("pp2 stage 1", 1)):
+        run = f"pp1-m{first}" if key == "pp1" else f"pp2-m{first}"
+        ranks[key]["rss_growth_mpi"] = med(run, lambda r, i=index: r[i]["memory"]["activations_peak"])
+        engine = {b: (m["pp1"] if key == "pp1" else m["pp2"][index]) for b, m in engine_memory.items()}
+        ranks[key]["activations_by_micro_batch"] = engine
     throughput = {}
     for m in micro:
         row = {}
         for kind in ("dp2", "pp2"):
-            key = f"{kind}-m{m}"
-            row[kind] = med(key, lambda r: r[0]["samples_per_step"] / max(x["step_s"] for x in r))
+            row[kind] = med(f"{kind}-m{m}", lambda r: r[0]["samples_per_step"] / max(x["step_s"] for x in r))
         row["pp2_over_dp2"] = row["pp2"] / row["dp2"]
         row["idle_stage"] = [med(f"pp2-m{m}", lambda r, s=s: 1 - r[s]["compute_s"] / r[s]["step_s"]) for s in (0, 1)]
         row["bubble_theory"] = 1 / (m + 1)
         throughput[m] = row
-    return {"memory": memory, "throughput": throughput}
+    return {"memory": ranks, "throughput": throughput}
 
 
 def report(record: dict) -> str:
-    s = record["summary"]
-    mb = 1 / 2**20
-
-    def mem_row(label: str, m: dict) -> str:
-        static = m["parameters"] + m["gradients"] + m["optimizer_state"]
-        total = static + m["activations_peak"] + m["held_inputs"]
-        return (f"| {label} | {m['parameters'] * mb:.2f} | {m['optimizer_state'] * mb:.2f} | {m['gradients'] * mb:.2f} "
-                f"| {m['activations_peak'] * mb:.2f} | {m['held_inputs'] * mb:.3f} | {total * mb:.2f} |")
-
-    pp1 = s["memory"]["pp1"]
+    """The markdown summary written next to the JSON."""
+    s, mb = record["summary"], 1 / 2**20
     lines = [f"# Pipeline bench on {record['host']} ({record['cores']} cores)", "", f"`{record['command']}`", "",
-             f"GPT {record['shape']}, micro-batch {record['batch_size']} sequences, 1 thread per rank.", "",
-             "Memory per rank (MiB): static = parameters + gradient buffers + AdamW moments (from the engine state); "
-             "activations = peak RSS over the steps above the RSS of the started session (engine activations + "
-             "workspace).", "",
-             "| rank | params | AdamW moments | grads | activations (peak) | held stage inputs | total |",
-             "|---|---|---|---|---|---|---|", mem_row("pp1 (unsplit)", pp1)]
-    lines += [mem_row(f"pp2 stage {i}", m) for i, m in enumerate(s["memory"]["pp2"])]
-    totals = [m["parameters"] + m["gradients"] + m["optimizer_state"] + m["activations_peak"] + m["held_inputs"]
-              for m in s["memory"]["pp2"]]
-    base = pp1["parameters"] + pp1["gradients"] + pp1["optimizer_state"] + pp1["activations_peak"]
-    lines += ["", f"Largest pp2 rank / pp1 rank: {max(totals) / base:.2f}", "",
+             f"GPT {record['shape']}, 1 thread per rank; training micro-batch {record['batch_size']} sequences.", "",
+             "## Memory per rank (MiB)", "",
+             "Static: parameters, gradient buffers, AdamW moments (from the engine state). Activations: peak RSS "
+             "growth of one process (no MPI) running the rank's engine calls on one micro-batch of b sequences "
+             "(unsplit: the training call; stage 0: eval forward + training call; stage 1: the training call), "
+             "sessions made as the trainer makes them. Held: received tensors kept between forward and backward "
+             f"(pipelined run, b = {record['batch_size']}). RSS under mpiexec: growth of the rank over the "
+             "benchmark's steps (adds MPI transport buffers), for reference.", ""]
+    sizes = sorted(next(iter(s["memory"].values()))["activations_by_micro_batch"], key=int)
+    head = "| rank | params | AdamW moments | grads | held | " + " | ".join(
+        f"activations b={b} | total b={b}" for b in sizes) + " | RSS under mpiexec |"
+    lines += [head, "|" + "---|" * (6 + 2 * len(sizes))]
+    totals = {}
+    for name, m in s["memory"].items():
+        static = m["parameters"] + m["gradients"] + m["optimizer_state"] + m["held_inputs"]
+        cells = []
+        for b in sizes:
+            act = m["activations_by_micro_batch"][b]
+            totals.setdefault(b, {})[name] = static + act
+            cells.append(f"{act * mb:.1f} | {(static + act) * mb:.1f}")
+        lines.append(f"| {name} | {m['parameters'] * mb:.2f} | {m['optimizer_state'] * mb:.2f} | "
+                     f"{m['gradients'] * mb:.2f} | {m['held_inputs'] * mb:.3f} | " + " | ".join(cells)
+                     + f" | {m['rss_growth_mpi'] * mb:.1f} |")
+    lines.append("")
+    for b in sizes:
+        t = totals[b]
+        lines.append(f"b={b}: stage 0 / unsplit {t['pp2 stage 0'] / t['pp1']:.2f}, stage 1 / unsplit "
+                     f"{t['pp2 stage 1'] / t['pp1']:.2f}")
+    lines += ["", "## Throughput vs data-parallel on the same 2 ranks", "",
               "| m | dp2 samples/s | pp2 samples/s | pp2/dp2 | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) |",
               "|---|---|---|---|---|---|---|"]
     for m, row in s["throughput"].items():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 
 from ortflow.config import RunConfig
 from ortflow.engine import api
@@ -56,6 +57,27 @@ def state_bytes(state: object) -> bytes:
         path = Path(tmp) / "state"
         api.CheckpointState.save_checkpoint(state, str(path), include_optimizer_state=True)
         return path.read_bytes()
+
+
+_SHARED_ARENA: list[bool] = []
+
+
+def stage_session_options(threads: int, device: str) -> onnxruntime.SessionOptions:
+    """The trainer's session options, plus, on the CPU, one arena shared by the stage's two sessions.
+
+    A stage runs two sessions (the eval model's forward, the training model's recompute + backward). With an arena
+    each, both peaks stay resident: measured on the bench GPT at 32 sequences per micro-batch, stage 0 held 185 MB of
+    engine memory vs 124 MB unsplit; with one process-wide arena that both sessions use, 96 MB (docs/parallel.md).
+    """
+    options = session_options(threads)
+    if device == "cpu":
+        if not _SHARED_ARENA:
+            info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                             onnxruntime.OrtMemType.DEFAULT)
+            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, -1, -1, -1))
+            _SHARED_ARENA.append(True)
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    return options
 
 
 @dataclass
@@ -141,7 +163,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
         str(folder / "checkpoint"))
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device=device,
-                        session_options=session_options(threads))
+                        session_options=stage_session_options(threads, device))
     optimizer = api.Optimizer(str(folder / "optimizer_model.onnx"), module)
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     info = record["stages"][stage]
