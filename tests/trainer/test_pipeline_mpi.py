@@ -97,6 +97,20 @@ def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(tmp_
     assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL
 
 
+def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters(tmp_path):
+    # The middle stage both receives and sends (forward, recompute, VJP): 3 ranks, 4 micro-batches per update.
+    train = {**TRAIN, "num_train_steps": 8, "gradient_accumulation_steps": 4, "evaluation_period": 0}
+    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=train)
+    split = make_text_run(tmp_path, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3}, train=train)
+    out1, out3 = run_ranks(unsplit), run_ranks(split, timeout=240)
+    assert out1.returncode == 0, out1.stdout
+    assert out3.returncode == 0, out3.stdout
+    p1, p3 = stage_parameters(unsplit), stage_parameters(split)
+    assert max(float(np.abs(p1[n] - p3[n]).max()) for n in p1) < ATOL
+    folder = list_complete(split.checkpoints_dir)[-1].path
+    assert {f.name for f in folder.glob("checkpoint*")} == {"checkpoint", "checkpoint.stage-01", "checkpoint.stage-02"}
+
+
 def test_two_stages_by_two_replicas_match_and_replicas_are_bitwise_identical(tmp_path):
     # 4 ranks on the CI machine's 2 cores: tiny model, 2 updates.
     train = {**TRAIN, "num_train_steps": 4, "evaluation_period": 0}
