@@ -33,7 +33,7 @@ from ortflow.config import (
 )
 from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
-from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, read_stages_record
+from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,9 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     model = inspect_model(cfg.model.path)
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
+        plan = plan_stages(cfg) if cfg.distributed.pipeline_parallel_size > 1 else None  # refuse a bad split first
         built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
-        stages = build_stage_artifacts(cfg, artifacts_dir) if cfg.distributed.pipeline_parallel_size > 1 else None
+        stages = build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     write_resolved_config(cfg)

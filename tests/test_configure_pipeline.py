@@ -52,12 +52,12 @@ def test_each_stage_gets_its_artifacts_once(tmp_path):
     assert "blocks.0.resid" not in {name for name, _ in state.parameters}
 
 
-def test_a_cut_through_tied_weights_fails_configure_with_the_fix(tmp_path):
+def test_a_cut_through_tied_weights_fails_configure_before_any_build(tmp_path):
     path = tmp_path / "tied.onnx"
     build_torchlike(path, tied=True)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2: trainable parameter 'wte' is read in stages"):
         configure(pipeline_cfg(tmp_path, path))
-    assert not (tmp_path / "run" / "configure.json").exists()
+    assert not (tmp_path / "run" / "artifacts").exists()  # refused before the engine built anything
 
 
 def test_changing_the_stage_count_rebuilds(tmp_path):

@@ -80,6 +80,8 @@ def test_two_stages_train_to_the_unsplit_parameters(tmp_path, max_grad_norm):
     print("max |param diff| pp2 vs pp1:", worst)
     assert worst < ATOL
     np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    evals = [re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout) for out in (out1, out2)]
+    assert len(evals[1]) == 2 and evals[1] == evals[0]  # eval through the stages: the unsplit eval loss, as printed
     norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", out2.stdout)]
     assert norms and (max_grad_norm is None or min(norms) > max_grad_norm)  # the clipping case really clipped
     folder = list_complete(split.checkpoints_dir)[-1].path

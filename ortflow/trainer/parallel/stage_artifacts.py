@@ -162,20 +162,16 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
 
 
-def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
-    """Split the model (``model.pipeline_cuts`` or balanced) and build every stage's artifacts under ``artifacts_dir``.
-
-    Returns:
-        The ``stages.json`` record.
+def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
+    """The cuts (``model.pipeline_cuts`` or balanced) and the stages, or the refusal: fast, no engine call.
 
     Raises:
-        ArtifactsError: The split is refused (names the tensors/nodes) or the engine cannot build a stage.
+        ArtifactsError: The split is refused (names the tensors/nodes and the fix).
     """
     from ortflow.graph.pipeline import SplitError
 
     num = cfg.distributed.pipeline_parallel_size
-    info = inspect_model(cfg.model.path)
-    trainable, frozen = split_parameters(info, cfg.model.frozen)
+    trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     model = onnx.load(str(cfg.model.path))
     try:
         cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
@@ -185,6 +181,21 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     empty = [s.index for s in stages if not s.parameters]
     if empty:
         raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")
+    return cuts, stages
+
+
+def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | None = None) -> dict:
+    """Build every stage's artifacts under ``artifacts_dir`` (from :func:`plan_stages`, made here if not given).
+
+    Returns:
+        The ``stages.json`` record.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors/nodes) or the engine cannot build a stage.
+    """
+    num = cfg.distributed.pipeline_parallel_size
+    cuts, stages = plan or plan_stages(cfg)
+    _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     target = Path(artifacts_dir) / STAGES_DIR
     scratch = Path(tempfile.mkdtemp(prefix=".stages.building-", dir=artifacts_dir))
     cwd = os.getcwd()
