@@ -52,12 +52,21 @@ def test_each_stage_gets_its_artifacts_once(tmp_path):
     assert "blocks.0.resid" not in {name for name, _ in state.parameters}
 
 
-def test_a_cut_through_tied_weights_fails_configure_before_any_build(tmp_path):
+def test_a_bad_cut_fails_configure_before_any_build(tmp_path):
+    path = tmp_path / "m.onnx"
+    build_torchlike(path)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2: cut 1 is crossed by non-float tensors"):
+        configure(pipeline_cfg(tmp_path, path, ["blocks.0.fc"]))
+    assert not (tmp_path / "run" / "artifacts").exists()  # refused before the engine built anything
+
+
+def test_tied_weights_are_recorded_for_both_stages(tmp_path):
     path = tmp_path / "tied.onnx"
     build_torchlike(path, tied=True)
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2: trainable parameter 'wte' is read in stages"):
-        configure(pipeline_cfg(tmp_path, path))
-    assert not (tmp_path / "run" / "artifacts").exists()  # refused before the engine built anything
+    cfg = pipeline_cfg(tmp_path, path, ["blocks.0.resid"])
+    configure(cfg)
+    record = read_stages_record(cfg.artifacts_dir)
+    assert [s["shared"] for s in record["stages"]] == [{"wte": [0, 1]}, {"wte": [0, 1]}]
 
 
 def test_changing_the_stage_count_rebuilds(tmp_path):

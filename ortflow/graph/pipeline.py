@@ -9,17 +9,20 @@ it. What a boundary carries is every tensor produced before the cut and read aft
 * **activations**: float tensors computed from trainable parameters cross the boundary; the receiving stage gets
   them as inputs (and sends back their gradients).
 
+A trainable parameter read on both sides of a cut (tied embedding and LM head) is held by every stage that reads it
+(``Stage.shared``); the trainer sums the holders' gradients before the update so the copies stay equal.
+
 It refuses, naming the nodes: a non-float tensor computed from parameters that crosses (e.g. ``Shape`` of an
-activation read by a later stage's ``Reshape``), a trainable parameter read on both sides of a cut (tied weights),
-a tensor that crosses two cuts, a model output the last stage does not compute, and random operators (the stage's
-forward is recomputed in its backward call, which would draw different random numbers; docs/engine-pipeline.md).
+activation read by a later stage's ``Reshape``), a tensor that crosses two cuts, a model output the last stage does
+not compute, and random operators (the stage's forward is recomputed in its backward call, which would draw different
+random numbers; docs/engine-pipeline.md).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 from onnx import helper
@@ -46,6 +49,8 @@ class Stage:
         sends: Activations it passes to the next stage (graph outputs of ``model``), in order.
         data_inputs: Graph inputs of the original model it reads from the batch.
         parameters: Trainable parameters it holds, sorted.
+        shared: Its parameters that other stages also read (tied weights), each with every holding stage, in order:
+            each holder keeps a copy and the holders sum their gradients before the update, so the copies stay equal.
     """
 
     index: int
@@ -54,6 +59,7 @@ class Stage:
     sends: tuple[str, ...]
     data_inputs: tuple[str, ...]
     parameters: tuple[str, ...]
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -216,7 +222,7 @@ def split_model(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence
     for pos, node in enumerate(a.order):
         stage_of[node] = sum(1 for p in positions if p < pos)
     boundaries = [_check_boundary(a, pos, s) for s, pos in enumerate(positions)]
-    _check_tied(a, stage_of)
+    shared = _tied(a, stage_of)
     num = len(cuts) + 1
     stages = []
     for s in range(num):
@@ -227,7 +233,9 @@ def split_model(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence
             if stray:
                 raise SplitError(f"model outputs {stray} are computed before the last cut; move the cuts earlier")
         nodes = [n for n in a.order if stage_of[n] == s]
-        stages.append(_stage_model(a, s, nodes, receives, sends))
+        stage = _stage_model(a, s, nodes, receives, sends)
+        stage.shared.update({n: holders for n, holders in shared.items() if s in holders})
+        stages.append(stage)
     for st in stages:
         log.info("pipeline stage %d: %d nodes, %d parameters, receives %s, sends %s", st.index,
                  len(st.model.graph.node), len(st.parameters), list(st.receives), list(st.sends))
@@ -245,15 +253,16 @@ def _check_boundary(a: _Analysis, pos: int, index: int) -> list[str]:
     return crossing
 
 
-def _check_tied(a: _Analysis, stage_of: dict[int, int]) -> None:
+def _tied(a: _Analysis, stage_of: dict[int, int]) -> dict[str, tuple[int, ...]]:
+    """Trainable parameters read in more than one stage (a tied embedding and LM head), with their stages."""
+    shared = {}
     for name in sorted(a.trainable):
-        stages = {stage_of[r] for r in a.readers.get(name, ()) if r in stage_of}
+        stages = tuple(sorted({stage_of[r] for r in a.readers.get(name, ()) if r in stage_of}))
         if len(stages) > 1:
-            nodes = [a.graph.node[r].name or a.graph.node[r].op_type for r in a.readers[name]]
-            raise SplitError(
-                f"trainable parameter '{name}' is read in stages {sorted(stages)} (nodes {nodes}): tied weights "
-                "across stages are not supported; move the cuts so that its readers share a stage, or freeze it"
-            )
+            shared[name] = stages
+            log.info("tied parameter '%s' is read in stages %s: each holds a copy, their gradients are summed",
+                     name, list(stages))
+    return shared
 
 
 def _stage_model(a: _Analysis, s: int, nodes: list[int], receives: list[str], sends: list[str]) -> Stage:

@@ -29,7 +29,7 @@ from ortflow.trainer.parallel.stages import StageRuntime, state_bytes
 
 log = logging.getLogger("ortflow.trainer")
 
-_ACT, _GRAD = 1, 2  # message tags: activations go forward, gradients come back
+_ACT, _GRAD, _TIED = 1, 2, 3  # message tags: activations go forward, gradients come back, tied-weight gradients
 
 
 def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[tuple[str, int]]:
@@ -101,6 +101,30 @@ def pipeline_step(rt: StageRuntime, batches: Iterator[dict[str, np.ndarray]], k:
     return stats
 
 
+def sum_tied_gradients(rt: StageRuntime) -> None:
+    """Every holder of a tied parameter ends with the sum of all holders' gradients, added in stage order on each, so
+    the sums (and then the copies after the update) are bitwise equal on every holder."""
+    if not rt.shared:
+        return
+    pipe, parts = rt.pipe_comm, {}
+    for name, holders in sorted(rt.shared.items()):
+        mine = np.array(rt.state.parameters[name].grad, copy=True)
+        parts[name] = {rt.stage: mine}
+        for other in holders:
+            if other != rt.stage:
+                pipe.send(mine, other, _TIED)
+    for name, holders in sorted(rt.shared.items()):
+        for other in holders:
+            if other != rt.stage:
+                parts[name][other] = pipe.recv(other, _TIED, f"recv tied grad {name[:20]} <- stage {other}")
+        total = parts[name][holders[0]].copy()
+        for other in holders[1:]:
+            total += parts[name][other]
+        rt.state.parameters[name].grad[...] = total
+    # Sync point: the sent copies must outlive their sends.
+    pipe.wait_sends("tied gradient sends")
+
+
 def evaluate_pipeline(rt: StageRuntime, eval_batches: Callable[[], Iterator[tuple[dict, int]]]) -> float | None:
     """Mean eval loss: each replica's stages pass its eval batches forward; the last stage computes the loss."""
     pipe, stage = rt.pipe_comm, rt.stage
@@ -166,7 +190,9 @@ def train_pipeline(
         loss_sum = pipeline_step(rt, batches, k).loss_sum
         # Sync point: a stage's replicas average their gradients (the unsplit loop's all-reduce, per stage).
         rt.stage_comm.average_gradients(grads, k * replicas, np.zeros(0, np.float32))
-        norm_sq = rt.stage_comm.gradient_norm(grads) ** 2 if rt.replica == 0 else 0.0
+        sum_tied_gradients(rt)  # Sync point: holders of a tied weight add their gradients (point-to-point)
+        own = [g for n, g in zip(rt.trainable, grads, strict=True) if n not in rt.shared or rt.shared[n][0] == rt.stage]
+        norm_sq = rt.stage_comm.gradient_norm(own) ** 2 if rt.replica == 0 else 0.0  # a tied weight counted once
         local = np.array([loss_sum / k, float(stop.requested), norm_sq])
         # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
         scalars = rt.comm.allreduce_sum(local, "pipeline loss, stop, norm")

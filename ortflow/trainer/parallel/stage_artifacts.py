@@ -215,7 +215,8 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
             "cuts": cuts,
             "stages": [
                 {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
-                 "data_inputs": list(s.data_inputs), "parameters": list(s.parameters)}
+                 "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
+                 "shared": {name: list(holders) for name, holders in s.shared.items()}}
                 for s in stages
             ],
         }

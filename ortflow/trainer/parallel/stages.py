@@ -92,6 +92,7 @@ class StageRuntime(Runtime):
     pipe_comm: Communicator | None = None
     receives: tuple[str, ...] = ()
     sends: tuple[str, ...] = ()
+    shared: dict[str, list[int]] | None = None  # tied parameters it holds -> every holding stage, in order
 
     @property
     def last(self) -> bool:
@@ -174,6 +175,9 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, optimizer, trainable, resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
-                      sends=tuple(info["sends"]))
+                      sends=tuple(info["sends"]), shared=info.get("shared", {}))
+    if rt.shared and device != "cpu":
+        raise RuntimeError(f"tied parameters across pipeline stages {sorted(rt.shared)} are summed on the host: "
+                           "not supported on CUDA yet; move model.pipeline_cuts so their readers share a stage")
     return rt
 
