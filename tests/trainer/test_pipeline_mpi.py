@@ -253,3 +253,34 @@ def test_a_stop_signal_on_one_stage_stops_every_stage_at_the_same_update(tmp_pat
     kept = list_complete(cfg.checkpoints_dir)
     assert kept[-1].step == step < 2000
     verify(kept[-1].path)
+
+
+def test_tied_weights_resume_bitwise_and_the_checkpoint_tools_read_the_stage_files(tmp_path):
+    # The tied embedding sits in both stages' files (params and optimizer state): resume reads each stage's part by
+    # name (the duplicate once), and inspect/merge stitch the stages into the whole model's parameters and moments.
+    from ortflow.trainer.checkpoints.tools import inspect, merge
+
+    keep = {"period": 1, "max_num_checkpoints": 10}
+    dist = {"num_ranks": 2, "pipeline_parallel_size": 2}
+    straight = torchlike_run(tmp_path, "straight", True, distributed=dist, checkpoint=keep)
+    assert run_ranks(straight).returncode == 0
+    middle = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 2)
+    resumed = torchlike_run(tmp_path, "resumed", True, distributed=dist,
+                            checkpoint={**keep, "checkpoint_to_load_path": str(middle)})
+    out = run_ranks(resumed)
+    assert out.returncode == 0, out.stdout
+    assert "starting from step 2" in out.stdout
+    a, b = stage_parameters(straight), stage_parameters(resumed)
+    assert sorted(a) == sorted(b) and "wte" in a
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    final = list_complete(straight.checkpoints_dir)[-1].path
+    summary = inspect(final)
+    assert summary["optimizer_files"] == [stage_file("optimizer", s, 2) for s in (0, 1)]
+    assert summary["optimizer_state"] == ["exp_avg", "exp_avg_sq"] and summary["optimizer_step_count"] == 4
+    assert set(summary["parameters"]) >= set(a)
+    merged = tmp_path / "merged.h5"
+    merge(final, merged)  # each state tensor whole: the tied one's duplicate piece is not counted twice
+    with h5py.File(merged, "r") as f:
+        assert np.array_equal(f["parameters"]["wte"][()], a["wte"])
+        assert f["optimizer"]["exp_avg"]["wte"].shape == a["wte"].shape
