@@ -72,9 +72,10 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
         started = time.perf_counter()
         if pipelined:
             stats = pipeline_step(rt, batches, k)
-            rt.stage_comm.average_gradients(grads, k * rt.num_replicas, np.zeros(0, np.float32))
+            mine = rt.exchange.reduce(grads, k * rt.num_replicas, np.zeros(0, np.float32))
             comm.allreduce_sum(np.zeros(3), "pipeline loss, stop, norm")
-            rt.update(cfg.optimizer.learning_rate)
+            rt.update.step(mine, cfg.optimizer.learning_rate)
+            rt.module.lazy_reset_grad()
             busy, held = stats.compute_s, max(held, stats.held_bytes)
         else:
             names = rt.module.input_names()
@@ -83,8 +84,8 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
                 rt.module(*(feeds[n] for n in names))
             busy = time.perf_counter() - started
             grads = grads or rt.gradient_buffers()
-            comm.average_gradients(grads, k * comm.size, np.zeros(2, np.float32))
-            rt.optimizer.step()
+            mine = rt.exchange.reduce(grads, k * comm.size, np.zeros(2, np.float32))
+            rt.update.step(mine, cfg.optimizer.learning_rate)
             rt.module.lazy_reset_grad()
         if step >= warmup:
             times.append(time.perf_counter() - started)

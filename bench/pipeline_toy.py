@@ -17,7 +17,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.config import OptimizerConfig
 from ortflow.engine import api, artifacts, onnxblock
+from ortflow.trainer import optim
 
 B, D_IN, D_H, D_OUT = 4, 6, 5, 3
 OPSET = [helper.make_opsetid("", 17)]
@@ -66,12 +68,12 @@ def build(folder: Path, w):
     s0 = _model(stage0_nodes(), [_vi("x", [B, D_IN])], [_vi("h", [B, D_H])], init(["W0", "b0"]))
     s1 = _model(stage1_nodes(), [_vi("h", [B, D_H])], [_vi("y", [B, D_OUT])], init(["W1", "b1"]))
     artifacts.generate_artifacts(full, requires_grad=["W0", "b0", "W1", "b1"], loss=artifacts.LossType.MSELoss,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=folder / "full")
+                                 optimizer=None, artifact_directory=folder / "full")
     artifacts.generate_artifacts(s0, requires_grad=["W0", "b0"], loss=VJPLoss(), additional_output_names=["h"],
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=folder / "s0")
+                                 optimizer=None, artifact_directory=folder / "s0")
     # The stage input h in requires_grad: the gradient builder emits h_grad.
     artifacts.generate_artifacts(s1, requires_grad=["W1", "b1", "h"], loss=artifacts.LossType.MSELoss,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=folder / "s1")
+                                 optimizer=None, artifact_directory=folder / "s1")
 
 
 def expose_input_grad(path: Path, name: str) -> None:
@@ -98,8 +100,11 @@ def expose_input_grad(path: Path, name: str) -> None:
 def module(folder: Path, name: str):
     state = api.CheckpointState.load_checkpoint(str(folder / name / "checkpoint"))
     mod = api.Module(str(folder / name / "training_model.onnx"), state, str(folder / name / "eval_model.onnx"))
-    opt = api.Optimizer(str(folder / name / "optimizer_model.onnx"), mod)
-    return state, mod, opt
+    trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+    params = [state.parameters[n].data.reshape(-1) for n in trainable]  # ortflow's AdamW on the engine's buffers
+    update = optim.build_update(OptimizerConfig(), optim.whole_segments(trainable, [p.size for p in params]), params)
+    grads = [state.parameters[n].grad.reshape(-1) for n in trainable]
+    return state, mod, lambda: update.step(grads, OptimizerConfig().learning_rate)
 
 
 def main():
@@ -142,8 +147,8 @@ def compare(folder: Path, x, t, k: int = 3, steps: int = 3):
         for name, st in (("W0", s0s), ("b0", s0s), ("W1", s1s), ("b1", s1s)):
             diff = np.abs(fs.parameters[name].grad - st.parameters[name].grad).max()
             worst["grad"] = max(worst["grad"], float(diff))
-        for o, m in ((fo, fm), (o0, m0), (o1, m1)):
-            o.step()
+        for step_fn, m in ((fo, fm), (o0, m0), (o1, m1)):
+            step_fn()
             m.lazy_reset_grad()
         for name, st in (("W0", s0s), ("b0", s0s), ("W1", s1s), ("b1", s1s)):
             diff = np.abs(fs.parameters[name].data - st.parameters[name].data).max()
