@@ -273,3 +273,18 @@ def test_help_lists_the_commands():
     assert result.exit_code == 0
     for command in ("validate", "configure", "prepare-data", "train"):
         assert command in result.output
+
+
+@pytest.mark.parametrize("setting", ["distributed.zero_stage=1", "distributed.enable_adasum=true"])
+def test_pipeline_stages_refuse_sharded_or_adasum_exchanges(tmp_path, setting):
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", setting)
+    assert any("averages each stage's gradients over its replicas (ZeRO-0)" in p for p in problems), problems
+
+
+def test_pipeline_stages_refuse_mixed_precision(tmp_path):
+    problems = problems_of(tmp_path, "distributed.num_ranks=2", "distributed.pipeline_parallel_size=2",
+                           "distributed.device=cuda", "distributed.use_nccl=true", "precision.use_mixed_precision=true")
+    assert problems == [
+        "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision false "
+        "with it"
+    ]
