@@ -113,6 +113,11 @@ class ModelConfig(_Section):
         description="cross_entropy: the one label value the loss skips (e.g. -100 for padding). Any other label "
         "outside [0, classes) is refused by prepare-data.",
     )
+    pipeline_cuts: tuple[str, ...] = Field(
+        (),
+        description="With distributed.pipeline_parallel_size P > 1: the P-1 tensor names where the model is cut into "
+        "stages, in graph order (default: chosen to balance trainable parameters; docs/parallel.md).",
+    )
 
     _resolve_path = field_validator("path", mode="after")(_resolve)
 
@@ -328,9 +333,13 @@ class DistributedConfig(_Section):
     threads_per_rank: int | None = Field(
         None, gt=0, le=4096, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
     )
-    data_parallel_size: int | None = Field(None, gt=0, description="Data-parallel replicas (default: num_ranks).")
+    data_parallel_size: int | None = Field(
+        None, gt=0, description="Data-parallel replicas (default: num_ranks / pipeline_parallel_size)."
+    )
     horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
-    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (only 1 is supported).")
+    pipeline_parallel_size: int = Field(
+        1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
+    )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
@@ -354,8 +363,11 @@ class DistributedConfig(_Section):
 
     @property
     def resolved_data_parallel_size(self) -> int:
-        """data_parallel_size, defaulting to num_ranks (None while num_ranks is auto)."""
-        return self.data_parallel_size or (None if self.num_ranks == "auto" else self.num_ranks)
+        """data_parallel_size, defaulting to num_ranks / (horizontal x pipeline parallel sizes); None while num_ranks
+        is auto."""
+        if self.data_parallel_size or self.num_ranks == "auto":
+            return self.data_parallel_size
+        return max(1, self.num_ranks // (self.horizontal_parallel_size * self.pipeline_parallel_size))
 
 
 class CheckpointConfig(_Section):
@@ -544,10 +556,25 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.horizontal_parallel_size != 1:
         problems.append("distributed.horizontal_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
-    if dist.pipeline_parallel_size != 1:
-        problems.append("distributed.pipeline_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
+    cuts = cfg.model.pipeline_cuts
+    if cuts and len(cuts) != dist.pipeline_parallel_size - 1:
+        problems.append(
+            f"model.pipeline_cuts names {len(cuts)} tensor(s) but distributed.pipeline_parallel_size "
+            f"{dist.pipeline_parallel_size} needs {dist.pipeline_parallel_size - 1}; list one cut per stage boundary "
+            "or leave it empty to choose them automatically"
+        )
+    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum):
+        problems.append(
+            "distributed.pipeline_parallel_size > 1 averages each stage's gradients over its replicas (ZeRO-0): set "
+            "distributed.zero_stage 0 and enable_adasum false with it"
+        )
+    if dist.pipeline_parallel_size > 1 and prec.use_mixed_precision:
+        problems.append(
+            "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision "
+            "false with it"
+        )
     dp = dist.resolved_data_parallel_size
-    if dist.enable_adasum and dp & (dp - 1):
+    if dist.enable_adasum and dp and dp & (dp - 1):
         problems.append(
             f"distributed.enable_adasum needs a power-of-two number of data-parallel ranks (its tree pairs ranks "
             f"level by level), got {dp}: use {1 << (dp.bit_length() - 1)} or {1 << dp.bit_length()} ranks"

@@ -35,6 +35,7 @@ from ortflow.config import (
 from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
 from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
+from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ def fingerprint(cfg: RunConfig) -> str:
                 digest.update(block)
     digest.update(cfg.section_fingerprint("model").encode())  # the optimizer is not in the artifacts
     digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
+    if cfg.distributed.pipeline_parallel_size > 1:  # stage artifacts depend on the stage count
+        digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
     return digest.hexdigest()
 
 
@@ -144,6 +147,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         previous is not None
         and previous.get("fingerprint") == key
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
+        and (cfg.distributed.pipeline_parallel_size == 1 or read_stages_record(artifacts_dir) is not None)
     ):
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
@@ -153,7 +157,9 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     model = inspect_model(cfg.model.path)
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
+        plan = plan_stages(cfg) if cfg.distributed.pipeline_parallel_size > 1 else None  # refuse a bad split first
         built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
+        stages = build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     write_resolved_config(cfg)
@@ -179,6 +185,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "ir_version": model.ir_version,
         "ort_version": ORT_VERSION,
         DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
+        "pipeline_cuts": stages["cuts"] if stages else [],
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

@@ -122,11 +122,23 @@ def test_parallel_sizes_must_multiply_to_the_world_size(tmp_path):
     assert "= 3 must equal distributed.num_ranks (4)" in problem
 
 
-def test_horizontal_and_pipeline_parallelism_are_refused_not_ignored(tmp_path):
+def test_horizontal_parallelism_is_refused_not_ignored(tmp_path):
     problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.data_parallel_size=1",
                            "distributed.horizontal_parallel_size=2", "distributed.pipeline_parallel_size=2")
     assert any("horizontal_parallel_size > 1 is not supported yet" in p for p in problems)
-    assert any("pipeline_parallel_size > 1 is not supported yet" in p for p in problems)
+    assert not any("pipeline_parallel_size > 1" in p for p in problems)
+
+
+def test_pipeline_parallel_size_divides_the_ranks_into_replicas(tmp_path):
+    assert problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2") == []
+    (problem,) = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=3")
+    assert "x pipeline_parallel_size (3) = 3 must equal distributed.num_ranks (4)" in problem
+
+
+def test_pipeline_cuts_must_name_one_tensor_per_boundary(tmp_path):
+    (problem,) = problems_of(tmp_path, "distributed.num_ranks=3", "distributed.pipeline_parallel_size=3",
+                             "model.pipeline_cuts=[a]")
+    assert problem.startswith("model.pipeline_cuts names 1 tensor(s) but distributed.pipeline_parallel_size 3 needs 2")
 
 
 def test_num_train_steps_must_be_a_multiple_of_accumulation(tmp_path):
@@ -264,3 +276,18 @@ def test_help_lists_the_commands():
     assert result.exit_code == 0
     for command in ("validate", "configure", "prepare-data", "train"):
         assert command in result.output
+
+
+@pytest.mark.parametrize("setting", ["distributed.zero_stage=1", "distributed.enable_adasum=true"])
+def test_pipeline_stages_refuse_sharded_or_adasum_exchanges(tmp_path, setting):
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", setting)
+    assert any("averages each stage's gradients over its replicas (ZeRO-0)" in p for p in problems), problems
+
+
+def test_pipeline_stages_refuse_mixed_precision(tmp_path):
+    problems = problems_of(tmp_path, "distributed.num_ranks=2", "distributed.pipeline_parallel_size=2",
+                           "distributed.device=cuda", "distributed.use_nccl=true", "precision.use_mixed_precision=true")
+    assert problems == [
+        "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision false "
+        "with it"
+    ]

@@ -77,14 +77,13 @@ def run_rank(run_dir: Path) -> int:
             verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # and a flipped bit in a model
         # Sync point: no rank reads shards before rank 0 has verified them.
         comm.barrier("verify data")
-        loader = TrainLoader(
-            cfg.data_dir, cfg.train.batch_size, comm.rank, comm.size, prefetch=cfg.data.prefetch_batches
-        )
-        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, comm.rank, comm.size)
+        shard, shards = rt.data_shard()
+        loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=cfg.data.prefetch_batches)
+        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards)
         writer = comm.rank == 0
-        # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file into one temporary folder
-        # named after rank 0's pid.
-        per_rank = writes_per_rank(rt.exchange)
+        # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
+        # its files, into one temporary folder named after rank 0's pid.
+        per_rank = writes_per_rank(rt.exchange) or cfg.distributed.pipeline_parallel_size > 1
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,

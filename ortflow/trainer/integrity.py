@@ -26,8 +26,11 @@ def _sha256(path: Path) -> str:
 
 
 def artifact_digests(artifacts_dir: Path) -> dict[str, str]:
-    """sha256 of each artifact file, by name."""
-    return {name: _sha256(Path(artifacts_dir) / name) for name in ARTIFACT_FILES}
+    """sha256 of each artifact file, by name (a pipeline's stage files by their path under ``stages/``)."""
+    folder = Path(artifacts_dir)
+    names = [*ARTIFACT_FILES, *(f"stages/{stage.name}/{name}" for stage in sorted(folder.glob("stages/stage-*"))
+                                for name in ARTIFACT_FILES)]
+    return {name: _sha256(folder / name) for name in names}
 
 
 def verify_artifacts(artifacts_dir: Path, record: dict | None) -> None:

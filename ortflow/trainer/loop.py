@@ -100,6 +100,11 @@ def train(
         tokens_per_sample: For tokens/s (text data), else None.
         clock: Time source for throughput.
     """
+    if rt.cfg.distributed.pipeline_parallel_size > 1:  # stages exchange activations: the pipeline's own schedule
+        from ortflow.trainer.parallel.pipeline import train_pipeline
+
+        return train_pipeline(rt, train_batches, eval_batches, checkpoints, tensorboard, progress, stop,
+                              tokens_per_sample, clock)
     cfg, comm, module, update, exchange, scaler = rt.cfg, rt.comm, rt.module, rt.update, rt.exchange, rt.loss_scale
     k, world, batch = cfg.train.gradient_accumulation_steps, comm.size, cfg.train.batch_size
     total, period = cfg.train.num_weight_updates, cfg.train.evaluation_period

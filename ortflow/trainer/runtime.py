@@ -29,6 +29,7 @@ from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
 from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.zero import Zero0, Zero1
+from ortflow.trainer.parallel.layout import check_checkpoint_layout
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -65,6 +66,10 @@ class Runtime:
             extra_state=self.extra_state,
             replica=writes_per_rank(self.exchange) and self.exchange.stage == 0,
         )
+
+    def data_shard(self) -> tuple[int, int]:
+        """(shard index, number of shards) of the training data this rank reads."""
+        return self.comm.rank, self.comm.size
 
     def gradient_buffers(self) -> list:
         """The engine's gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA.
@@ -215,6 +220,10 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         if device == "cpu":
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size))
+    if cfg.distributed.pipeline_parallel_size > 1:  # a pipeline stage: its own artifacts and process groups
+        from ortflow.trainer.parallel.stages import init_stage_runtime
+
+        return init_stage_runtime(run_dir, cfg, comm, device)
     # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
     chosen = warm = None
@@ -226,6 +235,8 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
     chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
     resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    if resume:
+        check_checkpoint_layout(resume.meta, resume.path, 1)
     state_file = cfg.artifacts_dir / "checkpoint"
     state = api.CheckpointState.load_checkpoint(str(state_file))
     # 5. Session.
@@ -261,9 +272,10 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     return Runtime(cfg, run_dir, comm, device, threads, state, module, update, exchange, trainable, resume, scaler)
 
 
-def load_parameters(state, folder: Path, on_device: bool = False) -> None:
-    """Copy a checkpoint's parameters into the session's buffers by name (shapes and names checked)."""
-    values = h5state.read_params(folder)
+def load_parameters(state, folder: Path, on_device: bool = False, names: set[str] | None = None) -> None:
+    """Copy a checkpoint's parameters into the session's buffers by name (shapes and names checked); ``names``
+    reads only those (a pipeline stage's)."""
+    values = h5state.read_params(folder, names)
     names = {name for name, _ in state.parameters}
     if set(values) != names:
         missing, extra = sorted(names - set(values)), sorted(set(values) - names)

@@ -31,6 +31,11 @@ def shard_file(rank: int, world: int) -> str:
     return f"optimizer-rank{rank:05d}-of-{world:05d}.h5"
 
 
+def stage_file(kind: str, stage: int, num_stages: int) -> str:
+    """Name of a pipeline stage's ``params`` or ``optimizer`` file."""
+    return f"{kind}-stage{stage:02d}-of-{num_stages:02d}.h5"
+
+
 def escape(name: str) -> str:
     """An ONNX name as an HDF5 dataset name (``/`` would make groups)."""
     return name.replace("%", "%25").replace("/", "%2F")
@@ -51,6 +56,8 @@ class TrainState:
         replica: True when every rank holds whole-model state of its own (Adasum's per-rank optimizers): each rank
             writes its own file too, marked ``replica``, and on resume each rank reads one file whole.
         extra_state: Returns small named arrays/scalars to keep (the mixed-precision loss scaler), or None.
+        stage: ``(index, count)`` on a pipeline rank: its stage's parameters and optimizer state go to the stage's
+            own files, written by the stage's first replica (``rank`` is then the replica, ``world_size`` their count).
     """
 
     parameters: Callable[[], dict[str, np.ndarray]]
@@ -62,10 +69,18 @@ class TrainState:
     sharded: bool = False
     replica: bool = False
     extra_state: Callable[[], dict[str, np.ndarray | float | int]] | None = field(default=None)
+    stage: tuple[int, int] | None = None
 
 
 def write_state(state: TrainState, folder: Path) -> None:
     """Write this rank's files of a checkpoint into ``folder`` (the :class:`CheckpointManager` writer)."""
+    if state.stage is not None:  # a pipeline stage: its first replica writes the stage's two files
+        if state.rank == 0:
+            index, count = state.stage
+            write_params(folder / stage_file("params", index, count), state.parameters(), set(state.trainable),
+                         state.extra_state() if state.extra_state else None)
+            write_optimizer(folder / stage_file("optimizer", index, count), state)
+        return
     if state.rank == 0:
         write_params(folder / PARAMS_FILE, state.parameters(), set(state.trainable),
                      state.extra_state() if state.extra_state else None)
@@ -113,23 +128,40 @@ def _open(path: Path) -> h5py.File:
         raise CheckpointError(f"{path} cannot be read as HDF5 ({err}); the checkpoint is damaged") from None
 
 
-def read_params(folder: Path) -> dict[str, np.ndarray]:
-    """Every parameter of a checkpoint folder by ONNX name (format 2 ``params.h5``, or a format 1 engine file)."""
+def params_files(folder: Path) -> list[Path]:
+    """The parameter files of a format 2 folder: ``params.h5``, or a pipeline run's one per stage."""
     folder = Path(folder)
-    if not (folder / PARAMS_FILE).exists() and (folder / CHECKPOINT_FILE).exists():
+    return [folder / PARAMS_FILE] if (folder / PARAMS_FILE).exists() else sorted(folder.glob("params-stage*.h5"))
+
+
+def read_params(folder: Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
+    """Parameters of a checkpoint folder by ONNX name (format 2 ``params.h5`` or the stages' files stitched, or a
+    format 1 engine file); ``names`` reads only those (a pipeline stage's own)."""
+    folder = Path(folder)
+    files = params_files(folder)
+    if not files and (folder / CHECKPOINT_FILE).exists():
         from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
 
-        return read_engine_checkpoint(folder / CHECKPOINT_FILE).parameters
-    with _open(folder / PARAMS_FILE) as f:
-        return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
+        values = read_engine_checkpoint(folder / CHECKPOINT_FILE).parameters
+        return values if names is None else {n: v for n, v in values.items() if n in names}
+    if not files:
+        raise CheckpointError(f"{folder} holds no parameters (params.h5); the checkpoint is incomplete")
+    values: dict[str, np.ndarray] = {}
+    for path in files:
+        with _open(path) as f:
+            for ds in f["parameters"].values():
+                name = ds.attrs["name"]
+                if name not in values and (names is None or name in names):  # a tied copy: the first holder's
+                    values[name] = ds[()]
+    return values
 
 
 def read_extra_state(folder: Path) -> dict[str, np.ndarray]:
     """The ``extra_state`` saved with a checkpoint ({} if none)."""
-    path = Path(folder) / PARAMS_FILE
-    if not path.exists():
+    files = params_files(folder)
+    if not files:
         return {}
-    with _open(path) as f:
+    with _open(files[0]) as f:
         return {ds.attrs["name"]: ds[()] for ds in f["extra_state"].values()} if "extra_state" in f else {}
 
 
@@ -150,10 +182,12 @@ def _replica_choice(files: list[Path], rank: int) -> list[Path]:
 
 
 def _pieces(
-    folder: Path, rank: int = 0
+    folder: Path, rank: int = 0, names: set[str] | None = None
 ) -> tuple[int, str | None, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
+    """Step count, optimizer name and every state piece ``(name, lo, hi, values)`` by state name; ``names``: only
+    those parameters'. A piece stored twice (a tied parameter in two pipeline stages' files) is read once."""
     folder = Path(folder)
-    if not (folder / PARAMS_FILE).exists() and (folder / CHECKPOINT_FILE).exists():
+    if not params_files(folder) and (folder / CHECKPOINT_FILE).exists():
         from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
 
         legacy = read_engine_checkpoint(folder / CHECKPOINT_FILE)
@@ -167,13 +201,17 @@ def _pieces(
     if not files:
         raise CheckpointError(f"{folder} holds no optimizer state (optimizer*.h5); the checkpoint is incomplete")
     files = _replica_choice(files, rank)
-    step, name, pieces = None, None, {}
+    step, name, pieces, seen = None, None, {}, set()
     for path in files:
         with _open(path) as f:
             step, name = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
             for sname, group in f.items():
                 for ds in group.values():
                     a = ds.attrs
+                    key = (sname, a["name"], int(a["lo"]), int(a["hi"]))
+                    if key in seen or (names is not None and a["name"] not in names):
+                        continue
+                    seen.add(key)
                     pieces.setdefault(sname, []).append((a["name"], int(a["lo"]), int(a["hi"]), ds[()]))
     return step, name, pieces
 
@@ -184,7 +222,7 @@ def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0) -> None:
     Raises:
         CheckpointError: the state names differ (another optimizer wrote it) or an element is not covered.
     """
-    step, written_by, pieces = _pieces(folder, rank)
+    step, written_by, pieces = _pieces(folder, rank, {seg.name for seg in update.segments} or None)
     wanted = update.rule.state_names
     if wanted and set(wanted) - set(pieces):
         raise CheckpointError(

@@ -54,6 +54,21 @@ class Communicator(Protocol):
     def abort(self, code: int) -> None:
         """Stop every rank of the job now."""
 
+    def split(self, color: int, label: str) -> Communicator:
+        """The ranks sharing ``color`` as their own group (a pipeline stage's replicas, one replica's stages)."""
+
+    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
+        """Start sending a float32 array to rank ``dest`` of this group (completed by :meth:`wait_sends`)."""
+
+    def recv(self, source: int, tag: int, label: str) -> np.ndarray:
+        """Receive an array from rank ``source`` under the watchdog; ``label`` names the peer for a stall report."""
+
+    def wait_sends(self, label: str) -> None:
+        """Wait for this rank's started sends to complete."""
+
+    def gather_object(self, obj: object, label: str) -> list | None:
+        """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
+
     def close(self) -> None:
         """Release resources (stop the watchdog)."""
 
@@ -117,6 +132,21 @@ class SingleProcessComm:
 
     def abort(self, code: int) -> None:
         raise SystemExit(code)
+
+    def split(self, color: int, label: str) -> SingleProcessComm:
+        return self
+
+    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
+        raise RuntimeError("a process group of one has no peer to send to (pipeline stages need mpiexec)")
+
+    def recv(self, source: int, tag: int, label: str) -> np.ndarray:
+        raise RuntimeError("a process group of one has no peer to receive from (pipeline stages need mpiexec)")
+
+    def wait_sends(self, label: str) -> None:
+        pass
+
+    def gather_object(self, obj: object, label: str) -> list | None:
+        return [obj]
 
     def close(self) -> None:
         pass

@@ -19,6 +19,8 @@ from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 #: Gradients of at least this many values are all-reduced in place; smaller ones are packed into one collective
 #: (each collective is one more meeting of all ranks, which costs more than packing a small gradient).
 POSTED_MIN_VALUES = 16384
+#: Dimensions a point-to-point header holds (unused ones are -1).
+_HEADER = 8
 
 #: Environment variables that MPI launchers set in every rank (MPICH/Hydra, Open MPI, Slurm's PMI).
 _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -48,6 +50,9 @@ class MPIComm:
         self._groups: dict[int, object] = {}  # group size -> MPI sub-communicator of consecutive ranks
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
+        self._pending: list = []
+        self._pending_requests: list = []
+        self._world_of: dict[int, int] = {}
         self._closed = False
 
     def _timed_out(self, message: str) -> None:
@@ -71,6 +76,73 @@ class MPIComm:
 
     #: Run a blocking call (a collective, or a wait on one) under the watchdog.
     watched = _collective
+
+    # -- sub-groups and point-to-point (pipeline parallelism) --------------------------------------------------------
+
+    def split(self, color: int, label: str) -> MPIComm:
+        """The ranks with the same ``color`` as a communicator of their own (same watchdog, ranks ordered by rank)."""
+        sub = object.__new__(MPIComm)
+        sub.__dict__.update(self.__dict__)
+        sub.comm = self._collective(label, lambda: self.comm.Split(color, key=self.rank))
+        sub.rank, sub.size = sub.comm.Get_rank(), sub.comm.Get_size()
+        sub._flat, sub._slices, sub._pending, sub._pending_requests, sub._groups = None, [], [], [], {}
+        sub._closed, sub._world_of = True, {}  # the parent owns the watchdog
+        return sub
+
+    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
+        """Start sending ``array`` (float32, any shape) to ``dest`` of this group; completes in :meth:`wait_sends`.
+
+        A small header with the shape goes first, so a receiver needs no shape in advance (eval batches may be short).
+        """
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        header = np.full(_HEADER, -1, dtype=np.int64)
+        header[: array.ndim] = array.shape
+        self._pending.append((header, array))  # the buffers must live until the sends complete
+        self._pending_requests.append(self.comm.Isend(header, dest=dest, tag=2 * tag))
+        self._pending_requests.append(self.comm.Isend(array, dest=dest, tag=2 * tag + 1))
+
+    def recv(self, source: int, tag: int, label: str) -> np.ndarray:
+        """Receive an array sent by :meth:`send` from ``source``, under the watchdog (``label`` names the peer)."""
+        header = np.empty(_HEADER, dtype=np.int64)
+        peer = self._world_rank(source)
+        self._point_to_point(label, lambda: self.comm.Recv(header, source=source, tag=2 * tag), peer)
+        array = np.empty(tuple(int(d) for d in header if d >= 0), dtype=np.float32)
+        self._point_to_point(label, lambda: self.comm.Recv(array, source=source, tag=2 * tag + 1), peer)
+        return array
+
+    def _world_rank(self, rank: int) -> int:
+        """World rank of this group's ``rank`` (stall reports name world ranks)."""
+        if rank not in self._world_of:
+            mine, world = self.comm.Get_group(), self._mpi.COMM_WORLD.Get_group()
+            self._world_of[rank] = self._mpi.Group.Translate_ranks(mine, [rank], world)[0]
+            mine.Free()
+            world.Free()
+        return self._world_of[rank]
+
+    def send_object(self, obj: object, dest: int, tag: int) -> None:
+        """Start sending a small picklable object (a shape) to ``dest``; completes in :meth:`wait_sends`."""
+        self._pending_requests.append(self.comm.isend(obj, dest=dest, tag=2 * tag))
+
+    def recv_object(self, source: int, tag: int, label: str) -> object:
+        """Receive what :meth:`send_object` sent, under the watchdog."""
+        return self._point_to_point(label, lambda: self.comm.recv(source=source, tag=2 * tag), self._world_rank(source))
+
+    def wait_sends(self, label: str) -> None:
+        """Wait until every started send has been received."""
+        requests, self._pending_requests = self._pending_requests, []
+        self._point_to_point(label, lambda: self._mpi.Request.Waitall(requests))
+        self._pending = []
+
+    def _point_to_point(self, label: str, call: Callable[[], object], peer: int | None = None) -> object:
+        self.watchdog.enter(label, count=False, peer=peer)
+        try:
+            return call()
+        finally:
+            self.watchdog.leave()
+
+    def gather_object(self, obj: object, label: str) -> list | None:
+        """Every rank's ``obj`` on rank 0 of this group (None elsewhere)."""
+        return self._collective(label, lambda: self.comm.gather(obj, root=0))
 
     def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
         return gradient_norm(grads)

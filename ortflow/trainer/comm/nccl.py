@@ -223,6 +223,54 @@ class NCCLComm:
         # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
         self.stream.synchronize()
 
+    # -- pipeline: sub-groups and point-to-point. UNTESTED: written without a GPU (no device this session); the
+    # gpu-marked test tests/gpu/test_gpu_pipeline.py runs it on 2 GPUs. The engine's Python API returns forward
+    # outputs and input gradients as host arrays, so each message is staged host -> device -> NCCL -> device -> host;
+    # MPI point-to-point is as direct on one host. Activations and gradients travel on two communicators, each with
+    # its own stream: activations only flow forward and gradients only backward, so neither stream waits on a message
+    # the other direction has not posted yet (1F1B interleaves the two directions).
+
+    def split(self, color: int, label: str) -> NCCLComm:
+        """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
+        return NCCLComm(self.group.split(color, label), self.device_index)
+
+    def _p2p(self, tag: int) -> tuple:
+        if not hasattr(self, "_links"):
+            self._links = {}
+        if tag not in self._links:
+            uid = self._nccl.get_unique_id() if self.rank == 0 else None
+            uid = self.group.broadcast(uid, f"nccl p2p id {tag}")
+            comm = self.group.watched("nccl p2p init", lambda: self._nccl.NcclCommunicator(self.size, uid, self.rank))
+            self._links[tag] = (comm, self._cp.cuda.Stream(non_blocking=True), [])
+        return self._links[tag]
+
+    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
+        comm, stream, pending = self._p2p(tag)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        self.group.send_object(array.shape, dest, tag)  # the shape first, over MPI: the receiver allocates
+        with stream:
+            device = self._cp.asarray(array)
+        comm.send(device.data.ptr, array.size, self._nccl.NCCL_FLOAT32, dest, stream.ptr)
+        pending.append(device)  # the device copy must live until the send completes
+
+    def recv(self, source: int, tag: int, label: str) -> np.ndarray:
+        comm, stream, _ = self._p2p(tag)
+        shape = self.group.recv_object(source, tag, label)
+        device = self._cp.empty(shape, dtype=self._cp.float32)
+        comm.recv(device.data.ptr, device.size, self._nccl.NCCL_FLOAT32, source, stream.ptr)
+        # Sync point: the host hands the received tensor to the engine next.
+        self.group.watched(label, stream.synchronize)
+        return self._cp.asnumpy(device)
+
+    def wait_sends(self, label: str) -> None:
+        for _, stream, pending in getattr(self, "_links", {}).values():
+            self.group.watched(label, stream.synchronize)
+            pending.clear()
+        self.group.wait_sends(label)
+
+    def gather_object(self, obj: object, label: str) -> list | None:
+        return self.group.gather_object(obj, label)
+
     # -- everything else runs on the process group ----------------------------------------------------------------
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return self.group.allreduce_sum(values, label)

@@ -86,14 +86,15 @@ class Heartbeats:
 
 
 def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: float, now: float,
-                   stale_s: float = float("inf")) -> str:
+                   stale_s: float = float("inf"), peer: int | None = None) -> str:
     """The message a waiting rank prints: which ranks are stalled, and where they are.
 
     A rank is stalled when it never reached collective ``my_seq`` or when its liveness beat is older than
-    ``stale_s`` (stopped or wedged, possibly inside this same collective).
+    ``stale_s`` (stopped or wedged, possibly inside this same collective). For a point-to-point wait (``peer``
+    given) the stalled rank is the peer, wherever it is.
     """
     stalled = []
-    for rank in range(heartbeats.size):
+    for rank in range(heartbeats.size) if peer is None else [peer]:
         record = heartbeats.read(rank)
         if record is None:
             stalled.append(f"rank {rank} (no heartbeat: it never started)")
@@ -101,8 +102,10 @@ def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: floa
         seq, when, where = record
         beat = heartbeats.last_beat(rank)
         silent = beat is not None and now - beat > stale_s
-        if seq < my_seq:
-            state = f", no sign of life for {now - beat:.0f} s" if silent else ""
+        state = f", no sign of life for {now - beat:.0f} s" if silent else ""
+        if peer is not None:  # the peer is stalled wherever it is
+            stalled.append(f"rank {rank} (last entered #{seq} '{where}' {now - when:.0f} s ago{state})")
+        elif seq < my_seq:
             stalled.append(f"rank {rank} (last entered collective #{seq} '{where}' {now - when:.0f} s ago{state})")
         elif silent and rank != heartbeats.rank:
             stalled.append(
@@ -130,14 +133,18 @@ class Watchdog:
         # A beat older than this is a stopped process: several missed beats, and never more than half the timeout.
         self.stale_s = min(max(4 * self.beat_s, 2.0), timeout / 2)
         self._label = ""
+        self._peer: int | None = None
         self._entered: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ortflow-watchdog", daemon=True)
         self._thread.start()
 
-    def enter(self, label: str) -> None:
-        self.seq += 1
+    def enter(self, label: str, count: bool = True, peer: int | None = None) -> None:
+        """Start timing a wait; ``count=False`` and the ``peer`` world rank for point-to-point waits, which only some
+        ranks make (the collective sequence numbers must stay comparable across ranks)."""
+        self.seq += count
         self._label = label
+        self._peer = peer
         self.heartbeats.write(self.seq, label)
         self._entered = self.clock()
 
@@ -150,7 +157,8 @@ class Watchdog:
             entered = self._entered
             if entered is not None and self.clock() - entered > self.timeout:
                 waited = self.clock() - entered
-                message = describe_stall(self.heartbeats, self.seq, self._label, waited, time.time(), self.stale_s)
+                message = describe_stall(self.heartbeats, self.seq, self._label, waited, time.time(), self.stale_s,
+                                         self._peer)
                 self.on_timeout(message)
                 return
 

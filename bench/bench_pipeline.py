@@ -1,0 +1,300 @@
+"""Pipeline parallelism on CPU ranks: per-rank memory (pp 2 vs pp 1) and throughput vs data-parallel on the same ranks.
+
+Run: ``.venv/bin/python -m bench.bench_pipeline [--steps 6] [--rounds 3]`` (writes bench/results/pipeline-<host>.json
+and .md). The driver configures three runs of one GPT (pp1: 1 rank; dp2: 2 ranks data-parallel; pp2: 2 ranks, 2
+stages) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces (init_runtime,
+pipeline_step / the engine calls, the communicator, the update) for warm-up + timed steps and writes one JSON file per
+rank. Rounds alternate the contenders, so a busy shared machine slows them alike.
+
+Memory per rank: parameters, gradient buffers and AdamW moments are counted from the rank's engine state (4 bytes per
+value: parameter + gradient + 2 moments); activations are the peak resident memory over all steps above the resident
+memory of the started session before the first step (VmHWM after resetting it with /proc/self/clear_refs; the
+engine's allocator keeps freed blocks, so only the first steps show the growth), and, for a stage, the received inputs
+it holds between forward and backward.
+
+Bubble: on each stage, idle = 1 - (seconds inside engine calls) / (step seconds), against the textbook
+(P-1)/(m+P-1) for P stages and m micro-batches with equal stage times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "num_layers": 4, "num_heads": 4}
+BATCH = 4
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _state_bytes(state, trainable: list[str]) -> dict:
+    values = sum(int(np.prod(state.parameters[n].data.shape)) for n in trainable)
+    return {"parameters": 4 * values, "gradients": 4 * values, "optimizer_state": 8 * values, "values": values}
+
+
+def worker(run_dir: Path, warmup: int, steps: int) -> None:
+    """Under mpiexec: warm-up + timed steps of the run's layout with the trainer's own pieces; one JSON per rank."""
+    from ortflow.dataprep.loader import TrainLoader
+    from ortflow.trainer.parallel.pipeline import pipeline_step
+    from ortflow.trainer.runtime import init_runtime, start_mpi
+
+    cfg, comm = start_mpi(run_dir)
+    rt = init_runtime(run_dir, cfg, comm)
+    k = cfg.train.gradient_accumulation_steps
+    shard, shards = rt.data_shard()
+    batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
+    pipelined = cfg.distributed.pipeline_parallel_size > 1
+    grads = rt.gradient_buffers() if pipelined else []
+    times, compute, held = [], [], 0
+    # The engine's allocator keeps freed blocks, so the peak is taken from before the first step: what the steps add
+    # above the started session (parameters, gradients and moments are already allocated) is activations + workspace.
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
+    rss_before = _rss_kb("VmRSS")
+    for step in range(warmup + steps):
+        comm.barrier("bench step")
+        started = time.perf_counter()
+        if pipelined:
+            stats = pipeline_step(rt, batches, k)
+            mine = rt.exchange.reduce(grads, k * rt.num_replicas, np.zeros(0, np.float32))
+            comm.allreduce_sum(np.zeros(3), "pipeline loss, stop, norm")
+            rt.update.step(mine, cfg.optimizer.learning_rate)
+            rt.module.lazy_reset_grad()
+            busy, held = stats.compute_s, max(held, stats.held_bytes)
+        else:
+            names = rt.module.input_names()
+            for _ in range(k):
+                feeds = next(batches)
+                rt.module(*(feeds[n] for n in names))
+            busy = time.perf_counter() - started
+            grads = grads or rt.gradient_buffers()
+            mine = rt.exchange.reduce(grads, k * comm.size, np.zeros(2, np.float32))
+            rt.update.step(mine, cfg.optimizer.learning_rate)
+            rt.module.lazy_reset_grad()
+        if step >= warmup:
+            times.append(time.perf_counter() - started)
+            compute.append(busy)
+    record = {
+        "rank": comm.rank, "stage": getattr(rt, "stage", 0), "step_s": statistics.median(times),
+        "compute_s": statistics.median(compute), "samples_per_step": k * cfg.train.batch_size * (
+            comm.size // cfg.distributed.pipeline_parallel_size),
+        "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held,
+                   "activations_peak": 1024 * (_rss_kb("VmHWM") - rss_before), "rss_peak": 1024 * _rss_kb("VmHWM")},
+    }
+    (run_dir / f"bench-rank{comm.rank}.json").write_text(json.dumps(record))  # ranks' stdout lines interleave
+    comm.barrier("bench done")
+    comm.close()
+
+
+def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int) -> None:
+    """One process, no MPI: the engine memory of one rank's calls on one micro-batch (unsplit, or stage ``stage``).
+
+    Unsplit: the training call. Stage 0: the eval-model forward, then the training call (recompute + backward) driven
+    by a gradient of the sent tensor's shape. Last stage: the training call on a received tensor of its shape. Peak
+    RSS above the started session's RSS = activations + engine workspace (no MPI buffers in this process).
+    """
+    import onnx
+
+    from ortflow.config import load_run_config
+    from ortflow.dataprep.loader import TrainLoader
+    from ortflow.engine import api
+    from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.trainer.parallel.stages import stage_session_options
+    from ortflow.trainer.runtime import session_options
+
+    cfg = load_run_config(run_dir)
+    folder = cfg.artifacts_dir if stage is None else stage_dir(cfg.artifacts_dir, stage)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    options = session_options(1) if stage is None else stage_session_options(1, "cpu")  # as the trainer makes them
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device="cpu",
+                        session_options=options)
+    batch = TrainLoader(cfg.data_dir, micro_batch, 0, 1, prefetch=0).batch(0, 0)
+    info = read_stages_record(cfg.artifacts_dir)["stages"][stage] if stage is not None else None
+    feeds = dict(batch)
+    graph = onnx.load(str(folder / "training_model.onnx"), load_external_data=False).graph
+    for i in graph.input:  # received tensors and arriving gradients: random, of the declared shape (batch filled in)
+        if i.name in feeds or (info is None) or not (i.name in info["receives"] or i.name.endswith(GRAD_IN_SUFFIX)):
+            continue
+        dims = [d.dim_value or micro_batch for d in i.type.tensor_type.shape.dim]
+        feeds[i.name] = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss_kb("VmRSS")
+    last = info is None or info["index"] == len(read_stages_record(cfg.artifacts_dir)["stages"]) - 1
+    for _ in range(calls):
+        if not last:  # a middle stage's forward pass runs the eval model first
+            module.eval()
+            module(*(feeds[n] for n in module.input_names()))
+        module.train()
+        module(*(feeds[n] for n in module.input_names()))
+    print(json.dumps({"activations_peak": 1024 * (_rss_kb("VmHWM") - before)}), flush=True)
+
+
+def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> int:
+    cmd = [sys.executable, "-m", "bench.bench_pipeline", "--memory", str(run_dir), "--calls", "3",
+           "--memory-batch", str(micro_batch)]
+    cmd += [] if stage is None else ["--stage", str(stage)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])["activations_peak"]
+
+
+def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Path:
+    from ortflow.config import config_from_dict
+    from ortflow.configure import configure
+    from ortflow.dataprep import prepare_data
+    from ortflow.examples.gpt import build_gpt
+
+    model = root / "gpt.onnx"
+    if not model.exists():
+        build_gpt(model, **SHAPE)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    cfg = config_from_dict({
+        "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
+        "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
+        "train": {"batch_size": BATCH, "num_train_steps": micro, "gradient_accumulation_steps": micro},
+        "optimizer": {"learning_rate": 1e-3},
+        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1},
+    })
+    configure(cfg)
+    prepare_data(cfg)
+    return cfg.output_dir
+
+
+def _launch(run_dir: Path, ranks: int, warmup: int, steps: int) -> list[dict]:
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m",
+           "bench.bench_pipeline", "--worker", str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
+    out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    if out.returncode:
+        raise RuntimeError(out.stdout[-3000:])
+    return [json.loads((run_dir / f"bench-rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--memory", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-batch", type=int, nargs="+", default=[4, 32],
+                        help="micro-batch sizes (sequences) of the memory measurement")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches per update (m)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.warmup, args.steps)
+    if args.memory:
+        return memory_worker(args.memory, args.stage, args.calls, args.memory_batch[0])
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        root = Path(tmp)
+        runs = {("pp1", m): (_configure(root, f"pp1-m{m}", 1, 1, m), 1) for m in args.micro[:1]}
+        for m in args.micro:
+            runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m), 2)
+            runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m), 2)
+        results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
+        first = args.micro[0]
+        engine_memory = {b: {"pp1": _memory(runs[("pp1", first)][0], None, b),
+                             "pp2": [_memory(runs[("pp2", first)][0], s, b) for s in (0, 1)]}
+                         for b in args.memory_batch}
+        for _ in range(args.rounds):
+            for (kind, m), (run_dir, ranks) in runs.items():
+                results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
+    summary = summarize(results, args.micro, engine_memory)
+    command = "python -m bench.bench_pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
+              "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
+              "raw": results}
+    out = ROOT / "bench" / "results" / f"pipeline-{socket.gethostname()}"
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    out.with_suffix(".md").write_text(report(record))
+    print(report(record))
+
+
+def summarize(results: dict, micro: list[int], engine_memory: dict) -> dict:
+    """Medians over rounds: memory per rank, samples/s, and each stage's idle fraction vs (P-1)/(m+P-1)."""
+    def med(key: str, pick) -> float:
+        return statistics.median(pick(r) for r in results[key])
+
+    first = micro[0]
+    ranks = {"pp1": results[f"pp1-m{first}"][0][0]["memory"]}
+    ranks.update({f"pp2 stage {s}": results[f"pp2-m{first}"][0][s]["memory"] for s in (0, 1)})
+    for key, index in (("pp1", 0), ("pp2 stage 0", 0), ("pp2 stage 1", 1)):
+        run = f"pp1-m{first}" if key == "pp1" else f"pp2-m{first}"
+        ranks[key]["rss_growth_mpi"] = med(run, lambda r, i=index: r[i]["memory"]["activations_peak"])
+        engine = {b: (m["pp1"] if key == "pp1" else m["pp2"][index]) for b, m in engine_memory.items()}
+        ranks[key]["activations_by_micro_batch"] = engine
+    throughput = {}
+    for m in micro:
+        row = {}
+        for kind in ("dp2", "pp2"):
+            row[kind] = med(f"{kind}-m{m}", lambda r: r[0]["samples_per_step"] / max(x["step_s"] for x in r))
+        row["pp2_over_dp2"] = row["pp2"] / row["dp2"]
+        row["idle_stage"] = [med(f"pp2-m{m}", lambda r, s=s: 1 - r[s]["compute_s"] / r[s]["step_s"]) for s in (0, 1)]
+        row["bubble_theory"] = 1 / (m + 1)
+        throughput[m] = row
+    return {"memory": ranks, "throughput": throughput}
+
+
+def report(record: dict) -> str:
+    """The markdown summary written next to the JSON."""
+    s, mb = record["summary"], 1 / 2**20
+    lines = [f"# Pipeline bench on {record['host']} ({record['cores']} cores)", "", f"`{record['command']}`", "",
+             f"GPT {record['shape']}, 1 thread per rank; training micro-batch {record['batch_size']} sequences.", "",
+             "## Memory per rank (MiB)", "",
+             "Static: parameters, gradient buffers, AdamW moments (from the engine state). Activations: peak RSS "
+             "growth of one process (no MPI) running the rank's engine calls on one micro-batch of b sequences "
+             "(unsplit: the training call; stage 0: eval forward + training call; stage 1: the training call), "
+             "sessions made as the trainer makes them. Held: received tensors kept between forward and backward "
+             f"(pipelined run, b = {record['batch_size']}). RSS under mpiexec: growth of the rank over the "
+             "benchmark's steps (adds MPI transport buffers), for reference.", ""]
+    sizes = sorted(next(iter(s["memory"].values()))["activations_by_micro_batch"], key=int)
+    head = "| rank | params | AdamW moments | grads | held | " + " | ".join(
+        f"activations b={b} | total b={b}" for b in sizes) + " | RSS under mpiexec |"
+    lines += [head, "|" + "---|" * (6 + 2 * len(sizes))]
+    totals = {}
+    for name, m in s["memory"].items():
+        static = m["parameters"] + m["gradients"] + m["optimizer_state"] + m["held_inputs"]
+        cells = []
+        for b in sizes:
+            act = m["activations_by_micro_batch"][b]
+            totals.setdefault(b, {})[name] = static + act
+            cells.append(f"{act * mb:.1f} | {(static + act) * mb:.1f}")
+        lines.append(f"| {name} | {m['parameters'] * mb:.2f} | {m['optimizer_state'] * mb:.2f} | "
+                     f"{m['gradients'] * mb:.2f} | {m['held_inputs'] * mb:.3f} | " + " | ".join(cells)
+                     + f" | {m['rss_growth_mpi'] * mb:.1f} |")
+    lines.append("")
+    for b in sizes:
+        t = totals[b]
+        lines.append(f"b={b}: stage 0 / unsplit {t['pp2 stage 0'] / t['pp1']:.2f}, stage 1 / unsplit "
+                     f"{t['pp2 stage 1'] / t['pp1']:.2f}")
+    lines += ["", "## Throughput vs data-parallel on the same 2 ranks", "",
+              "| m | dp2 samples/s | pp2 samples/s | pp2/dp2 | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) |",
+              "|---|---|---|---|---|---|---|"]
+    for m, row in s["throughput"].items():
+        lines.append(f"| {m} | {row['dp2']:.1f} | {row['pp2']:.1f} | {row['pp2_over_dp2']:.2f} | "
+                     f"{row['idle_stage'][0]:.2f} | {row['idle_stage'][1]:.2f} | {row['bubble_theory']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Build each pipeline stage's training artifacts once, in configure (docs/engine-pipeline.md says why this way).
+
+For stage ``s`` of ``P`` the folder ``artifacts/stages/stage-SS/`` holds the engine's training and eval models and
+initial state (no optimizer graph: ortflow updates the weights):
+
+* a middle stage's loss is ``sum_i ReduceSum(y_i * g_i)`` over what it sends, with the arriving gradients ``g_i``
+  (``<y_i>.grad_in``) as inputs: its parameter gradients are then exactly the vector-Jacobian product; the sent
+  tensors stay outputs (``additional_output_names``) so the eval model gives the forward pass;
+* the last stage keeps the configured loss (the same block as unsplit training);
+* every stage but the first lists what it receives in ``requires_grad``; the engine's accumulator for those input
+  gradients is removed and each comes out, per call, as ``<name>.backprop`` right after the loss.
+
+``stages.json`` in ``artifacts/stages/`` records the cuts and each stage's tensors; it is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from ortflow.config import RunConfig
+from ortflow.engine import artifacts as engine_artifacts
+from ortflow.engine import onnxblock
+from ortflow.graph.pipeline import Stage, choose_cuts, split_model
+from ortflow.trainer.artifacts import (
+    ARTIFACT_FILES,
+    ArtifactsError,
+    _check_loss_io,
+    _ConfiguredLoss,
+    _loss_block,
+    inspect_model,
+    split_parameters,
+)
+
+log = logging.getLogger(__name__)
+
+STAGES_DIR = "stages"
+STAGES_RECORD = "stages.json"
+GRAD_IN_SUFFIX = ".grad_in"
+BACKPROP_SUFFIX = ".backprop"
+
+
+def stage_dir(artifacts_dir: Path, index: int) -> Path:
+    """The artifact folder of stage ``index``."""
+    return Path(artifacts_dir) / STAGES_DIR / f"stage-{index:02d}"
+
+
+def read_stages_record(artifacts_dir: Path) -> dict | None:
+    """``stages.json`` of a run's artifacts, or None when the stages are not built."""
+    try:
+        return json.loads((Path(artifacts_dir) / STAGES_DIR / STAGES_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class _VJPLoss(onnxblock.Block):
+    """loss = sum over sent tensors of ReduceSum(y * g), g the gradient that the next stage sends back."""
+
+    def __init__(self, sends: tuple[str, ...], types: dict[str, onnx.ValueInfoProto]):
+        super().__init__()
+        self._sends, self._types = sends, types
+
+    def build(self, *outputs: str) -> str:
+        graph = self.base.graph
+        terms = []
+        for name in self._sends:
+            grad_in = name + GRAD_IN_SUFFIX
+            declared = self._types[name]
+            graph.input.append(helper.make_value_info(grad_in, declared.type))
+            graph.node.append(helper.make_node("Mul", [name, grad_in], [f"{name}.vjp_prod"]))
+            graph.node.append(helper.make_node("ReduceSum", [f"{name}.vjp_prod"], [f"{name}.vjp"], keepdims=0))
+            terms.append(f"{name}.vjp")
+        if len(terms) > 1:
+            graph.node.append(helper.make_node("Sum", terms, ["pipeline.vjp_loss"]))
+            return "pipeline.vjp_loss"
+        return terms[0]
+
+
+def expose_input_gradients(path: Path, names: tuple[str, ...]) -> None:
+    """Replace the engine's accumulators of the received tensors' gradients by per-call outputs ``<name>.backprop``.
+
+    ``api.Module`` returns only outputs whose names lack ``_grad``, hence the rename through Identity.
+    """
+    model = onnx.load(str(path))
+    graph = model.graph
+    extra = []
+    for name in names:
+        grad = f"{name}_grad"
+        acc = next((n for n in graph.node if n.op_type == "InPlaceAccumulatorV2" and n.input[1] == grad), None)
+        if acc is None:
+            raise ArtifactsError(
+                f"the engine built no gradient for the stage input '{name}': nothing before it reaches the loss "
+                "differentiably; choose another model.pipeline_cuts"
+            )
+        graph.node.remove(acc)
+        for item in [i for i in graph.input if i.name == acc.input[0]]:
+            graph.input.remove(item)
+        for item in [o for o in graph.output if o.name in acc.output]:
+            graph.output.remove(item)
+        graph.node.append(helper.make_node("Identity", [grad], [name + BACKPROP_SUFFIX]))
+        extra.append(helper.make_empty_tensor_value_info(name + BACKPROP_SUFFIX))
+    user = [o for o in graph.output if "_grad" not in o.name]
+    grads = [o for o in graph.output if "_grad" in o.name]
+    del graph.output[:]
+    graph.output.extend([user[0], *extra, *user[1:], *grads])
+    onnx.save(model, str(path))
+
+
+def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
+    """A middle stage's eval model computes only what it sends: the VJP loss and its gradient inputs are removed."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    grad_inputs = {n + GRAD_IN_SUFFIX for n in sends}
+    keep = [n for n in graph.node if not grad_inputs.intersection(n.input) and not n.output[0].endswith(".vjp")
+            and n.output[0] != "pipeline.vjp_loss"]
+    del graph.node[:]
+    graph.node.extend(keep)
+    inputs = [i for i in graph.input if i.name not in grad_inputs]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    outputs = [o for o in graph.output if o.name in sends]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    onnx.save(model, str(path))
+
+
+def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> None:
+    folder.mkdir(parents=True)
+    model = stage.model
+    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen)
+    if last:
+        output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
+        label = None if cfg.model.loss == "model_output" else cfg.model.label_input
+        loss: onnxblock.Block = _ConfiguredLoss(_loss_block(cfg), output_name, label)
+        extra = None
+    else:
+        types = {o.name: o for o in model.graph.output}
+        loss, extra = _VJPLoss(stage.sends, types), list(stage.sends)
+    engine_artifacts.generate_artifacts(
+        model,
+        requires_grad=[*stage.parameters, *stage.receives],
+        frozen_params=stage_frozen,
+        loss=loss,
+        optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
+        artifact_directory=folder,
+        additional_output_names=extra,
+    )
+    (folder / "temp.onnx").unlink(missing_ok=True)
+    if not last:
+        strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
+    if stage.receives:
+        expose_input_gradients(folder / "training_model.onnx", stage.receives)
+    missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
+    if missing:
+        raise RuntimeError(f"the engine did not write {missing} into {folder}")
+
+
+def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
+    """The cuts (``model.pipeline_cuts`` or balanced) and the stages, or the refusal: fast, no engine call.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors/nodes and the fix).
+    """
+    from ortflow.graph.pipeline import SplitError
+
+    num = cfg.distributed.pipeline_parallel_size
+    trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    model = onnx.load(str(cfg.model.path))
+    try:
+        cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
+        stages = split_model(model, cuts, trainable)
+    except SplitError as err:
+        raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {err}") from None
+    empty = [s.index for s in stages if not s.parameters]
+    if empty:
+        raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")
+    return cuts, stages
+
+
+def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | None = None) -> dict:
+    """Build every stage's artifacts under ``artifacts_dir`` (from :func:`plan_stages`, made here if not given).
+
+    Returns:
+        The ``stages.json`` record.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors/nodes) or the engine cannot build a stage.
+    """
+    num = cfg.distributed.pipeline_parallel_size
+    cuts, stages = plan or plan_stages(cfg)
+    _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    target = Path(artifacts_dir) / STAGES_DIR
+    scratch = Path(tempfile.mkdtemp(prefix=".stages.building-", dir=artifacts_dir))
+    cwd = os.getcwd()
+    os.chdir(scratch)  # the engine may write temp.onnx into the current folder
+    try:
+        for stage in stages:
+            try:
+                _build_one(cfg, stage, stage.index == num - 1, set(frozen), scratch / f"stage-{stage.index:02d}")
+            except ArtifactsError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
+                raise ArtifactsError(
+                    f"the engine could not build pipeline stage {stage.index} (cut at {cuts}): "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+        record = {
+            "cuts": cuts,
+            "stages": [
+                {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
+                 "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
+                 "shared": {name: list(holders) for name, holders in s.shared.items()}}
+                for s in stages
+            ],
+        }
+        (scratch / STAGES_RECORD).write_text(json.dumps(record, indent=1))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(scratch, target)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        os.chdir(cwd)
+    log.info("built %d pipeline stages cut at %s", num, cuts)
+    return record

@@ -1,0 +1,181 @@
+"""One pipeline stage on one rank: its engine session, its weight update, the process-group layout, its checkpoint part.
+
+Layout: ``rank = replica * P + stage`` (a replica's stages are neighbouring ranks, so on one host they talk through
+shared memory). Two sub-groups: ``stage_comm`` (the D replicas of this stage: gradient averaging, as unsplit
+data-parallel training does) and ``pipe_comm`` (the P stages of this replica: activations and gradients).
+
+The weight update is ortflow's (:mod:`ortflow.trainer.optim`) over the stage's parameter buffers; a checkpoint holds
+every stage's ``params``/``optimizer`` HDF5 files, written by each stage's first replica into the one folder
+(:func:`ortflow.trainer.checkpoints.h5state.write_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+
+from ortflow.config import RunConfig
+from ortflow.engine import api
+from ortflow.trainer import checkpoints, optim
+from ortflow.trainer.checkpoints import h5state
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.optim.zero import Zero0
+from ortflow.trainer.parallel.layout import check_checkpoint_layout
+from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.trainer.runtime import (
+    Runtime,
+    available_cores,
+    build_device_update,
+    load_parameters,
+    optimizer_label,
+    session_options,
+    threads_per_rank,
+)
+
+log = logging.getLogger("ortflow.trainer")
+
+
+_SHARED_ARENA: list[bool] = []
+
+
+def stage_session_options(threads: int, device: str) -> onnxruntime.SessionOptions:
+    """The trainer's session options, plus, on the CPU, one arena shared by the stage's two sessions.
+
+    A stage runs two sessions (the eval model's forward, the training model's recompute + backward). With an arena
+    each, both peaks stay resident: measured on the bench GPT at 32 sequences per micro-batch, stage 0 held 185 MB of
+    engine memory vs 124 MB unsplit; with one process-wide arena that both sessions use, 96 MB (docs/parallel.md).
+    """
+    options = session_options(threads)
+    if device == "cpu":
+        if not _SHARED_ARENA:
+            info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                             onnxruntime.OrtMemType.DEFAULT)
+            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, -1, -1, -1))
+            _SHARED_ARENA.append(True)
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    return options
+
+
+@dataclass
+class StageRuntime(Runtime):
+    """A rank of a pipeline: the unsplit Runtime's fields for its own stage, plus where it sits."""
+
+    stage: int = 0
+    num_stages: int = 1
+    replica: int = 0
+    num_replicas: int = 1
+    stage_comm: Communicator | None = None
+    pipe_comm: Communicator | None = None
+    receives: tuple[str, ...] = ()
+    sends: tuple[str, ...] = ()
+    shared: dict[str, list[int]] | None = None  # tied parameters it holds -> every holding stage, in order
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def data_shard(self) -> tuple[int, int]:
+        """Every stage of a replica reads that replica's batches (the first needs inputs, the last labels)."""
+        return self.replica, self.num_replicas
+
+    def train_state(self) -> h5state.TrainState:
+        """This stage's files of a checkpoint, written by its first replica (the others write nothing)."""
+        return h5state.TrainState(
+            parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
+            trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
+            rank=self.replica, world_size=self.num_replicas, stage=(self.stage, self.num_stages),
+        )
+
+    # -- the engine calls ------------------------------------------------------------------------------------------
+
+    def _call(self, train: bool, feeds: dict[str, np.ndarray]) -> list:
+        module = self.module
+        module.train() if train else module.eval()
+        outputs = module(*(feeds[n] for n in module.input_names()))
+        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+    def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept)."""
+        return self._call(False, feeds)[: len(self.sends)]
+
+    def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
+        """Recompute the forward pass and run the backward pass (the last stage: from its loss; others: driven by
+        ``grads``); parameter gradients accumulate in the engine. Returns (loss, gradients of what it received)."""
+        if grads is not None:
+            feeds = {**feeds, **{n + GRAD_IN_SUFFIX: g for n, g in zip(self.sends, grads, strict=True)}}
+        outputs = self._call(True, feeds)
+        return float(outputs[0]), outputs[1 : 1 + len(self.receives)]
+
+    def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
+        """The last stage's loss on an eval batch (eval model)."""
+        return float(self._call(False, feeds)[0])
+
+
+
+def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str) -> StageRuntime:
+    """Place this rank in the pipeline, load its stage's artifacts and the state to start from."""
+    num_stages = cfg.distributed.pipeline_parallel_size
+    num_replicas = comm.size // num_stages
+    replica, stage = divmod(comm.rank, num_stages)
+    record = read_stages_record(cfg.artifacts_dir)
+    if record is None or len(record["stages"]) != num_stages:
+        raise RuntimeError(
+            f"{cfg.artifacts_dir} holds no {num_stages}-stage pipeline artifacts: re-run `ortflow configure` with "
+            f"distributed.pipeline_parallel_size {num_stages}"
+        )
+    # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
+    stage_comm = comm.split(stage, "pipeline stage group")
+    pipe_comm = comm.split(num_stages + replica, "pipeline replica group")
+    chosen = warm = None
+    if comm.rank == 0:
+        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
+        chosen = (str(found.path), found.meta) if found else None
+        if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
+            warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)
+    # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
+    chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
+    resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    if resume:
+        check_checkpoint_layout(resume.meta, resume.path, num_stages)
+    folder = stage_dir(cfg.artifacts_dir, stage)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    threads = threads_per_rank(cfg, comm.local_size, available_cores())
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device=device,
+                        session_options=stage_session_options(threads, device))
+    trainable = sorted(name for name, param in state.parameters if param.requires_grad)
+    if resume or warm:  # this stage's parameters, read by name from the stage files (or a whole model's params.h5)
+        load_parameters(state, resume.path if resume else Path(warm), on_device=device != "cpu",
+                        names={name for name, _ in state.parameters})
+    update = build_stage_update(cfg, stage_comm, state, trainable, threads, device)
+    if resume:
+        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=replica)
+    info = record["stages"][stage]
+    where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
+        "the initial weights"
+    log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, starting "
+             "from %s", comm.rank, stage, num_stages, replica, num_replicas, len(trainable), info["receives"],
+             info["sends"], where)
+    rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, update, Zero0(stage_comm), trainable,
+                      resume,
+                      stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
+                      stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
+                      sends=tuple(info["sends"]), shared=info.get("shared", {}))
+    if rt.shared and device != "cpu":
+        raise RuntimeError(f"tied parameters across pipeline stages {sorted(rt.shared)} are summed on the host: "
+                           "not supported on CUDA yet; move model.pipeline_cuts so their readers share a stage")
+    return rt
+
+
+
+def build_stage_update(cfg: RunConfig, stage_comm: Communicator, state, trainable: list[str], threads: int,
+                       device: str) -> optim.Update:
+    """ortflow's update over this stage's parameter buffers: whole tensors (the stage's replicas average, ZeRO-0)."""
+    if device != "cpu":  # the engine's CUDA buffers, on the stage group's NCCL stream
+        return build_device_update(cfg, stage_comm, state, trainable)[0]
+    params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
+    return optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
+                              threads=threads)

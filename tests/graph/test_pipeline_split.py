@@ -1,0 +1,111 @@
+"""The pipeline split pass, one model at a time (no engine, no processes)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortflow.graph.pipeline import SplitError, choose_cuts, split_model
+from ortflow.trainer.parallel.pipeline import one_f_one_b
+
+from ..models_pipeline import B, T, V, build_torchlike, trainable
+
+
+def run_stages(stages, ids):
+    acts = {"input_ids": ids}
+    for stage in stages:
+        sess = ort.InferenceSession(stage.model.SerializeToString())
+        feeds = {i.name: acts[i.name] for i in sess.get_inputs()}
+        acts.update(zip(stage.sends, sess.run(list(stage.sends), feeds), strict=True))
+    return acts["logits"]
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_stages_chained_compute_the_model(num_stages):
+    model = build_torchlike(num_blocks=4)
+    cuts = choose_cuts(model, num_stages, trainable(model))
+    stages = split_model(model, cuts, trainable(model))
+    ids = np.random.default_rng(0).integers(0, V, (B, T))
+    full = ort.InferenceSession(model.SerializeToString()).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_array_equal(run_stages(stages, ids), full)
+    assert [s.receives for s in stages[1:]] == [(c,) for c in cuts]
+    # Each parameter lives in exactly one stage; Constant nodes are copied to every stage that reads them.
+    held = [p for s in stages for p in s.parameters]
+    assert sorted(held) == trainable(model)
+    assert all(any(n.op_type == "Constant" for n in s.model.graph.node) for s in stages)
+    assert "input_ids" in stages[0].data_inputs
+
+
+def test_automatic_cuts_balance_the_parameters():
+    model = build_torchlike(num_blocks=4)
+    (cut,) = choose_cuts(model, 2, trainable(model))
+    assert cut == "blocks.1.resid"  # 2 of the 4 equal blocks (plus the embedding) before it, 2 (plus the head) after
+    stages = split_model(model, [cut], trainable(model))
+    sizes = {t.name: t.dims[0] * (t.dims[1] if len(t.dims) > 1 else 1) for t in model.graph.initializer}
+    per_stage = [sum(sizes[p] for p in s.parameters) for s in stages]
+    block = 2 * 16 + 16 * 16 + 16  # LayerNormalization + fc weight and bias
+    assert per_stage == [512 + 2 * block, 2 * block + 32 + 512]  # the closest any boundary comes to half
+
+
+def test_tied_weights_across_a_cut_are_held_by_both_stages():
+    model = build_torchlike(tied=True)
+    stages = split_model(model, ["blocks.0.resid"], trainable(model))
+    assert [s.shared for s in stages] == [{"wte": (0, 1)}, {"wte": (0, 1)}]
+    assert all("wte" in s.parameters for s in stages)
+    assert any(n.op_type == "Transpose" and n.input[0] == "wte" for n in stages[1].model.graph.node)
+    ids = np.random.default_rng(0).integers(0, V, (B, T))
+    full = ort.InferenceSession(model.SerializeToString()).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_array_equal(run_stages(stages, ids), full)
+
+
+def test_a_shape_tensor_crossing_the_cut_is_refused_naming_its_nodes():
+    model = build_torchlike()
+    # Cutting at the MatMul of block 0: its Shape -> Concat chain is made before and read (by Reshape) after.
+    with pytest.raises(SplitError, match=r"non-float tensors.*'blocks.0.shape_back' \(made by Concat.*Reshape"):
+        split_model(model, ["blocks.0.fc"], trainable(model))
+
+
+def test_random_ops_are_refused():
+    model = build_torchlike(dropout=True)
+    with pytest.raises(SplitError, match=r"random operators.*Dropout"):
+        split_model(model, ["blocks.0.resid"], trainable(model))
+
+
+def test_bad_cut_names_and_order_are_refused():
+    model = build_torchlike(num_blocks=3)
+    with pytest.raises(SplitError, match="'nope' is not a tensor computed by the model"):
+        split_model(model, ["nope"], trainable(model))
+    with pytest.raises(SplitError, match="in graph order"):
+        split_model(model, ["blocks.1.resid", "blocks.0.resid"], trainable(model))
+    with pytest.raises(SplitError, match="does not depend on any trainable parameter"):
+        split_model(model, ["blocks.0.td"], trainable(model))
+
+
+def test_the_split_is_pure_and_logs_each_stage(caplog):
+    model = build_torchlike()
+    before = model.SerializeToString()
+    with caplog.at_level(logging.INFO, logger="ortflow.graph.pipeline"):
+        split_model(model, ["blocks.0.resid"], trainable(model))
+    assert model.SerializeToString() == before
+    assert "pipeline stage 1" in caplog.text
+
+
+@pytest.mark.parametrize(("num_stages", "num_micro"), [(2, 4), (4, 4), (3, 2), (4, 8)])
+def test_one_f_one_b_orders_and_bounds_the_held_inputs(num_stages, num_micro):
+    for stage in range(num_stages):
+        order = one_f_one_b(stage, num_stages, num_micro)
+        last = stage == num_stages - 1
+        assert sorted(i for kind, i in order if kind == "B") == list(range(num_micro))
+        if not last:
+            assert [i for kind, i in order if kind == "F"] == list(range(num_micro))
+            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(num_micro))
+        held, most = set(), 0
+        for kind, i in order:
+            held.add(i)
+            most = max(most, len(held))
+            if kind == "B":
+                held.discard(i)
+        assert most <= min(num_stages - stage, num_micro)  # 1F1B: at most P - s micro-batches' inputs held

@@ -1,0 +1,286 @@
+"""Pipeline parallelism for real: a GPT split in 2 stages under ``mpiexec -n 2`` (and 2 x 2 under ``-n 4``)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import ortflow
+from ortflow.trainer.checkpoints import list_complete, verify
+from ortflow.trainer.checkpoints.h5state import params_files, stage_file
+
+from ..models_pipeline import B, T, build_torchlike
+from .runs import make_run, make_text_run, rank_command, run_ranks
+
+pytestmark = pytest.mark.mpi
+
+TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2, "evaluation_period": 2,
+         "display_loss_steps": 1}
+# Measured: the split trains to bitwise the same parameters as the unsplit model (max |diff| 0.0 after 4 AdamW
+# updates; each stage's graph computes the same ops in the same order, and the micro-batch gradients are summed in the
+# same order). The bound allows fp32 rounding only, in case another engine build fuses differently across a cut:
+# AdamW's early steps move a weight by ~lr whatever its gradient's size, so a 1e-7 relative change in a gradient is
+# at most ~lr * 1e-7 * steps in a weight; 1e-6 is far above that and far below one step's change (~1e-2).
+ATOL = 1e-6
+
+
+def torchlike_run(root, name, tied=False, **sections):
+    """A run on the torch-export-shaped model (fixed batch 2, Shape/Reshape chains; LM head tied or its own)."""
+    model = root / f"torchlike{'-tied' if tied else ''}.onnx"
+    if not model.exists():
+        build_torchlike(model, num_blocks=2, vocab=256, tied=tied)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted(Path(ortflow.__file__).parent.rglob("*.py"))[:6]))
+    data = {"train": [str(corpus)], "format": "text", "text": {"seq_len": T}, "eval_fraction": 0.05}
+    return make_run(root, name, model=model, data=data, train={**TRAIN, "batch_size": B, "max_eval_batches": 1},
+                    **sections)
+
+
+def stage_parameters(cfg, checkpoint=None) -> dict[str, np.ndarray]:
+    """Trainable parameters of the newest (or given) checkpoint: every stage's params file (or params.h5), merged;
+    an artifacts folder's engine ``checkpoint`` (the initial weights) is read with the engine."""
+    folder = checkpoint or list_complete(cfg.checkpoints_dir)[-1].path
+    if (folder / "checkpoint").exists():
+        from ortflow.engine import api
+
+        state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+        return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}
+    merged = {}
+    for file in params_files(folder):
+        with h5py.File(file, "r") as f:
+            for ds in f["parameters"].values():
+                if ds.attrs["requires_grad"]:
+                    merged.setdefault(str(ds.attrs["name"]), ds[()])
+    return merged
+
+
+def stage_files(num_stages: int) -> set[str]:
+    """What a pipeline checkpoint folder holds: each stage's HDF5 files and meta.json."""
+    kinds = ("params", "optimizer")
+    return {"meta.json"} | {stage_file(kind, s, num_stages) for s in range(num_stages) for kind in kinds}
+
+
+def digests(output: str) -> dict[tuple[int, int], str]:
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) at step (\d+)", output)
+    return {(int(rank), int(step)): digest for rank, digest, step in found}
+
+
+def losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\] \S+ INFO step \d+/\d+ \| loss ([0-9.e+-]+)", output)]
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])  # 0.5: below the measured norms (1.3-2.5), so every update clips
+def test_two_stages_train_to_the_unsplit_parameters(tmp_path, max_grad_norm):
+    opt = {"max_grad_norm": max_grad_norm}
+    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=TRAIN, optimizer=opt)
+    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2}, train=TRAIN,
+                          optimizer=opt)
+    out1, out2 = run_ranks(unsplit), run_ranks(split)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    p1, p2 = stage_parameters(unsplit), stage_parameters(split)
+    assert sorted(p1) == sorted(p2)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    print("max |param diff| pp2 vs pp1:", worst)
+    assert worst < ATOL
+    np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    evals = [re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout) for out in (out1, out2)]
+    assert len(evals[1]) == 2 and evals[1] == evals[0]  # eval through the stages: the unsplit eval loss, as printed
+    norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", out2.stdout)]
+    assert norms and (max_grad_norm is None or min(norms) > max_grad_norm)  # the clipping case really clipped
+    folder = list_complete(split.checkpoints_dir)[-1].path
+    assert {f.name for f in folder.iterdir()} == stage_files(2)
+    assert set(verify(folder).meta["files"]) == stage_files(2) - {"meta.json"}  # every stage file, with its checksum
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(tmp_path, tied):
+    # Tied: the embedding is read by stage 0 (Gather) and stage 1 (Transpose -> LM head). Each stage holds a copy; the
+    # unsplit engine sums the two uses' gradients per micro-batch, the stages per stage and then across, so the sums
+    # are grouped differently: equal to fp32 rounding, not bitwise (same bound as ATOL's reasoning).
+    unsplit = torchlike_run(tmp_path, "pp1", tied, distributed={"num_ranks": 1})
+    split = torchlike_run(tmp_path, "pp2", tied, distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
+    out1, out2 = run_ranks(unsplit), run_ranks(split)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    p1, p2 = stage_parameters(unsplit), stage_parameters(split)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    print(f"tied={tied}: max |param diff| pp2 vs pp1: {worst}")
+    assert worst < ATOL
+    if tied:  # both stages' copies of the tied weight (each in its stage's file) are bitwise equal
+        folder = list_complete(split.checkpoints_dir)[-1].path
+        copies = []
+        for file in params_files(folder):
+            with h5py.File(file, "r") as f:
+                copies += [ds[()] for ds in f["parameters"].values() if ds.attrs["name"] == "wte"]
+        assert len(copies) == 2
+        assert np.array_equal(copies[0], copies[1]) and not np.array_equal(copies[0], p1["wte"] * 0)
+
+
+def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters(tmp_path):
+    # The middle stage both receives and sends (forward, recompute, VJP): 3 ranks, 4 micro-batches per update.
+    train = {**TRAIN, "num_train_steps": 8, "gradient_accumulation_steps": 4, "evaluation_period": 0}
+    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=train)
+    split = make_text_run(tmp_path, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3}, train=train)
+    out1, out3 = run_ranks(unsplit), run_ranks(split, timeout=240)
+    assert out1.returncode == 0, out1.stdout
+    assert out3.returncode == 0, out3.stdout
+    p1, p3 = stage_parameters(unsplit), stage_parameters(split)
+    assert max(float(np.abs(p1[n] - p3[n]).max()) for n in p1) < ATOL
+    folder = list_complete(split.checkpoints_dir)[-1].path
+    assert {f.name for f in folder.iterdir()} == stage_files(3)
+
+
+def test_two_stages_by_two_replicas_match_and_replicas_are_bitwise_identical(tmp_path):
+    # 4 ranks on the CI machine's 2 cores: tiny model, 2 updates.
+    train = {**TRAIN, "num_train_steps": 4, "evaluation_period": 0}
+    unsplit = make_text_run(tmp_path, "dp2", distributed={"num_ranks": 2}, train=train)
+    grid = make_text_run(tmp_path, "pp2dp2", distributed={"num_ranks": 4, "pipeline_parallel_size": 2}, train=train)
+    out1, out4 = run_ranks(unsplit, timeout=240), run_ranks(grid, timeout=240)
+    assert out1.returncode == 0, out1.stdout
+    assert out4.returncode == 0, out4.stdout
+    p1, p4 = stage_parameters(unsplit), stage_parameters(grid)
+    assert max(float(np.abs(p1[n] - p4[n]).max()) for n in p1) < ATOL
+    seen = digests(out4.stdout)  # rank = replica * 2 + stage: ranks 0, 2 hold stage 0; ranks 1, 3 stage 1
+    assert seen[(0, 2)] == seen[(2, 2)] and seen[(1, 2)] == seen[(3, 2)] and seen[(0, 2)] != seen[(1, 2)]
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path):
+    train = {**TRAIN, "evaluation_period": 0}
+    straight = make_text_run(tmp_path, "straight", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                             train=train, checkpoint={"period": 1, "max_num_checkpoints": 10})
+    resumed = make_text_run(tmp_path, "resumed", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                            train=train, checkpoint={"period": 1, "max_num_checkpoints": 10})
+    assert run_ranks(straight).returncode == 0
+    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
+    proc.wait(timeout=60)
+    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+    assert done and done[-1] < 4, done
+    out = run_ranks(resumed)
+    assert out.returncode == 0, out.stdout
+    assert f"starting from step {done[-1]}" in out.stdout
+    a, b = stage_parameters(straight), stage_parameters(resumed)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_export_stitches_the_stages_into_the_unsplit_eval_graph(tmp_path):
+    from ortflow.export.model import export_model
+
+    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                          train={**TRAIN, "num_train_steps": 4})
+    assert run_ranks(split).returncode == 0
+    out = tmp_path / "model.onnx"
+    result = export_model(split.output_dir, out, config=split)
+    assert max(result.verification.max_abs_diff.values()) <= 1e-5
+    # Independently: the exported model equals the unsplit eval graph fed with every stage's trained parameters.
+    params = stage_parameters(split)
+    eval_proto = onnx.load(str(split.artifacts_dir / "eval_model.onnx"))
+    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
+    ids = np.random.default_rng(0).integers(0, 256, (2, 16))
+    feeds = {i.name: params[i.name] for i in eval_proto.graph.input if i.name in params}
+    labels = np.zeros(32, np.int64)
+    names = [i.name for i in eval_proto.graph.input]
+    feeds.update({n: ids for n in names if n == "input_ids"})
+    feeds.update({n: labels for n in names if n == "labels"})
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # fusions at ALL round differently
+    logits_ref = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)
+    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})
+    np.testing.assert_array_equal(logits[0], logits_ref[0])
+    initial = stage_parameters(split, split.artifacts_dir)  # artifacts/checkpoint: the unsplit initial weights
+    assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
+
+
+def test_a_hung_stage_is_named_when_its_neighbour_times_out(tmp_path):
+    cfg = make_text_run(tmp_path, "hang", distributed={"num_ranks": 2, "pipeline_parallel_size": 2,
+                                                       "collective_timeout_s": 2.0}, train=TRAIN)
+    started = time.monotonic()
+    out = run_ranks(cfg, str(Path(__file__).with_name("fault_stage.py")), timeout=60)
+    assert out.returncode != 0
+    assert "'recv grad mb0 <- stage 1' waited" in out.stdout, out.stdout
+    assert "stalled: rank 1 (last entered" in out.stdout, out.stdout
+    assert time.monotonic() - started < 40
+
+
+def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path):
+    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                          train={**TRAIN, "num_train_steps": 2})
+    assert run_ranks(split).returncode == 0
+    folder = list_complete(split.checkpoints_dir)[-1].path
+    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1},
+                            checkpoint={"checkpoint_to_load_path": str(folder)}, train={**TRAIN, "num_train_steps": 4})
+    out = run_ranks(unsplit)
+    assert out.returncode != 0
+    assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout
+
+
+def test_a_stop_signal_on_one_stage_stops_every_stage_at_the_same_update(tmp_path):
+    from ortflow.trainer.metrics import read_progress
+
+    cfg = make_text_run(tmp_path, "stop", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                        train={**TRAIN, "num_train_steps": 4000, "evaluation_period": 0},
+                        checkpoint={"period": 1000, "max_num_checkpoints": 2})
+    proc = subprocess.Popen(rank_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and ((read_progress(cfg.output_dir) or {}).get("step") or 0) < 3:
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-f", f"ortflow.trainer {cfg.output_dir}"], capture_output=True, text=True)
+    pids = sorted(int(p) for p in ranks.stdout.split()
+                  if Path(f"/proc/{p}/comm").read_text().startswith("python"))  # not mpiexec or its proxy
+    assert len(pids) == 2, ranks.stdout
+    subprocess.run(["kill", "-TERM", str(pids[-1])], check=True)  # one rank only: the stop flag must spread
+    output, _ = proc.communicate(timeout=120)
+    stopped = {int(step) for step in re.findall(r"ranks stopped together after step (\d+)", output)}
+    assert len(stopped) == 1 and output.count("ranks stopped together") == 2, output[-3000:]
+    (step,) = stopped
+    kept = list_complete(cfg.checkpoints_dir)
+    assert kept[-1].step == step < 2000
+    verify(kept[-1].path)
+
+
+def test_tied_weights_resume_bitwise_and_the_checkpoint_tools_read_the_stage_files(tmp_path):
+    # The tied embedding sits in both stages' files (params and optimizer state): resume reads each stage's part by
+    # name (the duplicate once), and inspect/merge stitch the stages into the whole model's parameters and moments.
+    from ortflow.trainer.checkpoints.tools import inspect, merge
+
+    keep = {"period": 1, "max_num_checkpoints": 10}
+    dist = {"num_ranks": 2, "pipeline_parallel_size": 2}
+    straight = torchlike_run(tmp_path, "straight", True, distributed=dist, checkpoint=keep)
+    assert run_ranks(straight).returncode == 0
+    middle = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 2)
+    resumed = torchlike_run(tmp_path, "resumed", True, distributed=dist,
+                            checkpoint={**keep, "checkpoint_to_load_path": str(middle)})
+    out = run_ranks(resumed)
+    assert out.returncode == 0, out.stdout
+    assert "starting from step 2" in out.stdout
+    a, b = stage_parameters(straight), stage_parameters(resumed)
+    assert sorted(a) == sorted(b) and "wte" in a
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    final = list_complete(straight.checkpoints_dir)[-1].path
+    summary = inspect(final)
+    assert summary["optimizer_files"] == [stage_file("optimizer", s, 2) for s in (0, 1)]
+    assert summary["optimizer_state"] == ["exp_avg", "exp_avg_sq"] and summary["optimizer_step_count"] == 4
+    assert set(summary["parameters"]) >= set(a)
+    merged = tmp_path / "merged.h5"
+    merge(final, merged)  # each state tensor whole: the tied one's duplicate piece is not counted twice
+    with h5py.File(merged, "r") as f:
+        assert np.array_equal(f["parameters"]["wte"][()], a["wte"])
+        assert f["optimizer"]["exp_avg"]["wte"].shape == a["wte"].shape
