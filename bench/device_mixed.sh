@@ -7,15 +7,7 @@
 set -u
 STAGES=",${1:-probe,tests,bench1,bench2},"
 OUT=${OUT:-bench/results/mixed-logs}; mkdir -p "$OUT"
-G=/tmp/g; PY=$G/py311/usr/bin/python3.11
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-NCCLDIR=$(dirname "$(find / -name libnccl.so.2 -path '*site-packages*' 2>/dev/null | head -1)")
-NVRTC=$(dirname "$(find /usr/local/cuda/ -name 'libnvrtc.so.1[23]' 2>/dev/null | head -1)")
-export ORTFLOW_CUDA_LIB_DIRS=$G/cuda11:$NCCLDIR CUDA_PATH=/usr/local/cuda
-export LD_LIBRARY_PATH=$G/site/lib:$NVRTC
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-mkdir -p $G/extra && tar -C $G/extra -xzf /tmp/gpay/extra.tgz 2>/dev/null || true
-export PYTHONPATH=$G/site:$G/extra:$PWD
+source "$(dirname "$0")/device_env.sh"  # G, PY and the environment of the carried engine
 nvidia-smi -L
 W=/tmp/mp; L=$W/logs; mkdir -p $L
 t() { local name=$1; shift; echo "== $name $(date +%T)" | tee -a "$OUT/all.log"; timeout "$@" 2>&1 | tee "$L/$name.log" >> "$OUT/all.log"; tail -6 "$L/$name.log"; }

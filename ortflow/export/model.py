@@ -31,6 +31,7 @@ from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
 from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
+from ortflow.graph.common import subgraph_reads
 from ortflow.trainer.checkpoints import (
     META_FILE,
     CheckpointInfo,
@@ -211,20 +212,8 @@ def label_names(eval_proto: onnx.ModelProto, record: dict | None, config: RunCon
     return names & inputs
 
 
-def _subgraph_names(node: onnx.NodeProto) -> set[str]:
-    """Every name read inside a node's subgraphs (If/Loop/Scan bodies may read outer-scope tensors)."""
-    names: set[str] = set()
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-        for graph in graphs:
-            for inner in graph.node:
-                names.update(inner.input)
-                names |= _subgraph_names(inner)
-    return names
-
-
 def _node_inputs(node: onnx.NodeProto) -> set[str]:
-    return {n for n in node.input if n} | _subgraph_names(node)
+    return {n for n in node.input if n} | subgraph_reads(node)
 
 
 def default_outputs(eval_proto: onnx.ModelProto, record: dict | None, labels: set[str]) -> list[str]:
