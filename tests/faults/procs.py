@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def start_train(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([ORTFLOW, "train", str(run_dir), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True)
+
+
+def drain(proc: subprocess.Popen) -> list[str]:
+    """Read the job's output in a thread into the returned list: a job whose pipe nobody reads blocks on a full pipe
+    (64 KB, a few hundred progress lines), and a blocked ``ortflow train`` cannot exit when a rank is killed."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return lines
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:

@@ -83,6 +83,7 @@ def kill_trial(root: Path, reference: dict, target: str, rng: random.Random, nam
     """SIGKILL a rank, the launcher or ``ortflow train`` at a random step; resume; parameters equal the reference."""
     cfg = fresh_run(root, name)
     proc = procs.start_train(cfg.output_dir)
+    procs.drain(proc)  # nobody else reads its output here
     try:
         at = procs.wait_for_step(cfg.output_dir, rng.randint(2, 250), proc)
         time.sleep(rng.random() * 0.05)  # anywhere inside a step, an eval or a checkpoint write
