@@ -57,8 +57,9 @@ def start_with_fault(path):
 def kill_in_checkpoints():
     """Patch the checkpoint manager so that rank 0 dies inside the write or the retention of step ``update``."""
     from ortflow.trainer import checkpoints
+    from ortflow.trainer.checkpoints import manager  # retention calls manager.delete_checkpoint: patch it there
 
-    real_save, real_delete = checkpoints.CheckpointManager.save, checkpoints.delete_checkpoint
+    real_save, real_delete = checkpoints.CheckpointManager.save, manager.delete_checkpoint
     saving = [0]
 
     def save(self, step, state, meta):
@@ -80,7 +81,7 @@ def kill_in_checkpoints():
         real_delete(path)
 
     checkpoints.CheckpointManager.save = save
-    checkpoints.delete_checkpoint = delete
+    manager.delete_checkpoint = delete
 
 
 if kind.startswith("kill-"):
