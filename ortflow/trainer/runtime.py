@@ -93,6 +93,30 @@ class Runtime:
         return buffers
 
 
+def choose_start(
+    cfg: RunConfig, comm: Communicator, num_stages: int
+) -> tuple[checkpoints.CheckpointInfo | None, str | None]:
+    """Where every rank starts: the checkpoint to resume (verified by rank 0), else a warm-start folder, else neither.
+
+    Args:
+        cfg: The run config (checkpoint dir, checkpoint_to_load_path, init_from).
+        comm: The world group; rank 0 chooses and broadcasts.
+        num_stages: Pipeline stages of this run; a checkpoint written with another count is refused.
+    """
+    chosen = warm = None
+    if comm.rank == 0:
+        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
+        chosen = (str(found.path), found.meta) if found else None
+        if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
+            warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)
+    # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
+    chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
+    resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    if resume:
+        check_checkpoint_layout(resume.meta, resume.path, num_stages)
+    return resume, warm
+
+
 def writes_per_rank(exchange) -> bool:
     """Whether every rank writes its own optimizer file: ZeRO-1 shards, or Adasum's per-rank (replica) states."""
     return exchange.stage == 1 or getattr(exchange, "per_rank_state", False)
@@ -226,17 +250,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         return init_stage_runtime(run_dir, cfg, comm, device)
     # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
-    chosen = warm = None
-    if comm.rank == 0:
-        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
-        chosen = (str(found.path), found.meta) if found else None
-        if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
-            warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)
-    # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
-    chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
-    resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
-    if resume:
-        check_checkpoint_layout(resume.meta, resume.path, 1)
+    resume, warm = choose_start(cfg, comm, 1)
     state_file = cfg.artifacts_dir / "checkpoint"
     state = api.CheckpointState.load_checkpoint(str(state_file))
     # 5. Session.

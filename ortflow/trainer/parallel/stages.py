@@ -20,16 +20,16 @@ import onnxruntime
 
 from ortflow.config import RunConfig
 from ortflow.engine import api
-from ortflow.trainer import checkpoints, optim
+from ortflow.trainer import optim
 from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.optim.zero import Zero0
-from ortflow.trainer.parallel.layout import check_checkpoint_layout
 from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.trainer.runtime import (
     Runtime,
     available_cores,
     build_device_update,
+    choose_start,
     load_parameters,
     optimizer_label,
     session_options,
@@ -130,17 +130,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     stage_comm = comm.split(stage, "pipeline stage group")
     pipe_comm = comm.split(num_stages + replica, "pipeline replica group")
-    chosen = warm = None
-    if comm.rank == 0:
-        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
-        chosen = (str(found.path), found.meta) if found else None
-        if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
-            warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)
-    # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
-    chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
-    resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
-    if resume:
-        check_checkpoint_layout(resume.meta, resume.path, num_stages)
+    resume, warm = choose_start(cfg, comm, num_stages)
     folder = stage_dir(cfg.artifacts_dir, stage)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
