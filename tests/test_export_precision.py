@@ -21,6 +21,17 @@ from ortflow.trainer.optim import build_update, whole_segments
 from tests.models_precision import build_tiny_lm, save
 
 
+def _save_initial_as_checkpoint(cfg) -> None:
+    """The configured weights written as checkpoint step 1 (HDF5, as the trainer writes it)."""
+    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
+    names = sorted(n for n, p in state.parameters if p.requires_grad)
+    params = [state.parameters[n].data.reshape(-1) for n in names]
+    update = build_update(cfg.optimizer, whole_segments(names, [p.size for p in params]), params)
+    train_state = TrainState(lambda: {n: np.array(p.data) for n, p in state.parameters}, names, update, "adamw/torch")
+    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True, writer=write_state).save(1, train_state,
+                                                                                            {"eval_loss": None})
+
+
 @pytest.fixture(scope="module")
 def mixed_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixed")
@@ -34,13 +45,7 @@ def mixed_run(tmp_path_factory):
         "precision": {"use_mixed_precision": True},
     })  # fmt: skip
     configure(cfg)
-    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
-    names = sorted(n for n, p in state.parameters if p.requires_grad)
-    params = [state.parameters[n].data.reshape(-1) for n in names]
-    update = build_update(cfg.optimizer, whole_segments(names, [p.size for p in params]), params)
-    train_state = TrainState(lambda: {n: np.array(p.data) for n, p in state.parameters}, names, update, "adamw/torch")
-    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True, writer=write_state).save(1, train_state,
-                                                                                            {"eval_loss": None})
+    _save_initial_as_checkpoint(cfg)
     return cfg, original
 
 
@@ -91,13 +96,7 @@ def test_a_bf16_compute_export_is_refused_with_the_reason(tmp_path):
         "precision": {"use_mixed_precision": True, "use_bfloat16": True}, "export": {"precision": "compute"},
     })  # fmt: skip
     configure(cfg)
-    state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
-    names = sorted(n for n, p in state.parameters if p.requires_grad)
-    params = [state.parameters[n].data.reshape(-1) for n in names]
-    update = build_update(cfg.optimizer, whole_segments(names, [p.size for p in params]), params)
-    train_state = TrainState(lambda: {n: np.array(p.data) for n, p in state.parameters}, names, update, "adamw/torch")
-    CheckpointManager(cfg.checkpoints_dir, 1, 1, is_writer=True, writer=write_state).save(1, train_state,
-                                                                                            {"eval_loss": None})
+    _save_initial_as_checkpoint(cfg)
     with pytest.raises(ExportError, match="no bf16 kernels.*export fp32"):
         export_model(cfg.output_dir, tmp_path / "bf16.onnx", config=cfg)
     assert not (tmp_path / "bf16.onnx").exists()
