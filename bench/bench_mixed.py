@@ -32,6 +32,8 @@ BATCH = 16
 PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
               "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
               "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}  # fmt: skip
+# The same runs without the engine's deterministic kernels (distributed.deterministic_compute false): their cost.
+NONDET = "-nondet"
 
 
 def emit(record: dict) -> None:
@@ -47,15 +49,16 @@ def prepare(args: argparse.Namespace) -> None:
     root.mkdir(parents=True, exist_ok=True)
     model = build_gpt(root / "gpt.onnx", **SHAPE)
     for name in args.precisions.split(","):
-        start = time.perf_counter()
+        start, base = time.perf_counter(), name.removesuffix(NONDET)
         configure(config_from_dict({
             "name": name, "output_dir": str(root / name),
             "model": {"path": str(model), "loss": "cross_entropy"},
             "data": {"train": [str(root / "unused.npz")]},
             "train": {"batch_size": BATCH, "num_train_steps": 100},
             "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True},
-            "precision": PRECISIONS[name],
+            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True,
+                            "deterministic_compute": not name.endswith(NONDET)},
+            "precision": PRECISIONS[base],
         }))  # fmt: skip
         print(f"configured {name} in {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -149,7 +152,9 @@ def torch_run(args: argparse.Namespace) -> None:
 LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"): "ortflow fp16 mixed",
           ("ortflow", "fp16-softmax16"): "ortflow fp16 mixed, Softmax in fp16",
           ("ortflow", "bf16"): "ortflow bf16 mixed", ("torch", "tf32"): "PyTorch TF32 eager",
-          ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
+          ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile",
+          ("ortflow", "fp32-nondet"): "ortflow fp32, deterministic_compute off",
+          ("ortflow", "fp16-nondet"): "ortflow fp16 mixed, deterministic_compute off"}
 
 
 def report(args: argparse.Namespace) -> None:
@@ -168,7 +173,7 @@ def report(args: argparse.Namespace) -> None:
     ratios = {}
     for world in (1, 2):
         base = ms.get(("ortflow", "fp32", world))
-        for prec in ("fp16", "fp16-softmax16", "bf16"):
+        for prec in ("fp16", "fp16-softmax16", "bf16", "fp16-nondet"):
             mine = ms.get(("ortflow", prec, world))
             if not mine:
                 continue

@@ -2,15 +2,18 @@
 
 For each variant (fp32, fp16, fp16 with Gather in fp32, bf16) a small GPT is configured once and trained twice, each
 time in a fresh session from the same initial checkpoint on the same batches (60 updates, the loop's update: loss
-scale, average, norm, skip, AdamW). Prints one ``RESULT`` line per variant: the parameters' sha256 of both runs, the
-first update whose loss differs, and the largest parameter difference.
+scale, average, norm, skip, AdamW), with the engine's deterministic kernels off and on (distributed.
+deterministic_compute). Prints one ``RESULT`` line per run pair: the parameters' sha256 of both runs, the first update
+whose loss differs, the largest parameter difference and the seconds per run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,21 +65,26 @@ def main(root: Path, device: str) -> None:
     for _ in range(4):
         tokens = rng.integers(0, SHAPE["vocab_size"], (16, SHAPE["seq_len"] + 1), dtype=np.int64)
         batches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].reshape(-1)})
-    for name, precision in VARIANTS.items():
+    for (name, precision), deterministic in itertools.product(VARIANTS.items(), (False, True)):
         if device == "cpu" and precision:
             continue
         cfg = config_from_dict({
-            "output_dir": str(root / name), "model": {"path": str(model), "loss": "cross_entropy"},
+            "output_dir": str(root / f"{name}-{deterministic}"), "model": {"path": str(model), "loss": "cross_entropy"},
             "data": {"train": [str(root / "unused.npz")]}, "train": {"batch_size": 16, "num_train_steps": UPDATES},
             "optimizer": {"learning_rate": 3e-3},
-            "distributed": {"device": device, "use_nccl": device != "cpu"}, "precision": precision,
+            "distributed": {"device": device, "use_nccl": device != "cpu", "deterministic_compute": deterministic},
+            "precision": precision,
         })  # fmt: skip
         configure(cfg)
+        start = time.perf_counter()
         (l1, p1), (l2, p2) = train_once(cfg.output_dir, batches), train_once(cfg.output_dir, batches)
+        seconds = (time.perf_counter() - start) / 2
         digest = [hashlib.sha256(b"".join(p[n].tobytes() for n in sorted(p))).hexdigest()[:16] for p in (p1, p2)]
         first = next((i + 1 for i, (a, b) in enumerate(zip(l1, l2, strict=True)) if a != b), None)
         worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
-        print("RESULT " + json.dumps({"variant": name, "identical": digest[0] == digest[1], "sha256": digest,
+        print("RESULT " + json.dumps({"variant": name, "deterministic_compute": deterministic,
+                                      "seconds_per_run": round(seconds, 2), "identical": digest[0] == digest[1],
+                                      "sha256": digest,
                                       "first_differing_update": first, "max_param_diff": worst,
                                       "final_loss": l1[-1]}), flush=True)  # fmt: skip
 

@@ -341,6 +341,12 @@ class DistributedConfig(_Section):
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
     )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
+    deterministic_compute: bool = Field(
+        True,
+        description="Ask the engine for repeatable kernels (SessionOptions.use_deterministic_compute): on CUDA a "
+        "resumed run then ends bitwise identical to an uninterrupted one (cost measured in docs/gpu.md); the CPU "
+        "engine is repeatable either way.",
+    )
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "

@@ -89,7 +89,7 @@ class StepProfiler:
         from ortflow.engine import api
         from ortflow.trainer.runtime import session_options
 
-        options = session_options(self.rt.threads)
+        options = session_options(self.rt.threads, self.rt.cfg.distributed.deterministic_compute)
         options.enable_profiling = True
         options.profile_file_prefix = str(self._folder() / f".rank-{self.rt.comm.rank}")
         art = self.rt.cfg.artifacts_dir

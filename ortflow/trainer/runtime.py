@@ -185,9 +185,15 @@ def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict 
     return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, local_size))
 
 
-def session_options(threads: int) -> onnxruntime.SessionOptions:
-    """One intra-op pool of ``threads`` per rank, so ranks x threads = cores and ranks do not oversubscribe."""
+def session_options(threads: int, deterministic: bool = True) -> onnxruntime.SessionOptions:
+    """One intra-op pool of ``threads`` per rank, so ranks x threads = cores and ranks do not oversubscribe.
+
+    ``deterministic`` (distributed.deterministic_compute) asks for the engine's repeatable kernels: without it the
+    CUDA provider's training differs run to run from the third update on, even in fp32 (bench/results/
+    determinism-h200.log), so a resumed run could not end bitwise identical to an uninterrupted one.
+    """
     options = onnxruntime.SessionOptions()
+    options.use_deterministic_compute = deterministic
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
@@ -259,7 +265,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         state,
         str(cfg.artifacts_dir / "eval_model.onnx"),
         device=device,
-        session_options=session_options(threads),
+        session_options=session_options(threads, cfg.distributed.deterministic_compute),
     )
     # 6. The checkpoint's values into the session's buffers, by name; then the update and its state.
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)

@@ -42,14 +42,14 @@ log = logging.getLogger("ortflow.trainer")
 _SHARED_ARENA: list[bool] = []
 
 
-def stage_session_options(threads: int, device: str) -> onnxruntime.SessionOptions:
+def stage_session_options(threads: int, device: str, deterministic: bool = True) -> onnxruntime.SessionOptions:
     """The trainer's session options, plus, on the CPU, one arena shared by the stage's two sessions.
 
     A stage runs two sessions (the eval model's forward, the training model's recompute + backward). With an arena
     each, both peaks stay resident: measured on the bench GPT at 32 sequences per micro-batch, stage 0 held 185 MB of
     engine memory vs 124 MB unsplit; with one process-wide arena that both sessions use, 96 MB (docs/parallel.md).
     """
-    options = session_options(threads)
+    options = session_options(threads, deterministic)
     if device == "cpu":
         if not _SHARED_ARENA:
             info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
@@ -135,7 +135,8 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device=device,
-                        session_options=stage_session_options(threads, device))
+                        session_options=stage_session_options(threads, device,
+                                                                 cfg.distributed.deterministic_compute))
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     if resume or warm:  # this stage's parameters, read by name from the stage files (or a whole model's params.h5)
         load_parameters(state, resume.path if resume else Path(warm), on_device=device != "cpu",
