@@ -122,9 +122,13 @@ def concurrent_trial(root: Path, reference: dict, name: str) -> Outcome:
     refused = codes[0] == 0 and codes[1] != 0 and any("lock" in o.lower() for o in outs)
     if codes == [0, 0] or refused:
         out = _resume_to_end(cfg)
-        same = out.returncode == 0 and _same(final_parameters(cfg), reference)
         how = "one refused (locked)" if refused else "both ran (no run lock yet)"
-        return Outcome("concurrent", same, f"{how}; final parameters {'equal' if same else 'DIFFER'}",
+        if out.returncode:
+            return Outcome("concurrent", False, f"{how}; the final resume failed ({out.returncode}): "
+                           f"{out.stdout[-600:]} | first jobs: {outs[0][-400:]} | {outs[1][-400:]}")
+        same = _same(final_parameters(cfg), reference)
+        detail = "" if same else f" | first jobs: {outs[0][-600:]} | {outs[1][-600:]}"
+        return Outcome("concurrent", same, f"{how}; final parameters {'equal' if same else 'DIFFER'}{detail}",
                        "" if refused else "run lock")
     return Outcome("concurrent", False, f"exits {codes}: {outs[0][-300:]} | {outs[1][-300:]}", "run lock")
 
