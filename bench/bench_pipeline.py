@@ -120,6 +120,7 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
 
     cfg = load_run_config(run_dir)
     folder = cfg.artifacts_dir if stage is None else stage_dir(cfg.artifacts_dir, stage)
+    started = _rss_kb("VmRSS")
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     options = session_options(1) if stage is None else stage_session_options(1, "cpu")  # as the trainer makes them
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device="cpu",
@@ -142,16 +143,17 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
             module(*(feeds[n] for n in module.input_names()))
         module.train()
         module(*(feeds[n] for n in module.input_names()))
-    print(json.dumps({"activations_peak": 1024 * (_rss_kb("VmHWM") - before)}), flush=True)
+    print(json.dumps({"activations_peak": 1024 * (_rss_kb("VmHWM") - before), "sessions": 1024 * (before - started)}),
+          flush=True)
 
 
-def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> int:
+def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
     cmd = [sys.executable, "-m", "bench.bench_pipeline", "--memory", str(run_dir), "--calls", "3",
            "--memory-batch", str(micro_batch)]
     cmd += [] if stage is None else ["--stage", str(stage)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])["activations_peak"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Path:
@@ -216,13 +218,16 @@ def main(argv: list[str] | None = None) -> None:
         engine_memory = {b: {"pp1": _memory(runs[("pp1", first)][0], None, b),
                              "pp2": [_memory(runs[("pp2", first)][0], s, b) for s in (0, 1)]}
                          for b in args.memory_batch}
+        load = [os.getloadavg()[0]]
         for _ in range(args.rounds):
             for (kind, m), (run_dir, ranks) in runs.items():
                 results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
+            load.append(os.getloadavg()[0])
     summary = summarize(results, args.micro, engine_memory)
     command = "python -m bench.bench_pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
+              "load_average_1min": load, "rounds": args.rounds, "timed_steps": args.steps,
               "raw": results}
     out = ROOT / "bench" / "results" / f"pipeline-{socket.gethostname()}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
@@ -242,7 +247,8 @@ def summarize(results: dict, micro: list[int], engine_memory: dict) -> dict:
         run = f"pp1-m{first}" if key == "pp1" else f"pp2-m{first}"
         ranks[key]["rss_growth_mpi"] = med(run, lambda r, i=index: r[i]["memory"]["activations_peak"])
         engine = {b: (m["pp1"] if key == "pp1" else m["pp2"][index]) for b, m in engine_memory.items()}
-        ranks[key]["activations_by_micro_batch"] = engine
+        ranks[key]["activations_by_micro_batch"] = {b: e["activations_peak"] for b, e in engine.items()}
+        ranks[key]["sessions_rss"] = next(iter(engine.values()))["sessions"]
     throughput = {}
     for m in micro:
         row = {}
@@ -287,7 +293,15 @@ def report(record: dict) -> str:
         t = totals[b]
         lines.append(f"b={b}: stage 0 / unsplit {t['pp2 stage 0'] / t['pp1']:.2f}, stage 1 / unsplit "
                      f"{t['pp2 stage 1'] / t['pp1']:.2f}")
+    lines.append("")
+    lines.append("Engine sessions as built, before any call (RSS; holds the parameter and gradient buffers, graphs and "
+                 "kernels; not in the totals): " + ", ".join(f"{name} {m['sessions_rss'] * mb:.1f}"
+                                                            for name, m in s["memory"].items()) + " MiB.")
+    load = record.get("load_average_1min")
     lines += ["", "## Throughput vs data-parallel on the same 2 ranks", "",
+              f"Medians of {record.get('rounds')} rounds x {record.get('timed_steps')} timed steps, contenders "
+              "alternating within each round; 1-minute load average before and after each round: "
+              + (", ".join(f"{x:.1f}" for x in load) if load else "not recorded") + ".", "",
               "| m | dp2 samples/s | pp2 samples/s | pp2/dp2 | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) |",
               "|---|---|---|---|---|---|---|"]
     for m, row in s["throughput"].items():

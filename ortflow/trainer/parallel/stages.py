@@ -43,20 +43,28 @@ _SHARED_ARENA: list[bool] = []
 
 
 def stage_session_options(threads: int, device: str) -> onnxruntime.SessionOptions:
-    """The trainer's session options, plus, on the CPU, one arena shared by the stage's two sessions.
+    """The trainer's session options; on the CPU, one arena for the stage's two sessions, grown as requested, and no
+    memory patterns.
 
-    A stage runs two sessions (the eval model's forward, the training model's recompute + backward). With an arena
-    each, both peaks stay resident: measured on the bench GPT at 32 sequences per micro-batch, stage 0 held 185 MB of
-    engine memory vs 124 MB unsplit; with one process-wide arena that both sessions use, 96 MB (docs/parallel.md).
+    A stage runs two sessions every micro-batch (the eval model's forward, the training model's recompute + backward),
+    so what one frees the other must be able to reuse. Measured on the bench GPT at 32 sequences per micro-batch
+    (``python -m bench.pipeline_memory``, peak RSS growth of stage 0's eval forward + training call; the training call
+    alone: 70 MiB): an arena per session (the engine's default) 186 MiB; one shared arena 97 MiB, because each session's
+    memory pattern asks for one block of its whole plan and the eval plan's freed block cannot hold the training plan;
+    one shared arena without memory patterns, extended by what is requested instead of the next power of two (which
+    alone gave 136 MiB for the training call by itself), 72 MiB. Call times stayed within the shared machine's noise.
     """
     options = session_options(threads)
     if device == "cpu":
         if not _SHARED_ARENA:
             info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
                                              onnxruntime.OrtMemType.DEFAULT)
-            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, -1, -1, -1))
+            # OrtArenaCfg(max_mem, arena_extend_strategy, initial_chunk_size_bytes, max_dead_bytes_per_chunk):
+            # 0 / -1 keep the engine's defaults; strategy 1 = kSameAsRequested.
+            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, 1, -1, -1))
             _SHARED_ARENA.append(True)
         options.add_session_config_entry("session.use_env_allocators", "1")
+        options.enable_mem_pattern = False
     return options
 
 
