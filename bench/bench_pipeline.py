@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -90,8 +91,15 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
         if step >= warmup:
             times.append(time.perf_counter() - started)
             compute.append(busy)
+    device_used = None
+    if rt.device != "cpu":  # this rank's GPU as a whole (the engine's CUDA arena, NCCL buffers, the CUDA context)
+        import cupy
+
+        free, total = cupy.cuda.runtime.memGetInfo()
+        device_used = total - free
     record = {
-        "rank": comm.rank, "stage": getattr(rt, "stage", 0), "step_s": statistics.median(times),
+        "rank": comm.rank, "stage": getattr(rt, "stage", 0), "step_s": statistics.median(times), "device": rt.device,
+        "device_memory_used": device_used,
         "compute_s": statistics.median(compute), "samples_per_step": k * cfg.train.batch_size * (
             comm.size // cfg.distributed.pipeline_parallel_size),
         "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held,
@@ -156,7 +164,8 @@ def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Path:
+def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
+               device: str = "cpu") -> Path:
     from ortflow.config import config_from_dict
     from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
@@ -171,9 +180,10 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Pa
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
-        "train": {"batch_size": BATCH, "num_train_steps": micro, "gradient_accumulation_steps": micro},
+        "train": {"batch_size": batch, "num_train_steps": micro, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
-        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1},
+        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1,
+                        **({"device": "cuda", "use_nccl": True} if device == "cuda" else {})},
     })
     configure(cfg)
     prepare_data(cfg)
@@ -181,7 +191,9 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Pa
 
 
 def _launch(run_dir: Path, ranks: int, warmup: int, steps: int) -> list[dict]:
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m",
+    beside = Path(sys.executable).parent / "mpiexec"  # the venv's launcher, else the machine's (device scripts)
+    mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m",
            "bench.bench_pipeline", "--worker", str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
     out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)

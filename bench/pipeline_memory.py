@@ -27,16 +27,20 @@ import numpy as np
 
 from bench.bench_pipeline import ROOT, _configure, _rss_kb
 
-ALLOCATORS = ("default", "shared", "shared-same", "none", "none-mmap", "shared-nopattern", "shared-same-nopattern",
-              "default-nopattern")
+ALLOCATORS = ("trainer", "default", "shared", "shared-same", "none", "none-mmap", "shared-nopattern",
+              "shared-same-nopattern", "default-nopattern")
 CALLS = ("train", "eval", "eval+train")
 
 
-def _options(allocator: str):
+def _options(allocator: str, stage: int | None):
     import onnxruntime
 
     from ortflow.trainer.runtime import session_options
 
+    if allocator == "trainer":  # as the trainer makes them (stages: stage_session_options; unsplit: session_options)
+        from ortflow.trainer.parallel.stages import stage_session_options
+
+        return session_options(1) if stage is None else stage_session_options(1, "cpu")
     options = session_options(1)
     if allocator.endswith("-nopattern"):  # no memory pattern: per-tensor blocks, which the two sessions can share
         options.enable_mem_pattern = False
@@ -70,7 +74,7 @@ def probe(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: i
     started_kb = _rss_kb("VmRSS")
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device="cpu",
-                        session_options=_options(allocator))
+                        session_options=_options(allocator, stage))
     feeds = dict(TrainLoader(cfg.data_dir, batch, 0, 1, prefetch=0).batch(0, 0))
     info = None if stage is None else read_stages_record(cfg.artifacts_dir)["stages"][stage]
     graph = onnx.load(str(folder / "training_model.onnx"), load_external_data=False).graph

@@ -40,6 +40,8 @@ log = logging.getLogger("ortflow.trainer")
 
 
 _SHARED_ARENA: list[bool] = []
+#: Point-to-point message tags: activations go forward, gradients come back, tied-weight gradients between holders.
+ACT_TAG, GRAD_TAG, TIED_TAG = 1, 2, 3
 
 
 def stage_session_options(threads: int, device: str) -> onnxruntime.SessionOptions:
@@ -135,9 +137,15 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
             f"{cfg.artifacts_dir} holds no {num_stages}-stage pipeline artifacts: re-run `ortflow configure` with "
             f"distributed.pipeline_parallel_size {num_stages}"
         )
+    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
+    if tied and device != "cpu":  # every rank reads the same record, so every rank stops here with this message
+        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
+                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     stage_comm = comm.split(stage, "pipeline stage group")
     pipe_comm = comm.split(num_stages + replica, "pipeline replica group")
+    if hasattr(pipe_comm, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
+        pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))
     resume, warm = choose_start(cfg, comm, num_stages)
     folder = stage_dir(cfg.artifacts_dir, stage)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
@@ -154,17 +162,14 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     info = record["stages"][stage]
     where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
-    log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, starting "
-             "from %s", comm.rank, stage, num_stages, replica, num_replicas, len(trainable), info["receives"],
-             info["sends"], where)
+    log.info("rank %d on %s: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, "
+             "starting from %s", comm.rank, device, stage, num_stages, replica, num_replicas, len(trainable),
+             info["receives"], info["sends"], where)
     rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, update, Zero0(stage_comm), trainable,
                       resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
                       sends=tuple(info["sends"]), shared=info.get("shared", {}))
-    if rt.shared and device != "cpu":
-        raise RuntimeError(f"tied parameters across pipeline stages {sorted(rt.shared)} are summed on the host: "
-                           "not supported on CUDA yet; move model.pipeline_cuts so their readers share a stage")
     return rt
 
 
