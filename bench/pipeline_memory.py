@@ -85,9 +85,9 @@ def probe(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: i
         feeds[i.name] = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss_kb("VmRSS")
-    rounds = []
+    rounds, cpu = [], []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         if "eval" in calls:
             module.eval()
             out = module(*(feeds[n] for n in module.input_names()))
@@ -97,9 +97,10 @@ def probe(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: i
             out = module(*(feeds[n] for n in module.input_names()))
             del out
         rounds.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
     return {"peak_growth": 1024 * (_rss_kb("VmHWM") - before), "rss_growth": 1024 * (_rss_kb("VmRSS") - before),
             "sessions": 1024 * (before - started_kb),
-            "round_s": min(rounds[1:] or rounds)}
+            "round_s": min(rounds[1:] or rounds), "round_cpu_s": min(cpu[1:] or cpu)}
 
 
 def _measure(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: int) -> dict:
@@ -108,6 +109,24 @@ def _measure(run_dir: Path, stage: int | None, calls: str, allocator: str, batch
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def timing(run_dir: Path, rounds: int, allocators: list[str]) -> list[str]:
+    """Call time of stage 0's eval forward + training call per allocator: wall and CPU time (1 thread, so CPU time
+    is what the calls cost, whatever else runs) of a process's fastest round, one process per (round, allocator, b),
+    allocators alternating so a busy machine slows them alike."""
+    times: dict = {}
+    for _ in range(rounds):
+        for b, repeats in ((4, 16), (32, 4)):
+            for allocator in allocators:
+                cmd = [sys.executable, "-m", "bench.pipeline_memory", "--probe", str(run_dir), "--stage", "0",
+                       "--calls", "eval+train", "--allocator", allocator, "--batch", str(b), "--repeats", str(repeats)]
+                out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                times.setdefault((b, allocator), []).append((got["round_s"], got["round_cpu_s"]))
+    return [f"| {b} | {allocator} | {1e3 * min(w for w, _ in v):.1f} | {1e3 * min(c for _, c in v):.1f} | "
+            + ", ".join(f"{1e3 * c:.1f}" for _, c in v) + " |" for (b, allocator), v in sorted(times.items())]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,9 +138,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 32], help="micro-batch sizes (sequences)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of calls per measurement")
     parser.add_argument("--allocators", nargs="+", default=list(ALLOCATORS), choices=ALLOCATORS)
+    parser.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the table: stage 0's call time per allocator over ROUNDS alternating rounds")
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps(probe(args.probe, args.stage, args.calls, args.allocator, args.batch[0], args.repeats)))
+        return
+    if args.timing:
+        with tempfile.TemporaryDirectory(prefix="pipeline-memory-") as tmp:
+            rows = timing(_configure(Path(tmp), "pp2", 2, 2, 2), args.timing, args.allocators)
+        print(f"load average {os.getloadavg()}\n"
+              "| b | allocator | fastest wall ms | fastest CPU ms | CPU ms per process (its fastest round) |\n"
+              "|---|---|---|---|---|\n" + "\n".join(rows))
         return
     mb = 1 / 2**20
     lines = [f"# Pipeline stage memory probe on {socket.gethostname()}", "",
