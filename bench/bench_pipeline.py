@@ -177,13 +177,13 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch
     corpus = root / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    gpu = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0} if device == "cuda" else {}
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
         "train": {"batch_size": batch, "num_train_steps": micro, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
-        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1,
-                        **({"device": "cuda", "use_nccl": True} if device == "cuda" else {})},
+        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1, **gpu},
     })
     configure(cfg)
     prepare_data(cfg)

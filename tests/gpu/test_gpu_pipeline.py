@@ -27,7 +27,8 @@ from .test_gpu_training import REASON, _digests, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
-GPU = {"device": "cuda", "use_nccl": True}
+# A hang (a lost NCCL message) is named by the watchdog within 60 s, before _run's 180 s subprocess timeout.
+GPU = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0}
 TIMING = re.compile(r"rank (\d+) stage (\d+)/(\d+) timing: median update ([0-9.]+) s, engine calls ([0-9.]+) s, "
                     r"idle ([0-9.]+)")
 
