@@ -1,11 +1,15 @@
 """Where a pipeline stage's engine memory goes: one process per variant, peak RSS growth over the engine calls.
 
-Run: ``.venv/bin/python -m bench.pipeline_memory [--batch 4 32]`` (configures the bench GPT as bench_pipeline does,
-pp 1 and pp 2, then measures every variant in a fresh process and prints a table; writes
-bench/results/pipeline-memory-<host>.md). A variant is (which model: unsplit / stage 0 / stage 1; which calls: the
-training call alone, the eval forward alone, or the eval forward then the training call as a middle stage runs them;
-which allocator: one arena per session (the engine's default), one process-wide arena shared by the sessions (what the
-stages used before), or no arena (``enable_cpu_mem_arena = False``: freed blocks go back to malloc)).
+Run: ``.venv/bin/python -m bench.pipeline_memory [--batch 4 32] [--allocators ...]`` (configures the bench GPT as
+bench_pipeline does, pp 1 and pp 2, measures every cell in a fresh process and writes the table to
+bench/results/pipeline-memory-<host>.md). A cell is (model: unsplit / stage 0 / stage 1; calls: the training call
+alone, the eval forward alone, or the eval forward then the training call as a middle stage runs them; allocator):
+``trainer`` = the sessions as ortflow makes them; ``default`` = an arena per session (the engine's default);
+``shared`` = one process-wide arena used by both sessions; ``-same`` = that arena extended by what is requested
+instead of the next power of two; ``-nopattern`` = ``enable_mem_pattern = False``; ``none`` = no arena
+(``enable_cpu_mem_arena = False``); ``none-mmap`` = no arena and glibc's mmap threshold fixed at 128 KiB (freed large
+blocks go back to the system at once: the calls' own working set). ``--timing ROUNDS`` instead compares the CPU time
+per call of stage 0 under the given allocators.
 
 The number is VmHWM after the calls minus VmRSS before them (after /proc/self/clear_refs): what the calls add above
 the loaded sessions (parameters are already resident), i.e. activations + engine workspace + what the allocator keeps.
