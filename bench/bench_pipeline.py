@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -90,8 +91,15 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
         if step >= warmup:
             times.append(time.perf_counter() - started)
             compute.append(busy)
+    device_used = None
+    if rt.device != "cpu":  # this rank's GPU as a whole (the engine's CUDA arena, NCCL buffers, the CUDA context)
+        import cupy
+
+        free, total = cupy.cuda.runtime.memGetInfo()
+        device_used = total - free
     record = {
-        "rank": comm.rank, "stage": getattr(rt, "stage", 0), "step_s": statistics.median(times),
+        "rank": comm.rank, "stage": getattr(rt, "stage", 0), "step_s": statistics.median(times), "device": rt.device,
+        "device_memory_used": device_used,
         "compute_s": statistics.median(compute), "samples_per_step": k * cfg.train.batch_size * (
             comm.size // cfg.distributed.pipeline_parallel_size),
         "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held,
@@ -120,6 +128,7 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
 
     cfg = load_run_config(run_dir)
     folder = cfg.artifacts_dir if stage is None else stage_dir(cfg.artifacts_dir, stage)
+    started = _rss_kb("VmRSS")
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     options = session_options(1) if stage is None else stage_session_options(1, "cpu")  # as the trainer makes them
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device="cpu",
@@ -142,19 +151,21 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
             module(*(feeds[n] for n in module.input_names()))
         module.train()
         module(*(feeds[n] for n in module.input_names()))
-    print(json.dumps({"activations_peak": 1024 * (_rss_kb("VmHWM") - before)}), flush=True)
+    print(json.dumps({"activations_peak": 1024 * (_rss_kb("VmHWM") - before), "sessions": 1024 * (before - started)}),
+          flush=True)
 
 
-def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> int:
+def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
     cmd = [sys.executable, "-m", "bench.bench_pipeline", "--memory", str(run_dir), "--calls", "3",
            "--memory-batch", str(micro_batch)]
     cmd += [] if stage is None else ["--stage", str(stage)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])["activations_peak"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Path:
+def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
+               device: str = "cpu") -> Path:
     from ortflow.config import config_from_dict
     from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
@@ -166,12 +177,13 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Pa
     corpus = root / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    gpu = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0} if device == "cuda" else {}
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
-        "train": {"batch_size": BATCH, "num_train_steps": micro, "gradient_accumulation_steps": micro},
+        "train": {"batch_size": batch, "num_train_steps": micro, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
-        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1},
+        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1, **gpu},
     })
     configure(cfg)
     prepare_data(cfg)
@@ -179,7 +191,9 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int) -> Pa
 
 
 def _launch(run_dir: Path, ranks: int, warmup: int, steps: int) -> list[dict]:
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m",
+    beside = Path(sys.executable).parent / "mpiexec"  # the venv's launcher, else the machine's (device scripts)
+    mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m",
            "bench.bench_pipeline", "--worker", str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
     out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
@@ -216,13 +230,16 @@ def main(argv: list[str] | None = None) -> None:
         engine_memory = {b: {"pp1": _memory(runs[("pp1", first)][0], None, b),
                              "pp2": [_memory(runs[("pp2", first)][0], s, b) for s in (0, 1)]}
                          for b in args.memory_batch}
+        load = [os.getloadavg()[0]]
         for _ in range(args.rounds):
             for (kind, m), (run_dir, ranks) in runs.items():
                 results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
+            load.append(os.getloadavg()[0])
     summary = summarize(results, args.micro, engine_memory)
     command = "python -m bench.bench_pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
+              "load_average_1min": load, "rounds": args.rounds, "timed_steps": args.steps,
               "raw": results}
     out = ROOT / "bench" / "results" / f"pipeline-{socket.gethostname()}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
@@ -242,7 +259,8 @@ def summarize(results: dict, micro: list[int], engine_memory: dict) -> dict:
         run = f"pp1-m{first}" if key == "pp1" else f"pp2-m{first}"
         ranks[key]["rss_growth_mpi"] = med(run, lambda r, i=index: r[i]["memory"]["activations_peak"])
         engine = {b: (m["pp1"] if key == "pp1" else m["pp2"][index]) for b, m in engine_memory.items()}
-        ranks[key]["activations_by_micro_batch"] = engine
+        ranks[key]["activations_by_micro_batch"] = {b: e["activations_peak"] for b, e in engine.items()}
+        ranks[key]["sessions_rss"] = next(iter(engine.values()))["sessions"]
     throughput = {}
     for m in micro:
         row = {}
@@ -287,7 +305,15 @@ def report(record: dict) -> str:
         t = totals[b]
         lines.append(f"b={b}: stage 0 / unsplit {t['pp2 stage 0'] / t['pp1']:.2f}, stage 1 / unsplit "
                      f"{t['pp2 stage 1'] / t['pp1']:.2f}")
+    lines.append("")
+    lines.append("Engine sessions as built, before any call (RSS; holds the parameter and gradient buffers, graphs and "
+                 "kernels; not in the totals): " + ", ".join(f"{name} {m['sessions_rss'] * mb:.1f}"
+                                                            for name, m in s["memory"].items()) + " MiB.")
+    load = record.get("load_average_1min")
     lines += ["", "## Throughput vs data-parallel on the same 2 ranks", "",
+              f"Medians of {record.get('rounds')} rounds x {record.get('timed_steps')} timed steps, contenders "
+              "alternating within each round; 1-minute load average before and after each round: "
+              + (", ".join(f"{x:.1f}" for x in load) if load else "not recorded") + ".", "",
               "| m | dp2 samples/s | pp2 samples/s | pp2/dp2 | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) |",
               "|---|---|---|---|---|---|---|"]
     for m, row in s["throughput"].items():

@@ -120,8 +120,9 @@ class NCCLComm:
         nccl.groupStart()
         for grad in grads:
             self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
-        self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
-                            stream.ptr)
+        if n:  # a pipeline stage's exchange carries no scalars (they go through the world's MPI all-reduce)
+            self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
+                                stream.ptr)
         nccl.groupEnd()
         if not average:
             self._launch(self._scale, table, np.float32(1.0 / divisor))
@@ -223,16 +224,26 @@ class NCCLComm:
         # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
         self.stream.synchronize()
 
-    # -- pipeline: sub-groups and point-to-point. UNTESTED: written without a GPU (no device this session); the
-    # gpu-marked test tests/gpu/test_gpu_pipeline.py runs it on 2 GPUs. The engine's Python API returns forward
-    # outputs and input gradients as host arrays, so each message is staged host -> device -> NCCL -> device -> host;
-    # MPI point-to-point is as direct on one host. Activations and gradients travel on two communicators, each with
-    # its own stream: activations only flow forward and gradients only backward, so neither stream waits on a message
-    # the other direction has not posted yet (1F1B interleaves the two directions).
+    # -- pipeline: sub-groups and point-to-point. Written and reviewed without a GPU; tests/gpu/test_gpu_pipeline.py
+    # runs it on 2 GPUs (bench/device_pipeline.sh). The engine's Python API returns forward outputs and input
+    # gradients as host arrays, so each message is staged host -> device -> NCCL -> device -> host; MPI
+    # point-to-point is as direct on one host. Activations and gradients travel on two communicators, each with its
+    # own stream: activations only flow forward and gradients only backward, so neither stream waits on a message
+    # the other direction has not posted yet (1F1B interleaves the two directions). A stage's send kernels may still
+    # run on its GPU while it waits for a gradient: they complete when the next stage receives, which needs nothing
+    # from this stage, so no cycle of waits forms. The shape goes first over MPI (the receiver allocates); every
+    # host wait (the shape, the stream synchronize, the sends at the end of a step) runs under the watchdog, so a
+    # stalled peer is named and the job aborted rather than hung.
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
         return NCCLComm(self.group.split(color, label), self.device_index)
+
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        """Make the p2p communicator of each tag now, in this order on every rank of the group (NCCL init is
+        collective): made lazily, an init could start while this rank's GPU still runs a send that waits on a peer."""
+        for tag in tags:
+            self._p2p(tag)
 
     def _p2p(self, tag: int) -> tuple:
         if not hasattr(self, "_links"):

@@ -26,11 +26,12 @@ from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
+from ortflow.trainer.parallel.stages import ACT_TAG as _ACT
+from ortflow.trainer.parallel.stages import GRAD_TAG as _GRAD
+from ortflow.trainer.parallel.stages import TIED_TAG as _TIED
 from ortflow.trainer.parallel.stages import StageRuntime
 
 log = logging.getLogger("ortflow.trainer")
-
-_ACT, _GRAD, _TIED = 1, 2, 3  # message tags: activations go forward, gradients come back, tied-weight gradients
 
 
 def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[tuple[str, int]]:
@@ -189,10 +190,13 @@ def train_pipeline(
     scalars = np.zeros(3)  # [loss sum (last stages), stop requested, squared gradient norm (replica 0 of each stage)]
     train_loss = eval_loss = None
     window_start, window_samples = clock(), 0
+    timing: list[tuple[float, float]] = []  # (step seconds, seconds inside engine calls) of each update
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
         onnxruntime.set_seed(cfg.train.seed + step)
-        loss_sum = pipeline_step(rt, batches, k).loss_sum
+        step_started = clock()
+        stats = pipeline_step(rt, batches, k)
+        loss_sum = stats.loss_sum
         # Sync point: a stage's replicas average their gradients (the unsplit loop's all-reduce, per stage).
         mine = rt.exchange.reduce(grads, k * replicas, np.zeros(0, np.float32))
         sum_tied_gradients(rt)  # Sync point: holders of a tied weight add their gradients (point-to-point)
@@ -208,6 +212,7 @@ def train_pipeline(
             rt.exchange.scale(mine, max_norm / (grad_norm + 1e-6))
         rt.update.step(mine, lr)  # ortflow's rule, in place on this stage's parameter buffers
         rt.module.lazy_reset_grad()
+        timing.append((clock() - step_started, stats.compute_s))
         step += 1
         cursor += k * replicas * batch
         window_samples += k * replicas * batch
@@ -236,9 +241,24 @@ def train_pipeline(
                 "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
             })
             window_start += clock() - paused
+    log_stage_timing(rt, timing)
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
     return TrainResult(step, cursor, train_loss, eval_loss, stopped=bool(scalars[1]))
+
+
+def log_stage_timing(rt: StageRuntime, timing: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Log this rank's median update time and the idle share of it (waiting on other stages: the bubble and the
+    transfers); the first update (warm-up) is left out when there are more. Returns (step s, engine s) or None."""
+    if not timing:
+        return None
+    kept = timing[1:] or timing
+    step_s = float(np.median([t for t, _ in kept]))
+    busy_s = float(np.median([c for _, c in kept]))
+    log.info("rank %d stage %d/%d timing: median update %.4f s, engine calls %.4f s, idle %.2f over %d updates",
+             rt.comm.rank, rt.stage, rt.num_stages, step_s, busy_s, 1 - busy_s / step_s if step_s > 0 else 0.0,
+             len(kept))
+    return step_s, busy_s
 
 
 def _save(rt: StageRuntime, checkpoints: CheckpointManager, step: int, meta: dict) -> None:

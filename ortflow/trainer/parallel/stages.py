@@ -40,23 +40,34 @@ log = logging.getLogger("ortflow.trainer")
 
 
 _SHARED_ARENA: list[bool] = []
+#: Point-to-point message tags: activations go forward, gradients come back, tied-weight gradients between holders.
+ACT_TAG, GRAD_TAG, TIED_TAG = 1, 2, 3
 
 
 def stage_session_options(threads: int, device: str, deterministic: bool = True) -> onnxruntime.SessionOptions:
-    """The trainer's session options, plus, on the CPU, one arena shared by the stage's two sessions.
+    """The trainer's session options; on the CPU, one arena for the stage's two sessions, grown as requested, and no
+    memory patterns.
 
-    A stage runs two sessions (the eval model's forward, the training model's recompute + backward). With an arena
-    each, both peaks stay resident: measured on the bench GPT at 32 sequences per micro-batch, stage 0 held 185 MB of
-    engine memory vs 124 MB unsplit; with one process-wide arena that both sessions use, 96 MB (docs/parallel.md).
+    A stage runs two sessions every micro-batch (the eval model's forward, the training model's recompute + backward),
+    so what one frees the other must be able to reuse. Measured on the bench GPT at 32 sequences per micro-batch
+    (``python -m bench.pipeline_memory``, peak RSS growth of stage 0's eval forward + training call; the training call
+    alone: 70 MiB): an arena per session (the engine's default) 186 MiB; one shared arena 97 MiB, because each session's
+    memory pattern asks for one block of its whole plan and the eval plan's freed block cannot hold the training plan;
+    one shared arena without memory patterns, extended by what is requested instead of the next power of two (which
+    alone gave 136 MiB for the training call by itself), 72 MiB, the training call's own working set. The
+    price: about 4% more CPU per call at 4 sequences (per-tensor allocations), none measurable at 32.
     """
     options = session_options(threads, deterministic)
     if device == "cpu":
         if not _SHARED_ARENA:
             info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
                                              onnxruntime.OrtMemType.DEFAULT)
-            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, -1, -1, -1))
+            # OrtArenaCfg(max_mem, arena_extend_strategy, initial_chunk_size_bytes, max_dead_bytes_per_chunk):
+            # 0 / -1 keep the engine's defaults; strategy 1 = kSameAsRequested.
+            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, 1, -1, -1))
             _SHARED_ARENA.append(True)
         options.add_session_config_entry("session.use_env_allocators", "1")
+        options.enable_mem_pattern = False
     return options
 
 
@@ -127,9 +138,15 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
             f"{cfg.artifacts_dir} holds no {num_stages}-stage pipeline artifacts: re-run `ortflow configure` with "
             f"distributed.pipeline_parallel_size {num_stages}"
         )
+    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
+    if tied and device != "cpu":  # every rank reads the same record, so every rank stops here with this message
+        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
+                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     stage_comm = comm.split(stage, "pipeline stage group")
     pipe_comm = comm.split(num_stages + replica, "pipeline replica group")
+    if hasattr(pipe_comm, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
+        pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))
     resume, warm = choose_start(cfg, comm, num_stages)
     folder = stage_dir(cfg.artifacts_dir, stage)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
@@ -147,17 +164,14 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     info = record["stages"][stage]
     where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
-    log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, starting "
-             "from %s", comm.rank, stage, num_stages, replica, num_replicas, len(trainable), info["receives"],
-             info["sends"], where)
+    log.info("rank %d on %s: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, "
+             "starting from %s", comm.rank, device, stage, num_stages, replica, num_replicas, len(trainable),
+             info["receives"], info["sends"], where)
     rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, update, Zero0(stage_comm), trainable,
                       resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
                       sends=tuple(info["sends"]), shared=info.get("shared", {}))
-    if rt.shared and device != "cpu":
-        raise RuntimeError(f"tied parameters across pipeline stages {sorted(rt.shared)} are summed on the host: "
-                           "not supported on CUDA yet; move model.pipeline_cuts so their readers share a stage")
     return rt
 
 
