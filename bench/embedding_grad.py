@@ -9,12 +9,13 @@ pool, so the summation order of repeated ids follows thread timing (ortflow/grap
 * ``onehot``: ``MatMul(OneHot(ids, V), W)`` (written into the model file here): the gradient is a GEMM, at the cost
   of N x V x d flops and an N x V float tensor each way.
 
-For each model (the demo GPT and the bench GPT's vocabulary/width/length with 2 layers) every variant is configured
-with ortflow, then trained in this process with 1 and 2 intra-op threads (the session always asks for the engine's
-deterministic kernels, so only the graph differs). Reported per variant and thread count: the median seconds of one
-forward+backward (``module(...)``, warm), and whether the embedding gradient was bitwise the same in two sessions
-over the same batches of tokens drawn from 0..3 (many repeated ids). Prints one ``RESULT`` JSON line per cell and
-writes them to ``OUT`` (JSON) when given.
+Models: the embedding alone (Gather -> weighted sum, at the demo's and the bench GPT's vocabulary, width, length and
+batch), the demo GPT, and the bench GPT's vocabulary/width/length with 2 layers. Every variant is configured with
+ortflow, then run in this process with 1 and 2 intra-op threads (the session always asks for the engine's
+deterministic kernels, so only the graph differs); the variants take turns call by call. Reported per variant and
+thread count: the median and min seconds of one forward+backward (``module(...)``, warm), and in how many steps the
+``wte.weight`` gradient differed between two fresh sessions fed the same batches of tokens drawn from 0..3 (many
+repeated ids). Prints one ``RESULT`` JSON line per cell and writes them to ``OUT`` (JSON) when given.
 """
 
 from __future__ import annotations
@@ -30,11 +31,17 @@ import onnx
 from onnx import helper
 
 MODELS = {
-    "demo": ({"vocab_size": 256, "seq_len": 16, "d_model": 64, "num_layers": 2, "num_heads": 2}, 16, 30),
-    "bench-2layer": ({"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 2, "num_heads": 12}, 4, 4),
-}  # shape, batch size, timed steps
+    # name: (GPT shape, batch size, timed rounds, repeatability steps)
+    "demo": ({"vocab_size": 256, "seq_len": 16, "d_model": 64, "num_layers": 2, "num_heads": 2}, 16, 30, 40),
+    "bench-2layer": ({"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 2, "num_heads": 12}, 2, 4, 3),
+}
+#: The embedding alone (Gather -> weighted sum, loss model_output): its fwd+bwd cost without the rest of the model.
+OPS = {
+    # name: (vocab, width, seq_len, batch, timed rounds)
+    "embedding-demo": (256, 64, 16, 16, 60),
+    "embedding-bench": (8192, 768, 256, 8, 12),
+}
 THREADS = (1, 2)
-REPEAT_STEPS = 4
 
 
 def onehot_model(src: Path, dst: Path) -> Path:
@@ -60,14 +67,40 @@ def onehot_model(src: Path, dst: Path) -> Path:
     return dst
 
 
-def configure_variant(root: Path, model: Path, variant: str, batch: int) -> Path:
+def embedding_model(path: Path, vocab: int, width: int, seq_len: int) -> Path:
+    """input_ids [B, T] -> Gather(wte.weight) -> x c (fixed [T, d] values) -> ReduceSum: the loss is the output.
+
+    ``c`` differs by position, so a repeated id gets different gradient rows (equal addends would sum alike in any
+    order and hide a varying order)."""
+    rng = np.random.default_rng(0)
+    table = helper.make_tensor("wte.weight", onnx.TensorProto.FLOAT, [vocab, width],
+                               (rng.standard_normal((vocab, width)) * 0.02).astype(np.float32).ravel())
+    weights = helper.make_tensor("c", onnx.TensorProto.FLOAT, [seq_len, width],
+                                 rng.standard_normal((seq_len, width)).astype(np.float32).ravel())
+    nodes = [
+        helper.make_node("Constant", [], ["c.value"], value=weights),
+        helper.make_node("Gather", ["wte.weight", "input_ids"], ["emb"], name="wte", axis=0),
+        helper.make_node("Mul", ["emb", "c.value"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(nodes, "embedding", [helper.make_tensor_value_info(
+        "input_ids", onnx.TensorProto.INT64, ["batch", seq_len])],
+        [helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    return path
+
+
+def configure_variant(root: Path, model: Path, variant: str, batch: int, loss: str) -> Path:
     from ortflow.config import config_from_dict
     from ortflow.configure import configure
 
     if variant == "onehot":
         model = onehot_model(model, root / "onehot.onnx")
     cfg = config_from_dict({
-        "output_dir": str(root / variant), "model": {"path": str(model), "loss": "cross_entropy"},
+        "output_dir": str(root / variant), "model": {"path": str(model), "loss": loss,
+                  "loss_output": "loss" if loss == "model_output" else None},
         "data": {"train": [str(root / "unused.npz")]}, "train": {"batch_size": batch, "num_train_steps": 1},
         "distributed": {"deterministic_compute": variant == "gathernd"},
     })  # fmt: skip
@@ -87,64 +120,88 @@ def session(artifacts: Path, threads: int):
     module = api.Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"),
                         device="cpu", session_options=session_options(threads, True))
     module.train()
-    if module.input_names() != ["input_ids", "labels"]:
-        raise RuntimeError(f"unexpected training inputs {module.input_names()}")
     return state, module
 
 
-def batches(shape: dict, batch: int, high: int, count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def batches(seq_len: int, batch: int, high: int, count: int, seed: int, labels: bool) -> list[tuple]:
+    """``count`` feeds: (ids,) or (ids, next-token labels flattened) with ids drawn from 0..high-1."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
-        tokens = rng.integers(0, high, (batch, shape["seq_len"] + 1), dtype=np.int64)
-        out.append((tokens[:, :-1].copy(), tokens[:, 1:].reshape(-1).copy()))
+        tokens = rng.integers(0, high, (batch, seq_len + 1), dtype=np.int64)
+        ids = tokens[:, :-1].copy()
+        out.append((ids, tokens[:, 1:].reshape(-1).copy()) if labels else (ids,))
     return out
 
 
-def time_steps(artifacts: Path, threads: int, data: list) -> list[float]:
-    _, module = session(artifacts, threads)
-    module(*data[0])  # warm-up: allocations, first-run kernels
-    seconds = []
-    for ids, labels in data:
-        start = time.perf_counter()
-        module(ids, labels)
-        seconds.append(time.perf_counter() - start)
+def interleaved_times(arts: dict[str, Path], threads: int, feeds: list[tuple]) -> dict[str, list[float]]:
+    """Seconds of one fwd+bwd per variant, the variants taking turns each round (a shared machine's load then
+    falls on all alike); one warm-up call each first."""
+    modules = {v: session(a, threads)[1] for v, a in arts.items()}
+    for module in modules.values():
+        module(*feeds[0])
         module.lazy_reset_grad()
+    seconds: dict[str, list[float]] = {v: [] for v in arts}
+    for r, feed in enumerate(feeds):
+        order = list(arts)[r % len(arts):] + list(arts)[:r % len(arts)]
+        for variant in order:
+            start = time.perf_counter()
+            modules[variant](*feed)
+            seconds[variant].append(time.perf_counter() - start)
+            modules[variant].lazy_reset_grad()
     return seconds
 
 
-def embedding_grads(artifacts: Path, threads: int, data: list) -> list[bytes]:
-    state, module = session(artifacts, threads)
-    grads = []
-    for ids, labels in data:
-        module.lazy_reset_grad()
-        module(ids, labels)
-        grads.append(np.array(state.parameters["wte.weight"].grad).tobytes())
-    return grads
+def differing_steps(artifacts: Path, threads: int, feeds: list[tuple]) -> int:
+    """Steps whose wte.weight gradient differs between two fresh sessions fed the same batches."""
+    runs = []
+    for _ in range(2):
+        state, module = session(artifacts, threads)
+        grads = []
+        for feed in feeds:
+            module.lazy_reset_grad()
+            module(*feed)
+            grads.append(np.array(state.parameters["wte.weight"].grad).tobytes())
+        runs.append(grads)
+    return sum(a != b for a, b in zip(*runs, strict=True))
+
+
+def measure(name: str, meta: dict, arts: dict[str, Path], timing: list[tuple], repeat: list[tuple]) -> list[dict]:
+    cells = []
+    for threads in THREADS:
+        seconds = interleaved_times(arts, threads, timing)
+        for variant, values in seconds.items():
+            cell = {"model": name, **meta, "variant": variant, "threads": threads,
+                    "fwd_bwd_s_median": round(statistics.median(values), 5), "fwd_bwd_s_min": round(min(values), 5),
+                    "rounds": len(values), "repeat_steps": len(repeat),
+                    "differing_steps": differing_steps(arts[variant], threads, repeat)}
+            cells.append(cell)
+            print("RESULT " + json.dumps(cell), flush=True)
+    return cells
 
 
 def main(root: Path, out: Path | None) -> None:
     from ortflow.examples.gpt import build_gpt
 
     results = []
-    for name, (shape, batch, steps) in MODELS.items():
+    variants = ("gather", "gathernd", "onehot")
+    for name, (vocab, width, seq_len, batch, rounds) in OPS.items():
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        model = embedding_model(folder / "embedding.onnx", vocab, width, seq_len)
+        arts = {v: configure_variant(folder, model, v, batch, "model_output") for v in variants}
+        meta = {"shape": {"vocab_size": vocab, "d_model": width, "seq_len": seq_len}, "batch_size": batch}
+        results += measure(name, meta, arts, batches(seq_len, batch, vocab, rounds, 1, False),
+                           batches(seq_len, batch, 4, 20, 2, False))
+    for name, (shape, batch, rounds, repeat_steps) in MODELS.items():
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
         model = build_gpt(folder / "gpt.onnx", **shape)
-        arts = {v: configure_variant(folder, model, v, batch) for v in ("gather", "gathernd", "onehot")}
-        timing_data = batches(shape, batch, shape["vocab_size"], steps, seed=1)
-        repeat_data = batches(shape, batch, 4, REPEAT_STEPS, seed=2)
-        for threads in THREADS:
-            for variant, artifacts in arts.items():
-                seconds = time_steps(artifacts, threads, timing_data)
-                first, second = (embedding_grads(artifacts, threads, repeat_data) for _ in range(2))
-                cell = {"model": name, "shape": shape, "batch_size": batch, "variant": variant, "threads": threads,
-                        "fwd_bwd_s_median": statistics.median(seconds), "fwd_bwd_s_min": min(seconds),
-                        "steps": len(seconds),
-                        "wte_grad_repeatable": first == second,
-                        "differing_steps": sum(a != b for a, b in zip(first, second, strict=True))}
-                results.append(cell)
-                print("RESULT " + json.dumps(cell), flush=True)
+        arts = {v: configure_variant(folder, model, v, batch, "cross_entropy") for v in variants}
+        seq_len, vocab = shape["seq_len"], shape["vocab_size"]
+        results += measure(name, {"shape": shape, "batch_size": batch}, arts,
+                           batches(seq_len, batch, vocab, rounds, 1, True),
+                           batches(seq_len, batch, 4, repeat_steps, 2, True))
     if out is not None:
         out.write_text(json.dumps(results, indent=1))
 
