@@ -122,7 +122,7 @@ def _axis(node: onnx.NodeProto, rank: int) -> int:
 
 def _marked(op: str, inputs: list[str], outputs: list[str], names: Names, label: str, **attrs) -> onnx.NodeProto:
     """A node this pass adds: the GatherND is named after the Gather it replaces (restore_gathers gives it back)."""
-    name = f"{PREFIX}{label}" if op == "GatherND" else names.new(f"{PREFIX}{label}/{op.lower()}")
+    name = names.new(f"{PREFIX}{label}" if op == "GatherND" else f"{PREFIX}{label}/{op.lower()}")
     return helper.make_node(op, inputs, outputs, name=name, doc_string=MARK, **attrs)
 
 

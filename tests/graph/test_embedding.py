@@ -148,3 +148,20 @@ def test_the_rewrite_follows_device_and_deterministic_compute(tmp_path):
     assert repeatable_gathers(cfg())  # the default: CPU, deterministic_compute on
     assert not repeatable_gathers(cfg(deterministic_compute=False))
     assert not repeatable_gathers(cfg(device="cuda", use_nccl=True))  # the CUDA GatherGrad is another kernel
+
+
+def test_pipeline_stages_get_the_rewrite_too(tmp_path):
+    from ortflow.trainer.parallel.stage_artifacts import stage_dir
+    from tests.models_pipeline import B, build_torchlike
+
+    path = tmp_path / "m.onnx"
+    build_torchlike(path, num_blocks=2)
+    cfg = config_from_dict({
+        "output_dir": str(tmp_path / "run"), "model": {"path": str(path), "pipeline_cuts": ["blocks.0.resid"]},
+        "data": {"train": str(tmp_path / "train.parquet")}, "train": {"batch_size": B, "num_train_steps": 2},
+        "distributed": {"num_ranks": 2, "pipeline_parallel_size": 2},
+    })  # fmt: skip
+    configure(cfg)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(stage_dir(cfg.artifacts_dir, 0) /
+                                                                "training_model.onnx")).graph.node)
+    assert ops["GatherNDGrad"] == 1 and ops["GatherGrad"] == 0  # stage 0 holds the token embedding
