@@ -37,11 +37,15 @@ MODELS = {
 }
 #: The embedding alone (Gather -> weighted sum, loss model_output): its fwd+bwd cost without the rest of the model.
 OPS = {
-    # name: (vocab, width, seq_len, batch, timed rounds)
-    "embedding-demo": (256, 64, 16, 16, 60),
-    "embedding-bench": (8192, 768, 256, 8, 12),
+    # name: (vocab, width, seq_len, batch, timed rounds, repeatability steps)
+    "embedding-demo": (256, 64, 16, 16, 60, 20),
+    "embedding-bench": (8192, 768, 256, 8, 12, 6),
 }
 THREADS = (1, 2)
+#: Ops of the embedding and its gradient in the three variants (OneHot's MatMul is counted with the model's MatMuls).
+EMBED_OPS = ("Gather", "GatherGrad", "GatherND", "GatherNDGrad", "Unsqueeze", "OneHot")
+PROFILED_STEPS = 10
+_SHORT = {"vocab_size": "V", "seq_len": "T", "d_model": "d", "num_layers": "layers", "num_heads": "heads"}
 
 
 def onehot_model(src: Path, dst: Path) -> Path:
@@ -112,13 +116,16 @@ def configure_variant(root: Path, model: Path, variant: str, batch: int, loss: s
     return cfg.artifacts_dir
 
 
-def session(artifacts: Path, threads: int):
+def session(artifacts: Path, threads: int, profile: str | None = None):
     from ortflow.engine import api
     from ortflow.trainer.runtime import session_options
 
+    options = session_options(threads, True)
+    if profile:
+        options.enable_profiling, options.profile_file_prefix = True, profile
     state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     module = api.Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"),
-                        device="cpu", session_options=session_options(threads, True))
+                        device="cpu", session_options=options)
     module.train()
     return state, module
 
@@ -166,6 +173,31 @@ def differing_steps(artifacts: Path, threads: int, feeds: list[tuple]) -> int:
     return sum(a != b for a, b in zip(*runs, strict=True))
 
 
+def kernel_ms(artifacts: Path, threads: int, feeds: list[tuple]) -> dict[str, float]:
+    """ms per step inside the embedding's kernels (EMBED_OPS) and in all kernels, from the engine's own profiler:
+    each node's median call, summed (kernel times only: a shared machine's load inflates them less than wall-clock
+    times, and the first call's warm-up drops out)."""
+    prefix = str(artifacts.parent / f"profile-{threads}-")
+    _, module = session(artifacts, threads, prefix)
+    for feed in feeds:
+        module(*feed)
+        module.lazy_reset_grad()
+    del module  # the profile is written when the session ends
+    path = sorted(artifacts.parent.glob("profile-*.json"))[-1]
+    calls: dict[tuple[str, str], list[float]] = {}  # (op, node) -> ms of each call
+    for event in json.loads(path.read_text()):
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            op = event["args"]["op_name"]
+            op = f"onehot:{op}" if event["name"].startswith("onehot") else op  # the one-hot MatMul and its gradient
+            calls.setdefault((op, event["name"]), []).append(event["dur"] / 1e3)
+    per_op: dict[str, float] = {}
+    for (op, _), values in calls.items():  # each node's median call: the first call's warm-up does not count
+        per_op[op] = per_op.get(op, 0.0) + statistics.median(values)
+    path.unlink()
+    embed = {op: round(ms, 3) for op, ms in per_op.items() if op in EMBED_OPS or op.startswith("onehot:")}
+    return {**embed, "embedding_total": round(sum(embed.values()), 3), "all_kernels": round(sum(per_op.values()), 2)}
+
+
 def measure(name: str, meta: dict, arts: dict[str, Path], timing: list[tuple], repeat: list[tuple]) -> list[dict]:
     cells = []
     for threads in THREADS:
@@ -174,7 +206,8 @@ def measure(name: str, meta: dict, arts: dict[str, Path], timing: list[tuple], r
             cell = {"model": name, **meta, "variant": variant, "threads": threads,
                     "fwd_bwd_s_median": round(statistics.median(values), 5), "fwd_bwd_s_min": round(min(values), 5),
                     "rounds": len(values), "repeat_steps": len(repeat),
-                    "differing_steps": differing_steps(arts[variant], threads, repeat)}
+                    "differing_steps": differing_steps(arts[variant], threads, repeat),
+                    "kernel_ms_per_step": kernel_ms(arts[variant], threads, timing[:PROFILED_STEPS])}
             cells.append(cell)
             print("RESULT " + json.dumps(cell), flush=True)
     return cells
@@ -185,14 +218,14 @@ def main(root: Path, out: Path | None) -> None:
 
     results = []
     variants = ("gather", "gathernd", "onehot")
-    for name, (vocab, width, seq_len, batch, rounds) in OPS.items():
+    for name, (vocab, width, seq_len, batch, rounds, repeat_steps) in OPS.items():
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
         model = embedding_model(folder / "embedding.onnx", vocab, width, seq_len)
         arts = {v: configure_variant(folder, model, v, batch, "model_output") for v in variants}
         meta = {"shape": {"vocab_size": vocab, "d_model": width, "seq_len": seq_len}, "batch_size": batch}
         results += measure(name, meta, arts, batches(seq_len, batch, vocab, rounds, 1, False),
-                           batches(seq_len, batch, 4, 20, 2, False))
+                           batches(seq_len, batch, 4, repeat_steps, 2, False))
     for name, (shape, batch, rounds, repeat_steps) in MODELS.items():
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -204,6 +237,31 @@ def main(root: Path, out: Path | None) -> None:
                            batches(seq_len, batch, 4, repeat_steps, 2, True))
     if out is not None:
         out.write_text(json.dumps(results, indent=1))
+        command = " ".join([".venv/bin/python -m bench.embedding_grad", *sys.argv[1:]])
+        out.with_suffix(".md").write_text(markdown(results, command))
+
+
+def markdown(results: list[dict], command: str) -> str:
+    """One table: per model and thread count, each variant's median (min) ms and differing steps."""
+    lines = [f"# Embedding gradient on the CPU: Gather vs GatherND vs OneHot-MatMul\n\n`{command}`\n",
+             "fwd+bwd ms, median (min) over interleaved calls; differing: steps whose wte.weight gradient differed "
+             "between two fresh sessions on the same batches of ids from 0..3; embedding kernels: ms per step inside "
+             "the embedding's kernels (Gather+GatherGrad, GatherND+GatherNDGrad+Unsqueeze, OneHot+its MatMul and "
+             "gradient), from the engine's profiler, and in all kernels.\n",
+             "| model | shape, batch | threads | gather | gathernd | onehot | differing (gather / gathernd / onehot) "
+             "| embedding kernels (gather / gathernd / onehot) | all kernels (gather / gathernd / onehot) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    cells = {(r["model"], r["threads"], r["variant"]): r for r in results}
+    for (model, threads) in dict.fromkeys((r["model"], r["threads"]) for r in results):
+        row = [cells[(model, threads, v)] for v in ("gather", "gathernd", "onehot")]
+        times = [f"{r['fwd_bwd_s_median'] * 1e3:.2f} ({r['fwd_bwd_s_min'] * 1e3:.2f})" for r in row]
+        differing = " / ".join(f"{r['differing_steps']}/{r['repeat_steps']}" for r in row)
+        shape = ", ".join(f"{_SHORT[k]} {v}" for k, v in row[0]["shape"].items())
+        embed = " / ".join(f"{r['kernel_ms_per_step']['embedding_total']:.3f}" for r in row)
+        total = " / ".join(f"{r['kernel_ms_per_step']['all_kernels']:.1f}" for r in row)
+        lines.append(f"| {model} | {shape}; batch {row[0]['batch_size']} | {threads} | {' | '.join(times)} | "
+                     f"{differing} | {embed} | {total} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
