@@ -343,9 +343,10 @@ class DistributedConfig(_Section):
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(
         True,
-        description="Ask the engine for repeatable kernels (SessionOptions.use_deterministic_compute): on CUDA a "
-        "resumed run then ends bitwise identical to an uninterrupted one (cost measured in docs/gpu.md); the CPU "
-        "engine is repeatable either way.",
+        description="Repeatable training, so a resumed run ends bitwise identical to an uninterrupted one: asks the "
+        "engine for its repeatable kernels (SessionOptions.use_deterministic_compute; CUDA cost in docs/gpu.md) and, "
+        "on the CPU, reads trained embedding tables with GatherND, whose gradient does not depend on thread timing "
+        "as the engine's Gather gradient does with threads_per_rank > 1 (docs/reliability.md).",
     )
     exchange_bucket_mb: float = Field(
         0.0, ge=0,

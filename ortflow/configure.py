@@ -34,6 +34,7 @@ from ortflow.config import (
 )
 from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
+from ortflow.trainer.engine_input import repeatable_gathers
 from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
 from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
 
@@ -94,6 +95,8 @@ def fingerprint(cfg: RunConfig) -> str:
     digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
     if cfg.distributed.pipeline_parallel_size > 1:  # stage artifacts depend on the stage count
         digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
+    if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
+        digest.update(b";gathers=repeatable")
     return digest.hexdigest()
 
 

@@ -1,7 +1,8 @@
 """The model-preparation pass configure runs before the engine builds the training graph.
 
 Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then repeated
-inputs, then the logits flattening for the loss, and last the check that every node on the trained path has a
+inputs, then (when asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for the loss,
+and last the check that every node on the trained path has a
 gradient (it runs on the graph the engine will see). No step changes an initializer.
 
 The passes run on a skeleton of the model whose initializers hold no values (name, type and dims only); the
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ortflow.graph.differentiable import check_differentiable
+from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
@@ -50,6 +52,7 @@ def prepare_model(
     loss: str,
     loss_output: str,
     label_input: str | None,
+    repeatable_gathers: bool = False,
 ) -> PreparedModel:
     """Rewrite the user's model into one the engine trains correctly, or say why it cannot.
 
@@ -59,6 +62,8 @@ def prepare_model(
         loss: The configured loss (``cross_entropy``, ``mse``, ..., ``model_output``).
         loss_output: The model output the loss reads.
         label_input: The label input's name (None for ``model_output``).
+        repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
+            gradient of Gather is not repeatable with more than one thread.
 
     Returns:
         The prepared model, the names the loss must read, parameters to freeze, and the report of what changed.
@@ -74,6 +79,8 @@ def prepare_model(
     model = declare_optional_outputs(model, report)
     model = split_to_slices(model, report)
     model = separate_repeated_inputs(model, report)
+    if repeatable_gathers:
+        model = deterministic_gathers(model, trainable, report)
     loss_input, label = loss_output, label_input
     if loss == "cross_entropy" and label_input is not None:
         model, flat = flatten_logits(model, loss_output, label_input, report)

@@ -37,9 +37,17 @@ def prepare(
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
         model, batch = make_batch_symbolic(model)
     try:
-        return prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name), batch
+        repeatable = repeatable_gathers(cfg)
+        return prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name, repeatable), batch
     except GraphError as err:
         raise ArtifactsError(str(err)) from None
+
+
+def repeatable_gathers(cfg: RunConfig) -> bool:
+    """Whether embedding reads become GatherND (:mod:`ortflow.graph.embedding`): on the CPU, with
+    distributed.deterministic_compute, because the CPU engine's Gather gradient sums repeated ids in thread order.
+    The CUDA engine's GatherGrad is another kernel, repeatable with use_deterministic_compute (docs/gpu.md)."""
+    return cfg.distributed.device == "cpu" and cfg.distributed.deterministic_compute
 
 
 def _data_bytes(model_path: Path, model: onnx.ModelProto) -> int:

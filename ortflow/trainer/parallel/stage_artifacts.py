@@ -28,6 +28,7 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
+from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.pipeline import Stage, choose_cuts, split_model
 from ortflow.trainer.artifacts import (
     ARTIFACT_FILES,
@@ -38,6 +39,7 @@ from ortflow.trainer.artifacts import (
     inspect_model,
     split_parameters,
 )
+from ortflow.trainer.engine_input import repeatable_gathers
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,8 @@ def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> None:
     folder.mkdir(parents=True)
     model = stage.model
+    if repeatable_gathers(cfg):  # as for the whole model (ortflow/graph/embedding.py)
+        model = deterministic_gathers(model, set(stage.parameters))
     stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen)
     if last:
         output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))

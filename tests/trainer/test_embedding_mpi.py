@@ -1,0 +1,86 @@
+"""Training with 2 intra-op threads per rank is repeatable (ortflow/graph/embedding.py): 2 ranks under ``mpiexec``
+train a byte-level GPT whose token table the CPU engine's GatherGrad would sum in thread order.
+
+The model is the size at which the engine's own Gather gradient was measured to differ run to run with 2 threads
+(vocab 256, T 16, d 64, 2 layers, 16 sequences per rank: bench/results/embedding-grad-*.md), on text, where byte
+ids repeat many times per batch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+from ortflow.examples.gpt import build_gpt
+from ortflow.export import export_model
+from ortflow.trainer.checkpoints import list_complete
+
+from .runs import final_parameters, make_text_run, rank_command, run_ranks
+from .test_training_mpi import _kill_when
+
+pytestmark = pytest.mark.mpi
+
+DISTRIBUTED = {"num_ranks": 2, "threads_per_rank": 2}
+
+
+def _text_run(root, name, steps, period):
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "gpt.onnx").exists():  # make_text_run uses it as it finds it
+        build_gpt(root / "gpt.onnx", vocab_size=256, seq_len=16, d_model=64, num_layers=2, num_heads=2)
+    return make_text_run(root, name, distributed=DISTRIBUTED,
+                         train={"batch_size": 16, "num_train_steps": steps, "display_loss_steps": 5},
+                         checkpoint={"period": period, "max_num_checkpoints": 2})
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_two_runs_with_two_threads_per_rank_are_bitwise_identical_and_export_the_users_graph(tmp_path):
+    first, second = _text_run(tmp_path, "first", 60, 60), _text_run(tmp_path, "second", 60, 60)
+    ops = {n.op_type for n in onnx.load(str(first.artifacts_dir / "training_model.onnx")).graph.node}
+    assert "GatherNDGrad" in ops and "GatherGrad" not in ops  # the token table's gradient is the repeatable one
+    for cfg in (first, second):
+        done = run_ranks(cfg, timeout=300)
+        assert done.returncode == 0, done.stdout
+    _assert_same(final_parameters(first), final_parameters(second))
+
+    exported = export_model(first.output_dir, tmp_path / "model.onnx").path
+    model = onnx.load(str(exported))
+    assert "GatherND" not in {n.op_type for n in model.graph.node}
+    user = onnx.load(str(tmp_path / "gpt.onnx"))
+    gathers = [(n.input[0], n.output[0]) for n in model.graph.node if n.op_type == "Gather"]
+    assert gathers == [(n.input[0], n.output[0]) for n in user.graph.node if n.op_type == "Gather"]
+    trained = final_parameters(first)
+    for tensor in user.graph.initializer:  # the user's graph with the trained weights computes what export wrote
+        if tensor.name in trained:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(trained[tensor.name], tensor.name))
+    ids = np.random.default_rng(0).integers(0, 256, (2, 16))
+
+    def logits(proto):
+        session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run([model.graph.output[0].name], {"input_ids": ids})[0]
+
+    assert np.array_equal(logits(model), logits(user))
+
+
+def test_a_killed_run_with_two_threads_per_rank_resumes_bitwise_identical(tmp_path):
+    steady, killed = _text_run(tmp_path, "steady", 240, 20), _text_run(tmp_path, "killed", 240, 20)
+    done = run_ranks(steady, timeout=300)
+    assert done.returncode == 0, done.stdout
+    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _kill_when(killed, proc, min_step=50)
+    before = [info.step for info in list_complete(killed.checkpoints_dir)]
+    assert before and max(before) < 240, before  # interrupted before the end
+    resumed = run_ranks(killed, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout
+    _assert_same(final_parameters(steady), final_parameters(killed))
