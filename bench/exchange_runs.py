@@ -194,5 +194,7 @@ class Hindexed:
         plan.drain(scalars, scale)
 
 
-CONTENDERS = {"posted-tensors": PostedTensors, "runs-posted": RunsPosted, "runs-any": RunsAny, "runs-blocking": RunsBlocking, "runs-rsag": RunsRSAG,
-              "runs-rsag-blocking": RunsRSAGBlocking, "hindexed": Hindexed}
+CONTENDERS = {
+    "posted-tensors": PostedTensors, "runs-posted": RunsPosted, "runs-any": RunsAny, "runs-blocking": RunsBlocking,
+    "runs-rsag": RunsRSAG, "runs-rsag-blocking": RunsRSAGBlocking, "hindexed": Hindexed,
+}
