@@ -36,6 +36,7 @@ import numpy as np
 
 from bench.exchange_runs import CONTENDERS
 from ortflow.trainer.comm.buckets import plan_buckets
+from ortflow.trainer.comm.runs import local_runs
 
 
 def gradient_shapes(model: Path | None) -> list[tuple[int, ...]]:
@@ -54,11 +55,13 @@ def bench_gpt(folder: Path) -> Path:
     return build_gpt(folder / "gpt.onnx", seq_len=128, d_model=256, num_layers=4, num_heads=4)
 
 
-def engine_gradients(world, model: Path | None, folder: Path) -> tuple[object, list[np.ndarray]]:
+def engine_gradients(world, model: Path | None, folder: Path, arena: str) -> tuple[object, list[np.ndarray]]:
     """The engine's own gradient buffers (in sorted-name order, as the trainer takes them) for ``model``.
 
     Rank 0 builds the training artifacts once (the engine writes temp.onnx into the current folder); every rank then
-    loads its module. Returns (module, gradients): keep the module alive while the gradients are used.
+    loads its module, with the trainer's shared arena sized for the gradients (``arena`` "trainer",
+    ortflow.trainer.arena) or the session's own default arena ("session"). Returns (module, gradients): keep the
+    module alive while the gradients are used.
     """
     import os
 
@@ -80,9 +83,14 @@ def engine_gradients(world, model: Path | None, folder: Path) -> tuple[object, l
         finally:
             os.chdir(cwd)
     world.Barrier()
+    from ortflow.trainer.arena import use_gradient_arena
+
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    options = session_options(1)
+    if arena == "trainer":
+        options = use_gradient_arena(options, 4 * sum(p.data.size for _, p in state.parameters if p.requires_grad))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        session_options=session_options(1))  # fmt: skip
+                        session_options=options)  # fmt: skip
     names = sorted(n for n, p in state.parameters if p.requires_grad)
     return (state, module), [state.parameters[n].grad for n in names]
 
@@ -201,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--buckets-kib", default="256,1024,4096")
     parser.add_argument("--grads", choices=("engine", "numpy"), default="engine",
                         help="the engine's own gradient buffers (its memory layout), or numpy arrays of their shapes")
+    parser.add_argument("--arena", choices=("trainer", "session"), default="trainer",
+                        help="engine gradients: the trainer's shared arena (gradients back to back) or the default")
     parser.add_argument("--contenders", default=None, help="comma-separated names to run (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -212,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         mpi, world = comm._mpi, comm.comm
         rng = np.random.default_rng(comm.rank)
         if args.grads == "engine":
-            keep, grads = engine_gradients(world, args.model, Path(tmp))
+            keep, grads = engine_gradients(world, args.model, Path(tmp), args.arena)
             for g in grads:
                 g[...] = rng.standard_normal(g.shape)
         else:
@@ -251,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                 fastest[name].append(float(np.min(calls[1:])))
         comm.close()
     if comm.rank == 0:
-        report(times, fastest, comm.size, int(flat.nbytes), len(grads), args, failed)
+        runs = len(local_runs([g.__array_interface__["data"][0] for g in grads], [g.size for g in grads]))
+        report(times, fastest, comm.size, int(flat.nbytes), len(grads), args, failed, runs)
 
 
 def check(contenders, grads, scalars, world, size) -> dict[str, str]:
@@ -270,7 +281,7 @@ def check(contenders, grads, scalars, world, size) -> dict[str, str]:
         np.multiply(e, np.float32(1.0 / size), out=e)
     failed = {}
     for name, fn in list(contenders.items()):
-        if name == "bare":
+        if name.startswith("bare"):  # the yardstick and its diagnostic variants compute no mean
             continue
         for g, o in zip(grads, originals, strict=True):
             g[...] = o
@@ -305,7 +316,7 @@ def _spread(values) -> list[float]:
     return [float(np.min(values)), float(np.median(values)), float(np.max(values))]
 
 
-def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, args, failed: dict) -> None:
+def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, args, failed: dict, runs: int) -> None:
     """Print and write min / median / max per contender and the per-round ratio to bare.
 
     Two statistics per round: the median call (what a run sees on this machine, other processes included) and the
@@ -321,14 +332,20 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
         }  # fmt: skip
     record = {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": ranks, "bytes": nbytes,
               "tensors": tensors, "rounds": args.rounds, "calls": args.calls, "load_avg": os.getloadavg(),
-              "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "contenders": rows,
-              "grads": args.grads, "failed": failed}  # fmt: skip
+              "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "mpi": __import__("mpi4py.MPI").MPI.Get_library_version().splitlines()[0].strip(), "contenders": rows,
+              "grads": args.grads, "arena": args.arena,
+              "memory_runs": runs, "failed": failed}  # fmt: skip
     print("BENCH_RESULT " + json.dumps(record), flush=True)
     lines = [f"# Gradient exchange, {ranks} ranks, {nbytes / 1e6:.1f} MB in {tensors} tensors ({record['time']})", "",
              "```", f"mpiexec -n {ranks} python -m bench.bench_exchange --rounds {args.rounds} --calls {args.calls}"
              + (f" --contenders {args.contenders}" if args.contenders else "")
-             + (" --grads numpy" if args.grads == "numpy" else ""),
-             "```", "", f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}.", "",
+             + (" --grads numpy" if args.grads == "numpy" else "")
+             + (" --arena session" if args.arena == "session" else ""),
+             "```", "", f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}. "
+             "Gradients: "
+             f"{'the engine buffers' if args.grads == 'engine' else 'numpy arrays'}, in {runs} memory run(s) "
+             f"(arena: {args.arena}); {record['mpi']}.", "",
              "Per round: the median call and the fastest call of each contender; figures are min / median / max "
              "over rounds; ratios are taken within a round.", "",
              "| contender | median call ms | ratio to bare | fastest call ms | ratio to bare |",

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
             runs[f"{kind} {layout}"].append({**record, "round": r})
             print(f"round {r + 1}/{args.rounds} {kind} {layout} ({record['ranks']}x{record['threads']}): "
                   f"{record['samples_per_s'] or 'FAILED'} samples/s", flush=True)  # fmt: skip
+            # the report so far, after every contender: a run cut short by its time limit still leaves its results
+            write_report(args, info, {k: v for k, v in runs.items() if v}, time.time() - started, name, quiet=True)
     write_report(args, info, runs, time.time() - started, name)
 
 
@@ -150,7 +152,7 @@ def _ratio(runs: dict, a: str, b: str) -> list | None:
                     if x["samples_per_s"] and x["round"] in by_round])  # fmt: skip
 
 
-def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
+def write_report(args, info: dict, runs: dict, wall: float, name: str, quiet: bool = False) -> None:
     """``<name>.json`` and ``<name>.md``: per contender samples/s, and ortflow auto against the others."""
     rows = {label: {"samples_per_s": summary([x["samples_per_s"] for x in recs]),
                     "layout": f"{recs[0]['ranks']}x{recs[0]['threads']}"} for label, recs in runs.items()}  # fmt: skip
@@ -159,7 +161,7 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
     ratios = {}
     if "ortflow auto" in runs:
         for label in runs:
-            if label != "ortflow auto":
+            if label != "ortflow auto" and runs[label]:
                 ratios[f"ortflow auto / {label}"] = _ratio(runs, "ortflow auto", label)
     options = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                if k not in ("out", "work") and v is not None]  # fmt: skip
@@ -182,7 +184,8 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
                   for k, v in ratios.items()]  # fmt: skip
     text = "\n".join(lines) + "\n"
     (args.out / f"{name}.md").write_text(text)
-    print(text)
+    if not quiet:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,53 @@ class PostedTensors:
         scalars[:] = pack[at:]
 
 
+class RunsMeanOp(RunsPosted):
+    """2 ranks only: the runs reduced with a user-defined op that adds and scales in one go (each value is combined
+    exactly once at 2 ranks, so this is the sum times 1/N, bit for bit); no scale pass afterwards."""
+
+    def __init__(self, mpi, world, grads, num_scalars):
+        if world.Get_size() != 2:
+            raise ValueError("the fused mean op is exact at 2 ranks only")
+        super().__init__(mpi, world, grads, num_scalars)
+        self.scale = np.float32(1.0)
+
+        def add_scaled(inbuf, inoutbuf, datatype):
+            a, b = np.frombuffer(inbuf, np.float32), np.frombuffer(inoutbuf, np.float32)
+            np.add(a, b, out=b)
+            np.multiply(b, self.scale, out=b)
+
+        self.op = mpi.Op.Create(add_scaled, commute=True)
+
+    def __call__(self, grads, divisor, scalars):
+        mpi, plan = self.mpi, self.plan
+        self.scale = np.float32(1.0 / divisor)
+        plan.fill(scalars)
+        requests = [self.world.Iallreduce(mpi.IN_PLACE, plan.pack, op=mpi.SUM)]
+        requests += [self.world.Iallreduce(mpi.IN_PLACE, v, op=self.op) for v in plan.views]
+        mpi.Request.Waitall(requests)
+        plan.drain(scalars, self.scale)
+
+
+class BareScaled:
+    """Diagnostic, not an exchange: the bare all-reduce plus the mean's one scale pass over the same buffer."""
+
+    def __init__(self, mpi, world, grads, num_scalars):
+        self.mpi, self.world = mpi, world
+        self.flat = np.ones(sum(g.size for g in grads) + num_scalars, np.float32)
+
+    def __call__(self, grads, divisor, scalars):
+        self.world.Allreduce(self.mpi.IN_PLACE, self.flat, op=self.mpi.SUM)
+        np.multiply(self.flat, np.float32(1.0 / divisor), out=self.flat)
+
+
+class BareRuns(RunsPosted):
+    """Diagnostic, not an exchange: the runs' collectives as ortflow posts them, without the scale or the pack."""
+
+    def __call__(self, grads, divisor, scalars):
+        mpi = self.mpi
+        mpi.Request.Waitall([self.world.Iallreduce(mpi.IN_PLACE, v, op=mpi.SUM) for v in self.plan.views])
+
+
 class Hindexed:
     def __init__(self, mpi, world, grads, num_scalars):
         self.mpi, self.world, self.plan = mpi, world, RunPlan(world, grads, num_scalars)
@@ -196,5 +243,6 @@ class Hindexed:
 
 CONTENDERS = {
     "posted-tensors": PostedTensors, "runs-posted": RunsPosted, "runs-any": RunsAny, "runs-blocking": RunsBlocking,
-    "runs-rsag": RunsRSAG, "runs-rsag-blocking": RunsRSAGBlocking, "hindexed": Hindexed,
+    "runs-rsag": RunsRSAG, "runs-rsag-blocking": RunsRSAGBlocking, "runs-meanop": RunsMeanOp, "hindexed": Hindexed,
+    "bare-scaled": BareScaled, "bare-runs": BareRuns,
 }

@@ -78,3 +78,17 @@ def test_run_plan_refuses_a_non_contiguous_gradient():
     grads = [np.zeros((4, 4), np.float32)[:, :2]]
     with pytest.raises(TypeError, match="not contiguous"):
         RunPlan(grads, 2, allgather=lambda mine: [mine])
+
+
+def test_run_plan_keeps_the_arrays_of_its_key_alive():
+    # The key is the gradients' identities: the plan must hold the arrays themselves (views of them are not enough),
+    # or a new array could take a freed one's identity and be matched to a stale plan.
+    import gc
+    import weakref
+
+    grads = _carve([0, 1], [30, 20])
+    refs = [weakref.ref(g) for g in grads]
+    plan = RunPlan(grads, 2, allgather=lambda mine: [mine], min_values=10)
+    del grads
+    gc.collect()
+    assert all(r() is not None for r in refs) and plan.key == plan_key([r() for r in refs], 2)

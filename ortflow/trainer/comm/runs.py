@@ -90,6 +90,7 @@ class RunPlan:
             if not g.flags.c_contiguous:
                 raise TypeError(f"gradient {i} is not contiguous: the exchange reduces the engine's buffers in place")
         sizes = [g.size for g in grads]
+        self.grads = list(grads)  # held: their identities are the plan's key (plan_key), so none may be reused
         self.key = plan_key(grads, num_scalars)
         mine = local_runs([g.__array_interface__["data"][0] for g in grads], sizes)
         large, self.small = split_runs(common_runs(allgather(mine)), sizes, min_values)
