@@ -124,9 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     setup = Setup(SHAPE, args.batch_size, args.warmup, args.steps, args.display, default_mpiexec(),
                   env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
     args.work.mkdir(parents=True, exist_ok=True)
-    export_model(args.work, SHAPE)
+    try:
+        export_model(args.work, SHAPE)
+        model = "the PyTorch GPT of bench/torch_gpt.py, exported"
+    except ModuleNotFoundError:  # no PyTorch on this machine: ortflow's own GPT of the same shape (ortflow only)
+        if args.torch:
+            raise
+        from ortflow.examples.gpt import build_gpt
+
+        build_gpt(args.work / "gpt.onnx", **SHAPE)
+        model = "ortflow.examples.gpt (no PyTorch on this machine)"
     write_tokens(args.work, SHAPE, rows=max(4096, 4 * args.global_batch * (setup.total_steps + args.display)))
-    info, started = host_info(), time.time()
+    info, started = {**host_info(), "model": model}, time.time()
     contenders = [("ortflow", x) for x in args.ortflow.split(",") if x] + [("torch", x) for x in args.torch.split(",")
                                                                            if x]  # fmt: skip
     name = args.name or f"layout-{info['host']}-{time.strftime('%Y%m%d-%H%M')}"
@@ -174,7 +183,8 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str, quiet: bo
     lines = [f"# Layouts at global batch {args.global_batch}: {info['host']}, {info['cores']} cores, {info['date']}",
              "", "```", record["command"], "```", "",
              f"{info['cpu']}; load average at start {info['load_average_at_start']}, at end "
-             f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Samples/s min / median "
+             f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Model: "
+             f"{info.get('model', '?')} {SHAPE}. Samples/s min / median "
              "/ max over rounds (every contender trains the same samples per weight update).", "",
              "| contender | ranks x threads | samples/s |", "|---|---|---|"]  # fmt: skip
     lines += [f"| {label} | {row['layout']} | {fmt(row['samples_per_s'])} |" for label, row in rows.items()]
