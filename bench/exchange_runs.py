@@ -223,6 +223,21 @@ class BareRuns(RunsPosted):
         mpi.Request.Waitall([self.world.Iallreduce(mpi.IN_PLACE, v, op=mpi.SUM) for v in self.plan.views])
 
 
+class BareNonblocking(BareScaled):
+    """Diagnostic: the bare all-reduce of the same numpy buffer as ``bare``, posted non-blocking and waited for."""
+
+    def __call__(self, grads, divisor, scalars):
+        self.world.Iallreduce(self.mpi.IN_PLACE, self.flat, op=self.mpi.SUM).Wait()
+
+
+class BareRunsBlocking(RunsPosted):
+    """Diagnostic: the runs' collectives blocking, one after the other, without the scale or the pack."""
+
+    def __call__(self, grads, divisor, scalars):
+        for v in self.plan.views:
+            self.world.Allreduce(self.mpi.IN_PLACE, v, op=self.mpi.SUM)
+
+
 class Hindexed:
     def __init__(self, mpi, world, grads, num_scalars):
         self.mpi, self.world, self.plan = mpi, world, RunPlan(world, grads, num_scalars)
@@ -244,5 +259,6 @@ class Hindexed:
 CONTENDERS = {
     "posted-tensors": PostedTensors, "runs-posted": RunsPosted, "runs-any": RunsAny, "runs-blocking": RunsBlocking,
     "runs-rsag": RunsRSAG, "runs-rsag-blocking": RunsRSAGBlocking, "runs-meanop": RunsMeanOp, "hindexed": Hindexed,
-    "bare-scaled": BareScaled, "bare-runs": BareRuns,
+    "bare-scaled": BareScaled, "bare-runs": BareRuns, "bare-nonblocking": BareNonblocking,
+    "bare-runs-blocking": BareRunsBlocking,
 }
