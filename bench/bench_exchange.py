@@ -211,11 +211,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engine's own gradient buffers (its memory layout), or numpy arrays of their shapes")
     parser.add_argument("--arena", choices=("trainer", "session"), default="trainer",
                         help="engine gradients: the trainer's shared arena (gradients back to back) or the default")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="off: the engine's gradient memory stays on its own pages (no madvise by the exchange)")
     parser.add_argument("--contenders", default=None, help="comma-separated names to run (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from ortflow.trainer.comm import MPIComm
+    from ortflow.trainer.comm import MPIComm, runs
+
+    if args.huge_pages == "off":
+        runs.advise_huge_pages = lambda view: False  # every RunPlan (ortflow's and the run contenders') skips it
 
     with tempfile.TemporaryDirectory() as tmp:
         comm = MPIComm(Path(tmp) / "hb", 600.0)
@@ -261,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
                 fastest[name].append(float(np.min(calls[1:])))
         comm.close()
     if comm.rank == 0:
-        runs = len(local_runs([g.__array_interface__["data"][0] for g in grads], [g.size for g in grads]))
-        report(times, fastest, comm.size, int(flat.nbytes), len(grads), args, failed, runs)
+        num_runs = len(local_runs([g.__array_interface__["data"][0] for g in grads], [g.size for g in grads]))
+        report(times, fastest, comm.size, int(flat.nbytes), len(grads), args, failed, num_runs)
 
 
 def check(contenders, grads, scalars, world, size) -> dict[str, str]:
@@ -334,14 +339,15 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
               "tensors": tensors, "rounds": args.rounds, "calls": args.calls, "load_avg": os.getloadavg(),
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "mpi": __import__("mpi4py.MPI").MPI.Get_library_version().splitlines()[0].strip(), "contenders": rows,
-              "grads": args.grads, "arena": args.arena,
+              "grads": args.grads, "arena": args.arena, "huge_pages": args.huge_pages,
               "memory_runs": runs, "failed": failed}  # fmt: skip
     print("BENCH_RESULT " + json.dumps(record), flush=True)
     lines = [f"# Gradient exchange, {ranks} ranks, {nbytes / 1e6:.1f} MB in {tensors} tensors ({record['time']})", "",
              "```", f"mpiexec -n {ranks} python -m bench.bench_exchange --rounds {args.rounds} --calls {args.calls}"
              + (f" --contenders {args.contenders}" if args.contenders else "")
              + (" --grads numpy" if args.grads == "numpy" else "")
-             + (" --arena session" if args.arena == "session" else ""),
+             + (" --arena session" if args.arena == "session" else "")
+             + (" --huge-pages off" if args.huge_pages == "off" else ""),
              "```", "", f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}. "
              "Gradients: "
              f"{'the engine buffers' if args.grads == 'engine' else 'numpy arrays'}, in {runs} memory run(s) "
@@ -359,7 +365,9 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"exchange-{record['host']}-{ranks}r-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
+        arena = "-session-arena" if args.arena == "session" else ""
+        arena += "-4k-pages" if args.huge_pages == "off" else ""
+        stem = f"exchange-{record['host']}-{ranks}r{arena}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
         (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
         (args.out / f"{stem}.md").write_text(text)
 
