@@ -172,10 +172,10 @@ class MPIComm:
         self._collective("gradient all-reduce", lambda: exchange(grads, divisor, scalars))
 
     def _exchange_posted(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
-        """Runs of gradients that lie back to back in the engine's memory all-reduced in place as one buffer each
-        (comm/runs.py: 5 collectives for the bench GPT's 69 gradients, no packing), the small runs and the scalars
-        packed into one more; every collective posted before any wait, so the ranks meet once; then the 1/divisor
-        scale, one pass."""
+        """Runs of gradients that lie back to back in the engine's memory all-reduced in place as one buffer each, on
+        huge pages (comm/runs.py; the bench GPT's 69 gradients are 1 run with the trainer's arena, trainer/arena.py),
+        the small runs and the scalars packed into one more; every collective posted before any wait, so the ranks
+        meet once; then the 1/divisor scale, one pass."""
         mpi = self._mpi
         plan = self._runs
         if plan is None or plan.key != plan_key(grads, scalars.size):
