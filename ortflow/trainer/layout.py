@@ -9,7 +9,8 @@ well (16 x 1 reached 3.7x the tokens/s of 1 x 32 on that Xeon; 2 x 1 beat 1 x 2 
 starts one single-threaded rank per physical core (SMT siblings share one core's arithmetic units: the Xeon's 32
 CPUs gave numpy's GEMM 13.6x one CPU's speed, and 16 x 1 was its fastest layout measured), as many as memory holds
 (a rank holds parameters, gradients and the two AdamW moments, plus the engine's own working memory), and, when a
-global batch is set, the most ranks that divide it. Physical cores left over go to the ranks as threads.
+global batch is set, the most ranks that divide it, and at most 16 per host (the largest count measured to pay).
+Physical cores left over go to the ranks as threads.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ STATE_BYTES_PER_PARAMETER = 16
 RANK_BASE_BYTES = 1024 * 2**20
 #: Share of the host's available memory that auto may plan for (the rest: page cache, the launcher, data shards).
 MEMORY_SHARE = 0.8
+#: The most ranks ``auto`` starts on one host: the largest count measured to pay (16 x 1 on the 32-CPU Xeon, where
+#: each rank already ran at 0.56 of a lone rank's speed); beyond it, cores go to the ranks as threads (``ortflow tune``
+#: also times one rank per CPU).
+MAX_AUTO_RANKS = 16
 #: The winner of ``ortflow tune``, kept in the run folder and reused by ``auto`` on a host of the same size.
 TUNED_LAYOUT_FILE = "layout.json"
 
@@ -89,7 +94,8 @@ def _divides(global_batch: int, ranks: int, unit: int) -> bool:
 def auto_layout(
     host: Host, num_parameters: int, global_batch: int | None = None, fixed_batch: int | None = None
 ) -> Layout:
-    """The rule: one single-threaded rank per physical core, bounded by memory and by the global batch's divisors.
+    """The rule: one single-threaded rank per physical core, bounded by memory, by :data:`MAX_AUTO_RANKS` and by the
+    global batch's divisors.
 
     Args:
         host: Cores and available memory.
@@ -110,8 +116,9 @@ def auto_layout(
             "larger host"
         )
     cores = host.compute_cores
-    ranks = max(1, min(cores, by_memory))
-    why = f"{cores} physical cores" if ranks == cores else f"memory for {by_memory} replicas"
+    ranks = max(1, min(cores, by_memory, MAX_AUTO_RANKS))
+    why = (f"{cores} physical cores" if ranks == cores else f"memory for {by_memory} replicas" if ranks == by_memory
+           else f"at most {MAX_AUTO_RANKS} ranks per host, of {cores} physical cores")  # fmt: skip
     if cores < host.cores:
         why += f" of {host.cores} CPUs"
     if global_batch is not None:

@@ -26,8 +26,15 @@ GIB = 2**30
 
 
 def test_auto_starts_one_single_threaded_rank_per_core():
-    assert auto_layout(Host(32, 128 * GIB), 3_300_000).pair == (32, 1)
+    assert auto_layout(Host(8, 64 * GIB), 3_300_000).pair == (8, 1)
     assert auto_layout(Host(2, 20 * GIB), 3_300_000).pair == (2, 1)  # 2x1 beat 1x2 on the 2-core machine
+
+
+def test_auto_stops_at_16_ranks_per_host_and_gives_the_rest_as_threads():
+    # 16 x 1 was the fastest layout measured on the 32-CPU Xeon; more ranks per host were never measured to pay
+    layout = auto_layout(Host(32, 128 * GIB), 3_300_000)
+    assert layout.pair == (16, 2) and "at most 16 ranks per host" in layout.reason
+    assert auto_layout(Host(64, 512 * GIB), 3_300_000).pair == (16, 4)
 
 
 def test_auto_counts_physical_cores_not_smt_siblings():
@@ -153,10 +160,12 @@ def test_config_checks_global_batch_against_fixed_ranks_and_accumulation(tmp_pat
         _cfg(tmp_path, global_batch_size=32, gradient_accumulation_steps=2, num_train_steps=10)
 
 
-def test_tune_candidates_add_one_rank_per_cpu_on_an_smt_host():
+def test_tune_candidates_add_one_rank_per_cpu_where_the_rule_starts_fewer():
     from ortflow.trainer.tune import candidates
 
     smt = [c.pair for c in candidates(Host(32, 128 * GIB, physical_cores=16), 3_300_000, None, None)]
     assert smt == [(16, 1), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
     plain = [c.pair for c in candidates(Host(4, 16 * GIB), 3_300_000, None, None)]
     assert plain == [(4, 1), (2, 2), (1, 4)]
+    capped = [c.pair for c in candidates(Host(32, 128 * GIB), 3_300_000, None, None)]
+    assert capped == [(16, 2), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
