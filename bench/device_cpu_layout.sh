@@ -77,7 +77,7 @@ for ranks in "${exchange_ranks[@]}"; do
     echo "== exchange at $ranks ranks ($((SECONDS - started)) s)"
     # shellcheck disable=SC2086 - the launcher prefix is a command line
     timeout 100 $BENCH_MPIEXEC -n "$ranks" "$PYTHON" -m bench.bench_exchange --rounds "${EXCHANGE_ROUNDS:-10}" \
-        --calls 10 --contenders ortflow,packed,posted-tensors,runs-blocking,runs-rsag --out "$OUT" \
+        --calls 10 --contenders ortflow,packed,posted-tensors,bare-scaled,bare-runs --out "$OUT" \
         2>&1 | grep -v "^BENCH_RESULT" | tee "$LOGS/exchange-${ranks}r.log" || status=$?
 done
 echo "== layouts ($((SECONDS - started)) s)"
