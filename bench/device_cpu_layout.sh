@@ -85,11 +85,15 @@ timeout "${LAYOUT_TIMEOUT:-390}" "$PYTHON" -m bench.bench_layout --global-batch 
     --ortflow "${ORTFLOW_LAYOUTS:-auto,16x1,32x1}" --torch "$TORCH_LAYOUTS" \
     --rounds "${ROUNDS:-1}" --warmup "${WARMUP:-2}" --steps "${STEPS:-6}" --display "${DISPLAY:-2}" \
     --work /tmp/bench-layout --out "$OUT" --name "layout-$STAMP" || status=$?
-echo "== derived datatype at 2 ranks ($((SECONDS - started)) s)"
-# shellcheck disable=SC2086 - the launcher prefix is a command line
-timeout 60 $BENCH_MPIEXEC -n 2 "$PYTHON" -m bench.bench_exchange --rounds 3 --calls 10 --contenders hindexed \
-    > "$LOGS/exchange-hindexed-2r.log" 2>&1 || echo "derived datatype run: exit $? (see its log)"
-grep -v "^BENCH_RESULT" "$LOGS/exchange-hindexed-2r.log" | tail -20 || true
+# The trainer's arena (1 run: the type is one block) and a session's own (5 runs spread over ~46 TB of addresses).
+for arena in trainer session; do
+    echo "== derived datatype at 2 ranks, $arena arena ($((SECONDS - started)) s)"
+    # shellcheck disable=SC2086 - the launcher prefix is a command line
+    timeout 60 $BENCH_MPIEXEC -n 2 "$PYTHON" -m bench.bench_exchange --rounds 3 --calls 10 --arena "$arena" \
+        --contenders hindexed,ortflow > "$LOGS/exchange-hindexed-$arena-2r.log" 2>&1 \
+        || echo "derived datatype run: exit $? (see its log)"
+    grep -v "^BENCH_RESULT" "$LOGS/exchange-hindexed-$arena-2r.log" | tail -14 || true
+done
 tar -czf "$OUT/layout-$STAMP-logs.tgz" -C "$OUT" "layout-$STAMP-logs" && rm -rf "${LOGS:?}"
 echo "done in $((SECONDS - started)) s"
 ls -la "$OUT"
