@@ -43,7 +43,11 @@ def use_gradient_arena(options: onnxruntime.SessionOptions, gradient_bytes: int)
                                          onnxruntime.OrtMemType.DEFAULT)  # fmt: skip
         # kNextPowerOfTwo (0) as the engine's default arena grows; the first chunk is what differs.
         config = onnxruntime.OrtArenaCfg({"initial_chunk_size_bytes": chunk, "arena_extend_strategy": 0})
-        onnxruntime.create_and_register_allocator(info, config)
+        try:
+            onnxruntime.create_and_register_allocator(info, config)
+        except Exception as err:  # noqa: BLE001 - the engine raises its own Fail: one shared arena exists already
+            # (a pipeline stage's, parallel/stages.py): use it; the gradients may then lie in a few runs, still correct
+            log.debug("shared engine arena exists already (%s); the gradients may lie in several runs", err)
         _FIRST_CHUNK.append(chunk)
         log.debug("shared engine arena: first chunk %d MiB for %d MiB of gradients", chunk >> 20, gradient_bytes >> 20)
     options.add_session_config_entry("session.use_env_allocators", "1")

@@ -42,3 +42,20 @@ def test_shared_arena_lays_the_engine_gradients_back_to_back(tmp_path):
     counts = dict(zip(["own", "shared"], map(int, out.stdout.split("RUNS own ")[1].split(" shared ")), strict=True))
     assert counts["own"] > 1, counts  # what the shared arena fixes happens with the engine's default
     assert counts["shared"] == 1, counts
+
+
+def test_an_existing_shared_arena_is_used_rather_than_an_error(tmp_path):
+    # A pipeline stage registers the process's shared arena its own way (parallel/stages.py); the whole-model path
+    # must then use that one, not fail. Fresh process: the engine keeps one shared arena per process.
+    code = (
+        "import onnxruntime as ort\n"
+        "from ortflow.trainer import arena\n"
+        "info = ort.OrtMemoryInfo('Cpu', ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)\n"
+        "ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))\n"
+        "options = arena.use_gradient_arena(ort.SessionOptions(), 2**20)\n"
+        "print('USES', options.get_session_config_entry('session.use_env_allocators'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "USES 1" in out.stdout
