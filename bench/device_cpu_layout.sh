@@ -13,7 +13,7 @@
 #
 # Writes $OUT/exchange-*.json/.md, $OUT/layout-*.json/.md and a log archive, in about 8 minutes. Knobs (environment):
 # GLOBAL_BATCH (128), ORTFLOW_LAYOUTS (auto,16x1,32x1), TORCH_LAYOUTS (1x32,16x1,32x1,16x2,8x4; empty: no PyTorch),
-# ROUNDS (1), WARMUP (2), STEPS (6), DISPLAY (2), EXCHANGE_RANKS (2,16), EXCHANGE_ROUNDS (10), LAYOUT_TIMEOUT (390),
+# ROUNDS (1), WARMUP (2), STEPS (6), DISPLAY (2), EXCHANGE_RANKS (2,16), EXCHANGE_ROUNDS (10), LAYOUT_TIMEOUT (360),
 # SKIP_INSTALL=1 and PYTHON to try the logic elsewhere, BENCH_MPIEXEC. Try it on the 2-core machine (no PyTorch):
 #   SKIP_INSTALL=1 PYTHON=.venv/bin/python OUT=/tmp/out GLOBAL_BATCH=4 ORTFLOW_LAYOUTS=auto TORCH_LAYOUTS= \
 #   STEPS=2 EXCHANGE_RANKS=2 EXCHANGE_ROUNDS=2 bash bench/device_cpu_layout.sh
@@ -81,7 +81,7 @@ for ranks in "${exchange_ranks[@]}"; do
         2>&1 | grep -v "^BENCH_RESULT" | tee "$LOGS/exchange-${ranks}r.log" || status=$?
 done
 echo "== layouts ($((SECONDS - started)) s)"
-timeout "${LAYOUT_TIMEOUT:-390}" "$PYTHON" -m bench.bench_layout --global-batch "${GLOBAL_BATCH:-128}" \
+timeout "${LAYOUT_TIMEOUT:-360}" "$PYTHON" -m bench.bench_layout --global-batch "${GLOBAL_BATCH:-128}" \
     --ortflow "${ORTFLOW_LAYOUTS:-auto,16x1,32x1}" --torch "$TORCH_LAYOUTS" \
     --rounds "${ROUNDS:-1}" --warmup "${WARMUP:-2}" --steps "${STEPS:-6}" --display "${DISPLAY:-2}" \
     --work /tmp/bench-layout --out "$OUT" --name "layout-$STAMP" || status=$?
