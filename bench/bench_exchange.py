@@ -34,7 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.exchange_runs import CONTENDERS
 from ortflow.trainer.comm.buckets import plan_buckets
+from ortflow.trainer.comm.runs import local_runs
 
 
 def gradient_shapes(model: Path | None) -> list[tuple[int, ...]]:
@@ -42,12 +44,55 @@ def gradient_shapes(model: Path | None) -> list[tuple[int, ...]]:
     import onnx
 
     if model is None:
-        from ortflow.examples.gpt import build_gpt
-
-        model = Path(tempfile.mkdtemp()) / "gpt.onnx"
-        build_gpt(model, seq_len=128, d_model=256, num_layers=4, num_heads=4)
+        model = bench_gpt(Path(tempfile.mkdtemp()))
     proto = onnx.load(str(model), load_external_data=False)
     return [tuple(t.dims) for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+
+
+def bench_gpt(folder: Path) -> Path:
+    from ortflow.examples.gpt import build_gpt
+
+    return build_gpt(folder / "gpt.onnx", seq_len=128, d_model=256, num_layers=4, num_heads=4)
+
+
+def engine_gradients(world, model: Path | None, folder: Path, arena: str) -> tuple[object, list[np.ndarray]]:
+    """The engine's own gradient buffers (in sorted-name order, as the trainer takes them) for ``model``.
+
+    Rank 0 builds the training artifacts once (the engine writes temp.onnx into the current folder); every rank then
+    loads its module, with the trainer's shared arena sized for the gradients (``arena`` "trainer",
+    ortflow.trainer.arena) or the session's own default arena ("session"). Returns (module, gradients): keep the
+    module alive while the gradients are used.
+    """
+    import os
+
+    import onnx
+
+    from ortflow.engine import api, artifacts
+    from ortflow.trainer.runtime import session_options
+
+    folder = Path(world.bcast(str(folder) if world.Get_rank() == 0 else None, root=0))
+    if world.Get_rank() == 0:
+        proto = onnx.load(str(model or bench_gpt(folder)))
+        names = sorted(t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT)
+        cwd = Path.cwd()
+        os.chdir(folder)
+        try:
+            artifacts.generate_artifacts(proto, requires_grad=names, frozen_params=[],
+                                         loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
+                                         artifact_directory=str(folder))  # fmt: skip
+        finally:
+            os.chdir(cwd)
+    world.Barrier()
+    from ortflow.trainer.arena import use_gradient_arena
+
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    options = session_options(1)
+    if arena == "trainer":
+        options = use_gradient_arena(options, 4 * sum(p.data.size for _, p in state.parameters if p.requires_grad))
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
+                        session_options=options)  # fmt: skip
+    names = sorted(n for n, p in state.parameters if p.requires_grad)
+    return (state, module), [state.parameters[n].grad for n in names]
 
 
 class Packed:
@@ -162,27 +207,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=10, help="timed calls per contender per round")
     parser.add_argument("--buckets-kib", default="256,1024,4096")
+    parser.add_argument("--grads", choices=("engine", "numpy"), default="engine",
+                        help="the engine's own gradient buffers (its memory layout), or numpy arrays of their shapes")
+    parser.add_argument("--arena", choices=("trainer", "session"), default="trainer",
+                        help="engine gradients: the trainer's shared arena (gradients back to back) or the default")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="off: the engine's gradient memory stays on its own pages (no madvise by the exchange)")
+    parser.add_argument("--contenders", default=None, help="comma-separated names to run (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from ortflow.trainer.comm import MPIComm
+    from ortflow.trainer.comm import MPIComm, runs
 
-    shapes = gradient_shapes(args.model)
+    if args.huge_pages == "off":
+        runs.advise_huge_pages = lambda view: False  # every RunPlan (ortflow's and the run contenders') skips it
+
     with tempfile.TemporaryDirectory() as tmp:
         comm = MPIComm(Path(tmp) / "hb", 600.0)
         mpi, world = comm._mpi, comm.comm
         rng = np.random.default_rng(comm.rank)
-        grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        if args.grads == "engine":
+            keep, grads = engine_gradients(world, args.model, Path(tmp), args.arena)
+            for g in grads:
+                g[...] = rng.standard_normal(g.shape)
+        else:
+            grads = [rng.standard_normal(s).astype(np.float32) for s in gradient_shapes(args.model)]
         scalars = np.array([1.0, 0.0], dtype=np.float32)
         flat = np.ones(sum(g.size for g in grads) + scalars.size, dtype=np.float32)
         contenders = {"bare": lambda g, d, s: world.Allreduce(mpi.IN_PLACE, flat, op=mpi.SUM),
                       "ortflow": comm.average_gradients,
                       "packed": Packed(mpi, world, grads, scalars.size),
                       "postall": PostAll(mpi, world, False), "postall-any": PostAll(mpi, world, True)}  # fmt: skip
+        failed: dict[str, str] = {}
         for kib in map(int, args.buckets_kib.split(",")):
             contenders[f"buckets-{kib}"] = Buckets(comm, kib * 256)
             contenders[f"ipipe-{kib}"] = Pipelined(mpi, world, grads, scalars.size, kib * 256)
-        check(contenders, grads, scalars, world, comm.size)
+        for name, make in CONTENDERS.items():
+            try:
+                contenders[name] = make(mpi, world, grads, scalars.size)
+            except Exception as err:  # noqa: BLE001 - an MPI library may refuse a scheme: record it, bench the rest
+                failed[name] = f"{type(err).__name__}: {err}"
+        if args.contenders:
+            keep_names = {"bare", *args.contenders.split(",")}
+            contenders = {k: v for k, v in contenders.items() if k in keep_names}
+        failed.update(check(contenders, grads, scalars, world, comm.size))
         times = {name: [] for name in contenders}
         fastest = {name: [] for name in contenders}
         names = list(contenders)
@@ -198,37 +266,62 @@ def main(argv: list[str] | None = None) -> None:
                 fastest[name].append(float(np.min(calls[1:])))
         comm.close()
     if comm.rank == 0:
-        report(times, fastest, comm.size, int(flat.nbytes), len(grads), args)
+        num_runs = len(local_runs([g.__array_interface__["data"][0] for g in grads], [g.size for g in grads]))
+        report(times, fastest, comm.size, int(flat.nbytes), len(grads), args, failed, num_runs)
 
 
-def check(contenders, grads, scalars, world, size) -> None:
-    """Every contender but ``bare`` must leave the mean over ranks in the gradients and the sum in the scalars."""
+def check(contenders, grads, scalars, world, size) -> dict[str, str]:
+    """Every contender but ``bare`` must leave the mean over ranks in the gradients (the sum times float32(1/N), as
+    the trainer's exchange computes it), bit-identical on every rank, and the sum in the scalars.
+
+    Returns the contenders that failed, with why (and removes them from ``contenders``); each one's count of values
+    that differ from the reference at all (the sum's order may differ between MPI algorithms beyond 2 ranks) is printed.
+    """
     from mpi4py import MPI
 
     originals = [g.copy() for g in grads]
     expected = [np.empty_like(g) for g in grads]
     for g, e in zip(originals, expected, strict=True):
-        world.Allreduce(np.ascontiguousarray(g, dtype=np.float64).astype(np.float32), e, op=MPI.SUM)
-        e /= np.float32(size)
-    for name, fn in contenders.items():
-        if name == "bare":
+        world.Allreduce(g, e, op=MPI.SUM)
+        np.multiply(e, np.float32(1.0 / size), out=e)
+    failed = {}
+    for name, fn in list(contenders.items()):
+        if name.startswith("bare"):  # the yardstick and its diagnostic variants compute no mean
             continue
         for g, o in zip(grads, originals, strict=True):
             g[...] = o
         local = scalars.copy()
-        fn(grads, size, local)
-        for g, e in zip(grads, expected, strict=True):
-            np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7, err_msg=name)
-        np.testing.assert_allclose(local, scalars * size, err_msg=name)
+        try:
+            fn(grads, size, local)
+        except Exception as err:  # noqa: BLE001 - an MPI library may refuse a scheme when called: record it
+            failed[name] = f"{type(err).__name__}: {err}"
+            continue
+        mine = np.concatenate([g.reshape(-1) for g in grads])
+        first = world.bcast(mine if world.Get_rank() == 0 else None, root=0)
+        differ = int(sum(np.count_nonzero(g != e) for g, e in zip(grads, expected, strict=True)))
+        try:
+            for g, e in zip(grads, expected, strict=True):
+                np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7, err_msg=name)
+            np.testing.assert_allclose(local, scalars * size, err_msg=name)
+            if not np.array_equal(mine, first):
+                raise AssertionError(f"{name}: ranks differ")
+        except AssertionError as err:
+            failed[name] = str(err).splitlines()[0]
+        if world.Get_rank() == 0:
+            print(f"check {name}: {differ} values differ from the reference sum x float32(1/N)", flush=True)
+    failed = world.bcast(failed if world.Get_rank() == 0 else None, root=0)
+    for name in failed:
+        contenders.pop(name, None)
     for g, o in zip(grads, originals, strict=True):
         g[...] = o
+    return failed
 
 
 def _spread(values) -> list[float]:
     return [float(np.min(values)), float(np.median(values)), float(np.max(values))]
 
 
-def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, args) -> None:
+def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, args, failed: dict, runs: int) -> None:
     """Print and write min / median / max per contender and the per-round ratio to bare.
 
     Two statistics per round: the median call (what a run sees on this machine, other processes included) and the
@@ -244,11 +337,21 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
         }  # fmt: skip
     record = {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": ranks, "bytes": nbytes,
               "tensors": tensors, "rounds": args.rounds, "calls": args.calls, "load_avg": os.getloadavg(),
-              "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "contenders": rows}  # fmt: skip
+              "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "mpi": __import__("mpi4py.MPI").MPI.Get_library_version().splitlines()[0].strip(), "contenders": rows,
+              "grads": args.grads, "arena": args.arena, "huge_pages": args.huge_pages,
+              "memory_runs": runs, "failed": failed}  # fmt: skip
     print("BENCH_RESULT " + json.dumps(record), flush=True)
     lines = [f"# Gradient exchange, {ranks} ranks, {nbytes / 1e6:.1f} MB in {tensors} tensors ({record['time']})", "",
-             "```", f"mpiexec -n {ranks} python -m bench.bench_exchange --rounds {args.rounds} --calls {args.calls}",
-             "```", "", f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}.", "",
+             "```", f"mpiexec -n {ranks} python -m bench.bench_exchange --rounds {args.rounds} --calls {args.calls}"
+             + (f" --contenders {args.contenders}" if args.contenders else "")
+             + (" --grads numpy" if args.grads == "numpy" else "")
+             + (" --arena session" if args.arena == "session" else "")
+             + (" --huge-pages off" if args.huge_pages == "off" else ""),
+             "```", "", f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}. "
+             "Gradients: "
+             f"{'the engine buffers' if args.grads == 'engine' else 'numpy arrays'}, in {runs} memory run(s) "
+             f"(arena: {args.arena}); {record['mpi']}.", "",
              "Per round: the median call and the fastest call of each contender; figures are min / median / max "
              "over rounds; ratios are taken within a round.", "",
              "| contender | median call ms | ratio to bare | fastest call ms | ratio to bare |",
@@ -257,11 +360,14 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
         cells = [" / ".join(f"{x:.2f}" for x in row[key])
                  for key in ("ms", "ratio_to_bare", "fastest_ms", "fastest_ratio_to_bare")]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [f"\nFailed: {name}: {why}" for name, why in failed.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"exchange-{record['host']}-{ranks}r-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
+        arena = "-session-arena" if args.arena == "session" else ""
+        arena += "-4k-pages" if args.huge_pages == "off" else ""
+        stem = f"exchange-{record['host']}-{ranks}r{arena}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
         (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
         (args.out / f"{stem}.md").write_text(text)
 

@@ -124,9 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     setup = Setup(SHAPE, args.batch_size, args.warmup, args.steps, args.display, default_mpiexec(),
                   env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
     args.work.mkdir(parents=True, exist_ok=True)
-    export_model(args.work, SHAPE)
+    try:
+        export_model(args.work, SHAPE)
+        model = "the PyTorch GPT of bench/torch_gpt.py, exported"
+    except ModuleNotFoundError:  # no PyTorch on this machine: ortflow's own GPT of the same shape (ortflow only)
+        if args.torch:
+            raise
+        from ortflow.examples.gpt import build_gpt
+
+        build_gpt(args.work / "gpt.onnx", **SHAPE)
+        model = "ortflow.examples.gpt (no PyTorch on this machine)"
     write_tokens(args.work, SHAPE, rows=max(4096, 4 * args.global_batch * (setup.total_steps + args.display)))
-    info, started = host_info(), time.time()
+    info, started = {**host_info(), "model": model}, time.time()
     contenders = [("ortflow", x) for x in args.ortflow.split(",") if x] + [("torch", x) for x in args.torch.split(",")
                                                                            if x]  # fmt: skip
     name = args.name or f"layout-{info['host']}-{time.strftime('%Y%m%d-%H%M')}"
@@ -141,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
             runs[f"{kind} {layout}"].append({**record, "round": r})
             print(f"round {r + 1}/{args.rounds} {kind} {layout} ({record['ranks']}x{record['threads']}): "
                   f"{record['samples_per_s'] or 'FAILED'} samples/s", flush=True)  # fmt: skip
+            # the report so far, after every contender: a run cut short by its time limit still leaves its results
+            write_report(args, info, {k: v for k, v in runs.items() if v}, time.time() - started, name, quiet=True)
     write_report(args, info, runs, time.time() - started, name)
 
 
@@ -150,7 +161,7 @@ def _ratio(runs: dict, a: str, b: str) -> list | None:
                     if x["samples_per_s"] and x["round"] in by_round])  # fmt: skip
 
 
-def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
+def write_report(args, info: dict, runs: dict, wall: float, name: str, quiet: bool = False) -> None:
     """``<name>.json`` and ``<name>.md``: per contender samples/s, and ortflow auto against the others."""
     rows = {label: {"samples_per_s": summary([x["samples_per_s"] for x in recs]),
                     "layout": f"{recs[0]['ranks']}x{recs[0]['threads']}"} for label, recs in runs.items()}  # fmt: skip
@@ -159,7 +170,7 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
     ratios = {}
     if "ortflow auto" in runs:
         for label in runs:
-            if label != "ortflow auto":
+            if label != "ortflow auto" and runs[label]:
                 ratios[f"ortflow auto / {label}"] = _ratio(runs, "ortflow auto", label)
     options = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                if k not in ("out", "work") and v is not None]  # fmt: skip
@@ -172,7 +183,8 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
     lines = [f"# Layouts at global batch {args.global_batch}: {info['host']}, {info['cores']} cores, {info['date']}",
              "", "```", record["command"], "```", "",
              f"{info['cpu']}; load average at start {info['load_average_at_start']}, at end "
-             f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Samples/s min / median "
+             f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Model: "
+             f"{info.get('model', '?')} {SHAPE}. Samples/s min / median "
              "/ max over rounds (every contender trains the same samples per weight update).", "",
              "| contender | ranks x threads | samples/s |", "|---|---|---|"]  # fmt: skip
     lines += [f"| {label} | {row['layout']} | {fmt(row['samples_per_s'])} |" for label, row in rows.items()]
@@ -182,7 +194,8 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str) -> None:
                   for k, v in ratios.items()]  # fmt: skip
     text = "\n".join(lines) + "\n"
     (args.out / f"{name}.md").write_text(text)
-    print(text)
+    if not quiet:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,12 @@ def session(folder: Path, d_model: int, num_layers: int):
                                      artifact_directory=str(folder))
     finally:
         os.chdir(cwd)
+    from ortflow.trainer.arena import use_gradient_arena
+
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    options = use_gradient_arena(session_options(1), 4 * sum(p.data.size for _, p in state.parameters))  # as trainer
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        session_options=session_options(1))
+                        session_options=options)
     module.train()
     return state, module, names
 

@@ -6,9 +6,11 @@ without processes; :func:`host_resources` and :func:`run_facts` are the only rea
 The rule (docs/layout.md holds the measurements it comes from): the engine's intra-op threading scales poorly (2.4x
 from 1 to 32 threads on a 32-core Xeon, 1.7x from 1 to 2 here) while data-parallel ranks of one thread each scale
 well (16 x 1 reached 3.7x the tokens/s of 1 x 32 on that Xeon; 2 x 1 beat 1 x 2 by 1.15x on 2 cores). So ``auto``
-starts one single-threaded rank per core, as many as memory holds (a rank holds parameters, gradients and the two
-AdamW moments, plus the engine's own working memory), and, when a global batch is set, the most ranks that divide it.
-Cores left over go to the ranks as threads.
+starts one single-threaded rank per physical core (SMT siblings share one core's arithmetic units: the Xeon's 32
+CPUs gave numpy's GEMM 13.6x one CPU's speed, and 16 x 1 was its fastest layout measured), as many as memory holds
+(a rank holds parameters, gradients and the two AdamW moments, plus the engine's own working memory), and, when a
+global batch is set, the most ranks that divide it, and at most 16 per host (the largest count measured to pay).
+Physical cores left over go to the ranks as threads.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ STATE_BYTES_PER_PARAMETER = 16
 RANK_BASE_BYTES = 1024 * 2**20
 #: Share of the host's available memory that auto may plan for (the rest: page cache, the launcher, data shards).
 MEMORY_SHARE = 0.8
+#: The most ranks ``auto`` starts on one host: the largest count measured to pay (16 x 1 on the 32-CPU Xeon, where
+#: each rank already ran at 0.56 of a lone rank's speed); beyond it, cores go to the ranks as threads (``ortflow tune``
+#: also times one rank per CPU).
+MAX_AUTO_RANKS = 16
 #: The winner of ``ortflow tune``, kept in the run folder and reused by ``auto`` on a host of the same size.
 TUNED_LAYOUT_FILE = "layout.json"
 
@@ -36,10 +42,17 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Host:
-    """What a host offers the ranks: cores this process may use and available memory in bytes."""
+    """What a host offers the ranks: CPUs this process may use, available memory in bytes, and the physical cores
+    behind those CPUs (None: as many as CPUs, e.g. when the topology cannot be read)."""
 
     cores: int
     memory_bytes: int
+    physical_cores: int | None = None
+
+    @property
+    def compute_cores(self) -> int:
+        """Physical cores: what ``auto`` spreads ranks and threads over."""
+        return min(self.physical_cores or self.cores, self.cores)
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,8 @@ def _divides(global_batch: int, ranks: int, unit: int) -> bool:
 def auto_layout(
     host: Host, num_parameters: int, global_batch: int | None = None, fixed_batch: int | None = None
 ) -> Layout:
-    """The rule: one single-threaded rank per core, bounded by memory and by the global batch's divisors.
+    """The rule: one single-threaded rank per physical core, bounded by memory, by :data:`MAX_AUTO_RANKS` and by the
+    global batch's divisors.
 
     Args:
         host: Cores and available memory.
@@ -101,8 +115,12 @@ def auto_layout(
             f"moments, engine) but this host has {host.memory_bytes / 2**30:.1f} GiB available; free memory or use a "
             "larger host"
         )
-    ranks = max(1, min(host.cores, by_memory))
-    why = f"{host.cores} cores" if ranks == host.cores else f"memory for {by_memory} replicas"
+    cores = host.compute_cores
+    ranks = max(1, min(cores, by_memory, MAX_AUTO_RANKS))
+    why = (f"{cores} physical cores" if ranks == cores else f"memory for {by_memory} replicas" if ranks == by_memory
+           else f"at most {MAX_AUTO_RANKS} ranks per host, of {cores} physical cores")  # fmt: skip
+    if cores < host.cores:
+        why += f" of {host.cores} CPUs"
     if global_batch is not None:
         unit = fixed_batch or 1
         fitting = [r for r in range(ranks, 0, -1) if _divides(global_batch, r, unit)]
@@ -114,7 +132,7 @@ def auto_layout(
         if fitting[0] != ranks:
             why += f", largest rank count <= {ranks} dividing global batch {global_batch}"
         ranks = fitting[0]
-    return Layout(ranks, max(1, host.cores // ranks), f"auto: {why}; 1 rank per core (docs/layout.md)")
+    return Layout(ranks, max(1, cores // ranks), f"auto: {why}; 1 rank per physical core (docs/layout.md)")
 
 
 def nearest_multiples(value: int, unit: int) -> list[int]:
@@ -169,9 +187,24 @@ def fixed_batch_dim(inputs: list[dict], merged_rows: dict[str, int] | None = Non
     return found.pop() if found else None
 
 
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """Distinct physical cores (package, core id) behind ``cpus``, from sysfs; None when it cannot be read."""
+    found = set()
+    try:
+        for cpu in cpus:
+            topology = sysfs / f"cpu{cpu}" / "topology"
+            package, core = (topology / "physical_package_id").read_text(), (topology / "core_id").read_text()
+            found.add((package.strip(), core.strip()))
+    except OSError:
+        return None
+    return len(found) or None
+
+
 def host_resources() -> Host:
-    """Cores this process may use and the memory available to it (MemAvailable, bounded by a cgroup limit)."""
-    cores = len(os.sched_getaffinity(0))
+    """CPUs this process may use, their physical cores, and the memory available to it (MemAvailable, bounded by a
+    cgroup limit)."""
+    cpus = os.sched_getaffinity(0)
+    cores = len(cpus)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -185,7 +218,7 @@ def host_resources() -> Host:
             available = min(available, int(limit))
     except (OSError, ValueError):
         pass
-    return Host(cores, available)
+    return Host(cores, available, physical_cores(cpus))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import onnxruntime
 
 from ortflow.config import RunConfig, load_run_config
 from ortflow.engine import api
-from ortflow.trainer import checkpoints, cuda_libs, layout, loss_scale, optim
+from ortflow.trainer import arena, checkpoints, cuda_libs, layout, loss_scale, optim
 from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
@@ -259,13 +259,18 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     resume, warm = choose_start(cfg, comm, 1)
     state_file = cfg.artifacts_dir / "checkpoint"
     state = api.CheckpointState.load_checkpoint(str(state_file))
-    # 5. Session.
+    # 5. Session. On the CPU, from an arena whose first chunk holds every gradient: the engine then allocates them
+    # back to back, and the exchange reduces them as one buffer (trainer/arena.py).
+    options = session_options(threads, cfg.distributed.deterministic_compute)
+    if device == "cpu":
+        grad_bytes = 4 * sum(p.data.size for _, p in state.parameters if p.requires_grad)  # fp32 gradients
+        options = arena.use_gradient_arena(options, grad_bytes)
     module = api.Module(
         str(cfg.artifacts_dir / "training_model.onnx"),
         state,
         str(cfg.artifacts_dir / "eval_model.onnx"),
         device=device,
-        session_options=session_options(threads, cfg.distributed.deterministic_compute),
+        session_options=options,
     )
     # 6. The checkpoint's values into the session's buffers, by name; then the update and its state.
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)

@@ -20,16 +20,31 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.trainer.layout import Host, Layout, LayoutError, _divides, auto_layout, run_facts, write_tuned
+from ortflow.trainer.layout import (
+    MEMORY_SHARE,
+    Host,
+    Layout,
+    LayoutError,
+    _divides,
+    auto_layout,
+    rank_memory_bytes,
+    run_facts,
+    write_tuned,
+)
 
 log = logging.getLogger(__name__)
 RESULT_TAG = "ORTFLOW_TUNE "
 
 
 def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_batch: int | None) -> list[Layout]:
-    """The rule's layout, then half the ranks with twice the threads down to one rank with every core."""
+    """The rule's layout, then one rank per CPU where the rule starts fewer (SMT, or its cap of 16 ranks), then half
+    the rule's ranks with twice the threads down to one rank with every core."""
     first = auto_layout(host, num_parameters, global_batch, fixed_batch)
     found, ranks = [first], first.ranks // 2
+    fits = host.cores * rank_memory_bytes(num_parameters) <= host.memory_bytes * MEMORY_SHARE
+    if first.ranks < host.cores and fits and (global_batch is None or _divides(global_batch, host.cores,
+                                                                               fixed_batch or 1)):
+        found.append(Layout(host.cores, 1, "candidate: one rank per CPU (SMT siblings included, past the cap)"))
     while ranks >= 1:
         if global_batch is None or _divides(global_batch, ranks, fixed_batch or 1):
             found.append(Layout(ranks, max(1, host.cores // ranks), "candidate"))

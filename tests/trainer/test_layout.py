@@ -14,6 +14,7 @@ from ortflow.trainer.layout import (
     auto_layout,
     fixed_batch_dim,
     launch_layout,
+    physical_cores,
     plan_batch,
     rank_config,
     rank_memory_bytes,
@@ -25,8 +26,38 @@ GIB = 2**30
 
 
 def test_auto_starts_one_single_threaded_rank_per_core():
-    assert auto_layout(Host(32, 128 * GIB), 3_300_000).pair == (32, 1)
+    assert auto_layout(Host(8, 64 * GIB), 3_300_000).pair == (8, 1)
     assert auto_layout(Host(2, 20 * GIB), 3_300_000).pair == (2, 1)  # 2x1 beat 1x2 on the 2-core machine
+
+
+def test_auto_stops_at_16_ranks_per_host_and_gives_the_rest_as_threads():
+    # 16 x 1 was the fastest layout measured on the 32-CPU Xeon; more ranks per host were never measured to pay
+    layout = auto_layout(Host(32, 128 * GIB), 3_300_000)
+    assert layout.pair == (16, 2) and "at most 16 ranks per host" in layout.reason
+    assert auto_layout(Host(64, 512 * GIB), 3_300_000).pair == (16, 4)
+
+
+def test_auto_counts_physical_cores_not_smt_siblings():
+    # The 32-CPU Xeon (GEMM 13.6x one CPU on 32 threads): 16 x 1 was its fastest layout measured.
+    layout = auto_layout(Host(32, 128 * GIB, physical_cores=16), 3_300_000)
+    assert layout.pair == (16, 1) and "16 physical cores of 32 CPUs" in layout.reason
+    assert auto_layout(Host(32, 128 * GIB, physical_cores=16), 3_300_000, global_batch=24).pair == (12, 1)
+    assert auto_layout(Host(8, 64 * GIB, physical_cores=None), 1000).pair == (8, 1)  # topology unknown: CPUs
+
+
+def _topology(root, cpu: int, package: int, core: int) -> None:
+    folder = root / f"cpu{cpu}" / "topology"
+    folder.mkdir(parents=True)
+    (folder / "physical_package_id").write_text(f"{package}\n")
+    (folder / "core_id").write_text(f"{core}\n")
+
+
+def test_physical_cores_counts_package_and_core_pairs(tmp_path):
+    for cpu in range(8):  # 2 packages x 2 cores x 2 threads: core ids repeat across packages
+        _topology(tmp_path, cpu, package=cpu // 4, core=cpu % 2)
+    assert physical_cores(set(range(8)), tmp_path) == 4
+    assert physical_cores({0, 2}, tmp_path) == 1  # siblings of one core
+    assert physical_cores({0, 9}, tmp_path) is None  # cpu9 has no topology: unknown, not a guess
 
 
 def test_auto_fits_replicas_and_optimizer_state_into_memory():
@@ -127,3 +158,14 @@ def test_config_checks_global_batch_against_fixed_ranks_and_accumulation(tmp_pat
                           "distributed": {"num_ranks": 4}})  # fmt: skip
     with pytest.raises(ConfigError, match="derived from train.global_batch_size"):
         _cfg(tmp_path, global_batch_size=32, gradient_accumulation_steps=2, num_train_steps=10)
+
+
+def test_tune_candidates_add_one_rank_per_cpu_where_the_rule_starts_fewer():
+    from ortflow.trainer.tune import candidates
+
+    smt = [c.pair for c in candidates(Host(32, 128 * GIB, physical_cores=16), 3_300_000, None, None)]
+    assert smt == [(16, 1), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
+    plain = [c.pair for c in candidates(Host(4, 16 * GIB), 3_300_000, None, None)]
+    assert plain == [(4, 1), (2, 2), (1, 4)]
+    capped = [c.pair for c in candidates(Host(32, 128 * GIB), 3_300_000, None, None)]
+    assert capped == [(16, 2), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]

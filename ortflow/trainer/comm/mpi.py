@@ -14,11 +14,9 @@ import numpy as np
 from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
 from ortflow.trainer.comm.buckets import Bucket, plan_buckets
+from ortflow.trainer.comm.runs import RunPlan, plan_key
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
-#: Gradients of at least this many values are all-reduced in place; smaller ones are packed into one collective
-#: (each collective is one more meeting of all ranks, which costs more than packing a small gradient).
-POSTED_MIN_VALUES = 16384
 #: Dimensions a point-to-point header holds (unused ones are -1).
 _HEADER = 8
 
@@ -50,6 +48,7 @@ class MPIComm:
         self._groups: dict[int, object] = {}  # group size -> MPI sub-communicator of consecutive ranks
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
+        self._runs: RunPlan | None = None  # the posted exchange's plan, made at its first call
         self._pending: list = []
         self._pending_requests: list = []
         self._world_of: dict[int, int] = {}
@@ -86,6 +85,7 @@ class MPIComm:
         sub.comm = self._collective(label, lambda: self.comm.Split(color, key=self.rank))
         sub.rank, sub.size = sub.comm.Get_rank(), sub.comm.Get_size()
         sub._flat, sub._slices, sub._pending, sub._pending_requests, sub._groups = None, [], [], [], {}
+        sub._runs = None  # agreed among this group's ranks at its first exchange
         sub._closed, sub._world_of = True, {}  # the parent owns the watchdog
         return sub
 
@@ -166,39 +166,29 @@ class MPIComm:
             if divisor != 1.0:
                 scale_gradients(grads, 1.0 / divisor)
             return
-        # Large gradients in place, small ones packed, all posted at once (the fastest measured here), or cache-sized
+        # Memory runs in place, small ones packed, all posted at once (the fastest measured here), or cache-sized
         # buckets with distributed.exchange_bucket_mb (comm/buckets.py; docs/layout.md has the measurements).
         exchange = self._exchange_buckets if self.bucket_values else self._exchange_posted
         self._collective("gradient all-reduce", lambda: exchange(grads, divisor, scalars))
 
     def _exchange_posted(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
-        """Large gradients all-reduced in place (no packing), the small ones and the scalars packed into one buffer;
-        every collective posted before any wait, so the ranks meet once; then the 1/divisor scale, one pass."""
+        """Runs of gradients that lie back to back in the engine's memory all-reduced in place as one buffer each, on
+        huge pages (comm/runs.py; the bench GPT's 69 gradients are 1 run with the trainer's arena, trainer/arena.py),
+        the small runs and the scalars packed into one more; every collective posted before any wait, so the ranks
+        meet once; then the 1/divisor scale, one pass."""
         mpi = self._mpi
-        flats = [g.reshape(-1) for g in grads]  # views of the engine's buffers
-        key = tuple(f.size for f in flats)
-        if getattr(self, "_posted_key", None) != key:
-            small = [i for i, n in enumerate(key) if n < POSTED_MIN_VALUES]
-            self._posted_key, self._small = key, small
-            self._pack = np.empty(sum(key[i] for i in small) + scalars.size, np.float32)
-        small, pack = self._small, self._pack
-        at = 0
-        for i in small:
-            pack[at : at + key[i]] = flats[i]
-            at += key[i]
-        pack[at:] = scalars
-        requests = [self.comm.Iallreduce(mpi.IN_PLACE, pack, op=mpi.SUM)]
-        requests += [self.comm.Iallreduce(mpi.IN_PLACE, f, op=mpi.SUM) for f in flats if f.size >= POSTED_MIN_VALUES]
+        plan = self._runs
+        if plan is None or plan.key != plan_key(grads, scalars.size):
+            # Sync point (once per set of gradient buffers): the ranks agree on the runs they all hold alike.
+            plan = self._runs = RunPlan(grads, scalars.size, self.comm.allgather)
+        plan.fill(scalars)
+        requests = [self.comm.Iallreduce(mpi.IN_PLACE, plan.pack, op=mpi.SUM)]
+        requests += [self.comm.Iallreduce(mpi.IN_PLACE, view, op=mpi.SUM) for view in plan.views]
         mpi.Request.Waitall(requests)
         scale = np.float32(1.0 / divisor)
-        for flat in flats:
-            if flat.size >= POSTED_MIN_VALUES:
-                np.multiply(flat, scale, out=flat)
-        at = 0
-        for i in small:
-            np.multiply(pack[at : at + key[i]], scale, out=flats[i])
-            at += key[i]
-        scalars[:] = pack[at:]
+        for view in plan.views:
+            np.multiply(view, scale, out=view)
+        plan.drain(scalars, scale)
 
     def _bucket_plan(self, grads: Sequence[np.ndarray], num_scalars: int, bucket_values: int):
         """The bucket plan and pack buffers, made once for these gradient sizes (the last pack holds the scalars)."""

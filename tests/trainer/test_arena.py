@@ -1,0 +1,61 @@
+"""The trainer's shared engine arena (ortflow.trainer.arena): the engine's gradients end up back to back."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+
+from ortflow.trainer.arena import first_chunk_bytes
+from tests.models_perf import build_fixed_batch_classifier
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_first_chunk_holds_the_gradients_twice_over_in_whole_mib():
+    for size in (1, 2**20, 13_293_568, 5 * 2**30 + 3):
+        chunk = first_chunk_bytes(size)
+        assert chunk % 2**20 == 0 and chunk >= 2 * size + 2**20
+
+
+def test_shared_arena_lays_the_engine_gradients_back_to_back(tmp_path):
+    from ortflow.engine import artifacts
+
+    # torch.onnx.export-shaped (fixed batch, Shape arithmetic into Reshape), wide enough that the gradients (4.7 MB)
+    # outgrow a session arena's first chunk and scatter over its regions. Sizes in whole 256-byte units: the arena
+    # rounds each buffer up to one, so a 3-value bias would leave a gap (and start a new run) behind it.
+    model = onnx.load(str(build_fixed_batch_classifier(tmp_path / "model.onnx", features=512, hidden=2048,
+                                                       classes=64)))  # fmt: skip
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        artifacts.generate_artifacts(model, requires_grad=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
+                                     frozen_params=[], loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
+                                     artifact_directory=str(tmp_path))  # fmt: skip
+    finally:
+        os.chdir(cwd)
+    script = str(Path(__file__).with_name("arena_rank.py"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    counts = dict(zip(["own", "shared"], map(int, out.stdout.split("RUNS own ")[1].split(" shared ")), strict=True))
+    assert counts["own"] > 1, counts  # what the shared arena fixes happens with the engine's default
+    assert counts["shared"] == 1, counts
+
+
+def test_an_existing_shared_arena_is_used_rather_than_an_error(tmp_path):
+    # A pipeline stage registers the process's shared arena its own way (parallel/stages.py); the whole-model path
+    # must then use that one, not fail. Fresh process: the engine keeps one shared arena per process.
+    code = (
+        "import onnxruntime as ort\n"
+        "from ortflow.trainer import arena\n"
+        "info = ort.OrtMemoryInfo('Cpu', ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)\n"
+        "ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))\n"
+        "options = arena.use_gradient_arena(ort.SessionOptions(), 2**20)\n"
+        "print('USES', options.get_session_config_entry('session.use_env_allocators'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "USES 1" in out.stdout
