@@ -10,8 +10,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortflow.graph.tensor_parallel import plan_tensor_split, shard_model
+from ortflow.graph.tensor_parallel import plan_tensor_split
 from ortflow.graph.tensor_pieces import cut_pieces
+from ortflow.graph.tensor_shard import shard_model
 
 
 def trainable(model: onnx.ModelProto) -> list[str]:

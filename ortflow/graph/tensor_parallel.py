@@ -17,15 +17,14 @@ replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from ortflow.graph.common import Names, constant_values, node_label
+from ortflow.graph.common import constant_values, node_label
 
 log = logging.getLogger(__name__)
 
@@ -392,55 +391,11 @@ def describe(plan: TensorPlan) -> list[str]:
     return lines
 
 
-def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``: its block of every part, concatenated)."""
-    axis = axis if value.ndim > 1 else 0
-    split = np.split(value, parts, axis=axis)
-    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in split], axis=axis)
-
-
-def merge_slices(pieces: list[np.ndarray], axis: int, parts: int) -> np.ndarray:
-    """The whole tensor from every rank's :func:`slice_tensor` (in rank order): the inverse."""
-    axis = axis if pieces[0].ndim > 1 else 0
-    per_rank = [np.split(p, parts, axis=axis) for p in pieces]
-    return np.concatenate([np.concatenate([r[k] for r in per_rank], axis=axis) for k in range(parts)], axis=axis)
-
-
-def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.ModelProto:
-    """Rank ``rank``'s model: its slices of the split weights, local head counts and widths in the shapes."""
-    model = copy.deepcopy(model)
-    graph, size = model.graph, plan.size
-    slicing = plan.slicing()
-    for t in graph.initializer:
-        if t.name in slicing:
-            axis, parts = slicing[t.name]
-            t.CopyFrom(numpy_helper.from_array(slice_tensor(numpy_helper.to_array(t), axis, parts, size, rank), t.name))
-    names = Names(graph)
-    new_nodes: dict[int, list] = {}
-    by_input: dict[tuple[int, int], dict[int, int]] = {}
-    for i, pos, element, value in plan.rewrites:
-        by_input.setdefault((i, pos), {})[element] = value // size
-    for (i, pos), changes in sorted(by_input.items()):
-        node = graph.node[i]
-        values = constant_values(graph, node.input[pos]).copy()
-        for element, value in changes.items():
-            values.reshape(-1)[element] = value
-        out = names.new(f"{node.input[pos]}.tp{size}")
-        tensor = numpy_helper.from_array(values, out)
-        new_nodes.setdefault(i, []).append(helper.make_node("Constant", [], [out], name=names.new(out), value=tensor))
-        node.input[pos] = out
-    ordered = []
-    for i, node in enumerate(graph.node):
-        ordered += new_nodes.get(i, []) + [node]
-    del graph.node[:]
-    graph.node.extend(ordered)
-    del graph.value_info[:]  # shapes of the split tensors changed; inference recomputes them
-    return model
-
-
 def split_for_rank(model: onnx.ModelProto, trainable, size: int, rank: int,
                    report: list[dict] | None = None) -> tuple[onnx.ModelProto, TensorPlan]:
     """Plan (logging what it split and kept) and shard for ``rank``: the pass of configure."""
+    from ortflow.graph.tensor_shard import shard_model
+
     plan = plan_tensor_split(model, trainable, size)
     lines = describe(plan)
     if rank == 0:

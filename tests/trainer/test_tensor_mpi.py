@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +14,9 @@ import pytest
 import ortflow
 from ortflow.trainer.checkpoints import list_complete
 from ortflow.trainer.checkpoints.h5state import read_params
+from ortflow.trainer.checkpoints.tp import tp_file
 
-from .runs import make_run, run_ranks
+from .runs import make_run, rank_command, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -79,3 +83,103 @@ def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
     print(f"hp {hp} on {ranks} ranks, {rule}: max |param diff| vs hp 1: {worst}; largest move in training {moved}")
     assert worst < ATOL[rule] and moved > 10 * ATOL[rule]  # the runs trained, and to the same place
     np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path):
+    dist = {"num_ranks": 2, "horizontal_parallel_size": 2}
+    every = {"period": 1, "max_num_checkpoints": 10}
+    train = {"evaluation_period": 0}
+    straight = gpt_run(tmp_path, "straight", distributed=dist, train=train, checkpoint=every)
+    resumed = gpt_run(tmp_path, "resumed", distributed=dist, train=train, checkpoint=every)
+    assert run_ranks(straight).returncode == 0
+    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
+    proc.wait(timeout=60)
+    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+    assert done and done[-1] < 4, done
+    out = run_ranks(resumed)
+    assert out.returncode == 0, out.stdout
+    assert f"starting from step {done[-1]}" in out.stdout
+    folder = newest(resumed)
+    assert {f.name for f in folder.iterdir()} == {"meta.json"} | {tp_file(k, t, 2) for k in ("params", "optimizer")
+                                                                  for t in range(2)}
+    for kind in ("params", "optimizer"):  # every rank's own files, bit for bit
+        for t in range(2):
+            assert h5_arrays(newest(straight) / tp_file(kind, t, 2)) == h5_arrays(folder / tp_file(kind, t, 2))
+
+
+def h5_arrays(path: Path) -> dict[str, bytes]:
+    import h5py
+
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.__setitem__(name, obj[()].tobytes()) if isinstance(obj, h5py.Dataset)
+                     else None)
+    return found
+
+
+def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_graph(tmp_path):
+    import h5py
+    import onnx
+    import onnxruntime as ort
+
+    from ortflow.export.model import export_model
+    from ortflow.trainer.checkpoints.tools import merge
+
+    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                    train={"num_train_steps": 4})
+    assert run_ranks(split).returncode == 0
+    folder = newest(split)
+    with h5py.File(folder / tp_file("params", 1, 2), "r") as f:  # rank 1 holds half of a split weight
+        q = next(ds for ds in f["parameters"].values() if ds.attrs["name"] == "h0.attn.q.weight")
+        assert q.shape == (32, 16) and q.attrs["tp_axis"] == 1
+    params = read_params(folder)
+    assert params["h0.attn.q.weight"].shape == (32, 32) and params["h0.mlp.proj.weight"].shape == (128, 32)
+    merged = merge(folder, tmp_path / "merged.h5")
+    assert merged.step == 2
+    with h5py.File(tmp_path / "merged.h5", "r") as f:
+        whole = {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
+        moments = {ds.attrs["name"]: ds[()] for ds in f["optimizer"]["exp_avg"].values()}
+    assert all(np.array_equal(whole[n], params[n]) for n in params)
+    assert moments["h0.mlp.fc.weight"].shape == (32, 128) and np.abs(moments["h0.mlp.fc.weight"]).max() > 0
+    out = tmp_path / "model.onnx"
+    result = export_model(split.output_dir, out, config=split)
+    assert max(result.verification.max_abs_diff.values()) <= 1e-5
+    # Independently: the exported model equals the unsplit eval graph fed with the merged trained parameters.
+    eval_proto = onnx.load(str(split.artifacts_dir / "eval_model.onnx"))
+    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
+    ids = np.random.default_rng(0).integers(0, 256, (2, SEQ))
+    names = [i.name for i in eval_proto.graph.input]
+    feeds = {n: params[n] for n in names if n in params}
+    feeds.update({n: ids for n in names if n == "input_ids"})
+    feeds.update({n: np.zeros(2 * SEQ, np.int64) for n in names if n == "labels"})
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)[0]
+    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_array_equal(logits, reference)
+    initial = initial_parameters(split)
+    assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
+
+
+def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path):
+    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                    train={"num_train_steps": 4, "evaluation_period": 0})
+    assert run_ranks(split).returncode == 0
+    folder = newest(split)  # step 2
+    whole = gpt_run(tmp_path, "hp1", distributed={"num_ranks": 1}, train={"num_train_steps": 8, "evaluation_period": 0},
+                    checkpoint={"checkpoint_to_load_path": str(folder)})
+    out = run_ranks(whole)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "starting from step 2" in out.stdout  # params and AdamW moments merged from both ranks' files
+    back = gpt_run(tmp_path, "hp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                   train={"num_train_steps": 12, "evaluation_period": 0},
+                   checkpoint={"checkpoint_to_load_path": str(newest(whole))})
+    out = run_ranks(back)
+    assert out.returncode != 0
+    assert "was written with distributed.horizontal_parallel_size 1 but this run has 2" in out.stdout, \
+        out.stdout[-3000:]

@@ -27,8 +27,9 @@ import onnx
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.pipeline import _FLOAT
-from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split, shard_model
+from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_shard import shard_model
 from ortflow.trainer.artifacts import (
     ARTIFACT_FILES,
     ArtifactsError,
