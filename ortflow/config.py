@@ -555,9 +555,9 @@ def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     if cfg.precision.use_mixed_precision:
         problems.append("distributed.horizontal_parallel_size > 1 trains in fp32: set precision.use_mixed_precision "
                         "false with it")
-    if dist.device != "cpu" or dist.use_nccl:
-        problems.append("distributed.horizontal_parallel_size > 1 runs on CPU ranks (MPI) only so far: set "
-                        "distributed.device cpu and use_nccl false, or horizontal_parallel_size 1")
+    if (dist.device == "cuda") != dist.use_nccl:
+        problems.append("distributed.horizontal_parallel_size > 1 sums activations with MPI on CPU ranks and with "
+                        "NCCL on GPU ranks: set use_nccl true with device cuda, false with device cpu")
     return problems
 
 

@@ -132,7 +132,8 @@ def test_horizontal_parallelism_is_accepted_alone_and_with_data_parallel(tmp_pat
                                                                           "supported yet"),
     (("distributed.num_ranks=2", "distributed.zero_stage=1"), "set distributed.zero_stage 0"),
     (("distributed.num_ranks=2", "precision.use_mixed_precision=true"), "use_mixed_precision false"),
-    (("distributed.num_ranks=2", "distributed.device=cuda"), "CPU ranks (MPI) only so far"),
+    (("distributed.num_ranks=2", "distributed.device=cuda"), "set use_nccl true with device cuda"),
+    (("distributed.num_ranks=2", "distributed.use_nccl=true"), "false with device cpu"),
 ])
 def test_horizontal_parallelism_refuses_what_it_does_not_combine_with(tmp_path, overrides, expected):
     problems = problems_of(tmp_path, "distributed.horizontal_parallel_size=2", *overrides)

@@ -27,7 +27,7 @@ from ortflow.engine import api
 from ortflow.trainer import optim
 from ortflow.trainer.checkpoints import CheckpointError, h5state
 from ortflow.trainer.checkpoints.tp import slice_tensor, tp_file
-from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.optim.zero import Zero0
 from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX
 from ortflow.trainer.parallel.stages import stage_session_options
@@ -85,10 +85,16 @@ class TensorRuntime(Runtime):
         return {n: np.array(self.param(n).data) for n in names}
 
     def gradient_buffers(self) -> list:
-        """The owners' gradient buffers in ``trainable`` order (host views)."""
+        """The owners' gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA."""
         if self._grads is None:
-            self._grads = [self.param(n).grad for n in self.trainable]
+            if self.device == "cpu":
+                self._grads = [self.param(n).grad for n in self.trainable]
+            else:
+                self._grads = [_device_buffer(self._owner_state(n).get_parameter(n).grad, n) for n in self.trainable]
         return self._grads
+
+    def _owner_state(self, name: str):
+        return self.pieces[self.holders[name][0]].state._state  # the engine's C state (device OrtValues)
 
     # -- the passes ----------------------------------------------------------------------------------------------
 
@@ -97,6 +103,8 @@ class TensorRuntime(Runtime):
         if self.tp_size == 1:
             return x
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if hasattr(self.tp_comm, "all_gather_device"):
+            return self._tp_sum_nccl(x)
         flat = np.zeros(self.tp_size * x.size, np.float32)
         flat[self.tp_rank * x.size : (self.tp_rank + 1) * x.size] = x.reshape(-1)
         self.tp_comm.all_gather(flat, [x.size] * self.tp_size)
@@ -105,6 +113,21 @@ class TensorRuntime(Runtime):
         for part in parts[1:]:
             total += part
         return total.reshape(x.shape)
+
+    def _tp_sum_nccl(self, x: np.ndarray) -> np.ndarray:
+        """:meth:`tp_sum` through NCCL on the GPU (the engine's Python API hands activations over on the host)."""
+        cp, comm, n = self.tp_comm._cp, self.tp_comm, x.size
+        flat = cp.zeros(self.tp_size * n, cp.float32)
+        flat[self.tp_rank * n : (self.tp_rank + 1) * n] = cp.asarray(x.reshape(-1))
+        cp.cuda.Device().synchronize()  # the copy (default stream) before NCCL's stream reads it
+        comm.all_gather_device(flat.data.ptr + self.tp_rank * n * 4, flat.data.ptr, n)
+        # Sync point: the gathered parts are read next.
+        comm.group.watched("tensor-parallel all-gather", comm.stream.synchronize)
+        parts = flat.reshape(self.tp_size, n)
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return cp.asnumpy(total).reshape(x.shape)
 
     def forward(self, batch: dict[str, np.ndarray], upto: int) -> dict[str, np.ndarray]:
         """Every piece before ``upto`` forward (eval models); returns what they sent, partial sums summed."""
@@ -138,6 +161,15 @@ class TensorRuntime(Runtime):
                 grads[name] = grads[name] + g if name in grads else np.array(g)
         return loss
 
+    def norm_sq(self, mine: list) -> float:
+        """This rank's share of the whole model's squared gradient norm: its slices, and the replicated gradients
+        (equal on every tp rank) on tp rank 0 only."""
+        counted = [g for g, n in zip(mine, self.trainable, strict=True) if n in self.slicing or self.tp_rank == 0]
+        if self.device == "cpu":
+            return self.exchange.norm(counted) ** 2
+        view = self.dp_comm._device_view  # NCCL's own norm covers every gradient: the subset is summed here
+        return float(sum(float((view(g).astype("float64") ** 2).sum()) for g in counted))
+
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
         env = self.forward(batch, len(self.pieces) - 1)
         return float(self.pieces[-1].call(False, env)[0])
@@ -166,8 +198,6 @@ class TensorRuntime(Runtime):
 
 def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str) -> TensorRuntime:
     """Place this rank, load its pieces' artifacts and the state to start from."""
-    if device != "cpu":
-        log.warning("tensor parallelism on %s: activations are summed on the host through MPI", device)
     size = cfg.distributed.horizontal_parallel_size
     record = read_tensor_record(cfg.artifacts_dir)
     if record is None or record["size"] != size:
@@ -195,15 +225,17 @@ def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, devic
         pieces.append(PieceRun(info, state, module))
     trainable = sorted(n for n, hs in holders.items() if pieces[hs[0]].state.parameters[n].requires_grad)
     dp_exchange = Zero0(dp_comm)
+    tied = sorted(n for n, hs in holders.items() if len(hs) > 1)
+    if tied and device != "cpu":
+        raise RuntimeError(f"parameters read by several tensor-parallel pieces {tied[:5]} (tied weights) are summed on "
+                           "the host: not supported on CUDA yet; use horizontal_parallel_size 1 on GPUs for this model")
     rt = TensorRuntime(cfg, Path(run_dir), comm, device, threads, pieces[-1].state, pieces[-1].module, None,
                        dp_exchange, trainable, resume, tp_rank=tp_rank, tp_size=size, replica=replica,
                        num_replicas=comm.size // size, tp_comm=tp_comm, dp_comm=dp_comm, pieces=pieces,
                        slicing=record["slicing"], holders=holders)
     if resume or warm:
         load_sliced_parameters(rt, resume.path if resume else Path(warm))
-    params = [rt.param(n).data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
-    rt.update = optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
-                                   threads=threads)
+    rt.update = _build_update(rt, threads)
     if resume:
         own = resume.path / tp_file("optimizer", tp_rank, size)
         h5state.load_optimizer(resume.path, rt.update, optimizer_label(cfg), rank=replica, files=[own])
@@ -213,6 +245,26 @@ def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, devic
              "starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas, len(pieces), len(trainable),
              len(set(trainable) & set(rt.slicing)), where)
     return rt
+
+
+def _device_buffer(value, name: str) -> DeviceBuffer:
+    return DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name)
+
+
+def _build_update(rt: TensorRuntime, threads: int) -> optim.Update:
+    """ortflow's update over this rank's slices and replicated parameters (the owners' buffers)."""
+    cfg, trainable = rt.cfg, rt.trainable
+    if rt.device == "cpu":
+        params = [rt.param(n).data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
+        return optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
+                                  threads=threads)
+    from ortflow.trainer.optim.device import DeviceUpdate
+
+    # UNTESTED here (no GPU in this session): tests/gpu/test_gpu_tensor.py checks it on 2 GPUs.
+    params = [_device_buffer(rt._owner_state(n).get_parameter(n).data, n) for n in trainable]
+    decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
+    return DeviceUpdate(optim.build_rule(cfg.optimizer), optim.whole_segments(trainable, [p.count for p in params]),
+                        [p.ptr for p in params], decay, rt.dp_comm.stream)
 
 
 def load_sliced_parameters(rt: TensorRuntime, folder: Path) -> None:
@@ -228,8 +280,12 @@ def load_sliced_parameters(rt: TensorRuntime, folder: Path) -> None:
             axis, parts = rt.slicing[name]
             value = slice_tensor(value, axis, parts, rt.tp_size, rt.tp_rank)
         for k in holders:
-            view = rt.pieces[k].state.parameters[name].data
+            param = rt.pieces[k].state.parameters[name]
+            view = param.data
             if view.shape != value.shape:
                 raise CheckpointError(f"{folder.name}: {name} has shape {list(value.shape)} for this rank, the "
                                       f"model {list(view.shape)}")
-            view[...] = value
+            if rt.device == "cpu":
+                view[...] = value  # the CPU engine's buffers are writable views
+            else:
+                param.data = np.ascontiguousarray(value)  # copied into the engine's device buffer

@@ -59,7 +59,6 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
     cursor = rt.resume.global_cursor if rt.resume else 0
     batches = train_batches(cursor)
     grads = rt.gradient_buffers()
-    sliced = [n in rt.slicing for n in rt.trainable]
     scalars = np.zeros(3)  # [loss sum (tp rank 0), stop requested, squared gradient norm]
     train_loss = eval_loss = None
     window_start, window_samples = clock(), 0
@@ -70,9 +69,7 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
         rt.sum_tied_gradients()
         # Sync point: each tp rank's replicas average their gradients (the unsplit loop's all-reduce, per tp rank).
         mine = rt.exchange.reduce(grads, k * replicas, np.zeros(0, np.float32))
-        # The norm of the whole model: every rank's slices, the replicated gradients (equal on all tp ranks) once.
-        counted = [g for g, s in zip(mine, sliced, strict=True) if s or rt.tp_rank == 0]
-        norm_sq = rt.exchange.norm(counted) ** 2 if rt.replica == 0 else 0.0
+        norm_sq = rt.norm_sq(mine) if rt.replica == 0 else 0.0  # the replicated gradients counted once
         local = np.array([loss_sum / k if rt.tp_rank == 0 else 0.0, float(stop.requested), norm_sq])
         # Sync point: loss, stop flag and gradient norm, added in rank order: bitwise the same on every rank.
         scalars = rt.comm.allgather_sum(local, "tensor-parallel loss, stop, norm")
