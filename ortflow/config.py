@@ -334,12 +334,12 @@ class DistributedConfig(_Section):
         None, gt=0, le=4096, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
     )
     data_parallel_size: int | None = Field(
-        None, gt=0, description="Data-parallel replicas (default: num_ranks / pipeline_parallel_size)."
+        None, gt=0, description="Data-parallel replicas (default: num_ranks / (horizontal x pipeline parallel sizes))."
     )
     horizontal_parallel_size: int = Field(
         1, gt=0,
         description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
-        "(Megatron-style column/row split, heads divided; CPU ranks, fp32, ZeRO-0; docs/tensor-parallel.md).",
+        "(Megatron-style column/row split, heads divided; fp32, ZeRO-0, no pipeline; docs/tensor-parallel.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
