@@ -35,11 +35,11 @@ ATOL = {"sgd": 1e-7, "adamw": 1e-4}
 LR = {"sgd": 1e-2, "adamw": 1e-3}
 
 
-def gpt_run(root: Path, name: str, **sections):
-    """A run on a 2-layer GPT (d_model 32, 4 heads) over ortflow's own sources, byte-level."""
+def gpt_run(root: Path, name: str, model_path: Path | None = None, **sections):
+    """A run on a 2-layer GPT (d_model 32, 4 heads; or the model at ``model_path``) over ortflow's sources."""
     from ortflow.examples.gpt import build_gpt
 
-    model = root / "gpt2l.onnx"
+    model = model_path or root / "gpt2l.onnx"
     if not model.exists():
         build_gpt(model, seq_len=SEQ, d_model=32, num_layers=2, num_heads=4)
     corpus = root / "corpus.txt"
@@ -49,6 +49,22 @@ def gpt_run(root: Path, name: str, **sections):
     train = {**TRAIN, **sections.pop("train", {})}
     optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
     return make_run(root, name, model=model, data=data, train=train, optimizer=optimizer, **sections)
+
+
+def torch_run(root: Path, name: str, **sections):
+    """A run on the torch-export-shaped GPT (fused QKV + Split, single-output LayerNorm, Concat head reshapes)."""
+    from ..models_tensor import torch_gpt
+
+    model = root / "torchgpt.onnx"
+    if not model.exists():
+        torch_gpt(model, layers=2, width=32, heads=4, vocab=256, seq=SEQ, batch=2)
+    return gpt_run(root, name, model_path=model, **sections)
+
+
+def digests(output: str) -> dict[int, tuple[str, str]]:
+    """rank -> (sha256 of its parameters, of its replicated parameters), at the last checkpoint."""
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) \(replicated ([0-9a-f]{64})\)", output)
+    return {int(rank): (whole, replicated) for rank, whole, replicated in found}
 
 
 def initial_parameters(cfg) -> dict[str, np.ndarray]:
@@ -83,6 +99,30 @@ def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
     print(f"hp {hp} on {ranks} ranks, {rule}: max |param diff| vs hp 1: {worst}; largest move in training {moved}")
     assert worst < ATOL[rule] and moved > 10 * ATOL[rule]  # the runs trained, and to the same place
     np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (out1, out2)]
+    assert len(evals[1]) == 2
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)  # eval through the pieces
+    seen = digests(out2.stdout)  # rank = replica * hp + t
+    assert len(seen) == ranks and len({r for _, r in seen.values()}) == 1  # replicated: bitwise equal on every rank
+    for rank in range(hp, ranks):  # each rank's slices equal its replica-0 peer's, and differ from other tp ranks'
+        assert seen[rank][0] == seen[rank % hp][0]
+    assert seen[0][0] != seen[1][0]
+
+
+def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_path):
+    opt = {"name": "sgd", "learning_rate": LR["sgd"]}
+    whole = torch_run(tmp_path, "hp1", distributed={"num_ranks": 1}, optimizer=opt)
+    split = torch_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt)
+    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    initial = initial_parameters(whole)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
+    print(f"torch-shaped GPT hp 2, sgd: max |param diff| vs hp 1: {worst}; largest move {moved}")
+    assert worst < ATOL["sgd"] and moved > 1e3 * worst
+    assert p2["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # merged back from the per-part slices
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path):

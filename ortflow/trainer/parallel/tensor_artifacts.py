@@ -26,7 +26,10 @@ import onnx
 
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
+from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.pipeline import _FLOAT
+from ortflow.graph.repeated import separate_repeated_inputs
+from ortflow.graph.split import split_to_slices
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
@@ -60,11 +63,19 @@ def read_tensor_record(artifacts_dir: Path) -> dict | None:
         return None
 
 
+def export_fixes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The preparation passes that make torch exports trainable by the engine and change no tensor the split sees:
+    all LayerNormalization outputs declared, Splits with unused outputs as Slices, repeated inputs separated."""
+    model = declare_optional_outputs(model)
+    model = split_to_slices(model)
+    return separate_repeated_inputs(model)
+
+
 def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str], list[str]]:
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    model = onnx.load(str(cfg.model.path))
+    model = export_fixes(onnx.load(str(cfg.model.path)))
     try:
         plan = plan_tensor_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
