@@ -223,3 +223,22 @@ def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_anothe
     assert out.returncode != 0
     assert "was written with distributed.horizontal_parallel_size 1 but this run has 2" in out.stdout, \
         out.stdout[-3000:]
+
+
+def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path):
+    opt = {"name": "sgd", "learning_rate": LR["sgd"]}
+    short = {"num_train_steps": 4, "evaluation_period": 0}
+    first = gpt_run(tmp_path, "first", distributed={"num_ranks": 1}, optimizer=opt, train=short)
+    assert run_ranks(first).returncode == 0
+    start = {"init_from": str(newest(first))}  # params.h5 of an unsplit run
+    whole = gpt_run(tmp_path, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short, checkpoint=start)
+    split = gpt_run(tmp_path, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt,
+                    train=short, checkpoint=start)
+    out1, out2 = run_ranks(whole), run_ranks(split)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    assert "starting from the weights of" in out2.stdout
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    reference = read_params(newest(first))
+    assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL["sgd"]
+    assert max(float(np.abs(p1[n] - reference[n]).max()) for n in p1) > 1e3 * ATOL["sgd"]  # it trained on from there
