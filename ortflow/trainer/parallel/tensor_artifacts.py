@@ -132,6 +132,8 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     """
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = plan_tensor(cfg)
+    for line in describe(plan):  # what was split and what was kept, with the reason
+        log.info("tensor_parallel %d: %s", size, line)
     target = Path(artifacts_dir) / TENSOR_DIR
     scratch = Path(tempfile.mkdtemp(prefix=".tensor.building-", dir=artifacts_dir))
     cwd = os.getcwd()
