@@ -242,3 +242,13 @@ def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path)
     reference = read_params(newest(first))
     assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL["sgd"]
     assert max(float(np.abs(p1[n] - reference[n]).max()) for n in p1) > 1e3 * ATOL["sgd"]  # it trained on from there
+
+
+def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(tmp_path):
+    # global batch 8 on hp 2 x dp 1: each update sees 8 samples, so 2 updates read 16 (the cursor says so)
+    train = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
+    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, train=train)
+    out = run_ranks(split)
+    assert out.returncode == 0, out.stdout[-3000:]
+    info = list_complete(split.checkpoints_dir)[-1]
+    assert info.meta["global_cursor"] == info.step * 8, info.meta
