@@ -106,9 +106,11 @@ class _Walk:
         self.g, self.trainable, self.size = model.graph, trainable, size
         self.shapes = _shapes(model)
         self.readers: dict[str, list[int]] = {}
+        self.producers: dict[str, int] = {}
         for i, n in enumerate(self.g.node):
             for x in n.input:
                 self.readers.setdefault(x, []).append(i)
+            self.producers.update(dict.fromkeys(n.output, i))
         self.split: dict[str, int] = {}  # tensor -> split axis (negative)
         self.comp: dict[str, int] = {}  # tensor -> seed id (union-find root of its component)
         self.parent = {s: s for s in seeds}
@@ -146,9 +148,10 @@ class _Walk:
             return
         roots = {self.find(self.comp[x]) for x in ins}
         root = min(roots)
-        for r in roots:  # merge components that meet (q @ k)
+        for r in roots:  # merge components that meet (q @ k); a failure of either is the merged one's
             if r != root:
-                self.failed.setdefault(root, self.failed.get(r)) if r in self.failed else None
+                if r in self.failed:
+                    self.failed.setdefault(root, self.failed[r])
                 self.parent[r] = root
         self.node_comp[i] = root
         why = self._propagate(i, node)
@@ -269,7 +272,7 @@ class _Walk:
         return None
 
     def _producer(self, name: str):
-        return next((k for k, n in enumerate(self.g.node) if name in n.output), None)
+        return self.producers.get(name)
 
     def _shape_entry(self, i: int, name: str, b: int):
         """Where entry ``b`` of a Reshape's shape lives: (node, input, element, value), or why it cannot change."""
