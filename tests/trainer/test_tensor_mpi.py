@@ -252,3 +252,14 @@ def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks
     assert out.returncode == 0, out.stdout[-3000:]
     info = list_complete(split.checkpoints_dir)[-1]
     assert info.meta["global_cursor"] == info.step * 8, info.meta
+
+
+def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(tmp_path):
+    cfg = gpt_run(tmp_path, "hang", distributed={"num_ranks": 2, "horizontal_parallel_size": 2,
+                                                 "collective_timeout_s": 2.0})
+    started = time.monotonic()
+    out = run_ranks(cfg, str(Path(__file__).with_name("fault_tensor.py")), timeout=60)
+    assert out.returncode != 0
+    assert "'tensor-parallel activation sum' waited" in out.stdout, out.stdout[-3000:]
+    assert "stalled: rank 1" in out.stdout, out.stdout[-3000:]
+    assert time.monotonic() - started < 40

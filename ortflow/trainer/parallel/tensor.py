@@ -107,7 +107,7 @@ class TensorRuntime(Runtime):
             return self._tp_sum_nccl(x)
         flat = np.zeros(self.tp_size * x.size, np.float32)
         flat[self.tp_rank * x.size : (self.tp_rank + 1) * x.size] = x.reshape(-1)
-        self.tp_comm.all_gather(flat, [x.size] * self.tp_size)
+        self.tp_comm.all_gather(flat, [x.size] * self.tp_size, "tensor-parallel activation sum")
         parts = flat.reshape(self.tp_size, -1)
         total = parts[0].copy()
         for part in parts[1:]:
