@@ -334,9 +334,13 @@ class DistributedConfig(_Section):
         None, gt=0, le=4096, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
     )
     data_parallel_size: int | None = Field(
-        None, gt=0, description="Data-parallel replicas (default: num_ranks / pipeline_parallel_size)."
+        None, gt=0, description="Data-parallel replicas (default: num_ranks / (horizontal x pipeline parallel sizes))."
     )
-    horizontal_parallel_size: int = Field(1, gt=0, description="Tensor-parallel size (only 1 is supported).")
+    horizontal_parallel_size: int = Field(
+        1, gt=0,
+        description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
+        "(Megatron-style column/row split, heads divided; fp32, ZeRO-0, no pipeline; docs/tensor-parallel.md).",
+    )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
     )
@@ -546,6 +550,24 @@ class RunConfig(_Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
+    """What tensor parallelism does not combine with yet, each with the fix."""
+    dist, hp, problems = cfg.distributed, cfg.distributed.horizontal_parallel_size, []
+    if dist.pipeline_parallel_size > 1:
+        problems.append(f"distributed.horizontal_parallel_size {hp} with pipeline_parallel_size "
+                        f"{dist.pipeline_parallel_size} is not supported yet: use one of them (the other 1)")
+    if dist.zero_stage or dist.enable_adasum:
+        problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
+                        "(ZeRO-0): set distributed.zero_stage 0 and enable_adasum false with it")
+    if cfg.precision.use_mixed_precision:
+        problems.append("distributed.horizontal_parallel_size > 1 trains in fp32: set precision.use_mixed_precision "
+                        "false with it")
+    if (dist.device == "cuda") != dist.use_nccl:
+        problems.append("distributed.horizontal_parallel_size > 1 sums activations with MPI on CPU ranks and with "
+                        "NCCL on GPU ranks: set use_nccl true with device cuda, false with device cpu")
+    return problems
+
+
 def _cross_field_problems(cfg: RunConfig) -> list[str]:
     """Checks that span sections, each naming the field and what would be valid."""
     problems: list[str] = []
@@ -561,8 +583,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"({dist.horizontal_parallel_size}) x pipeline_parallel_size ({dist.pipeline_parallel_size}) = {product} "
             f"must equal distributed.num_ranks ({dist.num_ranks})"
         )
-    if dist.horizontal_parallel_size != 1:
-        problems.append("distributed.horizontal_parallel_size > 1 is not supported yet by ortflow's engine; use 1")
+    if dist.horizontal_parallel_size > 1:
+        problems += _tensor_parallel_problems(cfg)
     cuts = cfg.model.pipeline_cuts
     if cuts and len(cuts) != dist.pipeline_parallel_size - 1:
         problems.append(

@@ -37,6 +37,7 @@ from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_arti
 from ortflow.trainer.engine_input import repeatable_gathers
 from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
 from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
+from ortflow.trainer.parallel.tensor_artifacts import build_tensor_artifacts, plan_tensor, read_tensor_record
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ def fingerprint(cfg: RunConfig) -> str:
         digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
     if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
         digest.update(b";gathers=repeatable")
+    if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
+        digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())
     return digest.hexdigest()
 
 
@@ -151,6 +154,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and previous.get("fingerprint") == key
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
         and (cfg.distributed.pipeline_parallel_size == 1 or read_stages_record(artifacts_dir) is not None)
+        and (cfg.distributed.horizontal_parallel_size == 1 or read_tensor_record(artifacts_dir) is not None)
     ):
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
@@ -161,8 +165,12 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
         plan = plan_stages(cfg) if cfg.distributed.pipeline_parallel_size > 1 else None  # refuse a bad split first
+        tensor = cfg.distributed.horizontal_parallel_size > 1
+        if tensor:
+            plan_tensor(cfg)  # refuse a bad tensor-parallel split before building anything
         built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
         stages = build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None
+        tensor_record = build_tensor_artifacts(cfg, artifacts_dir) if tensor else None
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     write_resolved_config(cfg)
@@ -189,6 +197,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "ort_version": ORT_VERSION,
         DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
         "pipeline_cuts": stages["cuts"] if stages else [],
+        "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

@@ -59,6 +59,9 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     if not any(p.startswith("model.path") for p in problems):
         specs, model_problems = predicted_inputs(cfg)
         problems += model_problems
+        if cfg.distributed.horizontal_parallel_size > 1 and not model_problems:
+            model_problems = tensor_split_problems(cfg)
+            problems += model_problems
         if deep and not model_problems:
             built, deep_problems = build_in_temporary_folder(cfg)
             problems += deep_problems
@@ -73,6 +76,27 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)).name if tensor.elem_type else "float32"
     dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim)
     return InputSpec(info.name, dtype, dims)
+
+
+def tensor_split_problems(cfg: RunConfig) -> list[str]:
+    """The tensor-parallel split's refusal (a size that does not divide the heads, nothing to split), as configure
+    would give it; onnx only, no engine."""
+    from fnmatch import fnmatch
+
+    from ortflow.graph.optional_outputs import declare_optional_outputs
+    from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
+    from ortflow.graph.tensor_pieces import cut_pieces
+    from ortflow.graph.tensor_shard import shard_model
+
+    proto = declare_optional_outputs(onnx.load(str(cfg.model.path)))
+    trainable = [t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                 and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)]
+    try:
+        plan = plan_tensor_split(proto, trainable, cfg.distributed.horizontal_parallel_size)
+        cut_pieces(shard_model(proto, plan, 0), plan, proto, trainable)
+    except (TensorSplitError, ValueError) as err:
+        return [str(err)]
+    return []
 
 
 def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:

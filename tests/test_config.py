@@ -122,11 +122,22 @@ def test_parallel_sizes_must_multiply_to_the_world_size(tmp_path):
     assert "= 3 must equal distributed.num_ranks (4)" in problem
 
 
-def test_horizontal_parallelism_is_refused_not_ignored(tmp_path):
-    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.data_parallel_size=1",
-                           "distributed.horizontal_parallel_size=2", "distributed.pipeline_parallel_size=2")
-    assert any("horizontal_parallel_size > 1 is not supported yet" in p for p in problems)
-    assert not any("pipeline_parallel_size > 1" in p for p in problems)
+def test_horizontal_parallelism_is_accepted_alone_and_with_data_parallel(tmp_path):
+    assert problems_of(tmp_path, "distributed.num_ranks=2", "distributed.horizontal_parallel_size=2") == []
+    assert problems_of(tmp_path, "distributed.num_ranks=4", "distributed.horizontal_parallel_size=2") == []
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (("distributed.num_ranks=4", "distributed.pipeline_parallel_size=2"), "with pipeline_parallel_size 2 is not "
+                                                                          "supported yet"),
+    (("distributed.num_ranks=2", "distributed.zero_stage=1"), "set distributed.zero_stage 0"),
+    (("distributed.num_ranks=2", "precision.use_mixed_precision=true"), "use_mixed_precision false"),
+    (("distributed.num_ranks=2", "distributed.device=cuda"), "set use_nccl true with device cuda"),
+    (("distributed.num_ranks=2", "distributed.use_nccl=true"), "false with device cpu"),
+])
+def test_horizontal_parallelism_refuses_what_it_does_not_combine_with(tmp_path, overrides, expected):
+    problems = problems_of(tmp_path, "distributed.horizontal_parallel_size=2", *overrides)
+    assert any(expected in p for p in problems), problems
 
 
 def test_pipeline_parallel_size_divides_the_ranks_into_replicas(tmp_path):

@@ -123,3 +123,18 @@ def test_every_problem_at_once(tmp_path):
     assert result.exit_code == 1
     assert "4 problem(s)" in result.output  # the glob, features and labels at batch 8, the export path
     assert "none.csv' matches no file" in result.output and "is a folder" in result.output
+
+
+def test_tensor_parallelism_on_a_model_without_splittable_layers_is_a_problem(tmp_path):
+    # Gemm layers (torch's Linear on 2-D inputs) are not split: validate says so, before any engine call
+    (problem,) = validate(setup(tmp_path, distributed={"num_ranks": 2, "horizontal_parallel_size": 2}))
+    assert "found no layer to split" in problem and "use 1" in problem
+
+
+def test_tensor_parallelism_with_a_size_that_does_not_divide_the_heads_is_a_problem(tmp_path):
+    from ortflow.examples.gpt import build_gpt
+
+    path = setup(tmp_path, distributed={"num_ranks": 3, "horizontal_parallel_size": 3})
+    build_gpt(tmp_path / "model.onnx", vocab_size=16, seq_len=4, d_model=8, num_layers=1, num_heads=2)
+    problems = validate(path)
+    assert any("horizontal_parallel_size 3 does not divide ['h0.attn.q.weight" in p for p in problems), problems

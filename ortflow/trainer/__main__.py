@@ -83,7 +83,8 @@ def run_rank(run_dir: Path) -> int:
         writer = comm.rank == 0
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
-        per_rank = writes_per_rank(rt.exchange) or cfg.distributed.pipeline_parallel_size > 1
+        dist = cfg.distributed
+        per_rank = writes_per_rank(rt.exchange) or dist.pipeline_parallel_size > 1 or dist.horizontal_parallel_size > 1
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,

@@ -26,9 +26,11 @@ def _sha256(path: Path) -> str:
 
 
 def artifact_digests(artifacts_dir: Path) -> dict[str, str]:
-    """sha256 of each artifact file, by name (a pipeline's stage files by their path under ``stages/``)."""
+    """sha256 of each artifact file, by name (a pipeline's stage files by their path under ``stages/``, the
+    tensor-parallel pieces' under ``tensor/``)."""
     folder = Path(artifacts_dir)
-    names = [*ARTIFACT_FILES, *(f"stages/{stage.name}/{name}" for stage in sorted(folder.glob("stages/stage-*"))
+    parts = [*sorted(folder.glob("stages/stage-*")), *sorted(folder.glob("tensor/rank-*/piece-*"))]
+    names = [*ARTIFACT_FILES, *(f"{part.relative_to(folder).as_posix()}/{name}" for part in parts
                                 for name in ARTIFACT_FILES)]
     return {name: _sha256(folder / name) for name in names}
 

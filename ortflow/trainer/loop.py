@@ -100,6 +100,11 @@ def train(
         tokens_per_sample: For tokens/s (text data), else None.
         clock: Time source for throughput.
     """
+    if rt.cfg.distributed.horizontal_parallel_size > 1:  # split layers: pieces with all-reduces between them
+        from ortflow.trainer.parallel.tensor_loop import train_tensor
+
+        return train_tensor(rt, train_batches, eval_batches, checkpoints, tensorboard, progress, stop,
+                            tokens_per_sample, clock)
     if rt.cfg.distributed.pipeline_parallel_size > 1:  # stages exchange activations: the pipeline's own schedule
         from ortflow.trainer.parallel.pipeline import train_pipeline
 

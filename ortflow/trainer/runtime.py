@@ -242,7 +242,10 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
             f"started with {comm.size} rank(s) but distributed.num_ranks is {expected}: launch with "
             f"`ortflow train {run_dir} --np {expected}` or change the config"
         )
-    cfg = layout.rank_config(cfg, comm.size, run_dir)  # a global batch: per-rank batch x accumulation for this world
+    # A global batch: per-rank batch x accumulation over the data-parallel replicas (the ranks of one pipeline or
+    # tensor-parallel group read the same batches).
+    dist = cfg.distributed
+    cfg = layout.rank_config(cfg, comm.size // (dist.horizontal_parallel_size * dist.pipeline_parallel_size), run_dir)
     # 2. Device and execution provider for the local rank.
     device = select_device(cfg, comm.local_rank, comm.local_size)
     # 3. NCCL joins on the rank's GPU (CPU ranks with use_nccl still need one: they stage gradients through it).
@@ -250,6 +253,10 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         if device == "cpu":
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size))
+    if cfg.distributed.horizontal_parallel_size > 1:  # a tensor-parallel rank: its pieces and process groups
+        from ortflow.trainer.parallel.tensor import init_tensor_runtime
+
+        return init_tensor_runtime(run_dir, cfg, comm, device)
     if cfg.distributed.pipeline_parallel_size > 1:  # a pipeline stage: its own artifacts and process groups
         from ortflow.trainer.parallel.stages import init_stage_runtime
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ortflow.trainer.checkpoints import tp as tpfiles
 from ortflow.trainer.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError
 
 log = logging.getLogger("ortflow.trainer.checkpoints")
@@ -58,6 +59,8 @@ class TrainState:
         extra_state: Returns small named arrays/scalars to keep (the mixed-precision loss scaler), or None.
         stage: ``(index, count)`` on a pipeline rank: its stage's parameters and optimizer state go to the stage's
             own files, written by the stage's first replica (``rank`` is then the replica, ``world_size`` their count).
+        tp: ``(tp rank, hp, {sliced name: (axis, parts)})`` on a tensor-parallel rank: its slices (and the replicated
+            parameters) go to its own files (:mod:`ortflow.trainer.checkpoints.tp`), written by its first replica.
     """
 
     parameters: Callable[[], dict[str, np.ndarray]]
@@ -70,10 +73,19 @@ class TrainState:
     replica: bool = False
     extra_state: Callable[[], dict[str, np.ndarray | float | int]] | None = field(default=None)
     stage: tuple[int, int] | None = None
+    tp: tuple[int, int, dict] | None = None
 
 
 def write_state(state: TrainState, folder: Path) -> None:
     """Write this rank's files of a checkpoint into ``folder`` (the :class:`CheckpointManager` writer)."""
+    if state.tp is not None:  # a tensor-parallel rank: its first replica writes its slices' two files
+        if state.rank == 0:
+            t, size, slicing = state.tp
+            params = state.parameters()
+            marks = {n: (int(a), int(p), size, params[n].shape) for n, (a, p) in slicing.items() if n in params}
+            write_params(folder / tpfiles.tp_file("params", t, size), params, set(state.trainable), marks=marks)
+            write_optimizer(folder / tpfiles.tp_file("optimizer", t, size), state, marks=marks)
+        return
     if state.stage is not None:  # a pipeline stage: its first replica writes the stage's two files
         if state.rank == 0:
             index, count = state.stage
@@ -90,21 +102,23 @@ def write_state(state: TrainState, folder: Path) -> None:
         write_optimizer(folder / OPTIMIZER_FILE, state)
 
 
-def write_params(path: Path, params: dict[str, np.ndarray], trainable: set[str], extra: dict | None = None) -> None:
-    """``params.h5``: one dataset per parameter (and the extra state)."""
+def write_params(path: Path, params: dict[str, np.ndarray], trainable: set[str], extra: dict | None = None,
+                 marks: dict | None = None) -> None:
+    """``params.h5``: one dataset per parameter (and the extra state); ``marks``: tensor-parallel slicing."""
     with h5py.File(path, "w") as f:
         group = f.create_group("parameters")
         for name in sorted(params):
             ds = group.create_dataset(escape(name), data=np.asarray(params[name], dtype=np.float32))
             ds.attrs["name"] = name
             ds.attrs["requires_grad"] = name in trainable
+            tpfiles.mark(ds, (marks or {}).get(name))
         if extra:
             eg = f.create_group("extra_state")
             for key, value in extra.items():
                 eg.create_dataset(escape(key), data=np.asarray(value)).attrs["name"] = key
 
 
-def write_optimizer(path: Path, state: TrainState) -> None:
+def write_optimizer(path: Path, state: TrainState, marks: dict | None = None) -> None:
     """One optimizer-state file: every segment of every state of this rank."""
     update = state.update
     if hasattr(update, "to_host"):  # a device update: its state into the host mirrors first
@@ -119,6 +133,7 @@ def write_optimizer(path: Path, state: TrainState) -> None:
             for i, seg in enumerate(update.segments):
                 ds = group.create_dataset(escape(seg.name), data=update.state_views(i)[k])
                 ds.attrs.update({"name": seg.name, "lo": seg.lo, "hi": seg.hi, "numel": seg.numel})
+                tpfiles.mark(ds, (marks or {}).get(seg.name))
 
 
 def _open(path: Path) -> h5py.File:
@@ -131,7 +146,9 @@ def _open(path: Path) -> h5py.File:
 def params_files(folder: Path) -> list[Path]:
     """The parameter files of a format 2 folder: ``params.h5``, or a pipeline run's one per stage."""
     folder = Path(folder)
-    return [folder / PARAMS_FILE] if (folder / PARAMS_FILE).exists() else sorted(folder.glob("params-stage*.h5"))
+    if (folder / PARAMS_FILE).exists():
+        return [folder / PARAMS_FILE]
+    return sorted(folder.glob("params-stage*.h5")) or tpfiles.tp_files(folder, "params")
 
 
 def read_params(folder: Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
@@ -146,6 +163,8 @@ def read_params(folder: Path, names: set[str] | None = None) -> dict[str, np.nda
         return values if names is None else {n: v for n, v in values.items() if n in names}
     if not files:
         raise CheckpointError(f"{folder} holds no parameters (params.h5); the checkpoint is incomplete")
+    if files[0].name.startswith("params-tp"):  # tensor-parallel slices: whole tensors rebuilt
+        return tpfiles.read_merged_params(files, names)
     values: dict[str, np.ndarray] = {}
     for path in files:
         with _open(path) as f:
@@ -182,7 +201,7 @@ def _replica_choice(files: list[Path], rank: int) -> list[Path]:
 
 
 def _pieces(
-    folder: Path, rank: int = 0, names: set[str] | None = None
+    folder: Path, rank: int = 0, names: set[str] | None = None, files: list[Path] | None = None
 ) -> tuple[int, str | None, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
     """Step count, optimizer name and every state piece ``(name, lo, hi, values)`` by state name; ``names``: only
     those parameters'. A piece stored twice (a tied parameter in two pipeline stages' files) is read once."""
@@ -197,7 +216,9 @@ def _pieces(
             s: [(n, 0, a.size, a.reshape(-1)) for n, a in arrays.items()] for s, arrays in legacy.optimizer.items()
         }
         return legacy.step, "adamw/engine" if pieces else None, pieces
-    files = optimizer_files(folder)
+    if files is None and tpfiles.tp_files(folder, "optimizer"):  # every tp rank's slices, whole tensors rebuilt
+        return tpfiles.merged_optimizer_pieces(tpfiles.tp_files(folder, "optimizer"))
+    files = files or optimizer_files(folder)
     if not files:
         raise CheckpointError(f"{folder} holds no optimizer state (optimizer*.h5); the checkpoint is incomplete")
     files = _replica_choice(files, rank)
@@ -216,13 +237,13 @@ def _pieces(
     return step, name, pieces
 
 
-def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0) -> None:
+def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: list[Path] | None = None) -> None:
     """Fill ``update``'s state (any sharding) and step count from a checkpoint's optimizer files (any sharding).
 
     Raises:
         CheckpointError: the state names differ (another optimizer wrote it) or an element is not covered.
     """
-    step, written_by, pieces = _pieces(folder, rank, {seg.name for seg in update.segments} or None)
+    step, written_by, pieces = _pieces(folder, rank, {seg.name for seg in update.segments} or None, files)
     wanted = update.rule.state_names
     if wanted and set(wanted) - set(pieces):
         raise CheckpointError(

@@ -42,8 +42,9 @@ class Communicator(Protocol):
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         """ZeRO-1: ``out`` becomes the sum over ranks of this rank's range of ``flat`` (ranges of ``counts``)."""
 
-    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
-        """ZeRO-1: in place, every rank's range of ``flat`` (ranges of ``counts``) from that rank."""
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int], label: str = "zero-1 parameter all-gather") -> None:
+        """In place, every rank's range of ``flat`` (ranges of ``counts``) from that rank (ZeRO-1's parameters, tensor
+        parallelism's activation sums); ``label`` names it in a stall report."""
 
     def broadcast(self, obj: object, label: str) -> object:
         """Rank 0's ``obj`` on every rank."""
@@ -118,7 +119,7 @@ class SingleProcessComm:
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         out[...] = flat[: out.size]
 
-    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int], label: str = "") -> None:
         pass
 
     def watched(self, label: str, call: Callable[[], object]) -> object:

@@ -281,7 +281,7 @@ class MPIComm:
             call = lambda: self.comm.Reduce_scatter(flat, out, list(counts), op=mpi.SUM)  # noqa: E731
         self._collective("zero-1 gradient reduce-scatter", call)
 
-    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int], label: str = "zero-1 parameter all-gather") -> None:
         mpi = self._mpi
         if len(set(counts)) == 1 and flat.size == counts[0] * self.size:
             # In place over equal ranges: MPICH's Allgatherv measured 42x slower (bench: zero.shard_bounds).
@@ -289,7 +289,7 @@ class MPIComm:
         else:
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
             call = lambda: self.comm.Allgatherv(mpi.IN_PLACE, [flat, list(counts), displs, mpi.FLOAT])  # noqa: E731
-        self._collective("zero-1 parameter all-gather", call)
+        self._collective(label, call)
 
     def broadcast(self, obj: object, label: str) -> object:
         return self._collective(label, lambda: self.comm.bcast(obj, root=0))

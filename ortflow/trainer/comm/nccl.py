@@ -301,8 +301,8 @@ class NCCLComm:
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         self.group.reduce_scatter(flat, out, counts)  # host ZeRO-1 over the process group (CPU engine)
 
-    def all_gather(self, flat: np.ndarray, counts: Sequence[int]) -> None:
-        self.group.all_gather(flat, counts)
+    def all_gather(self, flat: np.ndarray, counts: Sequence[int], label: str = "zero-1 parameter all-gather") -> None:
+        self.group.all_gather(flat, counts, label)
 
     def broadcast(self, obj: object, label: str) -> object:
         return self.group.broadcast(obj, label)

@@ -79,10 +79,12 @@ class _VJPLoss(onnxblock.Block):
             graph.node.append(helper.make_node("Mul", [name, grad_in], [f"{name}.vjp_prod"]))
             graph.node.append(helper.make_node("ReduceSum", [f"{name}.vjp_prod"], [f"{name}.vjp"], keepdims=0))
             terms.append(f"{name}.vjp")
-        if len(terms) > 1:
-            graph.node.append(helper.make_node("Sum", terms, ["pipeline.vjp_loss"]))
-            return "pipeline.vjp_loss"
-        return terms[0]
+        total = terms[0]
+        for k, term in enumerate(terms[1:], 1):  # Add, not Sum: the engine has no gradient builder for Sum
+            out = "pipeline.vjp_loss" if k == len(terms) - 1 else f"pipeline.vjp_partial{k}"
+            graph.node.append(helper.make_node("Add", [total, term], [out]))
+            total = out
+        return total
 
 
 def expose_input_gradients(path: Path, names: tuple[str, ...]) -> None:

@@ -1,0 +1,211 @@
+"""Tensor parallelism on CPU ranks: per-rank memory of the split layers (hp 2 vs hp 1) and step time.
+
+Run: ``.venv/bin/python -m bench.bench_tensor [--steps 4] [--rounds 3]`` (writes bench/results/tensor-<host>.json and
+.md). The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks data-parallel; hp2: 2 ranks, tensor
+parallel) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces
+(init_runtime, TensorRuntime.micro_step / the engine's training call, the gradient exchange, ortflow's update) for
+warm-up + timed steps and writes one JSON file per rank. Rounds alternate the contenders, so a busy shared machine
+slows them alike.
+
+Memory of the split layers on a rank (the weights that hp 2 slices, named by the hp 2 run's ``tensor.json``):
+parameter values read from the rank's engine state (4 bytes each), gradient buffers (the same count), and the
+optimizer state that ortflow's update allocated for them (AdamW's two moments, counted from its segments). Time:
+median step seconds; for hp 2 also the seconds spent in the activation/input-gradient all-reduces (``tp_sum``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
+BATCH, MICRO = 4, 2
+
+
+def _split_names(artifacts_dir: Path) -> list[str]:
+    return sorted(json.loads((artifacts_dir / "tensor" / "tensor.json").read_text())["slicing"])
+
+
+def _memory(rt, names: list[str]) -> dict:
+    def values(name: str) -> int:
+        owner = rt.param(name) if hasattr(rt, "param") else rt.state.parameters[name]
+        return int(np.prod(owner.data.shape))
+
+    split = sum(values(n) for n in names)
+    total = sum(values(n) for n in rt.trainable)
+    update = rt.update
+    state = sum(sum(v.size for v in update.state_views(i)) for i, seg in enumerate(update.segments)
+                if seg.name in names)
+    return {"split_parameters": 4 * split, "split_gradients": 4 * split, "split_optimizer_state": 4 * state,
+            "all_parameters": 4 * total, "optimizer_state_total": int(update.state_bytes)}
+
+
+def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
+    """Under mpiexec: warm-up + timed steps with the trainer's own pieces; one JSON per rank."""
+    from ortflow.dataprep.loader import TrainLoader
+    from ortflow.trainer.runtime import init_runtime, start_mpi
+
+    cfg, comm = start_mpi(run_dir)
+    rt = init_runtime(run_dir, cfg, comm)
+    k = cfg.train.gradient_accumulation_steps
+    shard, shards = rt.data_shard()
+    batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
+    tensor = hasattr(rt, "micro_step")
+    reduce_s = [0.0]
+    if tensor:
+        plain = rt.tp_sum
+
+        def timed(x):
+            started = time.perf_counter()
+            try:
+                return plain(x)
+            finally:
+                reduce_s[0] += time.perf_counter() - started
+        rt.tp_sum = timed
+    grads = rt.gradient_buffers()
+    times, reduces = [], []
+    for step in range(warmup + steps):
+        comm.barrier("bench step")
+        reduce_s[0] = 0.0
+        started = time.perf_counter()
+        if tensor:
+            for _ in range(k):
+                rt.micro_step(next(batches))
+            divisor = k * rt.num_replicas
+        else:
+            names = rt.module.input_names()
+            for _ in range(k):
+                feeds = next(batches)
+                rt.module(*(feeds[n] for n in names))
+            divisor = k * comm.size
+        mine = rt.exchange.reduce(grads, divisor, np.zeros(0, np.float32))
+        rt.update.step(mine, cfg.optimizer.learning_rate)
+        for module in [p.module for p in rt.pieces] if tensor else [rt.module]:
+            module.lazy_reset_grad()
+        if step >= warmup:
+            times.append(time.perf_counter() - started)
+            reduces.append(reduce_s[0])
+    record = {"rank": comm.rank, "step_s": statistics.median(times), "allreduce_s": statistics.median(reduces),
+              "samples_per_step": k * cfg.train.batch_size * (comm.size // cfg.distributed.horizontal_parallel_size),
+              "memory": _memory(rt, _split_names(names_from))}
+    (run_dir / f"bench-rank{comm.rank}.json").write_text(json.dumps(record))
+    comm.barrier("bench done")
+    comm.close()
+
+
+def _configure(root: Path, name: str, ranks: int, hp: int) -> Path:
+    from ortflow.config import config_from_dict
+    from ortflow.configure import configure
+    from ortflow.dataprep import prepare_data
+    from ortflow.examples.gpt import build_gpt
+
+    model = root / "gpt.onnx"
+    if not model.exists():
+        build_gpt(model, **SHAPE)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    cfg = config_from_dict({
+        "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
+        "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
+        "train": {"batch_size": BATCH, "num_train_steps": MICRO, "gradient_accumulation_steps": MICRO},
+        "optimizer": {"learning_rate": 1e-3},
+        "distributed": {"num_ranks": ranks, "horizontal_parallel_size": hp, "threads_per_rank": 1},
+    })
+    configure(cfg)
+    prepare_data(cfg)
+    return cfg.output_dir
+
+
+def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int) -> list[dict]:
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m",
+           "bench.bench_tensor", "--worker", str(run_dir), "--names-from", str(names_from), "--warmup", str(warmup),
+           "--steps", str(steps)]
+    out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    if out.returncode:
+        raise RuntimeError(out.stdout[-3000:])
+    return [json.loads((run_dir / f"bench-rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def summarize(results: dict) -> dict:
+    """Medians over rounds: split-layer memory per rank (and its ratio to hp 1), step time, samples/s."""
+    def med(key: str, pick) -> float:
+        return statistics.median(pick(r) for r in results[key])
+
+    memory = {"hp1": results["hp1"][0][0]["memory"], "hp2 rank 0": results["hp2"][0][0]["memory"],
+              "hp2 rank 1": results["hp2"][0][1]["memory"]}
+    base = memory["hp1"]
+    ratios = {key: {f: m[f] / base[f] for f in ("split_parameters", "split_optimizer_state", "all_parameters")}
+              for key, m in memory.items() if key != "hp1"}
+    timing = {}
+    for kind in ("hp1", "dp2", "hp2"):
+        step = med(kind, lambda r: max(x["step_s"] for x in r))
+        timing[kind] = {"step_s": step, "samples_per_s": results[kind][0][0]["samples_per_step"] / step,
+                        "allreduce_s": med(kind, lambda r: max(x["allreduce_s"] for x in r))}
+    return {"memory": memory, "memory_ratio_vs_hp1": ratios, "timing": timing,
+            "hp2_step_vs_hp1": timing["hp2"]["step_s"] / timing["hp1"]["step_s"]}
+
+
+def report(record: dict) -> str:
+    s = record["summary"]
+    mib = 2**20
+    lines = [f"# Tensor parallelism on CPU ranks ({record['host']}, {record['cores']} cores)", "",
+             f"Command: `{record['command']}`", f"GPT {record['shape']}, batch {BATCH} x {MICRO} micro-batches per "
+             "update, 1 thread per rank, AdamW (ortflow's update).", "",
+             "| rank | split-layer params MiB | their AdamW state MiB | all params MiB | split params vs hp1 |",
+             "|---|---|---|---|---|"]
+    for key, m in s["memory"].items():
+        ratio = s["memory_ratio_vs_hp1"].get(key, {}).get("split_parameters", 1.0)
+        lines.append(f"| {key} | {m['split_parameters'] / mib:.2f} | {m['split_optimizer_state'] / mib:.2f} | "
+                     f"{m['all_parameters'] / mib:.2f} | {ratio:.3f} |")
+    lines += ["", "| layout | step s (median) | samples/s | all-reduce s per step |", "|---|---|---|---|"]
+    for kind, t in s["timing"].items():
+        lines.append(f"| {kind} | {t['step_s']:.3f} | {t['samples_per_s']:.1f} | {t['allreduce_s']:.3f} |")
+    lines += ["", f"hp2 step time / hp1: {s['hp2_step_vs_hp1']:.2f}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--names-from", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.names_from, args.warmup, args.steps)
+    with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
+        root = Path(tmp)
+        hp2 = _configure(root, "hp2", 2, 2)
+        runs = {"hp1": (_configure(root, "hp1", 1, 1), 1), "dp2": (_configure(root, "dp2", 2, 1), 2),
+                "hp2": (hp2, 2)}
+        results: dict = {kind: [] for kind in runs}
+        for _ in range(args.rounds):
+            for kind, (run_dir, ranks) in runs.items():
+                results[kind].append(_launch(run_dir, hp2 / "artifacts", ranks, args.warmup, args.steps))
+    command = "python -m bench.bench_tensor " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
+              "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summarize(results),
+              "raw": results}
+    out = ROOT / "bench" / "results" / f"tensor-{socket.gethostname()}"
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    out.with_suffix(".md").write_text(report(record))
+    print(report(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""Tensor (horizontal) parallel split, Megatron-LM style: find the wide layers, and each rank's slice of the model.
+
+A **region** starts at column-split MatMuls (``x @ W`` with ``W`` a 2-D trainable initializer; each rank keeps a
+block of ``W``'s columns and of the bias added right after) and ends at row-split MatMuls (the region's activation,
+split on its last axis, times a 2-D trainable weight; each rank keeps the matching block of rows, so the product is a
+partial sum that the ranks add: the forward all-reduce). In between the activation stays split on one axis through
+element-wise ops, Reshape/Transpose (the head split: Q/K/V by heads), Softmax over another axis, MatMul of two
+split tensors over a batch axis (attention scores and context), and ``Split`` of a fused QKV projection into equal
+parts (its columns are sliced per part). The bias after a row-split MatMul is added once, after the all-reduce, so it
+stays replicated, as does everything outside a region.
+
+Reshape target shapes that carry the head count or the width (a Constant, or a Constant inside a Concat, as
+``torch.onnx.export`` writes them) are rewritten for the local size; so are ``Split`` sizes. A candidate whose split
+activation reaches something else (a graph output, an unknown op, a parameter that would need slicing) is kept
+replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is refused, naming the tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ortflow.graph.common import constant_values, node_label
+
+log = logging.getLogger(__name__)
+
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Identity", "Sqrt",
+                "Neg", "Exp", "Log", "Cast", "Where", "FastGelu", "Abs", "Reciprocal", "LeakyRelu", "Elu"}
+
+
+class TensorSplitError(ValueError):
+    """The tensor-parallel split is impossible at this size; the message names the tensors and the fix."""
+
+
+@dataclass
+class Region:
+    """One split region (an attention block or an MLP): what each rank slices and what the ranks add up.
+
+    Attributes:
+        columns: Column-split weights (``[in, out]``: each rank keeps ``out / hp`` columns of every part).
+        biases: Column-split biases (sliced like their weight's columns).
+        rows: Row-split weights (each rank keeps ``in / hp`` rows).
+        groups: Parts of a column-split weight (3 for a fused QKV projection whose output is Split in 3), by name.
+        outputs: The row-split MatMuls' outputs: partial sums, all-reduced over the tensor-parallel ranks.
+        inputs: Replicated activations the region reads (the backward all-reduce of their gradients happens here).
+        nodes: Indices of the region's nodes in the graph.
+    """
+
+    columns: list[str] = field(default_factory=list)
+    biases: list[str] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)
+    groups: dict[str, int] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TensorPlan:
+    """The split of one model at one size: its regions, the shape rewrites, what was kept replicated and why."""
+
+    size: int
+    regions: list[Region]
+    rewrites: list[tuple[int, int, int, int]]  # (node index, input index, element, full value) to divide by size
+    kept: dict[str, str]  # candidate weight -> why it stays replicated
+
+    def slicing(self) -> dict[str, tuple[int, int]]:
+        """Sliced parameter -> (axis, parts): axis 1 (columns) or 0 (rows / a bias's only axis)."""
+        out = {}
+        for r in self.regions:
+            out.update({w: (1, r.groups.get(w, 1)) for w in r.columns})
+            out.update({b: (0, r.groups.get(b, 1)) for b in r.biases})
+            out.update({w: (0, 1) for w in r.rows})
+        return out
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list]:
+    # data_prop follows Shape -> Gather -> Concat chains into Reshape (torch's head split with fixed batch dims)
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    g = inferred.graph
+    out = {}
+    for vi in [*g.value_info, *g.input, *g.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    for t in g.initializer:
+        out[t.name] = list(t.dims)
+    return out
+
+
+def _attr(node, name, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+class _Walk:
+    """One pass over the graph in order, propagating 'split on axis k' (k < 0, counted from the end) from seeds."""
+
+    def __init__(self, model, trainable: set[str], seeds: set[int], size: int):
+        self.g, self.trainable, self.size = model.graph, trainable, size
+        self.shapes = _shapes(model)
+        self.readers: dict[str, list[int]] = {}
+        self.producers: dict[str, int] = {}
+        for i, n in enumerate(self.g.node):
+            for x in n.input:
+                self.readers.setdefault(x, []).append(i)
+            self.producers.update(dict.fromkeys(n.output, i))
+        self.split: dict[str, int] = {}  # tensor -> split axis (negative)
+        self.comp: dict[str, int] = {}  # tensor -> seed id (union-find root of its component)
+        self.parent = {s: s for s in seeds}
+        self.failed: dict[int, str] = {}
+        self.node_comp: dict[int, int] = {}
+        self.partial: dict[str, int] = {}  # row outputs -> component
+        self.rows: dict[int, str] = {}  # node -> row weight
+        self.biases: dict[int, str] = {}
+        self.groups: dict[int, int] = {}  # seed node -> parts (Split after it)
+        self.bias_of: dict[str, int] = {}  # tensor after the seed's bias add -> seed node
+        self.rewrites: list[tuple[int, int, int, int, int]] = []  # (+ component)
+        for i, node in enumerate(self.g.node):
+            if i in seeds:
+                self.split[node.output[0]], self.comp[node.output[0]] = -1, i
+                self.node_comp[i] = i
+                self.bias_of[node.output[0]] = i
+                continue
+            self._visit(i, node)
+        self.outputs = {o.name for o in self.g.output}
+        for name, c in self.comp.items():
+            if name in self.outputs:
+                self.fail(c, f"its split activation '{name}' is a graph output")
+
+    def find(self, c: int) -> int:
+        while self.parent[c] != c:
+            c = self.parent[c]
+        return c
+
+    def fail(self, c: int, why: str) -> None:
+        self.failed.setdefault(self.find(c), why)
+
+    def _visit(self, i: int, node) -> None:
+        ins = [x for x in node.input if x in self.split]
+        if not ins:
+            return
+        roots = {self.find(self.comp[x]) for x in ins}
+        root = min(roots)
+        for r in roots:  # merge components that meet (q @ k); a failure of either is the merged one's
+            if r != root:
+                if r in self.failed:
+                    self.failed.setdefault(root, self.failed[r])
+                self.parent[r] = root
+        self.node_comp[i] = root
+        why = self._propagate(i, node)
+        if why:
+            self.fail(root, f"{node.op_type} '{node_label(node)}': {why}")
+            return
+        for out in node.output:
+            if out in self.split:
+                self.comp[out] = root
+
+    def _rank(self, name: str) -> int | None:
+        s = self.shapes.get(name)
+        return None if s is None else len(s)
+
+    def _dim(self, name: str, axis: int):
+        s = self.shapes.get(name)
+        return None if s is None or -axis > len(s) else s[axis]
+
+    def _propagate(self, i: int, node) -> str | None:  # noqa: C901 - one case per supported op
+        op, x = node.op_type, node.input[0]
+        axis = self.split.get(x)
+        if op == "MatMul":
+            a, b = node.input
+            if a in self.split and b not in self.split and b in self.trainable and self._rank(b) == 2:
+                if self.split[a] != -1:
+                    return "a weight MatMul reads an activation split on another axis than the last"
+                if len(self.readers.get(b, [])) > 1:
+                    return f"the row weight '{b}' is also read elsewhere (tied)"
+                self.rows[i] = b
+                self.partial[node.output[0]] = i
+                return None
+            if a in self.split and b in self.split and self.split[a] == self.split[b] and self.split[a] <= -3:
+                self.split[node.output[0]] = self.split[a]
+                return None
+            return "its inputs are not split the same way over a batch axis"
+        if op == "Shape":
+            return None
+        if op == "Transpose":
+            rank = self._rank(x)
+            if rank is None:
+                return "unknown rank"
+            perm = _attr(node, "perm") or list(range(rank))[::-1]
+            self.split[node.output[0]] = perm.index(rank + axis) - rank
+            return None
+        if op == "Reshape":
+            return self._reshape(i, node, axis)
+        if op == "Split":
+            return self._split(i, node, axis)
+        if op == "Softmax" or op == "LogSoftmax":
+            rank = self._rank(x)
+            if rank is None or (_attr(node, "axis", -1) % rank) == rank + axis:
+                return "softmax over the split axis"
+            self.split[node.output[0]] = axis
+            return None
+        if op in _ELEMENTWISE:
+            return self._elementwise(i, node)
+        return "not an op the split follows"
+
+    def _elementwise(self, i: int, node) -> str | None:
+        axes = {self.split[x] for x in node.input if x in self.split}
+        if len(axes) > 1:
+            return "its inputs are split on different axes"
+        (axis,) = axes
+        for x in node.input:
+            if not x or x in self.split:
+                continue
+            seed = self.bias_of.get(node.input[0]) if node.op_type == "Add" else None
+            if (x in self.trainable and seed is not None and axis == -1 and self._rank(x) == 1
+                    and len(self.readers.get(x, [])) == 1 and node.input[0] in self.split):
+                self.biases[i] = x
+                self.bias_of[node.output[0]] = seed
+                continue
+            if x in self.trainable:
+                return f"the parameter '{x}' would need slicing"
+            dim = self._dim(x, axis)
+            if dim is not None and dim != 1:
+                return f"'{x}' is not broadcast along the split axis"
+        self.split[node.output[0]] = axis
+        return None
+
+    def _split(self, i: int, node, axis: int) -> str | None:
+        seed = self.bias_of.get(node.input[0])
+        rank = self._rank(node.input[0])
+        if seed is None or rank is None or (_attr(node, "axis", 0) % rank) != rank + axis:
+            return "a Split of a split activation other than a projection's output, along its columns"
+        parts = len(node.output)
+        sizes = constant_values(self.g, node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if sizes is not None and len(set(sizes.tolist())) != 1:
+            return "a Split into unequal parts"
+        self.groups[seed] = parts
+        if sizes is not None:
+            for k, v in enumerate(sizes.tolist()):
+                self.rewrites.append((i, 1, k, int(v), seed))
+        for out in node.output:
+            self.split[out] = axis
+        return None
+
+    def _reshape(self, i: int, node, axis: int) -> str | None:
+        x, out = node.input[0], node.output[0]
+        s_in, s_out = self.shapes.get(x), self.shapes.get(out)
+        if s_in is None or s_out is None or None in s_in[axis:] or None in s_out[1:]:
+            return "shapes around the Reshape are not known (export with fixed sizes)"
+        suffix = int(np.prod(s_in[axis:]))
+        for b in range(1, len(s_out)):
+            if int(np.prod(s_out[b:])) == suffix and s_out[b] > 1:
+                break
+        else:
+            return "the split axis does not map onto one axis of the new shape"
+        spec = self._shape_entry(i, node.input[1], b)
+        if isinstance(spec, str):
+            return spec
+        node_index, pos, element, value = spec
+        if value > 0:
+            self.rewrites.append((node_index, pos, element, value, self.find(self.comp[x])))
+        elif value == 0 and b != len(s_in) + axis:
+            return "the new shape copies (0) the split axis from another position"
+        self.split[out] = b - len(s_out)
+        return None
+
+    def _producer(self, name: str):
+        return self.producers.get(name)
+
+    def _shape_entry(self, i: int, name: str, b: int):
+        """Where entry ``b`` of a Reshape's shape lives: (node, input, element, value), or why it cannot change."""
+        values = constant_values(self.g, name)
+        if values is not None:
+            return i, 1, b, int(values[b])
+        producer = self._producer(name)
+        if producer is not None and self.g.node[producer].op_type == "Concat":
+            if len(self.readers[name]) > 1:
+                return "the new shape (a Concat) is read by other nodes too"
+            at = 0
+            for k, part in enumerate(self.g.node[producer].input):
+                v = constant_values(self.g, part)
+                maker = self._producer(part)
+                unsqueezed = maker is not None and self.g.node[maker].op_type == "Unsqueeze"
+                length = v.size if v is not None else 1 if unsqueezed else None
+                if length is None:
+                    return "the new shape is computed in a way the split cannot follow"
+                if at <= b < at + length:
+                    if v is None:
+                        return "the new shape's split entry is computed, not a Constant"
+                    return producer, k, b - at, int(v.reshape(-1)[b - at])
+                at += length
+        return "the new shape is computed, not a Constant (export with constant folding)"
+
+
+def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
+    """MatMul nodes whose second input is a 2-D trainable weight read only there: node index -> weight."""
+    reads: dict[str, int] = {}
+    for n in graph.node:
+        for x in n.input:
+            reads[x] = reads.get(x, 0) + 1
+    return {i: n.input[1] for i, n in enumerate(graph.node) if n.op_type == "MatMul" and n.input[1] in trainable
+            and len(shapes.get(n.input[1], [])) == 2 and reads[n.input[1]] == 1}
+
+
+def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int) -> TensorPlan:
+    """Find the regions to split over ``size`` ranks (pure; nothing is changed).
+
+    Raises:
+        TensorSplitError: ``size`` does not divide a split width or head count (names them and the fix), or no
+            region was found.
+    """
+    trainable = set(trainable)
+    candidates = _candidates(model.graph, trainable, _shapes(model))
+    seeds, kept = set(candidates), {}
+    while True:
+        walk = _Walk(model, trainable, seeds, size)
+        downstream = {s for s in seeds if model.graph.node[s].input[0] in walk.split}
+        if downstream:  # fed by another seed's activation: a row-split MatMul, not a seed
+            seeds -= downstream
+            continue
+        failed = {s for s in seeds if walk.find(s) in walk.failed}
+        ends = {walk.find(walk.node_comp[r]) for r in walk.rows}
+        unended = {s for s in seeds if walk.find(s) not in ends} - failed
+        for s in failed | unended:
+            kept[candidates[s]] = walk.failed.get(walk.find(s), "its activation never reaches a row-split MatMul")
+        if not (failed | unended):
+            break
+        seeds -= failed | unended
+    regions = _regions(model.graph, walk, seeds, candidates)
+    for r in walk.rows.values():
+        kept.pop(r, None)
+    plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
+    _check_sizes(model, plan, walk)
+    return plan
+
+
+def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) -> list[Region]:
+    by_root: dict[int, Region] = {}
+    for s in sorted(seeds):
+        r = by_root.setdefault(walk.find(s), Region())
+        r.columns.append(candidates[s])
+        if walk.groups.get(s, 1) > 1:
+            r.groups[candidates[s]] = walk.groups[s]
+        x = graph.node[s].input[0]
+        if x not in r.inputs:
+            r.inputs.append(x)
+    for i, c in sorted(walk.node_comp.items()):
+        r = by_root[walk.find(c)]
+        r.nodes.append(i)
+        if i in walk.rows:
+            r.rows.append(walk.rows[i])
+            r.outputs.append(graph.node[i].output[0])
+        if i in walk.biases:
+            r.biases.append(walk.biases[i])
+            seed = walk.bias_of[graph.node[i].output[0]]
+            if walk.groups.get(seed, 1) > 1:
+                r.groups[walk.biases[i]] = walk.groups[seed]
+    return [by_root[k] for k in sorted(by_root)]
+
+
+def _check_sizes(model, plan: TensorPlan, walk: _Walk) -> None:
+    if not plan.regions:
+        raise TensorSplitError(
+            "distributed.horizontal_parallel_size > 1 found no layer to split (a MatMul by a 2-D weight whose output "
+            f"reaches a second weight MatMul through element-wise ops and head reshapes); kept: {plan.kept}; use 1"
+        )
+    bad = []
+    for name, (axis, parts) in plan.slicing().items():
+        dim = walk.shapes[name][axis if len(walk.shapes[name]) > 1 else 0]
+        if dim % (parts * plan.size):
+            bad.append(f"{name} {walk.shapes[name]} (axis {axis}{f', {parts} parts' if parts > 1 else ''})")
+    for i, _, _, value in plan.rewrites:
+        if value % plan.size:
+            bad.append(f"{model.graph.node[i].op_type} '{node_label(model.graph.node[i])}' size {value} (heads?)")
+    if bad:
+        raise TensorSplitError(
+            f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "
+            "the number of heads and the widths, or 1"
+        )
+
+
+def describe(plan: TensorPlan) -> list[str]:
+    """One line per region and one for what stays replicated (the pass logs these)."""
+    lines = [f"region {k}: columns {r.columns} (+ biases {r.biases}), rows {r.rows}; all-reduce after {r.outputs}"
+             + (f"; fused parts {r.groups}" if r.groups else "") for k, r in enumerate(plan.regions)]
+    lines += [f"kept replicated: {w} ({why})" for w, why in sorted(plan.kept.items())]
+    return lines
+
+
+def split_for_rank(model: onnx.ModelProto, trainable, size: int, rank: int,
+                   report: list[dict] | None = None) -> tuple[onnx.ModelProto, TensorPlan]:
+    """Plan (logging what it split and kept) and shard for ``rank``: the pass of configure."""
+    from ortflow.graph.tensor_shard import shard_model
+
+    plan = plan_tensor_split(model, trainable, size)
+    lines = describe(plan)
+    if rank == 0:
+        log.info("tensor_parallel %d: %s", size, "; ".join(lines))
+        if report is not None:
+            report.append({"pass": "tensor_parallel", "changes": lines})
+    return shard_model(model, plan, rank), plan

@@ -1,0 +1,54 @@
+"""Rank ``r``'s model of a tensor-parallel split: its slices of the split weights, local sizes in the shapes.
+
+The inverse (whole tensors from every rank's slices) is :func:`ortflow.trainer.checkpoints.tp.merge_slices`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ortflow.graph.common import Names, constant_values
+from ortflow.graph.tensor_parallel import TensorPlan
+
+
+def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``: its block of every part, concatenated)."""
+    axis = axis if value.ndim > 1 else 0
+    split = np.split(value, parts, axis=axis)
+    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in split], axis=axis)
+
+
+def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.ModelProto:
+    """Rank ``rank``'s model: its slices of the split weights, local head counts and widths in the shapes."""
+    model = copy.deepcopy(model)
+    graph, size = model.graph, plan.size
+    slicing = plan.slicing()
+    for t in graph.initializer:
+        if t.name in slicing:
+            axis, parts = slicing[t.name]
+            t.CopyFrom(numpy_helper.from_array(slice_tensor(numpy_helper.to_array(t), axis, parts, size, rank), t.name))
+    names = Names(graph)
+    new_nodes: dict[int, list] = {}
+    by_input: dict[tuple[int, int], dict[int, int]] = {}
+    for i, pos, element, value in plan.rewrites:
+        by_input.setdefault((i, pos), {})[element] = value // size
+    for (i, pos), changes in sorted(by_input.items()):
+        node = graph.node[i]
+        values = constant_values(graph, node.input[pos]).copy()
+        for element, value in changes.items():
+            values.reshape(-1)[element] = value
+        out = names.new(f"{node.input[pos]}.tp{size}")
+        tensor = numpy_helper.from_array(values, out)
+        new_nodes.setdefault(i, []).append(helper.make_node("Constant", [], [out], name=names.new(out), value=tensor))
+        node.input[pos] = out
+    ordered = []
+    for i, node in enumerate(graph.node):
+        ordered += new_nodes.get(i, []) + [node]
+    del graph.node[:]
+    graph.node.extend(ordered)
+    del graph.value_info[:]  # shapes of the split tensors changed; inference recomputes them
+    return model

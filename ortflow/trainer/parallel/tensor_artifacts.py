@@ -1,0 +1,166 @@
+"""Build every tensor-parallel rank's piece artifacts once, in configure (the pipeline stages' recipe, per piece).
+
+For tensor-parallel rank ``r`` of ``hp`` the folder ``artifacts/tensor/rank-RR/piece-PP/`` holds the engine's
+training and eval models and initial state of one piece of that rank's model (its slices of the split weights):
+
+* a piece before the last has the VJP loss ``sum_i ReduceSum(y_i * g_i)`` over the float tensors it sends, and its
+  eval model computes what it sends (docs/engine-pipeline.md);
+* the last piece keeps the configured loss;
+* the float tensors a piece receives are listed in ``requires_grad``; their gradients come out per call as
+  ``<name>.backprop`` right after the loss.
+
+``tensor.json`` in ``artifacts/tensor/`` records the size, the split (what each rank slices, along which axis) and
+each piece's tensors; it is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from ortflow.config import RunConfig
+from ortflow.engine import artifacts as engine_artifacts
+from ortflow.graph.optional_outputs import declare_optional_outputs
+from ortflow.graph.pipeline import _FLOAT
+from ortflow.graph.repeated import separate_repeated_inputs
+from ortflow.graph.split import split_to_slices
+from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
+from ortflow.graph.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_shard import shard_model
+from ortflow.trainer.artifacts import (
+    ARTIFACT_FILES,
+    ArtifactsError,
+    _check_loss_io,
+    _ConfiguredLoss,
+    _loss_block,
+    inspect_model,
+    split_parameters,
+)
+from ortflow.trainer.parallel.stage_artifacts import _VJPLoss, expose_input_gradients, strip_vjp_from_eval
+
+log = logging.getLogger(__name__)
+
+TENSOR_DIR = "tensor"
+TENSOR_RECORD = "tensor.json"
+
+
+def piece_dir(artifacts_dir: Path, rank: int, piece: int) -> Path:
+    """The artifact folder of piece ``piece`` of tensor-parallel rank ``rank``."""
+    return Path(artifacts_dir) / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece:02d}"
+
+
+def read_tensor_record(artifacts_dir: Path) -> dict | None:
+    """``tensor.json`` of a run's artifacts, or None when the pieces are not built."""
+    try:
+        return json.loads((Path(artifacts_dir) / TENSOR_DIR / TENSOR_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def export_fixes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The preparation passes that make torch exports trainable by the engine and change no tensor the split sees:
+    all LayerNormalization outputs declared, Splits with unused outputs as Slices, repeated inputs separated."""
+    model = declare_optional_outputs(model)
+    model = split_to_slices(model)
+    return separate_repeated_inputs(model)
+
+
+def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str], list[str]]:
+    """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
+    size = cfg.distributed.horizontal_parallel_size
+    trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    model = export_fixes(onnx.load(str(cfg.model.path)))
+    try:
+        plan = plan_tensor_split(model, trainable, size)
+        cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
+    except TensorSplitError as err:
+        raise ArtifactsError(str(err)) from None
+    return model, plan, trainable, frozen
+
+
+def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> None:
+    folder.mkdir(parents=True)
+    stage = piece.stage
+    model = stage.model
+    if last:
+        output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
+        label = None if cfg.model.loss == "model_output" else cfg.model.label_input
+        loss, extra = _ConfiguredLoss(_loss_block(cfg), output_name, label), None
+    else:
+        types = {o.name: o for o in model.graph.output}
+        floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in _FLOAT)
+        loss, extra = _VJPLoss(floats, types), list(stage.sends)
+    engine_artifacts.generate_artifacts(
+        model,
+        requires_grad=[*stage.parameters, *piece.float_receives],
+        frozen_params=sorted(t.name for t in model.graph.initializer if t.name in frozen),
+        loss=loss,
+        optimizer=None,  # ortflow updates the weights
+        artifact_directory=folder,
+        additional_output_names=extra,
+    )
+    (folder / "temp.onnx").unlink(missing_ok=True)
+    if not last:
+        strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
+    if piece.float_receives:
+        expose_input_gradients(folder / "training_model.onnx", piece.float_receives)
+    missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
+    if missing:
+        raise RuntimeError(f"the engine did not write {missing} into {folder}")
+
+
+def _piece_record(piece: Piece, model: onnx.ModelProto) -> dict:
+    types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+    stage = piece.stage
+    return {"index": stage.index, "parallel": piece.parallel, "receives": list(stage.receives),
+            "float_receives": list(piece.float_receives), "sends": list(stage.sends),
+            "float_sends": [n for n in stage.sends if types.get(n) in _FLOAT],
+            "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters)}
+
+
+def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
+    """Build every rank's pieces under ``artifacts_dir/tensor`` (replacing what was there) and return the record.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
+    """
+    size = cfg.distributed.horizontal_parallel_size
+    model, plan, trainable, frozen = plan_tensor(cfg)
+    for line in describe(plan):  # what was split and what was kept, with the reason
+        log.info("tensor_parallel %d: %s", size, line)
+    target = Path(artifacts_dir) / TENSOR_DIR
+    scratch = Path(tempfile.mkdtemp(prefix=".tensor.building-", dir=artifacts_dir))
+    cwd = os.getcwd()
+    os.chdir(scratch)  # the engine may write temp.onnx into the current folder
+    ranks = []
+    try:
+        for rank in range(size):
+            pieces = cut_pieces(shard_model(model, plan, rank), plan, model, trainable)
+            for piece in pieces:
+                folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
+                try:
+                    _build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder)
+                except ArtifactsError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
+                    raise ArtifactsError(f"the engine could not build tensor-parallel piece {piece.index} of rank "
+                                         f"{rank}: {type(err).__name__}: {err}") from err
+            ranks.append([_piece_record(p, p.stage.model) for p in pieces])
+        record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
+                  "split": describe(plan), "pieces": ranks[0]}
+        (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(scratch, target)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        os.chdir(cwd)
+    log.info("built %d tensor-parallel ranks of %d pieces each", size, len(record["pieces"]))
+    return record

@@ -1,0 +1,116 @@
+"""The tensor-parallel split pass and the pieces cut, on the GPT example and a torch-export-shaped GPT-2 block."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+
+from ortflow.examples.gpt import build_gpt
+from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split, split_for_rank
+from ortflow.graph.tensor_pieces import cut_pieces
+from ortflow.graph.tensor_shard import shard_model, slice_tensor
+from ortflow.trainer.checkpoints.tp import merge_slices
+
+from ..models_export import gpt2_style
+from ..models_tensor import run_pieces, run_whole, trainable
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "gpt.onnx"
+    build_gpt(path, vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=4)
+    return onnx.load(str(path))
+
+
+@pytest.fixture(scope="module")
+def torchlike(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "gpt2.onnx"
+    gpt2_style(path, vocab=13, seq_len=4, width=8, heads=2, batch=2)
+    return onnx.load(str(path))
+
+
+def test_gpt_splits_attention_by_heads_and_the_mlp_and_keeps_the_lm_head(gpt, caplog):
+    with caplog.at_level(logging.INFO, logger="ortflow.graph.tensor_parallel"):
+        local, plan = split_for_rank(gpt, trainable(gpt), 2, 0)
+    assert [r.columns for r in plan.regions] == [
+        ["h0.attn.q.weight", "h0.attn.k.weight", "h0.attn.v.weight"], ["h0.mlp.fc.weight"],
+        ["h1.attn.q.weight", "h1.attn.k.weight", "h1.attn.v.weight"], ["h1.mlp.fc.weight"]]
+    assert [r.rows for r in plan.regions] == [["h0.attn.proj.weight"], ["h0.mlp.proj.weight"],
+                                              ["h1.attn.proj.weight"], ["h1.mlp.proj.weight"]]
+    assert plan.regions[0].biases == ["h0.attn.q.bias", "h0.attn.k.bias", "h0.attn.v.bias"]
+    assert plan.regions[1].outputs == ["h0.mlp.proj.mm"]  # the all-reduce comes before the row bias (added once)
+    assert "lm_head.weight" in plan.kept
+    assert "kept replicated: lm_head.weight" in caplog.text and "region 0: columns" in caplog.text
+    shapes = {t.name: list(t.dims) for t in local.graph.initializer}
+    assert shapes["h0.attn.q.weight"] == [32, 16] and shapes["h0.attn.q.bias"] == [16]
+    assert shapes["h0.mlp.fc.weight"] == [32, 64] and shapes["h0.mlp.proj.weight"] == [64, 32]
+    assert shapes["h0.mlp.proj.bias"] == [32] and shapes["lm_head.weight"] == [32, 64]  # replicated: whole
+    head_shapes = [onnx.numpy_helper.to_array(n.attribute[0].t).tolist() for n in local.graph.node
+                   if n.op_type == "Constant" and n.output[0].startswith("shape.split_heads.tp2")]
+    assert head_shapes and all(s == [0, 8, 2, 8] for s in head_shapes)  # 4 heads -> 2 per rank
+
+
+def test_torch_shaped_fused_qkv_is_split_per_part(torchlike):
+    plan = plan_tensor_split(torchlike, trainable(torchlike), 2)
+    attn = plan.regions[0]
+    assert attn.columns == ["transformer.h.0.attn.c_attn.weight"]
+    assert attn.groups == {"transformer.h.0.attn.c_attn.weight": 3, "transformer.h.0.attn.c_attn.bias": 3}
+    assert plan.regions[1].columns == ["transformer.h.0.mlp.c_fc.weight"]
+    local = shard_model(torchlike, plan, 1)
+    whole = onnx.numpy_helper.to_array(next(t for t in torchlike.graph.initializer if t.name == attn.columns[0]))
+    mine = onnx.numpy_helper.to_array(next(t for t in local.graph.initializer if t.name == attn.columns[0]))
+    # rank 1 holds the second half of each of q, k and v (columns 4:8, 12:16, 20:24 of the 24)
+    np.testing.assert_array_equal(mine, np.concatenate([whole[:, 4:8], whole[:, 12:16], whole[:, 20:24]], axis=1))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_pieces_of_the_gpt_compute_the_unsplit_logits(gpt, size):
+    ids = np.random.default_rng(0).integers(0, 64, (2, 8))
+    # fp32: the row-split MatMuls sum their halves in another order; 1e-5 is ~100 ulps of logits of size ~1
+    np.testing.assert_allclose(run_pieces(gpt, size, {"input_ids": ids}), run_whole(gpt, {"input_ids": ids}),
+                               atol=1e-5)
+
+
+def test_pieces_of_the_torch_shaped_model_compute_the_unsplit_logits(torchlike):
+    ids = np.random.default_rng(1).integers(0, 13, (2, 4))
+    np.testing.assert_allclose(run_pieces(torchlike, 2, {"input_ids": ids}),
+                               run_whole(torchlike, {"input_ids": ids}), atol=1e-5)
+
+
+def test_pieces_alternate_replicated_and_parallel(gpt):
+    names = trainable(gpt)
+    plan = plan_tensor_split(gpt, names, 2)
+    pieces = cut_pieces(shard_model(gpt, plan, 0), plan, gpt, names)
+    assert [p.parallel for p in pieces] == [False, True] * 4 + [False]
+    assert pieces[1].stage.receives == ("h0.ln_1.out",) and pieces[1].stage.sends == ("h0.attn.proj.mm",)
+    assert "embed.out" in pieces[2].stage.receives  # the residual stream skips the parallel piece
+    assert pieces[-1].stage.sends == ("logits",)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(gpt, tmp_path):
+    with pytest.raises(TensorSplitError, match=r"horizontal_parallel_size 3 does not divide .*h0.attn.q.weight"):
+        plan_tensor_split(gpt, trainable(gpt), 3)
+    build_gpt(tmp_path / "six.onnx", vocab_size=64, seq_len=8, d_model=48, num_layers=1, num_heads=6)
+    six = onnx.load(str(tmp_path / "six.onnx"))
+    with pytest.raises(TensorSplitError, match=r"size 6 \(heads\?\)"):  # 48 columns divide by 4, 6 heads do not
+        plan_tensor_split(six, trainable(six), 4)
+
+
+def test_a_model_without_a_splittable_layer_is_refused(tmp_path):
+    from .. import models_export
+
+    models_export.layernorm_classifier(tmp_path / "ln.onnx")
+    model = onnx.load(str(tmp_path / "ln.onnx"))
+    with pytest.raises(TensorSplitError, match="found no layer to split"):
+        plan_tensor_split(model, trainable(model), 2)
+
+
+@pytest.mark.parametrize("axis,parts", [(1, 1), (1, 3), (0, 1)])
+def test_slices_merge_back_to_the_whole_tensor(axis, parts):
+    value = np.arange(12 * 24, dtype=np.float32).reshape(12, 24)
+    pieces = [slice_tensor(value, axis, parts, 2, r) for r in range(2)]
+    assert pieces[0].shape[axis] == value.shape[axis] // 2
+    np.testing.assert_array_equal(merge_slices(pieces, axis, parts), value)

@@ -1,0 +1,265 @@
+"""Tensor parallelism for real: a 2-layer GPT split over 2 ranks (``mpiexec -n 2``) and 2 x 2 (``-n 4``)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ortflow
+from ortflow.trainer.checkpoints import list_complete
+from ortflow.trainer.checkpoints.h5state import read_params
+from ortflow.trainer.checkpoints.tp import tp_file
+
+from .runs import make_run, rank_command, run_ranks
+
+pytestmark = pytest.mark.mpi
+
+SEQ = 16
+TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2, "evaluation_period": 2,
+         "display_loss_steps": 1, "max_eval_batches": 1}
+# The split changes where fp32 sums are rounded: a row-split MatMul's hp partial products are added after the local
+# dot products (the unsplit MatMul adds all terms in one), and a split region's input gradient is summed the same way;
+# each such sum differs by a few ulps. With SGD that reaches the weights as is: measured max |diff| 3.7e-9 after 4
+# updates (hp 2 x dp 2, lr 1e-2; about one ulp of a 0.02 weight), so SGD is held to 1e-7. AdamW's step
+# m / (sqrt(v) + eps) normalizes each entry: an entry whose gradient is at rounding level (~1e-7) gets a step of
+# up to ~lr whatever its sign, so a few-ulp change there moves that weight by up to ~lr per update. Measured max
+# |diff| 4.0e-5 (h1.mlp.proj.weight) with lr 1e-3 vs a largest move of 4.0e-3; AdamW is held to 0.1 lr = 1e-4. A
+# wrong split (a missing all-reduce, a bias added twice, a wrong slice) moves weights by ~lr and fails both.
+ATOL = {"sgd": 1e-7, "adamw": 1e-4}
+LR = {"sgd": 1e-2, "adamw": 1e-3}
+
+
+def gpt_run(root: Path, name: str, model_path: Path | None = None, **sections):
+    """A run on a 2-layer GPT (d_model 32, 4 heads; or the model at ``model_path``) over ortflow's sources."""
+    from ortflow.examples.gpt import build_gpt
+
+    model = model_path or root / "gpt2l.onnx"
+    if not model.exists():
+        build_gpt(model, seq_len=SEQ, d_model=32, num_layers=2, num_heads=4)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted(Path(ortflow.__file__).parent.rglob("*.py"))[:6]))
+    data = {"train": [str(corpus)], "format": "text", "text": {"seq_len": SEQ}, "eval_fraction": 0.05}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=model, data=data, train=train, optimizer=optimizer, **sections)
+
+
+def torch_run(root: Path, name: str, **sections):
+    """A run on the torch-export-shaped GPT (fused QKV + Split, single-output LayerNorm, Concat head reshapes)."""
+    from ..models_tensor import torch_gpt
+
+    model = root / "torchgpt.onnx"
+    if not model.exists():
+        torch_gpt(model, layers=2, width=32, heads=4, vocab=256, seq=SEQ, batch=2)
+    return gpt_run(root, name, model_path=model, **sections)
+
+
+def digests(output: str) -> dict[int, tuple[str, str]]:
+    """rank -> (sha256 of its parameters, of its replicated parameters), at the last checkpoint."""
+    found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) \(replicated ([0-9a-f]{64})\)", output)
+    return {int(rank): (whole, replicated) for rank, whole, replicated in found}
+
+
+def initial_parameters(cfg) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(cfg.model.path)).graph.initializer}
+
+
+def losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\] \S+ INFO step \d+/\d+ \| loss ([0-9.e+-]+)", output)]
+
+
+def newest(cfg):
+    return list_complete(cfg.checkpoints_dir)[-1].path
+
+
+@pytest.mark.parametrize("hp,ranks,rule", [(2, 2, "adamw"), (2, 4, "sgd"), (2, 4, "adamw")])
+def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
+    opt = {"name": rule, "learning_rate": LR[rule]}
+    whole = gpt_run(tmp_path, "hp1", distributed={"num_ranks": ranks // hp}, optimizer=opt)
+    split = gpt_run(tmp_path, f"hp{hp}x{ranks // hp}", distributed={"num_ranks": ranks, "horizontal_parallel_size": hp},
+                    optimizer=opt)
+    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))  # the split one's slices merged
+    assert sorted(p1) == sorted(p2)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    initial = initial_parameters(whole)
+    moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
+    print(f"hp {hp} on {ranks} ranks, {rule}: max |param diff| vs hp 1: {worst}; largest move in training {moved}")
+    assert worst < ATOL[rule] and moved > 10 * ATOL[rule]  # the runs trained, and to the same place
+    np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (out1, out2)]
+    assert len(evals[1]) == 2
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)  # eval through the pieces
+    seen = digests(out2.stdout)  # rank = replica * hp + t
+    assert len(seen) == ranks and len({r for _, r in seen.values()}) == 1  # replicated: bitwise equal on every rank
+    for rank in range(hp, ranks):  # each rank's slices equal its replica-0 peer's, and differ from other tp ranks'
+        assert seen[rank][0] == seen[rank % hp][0]
+    assert seen[0][0] != seen[1][0]
+
+
+def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_path):
+    opt = {"name": "sgd", "learning_rate": LR["sgd"]}
+    whole = torch_run(tmp_path, "hp1", distributed={"num_ranks": 1}, optimizer=opt)
+    split = torch_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt)
+    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    initial = initial_parameters(whole)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
+    print(f"torch-shaped GPT hp 2, sgd: max |param diff| vs hp 1: {worst}; largest move {moved}")
+    assert worst < ATOL["sgd"] and moved > 1e3 * worst
+    assert p2["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # merged back from the per-part slices
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path):
+    dist = {"num_ranks": 2, "horizontal_parallel_size": 2}
+    every = {"period": 1, "max_num_checkpoints": 10}
+    train = {"evaluation_period": 0}
+    straight = gpt_run(tmp_path, "straight", distributed=dist, train=train, checkpoint=every)
+    resumed = gpt_run(tmp_path, "resumed", distributed=dist, train=train, checkpoint=every)
+    assert run_ranks(straight).returncode == 0
+    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
+    proc.wait(timeout=60)
+    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+    assert done and done[-1] < 4, done
+    out = run_ranks(resumed)
+    assert out.returncode == 0, out.stdout
+    assert f"starting from step {done[-1]}" in out.stdout
+    folder = newest(resumed)
+    assert {f.name for f in folder.iterdir()} == {"meta.json"} | {tp_file(k, t, 2) for k in ("params", "optimizer")
+                                                                  for t in range(2)}
+    for kind in ("params", "optimizer"):  # every rank's own files, bit for bit
+        for t in range(2):
+            assert h5_arrays(newest(straight) / tp_file(kind, t, 2)) == h5_arrays(folder / tp_file(kind, t, 2))
+
+
+def h5_arrays(path: Path) -> dict[str, bytes]:
+    import h5py
+
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.__setitem__(name, obj[()].tobytes()) if isinstance(obj, h5py.Dataset)
+                     else None)
+    return found
+
+
+def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_graph(tmp_path):
+    import h5py
+    import onnx
+    import onnxruntime as ort
+
+    from ortflow.export.model import export_model
+    from ortflow.trainer.checkpoints.tools import merge
+
+    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                    train={"num_train_steps": 4})
+    assert run_ranks(split).returncode == 0
+    folder = newest(split)
+    with h5py.File(folder / tp_file("params", 1, 2), "r") as f:  # rank 1 holds half of a split weight
+        q = next(ds for ds in f["parameters"].values() if ds.attrs["name"] == "h0.attn.q.weight")
+        assert q.shape == (32, 16) and q.attrs["tp_axis"] == 1
+    params = read_params(folder)
+    assert params["h0.attn.q.weight"].shape == (32, 32) and params["h0.mlp.proj.weight"].shape == (128, 32)
+    merged = merge(folder, tmp_path / "merged.h5")
+    assert merged.step == 2
+    with h5py.File(tmp_path / "merged.h5", "r") as f:
+        whole = {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
+        moments = {ds.attrs["name"]: ds[()] for ds in f["optimizer"]["exp_avg"].values()}
+    assert all(np.array_equal(whole[n], params[n]) for n in params)
+    assert moments["h0.mlp.fc.weight"].shape == (32, 128) and np.abs(moments["h0.mlp.fc.weight"]).max() > 0
+    out = tmp_path / "model.onnx"
+    result = export_model(split.output_dir, out, config=split)
+    assert max(result.verification.max_abs_diff.values()) <= 1e-5
+    # Independently: the exported model equals the unsplit eval graph fed with the merged trained parameters.
+    eval_proto = onnx.load(str(split.artifacts_dir / "eval_model.onnx"))
+    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
+    ids = np.random.default_rng(0).integers(0, 256, (2, SEQ))
+    names = [i.name for i in eval_proto.graph.input]
+    feeds = {n: params[n] for n in names if n in params}
+    feeds.update({n: ids for n in names if n == "input_ids"})
+    feeds.update({n: np.zeros(2 * SEQ, np.int64) for n in names if n == "labels"})
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)[0]
+    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_array_equal(logits, reference)
+    initial = initial_parameters(split)
+    assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
+
+
+def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path):
+    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                    train={"num_train_steps": 4, "evaluation_period": 0})
+    assert run_ranks(split).returncode == 0
+    folder = newest(split)  # step 2
+    whole = gpt_run(tmp_path, "hp1", distributed={"num_ranks": 1}, train={"num_train_steps": 8, "evaluation_period": 0},
+                    checkpoint={"checkpoint_to_load_path": str(folder)})
+    out = run_ranks(whole)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "starting from step 2" in out.stdout  # params and AdamW moments merged from both ranks' files
+    back = gpt_run(tmp_path, "hp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                   train={"num_train_steps": 12, "evaluation_period": 0},
+                   checkpoint={"checkpoint_to_load_path": str(newest(whole))})
+    out = run_ranks(back)
+    assert out.returncode != 0
+    assert "was written with distributed.horizontal_parallel_size 1 but this run has 2" in out.stdout, \
+        out.stdout[-3000:]
+
+
+def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path):
+    opt = {"name": "sgd", "learning_rate": LR["sgd"]}
+    short = {"num_train_steps": 4, "evaluation_period": 0}
+    first = gpt_run(tmp_path, "first", distributed={"num_ranks": 1}, optimizer=opt, train=short)
+    assert run_ranks(first).returncode == 0
+    start = {"init_from": str(newest(first))}  # params.h5 of an unsplit run
+    whole = gpt_run(tmp_path, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short, checkpoint=start)
+    split = gpt_run(tmp_path, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt,
+                    train=short, checkpoint=start)
+    out1, out2 = run_ranks(whole), run_ranks(split)
+    assert out1.returncode == 0, out1.stdout
+    assert out2.returncode == 0, out2.stdout
+    assert "starting from the weights of" in out2.stdout
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    reference = read_params(newest(first))
+    assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL["sgd"]
+    assert max(float(np.abs(p1[n] - reference[n]).max()) for n in p1) > 1e3 * ATOL["sgd"]  # it trained on from there
+
+
+def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(tmp_path):
+    # global batch 8 on hp 2 x dp 1: each update sees 8 samples, so 2 updates read 16 (the cursor says so)
+    train = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
+    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, train=train)
+    out = run_ranks(split)
+    assert out.returncode == 0, out.stdout[-3000:]
+    info = list_complete(split.checkpoints_dir)[-1]
+    assert info.meta["global_cursor"] == info.step * 8, info.meta
+
+
+def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(tmp_path):
+    cfg = gpt_run(tmp_path, "hang", distributed={"num_ranks": 2, "horizontal_parallel_size": 2,
+                                                 "collective_timeout_s": 2.0})
+    started = time.monotonic()
+    out = run_ranks(cfg, str(Path(__file__).with_name("fault_tensor.py")), timeout=60)
+    assert out.returncode != 0
+    assert "'tensor-parallel activation sum' waited" in out.stdout, out.stdout[-3000:]
+    assert "stalled: rank 1" in out.stdout, out.stdout[-3000:]
+    assert time.monotonic() - started < 40
