@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import chunks
+from ortflow.trainer.optim.base import chunks, fused_module
 from ortflow.trainer.optim.engine_sqrt import engine_sqrt
 
 f32 = np.float32
@@ -98,19 +98,23 @@ class AdamW:
                 f32(1.0 - lr * self.weight_decay), f32(1.0 - self.beta1), f32(self.beta1), f32(1.0 - self.beta2),
                 f32(self.beta2), f32(self.eps * math.sqrt(bc2)), f32(lr * math.sqrt(bc2) / bc1),
             )
-            update.for_each_chunk(grads, _torch_kernel, *consts)
+            update.for_each_chunk(grads, _torch_kernel, "adamw_torch", *consts)
             return
         b1, b2, lr32 = f32(self.beta1), f32(self.beta2), f32(lr)
         # As the engine's kernel: std::pow(float, int64) is computed in double and rounded back to float.
         alpha_c = f32(1) - f32(float(b1) ** t)
         beta_c = f32(1) - f32(float(b2) ** t)
         lr_c = lr32 * (np.sqrt(beta_c) / alpha_c)
-        update.for_each_chunk(grads, _engine_moments, f32(1) - b1, b1, f32(1) - b2, b2)
+        update.for_each_chunk(grads, _engine_moments, "adamw_engine_moments", f32(1) - b1, b1, f32(1) - b2, b2)
         eps, lr_c, lr_wd = f32(self.eps), f32(lr_c), lr32 * f32(self.weight_decay)
+        finish = fused_module().adamw_engine_finish if update.backend == "fused" else None
         t2 = update.scratch[1]
         for i, (seg, p) in enumerate(zip(update.segments, update.params, strict=True)):
             m, v = update.state_views(i)
             root = engine_sqrt(v, seg.lo, seg.numel)  # the engine's approximate sqrt, bit for bit
+            if finish is not None:
+                finish(p, m, root, update.decay[i], eps, lr_c, lr_wd)
+                continue
             for part in chunks(seg.size, update.chunk):
                 _engine_finish(p[part], m[part], root[part], t2[: part.stop - part.start], update.decay[i], eps,
                                lr_c, lr_wd)

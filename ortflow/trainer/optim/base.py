@@ -22,6 +22,9 @@ import numpy as np
 #: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
 CHUNK = 65536
 
+#: How the element-wise kernels run: one compiled pass (Numba, :mod:`.fused`), or numpy operations per chunk.
+BACKENDS = ("fused", "numpy")
+
 #: Sums the per-tensor partial sums of every rank (identity on one rank / without sharding).
 SumAcrossRanks = Callable[[np.ndarray], np.ndarray]
 
@@ -83,6 +86,13 @@ def _plan(segments: Sequence[Segment], chunk: int, threads: int) -> list[list[tu
     return [g for g in groups if g] or [[]]
 
 
+def fused_module():
+    """:mod:`.fused` (imports Numba; compiled kernels come from Numba's cache after the first run on a machine)."""
+    from ortflow.trainer.optim import fused
+
+    return fused
+
+
 class Update:
     """The in-place weight update of one rank: ``update.step(grads, lr)`` after the gradients are averaged.
 
@@ -95,8 +105,10 @@ class Update:
             need whole-tensor norms.
         num_tensors: Trainable tensors in all (every rank's segments index into them); default: from ``segments``.
         chunk: Elements per chunk (:data:`CHUNK`; the benchmark varies it).
-        threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); numpy releases
-            the GIL inside each operation. Element-wise rules give the same bits with any thread count.
+        threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); the kernels
+            release the GIL. Element-wise rules give the same bits with any thread count.
+        backend: ``fused`` (default: one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy
+            operations per chunk; the same bits, slower: bench/results/optim-cpu.md).
     """
 
     def __init__(
@@ -109,13 +121,17 @@ class Update:
         num_tensors: int | None = None,
         chunk: int = CHUNK,
         threads: int = 1,
+        backend: str = "fused",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not (len(segments) == len(params) == len(decay)):
             raise ValueError("segments, params and decay must have one entry per segment")
         for seg, p in zip(segments, params, strict=True):
             if p.dtype != np.float32 or p.ndim != 1 or p.size != seg.size or not p.flags.c_contiguous:
                 raise TypeError(f"parameter {seg.name}: need a contiguous 1-D float32 view of {seg.size} elements")
         self.rule = rule
+        self.backend = backend
         self.segments = list(segments)
         self.params = list(params)
         self.decay = list(decay)
@@ -169,14 +185,26 @@ class Update:
         self.step_count += 1
         self.rule.apply(self, [g.reshape(-1) for g in grads], float(lr))
 
-    def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, *consts) -> None:
-        """Run an element-wise ``kernel(p, g, *states, t1, t2, decay, *consts)`` over every chunk of every segment."""
+    def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, fused_kernel, *consts) -> None:
+        """Run an element-wise kernel over every chunk of every segment, split over the update's threads.
+
+        ``kernel(p, g, *states, t1, t2, decay, *consts)`` is the rule's numpy kernel (``t1``, ``t2``: chunk-sized
+        scratch); ``fused_kernel`` names its one-pass equivalent in :mod:`.fused`, ``(p, g, *states, decay, *consts)``,
+        used by the default backend (imported here, not at module load: GPU ranks never need Numba).
+        """
         if self._bound is None:  # views of parameters, state and scratch per chunk, made once (per-step overhead)
             self._bind()
 
-        def run(group: int) -> None:
-            for i, part, p, states, t1, t2, decay in self._bound[group]:
-                kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
+        if self.backend == "fused":
+            fused_kernel = getattr(fused_module(), fused_kernel)
+
+            def run(group: int) -> None:
+                for i, part, p, states, _, _, decay in self._bound[group]:
+                    fused_kernel(p, grads[i][part], *states, decay, *consts)
+        else:
+            def run(group: int) -> None:
+                for i, part, p, states, t1, t2, decay in self._bound[group]:
+                    kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
 
         if self._pool is None:
             run(0)
