@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim import Update, build_rule, decays, whole_segments
+from ortflow.trainer.optim.base import default_backend
 from ortflow.trainer.optim.zero import shard_segments
 
 SIZES = (700, 33, 20000, 1, 4099)  # larger than a chunk, odd sizes (the engine sqrt's tails), a scalar
@@ -74,3 +78,27 @@ def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend"):
         Update(build_rule(RULES["sgd-plain"]), whole_segments(["w"], [4]), [np.zeros(4, np.float32)], [True],
                backend="cuda")
+
+
+def test_without_numba_the_default_backend_is_numpy_with_a_warning():
+    # A fresh interpreter where `import numba` fails, as in an environment installed without dependencies.
+    code = (
+        "import sys, logging; sys.modules['numba'] = None; logging.basicConfig(level=logging.WARNING)\n"
+        "import numpy as np\n"
+        "from ortflow.config import OptimizerConfig\n"
+        "from ortflow.trainer.optim import build_update, whole_segments\n"
+        "p = np.ones(8, np.float32)\n"
+        "u = build_update(OptimizerConfig(), whole_segments(['w'], [8]), [p])\n"
+        "u.step([np.ones(8, np.float32)], 0.1)\n"
+        "print(u.backend, float(p[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    backend, value = out.stdout.split()
+    assert backend == "numpy" and float(value) < 1.0
+    assert "numba is not installed" in out.stderr
+
+
+def test_with_numba_the_default_backend_is_fused():
+    assert default_backend() == "fused"
+    update = Update(build_rule(RULES["sgd-plain"]), whole_segments(["w"], [4]), [np.zeros(4, np.float32)], [True])
+    assert update.backend == "fused"

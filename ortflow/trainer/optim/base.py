@@ -12,6 +12,7 @@ touches (parameter, gradient, each state) instead of one per numpy operation (be
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ import numpy as np
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
 #: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
 CHUNK = 65536
+
+log = logging.getLogger(__name__)
+_warned = False
 
 #: How the element-wise kernels run: one compiled pass (Numba, :mod:`.fused`), or numpy operations per chunk.
 BACKENDS = ("fused", "numpy")
@@ -86,6 +90,26 @@ def _plan(segments: Sequence[Segment], chunk: int, threads: int) -> list[list[tu
     return [g for g in groups if g] or [[]]
 
 
+def default_backend() -> str:
+    """``fused`` where Numba is installed (a pinned dependency), else ``numpy`` with a warning, once.
+
+    Environments installed without dependencies (the device machines' carried sets) may lack Numba; the numpy
+    kernels give the same bits, about 2-3x slower.
+    """
+    global _warned
+    try:
+        import numba  # noqa: F401 - only whether it imports
+    except ImportError:
+        pass
+    else:
+        return "fused"
+    if not _warned:
+        log.warning("numba is not installed: the host update runs its numpy kernels (same results, slower); "
+                    "install ortflow's pinned dependencies for the fused kernels")
+        _warned = True
+    return "numpy"
+
+
 def fused_module():
     """:mod:`.fused` (imports Numba; compiled kernels come from Numba's cache after the first run on a machine)."""
     from ortflow.trainer.optim import fused
@@ -107,8 +131,8 @@ class Update:
         chunk: Elements per chunk (:data:`CHUNK`; the benchmark varies it).
         threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); the kernels
             release the GIL. Element-wise rules give the same bits with any thread count.
-        backend: ``fused`` (default: one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy
-            operations per chunk; the same bits, slower: bench/results/optim-cpu.md).
+        backend: ``fused`` (one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy operations
+            per chunk; the same bits, slower: bench/results/optim-cpu.md). Default: :func:`default_backend`.
     """
 
     def __init__(
@@ -121,8 +145,9 @@ class Update:
         num_tensors: int | None = None,
         chunk: int = CHUNK,
         threads: int = 1,
-        backend: str = "fused",
+        backend: str | None = None,
     ):
+        backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not (len(segments) == len(params) == len(decay)):
