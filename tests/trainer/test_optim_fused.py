@@ -102,3 +102,23 @@ def test_with_numba_the_default_backend_is_fused():
     assert default_backend() == "fused"
     update = Update(build_rule(RULES["sgd-plain"]), whole_segments(["w"], [4]), [np.zeros(4, np.float32)], [True])
     assert update.backend == "fused"
+
+
+def test_engine_sqrt_in_place_gives_the_bits_of_the_copying_path():
+    from ortflow.trainer.optim.engine_sqrt import aligned_empty, engine_sqrt
+
+    rng = np.random.default_rng(5)
+    out = aligned_empty(5000)
+    assert out.ctypes.data % 64 == 0
+    direct = 0
+    for numel in (1, 3, 4, 7, 8, 4099):
+        v = (np.abs(rng.standard_normal(numel)) * rng.choice([1e-30, 1e-8, 1.0, 1e6], numel)).astype(np.float32)
+        for lo, hi in ((0, numel), (0, numel - numel % 4), (numel // 2, numel), (4, numel), (1, numel)):
+            if not 0 <= lo < hi <= numel:
+                continue
+            part = v[lo:hi]
+            copied = engine_sqrt(part, lo, numel).copy()
+            in_place = engine_sqrt(part, lo, numel, out)
+            direct += in_place.base is out.base
+            assert np.array_equal(copied, in_place), (numel, lo, hi)
+    assert direct > 0  # the in-place path really ran

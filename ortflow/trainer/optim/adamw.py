@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from ortflow.trainer.optim.base import chunks, fused_module
-from ortflow.trainer.optim.engine_sqrt import engine_sqrt
+from ortflow.trainer.optim.engine_sqrt import aligned_empty, engine_sqrt
 
 f32 = np.float32
 
@@ -89,6 +89,7 @@ class AdamW:
         if rule not in ("torch", "engine"):
             raise ValueError(f"optimizer.rule must be torch or engine, got {rule!r}")
         self.beta1, self.beta2, self.eps, self.weight_decay, self.rule = beta1, beta2, eps, weight_decay, rule
+        self._root: np.ndarray | None = None
 
     def apply(self, update, grads, lr: float) -> None:
         t = update.step_count
@@ -109,9 +110,12 @@ class AdamW:
         eps, lr_c, lr_wd = f32(self.eps), f32(lr_c), lr32 * f32(self.weight_decay)
         finish = fused_module().adamw_engine_finish if update.backend == "fused" else None
         t2 = update.scratch[1]
+        largest = max((s.size for s in update.segments), default=0)
+        if self._root is None or self._root.size < largest:
+            self._root = aligned_empty(largest)  # the engine sqrt's output, written in place
         for i, (seg, p) in enumerate(zip(update.segments, update.params, strict=True)):
             m, v = update.state_views(i)
-            root = engine_sqrt(v, seg.lo, seg.numel)  # the engine's approximate sqrt, bit for bit
+            root = engine_sqrt(v, seg.lo, seg.numel, self._root)  # the engine's approximate sqrt, bit for bit
             if finish is not None:
                 finish(p, m, root, update.decay[i], eps, lr_c, lr_wd)
                 continue
