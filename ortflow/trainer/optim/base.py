@@ -5,9 +5,11 @@ a contiguous range of its flattened elements under ZeRO-1 (:mod:`ortflow.trainer
 all of a rank's segments lives in one flat float32 array per state name (``exp_avg``, ``exp_avg_sq``, ``momentum``), in
 segment order, so a checkpoint can name each piece by (parameter, element range) and any world size can read it back.
 
-Element-wise rules run over *chunks* of a few thousand elements: every numpy pass of a rule then reads and writes data
-that sits in the CPU's L1/L2 cache, so the rule as a whole costs about one pass over main memory for each array it
-touches (parameter, gradient, each state) instead of one per numpy operation (bench/results/optim-cpu.md).
+Element-wise rules run over *chunks*. The default ``fused`` backend runs each rule as one compiled loop per chunk
+(:mod:`.fused`): one pass over memory; its chunks only deal the work to the update's threads. The ``numpy`` backend
+runs the rule's numpy operations per chunk of a few thousand elements, so each numpy pass reads and writes data that
+sits in the CPU's L1/L2 cache and the rule costs about one pass over main memory per array it touches instead of one
+per operation. Both give the same bits (bench/results/optim-cpu.md has the times).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import numpy as np
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
 #: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
 CHUNK = 65536
+
+#: Elements per chunk of the fused backend: large enough that Numba's per-call cost (~10 us) stays under 1% of the
+#: update, small enough to deal the work evenly to a few threads (one pass over memory needs no cache blocking).
+FUSED_CHUNK = 262144
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -128,7 +134,7 @@ class Update:
         sum_across_ranks: Sums per-tensor partial sums over the ranks that share tensors (ZeRO-1); Lamb's trust ratios
             need whole-tensor norms.
         num_tensors: Trainable tensors in all (every rank's segments index into them); default: from ``segments``.
-        chunk: Elements per chunk (:data:`CHUNK`; the benchmark varies it).
+        chunk: Elements per chunk (default :data:`FUSED_CHUNK` for ``fused``, :data:`CHUNK` for ``numpy``).
         threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); the kernels
             release the GIL. Element-wise rules give the same bits with any thread count.
         backend: ``fused`` (one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy operations
@@ -143,11 +149,12 @@ class Update:
         decay: Sequence[bool],
         sum_across_ranks: SumAcrossRanks = _identity,
         num_tensors: int | None = None,
-        chunk: int = CHUNK,
+        chunk: int | None = None,
         threads: int = 1,
         backend: str | None = None,
     ):
         backend = backend or default_backend()
+        chunk = chunk or (FUSED_CHUNK if backend == "fused" else CHUNK)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not (len(segments) == len(params) == len(decay)):
