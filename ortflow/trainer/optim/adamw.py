@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import chunks, fused_module
+from ortflow.trainer.optim.base import fused_module
 from ortflow.trainer.optim.engine_sqrt import aligned_empty, engine_sqrt
 
 f32 = np.float32
@@ -89,7 +89,7 @@ class AdamW:
         if rule not in ("torch", "engine"):
             raise ValueError(f"optimizer.rule must be torch or engine, got {rule!r}")
         self.beta1, self.beta2, self.eps, self.weight_decay, self.rule = beta1, beta2, eps, weight_decay, rule
-        self._root: np.ndarray | None = None
+        self._roots: list[np.ndarray] | None = None  # per-thread aligned scratch for the engine's sqrt
 
     def apply(self, update, grads, lr: float) -> None:
         t = update.step_count
@@ -109,16 +109,21 @@ class AdamW:
         update.for_each_chunk(grads, _engine_moments, "adamw_engine_moments", f32(1) - b1, b1, f32(1) - b2, b2)
         eps, lr_c, lr_wd = f32(self.eps), f32(lr_c), lr32 * f32(self.weight_decay)
         finish = fused_module().adamw_engine_finish if update.backend == "fused" else None
-        t2 = update.scratch[1]
-        largest = max((s.size for s in update.segments), default=0)
-        if self._root is None or self._root.size < largest:
-            self._root = aligned_empty(largest)  # the engine sqrt's output, written in place
-        for i, (seg, p) in enumerate(zip(update.segments, update.params, strict=True)):
-            m, v = update.state_views(i)
-            root = engine_sqrt(v, seg.lo, seg.numel, self._root)  # the engine's approximate sqrt, bit for bit
+        if self._roots is None or len(self._roots) != update.num_groups:
+            self._roots = [aligned_empty(min(update.chunk, _largest(update))) for _ in range(update.num_groups)]
+
+        def sqrt_and_finish(group: int, i: int, part: slice) -> None:
+            seg, p = update.segments[i], update.params[i][part]
+            m, v = (s[part] for s in update.state_views(i))
+            # The engine's approximate sqrt, bit for bit (packets counted from the tensor's start).
+            root = engine_sqrt(v, seg.lo + part.start, seg.numel, self._roots[group])
             if finish is not None:
                 finish(p, m, root, update.decay[i], eps, lr_c, lr_wd)
-                continue
-            for part in chunks(seg.size, update.chunk):
-                _engine_finish(p[part], m[part], root[part], t2[: part.stop - part.start], update.decay[i], eps,
-                               lr_c, lr_wd)
+            else:
+                _engine_finish(p, m, root, update.scratch_for(group)[1][: p.size], update.decay[i], eps, lr_c, lr_wd)
+
+        update.for_each_part(sqrt_and_finish)
+
+
+def _largest(update) -> int:
+    return max((s.size for s in update.segments), default=1) or 1

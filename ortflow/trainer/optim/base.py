@@ -238,6 +238,24 @@ class Update:
                 for i, part, p, states, t1, t2, decay in self._bound[group]:
                     kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
 
+        self._run_groups(run)
+
+    def for_each_part(self, fn: Callable[[int, int, slice], None]) -> None:
+        """Call ``fn(group, segment_number, part)`` for every chunk, split over the update's threads (``group``: the
+        thread's index, for per-thread scratch). For per-segment work such as Lamb's apply and the engine rule's
+        finish, whose constants differ between segments."""
+        self._run_groups(lambda group: [fn(group, i, part) for i, part in self._plan[group]])
+
+    def scratch_for(self, group: int) -> list[np.ndarray]:
+        """The two chunk-sized scratch arrays of thread group ``group``."""
+        return self._thread_scratch[group]
+
+    @property
+    def num_groups(self) -> int:
+        """Thread groups the chunks are dealt to."""
+        return len(self._plan)
+
+    def _run_groups(self, run: Callable[[int], object]) -> None:
         if self._pool is None:
             run(0)
         else:

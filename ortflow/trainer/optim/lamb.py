@@ -71,11 +71,15 @@ class Lamb:
             sums[seg.index] += float(np.dot(p, p))
             sums[update.num_tensors + seg.index] += float(np.dot(r, r))
         ratios = self.trust_ratios(update.sum_across_ranks(sums))
-        apply = fused_module().axpy_sub if update.backend == "fused" else None
-        for seg, p, r in zip(update.segments, update.params, grads, strict=True):
-            factor = f32(lr * ratios[seg.index])
-            if apply is not None:
-                apply(p, r, factor)  # p - r * factor in one pass, as the two numpy lines below
+        axpy = fused_module().axpy_sub if update.backend == "fused" else None
+        factors = [f32(lr * ratios[seg.index]) for seg in update.segments]
+
+        def apply(group: int, i: int, part: slice) -> None:
+            p, r = update.params[i][part], grads[i][part]
+            if axpy is not None:
+                axpy(p, r, factors[i])  # p - r * factor in one pass, as the two numpy lines below
             else:
-                r *= factor
+                r *= factors[i]
                 p -= r
+
+        update.for_each_part(apply)
