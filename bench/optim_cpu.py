@@ -187,7 +187,8 @@ def report(args, argv, num: int, tensors: int, rows: dict) -> str:
     lines = [
         f"# ortflow update vs engine optimizer step (CPU, 1 rank) - {num:,} parameters, {tensors} tensors", "",
         f"Command: `{command.strip()}`  ", f"Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores (shared), numpy {np.__version__}; {args.rounds} interleaved rounds. "
+        f"{os.cpu_count()} cores (shared; load average at the end {os.getloadavg()[0]:.1f}), numpy {np.__version__}; "
+        f"{args.rounds} interleaved rounds. "
         "vs engine: median over the engine step's median at the same threads. GB/s: bytes the rule must move "
         "(AdamW/Lamb 28 B/param, SGD-momentum 20) / median time. bits: gives the numpy rule's bits.", "",
         "| threads | variant | min ms | median ms | vs engine | GB/s | bits |", "|---:|---|---:|---:|---:|---:|---|",

@@ -78,7 +78,6 @@ def contenders(cp, names, sizes, stream):
     rng = cp.random.RandomState(0)
     params = [rng.standard_normal(s, dtype=cp.float32) for s in sizes]
     grads = [rng.standard_normal(s, dtype=cp.float32) * cp.float32(1e-3) for s in sizes]
-    saved = [g.copy() for g in grads]
 
     class Buf:
         def __init__(self, a):
@@ -97,13 +96,10 @@ def contenders(cp, names, sizes, stream):
     for label, opt in rules.items():
         update = DeviceUpdate(build_rule(opt), segs, [p.data.ptr for p in params], [True] * len(segs), stream)
 
-        def step(update=update, label=label):
-            if label == "lamb":  # Lamb writes its direction over the gradients: restore them (not timed apart)
-                for g, s in zip(grads, saved, strict=True):
-                    g[...] = s
-            update.step(bufs, 1e-4)
-        out[label] = step
-    out["_keep"] = (params, grads, saved, src, dst)
+        # Lamb writes its direction over the gradients; the next call then updates with that (bounded, O(1) values):
+        # the same work and traffic, so nothing is restored between timed calls.
+        out[label] = lambda update=update: update.step(bufs, 1e-4)
+    out["_keep"] = (params, grads, src, dst)
     return out
 
 
