@@ -5,10 +5,10 @@
 The model is ortflow's example GPT (its parameter tensors are what the update touches; forward/backward is run once
 to fill the engine's gradient buffers). The engine's AdamW graph (onnxblock ``AdamW``, adam_mode=1) is built for it
 as ortflow built it before owning the update, once per thread count (its session's intra-op threads). Every variant
-updates the same engine buffers in interleaved rounds (for each thread count: the engine, then each variant;
-repeated), so a loaded machine slows all alike. Variants at each thread count: ortflow's rules with the ``fused``
-(default) and ``numpy`` backends, and the AdamW torch rule run by the alternatives of bench.optim_alternatives
-(numexpr, Numba ``parallel``, an ONNX Runtime graph with IO binding). Reported per variant: min and median ms, the
+updates the same engine buffers in interleaved rounds (each variant at every thread count back to back, then the
+next variant; repeated), so a loaded machine slows all alike. Variants at each thread count: ortflow's rules with
+the ``fused`` (default) and ``numpy`` backends, and the AdamW torch rule run by the alternatives of
+bench.optim_alternatives (numexpr, Numba ``parallel``, an ONNX Runtime graph with IO binding). Reported per variant: min and median ms, the
 median's ratio to the engine's step at the same threads, GB/s for the bytes the rule must move (AdamW/Lamb: 28
 bytes/parameter, SGD with momentum 20), and whether the variant gives the bits of ortflow's numpy rule (checked on
 random tensors: 3 steps, 3 tensors).
@@ -164,15 +164,18 @@ def measure(args, folder: Path) -> tuple[int, int, dict]:
         engines[threads] = (state, module, optimizer, grads, [g.copy() for g in grads])
         variants[threads] = variants_at(threads, optimizer, params, grads, names)
     times = {(t, k): [] for t in args.threads for k in variants[t]}
+    # Each variant at every thread count back to back, so that drift of a shared machine hits a pair alike.
+    order = sorted(times, key=lambda key: (list(variants[args.threads[0]]).index(key[1])
+                                           if key[1] in variants[args.threads[0]] else len(times), key[0]))
     for _ in range(args.rounds + 1):  # the first round warms up (compilation, page faults) and is dropped
-        for threads in args.threads:
+        for threads, name in order:
             grads, saved = engines[threads][3], engines[threads][4]
-            for name, (call, _, _) in variants[threads].items():
-                for g, s in zip(grads, saved, strict=True):
-                    g[...] = s  # Lamb writes its update direction into the gradient buffers
-                start = time.perf_counter()
-                call()
-                times[(threads, name)].append(time.perf_counter() - start)
+            for g, s in zip(grads, saved, strict=True):
+                g[...] = s  # Lamb writes its update direction into the gradient buffers
+            call = variants[threads][name][0]
+            start = time.perf_counter()
+            call()
+            times[(threads, name)].append(time.perf_counter() - start)
     num = int(sum(g.size for g in engines[args.threads[0]][3]))
     rows = {}
     for (threads, name), t in times.items():
