@@ -8,10 +8,10 @@ as ortflow built it before owning the update, once per thread count (its session
 updates the same engine buffers in interleaved rounds (each variant at every thread count back to back, then the
 next variant; repeated), so a loaded machine slows all alike. Variants at each thread count: ortflow's rules with
 the ``fused`` (default) and ``numpy`` backends, and the AdamW torch rule run by the alternatives of
-bench.optim_alternatives (numexpr, Numba ``parallel``, an ONNX Runtime graph with IO binding). Reported per variant: min and median ms, the
-median's ratio to the engine's step at the same threads, GB/s for the bytes the rule must move (AdamW/Lamb: 28
-bytes/parameter, SGD with momentum 20), and whether the variant gives the bits of ortflow's numpy rule (checked on
-random tensors: 3 steps, 3 tensors).
+bench.optim_alternatives (numexpr, Numba ``parallel``, an ONNX Runtime graph with IO binding). Reported per variant:
+min and median ms, the median's ratio to the engine's step at the same threads, GB/s for the bytes the rule must
+move (AdamW/Lamb: 28 bytes/parameter, SGD with momentum 20), and whether the variant gives the bits of ortflow's
+numpy rule (checked on random tensors: 3 steps, 3 tensors).
 """
 
 from __future__ import annotations
