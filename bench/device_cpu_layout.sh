@@ -28,7 +28,7 @@ started=$SECONDS
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
     ls .whl/*.whl >/dev/null || { echo "no wheels in .whl/: download them first (docs/benchmarks.md)" >&2; exit 2; }
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:/tmp/site-jit:$PWD  # site-jit: Numba, when bench/device_optim.sh jit ran
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

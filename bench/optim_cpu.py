@@ -1,13 +1,17 @@
-"""ortflow's update vs the engine's optimizer step, 1 rank on the CPU, side by side in one run.
+"""ortflow's update vs the engine's optimizer step, 1 rank on the CPU, side by side in one run, at equal threads.
 
-    .venv/bin/python -m bench.optim_cpu [--d-model 512 --num-layers 3] [--rounds 7] [--threads 1] [--out FILE.md]
+    .venv/bin/python -m bench.optim_cpu [--d-model 512 --num-layers 3] [--rounds 15] [--threads 1,2] [--out FILE.md]
 
 The model is ortflow's example GPT (its parameter tensors are what the update touches; forward/backward is run once
 to fill the engine's gradient buffers). The engine's AdamW graph (onnxblock ``AdamW``, adam_mode=1) is built for it
-as ortflow built it before owning the update. Every variant updates the same engine buffers in interleaved rounds
-(engine, then each variant, repeated), so a loaded machine slows all alike. ``--threads``: the engine's intra-op
-threads and ortflow's update threads (the engine's AdamW kernel loops over tensors on one thread whatever its pool).
-The median per variant is reported with its ratio to the engine's step.
+as ortflow built it before owning the update, once per thread count (its session's intra-op threads). Every variant
+updates the same engine buffers in interleaved rounds (each variant at every thread count back to back, then the
+next variant; repeated), so a loaded machine slows all alike. Variants at each thread count: ortflow's rules with
+the ``fused`` (default) and ``numpy`` backends, and the AdamW torch rule run by the alternatives of
+bench.optim_alternatives (numexpr, Numba ``parallel``, an ONNX Runtime graph with IO binding). Reported per variant:
+min and median ms, the median's ratio to the engine's step at the same threads, GB/s for the bytes the rule must
+move (AdamW/Lamb: 28 bytes/parameter, SGD with momentum 20), and whether the variant gives the bits of ortflow's
+numpy rule (checked on random tensors: 3 steps, 3 tensors).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from bench import optim_alternatives as alt
 from ortflow.config import OptimizerConfig
 from ortflow.examples import build_gpt
 from ortflow.trainer.optim import build_rule, decays, whole_segments
-from ortflow.trainer.optim.base import Update
+from ortflow.trainer.optim.base import Update, default_backend
 
 
 def engine_session(folder: Path, d_model: int, num_layers: int, threads: int):
@@ -68,68 +73,156 @@ def naive_adamw(params, grads, m, v, lr, t, b1=0.9, b2=0.999, eps=1e-8, wd=0.01)
         p -= lr / (1 - b1**t) * mi / (np.sqrt(vi) / np.sqrt(1 - b2**t) + eps)
 
 
+ADAMW = OptimizerConfig(weight_decay=0.01, epsilon=1e-8)
+ENGINE_RULE = OptimizerConfig(rule="engine", weight_decay=0.01, epsilon=1e-8)
+SGD = OptimizerConfig(name="sgd", momentum=0.9, nesterov=True)
+LAMB = OptimizerConfig(name="lamb", weight_decay=0.01)
+ALTERNATIVES = {"numexpr": alt.numexpr_adamw, "Numba parallel (prange)": alt.numba_parallel_adamw,
+                "ONNX Runtime graph, IO binding": alt.onnxruntime_adamw}
+
+
+def ours(opt: OptimizerConfig, names, params, threads: int, backend: str, chunk: int | None = None) -> Update:
+    extra = {"chunk": chunk} if chunk else {}
+    return Update(build_rule(opt), whole_segments(names, [p.size for p in params]), params, decays(names, ()),
+                  threads=threads, backend=backend, **extra)
+
+
+def bits_of_numpy_rule(make_step, threads: int) -> bool:
+    """Whether ``make_step`` (an AdamW torch variant) gives the bits of the numpy rule: 3 steps on 3 random tensors."""
+    rng = np.random.default_rng(0)
+    sizes = [1000, 33, 70001]
+    init = [rng.standard_normal(s).astype(np.float32) for s in sizes]
+    steps = [[(rng.standard_normal(s) * 10.0 ** rng.integers(-6, 3)).astype(np.float32) for s in sizes]
+             for _ in range(3)]
+    names = ["a", "b", "c"]
+    ref = [p.copy() for p in init]
+    update = ours(ADAMW, names, ref, 1, "numpy")
+    mine, grads = [p.copy() for p in init], [np.empty_like(p) for p in init]
+    step = make_step(mine, grads, threads)
+    for k, gs in enumerate(steps):
+        update.step([g.copy() for g in gs], 1e-3)
+        for g, s in zip(grads, gs, strict=True):
+            g[...] = s
+        step(1e-3, k + 1)
+    return all(np.array_equal(a, b) for a, b in zip(mine, ref, strict=True))
+
+
+def fused_step(params, grads, threads):
+    update = ours(ADAMW, [str(i) for i in range(len(params))], params, threads, "fused")
+    return lambda lr, t: update.step(grads, lr)
+
+
+def variants_at(threads: int, optimizer, params, grads, names) -> dict[str, tuple]:
+    """name -> (call, bytes per parameter, gives the numpy rule's bits) at ``threads``."""
+    def rule(opt, backend, chunk=None):
+        update = ours(opt, names, params, threads, backend, chunk)
+        return lambda: update.step(grads, 1e-4)
+
+    def counted(step):
+        t = [0]
+
+        def call():
+            t[0] += 1
+            step(1e-4, t[0])
+        return call
+
+    fused = default_backend() == "fused"  # Numba installed (the device's carried wheels may lack it)
+    out = {"engine AdamW graph (optimizer.step)": (optimizer.step, 28, None)}
+    if fused:
+        out["adamw torch, fused (default)"] = (rule(ADAMW, "fused"), 28, bits_of_numpy_rule(fused_step, threads))
+    out |= {
+        "adamw torch, numpy chunks 64K": (rule(ADAMW, "numpy"), 28, True),
+        "adamw torch, numpy chunks 8K": (rule(ADAMW, "numpy", 8192), 28, True),
+    }
+    for label, build in ALTERNATIVES.items():
+        try:
+            call = counted(build(params, grads, threads))
+        except ImportError as exc:  # numexpr or Numba not installed (the device's carried wheels): left out, said
+            print(f"adamw torch, {label}: not measured ({exc})", file=sys.stderr)
+            continue
+        out[f"adamw torch, {label}"] = (call, 28, bits_of_numpy_rule(build, threads))
+    if threads == 1:
+        m, v = [np.zeros_like(p) for p in params], [np.zeros_like(p) for p in params]
+        out["adamw torch, numpy naive (temporaries)"] = (lambda: naive_adamw(params, grads, m, v, 1e-4, 1), 28, False)
+    for label, opt, nbytes in (("adamw engine rule", ENGINE_RULE, 28), ("sgd momentum+nesterov", SGD, 20),
+                               ("lamb", LAMB, 28)):
+        if fused:
+            out[f"{label}, fused"] = (rule(opt, "fused"), nbytes, True)
+        out[f"{label}, numpy"] = (rule(opt, "numpy"), nbytes, True)
+    return out
+
+
+def measure(args, folder: Path) -> tuple[int, int, dict]:
+    engines, variants = {}, {}
+    for threads in args.threads:
+        sub = folder / f"t{threads}"
+        sub.mkdir()
+        state, module, optimizer, names = engine_session(sub, args.d_model, args.num_layers, threads)
+        optimizer.set_learning_rate(1e-4)
+        params = [state.parameters[n].data.reshape(-1) for n in names]
+        grads = [state.parameters[n].grad.reshape(-1) for n in names]
+        engines[threads] = (state, module, optimizer, grads, [g.copy() for g in grads])
+        variants[threads] = variants_at(threads, optimizer, params, grads, names)
+    times = {(t, k): [] for t in args.threads for k in variants[t]}
+    # Each variant at every thread count back to back, so that drift of a shared machine hits a pair alike.
+    order = sorted(times, key=lambda key: (list(variants[args.threads[0]]).index(key[1])
+                                           if key[1] in variants[args.threads[0]] else len(times), key[0]))
+    for _ in range(args.rounds + 1):  # the first round warms up (compilation, page faults) and is dropped
+        for threads, name in order:
+            grads, saved = engines[threads][3], engines[threads][4]
+            for g, s in zip(grads, saved, strict=True):
+                g[...] = s  # Lamb writes its update direction into the gradient buffers
+            call = variants[threads][name][0]
+            start = time.perf_counter()
+            call()
+            times[(threads, name)].append(time.perf_counter() - start)
+    num = int(sum(g.size for g in engines[args.threads[0]][3]))
+    rows = {}
+    for (threads, name), t in times.items():
+        _, nbytes, bits = variants[threads][name]
+        rows[(threads, name)] = {"min_ms": min(t[1:]) * 1e3, "median_ms": statistics.median(t[1:]) * 1e3,
+                                 "bytes_per_param": nbytes, "bits": bits}
+    return num, len(engines[args.threads[0]][3]), rows
+
+
+def report(args, argv, num: int, tensors: int, rows: dict) -> str:
+    command = "python -m bench.optim_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        f"# ortflow update vs engine optimizer step (CPU, 1 rank) - {num:,} parameters, {tensors} tensors", "",
+        f"Command: `{command.strip()}`  ", f"Machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores (shared; load average at the end {os.getloadavg()[0]:.1f}), numpy {np.__version__}; "
+        f"{args.rounds} interleaved rounds. "
+        "vs engine: median over the engine step's median at the same threads. GB/s: bytes the rule must move "
+        "(AdamW/Lamb 28 B/param, SGD-momentum 20) / median time. bits: gives the numpy rule's bits.", "",
+        "| threads | variant | min ms | median ms | vs engine | GB/s | bits |", "|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for (threads, name), r in rows.items():
+        base = rows[(threads, "engine AdamW graph (optimizer.step)")]["median_ms"]
+        gbs = num * r["bytes_per_param"] / (r["median_ms"] * 1e-3) / 1e9
+        bits = {None: "-", True: "yes", False: "no"}[r["bits"]]
+        lines.append(f"| {threads} | {name} | {r['min_ms']:.1f} | {r['median_ms']:.1f} | "
+                     f"{r['median_ms'] / base:.2f}x | {gbs:.1f} | {bits} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1, help="Engine intra-op threads and ortflow's update threads.")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                        help="Thread counts, comma-separated: the engine's intra-op threads and every variant's.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        state, module, optimizer, names = engine_session(Path(tmp), args.d_model, args.num_layers, args.threads)
-        optimizer.set_learning_rate(1e-4)
-        params = [state.parameters[n].data.reshape(-1) for n in names]
-        grads = [state.parameters[n].grad.reshape(-1) for n in names]
-        saved = [g.copy() for g in grads]
-        segs = whole_segments(names, [p.size for p in params])
-        num = int(sum(p.size for p in params))
-
-        def ours(opt: OptimizerConfig, chunk: int | None = None):
-            rule = build_rule(opt)
-            extra = {"chunk": chunk} if chunk else {}
-            update = Update(rule, segs, params, decays(names, ()), threads=args.threads, **extra)
-            return lambda: update.step(grads, 1e-4)
-
-        m = [np.zeros_like(p) for p in params]
-        v = [np.zeros_like(p) for p in params]
-        variants = {
-            "engine AdamW graph (optimizer.step)": optimizer.step,
-            "ortflow adamw torch (chunk 64K, default)": ours(OptimizerConfig(weight_decay=0.01)),
-            "ortflow adamw torch (chunk 16K)": ours(OptimizerConfig(weight_decay=0.01), 16384),
-            "ortflow adamw torch (chunk 256K)": ours(OptimizerConfig(weight_decay=0.01), 262144),
-            "ortflow adamw torch (whole tensors)": ours(OptimizerConfig(weight_decay=0.01), 1 << 40),
-            "numpy naive adamw (temporaries)": lambda: naive_adamw(params, grads, m, v, 1e-4, 1),
-            "ortflow adamw engine rule": ours(OptimizerConfig(rule="engine", weight_decay=0.01)),
-            "ortflow sgd momentum+nesterov": ours(OptimizerConfig(name="sgd", momentum=0.9, nesterov=True)),
-            "ortflow lamb": ours(OptimizerConfig(name="lamb", weight_decay=0.01)),
-        }
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(args.rounds + 1):  # the first round warms up (allocations, page faults) and is dropped
-            for name, call in variants.items():
-                for g, s in zip(grads, saved, strict=True):
-                    g[...] = s  # Lamb writes its update direction into the gradient buffers
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
-        del module
-    base = statistics.median(times["engine AdamW graph (optimizer.step)"][1:])
-    rows = [(k, statistics.median(t[1:]) * 1e3, statistics.median(t[1:]) / base) for k, t in times.items()]
-    command = "python -m bench.optim_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [
-        f"# ortflow update vs engine optimizer step (CPU, 1 rank, {args.threads} thread(s)) - {num:,} parameters, "
-        f"{len(names)} tensors",
-        "", f"Command: `{command.strip()}`  ", f"Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores (shared), numpy {np.__version__}; median of {args.rounds} interleaved rounds.", "",
-        "| variant | ms / update | vs engine |", "|---|---:|---:|",
-        *[f"| {k} | {ms:.1f} | {r:.2f}x |" for k, ms, r in rows],
-    ]
-    text = "\n".join(lines) + "\n"
+        num, tensors, rows = measure(args, Path(tmp))
+    text = report(args, argv, num, tensors, rows)
     print(text)
     if args.out:
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"num_parameters": num, "rows": rows}, indent=1))
+        data = [{"threads": t, "variant": k, **r} for (t, k), r in rows.items()]
+        args.out.with_suffix(".json").write_text(json.dumps({"num_parameters": num, "rows": data}, indent=1))
     return 0
 
 

@@ -13,6 +13,7 @@ whole step (forward/backward included), and the optimizer-state bytes each rank 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rng = np.random.default_rng(comm.rank)
         times = {k: {"forward+backward": [], "exchange": [], "update": [], "gather": [], "step": []} for k in stages}
+        slowest: dict[str, list[float]] = {k: [] for k in stages}
         for _ in range(args.rounds + 1):
             ids = rng.integers(0, 256, (2, 64)).astype(np.int64)
             for name, (exchange, update) in stages.items():
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                 total = comm.allreduce_sum(np.array([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0]), "times")
                 for key, value in zip(times[name], total / comm.size, strict=True):
                     times[name][key].append(float(value))
+                # The slowest rank's update (the gather waits for it): each rank's time in its own slot, summed.
+                every = comm.allreduce_sum(np.eye(comm.size)[comm.rank] * (t3 - t2), "update times")
+                slowest[name].append(float(every.max()))
         state_bytes = {k: comm.allreduce_sum(np.array([u.state_bytes]), "bytes") / comm.size for k, (_, u) in
                        stages.items()}
         comm.close()
@@ -109,17 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             f"# ZeRO-1 vs ZeRO-0 on {comm.size} CPU ranks - {num:,} parameters (AdamW torch, clipping on)", "",
             "Command: `mpiexec -n {} python -m bench.optim_zero {}`  ".format(comm.size, " ".join(sys.argv[1:])),
             f"Median over {args.rounds} interleaved rounds of the mean over ranks, ms; state: MiB per rank.", "",
-            "| stage | forward+backward | exchange | update | gather | step | optimizer state |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| stage | forward+backward | exchange | update | update, slowest rank | gather | step | "
+            "optimizer state |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        result = {"ranks": comm.size, "num_parameters": num, "rounds": args.rounds, "stages": {}}
         for name in stages:
             med = {k: statistics.median(v[1:]) * 1e3 for k, v in times[name].items()}
+            med["update_slowest"] = statistics.median(slowest[name][1:]) * 1e3
+            med["state_mib"] = float(state_bytes[name][0]) / 2**20
+            result["stages"][name] = med
             lines.append(f"| {name} | {med['forward+backward']:.1f} | {med['exchange']:.1f} | {med['update']:.1f} | "
-                         f"{med['gather']:.1f} | {med['step']:.1f} | {state_bytes[name][0] / 2**20:.1f} |")
+                         f"{med['update_slowest']:.1f} | {med['gather']:.1f} | {med['step']:.1f} | "
+                         f"{med['state_mib']:.1f} |")
         text = "\n".join(lines) + "\n"
         print(text)
         if args.out:
             args.out.write_text(text)
+            args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -29,8 +29,8 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import chunks
-from ortflow.trainer.optim.engine_sqrt import engine_sqrt
+from ortflow.trainer.optim.base import fused_module
+from ortflow.trainer.optim.engine_sqrt import aligned_empty, engine_sqrt
 
 f32 = np.float32
 
@@ -89,6 +89,7 @@ class AdamW:
         if rule not in ("torch", "engine"):
             raise ValueError(f"optimizer.rule must be torch or engine, got {rule!r}")
         self.beta1, self.beta2, self.eps, self.weight_decay, self.rule = beta1, beta2, eps, weight_decay, rule
+        self._roots: list[np.ndarray] | None = None  # per-thread aligned scratch for the engine's sqrt
 
     def apply(self, update, grads, lr: float) -> None:
         t = update.step_count
@@ -98,19 +99,31 @@ class AdamW:
                 f32(1.0 - lr * self.weight_decay), f32(1.0 - self.beta1), f32(self.beta1), f32(1.0 - self.beta2),
                 f32(self.beta2), f32(self.eps * math.sqrt(bc2)), f32(lr * math.sqrt(bc2) / bc1),
             )
-            update.for_each_chunk(grads, _torch_kernel, *consts)
+            update.for_each_chunk(grads, _torch_kernel, "adamw_torch", *consts)
             return
         b1, b2, lr32 = f32(self.beta1), f32(self.beta2), f32(lr)
         # As the engine's kernel: std::pow(float, int64) is computed in double and rounded back to float.
         alpha_c = f32(1) - f32(float(b1) ** t)
         beta_c = f32(1) - f32(float(b2) ** t)
         lr_c = lr32 * (np.sqrt(beta_c) / alpha_c)
-        update.for_each_chunk(grads, _engine_moments, f32(1) - b1, b1, f32(1) - b2, b2)
+        update.for_each_chunk(grads, _engine_moments, "adamw_engine_moments", f32(1) - b1, b1, f32(1) - b2, b2)
         eps, lr_c, lr_wd = f32(self.eps), f32(lr_c), lr32 * f32(self.weight_decay)
-        t2 = update.scratch[1]
-        for i, (seg, p) in enumerate(zip(update.segments, update.params, strict=True)):
-            m, v = update.state_views(i)
-            root = engine_sqrt(v, seg.lo, seg.numel)  # the engine's approximate sqrt, bit for bit
-            for part in chunks(seg.size, update.chunk):
-                _engine_finish(p[part], m[part], root[part], t2[: part.stop - part.start], update.decay[i], eps,
-                               lr_c, lr_wd)
+        finish = fused_module().adamw_engine_finish if update.backend == "fused" else None
+        if self._roots is None or len(self._roots) != update.num_groups:
+            self._roots = [aligned_empty(min(update.chunk, _largest(update))) for _ in range(update.num_groups)]
+
+        def sqrt_and_finish(group: int, i: int, part: slice) -> None:
+            seg, p = update.segments[i], update.params[i][part]
+            m, v = (s[part] for s in update.state_views(i))
+            # The engine's approximate sqrt, bit for bit (packets counted from the tensor's start).
+            root = engine_sqrt(v, seg.lo + part.start, seg.numel, self._roots[group])
+            if finish is not None:
+                finish(p, m, root, update.decay[i], eps, lr_c, lr_wd)
+            else:
+                _engine_finish(p, m, root, update.scratch_for(group)[1][: p.size], update.decay[i], eps, lr_c, lr_wd)
+
+        update.for_each_part(sqrt_and_finish)
+
+
+def _largest(update) -> int:
+    return max((s.size for s in update.segments), default=1) or 1

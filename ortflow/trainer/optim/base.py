@@ -5,13 +5,16 @@ a contiguous range of its flattened elements under ZeRO-1 (:mod:`ortflow.trainer
 all of a rank's segments lives in one flat float32 array per state name (``exp_avg``, ``exp_avg_sq``, ``momentum``), in
 segment order, so a checkpoint can name each piece by (parameter, element range) and any world size can read it back.
 
-Element-wise rules run over *chunks* of a few thousand elements: every numpy pass of a rule then reads and writes data
-that sits in the CPU's L1/L2 cache, so the rule as a whole costs about one pass over main memory for each array it
-touches (parameter, gradient, each state) instead of one per numpy operation (bench/results/optim-cpu.md).
+Element-wise rules run over *chunks*. The default ``fused`` backend runs each rule as one compiled loop per chunk
+(:mod:`.fused`): one pass over memory; its chunks only deal the work to the update's threads. The ``numpy`` backend
+runs the rule's numpy operations per chunk of a few thousand elements, so each numpy pass reads and writes data that
+sits in the CPU's L1/L2 cache and the rule costs about one pass over main memory per array it touches instead of one
+per operation. Both give the same bits (bench/results/optim-cpu.md has the times).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +24,16 @@ import numpy as np
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
 #: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
 CHUNK = 65536
+
+#: Elements per chunk of the fused backend: large enough that Numba's per-call cost (~10 us) stays under 1% of the
+#: update, small enough to deal the work evenly to a few threads (one pass over memory needs no cache blocking).
+FUSED_CHUNK = 262144
+
+log = logging.getLogger(__name__)
+_warned = False
+
+#: How the element-wise kernels run: one compiled pass (Numba, :mod:`.fused`), or numpy operations per chunk.
+BACKENDS = ("fused", "numpy")
 
 #: Sums the per-tensor partial sums of every rank (identity on one rank / without sharding).
 SumAcrossRanks = Callable[[np.ndarray], np.ndarray]
@@ -83,6 +96,33 @@ def _plan(segments: Sequence[Segment], chunk: int, threads: int) -> list[list[tu
     return [g for g in groups if g] or [[]]
 
 
+def default_backend() -> str:
+    """``fused`` where Numba is installed (a pinned dependency), else ``numpy`` with a warning, once.
+
+    Environments installed without dependencies (the device machines' carried sets) may lack Numba; the numpy
+    kernels give the same bits, about 2-3x slower.
+    """
+    global _warned
+    try:
+        import numba  # noqa: F401 - only whether it imports
+    except ImportError:
+        pass
+    else:
+        return "fused"
+    if not _warned:
+        log.warning("numba is not installed: the host update runs its numpy kernels (same results, slower); "
+                    "install ortflow's pinned dependencies for the fused kernels")
+        _warned = True
+    return "numpy"
+
+
+def fused_module():
+    """:mod:`.fused` (imports Numba; compiled kernels come from Numba's cache after the first run on a machine)."""
+    from ortflow.trainer.optim import fused
+
+    return fused
+
+
 class Update:
     """The in-place weight update of one rank: ``update.step(grads, lr)`` after the gradients are averaged.
 
@@ -94,9 +134,11 @@ class Update:
         sum_across_ranks: Sums per-tensor partial sums over the ranks that share tensors (ZeRO-1); Lamb's trust ratios
             need whole-tensor norms.
         num_tensors: Trainable tensors in all (every rank's segments index into them); default: from ``segments``.
-        chunk: Elements per chunk (:data:`CHUNK`; the benchmark varies it).
-        threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); numpy releases
-            the GIL inside each operation. Element-wise rules give the same bits with any thread count.
+        chunk: Elements per chunk (default :data:`FUSED_CHUNK` for ``fused``, :data:`CHUNK` for ``numpy``).
+        threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); the kernels
+            release the GIL. Element-wise rules give the same bits with any thread count.
+        backend: ``fused`` (one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy operations
+            per chunk; the same bits, slower: bench/results/optim-cpu.md). Default: :func:`default_backend`.
     """
 
     def __init__(
@@ -107,15 +149,21 @@ class Update:
         decay: Sequence[bool],
         sum_across_ranks: SumAcrossRanks = _identity,
         num_tensors: int | None = None,
-        chunk: int = CHUNK,
+        chunk: int | None = None,
         threads: int = 1,
+        backend: str | None = None,
     ):
+        backend = backend or default_backend()
+        chunk = chunk or (FUSED_CHUNK if backend == "fused" else CHUNK)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not (len(segments) == len(params) == len(decay)):
             raise ValueError("segments, params and decay must have one entry per segment")
         for seg, p in zip(segments, params, strict=True):
             if p.dtype != np.float32 or p.ndim != 1 or p.size != seg.size or not p.flags.c_contiguous:
                 raise TypeError(f"parameter {seg.name}: need a contiguous 1-D float32 view of {seg.size} elements")
         self.rule = rule
+        self.backend = backend
         self.segments = list(segments)
         self.params = list(params)
         self.decay = list(decay)
@@ -169,15 +217,45 @@ class Update:
         self.step_count += 1
         self.rule.apply(self, [g.reshape(-1) for g in grads], float(lr))
 
-    def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, *consts) -> None:
-        """Run an element-wise ``kernel(p, g, *states, t1, t2, decay, *consts)`` over every chunk of every segment."""
+    def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, fused_kernel, *consts) -> None:
+        """Run an element-wise kernel over every chunk of every segment, split over the update's threads.
+
+        ``kernel(p, g, *states, t1, t2, decay, *consts)`` is the rule's numpy kernel (``t1``, ``t2``: chunk-sized
+        scratch); ``fused_kernel`` names its one-pass equivalent in :mod:`.fused`, ``(p, g, *states, decay, *consts)``,
+        used by the default backend (imported here, not at module load: GPU ranks never need Numba).
+        """
         if self._bound is None:  # views of parameters, state and scratch per chunk, made once (per-step overhead)
             self._bind()
 
-        def run(group: int) -> None:
-            for i, part, p, states, t1, t2, decay in self._bound[group]:
-                kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
+        if self.backend == "fused":
+            fused_kernel = getattr(fused_module(), fused_kernel)
 
+            def run(group: int) -> None:
+                for i, part, p, states, _, _, decay in self._bound[group]:
+                    fused_kernel(p, grads[i][part], *states, decay, *consts)
+        else:
+            def run(group: int) -> None:
+                for i, part, p, states, t1, t2, decay in self._bound[group]:
+                    kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
+
+        self._run_groups(run)
+
+    def for_each_part(self, fn: Callable[[int, int, slice], None]) -> None:
+        """Call ``fn(group, segment_number, part)`` for every chunk, split over the update's threads (``group``: the
+        thread's index, for per-thread scratch). For per-segment work such as Lamb's apply and the engine rule's
+        finish, whose constants differ between segments."""
+        self._run_groups(lambda group: [fn(group, i, part) for i, part in self._plan[group]])
+
+    def scratch_for(self, group: int) -> list[np.ndarray]:
+        """The two chunk-sized scratch arrays of thread group ``group``."""
+        return self._thread_scratch[group]
+
+    @property
+    def num_groups(self) -> int:
+        """Thread groups the chunks are dealt to."""
+        return len(self._plan)
+
+    def _run_groups(self, run: Callable[[int], object]) -> None:
         if self._pool is None:
             run(0)
         else:

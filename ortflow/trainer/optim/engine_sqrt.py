@@ -38,21 +38,44 @@ def _sqrt_session():
     return _session
 
 
-def engine_sqrt(v: np.ndarray, lo: int, numel: int) -> np.ndarray:
+def aligned_empty(size: int) -> np.ndarray:
+    """An uninitialised float32 array whose data starts on a 64-byte boundary, as the engine's own buffers do (Eigen
+    starts its packets at the first aligned element of the output, so the alignment decides which elements are
+    computed by packets)."""
+    raw = np.empty(size + 16, dtype=np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start : start + size]
+
+
+def engine_sqrt(v: np.ndarray, lo: int, numel: int, out: np.ndarray | None = None) -> np.ndarray:
     """sqrt of ``v`` (elements ``[lo, lo + v.size)`` of a tensor of ``numel``), as the engine's AdamW computes it.
 
     Args:
         v: 1-D float32 second moments.
         lo: Index of ``v[0]`` in the flattened tensor (packets start at multiples of PACKET from the tensor's start).
         numel: Elements of the whole tensor.
+        out: A 64-byte aligned float32 scratch (:func:`aligned_empty`) of at least ``v.size`` elements. Given, and
+            the range starts on a packet and needs no padding (whole tensors always), the session reads ``v`` and
+            writes ``out`` in place through IO binding: no copies.
     """
     tail = numel - numel % PACKET  # elements from here on are Eigen's scalar tail: exact sqrt
-    shift = lo % PACKET  # pad in front so that packets start where they start in the tensor
-    length = shift + v.size
-    buf = np.ones(length + (-length) % PACKET, dtype=np.float32)
-    buf[shift:length] = v
-    out = _sqrt_session().run(None, {"v": buf})[0][shift:length]
     exact_from = max(0, tail - lo)
+    direct = (out is not None and out.size >= v.size and out.ctypes.data % 64 == 0 and lo % PACKET == 0
+              and (v.size % PACKET == 0 or lo + v.size == numel) and v.flags.c_contiguous)
+    if direct:
+        result = out[: v.size]
+        if v.size:
+            session = _sqrt_session()
+            io = session.io_binding()
+            io.bind_input("v", "cpu", 0, np.float32, [v.size], v.ctypes.data)
+            io.bind_output("s", "cpu", 0, np.float32, [v.size], result.ctypes.data)
+            session.run_with_iobinding(io)
+    else:
+        shift = lo % PACKET  # pad in front so that packets start where they start in the tensor
+        length = shift + v.size
+        buf = np.ones(length + (-length) % PACKET, dtype=np.float32)
+        buf[shift:length] = v
+        result = _sqrt_session().run(None, {"v": buf})[0][shift:length]
     if exact_from < v.size:
-        np.sqrt(v[exact_from:], out=out[exact_from:])
-    return out
+        np.sqrt(v[exact_from:], out=result[exact_from:])
+    return result

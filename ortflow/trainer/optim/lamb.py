@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from ortflow.trainer.optim.base import fused_module
+
 f32 = np.float32
 
 
@@ -62,13 +64,22 @@ class Lamb:
         # m_hat / (sqrt(v_hat) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
         consts = (f32(1.0 - self.beta1), f32(self.beta1), f32(1.0 - self.beta2), f32(self.beta2),
                   f32(self.eps * math.sqrt(bc2)), f32(math.sqrt(bc2) / bc1), f32(self.weight_decay))
-        update.for_each_chunk(grads, _moments_kernel, *consts)
+        update.for_each_chunk(grads, _moments_kernel, "lamb_moments", *consts)
         # Partial sums of squares of p and r per tensor (this rank's segments), then whole-tensor sums over ranks.
         sums = np.zeros(2 * update.num_tensors, dtype=np.float64)
         for seg, p, r in zip(update.segments, update.params, grads, strict=True):
             sums[seg.index] += float(np.dot(p, p))
             sums[update.num_tensors + seg.index] += float(np.dot(r, r))
         ratios = self.trust_ratios(update.sum_across_ranks(sums))
-        for seg, p, r in zip(update.segments, update.params, grads, strict=True):
-            r *= f32(lr * ratios[seg.index])
-            p -= r
+        axpy = fused_module().axpy_sub if update.backend == "fused" else None
+        factors = [f32(lr * ratios[seg.index]) for seg in update.segments]
+
+        def apply(group: int, i: int, part: slice) -> None:
+            p, r = update.params[i][part], grads[i][part]
+            if axpy is not None:
+                axpy(p, r, factors[i])  # p - r * factor in one pass, as the two numpy lines below
+            else:
+                r *= factors[i]
+                p -= r
+
+        update.for_each_part(apply)

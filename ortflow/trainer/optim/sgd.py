@@ -58,4 +58,7 @@ class SGD:
     def apply(self, update, grads, lr: float) -> None:
         consts = (f32(self.weight_decay), f32(lr), f32(self.momentum), f32(1.0 - self.dampening), self.nesterov,
                   update.step_count == 1)
-        update.for_each_chunk(grads, _momentum_kernel if self.momentum > 0 else _plain_kernel, *consts)
+        if self.momentum > 0:
+            update.for_each_chunk(grads, _momentum_kernel, "sgd_momentum", *consts)
+        else:
+            update.for_each_chunk(grads, _plain_kernel, "sgd_plain", *consts)
