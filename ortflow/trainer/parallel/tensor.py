@@ -260,7 +260,7 @@ def _build_update(rt: TensorRuntime, threads: int) -> optim.Update:
                                   threads=threads)
     from ortflow.trainer.optim.device import DeviceUpdate
 
-    # UNTESTED here (no GPU in this session): tests/gpu/test_gpu_tensor.py checks it on 2 GPUs.
+    # Checked on 2 H200s by tests/gpu/test_gpu_tensor.py (bench/results/gpu-tests-h200x2-w3-tp-pipeline.log).
     params = [_device_buffer(rt._owner_state(n).get_parameter(n).data, n) for n in trainable]
     decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
     return DeviceUpdate(optim.build_rule(cfg.optimizer), optim.whole_segments(trainable, [p.count for p in params]),
