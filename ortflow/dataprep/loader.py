@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -161,6 +162,9 @@ class TrainLoader:
         self.tokens_per_sample: int | None = manifest.tokens_per_sample
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+        # Weak: the prefetch thread holds this loader (its batch method), so a strong reference back would keep a
+        # dropped iterator's thread alive; close() stops the ones still alive before the rank exits.
+        self._prefetchers: list[weakref.ref[Prefetcher]] = []
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order of the training rows in ``epoch`` (the same on every rank and every run)."""
@@ -193,7 +197,22 @@ class TrainLoader:
         produce = partial(self.batch, cursor)
         if self.prefetch <= 0:
             return _on_demand(produce)
-        return Prefetcher(produce, self.prefetch)
+        prefetcher = Prefetcher(produce, self.prefetch)
+        self._prefetchers.append(weakref.ref(prefetcher))
+        return prefetcher
+
+    def close(self) -> None:
+        """Stop and join every prefetch thread this loader started.
+
+        A rank must do this before it exits: a daemon thread still reading a shard while the interpreter finalizes
+        can abort the process (seen as a rare exit status 6 of a rank that resumed a finished run and so returned at
+        once, while its prefetch thread had just started).
+        """
+        for ref in self._prefetchers:
+            prefetcher = ref()
+            if prefetcher is not None:
+                prefetcher.close()
+        self._prefetchers.clear()
 
 
 def _on_demand(produce: Callable[[int], dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:

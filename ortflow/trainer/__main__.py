@@ -100,6 +100,7 @@ def run_rank(run_dir: Path) -> int:
                 progress, stop, tokens_per_sample=loader.tokens_per_sample,
             )
         finally:
+            loader.close()  # join the prefetch thread: none may still run while the interpreter exits
             if tensorboard is not None:
                 tensorboard.close()
         # Sync point: rank 0 may still be writing the final checkpoint; nobody reports success before it is done.

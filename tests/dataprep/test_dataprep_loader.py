@@ -152,3 +152,15 @@ def test_eval_max_batches_and_empty_split(tmp_path, data_dir):
 def test_bad_rank_is_refused(data_dir):
     with pytest.raises(ValueError, match="rank 2 of 2"):
         TrainLoader(data_dir, 2, 2, 2)
+
+
+def test_loader_close_joins_every_prefetch_thread_it_started(data_dir):
+    # A rank closes its loader before it exits: a prefetch thread still reading while the interpreter finalizes can
+    # abort the process (a rank resuming a finished run returns at once, right after its prefetch thread started).
+    loader = TrainLoader(data_dir, 2, 0, 1, prefetch=2)
+    its = [loader.iter_from(0), loader.iter_from(4)]  # never consumed, like the resume of a finished run
+    next(its[1])
+    assert all(it.alive for it in its)
+    loader.close()
+    assert not any(it.alive for it in its)
+    loader.close()  # idempotent

@@ -125,7 +125,7 @@ def concurrent_trial(root: Path, reference: dict, name: str) -> Outcome:
         how = "one refused (locked)" if refused else "both ran (no run lock yet)"
         if out.returncode:
             return Outcome("concurrent", False, f"{how}; the final resume failed ({out.returncode}): "
-                           f"{out.stdout[-600:]} | first jobs: {outs[0][-400:]} | {outs[1][-400:]}")
+                           f"{out.stdout[-4000:]} | first jobs: {outs[0][-400:]} | {outs[1][-400:]}")
         same = _same(final_parameters(cfg), reference)
         detail = "" if same else f" | first jobs: {outs[0][-600:]} | {outs[1][-600:]}"
         return Outcome("concurrent", same, f"{how}; final parameters {'equal' if same else 'DIFFER'}{detail}",
