@@ -46,7 +46,7 @@ def prepare(
 def repeatable_gathers(cfg: RunConfig) -> bool:
     """Whether embedding reads become GatherND (:mod:`ortflow.graph.embedding`): on the CPU, with
     distributed.deterministic_compute, because the CPU engine's Gather gradient sums repeated ids in thread order.
-    The CUDA engine's GatherGrad is another kernel, repeatable with use_deterministic_compute (docs/gpu.md)."""
+    The CUDA engine's GatherGrad is another kernel, not examined here: CUDA graphs are left as they are."""
     return cfg.distributed.device == "cpu" and cfg.distributed.deterministic_compute
 
 
