@@ -26,6 +26,7 @@ from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
+from ortflow.trainer.parallel.bookkeeping import checkpoint_meta, report_window
 from ortflow.trainer.parallel.stages import ACT_TAG as _ACT
 from ortflow.trainer.parallel.stages import GRAD_TAG as _GRAD
 from ortflow.trainer.parallel.stages import TIED_TAG as _TIED
@@ -221,25 +222,13 @@ def train_pipeline(
         eval_loss = evaluate_pipeline(rt, eval_batches) if evaluated else None
         window_start += clock() - paused
         if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated):
-            elapsed = clock() - window_start
-            samples_per_s = window_samples / elapsed if elapsed > 0 else None
-            tokens_per_s = samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None
-            fields = {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm,
-                      "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s}
-            progress.report(step, fields, final=step == total)
-            if tensorboard is not None:
-                tensorboard.scalars(step, {"train/loss": train_loss, "eval/loss": eval_loss, "train/learning_rate": lr,
-                                           "train/grad_norm": grad_norm, "train/samples_per_s": samples_per_s})
-                tensorboard.flush()
+            report_window(progress, tensorboard, step, total, clock() - window_start, window_samples, tokens_per_sample,
+                          {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm})
             window_start, window_samples = clock(), 0
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
             paused = clock()
-            _save(rt, checkpoints, step, {
-                "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
-                "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": rt.comm.size,
-                "pipeline_parallel_size": rt.num_stages, "config_fingerprint": cfg.section_fingerprint(),
-                "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
-            })
+            _save(rt, checkpoints, step, checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
+                                                         pipeline_parallel_size=rt.num_stages))
             window_start += clock() - paused
     log_stage_timing(rt, timing)
     if scalars[1]:

@@ -13,6 +13,7 @@ from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
+from ortflow.trainer.parallel.bookkeeping import checkpoint_meta, report_window
 from ortflow.trainer.parallel.tensor import TensorRuntime
 
 log = logging.getLogger("ortflow.trainer")
@@ -89,26 +90,14 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
         eval_loss = evaluate_tensor(rt, eval_batches) if evaluated else None
         window_start += clock() - paused
         if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated):
-            elapsed = clock() - window_start
-            samples_per_s = window_samples / elapsed if elapsed > 0 else None
-            tokens_per_s = samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None
-            progress.report(step, {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm,
-                                   "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s},
-                            final=step == total)
-            if tensorboard is not None:
-                tensorboard.scalars(step, {"train/loss": train_loss, "eval/loss": eval_loss, "train/learning_rate": lr,
-                                           "train/grad_norm": grad_norm, "train/samples_per_s": samples_per_s})
-                tensorboard.flush()
+            report_window(progress, tensorboard, step, total, clock() - window_start, window_samples, tokens_per_sample,
+                          {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm})
             window_start, window_samples = clock(), 0
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
             paused = clock()
             check_replicas(rt, step)
-            checkpoints.save(step, rt.train_state(), {
-                "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
-                "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": rt.comm.size,
-                "horizontal_parallel_size": rt.tp_size, "config_fingerprint": cfg.section_fingerprint(),
-                "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
-            })
+            checkpoints.save(step, rt.train_state(), checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
+                                                                     horizontal_parallel_size=rt.tp_size))
             window_start += clock() - paused
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
