@@ -46,3 +46,13 @@ def check_update(step: int, loss: float, grad_norm: float | None, skip_overflow:
         f"good checkpoint stays the newest. Lower optimizer.learning_rate, set optimizer.max_grad_norm, or check the "
         f"data for extreme values (prepare-data refuses NaN/inf), then resume with `ortflow train`"
     )
+
+
+def clip_gradients(exchange, grads, grad_norm: float, max_norm: float | None) -> None:
+    """Scale ``grads`` in place to ``max_norm`` when their global norm exceeds it (optimizer.max_grad_norm).
+
+    Every rank holds the same ``grad_norm``, so every rank clips alike; the engine's own clipping operator is not
+    deterministic, so clipping is done here, through the exchange that owns the buffers (host or device).
+    """
+    if max_norm is not None and grad_norm > max_norm:
+        exchange.scale(grads, max_norm / (grad_norm + 1e-6))

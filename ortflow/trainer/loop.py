@@ -13,7 +13,7 @@ import onnxruntime
 
 from ortflow.trainer import loss_scale
 from ortflow.trainer.checkpoints import CheckpointManager
-from ortflow.trainer.guards import check_update
+from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.profiling import StepProfiler
@@ -149,7 +149,6 @@ def train(
         train_loss = float(scalars[0]) / world
         evaluated = period > 0 and step % period == 0 or step == total
         report = progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated)
-        max_norm = cfg.optimizer.max_grad_norm
         # The norm is one pass over the gradients, computed every update: it guards the parameters against NaN/inf.
         # Every rank gets the same norm (ZeRO-1: summed from the shards in rank order), so every rank clips alike and
         # decides alike (the engine's own clipping operator is not deterministic, so clipping is done here).
@@ -157,8 +156,8 @@ def train(
         # fp16 loss scaling overflows on purpose now and then: that update is skipped on every rank (scale halved);
         # any other non-finite loss or norm stops the job before it reaches the parameters or a checkpoint.
         stepped = scaler.update(grad_norm) and check_update(step, train_loss, grad_norm, skip_overflow=scaler.enabled)
-        if stepped and max_norm is not None and grad_norm > max_norm:
-            exchange.scale(mine, max_norm / (grad_norm + 1e-6))
+        if stepped:
+            clip_gradients(exchange, mine, grad_norm, cfg.optimizer.max_grad_norm)
         timer.lap("norm_clip")
         if stepped:
             update.step(mine, lr)  # ortflow's rule, in place on the engine's parameter buffers

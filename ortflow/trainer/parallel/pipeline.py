@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime
 
 from ortflow.trainer.checkpoints import CheckpointManager
-from ortflow.trainer.guards import check_update
+from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.parallel.bookkeeping import checkpoint_meta, report_window
@@ -208,9 +208,7 @@ def train_pipeline(
         scalars = rt.comm.allreduce_sum(local, "pipeline loss, stop, norm")
         train_loss, grad_norm = float(scalars[0]) / replicas, float(np.sqrt(scalars[2]))
         check_update(step + 1, train_loss, grad_norm)  # the same values on every rank: all stop alike if non-finite
-        max_norm = cfg.optimizer.max_grad_norm
-        if max_norm is not None and grad_norm > max_norm:
-            rt.exchange.scale(mine, max_norm / (grad_norm + 1e-6))
+        clip_gradients(rt.exchange, mine, grad_norm, cfg.optimizer.max_grad_norm)
         rt.update.step(mine, lr)  # ortflow's rule, in place on this stage's parameter buffers
         rt.module.lazy_reset_grad()
         timing.append((clock() - step_started, stats.compute_s))
