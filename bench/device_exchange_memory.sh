@@ -15,5 +15,5 @@ IFS=, read -r -a ranks <<< "${RANKS:-2,16}"; IFS=, read -r -a binds <<< "${BINDS
 for b in "${binds[@]}"; do for n in "${ranks[@]}"; do
   echo "== $n ranks, --bind-to $b"
   timeout 120 mpirun --allow-run-as-root --oversubscribe --bind-to "$b" -n "$n" "$PYTHON" -m bench.exchange_memory \
-    --rounds "${ROUNDS:-10}" --out "$OUT" --label "-bind-$b" 2>&1 | grep -v "^EXCHANGE_MEMORY" | tail -6
+    --rounds "${ROUNDS:-10}" --out "$OUT" --label="-bind-$b" 2>&1 | grep -v "^EXCHANGE_MEMORY" | tail -6
 done; done

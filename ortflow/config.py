@@ -355,7 +355,8 @@ class DistributedConfig(_Section):
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "
-        "cache); 0: large gradients reduced in place and small ones packed, all posted at once (docs/layout.md).",
+        "cache); 0: each run of back-to-back gradients reduced in place by one all-reduce, the small ones packed "
+        "(docs/layout.md).",
     )
     enable_adasum: bool = Field(
         False,

@@ -1,4 +1,4 @@
-"""Run under ``mpiexec -n 2``: MPIComm's exchange (posted over memory runs, and bucketed) against a numpy reference.
+"""Run under ``mpiexec -n 2``: MPIComm's exchange (over memory runs, and bucketed) against a numpy reference.
 
 The gradients are views of one arena per rank, laid out in a different order on each rank (so the ranks' memory runs
 differ and must be agreed on), with one large run (reduced in place), small runs (packed) and separate arrays.

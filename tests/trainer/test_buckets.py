@@ -46,7 +46,7 @@ def test_packs_close_when_full():
 
 
 @pytest.mark.mpi
-def test_exchange_averages_like_numpy_at_two_ranks_posted_and_bucketed():
+def test_exchange_averages_like_numpy_at_two_ranks_runs_and_bucketed():
     script = str(Path(__file__).with_name("exchange_rank.py"))
     out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

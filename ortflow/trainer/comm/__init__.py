@@ -5,9 +5,9 @@ Two implementations share one small interface:
 * :class:`SingleProcessComm` for a process not started by an MPI launcher: every collective is a no-op (or a local
   scale), so the training loop runs unchanged in unit tests.
 * :class:`MPIComm` for ranks under ``mpiexec``: the gradients are summed in place, where the engine keeps them, one
-  in-place ``Iallreduce`` per run of gradients that lie back to back in memory (``runs.py``; the trainer's shared
+  in-place ``Allreduce`` per run of gradients that lie back to back in memory (``runs.py``; the trainer's shared
   arena, ``trainer/arena.py``, makes that one run), the small runs and the scalars (loss, the stop flag) packed into
-  one more, all posted before one wait; then one pass applies the mean's scale.
+  one more; each run gets the mean's scale right after its reduction.
 * :class:`NCCLComm` (``distributed.use_nccl``) wraps one of those two: gradients are averaged with NCCL through CuPy,
   in place in the engine's own device buffers when the engine runs on CUDA, or staged through device memory when it
   runs on the CPU. Everything else (broadcasts, barriers, the watchdog) stays on the wrapped process group.
