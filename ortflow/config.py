@@ -352,6 +352,12 @@ class DistributedConfig(_Section):
         "on the CPU, reads trained embedding tables with GatherND, whose gradient does not depend on thread timing "
         "as the engine's Gather gradient does with threads_per_rank > 1 (docs/reliability.md).",
     )
+    thread_spinning: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether the engine's intra-op threads spin while they wait for work (its default) or sleep; "
+        "auto: sleep when several ranks on a host fill all its cores (ranks x threads >= cores), where spinning "
+        "workers delay other ranks' main threads and the exchange waits for the slowest (docs/layout.md).",
+    )
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "

@@ -87,9 +87,11 @@ class StepProfiler:
 
     def _open(self):
         from ortflow.engine import api
-        from ortflow.trainer.runtime import session_options
+        from ortflow.trainer.runtime import available_cores, session_options, spin_wait
 
-        options = session_options(self.rt.threads, self.rt.cfg.distributed.deterministic_compute)
+        rt = self.rt
+        spin = spin_wait(rt.cfg, rt.comm.local_size, rt.threads, available_cores())
+        options = session_options(rt.threads, rt.cfg.distributed.deterministic_compute, spin)
         options.enable_profiling = True
         options.profile_file_prefix = str(self._folder() / f".rank-{self.rt.comm.rank}")
         art = self.rt.cfg.artifacts_dir

@@ -185,19 +185,36 @@ def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict 
     return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, local_size))
 
 
-def session_options(threads: int, deterministic: bool = True) -> onnxruntime.SessionOptions:
+def session_options(threads: int, deterministic: bool = True, spin: bool = True) -> onnxruntime.SessionOptions:
     """One intra-op pool of ``threads`` per rank, so ranks x threads = cores and ranks do not oversubscribe.
 
     ``deterministic`` (distributed.deterministic_compute) asks for the engine's repeatable kernels: without it the
     CUDA provider's training differs run to run from the third update on, even in fp32 (bench/results/
-    determinism-h200.log), so a resumed run could not end bitwise identical to an uninterrupted one.
+    determinism-h200.log), so a resumed run could not end bitwise identical to an uninterrupted one. ``spin``
+    False makes the pool's threads sleep between parallel sections instead of spinning (:func:`spin_wait`).
     """
     options = onnxruntime.SessionOptions()
     options.use_deterministic_compute = deterministic
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+def spin_wait(cfg: RunConfig, local_size: int, threads: int, cores: int) -> bool:
+    """distributed.thread_spinning: on, off, or (auto) off when several local ranks fill every core.
+
+    Measured on the 32-CPU device machine, 16 ranks x 2 threads, the bench GPT against PyTorch DDP at the same layout
+    (bench/results/layout-device-w4-spin*.md, 3 interleaved rounds each): ortflow / PyTorch 0.99 (0.96 .. 1.01) with
+    sleeping threads, 0.93 (0.86 .. 0.94) spinning; the exchange's wait for the slowest rank fell from 13-20% of the
+    update to 3-9%. One rank alone keeps the engine's default (spinning shortens its parallel sections' start).
+    """
+    choice = cfg.distributed.thread_spinning
+    if choice != "auto":
+        return choice == "on"
+    return not (local_size > 1 and local_size * threads >= cores)
 
 
 def select_device(cfg: RunConfig, local_rank: int, local_size: int = 1) -> str:
@@ -268,7 +285,8 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     state = api.CheckpointState.load_checkpoint(str(state_file))
     # 5. Session. On the CPU, from an arena whose first chunk holds every gradient: the engine then allocates them
     # back to back, and the exchange reduces them as one buffer (trainer/arena.py).
-    options = session_options(threads, cfg.distributed.deterministic_compute)
+    spin = spin_wait(cfg, comm.local_size, threads, available_cores())
+    options = session_options(threads, cfg.distributed.deterministic_compute, spin)
     if device == "cpu":
         grad_bytes = 4 * sum(p.data.size for _, p in state.parameters if p.requires_grad)  # fp32 gradients
         options = arena.use_gradient_arena(options, grad_bytes)

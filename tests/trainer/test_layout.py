@@ -169,3 +169,27 @@ def test_tune_candidates_add_one_rank_per_cpu_where_the_rule_starts_fewer():
     assert plain == [(4, 1), (2, 2), (1, 4)]
     capped = [c.pair for c in candidates(Host(32, 128 * GIB), 3_300_000, None, None)]
     assert capped == [(16, 2), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
+
+
+@pytest.mark.parametrize(
+    ("choice", "local_size", "threads", "cores", "spins"),
+    [("auto", 16, 2, 32, False),  # several ranks fill the host: sleep
+     ("auto", 32, 1, 32, False),
+     ("auto", 1, 32, 32, True),   # one rank alone keeps the engine's default
+     ("auto", 2, 4, 32, True),    # spare cores: spinning costs no other rank
+     ("on", 16, 2, 32, True),
+     ("off", 1, 4, 32, False)],
+)  # fmt: skip
+def test_thread_spinning_rule_and_the_engine_option_it_sets(tmp_path, choice, local_size, threads, cores, spins):
+    from ortflow.trainer.runtime import session_options, spin_wait
+
+    cfg = config_from_dict({"output_dir": str(tmp_path), "model": {"path": str(tmp_path / "m.onnx")},
+                            "data": {"train": ["x.npz"]}, "train": {"batch_size": 8, "num_train_steps": 10},
+                            "distributed": {"thread_spinning": choice}})  # fmt: skip
+    assert spin_wait(cfg, local_size, threads, cores) is spins
+    options, entry = session_options(threads, spin=spins), "session.intra_op.allow_spinning"
+    if spins:  # the engine's default (spinning) is left alone: no entry
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            options.get_session_config_entry(entry)
+    else:
+        assert options.get_session_config_entry(entry) == "0"
