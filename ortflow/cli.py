@@ -216,11 +216,12 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 @app.command(name="retain")
 def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
-    from ortflow.export.retention import retain_checkpoints
+    from ortflow.export.retention import reason_label, retain_checkpoints
 
     index = retain_checkpoints(_load(config, overrides))
     for entry in index.kept:
-        console.print(f"  keep   step {entry['step']}: {', '.join(entry['reasons'])}", highlight=False)
+        reasons = ", ".join(reason_label(r, index.keep_newest) for r in entry["reasons"])
+        console.print(f"  keep   step {entry['step']}: {reasons}", highlight=False)
     for entry in index.deleted:
         console.print(f"  delete step {entry['step']}", highlight=False)
     for entry in index.damaged:

@@ -120,3 +120,13 @@ def test_retention_stage_on_empty_run_writes_an_empty_index(tmp_path):
     index = retain_checkpoints(_cfg(tmp_path, keep=2))
     assert index.kept == [] and index.export_step is None
     assert json.loads(index.path.read_text())["kept"] == []
+
+
+def test_the_run_summary_says_which_newest_instead_of_calling_every_kept_one_newest():
+    from ortflow.tasks.stages import summary_rows
+
+    index = {"keep_newest": 3, "kept": [{"step": 40, "reasons": ["newest"]},
+                                        {"step": 60, "reasons": ["newest", "best_eval_loss", "final"]}]}  # fmt: skip
+    rows = {r["metric"]: r["value"] for r in summary_rows({}, index, {})}
+    assert rows["kept checkpoints"] == ("step 40 (one of the 3 newest), "
+                                        "step 60 (one of the 3 newest, best eval loss, final)")  # fmt: skip

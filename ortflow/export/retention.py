@@ -47,6 +47,14 @@ def export_choice(checkpoints: Sequence[CheckpointInfo]) -> CheckpointInfo | Non
     return best_by_eval_loss(checkpoints) or (max(checkpoints, key=lambda c: c.step) if checkpoints else None)
 
 
+def reason_label(reason: str, keep_newest: int | None) -> str:
+    """A retention reason as people read it: "newest" marks every checkpoint among the ``keep_newest`` newest, so it
+    reads "one of the N newest" (a run keeping 3 printed "(newest)" after all three)."""
+    if reason == "newest":
+        return f"one of the {keep_newest} newest" if keep_newest else "among the newest"
+    return {"best_eval_loss": "best eval loss", "export_source": "export source"}.get(reason, reason)
+
+
 def plan_retention(checkpoints: Sequence[CheckpointInfo], keep_newest: int) -> tuple[dict[int, list[str]], list[int]]:
     """The retention stage's policy: which steps to keep (with the reasons) and which to delete.
 

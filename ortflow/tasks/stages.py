@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ortflow.config import RunConfig
+from ortflow.export.retention import reason_label
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress
@@ -99,7 +100,11 @@ def summary_rows(
 ) -> list[dict]:
     """The pipeline's result as metric/value rows: steps, final and best eval loss, throughput, checkpoints, model."""
     progress, index, exported = progress or {}, index or {}, exported or {}
-    kept = index.get("kept", [])
+    kept, newest = index.get("kept", []), index.get("keep_newest")
+
+    def why(entry: dict) -> str:
+        return ", ".join(reason_label(r, newest) for r in entry.get("reasons", []))
+
     scored = [k["eval_loss"] for k in kept if k.get("eval_loss") is not None]
     rows = [("version", version)] if version else []
     rows += [
@@ -109,7 +114,7 @@ def summary_rows(
         ("best eval loss", min(scored) if scored else None),
         ("samples/s", progress.get("samples_per_s")),
         ("tokens/s", progress.get("tokens_per_s")),
-        ("kept checkpoints", ", ".join(f"step {k['step']} ({'/'.join(k.get('reasons', []))})" for k in kept) or None),
+        ("kept checkpoints", ", ".join(f"step {k['step']} ({why(k)})" for k in kept) or None),
         ("exported model", exported.get("path")),
         ("export source step", exported.get("step")),
     ]
