@@ -19,30 +19,9 @@
 #   STEPS=2 EXCHANGE_RANKS=2 EXCHANGE_ROUNDS=2 bash bench/device_cpu_layout.sh
 set -euo pipefail
 
-OUT=${OUT:?set OUT to the folder for the results}
-PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/device_cpu_env.sh"  # OUT, PYTHON, PYTHONPATH, BENCH_MPIEXEC, CPU-only environment
 TORCH_LAYOUTS=${TORCH_LAYOUTS-1x32,16x1,32x1,16x2,8x4}
-mkdir -p "$OUT"
 started=$SECONDS
-
-if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
-    ls .whl/*.whl >/dev/null || { echo "no wheels in .whl/: download them first (docs/benchmarks.md)" >&2; exit 2; }
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:/tmp/site-jit:$PWD  # site-jit: Numba, when bench/device_optim.sh jit ran
-else
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-if [[ -z "${BENCH_MPIEXEC:-}" ]]; then
-    if command -v mpirun >/dev/null; then
-        export BENCH_MPIEXEC="mpirun --allow-run-as-root --bind-to none --oversubscribe"
-    else
-        export BENCH_MPIEXEC="$(dirname "$(command -v "$PYTHON")")/mpiexec"
-    fi
-fi
-export CUDA_VISIBLE_DEVICES="" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 
 # Everything the driver and the ranks import, checked before anything is timed: a missing one is named, not hit
 # half-way through (the ranks: the trainer, checkpoints (h5py), data (pyarrow), metrics (tensorboard), config (yaml)).

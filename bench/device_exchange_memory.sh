@@ -5,10 +5,7 @@
 #   run(kind="nvidia-h200-x2", command="OUT=\$OUT bash bench/device_exchange_memory.sh", carry=[".whl"])
 # Knobs: RANKS (2,16), BINDS (none,core), ROUNDS (10).
 set -uo pipefail
-OUT=${OUT:?set OUT}; PYTHON=${PYTHON:-python3}; mkdir -p "$OUT"
-"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 CUDA_VISIBLE_DEVICES=""
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+source "$(dirname "$0")/device_cpu_env.sh"  # OUT, PYTHON, PYTHONPATH, CPU-only environment
 { uname -a; lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA)"; ompi_info --param btl vader -l 9 2>/dev/null \
   | grep -E "single_copy|eager_limit" | head -4; } | tee "$OUT/exchange-memory-host.txt"
 IFS=, read -r -a ranks <<< "${RANKS:-2,16}"; IFS=, read -r -a binds <<< "${BINDS:-none,core}"
