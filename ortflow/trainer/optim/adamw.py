@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import fused_module
+from ortflow.trainer.optim.base import adam_moments, fused_module
 from ortflow.trainer.optim.engine_sqrt import aligned_empty, engine_sqrt
 
 f32 = np.float32
@@ -38,15 +38,7 @@ f32 = np.float32
 def _torch_kernel(p, g, m, v, t1, t2, decay, keep, c1, b1, c2, b2, eps_hat, step_size):
     if decay and keep != 1:
         p *= keep
-    m *= b1
-    np.multiply(g, c1, out=t1)
-    m += t1
-    np.multiply(g, g, out=t1)
-    t1 *= c2
-    v *= b2
-    v += t1
-    np.sqrt(v, out=t1)
-    t1 += eps_hat
+    adam_moments(g, m, v, t1, c1, b1, c2, b2, eps_hat)
     np.divide(m, t1, out=t1)
     t1 *= step_size
     p -= t1

@@ -69,6 +69,20 @@ class Segment:
         return self.hi - self.lo
 
 
+def adam_moments(g, m, v, t1, c1, b1, c2, b2, eps_hat) -> None:
+    """The Adam moments in place (numpy kernels of AdamW and Lamb): ``m = b1 m + c1 g``, ``v = b2 v + c2 g^2``, and
+    ``t1 = sqrt(v) + eps_hat``, the denominator, in this order of float32 operations (the bits depend on it)."""
+    m *= b1
+    np.multiply(g, c1, out=t1)
+    m += t1
+    np.multiply(g, g, out=t1)
+    t1 *= c2
+    v *= b2
+    v += t1
+    np.sqrt(v, out=t1)
+    t1 += eps_hat
+
+
 def whole_segments(names: Sequence[str], sizes: Sequence[int]) -> list[Segment]:
     """One segment per tensor, covering it whole (no sharding)."""
     segments, offset = [], 0

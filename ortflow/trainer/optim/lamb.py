@@ -18,21 +18,13 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import fused_module
+from ortflow.trainer.optim.base import adam_moments, fused_module
 
 f32 = np.float32
 
 
 def _moments_kernel(p, g, m, v, t1, t2, decay, c1, b1, c2, b2, eps_hat, scale, wd):
-    m *= b1
-    np.multiply(g, c1, out=t1)
-    m += t1
-    np.multiply(g, g, out=t1)
-    t1 *= c2
-    v *= b2
-    v += t1
-    np.sqrt(v, out=t1)
-    t1 += eps_hat
+    adam_moments(g, m, v, t1, c1, b1, c2, b2, eps_hat)
     np.divide(m, t1, out=g)  # r is built in the gradient's place: the gradient is not needed again
     if scale != 1:
         g *= scale
