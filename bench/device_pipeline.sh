@@ -10,8 +10,10 @@ source "$(dirname "$0")/device_env.sh"  # G, PY and the environment of the carri
 LOG="$OUT/pipeline-gpu.log"
 nvidia-smi -L | tee "$LOG"
 git log -1 --format='code: %H %s' 2>/dev/null | tee -a "$LOG"
-echo "== pytest tests/gpu/test_gpu_pipeline.py" | tee -a "$LOG"
-env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${PIPELINE_TESTS_TIMEOUT:-200}" $PY -m pytest -q -rs -s \
-  -p no:cacheprovider tests/gpu/test_gpu_pipeline.py 2>&1 | tee -a "$LOG"
+if [[ "${PIPELINE_TESTS:-1}" == 1 ]]; then  # PIPELINE_TESTS=0: bench only (after bench/device_gpu_tests.sh ran them)
+  echo "== pytest tests/gpu/test_gpu_pipeline.py" | tee -a "$LOG"
+  env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${PIPELINE_TESTS_TIMEOUT:-200}" $PY -m pytest -q -rs -s \
+    -p no:cacheprovider tests/gpu/test_gpu_pipeline.py 2>&1 | tee -a "$LOG"
+fi
 echo "== python -m bench.bench_pipeline_gpu" | tee -a "$LOG"
 timeout "${PIPELINE_BENCH_TIMEOUT:-300}" $PY -m bench.bench_pipeline_gpu --out "$OUT" "$@" 2>&1 | tee -a "$LOG"
