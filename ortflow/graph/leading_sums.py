@@ -37,7 +37,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from ortflow.graph.common import (
-    Names, constant_values, int64_constant, log, node_label, opset_version, report_change,
+    Names,
+    constant_values,
+    int64_constant,
+    log,
+    node_label,
+    opset_version,
+    report_change,
 )  # fmt: skip
 
 #: Name prefix and doc_string of the nodes this pass adds.
