@@ -20,11 +20,13 @@ and the sum rounded again, instead of the float32 average's one rounding (docs/m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 _SRC = (Path(__file__).parent / "half_allreduce.cu").read_text()
 _THREADS = 256
 
@@ -48,6 +50,7 @@ class HalfAllReduce:
         module = cupy.RawModule(code=_SRC)
         self._pack, self._unpack = module.get_function("pack_half"), module.get_function("unpack_half")
         module.compile()
+        log.info("gradient all-reduce in %s, pre-scaled by 1/ranks (distributed.allreduce_dtype)", dtype)
         self._flat = None
         self._offsets: tuple | None = None
 
