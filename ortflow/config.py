@@ -626,11 +626,12 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "distributed.enable_adasum is not wired into the GPU trainer yet (its NCCL reduction exists, the device "
             "update does not call it): train with Adasum on CPU ranks, or set enable_adasum: false"
         )
-    if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or dist.zero_stage or dist.enable_adasum):
+    others = dist.zero_stage or dist.enable_adasum or dist.pipeline_parallel_size > 1 or dist.horizontal_parallel_size > 1
+    if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):
         problems.append(
-            f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the NCCL all-reduce of GPU ranks "
-            "with zero_stage 0 and no Adasum: set device cuda (with use_nccl), zero_stage 0 and enable_adasum false, "
-            "or allreduce_dtype float32"
+            f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the data-parallel NCCL all-reduce "
+            "of GPU ranks only (device cuda, use_nccl, zero_stage 0, no Adasum, no pipeline or tensor parallelism; "
+            "MPI and CPU ranks reduce in float32): set those, or allreduce_dtype float32"
         )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
