@@ -32,7 +32,8 @@ class NCCLComm:
     * Engine on CUDA: ``grads`` are :class:`DeviceBuffer` s, the engine's own gradient buffers. One NCCL group call
       all-reduces each of them in place (``ncclAvg`` when the divisor is the world size, else a sum and one scaling
       launch), the loss/stop scalars ride in the same group, and one multi-tensor launch sums the squares for the
-      norm (one read of the gradients).
+      norm (one read of the gradients). With ``allreduce_dtype`` float16/bfloat16 the gradients are packed into one
+      buffer of that type instead (:mod:`ortflow.trainer.comm.half_allreduce`): half the bytes.
       The host waits once per update, under the watchdog.
     * Engine on the CPU: ``grads`` are host views; they are packed into one host buffer, copied to the GPU,
       all-reduced there and copied back (staging through device memory).
