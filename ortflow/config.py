@@ -626,7 +626,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "distributed.enable_adasum is not wired into the GPU trainer yet (its NCCL reduction exists, the device "
             "update does not call it): train with Adasum on CPU ranks, or set enable_adasum: false"
         )
-    others = dist.zero_stage or dist.enable_adasum or max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
+    split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
+    others = dist.zero_stage or dist.enable_adasum or split
     if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):
         problems.append(
             f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the data-parallel NCCL all-reduce "
