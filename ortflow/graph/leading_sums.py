@@ -44,6 +44,7 @@ from ortflow.graph.common import (
     node_label,
     opset_version,
     report_change,
+    subgraph_reads,
 )  # fmt: skip
 
 #: Name prefix and doc_string of the nodes this pass adds.
@@ -90,7 +91,7 @@ def sums_as_matmul(
     shapes, types = _shapes(model)
     names, opset = Names(graph), opset_version(model)
     ones: dict[tuple, str] = {}
-    nodes, changes = [], []
+    nodes, changes, replaced_axes = [], [], []
     for node in graph.node:
         plan = _plan(graph, node, opset, shapes, types, details) if _is_sum(node) else None
         if plan is None:
@@ -98,16 +99,33 @@ def sums_as_matmul(
             continue
         label = node_label(node)
         nodes += _rewrite(plan, names, ones, label)
+        replaced_axes.append(node.input[1] if len(node.input) > 1 else "")
         details.rewritten.append(label)
         changes.append(f"{node.op_type} '{label}' over axes 0..{len(plan.lead) - 1} of "
                        f"{list(plan.lead) + list(plan.trail)} ({_TYPES[plan.dtype]}) -> MatMul with ones")  # fmt: skip
     if changes:
         del graph.node[:]
         graph.node.extend(nodes)
+        _drop_unread_axes(graph, {p for p in replaced_axes if p})
     report_change("sums_as_matmul", changes, report)
     for label, why in details.kept.items():
         log.info("sums_as_matmul: kept '%s': %s", label, why)
     return model
+
+
+def _drop_unread_axes(graph: onnx.GraphProto, axes: set[str]) -> None:
+    """Remove the axes tensors (initializers or Constant nodes) that only the replaced reductions read."""
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    read |= {name for node in graph.node for name in subgraph_reads(node)}
+    unread = axes - read
+    kept_nodes = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in unread)]
+    kept_inits = [t for t in graph.initializer if t.name not in unread]
+    if len(kept_nodes) < len(graph.node):
+        del graph.node[:]
+        graph.node.extend(kept_nodes)
+    if len(kept_inits) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
 
 
 def _is_sum(node: onnx.NodeProto) -> bool:
