@@ -25,7 +25,7 @@ if has tests; then
     tests/gpu/test_gpu_mixed_precision.py
 fi
 if has sums; then
-  t pytest-sums 300 env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -q -s -p no:cacheprovider -rs \
+  t pytest-sums 420 env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -q -s -p no:cacheprovider -rs \
     tests/gpu/test_gpu_sums_allreduce.py
 fi
 TORCH="env -u PYTHONPATH -u LD_LIBRARY_PATH python3 -m torch.distributed.run --standalone"
