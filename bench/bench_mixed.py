@@ -32,8 +32,24 @@ BATCH = 16
 PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
               "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
               "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}  # fmt: skip
-# The same runs without the engine's deterministic kernels (distributed.deterministic_compute false): their cost.
-NONDET = "-nondet"
+#: Variants, as suffixes of a precision's name (combinable, e.g. fp16-plainreduce-allreduce16), and what each sets
+#: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
+#: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
+#: all-reduce in fp16 or bf16 (comm/half_allreduce.py).
+VARIANTS = {"-nondet": {"deterministic_compute": False}, "-plainreduce": {"reduce_sum_as_matmul": False},
+            "-allreduce16": {"allreduce_dtype": "float16"}, "-allreducebf16": {"allreduce_dtype": "bfloat16"}}
+
+
+def variant(name: str) -> tuple[str, dict]:
+    """(base precision, distributed settings) of a precision name such as ``fp16-plainreduce``."""
+    settings, base = {}, name
+    while any(base.endswith(suffix) for suffix in VARIANTS):
+        suffix = next(s for s in VARIANTS if base.endswith(s))
+        settings.update(VARIANTS[suffix])
+        base = base.removesuffix(suffix)
+    if base not in PRECISIONS:
+        raise SystemExit(f"unknown precision {name!r}: one of {sorted(PRECISIONS)} plus suffixes {sorted(VARIANTS)}")
+    return base, settings
 
 
 def emit(record: dict) -> None:
@@ -49,15 +65,14 @@ def prepare(args: argparse.Namespace) -> None:
     root.mkdir(parents=True, exist_ok=True)
     model = build_gpt(root / "gpt.onnx", **SHAPE)
     for name in args.precisions.split(","):
-        start, base = time.perf_counter(), name.removesuffix(NONDET)
+        start, (base, variant_settings) = time.perf_counter(), variant(name)
         configure(config_from_dict({
             "name": name, "output_dir": str(root / name),
             "model": {"path": str(model), "loss": "cross_entropy"},
             "data": {"train": [str(root / "unused.npz")]},
             "train": {"batch_size": BATCH, "num_train_steps": 100},
             "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True,
-                            "deterministic_compute": not name.endswith(NONDET)},
+            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True, **variant_settings},
             "precision": PRECISIONS[base],
         }))  # fmt: skip
         print(f"configured {name} in {time.perf_counter() - start:.1f} s", flush=True)
@@ -152,9 +167,26 @@ def torch_run(args: argparse.Namespace) -> None:
 LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"): "ortflow fp16 mixed",
           ("ortflow", "fp16-softmax16"): "ortflow fp16 mixed, Softmax in fp16",
           ("ortflow", "bf16"): "ortflow bf16 mixed", ("torch", "tf32"): "PyTorch TF32 eager",
-          ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile",
-          ("ortflow", "fp32-nondet"): "ortflow fp32, deterministic_compute off",
-          ("ortflow", "fp16-nondet"): "ortflow fp16 mixed, deterministic_compute off"}
+          ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
+_VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engine ReduceSum (no MatMul rewrite)",
+                  "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce"}
+
+
+def variant_base(prec: str) -> str:
+    """``fp16`` for ``fp16-plainreduce``: the name without its last variant suffix (the run it is compared with)."""
+    return next((prec.removesuffix(s) for s in VARIANTS if prec.endswith(s)), prec)
+
+
+def label(kind: str, prec: str) -> str:
+    """The table's name for a contender; variants spelled out after the base precision's label."""
+    if (kind, prec) in LABELS or kind != "ortflow":
+        return LABELS.get((kind, prec), f"{kind} {prec}")
+    base, words = prec, []
+    while any(base.endswith(s) for s in _VARIANT_WORDS):
+        suffix = next(s for s in _VARIANT_WORDS if base.endswith(s))
+        words.insert(0, _VARIANT_WORDS[suffix])
+        base = base.removesuffix(suffix)
+    return ", ".join([LABELS.get(("ortflow", base), f"ortflow {base}"), *words])
 
 
 def report(args: argparse.Namespace) -> None:
@@ -166,14 +198,17 @@ def report(args: argparse.Namespace) -> None:
                 runs[(r["kind"], r["precision"], r["world"])] = r
     ms = {key: r["step_time_s"] * 1e3 for key, r in runs.items()}
     rows = ["| contender | 1 GPU ms/update | 2 GPUs ms/update | weak scaling |", "|---|---|---|---|"]
-    for (kind, prec), label in LABELS.items():
+    contenders = list(dict.fromkeys([*LABELS, *sorted({k[:2] for k in ms})]))
+    for kind, prec in contenders:
         one, two = ms.get((kind, prec, 1)), ms.get((kind, prec, 2))
+        if not (one or two):
+            continue
         cells = [f"{v:.1f}" if v else "-" for v in (one, two)]
-        rows.append(f"| {label} | {cells[0]} | {cells[1]} | {f'{one / two:.2f}' if one and two else '-'} |")
+        rows.append(f"| {label(kind, prec)} | {cells[0]} | {cells[1]} | {f'{one / two:.2f}' if one and two else '-'} |")
     ratios = {}
     for world in (1, 2):
         base = ms.get(("ortflow", "fp32", world))
-        for prec in ("fp16", "fp16-softmax16", "bf16", "fp16-nondet"):
+        for prec in sorted({k[1] for k in ms if k[0] == "ortflow" and k[1] != "fp32"}):
             mine = ms.get(("ortflow", prec, world))
             if not mine:
                 continue
@@ -182,6 +217,10 @@ def report(args: argparse.Namespace) -> None:
                 other = ms.get((*key, world)) if key != ("ortflow", "fp32") else base
                 if other:
                     ratios[f"{world}gpu {prec} speedup vs {name}"] = round(other / mine, 3)
+    for (kind, prec, world), mine in sorted(ms.items()):  # the variants against their base, side by side
+        if kind != "ortflow" or prec == (base := variant_base(prec)) or (kind, base, world) not in ms:
+            continue
+        ratios[f"{world}gpu {base} time ratio {prec}/{base}"] = round(mine / ms[(kind, base, world)], 3)
     summary = {"shape": SHAPE, "batch_per_gpu": BATCH, "ms_per_update": {f"{k[0]} {k[1]} x{k[2]}": round(v, 2)
                for k, v in ms.items()}, "ratios": ratios}  # fmt: skip
     out = Path(args.out)
@@ -198,7 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("root")
-    p.add_argument("--precisions", default="fp32,fp16,fp16-softmax16,bf16")
+    p.add_argument("--precisions", default="fp32,fp16,fp16-softmax16,bf16",
+                   help=f"comma-separated; a base precision ({', '.join(PRECISIONS)}) with optional variant "
+                   f"suffixes ({', '.join(VARIANTS)})")  # fmt: skip
     s = sub.add_parser("steps")
     s.add_argument("run_dir")
     t = sub.add_parser("torch")

@@ -5,6 +5,11 @@ run's session options plus the engine's profiler runs ``--steps`` forward+backwa
 GPT's shape; the per-op-type table (ortflow.trainer.profiling.top_operators) of each run is printed, then the op types
 whose total time changed most between the first two runs. Run it with ``CUDA_LAUNCH_BLOCKING=1`` on a GPU, so each
 node's profiled time is its kernels' time rather than the launch's.
+
+The nodes ortflow's MatMul rewrite of the leading-axis sums added (``distributed.reduce_sum_as_matmul``, names starting
+``leading_sum/``; their MatMul, Expand and Reshape kernels are counted under those op types in the table) are also
+totalled on their own line, so a run with the rewrite and one without (bench_mixed.py's ``fp16`` and
+``fp16-plainreduce``) show what the bias-gradient sums cost either way: ReduceSum's line against this one.
 """
 
 from __future__ import annotations
@@ -17,9 +22,23 @@ from pathlib import Path
 
 import numpy as np
 
+PREFIX = "leading_sum/"  # ortflow.graph.leading_sums.PREFIX (not imported: this file reads traces, nothing more)
+
+
+def node_prefix_ms(trace: Path, prefix: str) -> tuple[float, int]:
+    """(total kernel ms, kernel events) of the nodes whose name starts with ``prefix``, over the whole trace."""
+    total, count = 0.0, 0
+    for event in json.loads(trace.read_text()):
+        name = event.get("name", "")
+        if event.get("cat") == "Node" and name.endswith("_kernel_time") and name.startswith(prefix):
+            total += float(event.get("dur", 0)) / 1000.0
+            count += 1
+    return total, count
+
 
 def profile(run_dir: Path, steps: int, batch: int, seq: int, vocab: int) -> tuple[list[dict], float]:
-    """(top-operator rows, wall seconds per forward+backward) of ``steps`` passes in a profiled session."""
+    """(top-operator rows, wall seconds per forward+backward) of ``steps`` passes in a profiled session; the rows
+    end with a pseudo op type ``leading_sum/* (MatMul rewrite)`` when the graph holds the rewrite."""
     from ortflow.config import load_run_config
     from ortflow.engine import api
     from ortflow.trainer.comm import SingleProcessComm
@@ -51,6 +70,10 @@ def profile(run_dir: Path, steps: int, batch: int, seq: int, vocab: int) -> tupl
     trace = max(run_dir.glob("determinism-profile*.json"), key=lambda p: p.stat().st_mtime)
     del rt
     rows = top_operators(trace)
+    rewrite_ms, rewrite_calls = node_prefix_ms(trace, PREFIX)
+    if rewrite_calls:  # already inside the op types' rows above: a separate line, not added to the shares
+        rows.append({"op_type": f"{PREFIX}* (MatMul rewrite)", "calls": rewrite_calls, "total_ms": rewrite_ms,
+                     "share": float("nan")})  # fmt: skip
     for row in rows:  # per forward+backward pass (the trace holds the warm-up passes too)
         row["total_ms"] /= steps + 3
         row["calls"] = round(row["calls"] / (steps + 3))
@@ -70,7 +93,7 @@ def main() -> None:
         rows, seconds = profile(run, args.steps, args.batch, args.seq, args.vocab)
         tables[run.name] = {r["op_type"]: r["total_ms"] for r in rows}
         print(f"## {run.name}: {seconds * 1e3:.1f} ms per forward+backward (wall, profiler on)")
-        for r in rows[:15]:
+        for r in [*rows[:15], *(r for r in rows[15:] if r["op_type"].startswith(PREFIX))]:
             print(f"  {r['op_type']:<40} {r['calls']:>5} calls {r['total_ms']:8.2f} ms {r['share'] * 100:5.1f}%")
     if len(tables) >= 2:
         (a, ta), (b, tb) = list(tables.items())[:2]

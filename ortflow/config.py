@@ -358,6 +358,17 @@ class DistributedConfig(_Section):
         "auto: sleep when several ranks on a host fill all its cores (ranks x threads >= cores), where spinning "
         "workers delay other ranks' main threads and the exchange waits for the slowest (docs/layout.md).",
     )
+    reduce_sum_as_matmul: bool = Field(
+        True,
+        description="With device cuda and deterministic_compute: configure rewrites the training graph's sums over "
+        "leading axes (bias gradients) as MatMuls with a ones vector, deterministic and fast on CUDA where the "
+        "engine's deterministic ReduceSum is slow; false keeps the engine's ReduceSum (docs/mixed-precision.md).",
+    )
+    allreduce_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32",
+        description="Element type of the NCCL gradient all-reduce on device cuda: float16/bfloat16 halve the bytes "
+        "sent (gradients pre-scaled by 1/ranks, summed in that type, back to float32); docs/mixed-precision.md.",
+    )
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "
@@ -621,6 +632,14 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             "distributed.enable_adasum is not wired into the GPU trainer yet (its NCCL reduction exists, the device "
             "update does not call it): train with Adasum on CPU ranks, or set enable_adasum: false"
+        )
+    split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
+    others = dist.zero_stage or dist.enable_adasum or split
+    if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):
+        problems.append(
+            f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the data-parallel NCCL all-reduce "
+            "of GPU ranks only (device cuda, use_nccl, zero_stage 0, no Adasum, no pipeline or tensor parallelism; "
+            "MPI and CPU ranks reduce in float32): set those, or allreduce_dtype float32"
         )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")

@@ -38,6 +38,7 @@ from ortflow.trainer.engine_input import repeatable_gathers
 from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
 from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
 from ortflow.trainer.parallel.tensor_artifacts import build_tensor_artifacts, plan_tensor, read_tensor_record
+from ortflow.trainer.training_graph import sums_as_matmul_applies
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ def fingerprint(cfg: RunConfig) -> str:
         digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
     if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
         digest.update(b";gathers=repeatable")
+    if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (trainer/training_graph.py)
+        digest.update(b";sums=matmul")
     if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
         digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())
     return digest.hexdigest()

@@ -33,7 +33,7 @@ from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.batch import BatchReport
-from ortflow.trainer import mixed_precision
+from ortflow.trainer import mixed_precision, training_graph
 from ortflow.trainer.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
 
 log = logging.getLogger(__name__)
@@ -332,6 +332,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
             raise RuntimeError(f"the engine did not write {missing} into {scratch}")
         if scale_input:
             mixed_precision.unscale_eval_model(scratch / "eval_model.onnx", scale_input)
+        graph_report = training_graph.rewrite_training_model(cfg, scratch / "training_model.onnx")
         train_inputs, eval_inputs = _user_inputs(scratch, set(trainable) | set(frozen) | {scale_input} - {None})
         if stale_record is not None:
             stale_record.unlink(missing_ok=True)
@@ -351,7 +352,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         loss_output=output_name,
         label_input=label_name,
         num_parameters=sum(sizes[n] for n in trainable),
-        rewrites=tuple(prepared.report),
+        rewrites=(*prepared.report, *graph_report),
         batch=batch,
     )
     log.info(

@@ -269,7 +269,8 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     if cfg.distributed.use_nccl:
         if device == "cpu":
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
-        comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size))
+        comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size),
+                           cfg.distributed.allreduce_dtype)
     if cfg.distributed.horizontal_parallel_size > 1:  # a tensor-parallel rank: its pieces and process groups
         from ortflow.trainer.parallel.tensor import init_tensor_runtime
 

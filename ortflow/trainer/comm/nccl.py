@@ -10,6 +10,7 @@ import numpy as np
 
 from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.base import Communicator, gradient_norm, scale_gradients
+from ortflow.trainer.comm.half_allreduce import HalfAllReduce
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class NCCLComm:
     * Engine on CUDA: ``grads`` are :class:`DeviceBuffer` s, the engine's own gradient buffers. One NCCL group call
       all-reduces each of them in place (``ncclAvg`` when the divisor is the world size, else a sum and one scaling
       launch), the loss/stop scalars ride in the same group, and one multi-tensor launch sums the squares for the
-      norm (one read of the gradients).
+      norm (one read of the gradients). With ``allreduce_dtype`` float16/bfloat16 the gradients are packed into one
+      buffer of that type instead (:mod:`ortflow.trainer.comm.half_allreduce`): half the bytes.
       The host waits once per update, under the watchdog.
     * Engine on the CPU: ``grads`` are host views; they are packed into one host buffer, copied to the GPU,
       all-reduced there and copied back (staging through device memory).
@@ -39,9 +41,11 @@ class NCCLComm:
     Args:
         group: The process group (rank, size, broadcast of the NCCL id, the watchdog).
         device_index: This rank's GPU among the visible ones.
+        allreduce_dtype: ``distributed.allreduce_dtype``: float32, or float16/bfloat16 for the device gradients'
+            all-reduce (:mod:`ortflow.trainer.comm.half_allreduce`).
     """
 
-    def __init__(self, group: Communicator, device_index: int):
+    def __init__(self, group: Communicator, device_index: int, allreduce_dtype: str = "float32"):
         try:
             import cupy
             from cupy.cuda import nccl
@@ -65,6 +69,8 @@ class NCCLComm:
             self._sum_squares, self._scale = module.get_function("sum_squares"), module.get_function("scale")
             self._sum_in_order = module.get_function("sum_in_order")
             module.compile()
+            self.allreduce_dtype = allreduce_dtype
+            self._half = None if allreduce_dtype == "float32" else HalfAllReduce(cupy, nccl, allreduce_dtype)
         except Exception as err:  # noqa: BLE001 - CuPy raises several kinds for a missing or broken NVRTC
             raise RuntimeError(
                 f"CuPy cannot compile kernels on GPU {device_index} ({type(err).__name__}: {err}); it needs NVRTC: "
@@ -117,17 +123,24 @@ class NCCLComm:
         self._scalars.set(host, stream=stream)
         average = divisor == self.size  # NCCL divides while it reduces: no extra pass over the gradients
         op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
+        half = self._half and self._half.pack(table, grads, self._blocks(table), self.size, stream)
         nccl.groupStart()
-        for grad in grads:
-            self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
+        if half:  # one packed fp16/bf16 buffer, pre-scaled by 1/ranks (comm/half_allreduce.py)
+            self.comm.allReduce(half[0], half[0], half[1], self._half.nccl_type, nccl.NCCL_SUM, stream.ptr)
+        else:
+            for grad in grads:
+                self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
         if n:  # a pipeline stage's exchange carries no scalars (they go through the world's MPI all-reduce)
             self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
                                 stream.ptr)
         nccl.groupEnd()
-        if not average:
-            self._launch(self._scale, table, np.float32(1.0 / divisor))
         partials = self._partials(table)
-        self._launch(self._sum_squares, table, partials)
+        if half:  # back to fp32 times ranks / divisor, with the norm's partial sums in the same pass
+            self._half.unpack(table, grads, self._blocks(table), self.size / divisor, partials, stream)
+        else:
+            if not average:
+                self._launch(self._scale, table, np.float32(1.0 / divisor))
+            self._launch(self._sum_squares, table, partials)
         with stream:
             self._sum_in_order((1,), (256,), (partials, np.int64(partials.size), self._scalars[n : n + 1]))
         # Sync point: the engine's optimizer runs on its own stream and must see the averaged gradients; the wait is
@@ -237,7 +250,7 @@ class NCCLComm:
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
-        return NCCLComm(self.group.split(color, label), self.device_index)
+        return NCCLComm(self.group.split(color, label), self.device_index, self.allreduce_dtype)
 
     def open_point_to_point(self, tags: Sequence[int]) -> None:
         """Make the p2p communicator of each tag now, in this order on every rank of the group (NCCL init is
@@ -323,6 +336,6 @@ class NCCLComm:
             self.group.close()
 
 
-def attach_nccl(group: Communicator, device_index: int) -> NCCLComm:
+def attach_nccl(group: Communicator, device_index: int, allreduce_dtype: str = "float32") -> NCCLComm:
     """Join this rank to NCCL on GPU ``device_index`` (after the process group is up and the device is chosen)."""
-    return NCCLComm(group, device_index)
+    return NCCLComm(group, device_index, allreduce_dtype)

@@ -1,0 +1,55 @@
+// Half-precision gradient all-reduce (half_allreduce.py): pack every fp32 gradient into one fp16/bf16 buffer,
+// NCCL sums it, unpack back into the fp32 buffers. One launch for the whole list: blockIdx.y picks the tensor.
+// No headers (NVRTC finds no cuda_fp16.h on some machines): fp16 through PTX cvt, bf16 by bits.
+__device__ __forceinline__ unsigned short to_half(float v, int bf16) {
+    if (bf16) {  // round to nearest even, NaN kept a quiet NaN
+        unsigned int u = __float_as_uint(v);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return (unsigned short)(u >> 16);
+    }
+    unsigned short h;  // round to nearest even; beyond +-65504 gives +-inf, which the overflow check then sees
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
+__device__ __forceinline__ float from_half(unsigned short h, int bf16) {
+    if (bf16) return __uint_as_float(((unsigned int)h) << 16);
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"(h));
+    return v;
+}
+__device__ double block_sum_h(double acc) {
+    __shared__ double part[256];
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    return part[0];
+}
+extern "C" __global__ void pack_half(const unsigned long long* ptrs, const long long* counts,
+                                     const long long* offsets, unsigned short* flat, float pre, int bf16) {
+    const float* x = (const float*)ptrs[blockIdx.y];
+    unsigned short* out = flat + offsets[blockIdx.y];
+    long long n = counts[blockIdx.y];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = to_half(x[i] * pre, bf16);
+}
+// Back to fp32 times ``post``, and each block's sum of squares of what it wrote (the gradient norm's partials, in
+// the layout of multi_tensor.cu's sum_squares: summed in a fixed order by sum_in_order).
+extern "C" __global__ void unpack_half(const unsigned long long* ptrs, const long long* counts,
+                                       const long long* offsets, const unsigned short* flat, float post, int bf16,
+                                       double* partials) {
+    float* x = (float*)ptrs[blockIdx.y];
+    const unsigned short* in = flat + offsets[blockIdx.y];
+    long long n = counts[blockIdx.y];
+    double acc = 0.0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = from_half(in[i], bf16) * post;
+        x[i] = v;
+        acc += (double)v * (double)v;
+    }
+    double total = block_sum_h(acc);
+    if (threadIdx.x == 0) partials[blockIdx.y * gridDim.x + blockIdx.x] = total;
+}

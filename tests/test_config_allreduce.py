@@ -1,0 +1,33 @@
+"""distributed.allreduce_dtype and reduce_sum_as_matmul: accepted where implemented, refused elsewhere with the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_config import problems_of
+
+GPU = ["distributed.device=cuda", "distributed.use_nccl=true"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_allreduce_is_accepted_on_nccl_gpu_ranks(tmp_path, dtype):
+    assert problems_of(tmp_path, *GPU, f"distributed.allreduce_dtype={dtype}") == []
+    assert problems_of(tmp_path, *GPU, "precision.use_mixed_precision=true", f"distributed.allreduce_dtype={dtype}",
+                       "distributed.num_ranks=2") == []  # fmt: skip
+
+
+@pytest.mark.parametrize("settings", [
+    [],  # CPU ranks (MPI)
+    ["distributed.use_nccl=true"],  # CPU engine, gradients staged through the GPU
+    [*GPU, "distributed.zero_stage=1", "distributed.num_ranks=2"],
+    [*GPU, "distributed.pipeline_parallel_size=2", "distributed.num_ranks=2"],
+])  # fmt: skip
+def test_half_allreduce_is_refused_where_the_exchange_is_not_the_nccl_all_reduce(tmp_path, settings):
+    problems = problems_of(tmp_path, *settings, "distributed.allreduce_dtype=float16")
+    (mine,) = [p for p in problems if p.startswith("distributed.allreduce_dtype")]
+    assert "data-parallel NCCL all-reduce of GPU ranks only" in mine and "or allreduce_dtype float32" in mine
+
+
+def test_unknown_allreduce_dtype_and_the_reduce_switch(tmp_path):
+    assert any("allreduce_dtype" in p for p in problems_of(tmp_path, *GPU, "distributed.allreduce_dtype=float8"))
+    assert problems_of(tmp_path, *GPU, "distributed.reduce_sum_as_matmul=false") == []
