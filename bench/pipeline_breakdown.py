@@ -263,8 +263,8 @@ def report(record: dict) -> str:
                 lines.append(
                     f"| {rank} | {c['parameters']:.2f} | {c['gradients']:.2f} | {c['optimizer']:.2f} | "
                     f"{c['activations']:.1f} | **{c['issue_total']:.1f}** | "
-                    f"{c['issue_total'] / base['issue_total']:.2f} | {c['arena_held']:.1f} | {c['eval_extra']:.1f} | {c['sessions_fixed']:.1f} | "
-                    f"{c['boundary']:.2f} | {c['rss_baseline']:.0f} | {c['rss_libraries']:.0f} | {c['rss_peak']:.1f} | "
+                    f"{c['issue_total'] / base['issue_total']:.2f} | {c['arena_held']:.1f} | {c['eval_extra']:.1f} | "
+                    f"{c['sessions_fixed']:.1f} | {c['boundary']:.2f} | {c['rss_baseline']:.0f} | {c['rss_libraries']:.0f} | {c['rss_peak']:.1f} | "
                     f"{c['rss_peak'] / base['rss_peak']:.2f} | {c['anon_end']:.1f} | "
                     f"{c['anon_end'] / base['anon_end']:.2f} |")
             lines.append("")
