@@ -260,13 +260,14 @@ def report(record: dict) -> str:
                       "RSS libraries (Numba) | RSS peak above baseline | / pp1 | RssAnon above baseline | / pp1 |",
                       "|---|" + "---|" * 16]
             for rank, c in rows.items():
-                lines.append(
-                    f"| {rank} | {c['parameters']:.2f} | {c['gradients']:.2f} | {c['optimizer']:.2f} | "
-                    f"{c['activations']:.1f} | **{c['issue_total']:.1f}** | "
-                    f"{c['issue_total'] / base['issue_total']:.2f} | {c['arena_held']:.1f} | {c['eval_extra']:.1f} | "
-                    f"{c['sessions_fixed']:.1f} | {c['boundary']:.2f} | {c['rss_baseline']:.0f} | {c['rss_libraries']:.0f} | {c['rss_peak']:.1f} | "
-                    f"{c['rss_peak'] / base['rss_peak']:.2f} | {c['anon_end']:.1f} | "
-                    f"{c['anon_end'] / base['anon_end']:.2f} |")
+                cells = [f"{c['parameters']:.2f}", f"{c['gradients']:.2f}", f"{c['optimizer']:.2f}",
+                         f"{c['activations']:.1f}", f"**{c['issue_total']:.1f}**",
+                         f"{c['issue_total'] / base['issue_total']:.2f}", f"{c['arena_held']:.1f}",
+                         f"{c['eval_extra']:.1f}", f"{c['sessions_fixed']:.1f}", f"{c['boundary']:.2f}",
+                         f"{c['rss_baseline']:.0f}", f"{c['rss_libraries']:.0f}", f"{c['rss_peak']:.1f}",
+                         f"{c['rss_peak'] / base['rss_peak']:.2f}", f"{c['anon_end']:.1f}",
+                         f"{c['anon_end'] / base['anon_end']:.2f}"]
+                lines.append(f"| {rank} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines) + "\n"
 
