@@ -17,8 +17,15 @@ Two measures at every phase, side by side:
 * **RSS**: VmRSS / VmHWM (peak, reset before each phase with /proc/self/clear_refs).
 
 The issue's definition (parameters + optimizer state + activations) is read from the engine's buffers (parameter and
-gradient nbytes, AdamW moment nbytes) and the calls' heap peak; the process baseline (Python + numpy + onnxruntime +
-ortflow imported, before any model) is shown but not counted.
+gradient nbytes, AdamW moment nbytes) and the calls' live heap peak (arena off); the process baseline (Python + numpy +
+onnxruntime + ortflow imported, before any model) is shown but not counted. "Stored for backward" is what the
+training graph's backward nodes read from its forward (inferred shapes at the micro-batch size): the activations
+proper; the live peak minus it is the backward's transient workspace. "Arena held": heap the trainer's allocator
+keeps after the calls (its real footprint). "Sessions fixed": the engine sessions' heap less the gradient buffers.
+
+Then, for each model, the trainer's own pieces under mpiexec (bench_pipeline's worker: runtime, 1F1B step, exchange,
+update; RSS of the whole rank), pp 2 run twice: as now, and with every sent tensor held until the step's end (as
+before ``MPIComm.release_sent``).
 """
 
 from __future__ import annotations
@@ -141,7 +148,36 @@ def probe(run_dir: Path, stage: int | None, allocator: str, batch: int, micro: i
         "sent": sum(batches[0][n + GRAD_IN_SUFFIX].nbytes for n in (info["sends"] if info and not last else ())),
         "shared_parameters": sum(state.parameters[n].data.nbytes for n in (info.get("shared", {}) if info else ())),
     }
+    buffers["stored_for_backward"] = stored_for_backward(folder / "training_model.onnx", batch)
     return {"phases": meter.phases, "buffers": buffers}
+
+
+def stored_for_backward(path: Path, batch: int) -> int:
+    """Bytes of the forward tensors that the training graph's backward nodes read (what a training call must keep
+    from its forward pass to its backward pass), from the graph's inferred shapes at ``batch`` sequences. Backward
+    nodes are the gradient builder's (``*Grad`` ops, ``*_Grad/*`` names, ``*_grad`` outputs, the accumulators)."""
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(path))
+    for i in model.graph.input:
+        for d in i.type.tensor_type.shape.dim:
+            if not d.dim_value and d.dim_param:
+                d.dim_value = batch
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    size = {}
+    for vi in [*inferred.value_info, *inferred.input, *inferred.output]:
+        dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        if dims and all(dims):
+            size[vi.name] = int(np.prod(dims)) * 4
+
+    def backward(node) -> bool:
+        return ("Grad" in node.op_type or "_Grad" in node.name or node.op_type == "InPlaceAccumulatorV2"
+                or any("_grad" in o or "_Grad" in o for o in node.output))
+
+    forward = {o for n in model.graph.node if not backward(n) for o in n.output}
+    stored = {x for n in model.graph.node if backward(n) for x in n.input if x in forward}
+    return sum(size.get(x, 0) for x in stored)
 
 
 def _library() -> Path:
@@ -161,7 +197,22 @@ def _measure(lib: Path, run_dir: Path, stage: int | None, allocator: str, batch:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _configure(root: Path, layers: int, stages: int, batch: int) -> Path:
+def _launch(run_dir: Path, ranks: int, hold_sends: bool) -> list[dict]:
+    """The trainer's pieces under mpiexec (bench_pipeline's worker): 1 warm-up + 2 steps of m micro-batches."""
+    import shutil
+
+    beside = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "bench.bench_pipeline", "--worker", str(run_dir),
+           "--warmup", "1", "--steps", "2"] + (["--hold-sends"] if hold_sends else [])
+    out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    if out.returncode:
+        raise RuntimeError(out.stdout[-3000:])
+    return [json.loads((run_dir / f"bench-rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def _configure(root: Path, layers: int, stages: int, batch: int, micro: int) -> Path:
     from bench.bench_pipeline import SHAPE
     from ortflow.config import config_from_dict
     from ortflow.configure import configure
@@ -178,7 +229,7 @@ def _configure(root: Path, layers: int, stages: int, batch: int) -> Path:
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
-        "train": {"batch_size": batch, "num_train_steps": 1},
+        "train": {"batch_size": batch, "num_train_steps": 1, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
         "distributed": {"num_ranks": stages, "pipeline_parallel_size": stages, "threads_per_rank": 1},
     })
@@ -204,12 +255,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="pipeline-breakdown-") as tmp:
         for layers in args.layers:
             for b in args.batch:
-                runs = {1: _configure(Path(tmp), layers, 1, b), 2: _configure(Path(tmp), layers, 2, b)}
+                runs = {pp: _configure(Path(tmp), layers, pp, b, args.micro) for pp in (1, 2)}
                 for rank, (pp, stage) in (("pp1", (1, None)), ("pp2 stage 0", (2, 0)), ("pp2 stage 1", (2, 1))):
                     for allocator in ("trainer", "none"):
                         got = _measure(lib, runs[pp], stage, allocator, b, args.micro)
                         results[f"{layers}|{b}|{rank}|{allocator}"] = got
                         print(layers, b, rank, allocator, "done", flush=True)
+                for name, pp, hold in (("pp1", 1, False), ("pp2", 2, False), ("pp2 hold", 2, True)):
+                    results[f"{layers}|{b}|mpi {name}"] = _launch(runs[pp], pp, hold)
+                    print(layers, b, "mpiexec", name, "done", flush=True)
     command = "python -m bench.pipeline_breakdown " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "load_average": os.getloadavg(),
               "micro": args.micro, "layers": args.layers, "batch": args.batch, "raw": results}
@@ -226,7 +280,7 @@ def components(trainer: dict, none: dict) -> dict:
     live = max(n["first micro-batch"]["heap_peak"], n["micro-batches"]["heap_peak"]) - n["optimizer"]["heap"]
     c = {
         "parameters": buf["parameters"], "gradients": buf["gradients"], "optimizer": buf["optimizer_state"],
-        "activations": live,
+        "activations": live, "stored": buf["stored_for_backward"],
         "arena_held": t["micro-batches"]["heap"] - t["optimizer"]["heap"],
         "eval_extra": max(0, t["eval"]["heap_peak"] - t["update"]["heap"]),
         "sessions_fixed": t["sessions"]["heap"] - t["parameters"]["heap"] - buf["gradients"],
@@ -243,6 +297,19 @@ def components(trainer: dict, none: dict) -> dict:
     return {k: v * MB for k, v in c.items()}
 
 
+def _mpi_rows(mpi: dict) -> list[str]:
+    rows = ["| rank | RSS peak | / pp1 | growth over the steps | sent buffers held: before -> after release_sent | "
+            "received held | RSS peak with sends held as before |", "|---|---|---|---|---|---|---|"]
+    base = mpi["pp1"][0]["memory"]
+    rows.append(f"| pp1 | {base['rss_peak'] * MB:.1f} | 1.00 | {base['activations_peak'] * MB:.1f} | - | - | - |")
+    for stage in (0, 1):
+        m, old = mpi["pp2"][stage]["memory"], mpi["pp2 hold"][stage]["memory"]
+        rows.append(f"| pp2 stage {stage} | {m['rss_peak'] * MB:.1f} | {m['rss_peak'] / base['rss_peak']:.2f} | "
+                    f"{m['activations_peak'] * MB:.1f} | {old['sent_held'] * MB:.2f} -> {m['sent_held'] * MB:.2f} | "
+                    f"{m['held_inputs'] * MB:.2f} | {old['rss_peak'] * MB:.1f} |")
+    return rows
+
+
 def report(record: dict) -> str:
     raw = record["raw"]
     lines = [f"# Pipeline rank memory, component by component, on {record['host']}", "",
@@ -255,19 +322,23 @@ def report(record: dict) -> str:
                     for r in ("pp1", "pp2 stage 0", "pp2 stage 1")}
             base = rows["pp1"]
             lines += [f"## GPT {layers} layers, {b} sequences per micro-batch", "",
-                      "| rank | params | grads | AdamW m+v | activations (live peak) | **issue total** | / pp1 | "
+                      "| rank | params | grads | AdamW m+v | activations (live peak) | of which stored for backward | "
+                      "**issue total** | / pp1 | "
                       "arena held | eval pass extra | sessions fixed | boundary tensors | RSS baseline (not counted) | "
                       "RSS libraries (Numba) | RSS peak above baseline | / pp1 | RssAnon above baseline | / pp1 |",
-                      "|---|" + "---|" * 16]
+                      "|---|" + "---|" * 17]
             for rank, c in rows.items():
                 cells = [f"{c['parameters']:.2f}", f"{c['gradients']:.2f}", f"{c['optimizer']:.2f}",
-                         f"{c['activations']:.1f}", f"**{c['issue_total']:.1f}**",
+                         f"{c['activations']:.1f}", f"{c['stored']:.1f}", f"**{c['issue_total']:.1f}**",
                          f"{c['issue_total'] / base['issue_total']:.2f}", f"{c['arena_held']:.1f}",
                          f"{c['eval_extra']:.1f}", f"{c['sessions_fixed']:.1f}", f"{c['boundary']:.2f}",
                          f"{c['rss_baseline']:.0f}", f"{c['rss_libraries']:.0f}", f"{c['rss_peak']:.1f}",
                          f"{c['rss_peak'] / base['rss_peak']:.2f}", f"{c['anon_end']:.1f}",
                          f"{c['anon_end'] / base['anon_end']:.2f}"]
                 lines.append(f"| {rank} | " + " | ".join(cells) + " |")
+            lines += ["", f"Under mpiexec (the trainer's pieces: runtime, 1F1B step, exchange, update), "
+                      f"{record['micro']} micro-batches, 1 warm-up + 2 steps; RSS of the whole rank:", "",
+                      *_mpi_rows({k: raw[f"{layers}|{b}|mpi {k}"] for k in ("pp1", "pp2", "pp2 hold")})]
             lines.append("")
     return "\n".join(lines) + "\n"
 
