@@ -229,7 +229,7 @@ def _configure(root: Path, layers: int, stages: int, batch: int, micro: int) -> 
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
-        "train": {"batch_size": batch, "num_train_steps": 1, "gradient_accumulation_steps": micro},
+        "train": {"batch_size": batch, "num_train_steps": micro, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
         "distributed": {"num_ranks": stages, "pipeline_parallel_size": stages, "threads_per_rank": 1},
     })
