@@ -5,7 +5,8 @@ initial state (no optimizer graph: ortflow updates the weights):
 
 * a middle stage's loss is ``sum_i ReduceSum(y_i * g_i)`` over what it sends, with the arriving gradients ``g_i``
   (``<y_i>.grad_in``) as inputs: its parameter gradients are then exactly the vector-Jacobian product; the sent
-  tensors stay outputs (``additional_output_names``) so the eval model gives the forward pass;
+  tensors stay outputs of the eval model (``additional_output_names``), which gives the forward pass, and are removed
+  from the training model's outputs (the forward pass has sent them already);
 * the last stage keeps the configured loss (the same block as unsplit training);
 * every stage but the first lists what it receives in ``requires_grad``; the engine's accumulator for those input
   gradients is removed and each comes out, per call, as ``<name>.backprop`` right after the loss.
