@@ -180,6 +180,48 @@ def stored_for_backward(path: Path, batch: int) -> int:
     return sum(size.get(x, 0) for x in stored)
 
 
+def session_probe(run_dir: Path, stage: int, with_eval: bool) -> dict:
+    """Heap and RSS that the engine Module adds for stage ``stage``, with or without its eval model."""
+    meter = _Meter()
+    from ortflow.config import load_run_config
+    from ortflow.engine import api
+    from ortflow.trainer.parallel.stage_artifacts import stage_dir
+    from ortflow.trainer.parallel.stages import stage_session_options
+
+    folder = stage_dir(load_run_config(run_dir).artifacts_dir, stage)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    meter.mark("parameters")
+    module = api.Module(str(folder / "training_model.onnx"), state,
+                        str(folder / "eval_model.onnx") if with_eval else None, device="cpu",
+                        session_options=stage_session_options(1, "cpu"))
+    meter.mark("sessions")
+    del module
+    return meter.phases
+
+
+def eval_session_rows(lib: Path, layers: int, batch: int) -> list[str]:
+    """What the eval session costs a stage: the Module's heap and RSS with and without it (fresh process each)."""
+    rows = [f"## The eval session's fixed cost (GPT {layers} layers, pp 2)", "",
+            "`python -m bench.pipeline_breakdown --eval-session` (one fresh process per cell; MiB the engine Module "
+            "adds above the loaded checkpoint state: graphs, kernels, gradient buffers)", "",
+            "| stage | heap with eval model | heap without | difference | RSS with | RSS without | difference |",
+            "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="pipeline-breakdown-") as tmp:
+        run = _configure(Path(tmp), layers, 2, batch, 1)
+        for stage in (0, 1):
+            got = {}
+            for with_eval in (True, False):
+                cmd = [sys.executable, "-m", "bench.pipeline_breakdown", "--probe", str(run), "--stage", str(stage),
+                       "--eval-session", "1" if with_eval else "0"]
+                out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "LD_PRELOAD": str(lib)})
+                phases = json.loads(out.stdout.strip().splitlines()[-1])
+                got[with_eval] = [MB * (phases["sessions"][k] - phases["parameters"][k]) for k in ("heap", "rss")]
+            (h1, r1), (h0, r0) = got[True], got[False]
+            rows.append(f"| {stage} | {h1:.2f} | {h0:.2f} | {h1 - h0:.2f} | {r1:.2f} | {r0:.2f} | {r1 - r0:.2f} |")
+    return rows
+
+
 def _library() -> Path:
     out = Path(tempfile.gettempdir()) / f"ortflow-malloc-peak-{os.getuid()}.so"
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(out), str(ROOT / "bench" / "malloc_peak.c")],
@@ -246,7 +288,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="GPT blocks (one model per value)")
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 32], help="sequences per micro-batch")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches of calls per rank")
+    parser.add_argument("--eval-session", nargs="?", const="table", default=None,
+                        help="instead: what the eval session adds to a stage (appended to the results .md)")
     args = parser.parse_args(argv)
+    if args.probe and args.eval_session is not None:
+        print(json.dumps(session_probe(args.probe, args.stage, args.eval_session == "1")))
+        return
+    if args.eval_session is not None:
+        rows = eval_session_rows(_library(), args.layers[0], args.batch[-1])
+        out = ROOT / "bench" / "results" / f"pipeline-breakdown-{socket.gethostname()}.md"
+        out.write_text(out.read_text() + "\n" + "\n".join(rows) + "\n")
+        print("\n".join(rows))
+        return
     if args.probe:
         print(json.dumps(probe(args.probe, args.stage, args.allocator, args.batch[0], args.micro)))
         return
