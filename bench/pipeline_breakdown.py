@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allocator", default="trainer", choices=("trainer", "none"), help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="GPT blocks (one model per value)")
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 32], help="sequences per micro-batch")
-    parser.add_argument("--micro", type=int, default=4, help="micro-batches of calls per rank")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batches per rank (gradient_accumulation_steps)")
     parser.add_argument("--eval-session", nargs="?", const="table", default=None,
                         help="instead: what the eval session adds to a stage (appended to the results .md)")
     args = parser.parse_args(argv)
