@@ -28,7 +28,7 @@ def test_a_middle_stage_training_model_returns_no_copy_of_what_it_sent(tmp_path)
 
     from ortflow.engine import api
     from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
-    from ortflow.trainer.parallel.stages import stage_session_options
+    from ortflow.trainer.runtime import session_options
 
     from .test_pipeline_mpi import torchlike_run
 
@@ -41,8 +41,9 @@ def test_a_middle_stage_training_model_returns_no_copy_of_what_it_sent(tmp_path)
         assert not set(info["sends"]) & {o.name for o in train.output}, info["sends"]
         assert [o.name for o in evaluation.output] == info["sends"]  # the forward pass still gives them
         state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+        # plain options: stage_session_options registers a process-wide arena, which another test may have done
         module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                            device="cpu", session_options=stage_session_options(1, "cpu"))
+                            device="cpu", session_options=session_options(1))
         feeds = {}
         for i in train.input:
             if i.name in state.parameters or "accumulation" in i.name or i.name == "lazy_reset_grad":
