@@ -50,8 +50,15 @@ def _state_bytes(state, trainable: list[str]) -> dict:
     return {"parameters": 4 * values, "gradients": 4 * values, "optimizer_state": 8 * values, "values": values}
 
 
-def worker(run_dir: Path, warmup: int, steps: int) -> None:
-    """Under mpiexec: warm-up + timed steps of the run's layout with the trainer's own pieces; one JSON per rank."""
+def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> None:
+    """Under mpiexec: warm-up + timed steps of the run's layout with the trainer's own pieces; one JSON per rank.
+
+    ``hold_sends``: keep every sent tensor until the step's end, as before ``MPIComm.release_sent`` (for comparison).
+    """
+    if hold_sends:
+        from ortflow.trainer.comm.mpi import MPIComm
+
+        MPIComm.release_sent = lambda self: None
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.trainer.parallel.pipeline import pipeline_step
     from ortflow.trainer.runtime import init_runtime, start_mpi
@@ -63,7 +70,7 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
     batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
     pipelined = cfg.distributed.pipeline_parallel_size > 1
     grads = rt.gradient_buffers() if pipelined else []
-    times, compute, held = [], [], 0
+    times, compute, held, sent = [], [], 0, 0
     # The engine's allocator keeps freed blocks, so the peak is taken from before the first step: what the steps add
     # above the started session (parameters, gradients and moments are already allocated) is activations + workspace.
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
@@ -77,7 +84,7 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
             comm.allreduce_sum(np.zeros(3), "pipeline loss, stop, norm")
             rt.update.step(mine, cfg.optimizer.learning_rate)
             rt.module.lazy_reset_grad()
-            busy, held = stats.compute_s, max(held, stats.held_bytes)
+            busy, held, sent = stats.compute_s, max(held, stats.held_bytes), max(sent, stats.sent_bytes)
         else:
             names = rt.module.input_names()
             for _ in range(k):
@@ -102,7 +109,7 @@ def worker(run_dir: Path, warmup: int, steps: int) -> None:
         "device_memory_used": device_used,
         "compute_s": statistics.median(compute), "samples_per_step": k * cfg.train.batch_size * (
             comm.size // cfg.distributed.pipeline_parallel_size),
-        "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held,
+        "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held, "sent_held": sent,
                    "activations_peak": 1024 * (_rss_kb("VmHWM") - rss_before), "rss_peak": 1024 * _rss_kb("VmHWM")},
     }
     (run_dir / f"bench-rank{comm.rank}.json").write_text(json.dumps(record))  # ranks' stdout lines interleave
@@ -207,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--memory", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hold-sends", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--memory-batch", type=int, nargs="+", default=[4, 32],
                         help="micro-batch sizes (sequences) of the memory measurement")
@@ -216,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches per update (m)")
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.warmup, args.steps)
+        return worker(args.worker, args.warmup, args.steps, args.hold_sends)
     if args.memory:
         return memory_worker(args.memory, args.stage, args.calls, args.memory_batch[0])
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:

@@ -49,8 +49,7 @@ class MPIComm:
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
         self._runs: RunPlan | None = None  # the runs exchange's plan, made at its first call
-        self._pending: list = []
-        self._pending_requests: list = []
+        self._pending: list[tuple[tuple, list]] = []  # started sends: (buffers that must outlive them, requests)
         self._world_of: dict[int, int] = {}
         self._closed = False
 
@@ -84,7 +83,7 @@ class MPIComm:
         sub.__dict__.update(self.__dict__)
         sub.comm = self._collective(label, lambda: self.comm.Split(color, key=self.rank))
         sub.rank, sub.size = sub.comm.Get_rank(), sub.comm.Get_size()
-        sub._flat, sub._slices, sub._pending, sub._pending_requests, sub._groups = None, [], [], [], {}
+        sub._flat, sub._slices, sub._pending, sub._groups = None, [], [], {}
         sub._runs = None  # agreed among this group's ranks at its first exchange
         sub._closed, sub._world_of = True, {}  # the parent owns the watchdog
         return sub
@@ -94,12 +93,23 @@ class MPIComm:
 
         A small header with the shape goes first, so a receiver needs no shape in advance (eval batches may be short).
         """
+        self.release_sent()
         array = np.ascontiguousarray(array, dtype=np.float32)
         header = np.full(_HEADER, -1, dtype=np.int64)
         header[: array.ndim] = array.shape
-        self._pending.append((header, array))  # the buffers must live until the sends complete
-        self._pending_requests.append(self.comm.Isend(header, dest=dest, tag=2 * tag))
-        self._pending_requests.append(self.comm.Isend(array, dest=dest, tag=2 * tag + 1))
+        requests = [self.comm.Isend(header, dest=dest, tag=2 * tag), self.comm.Isend(array, dest=dest, tag=2 * tag + 1)]
+        self._pending.append(((header, array), requests))  # the buffers must live until the sends complete
+
+    def release_sent(self) -> None:
+        """Drop the buffers of the sends that have completed (a non-blocking test), so that a pipeline stage holds only
+        the tensors still in flight, not every activation or gradient it sent since the last :meth:`wait_sends`
+        (measured: bench/results/pipeline-breakdown-vm.md)."""
+        self._pending = [(buffers, requests) for buffers, requests in self._pending
+                         if not self._mpi.Request.Testall(requests)]
+
+    def pending_send_bytes(self) -> int:
+        """Bytes of the send buffers this rank still holds (tensors sent and not yet known to be received)."""
+        return sum(b.nbytes for buffers, _ in self._pending for b in buffers)
 
     def recv(self, source: int, tag: int, label: str) -> np.ndarray:
         """Receive an array sent by :meth:`send` from ``source``, under the watchdog (``label`` names the peer)."""
@@ -108,6 +118,7 @@ class MPIComm:
         self._point_to_point(label, lambda: self.comm.Recv(header, source=source, tag=2 * tag), peer)
         array = np.empty(tuple(int(d) for d in header if d >= 0), dtype=np.float32)
         self._point_to_point(label, lambda: self.comm.Recv(array, source=source, tag=2 * tag + 1), peer)
+        self.release_sent()  # a peer that answered has often taken what was sent to it: drop those buffers now
         return array
 
     def _world_rank(self, rank: int) -> int:
@@ -121,7 +132,7 @@ class MPIComm:
 
     def send_object(self, obj: object, dest: int, tag: int) -> None:
         """Start sending a small picklable object (a shape) to ``dest``; completes in :meth:`wait_sends`."""
-        self._pending_requests.append(self.comm.isend(obj, dest=dest, tag=2 * tag))
+        self._pending.append(((), [self.comm.isend(obj, dest=dest, tag=2 * tag)]))
 
     def recv_object(self, source: int, tag: int, label: str) -> object:
         """Receive what :meth:`send_object` sent, under the watchdog."""
@@ -129,7 +140,7 @@ class MPIComm:
 
     def wait_sends(self, label: str) -> None:
         """Wait until every started send has been received."""
-        requests, self._pending_requests = self._pending_requests, []
+        requests = [r for _, pending in self._pending for r in pending]
         self._point_to_point(label, lambda: self._mpi.Request.Waitall(requests))
         self._pending = []
 

@@ -57,12 +57,15 @@ class StepStats:
         loss_sum: Sum of the micro-batch losses on the last stage, else 0.0.
         most_held: The most micro-batches whose received inputs were held at once.
         held_bytes: Bytes of received inputs held at that moment (the stage's only stashed activations).
+        sent_bytes: The most bytes of sent tensors (activations, gradients) whose buffers this rank still held after a
+            pass: the sends not yet known to be received (MPI; 0 where the communicator does not say).
         compute_s: Seconds inside the engine's forward/backward calls (the rest of the step is waiting/transfer).
     """
 
     loss_sum: float = 0.0
     most_held: int = 0
     held_bytes: int = 0
+    sent_bytes: int = 0
     compute_s: float = 0.0
 
 
@@ -88,6 +91,7 @@ def pipeline_step(rt: StageRuntime, batches: Iterator[dict[str, np.ndarray]], k:
             stats.compute_s += clock() - started
             for y in outputs:
                 pipe.send(y, stage + 1, _ACT)
+            stats.sent_bytes = max(stats.sent_bytes, _pending_send_bytes(pipe))
             continue
         grads = None
         if not rt.last:
@@ -99,9 +103,15 @@ def pipeline_step(rt: StageRuntime, batches: Iterator[dict[str, np.ndarray]], k:
             stats.loss_sum += loss
         for g in back:
             pipe.send(g, stage - 1, _GRAD)
+        stats.sent_bytes = max(stats.sent_bytes, _pending_send_bytes(pipe))
     # Sync point: the sent tensors' buffers must outlive their sends; a stalled peer shows here.
     pipe.wait_sends(f"pipeline sends of stage {stage}")
     return stats
+
+
+def _pending_send_bytes(pipe) -> int:
+    pending = getattr(pipe, "pending_send_bytes", None)
+    return pending() if pending is not None else 0
 
 
 def sum_tied_gradients(rt: StageRuntime) -> None:

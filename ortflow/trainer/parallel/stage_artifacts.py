@@ -5,7 +5,8 @@ initial state (no optimizer graph: ortflow updates the weights):
 
 * a middle stage's loss is ``sum_i ReduceSum(y_i * g_i)`` over what it sends, with the arriving gradients ``g_i``
   (``<y_i>.grad_in``) as inputs: its parameter gradients are then exactly the vector-Jacobian product; the sent
-  tensors stay outputs (``additional_output_names``) so the eval model gives the forward pass;
+  tensors stay outputs of the eval model (``additional_output_names``), which gives the forward pass, and are removed
+  from the training model's outputs (the forward pass has sent them already);
 * the last stage keeps the configured loss (the same block as unsplit training);
 * every stage but the first lists what it receives in ``requires_grad``; the engine's accumulator for those input
   gradients is removed and each comes out, per call, as ``<name>.backprop`` right after the loss.
@@ -135,6 +136,18 @@ def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
     onnx.save(model, str(path))
 
 
+def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
+    """A middle stage's training model outputs the VJP loss, not the sent tensors: the forward pass has already sent
+    them, and as outputs the engine would copy each out and keep it through the backward pass (stage 0 of the bench
+    GPT at 32 sequences: 1 MiB of its 68 MiB working set, bench/results/pipeline-breakdown-vm.md)."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    outputs = [o for o in graph.output if o.name not in sends]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    onnx.save(model, str(path))
+
+
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> None:
     folder.mkdir(parents=True)
     model = stage.model
@@ -161,6 +174,7 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     (folder / "temp.onnx").unlink(missing_ok=True)
     if not last:
         strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
+        drop_sends_from_training(folder / "training_model.onnx", stage.sends)
     if stage.receives:
         expose_input_gradients(folder / "training_model.onnx", stage.receives)
     missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
