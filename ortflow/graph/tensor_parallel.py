@@ -336,6 +336,9 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     trainable = set(trainable)
     candidates = _candidates(model.graph, trainable, _shapes(model))
     seeds, kept = set(candidates), {}
+    for n in model.graph.node:  # a layer the pass could split once its bias is taken out (configure does)
+        if n.op_type == "Gemm" and not is_plain_gemm(n) and n.input[1] in trainable:
+            kept[n.input[1]] = "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
     while True:
         walk = _Walk(model, trainable, seeds, size)
         downstream = {s for s in seeds if model.graph.node[s].input[0] in walk.split}

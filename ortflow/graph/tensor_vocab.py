@@ -4,8 +4,9 @@ LM head with its output gathered).
 A table ``W`` (``[V, C]``, trained) read by ``Gather(W, ids)`` with ``ids`` a graph input is an **embedding**; ``W``
 read by ``MatMul(x, W)`` (``[C, V]``), ``MatMul(x, Transpose(W))`` (tied: the embedding's ``[V, C]`` table) or a
 bias-free ``Gemm(x, W)`` whose output reaches a graph output through reshapes (or whose table is also an embedding)
-is an **LM head** when the model embeds a vocabulary of that size (a classifier's last layer is not one). Every use of a table must read the vocabulary along the same axis (tied weights: both uses slice
-the same rows), and ``hp`` must divide ``V``; otherwise the table stays replicated and the reason is logged.
+is an **LM head** when the model embeds a vocabulary of that size (a classifier's last layer is not one). Every use
+of a table must read the vocabulary along the same axis (tied weights: both uses slice the same rows), and ``hp``
+must divide ``V``; otherwise the table stays replicated and the reason is logged.
 
 Rank ``r`` keeps rows ``[r V/hp, (r+1) V/hp)`` of the vocabulary:
 
