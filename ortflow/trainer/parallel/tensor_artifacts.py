@@ -27,6 +27,7 @@ import onnx
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.embedding import deterministic_gathers
+from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.pipeline import _FLOAT
 from ortflow.graph.repeated import separate_repeated_inputs
@@ -97,6 +98,9 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
     if last:
         output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
         label = None if cfg.model.loss == "model_output" else cfg.model.label_input
+        if cfg.model.loss == "cross_entropy" and label is not None:  # [B, T, V] logits: as prepare_model does
+            model, flat = flatten_logits(model, output_name, label)
+            output_name, label = flat.scores, flat.labels
         loss, extra = _ConfiguredLoss(_loss_block(cfg), output_name, label), None
     else:
         types = {o.name: o for o in model.graph.output}
