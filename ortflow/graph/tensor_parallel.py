@@ -13,6 +13,10 @@ Reshape target shapes that carry the head count or the width (a Constant, or a C
 ``torch.onnx.export`` writes them) are rewritten for the local size; so are ``Split`` sizes. A candidate whose split
 activation reaches something else (a graph output, an unknown op, a parameter that would need slicing) is kept
 replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is refused, naming the tensors.
+
+A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_gemm`) is a weight product like ``MatMul``; its ``[out, in]`` weight
+swaps the axes. Embeddings and LM heads are split by vocabulary in regions of their own
+(:mod:`ortflow.graph.tensor_vocab`).
 """
 
 from __future__ import annotations
