@@ -187,10 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
+                        help="rows of the token table and LM head (the byte-level text uses ids < 256)")
     parser.add_argument("--tag", default="", help="suffix of the result files (tensor-<host>[-tag].json/.md)")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.names_from, args.warmup, args.steps)
+    SHAPE["vocab_size"] = args.vocab_size
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
         root = Path(tmp)
         hp2 = _configure(root, "hp2", 2, 2)
