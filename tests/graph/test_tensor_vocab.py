@@ -120,3 +120,19 @@ def test_a_vocabulary_the_size_does_not_divide_stays_replicated_with_the_reason(
     assert plan.kept["transformer.wte.weight"] == (
         "vocabulary split: horizontal_parallel_size 2 does not divide the vocabulary 13")
     assert not any(r.vocab for r in plan.regions) and plan.regions  # the blocks are still split
+
+
+def test_gemms_with_in_out_weights_split_columns_then_rows_and_compute_the_unsplit_logits():
+    from ..models_data import fixed_batch_classifier
+
+    raw = fixed_batch_classifier(batch=4)  # Gemm(features, fc1 [8, 16], b) -> Relu -> Gemm(., fc2 [16, 3], b), transB 0
+    for t in raw.graph.initializer:  # non-zero biases: one added on every rank would show
+        if t.name.endswith(".bias"):
+            t.CopyFrom(numpy_helper.from_array(np.linspace(0.5, 1.0, t.dims[0], dtype=np.float32), t.name))
+    m = separate_gemm_biases(raw, trainable(raw))
+    plan = plan_tensor_split(m, trainable(m), 2)
+    assert plan.slicing() == {"fc1.weight": (1, 1), "fc1.bias": (0, 1), "fc2.weight": (0, 1)}  # fc2.bias: whole
+    assert not plan.regions[0].transposed and not plan.kept
+    features = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    np.testing.assert_allclose(run_pieces(m, 2, {"features": features}), run_whole(raw, {"features": features}),
+                               atol=1e-6)
