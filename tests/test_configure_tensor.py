@@ -39,6 +39,11 @@ def test_every_rank_gets_its_pieces_and_the_split_is_logged_and_recorded(tmp_pat
     assert first.info["tensor_parallel_split"] == record["split"]
     assert "vocabulary split of ['lm_head.weight']" in caplog.text
     assert "region 3: columns ['h1.mlp.fc.weight']" in caplog.text
+    import onnx
+
+    embedding = onnx.load(str(piece_dir(cfg.artifacts_dir, 1, 0) / "training_model.onnx"), load_external_data=False)
+    ops = {n.op_type for n in embedding.graph.node}
+    assert "GatherND" in ops and "Gather" not in ops  # the rank's vocabulary slice read with GatherND on the CPU
     assert configure(cfg).reused  # built once
     assert any("tensor/rank-01/piece-11" in name for name in first.info["artifact_sha256"])
 
