@@ -62,6 +62,16 @@ def test_gemm_mlp_and_tied_vocabulary_split_train_to_the_unsplit_parameters(tmp_
     assert shapes["transformer.h.0.mlp.c_fc.weight"] == (64, 32) and shapes["transformer.h.0.mlp.c_proj.weight"] == (
         32, 64)
     assert shapes["transformer.h.0.mlp.c_proj.bias"] == (32,)  # whole: added once after the sum
+    import onnx
+
+    from ortflow.export.model import export_model
+
+    result = export_model(split.output_dir, tmp_path / "model.onnx", config=split)  # one unsplit, verified model
+    assert max(result.verification.max_abs_diff.values()) <= 1e-5
+    exported = onnx.load(str(tmp_path / "model.onnx"))
+    assert [d.dim_value for d in exported.graph.output[0].type.tensor_type.shape.dim] == [2, SEQ, 256]  # [B, T, V]
+    table = next(t for t in exported.graph.initializer if t.name == "transformer.wte.weight")
+    assert list(table.dims) == [256, 32]  # merged whole, read by the Gather and the tied head
 
 
 def test_kill_and_resume_at_hp2_x_dp2_is_bitwise_identical(tmp_path):
