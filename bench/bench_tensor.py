@@ -165,16 +165,18 @@ def report(record: dict) -> str:
     lines = [f"# Tensor parallelism on CPU ranks ({record['host']}, {record['cores']} cores)", "",
              f"Command: `{record['command']}`", f"GPT {record['shape']}, batch {BATCH} x {MICRO} micro-batches per "
              "update, 1 thread per rank, AdamW (ortflow's update).", "",
-             "| rank | split-layer params MiB | their AdamW state MiB | all params MiB | split params vs hp1 |",
-             "|---|---|---|---|---|"]
+             "| rank | split-layer params MiB | their AdamW state MiB | all params MiB | split params vs hp1 | "
+             "all params vs hp1 |", "|---|---|---|---|---|---|"]
     for key, m in s["memory"].items():
-        ratio = s["memory_ratio_vs_hp1"].get(key, {}).get("split_parameters", 1.0)
+        ratio = s["memory_ratio_vs_hp1"].get(key, {"split_parameters": 1.0, "all_parameters": 1.0})
         lines.append(f"| {key} | {m['split_parameters'] / mib:.2f} | {m['split_optimizer_state'] / mib:.2f} | "
-                     f"{m['all_parameters'] / mib:.2f} | {ratio:.3f} |")
+                     f"{m['all_parameters'] / mib:.2f} | {ratio['split_parameters']:.3f} | "
+                     f"{ratio['all_parameters']:.3f} |")
     lines += ["", "| layout | step s (median) | samples/s | all-reduce s per step |", "|---|---|---|---|"]
     for kind, t in s["timing"].items():
         lines.append(f"| {kind} | {t['step_s']:.3f} | {t['samples_per_s']:.1f} | {t['allreduce_s']:.3f} |")
-    lines += ["", f"hp2 step time / hp1: {s['hp2_step_vs_hp1']:.2f}"]
+    lines += ["", f"hp2 step time / hp1: {s['hp2_step_vs_hp1']:.2f}", "",
+              f"Split by hp 2 (tensor.json): {record.get('split_names', '(not recorded)')}"]
     return "\n".join(lines) + "\n"
 
 
@@ -185,12 +187,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
+                        help="rows of the token table and LM head (the byte-level text uses ids < 256)")
+    parser.add_argument("--tag", default="", help="suffix of the result files (tensor-<host>[-tag].json/.md)")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.names_from, args.warmup, args.steps)
+    SHAPE["vocab_size"] = args.vocab_size
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
         root = Path(tmp)
         hp2 = _configure(root, "hp2", 2, 2)
+        split_names = _split_names(hp2 / "artifacts")
         runs = {"hp1": (_configure(root, "hp1", 1, 1), 1), "dp2": (_configure(root, "dp2", 2, 1), 2),
                 "hp2": (hp2, 2)}
         results: dict = {kind: [] for kind in runs}
@@ -200,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m bench.bench_tensor " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summarize(results),
-              "raw": results}
-    out = ROOT / "bench" / "results" / f"tensor-{socket.gethostname()}"
+              "split_names": split_names, "raw": results}
+    out = ROOT / "bench" / "results" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     out.with_suffix(".md").write_text(report(record))
     print(report(record))

@@ -84,6 +84,7 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from fnmatch import fnmatch
 
     from ortflow.graph.optional_outputs import declare_optional_outputs
+    from ortflow.graph.tensor_gemm import separate_gemm_biases
     from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
     from ortflow.graph.tensor_pieces import cut_pieces
     from ortflow.graph.tensor_shard import shard_model
@@ -91,6 +92,7 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     proto = declare_optional_outputs(onnx.load(str(cfg.model.path)))
     trainable = [t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
                  and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)]
+    proto = separate_gemm_biases(proto, trainable)  # as configure's export_fixes
     try:
         plan = plan_tensor_split(proto, trainable, cfg.distributed.horizontal_parallel_size)
         cut_pieces(shard_model(proto, plan, 0), plan, proto, trainable)

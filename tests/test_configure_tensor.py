@@ -29,16 +29,23 @@ def test_every_rank_gets_its_pieces_and_the_split_is_logged_and_recorded(tmp_pat
     with caplog.at_level(logging.INFO):
         first = configure(cfg)
     record = read_tensor_record(cfg.artifacts_dir)
-    assert record["size"] == 2 and len(record["pieces"]) == 9
-    assert [p["parallel"] for p in record["pieces"]] == [False, True] * 4 + [False]
+    assert record["size"] == 2 and len(record["pieces"]) == 12  # embedding, 2 x (attention, MLP), LM head
+    assert [p["parallel"] for p in record["pieces"]] == [True, False] * 6
     assert record["slicing"]["h0.attn.q.weight"] == [1, 1] and record["slicing"]["h0.mlp.proj.weight"] == [0, 1]
+    assert record["slicing"]["wte.weight"] == [0, 1] and record["slicing"]["lm_head.weight"] == [1, 1]
     for rank in (0, 1):
-        for piece in range(9):
+        for piece in range(12):
             assert all((piece_dir(cfg.artifacts_dir, rank, piece) / f).exists() for f in ARTIFACT_FILES)
     assert first.info["tensor_parallel_split"] == record["split"]
-    assert "kept replicated: lm_head.weight" in caplog.text and "region 3: columns ['h1.mlp.fc.weight']" in caplog.text
+    assert "vocabulary split of ['lm_head.weight']" in caplog.text
+    assert "region 3: columns ['h1.mlp.fc.weight']" in caplog.text
+    import onnx
+
+    embedding = onnx.load(str(piece_dir(cfg.artifacts_dir, 1, 0) / "training_model.onnx"), load_external_data=False)
+    ops = {n.op_type for n in embedding.graph.node}
+    assert "GatherND" in ops and "Gather" not in ops  # the rank's vocabulary slice read with GatherND on the CPU
     assert configure(cfg).reused  # built once
-    assert any("tensor/rank-01/piece-08" in name for name in first.info["artifact_sha256"])
+    assert any("tensor/rank-01/piece-11" in name for name in first.info["artifact_sha256"])
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_building(tmp_path):

@@ -18,6 +18,7 @@ from ortflow.dataprep import DataError, prepare_data
 from ortflow.validate import validate
 
 from .models_data import (
+    batch_mean_classifier,
     classification_data,
     fixed_batch_classifier,
     reshape_batch_classifier,
@@ -126,8 +127,11 @@ def test_every_problem_at_once(tmp_path):
 
 
 def test_tensor_parallelism_on_a_model_without_splittable_layers_is_a_problem(tmp_path):
-    # Gemm layers (torch's Linear on 2-D inputs) are not split: validate says so, before any engine call
-    (problem,) = validate(setup(tmp_path, distributed={"num_ranks": 2, "horizontal_parallel_size": 2}))
+    tp = {"num_ranks": 2, "horizontal_parallel_size": 2}
+    # Gemm layers (torch's Linear on 2-D inputs) are split: fc1 by columns, fc2 by rows
+    assert validate(setup(tmp_path / "gemm", distributed=tp)) == []
+    # a batch mean between them is not followed: nothing to split, and validate says so before any engine call
+    (problem,) = validate(setup(tmp_path / "mean", batch_mean_classifier, distributed=tp))
     assert "found no layer to split" in problem and "use 1" in problem
 
 

@@ -13,6 +13,10 @@ Reshape target shapes that carry the head count or the width (a Constant, or a C
 ``torch.onnx.export`` writes them) are rewritten for the local size; so are ``Split`` sizes. A candidate whose split
 activation reaches something else (a graph output, an unknown op, a parameter that would need slicing) is kept
 replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is refused, naming the tensors.
+
+A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_gemm`) is a weight product like ``MatMul``; its ``[out, in]`` weight
+swaps the axes. Embeddings and LM heads are split by vocabulary in regions of their own
+(:mod:`ortflow.graph.tensor_vocab`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import onnx
 from onnx import helper
 
 from ortflow.graph.common import constant_values, node_label
+from ortflow.graph.tensor_gemm import is_plain_gemm, transposed, weight_axes
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,11 @@ class Region:
         outputs: The row-split MatMuls' outputs: partial sums, all-reduced over the tensor-parallel ranks.
         inputs: Replicated activations the region reads (the backward all-reduce of their gradients happens here).
         nodes: Indices of the region's nodes in the graph.
+        transposed: Weights stored ``[out, in]`` (a Gemm with ``transB=1``): their column/row axes swap.
+        vocab: Vocabulary-split tables (:mod:`ortflow.graph.tensor_vocab`) -> the axis each rank keeps a block of.
+        heads: A vocabulary-split LM head's output -> its rank (the local logits are padded back to the vocabulary).
+        members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
+            the outputs of ``nodes``.
     """
 
     columns: list[str] = field(default_factory=list)
@@ -57,6 +67,10 @@ class Region:
     outputs: list[str] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
+    transposed: list[str] = field(default_factory=list)
+    vocab: dict[str, int] = field(default_factory=dict)
+    heads: dict[str, int] = field(default_factory=dict)
+    members: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,12 +83,14 @@ class TensorPlan:
     kept: dict[str, str]  # candidate weight -> why it stays replicated
 
     def slicing(self) -> dict[str, tuple[int, int]]:
-        """Sliced parameter -> (axis, parts): axis 1 (columns) or 0 (rows / a bias's only axis)."""
+        """Sliced parameter -> (axis, parts): axis 1 (columns) or 0 (rows / a bias's only axis); swapped for a
+        weight stored ``[out, in]``; a vocabulary-split table's vocabulary axis."""
         out = {}
         for r in self.regions:
-            out.update({w: (1, r.groups.get(w, 1)) for w in r.columns})
+            out.update({w: (weight_axes(w in r.transposed)[0], r.groups.get(w, 1)) for w in r.columns})
             out.update({b: (0, r.groups.get(b, 1)) for b in r.biases})
-            out.update({w: (0, 1) for w in r.rows})
+            out.update({w: (weight_axes(w in r.transposed)[1], 1) for w in r.rows})
+            out.update({w: (axis, 1) for w, axis in r.vocab.items()})
         return out
 
 
@@ -173,8 +189,10 @@ class _Walk:
     def _propagate(self, i: int, node) -> str | None:  # noqa: C901 - one case per supported op
         op, x = node.op_type, node.input[0]
         axis = self.split.get(x)
-        if op == "MatMul":
-            a, b = node.input
+        if op in ("MatMul", "Gemm"):
+            a, b = node.input[:2]
+            if op == "Gemm" and not is_plain_gemm(node):
+                return "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
             if a in self.split and b not in self.split and b in self.trainable and self._rank(b) == 2:
                 if self.split[a] != -1:
                     return "a weight MatMul reads an activation split on another axis than the last"
@@ -183,7 +201,8 @@ class _Walk:
                 self.rows[i] = b
                 self.partial[node.output[0]] = i
                 return None
-            if a in self.split and b in self.split and self.split[a] == self.split[b] and self.split[a] <= -3:
+            if (op == "MatMul" and a in self.split and b in self.split and self.split[a] == self.split[b]
+                    and self.split[a] <= -3):
                 self.split[node.output[0]] = self.split[a]
                 return None
             return "its inputs are not split the same way over a batch axis"
@@ -300,12 +319,14 @@ class _Walk:
 
 
 def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
-    """MatMul nodes whose second input is a 2-D trainable weight read only there: node index -> weight."""
+    """MatMul (or bias-free Gemm) nodes whose second input is a 2-D trainable weight read only there: node index ->
+    weight."""
     reads: dict[str, int] = {}
     for n in graph.node:
         for x in n.input:
             reads[x] = reads.get(x, 0) + 1
-    return {i: n.input[1] for i, n in enumerate(graph.node) if n.op_type == "MatMul" and n.input[1] in trainable
+    return {i: n.input[1] for i, n in enumerate(graph.node)
+            if (n.op_type == "MatMul" or is_plain_gemm(n)) and n.input[1] in trainable
             and len(shapes.get(n.input[1], [])) == 2 and reads[n.input[1]] == 1}
 
 
@@ -319,6 +340,9 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     trainable = set(trainable)
     candidates = _candidates(model.graph, trainable, _shapes(model))
     seeds, kept = set(candidates), {}
+    for n in model.graph.node:  # a layer the pass could split once its bias is taken out (configure does)
+        if n.op_type == "Gemm" and not is_plain_gemm(n) and n.input[1] in trainable:
+            kept[n.input[1]] = "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
     while True:
         walk = _Walk(model, trainable, seeds, size)
         downstream = {s for s in seeds if model.graph.node[s].input[0] in walk.split}
@@ -336,6 +360,9 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     regions = _regions(model.graph, walk, seeds, candidates)
     for r in walk.rows.values():
         kept.pop(r, None)
+    from ortflow.graph.tensor_vocab import plan_vocab  # it builds Regions: imported here, not at the top
+
+    regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept)
     plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
     _check_sizes(model, plan, walk)
     return plan
@@ -346,6 +373,8 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
     for s in sorted(seeds):
         r = by_root.setdefault(walk.find(s), Region())
         r.columns.append(candidates[s])
+        if transposed(graph.node[s]):
+            r.transposed.append(candidates[s])
         if walk.groups.get(s, 1) > 1:
             r.groups[candidates[s]] = walk.groups[s]
         x = graph.node[s].input[0]
@@ -356,6 +385,8 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
         r.nodes.append(i)
         if i in walk.rows:
             r.rows.append(walk.rows[i])
+            if transposed(graph.node[i]):
+                r.transposed.append(walk.rows[i])
             r.outputs.append(graph.node[i].output[0])
         if i in walk.biases:
             r.biases.append(walk.biases[i])
@@ -389,7 +420,11 @@ def _check_sizes(model, plan: TensorPlan, walk: _Walk) -> None:
 def describe(plan: TensorPlan) -> list[str]:
     """One line per region and one for what stays replicated (the pass logs these)."""
     lines = [f"region {k}: columns {r.columns} (+ biases {r.biases}), rows {r.rows}; all-reduce after {r.outputs}"
-             + (f"; fused parts {r.groups}" if r.groups else "") for k, r in enumerate(plan.regions)]
+             + (f"; fused parts {r.groups}" if r.groups else "") + (f"; [out, in] {r.transposed}" if r.transposed
+                                                                     else "")
+             if not r.vocab else f"region {k}: vocabulary split of {list(r.vocab)} (axis {list(r.vocab.values())[0]})"
+             f" in {'the LM head ' + str(list(r.heads)) if r.heads else 'the embedding ' + str(r.outputs)}; "
+             f"all-reduce after {r.outputs}" for k, r in enumerate(plan.regions)]
     lines += [f"kept replicated: {w} ({why})" for w, why in sorted(plan.kept.items())]
     return lines
 

@@ -46,7 +46,8 @@ class Piece:
 
 def _region_members(a: _Analysis, plan: TensorPlan, original: onnx.GraphProto) -> dict[int, int]:
     """Node index (in the rank's model) -> region, for region nodes and the shape arithmetic computed from them."""
-    region_by_output = {original.node[i].output[0]: k for k, r in enumerate(plan.regions) for i in r.nodes}
+    region_by_output = {o: k for k, r in enumerate(plan.regions)
+                        for o in (r.members or [original.node[i].output[0] for i in r.nodes])}
     partial = {o for r in plan.regions for o in r.outputs}
     member = {}
     for i, node in enumerate(a.graph.node):

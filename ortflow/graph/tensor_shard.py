@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from ortflow.graph.common import Names, constant_values
 from ortflow.graph.tensor_parallel import TensorPlan
+from ortflow.graph.tensor_vocab import shard_vocab
 
 
 def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
@@ -32,6 +33,14 @@ def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.Mod
             axis, parts = slicing[t.name]
             t.CopyFrom(numpy_helper.from_array(slice_tensor(numpy_helper.to_array(t), axis, parts, size, rank), t.name))
     names = Names(graph)
+    for r in plan.regions:  # names the plan chose for the nodes a vocabulary split adds
+        for m in r.members:
+            assert names.new(m) == m or m in {n.output[0] for n in graph.node}, m
+    dims = {t.name: list(t.dims) for t in graph.initializer}
+    replaced: dict[int, list] = {}
+    for r in plan.regions:
+        if r.vocab:
+            replaced.update(shard_vocab(graph, r, size, rank, names, dims))
     new_nodes: dict[int, list] = {}
     by_input: dict[tuple[int, int], dict[int, int]] = {}
     for i, pos, element, value in plan.rewrites:
@@ -47,7 +56,7 @@ def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.Mod
         node.input[pos] = out
     ordered = []
     for i, node in enumerate(graph.node):
-        ordered += new_nodes.get(i, []) + [node]
+        ordered += new_nodes.get(i, []) + replaced.get(i, [node])
     del graph.node[:]
     graph.node.extend(ordered)
     del graph.value_info[:]  # shapes of the split tensors changed; inference recomputes them

@@ -32,22 +32,24 @@ def torchlike(tmp_path_factory):
     return onnx.load(str(path))
 
 
-def test_gpt_splits_attention_by_heads_and_the_mlp_and_keeps_the_lm_head(gpt, caplog):
+def test_gpt_splits_attention_by_heads_the_mlp_and_the_vocabulary(gpt, caplog):
     with caplog.at_level(logging.INFO, logger="ortflow.graph.tensor_parallel"):
         local, plan = split_for_rank(gpt, trainable(gpt), 2, 0)
-    assert [r.columns for r in plan.regions] == [
+    assert [r.columns for r in plan.regions[:4]] == [
         ["h0.attn.q.weight", "h0.attn.k.weight", "h0.attn.v.weight"], ["h0.mlp.fc.weight"],
         ["h1.attn.q.weight", "h1.attn.k.weight", "h1.attn.v.weight"], ["h1.mlp.fc.weight"]]
-    assert [r.rows for r in plan.regions] == [["h0.attn.proj.weight"], ["h0.mlp.proj.weight"],
+    assert [r.rows for r in plan.regions[:4]] == [["h0.attn.proj.weight"], ["h0.mlp.proj.weight"],
                                               ["h1.attn.proj.weight"], ["h1.mlp.proj.weight"]]
     assert plan.regions[0].biases == ["h0.attn.q.bias", "h0.attn.k.bias", "h0.attn.v.bias"]
     assert plan.regions[1].outputs == ["h0.mlp.proj.mm"]  # the all-reduce comes before the row bias (added once)
-    assert "lm_head.weight" in plan.kept
-    assert "kept replicated: lm_head.weight" in caplog.text and "region 0: columns" in caplog.text
+    assert [r.vocab for r in plan.regions[4:]] == [{"lm_head.weight": 1}, {"wte.weight": 0}]  # [C, V] and [V, C]
+    assert "lm_head.weight" not in plan.kept and "wpe.weight" not in plan.slicing()  # positions: an Add, whole
+    assert "vocabulary split of ['lm_head.weight']" in caplog.text and "region 0: columns" in caplog.text
     shapes = {t.name: list(t.dims) for t in local.graph.initializer}
     assert shapes["h0.attn.q.weight"] == [32, 16] and shapes["h0.attn.q.bias"] == [16]
     assert shapes["h0.mlp.fc.weight"] == [32, 64] and shapes["h0.mlp.proj.weight"] == [64, 32]
-    assert shapes["h0.mlp.proj.bias"] == [32] and shapes["lm_head.weight"] == [32, 64]  # replicated: whole
+    assert shapes["h0.mlp.proj.bias"] == [32] and shapes["ln_f.weight"] == [32]  # replicated: whole
+    assert shapes["lm_head.weight"] == [32, 32] and shapes["wte.weight"] == [32, 32]  # 64 words: 32 per rank
     head_shapes = [onnx.numpy_helper.to_array(n.attribute[0].t).tolist() for n in local.graph.node
                    if n.op_type == "Constant" and n.output[0].startswith("shape.split_heads.tp2")]
     assert head_shapes and all(s == [0, 8, 2, 8] for s in head_shapes)  # 4 heads -> 2 per rank
@@ -84,9 +86,12 @@ def test_pieces_alternate_replicated_and_parallel(gpt):
     names = trainable(gpt)
     plan = plan_tensor_split(gpt, names, 2)
     pieces = cut_pieces(shard_model(gpt, plan, 0), plan, gpt, names)
-    assert [p.parallel for p in pieces] == [False, True] * 4 + [False]
-    assert pieces[1].stage.receives == ("h0.ln_1.out",) and pieces[1].stage.sends == ("h0.attn.proj.mm",)
-    assert "embed.out" in pieces[2].stage.receives  # the residual stream skips the parallel piece
+    # the vocabulary-split embedding first (its ids are a graph input), then the blocks, then the LM head
+    assert [p.parallel for p in pieces] == [True, False] * 6
+    assert pieces[0].stage.sends == ("wte.out",) and pieces[0].stage.data_inputs == ("input_ids",)
+    assert pieces[2].stage.receives == ("h0.ln_1.out",) and pieces[2].stage.sends == ("h0.attn.proj.mm",)
+    assert "embed.out" in pieces[3].stage.receives  # the residual stream skips the parallel piece
+    assert pieces[-2].stage.sends == ("lm_head.out.tp_vocab_padded",)  # whole [B, T, V] logits after the sum
     assert pieces[-1].stage.sends == ("logits",)
 
 

@@ -26,10 +26,13 @@ import onnx
 
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
+from ortflow.graph.embedding import deterministic_gathers
+from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.pipeline import _FLOAT
 from ortflow.graph.repeated import separate_repeated_inputs
 from ortflow.graph.split import split_to_slices
+from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
@@ -42,6 +45,7 @@ from ortflow.trainer.artifacts import (
     inspect_model,
     split_parameters,
 )
+from ortflow.trainer.engine_input import repeatable_gathers
 from ortflow.trainer.parallel.stage_artifacts import _VJPLoss, expose_input_gradients, strip_vjp_from_eval
 
 log = logging.getLogger(__name__)
@@ -63,19 +67,20 @@ def read_tensor_record(artifacts_dir: Path) -> dict | None:
         return None
 
 
-def export_fixes(model: onnx.ModelProto) -> onnx.ModelProto:
+def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     """The preparation passes that make torch exports trainable by the engine and change no tensor the split sees:
-    all LayerNormalization outputs declared, Splits with unused outputs as Slices, repeated inputs separated."""
+    all LayerNormalization outputs declared, Splits with unused outputs as Slices, repeated inputs separated; and
+    Gemm biases added after the product (so a row-split Gemm's bias is added once, after the all-reduce)."""
     model = declare_optional_outputs(model)
     model = split_to_slices(model)
-    return separate_repeated_inputs(model)
+    return separate_gemm_biases(separate_repeated_inputs(model), trainable)
 
 
 def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str], list[str]]:
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    model = export_fixes(onnx.load(str(cfg.model.path)))
+    model = export_fixes(onnx.load(str(cfg.model.path)), trainable)
     try:
         plan = plan_tensor_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
@@ -88,9 +93,14 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
     folder.mkdir(parents=True)
     stage = piece.stage
     model = stage.model
+    if repeatable_gathers(cfg):  # as for the whole model and the pipeline stages (ortflow/graph/embedding.py)
+        model = deterministic_gathers(model, set(stage.parameters))
     if last:
         output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
         label = None if cfg.model.loss == "model_output" else cfg.model.label_input
+        if cfg.model.loss == "cross_entropy" and label is not None:  # [B, T, V] logits: as prepare_model does
+            model, flat = flatten_logits(model, output_name, label)
+            output_name, label = flat.scores, flat.labels
         loss, extra = _ConfiguredLoss(_loss_block(cfg), output_name, label), None
     else:
         types = {o.name: o for o in model.graph.output}
