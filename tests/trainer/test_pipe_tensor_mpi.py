@@ -124,3 +124,22 @@ def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(r
     np.testing.assert_array_equal(logits, reference)
     initial = initial_parameters(split)
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
+
+
+@pytest.mark.slow
+def test_dp2_pp2_hp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_replicas(tmp_path):
+    opt = {"name": "sgd", "learning_rate": 1e-2}
+    whole = gpt_run(tmp_path, "dp2", distributed={"num_ranks": 2}, optimizer=opt)
+    split = gpt_run(tmp_path, "dp2pp2hp2", distributed={**PP_HP, "num_ranks": 8}, optimizer=opt)
+    out1, out2 = run_ranks(whole), run_ranks(split, timeout=400)
+    assert out1.returncode == 0, out1.stdout[-3000:]
+    assert out2.returncode == 0, out2.stdout[-3000:]
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    moved = max(float(np.abs(p1[n] - initial_parameters(whole)[n]).max()) for n in p1)
+    print(f"dp 2 x pp 2 x hp 2, sgd: max |param diff| vs dp 2: {worst}; largest move in training {moved}")
+    assert worst < ATOL["sgd"] and moved > 10 * ATOL["sgd"]
+    seen = digests(out2.stdout)  # rank = (replica * 2 + stage) * 2 + t
+    assert sorted(seen) == list(range(8))
+    assert all(seen[r] == seen[r + 4] for r in range(4))  # each (stage, tp slice) bitwise equal on its replicas
+    assert seen[0][1] == seen[1][1] != seen[2][1] == seen[3][1]  # replicated parameters: per stage
