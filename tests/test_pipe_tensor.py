@@ -35,8 +35,9 @@ def test_rank_layout_puts_tp_ranks_next_to_each_other_then_stages_then_replicas(
     colors = {c for p in places for c in (p.tp_color, p.pipe_color, p.dp_color)}
     assert len(colors) == 12  # 4 groups of each kind, and no colour of one kind is reused by another
     # P = 1 and H = 1 are the tensor-parallel and pipeline layouts
-    assert [(place(r, 4, 1, 2).replica, place(r, 4, 1, 2).tp_rank) for r in range(4)] == [divmod(r, 2) for r in range(4)]
-    assert [(place(r, 4, 2, 1).replica, place(r, 4, 2, 1).stage) for r in range(4)] == [divmod(r, 2) for r in range(4)]
+    pairs = [divmod(r, 2) for r in range(4)]
+    assert [(place(r, 4, 1, 2).replica, place(r, 4, 1, 2).tp_rank) for r in range(4)] == pairs
+    assert [(place(r, 4, 2, 1).replica, place(r, 4, 2, 1).stage) for r in range(4)] == pairs
     with pytest.raises(ValueError, match="multiple of their product"):
         place(0, 6, 2, 2)
 
@@ -55,7 +56,8 @@ def test_stage_tp_file_names_group_by_stage():
 
 def pp_tp_cfg(tmp_path, model_path, cuts=(), device="cpu", dp=1):
     return config_from_dict({
-        "name": "t", "output_dir": str(tmp_path / "run"), "model": {"path": str(model_path), "pipeline_cuts": list(cuts)},
+        "name": "t", "output_dir": str(tmp_path / "run"),
+        "model": {"path": str(model_path), "pipeline_cuts": list(cuts)},
         "data": {"train": str(tmp_path / "train.parquet")},
         "train": {"batch_size": 2, "num_train_steps": 2},
         "distributed": {"num_ranks": 4 * dp, "horizontal_parallel_size": 2, "pipeline_parallel_size": 2,
