@@ -21,9 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -34,6 +31,7 @@ from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.trainer.artifacts import ArtifactsError, inspect_model, split_parameters
+from ortflow.trainer.parallel.building import building
 from ortflow.trainer.parallel.stage_artifacts import plan_stages
 from ortflow.trainer.parallel.tensor_artifacts import TENSOR_DIR, _build_piece, _piece_record, export_fixes
 
@@ -149,12 +147,8 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     size = cfg.distributed.horizontal_parallel_size
     cuts, plans = plan_pipe_tensor(cfg)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    target = Path(artifacts_dir) / PIPE_TENSOR_DIR
-    scratch = Path(tempfile.mkdtemp(prefix=".pipetensor.building-", dir=artifacts_dir))
-    cwd = os.getcwd()
-    os.chdir(scratch)  # the engine may write temp.onnx into the current folder
     stages = []
-    try:
+    with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
         for sp in plans:
             s = sp.stage.index
             for line in describe(sp.plan):
@@ -178,13 +172,6 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
                            "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},
                            "split": describe(sp.plan), "pieces": records[0]})
         record = {"size": size, "num_stages": len(plans), "cuts": cuts, "stages": stages}
-        (scratch / PIPE_TENSOR_RECORD).write_text(json.dumps(record, indent=1))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(scratch, target)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    finally:
-        os.chdir(cwd)
+        (scratch / PIPE_TENSOR_RECORD).write_text(json.dumps(record, indent=1))  # last: vouches for the pieces
     log.info("built %d pipeline stages x %d tensor-parallel ranks (cuts %s)", len(plans), size, cuts)
     return record
