@@ -116,3 +116,59 @@ def test_pp_x_hp_is_accepted_on_cpu_ranks_and_refused_on_gpus_with_the_fix(tmp_p
     assert cfg.distributed.resolved_data_parallel_size == 2
     with pytest.raises(ConfigError, match="runs on CPU ranks only for now"):
         pp_tp_cfg(tmp_path, path, device="cuda")
+
+
+def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logits(tmp_path):
+    """Every stage's pieces of every tp rank, run in one process (partial sums added in rank order, the stage's
+    sends passed on), give the whole model's output: fused QKV + Split, single-output LayerNorm, Concat head
+    reshapes."""
+    import numpy as np
+    import onnx
+
+    from ortflow.trainer.parallel.pipe_tensor_artifacts import pieces, plan_pipe_tensor
+
+    from .models_tensor import run_whole, torch_gpt
+
+    path = tmp_path / "torchgpt.onnx"
+    torch_gpt(path, layers=2, width=32, heads=4, vocab=64, seq=8, batch=2)
+    cfg = pp_tp_cfg(tmp_path, path)
+    _, plans = plan_pipe_tensor(cfg)
+    assert len(plans) == 2 and all(sp.plan.regions for sp in plans)
+    fused = {n: v for sp in plans for n, v in sp.plan.slicing().items() if "c_attn.weight" in n}
+    assert sorted(fused) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
+    assert all(v == (1, 3) for v in fused.values())  # q, k, v parts each sliced by heads
+    ids = np.random.default_rng(0).integers(0, 64, (2, 8))
+    model = onnx.load(str(path))
+    feeds = {i.name: ids for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}}
+    options = ort_options()
+    env = dict(feeds)
+    for sp in plans:
+        ranks = [pieces(sp, r) for r in range(2)]
+        for k in range(len(ranks[0])):
+            outs = []
+            for r in range(2):
+                stage = ranks[r][k].stage
+                session = ort_session(stage.model, options)
+                values = session.run(list(stage.sends), {i.name: env[i.name] for i in session.get_inputs()})
+                outs.append(dict(zip(stage.sends, values, strict=True)))
+            if ranks[0][k].parallel:
+                outs[0] = {n: outs[0][n] + outs[1][n] for n in outs[0]}
+            else:
+                assert all(np.array_equal(outs[0][n], outs[1][n]) for n in outs[0])  # replicated: the same
+            env.update(outs[0])
+    out = model.graph.output[0].name
+    np.testing.assert_allclose(env[out], run_whole(model, feeds), rtol=1e-5, atol=1e-5)
+
+
+def ort_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return options
+
+
+def ort_session(model, options):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), options)
