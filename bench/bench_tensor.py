@@ -105,7 +105,7 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     comm.close()
 
 
-def _configure(root: Path, name: str, ranks: int, hp: int) -> Path:
+def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
     from ortflow.config import config_from_dict
     from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
@@ -122,16 +122,18 @@ def _configure(root: Path, name: str, ranks: int, hp: int) -> Path:
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
         "train": {"batch_size": BATCH, "num_train_steps": MICRO, "gradient_accumulation_steps": MICRO},
         "optimizer": {"learning_rate": 1e-3},
-        "distributed": {"num_ranks": ranks, "horizontal_parallel_size": hp, "threads_per_rank": 1},
+        "distributed": {"num_ranks": ranks, "horizontal_parallel_size": hp, "pipeline_parallel_size": pp,
+                        "threads_per_rank": 1},
     })
     configure(cfg)
     prepare_data(cfg)
     return cfg.output_dir
 
 
-def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int) -> list[dict]:
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m",
-           "bench.bench_tensor", "--worker", str(run_dir), "--names-from", str(names_from), "--warmup", str(warmup),
+def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int,
+            module: str = "bench.bench_tensor") -> list[dict]:
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m", module, "--worker",
+           str(run_dir), "--names-from", str(names_from), "--warmup", str(warmup),
            "--steps", str(steps)]
     out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)

@@ -339,7 +339,8 @@ class DistributedConfig(_Section):
     horizontal_parallel_size: int = Field(
         1, gt=0,
         description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
-        "(Megatron-style column/row split, heads divided; fp32, ZeRO-0, no pipeline; docs/tensor-parallel.md).",
+        "(Megatron-style column/row split, heads divided; fp32, ZeRO-0; with pipeline_parallel_size each stage is "
+        "split, CPU ranks only; docs/tensor-parallel.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
@@ -571,9 +572,10 @@ class RunConfig(_Section):
 def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     """What tensor parallelism does not combine with yet, each with the fix."""
     dist, hp, problems = cfg.distributed, cfg.distributed.horizontal_parallel_size, []
-    if dist.pipeline_parallel_size > 1:
+    if dist.pipeline_parallel_size > 1 and dist.device == "cuda":
         problems.append(f"distributed.horizontal_parallel_size {hp} with pipeline_parallel_size "
-                        f"{dist.pipeline_parallel_size} is not supported yet: use one of them (the other 1)")
+                        f"{dist.pipeline_parallel_size} runs on CPU ranks only for now: use device cpu, or one of "
+                        "them (the other 1) on GPUs")
     if dist.zero_stage or dist.enable_adasum:
         problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
                         "(ZeRO-0): set distributed.zero_stage 0 and enable_adasum false with it")

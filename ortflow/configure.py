@@ -36,6 +36,11 @@ from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
 from ortflow.trainer.engine_input import repeatable_gathers
 from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
+from ortflow.trainer.parallel.pipe_tensor_artifacts import (
+    build_pipe_tensor_artifacts,
+    plan_pipe_tensor,
+    read_pipe_tensor_record,
+)
 from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
 from ortflow.trainer.parallel.tensor_artifacts import build_tensor_artifacts, plan_tensor, read_tensor_record
 from ortflow.trainer.training_graph import sums_as_matmul_applies
@@ -131,6 +136,15 @@ def _write_config_if_changed(cfg: RunConfig) -> None:
         write_resolved_config(cfg)
 
 
+def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
+    """The pipeline stages', tensor-parallel pieces' or pp x hp pieces' artifacts that this config needs are built."""
+    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    if pp > 1 and hp > 1:
+        return read_pipe_tensor_record(artifacts_dir) is not None
+    return ((pp == 1 or read_stages_record(artifacts_dir) is not None)
+            and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
+
+
 def configure(cfg: RunConfig) -> ConfigureResult:
     """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
 
@@ -156,8 +170,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         previous is not None
         and previous.get("fingerprint") == key
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
-        and (cfg.distributed.pipeline_parallel_size == 1 or read_stages_record(artifacts_dir) is not None)
-        and (cfg.distributed.horizontal_parallel_size == 1 or read_tensor_record(artifacts_dir) is not None)
+        and _split_artifacts_exist(cfg, artifacts_dir)
     ):
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
@@ -167,13 +180,20 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     model = inspect_model(cfg.model.path)
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
-        plan = plan_stages(cfg) if cfg.distributed.pipeline_parallel_size > 1 else None  # refuse a bad split first
-        tensor = cfg.distributed.horizontal_parallel_size > 1
+        pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+        both = pp > 1 and hp > 1  # each stage's graph split over the tensor-parallel ranks
+        if both:
+            plan_pipe_tensor(cfg)  # refuse a bad pp x hp split before building anything
+        plan = plan_stages(cfg) if pp > 1 and not both else None  # refuse a bad split first
+        tensor = hp > 1 and not both
         if tensor:
             plan_tensor(cfg)  # refuse a bad tensor-parallel split before building anything
         built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
         stages = build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None
         tensor_record = build_tensor_artifacts(cfg, artifacts_dir) if tensor else None
+        if both:
+            stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
+            tensor_record = {"split": [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]}
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     write_resolved_config(cfg)

@@ -79,8 +79,9 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
 
 
 def tensor_split_problems(cfg: RunConfig) -> list[str]:
-    """The tensor-parallel split's refusal (a size that does not divide the heads, nothing to split), as configure
-    would give it; onnx only, no engine."""
+    """The tensor-parallel split's refusal (a size that does not divide the heads, nothing to split; with pipeline
+    stages also a cut inside a split region or a tied weight across stages), as configure would give it; onnx only,
+    no engine."""
     from fnmatch import fnmatch
 
     from ortflow.graph.optional_outputs import declare_optional_outputs
@@ -89,6 +90,15 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from ortflow.graph.tensor_pieces import cut_pieces
     from ortflow.graph.tensor_shard import shard_model
 
+    if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
+        from ortflow.trainer.artifacts import ArtifactsError
+        from ortflow.trainer.parallel.pipe_tensor_artifacts import plan_pipe_tensor
+
+        try:
+            plan_pipe_tensor(cfg)
+        except ArtifactsError as err:
+            return [str(err)]
+        return []
     proto = declare_optional_outputs(onnx.load(str(cfg.model.path)))
     trainable = [t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
                  and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)]

@@ -271,6 +271,10 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size),
                            cfg.distributed.allreduce_dtype)
+    if cfg.distributed.horizontal_parallel_size > 1 and cfg.distributed.pipeline_parallel_size > 1:  # pp x hp
+        from ortflow.trainer.parallel.pipe_tensor import init_pipe_tensor_runtime
+
+        return init_pipe_tensor_runtime(run_dir, cfg, comm, device)
     if cfg.distributed.horizontal_parallel_size > 1:  # a tensor-parallel rank: its pieces and process groups
         from ortflow.trainer.parallel.tensor import init_tensor_runtime
 

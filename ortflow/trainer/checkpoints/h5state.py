@@ -83,8 +83,9 @@ def write_state(state: TrainState, folder: Path) -> None:
             t, size, slicing = state.tp
             params = state.parameters()
             marks = {n: (int(a), int(p), size, params[n].shape) for n, (a, p) in slicing.items() if n in params}
-            write_params(folder / tpfiles.tp_file("params", t, size), params, set(state.trainable), marks=marks)
-            write_optimizer(folder / tpfiles.tp_file("optimizer", t, size), state, marks=marks)
+            write_params(folder / tpfiles.tp_file("params", t, size, state.stage), params, set(state.trainable),
+                         marks=marks)
+            write_optimizer(folder / tpfiles.tp_file("optimizer", t, size, state.stage), state, marks=marks)
         return
     if state.stage is not None:  # a pipeline stage: its first replica writes the stage's two files
         if state.rank == 0:
@@ -148,7 +149,7 @@ def params_files(folder: Path) -> list[Path]:
     folder = Path(folder)
     if (folder / PARAMS_FILE).exists():
         return [folder / PARAMS_FILE]
-    return sorted(folder.glob("params-stage*.h5")) or tpfiles.tp_files(folder, "params")
+    return tpfiles.tp_files(folder, "params") or sorted(folder.glob("params-stage*.h5"))
 
 
 def read_params(folder: Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
@@ -163,7 +164,7 @@ def read_params(folder: Path, names: set[str] | None = None) -> dict[str, np.nda
         return values if names is None else {n: v for n, v in values.items() if n in names}
     if not files:
         raise CheckpointError(f"{folder} holds no parameters (params.h5); the checkpoint is incomplete")
-    if files[0].name.startswith("params-tp"):  # tensor-parallel slices: whole tensors rebuilt
+    if "-tp" in files[0].name:  # tensor-parallel slices (of every pipeline stage): whole tensors rebuilt
         return tpfiles.read_merged_params(files, names)
     values: dict[str, np.ndarray] = {}
     for path in files:

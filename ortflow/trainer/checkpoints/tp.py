@@ -18,9 +18,10 @@ import numpy as np
 from ortflow.trainer.checkpoints.folder import CheckpointError
 
 
-def tp_file(kind: str, rank: int, size: int) -> str:
-    """Name of tensor-parallel rank ``rank``'s ``params`` or ``optimizer`` file."""
-    return f"{kind}-tp{rank:02d}-of-{size:02d}.h5"
+def tp_file(kind: str, rank: int, size: int, stage: tuple[int, int] | None = None) -> str:
+    """Name of tensor-parallel rank ``rank``'s ``params`` or ``optimizer`` file (of pipeline stage ``(s, P)``)."""
+    where = f"-stage{stage[0]:02d}-of-{stage[1]:02d}" if stage else ""
+    return f"{kind}{where}-tp{rank:02d}-of-{size:02d}.h5"
 
 
 def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
@@ -37,8 +38,17 @@ def merge_slices(pieces: list[np.ndarray], axis: int, parts: int) -> np.ndarray:
 
 
 def tp_files(folder: Path, kind: str) -> list[Path]:
-    """A folder's tensor-parallel ``kind`` files in rank order ([] if it is not a tensor-parallel checkpoint)."""
-    return sorted(Path(folder).glob(f"{kind}-tp*-of-*.h5"))
+    """A folder's tensor-parallel ``kind`` files in (stage and) rank order ([] if it is not a tensor-parallel
+    checkpoint)."""
+    return sorted(Path(folder).glob(f"{kind}-tp*-of-*.h5")) or sorted(Path(folder).glob(f"{kind}-stage*-tp*-of-*.h5"))
+
+
+def by_stage(files: list[Path]) -> list[list[Path]]:
+    """Tensor-parallel files grouped by pipeline stage (one group without pipeline stages), each in rank order."""
+    groups: dict[str, list[Path]] = {}
+    for path in files:
+        groups.setdefault(path.name.split("-tp")[0], []).append(path)
+    return [groups[k] for k in sorted(groups)]
 
 
 def mark(ds, sliced: tuple | None) -> None:
@@ -59,7 +69,14 @@ def _merge(name: str, arrays: list[np.ndarray], attrs) -> np.ndarray:
 
 
 def read_merged_params(files: list[Path], names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """Whole parameters from every tensor-parallel rank's params file."""
+    """Whole parameters from every tensor-parallel rank's params file (of every pipeline stage)."""
+    merged: dict[str, np.ndarray] = {}
+    for group in by_stage(files):
+        merged.update(_read_merged_group(group, names))
+    return merged
+
+
+def _read_merged_group(files: list[Path], names: set[str] | None) -> dict[str, np.ndarray]:
     by_name: dict[str, list] = {}
     attrs: dict[str, dict] = {}
     for path in files:
@@ -73,7 +90,8 @@ def read_merged_params(files: list[Path], names: set[str] | None = None) -> dict
 
 
 def merged_optimizer_pieces(files: list[Path]) -> tuple[int, str, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
-    """Step count, optimizer name and each state of every parameter whole (one piece each), from the tp files."""
+    """Step count, optimizer name and each state of every parameter whole (one piece each), from the tp files (of
+    every pipeline stage: a stage's ranks hold its parameters only, so keys never meet across stages)."""
     step, optimizer, by_key, attrs = 0, "", {}, {}
     for path in files:
         with h5py.File(path, "r") as f:

@@ -151,7 +151,9 @@ def evaluate_pipeline(rt: StageRuntime, eval_batches: Callable[[], Iterator[tupl
         for name in rt.receives:
             feeds[name] = pipe.recv(stage - 1, _ACT, f"recv eval act {n} <- stage {stage - 1}")
         if rt.last:
-            sums += (rt.eval_loss(feeds) * weight, rows)
+            loss = rt.eval_loss(feeds)
+            if getattr(rt, "counts_loss", True):  # of a pp x hp last stage's tp ranks (same loss), one counts
+                sums += (loss * weight, rows)
         else:
             for y in rt.forward(feeds):
                 pipe.send(y, stage + 1, _ACT)

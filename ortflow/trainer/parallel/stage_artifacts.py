@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -41,6 +38,7 @@ from ortflow.trainer.artifacts import (
     split_parameters,
 )
 from ortflow.trainer.engine_input import repeatable_gathers
+from ortflow.trainer.parallel.building import building
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +214,7 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
     num = cfg.distributed.pipeline_parallel_size
     cuts, stages = plan or plan_stages(cfg)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    target = Path(artifacts_dir) / STAGES_DIR
-    scratch = Path(tempfile.mkdtemp(prefix=".stages.building-", dir=artifacts_dir))
-    cwd = os.getcwd()
-    os.chdir(scratch)  # the engine may write temp.onnx into the current folder
-    try:
+    with building(artifacts_dir, STAGES_DIR) as scratch:
         for stage in stages:
             try:
                 _build_one(cfg, stage, stage.index == num - 1, set(frozen), scratch / f"stage-{stage.index:02d}")
@@ -241,12 +235,5 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
             ],
         }
         (scratch / STAGES_RECORD).write_text(json.dumps(record, indent=1))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(scratch, target)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    finally:
-        os.chdir(cwd)
     log.info("built %d pipeline stages cut at %s", num, cuts)
     return record

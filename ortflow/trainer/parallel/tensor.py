@@ -64,6 +64,7 @@ class TensorRuntime(Runtime):
     pieces: list[PieceRun] = field(default_factory=list)
     slicing: dict[str, list[int]] = field(default_factory=dict)  # sliced parameter -> [axis, parts]
     holders: dict[str, list[int]] = field(default_factory=dict)  # parameter -> pieces holding it (first: owner)
+    pipe: tuple[int, int] | None = None  # (stage, P) when it also is a pipeline stage (parallel/pipe_tensor.py)
 
     def data_shard(self) -> tuple[int, int]:
         """The ``hp`` ranks of a replica read the same batches."""
@@ -74,7 +75,7 @@ class TensorRuntime(Runtime):
         return h5state.TrainState(
             parameters=self.parameters, trainable=self.trainable, update=self.update,
             optimizer=optimizer_label(self.cfg), rank=self.replica, world_size=self.num_replicas,
-            tp=(self.tp_rank, self.tp_size, self.slicing),
+            tp=(self.tp_rank, self.tp_size, self.slicing), stage=self.pipe,
         )
 
     def param(self, name: str):
@@ -140,26 +141,36 @@ class TensorRuntime(Runtime):
             env.update(zip(sends, outputs, strict=True))
         return env
 
+    def accumulate(self, batches, k: int) -> float:
+        """Forward and backward of ``k`` micro-batches (gradients accumulate in the engines); their loss sum."""
+        return sum(self.micro_step(next(batches)) for _ in range(k))
+
     def micro_step(self, batch: dict[str, np.ndarray]) -> float:
         """Forward and backward of one micro-batch; parameter gradients accumulate in the pieces' engines."""
-        env = self.forward(batch, len(self.pieces) - 1)
-        grads: dict[str, np.ndarray] = {}
+        return self.backward(self.forward(batch, len(self.pieces) - 1))[0]
+
+    def backward(self, env: dict[str, np.ndarray], arriving: dict[str, np.ndarray] | None = None):
+        """The pieces' training calls in reverse, on the forward tensors ``env``; ``arriving``: gradients of what the
+        last piece sends (a pipeline stage's sends), else the last piece holds the loss. Returns (loss, gradients of
+        every received tensor, summed over the tensor-parallel ranks)."""
+        grads: dict[str, np.ndarray] = dict(arriving or {})
         loss = 0.0
         for piece in reversed(self.pieces):
             info = piece.info
             feeds = env
-            if piece is not self.pieces[-1]:  # driven by the summed gradients of what it sent (zeros if unread)
-                arriving = {n + GRAD_IN_SUFFIX: grads.get(n, np.zeros_like(env[n])) for n in info["float_sends"]}
-                feeds = {**env, **arriving}
+            driven = piece is not self.pieces[-1] or arriving is not None
+            if driven:  # by the summed gradients of what it sent (zeros if unread)
+                given = {n + GRAD_IN_SUFFIX: grads.get(n, np.zeros_like(env[n])) for n in info["float_sends"]}
+                feeds = {**env, **given}
             outputs = piece.call(True, feeds)
-            if piece is self.pieces[-1]:
+            if not driven:
                 loss = float(outputs[0])
             back = outputs[1 : 1 + len(info["float_receives"])]
             if info["parallel"]:  # Sync point (f): a split region's input gradients are partial
                 back = [self.tp_sum(g) for g in back]
             for name, g in zip(info["float_receives"], back, strict=True):
                 grads[name] = grads[name] + g if name in grads else np.array(g)
-        return loss
+        return loss, grads
 
     def norm_sq(self, mine: list) -> float:
         """This rank's share of the whole model's squared gradient norm: its slices, and the replicated gradients
@@ -207,7 +218,21 @@ def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, devic
     # Sync points (collective over the world): the two sub-groups every rank joins.
     tp_comm = comm.split(replica, "tensor-parallel group")
     dp_comm = comm.split(comm.size + tp_rank, "tensor-parallel replica group")
-    resume, warm = choose_start(cfg, comm, 1)
+    return assemble_tensor_runtime(TensorRuntime, run_dir, cfg, comm, device, record, Path(cfg.artifacts_dir),
+                                   dict(tp_rank=tp_rank, replica=replica, tp_comm=tp_comm, dp_comm=dp_comm))
+
+
+def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, record: dict,
+                            base: Path, where: dict, pipe: tuple[int, int] | None = None):
+    """Load a tensor-parallel rank's pieces (from ``base``, its ``tensor.json`` ``record``) and its starting state.
+
+    Args:
+        cls: :class:`TensorRuntime` or a subclass (a pipeline stage's, :mod:`ortflow.trainer.parallel.pipe_tensor`).
+        where: The rank's ``tp_rank``, ``replica``, ``tp_comm``, ``dp_comm`` (and a subclass's own fields).
+        pipe: ``(stage, P)`` on a pipeline stage: its checkpoint files carry the stage too.
+    """
+    size, tp_rank, replica = cfg.distributed.horizontal_parallel_size, where["tp_rank"], where["replica"]
+    resume, warm = choose_start(cfg, comm, pipe[1] if pipe else 1)
     if resume and int(resume.meta.get("horizontal_parallel_size", 1)) != size:
         raise CheckpointError(
             f"checkpoint {resume.path} was written with distributed.horizontal_parallel_size "
@@ -216,7 +241,7 @@ def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, devic
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
     pieces, holders = [], {}
     for info in record["pieces"]:
-        folder = piece_dir(cfg.artifacts_dir, tp_rank, info["index"])
+        folder = piece_dir(base, tp_rank, info["index"])
         state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
         module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
                             device=device, session_options=stage_session_options(threads, device))
@@ -224,26 +249,26 @@ def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, devic
             holders.setdefault(name, []).append(info["index"])
         pieces.append(PieceRun(info, state, module))
     trainable = sorted(n for n, hs in holders.items() if pieces[hs[0]].state.parameters[n].requires_grad)
-    dp_exchange = Zero0(dp_comm)
+    dp_exchange = Zero0(where["dp_comm"])
     tied = sorted(n for n, hs in holders.items() if len(hs) > 1)
     if tied and device != "cpu":
         raise RuntimeError(f"parameters read by several tensor-parallel pieces {tied[:5]} (tied weights) are summed on "
                            "the host: not supported on CUDA yet; use horizontal_parallel_size 1 on GPUs for this model")
-    rt = TensorRuntime(cfg, Path(run_dir), comm, device, threads, pieces[-1].state, pieces[-1].module, None,
-                       dp_exchange, trainable, resume, tp_rank=tp_rank, tp_size=size, replica=replica,
-                       num_replicas=comm.size // size, tp_comm=tp_comm, dp_comm=dp_comm, pieces=pieces,
-                       slicing=record["slicing"], holders=holders)
+    rt = cls(cfg, Path(run_dir), comm, device, threads, pieces[-1].state, pieces[-1].module, None, dp_exchange,
+             trainable, resume, tp_size=size, num_replicas=comm.size // (size * (pipe[1] if pipe else 1)),
+             pieces=pieces, slicing=record["slicing"], holders=holders, pipe=pipe, **where)
     if resume or warm:
         load_sliced_parameters(rt, resume.path if resume else Path(warm))
     rt.update = _build_update(rt, threads)
     if resume:
-        own = resume.path / tp_file("optimizer", tp_rank, size)
+        own = resume.path / tp_file("optimizer", tp_rank, size, pipe)
         h5state.load_optimizer(resume.path, rt.update, optimizer_label(cfg), rank=replica, files=[own])
-    where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
+    start = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
-    log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d, %d pieces, %d parameter tensors (%d sliced), "
-             "starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas, len(pieces), len(trainable),
-             len(set(trainable) & set(rt.slicing)), where)
+    log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces, %d parameter tensors (%d sliced), "
+             "starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas,
+             f" of pipeline stage {pipe[0]}/{pipe[1]}" if pipe else "", len(pieces), len(trainable),
+             len(set(trainable) & set(rt.slicing)), start)
     return rt
 
 

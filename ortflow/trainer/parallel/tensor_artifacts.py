@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -46,6 +43,7 @@ from ortflow.trainer.artifacts import (
     split_parameters,
 )
 from ortflow.trainer.engine_input import repeatable_gathers
+from ortflow.trainer.parallel.building import building
 from ortflow.trainer.parallel.stage_artifacts import _VJPLoss, expose_input_gradients, strip_vjp_from_eval
 
 log = logging.getLogger(__name__)
@@ -144,12 +142,8 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     model, plan, trainable, frozen = plan_tensor(cfg)
     for line in describe(plan):  # what was split and what was kept, with the reason
         log.info("tensor_parallel %d: %s", size, line)
-    target = Path(artifacts_dir) / TENSOR_DIR
-    scratch = Path(tempfile.mkdtemp(prefix=".tensor.building-", dir=artifacts_dir))
-    cwd = os.getcwd()
-    os.chdir(scratch)  # the engine may write temp.onnx into the current folder
     ranks = []
-    try:
+    with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
             pieces = cut_pieces(shard_model(model, plan, rank), plan, model, trainable)
             for piece in pieces:
@@ -165,12 +159,5 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
                   "split": describe(plan), "pieces": ranks[0]}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(scratch, target)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    finally:
-        os.chdir(cwd)
     log.info("built %d tensor-parallel ranks of %d pieces each", size, len(record["pieces"]))
     return record

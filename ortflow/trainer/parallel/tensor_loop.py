@@ -66,7 +66,7 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
         onnxruntime.set_seed(cfg.train.seed + step)
-        loss_sum = sum(rt.micro_step(next(batches)) for _ in range(k))
+        loss_sum = rt.accumulate(batches, k)  # one after another, or through the pipeline stages (pp x hp)
         rt.sum_tied_gradients()
         # Sync point: each tp rank's replicas average their gradients (the unsplit loop's all-reduce, per tp rank).
         mine = rt.exchange.reduce(grads, k * replicas, np.zeros(0, np.float32))
@@ -85,7 +85,10 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
         window_samples += k * replicas * batch
         evaluated = period > 0 and step % period == 0 or step == total
         paused = clock()
-        eval_loss = evaluate_tensor(rt, eval_batches) if evaluated else None
+        if evaluated:
+            eval_loss = rt.evaluate(eval_batches) if rt.pipe else evaluate_tensor(rt, eval_batches)
+        else:
+            eval_loss = None
         window_start += clock() - paused
         if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated):
             report_window(progress, tensorboard, step, total, clock() - window_start, window_samples, tokens_per_sample,
@@ -95,7 +98,9 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
             paused = clock()
             check_replicas(rt, step)
             checkpoints.save(step, rt.train_state(), checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
-                                                                     horizontal_parallel_size=rt.tp_size))
+                                                                     horizontal_parallel_size=rt.tp_size,
+                                                                     pipeline_parallel_size=rt.pipe[1] if rt.pipe
+                                                                     else 1))
             window_start += clock() - paused
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)

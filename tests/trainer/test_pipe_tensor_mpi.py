@@ -1,0 +1,145 @@
+"""Pipeline x tensor parallelism for real: a 2-layer GPT in 2 stages x 2 tensor-parallel ranks (``mpiexec -n 4``).
+
+One pp 2 x hp 2 run (checkpoint every update) is shared by the tests: against the unsplit run, against a second
+run killed and resumed, and through merge and export.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from ortflow.trainer.checkpoints import list_complete
+from ortflow.trainer.checkpoints.h5state import read_params
+from ortflow.trainer.checkpoints.tp import tp_file
+
+from .runs import rank_command, run_ranks
+from .test_tensor_mpi import ATOL, SEQ, digests, gpt_run, h5_arrays, initial_parameters, losses, newest
+
+pytestmark = pytest.mark.mpi
+
+PP_HP = {"num_ranks": 4, "horizontal_parallel_size": 2, "pipeline_parallel_size": 2}
+EVERY = {"period": 1, "max_num_checkpoints": 10}
+FILES = {tp_file(kind, t, 2, (s, 2)) for kind in ("params", "optimizer") for s in range(2) for t in range(2)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The unsplit run and the pp 2 x hp 2 run (AdamW, 4 updates of 2 micro-batches, the same samples)."""
+    root = tmp_path_factory.mktemp("pptp")
+    whole = gpt_run(root, "pp1hp1", distributed={"num_ranks": 1}, checkpoint=EVERY)
+    split = gpt_run(root, "pp2hp2", distributed=PP_HP, checkpoint=EVERY)
+    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+    assert out1.returncode == 0, out1.stdout[-3000:]
+    assert out2.returncode == 0, out2.stdout[-3000:]
+    return root, whole, split, out1, out2
+
+
+def test_pp2_hp2_trains_to_the_unsplit_parameters_and_tp_ranks_agree(runs):
+    _, whole, split, out1, out2 = runs
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))  # every stage's slices merged
+    assert sorted(p1) == sorted(p2)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    initial = initial_parameters(whole)
+    moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
+    print(f"pp 2 x hp 2, adamw: max |param diff| vs pp 1 x hp 1: {worst}; largest move in training {moved}")
+    # The tolerance of hp 2 alone (test_tensor_mpi.ATOL): the stage cut adds no rounding of its own (pp 2 is bitwise
+    # equal to pp 1), the tensor split's row-parallel partial sums do.
+    assert worst < ATOL["adamw"] and moved > 10 * ATOL["adamw"]
+    np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (out1, out2)]
+    assert len(evals[1]) == 2
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)  # eval forward through the stages and their pieces
+    seen = digests(out2.stdout)  # rank = stage * 2 + t
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert seen[0][1] == seen[1][1] and seen[2][1] == seen[3][1]  # replicated parameters: bitwise equal in a stage
+    assert seen[0][1] != seen[2][1]  # the stages hold different parameters
+    assert seen[0][0] != seen[1][0]  # and the tp ranks different slices
+    assert {f.name for f in newest(split).iterdir()} == {"meta.json"} | FILES
+
+
+def test_kill_and_resume_is_bitwise_identical(runs):
+    root, _, straight, _, _ = runs
+    resumed = gpt_run(root, "resumed", distributed=PP_HP, checkpoint=EVERY)
+    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
+    proc.wait(timeout=60)
+    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+    assert done and done[-1] < 4, done
+    out = run_ranks(resumed, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"starting from step {done[-1]}" in out.stdout
+    folder = newest(resumed)
+    assert {f.name for f in folder.iterdir()} == {"meta.json"} | FILES
+    for name in sorted(FILES):  # every (stage, tp rank)'s own files, bit for bit
+        assert h5_arrays(newest(straight) / name) == h5_arrays(folder / name), name
+
+
+def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(runs):
+    import h5py
+    import onnx
+    import onnxruntime as ort
+
+    from ortflow.export.model import export_model
+    from ortflow.trainer.checkpoints.tools import merge
+
+    root, _, split, _, _ = runs
+    folder = newest(split)
+    with h5py.File(folder / tp_file("params", 1, 2, (1, 2)), "r") as f:  # stage 1, tp rank 1: half of h1's q
+        names = {ds.attrs["name"]: ds for ds in f["parameters"].values()}
+        assert names["h1.attn.q.weight"].shape == (32, 16) and "h0.attn.q.weight" not in names
+    params = read_params(folder)
+    assert params["h0.attn.q.weight"].shape == (32, 32) and params["h1.mlp.proj.weight"].shape == (128, 32)
+    merged = merge(folder, root / "merged.h5")
+    assert merged.step == 4
+    with h5py.File(root / "merged.h5", "r") as f:
+        whole = {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
+        moments = {ds.attrs["name"]: ds[()] for ds in f["optimizer"]["exp_avg"].values()}
+    assert sorted(whole) == sorted(params) and all(np.array_equal(whole[n], params[n]) for n in params)
+    assert moments["h1.mlp.fc.weight"].shape == (32, 128) and np.abs(moments["h0.mlp.fc.weight"]).max() > 0
+    out = root / "model.onnx"
+    result = export_model(split.output_dir, out, config=split)
+    assert max(result.verification.max_abs_diff.values()) <= 1e-5
+    # Independently: the exported model equals the unsplit eval graph fed with the merged trained parameters.
+    eval_proto = onnx.load(str(split.artifacts_dir / "eval_model.onnx"))
+    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
+    ids = np.random.default_rng(0).integers(0, 256, (2, SEQ))
+    inputs = [i.name for i in eval_proto.graph.input]
+    feeds = {n: params[n] for n in inputs if n in params}
+    feeds.update({n: ids for n in inputs if n == "input_ids"})
+    feeds.update({n: np.zeros(2 * SEQ, np.int64) for n in inputs if n == "labels"})
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)[0]
+    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_array_equal(logits, reference)
+    initial = initial_parameters(split)
+    assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
+
+
+@pytest.mark.slow
+def test_dp2_pp2_hp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_replicas(tmp_path):
+    opt = {"name": "sgd", "learning_rate": 1e-2}
+    whole = gpt_run(tmp_path, "dp2", distributed={"num_ranks": 2}, optimizer=opt)
+    split = gpt_run(tmp_path, "dp2pp2hp2", distributed={**PP_HP, "num_ranks": 8}, optimizer=opt)
+    out1, out2 = run_ranks(whole), run_ranks(split, timeout=400)
+    assert out1.returncode == 0, out1.stdout[-3000:]
+    assert out2.returncode == 0, out2.stdout[-3000:]
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    moved = max(float(np.abs(p1[n] - initial_parameters(whole)[n]).max()) for n in p1)
+    print(f"dp 2 x pp 2 x hp 2, sgd: max |param diff| vs dp 2: {worst}; largest move in training {moved}")
+    assert worst < ATOL["sgd"] and moved > 10 * ATOL["sgd"]
+    seen = digests(out2.stdout)  # rank = (replica * 2 + stage) * 2 + t
+    assert sorted(seen) == list(range(8))
+    assert all(seen[r] == seen[r + 4] for r in range(4))  # each (stage, tp slice) bitwise equal on its replicas
+    assert seen[0][1] == seen[1][1] != seen[2][1] == seen[3][1]  # replicated parameters: per stage
