@@ -73,7 +73,7 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> No
             f"distributed.horizontal_parallel_size {size} every parameter must be read in one stage: move "
             "model.pipeline_cuts so their readers share a stage, untie them in the model, or use one of "
             "pipeline_parallel_size and horizontal_parallel_size (each alone handles tied weights)")
-    whole = export_fixes(onnx.load(str(cfg.model.path)))
+    whole = export_fixes(onnx.load(str(cfg.model.path)), trainable)
     try:
         plan = plan_tensor_split(whole, trainable, size)
     except TensorSplitError as err:
@@ -110,7 +110,7 @@ def plan_pipe_tensor(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
     _check_cuts(cfg, stages, trainable)
     plans = []
     for stage in stages:
-        model = export_fixes(stage.model)
+        model = export_fixes(stage.model, stage.parameters)
         try:
             plan = plan_tensor_split(model, stage.parameters, size)
             pieces(StagePlan(stage, model, plan), 0)  # refuse a bad cut before any engine call
