@@ -20,13 +20,25 @@ from tests.prefect.helpers import final_parameters, mlp_config, processes_mentio
 pytestmark = pytest.mark.prefect
 
 
-def task_states(flow_run_id) -> dict[str, str]:
-    """Stage name -> state name ("Cached", "Completed", "Failed", ...) of a flow run's task runs, from the server."""
+def task_states(flow_run_id, wait_s: float = 60.0) -> dict[str, str]:
+    """Stage name -> state name ("Cached", "Completed", "Failed", ...) of a flow run's task runs, from the server.
+
+    Task-run states reach the server as events that it records asynchronously, so right after a flow returns a task
+    run may still read "Running" or have no state on a loaded machine (seen in CI): read again until every task run
+    has a final state, for up to ``wait_s`` seconds, then return what the server has.
+    """
+    import time
+
     from prefect.client.orchestration import get_client
 
+    deadline = time.monotonic() + wait_s
     with get_client(sync_client=True) as client:
-        runs = read_task_runs(client, flow_run_id)
-    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+        while True:
+            runs = read_task_runs(client, flow_run_id)
+            if all(run.state is not None and run.state.is_final() for run in runs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    return {run.name.rsplit("-", 1)[0]: run.state.name if run.state else "None" for run in runs}
 
 
 def read_task_runs(client, flow_run_id) -> list:
