@@ -42,9 +42,9 @@ def summarize(results: dict, micro: list[int]) -> dict:
         row["bubble_theory"] = 1 / (m + 1)
         rows[m] = row
     first = micro[0]
-    memory = {"pp1": results[f"pp1-m{first}"][0][0]["memory"]["device_memory_used"],
-              "dp2 rank 0": results[f"dp2-m{first}"][0][0]["memory"]["device_memory_used"]}
-    memory.update({f"pp2 stage {s}": results[f"pp2-m{first}"][0][s]["memory"]["device_memory_used"] for s in (0, 1)})
+    memory = {"pp1": results[f"pp1-m{first}"][0][0]["device_memory_used"],
+              "dp2 rank 0": results[f"dp2-m{first}"][0][0]["device_memory_used"]}
+    memory.update({f"pp2 stage {s}": results[f"pp2-m{first}"][0][s]["device_memory_used"] for s in (0, 1)})
     return {"throughput": rows, "device_memory_used": memory}
 
 
