@@ -102,6 +102,8 @@ def fingerprint(cfg: RunConfig) -> str:
     digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
     if cfg.distributed.pipeline_parallel_size > 1:  # stage artifacts depend on the stage count
         digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
+    if cfg.precision.use_mixed_precision:  # the autocast pass and the loss-scale input are in the artifacts
+        digest.update(f";precision={cfg.section_fingerprint('precision')}".encode())
     if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
         digest.update(b";gathers=repeatable")
     if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (trainer/training_graph.py)

@@ -359,3 +359,22 @@ def test_cross_entropy_on_a_1d_output_is_refused_with_the_loss_to_use(tmp_path):
     onnx.save(model, str(tmp_path / "m1.onnx"))
     with pytest.raises(ConfigError, match=r"cross_entropy needs class scores .*use model.loss bce_with_logits"):
         configure(make_cfg(tmp_path, tmp_path / "m1.onnx"))
+
+
+def test_mixed_precision_is_in_the_artifacts_fingerprint(tmp_path):
+    """The autocast pass and the loss-scale input are in the artifacts: switching precision must rebuild them."""
+    from ortflow.configure import fingerprint
+
+    path = build_mlp(tmp_path / "m.onnx")
+
+    def cfg(**precision):
+        return config_from_dict({"name": "t", "output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
+                                 "data": {"train": str(tmp_path / "train.parquet")},
+                                 "train": {"batch_size": 4, "num_train_steps": 2},
+                                 "distributed": {"device": "cuda", "use_nccl": True},
+                                 "precision": precision})  # fmt: skip
+
+    prints = {fingerprint(cfg()), fingerprint(cfg(use_mixed_precision=True)),
+              fingerprint(cfg(use_mixed_precision=True, use_bfloat16=True))}
+    assert len(prints) == 3
+    assert fingerprint(cfg()) == fingerprint(cfg(use_mixed_precision=False))  # fp32 runs keep their fingerprint
