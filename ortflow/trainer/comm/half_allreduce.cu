@@ -18,16 +18,6 @@ __device__ __forceinline__ float from_half(unsigned short h, int bf16) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"(h));
     return v;
 }
-__device__ double block_sum_h(double acc) {
-    __shared__ double part[256];
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-        __syncthreads();
-    }
-    return part[0];
-}
 extern "C" __global__ void pack_half(const unsigned long long* ptrs, const long long* counts,
                                      const long long* offsets, unsigned short* flat, float pre, int bf16) {
     const float* x = (const float*)ptrs[blockIdx.y];
@@ -50,6 +40,6 @@ extern "C" __global__ void unpack_half(const unsigned long long* ptrs, const lon
         x[i] = v;
         acc += (double)v * (double)v;
     }
-    double total = block_sum_h(acc);
+    double total = block_sum(acc);
     if (threadIdx.x == 0) partials[blockIdx.y * gridDim.x + blockIdx.x] = total;
 }

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
+
 log = logging.getLogger(__name__)
-_SRC = (Path(__file__).parent / "half_allreduce.cu").read_text()
+_SRC = BLOCK_SUM_SRC + (Path(__file__).parent / "half_allreduce.cu").read_text()
 _THREADS = 256
 
 

@@ -1,15 +1,5 @@
 // Multi-tensor kernels launched by nccl.py: one launch for a whole list of tensors, blockIdx.y picks the tensor.
-// Sum of one value per thread over a block of 256 threads, by a fixed tree (the same order on every run and rank).
-__device__ double block_sum(double acc) {
-    __shared__ double part[256];
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-        __syncthreads();
-    }
-    return part[0];
-}
+// block_sum (comm/block_sum.cu) is prepended by nccl.py.
 extern "C" __global__ void sum_squares(const unsigned long long* ptrs, const long long* counts, double* out) {
     const float* x = (const float*)ptrs[blockIdx.y];
     long long n = counts[blockIdx.y];

@@ -10,6 +10,7 @@ import numpy as np
 
 from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.base import Communicator, gradient_norm, scale_gradients
+from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
 from ortflow.trainer.comm.half_allreduce import HalfAllReduce
 
 
@@ -23,7 +24,7 @@ class DeviceBuffer:
 
 
 #: One launch for a whole list of tensors (like llm.c's and apex's multi-tensor kernels): blockIdx.y picks the tensor.
-_MULTI_TENSOR_SRC = (Path(__file__).parent / "multi_tensor.cu").read_text()
+_MULTI_TENSOR_SRC = BLOCK_SUM_SRC + (Path(__file__).parent / "multi_tensor.cu").read_text()
 
 
 class NCCLComm:
