@@ -35,17 +35,22 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: Variants, as suffixes of a precision's name (combinable, e.g. fp16-plainreduce-allreduce16), and what each sets
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
 #: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
-#: all-reduce in fp16 or bf16 (comm/half_allreduce.py).
-VARIANTS = {"-nondet": {"deterministic_compute": False}, "-plainreduce": {"reduce_sum_as_matmul": False},
-            "-allreduce16": {"allreduce_dtype": "float16"}, "-allreducebf16": {"allreduce_dtype": "bfloat16"}}
+#: all-reduce in fp16 or bf16 (comm/half_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
+#: graph/gelu.py). Keys are config sections.
+VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
+            "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
+            "-allreduce16": {"distributed": {"allreduce_dtype": "float16"}},
+            "-allreducebf16": {"distributed": {"allreduce_dtype": "bfloat16"}},
+            "-nofuse": {"model": {"fuse_gelu": False}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
-    """(base precision, distributed settings) of a precision name such as ``fp16-plainreduce``."""
-    settings, base = {}, name
+    """(base precision, {section: settings}) of a precision name such as ``fp16-plainreduce``."""
+    settings, base = {"distributed": {}, "model": {}}, name
     while any(base.endswith(suffix) for suffix in VARIANTS):
         suffix = next(s for s in VARIANTS if base.endswith(s))
-        settings.update(VARIANTS[suffix])
+        for section, values in VARIANTS[suffix].items():
+            settings[section].update(values)
         base = base.removesuffix(suffix)
     if base not in PRECISIONS:
         raise SystemExit(f"unknown precision {name!r}: one of {sorted(PRECISIONS)} plus suffixes {sorted(VARIANTS)}")
@@ -68,11 +73,11 @@ def prepare(args: argparse.Namespace) -> None:
         start, (base, variant_settings) = time.perf_counter(), variant(name)
         configure(config_from_dict({
             "name": name, "output_dir": str(root / name),
-            "model": {"path": str(model), "loss": "cross_entropy"},
+            "model": {"path": str(model), "loss": "cross_entropy", **variant_settings["model"]},
             "data": {"train": [str(root / "unused.npz")]},
             "train": {"batch_size": BATCH, "num_train_steps": 100},
             "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True, **variant_settings},
+            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True, **variant_settings["distributed"]},
             "precision": PRECISIONS[base],
         }))  # fmt: skip
         print(f"configured {name} in {time.perf_counter() - start:.1f} s", flush=True)
@@ -169,7 +174,8 @@ LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"
           ("ortflow", "bf16"): "ortflow bf16 mixed", ("torch", "tf32"): "PyTorch TF32 eager",
           ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
 _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engine ReduceSum (no MatMul rewrite)",
-                  "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce"}
+                  "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce",
+                  "-nofuse": "GELU as exported (no fusion)"}
 
 
 def variant_base(prec: str) -> str:

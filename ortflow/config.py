@@ -113,6 +113,12 @@ class ModelConfig(_Section):
         description="cross_entropy: the one label value the loss skips (e.g. -100 for padding). Any other label "
         "outside [0, classes) is refused by prepare-data.",
     )
+    fuse_gelu: bool = Field(
+        True,
+        description="Replace the elementwise GELU an exporter writes (erf or tanh form) by the engine's one-kernel "
+        "Gelu / FastGelu before training (README: What configure does to your model); the export writes it back as "
+        "standard ops. Off with bf16 mixed precision.",
+    )
     pipeline_cuts: tuple[str, ...] = Field(
         (),
         description="With distributed.pipeline_parallel_size P > 1: the P-1 tensor names where the model is cut into "

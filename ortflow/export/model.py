@@ -31,6 +31,7 @@ from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
 from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
+from ortflow.graph.gelu import decompose_gelu
 from ortflow.graph.common import subgraph_reads
 from ortflow.graph.embedding import restore_gathers
 from ortflow.trainer.checkpoints import (
@@ -435,6 +436,7 @@ def export_model(
     if precision == "fp32":  # a mixed-precision run's eval graph without its casts: the user's fp32 model
         eval_proto = strip_autocast(eval_proto)
     eval_proto = restore_gathers(eval_proto)  # the user's Gathers back (ortflow/graph/embedding.py)
+    eval_proto = decompose_gelu(eval_proto)  # fused GELUs as standard ops: no com.microsoft domain (graph/gelu.py)
     labels = label_names(eval_proto, src.record, src.config)
     names = list(outputs) or default_outputs(eval_proto, src.record, labels)
     if not names:

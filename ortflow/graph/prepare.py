@@ -1,9 +1,10 @@
 """The model-preparation pass configure runs before the engine builds the training graph.
 
-Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then repeated
-inputs, then (when asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for the loss,
-and last the check that every node on the trained path has a
-gradient (it runs on the graph the engine will see). No step changes an initializer.
+Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then ONNX's tanh
+Gelu as the engine's FastGelu (for its gradient), then (when asked) the GELU fusion, then repeated inputs, then (when
+asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for the loss, and last the check
+that every node on the trained path has a gradient (it runs on the graph the engine will see). No step changes an
+initializer.
 
 The passes run on a skeleton of the model whose initializers hold no values (name, type and dims only); the
 original tensors are put back at the end. So weights never go through a pass, and a 400 MB model is not copied
@@ -19,6 +20,8 @@ import onnx
 
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.embedding import deterministic_gathers
+from ortflow.graph.gelu import fuse_gelu as fuse_gelu_pass
+from ortflow.graph.gelu import tanh_gelu_gradients
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
@@ -53,6 +56,8 @@ def prepare_model(
     loss_output: str,
     label_input: str | None,
     repeatable_gathers: bool = False,
+    fuse_gelu: bool = False,
+    keep: set[str] | None = None,
 ) -> PreparedModel:
     """Rewrite the user's model into one the engine trains correctly, or say why it cannot.
 
@@ -64,6 +69,8 @@ def prepare_model(
         label_input: The label input's name (None for ``model_output``).
         repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
             gradient of Gather is not repeatable with more than one thread.
+        fuse_gelu: Replace exported elementwise GELUs by the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`).
+        keep: Tensor names no pass may remove (the pipeline cuts).
 
     Returns:
         The prepared model, the names the loss must read, parameters to freeze, and the report of what changed.
@@ -78,6 +85,9 @@ def prepare_model(
     trainable = trainable - set(buffers)
     model = declare_optional_outputs(model, report)
     model = split_to_slices(model, report)
+    model = tanh_gelu_gradients(model, report)
+    if fuse_gelu:
+        model = fuse_gelu_pass(model, report, keep=keep or set())
     model = separate_repeated_inputs(model, report)
     if repeatable_gathers:
         model = deterministic_gathers(model, trainable, report)

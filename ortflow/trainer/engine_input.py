@@ -38,9 +38,17 @@ def prepare(
         model, batch = make_batch_symbolic(model)
     try:
         repeatable = repeatable_gathers(cfg)
-        return prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name, repeatable), batch
+        prepared = prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name, repeatable,
+                                 fuse_gelu=gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
+        return prepared, batch
     except GraphError as err:
         raise ArtifactsError(str(err)) from None
+
+
+def gelu_fusion(cfg: RunConfig) -> bool:
+    """Whether exported GELUs become the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`): model.fuse_gelu, except
+    with bf16 mixed precision, where the CUDA engine's GeluGrad kernels (fp16, fp32, fp64) may lack a bf16 one."""
+    return cfg.model.fuse_gelu and not (cfg.precision.use_mixed_precision and cfg.precision.use_bfloat16)
 
 
 def repeatable_gathers(cfg: RunConfig) -> bool:

@@ -16,7 +16,7 @@ from ortflow.configure import configure
 from ortflow.engine import api
 from ortflow.export.model import build_inference_model, default_outputs, label_names, load_parameters
 from ortflow.trainer import optim
-from tests import models_export
+from tests import models_export, models_gelu
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients
 
 LR = 0.05
@@ -51,6 +51,9 @@ PATTERNS = {
     "btv_logits": (models_export.token_lm, _token_batch, "flatten_logits"),
     "gpt2_tied_shape_arithmetic": (lambda p: models_export.gpt2_style(p, vocab=11, seq_len=5),
                                    _token_batch, "flatten_logits"),
+    # GELUs the engine does not fuse itself, fused by ortflow (graph/gelu.py): gradients against the unfused original
+    "gelu_scaled_erf": (lambda p: models_gelu.gelu_mlp(p, "scaled_erf"), _classifier_batch, "fuse_gelu"),
+    "gelu_torch_tanh_tied_lm": (lambda p: models_gelu.gelu_lm(p, "torch_tanh"), _token_batch, "fuse_gelu"),
 }
 
 
