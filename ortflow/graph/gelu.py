@@ -230,7 +230,9 @@ def _declare(graph: onnx.GraphProto, name: str, type_proto: onnx.TypeProto) -> N
     info.type.CopyFrom(type_proto)
 
 
-def fuse_gelu(model: onnx.ModelProto, report: list[dict] | None = None, keep: set[str] = frozenset()) -> onnx.ModelProto:
+def fuse_gelu(
+    model: onnx.ModelProto, report: list[dict] | None = None, keep: set[str] = frozenset()
+) -> onnx.ModelProto:
     """Replace every recognised elementwise GELU by one ``com.microsoft`` ``Gelu`` (erf) or ``FastGelu`` (tanh).
 
     Args:

@@ -160,7 +160,8 @@ def _worst_gradient_error(tmp_path, path, logits: str) -> float:
     from tests.graph.gradcheck import Reference, engine_loss_and_gradients, sample_indices
 
     cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
-                            "data": {"train": [str(tmp_path / "t.npz")]}, "train": {"batch_size": 4, "num_train_steps": 1}})
+                            "data": {"train": [str(tmp_path / "t.npz")]},
+                            "train": {"batch_size": 4, "num_train_steps": 1}})
     result = configure(cfg)
     rng = np.random.default_rng(1)
     feeds, labels = {"x": (rng.standard_normal((4, 6)) * 2).astype(np.float32)}, rng.integers(0, 3, 4)
@@ -177,9 +178,10 @@ def _worst_gradient_error(tmp_path, path, logits: str) -> float:
 def test_opset20_tanh_gelu_trains_with_its_own_gradient(tmp_path):
     path = _opset20_gelu_mlp(tmp_path / "m.onnx", "tanh")
     logits = onnx.load(str(path)).graph.output[0].name
-    prepared = onnx.load(str(configure(config_from_dict({
+    unfused = configure(config_from_dict({
         "output_dir": str(tmp_path / "r0"), "model": {"path": str(path), "fuse_gelu": False},
-        "data": {"train": [str(tmp_path / "t.npz")]}, "train": {"batch_size": 4, "num_train_steps": 1}})).artifacts_dir / "training_model.onnx"))
+        "data": {"train": [str(tmp_path / "t.npz")]}, "train": {"batch_size": 4, "num_train_steps": 1}}))
+    prepared = onnx.load(str(unfused.artifacts_dir / "training_model.onnx"))
     # A correctness fix: it runs with the fusion switched off too.
     assert {"FastGelu", "FastGeluGrad"} <= {n.op_type for n in prepared.graph.node}
     assert "GeluGrad" not in {n.op_type for n in prepared.graph.node}
