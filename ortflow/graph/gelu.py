@@ -6,7 +6,7 @@ of them: the forward keeps their intermediates and the backward runs the Erf's g
 the whole ``[B, T, 4d]`` activation several times. The engine's own GELU ops (``Gelu``: the erf form;
 ``FastGelu``: the tanh form) compute the same function in one kernel each way (``GeluGrad`` / ``FastGeluGrad``).
 The engine's own graph optimizer fuses some forms when it builds the training graph (torch's
-``nn.GELU()`` export, Hugging Face's erf GELU and ``gelu_new``), not the others; measured: docs/benchmarks.md.
+``nn.GELU()`` export, Hugging Face's erf GELU and ``gelu_new``), not the others; measured: docs/engine-kernels.md.
 
 Recognised (Mul and Add operands in either order; constants are initializers or Constant nodes holding one float,
 equal to the named value within 1e-5 relative; every intermediate read by nothing else):
@@ -228,6 +228,15 @@ def _declare(graph: onnx.GraphProto, name: str, type_proto: onnx.TypeProto) -> N
     info = graph.value_info.add()
     info.name = name
     info.type.CopyFrom(type_proto)
+
+
+def gelu_rewrites(
+    model: onnx.ModelProto, fuse: bool, report: list[dict] | None = None, keep: set[str] = frozenset()
+) -> onnx.ModelProto:
+    """Both passes as every training graph gets them (the whole model, pipeline stages, tensor-parallel pieces):
+    :func:`tanh_gelu_gradients` always, :func:`fuse_gelu` when ``fuse``."""
+    model = tanh_gelu_gradients(model, report)
+    return fuse_gelu(model, report, keep=keep) if fuse else model
 
 
 def fuse_gelu(

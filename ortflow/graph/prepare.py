@@ -20,8 +20,7 @@ import onnx
 
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.embedding import deterministic_gathers
-from ortflow.graph.gelu import fuse_gelu as fuse_gelu_pass
-from ortflow.graph.gelu import tanh_gelu_gradients
+from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
@@ -85,9 +84,7 @@ def prepare_model(
     trainable = trainable - set(buffers)
     model = declare_optional_outputs(model, report)
     model = split_to_slices(model, report)
-    model = tanh_gelu_gradients(model, report)
-    if fuse_gelu:
-        model = fuse_gelu_pass(model, report, keep=keep or set())
+    model = gelu_rewrites(model, fuse_gelu, report, keep=keep or set())
     model = separate_repeated_inputs(model, report)
     if repeatable_gathers:
         model = deterministic_gathers(model, trainable, report)

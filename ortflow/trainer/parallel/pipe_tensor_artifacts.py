@@ -26,11 +26,13 @@ from pathlib import Path
 import onnx
 
 from ortflow.config import RunConfig
+from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.pipeline import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.trainer.artifacts import ArtifactsError, inspect_model, split_parameters
+from ortflow.trainer.engine_input import gelu_fusion
 from ortflow.trainer.parallel.building import building
 from ortflow.trainer.parallel.stage_artifacts import plan_stages
 from ortflow.trainer.parallel.tensor_artifacts import TENSOR_DIR, _build_piece, _piece_record, export_fixes
@@ -73,7 +75,7 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> No
             f"distributed.horizontal_parallel_size {size} every parameter must be read in one stage: move "
             "model.pipeline_cuts so their readers share a stage, untie them in the model, or use one of "
             "pipeline_parallel_size and horizontal_parallel_size (each alone handles tied weights)")
-    whole = export_fixes(onnx.load(str(cfg.model.path)), trainable)
+    whole = export_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg)), trainable)
     try:
         plan = plan_tensor_split(whole, trainable, size)
     except TensorSplitError as err:

@@ -27,6 +27,7 @@ from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.embedding import deterministic_gathers
+from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.pipeline import Stage, choose_cuts, split_model
 from ortflow.trainer.artifacts import (
     ARTIFACT_FILES,
@@ -37,7 +38,7 @@ from ortflow.trainer.artifacts import (
     inspect_model,
     split_parameters,
 )
-from ortflow.trainer.engine_input import repeatable_gathers
+from ortflow.trainer.engine_input import gelu_fusion, repeatable_gathers
 from ortflow.trainer.parallel.building import building
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,8 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
 
     num = cfg.distributed.pipeline_parallel_size
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    model = onnx.load(str(cfg.model.path))
+    # The GELU rewrites as for the unsplit model (graph/gelu.py), so stages compute what it computes.
+    model = gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
     try:
         cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
         stages = split_model(model, cuts, trainable)

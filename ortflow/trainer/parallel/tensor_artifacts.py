@@ -24,6 +24,7 @@ import onnx
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.embedding import deterministic_gathers
+from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.pipeline import _FLOAT
@@ -42,7 +43,7 @@ from ortflow.trainer.artifacts import (
     inspect_model,
     split_parameters,
 )
-from ortflow.trainer.engine_input import repeatable_gathers
+from ortflow.trainer.engine_input import gelu_fusion, repeatable_gathers
 from ortflow.trainer.parallel.building import building
 from ortflow.trainer.parallel.stage_artifacts import _VJPLoss, expose_input_gradients, strip_vjp_from_eval
 
@@ -78,7 +79,7 @@ def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str],
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    model = export_fixes(onnx.load(str(cfg.model.path)), trainable)
+    model = export_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg)), trainable)
     try:
         plan = plan_tensor_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
