@@ -217,6 +217,26 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return types
 
 
+def declare_fused_types(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Declare (in place) the output type of every ``com.microsoft`` Gelu / FastGelu as its input's, as inferred now.
+
+    For passes that drop value_info and let shape inference recompute it (the tensor-parallel shards change widths):
+    onnx's inference knows no com.microsoft op, so without this a fused GELU's output, and everything after it, would
+    have no type."""
+    fused = [n for n in model.graph.node if n.domain == MS_DOMAIN and n.op_type in ("Gelu", "FastGelu")]
+    def shaped(types: dict, name: str) -> bool:
+        return name in types and types[name].tensor_type.HasField("shape")
+
+    for _ in range(len(fused)):  # a fused GELU after another needs the earlier one declared first
+        types = value_types(model)
+        missing = [n for n in fused if not shaped(types, n.output[0]) and shaped(types, n.input[0])]
+        for node in missing:
+            _declare(model.graph, node.output[0], types[node.input[0]])
+        if not missing:
+            break
+    return model
+
+
 def _declare(graph: onnx.GraphProto, name: str, type_proto: onnx.TypeProto) -> None:
     """Record ``name``'s type in value_info: onnx's shape inference knows no com.microsoft op, and autocast and the
     batch pass need every tensor's type."""

@@ -12,6 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ortflow.graph.common import Names, constant_values
+from ortflow.graph.gelu import declare_fused_types
 from ortflow.graph.tensor_parallel import TensorPlan
 from ortflow.graph.tensor_vocab import shard_vocab
 
@@ -60,4 +61,4 @@ def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.Mod
     del graph.node[:]
     graph.node.extend(ordered)
     del graph.value_info[:]  # shapes of the split tensors changed; inference recomputes them
-    return model
+    return declare_fused_types(model)  # ...except through com.microsoft ops (fused GELUs, graph/gelu.py)
