@@ -107,9 +107,9 @@ def scale_gradients(grads: Sequence[np.ndarray], factor: float) -> None:
     """Host gradients times ``factor`` (clipping): owed by :class:`Gradients` whose clip slot is free, else in place."""
     factor = np.float32(factor)
     if isinstance(grads, Gradients):
-        if grads.clip == 1:
-            grads.clip = factor
-            return
-        settle(grads)  # a second clip: g * c1 * c2 must round twice, so the first goes into the arrays
+        if grads.clip != 1:
+            settle(grads)  # a second clip: g * c1 * c2 must round twice, so the first goes into the arrays
+        grads.clip = factor
+        return
     for grad in grads:
         grad *= factor
