@@ -135,6 +135,9 @@ def build_update(
     # The mean's scale and the clip factor applied by the norm and the update as they read the gradients, not by
     # passes of their own (comm/pending.py; the same bits). FOLD_ENV=0: the eager passes (tests and benches compare).
     fold = os.environ.get(FOLD_ENV, "1") != "0"
+    if fold and not (cfg.distributed.enable_adasum and comm.size > 1):
+        log.info("rank %d: gradient scales folded into the norm and the update (%s=0: eager passes)", comm.rank,
+                 FOLD_ENV)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
         segments = exchange.segments
