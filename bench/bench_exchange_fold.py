@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append(float(np.median(calls[1:])))
         comm.close()
     if comm.rank == 0:
-        report(times, comm.size, int(flat.nbytes), len(grads), args, (load_before, os.getloadavg()))
+        loads = [[round(x, 2) for x in load] for load in (load_before, os.getloadavg())]
+        report(times, comm.size, int(flat.nbytes), len(grads), args, loads)
 
 
 def _spread(values) -> list[float]:
