@@ -15,7 +15,9 @@ barrier first) and every gradient refilled with the same values before every cal
 * ``update-eager``: what the loop does per update before the fold: the exchange, the norm, the clip pass (clipping
   applies: ``--max-norm`` is far below the norm) and the AdamW step (``optim.Update``, fused kernels);
 * ``update-fold``: the same through ``Zero0(fold=True)``: the exchange leaves the sums, the norm scales chunks in
-  cache, the clip factor is owed, the step applies both factors as it reads each gradient.
+  cache, the clip factor is owed, the step applies both factors as it reads each gradient;
+* ``norm-whole`` / ``norm-chunked``: the gradient norm alone, one dot per tensor (before wave 5) or per 64K-value chunk
+  (now; comm/pending.py).
 
 Before timing, both update sequences run once from the same parameters and must give the same bits. Rank 0 prints
 one JSON line and, with ``--out``, writes ``exchange-fold-<host>-<ranks>r-<date>.json`` and ``.md``: min / median /
@@ -37,7 +39,19 @@ import numpy as np
 from bench.bench_exchange import engine_gradients, gradient_shapes
 
 RATIOS = (("exchange-eager", "bare"), ("exchange-fold", "bare"), ("update-fold", "update-eager"),
-          ("exchange-fold", "exchange-eager"))  # fmt: skip
+          ("exchange-fold", "exchange-eager"), ("norm-chunked", "norm-whole"))  # fmt: skip
+
+
+def norm_whole(grads, divisor, scalars):
+    """The norm before wave 5: one float32 dot per tensor, added in float64."""
+    return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
+
+
+def norm_chunked(grads, divisor, scalars):
+    """The norm now (nothing owed): one float32 dot per 64K-value chunk, added in float64."""
+    from ortflow.trainer.comm.pending import gradient_norm
+
+    return gradient_norm(grads)
 
 
 def make_update(grads, threads: int):
@@ -131,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             "exchange-eager": exchange_call(comm, False), "exchange-fold": exchange_call(comm, True),
             "update-eager": UpdateSequence(comm, grads, False, args.max_norm, args.threads),
             "update-fold": UpdateSequence(comm, grads, True, args.max_norm, args.threads),
+            "norm-whole": norm_whole, "norm-chunked": norm_chunked,
         }  # fmt: skip
         times = {name: [] for name in contenders}
         names = list(contenders)
