@@ -3,7 +3,10 @@
 
 Run under the launcher (2 ranks here, 16 on the device machine's CPUs)::
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m bench.bench_exchange_fold --rounds 30 --out bench/results
+    OPENBLAS_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m bench.bench_exchange_fold --rounds 30 \
+        --out bench/results
+
+(``OPENBLAS_NUM_THREADS`` as ``ortflow train`` sets it for its ranks: the rank's threads; numpy's dot uses it.)
 
 On the engine's own gradient buffers of the bench GPT (the trainer's arena, as ``bench/bench_exchange.py``), contenders
 interleaved within every round (the order reversed every other round), every call started together on all ranks (a
@@ -177,7 +180,9 @@ def report(times: dict, ranks: int, nbytes: int, tensors: int, args, loads) -> N
     """Print and write the contenders' round-median call times and the per-round ratios (min / median / max)."""
     rows = {name: _spread(np.array(v) * 1000) for name, v in times.items()}
     ratios = {f"{a} / {b}": _spread(np.array(times[a]) / np.array(times[b])) for a, b in RATIOS}
-    command = (f"mpiexec -n {ranks} python -m bench.bench_exchange_fold --rounds {args.rounds} --calls {args.calls}"
+    blas = os.environ.get("OPENBLAS_NUM_THREADS")
+    command = ((f"OPENBLAS_NUM_THREADS={blas} " if blas else "")
+               + f"mpiexec -n {ranks} python -m bench.bench_exchange_fold --rounds {args.rounds} --calls {args.calls}"
                f" --threads {args.threads} --max-norm {args.max_norm}"
                + (" --grads numpy" if args.grads == "numpy" else ""))  # fmt: skip
     record = {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": ranks, "bytes": nbytes,

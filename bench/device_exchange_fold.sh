@@ -10,6 +10,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_cpu_env.sh"  # OUT, PYTHON, PYTHONPATH, BENCH_MPIEXEC, CPU-only environment
 { echo "load: $(cat /proc/loadavg)"; lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA)"; \
   "$PYTHON" -c "import numba; print('numba', numba.__version__)" 2>&1 | tail -1; } | tee "$OUT/exchange-fold-host.txt"
+export OPENBLAS_NUM_THREADS="${THREADS:-1}" OMP_NUM_THREADS="${THREADS:-1}"  # as `ortflow train` sets them per rank
 IFS=, read -r -a ranks <<< "${RANKS:-2,16}"
 status=0
 for n in "${ranks[@]}"; do
