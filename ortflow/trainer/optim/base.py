@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ortflow.trainer.comm.pending import Gradients, apply_factors, factors
+from ortflow.trainer.comm.pending import ONE, Gradients, apply_factors, factors
 
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
 #: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
@@ -262,6 +262,8 @@ class Update:
                     kernel(p, g, *states, t1, t2, decay, *consts)
 
         self._run_groups(run)
+        if self.backend != "fused" and isinstance(grads, Gradients):
+            grads.scale = grads.clip = ONE  # now in the arrays: a second pass over them must not apply them again
 
     def for_each_part(self, fn: Callable[[int, int, slice], None]) -> None:
         """Call ``fn(group, segment_number, part)`` for every chunk, split over the update's threads (``group``: the
