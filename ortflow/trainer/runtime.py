@@ -132,8 +132,14 @@ def build_update(
 ) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
     """ortflow's update over the engine's parameter buffers (host views), with its exchange and ``threads``."""
     params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
+    # The mean's scale and the clip factor applied by the norm and the update as they read the gradients, not by
+    # passes of their own (comm/pending.py; the same bits). FOLD_ENV=0: the eager passes (tests and benches compare).
+    fold = os.environ.get(FOLD_ENV, "1") != "0"
+    if fold and not (cfg.distributed.enable_adasum and comm.size > 1):
+        log.info("rank %d: gradient scales folded into the norm and the update (%s=0: eager passes)", comm.rank,
+                 FOLD_ENV)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
-        exchange = Zero1(comm, trainable, params, comm.rank, comm.size)
+        exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
         segments = exchange.segments
         update = optim.build_update(
             cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
@@ -142,7 +148,7 @@ def build_update(
         if cfg.distributed.enable_adasum and comm.size > 1:
             exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name))
         else:
-            exchange = Zero0(comm)
+            exchange = Zero0(comm, fold=fold)
         segments = optim.whole_segments(trainable, [p.size for p in params])
         update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
     return update, exchange
@@ -172,6 +178,10 @@ def available_cores() -> int:
     """Cores this process may run on (affinity-aware)."""
     return len(os.sched_getaffinity(0))
 
+
+#: ``0``: the host exchange scales the gradients and clips them with passes of their own (the code before the fold);
+#: a diagnostic switch for tests and benches, the results are bitwise the same.
+FOLD_ENV = "ORTFLOW_FOLD_SCALES"
 
 #: Threads per rank chosen by the launcher (``--threads``, or the auto layout), read by every rank.
 THREADS_ENV = "ORTFLOW_THREADS_PER_RANK"

@@ -7,7 +7,8 @@ Two implementations share one small interface:
 * :class:`MPIComm` for ranks under ``mpiexec``: the gradients are summed in place, where the engine keeps them, one
   in-place ``Allreduce`` per run of gradients that lie back to back in memory (``runs.py``; the trainer's shared
   arena, ``trainer/arena.py``, makes that one run), the small runs and the scalars (loss, the stop flag) packed into
-  one more; each run gets the mean's scale right after its reduction.
+  one more; each run gets the mean's scale right after its reduction, or, with ``defer_scale`` (the trainer's CPU
+  path), none: the scale is returned and the norm and the update apply it as they read (``pending.py``).
 * :class:`NCCLComm` (``distributed.use_nccl``) wraps one of those two: gradients are averaged with NCCL through CuPy,
   in place in the engine's own device buffers when the engine runs on CUDA, or staged through device memory when it
   runs on the CPU. Everything else (broadcasts, barriers, the watchdog) stays on the wrapped process group.

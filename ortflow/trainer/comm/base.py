@@ -7,6 +7,10 @@ from typing import Protocol
 
 import numpy as np
 
+from ortflow.trainer.comm.pending import gradient_norm, scale_gradients
+
+__all__ = ["CollectiveTimeout", "Communicator", "SingleProcessComm", "gradient_norm", "scale_gradients"]
+
 
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than ``distributed.collective_timeout_s``."""
@@ -20,18 +24,23 @@ class Communicator(Protocol):
     local_rank: int
     local_size: int
 
-    def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
-        """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks."""
+    def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> np.float32:
+        """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks.
+
+        Returns the scale still owed: 1 when applied here; ``float32(1 / divisor)`` when the communicator's
+        ``defer_scale`` is set and it left the sums in place (comm/pending.py: the caller's norm and update apply it).
+        """
 
     def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray) -> None:
         """In place: every tensor is divided by ``divisor`` on its own rank, then replaced by the Adasum of all ranks'
         (per tensor, the same bytes on every rank); ``scalars`` becomes its sum over ranks."""
 
     def gradient_norm(self, grads: Sequence) -> float:
-        """Global L2 norm of the averaged gradients (the same on every rank; the trainer clips with it)."""
+        """Global L2 norm of the averaged gradients (the same on every rank; the trainer clips with it), owed factors
+        (comm/pending.py ``Gradients``) included."""
 
     def scale_gradients(self, grads: Sequence, factor: float) -> None:
-        """In place: every gradient times ``factor`` (gradient clipping)."""
+        """Every gradient times ``factor`` (gradient clipping): in place, or owed by host ``Gradients``."""
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         """Sum of a small float64 array over ranks (a new array)."""
@@ -74,19 +83,6 @@ class Communicator(Protocol):
         """Release resources (stop the watchdog)."""
 
 
-def gradient_norm(grads: Sequence[np.ndarray]) -> float:
-    """Global L2 norm of host gradients (inf or nan when a gradient overflowed: fp16 loss scaling skips that update)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
-
-
-def scale_gradients(grads: Sequence[np.ndarray], factor: float) -> None:
-    """Host gradients times ``factor``, in place."""
-    scale = np.float32(factor)
-    for grad in grads:
-        grad *= scale
-
-
 class SingleProcessComm:
     """The process group of one: collectives reduce over nothing."""
 
@@ -94,15 +90,21 @@ class SingleProcessComm:
     size = 1
     local_rank = 0
     local_size = 1
+    #: True: ``average_gradients`` leaves the mean's scale to the caller (returns it) instead of a pass of its own.
+    defer_scale = False
 
-    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> np.float32:
+        scale = np.float32(1.0 / divisor)
+        if self.defer_scale:
+            return scale
         if divisor != 1.0:
-            scale = np.float32(1.0 / divisor)
             for grad in grads:
                 grad *= scale
+        return np.float32(1)
 
     def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
-        self.average_gradients(tensors, divisor, scalars)  # Adasum of one vector is that vector
+        if divisor != 1.0:  # Adasum of one vector is that vector: only this rank's own mean
+            scale_gradients(tensors, 1.0 / divisor)
 
     def gradient_norm(self, grads: Sequence[np.ndarray]) -> float:
         return gradient_norm(grads)

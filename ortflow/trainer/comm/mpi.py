@@ -30,6 +30,9 @@ class MPIComm:
     #: Gradient values per bucket of the exchange (distributed.exchange_bucket_mb); 0: large gradients in place and
     #: the small ones packed, one all-reduce per memory run.
     bucket_values: int = 0
+    #: True: the runs exchange leaves the sums in place and ``average_gradients`` returns the mean's scale, which the
+    #: caller's norm and update apply on the fly (comm/pending.py); the bucket exchange always scales.
+    defer_scale: bool = False
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
         from mpi4py import MPI  # the only MPI import in ortflow
@@ -85,6 +88,7 @@ class MPIComm:
         sub.rank, sub.size = sub.comm.Get_rank(), sub.comm.Get_size()
         sub._flat, sub._slices, sub._pending, sub._groups = None, [], [], {}
         sub._runs = None  # agreed among this group's ranks at its first exchange
+        sub.defer_scale = False  # a sub-group's exchange (pipeline, tensor parallelism) scales eagerly
         sub._closed, sub._world_of = True, {}  # the parent owns the watchdog
         return sub
 
@@ -169,23 +173,30 @@ class MPIComm:
             self._flat = np.empty(offsets[-1] + num_scalars, dtype=np.float32)
         return self._flat
 
-    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+    def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> np.float32:
         for grad in grads:
             if grad.dtype != np.float32:
                 raise TypeError(f"gradients must be float32, got {grad.dtype}: mixed precision is not supported yet")
+        scale = np.float32(1.0 / divisor)
         if self.size == 1:  # `mpiexec -n 1`: nothing to exchange, so no packing copies (only the mean's scale)
+            if self.defer_scale:
+                return scale
             if divisor != 1.0:
-                scale_gradients(grads, 1.0 / divisor)
-            return
-        # Memory runs in place, small ones packed (the fastest measured, docs/layout.md), or cache-sized
-        # buckets with distributed.exchange_bucket_mb (comm/buckets.py; docs/layout.md has the measurements).
-        exchange = self._exchange_buckets if self.bucket_values else self._exchange_runs
-        self._collective("gradient all-reduce", lambda: exchange(grads, divisor, scalars))
+                scale_gradients(grads, scale)
+            return np.float32(1)
+        if self.bucket_values:  # cache-sized buckets (distributed.exchange_bucket_mb, comm/buckets.py): scaled here
+            self._collective("gradient all-reduce", lambda: self._exchange_buckets(grads, divisor, scalars))
+            return np.float32(1)
+        # Memory runs in place, small ones packed: the fastest measured (docs/layout.md).
+        owed, applied = (scale, np.float32(1)) if self.defer_scale else (np.float32(1), scale)
+        self._collective("gradient all-reduce", lambda: self._exchange_runs(grads, applied, scalars))
+        return owed
 
-    def _exchange_runs(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+    def _exchange_runs(self, grads: Sequence[np.ndarray], scale: np.float32, scalars: np.ndarray) -> None:
         """Runs of gradients that lie back to back in the engine's memory all-reduced in place as one buffer each, on
         huge pages (comm/runs.py; the bench GPT's 69 gradients are 1 run with the trainer's arena, trainer/arena.py),
-        the small runs and the scalars packed into one more, each run scaled by 1/divisor as soon as it is reduced.
+        the small runs and the scalars packed into one more, each run times ``scale`` as soon as it is reduced (the
+        mean's ``float32(1/divisor)``; 1 when the scale is deferred: no pass at all, the pack is copied back as is).
 
         Blocking ``Allreduce`` calls, one after another: Open MPI 4.1's non-blocking collectives (libnbc) took 1.6x
         its blocking ``Allreduce`` of the same bytes on the device's 32 CPUs, and MPICH measured the same either way
@@ -197,11 +208,11 @@ class MPIComm:
             plan = self._runs = RunPlan(grads, scalars.size, self.comm.allgather)
         plan.fill(scalars)
         allreduce, in_place, op = self.comm.Allreduce, mpi.IN_PLACE, mpi.SUM
-        scale = np.float32(1.0 / divisor)
         allreduce(in_place, plan.pack, op=op)
         for view in plan.views:
             allreduce(in_place, view, op=op)
-            np.multiply(view, scale, out=view)
+            if scale != 1:
+                np.multiply(view, scale, out=view)
         plan.drain(scalars, scale)
 
     def _bucket_plan(self, grads: Sequence[np.ndarray], num_scalars: int, bucket_values: int):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ortflow.trainer.comm.pending import ONE, Gradients, apply_factors, factors
+
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
 #: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
 CHUNK = 65536
@@ -223,36 +225,45 @@ class Update:
 
         Args:
             grads: For each segment, its averaged (and clipped) gradient, 1-D float32 of the segment's size; may be
-                overwritten (the engine resets its gradients after the update anyway).
+                overwritten (the engine resets its gradients after the update anyway). :class:`Gradients` with owed
+                factors (the mean's scale, the clip factor): the kernels apply them to each element as they read it,
+                ``fl32(fl32(g * scale) * clip)``, the bits of the eager passes (comm/pending.py).
             lr: Learning rate of this update.
         """
         if len(grads) != len(self.segments):
             raise ValueError(f"expected {len(self.segments)} gradient segments, got {len(grads)}")
         self.step_count += 1
-        self.rule.apply(self, [g.reshape(-1) for g in grads], float(lr))
+        self.rule.apply(self, Gradients([g.reshape(-1) for g in grads], *factors(grads)), float(lr))
 
     def for_each_chunk(self, grads: Sequence[np.ndarray], kernel, fused_kernel, *consts) -> None:
         """Run an element-wise kernel over every chunk of every segment, split over the update's threads.
 
         ``kernel(p, g, *states, t1, t2, decay, *consts)`` is the rule's numpy kernel (``t1``, ``t2``: chunk-sized
-        scratch); ``fused_kernel`` names its one-pass equivalent in :mod:`.fused`, ``(p, g, *states, decay, *consts)``,
-        used by the default backend (imported here, not at module load: GPU ranks never need Numba).
+        scratch); ``fused_kernel`` names its one-pass equivalent in :mod:`.fused`,
+        ``(p, g, *states, decay, scale, clip, *consts)``, used by the default backend (imported here, not at module
+        load: GPU ranks never need Numba). The gradients' owed factors (:class:`Gradients`) reach every element: the
+        fused kernels multiply as they read, the numpy backend scales each chunk in place first, while it is in cache.
         """
         if self._bound is None:  # views of parameters, state and scratch per chunk, made once (per-step overhead)
             self._bind()
+        scale, clip = factors(grads)
 
         if self.backend == "fused":
             fused_kernel = getattr(fused_module(), fused_kernel)
 
             def run(group: int) -> None:
                 for i, part, p, states, _, _, decay in self._bound[group]:
-                    fused_kernel(p, grads[i][part], *states, decay, *consts)
+                    fused_kernel(p, grads[i][part], *states, decay, scale, clip, *consts)
         else:
             def run(group: int) -> None:
                 for i, part, p, states, t1, t2, decay in self._bound[group]:
-                    kernel(p, grads[i][part], *states, t1, t2, decay, *consts)
+                    g = grads[i][part]
+                    apply_factors(g, scale, clip)
+                    kernel(p, g, *states, t1, t2, decay, *consts)
 
         self._run_groups(run)
+        if self.backend != "fused" and isinstance(grads, Gradients):
+            grads.scale = grads.clip = ONE  # now in the arrays: a second pass over them must not apply them again
 
     def for_each_part(self, fn: Callable[[int, int, slice], None]) -> None:
         """Call ``fn(group, segment_number, part)`` for every chunk, split over the update's threads (``group``: the

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.trainer.comm.pending import Gradients
 from ortflow.trainer.optim.adamw import AdamW
 from ortflow.trainer.optim.base import Segment
 from ortflow.trainer.optim.lamb import Lamb
@@ -113,6 +114,8 @@ class DeviceUpdate:
 
     def step(self, grads: Sequence, lr: float) -> None:
         """One update; ``grads`` are per segment objects with ``.ptr`` (DeviceBuffer) on this rank's GPU."""
+        if isinstance(grads, Gradients) and grads.pending:  # the device exchanges scale and clip in their kernels
+            raise TypeError("the device update cannot apply owed gradient factors (comm/pending.py): scale them first")
         if len(grads) != len(self.segments):
             raise ValueError(f"expected {len(self.segments)} gradient segments, got {len(grads)}")
         self.step_count += 1

@@ -5,6 +5,8 @@ the same float32 operations in the same order on each element, reading every arr
 update costs one pass over memory (the engine's fused AdamW kernel does the same). No ``fastmath``: LLVM then keeps
 IEEE semantics (no FMA contraction, no reassociation, exact ``sqrt`` and division), so every element gets the bits of
 the numpy rule (tests/trainer/test_optim_fused.py checks it on random and edge-case inputs).
+Every kernel that reads the gradient takes its owed float32 factors ``gs`` (the mean's scale) and ``gc`` (clipping)
+and reads ``(g[i] * gs) * gc``: the bits of the eager passes, since a factor of 1 is exact (comm/pending.py).
 ``nogil``: the update's own thread pool runs one kernel per group of chunks in parallel (no Numba thread pool, so
 ranks x threads stays what the launcher chose). ``cache``: compiled once per machine and reused by every rank
 (compiling all kernels takes a few seconds).
@@ -22,13 +24,13 @@ _jit = njit(nogil=True, cache=True, fastmath=False, error_model="numpy", boundsc
 
 
 @_jit
-def adamw_torch(p, g, m, v, decay, keep, c1, b1, c2, b2, eps_hat, step_size):  # pragma: no cover - compiled
+def adamw_torch(p, g, m, v, decay, gs, gc, keep, c1, b1, c2, b2, eps_hat, step_size):  # pragma: no cover
     scale = decay and keep != 1
     for i in range(p.size):
         pi = p[i]
         if scale:
             pi = pi * keep
-        gi = g[i]
+        gi = (g[i] * gs) * gc
         mi = m[i] * b1 + gi * c1
         vi = v[i] * b2 + (gi * gi) * c2
         m[i] = mi
@@ -37,9 +39,9 @@ def adamw_torch(p, g, m, v, decay, keep, c1, b1, c2, b2, eps_hat, step_size):  #
 
 
 @_jit
-def adamw_engine_moments(p, g, m, v, decay, c1, b1, c2, b2):  # pragma: no cover - compiled
+def adamw_engine_moments(p, g, m, v, decay, gs, gc, c1, b1, c2, b2):  # pragma: no cover - compiled
     for i in range(g.size):
-        gi = g[i]
+        gi = (g[i] * gs) * gc
         m[i] = m[i] * b1 + gi * c1
         v[i] = v[i] * b2 + (gi * c2) * gi
 
@@ -55,20 +57,20 @@ def adamw_engine_finish(p, m, root, decay, eps, lr_c, lr_wd):  # pragma: no cove
 
 
 @_jit
-def sgd_plain(p, g, decay, wd, lr, mu, damp, nesterov, first):  # pragma: no cover - compiled
+def sgd_plain(p, g, decay, gs, gc, wd, lr, mu, damp, nesterov, first):  # pragma: no cover - compiled
     add_decay = decay and wd != 0
     for i in range(p.size):
-        gi = g[i]
+        gi = (g[i] * gs) * gc
         if add_decay:
             gi = gi + p[i] * wd
         p[i] = p[i] - gi * lr
 
 
 @_jit
-def sgd_momentum(p, g, buf, decay, wd, lr, mu, damp, nesterov, first):  # pragma: no cover - compiled
+def sgd_momentum(p, g, buf, decay, gs, gc, wd, lr, mu, damp, nesterov, first):  # pragma: no cover - compiled
     add_decay = decay and wd != 0
     for i in range(p.size):
-        gi = g[i]
+        gi = (g[i] * gs) * gc
         if add_decay:
             gi = gi + p[i] * wd
         bi = gi if first else buf[i] * mu + gi * damp
@@ -78,11 +80,11 @@ def sgd_momentum(p, g, buf, decay, wd, lr, mu, damp, nesterov, first):  # pragma
 
 
 @_jit
-def lamb_moments(p, g, m, v, decay, c1, b1, c2, b2, eps_hat, scale, wd):  # pragma: no cover - compiled
+def lamb_moments(p, g, m, v, decay, gs, gc, c1, b1, c2, b2, eps_hat, scale, wd):  # pragma: no cover
     scaled = scale != 1
     add_decay = decay and wd != 0
     for i in range(p.size):
-        gi = g[i]
+        gi = (g[i] * gs) * gc
         mi = m[i] * b1 + gi * c1
         vi = v[i] * b2 + (gi * gi) * c2
         m[i] = mi

@@ -4,6 +4,10 @@ Both stages present the loop with one sequence per update: ``mine = exchange.red
 averaged gradients of the segments this rank updates), ``exchange.norm(mine)`` / ``exchange.scale(mine, f)`` for
 clipping, ``update.step(mine, lr)``, then ``exchange.gather()`` (parameters back into every rank's engine buffers).
 
+With ``fold`` (the trainer's default on host buffers), ``mine`` is a :class:`~ortflow.trainer.comm.pending.Gradients`:
+the sums as reduced, with the mean's scale and the clip factor owed, which the norm and the update apply as they read
+each element (bit for bit what the eager passes compute; comm/pending.py). ``fold=False``: the eager passes.
+
 ZeRO-1 (Rajbhandari et al. 2020, stage 1): the trainable parameters in sorted-name order form one packed layout
 (the layout of the stage-0 all-reduce); it is cut into ``world`` contiguous ranges of ``ceil(total / world)``
 elements (the last shorter), so the cut depends only on the sizes and the world size. A rank's range may begin or
@@ -19,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ortflow.trainer.comm.pending import Gradients, scale_gradients, sum_of_squares
 from ortflow.trainer.optim.base import Segment
 
 
@@ -53,23 +58,40 @@ def shard_segments(
 
 
 class Zero0:
-    """Stage 0: every rank all-reduces every gradient and updates everything (the communicator's all-reduce)."""
+    """Stage 0: every rank all-reduces every gradient and updates everything (the communicator's all-reduce).
+
+    Args:
+        comm: The process group.
+        fold: Host gradients come back as :class:`Gradients` whose clip factor is owed, and, where the communicator
+            can defer it (``defer_scale``: MPIComm's runs exchange, the single process), the mean's scale too.
+    """
 
     stage = 0
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, fold: bool = False):
+        self.comm, self.fold = comm, fold
+        self.defers = fold and hasattr(comm, "defer_scale")
+        if self.defers:
+            comm.defer_scale = True
 
     def reduce(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> list:
         # Sync point: the update's only collective - mean gradient over micro-batches x ranks, plus loss and stop.
-        self.comm.average_gradients(grads, divisor, scalars)
-        return [g.reshape(-1) for g in grads] if grads and isinstance(grads[0], np.ndarray) else list(grads)
+        owed = self.comm.average_gradients(grads, divisor, scalars)
+        if not (grads and isinstance(grads[0], np.ndarray)):
+            return list(grads)  # device buffers: the communicator scaled them
+        flat = [g.reshape(-1) for g in grads]
+        if not self.fold:
+            return flat
+        if self.defers and owed is None:
+            raise TypeError(f"{type(self.comm).__name__}.average_gradients deferred the mean's scale without "
+                            "returning it")
+        return Gradients(flat, scale=owed if self.defers else 1)
 
     def norm(self, mine: Sequence) -> float:
         return self.comm.gradient_norm(mine)
 
     def scale(self, mine: Sequence, factor: float) -> None:
-        self.comm.scale_gradients(mine, factor)
+        self.comm.scale_gradients(mine, factor)  # host Gradients: owed, not written (comm/pending.py)
 
     def gather(self) -> None:
         """Nothing to gather: every rank updated every parameter."""
@@ -91,8 +113,9 @@ class Zero1:
 
     stage = 1
 
-    def __init__(self, comm, names: Sequence[str], params: Sequence[np.ndarray], rank: int, world: int):
-        self.comm, self.params, self.rank, self.world = comm, list(params), rank, world
+    def __init__(self, comm, names: Sequence[str], params: Sequence[np.ndarray], rank: int, world: int,
+                 fold: bool = False):
+        self.comm, self.params, self.rank, self.world, self.fold = comm, list(params), rank, world, fold
         sizes = [p.size for p in self.params]
         total = int(sum(sizes))
         self.bounds = shard_bounds(total, world)
@@ -113,21 +136,28 @@ class Zero1:
             self.flat[a:b] = grad.reshape(-1)
         # Sync point: each rank receives the sum of its range of the packed gradients.
         self.comm.reduce_scatter(self.flat, self.shard, self.counts)
-        self.shard *= np.float32(1.0 / divisor)
-        small = np.concatenate([[float(np.dot(self.shard, self.shard))], scalars.astype(np.float64)])
+        scale = np.float32(1.0 / divisor)
+        if not self.fold:
+            self.shard *= scale
+        owed = scale if self.fold else np.float32(1)
+        small = np.concatenate([[sum_of_squares([self.shard], owed)], scalars.astype(np.float64)])
         # Sync point: the global norm and the loss/stop scalars, summed in rank order (identical on every rank).
         total = self.comm.allgather_sum(small, "zero-1 norm and scalars")
         self._norm_sq = float(total[0])
         scalars[:] = total[1:]
         base = self.bounds[self.rank]
-        return [self.shard[self.offsets[s.index] + s.lo - base : self.offsets[s.index] + s.hi - base]
+        mine = [self.shard[self.offsets[s.index] + s.lo - base : self.offsets[s.index] + s.hi - base]
                 for s in self.segments]
+        return Gradients(mine, scale=owed) if self.fold else mine
 
     def norm(self, mine: Sequence[np.ndarray]) -> float:
         return float(np.sqrt(self._norm_sq))
 
     def scale(self, mine: Sequence[np.ndarray], factor: float) -> None:
-        self.shard *= np.float32(factor)
+        if self.fold:
+            scale_gradients(mine, factor)  # owed by the Gradients (comm/pending.py)
+        else:
+            self.shard *= np.float32(factor)
 
     def gather(self) -> None:
         a, b = self.bounds[self.rank], self.bounds[self.rank + 1]
