@@ -76,12 +76,19 @@ def test_zero1_killed_job_resumes_bitwise_identical(tmp_path):
         assert np.array_equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
-def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(tmp_path, ranks):
-    base = make_run(tmp_path, "base", distributed={"num_ranks": 2, "zero_stage": 1},
+@pytest.fixture(scope="module")
+def zero1_base(tmp_path_factory):
+    """A finished 2-rank ZeRO-1 run (10 updates): the checkpoint both rank counts below resume from."""
+    base = make_run(tmp_path_factory.mktemp("zero1"), "base", distributed={"num_ranks": 2, "zero_stage": 1},
                     train={"num_train_steps": 10}, checkpoint={"period": 5, "max_num_checkpoints": 3})
     assert run_ranks(base).returncode == 0
-    start = list_complete(base.checkpoints_dir)[-1]
+    return base
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(zero1_base, ranks):
+    tmp_path = zero1_base.output_dir.parent  # the same model and data files
+    start = list_complete(zero1_base.checkpoints_dir)[-1]
     assert start.step == 10 and len(list(start.path.glob("optimizer-rank*.h5"))) == 2
     runs = {}
     for stage in (1, 0):  # ZeRO-1 resharded vs ZeRO-0 started from the same state on the same number of ranks
