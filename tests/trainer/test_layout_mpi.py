@@ -35,11 +35,20 @@ def _run(tmp_path, name, ranks, **train):
                     data={"columns": {"x": "features"}}, checkpoint={"period": 0})  # fmt: skip
 
 
-def test_fixed_global_batch_gives_the_same_trajectory_on_every_layout(tmp_path):
-    one, two, auto = _run(tmp_path, "one", 1), _run(tmp_path, "two", 2), _run(tmp_path, "auto", "auto")
-    assert run_ranks(one).returncode == 0
-    out = run_ranks(two)
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """A finished 2-rank run of the global batch: one layout of the trajectory test, and the unprofiled reference of
+    the profiling test."""
+    cfg = _run(tmp_path_factory.mktemp("layout"), "two", 2)
+    out = run_ranks(cfg)
     assert out.returncode == 0, out.stdout
+    return cfg
+
+
+def test_fixed_global_batch_gives_the_same_trajectory_on_every_layout(two):
+    root = two.output_dir.parent  # the same model and data files as the 2-rank run
+    one, auto = _run(root, "one", 1), _run(root, "auto", "auto")
+    assert run_ranks(one).returncode == 0
     # auto on a (pretend) 4-core host: 4 ranks x 1 micro-batch of the model's fixed 4 rows, started like `ortflow train`
     layout, plan = launch_layout(auto, auto.output_dir, Host(4, 16 * 2**30))
     assert (layout.ranks, plan.batch_size, plan.accumulation) == (4, 4, 1)
@@ -83,10 +92,9 @@ def test_breakdown_reports_each_phase_in_progress_tensorboard_and_timing_json(tm
         assert abs(sum(shares[p][step] for p in PHASES) - 1) < 1e-5
 
 
-def test_profiled_updates_write_a_trace_per_rank_and_leave_training_unchanged(tmp_path):
-    plain = _run(tmp_path, "plain", 2)
-    profiled = _run(tmp_path, "profiled", 2, profile_steps=[2, 4])
-    assert run_ranks(plain).returncode == 0
+def test_profiled_updates_write_a_trace_per_rank_and_leave_training_unchanged(two):
+    plain = two
+    profiled = _run(two.output_dir.parent, "profiled", 2, profile_steps=[2, 4])
     out = run_ranks(profiled)
     assert out.returncode == 0, out.stdout
     folder = profiled.output_dir / "profile"

@@ -7,20 +7,24 @@ run killed and resumed, and through merge and export.
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
 
-from ortflow.graph.gelu import decompose_gelu
-from ortflow.trainer.checkpoints import list_complete
 from ortflow.trainer.checkpoints.h5state import read_params
 from ortflow.trainer.checkpoints.tp import tp_file
 
-from .runs import rank_command, run_ranks
-from .test_tensor_mpi import ATOL, SEQ, digests, gpt_run, h5_arrays, initial_parameters, losses, newest
+from .parallel_runs import (
+    assert_export_equals_eval_graph,
+    gpt_run,
+    h5_arrays,
+    initial_parameters,
+    kill_after_first_checkpoint,
+    losses,
+    newest,
+)
+from .runs import run_ranks
+from .test_tensor_mpi import ATOL, digests
 
 pytestmark = pytest.mark.mpi
 
@@ -67,14 +71,7 @@ def test_pp2_hp2_trains_to_the_unsplit_parameters_and_tp_ranks_agree(runs):
 def test_kill_and_resume_is_bitwise_identical(runs):
     root, _, straight, _, _ = runs
     resumed = gpt_run(root, "resumed", distributed=PP_HP, checkpoint=EVERY)
-    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
-    proc.wait(timeout=60)
-    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+    done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:]
@@ -87,8 +84,6 @@ def test_kill_and_resume_is_bitwise_identical(runs):
 
 def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(runs):
     import h5py
-    import onnx
-    import onnxruntime as ort
 
     from ortflow.export.model import export_model
     from ortflow.trainer.checkpoints.tools import merge
@@ -111,19 +106,7 @@ def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(r
     result = export_model(split.output_dir, out, config=split)
     assert max(result.verification.max_abs_diff.values()) <= 1e-5
     # Independently: the exported model equals the unsplit eval graph fed with the merged trained parameters.
-    # The export writes fused GELUs back as standard ops (graph/gelu.py): compare with the eval graph written alike.
-    eval_proto = decompose_gelu(onnx.load(str(split.artifacts_dir / "eval_model.onnx")))
-    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
-    ids = np.random.default_rng(0).integers(0, 256, (2, SEQ))
-    inputs = [i.name for i in eval_proto.graph.input]
-    feeds = {n: params[n] for n in inputs if n in params}
-    feeds.update({n: ids for n in inputs if n == "input_ids"})
-    feeds.update({n: np.zeros(2 * SEQ, np.int64) for n in inputs if n == "labels"})
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)[0]
-    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})[0]
-    np.testing.assert_array_equal(logits, reference)
+    assert_export_equals_eval_graph(split, out, params)
     initial = initial_parameters(split)
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
 

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import h5py
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 
-import ortflow
-from ortflow.graph.gelu import decompose_gelu
 from ortflow.trainer.checkpoints import list_complete, verify
 from ortflow.trainer.checkpoints.h5state import params_files, stage_file
 
 from ..models_pipeline import B, T, build_torchlike
+from .parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
 from .runs import make_run, make_text_run, rank_command, run_ranks
 
 pytestmark = pytest.mark.mpi
@@ -39,10 +35,7 @@ def torchlike_run(root, name, tied=False, **sections):
     model = root / f"torchlike{'-tied' if tied else ''}.onnx"
     if not model.exists():
         build_torchlike(model, num_blocks=2, vocab=256, tied=tied)
-    corpus = root / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("\n".join(p.read_text() for p in sorted(Path(ortflow.__file__).parent.rglob("*.py"))[:6]))
-    data = {"train": [str(corpus)], "format": "text", "text": {"seq_len": T}, "eval_fraction": 0.05}
+    data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": T}, "eval_fraction": 0.05}
     return make_run(root, name, model=model, data=data, train={**TRAIN, "batch_size": B, "max_eval_batches": 1},
                     **sections)
 
@@ -76,10 +69,6 @@ def digests(output: str) -> dict[tuple[int, int], str]:
     return {(int(rank), int(step)): digest for rank, digest, step in found}
 
 
-def losses(output: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\] \S+ INFO step \d+/\d+ \| loss ([0-9.e+-]+)", output)]
-
-
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])  # 0.5: below the measured norms (1.3-2.5), so every update clips
 def test_two_stages_train_to_the_unsplit_parameters(tmp_path, max_grad_norm):
     opt = {"max_grad_norm": max_grad_norm}
@@ -104,16 +93,36 @@ def test_two_stages_train_to_the_unsplit_parameters(tmp_path, max_grad_norm):
     assert set(verify(folder).meta["files"]) == stage_files(2) - {"meta.json"}  # every stage file, with its checksum
 
 
+KEEP_ALL = {"period": 1, "max_num_checkpoints": 10}
+
+
+@pytest.fixture(scope="module")
+def tied_pp2(tmp_path_factory):
+    """One finished pp 2 run of the tied torch-shaped model (a checkpoint after each of its 4 updates), shared by the
+    split-equals-unsplit test (tied case) and the tied resume / checkpoint tools test."""
+    cfg = torchlike_run(tmp_path_factory.mktemp("tied"), "pp2", True,
+                        distributed={"num_ranks": 2, "pipeline_parallel_size": 2}, checkpoint=KEEP_ALL)
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout
+    return cfg
+
+
 @pytest.mark.parametrize("tied", [False, True])
-def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(tmp_path, tied):
+def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(request, tmp_path, tied):
     # Tied: the embedding is read by stage 0 (Gather) and stage 1 (Transpose -> LM head). Each stage holds a copy; the
     # unsplit engine sums the two uses' gradients per micro-batch, the stages per stage and then across, so the sums
     # are grouped differently: equal to fp32 rounding, not bitwise (same bound as ATOL's reasoning).
-    unsplit = torchlike_run(tmp_path, "pp1", tied, distributed={"num_ranks": 1})
-    split = torchlike_run(tmp_path, "pp2", tied, distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
-    out1, out2 = run_ranks(unsplit), run_ranks(split)
+    if tied:  # the shared tied run (its model file and data in its folder)
+        split = request.getfixturevalue("tied_pp2")
+        root = split.output_dir.parent
+    else:
+        root = tmp_path
+        split = torchlike_run(root, "pp2", tied, distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
+        out2 = run_ranks(split)
+        assert out2.returncode == 0, out2.stdout
+    unsplit = torchlike_run(root, "pp1", tied, distributed={"num_ranks": 1})
+    out1 = run_ranks(unsplit)
     assert out1.returncode == 0, out1.stdout
-    assert out2.returncode == 0, out2.stdout
     p1, p2 = stage_parameters(unsplit), stage_parameters(split)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     print(f"tied={tied}: max |param diff| pp2 vs pp1: {worst}")
@@ -156,21 +165,23 @@ def test_two_stages_by_two_replicas_match_and_replicas_are_bitwise_identical(tmp
     assert seen[(0, 2)] == seen[(2, 2)] and seen[(1, 2)] == seen[(3, 2)] and seen[(0, 2)] != seen[(1, 2)]
 
 
-def test_kill_and_resume_is_bitwise_identical(tmp_path):
-    train = {**TRAIN, "evaluation_period": 0}
-    straight = make_text_run(tmp_path, "straight", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
-                             train=train, checkpoint={"period": 1, "max_num_checkpoints": 10})
-    resumed = make_text_run(tmp_path, "resumed", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
-                            train=train, checkpoint={"period": 1, "max_num_checkpoints": 10})
-    assert run_ranks(straight).returncode == 0
-    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
-    proc.wait(timeout=60)
-    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+PP2 = {"distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}, "train": {**TRAIN, "evaluation_period": 0},
+       "checkpoint": {"period": 1, "max_num_checkpoints": 10}}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One finished pp 2 run (4 updates, a checkpoint after each), shared by the kill/resume, export and refusal
+    tests: the uninterrupted reference, the run exported, and the checkpoint another stage count must refuse."""
+    cfg = make_text_run(tmp_path_factory.mktemp("pp2"), "straight", **PP2)
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout
+    return cfg
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path, straight):
+    resumed = make_text_run(straight.output_dir.parent, "resumed", **PP2)
+    done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed)
     assert out.returncode == 0, out.stdout
@@ -180,31 +191,16 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
         assert np.array_equal(a[name], b[name]), name
 
 
-def test_export_stitches_the_stages_into_the_unsplit_eval_graph(tmp_path):
+def test_export_stitches_the_stages_into_the_unsplit_eval_graph(tmp_path, straight):
     from ortflow.export.model import export_model
 
-    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
-                          train={**TRAIN, "num_train_steps": 4})
-    assert run_ranks(split).returncode == 0
+    split = straight
     out = tmp_path / "model.onnx"
     result = export_model(split.output_dir, out, config=split)
     assert max(result.verification.max_abs_diff.values()) <= 1e-5
     # Independently: the exported model equals the unsplit eval graph fed with every stage's trained parameters.
     params = stage_parameters(split)
-    # The export writes fused GELUs back as standard ops (graph/gelu.py): compare with the eval graph written alike.
-    eval_proto = decompose_gelu(onnx.load(str(split.artifacts_dir / "eval_model.onnx")))
-    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
-    ids = np.random.default_rng(0).integers(0, 256, (2, 16))
-    feeds = {i.name: params[i.name] for i in eval_proto.graph.input if i.name in params}
-    labels = np.zeros(32, np.int64)
-    names = [i.name for i in eval_proto.graph.input]
-    feeds.update({n: ids for n in names if n == "input_ids"})
-    feeds.update({n: labels for n in names if n == "labels"})
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # fusions at ALL round differently
-    logits_ref = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)
-    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})
-    np.testing.assert_array_equal(logits[0], logits_ref[0])
+    assert_export_equals_eval_graph(split, out, params, seq=16)
     initial = stage_parameters(split, split.artifacts_dir)  # artifacts/checkpoint: the unsplit initial weights
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
 
@@ -220,11 +216,8 @@ def test_a_hung_stage_is_named_when_its_neighbour_times_out(tmp_path):
     assert time.monotonic() - started < 40
 
 
-def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path):
-    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
-                          train={**TRAIN, "num_train_steps": 2})
-    assert run_ranks(split).returncode == 0
-    folder = list_complete(split.checkpoints_dir)[-1].path
+def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path, straight):
+    folder = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 1)  # a pp 2 checkpoint
     unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1},
                             checkpoint={"checkpoint_to_load_path": str(folder)}, train={**TRAIN, "num_train_steps": 4})
     out = run_ranks(unsplit)
@@ -257,18 +250,16 @@ def test_a_stop_signal_on_one_stage_stops_every_stage_at_the_same_update(tmp_pat
     verify(kept[-1].path)
 
 
-def test_tied_weights_resume_bitwise_and_the_checkpoint_tools_read_the_stage_files(tmp_path):
+def test_tied_weights_resume_bitwise_and_the_checkpoint_tools_read_the_stage_files(tmp_path, tied_pp2):
     # The tied embedding sits in both stages' files (params and optimizer state): resume reads each stage's part by
     # name (the duplicate once), and inspect/merge stitch the stages into the whole model's parameters and moments.
     from ortflow.trainer.checkpoints.tools import inspect, merge
 
-    keep = {"period": 1, "max_num_checkpoints": 10}
     dist = {"num_ranks": 2, "pipeline_parallel_size": 2}
-    straight = torchlike_run(tmp_path, "straight", True, distributed=dist, checkpoint=keep)
-    assert run_ranks(straight).returncode == 0
+    straight = tied_pp2
     middle = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 2)
-    resumed = torchlike_run(tmp_path, "resumed", True, distributed=dist,
-                            checkpoint={**keep, "checkpoint_to_load_path": str(middle)})
+    resumed = torchlike_run(straight.output_dir.parent, "resumed", True, distributed=dist,
+                            checkpoint={**KEEP_ALL, "checkpoint_to_load_path": str(middle)})
     out = run_ranks(resumed)
     assert out.returncode == 0, out.stdout
     assert "starting from step 2" in out.stdout

@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import ortflow
-from ortflow.graph.gelu import decompose_gelu
 from ortflow.trainer.checkpoints import list_complete
 from ortflow.trainer.checkpoints.h5state import read_params
 from ortflow.trainer.checkpoints.tp import tp_file
 
-from .runs import make_run, rank_command, run_ranks
+from .parallel_runs import (
+    SEQ,
+    assert_export_equals_eval_graph,
+    gpt_run,
+    h5_arrays,
+    initial_parameters,
+    kill_after_first_checkpoint,
+    losses,
+    newest,
+)
+from .runs import run_ranks
 
 pytestmark = pytest.mark.mpi
 
-SEQ = 16
-TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2, "evaluation_period": 2,
-         "display_loss_steps": 1, "max_eval_batches": 1}
 # The split changes where fp32 sums are rounded: a row-split MatMul's hp partial products are added after the local
 # dot products (the unsplit MatMul adds all terms in one), and a split region's input gradient is summed the same way;
 # each such sum differs by a few ulps. With SGD that reaches the weights as is: measured max |diff| 3.7e-9 after 4
@@ -34,22 +37,6 @@ TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2
 # wrong split (a missing all-reduce, a bias added twice, a wrong slice) moves weights by ~lr and fails both.
 ATOL = {"sgd": 1e-7, "adamw": 1e-4}
 LR = {"sgd": 1e-2, "adamw": 1e-3}
-
-
-def gpt_run(root: Path, name: str, model_path: Path | None = None, **sections):
-    """A run on a 2-layer GPT (d_model 32, 4 heads; or the model at ``model_path``) over ortflow's sources."""
-    from ortflow.examples.gpt import build_gpt
-
-    model = model_path or root / "gpt2l.onnx"
-    if not model.exists():
-        build_gpt(model, seq_len=SEQ, d_model=32, num_layers=2, num_heads=4)
-    corpus = root / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("\n".join(p.read_text() for p in sorted(Path(ortflow.__file__).parent.rglob("*.py"))[:6]))
-    data = {"train": [str(corpus)], "format": "text", "text": {"seq_len": SEQ}, "eval_fraction": 0.05}
-    train = {**TRAIN, **sections.pop("train", {})}
-    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
-    return make_run(root, name, model=model, data=data, train=train, optimizer=optimizer, **sections)
 
 
 def torch_run(root: Path, name: str, **sections):
@@ -66,21 +53,6 @@ def digests(output: str) -> dict[int, tuple[str, str]]:
     """rank -> (sha256 of its parameters, of its replicated parameters), at the last checkpoint."""
     found = re.findall(r"rank (\d+) parameters sha256 ([0-9a-f]{64}) \(replicated ([0-9a-f]{64})\)", output)
     return {int(rank): (whole, replicated) for rank, whole, replicated in found}
-
-
-def initial_parameters(cfg) -> dict[str, np.ndarray]:
-    import onnx
-    from onnx import numpy_helper
-
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(cfg.model.path)).graph.initializer}
-
-
-def losses(output: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\] \S+ INFO step \d+/\d+ \| loss ([0-9.e+-]+)", output)]
-
-
-def newest(cfg):
-    return list_complete(cfg.checkpoints_dir)[-1].path
 
 
 @pytest.mark.parametrize("hp,ranks,rule", [(2, 2, "adamw"), (2, 4, "sgd"), (2, 4, "adamw")])
@@ -126,21 +98,23 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
     assert p2["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # merged back from the per-part slices
 
 
-def test_kill_and_resume_is_bitwise_identical(tmp_path):
-    dist = {"num_ranks": 2, "horizontal_parallel_size": 2}
-    every = {"period": 1, "max_num_checkpoints": 10}
-    train = {"evaluation_period": 0}
-    straight = gpt_run(tmp_path, "straight", distributed=dist, train=train, checkpoint=every)
-    resumed = gpt_run(tmp_path, "resumed", distributed=dist, train=train, checkpoint=every)
-    assert run_ranks(straight).returncode == 0
-    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
-    proc.wait(timeout=60)
-    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+HP2 = {"distributed": {"num_ranks": 2, "horizontal_parallel_size": 2}, "train": {"evaluation_period": 0},
+       "checkpoint": {"period": 1, "max_num_checkpoints": 10}}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One finished hp 2 run (AdamW, 4 updates, a checkpoint after each), shared by the kill/resume test (the
+    uninterrupted reference), the merge/export test (its last checkpoint) and the resharding test (its step-2 one)."""
+    cfg = gpt_run(tmp_path_factory.mktemp("hp2"), "straight", **HP2)
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout[-3000:]
+    return cfg
+
+
+def test_kill_and_resume_is_bitwise_identical(straight):
+    resumed = gpt_run(straight.output_dir.parent, "resumed", **HP2)
+    done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed)
     assert out.returncode == 0, out.stdout
@@ -153,35 +127,21 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
             assert h5_arrays(newest(straight) / tp_file(kind, t, 2)) == h5_arrays(folder / tp_file(kind, t, 2))
 
 
-def h5_arrays(path: Path) -> dict[str, bytes]:
+def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_graph(tmp_path, straight):
     import h5py
-
-    found = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: found.__setitem__(name, obj[()].tobytes()) if isinstance(obj, h5py.Dataset)
-                     else None)
-    return found
-
-
-def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_graph(tmp_path):
-    import h5py
-    import onnx
-    import onnxruntime as ort
 
     from ortflow.export.model import export_model
     from ortflow.trainer.checkpoints.tools import merge
 
-    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
-                    train={"num_train_steps": 4})
-    assert run_ranks(split).returncode == 0
-    folder = newest(split)
+    split = straight
+    folder = newest(split)  # step 4
     with h5py.File(folder / tp_file("params", 1, 2), "r") as f:  # rank 1 holds half of a split weight
         q = next(ds for ds in f["parameters"].values() if ds.attrs["name"] == "h0.attn.q.weight")
         assert q.shape == (32, 16) and q.attrs["tp_axis"] == 1
     params = read_params(folder)
     assert params["h0.attn.q.weight"].shape == (32, 32) and params["h0.mlp.proj.weight"].shape == (128, 32)
     merged = merge(folder, tmp_path / "merged.h5")
-    assert merged.step == 2
+    assert merged.step == 4
     with h5py.File(tmp_path / "merged.h5", "r") as f:
         whole = {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
         moments = {ds.attrs["name"]: ds[()] for ds in f["optimizer"]["exp_avg"].values()}
@@ -191,28 +151,13 @@ def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_grap
     result = export_model(split.output_dir, out, config=split)
     assert max(result.verification.max_abs_diff.values()) <= 1e-5
     # Independently: the exported model equals the unsplit eval graph fed with the merged trained parameters.
-    # The export writes fused GELUs back as standard ops (graph/gelu.py): compare with the eval graph written alike.
-    eval_proto = decompose_gelu(onnx.load(str(split.artifacts_dir / "eval_model.onnx")))
-    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
-    ids = np.random.default_rng(0).integers(0, 256, (2, SEQ))
-    names = [i.name for i in eval_proto.graph.input]
-    feeds = {n: params[n] for n in names if n in params}
-    feeds.update({n: ids for n in names if n == "input_ids"})
-    feeds.update({n: np.zeros(2 * SEQ, np.int64) for n in names if n == "labels"})
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run(["logits"], feeds)[0]
-    logits = ort.InferenceSession(str(out), options).run(["logits"], {"input_ids": ids})[0]
-    np.testing.assert_array_equal(logits, reference)
+    assert_export_equals_eval_graph(split, out, params)
     initial = initial_parameters(split)
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
 
 
-def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path):
-    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
-                    train={"num_train_steps": 4, "evaluation_period": 0})
-    assert run_ranks(split).returncode == 0
-    folder = newest(split)  # step 2
+def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path, straight):
+    folder = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 2)
     whole = gpt_run(tmp_path, "hp1", distributed={"num_ranks": 1}, train={"num_train_steps": 8, "evaluation_period": 0},
                     checkpoint={"checkpoint_to_load_path": str(folder)})
     out = run_ranks(whole)

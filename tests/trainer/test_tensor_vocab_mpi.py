@@ -3,19 +3,15 @@ vocabulary (``mpiexec -n 2``), and kill-and-resume at hp 2 x dp 2 (``mpiexec -n 
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import time
-
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete
 from ortflow.trainer.checkpoints.h5state import read_params
 from ortflow.trainer.checkpoints.tp import tp_file
 
-from .runs import rank_command, run_ranks
-from .test_tensor_mpi import ATOL, LR, SEQ, gpt_run, h5_arrays, initial_parameters, newest
+from .parallel_runs import SEQ, gpt_run, h5_arrays, initial_parameters, kill_after_first_checkpoint, newest
+from .runs import run_ranks
+from .test_tensor_mpi import ATOL, LR
 
 pytestmark = pytest.mark.mpi
 
@@ -82,14 +78,7 @@ def test_kill_and_resume_at_hp2_x_dp2_is_bitwise_identical(tmp_path):
     straight = gpt_run(tmp_path, "straight", distributed=dist, train=train, checkpoint=every)
     resumed = gpt_run(tmp_path, "resumed", distributed=dist, train=train, checkpoint=every)
     assert run_ranks(straight, timeout=300).returncode == 0
-    proc = subprocess.Popen(rank_command(resumed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not list_complete(resumed.checkpoints_dir) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # killed mid-run: no chance to save
-    proc.wait(timeout=60)
-    done = [c.step for c in list_complete(resumed.checkpoints_dir)]
+    done = kill_after_first_checkpoint(resumed, wait_s=180)
     assert done and done[-1] < 3, done
     out = run_ranks(resumed, timeout=300)
     assert out.returncode == 0, out.stdout
