@@ -55,7 +55,9 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list]:
 
 
 def _same(a: list | None, b: list | None) -> bool:
-    return a is not None and b is not None and len(a) == len(b) and all(x is not None and x == y for x, y in zip(a, b, strict=True))
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(x is not None and x == y for x, y in zip(a, b, strict=True))
 
 
 def expand_where_inputs(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
