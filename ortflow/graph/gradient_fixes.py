@@ -8,6 +8,13 @@
 - ``ReduceSum`` / ``ReduceMean`` / ... with ``noop_with_empty_axes=1`` and no axes: the ONNX identity, but the
   engine's training session crashes in the forward kernel ("Reduction on all axes, output size should be 1").
   It becomes an ``Identity``.
+- ``Slice`` with a negative step on the LAST axis (torch's ``x.flip(-1)``): the engine's ``SliceGrad`` crashes at
+  the first training step ("narrowing_error"); negative steps on other axes are right. The slice is done between
+  two ``Transpose`` nodes that swap the first and last axes.
+- ``BatchNormalization(training_mode=1)`` (torch's export in training mode) whose running-statistics outputs
+  nothing reads: the engine's eval model fails to load ("number of op outputs should be 1 when Training_mode =
+  False"). It becomes the inference form (one output), which the engine trains with batch statistics and whose
+  running statistics it updates itself (tests/graph/test_batchnorm.py).
 
 Each is a pure ``ModelProto -> ModelProto`` pass; :func:`gradient_fixes` runs both, on every graph the engine gets
 (the whole model, pipeline stages, tensor-parallel pieces).
@@ -17,18 +24,22 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import onnx
 from onnx import helper, shape_inference
 
-from ortflow.graph.common import Names, int64_constant, node_label, report_change
+from ortflow.graph.common import Names, constant_values, consumed_names, int64_constant, node_label, report_change
 
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
                          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"})
 
 
 def gradient_fixes(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
-    """:func:`expand_where_inputs` then :func:`empty_axes_reductions`."""
-    return empty_axes_reductions(expand_where_inputs(model, report), report)
+    """Every pass of this module, in order."""
+    model = expand_where_inputs(model, report)
+    model = empty_axes_reductions(model, report)
+    model = last_axis_slices(model, report)
+    return batchnorm_inference_form(model, report)
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list]:
@@ -124,3 +135,74 @@ def _noop(node: onnx.NodeProto) -> bool:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     no_axes = not attrs.get("axes") and (len(node.input) < 2 or not node.input[1])
     return attrs.get("noop_with_empty_axes", 0) == 1 and no_axes
+
+
+def last_axis_slices(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """Wrap a ``Slice`` with a negative step on the last axis (constant inputs, rank >= 2 known) in two
+    ``Transpose`` nodes that swap the first and last axes, so the step applies to the first axis."""
+    graph = model.graph
+    slices = {i: n for i, n in enumerate(graph.node) if n.op_type == "Slice" and n.domain in ("", "ai.onnx")
+              and len(n.input) >= 5 and n.input[4]}
+    if not slices:
+        return model
+    shapes, found = _shapes(model), {}
+    for i, node in slices.items():
+        rank = len(shapes.get(node.input[0]) or [])
+        steps = constant_values(graph, node.input[4])
+        axes = constant_values(graph, node.input[3]) if node.input[3] else None
+        if rank < 2 or steps is None or (node.input[3] and axes is None):
+            continue
+        steps = steps.reshape(-1)
+        axes = np.arange(len(steps)) if axes is None else axes.reshape(-1) % rank
+        if any(a == rank - 1 and s < 0 for a, s in zip(axes, steps, strict=True)):
+            found[i] = (rank, axes)
+    if not found:
+        return model
+    model = copy.deepcopy(model)
+    graph, names = model.graph, Names(model.graph)
+    nodes, changes = [], []
+    for i, node in enumerate(graph.node):
+        if i not in found:
+            nodes.append(node)
+            continue
+        (rank, axes), label = found[i], node_label(node)
+        perm = [rank - 1, *range(1, rank - 1), 0]
+        moved, sliced = names.new(f"{label}/last_axis_first"), names.new(f"{label}/sliced")
+        const, new_axes = int64_constant(names, f"{label}/axes", [perm[int(a)] for a in axes])
+        nodes.append(helper.make_node("Transpose", [node.input[0]], [moved], name=names.new(moved), perm=perm))
+        nodes.append(const)
+        nodes.append(helper.make_node("Slice", [moved, node.input[1], node.input[2], new_axes, node.input[4]],
+                                      [sliced], name=node.name))
+        nodes.append(helper.make_node("Transpose", [sliced], [node.output[0]], name=names.new(f"{label}/back"),
+                                      perm=perm))
+        changes.append(f"Slice '{label}' (negative step on the last axis) -> Transpose, Slice, Transpose")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    report_change("last_axis_slices", changes, report)
+    return model
+
+
+def batchnorm_inference_form(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """``BatchNormalization(training_mode=1)`` whose extra outputs are unused -> the one-output inference form."""
+    used = consumed_names(model.graph) | {o.name for o in model.graph.output}
+    found = [i for i, n in enumerate(model.graph.node) if n.op_type == "BatchNormalization"
+             and n.domain in ("", "ai.onnx") and _attr(n, "training_mode", 0) == 1
+             and not any(o in used for o in n.output[1:] if o)]
+    if not found:
+        return model
+    model = copy.deepcopy(model)
+    changes = []
+    for i in found:
+        node = model.graph.node[i]
+        kept = [a for a in node.attribute if a.name != "training_mode"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        del node.output[1:]
+        changes.append(f"BatchNormalization '{node_label(node)}' training_mode=1 -> the inference form (the engine "
+                       "trains it with batch statistics and updates the running ones)")
+    report_change("batchnorm_inference_form", changes, report)
+    return model
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)

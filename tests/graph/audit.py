@@ -74,7 +74,8 @@ def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1) -> 
             return _cross_entropy(rest + contribution(name, values), labels)
 
         worst, worst_tensor, noise = 0.0, "", 0.0
-        for tensor in sorted(t for t in own if t in grads):
+        # Frozen initializers (BatchNormalization's running statistics) come back with an empty gradient.
+        for tensor in sorted(t for t in own if t not in result.info["frozen"]):
             indices = sample_indices(own[tensor].shape, np.random.default_rng(0), count)
             want = np.array([(loss(tensor, i, STEP) - loss(tensor, i, -STEP)) / (2 * STEP) for i in indices])
             wide = (loss(tensor, indices[-1], 2 * STEP) - loss(tensor, indices[-1], -2 * STEP)) / (4 * STEP)
