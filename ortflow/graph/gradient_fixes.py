@@ -11,6 +11,8 @@
 - ``Slice`` with a negative step on the LAST axis (torch's ``x.flip(-1)``): the engine's ``SliceGrad`` crashes at
   the first training step ("narrowing_error"); negative steps on other axes are right. The slice is done between
   two ``Transpose`` nodes that swap the first and last axes.
+- ``MatMul`` with a 1-D operand (torch's ``x @ v``): the engine cannot build its gradient (its ``FusedMatMul``
+  fails shape inference). The vector becomes a matrix (``Unsqueeze``) and the product is squeezed back.
 - ``BatchNormalization(training_mode=1)`` (torch's export in training mode) whose running-statistics outputs
   nothing reads: the engine's eval model fails to load ("number of op outputs should be 1 when Training_mode =
   False"). It becomes the inference form (one output), which the engine trains with batch statistics and whose
@@ -39,6 +41,7 @@ def gradient_fixes(model: onnx.ModelProto, report: list[dict] | None = None) -> 
     model = expand_where_inputs(model, report)
     model = empty_axes_reductions(model, report)
     model = last_axis_slices(model, report)
+    model = vector_matmuls(model, report)
     return batchnorm_inference_form(model, report)
 
 
@@ -179,6 +182,43 @@ def last_axis_slices(model: onnx.ModelProto, report: list[dict] | None = None) -
     del graph.node[:]
     graph.node.extend(nodes)
     report_change("last_axis_slices", changes, report)
+    return model
+
+
+def vector_matmuls(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """``MatMul`` with a 1-D operand -> the 2-D product between ``Unsqueeze`` and ``Squeeze`` (numpy's rule)."""
+    found = [i for i, n in enumerate(model.graph.node) if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]
+    if not found:
+        return model
+    shapes = _shapes(model)
+    ranks = {i: [len(shapes[x]) if x in shapes else None for x in model.graph.node[i].input] for i in found}
+    found = [i for i in found if 1 in ranks[i]]
+    if not found:
+        return model
+    model = copy.deepcopy(model)
+    graph, names = model.graph, Names(model.graph)
+    nodes, changes = [], []
+    todo = set(found)
+    for i, node in enumerate(graph.node):
+        if i not in todo:
+            nodes.append(node)
+            continue
+        label, inputs, squeeze = node_label(node), list(node.input), []
+        for k, (axis, gone) in enumerate(((0, -2), (-1, -1))):
+            if ranks[i][k] == 1:
+                const, axes = int64_constant(names, f"{label}/unsqueeze{k}_axes", [axis])
+                out = names.new(f"{label}/matrix{k}")
+                nodes += [const, helper.make_node("Unsqueeze", [inputs[k], axes], [out], name=names.new(out))]
+                inputs[k] = out
+                squeeze.append(gone)
+        product = names.new(f"{label}/product")
+        nodes.append(helper.make_node("MatMul", inputs, [product], name=node.name))
+        const, axes = int64_constant(names, f"{label}/squeeze_axes", sorted(squeeze))
+        nodes += [const, helper.make_node("Squeeze", [product, axes], [node.output[0]], name=names.new(f"{label}/sq"))]
+        changes.append(f"MatMul '{label}' with a 1-D operand -> Unsqueeze, MatMul, Squeeze")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    report_change("vector_matmuls", changes, report)
     return model
 
 

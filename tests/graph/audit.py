@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx.reference import ReferenceEvaluator
 
 from ortflow.config import config_from_dict
@@ -43,16 +44,45 @@ def _cross_entropy(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(-logp[np.arange(len(labels)), labels].mean())
 
 
-def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1) -> tuple[dict[str, Finding], dict]:
-    """Each case's worst gradient error; and configure's info (its rewrites)."""
+def raw_artifacts(path: Path, out: Path) -> Path:
+    """The engine's artifacts for the model as it is, without ortflow's passes (for the engine-fact tests)."""
+    import os
+
+    from ortflow.engine import artifacts
+
+    model = onnx.load(str(path))
+    out.mkdir(parents=True)
+    here = os.getcwd()
+    os.chdir(out)  # the generator writes a temporary file into the current folder
+    try:
+        # BatchNormalization's running statistics are never trained (ortflow freezes them too).
+        stats = {i for n in model.graph.node if n.op_type == "BatchNormalization" for i in n.input[3:]}
+        artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer
+                                                           if t.name not in stats],
+                                     loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=str(out))
+    finally:
+        os.chdir(here)
+    return out
+
+
+def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1, raw: bool = False,
+          ) -> tuple[dict[str, Finding], dict]:
+    """Each case's worst gradient error; and configure's info (its rewrites). ``raw``: the engine's artifacts of the
+    model as it is (no configure, every initializer trained)."""
     path, branches = build_model(tmp_path / "audit.onnx", cases)
-    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
-                            "data": {"train": [str(tmp_path / "t.npz")]},
-                            "train": {"batch_size": BATCH, "num_train_steps": 1}})
-    result = configure(cfg)
+    if raw:
+        artifacts_dir = raw_artifacts(path, tmp_path / "raw")
+        stats = {i for n in onnx.load(str(path)).graph.node if n.op_type == "BatchNormalization" for i in n.input[3:]}
+        info = {"frozen": sorted(stats), "graph_rewrites": []}
+    else:
+        cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
+                                "data": {"train": [str(tmp_path / "t.npz")]},
+                                "train": {"batch_size": BATCH, "num_train_steps": 1}})
+        result = configure(cfg)
+        artifacts_dir, info = result.artifacts_dir, result.info
     rng = np.random.default_rng(seed)
     x, labels = rng.standard_normal((BATCH, FEATURES)).astype(np.float32), rng.integers(0, CLASSES, BATCH)
-    _, grads = engine_loss_and_gradients(result.artifacts_dir, [x, labels.astype(np.int64)])
+    _, grads = engine_loss_and_gradients(artifacts_dir, [x, labels.astype(np.int64)])
 
     evaluators = {name: ReferenceEvaluator(to_double(m)) for name, m in branches.items()}
     params = {name: parameters_of(m) for name, m in branches.items()}
@@ -75,7 +105,7 @@ def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1) -> 
 
         worst, worst_tensor, noise = 0.0, "", 0.0
         # Frozen initializers (BatchNormalization's running statistics) come back with an empty gradient.
-        for tensor in sorted(t for t in own if t not in result.info["frozen"]):
+        for tensor in sorted(t for t in own if t not in info["frozen"]):
             indices = sample_indices(own[tensor].shape, np.random.default_rng(0), count)
             want = np.array([(loss(tensor, i, STEP) - loss(tensor, i, -STEP)) / (2 * STEP) for i in indices])
             wide = (loss(tensor, indices[-1], 2 * STEP) - loss(tensor, indices[-1], -2 * STEP)) / (4 * STEP)
@@ -86,4 +116,4 @@ def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1) -> 
             if error >= worst:
                 worst, worst_tensor = error, tensor
         findings[name] = Finding(name, worst, worst_tensor, noise)
-    return findings, result.info
+    return findings, info
