@@ -117,3 +117,24 @@ def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1, raw
                 worst, worst_tensor = error, tensor
         findings[name] = Finding(name, worst, worst_tensor, noise)
     return findings, info
+
+
+def main() -> None:
+    """Print the audit's table (docs/engine-kernels.md): ``python -m tests.graph.audit``."""
+    import logging
+    import tempfile
+
+    from tests.graph.test_gradient_audit import CHECKED
+
+    logging.disable(logging.WARNING)
+    print("| case | worst error | reference noise | verdict |\n|---|---|---|---|")
+    for group, cases in CHECKED.items():
+        with tempfile.TemporaryDirectory() as folder:
+            findings, _ = audit(Path(folder), cases)
+        for f in findings.values():
+            verdict = "right" if f.worst < BOUND else "**WRONG**"
+            print(f"| {f.case} ({group}) | {f.worst:.1e} | {f.reference_noise:.0e} | {verdict} |")
+
+
+if __name__ == "__main__":
+    main()
