@@ -141,6 +141,14 @@ def _minmax(op_type: str):
     return build
 
 
+def _minmax_broadcast(op_type: str, shape):
+    # The second operand broadcast ([C] or [N, 1]); its values sit 0.2..0.35 off the first's row/column levels.
+    def build(b: Branch) -> str:
+        levels = _levels(b, [0.6, 1.2], seed=9)
+        return b.op(op_type, [levels, b.param(shape, 0.02)])
+    return build
+
+
 def _gather(axis: int, indices, table_shape):
     return lambda b: b.op("Gather", [b.act(table_shape), b.const(indices)], axis=axis)
 
@@ -192,6 +200,9 @@ CASES_17: list[Case] = [
     Case("where_x_broadcast_column", _where((4, 1), (4, 5))),
     Case("min", _minmax("Min")),
     Case("max", _minmax("Max")),
+    Case("min_broadcast_row", _minmax_broadcast("Min", (5,))),
+    Case("max_broadcast_column", _minmax_broadcast("Max", (4, 1))),
+    Case("div_broadcast_column", lambda b: b.op("Div", [b.act((4, 5)), b.param((4, 1), 0.3, 2.0)])),
     Case("clip_inputs", _clip),
     Case("expand", lambda b: b.op("Expand", [b.act((4, 1, 5)), b.const([4, 3, 5])])),
     Case("expand_rank_up", lambda b: b.op("Expand", [b.param((1, 5)), b.const([4, 2, 5])])),

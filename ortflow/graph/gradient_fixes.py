@@ -77,8 +77,9 @@ def _same(a: list | None, b: list | None) -> bool:
 def expand_where_inputs(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
     """Expand each ``Where`` value input that may be broadcast to the output's shape (see the module docstring).
 
-    The target shape is a constant when inference knows the output's dims, else ``Shape`` of a copy of the
-    ``Where`` on the original inputs (an int64 path: it needs no gradient).
+    The target shape is ``Shape`` of a copy of the ``Where`` on the original inputs (an int64 path: it needs no
+    gradient), never a constant: the batch dim may become symbolic after this pass (pipeline stages and
+    tensor-parallel pieces are cut from the model file), and a tensor-parallel shard changes head counts.
     """
     constants = {o for n in model.graph.node if n.op_type in ("Constant", "ConstantOfShape") for o in n.output}
     wheres = {i: n for i, n in enumerate(model.graph.node) if n.op_type == "Where" and n.domain in ("", "ai.onnx")
@@ -97,14 +98,10 @@ def expand_where_inputs(model: onnx.ModelProto, report: list[dict] | None = None
     for i, node in enumerate(graph.node):
         slots = todo.get(i, [])
         if slots:
-            label, out_shape = node_label(node), shapes.get(node.output[0])
-            if out_shape is not None and all(isinstance(d, int) and d > 0 for d in out_shape):
-                const, target = int64_constant(names, f"{label}/expand_shape", list(out_shape))
-                nodes.append(const)
-            else:
-                copy_out, target = names.new(f"{label}/shape_source"), names.new(f"{label}/expand_shape")
-                nodes.append(helper.make_node("Where", list(node.input), [copy_out], name=names.new(copy_out)))
-                nodes.append(helper.make_node("Shape", [copy_out], [target], name=names.new(target)))
+            label = node_label(node)
+            copy_out, target = names.new(f"{label}/shape_source"), names.new(f"{label}/expand_shape")
+            nodes.append(helper.make_node("Where", list(node.input), [copy_out], name=names.new(copy_out)))
+            nodes.append(helper.make_node("Shape", [copy_out], [target], name=names.new(target)))
             for k in slots:
                 expanded = names.new(f"{node.input[k]}/expanded")
                 nodes.append(helper.make_node("Expand", [node.input[k], target], [expanded],
