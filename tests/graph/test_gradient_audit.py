@@ -123,3 +123,22 @@ def test_engine_fact_it_fails_on(tmp_path, name):
 def test_engine_fact_its_gradient_of_a_broadcast_where_input_is_wrong(tmp_path, name):
     findings, _ = audit(tmp_path, [BY_NAME[name]], raw=True)
     assert findings[name].worst > 0.1, findings[name]  # wrong by O(1), silently; 1e-7 when expanded first
+
+
+def test_pipeline_stages_get_the_rewrites_too(tmp_path):
+    # Stages are cut from the model file, not from prepare_model's output (stage_artifacts.plan_stages).
+    from ortflow.trainer.parallel.stage_artifacts import plan_stages
+
+    cases = [BY_NAME[n] for n in ("where_y_broadcast", "reduce_sum_noop", "slice_flip_last_axis", "matmul_1d")]
+    path, _ = build_model(tmp_path / "m.onnx", cases)
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
+                            "data": {"train": [str(tmp_path / "t.npz")]},
+                            "train": {"batch_size": 4, "num_train_steps": 1},
+                            "distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}})
+    _, stages = plan_stages(cfg)
+    nodes = [n for s in stages for n in s.model.graph.node]
+    assert "where_y_broadcast/Where_7/Expand_2" in {n.name for n in nodes}
+    assert not [n for n in nodes if n.op_type == "ReduceSum" and n.name.startswith("reduce_sum_noop/")]
+    assert [n.op_type for n in nodes if n.name.startswith("slice_flip_last_axis/") and n.op_type in (
+        "Transpose", "Slice")] == ["Transpose", "Slice", "Transpose"]
+    assert "Squeeze" in {n.op_type for n in nodes if n.name.startswith("matmul_1d/")}
