@@ -160,11 +160,13 @@ def _layernorm(axis: int, norm_shape):
     return build
 
 
-def _batchnorm(b: Branch) -> str:
-    mean, var = b.param((3,), 0.1), b.param((3,), 0.1, 1.0)
-    outs = b.op("BatchNormalization", [b.act((4, 3, 5), 2.0, 0.5), b.param((3,), 0.1, 1.0), b.param((3,), 0.1),
-                                       mean, var], num_outputs=3, training_mode=1, momentum=0.9, epsilon=1e-5)
-    return outs[0]
+def _batchnorm(read_statistics: bool = False):
+    def build(b: Branch) -> str:
+        mean, var = b.param((3,), 0.1), b.param((3,), 0.1, 1.0)
+        outs = b.op("BatchNormalization", [b.act((4, 3, 5), 2.0, 0.5), b.param((3,), 0.1, 1.0), b.param((3,), 0.1),
+                                           mean, var], num_outputs=3, training_mode=1, momentum=0.9, epsilon=1e-5)
+        return b.op("Add", [outs[0], b.op("Unsqueeze", [outs[1], b.const([1])])]) if read_statistics else outs[0]
+    return build
 
 
 CASES_17: list[Case] = [
@@ -255,7 +257,8 @@ CASES_17: list[Case] = [
     Case("gemm_both_trans_full_bias", _gemm(1, 1, 1.5, 1.0, (4, 5))),
     Case("layernorm_last", _layernorm(-1, (5,))),
     Case("layernorm_axis1", _layernorm(1, (3, 5))),
-    Case("batchnorm_training", _batchnorm),
+    Case("batchnorm_training", _batchnorm()),
+    Case("batchnorm_training_statistics_read", _batchnorm(read_statistics=True)),
     Case("conv_stride_pads", _conv("Conv", 2, 3, strides=[2, 2], pads=[1, 1, 1, 1])),
     Case("conv_dilation", _conv("Conv", 2, 3, dilations=[2, 1], pads=[2, 0, 1, 1])),
     Case("conv_group", _conv("Conv", 4, 4, group=2, pads=[1, 1, 1, 1])),

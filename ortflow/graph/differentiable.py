@@ -135,6 +135,11 @@ def check_differentiable(model: onnx.ModelProto, trainable: set[str], loss_input
             elif node.op_type == "Pow" and _upstream_params(model, node.input[1:2], trainable):
                 fix = ("the engine has no gradient for Pow's exponent: keep the exponent constant or write "
                        "Exp(y * Log(x))")
+            elif node.op_type == "BatchNormalization" and _attr_int(node, "training_mode") == 1:
+                fix = ("the engine cannot train BatchNormalization(training_mode=1) whose running-statistics outputs "
+                       "are read (its eval graph does not load): export the model in eval mode (torch: model.eval() "
+                       "before torch.onnx.export; the engine still trains with batch statistics and updates the "
+                       "running ones), or read nothing from outputs 1 and 2")
             elif node.op_type == "Pad":
                 fix = _pad_problem(node)
             elif node.op_type in _NO_CPU_GRADIENT_KERNEL and not _cuda_engine():
@@ -166,6 +171,10 @@ def _cuda_engine() -> bool:
     import onnxruntime
 
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def _attr_int(node: onnx.NodeProto, name: str, default: int = 0) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
 
 
 def _keepdims(node: onnx.NodeProto) -> int:

@@ -25,7 +25,7 @@ REFUSED = {
     "conv_transpose": "ConvTranspose", "conv_transpose_outpad": "ConvTranspose",
     "resize_nearest_op17": "Resize", "resize_linear_op19": "Resize",
     "pad_reflect": "Pad", "pad_edge": "Pad", "pad_axes_input": "Pad",
-    "sum3": "Sum",
+    "sum3": "Sum", "batchnorm_training_statistics_read": "BatchNormalization",
 }
 CHECKED = {
     "opset17": [c for c in CASES_17 if c.name not in REFUSED],
@@ -103,6 +103,7 @@ ENGINE_CRASHES = {
     "reduce_sum_noop": "Reduction on all axes",
     "slice_flip_last_axis": "narrowing_error",
     "batchnorm_training": "number of op outputs should be 1",
+    "batchnorm_training_statistics_read": "number of op outputs should be 1",
     "conv_transpose": "Could not find an implementation for ConvTransposeGrad",
     "resize_nearest_op17": "Could not find an implementation for ResizeGrad",
     "pad_reflect": "Pad gradient currently supports constant mode only",
