@@ -195,6 +195,10 @@ CASES_17: list[Case] = [
     Case("sub", _two("Sub")),
     Case("sub_broadcast_left", lambda b: b.op("Sub", [b.param((5,)), b.act((4, 5))])),
     Case("mul_broadcast", _two("Mul", (4, 1))),
+    Case("mul_same_input_twice", lambda b: (lambda a: b.op("Mul", [a, a]))(b.act((4, 5)))),
+    Case("add_same_input_twice", lambda b: (lambda a: b.op("Add", [a, a]))(b.act((4, 5)))),
+    Case("matmul_gram", lambda b: (lambda a: b.op("MatMul", [a, b.op("Transpose", [a], perm=[0, 2, 1])]))(
+        b.act((4, 3, 2)))),
     Case("where_same_shapes", _where((4, 5), (4, 5))),
     Case("where_masked_fill_constant", _where((4, 5), (), y_constant=True)),
     Case("where_y_broadcast", _where((4, 5), (5,))),
