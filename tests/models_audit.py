@@ -71,13 +71,17 @@ class Case:
     opset: int = 17
 
 
-def _branch_nodes(case: Case, rng: np.random.Generator, opset: int) -> tuple[Branch, str]:
-    """The case's nodes plus its head; returns the branch and its contribution to the logits ([B, C])."""
+def _branch_nodes(case: Case, rng: np.random.Generator, opset: int, count: int) -> tuple[Branch, str]:
+    """The case's nodes plus its head; returns the branch and its contribution to the logits ([B, C]).
+
+    Heads are scaled by 1/sqrt(count), so the summed logits stay O(1) however many cases share the model: with
+    ~100 O(1) contributions the softmax saturates (logits of +-20), the loss is ~20 and the float64 differences of
+    a branch with small gradients lose their precision (measured: 1e-4 of its largest gradient)."""
     b = Branch(case.name, rng)
     out = case.build(b)
     flat = b.op("Reshape", [out, b.const([BATCH, -1])])
     width = _width(b, flat, opset)
-    head = b.param((width, CLASSES), std=1.0 / math.sqrt(width))
+    head = b.param((width, CLASSES), std=1.0 / math.sqrt(width * count))
     return b, b.op("MatMul", [flat, head])
 
 
@@ -113,7 +117,7 @@ def build_model(path: Path, cases: list[Case], seed: int = 0) -> tuple[Path, dic
     rng = np.random.default_rng(seed)
     nodes, inits, branches, total = [], [], {}, None
     for case in cases:
-        b, contribution = _branch_nodes(case, rng, opset)
+        b, contribution = _branch_nodes(case, rng, opset, len(cases))
         branch_out = f"{case.name}/contribution"
         own = [*b.nodes, helper.make_node("Identity", [contribution], [branch_out], name=f"{case.name}/Identity")]
         branches[case.name] = _model(own, b.inits, branch_out, opset)

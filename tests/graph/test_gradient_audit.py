@@ -40,8 +40,9 @@ def test_every_audited_gradient_equals_float64_differences_to_fp32_rounding(tmp_
     assert sorted(findings) == sorted(c.name for c in CHECKED[group])
     wrong = {n: f"{f.worst:.2e} ({f.worst_tensor})" for n, f in findings.items() if not f.worst < BOUND}
     assert not wrong, wrong
-    # The reference is honest at this bound: its differences at steps h and 2h agree 100 times closer.
-    noisy = {n: f.reference_noise for n, f in findings.items() if not f.reference_noise < BOUND / 100}
+    # The reference is honest at this bound: its differences at steps h and 2h agree 20 times closer (measured:
+    # at most 1e-7, 200 times).
+    noisy = {n: f.reference_noise for n, f in findings.items() if not f.reference_noise < BOUND / 20}
     assert not noisy, noisy
 
 
