@@ -66,10 +66,10 @@ def raw_artifacts(path: Path, out: Path) -> Path:
 
 
 def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1, raw: bool = False,
-          ) -> tuple[dict[str, Finding], dict]:
+          model_seed: int = 0) -> tuple[dict[str, Finding], dict]:
     """Each case's worst gradient error; and configure's info (its rewrites). ``raw``: the engine's artifacts of the
     model as it is (no configure, every initializer trained)."""
-    path, branches = build_model(tmp_path / "audit.onnx", cases)
+    path, branches = build_model(tmp_path / "audit.onnx", cases, seed=model_seed)
     if raw:
         artifacts_dir = raw_artifacts(path, tmp_path / "raw")
         stats = {i for n in onnx.load(str(path)).graph.node if n.op_type == "BatchNormalization" for i in n.input[3:]}
