@@ -2,11 +2,13 @@
 (tests/graph/test_gradient_audit.py; docs/engine-kernels.md, "Gradient audit").
 
 - ``Where`` with a value input smaller than its output (broadcast): the engine's gradient for that input is WRONG,
-  silently (measured: off by 1.0 of the largest gradient; it is not summed over the broadcast axes). Such an input
+  silently (measured: off by 1.0 and 0.29 of the largest gradient; it is not summed over the broadcast axes; a
+  ``[N, 1]`` input crashes instead). Such an input
   is expanded to the output's shape first (``Expand``, whose gradient is right), so ``Where`` sees equal shapes.
   Inputs computed by ``Constant`` nodes (torch's ``masked_fill`` value) need no gradient and are left alone.
 - ``ReduceSum`` / ``ReduceMean`` / ... with ``noop_with_empty_axes=1`` and no axes: the ONNX identity, but the
-  engine's training session crashes in the forward kernel ("Reduction on all axes, output size should be 1").
+  engine's training session crashes in the forward kernel ("Reduction on all axes, output size should be 1"; ONNX
+  Runtime's inference too).
   It becomes an ``Identity``.
 - ``Slice`` with a negative step on the LAST axis (torch's ``x.flip(-1)``): the engine's ``SliceGrad`` crashes at
   the first training step ("narrowing_error"); negative steps on other axes are right. The slice is done between
@@ -22,7 +24,7 @@
   False"). It becomes the inference form (one output), which the engine trains with batch statistics and whose
   running statistics it updates itself (tests/graph/test_batchnorm.py).
 
-Each is a pure ``ModelProto -> ModelProto`` pass; :func:`gradient_fixes` runs both, on every graph the engine gets
+Each is a pure ``ModelProto -> ModelProto`` pass that logs once; :func:`gradient_fixes` runs them all, on every graph the engine gets
 (the whole model, pipeline stages, tensor-parallel pieces).
 """
 
