@@ -24,8 +24,8 @@
   False"). It becomes the inference form (one output), which the engine trains with batch statistics and whose
   running statistics it updates itself (tests/graph/test_batchnorm.py).
 
-Each is a pure ``ModelProto -> ModelProto`` pass that logs once; :func:`gradient_fixes` runs them all, on every graph the engine gets
-(the whole model, pipeline stages, tensor-parallel pieces).
+Each is a pure ``ModelProto -> ModelProto`` pass that logs once; :func:`gradient_fixes` runs them all, on every
+graph the engine gets (the whole model, pipeline stages, tensor-parallel pieces).
 """
 
 from __future__ import annotations
