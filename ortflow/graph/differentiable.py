@@ -58,6 +58,14 @@ NO_GRADIENT: dict[str, str] = {
 }
 #: Reductions whose gradient the engine builds wrongly (an invalid Unsqueeze) when keepdims=0.
 _KEEPDIMS_BROKEN = frozenset({"ReduceL2", "ReduceLogSumExp"})
+#: Ops whose gradient kernel the CPU engine (onnxruntime-training-cpu) lacks: the training session fails to start
+#: ("Could not find an implementation for ...Grad"). The CUDA engine has them, so these are refused only without it.
+_NO_CPU_GRADIENT_KERNEL: dict[str, str] = {
+    "ConvTranspose": "the CPU engine has no ConvTransposeGrad kernel: write it as a Conv over the input "
+                     "interleaved with zeros, or train on a GPU (the CUDA engine has it)",
+    "Resize": "the CPU engine has no ResizeGrad kernel: for nearest upsampling by an integer factor use "
+              "Unsqueeze + Expand + Reshape (or Tile), or train on a GPU (the CUDA engine has it)",
+}
 _CONTRIB_NO_GRADIENT = {"SimplifiedLayerNormalization": "use LayerNormalization (with all three outputs)"}
 _MAX_NAMES = 8
 
@@ -127,6 +135,15 @@ def check_differentiable(model: onnx.ModelProto, trainable: set[str], loss_input
             elif node.op_type == "Pow" and _upstream_params(model, node.input[1:2], trainable):
                 fix = ("the engine has no gradient for Pow's exponent: keep the exponent constant or write "
                        "Exp(y * Log(x))")
+            elif node.op_type == "BatchNormalization" and _attr_int(node, "training_mode") == 1:
+                fix = ("the engine cannot train BatchNormalization(training_mode=1) whose running-statistics outputs "
+                       "are read (its eval graph does not load): export the model in eval mode (torch: model.eval() "
+                       "before torch.onnx.export; the engine still trains with batch statistics and updates the "
+                       "running ones), or read nothing from outputs 1 and 2")
+            elif node.op_type == "Pad":
+                fix = _pad_problem(node)
+            elif node.op_type in _NO_CPU_GRADIENT_KERNEL and not _cuda_engine():
+                fix = _NO_CPU_GRADIENT_KERNEL[node.op_type]
             elif node.op_type in _KEEPDIMS_BROKEN and _keepdims(node) == 0:
                 fix = (f"the engine builds an invalid gradient for {node.op_type} with keepdims=0: use keepdims=1 "
                        "followed by Squeeze")
@@ -136,6 +153,28 @@ def check_differentiable(model: onnx.ModelProto, trainable: set[str], loss_input
             problems.append(_problem(model, node, fix, trainable))
     if problems:
         raise GraphError("model.path: the engine cannot differentiate this model:\n  - " + "\n  - ".join(problems))
+
+
+def _pad_problem(node: onnx.NodeProto) -> str | None:
+    mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
+    if mode != "constant":
+        return (f"the engine's Pad gradient supports constant mode only, not mode={mode!r}: write it with Slice and "
+                "Concat (reflect: the reversed border Slices; edge: the border Slice repeated with Expand)")
+    if len(node.input) > 3 and node.input[3]:
+        return ("the engine builds an invalid gradient for Pad with an axes input (opset 18): give pads for every "
+                "axis and no axes input (torch: export with opset 17, or pad every dim)")
+    return None
+
+
+def _cuda_engine() -> bool:
+    """Whether the installed engine is the CUDA build (it has the gradient kernels the CPU build lacks)."""
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def _attr_int(node: onnx.NodeProto, name: str, default: int = 0) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
 
 
 def _keepdims(node: onnx.NodeProto) -> int:

@@ -21,6 +21,7 @@ import onnx
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.gelu import gelu_rewrites
+from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
@@ -85,6 +86,7 @@ def prepare_model(
     model = declare_optional_outputs(model, report)
     model = split_to_slices(model, report)
     model = gelu_rewrites(model, fuse_gelu, report, keep=keep or set())
+    model = gradient_fixes(model, report)
     model = separate_repeated_inputs(model, report)
     if repeatable_gathers:
         model = deterministic_gathers(model, trainable, report)

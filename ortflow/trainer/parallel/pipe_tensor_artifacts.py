@@ -27,6 +27,7 @@ import onnx
 
 from ortflow.config import RunConfig
 from ortflow.graph.gelu import gelu_rewrites
+from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.pipeline import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
@@ -75,7 +76,7 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> No
             f"distributed.horizontal_parallel_size {size} every parameter must be read in one stage: move "
             "model.pipeline_cuts so their readers share a stage, untie them in the model, or use one of "
             "pipeline_parallel_size and horizontal_parallel_size (each alone handles tied weights)")
-    whole = export_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg)), trainable)
+    whole = export_fixes(gradient_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg))), trainable)
     try:
         plan = plan_tensor_split(whole, trainable, size)
     except TensorSplitError as err:

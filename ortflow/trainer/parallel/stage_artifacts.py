@@ -28,6 +28,7 @@ from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.gelu import gelu_rewrites
+from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.pipeline import Stage, choose_cuts, split_model
 from ortflow.trainer.artifacts import (
     ARTIFACT_FILES,
@@ -193,6 +194,7 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     # The GELU rewrites as for the unsplit model (graph/gelu.py), so stages compute what it computes.
     model = gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
+    model = gradient_fixes(model)  # graph/gradient_fixes.py: ops the engine differentiates wrongly or crashes on
     try:
         cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
         stages = split_model(model, cuts, trainable)

@@ -25,6 +25,7 @@ from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.gelu import gelu_rewrites
+from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.pipeline import _FLOAT
@@ -79,7 +80,7 @@ def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str],
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    model = export_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg)), trainable)
+    model = export_fixes(gradient_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg))), trainable)
     try:
         plan = plan_tensor_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
