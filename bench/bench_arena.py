@@ -12,7 +12,6 @@ intra-op thread), which other processes on the cores disturb far less than wall 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import interleaved_thread_times, write_result
 from ortflow.trainer.comm.runs import local_runs
 
 
@@ -69,16 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         contenders = {"session": module(folder, False), "shared": module(folder, True)}
         rng = np.random.default_rng(0)
         feeds = [rng.integers(0, 256, (args.batch, 128)), rng.integers(0, 256, (args.batch * 128,))]
-        times = {k: [] for k in contenders}
         load_start = os.getloadavg()
-        for r in range(args.rounds + 2):
-            for name in list(contenders) if r % 2 == 0 else list(contenders)[::-1]:
-                m = contenders[name][0]
-                t0 = time.thread_time()
-                m(*feeds)
-                m.lazy_reset_grad()
-                if r >= 2:  # two warm-up rounds
-                    times[name].append(time.thread_time() - t0)
+        times = interleaved_thread_times({k: v[0] for k, v in contenders.items()}, feeds, args.rounds)
     ratio = np.array(times["shared"]) / np.array(times["session"])
     record = {"rounds": args.rounds, "batch": [args.batch, 128], "load_avg": [load_start, os.getloadavg()],
               "runs": {k: v[2] for k, v in contenders.items()},
@@ -93,12 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{record['ms_median']['session']:.1f}, shared {record['ms_median']['shared']:.1f}\n"
             f"- shared / session, paired within rounds (min / median / max over {args.rounds}): "
             + " / ".join(f"{x:.3f}" for x in record["ratio_shared_to_session"]) + "\n")  # fmt: skip
-    print(text)
-    if args.out:
-        stem = f"arena-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
-        (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        (args.out / f"{stem}.md").write_text(text)
-
+    write_result(args.out, "arena", record, text)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ runs on the calling thread), which other processes on the cores disturb far less
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -50,6 +49,7 @@ def module(artifacts: Path):
 
 def main(argv: list[str] | None = None) -> None:
     from bench.bench_exchange import bench_gpt
+    from bench.common import interleaved_thread_times, write_result
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_gelu")
     parser.add_argument("--rounds", type=int, default=40)
@@ -64,16 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         rng = np.random.default_rng(0)
         feeds = [rng.integers(0, 256, (args.batch, 128)), rng.integers(0, 256, (args.batch * 128,))]
         losses = {k: float(m(*feeds)) for k, (m, _) in contenders.items()}
-        times: dict[str, list[float]] = {k: [] for k in contenders}
         load_start = os.getloadavg()
-        for r in range(args.rounds + 2):
-            for name in list(contenders) if r % 2 == 0 else list(contenders)[::-1]:
-                m = contenders[name][0]
-                t0 = time.thread_time()
-                m(*feeds)
-                m.lazy_reset_grad()
-                if r >= 2:  # two warm-up rounds
-                    times[name].append(time.thread_time() - t0)
+        times = interleaved_thread_times({k: m for k, (m, _) in contenders.items()}, feeds, args.rounds)
     ratio = np.array(times["fused"]) / np.array(times["exported"])
     record = {"rounds": args.rounds, "batch": [args.batch, 128], "load_avg": [load_start, os.getloadavg()],
               "gelu_ops": {k: v[1] for k, v in contenders.items()}, "first_loss": losses,
@@ -90,12 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{record['ms_median']['exported']:.1f}, fused {record['ms_median']['fused']:.1f}\n"
             f"- fused / as exported, paired within rounds (min / median / max over {args.rounds}): "
             + " / ".join(f"{x:.3f}" for x in record["ratio_fused_to_exported"]) + "\n")  # fmt: skip
-    print(text)
-    if args.out:
-        stem = f"gelu-cpu-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
-        (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        (args.out / f"{stem}.md").write_text(text)
-
+    write_result(args.out, "gelu-cpu", record, text)
 
 if __name__ == "__main__":
     main()

@@ -57,6 +57,37 @@ def summarize(values: list[float]) -> dict:
     return {"min": min(kept), "median": statistics.median(kept), "max": max(kept), "n": len(kept)}
 
 
+def interleaved_thread_times(modules: dict, feeds: list, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of thread CPU time per training step of each engine module, over ``rounds`` after ``warmup`` rounds.
+
+    The modules' steps alternate (order reversed every other round), so the machine's load hits them alike; with one
+    intra-op thread the engine runs on the calling thread, so its thread CPU time is the step's work, which other
+    processes on the cores disturb far less than wall time."""
+    import time
+
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for r in range(rounds + warmup):
+        for name in list(modules) if r % 2 == 0 else list(modules)[::-1]:
+            start = time.thread_time()
+            modules[name](*feeds)
+            modules[name].lazy_reset_grad()
+            if r >= warmup:
+                times[name].append(time.thread_time() - start)
+    return times
+
+
+def write_result(out: Path | None, stem: str, record: dict, text: str) -> None:
+    """Print the report and, with ``out``, write ``<stem>-<UTC time>.json`` and ``.md`` there."""
+    import json
+    import time
+
+    print(text)
+    if out:
+        stem = f"{stem}-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
+        (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+        (out / f"{stem}.md").write_text(text)
+
+
 def host_info() -> dict:
     """Where the numbers come from."""
     cpu = "unknown"
