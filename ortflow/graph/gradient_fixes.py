@@ -126,15 +126,21 @@ def empty_axes_reductions(model: onnx.ModelProto, report: list[dict] | None = No
     """Replace reductions with ``noop_with_empty_axes=1`` and no axes (the identity) by ``Identity``."""
     found = [i for i, n in enumerate(model.graph.node) if n.op_type in _REDUCTIONS and n.domain in ("", "ai.onnx")
              and _noop(n)]
+    return _to_identity(model, found, "(noop_with_empty_axes=1, no axes)", "empty_axes_reductions", report)
+
+
+def _to_identity(model: onnx.ModelProto, found: list[int], why: str, pass_name: str,
+                 report: list[dict] | None) -> onnx.ModelProto:
+    """A copy of ``model`` whose nodes at ``found`` are ``Identity(input 0) -> output 0``, each change logged."""
     if not found:
         return model
     model = copy.deepcopy(model)
     changes = []
     for i in found:
         node = model.graph.node[i]
-        changes.append(f"{node.op_type} '{node_label(node)}' (noop_with_empty_axes=1, no axes) -> Identity")
+        changes.append(f"{node.op_type} '{node_label(node)}' {why} -> Identity")
         node.CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
-    report_change("empty_axes_reductions", changes, report)
+    report_change(pass_name, changes, report)
     return model
 
 
@@ -264,13 +270,4 @@ def inference_dropouts(model: onnx.ModelProto, report: list[dict] | None = None)
         value = constant_values(graph, mode) if mode else np.asarray(False)
         if value is not None and not bool(value) and not (len(node.output) > 1 and node.output[1] in used):
             found.append(i)
-    if not found:
-        return model
-    model = copy.deepcopy(model)
-    changes = []
-    for i in found:
-        node = model.graph.node[i]
-        changes.append(f"Dropout '{node_label(node)}' without training_mode (the identity) -> Identity")
-        node.CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
-    report_change("inference_dropouts", changes, report)
-    return model
+    return _to_identity(model, found, "without training_mode (the identity)", "inference_dropouts", report)
