@@ -13,8 +13,9 @@
 #
 # Writes $OUT/exchange-*.json/.md, $OUT/layout-*.json/.md and a log archive, in about 8 minutes. Knobs (environment):
 # GLOBAL_BATCH (128), ORTFLOW_LAYOUTS (auto,16x1,32x1), TORCH_LAYOUTS (1x32,16x1,32x1,16x2,8x4; empty: no PyTorch),
-# ROUNDS (1), WARMUP (2), STEPS (6), DISPLAY (2), EXCHANGE_RANKS (2,16), EXCHANGE_ROUNDS (10), LAYOUT_TIMEOUT (360),
-# SKIP_INSTALL=1 and PYTHON to try the logic elsewhere, BENCH_MPIEXEC. Try it on the 2-core machine (no PyTorch):
+# ROUNDS (1), WARMUP (2), STEPS (6), DISPLAY (2), EXCHANGE_RANKS (2,16; empty: none), EXCHANGE_ROUNDS (10),
+# LAYOUT_TIMEOUT (360), HINDEXED (1; 0 skips the derived-datatype runs), SKIP_INSTALL=1 and PYTHON to try the logic
+# elsewhere, BENCH_MPIEXEC. Try it on the 2-core machine (no PyTorch):
 #   SKIP_INSTALL=1 PYTHON=.venv/bin/python OUT=/tmp/out GLOBAL_BATCH=4 ORTFLOW_LAYOUTS=auto TORCH_LAYOUTS= \
 #   STEPS=2 EXCHANGE_RANKS=2 EXCHANGE_ROUNDS=2 bash bench/device_cpu_layout.sh
 set -euo pipefail
@@ -36,6 +37,11 @@ for name in names:
     except Exception as err:  # noqa: BLE001 - name every missing piece at once
         missing.append(f"{name} ({type(err).__name__}: {err})")
 print("python", sys.version.split()[0], "|", " | ".join(f"{k} {v}" for k, v in found.items()))
+try:  # the host update's fused kernels: a pinned dependency, carried separately (bench/device_optim.sh jit)
+    import numba
+    print("update kernels: fused (numba", numba.__version__ + ")")
+except ImportError:
+    print("update kernels: numpy (no numba here: run `bash bench/device_optim.sh jit` first for what users get)")
 if missing:
     sys.exit("missing on this machine (add cp312 wheels to .whl/, docs/benchmarks.md): " + "; ".join(missing))
 import ortflow.trainer.__main__, ortflow.trainer.loop, ortflow.trainer.checkpoints, ortflow.configure  # noqa: E401,F401
@@ -51,8 +57,8 @@ STAMP="$(hostname)-$(date +%Y%m%d-%H%M)"
 LOGS="$OUT/layout-$STAMP-logs"
 mkdir -p "$LOGS"
 status=0
-IFS=, read -r -a exchange_ranks <<< "${EXCHANGE_RANKS:-2,16}"
-for ranks in "${exchange_ranks[@]}"; do
+IFS=, read -r -a exchange_ranks <<< "${EXCHANGE_RANKS-2,16}"
+for ranks in "${exchange_ranks[@]+"${exchange_ranks[@]}"}"; do
     echo "== exchange at $ranks ranks ($((SECONDS - started)) s)"
     # shellcheck disable=SC2086 - the launcher prefix is a command line
     timeout 100 $BENCH_MPIEXEC -n "$ranks" "$PYTHON" -m bench.bench_exchange --rounds "${EXCHANGE_ROUNDS:-10}" \
@@ -65,7 +71,7 @@ timeout "${LAYOUT_TIMEOUT:-360}" "$PYTHON" -m bench.bench_layout --global-batch 
     --rounds "${ROUNDS:-1}" --warmup "${WARMUP:-2}" --steps "${STEPS:-6}" --display "${DISPLAY:-2}" \
     --work /tmp/bench-layout --out "$OUT" --name "layout-$STAMP" || status=$?
 # The trainer's arena (1 run: the type is one block) and a session's own (5 runs spread over ~46 TB of addresses).
-for arena in trainer session; do
+for arena in $([[ "${HINDEXED:-1}" == 1 ]] && echo trainer session); do
     echo "== derived datatype at 2 ranks, $arena arena ($((SECONDS - started)) s)"
     # shellcheck disable=SC2086 - the launcher prefix is a command line
     timeout 60 $BENCH_MPIEXEC -n 2 "$PYTHON" -m bench.bench_exchange --rounds 3 --calls 10 --arena "$arena" \
