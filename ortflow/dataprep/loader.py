@@ -17,9 +17,9 @@ vectorised gather per record batch it touches, in the model's dtypes, C-contiguo
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -30,6 +30,8 @@ import pyarrow.ipc as ipc
 
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.manifest import FORMAT_VERSION, Manifest, read_manifest, sha256_file
+
+log = logging.getLogger(__name__)
 
 _FIX = "re-run prepare-data (`ortflow prepare-data CONFIG`)"
 
@@ -162,9 +164,9 @@ class TrainLoader:
         self.tokens_per_sample: int | None = manifest.tokens_per_sample
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
-        # Weak: the prefetch thread holds this loader (its batch method), so a strong reference back would keep a
-        # dropped iterator's thread alive; close() stops the ones still alive before the rank exits.
-        self._prefetchers: list[weakref.ref[Prefetcher]] = []
+        # The threads, not the iterators: a dropped iterator (its __del__ only asks its thread to stop) may leave a
+        # thread still inside a batch read, and close() must join that one too before the rank exits.
+        self._workers: list[_Worker] = []
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order of the training rows in ``epoch`` (the same on every rank and every run)."""
@@ -198,21 +200,21 @@ class TrainLoader:
         if self.prefetch <= 0:
             return _on_demand(produce)
         prefetcher = Prefetcher(produce, self.prefetch)
-        self._prefetchers.append(weakref.ref(prefetcher))
+        self._workers = [w for w in self._workers if w.thread.is_alive()] + [prefetcher.worker]
         return prefetcher
 
     def close(self) -> None:
         """Stop and join every prefetch thread this loader started.
 
         A rank must do this before it exits: a daemon thread still reading a shard while the interpreter finalizes
-        can abort the process (seen as a rare exit status 6 of a rank that resumed a finished run and so returned at
-        once, while its prefetch thread had just started).
+        can abort the process (seen as a rare exit status 6, "terminate called without an active exception", of a
+        rank that resumed a finished run and so returned at once, while its prefetch thread had just started). That
+        includes the threads of iterators already dropped: the training loop's iterator is gone by the time the rank
+        closes its loader, and a collected iterator only asks its thread to stop.
         """
-        for ref in self._prefetchers:
-            prefetcher = ref()
-            if prefetcher is not None:
-                prefetcher.close()
-        self._prefetchers.clear()
+        for worker in self._workers:
+            worker.close()
+        self._workers.clear()
 
 
 def _on_demand(produce: Callable[[int], dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
@@ -246,17 +248,38 @@ def _fill(produce: Callable[[int], object], out: queue.Queue, stop: threading.Ev
         k += 1
 
 
+class _Worker:
+    """A prefetch thread and its stop flag, without the iterator: what an owner joins before the process exits."""
+
+    #: How long close() waits for a batch being made (a shard read on a loaded machine) before giving up with a warning.
+    JOIN_TIMEOUT_S = 60.0
+
+    def __init__(self, thread: threading.Thread, stop: threading.Event):
+        self.thread, self.stop = thread, stop
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.JOIN_TIMEOUT_S)
+            if self.thread.is_alive():
+                log.warning("a prefetch thread is still making a batch after %.0f s; exiting without it",
+                            self.JOIN_TIMEOUT_S)
+
+
 class Prefetcher:
     """Iterator over ``produce(0), produce(1), ...`` made ahead by a background thread in a bounded queue.
 
     The thread holds no reference to this object, so dropping the iterator (or ``close()``) stops it; an exception
-    in the thread is raised by the next ``next()``.
+    in the thread is raised by the next ``next()``. ``worker`` (the thread and its stop flag) lets an owner join the
+    thread even after the iterator is gone.
     """
 
     def __init__(self, produce: Callable[[int], object], depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_fill, args=(produce, self._queue, self._stop), daemon=True)
+        self._thread = threading.Thread(target=_fill, args=(produce, self._queue, self._stop), daemon=True,
+                                        name="ortflow-prefetch")
+        self.worker = _Worker(self._thread, self._stop)
         self._thread.start()
 
     def __iter__(self) -> Prefetcher:
@@ -273,9 +296,7 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop the thread and wait for it."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self.worker.close()
 
     @property
     def alive(self) -> bool:

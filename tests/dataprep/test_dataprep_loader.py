@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import numpy as np
@@ -164,3 +165,34 @@ def test_loader_close_joins_every_prefetch_thread_it_started(data_dir):
     loader.close()
     assert not any(it.alive for it in its)
     loader.close()  # idempotent
+
+
+def test_loader_close_joins_the_thread_of_an_iterator_already_dropped(data_dir):
+    # The training loop's iterator is gone by the time a rank closes its loader: when the run had nothing left to do
+    # (a resume of a finished run), its thread may still be inside its first batch read. Dropping the iterator only
+    # asks the thread to stop; close() must still wait for it, or the interpreter finalizes under a native read (the
+    # rare "terminate called without an active exception" of tests/faults' concurrent-runs trial).
+    loader = TrainLoader(data_dir, 2, 0, 1, prefetch=2)
+    entered, release = threading.Event(), threading.Event()
+    read = loader.batch
+
+    def slow_batch(cursor, k):
+        entered.set()
+        release.wait(timeout=30)  # a batch read that takes a while (a loaded machine)
+        return read(cursor, k)
+
+    loader.batch = slow_batch
+    before = set(threading.enumerate())
+    it = loader.iter_from(0)
+    (thread,) = set(threading.enumerate()) - before
+    assert entered.wait(timeout=10)
+    del it
+    gc.collect()
+    assert thread.is_alive()  # dropped, but still inside the read
+    closer = threading.Thread(target=loader.close)
+    closer.start()
+    closer.join(timeout=0.5)
+    assert closer.is_alive() and thread.is_alive()  # close() waits for the read ...
+    release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive() and not thread.is_alive()  # ... and returns only once the thread has ended
