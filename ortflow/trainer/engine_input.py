@@ -47,9 +47,8 @@ def prepare(
 
 def gelu_fusion(cfg: RunConfig) -> bool:
     """Whether exported GELUs become the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`): model.fuse_gelu, except
-    with bf16 mixed precision, where the CUDA engine's GeluGrad kernels are registered for fp16, fp32 and fp64 only,
-    and where, forced on, the engine refused the training graph (bench/probe_gelu.py on an H200: its own
-    SkipLayerNormalization fusion then fires, and that op has no bf16 type)."""
+    with bf16 mixed precision, where the CUDA engine's GeluGrad kernels are registered for fp16, fp32 and fp64 only
+    (not settled on a GPU: docs/engine-kernels.md "GELU")."""
     return cfg.model.fuse_gelu and not (cfg.precision.use_mixed_precision and cfg.precision.use_bfloat16)
 
 
