@@ -7,9 +7,12 @@
 3. :func:`unscale_eval_model`: the eval model is built from the same loss block, so it would take the scale input
    too; it is replaced there by a constant 1, so evaluation, export and the data stage see the model's own inputs.
 
-Ops the engine's CUDA kernels lack in bf16 would be added to the fp32 list for bf16 here (:data:`BF16_FP32_OPS`):
-``bench/probe_precision.py`` found none for the ops of ``ortflow.examples.gpt`` on an H200 with
-onnxruntime-training 1.19.2 (forward and gradient kernels all on CUDA; docs/mixed-precision.md).
+Ops that must stay fp32 in bf16 whatever ``precision.fp32_ops`` says are added for bf16 here (:data:`BF16_FP32_OPS`):
+``LayerNormalization``. With it in bf16, the engine's own SkipLayerNormFusion (applied when the session is made,
+after configure) turns a residual ``Add`` -> ``LayerNormalization`` into a ``SkipLayerNormalization`` with bf16
+inputs, a type that op does not have, and the session fails ("Type 'tensor(bfloat16)' of input parameter ... of
+operator (SkipLayerNormalization) ... is invalid"; bench/probe_precision.py with an empty fp32 list on an H200,
+docs/mixed-precision.md). fp16 has that type, so fp16 leaves the list to the user.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from ortflow.trainer.loss_scale import INPUT_NAME
 
 log = logging.getLogger(__name__)
 
-#: Ops whose bf16 CUDA kernels (forward or gradient) are missing in onnxruntime-training 1.19.2: kept fp32 in bf16.
-#: Empty: the probe found every op of the GPT example (and its gradient) with a bf16 CUDA kernel.
-BF16_FP32_OPS: tuple[str, ...] = ()
+#: Op types kept fp32 in bf16 even when ``precision.fp32_ops`` leaves them out: the engine fuses a bf16 residual Add +
+#: LayerNormalization into a SkipLayerNormalization, which has no bf16 type (module docstring).
+BF16_FP32_OPS: tuple[str, ...] = ("LayerNormalization",)
 
 
 def compute_type(cfg: RunConfig) -> int:
