@@ -321,7 +321,8 @@ class PrecisionConfig(_Section):
             "LayerNormalization", "Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
             "ReduceLogSumExp", "ReduceProd", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
         ),
-        description="Op types computed in FP32 (inputs cast up, outputs kept FP32); everything else runs in FP16/BF16.",
+        description="Op types computed in FP32 (inputs cast up, outputs kept FP32); everything else runs in FP16/BF16. "
+        "With bf16, LayerNormalization stays FP32 even when left out (the engine has no bf16 SkipLayerNormalization).",
     )
 
 
