@@ -98,8 +98,8 @@ def train(
     import os
 
     from ortflow.config import load_run_config
-    from ortflow.trainer.launch import LaunchError, launch
-    from ortflow.trainer.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.local import LaunchError, launch
     from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
@@ -151,9 +151,9 @@ def tune(
 
     from ortflow.configure import configure
     from ortflow.dataprep import DataError, prepare_data
-    from ortflow.trainer.launch import LaunchError
-    from ortflow.trainer.layout import LayoutError, host_resources
-    from ortflow.trainer.tune import tune as tune_layouts
+    from ortflow.launch.layout import LayoutError, host_resources
+    from ortflow.launch.local import LaunchError
+    from ortflow.launch.tune import tune as tune_layouts
 
     cfg = _load(config, overrides)
     try:

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from ortflow.config import RunConfig, load_run_config
+from ortflow.config import RunConfig, load_run_config, rank_config
 from ortflow.engine import api
-from ortflow.trainer import arena, checkpoints, cuda_libs, layout, loss_scale, optim
+from ortflow.trainer import arena, checkpoints, cuda_libs, loss_scale, optim
 from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
@@ -272,7 +272,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     # A global batch: per-rank batch x accumulation over the data-parallel replicas (the ranks of one pipeline or
     # tensor-parallel group read the same batches).
     dist = cfg.distributed
-    cfg = layout.rank_config(cfg, comm.size // (dist.horizontal_parallel_size * dist.pipeline_parallel_size), run_dir)
+    cfg = rank_config(cfg, comm.size // (dist.horizontal_parallel_size * dist.pipeline_parallel_size), run_dir)
     # 2. Device and execution provider for the local rank.
     device = select_device(cfg, comm.local_rank, comm.local_size)
     # 3. NCCL joins on the rank's GPU (CPU ranks with use_nccl still need one: they stage gradients through it).
