@@ -1,0 +1,208 @@
+"""PyTorch at its best on the bench GPT: the contender ortflow's GPU rows are compared with.
+
+One process per rank (``torchrun --standalone --nproc_per_node=N``, or plain ``python`` for one rank); each process
+runs the requested modes one after the other, every mode from a fresh model (``bench.torch_gpt.GPT``, seed 0, the
+architecture ortflow's rows train) and prints one ``RESULT {json}`` line per mode on rank 0:
+
+* ``eager``: bf16 autocast, the bare model (one rank) or DDP (several);
+* ``compile``: the same with ``torch.compile`` of the whole model (one rank) or of the DDP module (DDPOptimizer splits
+  the graph at bucket boundaries, so the reduction overlaps the backward);
+* ``blockcompile``: DDP over a model whose blocks are compiled one by one (DDP's own hooks overlap the reduction);
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and the root, bf16 parameters and fp32 gradient
+  reduction (``MixedPrecisionPolicy``), blocks compiled;
+* ``fp32``: strict fp32 (TF32 off), eager, the bare model or DDP: the side note.
+
+Everywhere: fused AdamW (lr 1e-4, eps 1e-8), TF32 on for what stays fp32 (except ``fp32``), batches resident on the
+device, the host waiting for each update's loss (as ortflow's loop does). DDP uses ``gradient_as_bucket_view``,
+``static_graph`` (not with ``compile``, whose DDPOptimizer builds its own buckets) and the ``bucket_cap_mb`` that
+``--bucket-mb`` names, or with ``--tune-buckets`` the fastest of 25/50/100/200 MB on a short eager run.
+
+The step time of a mode is the median over its timed steps of the slowest rank's (the job's pace). CPU runs (``--device
+cpu``, gloo) exist to test this script on tiny shapes: ``--shape tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.torch_gpt import GPT, GPTShape  # noqa: E402 - the path above makes bench importable from any folder
+
+SHAPES = {"bench": {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12},
+          "tiny": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "num_layers": 2, "num_heads": 2}}  # fmt: skip
+BATCH = {"bench": 16, "tiny": 4}
+MODES = ("eager", "compile", "blockcompile", "fsdp2", "fp32")
+BUCKETS_MB = (25, 50, 100, 200)
+
+
+def emit(record: dict) -> None:
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+class Bench:
+    """The rank's device, world and batches; :meth:`run` times one mode."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.local = int(os.environ.get("LOCAL_RANK", 0))
+        self.shape = GPTShape(**SHAPES[args.shape])
+        self.batch = args.batch or BATCH[args.shape]
+        if args.device == "cuda":
+            torch.cuda.set_device(self.local)
+            self.device = torch.device("cuda", self.local)
+        else:
+            self.device = torch.device("cpu")
+        if self.world > 1:
+            backend = "nccl" if args.device == "cuda" else "gloo"
+            kwargs = {"device_id": self.device} if args.device == "cuda" else {}
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world, **kwargs)
+        gen = torch.Generator().manual_seed(self.rank)
+        self.batches = [torch.randint(0, self.shape.vocab_size, (self.batch, self.shape.seq_len + 1), generator=gen)
+                        .to(self.device) for _ in range(8)]  # fmt: skip
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def slowest(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def ddp(self, model: torch.nn.Module, bucket_mb: int, static: bool) -> torch.nn.Module:
+        ids = [self.local] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb,
+                                                         gradient_as_bucket_view=True, static_graph=static)
+
+    def build(self, mode: str, bucket_mb: int) -> tuple[torch.nn.Module, dict]:
+        """The wrapped model for ``mode`` and what was chosen (recorded in the result)."""
+        tf32 = mode != "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        model = GPT(self.shape, seed=0).to(self.device)
+        backend = self.args.compile_backend
+        info: dict = {"tf32": tf32, "autocast_bf16": mode not in ("fp32", "fsdp2")}
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.h:
+                if self.args.fsdp_compile:
+                    block.compile(backend=backend)
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            info.update(wrapper="fully_shard per block + root", param_dtype="bf16", reduce_dtype="fp32",
+                        compiled="per block" if self.args.fsdp_compile else "no")
+            return model, info
+        if mode == "blockcompile":
+            for block in model.h:
+                block.compile(backend=backend)
+            info["compiled"] = "per block"
+        if self.world > 1:
+            static = mode != "compile"
+            model = self.ddp(model, bucket_mb, static)
+            info.update(wrapper="DDP", bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=static)
+        else:
+            info["wrapper"] = "none"
+        if mode == "compile":
+            model = torch.compile(model, backend=backend)
+            info["compiled"] = "whole model" if self.world == 1 else "whole DDP module (DDPOptimizer)"
+        return model, info
+
+    def run(self, mode: str, bucket_mb: int, steps: int, warmup: int) -> dict:
+        model, info = self.build(mode, bucket_mb)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
+        autocast = info["autocast_bf16"]
+        times, losses, first_start = [], [], time.perf_counter()
+        for k in range(warmup + steps):
+            chunk = self.batches[k % len(self.batches)]
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = model(chunk[:, :-1])
+            loss = F.cross_entropy(logits.float(), chunk[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())  # the host waits for the update
+            times.append(time.perf_counter() - start)
+            if k == 0:
+                info["first_step_s"] = round(time.perf_counter() - first_start, 2)  # compile time, mostly
+        timed = times[warmup:]
+        median = self.slowest(float(np.median(timed)))
+        info.update(step_time_s=median, spread_s=[float(min(timed)), float(max(timed))], losses=losses)
+        del model, opt
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return info
+
+    def tune_buckets(self) -> int:
+        """The fastest DDP bucket size on a short eager run (one compile-free pass per size)."""
+        best, timings = BUCKETS_MB[0], {}
+        for mb in BUCKETS_MB:
+            timings[mb] = self.run("eager", mb, steps=max(4, self.args.steps // 2), warmup=3)["step_time_s"]
+            if timings[mb] < timings[best]:
+                best = mb
+        if self.rank == 0:
+            emit({"kind": "torch-buckets", "world": self.world, "ms_by_bucket_mb": {str(k): round(v * 1e3, 2)
+                  for k, v in timings.items()}, "best_mb": best})  # fmt: skip
+        return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="eager,compile", help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    parser.add_argument("--batch", type=int, default=0, help="per rank (default: 16 for bench, 4 for tiny)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--bucket-mb", type=int, default=100, help="DDP bucket_cap_mb (without --tune-buckets)")
+    parser.add_argument("--tune-buckets", action="store_true", help=f"pick the fastest of {BUCKETS_MB} MB first")
+    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--no-fsdp-compile", dest="fsdp_compile", action="store_false")
+    parser.add_argument("--round", type=int, default=0, help="recorded in each result")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    bench = Bench(args)
+    if "fsdp2" in modes and bench.world == 1:
+        modes.remove("fsdp2")  # sharding over one rank is the bare model: not a row
+    bucket = bench.tune_buckets() if args.tune_buckets and bench.world > 1 else args.bucket_mb
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": (
+        ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None)}
+    for mode in modes:
+        record = {"kind": "torch", "mode": mode, "world": bench.world, "round": args.round,
+                  "batch_per_rank": bench.batch, "shape": args.shape, "versions": versions}  # fmt: skip
+        try:
+            record.update(bench.run(mode, bucket, args.steps, args.warmup), status="ok")
+        except Exception as err:  # noqa: BLE001 - a failing mode is a failed row; the next modes still run
+            record.update(status="failed", error=f"{type(err).__name__}: {err}"[-2000:],
+                          traceback=traceback.format_exc()[-3000:])
+            if bench.world > 1:  # a rank-local failure would leave the others waiting in a collective: stop
+                if bench.rank == 0:
+                    emit(record)
+                raise
+        if bench.rank == 0:
+            emit(record)
+    if bench.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
