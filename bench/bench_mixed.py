@@ -72,10 +72,16 @@ def prepare(args: argparse.Namespace) -> None:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     shape, batch = (SHAPE, BATCH) if args.shape == "bench" else (TINY, 4)
-    (root / "shape.json").write_text(json.dumps({"shape": shape, "batch": batch}))
-    model = build_gpt(root / "gpt.onnx", **shape)
+    saved = {"shape": shape, "batch": batch}
+    model = root / "gpt.onnx"
+    reuse = args.reuse_model and model.exists() and (root / "shape.json").exists()
+    if reuse and json.loads((root / "shape.json").read_text()) != saved:
+        raise SystemExit(f"--reuse-model: {root} holds a GPT of another shape; prepare it again without the flag")
+    if not reuse:  # --reuse-model: several configures of one model may run side by side
+        build_gpt(model, **shape)
+        (root / "shape.json").write_text(json.dumps(saved))
     cuda = args.device == "cuda"
-    for name in args.precisions.split(","):
+    for name in [n for n in args.precisions.split(",") if n]:
         start, (base, variant_settings) = time.perf_counter(), variant(name)
         configure(config_from_dict({
             "name": name, "output_dir": str(root / name),
@@ -280,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated; a base precision ({', '.join(PRECISIONS)}) with optional variant "
                    f"suffixes ({', '.join(VARIANTS)})")  # fmt: skip
     p.add_argument("--shape", choices=["bench", "tiny"], default="bench")
+    p.add_argument("--reuse-model", action="store_true", help="configure the GPT an earlier prepare wrote")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     s = sub.add_parser("steps")
     s.add_argument("run_dir")
