@@ -160,7 +160,7 @@ class Suite:
                          str(REPO)) for p in self.precisions + ([f"{a.zero_precision}-zero1"] if a.zero else [])]  # fmt: skip
         fixtures = [Row(f"fixture-config-{m}-{p}", "setup", [py, "bench/gpu_suite_fixtures.py", "configure",
                         str(self.work / "fx"), m, p, "--device", a.device, "--steps", str(FIXTURE_STEPS)], 300, 30,
-                        self.ortflow_env, str(REPO)) for m in FIXTURES for p in a.fixture_precisions.split(",")]  # fmt: skip
+                        self.ortflow_env, str(REPO)) for m in FIXTURES for p in a.fixture_precisions.split(",") if p]  # fmt: skip
         gpu_rows = []
         if a.device == "cuda":
             gpu_rows.append(Row("kernel-table-test", "setup", [py, "-m", "pytest", "-q", "-s", "-rs", "-p",
@@ -198,7 +198,7 @@ class Suite:
         a, gpus = self.args, max(1, self.args.gpus)
         rows = []
         for m in FIXTURES:
-            for p in a.fixture_precisions.split(","):
+            for p in [p for p in a.fixture_precisions.split(",") if p]:
                 cmd = [a.ortflow_py, "bench/gpu_suite_fixtures.py", "train", str(self.work / "fx"), m, p,
                        "--ortflow-py", a.ortflow_py, "--mpiexec", a.mpiexec]  # fmt: skip
                 rows.append(Row(f"fixture-{m}-{p}", "fixtures", cmd, 300, 45, dict(self.ortflow_env), str(REPO)))
@@ -258,7 +258,7 @@ def machine_info(args: argparse.Namespace) -> dict:
         "torch_python": probe([args.torch_py, "-c", "import torch, json, platform; print(json.dumps({'python': "
                                "platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda}))"],
                               torch_env),  # fmt: skip
-        "mpiexec": probe([args.mpiexec, "--version"]).splitlines()[0] if shutil.which(args.mpiexec) else
+        "mpiexec": " ".join(probe([args.mpiexec, "--version"]).split()[:8]) if shutil.which(args.mpiexec) else
         f"{args.mpiexec} not found",
         "cpus": os.cpu_count(),
     }

@@ -99,3 +99,21 @@ def test_report_medians_weak_scaling_ratios_and_zero():
     assert summary["zero"]["fp16-zero1 x4"]["optimizer_mib_per_gpu"] == 186.5
     assert summary["zero"]["fp16-zero1 x4"]["update_ms"] == 1.0 and summary["zero"]["fp16 x4"]["update_ms"] == 4.0
     assert not any("FSDP2" in e["contender"] for e in summary["table"])  # a failed row has no time
+
+
+def test_a_whole_suite_on_cpu_ranks_reports_ortflow_and_zero_rows(tmp_path):
+    from tests.trainer.runs import MPIEXEC
+
+    out = tmp_path / "out"
+    main(["--out", str(out), "--work", str(tmp_path / "w"), "--device", "cpu", "--shape", "tiny", "--gpus", "2",
+          "--worlds", "1,2", "--rounds", "1", "--precisions", "fp32", "--zero-precision", "fp32",
+          "--fixture-precisions", "", "--torch-modes", "", "--steps", "3", "--warmup", "1", "--mpiexec", MPIEXEC,
+          "--ortflow-py", sys.executable, "--budget-s", "600"])  # fmt: skip
+    report = json.loads((out / "gpu-suite.json").read_text())
+    status = {r["name"]: r["status"] for r in report["rows"]}
+    assert status == {"prepare-model": "ok", "prepare-fp32": "ok", "prepare-fp32-zero1": "ok",
+                      "r1-ortflow-fp32-x1": "ok", "r1-ortflow-fp32-x2": "ok", "r1-ortflow-fp32-zero1-x2": "ok"}
+    zero = report["summary"]["zero"]
+    assert zero["fp32-zero1 x2"]["zero_stage"] == 1 and zero["fp32 x2"]["zero_stage"] == 0
+    assert zero["fp32-zero1 x2"]["optimizer_mib_per_gpu"] < zero["fp32 x2"]["optimizer_mib_per_gpu"]
+    assert "ortflow fp32 (defaults)" in (out / "gpu-suite.md").read_text()
