@@ -6,8 +6,9 @@ subprocesses with the Python of ortflow (``--ortflow-py``, with the GPU engine) 
 
 Phases, in priority order, each row skipped once the time budget (``--budget-s``) cannot hold it:
 
-1. setup: the machine (``nvidia-smi``), versions, the kernel-table test (tests/gpu/test_gpu_cuda_kernels.py) while
-   the bench GPT's runs (``bench/bench_mixed.py prepare``) and the fixture runs are configured, in parallel (CPU);
+1. setup: the machine (``nvidia-smi``), versions, the kernel-table and Adasum tests (tests/gpu/test_gpu_cuda_kernels.py,
+   test_gpu_adasum.py: 2 and 4 GPUs) while the bench GPT's runs (``bench/bench_mixed.py prepare``) and the fixture
+   runs are configured, in parallel (CPU);
 2. round 1: at each GPU count (1, 2, 4) the ortflow rows (fp32, fp16, bf16 defaults; fp16 with ZeRO-1 at the largest
    count) and the PyTorch rows (``bench/torch_contender.py``: eager and compile, DDP beyond one GPU with the bucket
    size tuned in round 1, per-block compile and FSDP2 beyond one GPU, strict fp32 at one GPU in round 1 only);
@@ -162,10 +163,13 @@ class Suite:
                         str(self.work / "fx"), m, p, "--device", a.device, "--steps", str(FIXTURE_STEPS)], 300, 30,
                         self.ortflow_env, str(REPO)) for m in FIXTURES for p in a.fixture_precisions.split(",") if p]  # fmt: skip
         gpu_rows = []
-        if a.device == "cuda":
-            gpu_rows.append(Row("kernel-table-test", "setup", [py, "-m", "pytest", "-q", "-s", "-rs", "-p",
-                                "no:cacheprovider", "tests/gpu/test_gpu_cuda_kernels.py"], 240, 60,
-                                {**self.ortflow_env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, str(REPO)))  # fmt: skip
+        pytest = [py, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider"]
+        test_env = {**self.ortflow_env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        if a.device == "cuda" and a.gpu_tests:
+            gpu_rows.append(Row("kernel-table-test", "setup", [*pytest, "tests/gpu/test_gpu_cuda_kernels.py"], 240, 60,
+                                test_env, str(REPO)))  # fmt: skip
+            gpu_rows.append(Row("adasum-test", "setup", [*pytest, "tests/gpu/test_gpu_adasum.py"], 300, 60,
+                                test_env, str(REPO)))  # fmt: skip
         return [*cpu_rows, *configure, *fixtures], gpu_rows
 
     def ortflow_row(self, precision: str, world: int, rnd: int) -> Row:
@@ -284,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zero-precision", default="fp16", help="the precision measured with and without ZeRO-1")
     parser.add_argument("--torch-modes", default="eager,compile,blockcompile,fsdp2,fp32", help="'' for none")
     parser.add_argument("--all-modes-every-round", action="store_true")
+    parser.add_argument("--no-gpu-tests", dest="gpu_tests", action="store_false",
+                        help="skip tests/gpu/test_gpu_cuda_kernels.py and test_gpu_adasum.py in the setup")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
