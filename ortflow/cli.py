@@ -176,7 +176,7 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
     optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
-    p -= lr*weight_decay*p (README, 'The optimizer').
+    p -= lr*weight_decay*p (docs/optimizer.md).
     """
     from ortflow.configure import configure
 
