@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete, verify
+from ortflow.checkpoints import list_complete, verify
 from ortflow.trainer.launch import launch
 from ortflow.trainer.metrics import read_progress
 
