@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.build.artifacts import ArtifactsError, build_artifacts
+from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
 from ortflow.engine import api
-from ortflow.trainer.artifacts import ArtifactsError, build_artifacts
 from ortflow.trainer.loss_scale import INPUT_NAME
 from tests.models_precision import build_tiny_lm, save
 

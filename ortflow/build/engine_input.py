@@ -1,6 +1,6 @@
 """The model the engine gets: the user's model after ortflow's preparation pass, as a proto or (over 2 GB) a file.
 
-Used by :func:`ortflow.trainer.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
+Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
 """
 
 from __future__ import annotations
