@@ -10,11 +10,12 @@ Phases, in priority order, each row skipped once the time budget (``--budget-s``
    test_gpu_adasum.py: 2 and 4 GPUs) while the bench GPT's runs (``bench/bench_mixed.py prepare``) and the fixture
    runs are configured, in parallel (CPU);
 2. round 1: at each GPU count (1, 2, 4) the ortflow rows (fp32, fp16, bf16 defaults; fp16 with ZeRO-1 at the largest
-   count) and the PyTorch rows (``bench/torch_contender.py``: eager and compile, DDP beyond one GPU with the bucket
-   size tuned in round 1, per-block compile and FSDP2 beyond one GPU, strict fp32 at one GPU in round 1 only);
+   count) and one PyTorch process (``bench/torch_contender.py``: eager and compile, DDP beyond one GPU with the tuned
+   bucket size, per-block compile and FSDP2 beyond one GPU, strict fp32 at one GPU) that compiles each mode once and
+   then times every round's window, the modes interleaved (a compile costs about half a minute per mode);
 3. the committed GPT-2 and BERT exports trained 60 updates through the CLI in fp32, fp16 and bf16, one GPU each
    (several at once, one per GPU: these give final losses, not times);
-4. rounds 2 and 3: the timed rows again, in the same order, so every contender is measured in every round.
+4. rounds 2 and 3: ortflow's rows again, in the same order (new processes each round).
 
 Every row's output goes to ``logs/<row>.log`` (tarred into ``logs.tgz``); a row that fails is reported with its
 error tail and the rest continue. ``gpu-suite.json`` and ``gpu-suite.md`` hold the command, commit, GPU model,
@@ -76,7 +77,6 @@ class Suite:
         self.started = time.monotonic()
         self.rows: list[Row] = []
         self.port = 29511
-        self.bucket_mb: dict[int, int] = {}
         cpu = args.device == "cpu"
         self.precisions = args.precisions.split(",")
         self.ortflow_env = {"PYTHONPATH": os.pathsep.join(p for p in [args.ortflow_pythonpath, str(REPO)] if p),
@@ -179,21 +179,19 @@ class Suite:
         return Row(f"r{rnd}-ortflow-{precision}-x{world}", f"round {rnd}", cmd, 240, 8 + 2 * world, self.ortflow_env,
                    str(REPO), world, rnd)  # fmt: skip
 
-    def torch_row(self, world: int, rnd: int) -> Row:
+    def torch_row(self, world: int, rnds: int) -> Row:
+        """All of PyTorch's rounds at one GPU count in one process: each mode compiled once, windows interleaved."""
         a = self.args
-        modes = ["eager", "compile"] if world == 1 else ["eager", "compile", "blockcompile", "fsdp2"]
-        if world == 1 and rnd == 1:
-            modes.append("fp32")  # the strict-fp32 side note, once
-        if world > 1 and rnd > 1 and not a.all_modes_every_round:
-            modes.remove("blockcompile")  # measured in round 1 beside the DDPOptimizer compile
+        modes = ["eager", "compile", "fp32"] if world == 1 else ["eager", "compile", "blockcompile", "fsdp2"]
         modes = [m for m in modes if m in a.torch_modes.split(",")]
         cmd = [*self.torchrun(world), "bench/torch_contender.py", "--modes", ",".join(modes), "--device", a.device,
-               "--shape", a.shape, "--steps", str(a.steps), "--warmup", str(a.warmup), "--round", str(rnd),
+               "--shape", a.shape, "--steps", str(a.steps), "--warmup", str(a.warmup), "--rounds", str(rnds),
                "--compile-backend", a.compile_backend]  # fmt: skip
         if world > 1:
-            cmd += ["--tune-buckets"] if world not in self.bucket_mb else ["--bucket-mb", str(self.bucket_mb[world])]
-        compiles = sum(m != "eager" and m != "fp32" for m in modes)
-        estimate = 15 + (40 if rnd == 1 else 15) * compiles
+            cmd += ["--tune-buckets"]
+        compiles = sum(m not in ("eager", "fp32") for m in modes)
+        estimate = 20 + 40 * compiles + 3 * rnds * len(modes)
+        rnd = 1
         env = {**self.torch_env, "_unset": "PYTHONPATH,LD_LIBRARY_PATH"}  # the machine's own PyTorch and its libs
         return Row(f"r{rnd}-torch-x{world}", f"round {rnd}", cmd, 420, estimate, env, str(REPO), world, rnd)
 
@@ -224,11 +222,8 @@ class Suite:
                     self.execute(self.ortflow_row(precision, world, rnd))
                 if a.zero and world == worlds[-1] and world > 1:
                     self.execute(self.ortflow_row(f"{a.zero_precision}-zero1", world, rnd))
-                if a.torch_modes:
-                    row = self.execute(self.torch_row(world, rnd))
-                    tuned = [r for r in row.results if r.get("kind") == "torch-buckets"]
-                    if tuned:
-                        self.bucket_mb[world] = int(tuned[0]["best_mb"])
+                if a.torch_modes and rnd == 1:
+                    self.execute(self.torch_row(world, a.rounds))
             if rnd == 1:
                 for batch in self.fixture_rows():
                     self.execute_parallel(batch)
@@ -287,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-zero", dest="zero", action="store_false", help="skip the ZeRO-1 row")
     parser.add_argument("--zero-precision", default="fp16", help="the precision measured with and without ZeRO-1")
     parser.add_argument("--torch-modes", default="eager,compile,blockcompile,fsdp2,fp32", help="'' for none")
-    parser.add_argument("--all-modes-every-round", action="store_true")
     parser.add_argument("--no-gpu-tests", dest="gpu_tests", action="store_false",
                         help="skip tests/gpu/test_gpu_cuda_kernels.py and test_gpu_adasum.py in the setup")
     parser.add_argument("--compile-backend", default="inductor")

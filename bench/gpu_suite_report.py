@@ -33,7 +33,7 @@ def timings(rows: list) -> dict[tuple[str, int], list[dict]]:
         for record in row.results:
             label = _label(record)
             if label and record.get("status", "ok") == "ok" and record.get("step_time_s"):
-                found.setdefault((label, record["world"]), []).append({**record, "round": row.round})
+                found.setdefault((label, record["world"]), []).append({"round": row.round, **record})
     return found
 
 

@@ -1,8 +1,9 @@
 """PyTorch at its best on the bench GPT: the contender ortflow's GPU rows are compared with.
 
-One process per rank (``torchrun --standalone --nproc_per_node=N``, or plain ``python`` for one rank); each process
-runs the requested modes one after the other, every mode from a fresh model (``bench.torch_gpt.GPT``, seed 0, the
-architecture ortflow's rows train) and prints one ``RESULT {json}`` line per mode on rank 0:
+One process per rank (``torchrun --nproc_per_node=N``, or plain ``python`` for one rank). Each process builds every
+requested mode from a fresh model (``bench.torch_gpt.GPT``, seed 0, the architecture ortflow's rows train) and warms
+it up (compiles it), keeping all of them alive; then ``--rounds`` times a timed window of each mode in turn, so the
+modes interleave and a compile is paid once. Rank 0 prints one ``RESULT {json}`` line per mode and round:
 
 * ``eager``: bf16 autocast, the bare model (one rank) or DDP (several);
 * ``compile``: the same with ``torch.compile`` of the whole model (one rank) or of the DDP module (DDPOptimizer splits
@@ -17,7 +18,7 @@ device, the host waiting for each update's loss (as ortflow's loop does). DDP us
 ``static_graph`` (not with ``compile``, whose DDPOptimizer builds its own buckets) and the ``bucket_cap_mb`` that
 ``--bucket-mb`` names, or with ``--tune-buckets`` the fastest of 25/50/100/200 MB on a short eager run.
 
-The step time of a mode is the median over its timed steps of the slowest rank's (the job's pace). CPU runs (``--device
+A window's step time is the median over its timed steps of the slowest rank's (the job's pace). CPU runs (``--device
 cpu``, gloo) exist to test this script on tiny shapes: ``--shape tiny``.
 """
 
@@ -48,6 +49,48 @@ BUCKETS_MB = (25, 50, 100, 200)
 
 def emit(record: dict) -> None:
     print("RESULT " + json.dumps(record), flush=True)
+
+
+class Contender:
+    """One mode's model and optimizer, kept alive so that its timed windows can interleave with the other modes'."""
+
+    def __init__(self, bench: Bench, mode: str, model: torch.nn.Module, opt: torch.optim.Optimizer, info: dict):
+        self.bench, self.mode, self.model, self.opt, self.info = bench, mode, model, opt, info
+        self.k, self.losses = 0, []
+
+    def steps(self, count: int) -> list[float]:
+        """``count`` updates; the wall time of each, the host waiting for its loss (as ortflow's loop does)."""
+        bench, times = self.bench, []
+        autocast = self.info["autocast_bf16"]
+        for _ in range(count):
+            chunk = bench.batches[self.k % len(bench.batches)]
+            self.k += 1
+            start = time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            with torch.autocast(bench.device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = self.model(chunk[:, :-1])
+            loss = F.cross_entropy(logits.float(), chunk[:, 1:].reshape(-1))
+            loss.backward()
+            self.opt.step()
+            self.losses.append(loss.item())
+            times.append(time.perf_counter() - start)
+        return times
+
+    def window(self, steps: int, rewarm: int = 0) -> dict:
+        """A timed window: the median step of the slowest rank, and the spread on this rank."""
+        tf32 = self.info["tf32"]  # each mode's own TF32 setting: the windows of other modes changed it
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        self.steps(rewarm)
+        timed = self.steps(steps)
+        median = self.bench.slowest(float(np.median(timed)))
+        return {**self.info, "step_time_s": median, "spread_s": [float(min(timed)), float(max(timed))],
+                "first_loss": self.losses[0], "last_loss": self.losses[-1]}
+
+    def close(self) -> None:
+        del self.model, self.opt
+        if self.bench.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class Bench:
@@ -123,31 +166,22 @@ class Bench:
             info["compiled"] = "whole model" if self.world == 1 else "whole DDP module (DDPOptimizer)"
         return model, info
 
-    def run(self, mode: str, bucket_mb: int, steps: int, warmup: int) -> dict:
+    def prepare(self, mode: str, bucket_mb: int, warmup: int) -> Contender:
+        """The wrapped model, its optimizer, and ``warmup`` steps (the compile happens here)."""
         model, info = self.build(mode, bucket_mb)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
-        autocast = info["autocast_bf16"]
-        times, losses, first_start = [], [], time.perf_counter()
-        for k in range(warmup + steps):
-            chunk = self.batches[k % len(self.batches)]
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(chunk[:, :-1])
-            loss = F.cross_entropy(logits.float(), chunk[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())  # the host waits for the update
-            times.append(time.perf_counter() - start)
-            if k == 0:
-                info["first_step_s"] = round(time.perf_counter() - first_start, 2)  # compile time, mostly
-        timed = times[warmup:]
-        median = self.slowest(float(np.median(timed)))
-        info.update(step_time_s=median, spread_s=[float(min(timed)), float(max(timed))], losses=losses)
-        del model, opt
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return info
+        contender = Contender(self, mode, model, torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True),
+                              info)  # fmt: skip
+        start = time.perf_counter()
+        contender.steps(warmup)
+        info["warmup_s"] = round(time.perf_counter() - start, 2)  # compile time, mostly
+        return contender
+
+    def run(self, mode: str, bucket_mb: int, steps: int, warmup: int) -> dict:
+        """One mode alone: warm-up, then one timed window (bucket tuning)."""
+        contender = self.prepare(mode, bucket_mb, warmup)
+        result = contender.window(steps)
+        contender.close()
+        return result
 
     def tune_buckets(self) -> int:
         """The fastest DDP bucket size on a short eager run (one compile-free pass per size)."""
@@ -162,6 +196,16 @@ class Bench:
         return best
 
 
+def fail(bench: Bench, record: dict, err: Exception) -> None:
+    """Report a failed mode; with several ranks stop (a rank-local failure would leave the others in a collective)."""
+    record.update(status="failed", error=f"{type(err).__name__}: {err}"[-2000:],
+                  traceback=traceback.format_exc()[-3000:])  # fmt: skip
+    if bench.rank == 0:
+        emit(record)
+    if bench.world > 1:
+        raise err
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="eager,compile", help=f"comma-separated, of {', '.join(MODES)}")
@@ -174,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune-buckets", action="store_true", help=f"pick the fastest of {BUCKETS_MB} MB first")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--no-fsdp-compile", dest="fsdp_compile", action="store_false")
-    parser.add_argument("--round", type=int, default=0, help="recorded in each result")
+    parser.add_argument("--rounds", type=int, default=1, help="timed windows per mode, the modes interleaved")
+    parser.add_argument("--round", type=int, default=1, help="the number of the first round (recorded)")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -186,20 +231,26 @@ def main(argv: list[str] | None = None) -> None:
     bucket = bench.tune_buckets() if args.tune_buckets and bench.world > 1 else args.bucket_mb
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": (
         ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None)}
-    for mode in modes:
-        record = {"kind": "torch", "mode": mode, "world": bench.world, "round": args.round,
-                  "batch_per_rank": bench.batch, "shape": args.shape, "versions": versions}  # fmt: skip
+    base = {"kind": "torch", "world": bench.world, "batch_per_rank": bench.batch, "shape": args.shape,
+            "versions": versions}  # fmt: skip
+    contenders = []
+    for mode in modes:  # every mode built and warmed up (compiled) first, all kept alive
         try:
-            record.update(bench.run(mode, bucket, args.steps, args.warmup), status="ok")
-        except Exception as err:  # noqa: BLE001 - a failing mode is a failed row; the next modes still run
-            record.update(status="failed", error=f"{type(err).__name__}: {err}"[-2000:],
-                          traceback=traceback.format_exc()[-3000:])
-            if bench.world > 1:  # a rank-local failure would leave the others waiting in a collective: stop
-                if bench.rank == 0:
-                    emit(record)
-                raise
-        if bench.rank == 0:
-            emit(record)
+            contenders.append(bench.prepare(mode, bucket, args.warmup))
+        except Exception as err:  # noqa: BLE001 - a failing mode is a failed row; the others still run
+            fail(bench, {**base, "mode": mode, "round": 1}, err)
+    for rnd in range(1, args.rounds + 1):  # then the timed windows, the modes interleaved within each round
+        for contender in contenders:
+            if contender.mode == "fp32" and rnd > 1:
+                continue  # the strict-fp32 side note: one window
+            record = {**base, "mode": contender.mode, "round": args.round + rnd - 1}
+            try:
+                record.update(contender.window(args.steps, rewarm=3 if rnd > 1 else 0), status="ok")
+            except Exception as err:  # noqa: BLE001
+                fail(bench, record, err)
+                continue
+            if bench.rank == 0:
+                emit(record)
     if bench.world > 1:
         dist.destroy_process_group()
 

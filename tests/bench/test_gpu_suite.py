@@ -24,18 +24,21 @@ def test_plan_runs_every_contender_at_every_gpu_count_in_each_round(tmp_path):
             for prec in ("fp32", "fp16", "bf16"):
                 row = next(r for r in rows if r["name"] == f"r{rnd}-ortflow-{prec}-x{world}")
                 assert row["command"].startswith(f"MPIEXEC -n {world} OPY bench/bench_mixed.py steps ")
-            torch = next(r for r in rows if r["name"] == f"r{rnd}-torch-x{world}")
-            assert torch["command"].startswith(f"TPY -m torch.distributed.run --nnodes=1 --nproc_per_node={world} "
-                                               "--master_addr=127.0.0.1")  # fmt: skip
         assert f"r{rnd}-ortflow-fp16-zero1-x4" in names and f"r{rnd}-ortflow-fp16-zero1-x2" not in names
+    for world in (1, 2, 4):  # PyTorch: one process per GPU count, in round 1, timing all three rounds
+        torch = next(r for r in rows if r["name"] == f"r1-torch-x{world}")
+        assert torch["command"].startswith(f"TPY -m torch.distributed.run --nnodes=1 --nproc_per_node={world} "
+                                           "--master_addr=127.0.0.1")  # fmt: skip
+        assert "--rounds 3" in torch["command"]
+        assert names.index(f"r1-ortflow-bf16-x{world}") < names.index(f"r1-torch-x{world}")
+    assert not any(n.startswith(("r2-torch", "r3-torch")) for n in names)
     modes = {r["name"]: r["command"].split("--modes ")[1].split()[0] for r in rows if "-torch-" in r["name"]}
-    assert modes["r1-torch-x1"] == "eager,compile,fp32"  # strict fp32 once, at one GPU
-    assert modes["r2-torch-x1"] == "eager,compile"
+    assert modes["r1-torch-x1"] == "eager,compile,fp32"  # the strict-fp32 side note at one GPU
     assert modes["r1-torch-x4"] == "eager,compile,blockcompile,fsdp2"
-    assert modes["r2-torch-x4"] == "eager,compile,fsdp2"
     # the fixtures come after round 1 and before round 2, all six
     fixtures = [i for i, n in enumerate(names) if n.startswith("fixture-") and "config" not in n]
     assert len(fixtures) == 6 and names.index("r1-torch-x4") < fixtures[0] < names.index("r2-ortflow-fp32-x1")
+    assert {"kernel-table-test", "adasum-test"} <= set(names)
     assert all(r["status"] == "planned" for r in rows)
     assert (out / "gpu-suite.md").exists() and (out / "logs.tgz").exists()
 
