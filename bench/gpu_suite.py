@@ -11,7 +11,7 @@ Phases, in priority order, each row skipped once the time budget (``--budget-s``
    runs are configured, in parallel (CPU);
 2. round 1: at each GPU count (1, 2, 4) the ortflow rows (fp32, fp16, bf16 defaults; fp16 with ZeRO-1 at the largest
    count) and one PyTorch process (``bench/torch_contender.py``: eager and compile, DDP beyond one GPU with the tuned
-   bucket size, per-block compile and FSDP2 beyond one GPU, strict fp32 at one GPU) that compiles each mode once and
+   bucket size, FSDP2 beyond one GPU (per-block compile with DDP on request), strict fp32 at one GPU) that compiles each mode once and
    then times every round's window, the modes interleaved (a compile costs about half a minute per mode);
 3. the committed GPT-2 and BERT exports trained 60 updates through the CLI in fp32, fp16 and bf16, one GPU each
    (several at once, one per GPU: these give final losses, not times);
@@ -281,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixture-precisions", default="fp32,fp16,bf16")
     parser.add_argument("--no-zero", dest="zero", action="store_false", help="skip the ZeRO-1 row")
     parser.add_argument("--zero-precision", default="fp16", help="the precision measured with and without ZeRO-1")
-    parser.add_argument("--torch-modes", default="eager,compile,blockcompile,fsdp2,fp32", help="'' for none")
+    parser.add_argument("--torch-modes", default="eager,compile,fsdp2,fp32",
+                        help="of eager, compile, blockcompile (DDP over blocks compiled one by one), fsdp2, fp32; '' "
+                        "for none")  # fmt: skip
     parser.add_argument("--no-gpu-tests", dest="gpu_tests", action="store_false",
                         help="skip tests/gpu/test_gpu_cuda_kernels.py and test_gpu_adasum.py in the setup")
     parser.add_argument("--compile-backend", default="inductor")

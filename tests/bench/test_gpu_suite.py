@@ -34,7 +34,7 @@ def test_plan_runs_every_contender_at_every_gpu_count_in_each_round(tmp_path):
     assert not any(n.startswith(("r2-torch", "r3-torch")) for n in names)
     modes = {r["name"]: r["command"].split("--modes ")[1].split()[0] for r in rows if "-torch-" in r["name"]}
     assert modes["r1-torch-x1"] == "eager,compile,fp32"  # the strict-fp32 side note at one GPU
-    assert modes["r1-torch-x4"] == "eager,compile,blockcompile,fsdp2"
+    assert modes["r1-torch-x4"] == "eager,compile,fsdp2"
     # the fixtures come after round 1 and before round 2, all six
     fixtures = [i for i, n in enumerate(names) if n.startswith("fixture-") and "config" not in n]
     assert len(fixtures) == 6 and names.index("r1-torch-x4") < fixtures[0] < names.index("r2-ortflow-fp32-x1")
