@@ -7,14 +7,17 @@ for arithmetic either, and the rank stops with ``NOT_IMPLEMENTED: Could not find
 
 :data:`KERNELS` records, for the operators ortflow meets in real exports (Hugging Face GPT-2 and BERT, torch CNNs,
 ``ortflow.examples.gpt``) and in its own passes, which of fp16 and bf16 the CUDA execution provider registers a kernel
-for, per opset range. It describes the engine's kernel registrations at tag ``v1.19.2`` of microsoft/onnxruntime:
-``onnxruntime/core/providers/cuda/cuda_execution_provider.cc`` (the ONNX-domain kernels and their typed variants),
+for, per opset range. It describes the kernel registrations of release 1.19.2 (microsoft/onnxruntime, tag
+``v1.19.2``): ``onnxruntime/core/providers/cuda/cuda_execution_provider.cc`` (the ONNX-domain kernels and their typed
+variants, e.g. ``BFloat16`` Add/Sub/Mul/Div, MatMul, Gemm, Softmax, Relu, Sigmoid, Tanh from opset 13 and
+LayerNormalization at 17, but BatchNormalization only for float, double and MLFloat16),
 ``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc`` (``com.microsoft``), and the type constraints in each op's
-kernel file. In short: elementwise arithmetic, MatMul, Gemm, Softmax and LayerNormalization have both types; Pow has
+kernel file (Pow's list has no bfloat16). In short: elementwise arithmetic, MatMul, Gemm, Softmax and LayerNormalization have both types; Pow has
 fp16 but no bf16 at any opset; Conv and BatchNormalization have fp16 only (cuDNN paths); SkipLayerNormalization
 (which the engine's own fusion makes out of Add + LayerNormalization) has fp16 only; data-movement ops (Reshape,
 Transpose, Gather, Concat, Slice, ...) take any fixed-size type. ``tests/gpu/test_gpu_cuda_kernels.py`` checks the
-table against the installed GPU engine (a session per autocast fixture, and the failure it prevents).
+table against the installed GPU engine (a one-node session per judged op and type, a session per autocast fixture,
+and the failure the table prevents): where the two disagree, the engine is right and the test names the entry.
 
 Operators absent from the table are not judged (:func:`has_kernel` returns ``None``): autocast lowers them as before
 and validate does not report them.
@@ -59,12 +62,13 @@ _ANY_TYPE_OPS = (
 #: (domain, op type) -> the opset ranges and the half types the CUDA provider has kernels for. ``""`` is ai.onnx.
 KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     **{("", op): _always(_BOTH) for op in _ANY_TYPE_OPS},
-    # Elementwise arithmetic: fp16 since the first opsets, bf16 from opset 14 (13 for the unary ones).
-    **{("", op): (KernelRange(7, 13, _FP16), KernelRange(14, None, _BOTH)) for op in ("Add", "Sub", "Mul", "Div")},
+    # Elementwise arithmetic: fp16 since the first opsets, bf16 from opset 13.
+    **{("", op): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)) for op in ("Add", "Sub", "Mul", "Div")},
     ("", "Pow"): (KernelRange(7, 11, _FP16), KernelRange(12, 12, _NONE), KernelRange(13, None, _FP16)),
     ("", "Erf"): (KernelRange(9, 12, _FP16), KernelRange(13, None, _BOTH)),
     ("", "Tanh"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
-    ("", "Relu"): (KernelRange(6, 13, _FP16), KernelRange(14, None, _BOTH)),
+    ("", "Relu"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "Sigmoid"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
     ("", "Where"): (KernelRange(9, 15, _FP16), KernelRange(16, None, _BOTH)),
     ("", "Equal"): (KernelRange(7, None, _FP16),),
     ("", "Dropout"): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)),
