@@ -51,10 +51,11 @@ def _one_node(op: str, domain: str, elem: int) -> onnx.ModelProto | None:
               "MatMul": [x, [8, 8]], "Gemm": [[4, 8], [8, 8], [8]], "LayerNormalization": [x, [8], [8]],
               "Conv": [x, [4, 4, 3, 3]], "BatchNormalization": [x, [4], [4], [4], [4]],
               "SkipLayerNormalization": [[2, 4, 8], [2, 4, 8], [8], [8]], "FastGelu": [x], "Gelu": [x],
-              "BiasGelu": [x, [8]]}  # fmt: skip
+              "BiasGelu": [x, [8]], "Where": [x, x, x]}  # fmt: skip
     if op not in shapes:
         return None
-    inputs = [helper.make_tensor_value_info(f"in{i}", elem, s) for i, s in enumerate(shapes[op])]
+    inputs = [helper.make_tensor_value_info(f"in{i}", TensorProto.BOOL if op == "Where" and i == 0 else elem, s)
+              for i, s in enumerate(shapes[op])]  # fmt: skip
     out_elem = TensorProto.BOOL if op == "Equal" else elem
     node = helper.make_node(op, [i.name for i in inputs], ["out"], domain=domain)
     graph = helper.make_graph([node], "probe", inputs, [helper.make_tensor_value_info("out", out_elem, None)])
