@@ -126,6 +126,15 @@ class Bench:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
 
+    def agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a rank that failed inside a collective leaves the others waiting:
+        the suite's timeout ends that)."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def ddp(self, model: torch.nn.Module, bucket_mb: int, static: bool) -> torch.nn.Module:
         ids = [self.local] if self.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb,
@@ -171,8 +180,17 @@ class Bench:
         model, info = self.build(mode, bucket_mb)
         contender = Contender(self, mode, model, torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True),
                               info)  # fmt: skip
+        info["optimizer"] = "AdamW fused"
         start = time.perf_counter()
-        contender.steps(warmup)
+        try:
+            contender.steps(1)
+        except RuntimeError as err:  # fused AdamW refused (e.g. sharded parameters): the multi-tensor path
+            if "fused" not in str(err).lower():
+                raise
+            contender.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, foreach=True)
+            info["optimizer"] = f"AdamW foreach (fused refused: {str(err)[:200]})"
+            contender.steps(1)
+        contender.steps(max(0, warmup - 1))
         info["warmup_s"] = round(time.perf_counter() - start, 2)  # compile time, mostly
         return contender
 
@@ -196,14 +214,10 @@ class Bench:
         return best
 
 
-def fail(bench: Bench, record: dict, err: Exception) -> None:
-    """Report a failed mode; with several ranks stop (a rank-local failure would leave the others in a collective)."""
-    record.update(status="failed", error=f"{type(err).__name__}: {err}"[-2000:],
-                  traceback=traceback.format_exc()[-3000:])  # fmt: skip
-    if bench.rank == 0:
-        emit(record)
-    if bench.world > 1:
-        raise err
+def failure(record: dict, err: Exception) -> dict:
+    """``record`` marked failed with the error and its traceback."""
+    return {**record, "status": "failed", "error": f"{type(err).__name__}: {err}"[-2000:],
+            "traceback": traceback.format_exc()[-3000:]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,26 +243,36 @@ def main(argv: list[str] | None = None) -> None:
     if "fsdp2" in modes and bench.world == 1:
         modes.remove("fsdp2")  # sharding over one rank is the bare model: not a row
     bucket = bench.tune_buckets() if args.tune_buckets and bench.world > 1 else args.bucket_mb
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": (
-        ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None)}
+    nccl = torch.cuda.nccl.version() if args.device == "cuda" else None
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}  # fmt: skip
     base = {"kind": "torch", "world": bench.world, "batch_per_rank": bench.batch, "shape": args.shape,
             "versions": versions}  # fmt: skip
     contenders = []
     for mode in modes:  # every mode built and warmed up (compiled) first, all kept alive
         try:
-            contenders.append(bench.prepare(mode, bucket, args.warmup))
+            contender, ok = bench.prepare(mode, bucket, args.warmup), True
         except Exception as err:  # noqa: BLE001 - a failing mode is a failed row; the others still run
-            fail(bench, {**base, "mode": mode, "round": 1}, err)
+            contender, ok = None, False
+            if bench.rank == 0:
+                emit(failure({**base, "mode": mode, "round": args.round}, err))
+        if bench.agree(ok):  # a mode that failed on any rank is dropped on all (ranks must run the same modes)
+            contenders.append(contender)
+        elif contender is not None:
+            contender.close()
     for rnd in range(1, args.rounds + 1):  # then the timed windows, the modes interleaved within each round
-        for contender in contenders:
+        for contender in list(contenders):
             if contender.mode == "fp32" and rnd > 1:
                 continue  # the strict-fp32 side note: one window
             record = {**base, "mode": contender.mode, "round": args.round + rnd - 1}
             try:
-                record.update(contender.window(args.steps, rewarm=3 if rnd > 1 else 0), status="ok")
-            except Exception as err:  # noqa: BLE001
-                fail(bench, record, err)
-                continue
+                record, ok = {**record, **contender.window(args.steps, rewarm=3 if rnd > 1 else 0), "status": "ok"}, True
+            except Exception as err:  # noqa: BLE001 - reported; the mode leaves the later rounds
+                record, ok = failure(record, err), False
+            if not bench.agree(ok):
+                contenders.remove(contender)
+                record.setdefault("status", "failed")
+                record["status"] = "failed" if not ok else "failed on another rank"
             if bench.rank == 0:
                 emit(record)
     if bench.world > 1:
