@@ -290,16 +290,30 @@ class OptimizerConfig(_Section):
 
 
 class LRScheduleConfig(_Section):
-    """Learning-rate schedule, computed from the weight-update step and set before every optimizer step."""
+    """Learning-rate schedule, computed from the weight-update step and set before every optimizer step.
+
+    Update s (0-based) of T uses learning_rate * f(s); docs/optimizer.md gives every formula.
+    """
 
     name: Literal["constant", "linear", "cosine", "polynomial"] = Field(
-        "constant", description="Shape after warm-up: constant, linear, cosine or polynomial decay."
+        "constant",
+        description="Shape after warm-up, as Hugging Face's get_*_schedule_with_warmup, with p = (s - W) / max(1, T - W) "
+        "and r = min_lr_ratio: constant f = 1; linear f = r + (1 - r) * max(0, 1 - p); cosine f = r + (1 - r) * "
+        "(1 + cos(pi p)) / 2; polynomial f = r + (1 - r) * (1 - p) ** power.",
     )
-    warmup_steps: int = Field(0, ge=0, description="Weight updates of linear warm-up from 0 to the peak rate.")
+    warmup_steps: int = Field(
+        0, ge=0, description="W: weight updates of linear warm-up, f = s / W for s < W (the first update uses lr 0)."
+    )
     min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="Decay ends at learning_rate * min_lr_ratio (linear, cosine, polynomial)."
+        0.0, ge=0, le=1, description="r: decay ends at learning_rate * min_lr_ratio (linear, cosine, polynomial)."
     )
     power: float = Field(1.0, gt=0, le=1e3, description="Exponent of polynomial decay.")
+    indexing: Literal["huggingface", "training_runner"] = Field(
+        "huggingface",
+        description="huggingface: the formulas above; training_runner: ONNX Runtime TrainingRunner's indexing, "
+        "warm-up f = (s + 1) / W and p = (s - W) / max(1, T - W - 1) (the peak is used twice, the last update "
+        "uses exactly r).",
+    )
 
 
 class PrecisionConfig(_Section):
