@@ -14,6 +14,7 @@ This module imports nothing from ortflow.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from pathlib import Path
@@ -246,6 +247,38 @@ class TrainConfig(_Section):
         return self
 
 
+class ParamGroupConfig(_Section):
+    """One parameter group: its parameters (fnmatch patterns, first matching group wins) and what differs for them."""
+
+    params: tuple[str, ...] = Field(
+        min_length=1,
+        description="fnmatch patterns of parameter names in this group; a parameter belongs to the first group with "
+        "a matching pattern, parameters matched by no group to the optimizer section's own settings.",
+    )
+    lr_scale: float | None = Field(
+        None, gt=0, le=1e6, description="The group's rate = the scheduled rate x lr_scale (default 1)."
+    )
+    learning_rate: float | None = Field(
+        None, gt=0, le=1e3,
+        description="The group's peak rate, scheduled like optimizer.learning_rate (the same as lr_scale = "
+        "learning_rate / optimizer.learning_rate); give lr_scale or learning_rate, not both.",
+    )
+    weight_decay: float | None = Field(
+        None, ge=0, le=1e3, description="The group's weight decay (default: optimizer.weight_decay)."
+    )
+    betas: tuple[float, float] | None = Field(
+        None, description="The group's (beta1, beta2) for adamw and lamb (default: optimizer.beta1, beta2)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ParamGroupConfig:
+        if self.lr_scale is not None and self.learning_rate is not None:
+            raise ValueError("optimizer.groups: give lr_scale or learning_rate, not both")
+        if self.betas is not None and not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.groups betas {list(self.betas)}: each must be in [0, 1)")
+        return self
+
+
 class OptimizerConfig(_Section):
     """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (README: Optimizers)."""
 
@@ -269,6 +302,12 @@ class OptimizerConfig(_Section):
     no_weight_decay: tuple[str, ...] = Field(
         (), description="fnmatch patterns of parameter names without weight decay (e.g. '*bias', '*norm*')."
     )
+    groups: tuple[ParamGroupConfig, ...] = Field(
+        (),
+        description="Parameter groups [{params: [patterns], lr_scale or learning_rate, weight_decay, betas}]: the "
+        "first group whose pattern matches a parameter is its group; parameters matched by none use this section's "
+        "settings; no_weight_decay still applies inside every group (docs/optimizer.md).",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (0: plain SGD).")
     dampening: float = Field(0.0, ge=0, le=1, description="SGD momentum dampening (as torch.optim.SGD).")
     nesterov: bool = Field(False, description="SGD Nesterov momentum (needs momentum > 0 and dampening 0).")
@@ -282,11 +321,41 @@ class OptimizerConfig(_Section):
     def _consistent(self) -> OptimizerConfig:
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("optimizer.nesterov needs optimizer.momentum > 0 and optimizer.dampening 0")
+        if self.name == "sgd" and any(g.betas is not None for g in self.groups):
+            raise ValueError("optimizer.groups: betas apply to adamw and lamb, not sgd; remove them")
         if self.ratio_max is not None and self.ratio_max < self.ratio_min:
             raise ValueError(
                 f"optimizer.ratio_max ({self.ratio_max}) must be >= optimizer.ratio_min ({self.ratio_min})"
             )
         return self
+
+
+def param_group_index(names: list[str] | tuple[str, ...], opt: OptimizerConfig) -> list[int]:
+    """The ``optimizer.groups`` index of each parameter name; the first group with a matching pattern wins, and
+    ``len(opt.groups)`` (the implicit last group, the section's own settings) holds the parameters no group matches."""
+    return [next((k for k, g in enumerate(opt.groups) if any(fnmatch.fnmatchcase(n, p) for p in g.params)),
+                 len(opt.groups)) for n in names]
+
+
+def param_group_problems(names: list[str] | tuple[str, ...], opt: OptimizerConfig) -> list[str]:
+    """``optimizer.groups`` patterns that match no trainable parameter, or only parameters an earlier group holds."""
+    problems, claimed = [], {}
+    for k, group in enumerate(opt.groups):
+        for pattern in group.params:
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                problems.append(f"optimizer.groups[{k}].params: '{pattern}' matches no trainable parameter; fix the "
+                                f"pattern (parameters are named as in the ONNX model, e.g. "
+                                f"{', '.join(repr(n) for n in list(names)[:3])})")
+            elif all(claimed.get(n, k) < k for n in matched):
+                earlier = sorted({claimed[n] for n in matched})
+                problems.append(f"optimizer.groups[{k}].params: '{pattern}' matches only parameters of "
+                                f"optimizer.groups{earlier} (the first matching group wins); remove it or move the "
+                                "group before them")
+        for n in names:
+            if any(fnmatch.fnmatchcase(n, p) for p in group.params):
+                claimed.setdefault(n, k)
+    return problems
 
 
 class LRScheduleConfig(_Section):

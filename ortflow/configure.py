@@ -30,6 +30,7 @@ from ortflow.config import (
     RunConfig,
     check_files,
     dump_config,
+    param_group_problems,
     write_resolved_config,
 )
 from ortflow.engine import ORT_VERSION
@@ -147,6 +148,13 @@ def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
             and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
 
 
+def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
+    """optimizer.groups against the trained parameters (the artifacts do not depend on it, so also when reused)."""
+    problems = param_group_problems(trainable, cfg.optimizer)
+    if problems:
+        raise ConfigError(problems)
+
+
 def configure(cfg: RunConfig) -> ConfigureResult:
     """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
 
@@ -174,6 +182,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
         and _split_artifacts_exist(cfg, artifacts_dir)
     ):
+        _refuse_bad_groups(cfg, previous.get("trainable", []))
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
@@ -198,6 +207,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
             tensor_record = {"split": [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]}
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
+    _refuse_bad_groups(cfg, list(built.trainable))
     write_resolved_config(cfg)
     record = {
         "fingerprint": key,

@@ -10,7 +10,9 @@ Checks, in order (each problem names the field and the fix):
    ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch.py, so a batch
    dim counts as fixed only when the graph really depends on it);
 4. the run folder, checkpoint, TensorBoard and export paths can be written;
-5. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
+5. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
+   of an earlier group);
+6. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
    (operators without gradients, ...) show up, and the data checks use the built model's real inputs.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
@@ -28,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.config import RunConfig, find_problems
+from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
 from ortflow.dataprep.prepare import canonical_table, column_plan, resolve_plan
@@ -62,6 +64,8 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
         if cfg.distributed.horizontal_parallel_size > 1 and not model_problems:
             model_problems = tensor_split_problems(cfg)
             problems += model_problems
+        if cfg.optimizer.groups and not model_problems:
+            problems += group_problems(cfg)
         if deep and not model_problems:
             built, deep_problems = build_in_temporary_folder(cfg)
             problems += deep_problems
@@ -109,6 +113,20 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     except (TensorSplitError, ValueError) as err:
         return [str(err)]
     return []
+
+
+def group_problems(cfg: RunConfig) -> list[str]:
+    """optimizer.groups against the parameters configure will train (float initializers outside model.frozen, less
+    those the engine cannot train: running statistics and constants), as configure checks them."""
+    from fnmatch import fnmatch
+
+    from ortflow.graph.untrainable import untrainable_initializers
+
+    proto = onnx.load(str(cfg.model.path))
+    floats = {t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+              and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)}
+    trainable = sorted(floats - set(untrainable_initializers(proto, floats)))
+    return param_group_problems(trainable, cfg.optimizer)
 
 
 def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:

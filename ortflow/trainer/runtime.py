@@ -142,7 +142,8 @@ def build_update(
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
         segments = exchange.segments
         update = optim.build_update(
-            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
+            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads,
+            names=trainable,
         )
     else:
         if cfg.distributed.enable_adasum and comm.size > 1:
@@ -150,7 +151,7 @@ def build_update(
         else:
             exchange = Zero0(comm, fold=fold)
         segments = optim.whole_segments(trainable, [p.size for p in params])
-        update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
+        update = optim.build_update(cfg.optimizer, segments, params, threads=threads, names=trainable)
     return update, exchange
 
 
@@ -162,16 +163,21 @@ def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
     for name in trainable:
         value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
         params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
-    rule = optim.build_rule(cfg.optimizer)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size)
-        decay = optim.decays([s.name for s in exchange.segments], cfg.optimizer.no_weight_decay)
-        update = DeviceUpdate(rule, exchange.segments, exchange.param_ptrs(), decay, comm.stream,
-                              exchange.sum_across_ranks, len(trainable))
-        return update, exchange
-    segments = optim.whole_segments(trainable, [p.count for p in params])
-    decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
-    return DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream), Zero0(comm)
+        segments, ptrs, sums = exchange.segments, exchange.param_ptrs(), exchange.sum_across_ranks
+    else:
+        exchange = Zero0(comm)
+        segments, ptrs, sums = optim.whole_segments(trainable, [p.count for p in params]), [p.ptr for p in params], None
+    decay = optim.decays([s.name for s in segments], cfg.optimizer.no_weight_decay)
+    if cfg.optimizer.groups:  # the host's grouping (optim/groups.py), with a device update per group
+        def make(group, idx):
+            return DeviceUpdate(optim.build_rule(cfg.optimizer, group), optim.regroup(segments, idx),
+                                [ptrs[i] for i in idx], [decay[i] for i in idx], comm.stream, sums, len(trainable))
+
+        return optim.grouped_update(segments, trainable, cfg.optimizer, make), exchange
+    return DeviceUpdate(optim.build_rule(cfg.optimizer), segments, ptrs, decay, comm.stream, sums,
+                        len(trainable)), exchange
 
 
 def available_cores() -> int:
