@@ -243,19 +243,22 @@ CheckpointOpt = Annotated[
 def evaluate(
     source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one.")],
     checkpoint: CheckpointOpt = None,
-    max_batches: Annotated[int | None, typer.Option(min=1, help="Cap on eval batches (default: all).")] = None,
+    max_rows: Annotated[int | None, typer.Option(
+        min=1, help="Evaluate the eval split's first N rows (default: the run's train.max_eval_rows, else all)."
+    )] = None,
 ) -> None:
     """Eval loss (and accuracy for cross_entropy classifiers) of a checkpoint on the run's eval split.
 
     Uses the engine's eval graph with the run's eval batch size, counting every eval row once, so the loss equals
-    what training records for the same checkpoint. `--checkpoint initial` evaluates the configured weights.
+    what training records for the same checkpoint (the same rows: train.max_eval_rows counts rows of the whole split,
+    on any layout). `--checkpoint initial` evaluates the configured weights.
     """
     import json
 
     from ortflow.export.evaluate import evaluate_checkpoint
 
     try:
-        result = evaluate_checkpoint(source, checkpoint, max_batches)
+        result = evaluate_checkpoint(source, checkpoint, max_rows)
     except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
         _fail(str(err))
     accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"

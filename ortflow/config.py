@@ -210,7 +210,22 @@ class TrainConfig(_Section):
     evaluation_period: int = Field(
         100, ge=0, description="Evaluate every this many weight updates (0: only at the end)."
     )
-    max_eval_batches: int | None = Field(None, gt=0, description="Cap on eval batches per rank (default: whole split).")
+    max_eval_rows: int | None = Field(
+        None, gt=0,
+        description="Evaluate only the first this many rows of the eval split, shared over the ranks: the same rows "
+        "on any layout, and what `ortflow evaluate` uses (default: the whole split).",
+    )
+    batchnorm_variance: Literal["unbiased", "biased"] = Field(
+        "unbiased",
+        description="BatchNormalization running_var update: unbiased (torch: the batch variance times n / (n - 1), "
+        "n values per channel) or biased (ONNX's rule, the engine's own).",
+    )
+    batchnorm_sync: Literal["broadcast", "average"] = Field(
+        "broadcast",
+        description="How the ranks' BatchNormalization running statistics become one before every eval and "
+        "checkpoint: broadcast (rank 0's, as DistributedDataParallel's broadcast_buffers) or average (the mean over "
+        "the data-parallel ranks; docs/batchnorm.md).",
+    )
     seed: int = Field(0, ge=0, lt=2**31, description="Seed for shuffling and any randomness in the run.")
     profile_steps: tuple[int, int] | None = Field(
         None,
@@ -227,6 +242,14 @@ class TrainConfig(_Section):
     def resolved_eval_batch_size(self) -> int:
         """eval_batch_size, defaulting to batch_size."""
         return self.eval_batch_size or self.batch_size
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_eval_batches" in data:
+            raise ValueError("train.max_eval_batches counted batches per rank, so the eval rows changed with the "
+                             "layout; use train.max_eval_rows: N (the first N rows of the eval split, on any layout)")
+        return data
 
     @model_validator(mode="after")
     def _steps_multiple(self) -> TrainConfig:

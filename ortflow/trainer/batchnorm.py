@@ -1,0 +1,184 @@
+"""BatchNormalization running statistics as torch keeps them, and the same on every rank.
+
+The engine trains BatchNormalization with the batch's statistics and updates the running ones in place with ONNX's
+rule, ``running = m * running + (1 - m) * statistic`` with the *biased* batch variance. torch updates ``running_var``
+with the unbiased one (``n / (n - 1)`` times it, ``n`` values per channel). After the ``k`` micro-batches of an update
+the engine's variance is ``m^k v0 + sum_i (1 - m) m^(k-1-i) b_i`` (``v0``: the value before the update, ``b_i``: the
+biased variances), so torch's is ``m^k v0 + (v_engine - m^k v0) * n / (n - 1)``: :meth:`RunningStats.after_update`
+applies that, in float64, once per update (``train.batchnorm_variance: unbiased``, the default).
+
+Each rank's engine updates its own copy from its own batches. Before every eval and every checkpoint
+:meth:`RunningStats.sync` makes them one (``train.batchnorm_sync``):
+
+* ``broadcast`` (default): rank 0's, as torch's DistributedDataParallel broadcasts rank 0's buffers before every
+  forward (``broadcast_buffers=True``): rank 0's statistics only ever see rank 0's batches, in both.
+* ``average``: the mean over the data-parallel ranks. The update is affine with the same coefficients on every rank,
+  so averaging at sync points equals averaging after every update: the running mean is the one of the mean batch
+  statistic over the ranks (SyncBatchNorm's running mean, with equal batches per rank), the running variance the mean
+  of the ranks' running variances (SyncBatchNorm's would also count the spread of the ranks' batch means).
+
+So the eval loss recorded during training, the checkpoint and ``ortflow evaluate`` all use one set of statistics,
+whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunningStatistics:
+    """One BatchNormalization's running statistics.
+
+    Attributes:
+        node: The node's name (for messages).
+        mean: Initializer name of the running mean.
+        var: Initializer name of the running variance.
+        momentum: ONNX momentum ``m``: ``running = m * running + (1 - m) * batch statistic`` (torch's is ``1 - m``).
+        per_row: Values per channel that one row contributes (the product of the input's dims after the channel
+            dim; 1 for ``[N, C]``), or None when shape inference leaves one of them unknown.
+    """
+
+    node: str
+    mean: str
+    var: str
+    momentum: float
+    per_row: int | None
+
+
+def running_statistics(model: onnx.ModelProto | Path | str) -> list[RunningStatistics]:
+    """Every BatchNormalization whose running mean and variance are initializers, in graph order."""
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    inits = {t.name for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
+             and len(n.input) >= 5 and n.input[3] in inits and n.input[4] in inits]
+    if not nodes:
+        return []
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {v.name: v.type.tensor_type.shape for v in
+              [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    found = []
+    for node in nodes:
+        momentum = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "momentum"), 0.9)
+        shape = shapes.get(node.input[0])
+        per_row = None
+        if shape is not None and len(shape.dim) >= 2:
+            rest = shape.dim[2:]
+            if all(d.HasField("dim_value") for d in rest):
+                per_row = 1
+                for d in rest:
+                    per_row *= d.dim_value
+        found.append(RunningStatistics(node.name or node.output[0], node.input[3], node.input[4], float(momentum), per_row))
+    return found
+
+
+
+class RunningStats:
+    """The rank's BatchNormalization running statistics (see the module docstring).
+
+    Args:
+        layers: ``running_statistics`` of the model.
+        parameters: ``name -> engine parameter`` (``.data`` reads; writable views on CPU, ``.data = x`` on devices).
+        comm: The data-parallel group.
+        batch_size: Rows per micro-batch on this rank.
+        micro_batches: Micro-batches per update.
+        variance: ``unbiased`` (torch) or ``biased`` (the engine's).
+        sync: ``broadcast`` or ``average``.
+        on_device: The parameters live in device buffers.
+    """
+
+    def __init__(self, layers, parameters, comm, batch_size: int, micro_batches: int, variance: str, sync: str,
+                 on_device: bool = False):
+        self.layers, self.comm, self.sync_rule, self.on_device = list(layers), comm, sync, on_device
+        self.params = parameters
+        self.names = [n for layer in self.layers for n in (layer.mean, layer.var)]
+        self.correct = variance == "unbiased"
+        self.factors = []
+        for layer in self.layers:
+            n = None if layer.per_row is None else batch_size * layer.per_row
+            if self.correct and (n is None or n < 2):
+                why = "its input's shape after the channel dim is unknown" if n is None else f"n = {n}"
+                raise ValueError(
+                    f"BatchNormalization '{layer.node}': torch's unbiased running variance needs n >= 2 values per "
+                    f"channel and batch ({why}); set train.batchnorm_variance: biased, or give the model static "
+                    "spatial dims / a larger train.batch_size"
+                )
+            mk = layer.momentum ** micro_batches
+            self.factors.append((mk, n / (n - 1) if self.correct else 1.0))
+        self.dirty = False
+        self.before = self._read() if self.correct else {}
+
+    def _read(self) -> dict[str, np.ndarray]:
+        return {n: np.array(self.params[n].data, dtype=np.float64) for n in self.names}
+
+    def _write(self, values: dict[str, np.ndarray]) -> None:
+        for name, value in values.items():
+            value = np.asarray(value, dtype=np.float32).reshape(np.shape(self.params[name].data))
+            if self.on_device:
+                self.params[name].data = np.ascontiguousarray(value)
+            else:
+                self.params[name].data[...] = value
+
+    def after_update(self) -> None:
+        """After an update's micro-batches: the running variance the engine wrote -> torch's (unbiased) one."""
+        if not self.layers:
+            return
+        self.dirty = True
+        if not self.correct:
+            return
+        now = self._read()
+        fixed = {}
+        for layer, (mk, ratio) in zip(self.layers, self.factors, strict=True):
+            start = mk * self.before[layer.var]
+            fixed[layer.var] = start + (now[layer.var] - start) * ratio
+        self._write(fixed)
+        self.before = self._read()
+
+    def sync(self) -> None:
+        """Make every rank's statistics rank 0's (broadcast) or their mean (average); only after a change."""
+        if not self.dirty:
+            return
+        self.dirty = False
+        if self.comm.size == 1:
+            return
+        values = self._read()
+        flat = np.concatenate([values[n].reshape(-1) for n in self.names])
+        if self.sync_rule == "average":
+            # Sync point: every rank's statistics summed, so each holds their mean.
+            flat = self.comm.allreduce_sum(flat, "batchnorm statistics") / self.comm.size
+        else:
+            # Sync point: rank 0's statistics to every rank (DistributedDataParallel's broadcast_buffers).
+            flat = np.asarray(self.comm.broadcast(flat, "batchnorm statistics"), dtype=np.float64)
+        out, at = {}, 0
+        for name in self.names:
+            size = values[name].size
+            out[name] = flat[at:at + size]
+            at += size
+        self._write(out)
+        if self.correct:
+            self.before = self._read()
+
+
+def for_runtime(rt, comm=None) -> RunningStats:
+    """The running statistics of a rank's model (none: every method does nothing); ``comm``: its data-parallel
+    group (default: the runtime's)."""
+    held = {name for name, _ in rt.state.parameters}  # a pipeline stage holds its own layers only
+    layers = [la for la in running_statistics(rt.cfg.model.path) if la.mean in held and la.var in held]
+    train = rt.cfg.train
+    if layers:
+        log.info("rank %d: %d BatchNormalization layer(s): running_var %s, %s across ranks", rt.comm.rank,
+                 len(layers), train.batchnorm_variance, train.batchnorm_sync)
+    return RunningStats(layers, rt.state.parameters, comm or rt.comm, train.batch_size,
+                        train.gradient_accumulation_steps, train.batchnorm_variance, train.batchnorm_sync,
+                        on_device=rt.device != "cpu")
