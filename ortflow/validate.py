@@ -9,10 +9,12 @@ Checks, in order (each problem names the field and the fix):
    first rows of each source fit the training model's inputs (dtypes, per-row shapes) at ``train.batch_size`` and
    ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch.py, so a batch
    dim counts as fixed only when the graph really depends on it);
-4. the run folder, checkpoint, TensorBoard and export paths can be written;
-5. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
+4. the layout: ``train.global_batch_size`` against the model's fixed batch dim, the ranks and the stages, with the
+   messages ``ortflow train`` would give (and the data checks then use the ranks' real micro-batch);
+5. the run folder, checkpoint, TensorBoard and export paths can be written;
+6. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
    of an earlier group);
-6. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
+7. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
    (operators without gradients, ...) show up, and the data checks use the built model's real inputs.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
@@ -70,7 +72,9 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
             built, deep_problems = build_in_temporary_folder(cfg)
             problems += deep_problems
             specs = built or specs
-    problems += data_problems(cfg, specs)
+    layout, train_batch = layout_problems(cfg, specs)
+    problems += layout
+    problems += data_problems(cfg, specs, train_batch)
     problems += path_problems(cfg)
     return list(dict.fromkeys(problems))  # the same problem found twice is listed once
 
@@ -197,8 +201,42 @@ def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:
     return found, problems
 
 
-def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
-    """Sources, columns, and the first rows' dtypes and shapes against the inputs at both batch sizes."""
+def layout_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> tuple[list[str], int | None]:
+    """What the launcher and the ranks refuse about the global batch, the model's fixed batch dim, the ranks and the
+    stages, with their own messages; and the per-rank micro-batch the ranks will use (None: not known before launch).
+
+    With ``train.global_batch_size`` the ranks split it over the data-parallel replicas (``num_ranks`` / (pipeline x
+    tensor-parallel sizes)) as ``trainer/layout.py`` does: micro-batches of exactly the fixed batch dim, if any.
+    """
+    from ortflow.trainer.layout import LayoutError, nearest_multiples, plan_batch
+
+    train, dist = cfg.train, cfg.distributed
+    if specs is None:
+        return [], train.batch_size
+    label = cfg.model.label_input if cfg.model.loss != "model_output" else None
+    fixed = sorted({s.shape[0] for s in specs if s.name != label and s.shape and isinstance(s.shape[0], int)
+                    and s.shape[0] > 0})
+    if len(fixed) > 1:
+        return [f"model.path: model inputs fix different batch sizes {fixed}; re-export with one batch dim"], None
+    unit = fixed[0] if fixed else None
+    if not train.global_batch_size:
+        return [], train.batch_size
+    if dist.num_ranks == "auto":  # the launcher picks the rank count; the global batch must hold whole batches
+        if unit and train.global_batch_size % unit:
+            return [f"train.global_batch_size {train.global_batch_size} is not a multiple of the model's fixed batch "
+                    f"dim {unit}: use {', '.join(map(str, nearest_multiples(train.global_batch_size, unit)))}"], None
+        return [], unit
+    replicas = dist.num_ranks // (dist.pipeline_parallel_size * dist.horizontal_parallel_size)
+    try:
+        plan = plan_batch(train.global_batch_size, replicas, train.batch_size, unit)
+    except LayoutError as err:
+        return [str(err)], None
+    return [], plan.batch_size
+
+
+def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: int | None = -1) -> list[str]:
+    """Sources, columns, and the first rows' dtypes and shapes against the inputs at both batch sizes
+    (``train_batch``: the ranks' micro-batch, default ``train.batch_size``; None: not known, not checked)."""
     sources, problems = _sources(cfg)
     if specs is None:
         return problems
@@ -234,10 +272,12 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
         for spec in specs:
             if spec.name not in shapes:
                 continue
-            label = plan[spec.name].label
-            for batch in sorted({cfg.train.batch_size, cfg.train.resolved_eval_batch_size}):
+            column = plan[spec.name].label
+            is_label = cfg.model.loss != "model_output" and spec.name == cfg.model.label_input
+            train_batch = cfg.train.batch_size if train_batch == -1 else train_batch
+            for batch in sorted({b for b in (train_batch, cfg.train.resolved_eval_batch_size) if b is not None}):
                 try:
-                    merges_leading_dims(spec, shapes[spec.name], batch, label)
+                    merges_leading_dims(spec, shapes[spec.name], batch, column, is_label)
                 except DataError as err:
                     problems.append(f"{field}: {err}")
     return problems
