@@ -99,8 +99,8 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from ortflow.graph.tensor_shard import shard_model
 
     if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
-        from ortflow.trainer.artifacts import ArtifactsError
-        from ortflow.trainer.parallel.pipe_tensor_artifacts import plan_pipe_tensor
+        from ortflow.build.artifacts import ArtifactsError
+        from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
 
         try:
             plan_pipe_tensor(cfg)
@@ -178,7 +178,7 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
     """Build the artifacts as configure would, in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.trainer.artifacts import build_artifacts  # the engine: only for --deep
+    from ortflow.build.artifacts import build_artifacts  # the engine: only for --deep
 
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
         try:
@@ -206,9 +206,9 @@ def layout_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> tuple[list
     stages, with their own messages; and the per-rank micro-batch the ranks will use (None: not known before launch).
 
     With ``train.global_batch_size`` the ranks split it over the data-parallel replicas (``num_ranks`` / (pipeline x
-    tensor-parallel sizes)) as ``trainer/layout.py`` does: micro-batches of exactly the fixed batch dim, if any.
+    tensor-parallel sizes)) as the ranks do (``plan_batch``): micro-batches of exactly the fixed batch dim, if any.
     """
-    from ortflow.trainer.layout import LayoutError, nearest_multiples, plan_batch
+    from ortflow.config import LayoutError, nearest_multiples, plan_batch
 
     train, dist = cfg.train, cfg.distributed
     if specs is None:

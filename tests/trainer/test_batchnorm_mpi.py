@@ -14,7 +14,7 @@ from onnx import numpy_helper
 
 from ortflow.dataprep.loader import TrainLoader
 from ortflow.export.evaluate import evaluate_checkpoint
-from ortflow.trainer.checkpoints import list_complete
+from ortflow.checkpoints import list_complete
 from tests.support.exports import export_path
 
 from .runs import make_run, run_ranks
