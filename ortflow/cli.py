@@ -388,7 +388,8 @@ def run(
     = None,
     skip_unchanged: Annotated[bool | None, typer.Option(
         "--skip-unchanged/--no-skip-unchanged",
-        help="With --new-version: skip when config, model and data are unchanged since the latest version.")] = None,
+        help="With --new-version: skip when config, model, data and policy are unchanged since the latest "
+        "version.")] = None,
     wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
     = False,
 ) -> None:

@@ -390,9 +390,9 @@ class LRScheduleConfig(_Section):
 
     name: Literal["constant", "linear", "cosine", "polynomial"] = Field(
         "constant",
-        description="Shape after warm-up, as Hugging Face's get_*_schedule_with_warmup, with p = (s - W) / max(1, T - W) "
-        "and r = min_lr_ratio: constant f = 1; linear f = r + (1 - r) * max(0, 1 - p); cosine f = r + (1 - r) * "
-        "(1 + cos(pi p)) / 2; polynomial f = r + (1 - r) * (1 - p) ** power.",
+        description="Shape after warm-up, as Hugging Face's get_*_schedule_with_warmup, with "
+        "p = (s - W) / max(1, T - W) and r = min_lr_ratio: constant f = 1; linear f = r + (1 - r) * max(0, 1 - p); "
+        "cosine f = r + (1 - r) * (1 + cos(pi p)) / 2; polynomial f = r + (1 - r) * (1 - p) ** power.",
     )
     warmup_steps: int = Field(
         0, ge=0, description="W: weight updates of linear warm-up, f = s / W for s < W (the first update uses lr 0)."
@@ -524,8 +524,8 @@ class CheckpointConfig(_Section):
         None, description="Resume from this checkpoint (default: the newest complete one in dir, if any)."
     )
     init_from: Path | None = Field(
-        None, description="Warm start: a checkpoint folder whose weights (and optimizer state) training starts from "
-        "at step 0, unless dir already holds a checkpoint to resume. Set by versions.policy continue."
+        None, description="Warm start: a checkpoint folder whose weights training starts from at step 0 (the optimizer "
+        "state starts fresh), unless dir already holds a checkpoint to resume. Set by versions.policy continue."
     )
 
     _resolve_paths = field_validator("dir", "checkpoint_to_load_path", "init_from", mode="after")(_resolve)
@@ -617,14 +617,15 @@ class VersionsConfig(_Section):
 
     policy: Literal["retrain", "continue"] = Field(
         "retrain", description="retrain: start from model.path's weights; continue: warm-start from the previous "
-        "successful version's checkpoint, on the current data."
+        "successful version's checkpoint, on the current data (refused when the model file or the model or optimizer "
+        "sections changed)."
     )
     continue_from: Literal["final", "best"] = Field(
         "final", description="With policy continue: the previous version's final checkpoint or its best by eval loss."
     )
     skip_unchanged: bool = Field(
-        False, description="Skip the run (recorded as skipped) when config, model and data are unchanged since the "
-        "last successful version."
+        False, description="Skip the run (recorded as skipped) when config, model, data and versions.policy are "
+        "unchanged since the last successful version (a policy change always trains)."
     )
 
 

@@ -12,9 +12,11 @@ Checks, in order (each problem names the field and the fix):
 4. the layout: ``train.global_batch_size`` against the model's fixed batch dim, the ranks and the stages, with the
    messages ``ortflow train`` would give (and the data checks then use the ranks' real micro-batch);
 5. the run folder, checkpoint, TensorBoard and export paths can be written;
-6. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
+6. ``versions.policy continue`` against the newest completed version in ``output_dir``, as a new version's run
+   checks it;
+7. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
    of an earlier group);
-7. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
+8. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
    (operators without gradients, ...) show up, and the data checks use the built model's real inputs.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
@@ -76,6 +78,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     problems += layout
     problems += data_problems(cfg, specs, train_batch)
     problems += path_problems(cfg)
+    problems += version_problems(cfg)
     return list(dict.fromkeys(problems))  # the same problem found twice is listed once
 
 
@@ -281,6 +284,19 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
                 except DataError as err:
                     problems.append(f"{field}: {err}")
     return problems
+
+
+def version_problems(cfg: RunConfig) -> list[str]:
+    """``versions.policy continue`` against the newest completed version in ``output_dir`` (as a new version's run
+    would check it): the model file or the model or optimizer sections changed."""
+    from ortflow.versions import continue_problems, last_completed
+
+    if cfg.versions.policy != "continue":
+        return []
+    try:
+        return continue_problems(cfg, last_completed(cfg.output_dir))
+    except (DataError, OSError):  # a source or the model is missing: reported by the checks above
+        return []
 
 
 def _writable(path: Path, field: str, is_dir: bool) -> str | None:

@@ -24,14 +24,12 @@ whatever the number of ranks.
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper
-
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,8 @@ def running_statistics(model: onnx.ModelProto | Path | str) -> list[RunningStati
                 per_row = 1
                 for d in rest:
                     per_row *= d.dim_value
-        found.append(RunningStatistics(node.name or node.output[0], node.input[3], node.input[4], float(momentum), per_row))
+        found.append(RunningStatistics(node.name or node.output[0], node.input[3], node.input[4], float(momentum),
+                                       per_row))
     return found
 
 

@@ -12,16 +12,16 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from ortflow.checkpoints import list_complete
 from ortflow.dataprep.loader import TrainLoader
 from ortflow.export.evaluate import evaluate_checkpoint
-from ortflow.checkpoints import list_complete
 from tests.support.exports import export_path
 
 from .runs import make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 
-B, K, UPDATES = 2, 2, 4  # n = 2 x 16 x 16 = 512 values per channel in the first BatchNorm, 2 x 8 x 8 = 128 in the second
+B, K, UPDATES = 2, 2, 4  # n = 2 x 16 x 16 = 512 values per channel in the first BatchNorm, 2 x 8 x 8 = 128 next
 TORCH_MOMENTUM, EPS = 0.1, 1e-5
 LAYERS = (("features.0", "features.1", 1), ("features.3", "features.4", 2))  # (conv, batchnorm, conv stride)
 
@@ -68,7 +68,8 @@ def torch_update(stats, x):
     running = (1 - momentum) * running + momentum * statistic, with the unbiased batch variance for running_var."""
     mean = x.mean(axis=(0, 2, 3))
     var = x.var(axis=(0, 2, 3), ddof=1)
-    return ((1 - TORCH_MOMENTUM) * stats[0] + TORCH_MOMENTUM * mean, (1 - TORCH_MOMENTUM) * stats[1] + TORCH_MOMENTUM * var)
+    keep = 1 - TORCH_MOMENTUM
+    return keep * stats[0] + TORCH_MOMENTUM * mean, keep * stats[1] + TORCH_MOMENTUM * var
 
 
 def checkpoint_values(path):
