@@ -158,7 +158,7 @@ def build_update(
 
 def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
     """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1 over NCCL)."""
-    from ortflow.trainer.optim.device import DeviceUpdate, Zero1Device
+    from ortflow.trainer.optim.device import Zero1Device, device_update
 
     params = []
     for name in trainable:
@@ -170,15 +170,7 @@ def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
     else:
         exchange = Zero0(comm)
         segments, ptrs, sums = optim.whole_segments(trainable, [p.count for p in params]), [p.ptr for p in params], None
-    decay = optim.decays([s.name for s in segments], cfg.optimizer.no_weight_decay)
-    if cfg.optimizer.groups:  # the host's grouping (optim/groups.py), with a device update per group
-        def make(group, idx):
-            return DeviceUpdate(optim.build_rule(cfg.optimizer, group), optim.regroup(segments, idx),
-                                [ptrs[i] for i in idx], [decay[i] for i in idx], comm.stream, sums, len(trainable))
-
-        return optim.grouped_update(segments, trainable, cfg.optimizer, make), exchange
-    return DeviceUpdate(optim.build_rule(cfg.optimizer), segments, ptrs, decay, comm.stream, sums,
-                        len(trainable)), exchange
+    return device_update(cfg.optimizer, segments, ptrs, comm.stream, sums, len(trainable)), exchange
 
 
 def available_cores() -> int:

@@ -258,3 +258,21 @@ class _Ptr:
 
     def __init__(self, ptr: int, count: int):
         self.ptr, self.count = int(ptr), int(count)
+
+
+def device_update(opt, segments: Sequence[Segment], param_ptrs: Sequence[int], stream, sum_across_ranks=None,
+                  num_tensors: int | None = None):
+    """The device update of the ``optimizer`` section over ``segments``: one :class:`DeviceUpdate`, or one per
+    parameter group behind the same interface (``optim/groups.py``, the host's grouping)."""
+    from ortflow.trainer.optim import build_rule, decays, grouped_update, regroup
+
+    decay = decays([s.name for s in segments], opt.no_weight_decay)
+    count = num_tensors if num_tensors is not None else len(segments)
+    if not opt.groups:
+        return DeviceUpdate(build_rule(opt), segments, param_ptrs, decay, stream, sum_across_ranks, count)
+
+    def make(group, idx):
+        return DeviceUpdate(build_rule(opt, group), regroup(segments, idx), [param_ptrs[i] for i in idx],
+                            [decay[i] for i in idx], stream, sum_across_ranks, count)
+
+    return grouped_update(segments, [s.name for s in segments], opt, make)

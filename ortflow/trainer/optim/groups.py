@@ -3,7 +3,7 @@
 ``optimizer.groups`` lists groups of fnmatch patterns. A parameter belongs to the first group with a pattern that
 matches its name; parameters matched by no group form the last, implicit group with the section's own settings, so
 every parameter is in exactly one group. A pattern that matches no parameter, or only parameters an earlier group
-already holds, is refused (:func:`group_problems`, run by ``validate`` and at the start of training).
+already holds, is refused (:func:`group_problems`, run by ``validate`` and by configure, before training).
 
 The update is the same rule per group: :class:`GroupedUpdate` holds one update per group (host :class:`Update` or
 the device update, built by the caller's factory), hands each its segments' gradients and the scheduled rate times
@@ -23,17 +23,9 @@ import numpy as np
 
 from ortflow.config import OptimizerConfig
 from ortflow.config import param_group_index as assign
-from ortflow.config import param_group_problems as group_problems
+from ortflow.config import param_group_problems as group_problems  # noqa: F401 - re-exported by optim
 from ortflow.trainer.comm.pending import ONE, Gradients, factors
 from ortflow.trainer.optim.base import Segment
-
-
-class GroupError(ValueError):
-    """``optimizer.groups`` does not fit the model's parameters; ``problems`` lists each reason."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -70,11 +62,9 @@ MakeUpdate = Callable[[GroupSettings, list[int]], object]
 
 
 def grouped_update(segments: Sequence[Segment], names: Sequence[str], opt: OptimizerConfig, make: MakeUpdate):
-    """One update per group over this rank's ``segments`` (see the module docstring); ``names``: every trainable
-    parameter (checked with :func:`group_problems`, raising :class:`GroupError`)."""
-    problems = group_problems(names, opt)
-    if problems:
-        raise GroupError(problems)
+    """One update per group over this rank's ``segments`` (see the module docstring); ``names``: the parameters this
+    rank trains (recorded with the state). The patterns are checked against the whole model by configure and
+    validate (:func:`group_problems`): a pipeline stage or a tensor piece holds only some of the parameters."""
     of_segment = assign([s.name for s in segments], opt)
     table = settings(opt)
     members = [[i for i, g in enumerate(of_segment) if g == k] for k in range(len(table))]
