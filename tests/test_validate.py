@@ -192,3 +192,19 @@ def test_optimizer_groups_are_checked_against_the_trained_parameters(tmp_path):
     assert "optimizer.groups[1].params: 'fc1.bias' matches only parameters of optimizer.groups[0]" in problems[0]
     assert "optimizer.groups[1].params: 'x*' matches no trainable parameter" in problems[1]
     assert validate(setup(tmp_path, optimizer={"groups": [{"params": ["*bias"], "weight_decay": 0.0}]})) == []
+
+
+def test_layout_problems_split_the_global_batch_over_the_replicas_of_the_stages(tmp_path):
+    from ortflow.dataprep.specs import InputSpec
+    from ortflow.validate import layout_problems
+
+    raw = yaml.safe_load(setup(tmp_path).read_text())
+    raw["model"]["path"] = str(tmp_path / "model.onnx")
+    raw["train"] = {"batch_size": 8, "num_train_steps": 2, "global_batch_size": 8}
+    raw["distributed"] = {"num_ranks": 4, "pipeline_parallel_size": 2}
+    specs = [InputSpec("features", "float32", (4, 8)), InputSpec("labels", "int64", (4,))]
+    assert layout_problems(config_from_dict(raw), specs) == ([], 4)  # 2 replicas x the fixed batch 4
+    raw["train"]["global_batch_size"] = 12
+    problems, batch = layout_problems(config_from_dict(raw), specs)
+    assert batch is None and problems == ["train.global_batch_size 12 cannot be split over 2 rank(s) and the model's "
+                                          "fixed batch dim 4: use a global batch of 8 or 16, or 1 or 3 rank(s)"]
