@@ -172,11 +172,12 @@ def tune(
 
 @app.command(name="configure")
 def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
-    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged).
+    """Build the training artifacts into the run folder (does nothing when the model is unchanged).
 
-    A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
-    optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
-    p -= lr*weight_decay*p (docs/optimizer.md).
+    A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it). The
+    artifacts hold no optimizer (ortflow applies the update: docs/optimizer.md), so only the model file, the model
+    section and the layout and precision settings decide a rebuild; optimizer.groups are checked against the trained
+    parameters every time.
     """
     from ortflow.build.configure import configure
 
