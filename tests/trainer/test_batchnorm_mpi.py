@@ -26,7 +26,7 @@ TORCH_MOMENTUM, EPS = 0.1, 1e-5
 LAYERS = (("features.0", "features.1", 1), ("features.3", "features.4", 2))  # (conv, batchnorm, conv stride)
 
 
-def cnn_run(root, name, ranks, **train):
+def cnn_run(root, name, ranks, checkpoint=None, **train):
     """A run of the torch CNN export on random 16x16 images with 10 classes."""
     data = root / "pixels.npz"
     if not data.exists():
@@ -39,7 +39,7 @@ def cnn_run(root, name, ranks, **train):
                     distributed={"num_ranks": ranks},
                     train={"batch_size": B, "gradient_accumulation_steps": K, "num_train_steps": K * UPDATES,
                            "evaluation_period": 2, **train},
-                    checkpoint={"period": 1, "max_num_checkpoints": 100})
+                    checkpoint=checkpoint or {"period": 1, "max_num_checkpoints": 100})
 
 
 def conv(x, w, b, stride):
@@ -63,11 +63,12 @@ def batchnorm_inputs(params, pixels):
     return seen
 
 
-def torch_update(stats, x):
+def torch_update(stats, x, ddof=1):
     """torch's BatchNorm running-statistics rule (torch.nn.BatchNorm2d, momentum 0.1):
-    running = (1 - momentum) * running + momentum * statistic, with the unbiased batch variance for running_var."""
+    running = (1 - momentum) * running + momentum * statistic, with the unbiased batch variance for running_var
+    (``ddof=0``: ONNX's BatchNormalization rule, the biased variance)."""
     mean = x.mean(axis=(0, 2, 3))
-    var = x.var(axis=(0, 2, 3), ddof=1)
+    var = x.var(axis=(0, 2, 3), ddof=ddof)
     keep = 1 - TORCH_MOMENTUM
     return keep * stats[0] + TORCH_MOMENTUM * mean, keep * stats[1] + TORCH_MOMENTUM * var
 
@@ -77,9 +78,11 @@ def checkpoint_values(path):
         return {ds.attrs["name"]: ds[()].astype(np.float64) for ds in f["parameters"].values()}
 
 
-@pytest.mark.parametrize("sync", ["broadcast", "average"])
-def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(tmp_path, sync):
-    cfg = cnn_run(tmp_path, sync, 2, batchnorm_sync=sync)
+@pytest.mark.parametrize(("sync", "variance"), [("broadcast", "unbiased"), ("average", "unbiased"),
+                                               ("broadcast", "biased")])
+def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(tmp_path, sync, variance):
+    cfg = cnn_run(tmp_path, sync, 2, batchnorm_sync=sync, batchnorm_variance=variance)
+    ddof = 1 if variance == "unbiased" else 0
     out = run_ranks(cfg, timeout=300)
     assert out.returncode == 0, out.stdout
     saved = {info.step: checkpoint_values(info.path) for info in list_complete(cfg.checkpoints_dir)}
@@ -95,7 +98,7 @@ def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(tmp_
             mine = dict(stats)
             for _ in range(K):
                 inputs = batchnorm_inputs(params, next(it)["pixels"])
-                mine = {bn: torch_update(mine[bn], x) for (_, bn, _), x in zip(LAYERS, inputs, strict=True)}
+                mine = {bn: torch_update(mine[bn], x, ddof) for (_, bn, _), x in zip(LAYERS, inputs, strict=True)}
             per_rank.append(mine)
         if sync == "broadcast":
             stats = per_rank[0]
@@ -127,3 +130,29 @@ def test_evaluate_equals_the_recorded_eval_loss(tmp_path, ranks):
         assert result.loss == pytest.approx(recorded, rel=1e-5), info.step
         compared += 1
     assert compared == 2  # the evals after updates 2 and 4
+
+
+def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
+    import os
+    import subprocess
+
+    from .runs import rank_command
+    from .test_training_mpi import _kill_when
+
+    settings = dict(batchnorm_sync="average", num_train_steps=K * 80, evaluation_period=7,
+                    checkpoint={"period": 10, "max_num_checkpoints": 3})
+    steady, killed = cnn_run(tmp_path, "steady", 2, **settings), cnn_run(tmp_path, "killed", 2, **settings)
+    assert run_ranks(steady, timeout=300).returncode == 0
+    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _kill_when(killed, proc, min_step=30)
+    before = [info.step for info in list_complete(killed.checkpoints_dir)]
+    assert before and max(before) < 80, before
+    resumed = run_ranks(killed, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout
+    a = checkpoint_values(list_complete(steady.checkpoints_dir)[-1].path)
+    b = checkpoint_values(list_complete(killed.checkpoints_dir)[-1].path)
+    assert a.keys() == b.keys() and any("running_var" in n for n in a)
+    for name in a:  # weights and running statistics alike
+        assert np.array_equal(a[name], b[name]), name
