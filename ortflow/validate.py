@@ -100,7 +100,12 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
     from ortflow.graph.tensor_pieces import cut_pieces
     from ortflow.graph.tensor_shard import shard_model
+    from ortflow.trainer.batchnorm import refuse_tensor_parallel
 
+    try:
+        refuse_tensor_parallel(cfg)  # as the tensor-parallel ranks refuse it
+    except ValueError as err:
+        return [str(err)]
     if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
         from ortflow.build.artifacts import ArtifactsError
         from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor

@@ -169,6 +169,16 @@ class RunningStats:
             self.before = self._read()
 
 
+def refuse_tensor_parallel(cfg) -> None:
+    """Tensor-parallel pieces keep no BatchNormalization statistics of their own: refuse such a model by name."""
+    layers = running_statistics(cfg.model.path)
+    if layers:
+        raise ValueError(
+            f"BatchNormalization '{layers[0].node}': its running statistics are kept in data-parallel and pipeline "
+            "layouts, not with distributed.horizontal_parallel_size > 1; set it to 1"
+        )
+
+
 def for_runtime(rt, comm=None) -> RunningStats:
     """The running statistics of a rank's model (none: every method does nothing); ``comm``: its data-parallel
     group (default: the runtime's)."""
