@@ -93,3 +93,18 @@ def test_config_refuses_both_rates_and_betas_for_sgd():
         OptimizerConfig(groups=({"params": ["*"], "lr_scale": 2.0, "learning_rate": 1e-3},))
     with pytest.raises(ValueError, match="betas apply to adamw and lamb"):
         OptimizerConfig(name="sgd", groups=({"params": ["*"], "betas": [0.9, 0.99]},))
+
+
+def test_sgd_two_groups_match_float64_reference_of_torch_sgd_param_groups():
+    opt = OptimizerConfig(name="sgd", momentum=0.9, weight_decay=0.01,
+                          groups=({"params": ["*bias"], "lr_scale": 2.0, "weight_decay": 0.0},))
+    init, grads, ours = run_rule(opt, seed=1)
+    params = [p.astype(np.float64) for p in init]
+    bufs = [None] * len(params)
+    for k in range(STEPS):
+        for i, p in enumerate(params):
+            lr, wd = (2 * lr_at(k), 0.0) if IN_GROUP[i] else (lr_at(k), 0.01)
+            d = grads[k][i].astype(np.float64) + wd * p
+            bufs[i] = d.copy() if bufs[i] is None else 0.9 * bufs[i] + d
+            p -= lr * bufs[i]
+    assert_fp32_close(ours, params)
