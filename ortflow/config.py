@@ -1041,9 +1041,12 @@ def reference_markdown() -> str:
                 out.extend(rows(annotation, f"{prefix}{name}."))
                 continue
             kind = str(annotation).replace("typing.", "").replace("pathlib.", "").replace("<class '", "")
-            kind = kind.replace("'>", "").replace("|", "\\|")
+            kind = kind.replace("'>", "").replace("ortflow.config.", "").replace("|", "\\|")
             default = "*required*" if field.is_required() else f"`{json.dumps(field.default, default=str)}`"
             out.append(f"| `{prefix}{name}` | {kind} | {default} | {field.description} |")
+            item = (getattr(annotation, "__args__", None) or (None,))[0]
+            if isinstance(item, type) and issubclass(item, BaseModel):  # a list of sections: each entry's fields
+                out.extend(rows(item, f"{prefix}{name}[]."))
         return out
 
     header = ["| field | type | default | meaning |", "|---|---|---|---|"]
