@@ -129,8 +129,9 @@ def write_optimizer(path: Path, state: TrainState, marks: dict | None = None) ->
         f.attrs["optimizer"] = state.optimizer
         f.attrs["rank"], f.attrs["world_size"] = state.rank, state.world_size
         f.attrs["replica"] = state.replica
-        if getattr(update, "groups_record", None):  # optimizer.groups as applied: settings and member names
+        if getattr(update, "groups_record", None):  # optimizer.groups: patterns and settings, and who is in each
             f.attrs["groups"] = update.groups_record
+            f.attrs["group_members"] = update.groups_members
         for k, sname in enumerate(update.rule.state_names):
             group = f.create_group(sname)
             for i, seg in enumerate(update.segments):

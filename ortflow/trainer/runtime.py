@@ -143,8 +143,7 @@ def build_update(
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
         segments = exchange.segments
         update = optim.build_update(
-            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads,
-            names=trainable,
+            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
         )
     else:
         if cfg.distributed.enable_adasum and comm.size > 1:
@@ -152,7 +151,7 @@ def build_update(
         else:
             exchange = Zero0(comm, fold=fold)
         segments = optim.whole_segments(trainable, [p.size for p in params])
-        update = optim.build_update(cfg.optimizer, segments, params, threads=threads, names=trainable)
+        update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
     return update, exchange
 
 

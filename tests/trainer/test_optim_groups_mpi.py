@@ -43,11 +43,16 @@ def test_two_groups_on_zero1_resume_a_killed_job_bitwise(tmp_path, name):
     for param in a:
         assert np.array_equal(a[param], b[param]), param
     newest = list_complete(steady.checkpoints_dir)[-1].path
+    held: list[set] = [set(), set(), set()]
     for shard in sorted(newest.glob("optimizer-rank*.h5")):  # every rank's file records the groups as applied
         with h5py.File(shard, "r") as f:
-            groups = json.loads(f.attrs["groups"])
-        assert [g["params"] for g in groups] == [["fc1.bias", "fc2.bias"], ["fc2.weight"], ["fc1.weight"]]
+            groups, names = json.loads(f.attrs["groups"]), json.loads(f.attrs["group_members"])
+        assert [g["patterns"] for g in groups] == [["*bias"], ["fc2.*"], ["*"]]
         assert [g["lr_scale"] for g in groups] == [3.0, 1.0, 1.0] and groups[1]["beta1"] == 0.8
+        assert [g["weight_decay"] for g in groups] == [0.0, 0.05, 0.05]
+        for k, group in enumerate(names):  # this rank's share of the parameters, by group
+            held[k] |= set(group)
+    assert held == [{"fc1.bias", "fc2.bias"}, {"fc2.weight"}, {"fc1.weight"}]
     # ZeRO-0 with the same groups: the same parameters to fp32 rounding (a group's settings lost on a shard would
     # differ by far more).
     zero0 = make_run(tmp_path, "zero0", **{**settings, "distributed": {"num_ranks": 2, "zero_stage": 0}})

@@ -54,7 +54,6 @@ def build_update(
     sum_across_ranks: SumAcrossRanks | None = None,
     num_tensors: int | None = None,
     threads: int = 1,
-    names: Sequence[str] | None = None,
 ) -> Update:
     """The rank's update for its segments (:func:`whole_segments` without sharding, ``zero.shard_segments`` with).
 
@@ -65,7 +64,6 @@ def build_update(
         sum_across_ranks: Sums per-tensor partial sums over ranks (ZeRO-1); None without sharding.
         num_tensors: Trainable tensors in all (ZeRO-1, where a rank's segments cover only some).
         threads: Threads sharing the element-wise work (the rank's intra-op threads).
-        names: Every trainable parameter (for ``optimizer.groups``; default: the segments' names).
     """
     flags = decays([s.name for s in segments], opt.no_weight_decay)
     if opt.groups:
@@ -75,7 +73,7 @@ def build_update(
             return Update(build_rule(opt, group), regroup(segments, idx), [params[i] for i in idx],
                           [flags[i] for i in idx], sum_across_ranks or _same, count, threads=threads)
 
-        return grouped_update(segments, names or [s.name for s in segments], opt, make)  # type: ignore[return-value]
+        return grouped_update(segments, opt, make)  # type: ignore[return-value]
     rule = build_rule(opt)
     if sum_across_ranks is None:
         return Update(rule, segments, params, flags, num_tensors=num_tensors, threads=threads)

@@ -275,4 +275,4 @@ def device_update(opt, segments: Sequence[Segment], param_ptrs: Sequence[int], s
         return DeviceUpdate(build_rule(opt, group), regroup(segments, idx), [param_ptrs[i] for i in idx],
                             [decay[i] for i in idx], stream, sum_across_ranks, count)
 
-    return grouped_update(segments, [s.name for s in segments], opt, make)
+    return grouped_update(segments, opt, make)

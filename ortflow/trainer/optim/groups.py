@@ -50,27 +50,36 @@ def settings(opt: OptimizerConfig) -> list[GroupSettings]:
     return [*out, GroupSettings(1.0, opt.weight_decay, opt.beta1, opt.beta2)]
 
 
-def record(names: Sequence[str], opt: OptimizerConfig) -> str:
-    """JSON of the groups as applied (settings and member names), saved with the optimizer state."""
-    where, table = assign(names, opt), settings(opt)
-    return json.dumps([{**dataclasses.asdict(s), "params": [n for n, g in zip(names, where, strict=True) if g == k]}
-                       for k, s in enumerate(table)], sort_keys=True)
+def record(opt: OptimizerConfig) -> str:
+    """JSON of the groups as configured and resolved (patterns and settings, the implicit group last), saved with the
+    optimizer state; the same on every rank."""
+    patterns = [list(g.params) for g in opt.groups] + [["*"]]
+    return json.dumps([{**dataclasses.asdict(s), "patterns": p} for s, p in zip(settings(opt), patterns, strict=True)],
+                      sort_keys=True)
+
+
+def member_names(names: Sequence[str], opt: OptimizerConfig) -> str:
+    """JSON of the parameter names in each group (a file's own parameters), saved beside :func:`record`."""
+    where = assign(names, opt)
+    return json.dumps([[n for n, g in zip(names, where, strict=True) if g == k] for k in range(len(opt.groups) + 1)])
 
 
 #: (group settings, segment numbers of the group) -> the group's update over those segments
 MakeUpdate = Callable[[GroupSettings, list[int]], object]
 
 
-def grouped_update(segments: Sequence[Segment], names: Sequence[str], opt: OptimizerConfig, make: MakeUpdate):
-    """One update per group over this rank's ``segments`` (see the module docstring); ``names``: the parameters this
-    rank trains (recorded with the state). The patterns are checked against the whole model by configure and
-    validate (:func:`group_problems`): a pipeline stage or a tensor piece holds only some of the parameters."""
+def grouped_update(segments: Sequence[Segment], opt: OptimizerConfig, make: MakeUpdate):
+    """One update per group over this rank's ``segments`` (see the module docstring). The patterns are checked
+    against the whole model by configure and validate (:func:`group_problems`), not here: a pipeline stage or a
+    tensor piece holds only some of the parameters."""
     of_segment = assign([s.name for s in segments], opt)
     table = settings(opt)
     members = [[i for i, g in enumerate(of_segment) if g == k] for k in range(len(table))]
     parts = [make(s, idx) for s, idx in zip(table, members, strict=True)]
     kind = DeviceGroupedUpdate if hasattr(parts[0], "to_host") else GroupedUpdate
-    return kind(segments, members, parts, [s.lr_scale for s in table], record(names, opt))
+    update = kind(segments, members, parts, [s.lr_scale for s in table], record(opt))
+    update.groups_members = member_names(list(dict.fromkeys(s.name for s in segments)), opt)
+    return update
 
 
 def regroup(segments: Sequence[Segment], idx: Sequence[int]) -> list[Segment]:
@@ -87,6 +96,7 @@ class GroupedUpdate:
 
     def __init__(self, segments: Sequence[Segment], members: list[list[int]], parts: list, scales: list[float],
                  groups_record: str):
+        self.groups_members = "[]"
         self.segments, self.members, self.parts, self.scales = list(segments), members, parts, scales
         self.groups_record = groups_record
         self.rule = parts[0].rule  # every group runs the same rule type: the same state names
