@@ -472,7 +472,6 @@ def runs(config: ConfigArg, overrides: SetOpt = None) -> None:
         return
     busy = holder(cfg.output_dir) is not None
     width = min(console.width, 100)  # a terminal's width (80 when not a terminal), no wider than 100
-    print(f"versions in {cfg.output_dir}")
     for line in version_lines(entries, [describe(e, busy) for e in entries], cfg.output_dir, width):
         print(line)
 

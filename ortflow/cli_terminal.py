@@ -100,8 +100,8 @@ def failure_advice(err: BaseException, command: str) -> list[str]:
 
 
 def version_lines(entries: list[dict], statuses: list[str], base: Path, width: int = 80) -> list[str]:
-    """``ortflow runs`` as lines of at most ``width`` columns (a path longer than a line continues on the next):
-    per version, ``name status policy steps`` and an indented line of losses, parent, skip reason and model.
+    """``ortflow runs`` as lines of at most ``width`` columns (a path longer than a line continues on the next): the
+    folder, then per version ``name status policy steps`` and indented lines of losses, parent, skip reason, model.
 
     Args:
         entries: Registry entries, oldest first.
@@ -120,7 +120,7 @@ def version_lines(entries: list[dict], statuses: list[str], base: Path, width: i
         except ValueError:
             return str(path)
 
-    lines = []
+    lines = textwrap.wrap(f"versions in {base}", width, subsequent_indent="  ", break_long_words=True)
     for entry, status in zip(entries, statuses, strict=True):
         head = f"{entry['version']}  {status:<11} {entry.get('policy') or '-':<8} steps {num(entry.get('steps'))}"
         details = [f"eval {num(entry.get('final eval loss'))} (best {num(entry.get('best eval loss'))})"]
