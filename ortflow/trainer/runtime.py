@@ -156,8 +156,8 @@ def build_update(
 
 
 def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
-    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1 over NCCL)."""
-    from ortflow.trainer.optim.device import Zero1Device, device_update
+    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
+    from ortflow.trainer.optim.device import AdasumDevice, Zero1Device, device_update
 
     params = []
     for name in trainable:
@@ -167,7 +167,8 @@ def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
         exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size)
         segments, ptrs, sums = exchange.segments, exchange.param_ptrs(), exchange.sum_across_ranks
     else:
-        exchange = Zero0(comm)
+        adasum = cfg.distributed.enable_adasum and comm.size > 1
+        exchange = AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name)) if adasum else Zero0(comm)
         segments, ptrs, sums = optim.whole_segments(trainable, [p.count for p in params]), [p.ptr for p in params], None
     return device_update(cfg.optimizer, segments, ptrs, comm.stream, sums, len(trainable)), exchange
 
