@@ -97,6 +97,7 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     no engine."""
     from fnmatch import fnmatch
 
+    from ortflow.graph.batchnorm_stats import running_statistics, to_record
     from ortflow.graph.optional_outputs import declare_optional_outputs
     from ortflow.graph.tensor_gemm import separate_gemm_biases
     from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
@@ -105,7 +106,7 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from ortflow.trainer.batchnorm import refuse_tensor_parallel
 
     try:
-        refuse_tensor_parallel(cfg)  # as the tensor-parallel ranks refuse it
+        refuse_tensor_parallel(to_record(running_statistics(cfg.model.path)))  # as the tensor-parallel ranks do
     except ValueError as err:
         return [str(err)]
     if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked

@@ -48,6 +48,7 @@ from ortflow.config import (
     write_resolved_config,
 )
 from ortflow.engine import ORT_VERSION
+from ortflow.graph.batchnorm_stats import running_statistics, to_record
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,9 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and _split_artifacts_exist(cfg, artifacts_dir)
     ):
         _refuse_bad_groups(cfg, previous.get("trainable", []))
+        if "batchnorm" not in previous:  # a record written before the BatchNorm entry: add it, the rest stays
+            previous = {**previous, "batchnorm": to_record(running_statistics(cfg.model.path))}
+            _write_json_atomic(record_path, previous)
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
@@ -236,6 +240,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
         "pipeline_cuts": stages["cuts"] if stages else [],
         "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
+        "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

@@ -23,71 +23,22 @@ whatever the number of ranks.
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunningStatistics:
-    """One BatchNormalization's running statistics.
-
-    Attributes:
-        node: The node's name (for messages).
-        mean: Initializer name of the running mean.
-        var: Initializer name of the running variance.
-        momentum: ONNX momentum ``m``: ``running = m * running + (1 - m) * batch statistic`` (torch's is ``1 - m``).
-        per_row: Values per channel that one row contributes (the product of the input's dims after the channel
-            dim; 1 for ``[N, C]``), or None when shape inference leaves one of them unknown.
-    """
-
-    node: str
-    mean: str
-    var: str
-    momentum: float
-    per_row: int | None
-
-
-def running_statistics(model: onnx.ModelProto | Path | str) -> list[RunningStatistics]:
-    """Every BatchNormalization whose running mean and variance are initializers, in graph order."""
-    if not isinstance(model, onnx.ModelProto):
-        model = onnx.load(str(model), load_external_data=False)
-    inits = {t.name for t in model.graph.initializer}
-    nodes = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
-             and len(n.input) >= 5 and n.input[3] in inits and n.input[4] in inits]
-    if not nodes:
-        return []
-    inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {v.name: v.type.tensor_type.shape for v in
-              [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
-    found = []
-    for node in nodes:
-        momentum = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "momentum"), 0.9)
-        shape = shapes.get(node.input[0])
-        per_row = None
-        if shape is not None and len(shape.dim) >= 2:
-            rest = shape.dim[2:]
-            if all(d.HasField("dim_value") for d in rest):
-                per_row = 1
-                for d in rest:
-                    per_row *= d.dim_value
-        found.append(RunningStatistics(node.name or node.output[0], node.input[3], node.input[4], float(momentum),
-                                       per_row))
-    return found
-
 
 
 class RunningStats:
     """The rank's BatchNormalization running statistics (see the module docstring).
 
     Args:
-        layers: ``running_statistics`` of the model.
+        layers: The model's BatchNorm layers, configure.json's ``batchnorm`` entries (``node``, ``mean``, ``var``,
+            ``momentum``, ``per_row``: ortflow/graph/batchnorm_stats.py).
         parameters: ``name -> engine parameter`` (``.data`` reads; writable views on CPU, ``.data = x`` on devices).
         comm: The data-parallel group.
         batch_size: Rows per micro-batch on this rank.
@@ -101,19 +52,19 @@ class RunningStats:
                  on_device: bool = False):
         self.layers, self.comm, self.sync_rule, self.on_device = list(layers), comm, sync, on_device
         self.params = parameters
-        self.names = [n for layer in self.layers for n in (layer.mean, layer.var)]
+        self.names = [n for layer in self.layers for n in (layer["mean"], layer["var"])]
         self.correct = variance == "unbiased"
         self.factors = []
         for layer in self.layers:
-            n = None if layer.per_row is None else batch_size * layer.per_row
+            n = None if layer["per_row"] is None else batch_size * layer["per_row"]
             if self.correct and (n is None or n < 2):
                 why = "its input's shape after the channel dim is unknown" if n is None else f"n = {n}"
                 raise ValueError(
-                    f"BatchNormalization '{layer.node}': torch's unbiased running variance needs n >= 2 values per "
+                    f"BatchNormalization '{layer['node']}': torch's unbiased running variance needs n >= 2 values per "
                     f"channel and batch ({why}); set train.batchnorm_variance: biased, or give the model static "
                     "spatial dims / a larger train.batch_size"
                 )
-            mk = layer.momentum ** micro_batches
+            mk = layer["momentum"] ** micro_batches
             self.factors.append((mk, n / (n - 1) if self.correct else 1.0))
         self.dirty = False
         self.before = self._read() if self.correct else {}
@@ -139,8 +90,8 @@ class RunningStats:
         now = self._read()
         fixed = {}
         for layer, (mk, ratio) in zip(self.layers, self.factors, strict=True):
-            start = mk * self.before[layer.var]
-            fixed[layer.var] = start + (now[layer.var] - start) * ratio
+            start = mk * self.before[layer["var"]]
+            fixed[layer["var"]] = start + (now[layer["var"]] - start) * ratio
         self._write(fixed)
         self.before = self._read()
 
@@ -169,12 +120,30 @@ class RunningStats:
             self.before = self._read()
 
 
-def refuse_tensor_parallel(cfg) -> None:
+def recorded_layers(run_dir: Path, model_path: Path) -> list[dict]:
+    """The model's BatchNorm layers as configure recorded them (configure.json ``batchnorm``).
+
+    Raises:
+        ValueError: the record predates that entry and the model has BatchNormalization nodes (re-run configure).
+    """
+    try:
+        record = json.loads((Path(run_dir) / "configure.json").read_text())
+    except (OSError, ValueError):
+        record = {}
+    if "batchnorm" in record:
+        return list(record["batchnorm"])
+    graph = onnx.load(str(model_path), load_external_data=False).graph  # a record written before the entry
+    if any(n.op_type == "BatchNormalization" for n in graph.node):
+        raise ValueError(f"{run_dir}/configure.json does not list the model's BatchNorm layers: re-run "
+                         "`ortflow configure CONFIG` (the artifacts are kept)")
+    return []
+
+
+def refuse_tensor_parallel(layers: list[dict]) -> None:
     """Tensor-parallel pieces keep no BatchNormalization statistics of their own: refuse such a model by name."""
-    layers = running_statistics(cfg.model.path)
     if layers:
         raise ValueError(
-            f"BatchNormalization '{layers[0].node}': its running statistics are kept in data-parallel and pipeline "
+            f"BatchNormalization '{layers[0]['node']}': its running statistics are kept in data-parallel and pipeline "
             "layouts, not with distributed.horizontal_parallel_size > 1; set it to 1"
         )
 
@@ -183,7 +152,7 @@ def for_runtime(rt, comm=None) -> RunningStats:
     """The running statistics of a rank's model (none: every method does nothing); ``comm``: its data-parallel
     group (default: the runtime's)."""
     held = {name for name, _ in rt.state.parameters}  # a pipeline stage holds its own layers only
-    layers = [la for la in running_statistics(rt.cfg.model.path) if la.mean in held and la.var in held]
+    layers = [la for la in recorded_layers(rt.run_dir, rt.cfg.model.path) if la["mean"] in held and la["var"] in held]
     train = rt.cfg.train
     if layers:
         log.info("rank %d: %d BatchNormalization layer(s): running_var %s, %s across ranks", rt.comm.rank,
