@@ -303,3 +303,11 @@ def test_pipeline_stages_refuse_mixed_precision(tmp_path):
         "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision false "
         "with it"
     ]
+
+
+def test_max_eval_batches_is_refused_with_the_global_row_limit_as_the_fix():
+    from ortflow.config import TrainConfig
+
+    with pytest.raises(ValueError, match="use train.max_eval_rows"):
+        TrainConfig(batch_size=2, num_train_steps=4, max_eval_batches=3)
+    assert TrainConfig(batch_size=2, num_train_steps=4, max_eval_rows=3).max_eval_rows == 3

@@ -79,7 +79,7 @@ def run_rank(run_dir: Path) -> int:
         comm.barrier("verify data")
         shard, shards = rt.data_shard()
         loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=cfg.data.prefetch_batches)
-        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards)
+        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards, cfg.train.max_eval_rows)
         writer = comm.rank == 0
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
@@ -96,7 +96,7 @@ def run_rank(run_dir: Path) -> int:
         progress = Progress(rt.run_dir, cfg.train.num_weight_updates, start) if writer else None
         try:
             result = train(
-                rt, loader.iter_from, lambda: evals.weighted_batches(cfg.train.max_eval_batches), manager, tensorboard,
+                rt, loader.iter_from, evals.weighted_batches, manager, tensorboard,
                 progress, stop, tokens_per_sample=loader.tokens_per_sample,
             )
         finally:

@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime
 
 from ortflow.checkpoints import CheckpointManager
-from ortflow.trainer import loss_scale
+from ortflow.trainer import batchnorm, loss_scale
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -123,6 +123,7 @@ def train(
     window_samples = 0
     fingerprint = cfg.section_fingerprint()
     timer, profiler = PhaseTimer(clock), StepProfiler.for_run(rt)  # step-time breakdown; per-op profile on demand
+    norm_stats = batchnorm.for_runtime(rt)  # BatchNormalization running statistics: torch's rule, one per run
 
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
@@ -135,6 +136,7 @@ def train(
             timer.lap("data")
             loss_sum += float(engine(*(feeds[n] for n in names)))
             timer.lap("forward_backward")
+        norm_stats.after_update()  # the engine's biased running variance -> torch's unbiased one
         if not grads:  # the engine's own buffers (host views, device buffers on CUDA), fixed for the module's life
             grads = rt.gradient_buffers()
         profiler.after_backward(step + 1)
@@ -165,6 +167,8 @@ def train(
         module.lazy_reset_grad()
         timer.lap("update")
 
+        if evaluated:
+            norm_stats.sync()  # every rank evaluates with the same running statistics
         eval_loss = evaluate(rt, eval_batches) if evaluated else None
         timer.lap("eval")
         if report:
@@ -191,6 +195,7 @@ def train(
         timer.lap("other")
 
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
+            norm_stats.sync()  # the checkpoint holds the statistics every rank evaluates with
             meta = {
                 "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
                 "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": world, "config_fingerprint": fingerprint,

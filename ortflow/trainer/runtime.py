@@ -157,25 +157,20 @@ def build_update(
 
 def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
     """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
-    from ortflow.trainer.optim.device import AdasumDevice, DeviceUpdate, Zero1Device
+    from ortflow.trainer.optim.device import AdasumDevice, Zero1Device, device_update
 
     params = []
     for name in trainable:
         value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
         params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
-    rule = optim.build_rule(cfg.optimizer)
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size)
-        decay = optim.decays([s.name for s in exchange.segments], cfg.optimizer.no_weight_decay)
-        update = DeviceUpdate(rule, exchange.segments, exchange.param_ptrs(), decay, comm.stream,
-                              exchange.sum_across_ranks, len(trainable))
-        return update, exchange
-    segments = optim.whole_segments(trainable, [p.count for p in params])
-    decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
-    update = DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream)
-    if cfg.distributed.enable_adasum and comm.size > 1:
-        return update, AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name))
-    return update, Zero0(comm)
+        segments, ptrs, sums = exchange.segments, exchange.param_ptrs(), exchange.sum_across_ranks
+    else:
+        adasum = cfg.distributed.enable_adasum and comm.size > 1
+        exchange = AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name)) if adasum else Zero0(comm)
+        segments, ptrs, sums = optim.whole_segments(trainable, [p.count for p in params]), [p.ptr for p in params], None
+    return device_update(cfg.optimizer, segments, ptrs, comm.stream, sums, len(trainable)), exchange
 
 
 def available_cores() -> int:

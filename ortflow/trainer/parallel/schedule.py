@@ -23,6 +23,7 @@ import numpy as np
 import onnxruntime
 
 from ortflow.checkpoints import CheckpointManager
+from ortflow.trainer import batchnorm
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -204,12 +205,14 @@ def train_pipeline(
     train_loss = eval_loss = None
     window_start, window_samples = clock(), 0
     timing: list[tuple[float, float]] = []  # (step seconds, seconds inside engine calls) of each update
+    norm_stats = batchnorm.for_runtime(rt, rt.stage_comm)  # this stage's BatchNorm statistics, over its replicas
     while step < total and not scalars[1]:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
         onnxruntime.set_seed(cfg.train.seed + step)
         step_started = clock()
         stats = pipeline_step(rt, batches, k)
         loss_sum = stats.loss_sum
+        norm_stats.after_update()  # the engine's biased running variance -> torch's unbiased one
         # Sync point: a stage's replicas average their gradients (the unsplit loop's all-reduce, per stage).
         mine = rt.exchange.reduce(grads, k * replicas, np.zeros(0, np.float32))
         sum_tied_gradients(rt)  # Sync point: holders of a tied weight add their gradients (point-to-point)
@@ -229,6 +232,8 @@ def train_pipeline(
         window_samples += k * replicas * batch
         evaluated = period > 0 and step % period == 0 or step == total
         paused = clock()
+        if evaluated:
+            norm_stats.sync()  # a stage's replicas evaluate with the same running statistics
         eval_loss = evaluate_pipeline(rt, eval_batches) if evaluated else None
         window_start += clock() - paused
         if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated):
@@ -236,6 +241,7 @@ def train_pipeline(
                           {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm})
             window_start, window_samples = clock(), 0
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
+            norm_stats.sync()  # the checkpoint holds the statistics every replica evaluates with
             paused = clock()
             _save(rt, checkpoints, step, checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
                                                          pipeline_parallel_size=rt.num_stages))

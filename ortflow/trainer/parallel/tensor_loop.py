@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime
 
 from ortflow.checkpoints import CheckpointManager
+from ortflow.trainer import batchnorm
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -53,6 +54,7 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
     """The loop of :func:`ortflow.trainer.loop.train` for a tensor-parallel rank (same arguments, same result)."""
     from ortflow.trainer.loop import TrainResult
 
+    batchnorm.refuse_tensor_parallel(batchnorm.recorded_layers(rt.run_dir, rt.cfg.model.path))  # pieces keep none
     cfg = rt.cfg
     k, replicas, batch = cfg.train.gradient_accumulation_steps, rt.num_replicas, cfg.train.batch_size
     total, period = cfg.train.num_weight_updates, cfg.train.evaluation_period

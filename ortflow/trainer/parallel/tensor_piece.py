@@ -283,13 +283,12 @@ def _build_update(rt: TensorRuntime, threads: int) -> optim.Update:
         params = [rt.param(n).data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
         return optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
                                   threads=threads)
-    from ortflow.trainer.optim.device import DeviceUpdate
+    from ortflow.trainer.optim.device import device_update
 
     # Checked on 2 H200s by tests/gpu/test_gpu_tensor.py (bench/results/gpu-tests-h200x2-w3-tp-pipeline.log).
     params = [_device_buffer(rt._owner_state(n).get_parameter(n).data, n) for n in trainable]
-    decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
-    return DeviceUpdate(optim.build_rule(cfg.optimizer), optim.whole_segments(trainable, [p.count for p in params]),
-                        [p.ptr for p in params], decay, rt.dp_comm.stream)
+    segments = optim.whole_segments(trainable, [p.count for p in params])
+    return device_update(cfg.optimizer, segments, [p.ptr for p in params], rt.dp_comm.stream)
 
 
 def load_sliced_parameters(rt: TensorRuntime, folder: Path) -> None:
