@@ -304,3 +304,11 @@ def test_pipeline_stages_refuse_mixed_precision(tmp_path):
         "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision false "
         "with it"
     ]
+
+
+def test_profile_steps_work_in_every_cpu_layout_and_are_refused_by_name_on_gpus(tmp_path):
+    for layout in ((), ("distributed.pipeline_parallel_size=2",), ("distributed.horizontal_parallel_size=2",)):
+        assert problems_of(tmp_path, "distributed.num_ranks=2", "train.profile_steps=[1,2]", *layout) == []
+    problems = problems_of(tmp_path, "distributed.device=cuda", "distributed.use_nccl=true",
+                           "train.profile_steps=[1,2]")
+    assert any(p.startswith("train.profile_steps traces CPU ranks only") for p in problems), problems
