@@ -46,7 +46,7 @@ if missing:
     sys.exit("missing on this machine (add cp312 wheels to .whl/, docs/benchmarks.md): " + "; ".join(missing))
 import ortflow.trainer.__main__, ortflow.trainer.loop, ortflow.checkpoints, ortflow.build.configure  # noqa: E401,F401
 from ortflow.engine import api  # noqa: F401 - the training API must import before anything is timed
-from ortflow.trainer.layout import host_resources
+from ortflow.launch.layout import host_resources
 import mpi4py.MPI
 print("host", host_resources(), "|", mpi4py.MPI.Get_library_version().splitlines()[0])
 PY

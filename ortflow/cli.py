@@ -98,8 +98,8 @@ def train(
     import os
 
     from ortflow.config import load_run_config
-    from ortflow.trainer.launch import LaunchError, launch
-    from ortflow.trainer.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.local import LaunchError, launch
     from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
@@ -154,9 +154,9 @@ def tune(
 
     from ortflow.build.configure import configure
     from ortflow.dataprep import DataError, prepare_data
-    from ortflow.trainer.launch import LaunchError
-    from ortflow.trainer.layout import LayoutError, host_resources
-    from ortflow.trainer.tune import tune as tune_layouts
+    from ortflow.launch.layout import LayoutError, host_resources
+    from ortflow.launch.local import LaunchError
+    from ortflow.launch.tune import tune as tune_layouts
 
     cfg = _load(config, overrides)
     try:
@@ -179,7 +179,7 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
     optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
-    p -= lr*weight_decay*p (README, 'The optimizer').
+    p -= lr*weight_decay*p (docs/optimizer.md).
     """
     from ortflow.build.configure import configure
 

@@ -40,9 +40,7 @@ EXTRA_EDGES: dict[tuple[str, str], str] = {
 }
 
 #: Private names imported across modules that are known and owned elsewhere: (importer, name) -> why.
-PRIVATE_KNOWN: dict[tuple[str, str], str] = {
-    ("ortflow.trainer.tune", "_divides"): "launcher side, moving into ortflow/launch/ (made public there)",
-}
+PRIVATE_KNOWN: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

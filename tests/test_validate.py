@@ -1,4 +1,4 @@
-"""``ortflow validate``: each case of issue 12 item 6, the path checks, and every problem at once."""
+"""``ortflow validate``: refused configs, the path checks, and every problem at once."""
 
 from __future__ import annotations
 

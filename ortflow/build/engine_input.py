@@ -100,6 +100,6 @@ def artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, tra
     return ArtifactsError(
         f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
         f"{type(err).__name__}: {err}. ortflow already declared LayerNormalization/Dropout outputs and replaced Splits "
-        "with unused outputs; see the README's 'What configure does to your model' for the ops the engine cannot "
+        "with unused outputs; see docs/your-model.md for the ops the engine cannot "
         "differentiate and what to write instead"
     )

@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from ortflow.config import RunConfig, load_run_config
-from ortflow.trainer import cuda_libs, layout
+from ortflow.config import RunConfig, load_run_config, rank_config
+from ortflow.trainer import cuda_libs
 from ortflow.trainer.comm import Communicator, attach_nccl, create_communicator
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
@@ -71,7 +71,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> RankModel
     # tensor-parallel group read the same batches).
     dims = ParallelDims.from_world(comm.size, cfg.distributed.pipeline_parallel_size,
                                    cfg.distributed.horizontal_parallel_size)
-    cfg = layout.rank_config(cfg, dims.dp, run_dir)
+    cfg = rank_config(cfg, dims.dp, run_dir)
     # 2. Device and execution provider for the local rank.
     device = select_device(cfg, comm.local_rank, comm.local_size)
     # 3. NCCL joins on the rank's GPU (CPU ranks with use_nccl still need one: they stage gradients through it).

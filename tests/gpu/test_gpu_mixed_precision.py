@@ -51,7 +51,7 @@ two_gpus = pytest.mark.skipif(COUNT < 2, reason=f"needs 2 GPUs ({WHY or f'{COUNT
 
 
 def _mpiexec(ranks: int) -> list[str]:
-    from ortflow.trainer.launch import launcher_flavor
+    from ortflow.launch.local import launcher_flavor
     from tests.trainer.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")

@@ -151,7 +151,7 @@ def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_pa
 ):
     from ortflow.build.configure import configure
     from ortflow.dataprep import prepare_data
-    from ortflow.trainer.launch import launch
+    from ortflow.launch.local import launch
 
     sections = {
         "train": {"num_train_steps": 6000, "display_loss_steps": 250, "evaluation_period": 0},

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete, verify
-from ortflow.trainer.launch import launch
+from ortflow.launch.local import launch
 from ortflow.trainer.metrics import read_progress
 
 from .runs import final_parameters, make_run, rank_command, run_ranks

@@ -1,4 +1,4 @@
-"""Start the ranks: build the ``mpiexec`` command, stream every rank's output with its rank, return the exit status.
+"""The local launcher: build the ``mpiexec`` command, stream every rank's output with its rank, return the exit status.
 
 The bundled MPICH (``mpiexec`` next to this Python, from the ``mpich`` wheel) is the default; a system Open MPI
 works too (``--mpiexec /usr/bin/mpirun``). Multi-node runs pass the launcher's host file; every host needs the same
@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,10 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
-from ortflow.trainer.lifeline import launcher_environment
-
 log = logging.getLogger(__name__)
+
+#: Where each rank's collective watchdog leaves its stall report (the trainer's ``comm.watchdog.HEARTBEAT_DIR``).
+HEARTBEAT_DIR = ".ranks"
+#: What the ranks read to follow the launching process (the trainer's ``lifeline`` module: a rank on the same host
+#: exits within a second once this process is gone).
+LAUNCHER_PID_ENV = "ORTFLOW_LAUNCHER_PID"
+LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
 
 #: Seconds the ranks get to stop cleanly (finish the update, keep checkpoints whole) before they are killed.
 STOP_GRACE_S = 30.0
@@ -110,6 +115,11 @@ def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores:
     env.update(launcher_environment())  # ranks on this host exit within a second if this process dies
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the hosts we run on
     return env
+
+
+def launcher_environment() -> dict[str, str]:
+    """What the launching process exports so that its ranks can follow it."""
+    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_HOST_ENV: socket.gethostname()}
 
 
 def _is_error_line(line: str) -> bool:

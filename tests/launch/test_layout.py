@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from ortflow.config import ConfigError, config_from_dict
-from ortflow.trainer.layout import (
+from ortflow.config import ConfigError, config_from_dict, rank_config
+from ortflow.launch.layout import (
     BatchPlan,
     Host,
     LayoutError,
@@ -16,7 +17,6 @@ from ortflow.trainer.layout import (
     launch_layout,
     physical_cores,
     plan_batch,
-    rank_config,
     rank_memory_bytes,
     read_tuned,
     write_tuned,
@@ -161,7 +161,7 @@ def test_config_checks_global_batch_against_fixed_ranks_and_accumulation(tmp_pat
 
 
 def test_tune_candidates_add_one_rank_per_cpu_where_the_rule_starts_fewer():
-    from ortflow.trainer.tune import candidates
+    from ortflow.launch.tune import candidates
 
     smt = [c.pair for c in candidates(Host(32, 128 * GIB, physical_cores=16), 3_300_000, None, None)]
     assert smt == [(16, 1), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
@@ -193,3 +193,22 @@ def test_thread_spinning_rule_and_the_engine_option_it_sets(tmp_path, choice, lo
             options.get_session_config_entry(entry)
     else:
         assert options.get_session_config_entry(entry) == "0"
+
+
+def test_the_launcher_and_the_ranks_agree_on_run_folder_names():
+    # The launching process may not import the trainer, so it keeps its own copy of the names the ranks read.
+    from ortflow.launch import local
+    from ortflow.trainer import lifeline
+    from ortflow.trainer.comm import watchdog
+
+    assert local.HEARTBEAT_DIR == watchdog.HEARTBEAT_DIR
+    assert (local.LAUNCHER_PID_ENV, local.LAUNCHER_HOST_ENV) == (lifeline.LAUNCHER_PID_ENV, lifeline.LAUNCHER_HOST_ENV)
+    env = local.launcher_environment()
+    assert int(env[lifeline.LAUNCHER_PID_ENV]) == os.getpid()
+
+
+def test_the_tune_driver_reads_the_tag_the_ranks_print():
+    from ortflow.launch import tune
+    from ortflow.trainer import tune_updates
+
+    assert tune.RESULT_TAG == tune_updates.RESULT_TAG

@@ -1,7 +1,8 @@
 """Ranks x threads for a host, and the per-rank batch that keeps a global batch the same on any layout.
 
 Everything here is a pure function of numbers passed in (cores, memory, model size, batch sizes), so it is tested
-without processes; :func:`host_resources` and :func:`run_facts` are the only readers of the machine and the run folder.
+without processes; :func:`host_resources` is the only reader of the machine. The batch split itself
+(:func:`ortflow.config.plan_batch`) lives with the config, because every rank resolves its own batch with it too.
 
 The rule (docs/layout.md holds the measurements it comes from): the engine's intra-op threading scales poorly (2.4x
 from 1 to 32 threads on a 32-core Xeon, 1.7x from 1 to 2 here) while data-parallel ranks of one thread each scale
@@ -20,6 +21,23 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ortflow.config import (
+    BatchPlan,
+    LayoutError,
+    RunFacts,
+    divides,
+    fixed_batch_dim,
+    nearest_multiples,
+    plan_batch,
+    run_facts,
+)
+
+__all__ = [
+    "MAX_AUTO_RANKS", "BatchPlan", "Host", "Layout", "LayoutError", "RunFacts", "auto_layout", "divides",
+    "fixed_batch_dim", "host_resources", "launch_layout", "nearest_multiples", "plan_batch", "read_tuned",
+    "run_facts", "write_tuned",
+]
+
 #: Bytes a rank holds per trainable fp32 parameter: the value, its gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16
 #: A rank's memory beyond its parameters and optimizer state: interpreter, engine, graphs, activations of a small
@@ -34,10 +52,6 @@ MEMORY_SHARE = 0.8
 MAX_AUTO_RANKS = 16
 #: The winner of ``ortflow tune``, kept in the run folder and reused by ``auto`` on a host of the same size.
 TUNED_LAYOUT_FILE = "layout.json"
-
-
-class LayoutError(ValueError):
-    """No layout or batch split satisfies the constraints; the message names the field and valid choices."""
 
 
 @dataclass(frozen=True)
@@ -69,26 +83,9 @@ class Layout:
         return self.ranks, self.threads
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    """How a global batch splits: per-rank micro-batch x accumulation steps x ranks = global batch."""
-
-    batch_size: int
-    accumulation: int
-    ranks: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.accumulation * self.ranks
-
-
 def rank_memory_bytes(num_parameters: int) -> int:
     """Memory one rank needs: fp32 parameters, gradients, AdamW moments, plus the engine's base."""
     return STATE_BYTES_PER_PARAMETER * num_parameters + RANK_BASE_BYTES
-
-
-def _divides(global_batch: int, ranks: int, unit: int) -> bool:
-    return global_batch % (ranks * unit) == 0
 
 
 def auto_layout(
@@ -123,7 +120,7 @@ def auto_layout(
         why += f" of {host.cores} CPUs"
     if global_batch is not None:
         unit = fixed_batch or 1
-        fitting = [r for r in range(ranks, 0, -1) if _divides(global_batch, r, unit)]
+        fitting = [r for r in range(ranks, 0, -1) if divides(global_batch, r, unit)]
         if not fitting:
             raise LayoutError(
                 f"train.global_batch_size {global_batch} is not a multiple of the model's fixed batch dim {unit}: use "
@@ -133,58 +130,6 @@ def auto_layout(
             why += f", largest rank count <= {ranks} dividing global batch {global_batch}"
         ranks = fitting[0]
     return Layout(ranks, max(1, cores // ranks), f"auto: {why}; 1 rank per physical core (docs/layout.md)")
-
-
-def nearest_multiples(value: int, unit: int) -> list[int]:
-    """The multiples of ``unit`` closest to ``value`` from below and above (one entry if value is one)."""
-    below = value // unit * unit
-    return [value] if below == value else [m for m in (below, below + unit) if m > 0]
-
-
-def plan_batch(global_batch: int, ranks: int, max_batch: int, fixed_batch: int | None = None) -> BatchPlan:
-    """Per-rank micro-batch and accumulation steps so that ranks x batch x steps = ``global_batch``.
-
-    The micro-batch is the largest divisor of the rank's share that is <= ``max_batch`` (fewest accumulation
-    steps), or exactly ``fixed_batch`` when the model's batch dim is fixed.
-
-    Raises:
-        LayoutError: naming the nearest global batch sizes and rank counts that work.
-    """
-    unit = fixed_batch or 1
-    if global_batch % (ranks * unit):
-        sizes = nearest_multiples(global_batch, ranks * unit)
-        counts = [r for r in range(1, 2 * ranks + 1) if _divides(global_batch, r, unit)]
-        near = sorted(counts, key=lambda r: (abs(r - ranks), r))[:3]
-        fixed = f" and the model's fixed batch dim {unit}" if fixed_batch else ""
-        raise LayoutError(
-            f"train.global_batch_size {global_batch} cannot be split over {ranks} rank(s){fixed}: use a global batch "
-            f"of {' or '.join(map(str, sizes))}, or {' or '.join(map(str, sorted(near))) or 'no other'} rank(s)"
-        )
-    share = global_batch // ranks
-    if fixed_batch:
-        return BatchPlan(fixed_batch, share // fixed_batch, ranks)
-    batch = next(b for b in range(min(max_batch, share), 0, -1) if share % b == 0)
-    return BatchPlan(batch, share // batch, ranks)
-
-
-def fixed_batch_dim(inputs: list[dict], merged_rows: dict[str, int] | None = None) -> int | None:
-    """The model's fixed batch dim from configure.json's ``train_inputs`` (None when the batch dim is symbolic).
-
-    Args:
-        inputs: ``[{"name", "dtype", "shape"}]`` of the training model's inputs.
-        merged_rows: For inputs whose batch and sequence dims the loader merges (a GPT's ``labels [B*T]``), the
-            rows' leading dim ``T`` (from the data manifest); their fixed dim counts ``B*T`` values.
-    """
-    merged_rows = merged_rows or {}
-    found = set()
-    for item in inputs:
-        shape = item.get("shape") or []
-        if shape and isinstance(shape[0], int) and shape[0] > 0:
-            per_row = merged_rows.get(item["name"], 1)
-            found.add(shape[0] // per_row if shape[0] % per_row == 0 else shape[0])
-    if len(found) > 1:
-        raise LayoutError(f"model inputs fix different batch sizes {sorted(found)}; re-export with one batch dim")
-    return found.pop() if found else None
 
 
 def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
@@ -219,30 +164,6 @@ def host_resources() -> Host:
     except (OSError, ValueError):
         pass
     return Host(cores, available, physical_cores(cpus))
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the run folder says about the model: trainable parameters and a fixed batch dim."""
-
-    num_parameters: int
-    fixed_batch: int | None
-
-
-def run_facts(run_dir: Path) -> RunFacts:
-    """Model size and fixed batch dim from configure.json (and the data manifest's merged inputs, if prepared)."""
-    run_dir = Path(run_dir)
-    try:
-        record = json.loads((run_dir / "configure.json").read_text())
-    except (OSError, ValueError):
-        raise LayoutError(f"{run_dir}/configure.json is missing: run `ortflow configure CONFIG` first") from None
-    merged = {}
-    try:
-        manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
-        merged = {i["name"]: i["row_shape"][0] for i in manifest.get("inputs", []) if i.get("merge_leading_dims")}
-    except (OSError, ValueError, KeyError, IndexError):
-        pass
-    return RunFacts(int(record.get("num_parameters", 0)), fixed_batch_dim(record.get("train_inputs", []), merged))
 
 
 def read_tuned(run_dir: Path, host: Host) -> Layout | None:
@@ -287,7 +208,7 @@ def launch_layout(
     facts = run_facts(run_dir) if wanted == "auto" or train.global_batch_size else None
     if wanted == "auto":
         tuned = read_tuned(run_dir, host)
-        if tuned is not None and train.global_batch_size and not _divides(
+        if tuned is not None and train.global_batch_size and not divides(
             train.global_batch_size, tuned.ranks * dist.num_hosts, facts.fixed_batch or 1
         ):
             tuned = None  # the recorded winner cannot split this global batch: fall back to the rule
@@ -309,22 +230,3 @@ def _per_host(global_batch: int | None, num_hosts: int) -> int | None:
     if global_batch is None or global_batch % num_hosts:
         return global_batch if num_hosts == 1 else None
     return global_batch // num_hosts
-
-
-def rank_config(cfg, world: int, run_dir: Path):
-    """The config a rank trains with: with train.global_batch_size, the per-rank batch and accumulation for
-    ``world`` ranks (run length in weight updates unchanged); otherwise ``cfg`` itself.
-
-    Raises:
-        LayoutError: the global batch cannot be split over ``world`` ranks (names the nearest valid choices).
-    """
-    train = cfg.train
-    if not train.global_batch_size:
-        return cfg
-    plan = plan_batch(train.global_batch_size, world, train.batch_size, run_facts(run_dir).fixed_batch)
-    steps = train.num_weight_updates * plan.accumulation
-    resolved = train.model_copy(
-        update={"batch_size": plan.batch_size, "gradient_accumulation_steps": plan.accumulation,
-                "num_train_steps": steps}  # fmt: skip
-    )
-    return cfg.model_copy(update={"train": resolved})

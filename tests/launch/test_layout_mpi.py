@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from ortflow.trainer.launch import launch
-from ortflow.trainer.layout import Host, launch_layout
+from ortflow.launch.layout import Host, launch_layout
+from ortflow.launch.local import launch
 from ortflow.trainer.profiling import top_operators
 from ortflow.trainer.timing import PHASES, read_timing
 
 from ..models_perf import build_fixed_batch_classifier
-from .runs import final_parameters, make_run, run_ranks
+from ..trainer.runs import final_parameters, make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 GLOBAL = {"batch_size": 4, "global_batch_size": 16, "num_train_steps": 6, "display_loss_steps": 1}
@@ -112,8 +112,8 @@ def test_profiled_updates_write_a_trace_per_rank_and_leave_training_unchanged(tw
 
 
 def test_tune_times_candidates_and_auto_starts_the_recorded_winner(tmp_path):
-    from ortflow.trainer.layout import read_tuned
-    from ortflow.trainer.tune import tune
+    from ortflow.launch.layout import read_tuned
+    from ortflow.launch.tune import tune
 
     cfg = _run(tmp_path, "tuned", "auto")
     host = Host(2, 16 * 2**30)
