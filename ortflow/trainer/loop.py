@@ -92,7 +92,7 @@ def train(
         timer.lap("norm_clip")
         if stepped:
             model.update.step(reduced.grads, lr)  # ortflow's rule, in place on the engine's parameter buffers
-        model.after_update()  # ZeRO-1 gathers the shards; tied copies; the engine's gradients reset
+        model.after_update()  # Sync point (ZeRO-1): every updated shard back to every rank; tied copies; grads reset
         timer.lap("update")
         window.samples += samples
 
@@ -142,6 +142,7 @@ class Window:
 
     def report(self, step: int, final: bool, fields: dict) -> None:
         """Called on every rank (a split model gathers its parameters for the histograms); rank 0 writes."""
+        # Sync point (a split model): rank 0 gathers the stages and merges the slices the histograms show.
         params = self.model.whole_parameters(self._wanted) if self.patterns else None
         if self.progress is None:
             return
