@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .import_rules import EXTRA_EDGES, LAYERS, PRIVATE_KNOWN, check, imports_of, module_names
+from .support.import_rules import EXTRA_EDGES, LAYERS, PRIVATE_KNOWN, check, imports_of, module_names
 
 ROOT = Path(__file__).resolve().parents[1] / "ortflow"
 REPORT = check(ROOT, LAYERS, EXTRA_EDGES, PRIVATE_KNOWN)
