@@ -116,6 +116,9 @@ def train(
     try:
         if profile:
             parse_steps(profile)
+            if dist.device == "cuda":
+                raise ValueError("--profile traces CPU ranks only (the engine's GPU trace is not wired up): profile a "
+                                 "run with distributed.device cpu")
             os.environ[PROFILE_ENV] = profile  # the ranks inherit it (overrides train.profile_steps)
         ranks = np_ if np_ in (None, "auto") else int(np_)
         layout, plan = launch_layout(cfg, run_dir, host_resources(), ranks, threads)

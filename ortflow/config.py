@@ -755,6 +755,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
+    if cfg.train.profile_steps and dist.device == "cuda":
+        problems.append("train.profile_steps traces CPU ranks only (the engine's GPU trace is not wired up): profile "
+                        "with distributed.device cpu, or remove train.profile_steps")
     if dist.device == "cuda" and not dist.use_nccl:
         problems.append(
             "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "

@@ -19,7 +19,8 @@ from ortflow.trainer import lifeline
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
-from ortflow.trainer.runtime import init_runtime, start_mpi, writes_per_rank
+from ortflow.trainer.runtime import init_runtime, start_mpi
+from ortflow.trainer.startup import writes_per_rank
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -83,8 +84,7 @@ def run_rank(run_dir: Path) -> int:
         writer = comm.rank == 0
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
-        dist = cfg.distributed
-        per_rank = writes_per_rank(rt.exchange) or dist.pipeline_parallel_size > 1 or dist.horizontal_parallel_size > 1
+        per_rank = writes_per_rank(rt.exchange) or rt.dims.split
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,

@@ -148,15 +148,21 @@ def refuse_tensor_parallel(layers: list[dict]) -> None:
         )
 
 
-def for_runtime(rt, comm=None) -> RunningStats:
-    """The running statistics of a rank's model (none: every method does nothing); ``comm``: its data-parallel
-    group (default: the runtime's)."""
-    held = {name for name, _ in rt.state.parameters}  # a pipeline stage holds its own layers only
-    layers = [la for la in recorded_layers(rt.run_dir, rt.cfg.model.path) if la["mean"] in held and la["var"] in held]
-    train = rt.cfg.train
+def for_model(model) -> RunningStats:
+    """The running statistics of a rank model's BatchNorm layers (none: every method does nothing).
+
+    A pipeline stage holds its own layers and syncs them over its replicas (``stage_comm``); tensor-parallel pieces
+    keep none, so a BatchNorm model is refused there by name.
+    """
+    layers = recorded_layers(model.run_dir, model.cfg.model.path)
+    if model.dims.tp > 1:
+        refuse_tensor_parallel(layers)
+    params = {name: p for part in model.engine_parts() for name, p in part.state.parameters}
+    layers = [la for la in layers if la["mean"] in params and la["var"] in params]
+    comm = getattr(model, "stage_comm", None) or model.comm  # the replicas of this rank's part
+    train = model.cfg.train
     if layers:
-        log.info("rank %d: %d BatchNormalization layer(s): running_var %s, %s across ranks", rt.comm.rank,
+        log.info("rank %d: %d BatchNormalization layer(s): running_var %s, %s across ranks", model.comm.rank,
                  len(layers), train.batchnorm_variance, train.batchnorm_sync)
-    return RunningStats(layers, rt.state.parameters, comm or rt.comm, train.batch_size,
-                        train.gradient_accumulation_steps, train.batchnorm_variance, train.batchnorm_sync,
-                        on_device=rt.device != "cpu")
+    return RunningStats(layers, params, comm, train.batch_size, train.gradient_accumulation_steps,
+                        train.batchnorm_variance, train.batchnorm_sync, on_device=model.device != "cpu")
