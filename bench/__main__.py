@@ -170,4 +170,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bench.cli import run
+
+    sys.exit(run(sys.argv[1:], main))

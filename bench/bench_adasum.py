@@ -81,13 +81,13 @@ def run(cfg) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/ortflow-bench-adasum"))
     parser.add_argument("--samples", type=int, default=9600)
     parser.add_argument("--batch", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     make_data(args.work)
     optimizers = {"sgd": {"name": "sgd", "learning_rate": 0.1}, "adamw": {"name": "adamw", "learning_rate": 0.003}}

@@ -13,6 +13,7 @@ Run: ``.venv/bin/python -m bench.bench_dataprep`` (writes bench/results/dataprep
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import resource
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from bench.record import write_result
 from ortflow.config import config_from_dict
 
 RESULTS = Path(__file__).parent / "results" / "dataprep.json"
@@ -148,8 +150,9 @@ def bench_memory(root: Path, rows: int = 600_000) -> dict:
             "source_parquet_mb": round((root / "big.parquet").stat().st_size / 1e6, 1), "runs": runs}  # fmt: skip
 
 
-def main() -> dict:
-    """Run every part, print and write the results, and return them."""
+def main(argv: list[str] | None = None) -> int:
+    """Run every part, print the results and write them (``bench/results/dataprep.json`` and ``.md``)."""
+    argparse.ArgumentParser(prog="python -m bench dataprep", description=__doc__).parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write, data_dir = bench_write(root)
@@ -159,10 +162,10 @@ def main() -> dict:
             "loader": bench_loader(data_dir),
             "memory": bench_memory(root),
         }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
-    return results
+    text = json.dumps(results, indent=1)
+    print(text)
+    write_result(RESULTS.with_suffix(""), results, f"# Data preparation\n\n```json\n{text}\n```\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.exchange_runs import CONTENDERS
+from bench.record import write_result
 from ortflow.trainer.comm.buckets import plan_buckets
 from ortflow.trainer.comm.runs import local_runs
 
@@ -368,8 +369,7 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
         arena = "-session-arena" if args.arena == "session" else ""
         arena += "-4k-pages" if args.huge_pages == "off" else ""
         stem = f"exchange-{record['host']}-{ranks}r{arena}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-        (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        (args.out / f"{stem}.md").write_text(text)
+        write_result(args.out / stem, record, text)
 
 
 if __name__ == "__main__":

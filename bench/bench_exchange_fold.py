@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_exchange import engine_gradients, gradient_shapes
+from bench.record import write_result
 
 RATIOS = (("exchange-eager", "bare"), ("exchange-fold", "bare"), ("update-fold", "update-eager"),
           ("exchange-fold", "exchange-eager"), ("norm-chunked", "norm-whole"))  # fmt: skip
@@ -208,8 +209,7 @@ def report(times: dict, ranks: int, nbytes: int, tensors: int, args, loads) -> N
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = f"exchange-fold-{record['host']}-{ranks}r-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-        (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        (args.out / f"{stem}.md").write_text(text)
+        write_result(args.out / stem, record, text)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Mixed-precision benchmark: ortflow fp32 / fp16 / bf16 against PyTorch TF32, bf16 autocast and torch.compile.
 
-The model of issue 14: ``ortflow.examples.gpt`` with vocab 8192, T 256, d 768, 12 layers, 12 heads (97.8M
+The model: ``ortflow.examples.gpt`` with vocab 8192, T 256, d 768, 12 layers, 12 heads (97.8M
 parameters); batch 16 x 256 tokens per GPU; AdamW everywhere (PyTorch's fused AdamW; the engine's AdamW graph);
-1 and 2 GPUs. ``bench/device_mixed.sh final`` runs every stage in one device call and writes ``mixed.json``/``.md``.
+1 and 2 GPUs. The GPU suite (bench/gpu_suite.sh) runs these stages; ``report`` writes ``mixed.json``/``.md``.
 
 Stages:
 

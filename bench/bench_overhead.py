@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 MPIEXEC = str(Path(PYTHON).parent / "mpiexec")
@@ -175,9 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = f"overhead-{os.uname().nodename}-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
-        (args.out / f"{stem}.md").write_text(text)
-        (args.out / f"{stem}.json").write_text(json.dumps({"command": command, "load_start": load_start,
-                                                           "load_end": load_end, **rows}, indent=2))  # fmt: skip
+        write_result(args.out / stem, {"command": command, "load_start": load_start, "load_end": load_end, **rows},
+                     text)
 
 
 if __name__ == "__main__":

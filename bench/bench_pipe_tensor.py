@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_tensor import BATCH, MICRO, ROOT, SHAPE, _configure, _launch
+from bench.record import write_result
 
 #: name -> (ranks, hp, pp)
 LAYOUTS = {"pp1hp1": (1, 1, 1), "pp2": (2, 1, 2), "hp2": (2, 2, 1), "pp2xhp2": (4, 2, 2)}
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
               "platform": platform.platform(), "load_avg": os.getloadavg(), "shape": SHAPE, "batch_size": BATCH,
               "summary": summarize(results), "raw": results}
     out = ROOT / "bench" / "results" / f"pipe-tensor-{socket.gethostname()}"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    out.with_suffix(".md").write_text(report(record))
+    write_result(out, record, report(record))
     print(report(record))
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "num_layers": 4, "num_heads": 4}
 BATCH = 4
@@ -250,8 +252,7 @@ def main(argv: list[str] | None = None) -> None:
               "load_average_1min": load, "rounds": args.rounds, "timed_steps": args.steps,
               "raw": results}
     out = ROOT / "bench" / "results" / f"pipeline-{socket.gethostname()}"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    out.with_suffix(".md").write_text(report(record))
+    write_result(out, record, report(record))
     print(report(record))
 
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism on 2 GPUs: pp 2 vs dp 2 on the same 2 GPUs (NCCL), each stage's update time and idle share.
 
-Run on a machine with 2 GPUs and the GPU engine (bench/device_pipeline.sh does, after shared/gpu/unpack.sh):
-``python -m bench.bench_pipeline_gpu [--batch-size 16] [--rounds 3] [--steps 6] [--micro 2 8]`` (writes
+Run on a machine with 2 GPUs and the GPU engine (docs/gpu.md):
+``python -m bench pipeline-gpu [--batch-size 16] [--rounds 3] [--steps 6] [--micro 2 8]`` (writes
 bench/results/pipeline-gpu-<host>.json and .md, or into --out). The same GPT and the same worker as the CPU bench
 (bench/bench_pipeline.py: the trainer's own init_runtime, pipeline_step, NCCL exchange and device update), configured
 with ``device: cuda, use_nccl: true``; rounds alternate the contenders. Memory here is each rank's whole GPU as used
@@ -14,7 +14,6 @@ Bubble: on each stage, idle = 1 - (seconds inside engine calls) / (update second
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -24,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_pipeline import ROOT, SHAPE, _configure, _launch
+from bench.record import write_result
 
 
 def summarize(results: dict, micro: list[int]) -> dict:
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
               "load_average_1min": os.getloadavg()[0], "summary": summarize(results, args.micro), "raw": results}
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pipeline-gpu-{socket.gethostname()}"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    out.with_suffix(".md").write_text(report(record))
+    write_result(out, record, report(record))
     print(report(record))
 
 

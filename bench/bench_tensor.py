@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
 BATCH, MICRO = 4, 2
@@ -211,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summarize(results),
               "split_names": split_names, "raw": results}
     out = ROOT / "bench" / "results" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    out.with_suffix(".md").write_text(report(record))
+    write_result(out, record, report(record))
     print(report(record))
 
 

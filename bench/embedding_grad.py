@@ -20,15 +20,17 @@ repeated ids). Prints one ``RESULT`` JSON line per cell and writes them to ``OUT
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper
+
+from bench.record import command_line, write_result
 
 MODELS = {
     # name: (GPT shape, batch size, timed rounds, repeatability steps)
@@ -219,7 +221,13 @@ def measure(name: str, meta: dict, arts: dict[str, Path], timing: list[tuple], r
     return cells
 
 
-def main(root: Path, out: Path | None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Measure every variant under ``root``; write ``out`` (.json and .md) when given."""
+    parser = argparse.ArgumentParser(prog="python -m bench embedding", description=__doc__)
+    parser.add_argument("root", type=Path, help="scratch folder for the models and artifacts")
+    parser.add_argument("out", type=Path, nargs="?", default=None, help="result file (.json; the .md goes beside)")
+    args = parser.parse_args(argv)
+    root, out = args.root, args.out
     from ortflow.examples.gpt import build_gpt
 
     results = []
@@ -242,9 +250,7 @@ def main(root: Path, out: Path | None) -> None:
                            batches(seq_len, batch, vocab, rounds, 1, True),
                            batches(seq_len, batch, 4, repeat_steps, 2, True))
     if out is not None:
-        out.write_text(json.dumps(results, indent=1))
-        command = " ".join([".venv/bin/python -m bench.embedding_grad", *sys.argv[1:]])
-        out.with_suffix(".md").write_text(markdown(results, command))
+        write_result(out.with_suffix(""), {"results": results}, markdown(results, command_line()))
 
 
 def markdown(results: list[dict], command: str) -> str:
@@ -272,4 +278,4 @@ def markdown(results: list[dict], command: str) -> str:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+    main()

@@ -7,10 +7,9 @@ to fill the engine's gradient buffers). The engine's AdamW graph (onnxblock ``Ad
 as ortflow built it before owning the update, once per thread count (its session's intra-op threads). Every variant
 updates the same engine buffers in interleaved rounds (each variant at every thread count back to back, then the
 next variant; repeated), so a loaded machine slows all alike. Variants at each thread count: ortflow's rules with
-the ``fused`` (default) and ``numpy`` backends, and the AdamW torch rule run by the alternatives of
-bench.optim_alternatives (numexpr, Numba ``parallel``, an ONNX Runtime graph with IO binding). Reported per variant:
-min and median ms, the median's ratio to the engine's step at the same threads, GB/s for the bytes the rule must
-move (AdamW/Lamb: 28 bytes/parameter, SGD with momentum 20), and whether the variant gives the bits of ortflow's
+the ``fused`` (default) and ``numpy`` backends, and a naive numpy AdamW (a temporary per operation). Reported per
+variant: min and median ms, the median's ratio to the engine's step at the same threads, GB/s for the bytes the rule
+must move (AdamW/Lamb: 28 bytes/parameter, SGD with momentum 20), and whether the variant gives the bits of ortflow's
 numpy rule (checked on random tensors: 3 steps, 3 tensors).
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -30,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bench import optim_alternatives as alt
+from bench.record import write_result
 from ortflow.config import OptimizerConfig
 from ortflow.examples import build_gpt
 from ortflow.trainer.optim import build_rule, decays, whole_segments
@@ -77,8 +75,6 @@ ADAMW = OptimizerConfig(weight_decay=0.01, epsilon=1e-8)
 ENGINE_RULE = OptimizerConfig(rule="engine", weight_decay=0.01, epsilon=1e-8)
 SGD = OptimizerConfig(name="sgd", momentum=0.9, nesterov=True)
 LAMB = OptimizerConfig(name="lamb", weight_decay=0.01)
-ALTERNATIVES = {"numexpr": alt.numexpr_adamw, "Numba parallel (prange)": alt.numba_parallel_adamw,
-                "ONNX Runtime graph, IO binding": alt.onnxruntime_adamw}
 
 
 def ours(opt: OptimizerConfig, names, params, threads: int, backend: str, chunk: int | None = None) -> Update:
@@ -134,13 +130,6 @@ def variants_at(threads: int, optimizer, params, grads, names) -> dict[str, tupl
         "adamw torch, numpy chunks 64K": (rule(ADAMW, "numpy"), 28, True),
         "adamw torch, numpy chunks 8K": (rule(ADAMW, "numpy", 8192), 28, True),
     }
-    for label, build in ALTERNATIVES.items():
-        try:
-            call = counted(build(params, grads, threads))
-        except ImportError as exc:  # numexpr or Numba not installed (the device's carried wheels): left out, said
-            print(f"adamw torch, {label}: not measured ({exc})", file=sys.stderr)
-            continue
-        out[f"adamw torch, {label}"] = (call, 28, bits_of_numpy_rule(build, threads))
     if threads == 1:
         m, v = [np.zeros_like(p) for p in params], [np.zeros_like(p) for p in params]
         out["adamw torch, numpy naive (temporaries)"] = (lambda: naive_adamw(params, grads, m, v, 1e-4, 1), 28, False)
@@ -220,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, argv, num, tensors, rows)
     print(text)
     if args.out:
-        args.out.write_text(text)
         data = [{"threads": t, "variant": k, **r} for (t, k), r in rows.items()]
-        args.out.with_suffix(".json").write_text(json.dumps({"num_parameters": num, "rows": data}, indent=1))
+        write_result(args.out.with_suffix(""), {"num_parameters": num, "rows": data}, text)
     return 0
 
 

@@ -4,7 +4,7 @@ same bytes, and the engine's own optimizer step, interleaved in rounds.
     $PY bench/optim_gpu.py [--vocab 8192 --d-model 768 --num-layers 12] [--rounds 5] [--steps 20] [--no-engine]
         [--out DIR]
 
-Run inside the carried GPU environment (bench/device_optim.sh gpu). The parameters are those of ortflow's example GPT
+Run where the GPU engine and CuPy are installed (docs/gpu.md). The parameters are those of ortflow's example GPT
 at bench_mixed's shape (97.8M parameters in 196 tensors by default), each tensor its own CuPy allocation as the
 engine's buffers are; gradients random. Contenders, every round in this order:
 
@@ -25,7 +25,6 @@ the datasheet value for the name), % copy against the measured copy.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.record import write_result
 
 #: Datasheet HBM bandwidth (bytes/s) where the runtime does not report memory clock and bus width (CUDA 13).
 DATASHEET = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.04e12}
@@ -218,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "optim-gpu.md").write_text(text)
-        (args.out / "optim-gpu.json").write_text(json.dumps(result, indent=1))
+        write_result(args.out / "optim-gpu", result, text)
     return 0
 
 

@@ -13,7 +13,6 @@ whole step (forward/backward included), and the optimizer-state bytes each rank 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from bench.record import write_result
 from ortflow.config import OptimizerConfig
 from ortflow.examples import build_gpt
 from ortflow.trainer import optim
@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         text = "\n".join(lines) + "\n"
         print(text)
         if args.out:
-            args.out.write_text(text)
-            args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+            write_result(args.out.with_suffix(""), result, text)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""One table from bench.optim_zero runs at several rank counts (bench/device_optim.sh cpu writes them).
+"""One table from bench.optim_zero runs at several rank counts (``mpiexec -n N python -m bench optim-zero --out DIR/optim-zero-Nranks.md``).
 
     python -m bench.optim_zero_report DIR [--out DIR/optim-zero-scaling.md]
 

@@ -11,7 +11,7 @@ Ops that must stay fp32 in bf16 whatever ``precision.fp32_ops`` says are added f
 ``LayerNormalization``. With it in bf16, the engine's own SkipLayerNormFusion (applied when the session is made,
 after configure) turns a residual ``Add`` -> ``LayerNormalization`` into a ``SkipLayerNormalization`` with bf16
 inputs, a type that op does not have, and the session fails ("Type 'tensor(bfloat16)' of input parameter ... of
-operator (SkipLayerNormalization) ... is invalid"; bench/probe_precision.py with an empty fp32 list on an H200,
+operator (SkipLayerNormalization) ... is invalid"; measured on an H200 with an empty fp32 list,
 docs/mixed-precision.md). fp16 has that type, so fp16 leaves the list to the user.
 """
 

@@ -238,8 +238,7 @@ class NCCLComm:
         # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
         self.stream.synchronize()
 
-    # -- pipeline: sub-groups and point-to-point. Written and reviewed without a GPU; tests/gpu/test_gpu_pipeline.py
-    # runs it on 2 GPUs (bench/device_pipeline.sh). The engine's Python API returns forward outputs and input
+    # -- pipeline: sub-groups and point-to-point; tests/gpu/test_gpu_pipeline.py runs it on 2 GPUs. The engine's Python API returns forward outputs and input
     # gradients as host arrays, so each message is staged host -> device -> NCCL -> device -> host; MPI
     # point-to-point is as direct on one host. Activations and gradients travel on two communicators, each with its
     # own stream: activations only flow forward and gradients only backward, so neither stream waits on a message

@@ -1,0 +1,52 @@
+"""The one result format of every benchmark: ``STEM.json`` (the record) and ``STEM.md`` (its report).
+
+Every record carries what makes a measurement a report: the command that produced it, the host (CPU, cores, date,
+load average at start) and the versions of the libraries measured (``bench.common.host_info``). The markdown gets the
+same facts under its title, so either file alone says how the numbers were taken.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from bench.common import host_info
+
+
+def command_line() -> str:
+    """The command as typed: ``python -m bench NAME ARGS`` under the CLI, the module's own argv otherwise."""
+    return " ".join([sys.argv[0], shlex.join(sys.argv[1:])]).strip()
+
+
+def provenance(record: dict) -> list[str]:
+    """Markdown lines naming the command, host and versions of ``record``."""
+    h = record["host"]
+    versions = ", ".join(f"{k} {v}" for k, v in h.get("versions", {}).items() if v)
+    return ["```", record["command"], "```", "",
+            f"{h.get('host')}: {h.get('cpu')}, {h.get('cores')} cores; commit {h.get('commit', 'unknown')}; "
+            f"Python {h.get('python')}; {versions}; {h.get('date')}, load average at start "
+            f"{h.get('load_average_at_start')}.", ""]  # fmt: skip
+
+
+def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
+    """Write ``stem.json`` and ``stem.md``; the record gains ``command`` and ``host`` unless it has them.
+
+    Args:
+        stem: the result's path without suffix (``bench/results/tensor-vm``).
+        record: the measurements (JSON-serialisable).
+        markdown: the report; the provenance lines go under its first ``#`` title (or on top without one).
+
+    Returns:
+        The two paths written.
+    """
+    record = {"command": command_line(), "host": host_info(), **record}
+    lines = markdown.rstrip("\n").split("\n")
+    at = 1 if lines and lines[0].startswith("# ") else 0
+    lines[at:at] = ([""] if at else []) + provenance(record)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+    json_path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path
