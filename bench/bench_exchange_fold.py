@@ -19,8 +19,8 @@ barrier first) and every gradient refilled with the same values before every cal
   applies: ``--max-norm`` is far below the norm) and the AdamW step (``optim.Update``, fused kernels);
 * ``update-fold``: the same through ``Zero0(fold=True)``: the exchange leaves the sums, the norm scales chunks in
   cache, the clip factor is owed, the step applies both factors as it reads each gradient;
-* ``norm-whole`` / ``norm-chunked``: the gradient norm alone, one dot per tensor (before wave 5) or per 64K-value chunk
-  (now; comm/pending.py).
+* ``norm-whole`` / ``norm-chunked``: the gradient norm alone, one dot per tensor (the eager norm) or per 64K-value
+  chunk (comm/pending.py).
 
 Before timing, both update sequences run once from the same parameters and must give the same bits. Rank 0 prints
 one JSON line and, with ``--out``, writes ``exchange-fold-<host>-<ranks>r-<date>.json`` and ``.md``: min / median /
@@ -47,7 +47,7 @@ RATIOS = (("exchange-eager", "bare"), ("exchange-fold", "bare"), ("update-fold",
 
 
 def norm_whole(grads, divisor, scalars):
-    """The norm before wave 5: one float32 dot per tensor, added in float64."""
+    """The eager norm: one float32 dot per tensor, added in float64."""
     return float(np.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)))
 
 

@@ -143,7 +143,7 @@ def session_options(threads: int, deterministic: bool = True, spin: bool = True)
 def spin_wait(cfg: RunConfig, local_size: int, threads: int, cores: int) -> bool:
     """distributed.thread_spinning: on, off, or (auto) off when several local ranks fill every core.
 
-    Measured on the 32-CPU device machine, 16 ranks x 2 threads, the bench GPT against PyTorch DDP at the same layout
+    Measured on a 32-CPU Xeon host, 16 ranks x 2 threads, the bench GPT against PyTorch DDP at the same layout
     (bench/results/layout-device-w4-spin*.md, 3 interleaved rounds each): ortflow / PyTorch 0.99 (0.96 .. 1.01) with
     sleeping threads, 0.93 (0.86 .. 0.94) spinning; the exchange's wait for the slowest rank fell from 13-20% of the
     update to 3-9%. One rank alone keeps the engine's default (spinning shortens its parallel sections' start).

@@ -115,7 +115,7 @@ def _plan(segments: Sequence[Segment], chunk: int, threads: int) -> list[list[tu
 def default_backend() -> str:
     """``fused`` where Numba is installed (a pinned dependency), else ``numpy`` with a warning, once.
 
-    Environments installed without dependencies (the device machines' carried sets) may lack Numba; the numpy
+    Environments installed without dependencies (e.g. offline installs with --no-deps) may lack Numba; the numpy
     kernels give the same bits, about 2-3x slower.
     """
     global _warned
