@@ -4,7 +4,7 @@ With a fixed per-rank batch, 4 averaging ranks take a quarter of the updates of 
 on a 4x larger batch: at the learning rate tuned for 1 rank they fall behind unless the rate is retuned. Adasum
 adds the orthogonal parts of the ranks' contributions, so it keeps closer to the 1-rank curve at the same rate.
 
-    .venv/bin/python bench/bench_adasum.py [--out bench/results] [--samples 9600]
+    python -m bench adasum [--out bench/results] [--samples 9600]
 
 Writes ``adasum.json`` (loss against samples for every contender, final eval loss, ms per update) and
 ``adasum.png`` (the curves) into ``--out``. CPU only; each contender is a real ``mpiexec`` run of the trainer.

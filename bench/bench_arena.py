@@ -6,7 +6,7 @@ arena, one without), and their training steps alternate (order reversed every ot
 hits both alike; each step is timed with the thread's CPU time (the engine runs on the calling thread with one
 intra-op thread), which other processes on the cores disturb far less than wall time. Rank 0 of nothing: one process.
 
-    .venv/bin/python -m bench.bench_arena --rounds 30 --out bench/results
+    python -m bench arena --rounds 30 --out bench/results
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import interleaved_thread_times, write_result
+from bench.common import interleaved_thread_times
+from bench.record import write_result
 from ortflow.trainer.comm.runs import local_runs
 
 
@@ -58,7 +59,7 @@ def module(folder: Path, shared: bool):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_arena")
+    parser = argparse.ArgumentParser(prog="python -m bench arena")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", type=Path)
@@ -77,15 +78,16 @@ def main(argv: list[str] | None = None) -> None:
               "ms_median": {k: float(np.median(v) * 1e3) for k, v in times.items()},
               "ratio_shared_to_session": [float(ratio.min()), float(np.median(ratio)), float(ratio.max())],
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}  # fmt: skip
-    text = (f"# Shared gradient arena vs a session's own ({record['time']})\n\n```\npython -m bench.bench_arena "
-            f"--rounds {args.rounds} --batch {args.batch}\n```\n\nBench GPT (ortflow.examples.gpt, d 256, 4 layers, "
+    text = (f"# Shared gradient arena vs a session's own ({record['time']})\n\nBench GPT (ortflow.examples.gpt, d 256, 4 layers, "
             f"seq 128), batch {args.batch} x 128, 1 thread, load average {record['load_avg']}.\n\n"
             f"- gradient memory runs: session arena {record['runs']['session']}, shared arena "
             f"{record['runs']['shared']}\n- forward+backward thread CPU ms (median): session "
             f"{record['ms_median']['session']:.1f}, shared {record['ms_median']['shared']:.1f}\n"
             f"- shared / session, paired within rounds (min / median / max over {args.rounds}): "
             + " / ".join(f"{x:.3f}" for x in record["ratio_shared_to_session"]) + "\n")  # fmt: skip
-    write_result(args.out, "arena", record, text)
+    print(text)
+    if args.out:
+        write_result(args.out / f"arena-{time.strftime('%Y%m%d-%H%M', time.gmtime())}", record, text)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Data preparation benchmark: shard writing vs pyarrow's own IPC write, loader batches/s, peak memory.
 
-Run: ``.venv/bin/python -m bench.bench_dataprep`` (writes bench/results/dataprep.json; about a minute on 2 cores).
+Run: ``python -m bench dataprep`` (writes bench/results/dataprep.json; about a minute on 2 cores).
 
 * write: ``prepare_data`` end to end (read parquet, check, two-pass shuffle, write shards, sha256, manifest) on a
   GPT-like table, in MB of shards per second, beside ``ipc.new_file`` writing the same in-memory table.
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         write, data_dir = bench_write(root)
         results = {
-            "command": ".venv/bin/python -m bench.bench_dataprep",
+            "command": "python -m bench dataprep",
             "write": write,
             "loader": bench_loader(data_dir),
             "memory": bench_memory(root),

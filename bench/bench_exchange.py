@@ -2,7 +2,7 @@
 
 Run under the launcher (2 ranks here, 16 on the device machine's CPUs)::
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m bench.bench_exchange --rounds 15 --out bench/results
+    .venv/bin/mpiexec -n 2 python -m bench exchange --rounds 15 --out bench/results
 
 Gradient shapes: the float initializers of the bench GPT (``ortflow.examples.gpt``, d_model 256, 4 layers, seq 128:
 3.3 M parameters in ~70 tensors, ~13 MB), or ``--model FILE.onnx``. Contenders, interleaved within every round (the
@@ -203,7 +203,7 @@ class Buckets:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_exchange")
+    parser = argparse.ArgumentParser(prog="python -m bench exchange")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=10, help="timed calls per contender per round")
@@ -344,7 +344,7 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
               "memory_runs": runs, "failed": failed}  # fmt: skip
     print("BENCH_RESULT " + json.dumps(record), flush=True)
     lines = [f"# Gradient exchange, {ranks} ranks, {nbytes / 1e6:.1f} MB in {tensors} tensors ({record['time']})", "",
-             "```", f"mpiexec -n {ranks} python -m bench.bench_exchange --rounds {args.rounds} --calls {args.calls}"
+             "```", f"mpiexec -n {ranks} python -m bench exchange --rounds {args.rounds} --calls {args.calls}"
              + (f" --contenders {args.contenders}" if args.contenders else "")
              + (" --grads numpy" if args.grads == "numpy" else "")
              + (" --arena session" if args.arena == "session" else "")

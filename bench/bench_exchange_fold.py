@@ -3,7 +3,7 @@
 
 Run under the launcher (2 ranks here, 16 on the device machine's CPUs)::
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m bench.bench_exchange_fold --rounds 30 \
+    OPENBLAS_NUM_THREADS=1 .venv/bin/mpiexec -n 2 python -m bench exchange-fold --rounds 30 \
         --out bench/results
 
 (``OPENBLAS_NUM_THREADS`` as ``ortflow train`` sets it for its ranks: the rank's threads; numpy's dot uses it.)
@@ -120,7 +120,7 @@ def check(comm, grads, originals, max_norm: float, threads: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_exchange_fold")
+    parser = argparse.ArgumentParser(prog="python -m bench exchange-fold")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=10, help="timed calls per contender per round")
@@ -183,7 +183,7 @@ def report(times: dict, ranks: int, nbytes: int, tensors: int, args, loads) -> N
     ratios = {f"{a} / {b}": _spread(np.array(times[a]) / np.array(times[b])) for a, b in RATIOS}
     blas = os.environ.get("OPENBLAS_NUM_THREADS")
     command = ((f"OPENBLAS_NUM_THREADS={blas} " if blas else "")
-               + f"mpiexec -n {ranks} python -m bench.bench_exchange_fold --rounds {args.rounds} --calls {args.calls}"
+               + f"mpiexec -n {ranks} python -m bench exchange-fold --rounds {args.rounds} --calls {args.calls}"
                f" --threads {args.threads} --max-norm {args.max_norm}"
                + (" --grads numpy" if args.grads == "numpy" else ""))  # fmt: skip
     record = {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": ranks, "bytes": nbytes,

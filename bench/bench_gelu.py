@@ -7,7 +7,7 @@ artifacts twice (``model.fuse_gelu`` on and off); both modules live in one proce
 alternate (order reversed every other round), each timed with the thread's CPU time (one intra-op thread: the engine
 runs on the calling thread), which other processes on the cores disturb far less than wall time.
 
-    .venv/bin/python -m bench.bench_gelu --rounds 40 --out bench/results
+    python -m bench gelu --rounds 40 --out bench/results
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def module(artifacts: Path):
 
 def main(argv: list[str] | None = None) -> None:
     from bench.bench_exchange import bench_gpt
-    from bench.common import interleaved_thread_times, write_result
+    from bench.common import interleaved_thread_times
+    from bench.record import write_result
 
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_gelu")
+    parser = argparse.ArgumentParser(prog="python -m bench gelu")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", type=Path)
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
               "ms_median": {k: float(np.median(v) * 1e3) for k, v in times.items()},
               "ratio_fused_to_exported": [float(ratio.min()), float(np.median(ratio)), float(ratio.max())],
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}  # fmt: skip
-    text = (f"# GELU fused vs as exported, engine forward+backward on CPU ({record['time']})\n\n```\n"
-            f"python -m bench.bench_gelu --rounds {args.rounds} --batch {args.batch}\n```\n\nBench GPT (d 256, 4 "
+    text = (f"# GELU fused vs as exported, engine forward+backward on CPU ({record['time']})\n\n"
+            "Bench GPT (d 256, 4 "
             f"layers, seq 128, GELU as x * ((erf(x * (1/sqrt2)) + 1) * 0.5)), batch {args.batch} x 128, 1 thread, load "
             f"average {record['load_avg']}.\n\n"
             f"- GELU ops in the training graph: as exported {record['gelu_ops']['exported']}, fused "
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{record['ms_median']['exported']:.1f}, fused {record['ms_median']['fused']:.1f}\n"
             f"- fused / as exported, paired within rounds (min / median / max over {args.rounds}): "
             + " / ".join(f"{x:.3f}" for x in record["ratio_fused_to_exported"]) + "\n")  # fmt: skip
-    write_result(args.out, "gelu-cpu", record, text)
+    print(text)
+    if args.out:
+        write_result(args.out / f"gelu-cpu-{time.strftime('%Y%m%d-%H%M', time.gmtime())}", record, text)
 
 if __name__ == "__main__":
     main()

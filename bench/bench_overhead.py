@@ -17,7 +17,7 @@ Reported, each as min / median / max over rounds:
   round): whether the trainer slows the engine itself (threads, memory); cross-process, as noisy as the machine;
 * ``wall``: trainer update time / bare update time - 1 (paired per round), the coarse figure earlier reports used.
 
-Run: ``.venv/bin/python -m bench.bench_overhead --rounds 9 --out bench/results``.
+Run: ``python -m bench overhead --rounds 9 --out bench/results``.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def spread(values) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_overhead")
+    parser = argparse.ArgumentParser(prog="python -m bench overhead")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=50, help="updates per run (a multiple of --display)")
     parser.add_argument("--display", type=int, default=10)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure(args.rounds, args.steps, args.warmup_windows, args.display, args.work)
     load_end = os.getloadavg()
     phases = {p: float(np.median([r[p] for r in rows["phases"]])) for p in rows["phases"][0]}
-    command = (f"python -m bench.bench_overhead --rounds {args.rounds} --steps {args.steps} --display {args.display} "
+    command = (f"python -m bench overhead --rounds {args.rounds} --steps {args.steps} --display {args.display} "
                f"--warmup-windows {args.warmup_windows}")  # fmt: skip
     lines = [
         f"# Trainer overhead at 1 x 1, per-phase counters ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",

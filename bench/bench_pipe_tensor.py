@@ -1,7 +1,7 @@
 """Pipeline x tensor parallelism on CPU ranks: step time and per-rank parameter + optimizer memory of pp 2 x hp 2
 against pp 2 and hp 2 (and the unsplit model) on the same GPT.
 
-Run: ``.venv/bin/python -m bench.bench_pipe_tensor [--steps 4] [--rounds 3]`` (writes
+Run: ``python -m bench pipe-tensor [--steps 4] [--rounds 3]`` (writes
 bench/results/pipe-tensor-<host>.json and .md). The driver configures the four runs with
 :func:`bench.bench_tensor._configure` (the model of bench_tensor: GPT d_model 256, 8 heads, 2 layers, seq 64; batch
 4 x 2 micro-batches; 1 thread per rank; AdamW) and starts each under mpiexec with this module's worker, which runs the
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, (run_dir, ranks) in runs.items():
                 results[name].append(_launch(run_dir, run_dir, ranks, args.warmup, args.steps,
                                              module="bench.bench_pipe_tensor"))
-    command = "python -m bench.bench_pipe_tensor " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench pipe-tensor " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "load_avg": os.getloadavg(), "shape": SHAPE, "batch_size": BATCH,
               "summary": summarize(results), "raw": results}

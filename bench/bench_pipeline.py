@@ -1,6 +1,6 @@
 """Pipeline parallelism on CPU ranks: per-rank memory (pp 2 vs pp 1) and throughput vs data-parallel on the same ranks.
 
-Run: ``.venv/bin/python -m bench.bench_pipeline [--steps 6] [--rounds 3]`` (writes bench/results/pipeline-<host>.json
+Run: ``python -m bench pipeline [--steps 6] [--rounds 3]`` (writes bench/results/pipeline-<host>.json
 and .md). The driver configures three runs of one GPT (pp1: 1 rank; dp2: 2 ranks data-parallel; pp2: 2 ranks, 2
 stages) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces (init_runtime,
 pipeline_step / the engine calls, the communicator, the update) for warm-up + timed steps and writes one JSON file per
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
             load.append(os.getloadavg()[0])
     summary = summarize(results, args.micro, engine_memory)
-    command = "python -m bench.bench_pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
               "load_average_1min": load, "rounds": args.rounds, "timed_steps": args.steps,

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
                 print(f"{kind} m={m}: " + ", ".join(f"rank {r['rank']} {r['step_s'] * 1e3:.2f} ms/update"
                                                    for r in results[f"{kind}-m{m}"][-1]), flush=True)
-    command = "python -m bench.bench_pipeline_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench pipeline-gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "platform": platform.platform(),
               "shape": SHAPE, "batch_size": args.batch_size, "rounds": args.rounds, "timed_steps": args.steps,
               "load_average_1min": os.getloadavg()[0], "summary": summarize(results, args.micro), "raw": results}

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU ranks: per-rank memory of the split layers (hp 2 vs hp 1) and step time.
 
-Run: ``.venv/bin/python -m bench.bench_tensor [--steps 4] [--rounds 3]`` (writes bench/results/tensor-<host>.json and
+Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/results/tensor-<host>.json and
 .md). The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks data-parallel; hp2: 2 ranks, tensor
 parallel) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces
 (init_runtime, TensorRuntime.micro_step / the engine's training call, the gradient exchange, ortflow's update) for
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for kind, (run_dir, ranks) in runs.items():
                 results[kind].append(_launch(run_dir, hp2 / "artifacts", ranks, args.warmup, args.steps))
-    command = "python -m bench.bench_tensor " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench tensor " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summarize(results),
               "split_names": split_names, "raw": results}

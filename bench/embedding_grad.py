@@ -1,4 +1,4 @@
-"""Embedding gradient on the CPU: Gather vs GatherND vs OneHot-MatMul. ``python -m bench.embedding_grad ROOT [OUT]``
+"""Embedding gradient on the CPU: Gather vs GatherND vs OneHot-MatMul. ``python -m bench embedding ROOT [OUT]``
 
 The CPU engine differentiates ``Gather`` with a kernel that adds every element under one global mutex from a thread
 pool, so the summation order of repeated ids follows thread timing (ortflow/graph/embedding.py). Candidates:

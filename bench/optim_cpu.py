@@ -1,6 +1,6 @@
 """ortflow's update vs the engine's optimizer step, 1 rank on the CPU, side by side in one run, at equal threads.
 
-    .venv/bin/python -m bench.optim_cpu [--d-model 512 --num-layers 3] [--rounds 15] [--threads 1,2] [--out FILE.md]
+    python -m bench optim [--d-model 512 --num-layers 3] [--rounds 15] [--threads 1,2] [--out FILE.md]
 
 The model is ortflow's example GPT (its parameter tensors are what the update touches; forward/backward is run once
 to fill the engine's gradient buffers). The engine's AdamW graph (onnxblock ``AdamW``, adam_mode=1) is built for it
@@ -175,7 +175,7 @@ def measure(args, folder: Path) -> tuple[int, int, dict]:
 
 
 def report(args, argv, num: int, tensors: int, rows: dict) -> str:
-    command = "python -m bench.optim_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench optim " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"# ortflow update vs engine optimizer step (CPU, 1 rank) - {num:,} parameters, {tensors} tensors", "",
         f"Command: `{command.strip()}`  ", f"Machine: {platform.processor() or platform.machine()}, "

@@ -1,6 +1,6 @@
 """ortflow's AdamW ``rule: torch`` against the real ``torch.optim.AdamW`` on the same gradients (needs the bench extra).
 
-    .venv/bin/python -m bench.optim_torch_check [--steps 100]
+    python -m bench optim-torch-check [--steps 100]
 
 Both start from the same float32 parameters and see the same gradients for ``--steps`` updates (a varying learning
 rate, weight decay on all but the bias-like tensors); prints the largest absolute difference relative to the

@@ -1,6 +1,6 @@
 """ZeRO-1 vs ZeRO-0 at N CPU ranks, side by side in one run: per-rank update time, step time, optimizer memory.
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m bench.optim_zero [--d-model 512 --num-layers 3] [--rounds 5]
+    .venv/bin/mpiexec -n 2 python -m bench optim-zero [--d-model 512 --num-layers 3] [--rounds 5]
         [--out bench/results/optim-zero-2ranks.md]
 
 Every rank runs the engine's forward/backward of ortflow's example GPT (1 thread, batch 2 x 64), then that stage's
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         num = int(sum(p.size for p in params))
         lines = [
             f"# ZeRO-1 vs ZeRO-0 on {comm.size} CPU ranks - {num:,} parameters (AdamW torch, clipping on)", "",
-            "Command: `mpiexec -n {} python -m bench.optim_zero {}`  ".format(comm.size, " ".join(sys.argv[1:])),
+            "Command: `mpiexec -n {} python -m bench optim-zero {}`  ".format(comm.size, " ".join(sys.argv[1:])),
             f"Median over {args.rounds} interleaved rounds of the mean over ranks, ms; state: MiB per rank.", "",
             "| stage | forward+backward | exchange | update | update, slowest rank | gather | step | "
             "optimizer state |",

@@ -1,6 +1,6 @@
 """One table from bench.optim_zero runs at several rank counts (``mpiexec -n N python -m bench optim-zero --out DIR/optim-zero-Nranks.md``).
 
-    python -m bench.optim_zero_report DIR [--out DIR/optim-zero-scaling.md]
+    python -m bench optim-zero-report DIR [--out DIR/optim-zero-scaling.md]
 
 Reads ``DIR/optim-zero-<N>ranks.json``; per rank count: the ZeRO-0 and ZeRO-1 update times (mean over ranks and the
 slowest rank), ZeRO-1's update relative to the 1-rank update (goal: close to 1/N), the step times and their ratio

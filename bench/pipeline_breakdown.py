@@ -1,6 +1,6 @@
 """Where a pipeline rank's memory goes, component by component: pp 1 (unsplit) vs each stage of pp 2, in one run.
 
-Run: ``.venv/bin/python -m bench.pipeline_breakdown [--layers 4 8] [--batch 4 32] [--micro 8]`` (writes
+Run: ``python -m bench pipeline-breakdown [--layers 4 8] [--batch 4 32] [--micro 8]`` (writes
 bench/results/pipeline-breakdown-<host>.md and .json). For each GPT (the bench GPT: vocab 256, T 64, d 128; 4 layers,
 and 8 layers) it configures pp 1 and pp 2 (cuts chosen by configure, as a user gets them) and measures every rank kind
 in a fresh process (no MPI) that builds what the trainer builds, in the trainer's order, with the trainer's options:
@@ -202,7 +202,7 @@ def session_probe(run_dir: Path, stage: int, with_eval: bool) -> dict:
 def eval_session_rows(lib: Path, layers: int, batch: int) -> list[str]:
     """What the eval session costs a stage: the Module's heap and RSS with and without it (fresh process each)."""
     rows = [f"## The eval session's fixed cost (GPT {layers} layers, pp 2)", "",
-            "`python -m bench.pipeline_breakdown --eval-session` (one fresh process per cell; MiB the engine Module "
+            "`python -m bench pipeline-breakdown --eval-session` (one fresh process per cell; MiB the engine Module "
             "adds above the loaded checkpoint state: graphs, kernels, gradient buffers)", "",
             "| stage | heap with eval model | heap without | difference | RSS with | RSS without | difference |",
             "|---|---|---|---|---|---|---|"]
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name, pp, hold in (("pp1", 1, False), ("pp2", 2, False), ("pp2 hold", 2, True)):
                     results[f"{layers}|{b}|mpi {name}"] = _launch(runs[pp], pp, hold)
                     print(layers, b, "mpiexec", name, "done", flush=True)
-    command = "python -m bench.pipeline_breakdown " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench pipeline-breakdown " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "load_average": os.getloadavg(),
               "micro": args.micro, "layers": args.layers, "batch": args.batch, "raw": results}
     out = ROOT / "bench" / "results" / f"pipeline-breakdown-{socket.gethostname()}"

@@ -1,6 +1,6 @@
 """Where a pipeline stage's engine memory goes: one process per variant, peak RSS growth over the engine calls.
 
-Run: ``.venv/bin/python -m bench.pipeline_memory [--batch 4 32] [--allocators ...]`` (configures the bench GPT as
+Run: ``python -m bench pipeline-memory [--batch 4 32] [--allocators ...]`` (configures the bench GPT as
 bench_pipeline does, pp 1 and pp 2, measures every cell in a fresh process and writes the table to
 bench/results/pipeline-memory-<host>.md). A cell is (model: unsplit / stage 0 / stage 1; calls: the training call
 alone, the eval forward alone, or the eval forward then the training call as a middle stage runs them; allocator):
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     mb = 1 / 2**20
     lines = [f"# Pipeline stage memory probe on {socket.gethostname()}", "",
-             "`python -m bench.pipeline_memory " + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
+             "`python -m bench pipeline-memory " + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
              "Peak RSS growth (MiB) over 3 rounds of the calls, one fresh process per cell (bench/pipeline_memory.py).",
              "", "| model | calls | allocator | " + " | ".join(f"b={b}" for b in args.batch) + " |",
              "|---|---|---|" + "---|" * len(args.batch)]

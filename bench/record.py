@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,14 +21,35 @@ def command_line() -> str:
     return " ".join([sys.argv[0], shlex.join(sys.argv[1:])]).strip()
 
 
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown`` outside a git checkout."""
+    here = Path(__file__).parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=False).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+def host() -> dict:
+    """``bench.common.host_info`` at the time of writing, with the commit measured."""
+    info = host_info()
+    info["load_average_when_written"] = info.pop("load_average_at_start", None)
+    info.setdefault("commit", commit())
+    return info
+
+
 def provenance(record: dict) -> list[str]:
     """Markdown lines naming the command, host and versions of ``record``."""
     h = record["host"]
     versions = ", ".join(f"{k} {v}" for k, v in h.get("versions", {}).items() if v)
     return ["```", record["command"], "```", "",
             f"{h.get('host')}: {h.get('cpu')}, {h.get('cores')} cores; commit {h.get('commit', 'unknown')}; "
-            f"Python {h.get('python')}; {versions}; {h.get('date')}, load average at start "
-            f"{h.get('load_average_at_start')}.", ""]  # fmt: skip
+            f"Python {h.get('python')}; {versions}; written {h.get('date')}, load average then "
+            f"{h.get('load_average_when_written')}."]  # fmt: skip
 
 
 def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
@@ -41,10 +63,13 @@ def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
     Returns:
         The two paths written.
     """
-    record = {"command": command_line(), "host": host_info(), **record}
-    lines = markdown.rstrip("\n").split("\n")
-    at = 1 if lines and lines[0].startswith("# ") else 0
-    lines[at:at] = ([""] if at else []) + provenance(record)
+    record = {"command": command_line(), "host": host(), **record}
+    lines = markdown.strip("\n").split("\n")
+    title = lines[:1] if lines[0].startswith("# ") else []
+    body = lines[len(title):]
+    while body and not body[0].strip():
+        body.pop(0)
+    lines = [*title, *([""] if title else []), *provenance(record), "", *body]
     stem.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
     json_path.write_text(json.dumps(record, indent=1, default=str) + "\n")

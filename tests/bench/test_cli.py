@@ -57,6 +57,8 @@ def test_write_result_records_command_host_and_versions_in_both_files(tmp_path, 
     record = json.loads(json_path.read_text())
     assert record["command"] == "python -m bench tensor --steps 4"
     assert record["rows"] == [1, 2] and record["host"]["cores"] >= 1 and "versions" in record["host"]
+    assert record["host"]["commit"]  # the checkout's commit, or "unknown" outside one
     lines = md_path.read_text().splitlines()
-    assert lines[0] == "# Tensor" and lines[3] == "python -m bench tensor --steps 4"
-    assert "| a |" in lines
+    assert lines[:5] == ["# Tensor", "", "```", "python -m bench tensor --steps 4", "```"]
+    assert f"commit {record['host']['commit']};" in md_path.read_text()
+    assert lines[-2:] == ["| a |", "|---|"]
