@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.record import write_result
+
 SHAPE = {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12}
 BATCH = 16
 #: ``prepare --shape tiny --device cpu``: the same stages on CPU ranks in seconds (tests of this script).
@@ -268,12 +270,10 @@ def report(args: argparse.Namespace) -> None:
         ratios[f"{world}gpu {base} time ratio {prec}/{base}"] = round(mine / ms[(kind, base, world)], 3)
     summary = {"shape": SHAPE, "batch_per_gpu": BATCH, "ms_per_update": {f"{k[0]} {k[1]} x{k[2]}": round(v, 2)
                for k, v in ms.items()}, "ratios": ratios}  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mixed.json").write_text(json.dumps({"summary": summary, "runs": {" ".join(map(str, k)): r
-                                                for k, r in runs.items()}}, indent=1))  # fmt: skip
     table = "\n".join(rows) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in ratios.items()) + "\n"
-    (out / "mixed.md").write_text(table)
+    write_result(Path(args.out) / "mixed", {"summary": summary, "runs": {" ".join(map(str, k)): r
+                                                                         for k, r in runs.items()}},
+                 "# Mixed precision on GPUs\n\n" + table)  # fmt: skip
     print(table)
 
 

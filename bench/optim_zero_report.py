@@ -1,4 +1,6 @@
-"""One table from bench.optim_zero runs at several rank counts (``mpiexec -n N python -m bench optim-zero --out DIR/optim-zero-Nranks.md``).
+"""One table from ``python -m bench optim-zero`` runs at several rank counts.
+
+Each run: ``mpiexec -n N python -m bench optim-zero --out DIR/optim-zero-Nranks.md``.
 
     python -m bench optim-zero-report DIR [--out DIR/optim-zero-scaling.md]
 
@@ -13,6 +15,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from bench.record import write_result
 
 
 def table(results: list[dict]) -> str:
@@ -46,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print(f"no optim-zero-*ranks.json in {args.folder}", file=sys.stderr)
         return 1
-    text = "# ZeRO-1 vs ZeRO-0 by rank count (CPU)\n\n" + table([json.loads(f.read_text()) for f in files])
+    runs = [json.loads(f.read_text()) for f in files]
+    text = "# ZeRO-1 vs ZeRO-0 by rank count (CPU)\n\n" + table(runs)
     print(text)
-    (args.out or args.folder / "optim-zero-scaling.md").write_text(text)
+    write_result((args.out or args.folder / "optim-zero-scaling.md").with_suffix(""), {"runs": runs}, text)
     return 0
 
 

@@ -40,6 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 / 2**20
 
@@ -321,9 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     record = {"command": command.strip(), "host": socket.gethostname(), "load_average": os.getloadavg(),
               "micro": args.micro, "layers": args.layers, "batch": args.batch, "raw": results}
     out = ROOT / "bench" / "results" / f"pipeline-breakdown-{socket.gethostname()}"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     text = report(record)
-    out.with_suffix(".md").write_text(text)
+    write_result(out, record, text)
     print(text)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_pipeline import ROOT, _configure, _rss_kb
+from bench.record import write_result
 
 ALLOCATORS = ("trainer", "default", "shared", "shared-same", "none", "none-mmap", "shared-nopattern",
               "shared-same-nopattern", "default-nopattern")
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                 got = [_measure(run_dir, stage, calls, allocator, b)["peak_growth"] * mb for b in args.batch]
                 lines.append(f"| {name} | {calls} | {allocator} | " + " | ".join(f"{g:.1f}" for g in got) + " |")
                 print(lines[-1], flush=True)
-    out = ROOT / "bench" / "results" / f"pipeline-memory-{socket.gethostname()}.md"
-    out.write_text("\n".join(lines) + "\n")
+    write_result(ROOT / "bench" / "results" / f"pipeline-memory-{socket.gethostname()}", {"table": lines},
+                 "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -57,13 +57,15 @@ def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
 
     Args:
         stem: the result's path without suffix (``bench/results/tensor-vm``).
-        record: the measurements (JSON-serialisable).
+        record: the measurements (JSON-serialisable); its ``command`` wins over the process's argv (a benchmark under
+            mpiexec knows its launcher line), its ``host`` is completed with ``bench.common.host_info``.
         markdown: the report; the provenance lines go under its first ``#`` title (or on top without one).
 
     Returns:
         The two paths written.
     """
-    record = {"command": command_line(), "host": host(), **record}
+    own = record.get("host")  # a benchmark's own host facts (or just its name) stay, under ours
+    record = {"command": command_line(), **record, "host": {**(own if isinstance(own, dict) else {}), **host()}}
     lines = markdown.strip("\n").split("\n")
     title = lines[:1] if lines[0].startswith("# ") else []
     body = lines[len(title):]

@@ -62,3 +62,12 @@ def test_write_result_records_command_host_and_versions_in_both_files(tmp_path, 
     assert lines[:5] == ["# Tensor", "", "```", "python -m bench tensor --steps 4", "```"]
     assert f"commit {record['host']['commit']};" in md_path.read_text()
     assert lines[-2:] == ["| a |", "|---|"]
+
+
+def test_write_result_keeps_a_benchmarks_own_command_and_completes_its_host(tmp_path):
+    record = {"command": "mpiexec -n 2 python -m bench exchange", "host": "box", "ms": 1.5}
+    json_path, md_path = write_result(tmp_path / "exchange-box", record, "# Exchange\n")
+    written = json.loads(json_path.read_text())
+    assert written["command"] == "mpiexec -n 2 python -m bench exchange" and written["ms"] == 1.5
+    assert isinstance(written["host"], dict) and written["host"]["cores"] >= 1
+    assert "mpiexec -n 2 python -m bench exchange" in md_path.read_text().splitlines()
