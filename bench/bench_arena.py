@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
               "ms_median": {k: float(np.median(v) * 1e3) for k, v in times.items()},
               "ratio_shared_to_session": [float(ratio.min()), float(np.median(ratio)), float(ratio.max())],
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}  # fmt: skip
-    text = (f"# Shared gradient arena vs a session's own ({record['time']})\n\nBench GPT (ortflow.examples.gpt, d 256, 4 layers, "
-            f"seq 128), batch {args.batch} x 128, 1 thread, load average {record['load_avg']}.\n\n"
+    text = (f"# Shared gradient arena vs a session's own ({record['time']})\n\nBench GPT (ortflow.examples.gpt, d 256, "
+            f"4 layers, seq 128), batch {args.batch} x 128, 1 thread, load average {record['load_avg']}.\n\n"
             f"- gradient memory runs: session arena {record['runs']['session']}, shared arena "
             f"{record['runs']['shared']}\n- forward+backward thread CPU ms (median): session "
             f"{record['ms_median']['session']:.1f}, shared {record['ms_median']['shared']:.1f}\n"
