@@ -56,7 +56,7 @@ def prepare_model(
     loss_output: str,
     label_input: str | None,
     repeatable_gathers: bool = False,
-    fuse_gelu: bool = False,
+    fuse_gelu: bool | str = False,
     keep: set[str] | None = None,
 ) -> PreparedModel:
     """Rewrite the user's model into one the engine trains correctly, or say why it cannot.
@@ -69,7 +69,8 @@ def prepare_model(
         label_input: The label input's name (None for ``model_output``).
         repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
             gradient of Gather is not repeatable with more than one thread.
-        fuse_gelu: Replace exported elementwise GELUs by the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`).
+        fuse_gelu: How GELUs reach the engine: ``"as_exported"`` (False), ``"engine"`` (True: the engine's Gelu /
+            FastGelu) or ``"cpu"`` (the tanh form with a fast CPU gradient); :func:`ortflow.graph.gelu.gelu_rewrites`.
         keep: Tensor names no pass may remove (the pipeline cuts).
 
     Returns:
