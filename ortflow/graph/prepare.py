@@ -1,7 +1,8 @@
 """The model-preparation pass configure runs before the engine builds the training graph.
 
 Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then ONNX's tanh
-Gelu as the engine's FastGelu (for its gradient), then (when asked) the GELU fusion, then repeated inputs, then (when
+Gelu as the engine's FastGelu (for its gradient), then (when asked) the GELU fusion (on CPU ranks with the tanh GELU
+in its sigmoid form, whose CPU gradient is fast), then repeated inputs, then (when
 asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for the loss, and last the check
 that every node on the trained path has a gradient (it runs on the graph the engine will see). No step changes an
 initializer.
