@@ -5,7 +5,9 @@
 #   CORES=64 OUT=/tmp/out bash bench/many_core.sh # parameterised by core count and output folder
 #
 # Needs only what the pinned set installs (ortflow's dependencies, the bench extra's torch, mpi4py with an mpiexec
-# beside the Python or in $BENCH_MPIEXEC) and, for torch.compile, a C++ compiler; no network. Three phases, each
+# beside the Python, a system mpirun, or $BENCH_MPIEXEC) and, for torch.compile, a C++ compiler; no network. Where the
+# Python has torch but lacks ortflow's pinned pieces, the cp312 wheels in .whl/ (docs/benchmarks.md) are installed
+# into /tmp/site first. Three phases, each
 # a `python -m bench.bench_layout` run on the bench GPT (bench/torch_gpt.py, d 256, 4 layers, seq 128) at one global
 # batch (GLOBAL_BATCH, default 4 x CORES samples per weight update, for every contender):
 #
@@ -35,16 +37,29 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# A host whose Python has torch but not ortflow's pinned pieces (a device machine): the cp312 wheels carried in .whl/
+# (docs/benchmarks.md) go into /tmp/site, nothing is downloaded.
+if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('onnxruntime.training') is None)" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:/tmp/site-jit:$PYTHONPATH"
+fi
+# CPU only: PyTorch stays off any GPU, and NVLink multicast stays off in every child; Open MPI may run as root.
+export CUDA_VISIBLE_DEVICES="" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
 # Each DDP rank compiles its own graph: one compile process per rank, not a pool of CORES workers per rank.
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 if [ "$CORES" -lt "$(nproc)" ] && [ -z "${MANY_CORE_PINNED:-}" ]; then  # the first CORES cores only, for everybody
   MANY_CORE_PINNED=1 exec taskset -c "0-$((CORES - 1))" bash "$SCRIPT" "$@"
 fi
-if [ -z "${BENCH_MPIEXEC:-}" ] && [ ! -x "$(dirname "$(command -v "$PYTHON")")/mpiexec" ]; then
-  if command -v mpirun >/dev/null; then  # a system Open MPI (as root it must be told that is fine)
-    export BENCH_MPIEXEC="mpirun --bind-to none$([ "$(id -u)" = 0 ] && echo ' --allow-run-as-root')"
+if [ -z "${BENCH_MPIEXEC:-}" ]; then  # the mpiexec beside PYTHON (the PyPI mpich wheel), else the system's
+  LAUNCHER="$(dirname "$(command -v "$PYTHON")")/mpiexec"
+  [ -x "$LAUNCHER" ] || LAUNCHER=$(command -v mpirun || command -v mpiexec || echo mpiexec)
+  if "$LAUNCHER" --version 2>&1 | grep -qiE "open mpi|open-rte|openrte"; then
+    # Open MPI binds ranks to cores or sockets by default: a rank's threads need the cores of its share.
+    LAUNCHER="$LAUNCHER --bind-to none --oversubscribe$([ "$(id -u)" = 0 ] && echo " --allow-run-as-root")"
   fi
+  export BENCH_MPIEXEC=$LAUNCHER
 fi
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/$NAME.log"
@@ -79,8 +94,16 @@ layout_bench() {  # name, then bench_layout arguments
   "$PYTHON" -m bench.bench_layout --global-batch "$GLOBAL_BATCH" --work "$WORK" --out "$OUT" --name "$name" "$@" \
     2>&1 | tee -a "$LOG" | grep -E '^round|FAILED' || true
 }
-best_of() {  # the best_torch label of a bench_layout report, without its "torch " prefix
-  "$PYTHON" -c "import json,sys; b=json.load(open(sys.argv[1])).get('best_torch'); print(b.split(' ',1)[1] if b else '')" "$1"
+best_of() {  # the fastest PyTorch row (median samples/s) over bench_layout reports, without its "torch " prefix
+  "$PYTHON" - "$@" <<'EOF'
+import json, os, sys
+rows = {}
+for path in sys.argv[1:]:
+    if os.path.exists(path):
+        rows.update({k: v["samples_per_s"][1] for k, v in json.load(open(path))["rows"].items()
+                     if k.startswith("torch ") and v["samples_per_s"]})
+print(max(rows, key=rows.get).split(" ", 1)[1] if rows else "")
+EOF
 }
 
 if [ -z "${TORCH_BEST:-}" ]; then
@@ -88,13 +111,14 @@ if [ -z "${TORCH_BEST:-}" ]; then
   layout_bench "$NAME-layouts" --ortflow "" --torch "$LAYOUTS" --rounds 1 --warmup 2 --steps 4 --display 2
   BEST_LAYOUT=$(best_of "$OUT/$NAME-layouts.json")
   [ -n "$BEST_LAYOUT" ] || { say "every PyTorch layout failed: see $OUT/$NAME-layouts-logs"; exit 1; }
-  CANDIDATES="$BEST_LAYOUT"
-  for mode in $MODES; do CANDIDATES="$CANDIDATES,$BEST_LAYOUT:$mode"; done
-  say "phase 2: modes at $BEST_LAYOUT: $CANDIDATES"
-  # Warm-up long enough for torch.compile's first compile, which the timed steps must not include.
-  layout_bench "$NAME-modes" --ortflow "" --torch "$CANDIDATES" --rounds 1 --warmup 4 --steps 4 --display 2
-  TORCH_BEST=$(best_of "$OUT/$NAME-modes.json")
-  [ -n "$TORCH_BEST" ] || TORCH_BEST=$BEST_LAYOUT
+  CANDIDATES=""
+  for mode in $MODES; do CANDIDATES="$CANDIDATES${CANDIDATES:+,}$BEST_LAYOUT:$mode"; done
+  if [ -n "$CANDIDATES" ]; then
+    say "phase 2: modes at $BEST_LAYOUT: $CANDIDATES"
+    # The first steps of torch.compile compile; they are warm-up, never timed.
+    layout_bench "$NAME-modes" --ortflow "" --torch "$CANDIDATES" --rounds 1 --warmup 2 --steps 4 --display 2
+  fi
+  TORCH_BEST=$(best_of "$OUT/$NAME-layouts.json" "$OUT/$NAME-modes.json")
 fi
 say "phase 3: ortflow auto vs PyTorch $TORCH_BEST, $ROUNDS interleaved rounds"
 layout_bench "$NAME" --ortflow auto --torch "$TORCH_BEST" --rounds "$ROUNDS" --warmup "$WARMUP" --steps "$STEPS" \
