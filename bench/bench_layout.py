@@ -186,7 +186,9 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str, quiet: bo
     fmt = lambda v: " / ".join(f"{x:.2f}" for x in v) if v else "failed"  # noqa: E731
     lines = [f"# Layouts at global batch {args.global_batch}: {info['host']}, {info['cores']} cores, {info['date']}",
              "", "```", record["command"], "```", "",
-             f"{info['cpu']}; load average at start {info['load_average_at_start']}, at end "
+             f"{info['cpu']}; commit {info.get('commit', 'unknown')}; Python {info['python']}, "
+             + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "; "
+             f"load average at start {info['load_average_at_start']}, at end "
              f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Model: "
              f"{info.get('model', '?')} {SHAPE}. Samples/s min / median "
              "/ max over rounds (every contender trains the same samples per weight update).", "",

@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# GELU formulations on the engine's CPU kernels ({record['time']})", "",
              "```", f"python -m bench.gelu_forms --rows {args.rows} --width {args.width} --rounds {args.rounds} "
              f"--threads {args.threads}", "```", "",
-             f"CPU {record['host']['cpu']}, onnxruntime {record['host']['versions']['onnxruntime']}; tensor "
+             f"CPU {record['host']['cpu']}, commit {record['host']['commit']}, onnxruntime "
+             f"{record['host']['versions']['onnxruntime']}, onnx {record['host']['versions']['onnx']}; tensor "
              f"{args.rows} x {args.width} = {n} elements; {args.threads} intra-op thread(s) "
              f"({'thread CPU time' if args.threads == 1 else 'wall time'}); load average at start / end "
              f"{load_start[0]:.1f} / {record['load_avg'][1][0]:.1f}.", "",

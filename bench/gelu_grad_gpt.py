@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# GELU gradient on CPU, whole models: the engine's kernels vs ortflow's CPU mode ({record['time']})",
              "", "```", f"python -m bench.gelu_grad_gpt --rounds {args.rounds} --threads {args.threads} "
              f"--profile-steps {args.profile_steps} --models {args.models}", "```", "",
-             f"CPU {record['host']['cpu']} ({record['host']['cores']} cores), onnxruntime "
+             f"CPU {record['host']['cpu']} ({record['host']['cores']} cores), commit {record['host']['commit']}, "
+             f"onnxruntime "
              f"{record['host']['versions']['onnxruntime']}, onnx {record['host']['versions']['onnx']}, numpy "
              f"{record['host']['versions']['numpy']}; {args.threads} intra-op thread(s), "
              f"{'thread CPU time' if args.threads == 1 else 'wall time'} of forward+backward, modes interleaved.",

@@ -90,7 +90,7 @@ def render(record: dict, plots: list[str]) -> str:
     """The report's markdown."""
     h, m, r = record["host"], record["model"], record["ratios"]
     lines = [f"# ortflow benchmark: {h['host']}, {h['date']}", "", "```", record["command"], "```", ""]
-    lines += [f"{h['cpu']}, {h['cores']} cores; Python {h['python']}; "
+    lines += [f"{h['cpu']}, {h['cores']} cores; commit {h.get('commit', 'unknown')}; Python {h['python']}; "
               + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + ".", ""]  # fmt: skip
     s = record["setup"]
     lines += [f"Model: the PyTorch GPT of `bench/torch_gpt.py` exported to ONNX, {m['shape']}, "
