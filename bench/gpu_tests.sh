@@ -68,8 +68,11 @@ print('python', sys.version.split()[0], *(f'{d} {v(d)}' for d in ('onnxruntime-t
 echo "collected $(wc -l < "$PLAN") tests" | tee -a "$LOG"
 
 start=$(date +%s)
-# SIGINT at the budget: pytest stops like at Ctrl-C and still writes the JUnit file; the group's mpiexec gets it too.
-timeout -s INT -k 20 "$BUDGET_S" "$PY" -m pytest "${ARGS[@]}" "${FILES[@]}" "$@" 2>&1 | tee -a "$LOG"
+# SIGINT at the budget: pytest stops like at Ctrl-C and still writes the JUnit file (the handler is set again because
+# a shell that starts this script in the background hands its children SIGINT ignored); the test's mpiexec is killed.
+PYTEST='import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); import pytest
+sys.exit(pytest.main(sys.argv[1:]))'
+timeout -s INT -k 20 "$BUDGET_S" "$PY" -c "$PYTEST" "${ARGS[@]}" "${FILES[@]}" "$@" 2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
 echo "pytest exit status $status after $(( $(date +%s) - start )) s" | tee -a "$LOG"
 
