@@ -38,7 +38,7 @@ for file in tests/gpu/test_*.py; do
   case " ${FILES[*]} " in *" $file "*) ;; *) FILES+=("$file") ;; esac
 done
 
-ARGS=(-q -rA -p no:cacheprovider --junitxml="$XML" -o junit_family=xunit1)
+ARGS=(-q -rA --durations=20 -p no:cacheprovider --junitxml="$XML" -o junit_family=xunit1)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
   ARGS+=(-p pytest_timeout --timeout "$TEST_S")  # SIGALRM: the test fails, its mpiexec is killed, the run goes on
   LIMITS="$TEST_S s per test, $BUDGET_S s in all"
