@@ -31,9 +31,9 @@ GELU_GRAD_OPS = {"FastGeluGrad", "GeluGrad", "BiasGeluGrad_dX", "BiasFastGeluGra
 
 
 def configured(folder: Path, model: Path, mode: str, batch: int) -> Path:
-    from ortflow.config import config_from_dict
-    from ortflow.build.configure import configure
     from ortflow.build import engine_input
+    from ortflow.build.configure import configure
+    from ortflow.config import config_from_dict
 
     cfg = config_from_dict({
         "output_dir": str(folder / mode), "model": {"path": str(model), "loss": "cross_entropy"},
