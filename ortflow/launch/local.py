@@ -45,6 +45,8 @@ class LaunchResult:
     returncode: int
     error_lines: tuple[str, ...]
     signal: int = 0  # the stop signal this process received and passed on (0: none)
+    launcher: str = "local"  # distributed.launcher that ran the job
+    job_id: str | None = None  # the scheduler's id of the job (Slurm job id, MPIJob namespace/name)
 
     @property
     def ok(self) -> bool:
@@ -122,7 +124,8 @@ def launcher_environment() -> dict[str, str]:
     return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_HOST_ENV: socket.gethostname()}
 
 
-def _is_error_line(line: str) -> bool:
+def is_error_line(line: str) -> bool:
+    """Whether an output line reports an error (kept for the failure summary)."""
     return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
 
 
@@ -173,7 +176,7 @@ def launch(
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
-            if _is_error_line(line):
+            if is_error_line(line):
                 errors.append(line)
             on_line(line)
         proc.wait()
