@@ -63,10 +63,11 @@ def launcher_command(cfg: RunConfig) -> list[str]:
 
 #: The worker's entry: sshd for the launcher's mpiexec; on SIGTERM, the local ranks get it too and sshd stops only
 #: once they have exited (their stop checkpoint written).
+#: (The pattern ``[o]rtflow[.]trainer`` matches the ranks' command lines but not this script's own.)
 WORKER_SCRIPT = (
     "/usr/sbin/sshd -De & sshd=$!; "
-    "trap 'pkill -TERM -f ortflow.trainer; while pgrep -f ortflow.trainer >/dev/null; do sleep 1; done; "
-    "kill $sshd' TERM; "
+    "trap 'pkill -TERM -f \"[o]rtflow[.]trainer\"; while pgrep -f \"[o]rtflow[.]trainer\" >/dev/null; "
+    "do sleep 1; done; kill $sshd' TERM; "
     "wait $sshd"
 )
 

@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ortflow.config import RunConfig
@@ -124,21 +125,31 @@ def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path, flavor: str, pyt
 
 
 class SlurmJob:
-    """A Slurm batch job of one run folder: its output file, its state from ``scontrol``."""
+    """A Slurm batch job of one run folder: its output file, its state from ``scontrol``.
+
+    Args:
+        job_id: Slurm's job id.
+        run_dir: The run folder (its ``slurm/`` holds the job's output and exit status).
+        commands: Paths of ``scontrol`` and ``scancel``.
+        env: Environment of those commands.
+        run: Runs one command and returns its result (default: a subprocess; tests pass a fake controller).
+    """
 
     launcher = "slurm"
 
-    def __init__(self, job_id: str, run_dir: Path, commands: dict[str, str], env: dict[str, str] | None = None):
+    def __init__(self, job_id: str, run_dir: Path, commands: dict[str, str], env: dict[str, str] | None = None,
+                 run: Callable[..., subprocess.CompletedProcess] | None = None):
         self.job_id = job_id
         self.run_dir = run_dir
         self.commands = commands
         self.env = env
+        self._run = run or self._subprocess
         self.output = run_dir / SLURM_DIR / f"job-{job_id}.out"
         self._offset = 0
         self._partial = ""
         self._last = JobState(Phase.PENDING, "PENDING")
 
-    def _run(self, *args: str) -> subprocess.CompletedProcess:
+    def _subprocess(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(args, capture_output=True, text=True, env=self.env, timeout=120, check=False)
 
     def read_output(self) -> list[str]:

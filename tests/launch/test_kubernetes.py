@@ -4,7 +4,7 @@ the client calls (create, log, status, delete) against a fake API object that ke
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,7 +119,7 @@ class FakeApi:
         name = label_selector.split(",")[0].split("=")[1]
         if (namespace, name) not in self.jobs or not self.log:
             return SimpleNamespace(items=[])
-        meta = SimpleNamespace(name=f"{name}-launcher-abcde", creation_timestamp=datetime.now(timezone.utc))
+        meta = SimpleNamespace(name=f"{name}-launcher-abcde", creation_timestamp=datetime.now(UTC))
         return SimpleNamespace(items=[SimpleNamespace(metadata=meta)])
 
     def read_namespaced_pod_log(self, name, namespace):
