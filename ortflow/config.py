@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (see ENGINE_NOTES.md).
+#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine-notes.md).
 MAX_OPSET = 21
 MAX_IR_VERSION = 10
 
@@ -117,7 +117,7 @@ class ModelConfig(_Section):
     fuse_gelu: bool = Field(
         True,
         description="Replace the elementwise GELU an exporter writes (erf or tanh form) by the engine's one-kernel "
-        "Gelu / FastGelu before training (README: What configure does to your model); the export writes it back as "
+        "Gelu / FastGelu before training (docs/your-model.md); the export writes it back as "
         "standard ops. Off with bf16 mixed precision.",
     )
     pipeline_cuts: tuple[str, ...] = Field(
@@ -248,10 +248,10 @@ class TrainConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (README: Optimizers)."""
+    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (docs/optimizer.md)."""
 
     name: Literal["adamw", "sgd", "lamb"] = Field(
-        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (README: Optimizers)."
+        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (docs/optimizer.md)."
     )
     rule: Literal["torch", "engine"] = Field(
         "torch",
@@ -840,7 +840,7 @@ def _format_validation_error(err: ValidationError) -> list[str]:
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling (README lists every field)"
+            msg = "unknown field; check the spelling (docs/config.md lists every field)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         problems.extend(m if not loc or m.startswith(loc) else f"{loc}: {m}" for m in msg.split("\n"))
@@ -1036,7 +1036,7 @@ def find_problems(path: Path | str, overrides: list[str] | tuple[str, ...] = ())
 
 
 def reference_markdown() -> str:
-    """A markdown table of every config field with its type, default and description (README's config reference)."""
+    """A markdown table of every config field with its type, default and description (docs/config.md)."""
 
     def rows(model: type[BaseModel], prefix: str) -> list[str]:
         out = []

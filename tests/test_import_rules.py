@@ -74,9 +74,9 @@ def test_only_the_engine_module_imports_onnxruntime_training():
     assert who_imports("onnxruntime.training") == {"ortflow.engine"}
 
 
-def test_only_trainer_export_and_configure_reach_the_engine():
+def test_only_trainer_export_and_build_reach_the_engine():
     users = who_imports("ortflow.engine")
-    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.configure")
+    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.build.")
     assert users and all(u.startswith(allowed) for u in users), users
 
 

@@ -24,6 +24,20 @@ from typing import Any
 
 import onnx
 
+from ortflow.build.artifacts import ArtifactsError, build_artifacts, inspect_model
+from ortflow.build.engine_input import repeatable_gathers
+from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
+from ortflow.build.records import (
+    ARTIFACT_FILES,
+    DIGESTS_KEY,
+    artifact_digests,
+    read_pipe_tensor_record,
+    read_stages_record,
+    read_tensor_record,
+)
+from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
+from ortflow.build.tensor_artifacts import build_tensor_artifacts, plan_tensor
+from ortflow.build.training_graph import sums_as_matmul_applies
 from ortflow.config import (
     RESOLVED_CONFIG_NAME,
     ConfigError,
@@ -33,17 +47,6 @@ from ortflow.config import (
     write_resolved_config,
 )
 from ortflow.engine import ORT_VERSION
-from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
-from ortflow.trainer.engine_input import repeatable_gathers
-from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
-from ortflow.trainer.parallel.pipe_tensor_artifacts import (
-    build_pipe_tensor_artifacts,
-    plan_pipe_tensor,
-    read_pipe_tensor_record,
-)
-from ortflow.trainer.parallel.stage_artifacts import build_stage_artifacts, plan_stages, read_stages_record
-from ortflow.trainer.parallel.tensor_artifacts import build_tensor_artifacts, plan_tensor, read_tensor_record
-from ortflow.trainer.training_graph import sums_as_matmul_applies
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ def fingerprint(cfg: RunConfig) -> str:
         digest.update(f";precision={cfg.section_fingerprint('precision')}".encode())
     if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
         digest.update(b";gathers=repeatable")
-    if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (trainer/training_graph.py)
+    if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (build/training_graph.py)
         digest.update(b";sums=matmul")
     if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
         digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())

@@ -1,6 +1,6 @@
 """The model the engine gets: the user's model after ortflow's preparation pass, as a proto or (over 2 GB) a file.
 
-Used by :func:`ortflow.trainer.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
+Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
 """
 
 from __future__ import annotations
@@ -100,6 +100,6 @@ def artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, tra
     return ArtifactsError(
         f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
         f"{type(err).__name__}: {err}. ortflow already declared LayerNormalization/Dropout outputs and replaced Splits "
-        "with unused outputs; see the README's 'What configure does to your model' for the ops the engine cannot "
+        "with unused outputs; see docs/your-model.md for the ops the engine cannot "
         "differentiate and what to write instead"
     )

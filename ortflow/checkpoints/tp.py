@@ -1,7 +1,7 @@
 """Tensor-parallel checkpoint files: each tensor-parallel rank's slices, and the whole tensors rebuilt from them.
 
 Rank ``t`` of ``hp`` (its first data-parallel replica) writes ``params-tpTT-of-HH.h5`` and ``optimizer-tpTT-of-HH.h5``
-in the format of ``params.h5`` / ``optimizer.h5`` (:mod:`ortflow.trainer.checkpoints.h5state`), holding its slices
+in the format of ``params.h5`` / ``optimizer.h5`` (:mod:`ortflow.checkpoints.h5state`), holding its slices
 of the split parameters (attributes ``tp_axis``, ``tp_parts``, ``tp_size``; an optimizer state segment also
 ``tp_shape``, the slice's shape) and every replicated parameter whole (bitwise equal on every tp rank: checked when
 merged). Readers that want whole tensors (export, ``ortflow checkpoint merge``, a warm start at another size) get
@@ -15,7 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ortflow.trainer.checkpoints.folder import CheckpointError
+from ortflow.checkpoints.folder import CheckpointError
 
 
 def tp_file(kind: str, rank: int, size: int, stage: tuple[int, int] | None = None) -> str:

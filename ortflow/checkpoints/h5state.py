@@ -19,10 +19,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ortflow.trainer.checkpoints import tp as tpfiles
-from ortflow.trainer.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError
+from ortflow.checkpoints import tp as tpfiles
+from ortflow.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError
 
-log = logging.getLogger("ortflow.trainer.checkpoints")
+log = logging.getLogger("ortflow.checkpoints")
 
 OPTIMIZER_FILE = "optimizer.h5"
 
@@ -60,7 +60,7 @@ class TrainState:
         stage: ``(index, count)`` on a pipeline rank: its stage's parameters and optimizer state go to the stage's
             own files, written by the stage's first replica (``rank`` is then the replica, ``world_size`` their count).
         tp: ``(tp rank, hp, {sliced name: (axis, parts)})`` on a tensor-parallel rank: its slices (and the replicated
-            parameters) go to its own files (:mod:`ortflow.trainer.checkpoints.tp`), written by its first replica.
+            parameters) go to its own files (:mod:`ortflow.checkpoints.tp`), written by its first replica.
     """
 
     parameters: Callable[[], dict[str, np.ndarray]]
@@ -158,7 +158,7 @@ def read_params(folder: Path, names: set[str] | None = None) -> dict[str, np.nda
     folder = Path(folder)
     files = params_files(folder)
     if not files and (folder / CHECKPOINT_FILE).exists():
-        from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
+        from ortflow.checkpoints.legacy import read_engine_checkpoint
 
         values = read_engine_checkpoint(folder / CHECKPOINT_FILE).parameters
         return values if names is None else {n: v for n, v in values.items() if n in names}
@@ -201,14 +201,14 @@ def _replica_choice(files: list[Path], rank: int) -> list[Path]:
     return [files[rank % len(files)]]
 
 
-def _pieces(
+def state_pieces(
     folder: Path, rank: int = 0, names: set[str] | None = None, files: list[Path] | None = None
 ) -> tuple[int, str | None, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
     """Step count, optimizer name and every state piece ``(name, lo, hi, values)`` by state name; ``names``: only
     those parameters'. A piece stored twice (a tied parameter in two pipeline stages' files) is read once."""
     folder = Path(folder)
     if not params_files(folder) and (folder / CHECKPOINT_FILE).exists():
-        from ortflow.trainer.checkpoints.legacy import read_engine_checkpoint
+        from ortflow.checkpoints.legacy import read_engine_checkpoint
 
         legacy = read_engine_checkpoint(folder / CHECKPOINT_FILE)
         log.warning("%s is a format 1 (engine) checkpoint: its AdamW moments are converted; the next checkpoint "
@@ -244,7 +244,7 @@ def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: l
     Raises:
         CheckpointError: the state names differ (another optimizer wrote it) or an element is not covered.
     """
-    step, written_by, pieces = _pieces(folder, rank, {seg.name for seg in update.segments} or None, files)
+    step, written_by, pieces = state_pieces(folder, rank, {seg.name for seg in update.segments} or None, files)
     wanted = update.rule.state_names
     if wanted and set(wanted) - set(pieces):
         raise CheckpointError(

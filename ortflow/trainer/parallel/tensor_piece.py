@@ -22,16 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.build.records import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
+from ortflow.checkpoints import CheckpointError, h5state
+from ortflow.checkpoints.tp import slice_tensor, tp_file
 from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer import optim
-from ortflow.trainer.checkpoints import CheckpointError, h5state
-from ortflow.trainer.checkpoints.tp import slice_tensor, tp_file
 from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.optim.zero import Zero0
-from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX
-from ortflow.trainer.parallel.stages import stage_session_options
-from ortflow.trainer.parallel.tensor_artifacts import piece_dir, read_tensor_record
+from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 from ortflow.trainer.runtime import Runtime, available_cores, choose_start, optimizer_label, threads_per_rank
 
 log = logging.getLogger("ortflow.trainer")
@@ -64,7 +63,7 @@ class TensorRuntime(Runtime):
     pieces: list[PieceRun] = field(default_factory=list)
     slicing: dict[str, list[int]] = field(default_factory=dict)  # sliced parameter -> [axis, parts]
     holders: dict[str, list[int]] = field(default_factory=dict)  # parameter -> pieces holding it (first: owner)
-    pipe: tuple[int, int] | None = None  # (stage, P) when it also is a pipeline stage (parallel/pipe_tensor.py)
+    pipe: tuple[int, int] | None = None  # (stage, P) when it also is a pipeline stage (parallel/pipe_tensor_piece.py)
 
     def data_shard(self) -> tuple[int, int]:
         """The ``hp`` ranks of a replica read the same batches."""
@@ -227,7 +226,8 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
     """Load a tensor-parallel rank's pieces (from ``base``, its ``tensor.json`` ``record``) and its starting state.
 
     Args:
-        cls: :class:`TensorRuntime` or a subclass (a pipeline stage's, :mod:`ortflow.trainer.parallel.pipe_tensor`).
+        cls: :class:`TensorRuntime` or a subclass (a pipeline stage's,
+            :mod:`ortflow.trainer.parallel.pipe_tensor_piece`).
         where: The rank's ``tp_rank``, ``replica``, ``tp_comm``, ``dp_comm`` (and a subclass's own fields).
         pipe: ``(stage, P)`` on a pipeline stage: its checkpoint files carry the stage too.
     """

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime
 
-from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.parallel.bookkeeping import checkpoint_meta, report_window
-from ortflow.trainer.parallel.stages import ACT_TAG as _ACT
-from ortflow.trainer.parallel.stages import GRAD_TAG as _GRAD
-from ortflow.trainer.parallel.stages import TIED_TAG as _TIED
-from ortflow.trainer.parallel.stages import StageRuntime
+from ortflow.trainer.parallel.pipeline_stage import ACT_TAG as _ACT
+from ortflow.trainer.parallel.pipeline_stage import GRAD_TAG as _GRAD
+from ortflow.trainer.parallel.pipeline_stage import TIED_TAG as _TIED
+from ortflow.trainer.parallel.pipeline_stage import StageRuntime
 
 log = logging.getLogger("ortflow.trainer")
 

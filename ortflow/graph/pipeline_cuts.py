@@ -29,7 +29,7 @@ from onnx import helper
 
 log = logging.getLogger(__name__)
 
-_FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 _RANDOM_OPS = {"Dropout", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                "Bernoulli"}
 
@@ -87,7 +87,7 @@ def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return {vi.name: vi for vi in [*g.value_info, *g.input, *g.output]}
 
 
-class _Analysis:
+class Analysis:
     """What the split needs to know about a graph: producers, free nodes, the order of the other nodes, last reads."""
 
     def __init__(self, model: onnx.ModelProto, trainable: set[str]):
@@ -135,7 +135,7 @@ class _Analysis:
         return f"'{name}' (made by {producer.op_type} '{producer.name}', read by {readers})"
 
 
-def _check_random_ops(graph: onnx.GraphProto) -> None:
+def check_random_ops(graph: onnx.GraphProto) -> None:
     random = [f"{n.op_type} '{n.name}'" for n in graph.node if n.op_type in _RANDOM_OPS]
     if random:
         raise SplitError(
@@ -154,7 +154,7 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
     Raises:
         SplitError: There are fewer clean candidates than boundaries.
     """
-    a = _Analysis(model, set(trainable))
+    a = Analysis(model, set(trainable))
     sizes = {t.name: _numel(t) for t in a.graph.initializer if t.name in a.trainable}
     seen: set[str] = set()
     before: list[int] = []  # parameters read at or before each position
@@ -169,7 +169,7 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
     for pos, count in enumerate(a.crossing_counts()[:-1]):
         if count == 1:
             (name,) = a.crossing(pos)
-            if a.types.get(name) in _FLOAT:
+            if a.types.get(name) in FLOAT_TYPES:
                 candidates.append((pos, name))
     if len(candidates) < num_stages - 1:
         raise SplitError(
@@ -206,8 +206,8 @@ def split_model(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence
         SplitError: A cut is unknown, out of order, or crossed by a tensor the split cannot carry (names its nodes).
     """
     graph = model.graph
-    _check_random_ops(graph)
-    a = _Analysis(model, set(trainable))
+    check_random_ops(graph)
+    a = Analysis(model, set(trainable))
     positions = []
     for name in cuts:
         if name not in a.producer:
@@ -233,7 +233,7 @@ def split_model(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence
             if stray:
                 raise SplitError(f"model outputs {stray} are computed before the last cut; move the cuts earlier")
         nodes = [n for n in a.order if stage_of[n] == s]
-        stage = _stage_model(a, s, nodes, receives, sends)
+        stage = stage_model(a, s, nodes, receives, sends)
         stage.shared.update({n: holders for n, holders in shared.items() if s in holders})
         stages.append(stage)
     for st in stages:
@@ -242,9 +242,9 @@ def split_model(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence
     return stages
 
 
-def _check_boundary(a: _Analysis, pos: int, index: int) -> list[str]:
+def _check_boundary(a: Analysis, pos: int, index: int) -> list[str]:
     crossing = a.crossing(pos)
-    bad = [a.describe(n) for n in crossing if a.types.get(n) not in _FLOAT]
+    bad = [a.describe(n) for n in crossing if a.types.get(n) not in FLOAT_TYPES]
     if bad:
         raise SplitError(
             f"cut {index + 1} is crossed by non-float tensors computed from parameters, which carry no gradient: "
@@ -253,7 +253,7 @@ def _check_boundary(a: _Analysis, pos: int, index: int) -> list[str]:
     return crossing
 
 
-def _tied(a: _Analysis, stage_of: dict[int, int]) -> dict[str, tuple[int, ...]]:
+def _tied(a: Analysis, stage_of: dict[int, int]) -> dict[str, tuple[int, ...]]:
     """Trainable parameters read in more than one stage (a tied embedding and LM head), with their stages."""
     shared = {}
     for name in sorted(a.trainable):
@@ -265,7 +265,7 @@ def _tied(a: _Analysis, stage_of: dict[int, int]) -> dict[str, tuple[int, ...]]:
     return shared
 
 
-def _stage_model(a: _Analysis, s: int, nodes: list[int], receives: list[str], sends: list[str]) -> Stage:
+def stage_model(a: Analysis, s: int, nodes: list[int], receives: list[str], sends: list[str]) -> Stage:
     graph = a.graph
     keep = set(nodes)
     stack = [name for n in nodes for name in graph.node[n].input if name]

@@ -28,8 +28,8 @@ FORMAT = 2
 READABLE_FORMATS = (1, 2)
 META_SHA_KEY = "meta_sha256"
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_PREFIX = ".tmp-"
+STEP_RE = re.compile(r"^step-(\d+)$")
+TMP_PREFIX = ".tmp-"
 _REQUIRED_META = ("format", "step", "files")
 
 
@@ -132,7 +132,7 @@ def list_complete(directory: Path) -> list[CheckpointInfo]:
         return []
     found = []
     for child in directory.iterdir():
-        match = _STEP_RE.match(child.name)
+        match = STEP_RE.match(child.name)
         if not match or not child.is_dir() or not (child / META_FILE).exists():
             continue
         try:
@@ -144,7 +144,7 @@ def list_complete(directory: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda info: info.step)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -175,7 +175,7 @@ def verify(path: Path) -> CheckpointInfo:
         )
     _check_meta_digest(path, meta)
     step = meta["step"]
-    match = _STEP_RE.match(path.name)
+    match = STEP_RE.match(path.name)
     if match and int(match.group(1)) != step:
         raise CheckpointError(f"{path / META_FILE} records step {step} but the folder is {path.name}; it was moved")
     files = meta["files"]
@@ -190,7 +190,7 @@ def verify(path: Path) -> CheckpointInfo:
         if size != record["bytes"]:
             kind = "truncated" if size < record["bytes"] else "wrong size"
             raise CheckpointError(f"{file} is {kind}: {size} of {record['bytes']} bytes; {advice}")
-        if _sha256(file) != record["sha256"]:
+        if file_sha256(file) != record["sha256"]:
             raise CheckpointError(f"{file}: checksum mismatch (sha256 differs from meta.json); {advice}")
     return CheckpointInfo(path, int(step), meta)
 

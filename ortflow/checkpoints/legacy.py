@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.trainer.checkpoints.folder import CheckpointError
+from ortflow.checkpoints.folder import CheckpointError
 
 #: The engine's names for AdamW's moments, mapped to ortflow's state names.
 MOMENTUM_NAMES = {"momentum0": "exp_avg", "momentum1": "exp_avg_sq"}

@@ -1,6 +1,6 @@
 """The retention stage: after training, keep the newest, the best and the final checkpoints, verify them, index them.
 
-It shares the trainer's pure policy (:func:`ortflow.trainer.checkpoints.retention_to_delete`): the trainer keeps the
+It shares the trainer's pure policy (:func:`ortflow.checkpoints.retention_to_delete`): the trainer keeps the
 ``max_num_checkpoints`` newest, this stage keeps the same newest plus the best (lowest eval loss) and the final
 (highest step) checkpoints, which it passes as ``protect``. The checkpoint export reads by default
 (:func:`export_choice`: the best, else the newest) is always among the protected ones.
@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ortflow.config import RunConfig
-from ortflow.trainer.checkpoints import (
+from ortflow.checkpoints import (
     CheckpointError,
     CheckpointInfo,
     delete_checkpoint,
@@ -29,6 +28,7 @@ from ortflow.trainer.checkpoints import (
     retention_to_delete,
     verify,
 )
+from ortflow.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Pipeline x tensor parallelism in configure: each pipeline stage's graph split over the tensor-parallel ranks.
 
-The model is cut into stages as for the pipeline (:func:`ortflow.trainer.parallel.stage_artifacts.plan_stages`), then
+The model is cut into stages as for the pipeline (:func:`ortflow.build.stage_artifacts.plan_stages`), then
 each stage's model is split and cut into pieces as a tensor-parallel model is
-(:mod:`ortflow.trainer.parallel.tensor_artifacts`). The first pieces of a stage also list what the stage receives
+(:mod:`ortflow.build.tensor_artifacts`). The first pieces of a stage also list what the stage receives
 in ``requires_grad`` (their gradients go back to the previous stage); the last piece of a middle stage has the VJP
 loss of what the stage sends, the last piece of the last stage the configured loss.
 
@@ -25,37 +25,21 @@ from pathlib import Path
 
 import onnx
 
+from ortflow.build.artifacts import ArtifactsError, inspect_model, split_parameters
+from ortflow.build.building import building
+from ortflow.build.engine_input import gelu_fusion
+from ortflow.build.records import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
+from ortflow.build.stage_artifacts import plan_stages
+from ortflow.build.tensor_artifacts import build_piece, piece_record, export_fixes
 from ortflow.config import RunConfig
 from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.gradient_fixes import gradient_fixes
-from ortflow.graph.pipeline import Stage
+from ortflow.graph.pipeline_cuts import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
-from ortflow.trainer.artifacts import ArtifactsError, inspect_model, split_parameters
-from ortflow.trainer.engine_input import gelu_fusion
-from ortflow.trainer.parallel.building import building
-from ortflow.trainer.parallel.stage_artifacts import plan_stages
-from ortflow.trainer.parallel.tensor_artifacts import TENSOR_DIR, _build_piece, _piece_record, export_fixes
 
 log = logging.getLogger(__name__)
-
-PIPE_TENSOR_DIR = "pipetensor"
-PIPE_TENSOR_RECORD = "pipetensor.json"
-
-
-def stage_base(artifacts_dir: Path, stage: int) -> Path:
-    """The folder whose ``tensor/rank-RR/piece-PP`` hold stage ``stage``'s pieces (``tensor_artifacts.piece_dir``)."""
-    return Path(artifacts_dir) / PIPE_TENSOR_DIR / f"stage-{stage:02d}"
-
-
-def read_pipe_tensor_record(artifacts_dir: Path) -> dict | None:
-    """``pipetensor.json`` of a run's artifacts, or None when they are not built."""
-    try:
-        return json.loads((Path(artifacts_dir) / PIPE_TENSOR_DIR / PIPE_TENSOR_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-
 
 @dataclasses.dataclass
 class StagePlan:
@@ -163,13 +147,13 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     try:
-                        _build_piece(cfg, piece, last, set(frozen), folder)
+                        build_piece(cfg, piece, last, set(frozen), folder)
                     except ArtifactsError:
                         raise
                     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                         raise ArtifactsError(f"the engine could not build piece {piece.index} of tensor-parallel "
                                              f"rank {rank} of pipeline stage {s}: {type(err).__name__}: {err}") from err
-                records.append([_piece_record(p, p.stage.model) for p in mine])
+                records.append([piece_record(p, p.stage.model) for p in mine])
             stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
                            "parameters": list(sp.stage.parameters),
                            "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},

@@ -6,7 +6,7 @@ data-parallel training does) and ``pipe_comm`` (the P stages of this replica: ac
 
 The weight update is ortflow's (:mod:`ortflow.trainer.optim`) over the stage's parameter buffers; a checkpoint holds
 every stage's ``params``/``optimizer`` HDF5 files, written by each stage's first replica into the one folder
-(:func:`ortflow.trainer.checkpoints.h5state.write_state`).
+(:func:`ortflow.checkpoints.h5state.write_state`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
+from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.checkpoints import h5state
 from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer import optim
-from ortflow.trainer.checkpoints import h5state
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.optim.zero import Zero0
-from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.trainer.runtime import (
     Runtime,
     available_cores,

@@ -29,17 +29,17 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ortflow.build import mixed_precision, training_graph
+from ortflow.build.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
+from ortflow.build.records import ARTIFACT_FILES
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.batch import BatchReport
-from ortflow.trainer import mixed_precision, training_graph
-from ortflow.trainer.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
 
 log = logging.getLogger(__name__)
 
 #: Files build_artifacts writes into the artifacts folder; all must exist for artifacts to count as built.
-ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "checkpoint")
 
 # onnx cannot serialise a ModelProto over 2 GB; the engine then needs the model's path (and writes temp.onnx into
 # the current folder, so build_artifacts switches into its scratch folder for those).
@@ -184,7 +184,7 @@ def split_parameters(info: ModelInfo, frozen_patterns: tuple[str, ...]) -> tuple
     return trainable, sorted(frozen)
 
 
-class _ConfiguredLoss(onnxblock.Block):
+class ConfiguredLoss(onnxblock.Block):
     """Applies the engine's loss block to one named model output with a named label input."""
 
     def __init__(self, loss_block: onnxblock.Block | None, output_name: str, label_name: str | None,
@@ -204,7 +204,7 @@ class _ConfiguredLoss(onnxblock.Block):
         return onnxblock.blocks.Mul()(loss, self._scale)
 
 
-def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
+def loss_block(cfg: RunConfig) -> onnxblock.Block | None:
     blocks = {
         "cross_entropy": onnxblock.loss.CrossEntropyLoss,
         "mse": onnxblock.loss.MSELoss,
@@ -216,7 +216,7 @@ def _loss_block(cfg: RunConfig) -> onnxblock.Block | None:
     return None if cfg.model.loss == "model_output" else blocks[cfg.model.loss]()
 
 
-def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
+def check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
     """The output the loss reads; checks names and shapes against the model before the engine sees them."""
     if not info.outputs:
         raise ArtifactsError("model.path: the model has no outputs")
@@ -250,7 +250,7 @@ def _check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
 
 
 def _mixed_precision(cfg: RunConfig, prepared):
-    """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/trainer/mixed_precision.py)."""
+    """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/build/mixed_precision.py)."""
     if not cfg.precision.use_mixed_precision:
         return prepared
     if prepared.model.ByteSize() >= _PROTO_LIMIT or any(t.external_data for t in prepared.model.graph.initializer):
@@ -283,7 +283,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     """
     info = inspect_model(cfg.model.path)
     trainable, frozen = split_parameters(info, cfg.model.frozen)
-    output_name = _check_loss_io(cfg, info)
+    output_name = check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
     prepared, batch = prepare(cfg, trainable, output_name, label_name, _PROTO_LIMIT)
     if prepared.frozen:  # not weights (running statistics, constants the engine does not differentiate): no gradient
@@ -307,7 +307,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
         try:
             # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
-            loss = _ConfiguredLoss(_loss_block(cfg), prepared.loss_input, prepared.label_input, scale_input)
+            loss = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale_input)
             engine_artifacts.generate_artifacts(
                 engine_model,
                 requires_grad=trainable,

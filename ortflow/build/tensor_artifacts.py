@@ -21,6 +21,18 @@ from pathlib import Path
 
 import onnx
 
+from ortflow.build.artifacts import (
+    ArtifactsError,
+    check_loss_io,
+    ConfiguredLoss,
+    loss_block,
+    inspect_model,
+    split_parameters,
+)
+from ortflow.build.building import building
+from ortflow.build.engine_input import gelu_fusion, repeatable_gathers
+from ortflow.build.records import ARTIFACT_FILES, TENSOR_DIR, TENSOR_RECORD
+from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.embedding import deterministic_gathers
@@ -28,44 +40,15 @@ from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
-from ortflow.graph.pipeline import _FLOAT
+from ortflow.graph.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.repeated import separate_repeated_inputs
 from ortflow.graph.split import split_to_slices
 from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
-from ortflow.trainer.artifacts import (
-    ARTIFACT_FILES,
-    ArtifactsError,
-    _check_loss_io,
-    _ConfiguredLoss,
-    _loss_block,
-    inspect_model,
-    split_parameters,
-)
-from ortflow.trainer.engine_input import gelu_fusion, repeatable_gathers
-from ortflow.trainer.parallel.building import building
-from ortflow.trainer.parallel.stage_artifacts import _VJPLoss, expose_input_gradients, strip_vjp_from_eval
 
 log = logging.getLogger(__name__)
-
-TENSOR_DIR = "tensor"
-TENSOR_RECORD = "tensor.json"
-
-
-def piece_dir(artifacts_dir: Path, rank: int, piece: int) -> Path:
-    """The artifact folder of piece ``piece`` of tensor-parallel rank ``rank``."""
-    return Path(artifacts_dir) / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece:02d}"
-
-
-def read_tensor_record(artifacts_dir: Path) -> dict | None:
-    """``tensor.json`` of a run's artifacts, or None when the pieces are not built."""
-    try:
-        return json.loads((Path(artifacts_dir) / TENSOR_DIR / TENSOR_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-
 
 def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     """The preparation passes that make torch exports trainable by the engine and change no tensor the split sees:
@@ -89,23 +72,23 @@ def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str],
     return model, plan, trainable, frozen
 
 
-def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> None:
+def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> None:
     folder.mkdir(parents=True)
     stage = piece.stage
     model = stage.model
     if repeatable_gathers(cfg):  # as for the whole model and the pipeline stages (ortflow/graph/embedding.py)
         model = deterministic_gathers(model, set(stage.parameters))
     if last:
-        output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
+        output_name = check_loss_io(cfg, inspect_model(cfg.model.path))
         label = None if cfg.model.loss == "model_output" else cfg.model.label_input
         if cfg.model.loss == "cross_entropy" and label is not None:  # [B, T, V] logits: as prepare_model does
             model, flat = flatten_logits(model, output_name, label)
             output_name, label = flat.scores, flat.labels
-        loss, extra = _ConfiguredLoss(_loss_block(cfg), output_name, label), None
+        loss, extra = ConfiguredLoss(loss_block(cfg), output_name, label), None
     else:
         types = {o.name: o for o in model.graph.output}
-        floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in _FLOAT)
-        loss, extra = _VJPLoss(floats, types), list(stage.sends)
+        floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in FLOAT_TYPES)
+        loss, extra = VJPLoss(floats, types), list(stage.sends)
     engine_artifacts.generate_artifacts(
         model,
         requires_grad=[*stage.parameters, *piece.float_receives],
@@ -125,12 +108,12 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
 
 
-def _piece_record(piece: Piece, model: onnx.ModelProto) -> dict:
+def piece_record(piece: Piece, model: onnx.ModelProto) -> dict:
     types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
     stage = piece.stage
     return {"index": stage.index, "parallel": piece.parallel, "receives": list(stage.receives),
             "float_receives": list(piece.float_receives), "sends": list(stage.sends),
-            "float_sends": [n for n in stage.sends if types.get(n) in _FLOAT],
+            "float_sends": [n for n in stage.sends if types.get(n) in FLOAT_TYPES],
             "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters)}
 
 
@@ -151,13 +134,13 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
             for piece in pieces:
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                 try:
-                    _build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder)
+                    build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder)
                 except ArtifactsError:
                     raise
                 except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                     raise ArtifactsError(f"the engine could not build tensor-parallel piece {piece.index} of rank "
                                          f"{rank}: {type(err).__name__}: {err}") from err
-            ranks.append([_piece_record(p, p.stage.model) for p in pieces])
+            ranks.append([piece_record(p, p.stage.model) for p in pieces])
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
                   "split": describe(plan), "pieces": ranks[0]}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))

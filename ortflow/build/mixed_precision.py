@@ -23,9 +23,9 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from ortflow.build.records import LOSS_SCALE_INPUT as INPUT_NAME
 from ortflow.config import RunConfig
 from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
-from ortflow.trainer.loss_scale import INPUT_NAME
 
 log = logging.getLogger(__name__)
 

@@ -23,47 +23,28 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from ortflow.build.artifacts import (
+    ArtifactsError,
+    check_loss_io,
+    ConfiguredLoss,
+    loss_block,
+    inspect_model,
+    split_parameters,
+)
+from ortflow.build.building import building
+from ortflow.build.engine_input import gelu_fusion, repeatable_gathers
+from ortflow.build.records import ARTIFACT_FILES, BACKPROP_SUFFIX, GRAD_IN_SUFFIX, STAGES_DIR, STAGES_RECORD
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.gradient_fixes import gradient_fixes
-from ortflow.graph.pipeline import Stage, choose_cuts, split_model
-from ortflow.trainer.artifacts import (
-    ARTIFACT_FILES,
-    ArtifactsError,
-    _check_loss_io,
-    _ConfiguredLoss,
-    _loss_block,
-    inspect_model,
-    split_parameters,
-)
-from ortflow.trainer.engine_input import gelu_fusion, repeatable_gathers
-from ortflow.trainer.parallel.building import building
+from ortflow.graph.pipeline_cuts import Stage, choose_cuts, split_model
 
 log = logging.getLogger(__name__)
 
-STAGES_DIR = "stages"
-STAGES_RECORD = "stages.json"
-GRAD_IN_SUFFIX = ".grad_in"
-BACKPROP_SUFFIX = ".backprop"
-
-
-def stage_dir(artifacts_dir: Path, index: int) -> Path:
-    """The artifact folder of stage ``index``."""
-    return Path(artifacts_dir) / STAGES_DIR / f"stage-{index:02d}"
-
-
-def read_stages_record(artifacts_dir: Path) -> dict | None:
-    """``stages.json`` of a run's artifacts, or None when the stages are not built."""
-    try:
-        return json.loads((Path(artifacts_dir) / STAGES_DIR / STAGES_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-class _VJPLoss(onnxblock.Block):
+class VJPLoss(onnxblock.Block):
     """loss = sum over sent tensors of ReduceSum(y * g), g the gradient that the next stage sends back."""
 
     def __init__(self, sends: tuple[str, ...], types: dict[str, onnx.ValueInfoProto]):
@@ -155,13 +136,13 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
         model = deterministic_gathers(model, set(stage.parameters))
     stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen)
     if last:
-        output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
+        output_name = check_loss_io(cfg, inspect_model(cfg.model.path))
         label = None if cfg.model.loss == "model_output" else cfg.model.label_input
-        loss: onnxblock.Block = _ConfiguredLoss(_loss_block(cfg), output_name, label)
+        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), output_name, label)
         extra = None
     else:
         types = {o.name: o for o in model.graph.output}
-        loss, extra = _VJPLoss(stage.sends, types), list(stage.sends)
+        loss, extra = VJPLoss(stage.sends, types), list(stage.sends)
     engine_artifacts.generate_artifacts(
         model,
         requires_grad=[*stage.parameters, *stage.receives],
@@ -188,7 +169,7 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     Raises:
         ArtifactsError: The split is refused (names the tensors/nodes and the fix).
     """
-    from ortflow.graph.pipeline import SplitError
+    from ortflow.graph.pipeline_cuts import SplitError
 
     num = cfg.distributed.pipeline_parallel_size
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)

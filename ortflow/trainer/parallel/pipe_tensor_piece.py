@@ -1,9 +1,9 @@
 """A rank of pipeline x tensor (x data) parallelism: one tensor-parallel slice of one pipeline stage.
 
 The stage's pieces, their activation sums over the stage's tensor-parallel group, the gradient average over the
-replicas and the update are the tensor-parallel rank's (:class:`~ortflow.trainer.parallel.tensor.TensorRuntime`,
+replicas and the update are the tensor-parallel rank's (:class:`~ortflow.trainer.parallel.tensor_piece.TensorRuntime`,
 whose loop :func:`~ortflow.trainer.parallel.tensor_loop.train_tensor` runs it); the micro-batches go through the
-stages with the pipeline's 1F1B schedule (:func:`~ortflow.trainer.parallel.pipeline.pipeline_step`), stage ``s``
+stages with the pipeline's 1F1B schedule (:func:`~ortflow.trainer.parallel.schedule.pipeline_step`), stage ``s``
 tensor-parallel rank ``t`` exchanging with stage ``s +- 1`` rank ``t`` (what crosses a cut is replicated, so every
 tensor-parallel rank of a stage sends and receives the same tensors). Layout: :mod:`ortflow.trainer.parallel.grid`.
 
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.build.records import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.parallel.grid import place
-from ortflow.trainer.parallel.pipe_tensor_artifacts import read_pipe_tensor_record, stage_base
-from ortflow.trainer.parallel.pipeline import evaluate_pipeline, pipeline_step
-from ortflow.trainer.parallel.tensor import TensorRuntime, assemble_tensor_runtime
+from ortflow.trainer.parallel.schedule import evaluate_pipeline, pipeline_step
+from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
 
 log = logging.getLogger("ortflow.trainer")
 

@@ -1,10 +1,13 @@
-"""Checkpoints: the folder protocol (:mod:`.folder`), writing and retention (:mod:`.manager`), the HDF5 files
-(:mod:`.h5state`), format 1 engine files (:mod:`.legacy`) and the ``ortflow checkpoint`` tools (:mod:`.tools`).
+"""The checkpoint format: the folder protocol (:mod:`.folder`), writing and the trainer's retention
+(:mod:`.manager`), the HDF5 files (:mod:`.h5state`), tensor-parallel slices (:mod:`.tp`), format 1 engine files
+(:mod:`.legacy`), the parallel layout a checkpoint was written with (:mod:`.layout_check`), the retention stage after
+training (:mod:`.retention`) and the ``ortflow checkpoint`` tools (:mod:`.tools`). Used by the trainer, export and
+the version records; it imports nothing from ortflow but the config.
 
 See docs/checkpoints.md for the layout.
 """
 
-from ortflow.trainer.checkpoints.folder import (
+from ortflow.checkpoints.folder import (
     CHECKPOINT_FILE,
     FORMAT,
     META_FILE,
@@ -19,7 +22,7 @@ from ortflow.trainer.checkpoints.folder import (
     step_dirname,
     verify,
 )
-from ortflow.trainer.checkpoints.manager import (
+from ortflow.checkpoints.manager import (
     CheckpointManager,
     StateWriter,
     delete_checkpoint,

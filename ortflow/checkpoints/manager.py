@@ -22,22 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from ortflow import __version__
-from ortflow.trainer.checkpoints.folder import (
-    _STEP_RE,
-    _TMP_PREFIX,
+from ortflow.checkpoints.folder import (
+    STEP_RE,
+    TMP_PREFIX,
     FORMAT,
     META_FILE,
     META_SHA_KEY,
     CheckpointError,
     CheckpointInfo,
-    _sha256,
+    file_sha256,
     latest_verified,
     list_complete,
     meta_digest,
     step_dirname,
 )
 
-log = logging.getLogger("ortflow.trainer.checkpoints")
+log = logging.getLogger("ortflow.checkpoints")
 
 StateWriter = Callable[[Any, Path], None]
 """Writes this rank's part of a training state into a checkpoint folder (see :mod:`.h5state`)."""
@@ -181,11 +181,11 @@ class CheckpointManager:
         """
         removed = []
         for child in sorted(self.directory.iterdir()) if self.directory.is_dir() else ():
-            if _STEP_RE.match(child.name) and child.is_dir() and not (child / META_FILE).exists():
+            if STEP_RE.match(child.name) and child.is_dir() and not (child / META_FILE).exists():
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)
                 continue
-            if not child.name.startswith(_TMP_PREFIX):
+            if not child.name.startswith(TMP_PREFIX):
                 continue
             pid_text = child.name.rsplit("-", 1)[-1]
             pid = int(pid_text) if pid_text.isdigit() else None
@@ -201,7 +201,7 @@ class CheckpointManager:
 
     def _restore_replaced(self, aside: Path) -> bool:
         """Put back a complete checkpoint set aside for replacement when its writer died before the new one landed."""
-        match = re.match(rf"^{re.escape(_TMP_PREFIX)}replaced-(step-\d+)-\d+$", aside.name)
+        match = re.match(rf"^{re.escape(TMP_PREFIX)}replaced-(step-\d+)-\d+$", aside.name)
         if not match or not (aside / META_FILE).exists() or (self.directory / match.group(1)).exists():
             return False
         os.rename(aside, self.directory / match.group(1))
@@ -231,7 +231,7 @@ class CheckpointManager:
         if not self.is_writer and self._shared is None:
             return None
         name = step_dirname(step)
-        tmp = self.directory / f"{_TMP_PREFIX}{name}-{self._token}"
+        tmp = self.directory / f"{TMP_PREFIX}{name}-{self._token}"
         final = self.directory / name
         try:
             if self.is_writer:
@@ -264,7 +264,7 @@ class CheckpointManager:
         files = {}
         for file in sorted(tmp.iterdir()):
             _fsync_file(file)
-            files[file.name] = {"sha256": _sha256(file), "bytes": file.stat().st_size}
+            files[file.name] = {"sha256": file_sha256(file), "bytes": file.stat().st_size}
         if not files:
             raise CheckpointError(f"the state writer created no file in {tmp}")
         full_meta = {
@@ -287,7 +287,7 @@ class CheckpointManager:
         if final.exists():
             if (final / META_FILE).exists():
                 # A complete checkpoint of this step exists: keep it until the new one is in place.
-                aside = self.directory / f"{_TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+                aside = self.directory / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
                 shutil.rmtree(aside, ignore_errors=True)
                 os.rename(final, aside)
             else:

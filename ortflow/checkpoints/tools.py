@@ -15,15 +15,15 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ortflow.trainer.checkpoints.folder import CheckpointInfo, verify
-from ortflow.trainer.checkpoints.h5state import _pieces, escape, optimizer_files, read_params
+from ortflow.checkpoints.folder import CheckpointInfo, verify
+from ortflow.checkpoints.h5state import state_pieces, escape, optimizer_files, read_params
 
 
 def inspect(path: Path) -> dict:
     """A JSON-ready summary of a verified checkpoint: step, cursor, files, parameters, optimizer state and shards."""
     info = verify(path)
     params = read_params(info.path)
-    step_count, optimizer, pieces = _pieces(info.path)
+    step_count, optimizer, pieces = state_pieces(info.path)
     return {
         "path": str(info.path),
         "format": info.format,
@@ -49,7 +49,7 @@ def merge(path: Path, out: Path) -> CheckpointInfo:
     """
     info = verify(path)
     params = read_params(info.path)
-    step_count, optimizer, pieces = _pieces(info.path)
+    step_count, optimizer, pieces = state_pieces(info.path)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
