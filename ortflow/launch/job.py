@@ -1,6 +1,7 @@
 """One interface for a training job on any scheduler: submit, stream its output, poll its state, cancel, exit status.
 
-A :class:`Job` is what a launcher's ``submit`` returns (:mod:`ortflow.launch.slurm`, :mod:`ortflow.launch.kubernetes`);
+A :class:`Job` is what a launcher starts (:class:`ortflow.launch.local.LocalJob`, :mod:`ortflow.launch.slurm`,
+:mod:`ortflow.launch.kubernetes`);
 :func:`watch` drives any of them the same way: it forwards new output lines, polls the state until the job ends, and
 on an interruption (a cancelled flow, a task timeout, Ctrl-C) asks the job to stop, which makes the ranks write a stop
 checkpoint, waits for that within a grace period and ends the job when the period runs out. A requeued or preempted
@@ -19,9 +20,43 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ortflow.launch.local import STOP_GRACE_S, LaunchResult, is_error_line
-
 log = logging.getLogger(__name__)
+
+#: Seconds the ranks get to stop cleanly (finish the update, keep checkpoints whole) before they are killed.
+STOP_GRACE_S = 30.0
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot be started (not found, bad host file)."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How the job ended: the launcher's exit status and the last error lines any rank printed."""
+
+    returncode: int
+    error_lines: tuple[str, ...]
+    signal: int = 0  # the stop signal this process received and passed on (0: none)
+    launcher: str = "local"  # distributed.launcher that ran the job
+    job_id: str | None = None  # the scheduler's id of the job (Slurm job id, MPIJob namespace/name)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def summary(self) -> str:
+        """A one-paragraph reason for a failed job."""
+        if self.ok:
+            return "training finished"
+        detail = "\n".join(self.error_lines) or "(no error lines captured; see the output above)"
+        return f"training failed with exit status {self.returncode}:\n{detail}"
+
+
+def is_error_line(line: str) -> bool:
+    """Whether an output line reports an error (kept for the failure summary)."""
+    return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
+
+
 
 
 class Phase(enum.Enum):
@@ -44,8 +79,8 @@ class JobState:
 class Job(Protocol):
     """A submitted training job."""
 
-    launcher: str  # "slurm", "kubernetes"
-    job_id: str  # the scheduler's name for it (Slurm job id, MPIJob namespace/name)
+    launcher: str  # "local", "slurm", "kubernetes"
+    job_id: str | None  # the scheduler's name for it (Slurm job id, MPIJob namespace/name); None for local
 
     def read_output(self) -> list[str]:
         """The output lines written since the last call (every rank's, prefixed with its rank)."""
@@ -149,8 +184,9 @@ def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
     def forward(signum: int, _frame: object) -> None:
         if not received:
             received.append(signum)
-            log.warning("%s: cancelling %s job %s", signal.Signals(signum).name, job.launcher, job.job_id)
-            job.cancel()
+            log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
+                        signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
+        job.cancel()  # again on a repeated signal: stopping twice is harmless, and the first may have been missed
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None

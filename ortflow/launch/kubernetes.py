@@ -12,8 +12,7 @@ import logging
 from typing import Any
 
 from ortflow.config import RunConfig
-from ortflow.launch.job import JobState, Phase
-from ortflow.launch.local import LaunchError
+from ortflow.launch.job import JobState, LaunchError, Phase
 from ortflow.launch.mpijob import GROUP, JOB_NAME_LABEL, JOB_ROLE_LABEL, PLURAL, VERSION, render, validate
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ortflow.config import RunConfig
-from ortflow.launch.job import Job, watch
-from ortflow.launch.local import LaunchResult
+from ortflow.launch.job import Job, LaunchResult, watch
 
 #: The run folder's record of the last job that trained it.
 LAUNCH_RECORD = "launch.json"
@@ -22,7 +21,7 @@ def submit(cfg: RunConfig, run_dir: Path) -> tuple[Job, float, float]:
     """Submit (or attach to) the run's job; returns it with its poll interval and stop grace period in seconds."""
     if cfg.distributed.launcher == "slurm":
         from ortflow.launch import slurm
-        from ortflow.launch.local import STOP_GRACE_S
+        from ortflow.launch.job import STOP_GRACE_S
 
         return slurm.submit(cfg, run_dir), cfg.slurm.poll_interval_s, STOP_GRACE_S + 30  # + slurmstepd start
     if cfg.distributed.launcher == "kubernetes":

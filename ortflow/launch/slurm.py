@@ -30,11 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ortflow.config import RunConfig
-from ortflow.launch.job import JobState, Phase
+from ortflow.launch.job import JobState, LaunchError, Phase
 from ortflow.launch.local import (
     LAUNCHER_HOST_ENV,
     LAUNCHER_PID_ENV,
-    LaunchError,
     build_command,
     find_mpiexec,
     launcher_flavor,
