@@ -138,7 +138,8 @@ def watch(
             if received and not cancelled_at:
                 cancelled_at.append(clock())
             if cancelled_at and clock() - cancelled_at[0] > grace_s:
-                log.error("%s job %s did not stop within %.0f s: ending it", job.launcher, job.job_id, grace_s)
+                log.error("%s job%s did not stop within %.0f s: ending it", job.launcher,
+                          f" {job.job_id}" if job.job_id else "", grace_s)
                 job.kill()
                 cancelled_at[0] = float("inf")  # once
             sleep(poll_s)
@@ -149,7 +150,7 @@ def watch(
         raise
     finally:
         restore()
-    log.info("%s job %s ended: %s (exit status %s)", job.launcher, job.job_id, state.detail, state.returncode)
+    log.info("%s job%s ended: %s", job.launcher, f" {job.job_id}" if job.job_id else "", state.detail)
     code = state.returncode if state.returncode is not None else 1
     return LaunchResult(code, tuple(errors), received[0] if received else 0, job.launcher, job.job_id)
 
@@ -157,8 +158,8 @@ def watch(
 def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> JobState:
     """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out."""
-    log.warning("%s job %s: asking the ranks to stop after the current update (%.0f s grace)",
-                job.launcher, job.job_id, grace_s)
+    log.warning("%s job%s: asking the ranks to stop after the current update (%.0f s grace)",
+                job.launcher, f" {job.job_id}" if job.job_id else "", grace_s)
     job.cancel()
     deadline = clock() + grace_s
     state = job.poll()
@@ -170,7 +171,8 @@ def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
     for line in job.read_output():
         on_line(line)
     if state.phase is not Phase.ENDED:
-        log.error("%s job %s did not stop within %.0f s: ending it", job.launcher, job.job_id, grace_s)
+        log.error("%s job%s did not stop within %.0f s: ending it", job.launcher,
+                  f" {job.job_id}" if job.job_id else "", grace_s)
         job.kill()
         state = job.poll()
     return state
