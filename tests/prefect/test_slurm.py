@@ -125,7 +125,8 @@ def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp
             assert done.returncode == 0, done.stdout + done.stderr
         runs[name] = cfg
 
-    plain = subprocess.run([ortflow, "train", str(runs["plain"].output_dir), "--launcher", "slurm"],
+    # The uninterrupted reference runs here (the same 2 ranks x 1 thread, mpiexec without Slurm).
+    plain = subprocess.run([ortflow, "train", str(runs["plain"].output_dir), "--launcher", "local"],
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
 
@@ -139,6 +140,9 @@ def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp
                      "the first checkpoint")  # fmt: skip
             requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
             assert requeue.returncode == 0, requeue.stderr
+            # Slurm holds a requeued job back (BeginTime, about 2 min); start it as soon as it is pending again.
+            wait_for(lambda: job_state(job_id) == "PENDING", 120, "the requeued job to be pending")
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
             assert proc.wait(timeout=600) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
         finally:
             if proc.poll() is None:
@@ -153,3 +157,30 @@ def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp
     assert ours.keys() == reference.keys()
     for name in reference:
         assert np.array_equal(ours[name], reference[name]), name
+
+
+def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
+    import signal
+
+    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"},
+                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 100000, "max_num_checkpoints": 1})
+    ortflow = str(Path(sys.executable).parent / "ortflow")
+    config_file = write_config(cfg, tmp_path / "cli.yaml")
+    for command in ("configure", "prepare-data"):
+        assert subprocess.run([ortflow, command, str(config_file)], capture_output=True, timeout=300).returncode == 0
+    with (tmp_path / "cli.log").open("w") as log:
+        proc = subprocess.Popen([ortflow, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
+            job_id = read_record(cfg.output_dir)["job_id"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=180) == 143, (tmp_path / "cli.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    printed = (tmp_path / "cli.log").read_text()
+    assert "training stopped" in printed and f"slurm job {job_id}" in printed
+    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
+    assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
+    assert not in_queue(job_id)
