@@ -11,17 +11,22 @@ job keeps its id and starts again from the run folder's newest complete checkpoi
 from __future__ import annotations
 
 import enum
+import json
 import logging
+import os
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 log = logging.getLogger(__name__)
 
+#: The run folder's record of the last job that trained it (launcher and job id): the run summary shows it.
+LAUNCH_RECORD = "launch.json"
 #: Seconds the ranks get to stop cleanly (finish the update, keep checkpoints whole) before they are killed.
 STOP_GRACE_S = 30.0
 
@@ -192,3 +197,19 @@ def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+
+
+def write_record(run_dir: Path, launcher: str, job_id: str | None) -> None:
+    """Keep which launcher and job trained the run folder last (replaced atomically)."""
+    path = Path(run_dir) / LAUNCH_RECORD
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
+    os.replace(tmp, path)
+
+
+def read_record(run_dir: Path) -> dict | None:
+    """The launcher and job id of the run folder's last training job, or None."""
+    try:
+        return json.loads((Path(run_dir) / LAUNCH_RECORD).read_text())
+    except (OSError, ValueError):
+        return None

@@ -22,7 +22,16 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from ortflow.launch.job import STOP_GRACE_S, JobState, LaunchError, LaunchResult, Phase, is_error_line, watch
+from ortflow.launch.job import (
+    STOP_GRACE_S,
+    JobState,
+    LaunchError,
+    LaunchResult,
+    Phase,
+    is_error_line,
+    watch,
+    write_record,
+)
 
 __all__ = ["STOP_GRACE_S", "LaunchError", "LaunchResult", "LocalJob", "build_command", "find_mpiexec", "launch",
            "launcher_environment", "launcher_flavor", "is_error_line", "rank_environment"]
@@ -200,6 +209,7 @@ def launch(
     log.info("launching: %s", " ".join(cmd))
     started = time.time()
     job = LocalJob(cmd, env)
+    write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
         on_start(job.proc)
     result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals, sleep=job.wait)

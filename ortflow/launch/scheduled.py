@@ -1,20 +1,13 @@
-"""Run the training job through the scheduler that ``distributed.launcher`` names, and record which job it was.
-
-The record (``RUN/launch.json``: launcher and job id) is what the run summary and the train task's artifact show.
-"""
+"""Run the training job through the scheduler that ``distributed.launcher`` names, and record which job it was
+(``RUN/launch.json``, :func:`ortflow.launch.job.write_record`)."""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from ortflow.config import RunConfig
-from ortflow.launch.job import Job, LaunchResult, watch
-
-#: The run folder's record of the last job that trained it.
-LAUNCH_RECORD = "launch.json"
+from ortflow.launch.job import Job, LaunchResult, watch, write_record
 
 
 def submit(cfg: RunConfig, run_dir: Path) -> tuple[Job, float, float]:
@@ -47,19 +40,3 @@ def run_scheduled(cfg: RunConfig, run_dir: Path | None = None, on_line: Callable
     write_record(run_dir, job.launcher, job.job_id)
     on_line(f"ortflow: {job.launcher} job {job.job_id}")
     return watch(job, on_line, poll_s=poll_s, grace_s=grace_s, forward_signals=forward_signals)
-
-
-def write_record(run_dir: Path, launcher: str, job_id: str | None) -> None:
-    """Keep which launcher and job trained the run folder last (replaced atomically)."""
-    path = Path(run_dir) / LAUNCH_RECORD
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
-    os.replace(tmp, path)
-
-
-def read_record(run_dir: Path) -> dict | None:
-    """The launcher and job id of the run folder's last training job, or None."""
-    try:
-        return json.loads((Path(run_dir) / LAUNCH_RECORD).read_text())
-    except (OSError, ValueError):
-        return None

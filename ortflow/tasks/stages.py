@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ortflow.checkpoints.retention import reason_label
 from ortflow.config import RunConfig
-from ortflow.launch.scheduled import read_record
+from ortflow.launch.job import read_record
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress

@@ -20,7 +20,7 @@ from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
-from ortflow.launch.scheduled import run_scheduled, write_record
+from ortflow.launch.scheduled import run_scheduled
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
@@ -210,7 +210,6 @@ def train(config: RunConfig) -> dict:
                 if layout is None:
                     result = run_scheduled(config, on_line=on_line)
                 else:
-                    write_record(config.output_dir, "local", None)
                     result = launch(config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
                                     threads=layout.threads, on_line=on_line)  # fmt: skip
                 if not result.ok:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
-from ortflow.launch.scheduled import read_record
+from ortflow.launch.job import read_record
 from ortflow.trainer.metrics import read_progress
 from tests.launch.slurm_cluster import slurm_cluster, unavailable
 from tests.prefect.helpers import final_parameters, mlp_config, wait_for, write_config
