@@ -1,4 +1,5 @@
-"""A real single-host Slurm cluster for the tests: munged, slurmctld and slurmd started as root in a temporary folder.
+"""A real Slurm cluster on one host for the tests: munged, slurmctld and one slurmd per node (two nodes of one CPU
+each by default, told apart by their names and ports) started as root in a temporary folder.
 
 Needs Debian's ``slurm-wlm`` and ``munge`` packages and root (the daemons switch users and own their spool folders);
 :func:`unavailable` says why a machine cannot run it, so the tests skip with that reason.
@@ -36,23 +37,22 @@ def _daemon(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def _config(root: Path, cpus: int, munge_socket: Path) -> str:
+def _config(root: Path, nodes: list[str], cpus: int, munge_socket: Path) -> str:
     host = socket.gethostname().split(".")[0]
-    return "\n".join([
+    lines = [
         "ClusterName=ortflowtest",
         f"SlurmctldHost={host}",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
         "AuthType=auth/munge",
         f"AuthInfo=socket={munge_socket}",
         f"StateSaveLocation={root}/state",
-        f"SlurmdSpoolDir={root}/spool",
+        f"SlurmdSpoolDir={root}/spool-%n",  # %n: the node's name, one slurmd per node
         f"SlurmctldPidFile={root}/slurmctld.pid",
-        f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={root}/slurmctld.log",
-        f"SlurmdLogFile={root}/slurmd.log",
+        f"SlurmdLogFile={root}/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "MpiDefault=none",
@@ -66,10 +66,11 @@ def _config(root: Path, cpus: int, munge_socket: Path) -> str:
         "SlurmctldTimeout=30",
         "SlurmdTimeout=60",
         "InactiveLimit=0",
-        f"NodeName={host} CPUs={cpus} State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
-        "",
-    ])
+    ]
+    lines += [f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
+              for node in nodes]  # fmt: skip
+    lines += [f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP", ""]
+    return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -97,14 +98,16 @@ def _stop(pid_file: Path) -> None:
 
 
 @contextlib.contextmanager
-def slurm_cluster(root: Path, cpus: int = 2) -> Iterator[dict[str, str]]:
-    """Start munged, slurmctld and slurmd with a config in ``root``; yields the environment for the clients
-    (``SLURM_CONF``) and stops the three daemons (by their pid files) when the block ends."""
-    for sub in ("state", "spool", "munge"):
+def slurm_cluster(root: Path, num_nodes: int = 2, cpus: int = 1) -> Iterator[dict[str, str]]:
+    """Start munged, slurmctld and a slurmd for each of ``num_nodes`` nodes (``cpus`` CPUs each) with a config in
+    ``root``; yields the environment for the clients (``SLURM_CONF``) and stops every daemon (by its pid file) when
+    the block ends."""
+    nodes = [f"node{i + 1}" for i in range(num_nodes)]
+    for sub in ("state", "munge"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     key, socket_path, munge_pid = root / "munge" / "munge.key", root / "munge" / "munge.socket", root / "munged.pid"
     conf = root / "slurm.conf"
-    conf.write_text(_config(root, cpus, socket_path))
+    conf.write_text(_config(root, nodes, cpus, socket_path))
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -116,27 +119,28 @@ def slurm_cluster(root: Path, cpus: int = 2) -> Iterator[dict[str, str]]:
         started.append(munge_pid)
         subprocess.run([_daemon("slurmctld"), "-f", str(conf)], check=True, env=env, capture_output=True)
         started.append(root / "slurmctld.pid")
-        subprocess.run([_daemon("slurmd"), "-f", str(conf)], check=True, env=env, capture_output=True)
-        started.append(root / "slurmd.pid")
-        _wait_idle(env, root)
+        for node in nodes:
+            (root / f"spool-{node}").mkdir(exist_ok=True)
+            subprocess.run([_daemon("slurmd"), "-f", str(conf), "-N", node], check=True, env=env, capture_output=True)
+            started.append(root / f"slurmd-{node}.pid")
+        _wait_idle(env, root, num_nodes)
         yield env
     finally:
         for pid_file in reversed(started):
             _stop(pid_file)
 
 
-def _wait_idle(env: dict[str, str], root: Path, timeout_s: float = 120) -> None:
+def _wait_idle(env: dict[str, str], root: Path, num_nodes: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    state = ""
+    states: list[str] = []
     while time.monotonic() < deadline:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
-        state = out.stdout.strip()
-        if state.startswith("idle"):
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+        states = out.stdout.split()
+        if len(states) == num_nodes and all(state.startswith("idle") for state in states):
             return
         time.sleep(0.5)
-    logs = "\n".join((root / f"{d}.log").read_text()[-2000:] for d in ("slurmctld", "slurmd")
-                     if (root / f"{d}.log").exists())  # fmt: skip
-    raise RuntimeError(f"the test Slurm node is not idle after {timeout_s:.0f} s (state {state!r}):\n{logs}")
+    logs = "\n".join(path.read_text()[-2000:] for path in sorted(root.glob("slurm*.log")))
+    raise RuntimeError(f"the test Slurm nodes are not idle after {timeout_s:.0f} s (states {states}):\n{logs}")
 
 
 if __name__ == "__main__":  # a cluster to try things by hand: python -m tests.launch.slurm_cluster ROOT

@@ -1,6 +1,7 @@
-"""distributed.launcher slurm against a real single-host Slurm (munged, slurmctld, slurmd started here as root) and a
-real local Prefect server: a flow's 2-rank job trains to the end, ``prefect flow-run cancel`` leaves a stop checkpoint
-and no job, and a requeued job resumes to the same bits as an uninterrupted run."""
+"""distributed.launcher slurm against a real Slurm cluster of two nodes on this host (munged, slurmctld and two
+slurmd started here as root) and a real local Prefect server: a flow's 2-rank job trains to the end, ``prefect
+flow-run cancel`` leaves a stop checkpoint and no job, a requeued job resumes to the same bits as an uninterrupted
+run, and SIGTERM to ``ortflow train`` cancels its job."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from tests.prefect.helpers import final_parameters, mlp_config, wait_for, write_
 from tests.prefect.serving import read_flow_run, serving
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slurm]
+
+#: The test cluster's two nodes of one CPU each: one rank on each.
+TWO_NODES = {"num_nodes": 2}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def job_output(run_dir: Path, job_id: str) -> str:
 def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefect_server, mlp_sources, tmp_path):
     from ortflow.flows import train_pipeline
 
-    cfg = mlp_config(tmp_path, mlp_sources, "slurm-done", distributed={"launcher": "slurm"})
+    cfg = mlp_config(tmp_path, mlp_sources, "slurm-done", distributed={"launcher": "slurm"}, slurm=TWO_NODES)
     state = train_pipeline(cfg, return_state=True)
 
     assert state.is_completed(), state
@@ -73,8 +77,10 @@ def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefec
     assert summary["slurm job"] == job_id  # the run summary names the job
     assert job_state(job_id) == "COMPLETED"
     output = job_output(cfg.output_dir, job_id)
-    assert f"slurm job {job_id} attempt 0" in output
-    assert "[0]" in output and "[1]" in output and "step 20/20" in output  # both ranks ran inside the job
+    assert f"slurm job {job_id} attempt 0 on node[1-2]" in output
+    assert "step 20/20" in output
+    for rank in (0, 1):  # one rank on each node of the allocation
+        assert f"[{rank}] " in output and f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
     assert read_progress(cfg.output_dir)["step"] == 20
     assert not in_queue(job_id)
 
@@ -82,9 +88,9 @@ def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefec
 def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, prefect_server, mlp_sources, tmp_path):
     from prefect.client.orchestration import get_client
 
-    base = mlp_config(tmp_path, mlp_sources, "slurm-served", distributed={"launcher": "slurm"})
+    base = mlp_config(tmp_path, mlp_sources, "slurm-served", distributed={"launcher": "slurm"}, slurm=TWO_NODES)
     env = {**prefect_server, "SLURM_CONF": slurm["SLURM_CONF"]}
-    long = mlp_config(tmp_path, mlp_sources, "slurm-cancelled", distributed={"launcher": "slurm"},
+    long = mlp_config(tmp_path, mlp_sources, "slurm-cancelled", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
                       train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
                       checkpoint={"period": 100000, "max_num_checkpoints": 1})
     with serving(write_config(base, tmp_path / "served.yaml"), env, "slurm-served", tmp_path, tmp_path / "serve.log"):
@@ -118,7 +124,7 @@ def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp
     ortflow = str(Path(sys.executable).parent / "ortflow")
     runs = {}
     for name in ("plain", "requeued"):
-        cfg = mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, **sections)
+        cfg = mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES, **sections)
         for command in (["configure"], ["prepare-data"]):
             done = subprocess.run([ortflow, *command, str(write_config(cfg, tmp_path / f"{name}.yaml"))],
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -162,7 +168,7 @@ def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp
 def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
     import signal
 
-    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"},
+    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
                      train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
                      checkpoint={"period": 100000, "max_num_checkpoints": 1})
     ortflow = str(Path(sys.executable).parent / "ortflow")
