@@ -99,7 +99,8 @@ def train(
     """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
     status.
 
-    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130; killed after 30 s).
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130); ranks that have not
+    stopped after the grace period (30 s here, 60 s for a Slurm job) are killed.
     """
     import os
 
@@ -121,6 +122,15 @@ def train(
         if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
             _fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher {dist.launcher} takes "
                   f"them from the config (distributed.num_ranks, section {dist.launcher})")
+        if profile and dist.launcher == "kubernetes":
+            _fail("--profile with launcher kubernetes: set train.profile_steps in the config (the pods do not get "
+                  "this command's environment)")
+        if profile:
+            try:
+                parse_steps(profile)
+            except ValueError as err:
+                _fail(str(err))
+            os.environ[PROFILE_ENV] = profile  # the Slurm job inherits this environment
         _train_scheduled(cfg, run_dir, wait)
         return
 

@@ -135,3 +135,18 @@ def test_cancel_signals_the_batch_shell_and_a_pending_job_is_just_removed(tmp_pa
     job.poll()
     job.cancel()
     assert fake.commands[-1] == ("scancel", "42")
+
+
+def test_ortflow_train_refuses_local_options_and_incomplete_sections_with_a_scheduler(tmp_path):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from tests.trainer.runs import make_run
+
+    cfg = make_run(tmp_path, "cli", distributed={"num_ranks": 2})
+    runner = CliRunner()
+    refused = runner.invoke(app, ["train", str(cfg.output_dir), "--launcher", "slurm", "--np", "2"])
+    assert refused.exit_code == 1 and "--mpiexec are for launcher local" in refused.output
+    no_image = runner.invoke(app, ["train", str(cfg.output_dir), "--launcher", "kubernetes"])
+    assert no_image.exit_code == 1 and "needs kubernetes.image" in no_image.output
+    assert "Traceback" not in refused.output + no_image.output
