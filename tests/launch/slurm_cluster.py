@@ -146,7 +146,8 @@ def _wait_idle(env: dict[str, str], root: Path, num_nodes: int, timeout_s: float
 if __name__ == "__main__":  # a cluster to try things by hand: python -m tests.launch.slurm_cluster ROOT
     import sys
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # sigwait below receives them
     with slurm_cluster(Path(sys.argv[1])) as cluster_env:
+        # Blocked only now: the daemons started above must not inherit a mask that would keep SIGTERM from them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # sigwait below receives them
         print(f"export SLURM_CONF={cluster_env['SLURM_CONF']}", flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
