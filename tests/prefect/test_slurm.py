@@ -21,7 +21,10 @@ from tests.launch.slurm_cluster import slurm_cluster, unavailable
 from tests.prefect.helpers import final_parameters, mlp_config, wait_for, write_config
 from tests.prefect.serving import read_flow_run, serving
 
-pytestmark = [pytest.mark.prefect, pytest.mark.slurm]
+#: Why this machine cannot run the test cluster (None: it can); checked before any fixture starts a Prefect server.
+UNAVAILABLE = unavailable()
+pytestmark = [pytest.mark.prefect, pytest.mark.slurm,
+              pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
 
 #: The test cluster's two nodes of one CPU each: one rank on each.
 TWO_NODES = {"num_nodes": 2}
@@ -30,9 +33,6 @@ TWO_NODES = {"num_nodes": 2}
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A running test cluster; the Slurm commands of this process and its children find it through SLURM_CONF."""
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
     root = tmp_path_factory.mktemp("slurm")
     root.chmod(0o700)  # munged refuses a key folder others can write to
     with slurm_cluster(root) as env:
