@@ -1,7 +1,8 @@
 """The model-preparation pass configure runs before the engine builds the training graph.
 
 Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then ONNX's tanh
-Gelu as the engine's FastGelu (for its gradient), then (when asked) the GELU fusion, then repeated inputs, then (when
+Gelu as the engine's FastGelu (for its gradient), then (when asked) the GELU fusion (on CPU ranks with the tanh GELU
+in its sigmoid form, whose CPU gradient is fast), then repeated inputs, then (when
 asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for the loss, and last the check
 that every node on the trained path has a gradient (it runs on the graph the engine will see). No step changes an
 initializer.
@@ -56,7 +57,7 @@ def prepare_model(
     loss_output: str,
     label_input: str | None,
     repeatable_gathers: bool = False,
-    fuse_gelu: bool = False,
+    fuse_gelu: bool | str = False,
     keep: set[str] | None = None,
 ) -> PreparedModel:
     """Rewrite the user's model into one the engine trains correctly, or say why it cannot.
@@ -69,7 +70,8 @@ def prepare_model(
         label_input: The label input's name (None for ``model_output``).
         repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
             gradient of Gather is not repeatable with more than one thread.
-        fuse_gelu: Replace exported elementwise GELUs by the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`).
+        fuse_gelu: How GELUs reach the engine: ``"as_exported"`` (False), ``"engine"`` (True: the engine's Gelu /
+            FastGelu) or ``"cpu"`` (the tanh form with a fast CPU gradient); :func:`ortflow.graph.gelu.gelu_rewrites`.
         keep: Tensor names no pass may remove (the pipeline cuts).
 
     Returns:
