@@ -4,7 +4,8 @@ Parts, in order: the machine's float32 GEMM ceiling; the "same model" check (fir
 the interleaved comparison (ortflow trainer, bare engine loop, PyTorch DDP eager, torch.compile and bf16 autocast
 where the CPU has bf16) at 1 x 1, 1 x all cores and N x 1, with ratios against PyTorch's fastest mode and row;
 all-reduce (ortflow vs bare MPI) at the largest rank count; checkpoint save time; data preparation
-(``bench.bench_dataprep``). ``--ranks 1,2,4,8,16`` is the scaling run of ``bench/device_cpu_scaling.sh``.
+(``python -m bench dataprep``). ``--ranks 1,2,4,8,16`` is the scaling run on a many-core host. The feature
+benchmarks are ``python -m bench NAME`` (``bench.cli``).
 """
 
 from __future__ import annotations
