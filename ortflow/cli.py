@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +38,20 @@ def _root() -> None:
 def _fail(message: str, code: int = 1) -> None:
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # `[rank 0]`, `[/x` stay text
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _writing(where: Path) -> Iterator[None]:
+    """Report a full, read-only or forbidden disk met while writing under ``where`` as such, without a traceback."""
+    from ortflow.cli_terminal import disk_problem
+
+    try:
+        yield
+    except OSError as err:
+        message = disk_problem(err, where)
+        if message is None:
+            raise
+        _fail(message)
 
 
 def _load(config: Path, overrides: list[str] | None):
@@ -123,7 +139,7 @@ def train(
     console.print(f"layout: {layout.ranks} rank(s) x {layout.threads} thread(s) ({layout.reason}){split}",
                   highlight=False)  # fmt: skip
     try:
-        with hold(run_dir, wait=wait, purpose="ortflow train"):  # one writer per run folder
+        with _writing(run_dir), hold(run_dir, wait=wait, purpose="ortflow train"):  # one writer per run folder
             result = launch(
                 run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
                 threads=layout.threads, mpiexec=mpiexec, forward_signals=True,
@@ -182,7 +198,8 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     cfg = _load(config, overrides)
     try:
-        result = configure(cfg)
+        with _writing(cfg.output_dir):
+            result = configure(cfg)
     except ConfigError as err:
         _fail(str(err))
     state = "unchanged, reused existing artifacts" if result.reused else "built artifacts"
@@ -201,7 +218,8 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     cfg = _load(config, overrides)
     try:
-        manifest = prepare_data(cfg)
+        with _writing(cfg.data_dir):
+            manifest = prepare_data(cfg)
     except DataError as err:
         _fail(str(err))
     shards = sum(len(s) for s in manifest.splits.values())
@@ -218,7 +236,9 @@ def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
     from ortflow.export.retention import reason_label, retain_checkpoints
 
-    index = retain_checkpoints(_load(config, overrides))
+    cfg = _load(config, overrides)
+    with _writing(cfg.checkpoints_dir):
+        index = retain_checkpoints(cfg)
     for entry in index.kept:
         reasons = ", ".join(reason_label(r, index.keep_newest) for r in entry["reasons"])
         console.print(f"  keep   step {entry['step']}: {reasons}", highlight=False)
@@ -298,8 +318,9 @@ def export_cmd(
         out = load_run_config(source).export_path
     names = [n.strip() for n in outputs.split(",") if n.strip()] if outputs else []
     try:
-        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance,
-                              checkpoint=checkpoint)
+        with _writing(out.parent):
+            result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize,
+                                  tolerance=tolerance, checkpoint=checkpoint)
     except ValueError as err:  # ExportError, CheckpointError, ConfigError: each message says what to do
         _fail(str(err))
     ver = result.verification
@@ -434,8 +455,10 @@ def run(
         try:
             state.result()
         except BaseException as err:  # noqa: BLE001 - the stage's own failure, shown without a traceback
-            console.print(f"error: pipeline {state.name.lower()}: {err}", highlight=False, markup=False,
-                          style="bold red")
+            from ortflow.cli_terminal import disk_problem
+
+            console.print(f"error: pipeline {state.name.lower()}: {disk_problem(err) or err}", highlight=False,
+                          markup=False, style="bold red")
             for line in failure_advice(err, command):
                 console.print(f"  {line}", highlight=False, markup=False)
             console.print(f"  full log with tracebacks: {log_file}", highlight=False, markup=False)
@@ -602,8 +625,21 @@ def example(
 
 
 def main() -> None:
-    """Entry point of the ``ortflow`` console script."""
-    app(prog_name="ortflow")
+    """Entry point of the ``ortflow`` console script.
+
+    A full, read-only or forbidden disk is reported as such (the path and the fix), not as a traceback, whichever
+    command met it.
+    """
+    from ortflow.cli_terminal import disk_problem
+
+    try:
+        app(prog_name="ortflow")
+    except OSError as err:
+        message = disk_problem(err)
+        if message is None:
+            raise
+        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -908,8 +908,11 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
     tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(target)
+    try:
+        tmp.write_text(dump_config(cfg))
+        tmp.replace(target)
+    finally:  # a full disk leaves no half-written file beside the config
+        tmp.unlink(missing_ok=True)
     return target
 
 
