@@ -123,7 +123,7 @@ def train(
     except ConfigError as err:
         _fail(str(err))
     dist = cfg.distributed
-    from ortflow.runlock import RunFolderLocked, hold
+    from ortflow.runlock import RunFolderLocked, hold_all, training_folders
 
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         _fail(f"--np {np_}: give a number of ranks or auto")
@@ -139,7 +139,9 @@ def train(
     console.print(f"layout: {layout.ranks} rank(s) x {layout.threads} thread(s) ({layout.reason}){split}",
                   highlight=False)  # fmt: skip
     try:
-        with _writing(run_dir), hold(run_dir, wait=wait, purpose="ortflow train"):  # one writer per run folder
+        # one writer per run folder, and per checkpoint folder wherever checkpoint.dir puts it
+        with _writing(run_dir), hold_all(training_folders(run_dir, cfg.checkpoints_dir), wait=wait,
+                                         purpose="ortflow train"):
             result = launch(
                 run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
                 threads=layout.threads, mpiexec=mpiexec, forward_signals=True,

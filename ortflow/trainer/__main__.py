@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.trainer import lifeline
-from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.trainer.checkpoints import CheckpointManager, run_owner
 from ortflow.trainer.checkpoints.h5state import write_state
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.integrity import verify_artifacts
@@ -88,7 +88,7 @@ def run_rank(run_dir: Path) -> int:
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
-            writer=write_state, shared=shared,
+            writer=write_state, shared=shared, owner=run_owner(cfg) if writer else None,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard

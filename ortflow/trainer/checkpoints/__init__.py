@@ -25,9 +25,11 @@ from ortflow.trainer.checkpoints.manager import (
     delete_checkpoint,
     retention_to_delete,
 )
+from ortflow.trainer.checkpoints.owner import check_owner, run_owner
 
 __all__ = [
     "CHECKPOINT_FILE", "FORMAT", "META_FILE", "META_SHA_KEY", "PARAMS_FILE", "CheckpointError", "CheckpointInfo",
-    "CheckpointManager", "StateWriter", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
+    "CheckpointManager", "StateWriter", "check_owner",
+    "run_owner", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
     "resolve_resume", "retention_to_delete", "step_dirname", "verify",
 ]

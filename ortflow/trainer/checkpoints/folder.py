@@ -205,21 +205,30 @@ def latest_verified(directory: Path) -> CheckpointInfo | None:
     return None
 
 
-def resolve_resume(directory: Path, checkpoint_to_load: Path | None) -> CheckpointInfo | None:
+def resolve_resume(
+    directory: Path, checkpoint_to_load: Path | None, owner: dict | None = None
+) -> CheckpointInfo | None:
     """The checkpoint a run resumes from.
 
     Args:
         directory: The run's checkpoint directory.
         checkpoint_to_load: A checkpoint the user named (config ``checkpoint.checkpoint_to_load_path``), or None.
+        owner: This run's identity (:func:`.owner.run_owner`): the newest checkpoint must belong to it.
 
     Returns:
         The named checkpoint (verified), else the newest complete one that verifies, else None (fresh start).
 
     Raises:
-        CheckpointError: the named checkpoint is damaged; there is no silent fall back when the user chose one.
+        CheckpointError: the named checkpoint is damaged (there is no silent fall back when the user chose one), or
+            the newest checkpoint in ``directory`` belongs to another run.
     """
     if checkpoint_to_load is not None:
         return verify(Path(checkpoint_to_load))
-    return latest_verified(directory)
+    found = latest_verified(directory)
+    if found is not None and owner is not None:
+        from ortflow.trainer.checkpoints.owner import check_owner
+
+        check_owner(found, owner)
+    return found
 
 
