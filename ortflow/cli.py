@@ -291,8 +291,9 @@ def evaluate(
 
 @app.command(name="export")
 def export_cmd(
-    source: Annotated[Path, typer.Argument(
-        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version).")],
+    source: Annotated[Path | None, typer.Argument(
+        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version).",
+        show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Model to write (default: the run's export.path).")]
     = None,
     outputs: Annotated[str | None, typer.Option(help="Comma-separated outputs (default: the model's own).")] = None,
@@ -302,13 +303,29 @@ def export_cmd(
     quantize: Annotated[bool, typer.Option(help="Dynamic int8 quantization; reports the accuracy change.")] = False,
     tolerance: Annotated[float, typer.Option(help="Max abs difference to the eval graph accepted.")] = 1e-4,
     checkpoint: CheckpointOpt = None,
+    verify: Annotated[Path | None, typer.Option(
+        "--verify", help="Only check an exported model against its .sha256 sidecar (exit 1 if it differs).")] = None,
 ) -> None:
-    """Export a verified inference model from a checkpoint and the eval model (no training session)."""
+    """Export a verified inference model from a checkpoint and the eval model (no training session).
+
+    The model gets a sha256 sidecar (model.onnx.sha256); `ortflow export --verify model.onnx` checks it.
+    """
     import json
 
     from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
     from ortflow.export import export_model
+    from ortflow.export.checksum import verify_model
     from ortflow.versions import resolve_run
+
+    if verify is not None:
+        try:
+            digest = verify_model(verify)
+        except ValueError as err:
+            _fail(str(err))
+        console.print(f"[green]verified[/] {escape(str(verify))}: sha256 {digest} matches its sidecar", highlight=False)
+        return
+    if source is None:
+        _fail("give the run folder (or checkpoint folder) to export, or --verify MODEL to check an exported model")
 
     try:
         source = resolve_run(source)  # OUTPUT_DIR/latest: the newest completed version
@@ -329,7 +346,7 @@ def export_cmd(
     console.print(
         f"[green]exported[/] {result.path} from {result.checkpoint.name} (step {result.step}, eval loss "
         f"{result.eval_loss}); outputs {list(result.outputs)}; max abs diff to the eval graph {ver.max_abs_diff} "
-        f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data})",
+        f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data}); sha256 {result.sha256}",
         highlight=False,
         soft_wrap=True,
     )

@@ -35,7 +35,7 @@ from ortflow.config import (
 from ortflow.engine import ORT_VERSION
 from ortflow.trainer.artifacts import ARTIFACT_FILES, ArtifactsError, build_artifacts, inspect_model
 from ortflow.trainer.engine_input import repeatable_gathers
-from ortflow.trainer.integrity import DIGESTS_KEY, artifact_digests
+from ortflow.trainer.integrity import DIGESTS_KEY, ArtifactsDamaged, artifact_digests, verify_artifacts
 from ortflow.trainer.parallel.pipe_tensor_artifacts import (
     build_pipe_tensor_artifacts,
     plan_pipe_tensor,
@@ -147,6 +147,16 @@ def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
             and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
 
 
+def _artifacts_intact(artifacts_dir: Path, record: dict) -> bool:
+    """Whether the artifacts match the checksums configure.json recorded (a damaged file is rebuilt, not reused)."""
+    try:
+        verify_artifacts(artifacts_dir, record)
+    except ArtifactsDamaged as err:
+        log.warning("configure: rebuilding the artifacts: %s", err)
+        return False
+    return True
+
+
 def configure(cfg: RunConfig) -> ConfigureResult:
     """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
 
@@ -173,6 +183,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and previous.get("fingerprint") == key
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
         and _split_artifacts_exist(cfg, artifacts_dir)
+        and _artifacts_intact(artifacts_dir, previous)
     ):
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)

@@ -65,6 +65,9 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_batches
     if cfg is None or src.data_dir is None:
         raise ExportError(f"{source}: evaluate needs a configured run folder with prepared data (config.yaml, "
                           "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
+    from ortflow.trainer.integrity import verify_artifacts
+
+    verify_artifacts(cfg.artifacts_dir, src.record)  # before the engine loads them: a damaged file is named
     batch = cfg.train.resolved_eval_batch_size
     loader = EvalLoader(src.data_dir, batch, rank=0, world_size=1)
     # The engine's session starts from the configured weights; the checkpoint's values (HDF5, or a format 1 engine

@@ -70,13 +70,13 @@ def run_rank(run_dir: Path) -> int:
     lifeline.follow_launcher()  # `ortflow train` (or the flow) died: exit within a second, not at the next print
     cfg, comm = start_mpi(run_dir)
     try:
+        if comm.rank == 0:
+            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # a flipped bit in a model file
+            verify_data(cfg.data_dir)  # and a corrupt or changed shard fail here, before the engine loads anything
+        # Sync point: no rank loads the artifacts or reads shards before rank 0 has verified them.
+        comm.barrier("verify data")
         rt = init_runtime(run_dir, cfg, comm)
         cfg = rt.cfg  # with a global batch, the per-rank batch and accumulation for this world size
-        if comm.rank == 0:
-            verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
-            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # and a flipped bit in a model
-        # Sync point: no rank reads shards before rank 0 has verified them.
-        comm.barrier("verify data")
         shard, shards = rt.data_shard()
         loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=cfg.data.prefetch_batches)
         evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards)
