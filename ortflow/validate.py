@@ -91,8 +91,8 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from ortflow.graph.tensor_shard import shard_model
 
     if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
-        from ortflow.trainer.artifacts import ArtifactsError
-        from ortflow.trainer.parallel.pipe_tensor_artifacts import plan_pipe_tensor
+        from ortflow.build.artifacts import ArtifactsError
+        from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
 
         try:
             plan_pipe_tensor(cfg)
@@ -156,7 +156,7 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
     """Build the artifacts as configure would, in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.trainer.artifacts import build_artifacts  # the engine: only for --deep
+    from ortflow.build.artifacts import build_artifacts  # the engine: only for --deep
 
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
         try:

@@ -26,12 +26,11 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
+from ortflow.build.configure import fingerprint as configure_fingerprint
+from ortflow.build.configure import read_configure_record
+from ortflow.build.records import ARTIFACT_FILES, verify_artifacts
+from ortflow.checkpoints import list_complete, verify
 from ortflow.config import RunConfig
-from ortflow.configure import fingerprint as configure_fingerprint
-from ortflow.configure import read_configure_record
-from ortflow.trainer.artifacts import ARTIFACT_FILES
-from ortflow.trainer.checkpoints import list_complete, verify
-from ortflow.trainer.integrity import verify_artifacts
 
 log = logging.getLogger(__name__)
 

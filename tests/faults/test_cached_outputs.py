@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
+from ortflow.checkpoints import list_complete
+from ortflow.checkpoints.retention import retain_checkpoints
 from ortflow.export import export_model
 from ortflow.export.checksum import sidecar_path
-from ortflow.export.retention import retain_checkpoints
 from ortflow.tasks.caching import outputs_intact
-from ortflow.trainer.checkpoints import list_complete
 
 from ..trainer.runs import make_run, run_ranks
 from . import procs

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ortflow.trainer.checkpoints import list_complete
+from ortflow.checkpoints import list_complete
 
 from ..trainer.runs import make_run, run_ranks
 from . import procs

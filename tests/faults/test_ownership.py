@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ortflow.checkpoints import CheckpointError, CheckpointManager, list_complete, resolve_resume, run_owner
 from ortflow.config import config_from_dict
 from ortflow.runlock import holder
-from ortflow.trainer.checkpoints import CheckpointError, CheckpointManager, list_complete, resolve_resume, run_owner
 
 from ..trainer.runs import make_run, run_ranks
 from . import procs
