@@ -15,7 +15,7 @@ from ortflow.build.records import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.specs import CONFIGURE_NAME
-from ortflow.trainer import lifeline
+from ortflow.trainer import lifeline, output
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ortflow.trainer", description=__doc__)
     parser.add_argument("run_dir", type=Path, help="A configured run folder (holds config.yaml and artifacts/).")
     args = parser.parse_args(argv)
+    output.never_block()  # a launcher that stops reading (stopped, wedged) must never stall this rank
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
     )
