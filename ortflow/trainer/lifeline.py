@@ -146,3 +146,38 @@ def launcher_processes(environ: dict[str, str] | os._Environ = os.environ) -> tu
         found.append((f"the launching process '{_command(pid) or pid}' (pid {pid})", pid))
     return tuple(found)
 
+
+def continued_signal() -> Callable[[], bool]:
+    """A function that says whether this process has been continued (SIGCONT) since its previous call.
+
+    Python runs signal handlers in the main thread only, between bytecodes, so a rank blocked in a collective would
+    not see the signal in time; the interpreter's wakeup descriptor is written at once, by its C-level handler, and a
+    watchdog thread reads it. Main thread only (where it cannot be set up, the function always says False).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: False
+    read_end, write_end = os.pipe()
+    for fd in (read_end, write_end):
+        os.set_blocking(fd, False)
+    try:
+        signal.signal(signal.SIGCONT, lambda _signum, _frame: None)  # a Python handler: the C handler wakes the fd
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(read_end)
+        os.close(write_end)
+        return lambda: False
+
+    def continued() -> bool:
+        seen = False
+        try:
+            while True:
+                data = os.read(read_end, 512)
+                if not data:
+                    break
+                seen = seen or signal.SIGCONT in data
+        except BlockingIOError:
+            pass
+        return seen
+
+    return continued
+

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -90,21 +92,24 @@ class FakeClock:
         return self.now
 
 
-def _watchdog(tmp_path, clock, state=lambda pid: "S", launchers=()):
+def _watchdog(tmp_path, clock, state=lambda pid: "S", launchers=(), continued=lambda: False):
     from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 
     fired: list[str] = []
-    dog = Watchdog(10.0, Heartbeats(tmp_path, 0, 1), fired.append, clock=clock, launchers=launchers, state=state)
+    dog = Watchdog(10.0, Heartbeats(tmp_path, 0, 1), fired.append, clock=clock, launchers=launchers, state=state,
+                   continued=continued)
     dog.close()  # rounds are driven by hand below
     return dog, fired
 
 
 def test_time_the_rank_itself_was_stopped_does_not_count_against_the_timeout(tmp_path):
     clock = FakeClock()
-    dog, fired = _watchdog(tmp_path, clock)
+    signals: list[bool] = []
+    dog, fired = _watchdog(tmp_path, clock, continued=lambda: bool(signals) and signals.pop())
     dog.enter("allreduce")
     last = clock.now
-    clock.now += 60.0  # the whole job paused (Ctrl-Z) for a minute inside the collective, then resumed
+    clock.now += 60.0  # the whole job paused (Ctrl-Z) for a minute inside the collective, then resumed (SIGCONT)
+    signals.append(True)
     assert not dog.check(last) and not fired
     for _ in range(int(10.0 / dog.beat_s)):  # a real stall after the resume, round by round, still aborts
         last = clock.now
@@ -112,6 +117,42 @@ def test_time_the_rank_itself_was_stopped_does_not_count_against_the_timeout(tmp
         if dog.check(last):
             break
     assert fired and "allreduce" in fired[0] and clock.now - 160.0 >= 9.0  # the minute paused was not counted
+
+
+def test_a_gap_without_a_continue_signal_still_counts(tmp_path):
+    clock = FakeClock()
+    dog, fired = _watchdog(tmp_path, clock)
+    dog.enter("allreduce")
+    last = clock.now
+    clock.now += 60.0  # the watchdog thread was late (a loaded machine), the rank was never stopped
+    assert dog.check(last) and "allreduce" in fired[0]
+
+
+def test_the_continue_signal_reaches_a_watchdog_thread_while_the_main_thread_is_busy():
+    from ortflow.trainer.lifeline import continued_signal
+
+    handler = signal.getsignal(signal.SIGCONT)
+    continued = continued_signal()
+    try:
+        seen = []
+        watcher = threading.Thread(target=lambda: seen.append(_wait_for(continued)))
+        watcher.start()
+        os.kill(os.getpid(), signal.SIGCONT)
+        time.sleep(0.2)  # the main thread stays busy in C code (sleep) while the thread must see the signal
+        watcher.join(timeout=10)
+        assert seen == [True]
+    finally:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCONT, handler)
+
+
+def _wait_for(check) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_a_launcher_stopped_longer_than_the_timeout_is_named(tmp_path):

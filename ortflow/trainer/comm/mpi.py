@@ -17,7 +17,7 @@ from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_
 from ortflow.trainer.comm.buckets import Bucket, plan_buckets
 from ortflow.trainer.comm.runs import RunPlan, plan_key
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
-from ortflow.trainer.lifeline import launcher_processes
+from ortflow.trainer.lifeline import continued_signal, launcher_processes
 
 #: Dimensions a point-to-point header holds (unused ones are -1).
 _HEADER = 8
@@ -53,7 +53,7 @@ class MPIComm:
         self._groups: dict[int, object] = {}  # group size -> MPI sub-communicator of consecutive ranks
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out, launchers=launcher_processes(),
-                                 on_launcher_stopped=self._launcher_stopped)
+                                 on_launcher_stopped=self._launcher_stopped, continued=continued_signal())
         self._runs: RunPlan | None = None  # the runs exchange's plan, made at its first call
         self._pending: list[tuple[tuple, list]] = []  # started sends: (buffers that must outlive them, requests)
         self._world_of: dict[int, int] = {}

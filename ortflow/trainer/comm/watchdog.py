@@ -138,8 +138,8 @@ class Watchdog:
     launcher process this rank depends on has been stopped that long.
 
     Time this rank itself spent stopped (the whole job paused with Ctrl-Z, then resumed with ``fg``) does not count
-    against the timeout: the thread that beats every ``beat_s`` sees the gap when it runs again and moves the start
-    of the current wait forward by it.
+    against the timeout: once the process has been continued (SIGCONT), the thread that beats every ``beat_s`` moves
+    the start of the current wait forward by the gap since its previous round.
 
     Args:
         timeout: ``distributed.collective_timeout_s``.
@@ -151,12 +151,15 @@ class Watchdog:
         state: Reads a process's state letter (passed in so tests need no stopped process).
         on_launcher_stopped: Called instead of ``on_timeout`` for a stopped launcher (an abort through the launcher
             could not get through it).
+        continued: True once this process has been continued (SIGCONT) since the previous call
+            (:func:`ortflow.trainer.lifeline.continued_signal`).
     """
 
     def __init__(self, timeout: float, heartbeats: Heartbeats, on_timeout: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic, launchers: tuple[tuple[str, int], ...] = (),
                  state: Callable[[int], str | None] = process_state,
-                 on_launcher_stopped: Callable[[str], None] | None = None):
+                 on_launcher_stopped: Callable[[str], None] | None = None,
+                 continued: Callable[[], bool] = lambda: False):
         self.timeout = timeout
         self.heartbeats = heartbeats
         self.on_timeout = on_timeout
@@ -164,6 +167,7 @@ class Watchdog:
         self.launchers = launchers
         self._state = state
         self.on_launcher_stopped = on_launcher_stopped or on_timeout
+        self._continued = continued
         self._stopped_since: dict[int, float] = {}
         self.seq = 0
         self.beat_s = min(1.0, timeout / 10)
@@ -200,7 +204,7 @@ class Watchdog:
         """One round of the watch (``last``: the clock at the previous round); True once it has called on_timeout."""
         now = self.clock()
         paused = now - last - self.beat_s
-        if paused > self.stale_s:  # this process was stopped (the job paused): that time is nobody's stall
+        if paused > 0 and self._continued():  # this process was stopped (the job paused): nobody's stall
             entered = self._entered
             if entered is not None:
                 self._entered = entered + paused
