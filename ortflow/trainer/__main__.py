@@ -124,12 +124,22 @@ def run_rank(run_dir: Path) -> int:
         raise
 
 
+def _one_line_os_errors(unraisable) -> None:
+    """An OSError raised where Python cannot pass it on (h5py closing a file on a full disk, in a finalizer) is one
+    log line, not a traceback beside the checkpoint's own message; anything else keeps the default report."""
+    if isinstance(unraisable.exc_value, OSError):
+        log.warning("while cleaning up: %s", unraisable.exc_value)
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the run folder and train this rank."""
     parser = argparse.ArgumentParser(prog="python -m ortflow.trainer", description=__doc__)
     parser.add_argument("run_dir", type=Path, help="A configured run folder (holds config.yaml and artifacts/).")
     args = parser.parse_args(argv)
     output.never_block()  # a launcher that stops reading (stopped, wedged) must never stall this rank
+    sys.unraisablehook = _one_line_os_errors
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
     )

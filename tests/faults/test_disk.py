@@ -110,3 +110,28 @@ def test_a_read_only_run_folder_is_named_as_such(trained, mount, command):
     }[command]
     out = _ortflow(*args)
     _reported(out, "read-only", mount)
+
+
+FINALIZER = """
+import errno, logging, sys
+sys.path.insert(0, {root!r})
+from ortflow.trainer.__main__ import _one_line_os_errors
+logging.basicConfig(level=logging.INFO)
+sys.unraisablehook = _one_line_os_errors
+
+class File:
+    def __del__(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+f = File()
+del f
+"""
+
+
+def test_an_os_error_in_a_finalizer_is_one_line_not_a_traceback():
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FINALIZER.format(root=os.getcwd())], capture_output=True, text=True,
+                         timeout=60)
+    assert "No space left on device" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
