@@ -215,22 +215,23 @@ class Watchdog:
                                      self.stale_s, self._peer)
             self.on_timeout(message)
             return True
-        stopped = self.stopped_launcher(now, last)
+        stopped = self.stopped_launcher(now)
         if stopped:
             self.on_launcher_stopped(stopped)
             return True
         return False
 
-    def stopped_launcher(self, now: float, last: float) -> str | None:
+    def stopped_launcher(self, now: float) -> str | None:
         """The message for a launcher process stopped (SIGSTOP, a stopped terminal job) longer than the timeout.
 
-        A process first seen stopped counts as stopped since ``last``, the previous round, when it was not yet.
+        A process counts as stopped from the round that first sees it so (never before it really stopped), so the
+        job ends between ``timeout`` and ``timeout + beat_s`` after the stop.
         """
         for what, pid in self.launchers:
             if self._state(pid) not in ("T", "t"):
                 self._stopped_since.pop(pid, None)
                 continue
-            since = self._stopped_since.setdefault(pid, last)
+            since = self._stopped_since.setdefault(pid, now)
             if now - since > self.timeout:
                 return (
                     f"{what} has been stopped for {now - since:.0f} s (longer than distributed.collective_timeout_s): "
