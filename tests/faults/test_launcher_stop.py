@@ -165,7 +165,7 @@ def test_a_launcher_stopped_longer_than_the_timeout_is_named(tmp_path):
         assert not dog.check(last)
         last = clock.now
     states[7] = "T"
-    for _ in range(int(10.0 / dog.beat_s)):  # stopped, but not yet for the whole timeout
+    for _ in range(int(10.0 / dog.beat_s) + 1):  # stopped (counted from the first round that sees it), not yet 10 s
         clock.now += dog.beat_s
         assert not dog.check(last), fired
         last = clock.now
