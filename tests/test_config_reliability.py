@@ -139,11 +139,10 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
     assert len(problems) == 1 and "'train' appears twice" in problems[0] and "lines 6 and 7" in problems[0]
 
 
-@pytest.mark.parametrize("text, field", [("1:30", "num_train_steps"), ("0x", "num_train_steps")])
-def test_yaml_1_1_sexagesimal_numbers_are_text_not_numbers(tmp_path, text, field):
-    path = write(tmp_path, BASE.replace("num_train_steps: 12", f"num_train_steps: {text}"))
+def test_yaml_1_1_sexagesimal_numbers_are_text_not_numbers(tmp_path):
+    path = write(tmp_path, BASE.replace("num_train_steps: 12", "num_train_steps: 1:30"))  # YAML 1.1: 90
     problems = load_problems(path)
-    assert problems and any(f"train.{field}" in p for p in problems)
+    assert problems and any("train.num_train_steps" in p for p in problems)
 
 
 def test_a_leading_zero_is_decimal_as_in_yaml_1_2(tmp_path):
