@@ -113,7 +113,7 @@ def summary_rows(
         ("final eval loss", progress.get("eval_loss")),
         ("best eval loss", min(scored) if scored else None),
         ("samples/s", progress.get("samples_per_s")),
-        ("tokens/s", progress.get("tokens_per_s")),
+        *([("tokens/s", progress["tokens_per_s"])] if progress.get("tokens_per_s") is not None else []),  # text only
         ("kept checkpoints", ", ".join(f"step {k['step']} ({why(k)})" for k in kept) or None),
         ("exported model", exported.get("path")),
         ("export source step", exported.get("step")),
