@@ -226,9 +226,33 @@ def resolve_resume(
         return verify(Path(checkpoint_to_load))
     found = latest_verified(directory)
     if found is not None and owner is not None:
-        from ortflow.checkpoints.owner import check_owner
-
         check_owner(found, owner)
     return found
 
 
+#: The key of meta.json that names the run a checkpoint belongs to (``owner.run_owner``).
+RUN_META_KEY = "run"
+
+
+def _describe(owner: dict) -> str:
+    fingerprint, run_id = str(owner.get("config_fingerprint"))[:12], str(owner.get("run_id"))[:8]
+    return f"run '{owner.get('name')}' (folder {owner.get('output_dir')}, config {fingerprint}, id {run_id})"
+
+
+def check_owner(info: CheckpointInfo, owner: dict) -> None:
+    """Refuse to resume this run from a checkpoint another run wrote.
+
+    Raises:
+        CheckpointError: naming both runs and the fix.
+    """
+    theirs = info.meta.get(RUN_META_KEY)
+    if not isinstance(theirs, dict) or not theirs.get("run_id") or not owner.get("run_id"):
+        return  # written before checkpoints recorded their run: nothing to compare
+    if theirs["run_id"] == owner["run_id"]:
+        return
+    raise CheckpointError(
+        f"{info.path} belongs to {_describe(theirs)}, not to this {_describe(owner)}: two runs share the checkpoint "
+        f"folder {info.path.parent}, and resuming would continue the other run's weights. Give each run its own "
+        f"checkpoint.dir (or remove it to use <output_dir>/checkpoints); to start from that checkpoint on purpose, "
+        f"set checkpoint.init_from to it"
+    )

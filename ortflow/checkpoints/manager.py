@@ -26,6 +26,7 @@ from ortflow.checkpoints.folder import (
     FORMAT,
     META_FILE,
     META_SHA_KEY,
+    RUN_META_KEY,
     STEP_RE,
     TMP_PREFIX,
     CheckpointError,
@@ -273,7 +274,7 @@ class CheckpointManager:
             raise CheckpointError(f"the state writer created no file in {tmp}")
         full_meta = {
             **meta,
-            **({"run": self._owner} if self._owner else {}),
+            **({RUN_META_KEY: self._owner} if self._owner else {}),
             "format": FORMAT,
             "step": step,
             "files": files,

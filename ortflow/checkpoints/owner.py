@@ -15,11 +15,9 @@ import os
 import uuid
 from pathlib import Path
 
-from ortflow.checkpoints.folder import CheckpointError, CheckpointInfo
 from ortflow.config import RunConfig
 
 RUN_FILE = Path(".ortflow") / "run.json"
-META_KEY = "run"
 
 
 def run_owner(cfg: RunConfig, create: bool = True) -> dict:
@@ -45,27 +43,3 @@ def run_owner(cfg: RunConfig, create: bool = True) -> dict:
             tmp.unlink(missing_ok=True)
     return {"run_id": run_id, "name": cfg.name, "output_dir": str(Path(cfg.output_dir).resolve()),
             "config_fingerprint": cfg.section_fingerprint()}
-
-
-def _describe(owner: dict) -> str:
-    fingerprint, run_id = str(owner.get("config_fingerprint"))[:12], str(owner.get("run_id"))[:8]
-    return f"run '{owner.get('name')}' (folder {owner.get('output_dir')}, config {fingerprint}, id {run_id})"
-
-
-def check_owner(info: CheckpointInfo, owner: dict) -> None:
-    """Refuse to resume this run from a checkpoint another run wrote.
-
-    Raises:
-        CheckpointError: naming both runs and the fix.
-    """
-    theirs = info.meta.get(META_KEY)
-    if not isinstance(theirs, dict) or not theirs.get("run_id") or not owner.get("run_id"):
-        return  # written before checkpoints recorded their run: nothing to compare
-    if theirs["run_id"] == owner["run_id"]:
-        return
-    raise CheckpointError(
-        f"{info.path} belongs to {_describe(theirs)}, not to this {_describe(owner)}: two runs share the checkpoint "
-        f"folder {info.path.parent}, and resuming would continue the other run's weights. Give each run its own "
-        f"checkpoint.dir (or remove it to use <output_dir>/checkpoints); to start from that checkpoint on purpose, "
-        f"set checkpoint.init_from to it"
-    )

@@ -175,8 +175,8 @@ def scan_sources(cfg) -> list[str]:
 
     Reads each source once (labels and float columns only); one problem per file at most.
     """
-    from ortflow.dataprep.prepare import resolve_plan
-    from ortflow.dataprep.sources import resolve_sources, table_chunks
+    from ortflow.dataprep.features import resolve
+    from ortflow.dataprep.sources import resolve_sources, source_columns, table_chunks
     from ortflow.dataprep.specs import CONFIGURE_NAME
 
     try:
@@ -199,7 +199,8 @@ def scan_sources(cfg) -> list[str]:
             first = 0
             try:
                 # the columns as prepare-data resolves them: a name, a list of names or a pattern ('f*')
-                plan = {name: columns.columns for name, columns in resolve_plan(wanted, source, {}).items()}
+                present = source_columns(source)
+                plan = {name: resolve(name, spec, present, str(source.path)).columns for name, spec in wanted.items()}
                 needed = sorted({c for columns in plan.values() for c in columns})
                 for chunk in table_chunks(source, needed, 1 << 24):
                     for name, columns in plan.items():
