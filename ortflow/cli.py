@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ortflow.config import ConfigError, load_config
+from ortflow.config import ConfigError, apply_overrides, load_config
 
 app = typer.Typer(
     name="ortflow",
@@ -108,10 +108,15 @@ def train(
     profile: Annotated[
         str | None, typer.Option(help="Profile weight updates A:B per operator (traces in RUN_DIR/profile/).")
     ] = None,
+    launcher: Annotated[
+        str | None, typer.Option(help="local, slurm or kubernetes (default: distributed.launcher).")
+    ] = None,
 ) -> None:
-    """Launch the ranks with mpiexec and stream their output; exits with the job's status.
+    """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
+    status.
 
-    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130; killed after 30 s).
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130); ranks that have not
+    stopped after the grace period (30 s here, 60 s for a Slurm job) are killed.
     """
     import os
 
@@ -122,10 +127,28 @@ def train(
 
     try:
         cfg = load_run_config(run_dir)
+        if launcher is not None:
+            cfg = apply_overrides(cfg, [f"distributed.launcher={launcher}"])
     except ConfigError as err:
         _fail(str(err))
     dist = cfg.distributed
     from ortflow.runlock import RunFolderLocked, hold_all, training_folders
+
+    if dist.launcher != "local":
+        if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
+            _fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher {dist.launcher} takes "
+                  f"them from the config (distributed.num_ranks, section {dist.launcher})")
+        if profile and dist.launcher == "kubernetes":
+            _fail("--profile with launcher kubernetes: set train.profile_steps in the config (the pods do not get "
+                  "this command's environment)")
+        if profile:
+            try:
+                parse_steps(profile)
+            except ValueError as err:
+                _fail(str(err))
+            os.environ[PROFILE_ENV] = profile  # the Slurm job inherits this environment
+        _train_scheduled(cfg, run_dir, wait)
+        return
 
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         _fail(f"--np {np_}: give a number of ranks or auto")
@@ -159,6 +182,27 @@ def train(
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
+
+
+def _train_scheduled(cfg, run_dir: Path, wait: bool) -> None:
+    """``ortflow train`` with launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
+    from ortflow.launch.local import LaunchError
+    from ortflow.launch.scheduled import run_scheduled
+    from ortflow.runlock import RunFolderLocked, hold
+
+    try:
+        with hold(run_dir, wait=wait, purpose="ortflow train"):
+            result = run_scheduled(cfg, run_dir, forward_signals=True)
+    except (LaunchError, RunFolderLocked) as err:
+        _fail(str(err))
+    job = f"{result.launcher} job {result.job_id}"
+    if result.signal:
+        console.print(f"[yellow]training stopped[/] ({job}) by a signal; resume with `ortflow train "
+                      f"{escape(str(run_dir))}`")
+        raise typer.Exit(128 + result.signal)
+    if not result.ok:
+        _fail(f"{job}: {result.summary()}", code=result.returncode if 0 < result.returncode < 256 else 1)
+    console.print(f"[green]training finished[/] ({job}): checkpoints in {cfg.checkpoints_dir}")
 
 
 @app.command()

@@ -503,6 +503,12 @@ class DistributedConfig(_Section):
         600.0, ge=1.0, le=7 * 86400,
         description="Abort the job when a collective waits longer than this, naming the stalled ranks (1 s to 7 days).",
     )
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        "local",
+        description="Who starts the ranks: local (mpiexec on this host, or the hosts of hostfile), slurm (an sbatch "
+        "job, section slurm; docs/slurm.md) or kubernetes (a Kubeflow MPIJob, section kubernetes; "
+        "docs/kubernetes.md).",
+    )
 
     _resolve_path = field_validator("hostfile", mode="after")(_resolve)
 
@@ -630,6 +636,85 @@ class VersionsConfig(_Section):
     )
 
 
+_SLURM_TIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$"
+_SBATCH_LINE = r"^--?[A-Za-z][^\n\r]*$"
+
+
+class SlurmConfig(_Section):
+    """The sbatch job of distributed.launcher slurm: distributed.num_ranks ranks over num_nodes nodes."""
+
+    num_nodes: int = Field(1, gt=0, description="Nodes of the allocation (#SBATCH --nodes); num_ranks / num_nodes "
+                           "ranks start on each.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (#SBATCH --gpus-per-node); 0 asks for none.")
+    cpus_per_rank: int | None = Field(
+        None, gt=0, description="CPUs per rank (#SBATCH --cpus-per-task; default: distributed.threads_per_rank or 1)."
+    )
+    partition: str | None = Field(None, min_length=1, description="Partition (#SBATCH --partition; default: the "
+                                  "cluster's default).")
+    time_limit: str | None = Field(
+        None, pattern=_SLURM_TIME,
+        description="Wall-clock limit as Slurm writes it (MINUTES, HH:MM:SS or DAYS-HH:MM:SS; #SBATCH --time).",
+    )
+    account: str | None = Field(None, min_length=1, description="Account charged (#SBATCH --account).")
+    extra_sbatch: list[Annotated[str, Field(pattern=_SBATCH_LINE)]] = Field(
+        [], description='Further sbatch options, one per entry, each written as "#SBATCH <entry>" (e.g. "--qos=high", '
+        '"--constraint=a100").',
+    )
+    setup: list[str] = Field(
+        [], description="Shell lines the job runs before the ranks start (module load ..., source /path/venv/bin/"
+        "activate); the nodes need ortflow's Python environment and the run folder at the same paths.",
+    )
+    stop_signal_s: int = Field(
+        180, ge=0, le=86400,
+        description="Seconds before the time limit that the job gets SIGTERM (#SBATCH --signal=B:TERM@N), so the "
+        "ranks stop after the current update with a stop checkpoint; 0: no early signal.",
+    )
+    requeue: bool = Field(
+        True, description="Let Slurm requeue the job after a preemption or node failure (#SBATCH --requeue); the "
+        "requeued job resumes from the newest complete checkpoint.",
+    )
+    mpiexec: str | None = Field(
+        None, description="MPI launcher the job runs inside the allocation (default: the mpiexec beside this Python, "
+        "the bundled MPICH, which starts its processes on the allocated nodes with srun).",
+    )
+    poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
+
+
+class KubernetesConfig(_Section):
+    """The Kubeflow MPIJob (kubeflow.org/v2beta1) of distributed.launcher kubernetes: a launcher pod runs mpirun,
+    num_workers worker pods run distributed.num_ranks / num_workers ranks each."""
+
+    image: str | None = Field(
+        None, min_length=1, description="Container image of launcher and workers: ortflow's pinned environment with "
+        "Open MPI and sshd (docs/kubernetes.md); required with launcher kubernetes.",
+    )
+    namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Namespace of the "
+                           "MPIJob.")
+    num_workers: int = Field(1, gt=0, description="Worker pods (replicas of the Worker); num_ranks / num_workers "
+                             "ranks (slotsPerWorker) on each.")
+    gpus_per_worker: int = Field(0, ge=0, description="nvidia.com/gpu limit of each worker pod.")
+    cpu_per_worker: str | None = Field(None, pattern=r"^\d+(\.\d+)?m?$", description="CPU request and limit of "
+                                       "each worker pod (Kubernetes quantity, e.g. 16 or 500m).")
+    memory_per_worker: str | None = Field(None, pattern=r"^\d+(\.\d+)?([KMGTPE]i?)?$", description="Memory "
+                                          "request and limit of each worker pod (e.g. 64Gi).")
+    run_volume_claim: str = Field(
+        "ortflow-runs", pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
+        description="PersistentVolumeClaim (ReadWriteMany) holding the run folder; launcher and workers mount it at "
+        "output_dir's path, so the resolved config's paths hold inside the pods.",
+    )
+    service_account: str | None = Field(None, min_length=1, description="Service account of the pods (default: "
+                                        "the namespace's).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy "
+                                                                          "of both containers.")
+    python: str = Field("python", min_length=1, description="Python of ortflow's environment inside the image.")
+    poll_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between MPIJob status reads.")
+    stop_grace_s: int = Field(
+        60, ge=0, le=3600,
+        description="terminationGracePeriodSeconds of the pods: on cancel the MPIJob is deleted and the ranks get "
+        "SIGTERM, stop after the current update with a stop checkpoint, and are killed after this many seconds.",
+    )
+
+
 class RunConfig(_Section):
     """The whole run. Every path may be relative to the config file's folder."""
 
@@ -642,6 +727,9 @@ class RunConfig(_Section):
     lr_schedule: LRScheduleConfig = Field(LRScheduleConfig(), description="Learning-rate schedule.")
     precision: PrecisionConfig = Field(PrecisionConfig(), description="Mixed precision.")
     distributed: DistributedConfig = Field(DistributedConfig(), description="Ranks, devices, parallelism.")
+    slurm: SlurmConfig = Field(SlurmConfig(), description="The Slurm job of distributed.launcher slurm.")
+    kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="The MPIJob of distributed.launcher "
+                                         "kubernetes.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and retention.")
     tensorboard: TensorBoardConfig = Field(TensorBoardConfig(), description="TensorBoard logging.")
     export: ExportConfig = Field(ExportConfig(), description="Inference model export.")
@@ -701,6 +789,29 @@ def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     if (dist.device == "cuda") != dist.use_nccl:
         problems.append("distributed.horizontal_parallel_size > 1 sums activations with MPI on CPU ranks and with "
                         "NCCL on GPU ranks: set use_nccl true with device cuda, false with device cpu")
+    return problems
+
+
+def _launcher_problems(cfg: RunConfig) -> list[str]:
+    """What a scheduler launcher needs from distributed: a fixed rank count that its nodes or pods share evenly."""
+    dist = cfg.distributed
+    if dist.launcher == "local":
+        return []
+    section, count, unit = (("slurm", cfg.slurm.num_nodes, "num_nodes") if dist.launcher == "slurm"
+                            else ("kubernetes", cfg.kubernetes.num_workers, "num_workers"))  # fmt: skip
+    problems = []
+    if dist.num_ranks == "auto":
+        problems.append(f"distributed.num_ranks auto measures this host, not the {section} nodes: give a number of "
+                        f"ranks with launcher {dist.launcher}")
+    elif dist.num_ranks % count:
+        problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be a multiple of {section}.{unit} ({count}): "
+                        "every node runs the same number of ranks")
+    if dist.hostfile is not None or dist.num_hosts != 1:
+        problems.append(f"distributed.hostfile and num_hosts are for launcher local; with launcher {dist.launcher} "
+                        f"the scheduler places the ranks ({section}.{unit}): unset them")
+    if dist.launcher == "kubernetes" and not cfg.kubernetes.image:
+        problems.append("distributed.launcher kubernetes needs kubernetes.image: the container image with ortflow's "
+                        "environment (docs/kubernetes.md)")
     return problems
 
 
@@ -766,6 +877,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     # device: cuda and use_nccl need the machine (the GPU engine, CUDA libraries, GPUs, CuPy/NCCL): each rank checks
     # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
+    problems += _launcher_problems(cfg)
     if dist.num_hosts > 1 and dist.hostfile is None:
         problems.append(f"distributed.num_hosts is {dist.num_hosts}: give distributed.hostfile listing the hosts")
     if dist.num_ranks != "auto" and dist.num_ranks < dist.num_hosts:

@@ -104,8 +104,8 @@ class TensorRuntime(Runtime):
         if self.tp_size == 1:
             return x
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if hasattr(self.tp_comm, "all_gather_device"):
-            return self._tp_sum_nccl(x)
+        if hasattr(self.tp_comm, "tensor_sum"):  # NCCL: on the GPU, one host wait (comm/nccl.py)
+            return self.tp_comm.tensor_sum(x, "tensor-parallel activation sum")
         flat = np.zeros(self.tp_size * x.size, np.float32)
         flat[self.tp_rank * x.size : (self.tp_rank + 1) * x.size] = x.reshape(-1)
         self.tp_comm.all_gather(flat, [x.size] * self.tp_size, "tensor-parallel activation sum")
@@ -114,21 +114,6 @@ class TensorRuntime(Runtime):
         for part in parts[1:]:
             total += part
         return total.reshape(x.shape)
-
-    def _tp_sum_nccl(self, x: np.ndarray) -> np.ndarray:
-        """:meth:`tp_sum` through NCCL on the GPU (the engine's Python API hands activations over on the host)."""
-        cp, comm, n = self.tp_comm._cp, self.tp_comm, x.size
-        flat = cp.zeros(self.tp_size * n, cp.float32)
-        flat[self.tp_rank * n : (self.tp_rank + 1) * n] = cp.asarray(x.reshape(-1))
-        cp.cuda.Device().synchronize()  # the copy (default stream) before NCCL's stream reads it
-        comm.all_gather_device(flat.data.ptr + self.tp_rank * n * 4, flat.data.ptr, n)
-        # Sync point: the gathered parts are read next.
-        comm.group.watched("tensor-parallel all-gather", comm.stream.synchronize)
-        parts = flat.reshape(self.tp_size, n)
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return cp.asnumpy(total).reshape(x.shape)
 
     def forward(self, batch: dict[str, np.ndarray], upto: int) -> dict[str, np.ndarray]:
         """Every piece before ``upto`` forward (eval models); returns what they sent, partial sums summed."""
