@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +38,20 @@ def _root() -> None:
 def _fail(message: str, code: int = 1) -> None:
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # `[rank 0]`, `[/x` stay text
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _writing(where: Path) -> Iterator[None]:
+    """Report a full, read-only or forbidden disk met while writing under ``where`` as such, without a traceback."""
+    from ortflow.cli_terminal import disk_problem
+
+    try:
+        yield
+    except OSError as err:
+        message = disk_problem(err, where)
+        if message is None:
+            raise
+        _fail(message)
 
 
 def _load(config: Path, overrides: list[str] | None):
@@ -116,7 +132,7 @@ def train(
     except ConfigError as err:
         _fail(str(err))
     dist = cfg.distributed
-    from ortflow.runlock import RunFolderLocked, hold
+    from ortflow.runlock import RunFolderLocked, hold_all, training_folders
 
     if dist.launcher != "local":
         if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
@@ -151,7 +167,9 @@ def train(
     console.print(f"layout: {layout.ranks} rank(s) x {layout.threads} thread(s) ({layout.reason}){split}",
                   highlight=False)  # fmt: skip
     try:
-        with hold(run_dir, wait=wait, purpose="ortflow train"):  # one writer per run folder
+        # one writer per run folder, and per checkpoint folder wherever checkpoint.dir puts it
+        with _writing(run_dir), hold_all(training_folders(run_dir, cfg.checkpoints_dir), wait=wait,
+                                         purpose="ortflow train"):
             result = launch(
                 run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
                 threads=layout.threads, mpiexec=mpiexec, forward_signals=True,
@@ -232,7 +250,8 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     cfg = _load(config, overrides)
     try:
-        result = configure(cfg)
+        with _writing(cfg.output_dir):
+            result = configure(cfg)
     except ConfigError as err:
         _fail(str(err))
     state = "unchanged, reused existing artifacts" if result.reused else "built artifacts"
@@ -251,7 +270,8 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     cfg = _load(config, overrides)
     try:
-        manifest = prepare_data(cfg)
+        with _writing(cfg.data_dir):
+            manifest = prepare_data(cfg)
     except DataError as err:
         _fail(str(err))
     shards = sum(len(s) for s in manifest.splits.values())
@@ -268,7 +288,9 @@ def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
     from ortflow.checkpoints.retention import reason_label, retain_checkpoints
 
-    index = retain_checkpoints(_load(config, overrides))
+    cfg = _load(config, overrides)
+    with _writing(cfg.checkpoints_dir):
+        index = retain_checkpoints(cfg)
     for entry in index.kept:
         reasons = ", ".join(reason_label(r, index.keep_newest) for r in entry["reasons"])
         console.print(f"  keep   step {entry['step']}: {reasons}", highlight=False)
@@ -322,8 +344,9 @@ def evaluate(
 
 @app.command(name="export")
 def export_cmd(
-    source: Annotated[Path, typer.Argument(
-        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version).")],
+    source: Annotated[Path | None, typer.Argument(
+        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version).",
+        show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Model to write (default: the run's export.path).")]
     = None,
     outputs: Annotated[str | None, typer.Option(help="Comma-separated outputs (default: the model's own).")] = None,
@@ -333,13 +356,29 @@ def export_cmd(
     quantize: Annotated[bool, typer.Option(help="Dynamic int8 quantization; reports the accuracy change.")] = False,
     tolerance: Annotated[float, typer.Option(help="Max abs difference to the eval graph accepted.")] = 1e-4,
     checkpoint: CheckpointOpt = None,
+    verify: Annotated[Path | None, typer.Option(
+        "--verify", help="Only check an exported model against its .sha256 sidecar (exit 1 if it differs).")] = None,
 ) -> None:
-    """Export a verified inference model from a checkpoint and the eval model (no training session)."""
+    """Export a verified inference model from a checkpoint and the eval model (no training session).
+
+    The model gets a sha256 sidecar (model.onnx.sha256); `ortflow export --verify model.onnx` checks it.
+    """
     import json
 
     from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
     from ortflow.export import export_model
+    from ortflow.export.checksum import verify_model
     from ortflow.versions import resolve_run
+
+    if verify is not None:
+        try:
+            digest = verify_model(verify)
+        except ValueError as err:
+            _fail(str(err))
+        console.print(f"[green]verified[/] {escape(str(verify))}: sha256 {digest} matches its sidecar", highlight=False)
+        return
+    if source is None:
+        _fail("give the run folder (or checkpoint folder) to export, or --verify MODEL to check an exported model")
 
     try:
         source = resolve_run(source)  # OUTPUT_DIR/latest: the newest completed version
@@ -351,15 +390,16 @@ def export_cmd(
         out = load_run_config(source).export_path
     names = [n.strip() for n in outputs.split(",") if n.strip()] if outputs else []
     try:
-        result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize, tolerance=tolerance,
-                              checkpoint=checkpoint)
+        with _writing(out.parent):
+            result = export_model(source, out, names, eval_model, optimize=optimize, quantize=quantize,
+                                  tolerance=tolerance, checkpoint=checkpoint)
     except ValueError as err:  # ExportError, CheckpointError, ConfigError: each message says what to do
         _fail(str(err))
     ver = result.verification
     console.print(
         f"[green]exported[/] {result.path} from {result.checkpoint.name} (step {result.step}, eval loss "
         f"{result.eval_loss}); outputs {list(result.outputs)}; max abs diff to the eval graph {ver.max_abs_diff} "
-        f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data})",
+        f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data}); sha256 {result.sha256}",
         highlight=False,
         soft_wrap=True,
     )
@@ -488,8 +528,10 @@ def run(
         try:
             state.result()
         except BaseException as err:  # noqa: BLE001 - the stage's own failure, shown without a traceback
-            console.print(f"error: pipeline {state.name.lower()}: {err}", highlight=False, markup=False,
-                          style="bold red")
+            from ortflow.cli_terminal import disk_problem
+
+            console.print(f"error: pipeline {state.name.lower()}: {disk_problem(err) or err}", highlight=False,
+                          markup=False, style="bold red")
             for line in failure_advice(err, command):
                 console.print(f"  {line}", highlight=False, markup=False)
             console.print(f"  full log with tracebacks: {log_file}", highlight=False, markup=False)
@@ -647,8 +689,21 @@ def example(
 
 
 def main() -> None:
-    """Entry point of the ``ortflow`` console script."""
-    app(prog_name="ortflow")
+    """Entry point of the ``ortflow`` console script.
+
+    A full, read-only or forbidden disk is reported as such (the path and the fix), not as a traceback, whichever
+    command met it.
+    """
+    from ortflow.cli_terminal import disk_problem
+
+    try:
+        app(prog_name="ortflow")
+    except OSError as err:
+        message = disk_problem(err)
+        if message is None:
+            raise
+        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ its own message plus the command that reruns or fixes it."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Iterator
@@ -85,6 +86,33 @@ def terminal(console: Console, log_dir: Path) -> Iterator[Path]:
         for handler, old_console, formatter in saved:
             handler.console = old_console
             handler.setFormatter(formatter)
+
+
+#: errno values that say the disk, not the input, is the problem: the user frees space or fixes permissions.
+_DISK_ERRORS = {
+    errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded", errno.EROFS: "it is read-only",
+    errno.EACCES: "permission is denied", errno.EPERM: "permission is denied",
+}
+
+
+def disk_problem(err: BaseException, where: Path | str | None = None) -> str | None:
+    """A one-line message for a full, read-only or forbidden path (naming the path and the fix), else None.
+
+    Args:
+        err: The error (an OSError, or one raised from it).
+        where: The folder the command was writing, named when the error does not carry a file name (a full disk
+            fails a ``write``, which has none).
+    """
+    while err is not None and not isinstance(err, OSError):
+        err = err.__cause__ or err.__context__
+    if err is None or err.errno not in _DISK_ERRORS:
+        return None
+    target = err.filename or where
+    where = f" {target}" if target else ""
+    fix = ("free disk space there (or point output_dir / checkpoint.dir / export.path elsewhere)"
+           if err.errno in (errno.ENOSPC, errno.EDQUOT)
+           else "make it writable (or point output_dir / checkpoint.dir / export.path at a writable folder)")
+    return f"cannot write{where}: {_DISK_ERRORS[err.errno]}; {fix}, then rerun the command"
 
 
 def failure_advice(err: BaseException, command: str) -> list[str]:

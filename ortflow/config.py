@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -905,7 +906,102 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"model.ignore_index applies to cross_entropy only (model.loss is {cfg.model.loss}); remove it")
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
+    updates = cfg.train.num_weight_updates
+    if cfg.lr_schedule.warmup_steps >= updates > 0:
+        problems.append(
+            f"lr_schedule.warmup_steps {cfg.lr_schedule.warmup_steps} is not shorter than the run's {updates} weight "
+            f"update(s): the rate would never reach its peak; use fewer warm-up steps or train longer"
+        )
     return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# YAML
+#
+# PyYAML follows YAML 1.1, where ``1:30`` is the number 90 (base 60), ``010`` is 8 (octal) and a key given twice
+# silently keeps its last value. A config written by a person means none of these, so configs load with plain scalars
+# resolved by the YAML 1.2 core schema (``010`` is 10, ``0o10`` is 8, ``1:30`` stays text for the field to refuse) and
+# a mapping that names a key twice is refused, naming the key and both lines.
+
+#: Configs are a few kilobytes; anything this large is a mistake (a data file given as the config, a huge comment).
+#: The pure-Python parser (whose errors quote the offending line) reads this much in about half a second.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names one key twice."""
+
+
+def _core_schema_resolvers() -> dict:
+    """PyYAML's implicit resolvers with the YAML 1.1 bool/int/float rules replaced by YAML 1.2 core schema ones."""
+    kept = {
+        first: [(tag, regexp) for tag, regexp in entries
+                if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+        for first, entries in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
+    }
+    rules = [
+        ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), "tTfF"),
+        ("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), "-+0123456789"),
+        ("tag:yaml.org,2002:float", re.compile(
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+         "-+.0123456789"),
+    ]
+    for tag, regexp, firsts in rules:
+        for first in firsts:
+            kept.setdefault(first, []).append((tag, regexp))
+    return kept
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Safe loading with YAML 1.2 numbers and booleans, refusing duplicate keys."""
+
+    yaml_implicit_resolvers = _core_schema_resolvers()
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the constructor names it
+                continue
+            if line != key_node.start_mark.line + 1:
+                raise DuplicateKeyError(
+                    f"the key '{key}' appears twice (lines {line} and {key_node.start_mark.line + 1}); the second "
+                    f"would silently replace the first: keep one"
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _int_1_2(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text)  # decimal, leading zeros included: 010 is ten
+
+
+def _float_1_2(loader: _StrictLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    if text.endswith(".inf"):
+        return float("-inf") if text.startswith("-") else float("inf")
+    return float("nan") if text == ".nan" else float(text)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _int_1_2)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _float_1_2)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document with :class:`_StrictLoader` (YAML 1.2 numbers and booleans, no duplicate keys).
+
+    Raises:
+        yaml.YAMLError: the text is not valid YAML, or a mapping names a key twice (:class:`DuplicateKeyError`).
+    """
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -931,7 +1027,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
         if not sep or not key.strip():
             raise ConfigError([f"--set '{item}': expected KEY=VALUE, e.g. train.batch_size=8"])
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as err:
             problem = str(err).replace("\n", " ")
             raise ConfigError([f"--set '{item}': the value is not valid YAML ({problem}); quote it: {key}='\"...\"'"]) \
@@ -968,6 +1064,9 @@ def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = 
     """Read YAML with the safe loader and apply ``--set`` overrides."""
     path = Path(path)
     try:
+        refusal = regular_file_problem(path, MAX_CONFIG_BYTES, "a config")
+        if refusal:
+            raise ConfigError([refusal], str(path))
         text = path.read_bytes().decode("utf-8")
     except OSError as err:
         raise ConfigError([f"cannot read config file: {err.strerror}; check the path"], str(path)) from None
@@ -977,7 +1076,9 @@ def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = 
             str(path),
         ) from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml(text) or {}
+    except DuplicateKeyError as err:
+        raise ConfigError([str(err)], str(path)) from None
     except yaml.YAMLError as err:
         raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
     except RecursionError:
@@ -1026,8 +1127,11 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
     tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(target)
+    try:
+        tmp.write_text(dump_config(cfg))
+        tmp.replace(target)
+    finally:  # a full disk leaves no half-written file beside the config
+        tmp.unlink(missing_ok=True)
     return target
 
 
@@ -1043,12 +1147,38 @@ def load_run_config(run_dir: Path | str) -> RunConfig:
 # File checks
 
 
+#: Protocol buffers cannot hold more than 2 GiB: larger models keep their weights in external data files.
+MAX_MODEL_BYTES = 2 << 30
+
+
+def regular_file_problem(path: Path, max_bytes: int, what: str) -> str | None:
+    """Why ``path`` cannot be read whole as ``what``: not a regular file (a device or FIFO reads forever), or too large.
+
+    Returns None when it can be read.
+    """
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as err:
+        return f"cannot read {path}: {err.strerror}; check the path"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a device, FIFO or folder); give the path of {what} file"
+    if st.st_size > max_bytes:
+        return (f"{path} holds {st.st_size} bytes, more than {what} can ({max_bytes}); check that the path names "
+                f"{what} file")
+    return None
+
+
 def check_model_file(path: Path) -> list[str]:
     """Problems with the ONNX model file: missing, not ONNX, opset/IR too new, external data outside its folder."""
     import onnx  # local: only file checks need it
 
     if not path.exists():
         return [f"model.path: {path} does not exist; check the path (relative paths start at the config's folder)"]
+    refusal = regular_file_problem(path, MAX_MODEL_BYTES, "an ONNX model")
+    if refusal:
+        return [f"model.path: {refusal}"]
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as err:  # noqa: BLE001 - onnx raises several types for bad files
@@ -1125,6 +1255,11 @@ def check_files(cfg: RunConfig) -> list[str]:
     tok = cfg.data.text.tokenizer
     if tok is not None and not tok.exists():
         problems.append(f"data.text.tokenizer: {tok} does not exist")
+    for field, folder in (("init_from", cfg.checkpoint.init_from),
+                          ("checkpoint_to_load_path", cfg.checkpoint.checkpoint_to_load_path)):
+        if folder is not None and not folder.exists():
+            problems.append(f"checkpoint.{field}: {folder} does not exist; give a checkpoint folder (step-N) or remove "
+                            f"the field")
     return problems
 
 

@@ -188,3 +188,17 @@ def hold(
             os.ftruncate(fd, 0)  # the file stays (unlinking a lock file races with the next opener)
     finally:
         os.close(fd)  # releases the flock
+
+
+def training_folders(output_dir: Path | str, checkpoints_dir: Path | str) -> list[Path]:
+    """The folders a training run writes and must hold alone: its run folder, and its checkpoint folder when that
+    lies outside it (``checkpoint.dir``), so two runs pointed at one checkpoint folder cannot both write it."""
+    run, ckpt = Path(output_dir).resolve(), Path(checkpoints_dir).resolve()
+    return [run] if ckpt.is_relative_to(run) else [run, ckpt]
+
+
+@contextlib.contextmanager
+def hold_all(folders: list[Path], **kwargs) -> Iterator[list[Path]]:
+    """Hold the locks of several folders (in sorted order, so two holders cannot deadlock); see :func:`hold`."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(hold(folder, **kwargs)) for folder in sorted(folders)]

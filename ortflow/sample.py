@@ -101,6 +101,12 @@ def generate(
     Raises:
         SampleError: the model is not a token-id -> logits model.
     """
+    from ortflow.export.checksum import verify_model
+
+    try:
+        verify_model(Path(model), required=False)  # an exported model is checked; one from elsewhere has no sidecar
+    except ValueError as err:
+        raise SampleError(str(err)) from None
     try:
         session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own exception types for unloadable models

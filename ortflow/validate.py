@@ -39,8 +39,8 @@ from onnx import helper
 from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
-from ortflow.dataprep.prepare import canonical_table, column_plan, resolve_plan
-from ortflow.dataprep.sources import Source, resolve_sources, table_chunks, text_windows
+from ortflow.dataprep.prepare import canonical_table, check_enough_rows, column_plan, resolve_plan
+from ortflow.dataprep.sources import Source, count_rows, resolve_sources, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
 from ortflow.graph.batch import make_batch_symbolic
@@ -291,6 +291,8 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
         except DataError as err:
             problems.append(str(err))
             continue
+        if field == "data.train" and group and plan:
+            problems += _row_count_problems(cfg, group, text, next(iter(plan.values())).columns[0])
         for spec in specs:
             if spec.name not in shapes:
                 continue
@@ -303,6 +305,25 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
                 except DataError as err:
                     problems.append(f"{field}: {err}")
     return problems
+
+
+def _row_count_problems(cfg: RunConfig, sources: list[Source], text: bool, column: str) -> list[str]:
+    """prepare-data's refusal of too few training rows for one weight update, from the sources' row counts."""
+    if text:
+        if cfg.data.text.tokenizer is not None:
+            return []  # the window count needs the whole corpus tokenized: prepare-data checks it
+        total = sum(os.path.getsize(s.path) for s in sources) // (cfg.data.text.seq_len + 1)
+    else:
+        try:
+            total = sum(count_rows(s, column) for s in sources)
+        except DataError as err:
+            return [str(err)]
+    held = round(total * cfg.data.eval_fraction) if not cfg.data.test and cfg.data.eval_fraction > 0 else 0
+    try:
+        check_enough_rows(cfg, total - held)
+    except DataError as err:
+        return [str(err)]
+    return []
 
 
 def version_problems(cfg: RunConfig) -> list[str]:

@@ -131,3 +131,54 @@ def test_ignore_index_belongs_to_cross_entropy(tmp_path):
     assert problems_of(tmp_path, "model.ignore_index=-100") == []
     problems = problems_of(tmp_path, "model.ignore_index=-100", "model.loss=mse")
     assert problems == ["model.ignore_index applies to cross_entropy only (model.loss is mse); remove it"]
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    path = write(tmp_path, BASE + "train: {batch_size: 8, num_train_steps: 12}\n")
+    problems = load_problems(path)
+    assert len(problems) == 1 and "'train' appears twice" in problems[0] and "lines 6 and 7" in problems[0]
+
+
+def test_yaml_1_1_sexagesimal_numbers_are_text_not_numbers(tmp_path):
+    path = write(tmp_path, BASE.replace("num_train_steps: 12", "num_train_steps: 1:30"))  # YAML 1.1: 90
+    problems = load_problems(path)
+    assert problems and any("train.num_train_steps" in p for p in problems)
+
+
+def test_a_leading_zero_is_decimal_as_in_yaml_1_2(tmp_path):
+    cfg = load_config(write(tmp_path, BASE.replace("num_train_steps: 12", "num_train_steps: 012")))
+    assert cfg.train.num_train_steps == 12  # YAML 1.1 read 012 as octal 10
+
+
+def test_a_set_override_follows_the_same_number_rules(tmp_path):
+    cfg = load_config(write(tmp_path), ["train.num_train_steps=030"])
+    assert cfg.train.num_train_steps == 30
+
+
+def test_a_huge_config_is_refused_by_size_not_parsed(tmp_path):
+    path = write(tmp_path, BASE + "# " + "x" * (2 << 20) + "\n")
+    problems = load_problems(path)
+    assert len(problems) == 1 and "bytes, more than a config can" in problems[0]
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "fifo"])
+def test_a_model_path_that_is_not_a_regular_file_is_refused_without_reading(tmp_path, device):
+    import os
+
+    if device == "fifo":
+        device = str(tmp_path / "model.fifo")
+        os.mkfifo(device)
+    cfg, problems = find_problems(write(tmp_path, BASE.replace("model.onnx", device)))
+    assert cfg is not None and any("is not a regular file" in p and device in p for p in problems), problems
+
+
+def test_warm_up_longer_than_the_run_is_refused(tmp_path):
+    problems = problems_of(tmp_path, "lr_schedule.warmup_steps=4")  # 12 steps / 3 accumulation = 4 updates
+    assert any("lr_schedule.warmup_steps 4" in p and "4 weight update" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("field", ["init_from", "checkpoint_to_load_path"])
+def test_a_missing_checkpoint_to_start_from_is_named_before_training(tmp_path, field):
+    tiny_model(tmp_path / "model.onnx")
+    cfg, problems = find_problems(write(tmp_path, BASE + f"checkpoint: {{{field}: nowhere/step-00000010}}\n"))
+    assert any(f"checkpoint.{field}" in p and "does not exist" in p for p in problems), problems

@@ -126,7 +126,7 @@ def test_export_from_run_picks_best_has_no_training_ops_and_records_metadata(run
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["step"] == "2" and float(meta["eval_loss"]) == 0.4
     assert meta["config_fingerprint"] == run.section_fingerprint() and meta["ortflow_version"] == "0.1.0"
-    assert not [p for p in tmp_path.iterdir() if p.name != "model.onnx"]  # no temporary files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.sha256"]  # no temp files left
 
 
 def test_exported_model_runs_in_a_fresh_interpreter_without_the_training_api(run, tmp_path):

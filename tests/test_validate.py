@@ -144,6 +144,36 @@ def test_tensor_parallelism_with_a_size_that_does_not_divide_the_heads_is_a_prob
     assert any("horizontal_parallel_size 3 does not divide ['h0.attn.q.weight" in p for p in problems), problems
 
 
+def test_validate_refuses_too_few_training_rows_like_prepare_data(tmp_path):
+    from .trainer.runs import build_mlp
+
+    build_mlp(tmp_path / "mlp.onnx", num_features=8, hidden=4, num_classes=3, seed=0)
+    rows = ["f0,f1,f2,f3,f4,f5,f6,f7,labels"] + [",".join(["0.5"] * 8) + f",{i % 3}" for i in range(40)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "c.yaml").write_text(
+        "output_dir: run\nmodel: {path: mlp.onnx}\n"
+        "data: {train: d.csv, columns: {features: 'f*'}, eval_fraction: 0.9}\n"
+        "train: {batch_size: 8, num_train_steps: 4}\n"
+    )
+    problems = validate(tmp_path / "c.yaml")
+    assert any("4 training row(s)" in p and "fewer than the 8" in p for p in problems), problems
+
+
+def test_validate_accepts_a_feature_pattern_after_configure(tmp_path):
+    from .trainer.runs import build_mlp
+
+    build_mlp(tmp_path / "mlp.onnx", num_features=8, hidden=4, num_classes=3, seed=0)
+    rows = ["f0,f1,f2,f3,f4,f5,f6,f7,labels"] + [",".join(["0.5"] * 8) + f",{i % 3}" for i in range(40)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{path: {tmp_path / 'mlp.onnx'}}}\n"
+                      f"data: {{train: {tmp_path / 'd.csv'}, columns: {{features: 'f*'}}}}\n"
+                      "train: {batch_size: 4, num_train_steps: 4}\n")
+    assert CliRunner().invoke(app, ["configure", str(config)]).exit_code == 0
+    result = CliRunner().invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0 and "valid" in result.output, result.output
+
+
 def _flat_model_setup(tmp_path: Path, **train) -> Path:
     """A GPT-style head traced at batch 4 whose logits are flattened to [4 * 2, V] by a hard-coded Reshape."""
     from .models_data import flattened_logits_model

@@ -17,6 +17,7 @@ How the config maps onto the engine (each point checked against onnxruntime-trai
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fnmatch
 import logging
 import os
@@ -263,6 +264,11 @@ def _mixed_precision(cfg: RunConfig, prepared):
         raise ArtifactsError(str(err)) from err
 
 
+#: Free space below which a failed build is put down to the disk, not to the model (the engine's C++ write errors
+#: carry no errno).
+_MIN_FREE_BYTES = 1 << 20
+
+
 def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
     """Build the training and eval models and the initial checkpoint into ``out_dir``.
 
@@ -317,6 +323,8 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
                 artifact_directory=scratch,
             )
         except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
+            if "No space left" in str(err) or shutil.disk_usage(scratch).free < _MIN_FREE_BYTES:
+                raise OSError(errno.ENOSPC, "No space left on device", str(out_dir.parent)) from err  # not the model
             raise artifacts_error(cfg, err, prepared, trainable) from err
         finally:
             os.chdir(cwd)

@@ -30,10 +30,12 @@ from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, pla
 from ortflow.build.records import (
     ARTIFACT_FILES,
     DIGESTS_KEY,
+    ArtifactsDamaged,
     artifact_digests,
     read_pipe_tensor_record,
     read_stages_record,
     read_tensor_record,
+    verify_artifacts,
 )
 from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
 from ortflow.build.tensor_artifacts import build_tensor_artifacts, plan_tensor
@@ -152,6 +154,16 @@ def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
             and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
 
 
+def _artifacts_intact(artifacts_dir: Path, record: dict) -> bool:
+    """Whether the artifacts match the checksums configure.json recorded (a damaged file is rebuilt, not reused)."""
+    try:
+        verify_artifacts(artifacts_dir, record)
+    except ArtifactsDamaged as err:
+        log.warning("configure: rebuilding the artifacts: %s", err)
+        return False
+    return True
+
+
 def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
     """optimizer.groups against the trained parameters (the artifacts do not depend on it, so also when reused)."""
     problems = param_group_problems(trainable, cfg.optimizer)
@@ -185,6 +197,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and previous.get("fingerprint") == key
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
         and _split_artifacts_exist(cfg, artifacts_dir)
+        and _artifacts_intact(artifacts_dir, previous)
     ):
         _refuse_bad_groups(cfg, previous.get("trainable", []))
         if "batchnorm" not in previous:  # a record written before the BatchNorm entry: add it, the rest stays

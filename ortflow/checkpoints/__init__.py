@@ -15,6 +15,7 @@ from ortflow.checkpoints.folder import (
     PARAMS_FILE,
     CheckpointError,
     CheckpointInfo,
+    check_owner,
     latest_verified,
     list_complete,
     meta_digest,
@@ -28,9 +29,11 @@ from ortflow.checkpoints.manager import (
     delete_checkpoint,
     retention_to_delete,
 )
+from ortflow.checkpoints.owner import run_owner
 
 __all__ = [
     "CHECKPOINT_FILE", "FORMAT", "META_FILE", "META_SHA_KEY", "PARAMS_FILE", "CheckpointError", "CheckpointInfo",
-    "CheckpointManager", "StateWriter", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
+    "CheckpointManager", "StateWriter", "check_owner",
+    "run_owner", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
     "resolve_resume", "retention_to_delete", "step_dirname", "verify",
 ]

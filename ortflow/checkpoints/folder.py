@@ -205,21 +205,54 @@ def latest_verified(directory: Path) -> CheckpointInfo | None:
     return None
 
 
-def resolve_resume(directory: Path, checkpoint_to_load: Path | None) -> CheckpointInfo | None:
+def resolve_resume(
+    directory: Path, checkpoint_to_load: Path | None, owner: dict | None = None
+) -> CheckpointInfo | None:
     """The checkpoint a run resumes from.
 
     Args:
         directory: The run's checkpoint directory.
         checkpoint_to_load: A checkpoint the user named (config ``checkpoint.checkpoint_to_load_path``), or None.
+        owner: This run's identity (:func:`.owner.run_owner`): the newest checkpoint must belong to it.
 
     Returns:
         The named checkpoint (verified), else the newest complete one that verifies, else None (fresh start).
 
     Raises:
-        CheckpointError: the named checkpoint is damaged; there is no silent fall back when the user chose one.
+        CheckpointError: the named checkpoint is damaged (there is no silent fall back when the user chose one), or
+            the newest checkpoint in ``directory`` belongs to another run.
     """
     if checkpoint_to_load is not None:
         return verify(Path(checkpoint_to_load))
-    return latest_verified(directory)
+    found = latest_verified(directory)
+    if found is not None and owner is not None:
+        check_owner(found, owner)
+    return found
 
 
+#: The key of meta.json that names the run a checkpoint belongs to (``owner.run_owner``).
+RUN_META_KEY = "run"
+
+
+def _describe(owner: dict) -> str:
+    fingerprint, run_id = str(owner.get("config_fingerprint"))[:12], str(owner.get("run_id"))[:8]
+    return f"run '{owner.get('name')}' (folder {owner.get('output_dir')}, config {fingerprint}, id {run_id})"
+
+
+def check_owner(info: CheckpointInfo, owner: dict) -> None:
+    """Refuse to resume this run from a checkpoint another run wrote.
+
+    Raises:
+        CheckpointError: naming both runs and the fix.
+    """
+    theirs = info.meta.get(RUN_META_KEY)
+    if not isinstance(theirs, dict) or not theirs.get("run_id") or not owner.get("run_id"):
+        return  # written before checkpoints recorded their run: nothing to compare
+    if theirs["run_id"] == owner["run_id"]:
+        return
+    raise CheckpointError(
+        f"{info.path} belongs to {_describe(theirs)}, not to this {_describe(owner)}: two runs share the checkpoint "
+        f"folder {info.path.parent}, and resuming would continue the other run's weights. Give each run its own "
+        f"checkpoint.dir (or remove it to use <output_dir>/checkpoints); to start from that checkpoint on purpose, "
+        f"set checkpoint.init_from to it"
+    )

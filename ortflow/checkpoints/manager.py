@@ -26,6 +26,7 @@ from ortflow.checkpoints.folder import (
     FORMAT,
     META_FILE,
     META_SHA_KEY,
+    RUN_META_KEY,
     STEP_RE,
     TMP_PREFIX,
     CheckpointError,
@@ -118,6 +119,8 @@ class CheckpointManager:
         clock: Seconds since the epoch, for ``created`` in meta.json (passed in so tests control time).
         shared: Under ZeRO-1 every rank writes a file: ``(barrier, token)`` with a barrier over all ranks and a token
             that is the same on every rank (rank 0's pid) naming the temporary folder. None: only the writer writes.
+        owner: The run's identity (:func:`.owner.run_owner`), recorded in every meta.json so that another run
+            sharing the directory is refused on resume.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class CheckpointManager:
         writer: StateWriter,
         clock: Callable[[], float] = time.time,
         shared: tuple[Callable[[str], None], int] | None = None,
+        owner: dict | None = None,
     ):
         if period < 0:
             raise ValueError(f"checkpoint.period must be >= 0 (0: only the final checkpoint), got {period}")
@@ -143,6 +147,7 @@ class CheckpointManager:
         self._shared = shared
         self._token = shared[1] if shared else os.getpid()
         self._saved_steps: set[int] = set()
+        self._owner = owner
         if is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.clean_stale_tmp()
@@ -269,6 +274,7 @@ class CheckpointManager:
             raise CheckpointError(f"the state writer created no file in {tmp}")
         full_meta = {
             **meta,
+            **({RUN_META_KEY: self._owner} if self._owner else {}),
             "format": FORMAT,
             "step": step,
             "files": files,

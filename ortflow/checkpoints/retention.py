@@ -121,11 +121,14 @@ class CheckpointIndex:
 def _write_json_atomic(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # a full disk leaves no half-written index beside the old one
+        tmp.unlink(missing_ok=True)
 
 
 def retain_checkpoints(cfg: RunConfig, clock=time.time) -> CheckpointIndex:

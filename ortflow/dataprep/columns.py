@@ -93,8 +93,22 @@ def numpy_to_canonical(values: np.ndarray, column: str, input_name: str, dtype: 
     return _wrap(flat, tuple(values.shape[1:]), values.shape[0]), tuple(values.shape[1:])
 
 
+#: The largest integer each float type holds exactly (its significand's bits + 1).
+_EXACT_INTEGERS = {"float16": 2**11, "float32": 2**24, "float64": 2**53}
+
+
 def _cast(flat: pa.Array, dtype: str, column: str, where: str) -> pa.Array:
     target = pa.from_numpy_dtype(storage_dtype(dtype))
+    exact = _EXACT_INTEGERS.get(np.dtype(dtype).name)
+    if exact is not None and pa.types.is_integer(flat.type) and len(flat):
+        biggest = pc.max(pc.abs_checked(pc.cast(flat, pa.float64()))).as_py() or 0
+        if biggest > exact:
+            power = exact.bit_length() - 1
+            raise DataError(
+                f"column '{column}' ({where}) holds integers up to {int(biggest)}, but the model input is {dtype}, "
+                f"which holds integers exactly only up to 2^{power}; rescale the column in the source or make the "
+                f"model input an integer type"
+            )
     if pa.types.is_boolean(flat.type) and dtype_kind(dtype) != "b":
         flat = pc.cast(flat, pa.uint8())
     try:

@@ -75,6 +75,7 @@ def prepare_data(cfg: RunConfig) -> Manifest:
                 for spec, info in zip(specs, old.inputs, strict=True):  # batch sizes are not in the fingerprint
                     for b in {cfg.train.batch_size, cfg.train.resolved_eval_batch_size}:
                         merges_leading_dims(spec, tuple(info.row_shape), b, info.column, _is_label(cfg, spec))
+                check_enough_rows(cfg, old.num_rows("train"))
                 log.info("data in %s is up to date (fingerprint %s): nothing to do", data_dir, fingerprint[:12])
                 return old.with_reused(True)
             log.info("sources or data settings changed: rewriting the shards in %s", data_dir)
@@ -113,7 +114,10 @@ def prepare_data(cfg: RunConfig) -> Manifest:
             if group:
                 next(stream(group, field), None)
     if len(shapes) < len(specs):
-        raise DataError("data.train: the sources hold no complete sample (text shorter than data.text.seq_len + 1?)")
+        raise DataError(
+            "data.train: the text is shorter than one sample (data.text.seq_len + 1 tokens); add text or lower "
+            "data.text.seq_len" if text else "data.train: the sources hold no rows; check that the files hold data"
+        )
     inputs = []
     for spec in specs:
         label = plan[spec.name].label
@@ -140,6 +144,7 @@ def prepare_data(cfg: RunConfig) -> Manifest:
         splits = {"train": train_w.close(), "eval": eval_w.close()}
         if not splits["train"]:
             raise DataError(f"data.train: {total} rows leave no training rows; add data or lower data.eval_fraction")
+        check_enough_rows(cfg, sum(shard.num_rows for shard in splits["train"]))
         manifest = Manifest(
             format=FORMAT_VERSION,
             fingerprint=fingerprint,
@@ -160,6 +165,32 @@ def prepare_data(cfg: RunConfig) -> Manifest:
         manifest.num_bytes / 1e6,
     )  # fmt: skip
     return manifest
+
+
+def rows_per_update(cfg: RunConfig) -> int:
+    """Training rows one weight update reads over all ranks (a lower bound while num_ranks is auto)."""
+    train, dist = cfg.train, cfg.distributed
+    if train.global_batch_size:
+        return train.global_batch_size
+    replicas = dist.resolved_data_parallel_size or 1
+    return train.batch_size * train.gradient_accumulation_steps * replicas
+
+
+def check_enough_rows(cfg: RunConfig, train_rows: int) -> None:
+    """Refuse a training split smaller than one weight update's batch (its rows would repeat within the batch).
+
+    Raises:
+        DataError: naming the counts and the fix.
+    """
+    need = rows_per_update(cfg)
+    if train_rows < need:
+        held = f" after data.eval_fraction {cfg.data.eval_fraction} held rows out for eval" \
+            if not cfg.data.test and cfg.data.eval_fraction else ""
+        raise DataError(
+            f"data.train: {train_rows} training row(s){held}, fewer than the {need} one weight update reads "
+            f"(train.batch_size x accumulation x data-parallel ranks); rows would repeat within a batch: add data, "
+            f"lower data.eval_fraction or the batch size"
+        )
 
 
 def _fingerprint(cfg: RunConfig, specs: list[InputSpec], train: list[Source], test: list[Source]) -> str:

@@ -124,6 +124,12 @@ def table_chunks(source: Source, columns: list[str], chunk_bytes: int) -> Iterat
             with np.load(path, allow_pickle=False) as npz:
                 _need(columns, list(npz.files), path)
                 arrays = {c: npz[c] for c in columns}
+            scalars = [c for c, a in arrays.items() if a.ndim == 0]
+            if scalars:
+                raise DataError(
+                    f"{path}: array(s) {scalars} are 0-d (a single value); need one row per sample: save arrays whose "
+                    f"first dimension is the row"
+                )
             lengths = {c: a.shape[0] if a.ndim else None for c, a in arrays.items()}
             if len(set(lengths.values())) != 1:
                 raise DataError(f"{path}: arrays have different row counts {lengths}; need one row per sample")
@@ -169,7 +175,28 @@ def source_columns(source: Source) -> list[str]:
     raise DataError(f"{path}: format '{fmt}' has no columns")
 
 
+def count_rows(source: Source, column: str, chunk_bytes: int = 1 << 24) -> int:
+    """Rows in a table source (from Parquet metadata; other formats are streamed through ``column``).
+
+    Raises:
+        DataError: the file cannot be read, or lacks the column.
+    """
+    if source.format == "parquet":
+        try:
+            return pq.ParquetFile(source.path).metadata.num_rows
+        except (pa.ArrowInvalid, OSError) as err:
+            raise DataError(f"{source.path}: cannot read it as parquet ({err}); check the file") from None
+    rows = 0
+    for chunk in table_chunks(source, [column], chunk_bytes):
+        rows += len(chunk[column]) if isinstance(chunk, dict) else chunk.num_rows
+    return rows
+
+
 def _need(columns: list[str], present: list[str], path: Path) -> None:
+    twice = sorted({c for c in columns if present.count(c) > 1})
+    if twice:
+        counts = ", ".join(f"'{c}' exists {present.count(c)} times" for c in twice)
+        raise DataError(f"{path}: column {counts} in its header; rename the duplicates so each column is named once")
     missing = [c for c in columns if c not in present]
     if missing:
         raise DataError(

@@ -120,6 +120,17 @@ def check_floats(values: np.ndarray, per_row: int, column: str, where: str, firs
             )
 
 
+def _check_nulls(source: pa.Array, column: str, where: str, first_row: int) -> None:
+    """Refuse missing values (a JSON ``null``, an empty CSV cell), naming the first rows that lack one."""
+    if not source.null_count:
+        return
+    rows = np.flatnonzero(pc.is_null(source).to_numpy(zero_copy_only=False))
+    raise DataError(
+        f"column '{column}' ({where}): missing (null) values at {_rows(rows, 1, first_row)}; fill or drop those rows "
+        f"in the source"
+    )
+
+
 def check_column(source: pa.Array | pa.ChunkedArray | np.ndarray, name: str, rules: ValueRules, column: str,
                  where: str, first_row: int) -> None:
     """Check one source column (before its cast to the model's dtype) that feeds model input ``name``.
@@ -142,10 +153,18 @@ def check_column(source: pa.Array | pa.ChunkedArray | np.ndarray, name: str, rul
     else:
         if isinstance(source, pa.ChunkedArray):
             source = source.combine_chunks()
+        _check_nulls(source, column, where, first_row)
         values, per_row = _flat_values(source)
     if values.dtype == object or values.dtype.kind not in "biuf":
         return  # the dtype check that follows names a non-numeric column
     if name == rules.label_input:
+        if values.dtype.kind == "f":  # labels written as floats ("1.0"): NaN or infinity is no class
+            bad = np.flatnonzero(~np.isfinite(values))
+            if bad.size:
+                raise DataError(
+                    f"column '{column}' ({where}): class labels NaN or infinite at {_rows(bad, per_row, first_row)}; "
+                    f"every row needs a whole-number class: fill or drop those rows in the source"
+                )
         check_labels(values, per_row, rules, column, where, first_row)
     else:
         check_floats(values, per_row, column, where, first_row)
@@ -156,7 +175,8 @@ def scan_sources(cfg) -> list[str]:
 
     Reads each source once (labels and float columns only); one problem per file at most.
     """
-    from ortflow.dataprep.sources import resolve_sources, table_chunks
+    from ortflow.dataprep.features import resolve
+    from ortflow.dataprep.sources import resolve_sources, source_columns, table_chunks
     from ortflow.dataprep.specs import CONFIGURE_NAME
 
     try:
@@ -164,11 +184,8 @@ def scan_sources(cfg) -> list[str]:
     except (OSError, ValueError):
         return []  # not configured yet: the class count is unknown; prepare-data checks every value anyway
     rules = rules_from_record(record, cfg.model.loss, cfg.model.ignore_index)
-    plan = {}
-    for spec in record.get("train_inputs", []):
-        column = cfg.data.columns.get(spec["name"], spec["name"])
-        if isinstance(column, str) and (spec["name"] == rules.label_input or spec["name"] in rules.float_inputs):
-            plan[spec["name"]] = column
+    wanted = {spec["name"]: cfg.data.columns.get(spec["name"], spec["name"]) for spec in record.get("train_inputs", [])
+              if spec["name"] == rules.label_input or spec["name"] in rules.float_inputs}
     problems: list[str] = []
     for patterns, field in ((cfg.data.train, "data.train"), (cfg.data.test, "data.test")):
         try:
@@ -177,14 +194,19 @@ def scan_sources(cfg) -> list[str]:
             problems.append(str(err))
             continue
         for source in sources:
-            if source.format == "text" or not plan:
+            if source.format == "text" or not wanted:
                 continue
             first = 0
             try:
-                for chunk in table_chunks(source, sorted(set(plan.values())), 1 << 24):
-                    for name, column in plan.items():
-                        values = chunk[column] if isinstance(chunk, dict) else chunk.column(column)
-                        check_column(values, name, rules, column, str(source.path), first)
+                # the columns as prepare-data resolves them: a name, a list of names or a pattern ('f*')
+                present = source_columns(source)
+                plan = {name: resolve(name, spec, present, str(source.path)).columns for name, spec in wanted.items()}
+                needed = sorted({c for columns in plan.values() for c in columns})
+                for chunk in table_chunks(source, needed, 1 << 24):
+                    for name, columns in plan.items():
+                        for column in columns:
+                            values = chunk[column] if isinstance(chunk, dict) else chunk.column(column)
+                            check_column(values, name, rules, column, str(source.path), first)
                     first += len(next(iter(chunk.values()))) if isinstance(chunk, dict) else chunk.num_rows
             except DataError as err:
                 problems.append(str(err))

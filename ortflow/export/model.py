@@ -32,6 +32,7 @@ from ortflow.checkpoints import (
     verify,
 )
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_config
+from ortflow.export import checksum
 from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
@@ -89,6 +90,7 @@ class ExportResult:
         verification: The float model against the eval graph (and the optimized model, if asked).
         optimized: Whether ONNX Runtime's offline (basic level) optimization was applied.
         quantization: The int8 model against the float one, when quantized.
+        sha256: The written model's sha256 (also in its ``.sha256`` sidecar).
     """
 
     path: Path
@@ -100,6 +102,7 @@ class ExportResult:
     verification: verification.Verification
     optimized: bool = False
     quantization: verification.QuantizationReport | None = None
+    sha256: str = ""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -174,6 +177,10 @@ def resolve_source(
             "(the run's artifacts/eval_model.onnx) or copy it into the checkpoint folder"
         )
     record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
+    if record and found.parent == Path(run_dir) / "artifacts":  # checked before any loader reads it
+        from ortflow.build.records import verify_artifacts
+
+        verify_artifacts(found.parent, record)
     return ExportSource(
         checkpoint=chosen,
         eval_model=found,
@@ -471,7 +478,9 @@ def export_model(
             quant = verification.quantize(final, quantized_path, feeds, src.record, labels, data_note)
             final = quantized_path
         _stamp(final, _metadata(checkpoint, src))
+        digest = checksum.sha256_file(final)
         os.replace(final, out)
+        checksum.write_sidecar(out, digest)  # a crash before this leaves a stale sidecar: detected, re-exported
     finally:
         for tmp in (plain, optimized_path, quantized_path):
             tmp.unlink(missing_ok=True)
@@ -486,4 +495,5 @@ def export_model(
         verification=result,
         optimized=optimize,
         quantization=quant,
+        sha256=digest,
     )

@@ -212,11 +212,19 @@ def launch(
     write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
         on_start(job.proc)
-    result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals, sleep=job.wait)
+    restore_pause = _pause_job_on_terminal_stop(job.proc) if forward_signals else (lambda: None)
+    stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
+    watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
+    try:
+        result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals,
+                       sleep=job.wait)
+    finally:
+        watcher.set()
+        restore_pause()
     if not result.returncode:
         return result
     errors = deque(result.error_lines, maxlen=20)
-    for line in _stall_messages(Path(run_dir), started, seen=errors):
+    for line in [*stuck, *_stall_messages(Path(run_dir), started, seen=errors)]:
         errors.append(line)
         on_line(line)
     return dataclasses.replace(result, error_lines=tuple(errors))
@@ -235,3 +243,112 @@ def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
         if text and not any(text in line for line in seen):
             lines.append(f"[watchdog {path.stem.removeprefix('stall-')}] {text}")
     return lines
+
+
+def _pause_job_on_terminal_stop(proc: subprocess.Popen) -> Callable[[], None]:
+    """Ctrl-Z (SIGTSTP) pauses the whole job and ``fg``/``bg`` (SIGCONT) resumes it, by design.
+
+    The ranks run in their own session, so the terminal's SIGTSTP reaches only this process: it stops the job's
+    process group first, then itself; SIGCONT continues the group. The ranks' watchdogs do not count the time they
+    were stopped, so a paused job continues where it was instead of aborting. Main thread only (signal handlers).
+
+    Returns:
+        A function that restores the previous handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def pause(_signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        log.warning("job paused (Ctrl-Z): `fg` resumes it")
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def resume(_signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTSTP, pause),
+                                                                       (signal.SIGCONT, resume))}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+
+
+def _collective_timeout(run_dir: Path) -> float | None:
+    """The run's ``distributed.collective_timeout_s`` (None when the run folder holds no readable config)."""
+    from ortflow.config import ConfigError, load_run_config
+
+    try:
+        return load_run_config(run_dir).distributed.collective_timeout_s
+    except (ConfigError, OSError):
+        return None
+
+
+def _launcher_tree(root: int) -> list[tuple[int, str, str]]:
+    """``(pid, name, state)`` of the launcher ``root`` and the MPI proxies below it (not the ranks)."""
+    parents: dict[int, int] = {}
+    info: dict[int, tuple[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = tail.split()
+        parents[int(entry)] = int(fields[1])
+        info[int(entry)] = (head.split("(", 1)[1], fields[0])
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        name, state = info.get(pid, ("?", "?"))
+        if pid == root or any(tag in name for tag in ("proxy", "prted", "orted")):
+            found.append((pid, name, state))
+        todo += [child for child, parent in parents.items() if parent == pid]
+    return found
+
+
+def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, stuck: list[str],
+                             poll_s: float = 0.5) -> threading.Event:
+    """Watch ``mpiexec`` and its proxies: one stopped longer than ``timeout_s`` (+1 s) gets the job killed, named.
+
+    The ranks cannot finish, or even abort, through a stopped launcher. Time this process itself was stopped (the
+    whole job paused with Ctrl-Z) is not counted.
+
+    Returns:
+        An event that ends the watch when set.
+    """
+    done = threading.Event()
+    if timeout_s is None or not os.path.isdir("/proc"):
+        return done
+
+    def watch() -> None:
+        since: dict[int, float] = {}
+        last = time.monotonic()
+        while not done.wait(poll_s):
+            now = time.monotonic()
+            if now - last > poll_s + 2.0:  # this process was stopped: start counting again
+                since.clear()
+            last = now
+            for pid, name, state in _launcher_tree(proc.pid):
+                if state not in ("T", "t"):
+                    since.pop(pid, None)
+                    continue
+                if now - since.setdefault(pid, now) > timeout_s + 1.0:
+                    stuck.append(
+                        f"ERROR: the launcher process '{name}' (pid {pid}) was stopped for {now - since[pid]:.0f} s "
+                        f"(longer than distributed.collective_timeout_s {timeout_s:g} s): the job was aborted; the "
+                        f"last complete checkpoint is kept. Resume a stopped launcher with SIGCONT within the timeout"
+                    )
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL ends stopped processes too
+                    except ProcessLookupError:
+                        pass
+                    return
+
+    threading.Thread(target=watch, name="ortflow-launcher-watch", daemon=True).start()
+    return done

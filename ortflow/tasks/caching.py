@@ -1,11 +1,13 @@
 """Cache keys of the pipeline's stages: the stage's config sections, the fingerprints of its input files, and
-whether its outputs are still on disk.
+whether its outputs are still on disk and verify against their checksums.
 
 A key built only from inputs replays a stale result once the outputs are deleted; a key that hashes the outputs
 themselves never matches (the key is computed before the stage writes them). So each stage keeps a *generation*
 token in ``<output_dir>/.ortflow/cache/<stage>``: the token is part of the key, and it is replaced whenever the
 stage's outputs are missing or incomplete. While the outputs stay intact the key stays the same and Prefect returns
-the persisted result; once they are gone the key changes and the stage runs again. ``invalidate`` replaces tokens on
+the persisted result; once they are gone, or one of them no longer matches its recorded sha256 (artifacts against
+configure.json, shards against the manifest, checkpoints against their meta.json, the exported model against its
+sidecar), the key changes and the stage runs again. ``invalidate`` replaces tokens on
 purpose (``ortflow run --from STAGE``).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -25,9 +28,11 @@ from prefect.context import TaskRunContext
 
 from ortflow.build.configure import fingerprint as configure_fingerprint
 from ortflow.build.configure import read_configure_record
-from ortflow.build.records import ARTIFACT_FILES
-from ortflow.checkpoints import list_complete
+from ortflow.build.records import ARTIFACT_FILES, verify_artifacts
+from ortflow.checkpoints import list_complete, verify
 from ortflow.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 #: The stages in pipeline order; ``--from STAGE`` reruns the named one and every later one.
 STAGES: tuple[str, ...] = ("configure", "prepare_data", "train", "retain", "export")
@@ -111,30 +116,45 @@ def _export_inputs(cfg: RunConfig) -> dict:
 
 def _configure_done(cfg: RunConfig) -> bool:
     record = read_configure_record(cfg.output_dir)
-    return record is not None and all((cfg.artifacts_dir / name).exists() for name in ARTIFACT_FILES)
+    if record is None or not all((cfg.artifacts_dir / name).exists() for name in ARTIFACT_FILES):
+        return False
+    return _trusted(lambda: verify_artifacts(cfg.artifacts_dir, record))
 
 
 def _prepare_done(cfg: RunConfig) -> bool:
-    try:
-        manifest = json.loads((cfg.data_dir / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    shards = [shard for split in manifest.get("splits", {}).values() for shard in split]
-    return bool(shards) and all((cfg.data_dir / shard["file"]).exists() for shard in shards)
+    from ortflow.dataprep import verify_data
+
+    return _trusted(lambda: verify_data(cfg.data_dir))  # every shard's size and sha256 against the manifest
 
 
 def _train_done(cfg: RunConfig) -> bool:
     final = _final_checkpoint(cfg)
-    return final is not None and final["step"] >= cfg.train.num_weight_updates
+    if final is None or final["step"] < cfg.train.num_weight_updates:
+        return False
+    return _trusted(lambda: verify(list_complete(cfg.checkpoints_dir)[-1].path))
 
 
 def _retain_done(cfg: RunConfig) -> bool:
     index = _index(cfg)
-    return index is not None and all(Path(k["path"]).exists() for k in index.get("kept", []))
+    if index is None or not all(Path(k["path"]).exists() for k in index.get("kept", [])):
+        return False
+    return all(_trusted(lambda path=k["path"]: verify(Path(path))) for k in index.get("kept", []))
 
 
 def _export_done(cfg: RunConfig) -> bool:
-    return cfg.export_path.exists()
+    from ortflow.export.checksum import verify_model
+
+    return cfg.export_path.exists() and _trusted(lambda: verify_model(cfg.export_path))
+
+
+def _trusted(check: Callable[[], object]) -> bool:
+    """Whether a verification passes; a stage whose outputs fail theirs runs again (the failure is logged)."""
+    try:
+        check()
+    except (ValueError, OSError) as err:  # DataError, CheckpointError, ArtifactsDamaged, ExportError
+        log.warning("cached output not trusted, the stage runs again: %s", err)
+        return False
+    return True
 
 
 _STAGE_PARTS: dict[str, tuple[Callable[[RunConfig], dict], Callable[[RunConfig], bool]]] = {

@@ -118,6 +118,7 @@ def summary_rows(
         ("kept checkpoints", ", ".join(f"step {k['step']} ({why(k)})" for k in kept) or None),
         ("exported model", exported.get("path")),
         ("export source step", exported.get("step")),
+        ("exported model sha256", exported.get("sha256")),
     ]
     return [{"metric": name, "value": value} for name, value in rows]
 

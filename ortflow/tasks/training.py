@@ -200,8 +200,9 @@ def train(config: RunConfig) -> dict:
     layout = launch_layout(config, config.output_dir, host_resources())[0] if local else None  # auto: this host's
     levels = RankLineLevels()
     with (
-        runlock.hold(config.output_dir, wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s,
-                     flow_run_id=flow_run_id(), purpose="train"),
+        runlock.hold_all(runlock.training_folders(config.output_dir, config.checkpoints_dir),
+                         wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s, flow_run_id=flow_run_id(),
+                         purpose="train"),
         forward_logs() as logger,
     ):
         try:

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from ortflow.build.records import verify_artifacts
-from ortflow.checkpoints import CheckpointManager
+from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.specs import CONFIGURE_NAME
-from ortflow.trainer import lifeline
+from ortflow.trainer import lifeline, output
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -71,13 +71,13 @@ def run_rank(run_dir: Path) -> int:
     lifeline.follow_launcher()  # `ortflow train` (or the flow) died: exit within a second, not at the next print
     cfg, comm = start_mpi(run_dir)
     try:
+        if comm.rank == 0:
+            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # a flipped bit in a model file
+            verify_data(cfg.data_dir)  # and a corrupt or changed shard fail here, before the engine loads anything
+        # Sync point: no rank loads the artifacts or reads shards before rank 0 has verified them.
+        comm.barrier("verify data")
         rt = init_runtime(run_dir, cfg, comm)
         cfg = rt.cfg  # with a global batch, the per-rank batch and accumulation for this world size
-        if comm.rank == 0:
-            verify_data(cfg.data_dir)  # a corrupt or changed shard fails here, before any step
-            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # and a flipped bit in a model
-        # Sync point: no rank reads shards before rank 0 has verified them.
-        comm.barrier("verify data")
         shard, shards = rt.data_shard()
         loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=cfg.data.prefetch_batches)
         evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards, cfg.train.max_eval_rows)
@@ -88,7 +88,7 @@ def run_rank(run_dir: Path) -> int:
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
-            writer=write_state, shared=shared,
+            writer=write_state, shared=shared, owner=run_owner(cfg) if writer else None,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard
@@ -124,11 +124,22 @@ def run_rank(run_dir: Path) -> int:
         raise
 
 
+def _one_line_os_errors(unraisable) -> None:
+    """An OSError raised where Python cannot pass it on (h5py closing a file on a full disk, in a finalizer) is one
+    log line, not a traceback beside the checkpoint's own message; anything else keeps the default report."""
+    if isinstance(unraisable.exc_value, OSError):
+        log.warning("while cleaning up: %s", unraisable.exc_value)
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the run folder and train this rank."""
     parser = argparse.ArgumentParser(prog="python -m ortflow.trainer", description=__doc__)
     parser.add_argument("run_dir", type=Path, help="A configured run folder (holds config.yaml and artifacts/).")
     args = parser.parse_args(argv)
+    output.never_block()  # a launcher that stops reading (stopped, wedged) must never stall this rank
+    sys.unraisablehook = _one_line_os_errors
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
     )

@@ -34,7 +34,8 @@ def choose_start(
     """
     chosen = warm = None
     if comm.rank == 0:
-        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
+        owner = checkpoints.run_owner(cfg)  # the first training of a folder gives it its id
+        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path, owner)
         chosen = (str(found.path), found.meta) if found else None
         if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
             warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)

@@ -1,6 +1,6 @@
 """The long fault campaign (``make faults``): many trials of every kind, figures written to bench/results/.
 
-Usage: python -m tests.faults.campaign [--scale 1.0] [--out bench/results/faults-campaign]
+Usage: python -m tests.faults.campaign [--scale 1.0] [--only GROUP,...] [--out bench/results/faults-campaign]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 from . import trials
 from . import trials_files as files
+from . import trials_launcher as launcher
+from . import trials_reliability as rel
 
 
 def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
@@ -56,6 +58,21 @@ def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
     jobs.append(("disk-full", lambda: _disk_full(root)))
     for i in range(n(3)):
         jobs.append(("concurrent", lambda i=i: files.concurrent_trial(root, reference(), f"c-{i}")))
+    for concurrent in (False, True):
+        for i in range(n(3)):
+            jobs.append(("ownership", lambda c=concurrent, i=i: rel.shared_dir_trial(root, c, f"sh-{c}-{i}")))
+    for target in ("cli", "launcher", "proxy"):
+        for i in range(n(3)):
+            jobs.append(("stalled", lambda t=target, i=i: launcher.stopped_launcher_trial(root, t, f"sl-{t}-{i}")))
+    for target in ("tstp", "cli", "launcher", "proxy"):
+        for i in range(n(2)):
+            jobs.append(("stalled", lambda t=target, i=i: launcher.paused_trial(root, t, f"pa-{t}-{i}")))
+    for kind in rel.RERUN_KINDS:
+        for mode in ("flip", "truncate"):
+            for _ in range(n(8)):
+                jobs.append(("rerun", lambda k=kind, m=mode: rel.rerun_corruption_trial(root, k, m, rng)))
+    jobs += [("inputs", lambda c=case: rel.bad_input_trial(root, c)) for case in rel.INPUT_CASES]
+    jobs += [("disk-paths", lambda c=case: rel.disk_trial(root, c)) for case in rel.DISK_CASES]
     base = {}
 
     def fuzz_config():
@@ -67,7 +84,9 @@ def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
     jobs += [("fuzz", lambda: (reference(), files.fuzz_model_trial(root / "mlp.onnx", root, rng))[1])
              for _ in range(n(40))]
     jobs += [("fuzz", lambda i=i: (reference(), files.fuzz_data_trial(root, rng, f"fd-{i}"))[1]) for i in range(n(30))]
-    return [(group, job) for group, job in jobs if not only or only == group or only in _names(job)]
+    wanted = [w for w in only.split(",") if w]
+    return [(group, job) for group, job in jobs
+            if not wanted or any(w == group or w in _names(job) for w in wanted)]
 
 
 def _names(job) -> str:
@@ -107,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="Multiply every trial count.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/faults-campaign"))
-    parser.add_argument("--only", default="", help="Run only the trials whose lambda names this phase or group.")
+    parser.add_argument("--only", default="", help="Run only these groups (comma-separated: kills, stops, orphans, "
+                        "hangs, integrity, disk-full, concurrent, fuzz, ownership, stalled, rerun, inputs, "
+                        "disk-paths), or the trials whose lambda names this phase or kind.")
     args = parser.parse_args(argv)
     start = time.time()
     by_category: dict[str, dict] = defaultdict(lambda: {"trials": 0, "survived": 0, "failed": 0, "failures": []})

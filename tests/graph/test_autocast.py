@@ -9,13 +9,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.graph.autocast import (
-    convert_tensor,
     BFLOAT16,
     FLOAT,
     FLOAT16,
     AutocastError,
     autocast,
     autocast_report,
+    convert_tensor,
     fold_parameter_casts,
     strip_autocast,
     to_bfloat16_bits,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -16,6 +17,7 @@ from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_
 from ortflow.trainer.comm.buckets import Bucket, plan_buckets
 from ortflow.trainer.comm.runs import RunPlan, plan_key
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
+from ortflow.trainer.lifeline import continued_signal, launcher_processes
 
 #: Dimensions a point-to-point header holds (unused ones are -1).
 _HEADER = 8
@@ -50,7 +52,8 @@ class MPIComm:
         self._slices: list[slice] = []
         self._groups: dict[int, object] = {}  # group size -> MPI sub-communicator of consecutive ranks
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
-        self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out)
+        self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out, launchers=launcher_processes(),
+                                 on_launcher_stopped=self._launcher_stopped, continued=continued_signal())
         self._runs: RunPlan | None = None  # the runs exchange's plan, made at its first call
         self._pending: list[tuple[tuple, list]] = []  # started sends: (buffers that must outlive them, requests)
         self._world_of: dict[int, int] = {}
@@ -63,10 +66,28 @@ class MPIComm:
             self.heartbeats.leave_message(f"ERROR: {message}")
         except OSError:
             pass
-        sys.stderr.write(f"ERROR: {message}\n")
-        sys.stderr.flush()
+        try:
+            sys.stderr.write(f"ERROR: {message}\n")  # relayed (trainer/output.py): never blocks on the launcher
+            sys.stderr.flush()
+        except OSError:
+            pass
         time.sleep(0.5)
+        # MPI's abort goes through the launcher's proxy and mpiexec; a stopped or blocked one holds it (and the GIL)
+        # for ever, so the kernel ends the rank 2 s later whatever happens (SIGALRM's default action; the stall file
+        # tells the story).
+        signal.alarm(2)
         self.comm.Abort(3)
+
+    def _launcher_stopped(self, message: str) -> None:
+        # MPI's abort would have to pass through the stopped launcher: every rank on this host watches the same
+        # launchers and leaves on its own (ranks elsewhere time out at their next collective with these).
+        try:
+            self.heartbeats.leave_message(f"ERROR: {message}")
+            sys.stderr.write(f"ERROR: {message}\n")
+            sys.stderr.flush()
+        except OSError:
+            pass
+        os._exit(3)
 
     def _collective(self, label: str, call: Callable[[], object]) -> object:
         self.watchdog.enter(label)

@@ -5,6 +5,10 @@ Each rank keeps one small heartbeat file with two independent parts:
 * the sequence number, time and label of the collective it last entered (written by the rank's main thread), and
 * a liveness timestamp, refreshed every ``beat_s`` by the watchdog thread whether or not the rank is in a collective.
 
+The watchdog thread also watches the processes between the rank and the user on its host (its MPI proxy, ``mpiexec``
+and the launching ``ortflow train``): one stopped longer than the timeout aborts the job, naming it, as a stalled
+rank does. Time the rank itself spends stopped (the whole job paused and resumed) is not counted.
+
 A rank that waits in a collective longer than the timeout reads every record and names the stalled ranks: those that
 never reached this collective (sequence number behind), and those whose liveness timestamp has gone stale (a rank that
 was SIGSTOPped, or wedged with the interpreter blocked, even inside the same collective). The message goes to stderr
@@ -119,15 +123,52 @@ def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: floa
     )
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (``T``: stopped by a signal, ``t``: stopped by a debugger, ``Z``: zombie), or
+    None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 class Watchdog:
-    """Beats the heartbeat and aborts the job when the current collective exceeds ``timeout`` seconds."""
+    """Beats the heartbeat and aborts the job when the current collective exceeds ``timeout`` seconds, or when a
+    launcher process this rank depends on has been stopped that long.
+
+    Time this rank itself spent stopped (the whole job paused with Ctrl-Z, then resumed with ``fg``) does not count
+    against the timeout: once the process has been continued (SIGCONT), the thread that beats every ``beat_s`` moves
+    the start of the current wait forward by the gap since its previous round.
+
+    Args:
+        timeout: ``distributed.collective_timeout_s``.
+        heartbeats: This rank's heartbeat file and its peers'.
+        on_timeout: Called with the message once a wait or a stopped launcher exceeds the timeout.
+        clock: Monotonic seconds (passed in so tests control time).
+        launchers: ``(description, pid)`` of the processes between this rank and the user on this host (its MPI
+            proxy, ``mpiexec``, ``ortflow train``); each is watched like a peer rank.
+        state: Reads a process's state letter (passed in so tests need no stopped process).
+        on_launcher_stopped: Called instead of ``on_timeout`` for a stopped launcher (an abort through the launcher
+            could not get through it).
+        continued: True once this process has been continued (SIGCONT) since the previous call
+            (:func:`ortflow.trainer.lifeline.continued_signal`).
+    """
 
     def __init__(self, timeout: float, heartbeats: Heartbeats, on_timeout: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, launchers: tuple[tuple[str, int], ...] = (),
+                 state: Callable[[int], str | None] = process_state,
+                 on_launcher_stopped: Callable[[str], None] | None = None,
+                 continued: Callable[[], bool] = lambda: False):
         self.timeout = timeout
         self.heartbeats = heartbeats
         self.on_timeout = on_timeout
         self.clock = clock
+        self.launchers = launchers
+        self._state = state
+        self.on_launcher_stopped = on_launcher_stopped or on_timeout
+        self._continued = continued
+        self._stopped_since: dict[int, float] = {}
         self.seq = 0
         self.beat_s = min(1.0, timeout / 10)
         # A beat older than this is a stopped process: several missed beats, and never more than half the timeout.
@@ -152,15 +193,52 @@ class Watchdog:
         self._entered = None
 
     def _run(self) -> None:
+        last = self.clock()
         while not self._stop.wait(self.beat_s):
             self.heartbeats.beat()
-            entered = self._entered
-            if entered is not None and self.clock() - entered > self.timeout:
-                waited = self.clock() - entered
-                message = describe_stall(self.heartbeats, self.seq, self._label, waited, time.time(), self.stale_s,
-                                         self._peer)
-                self.on_timeout(message)
+            if self.check(last):
                 return
+            last = self.clock()
+
+    def check(self, last: float) -> bool:
+        """One round of the watch (``last``: the clock at the previous round); True once it has called on_timeout."""
+        now = self.clock()
+        paused = now - last - self.beat_s
+        if paused > 0 and self._continued():  # this process was stopped (the job paused): nobody's stall
+            entered = self._entered
+            if entered is not None:
+                self._entered = entered + paused
+            self._stopped_since.clear()
+        entered = self._entered
+        if entered is not None and now - entered > self.timeout:
+            message = describe_stall(self.heartbeats, self.seq, self._label, now - entered, time.time(),
+                                     self.stale_s, self._peer)
+            self.on_timeout(message)
+            return True
+        stopped = self.stopped_launcher(now)
+        if stopped:
+            self.on_launcher_stopped(stopped)
+            return True
+        return False
+
+    def stopped_launcher(self, now: float) -> str | None:
+        """The message for a launcher process stopped (SIGSTOP, a stopped terminal job) longer than the timeout.
+
+        A process counts as stopped from the round that first sees it so (never before it really stopped), so the
+        job ends between ``timeout`` and ``timeout + beat_s`` after the stop.
+        """
+        for what, pid in self.launchers:
+            if self._state(pid) not in ("T", "t"):
+                self._stopped_since.pop(pid, None)
+                continue
+            since = self._stopped_since.setdefault(pid, now)
+            if now - since > self.timeout:
+                return (
+                    f"{what} has been stopped for {now - since:.0f} s (longer than distributed.collective_timeout_s): "
+                    f"the job cannot report or finish while it is; aborting the job, the last complete checkpoint is "
+                    f"kept. Resume it with SIGCONT (or `fg`) within the timeout to keep the job"
+                )
+        return None
 
     def close(self) -> None:
         self._stop.set()

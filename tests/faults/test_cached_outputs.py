@@ -1,0 +1,101 @@
+"""No stage trusts a file it did not verify: a corrupted output is detected on rerun, the exported model carries a
+checksum that export --verify and sample check, and damaged artifacts are named before the engine loads them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from ortflow.checkpoints import list_complete
+from ortflow.checkpoints.retention import retain_checkpoints
+from ortflow.export import export_model
+from ortflow.export.checksum import sidecar_path
+from ortflow.tasks.caching import outputs_intact
+
+from ..trainer.runs import make_run, run_ranks
+from . import procs
+
+pytestmark = [pytest.mark.mpi, pytest.mark.faults]
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """A trained, retained and exported 1-rank run."""
+    root = tmp_path_factory.mktemp("cached")
+    cfg = make_run(root, "run", distributed={"num_ranks": 1}, train={"num_train_steps": 10})
+    out = run_ranks(cfg, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:]
+    retain_checkpoints(cfg)
+    export_model(cfg.output_dir, cfg.export_path, config=cfg)
+    return cfg
+
+
+def _flip(path, at: int | None = None) -> bytes:
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2 if at is None else at] ^= 0x10
+    path.write_bytes(bytes(data))
+    return original
+
+
+def _targets(cfg) -> dict:
+    newest = list_complete(cfg.checkpoints_dir)[-1].path
+    return {
+        "configure": cfg.artifacts_dir / "eval_model.onnx",
+        "prepare_data": cfg.data_dir / "train-00000.arrow",
+        "train": newest / "params.h5",
+        "export": cfg.export_path,
+    }
+
+
+@pytest.mark.parametrize("stage", ["configure", "prepare_data", "train", "export"])
+def test_a_corrupted_output_makes_its_stage_run_again(done, stage):
+    assert outputs_intact(done, stage)
+    path = _targets(done)[stage]
+    original = _flip(path)
+    try:
+        assert not outputs_intact(done, stage), f"{path.name} corrupted, yet the {stage} cache is trusted"
+    finally:
+        path.write_bytes(original)
+    assert outputs_intact(done, stage)
+
+
+def _ortflow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_exported_model_has_a_sidecar_that_export_verify_checks(done):
+    model = done.export_path
+    assert sidecar_path(model).read_text().split()[1] == model.name
+    ok = _ortflow("export", "--verify", str(model))
+    assert ok.returncode == 0 and "matches" in ok.stdout, ok.stdout
+    original = _flip(model, at=len(model.read_bytes()) - 40)  # inside the weights: the model still loads
+    try:
+        bad = _ortflow("export", "--verify", str(model))
+        assert bad.returncode == 1 and "does not match its checksum" in bad.stdout, bad.stdout
+        sampled = _ortflow("sample", str(model), "--max-new-tokens", "1")
+        assert sampled.returncode == 1 and "does not match its checksum" in sampled.stdout, sampled.stdout
+        assert "Traceback" not in bad.stdout + sampled.stdout
+    finally:
+        model.write_bytes(original)
+
+
+@pytest.mark.parametrize("name, how", [("training_model.onnx", "flip"), ("eval_model.onnx", "truncate")])
+def test_damaged_artifacts_are_named_before_the_engine_loads_them(done, name, how):
+    path = done.artifacts_dir / name
+    original = path.read_bytes()
+    if how == "flip":
+        _flip(path)
+    else:
+        path.write_bytes(original[: len(original) // 3])
+    try:
+        trained = _ortflow("train", str(done.output_dir), "--np", "1")
+        evaluated = _ortflow("evaluate", str(done.output_dir))
+    finally:
+        path.write_bytes(original)
+    for out in (trained, evaluated):
+        assert out.returncode != 0 and name in out.stdout and "does not match its sha256" in out.stdout, out.stdout
+        assert "Traceback" not in out.stdout, out.stdout

@@ -1,0 +1,137 @@
+"""A full or read-only disk is reported as such by every command that writes, with no traceback and no temp files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ortflow.checkpoints import list_complete
+
+from ..trainer.runs import make_run, run_ranks
+from . import procs
+from . import trials_files as files
+
+pytestmark = [pytest.mark.mpi, pytest.mark.faults]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 1-rank run and its config file (on the ordinary disk)."""
+    root = tmp_path_factory.mktemp("disk")
+    cfg = make_run(root, "run", distributed={"num_ranks": 1}, train={"num_train_steps": 10})
+    out = run_ranks(cfg, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:]
+    return cfg
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """A small tmpfs (root only): the test fills it or makes it read-only."""
+    where = tmp_path / "mnt"
+    if not files.tmpfs(where, "4m"):
+        pytest.skip("needs root to mount a tmpfs")
+    yield where
+    files.untmpfs(where)
+
+
+def _copy_run(cfg, mount: Path) -> Path:
+    """The run folder copied onto the mount, with a config file whose paths point there."""
+    run = mount / "run"
+    shutil.copytree(cfg.output_dir, run)
+    raw = cfg.model_dump(mode="json")
+    raw["output_dir"] = str(run)
+    config = mount.parent / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    return config
+
+
+def _fill(mount: Path) -> None:
+    with open(mount / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    try:
+        with open(mount / "filler", "ab") as f:
+            f.write(b"\0" * 4096)
+    except OSError:
+        pass
+
+
+def _ortflow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _temp_files(folder: Path) -> list[str]:
+    return [str(p) for p in folder.rglob("*") if ".tmp" in p.name or ".building-" in p.name or p.name == ".staging"]
+
+
+def _reported(out: subprocess.CompletedProcess, what: str, where: Path) -> None:
+    assert out.returncode != 0, out.stdout
+    assert "Traceback" not in out.stdout and "Errno" not in out.stdout, out.stdout
+    assert what in out.stdout and str(where) in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("command", ["prepare-data", "retain", "configure", "export"])
+def test_a_full_disk_is_named_with_the_folder_and_leaves_no_temp_files(trained, mount, command):
+    config = _copy_run(trained, mount)
+    run = mount / "run"
+    args = {
+        "prepare-data": ["prepare-data", str(config), "--set", "data.rows_per_shard=50"],
+        "retain": ["retain", str(config), "--set", "checkpoint.max_num_checkpoints=5"],
+        "configure": ["configure", str(config), "--set", f"output_dir={mount / 'fresh'}"],
+        "export": ["export", str(run), "-o", str(mount / "out" / "model.onnx")],
+    }[command]
+    _fill(mount)
+    out = _ortflow(*args)
+    _reported(out, "the disk is full", mount)
+    assert not _temp_files(mount), _temp_files(mount)
+    assert list_complete(run / "checkpoints"), "the run's checkpoints must survive"
+
+
+@pytest.mark.parametrize("command", ["train", "configure", "export", "run"])
+def test_a_read_only_run_folder_is_named_as_such(trained, mount, command):
+    config = _copy_run(trained, mount)
+    run = mount / "run"
+    subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+    args = {
+        "train": ["train", str(run)],
+        "configure": ["configure", str(config), "--set", "optimizer.learning_rate=0.5"],
+        "export": ["export", str(run), "-o", str(mount / "model.onnx")],
+        "run": ["run", str(config), "--from", "configure"],
+    }[command]
+    out = _ortflow(*args)
+    _reported(out, "read-only", mount)
+
+
+FINALIZER = """
+import errno, logging, sys
+sys.path.insert(0, {root!r})
+from ortflow.trainer.__main__ import _one_line_os_errors
+logging.basicConfig(level=logging.INFO)
+sys.unraisablehook = _one_line_os_errors
+
+class File:
+    def __del__(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+f = File()
+del f
+"""
+
+
+def test_an_os_error_in_a_finalizer_is_one_line_not_a_traceback():
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FINALIZER.format(root=os.getcwd())], capture_output=True, text=True,
+                         timeout=60)
+    assert "No space left on device" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr

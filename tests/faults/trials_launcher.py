@@ -1,0 +1,97 @@
+"""Fault trials on the launcher side: mpiexec, its proxy or ``ortflow train`` stopped (SIGSTOP) or paused (Ctrl-Z).
+
+A launcher stopped for good must not hang the job: the ranks never block on its output, and the job is aborted
+within the collective timeout (+2 s) with the stopped process named. A launcher stopped briefly and continued, and
+a job paused with Ctrl-Z and resumed with ``fg``, go on to the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from . import procs
+from .trials import Outcome, fresh_run
+
+TIMEOUT_S = 5.0
+
+
+def _victim(proc: subprocess.Popen, target: str) -> int:
+    if target == "cli":
+        return proc.pid
+    if target == "launcher":
+        return procs.launcher_of(proc.pid)
+    return next(p for p in procs.descendants(proc.pid) if "hydra_pmi_proxy" in procs.cmdline(p))
+
+
+def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
+    """SIGSTOP ``target`` for good: every rank gone within timeout + 2 s, the job's exit names the stopped process."""
+    category = f"stopped-{target}"
+    cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
+                    train={"num_train_steps": 200000, "display_loss_steps": 1}, checkpoint={"period": 0})
+    proc = procs.start_train(cfg.output_dir)
+    lines = procs.drain(proc)
+    try:
+        procs.wait_for_step(cfg.output_dir, 30, proc)
+        victim = _victim(proc, target)
+        ranks = [p for p in procs.ranks_of(proc.pid) if "hydra" not in procs.cmdline(p).split(" ")[0]
+                 and p != procs.launcher_of(proc.pid)]  # mpiexec's own command line names the trainer too
+        os.kill(victim, signal.SIGSTOP)
+        start = time.monotonic()
+        while procs.alive(ranks) and time.monotonic() - start < TIMEOUT_S + 30:
+            time.sleep(0.02)
+        took = time.monotonic() - start
+        left = procs.alive(ranks)
+        try:
+            os.kill(victim, signal.SIGCONT)  # a stopped `ortflow train` reports once continued
+        except ProcessLookupError:
+            pass  # a stopped mpiexec or proxy was killed with the job
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            return Outcome(category, False, f"ranks gone after {took:.1f} s, but `ortflow train` did not exit")
+    finally:
+        procs.kill_tree(proc.pid)
+        proc.wait()
+    time.sleep(0.2)  # the reader thread's last lines
+    text = "\n".join(lines)
+    named = {"cli": "the launching process", "launcher": "'mpiexec'", "proxy": "hydra_pmi_proxy"}[target]
+    ok = not left and took <= TIMEOUT_S + 2.0 and proc.returncode != 0 and named in text and "stopped for" in text
+    return Outcome(category, ok, f"ranks gone {took:.1f} s after the stop (timeout {TIMEOUT_S:g} s), exit "
+                   f"{proc.returncode}, {named} {'named' if named in text else 'NOT named'}"
+                   + ("" if ok else f": {text[-600:]}"))
+
+
+def paused_trial(root: Path, target: str, name: str, pause_s: float = 2 * TIMEOUT_S) -> Outcome:
+    """Pause part of the job and continue it: the job finishes (exit 0) and its steps go on after the pause.
+
+    ``tstp`` is Ctrl-Z on ``ortflow train`` (SIGTSTP, then SIGCONT as ``fg`` sends; paused twice the timeout); the
+    other targets are SIGSTOPped for half the timeout, then continued.
+    """
+    category = f"paused-{target}"
+    cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
+                    train={"num_train_steps": 200, "display_loss_steps": 1}, checkpoint={"period": 0})
+    proc = procs.start_train(cfg.output_dir)
+    lines = procs.drain(proc)
+    try:
+        procs.wait_for_step(cfg.output_dir, 30, proc)
+        if target == "tstp":
+            victim, stop, hold = proc.pid, signal.SIGTSTP, pause_s
+        else:
+            victim, stop, hold = _victim(proc, target), signal.SIGSTOP, TIMEOUT_S / 2
+        os.kill(victim, stop)
+        time.sleep(hold)
+        os.kill(victim, signal.SIGCONT)
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        return Outcome(category, False, "the job did not finish within 300 s of the resume")
+    finally:
+        procs.kill_tree(proc.pid)
+        proc.wait()
+    time.sleep(0.2)
+    text = "\n".join(lines)
+    ok = proc.returncode == 0 and "training finished" in text
+    return Outcome(category, ok, f"paused {hold:g} s, exit {proc.returncode}" + ("" if ok else f": {text[-600:]}"))
