@@ -23,7 +23,7 @@ from ortflow.checkpoints.h5state import TrainState, load_optimizer, read_params,
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim import build_update, whole_segments
 from ortflow.trainer.optim.zero import shard_segments
-from tests.models_optim import TRAINABLE, lm_batch
+from tests.support.tied_lm import TRAINABLE, lm_batch
 from tests.trainer.test_optim_rules import _engine_adamw_artifacts
 
 NAMES = ("a/weight", "b.bias", "c%odd")  # ONNX names with '/' and '%'

@@ -273,7 +273,7 @@ def test_validate_prints_every_problem_and_exits_1(tmp_path):
 
 
 def test_validate_accepts_a_good_config(tmp_path):
-    from .models_data import sequence_logits_model
+    from tests.support.batch_models import sequence_logits_model
 
     sequence_logits_model(seq=128, vocab=256, path=tmp_path / "model.onnx")  # input_ids [B, T] -> logits [B, T, V]
     (tmp_path / "corpus").mkdir()

@@ -12,8 +12,7 @@ from ortflow.build.configure import configure
 from ortflow.build.records import ARTIFACT_FILES, read_stages_record, stage_dir
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.engine import api
-
-from .models_pipeline import B, T, V, build_torchlike
+from tests.support.mlp_stack import B, T, V, build_torchlike
 
 
 def pipeline_cfg(tmp_path, model_path, cuts=()):

@@ -15,9 +15,8 @@ from ortflow.checkpoints import list_complete
 from ortflow.cli import app
 from ortflow.dataprep import EvalLoader
 from ortflow.export.evaluate import evaluate_checkpoint
-
-from .models_data import reshape_batch_classifier
-from .trainer.runs import make_run, run_ranks
+from tests.support.batch_models import reshape_batch_classifier
+from tests.support.runs import make_run, run_ranks
 
 
 def reference(model_path, cfg) -> tuple[float, float, int]:

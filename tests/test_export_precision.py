@@ -18,7 +18,7 @@ from ortflow.config import config_from_dict
 from ortflow.engine import api
 from ortflow.export import export_model
 from ortflow.trainer.optim import build_update, whole_segments
-from tests.models_precision import build_tiny_lm, save
+from tests.support.tiny_lm import build_tiny_lm, save
 
 
 def _save_initial_as_checkpoint(cfg) -> None:

@@ -9,8 +9,7 @@ import onnx
 import onnxruntime
 
 from ortflow.graph.batch import BATCH_DIM, make_batch_symbolic
-
-from .models_data import (
+from tests.support.batch_models import (
     batch_mean_classifier,
     fixed_batch_classifier,
     flattened_logits_model,

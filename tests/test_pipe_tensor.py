@@ -103,7 +103,7 @@ def test_a_cut_inside_a_split_region_is_refused_with_the_region_and_the_fix(tmp_
 
 
 def test_tied_weights_across_stages_are_refused_with_the_fix(tmp_path):
-    from .models_export import gpt2_style
+    from tests.support.gpt import gpt2_style
 
     path = gpt2_style(tmp_path / "tied.onnx", vocab=16, seq_len=4, width=8, heads=2, batch=2)
     problems = tensor_split_problems(pp_tp_cfg(tmp_path, path))
@@ -127,8 +127,8 @@ def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logi
     import onnx
 
     from ortflow.build.pipe_tensor_artifacts import pieces, plan_pipe_tensor
-
-    from .models_tensor import run_whole, torch_gpt
+    from tests.support.gpt import torch_gpt
+    from tests.support.tensor_sim import run_whole
 
     path = tmp_path / "torchgpt.onnx"
     torch_gpt(path, layers=2, width=32, heads=4, vocab=64, seq=8, batch=2)

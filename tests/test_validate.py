@@ -16,8 +16,7 @@ from ortflow.cli import app
 from ortflow.config import config_from_dict
 from ortflow.dataprep import DataError, prepare_data
 from ortflow.validate import validate
-
-from .models_data import (
+from tests.support.batch_models import (
     batch_mean_classifier,
     classification_data,
     fixed_batch_classifier,
@@ -145,7 +144,7 @@ def test_tensor_parallelism_with_a_size_that_does_not_divide_the_heads_is_a_prob
 
 
 def test_validate_refuses_too_few_training_rows_like_prepare_data(tmp_path):
-    from .trainer.runs import build_mlp
+    from tests.support.runs import build_mlp
 
     build_mlp(tmp_path / "mlp.onnx", num_features=8, hidden=4, num_classes=3, seed=0)
     rows = ["f0,f1,f2,f3,f4,f5,f6,f7,labels"] + [",".join(["0.5"] * 8) + f",{i % 3}" for i in range(40)]
@@ -160,7 +159,7 @@ def test_validate_refuses_too_few_training_rows_like_prepare_data(tmp_path):
 
 
 def test_validate_accepts_a_feature_pattern_after_configure(tmp_path):
-    from .trainer.runs import build_mlp
+    from tests.support.runs import build_mlp
 
     build_mlp(tmp_path / "mlp.onnx", num_features=8, hidden=4, num_classes=3, seed=0)
     rows = ["f0,f1,f2,f3,f4,f5,f6,f7,labels"] + [",".join(["0.5"] * 8) + f",{i % 3}" for i in range(40)]
@@ -176,7 +175,7 @@ def test_validate_accepts_a_feature_pattern_after_configure(tmp_path):
 
 def _flat_model_setup(tmp_path: Path, **train) -> Path:
     """A GPT-style head traced at batch 4 whose logits are flattened to [4 * 2, V] by a hard-coded Reshape."""
-    from .models_data import flattened_logits_model
+    from tests.support.batch_models import flattened_logits_model
 
     flattened_logits_model(batch=4, seq=2, hard_coded=True, path=tmp_path / "flat.onnx")
     ids = np.random.default_rng(0).integers(0, 7, (40, 2))

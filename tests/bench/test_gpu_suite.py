@@ -105,7 +105,7 @@ def test_report_medians_weak_scaling_ratios_and_zero():
 
 
 def test_a_whole_suite_on_cpu_ranks_reports_ortflow_and_zero_rows(tmp_path):
-    from tests.trainer.runs import MPIEXEC
+    from tests.support.runs import MPIEXEC
 
     out = tmp_path / "out"
     main(["--out", str(out), "--work", str(tmp_path / "w"), "--device", "cpu", "--shape", "tiny", "--gpus", "2",

@@ -16,7 +16,7 @@ from ortflow.config import config_from_dict
 from ortflow.dataprep import DataError, EvalLoader, TrainLoader, prepare_data, read_manifest
 from ortflow.dataprep.features import natural_key
 from ortflow.examples.mlp import build_mlp
-from tests.trainer.runs import final_parameters, run_ranks
+from tests.support.runs import final_parameters, run_ranks
 
 NUM_FEATURES = 11  # f0..f10: natural order differs from sorted order (f10 sorts before f2)
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from ortflow.checkpoints import list_complete
+from tests.support.runs import make_run, run_ranks
 
-from ..trainer.runs import make_run, run_ranks
 from . import procs
 from . import trials_files as files
 

@@ -9,8 +9,7 @@ import pytest
 
 from ortflow.checkpoints import list_complete
 from ortflow.trainer.guards import NonFiniteError, check_update
-
-from ..trainer.runs import make_run, run_ranks
+from tests.support.runs import make_run, run_ranks
 
 INJECT = str(Path(__file__).with_name("inject.py"))
 

@@ -13,8 +13,8 @@ import pytest
 
 from ortflow.launch.local import build_command
 from ortflow.trainer import lifeline
+from tests.support.runs import make_run
 
-from ..trainer.runs import make_run
 from . import procs
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ..trainer.runs import make_run
+from tests.support.runs import make_run
+
 from . import procs
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]

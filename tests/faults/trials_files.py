@@ -19,8 +19,8 @@ from ortflow.build.records import ArtifactsDamaged, verify_artifacts
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import ConfigError, check_model_file, config_from_dict
 from ortflow.dataprep import DataError, verify_data
+from tests.support.runs import final_parameters, run_ranks
 
-from ..trainer.runs import final_parameters, run_ranks
 from . import procs
 from .trials import Outcome, _resume_to_end, _same, fresh_run
 
@@ -189,7 +189,7 @@ def fuzz_model_trial(model: Path, scratch: Path, rng: random.Random) -> Outcome:
 
 def fuzz_data_trial(root: Path, rng: random.Random, name: str) -> Outcome:
     """Training data with NaN/inf/huge features or bad labels: refused by prepare-data, or the shards are sound."""
-    from ..trainer.runs import make_run
+    from tests.support.runs import make_run
 
     n = 64
     features = np.random.default_rng(rng.randrange(2**32)).normal(size=(n, 8))

@@ -19,8 +19,8 @@ from ortflow.checkpoints import list_complete
 from ortflow.checkpoints.retention import retain_checkpoints
 from ortflow.export import export_model
 from ortflow.tasks.caching import outputs_intact
+from tests.support.runs import build_mlp, make_run, run_ranks
 
-from ..trainer.runs import build_mlp, make_run, run_ranks
 from . import procs
 from . import trials_files as files
 from .trials import Outcome

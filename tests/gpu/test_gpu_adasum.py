@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 def test_nccl_adasum_matches_the_reference_and_ranks_agree(tmp_path):
     from ortflow.launch.local import launcher_flavor
-    from tests.trainer.runs import MPIEXEC
+    from tests.support.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
     tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
@@ -47,7 +47,7 @@ def test_nccl_adasum_matches_the_reference_and_ranks_agree(tmp_path):
 def test_device_exchange_on_four_gpus_matches_the_reference_in_both_modes(tmp_path):
     from ortflow.launch.local import launcher_flavor
     from tests.gpu.adasum_device_rank import START_SEED
-    from tests.trainer.runs import MPIEXEC
+    from tests.support.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
     tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"

@@ -74,8 +74,8 @@ def _assert_losses_match(gpu, cpu) -> None:
 
 
 def test_pp2_dp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
-    from tests.trainer.parallel_runs import initial_parameters
-    from tests.trainer.runs import make_text_run
+    from tests.support.parallel_runs import initial_parameters
+    from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN, stage_parameters
 
     layout = {"num_ranks": 4, "pipeline_parallel_size": 2}
@@ -95,7 +95,7 @@ def test_pp2_dp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
 
 def test_hp2_dp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
     from ortflow.checkpoints.h5state import read_params
-    from tests.trainer.parallel_runs import gpt_run, initial_parameters, newest
+    from tests.support.parallel_runs import gpt_run, initial_parameters, newest
 
     layout = {"num_ranks": 4, "horizontal_parallel_size": 2}
     gpu = gpt_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD)

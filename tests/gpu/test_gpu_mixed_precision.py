@@ -52,7 +52,7 @@ two_gpus = pytest.mark.skipif(COUNT < 2, reason=f"needs 2 GPUs ({WHY or f'{COUNT
 
 def _mpiexec(ranks: int) -> list[str]:
     from ortflow.launch.local import launcher_flavor
-    from tests.trainer.runs import MPIEXEC
+    from tests.support.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
     tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
@@ -70,7 +70,7 @@ def _run(cfg, ranks: int, *script: str) -> str:
 
 def _make(tmp_path: Path, name: str, kind: str, ranks: int = 1, steps: int = 200, **sections):
     from ortflow.examples.gpt import build_gpt
-    from tests.trainer.runs import make_text_run
+    from tests.support.runs import make_text_run
 
     model = tmp_path / "gpt.onnx"
     if not model.exists():  # make_text_run reuses it: a little wider and deeper than its default
@@ -195,7 +195,7 @@ def test_injected_overflow_skips_that_update_on_both_ranks_halves_the_scale_and_
 def test_killed_fp16_run_resumes_with_its_loss_scale_and_bitwise_identical_parameters(tmp_path):
     from ortflow.checkpoints import list_complete
     from ortflow.trainer.metrics import read_progress
-    from tests.trainer.runs import final_parameters
+    from tests.support.runs import final_parameters
 
     # Growth every 4 clean updates pushes the scale up until fp16 overflows: the run skips and halves by itself,
     # so the resumed run must restore a scale and counters that changed on their own.

@@ -55,7 +55,7 @@ def _compare(split, unsplit) -> float:
 
 
 def test_two_gpu_stages_match_one_gpu(tmp_path):
-    from tests.trainer.runs import make_text_run
+    from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN
 
     one = make_text_run(tmp_path, "one", distributed={**GPU, "num_ranks": 1}, train=TRAIN)
@@ -73,7 +73,7 @@ def test_two_gpu_stages_match_one_gpu(tmp_path):
 
 @pytest.mark.skipif(cuda_libs.gpu_count()[0] < 4, reason="pp 2 x dp 2 needs 4 GPUs")
 def test_four_gpus_two_stages_by_two_replicas_match_and_replicas_are_identical(tmp_path):
-    from tests.trainer.runs import make_text_run
+    from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN
 
     train = {**TRAIN, "num_train_steps": 4, "evaluation_period": 0}

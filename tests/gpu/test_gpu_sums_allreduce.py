@@ -46,7 +46,7 @@ def _ops(cfg) -> list[str]:
 
 @one_gpu
 def test_rewritten_fp16_training_is_bitwise_repeatable_and_follows_the_engine_reduce_sum(tmp_path):
-    from tests.trainer.runs import final_parameters
+    from tests.support.runs import final_parameters
 
     steps, settings = 60, dict(steps=60, checkpoint={"period": 60}, precision=SCALE)
     first, second = _make(tmp_path, "first", "fp16", **settings), _make(tmp_path, "second", "fp16", **settings)

@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 def _run(cfg, ranks: int, env: dict[str, str] | None = None) -> str:
     """Train ``cfg`` on ``ranks`` ranks under mpiexec (``env``: more environment variables); the tagged output."""
     from ortflow.launch.local import launcher_flavor
-    from tests.trainer.runs import MPIEXEC
+    from tests.support.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
     tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
@@ -58,7 +58,7 @@ def _digests(output: str) -> dict[tuple[int, int], str]:
 
 
 def test_two_nccl_ranks_match_one_cuda_rank_and_stay_identical(tmp_path):
-    from tests.trainer.runs import final_parameters, make_run
+    from tests.support.runs import final_parameters, make_run
 
     two = make_run(tmp_path, "two", distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True},
                    train={"batch_size": 4})
@@ -76,7 +76,7 @@ def test_two_nccl_ranks_match_one_cuda_rank_and_stay_identical(tmp_path):
 
 
 def test_cpu_ranks_with_nccl_stage_through_the_gpu(tmp_path):
-    from tests.trainer.runs import final_parameters, make_run
+    from tests.support.runs import final_parameters, make_run
 
     two = make_run(tmp_path, "staged", distributed={"num_ranks": 2, "use_nccl": True}, train={"batch_size": 4})
     one = make_run(tmp_path, "cpu", distributed={"num_ranks": 1}, train={"batch_size": 8})
@@ -90,7 +90,7 @@ def test_cpu_ranks_with_nccl_stage_through_the_gpu(tmp_path):
 def test_gradient_buffers_are_the_engines_device_memory_and_are_averaged_in_place(tmp_path):
     from ortflow.trainer.comm import NCCLComm, SingleProcessComm
     from ortflow.trainer.runtime import init_runtime
-    from tests.trainer.runs import make_run
+    from tests.support.runs import make_run
 
     cfg = make_run(tmp_path, "gpu1", distributed={"num_ranks": 1, "device": "cuda", "use_nccl": True})
     rt = init_runtime(cfg.output_dir, cfg, SingleProcessComm())
@@ -116,7 +116,7 @@ def test_gradient_buffers_are_the_engines_device_memory_and_are_averaged_in_plac
 
 
 def test_clipping_on_the_gpu_is_deterministic_and_keeps_ranks_identical(tmp_path):
-    from tests.trainer.runs import make_text_run
+    from tests.support.runs import make_text_run
 
     settings = dict(distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True},
                     optimizer={"learning_rate": 0.003, "max_grad_norm": 0.1},
@@ -132,7 +132,7 @@ def test_clipping_on_the_gpu_is_deterministic_and_keeps_ranks_identical(tmp_path
 
 
 def test_zero1_on_nccl_keeps_ranks_identical_and_matches_zero0(tmp_path):
-    from tests.trainer.runs import final_parameters, make_text_run
+    from tests.support.runs import final_parameters, make_text_run
 
     runs = {}
     for stage in (0, 1):

@@ -1,6 +1,6 @@
 """The gradient audit's measurement: the engine's gradients of many op branches against float64 central differences.
 
-:func:`audit` builds one model of the given cases (tests/models_audit.py), lets configure build the training
+:func:`audit` builds one model of the given cases (tests/support/audit_graph.py), lets configure build the training
 artifacts, runs one forward/backward, and compares every trained parameter's gradient with central differences of
 the ORIGINAL model in float64 (each branch's own nodes, run by onnx's ReferenceEvaluator; the other branches'
 logits held fixed, since a parameter of one branch changes only that branch's contribution).
@@ -22,7 +22,7 @@ from onnx.reference import ReferenceEvaluator
 from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
 from tests.graph.gradcheck import engine_loss_and_gradients, parameters_of, sample_indices, to_double
-from tests.models_audit import BATCH, CLASSES, FEATURES, Case, build_model
+from tests.support.audit_graph import BATCH, CLASSES, FEATURES, Case, build_model
 
 STEP = 1e-6
 #: A float32 forward/backward of a branch is right to ~1e-7..1e-6 of its largest gradient; the opset-20 tanh Gelu's

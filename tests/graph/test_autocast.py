@@ -1,4 +1,4 @@
-"""The autocast pass on graphs shaped like torch.onnx.export output (tests/models_precision.py), on the CPU."""
+"""The autocast pass on graphs shaped like torch.onnx.export output (tests/support/tiny_lm.py), on the CPU."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ortflow.graph.autocast import (
     strip_autocast,
     to_bfloat16_bits,
 )
-from tests.models_precision import build_tiny_lm
+from tests.support.tiny_lm import build_tiny_lm
 
 
 def _types(model: onnx.ModelProto) -> dict[str, int]:

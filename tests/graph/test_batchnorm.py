@@ -11,9 +11,9 @@ from onnx import numpy_helper
 
 from ortflow.build.configure import configure
 from ortflow.engine import api
-from tests import models_export
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients
 from tests.graph.test_export_patterns import make_cfg
+from tests.support.graph import batchnorm_classifier
 
 STATS = ("bn.running_mean", "bn.running_var")
 
@@ -27,8 +27,8 @@ def _reference(path, x, y):
 
 
 def test_batchnorm_trains_with_batch_statistics_and_evaluates_with_running_ones(tmp_path):
-    path = models_export.batchnorm_classifier(tmp_path / "bn.onnx")
-    train_mode = models_export.batchnorm_classifier(tmp_path / "bn_train.onnx", training_mode=True)
+    path = batchnorm_classifier(tmp_path / "bn.onnx")
+    train_mode = batchnorm_classifier(tmp_path / "bn_train.onnx", training_mode=True)
     result = configure(make_cfg(tmp_path, path))  # nothing frozen in the config
     assert set(STATS) <= set(result.info["frozen"])
     assert "freeze_untrainable" in [r["pass"] for r in result.info["graph_rewrites"]]

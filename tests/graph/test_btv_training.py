@@ -9,12 +9,12 @@ import onnxruntime
 
 from ortflow.dataprep.specs import read_train_inputs
 from ortflow.export.model import export_model
-from tests import models_export
-from tests.trainer.runs import final_parameters, make_run, run_ranks
+from tests.support.gpt import gpt2_style
+from tests.support.runs import final_parameters, make_run, run_ranks
 
 
 def test_text_data_trains_a_btv_logits_model_end_to_end(tmp_path):
-    model = models_export.gpt2_style(tmp_path / "gpt2.onnx", vocab=256, seq_len=16, width=16, heads=2)
+    model = gpt2_style(tmp_path / "gpt2.onnx", vocab=256, seq_len=16, width=16, heads=2)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     cfg = make_run(

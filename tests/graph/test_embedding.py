@@ -1,4 +1,4 @@
-"""The repeatable-gather pass (ortflow/graph/embedding.py) on export-shaped models (tests/models_embedding.py):
+"""The repeatable-gather pass (ortflow/graph/embedding.py) on export-shaped models (tests/support/embedding_models.py):
 what it rewrites, that the forward is bit for bit the user's, that the engine's gradients equal those of the
 unrewritten graph within fp32 rounding, that they repeat with 2 threads, and that export gets the user's Gather back.
 """
@@ -19,7 +19,7 @@ from ortflow.config import config_from_dict
 from ortflow.engine import api
 from ortflow.graph.embedding import MARK, deterministic_gathers, restore_gathers
 from ortflow.trainer.runtime import session_options
-from tests.models_embedding import tied_lm
+from tests.support.embedding_models import tied_lm
 
 TRAINED = {"wte.weight", "wpe.weight", "mix.weight", "ln_1.weight", "ln_1.bias", "fc.weight", "fc.bias",
            "ln_f.weight", "ln_f.bias"}  # seg.weight is not trained: its Gather must stay
@@ -152,7 +152,7 @@ def test_the_rewrite_follows_device_and_deterministic_compute(tmp_path):
 
 def test_pipeline_stages_get_the_rewrite_too(tmp_path):
     from ortflow.build.records import stage_dir
-    from tests.models_pipeline import B, build_torchlike
+    from tests.support.mlp_stack import B, build_torchlike
 
     path = tmp_path / "m.onnx"
     build_torchlike(path, num_blocks=2)

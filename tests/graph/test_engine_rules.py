@@ -13,9 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 from ortflow.build.configure import configure
 from ortflow.config import ConfigError
 from ortflow.engine import api, artifacts
-from tests import models_export
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients
 from tests.graph.test_export_patterns import make_cfg
+from tests.support.gpt import gpt2_style
+from tests.support.graph import layernorm_classifier, split_unused_classifier
 
 
 def _raw_engine_artifacts(model_path: Path, folder: Path) -> Path:
@@ -40,7 +41,7 @@ def _classifier_inputs(seed=1, batch=4, features=6, classes=3):
 
 
 def test_split_with_unused_output_wrong_gradient_without_the_pass_right_with_it(tmp_path):
-    model_path = models_export.split_unused_classifier(tmp_path / "split.onnx")
+    model_path = split_unused_classifier(tmp_path / "split.onnx")
     x, y = _classifier_inputs()
     reference = Reference(model_path, {"x": x}, y)
     _, raw = engine_loss_and_gradients(_raw_engine_artifacts(model_path, tmp_path / "raw"), [x, y])
@@ -53,7 +54,7 @@ def test_split_with_unused_output_wrong_gradient_without_the_pass_right_with_it(
 
 
 def test_layernorm_with_only_y_fails_in_the_engine_and_trains_after_the_pass(tmp_path):
-    model_path = models_export.layernorm_classifier(tmp_path / "ln.onnx")
+    model_path = layernorm_classifier(tmp_path / "ln.onnx")
     with pytest.raises(RuntimeError, match=r"OutputDefs\(\).size\(\)"):
         _raw_engine_artifacts(model_path, tmp_path / "raw")
     assert configure(make_cfg(tmp_path, model_path)).info["graph_rewrites"][0]["pass"] == "declare_optional_outputs"
@@ -146,7 +147,7 @@ def test_engine_failure_for_an_unlisted_op_is_wrapped_with_node_and_op(tmp_path)
 
 def test_initial_checkpoint_holds_the_models_weights_bit_for_bit(tmp_path):
     """Equal-valued initializers stay two parameters (no dedup) and tied weights one; every value is unchanged."""
-    model = onnx.load(str(models_export.gpt2_style(tmp_path / "base.onnx")))
+    model = onnx.load(str(gpt2_style(tmp_path / "base.onnx")))
     wpe = next(t for t in model.graph.initializer if t.name == "transformer.wpe.weight")
     twin = onnx.TensorProto()
     twin.CopyFrom(wpe)

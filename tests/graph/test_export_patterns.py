@@ -16,8 +16,10 @@ from ortflow.config import OptimizerConfig, config_from_dict
 from ortflow.engine import api
 from ortflow.export.model import build_inference_model, default_outputs, label_names, load_parameters
 from ortflow.trainer import optim
-from tests import models_export, models_gelu
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients
+from tests.support.gelu_forms import gelu_lm, gelu_mlp
+from tests.support.gpt import gpt2_style
+from tests.support.graph import layernorm_classifier, split_unused_classifier, token_lm
 
 LR = 0.05
 
@@ -44,16 +46,16 @@ def _token_batch(rng, batch=3, seq_len=5, vocab=11):
 
 PATTERNS = {
     # name: (builder, batch maker, pass expected in configure.json's graph_rewrites)
-    "layernorm_y_only": (models_export.layernorm_classifier, _classifier_batch, "declare_optional_outputs"),
-    "fixed_batch_dropout": (lambda p: models_export.layernorm_classifier(p, batch=4, dropout=True),
+    "layernorm_y_only": (layernorm_classifier, _classifier_batch, "declare_optional_outputs"),
+    "fixed_batch_dropout": (lambda p: layernorm_classifier(p, batch=4, dropout=True),
                             _classifier_batch, "declare_optional_outputs"),
-    "split_unused_output": (models_export.split_unused_classifier, _classifier_batch, "split_to_slices"),
-    "btv_logits": (models_export.token_lm, _token_batch, "flatten_logits"),
-    "gpt2_tied_shape_arithmetic": (lambda p: models_export.gpt2_style(p, vocab=11, seq_len=5),
+    "split_unused_output": (split_unused_classifier, _classifier_batch, "split_to_slices"),
+    "btv_logits": (token_lm, _token_batch, "flatten_logits"),
+    "gpt2_tied_shape_arithmetic": (lambda p: gpt2_style(p, vocab=11, seq_len=5),
                                    _token_batch, "flatten_logits"),
     # GELUs the engine does not fuse itself, fused by ortflow (graph/gelu.py): gradients against the unfused original
-    "gelu_scaled_erf": (lambda p: models_gelu.gelu_mlp(p, "scaled_erf"), _classifier_batch, "fuse_gelu"),
-    "gelu_torch_tanh_tied_lm": (lambda p: models_gelu.gelu_lm(p, "torch_tanh"), _token_batch, "fuse_gelu"),
+    "gelu_scaled_erf": (lambda p: gelu_mlp(p, "scaled_erf"), _classifier_batch, "fuse_gelu"),
+    "gelu_torch_tanh_tied_lm": (lambda p: gelu_lm(p, "torch_tanh"), _token_batch, "fuse_gelu"),
 }
 
 

@@ -12,12 +12,12 @@ from ortflow.build.configure import configure
 from ortflow.build.engine_input import engine_input
 from ortflow.engine import api, artifacts
 from ortflow.graph.prepare import prepare_model
-from tests import models_export
 from tests.graph.test_export_patterns import make_cfg
+from tests.support.graph import layernorm_classifier
 
 
 def _external_model(tmp_path):
-    model = onnx.load(str(models_export.layernorm_classifier(tmp_path / "base.onnx")))
+    model = onnx.load(str(layernorm_classifier(tmp_path / "base.onnx")))
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
     path = tmp_path / "model" / "m.onnx"
     path.parent.mkdir()

@@ -13,7 +13,7 @@ from ortflow.config import config_from_dict
 from ortflow.dataprep.prepare import prepare_data
 from ortflow.export import export_model
 from ortflow.graph.gelu import MS_DOMAIN, decompose_gelu, fuse_gelu
-from tests import models_gelu
+from tests.support.gelu_forms import FORMS, gelu_lm, gelu_mlp
 
 
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> list[np.ndarray]:
@@ -30,9 +30,9 @@ def fused_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.domain == MS_DOMAIN]
 
 
-@pytest.mark.parametrize("form", models_gelu.FORMS)
+@pytest.mark.parametrize("form", FORMS)
 def test_every_exported_form_becomes_one_engine_node_with_the_same_values(tmp_path, form):
-    model = onnx.load(models_gelu.gelu_mlp(tmp_path / "m.onnx", form))
+    model = onnx.load(gelu_mlp(tmp_path / "m.onnx", form))
     fc1 = next(n.output[0] for n in model.graph.node if n.op_type == "Add" and "fc1.bias" in n.input)
     report: list[dict] = []
     fused = fuse_gelu(model, report)
@@ -49,12 +49,12 @@ def test_every_exported_form_becomes_one_engine_node_with_the_same_values(tmp_pa
 
 
 def test_a_gelu_whose_intermediate_is_read_elsewhere_is_left_alone(tmp_path):
-    model = onnx.load(models_gelu.gelu_mlp(tmp_path / "m.onnx", "torch_erf", extra_reader=True))
+    model = onnx.load(gelu_mlp(tmp_path / "m.onnx", "torch_erf", extra_reader=True))
     assert fuse_gelu(model) is model
 
 
 def test_a_near_miss_constant_is_not_a_gelu(tmp_path):
-    model = onnx.load(models_gelu.gelu_mlp(tmp_path / "m.onnx", "torch_erf"))
+    model = onnx.load(gelu_mlp(tmp_path / "m.onnx", "torch_erf"))
     for node in model.graph.node:  # 0.5 -> 0.55: x * (1 + erf) * 0.55 is not GELU
         if node.op_type == "Constant" and numpy_helper.to_array(node.attribute[0].t).item() == 0.5:
             node.attribute[0].t.CopyFrom(numpy_helper.from_array(np.asarray(0.55, np.float32), node.output[0]))
@@ -62,22 +62,22 @@ def test_a_near_miss_constant_is_not_a_gelu(tmp_path):
 
 
 def test_a_pipeline_cut_inside_a_gelu_keeps_it(tmp_path):
-    model = onnx.load(models_gelu.gelu_mlp(tmp_path / "m.onnx", "torch_erf"))
+    model = onnx.load(gelu_mlp(tmp_path / "m.onnx", "torch_erf"))
     erf = next(n.output[0] for n in model.graph.node if n.op_type == "Erf")
     assert fuse_gelu(model, keep={erf}) is model
     assert len(fused_nodes(fuse_gelu(model, keep={"x"}))) == 1  # a kept name outside the GELU does not matter
 
 
 def test_two_gelus_in_one_graph_are_both_fused(tmp_path):
-    model = onnx.load(models_gelu.gelu_lm(tmp_path / "a.onnx", "torch_tanh"))
-    second = onnx.load(models_gelu.gelu_lm(tmp_path / "b.onnx", "hf_erf"))
+    model = onnx.load(gelu_lm(tmp_path / "a.onnx", "torch_tanh"))
+    second = onnx.load(gelu_lm(tmp_path / "b.onnx", "hf_erf"))
     assert [n.op_type for n in fused_nodes(fuse_gelu(model))] == ["FastGelu"]
     assert [n.op_type for n in fused_nodes(fuse_gelu(second))] == ["Gelu"]
 
 
 @pytest.mark.parametrize("form", ["torch_erf", "hf_tanh"])
 def test_decompose_writes_standard_ops_that_fuse_again(tmp_path, form):
-    model = onnx.load(models_gelu.gelu_mlp(tmp_path / "m.onnx", form))
+    model = onnx.load(gelu_mlp(tmp_path / "m.onnx", form))
     fused = fuse_gelu(model)
     plain = decompose_gelu(fused)
     assert not fused_nodes(plain) and MS_DOMAIN not in {o.domain for o in plain.opset_import}
@@ -102,7 +102,7 @@ def test_decompose_keeps_an_fp16_graph_in_fp16(op_type):
 
 
 def test_configure_fuses_and_the_export_is_standard_onnx_with_the_original_values(tmp_path):
-    path = models_gelu.gelu_mlp(tmp_path / "m.onnx", "torch_erf")
+    path = gelu_mlp(tmp_path / "m.onnx", "torch_erf")
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "train.npz", x=rng.standard_normal((24, 6)).astype(np.float32),
              labels=rng.integers(0, 3, 24).astype(np.int64))
@@ -129,7 +129,7 @@ def test_configure_fuses_and_the_export_is_standard_onnx_with_the_original_value
 def test_the_switch_leaves_the_exported_gelu_as_it_was(tmp_path):
     # torch's approximate="tanh" export: a form the engine's own graph optimizer does not fuse (it fuses torch_erf,
     # hf_erf and hf_tanh itself when it builds the training graph; docs/graph-passes.md).
-    path = models_gelu.gelu_mlp(tmp_path / "m.onnx", "torch_tanh")
+    path = gelu_mlp(tmp_path / "m.onnx", "torch_tanh")
     cfg = config_from_dict({
         "output_dir": str(tmp_path / "run"), "model": {"path": str(path), "fuse_gelu": False},
         "data": {"train": [str(tmp_path / "train.npz")]}, "train": {"batch_size": 4, "num_train_steps": 1},
@@ -142,9 +142,9 @@ def test_the_switch_leaves_the_exported_gelu_as_it_was(tmp_path):
 
 
 def _opset20_gelu_mlp(path, approximate: str):
-    import tests.models_export as models_export
+    from tests.support.graph import Builder
 
-    b = models_export.Builder(0)
+    b = Builder(0)
     logits = b.linear(b.op("Gelu", [b.linear("x", "fc1", 6, 16)], approximate=approximate), "fc2", 16, 3)
     graph = helper.make_graph(b.nodes, "main_graph", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 6])],
                               [helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["b", 3])], b.inits)

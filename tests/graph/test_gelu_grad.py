@@ -14,9 +14,9 @@ from ortflow.dataprep.prepare import prepare_data
 from ortflow.export import export_model
 from ortflow.graph.gelu import MS_DOMAIN, decompose_gelu, gelu_rewrites
 from ortflow.graph.gelu_grad import restore_tanh_gelus, sigmoid_gelus
-from tests import models_gelu
 from tests.graph.gradcheck import Reference, engine_loss_and_gradients, sample_indices
 from tests.support.exports import export_path
+from tests.support.gelu_forms import gelu_mlp
 
 
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> list[np.ndarray]:
@@ -57,8 +57,8 @@ def test_the_sigmoid_form_computes_fast_gelu_and_restores_to_it(with_bias):
 
 
 def test_cpu_mode_rewrites_tanh_gelus_and_keeps_the_erf_gelu_fused(tmp_path):
-    tanh = onnx.load(models_gelu.gelu_mlp(tmp_path / "t.onnx", "hf_tanh"))
-    erf = onnx.load(models_gelu.gelu_mlp(tmp_path / "e.onnx", "torch_erf"))
+    tanh = onnx.load(gelu_mlp(tmp_path / "t.onnx", "hf_tanh"))
+    erf = onnx.load(gelu_mlp(tmp_path / "e.onnx", "torch_erf"))
     assert "Sigmoid" in op_types(gelu_rewrites(tanh, "cpu")) and "FastGelu" not in op_types(gelu_rewrites(tanh, "cpu"))
     assert "Gelu" in op_types(gelu_rewrites(erf, "cpu"))  # the engine's GeluGrad is the fast one for erf
     assert "FastGelu" in op_types(gelu_rewrites(tanh, "engine"))  # the GPU path keeps the engine's kernel
@@ -78,7 +78,7 @@ def _configured(tmp_path, path, device_rows: int = 4):
 
 @pytest.mark.parametrize("form", ["hf_tanh", "torch_tanh"])
 def test_cpu_training_graph_has_no_fast_gelu_grad_and_matches_float64_gradients(tmp_path, form):
-    path = models_gelu.gelu_mlp(tmp_path / "m.onnx", form)
+    path = gelu_mlp(tmp_path / "m.onnx", form)
     _, result = _configured(tmp_path, path)
     training = onnx.load(str(result.artifacts_dir / "training_model.onnx"))
     assert "SigmoidGrad" in op_types(training)
@@ -98,7 +98,7 @@ def test_cpu_training_graph_has_no_fast_gelu_grad_and_matches_float64_gradients(
 
 
 def test_the_export_writes_the_standard_tanh_form_with_the_original_values(tmp_path):
-    path = models_gelu.gelu_mlp(tmp_path / "m.onnx", "hf_tanh")
+    path = gelu_mlp(tmp_path / "m.onnx", "hf_tanh")
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "train.npz", x=rng.standard_normal((24, 6)).astype(np.float32),
              labels=rng.integers(0, 3, 24).astype(np.int64))

@@ -1,4 +1,4 @@
-"""The gradient audit: every op variant torch.onnx.export writes (tests/models_audit_cases.py), trained through
+"""The gradient audit: every op variant torch.onnx.export writes (tests/support/audit_cases.py), trained through
 configure, has the gradient of the ORIGINAL model to fp32 rounding (float64 central differences, tests/graph/audit.py);
 the variants the engine gets wrong are rewritten (ortflow/graph/gradient_fixes.py) or refused with a fix
 (ortflow/graph/differentiable.py). The engine-fact tests record what the engine does with each untouched, so a
@@ -17,8 +17,8 @@ from ortflow.build.configure import configure
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.graph.gradient_fixes import expand_where_inputs, gradient_fixes
 from tests.graph.audit import BOUND, audit
-from tests.models_audit import build_model
-from tests.models_audit_cases import CASES_17, CASES_20
+from tests.support.audit_cases import CASES_17, CASES_20
+from tests.support.audit_graph import build_model
 
 #: Case -> the op configure refuses (naming node, op and fix) because the CPU engine cannot train it.
 REFUSED = {

@@ -18,7 +18,7 @@ from ortflow.config import config_from_dict
 from ortflow.engine import api
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.leading_sums import MARK, LeadingSumReport, sums_as_matmul
-from tests.models_sums import build_bias_lm, save
+from tests.support.bias_lm import build_bias_lm, save
 
 
 def _cfg(tmp_path, model, device="cpu", **dist):

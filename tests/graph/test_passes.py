@@ -168,9 +168,9 @@ def test_flatten_logits_refuses_a_label_input_of_the_wrong_rank():
 
 
 def test_batchnorm_running_statistics_are_listed_for_freezing_only_when_trained(tmp_path):
-    from tests import models_export
+    from tests.support.graph import batchnorm_classifier
 
-    model = onnx.load(str(models_export.batchnorm_classifier(tmp_path / "bn.onnx")))
+    model = onnx.load(str(batchnorm_classifier(tmp_path / "bn.onnx")))
     params = {t.name for t in model.graph.initializer}
     report = []
     assert untrainable_initializers(model, params, report) == ["bn.running_mean", "bn.running_var"]
@@ -199,9 +199,9 @@ def test_constants_feeding_only_inputs_without_gradient_are_listed_for_freezing(
 
 def test_prepare_model_keeps_every_initializer_and_leaves_its_input_alone(tmp_path):
     from ortflow.graph.prepare import prepare_model
-    from tests import models_export
+    from tests.support.gpt import gpt2_style
 
-    model = onnx.load(str(models_export.gpt2_style(tmp_path / "g.onnx")))
+    model = onnx.load(str(gpt2_style(tmp_path / "g.onnx")))
     before = model.SerializeToString()
     params = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
     prepared = prepare_model(model, params, "cross_entropy", "logits", "labels")

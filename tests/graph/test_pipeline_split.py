@@ -10,8 +10,7 @@ import pytest
 
 from ortflow.graph.pipeline_cuts import SplitError, choose_cuts, split_model
 from ortflow.trainer.parallel.schedule import one_f_one_b
-
-from ..models_pipeline import B, T, V, build_torchlike, trainable
+from tests.support.mlp_stack import B, T, V, build_torchlike, trainable
 
 
 def run_stages(stages, ids):

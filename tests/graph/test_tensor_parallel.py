@@ -13,9 +13,8 @@ from ortflow.examples.gpt import build_gpt
 from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split, split_for_rank
 from ortflow.graph.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_shard import shard_model, slice_tensor
-
-from ..models_export import gpt2_style
-from ..models_tensor import run_pieces, run_whole, trainable
+from tests.support.gpt import gpt2_style
+from tests.support.tensor_sim import run_pieces, run_whole, trainable
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +104,9 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(gpt, tmp_path):
 
 
 def test_a_model_without_a_splittable_layer_is_refused(tmp_path):
-    from .. import models_export
+    from tests.support.graph import layernorm_classifier
 
-    models_export.layernorm_classifier(tmp_path / "ln.onnx")
+    layernorm_classifier(tmp_path / "ln.onnx")
     model = onnx.load(str(tmp_path / "ln.onnx"))
     with pytest.raises(TensorSplitError, match="found no layer to split"):
         plan_tensor_split(model, trainable(model), 2)

@@ -12,10 +12,8 @@ from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_shard import shard_model
-
-from ..models_export import gpt2_style
-from ..models_tensor import run_pieces, run_whole, trainable
-from ..models_tensor_vocab import gemm_tied_gpt
+from tests.support.gpt import gemm_tied_gpt, gpt2_style
+from tests.support.tensor_sim import run_pieces, run_whole, trainable
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 
@@ -123,7 +121,7 @@ def test_a_vocabulary_the_size_does_not_divide_stays_replicated_with_the_reason(
 
 
 def test_gemms_with_in_out_weights_split_columns_then_rows_and_compute_the_unsplit_logits():
-    from ..models_data import fixed_batch_classifier
+    from tests.support.batch_models import fixed_batch_classifier
 
     raw = fixed_batch_classifier(batch=4)  # Gemm(features, fc1 [8, 16], b) -> Relu -> Gemm(., fc2 [16, 3], b), transB 0
     for t in raw.graph.initializer:  # non-zero biases: one added on every rank would show

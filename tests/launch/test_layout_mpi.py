@@ -11,9 +11,8 @@ from ortflow.launch.layout import Host, launch_layout
 from ortflow.launch.local import launch
 from ortflow.trainer.profiling import top_operators
 from ortflow.trainer.timing import PHASES, read_timing
-
-from ..models_perf import build_fixed_batch_classifier
-from ..trainer.runs import final_parameters, make_run, run_ranks
+from tests.support.fixed_batch_mlp import build_fixed_batch_classifier
+from tests.support.runs import final_parameters, make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 GLOBAL = {"batch_size": 4, "global_batch_size": 16, "num_train_steps": 6, "display_loss_steps": 1}

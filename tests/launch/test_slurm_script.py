@@ -141,7 +141,7 @@ def test_ortflow_train_refuses_local_options_and_incomplete_sections_with_a_sche
     from typer.testing import CliRunner
 
     from ortflow.cli import app
-    from tests.trainer.runs import make_run
+    from tests.support.runs import make_run
 
     cfg = make_run(tmp_path, "cli", distributed={"num_ranks": 2})
     runner = CliRunner()

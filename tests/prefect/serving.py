@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.prefect.helpers import wait_for
+from tests.support.prefect_runs import wait_for
 
 
 def deployment_exists(name: str) -> bool:

@@ -11,8 +11,8 @@ import pytest
 
 from ortflow.config import load_run_config
 from ortflow.versions import read_registry, resolve_run
-from tests.prefect.helpers import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
 from tests.prefect.serving import serving
+from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
 

@@ -15,7 +15,7 @@ from ortflow import tasks
 from ortflow.flows import train_pipeline
 from ortflow.tasks.caching import invalidate
 from ortflow.trainer.metrics import read_progress
-from tests.prefect.helpers import final_parameters, mlp_config, processes_mentioning, rank_pids, wait_for
+from tests.support.prefect_runs import final_parameters, mlp_config, processes_mentioning, rank_pids, wait_for
 
 pytestmark = pytest.mark.prefect
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect.helpers import mlp_config, rank_pids, wait_for, write_config
+from tests.support.prefect_runs import mlp_config, rank_pids, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
 

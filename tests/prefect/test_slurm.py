@@ -18,8 +18,8 @@ from ortflow.checkpoints import list_complete
 from ortflow.launch.job import read_record
 from ortflow.trainer.metrics import read_progress
 from tests.launch.slurm_cluster import slurm_cluster, unavailable
-from tests.prefect.helpers import final_parameters, mlp_config, wait_for, write_config
 from tests.prefect.serving import read_flow_run, serving
+from tests.support.prefect_runs import final_parameters, mlp_config, wait_for, write_config
 
 #: Why this machine cannot run the test cluster (None: it can); checked before any fixture starts a Prefect server.
 UNAVAILABLE = unavailable()

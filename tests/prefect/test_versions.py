@@ -19,8 +19,8 @@ from ortflow.flows import train_pipeline
 from ortflow.tasks.charts import loss_curve
 from ortflow.trainer.metrics import read_progress
 from ortflow.versions import read_registry, resolve_run
-from tests.prefect.helpers import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
+from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from ortflow.trainer.comm.adasum import adasum_allreduce, is_power_of_two
+from tests.support.runs import MPIEXEC
 
 from .adasum_rank import COUNTS, contribution
-from .runs import MPIEXEC
 
 SCRIPT = str(Path(__file__).with_name("adasum_rank.py"))
 

@@ -11,8 +11,8 @@ import pytest
 
 from ortflow.checkpoints import list_complete
 from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
+from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
 
-from .runs import final_parameters, make_run, rank_command, run_ranks
 from .test_adasum import reference
 from .test_training_mpi import _kill_when
 

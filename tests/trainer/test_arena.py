@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 
 from ortflow.trainer.arena import first_chunk_bytes
-from tests.models_perf import build_fixed_batch_classifier
+from tests.support.fixed_batch_mlp import build_fixed_batch_classifier
 
 ROOT = Path(__file__).resolve().parents[2]
 

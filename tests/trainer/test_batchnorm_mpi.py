@@ -16,8 +16,7 @@ from ortflow.checkpoints import list_complete
 from ortflow.dataprep.loader import TrainLoader
 from ortflow.export.evaluate import evaluate_checkpoint
 from tests.support.exports import export_path
-
-from .runs import make_run, run_ranks
+from tests.support.runs import make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -136,7 +135,8 @@ def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
     import os
     import subprocess
 
-    from .runs import rank_command
+    from tests.support.runs import rank_command
+
     from .test_training_mpi import _kill_when
 
     settings = dict(batchnorm_sync="average", num_train_steps=K * 80, evaluation_period=7,

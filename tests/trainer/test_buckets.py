@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from ortflow.trainer.comm.buckets import plan_buckets
-
-from .runs import MPIEXEC
+from tests.support.runs import MPIEXEC
 
 
 def _covered(sizes, buckets):

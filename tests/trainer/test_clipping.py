@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from ortflow.trainer.comm import SingleProcessComm
-
-from .runs import final_parameters, make_text_run, run_ranks
+from tests.support.runs import final_parameters, make_text_run, run_ranks
 
 
 def test_norm_and_scale_in_place():

@@ -11,9 +11,8 @@ import pytest
 from ortflow.checkpoints.h5state import read_params
 from ortflow.trainer.profiling import top_operators
 from ortflow.trainer.timing import PHASES, read_timing
-
-from .parallel_runs import gpt_run, newest
-from .runs import run_ranks
+from tests.support.parallel_runs import gpt_run, newest
+from tests.support.runs import run_ranks
 
 pytestmark = pytest.mark.mpi
 

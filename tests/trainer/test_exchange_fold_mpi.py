@@ -12,8 +12,7 @@ import pytest
 
 from ortflow.trainer.metrics import read_progress
 from ortflow.trainer.runtime import FOLD_ENV
-
-from .runs import MPIEXEC, final_parameters, make_run, run_ranks
+from tests.support.runs import MPIEXEC, final_parameters, make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 

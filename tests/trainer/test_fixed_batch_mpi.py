@@ -18,9 +18,8 @@ from ortflow.checkpoints import list_complete
 from ortflow.config import config_from_dict
 from ortflow.dataprep import EvalLoader, prepare_data, read_manifest
 from ortflow.export import export_model
-
-from ..models_data import classification_data, fixed_batch_classifier, reshape_batch_classifier
-from .runs import run_ranks
+from tests.support.batch_models import classification_data, fixed_batch_classifier, reshape_batch_classifier
+from tests.support.runs import run_ranks
 
 pytestmark = pytest.mark.mpi
 BATCH = 4

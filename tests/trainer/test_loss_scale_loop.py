@@ -13,8 +13,7 @@ from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.loss_scale import LossScaler
 from ortflow.trainer.metrics import Progress, TensorBoardLog, read_progress
 from ortflow.trainer.runtime import init_runtime
-
-from .runs import make_run
+from tests.support.runs import make_run
 
 
 def test_a_non_finite_gradient_skips_exactly_that_update_and_is_reported(tmp_path):

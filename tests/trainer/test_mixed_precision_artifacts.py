@@ -13,7 +13,7 @@ from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
 from ortflow.engine import api
 from ortflow.trainer.loss_scale import INPUT_NAME
-from tests.models_precision import build_tiny_lm, save
+from tests.support.tiny_lm import build_tiny_lm, save
 
 
 def _cfg(tmp_path, model, **precision):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
+from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
 
-from .runs import final_parameters, make_run, rank_command, run_ranks
 from .test_training_mpi import _kill_when
 
 pytestmark = pytest.mark.mpi

@@ -12,7 +12,7 @@ import pytest
 
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim import Update, build_rule, build_update, whole_segments
-from tests.models_optim import TRAINABLE, build_tied_lm, lm_batch
+from tests.support.tied_lm import TRAINABLE, build_tied_lm, lm_batch
 
 SIZES = (700, 33, 20000, 1)  # a tensor larger than a chunk, odd sizes, a scalar
 NAMES = ("h.weight", "h.bias", "big.weight", "norm.weight")

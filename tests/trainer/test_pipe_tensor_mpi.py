@@ -13,8 +13,7 @@ import pytest
 
 from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_file
-
-from .parallel_runs import (
+from tests.support.parallel_runs import (
     assert_export_equals_eval_graph,
     gpt_run,
     h5_arrays,
@@ -23,7 +22,8 @@ from .parallel_runs import (
     losses,
     newest,
 )
-from .runs import run_ranks
+from tests.support.runs import run_ranks
+
 from .test_tensor_mpi import ATOL, digests
 
 pytestmark = pytest.mark.mpi

@@ -13,10 +13,9 @@ import pytest
 
 from ortflow.checkpoints import list_complete, verify
 from ortflow.checkpoints.h5state import params_files, stage_file
-
-from ..models_pipeline import B, T, build_torchlike
-from .parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
-from .runs import make_run, make_text_run, rank_command, run_ranks
+from tests.support.mlp_stack import B, T, build_torchlike
+from tests.support.parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
+from tests.support.runs import make_run, make_text_run, rank_command, run_ranks
 
 pytestmark = pytest.mark.mpi
 

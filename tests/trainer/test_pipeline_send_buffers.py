@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .runs import MPIEXEC
+from tests.support.runs import MPIEXEC
 
 
 @pytest.mark.mpi

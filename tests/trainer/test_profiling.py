@@ -10,7 +10,8 @@ import pytest
 
 from ortflow.trainer.profiling import markdown_table, parse_steps, top_operators
 
-#: Recorded by `train.profile_steps: [2, 4]` on tests/models_perf.py's classifier, 2 ranks x 2 micro-batches (rank 0).
+#: Recorded by `train.profile_steps: [2, 4]` on tests/support/fixed_batch_mlp.py's classifier, 2 ranks x 2
+#: micro-batches (rank 0).
 RECORDED = Path(__file__).with_name("data") / "profile_fixed_batch_classifier.json"
 
 

@@ -12,8 +12,7 @@ import pytest
 from ortflow.checkpoints import list_complete
 from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_file
-
-from .parallel_runs import (
+from tests.support.parallel_runs import (
     SEQ,
     assert_export_equals_eval_graph,
     gpt_run,
@@ -23,7 +22,7 @@ from .parallel_runs import (
     losses,
     newest,
 )
-from .runs import run_ranks
+from tests.support.runs import run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -41,7 +40,7 @@ LR = {"sgd": 1e-2, "adamw": 1e-3}
 
 def torch_run(root: Path, name: str, **sections):
     """A run on the torch-export-shaped GPT (fused QKV + Split, single-output LayerNorm, Concat head reshapes)."""
-    from ..models_tensor import torch_gpt
+    from tests.support.gpt import torch_gpt
 
     model = root / "torchgpt.onnx"
     if not model.exists():

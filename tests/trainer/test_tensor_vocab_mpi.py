@@ -8,17 +8,17 @@ import pytest
 
 from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_file
+from tests.support.parallel_runs import SEQ, gpt_run, h5_arrays, initial_parameters, kill_after_first_checkpoint, newest
+from tests.support.runs import run_ranks
 
-from .parallel_runs import SEQ, gpt_run, h5_arrays, initial_parameters, kill_after_first_checkpoint, newest
-from .runs import run_ranks
 from .test_tensor_mpi import ATOL, LR
 
 pytestmark = pytest.mark.mpi
 
 
 def gemm_run(root, name, **sections):
-    """A run on :func:`tests.models_tensor_vocab.gemm_tied_gpt` (1 layer, d_model 32, 4 heads, byte vocabulary 256)."""
-    from ..models_tensor_vocab import gemm_tied_gpt
+    """A run on :func:`tests.support.gpt.gemm_tied_gpt` (1 layer, d_model 32, 4 heads, byte vocabulary 256)."""
+    from tests.support.gpt import gemm_tied_gpt
 
     model = root / "gemm_tied.onnx"
     if not model.exists():

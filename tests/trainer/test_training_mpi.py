@@ -17,8 +17,7 @@ import pytest
 from ortflow.checkpoints import list_complete, verify
 from ortflow.launch.local import launch
 from ortflow.trainer.metrics import read_progress
-
-from .runs import final_parameters, make_run, rank_command, run_ranks
+from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
 
 pytestmark = pytest.mark.mpi
 FAULT = str(Path(__file__).with_name("fault_rank.py"))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
+from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
 
-from .runs import final_parameters, make_run, rank_command, run_ranks
 from .test_training_mpi import _kill_when, digests
 
 pytestmark = pytest.mark.mpi

@@ -1,8 +1,9 @@
-"""ONNX models shaped like ``torch.onnx.export`` output (opset 17, IR 9), built with ``onnx.helper``, no torch.
+"""The ONNX graph builder of the tests (:class:`Builder`), and small models shaped like ``torch.onnx.export`` output.
 
-Each builder writes the patterns the engine stumbles on in users' exports: LayerNormalization with only ``Y``,
-Dropout with only ``output``, Split with an unused output, fixed batch dims, ``[B, T, V]`` logits, Constant-heavy
-shape arithmetic (Shape/Gather/Unsqueeze/Concat) feeding Reshape, and tied embedding / LM-head weights.
+Opset 17, IR 9, built with ``onnx.helper``, no torch (GPTs: :mod:`tests.support.gpt`). Each model writes the patterns
+the engine stumbles on in users' exports: LayerNormalization with only ``Y``, Dropout with only ``output``, Split with
+an unused output, fixed batch dims, ``[B, T, V]`` logits, Constant-heavy shape arithmetic (Shape/Gather/Unsqueeze/
+Concat) feeding Reshape, and tied embedding / LM-head weights.
 """
 
 from __future__ import annotations
@@ -114,50 +115,6 @@ def token_lm(path, vocab: int = 11, seq_len: int = 5, width: int = 8, batch: int
                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, seq_len, vocab])],
                   {logits: "logits"})
 
-
-def gpt2_style(path, vocab: int = 13, seq_len: int = 4, width: int = 8, heads: int = 2, batch: int | str = "batch",
-               seed: int = 0) -> Path:
-    """One GPT-2 block as torch exports it, with tied embedding / LM head (``wte`` read by Gather and by MatMul).
-
-    Head splitting uses Shape -> Gather -> Unsqueeze -> Concat -> Reshape on Constant nodes; q, k, v come from one
-    Linear and a Split with all outputs used; LayerNormalizations have only Y; the causal mask is a Constant; the
-    logits are [batch, T, V] from ``MatMul(h, Transpose(wte))``.
-    """
-    head_dim = width // heads
-    b = Builder(seed)
-    wte = b.param("transformer.wte.weight", (vocab, width), std=0.5)
-    positions = b.param("transformer.wpe.weight", (seq_len, width), std=0.1)
-    x = b.op("Add", [b.op("Gather", [wte, "input_ids"], axis=0), positions])
-    h = b.layer_norm(x, "transformer.h.0.ln_1", width)
-    qkv = b.linear(h, "transformer.h.0.attn.c_attn", width, 3 * width)
-    q, k, v = b.op("Split", [qkv, b.const([width, width, width])], num_outputs=3, axis=2)
-
-    def dims_of(t: str) -> tuple[str, str]:
-        shape = b.op("Shape", [t])
-        return (b.op("Unsqueeze", [b.op("Gather", [shape, b.const(0)], axis=0), b.const([0])]),
-                b.op("Unsqueeze", [b.op("Gather", [shape, b.const(1)], axis=0), b.const([0])]))
-
-    def split_heads(t: str, perm: list[int]) -> str:
-        bsz, seq = dims_of(t)
-        shape = b.op("Concat", [bsz, seq, b.const([heads]), b.const([head_dim])], axis=0)
-        return b.op("Transpose", [b.op("Reshape", [t, shape])], perm=perm)
-
-    q, k, v = split_heads(q, [0, 2, 1, 3]), split_heads(k, [0, 2, 3, 1]), split_heads(v, [0, 2, 1, 3])
-    scores = b.op("Div", [b.op("MatMul", [q, k]), b.const(math.sqrt(head_dim), np.float32)])
-    mask = np.triu(np.full((seq_len, seq_len), -1e4, np.float32), k=1)
-    probs = b.op("Softmax", [b.op("Add", [scores, b.const(mask, np.float32)])], axis=-1)
-    context = b.op("Transpose", [b.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
-    bsz, seq = dims_of(x)
-    merged = b.op("Reshape", [context, b.op("Concat", [bsz, seq, b.const([width])], axis=0)])
-    x = b.op("Add", [x, b.linear(merged, "transformer.h.0.attn.c_proj", width, width)])
-    h = b.layer_norm(x, "transformer.h.0.ln_2", width)
-    h = b.linear(b.op("Tanh", [b.linear(h, "transformer.h.0.mlp.c_fc", width, 2 * width)]),
-                 "transformer.h.0.mlp.c_proj", 2 * width, width)
-    x = b.layer_norm(b.op("Add", [x, h]), "transformer.ln_f", width)
-    logits = b.op("MatMul", [x, b.op("Transpose", [wte], perm=[1, 0])])  # tied LM head
-    return b.save(path, [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq_len])],
-                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, seq_len, vocab])],
-                  {logits: "logits"})
 
 
 def batchnorm_classifier(path, features: int = 4, hidden: int = 6, classes: int = 3, training_mode: bool = False,

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
-from tests.models_export import Builder
+from tests.support.graph import Builder
 
 FORMS = ("torch_erf", "hf_erf", "scaled_erf", "torch_tanh", "hf_tanh")
 

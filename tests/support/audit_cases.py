@@ -1,13 +1,13 @@
 """The op variants the gradient audit covers (tests/graph/test_gradient_audit.py), as torch.onnx.export writes them.
 
-Each entry is a :class:`tests.models_audit.Case`; opset 17 unless the op changed later (then 18-20).
+Each entry is a :class:`tests.support.audit_graph.Case`; opset 17 unless the op changed later (then 18-20).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tests.models_audit import Branch, Case
+from tests.support.audit_graph import Branch, Case
 
 F = np.float32
 

@@ -13,8 +13,7 @@ import numpy as np
 
 import ortflow
 from ortflow.checkpoints import list_complete
-
-from .runs import make_run, rank_command
+from tests.support.runs import make_run, rank_command
 
 SEQ = 16
 TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2, "evaluation_period": 2,

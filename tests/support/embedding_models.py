@@ -12,7 +12,7 @@ from pathlib import Path
 
 from onnx import TensorProto, helper
 
-from tests.models_export import Builder
+from tests.support.graph import Builder
 
 
 def tied_lm(path, vocab: int = 7, seq_len: int = 6, width: int = 8, batch: int = 3, ids_type: int = TensorProto.INT64,
