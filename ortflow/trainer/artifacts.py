@@ -98,6 +98,7 @@ class ArtifactsInfo:
         num_parameters: Number of trained scalar values.
         rewrites: What the model-preparation pass changed (``ortflow.graph.prepare``), one entry per pass.
         batch: What the batch-dimension pass decided (None when the model was too big to load here).
+        passes: The preparation passes the model went through, in order (``ortflow.graph.prepare.PASSES``).
     """
 
     artifacts_dir: Path
@@ -111,6 +112,7 @@ class ArtifactsInfo:
     num_parameters: int
     rewrites: tuple[dict, ...] = ()
     batch: BatchReport | None = None
+    passes: tuple[str, ...] = ()
 
 
 def _tensor_type_info(name: str, type_proto: onnx.TypeProto) -> TensorInfo:
@@ -354,6 +356,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         num_parameters=sum(sizes[n] for n in trainable),
         rewrites=(*prepared.report, *graph_report),
         batch=batch,
+        passes=prepared.passes,
     )
     log.info(
         "built artifacts in %s: %d trainable tensors (%d values), %d frozen, loss %s on '%s'",

@@ -45,6 +45,45 @@ def prepare(
         raise ArtifactsError(str(err)) from None
 
 
+def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> PreparedModel:
+    """The model that pipeline stages and tensor pieces are cut from: the whole model after the batch pass (so every
+    cut graph inherits the symbolic batch) and the preparation passes without the loss (:mod:`ortflow.graph.prepare`;
+    each cut graph is prepared again by :func:`prepare_cut`).
+
+    Raises:
+        ArtifactsError: A pass refuses the model (names the node and the fix).
+    """
+    model = onnx.load(str(cfg.model.path), load_external_data=False)
+    if _data_bytes(Path(cfg.model.path), model) < proto_limit:
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        model, _ = make_batch_symbolic(model)
+    try:
+        return prepare_model(model, set(trainable), cfg.model.loss, None, None, False, fuse_gelu=gelu_fusion(cfg),
+                             keep=set(cfg.model.pipeline_cuts))
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def prepare_cut(cfg: RunConfig, model: onnx.ModelProto, parameters, loss_output: str | None) -> PreparedModel:
+    """One pipeline stage's or tensor piece's graph through the same preparation passes as the whole model.
+
+    Args:
+        cfg: The run config.
+        model: The cut graph.
+        parameters: The parameters it trains.
+        loss_output: The model output the loss reads, on the graph that computes the loss; None on the others.
+
+    Raises:
+        ArtifactsError: A pass refuses the graph (names the node and the fix).
+    """
+    label = None if loss_output is None or cfg.model.loss == "model_output" else cfg.model.label_input
+    try:
+        return prepare_model(model, set(parameters), cfg.model.loss, loss_output, label, repeatable_gathers(cfg),
+                             fuse_gelu=gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
 def gelu_fusion(cfg: RunConfig) -> bool:
     """Whether exported GELUs become the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`): model.fuse_gelu, except
     with bf16 mixed precision, where the CUDA engine's GeluGrad kernels are registered for fp16, fp32 and fp64 only

@@ -26,17 +26,14 @@ from pathlib import Path
 import onnx
 
 from ortflow.config import RunConfig
-from ortflow.graph.gelu import gelu_rewrites
-from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.pipeline import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.trainer.artifacts import ArtifactsError, inspect_model, split_parameters
-from ortflow.trainer.engine_input import gelu_fusion
 from ortflow.trainer.parallel.building import building
 from ortflow.trainer.parallel.stage_artifacts import plan_stages
-from ortflow.trainer.parallel.tensor_artifacts import TENSOR_DIR, _build_piece, _piece_record, export_fixes
+from ortflow.trainer.parallel.tensor_artifacts import TENSOR_DIR, _build_piece, _piece_record, export_fixes, split_input
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +73,7 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> No
             f"distributed.horizontal_parallel_size {size} every parameter must be read in one stage: move "
             "model.pipeline_cuts so their readers share a stage, untie them in the model, or use one of "
             "pipeline_parallel_size and horizontal_parallel_size (each alone handles tied weights)")
-    whole = export_fixes(gradient_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg))), trainable)
+    whole, trainable, _ = split_input(cfg)
     try:
         plan = plan_tensor_split(whole, trainable, size)
     except TensorSplitError as err:
@@ -156,24 +153,26 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
             s = sp.stage.index
             for line in describe(sp.plan):
                 log.info("pipeline stage %d, tensor_parallel %d: %s", s, size, line)
-            records = []
+            records, ran_by_piece = [], {}
             for rank in range(size):
                 mine = pieces(sp, rank)
+                passes = []
                 for piece in mine:
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     try:
-                        _build_piece(cfg, piece, last, set(frozen), folder)
+                        passes.append(_build_piece(cfg, piece, last, set(frozen), folder))
                     except ArtifactsError:
                         raise
                     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                         raise ArtifactsError(f"the engine could not build piece {piece.index} of tensor-parallel "
                                              f"rank {rank} of pipeline stage {s}: {type(err).__name__}: {err}") from err
-                records.append([_piece_record(p, p.stage.model) for p in mine])
+                records.append([_piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes)])
+                ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran) for p, ran in zip(mine, passes)})
             stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
                            "parameters": list(sp.stage.parameters),
                            "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},
-                           "split": describe(sp.plan), "pieces": records[0]})
+                           "split": describe(sp.plan), "pieces": records[0], "passes": ran_by_piece})
         record = {"size": size, "num_stages": len(plans), "cuts": cuts, "stages": stages}
         (scratch / PIPE_TENSOR_RECORD).write_text(json.dumps(record, indent=1))  # last: vouches for the pieces
     log.info("built %d pipeline stages x %d tensor-parallel ranks (cuts %s)", len(plans), size, cuts)

@@ -26,11 +26,9 @@ from onnx import helper
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.embedding import deterministic_gathers
-from ortflow.graph.gelu import gelu_rewrites
-from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.pipeline import Stage, choose_cuts, split_model
 from ortflow.trainer.artifacts import (
+    _PROTO_LIMIT,
     ARTIFACT_FILES,
     ArtifactsError,
     _check_loss_io,
@@ -39,7 +37,7 @@ from ortflow.trainer.artifacts import (
     inspect_model,
     split_parameters,
 )
-from ortflow.trainer.engine_input import gelu_fusion, repeatable_gathers
+from ortflow.trainer.engine_input import prepare_cut, split_source
 from ortflow.trainer.parallel.building import building
 
 log = logging.getLogger(__name__)
@@ -148,23 +146,22 @@ def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
     onnx.save(model, str(path))
 
 
-def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> None:
+def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
+    """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through."""
     folder.mkdir(parents=True)
-    model = stage.model
-    if repeatable_gathers(cfg):  # as for the whole model (ortflow/graph/embedding.py)
-        model = deterministic_gathers(model, set(stage.parameters))
-    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen)
+    output_name = _check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
+    prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
+    model = prepared.model
+    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen or t.name in prepared.frozen)
     if last:
-        output_name = _check_loss_io(cfg, inspect_model(cfg.model.path))
-        label = None if cfg.model.loss == "model_output" else cfg.model.label_input
-        loss: onnxblock.Block = _ConfiguredLoss(_loss_block(cfg), output_name, label)
+        loss: onnxblock.Block = _ConfiguredLoss(_loss_block(cfg), prepared.loss_input, prepared.label_input)
         extra = None
     else:
         types = {o.name: o for o in model.graph.output}
         loss, extra = _VJPLoss(stage.sends, types), list(stage.sends)
     engine_artifacts.generate_artifacts(
         model,
-        requires_grad=[*stage.parameters, *stage.receives],
+        requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
         frozen_params=stage_frozen,
         loss=loss,
         optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
@@ -180,6 +177,7 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
     if missing:
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
+    return prepared.passes
 
 
 def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
@@ -192,9 +190,11 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
 
     num = cfg.distributed.pipeline_parallel_size
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    # The GELU rewrites as for the unsplit model (graph/gelu.py), so stages compute what it computes.
-    model = gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
-    model = gradient_fixes(model)  # graph/gradient_fixes.py: ops the engine differentiates wrongly or crashes on
+    # The whole model through the batch pass and the preparation passes first: stages compute what it computes,
+    # inherit its symbolic batch, and read their shape arithmetic from the inputs (graph/shapes.py).
+    source = split_source(cfg, trainable, _PROTO_LIMIT)
+    model = source.model
+    trainable = [n for n in trainable if n not in source.frozen]
     try:
         cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
         stages = split_model(model, cuts, trainable)
@@ -219,9 +219,11 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
     cuts, stages = plan or plan_stages(cfg)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     with building(artifacts_dir, STAGES_DIR) as scratch:
+        passes = []
         for stage in stages:
             try:
-                _build_one(cfg, stage, stage.index == num - 1, set(frozen), scratch / f"stage-{stage.index:02d}")
+                passes.append(list(_build_one(cfg, stage, stage.index == num - 1, set(frozen),
+                                              scratch / f"stage-{stage.index:02d}")))
             except ArtifactsError:
                 raise
             except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
@@ -234,7 +236,7 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
             "stages": [
                 {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
                  "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
-                 "shared": {name: list(holders) for name, holders in s.shared.items()}}
+                 "shared": {name: list(holders) for name, holders in s.shared.items()}, "passes": passes[s.index]}
                 for s in stages
             ],
         }
