@@ -10,8 +10,10 @@ Checks, in order (each problem names the field and the fix):
    ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch.py, so a batch
    dim counts as fixed only when the graph really depends on it);
 4. the run folder, checkpoint, TensorBoard and export paths can be written;
-5. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
-   (operators without gradients, ...) show up, and the data checks use the built model's real inputs.
+5. with pipeline stages or tensor-parallel pieces: the split configure makes, refused as configure refuses it;
+6. with ``deep``: the engine builds what configure builds (the whole model's training artifacts, and every pipeline
+   stage and tensor-parallel piece) in a temporary folder, so gradient-builder failures (operators without
+   gradients, ...) show up, and the data checks use the built model's real inputs.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
 (int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
@@ -59,7 +61,8 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     if not any(p.startswith("model.path") for p in problems):
         specs, model_problems = predicted_inputs(cfg)
         problems += model_problems
-        if cfg.distributed.horizontal_parallel_size > 1 and not model_problems:
+        split = cfg.distributed.horizontal_parallel_size > 1 or cfg.distributed.pipeline_parallel_size > 1
+        if split and not model_problems:
             model_problems = tensor_split_problems(cfg)
             problems += model_problems
         if deep and not model_problems:
@@ -79,34 +82,15 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
 
 
 def tensor_split_problems(cfg: RunConfig) -> list[str]:
-    """The tensor-parallel split's refusal (a size that does not divide the heads, nothing to split; with pipeline
-    stages also a cut inside a split region or a tied weight across stages), as configure would give it; onnx only,
-    no engine."""
-    from fnmatch import fnmatch
+    """The pipeline or tensor-parallel split's refusal (a cut crossed by a value computed from trained parameters, a
+    size that does not divide the heads, nothing to split, a cut inside a split region, a tied weight across stages),
+    exactly as configure gives it (:func:`ortflow.configure.plan_layout`); onnx only, no engine."""
+    from ortflow.configure import plan_layout
+    from ortflow.trainer.artifacts import ArtifactsError
 
-    from ortflow.graph.optional_outputs import declare_optional_outputs
-    from ortflow.graph.tensor_gemm import separate_gemm_biases
-    from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
-    from ortflow.graph.tensor_pieces import cut_pieces
-    from ortflow.graph.tensor_shard import shard_model
-
-    if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
-        from ortflow.trainer.artifacts import ArtifactsError
-        from ortflow.trainer.parallel.pipe_tensor_artifacts import plan_pipe_tensor
-
-        try:
-            plan_pipe_tensor(cfg)
-        except ArtifactsError as err:
-            return [str(err)]
-        return []
-    proto = declare_optional_outputs(onnx.load(str(cfg.model.path)))
-    trainable = [t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
-                 and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)]
-    proto = separate_gemm_biases(proto, trainable)  # as configure's export_fixes
     try:
-        plan = plan_tensor_split(proto, trainable, cfg.distributed.horizontal_parallel_size)
-        cut_pieces(shard_model(proto, plan, 0), plan, proto, trainable)
-    except (TensorSplitError, ValueError) as err:
+        plan_layout(cfg)
+    except (ArtifactsError, ValueError) as err:
         return [str(err)]
     return []
 
@@ -155,12 +139,15 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 
 
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
-    """Build the artifacts as configure would, in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.trainer.artifacts import build_artifacts  # the engine: only for --deep
+    """Build what configure builds (the whole model's artifacts, and the pipeline stages and tensor-parallel pieces
+    of the configured layout) in a temporary folder; (the real train inputs, problems)."""
+    from ortflow.configure import build_layout  # the engine: only for --deep
 
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
+        folder = Path(tmp) / "artifacts"
+        folder.mkdir()
         try:
-            built = build_artifacts(cfg, Path(tmp) / "artifacts")
+            built, _, _ = build_layout(cfg, folder)
         except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
             return None, [str(err)]
     return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
