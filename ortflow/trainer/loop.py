@@ -165,6 +165,8 @@ def train(
         module.lazy_reset_grad()
         timer.lap("update")
 
+        if evaluated and step == total:  # saved first: a failing final evaluation never costs the trained weights
+            _save(rt, checkpoints, step, cursor, (train_loss, None), fingerprint)
         eval_loss = evaluate(rt, eval_batches) if evaluated else None
         timer.lap("eval")
         if report:
@@ -191,14 +193,7 @@ def train(
         timer.lap("other")
 
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
-            meta = {
-                "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps, "num_weight_updates": total,
-                "train_loss": train_loss, "eval_loss": eval_loss, "num_ranks": world, "config_fingerprint": fingerprint,
-                "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
-                "params_sha256": check_ranks_identical(rt, step),
-                loss_scale.META_KEY: loss_scale.checkpoint_state(scaler),
-            }
-            checkpoints.save(step, rt.train_state(), meta)
+            _save(rt, checkpoints, step, cursor, (train_loss, eval_loss), fingerprint)
         timer.lap("checkpoint")
 
     profiler.close()
@@ -207,3 +202,17 @@ def train(
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
     return TrainResult(step, cursor, train_loss, eval_loss, stopped=bool(scalars[1]))
+
+
+def _save(rt: Runtime, checkpoints: CheckpointManager, step: int, cursor: int, losses: tuple, fingerprint: str) -> None:
+    """Save the checkpoint of ``step`` (``losses``: train and eval loss, the latter None before the evaluation)."""
+    cfg = rt.cfg
+    meta = {
+        "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps,
+        "num_weight_updates": cfg.train.num_weight_updates, "train_loss": losses[0], "eval_loss": losses[1],
+        "num_ranks": rt.comm.size, "config_fingerprint": fingerprint,
+        "rng": {"seed": cfg.train.seed, "scheme": "onnxruntime.set_seed(seed + step) before each update"},
+        "params_sha256": check_ranks_identical(rt, step),
+        loss_scale.META_KEY: loss_scale.checkpoint_state(rt.loss_scale),
+    }
+    checkpoints.save(step, rt.train_state(), meta)

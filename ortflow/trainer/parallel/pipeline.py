@@ -229,6 +229,9 @@ def train_pipeline(
         window_samples += k * replicas * batch
         evaluated = period > 0 and step % period == 0 or step == total
         paused = clock()
+        if evaluated and step == total:  # saved first: a failing final evaluation never costs the trained weights
+            _save(rt, checkpoints, step, checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, None,
+                                                         pipeline_parallel_size=rt.num_stages))
         eval_loss = evaluate_pipeline(rt, eval_batches) if evaluated else None
         window_start += clock() - paused
         if progress is not None and (step % cfg.train.display_loss_steps == 0 or evaluated):

@@ -85,6 +85,10 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
         window_samples += k * replicas * batch
         evaluated = period > 0 and step % period == 0 or step == total
         paused = clock()
+        if evaluated and step == total:  # saved first: a failing final evaluation never costs the trained weights
+            _save(rt, checkpoints, step, checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, None,
+                                                         horizontal_parallel_size=rt.tp_size,
+                                                         pipeline_parallel_size=rt.pipe[1] if rt.pipe else 1))
         if evaluated:
             eval_loss = rt.evaluate(eval_batches) if rt.pipe else evaluate_tensor(rt, eval_batches)
         else:
@@ -96,12 +100,16 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
             window_start, window_samples = clock(), 0
         if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
             paused = clock()
-            check_replicas(rt, step)
-            checkpoints.save(step, rt.train_state(), checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
-                                                                     horizontal_parallel_size=rt.tp_size,
-                                                                     pipeline_parallel_size=rt.pipe[1] if rt.pipe
-                                                                     else 1))
+            _save(rt, checkpoints, step, checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
+                                                         horizontal_parallel_size=rt.tp_size,
+                                                         pipeline_parallel_size=rt.pipe[1] if rt.pipe else 1))
             window_start += clock() - paused
     if scalars[1]:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
     return TrainResult(step, cursor, train_loss, eval_loss, stopped=bool(scalars[1]))
+
+
+def _save(rt: TensorRuntime, checkpoints, step: int, meta: dict) -> None:
+    """Check that the replicas agree, then save the checkpoint of ``step`` (every rank takes part)."""
+    check_replicas(rt, step)
+    checkpoints.save(step, rt.train_state(), meta)
