@@ -41,6 +41,13 @@ def _input_dims(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:
     return found
 
 
+def symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]] | None:
+    """Every tensor's dims, as ints and named dims (the inputs' own names where they follow from them), from ONNX
+    Runtime's symbolic shape inference on a copy of ``model`` whose float initializers hold no values; None when the
+    inference fails."""
+    return _symbolic_shapes(_without_values(model))
+
+
 def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str]] | None:
     """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference

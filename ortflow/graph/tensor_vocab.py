@@ -62,7 +62,8 @@ class _Graph:
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         if n.op_type == "Gather" and n.input[0] == table and attrs.get("axis", 0) == 0:
             ids = n.input[1]
-            while ids in self.producer and self.g.node[self.producer[ids]].op_type == "Cast":
+            # ids are a graph input, maybe cast or reshaped (HF's input_ids.view(-1, seq))
+            while ids in self.producer and self.g.node[self.producer[ids]].op_type in {"Cast", *_RESHAPES}:
                 ids = self.g.node[self.producer[ids]].input[0]
             if ids not in self.inputs:
                 return f"Gather '{node_label(n)}' reads ids computed in the graph, not a graph input (positions?)"

@@ -192,7 +192,8 @@ def train(
             timer.new_window()
         timer.lap("other")
 
-        if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
+        # (the final step was saved before its evaluation: saved again, with its eval loss)
+        if checkpoints.should_save(step, final=step == total or bool(scalars[1])) or evaluated and step == total:
             _save(rt, checkpoints, step, cursor, (train_loss, eval_loss), fingerprint)
         timer.lap("checkpoint")
 

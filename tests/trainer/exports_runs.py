@@ -11,7 +11,8 @@ from .parallel_runs import corpus
 from .runs import make_run
 
 SEQ = 32
-# 20 updates of 2 micro-batches of 2 windows (num_train_steps counts micro-batches); an eval split of 0.05 of the corpus (not a multiple of the batch).
+# 20 updates of 2 micro-batches of 2 windows (num_train_steps counts micro-batches); an eval split of 0.05 of the
+# corpus.
 TRAIN = {"batch_size": 2, "num_train_steps": 40, "gradient_accumulation_steps": 2, "evaluation_period": 10,
          "display_loss_steps": 1}
 

@@ -167,8 +167,9 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
                     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                         raise ArtifactsError(f"the engine could not build piece {piece.index} of tensor-parallel "
                                              f"rank {rank} of pipeline stage {s}: {type(err).__name__}: {err}") from err
-                records.append([_piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes)])
-                ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran) for p, ran in zip(mine, passes)})
+                records.append([_piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])
+                ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
+                                     for p, ran in zip(mine, passes, strict=True)})
             stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
                            "parameters": list(sp.stage.parameters),
                            "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},

@@ -155,8 +155,9 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
                 except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                     raise ArtifactsError(f"the engine could not build tensor-parallel piece {piece.index} of rank "
                                          f"{rank}: {type(err).__name__}: {err}") from err
-            ranks.append([_piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes)])
-            ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran) for p, ran in zip(pieces, passes)})
+            ranks.append([_piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
+            ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
+                                 for p, ran in zip(pieces, passes, strict=True)})
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
                   "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))

@@ -98,7 +98,8 @@ def train_tensor(rt: TensorRuntime, train_batches, eval_batches, checkpoints: Ch
             report_window(progress, tensorboard, step, total, clock() - window_start, window_samples, tokens_per_sample,
                           {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm})
             window_start, window_samples = clock(), 0
-        if checkpoints.should_save(step, final=step == total or bool(scalars[1])):
+        # (the final step was saved before its evaluation: saved again, with its eval loss)
+        if checkpoints.should_save(step, final=step == total or bool(scalars[1])) or evaluated and step == total:
             paused = clock()
             _save(rt, checkpoints, step, checkpoint_meta(cfg, rt.comm.size, cursor, train_loss, eval_loss,
                                                          horizontal_parallel_size=rt.tp_size,
