@@ -62,8 +62,8 @@ def emit(record: dict) -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
     from ortflow.examples.gpt import build_gpt
 
     root = Path(args.root)

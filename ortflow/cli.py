@@ -98,8 +98,8 @@ def train(
     import os
 
     from ortflow.config import load_run_config
-    from ortflow.trainer.launch import LaunchError, launch
-    from ortflow.trainer.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.local import LaunchError, launch
     from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
@@ -149,11 +149,11 @@ def tune(
     """Time candidate ranks x threads layouts on this host; num_ranks auto then uses the fastest (layout.json)."""
     import json
 
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
     from ortflow.dataprep import DataError, prepare_data
-    from ortflow.trainer.launch import LaunchError
-    from ortflow.trainer.layout import LayoutError, host_resources
-    from ortflow.trainer.tune import tune as tune_layouts
+    from ortflow.launch.layout import LayoutError, host_resources
+    from ortflow.launch.local import LaunchError
+    from ortflow.launch.tune import tune as tune_layouts
 
     cfg = _load(config, overrides)
     try:
@@ -176,9 +176,9 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
     optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
-    p -= lr*weight_decay*p (README, 'The optimizer').
+    p -= lr*weight_decay*p (docs/optimizer.md).
     """
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
 
     cfg = _load(config, overrides)
     try:
@@ -216,7 +216,7 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 @app.command(name="retain")
 def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
-    from ortflow.export.retention import reason_label, retain_checkpoints
+    from ortflow.checkpoints.retention import reason_label, retain_checkpoints
 
     index = retain_checkpoints(_load(config, overrides))
     for entry in index.kept:
@@ -546,8 +546,8 @@ def checkpoint_inspect(path: CheckpointArg) -> None:
     """Print a checkpoint's step, data cursor, files, parameters and optimizer state as JSON (verified first)."""
     import json
 
-    from ortflow.trainer.checkpoints import CheckpointError
-    from ortflow.trainer.checkpoints.tools import inspect
+    from ortflow.checkpoints import CheckpointError
+    from ortflow.checkpoints.tools import inspect
 
     try:
         print(json.dumps(inspect(path), indent=1))
@@ -558,7 +558,7 @@ def checkpoint_inspect(path: CheckpointArg) -> None:
 @checkpoint_app.command("verify")
 def checkpoint_verify(path: CheckpointArg) -> None:
     """Check meta.json's digest and every file's size and sha256; exit 1 naming the damaged file."""
-    from ortflow.trainer.checkpoints import CheckpointError, verify
+    from ortflow.checkpoints import CheckpointError, verify
 
     try:
         info = verify(path)
@@ -573,8 +573,8 @@ def checkpoint_merge(
     out: Annotated[Path, typer.Option("--out", "-o", help="HDF5 file to write (one dataset per tensor).")],
 ) -> None:
     """Gather parameters and every rank's optimizer shards into one HDF5 file readable with plain h5py."""
-    from ortflow.trainer.checkpoints import CheckpointError
-    from ortflow.trainer.checkpoints.tools import merge
+    from ortflow.checkpoints import CheckpointError
+    from ortflow.checkpoints.tools import merge
 
     try:
         info = merge(path, out)

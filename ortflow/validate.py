@@ -84,9 +84,9 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
 def tensor_split_problems(cfg: RunConfig) -> list[str]:
     """The pipeline or tensor-parallel split's refusal (a cut crossed by a value computed from trained parameters, a
     size that does not divide the heads, nothing to split, a cut inside a split region, a tied weight across stages),
-    exactly as configure gives it (:func:`ortflow.configure.plan_layout`); onnx only, no engine."""
-    from ortflow.configure import plan_layout
-    from ortflow.trainer.artifacts import ArtifactsError
+    exactly as configure gives it (:func:`ortflow.build.configure.plan_layout`); onnx only, no engine."""
+    from ortflow.build.artifacts import ArtifactsError
+    from ortflow.build.configure import plan_layout
 
     try:
         plan_layout(cfg)
@@ -141,7 +141,7 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
     """Build what configure builds (the whole model's artifacts, and the pipeline stages and tensor-parallel pieces
     of the configured layout) in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.configure import build_layout  # the engine: only for --deep
+    from ortflow.build.configure import build_layout  # the engine: only for --deep
 
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
         folder = Path(tmp) / "artifacts"

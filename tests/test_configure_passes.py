@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
+from ortflow.build.configure import configure
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.prepare import PASSES
 

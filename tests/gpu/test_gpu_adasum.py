@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 
 def test_nccl_adasum_matches_the_reference_and_ranks_agree(tmp_path):
-    from ortflow.trainer.launch import launcher_flavor
+    from ortflow.launch.local import launcher_flavor
     from tests.trainer.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")

@@ -13,8 +13,8 @@ import pytest
 
 from ortflow.dataprep.manifest import read_manifest
 from ortflow.examples.gpt import build_gpt
-from ortflow.trainer.checkpoints import list_complete
-from ortflow.trainer.checkpoints.h5state import read_params
+from ortflow.checkpoints import list_complete
+from ortflow.checkpoints.h5state import read_params
 
 from .parallel_runs import corpus, newest
 from .runs import make_run, run_ranks

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints.h5state import read_params
+from ortflow.checkpoints.h5state import read_params
 
 from .exports_runs import SEQ, assert_export_equals_eval_graph, gpt2_run
 from .parallel_runs import losses, newest
