@@ -31,6 +31,7 @@ from ortflow.graph.common import constant_values, node_label
 from ortflow.graph.shapes import symbolic_shapes
 from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_plan import Region, TensorPlan, TensorSplitError
+from ortflow.graph.tensor_shapes import shape_entry, weight_of
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.graph.tensor_vocab import plan_vocab
 
@@ -262,61 +263,7 @@ class _Walk:
 
     def _shape_entry(self, i: int, name: str, b: int):
         """Where entry ``b`` of a Reshape's shape lives: (node, input, element, value), or why it cannot change."""
-        return self._entry(i, 1, b, 0)
-
-    def _entry(self, reader: int, pos: int, element: int, depth: int):
-        """The constant that holds element ``element`` of input ``pos`` of node ``reader``, followed back through the
-        shape arithmetic exports write (Concat, Unsqueeze, Squeeze, Gather and Slice of 1-D int tensors, Cast):
-        (the node reading the constant, its input, the element, the value), or why the split cannot follow it."""
-        name = self.g.node[reader].input[pos]
-        values = constant_values(self.g, name)
-        if values is not None:
-            flat = values.reshape(-1)
-            if element >= flat.size:
-                return "the new shape is computed in a way the split cannot follow"
-            return reader, pos, element, int(flat[element])
-        producer = self._producer(name)
-        if producer is None or depth > 12:
-            return "the new shape's split entry is computed, not a Constant"
-        node = self.g.node[producer]
-        if node.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity"):
-            return self._entry(producer, 0, element, depth + 1)
-        if node.op_type == "Concat":
-            at = 0
-            for k, part in enumerate(node.input):
-                dims = self.shapes.get(part)
-                if dims is None or len(dims) > 1 or None in dims:
-                    return "the new shape is computed in a way the split cannot follow"
-                length = dims[0] if dims else 1
-                if at <= element < at + length:
-                    return self._entry(producer, k, element - at, depth + 1)
-                at += length
-            return "the new shape is computed in a way the split cannot follow"
-        if node.op_type in ("Gather", "Slice"):
-            index = self._index_in(node, element)
-            if isinstance(index, str):
-                return index
-            return self._entry(producer, 0, index, depth + 1)
-        return "the new shape's split entry is computed, not a Constant"
-
-    def _index_in(self, node, element: int) -> int | str:
-        """For a Gather (axis 0, constant index) or Slice (constant bounds, axis 0, step 1) of a 1-D tensor: which
-        element of its input its ``element`` is."""
-        dims = self.shapes.get(node.input[0])
-        if dims is None or len(dims) != 1 or dims[0] is None:
-            return "the new shape is computed in a way the split cannot follow"
-        length = dims[0]
-        if node.op_type == "Gather":
-            index = constant_values(self.g, node.input[1])
-            if index is None or index.size != 1 or (_attr(node, "axis", 0) or 0) != 0:
-                return "the new shape is computed in a way the split cannot follow"
-            return int(index.reshape(-1)[element]) % length
-        bounds = [constant_values(self.g, x) if x else None for x in node.input[1:5]]
-        if bounds[0] is None or bounds[0].size != 1 or any(v is not None and v.reshape(-1).tolist() not in ([0], [1])
-                                                           for v in bounds[2:4]):
-            return "the new shape is computed in a way the split cannot follow"
-        start = int(bounds[0].reshape(-1)[0])
-        return (start + length if start < 0 else start) + element
+        return shape_entry(self.g, self.shapes, self.producers, i, 1, b)
 
 
 def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
@@ -335,24 +282,10 @@ def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, l
     return found
 
 
-def weight_of(graph: onnx.GraphProto, name: str, trainable: set[str]) -> tuple[str, bool] | None:
-    """The trained 2-D weight a MatMul reads as ``name``: the initializer itself, or (torch's ``nn.Linear`` on 3-D
-    inputs) ``Transpose(W)`` of a ``[out, in]`` weight ``W`` whose only reader is that Transpose, read once; with
-    whether it is read transposed. None otherwise."""
-    if name in trainable:
-        return name, False
-    maker = next((n for n in graph.node if name in n.output), None)
-    if maker is None or maker.op_type != "Transpose" or maker.input[0] not in trainable:
-        return None
-    perm = next((list(a.ints) for a in maker.attribute if a.name == "perm"), [1, 0])
-    readers = [n for n in graph.node if name in n.input or maker.input[0] in n.input]
-    if perm != [1, 0] or len(readers) != 2:
-        return None
-    return maker.input[0], True
-
-
-def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int) -> TensorPlan:
-    """Find the regions to split over ``size`` ranks (pure; nothing is changed).
+def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int,
+                      embedded: frozenset[str] = frozenset()) -> TensorPlan:
+    """Find the regions to split over ``size`` ranks (pure; nothing is changed). ``embedded``: tables the whole model
+    embeds, when ``model`` is one pipeline stage of it (its LM head may be tied to another stage's embedding).
 
     Raises:
         TensorSplitError: ``size`` does not divide a split width or head count (names them and the fix), or no
@@ -381,7 +314,8 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     regions = _regions(model.graph, walk, seeds, candidates)
     for r in walk.rows.values():
         kept.pop(r, None)
-    regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept)
+    regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept,
+                          embedded)
     plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
     _check_sizes(model, plan, walk)
     return plan

@@ -55,3 +55,33 @@ def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: di
     reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run([output], all_feeds)[0]
     got = ort.InferenceSession(str(exported), options).run([output], feeds)[0]
     np.testing.assert_array_equal(got, reference)
+
+
+def bert_data(root: Path, num_rows: int = 240, seq: int = 16) -> Path:
+    """Token rows for the BERT classifier: ids, an attention mask with padding at the end of most rows, and a label
+    that depends on the tokens the mask keeps."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / "bert.parquet"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        ids = rng.integers(1, 512, (num_rows, seq))
+        lengths = rng.integers(seq // 2, seq + 1, num_rows)
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+        ids = ids * mask
+        labels = (ids.sum(axis=1) // 7) % 3
+        pq.write_table(pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int64())),
+                                 "attention_mask": pa.array(list(mask), type=pa.list_(pa.int64())),
+                                 "labels": labels}), path)
+    return path
+
+
+def bert_run(root: Path, name: str, **sections):
+    """A run of the Hugging Face BERT classifier export, unmodified (input_ids and attention_mask, 3 labels)."""
+    data = {"train": [str(bert_data(root))], "eval_fraction": 0.1}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path("bert.onnx"), data=data, train=train, optimizer=optimizer,
+                    **sections)

@@ -11,7 +11,7 @@ import pytest
 
 from ortflow.checkpoints.h5state import read_params
 
-from .exports_runs import SEQ, assert_export_equals_eval_graph, gpt2_run
+from .exports_runs import SEQ, assert_export_equals_eval_graph, bert_run, gpt2_run
 from .parallel_runs import losses, newest
 from .runs import run_ranks
 
@@ -110,3 +110,25 @@ def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters(gpt2_dp, pp):
     assert len(vocab) == 2 and any("LM head ['logits']" in line for line in vocab), split
     _assert_equal_to(gpt2_dp, cfg, _train(cfg), atol=TP_ATOL)
     _assert_exports_one_model(cfg)
+
+
+@pytest.fixture(scope="module")
+def bert_dp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert")
+    cfg = bert_run(root, "dp", distributed={"num_ranks": 1})
+    return cfg, _train(cfg)
+
+
+@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2)], ids=["pp2", "hp2"])
+def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, pp, hp):
+    root = bert_dp[0].output_dir.parent
+    cfg = bert_run(root, f"pp{pp}hp{hp}", distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp,
+                                                       "horizontal_parallel_size": hp})
+    if hp > 1:  # every layer's attention (separate Q, K, V Linears by heads) and MLP
+        split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
+        for layer in range(2):
+            prefix = f"model.bert.encoder.layer.{layer}"
+            assert any(f"'{prefix}.attention.self.query.weight', '{prefix}.attention.self.key.weight'" in line
+                       and f"rows ['{prefix}.attention.output.dense.weight']" in line for line in split), split
+            assert any(f"columns ['{prefix}.intermediate.dense.weight']" in line for line in split), split
+    _assert_equal_to(bert_dp, cfg, _train(cfg), atol=TP_ATOL if hp > 1 else ATOL)
