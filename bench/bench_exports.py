@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                            "files": memory[name]["files"]} for name in LAYOUTS},
     }
     base = result["layouts"]["dp2"]
-    for name, row in result["layouts"].items():
+    for row in result["layouts"].values():
         row["step_vs_dp2"] = row["median_step_s"] / base["median_step_s"]
         held = row.get("parameters", 0) + row.get("optimizer_state", 0)
         row["state_vs_dp2"] = held / (base.get("parameters", 0) + base.get("optimizer_state", 0))

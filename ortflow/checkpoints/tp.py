@@ -91,7 +91,8 @@ def _read_merged_group(files: list[Path], names: set[str] | None) -> dict[str, n
 
 def merged_optimizer_pieces(files: list[Path]) -> tuple[int, str, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
     """Step count, optimizer name and each state of every parameter whole (one piece each), from the tp files (of
-    every pipeline stage: a tied parameter held by several stages is read from the first, whose copy equals the others)."""
+    every pipeline stage: a tied parameter held by several stages is read from the first, whose copy equals the
+    others)."""
     step, optimizer, by_key, attrs = 0, "", {}, {}
     for group_files in by_stage(files):
         earlier = set(by_key)  # a tied parameter held by several stages: the first stage's states

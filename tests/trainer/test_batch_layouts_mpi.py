@@ -11,17 +11,17 @@ import numpy as np
 import onnx
 import pytest
 
-from ortflow.dataprep.manifest import read_manifest
-from ortflow.examples.gpt import build_gpt
 from ortflow.checkpoints import list_complete
 from ortflow.checkpoints.h5state import read_params
+from ortflow.dataprep.manifest import read_manifest
+from ortflow.examples.gpt import build_gpt
 
 from .parallel_runs import corpus, newest
 from .runs import make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 
-SEQ, TRACED, BATCH = 8, 2, 3
+SEQ, TRACED, BATCH = 8, 2, 4
 LAYOUTS = {"pp2": (2, 1), "hp2": (1, 2), "pp2xhp2": (2, 2)}
 
 
