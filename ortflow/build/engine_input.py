@@ -5,6 +5,7 @@ Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,9 @@ from ortflow.graph.batch import BatchReport, make_batch_symbolic
 from ortflow.graph.common import GraphError
 from ortflow.graph.differentiable import explain_engine_error
 from ortflow.graph.prepare import PreparedModel, prepare_model
+from ortflow.graph.ties import describe_copies, folded_tie_copies
+
+log = logging.getLogger(__name__)
 
 
 class ArtifactsError(ValueError):
@@ -35,6 +39,8 @@ def prepare(
     batch = None
     if _data_bytes(Path(cfg.model.path), model) < proto_limit:
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        for line in describe_copies(folded_tie_copies(model, set(trainable)), model):
+            log.warning("model.path: %s", line)
         model, batch = make_batch_symbolic(model)
     try:
         repeatable = repeatable_gathers(cfg)

@@ -45,3 +45,4 @@ def test_a_shape_with_a_derived_dim_is_left_as_it_was():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     rewritten = shapes_from_inputs(model)
     assert [n.op_type for n in rewritten.graph.node] == ["Concat", "Shape"]
+
