@@ -165,3 +165,20 @@ def test_pipeline_stages_get_the_rewrite_too(tmp_path):
     ops = collections.Counter(n.op_type for n in onnx.load(str(stage_dir(cfg.artifacts_dir, 0) /
                                                                 "training_model.onnx")).graph.node)
     assert ops["GatherNDGrad"] == 1 and ops["GatherGrad"] == 0  # stage 0 holds the token embedding
+
+
+def test_bert_position_ids_sliced_from_a_buffer_keep_their_gather():
+    # The engine's GatherNDGrad aborts on ids that are a constant's slice (BERT's position ids); word and token-type
+    # ids (the input, and a buffer expanded to the batch) are read with GatherND.
+    import onnx as _onnx
+
+    from ortflow.graph.embedding import deterministic_gathers
+    from tests.support.exports import export_path
+
+    model = _onnx.load(str(export_path("bert.onnx")))
+    trainable = {t.name for t in model.graph.initializer if t.data_type == _onnx.TensorProto.FLOAT}
+    rewritten = deterministic_gathers(model, trainable)
+    reads = {n.input[0].split(".")[-2]: n.op_type for n in rewritten.graph.node
+             if n.op_type in ("Gather", "GatherND") and n.input[0] in trainable}
+    assert reads == {"word_embeddings": "GatherND", "token_type_embeddings": "GatherND",
+                     "position_embeddings": "Gather"}
