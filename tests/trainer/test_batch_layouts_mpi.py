@@ -71,4 +71,7 @@ def test_any_batch_size_and_a_short_last_eval_batch_work_in_every_layout(unsplit
     np.testing.assert_allclose(eval_losses(out.stdout), eval_losses(ref_out.stdout), rtol=1e-5)
     assert len(eval_losses(out.stdout)) == 2
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
-    assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < 1e-6
+    # pp alone computes the unsplit ops (fp32 rounding of the regrouped sums only); tensor pieces add row-parallel
+    # partial sums, a few ulps per gradient (measured after 4 updates: hp 2 3.7e-6, pp 2 x hp 2 2.0e-6).
+    atol = 1e-6 if LAYOUTS[layout][1] == 1 else 1e-5
+    assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < atol
