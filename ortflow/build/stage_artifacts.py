@@ -102,8 +102,9 @@ def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
     model = onnx.load(str(path))
     graph = model.graph
     grad_inputs = {n + GRAD_IN_SUFFIX for n in sends}
+    # the VJP terms, and the Adds that sum them (``pipeline.vjp_partialK`` with three or more sent tensors)
     keep = [n for n in graph.node if not grad_inputs.intersection(n.input) and not n.output[0].endswith(".vjp")
-            and n.output[0] != "pipeline.vjp_loss"]
+            and n.output[0] != "pipeline.vjp_loss" and not n.output[0].startswith("pipeline.vjp_partial")]
     del graph.node[:]
     graph.node.extend(keep)
     inputs = [i for i in graph.input if i.name not in grad_inputs]
