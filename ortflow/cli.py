@@ -50,14 +50,16 @@ def validate(
     config: ConfigArg,
     overrides: SetOpt = None,
     deep: Annotated[
-        bool, typer.Option("--deep", help="Also build the training artifacts in a temporary folder (engine errors).")
+        bool, typer.Option("--deep", help="Also build the training artifacts in a temporary folder (engine errors; "
+                           "with device cuda, nodes without a half-precision CUDA kernel).")
     ] = False,
 ) -> None:
     """Check everything checkable without training; print every problem at once (exit 1 if any).
 
     The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
     the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
-    and export paths can be written; with --deep, that the engine can build the training graph.
+    and export paths can be written; with --deep, that the engine can build the training graph and, with
+    distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it.
     """
     from ortflow.validate import validate as find_all
 

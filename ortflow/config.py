@@ -638,11 +638,6 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.enable_adasum and dist.zero_stage:
         problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
-    if dist.enable_adasum and dist.device == "cuda":
-        problems.append(
-            "distributed.enable_adasum is not wired into the GPU trainer yet (its NCCL reduction exists, the device "
-            "update does not call it): train with Adasum on CPU ranks, or set enable_adasum: false"
-        )
     split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
     others = dist.zero_stage or dist.enable_adasum or split
     if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):

@@ -13,7 +13,9 @@ Checks, in order (each problem names the field and the fix):
 5. with pipeline stages or tensor-parallel pieces: the split configure makes, refused as configure refuses it;
 6. with ``deep``: the engine builds what configure builds (the whole model's training artifacts, and every pipeline
    stage and tensor-parallel piece) in a temporary folder, so gradient-builder failures (operators without
-   gradients, ...) show up, and the data checks use the built model's real inputs.
+   gradients, ...) show up, and the data checks use the built model's real inputs; with ``distributed.device: cuda``
+   also every node of the built training model that runs in fp16/bf16 where the GPU engine has no CUDA kernel for it
+   (ortflow/graph/cuda_kernels.py), which would stop every rank at start.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
 (int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
@@ -143,6 +145,7 @@ def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, l
     of the configured layout) in a temporary folder; (the real train inputs, problems)."""
     from ortflow.build.configure import build_layout  # the engine: only for --deep
 
+    problems = []
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
         folder = Path(tmp) / "artifacts"
         folder.mkdir()
@@ -150,8 +153,18 @@ def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, l
             built, _, _ = build_layout(cfg, folder)
         except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
             return None, [str(err)]
+        if cfg.distributed.device == "cuda":
+            problems = cuda_kernel_problems(folder / "training_model.onnx")
     return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
-            for t in built.train_inputs], []  # fmt: skip
+            for t in built.train_inputs], problems  # fmt: skip
+
+
+def cuda_kernel_problems(training_model: Path) -> list[str]:
+    """The nodes of a built training model that the GPU engine has no half-precision CUDA kernel for."""
+    from ortflow.graph.cuda_kernels import missing_kernels
+
+    proto = onnx.load(str(training_model), load_external_data=False)
+    return [f"model.path: {m.message()}" for m in missing_kernels(proto)]
 
 
 def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:

@@ -156,8 +156,8 @@ def build_update(
 
 
 def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
-    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1 over NCCL)."""
-    from ortflow.trainer.optim.device import DeviceUpdate, Zero1Device
+    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
+    from ortflow.trainer.optim.device import AdasumDevice, DeviceUpdate, Zero1Device
 
     params = []
     for name in trainable:
@@ -172,7 +172,10 @@ def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
         return update, exchange
     segments = optim.whole_segments(trainable, [p.count for p in params])
     decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
-    return DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream), Zero0(comm)
+    update = DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream)
+    if cfg.distributed.enable_adasum and comm.size > 1:
+        return update, AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name))
+    return update, Zero0(comm)
 
 
 def available_cores() -> int:
