@@ -12,11 +12,7 @@ does not change that kernel.
 faster than the locked loop (bench/embedding_grad.py, docs/reliability.md). This pass rewrites every ``Gather`` on
 axis 0 whose data is a trained parameter, read directly or through ``Identity`` nodes (tied embeddings, exported
 graphs); int32 ids are cast to int64 (GatherND reads only int64). Parameters, their names and every other node stay
-as they were. Ids that are a constant's values, sliced or reshaped (BERT's position ids, a slice of a registered
-buffer) keep their ``Gather``: the engine's ``GatherNDGrad`` aborts on them (an out-of-range vector index, measured
-with onnxruntime-training 1.19.2 on the BERT export; BERT's token-type ids, the same buffer expanded to the batch,
-train with ``GatherND``). Position ids are distinct, so their gradient rows never meet and the order of the sum does
-not matter. :func:`restore_gathers` turns the rewrite back into the user's ``Gather`` for export.
+as they were. :func:`restore_gathers` turns the rewrite back into the user's ``Gather`` for export.
 """
 
 from __future__ import annotations
@@ -60,7 +56,7 @@ def deterministic_gathers(
     changes, nodes = [], []
     for node in graph.node:
         param = _parameter(node.input[0], producer, trainable) if node.op_type == "Gather" else None
-        if param is None or _axis(node, dims[param]) != 0 or _sliced_constant(node.input[1], graph, producer):
+        if param is None or _axis(node, dims[param]) != 0:
             nodes.append(node)
             continue
         types = types if types is not None else elem_types(model)
@@ -107,20 +103,6 @@ def restore_gathers(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(kept)
     return result
-
-
-def _sliced_constant(ids: str, graph: onnx.GraphProto, producer: dict[str, onnx.NodeProto]) -> bool:
-    """Whether ``ids`` are values of a constant, sliced or reshaped (BERT's position ids, a slice of a registered
-    buffer), whatever computes the bounds; see :func:`deterministic_gathers`."""
-    constants = {t.name for t in graph.initializer}
-    while ids in producer:
-        node = producer[ids]
-        if node.op_type == "Constant":
-            return True
-        if node.op_type not in ("Slice", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity"):
-            return False
-        ids = node.input[0]
-    return ids in constants
 
 
 def _parameter(name: str, producer: dict[str, onnx.NodeProto], trainable: set[str]) -> str | None:

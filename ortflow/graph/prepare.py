@@ -9,7 +9,8 @@ are idempotent, so the second run changes only what depends on the graph (its pa
 Order matters: unused-parameter detection first, then optional outputs and Split rewrites (they make more nodes
 differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
 to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion,
-then the gradient fixes, then repeated inputs, then (when asked) the embedding reads with a repeatable CPU gradient,
+then the gradient fixes, then repeated inputs, then the declared shapes of broadcast operands (so the engine's
+gradient of a broadcasting op sums over the broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient,
 then the logits flattening for the loss (only on the graph that computes the loss), and last the check that every
 node on the trained path has a gradient (on the graph the engine will see). No step changes an initializer.
 
@@ -33,7 +34,7 @@ from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
-from ortflow.graph.shapes import shapes_from_inputs
+from ortflow.graph.shapes import declare_broadcast_shapes, shapes_from_inputs
 from ortflow.graph.split import split_to_slices
 from ortflow.graph.untrainable import untrainable_initializers
 
@@ -46,6 +47,7 @@ PASSES = (
     "gelu_rewrites",
     "gradient_fixes",
     "separate_repeated_inputs",
+    "declare_broadcast_shapes",
     "deterministic_gathers",
     "flatten_logits",
     "check_differentiable",
@@ -128,6 +130,8 @@ def prepare_model(
             model = gradient_fixes(model, report)
         elif name == "separate_repeated_inputs":
             model = separate_repeated_inputs(model, report)
+        elif name == "declare_broadcast_shapes":
+            model = declare_broadcast_shapes(model, report)
         elif name == "deterministic_gathers":
             if repeatable_gathers:
                 model = deterministic_gathers(model, trainable, report)

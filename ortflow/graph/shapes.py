@@ -158,3 +158,53 @@ def _without_values(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.input.extend(v for v in moved if v.name not in known)
     del graph.value_info[:]
     return copy_model
+
+
+#: Ops whose gradient sums over the axes an input was broadcast along (the engine reads the input's declared shape).
+_BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min"}
+
+
+def declare_broadcast_shapes(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """Declare (``value_info``) the shapes of broadcast operands that onnx's inference leaves unknown but symbolic
+    inference knows, so the engine's gradient of the broadcasting op sums over the broadcast axes.
+
+    Hugging Face's BERT adds position embeddings ``[1, seq, C]`` (a Gather of ids sliced from a ``[1, 512]`` buffer)
+    to ``[batch, seq, C]``; onnx's shape inference cannot tell the slice's first dim, so the engine's ``Add``
+    gradient passes the ``[batch, seq, C]`` gradient on unreduced, and the position table's ``GatherGrad`` reads
+    ``batch`` times more ids than there are: wrong gradients and writes past the buffer (measured with
+    onnxruntime-training 1.19.2: a corrupted heap under an exact-size arena, an index assertion in ``GatherNDGrad``).
+    Declared as ``[1, seq, C]``, the gradient is summed over the batch first. Only operands whose every dim is a fixed
+    number or a named dim of a graph input are declared; nothing else changes.
+    """
+    graph = model.graph
+    dims_of = _input_dims(graph)
+    operands = {x for n in graph.node if n.op_type in _BROADCASTING and n.domain in ("", "ai.onnx")
+                for x in n.input if x}
+    if not operands or not dims_of:
+        return copy.deepcopy(model)
+    try:
+        known = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - onnx raises several kinds; nothing is declared then
+        return copy.deepcopy(model)
+    declared = {v.name: v for v in [*known.value_info, *known.input, *known.output]}
+    fixed = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    shapes = symbolic_shapes(model)
+    if shapes is None:
+        return copy.deepcopy(model)
+    model = copy.deepcopy(model)
+    changes = []
+    for name in sorted(operands - fixed):
+        dims = shapes.get(name)
+        old = declared.get(name)
+        if dims is None or old is None or any(not isinstance(d, int) and d not in dims_of for d in dims):
+            continue
+        old_dims = old.type.tensor_type.shape.dim
+        if len(old_dims) == len(dims) and all(d.HasField("dim_value") or d.dim_param in dims_of for d in old_dims):
+            continue  # already known
+        elem = old.type.tensor_type.elem_type
+        for existing in [v for v in model.graph.value_info if v.name == name]:
+            model.graph.value_info.remove(existing)
+        model.graph.value_info.append(helper.make_tensor_value_info(name, elem, list(dims)))
+        changes.append(f"'{name}' declared {dims}")
+    report_change("declare_broadcast_shapes", changes, report)
+    return model

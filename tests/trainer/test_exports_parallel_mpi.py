@@ -121,14 +121,7 @@ def bert_dp(tmp_path_factory):
     return cfg, _train(cfg)
 
 
-BERT_SPLIT_CRASH = pytest.mark.xfail(
-    strict=True, reason="the engine corrupts the heap on the BERT export's stage 0 / first pieces under the shared "
-    "CPU arena of stages and pieces (OrtArenaCfg kSameAsRequested, pipeline_stage.stage_session_options): 'corrupted "
-    "size vs. prev_size' in the training call; the same graph trains with the engine's default arena growth")
-
-
-@pytest.mark.parametrize("pp,hp", [pytest.param(2, 1, marks=BERT_SPLIT_CRASH),
-                                   pytest.param(1, 2, marks=BERT_SPLIT_CRASH)], ids=["pp2", "hp2"])
+@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2)], ids=["pp2", "hp2"])
 def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, pp, hp):
     root = bert_dp[0].output_dir.parent
     cfg = bert_run(root, f"pp{pp}hp{hp}", distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp,
