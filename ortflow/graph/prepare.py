@@ -10,9 +10,10 @@ Order matters: unused-parameter detection first, then optional outputs and Split
 differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
 to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion,
 then the gradient fixes, then repeated inputs, then the declared shapes of broadcast operands (so the engine's
-gradient of a broadcasting op sums over the broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient,
-then the logits flattening for the loss (only on the graph that computes the loss), and last the check that every
-node on the trained path has a gradient (on the graph the engine will see). No step changes an initializer.
+gradient of a broadcasting op sums over the broadcast axes), then (when asked) the embedding reads with a repeatable
+CPU gradient, then the logits flattening for the loss (only on the graph that computes the loss), and last the check
+that every node on the trained path has a gradient (on the graph the engine will see). No step changes an
+initializer.
 
 The passes run on a skeleton of the model whose initializers hold no values (name, type and dims only); the
 original tensors are put back at the end. So weights never go through a pass, and a 400 MB model is not copied
