@@ -44,9 +44,11 @@ from ortflow.config import (
     RunConfig,
     check_files,
     dump_config,
+    param_group_problems,
     write_resolved_config,
 )
 from ortflow.engine import ORT_VERSION
+from ortflow.graph.batchnorm_stats import running_statistics, to_record
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,11 @@ def graph_passes(model: tuple[str, ...], stages: dict | None, tensor: dict | Non
             found[f"stage-{stage['index']:02d}"] = stage.get("passes", [])
     found.update((tensor or {}).get("passes", {}))
     return found
+def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
+    """optimizer.groups against the trained parameters (the artifacts do not depend on it, so also when reused)."""
+    problems = param_group_problems(trainable, cfg.optimizer)
+    if problems:
+        raise ConfigError(problems)
 
 
 def configure(cfg: RunConfig) -> ConfigureResult:
@@ -231,6 +238,10 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
         and _split_artifacts_exist(cfg, artifacts_dir)
     ):
+        _refuse_bad_groups(cfg, previous.get("trainable", []))
+        if "batchnorm" not in previous:  # a record written before the BatchNorm entry: add it, the rest stays
+            previous = {**previous, "batchnorm": to_record(running_statistics(cfg.model.path))}
+            _write_json_atomic(record_path, previous)
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
@@ -242,6 +253,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         built, stages, tensor_record = build_layout(cfg, artifacts_dir, stale_record=record_path)
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
+    _refuse_bad_groups(cfg, list(built.trainable))
     write_resolved_config(cfg)
     record = {
         "fingerprint": key,
@@ -268,6 +280,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "pipeline_cuts": stages["cuts"] if stages else [],
         "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
         "graph_passes": graph_passes(built.passes, stages, tensor_record),
+        "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

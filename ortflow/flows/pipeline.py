@@ -33,7 +33,8 @@ def train_pipeline(
         overrides: ``--set``-style changes for this run only (``["train.num_train_steps=50"]``).
         from_stage: Rerun this stage and every later one (``ortflow run --from``).
         policy: ``retrain`` or ``continue`` for this run (default: ``versions.policy``).
-        skip_unchanged: Skip when config, model and data are unchanged since the last version (default: config's).
+        skip_unchanged: Skip when config, model, data and policy are unchanged since the last version
+            (default: config's).
         new_version: Train a new model version under ``output_dir/versions/`` (deployments set this).
         wait_for_lock: Wait for a busy run folder instead of failing (default: ``pipeline.wait_for_lock``).
 
