@@ -1,7 +1,8 @@
 """``python -m bench``: the whole suite on this machine; writes ``bench/results/<host>-<date>.json`` and ``.md``.
 
 Parts, in order: the machine's float32 GEMM ceiling; the "same model" check (first losses, engine vs PyTorch);
-the interleaved comparison (ortflow trainer, bare engine loop, PyTorch DDP) at 1 x 1, 1 x all cores and N x 1;
+the interleaved comparison (ortflow trainer, bare engine loop, PyTorch DDP eager, torch.compile and bf16 autocast
+where the CPU has bf16) at 1 x 1, 1 x all cores and N x 1, with ratios against PyTorch's fastest mode and row;
 all-reduce (ortflow vs bare MPI) at the largest rank count; checkpoint save time; data preparation
 (``bench.bench_dataprep``). ``--ranks 1,2,4,8,16`` is the scaling run of ``bench/device_cpu_scaling.sh``.
 """
@@ -50,6 +51,28 @@ def ceiling(setup: Setup, cores: int, logs: Path) -> dict:
             "gemm_gflops_all_threads": best(every), "cores": cores}  # fmt: skip
 
 
+def cpu_has_bf16() -> bool:
+    """Whether the CPU has bf16 instructions (AVX512-BF16 or AMX-BF16), where PyTorch's bf16 autocast pays."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def torch_modes(text: str) -> list[str]:
+    """The PyTorch modes to run: ``auto`` or a comma list of ``bench.workers.TORCH_MODES``."""
+    from bench.workers import TORCH_MODES
+
+    if text == "auto":
+        return ["eager", "compile", *(["bf16", "compile-bf16"] if cpu_has_bf16() else [])]
+    modes = [m for m in text.split(",") if m]
+    unknown = sorted(set(modes) - set(TORCH_MODES))
+    if unknown or not modes:
+        raise SystemExit(f"--torch-modes {text!r}: use auto or a comma list of {', '.join(TORCH_MODES)}")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--ranks", default="1,2", help="rank counts of the N x 1 layouts (1 must be among them)")
@@ -61,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=json.dumps(SHAPE), help="GPT shape as JSON")
     parser.add_argument("--mpiexec", default=None, help="launcher prefix (default: $BENCH_MPIEXEC or .venv's mpiexec)")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: dataprep,allreduce,checkpoint,sanity")
+    parser.add_argument("--torch-modes", default="auto",
+                        help="PyTorch modes, comma list of eager,compile,bf16,compile-bf16 (auto: eager and compile, "
+                        "plus bf16 and compile-bf16 where the CPU has bf16 instructions)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the .json, .md and plots")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--name", default=None, help="result file stem (default: <host>-<date>)")
@@ -72,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup % args.display or args.steps % args.display:
         raise SystemExit("--warmup and --steps must be multiples of --display (the trainer reports per window)")
     skip = set(filter(None, args.skip.split(",")))
+    torch_kinds = [("torch" if m == "eager" else f"torch-{m}") for m in torch_modes(args.torch_modes)]
     cores = len(os.sched_getaffinity(0))
     mpiexec = tuple(shlex.split(args.mpiexec)) if args.mpiexec else default_mpiexec()
     setup = Setup(shape=json.loads(args.shape), batch_size=args.batch_size, warmup_steps=args.warmup,
@@ -102,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                                        logs, "sanity")  # fmt: skip
 
         contenders = [compare.Contender("ortflow", 1, 1), compare.Contender("bare", 1, 1),
-                      compare.Contender("torch", 1, 1)]  # fmt: skip
+                      *(compare.Contender(k, 1, 1) for k in torch_kinds)]  # fmt: skip
         if cores > 1:
-            contenders += [compare.Contender("ortflow", 1, cores), compare.Contender("torch", 1, cores)]
+            contenders += [compare.Contender("ortflow", 1, cores),
+                           *(compare.Contender(k, 1, cores) for k in torch_kinds)]  # fmt: skip
         for n in ranks[1:]:
-            contenders += [compare.Contender("ortflow", n, 1), compare.Contender("torch", n, 1)]
+            contenders += [compare.Contender("ortflow", n, 1), *(compare.Contender(k, n, 1) for k in torch_kinds)]
         _say(f"compare: {len(contenders)} contenders x {args.rounds} rounds")
         runs = compare.interleaved(contenders, args.rounds, root, setup, logs, progress=_say)
         record["runs"] = runs
@@ -120,7 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                                    for r, t in layouts},
             "intra_op_speedup": {kind: compare.paired_ratio(runs, f"{kind} 1x{cores}", f"{kind} 1x1")
                                  for kind in ("ortflow", "torch")} if cores > 1 else {},
+            # PyTorch at its best: the fastest mode in each round, per layout and over the layouts using every core.
+            "ortflow_over_torch_best_mode": {
+                f"{r}x{t}": compare.paired_best_ratio(runs, [f"ortflow {r}x{t}"], [f"{k} {r}x{t}" for k in torch_kinds])
+                for r, t in layouts},
+            "ortflow_best_over_torch_best_all_cores": compare.paired_best_ratio(
+                runs, [f"ortflow {r}x{t}" for r, t in layouts if r * t == cores],
+                [f"{k} {r}x{t}" for k in torch_kinds for r, t in layouts if r * t == cores]),
         }  # fmt: skip
+        torch_labels = [f"{k} {r}x{t}" for k in torch_kinds for r, t in layouts]
+        record["torch_best_row"] = compare.best_label(record["summary"], torch_labels)
         per_core = record["ceiling"]["gemm_gflops_1_thread"]
         record["fraction_of_ceiling"] = {}
         for label, s in record["summary"].items():

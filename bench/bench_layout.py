@@ -7,8 +7,9 @@ weight update (``--global-batch``), so throughput is comparable whatever the lay
   would start on this host (ortflow.launch.layout.launch_layout), started the same way;
 * ``ortflow RxT``: hand-picked layouts with the same global batch (per-rank batch and accumulation derived);
 * ``torch 1xC``: PyTorch's default, one process with all C cores as threads and the whole global batch;
-* ``torch RxT``: PyTorch DDP (gloo) with R ranks of T threads, G / R samples per rank; the best of these is
-  "PyTorch at its best layout".
+* ``torch RxT``: PyTorch DDP (gloo) with R ranks of T threads, G / R samples per rank; ``torch RxT:MODE`` the same
+  with ``torch.compile`` (``compile``), bf16 autocast (``bf16``) or both (``compile-bf16``); the best of these is
+  "PyTorch at its best layout and mode".
 
 Rounds interleave the contenders (order reversed every other round); figures are min / median / max over rounds of
 the steady-state samples/s (warm-up updates excluded; for ortflow the progress windows after warm-up, the final
@@ -90,11 +91,13 @@ def run_ortflow(root: Path, setup: Setup, global_batch: int, layout: str, log: P
 
 
 def run_torch(setup: Setup, global_batch: int, layout: str, log: Path) -> dict:
+    """``layout`` is ``RxT`` or ``RxT:mode`` (a ``bench.workers`` PyTorch mode: eager, compile, bf16, compile-bf16)."""
+    layout, _, mode = layout.partition(":")
     ranks, threads = map(int, layout.split("x"))
     per_rank = global_batch // ranks
     cmd = [setup.python, "-m", "bench.workers", "torch", "--shape", json.dumps(setup.shape), "--batch-size",
            str(per_rank), "--threads", str(threads), "--warmup", str(setup.warmup_steps),
-           "--steps", str(setup.timed_steps)]  # fmt: skip
+           "--steps", str(setup.timed_steps), "--mode", mode or "eager"]  # fmt: skip
     code, out = spawn_ranks(cmd, ranks, {**setup.env, **thread_env(threads)}, 900)
     log.write_text(f"$ {' '.join(cmd)} (x{ranks} ranks)\n{out}\nexit {code}\n")
     result = parse_result(out) if code == 0 else None
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch", type=int, default=64, help="samples per weight update, every contender")
     parser.add_argument("--batch-size", type=int, default=16, help="ortflow's largest micro-batch per rank")
     parser.add_argument("--ortflow", default="auto", help="comma list: auto and/or RxT layouts")
-    parser.add_argument("--torch", default="", help="comma list of RxT layouts (1xC is PyTorch's default)")
+    parser.add_argument("--torch", default="", help="comma list of RxT or RxT:MODE (MODE: eager, compile, bf16, "
+                        "compile-bf16; 1xC eager is PyTorch's default)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2, help="updates excluded (a multiple of --display)")
     parser.add_argument("--steps", type=int, default=6, help="timed updates (a multiple of --display)")
@@ -182,7 +186,9 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str, quiet: bo
     fmt = lambda v: " / ".join(f"{x:.2f}" for x in v) if v else "failed"  # noqa: E731
     lines = [f"# Layouts at global batch {args.global_batch}: {info['host']}, {info['cores']} cores, {info['date']}",
              "", "```", record["command"], "```", "",
-             f"{info['cpu']}; load average at start {info['load_average_at_start']}, at end "
+             f"{info['cpu']}; commit {info.get('commit', 'unknown')}; Python {info['python']}, "
+             + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "; "
+             f"load average at start {info['load_average_at_start']}, at end "
              f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Model: "
              f"{info.get('model', '?')} {SHAPE}. Samples/s min / median "
              "/ max over rounds (every contender trains the same samples per weight update).", "",

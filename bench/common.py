@@ -104,8 +104,13 @@ def host_info() -> dict:
             versions[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
             versions[name] = None
+    try:  # the code measured; "unknown" outside a git checkout
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).parent, check=False).stdout.strip() or "unknown"  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
     return {
-        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "commit": commit,
         "python": platform.python_version(), "versions": versions,
         "load_average_at_start": os.getloadavg(),  # other processes on the machine skew every timing
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -5,7 +5,9 @@ every other round so that a slow drift of the machine hits every contender alike
   rank-0 progress lines (``samples_per_s`` of each display window), skipping the warm-up windows and the final one
   (which also holds the end-of-run evaluation).
 * ``bare``: the bare engine loop (``bench.workers bare``), 1 rank only: the trainer-overhead reference.
-* ``torch``: PyTorch eager + DDP (gloo) on the same architecture and initial weights (``bench.workers torch``).
+* ``torch``: PyTorch eager + DDP (gloo) on the same architecture and initial weights (``bench.workers torch``);
+  ``torch-compile`` (``torch.compile``, inductor's C++ backend), ``torch-bf16`` (bf16 autocast) and
+  ``torch-compile-bf16`` are the same with that mode.
 
 Every contender reports its steady-state mean step time; throughput is world x batch / step time.
 """
@@ -28,7 +30,7 @@ _PROGRESS = re.compile(r"step (\d+)/(\d+) \|.*?samples_per_s ([0-9.eE+-]+)")
 class Contender:
     """One way of training: who, and with how many ranks x threads."""
 
-    kind: str  # ortflow | bare | torch
+    kind: str  # ortflow | bare | torch | torch-compile | torch-bf16 | torch-compile-bf16
     ranks: int
     threads: int
 
@@ -67,16 +69,17 @@ def run_one(c: Contender, root: Path, setup: Setup, logs: Path, timeout: float =
         code, out, wall = run_command(cmd, env, timeout, log)
         result = parse_result(out) if code == 0 else None
         step_time = result["step_time_s"] if result else None
-    elif c.kind == "torch":
+    elif c.kind == "torch" or c.kind.startswith("torch-"):
+        mode = c.kind.partition("-")[2] or "eager"
         cmd = [setup.python, "-m", "bench.workers", "torch", "--shape", shape, "--batch-size",
                str(setup.batch_size), "--threads", str(c.threads), "--warmup", str(setup.warmup_steps),
-               "--steps", str(setup.timed_steps)]  # fmt: skip
+               "--steps", str(setup.timed_steps), "--mode", mode]  # fmt: skip
         code, out = spawn_ranks(cmd, c.ranks, env, timeout)
         log.write_text(f"$ {' '.join(cmd)} (x{c.ranks} ranks)\n{out}\nexit {code}\n")
         result = parse_result(out) if code == 0 else None
         step_time = result["step_time_s"] if result else None
     else:
-        raise ValueError(f"unknown contender kind {c.kind!r}: use ortflow, bare or torch")
+        raise ValueError(f"unknown contender kind {c.kind!r}: use ortflow, bare, torch or torch-<mode>")
     samples_per_s = c.ranks * setup.batch_size / step_time if step_time else None
     tokens_per_s = samples_per_s * setup.shape["seq_len"] if samples_per_s else None
     return {"step_time_s": step_time, "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "exit": code}
@@ -103,6 +106,31 @@ def paired_ratio(runs: dict[str, list[dict]], a: str, b: str, key: str = "sample
     by_round = {x["round"]: x[key] for x in runs.get(b, []) if x[key]}
     ratios = [x[key] / by_round[x["round"]] for x in runs.get(a, []) if x[key] and x["round"] in by_round]
     return summarize(ratios)
+
+
+def paired_best_ratio(runs: dict[str, list[dict]], a: list[str], b: list[str], key: str = "samples_per_s") -> dict:
+    """min/median/max over rounds of (best of ``a`` in the round) / (best of ``b`` in the round), with the labels that
+    were best in each round; rounds where every contender of either side failed are skipped."""
+    def best(labels: list[str]) -> dict[int, tuple[float, str]]:
+        out: dict[int, tuple[float, str]] = {}
+        for label in labels:
+            for x in runs.get(label, []):
+                if x[key] and (x["round"] not in out or x[key] > out[x["round"]][0]):
+                    out[x["round"]] = (x[key], label)
+        return out
+
+    top_a, top_b = best(a), best(b)
+    rounds = sorted(set(top_a) & set(top_b))
+    result = summarize([top_a[r][0] / top_b[r][0] for r in rounds])
+    result["best"] = [[top_a[r][1], top_b[r][1]] for r in rounds]
+    return result
+
+
+def best_label(summary: dict[str, dict], labels: list[str], key: str = "samples_per_s") -> str | None:
+    """The label with the highest median ``key`` among ``labels`` (None when all failed)."""
+    scored = [(summary[label][key]["median"], label) for label in labels
+              if label in summary and summary[label][key]["median"]]  # fmt: skip
+    return max(scored)[1] if scored else None
 
 
 def summarize_runs(runs: dict[str, list[dict]]) -> dict[str, dict]:

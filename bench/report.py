@@ -90,7 +90,7 @@ def render(record: dict, plots: list[str]) -> str:
     """The report's markdown."""
     h, m, r = record["host"], record["model"], record["ratios"]
     lines = [f"# ortflow benchmark: {h['host']}, {h['date']}", "", "```", record["command"], "```", ""]
-    lines += [f"{h['cpu']}, {h['cores']} cores; Python {h['python']}; "
+    lines += [f"{h['cpu']}, {h['cores']} cores; commit {h.get('commit', 'unknown')}; Python {h['python']}; "
               + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + ".", ""]  # fmt: skip
     s = record["setup"]
     lines += [f"Model: the PyTorch GPT of `bench/torch_gpt.py` exported to ONNX, {m['shape']}, "
@@ -114,9 +114,24 @@ def render(record: dict, plots: list[str]) -> str:
                          f"({e['min']:.3f}..{e['max']:.3f}) | {met} |")
     for layout, q in r["ortflow_over_torch"].items():
         if q.get("median") is not None:
-            lines.append(f"| ortflow / PyTorch DDP throughput >= 1, {layout} | {q['median']:.3f} "
+            lines.append(f"| ortflow / PyTorch DDP eager throughput >= 1, {layout} | {q['median']:.3f} "
                          f"({q['min']:.3f}..{q['max']:.3f}) | {'yes' if q['median'] >= 1 else 'no'} |")
+    for layout, q in r.get("ortflow_over_torch_best_mode", {}).items():
+        if q.get("median") is not None:
+            lines.append(f"| ortflow / PyTorch's fastest mode in the round >= 1, {layout} | {q['median']:.3f} "
+                         f"({q['min']:.3f}..{q['max']:.3f}) | {'yes' if q['median'] >= 1 else 'no'} |")
+    q = r.get("ortflow_best_over_torch_best_all_cores", {})
+    if q.get("median") is not None:
+        lines.append(f"| ortflow's best all-core layout / PyTorch's best all-core layout and mode >= 1 | "
+                     f"{q['median']:.3f} ({q['min']:.3f}..{q['max']:.3f}) | {'yes' if q['median'] >= 1 else 'no'} |")
     lines.append("")
+    if record.get("torch_best_row"):
+        lines += [f"PyTorch's fastest row (median samples/s): `{record['torch_best_row']}`. The best-of ratios take, "
+                  "in each round, the fastest contender of each side (eager, `torch.compile` with inductor's C++ "
+                  "backend, bf16 autocast where the CPU has bf16 instructions); per round the winners were "
+                  + "; ".join(f"{lay}: " + ", ".join(f"{a} vs {b}" for a, b in v.get("best", []))
+                              for lay, v in r.get("ortflow_over_torch_best_mode", {}).items() if v.get("best"))
+                  + ".", ""]  # fmt: skip
 
     lines += ["## Throughput", "", "| contender (ranks x threads) | step time ms | samples/s | tokens/s | "
               "GFLOP/s | fraction of GEMM ceiling |", "|---|---|---|---|---|---|"]  # fmt: skip

@@ -3,8 +3,9 @@
 * ``bare RUN_DIR``: the bare loop on the run's artifacts and batches: ``module(*inputs); optimizer.step();
   module.lazy_reset_grad()`` and nothing else, where ``optimizer.step()`` is ortflow's update on the engine's buffers
   (the artifacts hold no optimizer graph any more; the batches are read before timing starts).
-* ``torch``: the same GPT in eager PyTorch, DistributedDataParallel over gloo when WORLD_SIZE > 1 (ranks started
-  like torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+* ``torch``: the same GPT in PyTorch, DistributedDataParallel over gloo when WORLD_SIZE > 1 (ranks started
+  like torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ``--mode`` eager, ``compile`` (``torch.compile``,
+  inductor's C++ backend), ``bf16`` (bf16 autocast) or ``compile-bf16``.
 * ``sanity RUN_DIR``: the first losses of the engine (bare loop) and PyTorch from the same initial weights on the same
   batches with the same AdamW, to check that both train the same model.
 * ``allreduce MODEL``: under mpiexec, ortflow's ``MPIComm.average_gradients`` on the model's gradient shapes vs a
@@ -18,6 +19,7 @@ torch is imported only by ``torch`` and ``sanity``; MPI only by ``allreduce``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import RESULT_TAG
+
+TORCH_MODES = ("eager", "compile", "bf16", "compile-bf16")
 
 
 def emit(record: dict) -> None:
@@ -123,6 +127,10 @@ def torch_train(args: argparse.Namespace) -> None:
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
+    if "compile" in args.mode:  # inductor's C++ backend on the CPU; compiling happens in the warm-up steps
+        model = torch.compile(model)
+    # bf16 autocast: matmuls (and what autocast lists) in bf16, parameters, optimizer and loss in fp32.
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if "bf16" in args.mode else contextlib.nullcontext()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     steps = args.warmup + args.steps
     tokens = torch.from_numpy(random_tokens(steps * args.batch_size, shape.seq_len, shape.vocab_size, seed=1 + rank))
@@ -132,7 +140,8 @@ def torch_train(args: argparse.Namespace) -> None:
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].reshape(-1)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        with autocast:
+            loss = F.cross_entropy(model(x).float(), y)
         loss.backward()  # DDP all-reduces the gradient buckets during backward
         opt.step()
         loss.item()
@@ -146,7 +155,8 @@ def torch_train(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
     if rank == 0:
         emit({"step_times_s": steady, "step_time_s": mean, "world": world, "batch_size": args.batch_size,
-              "torch": torch.__version__, "threads": torch.get_num_threads()})  # fmt: skip
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "mode": args.mode,
+              "first_step_s": times[0]})  # fmt: skip
 
 
 def sanity(args: argparse.Namespace) -> None:
@@ -258,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--mode", choices=TORCH_MODES, default="eager", help="eager, torch.compile, bf16 autocast, both")
     p.set_defaults(fn=torch_train)
     p = sub.add_parser("sanity")
     p.add_argument("run_dir", type=Path)

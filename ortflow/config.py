@@ -118,8 +118,9 @@ class ModelConfig(_Section):
     fuse_gelu: bool = Field(
         True,
         description="Replace the elementwise GELU an exporter writes (erf or tanh form) by the engine's one-kernel "
-        "Gelu / FastGelu before training (docs/your-model.md); the export writes it back as "
-        "standard ops. Off with bf16 mixed precision.",
+        "Gelu / FastGelu before training (docs/your-model.md); on CPU ranks the tanh form becomes "
+        "x * sigmoid(x * (a + b x^2)) instead, the same function with a faster CPU gradient "
+        "(docs/engine-kernels.md). The export writes it back as standard ops. Off with bf16 mixed precision.",
     )
     pipeline_cuts: tuple[str, ...] = Field(
         (),

@@ -90,11 +90,15 @@ def prepare_cut(cfg: RunConfig, model: onnx.ModelProto, parameters, loss_output:
         raise ArtifactsError(str(err)) from None
 
 
-def gelu_fusion(cfg: RunConfig) -> bool:
-    """Whether exported GELUs become the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`): model.fuse_gelu, except
-    with bf16 mixed precision, where the CUDA engine's GeluGrad kernels are registered for fp16, fp32 and fp64 only
-    (not settled on a GPU: docs/engine-kernels.md "GELU")."""
-    return cfg.model.fuse_gelu and not (cfg.precision.use_mixed_precision and cfg.precision.use_bfloat16)
+def gelu_fusion(cfg: RunConfig) -> str:
+    """How exported GELUs reach the engine (:func:`ortflow.graph.gelu.gelu_rewrites`): with model.fuse_gelu,
+    ``"cpu"`` on CPU ranks (the engine's Gelu for the erf form, the sigmoid form for the tanh form, whose engine
+    gradient is slow on CPU: :mod:`ortflow.graph.gelu_grad`) and ``"engine"`` on GPUs (the engine's Gelu /
+    FastGelu); ``"as_exported"`` without it, and with bf16 mixed precision, where the CUDA engine's GeluGrad kernels
+    are registered for fp16, fp32 and fp64 only (not settled on a GPU: docs/engine-kernels.md "GELU")."""
+    if not cfg.model.fuse_gelu or (cfg.precision.use_mixed_precision and cfg.precision.use_bfloat16):
+        return "as_exported"
+    return "cpu" if cfg.distributed.device == "cpu" else "engine"
 
 
 def repeatable_gathers(cfg: RunConfig) -> bool:

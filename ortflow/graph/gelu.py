@@ -31,6 +31,7 @@ import onnx
 from onnx import helper
 
 from ortflow.graph.common import Names, constant_values, elem_types, node_label, report_change
+from ortflow.graph.gelu_grad import restore_tanh_gelus, sigmoid_gelus
 
 MS_DOMAIN = "com.microsoft"
 _RTOL = 1e-5
@@ -251,12 +252,24 @@ def _declare(graph: onnx.GraphProto, name: str, type_proto: onnx.TypeProto) -> N
 
 
 def gelu_rewrites(
-    model: onnx.ModelProto, fuse: bool, report: list[dict] | None = None, keep: set[str] = frozenset()
+    model: onnx.ModelProto, fuse: bool | str, report: list[dict] | None = None, keep: set[str] = frozenset()
 ) -> onnx.ModelProto:
-    """Both passes as every training graph gets them (the whole model, pipeline stages, tensor-parallel pieces):
-    :func:`tanh_gelu_gradients` always, :func:`fuse_gelu` when ``fuse``."""
+    """The GELU passes as every training graph gets them (the whole model, pipeline stages, tensor-parallel pieces).
+
+    :func:`tanh_gelu_gradients` always; then by ``fuse``: ``"as_exported"`` (or False) nothing more; ``"engine"``
+    (or True) :func:`fuse_gelu`; ``"cpu"`` :func:`fuse_gelu`, then every tanh GELU in the sigmoid form of
+    :mod:`ortflow.graph.gelu_grad` (the engine's CPU ``FastGeluGrad`` is slow; its erf ``GeluGrad`` is not).
+    """
+    mode = {True: "engine", False: "as_exported"}.get(fuse, fuse) if isinstance(fuse, bool) else fuse
+    if mode not in ("as_exported", "engine", "cpu"):
+        raise ValueError(f"GELU mode {fuse!r}: use 'as_exported', 'engine' or 'cpu'")
     model = tanh_gelu_gradients(model, report)
-    return fuse_gelu(model, report, keep=keep) if fuse else model
+    if mode == "as_exported":
+        return model
+    model = fuse_gelu(model, report, keep=keep)
+    if mode == "cpu":
+        model = sigmoid_gelus(model, elem_types(model), report)
+    return model
 
 
 def fuse_gelu(
@@ -359,8 +372,10 @@ def _decomposed(node: onnx.NodeProto, names: Names, elem_type: int) -> list[onnx
 
 
 def decompose_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with every ``com.microsoft`` ``Gelu`` / ``FastGelu`` of one input written as standard ops (the
-    form :func:`fuse_gelu` recognises); the ``com.microsoft`` opset import is dropped when nothing else uses it."""
+    """The model with every ``com.microsoft`` ``Gelu`` / ``FastGelu`` of one input, and every sigmoid-form GELU of
+    :mod:`ortflow.graph.gelu_grad`, written as standard ops (the form :func:`fuse_gelu` recognises); the
+    ``com.microsoft`` opset import is dropped when nothing else uses it."""
+    model = restore_tanh_gelus(model)
     fused = [n for n in model.graph.node if n.domain == MS_DOMAIN and n.op_type in ("Gelu", "FastGelu")
              and len(n.input) == 1]  # fmt: skip
     if not fused:

@@ -8,11 +8,12 @@ are idempotent, so the second run changes only what depends on the graph (its pa
 
 Order matters: unused-parameter detection first, then optional outputs and Split rewrites (they make more nodes
 differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
-to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion,
-then the gradient fixes, then repeated inputs, then the declared shapes of broadcast operands (so the engine's
-gradient of a broadcasting op sums over the broadcast axes), then (when asked) the embedding reads with a repeatable
-CPU gradient, then the logits flattening for the loss (only on the graph that computes the loss), and last the check
-that every node on the trained path has a gradient (on the graph the engine will see). No step changes an
+to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion (on
+CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes, then repeated
+inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums over the
+broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for
+the loss (only on the graph that computes the loss), and last the check that every node on the trained path has a
+gradient (on the graph the engine will see). No step changes an
 initializer.
 
 The passes run on a skeleton of the model whose initializers hold no values (name, type and dims only); the
@@ -84,7 +85,7 @@ def prepare_model(
     loss_output: str | None,
     label_input: str | None,
     repeatable_gathers: bool = False,
-    fuse_gelu: bool = False,
+    fuse_gelu: bool | str = False,
     keep: set[str] | None = None,
 ) -> PreparedModel:
     """Rewrite the user's model into one the engine trains correctly, or say why it cannot.
@@ -99,7 +100,8 @@ def prepare_model(
         label_input: The label input's name (None for ``model_output``).
         repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
             gradient of Gather is not repeatable with more than one thread.
-        fuse_gelu: Replace exported elementwise GELUs by the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`).
+        fuse_gelu: How GELUs reach the engine: ``"as_exported"`` (False), ``"engine"`` (True: the engine's Gelu /
+            FastGelu) or ``"cpu"`` (the tanh form with a fast CPU gradient); :func:`ortflow.graph.gelu.gelu_rewrites`.
         keep: Tensor names no pass may remove (the pipeline cuts).
 
     Returns:

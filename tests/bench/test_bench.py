@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.common import Setup, parse_result, summarize
-from bench.compare import overhead, paired_ratio, scaling_efficiency, trainer_step_time
+from bench.compare import best_label, overhead, paired_best_ratio, paired_ratio, scaling_efficiency, trainer_step_time
 
 SETUP = Setup(shape={}, batch_size=4, warmup_steps=2, timed_steps=4, display_steps=2, mpiexec=("mpiexec",))
 
@@ -35,6 +35,30 @@ def test_paired_ratios_are_taken_within_a_round():
     eff = scaling_efficiency(runs, "ortflow", 2)
     assert eff["n"] == 1 and eff["median"] == pytest.approx(19 / 10 / 2)
     assert summarize([None, 3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+
+
+def test_pytorch_at_its_best_is_the_fastest_mode_of_each_round():
+    runs = {
+        "ortflow 1x2": [{"round": 0, "samples_per_s": 12.0}, {"round": 1, "samples_per_s": 12.0}],
+        "torch 1x2": [{"round": 0, "samples_per_s": 10.0}, {"round": 1, "samples_per_s": 6.0}],
+        "torch-compile 1x2": [{"round": 0, "samples_per_s": 8.0}, {"round": 1, "samples_per_s": 15.0}],
+        "torch-bf16 1x2": [{"round": 0, "samples_per_s": None}, {"round": 1, "samples_per_s": None}],  # failed
+    }  # fmt: skip
+    ratio = paired_best_ratio(runs, ["ortflow 1x2"], ["torch 1x2", "torch-compile 1x2", "torch-bf16 1x2"])
+    assert (ratio["min"], ratio["max"]) == (pytest.approx(12 / 15), pytest.approx(12 / 10))
+    assert ratio["best"] == [["ortflow 1x2", "torch 1x2"], ["ortflow 1x2", "torch-compile 1x2"]]
+    summary = {label: {"samples_per_s": summarize([x["samples_per_s"] for x in recs])} for label, recs in runs.items()}
+    assert best_label(summary, ["torch 1x2", "torch-compile 1x2", "torch-bf16 1x2"]) == "torch-compile 1x2"
+    assert best_label(summary, ["torch-bf16 1x2"]) is None
+
+
+def test_torch_modes_are_checked_by_name():
+    from bench.__main__ import torch_modes
+
+    assert torch_modes("eager,compile") == ["eager", "compile"]
+    assert torch_modes("auto")[:2] == ["eager", "compile"]
+    with pytest.raises(SystemExit, match="--torch-modes"):
+        torch_modes("eager,fast")
 
 
 def test_parse_result_takes_the_last_tagged_line():
