@@ -198,15 +198,31 @@ def _train_with_timeout(config, timeout_s: float) -> None:
 
 
 def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_path):
+    """A task timeout that fires while the ranks train stops every one of them.
+
+    The ranks take a while to start on a loaded machine, and a timeout that fires before training began proves
+    nothing: the test starts with a 6 s limit and, while an attempt ends before its ranks reported a step, doubles
+    the limit (each attempt must still fail and leave no rank behind).
+    """
+    import time
+
     from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
 
     cfg = mlp_config(tmp_path, mlp_sources, "timeout",
-                     train={"num_train_steps": 500000, "display_loss_steps": 1000, "evaluation_period": 0},
-                     checkpoint={"period": 100000})
+                     train={"num_train_steps": 5000000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 10000000})
     configure(cfg)
     prepare_data(cfg)
-    state = _train_with_timeout(cfg, 6.0, return_state=True)
-    assert state.is_failed()
-    assert read_progress(cfg.output_dir) is not None, "training never started; the timeout proves nothing"
-    wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the ranks to exit after the timeout")
+    timeout_s, trained_during = 6.0, None
+    while trained_during is None and timeout_s <= 200:
+        started = time.time()
+        state = _train_with_timeout(cfg, timeout_s, return_state=True)
+        assert state.is_failed(), state
+        assert task_states(state.state_details.flow_run_id)["train"] == "TimedOut"
+        wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 60, "the ranks to exit after the timeout")
+        record, path = read_progress(cfg.output_dir), cfg.output_dir / "progress.json"
+        if record is not None and path.stat().st_mtime >= started and record["step"] < 5000000:
+            trained_during = timeout_s
+        timeout_s *= 2
+    assert trained_during is not None, "training never started within any timeout up to 200 s"

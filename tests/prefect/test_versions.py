@@ -98,9 +98,13 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
 
 
 def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server, mlp_sources, tmp_path):
+    import time
+
+    from ortflow.trainer.checkpoints import list_complete
+
     cfg = mlp_config(tmp_path, mlp_sources, "killed-version",
                      train={"num_train_steps": 4000, "display_loss_steps": 100, "evaluation_period": 0},
-                     checkpoint={"period": 250, "max_num_checkpoints": 2})
+                     checkpoint={"period": 250, "max_num_checkpoints": 100})  # every checkpoint stays as a record
     killed = []
 
     def kill_one_rank() -> None:
@@ -109,10 +113,11 @@ def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server
             return running and Path(running[0]["path"])
 
         folder = wait_for(running_version, 120, "the version folder")
-        record = wait_for(lambda: (r := read_progress(folder)) and 800 <= r["step"] < 3000 and r, 180,
-                          "training to pass step 800")
+        wait_for(lambda: (r := read_progress(folder)) and 800 <= r["step"] < 3500 and list_complete(folder / "checkpoints"),
+                 180, "training to pass step 800 with a checkpoint written")
+        at = time.time()
         os.kill(rank_pids(folder)[0], signal.SIGKILL)
-        killed.append(record["step"])
+        killed.append(at)
 
     killer = threading.Thread(target=kill_one_rank, daemon=True)
     killer.start()
@@ -134,18 +139,17 @@ def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server
         train_run = next(r for r in read_task_runs(client, state.state_details.flow_run_id)
                          if r.name.startswith("train-"))
     assert train_run.run_count == 2  # failed once, retried once
-    # The retry wrote into the same folder and resumed there: a second event file whose first step is past the kill's
-    # last checkpoint, not step 1.
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    files = sorted((folder / "tensorboard").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    assert len(files) == 2, files
-    first_steps, resumed_steps = ([e.step for e in EventFileLoader(str(f)).Load() if e.summary.value] for f in files)
-    # Resuming from checkpoint step c (a multiple of 250), the first step logged is the next multiple of 100; a
-    # restart from scratch would log step 100 first.
-    resumed_from = max(c for c in range(250, 4000, 250) if c < min(resumed_steps))
-    assert min(resumed_steps) - resumed_from <= 100 and killed[0] - 250 <= resumed_from <= max(first_steps), (
-        resumed_steps[:3], killed, max(first_steps))
+    # The checkpoints are the record of progress: each folder's meta.json is written last, once. The retry resumed in
+    # the same folder from the newest checkpoint of the killed attempt: every checkpoint written before the kill is
+    # still the one the first attempt wrote, and the retry wrote only later steps. A restart from scratch would have
+    # rewritten step 250 and every step after it.
+    done = list_complete(folder / "checkpoints")
+    assert [c.step for c in done] == list(range(250, 4001, 250))
+    written = {c.step: (c.path / "meta.json").stat().st_mtime for c in done}
+    before = sorted(step for step, mtime in written.items() if mtime < killed[0])
+    after = sorted(step for step, mtime in written.items() if mtime >= killed[0])
+    assert before and after and max(before) < min(after), (before, after)
+    assert entries[0]["final_checkpoint"] == str(done[-1].path)
     assert read_progress(folder)["step"] == 4000
 
 
