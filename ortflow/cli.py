@@ -357,6 +357,24 @@ def _progress_bar(run_dir, stop) -> None:
                        description=describe_progress(record))
 
 
+def _stop_record(cfg, new_version: bool) -> str:
+    """Where a stopped run left its work: the version and its newest complete (stop) checkpoint."""
+    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.versions import read_registry
+
+    folder, version = cfg.output_dir, None
+    if new_version:
+        try:
+            entries = [e for e in read_registry(cfg.output_dir) if e.get("path")]
+        except ValueError:
+            entries = []
+        if entries:
+            folder, version = Path(entries[-1]["path"]), entries[-1]["version"]
+    done = list_complete(folder / "checkpoints")
+    where = f"version {version}, " if version else ""
+    return f"{where}newest checkpoint {done[-1].path}" if done else f"{where}no checkpoint was written yet"
+
+
 def _newest_run_dir(cfg) -> Path:
     """The folder the progress bar watches: the running version's, once plan_version registered it."""
     from ortflow.versions import read_registry
@@ -403,33 +421,54 @@ def run(
         _fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
     if policy is not None and policy not in ("retrain", "continue"):
         _fail(f"--policy {policy}: use retrain or continue")
-    terminated = []
+    from ortflow.deployments.local_server import api_server
 
-    def on_sigterm(signum: int, _frame: object) -> None:
-        # Unwind like Ctrl-C: the launcher stops the ranks and atexit stops Prefect's temporary server.
-        terminated.append(signum)
+    received: list[int] = []
+
+    def on_stop_signal(signum: int, _frame: object) -> None:
+        # The first SIGINT/SIGTERM unwinds like Ctrl-C: the train task's launcher stops the ranks with a stop
+        # checkpoint and the flow run records its final state. A repeat (a second Ctrl-C, or the same signal sent
+        # to the whole process group) must not cut that stop short.
+        if received:
+            console.print(f"already stopping ({signal.Signals(received[0]).name}): the ranks are writing their stop "
+                          "checkpoint", highlight=False)
+            return
+        received.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_stop_signal)
     stop = threading.Event()
     watcher = threading.Thread(target=_progress_bar, args=(lambda: _newest_run_dir(cfg), stop), daemon=True)
     command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
                          else ["ortflow", "run", str(config)])
+    state = None
     with terminal(console, cfg.output_dir / "logs") as log_file:
-        watcher.start()
         try:
-            # The flow runs in this (main) thread: Prefect's SIGTERM bridge and task timeouts need it, and Ctrl-C
-            # reaches the launcher, which stops the ranks' process group.
-            state = train_pipeline(cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
-                                   new_version=new_version, wait_for_lock=wait or None, return_state=True)
+            # No PREFECT_API_URL: a temporary server in a session of its own (Ctrl-C to this terminal's process
+            # group never reaches it), stopped once the flow run has its final state.
+            with api_server():
+                watcher.start()
+                try:
+                    # The flow runs in this (main) thread: Prefect's task timeouts need it, and Ctrl-C reaches the
+                    # launcher, which stops the ranks' process group.
+                    state = train_pipeline(cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
+                                           new_version=new_version, wait_for_lock=wait or None, return_state=True)
+                finally:
+                    stop.set()
+                    watcher.join(timeout=5)
         except KeyboardInterrupt:
-            state = None
-        finally:
-            stop.set()
-            watcher.join(timeout=5)
-    if state is None or terminated:
-        _fail(f"stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the log is in {log_file}",
-              code=143 if terminated else 130)
+            received.append(received[0] if received else signal.SIGINT)
+        except RuntimeError as err:  # the temporary server did not start
+            if state is None and not received:
+                _fail(str(err))
+            raise
+    if received:
+        name = signal.Signals(received[0]).name
+        console.print(f"[yellow]stopped by {name}[/]: {escape(_stop_record(cfg, new_version))}; the log is in "
+                      f"{escape(str(log_file))}", highlight=False)
+        console.print(f"  to resume: {escape(command)}", highlight=False)
+        raise typer.Exit(128 + received[0])
     if not state.is_completed():
         try:
             state.result()

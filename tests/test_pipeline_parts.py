@@ -65,7 +65,12 @@ def test_progress_artifact_ends_with_the_final_state_not_an_eta():
     assert "ETA" not in final_description(record, TrainingFailed("training failed with exit status 137:\n[1] x"))
     assert final_description(record, TrainingFailed("training failed with exit status 137:\n[1] x")) == (
         "Failed at step 8/20: training failed with exit status 137:")
-    assert final_description(record, KeyboardInterrupt()) == "Cancelled at step 8/20"
+    assert final_description(record, KeyboardInterrupt()).startswith("Stopped by a signal at step 8/20")
+    from prefect._internal.concurrency.cancellation import CancelledError
+
+    assert final_description(record, CancelledError()).startswith("Cancelled at step 8/20")
+    timed_out = final_description(record, CancelledError(), timed_out=True)
+    assert timed_out.startswith("Timed out at step 8/20") and "Cancelled" not in timed_out
 
 
 def test_retries_and_timeouts_come_from_the_config_with_todays_defaults(tmp_path):

@@ -56,6 +56,9 @@ def train_pipeline(
         except Exception:
             tasks.finish_version(cfg, plan, "failed")
             raise
+        except BaseException:  # a stop signal or a cancellation: the ranks stopped with a stop checkpoint
+            tasks.finish_version(cfg, plan, "stopped")
+            raise
         tasks.finish_version(cfg, plan, "completed", summary)
     return summary
 
