@@ -44,6 +44,11 @@ def test_failed_jobs_are_classified_by_the_ranks_error_lines():
     assert failure_repeats(("[0] ValueError: data.columns names no column 'x'",))
     assert failure_repeats(("[1] onnxruntime...: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions",))
     assert not failure_repeats(("[1] BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "killed by signal 9"))
+    assert failure_repeats(("[0] ERROR weight update 7: non-finite loss",), returncode=4)  # a divergence repeats
+    from ortflow.trainer.__main__ import EXIT_NONFINITE
+
+    from ortflow.tasks.training import EXIT_NONFINITE as task_view
+    assert task_view == EXIT_NONFINITE
 
 
 def test_rank_lines_keep_their_level_and_tracebacks_are_errors():

@@ -47,9 +47,14 @@ _REPEATING = re.compile(
 )
 
 
-def failure_repeats(error_lines: tuple[str, ...]) -> bool:
-    """Whether a failed job's error lines name an error that a retry would meet again."""
-    return any(_REPEATING.search(line) for line in error_lines)
+#: The ranks' exit status when a weight update's loss or gradient norm is not finite (every rank stops at the same
+#: update; a retry would resume from the last good checkpoint and diverge again).
+EXIT_NONFINITE = 4
+
+
+def failure_repeats(error_lines: tuple[str, ...], returncode: int = 1) -> bool:
+    """Whether a failed job (its exit status and error lines) would fail the same way when run again."""
+    return returncode == EXIT_NONFINITE or any(_REPEATING.search(line) for line in error_lines)
 
 
 _RANK_LEVEL = re.compile(r"^\[(\d+)\]\s+(?:\d\d:\d\d:\d\d\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
@@ -224,7 +229,8 @@ def train(config: RunConfig) -> dict:
                     threads=layout.threads, on_line=lambda line: logger.log(levels(line), "%s", line),
                 )
                 if not result.ok:
-                    raise TrainingFailed(result.summary(), will_repeat=failure_repeats(result.error_lines))
+                    raise TrainingFailed(result.summary(),
+                                         will_repeat=failure_repeats(result.error_lines, result.returncode))
         finally:
             try:
                 publish_loss_curve(config)

@@ -226,3 +226,31 @@ def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_pa
             trained_during = timeout_s
         timeout_s *= 2
     assert trained_during is not None, "training never started within any timeout up to 200 s"
+
+
+def test_a_diverging_run_fails_once_without_retries_and_says_what_to_fix(prefect_server, mlp_sources, tmp_path):
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    from ortflow.cli_terminal import failure_advice
+
+    rng = np.random.default_rng(0)
+    features = (rng.normal(size=(64, 8)) * 1e37).astype(np.float32)  # finite, but x @ W overflows to inf
+    np.savez(tmp_path / "huge.npz", features=features, labels=np.zeros(64, dtype=np.int64))
+    cfg = mlp_config(tmp_path, {**mlp_sources, "data": tmp_path / "huge.npz"}, "diverging",
+                     train={"num_train_steps": 50, "display_loss_steps": 1, "evaluation_period": 0})
+    state = train_pipeline(cfg, return_state=True)
+    ended = time.time()
+    assert state.is_failed(), state
+    with get_client(sync_client=True) as client:
+        train_run = next(r for r in read_task_runs(client, state.state_details.flow_run_id)
+                         if r.name.startswith("train-"))
+    assert train_run.run_count == 1 and train_run.state.name == "Failed", train_run.state  # no retry
+    try:
+        state.result()
+    except Exception as err:  # noqa: BLE001
+        error = err
+    assert "exit status 4" in str(error) and "non-finite" in str(error)
+    assert failure_advice(error, "ortflow run c.yaml")[0].startswith("fix the problem above")
+    print(f"the flow run ended {ended - train_run.start_time.timestamp():.1f} s after the train task started")
