@@ -489,14 +489,31 @@ def run(
 
 
 @app.command()
-def runs(config: ConfigArg, overrides: SetOpt = None) -> None:
+def runs(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    prune: Annotated[bool, typer.Option(
+        "--prune", help="Delete the version folders beyond versions.keep (never pinned, latest, or running ones).")]
+    = False,
+) -> None:
     """List the model versions in the config's output_dir (registry.json): status, parent, losses, model."""
     from rich.table import Table
 
-    from ortflow.runlock import holder
-    from ortflow.versions import describe, read_registry
+    from ortflow.runlock import RunFolderLocked, hold, holder
+    from ortflow.versions import describe, prune_versions, read_registry
 
     cfg = _load(config, overrides)
+    if prune:
+        if cfg.versions.keep is None:
+            _fail("--prune: versions.keep is not set; set it in the config (or --set versions.keep=3)")
+        try:
+            with hold(cfg.output_dir, purpose="ortflow runs --prune"):  # writers of the registry hold the lock
+                result = prune_versions(cfg.output_dir, cfg.versions.keep, cfg.versions.pinned)
+        except (RunFolderLocked, ValueError) as err:
+            _fail(str(err))
+        console.print(f"pruned {len(result.deleted)} version(s) ({result.freed_bytes / 1e6:.1f} MB freed)"
+                      f"{': ' + ', '.join(result.deleted) if result.deleted else ''}; {len(result.kept)} version "
+                      f"folder(s) use {result.remaining_bytes / 1e6:.1f} MB", highlight=False)
     try:
         entries = read_registry(cfg.output_dir)
     except ValueError as err:

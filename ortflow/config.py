@@ -519,6 +519,15 @@ class VersionsConfig(_Section):
         False, description="Skip the run (recorded as skipped) when config, model and data are unchanged since the "
         "last successful version."
     )
+    keep: int | None = Field(
+        None, ge=1, le=100000, description="Completed versions to keep (the newest ones; null keeps all). After a "
+        "version completes, older completed versions and the failed or stopped ones older than them are deleted, "
+        "except pinned versions, `latest`, and a version a running one warm-starts from; `ortflow runs --prune` "
+        "does the same on demand."
+    )
+    pinned: tuple[str, ...] = Field(
+        (), description="Version names that are never pruned (e.g. the one in production)."
+    )
 
 
 class RunConfig(_Section):

@@ -266,3 +266,81 @@ def describe(entry: dict, lock_held: bool) -> str:
     """The status to show: ``running`` entries whose folder nobody holds are ``interrupted``."""
     status = entry.get("status", "?")
     return "interrupted" if status == "running" and not lock_held else status
+
+
+def versions_to_prune(entries: list[dict], keep: int, pinned: tuple[str, ...] = ()) -> list[str]:
+    """The versions whose folders a retention of ``keep`` completed versions deletes (a pure function).
+
+    Kept: the newest ``keep`` completed versions, the newest completed one (``latest``) in any case, pinned ones,
+    every version that is still running, and any version a running one warm-starts from. Deleted: older completed
+    versions, and failed or stopped ones older than the oldest of the newest ``keep`` completed ones. Skipped entries
+    own no folder; pruned ones are gone already.
+
+    Args:
+        entries: The registry's entries, oldest first.
+        keep: Completed versions to keep (at least 1).
+        pinned: Version names never deleted.
+
+    Returns:
+        Version names to delete, oldest first.
+    """
+    completed = [e["version"] for e in entries if e.get("status") == "completed"]
+    window = completed[-max(1, keep):]
+    kept = set(window) | set(pinned) | {e.get("parent") for e in entries if e.get("status") == "running"}
+    oldest_kept = window[0] if window else None
+    doomed = []
+    for e in entries:
+        name, status = e["version"], e.get("status")
+        if name in kept or not e.get("path") or status in ("running", "skipped", "pruned"):
+            continue
+        if status == "completed" or (oldest_kept is not None and name < oldest_kept):
+            doomed.append(name)
+    return doomed
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 when it is gone)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += (Path(root) / name).lstat().st_size
+            except OSError:
+                continue
+    return total
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What a prune deleted and what is left."""
+
+    deleted: tuple[str, ...]
+    freed_bytes: int
+    kept: tuple[str, ...]
+    remaining_bytes: int
+
+
+def prune_versions(base: Path, keep: int, pinned: tuple[str, ...] = ()) -> PruneResult:
+    """Delete the folders :func:`versions_to_prune` names and mark their entries ``pruned``.
+
+    Call with the run folder's lock held (the registry is rewritten).
+    """
+    import shutil
+
+    base = Path(base)
+    entries = read_registry(base)
+    doomed = versions_to_prune(entries, keep, pinned)
+    freed = 0
+    for name in doomed:
+        entry = next(e for e in entries if e["version"] == name)
+        folder = Path(entry["path"])
+        size = folder_bytes(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        freed += size - folder_bytes(folder)
+        entry.update(status="pruned", pruned=time.time(), pruned_status=entry.get("status"))
+        log.info("pruned version %s (%.1f MB)", name, size / 1e6)
+    if doomed:
+        _write_registry(base, entries)
+    kept = tuple(e["version"] for e in entries if e.get("path") and e.get("status") != "pruned")
+    remaining = folder_bytes(base / VERSIONS_DIR)
+    return PruneResult(tuple(doomed), freed, kept, remaining)

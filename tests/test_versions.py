@@ -107,3 +107,23 @@ def test_version_names_sort_by_time_and_differ_for_runs_created_together():
     names = [version_name(i, now=1_700_000_000) for i in ids]
     assert names[0] != names[1] and names[0].startswith("20231114T221320Z-")
     assert version_name(None, now=1) < version_name(None, now=2)
+
+
+def _entry(version: str, status: str, parent: str | None = None) -> dict:
+    return {"version": version, "status": status, "path": f"/runs/versions/{version}", "parent": parent}
+
+
+def test_retention_keeps_the_newest_completed_pinned_running_and_what_a_running_version_warm_starts_from():
+    from ortflow.versions import versions_to_prune
+
+    entries = [_entry("v1", "completed"), _entry("v2", "failed"), _entry("v3", "completed"),
+               _entry("v4", "completed"), _entry("v5", "stopped"), _entry("v6", "completed"),
+               _entry("v7", "completed"), {"version": "v8", "status": "skipped", "parent": "v7"},
+               _entry("v9", "running", parent="v3")]
+    # keep 2: v6 and v7 (latest); v3 is what the running v9 warm-starts from; v1 is pinned; v9 runs.
+    assert versions_to_prune(entries, 2, pinned=("v1",)) == ["v2", "v4", "v5"]
+    assert versions_to_prune(entries, 10) == []  # fewer completed versions than keep: only nothing
+    # keep 1 still keeps latest; a failed version newer than every kept completed one stays (it may be looked at)
+    assert versions_to_prune([_entry("a", "completed"), _entry("b", "completed"), _entry("c", "failed")], 1) == ["a"]
+    pruned = [{**_entry("a", "pruned")}, _entry("b", "completed")]
+    assert versions_to_prune(pruned, 1) == []

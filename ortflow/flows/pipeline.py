@@ -60,6 +60,8 @@ def train_pipeline(
             tasks.finish_version(cfg, plan, "stopped")
             raise
         tasks.finish_version(cfg, plan, "completed", summary)
+        if plan.version is not None:
+            tasks.prune_versions(cfg)  # versions.keep
     return summary
 
 

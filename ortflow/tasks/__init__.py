@@ -5,6 +5,7 @@ from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
 from ortflow.tasks.runs import (
     finish_version,
     plan_version,
+    prune_versions,
     publish_skipped,
     resolve_config,
     run_folder_lock,
@@ -30,6 +31,7 @@ __all__ = [
     "staged",
     "invalidate",
     "prepare_data",
+    "prune_versions",
     "publish_summary",
     "retain_checkpoints",
     "stage_key",

@@ -88,6 +88,22 @@ def finish_version(config: RunConfig, plan: versions.Plan, status: str, summary:
     return versions.finish_version(config.output_dir, plan.version, status, summary)
 
 
+@task(name="prune_versions", cache_policy=NO_CACHE)
+def prune_versions(config: RunConfig) -> dict | None:
+    """Apply ``versions.keep`` after a version completed: delete the folders of versions beyond it."""
+    keep = config.versions.keep
+    if keep is None:
+        return None
+    with forward_logs() as logger:
+        result = versions.prune_versions(config.output_dir, keep, config.versions.pinned)
+        if result.deleted:
+            logger.info("versions.keep %d: pruned %s (%.1f MB freed); %d version folder(s) use %.1f MB", keep,
+                        ", ".join(result.deleted), result.freed_bytes / 1e6, len(result.kept),
+                        result.remaining_bytes / 1e6)
+    return {"deleted": list(result.deleted), "freed_bytes": result.freed_bytes,
+            "remaining_bytes": result.remaining_bytes}
+
+
 @task(name="publish_skipped", cache_policy=NO_CACHE)
 def publish_skipped(config: RunConfig, plan: versions.Plan) -> dict:
     """Say, as the run's summary artifact, that nothing was trained and why."""
