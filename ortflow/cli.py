@@ -406,8 +406,15 @@ def run(
         help="With --new-version: skip when config, model and data are unchanged since the latest version.")] = None,
     wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
     = False,
+    version: Annotated[str | None, typer.Option(
+        help="With --new-version --from STAGE: the version whose stages rerun (default: the newest).")] = None,
 ) -> None:
-    """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun."""
+    """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun.
+
+    With --new-version --from STAGE, that stage and the later ones rerun inside an existing version (the newest, or
+    --version NAME) instead of training a new one. SIGINT/SIGTERM (once or more) stop the ranks with a stop
+    checkpoint; the command then exits 130/143.
+    """
     import shlex
     import signal
     import threading
@@ -421,6 +428,8 @@ def run(
         _fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
     if policy is not None and policy not in ("retrain", "continue"):
         _fail(f"--policy {policy}: use retrain or continue")
+    if version is not None and not (new_version and from_stage):
+        _fail("--version names the version whose stages --from reruns: use it with --new-version --from STAGE")
     from ortflow.deployments.local_server import api_server
 
     received: list[int] = []
@@ -453,7 +462,8 @@ def run(
                     # The flow runs in this (main) thread: Prefect's task timeouts need it, and Ctrl-C reaches the
                     # launcher, which stops the ranks' process group.
                     state = train_pipeline(cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
-                                           new_version=new_version, wait_for_lock=wait or None, return_state=True)
+                                           new_version=new_version, wait_for_lock=wait or None, version=version,
+                                           return_state=True)
                 finally:
                     stop.set()
                     watcher.join(timeout=5)

@@ -186,6 +186,36 @@ def plan_run(
     return Plan(run_cfg, name, parent)
 
 
+def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None) -> Plan:
+    """Rerun stages of an existing version in its own folder (a versioned run with ``from_stage``): the one named,
+    else the newest that has a folder. No new version is registered.
+
+    Call with the run folder's lock held.
+
+    Raises:
+        ConfigError: the named version does not exist (or was pruned), or there is no version yet.
+    """
+    base = cfg.output_dir
+    entries = [e for e in read_registry(base) if e.get("path") and e.get("status") in ("completed", "failed", "stopped")
+               and Path(e["path"]).is_dir()]
+    if version is not None:
+        entry = next((e for e in entries if e["version"] == version), None)
+        if entry is None:
+            names = ", ".join(e["version"] for e in entries[-5:]) or "none"
+            raise ConfigError([f"version {version}: no such version folder in {base} to rerun stages of (pruned, "
+                               f"skipped or never trained); newest versions: {names}"])
+    elif entries:
+        entry = entries[-1]
+    else:
+        raise ConfigError([f"from_stage reruns stages of an existing version, and {base} has none yet: run without "
+                           "from_stage first (it trains a new version)"])
+    init = entry.get("init_from")
+    _update(base, entry["version"], status="running", rerun_by=flow_run_id, rerun_started=time.time())
+    log.info("rerunning stages of version %s in %s", entry["version"], entry["path"])
+    return Plan(version_config(cfg, Path(entry["path"]), Path(init) if init else None), entry["version"],
+                entry.get("parent"), resumed=True)
+
+
 def finish_version(base: Path, name: str, status: str, summary: dict | None = None) -> dict:
     """Record a version's end: status, losses, checkpoints and exported model; ``latest`` follows completed ones."""
     from ortflow.trainer.checkpoints import list_complete
@@ -207,8 +237,9 @@ def finish_version(base: Path, name: str, status: str, summary: dict | None = No
     if complete:
         fields["final_checkpoint"] = str(complete[-1].path)
     entry = _update(base, name, **fields)
-    if status == "completed":
-        _point_latest(Path(base), folder)
+    newest = latest_version(base)  # a rerun of an older version's stages leaves `latest` where it was
+    if status == "completed" and newest is not None:
+        _point_latest(Path(base), Path(newest["path"]))
     return entry
 
 

@@ -21,6 +21,7 @@ def train_pipeline(
     skip_unchanged: bool | None = None,
     new_version: bool = False,
     wait_for_lock: bool | None = None,
+    version: str | None = None,
 ) -> dict:
     """Configure, prepare the data, train under mpiexec, keep the best checkpoints, export, and publish a summary.
 
@@ -31,18 +32,20 @@ def train_pipeline(
     Args:
         config: The whole run config, or the path of a config file (relative to the flow run's working folder).
         overrides: ``--set``-style changes for this run only (``["train.num_train_steps=50"]``).
-        from_stage: Rerun this stage and every later one (``ortflow run --from``).
+        from_stage: Rerun this stage and every later one (``ortflow run --from``); with ``new_version``, inside an
+            existing version (``version``, else the newest), never a new one.
         policy: ``retrain`` or ``continue`` for this run (default: ``versions.policy``).
         skip_unchanged: Skip when config, model and data are unchanged since the last version (default: config's).
         new_version: Train a new model version under ``output_dir/versions/`` (deployments set this).
         wait_for_lock: Wait for a busy run folder instead of failing (default: ``pipeline.wait_for_lock``).
+        version: With ``from_stage`` and ``new_version``: the version whose stages rerun (default: the newest).
 
     Returns:
         The summary: version, steps, final and best eval loss, throughput, kept checkpoints, exported model path.
     """
     cfg = tasks.resolve_config(config, overrides, policy, skip_unchanged, wait_for_lock)
     with tasks.run_folder_lock(cfg, "pipeline"):
-        plan = tasks.plan_version(cfg, new_version, from_stage)
+        plan = tasks.plan_version(cfg, new_version, from_stage, version)
         if plan.skipped_because:
             return tasks.publish_skipped(cfg, plan)
         run = plan.config

@@ -62,13 +62,19 @@ def run_folder_lock(cfg: RunConfig, purpose: str) -> Iterator[Path]:
 
 
 @task(name="plan_version", cache_policy=NO_CACHE)
-def plan_version(config: RunConfig, new_version: bool, from_stage: str | None = None) -> versions.Plan:
+def plan_version(
+    config: RunConfig, new_version: bool, from_stage: str | None = None, version: str | None = None
+) -> versions.Plan:
     """Pick the folder this run trains in (a new version, this flow run's own version on a retry, or the run
-    folder); ``from_stage`` makes that stage and every later one run again."""
+    folder); ``from_stage`` makes that stage and every later one run again, in a versioned run inside an existing
+    version (``version``, else the newest) instead of a new one."""
     from ortflow.tasks.caching import invalidate
 
     with forward_logs() as logger:
-        plan = versions.plan_run(config, flow_run_id(), new_version)
+        if new_version and from_stage is not None:
+            plan = versions.plan_rerun(config, flow_run_id(), version)
+        else:
+            plan = versions.plan_run(config, flow_run_id(), new_version)
         if plan.skipped_because:
             logger.info("skipped: %s", plan.skipped_because)
         elif plan.version:

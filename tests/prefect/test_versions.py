@@ -213,3 +213,37 @@ def test_versions_keep_3_after_5_runs_leaves_3_version_folders_and_prune_on_dema
                               "--set", "versions.keep=null"], env=prefect_server, capture_output=True, text=True,
                              timeout=120)
     assert without.returncode == 1 and "versions.keep is not set" in without.stderr, without.stderr
+
+
+def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_never_a_new_one(
+    prefect_server, mlp_sources, tmp_path
+):
+    from tests.prefect.test_pipeline import task_states
+
+    cfg = mlp_config(tmp_path, mlp_sources, "rerun-version",
+                     train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
+                     checkpoint={"period": 5})
+    for _ in range(2):
+        assert train_pipeline(cfg, new_version=True, return_state=True).is_completed()
+    first, second = read_registry(cfg.output_dir)
+    models = {e["version"]: Path(e["exported model"]) for e in (first, second)}
+    written = {name: path.stat().st_mtime_ns for name, path in models.items()}
+
+    named = train_pipeline(cfg, new_version=True, from_stage="export", version=first["version"], return_state=True)
+    assert named.is_completed(), named
+    states = task_states(named.state_details.flow_run_id)
+    assert states["train"] == "Cached" and states["export"] == "Completed", states
+    assert [e["version"] for e in read_registry(cfg.output_dir)] == [first["version"], second["version"]]
+    assert models[first["version"]].stat().st_mtime_ns > written[first["version"]]  # exported again
+    assert models[second["version"]].stat().st_mtime_ns == written[second["version"]]
+    assert resolve_run(cfg.output_dir / "latest") == Path(second["path"])  # latest stays the newest version
+
+    newest = train_pipeline(cfg, new_version=True, from_stage="export", return_state=True)
+    assert newest.is_completed(), newest
+    assert models[second["version"]].stat().st_mtime_ns > written[second["version"]]
+    assert len(read_registry(cfg.output_dir)) == 2 and len(list((cfg.output_dir / "versions").iterdir())) == 2
+
+    missing = train_pipeline(cfg, new_version=True, from_stage="export", version="no-such", return_state=True)
+    assert missing.is_failed()
+    with pytest.raises(Exception, match="version no-such: no such version folder"):
+        missing.result()
