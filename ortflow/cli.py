@@ -560,6 +560,35 @@ def serve(
 
 
 @app.command()
+def automations(
+    webhook: Annotated[str | None, typer.Option(
+        help="URL that gets a JSON POST when an ortflow deployment run fails, crashes, times out or is late.")] = None,
+    late_after: Annotated[int, typer.Option(help="Seconds after its start at which a still running run is late.")]
+    = 6 * 3600,
+    zombie_after: Annotated[int, typer.Option(
+        help="Seconds without a heartbeat after which a run is marked Crashed (at least 60).")] = 90,
+) -> None:
+    """Install ortflow's Prefect automations on the server PREFECT_API_URL names (replacing earlier ones).
+
+    Always the zombie-run automation (no heartbeat for --zombie-after seconds: the run is marked Crashed); with
+    --webhook also the alerts (a Webhook block named ortflow-alerts). They match flow runs tagged ortflow.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from ortflow.deployments.alerts import install
+
+    if not PREFECT_API_URL.value():
+        _fail("automations live on a Prefect server: set PREFECT_API_URL (e.g. prefect config set "
+              "PREFECT_API_URL=http://127.0.0.1:4200/api) and run again")
+    try:
+        names = install(webhook, late_after, zombie_after)
+    except ValueError as err:
+        _fail(str(err))
+    console.print(f"[green]installed[/] {', '.join(names)} on {escape(str(PREFECT_API_URL.value()))}",
+                  highlight=False)
+
+
+@app.command()
 def sample(
     model: Annotated[Path, typer.Argument(
         help="Exported byte-level language model (.onnx), or OUTPUT_DIR/latest (the newest version's).")],

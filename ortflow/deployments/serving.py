@@ -22,6 +22,7 @@ from prefect.runner import Runner
 from prefect.schedules import Cron, Interval, Schedule
 
 from ortflow.config import RunConfig
+from ortflow.deployments.alerts import HEARTBEAT_S
 from ortflow.flows import export_only, train_pipeline
 
 
@@ -88,6 +89,9 @@ def serve_config(cfg: RunConfig, limit: int | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)  # flow runs start here (config paths are absolute): nothing here shadows the installed ortflow
     os.environ["PYTHONSAFEPATH"] = "1"  # and no script folder goes first on their sys.path either
+    # Flow runs send a heartbeat this often: the zombie-run automation (`ortflow automations`) marks a run Crashed
+    # when they stop.
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
     runner = StoppingRunner(limit=limit)
     for deployment in deployments:
         runner.add_deployment(deployment)

@@ -12,7 +12,11 @@ from ortflow.config import RunConfig
 Stage = Literal["configure", "prepare_data", "train", "retain", "export"]
 
 
-@flow(name="train-pipeline", log_prints=True)
+_FINAL = [tasks.announce_final_state]  # the event ortflow's automations react to
+
+
+@flow(name="train-pipeline", log_prints=True, on_completion=_FINAL, on_failure=_FINAL, on_crashed=_FINAL,
+      on_cancellation=_FINAL)
 def train_pipeline(
     config: RunConfig | str,
     overrides: list[str] | None = None,

@@ -3,6 +3,7 @@ export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortf
 
 from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
 from ortflow.tasks.runs import (
+    announce_final_state,
     finish_version,
     plan_version,
     prune_versions,
@@ -17,6 +18,7 @@ from ortflow.tasks.training import TrainingFailed, train
 
 __all__ = [
     "STAGES",
+    "announce_final_state",
     "StageCache",
     "TrainingFailed",
     "configure",

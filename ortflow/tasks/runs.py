@@ -121,6 +121,29 @@ def publish_skipped(config: RunConfig, plan: versions.Plan) -> dict:
     return {"skipped": plan.skipped_because, "version": plan.parent}
 
 
+def announce_final_state(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow-run hook: emit ``ortflow.flow-run.<state name>`` for the run's final state (Completed, Failed, TimedOut,
+    Crashed, Cancelled), the event ortflow's automations (``ortflow automations``) react to.
+
+    Prefect's own state events of a run created by the server's scheduler follow a state that had no event, and its
+    automations hold such followers for many minutes before evaluating them; this event follows nothing, so alerts
+    and the zombie-run automation see it at once.
+    """
+    from prefect.events import emit_event
+
+    related = [{"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}
+               for tag in sorted(flow_run.tags or ())]
+    if flow_run.deployment_id:
+        related.append({"prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
+                        "prefect.resource.role": "deployment"})
+    emit_event(
+        event=f"ortflow.flow-run.{state.name}",
+        resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.name": flow_run.name,
+                  "ortflow.state-message": str(state.message or "")[:1000]},
+        related=related,
+    )
+
+
 def _delays(values: tuple[float, ...], retries: int) -> list[float]:
     return [values[min(i, len(values) - 1)] for i in range(retries)] if values and retries else [0.0] * retries
 
