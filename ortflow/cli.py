@@ -490,6 +490,9 @@ def run(
             console.print(f"  full log with tracebacks: {log_file}", highlight=False, markup=False)
             raise typer.Exit(1) from None
         _fail(f"pipeline ended in state {state.name}")
+    if state.name == "Skipped":
+        console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
+        return
     from rich.table import Table
 
     table = Table(title=f"ortflow run {cfg.name}", show_header=False)

@@ -106,7 +106,19 @@ def version_name(flow_run_id: str | None, now: float | None = None) -> str:
 
 
 def version_config(cfg: RunConfig, folder: Path, init_from: Path | None) -> RunConfig:
-    """The config of a version folder: every output inside it, warm-started from ``init_from`` when given."""
+    """The config of a version folder: every output inside it, warm-started from ``init_from`` when given.
+
+    Raises:
+        ConfigError: ``export.path`` is set (every version exports into its own folder; one path would be overwritten
+            by each version).
+    """
+    if cfg.export.path is not None:
+        raise ConfigError([
+            f"export.path {cfg.export.path}: a versioned run exports into its version folder "
+            f"(versions/<version>/export/model.onnx, and {cfg.output_dir / LATEST}/export/model.onnx is the newest); "
+            "remove export.path from the config or the run's overrides, or copy the newest model elsewhere with "
+            "`ortflow export OUTPUT_DIR/latest -o PATH`"
+        ])
     raw = cfg.model_dump(mode="json")
     raw["output_dir"] = str(folder)
     raw["checkpoint"].update(dir=None, checkpoint_to_load_path=None, init_from=str(init_from) if init_from else None)

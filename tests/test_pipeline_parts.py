@@ -130,3 +130,30 @@ def test_examples_from_the_installed_package_are_valid_configs(tmp_path, kind):
         assert data["features"].shape == (2048, 8) and set(np.unique(data["labels"])) <= {0, 1, 2}
     else:
         assert cfg.data.train[0].endswith("*.py")
+
+
+def test_artifact_keys_differ_between_output_dirs_sharing_a_name_and_versions_share_their_base_folders(tmp_path):
+    from types import SimpleNamespace
+
+    from ortflow.tasks.common import artifact_key
+
+    one = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "a")
+    two = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "b")
+    version = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "a" / "versions" / "20261126T000000Z-1234abcd")
+    assert artifact_key(one, "summary") != artifact_key(two, "summary")
+    assert artifact_key(version, "summary") == artifact_key(one, "summary")
+    assert artifact_key(one, "summary").startswith("ortflow-demo-run-") and artifact_key(one, "x").endswith("-x")
+
+
+def test_the_loss_chart_has_axes_ticks_tick_labels_and_axis_titles():
+    import xml.etree.ElementTree as ET
+
+    from ortflow.tasks.charts import _svg
+
+    svg = ET.fromstring(_svg({"train": [(1, 2.5), (50, 1.0), (100, 0.25)], "eval": [(50, 1.2), (100, 0.5)]}))
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = [t.text for t in svg.iter(f"{ns}text")]
+    assert {"step", "loss", "train loss", "eval loss"} <= set(texts)
+    assert {"1", "100", "2.5", "0.25"} <= set(texts)  # the ends of both axes are labelled
+    assert len([t for t in texts if t.replace(".", "").isdigit()]) >= 8  # ticks along both axes
+    assert len(list(svg.iter(f"{ns}polyline"))) == 2

@@ -127,3 +127,13 @@ def test_retention_keeps_the_newest_completed_pinned_running_and_what_a_running_
     assert versions_to_prune([_entry("a", "completed"), _entry("b", "completed"), _entry("c", "failed")], 1) == ["a"]
     pruned = [{**_entry("a", "pruned")}, _entry("b", "completed")]
     assert versions_to_prune(pruned, 1) == []
+
+
+def test_a_versioned_run_refuses_export_path_by_name(tmp_path):
+    from ortflow.versions import version_config
+
+    from ortflow.config import apply_overrides
+
+    cfg = apply_overrides(_config(tmp_path), [f"export.path={tmp_path / 'elsewhere.onnx'}"])
+    with pytest.raises(ConfigError, match=r"export.path .*elsewhere.onnx: a versioned run exports into its version"):
+        version_config(cfg, tmp_path / "runs" / "versions" / "v1", None)

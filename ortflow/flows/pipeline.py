@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow
+from prefect.states import Completed
 
 from ortflow import tasks
 from ortflow.config import RunConfig
@@ -50,8 +51,9 @@ def train_pipeline(
     cfg = tasks.resolve_config(config, overrides, policy, skip_unchanged, wait_for_lock)
     with tasks.run_folder_lock(cfg, "pipeline"):
         plan = tasks.plan_version(cfg, new_version, from_stage, version)
-        if plan.skipped_because:
-            return tasks.publish_skipped(cfg, plan)
+        if plan.skipped_because:  # the flow run ends in a Completed state named Skipped, saying why
+            return Completed(name="Skipped", message=f"skipped: {plan.skipped_because}",
+                             data=tasks.publish_skipped(cfg, plan))
         run = plan.config
         try:
             tasks.staged(tasks.configure, run)(run)

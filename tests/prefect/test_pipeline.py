@@ -14,6 +14,7 @@ from prefect import flow
 from ortflow import tasks
 from ortflow.flows import train_pipeline
 from ortflow.tasks.caching import invalidate
+from ortflow.tasks.common import artifact_key
 from ortflow.trainer.metrics import read_progress
 from tests.prefect.helpers import final_parameters, mlp_config, processes_mentioning, rank_pids, wait_for
 
@@ -98,10 +99,11 @@ def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curv
     assert any("best eval loss" in a.data and str(cfg.export_path) in a.data for a in markdown)
     progress = artifacts_of(state.state_details.flow_run_id, "progress")
     assert [a.data for a in progress] == [100.0]  # the train task's bar, finished
-    assert progress[0].key == "ortflow-complete-progress" and progress[0].description.startswith("Completed: step 20")
+    key = artifact_key(cfg, "progress")
+    assert key.startswith("ortflow-complete-") and key.endswith("-progress")
+    assert progress[0].key == key and progress[0].description.startswith("Completed: step 20")
     keys = {a.key for kind in ("markdown", "table") for a in artifacts_of(state.state_details.flow_run_id, kind)}
-    assert {"ortflow-complete-summary", "ortflow-complete-results", "ortflow-complete-training",
-            "ortflow-complete-loss-curve"} <= keys
+    assert {artifact_key(cfg, kind) for kind in ("summary", "results", "training", "loss-curve")} <= keys
 
     # The loss-curve chart holds the run's losses: the ones the ranks recorded with each checkpoint.
     curve = loss_curve(cfg.tensorboard_dir)
@@ -112,7 +114,7 @@ def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curv
     for meta in metas:
         assert train[meta.step] == pytest.approx(meta.train_loss, rel=1e-6)
         assert evals[meta.step] == pytest.approx(meta.eval_loss, rel=1e-6)
-    chart = next(a for a in markdown if a.key == "ortflow-complete-loss-curve")
+    chart = next(a for a in markdown if a.key == artifact_key(cfg, "loss-curve"))
     assert "data:image/svg+xml;base64," in chart.data
     for step, loss in curve["train"]:
         assert f"| {step} | {loss:.6g} |" in chart.data
