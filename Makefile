@@ -43,4 +43,4 @@ clean:
 	rm -rf $(VENV) runs examples/*/runs
 
 docs: setup
-	$(BIN)/python tools/update_readme.py
+	$(BIN)/python tools/update_config_reference.py

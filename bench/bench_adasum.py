@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.examples.mlp import build_mlp
 
@@ -101,7 +101,7 @@ def main() -> None:
             curve = scalars(cfg, "train/loss")
             # The trainer's own throughput (training time only, not start-up, eval or checkpoints), per update.
             rates = [v for _, v in scalars(cfg, "train/samples_per_s")[5:]]
-            from ortflow.trainer.checkpoints import list_complete
+            from ortflow.checkpoints import list_complete
 
             final = list_complete(cfg.checkpoints_dir)[-1]
             per_update = args.batch * ranks

@@ -22,8 +22,8 @@ import numpy as np
 
 
 def configured(folder: Path, model: Path, fuse: bool) -> Path:
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
 
     cfg = config_from_dict({
         "output_dir": str(folder / ("fused" if fuse else "exported")),

@@ -57,7 +57,7 @@ def _tokens(path: Path, shape: dict, rows: int, seed: int) -> Path:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 
@@ -186,9 +186,9 @@ def ddp(args: argparse.Namespace) -> None:
 
 
 def equivalence(args: argparse.Namespace) -> None:
+    from ortflow.checkpoints import list_complete
     from ortflow.config import load_run_config
     from ortflow.engine import api
-    from ortflow.trainer.checkpoints import list_complete
 
     def final(run: str) -> dict[str, np.ndarray]:
         cfg = load_run_config(Path(run))

@@ -4,7 +4,7 @@ Every contender trains the bench GPT (bench/torch_gpt.py, exported for ortflow) 
 weight update (``--global-batch``), so throughput is comparable whatever the layout:
 
 * ``ortflow auto``: ``distributed.num_ranks: auto`` with ``train.global_batch_size``, the layout ``ortflow train``
-  would start on this host (ortflow.trainer.layout.launch_layout), started the same way;
+  would start on this host (ortflow.launch.layout.launch_layout), started the same way;
 * ``ortflow RxT``: hand-picked layouts with the same global batch (per-rank batch and accumulation derived);
 * ``torch 1xC``: PyTorch's default, one process with all C cores as threads and the whole global batch;
 * ``torch RxT``: PyTorch DDP (gloo) with R ranks of T threads, G / R samples per rank; the best of these is
@@ -40,7 +40,7 @@ _PROGRESS = re.compile(r"step (\d+)/(\d+) \|.*?samples_per_s ([0-9.eE+-]+)")
 
 def run_folder(root: Path, setup: Setup, global_batch: int, ranks: int | str, threads: int | None) -> object:
     """The ortflow run folder for one layout (configure and data preparation are reused between layouts)."""
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
     from ortflow.dataprep import prepare_data
 
     raw = {
@@ -72,7 +72,7 @@ def ortflow_samples_per_s(output: str, setup: Setup) -> float | None:
 
 
 def run_ortflow(root: Path, setup: Setup, global_batch: int, layout: str, log: Path) -> dict:
-    from ortflow.trainer.layout import host_resources, launch_layout
+    from ortflow.launch.layout import host_resources, launch_layout
 
     if layout == "auto":
         cfg = run_folder(root, setup, global_batch, "auto", None)

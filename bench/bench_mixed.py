@@ -29,6 +29,8 @@ import numpy as np
 
 SHAPE = {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12}
 BATCH = 16
+#: ``prepare --shape tiny --device cpu``: the same stages on CPU ranks in seconds (tests of this script).
+TINY = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "num_layers": 2, "num_heads": 2}
 PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
               "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
               "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}  # fmt: skip
@@ -41,7 +43,8 @@ VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
             "-allreduce16": {"distributed": {"allreduce_dtype": "float16"}},
             "-allreducebf16": {"distributed": {"allreduce_dtype": "bfloat16"}},
-            "-nofuse": {"model": {"fuse_gelu": False}}}
+            "-nofuse": {"model": {"fuse_gelu": False}},
+            "-zero1": {"distributed": {"zero_stage": 1}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -62,22 +65,31 @@ def emit(record: dict) -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
     from ortflow.examples.gpt import build_gpt
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    model = build_gpt(root / "gpt.onnx", **SHAPE)
-    for name in args.precisions.split(","):
+    shape, batch = (SHAPE, BATCH) if args.shape == "bench" else (TINY, 4)
+    saved = {"shape": shape, "batch": batch}
+    model = root / "gpt.onnx"
+    reuse = args.reuse_model and model.exists() and (root / "shape.json").exists()
+    if reuse and json.loads((root / "shape.json").read_text()) != saved:
+        raise SystemExit(f"--reuse-model: {root} holds a GPT of another shape; prepare it again without the flag")
+    if not reuse:  # --reuse-model: several configures of one model may run side by side
+        build_gpt(model, **shape)
+        (root / "shape.json").write_text(json.dumps(saved))
+    cuda = args.device == "cuda"
+    for name in [n for n in args.precisions.split(",") if n]:
         start, (base, variant_settings) = time.perf_counter(), variant(name)
         configure(config_from_dict({
             "name": name, "output_dir": str(root / name),
             "model": {"path": str(model), "loss": "cross_entropy", **variant_settings["model"]},
             "data": {"train": [str(root / "unused.npz")]},
-            "train": {"batch_size": BATCH, "num_train_steps": 100},
+            "train": {"batch_size": batch, "num_train_steps": 100},
             "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-            "distributed": {"num_ranks": 1, "device": "cuda", "use_nccl": True, **variant_settings["distributed"]},
+            "distributed": {"num_ranks": 1, "device": args.device, "use_nccl": cuda, **variant_settings["distributed"]},
             "precision": PRECISIONS[base],
         }))  # fmt: skip
         print(f"configured {name} in {time.perf_counter() - start:.1f} s", flush=True)
@@ -92,10 +104,11 @@ def steps(args: argparse.Namespace) -> None:
     rt = init_runtime(Path(args.run_dir), cfg, group)
     comm, scaler, names = rt.comm, rt.loss_scale, rt.module.input_names()
     rng = np.random.default_rng(comm.rank)
-    vocab, seq = SHAPE["vocab_size"], SHAPE["seq_len"]
+    saved = json.loads((Path(args.run_dir).parent / "shape.json").read_text())
+    vocab, seq, batch = saved["shape"]["vocab_size"], saved["shape"]["seq_len"], saved["batch"]
     batches = []
     for _ in range(8):
-        tokens = rng.integers(0, vocab, (BATCH, seq + 1), dtype=np.int64)
+        tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int64)
         batches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].reshape(-1)})
     grads, scalars, times, losses, forward = [], np.zeros(2, dtype=np.float32), [], [], []
     for k in range(args.warmup + args.steps):
@@ -114,13 +127,39 @@ def steps(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         losses.append(float(scalars[0]) / comm.size)
     median = float(np.median(times[args.warmup :]))
-    worst = float(comm.allreduce_sum(np.array([median if r == comm.rank else 0.0 for r in range(comm.size)]),
-                                     "t").max())  # fmt: skip
+    update = _update_time(rt, mine, args.update_repeats)  # after the timed steps, so they are not slowed by syncs
+    mine_stats = np.array([median if r == comm.rank else 0.0 for r in range(comm.size)]
+                          + [update if r == comm.rank else 0.0 for r in range(comm.size)])
+    stats = comm.allreduce_sum(mine_stats, "t")
+    state = rt.update.state_bytes
+    state = state() if callable(state) else state
     if comm.rank == 0:
-        emit({"kind": "ortflow", "precision": Path(args.run_dir).name, "world": comm.size, "step_time_s": worst,
+        emit({"kind": "ortflow", "precision": Path(args.run_dir).name, "world": comm.size,
+              "step_time_s": float(stats[: comm.size].max()), "spread_s": [float(min(times[args.warmup :])),
+              float(max(times[args.warmup :]))], "update_time_s": float(stats[comm.size :].max()),
+              "optimizer_state_mib_per_gpu": round(int(state) / 2**20, 1), "zero_stage": cfg.distributed.zero_stage,
               "forward_backward_s": float(np.median(forward[args.warmup :])), "losses": losses,
               "skipped_updates": scaler.skipped_updates, "loss_scale": scaler.scale, "device": rt.device})  # fmt: skip
     comm.close()
+
+
+def _update_time(rt, mine, repeats: int) -> float:
+    """Median wall time of the update alone (this rank's share under ZeRO-1), the device synchronised around it."""
+    if repeats <= 0:
+        return float("nan")
+    sync = (lambda: None)
+    if rt.device == "cuda":
+        import cupy as cp
+
+        sync = cp.cuda.runtime.deviceSynchronize
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        rt.update.step(mine, 1e-4)
+        sync()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def torch_run(args: argparse.Namespace) -> None:
@@ -175,7 +214,7 @@ LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"
           ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
 _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engine ReduceSum (no MatMul rewrite)",
                   "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce",
-                  "-nofuse": "GELU as exported (no fusion)"}
+                  "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1"}
 
 
 def variant_base(prec: str) -> str:
@@ -246,10 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precisions", default="fp32,fp16,fp16-softmax16,bf16",
                    help=f"comma-separated; a base precision ({', '.join(PRECISIONS)}) with optional variant "
                    f"suffixes ({', '.join(VARIANTS)})")  # fmt: skip
+    p.add_argument("--shape", choices=["bench", "tiny"], default="bench")
+    p.add_argument("--reuse-model", action="store_true", help="configure the GPT an earlier prepare wrote")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     s = sub.add_parser("steps")
     s.add_argument("run_dir")
     t = sub.add_parser("torch")
     t.add_argument("mode", choices=["tf32", "bf16", "compile"])
+    s.add_argument("--update-repeats", type=int, default=10, help="timed update-only calls after the steps")
     for q in (s, t):
         q.add_argument("--steps", type=int, default=20)
         q.add_argument("--warmup", type=int, default=10)

@@ -37,7 +37,7 @@ LAYOUTS = {"pp1hp1": (1, 1, 1), "pp2": (2, 1, 2), "hp2": (2, 2, 1), "pp2xhp2": (
 def worker(run_dir: Path, warmup: int, steps: int) -> None:
     """Under mpiexec: warm-up + timed updates with the trainer's own pieces; one JSON per rank."""
     from ortflow.dataprep.loader import TrainLoader
-    from ortflow.trainer.parallel.pipeline import pipeline_step
+    from ortflow.trainer.parallel.schedule import pipeline_step
     from ortflow.trainer.runtime import init_runtime, start_mpi
 
     cfg, comm = start_mpi(run_dir)

@@ -60,7 +60,7 @@ def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> 
 
         MPIComm.release_sent = lambda self: None
     from ortflow.dataprep.loader import TrainLoader
-    from ortflow.trainer.parallel.pipeline import pipeline_step
+    from ortflow.trainer.parallel.schedule import pipeline_step
     from ortflow.trainer.runtime import init_runtime, start_mpi
 
     cfg, comm = start_mpi(run_dir)
@@ -126,11 +126,11 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
     """
     import onnx
 
+    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api
-    from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
-    from ortflow.trainer.parallel.stages import stage_session_options
+    from ortflow.trainer.parallel.pipeline_stage import stage_session_options
     from ortflow.trainer.runtime import session_options
 
     cfg = load_run_config(run_dir)
@@ -173,8 +173,8 @@ def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
                device: str = "cpu") -> Path:
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

@@ -54,8 +54,8 @@ def train_once(run_dir: Path, batches: list[dict]) -> tuple[list[float], dict[st
 
 
 def main(root: Path, device: str) -> None:
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
     from ortflow.examples.gpt import build_gpt
 
     root.mkdir(parents=True, exist_ok=True)

@@ -44,9 +44,9 @@ except ImportError:
     print("update kernels: numpy (no numba here: run `bash bench/device_optim.sh jit` first for what users get)")
 if missing:
     sys.exit("missing on this machine (add cp312 wheels to .whl/, docs/benchmarks.md): " + "; ".join(missing))
-import ortflow.trainer.__main__, ortflow.trainer.loop, ortflow.trainer.checkpoints, ortflow.configure  # noqa: E401,F401
+import ortflow.trainer.__main__, ortflow.trainer.loop, ortflow.checkpoints, ortflow.build.configure  # noqa: E401,F401
 from ortflow.engine import api  # noqa: F401 - the training API must import before anything is timed
-from ortflow.trainer.layout import host_resources
+from ortflow.launch.layout import host_resources
 import mpi4py.MPI
 print("host", host_resources(), "|", mpi4py.MPI.Get_library_version().splitlines()[0])
 PY

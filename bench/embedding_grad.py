@@ -98,8 +98,8 @@ def embedding_model(path: Path, vocab: int, width: int, seq_len: int) -> Path:
 
 
 def configure_variant(root: Path, model: Path, variant: str, batch: int, loss: str) -> Path:
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
 
     if variant == "onehot":
         model = onehot_model(model, root / "onehot.onnx")

@@ -22,8 +22,8 @@ STEPS = 60
 
 
 def make(root: Path, name: str, deterministic: bool):
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 
@@ -45,7 +45,7 @@ def make(root: Path, name: str, deterministic: bool):
 
 
 def train(cfg) -> dict[str, np.ndarray]:
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
 
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "ortflow.trainer", str(cfg.output_dir)], check=True,

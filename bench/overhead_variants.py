@@ -25,8 +25,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ortflow.build.configure import configure  # noqa: E402
 from ortflow.config import RunConfig, config_from_dict  # noqa: E402
-from ortflow.configure import configure  # noqa: E402
 from ortflow.dataprep import prepare_data  # noqa: E402
 from ortflow.examples.gpt import build_gpt  # noqa: E402
 

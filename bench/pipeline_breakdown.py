@@ -77,12 +77,12 @@ def probe(run_dir: Path, stage: int | None, allocator: str, batch: int, micro: i
     import numpy as np
     import onnx
 
+    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api
     from ortflow.trainer import optim
-    from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
-    from ortflow.trainer.parallel.stages import stage_session_options
+    from ortflow.trainer.parallel.pipeline_stage import stage_session_options
     from ortflow.trainer.runtime import session_options
 
     meter.mark("baseline")
@@ -183,10 +183,10 @@ def stored_for_backward(path: Path, batch: int) -> int:
 def session_probe(run_dir: Path, stage: int, with_eval: bool) -> dict:
     """Heap and RSS that the engine Module adds for stage ``stage``, with or without its eval model."""
     meter = _Meter()
+    from ortflow.build.records import stage_dir
     from ortflow.config import load_run_config
     from ortflow.engine import api
-    from ortflow.trainer.parallel.stage_artifacts import stage_dir
-    from ortflow.trainer.parallel.stages import stage_session_options
+    from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 
     folder = stage_dir(load_run_config(run_dir).artifacts_dir, stage)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
@@ -256,8 +256,8 @@ def _launch(run_dir: Path, ranks: int, hold_sends: bool) -> list[dict]:
 
 def _configure(root: Path, layers: int, stages: int, batch: int, micro: int) -> Path:
     from bench.bench_pipeline import SHAPE
+    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
-    from ortflow.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

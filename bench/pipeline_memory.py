@@ -42,7 +42,7 @@ def _options(allocator: str, stage: int | None):
     from ortflow.trainer.runtime import session_options
 
     if allocator == "trainer":  # as the trainer makes them (stages: stage_session_options; unsplit: session_options)
-        from ortflow.trainer.parallel.stages import stage_session_options
+        from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 
         return session_options(1) if stage is None else stage_session_options(1, "cpu")
     options = session_options(1)
@@ -68,10 +68,10 @@ def probe(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: i
     """One variant in this process: peak RSS growth (bytes) over ``repeats`` rounds of ``calls``."""
     import onnx
 
+    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api
-    from ortflow.trainer.parallel.stage_artifacts import GRAD_IN_SUFFIX, read_stages_record, stage_dir
 
     cfg = load_run_config(run_dir)
     folder = cfg.artifacts_dir if stage is None else stage_dir(cfg.artifacts_dir, stage)

@@ -22,7 +22,7 @@ from bench.probe_precision import _placements, attempt  # noqa: E402
 def forced(root: Path, precision: str) -> dict:
     import onnx
 
-    from ortflow.trainer import engine_input
+    from ortflow.build import engine_input
 
     engine_input.gelu_fusion = lambda cfg: True  # the probe's point: bf16 too
     result = attempt(root / precision, precision, [])

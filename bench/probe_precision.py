@@ -28,10 +28,10 @@ def attempt(root: Path, precision: str, extra: list[str]) -> dict:
     """One try in this process: artifacts, session, 3 updates (plain SGD), 1 eval; returns what happened."""
     import onnxruntime
 
+    from ortflow.build.artifacts import build_artifacts
     from ortflow.config import config_from_dict
     from ortflow.engine import api
     from ortflow.examples.gpt import build_gpt
-    from ortflow.trainer.artifacts import build_artifacts
     from ortflow.trainer.loss_scale import INPUT_NAME
     from ortflow.trainer.runtime import select_device
 

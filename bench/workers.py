@@ -69,7 +69,7 @@ class _Update:
         self.update.step([g.reshape(-1) for g in self.grads], self.lr)
 
     def train_state(self):
-        from ortflow.trainer.checkpoints.h5state import TrainState
+        from ortflow.checkpoints.h5state import TrainState
 
         return TrainState(lambda: {n: p.data.copy() for n, p in self.state.parameters}, self.names, self.update,
                           "adamw/torch")
@@ -212,8 +212,8 @@ def allreduce(args: argparse.Namespace) -> None:
 
 
 def checkpoint(args: argparse.Namespace) -> None:
-    from ortflow.trainer.checkpoints import CheckpointManager
-    from ortflow.trainer.checkpoints.h5state import write_state
+    from ortflow.checkpoints import CheckpointManager
+    from ortflow.checkpoints.h5state import write_state
 
     cfg, state, module, optimizer = _engine(args.run_dir, 1)
     feeds = _batches(cfg, 1)[0]

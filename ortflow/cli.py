@@ -50,14 +50,16 @@ def validate(
     config: ConfigArg,
     overrides: SetOpt = None,
     deep: Annotated[
-        bool, typer.Option("--deep", help="Also build the training artifacts in a temporary folder (engine errors).")
+        bool, typer.Option("--deep", help="Also build the training artifacts in a temporary folder (engine errors; "
+                           "with device cuda, nodes without a half-precision CUDA kernel).")
     ] = False,
 ) -> None:
     """Check everything checkable without training; print every problem at once (exit 1 if any).
 
     The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
     the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
-    and export paths can be written; with --deep, that the engine can build the training graph.
+    and export paths can be written; with --deep, that the engine can build the training graph and, with
+    distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it.
     """
     from ortflow.validate import validate as find_all
 
@@ -98,8 +100,8 @@ def train(
     import os
 
     from ortflow.config import load_run_config
-    from ortflow.trainer.launch import LaunchError, launch
-    from ortflow.trainer.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.local import LaunchError, launch
     from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
@@ -149,11 +151,11 @@ def tune(
     """Time candidate ranks x threads layouts on this host; num_ranks auto then uses the fastest (layout.json)."""
     import json
 
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
     from ortflow.dataprep import DataError, prepare_data
-    from ortflow.trainer.launch import LaunchError
-    from ortflow.trainer.layout import LayoutError, host_resources
-    from ortflow.trainer.tune import tune as tune_layouts
+    from ortflow.launch.layout import LayoutError, host_resources
+    from ortflow.launch.local import LaunchError
+    from ortflow.launch.tune import tune as tune_layouts
 
     cfg = _load(config, overrides)
     try:
@@ -176,9 +178,9 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 
     A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
     optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
-    p -= lr*weight_decay*p (README, 'The optimizer').
+    p -= lr*weight_decay*p (docs/optimizer.md).
     """
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
 
     cfg = _load(config, overrides)
     try:
@@ -216,7 +218,7 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 @app.command(name="retain")
 def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
-    from ortflow.export.retention import reason_label, retain_checkpoints
+    from ortflow.checkpoints.retention import reason_label, retain_checkpoints
 
     index = retain_checkpoints(_load(config, overrides))
     for entry in index.kept:
@@ -359,7 +361,7 @@ def _progress_bar(run_dir, stop) -> None:
 
 def _stop_record(cfg, new_version: bool) -> str:
     """Where a stopped run left its work: the version and its newest complete (stop) checkpoint."""
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
     from ortflow.versions import read_registry
 
     folder, version = cfg.output_dir, None
@@ -644,8 +646,8 @@ def checkpoint_inspect(path: CheckpointArg) -> None:
     """Print a checkpoint's step, data cursor, files, parameters and optimizer state as JSON (verified first)."""
     import json
 
-    from ortflow.trainer.checkpoints import CheckpointError
-    from ortflow.trainer.checkpoints.tools import inspect
+    from ortflow.checkpoints import CheckpointError
+    from ortflow.checkpoints.tools import inspect
 
     try:
         print(json.dumps(inspect(path), indent=1))
@@ -656,7 +658,7 @@ def checkpoint_inspect(path: CheckpointArg) -> None:
 @checkpoint_app.command("verify")
 def checkpoint_verify(path: CheckpointArg) -> None:
     """Check meta.json's digest and every file's size and sha256; exit 1 naming the damaged file."""
-    from ortflow.trainer.checkpoints import CheckpointError, verify
+    from ortflow.checkpoints import CheckpointError, verify
 
     try:
         info = verify(path)
@@ -671,8 +673,8 @@ def checkpoint_merge(
     out: Annotated[Path, typer.Option("--out", "-o", help="HDF5 file to write (one dataset per tensor).")],
 ) -> None:
     """Gather parameters and every rank's optimizer shards into one HDF5 file readable with plain h5py."""
-    from ortflow.trainer.checkpoints import CheckpointError
-    from ortflow.trainer.checkpoints.tools import merge
+    from ortflow.checkpoints import CheckpointError
+    from ortflow.checkpoints.tools import merge
 
     try:
         info = merge(path, out)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (see ENGINE_NOTES.md).
+#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine-notes.md).
 MAX_OPSET = 21
 MAX_IR_VERSION = 10
 
@@ -116,7 +117,7 @@ class ModelConfig(_Section):
     fuse_gelu: bool = Field(
         True,
         description="Replace the elementwise GELU an exporter writes (erf or tanh form) by the engine's one-kernel "
-        "Gelu / FastGelu before training (README: What configure does to your model); the export writes it back as "
+        "Gelu / FastGelu before training (docs/your-model.md); the export writes it back as "
         "standard ops. Off with bf16 mixed precision.",
     )
     pipeline_cuts: tuple[str, ...] = Field(
@@ -247,10 +248,10 @@ class TrainConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (README: Optimizers)."""
+    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (docs/optimizer.md)."""
 
     name: Literal["adamw", "sgd", "lamb"] = Field(
-        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (README: Optimizers)."
+        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (docs/optimizer.md)."
     )
     rule: Literal["torch", "engine"] = Field(
         "torch",
@@ -646,11 +647,6 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.enable_adasum and dist.zero_stage:
         problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
-    if dist.enable_adasum and dist.device == "cuda":
-        problems.append(
-            "distributed.enable_adasum is not wired into the GPU trainer yet (its NCCL reduction exists, the device "
-            "update does not call it): train with Adasum on CPU ranks, or set enable_adasum: false"
-        )
     split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
     others = dist.zero_stage or dist.enable_adasum or split
     if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):
@@ -736,7 +732,7 @@ def _format_validation_error(err: ValidationError) -> list[str]:
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling (README lists every field)"
+            msg = "unknown field; check the spelling (docs/config.md lists every field)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         problems.extend(m if not loc or m.startswith(loc) else f"{loc}: {m}" for m in msg.split("\n"))
@@ -932,7 +928,7 @@ def find_problems(path: Path | str, overrides: list[str] | tuple[str, ...] = ())
 
 
 def reference_markdown() -> str:
-    """A markdown table of every config field with its type, default and description (README's config reference)."""
+    """A markdown table of every config field with its type, default and description (docs/config.md)."""
 
     def rows(model: type[BaseModel], prefix: str) -> list[str]:
         out = []
@@ -949,3 +945,123 @@ def reference_markdown() -> str:
 
     header = ["| field | type | default | meaning |", "|---|---|---|---|"]
     return "\n".join(header + rows(RunConfig, ""))
+
+
+# --- How a global batch splits over ranks: read by the launching process and by every rank. ---
+
+
+class LayoutError(ValueError):
+    """No layout or batch split satisfies the constraints; the message names the field and valid choices."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch splits: per-rank micro-batch x accumulation steps x ranks = global batch."""
+
+    batch_size: int
+    accumulation: int
+    ranks: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.accumulation * self.ranks
+
+
+def divides(global_batch: int, ranks: int, unit: int) -> bool:
+    """Whether ``ranks`` micro-batches of a multiple of ``unit`` can make up ``global_batch`` samples."""
+    return global_batch % (ranks * unit) == 0
+
+
+def nearest_multiples(value: int, unit: int) -> list[int]:
+    """The multiples of ``unit`` closest to ``value`` from below and above (one entry if value is one)."""
+    below = value // unit * unit
+    return [value] if below == value else [m for m in (below, below + unit) if m > 0]
+
+
+def plan_batch(global_batch: int, ranks: int, max_batch: int, fixed_batch: int | None = None) -> BatchPlan:
+    """Per-rank micro-batch and accumulation steps so that ranks x batch x steps = ``global_batch``.
+
+    The micro-batch is the largest divisor of the rank's share that is <= ``max_batch`` (fewest accumulation
+    steps), or exactly ``fixed_batch`` when the model's batch dim is fixed.
+
+    Raises:
+        LayoutError: naming the nearest global batch sizes and rank counts that work.
+    """
+    unit = fixed_batch or 1
+    if global_batch % (ranks * unit):
+        sizes = nearest_multiples(global_batch, ranks * unit)
+        counts = [r for r in range(1, 2 * ranks + 1) if divides(global_batch, r, unit)]
+        near = sorted(counts, key=lambda r: (abs(r - ranks), r))[:3]
+        fixed = f" and the model's fixed batch dim {unit}" if fixed_batch else ""
+        raise LayoutError(
+            f"train.global_batch_size {global_batch} cannot be split over {ranks} rank(s){fixed}: use a global batch "
+            f"of {' or '.join(map(str, sizes))}, or {' or '.join(map(str, sorted(near))) or 'no other'} rank(s)"
+        )
+    share = global_batch // ranks
+    if fixed_batch:
+        return BatchPlan(fixed_batch, share // fixed_batch, ranks)
+    batch = next(b for b in range(min(max_batch, share), 0, -1) if share % b == 0)
+    return BatchPlan(batch, share // batch, ranks)
+
+
+def fixed_batch_dim(inputs: list[dict], merged_rows: dict[str, int] | None = None) -> int | None:
+    """The model's fixed batch dim from configure.json's ``train_inputs`` (None when the batch dim is symbolic).
+
+    Args:
+        inputs: ``[{"name", "dtype", "shape"}]`` of the training model's inputs.
+        merged_rows: For inputs whose batch and sequence dims the loader merges (a GPT's ``labels [B*T]``), the
+            rows' leading dim ``T`` (from the data manifest); their fixed dim counts ``B*T`` values.
+    """
+    merged_rows = merged_rows or {}
+    found = set()
+    for item in inputs:
+        shape = item.get("shape") or []
+        if shape and isinstance(shape[0], int) and shape[0] > 0:
+            per_row = merged_rows.get(item["name"], 1)
+            found.add(shape[0] // per_row if shape[0] % per_row == 0 else shape[0])
+    if len(found) > 1:
+        raise LayoutError(f"model inputs fix different batch sizes {sorted(found)}; re-export with one batch dim")
+    return found.pop() if found else None
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run folder says about the model: trainable parameters and a fixed batch dim."""
+
+    num_parameters: int
+    fixed_batch: int | None
+
+
+def run_facts(run_dir: Path) -> RunFacts:
+    """Model size and fixed batch dim from configure.json (and the data manifest's merged inputs, if prepared)."""
+    run_dir = Path(run_dir)
+    try:
+        record = json.loads((run_dir / "configure.json").read_text())
+    except (OSError, ValueError):
+        raise LayoutError(f"{run_dir}/configure.json is missing: run `ortflow configure CONFIG` first") from None
+    merged = {}
+    try:
+        manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
+        merged = {i["name"]: i["row_shape"][0] for i in manifest.get("inputs", []) if i.get("merge_leading_dims")}
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    return RunFacts(int(record.get("num_parameters", 0)), fixed_batch_dim(record.get("train_inputs", []), merged))
+
+
+def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
+    """The config a rank trains with: with train.global_batch_size, the per-rank batch and accumulation for
+    ``world`` ranks (run length in weight updates unchanged); otherwise ``cfg`` itself.
+
+    Raises:
+        LayoutError: the global batch cannot be split over ``world`` ranks (names the nearest valid choices).
+    """
+    train = cfg.train
+    if not train.global_batch_size:
+        return cfg
+    plan = plan_batch(train.global_batch_size, world, train.batch_size, run_facts(run_dir).fixed_batch)
+    steps = train.num_weight_updates * plan.accumulation
+    resolved = train.model_copy(
+        update={"batch_size": plan.batch_size, "gradient_accumulation_steps": plan.accumulation,
+                "num_train_steps": steps}  # fmt: skip
+    )
+    return cfg.model_copy(update={"train": resolved})

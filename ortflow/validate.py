@@ -11,7 +11,9 @@ Checks, in order (each problem names the field and the fix):
    dim counts as fixed only when the graph really depends on it);
 4. the run folder, checkpoint, TensorBoard and export paths can be written;
 5. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
-   (operators without gradients, ...) show up, and the data checks use the built model's real inputs.
+   (operators without gradients, ...) show up, and the data checks use the built model's real inputs; with
+   ``distributed.device: cuda`` also every node of the built training model that runs in fp16/bf16 where the GPU
+   engine has no CUDA kernel for it (ortflow/graph/cuda_kernels.py), which would stop every rank at start.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
 (int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
@@ -91,8 +93,8 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     from ortflow.graph.tensor_shard import shard_model
 
     if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
-        from ortflow.trainer.artifacts import ArtifactsError
-        from ortflow.trainer.parallel.pipe_tensor_artifacts import plan_pipe_tensor
+        from ortflow.build.artifacts import ArtifactsError
+        from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
 
         try:
             plan_pipe_tensor(cfg)
@@ -156,15 +158,26 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
     """Build the artifacts as configure would, in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.trainer.artifacts import build_artifacts  # the engine: only for --deep
+    from ortflow.build.artifacts import build_artifacts  # the engine: only for --deep
 
+    problems = []
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
         try:
             built = build_artifacts(cfg, Path(tmp) / "artifacts")
         except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
             return None, [str(err)]
+        if cfg.distributed.device == "cuda":
+            problems = cuda_kernel_problems(Path(tmp) / "artifacts" / "training_model.onnx")
     return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
-            for t in built.train_inputs], []  # fmt: skip
+            for t in built.train_inputs], problems  # fmt: skip
+
+
+def cuda_kernel_problems(training_model: Path) -> list[str]:
+    """The nodes of a built training model that the GPU engine has no half-precision CUDA kernel for."""
+    from ortflow.graph.cuda_kernels import missing_kernels
+
+    proto = onnx.load(str(training_model), load_external_data=False)
+    return [f"model.path: {m.message()}" for m in missing_kernels(proto)]
 
 
 def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:

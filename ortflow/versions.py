@@ -84,7 +84,7 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     Raises:
         DataError: a data glob matches nothing (never train on an empty source).
     """
-    from ortflow.configure import fingerprint as model_fingerprint
+    from ortflow.build.configure import fingerprint as model_fingerprint
     from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
 
     data = cfg.data
@@ -230,7 +230,7 @@ def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = No
 
 def finish_version(base: Path, name: str, status: str, summary: dict | None = None) -> dict:
     """Record a version's end: status, losses, checkpoints and exported model; ``latest`` follows completed ones."""
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
 
     fields: dict[str, object] = {"status": status, "finished": time.time()}
     entry = next(e for e in read_registry(base) if e["version"] == name)

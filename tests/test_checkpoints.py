@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ortflow.trainer.checkpoints import (
+from ortflow.checkpoints import (
     CHECKPOINT_FILE,
     META_FILE,
     CheckpointError,
@@ -91,7 +91,7 @@ def test_truncated_newest_falls_back_to_previous_with_warning(tmp_path, caplog):
         f.truncate(4)
     with pytest.raises(CheckpointError, match=r"truncated: 4 of 12 bytes"):
         verify(newest)
-    with caplog.at_level(logging.WARNING, logger="ortflow.trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="ortflow.checkpoints"):
         assert mgr.latest().step == 1
     assert "step-00000002" in caplog.text and "truncated" in caplog.text
 

@@ -11,8 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow.config import OptimizerConfig
-from ortflow.trainer.checkpoints import (
+from ortflow.checkpoints import (
     CHECKPOINT_FILE,
     META_FILE,
     CheckpointError,
@@ -20,7 +19,8 @@ from ortflow.trainer.checkpoints import (
     latest_verified,
     verify,
 )
-from ortflow.trainer.checkpoints.h5state import TrainState, load_optimizer, read_params, write_state
+from ortflow.checkpoints.h5state import TrainState, load_optimizer, read_params, write_state
+from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim import build_update, whole_segments
 from ortflow.trainer.optim.zero import shard_segments
 from tests.models_optim import TRAINABLE, lm_batch

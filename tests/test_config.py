@@ -199,9 +199,8 @@ def test_adasum_needs_a_power_of_two_of_data_parallel_ranks(tmp_path):
     problems = problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=2",
                            "distributed.zero_stage=1", "distributed.use_nccl=true")
     assert any("use zero_stage 0 with it" in p for p in problems)
-    problems = problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=2",
-                           "distributed.device=cuda", "distributed.use_nccl=true")
-    assert any("not wired into the GPU trainer yet" in p for p in problems)
+    assert not problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=4",
+                           "distributed.device=cuda", "distributed.use_nccl=true")  # NCCL Adasum on GPU ranks
 
 
 def test_model_output_loss_needs_the_output_name(tmp_path):

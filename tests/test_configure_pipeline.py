@@ -8,11 +8,10 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.build.configure import configure
+from ortflow.build.records import ARTIFACT_FILES, read_stages_record, stage_dir
 from ortflow.config import ConfigError, config_from_dict
-from ortflow.configure import configure
 from ortflow.engine import api
-from ortflow.trainer.artifacts import ARTIFACT_FILES
-from ortflow.trainer.parallel.stage_artifacts import read_stages_record, stage_dir
 
 from .models_pipeline import B, T, V, build_torchlike
 

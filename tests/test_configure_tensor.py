@@ -6,11 +6,10 @@ import logging
 
 import pytest
 
+from ortflow.build.configure import configure
+from ortflow.build.records import ARTIFACT_FILES, piece_dir, read_tensor_record
 from ortflow.config import ConfigError, config_from_dict
-from ortflow.configure import configure
 from ortflow.examples.gpt import build_gpt
-from ortflow.trainer.artifacts import ARTIFACT_FILES
-from ortflow.trainer.parallel.tensor_artifacts import piece_dir, read_tensor_record
 
 
 def tensor_cfg(tmp_path, model_path, hp=2):

@@ -11,10 +11,10 @@ import pytest
 from onnx import numpy_helper
 from typer.testing import CliRunner
 
+from ortflow.checkpoints import list_complete
 from ortflow.cli import app
 from ortflow.dataprep import EvalLoader
 from ortflow.export.evaluate import evaluate_checkpoint
-from ortflow.trainer.checkpoints import list_complete
 
 from .models_data import reshape_batch_classifier
 from .trainer.runs import make_run, run_ranks

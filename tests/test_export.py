@@ -13,15 +13,15 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.build.configure import configure
+from ortflow.checkpoints import PARAMS_FILE, CheckpointError, CheckpointManager
+from ortflow.checkpoints.h5state import TrainState, read_params, write_state
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
 from ortflow.dataprep.prepare import prepare_data
 from ortflow.examples.mlp import build_mlp
 from ortflow.export import ExportError, VerificationError, export_model
 from ortflow.export.model import TRAINING_DOMAINS, training_ops
 from ortflow.export.verify import NUM_BATCHES, verify_against
-from ortflow.trainer.checkpoints import PARAMS_FILE, CheckpointError, CheckpointManager
-from ortflow.trainer.checkpoints.h5state import TrainState, read_params, write_state
 from ortflow.trainer.optim import build_update, whole_segments
 
 EVAL_LOSSES = {1: 0.9, 2: 0.4, 3: 0.6}  # step 2 is the best: export's default

@@ -30,6 +30,8 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.trainer.loop", {"prefect", "ortflow.tasks", "ortflow.flows"}),
         ("ortflow.trainer.__main__", {"prefect", "ortflow.tasks", "ortflow.flows", "mpi4py"}),
         ("ortflow.export", {"prefect", "mpi4py", "ortflow.tasks"}),
+        ("ortflow.launch.local", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
+        ("ortflow.launch.layout", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
         ("ortflow.graph.batch", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.dataprep"}),
         ("ortflow.validate", {"prefect", "mpi4py", "onnxruntime.training", "ortflow.tasks"}),  # engine: --deep only
     ],
@@ -72,9 +74,9 @@ def test_only_the_engine_module_imports_onnxruntime_training():
     assert who_imports("onnxruntime.training") == {"ortflow.engine"}
 
 
-def test_only_trainer_export_and_configure_reach_the_engine():
+def test_only_trainer_export_and_build_reach_the_engine():
     users = who_imports("ortflow.engine")
-    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.configure")
+    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.build.")
     assert users and all(u.startswith(allowed) for u in users), users
 
 
@@ -97,6 +99,15 @@ def test_graph_passes_import_nothing_from_ortflow_outside_graph():
         if module.startswith("ortflow.graph"):
             ours = {n for n in names if n.startswith("ortflow")}
             assert all(n.startswith("ortflow.graph") for n in ours), (module, ours)
+
+
+def test_launchers_import_only_the_config_from_ortflow():
+    found = {m: names for m, names in MODULES.items() if m.startswith("ortflow.launch")}
+    assert "ortflow.launch.local" in found, sorted(found)
+    for module, names in found.items():
+        ours = {n for n in names if n.startswith("ortflow")}
+        allowed = ("ortflow.config", "ortflow.launch")
+        assert all(n == "ortflow" or n.startswith(allowed) for n in ours), (module, ours)
 
 
 def test_config_imports_nothing_from_ortflow():

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from ortflow.build.configure import configure
+from ortflow.build.records import ARTIFACT_FILES, piece_dir, read_pipe_tensor_record, stage_base
+from ortflow.checkpoints.tp import by_stage, tp_file
 from ortflow.config import ConfigError, config_from_dict
-from ortflow.configure import configure
 from ortflow.examples.gpt import build_gpt
-from ortflow.trainer.artifacts import ARTIFACT_FILES
-from ortflow.trainer.checkpoints.tp import by_stage, tp_file
 from ortflow.trainer.parallel.grid import place, rank_of
-from ortflow.trainer.parallel.pipe_tensor_artifacts import read_pipe_tensor_record, stage_base
-from ortflow.trainer.parallel.tensor_artifacts import piece_dir
 from ortflow.validate import tensor_split_problems
 
 
@@ -128,7 +126,7 @@ def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logi
     import numpy as np
     import onnx
 
-    from ortflow.trainer.parallel.pipe_tensor_artifacts import pieces, plan_pipe_tensor
+    from ortflow.build.pipe_tensor_artifacts import pieces, plan_pipe_tensor
 
     from .models_tensor import run_whole, torch_gpt
 

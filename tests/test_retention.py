@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from ortflow.checkpoints import CHECKPOINT_FILE, CheckpointInfo, CheckpointManager, retention_to_delete
+from ortflow.checkpoints.retention import INDEX_NAME, export_choice, plan_retention, retain_checkpoints
 from ortflow.config import config_from_dict
-from ortflow.export.retention import INDEX_NAME, export_choice, plan_retention, retain_checkpoints
-from ortflow.trainer.checkpoints import CHECKPOINT_FILE, CheckpointInfo, CheckpointManager, retention_to_delete
 
 
 def fake_writer(state: bytes, folder: Path) -> None:

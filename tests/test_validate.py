@@ -1,4 +1,4 @@
-"""``ortflow validate``: each case of issue 12 item 6, the path checks, and every problem at once."""
+"""``ortflow validate``: refused configs, the path checks, and every problem at once."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from ortflow.build.configure import configure
 from ortflow.cli import app
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
 from ortflow.dataprep import DataError, prepare_data
 from ortflow.validate import validate
 

@@ -1,6 +1,7 @@
-"""export: checkpoint -> inference ONNX model (verified), and the retention stage that runs before it.
+"""export: checkpoint -> inference ONNX model (verified), and the evaluation of a checkpoint.
 
-``ortflow.export.export_model`` and ``ortflow.export.retention.retain_checkpoints`` are the stage functions.
+``ortflow.export.export_model`` is the stage function (the retention stage before it is
+:func:`ortflow.checkpoints.retention.retain_checkpoints`).
 Neither makes a training session; the engine is imported only to read checkpoint files.
 """
 

@@ -10,10 +10,10 @@ import logging
 import re
 from pathlib import Path
 
+from ortflow.checkpoints import CheckpointError, CheckpointInfo, list_complete, step_dirname, verify
+from ortflow.checkpoints.retention import best_by_eval_loss, export_choice
 from ortflow.config import RunConfig
-from ortflow.export.retention import best_by_eval_loss, export_choice
 from ortflow.export.verify import ExportError
-from ortflow.trainer.checkpoints import CheckpointError, CheckpointInfo, list_complete, step_dirname, verify
 
 log = logging.getLogger(__name__)
 

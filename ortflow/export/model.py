@@ -1,7 +1,7 @@
 """Export: a complete checkpoint plus the eval model -> an inference ONNX model, verified before it is written.
 
 No training session is made. The engine's own ``Module.export_model_for_inferencing`` needs the training model and
-builds a training session (ENGINE_NOTES.md); here the checkpoint file is only read (``CheckpointState``), and the
+builds a training session (docs/engine-notes.md); here the checkpoint file is only read (``CheckpointState``), and the
 inference graph is cut out of the eval model with ``onnx``:
 
 1. the parameters (graph inputs of the eval model) become initializers holding the checkpoint's values;
@@ -26,6 +26,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ortflow import __version__
+from ortflow.checkpoints import (
+    META_FILE,
+    CheckpointInfo,
+    verify,
+)
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_config
 from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
@@ -34,11 +39,6 @@ from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
 from ortflow.graph.common import subgraph_reads
 from ortflow.graph.embedding import restore_gathers
 from ortflow.graph.gelu import decompose_gelu
-from ortflow.trainer.checkpoints import (
-    META_FILE,
-    CheckpointInfo,
-    verify,
-)
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def load_parameters(checkpoint_file: Path) -> dict[str, np.ndarray]:
         checkpoint_file: A checkpoint folder (format 2: ``params.h5`` with h5py), or a format 1 folder's or the
             artifacts' engine ``checkpoint`` file (its flatbuffers read directly).
     """
-    from ortflow.trainer.checkpoints import h5state, legacy
+    from ortflow.checkpoints import h5state, legacy
 
     path = Path(checkpoint_file)
     if path.is_dir():

@@ -5,8 +5,9 @@ in. Each node is one of:
 
 * **low** (most ops): its fp32 inputs are read in the compute type and its fp32 outputs become the compute type;
 * **fp32** (``fp32_ops``: LayerNormalization, Softmax, the reductions, losses; ops with subgraphs; ops outside the
-  standard and ``com.microsoft`` domains; ops whose output type is fixed by an attribute): inputs are read in fp32,
-  outputs stay fp32;
+  standard and ``com.microsoft`` domains; ops whose output type is fixed by an attribute; ops for which the GPU
+  engine has no CUDA kernel in the compute type, per :mod:`ortflow.graph.cuda_kernels`, e.g. Pow in bf16): inputs
+  are read in fp32, outputs stay fp32;
 * **shape readers** (Shape, Size): read whatever version exists, no cast;
 * **Cast** to fp32 becomes a cast to the compute type (marked in its ``doc_string``) so a low region stays low.
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from ortflow.graph.cuda_kernels import has_kernel, opsets
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class AutocastReport:
     compute_type: int
     lowered: collections.Counter = field(default_factory=collections.Counter)
     kept_fp32: collections.Counter = field(default_factory=collections.Counter)
+    no_kernel: collections.Counter = field(default_factory=collections.Counter)
     casts: int = 0
     parameter_casts: int = 0
     constants: int = 0
@@ -77,10 +81,13 @@ class AutocastReport:
         kept = ", ".join(f"{op} x{n}" for op, n in sorted(self.kept_fp32.items())) or "none"
         clipped = len(self.clipped_constants)
         clipped = f"; {clipped} constant(s) clipped to the fp16 range" if clipped else ""
+        short = _SHORT[self.compute_type]
+        lacking = ", ".join(f"{op} x{n}" for op, n in sorted(self.no_kernel.items()))
+        lacking = f" ({lacking} for want of a {short} CUDA kernel)" if lacking else ""
         return (
-            f"autocast to {_SHORT[self.compute_type]}: {sum(self.lowered.values())} nodes in "
-            f"{_SHORT[self.compute_type]}, kept in fp32: {kept}; {self.casts} casts added ({self.parameter_casts} of "
-            f"parameters), {self.constants} constants converted{clipped}"
+            f"autocast to {short}: {sum(self.lowered.values())} nodes in {short}, kept in fp32: {kept}{lacking}; "
+            f"{self.casts} casts added ({self.parameter_casts} of parameters), {self.constants} constants "
+            f"converted{clipped}"
         )
 
 
@@ -124,9 +131,10 @@ def convert_tensor(array: np.ndarray, name: str, compute: int) -> tuple[onnx.Ten
 class _Walk:
     """The state of one rewrite: available versions of each tensor and the new node list."""
 
-    def __init__(self, model: onnx.ModelProto, compute: int, fp32_ops: frozenset[str]):
+    def __init__(self, model: onnx.ModelProto, compute: int, fp32_ops: frozenset[str], check_kernels: bool = True):
         self.graph = model.graph
         self.compute, self.fp32_ops = compute, fp32_ops
+        self.opsets = opsets(model) if check_kernels else None
         self.types = _elem_types(model)
         self.report = AutocastReport(compute)
         self.versions: dict[str, dict[int, str]] = {}
@@ -147,6 +155,11 @@ class _Walk:
         if (node.op_type in self.fp32_ops or node.op_type in _FIXED_TYPE_OPS or has_subgraph
                 or node.domain not in ("", "ai.onnx", "com.microsoft")):
             return "fp32"
+        if self.opsets is not None and any(self.types.get(name) == FLOAT for name in node.input if name):
+            domain = "" if node.domain in ("", "ai.onnx") else node.domain
+            if has_kernel(node.op_type, domain, self.opsets.get(domain, 1), self.compute) is False:
+                self.report.no_kernel[node.op_type] += 1
+                return "fp32"
         return "low"
 
     def fetch(self, name: str, want: int) -> str:
@@ -234,6 +247,7 @@ def autocast(
     model: onnx.ModelProto,
     compute_type: int = FLOAT16,
     fp32_ops: Iterable[str] = DEFAULT_FP32_OPS,
+    check_kernels: bool = True,
 ) -> onnx.ModelProto:
     """The model with fp32 activations in ``compute_type`` (fp16 or bf16) and fp32 parameters cast where read.
 
@@ -241,6 +255,8 @@ def autocast(
         model: An fp32 model (not changed; a rewritten copy is returned).
         compute_type: ``TensorProto.FLOAT16`` or ``TensorProto.BFLOAT16``.
         fp32_ops: Op types computed in fp32 (their inputs cast to fp32, outputs left fp32).
+        check_kernels: Also keep in fp32 every op the GPU engine has no CUDA kernel for in ``compute_type``
+            (:mod:`ortflow.graph.cuda_kernels`); off only to show what would fail without it.
 
     Returns:
         The rewritten model; graph inputs, outputs and initializers are unchanged.
@@ -252,7 +268,7 @@ def autocast(
         raise ValueError(f"compute_type must be FLOAT16 or BFLOAT16, got {compute_type}")
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    walk = _Walk(result, compute_type, frozenset(fp32_ops))
+    walk = _Walk(result, compute_type, frozenset(fp32_ops), check_kernels)
     for node in list(result.graph.node):
         walk.visit(node)
     walk.finish_outputs()

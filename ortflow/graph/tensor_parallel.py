@@ -22,76 +22,21 @@ swaps the axes. Embeddings and LM heads are split by vocabulary in regions of th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import helper
 
 from ortflow.graph.common import constant_values, node_label
-from ortflow.graph.tensor_gemm import is_plain_gemm, transposed, weight_axes
+from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
+from ortflow.graph.tensor_plan import Region, TensorPlan, TensorSplitError
+from ortflow.graph.tensor_shard import shard_model
+from ortflow.graph.tensor_vocab import plan_vocab
 
 log = logging.getLogger(__name__)
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Identity", "Sqrt",
                 "Neg", "Exp", "Log", "Cast", "Where", "FastGelu", "Abs", "Reciprocal", "LeakyRelu", "Elu"}
-
-
-class TensorSplitError(ValueError):
-    """The tensor-parallel split is impossible at this size; the message names the tensors and the fix."""
-
-
-@dataclass
-class Region:
-    """One split region (an attention block or an MLP): what each rank slices and what the ranks add up.
-
-    Attributes:
-        columns: Column-split weights (``[in, out]``: each rank keeps ``out / hp`` columns of every part).
-        biases: Column-split biases (sliced like their weight's columns).
-        rows: Row-split weights (each rank keeps ``in / hp`` rows).
-        groups: Parts of a column-split weight (3 for a fused QKV projection whose output is Split in 3), by name.
-        outputs: The row-split MatMuls' outputs: partial sums, all-reduced over the tensor-parallel ranks.
-        inputs: Replicated activations the region reads (the backward all-reduce of their gradients happens here).
-        nodes: Indices of the region's nodes in the graph.
-        transposed: Weights stored ``[out, in]`` (a Gemm with ``transB=1``): their column/row axes swap.
-        vocab: Vocabulary-split tables (:mod:`ortflow.graph.tensor_vocab`) -> the axis each rank keeps a block of.
-        heads: A vocabulary-split LM head's output -> its rank (the local logits are padded back to the vocabulary).
-        members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
-            the outputs of ``nodes``.
-    """
-
-    columns: list[str] = field(default_factory=list)
-    biases: list[str] = field(default_factory=list)
-    rows: list[str] = field(default_factory=list)
-    groups: dict[str, int] = field(default_factory=dict)
-    outputs: list[str] = field(default_factory=list)
-    inputs: list[str] = field(default_factory=list)
-    nodes: list[int] = field(default_factory=list)
-    transposed: list[str] = field(default_factory=list)
-    vocab: dict[str, int] = field(default_factory=dict)
-    heads: dict[str, int] = field(default_factory=dict)
-    members: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TensorPlan:
-    """The split of one model at one size: its regions, the shape rewrites, what was kept replicated and why."""
-
-    size: int
-    regions: list[Region]
-    rewrites: list[tuple[int, int, int, int]]  # (node index, input index, element, full value) to divide by size
-    kept: dict[str, str]  # candidate weight -> why it stays replicated
-
-    def slicing(self) -> dict[str, tuple[int, int]]:
-        """Sliced parameter -> (axis, parts): axis 1 (columns) or 0 (rows / a bias's only axis); swapped for a
-        weight stored ``[out, in]``; a vocabulary-split table's vocabulary axis."""
-        out = {}
-        for r in self.regions:
-            out.update({w: (weight_axes(w in r.transposed)[0], r.groups.get(w, 1)) for w in r.columns})
-            out.update({b: (0, r.groups.get(b, 1)) for b in r.biases})
-            out.update({w: (weight_axes(w in r.transposed)[1], 1) for w in r.rows})
-            out.update({w: (axis, 1) for w, axis in r.vocab.items()})
-        return out
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list]:
@@ -360,8 +305,6 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     regions = _regions(model.graph, walk, seeds, candidates)
     for r in walk.rows.values():
         kept.pop(r, None)
-    from ortflow.graph.tensor_vocab import plan_vocab  # it builds Regions: imported here, not at the top
-
     regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept)
     plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
     _check_sizes(model, plan, walk)
@@ -432,8 +375,6 @@ def describe(plan: TensorPlan) -> list[str]:
 def split_for_rank(model: onnx.ModelProto, trainable, size: int, rank: int,
                    report: list[dict] | None = None) -> tuple[onnx.ModelProto, TensorPlan]:
     """Plan (logging what it split and kept) and shard for ``rank``: the pass of configure."""
-    from ortflow.graph.tensor_shard import shard_model
-
     plan = plan_tensor_split(model, trainable, size)
     lines = describe(plan)
     if rank == 0:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ortflow.graph.pipeline import _FLOAT, Stage, _Analysis, _check_random_ops, _stage_model
+from ortflow.graph.pipeline_cuts import FLOAT_TYPES, Analysis, Stage, check_random_ops, stage_model
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class Piece:
         return self.stage.index
 
 
-def _region_members(a: _Analysis, plan: TensorPlan, original: onnx.GraphProto) -> dict[int, int]:
+def _region_members(a: Analysis, plan: TensorPlan, original: onnx.GraphProto) -> dict[int, int]:
     """Node index (in the rank's model) -> region, for region nodes and the shape arithmetic computed from them."""
     region_by_output = {o: k for k, r in enumerate(plan.regions)
                         for o in (r.members or [original.node[i].output[0] for i in r.nodes])}
@@ -63,7 +63,7 @@ def _region_members(a: _Analysis, plan: TensorPlan, original: onnx.GraphProto) -
     return member
 
 
-def _levels(a: _Analysis, member: dict[int, int]) -> dict[int, int]:
+def _levels(a: Analysis, member: dict[int, int]) -> dict[int, int]:
     """Level of every non-free node: replicated nodes even, region nodes odd, never below what they read."""
     block = dict.fromkeys(set(member.values()), 1)
     while True:
@@ -99,8 +99,8 @@ def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelPro
         TensorSplitError: A parallel piece would send something other than a partial sum (a split activation that
             reaches the replicated side), or the model outputs are not computed by the last piece.
     """
-    _check_random_ops(model.graph)
-    a = _Analysis(model, set(trainable))
+    check_random_ops(model.graph)
+    a = Analysis(model, set(trainable))
     member = _region_members(a, plan, original.graph)
     level = _levels(a, member)
     partial = {o for r in plan.regions for o in r.outputs}
@@ -127,8 +127,8 @@ def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelPro
                 f"tensor-parallel piece {s} would pass split tensors {sorted(set(sends) - partial)} to replicated "
                 "nodes; this model's layers cannot be split: use distributed.horizontal_parallel_size 1"
             )
-        stage = _stage_model(a, s, nodes, receives, sends)
-        floats = tuple(n for n in receives if a.types.get(n) in _FLOAT)
+        stage = stage_model(a, s, nodes, receives, sends)
+        floats = tuple(n for n in receives if a.types.get(n) in FLOAT_TYPES)
         pieces.append(Piece(stage, parallel, floats))
     if set(outputs) - set(pieces[-1].stage.sends):
         raise TensorSplitError(f"model outputs {outputs} are not all computed by the last tensor-parallel piece")

@@ -1,6 +1,6 @@
 """Rank ``r``'s model of a tensor-parallel split: its slices of the split weights, local sizes in the shapes.
 
-The inverse (whole tensors from every rank's slices) is :func:`ortflow.trainer.checkpoints.tp.merge_slices`.
+The inverse (whole tensors from every rank's slices) is :func:`ortflow.checkpoints.tp.merge_slices`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 
 from ortflow.graph.common import Names, constant_values
 from ortflow.graph.gelu import declare_fused_types
-from ortflow.graph.tensor_parallel import TensorPlan
+from ortflow.graph.tensor_plan import TensorPlan
 from ortflow.graph.tensor_vocab import shard_vocab
 
 

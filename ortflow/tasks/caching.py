@@ -23,11 +23,11 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
+from ortflow.build.configure import fingerprint as configure_fingerprint
+from ortflow.build.configure import read_configure_record
+from ortflow.build.records import ARTIFACT_FILES
+from ortflow.checkpoints import list_complete
 from ortflow.config import RunConfig
-from ortflow.configure import fingerprint as configure_fingerprint
-from ortflow.configure import read_configure_record
-from ortflow.trainer.artifacts import ARTIFACT_FILES
-from ortflow.trainer.checkpoints import list_complete
 
 #: The stages in pipeline order; ``--from STAGE`` reruns the named one and every later one.
 STAGES: tuple[str, ...] = ("configure", "prepare_data", "train", "retain", "export")

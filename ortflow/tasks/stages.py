@@ -8,8 +8,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from ortflow.checkpoints.retention import reason_label
 from ortflow.config import RunConfig
-from ortflow.export.retention import reason_label
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress
@@ -21,7 +21,7 @@ _RETRY = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_condition_fn": re
 @task(name="configure", cache_policy=StageCache(stage="configure"), persist_result=True, **_RETRY)
 def configure(config: RunConfig) -> dict:
     """Build the training artifacts (or find them up to date) and write the resolved config into the run folder."""
-    from ortflow.configure import configure as run_configure
+    from ortflow.build.configure import configure as run_configure
 
     with forward_logs():
         result = run_configure(config)
@@ -51,7 +51,7 @@ def prepare_data(config: RunConfig) -> dict:
 @task(name="retain_checkpoints", cache_policy=StageCache(stage="retain"), persist_result=True, **_RETRY)
 def retain_checkpoints(config: RunConfig) -> dict:
     """Keep the newest, best and final checkpoints, delete the rest, and write ``checkpoints.json``."""
-    from ortflow.export.retention import retain_checkpoints as run_retain
+    from ortflow.checkpoints.retention import retain_checkpoints as run_retain
 
     with forward_logs():
         index = run_retain(config)

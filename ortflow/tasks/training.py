@@ -19,11 +19,11 @@ from prefect.artifacts import (
 
 from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
+from ortflow.launch.layout import host_resources, launch_layout
+from ortflow.launch.local import launch
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
-from ortflow.trainer.launch import launch
-from ortflow.trainer.layout import host_resources, launch_layout
 from ortflow.trainer.metrics import format_duration, read_progress
 from ortflow.trainer.profiling import top_operators_table
 from ortflow.trainer.timing import read_timing

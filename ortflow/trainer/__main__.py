@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from ortflow.build.records import verify_artifacts
+from ortflow.checkpoints import CheckpointManager
+from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.trainer import lifeline
-from ortflow.trainer.checkpoints import CheckpointManager
-from ortflow.trainer.checkpoints.h5state import write_state
 from ortflow.trainer.guards import NonFiniteError
-from ortflow.trainer.integrity import verify_artifacts
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import init_runtime, start_mpi, writes_per_rank

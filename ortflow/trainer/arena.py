@@ -7,7 +7,7 @@ collectives cost about 1.26x one of the same bytes (bench/bench_exchange.py, ``b
 engine's environment allocator, ``session.use_env_allocators``) whose first chunk holds every gradient places them
 in one run (measured: 1 run with a first chunk of 14 MB, 2 runs with 13 MB), so the exchange is one in-place
 all-reduce of the gradients' own memory. It is also shared by the training and eval sessions, as pipeline stages do
-(parallel/stages.py), instead of one arena each.
+(parallel/pipeline_stage.py), instead of one arena each.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def use_gradient_arena(options: onnxruntime.SessionOptions, gradient_bytes: int)
         try:
             onnxruntime.create_and_register_allocator(info, config)
         except Exception as err:  # noqa: BLE001 - the engine raises its own Fail: one shared arena exists already
-            # (a pipeline stage's, parallel/stages.py): use it; the gradients may then lie in a few runs, still correct
+            # (a pipeline stage's, pipeline_stage.py): use it; the gradients may then lie in a few runs, still correct
             log.debug("shared engine arena exists already (%s); the gradients may lie in several runs", err)
         _FIRST_CHUNK.append(chunk)
         log.debug("shared engine arena: first chunk %d MiB for %d MiB of gradients", chunk >> 20, gradient_bytes >> 20)

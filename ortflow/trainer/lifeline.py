@@ -4,7 +4,7 @@ Two links, because two processes can die:
 
 * The rank's parent (MPICH's ``hydra_pmi_proxy``, or Open MPI's ``prted``): the kernel sends SIGKILL to the rank when
   it dies (``prctl(PR_SET_PDEATHSIG)``, set through ctypes; Linux only, a no-op elsewhere).
-* The process that called :func:`ortflow.trainer.launch.launch` (``ortflow train``, or the Prefect flow): the launcher
+* The process that called :func:`ortflow.launch.local.launch` (``ortflow train``, or the Prefect flow): the launcher
   sits between it and the ranks, in its own session, and only noticed its death at its next output line (seconds
   later, mid-checkpoint). The launching process exports its pid and host name; a daemon thread in each rank on the
   same host waits on a pidfd of that pid (no polling, and a zombie counts as dead) and ends the rank when it exits.
@@ -24,17 +24,12 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-#: Environment variables the launching process sets for its ranks.
+#: Environment variables the launching process sets for its ranks (``ortflow.launch.local.launcher_environment``).
 LAUNCHER_PID_ENV = "ORTFLOW_LAUNCHER_PID"
 LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
 #: Exit status of a rank ended because its launching process died.
 EXIT_ORPHANED = 137
 _PR_SET_PDEATHSIG = 1
-
-
-def launcher_environment() -> dict[str, str]:
-    """What the launching process exports so that its ranks can follow it."""
-    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_HOST_ENV: socket.gethostname()}
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime
 
+from ortflow.checkpoints import CheckpointManager
 from ortflow.trainer import loss_scale
-from ortflow.trainer.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -106,7 +106,7 @@ def train(
         return train_tensor(rt, train_batches, eval_batches, checkpoints, tensorboard, progress, stop,
                             tokens_per_sample, clock)
     if rt.cfg.distributed.pipeline_parallel_size > 1:  # stages exchange activations: the pipeline's own schedule
-        from ortflow.trainer.parallel.pipeline import train_pipeline
+        from ortflow.trainer.parallel.schedule import train_pipeline
 
         return train_pipeline(rt, train_batches, eval_batches, checkpoints, tensorboard, progress, stop,
                               tokens_per_sample, clock)

@@ -21,15 +21,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from ortflow.config import RunConfig, load_run_config
+from ortflow import checkpoints
+from ortflow.checkpoints import h5state
+from ortflow.checkpoints.layout_check import check_checkpoint_layout
+from ortflow.config import RunConfig, load_run_config, rank_config
 from ortflow.engine import api
-from ortflow.trainer import arena, checkpoints, cuda_libs, layout, loss_scale, optim
-from ortflow.trainer.checkpoints import h5state
+from ortflow.trainer import arena, cuda_libs, loss_scale, optim
 from ortflow.trainer.comm import Communicator, DeviceBuffer, attach_nccl, create_communicator
 from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
 from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.zero import Zero0, Zero1
-from ortflow.trainer.parallel.layout import check_checkpoint_layout
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -155,8 +156,8 @@ def build_update(
 
 
 def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
-    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1 over NCCL)."""
-    from ortflow.trainer.optim.device import DeviceUpdate, Zero1Device
+    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
+    from ortflow.trainer.optim.device import AdasumDevice, DeviceUpdate, Zero1Device
 
     params = []
     for name in trainable:
@@ -171,7 +172,10 @@ def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
         return update, exchange
     segments = optim.whole_segments(trainable, [p.count for p in params])
     decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
-    return DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream), Zero0(comm)
+    update = DeviceUpdate(rule, segments, [p.ptr for p in params], decay, comm.stream)
+    if cfg.distributed.enable_adasum and comm.size > 1:
+        return update, AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name))
+    return update, Zero0(comm)
 
 
 def available_cores() -> int:
@@ -272,7 +276,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
     # A global batch: per-rank batch x accumulation over the data-parallel replicas (the ranks of one pipeline or
     # tensor-parallel group read the same batches).
     dist = cfg.distributed
-    cfg = layout.rank_config(cfg, comm.size // (dist.horizontal_parallel_size * dist.pipeline_parallel_size), run_dir)
+    cfg = rank_config(cfg, comm.size // (dist.horizontal_parallel_size * dist.pipeline_parallel_size), run_dir)
     # 2. Device and execution provider for the local rank.
     device = select_device(cfg, comm.local_rank, comm.local_size)
     # 3. NCCL joins on the rank's GPU (CPU ranks with use_nccl still need one: they stage gradients through it).
@@ -282,15 +286,15 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> Runtime:
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size),
                            cfg.distributed.allreduce_dtype)
     if cfg.distributed.horizontal_parallel_size > 1 and cfg.distributed.pipeline_parallel_size > 1:  # pp x hp
-        from ortflow.trainer.parallel.pipe_tensor import init_pipe_tensor_runtime
+        from ortflow.trainer.parallel.pipe_tensor_piece import init_pipe_tensor_runtime
 
         return init_pipe_tensor_runtime(run_dir, cfg, comm, device)
     if cfg.distributed.horizontal_parallel_size > 1:  # a tensor-parallel rank: its pieces and process groups
-        from ortflow.trainer.parallel.tensor import init_tensor_runtime
+        from ortflow.trainer.parallel.tensor_piece import init_tensor_runtime
 
         return init_tensor_runtime(run_dir, cfg, comm, device)
     if cfg.distributed.pipeline_parallel_size > 1:  # a pipeline stage: its own artifacts and process groups
-        from ortflow.trainer.parallel.stages import init_stage_runtime
+        from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
 
         return init_stage_runtime(run_dir, cfg, comm, device)
     # 4. Session configuration and the state to start from. Rank 0 verifies (checksums) and every rank loads the same.

@@ -56,8 +56,8 @@ def start_with_fault(path):
 
 def kill_in_checkpoints():
     """Patch the checkpoint manager so that rank 0 dies inside the write or the retention of step ``update``."""
-    from ortflow.trainer import checkpoints
-    from ortflow.trainer.checkpoints import manager  # retention calls manager.delete_checkpoint: patch it there
+    from ortflow import checkpoints
+    from ortflow.checkpoints import manager  # retention calls manager.delete_checkpoint: patch it there
 
     real_save, real_delete = checkpoints.CheckpointManager.save, manager.delete_checkpoint
     saving = [0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete
+from ortflow.checkpoints import list_complete
 from ortflow.trainer.guards import NonFiniteError, check_update
 
 from ..trainer.runs import make_run, run_ranks

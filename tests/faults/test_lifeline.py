@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from ortflow.launch.local import build_command
 from ortflow.trainer import lifeline
-from ortflow.trainer.launch import build_command
 
 from ..trainer.runs import make_run
 from . import procs

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import RunConfig
-from ortflow.trainer.checkpoints import CheckpointError, list_complete, verify
 
 from ..trainer.runs import final_parameters, make_run, run_ranks
 from . import procs

@@ -51,7 +51,7 @@ two_gpus = pytest.mark.skipif(COUNT < 2, reason=f"needs 2 GPUs ({WHY or f'{COUNT
 
 
 def _mpiexec(ranks: int) -> list[str]:
-    from ortflow.trainer.launch import launcher_flavor
+    from ortflow.launch.local import launcher_flavor
     from tests.trainer.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
@@ -193,7 +193,7 @@ def test_injected_overflow_skips_that_update_on_both_ranks_halves_the_scale_and_
 
 @one_gpu
 def test_killed_fp16_run_resumes_with_its_loss_scale_and_bitwise_identical_parameters(tmp_path):
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
     from ortflow.trainer.metrics import read_progress
     from tests.trainer.runs import final_parameters
 

@@ -1,4 +1,4 @@
-"""Issue 14's two GPU speed-ups, for real: the training graph's leading-axis sums as MatMuls
+"""The two GPU speed-ups, for real: the training graph's leading-axis sums as MatMuls
 (``distributed.reduce_sum_as_matmul``, ortflow/graph/leading_sums.py) and the NCCL gradient all-reduce in fp16/bf16
 (``distributed.allreduce_dtype``, ortflow/trainer/comm/half_allreduce.py). Needs the GPU engine, CuPy and 1 or 2
 CUDA GPUs (skipped otherwise); the runs train the small byte-level GPT of test_gpu_mixed_precision.py under mpiexec.

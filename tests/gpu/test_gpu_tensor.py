@@ -1,6 +1,6 @@
 """Tensor parallelism on 2 GPUs with NCCL (skipped without 2 GPUs, the GPU engine and CuPy).
 
-The GPU path of ortflow/trainer/parallel/tensor.py (activation sums through NCCL
+The GPU path of ortflow/trainer/parallel/tensor_piece.py (activation sums through NCCL
 all-gather, ortflow's device update over the pieces' CUDA buffers, the device-side norm of the rank's share) was
 written on a CPU-only machine. This test is what checks it: hp 2 on 2 GPUs trains the 2-layer GPT to the parameters
 of 1 GPU unsplit (TF32 tolerance as in test_gpu_training.py) and both ranks finish; the log keeps the step times.
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 
 def test_two_gpu_tensor_parallel_ranks_match_one_gpu(tmp_path):
-    from ortflow.trainer.checkpoints.h5state import read_params
+    from ortflow.checkpoints.h5state import read_params
     from tests.trainer.test_tensor_mpi import gpt_run, newest
 
     gpu = {"device": "cuda", "use_nccl": True}

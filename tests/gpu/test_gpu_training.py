@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 
 def _run(cfg, ranks: int) -> str:
-    from ortflow.trainer.launch import launcher_flavor
+    from ortflow.launch.local import launcher_flavor
     from tests.trainer.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from ortflow.configure import configure
+from ortflow.build.configure import configure
 from ortflow.engine import api
 from tests import models_export
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients

@@ -13,11 +13,11 @@ import onnxruntime
 import pytest
 from onnx import TensorProto
 
+from ortflow.build.configure import configure
+from ortflow.build.engine_input import repeatable_gathers
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
 from ortflow.engine import api
 from ortflow.graph.embedding import MARK, deterministic_gathers, restore_gathers
-from ortflow.trainer.engine_input import repeatable_gathers
 from ortflow.trainer.runtime import session_options
 from tests.models_embedding import tied_lm
 
@@ -151,7 +151,7 @@ def test_the_rewrite_follows_device_and_deterministic_compute(tmp_path):
 
 
 def test_pipeline_stages_get_the_rewrite_too(tmp_path):
-    from ortflow.trainer.parallel.stage_artifacts import stage_dir
+    from ortflow.build.records import stage_dir
     from tests.models_pipeline import B, build_torchlike
 
     path = tmp_path / "m.onnx"

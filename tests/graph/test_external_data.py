@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ortflow.configure import configure
+from ortflow.build.configure import configure
+from ortflow.build.engine_input import engine_input
 from ortflow.engine import api, artifacts
 from ortflow.graph.prepare import prepare_model
-from ortflow.trainer.engine_input import engine_input
 from tests import models_export
 from tests.graph.test_export_patterns import make_cfg
 

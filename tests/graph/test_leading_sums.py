@@ -11,13 +11,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from ortflow.build.artifacts import build_artifacts
+from ortflow.build.configure import fingerprint
+from ortflow.build.training_graph import sums_as_matmul_applies
 from ortflow.config import config_from_dict
-from ortflow.configure import fingerprint
 from ortflow.engine import api
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.leading_sums import MARK, LeadingSumReport, sums_as_matmul
-from ortflow.trainer.artifacts import build_artifacts
-from ortflow.trainer.training_graph import sums_as_matmul_applies
 from tests.models_sums import build_bias_lm, save
 
 

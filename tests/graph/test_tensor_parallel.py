@@ -8,11 +8,11 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.checkpoints.tp import merge_slices
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split, split_for_rank
 from ortflow.graph.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_shard import shard_model, slice_tensor
-from ortflow.trainer.checkpoints.tp import merge_slices
 
 from ..models_export import gpt2_style
 from ..models_tensor import run_pieces, run_whole, trainable

@@ -80,7 +80,7 @@ def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     """Trainable parameters of the run's newest complete checkpoint."""
     import h5py
 
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
 
     newest = list_complete(cfg.checkpoints_dir)[-1]
     with h5py.File(newest.path / "params.h5", "r") as f:  # plain h5py: one dataset per parameter

@@ -101,7 +101,7 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
     import signal
     import time
 
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
 
     cfg = mlp_config(tmp_path, mlp_sources, "serve-stop",
                      train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},

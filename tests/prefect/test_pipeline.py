@@ -80,8 +80,8 @@ STAGES = ("configure", "prepare_data", "train", "retain_checkpoints", "export")
 def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curve(
     prefect_server, mlp_sources, tmp_path
 ):
+    from ortflow.checkpoints import list_complete
     from ortflow.tasks.charts import loss_curve
-    from ortflow.trainer.checkpoints import list_complete
 
     cfg = mlp_config(tmp_path, mlp_sources, "complete", train={"display_loss_steps": 1, "evaluation_period": 5},
                      checkpoint={"period": 5, "max_num_checkpoints": 10})
@@ -151,9 +151,9 @@ def test_rerun_after_failed_export_does_not_rerun_finished_stages(prefect_server
 def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_parameters(
     prefect_server, mlp_sources, tmp_path
 ):
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
     from ortflow.dataprep import prepare_data
-    from ortflow.trainer.launch import launch
+    from ortflow.launch.local import launch
 
     sections = {
         "train": {"num_train_steps": 6000, "display_loss_steps": 250, "evaluation_period": 0},
@@ -208,7 +208,7 @@ def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_pa
     """
     import time
 
-    from ortflow.configure import configure
+    from ortflow.build.configure import configure
     from ortflow.dataprep import prepare_data
 
     cfg = mlp_config(tmp_path, mlp_sources, "timeout",

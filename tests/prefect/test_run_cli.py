@@ -115,7 +115,7 @@ def _start_training(tmp_path: Path, mlp_sources, name: str) -> tuple[subprocess.
 def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and_no_process(
     mlp_sources, tmp_path, sig, to_group, times
 ):
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
     from ortflow.versions import read_registry
 
     proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped")

@@ -100,7 +100,7 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
 def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server, mlp_sources, tmp_path):
     import time
 
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
 
     cfg = mlp_config(tmp_path, mlp_sources, "killed-version",
                      train={"num_train_steps": 4000, "display_loss_steps": 100, "evaluation_period": 0},

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import ortflow.trainer.__main__ as entry
-from ortflow.trainer.parallel import stages
+from ortflow.trainer.parallel import pipeline_stage as stages
 
 real_backward = stages.StageRuntime.backward
 

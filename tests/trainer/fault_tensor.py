@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import ortflow.trainer.__main__ as entry
-from ortflow.trainer.parallel import tensor
+from ortflow.trainer.parallel import tensor_piece as tensor
 
 real_micro_step = tensor.TensorRuntime.micro_step
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import ortflow
-from ortflow.trainer.checkpoints import list_complete
+from ortflow.checkpoints import list_complete
 
 from .runs import make_run, rank_command
 

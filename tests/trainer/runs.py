@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ortflow.build.configure import configure
 from ortflow.config import RunConfig, config_from_dict
-from ortflow.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.examples.mlp import build_mlp
 
@@ -68,7 +68,7 @@ def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     """Trainable parameters of the newest checkpoint of a run."""
     import h5py
 
-    from ortflow.trainer.checkpoints import list_complete
+    from ortflow.checkpoints import list_complete
 
     newest = list_complete(cfg.checkpoints_dir)[-1]
     with h5py.File(newest.path / "params.h5", "r") as f:  # plain h5py: one dataset per parameter

@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete
+from ortflow.checkpoints import list_complete
 from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
 
 from .runs import final_parameters, make_run, rank_command, run_ranks

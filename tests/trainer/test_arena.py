@@ -45,7 +45,7 @@ def test_shared_arena_lays_the_engine_gradients_back_to_back(tmp_path):
 
 
 def test_an_existing_shared_arena_is_used_rather_than_an_error(tmp_path):
-    # A pipeline stage registers the process's shared arena its own way (parallel/stages.py); the whole-model path
+    # A pipeline stage registers the process's shared arena its own way (pipeline_stage.py); the whole-model path
     # must then use that one, not fail. Fresh process: the engine keeps one shared arena per process.
     code = (
         "import onnxruntime as ort\n"

@@ -16,9 +16,9 @@ import onnx
 import onnxruntime
 import pytest
 
+from ortflow.checkpoints import list_complete
 from ortflow.examples.gpt import build_gpt
 from ortflow.export import export_model
-from ortflow.trainer.checkpoints import list_complete
 
 from .runs import final_parameters, make_text_run, rank_command, run_ranks
 from .test_training_mpi import _kill_when

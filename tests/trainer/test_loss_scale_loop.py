@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from ortflow.checkpoints import CheckpointManager, list_complete
+from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.loader import TrainLoader
-from ortflow.trainer.checkpoints import CheckpointManager, list_complete
-from ortflow.trainer.checkpoints.h5state import write_state
 from ortflow.trainer.comm import SingleProcessComm
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.loss_scale import LossScaler

@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.build.artifacts import ArtifactsError, build_artifacts
+from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
-from ortflow.configure import configure
 from ortflow.engine import api
-from ortflow.trainer.artifacts import ArtifactsError, build_artifacts
 from ortflow.trainer.loss_scale import INPUT_NAME
 from tests.models_precision import build_tiny_lm, save
 
@@ -72,7 +72,7 @@ def test_a_model_input_named_like_the_scale_is_refused(tmp_path):
 
 def test_bf16_keeps_layer_normalization_fp32_even_when_fp32_ops_leaves_it_out(tmp_path):
     # With LayerNormalization in bf16 the CUDA engine fuses residual Add + LayerNormalization into a
-    # SkipLayerNormalization with bf16 inputs, which it then refuses (probe on an H200, wave 6): bf16 keeps it fp32.
+    # SkipLayerNormalization with bf16 inputs, which it then refuses: bf16 keeps it fp32.
     model = save(build_tiny_lm(flatten=True, full_layer_norm=True), tmp_path / "lm.onnx")
     for precision, fp32_ln in (({"use_bfloat16": True}, True), ({}, False)):  # fp16 leaves it to the user
         cfg = _cfg(tmp_path / str(fp32_ln), model, fp32_ops=[], **precision)

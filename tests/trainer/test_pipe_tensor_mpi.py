@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints.h5state import read_params
-from ortflow.trainer.checkpoints.tp import tp_file
+from ortflow.checkpoints.h5state import read_params
+from ortflow.checkpoints.tp import tp_file
 
 from .parallel_runs import (
     assert_export_equals_eval_graph,
@@ -85,8 +85,8 @@ def test_kill_and_resume_is_bitwise_identical(runs):
 def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(runs):
     import h5py
 
+    from ortflow.checkpoints.tools import merge
     from ortflow.export.model import export_model
-    from ortflow.trainer.checkpoints.tools import merge
 
     root, _, split, _, _ = runs
     folder = newest(split)

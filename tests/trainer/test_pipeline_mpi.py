@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete, verify
-from ortflow.trainer.checkpoints.h5state import params_files, stage_file
+from ortflow.checkpoints import list_complete, verify
+from ortflow.checkpoints.h5state import params_files, stage_file
 
 from ..models_pipeline import B, T, build_torchlike
 from .parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
@@ -253,7 +253,7 @@ def test_a_stop_signal_on_one_stage_stops_every_stage_at_the_same_update(tmp_pat
 def test_tied_weights_resume_bitwise_and_the_checkpoint_tools_read_the_stage_files(tmp_path, tied_pp2):
     # The tied embedding sits in both stages' files (params and optimizer state): resume reads each stage's part by
     # name (the duplicate once), and inspect/merge stitch the stages into the whole model's parameters and moments.
-    from ortflow.trainer.checkpoints.tools import inspect, merge
+    from ortflow.checkpoints.tools import inspect, merge
 
     dist = {"num_ranks": 2, "pipeline_parallel_size": 2}
     straight = tied_pp2

@@ -1,7 +1,7 @@
 """A pipeline stage's two engine sessions share their memory, and GPU-only refusals come before any session.
 
 A stage runs the eval model's forward and then the training model's recompute + backward for every micro-batch
-(ortflow/trainer/parallel/stages.py). Measured (bench/pipeline_memory.py): with the engine's default options both
+(trainer/parallel/pipeline_stage.py). Measured (bench/pipeline_memory.py): with the engine's default options both
 sessions keep their peaks, and even one shared arena kept both memory-pattern blocks (stage 0 at 32 sequences: 97 MiB
 vs 70 MiB for its training call alone). The first test pins the fix: in a fresh process, the trainer's stage sessions
 running eval forward + training call peak within 15% (+1 MiB of allocator slack) of what the training call alone
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from ortflow.build.records import read_stages_record
 from ortflow.trainer.comm.base import SingleProcessComm
-from ortflow.trainer.parallel.stage_artifacts import read_stages_record
-from ortflow.trainer.parallel.stages import init_stage_runtime
+from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
 
 from .runs import make_text_run
 from .test_pipeline_mpi import torchlike_run

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete
-from ortflow.trainer.checkpoints.h5state import read_params
-from ortflow.trainer.checkpoints.tp import tp_file
+from ortflow.checkpoints import list_complete
+from ortflow.checkpoints.h5state import read_params
+from ortflow.checkpoints.tp import tp_file
 
 from .parallel_runs import (
     SEQ,
@@ -130,8 +130,8 @@ def test_kill_and_resume_is_bitwise_identical(straight):
 def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_graph(tmp_path, straight):
     import h5py
 
+    from ortflow.checkpoints.tools import merge
     from ortflow.export.model import export_model
-    from ortflow.trainer.checkpoints.tools import merge
 
     split = straight
     folder = newest(split)  # step 4

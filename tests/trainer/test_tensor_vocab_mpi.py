@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints.h5state import read_params
-from ortflow.trainer.checkpoints.tp import tp_file
+from ortflow.checkpoints.h5state import read_params
+from ortflow.checkpoints.tp import tp_file
 
 from .parallel_runs import SEQ, gpt_run, h5_arrays, initial_parameters, kill_after_first_checkpoint, newest
 from .runs import run_ranks

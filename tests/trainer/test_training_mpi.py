@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete, verify
-from ortflow.trainer.launch import launch
+from ortflow.checkpoints import list_complete, verify
+from ortflow.launch.local import launch
 from ortflow.trainer.metrics import read_progress
 
 from .runs import final_parameters, make_run, rank_command, run_ranks

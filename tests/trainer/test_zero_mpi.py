@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow.trainer.checkpoints import list_complete
+from ortflow.checkpoints import list_complete
 
 from .runs import final_parameters, make_run, rank_command, run_ranks
 from .test_training_mpi import _kill_when, digests

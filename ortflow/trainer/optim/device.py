@@ -12,7 +12,10 @@ which also gives ZeRO-1 the place for its one small sum over ranks.
 and norm partials in one kernel, a small host all-gather of [norm^2, scalars] in rank order, the update of this rank's
 range, pack, in-place all-gather, unpack.
 
-Written to mirror the host rules operation for operation; run on the device by tests/gpu/test_gpu_optim.py.
+:class:`AdasumDevice` is Adasum (``distributed.enable_adasum``) on NCCL around this update.
+
+Written to mirror the host rules operation for operation; run on the device by tests/gpu/test_gpu_optim.py and
+tests/gpu/test_gpu_adasum.py.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from ortflow.trainer.comm.pending import Gradients
 from ortflow.trainer.optim.adamw import AdamW
+from ortflow.trainer.optim.adasum import AdasumExchange
 from ortflow.trainer.optim.base import Segment
 from ortflow.trainer.optim.lamb import Lamb
 from ortflow.trainer.optim.sgd import SGD
@@ -258,3 +262,74 @@ class _Ptr:
 
     def __init__(self, ptr: int, count: int):
         self.ptr, self.count = int(ptr), int(count)
+
+
+def _view(cp, buffer, device: int):
+    """A CuPy float32 view of a device buffer (no copy); empty tensors may have a null address."""
+    if buffer.count == 0:
+        return cp.empty(0, dtype=cp.float32)
+    memory = cp.cuda.UnownedMemory(buffer.ptr, buffer.count * 4, buffer, device)
+    return cp.ndarray((buffer.count,), dtype=cp.float32, memptr=cp.cuda.MemoryPointer(memory, 0))
+
+
+class AdasumDevice(AdasumExchange):
+    """Adasum on CUDA ranks: :class:`~ortflow.trainer.optim.adasum.AdasumExchange` over the engine's device buffers.
+
+    The combination is the communicator's NCCL Adasum (``NCCLComm.adasum_tensors``: the tree of comm/adasum.py on
+    device buffers); gradients and parameters never leave the GPU. ``deltas`` mode keeps each parameter's value
+    before the local step in a device copy (one model's worth of memory), as the host exchange does in host memory.
+
+    Args:
+        comm: An NCCLComm.
+        params: DeviceBuffers of every trainable parameter (the engine's buffers, trainable order).
+        mode: ``gradients`` (sgd) or ``deltas`` (adamw, lamb).
+    """
+
+    def __init__(self, comm, params: Sequence, mode: str):
+        cp = self._cp = _cupy()
+        super().__init__(comm, [], mode)
+        self.params = list(params)
+        self._views = [_view(cp, p, comm.device_index) for p in self.params]
+        self._start = [cp.empty_like(v) for v in self._views] if mode == "deltas" else []
+
+    def reduce(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> list:
+        local = divisor / self.comm.size  # the loop's divisor is micro-batches x ranks; a rank's own mean is local
+        if self.mode == "gradients":
+            # Sync point: the update's collective - Adasum of the ranks' mean gradients, plus loss and stop.
+            self.comm.adasum_tensors(grads, local, scalars)
+            return list(grads)
+        self.comm.scale_gradients(grads, 1.0 / local)
+        # Sync point: loss and stop must agree on every rank before anyone steps.
+        scalars[:] = self.comm.allreduce_sum(scalars, "loss and stop")
+        # Sync point: the engine's last writes to the parameters (its own stream) precede the copy.
+        self._cp.cuda.runtime.deviceSynchronize()
+        for start, view in zip(self._start, self._views, strict=True):
+            start[...] = view
+        return list(grads)
+
+    def norm(self, mine: Sequence) -> float:
+        if self.mode == "gradients":
+            return self.comm.gradient_norm(mine)  # summed on the device with the Adasum result
+        cp = self._cp
+        total = cp.zeros((), dtype=cp.float64)
+        for view in (_view(cp, g, self.comm.device_index) for g in mine):  # this rank's own gradients: the local step clips alone
+            wide = view.astype(cp.float64)
+            total += cp.dot(wide, wide)
+        return float(np.sqrt(float(total)))
+
+    def scale(self, mine: Sequence, factor: float) -> None:
+        self.comm.scale_gradients(mine, factor)
+
+    def gather(self) -> None:
+        if self.mode == "gradients":
+            return
+        cp = self._cp
+        cp.cuda.runtime.deviceSynchronize()  # Sync point: the local step's kernels wrote the parameters
+        for start, view in zip(self._start, self._views, strict=True):
+            view -= start  # this rank's update
+        # Sync point: the ranks' updates combined per tensor; identical bytes on every rank.
+        self.comm.adasum_tensors(self.params, 1.0, np.zeros(0, dtype=np.float32))
+        for start, view in zip(self._start, self._views, strict=True):
+            view += start
+        # Sync point: the engine's next forward (its own stream) reads the combined parameters.
+        cp.cuda.runtime.deviceSynchronize()

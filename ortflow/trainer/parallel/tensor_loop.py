@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import onnxruntime
 
-from ortflow.trainer.checkpoints import CheckpointManager
+from ortflow.checkpoints import CheckpointManager
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.parallel.bookkeeping import checkpoint_meta, report_window
-from ortflow.trainer.parallel.tensor import TensorRuntime
+from ortflow.trainer.parallel.tensor_piece import TensorRuntime
 
 log = logging.getLogger("ortflow.trainer")
 

@@ -1,0 +1,232 @@
+"""The configure stage: check the config, build the training artifacts once, and record what was built.
+
+``configure(cfg)`` writes into the run folder (``cfg.output_dir``):
+
+* ``artifacts/`` - the engine's training and eval models and the initial checkpoint;
+* ``config.yaml`` - the resolved config every rank loads;
+* ``configure.json`` - written last: the fingerprint of what the artifacts were built from, and the inputs the data
+  stage must provide (``train_inputs``, in the engine's order, label included), and ``graph_rewrites``: what the
+  model-preparation pass (:mod:`ortflow.graph.prepare`) changed in the graph the engine got.
+
+A second call with the same model bytes and the same ``model`` section finds the fingerprint in
+``configure.json`` and the artifact files in place, and does no work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ortflow.build.artifacts import ArtifactsError, build_artifacts, inspect_model
+from ortflow.build.engine_input import repeatable_gathers
+from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
+from ortflow.build.records import (
+    ARTIFACT_FILES,
+    DIGESTS_KEY,
+    artifact_digests,
+    read_pipe_tensor_record,
+    read_stages_record,
+    read_tensor_record,
+)
+from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
+from ortflow.build.tensor_artifacts import build_tensor_artifacts, plan_tensor
+from ortflow.build.training_graph import sums_as_matmul_applies
+from ortflow.config import (
+    RESOLVED_CONFIG_NAME,
+    ConfigError,
+    RunConfig,
+    check_files,
+    dump_config,
+    write_resolved_config,
+)
+from ortflow.engine import ORT_VERSION
+
+log = logging.getLogger(__name__)
+
+#: Name of the record configure writes last into the run folder.
+CONFIGURE_RECORD_NAME = "configure.json"
+
+# Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
+# 2: the batch-dimension pass and the model-preparation pass (ortflow.graph) rewrite the graph before the engine.
+_ARTIFACTS_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class ConfigureResult:
+    """What :func:`configure` did.
+
+    Attributes:
+        run_dir: The run folder (``cfg.output_dir``).
+        artifacts_dir: Folder holding the training artifacts.
+        reused: True when the artifacts were already up to date and nothing was built.
+        info: The contents of ``configure.json``.
+    """
+
+    run_dir: Path
+    artifacts_dir: Path
+    reused: bool
+    info: dict[str, Any]
+
+
+def _external_data_files(model_path: Path) -> list[Path]:
+    proto = onnx.load(str(model_path), load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in proto.graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return [model_path.parent / loc for loc in sorted(locations)]
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """sha256 over the model file, its external data files, the model section and the engine version.
+
+    Args:
+        cfg: The run config.
+
+    Returns:
+        A hex digest that changes whenever the artifacts would.
+    """
+    digest = hashlib.sha256()
+    for path in [cfg.model.path, *_external_data_files(cfg.model.path)]:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    digest.update(cfg.section_fingerprint("model").encode())  # the optimizer is not in the artifacts
+    digest.update(f"ort={ORT_VERSION};format={_ARTIFACTS_FORMAT}".encode())
+    if cfg.distributed.pipeline_parallel_size > 1:  # stage artifacts depend on the stage count
+        digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
+    if cfg.precision.use_mixed_precision:  # the autocast pass and the loss-scale input are in the artifacts
+        digest.update(f";precision={cfg.section_fingerprint('precision')}".encode())
+    if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
+        digest.update(b";gathers=repeatable")
+    if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (build/training_graph.py)
+        digest.update(b";sums=matmul")
+    if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
+        digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())
+    return digest.hexdigest()
+
+
+def read_configure_record(run_dir: Path | str) -> dict[str, Any] | None:
+    """The ``configure.json`` of a run folder, or None when it is missing or unreadable."""
+    try:
+        return json.loads((Path(run_dir) / CONFIGURE_RECORD_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_config_if_changed(cfg: RunConfig) -> None:
+    # Sections outside the fingerprint (batch size, schedule, ...) may change without a rebuild; the ranks must
+    # still see them, so the resolved config is rewritten whenever its text differs.
+    target = cfg.output_dir / RESOLVED_CONFIG_NAME
+    if not target.exists() or target.read_text() != dump_config(cfg):
+        write_resolved_config(cfg)
+
+
+def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
+    """The pipeline stages', tensor-parallel pieces' or pp x hp pieces' artifacts that this config needs are built."""
+    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    if pp > 1 and hp > 1:
+        return read_pipe_tensor_record(artifacts_dir) is not None
+    return ((pp == 1 or read_stages_record(artifacts_dir) is not None)
+            and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
+
+
+def configure(cfg: RunConfig) -> ConfigureResult:
+    """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
+
+    Args:
+        cfg: The run config.
+
+    Returns:
+        Where the run folder and artifacts are, whether existing artifacts were reused, and the configure record.
+
+    Raises:
+        ConfigError: With every problem found, each naming the field to fix (missing or unrunnable model, frozen
+            patterns that match nothing, a loss output the model lacks, ...).
+    """
+    problems = check_files(cfg)
+    if problems:
+        raise ConfigError(problems)
+    run_dir, artifacts_dir = cfg.output_dir, cfg.artifacts_dir
+    record_path = run_dir / CONFIGURE_RECORD_NAME
+    key = fingerprint(cfg)
+
+    previous = read_configure_record(run_dir)
+    if (
+        previous is not None
+        and previous.get("fingerprint") == key
+        and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
+        and _split_artifacts_exist(cfg, artifacts_dir)
+    ):
+        _write_config_if_changed(cfg)
+        log.info("configure: unchanged, reusing %s", artifacts_dir)
+        return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = inspect_model(cfg.model.path)
+    try:
+        # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
+        pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+        both = pp > 1 and hp > 1  # each stage's graph split over the tensor-parallel ranks
+        if both:
+            plan_pipe_tensor(cfg)  # refuse a bad pp x hp split before building anything
+        plan = plan_stages(cfg) if pp > 1 and not both else None  # refuse a bad split first
+        tensor = hp > 1 and not both
+        if tensor:
+            plan_tensor(cfg)  # refuse a bad tensor-parallel split before building anything
+        built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
+        stages = build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None
+        tensor_record = build_tensor_artifacts(cfg, artifacts_dir) if tensor else None
+        if both:
+            stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
+            tensor_record = {"split": [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]}
+    except ArtifactsError as err:
+        raise ConfigError([str(err)]) from None
+    write_resolved_config(cfg)
+    record = {
+        "fingerprint": key,
+        "model_path": str(cfg.model.path),
+        "artifacts_dir": str(artifacts_dir),
+        "artifact_files": list(ARTIFACT_FILES),
+        "train_inputs": [t.to_dict() for t in built.train_inputs],
+        "eval_inputs": [t.to_dict() for t in built.eval_inputs],
+        "model_inputs": [t.to_dict() for t in model.inputs],
+        "model_outputs": [t.to_dict() for t in model.outputs],
+        "trainable": list(built.trainable),
+        "frozen": list(built.frozen),
+        "loss": built.loss,
+        "loss_output": built.loss_output,
+        "label_input": built.label_input,
+        "num_parameters": built.num_parameters,
+        "graph_rewrites": list(built.rewrites),
+        "batch": built.batch.to_dict() if built.batch else None,
+        "optimizer": cfg.optimizer.name,
+        "opset": model.opset,
+        "ir_version": model.ir_version,
+        "ort_version": ORT_VERSION,
+        DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
+        "pipeline_cuts": stages["cuts"] if stages else [],
+        "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
+    }
+    _write_json_atomic(record_path, record)
+    log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)
+    return ConfigureResult(run_dir, artifacts_dir, reused=False, info=record)

@@ -1,0 +1,105 @@
+"""The model the engine gets: the user's model after ortflow's preparation pass, as a proto or (over 2 GB) a file.
+
+Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import onnx
+
+from ortflow.config import RunConfig
+from ortflow.graph.batch import BatchReport, make_batch_symbolic
+from ortflow.graph.common import GraphError
+from ortflow.graph.differentiable import explain_engine_error
+from ortflow.graph.prepare import PreparedModel, prepare_model
+
+
+class ArtifactsError(ValueError):
+    """The model and the config cannot be turned into training artifacts; the message names the field to fix."""
+
+
+def prepare(
+    cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None, proto_limit: int
+) -> tuple[PreparedModel, BatchReport | None]:
+    """The batch-dimension pass (:mod:`ortflow.graph.batch`), then the model-preparation pass.
+
+    The batch pass test-runs the model at two batch sizes, so it needs the weights: it runs when the model with its
+    external data fits in a proto (report None otherwise: the batch dims stay as exported). The preparation passes
+    never read weights.
+    """
+    model = onnx.load(str(cfg.model.path), load_external_data=False)
+    batch = None
+    if _data_bytes(Path(cfg.model.path), model) < proto_limit:
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        model, batch = make_batch_symbolic(model)
+    try:
+        repeatable = repeatable_gathers(cfg)
+        prepared = prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name, repeatable,
+                                 fuse_gelu=gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
+        return prepared, batch
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def gelu_fusion(cfg: RunConfig) -> bool:
+    """Whether exported GELUs become the engine's Gelu / FastGelu (:mod:`ortflow.graph.gelu`): model.fuse_gelu, except
+    with bf16 mixed precision, where the CUDA engine's GeluGrad kernels are registered for fp16, fp32 and fp64 only
+    (not settled on a GPU: docs/engine-kernels.md "GELU")."""
+    return cfg.model.fuse_gelu and not (cfg.precision.use_mixed_precision and cfg.precision.use_bfloat16)
+
+
+def repeatable_gathers(cfg: RunConfig) -> bool:
+    """Whether embedding reads become GatherND (:mod:`ortflow.graph.embedding`): on the CPU, with
+    distributed.deterministic_compute, because the CPU engine's Gather gradient sums repeated ids in thread order.
+    The CUDA engine's GatherGrad is another kernel, not examined here: CUDA graphs are left as they are."""
+    return cfg.distributed.device == "cpu" and cfg.distributed.deterministic_compute
+
+
+def _data_bytes(model_path: Path, model: onnx.ModelProto) -> int:
+    """Bytes of the model with its external data loaded."""
+    files = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    return model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in files)
+
+
+def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path, proto_limit: int):
+    """What generate_artifacts gets: the prepared proto with its weights, or a path when that would pass 2 GB.
+
+    A big prepared model is written into ``scratch`` beside hard links (or copies) of the external data files, at the
+    same relative locations, so the user's folder is never written to.
+    """
+    model = prepared.model
+    files = [entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"]
+    size = model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in set(files))
+    if size < proto_limit:
+        if files:
+            model = onnx.ModelProto.FromString(model.SerializeToString())
+            onnx.external_data_helper.load_external_data_for_model(model, str(model_path.parent))
+        return model
+    if not prepared.report:
+        return str(model_path)
+    for name in sorted(set(files)):
+        target = scratch / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(model_path.parent / name, target)
+        except OSError:  # another filesystem: copy once
+            shutil.copyfile(model_path.parent / name, target)
+    path = scratch / f"prepared-{model_path.name}"
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, trainable: list[str]) -> ArtifactsError:
+    explained = explain_engine_error(str(err), prepared.model, set(trainable))
+    if explained is not None:
+        return ArtifactsError(f"model.path: the engine could not differentiate {cfg.model.path.name}: {explained}")
+    return ArtifactsError(
+        f"model.path: the engine could not build a training graph from {cfg.model.path.name}: "
+        f"{type(err).__name__}: {err}. ortflow already declared LayerNormalization/Dropout outputs and replaced Splits "
+        "with unused outputs; see docs/your-model.md for the ops the engine cannot "
+        "differentiate and what to write instead"
+    )

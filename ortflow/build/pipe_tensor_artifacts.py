@@ -1,0 +1,164 @@
+"""Pipeline x tensor parallelism in configure: each pipeline stage's graph split over the tensor-parallel ranks.
+
+The model is cut into stages as for the pipeline (:func:`ortflow.build.stage_artifacts.plan_stages`), then
+each stage's model is split and cut into pieces as a tensor-parallel model is
+(:mod:`ortflow.build.tensor_artifacts`). The first pieces of a stage also list what the stage receives
+in ``requires_grad`` (their gradients go back to the previous stage); the last piece of a middle stage has the VJP
+loss of what the stage sends, the last piece of the last stage the configured loss.
+
+Folders: ``artifacts/pipetensor/stage-SS/tensor/rank-RR/piece-PP/`` (engine artifacts of piece PP of tensor-parallel
+rank RR of stage SS), and ``artifacts/pipetensor/pipetensor.json`` (cuts, and each stage's tensors, slicing and
+pieces), written last.
+
+Refused, with the names and the fix: a cut crossed by a tensor inside a split region (an attention block or MLP:
+its activations are split over the ranks, the pipeline carries whole tensors), a tied weight read in two stages
+(each stage's tensor-parallel pieces would need its copies summed across both groups), and a stage with no layer
+to split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import onnx
+
+from ortflow.build.artifacts import ArtifactsError, inspect_model, split_parameters
+from ortflow.build.building import building
+from ortflow.build.engine_input import gelu_fusion
+from ortflow.build.records import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
+from ortflow.build.stage_artifacts import plan_stages
+from ortflow.build.tensor_artifacts import build_piece, piece_record, export_fixes
+from ortflow.config import RunConfig
+from ortflow.graph.gelu import gelu_rewrites
+from ortflow.graph.gradient_fixes import gradient_fixes
+from ortflow.graph.pipeline_cuts import Stage
+from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
+from ortflow.graph.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_shard import shard_model
+
+log = logging.getLogger(__name__)
+
+@dataclasses.dataclass
+class StagePlan:
+    """One pipeline stage, split for tensor parallelism: its model (export fixes applied) and the split."""
+
+    stage: Stage
+    model: onnx.ModelProto
+    plan: TensorPlan
+
+
+def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> None:
+    """Refuse cuts crossed by a tensor made inside a split region of the whole model, and tied weights across stages."""
+    size = cfg.distributed.horizontal_parallel_size
+    tied = {n: list(h) for s in stages for n, h in s.shared.items()}
+    if tied:
+        raise ArtifactsError(
+            f"tied parameters {tied} (name: stages reading it) are read in several pipeline stages; with "
+            f"distributed.horizontal_parallel_size {size} every parameter must be read in one stage: move "
+            "model.pipeline_cuts so their readers share a stage, untie them in the model, or use one of "
+            "pipeline_parallel_size and horizontal_parallel_size (each alone handles tied weights)")
+    whole = export_fixes(gradient_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg))), trainable)
+    try:
+        plan = plan_tensor_split(whole, trainable, size)
+    except TensorSplitError as err:
+        raise ArtifactsError(str(err)) from None
+    inside = {}
+    for k, region in enumerate(plan.regions):
+        for i in region.nodes:
+            for out in whole.graph.node[i].output:
+                inside[out] = (k, region)
+    for stage in stages[1:]:
+        bad = [n for n in stage.receives if n in inside]
+        if bad:
+            k, region = inside[bad[0]]
+            raise ArtifactsError(
+                f"pipeline cut {stage.index} (model.pipeline_cuts {_cuts(cfg, stages)}) is crossed by {bad}, made "
+                f"inside tensor-parallel region {k} (columns {region.columns}, rows {region.rows}), whose "
+                f"activations are split over the {size} tensor-parallel ranks: cut between regions instead, e.g. at "
+                f"a residual add or a LayerNorm output, after {region.outputs} is summed")
+
+
+def _cuts(cfg: RunConfig, stages: list[Stage]) -> list[str]:
+    return list(cfg.model.pipeline_cuts) or [s.receives[0] for s in stages[1:] if s.receives]
+
+
+def plan_pipe_tensor(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
+    """The cuts and each stage's tensor-parallel split, or the refusal naming what and how to fix: no engine call.
+
+    Raises:
+        ArtifactsError: The stages or a stage's split are refused.
+    """
+    size = cfg.distributed.horizontal_parallel_size
+    cuts, stages = plan_stages(cfg)
+    trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    _check_cuts(cfg, stages, trainable)
+    plans = []
+    for stage in stages:
+        model = export_fixes(stage.model, stage.parameters)
+        try:
+            plan = plan_tensor_split(model, stage.parameters, size)
+            pieces(StagePlan(stage, model, plan), 0)  # refuse a bad cut before any engine call
+        except TensorSplitError as err:
+            raise ArtifactsError(f"pipeline stage {stage.index} of {len(stages)} (cuts {cuts}): {err}; or move "
+                                 "model.pipeline_cuts so that every stage holds a whole attention block or "
+                                 "MLP") from None
+        plans.append(StagePlan(stage, model, plan))
+    return cuts, plans
+
+
+def pieces(sp: StagePlan, rank: int) -> list[Piece]:
+    """Tensor-parallel rank ``rank``'s pieces of a stage; a piece reading what the stage receives also returns its
+    gradient (the previous stage's backward needs it)."""
+    cut = cut_pieces(shard_model(sp.model, sp.plan, rank), sp.plan, sp.model, sp.stage.parameters)
+    received = set(sp.stage.receives)
+    out = []
+    for piece in cut:
+        extra = tuple(n for n in piece.stage.data_inputs if n in received)
+        if extra:
+            stage = dataclasses.replace(piece.stage, receives=piece.stage.receives + extra,
+                                        data_inputs=tuple(n for n in piece.stage.data_inputs if n not in received))
+            piece = Piece(stage, piece.parallel, piece.float_receives + extra)
+        out.append(piece)
+    return out
+
+
+def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
+    """Build every (stage, tensor-parallel rank)'s pieces under ``artifacts_dir/pipetensor`` once; return the record.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
+    """
+    size = cfg.distributed.horizontal_parallel_size
+    cuts, plans = plan_pipe_tensor(cfg)
+    _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    stages = []
+    with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
+        for sp in plans:
+            s = sp.stage.index
+            for line in describe(sp.plan):
+                log.info("pipeline stage %d, tensor_parallel %d: %s", s, size, line)
+            records = []
+            for rank in range(size):
+                mine = pieces(sp, rank)
+                for piece in mine:
+                    last = s == len(plans) - 1 and piece is mine[-1]
+                    folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
+                    try:
+                        build_piece(cfg, piece, last, set(frozen), folder)
+                    except ArtifactsError:
+                        raise
+                    except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
+                        raise ArtifactsError(f"the engine could not build piece {piece.index} of tensor-parallel "
+                                             f"rank {rank} of pipeline stage {s}: {type(err).__name__}: {err}") from err
+                records.append([piece_record(p, p.stage.model) for p in mine])
+            stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
+                           "parameters": list(sp.stage.parameters),
+                           "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},
+                           "split": describe(sp.plan), "pieces": records[0]})
+        record = {"size": size, "num_stages": len(plans), "cuts": cuts, "stages": stages}
+        (scratch / PIPE_TENSOR_RECORD).write_text(json.dumps(record, indent=1))  # last: vouches for the pieces
+    log.info("built %d pipeline stages x %d tensor-parallel ranks (cuts %s)", len(plans), size, cuts)
+    return record

@@ -1,0 +1,224 @@
+"""Build each pipeline stage's training artifacts once, in configure (docs/engine-pipeline.md says why this way).
+
+For stage ``s`` of ``P`` the folder ``artifacts/stages/stage-SS/`` holds the engine's training and eval models and
+initial state (no optimizer graph: ortflow updates the weights):
+
+* a middle stage's loss is ``sum_i ReduceSum(y_i * g_i)`` over what it sends, with the arriving gradients ``g_i``
+  (``<y_i>.grad_in``) as inputs: its parameter gradients are then exactly the vector-Jacobian product; the sent
+  tensors stay outputs of the eval model (``additional_output_names``), which gives the forward pass, and are removed
+  from the training model's outputs (the forward pass has sent them already);
+* the last stage keeps the configured loss (the same block as unsplit training);
+* every stage but the first lists what it receives in ``requires_grad``; the engine's accumulator for those input
+  gradients is removed and each comes out, per call, as ``<name>.backprop`` right after the loss.
+
+``stages.json`` in ``artifacts/stages/`` records the cuts and each stage's tensors; it is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from ortflow.build.artifacts import (
+    ArtifactsError,
+    check_loss_io,
+    ConfiguredLoss,
+    loss_block,
+    inspect_model,
+    split_parameters,
+)
+from ortflow.build.building import building
+from ortflow.build.engine_input import gelu_fusion, repeatable_gathers
+from ortflow.build.records import ARTIFACT_FILES, BACKPROP_SUFFIX, GRAD_IN_SUFFIX, STAGES_DIR, STAGES_RECORD
+from ortflow.config import RunConfig
+from ortflow.engine import artifacts as engine_artifacts
+from ortflow.engine import onnxblock
+from ortflow.graph.embedding import deterministic_gathers
+from ortflow.graph.gelu import gelu_rewrites
+from ortflow.graph.gradient_fixes import gradient_fixes
+from ortflow.graph.pipeline_cuts import Stage, choose_cuts, split_model
+
+log = logging.getLogger(__name__)
+
+class VJPLoss(onnxblock.Block):
+    """loss = sum over sent tensors of ReduceSum(y * g), g the gradient that the next stage sends back."""
+
+    def __init__(self, sends: tuple[str, ...], types: dict[str, onnx.ValueInfoProto]):
+        super().__init__()
+        self._sends, self._types = sends, types
+
+    def build(self, *outputs: str) -> str:
+        graph = self.base.graph
+        terms = []
+        for name in self._sends:
+            grad_in = name + GRAD_IN_SUFFIX
+            declared = self._types[name]
+            graph.input.append(helper.make_value_info(grad_in, declared.type))
+            graph.node.append(helper.make_node("Mul", [name, grad_in], [f"{name}.vjp_prod"]))
+            graph.node.append(helper.make_node("ReduceSum", [f"{name}.vjp_prod"], [f"{name}.vjp"], keepdims=0))
+            terms.append(f"{name}.vjp")
+        total = terms[0]
+        for k, term in enumerate(terms[1:], 1):  # Add, not Sum: the engine has no gradient builder for Sum
+            out = "pipeline.vjp_loss" if k == len(terms) - 1 else f"pipeline.vjp_partial{k}"
+            graph.node.append(helper.make_node("Add", [total, term], [out]))
+            total = out
+        return total
+
+
+def expose_input_gradients(path: Path, names: tuple[str, ...]) -> None:
+    """Replace the engine's accumulators of the received tensors' gradients by per-call outputs ``<name>.backprop``.
+
+    ``api.Module`` returns only outputs whose names lack ``_grad``, hence the rename through Identity.
+    """
+    model = onnx.load(str(path))
+    graph = model.graph
+    extra = []
+    for name in names:
+        grad = f"{name}_grad"
+        acc = next((n for n in graph.node if n.op_type == "InPlaceAccumulatorV2" and n.input[1] == grad), None)
+        if acc is None:
+            raise ArtifactsError(
+                f"the engine built no gradient for the stage input '{name}': nothing before it reaches the loss "
+                "differentiably; choose another model.pipeline_cuts"
+            )
+        graph.node.remove(acc)
+        for item in [i for i in graph.input if i.name == acc.input[0]]:
+            graph.input.remove(item)
+        for item in [o for o in graph.output if o.name in acc.output]:
+            graph.output.remove(item)
+        graph.node.append(helper.make_node("Identity", [grad], [name + BACKPROP_SUFFIX]))
+        extra.append(helper.make_empty_tensor_value_info(name + BACKPROP_SUFFIX))
+    user = [o for o in graph.output if "_grad" not in o.name]
+    grads = [o for o in graph.output if "_grad" in o.name]
+    del graph.output[:]
+    graph.output.extend([user[0], *extra, *user[1:], *grads])
+    onnx.save(model, str(path))
+
+
+def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
+    """A middle stage's eval model computes only what it sends: the VJP loss and its gradient inputs are removed."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    grad_inputs = {n + GRAD_IN_SUFFIX for n in sends}
+    keep = [n for n in graph.node if not grad_inputs.intersection(n.input) and not n.output[0].endswith(".vjp")
+            and n.output[0] != "pipeline.vjp_loss"]
+    del graph.node[:]
+    graph.node.extend(keep)
+    inputs = [i for i in graph.input if i.name not in grad_inputs]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    outputs = [o for o in graph.output if o.name in sends]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    onnx.save(model, str(path))
+
+
+def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
+    """A middle stage's training model outputs the VJP loss, not the sent tensors: the forward pass has already sent
+    them, and as outputs the engine would copy each out and keep it through the backward pass (stage 0 of the bench
+    GPT at 32 sequences: 1 MiB of its 68 MiB working set, bench/results/pipeline-breakdown-vm.md)."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    outputs = [o for o in graph.output if o.name not in sends]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    onnx.save(model, str(path))
+
+
+def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> None:
+    folder.mkdir(parents=True)
+    model = stage.model
+    if repeatable_gathers(cfg):  # as for the whole model (ortflow/graph/embedding.py)
+        model = deterministic_gathers(model, set(stage.parameters))
+    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen)
+    if last:
+        output_name = check_loss_io(cfg, inspect_model(cfg.model.path))
+        label = None if cfg.model.loss == "model_output" else cfg.model.label_input
+        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), output_name, label)
+        extra = None
+    else:
+        types = {o.name: o for o in model.graph.output}
+        loss, extra = VJPLoss(stage.sends, types), list(stage.sends)
+    engine_artifacts.generate_artifacts(
+        model,
+        requires_grad=[*stage.parameters, *stage.receives],
+        frozen_params=stage_frozen,
+        loss=loss,
+        optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
+        artifact_directory=folder,
+        additional_output_names=extra,
+    )
+    (folder / "temp.onnx").unlink(missing_ok=True)
+    if not last:
+        strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
+        drop_sends_from_training(folder / "training_model.onnx", stage.sends)
+    if stage.receives:
+        expose_input_gradients(folder / "training_model.onnx", stage.receives)
+    missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
+    if missing:
+        raise RuntimeError(f"the engine did not write {missing} into {folder}")
+
+
+def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
+    """The cuts (``model.pipeline_cuts`` or balanced) and the stages, or the refusal: fast, no engine call.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors/nodes and the fix).
+    """
+    from ortflow.graph.pipeline_cuts import SplitError
+
+    num = cfg.distributed.pipeline_parallel_size
+    trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    # The GELU rewrites as for the unsplit model (graph/gelu.py), so stages compute what it computes.
+    model = gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
+    model = gradient_fixes(model)  # graph/gradient_fixes.py: ops the engine differentiates wrongly or crashes on
+    try:
+        cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
+        stages = split_model(model, cuts, trainable)
+    except SplitError as err:
+        raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {err}") from None
+    empty = [s.index for s in stages if not s.parameters]
+    if empty:
+        raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")
+    return cuts, stages
+
+
+def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | None = None) -> dict:
+    """Build every stage's artifacts under ``artifacts_dir`` (from :func:`plan_stages`, made here if not given).
+
+    Returns:
+        The ``stages.json`` record.
+
+    Raises:
+        ArtifactsError: The split is refused (names the tensors/nodes) or the engine cannot build a stage.
+    """
+    num = cfg.distributed.pipeline_parallel_size
+    cuts, stages = plan or plan_stages(cfg)
+    _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    with building(artifacts_dir, STAGES_DIR) as scratch:
+        for stage in stages:
+            try:
+                _build_one(cfg, stage, stage.index == num - 1, set(frozen), scratch / f"stage-{stage.index:02d}")
+            except ArtifactsError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
+                raise ArtifactsError(
+                    f"the engine could not build pipeline stage {stage.index} (cut at {cuts}): "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+        record = {
+            "cuts": cuts,
+            "stages": [
+                {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
+                 "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
+                 "shared": {name: list(holders) for name, holders in s.shared.items()}}
+                for s in stages
+            ],
+        }
+        (scratch / STAGES_RECORD).write_text(json.dumps(record, indent=1))
+    log.info("built %d pipeline stages cut at %s", num, cuts)
+    return record

@@ -1,0 +1,307 @@
+"""Writing checkpoints atomically, retention, and the cleanup of what a killed writer left.
+
+The writer rank builds the folder under a hidden temporary name, every file is fsynced, ``meta.json`` is written last
+with the size and sha256 of each file and its own digest, the folder is renamed into place and the parent fsynced; only
+then does retention delete old checkpoints (levanter ``checkpoint.py``; torchtitan ``components/checkpoint.py``). Under
+ZeRO-1 every rank writes its own optimizer shard into the same temporary folder (named after rank 0's pid), between two
+barriers; rank 0 alone checksums, writes meta.json and renames. The loop only calls :meth:`CheckpointManager.save`
+when :meth:`CheckpointManager.should_save` says so: the manager decides when to save and what to delete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Collection, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ortflow import __version__
+from ortflow.checkpoints.folder import (
+    STEP_RE,
+    TMP_PREFIX,
+    FORMAT,
+    META_FILE,
+    META_SHA_KEY,
+    CheckpointError,
+    CheckpointInfo,
+    file_sha256,
+    latest_verified,
+    list_complete,
+    meta_digest,
+    step_dirname,
+)
+
+log = logging.getLogger("ortflow.checkpoints")
+
+StateWriter = Callable[[Any, Path], None]
+"""Writes this rank's part of a training state into a checkpoint folder (see :mod:`.h5state`)."""
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Retention
+
+
+def retention_to_delete(steps: Sequence[int], keep_newest: int, protect: Collection[int] = ()) -> list[int]:
+    """The retention policy: which checkpoints to delete.
+
+    Shared by the trainer (keep the newest) and the retention stage (which also protects the best and final steps).
+
+    Args:
+        steps: Steps of the complete checkpoints that exist.
+        keep_newest: How many of the largest steps to keep (>= 0).
+        protect: Steps kept whatever their age.
+
+    Returns:
+        The steps to delete, sorted ascending.
+    """
+    if keep_newest < 0:
+        raise ValueError(f"keep_newest must be >= 0, got {keep_newest}")
+    unique = sorted(set(steps))
+    newest = set(unique[max(0, len(unique) - keep_newest) :]) if keep_newest else set()
+    keep = newest | set(protect)
+    return [step for step in unique if step not in keep]
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder; ``meta.json`` goes first so a half-deleted folder is never taken as complete."""
+    (Path(path) / META_FILE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the names in a folder (created, renamed) durable; some filesystems refuse fsync on folders.
+    try:
+        _fsync_file(path)
+    except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) writes nothing more
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class CheckpointManager:
+    """Decides when to save, writes checkpoints atomically and applies retention.
+
+    Args:
+        directory: The checkpoint directory (created on the writer).
+        period: Save every this many weight updates; 0 saves only the final checkpoint.
+        max_num_checkpoints: Complete checkpoints kept; older ones are deleted after a new one is complete.
+        is_writer: True on the rank that finishes checkpoints (rank 0).
+        writer: ``writer(state, folder)`` writes this rank's files into the temporary folder.
+        clock: Seconds since the epoch, for ``created`` in meta.json (passed in so tests control time).
+        shared: Under ZeRO-1 every rank writes a file: ``(barrier, token)`` with a barrier over all ranks and a token
+            that is the same on every rank (rank 0's pid) naming the temporary folder. None: only the writer writes.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        period: int,
+        max_num_checkpoints: int,
+        is_writer: bool,
+        writer: StateWriter,
+        clock: Callable[[], float] = time.time,
+        shared: tuple[Callable[[str], None], int] | None = None,
+    ):
+        if period < 0:
+            raise ValueError(f"checkpoint.period must be >= 0 (0: only the final checkpoint), got {period}")
+        if max_num_checkpoints < 1:
+            raise ValueError(f"checkpoint.max_num_checkpoints must be >= 1, got {max_num_checkpoints}")
+        self.directory = Path(directory)
+        self.period = period
+        self.max_num_checkpoints = max_num_checkpoints
+        self.is_writer = is_writer
+        self._clock = clock
+        self._writer = writer
+        self._shared = shared
+        self._token = shared[1] if shared else os.getpid()
+        self._saved_steps: set[int] = set()
+        if is_writer:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.clean_stale_tmp()
+
+    # -- policy ------------------------------------------------------------------------------------------------------
+
+    def should_save(self, step: int, final: bool = False) -> bool:
+        """True at every ``period``-th weight update and at the final one, never twice for one step."""
+        if step in self._saved_steps:
+            return False
+        return final or (self.period > 0 and step > 0 and step % self.period == 0)
+
+    def maybe_save(self, step: int, state: Any, meta: dict, final: bool = False) -> Path | None:
+        """Save if :meth:`should_save` says so.
+
+        Returns:
+            The new checkpoint folder, or None when nothing was written (not due, or not the writer rank).
+        """
+        if not self.should_save(step, final):
+            return None
+        return self.save(step, state, meta)
+
+    # -- reading -----------------------------------------------------------------------------------------------------
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint that verifies (damaged newer ones are skipped with a warning)."""
+        return latest_verified(self.directory)
+
+    # -- cleanup -----------------------------------------------------------------------------------------------------
+
+    def clean_stale_tmp(self) -> list[Path]:
+        """Remove what killed writers left: temporary folders of dead writers, ``step-*`` folders without meta.json.
+
+        A ``step-*`` folder without ``meta.json`` is never a checkpoint in progress (writers build under a temporary
+        name and rename complete folders); it is what a kill during retention leaves (meta.json is deleted first).
+        """
+        removed = []
+        for child in sorted(self.directory.iterdir()) if self.directory.is_dir() else ():
+            if STEP_RE.match(child.name) and child.is_dir() and not (child / META_FILE).exists():
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+                continue
+            if not child.name.startswith(TMP_PREFIX):
+                continue
+            pid_text = child.name.rsplit("-", 1)[-1]
+            pid = int(pid_text) if pid_text.isdigit() else None
+            # Our own pid (or token) cannot belong to a live writer: this manager has not written yet.
+            if pid is None or pid in (os.getpid(), self._token) or not _pid_alive(pid):
+                if self._restore_replaced(child):
+                    continue
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+        if removed:
+            log.info("removed %d incomplete checkpoint folder(s): %s", len(removed), [p.name for p in removed])
+        return removed
+
+    def _restore_replaced(self, aside: Path) -> bool:
+        """Put back a complete checkpoint set aside for replacement when its writer died before the new one landed."""
+        match = re.match(rf"^{re.escape(TMP_PREFIX)}replaced-(step-\d+)-\d+$", aside.name)
+        if not match or not (aside / META_FILE).exists() or (self.directory / match.group(1)).exists():
+            return False
+        os.rename(aside, self.directory / match.group(1))
+        _fsync_dir(self.directory)
+        log.warning("restored %s, set aside by a writer that stopped while replacing it", match.group(1))
+        return True
+
+    # -- writing -----------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, meta: dict) -> Path | None:
+        """Write the checkpoint of ``step`` atomically, then delete checkpoints beyond ``max_num_checkpoints``.
+
+        Args:
+            step: Weight updates done.
+            state: What the writer stores (the trainer's :class:`~.h5state.TrainState`).
+            meta: JSON-serializable fields recorded in meta.json (global_cursor, losses, rng, config_fingerprint, ...);
+                step, files, format, created, ortflow_version and meta_sha256 are added here.
+
+        Returns:
+            The checkpoint folder, or None on a rank that is not the writer.
+
+        Raises:
+            CheckpointError: writing failed (e.g. the disk is full); existing checkpoints are untouched and no
+                temporary folder remains.
+        """
+        self._saved_steps.add(step)
+        if not self.is_writer and self._shared is None:
+            return None
+        name = step_dirname(step)
+        tmp = self.directory / f"{TMP_PREFIX}{name}-{self._token}"
+        final = self.directory / name
+        try:
+            if self.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            if self._shared:
+                self._shared[0]("checkpoint folder created")  # Sync point: every rank writes into the new folder
+            self._writer(state, tmp)
+            if self._shared:
+                self._shared[0]("checkpoint files written")  # Sync point: rank 0 checksums every rank's file
+            if not self.is_writer:
+                return None
+            self._finish(step, tmp, meta)
+            self._move_into_place(tmp, final)
+        except BaseException as err:
+            if self.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._saved_steps.discard(step)
+            if isinstance(err, (OSError, RuntimeError)):  # h5py raises RuntimeError on some write failures (disk full)
+                raise CheckpointError(
+                    f"could not write checkpoint {name} in {self.directory}: {err}; the earlier checkpoints are "
+                    "intact and no partial folder was left. Free disk space or point checkpoint.dir elsewhere"
+                ) from err
+            raise
+        log.info("saved checkpoint %s", final)
+        self._apply_retention(protect={step})
+        return final
+
+    def _finish(self, step: int, tmp: Path, meta: dict) -> None:
+        files = {}
+        for file in sorted(tmp.iterdir()):
+            _fsync_file(file)
+            files[file.name] = {"sha256": file_sha256(file), "bytes": file.stat().st_size}
+        if not files:
+            raise CheckpointError(f"the state writer created no file in {tmp}")
+        full_meta = {
+            **meta,
+            "format": FORMAT,
+            "step": step,
+            "files": files,
+            "ortflow_version": __version__,
+            "created": datetime.fromtimestamp(self._clock(), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        full_meta[META_SHA_KEY] = meta_digest(full_meta)
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(full_meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
+        aside = None
+        if final.exists():
+            if (final / META_FILE).exists():
+                # A complete checkpoint of this step exists: keep it until the new one is in place.
+                aside = self.directory / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(final, aside)
+            else:
+                shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.directory)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def _apply_retention(self, protect: Collection[int]) -> list[int]:
+        complete = list_complete(self.directory)
+        doomed = retention_to_delete([c.step for c in complete], self.max_num_checkpoints, protect)
+        for info in complete:
+            if info.step in doomed:
+                delete_checkpoint(info.path)
+                log.info("retention: deleted checkpoint %s", info.path.name)
+        return doomed

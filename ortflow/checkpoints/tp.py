@@ -1,0 +1,109 @@
+"""Tensor-parallel checkpoint files: each tensor-parallel rank's slices, and the whole tensors rebuilt from them.
+
+Rank ``t`` of ``hp`` (its first data-parallel replica) writes ``params-tpTT-of-HH.h5`` and ``optimizer-tpTT-of-HH.h5``
+in the format of ``params.h5`` / ``optimizer.h5`` (:mod:`ortflow.checkpoints.h5state`), holding its slices
+of the split parameters (attributes ``tp_axis``, ``tp_parts``, ``tp_size``; an optimizer state segment also
+``tp_shape``, the slice's shape) and every replicated parameter whole (bitwise equal on every tp rank: checked when
+merged). Readers that want whole tensors (export, ``ortflow checkpoint merge``, a warm start at another size) get
+them merged here; a resuming rank reads its own two files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ortflow.checkpoints.folder import CheckpointError
+
+
+def tp_file(kind: str, rank: int, size: int, stage: tuple[int, int] | None = None) -> str:
+    """Name of tensor-parallel rank ``rank``'s ``params`` or ``optimizer`` file (of pipeline stage ``(s, P)``)."""
+    where = f"-stage{stage[0]:02d}-of-{stage[1]:02d}" if stage else ""
+    return f"{kind}{where}-tp{rank:02d}-of-{size:02d}.h5"
+
+
+def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``: its block of every part, concatenated)."""
+    axis = axis if value.ndim > 1 else 0
+    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in np.split(value, parts, axis=axis)], axis=axis)
+
+
+def merge_slices(pieces: list[np.ndarray], axis: int, parts: int) -> np.ndarray:
+    """The whole tensor from every rank's :func:`slice_tensor` (in rank order): its inverse."""
+    axis = axis if pieces[0].ndim > 1 else 0
+    per_rank = [np.split(p, parts, axis=axis) for p in pieces]
+    return np.concatenate([np.concatenate([r[k] for r in per_rank], axis=axis) for k in range(parts)], axis=axis)
+
+
+def tp_files(folder: Path, kind: str) -> list[Path]:
+    """A folder's tensor-parallel ``kind`` files in (stage and) rank order ([] if it is not a tensor-parallel
+    checkpoint)."""
+    return sorted(Path(folder).glob(f"{kind}-tp*-of-*.h5")) or sorted(Path(folder).glob(f"{kind}-stage*-tp*-of-*.h5"))
+
+
+def by_stage(files: list[Path]) -> list[list[Path]]:
+    """Tensor-parallel files grouped by pipeline stage (one group without pipeline stages), each in rank order."""
+    groups: dict[str, list[Path]] = {}
+    for path in files:
+        groups.setdefault(path.name.split("-tp")[0], []).append(path)
+    return [groups[k] for k in sorted(groups)]
+
+
+def mark(ds, sliced: tuple | None) -> None:
+    """Record how a dataset was sliced, ``(axis, parts, size, slice shape)``, on a tensor-parallel rank."""
+    if sliced is not None:
+        ds.attrs.update({"tp_axis": sliced[0], "tp_parts": sliced[1], "tp_size": sliced[2],
+                         "tp_shape": list(sliced[3])})
+
+
+def _merge(name: str, arrays: list[np.ndarray], attrs) -> np.ndarray:
+    if "tp_axis" in attrs:
+        return merge_slices(arrays, int(attrs["tp_axis"]), int(attrs["tp_parts"]))
+    for k, other in enumerate(arrays[1:], 1):
+        if not np.array_equal(other, arrays[0]):
+            raise CheckpointError(f"replicated tensor {name} differs between tensor-parallel rank 0 and {k}: the "
+                                  "checkpoint is inconsistent; use another one")
+    return arrays[0]
+
+
+def read_merged_params(files: list[Path], names: set[str] | None = None) -> dict[str, np.ndarray]:
+    """Whole parameters from every tensor-parallel rank's params file (of every pipeline stage)."""
+    merged: dict[str, np.ndarray] = {}
+    for group in by_stage(files):
+        merged.update(_read_merged_group(group, names))
+    return merged
+
+
+def _read_merged_group(files: list[Path], names: set[str] | None) -> dict[str, np.ndarray]:
+    by_name: dict[str, list] = {}
+    attrs: dict[str, dict] = {}
+    for path in files:
+        with h5py.File(path, "r") as f:
+            for ds in f["parameters"].values():
+                name = str(ds.attrs["name"])
+                if names is None or name in names:
+                    by_name.setdefault(name, []).append(ds[()])
+                    attrs[name] = dict(ds.attrs)
+    return {n: _merge(n, arrays, attrs[n]) for n, arrays in by_name.items()}
+
+
+def merged_optimizer_pieces(files: list[Path]) -> tuple[int, str, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
+    """Step count, optimizer name and each state of every parameter whole (one piece each), from the tp files (of
+    every pipeline stage: a stage's ranks hold its parameters only, so keys never meet across stages)."""
+    step, optimizer, by_key, attrs = 0, "", {}, {}
+    for path in files:
+        with h5py.File(path, "r") as f:
+            step, optimizer = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
+            for sname, group in f.items():
+                for ds in group.values():
+                    key = (sname, str(ds.attrs["name"]))
+                    shape = tuple(ds.attrs["tp_shape"]) if "tp_shape" in ds.attrs else ds.shape
+                    by_key.setdefault(key, []).append(ds[()].reshape(shape))
+                    attrs[key] = dict(ds.attrs)
+    pieces: dict[str, list] = {}
+    for (sname, name), arrays in sorted(by_key.items()):
+        whole = _merge(f"{sname}/{name}", arrays, attrs[(sname, name)]).reshape(-1)
+        pieces.setdefault(sname, []).append((name, 0, whole.size, whole))
+    return step, optimizer, pieces

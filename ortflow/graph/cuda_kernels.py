@@ -1,0 +1,169 @@
+"""Which half-precision CUDA kernels the GPU engine has, per operator: what autocast may lower and what validate checks.
+
+The GPU build of ``onnxruntime-training`` 1.19.2 resolves every node to a kernel when a rank starts its session. A
+node whose (op, opset, element type) has no CUDA kernel falls back to the CPU provider, which has no fp16/bf16 kernel
+for arithmetic either, and the rank stops with ``NOT_IMPLEMENTED: Could not find an implementation for Pow(15)``.
+``configure`` cannot see this: the CPU build only builds the graph.
+
+:data:`KERNELS` records, for the operators ortflow meets in real exports (Hugging Face GPT-2 and BERT, torch CNNs,
+``ortflow.examples.gpt``) and in its own passes, which of fp16 and bf16 the CUDA execution provider registers a kernel
+for, per opset range. It describes the kernel registrations of release 1.19.2 (microsoft/onnxruntime, tag
+``v1.19.2``): ``onnxruntime/core/providers/cuda/cuda_execution_provider.cc`` (the ONNX-domain kernels and their typed
+variants, e.g. ``BFloat16`` Add/Sub/Mul/Div, MatMul, Gemm, Softmax, Relu, Sigmoid, Tanh from opset 13 and
+LayerNormalization at 17, but BatchNormalization only for float, double and MLFloat16),
+``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc`` (``com.microsoft``), and the type constraints in each op's
+kernel file (Pow's list has no bfloat16). In short: elementwise arithmetic, MatMul, Gemm, Softmax and LayerNormalization have both types; Pow has
+fp16 but no bf16 at any opset; Conv and BatchNormalization have fp16 only (cuDNN paths); SkipLayerNormalization
+(which the engine's own fusion makes out of Add + LayerNormalization) has fp16 only; data-movement ops (Reshape,
+Transpose, Gather, Concat, Slice, ...) take any fixed-size type. ``tests/gpu/test_gpu_cuda_kernels.py`` checks the
+table against the installed GPU engine (a one-node session per judged op and type, a session per autocast fixture,
+and the failure the table prevents): where the two disagree, the engine is right and the test names the entry.
+
+Operators absent from the table are not judged (:func:`has_kernel` returns ``None``): autocast lowers them as before
+and validate does not report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto
+
+FLOAT16, BFLOAT16 = TensorProto.FLOAT16, TensorProto.BFLOAT16
+HALF_NAMES = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
+_BOTH = frozenset({FLOAT16, BFLOAT16})
+_FP16 = frozenset({FLOAT16})
+_NONE: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class KernelRange:
+    """The half types with a CUDA kernel for opsets ``first`` to ``last`` (``None``: and every later one)."""
+
+    first: int
+    last: int | None
+    types: frozenset[int]
+
+    def covers(self, opset: int) -> bool:
+        return self.first <= opset and (self.last is None or opset <= self.last)
+
+
+def _always(types: frozenset[int]) -> tuple[KernelRange, ...]:
+    return (KernelRange(1, None, types),)
+
+
+# Data-movement and shape ops: their CUDA kernels are registered for every fixed-size type.
+_ANY_TYPE_OPS = (
+    "Cast", "Concat", "ConstantOfShape", "Expand", "Flatten", "Gather", "GatherElements", "GatherND", "Identity",
+    "Reshape", "Shape", "Size", "Slice", "Split", "Squeeze", "Transpose", "Unsqueeze",
+)  # fmt: skip
+
+#: (domain, op type) -> the opset ranges and the half types the CUDA provider has kernels for. ``""`` is ai.onnx.
+KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
+    **{("", op): _always(_BOTH) for op in _ANY_TYPE_OPS},
+    # Elementwise arithmetic: fp16 since the first opsets, bf16 from opset 13.
+    **{("", op): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)) for op in ("Add", "Sub", "Mul", "Div")},
+    ("", "Pow"): (KernelRange(7, 11, _FP16), KernelRange(12, 12, _NONE), KernelRange(13, None, _FP16)),
+    ("", "Erf"): (KernelRange(9, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "Tanh"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "Relu"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "Sigmoid"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "Where"): (KernelRange(9, 15, _FP16), KernelRange(16, None, _BOTH)),
+    ("", "Equal"): (KernelRange(7, None, _FP16),),
+    ("", "Dropout"): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)),
+    # Matrix products: cuBLAS in both types.
+    ("", "MatMul"): (KernelRange(1, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "Gemm"): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)),
+    # Normalisations and softmax (autocast keeps them fp32 by default; the table matters when a user lowers them).
+    ("", "Softmax"): (KernelRange(1, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "LogSoftmax"): (KernelRange(1, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "LayerNormalization"): (KernelRange(17, None, _BOTH),),
+    # Convolutional layers: cuDNN paths registered for fp16 only.
+    ("", "Conv"): (KernelRange(1, None, _FP16),),
+    ("", "BatchNormalization"): (KernelRange(7, None, _FP16),),
+    # com.microsoft ops that ortflow's passes or the engine's fusions introduce.
+    ("com.microsoft", "SkipLayerNormalization"): _always(_FP16),
+    ("com.microsoft", "FastGelu"): _always(_FP16),
+    ("com.microsoft", "Gelu"): _always(_FP16),
+    ("com.microsoft", "BiasGelu"): _always(_FP16),
+}
+
+
+def _domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """The model's opset per domain (``""`` for ai.onnx)."""
+    return {_domain(o.domain): o.version for o in model.opset_import}
+
+
+def has_kernel(op_type: str, domain: str, opset: int, elem_type: int) -> bool | None:
+    """Whether the CUDA provider has a kernel for ``op_type`` at ``opset`` in ``elem_type`` (fp16 or bf16).
+
+    Returns:
+        True or False for operators in :data:`KERNELS`; None for operators the table does not cover.
+    """
+    ranges = KERNELS.get((_domain(domain), op_type))
+    if ranges is None:
+        return None
+    return any(r.covers(opset) and elem_type in r.types for r in ranges)
+
+
+@dataclass(frozen=True)
+class MissingKernel:
+    """A node the GPU engine cannot run: it reads or writes a half type its op has no CUDA kernel for."""
+
+    node: str
+    op_type: str
+    domain: str
+    opset: int
+    elem_type: int
+
+    def message(self) -> str:
+        op = f"{self.domain}:{self.op_type}" if self.domain else self.op_type
+        return (f"{op}({self.opset}) node '{self.node}' runs in {HALF_NAMES[self.elem_type]}, for which the GPU engine "
+                f"has no CUDA kernel; the rank would stop at start ('Could not find an implementation'). Keep the op "
+                f"in fp32 (precision.fp32_ops: [{self.op_type}, ...]) or remove the model's own cast to "
+                f"{HALF_NAMES[self.elem_type]} before it")  # fmt: skip
+
+
+def element_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor ``model`` names: inputs, initializers, value_info and onnx's shape inference."""
+    try:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - onnx raises several kinds; what value_info records is used as it is
+        pass
+    graph = model.graph
+    types = {t.name: t.data_type for t in graph.initializer}
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        if info.type.tensor_type.elem_type:
+            types[info.name] = info.type.tensor_type.elem_type
+    for node in graph.node:
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if node.op_type == "Cast" and to is not None:  # known even where inference stopped early
+            types.setdefault(node.output[0], to)
+    return types
+
+
+def missing_kernels(model: onnx.ModelProto, elem_types: dict[str, int] | None = None) -> list[MissingKernel]:
+    """Nodes of ``model`` whose half-precision inputs or outputs have no CUDA kernel, in graph order.
+
+    Args:
+        model: The graph a rank loads (an autocast model, or a built training model).
+        elem_types: Element type of each tensor name; :func:`element_types` of the model when not given.
+    """
+    elem_types = element_types(model) if elem_types is None else elem_types
+    versions = opsets(model)
+    found = []
+    for node in model.graph.node:
+        domain = _domain(node.domain)
+        half = {elem_types.get(name) for name in [*node.input, *node.output] if name} & set(HALF_NAMES)
+        if node.op_type == "Cast" or not half or (domain, node.op_type) not in KERNELS:
+            continue
+        opset = versions.get(domain, 1)
+        for elem in sorted(half):
+            if has_kernel(node.op_type, domain, opset, elem) is False:
+                found.append(MissingKernel(node.name, node.op_type, domain, opset, elem))
+    return found

@@ -1,0 +1,260 @@
+"""The local launcher: build the ``mpiexec`` command, stream every rank's output with its rank, return the exit status.
+
+The bundled MPICH (``mpiexec`` next to this Python, from the ``mpich`` wheel) is the default; a system Open MPI
+works too (``--mpiexec /usr/bin/mpirun``). Multi-node runs pass the launcher's host file; every host needs the same
+Python environment at the same path and the run folder on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Where each rank's collective watchdog leaves its stall report (the trainer's ``comm.watchdog.HEARTBEAT_DIR``).
+HEARTBEAT_DIR = ".ranks"
+#: What the ranks read to follow the launching process (the trainer's ``lifeline`` module: a rank on the same host
+#: exits within a second once this process is gone).
+LAUNCHER_PID_ENV = "ORTFLOW_LAUNCHER_PID"
+LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
+
+#: Seconds the ranks get to stop cleanly (finish the update, keep checkpoints whole) before they are killed.
+STOP_GRACE_S = 30.0
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot be started (not found, bad host file)."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How the job ended: the launcher's exit status and the last error lines any rank printed."""
+
+    returncode: int
+    error_lines: tuple[str, ...]
+    signal: int = 0  # the stop signal this process received and passed on (0: none)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def summary(self) -> str:
+        """A one-paragraph reason for a failed job."""
+        if self.ok:
+            return "training finished"
+        detail = "\n".join(self.error_lines) or "(no error lines captured; see the output above)"
+        return f"training failed with exit status {self.returncode}:\n{detail}"
+
+
+def find_mpiexec(explicit: str | Path | None = None) -> Path:
+    """The launcher: ``explicit``, else the one installed beside this Python, else ``mpiexec`` on PATH."""
+    candidates = [Path(explicit)] if explicit else [Path(sys.executable).parent / "mpiexec"]
+    if not explicit and (found := shutil.which("mpiexec")):
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.exists() and os.access(candidate, os.X_OK):
+            return candidate
+    raise LaunchError(
+        f"no MPI launcher found (looked for {', '.join(map(str, candidates))}): install ortflow with its pinned "
+        "dependencies (the mpich wheel brings mpiexec) or pass --mpiexec /path/to/mpirun"
+    )
+
+
+def launcher_flavor(mpiexec: Path) -> str:
+    """``mpich`` or ``openmpi``, from the launcher's ``--version``."""
+    try:
+        out = subprocess.run([str(mpiexec), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise LaunchError(f"{mpiexec} --version failed: {err}") from None
+    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+
+
+def build_command(
+    run_dir: Path, num_ranks: int, mpiexec: Path, flavor: str, hostfile: Path | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The full launcher command line for ``num_ranks`` ranks of ``python -m ortflow.trainer RUN_DIR``."""
+    cmd = [str(mpiexec), "-n", str(num_ranks)]
+    if flavor == "openmpi":
+        cmd += ["--tag-output"]
+        if os.geteuid() == 0:
+            cmd += ["--allow-run-as-root"]
+        if hostfile:
+            cmd += ["--hostfile", str(hostfile)]
+    else:
+        cmd += ["-prepend-rank"]
+        if hostfile:
+            cmd += ["-f", str(hostfile)]
+    # -P: the working folder is not put first on the import path, so a folder named `ortflow` there cannot shadow the
+    # installed package in the ranks.
+    return cmd + [python, "-u", "-P", "-m", "ortflow.trainer", str(run_dir)]
+
+
+def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores: int) -> dict[str, str]:
+    """Environment for the ranks: math libraries get the rank's share of cores, so ranks do not oversubscribe."""
+    per_rank = threads or max(1, cores // max(1, -(-num_ranks // num_hosts)))
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(per_rank)
+    if threads:
+        env["ORTFLOW_THREADS_PER_RANK"] = str(threads)  # the engine's intra-op pool (trainer.runtime.threads_per_rank)
+    env["ORTFLOW_NUM_RANKS"] = str(num_ranks)  # the world the launcher chose (--np, auto): ranks accept it
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(launcher_environment())  # ranks on this host exit within a second if this process dies
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the hosts we run on
+    return env
+
+
+def launcher_environment() -> dict[str, str]:
+    """What the launching process exports so that its ranks can follow it."""
+    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_HOST_ENV: socket.gethostname()}
+
+
+def _is_error_line(line: str) -> bool:
+    return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
+
+
+def launch(
+    run_dir: Path,
+    num_ranks: int,
+    hostfile: Path | None = None,
+    num_hosts: int = 1,
+    threads: int | None = None,
+    mpiexec: str | Path | None = None,
+    on_line: Callable[[str], None] = print,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+    forward_signals: bool = False,
+) -> LaunchResult:
+    """Run the training job and stream its output.
+
+    Args:
+        run_dir: Configured run folder (``ortflow configure`` and ``prepare-data`` done).
+        num_ranks: Processes to start (the config's distributed.num_ranks).
+        hostfile: Launcher host file for multi-node runs.
+        num_hosts: Hosts in the host file (to share cores among local ranks).
+        threads: Threads per rank (default: cores / local ranks).
+        mpiexec: Launcher to use (default: the bundled MPICH).
+        on_line: Receives every output line, already prefixed with its rank by the launcher.
+        on_start: Receives the launcher process (to watch or stop it).
+        forward_signals: Own SIGTERM/SIGINT while the job runs (``ortflow train``): they stop the ranks cleanly and
+            the result carries the signal. Leave False where another framework owns the signals (Prefect).
+
+    Returns:
+        The exit status, the last error lines and the stop signal received. Otherwise (a KeyboardInterrupt, a task
+        timeout, a cancelled flow) the job's process group gets SIGTERM (ranks stop after the current update) and,
+        after STOP_GRACE_S, SIGKILL.
+    """
+    exe = find_mpiexec(mpiexec)
+    cmd = build_command(Path(run_dir).resolve(), num_ranks, exe, launcher_flavor(exe), hostfile)
+    env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
+    log.info("launching: %s", " ".join(cmd))
+    errors: deque[str] = deque(maxlen=20)
+    started = time.time()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
+    )
+    if on_start is not None:
+        on_start(proc)
+    received: list[int] = []
+    restore = _forward_stop_signals(proc, received) if forward_signals else (lambda: None)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if _is_error_line(line):
+                errors.append(line)
+            on_line(line)
+        proc.wait()
+    except BaseException:  # KeyboardInterrupt, a task timeout, a cancelled flow: no orphaned ranks
+        stop_job(proc)
+        raise
+    finally:
+        restore()
+    if proc.returncode:
+        for line in _stall_messages(Path(run_dir), started, seen=errors):
+            errors.append(line)
+            on_line(line)
+    return LaunchResult(proc.returncode, tuple(errors), received[0] if received else 0)
+
+
+def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
+    """The watchdog's messages of this job that the abort kept out of the stream (each rank also left a file)."""
+    lines = []
+    for path in sorted((run_dir / HEARTBEAT_DIR).glob("stall-rank-*.txt")):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text and not any(text in line for line in seen):
+            lines.append(f"[watchdog {path.stem.removeprefix('stall-')}] {text}")
+    return lines
+
+
+def _forward_stop_signals(proc: subprocess.Popen, received: list[int], grace_s: float = STOP_GRACE_S
+                          ) -> Callable[[], None]:
+    """While the job runs, SIGTERM/SIGINT to this process become SIGTERM to the job's process group.
+
+    The ranks then stop together after the current update, write a stop checkpoint and exit, while this process keeps
+    streaming their output; the signal is recorded in ``received`` (the caller exits 128 + it). SIGINT is passed on
+    as SIGTERM because MPICH's mpiexec treats a second SIGINT as "kill now", and a process manager that signals every
+    process at once has already sent it one. After ``grace_s`` the group is killed. Only the main thread can own
+    signal handlers; elsewhere (a Prefect task's worker thread) the flow's own cancellation calls stop_job.
+
+    Returns:
+        A function that restores the previous handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        if not received:
+            received.append(signum)
+            log.warning("%s: asking the ranks to stop after the current update (%.0f s grace)",
+                        signal.Signals(signum).name, grace_s)
+            timer = threading.Timer(grace_s, _kill_group, args=(proc,))
+            timer.daemon = True
+            timer.start()
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        log.error("the ranks did not stop within the grace period: killing the job")
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop_job(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the launcher's process group (ranks checkpoint-safe stop), then SIGKILL what is left after grace_s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,76 @@
+"""``ortflow tune``: time a few weight updates of candidate layouts on this host and record the fastest.
+
+The driver (:func:`tune`) starts each candidate as its own ``mpiexec`` job of
+``python -m ortflow.trainer.tune_updates RUN_DIR``; every rank builds the trainer's runtime (the same session,
+communicator and, with a global batch, the same per-rank split) and times updates on real batches: micro-batches
+forward and backward, the gradient exchange, the optimizer step. Nothing is written but ``layout.json``: weights
+change in memory only, no checkpoint is saved.
+``distributed.num_ranks: auto`` (and ``--np auto``) then starts the recorded winner on a host with the same cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from ortflow.launch.layout import (
+    MEMORY_SHARE,
+    Host,
+    Layout,
+    LayoutError,
+    auto_layout,
+    divides,
+    rank_memory_bytes,
+    run_facts,
+    write_tuned,
+)
+from ortflow.launch.local import find_mpiexec, launcher_flavor, rank_environment
+
+log = logging.getLogger(__name__)
+#: The line prefix the ranks print their measurement with (:data:`ortflow.trainer.tune_updates.RESULT_TAG`).
+RESULT_TAG = "ORTFLOW_TUNE "
+
+
+def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_batch: int | None) -> list[Layout]:
+    """The rule's layout, then one rank per CPU where the rule starts fewer (SMT, or its cap of 16 ranks), then half
+    the rule's ranks with twice the threads down to one rank with every core."""
+    first = auto_layout(host, num_parameters, global_batch, fixed_batch)
+    found, ranks = [first], first.ranks // 2
+    fits = host.cores * rank_memory_bytes(num_parameters) <= host.memory_bytes * MEMORY_SHARE
+    if first.ranks < host.cores and fits and (global_batch is None or divides(global_batch, host.cores,
+                                                                               fixed_batch or 1)):
+        found.append(Layout(host.cores, 1, "candidate: one rank per CPU (SMT siblings included, past the cap)"))
+    while ranks >= 1:
+        if global_batch is None or divides(global_batch, ranks, fixed_batch or 1):
+            found.append(Layout(ranks, max(1, host.cores // ranks), "candidate"))
+        ranks //= 2
+    if found[-1].ranks != 1 and (global_batch is None or divides(global_batch, 1, fixed_batch or 1)):
+        found.append(Layout(1, host.cores, "candidate"))
+    return found
+
+
+def tune(cfg, host: Host, updates: int = 6, warmup: int = 2, mpiexec: str | None = None) -> Path:
+    """Time every candidate layout on this host and record the results and the winner in ``layout.json``."""
+    run_dir = Path(cfg.output_dir)
+    facts = run_facts(run_dir)
+    exe = find_mpiexec(mpiexec)
+    flavor = launcher_flavor(exe)
+    results = []
+    for layout in candidates(host, facts.num_parameters, cfg.train.global_batch_size, facts.fixed_batch):
+        cmd = [str(exe), "-n", str(layout.ranks)] + (["--allow-run-as-root"] if flavor == "openmpi" else [])
+        cmd += [sys.executable, "-m", "ortflow.trainer.tune_updates", str(run_dir), "--updates", str(updates),
+                "--warmup", str(warmup)]  # fmt: skip
+        env = rank_environment(layout.ranks, 1, layout.threads, host.cores)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        found = re.search(RESULT_TAG + r"(\{.*\})", out.stdout)
+        if out.returncode or not found:
+            detail = (out.stdout + out.stderr)[-3000:]
+            raise LayoutError(f"tuning {layout.ranks} x {layout.threads} failed:\n{detail}")
+        record = {"ranks": layout.ranks, "threads": layout.threads, **json.loads(found[1])}
+        log.info("%d x %d: %.1f samples/s", layout.ranks, layout.threads, record["samples_per_s"])
+        results.append(record)
+    return write_tuned(run_dir, host, results)

@@ -1,0 +1,109 @@
+"""A rank of pipeline x tensor (x data) parallelism: one tensor-parallel slice of one pipeline stage.
+
+The stage's pieces, their activation sums over the stage's tensor-parallel group, the gradient average over the
+replicas and the update are the tensor-parallel rank's (:class:`~ortflow.trainer.parallel.tensor_piece.TensorRuntime`,
+whose loop :func:`~ortflow.trainer.parallel.tensor_loop.train_tensor` runs it); the micro-batches go through the
+stages with the pipeline's 1F1B schedule (:func:`~ortflow.trainer.parallel.schedule.pipeline_step`), stage ``s``
+tensor-parallel rank ``t`` exchanging with stage ``s +- 1`` rank ``t`` (what crosses a cut is replicated, so every
+tensor-parallel rank of a stage sends and receives the same tensors). Layout: :mod:`ortflow.trainer.parallel.grid`.
+
+Between a micro-batch's forward and backward a middle stage keeps the tensors its pieces passed each other (the
+backward's training calls read them; running the stage's forward again would be a third forward per micro-batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ortflow.build.records import read_pipe_tensor_record, stage_base
+from ortflow.config import RunConfig
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.parallel.grid import place
+from ortflow.trainer.parallel.schedule import evaluate_pipeline, pipeline_step
+from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
+
+log = logging.getLogger("ortflow.trainer")
+
+
+@dataclass
+class PipeTensorRuntime(TensorRuntime):
+    """A tensor-parallel rank whose pieces are one pipeline stage's; it also speaks the pipeline's stage protocol
+    (``stage``, ``num_stages``, ``last``, ``pipe_comm``, ``receives``, ``sends``, ``forward``, ``backward``)."""
+
+    stage: int = 0
+    num_stages: int = 1
+    pipe_comm: Communicator | None = None
+    receives: tuple[str, ...] = ()
+    sends: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def view(self) -> _StageView:
+        return _StageView(self)
+
+    def accumulate(self, batches, k: int) -> float:
+        """``k`` micro-batches through the stages (1F1B); the loss sum on the last stage, 0 elsewhere."""
+        return pipeline_step(self.view(), batches, k).loss_sum
+
+    def evaluate(self, eval_batches) -> float | None:
+        """Mean eval loss: each replica's eval batches forward through its stages (the last stage's tp rank 0
+        counts)."""
+        return evaluate_pipeline(self.view(), eval_batches)
+
+
+class _StageView:
+    """The pipeline's stage protocol over a :class:`PipeTensorRuntime` (its ``forward`` runs every piece)."""
+
+    def __init__(self, rt: PipeTensorRuntime):
+        self.rt = rt
+        self.comm, self.pipe_comm, self.module = rt.comm, rt.pipe_comm, rt.pieces[-1].module
+        self.stage, self.num_stages, self.last = rt.stage, rt.num_stages, rt.last
+        self.receives, self.sends = rt.receives, rt.sends
+        self.counts_loss = rt.tp_rank == 0  # every tp rank of the last stage computes the same loss
+
+    def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """A middle stage's forward: every piece (eval models, partial sums summed); ``feeds`` keeps what the pieces
+        passed each other, for the backward."""
+        feeds.update(self.rt.forward(feeds, len(self.rt.pieces)))
+        return [feeds[n] for n in self.sends]
+
+    def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
+        """The pieces' backward (the last stage first runs its forward); returns (loss, gradients of what the stage
+        received, summed over the tensor-parallel ranks)."""
+        if grads is None:
+            env, arriving = self.rt.forward(feeds, len(self.rt.pieces) - 1), None
+        else:
+            env, arriving = feeds, dict(zip(self.sends, grads, strict=True))
+        loss, back = self.rt.backward(env, arriving)
+        return loss, [back.get(n, np.zeros_like(env[n])) for n in self.receives]
+
+    def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
+        return self.rt.eval_loss(feeds)
+
+
+def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str) -> PipeTensorRuntime:
+    """Place this rank (stage, tensor-parallel rank, replica), join its three groups, load its stage's pieces."""
+    dist = cfg.distributed
+    num_stages, size = dist.pipeline_parallel_size, dist.horizontal_parallel_size
+    record = read_pipe_tensor_record(cfg.artifacts_dir)
+    if record is None or record["size"] != size or record["num_stages"] != num_stages:
+        raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
+                           f"x {size} ranks: re-run `ortflow configure` with these sizes")
+    where = place(comm.rank, comm.size, num_stages, size)
+    # Sync points (collective over the world): the three sub-groups every rank joins.
+    tp_comm = comm.split(where.tp_color, "tensor-parallel group of a stage")
+    pipe_comm = comm.split(where.pipe_color, "pipeline group of a tensor-parallel rank")
+    dp_comm = comm.split(where.dp_color, "replica group of a stage's tensor-parallel rank")
+    info = record["stages"][where.stage]
+    return assemble_tensor_runtime(
+        PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),
+        dict(tp_rank=where.tp_rank, replica=where.replica, tp_comm=tp_comm, dp_comm=dp_comm, stage=where.stage,
+             num_stages=num_stages, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
+             sends=tuple(info["sends"])),
+        pipe=(where.stage, num_stages))

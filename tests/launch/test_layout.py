@@ -1,0 +1,214 @@
+"""The layout rule and the global-batch split: pure functions, no processes (cores, memory, model size passed in)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ortflow.config import ConfigError, config_from_dict, rank_config
+from ortflow.launch.layout import (
+    BatchPlan,
+    Host,
+    LayoutError,
+    auto_layout,
+    fixed_batch_dim,
+    launch_layout,
+    physical_cores,
+    plan_batch,
+    rank_memory_bytes,
+    read_tuned,
+    write_tuned,
+)
+
+GIB = 2**30
+
+
+def test_auto_starts_one_single_threaded_rank_per_core():
+    assert auto_layout(Host(8, 64 * GIB), 3_300_000).pair == (8, 1)
+    assert auto_layout(Host(2, 20 * GIB), 3_300_000).pair == (2, 1)  # 2x1 beat 1x2 on the 2-core machine
+
+
+def test_auto_stops_at_16_ranks_per_host_and_gives_the_rest_as_threads():
+    # 16 x 1 was the fastest layout measured on the 32-CPU Xeon; more ranks per host were never measured to pay
+    layout = auto_layout(Host(32, 128 * GIB), 3_300_000)
+    assert layout.pair == (16, 2) and "at most 16 ranks per host" in layout.reason
+    assert auto_layout(Host(64, 512 * GIB), 3_300_000).pair == (16, 4)
+
+
+def test_auto_counts_physical_cores_not_smt_siblings():
+    # The 32-CPU Xeon (GEMM 13.6x one CPU on 32 threads): 16 x 1 was its fastest layout measured.
+    layout = auto_layout(Host(32, 128 * GIB, physical_cores=16), 3_300_000)
+    assert layout.pair == (16, 1) and "16 physical cores of 32 CPUs" in layout.reason
+    assert auto_layout(Host(32, 128 * GIB, physical_cores=16), 3_300_000, global_batch=24).pair == (12, 1)
+    assert auto_layout(Host(8, 64 * GIB, physical_cores=None), 1000).pair == (8, 1)  # topology unknown: CPUs
+
+
+def _topology(root, cpu: int, package: int, core: int) -> None:
+    folder = root / f"cpu{cpu}" / "topology"
+    folder.mkdir(parents=True)
+    (folder / "physical_package_id").write_text(f"{package}\n")
+    (folder / "core_id").write_text(f"{core}\n")
+
+
+def test_physical_cores_counts_package_and_core_pairs(tmp_path):
+    for cpu in range(8):  # 2 packages x 2 cores x 2 threads: core ids repeat across packages
+        _topology(tmp_path, cpu, package=cpu // 4, core=cpu % 2)
+    assert physical_cores(set(range(8)), tmp_path) == 4
+    assert physical_cores({0, 2}, tmp_path) == 1  # siblings of one core
+    assert physical_cores({0, 9}, tmp_path) is None  # cpu9 has no topology: unknown, not a guess
+
+
+def test_auto_fits_replicas_and_optimizer_state_into_memory():
+    params = 500_000_000  # 8 GB of parameters, gradients and AdamW moments per rank
+    host = Host(32, 64 * GIB)
+    layout = auto_layout(host, params)
+    assert layout.ranks * rank_memory_bytes(params) <= 0.8 * host.memory_bytes
+    assert (layout.ranks + 1) * rank_memory_bytes(params) > 0.8 * host.memory_bytes
+    assert layout.threads == 32 // layout.ranks and "memory" in layout.reason
+
+
+def test_auto_refuses_a_model_whose_replica_does_not_fit():
+    with pytest.raises(LayoutError, match="one rank needs about .* GiB"):
+        auto_layout(Host(8, 4 * GIB), 1_000_000_000)
+
+
+def test_auto_picks_the_most_ranks_that_divide_the_global_batch():
+    assert auto_layout(Host(16, 64 * GIB), 1000, global_batch=24).ranks == 12
+    assert auto_layout(Host(16, 64 * GIB), 1000, global_batch=24, fixed_batch=4).ranks == 6
+    assert auto_layout(Host(16, 64 * GIB), 1000, global_batch=24).threads == 1
+
+
+def test_plan_keeps_samples_per_update_and_prefers_few_accumulation_steps():
+    assert plan_batch(64, 2, max_batch=8) == BatchPlan(8, 4, 2)
+    assert plan_batch(64, 4, max_batch=32) == BatchPlan(16, 1, 4)
+    assert plan_batch(48, 2, max_batch=5) == BatchPlan(4, 6, 2)  # largest divisor of 24 that is <= 5
+    for ranks in (1, 2, 3, 4, 6):
+        assert plan_batch(48, ranks, max_batch=7).global_batch == 48
+
+
+def test_plan_with_a_fixed_batch_dim_uses_exactly_it():
+    assert plan_batch(32, 2, max_batch=99, fixed_batch=8) == BatchPlan(8, 2, 2)
+
+
+def test_plan_refuses_with_the_nearest_valid_choices():
+    with pytest.raises(LayoutError) as err:
+        plan_batch(30, 4, max_batch=8)
+    assert "global batch of 28 or 32" in str(err.value)
+    assert "3 or 5 rank(s)" in str(err.value)  # 30 splits over 3 or 5 ranks, the counts nearest 4
+    with pytest.raises(LayoutError, match="fixed batch dim 8: use a global batch of 32 or 48"):
+        plan_batch(40, 2, max_batch=8, fixed_batch=8)
+
+
+def test_fixed_batch_dim_from_train_inputs_and_merged_rows():
+    gpt = [{"name": "input_ids", "shape": [8, 128]}, {"name": "labels", "shape": [1024]}]
+    assert fixed_batch_dim(gpt, {"labels": 128}) == 8
+    assert fixed_batch_dim([{"name": "x", "shape": ["batch", 8]}, {"name": "labels", "shape": ["batch"]}]) is None
+    with pytest.raises(LayoutError, match="different batch sizes"):
+        fixed_batch_dim([{"name": "a", "shape": [4, 2]}, {"name": "b", "shape": [8]}])
+
+
+def _cfg(tmp_path, **train):
+    raw = {"output_dir": str(tmp_path), "model": {"path": str(tmp_path / "m.onnx")}, "data": {"train": ["x.npz"]},
+           "train": {"batch_size": 8, "num_train_steps": 10, **train}, "distributed": {"num_ranks": "auto"}}
+    return config_from_dict(raw)
+
+
+def _configured(tmp_path, shape=("batch", 8), params=1000):
+    record = {"num_parameters": params, "train_inputs": [{"name": "x", "dtype": "float32", "shape": list(shape)}]}
+    (tmp_path / "configure.json").write_text(json.dumps(record))
+
+
+def test_rank_config_derives_batch_and_accumulation_and_keeps_the_run_length(tmp_path):
+    _configured(tmp_path)
+    cfg = _cfg(tmp_path, global_batch_size=32)
+    one, two = rank_config(cfg, 1, tmp_path).train, rank_config(cfg, 2, tmp_path).train
+    assert (one.batch_size, one.gradient_accumulation_steps, one.num_weight_updates) == (8, 4, 10)
+    assert (two.batch_size, two.gradient_accumulation_steps, two.num_weight_updates) == (8, 2, 10)
+    assert rank_config(rank_config(cfg, 2, tmp_path), 2, tmp_path).train == two  # ranks may resolve it again
+    assert rank_config(_cfg(tmp_path), 2, tmp_path).train.batch_size == 8  # no global batch: unchanged
+
+
+def test_launch_layout_auto_uses_the_tuned_winner_for_the_same_host(tmp_path):
+    _configured(tmp_path)
+    host = Host(4, 16 * GIB)
+    cfg = _cfg(tmp_path)
+    assert launch_layout(cfg, tmp_path, host)[0].pair == (4, 1)
+    write_tuned(tmp_path, host, [{"ranks": 4, "threads": 1, "samples_per_s": 10.0},
+                                 {"ranks": 2, "threads": 2, "samples_per_s": 12.5}])  # fmt: skip
+    assert read_tuned(tmp_path, host).pair == (2, 2)
+    assert launch_layout(cfg, tmp_path, host)[0].pair == (2, 2)
+    assert read_tuned(tmp_path, Host(8, 16 * GIB)) is None  # another host size: the rule, not this record
+    assert launch_layout(cfg, tmp_path, host, ranks=3)[0].pair == (3, 1)
+
+
+def test_launch_layout_refuses_a_global_batch_the_fixed_batch_dim_cannot_split(tmp_path):
+    _configured(tmp_path, shape=(8, 8))
+    with pytest.raises(LayoutError, match="fixed batch dim 8"):
+        launch_layout(_cfg(tmp_path, global_batch_size=24), tmp_path, Host(4, 16 * GIB), ranks=2)
+    layout, plan = launch_layout(_cfg(tmp_path, global_batch_size=24), tmp_path, Host(4, 16 * GIB))
+    assert (layout.ranks, plan) == (3, BatchPlan(8, 1, 3))  # auto: the most ranks <= 4 that 24 / 8 allows
+
+
+def test_config_checks_global_batch_against_fixed_ranks_and_accumulation(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be split over distributed.num_ranks 4: use 28 or 32"):
+        config_from_dict({"output_dir": str(tmp_path), "model": {"path": "m.onnx"}, "data": {"train": ["x"]},
+                          "train": {"batch_size": 8, "num_train_steps": 10, "global_batch_size": 30},
+                          "distributed": {"num_ranks": 4}})  # fmt: skip
+    with pytest.raises(ConfigError, match="derived from train.global_batch_size"):
+        _cfg(tmp_path, global_batch_size=32, gradient_accumulation_steps=2, num_train_steps=10)
+
+
+def test_tune_candidates_add_one_rank_per_cpu_where_the_rule_starts_fewer():
+    from ortflow.launch.tune import candidates
+
+    smt = [c.pair for c in candidates(Host(32, 128 * GIB, physical_cores=16), 3_300_000, None, None)]
+    assert smt == [(16, 1), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
+    plain = [c.pair for c in candidates(Host(4, 16 * GIB), 3_300_000, None, None)]
+    assert plain == [(4, 1), (2, 2), (1, 4)]
+    capped = [c.pair for c in candidates(Host(32, 128 * GIB), 3_300_000, None, None)]
+    assert capped == [(16, 2), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
+
+
+@pytest.mark.parametrize(
+    ("choice", "local_size", "threads", "cores", "spins"),
+    [("auto", 16, 2, 32, False),  # several ranks fill the host: sleep
+     ("auto", 32, 1, 32, False),
+     ("auto", 1, 32, 32, True),   # one rank alone keeps the engine's default
+     ("auto", 2, 4, 32, True),    # spare cores: spinning costs no other rank
+     ("on", 16, 2, 32, True),
+     ("off", 1, 4, 32, False)],
+)  # fmt: skip
+def test_thread_spinning_rule_and_the_engine_option_it_sets(tmp_path, choice, local_size, threads, cores, spins):
+    from ortflow.trainer.runtime import session_options, spin_wait
+
+    cfg = config_from_dict({"output_dir": str(tmp_path), "model": {"path": str(tmp_path / "m.onnx")},
+                            "data": {"train": ["x.npz"]}, "train": {"batch_size": 8, "num_train_steps": 10},
+                            "distributed": {"thread_spinning": choice}})  # fmt: skip
+    assert spin_wait(cfg, local_size, threads, cores) is spins
+    options, entry = session_options(threads, spin=spins), "session.intra_op.allow_spinning"
+    if spins:  # the engine's default (spinning) is left alone: no entry
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            options.get_session_config_entry(entry)
+    else:
+        assert options.get_session_config_entry(entry) == "0"
+
+
+def test_the_launcher_and_the_ranks_agree_on_run_folder_names():
+    # The launching process may not import the trainer, so it keeps its own copy of the names the ranks read.
+    from ortflow.launch import local
+    from ortflow.trainer import lifeline
+    from ortflow.trainer.comm import watchdog
+
+    assert local.HEARTBEAT_DIR == watchdog.HEARTBEAT_DIR
+    assert (local.LAUNCHER_PID_ENV, local.LAUNCHER_HOST_ENV) == (lifeline.LAUNCHER_PID_ENV, lifeline.LAUNCHER_HOST_ENV)
+    env = local.launcher_environment()
+    assert int(env[lifeline.LAUNCHER_PID_ENV]) == os.getpid()
+
+
+def test_the_tune_driver_reads_the_tag_the_ranks_print():
+    from ortflow.launch import tune
+    from ortflow.trainer import tune_updates
+
+    assert tune.RESULT_TAG == tune_updates.RESULT_TAG
