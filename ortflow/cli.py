@@ -479,7 +479,8 @@ def run(
         name = signal.Signals(received[0]).name
         console.print(f"[yellow]stopped by {name}[/]: {escape(_stop_record(cfg, new_version))}; the log is in "
                       f"{escape(str(log_file))}", highlight=False)
-        console.print(f"  to resume: {escape(command)}", highlight=False)
+        how = "to train a new version" if new_version else "to resume from the newest checkpoint"
+        console.print(f"  {how}: {escape(command)}", highlight=False)
         raise typer.Exit(128 + received[0])
     if not state.is_completed():
         try:
