@@ -88,7 +88,7 @@ def make_run(root: Path, steps: int, display: int):
         "name": "overhead", "output_dir": str(root / "run"), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 128}},
         "train": {"batch_size": 8, "num_train_steps": steps, "display_loss_steps": display, "evaluation_period": 0,
-                  "max_eval_batches": 1},
+                  "max_eval_rows": 8},
         "checkpoint": {"period": 0, "max_num_checkpoints": 1},
         "distributed": {"num_ranks": 1, "threads_per_rank": 1},
     })  # fmt: skip

@@ -77,7 +77,7 @@ def make_run(root: Path, name: str, prefetch: int) -> RunConfig:
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 128}, "prefetch_batches": prefetch},
         "train": {"batch_size": BATCH, "num_train_steps": STEPS, "display_loss_steps": 5, "evaluation_period": 0,
-                  "max_eval_batches": 1},
+                  "max_eval_rows": 8},
         "checkpoint": {"period": 0, "max_num_checkpoints": 1},
         "distributed": {"num_ranks": 1, "threads_per_rank": 1},
     })  # fmt: skip

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ortflow.config import ConfigError, load_config
+from ortflow.config import ConfigError, apply_overrides, load_config
 
 app = typer.Typer(
     name="ortflow",
@@ -92,10 +92,15 @@ def train(
     profile: Annotated[
         str | None, typer.Option(help="Profile weight updates A:B per operator (traces in RUN_DIR/profile/).")
     ] = None,
+    launcher: Annotated[
+        str | None, typer.Option(help="local, slurm or kubernetes (default: distributed.launcher).")
+    ] = None,
 ) -> None:
-    """Launch the ranks with mpiexec and stream their output; exits with the job's status.
+    """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
+    status.
 
-    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130; killed after 30 s).
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130); ranks that have not
+    stopped after the grace period (30 s here, 60 s for a Slurm job) are killed.
     """
     import os
 
@@ -106,16 +111,37 @@ def train(
 
     try:
         cfg = load_run_config(run_dir)
+        if launcher is not None:
+            cfg = apply_overrides(cfg, [f"distributed.launcher={launcher}"])
     except ConfigError as err:
         _fail(str(err))
     dist = cfg.distributed
     from ortflow.runlock import RunFolderLocked, hold
+
+    if dist.launcher != "local":
+        if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
+            _fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher {dist.launcher} takes "
+                  f"them from the config (distributed.num_ranks, section {dist.launcher})")
+        if profile and dist.launcher == "kubernetes":
+            _fail("--profile with launcher kubernetes: set train.profile_steps in the config (the pods do not get "
+                  "this command's environment)")
+        if profile:
+            try:
+                parse_steps(profile)
+            except ValueError as err:
+                _fail(str(err))
+            os.environ[PROFILE_ENV] = profile  # the Slurm job inherits this environment
+        _train_scheduled(cfg, run_dir, wait)
+        return
 
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         _fail(f"--np {np_}: give a number of ranks or auto")
     try:
         if profile:
             parse_steps(profile)
+            if dist.device == "cuda":
+                raise ValueError("--profile traces CPU ranks only (the engine's GPU trace is not wired up): profile a "
+                                 "run with distributed.device cpu")
             os.environ[PROFILE_ENV] = profile  # the ranks inherit it (overrides train.profile_steps)
         ranks = np_ if np_ in (None, "auto") else int(np_)
         layout, plan = launch_layout(cfg, run_dir, host_resources(), ranks, threads)
@@ -138,6 +164,27 @@ def train(
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
+
+
+def _train_scheduled(cfg, run_dir: Path, wait: bool) -> None:
+    """``ortflow train`` with launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
+    from ortflow.launch.local import LaunchError
+    from ortflow.launch.scheduled import run_scheduled
+    from ortflow.runlock import RunFolderLocked, hold
+
+    try:
+        with hold(run_dir, wait=wait, purpose="ortflow train"):
+            result = run_scheduled(cfg, run_dir, forward_signals=True)
+    except (LaunchError, RunFolderLocked) as err:
+        _fail(str(err))
+    job = f"{result.launcher} job {result.job_id}"
+    if result.signal:
+        console.print(f"[yellow]training stopped[/] ({job}) by a signal; resume with `ortflow train "
+                      f"{escape(str(run_dir))}`")
+        raise typer.Exit(128 + result.signal)
+    if not result.ok:
+        _fail(f"{job}: {result.summary()}", code=result.returncode if 0 < result.returncode < 256 else 1)
+    console.print(f"[green]training finished[/] ({job}): checkpoints in {cfg.checkpoints_dir}")
 
 
 @app.command()
@@ -174,11 +221,12 @@ def tune(
 
 @app.command(name="configure")
 def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
-    """Build the training artifacts into the run folder (does nothing when model and optimizer are unchanged).
+    """Build the training artifacts into the run folder (does nothing when the model is unchanged).
 
-    A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it).
-    optimizer adamw is the engine's HuggingFace rule: p -= lr*sqrt(1-beta2^t)/(1-beta1^t) * m/(sqrt(v)+epsilon), then
-    p -= lr*weight_decay*p (docs/optimizer.md).
+    A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it). The
+    artifacts hold no optimizer (ortflow applies the update: docs/optimizer.md), so only the model file, the model
+    section and the layout and precision settings decide a rebuild; optimizer.groups are checked against the trained
+    parameters every time.
     """
     from ortflow.build.configure import configure
 
@@ -245,19 +293,22 @@ CheckpointOpt = Annotated[
 def evaluate(
     source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one.")],
     checkpoint: CheckpointOpt = None,
-    max_batches: Annotated[int | None, typer.Option(min=1, help="Cap on eval batches (default: all).")] = None,
+    max_rows: Annotated[int | None, typer.Option(
+        min=1, help="Evaluate the eval split's first N rows (default: the run's train.max_eval_rows, else all)."
+    )] = None,
 ) -> None:
     """Eval loss (and accuracy for cross_entropy classifiers) of a checkpoint on the run's eval split.
 
     Uses the engine's eval graph with the run's eval batch size, counting every eval row once, so the loss equals
-    what training records for the same checkpoint. `--checkpoint initial` evaluates the configured weights.
+    what training records for the same checkpoint (the same rows: train.max_eval_rows counts rows of the whole split,
+    on any layout). `--checkpoint initial` evaluates the configured weights.
     """
     import json
 
     from ortflow.export.evaluate import evaluate_checkpoint
 
     try:
-        result = evaluate_checkpoint(source, checkpoint, max_batches)
+        result = evaluate_checkpoint(source, checkpoint, max_rows)
     except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
         _fail(str(err))
     accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
@@ -405,7 +456,8 @@ def run(
     = None,
     skip_unchanged: Annotated[bool | None, typer.Option(
         "--skip-unchanged/--no-skip-unchanged",
-        help="With --new-version: skip when config, model and data are unchanged since the latest version.")] = None,
+        help="With --new-version: skip when config, model, data and policy are unchanged since the latest "
+        "version.")] = None,
     wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
     = False,
     version: Annotated[str | None, typer.Option(
@@ -500,7 +552,7 @@ def run(
 
     table = Table(title=f"ortflow run {cfg.name}", show_header=False)
     for key, value in state.result().items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(key, "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
 
 
@@ -513,8 +565,7 @@ def runs(
     = False,
 ) -> None:
     """List the model versions in the config's output_dir (registry.json): status, parent, losses, model."""
-    from rich.table import Table
-
+    from ortflow.cli_terminal import version_lines
     from ortflow.runlock import RunFolderLocked, hold, holder
     from ortflow.versions import describe, prune_versions, read_registry
 
@@ -539,18 +590,9 @@ def runs(
                       highlight=False)
         return
     busy = holder(cfg.output_dir) is not None
-    table = Table(title=f"versions in {cfg.output_dir}")
-    for column in ("version", "status", "policy", "parent", "steps", "final eval loss", "best eval loss",
-                   "exported model"):
-        table.add_column(column)
-    for e in entries:
-        status = describe(e, busy)
-        if status == "skipped":
-            status = f"skipped ({e.get('reason')})"
-        cells = [e.get("steps"), e.get("final eval loss"), e.get("best eval loss"), e.get("exported model")]
-        table.add_row(e["version"], status, e.get("policy") or "-", e.get("parent") or "-",
-                      *("-" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c) for c in cells))
-    Console(soft_wrap=True).print(table)
+    width = min(console.width, 100)  # a terminal's width (80 when not a terminal), no wider than 100
+    for line in version_lines(entries, [describe(e, busy) for e in entries], cfg.output_dir, width):
+        print(line)
 
 
 @app.command()
@@ -594,6 +636,7 @@ def automations(
                   highlight=False)
 
 
+# `\[` in help text: rich markup would read `[batch, tokens]` as a style tag and drop it.
 @app.command()
 def sample(
     model: Annotated[Path, typer.Argument(
@@ -607,9 +650,9 @@ def sample(
 ) -> None:
     """Print the prompt followed by text generated by an exported model.
 
-    The model takes int64 token ids [batch, tokens] (a batch dim fixed above 1 is filled with copies of the context)
-    and returns logits [batch, tokens, V], [batch*tokens, V] or [batch, V]; the last position's logits of row 0 pick
-    the next byte.
+    The model takes int64 token ids \\[batch, tokens] (a batch dim fixed above 1 is filled with copies of the context)
+    and returns logits \\[batch, tokens, V], \\[batch*tokens, V] or \\[batch, V]; the last position's logits of row 0
+    pick the next byte.
     """
     from ortflow.sample import SampleError, generate
     from ortflow.versions import resolve_model

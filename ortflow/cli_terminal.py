@@ -106,3 +106,40 @@ def failure_advice(err: BaseException, command: str) -> list[str]:
     if will_repeat(err):
         return [f"fix the problem above, then: {command}"]
     return [f"to retry (finished stages are skipped, training resumes from its newest checkpoint): {command}"]
+
+
+def version_lines(entries: list[dict], statuses: list[str], base: Path, width: int = 80) -> list[str]:
+    """``ortflow runs`` as lines of at most ``width`` columns (a path longer than a line continues on the next): the
+    folder, then per version ``name status policy steps`` and indented lines of losses, parent, skip reason, model.
+
+    Args:
+        entries: Registry entries, oldest first.
+        statuses: The status to show for each (``describe``: ``interrupted`` for an abandoned ``running``).
+        base: The output_dir, so that paths inside it print relative to it.
+        width: Columns to fit.
+    """
+    import textwrap
+
+    def num(value: object) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else "-" if value is None else str(value)
+
+    def short(path: object) -> str:
+        try:
+            return str(Path(str(path)).relative_to(base))
+        except ValueError:
+            return str(path)
+
+    lines = textwrap.wrap(f"versions in {base}", width, subsequent_indent="  ", break_long_words=True)
+    for entry, status in zip(entries, statuses, strict=True):
+        head = f"{entry['version']}  {status:<11} {entry.get('policy') or '-':<8} steps {num(entry.get('steps'))}"
+        details = [f"eval {num(entry.get('final eval loss'))} (best {num(entry.get('best eval loss'))})"]
+        if entry.get("parent"):
+            details.append(f"parent {entry['parent']}")
+        if status == "skipped" and entry.get("reason"):
+            details.append(f"skipped: {entry['reason']}")
+        if entry.get("exported model"):
+            details.append(f"model {short(entry['exported model'])}")
+        lines.append(head[:width])
+        lines += textwrap.wrap("; ".join(details), width, initial_indent="  ", subsequent_indent="    ",
+                               break_long_words=True, break_on_hyphens=False)
+    return lines

@@ -14,6 +14,7 @@ This module imports nothing from ortflow.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from dataclasses import dataclass
@@ -210,7 +211,22 @@ class TrainConfig(_Section):
     evaluation_period: int = Field(
         100, ge=0, description="Evaluate every this many weight updates (0: only at the end)."
     )
-    max_eval_batches: int | None = Field(None, gt=0, description="Cap on eval batches per rank (default: whole split).")
+    max_eval_rows: int | None = Field(
+        None, gt=0,
+        description="Evaluate only the first this many rows of the eval split, shared over the ranks: the same rows "
+        "on any layout, and what `ortflow evaluate` uses (default: the whole split).",
+    )
+    batchnorm_variance: Literal["unbiased", "biased"] = Field(
+        "unbiased",
+        description="BatchNormalization running_var update: unbiased (torch: the batch variance times n / (n - 1), "
+        "n values per channel) or biased (ONNX's rule, the engine's own).",
+    )
+    batchnorm_sync: Literal["broadcast", "average"] = Field(
+        "broadcast",
+        description="How the ranks' BatchNormalization running statistics become one before every eval and "
+        "checkpoint: broadcast (rank 0's, as DistributedDataParallel's broadcast_buffers) or average (the mean over "
+        "the data-parallel ranks; docs/batchnorm.md).",
+    )
     seed: int = Field(0, ge=0, lt=2**31, description="Seed for shuffling and any randomness in the run.")
     profile_steps: tuple[int, int] | None = Field(
         None,
@@ -228,6 +244,14 @@ class TrainConfig(_Section):
         """eval_batch_size, defaulting to batch_size."""
         return self.eval_batch_size or self.batch_size
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_eval_batches" in data:
+            raise ValueError("train.max_eval_batches counted batches per rank, so the eval rows changed with the "
+                             "layout; use train.max_eval_rows: N (the first N rows of the eval split, on any layout)")
+        return data
+
     @model_validator(mode="after")
     def _steps_multiple(self) -> TrainConfig:
         if self.profile_steps and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
@@ -244,6 +268,38 @@ class TrainConfig(_Section):
                 f"train.num_train_steps ({self.num_train_steps}) must be a multiple of "
                 f"train.gradient_accumulation_steps ({k}); use {lower or k} or {lower + k}"
             )
+        return self
+
+
+class ParamGroupConfig(_Section):
+    """One parameter group: its parameters (fnmatch patterns, first matching group wins) and what differs for them."""
+
+    params: tuple[str, ...] = Field(
+        min_length=1,
+        description="fnmatch patterns of parameter names in this group; a parameter belongs to the first group with "
+        "a matching pattern, parameters matched by no group to the optimizer section's own settings.",
+    )
+    lr_scale: float | None = Field(
+        None, gt=0, le=1e6, description="The group's rate = the scheduled rate x lr_scale (default 1)."
+    )
+    learning_rate: float | None = Field(
+        None, gt=0, le=1e3,
+        description="The group's peak rate, scheduled like optimizer.learning_rate (the same as lr_scale = "
+        "learning_rate / optimizer.learning_rate); give lr_scale or learning_rate, not both.",
+    )
+    weight_decay: float | None = Field(
+        None, ge=0, le=1e3, description="The group's weight decay (default: optimizer.weight_decay)."
+    )
+    betas: tuple[float, float] | None = Field(
+        None, description="The group's (beta1, beta2) for adamw and lamb (default: optimizer.beta1, beta2)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ParamGroupConfig:
+        if self.lr_scale is not None and self.learning_rate is not None:
+            raise ValueError("optimizer.groups: give lr_scale or learning_rate, not both")
+        if self.betas is not None and not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.groups betas {list(self.betas)}: each must be in [0, 1)")
         return self
 
 
@@ -270,6 +326,12 @@ class OptimizerConfig(_Section):
     no_weight_decay: tuple[str, ...] = Field(
         (), description="fnmatch patterns of parameter names without weight decay (e.g. '*bias', '*norm*')."
     )
+    groups: tuple[ParamGroupConfig, ...] = Field(
+        (),
+        description="Parameter groups [{params: [patterns], lr_scale or learning_rate, weight_decay, betas}]: the "
+        "first group whose pattern matches a parameter is its group; parameters matched by none use this section's "
+        "settings; no_weight_decay still applies inside every group (docs/optimizer.md).",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (0: plain SGD).")
     dampening: float = Field(0.0, ge=0, le=1, description="SGD momentum dampening (as torch.optim.SGD).")
     nesterov: bool = Field(False, description="SGD Nesterov momentum (needs momentum > 0 and dampening 0).")
@@ -283,6 +345,8 @@ class OptimizerConfig(_Section):
     def _consistent(self) -> OptimizerConfig:
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("optimizer.nesterov needs optimizer.momentum > 0 and optimizer.dampening 0")
+        if self.name == "sgd" and any(g.betas is not None for g in self.groups):
+            raise ValueError("optimizer.groups: betas apply to adamw and lamb, not sgd; remove them")
         if self.ratio_max is not None and self.ratio_max < self.ratio_min:
             raise ValueError(
                 f"optimizer.ratio_max ({self.ratio_max}) must be >= optimizer.ratio_min ({self.ratio_min})"
@@ -290,17 +354,59 @@ class OptimizerConfig(_Section):
         return self
 
 
+def param_group_index(names: list[str] | tuple[str, ...], opt: OptimizerConfig) -> list[int]:
+    """The ``optimizer.groups`` index of each parameter name; the first group with a matching pattern wins, and
+    ``len(opt.groups)`` (the implicit last group, the section's own settings) holds the parameters no group matches."""
+    return [next((k for k, g in enumerate(opt.groups) if any(fnmatch.fnmatchcase(n, p) for p in g.params)),
+                 len(opt.groups)) for n in names]
+
+
+def param_group_problems(names: list[str] | tuple[str, ...], opt: OptimizerConfig) -> list[str]:
+    """``optimizer.groups`` patterns that match no trainable parameter, or only parameters an earlier group holds."""
+    problems, claimed = [], {}
+    for k, group in enumerate(opt.groups):
+        for pattern in group.params:
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                problems.append(f"optimizer.groups[{k}].params: '{pattern}' matches no trainable parameter; fix the "
+                                f"pattern (parameters are named as in the ONNX model, e.g. "
+                                f"{', '.join(repr(n) for n in list(names)[:3])})")
+            elif all(claimed.get(n, k) < k for n in matched):
+                earlier = sorted({claimed[n] for n in matched})
+                problems.append(f"optimizer.groups[{k}].params: '{pattern}' matches only parameters of "
+                                f"optimizer.groups{earlier} (the first matching group wins); remove it or move the "
+                                "group before them")
+        for n in names:
+            if any(fnmatch.fnmatchcase(n, p) for p in group.params):
+                claimed.setdefault(n, k)
+    return problems
+
+
 class LRScheduleConfig(_Section):
-    """Learning-rate schedule, computed from the weight-update step and set before every optimizer step."""
+    """Learning-rate schedule, computed from the weight-update step and set before every optimizer step.
+
+    Update s (0-based) of T uses learning_rate * f(s); docs/optimizer.md gives every formula.
+    """
 
     name: Literal["constant", "linear", "cosine", "polynomial"] = Field(
-        "constant", description="Shape after warm-up: constant, linear, cosine or polynomial decay."
+        "constant",
+        description="Shape after warm-up, as Hugging Face's get_*_schedule_with_warmup, with "
+        "p = (s - W) / max(1, T - W) and r = min_lr_ratio: constant f = 1; linear f = r + (1 - r) * max(0, 1 - p); "
+        "cosine f = r + (1 - r) * (1 + cos(pi p)) / 2; polynomial f = r + (1 - r) * (1 - p) ** power.",
     )
-    warmup_steps: int = Field(0, ge=0, description="Weight updates of linear warm-up from 0 to the peak rate.")
+    warmup_steps: int = Field(
+        0, ge=0, description="W: weight updates of linear warm-up, f = s / W for s < W (the first update uses lr 0)."
+    )
     min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="Decay ends at learning_rate * min_lr_ratio (linear, cosine, polynomial)."
+        0.0, ge=0, le=1, description="r: decay ends at learning_rate * min_lr_ratio (linear, cosine, polynomial)."
     )
     power: float = Field(1.0, gt=0, le=1e3, description="Exponent of polynomial decay.")
+    indexing: Literal["huggingface", "training_runner"] = Field(
+        "huggingface",
+        description="huggingface: the formulas above; training_runner: ONNX Runtime TrainingRunner's indexing, "
+        "warm-up f = (s + 1) / W and p = (s - W) / max(1, T - W - 1) (the peak is used twice, the last update "
+        "uses exactly r).",
+    )
 
 
 class PrecisionConfig(_Section):
@@ -396,6 +502,12 @@ class DistributedConfig(_Section):
         600.0, ge=1.0, le=7 * 86400,
         description="Abort the job when a collective waits longer than this, naming the stalled ranks (1 s to 7 days).",
     )
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        "local",
+        description="Who starts the ranks: local (mpiexec on this host, or the hosts of hostfile), slurm (an sbatch "
+        "job, section slurm; docs/slurm.md) or kubernetes (a Kubeflow MPIJob, section kubernetes; "
+        "docs/kubernetes.md).",
+    )
 
     _resolve_path = field_validator("hostfile", mode="after")(_resolve)
 
@@ -418,8 +530,8 @@ class CheckpointConfig(_Section):
         None, description="Resume from this checkpoint (default: the newest complete one in dir, if any)."
     )
     init_from: Path | None = Field(
-        None, description="Warm start: a checkpoint folder whose weights (and optimizer state) training starts from "
-        "at step 0, unless dir already holds a checkpoint to resume. Set by versions.policy continue."
+        None, description="Warm start: a checkpoint folder whose weights training starts from at step 0 (the optimizer "
+        "state starts fresh), unless dir already holds a checkpoint to resume. Set by versions.policy continue."
     )
 
     _resolve_paths = field_validator("dir", "checkpoint_to_load_path", "init_from", mode="after")(_resolve)
@@ -511,14 +623,103 @@ class VersionsConfig(_Section):
 
     policy: Literal["retrain", "continue"] = Field(
         "retrain", description="retrain: start from model.path's weights; continue: warm-start from the previous "
-        "successful version's checkpoint, on the current data."
+        "successful version's checkpoint, on the current data (refused when the model file or the model or optimizer "
+        "sections changed)."
     )
     continue_from: Literal["final", "best"] = Field(
         "final", description="With policy continue: the previous version's final checkpoint or its best by eval loss."
     )
     skip_unchanged: bool = Field(
-        False, description="Skip the run (recorded as skipped) when config, model and data are unchanged since the "
-        "last successful version."
+        False, description="Skip the run (recorded as skipped) when config, model, data and versions.policy are "
+        "unchanged since the last successful version (a policy change always trains)."
+    )
+    keep: int | None = Field(
+        None, ge=1, le=100000, description="Completed versions to keep (the newest ones; null keeps all). After a "
+        "version completes, older completed versions and the failed or stopped ones older than them are deleted, "
+        "except pinned versions, `latest`, and a version a running one warm-starts from; `ortflow runs --prune` "
+        "does the same on demand."
+    )
+    pinned: tuple[str, ...] = Field(
+        (), description="Version names that are never pruned (e.g. the one in production)."
+    )
+
+
+_SLURM_TIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$"
+_SBATCH_LINE = r"^--?[A-Za-z][^\n\r]*$"
+
+
+class SlurmConfig(_Section):
+    """The sbatch job of distributed.launcher slurm: distributed.num_ranks ranks over num_nodes nodes."""
+
+    num_nodes: int = Field(1, gt=0, description="Nodes of the allocation (#SBATCH --nodes); num_ranks / num_nodes "
+                           "ranks start on each.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (#SBATCH --gpus-per-node); 0 asks for none.")
+    cpus_per_rank: int | None = Field(
+        None, gt=0, description="CPUs per rank (#SBATCH --cpus-per-task; default: distributed.threads_per_rank or 1)."
+    )
+    partition: str | None = Field(None, min_length=1, description="Partition (#SBATCH --partition; default: the "
+                                  "cluster's default).")
+    time_limit: str | None = Field(
+        None, pattern=_SLURM_TIME,
+        description="Wall-clock limit as Slurm writes it (MINUTES, HH:MM:SS or DAYS-HH:MM:SS; #SBATCH --time).",
+    )
+    account: str | None = Field(None, min_length=1, description="Account charged (#SBATCH --account).")
+    extra_sbatch: list[Annotated[str, Field(pattern=_SBATCH_LINE)]] = Field(
+        [], description='Further sbatch options, one per entry, each written as "#SBATCH <entry>" (e.g. "--qos=high", '
+        '"--constraint=a100").',
+    )
+    setup: list[str] = Field(
+        [], description="Shell lines the job runs before the ranks start (module load ..., source /path/venv/bin/"
+        "activate); the nodes need ortflow's Python environment and the run folder at the same paths.",
+    )
+    stop_signal_s: int = Field(
+        180, ge=0, le=86400,
+        description="Seconds before the time limit that the job gets SIGTERM (#SBATCH --signal=B:TERM@N), so the "
+        "ranks stop after the current update with a stop checkpoint; 0: no early signal.",
+    )
+    requeue: bool = Field(
+        True, description="Let Slurm requeue the job after a preemption or node failure (#SBATCH --requeue); the "
+        "requeued job resumes from the newest complete checkpoint.",
+    )
+    mpiexec: str | None = Field(
+        None, description="MPI launcher the job runs inside the allocation (default: the mpiexec beside this Python, "
+        "the bundled MPICH, which starts its processes on the allocated nodes with srun).",
+    )
+    poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
+
+
+class KubernetesConfig(_Section):
+    """The Kubeflow MPIJob (kubeflow.org/v2beta1) of distributed.launcher kubernetes: a launcher pod runs mpirun,
+    num_workers worker pods run distributed.num_ranks / num_workers ranks each."""
+
+    image: str | None = Field(
+        None, min_length=1, description="Container image of launcher and workers: ortflow's pinned environment with "
+        "Open MPI and sshd (docs/kubernetes.md); required with launcher kubernetes.",
+    )
+    namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Namespace of the "
+                           "MPIJob.")
+    num_workers: int = Field(1, gt=0, description="Worker pods (replicas of the Worker); num_ranks / num_workers "
+                             "ranks (slotsPerWorker) on each.")
+    gpus_per_worker: int = Field(0, ge=0, description="nvidia.com/gpu limit of each worker pod.")
+    cpu_per_worker: str | None = Field(None, pattern=r"^\d+(\.\d+)?m?$", description="CPU request and limit of "
+                                       "each worker pod (Kubernetes quantity, e.g. 16 or 500m).")
+    memory_per_worker: str | None = Field(None, pattern=r"^\d+(\.\d+)?([KMGTPE]i?)?$", description="Memory "
+                                          "request and limit of each worker pod (e.g. 64Gi).")
+    run_volume_claim: str = Field(
+        "ortflow-runs", pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
+        description="PersistentVolumeClaim (ReadWriteMany) holding the run folder; launcher and workers mount it at "
+        "output_dir's path, so the resolved config's paths hold inside the pods.",
+    )
+    service_account: str | None = Field(None, min_length=1, description="Service account of the pods (default: "
+                                        "the namespace's).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy "
+                                                                          "of both containers.")
+    python: str = Field("python", min_length=1, description="Python of ortflow's environment inside the image.")
+    poll_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between MPIJob status reads.")
+    stop_grace_s: int = Field(
+        60, ge=0, le=3600,
+        description="terminationGracePeriodSeconds of the pods: on cancel the MPIJob is deleted and the ranks get "
+        "SIGTERM, stop after the current update with a stop checkpoint, and are killed after this many seconds.",
     )
     keep: int | None = Field(
         None, ge=1, le=100000, description="Completed versions to keep (the newest ones; null keeps all). After a "
@@ -543,6 +744,9 @@ class RunConfig(_Section):
     lr_schedule: LRScheduleConfig = Field(LRScheduleConfig(), description="Learning-rate schedule.")
     precision: PrecisionConfig = Field(PrecisionConfig(), description="Mixed precision.")
     distributed: DistributedConfig = Field(DistributedConfig(), description="Ranks, devices, parallelism.")
+    slurm: SlurmConfig = Field(SlurmConfig(), description="The Slurm job of distributed.launcher slurm.")
+    kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="The MPIJob of distributed.launcher "
+                                         "kubernetes.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and retention.")
     tensorboard: TensorBoardConfig = Field(TensorBoardConfig(), description="TensorBoard logging.")
     export: ExportConfig = Field(ExportConfig(), description="Inference model export.")
@@ -605,6 +809,29 @@ def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _launcher_problems(cfg: RunConfig) -> list[str]:
+    """What a scheduler launcher needs from distributed: a fixed rank count that its nodes or pods share evenly."""
+    dist = cfg.distributed
+    if dist.launcher == "local":
+        return []
+    section, count, unit = (("slurm", cfg.slurm.num_nodes, "num_nodes") if dist.launcher == "slurm"
+                            else ("kubernetes", cfg.kubernetes.num_workers, "num_workers"))  # fmt: skip
+    problems = []
+    if dist.num_ranks == "auto":
+        problems.append(f"distributed.num_ranks auto measures this host, not the {section} nodes: give a number of "
+                        f"ranks with launcher {dist.launcher}")
+    elif dist.num_ranks % count:
+        problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be a multiple of {section}.{unit} ({count}): "
+                        "every node runs the same number of ranks")
+    if dist.hostfile is not None or dist.num_hosts != 1:
+        problems.append(f"distributed.hostfile and num_hosts are for launcher local; with launcher {dist.launcher} "
+                        f"the scheduler places the ranks ({section}.{unit}): unset them")
+    if dist.launcher == "kubernetes" and not cfg.kubernetes.image:
+        problems.append("distributed.launcher kubernetes needs kubernetes.image: the container image with ortflow's "
+                        "environment (docs/kubernetes.md)")
+    return problems
+
+
 def _cross_field_problems(cfg: RunConfig) -> list[str]:
     """Checks that span sections, each naming the field and what would be valid."""
     problems: list[str] = []
@@ -657,6 +884,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
+    if cfg.train.profile_steps and dist.device == "cuda":
+        problems.append("train.profile_steps traces CPU ranks only (the engine's GPU trace is not wired up): profile "
+                        "with distributed.device cpu, or remove train.profile_steps")
     if dist.device == "cuda" and not dist.use_nccl:
         problems.append(
             "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
@@ -664,6 +894,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     # device: cuda and use_nccl need the machine (the GPU engine, CUDA libraries, GPUs, CuPy/NCCL): each rank checks
     # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
+    problems += _launcher_problems(cfg)
     if dist.num_hosts > 1 and dist.hostfile is None:
         problems.append(f"distributed.num_hosts is {dist.num_hosts}: give distributed.hostfile listing the hosts")
     if dist.num_ranks != "auto" and dist.num_ranks < dist.num_hosts:
@@ -938,9 +1169,12 @@ def reference_markdown() -> str:
                 out.extend(rows(annotation, f"{prefix}{name}."))
                 continue
             kind = str(annotation).replace("typing.", "").replace("pathlib.", "").replace("<class '", "")
-            kind = kind.replace("'>", "").replace("|", "\\|")
+            kind = kind.replace("'>", "").replace("ortflow.config.", "").replace("|", "\\|")
             default = "*required*" if field.is_required() else f"`{json.dumps(field.default, default=str)}`"
             out.append(f"| `{prefix}{name}` | {kind} | {default} | {field.description} |")
+            item = (getattr(annotation, "__args__", None) or (None,))[0]
+            if isinstance(item, type) and issubclass(item, BaseModel):  # a list of sections: each entry's fields
+                out.extend(rows(item, f"{prefix}{name}[]."))
         return out
 
     header = ["| field | type | default | meaning |", "|---|---|---|---|"]

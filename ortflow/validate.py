@@ -9,8 +9,14 @@ Checks, in order (each problem names the field and the fix):
    first rows of each source fit the training model's inputs (dtypes, per-row shapes) at ``train.batch_size`` and
    ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch.py, so a batch
    dim counts as fixed only when the graph really depends on it);
-4. the run folder, checkpoint, TensorBoard and export paths can be written;
-5. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
+4. the layout: ``train.global_batch_size`` against the model's fixed batch dim, the ranks and the stages, with the
+   messages ``ortflow train`` would give (and the data checks then use the ranks' real micro-batch);
+5. the run folder, checkpoint, TensorBoard and export paths can be written;
+6. ``versions.policy continue`` against the newest completed version in ``output_dir``, as a new version's run
+   checks it;
+7. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
+   of an earlier group);
+8. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
    (operators without gradients, ...) show up, and the data checks use the built model's real inputs; with
    ``distributed.device: cuda`` also every node of the built training model that runs in fp16/bf16 where the GPU
    engine has no CUDA kernel for it (ortflow/graph/cuda_kernels.py), which would stop every rank at start.
@@ -30,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.config import RunConfig, find_problems
+from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
 from ortflow.dataprep.prepare import canonical_table, column_plan, resolve_plan
@@ -64,12 +70,17 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
         if cfg.distributed.horizontal_parallel_size > 1 and not model_problems:
             model_problems = tensor_split_problems(cfg)
             problems += model_problems
+        if cfg.optimizer.groups and not model_problems:
+            problems += group_problems(cfg)
         if deep and not model_problems:
             built, deep_problems = build_in_temporary_folder(cfg)
             problems += deep_problems
             specs = built or specs
-    problems += data_problems(cfg, specs)
+    layout, train_batch = layout_problems(cfg, specs)
+    problems += layout
+    problems += data_problems(cfg, specs, train_batch)
     problems += path_problems(cfg)
+    problems += version_problems(cfg)
     return list(dict.fromkeys(problems))  # the same problem found twice is listed once
 
 
@@ -86,12 +97,18 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     no engine."""
     from fnmatch import fnmatch
 
+    from ortflow.graph.batchnorm_stats import running_statistics, to_record
     from ortflow.graph.optional_outputs import declare_optional_outputs
     from ortflow.graph.tensor_gemm import separate_gemm_biases
     from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
     from ortflow.graph.tensor_pieces import cut_pieces
     from ortflow.graph.tensor_shard import shard_model
+    from ortflow.trainer.batchnorm import refuse_tensor_parallel
 
+    try:
+        refuse_tensor_parallel(to_record(running_statistics(cfg.model.path)))  # as the tensor-parallel ranks do
+    except ValueError as err:
+        return [str(err)]
     if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
         from ortflow.build.artifacts import ArtifactsError
         from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
@@ -111,6 +128,20 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
     except (TensorSplitError, ValueError) as err:
         return [str(err)]
     return []
+
+
+def group_problems(cfg: RunConfig) -> list[str]:
+    """optimizer.groups against the parameters configure will train (float initializers outside model.frozen, less
+    those the engine cannot train: running statistics and constants), as configure checks them."""
+    from fnmatch import fnmatch
+
+    from ortflow.graph.untrainable import untrainable_initializers
+
+    proto = onnx.load(str(cfg.model.path))
+    floats = {t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+              and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)}
+    trainable = sorted(floats - set(untrainable_initializers(proto, floats)))
+    return param_group_problems(trainable, cfg.optimizer)
 
 
 def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
@@ -192,8 +223,42 @@ def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:
     return found, problems
 
 
-def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
-    """Sources, columns, and the first rows' dtypes and shapes against the inputs at both batch sizes."""
+def layout_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> tuple[list[str], int | None]:
+    """What the launcher and the ranks refuse about the global batch, the model's fixed batch dim, the ranks and the
+    stages, with their own messages; and the per-rank micro-batch the ranks will use (None: not known before launch).
+
+    With ``train.global_batch_size`` the ranks split it over the data-parallel replicas (``num_ranks`` / (pipeline x
+    tensor-parallel sizes)) as the ranks do (``plan_batch``): micro-batches of exactly the fixed batch dim, if any.
+    """
+    from ortflow.config import LayoutError, nearest_multiples, plan_batch
+
+    train, dist = cfg.train, cfg.distributed
+    if specs is None:
+        return [], train.batch_size
+    label = cfg.model.label_input if cfg.model.loss != "model_output" else None
+    fixed = sorted({s.shape[0] for s in specs if s.name != label and s.shape and isinstance(s.shape[0], int)
+                    and s.shape[0] > 0})
+    if len(fixed) > 1:
+        return [f"model.path: model inputs fix different batch sizes {fixed}; re-export with one batch dim"], None
+    unit = fixed[0] if fixed else None
+    if not train.global_batch_size:
+        return [], train.batch_size
+    if dist.num_ranks == "auto":  # the launcher picks the rank count; the global batch must hold whole batches
+        if unit and train.global_batch_size % unit:
+            return [f"train.global_batch_size {train.global_batch_size} is not a multiple of the model's fixed batch "
+                    f"dim {unit}: use {', '.join(map(str, nearest_multiples(train.global_batch_size, unit)))}"], None
+        return [], unit
+    replicas = dist.num_ranks // (dist.pipeline_parallel_size * dist.horizontal_parallel_size)
+    try:
+        plan = plan_batch(train.global_batch_size, replicas, train.batch_size, unit)
+    except LayoutError as err:
+        return [str(err)], None
+    return [], plan.batch_size
+
+
+def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: int | None = -1) -> list[str]:
+    """Sources, columns, and the first rows' dtypes and shapes against the inputs at both batch sizes
+    (``train_batch``: the ranks' micro-batch, default ``train.batch_size``; None: not known, not checked)."""
     sources, problems = _sources(cfg)
     if specs is None:
         return problems
@@ -229,13 +294,28 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None) -> list[str]:
         for spec in specs:
             if spec.name not in shapes:
                 continue
-            label = plan[spec.name].label
-            for batch in sorted({cfg.train.batch_size, cfg.train.resolved_eval_batch_size}):
+            column = plan[spec.name].label
+            is_label = cfg.model.loss != "model_output" and spec.name == cfg.model.label_input
+            train_batch = cfg.train.batch_size if train_batch == -1 else train_batch
+            for batch in sorted({b for b in (train_batch, cfg.train.resolved_eval_batch_size) if b is not None}):
                 try:
-                    merges_leading_dims(spec, shapes[spec.name], batch, label)
+                    merges_leading_dims(spec, shapes[spec.name], batch, column, is_label)
                 except DataError as err:
                     problems.append(f"{field}: {err}")
     return problems
+
+
+def version_problems(cfg: RunConfig) -> list[str]:
+    """``versions.policy continue`` against the newest completed version in ``output_dir`` (as a new version's run
+    would check it): the model file or the model or optimizer sections changed."""
+    from ortflow.versions import continue_problems, last_completed
+
+    if cfg.versions.policy != "continue":
+        return []
+    try:
+        return continue_problems(cfg, last_completed(cfg.output_dir))
+    except (DataError, OSError):  # a source or the model is missing: reported by the checks above
+        return []
 
 
 def _writable(path: Path, field: str, is_dir: bool) -> str | None:

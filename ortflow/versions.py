@@ -94,8 +94,32 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     return {
         "config": cfg.section_fingerprint(*TRAINING_SECTIONS),
         "model": model_fingerprint(cfg),
+        "optimizer": cfg.section_fingerprint("optimizer"),
         "data": digest.hexdigest(),
     }
+
+
+def continue_problems(cfg: RunConfig, last: dict | None, prints: dict[str, str] | None = None) -> list[str]:
+    """Why ``versions.policy continue`` cannot warm-start from version ``last`` (its registry entry): the model
+    file or the ``model`` section changed (the checkpoint no longer fits), or the ``optimizer`` section changed (a
+    continued version trains with its parent's recipe on new data; a new recipe is a retrain)."""
+    if cfg.versions.policy != "continue" or last is None:
+        return []
+    prints = prints or fingerprints(cfg)
+    before = last.get("fingerprints", {})
+    changed = [what for what, key in (("the model file or the model section", "model"),
+                                      ("the optimizer section", "optimizer"))
+               if key in before and before[key] != prints[key]]
+    if not changed:
+        return []
+    return [f"versions.policy continue: {' and '.join(changed)} changed since version {last['version']}, so it "
+            "cannot be continued; use policy retrain for this run (or restore the earlier settings)"]
+
+
+def last_completed(base: Path) -> dict | None:
+    """The newest completed version's registry entry (None when there is none)."""
+    done = [e for e in read_registry(base) if e.get("status") == "completed"]
+    return done[-1] if done else None
 
 
 def version_name(flow_run_id: str | None, now: float | None = None) -> str:
@@ -177,17 +201,16 @@ def plan_run(
     name = version_name(flow_run_id, now)
     entry = {"version": name, "flow_run_id": flow_run_id, "started": time.time(), "policy": policy.policy,
              "fingerprints": prints}
-    if policy.skip_unchanged and last is not None and last.get("fingerprints") == prints:
-        reason = f"config, model and data unchanged since version {last['version']}"
+    same_policy = last is not None and last.get("policy") == policy.policy  # a policy change is never skipped
+    if policy.skip_unchanged and same_policy and last.get("fingerprints") == prints:
+        reason = f"config, model, data and policy unchanged since version {last['version']}"
         _write_registry(base, [*entries, {**entry, "status": "skipped", "reason": reason, "parent": last["version"]}])
         return Plan(cfg, name, last["version"], skipped_because=reason)
     parent, init_from = None, None
     if policy.policy == "continue" and last is not None:
-        if last["fingerprints"]["model"] != prints["model"]:
-            raise ConfigError([
-                f"versions.policy continue: the model file or the model/optimizer sections changed since version "
-                f"{last['version']}, so its checkpoint does not fit; use policy retrain for this run"
-            ])
+        problems = continue_problems(cfg, last, prints)
+        if problems:
+            raise ConfigError(problems)
         parent, init_from = last["version"], _warm_start_checkpoint(last, policy.continue_from)
     elif policy.policy == "continue":
         log.info("versions.policy continue: no earlier successful version, training from %s", cfg.model.path)

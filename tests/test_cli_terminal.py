@@ -35,3 +35,22 @@ def test_log_lines_share_the_progress_bars_console_and_tracebacks_go_to_the_file
 
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
     assert handlers and all(h.console is not console for h in handlers)
+
+
+def test_version_lines_fit_the_width_even_with_long_paths(tmp_path):
+    from pathlib import Path
+
+    from ortflow.cli_terminal import version_lines
+
+    base = Path("/" + "/".join(["a-rather-long-folder-name"] * 6))
+    entries = [
+        {"version": "20261123T031500Z-5f3e2a1b", "policy": "retrain", "steps": "600/600", "final eval loss": 1.23456,
+         "best eval loss": 1.2, "exported model": str(base / "versions" / "20261123T031500Z-5f3e2a1b" / "model.onnx")},
+        {"version": "20261124T031500Z-0a1b2c3d", "policy": "continue", "parent": "20261123T031500Z-5f3e2a1b",
+         "reason": "config, model, data and policy unchanged since version 20261123T031500Z-5f3e2a1b"},
+    ]
+    lines = version_lines(entries, ["completed", "skipped"], base, width=80)
+    assert all(len(line) <= 80 for line in lines), lines
+    text = " ".join(" ".join(lines).split())
+    assert "eval 1.235 (best 1.2)" in text and "model versions/20261123T031500Z-5f3e2a1b/model.onnx" in text
+    assert "skipped: config, model, data and policy unchanged" in text

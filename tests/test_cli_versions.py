@@ -34,13 +34,28 @@ def test_runs_lists_versions_with_status_parent_and_losses(tmp_path):
     path, cfg = _config_file(tmp_path, skip_unchanged=True)
     assert "no versions yet" in runner.invoke(app, ["runs", str(path)]).output
     first = plan_run(cfg, "fr-1", new_version=True, now=1)
+    ckpt = first.config.checkpoints_dir / "step-00000004"  # a complete checkpoint to continue from
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text('{"format": 1, "step": 4, "files": {}}')
     finish_version(cfg.output_dir, first.version, "completed", {"steps": "4/4", "final eval loss": 0.5})
     plan_run(cfg, "fr-2", new_version=True, now=2)  # unchanged: skipped
-    result = runner.invoke(app, ["runs", str(path)], env={"COLUMNS": "300"})
+    second = plan_run(cfg.model_copy(update={"versions": cfg.versions.model_copy(update={"policy": "continue"})}),
+                      "fr-3", new_version=True, now=3)  # a policy change: trained, continuing the first
+    finish_version(cfg.output_dir, second.version, "completed", {
+        "steps": "4/4", "final eval loss": 0.25, "best eval loss": 0.2,
+        "exported model": str(cfg.output_dir / "versions" / second.version / "export" / "model.onnx")})
+    result = runner.invoke(app, ["runs", str(path)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert any(first.version in line and "completed" in line and "0.5" in line and "4/4" in line for line in lines)
-    assert any("skipped (config, model and data unchanged" in line for line in lines), result.output
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    at = next(i for i, line in enumerate(lines) if line.startswith(first.version))
+    assert "completed" in lines[at] and "4/4" in lines[at] and "eval 0.5 (best -)" in lines[at + 1]
+    skipped = next(i for i, line in enumerate(lines) if "skipped" in line and not line.startswith(first.version))
+    assert "skipped: config, model, data and policy unchanged" in " ".join(" ".join(lines[skipped:skipped + 3]).split())
+    at = next(i for i, line in enumerate(lines) if line.startswith(second.version))
+    detail = " ".join(" ".join(lines[at + 1:at + 4]).split())
+    assert "continue" in lines[at] and f"parent {first.version}" in detail and "eval 0.25 (best 0.2)" in detail
+    assert f"model versions/{second.version}/export/model.onnx" in detail  # relative to output_dir
 
 
 def test_a_running_version_nobody_holds_shows_as_interrupted(tmp_path):
@@ -80,3 +95,33 @@ def test_ortflow_train_is_refused_while_another_process_holds_the_folder(tmp_pat
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_help_keeps_every_bracketed_shape_of_the_docstrings():
+    import re
+
+    import typer.main
+
+    group = typer.main.get_command(app)
+    checked = 0
+    for name, command in group.commands.items():
+        subcommands = getattr(command, "commands", {}) or {name: command}
+        for sub_name, sub in subcommands.items():
+            args = [name] if sub is command else [name, sub_name]
+            wanted = re.findall(r"\\?\[[^\]\[]*\]", sub.help or "")
+            if not wanted:
+                continue
+            shown = " ".join(runner.invoke(app, [*args, "--help"], terminal_width=400).output.split())
+            for fragment in wanted:
+                assert fragment.lstrip("\\") in shown, (args, fragment)
+                checked += 1
+    assert checked >= 4  # sample's four shapes at least
+
+
+def test_run_summary_has_no_tokens_per_second_for_non_text_data():
+    from ortflow.tasks.stages import summary_rows
+
+    rows = {r["metric"]: r["value"] for r in summary_rows({"step": 4, "total": 4, "samples_per_s": 10.0}, {}, {})}
+    assert "tokens/s" not in rows and rows["samples/s"] == 10.0
+    text = summary_rows({"step": 4, "total": 4, "samples_per_s": 10.0, "tokens_per_s": 640.0}, {}, {})
+    assert {"metric": "tokens/s", "value": 640.0} in text

@@ -303,3 +303,19 @@ def test_pipeline_stages_refuse_mixed_precision(tmp_path):
         "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision false "
         "with it"
     ]
+
+
+def test_max_eval_batches_is_refused_with_the_global_row_limit_as_the_fix():
+    from ortflow.config import TrainConfig
+
+    with pytest.raises(ValueError, match="use train.max_eval_rows"):
+        TrainConfig(batch_size=2, num_train_steps=4, max_eval_batches=3)
+    assert TrainConfig(batch_size=2, num_train_steps=4, max_eval_rows=3).max_eval_rows == 3
+
+
+def test_profile_steps_work_in_every_cpu_layout_and_are_refused_by_name_on_gpus(tmp_path):
+    for layout in ((), ("distributed.pipeline_parallel_size=2",), ("distributed.horizontal_parallel_size=2",)):
+        assert problems_of(tmp_path, "distributed.num_ranks=2", "train.profile_steps=[1,2]", *layout) == []
+    problems = problems_of(tmp_path, "distributed.device=cuda", "distributed.use_nccl=true",
+                           "train.profile_steps=[1,2]")
+    assert any(p.startswith("train.profile_steps traces CPU ranks only") for p in problems), problems

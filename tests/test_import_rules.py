@@ -1,4 +1,5 @@
-"""STYLE.md's import rules: each package imported in a fresh interpreter, and every module's imports read."""
+"""STYLE.md's import rules: each package imported in a fresh interpreter, every module's imports read (inside
+functions too) against the layer table, no import cycles, no private names imported across modules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,77 @@ from pathlib import Path
 
 import pytest
 
+from .support.import_rules import EXTRA_EDGES, LAYERS, PRIVATE_KNOWN, check, imports_of, module_names
+
 ROOT = Path(__file__).resolve().parents[1] / "ortflow"
+REPORT = check(ROOT, LAYERS, EXTRA_EDGES, PRIVATE_KNOWN)
+
+
+def test_every_import_follows_the_layer_table():
+    assert not REPORT.layer, "\n".join(REPORT.layer)
+
+
+def test_no_import_cycles_even_through_imports_inside_functions():
+    assert not REPORT.cycles, "\n".join(" -> ".join([*c, c[0]]) for c in REPORT.cycles)
+
+
+def test_no_private_name_is_imported_across_modules():
+    assert not REPORT.private, "\n".join(REPORT.private)
+
+
+def test_every_listed_exception_is_still_used():
+    # An exception nobody needs any more would hide the next breach of the same kind.
+    found = {(m, i.module, i.name) for m, path in module_names(ROOT).items() for i in imports_of(m, path)}
+    for part, target in EXTRA_EDGES:
+        assert any(m.startswith(f"ortflow.{part}") and (mod == target or f"{mod}.{name}" == target)
+                   for m, mod, name in found), (part, target)
+    for module, name in PRIVATE_KNOWN:
+        assert any(m == module and n == name for m, _, n in found), (module, name)
+
+
+def plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package ``pkg`` under ``tmp_path`` with the given module sources (``sub/__init__.py`` style paths)."""
+    root = tmp_path / "pkg"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in path.relative_to(root).parents:
+            (root / folder / "__init__.py").touch()
+        path.write_text(text)
+    return root
+
+
+TABLE = {"config": set(), "trainer": {"config"}}
+
+
+def test_the_checker_passes_a_package_that_keeps_the_rules(tmp_path):
+    root = plant(tmp_path, {"config/__init__.py": "LIMIT = 1\n",
+                            "trainer/loop.py": "from pkg.config import LIMIT\nfrom .steps import step\n",
+                            "trainer/steps.py": "def step():\n    from pkg import config\n    return config.LIMIT\n"})
+    assert check(root, TABLE).problems() == []
+
+
+def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path):
+    root = plant(tmp_path, {"trainer/a.py": "import pkg.trainer.b\n",
+                            "trainer/b.py": "def later():\n    from pkg.trainer import a\n    return a\n",
+                            "trainer/c.py": "from pkg.trainer import a\n"})
+    assert check(root, TABLE).cycles == [["pkg.trainer.a", "pkg.trainer.b"]]
+
+
+def test_the_checker_finds_a_private_name_imported_across_modules(tmp_path):
+    root = plant(tmp_path, {"trainer/a.py": "def _helper():\n    return 1\n",
+                            "trainer/b.py": "from .a import _helper\n",
+                            "trainer/c.py": "def f():\n    from pkg.trainer.a import _helper\n    return _helper\n"})
+    private = check(root, TABLE).private
+    assert len(private) == 2 and all("_helper from pkg.trainer.a" in p for p in private), private
+
+
+def test_the_checker_finds_a_layer_breach_inside_a_function_and_an_unlisted_part(tmp_path):
+    root = plant(tmp_path, {"config/__init__.py": "def f():\n    from pkg.trainer import loop\n    return loop\n",
+                            "trainer/loop.py": "", "tools.py": "import pkg.config\n"})
+    layer = check(root, TABLE).layer
+    assert any(p.startswith("pkg.config:2 (config) imports pkg.trainer.loop") for p in layer), layer
+    assert any("tools is not in the layer table" in p for p in layer), layer
 
 
 def loaded_by(module: str) -> set[str]:

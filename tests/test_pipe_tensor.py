@@ -10,7 +10,7 @@ from ortflow.build.records import ARTIFACT_FILES, piece_dir, read_pipe_tensor_re
 from ortflow.checkpoints.tp import by_stage, tp_file
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.examples.gpt import build_gpt
-from ortflow.trainer.parallel.grid import place, rank_of
+from ortflow.trainer.parallel.parallel_dims import place, rank_of
 from ortflow.validate import tensor_split_problems
 
 

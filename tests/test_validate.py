@@ -142,3 +142,69 @@ def test_tensor_parallelism_with_a_size_that_does_not_divide_the_heads_is_a_prob
     build_gpt(tmp_path / "model.onnx", vocab_size=16, seq_len=4, d_model=8, num_layers=1, num_heads=2)
     problems = validate(path)
     assert any("horizontal_parallel_size 3 does not divide ['h0.attn.q.weight" in p for p in problems), problems
+
+
+def _flat_model_setup(tmp_path: Path, **train) -> Path:
+    """A GPT-style head traced at batch 4 whose logits are flattened to [4 * 2, V] by a hard-coded Reshape."""
+    from .models_data import flattened_logits_model
+
+    flattened_logits_model(batch=4, seq=2, hard_coded=True, path=tmp_path / "flat.onnx")
+    ids = np.random.default_rng(0).integers(0, 7, (40, 2))
+    rows = pa.array(list(ids), type=pa.list_(pa.int64()))
+    pq.write_table(pa.table({"input_ids": rows, "labels": rows}), tmp_path / "seq.parquet")
+    path = tmp_path / "flat.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": "run", "model": {"path": "flat.onnx"},
+                                    "data": {"train": "seq.parquet"},
+                                    "train": {"num_train_steps": 2, **train}}))
+    return path
+
+
+def test_a_fixed_batch_gives_one_consistent_row_count_for_every_input(tmp_path):
+    problems = validate(_flat_model_setup(tmp_path, batch_size=8))
+    assert len(problems) == 2, problems
+    assert all("every batch must hold 4 rows, not 8: set train.batch_size and train.eval_batch_size to 4" in p
+               for p in problems), problems
+    label = next(p for p in problems if "column 'labels'" in p)
+    assert "the label 'labels' that the loss adds" in label and "dynamic_axes={'labels'" not in label
+
+
+def test_a_global_batch_that_train_would_refuse_is_refused_before_training(tmp_path):
+    path = _flat_model_setup(tmp_path, batch_size=4, global_batch_size=6)
+    raw = yaml.safe_load(path.read_text())
+    raw["distributed"] = {"num_ranks": 3}
+    path.write_text(yaml.safe_dump(raw))
+    problems = validate(path)
+    # The message `ortflow train` gives for this layout (trainer/layout.py plan_batch).
+    assert problems == ["train.global_batch_size 6 cannot be split over 3 rank(s) and the model's fixed batch dim 4: "
+                        "use a global batch of 12, or no other rank(s)"]
+    raw["train"]["global_batch_size"] = 12
+    path.write_text(yaml.safe_dump(raw))
+    assert validate(path) == []  # 3 ranks x the fixed batch 4: valid, the data checked at the ranks' batch 4
+    raw["distributed"] = {"num_ranks": "auto"}
+    raw["train"]["global_batch_size"] = 6
+    path.write_text(yaml.safe_dump(raw))
+    assert validate(path) == ["train.global_batch_size 6 is not a multiple of the model's fixed batch dim 4: use 4, 8"]
+
+
+def test_optimizer_groups_are_checked_against_the_trained_parameters(tmp_path):
+    problems = validate(setup(tmp_path, optimizer={"groups": [{"params": ["*bias"]}, {"params": ["fc1.bias", "x*"]}]}))
+    assert len(problems) == 2, problems
+    assert "optimizer.groups[1].params: 'fc1.bias' matches only parameters of optimizer.groups[0]" in problems[0]
+    assert "optimizer.groups[1].params: 'x*' matches no trainable parameter" in problems[1]
+    assert validate(setup(tmp_path, optimizer={"groups": [{"params": ["*bias"], "weight_decay": 0.0}]})) == []
+
+
+def test_layout_problems_split_the_global_batch_over_the_replicas_of_the_stages(tmp_path):
+    from ortflow.dataprep.specs import InputSpec
+    from ortflow.validate import layout_problems
+
+    raw = yaml.safe_load(setup(tmp_path).read_text())
+    raw["model"]["path"] = str(tmp_path / "model.onnx")
+    raw["train"] = {"batch_size": 8, "num_train_steps": 2, "global_batch_size": 8}
+    raw["distributed"] = {"num_ranks": 4, "pipeline_parallel_size": 2}
+    specs = [InputSpec("features", "float32", (4, 8)), InputSpec("labels", "int64", (4,))]
+    assert layout_problems(config_from_dict(raw), specs) == ([], 4)  # 2 replicas x the fixed batch 4
+    raw["train"]["global_batch_size"] = 12
+    problems, batch = layout_problems(config_from_dict(raw), specs)
+    assert batch is None and problems == ["train.global_batch_size 12 cannot be split over 2 rank(s) and the model's "
+                                          "fixed batch dim 4: use a global batch of 8 or 16, or 1 or 3 rank(s)"]

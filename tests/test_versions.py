@@ -78,7 +78,7 @@ def test_skip_unchanged_skips_until_the_data_changes(tmp_path):
     first = plan_run(cfg, "fr-1", new_version=True, now=1)
     _complete(cfg, first)
     skipped = plan_run(cfg, "fr-2", new_version=True, now=2)
-    assert skipped.skipped_because == f"config, model and data unchanged since version {first.version}"
+    assert skipped.skipped_because == f"config, model, data and policy unchanged since version {first.version}"
     assert not (cfg.output_dir / "versions" / skipped.version).exists()
     np.savez(tmp_path / "b.npz", features=np.ones((8, 4), np.float32), labels=np.ones(8, np.int64))
     trained = plan_run(cfg, "fr-3", new_version=True, now=3)
@@ -137,3 +137,32 @@ def test_a_versioned_run_refuses_export_path_by_name(tmp_path):
     cfg = apply_overrides(_config(tmp_path), [f"export.path={tmp_path / 'elsewhere.onnx'}"])
     with pytest.raises(ConfigError, match=r"export.path .*elsewhere.onnx: a versioned run exports into its version"):
         version_config(cfg, tmp_path / "runs" / "versions" / "v1", None)
+
+
+def test_skip_unchanged_never_skips_a_policy_change(tmp_path):
+    cont = _config(tmp_path, policy="continue", skip_unchanged=True)
+    _complete(cont, plan_run(cont, "fr-1", new_version=True, now=1))
+    retrain = _config(tmp_path, policy="retrain", skip_unchanged=True)  # same config, model and data
+    plan = plan_run(retrain, "fr-2", new_version=True, now=2)
+    assert plan.skipped_because is None and plan.parent is None  # trained, from model.path
+    _complete(retrain, plan)
+    again = plan_run(cont, "fr-3", new_version=True, now=3)  # back to continue: a change again, not skipped
+    assert again.skipped_because is None and again.parent == plan.version
+    _complete(cont, again)
+    assert plan_run(cont, "fr-4", new_version=True, now=4).skipped_because  # nothing changed now: skipped
+
+
+def test_continue_refuses_a_changed_optimizer_section_as_documented_and_validate_says_so_first(tmp_path):
+    from ortflow.validate import version_problems
+
+    cfg = _config(tmp_path, policy="continue")
+    _complete(cfg, plan_run(cfg, "fr-1", new_version=True, now=1))
+    raw = cfg.model_dump(mode="json")
+    raw["optimizer"]["learning_rate"] = 0.5
+    changed = config_from_dict(raw)
+    assert version_problems(cfg) == []
+    problems = version_problems(changed)
+    assert len(problems) == 1 and "the optimizer section changed since version" in problems[0]
+    assert "use policy retrain" in problems[0]
+    with pytest.raises(ConfigError, match="the optimizer section changed"):
+        plan_run(changed, "fr-2", new_version=True, now=2)

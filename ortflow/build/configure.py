@@ -44,9 +44,11 @@ from ortflow.config import (
     RunConfig,
     check_files,
     dump_config,
+    param_group_problems,
     write_resolved_config,
 )
 from ortflow.engine import ORT_VERSION
+from ortflow.graph.batchnorm_stats import running_statistics, to_record
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,13 @@ def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
             and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
 
 
+def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
+    """optimizer.groups against the trained parameters (the artifacts do not depend on it, so also when reused)."""
+    problems = param_group_problems(trainable, cfg.optimizer)
+    if problems:
+        raise ConfigError(problems)
+
+
 def configure(cfg: RunConfig) -> ConfigureResult:
     """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
 
@@ -177,6 +186,10 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and all((artifacts_dir / name).exists() for name in ARTIFACT_FILES)
         and _split_artifacts_exist(cfg, artifacts_dir)
     ):
+        _refuse_bad_groups(cfg, previous.get("trainable", []))
+        if "batchnorm" not in previous:  # a record written before the BatchNorm entry: add it, the rest stays
+            previous = {**previous, "batchnorm": to_record(running_statistics(cfg.model.path))}
+            _write_json_atomic(record_path, previous)
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
@@ -201,6 +214,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
             tensor_record = {"split": [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]}
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
+    _refuse_bad_groups(cfg, list(built.trainable))
     write_resolved_config(cfg)
     record = {
         "fingerprint": key,
@@ -226,6 +240,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
         "pipeline_cuts": stages["cuts"] if stages else [],
         "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
+        "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

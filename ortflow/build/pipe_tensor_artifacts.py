@@ -30,7 +30,7 @@ from ortflow.build.building import building
 from ortflow.build.engine_input import gelu_fusion
 from ortflow.build.records import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
 from ortflow.build.stage_artifacts import plan_stages
-from ortflow.build.tensor_artifacts import build_piece, piece_record, export_fixes
+from ortflow.build.tensor_artifacts import build_piece, export_fixes, piece_record
 from ortflow.config import RunConfig
 from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.gradient_fixes import gradient_fixes

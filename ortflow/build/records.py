@@ -4,8 +4,8 @@ Configure (:mod:`ortflow.build`) writes the folder; every rank reads it through 
 nothing from ortflow, so the rank runtime never loads the graph passes or the artifact builders.
 
 Checksums: a resume trusts the artifacts as much as the checkpoints: a flipped bit in ``training_model.onnx``
-(a constant, an attribute) would train a different model without any error. ``configure.json`` records the sha256 of every artifact
-file; rank 0 compares them at start, before any rank loads them.
+(a constant, an attribute) would train a different model without any error. ``configure.json`` records the sha256
+of every artifact file; rank 0 compares them at start, before any rank loads them.
 """
 
 from __future__ import annotations

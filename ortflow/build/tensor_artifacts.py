@@ -23,10 +23,10 @@ import onnx
 
 from ortflow.build.artifacts import (
     ArtifactsError,
-    check_loss_io,
     ConfiguredLoss,
-    loss_block,
+    check_loss_io,
     inspect_model,
+    loss_block,
     split_parameters,
 )
 from ortflow.build.building import building

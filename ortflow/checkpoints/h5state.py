@@ -129,6 +129,9 @@ def write_optimizer(path: Path, state: TrainState, marks: dict | None = None) ->
         f.attrs["optimizer"] = state.optimizer
         f.attrs["rank"], f.attrs["world_size"] = state.rank, state.world_size
         f.attrs["replica"] = state.replica
+        if getattr(update, "groups_record", None):  # optimizer.groups: patterns and settings, and who is in each
+            f.attrs["groups"] = update.groups_record
+            f.attrs["group_members"] = update.groups_members
         for k, sname in enumerate(update.rule.state_names):
             group = f.create_group(sname)
             for i, seg in enumerate(update.segments):
@@ -238,6 +241,21 @@ def state_pieces(
     return step, name, pieces
 
 
+def _check_groups(folder: Path, update, files: list[Path] | None) -> None:
+    """Warn when the checkpoint's parameter groups differ from the run's (the state is per element: it still loads)."""
+    files = files or optimizer_files(folder)
+    if not files:
+        return
+    with _open(files[0]) as f:
+        saved = f.attrs.get("groups")
+    mine = getattr(update, "groups_record", None)
+    if saved is not None and mine is not None and str(saved) != mine:
+        log.warning("%s was written with other optimizer.groups; continuing with this run's groups", folder.name)
+    elif (saved is None) != (mine is None):
+        log.warning("%s was written %s optimizer.groups; continuing %s them", folder.name,
+                    "without" if saved is None else "with", "with" if mine is not None else "without")
+
+
 def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: list[Path] | None = None) -> None:
     """Fill ``update``'s state (any sharding) and step count from a checkpoint's optimizer files (any sharding).
 
@@ -271,5 +289,6 @@ def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: l
                     "(a shard file is missing or the model changed); use another checkpoint"
                 )
     update.step_count = step
+    _check_groups(folder, update, files)
     if hasattr(update, "to_device"):
         update.to_device()

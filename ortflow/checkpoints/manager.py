@@ -23,11 +23,11 @@ from typing import Any
 
 from ortflow import __version__
 from ortflow.checkpoints.folder import (
-    STEP_RE,
-    TMP_PREFIX,
     FORMAT,
     META_FILE,
     META_SHA_KEY,
+    STEP_RE,
+    TMP_PREFIX,
     CheckpointError,
     CheckpointInfo,
     file_sha256,

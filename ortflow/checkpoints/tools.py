@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from ortflow.checkpoints.folder import CheckpointInfo, verify
-from ortflow.checkpoints.h5state import state_pieces, escape, optimizer_files, read_params
+from ortflow.checkpoints.h5state import escape, optimizer_files, read_params, state_pieces
 
 
 def inspect(path: Path) -> dict:

@@ -314,7 +314,8 @@ class Prefetcher:
 
 
 class EvalLoader:
-    """This rank's contiguous share of the eval split, in order: rows ``[r*N//W, (r+1)*N//W)``.
+    """This rank's contiguous share of the eval split (or of its first ``max_rows`` rows), in order: rows
+    ``[r*N//W, (r+1)*N//W)`` of the ``N`` evaluated, so the same rows are evaluated on any number of ranks.
 
     When the model fixes its batch dim (an input's declared leading dim is an integer), every batch must have exactly
     ``batch_size`` rows: the short last batch is padded with copies of its first row, and :meth:`weighted_batches`
@@ -325,13 +326,14 @@ class EvalLoader:
         batch_size: rows per batch on this rank.
         rank: this rank.
         world_size: number of ranks.
+        max_rows: evaluate only the split's first this many rows (``train.max_eval_rows``; None: all).
     """
 
-    def __init__(self, data_dir: Path, batch_size: int, rank: int, world_size: int):
+    def __init__(self, data_dir: Path, batch_size: int, rank: int, world_size: int, max_rows: int | None = None):
         _check_rank(batch_size, rank, world_size)
         manifest = read_manifest(Path(data_dir))
         self._split = _Split(Path(data_dir), manifest, "eval")
-        total = self._split.num_rows
+        total = self._split.num_rows if max_rows is None else min(max_rows, self._split.num_rows)
         self._lo, self._hi = rank * total // world_size, (rank + 1) * total // world_size
         self.batch_size = batch_size
         self.num_samples: int = self._hi - self._lo

@@ -74,7 +74,7 @@ def prepare_data(cfg: RunConfig) -> Manifest:
                 verify_data(data_dir)
                 for spec, info in zip(specs, old.inputs, strict=True):  # batch sizes are not in the fingerprint
                     for b in {cfg.train.batch_size, cfg.train.resolved_eval_batch_size}:
-                        merges_leading_dims(spec, tuple(info.row_shape), b, info.column)
+                        merges_leading_dims(spec, tuple(info.row_shape), b, info.column, _is_label(cfg, spec))
                 log.info("data in %s is up to date (fingerprint %s): nothing to do", data_dir, fingerprint[:12])
                 return old.with_reused(True)
             log.info("sources or data settings changed: rewriting the shards in %s", data_dir)
@@ -117,7 +117,7 @@ def prepare_data(cfg: RunConfig) -> Manifest:
     inputs = []
     for spec in specs:
         label = plan[spec.name].label
-        merge = {merges_leading_dims(spec, shapes[spec.name], b, label)
+        merge = {merges_leading_dims(spec, shapes[spec.name], b, label, _is_label(cfg, spec))
                  for b in {cfg.train.batch_size, cfg.train.resolved_eval_batch_size}}  # fmt: skip
         inputs.append(InputInfo(spec.name, label, spec.dtype, list(spec.shape), list(shapes[spec.name]),
                                 merge.pop()))  # fmt: skip
@@ -243,3 +243,8 @@ def _publish(staging: Path, data_dir: Path, manifest: Manifest) -> None:
         for shard in shards:
             (staging / shard.file).replace(data_dir / shard.file)
     write_manifest(manifest, data_dir)
+
+
+def _is_label(cfg: RunConfig, spec: InputSpec) -> bool:
+    """Whether ``spec`` is the label the loss adds (not an input of the user's model)."""
+    return cfg.model.loss != "model_output" and spec.name == cfg.model.label_input

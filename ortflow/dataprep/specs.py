@@ -47,7 +47,9 @@ def read_train_inputs(output_dir: Path) -> list[InputSpec]:
     return specs
 
 
-def merges_leading_dims(spec: InputSpec, row_shape: tuple[int, ...], batch_size: int, column: str) -> bool:
+def merges_leading_dims(
+    spec: InputSpec, row_shape: tuple[int, ...], batch_size: int, column: str, is_label: bool = False
+) -> bool:
     """Check that rows of ``row_shape`` batch into ``spec``'s shape; return whether leading dims are merged.
 
     Args:
@@ -55,6 +57,8 @@ def merges_leading_dims(spec: InputSpec, row_shape: tuple[int, ...], batch_size:
         row_shape: shape of one sample's value for this input.
         batch_size: rows per batch (checked against a fixed leading dim).
         column: the source column, named in errors.
+        is_label: ``spec`` is the label the loss adds (not an input of the user's model): a fixed leading dim comes
+            from the loss output, so from the model's batch dim.
 
     Raises:
         DataError: naming the column, when no batch of these rows has the model's rank and fixed dims.
@@ -73,12 +77,14 @@ def merges_leading_dims(spec: InputSpec, row_shape: tuple[int, ...], batch_size:
     for axis, (want, got) in enumerate(zip(declared, batch_shape, strict=True)):
         if axis == 0 and isinstance(want, int) and want > 0 and want != got:
             rows = want // row_shape[0] if merge and row_shape[0] and want % row_shape[0] == 0 else want
+            what = (f"the label '{spec.name}' that the loss adds, whose {want} values per batch follow the loss "
+                    f"output and so the model's fixed batch dim of {rows}" if is_label else
+                    f"model input '{spec.name}', which has a fixed batch dim of {want} that its graph depends on")
+            axes = "{name: {0: 'batch'}} for each of its inputs" if is_label else f"{{'{spec.name}': {{0: 'batch'}}}}"
             raise DataError(
-                f"column '{column}' feeds model input '{spec.name}', which has a fixed batch dim of {want} that its "
-                f"graph depends on (configure.json "
-                f"'batch' says why it was kept), so every batch must hold {rows} rows, not {batch_size}: set "
-                f"train.batch_size and train.eval_batch_size to {rows}, or export the model with a dynamic batch dim "
-                f"(torch.onnx.export(..., dynamic_axes={{'{spec.name}': {{0: 'batch'}}}}))"
+                f"column '{column}' feeds {what} (configure.json 'batch' says why it was kept), so every batch must "
+                f"hold {rows} rows, not {batch_size}: set train.batch_size and train.eval_batch_size to {rows}, or "
+                f"export the model with a dynamic batch dim (torch.onnx.export(..., dynamic_axes={axes}))"
             )
         if isinstance(want, int) and want > 0 and want != got:
             raise DataError(

@@ -45,14 +45,15 @@ class Evaluation:
         return asdict(self)
 
 
-def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_batches: int | None = None) -> Evaluation:
+def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_rows: int | None = None) -> Evaluation:
     """Evaluate a checkpoint of a configured, prepared run on its eval split (one process, CPU).
 
     Args:
         source: A run folder, or a checkpoint folder inside one.
         checkpoint: For a run folder: ``best``, ``latest``, ``initial``, ``step-N`` or ``N`` (default: best, else
             latest).
-        max_batches: Cap on eval batches (default: the whole split).
+        max_rows: Evaluate the split's first this many rows (default: the run's ``train.max_eval_rows``, the rows
+            its evaluations used; without it the whole split).
 
     Raises:
         ExportError: no run config, checkpoint, eval model or prepared eval data.
@@ -66,7 +67,8 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_batches
         raise ExportError(f"{source}: evaluate needs a configured run folder with prepared data (config.yaml, "
                           "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
     batch = cfg.train.resolved_eval_batch_size
-    loader = EvalLoader(src.data_dir, batch, rank=0, world_size=1)
+    max_rows = max_rows if max_rows is not None else cfg.train.max_eval_rows  # the rows training evaluated
+    loader = EvalLoader(src.data_dir, batch, rank=0, world_size=1, max_rows=max_rows)
     # The engine's session starts from the configured weights; the checkpoint's values (HDF5, or a format 1 engine
     # file) are then copied into its parameter buffers by name.
     state = api.CheckpointState.load_checkpoint(str(cfg.artifacts_dir / "checkpoint"))
@@ -77,16 +79,16 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_batches
     module.eval()
     names = module.input_names()
     total, rows = 0.0, 0
-    for feeds, weight, real in loader.weighted_batches(max_batches):
+    for feeds, weight, real in loader.weighted_batches():
         total += float(module(*(feeds[n] for n in names))) * weight
         rows += real
     loss = total / rows if rows else None
-    accuracy = _accuracy(src, loader, max_batches) if (src.record or {}).get("loss") == "cross_entropy" else None
+    accuracy = _accuracy(src, loader) if (src.record or {}).get("loss") == "cross_entropy" else None
     log.info("evaluated %s: loss %s, accuracy %s over %d rows", src.checkpoint.path, loss, accuracy, rows)
     return Evaluation(str(src.checkpoint.path), src.checkpoint.step, loss, accuracy, rows)
 
 
-def _accuracy(src, loader, max_batches: int | None) -> float | None:
+def _accuracy(src, loader) -> float | None:
     """Share of labels equal to the argmax of the loss output (per position for sequence outputs)."""
     record = src.record
     eval_proto = onnx.load(str(src.eval_model))
@@ -96,7 +98,7 @@ def _accuracy(src, loader, max_batches: int | None) -> float | None:
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     inputs = [i.name for i in session.get_inputs()]
     correct = counted = 0
-    for feeds, real in loader.batches(max_batches):
+    for feeds, real in loader.batches():
         scores = session.run([output], {n: feeds[n] for n in inputs})[0]
         fed = len(feeds[inputs[0]])  # rows fed (real, or the padded batch size)
         predicted = scores.reshape(fed, -1, scores.shape[-1]).argmax(axis=-1)[:real]

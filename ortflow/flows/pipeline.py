@@ -40,7 +40,8 @@ def train_pipeline(
         from_stage: Rerun this stage and every later one (``ortflow run --from``); with ``new_version``, inside an
             existing version (``version``, else the newest), never a new one.
         policy: ``retrain`` or ``continue`` for this run (default: ``versions.policy``).
-        skip_unchanged: Skip when config, model and data are unchanged since the last version (default: config's).
+        skip_unchanged: Skip when config, model, data and policy are unchanged since the last version
+            (default: config's).
         new_version: Train a new model version under ``output_dir/versions/`` (deployments set this).
         wait_for_lock: Wait for a busy run folder instead of failing (default: ``pipeline.wait_for_lock``).
         version: With ``from_stage`` and ``new_version``: the version whose stages rerun (default: the newest).

@@ -15,7 +15,7 @@ A tensor read in a precision it does not exist in gets one ``Cast`` node (named 
 first read and shared by every later reader: a parameter used twice (tied weights) is cast once. Parameters are never
 changed: they stay fp32 initializers, so the engine keeps fp32 master weights and delivers fp32 gradients (the
 gradient of a Cast is a Cast back). Float ``Constant`` nodes read in the compute type get a second, already converted
-``Constant`` (fp16 values are clipped to +-65504, so a -1e9 attention mask becomes -65504 rather than -inf). Graph
+``Constant`` (values beyond the compute type's range are clipped to its largest finite value, so a -1e9 or float32-min attention mask stays finite rather than -inf). Graph
 inputs and outputs keep their names and types: an output produced in the compute type is renamed inside the graph and
 cast back under its own name.
 
@@ -58,6 +58,8 @@ _SHAPE_READERS = frozenset({"Shape", "Size"})
 _FP32_INPUTS = {"Resize": {1, 2}, "Upsample": {1}}
 _CAST_MARK = "autocast: was Cast(to=FLOAT)"
 _FP16_MAX = 65504.0
+#: Largest finite bf16 value (bit pattern 0x7F7F): the clip bound of bf16 constants.
+_BF16_MAX = float(np.array([0x7F7F0000], dtype=np.uint32).view(np.float32)[0])
 
 
 class AutocastError(ValueError):
@@ -80,7 +82,7 @@ class AutocastReport:
     def summary(self) -> str:
         kept = ", ".join(f"{op} x{n}" for op, n in sorted(self.kept_fp32.items())) or "none"
         clipped = len(self.clipped_constants)
-        clipped = f"; {clipped} constant(s) clipped to the fp16 range" if clipped else ""
+        clipped = f"; {clipped} constant(s) clipped to the compute type's range" if clipped else ""
         short = _SHORT[self.compute_type]
         lacking = ", ".join(f"{op} x{n}" for op, n in sorted(self.no_kernel.items()))
         lacking = f" ({lacking} for want of a {short} CUDA kernel)" if lacking else ""
@@ -119,13 +121,20 @@ def to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def convert_tensor(array: np.ndarray, name: str, compute: int) -> tuple[onnx.TensorProto, bool]:
-    """An fp32 array as a compute-type TensorProto; also whether fp16 clipping changed a value (inf stays inf)."""
+    """An fp32 array as a compute-type TensorProto; also whether clipping to the type's range changed a value.
+
+    Finite values beyond the compute type's largest finite value are clipped to it (inf stays inf): exporters write
+    ``torch.finfo(torch.float32).min`` as the additive attention mask, which rounds to -inf in bf16 and makes
+    ``0 * -inf = NaN`` where the mask lets a position through.
+    """
+    limit = _FP16_MAX if compute == FLOAT16 else _BF16_MAX
+    clipped = np.clip(array, -limit, limit)
+    finite = np.isfinite(array)
+    changed = bool(np.any(clipped[finite] != array[finite]))
     if compute == FLOAT16:
-        clipped = np.clip(array, -_FP16_MAX, _FP16_MAX)
-        changed = bool(np.any(clipped[np.isfinite(array)] != array[np.isfinite(array)]))
         return numpy_helper.from_array(clipped.astype(np.float16), name), changed
-    tensor = helper.make_tensor(name, BFLOAT16, array.shape, to_bfloat16_bits(array).tobytes(), raw=True)
-    return tensor, False
+    tensor = helper.make_tensor(name, BFLOAT16, array.shape, to_bfloat16_bits(clipped).tobytes(), raw=True)
+    return tensor, changed
 
 
 class _Walk:

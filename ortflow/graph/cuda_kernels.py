@@ -7,17 +7,16 @@ for arithmetic either, and the rank stops with ``NOT_IMPLEMENTED: Could not find
 
 :data:`KERNELS` records, for the operators ortflow meets in real exports (Hugging Face GPT-2 and BERT, torch CNNs,
 ``ortflow.examples.gpt``) and in its own passes, which of fp16 and bf16 the CUDA execution provider registers a kernel
-for, per opset range. It describes the kernel registrations of release 1.19.2 (microsoft/onnxruntime, tag
-``v1.19.2``): ``onnxruntime/core/providers/cuda/cuda_execution_provider.cc`` (the ONNX-domain kernels and their typed
-variants, e.g. ``BFloat16`` Add/Sub/Mul/Div, MatMul, Gemm, Softmax, Relu, Sigmoid, Tanh from opset 13 and
-LayerNormalization at 17, but BatchNormalization only for float, double and MLFloat16),
-``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc`` (``com.microsoft``), and the type constraints in each op's
-kernel file (Pow's list has no bfloat16). In short: elementwise arithmetic, MatMul, Gemm, Softmax and LayerNormalization have both types; Pow has
-fp16 but no bf16 at any opset; Conv and BatchNormalization have fp16 only (cuDNN paths); SkipLayerNormalization
-(which the engine's own fusion makes out of Add + LayerNormalization) has fp16 only; data-movement ops (Reshape,
-Transpose, Gather, Concat, Slice, ...) take any fixed-size type. ``tests/gpu/test_gpu_cuda_kernels.py`` checks the
-table against the installed GPU engine (a one-node session per judged op and type, a session per autocast fixture,
-and the failure the table prevents): where the two disagree, the engine is right and the test names the entry.
+for, per opset range. It follows the CUDA kernel registrations in the engine's source
+(``onnxruntime/core/providers/cuda/cuda_execution_provider.cc``, ``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc``
+and each op's type constraints) and, where they disagree, what the installed GPU engine of release 1.19.2 does:
+``tests/gpu/test_gpu_cuda_kernels.py`` starts a one-node CUDA session per judged op and type (CPU fallback off), a
+session per autocast fixture, and the failure the table prevents; where the two disagree, the engine is right and the
+test names the entry. In short: elementwise arithmetic, MatMul, Gemm, Softmax, LayerNormalization and the
+``com.microsoft`` GELU kernels have both types; Pow and LogSoftmax have fp16 but no bf16; Conv and BatchNormalization
+have fp16 only (cuDNN paths); SkipLayerNormalization (which the engine's own fusion makes out of Add +
+LayerNormalization) has fp16 only; data-movement ops (Reshape, Transpose, Gather, Concat, Slice, ...) take any
+fixed-size type.
 
 Operators absent from the table are not judged (:func:`has_kernel` returns ``None``): autocast lowers them as before
 and validate does not report them.
@@ -77,16 +76,16 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     ("", "Gemm"): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)),
     # Normalisations and softmax (autocast keeps them fp32 by default; the table matters when a user lowers them).
     ("", "Softmax"): (KernelRange(1, 12, _FP16), KernelRange(13, None, _BOTH)),
-    ("", "LogSoftmax"): (KernelRange(1, 12, _FP16), KernelRange(13, None, _BOTH)),
+    ("", "LogSoftmax"): _always(_FP16),
     ("", "LayerNormalization"): (KernelRange(17, None, _BOTH),),
     # Convolutional layers: cuDNN paths registered for fp16 only.
     ("", "Conv"): (KernelRange(1, None, _FP16),),
     ("", "BatchNormalization"): (KernelRange(7, None, _FP16),),
     # com.microsoft ops that ortflow's passes or the engine's fusions introduce.
     ("com.microsoft", "SkipLayerNormalization"): _always(_FP16),
-    ("com.microsoft", "FastGelu"): _always(_FP16),
-    ("com.microsoft", "Gelu"): _always(_FP16),
-    ("com.microsoft", "BiasGelu"): _always(_FP16),
+    ("com.microsoft", "FastGelu"): _always(_BOTH),
+    ("com.microsoft", "Gelu"): _always(_BOTH),
+    ("com.microsoft", "BiasGelu"): _always(_BOTH),
 }
 
 

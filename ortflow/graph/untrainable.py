@@ -5,8 +5,8 @@ the engine's build with "failed to find NodeArg by name: <name>_grad" (measured 
 
 * BatchNormalization's running mean and variance. The engine trains BatchNormalization with the batch's statistics
   (its gradients match a training-mode reference), updates the running ones in place with the ONNX momentum rule, and
-  the eval graph uses them, as torch's ``train()`` / ``eval()`` do. Each rank updates its own copy, as torch's
-  DistributedDataParallel without SyncBatchNorm does; checkpoints hold rank 0's.
+  the eval graph uses them, as torch's ``train()`` / ``eval()`` do. The trainer turns the variance update into torch's
+  and gives every rank the same statistics before each eval and checkpoint (ortflow/trainer/batchnorm.py).
 * constants that feed only inputs the engine does not differentiate: Dropout's ratio, Clip's bounds, Pad's value,
   Pow's exponent (the engine has no gradient for it), and any input of a node whose outputs are not floats
   (comparisons such as Greater). Exporters store such scalars as initializers.

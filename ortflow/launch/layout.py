@@ -221,8 +221,9 @@ def launch_layout(
     if threads or dist.threads_per_rank:
         layout = Layout(layout.ranks, threads or dist.threads_per_rank, layout.reason)
     plan = None
-    if train.global_batch_size:
-        plan = plan_batch(train.global_batch_size, layout.ranks, train.batch_size, facts.fixed_batch)
+    if train.global_batch_size:  # split over the data-parallel replicas, as every rank splits it (rank_config)
+        replicas = max(1, layout.ranks // (dist.pipeline_parallel_size * dist.horizontal_parallel_size))
+        plan = plan_batch(train.global_batch_size, replicas, train.batch_size, facts.fixed_batch)
     return layout, plan
 
 

@@ -7,8 +7,10 @@ Python environment at the same path and the run folder on a shared filesystem.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -18,8 +20,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from ortflow.launch.job import (
+    STOP_GRACE_S,
+    JobState,
+    LaunchError,
+    LaunchResult,
+    Phase,
+    is_error_line,
+    watch,
+    write_record,
+)
+
+__all__ = ["STOP_GRACE_S", "LaunchError", "LaunchResult", "LocalJob", "build_command", "find_mpiexec", "launch",
+           "launcher_environment", "launcher_flavor", "is_error_line", "rank_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -29,34 +44,6 @@ HEARTBEAT_DIR = ".ranks"
 #: exits within a second once this process is gone).
 LAUNCHER_PID_ENV = "ORTFLOW_LAUNCHER_PID"
 LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
-
-#: Seconds the ranks get to stop cleanly (finish the update, keep checkpoints whole) before they are killed.
-STOP_GRACE_S = 30.0
-
-
-class LaunchError(RuntimeError):
-    """The launcher cannot be started (not found, bad host file)."""
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    """How the job ended: the launcher's exit status and the last error lines any rank printed."""
-
-    returncode: int
-    error_lines: tuple[str, ...]
-    signal: int = 0  # the stop signal this process received and passed on (0: none)
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-    def summary(self) -> str:
-        """A one-paragraph reason for a failed job."""
-        if self.ok:
-            return "training finished"
-        detail = "\n".join(self.error_lines) or "(no error lines captured; see the output above)"
-        return f"training failed with exit status {self.returncode}:\n{detail}"
-
 
 def find_mpiexec(explicit: str | Path | None = None) -> Path:
     """The launcher: ``explicit``, else the one installed beside this Python, else ``mpiexec`` on PATH."""
@@ -122,8 +109,68 @@ def launcher_environment() -> dict[str, str]:
     return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_HOST_ENV: socket.gethostname()}
 
 
-def _is_error_line(line: str) -> bool:
-    return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
+class LocalJob:
+    """The ``mpiexec`` job on this host: its own process group, its merged output read by a thread.
+
+    Args:
+        cmd: The launcher command line.
+        env: The ranks' environment.
+    """
+
+    launcher = "local"
+    job_id = None
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            start_new_session=True,
+        )
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._news = threading.Event()
+        self._eof = threading.Event()
+        threading.Thread(target=self._read, name="ortflow-launcher-output", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout or ():
+            self._lines.put(line.rstrip("\n"))
+            self._news.set()
+        self._eof.set()
+        self._news.set()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep until the job prints or ends, at most ``seconds`` (the pause between polls)."""
+        self._news.wait(seconds)
+        self._news.clear()
+
+    def read_output(self) -> list[str]:
+        lines = []
+        while not self._lines.empty():
+            lines.append(self._lines.get())
+        return lines
+
+    def poll(self) -> JobState:
+        # Ended only once its output has been read to the end, so that no line is lost.
+        if self.proc.poll() is None or not self._eof.is_set():
+            return JobState(Phase.RUNNING, "running")
+        return JobState(Phase.ENDED, f"exit status {self.proc.returncode}", self.proc.returncode)
+
+    def cancel(self) -> None:
+        """SIGTERM to the job's process group: every rank stops after the same update with a stop checkpoint.
+
+        A SIGINT to ``ortflow train`` arrives here as well and is passed on as SIGTERM, because MPICH's mpiexec treats
+        a second SIGINT as "kill now", and a process manager that signals every process at once has already sent it
+        one.
+        """
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def launch(
@@ -160,33 +207,19 @@ def launch(
     cmd = build_command(Path(run_dir).resolve(), num_ranks, exe, launcher_flavor(exe), hostfile)
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
-    errors: deque[str] = deque(maxlen=20)
     started = time.time()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
-    )
+    job = LocalJob(cmd, env)
+    write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
-        on_start(proc)
-    received: list[int] = []
-    restore = _forward_stop_signals(proc, received) if forward_signals else (lambda: None)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            if _is_error_line(line):
-                errors.append(line)
-            on_line(line)
-        proc.wait()
-    except BaseException:  # KeyboardInterrupt, a task timeout, a cancelled flow: no orphaned ranks
-        stop_job(proc)
-        raise
-    finally:
-        restore()
-    if proc.returncode:
-        for line in _stall_messages(Path(run_dir), started, seen=errors):
-            errors.append(line)
-            on_line(line)
-    return LaunchResult(proc.returncode, tuple(errors), received[0] if received else 0)
+        on_start(job.proc)
+    result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals, sleep=job.wait)
+    if not result.returncode:
+        return result
+    errors = deque(result.error_lines, maxlen=20)
+    for line in _stall_messages(Path(run_dir), started, seen=errors):
+        errors.append(line)
+        on_line(line)
+    return dataclasses.replace(result, error_lines=tuple(errors))
 
 
 def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
@@ -202,59 +235,3 @@ def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
         if text and not any(text in line for line in seen):
             lines.append(f"[watchdog {path.stem.removeprefix('stall-')}] {text}")
     return lines
-
-
-def _forward_stop_signals(proc: subprocess.Popen, received: list[int], grace_s: float = STOP_GRACE_S
-                          ) -> Callable[[], None]:
-    """While the job runs, SIGTERM/SIGINT to this process become SIGTERM to the job's process group.
-
-    The ranks then stop together after the current update, write a stop checkpoint and exit, while this process keeps
-    streaming their output; the signal is recorded in ``received`` (the caller exits 128 + it). SIGINT is passed on
-    as SIGTERM because MPICH's mpiexec treats a second SIGINT as "kill now", and a process manager that signals every
-    process at once has already sent it one. After ``grace_s`` the group is killed. Only the main thread can own
-    signal handlers; elsewhere (a Prefect task's worker thread) the flow's own cancellation calls stop_job.
-
-    Returns:
-        A function that restores the previous handlers.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def forward(signum: int, _frame: object) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        if not received:
-            received.append(signum)
-            log.warning("%s: asking the ranks to stop after the current update (%.0f s grace)",
-                        signal.Signals(signum).name, grace_s)
-            timer = threading.Timer(grace_s, _kill_group, args=(proc,))
-            timer.daemon = True
-            timer.start()
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        log.error("the ranks did not stop within the grace period: killing the job")
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def stop_job(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the launcher's process group (ranks checkpoint-safe stop), then SIGKILL what is left after grace_s."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass

@@ -66,7 +66,8 @@ def _index(cfg: RunConfig) -> dict | None:
 
 
 def _configure_inputs(cfg: RunConfig) -> dict:
-    # configure.fingerprint covers the model file (and its external data) and the model/optimizer sections.
+    # configure.fingerprint covers the model file (and its external data), the model section and the layout and
+    # precision settings the artifacts depend on.
     return {"fingerprint": configure_fingerprint(cfg)}
 
 

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ortflow.checkpoints.retention import reason_label
 from ortflow.config import RunConfig
+from ortflow.launch.job import read_record
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress
@@ -113,7 +114,7 @@ def summary_rows(
         ("final eval loss", progress.get("eval_loss")),
         ("best eval loss", min(scored) if scored else None),
         ("samples/s", progress.get("samples_per_s")),
-        ("tokens/s", progress.get("tokens_per_s")),
+        *([("tokens/s", progress["tokens_per_s"])] if progress.get("tokens_per_s") is not None else []),  # text only
         ("kept checkpoints", ", ".join(f"step {k['step']} ({why(k)})" for k in kept) or None),
         ("exported model", exported.get("path")),
         ("export source step", exported.get("step")),
@@ -137,6 +138,9 @@ def publish_summary(config: RunConfig, index: dict, exported: dict, version: str
     """Publish the run's result as a markdown and a table artifact (always runs, so every flow run shows one), with
     keys stable per run name: ``ortflow-<name>-summary`` and ``ortflow-<name>-results``."""
     rows = summary_rows(read_progress(config.output_dir), index, exported, version)
+    job = read_record(config.output_dir)  # the launcher and job that trained the run folder last
+    if job and job.get("job_id"):
+        rows.append({"metric": f"{job['launcher']} job", "value": job["job_id"]})
     create_markdown_artifact(_markdown(config.name, rows), key=artifact_key(config, "summary"),
                              description=f"Result of {config.name}")
     create_table_artifact(rows, key=artifact_key(config, "results"), description=f"Result of {config.name}")

@@ -21,6 +21,7 @@ from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
+from ortflow.launch.scheduled import run_scheduled
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
@@ -194,7 +195,7 @@ def publish_loss_curve(config: RunConfig) -> dict[str, list[tuple[int, float]]]:
     log_prints=True,
 )
 def train(config: RunConfig) -> dict:
-    """Run the training job (``distributed.num_ranks`` ranks under mpiexec) to the end.
+    """Run the training job (``distributed.num_ranks`` ranks under mpiexec, or a Slurm or Kubernetes job) to the end.
 
     Safe to retry: the ranks resume from the newest complete checkpoint. On cancellation, timeout or Ctrl-C the
     launcher stops the job's whole process group (SIGTERM, then SIGKILL after its grace period).
@@ -215,7 +216,8 @@ def train(config: RunConfig) -> dict:
     dist, pipe = config.distributed, config.pipeline
     from ortflow.tasks.runs import flow_run_id
 
-    layout, _ = launch_layout(config, config.output_dir, host_resources())  # num_ranks auto: this host's layout
+    local = dist.launcher == "local"  # else a Slurm or Kubernetes job places the ranks
+    layout = launch_layout(config, config.output_dir, host_resources())[0] if local else None  # auto: this host's
     levels = RankLineLevels()
     with (
         runlock.hold(config.output_dir, wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s,
@@ -224,10 +226,12 @@ def train(config: RunConfig) -> dict:
     ):
         try:
             with _ProgressWatcher(config.output_dir, artifact_key(config, "progress")) as watcher:
-                result = launch(
-                    config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-                    threads=layout.threads, on_line=lambda line: logger.log(levels(line), "%s", line),
-                )
+                on_line = lambda line: logger.log(levels(line), "%s", line)  # noqa: E731
+                if layout is None:
+                    result = run_scheduled(config, on_line=on_line)
+                else:
+                    result = launch(config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
+                                    threads=layout.threads, on_line=on_line)  # fmt: skip
                 if not result.ok:
                     raise TrainingFailed(result.summary(),
                                          will_repeat=failure_repeats(result.error_lines, result.returncode))
@@ -239,6 +243,9 @@ def train(config: RunConfig) -> dict:
     record = watcher.last or read_progress(config.output_dir) or {}
     rows = [{"metric": key, "value": record.get(key)} for key in
             ("step", "total", "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s")]
+    rows.append({"metric": "launcher", "value": result.launcher})
+    if result.job_id:
+        rows.append({"metric": f"{result.launcher} job", "value": result.job_id})
     shares = (read_timing(config.output_dir) or {}).get("shares", {})  # where the run's wall time went
     rows += [{"metric": f"time share: {phase}", "value": share} for phase, share in shares.items()]
     create_table_artifact(rows, key=artifact_key(config, "training"),
@@ -247,4 +254,5 @@ def train(config: RunConfig) -> dict:
     if top_ops:
         create_table_artifact(top_ops, key=artifact_key(config, "top-operators"),
                               description=f"Training of {config.name}: top operators of the profiled updates")
-    return {"progress": record, "checkpoints_dir": str(config.checkpoints_dir)}
+    return {"progress": record, "checkpoints_dir": str(config.checkpoints_dir), "launcher": result.launcher,
+            "job_id": result.job_id}

@@ -19,7 +19,8 @@ from ortflow.trainer import lifeline
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
-from ortflow.trainer.runtime import init_runtime, start_mpi, writes_per_rank
+from ortflow.trainer.runtime import init_runtime, start_mpi
+from ortflow.trainer.startup import writes_per_rank
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -79,12 +80,11 @@ def run_rank(run_dir: Path) -> int:
         comm.barrier("verify data")
         shard, shards = rt.data_shard()
         loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=cfg.data.prefetch_batches)
-        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards)
+        evals = EvalLoader(cfg.data_dir, cfg.train.resolved_eval_batch_size, shard, shards, cfg.train.max_eval_rows)
         writer = comm.rank == 0
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
-        dist = cfg.distributed
-        per_rank = writes_per_rank(rt.exchange) or dist.pipeline_parallel_size > 1 or dist.horizontal_parallel_size > 1
+        per_rank = writes_per_rank(rt.exchange) or rt.dims.split
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
@@ -96,7 +96,7 @@ def run_rank(run_dir: Path) -> int:
         progress = Progress(rt.run_dir, cfg.train.num_weight_updates, start) if writer else None
         try:
             result = train(
-                rt, loader.iter_from, lambda: evals.weighted_batches(cfg.train.max_eval_batches), manager, tensorboard,
+                rt, loader.iter_from, evals.weighted_batches, manager, tensorboard,
                 progress, stop, tokens_per_sample=loader.tokens_per_sample,
             )
         finally:

@@ -3,12 +3,16 @@
 What onnxruntime-training 1.19.2 allows (checked): profiling is a ``SessionOptions`` flag (``enable_profiling``,
 ``profile_file_prefix``) read when a session is created, and the training ``Module`` exposes no ``end_profiling``;
 the trace file is written when the session is destroyed. So profiling cannot be switched on and off in the trainer's
-own session. Instead, for updates ``start..end``, the forward and backward passes run in a second ``Module`` created
-with profiling on, over the same ``CheckpointState``: it shares the parameters (the optimizer's updates are seen by
-both), but allocates its own gradient buffers, so after its backward passes its gradients are copied into the
-trainer's buffers (the ones the exchange and the optimizer use). Measured on the CPU build: a run with such an
-interlude ends with bit-identical parameters to one without. After ``end`` the second module is dropped, which writes
-the Chrome trace; it is moved to ``<run>/profile/rank-<R>.json`` (open it in chrome://tracing or Perfetto).
+own session. Instead, for updates ``start..end``, the training calls of each of the rank's engine parts (the whole
+model, a pipeline stage, every tensor-parallel piece: :meth:`~ortflow.trainer.rank_model.RankModel.engine_parts`)
+run in a second ``Module`` created with profiling on, over the same ``CheckpointState``: it shares the parameters (the
+optimizer's updates are seen by both), but allocates its own gradient buffers, so after the update's backward passes
+its gradients are copied into the trainer's buffers (the ones the exchange, the tied-weight sums and the optimizer
+use). Measured on the CPU build: a run with such an interlude ends with bit-identical parameters to one without.
+After ``end`` the second modules are dropped, which writes their Chrome traces; they are merged into
+``<run>/profile/rank-<R>.json`` (open it in chrome://tracing or Perfetto). The profiling module has no eval model
+(its session would write a second trace under the same name), so the forward-only calls of a pipeline's middle stages
+and of tensor-parallel pieces before the last run untraced in the trainer's own eval session.
 
 :func:`top_operators` reads a trace into the table the run summary shows (op type, calls, total and mean time, share).
 """
@@ -57,84 +61,102 @@ class _Timed:
         self.calls += 1
         return out
 
+    def __getattr__(self, name: str):  # train(), input_names(), lazy_reset_grad() of the module
+        return getattr(self.module, name)
+
 
 class StepProfiler:
-    """Runs updates ``start..end`` (1-based, inclusive) in a profiling session; a no-op when ``steps`` is None."""
+    """Runs updates ``start..end`` (1-based, inclusive) in profiling sessions; a no-op when ``steps`` is None."""
 
-    def __init__(self, rt, steps: tuple[int, int] | None):
-        self.rt, self.steps = rt, steps
-        self._session: _Timed | None = None
-        self._grads: list | None = None
+    def __init__(self, model, steps: tuple[int, int] | None):
+        self.model, self.steps = model, steps
+        self._parts: list[tuple[object, _Timed, dict[str, np.ndarray]]] = []  # (part, its twin, pinned gradients)
         self.trace: Path | None = None
-        if steps is not None and rt.device != "cpu":
+        if steps is not None and model.device != "cpu":
             raise ValueError("train.profile_steps needs distributed.device cpu (GPU profiling is not wired up yet)")
 
     @classmethod
-    def for_run(cls, rt) -> StepProfiler:
+    def for_run(cls, model) -> StepProfiler:
         """The profiler the config (or ``ORTFLOW_PROFILE_STEPS``) asks for."""
         override = os.environ.get(PROFILE_ENV)
-        steps = parse_steps(override) if override else rt.cfg.train.profile_steps
-        return cls(rt, tuple(steps) if steps else None)
+        steps = parse_steps(override) if override else model.cfg.train.profile_steps
+        return cls(model, tuple(steps) if steps else None)
 
-    def module_for(self, step: int):
-        """The module that runs update ``step``'s forward and backward passes."""
-        if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
-            return self.rt.module
-        if self._session is None:
-            self._grads = self.rt.gradient_buffers()  # the trainer's buffers, pinned before the second module exists
-            self._session = _Timed(self._open())
-        return self._session
+    def begin(self, step: int) -> None:
+        """Before update ``step``'s micro-batches: the first profiled update opens a profiling twin of every part."""
+        if self.steps is None or self._parts or not self.steps[0] <= step <= self.steps[1]:
+            return
+        self.model.gradient_buffers()  # the trainer's buffers, pinned before the second modules exist
+        for index, part in enumerate(self.model.engine_parts()):
+            pinned = {n: p.grad for n, p in part.state.parameters if p.requires_grad}
+            twin = _Timed(self._open(part, index))
+            part.profiling = twin
+            self._parts.append((part, twin, pinned))
+        log.info("rank %d profiling updates %d..%d (%d engine part(s))", self.model.comm.rank, *self.steps,
+                 len(self._parts))
 
-    def _open(self):
+    def _open(self, part, index: int):
         from ortflow.engine import api
-        from ortflow.trainer.runtime import available_cores, session_options, spin_wait
+        from ortflow.trainer.startup import available_cores, session_options, spin_wait
 
-        rt = self.rt
-        spin = spin_wait(rt.cfg, rt.comm.local_size, rt.threads, available_cores())
-        options = session_options(rt.threads, rt.cfg.distributed.deterministic_compute, spin)
+        model = self.model
+        spin = spin_wait(model.cfg, model.comm.local_size, model.threads, available_cores())
+        options = session_options(model.threads, model.cfg.distributed.deterministic_compute, spin)
         options.enable_profiling = True
-        options.profile_file_prefix = str(self._folder() / f".rank-{self.rt.comm.rank}")
-        art = self.rt.cfg.artifacts_dir
+        options.profile_file_prefix = str(self._folder() / f".rank-{model.comm.rank}-part-{index}")
         # No eval model: its session would write a second trace under the same name.
-        module = api.Module(str(art / "training_model.onnx"), self.rt.state, None, device="cpu",
+        module = api.Module(str(part.folder / "training_model.onnx"), part.state, None, device="cpu",
                             session_options=options)  # fmt: skip
         module.train()
-        log.info("rank %d profiling updates %d..%d", self.rt.comm.rank, *self.steps)
         return module
 
     def _folder(self) -> Path:
-        folder = self.rt.run_dir / PROFILE_DIR
+        folder = self.model.run_dir / PROFILE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
     def after_backward(self, step: int) -> None:
-        """On a profiled update: hand its gradients to the trainer's buffers; after the last one, write the trace."""
-        if self._session is None or step < self.steps[0]:
+        """On a profiled update: hand its gradients to the trainer's buffers; after the last one, write the traces."""
+        if not self._parts or step < self.steps[0]:
             return
-        params = self.rt.state.parameters
-        for name, mine in zip(self.rt.trainable, self._grads, strict=True):
-            np.copyto(mine, params[name].grad)  # the profiling module's buffer for this parameter
-        self._session.module.lazy_reset_grad()
+        for part, twin, pinned in self._parts:
+            params = part.state.parameters
+            for name, mine in pinned.items():
+                np.copyto(mine, params[name].grad)  # the profiling module's buffer for this parameter
+            twin.module.lazy_reset_grad()
         if step >= self.steps[1]:
             self.close()
 
     def close(self) -> None:
-        """Drop the profiling session (ONNX Runtime writes the trace then) and move the trace into place."""
-        if self._session is None:
+        """Drop the profiling sessions (ONNX Runtime writes the traces then) and merge them into this rank's trace."""
+        if not self._parts:
             return
-        timed, self._session = self._session, None
-        measured, calls = timed.seconds, timed.calls
-        timed.module = None  # the loop may still hold the wrapper: drop the session itself, which writes the trace
+        measured = sum(twin.seconds for _, twin, _ in self._parts)
+        calls = sum(twin.calls for _, twin, _ in self._parts)
+        for part, twin, _ in self._parts:
+            part.profiling = None
+            twin.module = None  # drop the session itself, which writes the trace
+        count, self._parts = len(self._parts), []
         gc.collect()
-        folder, rank = self._folder(), self.rt.comm.rank
-        written = sorted(folder.glob(f".rank-{rank}_*.json"), key=lambda p: p.stat().st_size)
-        if not written:
+        folder, rank = self._folder(), self.model.comm.rank
+        traces = []
+        for index in range(count):  # the largest file of each part is its trace
+            written = sorted(folder.glob(f".rank-{rank}-part-{index}_*.json"), key=lambda p: p.stat().st_size)
+            traces += written[-1:]
+            for extra in written[:-1]:
+                extra.unlink(missing_ok=True)
+        if not traces:
             log.warning("rank %d: the engine wrote no profile into %s", rank, folder)
             return
         self.trace = folder / f"rank-{rank}.json"
-        os.replace(written[-1], self.trace)
-        for extra in written[:-1]:
-            extra.unlink(missing_ok=True)
+        if len(traces) == 1:
+            os.replace(traces[0], self.trace)
+        else:  # one trace per part (a stage's pieces): their events in one file
+            tmp = folder / f".rank-{rank}.json.tmp"
+            tmp.write_text(json.dumps([event for path in traces for event in json.loads(path.read_text())]))
+            os.replace(tmp, self.trace)
+            for path in traces:
+                path.unlink(missing_ok=True)
         meta = {"steps": list(self.steps), "forward_backward_s": measured, "calls": calls}
         (folder / f"rank-{rank}.meta.json").write_text(json.dumps(meta))
         if rank == 0:

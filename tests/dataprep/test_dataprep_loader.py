@@ -141,6 +141,15 @@ def test_eval_shares_are_disjoint_ordered_and_complete(data_dir, world_size):
     assert max(counts) - min(counts) <= 1
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_max_eval_rows_selects_the_same_global_rows_on_any_layout(data_dir, world_size):
+    seen = []
+    for rank in range(world_size):
+        for feeds, real in EvalLoader(data_dir, 2, rank, world_size, max_rows=5).batches():
+            seen.extend(feeds["ids"][:real].tolist())
+    assert seen == list(range(100, 105))  # the split's first 5 rows, whatever the number of ranks
+
+
 def test_eval_max_batches_and_empty_split(tmp_path, data_dir):
     assert len(list(EvalLoader(data_dir, 2, 0, 1).batches(max_batches=3))) == 3
     write_parquet(tmp_path / "only.parquet", 6)

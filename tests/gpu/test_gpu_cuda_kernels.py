@@ -80,7 +80,8 @@ def test_every_judged_op_starts_on_cuda_exactly_when_the_table_says():
             expected = has_kernel(op, domain, OPSET, elem)
             probed.append(f"{op}:{'fp16' if elem == FLOAT16 else 'bf16'}={'yes' if found else 'no'}")
             if found != expected:
-                disagree.append(f"{op} {elem}: table {expected}, engine {found}" + ("" if found else f" ({text[:200]})"))
+                why = "" if found else f" ({text[:200]})"
+                disagree.append(f"{op} {elem}: table {expected}, engine {found}{why}")
     print("cuda kernel probe:", " ".join(probed))
     assert probed and not disagree, disagree
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 def test_two_gpu_tensor_parallel_ranks_match_one_gpu(tmp_path):
     from ortflow.checkpoints.h5state import read_params
-    from tests.trainer.test_tensor_mpi import gpt_run, newest
+    from tests.trainer.parallel_runs import gpt_run, newest
 
     gpu = {"device": "cuda", "use_nccl": True}
     one = gpt_run(tmp_path, "one", distributed={**gpu, "num_ranks": 1})

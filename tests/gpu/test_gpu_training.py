@@ -37,15 +37,17 @@ REASON = _ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 
-def _run(cfg, ranks: int) -> str:
+def _run(cfg, ranks: int, env: dict[str, str] | None = None) -> str:
+    """Train ``cfg`` on ``ranks`` ranks under mpiexec (``env``: more environment variables); the tagged output."""
     from ortflow.launch.local import launcher_flavor
     from tests.trainer.runs import MPIEXEC
 
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
     tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     out = subprocess.run([mpiexec, "-n", str(ranks), tag, sys.executable, "-u", "-m", "ortflow.trainer",
                           str(cfg.output_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
+                         timeout=180, env=env, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
     return out.stdout
 

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.graph.autocast import (
+    convert_tensor,
     BFLOAT16,
     FLOAT,
     FLOAT16,
@@ -161,3 +162,24 @@ def test_a_tensor_without_type_information_is_a_clear_error():
     model = helper.make_model(graph, opset_imports=opsets)
     with pytest.raises(AutocastError, match="no type for 'h' \\(CustomThing.*precision.fp32_ops"):
         autocast(model)
+
+
+def test_bf16_constants_beyond_its_range_are_clipped_not_infinite():
+    # Hugging Face writes torch.finfo(float32).min as the additive attention mask; rounded to bf16 it is -inf, and
+    # (1 - mask) * -inf is NaN where the mask is 1: the BERT fixture's bf16 loss was NaN at the first update on a GPU.
+    from onnx import TensorProto
+
+    from tests.support.exports import export_path
+
+    model = autocast(onnx.load(str(export_path("bert.onnx"))), TensorProto.BFLOAT16)
+    tensors = [n.attribute[0].t for n in model.graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]
+    tensors += list(model.graph.initializer)
+    bf16 = [t for t in tensors if t.data_type == TensorProto.BFLOAT16]
+    assert bf16, "the bf16 rewrite holds no bf16 constant"
+    for t in bf16:
+        values = (np.frombuffer(t.raw_data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        assert np.isfinite(values).all(), f"{t.name}: {values[~np.isfinite(values)][:3]}"
+    lowest = np.array([np.finfo(np.float32).min], dtype=np.float32)
+    tensor, changed = convert_tensor(lowest, "m", TensorProto.BFLOAT16)
+    value = (np.frombuffer(tensor.raw_data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)[0]
+    assert changed and np.isfinite(value) and value < -3.38e38

@@ -212,3 +212,14 @@ def test_the_tune_driver_reads_the_tag_the_ranks_print():
     from ortflow.trainer import tune_updates
 
     assert tune.RESULT_TAG == tune_updates.RESULT_TAG
+
+
+def test_launch_layout_splits_a_global_batch_over_the_replicas_as_the_ranks_do(tmp_path):
+    _configured(tmp_path, shape=(4, 8))  # a fixed batch dim of 4
+    raw = _cfg(tmp_path, global_batch_size=8).model_dump(mode="json")
+    raw["distributed"] = {"num_ranks": 4, "pipeline_parallel_size": 2}
+    cfg = config_from_dict(raw)
+    _, plan = launch_layout(cfg, tmp_path, Host(4, 16 * GIB))
+    # 4 ranks = 2 stages x 2 replicas: each replica takes 4 rows, as rank_config gives every rank.
+    assert (plan.ranks, plan.batch_size, plan.accumulation) == (2, 4, 1)
+    assert rank_config(cfg, 2, tmp_path).train.batch_size == 4

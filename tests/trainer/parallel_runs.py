@@ -18,7 +18,7 @@ from .runs import make_run, rank_command
 
 SEQ = 16
 TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2, "evaluation_period": 2,
-         "display_loss_steps": 1, "max_eval_batches": 1}
+         "display_loss_steps": 1, "max_eval_rows": 4}
 
 
 def corpus(root: Path) -> Path:

@@ -1,4 +1,5 @@
-"""LR schedules match their formulas at the end of warm-up and at the last step."""
+"""LR schedules: the TrainingRunner indexing at the end of warm-up and at the last step (test_lr_reference.py checks
+the default, Hugging Face's, against reference formulas)."""
 
 import math
 
@@ -11,7 +12,7 @@ PEAK, TOTAL, WARMUP, FLOOR = 1e-3, 100, 10, 0.1
 
 
 def schedule(name: str, **kw) -> LRScheduleConfig:
-    return LRScheduleConfig(name=name, warmup_steps=WARMUP, min_lr_ratio=FLOOR, **kw)
+    return LRScheduleConfig(name=name, warmup_steps=WARMUP, min_lr_ratio=FLOOR, indexing="training_runner", **kw)
 
 
 @pytest.mark.parametrize("name", ["constant", "linear", "cosine", "polynomial"])

@@ -36,7 +36,7 @@ def torchlike_run(root, name, tied=False, **sections):
     if not model.exists():
         build_torchlike(model, num_blocks=2, vocab=256, tied=tied)
     data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": T}, "eval_fraction": 0.05}
-    return make_run(root, name, model=model, data=data, train={**TRAIN, "batch_size": B, "max_eval_batches": 1},
+    return make_run(root, name, model=model, data=data, train={**TRAIN, "batch_size": B, "max_eval_rows": B},
                     **sections)
 
 

@@ -312,6 +312,35 @@ class NCCLComm:
         """ZeRO-1 on the GPU: every rank's ``count`` floats into ``recv`` (in place when send = recv + rank x count)."""
         self.comm.allGather(send_ptr, recv_ptr, count, self._nccl.NCCL_FLOAT32, self.stream.ptr)
 
+    def tensor_sum(self, x: np.ndarray, label: str) -> np.ndarray:
+        """``x`` (float32, on the host) summed over the group on this rank's GPU, the ranks' parts added in rank order:
+        bitwise the same on every rank (tensor parallelism's activation and input-gradient sums).
+
+        The copy in, the in-place all-gather, the sum and the copy out are queued on the NCCL stream, one after the
+        other, so the stream orders them and the host waits once, for the result, under the watchdog. Nothing of the
+        engine's is pending: ``x`` is an output the engine already handed back on the host.
+        """
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.size == 0 or self.size == 1:
+            return x.copy()
+        cp, stream, n = self._cp, self.stream, x.size
+
+        def run() -> np.ndarray:
+            with stream:
+                flat = cp.empty(self.size * n, dtype=cp.float32)
+                mine = flat[self.rank * n : (self.rank + 1) * n]
+                mine.set(x.reshape(-1), stream=stream)
+                self.comm.allGather(mine.data.ptr, flat.data.ptr, n, self._nccl.NCCL_FLOAT32, stream.ptr)
+                parts = flat.reshape(self.size, n)
+                total = parts[0].copy()
+                for part in parts[1:]:
+                    total += part
+                out = total.get(stream=stream)
+            stream.synchronize()  # Sync point: the host hands the sum to the engine next
+            return out.reshape(x.shape)
+
+        return self.group.watched(label, run)
+
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         self.group.reduce_scatter(flat, out, counts)  # host ZeRO-1 over the process group (CPU engine)
 

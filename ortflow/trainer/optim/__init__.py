@@ -17,22 +17,29 @@ import numpy as np
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim.adamw import AdamW
 from ortflow.trainer.optim.base import CHUNK, Segment, SumAcrossRanks, Update, chunks, whole_segments
+from ortflow.trainer.optim.groups import GroupedUpdate, GroupSettings, group_problems, grouped_update, regroup
 from ortflow.trainer.optim.lamb import Lamb
 from ortflow.trainer.optim.sgd import SGD
 
 __all__ = [
     "CHUNK", "SGD", "AdamW", "Lamb", "Segment", "SumAcrossRanks", "Update", "build_rule", "build_update", "chunks",
-    "decays", "whole_segments",
+    "decays", "whole_segments", "GroupedUpdate", "group_problems", "grouped_update", "regroup",
 ]
 
 
-def build_rule(opt: OptimizerConfig):
-    """The rule object of the ``optimizer`` config section."""
+def build_rule(opt: OptimizerConfig, group: GroupSettings | None = None):
+    """The rule object of the ``optimizer`` config section (with one parameter group's settings)."""
+    if group is not None:
+        opt = opt.model_copy(update={"weight_decay": group.weight_decay, "beta1": group.beta1, "beta2": group.beta2})
     if opt.name == "adamw":
         return AdamW(opt.beta1, opt.beta2, opt.epsilon, opt.weight_decay, opt.rule)
     if opt.name == "sgd":
         return SGD(opt.momentum, opt.dampening, opt.nesterov, opt.weight_decay)
     return Lamb(opt.beta1, opt.beta2, opt.epsilon, opt.weight_decay, opt.ratio_min, opt.ratio_max)
+
+
+def _same(values: np.ndarray) -> np.ndarray:
+    return values
 
 
 def decays(names: Sequence[str], patterns: Sequence[str]) -> list[bool]:
@@ -58,8 +65,16 @@ def build_update(
         num_tensors: Trainable tensors in all (ZeRO-1, where a rank's segments cover only some).
         threads: Threads sharing the element-wise work (the rank's intra-op threads).
     """
-    rule = build_rule(opt)
     flags = decays([s.name for s in segments], opt.no_weight_decay)
+    if opt.groups:
+        count = num_tensors if num_tensors is not None else max((s.index for s in segments), default=-1) + 1
+
+        def make(group: GroupSettings, idx: list[int]) -> Update:
+            return Update(build_rule(opt, group), regroup(segments, idx), [params[i] for i in idx],
+                          [flags[i] for i in idx], sum_across_ranks or _same, count, threads=threads)
+
+        return grouped_update(segments, opt, make)  # type: ignore[return-value]
+    rule = build_rule(opt)
     if sum_across_ranks is None:
         return Update(rule, segments, params, flags, num_tensors=num_tensors, threads=threads)
     return Update(rule, segments, params, flags, sum_across_ranks, num_tensors, threads=threads)

@@ -264,6 +264,24 @@ class _Ptr:
         self.ptr, self.count = int(ptr), int(count)
 
 
+def device_update(opt, segments: Sequence[Segment], param_ptrs: Sequence[int], stream, sum_across_ranks=None,
+                  num_tensors: int | None = None):
+    """The device update of the ``optimizer`` section over ``segments``: one :class:`DeviceUpdate`, or one per
+    parameter group behind the same interface (``optim/groups.py``, the host's grouping)."""
+    from ortflow.trainer.optim import build_rule, decays, grouped_update, regroup
+
+    decay = decays([s.name for s in segments], opt.no_weight_decay)
+    count = num_tensors if num_tensors is not None else len(segments)
+    if not opt.groups:
+        return DeviceUpdate(build_rule(opt), segments, param_ptrs, decay, stream, sum_across_ranks, count)
+
+    def make(group, idx):
+        return DeviceUpdate(build_rule(opt, group), regroup(segments, idx), [param_ptrs[i] for i in idx],
+                            [decay[i] for i in idx], stream, sum_across_ranks, count)
+
+    return grouped_update(segments, opt, make)
+
+
 def _view(cp, buffer, device: int):
     """A CuPy float32 view of a device buffer (no copy); empty tensors may have a null address."""
     if buffer.count == 0:

@@ -1,11 +1,11 @@
 """A rank of pipeline x tensor (x data) parallelism: one tensor-parallel slice of one pipeline stage.
 
-The stage's pieces, their activation sums over the stage's tensor-parallel group, the gradient average over the
-replicas and the update are the tensor-parallel rank's (:class:`~ortflow.trainer.parallel.tensor_piece.TensorRuntime`,
-whose loop :func:`~ortflow.trainer.parallel.tensor_loop.train_tensor` runs it); the micro-batches go through the
-stages with the pipeline's 1F1B schedule (:func:`~ortflow.trainer.parallel.schedule.pipeline_step`), stage ``s``
-tensor-parallel rank ``t`` exchanging with stage ``s +- 1`` rank ``t`` (what crosses a cut is replicated, so every
-tensor-parallel rank of a stage sends and receives the same tensors). Layout: :mod:`ortflow.trainer.parallel.grid`.
+The stage's pieces, their activation sums over the stage's tensor-parallel group, the gradient average over the replicas
+and the update are the tensor-parallel rank's (:class:`~ortflow.trainer.parallel.tensor_piece.TensorRuntime`); the
+micro-batches go through the stages with the pipeline's 1F1B schedule
+(:func:`~ortflow.trainer.parallel.schedule.pipeline_step`), stage ``s`` tensor-parallel rank ``t`` exchanging with stage
+``s +- 1`` rank ``t`` (what crosses a cut is replicated, so every tensor-parallel rank of a stage sends and receives the
+same tensors). Layout: :mod:`ortflow.trainer.parallel.parallel_dims`.
 
 Between a micro-batch's forward and backward a middle stage keeps the tensors its pieces passed each other (the
 backward's training calls read them; running the stage's forward again would be a third forward per micro-batch).
@@ -22,8 +22,8 @@ import numpy as np
 from ortflow.build.records import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator
-from ortflow.trainer.parallel.grid import place
-from ortflow.trainer.parallel.schedule import evaluate_pipeline, pipeline_step
+from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
+from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums
 from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
 
 log = logging.getLogger("ortflow.trainer")
@@ -47,14 +47,16 @@ class PipeTensorRuntime(TensorRuntime):
     def view(self) -> _StageView:
         return _StageView(self)
 
-    def accumulate(self, batches, k: int) -> float:
+    def accumulate(self, batches, k: int, timer=None) -> float:
         """``k`` micro-batches through the stages (1F1B); the loss sum on the last stage, 0 elsewhere."""
-        return pipeline_step(self.view(), batches, k).loss_sum
+        loss_sum = pipeline_step(self.view(), batches, k, timer=timer).loss_sum
+        if timer is not None:
+            timer.lap("forward_backward")
+        return loss_sum
 
-    def evaluate(self, eval_batches) -> float | None:
-        """Mean eval loss: each replica's eval batches forward through its stages (the last stage's tp rank 0
-        counts)."""
-        return evaluate_pipeline(self.view(), eval_batches)
+    def eval_sums(self, eval_batches) -> np.ndarray:
+        """Each replica's eval batches forward through its stages (the last stage's tp rank 0 counts)."""
+        return stage_eval_sums(self.view(), eval_batches)
 
 
 class _StageView:
@@ -87,23 +89,19 @@ class _StageView:
         return self.rt.eval_loss(feeds)
 
 
-def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str) -> PipeTensorRuntime:
+def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
+                             dims: ParallelDims) -> PipeTensorRuntime:
     """Place this rank (stage, tensor-parallel rank, replica), join its three groups, load its stage's pieces."""
-    dist = cfg.distributed
-    num_stages, size = dist.pipeline_parallel_size, dist.horizontal_parallel_size
+    num_stages, size = dims.pp, dims.tp
     record = read_pipe_tensor_record(cfg.artifacts_dir)
     if record is None or record["size"] != size or record["num_stages"] != num_stages:
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
-    where = place(comm.rank, comm.size, num_stages, size)
-    # Sync points (collective over the world): the three sub-groups every rank joins.
-    tp_comm = comm.split(where.tp_color, "tensor-parallel group of a stage")
-    pipe_comm = comm.split(where.pipe_color, "pipeline group of a tensor-parallel rank")
-    dp_comm = comm.split(where.dp_color, "replica group of a stage's tensor-parallel rank")
+    where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
     info = record["stages"][where.stage]
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),
-        dict(tp_rank=where.tp_rank, replica=where.replica, tp_comm=tp_comm, dp_comm=dp_comm, stage=where.stage,
-             num_stages=num_stages, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
+        dict(tp_rank=where.tp_rank, replica=where.replica, tp_comm=groups.tp, dp_comm=groups.dp, stage=where.stage,
+             num_stages=num_stages, pipe_comm=groups.pp, dims=dims, receives=tuple(info["receives"]),
              sends=tuple(info["sends"])),
         pipe=(where.stage, num_stages))

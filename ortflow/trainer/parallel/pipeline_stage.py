@@ -1,8 +1,10 @@
-"""One pipeline stage on one rank: its engine session, its weight update, the process-group layout, its checkpoint part.
+"""One pipeline stage on one rank (a :class:`~ortflow.trainer.rank_model.RankModel`): its engine session, its weight
+update, its process groups, its checkpoint part.
 
-Layout: ``rank = replica * P + stage`` (a replica's stages are neighbouring ranks, so on one host they talk through
-shared memory). Two sub-groups: ``stage_comm`` (the D replicas of this stage: gradient averaging, as unsplit
-data-parallel training does) and ``pipe_comm`` (the P stages of this replica: activations and gradients).
+Layout (:mod:`.parallel_dims` with ``tp = 1``): ``rank = replica * P + stage`` (a replica's stages are neighbouring
+ranks, so on one host they talk through shared memory). Two sub-groups: ``stage_comm`` (the D replicas of this stage:
+gradient averaging, as unsplit data-parallel training does) and ``pipe_comm`` (the P stages of this replica:
+activations and gradients). The micro-batches go through the stages with :mod:`.schedule`'s 1F1B.
 
 The weight update is ortflow's (:mod:`ortflow.trainer.optim`) over the stage's parameter buffers; a checkpoint holds
 every stage's ``params``/``optimizer`` HDF5 files, written by each stage's first replica into the one folder
@@ -12,7 +14,8 @@ every stage's ``params``/``optimizer`` HDF5 files, written by each stage's first
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +28,18 @@ from ortflow.engine import api
 from ortflow.trainer import optim
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.optim.zero import Zero0
-from ortflow.trainer.runtime import (
-    Runtime,
+from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
+from ortflow.trainer.parallel.replica import Runtime
+from ortflow.trainer.parallel.schedule import (
+    ACT_TAG,
+    GRAD_TAG,
+    log_stage_timing,
+    pipeline_step,
+    stage_eval_sums,
+    sum_tied_gradients,
+)
+from ortflow.trainer.rank_model import EnginePart, Reduced, compare_digests, sha256_of
+from ortflow.trainer.startup import (
     available_cores,
     build_device_update,
     choose_start,
@@ -35,13 +48,12 @@ from ortflow.trainer.runtime import (
     session_options,
     threads_per_rank,
 )
+from ortflow.trainer.timing import PhaseTimer
 
 log = logging.getLogger("ortflow.trainer")
 
 
 _SHARED_ARENA: list[bool] = []
-#: Point-to-point message tags: activations go forward, gradients come back, tied-weight gradients between holders.
-ACT_TAG, GRAD_TAG, TIED_TAG = 1, 2, 3
 
 
 def stage_session_options(threads: int, device: str, deterministic: bool = True) -> onnxruntime.SessionOptions:
@@ -84,6 +96,9 @@ class StageRuntime(Runtime):
     receives: tuple[str, ...] = ()
     sends: tuple[str, ...] = ()
     shared: dict[str, list[int]] | None = None  # tied parameters it holds -> every holding stage, in order
+    _timing: list[tuple[float, float]] = field(default_factory=list)  # (update s, engine s) of each update
+    _update_started: float | None = None
+    _compute_s: float = 0.0
 
     @property
     def last(self) -> bool:
@@ -103,11 +118,14 @@ class StageRuntime(Runtime):
 
     # -- the engine calls ------------------------------------------------------------------------------------------
 
+    def engine_parts(self) -> list[EnginePart]:
+        """The stage's one module."""
+        if self._parts is None:
+            self._parts = [EnginePart(self.state, self.module, stage_dir(self.cfg.artifacts_dir, self.stage))]
+        return self._parts
+
     def _call(self, train: bool, feeds: dict[str, np.ndarray]) -> list:
-        module = self.module
-        module.train() if train else module.eval()
-        outputs = module(*(feeds[n] for n in module.input_names()))
-        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return self.engine_parts()[0].call(train, feeds)
 
     def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept)."""
@@ -125,13 +143,75 @@ class StageRuntime(Runtime):
         """The last stage's loss on an eval batch (eval model)."""
         return float(self._call(False, feeds)[0])
 
+    def grad_view(self, name: str) -> np.ndarray:
+        """The trainer's gradient buffer of ``name`` (pinned: a profiling module swaps what the state returns)."""
+        return self.gradient_buffers()[self.trainable.index(name)]
+
+    # -- the rank model ------------------------------------------------------------------------------------------
+
+    def accumulate(self, batches, k: int, timer: PhaseTimer | None = None) -> float:
+        """``k`` micro-batches through the stages (1F1B); their loss sum on the last stage, 0 elsewhere. The
+        ``forward_backward`` phase includes waiting on the neighbouring stages."""
+        started = time.perf_counter()
+        stats = pipeline_step(self, batches, k, timer=timer)
+        if timer is not None:
+            timer.lap("forward_backward")
+        self._update_started, self._compute_s = started, stats.compute_s
+        return stats.loss_sum
+
+    def reduce(self, k: int, loss_sum: float, stop: bool) -> Reduced:
+        """A stage's replicas average its gradients (the unsplit exchange, per stage); holders of a tied weight add
+        theirs; loss, stop and the norm shares are summed over every rank."""
+        mine = self.exchange.reduce(self.gradient_buffers(), k * self.num_replicas, np.zeros(0, np.float32))
+        sum_tied_gradients(self)  # Sync point: holders of a tied weight add their gradients (point-to-point)
+        shared = self.shared or {}
+        own = [g for n, g in zip(self.trainable, mine, strict=True) if n not in shared or shared[n][0] == self.stage]
+        norm_sq = self.exchange.norm(own) ** 2 if self.replica == 0 else 0.0  # a tied weight counted once
+        local = np.array([loss_sum / k, float(stop), norm_sq])
+        # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
+        scalars = self.comm.allreduce_sum(local, "pipeline loss, stop, norm")
+        return Reduced(mine, float(scalars[0]) / self.num_replicas, bool(scalars[1]), float(scalars[2]))
+
+    def grad_norm(self, reduced: Reduced) -> float:
+        return float(np.sqrt(reduced.norm_sq))
+
+    def after_update(self) -> None:
+        self.module.lazy_reset_grad()
+        if self._update_started is not None:
+            self._timing.append((time.perf_counter() - self._update_started, self._compute_s))
+
+    def eval_sums(self, eval_batches) -> np.ndarray:
+        return stage_eval_sums(self, eval_batches)
+
+    def sum_scalars(self, values: np.ndarray, label: str) -> np.ndarray:
+        return self.comm.allreduce_sum(values, label)
+
+    def replica_check(self, step: int) -> dict:
+        """A stage's replicas hold bitwise equal parameters; each stage's sha256 goes into the checkpoint meta."""
+        mine = sha256_of(self.state.parameters[n].data for n in self.trainable)
+        compare_digests(self, step, [(mine, self.stage_comm, "stage parameter digest")], mine)
+        digests = self.pipe_comm.gather_object(mine, "gather stage digests") if self.replica == 0 else None
+        return {"params_sha256": digests}
+
+    def layout_meta(self) -> dict:
+        return {"pipeline_parallel_size": self.num_stages}
+
+    def whole_parameters(self, names) -> dict[str, np.ndarray] | None:
+        """The stages' parameters gathered on rank 0 (replica 0's stages take part; collective over them)."""
+        if self.replica != 0:
+            return None
+        mine = {n: np.array(self.state.parameters[n].data) for n in self.trainable if names(n)}
+        parts = self.pipe_comm.gather_object(mine, "gather parameters for histograms")
+        return {n: v for part in parts for n, v in part.items()} if parts is not None else None
+
+    def finish(self) -> None:
+        log_stage_timing(self, self._timing)
 
 
-def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str) -> StageRuntime:
+def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
+                       dims: ParallelDims) -> StageRuntime:
     """Place this rank in the pipeline, load its stage's artifacts and the state to start from."""
-    num_stages = cfg.distributed.pipeline_parallel_size
-    num_replicas = comm.size // num_stages
-    replica, stage = divmod(comm.rank, num_stages)
+    num_stages, num_replicas = dims.pp, dims.dp
     record = read_stages_record(cfg.artifacts_dir)
     if record is None or len(record["stages"]) != num_stages:
         raise RuntimeError(
@@ -143,8 +223,8 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
         raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
                            "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
-    stage_comm = comm.split(stage, "pipeline stage group")
-    pipe_comm = comm.split(num_stages + replica, "pipeline replica group")
+    where, groups = make_groups(comm, dims)
+    replica, stage, stage_comm, pipe_comm = where.replica, where.stage, groups.dp, groups.pp
     if hasattr(pipe_comm, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
         pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))
     resume, warm = choose_start(cfg, comm, num_stages)
@@ -162,18 +242,18 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     if resume:
         h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=replica)
     info = record["stages"][stage]
-    where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
+    start = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
     log.info("rank %d on %s: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, "
              "starting from %s", comm.rank, device, stage, num_stages, replica, num_replicas, len(trainable),
-             info["receives"], info["sends"], where)
+             info["receives"], info["sends"], start)
     rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, update, Zero0(stage_comm), trainable,
                       resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
-                      sends=tuple(info["sends"]), shared=info.get("shared", {}))
+                      sends=tuple(info["sends"]), shared=info.get("shared", {}), dims=dims)
+    rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     return rt
-
 
 
 def build_stage_update(cfg: RunConfig, stage_comm: Communicator, state, trainable: list[str], threads: int,

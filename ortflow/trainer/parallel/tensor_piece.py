@@ -1,9 +1,10 @@
-"""Tensor (horizontal) parallelism on one rank: its pieces' engine sessions, the all-reduces between them, its update.
+"""Tensor (horizontal) parallelism on one rank (a :class:`~ortflow.trainer.rank_model.RankModel`): its pieces' engine
+sessions, the all-reduces between them, its update.
 
-Layout: ``rank = replica * hp + t`` (a replica's ``hp`` tensor-parallel ranks are neighbours, so on one host they talk
-through shared memory). Two sub-groups: ``tp_comm`` (the ``hp`` ranks of a replica: activation and input-gradient
-all-reduces) and ``dp_comm`` (the replicas of tensor-parallel rank ``t``: gradient averaging, as unsplit
-data-parallel training does).
+Layout (:mod:`.parallel_dims` with ``pp = 1``): ``rank = replica * hp + t`` (a replica's ``hp`` tensor-parallel ranks
+are neighbours, so on one host they talk through shared memory). Two sub-groups: ``tp_comm`` (the ``hp`` ranks of a
+replica: activation and input-gradient all-reduces) and ``dp_comm`` (the replicas of tensor-parallel rank ``t``:
+gradient averaging, as unsplit data-parallel training does).
 
 One micro-batch runs the rank's pieces (:mod:`ortflow.graph.tensor_pieces`) forward with their eval models, a
 parallel piece's outputs summed over ``tp_comm`` (Megatron's ``g``), then backward in reverse order: each piece's
@@ -15,7 +16,6 @@ all ``hp`` ranks hold bitwise the same replicated activations and gradients, hen
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,30 +24,27 @@ import numpy as np
 
 from ortflow.build.records import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
 from ortflow.checkpoints import CheckpointError, h5state
-from ortflow.checkpoints.tp import slice_tensor, tp_file
+from ortflow.checkpoints.tp import merge_slices, slice_tensor, tp_file
 from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer import optim
 from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.optim.zero import Zero0
+from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.pipeline_stage import stage_session_options
-from ortflow.trainer.runtime import Runtime, available_cores, choose_start, optimizer_label, threads_per_rank
+from ortflow.trainer.parallel.replica import Runtime
+from ortflow.trainer.rank_model import EnginePart, Reduced, compare_digests, sha256_of
+from ortflow.trainer.startup import available_cores, choose_start, optimizer_label, threads_per_rank
+from ortflow.trainer.timing import PhaseTimer
 
 log = logging.getLogger("ortflow.trainer")
 
 
 @dataclass
-class PieceRun:
+class PieceRun(EnginePart):
     """One piece's sessions and what it reads and writes (its ``tensor.json`` entry)."""
 
-    info: dict
-    state: object
-    module: object
-
-    def call(self, train: bool, feeds: dict[str, np.ndarray]) -> list:
-        self.module.train() if train else self.module.eval()
-        outputs = self.module(*(feeds[n] for n in self.module.input_names()))
-        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +61,7 @@ class TensorRuntime(Runtime):
     slicing: dict[str, list[int]] = field(default_factory=dict)  # sliced parameter -> [axis, parts]
     holders: dict[str, list[int]] = field(default_factory=dict)  # parameter -> pieces holding it (first: owner)
     pipe: tuple[int, int] | None = None  # (stage, P) when it also is a pipeline stage (parallel/pipe_tensor_piece.py)
+    _piece_grads: list[dict[str, np.ndarray]] = field(default_factory=list)  # pinned host views, per piece (CPU)
 
     def data_shard(self) -> tuple[int, int]:
         """The ``hp`` ranks of a replica read the same batches."""
@@ -84,11 +82,14 @@ class TensorRuntime(Runtime):
         names = sorted(self.holders)
         return {n: np.array(self.param(n).data) for n in names}
 
+    def engine_parts(self) -> list[EnginePart]:
+        return self.pieces
+
     def gradient_buffers(self) -> list:
         """The owners' gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA."""
         if self._grads is None:
             if self.device == "cpu":
-                self._grads = [self.param(n).grad for n in self.trainable]
+                self._grads = [self.grad_view(self.holders[n][0], n) for n in self.trainable]
             else:
                 self._grads = [_device_buffer(self._owner_state(n).get_parameter(n).grad, n) for n in self.trainable]
         return self._grads
@@ -103,8 +104,8 @@ class TensorRuntime(Runtime):
         if self.tp_size == 1:
             return x
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if hasattr(self.tp_comm, "all_gather_device"):
-            return self._tp_sum_nccl(x)
+        if hasattr(self.tp_comm, "tensor_sum"):  # NCCL: on the GPU, one host wait (comm/nccl.py)
+            return self.tp_comm.tensor_sum(x, "tensor-parallel activation sum")
         flat = np.zeros(self.tp_size * x.size, np.float32)
         flat[self.tp_rank * x.size : (self.tp_rank + 1) * x.size] = x.reshape(-1)
         self.tp_comm.all_gather(flat, [x.size] * self.tp_size, "tensor-parallel activation sum")
@@ -113,21 +114,6 @@ class TensorRuntime(Runtime):
         for part in parts[1:]:
             total += part
         return total.reshape(x.shape)
-
-    def _tp_sum_nccl(self, x: np.ndarray) -> np.ndarray:
-        """:meth:`tp_sum` through NCCL on the GPU (the engine's Python API hands activations over on the host)."""
-        cp, comm, n = self.tp_comm._cp, self.tp_comm, x.size
-        flat = cp.zeros(self.tp_size * n, cp.float32)
-        flat[self.tp_rank * n : (self.tp_rank + 1) * n] = cp.asarray(x.reshape(-1))
-        cp.cuda.Device().synchronize()  # the copy (default stream) before NCCL's stream reads it
-        comm.all_gather_device(flat.data.ptr + self.tp_rank * n * 4, flat.data.ptr, n)
-        # Sync point: the gathered parts are read next.
-        comm.group.watched("tensor-parallel all-gather", comm.stream.synchronize)
-        parts = flat.reshape(self.tp_size, n)
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return cp.asnumpy(total).reshape(x.shape)
 
     def forward(self, batch: dict[str, np.ndarray], upto: int) -> dict[str, np.ndarray]:
         """Every piece before ``upto`` forward (eval models); returns what they sent, partial sums summed."""
@@ -140,9 +126,25 @@ class TensorRuntime(Runtime):
             env.update(zip(sends, outputs, strict=True))
         return env
 
-    def accumulate(self, batches, k: int) -> float:
+    def grad_view(self, piece: int, name: str) -> np.ndarray:
+        """Piece ``piece``'s gradient buffer of ``name`` (host view, pinned at start: a profiling module swaps what
+        the state returns)."""
+        if not self._piece_grads:
+            self._piece_grads = [{n: p.grad for n, p in part.state.parameters if p.requires_grad}
+                                 for part in self.pieces]
+        return self._piece_grads[piece][name]
+
+    def accumulate(self, batches, k: int, timer: PhaseTimer | None = None) -> float:
         """Forward and backward of ``k`` micro-batches (gradients accumulate in the engines); their loss sum."""
-        return sum(self.micro_step(next(batches)) for _ in range(k))
+        loss_sum = 0
+        for _ in range(k):
+            batch = next(batches)
+            if timer is not None:
+                timer.lap("data")
+            loss_sum += self.micro_step(batch)
+            if timer is not None:
+                timer.lap("forward_backward")
+        return loss_sum
 
     def micro_step(self, batch: dict[str, np.ndarray]) -> float:
         """Forward and backward of one micro-batch; parameter gradients accumulate in the pieces' engines."""
@@ -188,7 +190,7 @@ class TensorRuntime(Runtime):
         """A parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum."""
         for name, holders in self.holders.items():
             for other in holders[1:]:
-                self.param(name).grad[...] += self.pieces[other].state.parameters[name].grad
+                self.grad_view(holders[0], name)[...] += self.grad_view(other, name)
 
     def copy_tied_parameters(self) -> None:
         for name, holders in self.holders.items():
@@ -200,25 +202,84 @@ class TensorRuntime(Runtime):
             piece.module.lazy_reset_grad()
 
     def digest(self, names) -> str:
-        h = hashlib.sha256()
-        for n in names:
-            h.update(np.ascontiguousarray(self.param(n).data))
-        return h.hexdigest()
+        return sha256_of(self.param(n).data for n in names)
+
+    # -- the rank model ------------------------------------------------------------------------------------------
+
+    def reduce(self, k: int, loss_sum: float, stop: bool) -> Reduced:
+        """Tied weights summed within the rank; each tensor-parallel rank's replicas average its gradients (the
+        unsplit exchange, per tp rank); loss, stop and the norm shares summed in rank order over every rank."""
+        self.sum_tied_gradients()
+        mine = self.exchange.reduce(self.gradient_buffers(), k * self.num_replicas, np.zeros(0, np.float32))
+        norm_sq = self.norm_sq(mine) if self.replica == 0 else 0.0  # the replicated gradients counted once
+        local = np.array([loss_sum / k if self.tp_rank == 0 else 0.0, float(stop), norm_sq])
+        # Sync point: loss, stop flag and gradient norm, added in rank order: bitwise the same on every rank.
+        scalars = self.comm.allgather_sum(local, "tensor-parallel loss, stop, norm")
+        return Reduced(mine, float(scalars[0]) / self.num_replicas, bool(scalars[1]), float(scalars[2]))
+
+    def grad_norm(self, reduced: Reduced) -> float:
+        return float(np.sqrt(reduced.norm_sq))
+
+    def after_update(self) -> None:
+        self.copy_tied_parameters()
+        self.reset_gradients()
+
+    def eval_sums(self, eval_batches) -> np.ndarray:
+        """Every tp rank computes the same loss: tp rank 0's counts."""
+        sums = np.zeros(2)
+        for batch, weight, rows in eval_batches():
+            sums += (self.eval_loss(batch) * weight, rows)
+        for piece in self.pieces:
+            piece.module.train()
+        return sums if self.tp_rank == 0 else np.zeros(2)
+
+    def sum_scalars(self, values: np.ndarray, label: str) -> np.ndarray:
+        return self.comm.allgather_sum(values, label)  # rank order: bitwise the same on every rank
+
+    def replica_check(self, step: int) -> dict:
+        """Replicated parameters are bitwise equal on the tp ranks, and each rank's slices on its replicas."""
+        replicated = self.digest(sorted(n for n in self.holders if n not in self.slicing))
+        whole = self.digest(sorted(self.holders))
+        compare_digests(self, step, [(replicated, self.tp_comm, "replicated parameter digest"),
+                                     (whole, self.dp_comm, "tensor-parallel replica digest")],
+                        f"{whole} (replicated {replicated})")
+        return {}
+
+    def layout_meta(self) -> dict:
+        return {"horizontal_parallel_size": self.tp_size, "pipeline_parallel_size": self.pipe[1] if self.pipe else 1}
+
+    def whole_parameters(self, names) -> dict[str, np.ndarray] | None:
+        """The model's parameters on rank 0: slices merged over the tp ranks of replica 0 (then, on a pipeline, the
+        stages gathered); collective over those ranks."""
+        if self.replica != 0:
+            return None
+        mine = {n: np.array(self.param(n).data) for n in self.trainable if names(n)}
+        slices = self.tp_comm.gather_object(mine, "gather slices for histograms")
+        if slices is None:
+            return None
+        merged = {n: merge_slices([s[n] for s in slices], *self.slicing[n]) if n in self.slicing else v
+                  for n, v in slices[0].items()}
+        if self.pipe is None:
+            return merged
+        parts = self.pipe_comm.gather_object(merged, "gather parameters for histograms")
+        return {n: v for part in parts for n, v in part.items()} if parts is not None else None
+
+    def finish(self) -> None:
+        """Nothing measured beyond the loop's step-time breakdown."""
 
 
-def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str) -> TensorRuntime:
+def init_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
+                        dims: ParallelDims) -> TensorRuntime:
     """Place this rank, load its pieces' artifacts and the state to start from."""
-    size = cfg.distributed.horizontal_parallel_size
+    size = dims.tp
     record = read_tensor_record(cfg.artifacts_dir)
     if record is None or record["size"] != size:
         raise RuntimeError(f"{cfg.artifacts_dir} holds no tensor-parallel artifacts of size {size}: re-run "
                            f"`ortflow configure` with distributed.horizontal_parallel_size {size}")
-    replica, tp_rank = divmod(comm.rank, size)
-    # Sync points (collective over the world): the two sub-groups every rank joins.
-    tp_comm = comm.split(replica, "tensor-parallel group")
-    dp_comm = comm.split(comm.size + tp_rank, "tensor-parallel replica group")
+    where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the sub-groups it joins
     return assemble_tensor_runtime(TensorRuntime, run_dir, cfg, comm, device, record, Path(cfg.artifacts_dir),
-                                   dict(tp_rank=tp_rank, replica=replica, tp_comm=tp_comm, dp_comm=dp_comm))
+                                   dict(tp_rank=where.tp_rank, replica=where.replica, tp_comm=groups.tp,
+                                        dp_comm=groups.dp, dims=dims))
 
 
 def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, record: dict,
@@ -247,7 +308,7 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
                             device=device, session_options=stage_session_options(threads, device))
         for name, _ in state.parameters:
             holders.setdefault(name, []).append(info["index"])
-        pieces.append(PieceRun(info, state, module))
+        pieces.append(PieceRun(state, module, folder, info=info))
     trainable = sorted(n for n, hs in holders.items() if pieces[hs[0]].state.parameters[n].requires_grad)
     dp_exchange = Zero0(where["dp_comm"])
     tied = sorted(n for n, hs in holders.items() if len(hs) > 1)
@@ -260,6 +321,7 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
     if resume or warm:
         load_sliced_parameters(rt, resume.path if resume else Path(warm))
     rt.update = _build_update(rt, threads)
+    rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     if resume:
         own = resume.path / tp_file("optimizer", tp_rank, size, pipe)
         h5state.load_optimizer(resume.path, rt.update, optimizer_label(cfg), rank=replica, files=[own])
@@ -283,13 +345,12 @@ def _build_update(rt: TensorRuntime, threads: int) -> optim.Update:
         params = [rt.param(n).data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
         return optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
                                   threads=threads)
-    from ortflow.trainer.optim.device import DeviceUpdate
+    from ortflow.trainer.optim.device import device_update
 
     # Checked on 2 H200s by tests/gpu/test_gpu_tensor.py (bench/results/gpu-tests-h200x2-w3-tp-pipeline.log).
     params = [_device_buffer(rt._owner_state(n).get_parameter(n).data, n) for n in trainable]
-    decay = optim.decays(trainable, cfg.optimizer.no_weight_decay)
-    return DeviceUpdate(optim.build_rule(cfg.optimizer), optim.whole_segments(trainable, [p.count for p in params]),
-                        [p.ptr for p in params], decay, rt.dp_comm.stream)
+    segments = optim.whole_segments(trainable, [p.count for p in params])
+    return device_update(cfg.optimizer, segments, [p.ptr for p in params], rt.dp_comm.stream)
 
 
 def load_sliced_parameters(rt: TensorRuntime, folder: Path) -> None:

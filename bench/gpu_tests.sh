@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Every GPU test (tests/gpu) under one time budget, on a host with the GPU engine installed (docs/gpu.md "Testing on
+# GPUs"). From the repository root:
+#
+#   ORTFLOW_PY=/path/to/python3.11 bash bench/gpu_tests.sh [extra pytest arguments]
+#
+# ORTFLOW_PY: the Python with ortflow's GPU environment (onnxruntime-training, CuPy, mpi4py, pytest; with
+# pytest-timeout each test gets its own limit); ORTFLOW_PYTHONPATH: put before the repository on its PYTHONPATH;
+# MPIEXEC: the MPI launcher, when the one on PATH is not it; BUDGET_S: seconds for the whole run (default 450);
+# TEST_S: seconds per test (default 170); OUT: where gpu-tests.log, gpu-tests.xml (JUnit) and gpu-tests-summary.txt
+# go (default bench/results/gpu-tests).
+#
+# The 4-GPU layouts and the tests of the training loop's GPU paths run first, so a budget that runs out cuts the
+# least telling ones; the summary lists every collected test as PASS, FAIL, ERROR, SKIP or NOT RUN.
+set -u
+cd "$(dirname "$0")/.."
+PY=${ORTFLOW_PY:-python3}
+OUT=${OUT:-bench/results/gpu-tests}
+BUDGET_S=${BUDGET_S:-450}
+TEST_S=${TEST_S:-170}
+mkdir -p "$OUT"
+LOG=$OUT/gpu-tests.log XML=$OUT/gpu-tests.xml SUMMARY=$OUT/gpu-tests-summary.txt PLAN=$OUT/gpu-tests-plan.txt
+rm -f "$XML" "$SUMMARY" "$PLAN"
+export PYTHONPATH=${ORTFLOW_PYTHONPATH:+$ORTFLOW_PYTHONPATH:}$PWD
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off: NCCL's NVLS init fails on some hosts
+export PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # only the plugins named below
+[ -n "${MPIEXEC:-}" ] && export PATH=$(dirname "$MPIEXEC"):$PATH  # the tests call the first mpiexec on PATH
+if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told (containers run as root)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+
+# Most telling first: the 4-GPU layouts, then the loop's GPU paths, then the rest; any other file comes last.
+FIRST="test_gpu_four_layouts test_gpu_training test_gpu_pipeline test_gpu_tensor test_gpu_mixed_precision
+test_gpu_adasum test_gpu_cuda_kernels test_gpu_sums_allreduce test_gpu_optim test_gpu_setup"
+FILES=()
+for name in $FIRST; do [ -f "tests/gpu/$name.py" ] && FILES+=("tests/gpu/$name.py"); done
+for file in tests/gpu/test_*.py; do
+  case " ${FILES[*]} " in *" $file "*) ;; *) FILES+=("$file") ;; esac
+done
+
+ARGS=(-q -rA --durations=20 -p no:cacheprovider --junitxml="$XML" -o junit_family=xunit1)
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+  ARGS+=(-p pytest_timeout --timeout "$TEST_S")  # SIGALRM: the test fails, its mpiexec is killed, the run goes on
+  LIMITS="$TEST_S s per test, $BUDGET_S s in all"
+  if [ "$BUDGET_S" -gt 60 ] && "$PY" -c "import pytest_timeout as t, sys; sys.exit(not hasattr(t, 'SESSION_TIMEOUT_KEY'))" \
+      2>/dev/null; then
+    ARGS+=(--session-timeout $((BUDGET_S - 30)))  # no new test starts in the last 30 s
+  fi
+else
+  LIMITS="$BUDGET_S s in all (pytest-timeout is not installed: no per-test limit)"
+fi
+
+{
+  echo "# GPU tests, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | grep -q . && echo '(with local changes)')"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
+  "$PY" -c "import sys, importlib.metadata as m
+def v(d):
+    try: return m.version(d)
+    except m.PackageNotFoundError: return '-'
+print('python', sys.version.split()[0], *(f'{d} {v(d)}' for d in ('onnxruntime-training', 'cupy-cuda12x', 'cupy-cuda13x', 'mpi4py', 'pytest', 'pytest-timeout')))"
+  echo "mpiexec: $(command -v mpiexec) ($(mpiexec --version 2>&1 | head -1))"
+  echo "limits: $LIMITS"
+  echo "order: ${FILES[*]}"
+} 2>&1 | tee "$LOG"
+
+"$PY" -m pytest --collect-only -q -p no:cacheprovider "${FILES[@]}" "$@" 2>/dev/null | grep '::' > "$PLAN"
+echo "collected $(wc -l < "$PLAN") tests" | tee -a "$LOG"
+
+start=$(date +%s)
+# SIGINT at the budget: pytest stops like at Ctrl-C and still writes the JUnit file (the handler is set again because
+# a shell that starts this script in the background hands its children SIGINT ignored); the test's mpiexec is killed.
+PYTEST='import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); import pytest
+sys.exit(pytest.main(sys.argv[1:]))'
+timeout -s INT -k 20 "$BUDGET_S" "$PY" -c "$PYTEST" "${ARGS[@]}" "${FILES[@]}" "$@" 2>&1 | tee -a "$LOG"
+status=${PIPESTATUS[0]}
+echo "pytest exit status $status after $(( $(date +%s) - start )) s" | tee -a "$LOG"
+
+"$PY" - "$XML" "$PLAN" <<'EOF' | tee "$SUMMARY" | tee -a "$LOG"
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+xml, plan = Path(sys.argv[1]), Path(sys.argv[2])
+planned = [line.strip() for line in plan.read_text().splitlines() if "::" in line]
+seen = {}
+if xml.exists():
+    for case in ET.parse(xml).iter("testcase"):
+        if not case.get("name"):  # the placeholder an interrupted session leaves
+            continue
+        node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+        status, why = "PASS", ""
+        for kind, label in (("failure", "FAIL"), ("error", "ERROR"), ("skipped", "SKIP")):
+            found = case.find(kind)
+            if found is not None:
+                status, why = label, (found.get("message") or "").splitlines()[0][:160] if found.get("message") else ""
+                break
+        seen[node] = (status, float(case.get("time", 0)), why)
+counts = {}
+for node in planned + [n for n in seen if n not in planned]:
+    status, seconds, why = seen.get(node, ("NOT RUN", 0.0, "time budget or an interrupted run"))
+    counts[status] = counts.get(status, 0) + 1
+    print(f"{status:8} {seconds:7.1f} s  {node}" + (f"  -- {why}" if why else ""))
+print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+EOF
+exit "$status"

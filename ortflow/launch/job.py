@@ -1,0 +1,215 @@
+"""One interface for a training job on any scheduler: submit, stream its output, poll its state, cancel, exit status.
+
+A :class:`Job` is what a launcher starts (:class:`ortflow.launch.local.LocalJob`, :mod:`ortflow.launch.slurm`,
+:mod:`ortflow.launch.kubernetes`);
+:func:`watch` drives any of them the same way: it forwards new output lines, polls the state until the job ends, and
+on an interruption (a cancelled flow, a task timeout, Ctrl-C) asks the job to stop, which makes the ranks write a stop
+checkpoint, waits for that within a grace period and ends the job when the period runs out. A requeued or preempted
+job keeps its id and starts again from the run folder's newest complete checkpoint, so watching simply goes on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+#: The run folder's record of the last job that trained it (launcher and job id): the run summary shows it.
+LAUNCH_RECORD = "launch.json"
+#: Seconds the ranks get to stop cleanly (finish the update, keep checkpoints whole) before they are killed.
+STOP_GRACE_S = 30.0
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot be started (not found, bad host file)."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How the job ended: the launcher's exit status and the last error lines any rank printed."""
+
+    returncode: int
+    error_lines: tuple[str, ...]
+    signal: int = 0  # the stop signal this process received and passed on (0: none)
+    launcher: str = "local"  # distributed.launcher that ran the job
+    job_id: str | None = None  # the scheduler's id of the job (Slurm job id, MPIJob namespace/name)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def summary(self) -> str:
+        """A one-paragraph reason for a failed job."""
+        if self.ok:
+            return "training finished"
+        detail = "\n".join(self.error_lines) or "(no error lines captured; see the output above)"
+        return f"training failed with exit status {self.returncode}:\n{detail}"
+
+
+def is_error_line(line: str) -> bool:
+    """Whether an output line reports an error (kept for the failure summary)."""
+    return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
+
+
+
+
+class Phase(enum.Enum):
+    """Where a job is: waiting for resources, running (or being requeued), or ended."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A poll's answer: the phase, the scheduler's own word for it, and the exit status once ended."""
+
+    phase: Phase
+    detail: str
+    returncode: int | None = None
+
+
+class Job(Protocol):
+    """A submitted training job."""
+
+    launcher: str  # "local", "slurm", "kubernetes"
+    job_id: str | None  # the scheduler's name for it (Slurm job id, MPIJob namespace/name); None for local
+
+    def read_output(self) -> list[str]:
+        """The output lines written since the last call (every rank's, prefixed with its rank)."""
+
+    def poll(self) -> JobState:
+        """The job's state now."""
+
+    def cancel(self) -> None:
+        """Ask the ranks to stop after the current update with a stop checkpoint; returns at once."""
+
+    def kill(self) -> None:
+        """End the job now (what is left of it after the grace period)."""
+
+
+def watch(
+    job: Job,
+    on_line: Callable[[str], None] = print,
+    poll_s: float = 2.0,
+    grace_s: float = STOP_GRACE_S,
+    forward_signals: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> LaunchResult:
+    """Stream ``job``'s output until it ends; return its exit status and last error lines.
+
+    Args:
+        job: A submitted job.
+        on_line: Receives every output line.
+        poll_s: Seconds between state queries.
+        grace_s: After a cancel, how long the ranks get to write their stop checkpoint before the job is ended.
+        forward_signals: Own SIGTERM/SIGINT while watching (``ortflow train``): they cancel the job, watching goes on
+            until it ends, and the result carries the signal. Only possible in the main thread.
+        clock: Monotonic seconds (passed in by tests).
+        sleep: Waits between polls (passed in by tests).
+
+    Raises:
+        Whatever interrupted the watch (KeyboardInterrupt, a task timeout, Prefect's cancellation), after the job
+        was cancelled and has ended or been killed.
+    """
+    errors: deque[str] = deque(maxlen=20)
+    received: list[int] = []
+    cancelled_at: list[float] = []
+
+    def drain() -> None:
+        for line in job.read_output():
+            if is_error_line(line):
+                errors.append(line)
+            on_line(line)
+
+    restore = _cancel_on_signals(job, received) if forward_signals else (lambda: None)
+    try:
+        state = job.poll()
+        while state.phase is not Phase.ENDED:
+            drain()
+            if received and not cancelled_at:
+                cancelled_at.append(clock())
+            if cancelled_at and clock() - cancelled_at[0] > grace_s:
+                log.error("%s job%s did not stop within %.0f s: ending it", job.launcher,
+                          f" {job.job_id}" if job.job_id else "", grace_s)
+                job.kill()
+                cancelled_at[0] = float("inf")  # once
+            sleep(poll_s)
+            state = job.poll()
+        drain()
+    except BaseException:  # a cancelled flow, a timeout, Ctrl-C: the job must not outlive its watcher unasked
+        stop(job, grace_s, on_line, clock, sleep)
+        raise
+    finally:
+        restore()
+    log.info("%s job%s ended: %s", job.launcher, f" {job.job_id}" if job.job_id else "", state.detail)
+    code = state.returncode if state.returncode is not None else 1
+    return LaunchResult(code, tuple(errors), received[0] if received else 0, job.launcher, job.job_id)
+
+
+def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
+         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> JobState:
+    """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out."""
+    log.warning("%s job%s: asking the ranks to stop after the current update (%.0f s grace)",
+                job.launcher, f" {job.job_id}" if job.job_id else "", grace_s)
+    job.cancel()
+    deadline = clock() + grace_s
+    state = job.poll()
+    while state.phase is not Phase.ENDED and clock() < deadline:
+        for line in job.read_output():
+            on_line(line)
+        sleep(min(1.0, grace_s))
+        state = job.poll()
+    for line in job.read_output():
+        on_line(line)
+    if state.phase is not Phase.ENDED:
+        log.error("%s job%s did not stop within %.0f s: ending it", job.launcher,
+                  f" {job.job_id}" if job.job_id else "", grace_s)
+        job.kill()
+        state = job.poll()
+    return state
+
+
+def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
+    """While watching, SIGTERM/SIGINT cancel the job once (the ranks stop with a stop checkpoint)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def forward(signum: int, _frame: object) -> None:
+        if not received:
+            received.append(signum)
+            log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
+                        signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
+        job.cancel()  # again on a repeated signal: stopping twice is harmless, and the first may have been missed
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+
+
+def write_record(run_dir: Path, launcher: str, job_id: str | None) -> None:
+    """Keep which launcher and job trained the run folder last (replaced atomically)."""
+    path = Path(run_dir) / LAUNCH_RECORD
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
+    os.replace(tmp, path)
+
+
+def read_record(run_dir: Path) -> dict | None:
+    """The launcher and job id of the run folder's last training job, or None."""
+    try:
+        return json.loads((Path(run_dir) / LAUNCH_RECORD).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,42 @@
+"""Run the training job through the scheduler that ``distributed.launcher`` names, and record which job it was
+(``RUN/launch.json``, :func:`ortflow.launch.job.write_record`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ortflow.config import RunConfig
+from ortflow.launch.job import Job, LaunchResult, watch, write_record
+
+
+def submit(cfg: RunConfig, run_dir: Path) -> tuple[Job, float, float]:
+    """Submit (or attach to) the run's job; returns it with its poll interval and stop grace period in seconds."""
+    if cfg.distributed.launcher == "slurm":
+        from ortflow.launch import slurm
+        from ortflow.launch.job import STOP_GRACE_S
+
+        return slurm.submit(cfg, run_dir), cfg.slurm.poll_interval_s, STOP_GRACE_S + 30  # + slurmstepd start
+    if cfg.distributed.launcher == "kubernetes":
+        from ortflow.launch import kubernetes
+
+        k8s = cfg.kubernetes
+        return kubernetes.submit(cfg), k8s.poll_interval_s, k8s.stop_grace_s + 30  # + pod termination
+    raise ValueError(f"distributed.launcher {cfg.distributed.launcher!r} is not a scheduler: use launch.local")
+
+
+def run_scheduled(cfg: RunConfig, run_dir: Path | None = None, on_line: Callable[[str], None] = print,
+                  forward_signals: bool = False) -> LaunchResult:
+    """Submit the run's training job to its scheduler, stream its output until it ends, record its id.
+
+    Args:
+        cfg: The run config (distributed.launcher slurm or kubernetes).
+        run_dir: The run folder (default: cfg.output_dir).
+        on_line: Receives every output line.
+        forward_signals: SIGTERM/SIGINT to this process cancel the job (``ortflow train``).
+    """
+    run_dir = Path(run_dir or cfg.output_dir)
+    job, poll_s, grace_s = submit(cfg, run_dir)
+    write_record(run_dir, job.launcher, job.job_id)
+    on_line(f"ortflow: {job.launcher} job {job.job_id}")
+    return watch(job, on_line, poll_s=poll_s, grace_s=grace_s, forward_signals=forward_signals)

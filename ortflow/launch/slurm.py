@@ -1,0 +1,250 @@
+"""The Slurm launcher: the training job as an ``sbatch`` script, watched with ``scontrol``, stopped with ``scancel``.
+
+The script asks for ``slurm.num_nodes`` nodes with ``num_ranks / num_nodes`` tasks each and starts the ranks with the
+MPI launcher inside the allocation (the bundled MPICH's ``mpiexec`` detects the allocation and starts its processes
+on the allocated nodes with ``srun``; Open MPI's ``mpirun`` does the same). It runs that launcher in its own process
+group and passes SIGTERM on to the group, exactly as ``ortflow train`` does on one host, so:
+
+* cancel (``scancel --batch --signal=TERM``): every rank stops after the same update, writes a stop checkpoint and
+  the job ends with status 143;
+* the time limit: Slurm sends the same SIGTERM ``slurm.stop_signal_s`` before it (``--signal=B:TERM@N``);
+* a requeue or preemption (``--requeue``): Slurm stops the ranks, queues the job again under the same id, and the
+  script starts over, resuming from the newest complete checkpoint. The output file is opened for appending, so one
+  file holds every attempt.
+
+The job id is kept in ``RUN/slurm/job.json``: a second submission for the same run folder (a retried task, ``ortflow
+train`` again) attaches to a job that is still queued or running instead of starting a second writer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ortflow.config import RunConfig
+from ortflow.launch.job import JobState, LaunchError, Phase
+from ortflow.launch.local import (
+    LAUNCHER_HOST_ENV,
+    LAUNCHER_PID_ENV,
+    build_command,
+    find_mpiexec,
+    launcher_flavor,
+)
+
+log = logging.getLogger(__name__)
+
+#: Folder of the run folder that holds the job record, the script, and each job's output and exit status.
+SLURM_DIR = "slurm"
+JOB_RECORD = "job.json"
+#: Slurm job states after which the job runs no more (a requeued job goes back to PENDING instead).
+ENDED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
+PENDING_STATES = {"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "CONFIGURING", "RESV_DEL_HOLD"}
+
+
+def _commands() -> dict[str, str]:
+    found = {name: shutil.which(name) for name in ("sbatch", "scontrol", "scancel")}
+    missing = [name for name, path in found.items() if not path]
+    if missing:
+        raise LaunchError(
+            f"distributed.launcher slurm: {', '.join(missing)} not found on PATH: run from a host with the Slurm "
+            "client commands (a login node), or use launcher local"
+        )
+    return found  # type: ignore[return-value]
+
+
+def threads_per_rank(cfg: RunConfig) -> int:
+    """CPUs each rank gets (``--cpus-per-task``) and uses as intra-op threads."""
+    return cfg.slurm.cpus_per_rank or cfg.distributed.threads_per_rank or 1
+
+
+def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path, flavor: str, python: str = sys.executable) -> str:
+    """The sbatch script of the run: resources from ``cfg.slurm``, the ranks started with ``mpiexec``.
+
+    Args:
+        cfg: The run config (distributed.num_ranks a number, a multiple of slurm.num_nodes).
+        run_dir: The run folder, at the same path on every node.
+        mpiexec: The MPI launcher on the nodes.
+        flavor: ``mpich`` or ``openmpi`` (its command-line options differ).
+        python: The Python of ortflow's environment on the nodes.
+    """
+    slurm, ranks = cfg.slurm, int(cfg.distributed.num_ranks)
+    threads = threads_per_rank(cfg)
+    out = run_dir / SLURM_DIR
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={cfg.name}",
+        f"#SBATCH --nodes={slurm.num_nodes}",
+        f"#SBATCH --ntasks-per-node={ranks // slurm.num_nodes}",
+        f"#SBATCH --cpus-per-task={threads}",
+        f"#SBATCH --output={out}/job-%j.out",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --chdir={run_dir}",
+        "#SBATCH --requeue" if slurm.requeue else "#SBATCH --no-requeue",
+    ]
+    if slurm.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={slurm.gpus_per_node}")
+    for option, value in (("partition", slurm.partition), ("time", slurm.time_limit), ("account", slurm.account)):
+        if value:
+            lines.append(f"#SBATCH --{option}={value}")
+    if slurm.stop_signal_s:
+        lines.append(f"#SBATCH --signal=B:TERM@{slurm.stop_signal_s}")
+    lines += [f"#SBATCH {entry}" for entry in slurm.extra_sbatch]
+    command = build_command(run_dir, ranks, mpiexec, flavor, python=python)
+    env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "ORTFLOW_THREADS_PER_RANK": threads, "ORTFLOW_NUM_RANKS": ranks, "PYTHONUNBUFFERED": 1}  # fmt: skip
+    lines += ["", "# Set up the environment of the ranks (slurm.setup).", *slurm.setup, ""]
+    lines += [f"export {name}={value}" for name, value in env.items()]
+    lines += [
+        "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}",
+        f"unset {LAUNCHER_PID_ENV} {LAUNCHER_HOST_ENV}  # the ranks outlive the submitting process",
+        'echo "ortflow: slurm job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
+        "",
+        "# The MPI launcher runs in its own process group; SIGTERM (scancel --batch --signal=TERM, the time limit's",
+        "# --signal) goes to the whole group: every rank stops after the same update with a stop checkpoint.",
+        f"setsid {shlex.join(command)} &",
+        "pid=$!",
+        'trap \'echo "ortflow: SIGTERM: ranks stop after this update"; kill -TERM -- -$pid 2>/dev/null\' TERM',
+        "while :; do wait $pid; status=$?; kill -0 $pid 2>/dev/null || break; done",
+        "wait $pid; status=$?",
+        f'echo $status > {shlex.quote(str(out))}/job-$SLURM_JOB_ID.status',
+        'echo "ortflow: ranks exited with status $status"',
+        "exit $status",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+class SlurmJob:
+    """A Slurm batch job of one run folder: its output file, its state from ``scontrol``.
+
+    Args:
+        job_id: Slurm's job id.
+        run_dir: The run folder (its ``slurm/`` holds the job's output and exit status).
+        commands: Paths of ``scontrol`` and ``scancel``.
+        env: Environment of those commands.
+        run: Runs one command and returns its result (default: a subprocess; tests pass a fake controller).
+    """
+
+    launcher = "slurm"
+
+    def __init__(self, job_id: str, run_dir: Path, commands: dict[str, str], env: dict[str, str] | None = None,
+                 run: Callable[..., subprocess.CompletedProcess] | None = None):
+        self.job_id = job_id
+        self.run_dir = run_dir
+        self.commands = commands
+        self.env = env
+        self._run = run or self._subprocess
+        self.output = run_dir / SLURM_DIR / f"job-{job_id}.out"
+        self._offset = 0
+        self._partial = ""
+        self._last = JobState(Phase.PENDING, "PENDING")
+
+    def _subprocess(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(args, capture_output=True, text=True, env=self.env, timeout=120, check=False)
+
+    def read_output(self) -> list[str]:
+        try:
+            with self.output.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        text = self._partial + data.decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        return lines
+
+    def poll(self) -> JobState:
+        out = self._run(self.commands["scontrol"], "show", "job", "-o", self.job_id)
+        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item) if out.returncode == 0 else {}
+        state = fields.get("JobState", "")
+        if not state:  # the controller forgot the job (MinJobAge): its script left the exit status
+            status = self.run_dir / SLURM_DIR / f"job-{self.job_id}.status"
+            try:
+                code = int(status.read_text().strip())
+            except (OSError, ValueError):
+                code = 1
+            self._last = JobState(Phase.ENDED, f"no longer known to Slurm ({out.stderr.strip()})", code)
+        elif state in ENDED_STATES:
+            code, _, sig = fields.get("ExitCode", "1:0").partition(":")
+            returncode = 128 + int(sig) if sig.isdigit() and int(sig) else int(code) if code.isdigit() else 1
+            if state != "COMPLETED" and returncode == 0:
+                returncode = 1  # cancelled while pending, timed out, node failure: not a success
+            self._last = JobState(Phase.ENDED, state, returncode)
+        else:
+            phase = Phase.PENDING if state in PENDING_STATES else Phase.RUNNING
+            reason = fields.get("Reason", "None")
+            self._last = JobState(phase, state if reason == "None" else f"{state} ({reason})")
+        return self._last
+
+    def cancel(self) -> None:
+        if self._last.phase is Phase.PENDING:  # nothing started: nothing to checkpoint
+            self.kill()
+            return
+        out = self._run(self.commands["scancel"], "--batch", "--signal=TERM", self.job_id)
+        if out.returncode:
+            log.warning("scancel --batch --signal=TERM %s: %s", self.job_id, out.stderr.strip())
+
+    def kill(self) -> None:
+        out = self._run(self.commands["scancel"], self.job_id)
+        if out.returncode:
+            log.warning("scancel %s: %s", self.job_id, out.stderr.strip())
+
+
+def submit(cfg: RunConfig, run_dir: Path | None = None, python: str = sys.executable,
+           env: dict[str, str] | None = None) -> SlurmJob:
+    """Submit the run's training job with sbatch, or attach to the run's job that is still queued or running.
+
+    Args:
+        cfg: The run config (distributed.launcher slurm).
+        run_dir: The run folder (default: cfg.output_dir); the same path on every node.
+        python: The Python of ortflow's environment on the nodes.
+        env: Environment of the Slurm commands (default: this process's); the job inherits it.
+
+    Raises:
+        LaunchError: no Slurm client commands, no MPI launcher, or sbatch refused the job (its message included).
+    """
+    commands = _commands()
+    run_dir = Path(run_dir or cfg.output_dir).resolve()
+    folder = run_dir / SLURM_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    base = dict(env if env is not None else os.environ)
+    for name in (LAUNCHER_PID_ENV, LAUNCHER_HOST_ENV):
+        base.pop(name, None)
+    record = folder / JOB_RECORD
+    previous = _previous_job(record)
+    if previous:
+        job = SlurmJob(previous, run_dir, commands, base)
+        state = job.poll()
+        if state.phase is not Phase.ENDED:
+            job.read_output()  # earlier attempts' lines are already in their logs
+            log.info("attaching to slurm job %s of %s, still %s", previous, run_dir, state.detail)
+            return job
+    exe = find_mpiexec(cfg.slurm.mpiexec)
+    script = folder / "train.sbatch"
+    script.write_text(render_script(cfg, run_dir, exe, launcher_flavor(exe), python))
+    out = subprocess.run([commands["sbatch"], "--parsable", str(script)], capture_output=True, text=True, env=base,
+                         timeout=120, check=False)  # fmt: skip
+    if out.returncode or not re.match(r"^\d+", out.stdout.strip()):
+        raise LaunchError(f"sbatch refused the job ({script}): {(out.stderr or out.stdout).strip()}")
+    job_id = out.stdout.strip().split(";")[0]
+    record.write_text(json.dumps({"job_id": job_id, "script": str(script)}) + "\n")
+    log.info("submitted slurm job %s (%s)", job_id, script)
+    return SlurmJob(job_id, run_dir, commands, base)
+
+
+def _previous_job(record: Path) -> str | None:
+    try:
+        return str(json.loads(record.read_text())["job_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

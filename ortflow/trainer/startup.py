@@ -1,0 +1,202 @@
+"""Rank start-up pieces every rank model shares: threads and session options, the device, the checkpoint to start
+from, ortflow's update over the engine's buffers, loading parameters by name."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+
+from ortflow import checkpoints
+from ortflow.checkpoints import h5state
+from ortflow.checkpoints.layout_check import check_checkpoint_layout
+from ortflow.config import RunConfig
+from ortflow.trainer import cuda_libs, optim
+from ortflow.trainer.comm import Communicator, DeviceBuffer
+from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
+from ortflow.trainer.optim.zero import Zero0, Zero1
+
+log = logging.getLogger("ortflow.trainer")
+
+
+def choose_start(
+    cfg: RunConfig, comm: Communicator, num_stages: int
+) -> tuple[checkpoints.CheckpointInfo | None, str | None]:
+    """Where every rank starts: the checkpoint to resume (verified by rank 0), else a warm-start folder, else neither.
+
+    Args:
+        cfg: The run config (checkpoint dir, checkpoint_to_load_path, init_from).
+        comm: The world group; rank 0 chooses and broadcasts.
+        num_stages: Pipeline stages of this run; a checkpoint written with another count is refused.
+    """
+    chosen = warm = None
+    if comm.rank == 0:
+        found = checkpoints.resolve_resume(cfg.checkpoints_dir, cfg.checkpoint.checkpoint_to_load_path)
+        chosen = (str(found.path), found.meta) if found else None
+        if found is None and cfg.checkpoint.init_from is not None:  # warm start: its weights, from step 0
+            warm = str(checkpoints.verify(cfg.checkpoint.init_from).path)
+    # Sync point: all ranks must start from the same checkpoint even if a newer one appears meanwhile.
+    chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
+    resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
+    if resume:
+        check_checkpoint_layout(resume.meta, resume.path, num_stages)
+    return resume, warm
+
+
+def writes_per_rank(exchange) -> bool:
+    """Whether every rank writes its own optimizer file: ZeRO-1 shards, or Adasum's per-rank (replica) states."""
+    return exchange.stage == 1 or getattr(exchange, "per_rank_state", False)
+
+
+def optimizer_label(cfg: RunConfig) -> str:
+    """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
+    return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
+
+
+def build_update(
+    cfg: RunConfig, comm: Communicator, state, trainable: list[str], threads: int = 1
+) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
+    """ortflow's update over the engine's parameter buffers (host views), with its exchange and ``threads``."""
+    params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
+    # The mean's scale and the clip factor applied by the norm and the update as they read the gradients, not by
+    # passes of their own (comm/pending.py; the same bits). FOLD_ENV=0: the eager passes (tests and benches compare).
+    fold = os.environ.get(FOLD_ENV, "1") != "0"
+    if fold and not (cfg.distributed.enable_adasum and comm.size > 1):
+        log.info("rank %d: gradient scales folded into the norm and the update (%s=0: eager passes)", comm.rank,
+                 FOLD_ENV)
+    if cfg.distributed.zero_stage == 1 and comm.size > 1:
+        exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
+        segments = exchange.segments
+        update = optim.build_update(
+            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
+        )
+    else:
+        if cfg.distributed.enable_adasum and comm.size > 1:
+            exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name))
+        else:
+            exchange = Zero0(comm, fold=fold)
+        segments = optim.whole_segments(trainable, [p.size for p in params])
+        update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
+    return update, exchange
+
+
+def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
+    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
+    from ortflow.trainer.optim.device import AdasumDevice, Zero1Device, device_update
+
+    params = []
+    for name in trainable:
+        value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
+        params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
+    if cfg.distributed.zero_stage == 1 and comm.size > 1:
+        exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size)
+        segments, ptrs, sums = exchange.segments, exchange.param_ptrs(), exchange.sum_across_ranks
+    else:
+        adasum = cfg.distributed.enable_adasum and comm.size > 1
+        exchange = AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name)) if adasum else Zero0(comm)
+        segments, ptrs, sums = optim.whole_segments(trainable, [p.count for p in params]), [p.ptr for p in params], None
+    return device_update(cfg.optimizer, segments, ptrs, comm.stream, sums, len(trainable)), exchange
+
+
+def available_cores() -> int:
+    """Cores this process may run on (affinity-aware)."""
+    return len(os.sched_getaffinity(0))
+
+
+#: ``0``: the host exchange scales the gradients and clips them with passes of their own (the code before the fold);
+#: a diagnostic switch for tests and benches, the results are bitwise the same.
+FOLD_ENV = "ORTFLOW_FOLD_SCALES"
+
+#: Threads per rank chosen by the launcher (``--threads``, or the auto layout), read by every rank.
+THREADS_ENV = "ORTFLOW_THREADS_PER_RANK"
+
+
+def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict | None = None) -> int:
+    """distributed.threads_per_rank, else the launcher's choice, else the cores shared evenly by the local ranks."""
+    chosen = (os.environ if environ is None else environ).get(THREADS_ENV, "")
+    if cfg.distributed.threads_per_rank:
+        return cfg.distributed.threads_per_rank
+    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, local_size))
+
+
+def session_options(threads: int, deterministic: bool = True, spin: bool = True) -> onnxruntime.SessionOptions:
+    """One intra-op pool of ``threads`` per rank, so ranks x threads = cores and ranks do not oversubscribe.
+
+    ``deterministic`` (distributed.deterministic_compute) asks for the engine's repeatable kernels: without it the
+    CUDA provider's training differs run to run from the third update on, even in fp32 (bench/results/
+    determinism-h200.log), so a resumed run could not end bitwise identical to an uninterrupted one. ``spin``
+    False makes the pool's threads sleep between parallel sections instead of spinning (:func:`spin_wait`).
+    """
+    options = onnxruntime.SessionOptions()
+    options.use_deterministic_compute = deterministic
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def spin_wait(cfg: RunConfig, local_size: int, threads: int, cores: int) -> bool:
+    """distributed.thread_spinning: on, off, or (auto) off when several local ranks fill every core.
+
+    Measured on the 32-CPU device machine, 16 ranks x 2 threads, the bench GPT against PyTorch DDP at the same layout
+    (bench/results/layout-device-w4-spin*.md, 3 interleaved rounds each): ortflow / PyTorch 0.99 (0.96 .. 1.01) with
+    sleeping threads, 0.93 (0.86 .. 0.94) spinning; the exchange's wait for the slowest rank fell from 13-20% of the
+    update to 3-9%. One rank alone keeps the engine's default (spinning shortens its parallel sections' start).
+    """
+    choice = cfg.distributed.thread_spinning
+    if choice != "auto":
+        return choice == "on"
+    return not (local_size > 1 and local_size * threads >= cores)
+
+
+def select_device(cfg: RunConfig, local_rank: int, local_size: int = 1) -> str:
+    """The engine device string for this rank: ``cpu``, or ``cuda:<local rank>`` among the visible GPUs.
+
+    For CUDA it first loads the engine's CUDA 11.8 / cuDNN 8 libraries from pip's ``nvidia-*-cu11`` packages (see
+    :mod:`ortflow.trainer.cuda_libs`) and fails clearly when the engine, the libraries or the GPUs are missing.
+    """
+    if cfg.distributed.device == "cpu":
+        return "cpu"
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise RuntimeError(
+            f"distributed.device is cuda but the installed engine ({onnxruntime.__version__}) is the CPU build: "
+            "install onnxruntime-training==1.19.2 in place of onnxruntime-training-cpu (docs/gpu.md)"
+        )
+    index = cuda_libs.gpu_for_local_rank(local_rank, local_size)
+    report = cuda_libs.preload()
+    engine_missing = [name for name in report.missing if name in cuda_libs.ENGINE_LIBRARIES]
+    if engine_missing:
+        raise RuntimeError(
+            f"the GPU engine needs {', '.join(engine_missing)} (CUDA 11.8 / cuDNN 8): install ortflow's `cuda` extra "
+            f"or name their folder in {cuda_libs.ENV_DIRS} (docs/gpu.md); `ortflow doctor` lists what is found"
+        )
+    return f"cuda:{index}"
+
+
+
+def load_parameters(state, folder: Path, on_device: bool = False, names: set[str] | None = None) -> None:
+    """Copy a checkpoint's parameters into the session's buffers by name (shapes and names checked); ``names``
+    reads only those (a pipeline stage's)."""
+    values = h5state.read_params(folder, names)
+    names = {name for name, _ in state.parameters}
+    if set(values) != names:
+        missing, extra = sorted(names - set(values)), sorted(set(values) - names)
+        raise checkpoints.CheckpointError(
+            f"{folder.name} does not match the model: missing {missing[:5]}, unknown {extra[:5]}; resume from a "
+            "checkpoint of this model or start a new run"
+        )
+    for name, param in state.parameters:
+        view = param.data
+        if view.shape != values[name].shape:
+            raise checkpoints.CheckpointError(
+                f"{folder.name}: {name} has shape {list(values[name].shape)}, the model {list(view.shape)}"
+            )
+        if on_device:
+            param.data = np.ascontiguousarray(values[name])  # copied into the engine's device buffer
+        else:
+            view[...] = values[name]  # the CPU engine's buffers are writable views

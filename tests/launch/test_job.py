@@ -1,0 +1,83 @@
+"""watch() and stop() over a fake job: the one way every launcher's job is followed, cancelled and ended."""
+
+from __future__ import annotations
+
+import pytest
+
+from ortflow.launch.job import JobState, LaunchResult, Phase, read_record, stop, watch, write_record
+
+
+class FakeJob:
+    """A job that prints ``lines`` one per poll and ends ``run_polls`` polls after it starts, or ``stop_polls`` polls
+    after a cancel (never, with None: ranks that do not stop)."""
+
+    launcher, job_id = "fake", "7"
+
+    def __init__(self, lines=(), run_polls: int = 3, stop_polls: int | None = 1, code: int = 0):
+        self.pending = list(lines)
+        self.run_polls, self.stop_polls, self.code = run_polls, stop_polls, code
+        self.polls, self.cancelled_at, self.killed = 0, None, False
+        self.calls: list[str] = []
+
+    def read_output(self) -> list[str]:
+        return [self.pending.pop(0)] if self.pending else []
+
+    def poll(self) -> JobState:
+        self.polls += 1
+        if self.killed:
+            return JobState(Phase.ENDED, "killed", 137)
+        if self.cancelled_at is not None and self.stop_polls is not None \
+                and self.polls - self.cancelled_at >= self.stop_polls:
+            return JobState(Phase.ENDED, "stopped", 143)
+        if self.cancelled_at is None and self.polls > self.run_polls:
+            return JobState(Phase.ENDED, "done", self.code)
+        return JobState(Phase.RUNNING, "running")
+
+    def cancel(self) -> None:
+        self.calls.append("cancel")
+        self.cancelled_at = self.polls
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+        self.killed = True
+
+
+def test_watch_forwards_every_line_and_keeps_the_error_lines():
+    job = FakeJob(lines=["[0] step 1", "[1] Traceback (most recent call last):", "[1] ValueError: bad"], run_polls=5,
+                  code=1)
+    seen: list[str] = []
+    result = watch(job, seen.append, sleep=lambda s: None)
+    assert seen == ["[0] step 1", "[1] Traceback (most recent call last):", "[1] ValueError: bad"]
+    assert result == LaunchResult(1, ("[1] Traceback (most recent call last):", "[1] ValueError: bad"), 0, "fake", "7")
+
+
+def test_an_interrupted_watch_cancels_the_job_and_lets_it_stop_within_the_grace():
+    job = FakeJob(run_polls=100, stop_polls=2)
+    ticks = iter(range(100))
+
+    def sleep(_s: float) -> None:
+        if job.polls == 3 and "cancel" not in job.calls:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        watch(job, lambda line: None, grace_s=30, sleep=sleep, clock=lambda: float(next(ticks)))
+    assert job.calls == ["cancel"]  # stopped by itself: no kill
+
+
+def test_a_job_that_does_not_stop_within_the_grace_is_killed():
+    job = FakeJob(run_polls=100, stop_polls=None)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    state = stop(job, grace_s=30, on_line=lambda line: None, clock=lambda: now[0], sleep=sleep)
+    assert job.calls == ["cancel", "kill"] and state.phase is Phase.ENDED
+    assert 30 <= now[0] <= 32  # waited the grace period, not less
+
+
+def test_the_launch_record_is_replaced_by_each_job(tmp_path):
+    assert read_record(tmp_path) is None
+    write_record(tmp_path, "slurm", "42")
+    write_record(tmp_path, "local", None)
+    assert read_record(tmp_path) == {"launcher": "local", "job_id": None}

@@ -1,0 +1,152 @@
+"""The Slurm launcher without a cluster: the sbatch script from the config, the state read from scontrol's answer,
+and the config's refusals. The real cluster runs are in tests/prefect/test_slurm.py."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ortflow.config import ConfigError, config_from_dict
+from ortflow.launch import slurm
+from ortflow.launch.job import Phase, watch
+
+
+def slurm_config(tmp_path: Path, num_ranks: int | str = 8, **section) -> object:
+    return config_from_dict({
+        "name": "mlp",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"path": str(tmp_path / "model.onnx")},
+        "data": {"train": [str(tmp_path / "data.npz")]},
+        "train": {"batch_size": 4, "num_train_steps": 10},
+        "distributed": {"num_ranks": num_ranks, "launcher": "slurm", "threads_per_rank": 2},
+        "slurm": section,
+    })
+
+
+def test_the_script_asks_for_what_the_config_says(tmp_path):
+    cfg = slurm_config(tmp_path, num_nodes=2, gpus_per_node=4, partition="gpu", time_limit="1-00:00:00",
+                       account="ml-team", extra_sbatch=["--qos=high", "--constraint=a100"],
+                       setup=["module load cuda/12.4"], stop_signal_s=300)  # fmt: skip
+    script = slurm.render_script(cfg, cfg.output_dir, Path("/opt/venv/bin/mpiexec"), "mpich", "/opt/venv/bin/python")
+    lines = script.splitlines()
+    for expected in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=2",
+                     "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu", "#SBATCH --time=1-00:00:00",
+                     "#SBATCH --account=ml-team", "#SBATCH --qos=high", "#SBATCH --constraint=a100",
+                     "#SBATCH --signal=B:TERM@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                     f"#SBATCH --output={cfg.output_dir}/slurm/job-%j.out", "module load cuda/12.4"):
+        assert expected in lines, expected
+    start = next(line for line in lines if line.startswith("setsid "))
+    assert start.endswith(f"/opt/venv/bin/mpiexec -n 8 -prepend-rank /opt/venv/bin/python -u -P -m ortflow.trainer "
+                          f"{cfg.output_dir} &")
+    assert "unset ORTFLOW_LAUNCHER_PID ORTFLOW_LAUNCHER_HOST" in script  # the job outlives its submitter
+    # Every #SBATCH line comes before the first command, or sbatch ignores it.
+    first_command = next(i for i, line in enumerate(lines[1:], 1) if line and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
+
+
+def test_the_script_leaves_out_what_the_config_does_not_set(tmp_path):
+    cfg = slurm_config(tmp_path, requeue=False, stop_signal_s=0)
+    script = slurm.render_script(cfg, cfg.output_dir, Path("/usr/bin/mpirun"), "openmpi")
+    assert "#SBATCH --no-requeue" in script and "#SBATCH --signal" not in script
+    assert not any(opt in script for opt in ("--partition", "--time", "--account", "--gpus-per-node"))
+    assert "--tag-output" in script  # Open MPI's way of naming each line's rank
+
+
+def test_the_config_refuses_what_a_slurm_job_cannot_run(tmp_path):
+    with pytest.raises(ConfigError, match="num_ranks auto measures this host"):
+        slurm_config(tmp_path, num_ranks="auto")
+    with pytest.raises(ConfigError, match=r"num_ranks \(8\) must be a multiple of slurm.num_nodes \(3\)"):
+        slurm_config(tmp_path, num_nodes=3)
+    with pytest.raises(ConfigError, match="slurm.time_limit"):
+        slurm_config(tmp_path, time_limit="two hours")
+    with pytest.raises(ConfigError, match="slurm.extra_sbatch"):
+        slurm_config(tmp_path, extra_sbatch=["--qos=high\nrm -rf /"])
+
+
+class FakeScontrol:
+    """Answers ``scontrol show job -o ID`` from a list of states, as the controller would over a job's life."""
+
+    def __init__(self, answers: list[str]):
+        self.answers = answers
+        self.commands: list[tuple[str, ...]] = []
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess:
+        self.commands.append(args)
+        if args[0] == "scontrol":
+            out = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+            return subprocess.CompletedProcess(args, 0 if out else 1, out, "" if out else "Invalid job id specified")
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+
+def job_with(tmp_path: Path, answers: list[str]) -> tuple[slurm.SlurmJob, FakeScontrol]:
+    fake = FakeScontrol(answers)
+    job = slurm.SlurmJob("42", tmp_path, {"scontrol": "scontrol", "scancel": "scancel"}, run=fake)
+    (tmp_path / "slurm").mkdir(exist_ok=True)
+    return job, fake
+
+
+def test_a_requeued_job_is_watched_until_it_completes(tmp_path):
+    job, _ = job_with(tmp_path, [
+        "JobId=42 JobState=PENDING Reason=Resources ExitCode=0:0",
+        "JobId=42 JobState=RUNNING Reason=None ExitCode=0:0",
+        "JobId=42 JobState=PENDING Reason=BeginTime ExitCode=0:0",  # requeued: pending again under the same id
+        "JobId=42 JobState=RUNNING Reason=None ExitCode=0:0",
+        "JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0",
+    ])
+    out = tmp_path / "slurm" / "job-42.out"
+    out.write_text("ortflow: slurm job 42 attempt 0 on n1\n[0] step 1/2\n[0] step 2")  # the last line is incomplete
+    lines: list[str] = []
+
+    def sleep(_s: float) -> None:
+        with out.open("a") as f:
+            f.write("/2\n")
+
+    result = watch(job, lines.append, sleep=sleep)
+    assert result.returncode == 0 and result.job_id == "42" and result.launcher == "slurm"
+    assert lines[:3] == ["ortflow: slurm job 42 attempt 0 on n1", "[0] step 1/2", "[0] step 2/2"]
+
+
+@pytest.mark.parametrize(("answer", "code"), [
+    ("JobId=42 JobState=FAILED Reason=NonZeroExitCode ExitCode=143:0", 143),
+    ("JobId=42 JobState=CANCELLED Reason=None ExitCode=0:15", 143),
+    ("JobId=42 JobState=TIMEOUT Reason=TimeLimit ExitCode=0:0", 1),
+])
+def test_the_exit_status_comes_from_slurms_exit_code(tmp_path, answer, code):
+    job, _ = job_with(tmp_path, [answer])
+    state = job.poll()
+    assert (state.phase, state.returncode) == (Phase.ENDED, code)
+
+
+def test_a_job_slurm_no_longer_knows_reports_the_status_its_script_left(tmp_path):
+    job, _ = job_with(tmp_path, [""])
+    (tmp_path / "slurm" / "job-42.status").write_text("143\n")
+    assert job.poll() == slurm.JobState(Phase.ENDED, "no longer known to Slurm (Invalid job id specified)", 143)
+
+
+def test_cancel_signals_the_batch_shell_and_a_pending_job_is_just_removed(tmp_path):
+    job, fake = job_with(tmp_path, ["JobId=42 JobState=RUNNING Reason=None ExitCode=0:0"])
+    job.poll()
+    job.cancel()
+    assert fake.commands[-1] == ("scancel", "--batch", "--signal=TERM", "42")
+    job, fake = job_with(tmp_path, ["JobId=42 JobState=PENDING Reason=Priority ExitCode=0:0"])
+    job.poll()
+    job.cancel()
+    assert fake.commands[-1] == ("scancel", "42")
+
+
+def test_ortflow_train_refuses_local_options_and_incomplete_sections_with_a_scheduler(tmp_path):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from tests.trainer.runs import make_run
+
+    cfg = make_run(tmp_path, "cli", distributed={"num_ranks": 2})
+    runner = CliRunner()
+    refused = runner.invoke(app, ["train", str(cfg.output_dir), "--launcher", "slurm", "--np", "2"])
+    assert refused.exit_code == 1 and "--mpiexec are for launcher local" in refused.output
+    no_image = runner.invoke(app, ["train", str(cfg.output_dir), "--launcher", "kubernetes"])
+    assert no_image.exit_code == 1 and "needs kubernetes.image" in no_image.output
+    assert "Traceback" not in refused.output + no_image.output

@@ -1,0 +1,192 @@
+"""distributed.launcher slurm against a real Slurm cluster of two nodes on this host (munged, slurmctld and two
+slurmd started here as root) and a real local Prefect server: a flow's 2-rank job trains to the end, ``prefect
+flow-run cancel`` leaves a stop checkpoint and no job, a requeued job resumes to the same bits as an uninterrupted
+run, and SIGTERM to ``ortflow train`` cancels its job."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortflow.checkpoints import list_complete
+from ortflow.launch.job import read_record
+from ortflow.trainer.metrics import read_progress
+from tests.launch.slurm_cluster import slurm_cluster, unavailable
+from tests.prefect.helpers import final_parameters, mlp_config, wait_for, write_config
+from tests.prefect.serving import read_flow_run, serving
+
+#: Why this machine cannot run the test cluster (None: it can); checked before any fixture starts a Prefect server.
+UNAVAILABLE = unavailable()
+pytestmark = [pytest.mark.prefect, pytest.mark.slurm,
+              pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
+
+#: The test cluster's two nodes of one CPU each: one rank on each.
+TWO_NODES = {"num_nodes": 2}
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running test cluster; the Slurm commands of this process and its children find it through SLURM_CONF."""
+    root = tmp_path_factory.mktemp("slurm")
+    root.chmod(0o700)  # munged refuses a key folder others can write to
+    with slurm_cluster(root) as env:
+        previous = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # sbatch/scontrol/scancel run by the in-process flow
+        try:
+            yield env
+        finally:
+            if previous is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = previous
+
+
+def job_state(job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    found = re.search(r"JobState=(\S+)", out.stdout)
+    return found[1] if found else ""
+
+
+def in_queue(job_id: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
+def job_output(run_dir: Path, job_id: str) -> str:
+    return (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+
+
+def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefect_server, mlp_sources, tmp_path):
+    from ortflow.flows import train_pipeline
+
+    cfg = mlp_config(tmp_path, mlp_sources, "slurm-done", distributed={"launcher": "slurm"}, slurm=TWO_NODES)
+    state = train_pipeline(cfg, return_state=True)
+
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["steps"] == "20/20"
+    record = read_record(cfg.output_dir)
+    assert record["launcher"] == "slurm" and record["job_id"].isdigit()
+    job_id = record["job_id"]
+    assert summary["slurm job"] == job_id  # the run summary names the job
+    assert job_state(job_id) == "COMPLETED"
+    output = job_output(cfg.output_dir, job_id)
+    assert f"slurm job {job_id} attempt 0 on node[1-2]" in output
+    assert "step 20/20" in output
+    for rank in (0, 1):  # one rank on each node of the allocation
+        assert f"[{rank}] " in output and f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
+    assert read_progress(cfg.output_dir)["step"] == 20
+    assert not in_queue(job_id)
+
+
+def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, prefect_server, mlp_sources, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    base = mlp_config(tmp_path, mlp_sources, "slurm-served", distributed={"launcher": "slurm"}, slurm=TWO_NODES)
+    env = {**prefect_server, "SLURM_CONF": slurm["SLURM_CONF"]}
+    long = mlp_config(tmp_path, mlp_sources, "slurm-cancelled", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                      train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                      checkpoint={"period": 100000, "max_num_checkpoints": 1})
+    with serving(write_config(base, tmp_path / "served.yaml"), env, "slurm-served", tmp_path, tmp_path / "serve.log"):
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("train-pipeline/slurm-served")
+            run = client.create_flow_run_from_deployment(deployment.id,
+                                                         parameters={"config": long.model_dump(mode="json")})
+        # A served run trains a new version folder; its job record appears when the job is submitted.
+        folder = wait_for(lambda: next((p.parent for p in long.output_dir.glob("versions/*/launch.json")), None),
+                          240, "the slurm job to be submitted")
+        job_id = read_record(folder)["job_id"]
+        wait_for(lambda: (read_progress(folder) or {}).get("step", 0) >= 20, 240, "the job to train")
+        cancel = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", str(run.id)], env=env,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        state = wait_for(lambda: read_flow_run(run.id).state if read_flow_run(run.id).state.is_final() else None,
+                         180, "the flow run to end")
+        assert state.name == "Cancelled", state
+        wait_for(lambda: not in_queue(job_id), 180, "the slurm job to leave the queue")
+    output = job_output(folder, job_id)
+    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", output)
+    assert stopped, output[-3000:]
+    kept = list_complete(folder / "checkpoints")
+    assert kept and kept[-1].step == int(stopped[1])  # the stop checkpoint, not a periodic one (period 100000)
+    assert job_state(job_id) in ("FAILED", "CANCELLED", "COMPLETED")
+
+
+def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp_sources, tmp_path):
+    sections = {"train": {"num_train_steps": 1500, "display_loss_steps": 50, "evaluation_period": 0},
+                "checkpoint": {"period": 100, "max_num_checkpoints": 2}}
+    ortflow = str(Path(sys.executable).parent / "ortflow")
+    runs = {}
+    for name in ("plain", "requeued"):
+        cfg = mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES, **sections)
+        for command in (["configure"], ["prepare-data"]):
+            done = subprocess.run([ortflow, *command, str(write_config(cfg, tmp_path / f"{name}.yaml"))],
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert done.returncode == 0, done.stdout + done.stderr
+        runs[name] = cfg
+
+    # The uninterrupted reference runs here (the same 2 ranks x 1 thread, mpiexec without Slurm).
+    plain = subprocess.run([ortflow, "train", str(runs["plain"].output_dir), "--launcher", "local"],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+
+    cfg = runs["requeued"]
+    with (tmp_path / "requeued.log").open("w") as log:
+        proc = subprocess.Popen([ortflow, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            job_id = wait_for(lambda: (read_record(cfg.output_dir) or {}).get("job_id"), 120, "the job id")
+            wait_for(lambda: any(c.step >= 100 for c in list_complete(cfg.checkpoints_dir)), 300,
+                     "the first checkpoint")  # fmt: skip
+            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+            assert requeue.returncode == 0, requeue.stderr
+            # Slurm holds a requeued job back (BeginTime, about 2 min); start it as soon as it is pending again.
+            wait_for(lambda: job_state(job_id) == "PENDING", 120, "the requeued job to be pending")
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
+            assert proc.wait(timeout=600) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                subprocess.run(["scancel", job_id], check=False)
+    output = job_output(cfg.output_dir, job_id)
+    assert f"slurm job {job_id} attempt 1" in output, output[-3000:]  # the same job id ran a second time
+    resumed = re.findall(r"rank 0/2 .* starting from (.*)", output)
+    assert resumed[0] == "the initial weights" and resumed[-1].startswith("step "), resumed
+    assert read_progress(cfg.output_dir)["step"] == 1500
+    ours, reference = final_parameters(cfg), final_parameters(runs["plain"])
+    assert ours.keys() == reference.keys()
+    for name in reference:
+        assert np.array_equal(ours[name], reference[name]), name
+
+
+def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
+    import signal
+
+    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 100000, "max_num_checkpoints": 1})
+    ortflow = str(Path(sys.executable).parent / "ortflow")
+    config_file = write_config(cfg, tmp_path / "cli.yaml")
+    for command in ("configure", "prepare-data"):
+        assert subprocess.run([ortflow, command, str(config_file)], capture_output=True, timeout=300).returncode == 0
+    with (tmp_path / "cli.log").open("w") as log:
+        proc = subprocess.Popen([ortflow, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
+            job_id = read_record(cfg.output_dir)["job_id"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=180) == 143, (tmp_path / "cli.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    printed = (tmp_path / "cli.log").read_text()
+    assert "training stopped" in printed and f"slurm job {job_id}" in printed
+    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
+    assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
+    assert not in_queue(job_id)

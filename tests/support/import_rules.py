@@ -1,0 +1,195 @@
+"""The import checker behind tests/test_import_rules.py: reads every module of a package (imports inside functions
+included) and reports what breaks the layer table, import cycles and private names imported across modules."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Which top-level parts of ``ortflow`` each part may import (STYLE.md's table, plus the top-level modules it leaves
+#: out). A part is a subpackage or a top-level module; "*" means any part. A part missing here is reported.
+LAYERS: dict[str, set[str]] = {
+    "config": set(),
+    "graph": {"config"},
+    "dataprep": {"config"},
+    "checkpoints": {"config"},
+    "build": {"config", "graph", "checkpoints", "engine"},
+    "trainer": {"config", "dataprep", "checkpoints", "engine"},
+    "launch": {"config"},
+    "export": {"config", "checkpoints", "graph", "engine"},
+    "engine": set(),  # the one module that imports onnxruntime.training
+    # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
+    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions"},
+    "versions": {"config", "dataprep", "build", "checkpoints"},
+    "runlock": set(),
+    "sample": set(),
+    "examples": set(),
+    "cli_terminal": {"runlock", "tasks"},
+    "tasks": {"*"},
+    "flows": {"config", "tasks"},
+    "deployments": {"config", "flows"},
+    "cli": {"*"},
+}
+
+#: Single modules a part may import beyond its row, each with the reason.
+EXTRA_EDGES: dict[tuple[str, str], str] = {
+    ("trainer", "ortflow.build.records"): "the artifacts folder's on-disk format (paths, records, checksums)",
+    ("engine", "ortflow.trainer.cuda_libs"): "the engine's CUDA libraries load before its import",
+    ("export", "ortflow.dataprep.loader"): "evaluate reads the eval split's shards",
+    ("validate", "ortflow.trainer.batchnorm"): "the refusal of a BatchNorm model that tensor-parallel ranks raise",
+}
+
+#: Private names imported across modules that are known and owned elsewhere: (importer, name) -> why.
+PRIVATE_KNOWN: dict[tuple[str, str], str] = {}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target as it resolves: ``module`` (and ``name`` from ``from module import name``)."""
+
+    importer: str
+    module: str
+    name: str | None
+    line: int
+
+
+@dataclass
+class Report:
+    layer: list[str] = field(default_factory=list)
+    cycles: list[list[str]] = field(default_factory=list)
+    private: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        return [*self.layer, *(" -> ".join([*c, c[0]]) for c in self.cycles), *self.private]
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """``package.sub.module`` -> file, for every ``.py`` file under the package folder ``root``."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def imports_of(module: str, path: Path) -> list[Import]:
+    """Every import in the file, at any depth (inside functions too); relative imports resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [Import(module, alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [Import(module, base, alias.name, node.lineno) for alias in node.names]
+    return found
+
+
+def _part(module: str, top: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == top and len(parts) > 1 else None
+
+
+def check(root: Path, layers: dict[str, set[str]] | None, extra_edges: dict[tuple[str, str], str] | None = None,
+          private_known: dict[tuple[str, str], str] | None = None) -> Report:
+    """Check the package at folder ``root`` against ``layers`` (None skips the table); cycles and private names
+    always."""
+    top = root.name
+    modules = module_names(root)
+    report = Report()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for imp in imports_of(module, path):
+            if imp.module != top and not imp.module.startswith(top + "."):
+                continue
+            # ``from pkg import sub`` imports the submodule; ``from mod import name`` the module.
+            target = f"{imp.module}.{imp.name}" if imp.name and f"{imp.module}.{imp.name}" in modules else imp.module
+            if target in modules and target != module:
+                graph[module].add(target)
+            where = f"{module}:{imp.line}"
+            if imp.name and imp.name.startswith("_") and not imp.name.startswith("__") and target == imp.module \
+                    and imp.module != module and (module, imp.name) not in (private_known or {}):
+                report.private.append(f"{where} imports the private name {imp.name} from {imp.module}")
+            if layers is None:
+                continue
+            mine, theirs = _part(module, top), _part(target, top)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            if mine not in layers:
+                report.layer.append(f"{where}: {mine} is not in the layer table")
+                continue
+            allowed = layers[mine]
+            if "*" in allowed or theirs in allowed or (mine, target) in (extra_edges or {}):
+                continue
+            report.layer.append(f"{where} ({mine}) imports {target} ({theirs}), which {mine} may not import")
+    report.cycles = cycles(graph)
+    return report
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected component of more than one module, as one cycle through it (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(_cycle_through(sorted(component), graph))
+    return found
+
+
+def _cycle_through(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle from the component's first module back to itself (the path shown in the failure)."""
+    members, start = set(component), component[0]
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node] & members):
+                if child == start:
+                    return paths[node]
+                if child not in paths:
+                    paths[child] = [*paths[node], child]
+                    following.append(child)
+        frontier = following
+    return component

@@ -1,0 +1,158 @@
+"""BatchNorm under mpiexec, on the committed torch CNN export (Conv-BN-ReLU x 2): running statistics follow torch's
+rule (float64 reference), every rank holds the same ones (rank 0's, or their mean), and ``ortflow evaluate`` on a
+checkpoint equals the eval loss training recorded for it on 1, 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from ortflow.checkpoints import list_complete
+from ortflow.dataprep.loader import TrainLoader
+from ortflow.export.evaluate import evaluate_checkpoint
+from tests.support.exports import export_path
+
+from .runs import make_run, run_ranks
+
+pytestmark = pytest.mark.mpi
+
+B, K, UPDATES = 2, 2, 4  # n = 2 x 16 x 16 = 512 values per channel in the first BatchNorm, 2 x 8 x 8 = 128 next
+TORCH_MOMENTUM, EPS = 0.1, 1e-5
+LAYERS = (("features.0", "features.1", 1), ("features.3", "features.4", 2))  # (conv, batchnorm, conv stride)
+
+
+def cnn_run(root, name, ranks, checkpoint=None, **train):
+    """A run of the torch CNN export on random 16x16 images with 10 classes."""
+    data = root / "pixels.npz"
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        pixels = rng.normal(size=(256, 1, 16, 16)).astype(np.float32)
+        labels = (pixels.mean(axis=(1, 2, 3)) * 40).astype(np.int64).clip(-5, 4) + 5
+        np.savez(data, pixels=pixels, labels=labels)
+    return make_run(root, name, model=export_path("cnn.onnx"),
+                    data={"train": [str(data)], "eval_fraction": 0.25},
+                    distributed={"num_ranks": ranks},
+                    train={"batch_size": B, "gradient_accumulation_steps": K, "num_train_steps": K * UPDATES,
+                           "evaluation_period": 2, **train},
+                    checkpoint=checkpoint or {"period": 1, "max_num_checkpoints": 100})
+
+
+def conv(x, w, b, stride):
+    """Conv2d, 3x3 kernels, padding 1, in float64."""
+    x = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ho, wo = (x.shape[2] - 3) // stride + 1, (x.shape[3] - 3) // stride + 1
+    cols = np.stack([x[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride] for i in range(3) for j in range(3)],
+                    axis=2)
+    return np.einsum("nckhw,ock->nohw", cols, w.reshape(w.shape[0], w.shape[1], 9)) + b[None, :, None, None]
+
+
+def batchnorm_inputs(params, pixels):
+    """Each BatchNorm's input in training mode (normalised with the batch's biased statistics), float64."""
+    x, seen = pixels.astype(np.float64), []
+    for conv_name, bn, stride in LAYERS:
+        x = conv(x, params[f"{conv_name}.weight"], params[f"{conv_name}.bias"], stride)
+        seen.append(x)
+        mean, var = x.mean(axis=(0, 2, 3), keepdims=True), x.var(axis=(0, 2, 3), keepdims=True)
+        g, b = params[f"{bn}.weight"][None, :, None, None], params[f"{bn}.bias"][None, :, None, None]
+        x = np.maximum((x - mean) / np.sqrt(var + EPS) * g + b, 0)
+    return seen
+
+
+def torch_update(stats, x, ddof=1):
+    """torch's BatchNorm running-statistics rule (torch.nn.BatchNorm2d, momentum 0.1):
+    running = (1 - momentum) * running + momentum * statistic, with the unbiased batch variance for running_var
+    (``ddof=0``: ONNX's BatchNormalization rule, the biased variance)."""
+    mean = x.mean(axis=(0, 2, 3))
+    var = x.var(axis=(0, 2, 3), ddof=ddof)
+    keep = 1 - TORCH_MOMENTUM
+    return keep * stats[0] + TORCH_MOMENTUM * mean, keep * stats[1] + TORCH_MOMENTUM * var
+
+
+def checkpoint_values(path):
+    with h5py.File(path / "params.h5", "r") as f:
+        return {ds.attrs["name"]: ds[()].astype(np.float64) for ds in f["parameters"].values()}
+
+
+@pytest.mark.parametrize(("sync", "variance"), [("broadcast", "unbiased"), ("average", "unbiased"),
+                                               ("broadcast", "biased")])
+def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(tmp_path, sync, variance):
+    cfg = cnn_run(tmp_path, sync, 2, batchnorm_sync=sync, batchnorm_variance=variance)
+    ddof = 1 if variance == "unbiased" else 0
+    out = run_ranks(cfg, timeout=300)
+    assert out.returncode == 0, out.stdout
+    saved = {info.step: checkpoint_values(info.path) for info in list_complete(cfg.checkpoints_dir)}
+    assert sorted(saved) == list(range(1, UPDATES + 1))
+    params = {t.name: numpy_helper.to_array(t).astype(np.float64)
+              for t in onnx.load(str(export_path("cnn.onnx"))).graph.initializer}
+    stats = {bn: (params[f"{bn}.running_mean"], params[f"{bn}.running_var"]) for _, bn, _ in LAYERS}
+    batches = [TrainLoader(cfg.data_dir, B, r, 2, prefetch=0).iter_from(0) for r in range(2)]
+    checked = 0
+    for step in range(1, UPDATES + 1):
+        per_rank = []
+        for it in batches:  # each rank updates the common statistics with its own K micro-batches
+            mine = dict(stats)
+            for _ in range(K):
+                inputs = batchnorm_inputs(params, next(it)["pixels"])
+                mine = {bn: torch_update(mine[bn], x, ddof) for (_, bn, _), x in zip(LAYERS, inputs, strict=True)}
+            per_rank.append(mine)
+        if sync == "broadcast":
+            stats = per_rank[0]
+        else:
+            stats = {bn: tuple((a + b) / 2 for a, b in zip(per_rank[0][bn], per_rank[1][bn], strict=True))
+                     for bn in stats}
+        params = saved[step]  # the next update's forward uses the parameters this update wrote
+        for _, bn, _ in LAYERS:
+            # float32 rounding: the engine's activations and sums are float32 (relative error ~1e-6); the biased
+            # (ONNX) rule is 1/(n-1) = 2e-3 .. 8e-3 of an update's increment away, above 1e-4 after one update.
+            np.testing.assert_allclose(params[f"{bn}.running_mean"], stats[bn][0], rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(params[f"{bn}.running_var"], stats[bn][1], rtol=2e-5, atol=1e-6)
+            checked += 1
+    assert checked == 2 * UPDATES
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_evaluate_equals_the_recorded_eval_loss(tmp_path, ranks):
+    cfg = cnn_run(tmp_path, f"r{ranks}", ranks, max_eval_rows=37)  # 37 of the 64 eval rows, split unevenly
+    out = run_ranks(cfg, timeout=300)
+    assert out.returncode == 0, out.stdout
+    compared = 0
+    for info in list_complete(cfg.checkpoints_dir):
+        recorded = json.loads((info.path / "meta.json").read_text())["eval_loss"]
+        if recorded is None:
+            continue  # no eval at this step
+        result = evaluate_checkpoint(cfg.output_dir, str(info.step))
+        assert result.num_rows == 37
+        assert result.loss == pytest.approx(recorded, rel=1e-5), info.step
+        compared += 1
+    assert compared == 2  # the evals after updates 2 and 4
+
+
+def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
+    import os
+    import subprocess
+
+    from .runs import rank_command
+    from .test_training_mpi import _kill_when
+
+    settings = dict(batchnorm_sync="average", num_train_steps=K * 80, evaluation_period=7,
+                    checkpoint={"period": 10, "max_num_checkpoints": 3})
+    steady, killed = cnn_run(tmp_path, "steady", 2, **settings), cnn_run(tmp_path, "killed", 2, **settings)
+    assert run_ranks(steady, timeout=300).returncode == 0
+    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _kill_when(killed, proc, min_step=30)
+    before = [info.step for info in list_complete(killed.checkpoints_dir)]
+    assert before and max(before) < 80, before
+    resumed = run_ranks(killed, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout
+    a = checkpoint_values(list_complete(steady.checkpoints_dir)[-1].path)
+    b = checkpoint_values(list_complete(killed.checkpoints_dir)[-1].path)
+    assert a.keys() == b.keys() and any("running_var" in n for n in a)
+    for name in a:  # weights and running statistics alike
+        assert np.array_equal(a[name], b[name]), name
