@@ -635,6 +635,15 @@ class VersionsConfig(_Section):
         False, description="Skip the run (recorded as skipped) when config, model, data and versions.policy are "
         "unchanged since the last successful version (a policy change always trains)."
     )
+    keep: int | None = Field(
+        None, ge=1, le=100000, description="Completed versions to keep (the newest ones; null keeps all). After a "
+        "version completes, older completed versions and the failed or stopped ones older than them are deleted, "
+        "except pinned versions, `latest`, and a version a running one warm-starts from; `ortflow runs --prune` "
+        "does the same on demand."
+    )
+    pinned: tuple[str, ...] = Field(
+        (), description="Version names that are never pruned (e.g. the one in production)."
+    )
 
 
 _SLURM_TIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$"
@@ -713,6 +722,15 @@ class KubernetesConfig(_Section):
         60, ge=0, le=3600,
         description="terminationGracePeriodSeconds of the pods: on cancel the MPIJob is deleted and the ranks get "
         "SIGTERM, stop after the current update with a stop checkpoint, and are killed after this many seconds.",
+    )
+    keep: int | None = Field(
+        None, ge=1, le=100000, description="Completed versions to keep (the newest ones; null keeps all). After a "
+        "version completes, older completed versions and the failed or stopped ones older than them are deleted, "
+        "except pinned versions, `latest`, and a version a running one warm-starts from; `ortflow runs --prune` "
+        "does the same on demand."
+    )
+    pinned: tuple[str, ...] = Field(
+        (), description="Version names that are never pruned (e.g. the one in production)."
     )
 
 
