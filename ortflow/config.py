@@ -723,15 +723,6 @@ class KubernetesConfig(_Section):
         description="terminationGracePeriodSeconds of the pods: on cancel the MPIJob is deleted and the ranks get "
         "SIGTERM, stop after the current update with a stop checkpoint, and are killed after this many seconds.",
     )
-    keep: int | None = Field(
-        None, ge=1, le=100000, description="Completed versions to keep (the newest ones; null keeps all). After a "
-        "version completes, older completed versions and the failed or stopped ones older than them are deleted, "
-        "except pinned versions, `latest`, and a version a running one warm-starts from; `ortflow runs --prune` "
-        "does the same on demand."
-    )
-    pinned: tuple[str, ...] = Field(
-        (), description="Version names that are never pruned (e.g. the one in production)."
-    )
 
 
 class RunConfig(_Section):
