@@ -450,6 +450,24 @@ def _progress_bar(run_dir, stop) -> None:
                        description=describe_progress(record))
 
 
+def _stop_record(cfg, new_version: bool) -> str:
+    """Where a stopped run left its work: the version and its newest complete (stop) checkpoint."""
+    from ortflow.checkpoints import list_complete
+    from ortflow.versions import read_registry
+
+    folder, version = cfg.output_dir, None
+    if new_version:
+        try:
+            entries = [e for e in read_registry(cfg.output_dir) if e.get("path")]
+        except ValueError:
+            entries = []
+        if entries:
+            folder, version = Path(entries[-1]["path"]), entries[-1]["version"]
+    done = list_complete(folder / "checkpoints")
+    where = f"version {version}, " if version else ""
+    return f"{where}newest checkpoint {done[-1].path}" if done else f"{where}no checkpoint was written yet"
+
+
 def _newest_run_dir(cfg) -> Path:
     """The folder the progress bar watches: the running version's, once plan_version registered it."""
     from ortflow.versions import read_registry
@@ -482,8 +500,15 @@ def run(
         "version.")] = None,
     wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
     = False,
+    version: Annotated[str | None, typer.Option(
+        help="With --new-version --from STAGE: the version whose stages rerun (default: the newest).")] = None,
 ) -> None:
-    """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun."""
+    """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun.
+
+    With --new-version --from STAGE, that stage and the later ones rerun inside an existing version (the newest, or
+    --version NAME) instead of training a new one. SIGINT/SIGTERM (once or more) stop the ranks with a stop
+    checkpoint; the command then exits 130/143.
+    """
     import shlex
     import signal
     import threading
@@ -497,33 +522,58 @@ def run(
         _fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
     if policy is not None and policy not in ("retrain", "continue"):
         _fail(f"--policy {policy}: use retrain or continue")
-    terminated = []
+    if version is not None and not (new_version and from_stage):
+        _fail("--version names the version whose stages --from reruns: use it with --new-version --from STAGE")
+    from ortflow.deployments.local_server import api_server
 
-    def on_sigterm(signum: int, _frame: object) -> None:
-        # Unwind like Ctrl-C: the launcher stops the ranks and atexit stops Prefect's temporary server.
-        terminated.append(signum)
+    received: list[int] = []
+
+    def on_stop_signal(signum: int, _frame: object) -> None:
+        # The first SIGINT/SIGTERM unwinds like Ctrl-C: the train task's launcher stops the ranks with a stop
+        # checkpoint and the flow run records its final state. A repeat (a second Ctrl-C, or the same signal sent
+        # to the whole process group) must not cut that stop short.
+        if received:
+            console.print(f"already stopping ({signal.Signals(received[0]).name}): the ranks are writing their stop "
+                          "checkpoint", highlight=False)
+            return
+        received.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_stop_signal)
     stop = threading.Event()
     watcher = threading.Thread(target=_progress_bar, args=(lambda: _newest_run_dir(cfg), stop), daemon=True)
     command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
                          else ["ortflow", "run", str(config)])
+    state = None
     with terminal(console, cfg.output_dir / "logs") as log_file:
-        watcher.start()
         try:
-            # The flow runs in this (main) thread: Prefect's SIGTERM bridge and task timeouts need it, and Ctrl-C
-            # reaches the launcher, which stops the ranks' process group.
-            state = train_pipeline(cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
-                                   new_version=new_version, wait_for_lock=wait or None, return_state=True)
+            # No PREFECT_API_URL: a temporary server in a session of its own (Ctrl-C to this terminal's process
+            # group never reaches it), stopped once the flow run has its final state.
+            with api_server():
+                watcher.start()
+                try:
+                    # The flow runs in this (main) thread: Prefect's task timeouts need it, and Ctrl-C reaches the
+                    # launcher, which stops the ranks' process group.
+                    state = train_pipeline(cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
+                                           new_version=new_version, wait_for_lock=wait or None, version=version,
+                                           return_state=True)
+                finally:
+                    stop.set()
+                    watcher.join(timeout=5)
         except KeyboardInterrupt:
-            state = None
-        finally:
-            stop.set()
-            watcher.join(timeout=5)
-    if state is None or terminated:
-        _fail(f"stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the log is in {log_file}",
-              code=143 if terminated else 130)
+            received.append(received[0] if received else signal.SIGINT)
+        except RuntimeError as err:  # the temporary server did not start
+            if state is None and not received:
+                _fail(str(err))
+            raise
+    if received:
+        name = signal.Signals(received[0]).name
+        console.print(f"[yellow]stopped by {name}[/]: {escape(_stop_record(cfg, new_version))}; the log is in "
+                      f"{escape(str(log_file))}", highlight=False)
+        how = "to train a new version" if new_version else "to resume from the newest checkpoint"
+        console.print(f"  {how}: {escape(command)}", highlight=False)
+        raise typer.Exit(128 + received[0])
     if not state.is_completed():
         try:
             state.result()
@@ -537,6 +587,9 @@ def run(
             console.print(f"  full log with tracebacks: {log_file}", highlight=False, markup=False)
             raise typer.Exit(1) from None
         _fail(f"pipeline ended in state {state.name}")
+    if state.name == "Skipped":
+        console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
+        return
     from rich.table import Table
 
     table = Table(title=f"ortflow run {cfg.name}", show_header=False)
@@ -546,13 +599,30 @@ def run(
 
 
 @app.command()
-def runs(config: ConfigArg, overrides: SetOpt = None) -> None:
+def runs(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    prune: Annotated[bool, typer.Option(
+        "--prune", help="Delete the version folders beyond versions.keep (never pinned, latest, or running ones).")]
+    = False,
+) -> None:
     """List the model versions in the config's output_dir (registry.json): status, parent, losses, model."""
     from ortflow.cli_terminal import version_lines
-    from ortflow.runlock import holder
-    from ortflow.versions import describe, read_registry
+    from ortflow.runlock import RunFolderLocked, hold, holder
+    from ortflow.versions import describe, prune_versions, read_registry
 
     cfg = _load(config, overrides)
+    if prune:
+        if cfg.versions.keep is None:
+            _fail("--prune: versions.keep is not set; set it in the config (or --set versions.keep=3)")
+        try:
+            with hold(cfg.output_dir, purpose="ortflow runs --prune"):  # writers of the registry hold the lock
+                result = prune_versions(cfg.output_dir, cfg.versions.keep, cfg.versions.pinned)
+        except (RunFolderLocked, ValueError) as err:
+            _fail(str(err))
+        console.print(f"pruned {len(result.deleted)} version(s) ({result.freed_bytes / 1e6:.1f} MB freed)"
+                      f"{': ' + ', '.join(result.deleted) if result.deleted else ''}; {len(result.kept)} version "
+                      f"folder(s) use {result.remaining_bytes / 1e6:.1f} MB", highlight=False)
     try:
         entries = read_registry(cfg.output_dir)
     except ValueError as err:
@@ -577,6 +647,35 @@ def serve(
     from ortflow.deployments import serve_config
 
     serve_config(_load(config, overrides), limit=limit)
+
+
+@app.command()
+def automations(
+    webhook: Annotated[str | None, typer.Option(
+        help="URL that gets a JSON POST when an ortflow deployment run fails, crashes, times out or is late.")] = None,
+    late_after: Annotated[int, typer.Option(help="Seconds after its start at which a still running run is late.")]
+    = 6 * 3600,
+    zombie_after: Annotated[int, typer.Option(
+        help="Seconds without a heartbeat after which a run is marked Crashed (at least 60).")] = 90,
+) -> None:
+    """Install ortflow's Prefect automations on the server PREFECT_API_URL names (replacing earlier ones).
+
+    Always the zombie-run automation (no heartbeat for --zombie-after seconds: the run is marked Crashed); with
+    --webhook also the alerts (a Webhook block named ortflow-alerts). They match flow runs tagged ortflow.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from ortflow.deployments.alerts import install
+
+    if not PREFECT_API_URL.value():
+        _fail("automations live on a Prefect server: set PREFECT_API_URL (e.g. prefect config set "
+              "PREFECT_API_URL=http://127.0.0.1:4200/api) and run again")
+    try:
+        names = install(webhook, late_after, zombie_after)
+    except ValueError as err:
+        _fail(str(err))
+    console.print(f"[green]installed[/] {', '.join(names)} on {escape(str(PREFECT_API_URL.value()))}",
+                  highlight=False)
 
 
 # `\[` in help text: rich markup would read `[batch, tokens]` as a style tag and drop it.

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+#: Loggers of HTTP libraries, kept at WARNING in the terminal and the run's log file.
+QUIET_LOGGERS = ("httpx", "httpcore")
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(run_name)s| %(message)s"
 
 
@@ -77,9 +80,15 @@ def terminal(console: Console, log_dir: Path) -> Iterator[Path]:
     previous_level = root.level
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
+    # Prefect's client logs one INFO line per API request (a progress update each second): not the user's business.
+    quiet = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         yield path
     finally:
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
         root.removeHandler(file_handler)
         root.setLevel(previous_level)
         file_handler.close()

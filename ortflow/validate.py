@@ -16,10 +16,12 @@ Checks, in order (each problem names the field and the fix):
    checks it;
 7. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
    of an earlier group);
-8. with ``deep``: the engine builds the training artifacts in a temporary folder, so gradient-builder failures
-   (operators without gradients, ...) show up, and the data checks use the built model's real inputs; with
-   ``distributed.device: cuda`` also every node of the built training model that runs in fp16/bf16 where the GPU
-   engine has no CUDA kernel for it (ortflow/graph/cuda_kernels.py), which would stop every rank at start.
+8. with pipeline stages or tensor-parallel pieces: the split configure makes, refused as configure refuses it;
+9. with ``deep``: the engine builds what configure builds (the whole model's training artifacts, and every pipeline
+   stage and tensor-parallel piece) in a temporary folder, so gradient-builder failures (operators without
+   gradients, ...) show up, and the data checks use the built model's real inputs; with ``distributed.device: cuda``
+   also every node of the built training model that runs in fp16/bf16 where the GPU engine has no CUDA kernel for it
+   (ortflow/graph/cuda_kernels.py), which would stop every rank at start.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
 (int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
@@ -67,7 +69,8 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     if not any(p.startswith("model.path") for p in problems):
         specs, model_problems = predicted_inputs(cfg)
         problems += model_problems
-        if cfg.distributed.horizontal_parallel_size > 1 and not model_problems:
+        split = cfg.distributed.horizontal_parallel_size > 1 or cfg.distributed.pipeline_parallel_size > 1
+        if split and not model_problems:
             model_problems = tensor_split_problems(cfg)
             problems += model_problems
         if cfg.optimizer.groups and not model_problems:
@@ -92,40 +95,22 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
 
 
 def tensor_split_problems(cfg: RunConfig) -> list[str]:
-    """The tensor-parallel split's refusal (a size that does not divide the heads, nothing to split; with pipeline
-    stages also a cut inside a split region or a tied weight across stages), as configure would give it; onnx only,
-    no engine."""
-    from fnmatch import fnmatch
-
+    """The pipeline or tensor-parallel split's refusal (a cut crossed by a value computed from trained parameters, a
+    size that does not divide the heads, nothing to split, a cut inside a split region, a tied weight across stages),
+    exactly as configure gives it (:func:`ortflow.build.configure.plan_layout`); onnx only, no engine."""
+    from ortflow.build.artifacts import ArtifactsError
+    from ortflow.build.configure import plan_layout
     from ortflow.graph.batchnorm_stats import running_statistics, to_record
-    from ortflow.graph.optional_outputs import declare_optional_outputs
-    from ortflow.graph.tensor_gemm import separate_gemm_biases
-    from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split
-    from ortflow.graph.tensor_pieces import cut_pieces
-    from ortflow.graph.tensor_shard import shard_model
     from ortflow.trainer.batchnorm import refuse_tensor_parallel
 
-    try:
-        refuse_tensor_parallel(to_record(running_statistics(cfg.model.path)))  # as the tensor-parallel ranks do
-    except ValueError as err:
-        return [str(err)]
-    if cfg.distributed.pipeline_parallel_size > 1:  # each stage's split, the cuts and tied weights checked
-        from ortflow.build.artifacts import ArtifactsError
-        from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
-
+    if cfg.distributed.horizontal_parallel_size > 1:
         try:
-            plan_pipe_tensor(cfg)
-        except ArtifactsError as err:
+            refuse_tensor_parallel(to_record(running_statistics(cfg.model.path)))  # as the tensor-parallel ranks do
+        except ValueError as err:
             return [str(err)]
-        return []
-    proto = declare_optional_outputs(onnx.load(str(cfg.model.path)))
-    trainable = [t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
-                 and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)]
-    proto = separate_gemm_biases(proto, trainable)  # as configure's export_fixes
     try:
-        plan = plan_tensor_split(proto, trainable, cfg.distributed.horizontal_parallel_size)
-        cut_pieces(shard_model(proto, plan, 0), plan, proto, trainable)
-    except (TensorSplitError, ValueError) as err:
+        plan_layout(cfg)
+    except (ArtifactsError, ValueError) as err:
         return [str(err)]
     return []
 
@@ -188,17 +173,20 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 
 
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
-    """Build the artifacts as configure would, in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.build.artifacts import build_artifacts  # the engine: only for --deep
+    """Build what configure builds (the whole model's artifacts, and the pipeline stages and tensor-parallel pieces
+    of the configured layout) in a temporary folder; (the real train inputs, problems)."""
+    from ortflow.build.configure import build_layout  # the engine: only for --deep
 
     problems = []
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
+        folder = Path(tmp) / "artifacts"
+        folder.mkdir()
         try:
-            built = build_artifacts(cfg, Path(tmp) / "artifacts")
+            built, _, _ = build_layout(cfg, folder)
         except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
             return None, [str(err)]
         if cfg.distributed.device == "cuda":
-            problems = cuda_kernel_problems(Path(tmp) / "artifacts" / "training_model.onnx")
+            problems = cuda_kernel_problems(folder / "training_model.onnx")
     return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
             for t in built.train_inputs], problems  # fmt: skip
 

@@ -130,7 +130,19 @@ def version_name(flow_run_id: str | None, now: float | None = None) -> str:
 
 
 def version_config(cfg: RunConfig, folder: Path, init_from: Path | None) -> RunConfig:
-    """The config of a version folder: every output inside it, warm-started from ``init_from`` when given."""
+    """The config of a version folder: every output inside it, warm-started from ``init_from`` when given.
+
+    Raises:
+        ConfigError: ``export.path`` is set (every version exports into its own folder; one path would be overwritten
+            by each version).
+    """
+    if cfg.export.path is not None:
+        raise ConfigError([
+            f"export.path {cfg.export.path}: a versioned run exports into its version folder "
+            f"(versions/<version>/export/model.onnx, and {cfg.output_dir / LATEST}/export/model.onnx is the newest); "
+            "remove export.path from the config or the run's overrides, or copy the newest model elsewhere with "
+            "`ortflow export OUTPUT_DIR/latest -o PATH`"
+        ])
     raw = cfg.model_dump(mode="json")
     raw["output_dir"] = str(folder)
     raw["checkpoint"].update(dir=None, checkpoint_to_load_path=None, init_from=str(init_from) if init_from else None)
@@ -209,6 +221,36 @@ def plan_run(
     return Plan(run_cfg, name, parent)
 
 
+def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None) -> Plan:
+    """Rerun stages of an existing version in its own folder (a versioned run with ``from_stage``): the one named,
+    else the newest that has a folder. No new version is registered.
+
+    Call with the run folder's lock held.
+
+    Raises:
+        ConfigError: the named version does not exist (or was pruned), or there is no version yet.
+    """
+    base = cfg.output_dir
+    entries = [e for e in read_registry(base) if e.get("path") and e.get("status") in ("completed", "failed", "stopped")
+               and Path(e["path"]).is_dir()]
+    if version is not None:
+        entry = next((e for e in entries if e["version"] == version), None)
+        if entry is None:
+            names = ", ".join(e["version"] for e in entries[-5:]) or "none"
+            raise ConfigError([f"version {version}: no such version folder in {base} to rerun stages of (pruned, "
+                               f"skipped or never trained); newest versions: {names}"])
+    elif entries:
+        entry = entries[-1]
+    else:
+        raise ConfigError([f"from_stage reruns stages of an existing version, and {base} has none yet: run without "
+                           "from_stage first (it trains a new version)"])
+    init = entry.get("init_from")
+    _update(base, entry["version"], status="running", rerun_by=flow_run_id, rerun_started=time.time())
+    log.info("rerunning stages of version %s in %s", entry["version"], entry["path"])
+    return Plan(version_config(cfg, Path(entry["path"]), Path(init) if init else None), entry["version"],
+                entry.get("parent"), resumed=True)
+
+
 def finish_version(base: Path, name: str, status: str, summary: dict | None = None) -> dict:
     """Record a version's end: status, losses, checkpoints and exported model; ``latest`` follows completed ones."""
     from ortflow.checkpoints import list_complete
@@ -230,8 +272,9 @@ def finish_version(base: Path, name: str, status: str, summary: dict | None = No
     if complete:
         fields["final_checkpoint"] = str(complete[-1].path)
     entry = _update(base, name, **fields)
-    if status == "completed":
-        _point_latest(Path(base), folder)
+    newest = latest_version(base)  # a rerun of an older version's stages leaves `latest` where it was
+    if status == "completed" and newest is not None:
+        _point_latest(Path(base), Path(newest["path"]))
     return entry
 
 
@@ -289,3 +332,81 @@ def describe(entry: dict, lock_held: bool) -> str:
     """The status to show: ``running`` entries whose folder nobody holds are ``interrupted``."""
     status = entry.get("status", "?")
     return "interrupted" if status == "running" and not lock_held else status
+
+
+def versions_to_prune(entries: list[dict], keep: int, pinned: tuple[str, ...] = ()) -> list[str]:
+    """The versions whose folders a retention of ``keep`` completed versions deletes (a pure function).
+
+    Kept: the newest ``keep`` completed versions, the newest completed one (``latest``) in any case, pinned ones,
+    every version that is still running, and any version a running one warm-starts from. Deleted: older completed
+    versions, and failed or stopped ones older than the oldest of the newest ``keep`` completed ones. Skipped entries
+    own no folder; pruned ones are gone already.
+
+    Args:
+        entries: The registry's entries, oldest first.
+        keep: Completed versions to keep (at least 1).
+        pinned: Version names never deleted.
+
+    Returns:
+        Version names to delete, oldest first.
+    """
+    completed = [e["version"] for e in entries if e.get("status") == "completed"]
+    window = completed[-max(1, keep):]
+    kept = set(window) | set(pinned) | {e.get("parent") for e in entries if e.get("status") == "running"}
+    oldest_kept = window[0] if window else None
+    doomed = []
+    for e in entries:
+        name, status = e["version"], e.get("status")
+        if name in kept or not e.get("path") or status in ("running", "skipped", "pruned"):
+            continue
+        if status == "completed" or (oldest_kept is not None and name < oldest_kept):
+            doomed.append(name)
+    return doomed
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 when it is gone)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += (Path(root) / name).lstat().st_size
+            except OSError:
+                continue
+    return total
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What a prune deleted and what is left."""
+
+    deleted: tuple[str, ...]
+    freed_bytes: int
+    kept: tuple[str, ...]
+    remaining_bytes: int
+
+
+def prune_versions(base: Path, keep: int, pinned: tuple[str, ...] = ()) -> PruneResult:
+    """Delete the folders :func:`versions_to_prune` names and mark their entries ``pruned``.
+
+    Call with the run folder's lock held (the registry is rewritten).
+    """
+    import shutil
+
+    base = Path(base)
+    entries = read_registry(base)
+    doomed = versions_to_prune(entries, keep, pinned)
+    freed = 0
+    for name in doomed:
+        entry = next(e for e in entries if e["version"] == name)
+        folder = Path(entry["path"])
+        size = folder_bytes(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        freed += size - folder_bytes(folder)
+        entry.update(status="pruned", pruned=time.time(), pruned_status=entry.get("status"))
+        log.info("pruned version %s (%.1f MB)", name, size / 1e6)
+    if doomed:
+        _write_registry(base, entries)
+    kept = tuple(e["version"] for e in entries if e.get("path") and e.get("status") != "pruned")
+    remaining = folder_bytes(base / VERSIONS_DIR)
+    return PruneResult(tuple(doomed), freed, kept, remaining)

@@ -277,7 +277,7 @@ def test_validate_accepts_a_good_config(tmp_path):
 
     sequence_logits_model(seq=128, vocab=256, path=tmp_path / "model.onnx")  # input_ids [B, T] -> logits [B, T, V]
     (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "a.txt").write_text("hello world " * 40)
+    (tmp_path / "corpus" / "a.txt").write_text("hello world " * 400)  # enough windows for one update of 12 rows
     result = CliRunner().invoke(app, ["validate", str(write(tmp_path))])
     assert result.exit_code == 0, result.output
     assert "valid" in result.output

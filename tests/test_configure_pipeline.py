@@ -46,8 +46,9 @@ def test_each_stage_gets_its_artifacts_once(tmp_path):
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"))
     rng = np.random.default_rng(0)
+    # Stage 1 also reads the batch's input_ids: its shape arithmetic is read from the inputs (graph/shapes.py).
     feeds = {"blocks.0.resid": rng.standard_normal((B, T, 16)).astype(np.float32),
-             "labels": rng.integers(0, V, B * T)}
+             "input_ids": rng.integers(0, V, (B, T)), "labels": rng.integers(0, V, B * T)}
     loss, grad = module(*(feeds[n] for n in module.input_names()))
     assert np.isfinite(loss) and grad.shape == (B, T, 16) and np.abs(grad).sum() > 0
     # The received tensor is no parameter: the checkpoint holds only the stage's own weights.
@@ -55,10 +56,13 @@ def test_each_stage_gets_its_artifacts_once(tmp_path):
 
 
 def test_a_bad_cut_fails_configure_before_any_build(tmp_path):
+    # An int64 tensor computed from trained values (ArgMax in block 0, read after block 1) cannot cross a cut; the
+    # shape arithmetic of every block (Shape of an activation) is read from the inputs and crosses nothing.
     path = tmp_path / "m.onnx"
-    build_torchlike(path)
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2: cut 1 is crossed by non-float tensors"):
-        configure(pipeline_cfg(tmp_path, path, ["blocks.0.fc"]))
+    build_torchlike(path, routed=True)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2: cut 1 is crossed by non-float tensors.*"
+                                          r"'blocks.0.top' \(made by ArgMax"):
+        configure(pipeline_cfg(tmp_path, path, ["blocks.0.resid"]))
     assert not (tmp_path / "run" / "artifacts").exists()  # refused before the engine built anything
 
 

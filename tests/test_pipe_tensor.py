@@ -102,13 +102,18 @@ def test_a_cut_inside_a_split_region_is_refused_with_the_region_and_the_fix(tmp_
     assert tensor_split_problems(pp_tp_cfg(tmp_path, path, cuts=["h0.resid_mlp"])) == []
 
 
-def test_tied_weights_across_stages_are_refused_with_the_fix(tmp_path):
+def test_tied_weights_across_stages_are_split_alike_in_every_holding_stage(tmp_path):
+    from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
     from tests.support.gpt import gpt2_style
 
     path = gpt2_style(tmp_path / "tied.onnx", vocab=16, seq_len=4, width=8, heads=2, batch=2)
-    problems = tensor_split_problems(pp_tp_cfg(tmp_path, path))
-    assert len(problems) == 1 and "tied parameters" in problems[0] and "wte" in problems[0], problems
-    assert "move model.pipeline_cuts so their readers share a stage" in problems[0]
+    cfg = pp_tp_cfg(tmp_path, path)
+    assert tensor_split_problems(cfg) == []
+    _, plans = plan_pipe_tensor(cfg)
+    (table,) = plans[0].stage.shared  # the embedding (stage 0) and the LM head (stage 1) read one table
+    assert [sp.stage.shared for sp in plans] == [{table: (0, 1)}, {table: (0, 1)}]
+    # both stages slice it by vocabulary, alike: each tp rank's rows are summed over its pipeline group
+    assert plans[0].plan.slicing()[table] == plans[1].plan.slicing()[table] == (0, 1)
 
 
 def test_pp_x_hp_is_accepted_on_cpu_ranks_and_refused_on_gpus_with_the_fix(tmp_path):

@@ -44,6 +44,10 @@ def test_failed_jobs_are_classified_by_the_ranks_error_lines():
     assert failure_repeats(("[0] ValueError: data.columns names no column 'x'",))
     assert failure_repeats(("[1] onnxruntime...: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions",))
     assert not failure_repeats(("[1] BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "killed by signal 9"))
+    assert failure_repeats(("[0] ERROR weight update 7: non-finite loss",), returncode=4)  # a divergence repeats
+    from ortflow.tasks.training import EXIT_NONFINITE as task_view
+    from ortflow.trainer.__main__ import EXIT_NONFINITE
+    assert task_view == EXIT_NONFINITE
 
 
 def test_rank_lines_keep_their_level_and_tracebacks_are_errors():
@@ -65,7 +69,12 @@ def test_progress_artifact_ends_with_the_final_state_not_an_eta():
     assert "ETA" not in final_description(record, TrainingFailed("training failed with exit status 137:\n[1] x"))
     assert final_description(record, TrainingFailed("training failed with exit status 137:\n[1] x")) == (
         "Failed at step 8/20: training failed with exit status 137:")
-    assert final_description(record, KeyboardInterrupt()) == "Cancelled at step 8/20"
+    assert final_description(record, KeyboardInterrupt()).startswith("Stopped by a signal at step 8/20")
+    from prefect._internal.concurrency.cancellation import CancelledError
+
+    assert final_description(record, CancelledError()).startswith("Cancelled at step 8/20")
+    timed_out = final_description(record, CancelledError(), timed_out=True)
+    assert timed_out.startswith("Timed out at step 8/20") and "Cancelled" not in timed_out
 
 
 def test_retries_and_timeouts_come_from_the_config_with_todays_defaults(tmp_path):
@@ -120,3 +129,30 @@ def test_examples_from_the_installed_package_are_valid_configs(tmp_path, kind):
         assert data["features"].shape == (2048, 8) and set(np.unique(data["labels"])) <= {0, 1, 2}
     else:
         assert cfg.data.train[0].endswith("*.py")
+
+
+def test_artifact_keys_differ_between_output_dirs_sharing_a_name_and_versions_share_their_base_folders(tmp_path):
+    from types import SimpleNamespace
+
+    from ortflow.tasks.common import artifact_key
+
+    one = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "a")
+    two = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "b")
+    version = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "a" / "versions" / "20261126T000000Z-1234abcd")
+    assert artifact_key(one, "summary") != artifact_key(two, "summary")
+    assert artifact_key(version, "summary") == artifact_key(one, "summary")
+    assert artifact_key(one, "summary").startswith("ortflow-demo-run-") and artifact_key(one, "x").endswith("-x")
+
+
+def test_the_loss_chart_has_axes_ticks_tick_labels_and_axis_titles():
+    import xml.etree.ElementTree as ET
+
+    from ortflow.tasks.charts import _svg
+
+    svg = ET.fromstring(_svg({"train": [(1, 2.5), (50, 1.0), (100, 0.25)], "eval": [(50, 1.2), (100, 0.5)]}))
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = [t.text for t in svg.iter(f"{ns}text")]
+    assert {"step", "loss", "train loss", "eval loss"} <= set(texts)
+    assert {"1", "100", "2.5", "0.25"} <= set(texts)  # the ends of both axes are labelled
+    assert len([t for t in texts if t.replace(".", "").isdigit()]) >= 8  # ticks along both axes
+    assert len(list(svg.iter(f"{ns}polyline"))) == 2

@@ -173,6 +173,43 @@ def test_validate_accepts_a_feature_pattern_after_configure(tmp_path):
     assert result.exit_code == 0 and "valid" in result.output, result.output
 
 
+def _pipeline_setup(tmp_path: Path, routed: bool, cut: str) -> Path:
+    """A pp 2 config of the torch-shaped GPT (text data), cut at ``cut``; ``routed``: block 0's ArgMax is read after
+    block 1, an int64 value of trained parameters that no cut between them can carry."""
+    from tests.support.mlp_stack import B, T, build_torchlike
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    build_torchlike(tmp_path / "model.onnx", routed=routed)
+    (tmp_path / "train.txt").write_text("validate checks what configure builds. " * 200)
+    raw = {"output_dir": "run", "model": {"path": "model.onnx", "pipeline_cuts": [cut]},
+           "data": {"train": "train.txt", "format": "text", "text": {"seq_len": T}},
+           "train": {"batch_size": B, "num_train_steps": 2},
+           "distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_pipeline_cut_configure_refuses_is_a_problem_with_and_without_deep(tmp_path):
+    path = _pipeline_setup(tmp_path, routed=True, cut="blocks.0.resid")
+    (problem,) = validate(path)
+    assert "pipeline_parallel_size 2: cut 1 is crossed by non-float tensors" in problem
+    assert "'blocks.0.top' (made by ArgMax" in problem and "move the cut" in problem
+    result = CliRunner().invoke(app, ["validate", str(path), "--deep"])
+    assert result.exit_code == 1 and "1 problem(s)" in result.output and "blocks.0.top" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()  # nothing was written into the run folder
+
+
+def test_deep_builds_the_pipeline_stages_configure_builds(tmp_path, caplog):
+    path = _pipeline_setup(tmp_path, routed=False, cut="blocks.0.resid")
+    with caplog.at_level("INFO"):
+        assert validate(path, deep=True) == []
+    assert "built 2 pipeline stages cut at ['blocks.0.resid']" in caplog.text  # the engine built each stage
+    # A cut that is no tensor of the model: refused with the field, before and with the engine.
+    bad = _pipeline_setup(tmp_path / "bad", routed=False, cut="no_such_tensor")
+    (problem,) = validate(bad, deep=True)
+    assert "model.pipeline_cuts: 'no_such_tensor' is not a tensor computed by the model" in problem
 def _flat_model_setup(tmp_path: Path, **train) -> Path:
     """A GPT-style head traced at batch 4 whose logits are flattened to [4 * 2, V] by a hard-coded Reshape."""
     from tests.support.batch_models import flattened_logits_model

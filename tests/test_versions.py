@@ -109,6 +109,35 @@ def test_version_names_sort_by_time_and_differ_for_runs_created_together():
     assert version_name(None, now=1) < version_name(None, now=2)
 
 
+def _entry(version: str, status: str, parent: str | None = None) -> dict:
+    return {"version": version, "status": status, "path": f"/runs/versions/{version}", "parent": parent}
+
+
+def test_retention_keeps_the_newest_completed_pinned_running_and_what_a_running_version_warm_starts_from():
+    from ortflow.versions import versions_to_prune
+
+    entries = [_entry("v1", "completed"), _entry("v2", "failed"), _entry("v3", "completed"),
+               _entry("v4", "completed"), _entry("v5", "stopped"), _entry("v6", "completed"),
+               _entry("v7", "completed"), {"version": "v8", "status": "skipped", "parent": "v7"},
+               _entry("v9", "running", parent="v3")]
+    # keep 2: v6 and v7 (latest); v3 is what the running v9 warm-starts from; v1 is pinned; v9 runs.
+    assert versions_to_prune(entries, 2, pinned=("v1",)) == ["v2", "v4", "v5"]
+    assert versions_to_prune(entries, 10) == []  # fewer completed versions than keep: only nothing
+    # keep 1 still keeps latest; a failed version newer than every kept completed one stays (it may be looked at)
+    assert versions_to_prune([_entry("a", "completed"), _entry("b", "completed"), _entry("c", "failed")], 1) == ["a"]
+    pruned = [{**_entry("a", "pruned")}, _entry("b", "completed")]
+    assert versions_to_prune(pruned, 1) == []
+
+
+def test_a_versioned_run_refuses_export_path_by_name(tmp_path):
+    from ortflow.config import apply_overrides
+    from ortflow.versions import version_config
+
+    cfg = apply_overrides(_config(tmp_path), [f"export.path={tmp_path / 'elsewhere.onnx'}"])
+    with pytest.raises(ConfigError, match=r"export.path .*elsewhere.onnx: a versioned run exports into its version"):
+        version_config(cfg, tmp_path / "runs" / "versions" / "v1", None)
+
+
 def test_skip_unchanged_never_skips_a_policy_change(tmp_path):
     cont = _config(tmp_path, policy="continue", skip_unchanged=True)
     _complete(cont, plan_run(cont, "fr-1", new_version=True, now=1))

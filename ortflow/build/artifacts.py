@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # onnx cannot serialise a ModelProto over 2 GB; the engine then needs the model's path (and writes temp.onnx into
 # the current folder, so build_artifacts switches into its scratch folder for those).
-_PROTO_LIMIT = 2**31 - 1
+PROTO_LIMIT = 2**31 - 1
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -99,6 +99,7 @@ class ArtifactsInfo:
         num_parameters: Number of trained scalar values.
         rewrites: What the model-preparation pass changed (``ortflow.graph.prepare``), one entry per pass.
         batch: What the batch-dimension pass decided (None when the model was too big to load here).
+        passes: The preparation passes the model went through, in order (``ortflow.graph.prepare.PASSES``).
     """
 
     artifacts_dir: Path
@@ -112,6 +113,7 @@ class ArtifactsInfo:
     num_parameters: int
     rewrites: tuple[dict, ...] = ()
     batch: BatchReport | None = None
+    passes: tuple[str, ...] = ()
 
 
 def _tensor_type_info(name: str, type_proto: onnx.TypeProto) -> TensorInfo:
@@ -254,7 +256,7 @@ def _mixed_precision(cfg: RunConfig, prepared):
     """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/build/mixed_precision.py)."""
     if not cfg.precision.use_mixed_precision:
         return prepared
-    if prepared.model.ByteSize() >= _PROTO_LIMIT or any(t.external_data for t in prepared.model.graph.initializer):
+    if prepared.model.ByteSize() >= PROTO_LIMIT or any(t.external_data for t in prepared.model.graph.initializer):
         raise ArtifactsError(
             "precision.use_mixed_precision: models with external data or over 2 GB are not supported yet; use fp32"
         )
@@ -291,7 +293,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     trainable, frozen = split_parameters(info, cfg.model.frozen)
     output_name = check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
-    prepared, batch = prepare(cfg, trainable, output_name, label_name, _PROTO_LIMIT)
+    prepared, batch = prepare(cfg, trainable, output_name, label_name, PROTO_LIMIT)
     if prepared.frozen:  # not weights (running statistics, constants the engine does not differentiate): no gradient
         trainable = [n for n in trainable if n not in prepared.frozen]
         frozen = sorted([*frozen, *prepared.frozen])
@@ -307,7 +309,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     try:
         prepared = _mixed_precision(cfg, prepared)
         scale_input = mixed_precision.scale_input(cfg)
-        engine_model = engine_input(Path(cfg.model.path), prepared, scratch, _PROTO_LIMIT)
+        engine_model = engine_input(Path(cfg.model.path), prepared, scratch, PROTO_LIMIT)
         cwd = os.getcwd()
         if isinstance(engine_model, str):
             os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
@@ -362,6 +364,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         num_parameters=sum(sizes[n] for n in trainable),
         rewrites=(*prepared.report, *graph_report),
         batch=batch,
+        passes=prepared.passes,
     )
     log.info(
         "built artifacts in %s: %d trainable tensors (%d values), %d frozen, loss %s on '%s'",

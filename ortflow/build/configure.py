@@ -164,6 +164,58 @@ def _artifacts_intact(artifacts_dir: Path, record: dict) -> bool:
     return True
 
 
+def plan_layout(cfg: RunConfig):
+    """Refuse a bad pipeline or tensor-parallel split before anything is built (fast: onnx only, no engine).
+
+    Returns:
+        The pipeline plan (cuts, stages) for pipeline stages alone, else None.
+
+    Raises:
+        ArtifactsError: The split is refused, naming what and the fix.
+    """
+    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    if pp > 1 and hp > 1:
+        plan_pipe_tensor(cfg)  # each stage's graph split over the tensor-parallel ranks
+        return None
+    if hp > 1:
+        plan_tensor(cfg)
+    return plan_stages(cfg) if pp > 1 else None
+
+
+def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None = None):
+    """Build the whole model's artifacts and the stages and pieces of the configured layout into ``artifacts_dir``.
+
+    Used by configure and by ``validate --deep`` (in a temporary folder), so both build the same graphs.
+
+    Returns:
+        (what build_artifacts built, the stages record or None, the tensor-parallel record or None).
+
+    Raises:
+        ArtifactsError: The config does not fit the model, the split is refused, or the engine cannot build a graph.
+    """
+    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    plan = plan_layout(cfg)  # refuse a bad split before building anything
+    built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record)
+    if pp > 1 and hp > 1:
+        stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
+        split = [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]
+        return built, stages, {"split": split}
+    if hp > 1:
+        return built, None, build_tensor_artifacts(cfg, artifacts_dir)
+    return built, (build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None), None
+
+
+def graph_passes(model: tuple[str, ...], stages: dict | None, tensor: dict | None) -> dict[str, list[str]]:
+    """The preparation passes each graph the engine got went through, by graph: the whole model, each pipeline
+    stage, each tensor-parallel rank's pieces and each stage's pieces of each rank (pipeline x tensor)."""
+    found = {"model": list(model)}
+    for stage in (stages or {}).get("stages", []):
+        if isinstance(stage.get("passes"), dict):
+            found.update({f"stage-{stage['index']:02d}/{key}": ran for key, ran in stage["passes"].items()})
+        else:
+            found[f"stage-{stage['index']:02d}"] = stage.get("passes", [])
+    found.update((tensor or {}).get("passes", {}))
+    return found
 def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
     """optimizer.groups against the trained parameters (the artifacts do not depend on it, so also when reused)."""
     problems = param_group_problems(trainable, cfg.optimizer)
@@ -211,20 +263,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     model = inspect_model(cfg.model.path)
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
-        pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
-        both = pp > 1 and hp > 1  # each stage's graph split over the tensor-parallel ranks
-        if both:
-            plan_pipe_tensor(cfg)  # refuse a bad pp x hp split before building anything
-        plan = plan_stages(cfg) if pp > 1 and not both else None  # refuse a bad split first
-        tensor = hp > 1 and not both
-        if tensor:
-            plan_tensor(cfg)  # refuse a bad tensor-parallel split before building anything
-        built = build_artifacts(cfg, artifacts_dir, stale_record=record_path)
-        stages = build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None
-        tensor_record = build_tensor_artifacts(cfg, artifacts_dir) if tensor else None
-        if both:
-            stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
-            tensor_record = {"split": [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]}
+        built, stages, tensor_record = build_layout(cfg, artifacts_dir, stale_record=record_path)
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     _refuse_bad_groups(cfg, list(built.trainable))
@@ -253,6 +292,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         DIGESTS_KEY: artifact_digests(artifacts_dir),  # rank 0 checks them before training
         "pipeline_cuts": stages["cuts"] if stages else [],
         "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
+        "graph_passes": graph_passes(built.passes, stages, tensor_record),
         "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
     }
     _write_json_atomic(record_path, record)

@@ -5,6 +5,7 @@ Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,9 @@ from ortflow.graph.batch import BatchReport, make_batch_symbolic
 from ortflow.graph.common import GraphError
 from ortflow.graph.differentiable import explain_engine_error
 from ortflow.graph.prepare import PreparedModel, prepare_model
+from ortflow.graph.ties import describe_copies, folded_tie_copies
+
+log = logging.getLogger(__name__)
 
 
 class ArtifactsError(ValueError):
@@ -35,12 +39,53 @@ def prepare(
     batch = None
     if _data_bytes(Path(cfg.model.path), model) < proto_limit:
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        for line in describe_copies(folded_tie_copies(model, set(trainable)), model):
+            log.warning("model.path: %s", line)
         model, batch = make_batch_symbolic(model)
     try:
         repeatable = repeatable_gathers(cfg)
         prepared = prepare_model(model, set(trainable), cfg.model.loss, output_name, label_name, repeatable,
                                  fuse_gelu=gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
         return prepared, batch
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> PreparedModel:
+    """The model that pipeline stages and tensor pieces are cut from: the whole model after the batch pass (so every
+    cut graph inherits the symbolic batch) and the preparation passes without the loss (:mod:`ortflow.graph.prepare`;
+    each cut graph is prepared again by :func:`prepare_cut`).
+
+    Raises:
+        ArtifactsError: A pass refuses the model (names the node and the fix).
+    """
+    model = onnx.load(str(cfg.model.path), load_external_data=False)
+    if _data_bytes(Path(cfg.model.path), model) < proto_limit:
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        model, _ = make_batch_symbolic(model)
+    try:
+        return prepare_model(model, set(trainable), cfg.model.loss, None, None, False, fuse_gelu=gelu_fusion(cfg),
+                             keep=set(cfg.model.pipeline_cuts))
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def prepare_cut(cfg: RunConfig, model: onnx.ModelProto, parameters, loss_output: str | None) -> PreparedModel:
+    """One pipeline stage's or tensor piece's graph through the same preparation passes as the whole model.
+
+    Args:
+        cfg: The run config.
+        model: The cut graph.
+        parameters: The parameters it trains.
+        loss_output: The model output the loss reads, on the graph that computes the loss; None on the others.
+
+    Raises:
+        ArtifactsError: A pass refuses the graph (names the node and the fix).
+    """
+    label = None if loss_output is None or cfg.model.loss == "model_output" else cfg.model.label_input
+    try:
+        return prepare_model(model, set(parameters), cfg.model.loss, loss_output, label, repeatable_gathers(cfg),
+                             fuse_gelu=gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
     except GraphError as err:
         raise ArtifactsError(str(err)) from None
 

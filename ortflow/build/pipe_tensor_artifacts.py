@@ -10,10 +10,12 @@ Folders: ``artifacts/pipetensor/stage-SS/tensor/rank-RR/piece-PP/`` (engine arti
 rank RR of stage SS), and ``artifacts/pipetensor/pipetensor.json`` (cuts, and each stage's tensors, slicing and
 pieces), written last.
 
+A tied weight read in two stages (an embedding and its LM head) is sliced alike in both (by vocabulary) and recorded
+under ``shared``: the holders add their slices' gradients over their tensor-parallel rank's pipeline group.
+
 Refused, with the names and the fix: a cut crossed by a tensor inside a split region (an attention block or MLP:
-its activations are split over the ranks, the pipeline carries whole tensors), a tied weight read in two stages
-(each stage's tensor-parallel pieces would need its copies summed across both groups), and a stage with no layer
-to split.
+its activations are split over the ranks, the pipeline carries whole tensors), a tied weight that two stages would
+slice differently, and a stage with no layer to split.
 """
 
 from __future__ import annotations
@@ -27,13 +29,10 @@ import onnx
 
 from ortflow.build.artifacts import ArtifactsError, inspect_model, split_parameters
 from ortflow.build.building import building
-from ortflow.build.engine_input import gelu_fusion
 from ortflow.build.records import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
 from ortflow.build.stage_artifacts import plan_stages
-from ortflow.build.tensor_artifacts import build_piece, export_fixes, piece_record
+from ortflow.build.tensor_artifacts import build_piece, export_fixes, piece_record, split_input
 from ortflow.config import RunConfig
-from ortflow.graph.gelu import gelu_rewrites
-from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.pipeline_cuts import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
@@ -50,17 +49,11 @@ class StagePlan:
     plan: TensorPlan
 
 
-def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> None:
-    """Refuse cuts crossed by a tensor made inside a split region of the whole model, and tied weights across stages."""
+def _check_cuts(cfg: RunConfig, stages: list[Stage]) -> frozenset[str]:
+    """Refuse cuts crossed by a tensor made inside a split region of the whole model; returns the tables the whole
+    model embeds (a stage's LM head tied to them is split by vocabulary like the embedding)."""
     size = cfg.distributed.horizontal_parallel_size
-    tied = {n: list(h) for s in stages for n, h in s.shared.items()}
-    if tied:
-        raise ArtifactsError(
-            f"tied parameters {tied} (name: stages reading it) are read in several pipeline stages; with "
-            f"distributed.horizontal_parallel_size {size} every parameter must be read in one stage: move "
-            "model.pipeline_cuts so their readers share a stage, untie them in the model, or use one of "
-            "pipeline_parallel_size and horizontal_parallel_size (each alone handles tied weights)")
-    whole = export_fixes(gradient_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg))), trainable)
+    whole, trainable, _ = split_input(cfg)
     try:
         plan = plan_tensor_split(whole, trainable, size)
     except TensorSplitError as err:
@@ -79,6 +72,20 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage], trainable: list[str]) -> No
                 f"inside tensor-parallel region {k} (columns {region.columns}, rows {region.rows}), whose "
                 f"activations are split over the {size} tensor-parallel ranks: cut between regions instead, e.g. at "
                 f"a residual add or a LayerNorm output, after {region.outputs} is summed")
+    return frozenset(t for r in plan.regions if r.vocab and not r.heads for t in r.vocab)
+
+
+def _check_tied(plans: list[StagePlan], size: int) -> None:
+    """A parameter read in several stages (a tied embedding and LM head) must be sliced alike in each: the holders
+    then add their slices' gradients over the pipeline group of their tensor-parallel rank."""
+    tied = {n: list(h) for sp in plans for n, h in sp.stage.shared.items()}
+    for name, holders in sorted(tied.items()):
+        slicing = {s: plans[s].plan.slicing().get(name) for s in holders}
+        if len(set(slicing.values())) > 1:
+            raise ArtifactsError(
+                f"the tied parameter '{name}' is read in pipeline stages {holders}, which split it differently for "
+                f"distributed.horizontal_parallel_size {size} (stage: (axis, parts) or None when whole: {slicing}); "
+                "move model.pipeline_cuts so its readers share a stage, or untie it in the model")
 
 
 def _cuts(cfg: RunConfig, stages: list[Stage]) -> list[str]:
@@ -93,19 +100,19 @@ def plan_pipe_tensor(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
     """
     size = cfg.distributed.horizontal_parallel_size
     cuts, stages = plan_stages(cfg)
-    trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    _check_cuts(cfg, stages, trainable)
+    embedded = _check_cuts(cfg, stages)
     plans = []
     for stage in stages:
         model = export_fixes(stage.model, stage.parameters)
         try:
-            plan = plan_tensor_split(model, stage.parameters, size)
+            plan = plan_tensor_split(model, stage.parameters, size, embedded)
             pieces(StagePlan(stage, model, plan), 0)  # refuse a bad cut before any engine call
         except TensorSplitError as err:
             raise ArtifactsError(f"pipeline stage {stage.index} of {len(stages)} (cuts {cuts}): {err}; or move "
                                  "model.pipeline_cuts so that every stage holds a whole attention block or "
                                  "MLP") from None
         plans.append(StagePlan(stage, model, plan))
+    _check_tied(plans, size)
     return cuts, plans
 
 
@@ -140,24 +147,28 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
             s = sp.stage.index
             for line in describe(sp.plan):
                 log.info("pipeline stage %d, tensor_parallel %d: %s", s, size, line)
-            records = []
+            records, ran_by_piece = [], {}
             for rank in range(size):
                 mine = pieces(sp, rank)
+                passes = []
                 for piece in mine:
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     try:
-                        build_piece(cfg, piece, last, set(frozen), folder)
+                        passes.append(build_piece(cfg, piece, last, set(frozen), folder))
                     except ArtifactsError:
                         raise
                     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                         raise ArtifactsError(f"the engine could not build piece {piece.index} of tensor-parallel "
                                              f"rank {rank} of pipeline stage {s}: {type(err).__name__}: {err}") from err
-                records.append([piece_record(p, p.stage.model) for p in mine])
+                records.append([piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])
+                ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
+                                     for p, ran in zip(mine, passes, strict=True)})
             stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
                            "parameters": list(sp.stage.parameters),
+                           "shared": {name: list(holders) for name, holders in sp.stage.shared.items()},
                            "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},
-                           "split": describe(sp.plan), "pieces": records[0]})
+                           "split": describe(sp.plan), "pieces": records[0], "passes": ran_by_piece})
         record = {"size": size, "num_stages": len(plans), "cuts": cuts, "stages": stages}
         (scratch / PIPE_TENSOR_RECORD).write_text(json.dumps(record, indent=1))  # last: vouches for the pieces
     log.info("built %d pipeline stages x %d tensor-parallel ranks (cuts %s)", len(plans), size, cuts)

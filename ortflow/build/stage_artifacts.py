@@ -24,6 +24,7 @@ import onnx
 from onnx import helper
 
 from ortflow.build.artifacts import (
+    PROTO_LIMIT,
     ArtifactsError,
     ConfiguredLoss,
     check_loss_io,
@@ -32,14 +33,11 @@ from ortflow.build.artifacts import (
     split_parameters,
 )
 from ortflow.build.building import building
-from ortflow.build.engine_input import gelu_fusion, repeatable_gathers
+from ortflow.build.engine_input import prepare_cut, split_source
 from ortflow.build.records import ARTIFACT_FILES, BACKPROP_SUFFIX, GRAD_IN_SUFFIX, STAGES_DIR, STAGES_RECORD
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.embedding import deterministic_gathers
-from ortflow.graph.gelu import gelu_rewrites
-from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.pipeline_cuts import Stage, choose_cuts, split_model
 
 log = logging.getLogger(__name__)
@@ -104,8 +102,9 @@ def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
     model = onnx.load(str(path))
     graph = model.graph
     grad_inputs = {n + GRAD_IN_SUFFIX for n in sends}
+    # the VJP terms, and the Adds that sum them (``pipeline.vjp_partialK`` with three or more sent tensors)
     keep = [n for n in graph.node if not grad_inputs.intersection(n.input) and not n.output[0].endswith(".vjp")
-            and n.output[0] != "pipeline.vjp_loss"]
+            and n.output[0] != "pipeline.vjp_loss" and not n.output[0].startswith("pipeline.vjp_partial")]
     del graph.node[:]
     graph.node.extend(keep)
     inputs = [i for i in graph.input if i.name not in grad_inputs]
@@ -129,23 +128,22 @@ def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
     onnx.save(model, str(path))
 
 
-def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> None:
+def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
+    """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through."""
     folder.mkdir(parents=True)
-    model = stage.model
-    if repeatable_gathers(cfg):  # as for the whole model (ortflow/graph/embedding.py)
-        model = deterministic_gathers(model, set(stage.parameters))
-    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen)
+    output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
+    prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
+    model = prepared.model
+    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen or t.name in prepared.frozen)
     if last:
-        output_name = check_loss_io(cfg, inspect_model(cfg.model.path))
-        label = None if cfg.model.loss == "model_output" else cfg.model.label_input
-        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), output_name, label)
+        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input)
         extra = None
     else:
         types = {o.name: o for o in model.graph.output}
         loss, extra = VJPLoss(stage.sends, types), list(stage.sends)
     engine_artifacts.generate_artifacts(
         model,
-        requires_grad=[*stage.parameters, *stage.receives],
+        requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
         frozen_params=stage_frozen,
         loss=loss,
         optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
@@ -161,6 +159,7 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
     if missing:
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
+    return prepared.passes
 
 
 def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
@@ -173,9 +172,11 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
 
     num = cfg.distributed.pipeline_parallel_size
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    # The GELU rewrites as for the unsplit model (graph/gelu.py), so stages compute what it computes.
-    model = gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg), keep=set(cfg.model.pipeline_cuts))
-    model = gradient_fixes(model)  # graph/gradient_fixes.py: ops the engine differentiates wrongly or crashes on
+    # The whole model through the batch pass and the preparation passes first: stages compute what it computes,
+    # inherit its symbolic batch, and read their shape arithmetic from the inputs (graph/shapes.py).
+    source = split_source(cfg, trainable, PROTO_LIMIT)
+    model = source.model
+    trainable = [n for n in trainable if n not in source.frozen]
     try:
         cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
         stages = split_model(model, cuts, trainable)
@@ -200,9 +201,11 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
     cuts, stages = plan or plan_stages(cfg)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     with building(artifacts_dir, STAGES_DIR) as scratch:
+        passes = []
         for stage in stages:
             try:
-                _build_one(cfg, stage, stage.index == num - 1, set(frozen), scratch / f"stage-{stage.index:02d}")
+                passes.append(list(_build_one(cfg, stage, stage.index == num - 1, set(frozen),
+                                              scratch / f"stage-{stage.index:02d}")))
             except ArtifactsError:
                 raise
             except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
@@ -215,7 +218,7 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
             "stages": [
                 {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
                  "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
-                 "shared": {name: list(holders) for name, holders in s.shared.items()}}
+                 "shared": {name: list(holders) for name, holders in s.shared.items()}, "passes": passes[s.index]}
                 for s in stages
             ],
         }

@@ -22,6 +22,7 @@ from pathlib import Path
 import onnx
 
 from ortflow.build.artifacts import (
+    PROTO_LIMIT,
     ArtifactsError,
     ConfiguredLoss,
     check_loss_io,
@@ -30,19 +31,12 @@ from ortflow.build.artifacts import (
     split_parameters,
 )
 from ortflow.build.building import building
-from ortflow.build.engine_input import gelu_fusion, repeatable_gathers
+from ortflow.build.engine_input import prepare_cut, split_source
 from ortflow.build.records import ARTIFACT_FILES, TENSOR_DIR, TENSOR_RECORD
 from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
-from ortflow.graph.embedding import deterministic_gathers
-from ortflow.graph.gelu import gelu_rewrites
-from ortflow.graph.gradient_fixes import gradient_fixes
-from ortflow.graph.logits import flatten_logits
-from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.pipeline_cuts import FLOAT_TYPES
-from ortflow.graph.repeated import separate_repeated_inputs
-from ortflow.graph.split import split_to_slices
 from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
@@ -51,19 +45,24 @@ from ortflow.graph.tensor_shard import shard_model
 log = logging.getLogger(__name__)
 
 def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
-    """The preparation passes that make torch exports trainable by the engine and change no tensor the split sees:
-    all LayerNormalization outputs declared, Splits with unused outputs as Slices, repeated inputs separated; and
-    Gemm biases added after the product (so a row-split Gemm's bias is added once, after the all-reduce)."""
-    model = declare_optional_outputs(model)
-    model = split_to_slices(model)
-    return separate_gemm_biases(separate_repeated_inputs(model), trainable)
+    """What the tensor split needs beyond the preparation passes: Gemm biases added after the product (so a row-split
+    Gemm's bias is added once, after the all-reduce)."""
+    return separate_gemm_biases(model, trainable)
+
+
+def split_input(cfg: RunConfig) -> tuple[onnx.ModelProto, list[str], list[str]]:
+    """The whole model prepared for a tensor split (:func:`ortflow.build.engine_input.split_source`, then the Gemm
+    biases apart), its trained and its frozen parameters."""
+    trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    source = split_source(cfg, trainable, PROTO_LIMIT)
+    trainable = [n for n in trainable if n not in source.frozen]
+    return export_fixes(source.model, trainable), trainable, sorted({*frozen, *source.frozen})
 
 
 def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str], list[str]]:
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
-    trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    model = export_fixes(gradient_fixes(gelu_rewrites(onnx.load(str(cfg.model.path)), gelu_fusion(cfg))), trainable)
+    model, trainable, frozen = split_input(cfg)
     try:
         plan = plan_tensor_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
@@ -72,26 +71,23 @@ def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str],
     return model, plan, trainable, frozen
 
 
-def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> None:
+def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
+    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through."""
     folder.mkdir(parents=True)
     stage = piece.stage
-    model = stage.model
-    if repeatable_gathers(cfg):  # as for the whole model and the pipeline stages (ortflow/graph/embedding.py)
-        model = deterministic_gathers(model, set(stage.parameters))
+    output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
+    prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
+    model = prepared.model
+    frozen = frozen | set(prepared.frozen)
     if last:
-        output_name = check_loss_io(cfg, inspect_model(cfg.model.path))
-        label = None if cfg.model.loss == "model_output" else cfg.model.label_input
-        if cfg.model.loss == "cross_entropy" and label is not None:  # [B, T, V] logits: as prepare_model does
-            model, flat = flatten_logits(model, output_name, label)
-            output_name, label = flat.scores, flat.labels
-        loss, extra = ConfiguredLoss(loss_block(cfg), output_name, label), None
+        loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input), None
     else:
         types = {o.name: o for o in model.graph.output}
         floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in FLOAT_TYPES)
         loss, extra = VJPLoss(floats, types), list(stage.sends)
     engine_artifacts.generate_artifacts(
         model,
-        requires_grad=[*stage.parameters, *piece.float_receives],
+        requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
         frozen_params=sorted(t.name for t in model.graph.initializer if t.name in frozen),
         loss=loss,
         optimizer=None,  # ortflow updates the weights
@@ -106,15 +102,16 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
     missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
     if missing:
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
+    return prepared.passes
 
 
-def piece_record(piece: Piece, model: onnx.ModelProto) -> dict:
+def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
     types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
     stage = piece.stage
     return {"index": stage.index, "parallel": piece.parallel, "receives": list(stage.receives),
             "float_receives": list(piece.float_receives), "sends": list(stage.sends),
             "float_sends": [n for n in stage.sends if types.get(n) in FLOAT_TYPES],
-            "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters)}
+            "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters), "passes": list(passes)}
 
 
 def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
@@ -127,22 +124,25 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     model, plan, trainable, frozen = plan_tensor(cfg)
     for line in describe(plan):  # what was split and what was kept, with the reason
         log.info("tensor_parallel %d: %s", size, line)
-    ranks = []
+    ranks, ran_by_piece = [], {}
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
             pieces = cut_pieces(shard_model(model, plan, rank), plan, model, trainable)
+            passes = []
             for piece in pieces:
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                 try:
-                    build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder)
+                    passes.append(build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder))
                 except ArtifactsError:
                     raise
                 except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
                     raise ArtifactsError(f"the engine could not build tensor-parallel piece {piece.index} of rank "
                                          f"{rank}: {type(err).__name__}: {err}") from err
-            ranks.append([piece_record(p, p.stage.model) for p in pieces])
+            ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
+            ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
+                                 for p, ran in zip(pieces, passes, strict=True)})
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
-                  "split": describe(plan), "pieces": ranks[0]}
+                  "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))
     log.info("built %d tensor-parallel ranks of %d pieces each", size, len(record["pieces"]))
     return record

@@ -91,17 +91,22 @@ def _read_merged_group(files: list[Path], names: set[str] | None) -> dict[str, n
 
 def merged_optimizer_pieces(files: list[Path]) -> tuple[int, str, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
     """Step count, optimizer name and each state of every parameter whole (one piece each), from the tp files (of
-    every pipeline stage: a stage's ranks hold its parameters only, so keys never meet across stages)."""
+    every pipeline stage: a tied parameter held by several stages is read from the first, whose copy equals the
+    others)."""
     step, optimizer, by_key, attrs = 0, "", {}, {}
-    for path in files:
-        with h5py.File(path, "r") as f:
-            step, optimizer = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
-            for sname, group in f.items():
-                for ds in group.values():
-                    key = (sname, str(ds.attrs["name"]))
-                    shape = tuple(ds.attrs["tp_shape"]) if "tp_shape" in ds.attrs else ds.shape
-                    by_key.setdefault(key, []).append(ds[()].reshape(shape))
-                    attrs[key] = dict(ds.attrs)
+    for group_files in by_stage(files):
+        earlier = set(by_key)  # a tied parameter held by several stages: the first stage's states
+        for path in group_files:
+            with h5py.File(path, "r") as f:
+                step, optimizer = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
+                for sname, group in f.items():
+                    for ds in group.values():
+                        key = (sname, str(ds.attrs["name"]))
+                        if key in earlier:
+                            continue
+                        shape = tuple(ds.attrs["tp_shape"]) if "tp_shape" in ds.attrs else ds.shape
+                        by_key.setdefault(key, []).append(ds[()].reshape(shape))
+                        attrs[key] = dict(ds.attrs)
     pieces: dict[str, list] = {}
     for (sname, name), arrays in sorted(by_key.items()):
         whole = _merge(f"{sname}/{name}", arrays, attrs[(sname, name)]).reshape(-1)

@@ -8,13 +8,21 @@ was started from holds (a checkout, a folder named ``ortflow``).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
 
-from prefect import serve
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.exceptions import TerminationSignal
+from prefect.runner import Runner
 from prefect.schedules import Cron, Interval, Schedule
 
 from ortflow.config import RunConfig
+from ortflow.deployments.alerts import HEARTBEAT_S
 from ortflow.flows import export_only, train_pipeline
 
 
@@ -81,4 +89,88 @@ def serve_config(cfg: RunConfig, limit: int | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)  # flow runs start here (config paths are absolute): nothing here shadows the installed ortflow
     os.environ["PYTHONSAFEPATH"] = "1"  # and no script folder goes first on their sys.path either
-    serve(*deployments, limit=limit)
+    # Flow runs send a heartbeat this often: the zombie-run automation (`ortflow automations`) marks a run Crashed
+    # when they stop.
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    runner = StoppingRunner(limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    # Ctrl-C goes the same way as SIGTERM (the runner installs its SIGTERM handler when it starts).
+    signal.signal(signal.SIGINT, runner.handle_sigterm)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal, SystemExit):
+        log.info("ortflow serve stopped")
+
+
+log = logging.getLogger(__name__)
+
+#: Seconds a flow run gets to stop after SIGTERM: the ranks' stop grace plus the flow run's final state report.
+FLOW_RUN_STOP_S = 60.0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _is_flow_run_process(pid: int) -> bool:
+    try:
+        return b"prefect.engine" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def stop_flow_runs(timeout_s: float = FLOW_RUN_STOP_S) -> list[int]:
+    """SIGTERM every flow-run process this process started and wait (up to ``timeout_s``) until they have exited.
+
+    A flow run's process turns SIGTERM into a stop: the train task's launcher asks the ranks to stop after the
+    current update with a stop checkpoint, the version is recorded as stopped, and the flow run reports its final
+    state (Crashed) itself, which frees its deployment's concurrency slot at once.
+
+    Returns:
+        The pids that were signalled.
+    """
+    pids = [pid for pid in _children(os.getpid()) if _is_flow_run_process(pid) and _running(pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+    if pids:
+        log.warning("stopping %d flow run(s): the ranks write a stop checkpoint first", len(pids))
+    deadline = time.monotonic() + timeout_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
+class StoppingRunner(Runner):
+    """Prefect's runner, except that SIGTERM (and Ctrl-C) stop its flow runs cleanly before it exits.
+
+    Prefect's runner ends on SIGTERM by tearing down its flow-run processes: their ranks die without a checkpoint and
+    the flow runs stay ``Running`` on the server, holding the deployment's concurrency slot.
+    """
+
+    def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, "_ortflow_stopping", False):
+            return  # a repeated signal must not cut the flow runs' stop short
+        self._ortflow_stopping = True
+        stop_flow_runs()
+        # The runner's shutdown cancels its event loop's pending callbacks; asyncio would log each as an error.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        super().handle_sigterm(*args, **kwargs)

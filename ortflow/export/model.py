@@ -54,7 +54,7 @@ TRAINING_OP_TYPES = frozenset({
     "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal", "SoftmaxCrossEntropy", "SparseSoftmaxCrossEntropy",
     "NegativeLogLikelihoodLoss", "NegativeLogLikelihoodLossInternal", "BroadcastGradientArgs",
 })
-_PROTO_LIMIT = 2**31 - 1
+PROTO_LIMIT = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ def export_model(
     model = build_inference_model(eval_proto, parameters, names, labels)
     if precision == "compute":
         model = fold_parameter_casts(model)
-    if model.ByteSize() > _PROTO_LIMIT:
+    if model.ByteSize() > PROTO_LIMIT:
         raise ExportError("the model is over 2 GB; export with external data is not supported yet")
 
     out = Path(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow
+from prefect.states import Completed
 
 from ortflow import tasks
 from ortflow.config import RunConfig
@@ -12,7 +13,11 @@ from ortflow.config import RunConfig
 Stage = Literal["configure", "prepare_data", "train", "retain", "export"]
 
 
-@flow(name="train-pipeline", log_prints=True)
+_FINAL = [tasks.announce_final_state]  # the event ortflow's automations react to
+
+
+@flow(name="train-pipeline", log_prints=True, on_completion=_FINAL, on_failure=_FINAL, on_crashed=_FINAL,
+      on_cancellation=_FINAL)
 def train_pipeline(
     config: RunConfig | str,
     overrides: list[str] | None = None,
@@ -21,6 +26,7 @@ def train_pipeline(
     skip_unchanged: bool | None = None,
     new_version: bool = False,
     wait_for_lock: bool | None = None,
+    version: str | None = None,
 ) -> dict:
     """Configure, prepare the data, train under mpiexec, keep the best checkpoints, export, and publish a summary.
 
@@ -31,21 +37,24 @@ def train_pipeline(
     Args:
         config: The whole run config, or the path of a config file (relative to the flow run's working folder).
         overrides: ``--set``-style changes for this run only (``["train.num_train_steps=50"]``).
-        from_stage: Rerun this stage and every later one (``ortflow run --from``).
+        from_stage: Rerun this stage and every later one (``ortflow run --from``); with ``new_version``, inside an
+            existing version (``version``, else the newest), never a new one.
         policy: ``retrain`` or ``continue`` for this run (default: ``versions.policy``).
         skip_unchanged: Skip when config, model, data and policy are unchanged since the last version
             (default: config's).
         new_version: Train a new model version under ``output_dir/versions/`` (deployments set this).
         wait_for_lock: Wait for a busy run folder instead of failing (default: ``pipeline.wait_for_lock``).
+        version: With ``from_stage`` and ``new_version``: the version whose stages rerun (default: the newest).
 
     Returns:
         The summary: version, steps, final and best eval loss, throughput, kept checkpoints, exported model path.
     """
     cfg = tasks.resolve_config(config, overrides, policy, skip_unchanged, wait_for_lock)
     with tasks.run_folder_lock(cfg, "pipeline"):
-        plan = tasks.plan_version(cfg, new_version, from_stage)
-        if plan.skipped_because:
-            return tasks.publish_skipped(cfg, plan)
+        plan = tasks.plan_version(cfg, new_version, from_stage, version)
+        if plan.skipped_because:  # the flow run ends in a Completed state named Skipped, saying why
+            return Completed(name="Skipped", message=f"skipped: {plan.skipped_because}",
+                             data=tasks.publish_skipped(cfg, plan))
         run = plan.config
         try:
             tasks.staged(tasks.configure, run)(run)
@@ -57,7 +66,12 @@ def train_pipeline(
         except Exception:
             tasks.finish_version(cfg, plan, "failed")
             raise
+        except BaseException:  # a stop signal or a cancellation: the ranks stopped with a stop checkpoint
+            tasks.finish_version(cfg, plan, "stopped")
+            raise
         tasks.finish_version(cfg, plan, "completed", summary)
+        if plan.version is not None:
+            tasks.prune_versions(cfg)  # versions.keep
     return summary
 
 

@@ -1,10 +1,19 @@
-"""The model-preparation pass configure runs before the engine builds the training graph.
+"""The preparation pipeline: one ordered list of passes (:data:`PASSES`) that every graph the engine sees goes through.
 
-Order matters: optional outputs and Split rewrites first (they make more nodes differentiable), then ONNX's tanh
-Gelu as the engine's FastGelu (for its gradient), then (when asked) the GELU fusion (on CPU ranks with the tanh GELU
-in its sigmoid form, whose CPU gradient is fast), then repeated inputs, then (when
-asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for the loss, and last the check
-that every node on the trained path has a gradient (it runs on the graph the engine will see). No step changes an
+The whole model, each pipeline stage, each tensor-parallel piece and each pipeline x tensor piece are handed to the
+engine only through :func:`prepare_model`, which runs :data:`PASSES` in order and records their names in
+``PreparedModel.passes`` (configure writes them into its record for every graph, and a test compares them). A split
+model is first prepared whole (without the loss) and cut afterwards, then every cut graph is prepared again: passes
+are idempotent, so the second run changes only what depends on the graph (its parameters, its loss, its outputs).
+
+Order matters: unused-parameter detection first, then optional outputs and Split rewrites (they make more nodes
+differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
+to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion (on
+CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes, then repeated
+inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums over the
+broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for
+the loss (only on the graph that computes the loss), and last the check that every node on the trained path has a
+gradient (on the graph the engine will see). No step changes an
 initializer.
 
 The passes run on a skeleton of the model whose initializers hold no values (name, type and dims only); the
@@ -19,6 +28,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from ortflow.graph.common import FLOAT_TYPES, elem_types
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.gelu import gelu_rewrites
@@ -26,8 +36,24 @@ from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.logits import flatten_logits
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
+from ortflow.graph.shapes import declare_broadcast_shapes, shapes_from_inputs
 from ortflow.graph.split import split_to_slices
 from ortflow.graph.untrainable import untrainable_initializers
+
+#: The preparation passes, in the order :func:`prepare_model` runs them on every graph the engine sees.
+PASSES = (
+    "untrainable_initializers",
+    "declare_optional_outputs",
+    "split_to_slices",
+    "shapes_from_inputs",
+    "gelu_rewrites",
+    "gradient_fixes",
+    "separate_repeated_inputs",
+    "declare_broadcast_shapes",
+    "deterministic_gathers",
+    "flatten_logits",
+    "check_differentiable",
+)
 
 
 @dataclass(frozen=True)
@@ -41,20 +67,22 @@ class PreparedModel:
         frozen: Initializers the engine must not train whatever the config says (running statistics, constants
             that feed only inputs the engine does not differentiate, unused ones).
         report: One ``{"pass", "changes"}`` entry per pass that changed something (for configure.json).
+        passes: The passes that ran, in order (:data:`PASSES` for every graph prepared here).
     """
 
     model: onnx.ModelProto
-    loss_input: str
+    loss_input: str | None
     label_input: str | None
     frozen: tuple[str, ...] = ()
     report: list[dict] = field(default_factory=list)
+    passes: tuple[str, ...] = ()
 
 
 def prepare_model(
     model: onnx.ModelProto,
     trainable: set[str],
     loss: str,
-    loss_output: str,
+    loss_output: str | None,
     label_input: str | None,
     repeatable_gathers: bool = False,
     fuse_gelu: bool | str = False,
@@ -66,7 +94,9 @@ def prepare_model(
         model: The user's model (left unchanged).
         trainable: Names of the parameters to train.
         loss: The configured loss (``cross_entropy``, ``mse``, ..., ``model_output``).
-        loss_output: The model output the loss reads.
+        loss_output: The model output the loss reads; None for a graph that does not compute the loss (a model
+            prepared before it is cut, a pipeline stage or tensor piece before the last): its float outputs are what
+            the trained path must reach.
         label_input: The label input's name (None for ``model_output``).
         repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
             gradient of Gather is not repeatable with more than one thread.
@@ -83,21 +113,45 @@ def prepare_model(
     skeleton, weights = _skeleton(model)
     model = skeleton
     report: list[dict] = []
-    buffers = untrainable_initializers(model, trainable, report)
-    trainable = trainable - set(buffers)
-    model = declare_optional_outputs(model, report)
-    model = split_to_slices(model, report)
-    model = gelu_rewrites(model, fuse_gelu, report, keep=keep or set())
-    model = gradient_fixes(model, report)
-    model = separate_repeated_inputs(model, report)
-    if repeatable_gathers:
-        model = deterministic_gathers(model, trainable, report)
+    ran: list[str] = []
+    buffers: list[str] = []
     loss_input, label = loss_output, label_input
-    if loss == "cross_entropy" and label_input is not None:
-        model, flat = flatten_logits(model, loss_output, label_input, report)
-        loss_input, label = flat.scores, flat.labels
-    check_differentiable(model, trainable, [loss_input])
-    return PreparedModel(_with_weights(model, weights), loss_input, label, tuple(buffers), report)
+    for name in PASSES:
+        ran.append(name)
+        if name == "untrainable_initializers":
+            buffers = untrainable_initializers(model, trainable, report)
+            trainable = trainable - set(buffers)
+        elif name == "declare_optional_outputs":
+            model = declare_optional_outputs(model, report)
+        elif name == "split_to_slices":
+            model = split_to_slices(model, report)
+        elif name == "shapes_from_inputs":
+            model = shapes_from_inputs(model, report)
+        elif name == "gelu_rewrites":
+            model = gelu_rewrites(model, fuse_gelu, report, keep=keep or set())
+        elif name == "gradient_fixes":
+            model = gradient_fixes(model, report)
+        elif name == "separate_repeated_inputs":
+            model = separate_repeated_inputs(model, report)
+        elif name == "declare_broadcast_shapes":
+            model = declare_broadcast_shapes(model, report)
+        elif name == "deterministic_gathers":
+            if repeatable_gathers:
+                model = deterministic_gathers(model, trainable, report)
+        elif name == "flatten_logits":
+            if loss == "cross_entropy" and label_input is not None and loss_output is not None:
+                model, flat = flatten_logits(model, loss_output, label_input, report)
+                loss_input, label = flat.scores, flat.labels
+        elif name == "check_differentiable":
+            reached = [loss_input] if loss_input is not None else _float_outputs(model)
+            check_differentiable(model, trainable, reached)
+    return PreparedModel(_with_weights(model, weights), loss_input, label, tuple(buffers), report, tuple(ran))
+
+
+def _float_outputs(model: onnx.ModelProto) -> list[str]:
+    """The graph's float outputs (what a graph without the loss sends on): the trained path must reach them."""
+    types = elem_types(model)
+    return [o.name for o in model.graph.output if types.get(o.name) in FLOAT_TYPES]
 
 
 def _skeleton(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:

@@ -28,8 +28,10 @@ import onnx
 from onnx import helper
 
 from ortflow.graph.common import constant_values, node_label
+from ortflow.graph.shapes import symbolic_shapes
 from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_plan import Region, TensorPlan, TensorSplitError
+from ortflow.graph.tensor_shapes import shape_entry, weight_of
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.graph.tensor_vocab import plan_vocab
 
@@ -40,7 +42,9 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu"
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list]:
-    # data_prop follows Shape -> Gather -> Concat chains into Reshape (torch's head split with fixed batch dims)
+    """Every tensor's dims (None where not a fixed number). ONNX Runtime's symbolic inference follows shapes computed
+    from the inputs (Shape -> Gather -> Concat -> Reshape of dynamic-shape exports) where onnx's loses the fixed
+    dims; onnx's (with data propagation) fills in what it does not reach."""
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     g = inferred.graph
     out = {}
@@ -48,6 +52,8 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list]:
         t = vi.type.tensor_type
         if t.HasField("shape"):
             out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    for name, dims in (symbolic_shapes(model) or {}).items():
+        out[name] = [d if isinstance(d, int) else None for d in dims]
     for t in g.initializer:
         out[t.name] = list(t.dims)
     return out
@@ -83,6 +89,7 @@ class _Walk:
         self.groups: dict[int, int] = {}  # seed node -> parts (Split after it)
         self.bias_of: dict[str, int] = {}  # tensor after the seed's bias add -> seed node
         self.rewrites: list[tuple[int, int, int, int, int]] = []  # (+ component)
+        self.via_transpose: set[str] = set()  # weights read as Transpose(W) (torch's nn.Linear on 3-D inputs)
         for i, node in enumerate(self.g.node):
             if i in seeds:
                 self.split[node.output[0]], self.comp[node.output[0]] = -1, i
@@ -138,12 +145,15 @@ class _Walk:
             a, b = node.input[:2]
             if op == "Gemm" and not is_plain_gemm(node):
                 return "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
-            if a in self.split and b not in self.split and b in self.trainable and self._rank(b) == 2:
+            weight = weight_of(self.g, b, self.trainable) if a in self.split and b not in self.split else None
+            if weight is not None and self._rank(weight[0]) == 2:
                 if self.split[a] != -1:
                     return "a weight MatMul reads an activation split on another axis than the last"
-                if len(self.readers.get(b, [])) > 1:
-                    return f"the row weight '{b}' is also read elsewhere (tied)"
-                self.rows[i] = b
+                if len(self.readers.get(weight[0], [])) > 1:
+                    return f"the row weight '{weight[0]}' is also read elsewhere (tied)"
+                self.rows[i] = weight[0]
+                if weight[1]:
+                    self.via_transpose.add(weight[0])
                 self.partial[node.output[0]] = i
                 return None
             if (op == "MatMul" and a in self.split and b in self.split and self.split[a] == self.split[b]
@@ -162,6 +172,14 @@ class _Walk:
             return None
         if op == "Reshape":
             return self._reshape(i, node, axis)
+        if op == "Expand":  # to the shape of a tensor split alike (the engine's Where gradient fix writes these)
+            maker = self._producer(node.input[1])
+            shape_of = maker is not None and self.g.node[maker].op_type == "Shape"
+            source = self.g.node[maker].input[0] if shape_of else None
+            if source is None or self.split.get(source) != axis or self._rank(source) != self._rank(x):
+                return "an Expand to a shape other than that of a tensor split alike"
+            self.split[node.output[0]] = axis
+            return None
         if op == "Split":
             return self._split(i, node, axis)
         if op == "Softmax" or op == "LogSoftmax":
@@ -182,9 +200,10 @@ class _Walk:
         for x in node.input:
             if not x or x in self.split:
                 continue
-            seed = self.bias_of.get(node.input[0]) if node.op_type == "Add" else None
+            other = next((y for y in node.input if y != x), None)  # the split input (bias + x or x + bias)
+            seed = self.bias_of.get(other) if node.op_type == "Add" else None
             if (x in self.trainable and seed is not None and axis == -1 and self._rank(x) == 1
-                    and len(self.readers.get(x, [])) == 1 and node.input[0] in self.split):
+                    and len(self.readers.get(x, [])) == 1 and other in self.split):
                 self.biases[i] = x
                 self.bias_of[node.output[0]] = seed
                 continue
@@ -216,14 +235,16 @@ class _Walk:
     def _reshape(self, i: int, node, axis: int) -> str | None:
         x, out = node.input[0], node.output[0]
         s_in, s_out = self.shapes.get(x), self.shapes.get(out)
-        if s_in is None or s_out is None or None in s_in[axis:] or None in s_out[1:]:
+        if s_in is None or s_out is None or None in s_in[axis:]:
             return "shapes around the Reshape are not known (export with fixed sizes)"
         suffix = int(np.prod(s_in[axis:]))
-        for b in range(1, len(s_out)):
-            if int(np.prod(s_out[b:])) == suffix and s_out[b] > 1:
-                break
-        else:
+        # The leftmost axis b whose trailing dims (all fixed: the batch and sequence may be dynamic before them)
+        # hold exactly the split axis and the dims after it.
+        found = [b for b in range(1, len(s_out)) if None not in s_out[b:]
+                 and int(np.prod(s_out[b:])) == suffix and s_out[b] > 1]
+        if not found:
             return "the split axis does not map onto one axis of the new shape"
+        b = found[0]
         spec = self._shape_entry(i, node.input[1], b)
         if isinstance(spec, str):
             return spec
@@ -233,6 +254,8 @@ class _Walk:
         elif value == 0 and b != len(s_in) + axis:
             return "the new shape copies (0) the split axis from another position"
         self.split[out] = b - len(s_out)
+        if x in self.bias_of and axis == -1 and b == len(s_out) - 1:  # [B*T, 3D] -> [B, T, 3D] before a fused Split
+            self.bias_of[out] = self.bias_of[x]
         return None
 
     def _producer(self, name: str):
@@ -240,27 +263,7 @@ class _Walk:
 
     def _shape_entry(self, i: int, name: str, b: int):
         """Where entry ``b`` of a Reshape's shape lives: (node, input, element, value), or why it cannot change."""
-        values = constant_values(self.g, name)
-        if values is not None:
-            return i, 1, b, int(values[b])
-        producer = self._producer(name)
-        if producer is not None and self.g.node[producer].op_type == "Concat":
-            if len(self.readers[name]) > 1:
-                return "the new shape (a Concat) is read by other nodes too"
-            at = 0
-            for k, part in enumerate(self.g.node[producer].input):
-                v = constant_values(self.g, part)
-                maker = self._producer(part)
-                unsqueezed = maker is not None and self.g.node[maker].op_type == "Unsqueeze"
-                length = v.size if v is not None else 1 if unsqueezed else None
-                if length is None:
-                    return "the new shape is computed in a way the split cannot follow"
-                if at <= b < at + length:
-                    if v is None:
-                        return "the new shape's split entry is computed, not a Constant"
-                    return producer, k, b - at, int(v.reshape(-1)[b - at])
-                at += length
-        return "the new shape is computed, not a Constant (export with constant folding)"
+        return shape_entry(self.g, self.shapes, self.producers, i, 1, b)
 
 
 def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
@@ -270,13 +273,19 @@ def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, l
     for n in graph.node:
         for x in n.input:
             reads[x] = reads.get(x, 0) + 1
-    return {i: n.input[1] for i, n in enumerate(graph.node)
-            if (n.op_type == "MatMul" or is_plain_gemm(n)) and n.input[1] in trainable
-            and len(shapes.get(n.input[1], [])) == 2 and reads[n.input[1]] == 1}
+    found = {}
+    for i, n in enumerate(graph.node):
+        if n.op_type == "MatMul" or is_plain_gemm(n):
+            weight = weight_of(graph, n.input[1], trainable)
+            if weight is not None and len(shapes.get(weight[0], [])) == 2 and reads[weight[0]] == 1:
+                found[i] = weight[0]
+    return found
 
 
-def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int) -> TensorPlan:
-    """Find the regions to split over ``size`` ranks (pure; nothing is changed).
+def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int,
+                      embedded: frozenset[str] = frozenset()) -> TensorPlan:
+    """Find the regions to split over ``size`` ranks (pure; nothing is changed). ``embedded``: tables the whole model
+    embeds, when ``model`` is one pipeline stage of it (its LM head may be tied to another stage's embedding).
 
     Raises:
         TensorSplitError: ``size`` does not divide a split width or head count (names them and the fix), or no
@@ -305,7 +314,8 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     regions = _regions(model.graph, walk, seeds, candidates)
     for r in walk.rows.values():
         kept.pop(r, None)
-    regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept)
+    regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept,
+                          embedded)
     plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
     _check_sizes(model, plan, walk)
     return plan
@@ -316,7 +326,7 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
     for s in sorted(seeds):
         r = by_root.setdefault(walk.find(s), Region())
         r.columns.append(candidates[s])
-        if transposed(graph.node[s]):
+        if transposed(graph.node[s]) or graph.node[s].input[1] != candidates[s]:  # Gemm transB=1, or Transpose(W)
             r.transposed.append(candidates[s])
         if walk.groups.get(s, 1) > 1:
             r.groups[candidates[s]] = walk.groups[s]
@@ -328,7 +338,7 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
         r.nodes.append(i)
         if i in walk.rows:
             r.rows.append(walk.rows[i])
-            if transposed(graph.node[i]):
+            if transposed(graph.node[i]) or walk.rows[i] in walk.via_transpose:
                 r.transposed.append(walk.rows[i])
             r.outputs.append(graph.node[i].output[0])
         if i in walk.biases:

@@ -55,10 +55,16 @@ def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.Mod
         tensor = numpy_helper.from_array(values, out)
         new_nodes.setdefault(i, []).append(helper.make_node("Constant", [], [out], name=names.new(out), value=tensor))
         node.input[pos] = out
+    split = {out for r in plan.regions for i in r.nodes for out in graph.node[i].output} | {
+        m for r in plan.regions for m in r.members}
     ordered = []
     for i, node in enumerate(graph.node):
         ordered += new_nodes.get(i, []) + replaced.get(i, [node])
     del graph.node[:]
     graph.node.extend(ordered)
-    del graph.value_info[:]  # shapes of the split tensors changed; inference recomputes them
+    # Shapes of the split tensors changed (inference recomputes them); the replicated tensors' declared shapes hold on
+    # every rank (graph/shapes.py declares broadcast operands that inference cannot tell: keep them for the pieces).
+    kept = [v for v in graph.value_info if v.name not in split]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
     return declare_fused_types(model)  # ...except through com.microsoft ops (fused GELUs, graph/gelu.py)

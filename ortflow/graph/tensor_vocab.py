@@ -62,7 +62,8 @@ class _Graph:
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         if n.op_type == "Gather" and n.input[0] == table and attrs.get("axis", 0) == 0:
             ids = n.input[1]
-            while ids in self.producer and self.g.node[self.producer[ids]].op_type == "Cast":
+            # ids are a graph input, maybe cast or reshaped (HF's input_ids.view(-1, seq))
+            while ids in self.producer and self.g.node[self.producer[ids]].op_type in {"Cast", *_RESHAPES}:
                 ids = self.g.node[self.producer[ids]].input[0]
             if ids not in self.inputs:
                 return f"Gather '{node_label(n)}' reads ids computed in the graph, not a graph input (positions?)"
@@ -79,15 +80,17 @@ class _Graph:
 
 
 def plan_vocab(model: onnx.ModelProto, trainable, size: int, shapes: dict[str, list], sliced: set[str],
-               kept: dict[str, str]) -> list[Region]:
+               kept: dict[str, str], embedded: frozenset[str] = frozenset()) -> list[Region]:
     """The vocabulary-split regions of ``model`` (one per embedding Gather and per LM head); records in ``kept`` why
-    a table that looks like an embedding or LM head stays replicated (and drops the tables it splits from it)."""
+    a table that looks like an embedding or LM head stays replicated (and drops the tables it splits from it).
+    ``embedded``: tables the whole model embeds (a pipeline stage's LM head tied to another stage's embedding)."""
     if opset_version(model) < MIN_OPSET:
         return []
     graph, names, regions = _Graph(model, shapes), Names(model.graph), []
     tables = [t for t in sorted(set(trainable) - sliced) if len(shapes.get(t, [])) == 2]
     uses = {t: [graph.use(i, t) for i in graph.readers.get(t, [])] for t in tables}
-    vocabularies = {shapes[t][0] for t in tables if any(isinstance(u, tuple) and u[0] == "embedding" for u in uses[t])}
+    vocabularies = {shapes[t][0] for t in tables if t in embedded
+                    or any(isinstance(u, tuple) and u[0] == "embedding" for u in uses[t])}
     for table in tables:
         # an LM head is the output layer of a model that embeds a vocabulary of its width (not a classifier's head)
         found = [u for u in uses[table] if isinstance(u, tuple) and (u[0] == "embedding"
@@ -96,7 +99,7 @@ def plan_vocab(model: onnx.ModelProto, trainable, size: int, shapes: dict[str, l
             continue
         why = next((u for u in uses[table] if isinstance(u, str)), None)
         axes = {u[1] for u in found}
-        embedding = any(u[0] == "embedding" for u in found)
+        embedding = table in embedded or any(u[0] == "embedding" for u in found)
         if why is None and len(axes) > 1:
             why = "its uses read the vocabulary along different axes"
         for kind, _, nodes in found:

@@ -3,8 +3,10 @@ export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortf
 
 from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
 from ortflow.tasks.runs import (
+    announce_final_state,
     finish_version,
     plan_version,
+    prune_versions,
     publish_skipped,
     resolve_config,
     run_folder_lock,
@@ -16,6 +18,7 @@ from ortflow.tasks.training import TrainingFailed, train
 
 __all__ = [
     "STAGES",
+    "announce_final_state",
     "StageCache",
     "TrainingFailed",
     "configure",
@@ -30,6 +33,7 @@ __all__ = [
     "staged",
     "invalidate",
     "prepare_data",
+    "prune_versions",
     "publish_summary",
     "retain_checkpoints",
     "stage_key",

@@ -36,33 +36,64 @@ def _tensor_value(value) -> float:
     return float(np.asarray(tensor_util.make_ndarray(value.tensor)).reshape(-1)[0])
 
 
+def _ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """``count`` evenly spaced values from ``low`` to ``high`` (one when they are equal)."""
+    if high == low:
+        return [low]
+    return [low + (high - low) * i / (count - 1) for i in range(count)]
+
+
 def _svg(curve: dict[str, list[tuple[int, float]]], width: int = 640, height: int = 320) -> str:
+    """The loss curves as an SVG line chart with axes, ticks, tick labels, axis titles and a legend."""
     every = [p for series in curve.values() for p in series]
     steps = [s for s, _ in every]
     losses = [v for _, v in every]
-    x0, x1 = min(steps), max(steps) or 1
+    x0, x1 = min(steps), max(steps)
     y0, y1 = min(losses), max(losses)
-    pad, span_x, span_y = 40, (x1 - x0) or 1, (y1 - y0) or 1
+    left, right, top, bottom = 64, 16, 28, 44  # room for the tick labels and axis titles
+    span_x, span_y = (x1 - x0) or 1, (y1 - y0) or 1
+    plot_w, plot_h = width - left - right, height - top - bottom
 
-    def xy(step: int, value: float) -> str:
-        x = pad + (step - x0) / span_x * (width - 2 * pad)
-        y = height - pad - (value - y0) / span_y * (height - 2 * pad)
-        return f"{x:.1f},{y:.1f}"
+    def x_of(step: float) -> float:
+        return left + (step - x0) / span_x * plot_w
+
+    def y_of(value: float) -> float:
+        return top + plot_h - (value - y0) / span_y * plot_h
 
     colors = {"train": "#1f77b4", "eval": "#d62728"}
-    lines = [
+    out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
         f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
-        f'<text x="{pad}" y="14">loss {y0:.4g} .. {y1:.4g}, step {x0} .. {x1}</text>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="black"/>',
     ]
+    for value in _ticks(y0, y1):
+        y = y_of(value)
+        out.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="black"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:.4g}</text>')
+    for step in sorted({round(v) for v in _ticks(x0, x1)}):
+        x = x_of(step)
+        out.append(f'<line x1="{x:.1f}" y1="{top + plot_h}" x2="{x:.1f}" y2="{top + plot_h + 4}" stroke="black"/>')
+        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{step}</text>')
+    out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 6}" text-anchor="middle">step</text>')
+    out.append(f'<text x="14" y="{top + plot_h / 2:.1f}" text-anchor="middle" '
+               f'transform="rotate(-90 14 {top + plot_h / 2:.1f})">loss</text>')
     for i, (name, series) in enumerate(curve.items()):
-        if series:
-            pts = " ".join(xy(s, v) for s, v in series)
-            lines.append(f'<polyline fill="none" stroke="{colors.get(name, "black")}" stroke-width="1.5" '
-                         f'points="{pts}"/>')
-            lines.append(f'<text x="{width - 120}" y="{30 + 14 * i}" fill="{colors.get(name)}">{name} loss</text>')
-    lines.append("</svg>")
-    return "".join(lines)
+        if not series:
+            continue
+        color = colors.get(name, "black")
+        if len(series) == 1:
+            (step, value), = series
+            out.append(f'<circle cx="{x_of(step):.1f}" cy="{y_of(value):.1f}" r="3" fill="{color}"/>')
+        else:
+            points = " ".join(f"{x_of(s):.1f},{y_of(v):.1f}" for s, v in series)
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}"/>')
+        lx = left + plot_w - 180 + 90 * i
+        out.append(f'<line x1="{lx}" y1="14" x2="{lx + 14}" y2="14" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{lx + 18}" y="18">{name} loss</text>')
+    out.append("</svg>")
+    return "".join(out)
 
 
 def _text_chart(series: list[tuple[int, float]], width: int = 60) -> str:

@@ -41,9 +41,20 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def artifact_key(cfg: Any, kind: str) -> str:
-    """Stable artifact key per run name (= deployment name) and kind: ``ortflow-<name>-<kind>``."""
+    """Stable artifact key per run name, output folder and kind: ``ortflow-<name>-<8 hex digits>-<kind>``.
+
+    The digits identify the output folder (the base folder of a versioned run, so every version of a deployment
+    shares its keys), so two configs that share a ``name`` but not an ``output_dir`` never overwrite each other's
+    artifacts.
+    """
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(cfg.output_dir).resolve()
+    if folder.parent.name == "versions":  # versions.VERSIONS_DIR: a version folder keys as its base folder
+        folder = folder.parent.parent
     slug = "".join(c if c.isalnum() else "-" for c in cfg.name.lower()).strip("-")
-    return f"ortflow-{slug}-{kind}"
+    return f"ortflow-{slug}-{hashlib.sha256(str(folder).encode()).hexdigest()[:8]}-{kind}"
 
 
 class _RunLoggerHandler(logging.Handler):

@@ -62,13 +62,19 @@ def run_folder_lock(cfg: RunConfig, purpose: str) -> Iterator[Path]:
 
 
 @task(name="plan_version", cache_policy=NO_CACHE)
-def plan_version(config: RunConfig, new_version: bool, from_stage: str | None = None) -> versions.Plan:
+def plan_version(
+    config: RunConfig, new_version: bool, from_stage: str | None = None, version: str | None = None
+) -> versions.Plan:
     """Pick the folder this run trains in (a new version, this flow run's own version on a retry, or the run
-    folder); ``from_stage`` makes that stage and every later one run again."""
+    folder); ``from_stage`` makes that stage and every later one run again, in a versioned run inside an existing
+    version (``version``, else the newest) instead of a new one."""
     from ortflow.tasks.caching import invalidate
 
     with forward_logs() as logger:
-        plan = versions.plan_run(config, flow_run_id(), new_version)
+        if new_version and from_stage is not None:
+            plan = versions.plan_rerun(config, flow_run_id(), version)
+        else:
+            plan = versions.plan_run(config, flow_run_id(), new_version)
         if plan.skipped_because:
             logger.info("skipped: %s", plan.skipped_because)
         elif plan.version:
@@ -88,6 +94,22 @@ def finish_version(config: RunConfig, plan: versions.Plan, status: str, summary:
     return versions.finish_version(config.output_dir, plan.version, status, summary)
 
 
+@task(name="prune_versions", cache_policy=NO_CACHE)
+def prune_versions(config: RunConfig) -> dict | None:
+    """Apply ``versions.keep`` after a version completed: delete the folders of versions beyond it."""
+    keep = config.versions.keep
+    if keep is None:
+        return None
+    with forward_logs() as logger:
+        result = versions.prune_versions(config.output_dir, keep, config.versions.pinned)
+        if result.deleted:
+            logger.info("versions.keep %d: pruned %s (%.1f MB freed); %d version folder(s) use %.1f MB", keep,
+                        ", ".join(result.deleted), result.freed_bytes / 1e6, len(result.kept),
+                        result.remaining_bytes / 1e6)
+    return {"deleted": list(result.deleted), "freed_bytes": result.freed_bytes,
+            "remaining_bytes": result.remaining_bytes}
+
+
 @task(name="publish_skipped", cache_policy=NO_CACHE)
 def publish_skipped(config: RunConfig, plan: versions.Plan) -> dict:
     """Say, as the run's summary artifact, that nothing was trained and why."""
@@ -97,6 +119,29 @@ def publish_skipped(config: RunConfig, plan: versions.Plan) -> dict:
         key=artifact_key(config, "summary"), description=f"Result of {config.name}",
     )
     return {"skipped": plan.skipped_because, "version": plan.parent}
+
+
+def announce_final_state(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow-run hook: emit ``ortflow.flow-run.<state name>`` for the run's final state (Completed, Failed, TimedOut,
+    Crashed, Cancelled), the event ortflow's automations (``ortflow automations``) react to.
+
+    Prefect's own state events of a run created by the server's scheduler follow a state that had no event, and its
+    automations hold such followers for many minutes before evaluating them; this event follows nothing, so alerts
+    and the zombie-run automation see it at once.
+    """
+    from prefect.events import emit_event
+
+    related = [{"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}
+               for tag in sorted(flow_run.tags or ())]
+    if flow_run.deployment_id:
+        related.append({"prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
+                        "prefect.resource.role": "deployment"})
+    emit_event(
+        event=f"ortflow.flow-run.{state.name}",
+        resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.name": flow_run.name,
+                  "ortflow.state-message": str(state.message or "")[:1000]},
+        related=related,
+    )
 
 
 def _delays(values: tuple[float, ...], retries: int) -> list[float]:

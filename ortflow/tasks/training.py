@@ -6,6 +6,7 @@ import contextvars
 import logging
 import re
 import threading
+import time
 from pathlib import Path
 
 from prefect import task
@@ -47,9 +48,14 @@ _REPEATING = re.compile(
 )
 
 
-def failure_repeats(error_lines: tuple[str, ...]) -> bool:
-    """Whether a failed job's error lines name an error that a retry would meet again."""
-    return any(_REPEATING.search(line) for line in error_lines)
+#: The ranks' exit status when a weight update's loss or gradient norm is not finite (every rank stops at the same
+#: update; a retry would resume from the last good checkpoint and diverge again).
+EXIT_NONFINITE = 4
+
+
+def failure_repeats(error_lines: tuple[str, ...], returncode: int = 1) -> bool:
+    """Whether a failed job (its exit status and error lines) would fail the same way when run again."""
+    return returncode == EXIT_NONFINITE or any(_REPEATING.search(line) for line in error_lines)
 
 
 _RANK_LEVEL = re.compile(r"^\[(\d+)\]\s+(?:\d\d:\d\d:\d\d\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
@@ -99,13 +105,18 @@ def progress_percent(record: dict | None) -> float:
     return max(0.0, min(100.0, 100.0 * record["step"] / record["total"]))
 
 
-def final_description(record: dict | None, exc: BaseException | None) -> str:
-    """The progress artifact's last words: Completed, Failed at step N (why), or Cancelled at step N."""
+def final_description(record: dict | None, exc: BaseException | None, timed_out: bool = False) -> str:
+    """The progress artifact's last words: Completed, Failed at step N (why), Timed out, Stopped or Cancelled at
+    step N."""
     step = f"step {record.get('step')}/{record.get('total')}" if record else "before the first step"
     if exc is None:
         return f"Completed: {describe_progress(record)}"
-    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ in ("TerminationSignal", "CancelledError", "Abort"):
-        return f"Cancelled at {step}"
+    if timed_out:
+        return f"Timed out at {step} (pipeline.train_timeout_s); the ranks stopped with a checkpoint"
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "TerminationSignal":
+        return f"Stopped by a signal at {step}; the ranks stopped with a checkpoint"
+    if type(exc).__name__ in ("CancelledError", "Abort"):
+        return f"Cancelled at {step}; the ranks stopped with a checkpoint"
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"Failed at {step}: {reason}"
 
@@ -120,6 +131,7 @@ class _ProgressWatcher:
         self.stop = threading.Event()
         self.last: dict | None = None
         self.started = read_progress(run_dir)  # a record left by an earlier attempt
+        self.begun = time.monotonic()
         self.artifact_id = create_progress_artifact(
             progress_percent(self.started), key=key, description=describe_progress(None)
         )
@@ -141,6 +153,14 @@ class _ProgressWatcher:
             except Exception as err:  # noqa: BLE001 - a failed artifact update must not stop training
                 log.debug("progress artifact update failed: %s", err)
 
+    def _timed_out(self, exc: BaseException | None) -> bool:
+        """A task timeout reaches the task as a cancellation; it is one once the task's time limit has passed."""
+        from prefect.context import TaskRunContext
+
+        context = TaskRunContext.get()
+        limit = context.task.timeout_seconds if context else None
+        return exc is not None and bool(limit) and time.monotonic() - self.begun >= 0.9 * limit
+
     def __enter__(self) -> _ProgressWatcher:
         self.thread.start()
         return self
@@ -151,7 +171,7 @@ class _ProgressWatcher:
         try:
             record = read_progress(self.run_dir) or self.last
             self.last = record or self.last
-            final = final_description(record, exc)
+            final = final_description(record, exc, timed_out=self._timed_out(exc))
             update_progress_artifact(self.artifact_id, progress_percent(record), description=final)
         except Exception as err:  # noqa: BLE001
             log.warning("progress artifact update failed: %s", err)
@@ -214,7 +234,8 @@ def train(config: RunConfig) -> dict:
                     result = launch(config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
                                     threads=layout.threads, on_line=on_line)  # fmt: skip
                 if not result.ok:
-                    raise TrainingFailed(result.summary(), will_repeat=failure_repeats(result.error_lines))
+                    raise TrainingFailed(result.summary(),
+                                         will_repeat=failure_repeats(result.error_lines, result.returncode))
         finally:
             try:
                 publish_loss_curve(config)

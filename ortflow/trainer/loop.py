@@ -103,12 +103,15 @@ def train(
         evaluated = period > 0 and step % period == 0 or final
         if evaluated or checkpoints.should_save(step, final=final or stopping):
             norm_stats.sync()  # Sync point: every replica evaluates and saves the same running statistics
+        if evaluated and final:  # saved first: a failing final evaluation never costs the trained weights
+            save(model, checkpoints, step, cursor, train_loss, None)
         eval_loss = evaluate(model, eval_batches) if evaluated else None
         timer.lap("eval")
         if step % cfg.train.display_loss_steps == 0 or evaluated:
             window.report(step, final, {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm})
         timer.lap("other")
-        if checkpoints.should_save(step, final=final or stopping):
+        # (the final step was saved before its evaluation: saved again, with its eval loss)
+        if checkpoints.should_save(step, final=final or stopping) or evaluated and final:
             save(model, checkpoints, step, cursor, train_loss, eval_loss)
         timer.lap("checkpoint")
 

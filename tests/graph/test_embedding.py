@@ -165,3 +165,26 @@ def test_pipeline_stages_get_the_rewrite_too(tmp_path):
     ops = collections.Counter(n.op_type for n in onnx.load(str(stage_dir(cfg.artifacts_dir, 0) /
                                                                 "training_model.onnx")).graph.node)
     assert ops["GatherNDGrad"] == 1 and ops["GatherGrad"] == 0  # stage 0 holds the token embedding
+
+
+
+def test_bert_broadcast_position_embeddings_get_a_declared_shape_so_their_gradient_is_summed_over_the_batch():
+    # BERT adds position embeddings [1, seq, C] (ids sliced from a buffer, first dim unknown to onnx's inference) to
+    # [batch, seq, C]. Undeclared, the engine's Add gradient passes [batch, seq, C] on to the table's GatherGrad /
+    # GatherNDGrad, which then reads batch times more ids than exist (wrong rows, writes past the buffer).
+    import onnx as _onnx
+
+    from ortflow.graph.prepare import prepare_model
+    from tests.support.exports import export_path
+
+    model = _onnx.load(str(export_path("bert.onnx")))
+    trainable = {t.name for t in model.graph.initializer if t.data_type == _onnx.TensorProto.FLOAT}
+    prepared = prepare_model(model, trainable, "cross_entropy", "logits", "labels", repeatable_gathers=True)
+    graph = prepared.model.graph
+    position = "/model/bert/embeddings/position_embeddings/Gather_output_0"
+    (declared,) = [v for v in graph.value_info if v.name == position]
+    assert [d.dim_value or d.dim_param for d in declared.type.tensor_type.shape.dim] == [1, "seq", 64]
+    reads = {n.input[0].split(".")[-2]: n.op_type for n in graph.node
+             if n.op_type in ("Gather", "GatherND") and n.input[0] in trainable}
+    assert reads == {"word_embeddings": "GatherND", "token_type_embeddings": "GatherND",
+                     "position_embeddings": "GatherND"}

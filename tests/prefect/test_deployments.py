@@ -93,3 +93,55 @@ def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources)
                         "every process of the cancelled run to exit")
     assert leftover
     assert processes_mentioning(str(long.output_dir)) == []
+
+
+def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees_the_slot(
+    prefect_server, mlp_sources, tmp_path
+):
+    import signal
+    import time
+
+    from ortflow.checkpoints import list_complete
+
+    cfg = mlp_config(tmp_path, mlp_sources, "serve-stop",
+                     train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},
+                     checkpoint={"period": 500, "max_num_checkpoints": 2})
+    config_file = write_config(cfg, tmp_path / "serve-stop.yaml")
+    with serving(config_file, prefect_server, "serve-stop", tmp_path, tmp_path / "serve.log") as proc:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("train-pipeline/serve-stop")
+            run = client.create_flow_run_from_deployment(deployment.id)
+
+        def periodic_checkpoint():
+            folders = list(cfg.output_dir.glob("versions/*"))
+            return folders and len(rank_pids(folders[0])) == 2 and list_complete(folders[0] / "checkpoints") and \
+                folders[0]
+        folder = wait_for(periodic_checkpoint, 300, "two ranks training past a periodic checkpoint")
+        last_periodic = list_complete(folder / "checkpoints")[-1].step
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None, 90,
+                         "the flow run to reach a final state")
+        took = time.monotonic() - sent
+        proc.wait(timeout=90)
+    assert state.type.value in ("CRASHED", "CANCELLED"), state
+    assert took < 30, f"the flow run took {took:.0f} s to reach its final state"
+    stop = list_complete(folder / "checkpoints")[-1]
+    assert stop.step > last_periodic and stop.step % 500 != 0, (stop.step, last_periodic)  # written on the stop
+    (entry,) = read_registry(cfg.output_dir)
+    assert entry["status"] == "stopped", entry
+    assert not processes_mentioning(str(folder))
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    # The deployment's only concurrency slot is free: a run created now starts and completes under a new serve.
+    with serving(config_file, prefect_server, "serve-stop", tmp_path, tmp_path / "serve2.log"):
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("train-pipeline/serve-stop")
+            short = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"overrides": ["train.num_train_steps=10", "checkpoint.period=5"]})
+        state = wait_for(lambda: _flow_run(short.id).state if _flow_run(short.id).state.is_final() else None,
+                         300, "the next run to end")
+    assert state.is_completed(), (state, (tmp_path / "serve2.log").read_text()[-3000:])

@@ -14,6 +14,7 @@ from prefect import flow
 from ortflow import tasks
 from ortflow.flows import train_pipeline
 from ortflow.tasks.caching import invalidate
+from ortflow.tasks.common import artifact_key
 from ortflow.trainer.metrics import read_progress
 from tests.support.prefect_runs import final_parameters, mlp_config, processes_mentioning, rank_pids, wait_for
 
@@ -98,10 +99,11 @@ def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curv
     assert any("best eval loss" in a.data and str(cfg.export_path) in a.data for a in markdown)
     progress = artifacts_of(state.state_details.flow_run_id, "progress")
     assert [a.data for a in progress] == [100.0]  # the train task's bar, finished
-    assert progress[0].key == "ortflow-complete-progress" and progress[0].description.startswith("Completed: step 20")
+    key = artifact_key(cfg, "progress")
+    assert key.startswith("ortflow-complete-") and key.endswith("-progress")
+    assert progress[0].key == key and progress[0].description.startswith("Completed: step 20")
     keys = {a.key for kind in ("markdown", "table") for a in artifacts_of(state.state_details.flow_run_id, kind)}
-    assert {"ortflow-complete-summary", "ortflow-complete-results", "ortflow-complete-training",
-            "ortflow-complete-loss-curve"} <= keys
+    assert {artifact_key(cfg, kind) for kind in ("summary", "results", "training", "loss-curve")} <= keys
 
     # The loss-curve chart holds the run's losses: the ones the ranks recorded with each checkpoint.
     curve = loss_curve(cfg.tensorboard_dir)
@@ -112,7 +114,7 @@ def test_pipeline_completes_on_tiny_data_and_publishes_its_summary_and_loss_curv
     for meta in metas:
         assert train[meta.step] == pytest.approx(meta.train_loss, rel=1e-6)
         assert evals[meta.step] == pytest.approx(meta.eval_loss, rel=1e-6)
-    chart = next(a for a in markdown if a.key == "ortflow-complete-loss-curve")
+    chart = next(a for a in markdown if a.key == artifact_key(cfg, "loss-curve"))
     assert "data:image/svg+xml;base64," in chart.data
     for step, loss in curve["train"]:
         assert f"| {step} | {loss:.6g} |" in chart.data
@@ -198,20 +200,59 @@ def _train_with_timeout(config, timeout_s: float) -> None:
 
 
 def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_path):
+    """A task timeout that fires while the ranks train stops every one of them.
+
+    The ranks take a while to start on a loaded machine, and a timeout that fires before training began proves
+    nothing: the test starts with a 6 s limit and, while an attempt ends before its ranks reported a step, doubles
+    the limit (each attempt must still fail and leave no rank behind).
+    """
+    import time
+
     from ortflow.build.configure import configure
     from ortflow.dataprep import prepare_data
 
     cfg = mlp_config(tmp_path, mlp_sources, "timeout",
-                     train={"num_train_steps": 500000, "display_loss_steps": 1000, "evaluation_period": 0},
-                     checkpoint={"period": 100000})
+                     train={"num_train_steps": 5000000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 10000000})
     configure(cfg)
     prepare_data(cfg)
-    state = _train_with_timeout(cfg, 6.0, return_state=True)
-    assert state.is_failed()
-    from ortflow.checkpoints import list_complete
+    timeout_s, trained_during = 6.0, None
+    while trained_during is None and timeout_s <= 200:
+        started = time.time()
+        state = _train_with_timeout(cfg, timeout_s, return_state=True)
+        assert state.is_failed(), state
+        assert task_states(state.state_details.flow_run_id)["train"] == "TimedOut"
+        wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 60, "the ranks to exit after the timeout")
+        record, path = read_progress(cfg.output_dir), cfg.output_dir / "progress.json"
+        if record is not None and path.stat().st_mtime >= started and record["step"] < 5000000:
+            trained_during = timeout_s
+        timeout_s *= 2
+    assert trained_during is not None, "training never started within any timeout up to 200 s"
 
-    # The timeout interrupts the task at once (before the first progress record, whose period is 1000 steps, on a fast
-    # machine); the ranks then stop with a checkpoint, which shows they were training.
-    started = read_progress(cfg.output_dir) is not None or list_complete(cfg.checkpoints_dir)
-    assert started, "training never started; the timeout proves nothing"
-    wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the ranks to exit after the timeout")
+
+def test_a_diverging_run_fails_once_without_retries_and_says_what_to_fix(prefect_server, mlp_sources, tmp_path):
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    from ortflow.cli_terminal import failure_advice
+
+    rng = np.random.default_rng(0)
+    features = (rng.normal(size=(64, 8)) * 1e37).astype(np.float32)  # finite, but x @ W overflows to inf
+    np.savez(tmp_path / "huge.npz", features=features, labels=np.zeros(64, dtype=np.int64))
+    cfg = mlp_config(tmp_path, {**mlp_sources, "data": tmp_path / "huge.npz"}, "diverging",
+                     train={"num_train_steps": 50, "display_loss_steps": 1, "evaluation_period": 0})
+    state = train_pipeline(cfg, return_state=True)
+    ended = time.time()
+    assert state.is_failed(), state
+    with get_client(sync_client=True) as client:
+        train_run = next(r for r in read_task_runs(client, state.state_details.flow_run_id)
+                         if r.name.startswith("train-"))
+    assert train_run.run_count == 1 and train_run.state.name == "Failed", train_run.state  # no retry
+    try:
+        state.result()
+    except Exception as err:  # noqa: BLE001
+        error = err
+    assert "exit status 4" in str(error) and "non-finite" in str(error)
+    assert failure_advice(error, "ortflow run c.yaml")[0].startswith("fix the problem above")
+    print(f"the flow run ended {ended - train_run.start_time.timestamp():.1f} s after the train task started")

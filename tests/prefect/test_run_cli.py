@@ -78,30 +78,74 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_sigterm_stops_ortflow_run_its_ranks_and_its_temporary_server(mlp_sources, tmp_path):
-    cfg = mlp_config(tmp_path, mlp_sources, "sigterm",
-                     train={"num_train_steps": 400000, "display_loss_steps": 1000, "evaluation_period": 0},
-                     checkpoint={"period": 100000})
-    config_file = write_config(cfg, tmp_path / "sigterm.yaml")
+def _temporary_server_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_UI_ENABLED="false", OMP_NUM_THREADS="1",  # no API URL: a temporary server
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # (slow to start on a loaded machine)
-    proc = subprocess.Popen([ORTFLOW, "run", str(config_file)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+               PREFECT_SERVER_UI_ENABLED="false", OMP_NUM_THREADS="1")  # no API URL: a temporary server
+    return env
+
+
+def _start_training(tmp_path: Path, mlp_sources, name: str) -> tuple[subprocess.Popen, object, list[int]]:
+    """``ortflow run --new-version`` of a long run in a process group of its own (as a terminal starts it), once
+    its two ranks train; returns the process, the config and every process it started (the server included)."""
+    cfg = mlp_config(tmp_path, mlp_sources, name,
+                     train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},
+                     checkpoint={"period": 1000000})
+    config_file = write_config(cfg, tmp_path / f"{name}.yaml")
+    proc = subprocess.Popen([ORTFLOW, "run", str(config_file), "--new-version"], env=_temporary_server_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+    def training() -> bool:
+        return proc.poll() is not None or any(
+            len(rank_pids(folder)) == 2 and (folder / "progress.json").exists()
+            for folder in cfg.output_dir.glob("versions/*"))
+
+    wait_for(training, 300, "two ranks training")
+    assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+    family = _descendants(proc.pid)
+    assert any("uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p) for p in family), [
+        _cmdline(p) for p in family]
+    return proc, cfg, family
+
+
+@pytest.mark.parametrize(("sig", "to_group", "times"), [
+    (signal.SIGINT, False, 1), (signal.SIGINT, True, 2), (signal.SIGTERM, False, 2), (signal.SIGTERM, True, 1),
+])
+def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and_no_process(
+    mlp_sources, tmp_path, sig, to_group, times
+):
+    from ortflow.checkpoints import list_complete
+    from ortflow.versions import read_registry
+
+    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped")
     try:
-        wait_for(lambda: proc.poll() is not None or len(rank_pids(cfg.output_dir)) == 2, 240, "two ranks training")
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        family = _descendants(proc.pid)
-        assert any("prefect" in _cmdline(p) and "server" in _cmdline(p) for p in family), [_cmdline(p) for p in family]
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=90)[0].decode()
-        assert proc.returncode == 143, out[-3000:]
-        assert "stopped by SIGTERM" in out
-        wait_for(lambda: not any(_alive(p) for p in family), 20, "ortflow run's server and ranks to exit")
-        assert time.monotonic() - started < 60
+        sent = time.monotonic()
+        for _ in range(times):  # a second Ctrl-C, or a process manager repeating itself, keeps the stop clean
+            os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+            time.sleep(0.3)
+        out = proc.communicate(timeout=120)[0].decode()
+        took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert took < 30, f"ortflow run took {took:.0f} s to stop"
+    assert f"stopped by {signal.Signals(sig).name}" in out and "Traceback" not in out, out[-3000:]
+    wait_for(lambda: not any(_alive(p) for p in family), 30, "every process ortflow run started to exit")
+    (entry,) = read_registry(cfg.output_dir)
+    assert entry["status"] == "stopped", entry
+    stop_checkpoints = list_complete(Path(entry["path"]) / "checkpoints")
+    assert stop_checkpoints and stop_checkpoints[-1].step % 1000000 != 0  # written on the stop, not by the period
+    assert str(stop_checkpoints[-1].path) in out  # the message names it
+    log = Path(re.search(r"the log is in (\S+)", out)[1]).read_text()
+    assert re.search(r"prefect.flow_runs '.*' \| Finished in state (Crashed|Cancelled)", log), log[-3000:]
+    assert "httpx" not in out  # the terminal shows ortflow's lines, not HTTP requests
+
+
+def test_kill_9_of_ortflow_run_leaves_no_server_behind(mlp_sources, tmp_path):
+    proc, cfg, family = _start_training(tmp_path, mlp_sources, "killed")
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not any(_alive(p) for p in family), 30, "the temporary server and the ranks to exit")

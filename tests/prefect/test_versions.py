@@ -98,9 +98,13 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
 
 
 def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server, mlp_sources, tmp_path):
+    import time
+
+    from ortflow.checkpoints import list_complete
+
     cfg = mlp_config(tmp_path, mlp_sources, "killed-version",
                      train={"num_train_steps": 4000, "display_loss_steps": 100, "evaluation_period": 0},
-                     checkpoint={"period": 250, "max_num_checkpoints": 2})
+                     checkpoint={"period": 250, "max_num_checkpoints": 100})  # every checkpoint stays as a record
     killed = []
 
     def kill_one_rank() -> None:
@@ -109,10 +113,11 @@ def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server
             return running and Path(running[0]["path"])
 
         folder = wait_for(running_version, 120, "the version folder")
-        record = wait_for(lambda: (r := read_progress(folder)) and 800 <= r["step"] < 3000 and r, 180,
-                          "training to pass step 800")
+        wait_for(lambda: (r := read_progress(folder)) and 800 <= r["step"] < 3500 and list_complete(folder / "checkpoints"),
+                 180, "training to pass step 800 with a checkpoint written")
+        at = time.time()
         os.kill(rank_pids(folder)[0], signal.SIGKILL)
-        killed.append(record["step"])
+        killed.append(at)
 
     killer = threading.Thread(target=kill_one_rank, daemon=True)
     killer.start()
@@ -134,18 +139,17 @@ def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server
         train_run = next(r for r in read_task_runs(client, state.state_details.flow_run_id)
                          if r.name.startswith("train-"))
     assert train_run.run_count == 2  # failed once, retried once
-    # The retry wrote into the same folder and resumed there: a second event file whose first step is past the kill's
-    # last checkpoint, not step 1.
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    files = sorted((folder / "tensorboard").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    assert len(files) == 2, files
-    first_steps, resumed_steps = ([e.step for e in EventFileLoader(str(f)).Load() if e.summary.value] for f in files)
-    # Resuming from checkpoint step c (a multiple of 250), the first step logged is the next multiple of 100; a
-    # restart from scratch would log step 100 first.
-    resumed_from = max(c for c in range(250, 4000, 250) if c < min(resumed_steps))
-    assert min(resumed_steps) - resumed_from <= 100 and killed[0] - 250 <= resumed_from <= max(first_steps), (
-        resumed_steps[:3], killed, max(first_steps))
+    # The checkpoints are the record of progress: each folder's meta.json is written last, once. The retry resumed in
+    # the same folder from the newest checkpoint of the killed attempt: every checkpoint written before the kill is
+    # still the one the first attempt wrote, and the retry wrote only later steps. A restart from scratch would have
+    # rewritten step 250 and every step after it.
+    done = list_complete(folder / "checkpoints")
+    assert [c.step for c in done] == list(range(250, 4001, 250))
+    written = {c.step: (c.path / "meta.json").stat().st_mtime for c in done}
+    before = sorted(step for step, mtime in written.items() if mtime < killed[0])
+    after = sorted(step for step, mtime in written.items() if mtime >= killed[0])
+    assert before and after and max(before) < min(after), (before, after)
+    assert entries[0]["final_checkpoint"] == str(done[-1].path)
     assert read_progress(folder)["step"] == 4000
 
 
@@ -175,3 +179,71 @@ def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_se
         out, _ = first.communicate(timeout=90)
     assert first.returncode == 143, out[-3000:]
     wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the first run's processes to exit")
+
+
+def test_versions_keep_3_after_5_runs_leaves_3_version_folders_and_prune_on_demand_reports_the_disk(
+    prefect_server, mlp_sources, tmp_path
+):
+    from ortflow.versions import folder_bytes
+
+    cfg = mlp_config(tmp_path, mlp_sources, "kept",
+                     train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
+                     checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 3})
+    sizes = []
+    for _ in range(5):
+        state = train_pipeline(cfg, new_version=True, return_state=True)
+        assert state.is_completed(), state
+        sizes.append(folder_bytes(cfg.output_dir / "versions"))
+    entries = read_registry(cfg.output_dir)
+    statuses = [e["status"] for e in entries]
+    assert statuses == ["pruned", "pruned", "completed", "completed", "completed"], statuses
+    folders = sorted(p.name for p in (cfg.output_dir / "versions").iterdir())
+    assert folders == [e["version"] for e in entries[2:]]
+    assert resolve_run(cfg.output_dir / "latest") == Path(entries[-1]["path"])
+    print(f"version folders after each of the 5 runs (keep 3): {[f'{s / 1e6:.2f} MB' for s in sizes]}")
+
+    config_file = write_config(cfg, tmp_path / "kept.yaml")
+    done = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
+                           "--set", "versions.keep=1"], env=prefect_server, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pruned 2 version(s)" in done.stderr and "MB freed" in done.stderr, done.stderr
+    assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [entries[-1]["version"]]
+    print(done.stderr.splitlines()[0])
+    without = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
+                              "--set", "versions.keep=null"], env=prefect_server, capture_output=True, text=True,
+                             timeout=120)
+    assert without.returncode == 1 and "versions.keep is not set" in without.stderr, without.stderr
+
+
+def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_never_a_new_one(
+    prefect_server, mlp_sources, tmp_path
+):
+    from tests.prefect.test_pipeline import task_states
+
+    cfg = mlp_config(tmp_path, mlp_sources, "rerun-version",
+                     train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
+                     checkpoint={"period": 5})
+    for _ in range(2):
+        assert train_pipeline(cfg, new_version=True, return_state=True).is_completed()
+    first, second = read_registry(cfg.output_dir)
+    models = {e["version"]: Path(e["exported model"]) for e in (first, second)}
+    written = {name: path.stat().st_mtime_ns for name, path in models.items()}
+
+    named = train_pipeline(cfg, new_version=True, from_stage="export", version=first["version"], return_state=True)
+    assert named.is_completed(), named
+    states = task_states(named.state_details.flow_run_id)
+    assert states["train"] == "Cached" and states["export"] == "Completed", states
+    assert [e["version"] for e in read_registry(cfg.output_dir)] == [first["version"], second["version"]]
+    assert models[first["version"]].stat().st_mtime_ns > written[first["version"]]  # exported again
+    assert models[second["version"]].stat().st_mtime_ns == written[second["version"]]
+    assert resolve_run(cfg.output_dir / "latest") == Path(second["path"])  # latest stays the newest version
+
+    newest = train_pipeline(cfg, new_version=True, from_stage="export", return_state=True)
+    assert newest.is_completed(), newest
+    assert models[second["version"]].stat().st_mtime_ns > written[second["version"]]
+    assert len(read_registry(cfg.output_dir)) == 2 and len(list((cfg.output_dir / "versions").iterdir())) == 2
+
+    missing = train_pipeline(cfg, new_version=True, from_stage="export", version="no-such", return_state=True)
+    assert missing.is_failed()
+    with pytest.raises(Exception, match="version no-such: no such version folder"):
+        missing.result()

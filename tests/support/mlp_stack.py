@@ -18,8 +18,10 @@ B, T, V, D = 2, 8, 32, 16
 
 
 def build_torchlike(path: Path | None = None, *, num_blocks: int = 2, tied: bool = False, dropout: bool = False,
-                    ln_outputs: int = 3, vocab: int = V, seed: int = 0) -> onnx.ModelProto:
-    """The model (saved to ``path`` when given). ``ln_outputs=1`` is torch's single-output LayerNormalization."""
+                    ln_outputs: int = 3, vocab: int = V, seed: int = 0, routed: bool = False) -> onnx.ModelProto:
+    """The model (saved to ``path`` when given). ``ln_outputs=1`` is torch's single-output LayerNormalization.
+    ``routed``: block 0 also computes ``blocks.0.top = ArgMax`` of its LayerNorm output, which the final LayerNorm's
+    input reads (an int64 tensor that depends on trained values: no pipeline cut between the two can carry it)."""
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
 
@@ -49,6 +51,8 @@ def build_torchlike(path: Path | None = None, *, num_blocks: int = 2, tied: bool
     for i in range(num_blocks):
         p = f"blocks.{i}"
         h = layer_norm(x, f"{p}.ln")
+        if routed and i == 0:
+            top = op("ArgMax", [h], f"{p}.top", axis=-1, keepdims=1)
         # torch exports flatten [B, T, D] -> [B*T, D] for the 2-D MatMul and read the shape back from the tensor.
         shape = op("Shape", [h], f"{p}.shape")
         lead = op("Gather", [shape, const(f"{p}.idx0", np.array(0, np.int64))], f"{p}.b", axis=0)
@@ -64,6 +68,9 @@ def build_torchlike(path: Path | None = None, *, num_blocks: int = 2, tied: bool
         if dropout:
             act = op("Dropout", [act], f"{p}.drop")
         x = op("Add", [x, op("Reshape", [act, back], f"{p}.unflat")], f"{p}.resid")
+    if routed:
+        route = op("Cast", [top], "route", to=TensorProto.FLOAT)
+        x = op("Add", [x, op("Mul", [route, const("route_scale", np.array(1e-3, np.float32))], "route_s")], "routed")
     h = layer_norm(x, "ln_f")
     head = op("Transpose", [wte], "wte_t", perm=[1, 0]) if tied else param("lm_head.weight", (D, vocab))
     logits = op("MatMul", [h, head], "logits_3d")

@@ -17,8 +17,10 @@ from ortflow.examples.mlp import build_mlp
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 
 
-def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None = None, **sections) -> RunConfig:
-    """Configure + shard an MLP classifier run under ``root/name``; ``sections`` override config sections."""
+def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None = None, model_fields: dict | None = None,
+             **sections) -> RunConfig:
+    """Configure + shard an MLP classifier run under ``root/name``; ``sections`` override config sections and
+    ``model_fields`` the model section's fields other than its path."""
     root.mkdir(parents=True, exist_ok=True)
     model = model or root / "mlp.onnx"
     if not model.exists():
@@ -32,7 +34,7 @@ def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None =
     raw = {
         "name": name,
         "output_dir": str(root / name),
-        "model": {"path": str(model)},
+        "model": {"path": str(model), **(model_fields or {})},
         "data": {"train": [str(data)], "eval_fraction": 0.125, "rows_per_shard": 100},
         "train": {"batch_size": 4, "num_train_steps": 20, "display_loss_steps": 1, "evaluation_period": 0},
         "optimizer": {"learning_rate": 0.01},

@@ -23,7 +23,7 @@ from ortflow.build.records import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
-from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums
+from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums, sum_across_stages
 from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
 
 log = logging.getLogger("ortflow.trainer")
@@ -39,6 +39,8 @@ class PipeTensorRuntime(TensorRuntime):
     pipe_comm: Communicator | None = None
     receives: tuple[str, ...] = ()
     sends: tuple[str, ...] = field(default_factory=tuple)
+    shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
+    shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
 
     @property
     def last(self) -> bool:
@@ -53,6 +55,23 @@ class PipeTensorRuntime(TensorRuntime):
         if timer is not None:
             timer.lap("forward_backward")
         return loss_sum
+
+    def sum_tied_gradients(self) -> None:
+        """Within the stage (pieces that read one parameter), then across the stages that hold a tied parameter (an
+        embedding and its LM head, sliced alike): each holder ends with the sum, added in stage order."""
+        super().sum_tied_gradients()
+        if self.shared:
+            # Sync point: holders of a tied weight add their slices' gradients (point-to-point, pipeline group).
+            owners = lambda name: self.grad_view(self.holders[name][0], name)  # noqa: E731 - the owner piece's buffer
+            sum_across_stages(self.pipe_comm, self.stage, self.shared, owners)
+
+    def norm_sq(self, mine: list) -> float:
+        """The tensor-parallel rank's share of the squared norm, a tied parameter counted on its first holder only."""
+        if not self.shared:
+            return super().norm_sq(mine)
+        counted = [g if self.shared.get(n, [self.stage])[0] == self.stage else np.zeros(0, g.dtype)
+                   for g, n in zip(mine, self.trainable, strict=True)]
+        return super().norm_sq(counted)
 
     def eval_sums(self, eval_batches) -> np.ndarray:
         """Each replica's eval batches forward through its stages (the last stage's tp rank 0 counts)."""
@@ -99,9 +118,15 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
     info = record["stages"][where.stage]
+    if info.get("shared") and device != "cpu":  # every rank reads the same record: all stop here alike
+        raise RuntimeError(f"tied parameters across pipeline stages {sorted(info['shared'])} are summed on the host: "
+                           "not supported on CUDA yet; use one of pipeline_parallel_size and horizontal_parallel_size")
+    if info.get("shared") and device != "cpu":  # every rank reads the same record: all stop here alike
+        raise RuntimeError(f"tied parameters across pipeline stages {sorted(info['shared'])} are summed on the host: "
+                           "not supported on CUDA yet; use one of pipeline_parallel_size and horizontal_parallel_size")
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),
         dict(tp_rank=where.tp_rank, replica=where.replica, tp_comm=groups.tp, dp_comm=groups.dp, stage=where.stage,
              num_stages=num_stages, pipe_comm=groups.pp, dims=dims, receives=tuple(info["receives"]),
-             sends=tuple(info["sends"])),
+             sends=tuple(info["sends"]), shared=info.get("shared", {})),
         pipe=(where.stage, num_stages))

@@ -115,23 +115,29 @@ def _pending_send_bytes(pipe) -> int:
 def sum_tied_gradients(rt) -> None:
     """Every holder of a tied parameter ends with the sum of all holders' gradients, added in stage order on each, so
     the sums (and then the copies after the update) are bitwise equal on every holder."""
-    if not rt.shared:
-        return
-    pipe, parts = rt.pipe_comm, {}
-    for name, holders in sorted(rt.shared.items()):
-        mine = np.array(rt.grad_view(name), copy=True)
-        parts[name] = {rt.stage: mine}
+    if rt.shared:
+        sum_across_stages(rt.pipe_comm, rt.stage, rt.shared, rt.grad_view)
+
+
+def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: Callable) -> None:
+    """The tied-gradient sum over a pipeline group: ``shared`` maps each tied parameter this stage holds to every
+    holding stage; ``grad_of(name)`` is its writable gradient buffer here (a tensor-parallel rank's slice under
+    pipeline x tensor parallelism: every holder slices it alike)."""
+    parts = {}
+    for name, holders in sorted(shared.items()):
+        mine = np.array(grad_of(name), copy=True)
+        parts[name] = {stage: mine}
         for other in holders:
-            if other != rt.stage:
+            if other != stage:
                 pipe.send(mine, other, TIED_TAG)
-    for name, holders in sorted(rt.shared.items()):
+    for name, holders in sorted(shared.items()):
         for other in holders:
-            if other != rt.stage:
+            if other != stage:
                 parts[name][other] = pipe.recv(other, TIED_TAG, f"recv tied grad {name[:20]} <- stage {other}")
         total = parts[name][holders[0]].copy()
         for other in holders[1:]:
             total += parts[name][other]
-        rt.grad_view(name)[...] = total
+        grad_of(name)[...] = total
     # Sync point: the sent copies must outlive their sends.
     pipe.wait_sends("tied gradient sends")
 

@@ -1,0 +1,171 @@
+"""Pipeline and tensor parallelism on a real export: pp 2 and hp 2 against dp 2 on the Hugging Face GPT-2 fixture.
+
+Run: ``.venv/bin/python -m bench.bench_exports [--rounds 3] [--updates 12]`` (writes
+``bench/results/exports-<host>-<date>.json`` and ``.md``). The driver configures three runs of the committed GPT-2
+export (``tests/fixtures/exports/gpt2.onnx``, unmodified) on the same text and the same global batch per update
+(dp 2: 2 ranks x ``batch/2`` windows; pp 2 and hp 2: ``batch`` windows through the 2 ranks), then starts the real
+trainer (``mpiexec -n 2 python -m ortflow.trainer``) for each, alternating the layouts round by round so that a busy
+shared machine slows them alike; each round starts from the initial weights.
+
+Step time: ``global batch / samples_per_s`` of each display window rank 0 logs, the first window (warm-up) left out,
+median over windows and rounds. Memory per rank: the values of parameters and optimizer state each rank holds, read
+from the final checkpoint's HDF5 datasets (dp: every rank holds everything; pp: its stage's file; hp: its slice
+file), the largest rank reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+LAYOUTS = {"dp2": {"num_ranks": 2}, "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
+           "hp2": {"num_ranks": 2, "horizontal_parallel_size": 2}}
+SEQ = 32
+
+
+def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int):
+    from ortflow.build.configure import configure
+    from ortflow.config import config_from_dict
+    from ortflow.dataprep import prepare_data
+
+    corpus = work / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))[:40]))
+    per_rank = batch // 2 if name == "dp2" else batch
+    cfg = config_from_dict({
+        "name": name, "output_dir": str(work / name),
+        "model": {"path": str(ROOT / "tests" / "fixtures" / "exports" / "gpt2.onnx")},
+        "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SEQ}, "eval_fraction": 0.02},
+        "train": {"batch_size": per_rank, "gradient_accumulation_steps": micro, "num_train_steps": updates * micro,
+                  "display_loss_steps": 2, "evaluation_period": 0},
+        "optimizer": {"learning_rate": 1e-3},
+        "checkpoint": {"period": 0, "max_num_checkpoints": 1},
+        "distributed": dist,
+    })
+    configure(cfg)
+    prepare_data(cfg)
+    return cfg
+
+
+def _run(cfg, mpiexec: str) -> tuple[float, str]:
+    for leftover in ("checkpoints", "tensorboard", "progress.json", "timing.json"):
+        path = cfg.output_dir / leftover
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    started = time.perf_counter()
+    out = subprocess.run([mpiexec, "-n", str(cfg.distributed.num_ranks), sys.executable, "-m", "ortflow.trainer",
+                          str(cfg.output_dir)], env=env, capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{cfg.name} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return time.perf_counter() - started, out.stdout + out.stderr
+
+
+def _step_seconds(output: str, global_batch: int) -> list[float]:
+    rates = [float(x) for x in re.findall(r"samples_per_s ([0-9.e+-]+)", output)]
+    return [global_batch / r for r in rates[1:] if r > 0]  # the first window is the warm-up
+
+
+def _memory_per_rank(cfg) -> dict:
+    """Bytes of parameter and optimizer-state values held by the largest rank (from the final checkpoint)."""
+    import h5py
+
+    from ortflow.checkpoints import list_complete
+
+    folder = list_complete(cfg.checkpoints_dir)[-1].path
+
+    def values(path: Path, groups: tuple[str, ...] | None) -> int:
+        total = 0
+        with h5py.File(path, "r") as f:
+            def add(name, obj):
+                nonlocal total
+                if isinstance(obj, h5py.Dataset) and (groups is None or name.split("/")[0] in groups):
+                    total += obj.size * obj.dtype.itemsize
+            f.visititems(add)
+        return total
+
+    ranks: dict[str, dict[str, int]] = {}
+    for path in sorted(folder.glob("params*.h5")):
+        key = path.name.removeprefix("params")
+        ranks.setdefault(key, {})["parameters"] = values(path, ("parameters",))
+    for path in sorted(folder.glob("optimizer*.h5")):
+        key = path.name.removeprefix("optimizer")
+        ranks.setdefault(key, {})["optimizer_state"] = values(path, None)
+    largest = max(ranks.values(), key=lambda r: r.get("parameters", 0) + r.get("optimizer_state", 0))
+    return {"files": ranks, "largest_rank": largest}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_exports", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three layouts")
+    parser.add_argument("--updates", type=int, default=12, help="weight updates per run")
+    parser.add_argument("--batch", type=int, default=8, help="windows of 32 tokens per micro-batch (global)")
+    parser.add_argument("--micro", type=int, default=2, help="micro-batches per update")
+    parser.add_argument("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    command = "python -m bench.bench_exports " + " ".join(sys.argv[1:] if argv is None else argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-exports-"))
+    try:
+        cfgs = {name: _configure(work, name, dist, args.batch, args.micro, args.updates)
+                for name, dist in LAYOUTS.items()}
+        steps: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        walls: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        memory = {}
+        for r in range(args.rounds):
+            for name in (list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))):
+                wall, output = _run(cfgs[name], args.mpiexec)
+                steps[name] += _step_seconds(output, args.batch * args.micro)
+                walls[name].append(wall)
+                memory[name] = _memory_per_rank(cfgs[name])
+                print(f"round {r} {name}: wall {wall:.1f} s, step {statistics.median(steps[name]):.4f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(),
+        "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, check=False).stdout.strip(),
+        "model": "tests/fixtures/exports/gpt2.onnx (HF GPT-2: 4 layers, d 64, 4 heads, vocab 512, tied)",
+        "global_batch_windows": args.batch * args.micro, "seq_len": SEQ, "updates": args.updates,
+        "rounds": args.rounds,
+        "layouts": {name: {"median_step_s": statistics.median(steps[name]), "windows": len(steps[name]),
+                           "wall_s": walls[name], **memory[name]["largest_rank"],
+                           "files": memory[name]["files"]} for name in LAYOUTS},
+    }
+    base = result["layouts"]["dp2"]
+    for row in result["layouts"].values():
+        row["step_vs_dp2"] = row["median_step_s"] / base["median_step_s"]
+        held = row.get("parameters", 0) + row.get("optimizer_state", 0)
+        row["state_vs_dp2"] = held / (base.get("parameters", 0) + base.get("optimizer_state", 0))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"exports-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M')}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    lines = [f"# pp 2 and hp 2 vs dp 2 on the GPT-2 export ({result['date']})", "",
+             f"Command: `{command}`; commit {result['commit']}; {result['cpus']} CPUs ({result['host']}), Python "
+             f"{result['python']}; global batch {result['global_batch_windows']} windows of {SEQ} tokens per update, "
+             f"{args.updates} updates per run, {args.rounds} interleaved rounds.", "",
+             "| layout | median step (s) | step vs dp 2 | parameters per rank (bytes) | optimizer state per rank "
+             "(bytes) | state vs dp 2 |", "|---|---|---|---|---|---|"]
+    for name, row in result["layouts"].items():
+        lines.append(f"| {name} | {row['median_step_s']:.4f} | {row['step_vs_dp2']:.2f} | {row.get('parameters', 0)} "
+                     f"| {row.get('optimizer_state', 0)} | {row['state_vs_dp2']:.2f} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""What every config section shares: the frozen base model, path resolution, limits and the error type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
+
+#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine-notes.md).
+MAX_OPSET = 21
+MAX_IR_VERSION = 10
+
+#: Name of the resolved config that configure writes into the run folder; every rank loads it again.
+RESOLVED_CONFIG_NAME = "config.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; ``problems`` lists every reason, each naming the field and the fix."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        where = f" in {source}" if source else ""
+        super().__init__(f"{len(problems)} problem(s){where}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+#: Upper bound of counts and sizes (steps, rows, batch sizes): far beyond any real run, well inside int64 arithmetic.
+MAX_COUNT = 2**31 - 1
+
+
+def _is_number_field(annotation: Any) -> bool:
+    kinds = getattr(annotation, "__args__", None) or (annotation,)
+    return any(kind in (int, float) for kind in kinds) and bool not in kinds
+
+
+class Section(BaseModel):
+    # allow_inf_nan=False: .inf / .nan in a float field is refused (it would train to NaN losses with exit 0).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        # pydantic reads `batch_size: true` as 1; a boolean in a number field is always a mistake.
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is None or not _is_number_field(field.annotation):
+                    continue
+                if isinstance(value, bool):
+                    raise ValueError(f"{name} is `{str(value).lower()}`, a boolean; give a number")
+                if isinstance(value, int) and abs(value) > MAX_COUNT:
+                    raise ValueError(f"{name} is {value}, beyond any real run; give at most {MAX_COUNT}")
+        return data
+
+
+def resolve_path(value: Path | None, info: ValidationInfo) -> Path | None:
+    """Relative paths resolve against the config file's folder (passed as validation context ``base_dir``)."""
+    if value is None:
+        return None
+    value = Path(value).expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not value.is_absolute() and base is not None:
+        value = Path(base) / value
+    return value
+
+
+
+LossName = Literal["cross_entropy", "mse", "bce_with_logits", "l1", "model_output"]
+
+
+def regular_file_problem(path: Path, max_bytes: int, what: str) -> str | None:
+    """Why ``path`` cannot be read whole as ``what``: not a regular file (a device or FIFO reads forever), or too large.
+
+    Returns None when it can be read.
+    """
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as err:
+        return f"cannot read {path}: {err.strerror}; check the path"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a device, FIFO or folder); give the path of {what} file"
+    if st.st_size > max_bytes:
+        return (f"{path} holds {st.st_size} bytes, more than {what} can ({max_bytes}); check that the path names "
+                f"{what} file")
+    return None

@@ -1,0 +1,240 @@
+"""Loading a run config: YAML 1.2 without duplicate keys, ``--set`` overrides, the resolved config of a run folder."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ortflow.config.base import RESOLVED_CONFIG_NAME, ConfigError, regular_file_problem
+from ortflow.config.run import RunConfig
+
+# ---------------------------------------------------------------------------------------------------------------------
+# YAML
+#
+# PyYAML follows YAML 1.1, where ``1:30`` is the number 90 (base 60), ``010`` is 8 (octal) and a key given twice
+# silently keeps its last value. A config written by a person means none of these, so configs load with plain scalars
+# resolved by the YAML 1.2 core schema (``010`` is 10, ``0o10`` is 8, ``1:30`` stays text for the field to refuse) and
+# a mapping that names a key twice is refused, naming the key and both lines.
+
+#: Configs are a few kilobytes; anything this large is a mistake (a data file given as the config, a huge comment).
+#: The pure-Python parser (whose errors quote the offending line) reads this much in about half a second.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names one key twice."""
+
+
+def _core_schema_resolvers() -> dict:
+    """PyYAML's implicit resolvers with the YAML 1.1 bool/int/float rules replaced by YAML 1.2 core schema ones."""
+    kept = {
+        first: [(tag, regexp) for tag, regexp in entries
+                if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+        for first, entries in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
+    }
+    rules = [
+        ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), "tTfF"),
+        ("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), "-+0123456789"),
+        ("tag:yaml.org,2002:float", re.compile(
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+         "-+.0123456789"),
+    ]
+    for tag, regexp, firsts in rules:
+        for first in firsts:
+            kept.setdefault(first, []).append((tag, regexp))
+    return kept
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Safe loading with YAML 1.2 numbers and booleans, refusing duplicate keys."""
+
+    yaml_implicit_resolvers = _core_schema_resolvers()
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the constructor names it
+                continue
+            if line != key_node.start_mark.line + 1:
+                raise DuplicateKeyError(
+                    f"the key '{key}' appears twice (lines {line} and {key_node.start_mark.line + 1}); the second "
+                    f"would silently replace the first: keep one"
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _int_1_2(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text)  # decimal, leading zeros included: 010 is ten
+
+
+def _float_1_2(loader: _StrictLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    if text.endswith(".inf"):
+        return float("-inf") if text.startswith("-") else float("inf")
+    return float("nan") if text == ".nan" else float(text)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _int_1_2)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _float_1_2)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document with :class:`_StrictLoader` (YAML 1.2 numbers and booleans, no duplicate keys).
+
+    Raises:
+        yaml.YAMLError: the text is not valid YAML, or a mapping names a key twice (:class:`DuplicateKeyError`).
+    """
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError([f"--set {dotted}: '{key}' is a value, not a section"])
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Parse ``a.b=c`` overrides; values are read as YAML scalars/lists (``3`` -> int, ``[a, b]`` -> list)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--set '{item}': expected KEY=VALUE, e.g. train.batch_size=8"])
+        try:
+            value = load_yaml(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            problem = str(err).replace("\n", " ")
+            raise ConfigError([f"--set '{item}': the value is not valid YAML ({problem}); quote it: {key}='\"...\"'"]) \
+                from None
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling (docs/config.md lists every field)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        problems.extend(m if not loc or m.startswith(loc) else f"{loc}: {m}" for m in msg.split("\n"))
+    return problems
+
+
+def config_from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None) -> RunConfig:
+    """Build a RunConfig from a plain dict, raising :class:`ConfigError` with every problem."""
+    if not isinstance(raw, dict):
+        problems = ["the config must be a YAML mapping of sections (name, output_dir, model, data, train, ...)"]
+        raise ConfigError(problems, source)
+    try:
+        return RunConfig.model_validate(raw, context={"base_dir": base_dir})
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err), source) from None
+
+
+def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read YAML with the safe loader and apply ``--set`` overrides."""
+    path = Path(path)
+    try:
+        refusal = regular_file_problem(path, MAX_CONFIG_BYTES, "a config")
+        if refusal:
+            raise ConfigError([refusal], str(path))
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError([f"cannot read config file: {err.strerror}; check the path"], str(path)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            [f"not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the file as UTF-8"],
+            str(path),
+        ) from None
+    try:
+        raw = load_yaml(text) or {}
+    except DuplicateKeyError as err:
+        raise ConfigError([str(err)], str(path)) from None
+    except yaml.YAMLError as err:
+        raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
+    except RecursionError:
+        raise ConfigError(["nested too deeply to read (YAML nesting of hundreds of levels); flatten it"], str(path)) \
+            from None
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a YAML mapping of sections"], str(path))
+    for key, value in parse_overrides(overrides):
+        _set_dotted(raw, key, value)
+    return raw
+
+
+def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load and validate a config file; relative paths resolve against its folder."""
+    path = Path(path).resolve()
+    return config_from_dict(read_config_dict(path, overrides), base_dir=path.parent, source=str(path))
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...], base_dir: Path | None = None) -> RunConfig:
+    """A copy of ``cfg`` with ``--set``-style overrides applied and validated like the CLI's.
+
+    Args:
+        cfg: The config to start from.
+        overrides: ``KEY=VALUE`` items (``train.num_train_steps=50``).
+        base_dir: Folder that relative paths in the values resolve against (default: the current folder).
+
+    Raises:
+        ConfigError: an override is malformed or makes the config invalid.
+    """
+    if not overrides:
+        return cfg
+    raw = cfg.model_dump(mode="json")
+    for key, value in parse_overrides(overrides):
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw, base_dir=base_dir or Path.cwd(), source="overrides " + " ".join(overrides))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (absolute paths), loadable by :func:`load_config`."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
+    """Write the resolved config into the run folder (atomically) and return its path."""
+    run_dir = Path(run_dir or cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / RESOLVED_CONFIG_NAME
+    tmp = target.with_suffix(".yaml.tmp")
+    try:
+        tmp.write_text(dump_config(cfg))
+        tmp.replace(target)
+    finally:  # a full disk leaves no half-written file beside the config
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def load_run_config(run_dir: Path | str) -> RunConfig:
+    """Load the resolved config a configured run folder holds (what every rank does at start)."""
+    path = Path(run_dir) / RESOLVED_CONFIG_NAME
+    if not path.exists():
+        raise ConfigError([f"{path} does not exist: run `ortflow configure CONFIG` first"], str(run_dir))
+    return load_config(path)

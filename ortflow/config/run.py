@@ -1,0 +1,221 @@
+"""The whole run (:class:`RunConfig`) and the rules that join its sections."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from ortflow.config.base import Section, resolve_path
+from ortflow.config.distributed import DistributedConfig, KubernetesConfig, SlurmConfig
+from ortflow.config.model_data import DataConfig, ModelConfig, TrainConfig
+from ortflow.config.optimizer import LRScheduleConfig, OptimizerConfig, PrecisionConfig
+from ortflow.config.outputs import (
+    CheckpointConfig,
+    ExportConfig,
+    PipelineConfig,
+    ScheduleConfig,
+    TensorBoardConfig,
+    VersionsConfig,
+)
+
+
+class RunConfig(Section):
+    """The whole run. Every path may be relative to the config file's folder."""
+
+    name: str = Field("ortflow-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run and deployment name.")
+    output_dir: Path = Field(description="Run folder: artifacts, shards, checkpoints, logs and the exported model.")
+    model: ModelConfig = Field(description="The ONNX model and its loss.")
+    data: DataConfig = Field(description="Training and evaluation data.")
+    train: TrainConfig = Field(description="Loop hyper-parameters.")
+    optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer.")
+    lr_schedule: LRScheduleConfig = Field(LRScheduleConfig(), description="Learning-rate schedule.")
+    precision: PrecisionConfig = Field(PrecisionConfig(), description="Mixed precision.")
+    distributed: DistributedConfig = Field(DistributedConfig(), description="Ranks, devices, parallelism.")
+    slurm: SlurmConfig = Field(SlurmConfig(), description="The Slurm job of distributed.launcher slurm.")
+    kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="The MPIJob of distributed.launcher "
+                                         "kubernetes.")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and retention.")
+    tensorboard: TensorBoardConfig = Field(TensorBoardConfig(), description="TensorBoard logging.")
+    export: ExportConfig = Field(ExportConfig(), description="Inference model export.")
+    schedule: ScheduleConfig = Field(ScheduleConfig(), description="Deployment schedule.")
+    pipeline: PipelineConfig = Field(PipelineConfig(), description="Stage retries, timeouts, run-folder lock.")
+    versions: VersionsConfig = Field(VersionsConfig(), description="Model versions of scheduled runs.")
+
+    _resolve_path = field_validator("output_dir", mode="after")(resolve_path)
+
+    # Derived paths: one place decides the run folder's layout.
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.output_dir / "artifacts"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.output_dir / "data"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.checkpoint.dir or self.output_dir / "checkpoints"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.tensorboard.log_dir or self.output_dir / "tensorboard"
+
+    @property
+    def export_path(self) -> Path:
+        return self.export.path or self.output_dir / "export" / "model.onnx"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        problems = _cross_field_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def section_fingerprint(self, *sections: str) -> str:
+        """sha256 of the named sections' resolved values: a cache key that changes when they do."""
+        data = self.model_dump(mode="json", include=set(sections) if sections else None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
+    """What tensor parallelism does not combine with yet, each with the fix."""
+    dist, hp, problems = cfg.distributed, cfg.distributed.horizontal_parallel_size, []
+    if dist.pipeline_parallel_size > 1 and dist.device == "cuda":
+        problems.append(f"distributed.horizontal_parallel_size {hp} with pipeline_parallel_size "
+                        f"{dist.pipeline_parallel_size} runs on CPU ranks only for now: use device cpu, or one of "
+                        "them (the other 1) on GPUs")
+    if dist.zero_stage or dist.enable_adasum:
+        problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
+                        "(ZeRO-0): set distributed.zero_stage 0 and enable_adasum false with it")
+    if cfg.precision.use_mixed_precision:
+        problems.append("distributed.horizontal_parallel_size > 1 trains in fp32: set precision.use_mixed_precision "
+                        "false with it")
+    if (dist.device == "cuda") != dist.use_nccl:
+        problems.append("distributed.horizontal_parallel_size > 1 sums activations with MPI on CPU ranks and with "
+                        "NCCL on GPU ranks: set use_nccl true with device cuda, false with device cpu")
+    return problems
+
+
+def _launcher_problems(cfg: RunConfig) -> list[str]:
+    """What a scheduler launcher needs from distributed: a fixed rank count that its nodes or pods share evenly."""
+    dist = cfg.distributed
+    if dist.launcher == "local":
+        return []
+    section, count, unit = (("slurm", cfg.slurm.num_nodes, "num_nodes") if dist.launcher == "slurm"
+                            else ("kubernetes", cfg.kubernetes.num_workers, "num_workers"))  # fmt: skip
+    problems = []
+    if dist.num_ranks == "auto":
+        problems.append(f"distributed.num_ranks auto measures this host, not the {section} nodes: give a number of "
+                        f"ranks with launcher {dist.launcher}")
+    elif dist.num_ranks % count:
+        problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be a multiple of {section}.{unit} ({count}): "
+                        "every node runs the same number of ranks")
+    if dist.hostfile is not None or dist.num_hosts != 1:
+        problems.append(f"distributed.hostfile and num_hosts are for launcher local; with launcher {dist.launcher} "
+                        f"the scheduler places the ranks ({section}.{unit}): unset them")
+    if dist.launcher == "kubernetes" and not cfg.kubernetes.image:
+        problems.append("distributed.launcher kubernetes needs kubernetes.image: the container image with ortflow's "
+                        "environment (docs/kubernetes.md)")
+    return problems
+
+
+def _cross_field_problems(cfg: RunConfig) -> list[str]:
+    """Checks that span sections, each naming the field and what would be valid."""
+    problems: list[str] = []
+    dist, prec = cfg.distributed, cfg.precision
+    if dist.num_ranks == "auto":
+        if dist.data_parallel_size is not None:
+            problems.append("distributed.data_parallel_size needs a number of ranks: unset it with num_ranks auto")
+    elif (
+        product := dist.resolved_data_parallel_size * dist.horizontal_parallel_size * dist.pipeline_parallel_size
+    ) != dist.num_ranks:
+        problems.append(
+            f"distributed: data_parallel_size ({dist.resolved_data_parallel_size}) x horizontal_parallel_size "
+            f"({dist.horizontal_parallel_size}) x pipeline_parallel_size ({dist.pipeline_parallel_size}) = {product} "
+            f"must equal distributed.num_ranks ({dist.num_ranks})"
+        )
+    if dist.horizontal_parallel_size > 1:
+        problems += _tensor_parallel_problems(cfg)
+    cuts = cfg.model.pipeline_cuts
+    if cuts and len(cuts) != dist.pipeline_parallel_size - 1:
+        problems.append(
+            f"model.pipeline_cuts names {len(cuts)} tensor(s) but distributed.pipeline_parallel_size "
+            f"{dist.pipeline_parallel_size} needs {dist.pipeline_parallel_size - 1}; list one cut per stage boundary "
+            "or leave it empty to choose them automatically"
+        )
+    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum):
+        problems.append(
+            "distributed.pipeline_parallel_size > 1 averages each stage's gradients over its replicas (ZeRO-0): set "
+            "distributed.zero_stage 0 and enable_adasum false with it"
+        )
+    if dist.pipeline_parallel_size > 1 and prec.use_mixed_precision:
+        problems.append(
+            "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision "
+            "false with it"
+        )
+    dp = dist.resolved_data_parallel_size
+    if dist.enable_adasum and dp and dp & (dp - 1):
+        problems.append(
+            f"distributed.enable_adasum needs a power-of-two number of data-parallel ranks (its tree pairs ranks "
+            f"level by level), got {dp}: use {1 << (dp.bit_length() - 1)} or {1 << dp.bit_length()} ranks"
+        )
+    if dist.enable_adasum and dist.zero_stage:
+        problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
+    split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
+    others = dist.zero_stage or dist.enable_adasum or split
+    if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):
+        problems.append(
+            f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the data-parallel NCCL all-reduce "
+            "of GPU ranks only (device cuda, use_nccl, zero_stage 0, no Adasum, no pipeline or tensor parallelism; "
+            "MPI and CPU ranks reduce in float32): set those, or allreduce_dtype float32"
+        )
+    if dist.zero_stage > 1:
+        problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
+    if cfg.train.profile_steps and dist.device == "cuda":
+        problems.append("train.profile_steps traces CPU ranks only (the engine's GPU trace is not wired up): profile "
+                        "with distributed.device cpu, or remove train.profile_steps")
+    if dist.device == "cuda" and not dist.use_nccl:
+        problems.append(
+            "distributed.device cuda needs distributed.use_nccl: true: CUDA gradients stay on the GPU and are averaged "
+            "there with NCCL (the engine gives no host views of them), also on a single rank"
+        )
+    # device: cuda and use_nccl need the machine (the GPU engine, CUDA libraries, GPUs, CuPy/NCCL): each rank checks
+    # them at start with a clear error (trainer.runtime.select_device, comm.NCCLComm); `ortflow doctor` lists them.
+    problems += _launcher_problems(cfg)
+    if dist.num_hosts > 1 and dist.hostfile is None:
+        problems.append(f"distributed.num_hosts is {dist.num_hosts}: give distributed.hostfile listing the hosts")
+    if dist.num_ranks != "auto" and dist.num_ranks < dist.num_hosts:
+        problems.append(f"distributed.num_ranks ({dist.num_ranks}) must be >= distributed.num_hosts ({dist.num_hosts})")
+    gb = cfg.train.global_batch_size
+    if gb and dist.num_ranks != "auto" and gb % dist.num_ranks:
+        lower = gb // dist.num_ranks * dist.num_ranks
+        problems.append(
+            f"train.global_batch_size {gb} cannot be split over distributed.num_ranks {dist.num_ranks}: use "
+            f"{' or '.join(str(v) for v in (lower, lower + dist.num_ranks) if v > 0)}, or num_ranks auto"
+        )
+    if prec.use_bfloat16 and not prec.use_mixed_precision:
+        problems.append("precision.use_bfloat16 needs precision.use_mixed_precision: true")
+    if prec.use_mixed_precision and dist.device != "cuda":
+        problems.append(
+            "precision.use_mixed_precision needs distributed.device: cuda: the CPU build of onnxruntime-training has "
+            "no fp16/bf16 training kernels; on CPUs train in fp32 (use_mixed_precision: false), or on GPUs install "
+            "the GPU engine (docs/gpu.md)"
+        )
+    if prec.use_bfloat16 and prec.loss_scale:
+        problems.append("precision.loss_scale applies to fp16 only (bf16 has fp32's range): set it to 0")
+    if cfg.export.precision == "compute" and not prec.use_mixed_precision:
+        problems.append("export.precision compute needs precision.use_mixed_precision: true (or use fp32)")
+    if cfg.model.ignore_index is not None and cfg.model.loss != "cross_entropy":
+        problems.append(f"model.ignore_index applies to cross_entropy only (model.loss is {cfg.model.loss}); remove it")
+    if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
+        problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
+    updates = cfg.train.num_weight_updates
+    if cfg.lr_schedule.warmup_steps >= updates > 0:
+        problems.append(
+            f"lr_schedule.warmup_steps {cfg.lr_schedule.warmup_steps} is not shorter than the run's {updates} weight "
+            f"update(s): the rate would never reach its peak; use fewer warm-up steps or train longer"
+        )
+    return problems

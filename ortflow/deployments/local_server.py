@@ -1,0 +1,140 @@
+"""The temporary Prefect server of ``ortflow run`` when no ``PREFECT_API_URL`` is configured.
+
+Prefect would start one itself, in the same process group as ``ortflow run``: a Ctrl-C in the terminal (SIGINT to the
+whole group) then stops the server while the flow still reports its final state and publishes its artifacts, and the
+flow waits on client retries. A ``kill -9`` of ``ortflow run`` leaves Prefect's server running. This server instead
+
+* runs in a session of its own, so signals meant for ``ortflow run``'s group never reach it;
+* gets SIGKILL from the kernel when the thread that started it dies (``PR_SET_PDEATHSIG``), so it never outlives a
+  killed ``ortflow run``;
+* is stopped by ``ortflow run`` once the flow run has its final state and the buffered logs and events are sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait for the temporary server to answer (its database migrations are slow on a loaded machine).
+STARTUP_TIMEOUT_S = 180.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the forked child, before exec
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def start_server(timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
+    """Start Prefect's API (no UI) on a free local port in its own session; returns the process and API URL.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``timeout_s``.
+    """
+    import prefect
+    from prefect.settings import get_current_settings
+
+    port = _free_port()
+    env = {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
+               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "error", "--lifespan", "on"]
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent)  # noqa: PLW1509 - only prctl runs before exec
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the temporary Prefect server did not start within {timeout_s:.0f} s (exit status "
+                    f"{proc.poll()}); start one with `prefect server start` and set PREFECT_API_URL, then run again"
+                )
+            time.sleep(0.25)
+    except BaseException:  # a stop signal while it starts, too
+        stop_server(proc)
+        raise
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the server's session, SIGKILL it after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _drain() -> None:
+    """Send the logs and events still buffered in this process while the server is up."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=15)
+
+
+@contextlib.contextmanager
+def api_server() -> Iterator[str]:
+    """The Prefect API for this process: ``PREFECT_API_URL`` when set, else a temporary server for the block.
+
+    Yields:
+        The API URL the flow reports to.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    configured = PREFECT_API_URL.value()
+    if configured:
+        yield configured
+        return
+    proc, url = start_server()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield url
+            finally:
+                _drain()
+    finally:
+        stop_server(proc)

@@ -1,0 +1,210 @@
+"""Shapes of computed tensors read from the inputs: ``Shape(x)`` of an activation becomes the same shape built from
+the graph inputs' ``Shape`` and constants.
+
+Exports write their shape arithmetic from the activations: Hugging Face's GPT-2 reads ``hidden_states.size()`` in
+every block (``Shape`` of a LayerNorm output, ``Gather``, ``Concat``, ``Reshape``), and its final ``view`` reads the
+shape of the embedding sum. The values only depend on the input's dims and on the model's fixed sizes, never on a
+trained value; but as written they descend from parameters, so a pipeline cut between two blocks would have to carry
+an ``int64`` tensor that carries no gradient, and a tensor-parallel split would see shapes it cannot rewrite.
+
+The pass infers every tensor's shape symbolically (ONNX Runtime's symbolic shape inference: dims as expressions of
+the inputs' named dims) and replaces each ``Shape`` of a computed tensor whose dims are all either fixed numbers or a
+named dim of a graph input by ``Concat`` of ``Gather(Shape(input), axis)`` and int64 constants. Its output keeps
+its name, so readers are unchanged; it computes the same values at every batch and sequence length (the named dims
+are the inputs' own). A ``Shape`` whose dims it cannot express (an unnamed or derived dim such as ``seq + past``)
+is left as it was. No value the model computes changes, and no initializer is read or changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import onnx
+from onnx import helper
+
+from ortflow.graph.common import Names, int64_constant, node_label, report_change
+
+log = logging.getLogger(__name__)
+
+
+def _input_dims(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:
+    """Named dim -> (the first graph input that has it, its axis)."""
+    inits = {t.name for t in graph.initializer}
+    found: dict[str, tuple[str, int]] = {}
+    for value in graph.input:
+        if value.name in inits:
+            continue
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param and dim.dim_param not in found:
+                found[dim.dim_param] = (value.name, axis)
+    return found
+
+
+def symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]] | None:
+    """Every tensor's dims, as ints and named dims (the inputs' own names where they follow from them), from ONNX
+    Runtime's symbolic shape inference on a copy of ``model`` whose float initializers hold no values; None when the
+    inference fails."""
+    return _symbolic_shapes(_without_values(model))
+
+
+def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str]] | None:
+    """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception as err:  # noqa: BLE001 - the inference raises many kinds on graphs it cannot follow
+        log.debug("symbolic shape inference failed: %s", err)
+        return None
+    if inferred is None:
+        return None
+    shapes = {}
+    for value in inferred.graph.value_info:
+        tensor = value.type.tensor_type
+        if tensor.HasField("shape"):
+            shapes[value.name] = [d.dim_param if d.HasField("dim_param") else (int(d.dim_value) if d.HasField(
+                "dim_value") else None) for d in tensor.shape.dim]
+    return shapes
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int | None:
+    return next((a.i for a in node.attribute if a.name == name), None)
+
+
+def shapes_from_inputs(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """Replace ``Shape`` of computed tensors by the same shape read from the graph inputs (module docstring).
+
+    Args:
+        model: The model (left unchanged); initializers may hold no values (the pass reads none).
+        report: When given, receives one entry describing the change.
+
+    Returns:
+        A new model (the same object's copy when nothing is rewritten).
+    """
+    graph = model.graph
+    computed = {out for node in graph.node for out in node.output if out}
+    targets = [i for i, n in enumerate(graph.node) if n.op_type == "Shape" and n.domain in ("", "ai.onnx")
+               and n.input[0] in computed]
+    dims_of = _input_dims(graph)
+    if not targets or not dims_of:
+        return copy.deepcopy(model)
+    shapes = _symbolic_shapes(_without_values(model))
+    if shapes is None:
+        return copy.deepcopy(model)
+    model = copy.deepcopy(model)
+    graph = model.graph
+    names = Names(graph)
+    input_shapes: dict[str, str] = {}
+    new_nodes: dict[int, list[onnx.NodeProto]] = {}
+    changes = []
+    for index in targets:
+        node = graph.node[index]
+        dims = shapes.get(node.input[0])
+        if dims is None:
+            continue
+        start, end = _attr(node, "start"), _attr(node, "end")
+        dims = dims[slice(start, end)]
+        if not dims or any(not isinstance(d, int) and d not in dims_of for d in dims):
+            continue
+        label = node_label(node)
+        nodes: list[onnx.NodeProto] = []
+        parts = []
+        for d in dims:
+            if isinstance(d, int):
+                const, name = int64_constant(names, f"{label}.dim", [d])
+                nodes.append(const)
+            else:
+                source, axis = dims_of[d]
+                if source not in input_shapes:
+                    input_shapes[source] = names.new(f"{source}.shape")
+                    nodes.append(helper.make_node("Shape", [source], [input_shapes[source]],
+                                                  name=names.new(f"{source}/Shape")))
+                const, index_name = int64_constant(names, f"{label}.axis", [axis])
+                name = names.new(f"{label}.{d}")
+                nodes += [const, helper.make_node("Gather", [input_shapes[source], index_name], [name],
+                                                  name=names.new(f"{label}/Gather"), axis=0)]
+            parts.append(name)
+        nodes.append(helper.make_node("Concat", parts, [node.output[0]], name=names.new(f"{label}/FromInputs"), axis=0))
+        new_nodes[index] = nodes
+        changes.append(f"Shape '{label}' of '{node.input[0]}' read from the inputs as {dims}")
+    if not new_nodes:
+        return model
+    rebuilt = []
+    for i, node in enumerate(graph.node):
+        rebuilt.extend(new_nodes.get(i, [node]))
+    del graph.node[:]
+    graph.node.extend(rebuilt)
+    report_change("shapes_from_inputs", changes, report)
+    return model
+
+
+def _without_values(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy for the shape inference: float initializers as graph inputs of their type and dims (no values read),
+    int initializers kept (the inference may read shape constants)."""
+    copy_model = onnx.ModelProto()
+    copy_model.CopyFrom(model)
+    graph = copy_model.graph
+    keep, moved = [], []
+    for tensor in graph.initializer:
+        has_values = tensor.raw_data or tensor.int64_data or tensor.int32_data or tensor.float_data
+        if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and has_values:
+            keep.append(tensor)
+        else:
+            moved.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    known = {i.name for i in graph.input}
+    graph.input.extend(v for v in moved if v.name not in known)
+    del graph.value_info[:]
+    return copy_model
+
+
+#: Ops whose gradient sums over the axes an input was broadcast along (the engine reads the input's declared shape).
+_BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min"}
+
+
+def declare_broadcast_shapes(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """Declare (``value_info``) the shapes of broadcast operands that onnx's inference leaves unknown but symbolic
+    inference knows, so the engine's gradient of the broadcasting op sums over the broadcast axes.
+
+    Hugging Face's BERT adds position embeddings ``[1, seq, C]`` (a Gather of ids sliced from a ``[1, 512]`` buffer)
+    to ``[batch, seq, C]``; onnx's shape inference cannot tell the slice's first dim, so the engine's ``Add``
+    gradient passes the ``[batch, seq, C]`` gradient on unreduced, and the position table's ``GatherGrad`` reads
+    ``batch`` times more ids than there are: wrong gradients and writes past the buffer (measured with
+    onnxruntime-training 1.19.2: a corrupted heap under an exact-size arena, an index assertion in ``GatherNDGrad``).
+    Declared as ``[1, seq, C]``, the gradient is summed over the batch first. Only operands whose every dim is a fixed
+    number or a named dim of a graph input are declared; nothing else changes.
+    """
+    graph = model.graph
+    dims_of = _input_dims(graph)
+    operands = {x for n in graph.node if n.op_type in _BROADCASTING and n.domain in ("", "ai.onnx")
+                for x in n.input if x}
+    if not operands or not dims_of:
+        return copy.deepcopy(model)
+    try:
+        known = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - onnx raises several kinds; nothing is declared then
+        return copy.deepcopy(model)
+    declared = {v.name: v for v in [*known.value_info, *known.input, *known.output]}
+    fixed = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    shapes = symbolic_shapes(model)
+    if shapes is None:
+        return copy.deepcopy(model)
+    model = copy.deepcopy(model)
+    changes = []
+    for name in sorted(operands - fixed):
+        dims = shapes.get(name)
+        old = declared.get(name)
+        if dims is None or old is None or any(not isinstance(d, int) and d not in dims_of for d in dims):
+            continue
+        old_dims = old.type.tensor_type.shape.dim
+        if len(old_dims) == len(dims) and all(d.HasField("dim_value") or d.dim_param in dims_of for d in old_dims):
+            continue  # already known
+        elem = old.type.tensor_type.elem_type
+        for existing in [v for v in model.graph.value_info if v.name == name]:
+            model.graph.value_info.remove(existing)
+        model.graph.value_info.append(helper.make_tensor_value_info(name, elem, list(dims)))
+        changes.append(f"'{name}' declared {dims}")
+    report_change("declare_broadcast_shapes", changes, report)
+    return model

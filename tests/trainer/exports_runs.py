@@ -1,0 +1,86 @@
+"""Runs on the committed real exports (tests/fixtures/exports): the Hugging Face GPT-2 and BERT, configured and
+sharded under a test folder, and their final parameters whatever the layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.exports import export_path
+from tests.support.parallel_runs import corpus
+from tests.support.runs import make_run
+
+SEQ = 32
+# 20 updates of 2 micro-batches of 2 windows (num_train_steps counts micro-batches); an eval split of 0.05 of the
+# corpus.
+TRAIN = {"batch_size": 2, "num_train_steps": 40, "gradient_accumulation_steps": 2, "evaluation_period": 10,
+         "display_loss_steps": 1}
+
+
+def gpt2_run(root: Path, name: str, **sections):
+    """A run of the Hugging Face GPT-2 export, unmodified, on ortflow's own sources (byte tokens < its vocab 512)."""
+    data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": SEQ, "input_name": "input_ids"},
+            "eval_fraction": 0.05}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path("gpt2.onnx"), data=data, train=train, optimizer=optimizer,
+                    **sections)
+
+
+
+def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: dict, output: str = "logits") -> None:
+    """The exported model's ``output`` equals, bit for bit, the unsplit eval graph's fed with ``params`` and ``feeds``
+    (the labels the eval graph also reads are zeros of the shape it declares: they do not change the output)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from ortflow.graph.gelu import decompose_gelu
+
+    # The export writes fused GELUs back as standard ops (graph/gelu.py): compare with the eval graph written alike.
+    eval_proto = decompose_gelu(onnx.load(str(cfg.artifacts_dir / "eval_model.onnx")))
+    eval_proto.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
+    first = next(iter(feeds.values()))
+    all_feeds = {}
+    for value in eval_proto.graph.input:
+        if value.name in params:
+            all_feeds[value.name] = params[value.name]
+        elif value.name in feeds:
+            all_feeds[value.name] = feeds[value.name]
+        elif value.name == cfg.model.label_input:
+            rank = len(value.type.tensor_type.shape.dim)
+            all_feeds[value.name] = np.zeros(first.shape[:rank] if rank == first.ndim else first.size, np.int64)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # fusions at ALL round differently
+    reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run([output], all_feeds)[0]
+    got = ort.InferenceSession(str(exported), options).run([output], feeds)[0]
+    np.testing.assert_array_equal(got, reference)
+
+
+def bert_data(root: Path, num_rows: int = 240, seq: int = 16) -> Path:
+    """Token rows for the BERT classifier: ids, an attention mask with padding at the end of most rows, and a label
+    that depends on the tokens the mask keeps."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / "bert.parquet"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        ids = rng.integers(1, 512, (num_rows, seq))
+        lengths = rng.integers(seq // 2, seq + 1, num_rows)
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+        ids = ids * mask
+        labels = (ids.sum(axis=1) // 7) % 3
+        pq.write_table(pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int64())),
+                                 "attention_mask": pa.array(list(mask), type=pa.list_(pa.int64())),
+                                 "labels": labels}), path)
+    return path
+
+
+def bert_run(root: Path, name: str, **sections):
+    """A run of the Hugging Face BERT classifier export, unmodified (input_ids and attention_mask, 3 labels)."""
+    data = {"train": [str(bert_data(root))], "eval_fraction": 0.1}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path("bert.onnx"), data=data, train=train, optimizer=optimizer,
+                    **sections)

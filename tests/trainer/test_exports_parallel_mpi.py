@@ -1,0 +1,143 @@
+"""Pipeline and tensor parallelism on the real exports (tests/fixtures/exports), trained unmodified under mpiexec:
+each layout ends where the unsplit run on the same global batch ends."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from ortflow.checkpoints.h5state import read_params
+from tests.support.parallel_runs import losses, newest
+from tests.support.runs import run_ranks
+
+from .exports_runs import SEQ, assert_export_equals_eval_graph, bert_run, gpt2_run
+
+pytestmark = pytest.mark.mpi
+
+# Every layout computes the same ops on the same batch; what differs is where fp32 sums are grouped (a tied table's
+# two uses summed per stage then across, per-rank partial products all-reduced). A gradient that differs by a few ulps
+# moves a weight by a few ulps of the AdamW step: measured at most 1.2e-7 after 20 updates (pp 2 on GPT-2). 1e-6 is
+# far above that and far below one update's change (lr = 1e-3).
+ATOL = 1e-6
+# Except the attention key biases: softmax is invariant to them (they add the same q.b_k to every score of a row), so
+# their exact gradient is zero and what the engine computes is rounding noise, which AdamW normalises into steps of up
+# to lr. Any regrouping of a sum changes that noise: measured up to 1.1e-5 after 20 updates; the bound is 1e-4.
+KEY_BIAS_ATOL = 1e-4
+# Tensor pieces add the row-parallel partial sums over the ranks: each product is rounded in two halves, so gradients
+# differ from the unsplit ones by a few ulps everywhere, and AdamW turns a few ulps of an element whose gradient is
+# near zero (an MLP unit GELU keeps near zero on every token) into steps of up to lr: measured on GPT-2 after 20
+# updates, every parameter within 2.4e-5 but one element of h.1's MLP projection 9.5e-5 (hp 2 and pp 2 x hp 2).
+# The bound, 5e-4, is half of one update's change (lr = 1e-3): a wrong gradient moves weights by ~lr every update.
+TP_ATOL = 5e-4
+
+
+def key_bias(name: str, shape: tuple[int, ...]) -> slice | None:
+    """The entries of a parameter that are attention key biases: the middle third of GPT-2's fused c_attn bias,
+    all of BERT's key bias."""
+    if name.endswith("attn.c_attn.bias"):
+        return slice(shape[0] // 3, 2 * shape[0] // 3)
+    if name.endswith("attention.self.key.bias"):
+        return slice(None)
+    return None
+
+
+def _train(cfg):
+    out = run_ranks(cfg, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2_dp(tmp_path_factory):
+    """The unsplit reference: one rank, the same global batch as every split layout."""
+    root = tmp_path_factory.mktemp("gpt2")
+    cfg = gpt2_run(root, "dp", distributed={"num_ranks": 1})
+    return cfg, _train(cfg)
+
+
+def _assert_equal_to(reference, cfg, out, atol=ATOL):
+    ref_cfg, ref_out = reference
+    p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
+    assert sorted(p1) == sorted(p2)
+    worst, worst_key = 0.0, 0.0
+    for name in p1:
+        diff = np.abs(p1[name] - p2[name])
+        noise = key_bias(name, p1[name].shape)
+        if noise is not None:
+            worst_key = max(worst_key, float(diff[noise].max()))
+            diff[noise] = 0
+        worst = max(worst, float(diff.max()))
+    print(f"{cfg.name}: max |param diff| vs unsplit after 20 updates: {worst:.3g} (key biases {worst_key:.3g})")
+    assert worst < atol
+    assert worst_key < KEY_BIAS_ATOL
+    np.testing.assert_allclose(losses(out.stdout), losses(ref_out.stdout), rtol=1e-4)
+    assert len(losses(out.stdout)) == 20  # one loss per update
+    evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (ref_out, out)]
+    assert len(evals[1]) == 2
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("cuts", [(), ("/model/transformer/h.1/Add_1_output_0",)], ids=["automatic", "blocks-1-2"])
+def test_gpt2_two_stages_train_to_the_unsplit_parameters(gpt2_dp, cuts):
+    root = gpt2_dp[0].output_dir.parent
+    cfg = gpt2_run(root, f"pp2-{len(cuts)}", model_fields={"pipeline_cuts": list(cuts)},
+                   distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
+    _assert_equal_to(gpt2_dp, cfg, _train(cfg))
+    _assert_exports_one_model(cfg)
+
+
+def _assert_exports_one_model(cfg):
+    """The split run exports one model (stages and slices stitched) whose logits equal the unsplit eval graph's."""
+    from ortflow.export.model import export_model
+
+    out = cfg.output_dir / "exported.onnx"
+    result = export_model(cfg.output_dir, out, config=cfg)
+    assert max(result.verification.max_abs_diff.values()) <= 1e-5
+    ids = np.random.default_rng(0).integers(0, 512, (3, SEQ))  # a batch size no run used
+    assert_export_equals_eval_graph(cfg, out, read_params(newest(cfg)), {"input_ids": ids})
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["hp2", "pp2xhp2"])
+def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters(gpt2_dp, pp):
+    root = gpt2_dp[0].output_dir.parent
+    cfg = gpt2_run(root, f"pp{pp}hp2", distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp,
+                                                   "horizontal_parallel_size": 2})
+    split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
+    for block in range(4):  # attention (fused QKV by heads) and MLP of every block, and the tied table by vocabulary
+        assert any(f"h.{block}.attn.c_attn.weight" in line and "fused parts" in line for line in split), split
+        assert any(f"columns ['model.transformer.h.{block}.mlp.c_fc.weight']" in line for line in split), split
+    vocab = [line for line in split if "vocabulary split of ['model.transformer.wte.weight']" in line]
+    assert len(vocab) == 2 and any("LM head ['logits']" in line for line in vocab), split
+    _assert_equal_to(gpt2_dp, cfg, _train(cfg), atol=TP_ATOL)
+    _assert_exports_one_model(cfg)
+
+
+@pytest.fixture(scope="module")
+def bert_dp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert")
+    cfg = bert_run(root, "dp", distributed={"num_ranks": 1})
+    return cfg, _train(cfg)
+
+
+BERT_HP2_DIVERGES = pytest.mark.xfail(
+    strict=True, reason="BERT hp 2 trains but not to the unsplit parameters: the pieces' forward equals the whole "
+    "model's (1.5e-8), the first loss is equal, but the first gradient norm is 1.378 against 1.376 and the split "
+    "weights end 2.7e-2 apart after 20 updates; the gradient that differs is not found yet")
+
+
+@pytest.mark.parametrize("pp,hp", [(2, 1), pytest.param(1, 2, marks=BERT_HP2_DIVERGES)], ids=["pp2", "hp2"])
+def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, pp, hp):
+    root = bert_dp[0].output_dir.parent
+    cfg = bert_run(root, f"pp{pp}hp{hp}", distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp,
+                                                       "horizontal_parallel_size": hp})
+    if hp > 1:  # every layer's attention (separate Q, K, V Linears by heads) and MLP
+        split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
+        for layer in range(2):
+            prefix = f"model.bert.encoder.layer.{layer}"
+            assert any(f"'{prefix}.attention.self.query.weight', '{prefix}.attention.self.key.weight'" in line
+                       and f"rows ['{prefix}.attention.output.dense.weight']" in line for line in split), split
+            assert any(f"columns ['{prefix}.intermediate.dense.weight']" in line for line in split), split
+    _assert_equal_to(bert_dp, cfg, _train(cfg), atol=TP_ATOL if hp > 1 else ATOL)
