@@ -20,6 +20,7 @@ import pytest
 
 from ortflow.build.records import read_stages_record
 from ortflow.trainer.comm.base import SingleProcessComm
+from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
 from tests.support.runs import make_text_run
 
@@ -58,4 +59,4 @@ def test_tied_weights_across_stages_are_refused_on_cuda_before_any_session(tmp_p
     record = read_stages_record(cfg.artifacts_dir)
     assert any(stage.get("shared") for stage in record["stages"])  # the split really shares a weight across stages
     with pytest.raises(RuntimeError, match="tied parameters across pipeline stages .* not supported on CUDA"):
-        init_stage_runtime(cfg.output_dir, cfg, SingleProcessComm(), "cuda:0")
+        init_stage_runtime(cfg.output_dir, cfg, SingleProcessComm(), "cuda:0", ParallelDims(dp=1, pp=2, tp=1))

@@ -93,7 +93,11 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
     print(f"torch-shaped GPT hp 2, sgd: max |param diff| vs hp 1: {worst}; largest move {moved}")
-    assert worst < ATOL["sgd"] and moved > 1e3 * worst
+    # The bound per entry: ATOL plus 2 ulps of the entry (the split sums differ by a few ulps; one ulp of an entry
+    # >= 1 is 1.19e-7, beyond an absolute 1e-7), as in test_tensor_vocab_mpi.
+    over = {n: float((np.abs(p1[n] - p2[n]) - ATOL["sgd"] - 2 * np.spacing(np.abs(p1[n]))).max()) for n in p1}
+    assert max(over.values()) < 0, {n: v for n, v in over.items() if v >= 0}
+    assert moved > 1e3 * worst
     assert p2["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # merged back from the per-part slices
 
 
