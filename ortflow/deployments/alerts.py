@@ -37,8 +37,9 @@ def render(webhook_block_id: UUID | None, late_after_s: int, zombie_after_s: int
     zombie = next(s for s in specs if s["name"] == ZOMBIE)
     zombie["actions"].append({  # a crash the zombie automation found is alerted too
         "type": "call-webhook", "block_document_id": str(webhook_block_id),
-        "payload": '{"alert": "ortflow run Crashed (no heartbeat for %d s)", "flow_run": "{{ flow_run.name }}", '
-                   '"flow_run_id": "{{ flow_run.id }}", "deployment": "{{ deployment.name }}"}' % int(zombie_after_s),
+        "payload": '{"alert": "ortflow run Crashed (no heartbeat for ' + str(int(zombie_after_s)) + ' s)", '
+                   '"flow_run": "{{ flow_run.name }}", "flow_run_id": "{{ flow_run.id }}", '
+                   '"deployment": "{{ deployment.name }}"}',
     })
     return specs
 

@@ -15,7 +15,8 @@ A tensor read in a precision it does not exist in gets one ``Cast`` node (named 
 first read and shared by every later reader: a parameter used twice (tied weights) is cast once. Parameters are never
 changed: they stay fp32 initializers, so the engine keeps fp32 master weights and delivers fp32 gradients (the
 gradient of a Cast is a Cast back). Float ``Constant`` nodes read in the compute type get a second, already converted
-``Constant`` (values beyond the compute type's range are clipped to its largest finite value, so a -1e9 or float32-min attention mask stays finite rather than -inf). Graph
+``Constant`` (values beyond the compute type's range are clipped to its largest finite value, so a -1e9 or
+float32-min attention mask stays finite rather than -inf). Graph
 inputs and outputs keep their names and types: an output produced in the compute type is renamed inside the graph and
 cast back under its own name.
 

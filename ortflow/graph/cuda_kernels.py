@@ -8,7 +8,8 @@ for arithmetic either, and the rank stops with ``NOT_IMPLEMENTED: Could not find
 :data:`KERNELS` records, for the operators ortflow meets in real exports (Hugging Face GPT-2 and BERT, torch CNNs,
 ``ortflow.examples.gpt``) and in its own passes, which of fp16 and bf16 the CUDA execution provider registers a kernel
 for, per opset range. It follows the CUDA kernel registrations in the engine's source
-(``onnxruntime/core/providers/cuda/cuda_execution_provider.cc``, ``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc``
+(``onnxruntime/core/providers/cuda/cuda_execution_provider.cc``,
+``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc``
 and each op's type constraints) and, where they disagree, what the installed GPU engine of release 1.19.2 does:
 ``tests/gpu/test_gpu_cuda_kernels.py`` starts a one-node CUDA session per judged op and type (CPU fallback off), a
 session per autocast fixture, and the failure the table prevents; where the two disagree, the engine is right and the

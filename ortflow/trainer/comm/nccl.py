@@ -238,15 +238,15 @@ class NCCLComm:
         # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
         self.stream.synchronize()
 
-    # -- pipeline: sub-groups and point-to-point; tests/gpu/test_gpu_pipeline.py runs it on 2 GPUs. The engine's Python API returns forward outputs and input
-    # gradients as host arrays, so each message is staged host -> device -> NCCL -> device -> host; MPI
-    # point-to-point is as direct on one host. Activations and gradients travel on two communicators, each with its
-    # own stream: activations only flow forward and gradients only backward, so neither stream waits on a message
-    # the other direction has not posted yet (1F1B interleaves the two directions). A stage's send kernels may still
-    # run on its GPU while it waits for a gradient: they complete when the next stage receives, which needs nothing
-    # from this stage, so no cycle of waits forms. The shape goes first over MPI (the receiver allocates); every
-    # host wait (the shape, the stream synchronize, the sends at the end of a step) runs under the watchdog, so a
-    # stalled peer is named and the job aborted rather than hung.
+    # -- pipeline: sub-groups and point-to-point; tests/gpu/test_gpu_pipeline.py runs it on 2 GPUs. The engine's Python
+    # API returns forward outputs and input gradients as host arrays, so each message is staged host -> device -> NCCL
+    # -> device -> host; MPI point-to-point is as direct on one host. Activations and gradients travel on two
+    # communicators, each with its own stream: activations only flow forward and gradients only backward, so neither
+    # stream waits on a message the other direction has not posted yet (1F1B interleaves the two directions). A stage's
+    # send kernels may still run on its GPU while it waits for a gradient: they complete when the next stage receives,
+    # which needs nothing from this stage, so no cycle of waits forms. The shape goes first over MPI (the receiver
+    # allocates); every host wait (the shape, the stream synchronize, the sends at the end of a step) runs under the
+    # watchdog, so a stalled peer is named and the job aborted rather than hung.
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""

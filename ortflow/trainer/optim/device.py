@@ -330,7 +330,8 @@ class AdasumDevice(AdasumExchange):
             return self.comm.gradient_norm(mine)  # summed on the device with the Adasum result
         cp = self._cp
         total = cp.zeros((), dtype=cp.float64)
-        for view in (_view(cp, g, self.comm.device_index) for g in mine):  # this rank's own gradients: the local step clips alone
+        # this rank's own gradients: the local step clips alone
+        for view in (_view(cp, g, self.comm.device_index) for g in mine):
             wide = view.astype(cp.float64)
             total += cp.dot(wide, wide)
         return float(np.sqrt(float(total)))
