@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnxruntime
@@ -30,8 +31,7 @@ def test_text_data_trains_a_btv_logits_model_end_to_end(tmp_path):
     assert record["model_outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["batch", 16, 256]}]
     result = run_ranks(cfg)
     assert result.returncode == 0, result.stdout[-3000:]
-    losses = [float(line.split("loss")[1].split()[0].strip(":=,")) for line in result.stdout.splitlines()
-              if " loss" in line and "step" in line and "eval" not in line]
+    losses = [float(v) for v in re.findall(r"step \d+/\d+ \| loss ([-+.\deE]+)", result.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout[-3000:]
     assert all(np.isfinite(v).all() for v in final_parameters(cfg).values())
     # The exported model has the user's output, [B, T, V], not the flattened one the loss reads.
