@@ -93,3 +93,41 @@ def make_text_run(root: Path, name: str, **sections) -> RunConfig:
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return make_run(root, name, model=model, **base)
+
+
+def kill_when(cfg: RunConfig, proc: subprocess.Popen, min_step: int) -> int:
+    """SIGKILL the whole job once progress shows ``min_step`` updates; returns the step seen."""
+    import signal
+    import time
+
+    import pytest
+
+    from ortflow.trainer.metrics import read_progress
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        progress = read_progress(cfg.output_dir)
+        if progress and progress["step"] >= min_step:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return progress["step"]
+        if proc.poll() is not None:
+            pytest.fail("the job ended before it could be killed")
+        time.sleep(0.002)
+    pytest.fail("no progress within 60 s")
+
+
+def kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: float = 120) -> str:
+    """Start the job, SIGKILL it past ``min_step`` updates, check it was cut between checkpoints before
+    ``end_step``, run it again and check that it resumed from its newest checkpoint; returns the resumed output."""
+    from ortflow.checkpoints import list_complete
+
+    proc = subprocess.Popen(rank_command(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    kill_when(cfg, proc, min_step)
+    before = [info.step for info in list_complete(cfg.checkpoints_dir)]
+    assert before and max(before) < end_step, before  # interrupted between checkpoints, before the end
+    resumed = run_ranks(cfg, timeout=timeout)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout
+    return resumed.stdout

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
 from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
-from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
 
 from .test_adasum import reference
-from .test_training_mpi import _kill_when
 
 
 class _TwoRanks:
@@ -103,14 +100,7 @@ def test_adasum_adamw_killed_job_resumes_bitwise_with_per_rank_optimizer_states(
     steady = make_run(tmp_path, "steady", **settings)
     killed = make_run(tmp_path, "killed", **settings)
     assert run_ranks(steady, timeout=300).returncode == 0
-    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _kill_when(killed, proc, min_step=40)
-    before = [info.step for info in list_complete(killed.checkpoints_dir)]
-    assert before and max(before) < 200, before
-    resumed = run_ranks(killed, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert f"starting from step {max(before)}" in resumed.stdout
+    kill_and_resume(killed, min_step=40, end_step=200, timeout=300)
     a, b = final_parameters(steady), final_parameters(killed)
     for name in a:
         assert np.array_equal(a[name], b[name]), name

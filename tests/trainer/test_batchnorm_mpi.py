@@ -132,25 +132,13 @@ def test_evaluate_equals_the_recorded_eval_loss(tmp_path, ranks):
 
 
 def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
-    import os
-    import subprocess
-
-    from tests.support.runs import rank_command
-
-    from .test_training_mpi import _kill_when
+    from tests.support.runs import kill_and_resume
 
     settings = dict(batchnorm_sync="average", num_train_steps=K * 80, evaluation_period=7,
                     checkpoint={"period": 10, "max_num_checkpoints": 3})
     steady, killed = cnn_run(tmp_path, "steady", 2, **settings), cnn_run(tmp_path, "killed", 2, **settings)
     assert run_ranks(steady, timeout=300).returncode == 0
-    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _kill_when(killed, proc, min_step=30)
-    before = [info.step for info in list_complete(killed.checkpoints_dir)]
-    assert before and max(before) < 80, before
-    resumed = run_ranks(killed, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout
-    assert f"starting from step {max(before)}" in resumed.stdout
+    kill_and_resume(killed, min_step=30, end_step=80, timeout=300)
     a = checkpoint_values(list_complete(steady.checkpoints_dir)[-1].path)
     b = checkpoint_values(list_complete(killed.checkpoints_dir)[-1].path)
     assert a.keys() == b.keys() and any("running_var" in n for n in a)

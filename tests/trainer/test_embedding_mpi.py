@@ -8,20 +8,14 @@ ids repeat many times per batch.
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
 
-from ortflow.checkpoints import list_complete
 from ortflow.examples.gpt import build_gpt
 from ortflow.export import export_model
-from tests.support.runs import final_parameters, make_text_run, rank_command, run_ranks
-
-from .test_training_mpi import _kill_when
+from tests.support.runs import final_parameters, kill_and_resume, make_text_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -75,12 +69,5 @@ def test_a_killed_run_with_two_threads_per_rank_resumes_bitwise_identical(tmp_pa
     steady, killed = _text_run(tmp_path, "steady", 120, 20), _text_run(tmp_path, "killed", 120, 20)
     done = run_ranks(steady, timeout=300)
     assert done.returncode == 0, done.stdout
-    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _kill_when(killed, proc, min_step=50)
-    before = [info.step for info in list_complete(killed.checkpoints_dir)]
-    assert before and max(before) < 120, before  # interrupted before the end
-    resumed = run_ranks(killed, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout
-    assert f"starting from step {max(before)}" in resumed.stdout
+    kill_and_resume(killed, min_step=50, end_step=120, timeout=300)
     _assert_same(final_parameters(steady), final_parameters(killed))

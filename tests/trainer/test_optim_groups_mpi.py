@@ -4,17 +4,13 @@ optimizer files, and equals ZeRO-0 with the same groups."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import h5py
 import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
-from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
-
-from .test_training_mpi import _kill_when
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -31,14 +27,7 @@ def test_two_groups_on_zero1_resume_a_killed_job_bitwise(tmp_path, name):
     killed = make_run(tmp_path, "killed", **settings)
     out = run_ranks(steady)
     assert out.returncode == 0, out.stdout
-    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _kill_when(killed, proc, min_step=60)
-    before = [info.step for info in list_complete(killed.checkpoints_dir)]
-    assert before and max(before) < 200, before
-    resumed = run_ranks(killed)
-    assert resumed.returncode == 0, resumed.stdout
-    assert f"starting from step {max(before)}" in resumed.stdout
+    kill_and_resume(killed, min_step=60, end_step=200)
     a, b = final_parameters(steady), final_parameters(killed)
     for param in a:
         assert np.array_equal(a[param], b[param]), param

@@ -17,7 +17,7 @@ import pytest
 from ortflow.checkpoints import list_complete, verify
 from ortflow.launch.local import launch
 from ortflow.trainer.metrics import read_progress
-from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 FAULT = str(Path(__file__).with_name("fault_rank.py"))
@@ -88,21 +88,6 @@ def test_retention_keeps_the_newest_complete_checkpoints(two):
         verify(info.path)
 
 
-def _kill_when(cfg, proc, min_step):
-    """SIGKILL the whole job once progress shows ``min_step`` updates; returns the step seen."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        progress = read_progress(cfg.output_dir)
-        if progress and progress["step"] >= min_step:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return progress["step"]
-        if proc.poll() is not None:
-            pytest.fail("the job ended before it could be killed")
-        time.sleep(0.002)
-    pytest.fail("no progress within 60 s")
-
-
 def test_killed_job_resumes_to_bitwise_identical_parameters(tmp_path):
     settings = dict(distributed={"num_ranks": 2}, train={"num_train_steps": 300, "batch_size": 8},
                     checkpoint={"period": 25, "max_num_checkpoints": 2},
@@ -111,14 +96,7 @@ def test_killed_job_resumes_to_bitwise_identical_parameters(tmp_path):
     killed = make_run(tmp_path, "killed", **settings)
     assert run_ranks(steady).returncode == 0
 
-    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _kill_when(killed, proc, min_step=60)
-    before = [info.step for info in list_complete(killed.checkpoints_dir)]
-    assert before and max(before) < 300, before  # interrupted between checkpoints, before the end
-    resumed = run_ranks(killed)
-    assert resumed.returncode == 0, resumed.stdout
-    assert f"starting from step {max(before)}" in resumed.stdout
+    kill_and_resume(killed, min_step=60, end_step=300)
     a, b = final_parameters(steady), final_parameters(killed)
     for name in a:
         assert np.array_equal(a[name], b[name]), name

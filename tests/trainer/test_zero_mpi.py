@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import h5py
 import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
-from tests.support.runs import final_parameters, make_run, rank_command, run_ranks
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
 
-from .test_training_mpi import _kill_when, digests
+from .test_training_mpi import digests
 
 pytestmark = pytest.mark.mpi
 
@@ -63,14 +60,7 @@ def test_zero1_killed_job_resumes_bitwise_identical(tmp_path):
     steady = make_run(tmp_path, "steady", **settings)
     killed = make_run(tmp_path, "killed", **settings)
     assert run_ranks(steady).returncode == 0
-    proc = subprocess.Popen(rank_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _kill_when(killed, proc, min_step=60)
-    before = [info.step for info in list_complete(killed.checkpoints_dir)]
-    assert before and max(before) < 200, before
-    resumed = run_ranks(killed)
-    assert resumed.returncode == 0, resumed.stdout
-    assert f"starting from step {max(before)}" in resumed.stdout
+    kill_and_resume(killed, min_step=60, end_step=200)
     a, b = final_parameters(steady), final_parameters(killed)
     for name in a:
         assert np.array_equal(a[name], b[name]), name
