@@ -154,13 +154,8 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
                 for piece in mine:
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
-                    try:
-                        passes.append(build_piece(cfg, piece, last, set(frozen), folder))
-                    except ArtifactsError:
-                        raise
-                    except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
-                        raise ArtifactsError(f"the engine could not build piece {piece.index} of tensor-parallel "
-                                             f"rank {rank} of pipeline stage {s}: {type(err).__name__}: {err}") from err
+                    where = f"piece {piece.index} of tensor-parallel rank {rank} of pipeline stage {s}"
+                    passes.append(build_piece(cfg, piece, last, set(frozen), folder, where))
                 records.append([piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])
                 ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                      for p, ran in zip(mine, passes, strict=True)})

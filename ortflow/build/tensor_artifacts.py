@@ -71,8 +71,23 @@ def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str],
     return model, plan, trainable, frozen
 
 
-def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
-    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through."""
+def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
+                where: str) -> tuple[str, ...]:
+    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through.
+
+    Raises:
+        ArtifactsError: Also for the engine's own failures (bare RuntimeErrors and C++ errors), naming ``where``
+            (e.g. "piece 1 of tensor-parallel rank 0").
+    """
+    try:
+        return _build_piece(cfg, piece, last, frozen, folder)
+    except ArtifactsError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
+        raise ArtifactsError(f"the engine could not build {where}: {type(err).__name__}: {err}") from err
+
+
+def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
     folder.mkdir(parents=True)
     stage = piece.stage
     output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
@@ -131,13 +146,8 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
             passes = []
             for piece in pieces:
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
-                try:
-                    passes.append(build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder))
-                except ArtifactsError:
-                    raise
-                except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
-                    raise ArtifactsError(f"the engine could not build tensor-parallel piece {piece.index} of rank "
-                                         f"{rank}: {type(err).__name__}: {err}") from err
+                passes.append(build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
+                                          f"tensor-parallel piece {piece.index} of rank {rank}"))
             ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
             ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                  for p, ran in zip(pieces, passes, strict=True)})
