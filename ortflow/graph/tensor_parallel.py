@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import constant_values, node_label
+from ortflow.graph.onnx_tools import constant_values, node_label
 from ortflow.graph.shapes import symbolic_shapes
 from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_plan import Region, TensorPlan, TensorSplitError

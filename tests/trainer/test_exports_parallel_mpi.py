@@ -12,8 +12,7 @@ import pytest
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
 from tests.support.runs import run_ranks
-
-from .exports_runs import SEQ, assert_export_equals_eval_graph, bert_run, gpt2_run
+from tests.trainer.exports_runs import SEQ, assert_export_equals_eval_graph, bert_run, gpt2_run
 
 pytestmark = pytest.mark.mpi
 
