@@ -207,3 +207,19 @@ def test_no_two_modules_share_a_name():
             by_name.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
     shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
     assert not shared, f"module names used more than once: {shared}"
+
+
+def test_every_module_imports():
+    # A module nothing imports any more can keep an import of a module that is gone; importing each one finds it.
+    import importlib
+    import pkgutil
+
+    import ortflow
+
+    broken = {}
+    for info in pkgutil.walk_packages(ortflow.__path__, "ortflow."):
+        try:
+            importlib.import_module(info.name)
+        except Exception as err:  # noqa: BLE001 - collected and reported together
+            broken[info.name] = repr(err)
+    assert not broken, broken
