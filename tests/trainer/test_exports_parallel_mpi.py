@@ -123,7 +123,7 @@ def bert_dp(tmp_path_factory):
     return cfg, _train(cfg)
 
 
-@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2)], ids=["pp2", "hp2"])
+@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "hp2", "pp2xhp2"])
 def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, pp, hp):
     root = bert_dp[0].output_dir.parent
     cfg = bert_run(root, f"pp{pp}hp{hp}", distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp,
