@@ -16,8 +16,8 @@ replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is
 
 A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_gemm`) is a weight product like ``MatMul``; its ``[out, in]`` weight
 swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose ``Transpose``
-is a node of the region: each rank transposes its own slice in its piece, so the slice's gradient stays its own. Embeddings and LM heads are split by vocabulary in regions of their own
-(:mod:`ortflow.graph.tensor_vocab`).
+is a node of the region: each rank transposes its own slice in its piece, so the slice's gradient stays its own.
+Embeddings and LM heads are split by vocabulary in regions of their own (:mod:`ortflow.graph.tensor_vocab`).
 """
 
 from __future__ import annotations
