@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ortflow.graph.common import node_label
+from ortflow.graph.onnx_tools import node_label
 from ortflow.graph.pipeline_cuts import FLOAT_TYPES, Analysis, Stage, check_random_ops, stage_model
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError
 
