@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import re
 import threading
 import time
@@ -19,6 +20,8 @@ from prefect.artifacts import (
 
 from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
+from ortflow.launch.guard import JobGuard
+from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
@@ -30,6 +33,9 @@ from ortflow.trainer.profiling import top_operators_table
 from ortflow.trainer.timing import read_timing
 
 log = logging.getLogger(__name__)
+
+#: Set by Prefect's workers and runners for the flow-run processes they start: the flow run's id.
+FLOW_RUN_PROCESS_ENV = "PREFECT__FLOW_RUN_ID"
 
 
 class TrainingFailed(RuntimeError):
@@ -119,6 +125,55 @@ def final_description(record: dict | None, exc: BaseException | None, timed_out:
         return f"Cancelled at {step}; the ranks stopped with a checkpoint"
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"Failed at {step}: {reason}"
+
+
+def _guard(config: RunConfig) -> JobGuard | None:
+    """A guard for the job when this is a flow-run process of a worker or of ``ortflow serve``.
+
+    Such a process can be killed without warning (a stopped Prefect process worker sends its flow-run processes
+    SIGKILL at once): the guard then stops the ranks with a stop checkpoint and reports the flow run ``Crashed``
+    (:func:`report_orphaned_stop`), so its deployment's concurrency slot is free for the next run.
+    """
+    if not os.environ.get(FLOW_RUN_PROCESS_ENV):
+        return None  # the flow runs in the process that called it (`ortflow run`): its own signals stop the job
+    return JobGuard(config.output_dir, STOP_GRACE_S, then="ortflow.tasks.training:report_orphaned_stop")
+
+
+def report_orphaned_stop(run_dir: Path) -> None:
+    """In the guard, after it stopped the job of a killed flow-run process: the flow run ends ``Crashed`` with where
+    the ranks stopped, the version is recorded as stopped, and ortflow's final-state event goes out."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from ortflow import versions
+    from ortflow.checkpoints import list_complete
+    from ortflow.config import load_run_config
+    from ortflow.tasks.runs import announce_final_state
+
+    flow_run_id = os.environ.get(FLOW_RUN_PROCESS_ENV)
+    record = read_progress(run_dir) or {}
+    try:
+        newest = list_complete(load_run_config(run_dir).checkpoints_dir)
+    except Exception:  # noqa: BLE001 - the state report must go out whatever the folder holds
+        newest = []
+    total = f"/{record['total']}" if record.get("total") else ""
+    where = (f"at step {newest[-1].step}{total}, newest checkpoint {newest[-1].path}" if newest
+             else "before the first checkpoint")
+    message = f"Stopped {where}: the flow-run process was killed (a stopped worker does that), the ranks stopped"
+    print(message, flush=True)
+    if run_dir.parent.name == versions.VERSIONS_DIR:
+        base, name = run_dir.parent.parent, run_dir.name
+        if any(v["version"] == name and v.get("status") == "running" for v in versions.read_registry(base)):
+            versions.finish_version(base, name, "stopped")
+    if not flow_run_id:
+        return
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+        flow_run = client.read_flow_run(flow_run_id)
+    announce_final_state(None, flow_run, flow_run.state)
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=10)
 
 
 class _ProgressWatcher:
@@ -232,7 +287,7 @@ def train(config: RunConfig) -> dict:
                     result = run_scheduled(config, on_line=on_line)
                 else:
                     result = launch(config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-                                    threads=layout.threads, on_line=on_line)  # fmt: skip
+                                    threads=layout.threads, on_line=on_line, guard=_guard(config))  # fmt: skip
                 if not result.ok:
                     raise TrainingFailed(result.summary(),
                                          will_repeat=failure_repeats(result.error_lines, result.returncode))
