@@ -46,7 +46,8 @@ class JobGuard:
     """
 
     def __init__(self, run_dir: Path, grace_s: float, then: str | None = None):
-        self.read_fd, self.write_fd = os.pipe()  # the job's output: the launcher writes, this process and the guard read
+        # The job's output: the launcher writes, this process reads, and the guard once this process is gone.
+        self.read_fd, self.write_fd = os.pipe()
         cmd = [sys.executable, "-P", "-m", "ortflow.launch.guard", "--follow", str(os.getpid()), "--run-dir",
                str(run_dir), "--output-fd", str(self.read_fd), "--grace", str(grace_s)]
         if then:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the launching process, not the guard
     job: dict[str, int] = {}
-    released = threading.Event()
+    released, finished = threading.Event(), threading.Event()
 
     def control() -> None:
         for line in sys.stdin:
@@ -199,19 +200,32 @@ def main(argv: list[str] | None = None) -> int:
                 job["pgid"] = int(value)
             elif word == "done":
                 released.set()
+                break
+        finished.set()  # released, or the launching process closed its end (it exited)
+
+    def follow() -> None:
+        wait_for_exit(args.follow)
+        finished.set()
 
     reader = threading.Thread(target=control, name="ortflow-guard-control", daemon=True)
     reader.start()
-    then = _resolve(args.then) if args.then else None
-    wait_for_exit(args.follow)
+    threading.Thread(target=follow, name="ortflow-guard-follow", daemon=True).start()
+    then: list[Callable[[Path], object]] = []
+    # Imported ahead, so that the report does not wait for it; a guard released meanwhile exits without waiting.
+    loader = threading.Thread(target=lambda: then.append(_resolve(args.then)) if args.then else None,
+                              name="ortflow-guard-import", daemon=True)
+    loader.start()
+    finished.wait()
     reader.join(5.0)  # a "done" written just before the launching process exited is still in the pipe
     if released.is_set():
         return 0
+    wait_for_exit(args.follow)
     _say(f"the launching process {args.follow} is gone before its job ended")
     take_over(job.get("pgid"), args.output_fd, args.grace)
-    if then is not None:
-        then(args.run_dir)
-    return 0
+    loader.join()
+    for report in then:
+        report(args.run_dir)
+    return 0 if then or not args.then else 1
 
 
 if __name__ == "__main__":
