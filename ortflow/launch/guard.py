@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -134,6 +135,23 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+#: The guard's log line that starts a take-over (what follows it is the job's output and the guard's own lines).
+_TAKE_OVER = "is gone before its job ended"
+
+
+def taken_over_lines(log: Path) -> list[str]:
+    """The job's output lines that the guard copied to its log ``log`` during its last take-over."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    starts = [i for i, line in enumerate(lines) if _TAKE_OVER in line]
+    return [line for line in lines[starts[-1] + 1:] if not _OWN.match(line)] if starts else []
+
+
+_OWN = re.compile(r"^\d\d:\d\d:\d\d (asking the ranks|no job was started|the job did not stop)")
+
+
 def _say(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)
 
@@ -220,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if released.is_set():
         return 0
     wait_for_exit(args.follow)
-    _say(f"the launching process {args.follow} is gone before its job ended")
+    _say(f"the launching process {args.follow} {_TAKE_OVER}")
     take_over(job.get("pgid"), args.output_fd, args.grace)
     loader.join()
     for report in then:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import datetime
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ from prefect.artifacts import (
 
 from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
-from ortflow.launch.guard import JobGuard
+from ortflow.launch.guard import GUARD_LOG, JobGuard, taken_over_lines
 from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
@@ -140,9 +141,11 @@ def _guard(config: RunConfig) -> JobGuard | None:
 
 
 def report_orphaned_stop(run_dir: Path) -> None:
-    """In the guard, after it stopped the job of a killed flow-run process: the flow run ends ``Crashed`` with where
-    the ranks stopped, the version is recorded as stopped, and ortflow's final-state event goes out."""
+    """In the guard, after it stopped the job of a killed flow-run process: the ranks' last lines go to the flow
+    run's logs, the flow run ends ``Crashed`` with where the ranks stopped, the version is recorded as stopped, and
+    ortflow's final-state event goes out."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
     from prefect.states import Crashed
 
     from ortflow import versions
@@ -160,6 +163,10 @@ def report_orphaned_stop(run_dir: Path) -> None:
     where = (f"at step {newest[-1].step}{total}, newest checkpoint {newest[-1].path}" if newest
              else "before the first checkpoint")
     message = f"Stopped {where}: the flow-run process was killed (a stopped worker does that), the ranks stopped"
+    levels, now = RankLineLevels(), datetime.datetime.now(datetime.UTC)
+    logs = [LogCreate(name="ortflow.launch.guard", level=levels(line), message=line, timestamp=now,
+                      flow_run_id=flow_run_id)
+            for line in taken_over_lines(run_dir / GUARD_LOG)] if flow_run_id else []
     print(message, flush=True)
     if run_dir.parent.name == versions.VERSIONS_DIR:
         base, name = run_dir.parent.parent, run_dir.name
@@ -168,6 +175,7 @@ def report_orphaned_stop(run_dir: Path) -> None:
     if not flow_run_id:
         return
     with get_client(sync_client=True) as client:
+        client.create_logs(logs)  # the ranks' last lines, which the killed process could not forward
         client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
         flow_run = client.read_flow_run(flow_run_id)
     announce_final_state(None, flow_run, flow_run.state)
