@@ -21,7 +21,7 @@ import numpy as np
 
 from bench.common import interleaved_thread_times
 from bench.record import write_result
-from ortflow.trainer.comm.runs import local_runs
+from ortflow.trainer.comm.memory_runs import local_runs
 
 
 def build(folder: Path):

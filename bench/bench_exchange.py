@@ -37,7 +37,7 @@ import numpy as np
 from bench.exchange_runs import CONTENDERS
 from bench.record import write_result
 from ortflow.trainer.comm.buckets import plan_buckets
-from ortflow.trainer.comm.runs import local_runs
+from ortflow.trainer.comm.memory_runs import local_runs
 
 
 def gradient_shapes(model: Path | None) -> list[tuple[int, ...]]:

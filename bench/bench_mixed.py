@@ -149,7 +149,9 @@ def _update_time(rt, mine, repeats: int) -> float:
     """Median wall time of the update alone (this rank's share under ZeRO-1), the device synchronised around it."""
     if repeats <= 0:
         return float("nan")
-    sync = (lambda: None)
+    def sync() -> None:
+        return None
+
     if rt.device == "cuda":
         import cupy as cp
 

@@ -1,4 +1,4 @@
-"""Exchange contenders over the engine's memory runs (ortflow.trainer.comm.runs), for bench/bench_exchange.py.
+"""Exchange contenders over the engine's memory runs (ortflow.trainer.comm.memory_runs), for bench/bench_exchange.py.
 
 * ``posted-tensors``: the exchange before this one (one in-place collective per gradient of >= 16k values);
 * ``runs-posted``: every large run all-reduced in place by its own ``Iallreduce``, the small runs and the scalars
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ortflow.trainer.comm.runs import common_runs, local_runs, run_view, split_runs
+from ortflow.trainer.comm.memory_runs import common_runs, local_runs, run_view, split_runs
 
 
 class RunPlan:

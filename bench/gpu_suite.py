@@ -11,8 +11,9 @@ Phases, in priority order, each row skipped once the time budget (``--budget-s``
    runs are configured, in parallel (CPU);
 2. round 1: at each GPU count (1, 2, 4) the ortflow rows (fp32, fp16, bf16 defaults; fp16 with ZeRO-1 at the largest
    count) and one PyTorch process (``bench/torch_contender.py``: eager and compile, DDP beyond one GPU with the tuned
-   bucket size, FSDP2 beyond one GPU (per-block compile with DDP on request), strict fp32 at one GPU) that compiles each mode once and
-   then times every round's window, the modes interleaved (a compile costs about half a minute per mode);
+   bucket size, FSDP2 beyond one GPU (per-block compile with DDP on request), strict fp32 at one GPU) that compiles
+   each mode once and then times every round's window, the modes interleaved (a compile costs about half a minute per
+   mode);
 3. the committed GPT-2 and BERT exports trained 60 updates through the CLI in fp32, fp16 and bf16, one GPU each
    (several at once, one per GPU: these give final losses, not times);
 4. rounds 2 and 3: ortflow's rows again, in the same order (new processes each round).
@@ -94,7 +95,8 @@ class Suite:
             print(f"[plan] {row.name}: {shlex.join(row.cmd)}", flush=True)
             return row
         if self.left() < row.estimate_s:
-            row.status, row.error_tail = "skipped", f"time budget: {self.left():.0f} s left, row needs ~{row.estimate_s:.0f} s"
+            row.status = "skipped"
+            row.error_tail = f"time budget: {self.left():.0f} s left, row needs ~{row.estimate_s:.0f} s"
             print(f"[skip] {row.name}: {row.error_tail}", flush=True)
             return row
         timeout = max(5.0, min(row.timeout_s, self.left()))
@@ -157,10 +159,12 @@ class Suite:
                         "--shape", a.shape, "--device", a.device], 300, 20, self.ortflow_env, str(REPO))]
         configure = [Row(f"prepare-{p}", "setup", [py, "bench/bench_mixed.py", "prepare", root, "--precisions", p,
                          "--shape", a.shape, "--device", a.device, "--reuse-model"], 300, 30, self.ortflow_env,
-                         str(REPO)) for p in self.precisions + ([f"{a.zero_precision}-zero1"] if a.zero else [])]  # fmt: skip
+                         str(REPO))
+                 for p in self.precisions + ([f"{a.zero_precision}-zero1"] if a.zero else [])]
         fixtures = [Row(f"fixture-config-{m}-{p}", "setup", [py, "bench/gpu_suite_fixtures.py", "configure",
                         str(self.work / "fx"), m, p, "--device", a.device, "--steps", str(FIXTURE_STEPS)], 300, 30,
-                        self.ortflow_env, str(REPO)) for m in FIXTURES for p in a.fixture_precisions.split(",") if p]  # fmt: skip
+                        self.ortflow_env, str(REPO))
+                    for m in FIXTURES for p in a.fixture_precisions.split(",") if p]
         gpu_rows = []
         pytest = [py, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider"]
         test_env = {**self.ortflow_env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 0:
         found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if shutil.which("nvidia-smi") \
             else None
-        args.gpus = len([l for l in found.stdout.splitlines() if l.startswith("GPU ")]) if found else 0
+        args.gpus = len([ln for ln in found.stdout.splitlines() if ln.startswith("GPU ")]) if found else 0
     if args.device == "cuda" and args.gpus == 0 and not args.dry_run:
         parser.error("no GPU found (nvidia-smi -L): pass --gpus N, or --device cpu to test the suite")
     suite = Suite(args)

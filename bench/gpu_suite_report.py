@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 TORCH_LABELS = {"eager": "PyTorch bf16 autocast, eager", "compile": "PyTorch bf16 autocast + torch.compile",
-                "blockcompile": "PyTorch bf16 autocast, blocks compiled", "fsdp2": "PyTorch FSDP2 bf16, blocks compiled",
+                "blockcompile": "PyTorch bf16 autocast, blocks compiled",
+                "fsdp2": "PyTorch FSDP2 bf16, blocks compiled",
                 "fp32": "PyTorch strict fp32, eager (side note)"}  # fmt: skip
 ORTFLOW_LABELS = {"fp32": "ortflow fp32 (defaults)", "fp16": "ortflow fp16 (defaults)",
                   "bf16": "ortflow bf16 (defaults)", "fp16-zero1": "ortflow fp16, ZeRO-1"}  # fmt: skip

@@ -32,7 +32,7 @@ from bench.record import write_result
 from ortflow.config import OptimizerConfig
 from ortflow.examples import build_gpt
 from ortflow.trainer.optim import build_rule, decays, whole_segments
-from ortflow.trainer.optim.base import Update, default_backend
+from ortflow.trainer.optim.segments import Update, default_backend
 
 
 def engine_session(folder: Path, d_model: int, num_layers: int, threads: int):

@@ -127,7 +127,7 @@ def disk_problem(err: BaseException, where: Path | str | None = None) -> str | N
 def failure_advice(err: BaseException, command: str) -> list[str]:
     """What to do after a failed ``ortflow run``: fix-then-rerun for errors that would repeat, else rerun."""
     from ortflow.runlock import RunFolderLocked
-    from ortflow.tasks.common import will_repeat
+    from ortflow.tasks.policy import will_repeat
 
     if isinstance(err, RunFolderLocked):
         return [f"to queue behind it instead: {command} --wait"]

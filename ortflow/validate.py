@@ -7,7 +7,7 @@ Checks, in order (each problem names the field and the fix):
    ``[B, T, V]`` for cross_entropy), the label name is free;
 3. the data: every source pattern matches files, every column (or feature pattern) exists in every source, and the
    first rows of each source fit the training model's inputs (dtypes, per-row shapes) at ``train.batch_size`` and
-   ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch.py, so a batch
+   ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch_dims.py, so a batch
    dim counts as fixed only when the graph really depends on it);
 4. the layout: ``train.global_batch_size`` against the model's fixed batch dim, the ranks and the stages, with the
    messages ``ortflow train`` would give (and the data checks then use the ranks' real micro-batch);
@@ -41,11 +41,11 @@ from onnx import helper
 from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
-from ortflow.dataprep.prepare import canonical_table, check_enough_rows, column_plan, resolve_plan
+from ortflow.dataprep.prepare_data import canonical_table, check_enough_rows, column_plan, resolve_plan
 from ortflow.dataprep.sources import Source, count_rows, resolve_sources, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
-from ortflow.graph.batch import make_batch_symbolic
+from ortflow.graph.batch_dims import make_batch_symbolic
 
 log = logging.getLogger(__name__)
 

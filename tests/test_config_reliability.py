@@ -9,8 +9,7 @@ from typer.testing import CliRunner
 
 from ortflow.cli import app
 from ortflow.config import ConfigError, find_problems, load_config
-
-from .test_config import BASE, problems_of, tiny_model, write
+from tests.test_config import BASE, problems_of, tiny_model, write
 
 
 def load_problems(path) -> list[str]:

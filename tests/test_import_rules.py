@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .support.import_rules import EXTRA_EDGES, LAYERS, PRIVATE_KNOWN, check, imports_of, module_names
+from tests.support.import_rules import EXTRA_EDGES, LAYERS, PRIVATE_KNOWN, check, imports_of, module_names
 
 ROOT = Path(__file__).resolve().parents[1] / "ortflow"
 REPORT = check(ROOT, LAYERS, EXTRA_EDGES, PRIVATE_KNOWN)
@@ -103,7 +103,7 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.export", {"prefect", "mpi4py", "ortflow.tasks"}),
         ("ortflow.launch.local", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
         ("ortflow.launch.layout", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
-        ("ortflow.graph.batch", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.dataprep"}),
+        ("ortflow.graph.batch_dims", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.dataprep"}),
         ("ortflow.validate", {"prefect", "mpi4py", "onnxruntime.training", "ortflow.tasks"}),  # engine: --deep only
     ],
 )
@@ -196,3 +196,30 @@ def test_no_torch_and_no_pickle_anywhere():
     project = (ROOT.parent / "pyproject.toml").read_text()
     runtime = project.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert "torch" not in runtime
+
+
+def test_no_two_modules_share_a_name():
+    # A file name says what the room holds; two rooms of the same name (three `pipeline.py`, two `base.py`) make every
+    # traceback and every "see X.py" ambiguous.
+    by_name: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"module names used more than once: {shared}"
+
+
+def test_every_module_imports():
+    # A module nothing imports any more can keep an import of a module that is gone; importing each one finds it.
+    import importlib
+    import pkgutil
+
+    import ortflow
+
+    broken = {}
+    for info in pkgutil.walk_packages(ortflow.__path__, "ortflow."):
+        try:
+            importlib.import_module(info.name)
+        except Exception as err:  # noqa: BLE001 - collected and reported together
+            broken[info.name] = repr(err)
+    assert not broken, broken

@@ -12,7 +12,7 @@ import pytest
 from ortflow.config import ConfigError, apply_overrides, config_from_dict, find_problems
 from ortflow.runlock import RunFolderLocked
 from ortflow.tasks.charts import chart_markdown, loss_curve
-from ortflow.tasks.common import will_repeat
+from ortflow.tasks.policy import will_repeat
 from ortflow.tasks.runs import stage_options
 from ortflow.tasks.training import RankLineLevels, TrainingFailed, failure_repeats, final_description
 from ortflow.trainer.metrics import TensorBoardLog
@@ -134,7 +134,7 @@ def test_examples_from_the_installed_package_are_valid_configs(tmp_path, kind):
 def test_artifact_keys_differ_between_output_dirs_sharing_a_name_and_versions_share_their_base_folders(tmp_path):
     from types import SimpleNamespace
 
-    from ortflow.tasks.common import artifact_key
+    from ortflow.tasks.policy import artifact_key
 
     one = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "a")
     two = SimpleNamespace(name="Demo Run", output_dir=tmp_path / "b")

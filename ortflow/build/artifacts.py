@@ -36,7 +36,7 @@ from ortflow.build.records import ARTIFACT_FILES
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.batch import BatchReport
+from ortflow.graph.batch_dims import BatchReport
 
 log = logging.getLogger(__name__)
 

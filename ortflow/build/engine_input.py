@@ -13,9 +13,9 @@ from pathlib import Path
 import onnx
 
 from ortflow.config import RunConfig
-from ortflow.graph.batch import BatchReport, make_batch_symbolic
-from ortflow.graph.common import GraphError
+from ortflow.graph.batch_dims import BatchReport, make_batch_symbolic
 from ortflow.graph.differentiable import explain_engine_error
+from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.prepare import PreparedModel, prepare_model
 from ortflow.graph.ties import describe_copies, folded_tie_copies
 
@@ -29,7 +29,7 @@ class ArtifactsError(ValueError):
 def prepare(
     cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None, proto_limit: int
 ) -> tuple[PreparedModel, BatchReport | None]:
-    """The batch-dimension pass (:mod:`ortflow.graph.batch`), then the model-preparation pass.
+    """The batch-dimension pass (:mod:`ortflow.graph.batch_dims`), then the model-preparation pass.
 
     The batch pass test-runs the model at two batch sizes, so it needs the weights: it runs when the model with its
     external data fits in a proto (report None otherwise: the batch dims stay as exported). The preparation passes

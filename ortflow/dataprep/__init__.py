@@ -7,6 +7,6 @@ See docs/data.md. ``prepare_data`` runs once per run (it is a no-op when nothing
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.loader import EvalLoader, TrainLoader, verify_data
 from ortflow.dataprep.manifest import Manifest, read_manifest
-from ortflow.dataprep.prepare import prepare_data
+from ortflow.dataprep.prepare_data import prepare_data
 
 __all__ = ["DataError", "EvalLoader", "Manifest", "TrainLoader", "prepare_data", "read_manifest", "verify_data"]

@@ -37,9 +37,9 @@ from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
 from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
-from ortflow.graph.common import subgraph_reads
 from ortflow.graph.embedding import restore_gathers
 from ortflow.graph.gelu import decompose_gelu
+from ortflow.graph.onnx_tools import subgraph_reads
 
 log = logging.getLogger(__name__)
 

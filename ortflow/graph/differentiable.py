@@ -12,7 +12,7 @@ import re
 
 import onnx
 
-from ortflow.graph.common import FLOAT_TYPES, GraphError, elem_types, node_label
+from ortflow.graph.onnx_tools import FLOAT_TYPES, GraphError, elem_types, node_label
 
 _ZERO_GRADIENT = ("its gradient is zero almost everywhere: compute it from values that need no gradient (model "
                   "inputs, frozen parameters) or remove it from the trained path")

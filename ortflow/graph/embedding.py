@@ -22,7 +22,7 @@ import copy
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import Names, elem_types, int64_constant, node_label, opset_version, report_change
+from ortflow.graph.onnx_tools import Names, elem_types, int64_constant, node_label, opset_version, report_change
 
 #: Name prefix and doc_string mark of the nodes this pass adds (restore_gathers finds them by both).
 PREFIX = "embedding/"

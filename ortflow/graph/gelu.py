@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import Names, constant_values, elem_types, node_label, report_change
 from ortflow.graph.gelu_grad import restore_tanh_gelus, sigmoid_gelus
+from ortflow.graph.onnx_tools import Names, constant_values, elem_types, node_label, report_change
 
 MS_DOMAIN = "com.microsoft"
 _RTOL = 1e-5

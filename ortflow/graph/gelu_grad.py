@@ -24,7 +24,7 @@ import math
 import onnx
 from onnx import TensorProto, helper
 
-from ortflow.graph.common import Names, constant_values, node_label, report_change
+from ortflow.graph.onnx_tools import Names, constant_values, node_label, report_change
 
 MS_DOMAIN = "com.microsoft"
 _TANH_C = math.sqrt(2.0 / math.pi)

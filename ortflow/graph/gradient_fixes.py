@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, shape_inference
 
-from ortflow.graph.common import Names, constant_values, consumed_names, int64_constant, node_label, report_change
+from ortflow.graph.onnx_tools import Names, constant_values, consumed_names, int64_constant, node_label, report_change
 
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
                          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"})

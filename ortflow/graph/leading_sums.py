@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ortflow.graph.common import (
+from ortflow.graph.onnx_tools import (
     Names,
     constant_values,
     int64_constant,

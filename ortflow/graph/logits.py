@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import GraphError, Names, int64_constant, report_change
+from ortflow.graph.onnx_tools import GraphError, Names, int64_constant, report_change
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import copy
 
 import onnx
 
-from ortflow.graph.common import Names, node_label, report_change
+from ortflow.graph.onnx_tools import Names, node_label, report_change
 
 #: op type -> names of its outputs, in order, for the ops whose optional outputs the gradient builder reads.
 NEEDED_OUTPUTS: dict[str, tuple[str, ...]] = {

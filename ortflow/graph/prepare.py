@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from ortflow.graph.common import FLOAT_TYPES, elem_types
 from ortflow.graph.differentiable import check_differentiable
 from ortflow.graph.embedding import deterministic_gathers
 from ortflow.graph.gelu import gelu_rewrites
 from ortflow.graph.gradient_fixes import gradient_fixes
 from ortflow.graph.logits import flatten_logits
+from ortflow.graph.onnx_tools import FLOAT_TYPES, elem_types
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
 from ortflow.graph.shapes import declare_broadcast_shapes, shapes_from_inputs

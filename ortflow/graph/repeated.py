@@ -14,7 +14,7 @@ import copy
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import Names, node_label, report_change
+from ortflow.graph.onnx_tools import Names, node_label, report_change
 
 
 def separate_repeated_inputs(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:

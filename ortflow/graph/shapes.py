@@ -23,7 +23,7 @@ import logging
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import Names, int64_constant, node_label, report_change
+from ortflow.graph.onnx_tools import Names, int64_constant, node_label, report_change
 
 log = logging.getLogger(__name__)
 

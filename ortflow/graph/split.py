@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import (
+from ortflow.graph.onnx_tools import (
     GraphError,
     Names,
     constant_values,

@@ -15,7 +15,7 @@ import copy
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import Names, node_label, report_change
+from ortflow.graph.onnx_tools import Names, node_label, report_change
 
 
 def _attr(node: onnx.NodeProto, name: str, default):

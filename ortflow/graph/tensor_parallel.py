@@ -15,8 +15,9 @@ activation reaches something else (a graph output, an unknown op, a parameter th
 replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is refused, naming the tensors.
 
 A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_gemm`) is a weight product like ``MatMul``; its ``[out, in]`` weight
-swaps the axes. Embeddings and LM heads are split by vocabulary in regions of their own
-(:mod:`ortflow.graph.tensor_vocab`).
+swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose ``Transpose``
+is a node of the region: each rank transposes its own slice in its piece, so the slice's gradient stays its own.
+Embeddings and LM heads are split by vocabulary in regions of their own (:mod:`ortflow.graph.tensor_vocab`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import constant_values, node_label
+from ortflow.graph.onnx_tools import constant_values, node_label
 from ortflow.graph.shapes import symbolic_shapes
 from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_plan import Region, TensorPlan, TensorSplitError
@@ -328,6 +329,8 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
         r.columns.append(candidates[s])
         if transposed(graph.node[s]) or graph.node[s].input[1] != candidates[s]:  # Gemm transB=1, or Transpose(W)
             r.transposed.append(candidates[s])
+        if graph.node[s].input[1] != candidates[s]:
+            r.nodes.append(walk.producers[graph.node[s].input[1]])
         if walk.groups.get(s, 1) > 1:
             r.groups[candidates[s]] = walk.groups[s]
         x = graph.node[s].input[0]
@@ -340,12 +343,16 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
             r.rows.append(walk.rows[i])
             if transposed(graph.node[i]) or walk.rows[i] in walk.via_transpose:
                 r.transposed.append(walk.rows[i])
+            if walk.rows[i] in walk.via_transpose:
+                r.nodes.append(walk.producers[graph.node[i].input[1]])
             r.outputs.append(graph.node[i].output[0])
         if i in walk.biases:
             r.biases.append(walk.biases[i])
             seed = walk.bias_of[graph.node[i].output[0]]
             if walk.groups.get(seed, 1) > 1:
                 r.groups[walk.biases[i]] = walk.groups[seed]
+    for r in by_root.values():
+        r.nodes.sort()
     return [by_root[k] for k in sorted(by_root)]
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from ortflow.graph.onnx_tools import node_label
 from ortflow.graph.pipeline_cuts import FLOAT_TYPES, Analysis, Stage, check_random_ops, stage_model
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError
 
@@ -91,18 +92,34 @@ def _levels(a: Analysis, member: dict[int, int]) -> dict[int, int]:
             return level
 
 
+def _check_slices_stay_in_regions(a: Analysis, member: dict[int, int], plan: TensorPlan) -> None:
+    """A sliced parameter is read only inside its region: a replicated node reading it would compute with one
+    rank's slice, and the gradient of what it sends would be summed over the ranks as if it were partial."""
+    sliced = set(plan.slicing())
+    for i in a.order:
+        node = a.graph.node[i]
+        bad = [x for x in node.input if x in sliced]
+        if bad and i not in member:
+            raise TensorSplitError(
+                f"{node.op_type} '{node_label(node)}' reads the tensor-parallel slices {bad} outside their split "
+                "region; this model's layers cannot be split: use distributed.horizontal_parallel_size 1"
+            )
+
+
 def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelProto,
                trainable: list[str] | set[str]) -> list[Piece]:
     """Cut a rank's model (:func:`ortflow.graph.tensor_parallel.shard_model`) into pieces, in the order they run.
 
     Raises:
-        TensorSplitError: A parallel piece would send something other than a partial sum (a split activation that
-            reaches the replicated side), or the model outputs are not computed by the last piece.
+        TensorSplitError: A node outside the split regions reads a sliced parameter, a parallel piece would send
+            something other than a partial sum (a split activation that reaches the replicated side), or the model
+            outputs are not computed by the last piece.
     """
     check_random_ops(model.graph)
     a = Analysis(model, set(trainable))
     member = _region_members(a, plan, original.graph)
     level = _levels(a, member)
+    _check_slices_stay_in_regions(a, member, plan)
     partial = {o for r in plan.regions for o in r.outputs}
     levels = sorted(set(level.values()))
     outputs = [o.name for o in model.graph.output]

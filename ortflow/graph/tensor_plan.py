@@ -23,7 +23,8 @@ class Region:
         groups: Parts of a column-split weight (3 for a fused QKV projection whose output is Split in 3), by name.
         outputs: The row-split MatMuls' outputs: partial sums, all-reduced over the tensor-parallel ranks.
         inputs: Replicated activations the region reads (the backward all-reduce of their gradients happens here).
-        nodes: Indices of the region's nodes in the graph.
+        nodes: Indices of the region's nodes in the graph, with the ``Transpose`` of a weight read as
+            ``Transpose(W)``: the rank's piece reads its slice itself, so the slice's gradient is the rank's own.
         transposed: Weights stored ``[out, in]`` (a Gemm with ``transB=1``): their column/row axes swap.
         vocab: Vocabulary-split tables (:mod:`ortflow.graph.tensor_vocab`) -> the axis each rank keeps a block of.
         heads: A vocabulary-split LM head's output -> its rank (the local logits are padded back to the vocabulary).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ortflow.graph.common import constant_values
+from ortflow.graph.onnx_tools import constant_values
 
 _CANNOT = "the new shape is computed in a way the split cannot follow"
 

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortflow.graph.common import Names, constant_values
 from ortflow.graph.gelu import declare_fused_types
+from ortflow.graph.onnx_tools import Names, constant_values
 from ortflow.graph.tensor_plan import TensorPlan
 from ortflow.graph.tensor_vocab import shard_vocab
 

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortflow.graph.common import Names, node_label, opset_version
+from ortflow.graph.onnx_tools import Names, node_label, opset_version
 from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_plan import Region
 

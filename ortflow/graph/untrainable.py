@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import onnx
 
-from ortflow.graph.common import FLOAT_TYPES, elem_types, node_label, report_change, subgraph_reads
+from ortflow.graph.onnx_tools import FLOAT_TYPES, elem_types, node_label, report_change, subgraph_reads
 
 #: op type -> (positions of float inputs the engine does not differentiate, what they are).
 NO_GRADIENT_INPUTS: dict[str, tuple[tuple[int, ...], str]] = {

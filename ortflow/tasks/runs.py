@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ortflow import runlock, versions
 from ortflow.config import RunConfig, apply_overrides, config_from_dict, load_config
-from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
+from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 
 
 def flow_run_id() -> str | None:

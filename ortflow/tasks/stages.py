@@ -12,7 +12,7 @@ from ortflow.checkpoints.retention import reason_label
 from ortflow.config import RunConfig
 from ortflow.launch.job import read_record
 from ortflow.tasks.caching import StageCache
-from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
+from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress
 
 # Every stage writes its outputs atomically and skips work that is already done, so running one twice is safe.

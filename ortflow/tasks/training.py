@@ -28,7 +28,7 @@ from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
-from ortflow.tasks.common import artifact_key, forward_logs, retry_transient
+from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import format_duration, read_progress
 from ortflow.trainer.profiling import top_operators_table
 from ortflow.trainer.timing import read_timing

@@ -2,7 +2,7 @@
 
 The engine allocates its gradient buffers from its CPU arena when the training session is created. A session's own
 arena starts small and grows by doubling, so the gradients land in several regions: the bench GPT's 69 gradients
-(13.3 MB) in 5 runs of memory. The exchange all-reduces each run in place as one collective (comm/runs.py), and 5
+(13.3 MB) in 5 runs of memory. The exchange all-reduces each run in place as one collective (comm/memory_runs.py), and 5
 collectives cost about 1.26x one of the same bytes (bench/bench_exchange.py, ``bare-runs``). A process-wide arena (the
 engine's environment allocator, ``session.use_env_allocators``) whose first chunk holds every gradient places them
 in one run (measured: 1 run with a first chunk of 14 MB, 2 runs with 13 MB), so the exchange is one in-place

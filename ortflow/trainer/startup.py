@@ -16,7 +16,7 @@ from ortflow.checkpoints.layout_check import check_checkpoint_layout
 from ortflow.config import RunConfig
 from ortflow.trainer import cuda_libs, optim
 from ortflow.trainer.comm import Communicator, DeviceBuffer
-from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
+from ortflow.trainer.optim.adasum_update import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.zero import Zero0, Zero1
 
 log = logging.getLogger("ortflow.trainer")

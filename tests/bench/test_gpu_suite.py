@@ -52,7 +52,8 @@ def test_gpu_counts_beyond_the_machine_are_not_planned(tmp_path):
 
 def _suite(tmp_path, budget=100.0):
     class Args:
-        work, budget_s, dry_run, device, precisions, ortflow_pythonpath = str(tmp_path), budget, False, "cpu", "fp32", ""
+        work, budget_s, dry_run, device, precisions = str(tmp_path), budget, False, "cpu", "fp32"
+        ortflow_pythonpath = ""
         mpiexec, ortflow_py, torch_py = "mpiexec", sys.executable, sys.executable
 
     suite = Suite(Args())

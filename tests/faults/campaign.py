@@ -16,10 +16,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from . import trials
-from . import trials_files as files
-from . import trials_launcher as launcher
-from . import trials_reliability as rel
+from tests.faults import trials
+from tests.faults import trials_files as files
+from tests.faults import trials_launcher as launcher
+from tests.faults import trials_reliability as rel
 
 
 def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:

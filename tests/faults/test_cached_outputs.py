@@ -13,9 +13,8 @@ from ortflow.checkpoints.retention import retain_checkpoints
 from ortflow.export import export_model
 from ortflow.export.checksum import sidecar_path
 from ortflow.tasks.caching import outputs_intact
+from tests.faults import procs
 from tests.support.runs import make_run, run_ranks
-
-from . import procs
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 

@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 from ortflow.checkpoints import list_complete
+from tests.faults import procs
+from tests.faults import trials_files as files
 from tests.support.runs import make_run, run_ranks
-
-from . import procs
-from . import trials_files as files
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from . import trials
-from . import trials_files as files
+from tests.faults import trials
+from tests.faults import trials_files as files
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 

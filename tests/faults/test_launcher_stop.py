@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from . import trials_launcher as launcher
-from .trials import Outcome
+from tests.faults import trials_launcher as launcher
+from tests.faults.trials import Outcome
 
 
 def check(outcome: Outcome) -> None:

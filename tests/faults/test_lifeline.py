@@ -13,9 +13,8 @@ import pytest
 
 from ortflow.launch.local import build_command
 from ortflow.trainer import lifeline
+from tests.faults import procs
 from tests.support.runs import make_run
-
-from . import procs
 
 
 def test_the_watch_fires_within_a_second_of_the_launcher_exiting_even_as_a_zombie():

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults import procs
 from tests.support.runs import make_run
-
-from . import procs
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 NSEXEC = str(Path(__file__).with_name("nsexec.sh"))

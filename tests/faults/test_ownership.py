@@ -13,9 +13,8 @@ import pytest
 from ortflow.checkpoints import CheckpointError, CheckpointManager, list_complete, resolve_resume, run_owner
 from ortflow.config import config_from_dict
 from ortflow.runlock import holder
+from tests.faults import procs
 from tests.support.runs import make_run, run_ranks
-
-from . import procs
 
 
 def _cfg(tmp_path: Path, name: str):

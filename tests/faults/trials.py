@@ -19,9 +19,8 @@ import numpy as np
 
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import RunConfig
+from tests.faults import procs
 from tests.support.runs import final_parameters, make_run, run_ranks
-
-from . import procs
 
 INJECT = str(Path(__file__).with_name("inject.py"))
 #: The job every kill trial trains: 2 ranks, long enough to be hit anywhere, checkpoints every 5 updates.

@@ -19,10 +19,9 @@ from ortflow.build.records import ArtifactsDamaged, verify_artifacts
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import ConfigError, check_model_file, config_from_dict
 from ortflow.dataprep import DataError, verify_data
+from tests.faults import procs
+from tests.faults.trials import Outcome, _resume_to_end, _same, fresh_run
 from tests.support.runs import final_parameters, run_ranks
-
-from . import procs
-from .trials import Outcome, _resume_to_end, _same, fresh_run
 
 #: File kinds a resume trusts, and the owner of their integrity when it is not this suite's work.
 FILE_KINDS = {"checkpoint": "", "optimizer": "", "meta": "", "manifest": "", "shard": "", "artifact": ""}

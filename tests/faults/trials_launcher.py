@@ -13,8 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import procs
-from .trials import Outcome, fresh_run
+from tests.faults import procs
+from tests.faults.trials import Outcome, fresh_run
 
 TIMEOUT_S = 5.0
 

@@ -19,11 +19,10 @@ from ortflow.checkpoints import list_complete
 from ortflow.checkpoints.retention import retain_checkpoints
 from ortflow.export import export_model
 from ortflow.tasks.caching import outputs_intact
+from tests.faults import procs
+from tests.faults import trials_files as files
+from tests.faults.trials import Outcome
 from tests.support.runs import build_mlp, make_run, run_ranks
-
-from . import procs
-from . import trials_files as files
-from .trials import Outcome
 
 
 def _ortflow(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -27,8 +27,7 @@ import numpy as np
 import pytest
 
 from ortflow.trainer import cuda_libs
-
-from .test_gpu_training import REASON, _digests, _run
+from tests.gpu.test_gpu_training import REASON, _digests, _run
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,8 +13,7 @@ from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
 from ortflow.graph.cuda_kernels import has_kernel, missing_kernels
 from ortflow.validate import validate
 from tests.support.exports import NAMES, export_path
-
-from ..test_validate import setup
+from tests.test_validate import setup
 
 
 def test_the_table_knows_the_known_gaps():

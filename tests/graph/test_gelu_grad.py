@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
-from ortflow.dataprep.prepare import prepare_data
+from ortflow.dataprep.prepare_data import prepare_data
 from ortflow.export import export_model
 from ortflow.graph.gelu import MS_DOMAIN, decompose_gelu, gelu_rewrites
 from ortflow.graph.gelu_grad import restore_tanh_gelus, sigmoid_gelus

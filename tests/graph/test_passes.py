@@ -11,8 +11,8 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.common import GraphError
 from ortflow.graph.logits import flatten_logits
+from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
 from ortflow.graph.split import split_to_slices

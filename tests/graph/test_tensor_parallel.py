@@ -118,3 +118,44 @@ def test_slices_merge_back_to_the_whole_tensor(axis, parts):
     pieces = [slice_tensor(value, axis, parts, 2, r) for r in range(2)]
     assert pieces[0].shape[axis] == value.shape[axis] // 2
     np.testing.assert_array_equal(merge_slices(pieces, axis, parts), value)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    """The Hugging Face BERT export: its Linears read ``Transpose(W)`` of ``[out, in]`` weights."""
+    from ortflow.build.tensor_artifacts import export_fixes
+    from tests.support.exports import export_path
+
+    model = onnx.load(str(export_path("bert.onnx")))
+    names = trainable(model)
+    return export_fixes(model, names), names
+
+
+def test_a_weight_read_transposed_is_transposed_inside_its_region(bert):
+    model, names = bert
+    plan = plan_tensor_split(model, names, 2)
+    pieces = cut_pieces(shard_model(model, plan, 1), plan, model, names)
+    sliced = set(plan.slicing())
+    transposed = {w for r in plan.regions for w in r.transposed}
+    assert "model.bert.encoder.layer.0.attention.self.value.weight" in transposed
+    assert "model.bert.encoder.layer.1.output.dense.weight" in transposed
+    for piece in pieces:
+        # each rank's slices are read in its parallel pieces only (their gradients are the rank's own) ...
+        leaked = sliced & set(piece.stage.parameters)
+        assert piece.parallel or not leaked, f"replicated piece {piece.index} holds slices {sorted(leaked)}"
+        # ... and what a parallel piece receives is a replicated activation, never a transposed slice
+        assert not any("Transpose" in name for name in piece.float_receives), piece.float_receives
+    held = {n for p in pieces if p.parallel for n in p.stage.parameters}
+    assert transposed <= held
+
+
+def test_a_slice_read_outside_its_region_is_refused(bert):
+    model, names = bert
+    plan = plan_tensor_split(model, names, 2)
+    region = plan.regions[0]
+    drop = next(i for i in region.nodes if model.graph.node[i].op_type == "Transpose")
+    region.nodes.remove(drop)  # as if the split left the Transpose of a sliced weight to the replicated side
+    with pytest.raises(TensorSplitError, match=r"Transpose '.*query/Transpose' reads the tensor-parallel slices "
+                                               r"\['model.bert.encoder.layer.0.attention.self.query.weight'\] "
+                                               r"outside their split region"):
+        cut_pieces(shard_model(model, plan, 0), plan, model, names)

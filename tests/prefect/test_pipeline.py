@@ -14,7 +14,7 @@ from prefect import flow
 from ortflow import tasks
 from ortflow.flows import train_pipeline
 from ortflow.tasks.caching import invalidate
-from ortflow.tasks.common import artifact_key
+from ortflow.tasks.policy import artifact_key
 from ortflow.trainer.metrics import read_progress
 from tests.support.prefect_runs import final_parameters, mlp_config, processes_mentioning, rank_pids, wait_for
 

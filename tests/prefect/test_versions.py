@@ -113,8 +113,10 @@ def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server
             return running and Path(running[0]["path"])
 
         folder = wait_for(running_version, 120, "the version folder")
-        wait_for(lambda: (r := read_progress(folder)) and 800 <= r["step"] < 3500 and list_complete(folder / "checkpoints"),
-                 180, "training to pass step 800 with a checkpoint written")
+        def past_800() -> bool:
+            r = read_progress(folder)
+            return bool(r) and 800 <= r["step"] < 3500 and bool(list_complete(folder / "checkpoints"))
+        wait_for(past_800, 180, "training to pass step 800 with a checkpoint written")
         at = time.time()
         os.kill(rank_pids(folder)[0], signal.SIGKILL)
         killed.append(at)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ortflow.engine import api
 from ortflow.trainer.arena import use_gradient_arena
-from ortflow.trainer.comm.runs import local_runs
+from ortflow.trainer.comm.memory_runs import local_runs
 from ortflow.trainer.runtime import session_options
 
 folder = Path(sys.argv[1])

@@ -12,8 +12,7 @@ import pytest
 
 from ortflow.trainer.comm.adasum import adasum_allreduce, is_power_of_two
 from tests.support.runs import MPIEXEC
-
-from .adasum_rank import COUNTS, contribution
+from tests.trainer.adasum_rank import COUNTS, contribution
 
 SCRIPT = str(Path(__file__).with_name("adasum_rank.py"))
 

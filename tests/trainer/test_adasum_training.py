@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
-from ortflow.trainer.optim.adasum import AdasumExchange, adasum_mode
+from ortflow.trainer.optim.adasum_update import AdasumExchange, adasum_mode
 from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
-
-from .test_adasum import reference
+from tests.trainer.test_adasum import reference
 
 
 class _TwoRanks:

@@ -1,9 +1,9 @@
-"""The exchange's memory runs (ortflow.trainer.comm.runs): which gradients are reduced together, in place."""
+"""The exchange's memory runs (ortflow.trainer.comm.memory_runs): which gradients are reduced together, in place."""
 
 import numpy as np
 import pytest
 
-from ortflow.trainer.comm.runs import RunPlan, common_runs, local_runs, plan_key, run_view, split_runs
+from ortflow.trainer.comm.memory_runs import RunPlan, common_runs, local_runs, plan_key, run_view, split_runs
 
 
 def _carve(order: list[int], sizes: list[int], gap_after: set[int] = frozenset()) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim import Update, build_rule, decays, whole_segments
-from ortflow.trainer.optim.base import default_backend
+from ortflow.trainer.optim.segments import default_backend
 from ortflow.trainer.optim.zero import shard_segments
 
 SIZES = (700, 33, 20000, 1, 4099)  # larger than a chunk, odd sizes (the engine sqrt's tails), a scalar

@@ -7,8 +7,7 @@ import pytest
 
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim import GroupedUpdate, build_update, group_problems, whole_segments
-
-from .test_optim_rules import NAMES, SIZES, STEPS, assert_fp32_close, lr_at, run_rule
+from tests.trainer.test_optim_rules import NAMES, SIZES, STEPS, assert_fp32_close, lr_at, run_rule
 
 # Two groups as users write them: biases at twice the rate without decay; the rest with the section's settings.
 GROUPS = ({"params": ["*bias"], "lr_scale": 2.0, "weight_decay": 0.0, "betas": [0.8, 0.95]},)

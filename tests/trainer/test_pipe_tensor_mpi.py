@@ -23,8 +23,7 @@ from tests.support.parallel_runs import (
     newest,
 )
 from tests.support.runs import run_ranks
-
-from .test_tensor_mpi import ATOL, digests
+from tests.trainer.test_tensor_mpi import ATOL, digests
 
 pytestmark = pytest.mark.mpi
 

@@ -29,8 +29,7 @@ def test_a_middle_stage_training_model_returns_no_copy_of_what_it_sent(tmp_path)
     from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.engine import api
     from ortflow.trainer.runtime import session_options
-
-    from .test_pipeline_mpi import torchlike_run
+    from tests.trainer.test_pipeline_mpi import torchlike_run
 
     cfg = torchlike_run(tmp_path, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3})
     record = read_stages_record(cfg.artifacts_dir)

@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 
 from ortflow.build.records import read_stages_record
-from ortflow.trainer.comm.base import SingleProcessComm
+from ortflow.trainer.comm.communicator import SingleProcessComm
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
 from tests.support.runs import make_text_run
-
-from .test_pipeline_mpi import torchlike_run
+from tests.trainer.test_pipeline_mpi import torchlike_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,7 @@ from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_file
 from tests.support.parallel_runs import SEQ, gpt_run, h5_arrays, initial_parameters, kill_after_first_checkpoint, newest
 from tests.support.runs import run_ranks
-
-from .test_tensor_mpi import ATOL, LR
+from tests.trainer.test_tensor_mpi import ATOL, LR
 
 pytestmark = pytest.mark.mpi
 

@@ -8,8 +8,7 @@ import pytest
 
 from ortflow.checkpoints import list_complete
 from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
-
-from .test_training_mpi import digests
+from tests.trainer.test_training_mpi import digests
 
 pytestmark = pytest.mark.mpi
 

@@ -21,7 +21,7 @@ those that never arrived (and where they were last seen), and aborts the whole j
 adds NCCL once the rank's GPU is known (the reference's order: MPI, device, NCCL, session).
 """
 
-from ortflow.trainer.comm.base import (
+from ortflow.trainer.comm.communicator import (
     CollectiveTimeout,
     Communicator,
     SingleProcessComm,

@@ -8,7 +8,7 @@ bucket small enough to stay in cache between its packing, its reduction and its 
 in place in slices of its own memory (no packing at all); small ones are packed together so that the collectives stay
 few. Every bucket is one more synchronisation of all ranks, though, which costs much more than the passes it saves
 when ranks share cores with other processes: bench/bench_exchange.py measures the choices, and the default exchange
-(MPIComm._exchange_runs: the gradients' memory runs reduced in place, comm/runs.py) stays in place until a
+(MPIComm._exchange_runs: the gradients' memory runs reduced in place, comm/memory_runs.py) stays in place until a
 dedicated host shows buckets faster (docs/layout.md).
 """
 

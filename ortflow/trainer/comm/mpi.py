@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.trainer.comm.adasum import adasum_allreduce
-from ortflow.trainer.comm.base import Communicator, SingleProcessComm, gradient_norm, scale_gradients
 from ortflow.trainer.comm.buckets import Bucket, plan_buckets
-from ortflow.trainer.comm.runs import RunPlan, plan_key
+from ortflow.trainer.comm.communicator import Communicator, SingleProcessComm, gradient_norm, scale_gradients
+from ortflow.trainer.comm.memory_runs import RunPlan, plan_key
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 from ortflow.trainer.lifeline import continued_signal, launcher_processes
 
@@ -215,9 +215,10 @@ class MPIComm:
 
     def _exchange_runs(self, grads: Sequence[np.ndarray], scale: np.float32, scalars: np.ndarray) -> None:
         """Runs of gradients that lie back to back in the engine's memory all-reduced in place as one buffer each, on
-        huge pages (comm/runs.py; the bench GPT's 69 gradients are 1 run with the trainer's arena, trainer/arena.py),
-        the small runs and the scalars packed into one more, each run times ``scale`` as soon as it is reduced (the
-        mean's ``float32(1/divisor)``; 1 when the scale is deferred: no pass at all, the pack is copied back as is).
+        huge pages (comm/memory_runs.py; the bench GPT's 69 gradients are 1 run with the trainer's arena,
+        trainer/arena.py), the small runs and the scalars packed into one more, each run times ``scale`` as soon as it
+        is reduced (the mean's ``float32(1/divisor)``; 1 when the scale is deferred: no pass at all, the pack is copied
+        back as is).
 
         Blocking ``Allreduce`` calls, one after another: Open MPI 4.1's non-blocking collectives (libnbc) took 1.6x
         its blocking ``Allreduce`` of the same bytes on the device's 32 CPUs, and MPICH measured the same either way

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.trainer.comm.adasum import adasum_allreduce
-from ortflow.trainer.comm.base import Communicator, gradient_norm, scale_gradients
 from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
+from ortflow.trainer.comm.communicator import Communicator, gradient_norm, scale_gradients
 from ortflow.trainer.comm.half_allreduce import HalfAllReduce
 
 

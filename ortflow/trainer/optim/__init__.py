@@ -16,9 +16,9 @@ import numpy as np
 
 from ortflow.config import OptimizerConfig
 from ortflow.trainer.optim.adamw import AdamW
-from ortflow.trainer.optim.base import CHUNK, Segment, SumAcrossRanks, Update, chunks, whole_segments
 from ortflow.trainer.optim.groups import GroupedUpdate, GroupSettings, group_problems, grouped_update, regroup
 from ortflow.trainer.optim.lamb import Lamb
+from ortflow.trainer.optim.segments import CHUNK, Segment, SumAcrossRanks, Update, chunks, whole_segments
 from ortflow.trainer.optim.sgd import SGD
 
 __all__ = [

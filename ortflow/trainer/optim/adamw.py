@@ -29,8 +29,8 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import adam_moments, fused_module
 from ortflow.trainer.optim.engine_sqrt import aligned_empty, engine_sqrt
+from ortflow.trainer.optim.segments import adam_moments, fused_module
 
 f32 = np.float32
 

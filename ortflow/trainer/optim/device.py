@@ -1,6 +1,6 @@
 """The update on CUDA buffers: fused multi-tensor CuPy kernels (``update.cu``), one launch per step for AdamW and SGD.
 
-:class:`DeviceUpdate` has the interface of :class:`~ortflow.trainer.optim.base.Update` (``step``, ``segments``,
+:class:`DeviceUpdate` has the interface of :class:`~ortflow.trainer.optim.segments.Update` (``step``, ``segments``,
 ``rule``, ``state_views``, ``step_count``, ``state_bytes``) over device addresses: the engine's parameter buffers and
 gradient buffers (:class:`~ortflow.trainer.comm.DeviceBuffer`), optimizer state in CuPy arrays. Kernels run on the
 communicator's NCCL stream, after the gradient exchange on the same stream, and the step ends with one stream
@@ -27,9 +27,9 @@ import numpy as np
 
 from ortflow.trainer.comm.pending import Gradients
 from ortflow.trainer.optim.adamw import AdamW
-from ortflow.trainer.optim.adasum import AdasumExchange
-from ortflow.trainer.optim.base import Segment
+from ortflow.trainer.optim.adasum_update import AdasumExchange
 from ortflow.trainer.optim.lamb import Lamb
+from ortflow.trainer.optim.segments import Segment
 from ortflow.trainer.optim.sgd import SGD
 from ortflow.trainer.optim.zero import shard_segments
 
@@ -291,7 +291,8 @@ def _view(cp, buffer, device: int):
 
 
 class AdasumDevice(AdasumExchange):
-    """Adasum on CUDA ranks: :class:`~ortflow.trainer.optim.adasum.AdasumExchange` over the engine's device buffers.
+    """Adasum on CUDA ranks: :class:`~ortflow.trainer.optim.adasum_update.AdasumExchange` over the engine's device
+    buffers.
 
     The combination is the communicator's NCCL Adasum (``NCCLComm.adasum_tensors``: the tree of comm/adasum.py on
     device buffers); gradients and parameters never leave the GPU. ``deltas`` mode keeps each parameter's value

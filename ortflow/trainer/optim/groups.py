@@ -25,7 +25,7 @@ from ortflow.config import OptimizerConfig
 from ortflow.config import param_group_index as assign
 from ortflow.config import param_group_problems as group_problems  # noqa: F401 - re-exported by optim
 from ortflow.trainer.comm.pending import ONE, Gradients, factors
-from ortflow.trainer.optim.base import Segment
+from ortflow.trainer.optim.segments import Segment
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ortflow.trainer.optim.base import adam_moments, fused_module
+from ortflow.trainer.optim.segments import adam_moments, fused_module
 
 f32 = np.float32
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ortflow.trainer.comm.pending import Gradients, scale_gradients, sum_of_squares
-from ortflow.trainer.optim.base import Segment
+from ortflow.trainer.optim.segments import Segment
 
 
 def shard_bounds(total: int, world: int) -> list[int]:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ortflow.trainer.comm.base import gradient_norm, scale_gradients
+from ortflow.trainer.comm.communicator import gradient_norm, scale_gradients
 
 _NO_SCALARS = np.zeros(0, dtype=np.float32)
 
