@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import (
@@ -156,9 +157,10 @@ def report_orphaned_stop(run_dir: Path) -> None:
     flow_run_id = os.environ.get(FLOW_RUN_PROCESS_ENV)
     record = read_progress(run_dir) or {}
     try:
-        newest = list_complete(load_run_config(run_dir).checkpoints_dir)
+        config = load_run_config(run_dir)
+        newest = list_complete(config.checkpoints_dir)
     except Exception:  # noqa: BLE001 - the state report must go out whatever the folder holds
-        newest = []
+        config, newest = None, []
     total = f"/{record['total']}" if record.get("total") else ""
     where = (f"at step {newest[-1].step}{total}, newest checkpoint {newest[-1].path}" if newest
              else "before the first checkpoint")
@@ -178,10 +180,32 @@ def report_orphaned_stop(run_dir: Path) -> None:
         client.create_logs(logs)  # the ranks' last lines, which the killed process could not forward
         client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
         flow_run = client.read_flow_run(flow_run_id)
+        if config is not None:
+            step = f"step {newest[-1].step}{total}" if newest else "before the first checkpoint"
+            _end_progress_artifact(client, flow_run_id, artifact_key(config, "progress"), record,
+                                   f"Stopped at {step} (the flow-run process was killed); the ranks stopped with a "
+                                   "checkpoint")
     announce_final_state(None, flow_run, flow_run.state)
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=10)
+
+
+def _end_progress_artifact(client: Any, flow_run_id: str, key: str, record: dict, description: str) -> None:
+    """The flow run's progress artifact ends with ``description`` instead of an ETA (best effort)."""
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    try:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]),
+                                           flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
+        if found:
+            client.update_artifact(found[0].id, ArtifactUpdate(data=progress_percent(record), description=description))
+    except Exception as err:  # noqa: BLE001 - the run's state is what matters; the artifact is a courtesy
+        log.warning("progress artifact not updated: %s", err)
 
 
 class _ProgressWatcher:

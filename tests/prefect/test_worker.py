@@ -122,6 +122,14 @@ def test_sigterm_to_a_process_worker_stops_its_run_with_a_stop_checkpoint_and_fr
     # The ranks' stop lines, which the killed flow-run process could not forward, are in the flow run's logs.
     stop_line = f"stop requested: ranks stopped together after step {stop.step} (checkpoint saved)"
     assert sum(stop_line in message for message in _log_messages(run.id)) == 2, _log_messages(run.id)[-20:]
+    # The progress artifact ends with the stop instead of an ETA.
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    (progress,) = [a for a in artifacts if a.type == "progress"]
+    assert progress.description.startswith("Stopped") and "ETA" not in progress.description, progress.description
     # The deployment's only concurrency slot is free: a run created now starts and completes under a new worker.
     with get_client(sync_client=True) as client:
         short = client.create_flow_run_from_deployment(
