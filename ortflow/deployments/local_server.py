@@ -7,7 +7,9 @@ flow waits on client retries. A ``kill -9`` of ``ortflow run`` leaves Prefect's 
 * runs in a session of its own, so signals meant for ``ortflow run``'s group never reach it;
 * gets SIGKILL from the kernel when the thread that started it dies (``PR_SET_PDEATHSIG``), so it never outlives a
   killed ``ortflow run``;
-* is stopped by ``ortflow run`` once the flow run has its final state and the buffered logs and events are sent.
+* is stopped by ``ortflow run`` once the flow run has its final state and the buffered logs and events are sent;
+* sends no usage heartbeat to Prefect (``PREFECT_SERVER_ANALYTICS_ENABLED=false`` unless set), so an offline run
+  logs no error about it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[subprocess.Popen
         "PREFECT__SERVER_FINAL": "1",
     }
     env.pop("PREFECT_API_URL", None)
+    # Prefect's server sends an anonymous usage heartbeat when it starts; offline it logs an error for it into the
+    # terminal of `ortflow run`. The temporary server sends none, unless the environment asks for it.
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
                "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "error", "--lifespan", "on"]

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from ortflow.launch.guard import JobGuard
 from ortflow.launch.job import (
     STOP_GRACE_S,
     JobState,
@@ -120,22 +121,34 @@ class LocalJob:
     launcher = "local"
     job_id = None
 
-    def __init__(self, cmd: list[str], env: dict[str, str]):
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
-            start_new_session=True,
-        )
+    def __init__(self, cmd: list[str], env: dict[str, str], output: tuple[int, int] | None = None):
+        if output is None:
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                start_new_session=True,
+            )
+            self._stream = self.proc.stdout
+        else:  # a pipe made beforehand, whose read end a guard holds too
+            read_fd, write_fd = output
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=write_fd, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+            finally:
+                os.close(write_fd)  # only the job writes: its end of output is the end of the job
+            self._stream = os.fdopen(read_fd, "r", errors="replace")
         self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._news = threading.Event()
         self._eof = threading.Event()
         threading.Thread(target=self._read, name="ortflow-launcher-output", daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout or ():
+        for line in self._stream or ():
             self._lines.put(line.rstrip("\n"))
             self._news.set()
         self._eof.set()
         self._news.set()
+        if self._stream is not self.proc.stdout:
+            self._stream.close()
 
     def wait(self, seconds: float) -> None:
         """Sleep until the job prints or ends, at most ``seconds`` (the pause between polls)."""
@@ -183,6 +196,7 @@ def launch(
     on_line: Callable[[str], None] = print,
     on_start: Callable[[subprocess.Popen], None] | None = None,
     forward_signals: bool = False,
+    guard: JobGuard | None = None,
 ) -> LaunchResult:
     """Run the training job and stream its output.
 
@@ -197,6 +211,9 @@ def launch(
         on_start: Receives the launcher process (to watch or stop it).
         forward_signals: Own SIGTERM/SIGINT while the job runs (``ortflow train``): they stop the ranks cleanly and
             the result carries the signal. Leave False where another framework owns the signals (Prefect).
+        guard: A guard started for this job (:class:`ortflow.launch.guard.JobGuard`): the ranks follow it instead of
+            this process, it holds the job's output pipe too, and it stops the job cleanly if this process is killed.
+            Released here once the job ended or was stopped.
 
     Returns:
         The exit status, the last error lines and the stop signal received. Otherwise (a KeyboardInterrupt, a task
@@ -208,7 +225,17 @@ def launch(
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
     started = time.time()
-    job = LocalJob(cmd, env)
+    if guard is not None:
+        env[LAUNCHER_PID_ENV] = str(guard.pid)  # the ranks outlive this process as long as the guard does
+    try:
+        job = LocalJob(cmd, env, output=(guard.read_fd, guard.write_fd) if guard is not None else None)
+    except BaseException:
+        if guard is not None:
+            os.close(guard.read_fd)
+            guard.release()
+        raise
+    if guard is not None:
+        guard.job_started(job.proc.pid)
     write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
         on_start(job.proc)
@@ -221,6 +248,8 @@ def launch(
     finally:
         watcher.set()
         restore_pause()
+        if guard is not None:
+            guard.release()
     if not result.returncode:
         return result
     errors = deque(result.error_lines, maxlen=20)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextvars
+import datetime
 import logging
+import os
 import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import (
@@ -19,6 +22,8 @@ from prefect.artifacts import (
 
 from ortflow import runlock
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
+from ortflow.launch.guard import GUARD_LOG, JobGuard, taken_over_lines
+from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
@@ -30,6 +35,9 @@ from ortflow.trainer.profiling import top_operators_table
 from ortflow.trainer.timing import read_timing
 
 log = logging.getLogger(__name__)
+
+#: Set by Prefect's workers and runners for the flow-run processes they start: the flow run's id.
+FLOW_RUN_PROCESS_ENV = "PREFECT__FLOW_RUN_ID"
 
 
 class TrainingFailed(RuntimeError):
@@ -119,6 +127,85 @@ def final_description(record: dict | None, exc: BaseException | None, timed_out:
         return f"Cancelled at {step}; the ranks stopped with a checkpoint"
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"Failed at {step}: {reason}"
+
+
+def _guard(config: RunConfig) -> JobGuard | None:
+    """A guard for the job when this is a flow-run process of a worker or of ``ortflow serve``.
+
+    Such a process can be killed without warning (a stopped Prefect process worker sends its flow-run processes
+    SIGKILL at once): the guard then stops the ranks with a stop checkpoint and reports the flow run ``Crashed``
+    (:func:`report_orphaned_stop`), so its deployment's concurrency slot is free for the next run.
+    """
+    if not os.environ.get(FLOW_RUN_PROCESS_ENV):
+        return None  # the flow runs in the process that called it (`ortflow run`): its own signals stop the job
+    return JobGuard(config.output_dir, STOP_GRACE_S, then="ortflow.tasks.training:report_orphaned_stop")
+
+
+def report_orphaned_stop(run_dir: Path) -> None:
+    """In the guard, after it stopped the job of a killed flow-run process: the ranks' last lines go to the flow
+    run's logs, the flow run ends ``Crashed`` with where the ranks stopped, the version is recorded as stopped, and
+    ortflow's final-state event goes out."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.states import Crashed
+
+    from ortflow import versions
+    from ortflow.checkpoints import list_complete
+    from ortflow.config import load_run_config
+    from ortflow.tasks.runs import announce_final_state
+
+    flow_run_id = os.environ.get(FLOW_RUN_PROCESS_ENV)
+    record = read_progress(run_dir) or {}
+    try:
+        config = load_run_config(run_dir)
+        newest = list_complete(config.checkpoints_dir)
+    except Exception:  # noqa: BLE001 - the state report must go out whatever the folder holds
+        config, newest = None, []
+    total = f"/{record['total']}" if record.get("total") else ""
+    where = (f"at step {newest[-1].step}{total}, newest checkpoint {newest[-1].path}" if newest
+             else "before the first checkpoint")
+    message = f"Stopped {where}: the flow-run process was killed (a stopped worker does that), the ranks stopped"
+    levels, now = RankLineLevels(), datetime.datetime.now(datetime.UTC)
+    logs = [LogCreate(name="ortflow.launch.guard", level=levels(line), message=line, timestamp=now,
+                      flow_run_id=flow_run_id)
+            for line in taken_over_lines(run_dir / GUARD_LOG)] if flow_run_id else []
+    print(message, flush=True)
+    if run_dir.parent.name == versions.VERSIONS_DIR:
+        base, name = run_dir.parent.parent, run_dir.name
+        if any(v["version"] == name and v.get("status") == "running" for v in versions.read_registry(base)):
+            versions.finish_version(base, name, "stopped")
+    if not flow_run_id:
+        return
+    with get_client(sync_client=True) as client:
+        client.create_logs(logs)  # the ranks' last lines, which the killed process could not forward
+        client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+        flow_run = client.read_flow_run(flow_run_id)
+        if config is not None:
+            step = f"step {newest[-1].step}{total}" if newest else "before the first checkpoint"
+            _end_progress_artifact(client, flow_run_id, artifact_key(config, "progress"), record,
+                                   f"Stopped at {step} (the flow-run process was killed); the ranks stopped with a "
+                                   "checkpoint")
+    announce_final_state(None, flow_run, flow_run.state)
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=10)
+
+
+def _end_progress_artifact(client: Any, flow_run_id: str, key: str, record: dict, description: str) -> None:
+    """The flow run's progress artifact ends with ``description`` instead of an ETA (best effort)."""
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    try:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]),
+                                           flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
+        if found:
+            client.update_artifact(found[0].id, ArtifactUpdate(data=progress_percent(record), description=description))
+    except Exception as err:  # noqa: BLE001 - the run's state is what matters; the artifact is a courtesy
+        log.warning("progress artifact not updated: %s", err)
 
 
 class _ProgressWatcher:
@@ -232,7 +319,7 @@ def train(config: RunConfig) -> dict:
                     result = run_scheduled(config, on_line=on_line)
                 else:
                     result = launch(config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-                                    threads=layout.threads, on_line=on_line)  # fmt: skip
+                                    threads=layout.threads, on_line=on_line, guard=_guard(config))  # fmt: skip
                 if not result.ok:
                     raise TrainingFailed(result.summary(),
                                          will_repeat=failure_repeats(result.error_lines, result.returncode))

@@ -160,6 +160,8 @@ def signal_trial(root: Path, target: str, sig: int, name: str) -> Outcome:
         problems.append(f"checkpoints {steps}, want one stop checkpoint")
     if len({(s, d) for _, d, s in digests}) != 1 or len(digests) != 2:
         problems.append(f"ranks did not stop at one update with equal parameters: {digests}")
+    if steps and out.count(f"stop requested: ranks stopped together after step {steps[-1]}") != 2:
+        problems.append("the ranks' stop lines did not reach the output of ortflow train")
     if left:
         problems.append(f"processes {left} left")
     if took > 30:

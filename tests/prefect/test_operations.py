@@ -90,11 +90,16 @@ def test_a_run_whose_process_vanished_is_marked_crashed_by_the_zombie_automation
             run = client.create_flow_run_from_deployment(deployment.id)
         wait_for(lambda: any(len(rank_pids(f)) == 2 for f in cfg.output_dir.glob("versions/*")), 300,
                  "two ranks training")
-        # The worker's host vanishes: kill -9 of the serving process and of the flow run's process, no word to the
-        # server (the ranks follow their launcher within a second).
+        # The worker's host vanishes: kill -9 of the serving process, of the flow run's process and of its job's
+        # guard, no word to the server (the ranks follow the guard within a second).
         engine = [pid for pid in processes_mentioning("prefect.engine")
                   if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
         assert engine, "the flow run's process was not found"
+        guard = [pid for pid in processes_mentioning("ortflow.launch.guard") if str(cfg.output_dir) in
+                 Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+        assert guard, "the job's guard was not found"
+        for pid in guard:
+            os.kill(pid, signal.SIGKILL)
         os.kill(proc.pid, signal.SIGKILL)
         for pid in engine:
             os.kill(pid, signal.SIGKILL)

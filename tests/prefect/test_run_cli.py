@@ -1,6 +1,6 @@
 """``ortflow run`` in a terminal: a failed stage is reported as its own message and the command to rerun or fix (the
 traceback only in the log file) and is not retried when it would fail again; SIGTERM stops the ranks and Prefect's
-temporary server."""
+temporary server, and the ranks' stop lines reach the terminal; an offline run logs no telemetry error."""
 
 from __future__ import annotations
 
@@ -139,6 +139,10 @@ def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and
     stop_checkpoints = list_complete(Path(entry["path"]) / "checkpoints")
     assert stop_checkpoints and stop_checkpoints[-1].step % 1000000 != 0  # written on the stop, not by the period
     assert str(stop_checkpoints[-1].path) in out  # the message names it
+    # The ranks' last lines reach the terminal: each rank's stop line and rank 0's stop checkpoint line.
+    step = stop_checkpoints[-1].step
+    assert out.count(f"stop requested: ranks stopped together after step {step} (checkpoint saved)") == 2, out[-3000:]
+    assert f"saved checkpoint {stop_checkpoints[-1].path}" in out, out[-3000:]
     log = Path(re.search(r"the log is in (\S+)", out)[1]).read_text()
     assert re.search(r"prefect.flow_runs '.*' \| Finished in state (Crashed|Cancelled)", log), log[-3000:]
     assert "httpx" not in out  # the terminal shows ortflow's lines, not HTTP requests
@@ -149,3 +153,19 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind(mlp_sources, tmp_path):
     proc.kill()
     proc.wait()
     wait_for(lambda: not any(_alive(p) for p in family), 30, "the temporary server and the ranks to exit")
+
+
+def test_an_offline_run_logs_no_telemetry_error(mlp_sources, tmp_path):
+    # Offline: every request that would leave the host goes to a proxy that refuses connections; the temporary
+    # server on 127.0.0.1 is reached directly. Prefect's analytics setting is left as a user's environment has it.
+    env = {k: v for k, v in _temporary_server_env(tmp_path).items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", ALL_PROXY="http://127.0.0.1:9",
+               NO_PROXY="127.0.0.1,localhost")
+    cfg = mlp_config(tmp_path, mlp_sources, "offline", train={"num_train_steps": 10, "evaluation_period": 0})
+    config_file = write_config(cfg, tmp_path / "offline.yaml")
+    done = subprocess.run([ORTFLOW, "run", str(config_file)], env=env, capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "telemetry" not in out.lower(), out[-3000:]
+    log = next((cfg.output_dir / "logs").glob("run-*.log")).read_text()
+    assert "telemetry" not in log.lower(), log[-3000:]

@@ -1,0 +1,250 @@
+"""A job's guard: a small process, in a session of its own, that takes a local job over when its launching process is
+killed, so that the ranks still stop with a stop checkpoint.
+
+Whoever kills the launching process with SIGKILL (a Prefect process worker does so to its flow-run processes when
+it is stopped, with no signal before it) gives it no chance to stop the ranks. The guard outlives it:
+
+* the ranks follow the guard instead of the launching process (``ORTFLOW_LAUNCHER_PID`` names the guard), so they do
+  not exit the moment the launching process dies;
+* the guard holds the read end of the job's output pipe, so ``mpiexec`` can still write its ranks' lines (it would
+  die of SIGPIPE otherwise), and copies them to its log once it has taken over;
+* when the launching process exits without having told the guard that the job ended, the guard SIGTERMs the job's
+  process group (every rank stops after the same update and writes a stop checkpoint), waits for the job to end
+  within the stop grace (then SIGKILL), and calls its ``then`` function with the run folder (the Prefect flow run
+  reports its final state there).
+
+The launching process talks to the guard through the guard's standard input: ``job PGID`` once the job started,
+``done`` when it no longer needs the guard (the job ended, or it stopped the job itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+#: The guard's log in the run folder (what it did, and the ranks' last lines once it took the job over).
+GUARD_LOG = "launch-guard.log"
+
+
+class JobGuard:
+    """Start the guard of a job about to be launched from this process.
+
+    Args:
+        run_dir: The run folder (the guard's log goes there; ``then`` receives it).
+        grace_s: How long the ranks get to write their stop checkpoint after the guard asks them to stop.
+        then: ``module:function`` the guard calls with the run folder after it stopped an orphaned job (imported when
+            the guard starts, so that the call does not wait for imports).
+    """
+
+    def __init__(self, run_dir: Path, grace_s: float, then: str | None = None):
+        # The job's output: the launcher writes, this process reads, and the guard once this process is gone.
+        self.read_fd, self.write_fd = os.pipe()
+        cmd = [sys.executable, "-P", "-m", "ortflow.launch.guard", "--follow", str(os.getpid()), "--run-dir",
+               str(run_dir), "--output-fd", str(self.read_fd), "--grace", str(grace_s)]
+        if then:
+            cmd += ["--then", then]
+        with open(Path(run_dir) / GUARD_LOG, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                         pass_fds=(self.read_fd,), start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def job_started(self, pgid: int) -> None:
+        """Tell the guard the job's process group (the launcher's pid: it runs in a session of its own)."""
+        self._say(f"job {pgid}")
+
+    def release(self, timeout_s: float = 10.0) -> None:
+        """The job ended or was stopped here: the guard exits."""
+        self._say("done")
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _say(self, line: str) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the guard is gone: the ranks follow it and end, the job's own exit status says so
+
+
+def wait_for_exit(pid: int) -> None:
+    """Block until process ``pid`` has exited (any process, not only a child); returns at once if it is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (OSError, AttributeError):  # no pidfd (kernel < 5.3): poll
+        while _alive(pid):
+            time.sleep(0.5)
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not poller.poll(None):
+            pass
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies waiting for their reaper do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+#: The guard's log line that starts a take-over (what follows it is the job's output and the guard's own lines).
+_TAKE_OVER = "is gone before its job ended"
+
+
+def taken_over_lines(log: Path) -> list[str]:
+    """The job's output lines that the guard copied to its log ``log`` during its last take-over."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    starts = [i for i, line in enumerate(lines) if _TAKE_OVER in line]
+    return [line for line in lines[starts[-1] + 1:] if not _OWN.match(line)] if starts else []
+
+
+_OWN = re.compile(r"^\d\d:\d\d:\d\d (asking the ranks|no job was started|the job did not stop)")
+
+
+def _say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)
+
+
+def _resolve(spec: str) -> Callable[[Path], object]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def take_over(pgid: int | None, output_fd: int, grace_s: float) -> bool:
+    """Stop the orphaned job: SIGTERM its process group, copy its output to stdout until it ends, SIGKILL it when
+    ``grace_s`` runs out.
+
+    Returns:
+        Whether the job ended within the grace period.
+    """
+    ended = threading.Event()
+
+    def drain() -> None:
+        with os.fdopen(output_fd, "r", errors="replace") as lines:
+            for line in lines:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        ended.set()  # every process of the job has closed its output: the job is over
+
+    threading.Thread(target=drain, name="ortflow-guard-output", daemon=True).start()
+    if pgid is None:
+        _say("no job was started")
+        return True
+    _say(f"asking the ranks (process group {pgid}) to stop after the current update ({grace_s:.0f} s grace)")
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if ended.wait(0.2) or not _group_alive(pgid):
+            ended.wait(2.0)  # the last lines
+            return True
+    _say(f"the job did not stop within {grace_s:.0f} s: ending it")
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ortflow.launch.guard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--follow", type=int, required=True, help="pid of the launching process")
+    parser.add_argument("--run-dir", type=Path, required=True, help="the run folder")
+    parser.add_argument("--output-fd", type=int, required=True, help="read end of the job's output pipe")
+    parser.add_argument("--grace", type=float, required=True, help="seconds the ranks get to stop")
+    parser.add_argument("--then", help="module:function called with the run folder after an orphaned job stopped")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the launching process, not the guard
+    job: dict[str, int] = {}
+    released, finished = threading.Event(), threading.Event()
+
+    def control() -> None:
+        for line in sys.stdin:
+            word, _, value = line.strip().partition(" ")
+            if word == "job" and value.isdigit():
+                job["pgid"] = int(value)
+            elif word == "done":
+                released.set()
+                break
+        finished.set()  # released, or the launching process closed its end (it exited)
+
+    def follow() -> None:
+        wait_for_exit(args.follow)
+        finished.set()
+
+    reader = threading.Thread(target=control, name="ortflow-guard-control", daemon=True)
+    reader.start()
+    threading.Thread(target=follow, name="ortflow-guard-follow", daemon=True).start()
+    then: list[Callable[[Path], object]] = []
+    # Imported ahead, so that the report does not wait for it; a guard released meanwhile exits without waiting.
+    loader = threading.Thread(target=lambda: then.append(_resolve(args.then)) if args.then else None,
+                              name="ortflow-guard-import", daemon=True)
+    loader.start()
+    finished.wait()
+    reader.join(5.0)  # a "done" written just before the launching process exited is still in the pipe
+    if released.is_set():
+        return 0
+    wait_for_exit(args.follow)
+    _say(f"the launching process {args.follow} {_TAKE_OVER}")
+    take_over(job.get("pgid"), args.output_fd, args.grace)
+    loader.join()
+    for report in then:
+        report(args.run_dir)
+    return 0 if then or not args.then else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The job guard without MPI or Prefect: a launching process starts a shell "job" under a guard; killed with SIGKILL,
+the guard stops the job with SIGTERM (the job's stop line lands in the guard's log) and calls its ``then``
+function; released, the guard exits at once and leaves the job alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from ortflow.launch.guard import GUARD_LOG
+from tests.support.prefect_runs import processes_mentioning, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A "job" that prints ticks until SIGTERM, then its stop line; it would tick on for minutes otherwise.
+JOB = "trap 'echo stop line of the job; exit 143' TERM; for i in $(seq 3000); do echo tick; sleep 0.1; done"
+
+LAUNCHER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from ortflow.launch.guard import JobGuard
+    from ortflow.launch.local import LAUNCHER_PID_ENV, LocalJob
+
+    run_dir, release = Path(sys.argv[1]), sys.argv[2] == "release"
+    guard = JobGuard(run_dir, grace_s=20, then="tests.launch.test_guard:record_report")
+    job = LocalJob(["bash", "-c", sys.argv[3]], {**os.environ, LAUNCHER_PID_ENV: str(guard.pid)},
+                   output=(guard.read_fd, guard.write_fd))
+    guard.job_started(job.proc.pid)
+    (run_dir / "job.pid").write_text(str(job.proc.pid))
+    while not any("tick" in line for line in job.read_output()):
+        job.wait(0.5)
+    if release:
+        guard.release()
+        (run_dir / "released").write_text(str(guard.proc.returncode))
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def record_report(run_dir: Path) -> None:
+    """The guard's ``then`` in these tests: leaves a file saying it was called."""
+    (Path(run_dir) / "reported").write_text("called after the job ended\n")
+
+
+def _start(tmp_path: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), mode, JOB], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    assert proc.stdout.readline().strip() == "ready", proc.stdout.read()
+    return proc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_guard_stops_the_job_of_a_killed_launching_process_and_reports(tmp_path):
+    proc = _start(tmp_path, "keep")
+    job = int((tmp_path / "job.pid").read_text())
+    try:
+        proc.kill()  # no warning: what a stopped Prefect process worker does to its flow-run process
+        proc.wait()
+        wait_for(lambda: (tmp_path / "reported").exists(), 120, "the guard's report")
+    finally:
+        for pid in processes_mentioning("ortflow.launch.guard"):
+            if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                wait_for(lambda pid=pid: not _alive(pid), 30, "the guard to exit")
+    assert not _alive(job)
+    log = (tmp_path / GUARD_LOG).read_text()
+    assert "is gone before its job ended" in log and "stop line of the job" in log, log
+
+
+def test_a_released_guard_exits_and_leaves_the_job_alone(tmp_path):
+    proc = _start(tmp_path, "release")
+    job = int((tmp_path / "job.pid").read_text())
+    try:
+        assert (tmp_path / "released").read_text() == "0"  # the guard exited by itself, status 0
+        assert _alive(job)  # and did not stop the job
+        assert (tmp_path / GUARD_LOG).read_text() == ""
+        assert not (tmp_path / "reported").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+        os.killpg(job, signal.SIGKILL)
