@@ -100,6 +100,10 @@ class Job(Protocol):
         """End the job now (what is left of it after the grace period)."""
 
 
+class TimeLimitReached(TimeoutError):
+    """The watcher's own time limit passed: the job was stopped (stop checkpoint) before this was raised."""
+
+
 def watch(
     job: Job,
     on_line: Callable[[str], None] = print,
@@ -108,6 +112,7 @@ def watch(
     forward_signals: bool = False,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    deadline: float | None = None,
 ) -> LaunchResult:
     """Stream ``job``'s output until it ends; return its exit status and last error lines.
 
@@ -120,6 +125,8 @@ def watch(
             until it ends, and the result carries the signal. Only possible in the main thread.
         clock: Monotonic seconds (passed in by tests).
         sleep: Waits between polls (passed in by tests).
+        deadline: A ``clock()`` value after which the job is stopped and :class:`TimeLimitReached` raised (a task's
+            time limit, enforced here too: a timeout delivered as an exception into a busy process can be lost).
 
     Raises:
         Whatever interrupted the watch (KeyboardInterrupt, a task timeout, Prefect's cancellation), after the job
@@ -147,6 +154,8 @@ def watch(
                           f" {job.job_id}" if job.job_id else "", grace_s)
                 job.kill()
                 cancelled_at[0] = float("inf")  # once
+            if deadline is not None and clock() >= deadline:
+                raise TimeLimitReached(f"the time limit passed while the {job.launcher} job ran: it was stopped")
             sleep(poll_s)
             state = job.poll()
         drain()

@@ -197,6 +197,7 @@ def launch(
     on_start: Callable[[subprocess.Popen], None] | None = None,
     forward_signals: bool = False,
     guard: JobGuard | None = None,
+    deadline: float | None = None,
 ) -> LaunchResult:
     """Run the training job and stream its output.
 
@@ -214,6 +215,8 @@ def launch(
         guard: A guard started for this job (:class:`ortflow.launch.guard.JobGuard`): the ranks follow it instead of
             this process, it holds the job's output pipe too, and it stops the job cleanly if this process is killed.
             Released here once the job ended or was stopped.
+        deadline: ``time.monotonic()`` value at which the job is stopped (stop checkpoint) and
+            :class:`ortflow.launch.job.TimeLimitReached` raised: a task's time limit.
 
     Returns:
         The exit status, the last error lines and the stop signal received. Otherwise (a KeyboardInterrupt, a task
@@ -244,7 +247,7 @@ def launch(
     watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
     try:
         result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals,
-                       sleep=job.wait)
+                       sleep=job.wait, deadline=deadline)
     finally:
         watcher.set()
         restore_pause()

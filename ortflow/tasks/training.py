@@ -208,6 +208,21 @@ def _end_progress_artifact(client: Any, flow_run_id: str, key: str, record: dict
         log.warning("progress artifact not updated: %s", err)
 
 
+def _time_limit() -> float | None:
+    """The task's time limit as a ``time.monotonic()`` deadline (None without one).
+
+    Prefect delivers a sync task's timeout as an exception raised into the task's thread (an alarm signal or an
+    injected exception); one that lands in a call that absorbs it is lost and the task runs on. The launcher's watch
+    loop therefore stops the job at the same limit itself (a few seconds after Prefect's own timer, which counts from
+    the task's start) and raises a TimeoutError, which Prefect records as TimedOut.
+    """
+    from prefect.context import TaskRunContext
+
+    context = TaskRunContext.get()
+    limit = context.task.timeout_seconds if context else None
+    return time.monotonic() + limit if limit else None
+
+
 class _ProgressWatcher:
     """Polls ``progress.json`` from a small thread and mirrors it into one keyed Prefect progress artifact, which
     ends with the attempt's final state (never a stale ETA)."""
@@ -306,6 +321,7 @@ def train(config: RunConfig) -> dict:
     local = dist.launcher == "local"  # else a Slurm or Kubernetes job places the ranks
     layout = launch_layout(config, config.output_dir, host_resources())[0] if local else None  # auto: this host's
     levels = RankLineLevels()
+    deadline = _time_limit()
     with (
         runlock.hold_all(runlock.training_folders(config.output_dir, config.checkpoints_dir),
                          wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s, flow_run_id=flow_run_id(),
@@ -316,10 +332,11 @@ def train(config: RunConfig) -> dict:
             with _ProgressWatcher(config.output_dir, artifact_key(config, "progress")) as watcher:
                 on_line = lambda line: logger.log(levels(line), "%s", line)  # noqa: E731
                 if layout is None:
-                    result = run_scheduled(config, on_line=on_line)
+                    result = run_scheduled(config, on_line=on_line, deadline=deadline)
                 else:
                     result = launch(config.output_dir, layout.ranks, hostfile=dist.hostfile, num_hosts=dist.num_hosts,
-                                    threads=layout.threads, on_line=on_line, guard=_guard(config))  # fmt: skip
+                                    threads=layout.threads, on_line=on_line, guard=_guard(config),
+                                    deadline=deadline)  # fmt: skip
                 if not result.ok:
                     raise TrainingFailed(result.summary(),
                                          will_repeat=failure_repeats(result.error_lines, result.returncode))

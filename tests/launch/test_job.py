@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ortflow.launch.job import JobState, LaunchResult, Phase, read_record, stop, watch, write_record
+from ortflow.launch.job import (
+    JobState,
+    LaunchResult,
+    Phase,
+    TimeLimitReached,
+    read_record,
+    stop,
+    watch,
+    write_record,
+)
 
 
 class FakeJob:
@@ -62,6 +71,21 @@ def test_an_interrupted_watch_cancels_the_job_and_lets_it_stop_within_the_grace(
     with pytest.raises(KeyboardInterrupt):
         watch(job, lambda line: None, grace_s=30, sleep=sleep, clock=lambda: float(next(ticks)))
     assert job.calls == ["cancel"]  # stopped by itself: no kill
+
+
+def test_a_watch_past_its_deadline_stops_the_job_then_raises_a_timeout():
+    # A task's time limit is enforced by the watch loop itself, not only by Prefect's exception into the thread.
+    job = FakeJob(run_polls=100, stop_polls=2)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    with pytest.raises(TimeoutError, match="time limit passed"):
+        watch(job, lambda line: None, poll_s=1.0, grace_s=30, clock=lambda: now[0], sleep=sleep, deadline=5.0)
+    assert job.calls == ["cancel"]  # the ranks were asked to stop (stop checkpoint) and stopped: no kill
+    assert 5.0 <= now[0] < 10.0
+    assert issubclass(TimeLimitReached, TimeoutError)
 
 
 def test_a_job_that_does_not_stop_within_the_grace_is_killed():
