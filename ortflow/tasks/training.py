@@ -121,7 +121,7 @@ def final_description(record: dict | None, exc: BaseException | None, timed_out:
         return f"Completed: {describe_progress(record)}"
     if timed_out:
         return f"Timed out at {step} (pipeline.train_timeout_s); the ranks stopped with a checkpoint"
-    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "TerminationSignal":
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or type(exc).__name__ == "TerminationSignal":
         return f"Stopped by a signal at {step}; the ranks stopped with a checkpoint"
     if type(exc).__name__ in ("CancelledError", "Abort"):
         return f"Cancelled at {step}; the ranks stopped with a checkpoint"
