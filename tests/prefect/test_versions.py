@@ -233,7 +233,7 @@ def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_
 
     named = train_pipeline(cfg, new_version=True, from_stage="export", version=first["version"], return_state=True)
     assert named.is_completed(), named
-    states = task_states(named.state_details.flow_run_id)
+    states = task_states(named.state_details.flow_run_id, expect=("train", "export"))
     assert states["train"] == "Cached" and states["export"] == "Completed", states
     assert [e["version"] for e in read_registry(cfg.output_dir)] == [first["version"], second["version"]]
     assert models[first["version"]].stat().st_mtime_ns > written[first["version"]]  # exported again
