@@ -24,6 +24,7 @@ from prefect.schedules import Cron, Interval, Schedule
 from ortflow.config import RunConfig
 from ortflow.deployments.alerts import HEARTBEAT_S
 from ortflow.flows import export_only, train_pipeline
+from ortflow.processes import process_alive
 
 
 def config_schedules(cfg: RunConfig) -> list[Schedule]:
@@ -121,11 +122,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+
 
 
 def _is_flow_run_process(pid: int) -> bool:
@@ -145,7 +142,7 @@ def stop_flow_runs(timeout_s: float = FLOW_RUN_STOP_S) -> list[int]:
     Returns:
         The pids that were signalled.
     """
-    pids = [pid for pid in _children(os.getpid()) if _is_flow_run_process(pid) and _running(pid)]
+    pids = [pid for pid in _children(os.getpid()) if _is_flow_run_process(pid) and process_alive(pid)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -154,7 +151,7 @@ def stop_flow_runs(timeout_s: float = FLOW_RUN_STOP_S) -> list[int]:
     if pids:
         log.warning("stopping %d flow run(s): the ranks write a stop checkpoint first", len(pids))
     deadline = time.monotonic() + timeout_s
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     return pids
 

@@ -23,7 +23,6 @@ import argparse
 import importlib
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from ortflow.processes import wait_for_exit
 
 #: The guard's log in the run folder (what it did, and the ranks' last lines once it took the job over).
 GUARD_LOG = "launch-guard.log"
@@ -86,33 +87,6 @@ class JobGuard:
                 self.proc.stdin.flush()
         except (OSError, ValueError):
             pass  # the guard is gone: the ranks follow it and end, the job's own exit status says so
-
-
-def wait_for_exit(pid: int) -> None:
-    """Block until process ``pid`` has exited (any process, not only a child); returns at once if it is gone."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except (OSError, AttributeError):  # no pidfd (kernel < 5.3): poll
-        while _alive(pid):
-            time.sleep(0.5)
-        return
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        while not poller.poll(None):
-            pass
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _group_alive(pgid: int) -> bool:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import select
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
+
+from ortflow.processes import wait_for_exit
 
 log = logging.getLogger(__name__)
 
@@ -48,33 +49,6 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
-def _wait_for_exit(pid: int) -> None:
-    """Block until process ``pid`` has exited (a zombie has); returns at once if it is gone."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except (OSError, AttributeError):  # no pidfd (kernel < 5.3): poll, treating a zombie as dead
-        while _alive(pid):
-            threading.Event().wait(0.5)
-        return
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        while not poller.poll(None):
-            pass
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _orphaned(pid: int) -> None:
     try:
         sys.stderr.write(f"ERROR: the launching process {pid} is gone; this rank exits now (no orphaned ranks)\n")
@@ -99,7 +73,7 @@ def follow_launcher(environ: dict[str, str] | os._Environ = os.environ,
         return None  # a pid means nothing on another host; there the launcher's own proxies end the ranks
 
     def watch() -> None:
-        _wait_for_exit(pid)
+        wait_for_exit(pid)
         on_death(pid)
 
     threading.Thread(target=watch, name="ortflow-lifeline", daemon=True).start()

@@ -12,7 +12,14 @@ import pytest
 from ortflow.config import load_run_config
 from ortflow.versions import read_registry, resolve_run
 from tests.prefect.serving import serving
-from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
+from tests.support.prefect_runs import (
+    mlp_config,
+    processes_mentioning,
+    rank_pids,
+    wait_for,
+    wait_for_periodic_checkpoint,
+    write_config,
+)
 
 pytestmark = pytest.mark.prefect
 
@@ -114,11 +121,7 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
             deployment = client.read_deployment_by_name("train-pipeline/serve-stop")
             run = client.create_flow_run_from_deployment(deployment.id)
 
-        def periodic_checkpoint():
-            folders = list(cfg.output_dir.glob("versions/*"))
-            return folders and len(rank_pids(folders[0])) == 2 and list_complete(folders[0] / "checkpoints") and \
-                folders[0]
-        folder = wait_for(periodic_checkpoint, 300, "two ranks training past a periodic checkpoint")
+        folder = wait_for_periodic_checkpoint(cfg.output_dir)
         last_periodic = list_complete(folder / "checkpoints")[-1].step
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -16,7 +16,13 @@ import pytest
 
 from ortflow.versions import read_registry
 from tests.prefect.serving import read_flow_run
-from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for
+from tests.support.prefect_runs import (
+    mlp_config,
+    processes_mentioning,
+    rank_pids,
+    wait_for,
+    wait_for_periodic_checkpoint,
+)
 
 pytestmark = pytest.mark.prefect
 
@@ -86,11 +92,7 @@ def test_sigterm_to_a_process_worker_stops_its_run_with_a_stop_checkpoint_and_fr
     with get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(deployment_id)
     with worker("ortflow-worker-stop", prefect_server, tmp_path, tmp_path / "worker.log") as proc:
-        def periodic_checkpoint():
-            folders = list(cfg.output_dir.glob("versions/*"))
-            return folders and len(rank_pids(folders[0])) == 2 and list_complete(folders[0] / "checkpoints") and \
-                folders[0]
-        folder = wait_for(periodic_checkpoint, 300, "two ranks training past a periodic checkpoint")
+        folder = wait_for_periodic_checkpoint(cfg.output_dir)
         last_periodic = list_complete(folder / "checkpoints")[-1].step
         sent, missed = time.monotonic(), False
         proc.send_signal(signal.SIGTERM)

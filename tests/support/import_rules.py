@@ -15,20 +15,21 @@ LAYERS: dict[str, set[str]] = {
     "dataprep": {"config"},
     "checkpoints": {"config"},
     "build": {"config", "graph", "checkpoints", "engine"},
-    "trainer": {"config", "dataprep", "checkpoints", "engine"},
-    "launch": {"config"},
+    "trainer": {"config", "dataprep", "checkpoints", "engine", "processes"},
+    "launch": {"config", "processes"},
     "export": {"config", "checkpoints", "graph", "engine"},
     "engine": set(),  # the one module that imports onnxruntime.training
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
     "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions"},
     "versions": {"config", "dataprep", "build", "checkpoints"},
     "runlock": set(),
+    "processes": set(),  # is a local process alive, wait for its exit
     "sample": set(),
     "examples": set(),
     "cli_terminal": {"runlock", "tasks"},
     "tasks": {"*"},
     "flows": {"config", "tasks"},
-    "deployments": {"config", "flows"},
+    "deployments": {"config", "flows", "processes"},
     "cli": {"*"},
 }
 

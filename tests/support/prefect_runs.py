@@ -85,3 +85,14 @@ def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     newest = list_complete(cfg.checkpoints_dir)[-1]
     with h5py.File(newest.path / "params.h5", "r") as f:  # plain h5py: one dataset per parameter
         return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values() if ds.attrs["requires_grad"]}
+
+
+def wait_for_periodic_checkpoint(output_dir: Path, timeout: float = 300) -> Path:
+    """The version folder of a versioned run once its two ranks train and it has a complete checkpoint."""
+    from ortflow.checkpoints import list_complete
+
+    def ready():
+        folders = list(Path(output_dir).glob("versions/*"))
+        return folders and len(rank_pids(folders[0])) == 2 and list_complete(folders[0] / "checkpoints") and folders[0]
+
+    return wait_for(ready, timeout, "two ranks training past a periodic checkpoint")
