@@ -129,18 +129,22 @@ def steps(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         losses.append(float(scalars[0]) / comm.size)
     median = float(np.median(times[args.warmup :]))
+    fb = float(np.median(forward[args.warmup :]))
     update = _update_time(rt, mine, args.update_repeats)  # after the timed steps, so they are not slowed by syncs
     mine_stats = np.array([median if r == comm.rank else 0.0 for r in range(comm.size)]
-                          + [update if r == comm.rank else 0.0 for r in range(comm.size)])
+                          + [update if r == comm.rank else 0.0 for r in range(comm.size)]
+                          + [fb if r == comm.rank else 0.0 for r in range(comm.size)])
     stats = comm.allreduce_sum(mine_stats, "t")
     state = rt.update.state_bytes
     state = state() if callable(state) else state
     if comm.rank == 0:
         emit({"kind": "ortflow", "precision": Path(args.run_dir).name, "world": comm.size,
               "step_time_s": float(stats[: comm.size].max()), "spread_s": [float(min(times[args.warmup :])),
-              float(max(times[args.warmup :]))], "update_time_s": float(stats[comm.size :].max()),
+              float(max(times[args.warmup :]))], "update_time_s": float(stats[comm.size : 2 * comm.size].max()),
               "optimizer_state_mib_per_gpu": round(int(state) / 2**20, 1), "zero_stage": cfg.distributed.zero_stage,
-              "forward_backward_s": float(np.median(forward[args.warmup :])), "losses": losses,
+              "forward_backward_s": float(stats[2 * comm.size :].max()), "losses": losses,
+              "per_rank": {"step_s": [float(v) for v in stats[: comm.size]],
+                           "forward_backward_s": [float(v) for v in stats[2 * comm.size :]]},
               "skipped_updates": scaler.skipped_updates, "loss_scale": scaler.scale, "device": rt.device})  # fmt: skip
     comm.close()
 

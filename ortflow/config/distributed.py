@@ -22,7 +22,9 @@ class DistributedConfig(Section):
     num_hosts: int = Field(1, gt=0, description="Hosts the ranks are spread over (must match the host file).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider of every rank.")
     threads_per_rank: int | None = Field(
-        None, gt=0, le=4096, description="Intra-op threads per rank (default: cores / local ranks, at least 1)."
+        None, gt=0, le=4096,
+        description="Intra-op threads per rank (default: cores / local ranks, at least 1; 1 on CUDA ranks sharing a "
+        "host, docs/gpu.md).",
     )
     data_parallel_size: int | None = Field(
         None, gt=0, description="Data-parallel replicas (default: num_ranks / (horizontal x pipeline parallel sizes))."
@@ -95,6 +97,22 @@ class DistributedConfig(Section):
         if self.data_parallel_size or self.num_ranks == "auto":
             return self.data_parallel_size
         return max(1, self.num_ranks // (self.horizontal_parallel_size * self.pipeline_parallel_size))
+
+    def default_threads(self, cores: int, local_ranks: int) -> int:
+        """Intra-op threads per rank: ``threads_per_rank``, else the host's cores shared by its ranks; CUDA ranks that
+        share a host get 1.
+
+        On CUDA the pool only runs the graph's few host nodes (shapes), and at several ranks per host its threads'
+        wake-ups delay the rank's kernel launches: on 4 H100s (64 cores, bench GPT, fp16, ``bench/gpu_threads.sh``,
+        bench/results/gpu-threads-4xh100-20261126.md) the slowest rank's forward + backward took 16.3-18.1 ms with 16
+        threads per rank and 15.9-16.3 ms with 1, the whole update 21.1-23.3 ms and 20.4-21.2 ms; bf16, fp32 and one
+        GPU alone differ by about 2% either way.
+        """
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        if self.device == "cuda" and local_ranks > 1:
+            return 1
+        return max(1, cores // max(1, local_ranks))
 
 
 

@@ -198,7 +198,8 @@ def launch_layout(
         run_dir: The configured run folder (configure.json, layout.json of ``ortflow tune``).
         host: This host's cores and memory.
         ranks: ``--np``: a number, ``"auto"``, or None for distributed.num_ranks.
-        threads: ``--threads``, or None for distributed.threads_per_rank (default: cores / local ranks).
+        threads: ``--threads``, or None for distributed.threads_per_rank (default: cores / local ranks; 1 on CUDA
+            ranks sharing a host).
 
     Raises:
         LayoutError: no layout fits, or the global batch cannot be split over the chosen ranks.
@@ -217,7 +218,8 @@ def launch_layout(
         layout = Layout(layout.ranks * dist.num_hosts, layout.threads, layout.reason)
     else:
         local = -(-int(wanted) // dist.num_hosts)
-        layout = Layout(int(wanted), max(1, host.cores // local), "distributed.num_ranks" if ranks is None else "--np")
+        layout = Layout(int(wanted), dist.default_threads(host.cores, local),
+                        "distributed.num_ranks" if ranks is None else "--np")
     if threads or dist.threads_per_rank:
         layout = Layout(layout.ranks, threads or dist.threads_per_rank, layout.reason)
     plan = None

@@ -116,11 +116,12 @@ THREADS_ENV = "ORTFLOW_THREADS_PER_RANK"
 
 
 def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict | None = None) -> int:
-    """distributed.threads_per_rank, else the launcher's choice, else the cores shared evenly by the local ranks."""
+    """distributed.threads_per_rank, else the launcher's choice, else the config's default for this host
+    (:meth:`~ortflow.config.distributed.DistributedConfig.default_threads`)."""
     chosen = (os.environ if environ is None else environ).get(THREADS_ENV, "")
     if cfg.distributed.threads_per_rank:
         return cfg.distributed.threads_per_rank
-    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, local_size))
+    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else cfg.distributed.default_threads(cores, local_size)
 
 
 def session_options(threads: int, deterministic: bool = True, spin: bool = True) -> onnxruntime.SessionOptions:

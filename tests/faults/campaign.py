@@ -108,18 +108,47 @@ def markdown(record: dict) -> str:
     """The campaign's figures as a markdown table (bench/results/faults-campaign.md)."""
     lines = [
         f"# Fault campaign, {record['started']} ({record['minutes']} min)", "",
-        f"Command: `{record['command']}`  ", f"Machine: {record['machine']}", "",
+        f"Command: `{record['command']}`  ", f"Commit: {record.get('commit', 'not recorded')}  ",
+        f"Machine: {record['machine']}", "",
         f"**{record['survived']} of {record['trials']} trials survived, {record['failed']} failed.**", "",
-        "| group | category | trials | survived | failed | failures belong to |", "|---|---|---|---|---|---|",
+        "| group | category | trials | survived | failed | failures belong to | what a survivor showed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, entry in sorted(record["by_category"].items(), key=lambda kv: (kv[1].get("group", ""), kv[0])):
         owners = sorted({f["owner"] or "this suite" for f in entry["failures"]})
         lines.append(f"| {entry.get('group', '')} | {name} | {entry['trials']} | {entry['survived']} | "
-                     f"{entry['failed']} | {', '.join(owners)} |")
+                     f"{entry['failed']} | {', '.join(owners)} | {_cell(entry.get('example', ''))} |")
     failures = [(n, f) for n, e in record["by_category"].items() for f in e["failures"]]
     if failures:
         lines += ["", "## Failures", ""] + [f"- {n}: {f['detail'][:300]}" for n, f in failures[:40]]
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """One table cell: the run's temporary folder elided, pipes escaped, at most 160 characters."""
+    text = " ".join(text.split())
+    for marker in ("/tmp/ortflow-faults-",):
+        while marker in text:
+            start = text.index(marker)
+            end = text.find("/", start + len(marker))
+            text = text[:start] + "…" + (text[end:] if end > 0 else "")
+    return text.replace("|", "\\|")[:160]
+
+
+def _commit() -> str:
+    """The commit the campaign ran on, and whether the working tree had changes."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "not a git checkout"
+    return head + (" with local changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         "hangs, integrity, disk-full, concurrent, fuzz, ownership, stalled, rerun, inputs, "
                         "disk-paths), or the trials whose lambda names this phase or kind.")
     args = parser.parse_args(argv)
-    start = time.time()
+    start, commit = time.time(), _commit()
     by_category: dict[str, dict] = defaultdict(lambda: {"trials": 0, "survived": 0, "failed": 0, "failures": []})
     for group, job in plan(args.scale, args.only):
         try:
@@ -141,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         entry["group"] = group
         entry["trials"] += 1
         entry["survived" if outcome.ok else "failed"] += 1
+        if outcome.ok and not entry.get("example"):
+            entry["example"] = outcome.detail[:400]
         if not outcome.ok:
             entry["failures"].append({"detail": outcome.detail[:400], "owner": outcome.owner})
         print(f"{'ok  ' if outcome.ok else 'FAIL'} {outcome.category}: {outcome.detail[:200]}", flush=True)
@@ -148,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     survived = sum(e["survived"] for e in by_category.values())
     record = {
         "command": "make faults  (.venv/bin/python -m tests.faults.campaign " + " ".join(sys.argv[1:]) + ")",
+        "commit": commit,
         "machine": f"{platform.node()} {platform.machine()}, Python {platform.python_version()}",
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
         "minutes": round((time.time() - start) / 60, 1),

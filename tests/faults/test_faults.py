@@ -95,3 +95,19 @@ def test_fuzzed_data_is_refused_or_sound(root, reference):
     rng = random.Random(2)
     for i in range(3):
         check(files.fuzz_data_trial(root, rng, f"fuzzdata-{i}"))
+
+
+def test_campaign_report_names_the_commit_and_what_a_survivor_of_each_category_showed():
+    from tests.faults.campaign import markdown
+
+    record = {"started": "2026-01-01T00:00:00Z", "minutes": 1.0, "command": "make faults", "commit": "abc1234",
+              "machine": "m", "trials": 3, "survived": 2, "failed": 1,
+              "by_category": {"stopped-launcher": {"group": "stalled", "trials": 2, "survived": 2, "failed": 0,
+                                                   "failures": [],
+                                                   "example": "ranks gone 5.1 s after the stop, 'mpiexec' named"},
+                              "flip-meta": {"group": "integrity", "trials": 1, "survived": 0, "failed": 1,
+                                            "failures": [{"detail": "bit 3 | NOT detected", "owner": ""}]}}}
+    text = markdown(record)
+    assert "Commit: abc1234" in text
+    assert "| stalled | stopped-launcher | 2 | 2 | 0 |  | ranks gone 5.1 s after the stop, 'mpiexec' named |" in text
+    assert "| integrity | flip-meta | 1 | 0 | 1 | this suite |  |" in text and "- flip-meta: bit 3 | NOT detected" in text

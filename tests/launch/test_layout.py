@@ -223,3 +223,25 @@ def test_launch_layout_splits_a_global_batch_over_the_replicas_as_the_ranks_do(t
     # 4 ranks = 2 stages x 2 replicas: each replica takes 4 rows, as rank_config gives every rank.
     assert (plan.ranks, plan.batch_size, plan.accumulation) == (2, 4, 1)
     assert rank_config(cfg, 2, tmp_path).train.batch_size == 4
+
+
+def test_cuda_ranks_sharing_a_host_get_one_engine_thread_each_unless_told(tmp_path):
+    from ortflow.trainer.startup import threads_per_rank
+
+    def cfg(**dist):
+        raw = {"output_dir": str(tmp_path), "model": {"path": str(tmp_path / "m.onnx")}, "data": {"train": ["x.npz"]},
+               "train": {"batch_size": 8, "num_train_steps": 10}, "distributed": {"num_ranks": 4, **dist}}
+        if raw["distributed"].get("device") == "cuda":
+            raw["distributed"]["use_nccl"] = True
+        return config_from_dict(raw)
+
+    host = Host(64, 512 * GIB)
+    assert launch_layout(cfg(device="cuda"), tmp_path, host)[0].pair == (4, 1)
+    assert launch_layout(cfg(), tmp_path, host)[0].pair == (4, 16)  # CPU ranks share the cores
+    assert launch_layout(cfg(device="cuda", threads_per_rank=8), tmp_path, host)[0].pair == (4, 8)
+    assert launch_layout(cfg(device="cuda"), tmp_path, host, threads=2)[0].pair == (4, 2)
+    # the ranks' own choice when no launcher set it (a bare mpiexec), and one CUDA rank keeps the host's cores
+    assert threads_per_rank(cfg(device="cuda"), 4, 64, environ={}) == 1
+    assert threads_per_rank(cfg(device="cuda"), 1, 64, environ={}) == 64
+    assert threads_per_rank(cfg(), 4, 64, environ={}) == 16
+    assert threads_per_rank(cfg(device="cuda"), 4, 64, environ={"ORTFLOW_THREADS_PER_RANK": "3"}) == 3
