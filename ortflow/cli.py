@@ -101,7 +101,10 @@ def train(
         str | None, typer.Option("--np", "-n", help="Ranks, or auto for this host (default: distributed.num_ranks).")
     ] = None,
     hostfile: Annotated[Path | None, typer.Option(help="MPI host file for multi-node runs.")] = None,
-    threads: Annotated[int | None, typer.Option(help="Threads per rank (default: cores / local ranks).")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="Threads per rank (default: cores / local ranks; 1 on CUDA ranks sharing a host)."),
+    ] = None,
     mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
     wait: Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
     = False,
