@@ -35,23 +35,28 @@ BATCH = 16
 TINY = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "num_layers": 2, "num_heads": 2}
 PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
               "fp16-softmax16": {"use_mixed_precision": True, "fp32_ops": ["LayerNormalization"]},
-              "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}  # fmt: skip
+              "bf16": {"use_mixed_precision": True, "use_bfloat16": True},
+              "bf16-softmax16": {"use_mixed_precision": True, "use_bfloat16": True,
+                                 "fp32_ops": ["LayerNormalization"]}}  # fmt: skip
 #: Variants, as suffixes of a precision's name (combinable, e.g. fp16-plainreduce-allreduce16), and what each sets
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
 #: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
 #: all-reduce in fp16 or bf16 (comm/half_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
-#: graph/gelu.py). Keys are config sections.
+#: graph/gelu.py); bf16 with its GELUs fused, in fp32 or in bf16 (``patch``: :func:`_patched`). Keys are config
+#: sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
             "-allreduce16": {"distributed": {"allreduce_dtype": "float16"}},
             "-allreducebf16": {"distributed": {"allreduce_dtype": "bfloat16"}},
             "-nofuse": {"model": {"fuse_gelu": False}},
-            "-zero1": {"distributed": {"zero_stage": 1}}}
+            "-zero1": {"distributed": {"zero_stage": 1}},
+            "-gelu32": {"patch": {"gelu": "fp32"}},
+            "-gelu16": {"patch": {"gelu": "bf16"}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
     """(base precision, {section: settings}) of a precision name such as ``fp16-plainreduce``."""
-    settings, base = {"distributed": {}, "model": {}}, name
+    settings, base = {"distributed": {}, "model": {}, "patch": {}}, name
     while any(base.endswith(suffix) for suffix in VARIANTS):
         suffix = next(s for s in VARIANTS if base.endswith(s))
         for section, values in VARIANTS[suffix].items():
@@ -85,16 +90,37 @@ def prepare(args: argparse.Namespace) -> None:
     cuda = args.device == "cuda"
     for name in [n for n in args.precisions.split(",") if n]:
         start, (base, variant_settings) = time.perf_counter(), variant(name)
-        configure(config_from_dict({
-            "name": name, "output_dir": str(root / name),
-            "model": {"path": str(model), "loss": "cross_entropy", **variant_settings["model"]},
-            "data": {"train": [str(root / "unused.npz")]},
-            "train": {"batch_size": batch, "num_train_steps": 100},
-            "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-            "distributed": {"num_ranks": 1, "device": args.device, "use_nccl": cuda, **variant_settings["distributed"]},
-            "precision": PRECISIONS[base],
-        }))  # fmt: skip
+        with _patched(variant_settings["patch"]):
+            _configure(configure, config_from_dict, root, name, model, batch, args.device, cuda, base,
+                       variant_settings)
         print(f"configured {name} in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _patched(patch: dict):
+    """``-gelu32`` / ``-gelu16``: bf16 runs with their GELUs fused as on fp16 and fp32 GPUs (configure leaves them as
+    exported in bf16), kept in fp32 between two casts or left in bf16 (the engine's bf16 gradient kernels, if any)."""
+    import contextlib
+    from unittest import mock
+
+    if not patch.get("gelu"):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch("ortflow.build.engine_input.gelu_fusion", lambda cfg: "engine"))
+    extra = ("Gelu", "FastGelu", "BiasGelu") if patch["gelu"] == "fp32" else ()
+    stack.enter_context(mock.patch("ortflow.build.mixed_precision.BF16_FP32_OPS", ("LayerNormalization", *extra)))
+    return stack
+
+
+def _configure(configure, config_from_dict, root, name, model, batch, device, cuda, base, variant_settings):
+    configure(config_from_dict({
+        "name": name, "output_dir": str(root / name),
+        "model": {"path": str(model), "loss": "cross_entropy", **variant_settings["model"]},
+        "data": {"train": [str(root / "unused.npz")]},
+        "train": {"batch_size": batch, "num_train_steps": 100},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-4},
+        "distributed": {"num_ranks": 1, "device": device, "use_nccl": cuda, **variant_settings["distributed"]},
+        "precision": PRECISIONS[base],
+    }))  # fmt: skip
 
 
 def steps(args: argparse.Namespace) -> None:
@@ -218,11 +244,13 @@ def torch_run(args: argparse.Namespace) -> None:
 
 LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"): "ortflow fp16 mixed",
           ("ortflow", "fp16-softmax16"): "ortflow fp16 mixed, Softmax in fp16",
-          ("ortflow", "bf16"): "ortflow bf16 mixed", ("torch", "tf32"): "PyTorch TF32 eager",
+          ("ortflow", "bf16"): "ortflow bf16 mixed",
+          ("ortflow", "bf16-softmax16"): "ortflow bf16 mixed, Softmax in bf16", ("torch", "tf32"): "PyTorch TF32 eager",
           ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
 _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engine ReduceSum (no MatMul rewrite)",
                   "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce",
-                  "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1"}
+                  "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1", "-gelu32": "fused GELU in fp32",
+                  "-gelu16": "fused GELU in bf16"}
 
 
 def variant_base(prec: str) -> str:

@@ -1,0 +1,33 @@
+"""bench/bench_mixed.py's bf16 variants configure the graphs their names promise (CPU build: configure only)."""
+
+from __future__ import annotations
+
+import collections
+
+import onnx
+from onnx import TensorProto, shape_inference
+
+from bench import bench_mixed
+
+
+def _half_ops(run_dir) -> dict:
+    model = shape_inference.infer_shapes(onnx.load(str(run_dir / "artifacts" / "training_model.onnx")))
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*model.graph.value_info, *model.graph.output]}
+    found = collections.Counter()
+    for node in model.graph.node:
+        if node.op_type in ("Gelu", "GeluGrad", "Erf", "Softmax", "SoftmaxGrad_13"):
+            found[(node.op_type, TensorProto.DataType.Name(types.get(node.output[0], 0)))] += 1
+    return dict(found)
+
+
+def test_bf16_variants_fuse_the_gelu_in_the_type_they_name_and_move_softmax(tmp_path):
+    names = "bf16,bf16-gelu32,bf16-gelu16,bf16-softmax16-gelu32"
+    bench_mixed.main(["prepare", str(tmp_path), "--precisions", names, "--shape", "tiny", "--device", "cuda"])
+    plain, gelu32, gelu16, softmax16 = (_half_ops(tmp_path / name) for name in names.split(","))
+    assert plain == {("Erf", "BFLOAT16"): 2, ("Softmax", "FLOAT"): 2, ("SoftmaxGrad_13", "FLOAT"): 2}
+    assert gelu32 == {("Gelu", "FLOAT"): 2, ("GeluGrad", "FLOAT"): 2, ("Softmax", "FLOAT"): 2,
+                      ("SoftmaxGrad_13", "FLOAT"): 2}
+    assert gelu16 == {("Gelu", "BFLOAT16"): 2, ("GeluGrad", "BFLOAT16"): 2, ("Softmax", "FLOAT"): 2,
+                      ("SoftmaxGrad_13", "FLOAT"): 2}
+    assert softmax16 == {("Gelu", "FLOAT"): 2, ("GeluGrad", "FLOAT"): 2, ("Softmax", "BFLOAT16"): 2,
+                         ("SoftmaxGrad_13", "BFLOAT16"): 2}
