@@ -115,8 +115,6 @@ class DistributedConfig(Section):
         return max(1, cores // max(1, local_ranks))
 
 
-
-
 _SLURM_TIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$"
 _SBATCH_LINE = r"^--?[A-Za-z][^\n\r]*$"
 
