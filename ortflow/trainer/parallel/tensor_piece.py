@@ -314,7 +314,7 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
     tied = sorted(n for n, hs in holders.items() if len(hs) > 1)
     if tied and device != "cpu":
         raise RuntimeError(f"parameters read by several tensor-parallel pieces {tied[:5]} (tied weights) are summed on "
-                           "the host: not supported on CUDA yet; use horizontal_parallel_size 1 on GPUs for this model")
+                           "the host, for CPU ranks only (configure refuses this split on CUDA): configure again")
     rt = cls(cfg, Path(run_dir), comm, device, threads, pieces[-1].state, pieces[-1].module, None, dp_exchange,
              trainable, resume, tp_size=size, num_replicas=comm.size // (size * (pipe[1] if pipe else 1)),
              pieces=pieces, slicing=record["slicing"], holders=holders, pipe=pipe, **where)
