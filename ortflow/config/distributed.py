@@ -15,8 +15,8 @@ class DistributedConfig(Section):
 
     num_ranks: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         1,
-        description="World size: processes mpiexec starts; auto picks ranks and threads for the host "
-        "(docs/layout.md).",
+        description="World size: processes mpiexec starts; auto picks ranks and threads for the host, one rank per "
+        "visible GPU with device cuda (docs/layout.md).",
     )
     hostfile: Path | None = Field(None, description="MPI host file for multi-node runs (default: this machine only).")
     num_hosts: int = Field(1, gt=0, description="Hosts the ranks are spread over (must match the host file).")

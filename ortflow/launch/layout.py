@@ -31,10 +31,11 @@ from ortflow.config import (
     plan_batch,
     run_facts,
 )
+from ortflow.gpus import gpu_count
 
 __all__ = [
     "MAX_AUTO_RANKS", "BatchPlan", "Host", "Layout", "LayoutError", "RunFacts", "auto_layout", "divides",
-    "fixed_batch_dim", "host_resources", "launch_layout", "nearest_multiples", "plan_batch", "read_tuned",
+    "fixed_batch_dim", "gpu_layout", "host_resources", "launch_layout", "nearest_multiples", "plan_batch", "read_tuned",
     "run_facts", "write_tuned",
 ]
 
@@ -62,6 +63,7 @@ class Host:
     cores: int
     memory_bytes: int
     physical_cores: int | None = None
+    gpus: int | None = None  # None: ask the driver when a layout needs it (num_ranks auto with device cuda)
 
     @property
     def compute_cores(self) -> int:
@@ -207,7 +209,9 @@ def launch_layout(
     dist, train = cfg.distributed, cfg.train
     wanted = ranks if ranks is not None else dist.num_ranks
     facts = run_facts(run_dir) if wanted == "auto" or train.global_batch_size else None
-    if wanted == "auto":
+    if wanted == "auto" and dist.device == "cuda":
+        layout = gpu_layout(host, dist)
+    elif wanted == "auto":
         tuned = read_tuned(run_dir, host)
         if tuned is not None and train.global_batch_size and not divides(
             train.global_batch_size, tuned.ranks * dist.num_hosts, facts.fixed_batch or 1
@@ -227,6 +231,23 @@ def launch_layout(
         replicas = max(1, layout.ranks // (dist.pipeline_parallel_size * dist.horizontal_parallel_size))
         plan = plan_batch(train.global_batch_size, replicas, train.batch_size, facts.fixed_batch)
     return layout, plan
+
+
+def gpu_layout(host: Host, dist) -> Layout:
+    """``num_ranks: auto`` on CUDA: one rank per GPU visible on this host (NCCL needs a GPU per rank), on each of
+    ``num_hosts`` hosts, with the CUDA default of engine threads.
+
+    Raises:
+        LayoutError: no GPU is visible here.
+    """
+    gpus, why = (host.gpus, None) if host.gpus is not None else gpu_count()
+    if not gpus:
+        raise LayoutError(
+            f"distributed.num_ranks auto with device cuda starts one rank per GPU, but {why or 'no GPU is visible'}: "
+            "run `ortflow doctor`, or give distributed.num_ranks"
+        )
+    return Layout(gpus * dist.num_hosts, dist.default_threads(host.cores, gpus),
+                  f"auto: one rank per GPU, {gpus} visible on this host")
 
 
 def _per_host(global_batch: int | None, num_hosts: int) -> int | None:

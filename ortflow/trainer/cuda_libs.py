@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ortflow.gpus import gpu_count, gpu_names
+
 #: Sonames the engine's CUDA provider needs, in dependency order (cuBLASLt before cuBLAS).
 ENGINE_LIBRARIES = (
     "libcudart.so.11.0",
@@ -83,34 +85,6 @@ def preload(
             if soname not in optional:
                 report.missing.append(soname)
     return report
-
-
-def gpu_count() -> tuple[int, str | None]:
-    """(GPUs this process may use, None) from the CUDA driver, honouring CUDA_VISIBLE_DEVICES; (0, reason) if none."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0, "no NVIDIA driver (libcuda.so.1 not found)"
-    if (err := cuda.cuInit(0)) != 0:
-        return 0, f"the CUDA driver failed to start (cuInit error {err}; CUDA_VISIBLE_DEVICES may hide every GPU)"
-    count = ctypes.c_int(0)
-    if (err := cuda.cuDeviceGetCount(ctypes.byref(count))) != 0:
-        return 0, f"cuDeviceGetCount error {err}"
-    return count.value, None if count.value else "the driver sees no GPU (check CUDA_VISIBLE_DEVICES)"
-
-
-def gpu_names(count: int) -> list[str]:
-    """Each visible GPU's name from the driver (empty when there is none)."""
-    if not count:
-        return []
-    cuda = ctypes.CDLL("libcuda.so.1")
-    names = []
-    for index in range(count):
-        device, name = ctypes.c_int(), ctypes.create_string_buffer(128)
-        cuda.cuDeviceGet(ctypes.byref(device), index)
-        cuda.cuDeviceGetName(name, 128, device)
-        names.append(name.value.decode(errors="replace"))
-    return names
 
 
 def gpu_for_local_rank(local_rank: int, local_size: int) -> int:

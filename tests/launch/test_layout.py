@@ -245,3 +245,21 @@ def test_cuda_ranks_sharing_a_host_get_one_engine_thread_each_unless_told(tmp_pa
     assert threads_per_rank(cfg(device="cuda"), 1, 64, environ={}) == 64
     assert threads_per_rank(cfg(), 4, 64, environ={}) == 16
     assert threads_per_rank(cfg(device="cuda"), 4, 64, environ={"ORTFLOW_THREADS_PER_RANK": "3"}) == 3
+
+
+def test_auto_on_cuda_starts_one_rank_per_visible_gpu_and_refuses_a_host_without_one(tmp_path):
+    _configured(tmp_path)
+
+    def cfg(**more):
+        raw = {"output_dir": str(tmp_path), "model": {"path": str(tmp_path / "m.onnx")}, "data": {"train": ["x.npz"]},
+               "train": {"batch_size": 8, "num_train_steps": 10, **more},
+               "distributed": {"num_ranks": "auto", "device": "cuda", "use_nccl": True}}
+        return config_from_dict(raw)
+
+    layout, _ = launch_layout(cfg(), tmp_path, Host(64, 512 * GIB, gpus=4))
+    assert layout.pair == (4, 1) and layout.reason == "auto: one rank per GPU, 4 visible on this host"
+    assert launch_layout(cfg(), tmp_path, Host(64, 512 * GIB, gpus=1))[0].pair == (1, 64)  # alone: the host's cores
+    _, plan = launch_layout(cfg(global_batch_size=64), tmp_path, Host(64, 512 * GIB, gpus=4))
+    assert (plan.batch_size, plan.accumulation) == (8, 2)  # 64 samples over 4 GPU ranks of 8
+    with pytest.raises(LayoutError, match=r"auto with device cuda starts one rank per GPU, but no GPU is visible"):
+        launch_layout(cfg(), tmp_path, Host(64, 512 * GIB, gpus=0))

@@ -15,8 +15,8 @@ LAYERS: dict[str, set[str]] = {
     "dataprep": {"config"},
     "checkpoints": {"config"},
     "build": {"config", "graph", "checkpoints", "engine"},
-    "trainer": {"config", "dataprep", "checkpoints", "engine", "processes"},
-    "launch": {"config", "processes"},
+    "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus"},
+    "launch": {"config", "processes", "gpus"},
     "export": {"config", "checkpoints", "graph", "engine"},
     "engine": set(),  # the one module that imports onnxruntime.training
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
@@ -24,6 +24,7 @@ LAYERS: dict[str, set[str]] = {
     "versions": {"config", "dataprep", "build", "checkpoints"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit
+    "gpus": set(),  # the GPUs the NVIDIA driver shows this process (ctypes only)
     "sample": set(),
     "examples": set(),
     "cli_terminal": {"runlock", "tasks"},
