@@ -223,10 +223,12 @@ def tune(
     from ortflow.dataprep import DataError, prepare_data
     from ortflow.launch.layout import LayoutError, host_resources
     from ortflow.launch.local import LaunchError
+    from ortflow.launch.tune import check_tunable
     from ortflow.launch.tune import tune as tune_layouts
 
     cfg = _load(config, overrides)
     try:
+        check_tunable(cfg)  # before configure and prepare-data do any work
         configure(cfg)  # both are no-ops when the run folder is up to date
         prepare_data(cfg)
         path = tune_layouts(cfg, host_resources(), updates, warmup, mpiexec)

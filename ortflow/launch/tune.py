@@ -53,8 +53,22 @@ def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_
     return found
 
 
+def check_tunable(cfg) -> None:
+    """Refuse a run ``tune`` cannot measure: CUDA ranks take one GPU each, not a share of the cores.
+
+    Raises:
+        LayoutError: naming why and what to use instead.
+    """
+    if cfg.distributed.device == "cuda":
+        raise LayoutError(
+            "ortflow tune times CPU layouts (ranks x threads over this host's cores); with distributed.device cuda "
+            "there is one rank per GPU: set distributed.num_ranks auto (every visible GPU) or a number, no tuning"
+        )
+
+
 def tune(cfg, host: Host, updates: int = 6, warmup: int = 2, mpiexec: str | None = None) -> Path:
     """Time every candidate layout on this host and record the results and the winner in ``layout.json``."""
+    check_tunable(cfg)
     run_dir = Path(cfg.output_dir)
     facts = run_facts(run_dir)
     exe = find_mpiexec(mpiexec)

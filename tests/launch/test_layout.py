@@ -263,3 +263,17 @@ def test_auto_on_cuda_starts_one_rank_per_visible_gpu_and_refuses_a_host_without
     assert (plan.batch_size, plan.accumulation) == (8, 2)  # 64 samples over 4 GPU ranks of 8
     with pytest.raises(LayoutError, match=r"auto with device cuda starts one rank per GPU, but no GPU is visible"):
         launch_layout(cfg(), tmp_path, Host(64, 512 * GIB, gpus=0))
+
+
+def test_tune_refuses_cuda_runs_before_configuring_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from tests.test_validate import setup
+
+    path = setup(tmp_path, distributed={"device": "cuda", "use_nccl": True, "num_ranks": "auto"})
+    result = CliRunner().invoke(app, ["tune", str(path)])
+    assert result.exit_code == 1, result.output
+    assert "ortflow tune times CPU layouts" in result.output and "one rank per GPU" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()  # no configure, no prepare-data
