@@ -216,7 +216,7 @@ def tune(
     warmup: Annotated[int, typer.Option(min=0, help="Untimed weight updates first.")] = 2,
     mpiexec: Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")] = None,
 ) -> None:
-    """Time candidate ranks x threads layouts on this host; num_ranks auto then uses the fastest (layout.json)."""
+    """Time candidate ranks x threads layouts of CPU ranks on this host; num_ranks auto then uses the fastest."""
     import json
 
     from ortflow.build.configure import configure
