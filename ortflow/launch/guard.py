@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ortflow.processes import wait_for_exit
+from ortflow.processes import group_alive, wait_for_exit
 
 #: The guard's log in the run folder (what it did, and the ranks' last lines once it took the job over).
 GUARD_LOG = "launch-guard.log"
@@ -89,26 +89,6 @@ class JobGuard:
             pass  # the guard is gone: the ranks follow it and end, the job's own exit status says so
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies waiting for their reaper do not count)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
-
-
 #: The guard's log line that starts a take-over (what follows it is the job's output and the guard's own lines).
 _TAKE_OVER = "is gone before its job ended"
 
@@ -162,7 +142,7 @@ def take_over(pgid: int | None, output_fd: int, grace_s: float) -> bool:
         return True
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if ended.wait(0.2) or not _group_alive(pgid):
+        if ended.wait(0.2) or not group_alive(pgid):
             ended.wait(2.0)  # the last lines
             return True
     _say(f"the job did not stop within {grace_s:.0f} s: ending it")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ortflow.config import (
     BatchPlan,
+    DistributedConfig,
     LayoutError,
     RunFacts,
     divides,
@@ -233,7 +234,7 @@ def launch_layout(
     return layout, plan
 
 
-def gpu_layout(host: Host, dist) -> Layout:
+def gpu_layout(host: Host, dist: DistributedConfig) -> Layout:
     """``num_ranks: auto`` on CUDA: one rank per GPU visible on this host (NCCL needs a GPU per rank), on each of
     ``num_hosts`` hosts, with the CUDA default of engine threads.
 

@@ -89,3 +89,23 @@ def test_a_released_guard_exits_and_leaves_the_job_alone(tmp_path):
         proc.kill()
         proc.wait()
         os.killpg(job, signal.SIGKILL)
+
+
+def test_a_process_group_counts_as_alive_until_its_last_process_is_gone_or_a_zombie():
+    import time
+
+    from ortflow.processes import group_alive, process_alive
+
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its pid is its group's id
+    try:
+        assert group_alive(proc.pid) and process_alive(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # not reaped yet (no wait): it stays a zombie
+        deadline = time.monotonic() + 30
+        while process_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Path(f"/proc/{proc.pid}").exists(), "the zombie was reaped early: the check below would be void"
+        assert not group_alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not group_alive(proc.pid) and not process_alive(proc.pid)
