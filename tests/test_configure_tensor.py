@@ -55,21 +55,3 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_building(tmp_pa
         configure(cfg)
     assert not (cfg.artifacts_dir / "tensor").exists()
 
-
-def test_a_tied_weight_split_on_cuda_is_refused_before_any_rank_starts_and_accepted_on_cpu(tmp_path):
-    # The Hugging Face GPT-2 export ties its token table and LM head; the tied sums between pieces are host code.
-    from ortflow.validate import tensor_split_problems
-    from tests.support.exports import export_path
-
-    def cfg(device):
-        raw = {"name": "t", "output_dir": str(tmp_path / device), "model": {"path": str(export_path("gpt2.onnx"))},
-               "data": {"train": str(tmp_path / "train.parquet")}, "train": {"batch_size": 2, "num_train_steps": 2},
-               "distributed": {"num_ranks": 2, "horizontal_parallel_size": 2, "device": device,
-                               "use_nccl": device == "cuda"}}
-        return config_from_dict(raw)
-
-    problems = tensor_split_problems(cfg("cuda"))
-    assert len(problems) == 1, problems
-    assert "horizontal_parallel_size 2 with device cuda" in problems[0]
-    assert "wte.weight" in problems[0] and "tied weights" in problems[0] and "Use device cpu" in problems[0]
-    assert tensor_split_problems(cfg("cpu")) == []

@@ -65,29 +65,10 @@ def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str],
     model, trainable, frozen = split_input(cfg)
     try:
         plan = plan_tensor_split(model, trainable, size)
-        pieces = cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before the engine
+        cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
     except TensorSplitError as err:
         raise ArtifactsError(str(err)) from None
-    if cfg.distributed.device == "cuda":
-        _refuse_shared_parameters_on_cuda(pieces, size)
     return model, plan, trainable, frozen
-
-
-def _refuse_shared_parameters_on_cuda(pieces: list[Piece], size: int) -> None:
-    """A parameter read by several pieces (a tied embedding and LM head) has its gradients summed and its value
-    copied between the pieces' engine buffers after each update; that is done on the host, for CPU ranks only."""
-    holders: dict[str, list[int]] = {}
-    for piece in pieces:
-        for name in piece.stage.parameters:
-            holders.setdefault(name, []).append(piece.index)
-    shared = {n: h for n, h in sorted(holders.items()) if len(h) > 1}
-    if shared:
-        named = ", ".join(f"'{n}' (pieces {', '.join(map(str, h))})" for n, h in list(shared.items())[:3])
-        raise ArtifactsError(
-            f"horizontal_parallel_size {size} with device cuda: tied weights read by several tensor-parallel pieces "
-            f"({named}) have their gradients summed between the pieces on CPU ranks only. Use device cpu for this "
-            "split, horizontal_parallel_size 1 (data parallelism) on GPUs, or a model without the tie"
-        )
 
 
 def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ortflow.gpus import gpu_count
 from tests.gpu.test_gpu_training import REASON, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
@@ -31,3 +32,25 @@ def test_two_gpu_tensor_parallel_ranks_match_one_gpu(tmp_path):
     assert sorted(p1) == sorted(p2)
     for name in p1:  # AdamW at lr 1e-3 for 4 updates; TF32 matmuls on both sides
         np.testing.assert_allclose(p2[name], p1[name], rtol=1e-3, atol=1e-3, err_msg=name)
+
+
+@pytest.mark.skipif(REASON is None and gpu_count()[0] < 2, reason="needs 2 GPUs")
+def test_gpt2_export_with_its_tied_table_splits_over_two_gpus_as_over_two_cpu_ranks(tmp_path):
+    """The Hugging Face GPT-2 export ties its token table to the LM head: both pieces read the vocabulary slice, so
+    the tied gradient sum and the copy of the updated slice run on the device. SGD and strict fp32 (the reasons in
+    test_gpu_four_layouts.py) make the GPU and CPU layouts comparable to 1e-6."""
+    from ortflow.checkpoints.h5state import read_params
+    from tests.gpu.test_gpu_four_layouts import STRICT_FP32, _compare
+    from tests.support.parallel_runs import initial_parameters, newest
+    from tests.trainer.exports_runs import gpt2_run
+
+    sgd, train = {"name": "sgd", "learning_rate": 1e-2}, {"num_train_steps": 8}
+    layout = {"num_ranks": 2, "horizontal_parallel_size": 2}
+    gpu = gpt2_run(tmp_path, "gpu", distributed={**layout, "device": "cuda", "use_nccl": True}, optimizer=sgd,
+                   train=train)
+    cpu = gpt2_run(tmp_path, "cpu", distributed=layout, optimizer=sgd, train=train)
+    _run(gpu, 2, env=STRICT_FP32)
+    _run(cpu, 2)
+    tied = [n for n in read_params(newest(cpu)) if n.endswith("wte.weight")]
+    assert tied, "the GPT-2 export has no token table"
+    _compare(read_params(newest(gpu)), read_params(newest(cpu)), initial_parameters(cpu), "GPT-2 hp 2")

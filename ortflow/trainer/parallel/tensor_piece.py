@@ -16,6 +16,7 @@ all ``hp`` ranks hold bitwise the same replicated activations and gradients, hen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,15 +188,48 @@ class TensorRuntime(Runtime):
         return float(self.pieces[-1].call(False, env)[0])
 
     def sum_tied_gradients(self) -> None:
-        """A parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum."""
+        """A parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum, added in
+        piece order (on CUDA as float32 adds on the device: the same bits as on the host)."""
+        if self.device != "cpu":
+            with self._device_pass() as view:
+                for name, holders in self._tied():
+                    owner = view(holders[0], name, "grad")
+                    for other in holders[1:]:
+                        owner += view(other, name, "grad")
+            return
         for name, holders in self.holders.items():
             for other in holders[1:]:
                 self.grad_view(holders[0], name)[...] += self.grad_view(other, name)
 
     def copy_tied_parameters(self) -> None:
+        """After an update, the owner's new value of a tied weight into the other pieces that read it."""
+        if self.device != "cpu":
+            with self._device_pass() as view:
+                for name, holders in self._tied():
+                    for other in holders[1:]:
+                        view(other, name, "data")[...] = view(holders[0], name, "data")
+            return
         for name, holders in self.holders.items():
             for other in holders[1:]:
                 self.pieces[other].state.parameters[name].data[...] = self.param(name).data
+
+    def _tied(self) -> list[tuple[str, list[int]]]:
+        return [(name, holders) for name, holders in self.holders.items() if len(holders) > 1]
+
+    @contextlib.contextmanager
+    def _device_pass(self):
+        """Work on the pieces' device buffers on the replicas' NCCL stream, between two waits (the engines write
+        and read those buffers on their own streams); yields ``view(piece, name, "data" | "grad")``, a CuPy view."""
+        comm = self.dp_comm
+
+        def view(piece: int, name: str, what: str):
+            value = getattr(self.pieces[piece].state._state.get_parameter(name), what)
+            return comm._device_view(_device_buffer(value, name))
+
+        comm._cp.cuda.runtime.deviceSynchronize()  # Sync point: the engines' last writes to these buffers
+        with comm.stream:
+            yield view
+        comm.stream.synchronize()  # Sync point: the exchange or the next forward reads them on another stream
 
     def reset_gradients(self) -> None:
         for piece in self.pieces:
@@ -311,10 +345,6 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
         pieces.append(PieceRun(state, module, folder, info=info))
     trainable = sorted(n for n, hs in holders.items() if pieces[hs[0]].state.parameters[n].requires_grad)
     dp_exchange = Zero0(where["dp_comm"])
-    tied = sorted(n for n, hs in holders.items() if len(hs) > 1)
-    if tied and device != "cpu":
-        raise RuntimeError(f"parameters read by several tensor-parallel pieces {tied[:5]} (tied weights) are summed on "
-                           "the host, for CPU ranks only (configure refuses this split on CUDA): configure again")
     rt = cls(cfg, Path(run_dir), comm, device, threads, pieces[-1].state, pieces[-1].module, None, dp_exchange,
              trainable, resume, tp_size=size, num_replicas=comm.size // (size * (pipe[1] if pipe else 1)),
              pieces=pieces, slicing=record["slicing"], holders=holders, pipe=pipe, **where)
