@@ -9,6 +9,11 @@ Stages (run in this order on a 2-GPU machine, they write ``bench/results/gpu.{js
   after a warm-up, on in-memory batches so data loading is not measured; prints one JSON line.
 * ``allreduce`` under mpiexec -n 2: bus bandwidth of ``NCCLComm.average_gradients`` against a bare CuPy NCCL
   all-reduce on the same buffers, at 16 MB, 256 MB and 1 GB.
+* ``grads HEARTBEATS`` under mpiexec: the gradient exchange on buffers shaped like the mixed-precision bench GPT's
+  gradients (one allocation per tensor, as the engine's): ``NCCLComm.average_gradients`` one NCCL call per tensor in
+  one group (``tensors32``), packed into one float32 buffer (``packed32``), in fp16 (``half16``), against one bare
+  all-reduce of the same bytes (``bare32``, ``bare16``); plus the host time to enqueue the per-tensor group
+  (``enqueue32``). Interleaved rounds, a barrier before every call; prints one JSON line.
 * ``ddp`` under ``torch.distributed.run`` (the machine's own PyTorch): ``bench.torch_gpt.GPT`` of the same shape.
 * ``equivalence C1 C2 LOG``: final parameters of the two equivalence runs and the per-rank sha256 lines of C2's log.
 * ``report DIR``: collects the JSON files into ``gpu.json`` and ``gpu.md``.
@@ -145,6 +150,79 @@ def allreduce(args: argparse.Namespace) -> None:
     comm.close()
 
 
+def grads(args: argparse.Namespace) -> None:
+    import cupy as cp
+    import onnx
+    from cupy.cuda import nccl
+
+    from bench.bench_mixed import SHAPE as GPT
+    from ortflow.examples.gpt import build_gpt
+    from ortflow.trainer.comm import DeviceBuffer, create_communicator
+    from ortflow.trainer.comm.nccl import NCCLComm
+
+    group = create_communicator(Path(args.heartbeats), 600.0, True)
+    model = Path(args.heartbeats) / f"gpt-{group.rank}.onnx"
+    build_gpt(model, **GPT)
+    graph = onnx.load(str(model), load_external_data=False).graph
+    counts = [int(np.prod(t.dims)) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    comms = {"tensors32": NCCLComm(group, group.local_rank), "packed32": NCCLComm(group, group.local_rank, packed=True),
+             "half16": NCCLComm(group, group.local_rank, "float16")}
+    tensors32 = comms["tensors32"]
+    stream, size = tensors32.stream, group.size
+    rng = np.random.default_rng(group.rank)
+    arrays = [cp.asarray(rng.standard_normal(n).astype(np.float32) * 1e-3) for n in counts]
+    bufs = [DeviceBuffer(a.data.ptr, a.size, str(i)) for i, a in enumerate(arrays)]
+    total = sum(counts)
+    flat32, flat16 = cp.zeros(total, dtype=cp.float32), cp.zeros(total, dtype=cp.float16)
+    scalars = np.zeros(2, dtype=np.float32)
+
+    def bare(flat, kind):
+        def call():
+            tensors32.comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, kind, nccl.NCCL_SUM, stream.ptr)
+            stream.synchronize()
+        return call
+
+    def exchange(comm):
+        return lambda: comm.average_gradients(bufs, size, scalars)
+
+    def enqueue():
+        cp.cuda.runtime.deviceSynchronize()
+        start = time.perf_counter()
+        nccl.groupStart()
+        for b in bufs:
+            tensors32.comm.allReduce(b.ptr, b.ptr, b.count, nccl.NCCL_FLOAT32, nccl.NCCL_AVG, stream.ptr)
+        nccl.groupEnd()
+        elapsed = time.perf_counter() - start
+        stream.synchronize()
+        return elapsed
+
+    calls = {"bare32": bare(flat32, nccl.NCCL_FLOAT32), "bare16": bare(flat16, nccl.NCCL_FLOAT16),
+             **{name: exchange(c) for name, c in comms.items()}}
+    times: dict[str, list[float]] = {name: [] for name in [*calls, "enqueue32"]}
+    for round_ in range(args.rounds):
+        order = list(calls) if round_ % 2 == 0 else list(calls)[::-1]
+        for name in order:
+            for k in range(args.warmup + args.calls):
+                group.barrier("grads")
+                start = time.perf_counter()
+                calls[name]()
+                if k >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        for _ in range(args.calls):
+            group.barrier("grads")
+            times["enqueue32"].append(enqueue())
+    mine = np.array([float(np.median(times[n])) for n in times])
+    gathered = group.gather_object(mine, "grads")
+    if group.rank == 0:
+        worst = np.max(np.stack(gathered), axis=0)
+        emit({"kind": "grads", "world": size, "tensors": len(counts), "parameters": total,
+              "median_s": dict(zip(times, map(float, worst), strict=True)), "nccl_version": nccl.get_version(),
+              "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()})
+    for comm in comms.values():
+        comm.stream.synchronize()
+    group.close()
+
+
 def ddp(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -240,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--steps", type=int, default=50)
         q.add_argument("--warmup", type=int, default=10)
     sub.add_parser("allreduce").add_argument("heartbeats")
+    g = sub.add_parser("grads")
+    g.add_argument("heartbeats")
+    g.add_argument("--rounds", type=int, default=3)
+    g.add_argument("--calls", type=int, default=20)
+    g.add_argument("--warmup", type=int, default=3)
     e = sub.add_parser("equivalence")
     for name in ("one", "two", "log"):
         e.add_argument(name)
@@ -247,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("dir")
     r.add_argument("out")
     args = parser.parse_args(argv)
-    {"prepare": prepare, "steps": steps, "allreduce": allreduce, "ddp": ddp, "equivalence": equivalence,
+    {"prepare": prepare, "steps": steps, "allreduce": allreduce, "grads": grads, "ddp": ddp, "equivalence": equivalence,
      "report": report}[args.cmd](args)  # fmt: skip
 
 

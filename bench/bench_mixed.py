@@ -41,8 +41,9 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: Variants, as suffixes of a precision's name (combinable, e.g. fp16-plainreduce-allreduce16), and what each sets
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
 #: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
-#: all-reduce in fp16 or bf16 (comm/half_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
-#: graph/gelu.py); bf16 with its GELUs fused, in fp32 or in bf16 (``patch``: :func:`_patched`). Keys are config
+#: all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
+#: graph/gelu.py); bf16 with its GELUs fused, in fp32 or in bf16 (``patch``: :func:`_patched`); the float32
+#: all-reduce packed into one buffer or one NCCL call per gradient (``env``: set by ``steps``). Keys are config
 #: sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
@@ -51,12 +52,14 @@ VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-nofuse": {"model": {"fuse_gelu": False}},
             "-zero1": {"distributed": {"zero_stage": 1}},
             "-gelu32": {"patch": {"gelu": "fp32"}},
-            "-gelu16": {"patch": {"gelu": "bf16"}}}
+            "-gelu16": {"patch": {"gelu": "bf16"}},
+            "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}},
+            "-tensors": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "0"}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
     """(base precision, {section: settings}) of a precision name such as ``fp16-plainreduce``."""
-    settings, base = {"distributed": {}, "model": {}, "patch": {}}, name
+    settings, base = {"distributed": {}, "model": {}, "patch": {}, "env": {}}, name
     while any(base.endswith(suffix) for suffix in VARIANTS):
         suffix = next(s for s in VARIANTS if base.endswith(s))
         for section, values in VARIANTS[suffix].items():
@@ -127,6 +130,7 @@ def steps(args: argparse.Namespace) -> None:
     """The loop's update without data loading, checkpoints or logging; the job's pace is its slowest rank's."""
     from ortflow.trainer.runtime import init_runtime, start_mpi
 
+    os.environ.update(variant(Path(args.run_dir).name)[1]["env"])
     cfg, group = start_mpi(Path(args.run_dir))
     cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"num_ranks": group.size})})
     rt = init_runtime(Path(args.run_dir), cfg, group)
@@ -135,8 +139,9 @@ def steps(args: argparse.Namespace) -> None:
     saved = json.loads((Path(args.run_dir).parent / "shape.json").read_text())
     vocab, seq, batch = saved["shape"]["vocab_size"], saved["shape"]["seq_len"], saved["batch"]
     batches = []
-    for _ in range(8):
-        tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int64)
+    for _ in range(8 if args.tokens == "uniform" else args.warmup + args.steps):
+        tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int64) if args.tokens == "uniform" else \
+            _markov(rng, vocab, batch, seq + 1)
         batches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].reshape(-1)})
     grads, scalars, times, losses, forward = [], np.zeros(2, dtype=np.float32), [], [], []
     for k in range(args.warmup + args.steps):
@@ -149,7 +154,7 @@ def steps(args: argparse.Namespace) -> None:
         mine = rt.exchange.reduce(grads, comm.size * scaler.scale, scalars)  # as the loop: ortflow's exchange
         norm = rt.exchange.norm(mine) if scaler.needs_norm else None
         if scaler.update(norm):
-            rt.update.step(mine, 1e-4)  # ortflow's update (fused device kernels on CUDA)
+            rt.update.step(mine, args.lr)  # ortflow's update (fused device kernels on CUDA)
         rt.exchange.gather()
         rt.module.lazy_reset_grad()
         times.append(time.perf_counter() - start)
@@ -173,6 +178,20 @@ def steps(args: argparse.Namespace) -> None:
                            "forward_backward_s": [float(v) for v in stats[2 * comm.size :]]},
               "skipped_updates": scaler.skipped_updates, "loss_scale": scaler.scale, "device": rt.device})  # fmt: skip
     comm.close()
+
+
+#: ``--tokens markov``: each token is followed by one of 4 successors (fixed per token, the same table on every rank)
+#: with probabilities 0.4 / 0.3 / 0.2 / 0.1, so the loss can fall from ln(vocab) to the chain's entropy (1.28 nats).
+MARKOV_P = np.array([0.4, 0.3, 0.2, 0.1])
+
+
+def _markov(rng: np.random.Generator, vocab: int, rows: int, length: int) -> np.ndarray:
+    successors = np.random.default_rng(0).integers(0, vocab, (vocab, MARKOV_P.size))
+    tokens = np.empty((rows, length), dtype=np.int64)
+    tokens[:, 0] = rng.integers(0, vocab, rows)
+    for t in range(1, length):
+        tokens[:, t] = successors[tokens[:, t - 1], rng.choice(MARKOV_P.size, rows, p=MARKOV_P)]
+    return tokens
 
 
 def _update_time(rt, mine, repeats: int) -> float:
@@ -250,7 +269,8 @@ LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"
 _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engine ReduceSum (no MatMul rewrite)",
                   "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce",
                   "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1", "-gelu32": "fused GELU in fp32",
-                  "-gelu16": "fused GELU in bf16"}
+                  "-gelu16": "fused GELU in bf16", "-packed": "packed fp32 all-reduce",
+                  "-tensors": "fp32 all-reduce per tensor"}
 
 
 def variant_base(prec: str) -> str:
@@ -327,6 +347,10 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("torch")
     t.add_argument("mode", choices=["tf32", "bf16", "compile"])
     s.add_argument("--update-repeats", type=int, default=10, help="timed update-only calls after the steps")
+    s.add_argument("--tokens", choices=["uniform", "markov"], default="uniform",
+                   help="uniform: 8 batches of random tokens (speed); markov: a fresh batch per step from a fixed "
+                   "4-successor chain, so the loss curve shows learning (convergence comparisons)")
+    s.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate (constant)")
     for q in (s, t):
         q.add_argument("--steps", type=int, default=20)
         q.add_argument("--warmup", type=int, default=10)

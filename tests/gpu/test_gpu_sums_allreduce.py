@@ -1,6 +1,6 @@
 """The two GPU speed-ups, for real: the training graph's leading-axis sums as MatMuls
 (``distributed.reduce_sum_as_matmul``, ortflow/graph/leading_sums.py) and the NCCL gradient all-reduce in fp16/bf16
-(``distributed.allreduce_dtype``, ortflow/trainer/comm/half_allreduce.py). Needs the GPU engine, CuPy and 1 or 2
+(``distributed.allreduce_dtype``, ortflow/trainer/comm/packed_allreduce.py). Needs the GPU engine, CuPy and 1 or 2
 CUDA GPUs (skipped otherwise); the runs train the small byte-level GPT of test_gpu_mixed_precision.py under mpiexec.
 
 Tolerances (loss means over windows of 10 updates, same batches in both runs):
@@ -100,3 +100,21 @@ def test_overflow_through_the_fp16_allreduce_skips_that_update_on_both_ranks(tmp
     assert progress[9]["skipped_updates"] == 0 and progress[20]["skipped_updates"] == 1
     assert progress[10]["loss_scale"] == pytest.approx(2.0**9, rel=1e-3)
     assert np.isfinite([progress[s]["loss"] for s in range(11, 21)]).all()
+
+
+@two_gpus
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_packed_float32_allreduce_gives_the_bits_of_one_nccl_call_per_gradient(tmp_path, monkeypatch, precision):
+    """At 2 ranks every element's average is 0.5 x a + 0.5 x b whichever way NCCL cuts the buffer, so the packed
+    exchange (one buffer, one call) must give bitwise the parameters of one call per gradient, on both ranks."""
+    from ortflow.trainer.comm.nccl import PACKED_ENV
+
+    steps, settings = 20, dict(ranks=2, steps=20, checkpoint={"period": 5},
+                               precision=SCALE if precision == "fp16" else {})  # fmt: skip
+    runs = {}
+    for packed in ("0", "1"):
+        monkeypatch.setenv(PACKED_ENV, packed)
+        runs[packed] = _digests(_run(_make(tmp_path, f"packed{packed}", precision, **settings), 2))
+    assert set(range(5, steps + 1, 5)) <= {s for _, s in runs["1"]}
+    assert runs["0"] == runs["1"]
+    assert runs["1"][(0, 5)] != runs["1"][(0, 10)]  # the parameters moved

@@ -1,6 +1,6 @@
 // Sum of one value per thread over a block of 256 threads, by a fixed tree (the same order on every run and rank).
 // Called once per kernel (the result is read after the last barrier; optim/update.cu keeps a variant safe to call
-// twice in a row). Prepended to the kernels that reduce (comm/multi_tensor.cu, comm/half_allreduce.cu) by their
+// twice in a row). Prepended to the kernels that reduce (comm/multi_tensor.cu, comm/packed_allreduce.cu) by their
 // loaders: NVRTC compiles one source string per module, without include paths.
 __device__ double block_sum(double acc) {
     __shared__ double part[256];

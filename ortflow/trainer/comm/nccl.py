@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
 from ortflow.trainer.comm.communicator import Communicator, gradient_norm, scale_gradients
-from ortflow.trainer.comm.half_allreduce import HalfAllReduce
+from ortflow.trainer.comm.packed_allreduce import PackedAllReduce
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class NCCLComm:
       all-reduces each of them in place (``ncclAvg`` when the divisor is the world size, else a sum and one scaling
       launch), the loss/stop scalars ride in the same group, and one multi-tensor launch sums the squares for the
       norm (one read of the gradients). With ``allreduce_dtype`` float16/bfloat16 the gradients are packed into one
-      buffer of that type instead (:mod:`ortflow.trainer.comm.half_allreduce`): half the bytes.
+      buffer of that type instead (:mod:`ortflow.trainer.comm.packed_allreduce`): half the bytes; with
+      ``packed=True`` into one float32 buffer (one NCCL call instead of one per tensor).
       The host waits once per update, under the watchdog.
     * Engine on the CPU: ``grads`` are host views; they are packed into one host buffer, copied to the GPU,
       all-reduced there and copied back (staging through device memory).
@@ -43,10 +45,12 @@ class NCCLComm:
         group: The process group (rank, size, broadcast of the NCCL id, the watchdog).
         device_index: This rank's GPU among the visible ones.
         allreduce_dtype: ``distributed.allreduce_dtype``: float32, or float16/bfloat16 for the device gradients'
-            all-reduce (:mod:`ortflow.trainer.comm.half_allreduce`).
+            all-reduce (:mod:`ortflow.trainer.comm.packed_allreduce`).
+        packed: float32 gradients all-reduced as one packed buffer (``PACKED_ENV``).
     """
 
-    def __init__(self, group: Communicator, device_index: int, allreduce_dtype: str = "float32"):
+    def __init__(self, group: Communicator, device_index: int, allreduce_dtype: str = "float32",
+                 packed: bool = False):
         try:
             import cupy
             from cupy.cuda import nccl
@@ -71,7 +75,9 @@ class NCCLComm:
             self._sum_in_order = module.get_function("sum_in_order")
             module.compile()
             self.allreduce_dtype = allreduce_dtype
-            self._half = None if allreduce_dtype == "float32" else HalfAllReduce(cupy, nccl, allreduce_dtype)
+            self.packed = packed
+            pack = allreduce_dtype != "float32" or packed
+            self._packed = PackedAllReduce(cupy, nccl, allreduce_dtype) if pack else None
         except Exception as err:  # noqa: BLE001 - CuPy raises several kinds for a missing or broken NVRTC
             raise RuntimeError(
                 f"CuPy cannot compile kernels on GPU {device_index} ({type(err).__name__}: {err}); it needs NVRTC: "
@@ -124,10 +130,14 @@ class NCCLComm:
         self._scalars.set(host, stream=stream)
         average = divisor == self.size  # NCCL divides while it reduces: no extra pass over the gradients
         op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
-        half = self._half and self._half.pack(table, grads, self._blocks(table), self.size, stream)
+        packed = self._packed
+        # fp16/bf16: pre-scaled by 1/ranks and summed; float32: copied as is, the per-tensor path's op
+        flat = packed and packed.pack(table, grads, self._blocks(table), 1.0 / self.size if packed.half else 1.0,
+                                      stream)
         nccl.groupStart()
-        if half:  # one packed fp16/bf16 buffer, pre-scaled by 1/ranks (comm/half_allreduce.py)
-            self.comm.allReduce(half[0], half[0], half[1], self._half.nccl_type, nccl.NCCL_SUM, stream.ptr)
+        if flat:  # one packed buffer (comm/packed_allreduce.py)
+            flat_op = nccl.NCCL_SUM if packed.half else op
+            self.comm.allReduce(flat[0], flat[0], flat[1], packed.nccl_type, flat_op, stream.ptr)
         else:
             for grad in grads:
                 self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
@@ -136,8 +146,9 @@ class NCCLComm:
                                 stream.ptr)
         nccl.groupEnd()
         partials = self._partials(table)
-        if half:  # back to fp32 times ranks / divisor, with the norm's partial sums in the same pass
-            self._half.unpack(table, grads, self._blocks(table), self.size / divisor, partials, stream)
+        if flat:  # back into the fp32 buffers times what remains of 1 / divisor, with the norm's partial sums
+            post = self.size / divisor if packed.half else 1.0 if average else 1.0 / divisor
+            packed.unpack(table, grads, self._blocks(table), post, partials, stream)
         else:
             if not average:
                 self._launch(self._scale, table, np.float32(1.0 / divisor))
@@ -250,7 +261,7 @@ class NCCLComm:
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
-        return NCCLComm(self.group.split(color, label), self.device_index, self.allreduce_dtype)
+        return NCCLComm(self.group.split(color, label), self.device_index, self.allreduce_dtype, self.packed)
 
     def open_point_to_point(self, tags: Sequence[int]) -> None:
         """Make the p2p communicator of each tag now, in this order on every rank of the group (NCCL init is
@@ -365,6 +376,11 @@ class NCCLComm:
             self.group.close()
 
 
+#: ``1``: the float32 gradient all-reduce packs the gradients into one buffer (one NCCL call); ``0``: one call per
+#: gradient in one NCCL group (bench/bench_gpu.py ``grads`` and bench_mixed's ``-packed`` variant compare the two).
+PACKED_ENV = "ORTFLOW_PACKED_ALLREDUCE"
+
+
 def attach_nccl(group: Communicator, device_index: int, allreduce_dtype: str = "float32") -> NCCLComm:
     """Join this rank to NCCL on GPU ``device_index`` (after the process group is up and the device is chosen)."""
-    return NCCLComm(group, device_index, allreduce_dtype)
+    return NCCLComm(group, device_index, allreduce_dtype, packed=os.environ.get(PACKED_ENV, "0") == "1")

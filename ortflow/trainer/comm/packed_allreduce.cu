@@ -1,4 +1,4 @@
-// Half-precision gradient all-reduce (half_allreduce.py): pack every fp32 gradient into one fp16/bf16 buffer,
+// The packed gradient all-reduce (packed_allreduce.py): pack every fp32 gradient into one fp32/fp16/bf16 buffer,
 // NCCL sums it, unpack back into the fp32 buffers. One launch for the whole list: blockIdx.y picks the tensor.
 // No headers (NVRTC finds no cuda_fp16.h on some machines): fp16 through PTX cvt, bf16 by bits.
 __device__ __forceinline__ unsigned short to_half(float v, int bf16) {
@@ -37,6 +37,29 @@ extern "C" __global__ void unpack_half(const unsigned long long* ptrs, const lon
     double acc = 0.0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = from_half(in[i], bf16) * post;
+        x[i] = v;
+        acc += (double)v * (double)v;
+    }
+    double total = block_sum(acc);
+    if (threadIdx.x == 0) partials[blockIdx.y * gridDim.x + blockIdx.x] = total;
+}
+// float32: the same packing without the type change (one buffer, one NCCL call instead of one per tensor).
+extern "C" __global__ void pack_f32(const unsigned long long* ptrs, const long long* counts,
+                                    const long long* offsets, float* flat, float pre) {
+    const float* x = (const float*)ptrs[blockIdx.y];
+    float* out = flat + offsets[blockIdx.y];
+    long long n = counts[blockIdx.y];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = x[i] * pre;
+}
+extern "C" __global__ void unpack_f32(const unsigned long long* ptrs, const long long* counts,
+                                      const long long* offsets, const float* flat, float post, double* partials) {
+    float* x = (float*)ptrs[blockIdx.y];
+    const float* in = flat + offsets[blockIdx.y];
+    long long n = counts[blockIdx.y];
+    double acc = 0.0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = in[i] * post;
         x[i] = v;
         acc += (double)v * (double)v;
     }

@@ -1,6 +1,14 @@
-"""The NCCL gradient all-reduce in fp16 or bf16 (``distributed.allreduce_dtype``): half the bytes on the wire.
+"""The NCCL gradient all-reduce of one packed buffer: float32, or fp16/bf16 (``distributed.allreduce_dtype``, half
+the bytes on the wire).
 
-The engine's gradients stay float32 (its buffers, the update, the norm); only the exchange is in the half type:
+float32 (the packed exchange, ``ORTFLOW_PACKED_ALLREDUCE``): every gradient is copied into one float32 buffer, NCCL
+averages it with the op the per-tensor path uses (``ncclAvg``, or a sum when the divisor is not the world size), and
+the unpack writes the gradients back times ``1 / divisor`` where needed, with the norm's partial sums. One NCCL call
+instead of one per tensor; the per-element arithmetic is the same (the order of the ranks' terms in NCCL's ring
+depends on where an element falls in the buffer, so at more than 2 ranks an element may round differently).
+
+fp16/bf16: the engine's gradients stay float32 (its buffers, the update, the norm); only the exchange is in the half
+type:
 
 1. one multi-tensor launch packs every gradient, times ``1 / ranks``, into one fp16/bf16 buffer (round to nearest
    even). Pre-scaling by ``1 / ranks`` keeps the sum of the ranks' values no larger than the largest of them, so the
@@ -29,30 +37,33 @@ import numpy as np
 from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
 
 log = logging.getLogger(__name__)
-_SRC = BLOCK_SUM_SRC + (Path(__file__).parent / "half_allreduce.cu").read_text()
+_SRC = BLOCK_SUM_SRC + (Path(__file__).parent / "packed_allreduce.cu").read_text()
 _THREADS = 256
 
 
-class HalfAllReduce:
-    """The packed fp16/bf16 buffer and kernels of one :class:`~ortflow.trainer.comm.nccl.NCCLComm`.
+class PackedAllReduce:
+    """The packed buffer and kernels of one :class:`~ortflow.trainer.comm.nccl.NCCLComm`.
 
     Args:
         cupy: The cupy module.
         nccl: ``cupy.cuda.nccl``.
-        dtype: ``"float16"`` or ``"bfloat16"``.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
     """
 
     def __init__(self, cupy, nccl, dtype: str):
-        if dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"distributed.allreduce_dtype: {dtype!r} is not a half type (float16 or bfloat16)")
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"distributed.allreduce_dtype: {dtype!r} is not float32, float16 or bfloat16")
         self._cp, self._nccl = cupy, nccl
-        self.dtype, self._bf16 = dtype, np.int32(dtype == "bfloat16")
+        self.dtype, self._bf16, self.half = dtype, np.int32(dtype == "bfloat16"), dtype != "float32"
         # NCCL's enum values (nccl.h: ncclFloat16 = 6, ncclBfloat16 = 9, NCCL >= 2.10) where CuPy lacks the name.
-        self.nccl_type = getattr(nccl, "NCCL_BFLOAT16", 9) if self._bf16 else getattr(nccl, "NCCL_FLOAT16", 6)
+        self.nccl_type = (nccl.NCCL_FLOAT32 if not self.half else getattr(nccl, "NCCL_BFLOAT16", 9) if self._bf16
+                          else getattr(nccl, "NCCL_FLOAT16", 6))  # fmt: skip
         module = cupy.RawModule(code=_SRC)
-        self._pack, self._unpack = module.get_function("pack_half"), module.get_function("unpack_half")
+        names = ("pack_half", "unpack_half") if self.half else ("pack_f32", "unpack_f32")
+        self._pack, self._unpack = (module.get_function(n) for n in names)
         module.compile()
-        log.info("gradient all-reduce in %s, pre-scaled by 1/ranks (distributed.allreduce_dtype)", dtype)
+        if self.half:
+            log.info("gradient all-reduce in %s, pre-scaled by 1/ranks (distributed.allreduce_dtype)", dtype)
         self._flat = None
         self._offsets: tuple | None = None
 
@@ -63,22 +74,24 @@ class HalfAllReduce:
             counts = np.array([g.count for g in grads], dtype=np.int64)
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
             self._offsets = (key, self._cp.asarray(starts), int(counts.sum()))
-            self._flat = self._cp.empty(max(1, self._offsets[2]), dtype=self._cp.uint16)
+            kind = self._cp.uint16 if self.half else self._cp.float32
+            self._flat = self._cp.empty(max(1, self._offsets[2]), dtype=kind)
         return self._offsets
 
-    def pack(self, table: tuple, grads: Sequence, blocks: int, size: int, stream) -> tuple[int, int]:
-        """Launch the pack on ``stream``; returns (device address, element count) of the buffer to all-reduce."""
+    def pack(self, table: tuple, grads: Sequence, blocks: int, pre: float, stream) -> tuple[int, int]:
+        """Launch the pack (times ``pre``) on ``stream``; returns (device address, element count) of the buffer to
+        all-reduce."""
         _, offsets, total = self._layout(grads)
         _, ptrs, counts, _ = table
+        args = (ptrs, counts, offsets, self._flat, np.float32(pre)) + ((self._bf16,) if self.half else ())
         with stream:
-            self._pack((blocks, len(grads)), (_THREADS,),
-                       (ptrs, counts, offsets, self._flat, np.float32(1.0 / size), self._bf16))  # fmt: skip
+            self._pack((blocks, len(grads)), (_THREADS,), args)
         return self._flat.data.ptr, total
 
     def unpack(self, table: tuple, grads: Sequence, blocks: int, post: float, partials, stream) -> None:
         """Launch the unpack (times ``post``) and the per-block sums of squares into ``partials`` on ``stream``."""
         _, offsets, _ = self._layout(grads)
         _, ptrs, counts, _ = table
+        args = (ptrs, counts, offsets, self._flat, np.float32(post)) + ((self._bf16,) if self.half else ())
         with stream:
-            self._unpack((blocks, len(grads)), (_THREADS,),
-                         (ptrs, counts, offsets, self._flat, np.float32(post), self._bf16, partials))  # fmt: skip
+            self._unpack((blocks, len(grads)), (_THREADS,), (*args, partials))
