@@ -12,8 +12,10 @@ Stages (run in this order on a 2-GPU machine, they write ``bench/results/gpu.{js
 * ``grads HEARTBEATS`` under mpiexec: the gradient exchange on buffers shaped like the mixed-precision bench GPT's
   gradients (one allocation per tensor, as the engine's): ``NCCLComm.average_gradients`` one NCCL call per tensor in
   one group (``tensors32``), packed into one float32 buffer (``packed32``), in fp16 (``half16``), against one bare
-  all-reduce of the same bytes (``bare32``, ``bare16``); plus the host time to enqueue the per-tensor group
-  (``enqueue32``). Interleaved rounds, a barrier before every call; prints one JSON line.
+  all-reduce of the same bytes (``bare32``, ``bare16``); and their parts: the host time to enqueue the per-tensor
+  group (``enqueue32``), that group alone (``group32``), the norm's launches (``norm32``), the fp16 pack and unpack
+  (``pack16``), the host steps without kernels (``host``). Interleaved rounds, a barrier before every call; prints
+  one JSON line.
 * ``ddp`` under ``torch.distributed.run`` (the machine's own PyTorch): ``bench.torch_gpt.GPT`` of the same shape.
 * ``equivalence C1 C2 LOG``: final parameters of the two equivalence runs and the per-rank sha256 lines of C2's log.
 * ``report DIR``: collects the JSON files into ``gpu.json`` and ``gpu.md``.
@@ -196,8 +198,39 @@ def grads(args: argparse.Namespace) -> None:
         stream.synchronize()
         return elapsed
 
+    def group32():  # the per-tensor NCCL group alone
+        nccl.groupStart()
+        for b in bufs:
+            tensors32.comm.allReduce(b.ptr, b.ptr, b.count, nccl.NCCL_FLOAT32, nccl.NCCL_AVG, stream.ptr)
+        nccl.groupEnd()
+        stream.synchronize()
+
+    def norm32():  # the norm's two launches alone
+        table = tensors32._tensor_table(bufs)
+        partials = tensors32._partials(table)
+        tensors32._launch(tensors32._sum_squares, table, partials)
+        with stream:
+            tensors32._sum_in_order((1,), (256,), (partials, np.int64(partials.size), tensors32._scalars[2:3]))
+        stream.synchronize()
+
+    def pack16():  # the fp16 pack and unpack alone
+        half = comms["half16"]
+        table = half._tensor_table(bufs)
+        partials, blocks = half._partials(table), half._blocks(table)
+        half._packed.pack(table, bufs, blocks, 1.0, half.stream)
+        half._packed.unpack(table, bufs, blocks, 1.0, partials, half.stream)
+        half.stream.synchronize()
+
+    def host():  # the exchange's host steps without its kernels: the waits, the scalars in and out, the tables
+        cp.cuda.runtime.deviceSynchronize()
+        tensors32._scalars.set(np.zeros(8), stream=stream)
+        tensors32._tensor_table(bufs)
+        group.watched("grads", stream.synchronize)
+        tensors32._scalars.get()
+
     calls = {"bare32": bare(flat32, nccl.NCCL_FLOAT32), "bare16": bare(flat16, nccl.NCCL_FLOAT16),
-             **{name: exchange(c) for name, c in comms.items()}}
+             **{name: exchange(c) for name, c in comms.items()}, "group32": group32, "norm32": norm32,
+             "pack16": pack16, "host": host}
     times: dict[str, list[float]] = {name: [] for name in [*calls, "enqueue32"]}
     for round_ in range(args.rounds):
         order = list(calls) if round_ % 2 == 0 else list(calls)[::-1]

@@ -42,17 +42,17 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
 #: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
 #: all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
-#: graph/gelu.py); bf16 with its GELUs fused, in fp32 or in bf16 (``patch``: :func:`_patched`); the float32
+#: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); the float32
 #: all-reduce packed into one buffer or one NCCL call per gradient (``env``: set by ``steps``). Keys are config
 #: sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
             "-allreduce16": {"distributed": {"allreduce_dtype": "float16"}},
+            "-allreduce32": {"distributed": {"allreduce_dtype": "float32"}},
             "-allreducebf16": {"distributed": {"allreduce_dtype": "bfloat16"}},
             "-nofuse": {"model": {"fuse_gelu": False}},
             "-zero1": {"distributed": {"zero_stage": 1}},
             "-gelu32": {"patch": {"gelu": "fp32"}},
-            "-gelu16": {"patch": {"gelu": "bf16"}},
             "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}},
             "-tensors": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "0"}}}
 
@@ -100,18 +100,14 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def _patched(patch: dict):
-    """``-gelu32`` / ``-gelu16``: bf16 runs with their GELUs fused as on fp16 and fp32 GPUs (configure leaves them as
-    exported in bf16), kept in fp32 between two casts or left in bf16 (the engine's bf16 gradient kernels, if any)."""
+    """``-gelu32``: bf16 runs with their fused GELUs kept in fp32 between two casts (the default leaves them bf16)."""
     import contextlib
     from unittest import mock
 
     if not patch.get("gelu"):
         return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch("ortflow.build.engine_input.gelu_fusion", lambda cfg: "engine"))
-    extra = ("Gelu", "FastGelu", "BiasGelu") if patch["gelu"] == "fp32" else ()
-    stack.enter_context(mock.patch("ortflow.build.mixed_precision.BF16_FP32_OPS", ("LayerNormalization", *extra)))
-    return stack
+    extra = ("Gelu", "FastGelu", "BiasGelu")
+    return mock.patch("ortflow.build.mixed_precision.BF16_FP32_OPS", ("LayerNormalization", *extra))
 
 
 def _configure(configure, config_from_dict, root, name, model, batch, device, cuda, base, variant_settings):
@@ -267,9 +263,10 @@ LABELS = {("ortflow", "fp32"): "ortflow fp32 (TF32 matmuls)", ("ortflow", "fp16"
           ("ortflow", "bf16-softmax16"): "ortflow bf16 mixed, Softmax in bf16", ("torch", "tf32"): "PyTorch TF32 eager",
           ("torch", "bf16"): "PyTorch bf16 autocast eager", ("torch", "compile"): "PyTorch bf16 autocast + compile"}
 _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engine ReduceSum (no MatMul rewrite)",
-                  "-allreduce16": "fp16 all-reduce", "-allreducebf16": "bf16 all-reduce",
+                  "-allreduce16": "fp16 all-reduce", "-allreduce32": "fp32 all-reduce",
+                  "-allreducebf16": "bf16 all-reduce",
                   "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1", "-gelu32": "fused GELU in fp32",
-                  "-gelu16": "fused GELU in bf16", "-packed": "packed fp32 all-reduce",
+                  "-packed": "packed fp32 all-reduce",
                   "-tensors": "fp32 all-reduce per tensor"}
 
 

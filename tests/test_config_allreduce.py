@@ -31,3 +31,22 @@ def test_half_allreduce_is_refused_where_the_exchange_is_not_the_nccl_all_reduce
 def test_unknown_allreduce_dtype_and_the_reduce_switch(tmp_path):
     assert any("allreduce_dtype" in p for p in problems_of(tmp_path, *GPU, "distributed.allreduce_dtype=float8"))
     assert problems_of(tmp_path, *GPU, "distributed.reduce_sum_as_matmul=false") == []
+
+
+@pytest.mark.parametrize(("settings", "ranks", "want"), [
+    (["precision.use_mixed_precision=true"], 4, "float16"),  # fp16 on several NCCL GPU ranks
+    (["precision.use_mixed_precision=true"], 1, "float32"),  # one rank reduces nothing
+    (["precision.use_mixed_precision=true", "precision.use_bfloat16=true"], 4, "float32"),  # bf16: 8 bits only
+    ([], 4, "float32"),  # fp32 training
+    (["precision.use_mixed_precision=true", "distributed.zero_stage=1"], 4, "float32"),  # reduce-scatter
+    (["precision.use_mixed_precision=true", "distributed.allreduce_dtype=float32"], 4, "float32"),  # told
+    (["distributed.allreduce_dtype=bfloat16"], 4, "bfloat16"),
+])  # fmt: skip
+def test_auto_allreduce_dtype_is_float16_only_for_fp16_on_several_nccl_gpu_ranks(tmp_path, settings, ranks, want):
+    from ortflow.config import load_config
+    from tests.test_config import write
+
+    cfg = load_config(write(tmp_path), [*GPU, f"distributed.num_ranks={ranks}", *settings])
+    assert cfg.distributed.allreduce_dtype == next((s.split("=")[1] for s in settings if "allreduce" in s), "auto")
+    assert cfg.gradient_allreduce_dtype(ranks) == want
+

@@ -94,9 +94,8 @@ def gelu_fusion(cfg: RunConfig) -> str:
     """How exported GELUs reach the engine (:func:`ortflow.graph.gelu.gelu_rewrites`): with model.fuse_gelu,
     ``"cpu"`` on CPU ranks (the engine's Gelu for the erf form, the sigmoid form for the tanh form, whose engine
     gradient is slow on CPU: :mod:`ortflow.graph.gelu_grad`) and ``"engine"`` on GPUs (the engine's Gelu /
-    FastGelu); ``"as_exported"`` without it, and with bf16 mixed precision, where the CUDA engine's GeluGrad kernels
-    are registered for fp16, fp32 and fp64 only (not settled on a GPU: docs/engine-kernels.md "GELU")."""
-    if not cfg.model.fuse_gelu or (cfg.precision.use_mixed_precision and cfg.precision.use_bfloat16):
+    FastGelu, in fp32, fp16 and bf16: docs/engine-kernels.md "GELU"); ``"as_exported"`` without it."""
+    if not cfg.model.fuse_gelu:
         return "as_exported"
     return "cpu" if cfg.distributed.device == "cpu" else "engine"
 

@@ -58,10 +58,12 @@ class DistributedConfig(Section):
         "leading axes (bias gradients) as MatMuls with a ones vector, deterministic and fast on CUDA where the "
         "engine's deterministic ReduceSum is slow; false keeps the engine's ReduceSum (docs/mixed-precision.md).",
     )
-    allreduce_dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32",
+    allreduce_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
         description="Element type of the NCCL gradient all-reduce on device cuda: float16/bfloat16 halve the bytes "
-        "sent (gradients pre-scaled by 1/ranks, summed in that type, back to float32); docs/mixed-precision.md.",
+        "sent (gradients pre-scaled by 1/ranks, summed in that type, back to float32); auto: float16 for fp16 mixed "
+        "precision on several data-parallel GPU ranks (as fp16 training in DeepSpeed and Megatron-LM reduces), "
+        "float32 otherwise (bf16 included); docs/mixed-precision.md.",
     )
     exchange_bucket_mb: float = Field(
         0.0, ge=0,

@@ -67,6 +67,18 @@ class RunConfig(Section):
     def export_path(self) -> Path:
         return self.export.path or self.output_dir / "export" / "model.onnx"
 
+    def gradient_allreduce_dtype(self, data_parallel_ranks: int) -> str:
+        """``distributed.allreduce_dtype`` resolved for ``data_parallel_ranks`` NCCL ranks: ``auto`` is float16 for
+        fp16 mixed precision where the half-precision exchange applies (GPU ranks, the data-parallel NCCL all-reduce,
+        more than one rank), float32 otherwise; one rank reduces nothing, so it keeps float32 whatever is set."""
+        dist, prec = self.distributed, self.precision
+        if data_parallel_ranks <= 1:
+            return "float32"
+        if dist.allreduce_dtype != "auto":
+            return dist.allreduce_dtype
+        fp16 = prec.use_mixed_precision and not prec.use_bfloat16
+        return "float16" if fp16 and dist.device == "cuda" and dist.use_nccl and not _others(dist) else "float32"
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         problems = _cross_field_problems(self)
@@ -164,9 +176,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.enable_adasum and dist.zero_stage:
         problems.append("distributed.enable_adasum combines whole per-rank updates: use zero_stage 0 with it")
-    split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
-    others = dist.zero_stage or dist.enable_adasum or split
-    if dist.allreduce_dtype != "float32" and (dist.device != "cuda" or others):
+    if dist.allreduce_dtype not in ("auto", "float32") and (dist.device != "cuda" or _others(dist)):
         problems.append(
             f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the data-parallel NCCL all-reduce "
             "of GPU ranks only (device cuda, use_nccl, zero_stage 0, no Adasum, no pipeline or tensor parallelism; "
@@ -219,3 +229,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"update(s): the rate would never reach its peak; use fewer warm-up steps or train longer"
         )
     return problems
+
+
+def _others(dist) -> bool:
+    """Whether the exchange is something else than the data-parallel all-reduce (ZeRO-1, Adasum, pp or hp groups)."""
+    split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
+    return bool(dist.zero_stage or dist.enable_adasum or split)

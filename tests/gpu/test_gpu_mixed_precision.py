@@ -176,6 +176,7 @@ def test_injected_overflow_skips_that_update_on_both_ranks_halves_the_scale_and_
     cfg = _make(tmp_path, "overflow", "fp16", ranks=2, steps=30, checkpoint={"period": 1},
                 precision={"loss_scale_growth_interval": 8, "initial_loss_scale": 2.0**10})
     log = _run(cfg, 2, str(HERE / "overflow_rank.py"), "10")
+    assert "gradient all-reduce in float16" in log  # allreduce_dtype auto: fp16 on several GPU ranks
     seen, progress = _digests(log), _progress(log)
     assert all(seen[(0, s)] == seen[(1, s)] for s in range(1, 31))  # the ranks stay bitwise identical throughout
     assert seen[(0, 10)] == seen[(0, 9)]  # update 10 was skipped on every rank: parameters unchanged

@@ -72,7 +72,7 @@ def test_half_allreduce_keeps_two_ranks_identical_and_follows_the_float32_exchan
                                                                                     tolerance):  # fmt: skip
     steps = 60
     settings = dict(ranks=2, steps=steps, checkpoint={"period": 10}, precision=SCALE if precision == "fp16" else {})
-    reference = _make(tmp_path, "f32", precision, **settings)
+    reference = _make(tmp_path, "f32", precision, distributed={"allreduce_dtype": "float32"}, **settings)
     half = _make(tmp_path, "half", precision, distributed={"allreduce_dtype": dtype}, **settings)
     log = _run(half, 2)
     assert f"gradient all-reduce in {dtype}" in log
@@ -109,7 +109,7 @@ def test_packed_float32_allreduce_gives_the_bits_of_one_nccl_call_per_gradient(t
     exchange (one buffer, one call) must give bitwise the parameters of one call per gradient, on both ranks."""
     from ortflow.trainer.comm.nccl import PACKED_ENV
 
-    steps, settings = 20, dict(ranks=2, steps=20, checkpoint={"period": 5},
+    steps, settings = 20, dict(ranks=2, steps=20, checkpoint={"period": 5}, distributed={"allreduce_dtype": "float32"},
                                precision=SCALE if precision == "fp16" else {})  # fmt: skip
     runs = {}
     for packed in ("0", "1"):

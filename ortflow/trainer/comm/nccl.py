@@ -130,21 +130,22 @@ class NCCLComm:
         self._scalars.set(host, stream=stream)
         average = divisor == self.size  # NCCL divides while it reduces: no extra pass over the gradients
         op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
-        packed = self._packed
+        packed = self._packed if self.size > 1 else None  # one rank: nothing to reduce, only the scale and norm
         # fp16/bf16: pre-scaled by 1/ranks and summed; float32: copied as is, the per-tensor path's op
         flat = packed and packed.pack(table, grads, self._blocks(table), 1.0 / self.size if packed.half else 1.0,
                                       stream)
-        nccl.groupStart()
-        if flat:  # one packed buffer (comm/packed_allreduce.py)
-            flat_op = nccl.NCCL_SUM if packed.half else op
-            self.comm.allReduce(flat[0], flat[0], flat[1], packed.nccl_type, flat_op, stream.ptr)
-        else:
-            for grad in grads:
-                self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
-        if n:  # a pipeline stage's exchange carries no scalars (they go through the world's MPI all-reduce)
-            self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
-                                stream.ptr)
-        nccl.groupEnd()
+        if self.size > 1:
+            nccl.groupStart()
+            if flat:  # one packed buffer (comm/packed_allreduce.py)
+                flat_op = nccl.NCCL_SUM if packed.half else op
+                self.comm.allReduce(flat[0], flat[0], flat[1], packed.nccl_type, flat_op, stream.ptr)
+            else:
+                for grad in grads:
+                    self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
+            if n:  # a pipeline stage's exchange carries no scalars (they go through the world's MPI all-reduce)
+                self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64,
+                                    nccl.NCCL_SUM, stream.ptr)
+            nccl.groupEnd()
         partials = self._partials(table)
         if flat:  # back into the fp32 buffers times what remains of 1 / divisor, with the norm's partial sums
             post = self.size / divisor if packed.half else 1.0 if average else 1.0 / divisor
