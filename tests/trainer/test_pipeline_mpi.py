@@ -164,8 +164,12 @@ def test_two_stages_by_two_replicas_match_and_replicas_are_bitwise_identical(tmp
     assert seen[(0, 2)] == seen[(2, 2)] and seen[(1, 2)] == seen[(3, 2)] and seen[(0, 2)] != seen[(1, 2)]
 
 
-PP2 = {"distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}, "train": {**TRAIN, "evaluation_period": 0},
-       "checkpoint": {"period": 1, "max_num_checkpoints": 10}}
+# 20 updates, a checkpoint after each: enough that the kill below lands mid-run even when the poll is slow (with 4
+# the run could finish between two polls on a loaded machine).
+PP2_UPDATES = 20
+PP2 = {"distributed": {"num_ranks": 2, "pipeline_parallel_size": 2},
+       "train": {**TRAIN, "num_train_steps": 2 * PP2_UPDATES, "evaluation_period": 0},
+       "checkpoint": {"period": 1, "max_num_checkpoints": PP2_UPDATES + 1}}
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +185,7 @@ def straight(tmp_path_factory):
 def test_kill_and_resume_is_bitwise_identical(tmp_path, straight):
     resumed = make_text_run(straight.output_dir.parent, "resumed", **PP2)
     done = kill_after_first_checkpoint(resumed)
-    assert done and done[-1] < 4, done
+    assert done and done[-1] < PP2_UPDATES, done
     out = run_ranks(resumed)
     assert out.returncode == 0, out.stdout
     assert f"starting from step {done[-1]}" in out.stdout
