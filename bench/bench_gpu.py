@@ -216,9 +216,9 @@ def grads(args: argparse.Namespace) -> None:
     def pack16():  # the fp16 pack and unpack alone
         half = comms["half16"]
         table = half._tensor_table(bufs)
-        partials, blocks = half._partials(table), half._blocks(table)
-        half._packed.pack(table, bufs, blocks, 1.0, half.stream)
-        half._packed.unpack(table, bufs, blocks, 1.0, partials, half.stream)
+        partials = half._partials(table)
+        half._packed.pack(table, 1.0, half.stream)
+        half._packed.unpack(table, 1.0, partials, half.stream)
         half.stream.synchronize()
 
     def host():  # the exchange's host steps without its kernels: the waits, the scalars in and out, the tables

@@ -12,3 +12,8 @@ __device__ double block_sum(double acc) {
     }
     return part[0];
 }
+// The end of the chunk that starts at ``start`` in a tensor of ``n`` elements (the multi-tensor chunk tables of
+// nccl.py: every chunk ``chunk`` elements long but a tensor's last).
+__device__ __forceinline__ long long chunk_end(long long start, long long chunk, long long n) {
+    return start + chunk < n ? start + chunk : n;
+}

@@ -1,18 +1,21 @@
-// Multi-tensor kernels launched by nccl.py: one launch for a whole list of tensors, blockIdx.y picks the tensor.
-// block_sum (comm/block_sum.cu) is prepended by nccl.py.
-extern "C" __global__ void sum_squares(const unsigned long long* ptrs, const long long* counts, double* out) {
-    const float* x = (const float*)ptrs[blockIdx.y];
-    long long n = counts[blockIdx.y];
+// Multi-tensor kernels launched by nccl.py: one launch for a whole list of tensors, cut into chunks of equal size
+// (the last chunk of a tensor shorter): block b handles elements [chunk_start[b], chunk_start[b] + chunk) of tensor
+// chunk_tensor[b]. One block per chunk, so no block idles on a small tensor, and one partial sum per chunk.
+// block_sum and chunk_end (comm/block_sum.cu) are prepended by nccl.py.
+extern "C" __global__ void sum_squares(const unsigned long long* ptrs, const long long* counts, const int* chunk_tensor,
+                                       const long long* chunk_start, long long chunk, double* out) {
+    const int t = chunk_tensor[blockIdx.x];
+    const float* x = (const float*)ptrs[t];
+    const long long start = chunk_start[blockIdx.x], end = chunk_end(start, chunk, counts[t]);
     double acc = 0.0;
-    long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
         double v = x[i];
         acc += v * v;
     }
-    // One partial per block, summed in a fixed order by sum_in_order: an atomicAdd here would make the norm (and so
+    // One partial per chunk, summed in a fixed order by sum_in_order: an atomicAdd here would make the norm (and so
     // the clipping factor) depend on block timing and differ between ranks in the last bits.
     double total = block_sum(acc);
-    if (threadIdx.x == 0) out[blockIdx.y * gridDim.x + blockIdx.x] = total;
+    if (threadIdx.x == 0) out[blockIdx.x] = total;
 }
 extern "C" __global__ void sum_in_order(const double* parts, long long n, double* out) {
     // One block of 256 threads: each thread sums a fixed strided share, then a fixed tree: the same order every time.
@@ -21,9 +24,10 @@ extern "C" __global__ void sum_in_order(const double* parts, long long n, double
     double total = block_sum(acc);
     if (threadIdx.x == 0) *out = total;
 }
-extern "C" __global__ void scale(const unsigned long long* ptrs, const long long* counts, float factor) {
-    float* x = (float*)ptrs[blockIdx.y];
-    long long n = counts[blockIdx.y];
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] *= factor;
+extern "C" __global__ void scale(const unsigned long long* ptrs, const long long* counts, const int* chunk_tensor,
+                                 const long long* chunk_start, long long chunk, float factor) {
+    const int t = chunk_tensor[blockIdx.x];
+    float* x = (float*)ptrs[t];
+    const long long start = chunk_start[blockIdx.x], end = chunk_end(start, chunk, counts[t]);
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) x[i] *= factor;
 }

@@ -24,8 +24,36 @@ class DeviceBuffer:
     name: str = ""
 
 
-#: One launch for a whole list of tensors (like llm.c's and apex's multi-tensor kernels): blockIdx.y picks the tensor.
+#: One launch for a whole list of tensors (like apex's multi-tensor kernels): one block per chunk of a tensor.
 _MULTI_TENSOR_SRC = BLOCK_SUM_SRC + (Path(__file__).parent / "multi_tensor.cu").read_text()
+#: Elements per block of the multi-tensor launches (multi_tensor.cu, packed_allreduce.cu): 64 per thread.
+CHUNK = 16384
+
+
+class TensorTable:
+    """The device tables of one multi-tensor launch over a list of device buffers: each buffer's address and count,
+    and the chunks (tensor index, first element) that the launch's blocks take, one each, in a fixed order; the norm's
+    partial sums come one per chunk, summed in that order.
+
+    Args:
+        cupy: The cupy module.
+        key: ``(device address, element count)`` of each buffer, in order.
+    """
+
+    def __init__(self, cupy, key: tuple):
+        self.key = key
+        counts = np.array([c for _, c in key], dtype=np.int64)
+        per = np.maximum(1, -(-counts // CHUNK))  # an empty tensor gets one (empty) chunk: every partial is written
+        tensor = np.repeat(np.arange(len(key), dtype=np.int32), per)
+        first = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
+        start = (np.arange(int(per.sum()), dtype=np.int64) - np.repeat(first, per)) * CHUNK
+        self.chunks = int(per.sum())
+        self.offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # a packed buffer's layout
+        self.total = int(counts.sum())
+        self.ptrs = cupy.asarray(np.array([p for p, _ in key], dtype=np.uint64))
+        self.counts = cupy.asarray(counts)
+        #: The leading kernel arguments of every multi-tensor launch (multi_tensor.cu's order).
+        self.args = (self.ptrs, self.counts, cupy.asarray(tensor), cupy.asarray(start), np.int64(CHUNK))
 
 
 class NCCLComm:
@@ -84,7 +112,7 @@ class NCCLComm:
                 "install the `cuda` extra (cupy with its [ctk] libraries) or set CUDA_PATH to a CUDA toolkit"
             ) from None
         self._scalars = cupy.zeros(8, dtype=cupy.float64)  # [scalars..., sum of squares]
-        self._table: tuple | None = None
+        self._table: TensorTable | None = None
         self._parts = None  # per-block partial sums of squares
         self._host: np.ndarray | None = None
         self._device_flat = None
@@ -92,30 +120,20 @@ class NCCLComm:
         self._closed = False
 
     # -- the gradient path ----------------------------------------------------------------------------------------
-    def _tensor_table(self, grads: Sequence[DeviceBuffer]) -> tuple:
-        cp = self._cp
+    def _tensor_table(self, grads: Sequence[DeviceBuffer]) -> TensorTable:
         key = tuple((g.ptr, g.count) for g in grads)
-        if self._table is None or self._table[0] != key:
-            ptrs = cp.asarray(np.array([g.ptr for g in grads], dtype=np.uint64))
-            counts = cp.asarray(np.array([g.count for g in grads], dtype=np.int64))
-            self._table = (key, ptrs, counts, max(g.count for g in grads))
+        if self._table is None or self._table.key != key:
+            self._table = TensorTable(self._cp, key)
         return self._table
 
-    @staticmethod
-    def _blocks(table: tuple) -> int:
-        return int(min(max(1, -(-table[3] // 256)), 1024))
-
-    def _partials(self, table: tuple):
-        size = self._blocks(table) * len(table[0])
-        if self._parts is None or self._parts.size != size:
-            self._parts = self._cp.zeros(size, dtype=self._cp.float64)
+    def _partials(self, table: TensorTable):
+        if self._parts is None or self._parts.size != table.chunks:
+            self._parts = self._cp.zeros(table.chunks, dtype=self._cp.float64)
         return self._parts
 
-    def _launch(self, kernel, table: tuple, *args) -> None:
-        _, ptrs, counts, largest = table
-        blocks = self._blocks(table)
+    def _launch(self, kernel, table: TensorTable, *args) -> None:
         with self.stream:
-            kernel((blocks, len(table[0])), (256,), (ptrs, counts, *args))
+            kernel((table.chunks,), (256,), (*table.args, *args))
 
     def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
         if grads and isinstance(grads[0], np.ndarray):
@@ -132,8 +150,7 @@ class NCCLComm:
         op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
         packed = self._packed if self.size > 1 else None  # one rank: nothing to reduce, only the scale and norm
         # fp16/bf16: pre-scaled by 1/ranks and summed; float32: copied as is, the per-tensor path's op
-        flat = packed and packed.pack(table, grads, self._blocks(table), 1.0 / self.size if packed.half else 1.0,
-                                      stream)
+        flat = packed and packed.pack(table, 1.0 / self.size if packed.half else 1.0, stream)
         if self.size > 1:
             nccl.groupStart()
             if flat:  # one packed buffer (comm/packed_allreduce.py)
@@ -149,7 +166,7 @@ class NCCLComm:
         partials = self._partials(table)
         if flat:  # back into the fp32 buffers times what remains of 1 / divisor, with the norm's partial sums
             post = self.size / divisor if packed.half else 1.0 if average else 1.0 / divisor
-            packed.unpack(table, grads, self._blocks(table), post, partials, stream)
+            packed.unpack(table, post, partials, stream)
         else:
             if not average:
                 self._launch(self._scale, table, np.float32(1.0 / divisor))

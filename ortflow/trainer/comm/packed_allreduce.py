@@ -29,7 +29,6 @@ and the sum rounded again, instead of the float32 average's one rounding (docs/m
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,33 +64,29 @@ class PackedAllReduce:
         if self.half:
             log.info("gradient all-reduce in %s, pre-scaled by 1/ranks (distributed.allreduce_dtype)", dtype)
         self._flat = None
-        self._offsets: tuple | None = None
+        self._key: tuple | None = None
+        self._offsets = None
 
-    def _layout(self, grads: Sequence) -> tuple:
-        """(key, device offsets, total) of the packed buffer for these gradient buffers (made once)."""
-        key = tuple((g.ptr, g.count) for g in grads)
-        if self._offsets is None or self._offsets[0] != key:
-            counts = np.array([g.count for g in grads], dtype=np.int64)
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            self._offsets = (key, self._cp.asarray(starts), int(counts.sum()))
+    def _layout(self, table) -> None:
+        """The packed buffer and the device offsets of its tensors, made once per gradient list."""
+        if self._key != table.key:
+            self._offsets = self._cp.asarray(table.offsets)
             kind = self._cp.uint16 if self.half else self._cp.float32
-            self._flat = self._cp.empty(max(1, self._offsets[2]), dtype=kind)
-        return self._offsets
+            self._flat = self._cp.empty(max(1, table.total), dtype=kind)
+            self._key = table.key
 
-    def pack(self, table: tuple, grads: Sequence, blocks: int, pre: float, stream) -> tuple[int, int]:
+    def pack(self, table, pre: float, stream) -> tuple[int, int]:
         """Launch the pack (times ``pre``) on ``stream``; returns (device address, element count) of the buffer to
-        all-reduce."""
-        _, offsets, total = self._layout(grads)
-        _, ptrs, counts, _ = table
-        args = (ptrs, counts, offsets, self._flat, np.float32(pre)) + ((self._bf16,) if self.half else ())
+        all-reduce. ``table``: the gradients' :class:`~ortflow.trainer.comm.nccl.TensorTable`."""
+        self._layout(table)
+        args = (*table.args, self._offsets, self._flat, np.float32(pre)) + ((self._bf16,) if self.half else ())
         with stream:
-            self._pack((blocks, len(grads)), (_THREADS,), args)
-        return self._flat.data.ptr, total
+            self._pack((table.chunks,), (_THREADS,), args)
+        return self._flat.data.ptr, table.total
 
-    def unpack(self, table: tuple, grads: Sequence, blocks: int, post: float, partials, stream) -> None:
-        """Launch the unpack (times ``post``) and the per-block sums of squares into ``partials`` on ``stream``."""
-        _, offsets, _ = self._layout(grads)
-        _, ptrs, counts, _ = table
-        args = (ptrs, counts, offsets, self._flat, np.float32(post)) + ((self._bf16,) if self.half else ())
+    def unpack(self, table, post: float, partials, stream) -> None:
+        """Launch the unpack (times ``post``) and the per-chunk sums of squares into ``partials`` on ``stream``."""
+        self._layout(table)
+        args = (*table.args, self._offsets, self._flat, np.float32(post)) + ((self._bf16,) if self.half else ())
         with stream:
-            self._unpack((blocks, len(grads)), (_THREADS,), (*args, partials))
+            self._unpack((table.chunks,), (_THREADS,), (*args, partials))
