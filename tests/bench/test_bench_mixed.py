@@ -31,3 +31,24 @@ def test_bf16_variants_fuse_the_gelu_in_the_type_they_name_and_move_softmax(tmp_
                       ("SoftmaxGrad_13", "FLOAT"): 2}
     assert softmax16 == {("Gelu", "FLOAT"): 2, ("GeluGrad", "FLOAT"): 2, ("Softmax", "BFLOAT16"): 2,
                          ("SoftmaxGrad_13", "BFLOAT16"): 2}
+
+
+def test_variant_suffixes_combine_config_sections_and_the_packed_switch():
+    base, settings = bench_mixed.variant("fp16-allreduce32-packed")
+    assert base == "fp16"
+    assert settings["distributed"] == {"allreduce_dtype": "float32"}
+    assert settings["env"] == {"ORTFLOW_PACKED_ALLREDUCE": "1"}
+
+
+def test_markov_tokens_follow_the_fixed_chain_on_every_rank():
+    import numpy as np
+
+    vocab = 64
+    successors = np.random.default_rng(0).integers(0, vocab, (vocab, bench_mixed.MARKOV_P.size))
+    for rank in (0, 1):  # each rank draws its own sequences from the same chain
+        tokens = bench_mixed._markov(np.random.default_rng(rank), vocab, 8, 33)
+        for prev, nxt in zip(tokens[:, :-1].ravel(), tokens[:, 1:].ravel(), strict=True):
+            assert nxt in successors[prev]
+    a = bench_mixed._markov(np.random.default_rng(0), vocab, 8, 33)
+    b = bench_mixed._markov(np.random.default_rng(1), vocab, 8, 33)
+    assert not np.array_equal(a, b)

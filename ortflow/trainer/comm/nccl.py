@@ -113,7 +113,7 @@ class NCCLComm:
             ) from None
         self._scalars = cupy.zeros(8, dtype=cupy.float64)  # [scalars..., sum of squares]
         self._table: TensorTable | None = None
-        self._parts = None  # per-block partial sums of squares
+        self._parts = None  # per-chunk partial sums of squares
         self._host: np.ndarray | None = None
         self._device_flat = None
         self._norm_sq = 0.0

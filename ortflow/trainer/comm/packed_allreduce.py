@@ -19,7 +19,7 @@ type:
 2. ``ncclAllReduce`` sums that buffer in place (``ncclFloat16``/``ncclBfloat16``); every rank receives the same bits
    (each element is reduced once and broadcast), so the ranks stay bitwise identical;
 3. one launch unpacks into the float32 buffers times ``ranks / divisor`` (the micro-batches and the loss scale:
-   powers of two, exact) and writes each block's sum of squares, from which the norm is summed in a fixed order as
+   powers of two, exact) and writes each chunk's sum of squares, from which the norm is summed in a fixed order as
    in the float32 path (one read of the gradients fewer).
 
 What it costs in accuracy: each rank's gradient is rounded to 11 (fp16) or 8 (bf16) significant bits before the sum,
