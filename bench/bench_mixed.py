@@ -42,7 +42,8 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
 #: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
 #: all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
-#: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); the float32
+#: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); the attention Softmax in the
+#: compute type, the rest of the default fp32 list kept (``-smx16``); the float32
 #: all-reduce packed into one buffer or one NCCL call per gradient (``env``: set by ``steps``). Keys are config
 #: sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
@@ -53,13 +54,14 @@ VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-nofuse": {"model": {"fuse_gelu": False}},
             "-zero1": {"distributed": {"zero_stage": 1}},
             "-gelu32": {"patch": {"gelu": "fp32"}},
+            "-smx16": {"precision": {"fp32_ops_without": ["Softmax"]}},
             "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}},
             "-tensors": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "0"}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
     """(base precision, {section: settings}) of a precision name such as ``fp16-plainreduce``."""
-    settings, base = {"distributed": {}, "model": {}, "patch": {}, "env": {}}, name
+    settings, base = {"distributed": {}, "model": {}, "patch": {}, "env": {}, "precision": {}}, name
     while any(base.endswith(suffix) for suffix in VARIANTS):
         suffix = next(s for s in VARIANTS if base.endswith(s))
         for section, values in VARIANTS[suffix].items():
@@ -118,8 +120,19 @@ def _configure(configure, config_from_dict, root, name, model, batch, device, cu
         "train": {"batch_size": batch, "num_train_steps": 100},
         "optimizer": {"name": "adamw", "learning_rate": 1e-4},
         "distributed": {"num_ranks": 1, "device": device, "use_nccl": cuda, **variant_settings["distributed"]},
-        "precision": PRECISIONS[base],
+        "precision": _precision(base, variant_settings["precision"]),
     }))  # fmt: skip
+
+
+def _precision(base: str, changes: dict) -> dict:
+    """The precision section of ``base`` with a variant's changes (``fp32_ops_without``: the default fp32 list less
+    those ops)."""
+    from ortflow.graph.autocast import DEFAULT_FP32_OPS
+
+    section = {**PRECISIONS[base], **{k: v for k, v in changes.items() if k != "fp32_ops_without"}}
+    if changes.get("fp32_ops_without"):
+        section["fp32_ops"] = [op for op in DEFAULT_FP32_OPS if op not in changes["fp32_ops_without"]]
+    return section
 
 
 def steps(args: argparse.Namespace) -> None:
@@ -266,7 +279,7 @@ _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engin
                   "-allreduce16": "fp16 all-reduce", "-allreduce32": "fp32 all-reduce",
                   "-allreducebf16": "bf16 all-reduce",
                   "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1", "-gelu32": "fused GELU in fp32",
-                  "-packed": "packed fp32 all-reduce",
+                  "-smx16": "Softmax in the compute type", "-packed": "packed fp32 all-reduce",
                   "-tensors": "fp32 all-reduce per tensor"}
 
 

@@ -52,3 +52,17 @@ def test_markov_tokens_follow_the_fixed_chain_on_every_rank():
     a = bench_mixed._markov(np.random.default_rng(0), vocab, 8, 33)
     b = bench_mixed._markov(np.random.default_rng(1), vocab, 8, 33)
     assert not np.array_equal(a, b)
+
+
+def test_softmax_variant_moves_only_the_softmax_to_the_compute_type(tmp_path):
+    from ortflow.graph.autocast import DEFAULT_FP32_OPS
+
+    base, settings = bench_mixed.variant("bf16-smx16")
+    section = bench_mixed._precision(base, settings["precision"])
+    assert section["use_bfloat16"] and section["fp32_ops"] == [op for op in DEFAULT_FP32_OPS if op != "Softmax"]
+    names = "bf16,bf16-smx16"
+    bench_mixed.main(["prepare", str(tmp_path), "--precisions", names, "--shape", "tiny", "--device", "cuda"])
+    plain, smx16 = (_half_ops(tmp_path / name) for name in names.split(","))
+    assert plain[("Softmax", "FLOAT")] == 2
+    assert smx16 == {("Gelu", "BFLOAT16"): 2, ("GeluGrad", "BFLOAT16"): 2, ("Softmax", "BFLOAT16"): 2,
+                     ("SoftmaxGrad_13", "BFLOAT16"): 2}
