@@ -37,6 +37,7 @@ from ortflow.checkpoints.folder import (
     meta_digest,
     step_dirname,
 )
+from ortflow.processes import process_alive
 
 log = logging.getLogger("ortflow.checkpoints")
 
@@ -92,19 +93,6 @@ def _fsync_dir(path: Path) -> None:
         _fsync_file(path)
     except OSError:
         pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) writes nothing more
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class CheckpointManager:
@@ -195,7 +183,7 @@ class CheckpointManager:
             pid_text = child.name.rsplit("-", 1)[-1]
             pid = int(pid_text) if pid_text.isdigit() else None
             # Our own pid (or token) cannot belong to a live writer: this manager has not written yet.
-            if pid is None or pid in (os.getpid(), self._token) or not _pid_alive(pid):
+            if pid is None or pid in (os.getpid(), self._token) or not process_alive(pid):
                 if self._restore_replaced(child):
                     continue
                 shutil.rmtree(child, ignore_errors=True)

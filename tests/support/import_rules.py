@@ -13,7 +13,7 @@ LAYERS: dict[str, set[str]] = {
     "config": set(),
     "graph": {"config"},
     "dataprep": {"config"},
-    "checkpoints": {"config"},
+    "checkpoints": {"config", "processes"},
     "build": {"config", "graph", "checkpoints", "engine"},
     "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus"},
     "launch": {"config", "processes", "gpus"},
