@@ -11,11 +11,12 @@ Stages (run in this order on a 2-GPU machine, they write ``bench/results/gpu.{js
   all-reduce on the same buffers, at 16 MB, 256 MB and 1 GB.
 * ``grads HEARTBEATS`` under mpiexec: the gradient exchange on buffers shaped like the mixed-precision bench GPT's
   gradients (one allocation per tensor, as the engine's): ``NCCLComm.average_gradients`` one NCCL call per tensor in
-  one group (``tensors32``), packed into one float32 buffer (``packed32``), in fp16 (``half16``), against one bare
-  all-reduce of the same bytes (``bare32``, ``bare16``); and their parts: the host time to enqueue the per-tensor
-  group (``enqueue32``), that group alone (``group32``), the norm's launches (``norm32``), the fp16 pack and unpack
-  (``pack16``), the host steps without kernels (``host``). Interleaved rounds, a barrier before every call; prints
-  one JSON line.
+  one group (``tensors32``), packed into one float32 buffer (``packed32``), in fp16 (``half16``), each also in
+  buckets of ``--bucket-mb`` MB (``half16-b32``: NCCL reduces a bucket while the GPU packs and unpacks the others),
+  against one bare all-reduce of the same bytes (``bare32``, ``bare16``); and their parts: the host time to enqueue
+  the per-tensor group (``enqueue32``), that group alone (``group32``), the norm's launches (``norm32``), the fp16
+  pack and unpack (``pack16``), the host steps without kernels (``host``). Interleaved rounds, a barrier before every
+  call; prints one JSON line.
 * ``ddp`` under ``torch.distributed.run`` (the machine's own PyTorch): ``bench.torch_gpt.GPT`` of the same shape.
 * ``equivalence C1 C2 LOG``: final parameters of the two equivalence runs and the per-rank sha256 lines of C2's log.
 * ``report DIR``: collects the JSON files into ``gpu.json`` and ``gpu.md``.
@@ -169,6 +170,10 @@ def grads(args: argparse.Namespace) -> None:
     counts = [int(np.prod(t.dims)) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     comms = {"tensors32": NCCLComm(group, group.local_rank), "packed32": NCCLComm(group, group.local_rank, packed=True),
              "half16": NCCLComm(group, group.local_rank, "float16")}
+    for mb in args.bucket_mb:  # the bucketed exchange (distributed.nccl_bucket_mb): NCCL overlaps the GPU's passes
+        comms[f"tensors32-b{mb:g}"] = NCCLComm(group, group.local_rank, bucket_mb=mb)
+        comms[f"packed32-b{mb:g}"] = NCCLComm(group, group.local_rank, packed=True, bucket_mb=mb)
+        comms[f"half16-b{mb:g}"] = NCCLComm(group, group.local_rank, "float16", bucket_mb=mb)
     tensors32 = comms["tensors32"]
     stream, size = tensors32.stream, group.size
     rng = np.random.default_rng(group.rank)
@@ -217,8 +222,9 @@ def grads(args: argparse.Namespace) -> None:
         half = comms["half16"]
         table = half._tensor_table(bufs)
         partials = half._partials(table)
-        half._packed.pack(table, 1.0, half.stream)
-        half._packed.unpack(table, 1.0, partials, half.stream)
+        whole = table.buckets(0)[0]
+        half._packed.pack(table, 1.0, half.stream, whole)
+        half._packed.unpack(table, 1.0, partials, half.stream, whole)
         half.stream.synchronize()
 
     def host():  # the exchange's host steps without its kernels: the waits, the scalars in and out, the tables
@@ -356,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--rounds", type=int, default=3)
     g.add_argument("--calls", type=int, default=20)
     g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--bucket-mb", type=lambda v: [float(x) for x in v.split(",") if x], default=[64.0, 32.0, 16.0],
+                   help="bucket sizes of the bucketed variants, comma-separated (default 64,32,16)")
     e = sub.add_parser("equivalence")
     for name in ("one", "two", "log"):
         e.add_argument(name)

@@ -44,8 +44,8 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
 #: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); the attention Softmax in the
 #: compute type, the rest of the default fp32 list kept (``-smx16``); the float32
-#: all-reduce packed into one buffer (``env``: set by ``steps``). Keys are config
-#: sections.
+#: all-reduce packed into one buffer (``env``: set by ``steps``); the NCCL exchange in one bucket (``-b0``) or
+#: buckets of 16 or 64 MB (``-b16``, ``-b64``; distributed.nccl_bucket_mb). Keys are config sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
             "-allreduce16": {"distributed": {"allreduce_dtype": "float16"}},
@@ -55,7 +55,10 @@ VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-zero1": {"distributed": {"zero_stage": 1}},
             "-gelu32": {"patch": {"gelu": "fp32"}},
             "-smx16": {"precision": {"fp32_ops_without": ["Softmax"]}},
-            "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}}}
+            "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}},
+            "-b0": {"distributed": {"nccl_bucket_mb": 0}},
+            "-b16": {"distributed": {"nccl_bucket_mb": 16}},
+            "-b64": {"distributed": {"nccl_bucket_mb": 64}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -278,7 +281,9 @@ _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engin
                   "-allreduce16": "fp16 all-reduce", "-allreduce32": "fp32 all-reduce",
                   "-allreducebf16": "bf16 all-reduce",
                   "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1", "-gelu32": "fused GELU in fp32",
-                  "-smx16": "Softmax in the compute type", "-packed": "packed fp32 all-reduce"}
+                  "-smx16": "Softmax in the compute type", "-packed": "packed fp32 all-reduce",
+                  "-b0": "exchange in one bucket", "-b16": "exchange in 16 MB buckets",
+                  "-b64": "exchange in 64 MB buckets"}
 
 
 def variant_base(prec: str) -> str:

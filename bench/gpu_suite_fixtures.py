@@ -3,8 +3,9 @@
 * ``configure ROOT MODEL PRECISION``: learnable synthetic data (GPT-2: each next token a fixed function of the
   previous one; BERT: the class is the first token modulo 3), a YAML config, then ``ortflow configure`` and
   ``ortflow prepare-data``, as a user runs them;
-* ``train ROOT MODEL PRECISION``: ``ortflow train`` on one rank; prints one ``RESULT`` line with the first and final
-  logged losses (from the run's progress record) and the seconds taken.
+* ``train ROOT MODEL PRECISION``: ``ortflow train`` on the configured ranks (one by default); prints one ``RESULT``
+  line with the first and final logged losses (from the run's progress record), the element type of the NCCL
+  gradient exchange the ranks logged, and the seconds taken.
 
 Every run of one model sees the same data in the same order, so the final losses of fp32, fp16 and bf16 compare.
 """
@@ -65,7 +66,7 @@ def configure(args: argparse.Namespace) -> None:
         "train": {"batch_size": BATCH, "num_train_steps": args.steps, "display_loss_steps": 10,
                   "evaluation_period": 0},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
-        "distributed": {"num_ranks": 1, "device": args.device, "use_nccl": cuda},
+        "distributed": {"num_ranks": args.ranks, "device": args.device, "use_nccl": cuda},
         "checkpoint": {"period": 0},
         "precision": PRECISION[args.precision] if cuda else {},
     }  # fmt: skip
@@ -89,6 +90,7 @@ def train(args: argparse.Namespace) -> None:
     record = {"kind": "fixture", "model": args.model, "precision": args.precision, "seconds": round(seconds, 1),
               "steps": progress.get("step"), "final_loss": progress.get("loss", losses[-1] if losses else None),
               "first_logged_loss": losses[0] if losses else None, "logged_losses": losses,
+              "exchange": sorted(set(re.findall(r"gradient all-reduce in (\w+)", text))),
               "status": "ok" if out.returncode == 0 else "failed"}  # fmt: skip
     if out.returncode != 0:
         record["error"] = text[-2000:]
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     c, t = sub.choices["configure"], sub.choices["train"]
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     c.add_argument("--steps", type=int, default=60)
+    c.add_argument("--ranks", type=int, default=1, help="data-parallel ranks, one GPU and a batch of 16 each")
     t.add_argument("--ortflow-py", default=sys.executable)
     t.add_argument("--mpiexec", default="mpiexec")
     args = parser.parse_args(argv)

@@ -14,18 +14,22 @@ def test_half_allreduce_is_accepted_on_nccl_gpu_ranks(tmp_path, dtype):
     assert problems_of(tmp_path, *GPU, f"distributed.allreduce_dtype={dtype}") == []
     assert problems_of(tmp_path, *GPU, "precision.use_mixed_precision=true", f"distributed.allreduce_dtype={dtype}",
                        "distributed.num_ranks=2") == []  # fmt: skip
+    assert problems_of(tmp_path, *GPU, f"distributed.allreduce_dtype={dtype}", "distributed.zero_stage=1",
+                       "distributed.num_ranks=2") == []  # ZeRO-1's reduce-scatter sends the half type too
 
 
 @pytest.mark.parametrize("settings", [
     [],  # CPU ranks (MPI)
     ["distributed.use_nccl=true"],  # CPU engine, gradients staged through the GPU
-    [*GPU, "distributed.zero_stage=1", "distributed.num_ranks=2"],
+    [*GPU, "distributed.enable_adasum=true", "distributed.num_ranks=2"],
     [*GPU, "distributed.pipeline_parallel_size=2", "distributed.num_ranks=2"],
+    [*GPU, "distributed.horizontal_parallel_size=2", "distributed.num_ranks=2"],
 ])  # fmt: skip
 def test_half_allreduce_is_refused_where_the_exchange_is_not_the_nccl_all_reduce(tmp_path, settings):
     problems = problems_of(tmp_path, *settings, "distributed.allreduce_dtype=float16")
     (mine,) = [p for p in problems if p.startswith("distributed.allreduce_dtype")]
-    assert "data-parallel NCCL all-reduce of GPU ranks only" in mine and "or allreduce_dtype float32" in mine
+    assert "data-parallel NCCL all-reduce and the ZeRO-1 reduce-scatter of GPU ranks only" in mine
+    assert "or allreduce_dtype float32" in mine
 
 
 def test_unknown_allreduce_dtype_and_the_reduce_switch(tmp_path):
@@ -38,7 +42,8 @@ def test_unknown_allreduce_dtype_and_the_reduce_switch(tmp_path):
     (["precision.use_mixed_precision=true"], 1, "float32"),  # one rank reduces nothing
     (["precision.use_mixed_precision=true", "precision.use_bfloat16=true"], 4, "float32"),  # bf16: 8 bits only
     ([], 4, "float32"),  # fp32 training
-    (["precision.use_mixed_precision=true", "distributed.zero_stage=1"], 4, "float32"),  # reduce-scatter
+    (["precision.use_mixed_precision=true", "distributed.zero_stage=1"], 4, "float16"),  # ZeRO-1's reduce-scatter
+    (["precision.use_mixed_precision=true", "distributed.enable_adasum=true"], 4, "float32"),  # Adasum's tree
     (["precision.use_mixed_precision=true", "distributed.allreduce_dtype=float32"], 4, "float32"),  # told
     (["distributed.allreduce_dtype=bfloat16"], 4, "bfloat16"),
 ])  # fmt: skip

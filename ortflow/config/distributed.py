@@ -65,6 +65,11 @@ class DistributedConfig(Section):
         "precision on several data-parallel GPU ranks (as fp16 training in DeepSpeed and Megatron-LM reduces), "
         "float32 otherwise (bf16 included); docs/mixed-precision.md.",
     )
+    nccl_bucket_mb: float = Field(
+        32.0, ge=0,
+        description="NCCL gradient exchange of GPU ranks in buckets of about this many MB sent: NCCL reduces one "
+        "bucket while the GPU packs the next and unpacks the last, with the norm's sums (docs/gpu.md); 0: one bucket.",
+    )
     exchange_bucket_mb: float = Field(
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "

@@ -179,8 +179,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if dist.allreduce_dtype not in ("auto", "float32") and (dist.device != "cuda" or _others(dist)):
         problems.append(
             f"distributed.allreduce_dtype {dist.allreduce_dtype} is implemented for the data-parallel NCCL all-reduce "
-            "of GPU ranks only (device cuda, use_nccl, zero_stage 0, no Adasum, no pipeline or tensor parallelism; "
-            "MPI and CPU ranks reduce in float32): set those, or allreduce_dtype float32"
+            "and the ZeRO-1 reduce-scatter of GPU ranks only (device cuda, use_nccl, no Adasum, no pipeline or tensor "
+            "parallelism; MPI and CPU ranks reduce in float32): set those, or allreduce_dtype float32"
         )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
@@ -232,6 +232,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
 
 
 def _others(dist) -> bool:
-    """Whether the exchange is something else than the data-parallel all-reduce (ZeRO-1, Adasum, pp or hp groups)."""
+    """Whether the exchange is something else than the data-parallel all-reduce or ZeRO-1's reduce-scatter (Adasum,
+    pp or hp groups)."""
     split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
-    return bool(dist.zero_stage or dist.enable_adasum or split)
+    return bool(dist.enable_adasum or split)

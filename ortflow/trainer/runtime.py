@@ -79,7 +79,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> RankModel
         if device == "cpu":
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size),
-                           cfg.gradient_allreduce_dtype(dims.dp))
+                           cfg.gradient_allreduce_dtype(dims.dp), cfg.distributed.nccl_bucket_mb)
     if dims.pp > 1 and dims.tp > 1:  # pp x hp: a stage's tensor-parallel pieces
         return init_pipe_tensor_runtime(run_dir, cfg, comm, device, dims)
     if dims.tp > 1:  # a tensor-parallel rank: its pieces and process groups

@@ -93,7 +93,8 @@ def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
         value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
         params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
-        exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size)
+        dtype = getattr(comm, "allreduce_dtype", "float32")
+        exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size, dtype)
         segments, ptrs, sums = exchange.segments, exchange.param_ptrs(), exchange.sum_across_ranks
     else:
         adasum = cfg.distributed.enable_adasum and comm.size > 1

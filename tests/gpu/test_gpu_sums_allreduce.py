@@ -1,7 +1,8 @@
-"""The two GPU speed-ups, for real: the training graph's leading-axis sums as MatMuls
-(``distributed.reduce_sum_as_matmul``, ortflow/graph/leading_sums.py) and the NCCL gradient all-reduce in fp16/bf16
-(``distributed.allreduce_dtype``, ortflow/trainer/comm/packed_allreduce.py). Needs the GPU engine, CuPy and 1 or 2
-CUDA GPUs (skipped otherwise); the runs train the small byte-level GPT of test_gpu_mixed_precision.py under mpiexec.
+"""The GPU speed-ups, for real: the training graph's leading-axis sums as MatMuls
+(``distributed.reduce_sum_as_matmul``, ortflow/graph/leading_sums.py), the NCCL gradient all-reduce in fp16/bf16
+(``distributed.allreduce_dtype``, ortflow/trainer/comm/packed_allreduce.py; ZeRO-1's reduce-scatter too), and the
+bucketed exchange (``distributed.nccl_bucket_mb``, ortflow/trainer/comm/nccl.py). Needs the GPU engine, CuPy and 1 or
+2 CUDA GPUs (skipped otherwise); the runs train the small byte-level GPT of test_gpu_mixed_precision.py under mpiexec.
 
 Tolerances (loss means over windows of 10 updates, same batches in both runs):
 
@@ -19,6 +20,8 @@ overflow in the first updates, and where runs skip different updates the curves 
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnx
@@ -89,9 +92,11 @@ def test_half_allreduce_keeps_two_ranks_identical_and_follows_the_float32_exchan
 
 
 @two_gpus
-def test_overflow_through_the_fp16_allreduce_skips_that_update_on_both_ranks(tmp_path):
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_overflow_through_the_fp16_allreduce_skips_that_update_on_both_ranks(tmp_path, zero_stage):
     cfg = _make(tmp_path, "overflow16", "fp16", ranks=2, steps=20, checkpoint={"period": 1},
-                precision={"loss_scale_growth_interval": 100, **SCALE}, distributed={"allreduce_dtype": "float16"})
+                precision={"loss_scale_growth_interval": 100, **SCALE},
+                distributed={"allreduce_dtype": "float16", "zero_stage": zero_stage})
     log = _run(cfg, 2, str(HERE / "overflow_rank.py"), "10")  # update 10 fed a loss scale of 2**100
     seen, progress = _digests(log), _progress(log)
     assert all(seen[(0, s)] == seen[(1, s)] for s in range(1, 21))
@@ -118,3 +123,48 @@ def test_packed_float32_allreduce_gives_the_bits_of_one_nccl_call_per_gradient(t
     assert set(range(5, steps + 1, 5)) <= {s for _, s in runs["1"]}
     assert runs["0"] == runs["1"]
     assert runs["1"][(0, 5)] != runs["1"][(0, 10)]  # the parameters moved
+
+
+@two_gpus
+@pytest.mark.parametrize(("precision", "packed"), [("fp32", "0"), ("fp32", "1"), ("fp16", "0")])
+def test_bucketed_exchange_gives_the_bits_of_one_bucket_on_both_ranks(tmp_path, monkeypatch, precision, packed):
+    """At 2 ranks every element's sum is a + b wherever a bucket cuts the gradients, and the norm's partial sums are
+    per chunk whatever the buckets: NCCL reducing one bucket while the GPU packs, unpacks (or scales) and sums the
+    others must give bitwise the parameters of one bucket, on both ranks, with clipping active. fp32 runs one NCCL
+    call per gradient piece (and, packed, one per bucket of the float32 buffer); fp16 the fp16 buffer."""
+    from ortflow.trainer.comm.nccl import PACKED_ENV
+
+    monkeypatch.setenv(PACKED_ENV, packed)
+    runs, logs = {}, {}
+    for mb in (0.0, 0.05):  # one bucket; buckets of 50 KB sent (the model's gradients are about 0.5 MB)
+        cfg = _make(tmp_path, f"b{mb:g}", precision, ranks=2, steps=20, checkpoint={"period": 5},
+                    distributed={"nccl_bucket_mb": mb}, optimizer={"max_grad_norm": 0.5},
+                    precision=SCALE if precision == "fp16" else {})
+        logs[mb] = _run(cfg, 2)
+        runs[mb] = _digests(logs[mb])
+    assert "gradient exchange in 1 bucket(s)" in logs[0.0]
+    assert int(re.search(r"gradient exchange in (\d+) bucket", logs[0.05]).group(1)) >= 4
+    assert set(range(5, 21, 5)) <= {s for _, s in runs[0.05]}
+    assert all(runs[0.05][(0, s)] == runs[0.05][(1, s)] for s in range(5, 21, 5))  # ranks bitwise identical
+    assert runs[0.0] == runs[0.05]
+    assert runs[0.05][(0, 5)] != runs[0.05][(0, 20)]  # the parameters moved
+    norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", logs[0.05])]
+    assert norms and max(norms) > 0.5  # the norm is logged before clipping: clipping was active
+
+
+@two_gpus
+def test_zero1_reduce_scatter_in_fp16_gives_the_bits_of_the_fp16_all_reduce(tmp_path):
+    """ZeRO-1 with fp16 sends its reduce-scatter in fp16 (``allreduce_dtype: auto``) as ZeRO-0 sends its all-reduce:
+    at 2 ranks each element is h(a/2) + h(b/2) rounded once in both, times 2 / divisor in float32, so without clipping
+    (the norm is summed from the shards in another order) the AdamW update reads the same gradients and both stages
+    give bitwise the same parameters."""
+    runs, logs = {}, {}
+    for stage in (0, 1):
+        cfg = _make(tmp_path, f"z{stage}", "fp16", ranks=2, steps=20, checkpoint={"period": 5},
+                    distributed={"zero_stage": stage}, precision=SCALE)
+        logs[stage] = _run(cfg, 2)
+        runs[stage] = _digests(logs[stage])
+    assert "gradient all-reduce in float16" in logs[0] and "zero-1 reduce-scatter in float16" in logs[1]
+    assert all(runs[1][(0, s)] == runs[1][(1, s)] for s in range(5, 21, 5))
+    assert runs[0] == runs[1]
+    assert runs[1][(0, 5)] != runs[1][(0, 20)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
 from ortflow.trainer.comm.communicator import Communicator, gradient_norm, scale_gradients
 from ortflow.trainer.comm.packed_allreduce import PackedAllReduce
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,49 @@ class TensorTable:
         self.total = int(counts.sum())
         self.ptrs = cupy.asarray(np.array([p for p, _ in key], dtype=np.uint64))
         self.counts = cupy.asarray(counts)
-        #: The leading kernel arguments of every multi-tensor launch (multi_tensor.cu's order).
+        #: The leading kernel arguments of every multi-tensor launch (multi_tensor.cu's order; the first chunk follows).
         self.args = (self.ptrs, self.counts, cupy.asarray(tensor), cupy.asarray(start), np.int64(CHUNK))
+        self._host = (tensor, start)
+
+    def buckets(self, size: int) -> list[Bucket]:
+        """The chunks cut into consecutive buckets of about ``size`` elements each (a cut falls between chunks, so
+        every bucket but the last holds at least ``size``); ``size`` 0 or at least the total: one bucket."""
+        tensor, start = self._host
+        counts = np.array([c for _, c in self.key], dtype=np.int64)
+        lengths = np.minimum(start + CHUNK, counts[tensor]) - start  # elements per chunk
+        ends = np.cumsum(lengths)
+        cuts = [0]
+        while size > 0:  # each bucket ends with the first chunk that brings it to size
+            done = int(ends[cuts[-1] - 1]) if cuts[-1] else 0
+            c = int(np.searchsorted(ends, done + size, side="left")) + 1
+            if c >= self.chunks:
+                break
+            cuts.append(c)
+        cuts.append(self.chunks)
+        out = []
+        for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True):
+            lo = int(self.offsets[tensor[c0]] + start[c0])
+            hi = int(self.offsets[tensor[c1 - 1]] + start[c1 - 1] + lengths[c1 - 1])
+            pieces = []
+            for t in range(int(tensor[c0]), int(tensor[c1 - 1]) + 1):
+                a = max(lo, int(self.offsets[t])) - int(self.offsets[t])
+                b = min(hi, int(self.offsets[t] + counts[t])) - int(self.offsets[t])
+                if b > a:
+                    pieces.append((self.key[t][0] + 4 * a, b - a))
+            out.append(Bucket(c0, c1 - c0, lo, hi, tuple(pieces)))
+        return out
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One step of the bucketed exchange: the chunks ``first .. first + chunks - 1`` of a :class:`TensorTable`, which
+    are the elements ``lo .. hi - 1`` of the packed layout and the (device address, count) ``pieces`` of the tensors."""
+
+    first: int
+    chunks: int
+    lo: int
+    hi: int
+    pieces: tuple[tuple[int, int], ...]
 
 
 class NCCLComm:
@@ -75,10 +119,11 @@ class NCCLComm:
         allreduce_dtype: ``distributed.allreduce_dtype``: float32, or float16/bfloat16 for the device gradients'
             all-reduce (:mod:`ortflow.trainer.comm.packed_allreduce`).
         packed: float32 gradients all-reduced as one packed buffer (``PACKED_ENV``).
+        bucket_mb: ``distributed.nccl_bucket_mb``: the exchange in buckets of about this many MB sent (0: one).
     """
 
     def __init__(self, group: Communicator, device_index: int, allreduce_dtype: str = "float32",
-                 packed: bool = False):
+                 packed: bool = False, bucket_mb: float = 0.0):
         try:
             import cupy
             from cupy.cuda import nccl
@@ -96,7 +141,12 @@ class NCCLComm:
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = group.broadcast(uid, "nccl unique id")
         self.comm = group.watched("nccl init", lambda: nccl.NcclCommunicator(self.size, uid, self.rank))
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # the exchange's kernels and the update
+        self.wire = cupy.cuda.Stream(non_blocking=True)  # the bucketed exchange's NCCL calls
+        self.bucket_mb = bucket_mb
+        self._bucket_key: tuple | None = None
+        self._bucket_list: list[Bucket] = []
+        self._events: list = []
         try:
             module = cupy.RawModule(code=_MULTI_TENSOR_SRC)
             self._sum_squares, self._scale = module.get_function("sum_squares"), module.get_function("scale")
@@ -131,15 +181,34 @@ class NCCLComm:
             self._parts = self._cp.zeros(table.chunks, dtype=self._cp.float64)
         return self._parts
 
-    def _launch(self, kernel, table: TensorTable, *args) -> None:
+    def _launch(self, kernel, table: TensorTable, *args, bucket: Bucket | None = None) -> None:
+        """One multi-tensor launch on the compute stream over the whole table, or over one bucket's chunks."""
+        first, chunks = (bucket.first, bucket.chunks) if bucket else (0, table.chunks)
         with self.stream:
-            kernel((table.chunks,), (256,), (*table.args, *args))
+            kernel((chunks,), (256,), (*table.args, np.int32(first), *args))
+
+    def _buckets(self, table: TensorTable) -> list[Bucket]:
+        """The exchange's buckets for this gradient list: about ``bucket_mb`` of what NCCL sends each (one bucket on a
+        single rank, which sends nothing)."""
+        wire = 2 if self._packed is not None and self._packed.half else 4
+        size = int(self.bucket_mb * (1 << 20) / wire) if self.size > 1 else 0
+        if self._bucket_key != (table.key, size):
+            self._bucket_list, self._bucket_key = table.buckets(size), (table.key, size)
+            if self.size > 1:
+                log.info("gradient exchange in %d bucket(s) of up to %.2f MB sent (distributed.nccl_bucket_mb %g)",
+                         len(self._bucket_list), max(b.hi - b.lo for b in self._bucket_list) * wire / 2**20,
+                         self.bucket_mb)
+            events = self._cp.cuda.Event
+            self._events = [(events(block=False, disable_timing=True), events(block=False, disable_timing=True))
+                            for _ in self._bucket_list]
+        return self._bucket_list
 
     def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> None:
         if grads and isinstance(grads[0], np.ndarray):
             return self._average_host(grads, divisor, scalars)
-        cp, nccl, stream = self._cp, self._nccl, self.stream
+        cp, nccl, stream, wire = self._cp, self._nccl, self.stream, self.wire
         table = self._tensor_table(grads)
+        buckets = self._buckets(table)
         n = scalars.size
         host = np.zeros(self._scalars.size, dtype=np.float64)
         host[:n] = scalars
@@ -149,28 +218,43 @@ class NCCLComm:
         average = divisor == self.size  # NCCL divides while it reduces: no extra pass over the gradients
         op = nccl.NCCL_AVG if average else nccl.NCCL_SUM
         packed = self._packed if self.size > 1 else None  # one rank: nothing to reduce, only the scale and norm
-        # fp16/bf16: pre-scaled by 1/ranks and summed; float32: copied as is, the per-tensor path's op
-        flat = packed and packed.pack(table, 1.0 / self.size if packed.half else 1.0, stream)
-        if self.size > 1:
-            nccl.groupStart()
-            if flat:  # one packed buffer (comm/packed_allreduce.py)
-                flat_op = nccl.NCCL_SUM if packed.half else op
-                self.comm.allReduce(flat[0], flat[0], flat[1], packed.nccl_type, flat_op, stream.ptr)
-            else:
-                for grad in grads:
-                    self.comm.allReduce(grad.ptr, grad.ptr, grad.count, nccl.NCCL_FLOAT32, op, stream.ptr)
-            if n:  # a pipeline stage's exchange carries no scalars (they go through the world's MPI all-reduce)
-                self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64,
-                                    nccl.NCCL_SUM, stream.ptr)
-            nccl.groupEnd()
         partials = self._partials(table)
-        if flat:  # back into the fp32 buffers times what remains of 1 / divisor, with the norm's partial sums
-            post = self.size / divisor if packed.half else 1.0 if average else 1.0 / divisor
-            packed.unpack(table, post, partials, stream)
-        else:
-            if not average:
-                self._launch(self._scale, table, np.float32(1.0 / divisor))
-            self._launch(self._sum_squares, table, partials)
+        if self.size > 1:
+            # The buckets overlap: NCCL reduces bucket k on its own stream while the compute stream packs bucket k + 1
+            # (fp16/bf16, packed float32) and unpacks (or scales) bucket k - 1 with the norm's partial sums.
+            if packed:  # fp16/bf16: pre-scaled by 1/ranks and summed; float32: copied as is, the per-tensor path's op
+                pre = 1.0 / self.size if packed.half else 1.0
+                for bucket, (ready, _) in zip(buckets, self._events, strict=True):
+                    packed.pack(table, pre, stream, bucket)
+                    ready.record(stream)
+            else:
+                self._events[0][0].record(stream)  # the scalars are on the device
+            flat_op = nccl.NCCL_SUM if packed and packed.half else op
+            for k, (bucket, (ready, reduced)) in enumerate(zip(buckets, self._events, strict=True)):
+                if packed or k == 0:
+                    wire.wait_event(ready)
+                nccl.groupStart()
+                if packed:  # one contiguous range of the packed buffer (comm/packed_allreduce.py)
+                    ptr = packed.address(bucket.lo)
+                    self.comm.allReduce(ptr, ptr, bucket.hi - bucket.lo, packed.nccl_type, flat_op, wire.ptr)
+                else:
+                    for ptr, count in bucket.pieces:
+                        self.comm.allReduce(ptr, ptr, count, nccl.NCCL_FLOAT32, op, wire.ptr)
+                if k == 0 and n:  # a pipeline stage's exchange carries no scalars (the world's MPI all-reduce does)
+                    self.comm.allReduce(self._scalars.data.ptr, self._scalars.data.ptr, n, nccl.NCCL_FLOAT64,
+                                        nccl.NCCL_SUM, wire.ptr)
+                nccl.groupEnd()
+                reduced.record(wire)
+        for bucket, (_, reduced) in zip(buckets, self._events, strict=True):
+            if self.size > 1:
+                stream.wait_event(reduced)
+            if packed:  # back into the fp32 buffers times what remains of 1 / divisor, with the norm's partial sums
+                post = self.size / divisor if packed.half else 1.0 if average else 1.0 / divisor
+                packed.unpack(table, post, partials, stream, bucket)
+            else:
+                if not average:
+                    self._launch(self._scale, table, np.float32(1.0 / divisor), bucket=bucket)
+                self._launch(self._sum_squares, table, partials, bucket=bucket)
         with stream:
             self._sum_in_order((1,), (256,), (partials, np.int64(partials.size), self._scalars[n : n + 1]))
         # Sync point: the engine's optimizer runs on its own stream and must see the averaged gradients; the wait is
@@ -279,7 +363,8 @@ class NCCLComm:
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
-        return NCCLComm(self.group.split(color, label), self.device_index, self.allreduce_dtype, self.packed)
+        return NCCLComm(self.group.split(color, label), self.device_index, self.allreduce_dtype, self.packed,
+                        self.bucket_mb)
 
     def open_point_to_point(self, tags: Sequence[int]) -> None:
         """Make the p2p communicator of each tag now, in this order on every rank of the group (NCCL init is
@@ -331,10 +416,13 @@ class NCCLComm:
     def allgather_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return self.group.allgather_sum(values, label)
 
-    def reduce_scatter_device(self, send_ptr: int, recv_ptr: int, count: int) -> None:
-        """ZeRO-1 on the GPU: ``recv`` (``count`` floats) = sum over ranks of this rank's range of ``send``."""
+    def reduce_scatter_device(self, send_ptr: int, recv_ptr: int, count: int, dtype: str = "float32") -> None:
+        """ZeRO-1 on the GPU: ``recv`` (``count`` elements of ``dtype``: float32, float16 or bfloat16) = sum over ranks
+        of this rank's range of ``send``."""
         nccl = self._nccl
-        self.comm.reduceScatter(send_ptr, recv_ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, self.stream.ptr)
+        kind = {"float32": nccl.NCCL_FLOAT32, "float16": getattr(nccl, "NCCL_FLOAT16", 6),
+                "bfloat16": getattr(nccl, "NCCL_BFLOAT16", 9)}[dtype]  # nccl.h's enum where CuPy lacks the name
+        self.comm.reduceScatter(send_ptr, recv_ptr, count, kind, nccl.NCCL_SUM, self.stream.ptr)
 
     def all_gather_device(self, send_ptr: int, recv_ptr: int, count: int) -> None:
         """ZeRO-1 on the GPU: every rank's ``count`` floats into ``recv`` (in place when send = recv + rank x count)."""
@@ -390,6 +478,7 @@ class NCCLComm:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self.wire.synchronize()
             self.stream.synchronize()
             self.group.close()
 
@@ -399,6 +488,8 @@ class NCCLComm:
 PACKED_ENV = "ORTFLOW_PACKED_ALLREDUCE"
 
 
-def attach_nccl(group: Communicator, device_index: int, allreduce_dtype: str = "float32") -> NCCLComm:
+def attach_nccl(group: Communicator, device_index: int, allreduce_dtype: str = "float32",
+                bucket_mb: float = 0.0) -> NCCLComm:
     """Join this rank to NCCL on GPU ``device_index`` (after the process group is up and the device is chosen)."""
-    return NCCLComm(group, device_index, allreduce_dtype, packed=os.environ.get(PACKED_ENV, "0") == "1")
+    return NCCLComm(group, device_index, allreduce_dtype, packed=os.environ.get(PACKED_ENV, "0") == "1",
+                    bucket_mb=bucket_mb)

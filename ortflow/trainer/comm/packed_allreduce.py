@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC
+from ortflow.trainer.comm.block_sum import BLOCK_SUM_SRC, HALF_SRC
 
 log = logging.getLogger(__name__)
-_SRC = BLOCK_SUM_SRC + (Path(__file__).parent / "packed_allreduce.cu").read_text()
+_SRC = BLOCK_SUM_SRC + HALF_SRC + (Path(__file__).parent / "packed_allreduce.cu").read_text()
 _THREADS = 256
 
 
@@ -75,18 +75,22 @@ class PackedAllReduce:
             self._flat = self._cp.empty(max(1, table.total), dtype=kind)
             self._key = table.key
 
-    def pack(self, table, pre: float, stream) -> tuple[int, int]:
-        """Launch the pack (times ``pre``) on ``stream``; returns (device address, element count) of the buffer to
-        all-reduce. ``table``: the gradients' :class:`~ortflow.trainer.comm.nccl.TensorTable`."""
+    def pack(self, table, pre: float, stream, bucket) -> None:
+        """Launch the pack of one bucket's chunks (times ``pre``) on ``stream``. ``table``: the gradients'
+        :class:`~ortflow.trainer.comm.nccl.TensorTable`; ``bucket``: one of its
+        :class:`~ortflow.trainer.comm.nccl.Bucket` s."""
         self._layout(table)
-        args = (*table.args, self._offsets, self._flat, np.float32(pre)) + ((self._bf16,) if self.half else ())
+        args = (*table.args, np.int32(bucket.first), self._offsets, self._flat, np.float32(pre))
         with stream:
-            self._pack((table.chunks,), (_THREADS,), args)
-        return self._flat.data.ptr, table.total
+            self._pack((bucket.chunks,), (_THREADS,), args + ((self._bf16,) if self.half else ()))
 
-    def unpack(self, table, post: float, partials, stream) -> None:
-        """Launch the unpack (times ``post``) and the per-chunk sums of squares into ``partials`` on ``stream``."""
+    def address(self, element: int) -> int:
+        """The device address of element ``element`` of the packed buffer (after a pack)."""
+        return self._flat.data.ptr + element * self._flat.itemsize
+
+    def unpack(self, table, post: float, partials, stream, bucket) -> None:
+        """Launch the unpack of one bucket (times ``post``) and its chunks' sums of squares into ``partials``."""
         self._layout(table)
-        args = (*table.args, self._offsets, self._flat, np.float32(post)) + ((self._bf16,) if self.half else ())
+        args = (*table.args, np.int32(bucket.first), self._offsets, self._flat, np.float32(post))
         with stream:
-            self._unpack((table.chunks,), (_THREADS,), (*args, partials))
+            self._unpack((bucket.chunks,), (_THREADS,), args + ((self._bf16,) if self.half else ()) + (partials,))

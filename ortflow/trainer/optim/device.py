@@ -20,11 +20,13 @@ tests/gpu/test_gpu_adasum.py.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ortflow.trainer.comm.block_sum import HALF_SRC
 from ortflow.trainer.comm.pending import Gradients
 from ortflow.trainer.optim.adamw import AdamW
 from ortflow.trainer.optim.adasum_update import AdasumExchange
@@ -33,8 +35,9 @@ from ortflow.trainer.optim.segments import Segment
 from ortflow.trainer.optim.sgd import SGD
 from ortflow.trainer.optim.zero import shard_segments
 
+log = logging.getLogger(__name__)
 f32 = np.float32
-_SRC = (Path(__file__).parent / "update.cu").read_text()
+_SRC = HALF_SRC + (Path(__file__).parent / "update.cu").read_text()
 _THREADS = 256
 
 
@@ -178,12 +181,19 @@ class Zero1Device:
         comm: An NCCLComm (``stream``, ``reduce_scatter_device``, ``all_gather_device``, ``allgather_sum``).
         names: Trainable names, sorted (the packed order).
         params: DeviceBuffers of every trainable parameter (the engine's buffers).
+        dtype: The reduce-scatter's element type (``distributed.allreduce_dtype`` resolved): float32, or
+            float16/bfloat16 as the packed all-reduce sends them (comm/packed_allreduce.py: each gradient times
+            ``1 / ranks`` rounded to the half type, summed in it, back to float32 in the shard). The parameters'
+            all-gather stays float32: every rank's engine needs the update's own bits.
     """
 
     stage = 1
 
-    def __init__(self, comm, names: Sequence[str], params: Sequence, rank: int, world: int):
+    def __init__(self, comm, names: Sequence[str], params: Sequence, rank: int, world: int, dtype: str = "float32"):
         cp = self._cp = _cupy()
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"distributed.allreduce_dtype: {dtype!r} is not float32, float16 or bfloat16")
+        self.dtype, self.half, self._bf16 = dtype, dtype != "float32", np.int32(dtype == "bfloat16")
         self.comm, self.rank, self.world, self.params = comm, rank, world, list(params)
         sizes = [p.count for p in self.params]
         total = int(sum(sizes))
@@ -193,8 +203,13 @@ class Zero1Device:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.flat = cp.zeros(self.chunk * world, dtype=cp.float32)
         self.shard = cp.zeros(self.chunk, dtype=cp.float32)
+        if self.half:  # the padding stays +0 (never written), a finite term of every sum
+            self.flat_half = cp.zeros(self.chunk * world, dtype=cp.uint16)
+            self.shard_half = cp.zeros(self.chunk, dtype=cp.uint16)
+            log.info("zero-1 reduce-scatter in %s, pre-scaled by 1/ranks (distributed.allreduce_dtype)", dtype)
         module = cp.RawModule(code=_SRC, options=("--std=c++11",))
         self._pack, self._scale_square = module.get_function("pack"), module.get_function("scale_square")
+        self._pack_half, self._widen_square = module.get_function("pack_half"), module.get_function("widen_square")
         self._sum, self._scale = module.get_function("sum_in_order"), module.get_function("scale")
         self._blocks = int(min(max(1, -(-self.chunk // _THREADS)), 1024))
         self._partials = cp.zeros(self._blocks, dtype=cp.float64)
@@ -222,10 +237,20 @@ class Zero1Device:
         # Sync point: the engine wrote the gradients on its own stream.
         cp.cuda.runtime.deviceSynchronize()
         with stream:
-            self._launch_pack(grad_table, self._all_offsets, False)
-            self.comm.reduce_scatter_device(self.flat.data.ptr, self.shard.data.ptr, self.chunk)
-            self._scale_square((self._blocks,), (_THREADS,), (self.shard, np.int64(self.chunk),
-                                                              f32(1.0 / divisor), self._partials))
+            if self.half:  # pre-scaled by 1/ranks, summed in the half type, then times ranks / divisor
+                self._pack_half((grad_table.blocks, grad_table.num), (_THREADS,),
+                                (grad_table.columns[0], self.flat_half, self._all_offsets, grad_table.counts,
+                                 f32(1.0 / self.world), self._bf16))
+                self.comm.reduce_scatter_device(self.flat_half.data.ptr, self.shard_half.data.ptr, self.chunk,
+                                                self.dtype)
+                self._widen_square((self._blocks,), (_THREADS,), (self.shard_half, self.shard, np.int64(self.chunk),
+                                                                  f32(self.world / divisor), self._bf16,
+                                                                  self._partials))
+            else:
+                self._launch_pack(grad_table, self._all_offsets, False)
+                self.comm.reduce_scatter_device(self.flat.data.ptr, self.shard.data.ptr, self.chunk)
+                self._scale_square((self._blocks,), (_THREADS,), (self.shard, np.int64(self.chunk),
+                                                                  f32(1.0 / divisor), self._partials))
             self._sum((1,), (_THREADS,), (self._partials, np.int64(self._blocks), self._norm))
         norm_sq = self._norm.get(stream=stream)
         stream.synchronize()

@@ -148,6 +148,28 @@ extern "C" __global__ void scale_square(float* x, long long n, float factor, dou
     if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
+// ZeRO-1 with a half-precision reduce-scatter (distributed.allreduce_dtype float16/bfloat16): every gradient times
+// pre (1 / ranks) into its place of the fp16/bf16 flat buffer (to_half: comm/half.cu, prepended by device.py) ...
+extern "C" __global__ void pack_half(const unsigned long long* T, unsigned short* flat, const long long* offsets,
+                                     const long long* counts, float pre, int bf16) {
+    const int t = blockIdx.y;
+    const float* x = (const float*)T[t];
+    unsigned short* f = flat + offsets[t];
+    TENSOR_LOOP(counts[t]) f[i] = to_half(__fmul_rn(x[i], pre), bf16);
+}
+// ... and the reduced shard back to float32 times factor, with per-block partial sums of squares (as scale_square).
+extern "C" __global__ void widen_square(const unsigned short* h, float* x, long long n, float factor, int bf16,
+                                        double* partials) {
+    double acc = 0.0;
+    TENSOR_LOOP(n) {
+        float y = __fmul_rn(from_half(h[i], bf16), factor);
+        x[i] = y;
+        acc += (double)y * y;
+    }
+    double total = block_sum(acc);
+    if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
 extern "C" __global__ void sum_in_order(const double* parts, long long n, double* out) {
     double acc = 0.0;
     for (long long i = threadIdx.x; i < n; i += blockDim.x) acc += parts[i];
