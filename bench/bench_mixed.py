@@ -42,8 +42,8 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
 #: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
 #: all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
-#: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); the attention Softmax in the
-#: compute type, the rest of the default fp32 list kept (``-smx16``); the float32
+#: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); bf16 with the attention
+#: Softmax in fp32, the whole default fp32 list (``-smx32``; bf16's own default computes it in bf16); the float32
 #: all-reduce packed into one buffer (``env``: set by ``steps``); the NCCL exchange in one bucket (``-b0``) or
 #: buckets of 16 or 64 MB (``-b16``, ``-b64``; distributed.nccl_bucket_mb). Keys are config sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
@@ -54,7 +54,7 @@ VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-nofuse": {"model": {"fuse_gelu": False}},
             "-zero1": {"distributed": {"zero_stage": 1}},
             "-gelu32": {"patch": {"gelu": "fp32"}},
-            "-smx16": {"precision": {"fp32_ops_without": ["Softmax"]}},
+            "-smx32": {"precision": {"fp32_ops_without": []}},
             "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}},
             "-b0": {"distributed": {"nccl_bucket_mb": 0}},
             "-b16": {"distributed": {"nccl_bucket_mb": 16}},
@@ -132,7 +132,7 @@ def _precision(base: str, changes: dict) -> dict:
     from ortflow.graph.autocast import DEFAULT_FP32_OPS
 
     section = {**PRECISIONS[base], **{k: v for k, v in changes.items() if k != "fp32_ops_without"}}
-    if changes.get("fp32_ops_without"):
+    if "fp32_ops_without" in changes:  # set explicitly, so bf16 keeps exactly this list
         section["fp32_ops"] = [op for op in DEFAULT_FP32_OPS if op not in changes["fp32_ops_without"]]
     return section
 
@@ -281,7 +281,7 @@ _VARIANT_WORDS = {"-nondet": "deterministic_compute off", "-plainreduce": "engin
                   "-allreduce16": "fp16 all-reduce", "-allreduce32": "fp32 all-reduce",
                   "-allreducebf16": "bf16 all-reduce",
                   "-nofuse": "GELU as exported (no fusion)", "-zero1": "ZeRO-1", "-gelu32": "fused GELU in fp32",
-                  "-smx16": "Softmax in the compute type", "-packed": "packed fp32 all-reduce",
+                  "-smx32": "Softmax in fp32", "-packed": "packed fp32 all-reduce",
                   "-b0": "exchange in one bucket", "-b16": "exchange in 16 MB buckets",
                   "-b64": "exchange in 64 MB buckets"}
 

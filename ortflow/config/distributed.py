@@ -66,7 +66,7 @@ class DistributedConfig(Section):
         "float32 otherwise (bf16 included); docs/mixed-precision.md.",
     )
     nccl_bucket_mb: float = Field(
-        32.0, ge=0,
+        0.0, ge=0,
         description="NCCL gradient exchange of GPU ranks in buckets of about this many MB sent: NCCL reduces one "
         "bucket while the GPU packs the next and unpacks the last, with the norm's sums (docs/gpu.md); 0: one bucket.",
     )

@@ -148,6 +148,10 @@ class LRScheduleConfig(Section):
     )
 
 
+#: Ops of the default fp32 list that bf16 computes in bf16 when ``precision.fp32_ops`` is not set.
+BF16_COMPUTE_OPS = ("Softmax",)
+
+
 class PrecisionConfig(Section):
     """Mixed precision (the reference's use_mixed_precision, use_bfloat16, loss_scale)."""
 
@@ -168,5 +172,13 @@ class PrecisionConfig(Section):
             "ReduceLogSumExp", "ReduceProd", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
         ),
         description="Op types computed in FP32 (inputs cast up, outputs kept FP32); everything else runs in FP16/BF16. "
-        "With bf16, LayerNormalization stays FP32 even when left out (the engine has no bf16 SkipLayerNormalization).",
+        "Unset with bf16: this list without Softmax (bf16 in and out, accumulated in FP32 inside the engine's kernel, "
+        "as Megatron-LM's fused softmax). With bf16, LayerNormalization stays FP32 even when left out (the engine has "
+        "no bf16 SkipLayerNormalization).",
     )
+
+    @model_validator(mode="after")
+    def _bf16_softmax(self) -> PrecisionConfig:
+        if self.use_bfloat16 and "fp32_ops" not in self.model_fields_set:
+            object.__setattr__(self, "fp32_ops", tuple(op for op in self.fp32_ops if op not in BF16_COMPUTE_OPS))
+        return self

@@ -24,11 +24,11 @@ def test_bf16_variants_fuse_the_gelu_in_the_type_they_name_and_move_softmax(tmp_
     names = "bf16,bf16-nofuse,bf16-gelu32,bf16-softmax16-gelu32"
     bench_mixed.main(["prepare", str(tmp_path), "--precisions", names, "--shape", "tiny", "--device", "cuda"])
     plain, nofuse, gelu32, softmax16 = (_half_ops(tmp_path / name) for name in names.split(","))
-    assert plain == {("Gelu", "BFLOAT16"): 2, ("GeluGrad", "BFLOAT16"): 2, ("Softmax", "FLOAT"): 2,
-                     ("SoftmaxGrad_13", "FLOAT"): 2}  # bf16 on GPUs: the engine's fused GELU, in bf16
-    assert nofuse == {("Erf", "BFLOAT16"): 2, ("Softmax", "FLOAT"): 2, ("SoftmaxGrad_13", "FLOAT"): 2}
-    assert gelu32 == {("Gelu", "FLOAT"): 2, ("GeluGrad", "FLOAT"): 2, ("Softmax", "FLOAT"): 2,
-                      ("SoftmaxGrad_13", "FLOAT"): 2}
+    assert plain == {("Gelu", "BFLOAT16"): 2, ("GeluGrad", "BFLOAT16"): 2, ("Softmax", "BFLOAT16"): 2,
+                     ("SoftmaxGrad_13", "BFLOAT16"): 2}  # bf16 on GPUs: the engine's fused GELU and Softmax in bf16
+    assert nofuse == {("Erf", "BFLOAT16"): 2, ("Softmax", "BFLOAT16"): 2, ("SoftmaxGrad_13", "BFLOAT16"): 2}
+    assert gelu32 == {("Gelu", "FLOAT"): 2, ("GeluGrad", "FLOAT"): 2, ("Softmax", "BFLOAT16"): 2,
+                      ("SoftmaxGrad_13", "BFLOAT16"): 2}
     assert softmax16 == {("Gelu", "FLOAT"): 2, ("GeluGrad", "FLOAT"): 2, ("Softmax", "BFLOAT16"): 2,
                          ("SoftmaxGrad_13", "BFLOAT16"): 2}
 
@@ -54,15 +54,15 @@ def test_markov_tokens_follow_the_fixed_chain_on_every_rank():
     assert not np.array_equal(a, b)
 
 
-def test_softmax_variant_moves_only_the_softmax_to_the_compute_type(tmp_path):
+def test_bf16_computes_the_softmax_in_bf16_and_the_smx32_variant_keeps_it_fp32(tmp_path):
     from ortflow.graph.autocast import DEFAULT_FP32_OPS
 
-    base, settings = bench_mixed.variant("bf16-smx16")
+    base, settings = bench_mixed.variant("bf16-smx32")
     section = bench_mixed._precision(base, settings["precision"])
-    assert section["use_bfloat16"] and section["fp32_ops"] == [op for op in DEFAULT_FP32_OPS if op != "Softmax"]
-    names = "bf16,bf16-smx16"
+    assert section["use_bfloat16"] and section["fp32_ops"] == list(DEFAULT_FP32_OPS)
+    names = "bf16,bf16-smx32"
     bench_mixed.main(["prepare", str(tmp_path), "--precisions", names, "--shape", "tiny", "--device", "cuda"])
-    plain, smx16 = (_half_ops(tmp_path / name) for name in names.split(","))
-    assert plain[("Softmax", "FLOAT")] == 2
-    assert smx16 == {("Gelu", "BFLOAT16"): 2, ("GeluGrad", "BFLOAT16"): 2, ("Softmax", "BFLOAT16"): 2,
+    plain, smx32 = (_half_ops(tmp_path / name) for name in names.split(","))
+    assert smx32[("Softmax", "FLOAT")] == 2
+    assert plain == {("Gelu", "BFLOAT16"): 2, ("GeluGrad", "BFLOAT16"): 2, ("Softmax", "BFLOAT16"): 2,
                      ("SoftmaxGrad_13", "BFLOAT16"): 2}

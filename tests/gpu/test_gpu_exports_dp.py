@@ -2,7 +2,8 @@
 the fp16 gradient exchange (``distributed.allreduce_dtype: auto``) and the bucketed NCCL exchange, against the same
 runs in fp32 (bench/gpu_suite_fixtures.py's data and config, 60 updates).
 
-Tolerance: final logged losses within 2% of fp32's. On one GPU fp16 and fp32 end within 0.1% of each other
+Tolerance: final logged losses within 2% of fp32's first logged loss (BERT learns its task to a loss near 0, where a
+relative difference of the final losses means nothing). On one GPU fp16 and fp32 end within 0.1% of each other
 (bench/results, fixture rows); the fp16 exchange rounds each rank's averaged gradient once more to 11 significant
 bits, which on the bench GPT moved loss windows by at most 2.6% while the loss falls fastest and 0.06% after.
 """
@@ -48,4 +49,4 @@ def test_export_trains_on_several_gpus_in_fp16_as_in_fp32(tmp_path, model):
     fp16 = results["fp16"]["final_loss"]
     print(f"{model} x{ranks}: fp32 {first:.4f} -> {fp32:.4f}, fp16 -> {fp16:.4f}")
     assert fp32 < 0.9 * first  # it learns
-    assert abs(fp16 - fp32) / fp32 < 0.02
+    assert abs(fp16 - fp32) < 0.02 * first  # 2% of the way from the start (BERT's final losses are near 0)
