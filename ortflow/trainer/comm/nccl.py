@@ -108,8 +108,10 @@ class NCCLComm:
       launch), the loss/stop scalars ride in the same group, and one multi-tensor launch sums the squares for the
       norm (one read of the gradients). With ``allreduce_dtype`` float16/bfloat16 the gradients are packed into one
       buffer of that type instead (:mod:`ortflow.trainer.comm.packed_allreduce`): half the bytes; with
-      ``packed=True`` into one float32 buffer (one NCCL call instead of one per tensor).
-      The host waits once per update, under the watchdog.
+      ``packed=True`` into one float32 buffer (one NCCL call instead of one per tensor). The NCCL calls run on their
+      own stream (``wire``), the launches on ``stream``; with ``bucket_mb`` the work is cut into buckets of chunks
+      (:meth:`TensorTable.buckets`) so that NCCL reduces one while the launches pack and unpack the others, computing
+      every element and partial sum as with one bucket. The host waits once per update, under the watchdog.
     * Engine on the CPU: ``grads`` are host views; they are packed into one host buffer, copied to the GPU,
       all-reduced there and copied back (staging through device memory).
 
