@@ -5,6 +5,7 @@ run's logs, no rank process, and a free concurrency slot for the deployment's ne
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from ortflow.processes import process_alive
 from ortflow.versions import read_registry
+from tests.faults.procs import descendants
 from tests.prefect.serving import read_flow_run
 from tests.support.prefect_runs import (
     mlp_config,
@@ -57,9 +60,18 @@ def worker(pool: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[sub
         try:
             yield proc
         finally:
+            # The flow-run processes it started run in sessions of their own and would outlive a killed worker
+            # (still shipping their last logs to a server the session is about to stop): they end with the block.
+            left = descendants(proc.pid) if proc.poll() is None else []
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            deadline = time.monotonic() + 10
+            while any(process_alive(pid) for pid in left) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _log_messages(flow_run_id) -> list[str]:
