@@ -1,12 +1,16 @@
 """Whether a local process or process group still runs, and waiting for a process to exit: what the ranks' lifeline,
 the job's guard and the serving process share (Linux ``/proc`` and pidfds; a zombie, exited but not yet reaped,
-counts as gone)."""
+counts as gone); and the shared-memory segments that ranks which died left behind."""
 
 from __future__ import annotations
 
 import os
 import select
 import threading
+import time
+
+#: Where MPICH keeps its shared-memory segments, and their names' prefix.
+SHM_DIR, MPICH_SHM_PREFIX = "/dev/shm", "mpich_shm_"
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -56,3 +60,53 @@ def wait_for_exit(pid: int) -> None:
             pass
     finally:
         os.close(fd)
+
+
+def remove_orphan_segments(since: float, directory: str = SHM_DIR, prefix: str = MPICH_SHM_PREFIX,
+                           settle_s: float = 1.0) -> list[str]:
+    """Remove the shared-memory segments ``directory/prefix*`` of this user, written at or after ``since`` (a
+    ``time.time()`` value), that no process of this user maps.
+
+    MPICH's ranks unlink their segment in ``MPI_Finalize``; ranks that are killed or abort leave it in ``/dev/shm``,
+    a few MB of memory each until the host reboots. A segment that a live rank maps is kept; so is one that is not
+    ``settle_s`` old yet when looked at again after waiting for it (at most ``settle_s``): a rank of another job
+    between making and mapping it. Returns the removed paths.
+    """
+    uid = os.getuid()
+    try:
+        entries = [e for e in os.scandir(directory) if e.name.startswith(prefix)]
+    except OSError:
+        return []
+    written = {}
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == uid and st.st_mtime >= since:
+            written[entry.path] = st.st_mtime
+    if not written:
+        return []
+    time.sleep(max(0.0, min(settle_s, max(written.values()) + settle_s - time.time())))
+    candidates = set(written)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue  # another user's process cannot map this user's segments (MPICH makes them 0600)
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    candidates.discard(line.split(maxsplit=5)[-1].strip())
+        except OSError:
+            continue  # gone meanwhile
+    removed = []
+    for path in sorted(candidates):
+        try:
+            if os.stat(path).st_mtime > time.time() - settle_s:
+                continue  # written again just now: in use
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed

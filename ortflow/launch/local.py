@@ -33,6 +33,7 @@ from ortflow.launch.job import (
     watch,
     write_record,
 )
+from ortflow.processes import SHM_DIR, remove_orphan_segments
 
 __all__ = ["STOP_GRACE_S", "LaunchError", "LaunchResult", "LocalJob", "build_command", "find_mpiexec", "launch",
            "launcher_environment", "launcher_flavor", "is_error_line", "rank_environment"]
@@ -224,7 +225,8 @@ def launch(
         after STOP_GRACE_S, SIGKILL.
     """
     exe = find_mpiexec(mpiexec)
-    cmd = build_command(Path(run_dir).resolve(), num_ranks, exe, launcher_flavor(exe), hostfile)
+    flavor = launcher_flavor(exe)
+    cmd = build_command(Path(run_dir).resolve(), num_ranks, exe, flavor, hostfile)
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
     started = time.time()
@@ -255,6 +257,10 @@ def launch(
             guard.release()
     if not result.returncode:
         return result
+    if flavor == "mpich":  # ranks that died before MPI_Finalize leave their shared memory behind
+        removed = remove_orphan_segments(started)
+        if removed:
+            log.info("removed %d shared-memory segment(s) the job's ranks left in %s", len(removed), SHM_DIR)
     errors = deque(result.error_lines, maxlen=20)
     for line in [*stuck, *_stall_messages(Path(run_dir), started, seen=errors)]:
         errors.append(line)
