@@ -5,7 +5,7 @@
   ``ortflow prepare-data``, as a user runs them;
 * ``train ROOT MODEL PRECISION``: ``ortflow train`` on the configured ranks (one by default); prints one ``RESULT``
   line with the first and final logged losses (from the run's progress record), the element type of the NCCL
-  gradient exchange the ranks logged, and the seconds taken.
+  gradient all-reduce (or ZeRO-1 reduce-scatter) the ranks logged, and the seconds taken.
 
 Every run of one model sees the same data in the same order, so the final losses of fp32, fp16 and bf16 compare.
 """
@@ -66,7 +66,8 @@ def configure(args: argparse.Namespace) -> None:
         "train": {"batch_size": BATCH, "num_train_steps": args.steps, "display_loss_steps": 10,
                   "evaluation_period": 0},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
-        "distributed": {"num_ranks": args.ranks, "device": args.device, "use_nccl": cuda},
+        "distributed": {"num_ranks": args.ranks, "device": args.device, "use_nccl": cuda,
+                        "zero_stage": args.zero_stage},
         "checkpoint": {"period": 0},
         "precision": PRECISION[args.precision] if cuda else {},
     }  # fmt: skip
@@ -90,7 +91,7 @@ def train(args: argparse.Namespace) -> None:
     record = {"kind": "fixture", "model": args.model, "precision": args.precision, "seconds": round(seconds, 1),
               "steps": progress.get("step"), "final_loss": progress.get("loss", losses[-1] if losses else None),
               "first_logged_loss": losses[0] if losses else None, "logged_losses": losses,
-              "exchange": sorted(set(re.findall(r"gradient all-reduce in (\w+)", text))),
+              "exchange": sorted(set(re.findall(r"(?:gradient all-reduce|zero-1 reduce-scatter) in (\w+)", text))),
               "status": "ok" if out.returncode == 0 else "failed"}  # fmt: skip
     if out.returncode != 0:
         record["error"] = text[-2000:]
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     c.add_argument("--steps", type=int, default=60)
     c.add_argument("--ranks", type=int, default=1, help="data-parallel ranks, one GPU and a batch of 16 each")
+    c.add_argument("--zero-stage", type=int, choices=[0, 1], default=0, help="distributed.zero_stage")
     t.add_argument("--ortflow-py", default=sys.executable)
     t.add_argument("--mpiexec", default="mpiexec")
     args = parser.parse_args(argv)
