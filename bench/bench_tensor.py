@@ -1,11 +1,12 @@
-"""Tensor parallelism on CPU ranks: per-rank memory of the split layers (hp 2 vs hp 1) and step time.
+"""Tensor parallelism: per-rank memory of the split layers (hp 2 vs hp 1) and step time, on CPU ranks or GPUs.
 
 Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/results/tensor-<host>.json and
-.md). The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks data-parallel; hp2: 2 ranks, tensor
-parallel) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces
-(init_runtime, TensorRuntime.micro_step / the engine's training call, the gradient exchange, ortflow's update) for
-warm-up + timed steps and writes one JSON file per rank. Rounds alternate the contenders, so a busy shared machine
-slows them alike.
+.md); on GPUs ``--device cuda`` with a model where splitting pays, e.g. ``--device cuda --d-model 2048 --num-layers 4
+--seq-len 256 --batch 16 --vocab-size 8192``. The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks
+data-parallel; hp2: 2 ranks, tensor parallel) and starts each under mpiexec with this module's worker, which runs the
+trainer's own pieces (init_runtime, TensorRuntime.micro_step / the engine's training call, the gradient exchange,
+ortflow's update) for warm-up + timed steps and writes one JSON file per rank. Rounds alternate the contenders, so a
+busy shared machine slows them alike. hp 2 reads each batch on both ranks (samples/s counts it once); dp 2 reads two.
 
 Memory of the split layers on a rank (the weights that hp 2 slices, named by the hp 2 run's ``tensor.json``):
 parameter values read from the rank's engine state (4 bytes each), gradient buffers (the same count), and the
@@ -34,6 +35,7 @@ from bench.record import write_result
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
 BATCH, MICRO = 4, 2
+RUN = {"device": "cpu", "mpiexec": str(Path(sys.executable).parent / "mpiexec"), "batch": BATCH}
 
 
 def _split_names(artifacts_dir: Path) -> list[str]:
@@ -69,10 +71,10 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     if tensor:
         plain = rt.tp_sum
 
-        def timed(x):
+        def timed(x, *label):
             started = time.perf_counter()
             try:
-                return plain(x)
+                return plain(x, *label)
             finally:
                 reduce_s[0] += time.perf_counter() - started
         rt.tp_sum = timed
@@ -113,6 +115,8 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 
+    if (root / name / "configure.json").exists() and (root / name / "data").exists():
+        return root / name  # configured by an earlier call with --root
     model = root / "gpt.onnx"
     if not model.exists():
         build_gpt(model, **SHAPE)
@@ -122,10 +126,10 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
-        "train": {"batch_size": BATCH, "num_train_steps": MICRO, "gradient_accumulation_steps": MICRO},
+        "train": {"batch_size": RUN["batch"], "num_train_steps": MICRO, "gradient_accumulation_steps": MICRO},
         "optimizer": {"learning_rate": 1e-3},
         "distributed": {"num_ranks": ranks, "horizontal_parallel_size": hp, "pipeline_parallel_size": pp,
-                        "threads_per_rank": 1},
+                        "threads_per_rank": 1, "device": RUN["device"], "use_nccl": RUN["device"] == "cuda"},
     })
     configure(cfg)
     prepare_data(cfg)
@@ -134,7 +138,7 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
 
 def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int,
             module: str = "bench.bench_tensor") -> list[dict]:
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, "-m", module, "--worker",
+    cmd = [RUN["mpiexec"], "-n", str(ranks), sys.executable, "-m", module, "--worker",
            str(run_dir), "--names-from", str(names_from), "--warmup", str(warmup),
            "--steps", str(steps)]
     out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
@@ -166,9 +170,11 @@ def summarize(results: dict) -> dict:
 def report(record: dict) -> str:
     s = record["summary"]
     mib = 2**20
-    lines = [f"# Tensor parallelism on CPU ranks ({record['host']}, {record['cores']} cores)", "",
-             f"Command: `{record['command']}`", f"GPT {record['shape']}, batch {BATCH} x {MICRO} micro-batches per "
-             "update, 1 thread per rank, AdamW (ortflow's update).", "",
+    where = "GPUs" if record.get("device") == "cuda" else "CPU ranks"
+    lines = [f"# Tensor parallelism on {where} ({record['host']}, {record['cores']} cores)", "",
+             f"Command: `{record['command']}`", f"GPT {record['shape']}, batch {record['batch_size']} x "
+             f"{record.get('micro', MICRO)} micro-batches per update, 1 thread per rank, AdamW (ortflow's update).",
+             f"GPUs: {record.get('gpus') or '-'}", "",
              "| rank | split-layer params MiB | their AdamW state MiB | all params MiB | split params vs hp1 | "
              "all params vs hp1 |", "|---|---|---|---|---|---|"]
     for key, m in s["memory"].items():
@@ -184,6 +190,13 @@ def report(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gpus() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                         check=False)  # fmt: skip
+    names = out.stdout.split("\n")
+    return f"{len([n for n in names if n.strip()])} x {names[0].strip()}" if out.returncode == 0 else "unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -193,13 +206,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
                         help="rows of the token table and LM head (the byte-level text uses ids < 256)")
+    parser.add_argument("--d-model", type=int, default=SHAPE["d_model"])
+    parser.add_argument("--num-layers", type=int, default=SHAPE["num_layers"])
+    parser.add_argument("--num-heads", type=int, default=SHAPE["num_heads"])
+    parser.add_argument("--seq-len", type=int, default=SHAPE["seq_len"])
+    parser.add_argument("--batch", type=int, default=BATCH, help="rows per micro-batch")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--mpiexec", default=RUN["mpiexec"], help="the MPI launcher")
+    parser.add_argument("--root", type=Path, help="configure the three runs here and keep them (default: a temporary "
+                        "folder); runs already configured there are reused")
     parser.add_argument("--tag", default="", help="suffix of the result files (tensor-<host>[-tag].json/.md)")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.names_from, args.warmup, args.steps)
-    SHAPE["vocab_size"] = args.vocab_size
+    RUN.update(device=args.device, mpiexec=args.mpiexec, batch=args.batch)
+    SHAPE.update(vocab_size=args.vocab_size, d_model=args.d_model, num_layers=args.num_layers,
+                 num_heads=args.num_heads, seq_len=args.seq_len)
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
-        root = Path(tmp)
+        root = args.root or Path(tmp)
         hp2 = _configure(root, "hp2", 2, 2)
         split_names = _split_names(hp2 / "artifacts")
         runs = {"hp1": (_configure(root, "hp1", 1, 1), 1), "dp2": (_configure(root, "dp2", 2, 1), 2),
@@ -210,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
                 results[kind].append(_launch(run_dir, hp2 / "artifacts", ranks, args.warmup, args.steps))
     command = "python -m bench tensor " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
-              "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summarize(results),
+              "platform": platform.platform(), "shape": SHAPE, "batch_size": RUN["batch"], "micro": MICRO,
+              "device": args.device, "gpus": _gpus() if args.device == "cuda" else None, "summary": summarize(results),
               "split_names": split_names, "raw": results}
     out = ROOT / "bench" / "results" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"
     write_result(out, record, report(record))

@@ -57,3 +57,25 @@ def _import() -> tuple[ModuleType, ModuleType, ModuleType]:
 api, artifacts, onnxblock = _import()
 
 ORT_VERSION: str = __import__("onnxruntime").__version__
+OrtValue = __import__("onnxruntime").OrtValue  # a tensor where the engine keeps it (a training call's device outputs)
+
+
+def call_module(module, train: bool, inputs: list, outputs: list) -> list:
+    """One training (``train``) or eval call of a training-API ``Module`` on ``OrtValue`` inputs.
+
+    Each output is written into the matching ``OrtValue`` of ``outputs`` where it lies (on the GPU for a device
+    tensor); with ``outputs`` empty the engine allocates the outputs itself, on the host (it keeps an output's device
+    only for an output the caller allocated). The Python ``Module.__call__`` passes no outputs, hence this call into
+    its binding (``train_step_with_ort_values`` / ``eval_step_with_ort_values``). Returns the outputs as OrtValues;
+    ``inputs`` and ``outputs`` must stay referenced until it returns.
+    """
+    binding = __import__("onnxruntime").capi._pybind_state
+    feeds, fetches = binding.OrtValueVector(), binding.OrtValueVector()
+    feeds.reserve(len(inputs))
+    for value in inputs:
+        feeds.push_back(value._ortvalue)
+    for value in outputs:
+        fetches.push_back(value._ortvalue)
+    step = module._model.train_step_with_ort_values if train else module._model.eval_step_with_ort_values
+    step(feeds, fetches)
+    return [OrtValue(value) for value in fetches]

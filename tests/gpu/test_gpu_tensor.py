@@ -54,3 +54,26 @@ def test_gpt2_export_with_its_tied_table_splits_over_two_gpus_as_over_two_cpu_ra
     tied = [n for n in read_params(newest(cpu)) if n.endswith("wte.weight")]
     assert tied, "the GPT-2 export has no token table"
     _compare(read_params(newest(gpu)), read_params(newest(cpu)), initial_parameters(cpu), "GPT-2 hp 2")
+
+
+def test_pieces_keep_activations_and_their_sums_on_the_gpu(tmp_path):
+    """After a piece's first call (the engine allocates its outputs on the host; their shapes are recorded), every
+    training and eval call writes its outputs into device tensors, and the tensor-parallel sums and gradient adds
+    run on the GPU with the bits of the host's rank-order float32 adds."""
+    import json
+    import re
+    from pathlib import Path
+
+    from tests.gpu.test_gpu_mixed_precision import _run as run_script
+    from tests.support.parallel_runs import gpt_run
+
+    cfg = gpt_run(tmp_path, "hp2", distributed={"device": "cuda", "use_nccl": True, "num_ranks": 2,
+                                                "horizontal_parallel_size": 2})
+    log = run_script(cfg, 2, str(Path(__file__).parent / "tensor_device_rank.py"))
+    results = [json.loads(line) for line in re.findall(r"RESULT (.*)$", log, re.M)]
+    assert sorted(r["rank"] for r in results) == [0, 1], log[-3000:]
+    for r in results:
+        assert r["devices"][0] == ["cpu"]  # the first micro-batch: the engine's own (host) outputs, shapes recorded
+        assert r["devices"][1:] == [["cuda"], ["cuda"]], r["devices"]
+        assert r["sum_device"] == "cuda"
+        assert r["sum_bits_equal"] and r["add_bits_equal"], r

@@ -430,34 +430,43 @@ class NCCLComm:
         """ZeRO-1 on the GPU: every rank's ``count`` floats into ``recv`` (in place when send = recv + rank x count)."""
         self.comm.allGather(send_ptr, recv_ptr, count, self._nccl.NCCL_FLOAT32, self.stream.ptr)
 
-    def tensor_sum(self, x: np.ndarray, label: str) -> np.ndarray:
-        """``x`` (float32, on the host) summed over the group on this rank's GPU, the ranks' parts added in rank order:
-        bitwise the same on every rank (tensor parallelism's activation and input-gradient sums).
+    def tensor_sum(self, src_ptr: int, dst_ptr: int, count: int, label: str) -> None:
+        """``count`` float32 at device address ``src_ptr`` summed over the group into ``dst_ptr``, the ranks' parts
+        added in rank order: bitwise the same on every rank (tensor parallelism's activation and input-gradient sums).
 
-        The copy in, the in-place all-gather, the sum and the copy out are queued on the NCCL stream, one after the
-        other, so the stream orders them and the host waits once, for the result, under the watchdog. Nothing of the
-        engine's is pending: ``x`` is an output the engine already handed back on the host.
+        The all-gather and the sum are queued on the NCCL stream; nothing leaves the GPU. The host then waits once,
+        under the watchdog, for that stream: the engine reads ``dst`` next, on its own stream, which cannot be told to
+        wait for this one. ``src`` is an output of an engine call, complete when the call returned.
         """
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.size == 0 or self.size == 1:
-            return x.copy()
-        cp, stream, n = self._cp, self.stream, x.size
+        if count == 0:
+            return
+        cp, stream = self._cp, self.stream
+        out = self._device_view(DeviceBuffer(dst_ptr, count, label))
 
-        def run() -> np.ndarray:
+        def run() -> None:
             with stream:
-                flat = cp.empty(self.size * n, dtype=cp.float32)
-                mine = flat[self.rank * n : (self.rank + 1) * n]
-                mine.set(x.reshape(-1), stream=stream)
-                self.comm.allGather(mine.data.ptr, flat.data.ptr, n, self._nccl.NCCL_FLOAT32, stream.ptr)
-                parts = flat.reshape(self.size, n)
-                total = parts[0].copy()
-                for part in parts[1:]:
-                    total += part
-                out = total.get(stream=stream)
-            stream.synchronize()  # Sync point: the host hands the sum to the engine next
-            return out.reshape(x.shape)
+                flat = cp.empty(self.size * count, dtype=cp.float32)
+                self.comm.allGather(src_ptr, flat.data.ptr, count, self._nccl.NCCL_FLOAT32, stream.ptr)
+                parts = flat.reshape(self.size, count)
+                if self.size == 1:
+                    cp.copyto(out, parts[0])
+                else:
+                    cp.add(parts[0], parts[1], out=out)
+                for part in parts[2:]:
+                    cp.add(out, part, out=out)
+            stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 
-        return self.group.watched(label, run)
+        self.group.watched(label, run)
+
+    def add_device(self, a_ptr: int, b_ptr: int, out_ptr: int, count: int) -> None:
+        """``out = a + b`` for ``count`` float32 at device addresses, on the NCCL stream (tensor parallelism's
+        gradients of a tensor that several pieces read)."""
+        if count == 0:
+            return
+        view = lambda ptr: self._device_view(DeviceBuffer(ptr, count))  # noqa: E731
+        with self.stream:
+            self._cp.add(view(a_ptr), view(b_ptr), out=view(out_ptr))
+        self.stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         self.group.reduce_scatter(flat, out, counts)  # host ZeRO-1 over the process group (CPU engine)

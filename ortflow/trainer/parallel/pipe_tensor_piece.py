@@ -90,9 +90,9 @@ class _StageView:
 
     def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """A middle stage's forward: every piece (eval models, partial sums summed); ``feeds`` keeps what the pieces
-        passed each other, for the backward."""
+        passed each other (on CUDA ranks on the GPU), for the backward."""
         feeds.update(self.rt.forward(feeds, len(self.rt.pieces)))
-        return [feeds[n] for n in self.sends]
+        return [self.rt.tensors.host(feeds[n]) for n in self.sends]  # the pipeline sends host arrays
 
     def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
         """The pieces' backward (the last stage first runs its forward); returns (loss, gradients of what the stage
@@ -102,7 +102,8 @@ class _StageView:
         else:
             env, arriving = feeds, dict(zip(self.sends, grads, strict=True))
         loss, back = self.rt.backward(env, arriving)
-        return loss, [back.get(n, np.zeros_like(env[n])) for n in self.receives]
+        tensors = self.rt.tensors
+        return loss, [tensors.host(back[n] if n in back else tensors.zeros_like(env[n])) for n in self.receives]
 
     def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
         return self.rt.eval_loss(feeds)

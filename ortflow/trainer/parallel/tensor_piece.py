@@ -12,6 +12,7 @@ training call recomputes its forward and returns the gradients of what it read, 
 what it sent (docs/engine-pipeline.md). A parallel piece's input gradients are partial and are summed over
 ``tp_comm`` (Megatron's ``f``). Every sum adds the ranks' parts in rank order (an all-gather, then a local sum), so
 all ``hp`` ranks hold bitwise the same replicated activations and gradients, hence the same replicated parameters.
+On CUDA ranks the activations, their gradients and the sums stay on the GPU (:mod:`.activations`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ortflow.engine import api
 from ortflow.trainer import optim
 from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.optim.zero import Zero0
+from ortflow.trainer.parallel.activations import DeviceTensors, HostTensors
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 from ortflow.trainer.parallel.replica import Runtime
@@ -62,6 +64,7 @@ class TensorRuntime(Runtime):
     slicing: dict[str, list[int]] = field(default_factory=dict)  # sliced parameter -> [axis, parts]
     holders: dict[str, list[int]] = field(default_factory=dict)  # parameter -> pieces holding it (first: owner)
     pipe: tuple[int, int] | None = None  # (stage, P) when it also is a pipeline stage (parallel/pipe_tensor_piece.py)
+    tensors: HostTensors | DeviceTensors | None = None  # where the pieces' activations live (.activations)
     _piece_grads: list[dict[str, np.ndarray]] = field(default_factory=list)  # pinned host views, per piece (CPU)
 
     def data_shard(self) -> tuple[int, int]:
@@ -100,28 +103,20 @@ class TensorRuntime(Runtime):
 
     # -- the passes ----------------------------------------------------------------------------------------------
 
-    def tp_sum(self, x: np.ndarray) -> np.ndarray:
-        """Sum over the tensor-parallel group, added in rank order (bitwise the same on every rank)."""
+    def tp_sum(self, x, label: str = "tensor-parallel activation sum"):
+        """Sum over the tensor-parallel group, added in rank order (bitwise the same on every rank), where the rank
+        keeps its activations (:mod:`.activations`)."""
         if self.tp_size == 1:
             return x
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if hasattr(self.tp_comm, "tensor_sum"):  # NCCL: on the GPU, one host wait (comm/nccl.py)
-            return self.tp_comm.tensor_sum(x, "tensor-parallel activation sum")
-        flat = np.zeros(self.tp_size * x.size, np.float32)
-        flat[self.tp_rank * x.size : (self.tp_rank + 1) * x.size] = x.reshape(-1)
-        self.tp_comm.all_gather(flat, [x.size] * self.tp_size, "tensor-parallel activation sum")
-        parts = flat.reshape(self.tp_size, -1)
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return total.reshape(x.shape)
+        return self.tensors.sum(x, label)
 
     def forward(self, batch: dict[str, np.ndarray], upto: int) -> dict[str, np.ndarray]:
-        """Every piece before ``upto`` forward (eval models); returns what they sent, partial sums summed."""
-        env = dict(batch)
+        """Every piece before ``upto`` forward (eval models); returns what they sent, partial sums summed (with
+        ``batch``, where the rank keeps its activations)."""
+        env = self.tensors.adopt(batch)
         for piece in self.pieces[:upto]:
             sends = piece.info["sends"]
-            outputs = piece.call(False, env)[: len(sends)]
+            outputs = self.tensors.call(piece, False, env)[: len(sends)]
             if piece.info["parallel"]:  # Sync point (g): the row-split MatMuls' partial sums
                 outputs = [self.tp_sum(y) for y in outputs]
             env.update(zip(sends, outputs, strict=True))
@@ -155,23 +150,24 @@ class TensorRuntime(Runtime):
         """The pieces' training calls in reverse, on the forward tensors ``env``; ``arriving``: gradients of what the
         last piece sends (a pipeline stage's sends), else the last piece holds the loss. Returns (loss, gradients of
         every received tensor, summed over the tensor-parallel ranks)."""
-        grads: dict[str, np.ndarray] = dict(arriving or {})
+        grads = self.tensors.adopt(arriving or {})
         loss = 0.0
         for piece in reversed(self.pieces):
             info = piece.info
             feeds = env
             driven = piece is not self.pieces[-1] or arriving is not None
             if driven:  # by the summed gradients of what it sent (zeros if unread)
-                given = {n + GRAD_IN_SUFFIX: grads.get(n, np.zeros_like(env[n])) for n in info["float_sends"]}
+                given = {n + GRAD_IN_SUFFIX: grads[n] if n in grads else self.tensors.zeros_like(env[n])
+                         for n in info["float_sends"]}
                 feeds = {**env, **given}
-            outputs = piece.call(True, feeds)
+            outputs = self.tensors.call(piece, True, feeds)
             if not driven:
-                loss = float(outputs[0])
+                loss = self.tensors.scalar(outputs[0])
             back = outputs[1 : 1 + len(info["float_receives"])]
             if info["parallel"]:  # Sync point (f): a split region's input gradients are partial
-                back = [self.tp_sum(g) for g in back]
+                back = [self.tp_sum(g, "tensor-parallel input-gradient sum") for g in back]
             for name, g in zip(info["float_receives"], back, strict=True):
-                grads[name] = grads[name] + g if name in grads else np.array(g)
+                grads[name] = self.tensors.add(grads[name], g) if name in grads else self.tensors.own(g)
         return loss, grads
 
     def norm_sq(self, mine: list) -> float:
@@ -185,7 +181,7 @@ class TensorRuntime(Runtime):
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
         env = self.forward(batch, len(self.pieces) - 1)
-        return float(self.pieces[-1].call(False, env)[0])
+        return self.tensors.scalar(self.tensors.call(self.pieces[-1], False, env)[0])
 
     def sum_tied_gradients(self) -> None:
         """A parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum, added in
@@ -350,6 +346,7 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
              pieces=pieces, slicing=record["slicing"], holders=holders, pipe=pipe, **where)
     if resume or warm:
         load_sliced_parameters(rt, resume.path if resume else Path(warm))
+    rt.tensors = HostTensors(rt.tp_comm, tp_rank, size) if device == "cpu" else DeviceTensors(rt.tp_comm)
     rt.update = _build_update(rt, threads)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     if resume:

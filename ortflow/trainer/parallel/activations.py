@@ -1,0 +1,141 @@
+"""Where a tensor-parallel rank keeps the tensors its pieces pass each other within a micro-batch: the activations,
+their gradients, and the sums of both over the tensor-parallel group.
+
+* :class:`HostTensors` (CPU ranks): numpy arrays, as the CPU engine takes and returns them; a sum all-gathers the
+  ranks' parts over the process group and adds them in rank order.
+* :class:`DeviceTensors` (CUDA ranks): the engine's own device tensors (``OrtValue``): the batch is copied to the GPU
+  once, every engine call takes and returns device tensors, and a sum all-gathers the parts with NCCL and adds them in
+  rank order on the GPU (:meth:`~ortflow.trainer.comm.nccl.NCCLComm.tensor_sum`). Nothing crosses to the host within a
+  micro-batch except the loss; a pipeline stage hands what crosses its cut to the pipeline as host arrays.
+
+Both add in the same order with float32 adds, so a sum has the same bits on every rank and on both devices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ortflow.engine import OrtValue, call_module
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.rank_model import EnginePart
+
+
+class HostTensors:
+    """CPU ranks: numpy arrays (see the module docstring)."""
+
+    def __init__(self, comm: Communicator, rank: int, size: int):
+        self.comm, self.rank, self.size = comm, rank, size
+
+    def adopt(self, values: dict) -> dict:
+        """``values`` (host arrays from the loader or the pipeline) as the engine takes them."""
+        return dict(values)
+
+    def call(self, part: EnginePart, train: bool, feeds: dict) -> list:
+        return part.call(train, feeds)
+
+    def sum(self, x: np.ndarray, label: str) -> np.ndarray:
+        """``x`` summed over the group, added in rank order."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        flat = np.zeros(self.size * x.size, np.float32)
+        flat[self.rank * x.size : (self.rank + 1) * x.size] = x.reshape(-1)
+        self.comm.all_gather(flat, [x.size] * self.size, label)
+        parts = flat.reshape(self.size, -1)
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total.reshape(x.shape)
+
+    def zeros_like(self, x: np.ndarray) -> np.ndarray:
+        return np.zeros_like(x)
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a + b
+
+    def own(self, x: np.ndarray) -> np.ndarray:
+        """A copy that later adds may not alias (an engine output can be a view of its buffers)."""
+        return np.array(x)
+
+    def scalar(self, x) -> float:
+        return float(x)
+
+    def host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+class DeviceTensors:
+    """CUDA ranks: the engine's device tensors (see the module docstring).
+
+    Args:
+        comm: The tensor-parallel group's NCCLComm (its stream and device).
+    """
+
+    def __init__(self, comm):
+        self.comm, self.device = comm, comm.device_index
+        self._outputs: dict[tuple, list[tuple[list[int], np.dtype]]] = {}  # call -> its outputs' shapes and types
+
+    def _new(self, shape, dtype=np.float32) -> OrtValue:
+        return OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device)
+
+    def call(self, part: EnginePart, train: bool, feeds: dict) -> list[OrtValue]:
+        """One engine call of ``part`` on device tensors, its outputs written on the GPU.
+
+        The engine puts an output on the device only into a tensor the caller allocated there: the first call of a
+        part with given input shapes lets the engine allocate (on the host) and records its outputs' shapes and
+        types, every later one hands it device tensors of those. The training and eval calls of a piece compute
+        output shapes from input shapes alone (no data-dependent shape in a transformer's pieces).
+        """
+        module = part.training_module() if train else part.module
+        module.train() if train else module.eval()
+        inputs = [self.to_device(feeds[name]) for name in module.input_names()]
+        key = (id(module), train, tuple(tuple(x.shape()) for x in inputs))
+        known = self._outputs.get(key)
+        outputs = [self._new(shape, dtype) for shape, dtype in known] if known is not None else []
+        results = call_module(module, train, inputs, outputs)
+        if known is None:
+            hosts = [r.numpy() for r in results]
+            self._outputs[key] = [(list(h.shape), h.dtype) for h in hosts]
+            results = [self.to_device(h) for h in hosts]
+        return results
+
+    def to_device(self, x) -> OrtValue:
+        """A host array, or a tensor the engine left on the host, as a tensor on this rank's GPU."""
+        if isinstance(x, OrtValue):
+            if x.device_name() == "cuda":
+                return x
+            x = x.numpy()
+        return OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x), "cuda", self.device)
+
+    def adopt(self, values: dict) -> dict:
+        """``values`` on this rank's GPU, each copied once (the batch, or what a pipeline stage received)."""
+        return {name: self.to_device(x) for name, x in values.items()}
+
+    def sum(self, x: OrtValue, label: str) -> OrtValue:
+        """``x`` summed over the group on the GPU, added in rank order: a new device tensor."""
+        x = self.to_device(x)
+        if x.data_type() != "tensor(float)":
+            raise TypeError(f"{label}: tensor-parallel sums take float32 tensors, not {x.data_type()}")
+        out = self._new(x.shape())
+        count = int(np.prod(x.shape(), dtype=np.int64))
+        self.comm.tensor_sum(x.data_ptr(), out.data_ptr(), count, label)
+        return out
+
+    def zeros_like(self, x: OrtValue) -> OrtValue:
+        return OrtValue.ortvalue_from_numpy(np.zeros(x.shape(), np.float32), "cuda", self.device)
+
+    def add(self, a: OrtValue, b: OrtValue) -> OrtValue:
+        """``a + b`` in float32 on the GPU (NCCL stream, waited for: the engine reads it next)."""
+        a, b = self.to_device(a), self.to_device(b)
+        if a.shape() != b.shape() or a.data_type() != "tensor(float)" or b.data_type() != "tensor(float)":
+            raise TypeError(f"gradients of one tensor differ: {a.shape()} {a.data_type()}, {b.shape()} {b.data_type()}")
+        out = self._new(a.shape())
+        self.comm.add_device(a.data_ptr(), b.data_ptr(), out.data_ptr(), int(np.prod(a.shape(), dtype=np.int64)))
+        return out
+
+    def own(self, x: OrtValue) -> OrtValue:
+        return self.to_device(x)  # an engine output owns its buffer; later adds write new tensors
+
+    def scalar(self, x: OrtValue) -> float:
+        return float(x.numpy()) if isinstance(x, OrtValue) else float(x)
+
+    def host(self, x) -> np.ndarray:
+        return x.numpy() if isinstance(x, OrtValue) else np.asarray(x)

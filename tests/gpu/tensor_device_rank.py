@@ -1,0 +1,55 @@
+"""Test-only rank entry: a tensor-parallel CUDA rank's micro-batches, watching where its pieces' tensors live.
+
+Usage: mpiexec -n 2 python tensor_device_rank.py RUN_DIR (an hp 2 run on CUDA). Every engine call of the rank's pieces
+is recorded with the devices where the engine wrote its outputs. After three micro-batches the rank sums a random
+tensor of its own over the tensor-parallel group and adds two tensors on the GPU, and prints one ``RESULT`` line: the
+devices per micro-batch, and whether the sum and the add have the bits of the host's rank-order float32 adds.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import ortflow.trainer.parallel.activations as activations
+from ortflow.dataprep.loader import TrainLoader
+from ortflow.trainer.runtime import init_runtime, start_mpi
+
+run_dir = Path(sys.argv[1])
+cfg, comm = start_mpi(run_dir)
+rt = init_runtime(run_dir, cfg, comm)
+tensors, devices = rt.tensors, []
+engine_call = activations.call_module
+
+
+def call_module(module, train, inputs, outputs):
+    """The engine call as the rank makes it; records where the engine put the outputs."""
+    results = engine_call(module, train, inputs, outputs)
+    devices[-1].update(r.device_name() for r in results)
+    return results
+
+
+activations.call_module = call_module
+shard, shards = rt.data_shard()
+batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
+for _ in range(3):
+    devices.append(set())
+    rt.micro_step(next(batches))
+
+rng = np.random.default_rng(100 + rt.tp_rank)
+mine = rng.normal(size=(3, 5, 7)).astype(np.float32) * np.float32(10.0) ** rng.integers(-8, 8, (3, 5, 7))
+every = rt.tp_comm.gather_object(mine, "test parts")
+every = rt.tp_comm.broadcast(every, "test parts")
+expected = every[0].copy()
+for part in every[1:]:
+    expected += part
+total = tensors.sum(tensors.to_device(mine), "test sum")
+added = tensors.add(tensors.to_device(every[0]), tensors.to_device(every[1]))
+print("RESULT " + json.dumps({
+    "rank": comm.rank, "devices": [sorted(d) for d in devices], "sum_device": total.device_name(),
+    "sum_bits_equal": tensors.host(total).tobytes() == expected.tobytes(),
+    "add_bits_equal": tensors.host(added).tobytes() == (every[0] + every[1]).tobytes(),
+}), flush=True)
+comm.barrier("test done")
+comm.close()
