@@ -67,7 +67,7 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     shard, shards = rt.data_shard()
     batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
     tensor = hasattr(rt, "micro_step")
-    reduce_s = [0.0]
+    reduce_s, engine_s = [0.0], [0.0]
     if tensor:
         plain = rt.tp_sum
 
@@ -78,11 +78,20 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
             finally:
                 reduce_s[0] += time.perf_counter() - started
         rt.tp_sum = timed
+        calling = rt.tensors.call
+
+        def timed_call(*args):
+            started = time.perf_counter()
+            try:
+                return calling(*args)
+            finally:
+                engine_s[0] += time.perf_counter() - started
+        rt.tensors.call = timed_call
     grads = rt.gradient_buffers()
-    times, reduces = [], []
+    times, reduces, engines = [], [], []
     for step in range(warmup + steps):
         comm.barrier("bench step")
-        reduce_s[0] = 0.0
+        reduce_s[0] = engine_s[0] = 0.0
         started = time.perf_counter()
         if tensor:
             for _ in range(k):
@@ -101,7 +110,9 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
         if step >= warmup:
             times.append(time.perf_counter() - started)
             reduces.append(reduce_s[0])
+            engines.append(engine_s[0])
     record = {"rank": comm.rank, "step_s": statistics.median(times), "allreduce_s": statistics.median(reduces),
+              "engine_calls_s": statistics.median(engines),
               "samples_per_step": k * cfg.train.batch_size * (comm.size // cfg.distributed.horizontal_parallel_size),
               "memory": _memory(rt, _split_names(names_from))}
     (run_dir / f"bench-rank{comm.rank}.json").write_text(json.dumps(record))

@@ -38,7 +38,7 @@ for _ in range(3):
     rt.micro_step(next(batches))
 
 rng = np.random.default_rng(100 + rt.tp_rank)
-mine = rng.normal(size=(3, 5, 7)).astype(np.float32) * np.float32(10.0) ** rng.integers(-8, 8, (3, 5, 7))
+mine = (rng.normal(size=(3, 5, 7)) * 10.0 ** rng.integers(-8, 8, (3, 5, 7))).astype(np.float32)
 every = rt.tp_comm.gather_object(mine, "test parts")
 every = rt.tp_comm.broadcast(every, "test parts")
 expected = every[0].copy()

@@ -103,7 +103,7 @@ class DeviceTensors:
             if x.device_name() == "cuda":
                 return x
             x = x.numpy()
-        return OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x), "cuda", self.device)
+        return OrtValue.ortvalue_from_numpy(np.asarray(x, order="C"), "cuda", self.device)  # 0-d stays 0-d
 
     def adopt(self, values: dict) -> dict:
         """``values`` on this rank's GPU, each copied once (the batch, or what a pipeline stage received)."""
@@ -135,7 +135,7 @@ class DeviceTensors:
         return self.to_device(x)  # an engine output owns its buffer; later adds write new tensors
 
     def scalar(self, x: OrtValue) -> float:
-        return float(x.numpy()) if isinstance(x, OrtValue) else float(x)
+        return float(x.numpy().item()) if isinstance(x, OrtValue) else float(x)
 
     def host(self, x) -> np.ndarray:
         return x.numpy() if isinstance(x, OrtValue) else np.asarray(x)
