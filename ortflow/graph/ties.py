@@ -6,6 +6,8 @@ new initializer. The model then trains two tensors that start equal and drift ap
 has more parameters than the user's (GPT-2 small: 875,264 instead of 842,496 in a 4-layer test export). Nothing in
 the graph says the two were one; the values do. This check compares the float initializers whose shapes allow it
 (equal, or transposed 2-D) and reports pairs whose values are the same tensor. Configure warns about each pair.
+A tensor whose elements are all equal (a freshly initialised bias of zeros, a LayerNorm weight of ones) is an
+initialisation, not evidence of a tie: it is never reported, however large.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def folded_tie_copies(model: onnx.ModelProto, trainable: set[str]) -> list[tuple
         if not (tensor.raw_data or tensor.float_data) or np.prod(tensor.dims, dtype=np.int64) < MIN_VALUES:
             continue
         value = numpy_helper.to_array(tensor)
+        if value.size and np.all(value == value.flat[0]):
+            continue  # constant: equal to any other constant of its shape by initialisation
         arrays[tensor.name] = value
         forms = [(value, False)] + ([(value.T, True)] if value.ndim == 2 else [])
         for form, transposed in forms:

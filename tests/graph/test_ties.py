@@ -35,3 +35,21 @@ def test_a_tied_table_untied_by_constant_folding_is_found_and_configure_warns(tm
         configure(cfg)
     assert "'onnx::MatMul_4096' holds the transpose of 'model.transformer.wte.weight' (32,768 more trained values)" \
         in caplog.text and "do_constant_folding=False" in caplog.text
+
+
+def test_constant_tensors_of_a_fresh_initialisation_are_not_reported_as_ties():
+    """Biases of zeros and LayerNorm weights of ones, as a freshly initialised model holds them at any width, are
+    equal by initialisation; a real copy among them is still found."""
+    from onnx import helper, numpy_helper
+
+    from ortflow.graph.ties import folded_tie_copies
+
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(64, 32)).astype(np.float32)
+    values = {"ln.weight": np.ones(2048, np.float32), "ln2.weight": np.ones(2048, np.float32),
+              "q.bias": np.zeros(2048, np.float32), "k.bias": np.zeros(2048, np.float32),
+              "wte": table, "head": np.ascontiguousarray(table.T)}
+    inits = [numpy_helper.from_array(v, n) for n, v in values.items()]
+    graph = helper.make_graph([], "g", [], [], initializer=inits)
+    model = helper.make_model(graph)
+    assert folded_tie_copies(model, set(values)) == [("wte", "head", True)]
