@@ -152,13 +152,14 @@ class Bench:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            reshard = self.args.fsdp_reshard
             for block in model.h:
                 if self.args.fsdp_compile:
                     block.compile(backend=backend)
-                fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+                fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
             info.update(wrapper="fully_shard per block + root", param_dtype="bf16", reduce_dtype="fp32",
-                        compiled="per block" if self.args.fsdp_compile else "no")
+                        compiled="per block" if self.args.fsdp_compile else "no", reshard_after_forward=reshard)
             return model, info
         if mode == "blockcompile":
             for block in model.h:
@@ -192,6 +193,13 @@ class Bench:
             contender.steps(1)
         contender.steps(max(0, warmup - 1))
         info["warmup_s"] = round(time.perf_counter() - start, 2)  # compile time, mostly
+        try:  # what dynamo compiled so far in this process (cumulative over the modes built before)
+            from torch._dynamo.utils import counters
+
+            info["dynamo"] = {group: {k: int(v) for k, v in counters[group].items()} for group in ("frames", "stats")}
+            info["dynamo"]["graph_breaks"] = int(sum(counters["graph_break"].values()))
+        except (ImportError, AttributeError, KeyError):
+            pass
         return contender
 
     def run(self, mode: str, bucket_mb: int, steps: int, warmup: int) -> dict:
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune-buckets", action="store_true", help=f"pick the fastest of {BUCKETS_MB} MB first")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--no-fsdp-compile", dest="fsdp_compile", action="store_false")
+    parser.add_argument("--no-fsdp-reshard", dest="fsdp_reshard", action="store_false",
+                        help="FSDP2 keeps each block's gathered parameters from forward to backward "
+                        "(reshard_after_forward=False: one all-gather per block and step instead of two)")
     parser.add_argument("--rounds", type=int, default=1, help="timed windows per mode, the modes interleaved")
     parser.add_argument("--round", type=int, default=1, help="the number of the first round (recorded)")
     args = parser.parse_args(argv)
