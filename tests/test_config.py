@@ -127,11 +127,12 @@ def test_horizontal_parallelism_is_accepted_alone_and_with_data_parallel(tmp_pat
     assert problems_of(tmp_path, "distributed.num_ranks=4", "distributed.horizontal_parallel_size=2") == []
     assert problems_of(tmp_path, "distributed.num_ranks=8", "distributed.horizontal_parallel_size=2",
                        "distributed.pipeline_parallel_size=2") == []  # dp 2 x pp 2 x hp 2 on CPU ranks
+    assert problems_of(tmp_path, "distributed.num_ranks=4", "distributed.horizontal_parallel_size=2",
+                       "distributed.pipeline_parallel_size=2", "distributed.device=cuda",
+                       "distributed.use_nccl=true") == []  # pp 2 x hp 2 on GPUs
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (("distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", "distributed.device=cuda",
-      "distributed.use_nccl=true"), "with pipeline_parallel_size 2 runs on CPU ranks only"),
     (("distributed.num_ranks=2", "distributed.zero_stage=1"), "set distributed.zero_stage 0"),
     (("distributed.num_ranks=2", "precision.use_mixed_precision=true"), "use_mixed_precision false"),
     (("distributed.num_ranks=2", "distributed.device=cuda"), "set use_nccl true with device cuda"),

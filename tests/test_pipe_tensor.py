@@ -116,12 +116,11 @@ def test_tied_weights_across_stages_are_split_alike_in_every_holding_stage(tmp_p
     assert plans[0].plan.slicing()[table] == plans[1].plan.slicing()[table] == (0, 1)
 
 
-def test_pp_x_hp_is_accepted_on_cpu_ranks_and_refused_on_gpus_with_the_fix(tmp_path):
+def test_pp_x_hp_is_accepted_on_cpu_ranks_and_gpus(tmp_path):
     path = tmp_path / "gpt.onnx"
     cfg = pp_tp_cfg(tmp_path, path, dp=2)
     assert cfg.distributed.resolved_data_parallel_size == 2
-    with pytest.raises(ConfigError, match="runs on CPU ranks only for now"):
-        pp_tp_cfg(tmp_path, path, device="cuda")
+    assert pp_tp_cfg(tmp_path, path, device="cuda").distributed.device == "cuda"
 
 
 def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logits(tmp_path):

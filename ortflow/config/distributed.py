@@ -33,7 +33,7 @@ class DistributedConfig(Section):
         1, gt=0,
         description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
         "(Megatron-style column/row split, heads divided; fp32, ZeRO-0; with pipeline_parallel_size each stage is "
-        "split, CPU ranks only; docs/tensor-parallel.md).",
+        "split; docs/tensor-parallel.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."

@@ -94,11 +94,7 @@ class RunConfig(Section):
 
 def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     """What tensor parallelism does not combine with yet, each with the fix."""
-    dist, hp, problems = cfg.distributed, cfg.distributed.horizontal_parallel_size, []
-    if dist.pipeline_parallel_size > 1 and dist.device == "cuda":
-        problems.append(f"distributed.horizontal_parallel_size {hp} with pipeline_parallel_size "
-                        f"{dist.pipeline_parallel_size} runs on CPU ranks only for now: use device cpu, or one of "
-                        "them (the other 1) on GPUs")
+    dist, problems = cfg.distributed, []
     if dist.zero_stage or dist.enable_adasum:
         problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
                         "(ZeRO-0): set distributed.zero_stage 0 and enable_adasum false with it")

@@ -1,5 +1,5 @@
-"""pp 2 x dp 2 and hp 2 x dp 2 on 4 GPUs train to the parameters of the same layout on 4 CPU ranks (skipped without
-4 GPUs, the GPU engine and CuPy).
+"""pp 2 x dp 2, hp 2 x dp 2 and pp 2 x hp 2 on 4 GPUs train to the parameters of the same layout on 4 CPU ranks
+(skipped without 4 GPUs, the GPU engine and CuPy).
 
 Each layout trains twice from the same weights on the same batches under ``mpiexec -n 4``: on GPU ranks (NCCL stage
 sends, tensor-parallel sums and replica averages, ortflow's device update) and on CPU ranks (MPI, the host update).
@@ -109,3 +109,21 @@ def test_hp2_dp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
     assert sorted(last) == [0, 1, 2, 3]
     assert len({replicated for _, replicated in last.values()}) == 1  # replicated parameters: same bits everywhere
     assert last[0][0] == last[2][0] and last[1][0] == last[3][0] and last[0][0] != last[1][0]  # slices per tp rank
+
+
+def test_pp2_hp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
+    """Two stages of two tensor-parallel ranks: the stages' pieces keep their activations on the GPU and hand what
+    crosses the cut to the pipeline's NCCL sends as host arrays."""
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.parallel_runs import gpt_run, initial_parameters, newest
+
+    layout = {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}
+    gpu = gpt_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD)
+    cpu = gpt_run(tmp_path, "cpu", distributed=layout, optimizer=SGD)
+    log = _run(gpu, 4, env=STRICT_FP32)
+    _run(cpu, 4)
+    for rank in range(4):  # rank = stage * 2 + t (one replica), one GPU each
+        assert (f"rank {rank}: tensor-parallel rank {rank % 2}/2 of replica 0/1 of pipeline stage {rank // 2}/2"
+                in log), log[-3000:]
+    _compare(read_params(newest(gpu)), read_params(newest(cpu)), initial_parameters(cpu), "pp 2 x hp 2")
+    _assert_losses_match(gpu, cpu)
