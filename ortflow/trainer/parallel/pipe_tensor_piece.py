@@ -40,7 +40,6 @@ class PipeTensorRuntime(TensorRuntime):
     receives: tuple[str, ...] = ()
     sends: tuple[str, ...] = field(default_factory=tuple)
     shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
-    shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
 
     @property
     def last(self) -> bool:
@@ -117,14 +116,12 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
     if record is None or record["size"] != size or record["num_stages"] != num_stages:
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
+    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
+    if tied and device != "cpu":  # every rank reads the whole record, so every rank stops here (configure refuses it)
+        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
+                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
     info = record["stages"][where.stage]
-    if info.get("shared") and device != "cpu":  # every rank reads the same record: all stop here alike
-        raise RuntimeError(f"tied parameters across pipeline stages {sorted(info['shared'])} are summed on the host: "
-                           "not supported on CUDA yet; use one of pipeline_parallel_size and horizontal_parallel_size")
-    if info.get("shared") and device != "cpu":  # every rank reads the same record: all stop here alike
-        raise RuntimeError(f"tied parameters across pipeline stages {sorted(info['shared'])} are summed on the host: "
-                           "not supported on CUDA yet; use one of pipeline_parallel_size and horizontal_parallel_size")
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),
         dict(tp_rank=where.tp_rank, replica=where.replica, tp_comm=groups.tp, dp_comm=groups.dp, stage=where.stage,
