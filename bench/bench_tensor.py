@@ -173,7 +173,8 @@ def summarize(results: dict) -> dict:
     for kind in ("hp1", "dp2", "hp2"):
         step = med(kind, lambda r: max(x["step_s"] for x in r))
         timing[kind] = {"step_s": step, "samples_per_s": results[kind][0][0]["samples_per_step"] / step,
-                        "allreduce_s": med(kind, lambda r: max(x["allreduce_s"] for x in r))}
+                        "allreduce_s": med(kind, lambda r: max(x["allreduce_s"] for x in r)),
+                        "engine_calls_s": med(kind, lambda r: max(x.get("engine_calls_s", 0.0) for x in r))}
     return {"memory": memory, "memory_ratio_vs_hp1": ratios, "timing": timing,
             "hp2_step_vs_hp1": timing["hp2"]["step_s"] / timing["hp1"]["step_s"]}
 
@@ -193,9 +194,11 @@ def report(record: dict) -> str:
         lines.append(f"| {key} | {m['split_parameters'] / mib:.2f} | {m['split_optimizer_state'] / mib:.2f} | "
                      f"{m['all_parameters'] / mib:.2f} | {ratio['split_parameters']:.3f} | "
                      f"{ratio['all_parameters']:.3f} |")
-    lines += ["", "| layout | step s (median) | samples/s | all-reduce s per step |", "|---|---|---|---|"]
+    lines += ["", "| layout | step s (median) | samples/s | all-reduce s per step | hp engine calls s per step |",
+              "|---|---|---|---|---|"]
     for kind, t in s["timing"].items():
-        lines.append(f"| {kind} | {t['step_s']:.3f} | {t['samples_per_s']:.1f} | {t['allreduce_s']:.3f} |")
+        lines.append(f"| {kind} | {t['step_s']:.3f} | {t['samples_per_s']:.1f} | {t['allreduce_s']:.3f} | "
+                     f"{t.get('engine_calls_s', 0.0):.3f} |")
     lines += ["", f"hp2 step time / hp1: {s['hp2_step_vs_hp1']:.2f}", "",
               f"Split by hp 2 (tensor.json): {record.get('split_names', '(not recorded)')}"]
     return "\n".join(lines) + "\n"
