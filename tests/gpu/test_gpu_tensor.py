@@ -1,10 +1,11 @@
 """Tensor parallelism on 2 GPUs with NCCL (skipped without 2 GPUs, the GPU engine and CuPy).
 
-The GPU path of ortflow/trainer/parallel/tensor_piece.py (activation sums through NCCL
-all-gather, ortflow's device update over the pieces' CUDA buffers, the device-side norm of the rank's share) was
-written on a CPU-only machine. This test is what checks it: hp 2 on 2 GPUs trains the 2-layer GPT to the parameters
-of 1 GPU unsplit (TF32 tolerance as in test_gpu_training.py) and both ranks finish; the log keeps the step times.
-Passed on 2 H200s: bench/results/gpu-tests-h200x2-w3-tp-pipeline.log.
+The GPU path of ortflow/trainer/parallel/tensor_piece.py and activations.py: the pieces' activations, their gradients
+and the tensor-parallel sums on the device (NCCL all-gather, rank-order adds), ortflow's device update over the
+pieces' CUDA buffers, the device-side norm of the rank's share. hp 2 on 2 GPUs trains the 2-layer GPT to the
+parameters of 1 GPU unsplit (TF32 tolerance as in test_gpu_training.py), the GPT-2 export's hp 2 equals the same
+layout on CPU ranks, and the engine writes the pieces' outputs on the device
+(bench/results/gpu-tests-4xh100-20261126c.md).
 """
 
 from __future__ import annotations
