@@ -32,3 +32,18 @@ def gpu_names(count: int) -> list[str]:
         cuda.cuDeviceGetName(name, 128, device)
         names.append(name.value.decode(errors="replace"))
     return names
+
+
+def gpu_capabilities(count: int) -> list[tuple[int, int]]:
+    """Each visible GPU's compute capability (major, minor) from the driver (empty when there is none)."""
+    if not count:
+        return []
+    cuda = ctypes.CDLL("libcuda.so.1")
+    found = []
+    for index in range(count):
+        device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        cuda.cuDeviceGet(ctypes.byref(device), index)
+        cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+        found.append((major.value, minor.value))
+    return found

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ortflow.gpus import gpu_count, gpu_names
+from ortflow.gpus import gpu_capabilities, gpu_count, gpu_names
 
 #: Sonames the engine's CUDA provider needs, in dependency order (cuBLASLt before cuBLAS).
 ENGINE_LIBRARIES = (
@@ -38,6 +38,19 @@ ENGINE_LIBRARIES = (
 OPTIONAL_LIBRARIES = ("libcudnn_cnn_infer.so.8", "libcudnn_cnn_train.so.8", "libcudnn_adv_infer.so.8",
                       "libcudnn_adv_train.so.8")
 NCCL_LIBRARY = "libnccl.so.2"
+#: The newest compute capability the GPU engine carries machine code (and PTX) for: sm_60 to sm_86.
+ENGINE_NEWEST_SASS = (8, 6)
+
+
+def jit_note(capabilities: list[tuple[int, int]]) -> str | None:
+    """What ``ortflow doctor`` says about GPUs newer than the engine's machine code, or None when there is none."""
+    newer = sorted({c for c in capabilities if c > ENGINE_NEWEST_SASS})
+    if not newer:
+        return None
+    names = ", ".join(f"sm_{major}{minor}" for major, minor in newer)
+    return (f"the engine carries machine code up to sm_{ENGINE_NEWEST_SASS[0]}{ENGINE_NEWEST_SASS[1]}: on {names} the "
+            "driver compiles its kernels from PTX at first use (about a minute in a job's first updates), then "
+            "reuses its cache (~/.nv/ComputeCache, CUDA_CACHE_PATH; docs/gpu.md)")
 ENV_DIRS = "ORTFLOW_CUDA_LIB_DIRS"
 
 
@@ -130,8 +143,11 @@ def diagnose() -> list[tuple[str, bool, str]]:
         where = report.loaded.get(soname)
         rows.append((soname, where is not None, where or "missing: install the `cuda` extra or set " + ENV_DIRS))
     count, why = gpu_count()
-    names = gpu_names(count)
-    rows.append(("GPUs", count > 0, ", ".join(f"{i}: {n}" for i, n in enumerate(names)) if count else str(why)))
+    names, capabilities = gpu_names(count), gpu_capabilities(count)
+    listed = ", ".join(f"{i}: {n} (sm_{c[0]}{c[1]})" for i, (n, c) in enumerate(zip(names, capabilities, strict=True)))
+    rows.append(("GPUs", count > 0, listed if count else str(why)))
+    if (note := jit_note(capabilities)) is not None:
+        rows.append(("kernels", True, note))
     cupy = importlib.util.find_spec("cupy")
     rows.append(("CuPy", cupy is not None, "found" if cupy else "missing: needed for use_nccl (the `cuda` extra)"))
     mpi4py = importlib.util.find_spec("mpi4py")

@@ -53,3 +53,13 @@ def test_a_library_that_cannot_load_is_reported_missing(tmp_path):
     (tmp_path / "libortflow_absent.so.1").write_bytes(b"not an ELF file")
     report = cuda_libs.preload(("libortflow_absent.so.1",), (), dirs=[tmp_path])
     assert report.missing == ["libortflow_absent.so.1"] and not report.loaded
+
+
+def test_doctor_names_gpus_newer_than_the_engines_machine_code():
+    assert cuda_libs.jit_note([]) is None
+    assert cuda_libs.jit_note([(8, 0), (8, 6)]) is None  # A100, RTX 30: the engine's own machine code
+    note = cuda_libs.jit_note([(9, 0), (9, 0), (8, 0)])
+    assert note is not None and "on sm_90 the driver compiles its kernels from PTX at first use" in note
+    assert "sm_86" in note and "CUDA_CACHE_PATH" in note
+    assert "sm_89, sm_90" in cuda_libs.jit_note([(9, 0), (8, 9)])
+
