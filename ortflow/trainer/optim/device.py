@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.trainer.comm.block_sum import HALF_SRC
+from ortflow.trainer.comm.nccl import TensorTable
 from ortflow.trainer.comm.pending import Gradients
 from ortflow.trainer.optim.adamw import AdamW
 from ortflow.trainer.optim.adasum_update import AdasumExchange
@@ -215,39 +216,48 @@ class Zero1Device:
         self._partials = cp.zeros(self._blocks, dtype=cp.float64)
         self._norm = cp.zeros(1, dtype=cp.float64)
         self._norm_sq = 0.0
-        self._all = _Table(cp, [[p.ptr for p in self.params]], sizes, [True] * len(sizes))
-        self._all_offsets = cp.asarray(self.offsets[:-1])
+        # Chunk tables (one block per 16384-element chunk of a tensor) and each tensor's place in the flat buffer.
+        self._all = TensorTable(cp, tuple((p.ptr, p.count) for p in self.params))
+        self._all_offsets = cp.asarray(self._all.offsets)
         base = bounds[rank]
         mine = [(self.params[s.index].ptr + 4 * s.lo, int(self.offsets[s.index]) + s.lo, s.size) for s in self.segments]
-        self._mine = _Table(cp, [[m[0] for m in mine]], [m[2] for m in mine], [True] * len(mine))
-        self._mine_offsets = cp.asarray(np.array([m[1] for m in mine], dtype=np.int64))
+        # This rank's segments lie back to back from ``base``: their packed layout is their place in its range.
+        self._mine = TensorTable(cp, tuple((m[0], m[2]) for m in mine)) if mine else None
+        self._mine_offsets = cp.asarray(self._mine.offsets) if mine else None
         self._grad_views = [_Ptr(self.shard.data.ptr + 4 * (m[1] - base), m[2]) for m in mine]
+        self._grads: TensorTable | None = None
 
     def param_ptrs(self) -> list[int]:
         """Device addresses of this rank's segments in the engine's parameter buffers."""
         return [self.params[s.index].ptr + 4 * s.lo for s in self.segments]
 
-    def _launch_pack(self, table: _Table, offsets, to_tensors: bool) -> None:
-        self._pack((table.blocks, table.num), (_THREADS,),
-                   (table.columns[0], self.flat, offsets, table.counts, np.int32(to_tensors)))
+    def _launch_pack(self, table: TensorTable, offsets, flat, to_tensors: bool) -> None:
+        self._pack((table.chunks,), (_THREADS,), (*table.args, np.int32(0), offsets, flat, np.int32(to_tensors)))
+
+    def _grad_table(self, grads: Sequence) -> TensorTable:
+        key = tuple((g.ptr, g.count) for g in grads)
+        if self._grads is None or self._grads.key != key:
+            if [c for _, c in key] != [p.count for p in self.params]:
+                raise ValueError("zero-1: the gradients do not match the parameters' sizes")
+            self._grads = TensorTable(self._cp, key)
+        return self._grads
 
     def reduce(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> list:
         cp, stream = self._cp, self.comm.stream
-        grad_table = _Table(cp, [[g.ptr for g in grads]], [g.count for g in grads], [True] * len(grads))
+        table = self._grad_table(grads)  # the parameters' layout: the same offsets in the flat buffer
         # Sync point: the engine wrote the gradients on its own stream.
         cp.cuda.runtime.deviceSynchronize()
         with stream:
             if self.half:  # pre-scaled by 1/ranks, summed in the half type, then times ranks / divisor
-                self._pack_half((grad_table.blocks, grad_table.num), (_THREADS,),
-                                (grad_table.columns[0], self.flat_half, self._all_offsets, grad_table.counts,
-                                 f32(1.0 / self.world), self._bf16))
+                self._pack_half((table.chunks,), (_THREADS,), (*table.args, np.int32(0), self._all_offsets,
+                                                               self.flat_half, f32(1.0 / self.world), self._bf16))
                 self.comm.reduce_scatter_device(self.flat_half.data.ptr, self.shard_half.data.ptr, self.chunk,
                                                 self.dtype)
                 self._widen_square((self._blocks,), (_THREADS,), (self.shard_half, self.shard, np.int64(self.chunk),
                                                                   f32(self.world / divisor), self._bf16,
                                                                   self._partials))
             else:
-                self._launch_pack(grad_table, self._all_offsets, False)
+                self._launch_pack(table, self._all_offsets, self.flat, False)
                 self.comm.reduce_scatter_device(self.flat.data.ptr, self.shard.data.ptr, self.chunk)
                 self._scale_square((self._blocks,), (_THREADS,), (self.shard, np.int64(self.chunk),
                                                                   f32(1.0 / divisor), self._partials))
@@ -271,10 +281,11 @@ class Zero1Device:
     def gather(self) -> None:
         stream = self.comm.stream
         with stream:
-            self._launch_pack(self._mine, self._mine_offsets, False)
+            if self._mine is not None:  # into this rank's range of the flat buffer
+                self._launch_pack(self._mine, self._mine_offsets, self.flat[self.rank * self.chunk :], False)
             start = self.flat.data.ptr + 4 * self.rank * self.chunk
             self.comm.all_gather_device(start, self.flat.data.ptr, self.chunk)
-            self._launch_pack(self._all, self._all_offsets, True)
+            self._launch_pack(self._all, self._all_offsets, self.flat, True)
         # Sync point: the engine's next forward reads every parameter.
         self.comm.watched("zero-1 parameter all-gather (nccl)", stream.synchronize)
 

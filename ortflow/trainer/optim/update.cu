@@ -125,13 +125,19 @@ extern "C" __global__ void lamb_apply(const unsigned long long* P, const unsigne
     TENSOR_LOOP(counts[t]) p[i] = __fsub_rn(p[i], __fmul_rn(r[i], f));
 }
 
-// ZeRO-1 packing: copy every tensor into / out of its place in a flat buffer (direction 0: tensors -> flat).
-extern "C" __global__ void pack(const unsigned long long* T, float* flat, const long long* offsets,
-                                const long long* counts, int to_tensors) {
-    const int t = blockIdx.y;
-    float* x = (float*)T[t];
-    float* f = flat + offsets[t];
-    TENSOR_LOOP(counts[t]) {
+// ZeRO-1's packs over a chunk table (comm/nccl.py TensorTable): block b copies chunk first + b, the elements
+// [chunk_start[c], chunk_start[c] + chunk) of tensor chunk_tensor[c], to or from offsets[t] of the flat buffer. One
+// block per chunk, so no block idles on a small tensor (a grid sized by the largest tensor left most blocks idle).
+#define CHUNK_ARGS const unsigned long long* ptrs, const long long* counts, const int* chunk_tensor, \
+                   const long long* chunk_start, long long chunk, int first, const long long* offsets
+#define CHUNK_LOOP const int c = first + blockIdx.x, t = chunk_tensor[c]; \
+                   const long long start = chunk_start[c], end = start + chunk < counts[t] ? start + chunk : counts[t]; \
+                   for (long long i = start + threadIdx.x; i < end; i += blockDim.x)
+// Direction 0: tensors -> flat; 1: flat -> tensors.
+extern "C" __global__ void pack(CHUNK_ARGS, float* flat, int to_tensors) {
+    float* x = (float*)ptrs[chunk_tensor[first + blockIdx.x]];
+    float* f = flat + offsets[chunk_tensor[first + blockIdx.x]];
+    CHUNK_LOOP {
         if (to_tensors) x[i] = f[i]; else f[i] = x[i];
     }
 }
@@ -150,12 +156,10 @@ extern "C" __global__ void scale_square(float* x, long long n, float factor, dou
 
 // ZeRO-1 with a half-precision reduce-scatter (distributed.allreduce_dtype float16/bfloat16): every gradient times
 // pre (1 / ranks) into its place of the fp16/bf16 flat buffer (to_half: comm/half.cu, prepended by device.py) ...
-extern "C" __global__ void pack_half(const unsigned long long* T, unsigned short* flat, const long long* offsets,
-                                     const long long* counts, float pre, int bf16) {
-    const int t = blockIdx.y;
-    const float* x = (const float*)T[t];
-    unsigned short* f = flat + offsets[t];
-    TENSOR_LOOP(counts[t]) f[i] = to_half(__fmul_rn(x[i], pre), bf16);
+extern "C" __global__ void pack_half(CHUNK_ARGS, unsigned short* flat, float pre, int bf16) {
+    const float* x = (const float*)ptrs[chunk_tensor[first + blockIdx.x]];
+    unsigned short* f = flat + offsets[chunk_tensor[first + blockIdx.x]];
+    CHUNK_LOOP f[i] = to_half(__fmul_rn(x[i], pre), bf16);
 }
 // ... and the reduced shard back to float32 times factor, with per-block partial sums of squares (as scale_square).
 extern "C" __global__ void widen_square(const unsigned short* h, float* x, long long n, float factor, int bf16,
