@@ -61,8 +61,8 @@ class PipeTensorRuntime(TensorRuntime):
         super().sum_tied_gradients()
         if self.shared:
             # Sync point: holders of a tied weight add their slices' gradients (point-to-point, pipeline group).
-            owners = lambda name: self.grad_view(self.holders[name][0], name)  # noqa: E731 - the owner piece's buffer
-            sum_across_stages(self.pipe_comm, self.stage, self.shared, owners)
+            owners = dict(zip(self.trainable, self.gradient_buffers(), strict=True))  # the owner pieces' buffers
+            sum_across_stages(self.pipe_comm, self.stage, self.shared, owners.__getitem__)
 
     def norm_sq(self, mine: list) -> float:
         """The tensor-parallel rank's share of the squared norm, a tied parameter counted on its first holder only."""
@@ -116,10 +116,6 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
     if record is None or record["size"] != size or record["num_stages"] != num_stages:
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
-    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
-    if tied and device != "cpu":  # every rank reads the whole record, so every rank stops here (configure refuses it)
-        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
-                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
     info = record["stages"][where.stage]
     return assemble_tensor_runtime(

@@ -218,10 +218,6 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
             f"{cfg.artifacts_dir} holds no {num_stages}-stage pipeline artifacts: re-run `ortflow configure` with "
             f"distributed.pipeline_parallel_size {num_stages}"
         )
-    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
-    if tied and device != "cpu":  # every rank reads the same record, so every rank stops here with this message
-        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
-                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     where, groups = make_groups(comm, dims)
     replica, stage, stage_comm, pipe_comm = where.replica, where.stage, groups.dp, groups.pp
