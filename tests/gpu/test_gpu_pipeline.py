@@ -106,8 +106,11 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
     gpu = gpt2_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD, train=train)
     cpu = gpt2_run(tmp_path, "cpu", distributed=layout, optimizer=SGD, train=train)
     log = _run(gpu, 2, env=STRICT_FP32)
-    _run(cpu, 2)
+    cpu_log = _run(cpu, 2)
     assert re.search(r"rank 0 on cuda:0: pipeline stage 0/2", log), log[-3000:]
+    norms = [[float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", text)] for text in (log, cpu_log)]
+    assert norms[0] and len(norms[0]) == len(norms[1])  # the table counted once, after its sum, on both
+    np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
     gpu_params, cpu_params = stage_parameters(gpu), stage_parameters(cpu)
     (tied,) = [n for n in cpu_params if n.endswith("wte.weight")]
     _compare(gpu_params, cpu_params, initial_parameters(cpu), "GPT-2 pp 2")

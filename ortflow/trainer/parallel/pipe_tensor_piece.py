@@ -21,7 +21,7 @@ import numpy as np
 
 from ortflow.build.records import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
-from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums, sum_across_stages
 from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
@@ -68,7 +68,8 @@ class PipeTensorRuntime(TensorRuntime):
         """The tensor-parallel rank's share of the squared norm, a tied parameter counted on its first holder only."""
         if not self.shared:
             return super().norm_sq(mine)
-        counted = [g if self.shared.get(n, [self.stage])[0] == self.stage else np.zeros(0, g.dtype)
+        empty = np.zeros(0, np.float32) if self.device == "cpu" else DeviceBuffer(0, 0)  # a copy: counts nothing
+        counted = [g if self.shared.get(n, [self.stage])[0] == self.stage else empty
                    for g, n in zip(mine, self.trainable, strict=True)]
         return super().norm_sq(counted)
 

@@ -166,7 +166,10 @@ class StageRuntime(Runtime):
         sum_tied_gradients(self)  # Sync point: holders of a tied weight add their gradients (point-to-point)
         shared = self.shared or {}
         own = [g for n, g in zip(self.trainable, mine, strict=True) if n not in shared or shared[n][0] == self.stage]
-        norm_sq = self.exchange.norm(own) ** 2 if self.replica == 0 else 0.0  # a tied weight counted once
+        norm_sq = 0.0
+        if self.replica == 0:  # a tied weight counted once, after its sum
+            on_device = shared and mine and not isinstance(mine[0], np.ndarray)  # NCCL's norm predates the sum
+            norm_sq = self.pipe_comm.sum_squares(own) if on_device else self.exchange.norm(own) ** 2
         local = np.array([loss_sum / k, float(stop), norm_sq])
         # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
         scalars = self.comm.allreduce_sum(local, "pipeline loss, stop, norm")
