@@ -23,7 +23,7 @@ from ortflow.build.records import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
-from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums, sum_across_stages
+from ortflow.trainer.parallel.schedule import ACT_TAG, GRAD_TAG, pipeline_step, stage_eval_sums, sum_across_stages
 from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
 
 log = logging.getLogger("ortflow.trainer")
@@ -118,6 +118,8 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
+    if hasattr(groups.pp, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
+        groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))
     info = record["stages"][where.stage]
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),
