@@ -185,13 +185,6 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     empty = [s.index for s in stages if not s.parameters]
     if empty:
         raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")
-    tied = {name: list(holders) for s in stages for name, holders in s.shared.items()}
-    if tied and cfg.distributed.device == "cuda":
-        where = ", ".join(f"'{name}' in stages {holders}" for name, holders in sorted(tied.items()))
-        raise ArtifactsError(
-            f"tied parameters read in several pipeline stages ({where}; cuts {cuts}) have their gradients summed on "
-            "the host, which GPU ranks do not do yet: move "
-            "model.pipeline_cuts so that their readers share a stage, or train on CPU ranks (distributed.device cpu)")
     return cuts, stages
 
 

@@ -127,3 +127,22 @@ def test_pp2_hp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
                 in log), log[-3000:]
     _compare(read_params(newest(gpu)), read_params(newest(cpu)), initial_parameters(cpu), "pp 2 x hp 2")
     _assert_losses_match(gpu, cpu)
+
+
+def test_gpt2_export_at_pp2_hp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
+    """The Hugging Face GPT-2 export in 2 stages of 2 tensor-parallel ranks: its token table is sliced by vocabulary
+    in the embedding (stage 0) and the LM head (stage 1), and each tensor-parallel rank's two copies of its slice add
+    their gradients through the host over its pipeline group."""
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.parallel_runs import initial_parameters, newest
+    from tests.trainer.exports_runs import gpt2_run
+
+    layout, train = {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}, {"num_train_steps": 8}
+    gpu = gpt2_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD, train=train)
+    cpu = gpt2_run(tmp_path, "cpu", distributed=layout, optimizer=SGD, train=train)
+    _run(gpu, 4, env=STRICT_FP32)
+    _run(cpu, 4)
+    gpu_params, cpu_params = read_params(newest(gpu)), read_params(newest(cpu))
+    assert [n for n in cpu_params if n.endswith("wte.weight")], "the GPT-2 export has no token table"
+    _compare(gpu_params, cpu_params, initial_parameters(cpu), "GPT-2 pp 2 x hp 2")
+    _assert_losses_match(gpu, cpu)

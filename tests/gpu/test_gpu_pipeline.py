@@ -87,3 +87,35 @@ def test_four_gpus_two_stages_by_two_replicas_match_and_replicas_are_identical(t
     assert seen[(0, last)] == seen[(2, last)] and seen[(1, last)] == seen[(3, last)], seen
     assert seen[(0, last)] != seen[(1, last)]
     _stage_timing(log)
+
+
+def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cpu_ranks(tmp_path):
+    """The Hugging Face GPT-2 export's token table is read by the embedding (stage 0) and the LM head (stage 1): each
+    stage holds a copy, and the two GPUs add their gradients of it through the host in stage order, as CPU ranks do.
+    SGD and strict fp32 (the reasons in test_gpu_four_layouts.py) make the layouts comparable to 1e-6."""
+    import h5py
+
+    from ortflow.checkpoints import list_complete
+    from ortflow.checkpoints.h5state import params_files
+    from tests.gpu.test_gpu_four_layouts import SGD, STRICT_FP32, _compare
+    from tests.support.parallel_runs import initial_parameters
+    from tests.trainer.exports_runs import gpt2_run
+    from tests.trainer.test_pipeline_mpi import stage_parameters
+
+    layout, train = {"num_ranks": 2, "pipeline_parallel_size": 2}, {"num_train_steps": 8}
+    gpu = gpt2_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD, train=train)
+    cpu = gpt2_run(tmp_path, "cpu", distributed=layout, optimizer=SGD, train=train)
+    log = _run(gpu, 2, env=STRICT_FP32)
+    cpu_log = _run(cpu, 2)
+    assert re.search(r"rank 0 on cuda:0: pipeline stage 0/2", log), log[-3000:]
+    norms = [[float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", text)] for text in (log, cpu_log)]
+    assert norms[0] and len(norms[0]) == len(norms[1])  # the table counted once, after its sum, on both
+    np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
+    gpu_params, cpu_params = stage_parameters(gpu), stage_parameters(cpu)
+    (tied,) = [n for n in cpu_params if n.endswith("wte.weight")]
+    _compare(gpu_params, cpu_params, initial_parameters(cpu), "GPT-2 pp 2")
+    copies = []  # each stage's copy of the tied table: the same bits (the same sum, added in stage order)
+    for file in params_files(list_complete(gpu.checkpoints_dir)[-1].path):
+        with h5py.File(file, "r") as f:
+            copies += [ds[()].tobytes() for ds in f["parameters"].values() if str(ds.attrs["name"]) == tied]
+    assert len(copies) == 2 and copies[0] == copies[1]

@@ -468,6 +468,28 @@ class NCCLComm:
             self._cp.add(view(a_ptr), view(b_ptr), out=view(out_ptr))
         self.stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 
+    def sum_squares(self, buffers: Sequence[DeviceBuffer]) -> float:
+        """The sum of squares of some device buffers' values, in float64 (a subset of the gradients: the norm that
+        :meth:`average_gradients` sums covers all of them, before any later change such as a tied-gradient sum)."""
+        # Sync point: the buffers were written on other streams (the engine's, the exchange's).
+        self._cp.cuda.runtime.deviceSynchronize()
+        return float(sum(float((self._device_view(b).astype(self._cp.float64) ** 2).sum()) for b in buffers))
+
+    def copy_to_host(self, buffer: DeviceBuffer) -> np.ndarray:
+        """A host copy of a device buffer (a tied weight's gradient, summed over pipeline stages on the host)."""
+        # Sync point: the engine or the exchange wrote the buffer on another stream.
+        self._cp.cuda.runtime.deviceSynchronize()
+        return self._cp.asnumpy(self._device_view(buffer))
+
+    def copy_from_host(self, buffer: DeviceBuffer, values: np.ndarray) -> None:
+        """``values`` (as many float32 as ``buffer`` holds) into a device buffer, done when this returns."""
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        if values.size != buffer.count:
+            raise ValueError(f"{buffer.name}: {values.size} values for a buffer of {buffer.count}")
+        self._device_view(buffer).set(values)
+        # Sync point: the update reads the buffer on the NCCL stream next.
+        self._cp.cuda.runtime.deviceSynchronize()
+
     def reduce_scatter(self, flat: np.ndarray, out: np.ndarray, counts: Sequence[int]) -> None:
         self.group.reduce_scatter(flat, out, counts)  # host ZeRO-1 over the process group (CPU engine)
 

@@ -21,9 +21,9 @@ import numpy as np
 
 from ortflow.build.records import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
-from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
-from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums, sum_across_stages
+from ortflow.trainer.parallel.schedule import ACT_TAG, GRAD_TAG, pipeline_step, stage_eval_sums, sum_across_stages
 from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
 
 log = logging.getLogger("ortflow.trainer")
@@ -61,14 +61,15 @@ class PipeTensorRuntime(TensorRuntime):
         super().sum_tied_gradients()
         if self.shared:
             # Sync point: holders of a tied weight add their slices' gradients (point-to-point, pipeline group).
-            owners = lambda name: self.grad_view(self.holders[name][0], name)  # noqa: E731 - the owner piece's buffer
-            sum_across_stages(self.pipe_comm, self.stage, self.shared, owners)
+            owners = dict(zip(self.trainable, self.gradient_buffers(), strict=True))  # the owner pieces' buffers
+            sum_across_stages(self.pipe_comm, self.stage, self.shared, owners.__getitem__)
 
     def norm_sq(self, mine: list) -> float:
         """The tensor-parallel rank's share of the squared norm, a tied parameter counted on its first holder only."""
         if not self.shared:
             return super().norm_sq(mine)
-        counted = [g if self.shared.get(n, [self.stage])[0] == self.stage else np.zeros(0, g.dtype)
+        empty = np.zeros(0, np.float32) if self.device == "cpu" else DeviceBuffer(0, 0)  # a copy: counts nothing
+        counted = [g if self.shared.get(n, [self.stage])[0] == self.stage else empty
                    for g, n in zip(mine, self.trainable, strict=True)]
         return super().norm_sq(counted)
 
@@ -116,11 +117,9 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
     if record is None or record["size"] != size or record["num_stages"] != num_stages:
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
-    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
-    if tied and device != "cpu":  # every rank reads the whole record, so every rank stops here (configure refuses it)
-        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
-                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
+    if hasattr(groups.pp, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
+        groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))
     info = record["stages"][where.stage]
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),

@@ -166,7 +166,10 @@ class StageRuntime(Runtime):
         sum_tied_gradients(self)  # Sync point: holders of a tied weight add their gradients (point-to-point)
         shared = self.shared or {}
         own = [g for n, g in zip(self.trainable, mine, strict=True) if n not in shared or shared[n][0] == self.stage]
-        norm_sq = self.exchange.norm(own) ** 2 if self.replica == 0 else 0.0  # a tied weight counted once
+        norm_sq = 0.0
+        if self.replica == 0:  # a tied weight counted once, after its sum
+            on_device = shared and mine and not isinstance(mine[0], np.ndarray)  # NCCL's norm predates the sum
+            norm_sq = self.pipe_comm.sum_squares(own) if on_device else self.exchange.norm(own) ** 2
         local = np.array([loss_sum / k, float(stop), norm_sq])
         # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
         scalars = self.comm.allreduce_sum(local, "pipeline loss, stop, norm")
@@ -218,10 +221,6 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
             f"{cfg.artifacts_dir} holds no {num_stages}-stage pipeline artifacts: re-run `ortflow configure` with "
             f"distributed.pipeline_parallel_size {num_stages}"
         )
-    tied = sorted({name for info in record["stages"] for name in info.get("shared", {})})
-    if tied and device != "cpu":  # every rank reads the same record, so every rank stops here with this message
-        raise RuntimeError(f"tied parameters across pipeline stages {tied} are summed on the host: not supported on "
-                           "CUDA yet; move model.pipeline_cuts so their readers share a stage, or train on the CPU")
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     where, groups = make_groups(comm, dims)
     replica, stage, stage_comm, pipe_comm = where.replica, where.stage, groups.dp, groups.pp

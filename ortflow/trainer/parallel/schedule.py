@@ -121,11 +121,15 @@ def sum_tied_gradients(rt) -> None:
 
 def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: Callable) -> None:
     """The tied-gradient sum over a pipeline group: ``shared`` maps each tied parameter this stage holds to every
-    holding stage; ``grad_of(name)`` is its writable gradient buffer here (a tensor-parallel rank's slice under
-    pipeline x tensor parallelism: every holder slices it alike)."""
+    holding stage; ``grad_of(name)`` is its gradient buffer here (a tensor-parallel rank's slice under pipeline x
+    tensor parallelism: every holder slices it alike): a writable host array, or on GPU ranks the engine's device
+    buffer, copied to the host and back through ``pipe`` (one tied table per update)."""
+    def read(buffer) -> np.ndarray:
+        return np.array(buffer, copy=True) if isinstance(buffer, np.ndarray) else pipe.copy_to_host(buffer)
+
     parts = {}
     for name, holders in sorted(shared.items()):
-        mine = np.array(grad_of(name), copy=True)
+        mine = read(grad_of(name))
         parts[name] = {stage: mine}
         for other in holders:
             if other != stage:
@@ -137,7 +141,11 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
         total = parts[name][holders[0]].copy()
         for other in holders[1:]:
             total += parts[name][other]
-        grad_of(name)[...] = total
+        buffer = grad_of(name)
+        if isinstance(buffer, np.ndarray):
+            buffer[...] = total
+        else:
+            pipe.copy_from_host(buffer, total)
     # Sync point: the sent copies must outlive their sends.
     pipe.wait_sends("tied gradient sends")
 

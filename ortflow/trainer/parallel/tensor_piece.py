@@ -176,8 +176,7 @@ class TensorRuntime(Runtime):
         counted = [g for g, n in zip(mine, self.trainable, strict=True) if n in self.slicing or self.tp_rank == 0]
         if self.device == "cpu":
             return self.exchange.norm(counted) ** 2
-        view = self.dp_comm._device_view  # NCCL's own norm covers every gradient: the subset is summed here
-        return float(sum(float((view(g).astype("float64") ** 2).sum()) for g in counted))
+        return self.dp_comm.sum_squares(counted)  # NCCL's own norm covers every gradient: the subset is summed here
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
         env = self.forward(batch, len(self.pieces) - 1)
