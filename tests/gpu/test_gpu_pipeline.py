@@ -1,6 +1,6 @@
 """Pipeline stages on GPUs with NCCL point-to-point (skipped without 2 GPUs, the GPU engine and CuPy).
 
-The NCCL send/recv path (comm/nccl.py) was written and reviewed on a CPU-only machine; these tests are what run it.
+These tests run the NCCL send/recv path of comm/nccl.py (CPU ranks use MPI's).
 
 Tolerance against the unsplit model on one GPU: the CUDA provider runs matmuls in TF32 by default (10-bit mantissa,
 relative error ~5e-4 per product). Each stage runs the unsplit graph's operators on the same micro-batch shapes, so
