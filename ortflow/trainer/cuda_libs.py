@@ -38,6 +38,7 @@ ENGINE_LIBRARIES = (
 OPTIONAL_LIBRARIES = ("libcudnn_cnn_infer.so.8", "libcudnn_cnn_train.so.8", "libcudnn_adv_infer.so.8",
                       "libcudnn_adv_train.so.8")
 NCCL_LIBRARY = "libnccl.so.2"
+ENV_DIRS = "ORTFLOW_CUDA_LIB_DIRS"
 #: The newest compute capability the GPU engine carries machine code (and PTX) for: sm_60 to sm_86.
 ENGINE_NEWEST_SASS = (8, 6)
 
@@ -51,7 +52,6 @@ def jit_note(capabilities: list[tuple[int, int]]) -> str | None:
     return (f"the engine carries machine code up to sm_{ENGINE_NEWEST_SASS[0]}{ENGINE_NEWEST_SASS[1]}: on {names} the "
             "driver compiles its kernels from PTX at first use (about a minute in a job's first updates), then "
             "reuses its cache (~/.nv/ComputeCache, CUDA_CACHE_PATH; docs/gpu.md)")
-ENV_DIRS = "ORTFLOW_CUDA_LIB_DIRS"
 
 
 @dataclass
