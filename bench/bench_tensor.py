@@ -56,6 +56,17 @@ def _memory(rt, names: list[str]) -> dict:
             "all_parameters": 4 * total, "optimizer_state_total": int(update.state_bytes)}
 
 
+def _timed(call, seconds: list[float]):
+    """``call``, adding the seconds each call takes to ``seconds[0]``."""
+    def timed(*args):
+        started = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            seconds[0] += time.perf_counter() - started
+    return timed
+
+
 def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     """Under mpiexec: warm-up + timed steps with the trainer's own pieces; one JSON per rank."""
     from ortflow.dataprep.loader import TrainLoader
@@ -68,25 +79,8 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
     tensor = hasattr(rt, "micro_step")
     reduce_s, engine_s = [0.0], [0.0]
-    if tensor:
-        plain = rt.tp_sum
-
-        def timed(x, *label):
-            started = time.perf_counter()
-            try:
-                return plain(x, *label)
-            finally:
-                reduce_s[0] += time.perf_counter() - started
-        rt.tp_sum = timed
-        calling = rt.tensors.call
-
-        def timed_call(*args):
-            started = time.perf_counter()
-            try:
-                return calling(*args)
-            finally:
-                engine_s[0] += time.perf_counter() - started
-        rt.tensors.call = timed_call
+    if tensor:  # the seconds spent in the tensor-parallel sums and in the pieces' engine calls
+        rt.tp_sum, rt.tensors.call = _timed(rt.tp_sum, reduce_s), _timed(rt.tensors.call, engine_s)
     grads = rt.gradient_buffers()
     times, reduces, engines = [], [], []
     for step in range(warmup + steps):

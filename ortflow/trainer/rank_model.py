@@ -49,10 +49,15 @@ class EnginePart:
         """The module that runs this part's training calls now."""
         return self.module if self.profiling is None else self.profiling
 
-    def call(self, train: bool, feeds: dict[str, np.ndarray]) -> list:
-        """One engine call, training (forward + backward) or eval (forward); its outputs as a list."""
+    def prepared(self, train: bool):
+        """The module for a training (forward + backward) or eval (forward) call, in that mode."""
         module = self.training_module() if train else self.module
         module.train() if train else module.eval()
+        return module
+
+    def call(self, train: bool, feeds: dict[str, np.ndarray]) -> list:
+        """One engine call, training or eval; its outputs as a list."""
+        module = self.prepared(train)
         outputs = module(*(feeds[n] for n in module.input_names()))
         return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 

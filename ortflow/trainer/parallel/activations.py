@@ -84,8 +84,7 @@ class DeviceTensors:
         types, every later one hands it device tensors of those. The training and eval calls of a piece compute
         output shapes from input shapes alone (no data-dependent shape in a transformer's pieces).
         """
-        module = part.training_module() if train else part.module
-        module.train() if train else module.eval()
+        module = part.prepared(train)
         inputs = [self.to_device(feeds[name]) for name in module.input_names()]
         key = (id(module), train, tuple(tuple(x.shape()) for x in inputs))
         known = self._outputs.get(key)
