@@ -1,7 +1,9 @@
-"""The committed real exports (Hugging Face GPT-2 and BERT) trained through the ``ortflow`` CLI, for the GPU suite.
+"""The committed real exports (Hugging Face GPT-2 and BERT, the torch CNN with BatchNorm) trained through the
+``ortflow`` CLI, for the GPU suite.
 
 * ``configure ROOT MODEL PRECISION``: learnable synthetic data (GPT-2: each next token a fixed function of the
-  previous one; BERT: the class is the first token modulo 3), a YAML config, then ``ortflow configure`` and
+  previous one; BERT: the class is the first token modulo 3; CNN: the class is the image's mean brightness, in 10
+  bands), a YAML config, then ``ortflow configure`` and
   ``ortflow prepare-data``, as a user runs them;
 * ``train ROOT MODEL PRECISION``: ``ortflow train`` on the configured ranks (one by default); prints one ``RESULT``
   line with the first and final logged losses (from the run's progress record), the element type of the NCCL
@@ -39,6 +41,10 @@ def _data(path: Path, model: str) -> None:
             noise = rng.random(ROWS) < 0.1
             tokens[:, t + 1] = np.where(noise, rng.integers(0, VOCAB, ROWS), nxt)
         np.savez(path, input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+    elif model == "cnn":
+        pixels = rng.normal(size=(ROWS, 1, 16, 16)).astype(np.float32)
+        labels = (pixels.mean(axis=(1, 2, 3)) * 40).astype(np.int64).clip(-5, 4) + 5
+        np.savez(path, pixels=pixels, labels=labels)
     else:
         ids = rng.integers(0, VOCAB, (ROWS, SEQ), dtype=np.int64)
         np.savez(path, input_ids=ids, attention_mask=np.ones_like(ids), labels=ids[:, 0] % 3)
@@ -65,7 +71,7 @@ def configure(args: argparse.Namespace) -> None:
         "data": {"train": [str(data)], "eval_fraction": 0.0},
         "train": {"batch_size": BATCH, "num_train_steps": args.steps, "display_loss_steps": 10,
                   "evaluation_period": 0},
-        "optimizer": {"name": "adamw", "learning_rate": 1e-3},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-2 if args.model == "cnn" else 1e-3},
         "distributed": {"num_ranks": args.ranks, "device": args.device, "use_nccl": cuda,
                         "zero_stage": args.zero_stage},
         "checkpoint": {"period": 0},
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("configure", "train"):
         p = sub.add_parser(name)
         p.add_argument("root")
-        p.add_argument("model", choices=["gpt2", "bert"])
+        p.add_argument("model", choices=["gpt2", "bert", "cnn"])
         p.add_argument("precision", choices=sorted(PRECISION))
     c, t = sub.choices["configure"], sub.choices["train"]
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

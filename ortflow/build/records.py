@@ -25,6 +25,9 @@ STAGES_RECORD = "stages.json"
 #: A split part's inputs that carry the gradients of what it sends, and its outputs that carry its inputs' gradients.
 GRAD_IN_SUFFIX = ".grad_in"
 BACKPROP_SUFFIX = ".backprop"
+#: A middle stage's eval-model input: true normalises BatchNorm by the batch (its training forward), false by the
+#: running statistics (evaluation): ortflow/graph/batchnorm_forward.py.
+BATCH_STATISTICS_INPUT = "ortflow.batch_statistics"
 #: Tensor-parallel pieces: ``tensor/rank-RR/piece-PP/`` and ``tensor/tensor.json``.
 TENSOR_DIR = "tensor"
 TENSOR_RECORD = "tensor.json"

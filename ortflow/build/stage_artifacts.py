@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -34,10 +35,19 @@ from ortflow.build.artifacts import (
 )
 from ortflow.build.building import building
 from ortflow.build.engine_input import prepare_cut, split_source
-from ortflow.build.records import ARTIFACT_FILES, BACKPROP_SUFFIX, GRAD_IN_SUFFIX, STAGES_DIR, STAGES_RECORD
+from ortflow.build.records import (
+    ARTIFACT_FILES,
+    BACKPROP_SUFFIX,
+    BATCH_STATISTICS_INPUT,
+    GRAD_IN_SUFFIX,
+    STAGES_DIR,
+    STAGES_RECORD,
+)
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
+from ortflow.graph.batchnorm_forward import batch_statistics_problem, switch_to_batch_statistics
+from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.pipeline_cuts import Stage, choose_cuts, split_model
 
 log = logging.getLogger(__name__)
@@ -116,6 +126,18 @@ def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
     onnx.save(model, str(path))
 
 
+def forward_with_batch_statistics(path: Path) -> None:
+    """A middle stage's eval model also computes its training forward pass: BatchNorm by the batch's statistics when
+    its ``BATCH_STATISTICS_INPUT`` is true (:mod:`ortflow.graph.batchnorm_forward`)."""
+    model = onnx.load(str(path))
+    try:
+        switched = switch_to_batch_statistics(model, BATCH_STATISTICS_INPUT)
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+    if switched:
+        onnx.save(model, str(path))
+
+
 def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
     """A middle stage's training model outputs the VJP loss, not the sent tensors: the forward pass has already sent
     them, and as outputs the engine would copy each out and keep it through the backward pass (stage 0 of the bench
@@ -134,7 +156,8 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
     prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
     model = prepared.model
-    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in frozen or t.name in prepared.frozen)
+    held = frozen | set(stage.frozen) | set(prepared.frozen)
+    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in held)
     if last:
         loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input)
         extra = None
@@ -154,6 +177,7 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     if not last:
         strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
+        forward_with_batch_statistics(folder / "eval_model.onnx")
     if stage.receives:
         expose_input_gradients(folder / "training_model.onnx", stage.receives)
     missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
@@ -182,6 +206,13 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
         stages = split_model(model, cuts, trainable)
     except SplitError as err:
         raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {err}") from None
+    # The state the whole model's preparation froze (running statistics) stays state in the stage that reads it.
+    stages = [replace(s, frozen=tuple(t.name for t in s.model.graph.initializer if t.name in source.frozen))
+              for s in stages]
+    for stage in stages[:-1]:
+        problem = batch_statistics_problem(stage.model)
+        if problem:
+            raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {problem}")
     empty = [s.index for s in stages if not s.parameters]
     if empty:
         raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")

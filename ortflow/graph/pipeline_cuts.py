@@ -51,6 +51,8 @@ class Stage:
         parameters: Trainable parameters it holds, sorted.
         shared: Its parameters that other stages also read (tied weights), each with every holding stage, in order:
             each holder keeps a copy and the holders sum their gradients before the update, so the copies stay equal.
+        frozen: Initializers it holds that are state, not weights (BatchNorm running statistics): the engine keeps and
+            updates them and checkpoints save them, untrained.
     """
 
     index: int
@@ -60,6 +62,7 @@ class Stage:
     data_inputs: tuple[str, ...]
     parameters: tuple[str, ...]
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    frozen: tuple[str, ...] = ()
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, int]:

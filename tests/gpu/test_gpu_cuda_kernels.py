@@ -2,8 +2,8 @@
 
 Needs the GPU engine and one CUDA GPU (skipped otherwise). Each judged (op, opset 17, fp16/bf16) becomes a one-node
 model in a CUDA session with the CPU fallback disabled: the session starts exactly when the CUDA provider has the
-kernel. Then the committed fixtures (GPT-2, BERT) after autocast start and run a forward pass in fp16 and bf16, and
-the bf16 GPT-2 rewritten without the table fails as the ranks would.
+kernel. Then the committed fixtures (GPT-2, BERT, the CNN) after autocast start and run a forward pass in fp16 and
+bf16, and the bf16 GPT-2 rewritten without the table fails as the ranks would.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return feeds
 
 
-@pytest.mark.parametrize("name", ["gpt2.onnx", "bert.onnx"])
+@pytest.mark.parametrize("name", ["gpt2.onnx", "bert.onnx", "cnn.onnx"])
 @pytest.mark.parametrize("compute", [FLOAT16, BFLOAT16], ids=["fp16", "bf16"])
 def test_autocast_fixture_starts_and_runs_on_cuda(name, compute):
     model = autocast(onnx.load(str(export_path(name))), compute)

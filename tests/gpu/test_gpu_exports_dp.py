@@ -1,6 +1,7 @@
-"""The committed Hugging Face exports (GPT-2, BERT) trained through the CLI on several GPUs in fp16, with the defaults:
-the fp16 gradient exchange (``distributed.allreduce_dtype: auto``: the all-reduce, or ZeRO-1's reduce-scatter), against
-the same runs in fp32 (bench/gpu_suite_fixtures.py's data and config, 60 updates).
+"""The committed exports (Hugging Face GPT-2 and BERT, the torch CNN with BatchNorm) trained through the CLI on
+several GPUs in fp16, with the defaults: the fp16 gradient exchange (``distributed.allreduce_dtype: auto``: the
+all-reduce, or ZeRO-1's reduce-scatter), against the same runs in fp32 (bench/gpu_suite_fixtures.py's data and
+config, 60 updates).
 
 Tolerance: final logged losses within 2% of fp32's first logged loss (BERT learns its task to a loss near 0, where a
 relative difference of the final losses means nothing). On one GPU fp16 and fp32 end within 0.1% of each other
@@ -30,7 +31,7 @@ def _result(text: str) -> dict:
 
 @pytest.mark.skipif(COUNT < 2, reason=f"needs 2 GPUs ({WHY or f'{COUNT} found'})")
 @pytest.mark.parametrize("zero_stage", [0, 1])
-@pytest.mark.parametrize("model", ["gpt2", "bert"])
+@pytest.mark.parametrize("model", ["gpt2", "bert", "cnn"])
 def test_export_trains_on_several_gpus_in_fp16_as_in_fp32(tmp_path, model, zero_stage):
     ranks = 4 if COUNT >= 4 else 2
     mpiexec = _mpiexec(1)[0]

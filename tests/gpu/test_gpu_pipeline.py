@@ -119,3 +119,37 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
         with h5py.File(file, "r") as f:
             copies += [ds[()].tobytes() for ds in f["parameters"].values() if str(ds.attrs["name"]) == tied]
     assert len(copies) == 2 and copies[0] == copies[1]
+
+
+def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_ranks(tmp_path):
+    """The torch CNN export cut into two stages, a BatchNorm on each side: stage 0's forward passes normalise by the
+    micro-batch (the batch form of its eval model, graph/batchnorm_forward.py) on the GPU as on CPU ranks, and both
+    stages' running statistics are kept, saved and averaged over nothing. Weights and running statistics against the
+    same layout on CPU ranks (SGD, strict fp32: cuDNN's convolutions and batch statistics round differently from the
+    CPU's by float32 rounding only)."""
+    from ortflow.checkpoints import list_complete
+    from ortflow.checkpoints.h5state import read_params
+    from tests.gpu.test_gpu_four_layouts import ATOL, SGD, STRICT_FP32
+    from tests.trainer.test_batchnorm_mpi import cnn_run
+
+    layout = {"pipeline_parallel_size": 2}
+    gpu = cnn_run(tmp_path, "gpu", 2, distributed={**layout, **GPU}, optimizer=SGD)
+    cpu = cnn_run(tmp_path, "cpu", 2, distributed=layout, optimizer=SGD)
+    log = _run(gpu, 2, env=STRICT_FP32)
+    _run(cpu, 2)
+    assert re.search(r"rank 0 on cuda:0: pipeline stage 0/2", log), log[-3000:]
+    checkpoints = [list_complete(cfg.checkpoints_dir) for cfg in (gpu, cpu)]
+    assert [c.step for c in checkpoints[0]] == [c.step for c in checkpoints[1]] and checkpoints[0]
+    worst, moved = 0.0, 0.0
+    first = read_params(checkpoints[1][0].path)
+    for g, c in zip(*checkpoints, strict=True):
+        gp, cp = read_params(g.path), read_params(c.path)
+        assert sorted(gp) == sorted(cp) and sum("running_var" in n for n in cp) == 2
+        worst = max(worst, max(float(np.abs(gp[n] - cp[n]).max()) for n in cp))
+        moved = max(moved, max(float(np.abs(cp[n] - first[n]).max()) for n in cp))
+    print(f"CNN pp 2: max |GPU - CPU| over weights and running statistics {worst:.3g}; moved {moved:.3g}")
+    assert worst < 10 * ATOL  # BatchNorm divides by the batch's deviation: a few ulps more than a matmul
+    assert moved > 1e3 * ATOL
+    evals = [c.meta.get("eval_loss") for c in checkpoints[0]], [c.meta.get("eval_loss") for c in checkpoints[1]]
+    assert any(e is not None for e in evals[1])
+    np.testing.assert_allclose([e or 0 for e in evals[0]], [e or 0 for e in evals[1]], rtol=1e-5)

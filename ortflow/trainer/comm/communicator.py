@@ -67,6 +67,10 @@ class Communicator(Protocol):
     def split(self, color: int, label: str) -> Communicator:
         """The ranks sharing ``color`` as their own group (a pipeline stage's replicas, one replica's stages)."""
 
+    @property
+    def host(self) -> Communicator:
+        """The group that moves host arrays between these ranks: this one, or the process group under a GPU one."""
+
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Start sending a float32 array to rank ``dest`` of this group (completed by :meth:`wait_sends`)."""
 
@@ -137,6 +141,10 @@ class SingleProcessComm:
         raise SystemExit(code)
 
     def split(self, color: int, label: str) -> SingleProcessComm:
+        return self
+
+    @property
+    def host(self) -> SingleProcessComm:
         return self
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:

@@ -113,6 +113,11 @@ class MPIComm:
         sub._closed, sub._world_of = True, {}  # the parent owns the watchdog
         return sub
 
+    @property
+    def host(self) -> MPIComm:
+        """Host arrays go over this group itself."""
+        return self
+
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Start sending ``array`` (float32, any shape) to ``dest`` of this group; completes in :meth:`wait_sends`.
 

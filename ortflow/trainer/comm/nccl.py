@@ -384,6 +384,11 @@ class NCCLComm:
             self._links[tag] = (comm, self._cp.cuda.Stream(non_blocking=True), [])
         return self._links[tag]
 
+    @property
+    def host(self) -> Communicator:
+        """The process group: host arrays go over it, not through the GPU (a tied gradient summed on the host)."""
+        return self.group
+
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         comm, stream, pending = self._p2p(tag)
         array = np.ascontiguousarray(array, dtype=np.float32)

@@ -88,7 +88,7 @@ class _StageView:
         self.receives, self.sends = rt.receives, rt.sends
         self.counts_loss = rt.tp_rank == 0  # every tp rank of the last stage computes the same loss
 
-    def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def forward(self, feeds: dict[str, np.ndarray], train: bool = True) -> list[np.ndarray]:
         """A middle stage's forward: every piece (eval models, partial sums summed); ``feeds`` keeps what the pieces
         passed each other (on CUDA ranks on the GPU), for the backward."""
         feeds.update(self.rt.forward(feeds, len(self.rt.pieces)))

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.build.records import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.checkpoints import h5state
 from ortflow.config import RunConfig
 from ortflow.engine import api
@@ -99,6 +99,7 @@ class StageRuntime(Runtime):
     _timing: list[tuple[float, float]] = field(default_factory=list)  # (update s, engine s) of each update
     _update_started: float | None = None
     _compute_s: float = 0.0
+    _batch_statistics: bool | None = None  # its eval model takes BATCH_STATISTICS_INPUT (a BatchNorm before the cut)
 
     @property
     def last(self) -> bool:
@@ -127,8 +128,14 @@ class StageRuntime(Runtime):
     def _call(self, train: bool, feeds: dict[str, np.ndarray]) -> list:
         return self.engine_parts()[0].call(train, feeds)
 
-    def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept)."""
+    def forward(self, feeds: dict[str, np.ndarray], train: bool = True) -> list[np.ndarray]:
+        """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept). ``train``:
+        of a training micro-batch, so BatchNorm normalises by the batch as the training call's recomputation will
+        (graph/batchnorm_forward.py); else by the running statistics."""
+        if self._batch_statistics is None:
+            self._batch_statistics = BATCH_STATISTICS_INPUT in self.engine_parts()[0].prepared(False).input_names()
+        if self._batch_statistics:
+            feeds = {**feeds, BATCH_STATISTICS_INPUT: np.array(train)}
         return self._call(False, feeds)[: len(self.sends)]
 
     def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:

@@ -123,21 +123,27 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
     """The tied-gradient sum over a pipeline group: ``shared`` maps each tied parameter this stage holds to every
     holding stage; ``grad_of(name)`` is its gradient buffer here (a tensor-parallel rank's slice under pipeline x
     tensor parallelism: every holder slices it alike): a writable host array, or on GPU ranks the engine's device
-    buffer, copied to the host and back through ``pipe`` (one tied table per update)."""
+    buffer, copied to the host and back through ``pipe`` (one tied table per update).
+
+    The host copies travel over the process group (``pipe.host``), whose sends do not wait for their receiver: every
+    holder sends first, then receives. (Over NCCL's point-to-point calls, queued on one stream, two holders that both
+    send first would each wait for the other's receive.)
+    """
     def read(buffer) -> np.ndarray:
         return np.array(buffer, copy=True) if isinstance(buffer, np.ndarray) else pipe.copy_to_host(buffer)
 
+    link = pipe.host
     parts = {}
     for name, holders in sorted(shared.items()):
         mine = read(grad_of(name))
         parts[name] = {stage: mine}
         for other in holders:
             if other != stage:
-                pipe.send(mine, other, TIED_TAG)
+                link.send(mine, other, TIED_TAG)
     for name, holders in sorted(shared.items()):
         for other in holders:
             if other != stage:
-                parts[name][other] = pipe.recv(other, TIED_TAG, f"recv tied grad {name[:20]} <- stage {other}")
+                parts[name][other] = link.recv(other, TIED_TAG, f"recv tied grad {name[:20]} <- stage {other}")
         total = parts[name][holders[0]].copy()
         for other in holders[1:]:
             total += parts[name][other]
@@ -147,7 +153,7 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
         else:
             pipe.copy_from_host(buffer, total)
     # Sync point: the sent copies must outlive their sends.
-    pipe.wait_sends("tied gradient sends")
+    link.wait_sends("tied gradient sends")
 
 
 def stage_eval_sums(rt, eval_batches: Callable[[], Iterator[tuple[dict, float, int]]]) -> np.ndarray:
@@ -168,7 +174,7 @@ def stage_eval_sums(rt, eval_batches: Callable[[], Iterator[tuple[dict, float, i
             if getattr(rt, "counts_loss", True):  # of a pp x hp last stage's tp ranks (same loss), one counts
                 sums += (loss * weight, rows)
         else:
-            for y in rt.forward(feeds):
+            for y in rt.forward(feeds, train=False):
                 pipe.send(y, stage + 1, ACT_TAG)
         pipe.wait_sends("pipeline eval sends")
     rt.module.train()
