@@ -415,13 +415,14 @@ def export_cmd(
 @app.command()
 def doctor() -> None:
     """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing."""
-    from ortflow.trainer.cuda_libs import diagnose
+    from ortflow.trainer.cuda_libs import OPTIONAL_FOR_OPS, diagnose
 
     rows = diagnose()
+    optional = {f"cuDNN {what}" for what in OPTIONAL_FOR_OPS}
     for item, found, detail in rows:
-        mark = "[green]ok[/]     " if found else "[yellow]missing[/]"
+        mark = "[green]ok[/]     " if found else "[dim]absent[/] " if item in optional else "[yellow]missing[/]"
         console.print(f"{mark} {item}: {detail}", highlight=False)
-    gpu_ready = all(found for _, found, _ in rows)
+    gpu_ready = all(found for item, found, _ in rows if item not in optional)
     console.print("GPU training (device: cuda, use_nccl): " + ("ready" if gpu_ready else "not ready, see above"))
 
 

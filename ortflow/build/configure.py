@@ -182,6 +182,18 @@ def plan_layout(cfg: RunConfig):
     return plan_stages(cfg) if pp > 1 else None
 
 
+def op_types(model_path: Path) -> list[str]:
+    """The op types of the model's graph, sorted (its subgraphs' too)."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    found, todo = set(), [graph]
+    while todo:
+        g = todo.pop()
+        for node in g.node:
+            found.add(node.op_type)
+            todo += [a.g for a in node.attribute if a.HasField("g")] + [x for a in node.attribute for x in a.graphs]
+    return sorted(found)
+
+
 def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None = None):
     """Build the whole model's artifacts and the stages and pieces of the configured layout into ``artifacts_dir``.
 
@@ -252,8 +264,10 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         and _artifacts_intact(artifacts_dir, previous)
     ):
         _refuse_bad_groups(cfg, previous.get("trainable", []))
-        if "batchnorm" not in previous:  # a record written before the BatchNorm entry: add it, the rest stays
-            previous = {**previous, "batchnorm": to_record(running_statistics(cfg.model.path))}
+        makers = {"batchnorm": lambda path: to_record(running_statistics(path)), "op_types": op_types}
+        added = {key: make(cfg.model.path) for key, make in makers.items() if key not in previous}
+        if added:  # a record written before these entries: add them, the rest stays
+            previous = {**previous, **added}
             _write_json_atomic(record_path, previous)
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
@@ -294,6 +308,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
         "graph_passes": graph_passes(built.passes, stages, tensor_record),
         "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
+        "op_types": op_types(cfg.model.path),  # the GPU ranks check the libraries they need (trainer/startup.py)
     }
     _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)

@@ -46,8 +46,7 @@ from ortflow.build.records import (
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.batchnorm_forward import batch_statistics_problem, switch_to_batch_statistics
-from ortflow.graph.onnx_tools import GraphError
+from ortflow.graph.batchnorm_forward import switch_to_batch_statistics
 from ortflow.graph.pipeline_cuts import Stage, choose_cuts, split_model
 
 log = logging.getLogger(__name__)
@@ -130,11 +129,7 @@ def forward_with_batch_statistics(path: Path) -> None:
     """A middle stage's eval model also computes its training forward pass: BatchNorm by the batch's statistics when
     its ``BATCH_STATISTICS_INPUT`` is true (:mod:`ortflow.graph.batchnorm_forward`)."""
     model = onnx.load(str(path))
-    try:
-        switched = switch_to_batch_statistics(model, BATCH_STATISTICS_INPUT)
-    except GraphError as err:
-        raise ArtifactsError(str(err)) from None
-    if switched:
+    if switch_to_batch_statistics(model, BATCH_STATISTICS_INPUT):
         onnx.save(model, str(path))
 
 
@@ -209,10 +204,6 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     # The state the whole model's preparation froze (running statistics) stays state in the stage that reads it.
     stages = [replace(s, frozen=tuple(t.name for t in s.model.graph.initializer if t.name in source.frozen))
               for s in stages]
-    for stage in stages[:-1]:
-        problem = batch_statistics_problem(stage.model)
-        if problem:
-            raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {problem}")
     empty = [s.index for s in stages if not s.parameters]
     if empty:
         raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")

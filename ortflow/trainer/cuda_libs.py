@@ -34,9 +34,13 @@ ENGINE_LIBRARIES = (
     "libcudnn_ops_infer.so.8",
     "libcudnn_ops_train.so.8",
 )
-#: Loaded when present but not needed by every model (convolutions).
-OPTIONAL_LIBRARIES = ("libcudnn_cnn_infer.so.8", "libcudnn_cnn_train.so.8", "libcudnn_adv_infer.so.8",
-                      "libcudnn_adv_train.so.8")
+#: Loaded when present but not needed by every model: cuDNN's convolution and RNN libraries, by the ops that need
+#: them. cuDNN loads them at the first such op and aborts the process (no Python error) when they are missing.
+OPTIONAL_FOR_OPS = {
+    "convolutions": (("Conv", "ConvTranspose", "FusedConv"), ("libcudnn_cnn_infer.so.8", "libcudnn_cnn_train.so.8")),
+    "RNNs": (("LSTM", "GRU", "RNN"), ("libcudnn_adv_infer.so.8", "libcudnn_adv_train.so.8")),
+}
+OPTIONAL_LIBRARIES = tuple(soname for _, sonames in OPTIONAL_FOR_OPS.values() for soname in sonames)
 NCCL_LIBRARY = "libnccl.so.2"
 ENV_DIRS = "ORTFLOW_CUDA_LIB_DIRS"
 #: The newest compute capability the GPU engine carries machine code (and PTX) for: sm_60 to sm_86.
@@ -117,6 +121,29 @@ def gpu_for_local_rank(local_rank: int, local_size: int) -> int:
     return local_rank
 
 
+def missing_for_ops(op_types, report: LoadReport) -> list[tuple[str, list[str], list[str]]]:
+    """(what, the model's ops that need it, its sonames not loaded) for each optional library group ``op_types``
+    (a model's op types) needs and ``report`` (:func:`preload`'s) did not load."""
+    found = []
+    for what, (ops, sonames) in OPTIONAL_FOR_OPS.items():
+        used = sorted(set(op_types) & set(ops))
+        absent = [soname for soname in sonames if soname not in report.loaded]
+        if used and absent:
+            found.append((what, used, absent))
+    return found
+
+
+def optional_rows(report: LoadReport) -> list[tuple[str, bool, str]]:
+    """``ortflow doctor``'s rows for the optional libraries: found, or which models need them."""
+    rows = []
+    for what, (ops, sonames) in OPTIONAL_FOR_OPS.items():
+        absent = [soname for soname in sonames if soname not in report.loaded]
+        detail = (", ".join(report.loaded[s] for s in sonames) if not absent else
+                  f"{', '.join(absent)} not found: only models with {'/'.join(ops)} need them (nvidia-cudnn-cu11)")
+        rows.append((f"cuDNN {what}", not absent, detail))
+    return rows
+
+
 def diagnose() -> list[tuple[str, bool, str]]:
     """What ``ortflow doctor`` prints: (item, found, detail) for the engine build, CUDA libraries, GPUs, NCCL, MPI."""
     import importlib.metadata as metadata
@@ -142,6 +169,7 @@ def diagnose() -> list[tuple[str, bool, str]]:
     for soname in ENGINE_LIBRARIES + (NCCL_LIBRARY,):
         where = report.loaded.get(soname)
         rows.append((soname, where is not None, where or "missing: install the `cuda` extra or set " + ENV_DIRS))
+    rows += optional_rows(report)
     count, why = gpu_count()
     names, capabilities = gpu_names(count), gpu_capabilities(count)
     listed = ", ".join(f"{i}: {n} (sm_{c[0]}{c[1]})" for i, (n, c) in enumerate(zip(names, capabilities, strict=True)))

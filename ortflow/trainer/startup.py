@@ -3,6 +3,7 @@ from, ortflow's update over the engine's buffers, loading parameters by name."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -178,8 +179,21 @@ def select_device(cfg: RunConfig, local_rank: int, local_size: int = 1) -> str:
             f"the GPU engine needs {', '.join(engine_missing)} (CUDA 11.8 / cuDNN 8): install ortflow's `cuda` extra "
             f"or name their folder in {cuda_libs.ENV_DIRS} (docs/gpu.md); `ortflow doctor` lists what is found"
         )
+    for what, ops, absent in cuda_libs.missing_for_ops(recorded_op_types(cfg.output_dir), report):
+        raise RuntimeError(
+            f"the model's {'/'.join(ops)} nodes need cuDNN's {what} library ({', '.join(absent)}), which was not "
+            f"found (cuDNN would abort the rank at the first one): install nvidia-cudnn-cu11 (ortflow's `cuda` extra) "
+            f"or name its folder in {cuda_libs.ENV_DIRS}; `ortflow doctor` lists what is found"
+        )
     return f"cuda:{index}"
 
+
+def recorded_op_types(run_dir: Path) -> list[str]:
+    """The model's op types as configure recorded them (configure.json ``op_types``; none in an older record)."""
+    try:
+        return list(json.loads((Path(run_dir) / "configure.json").read_text()).get("op_types", []))
+    except (OSError, ValueError):
+        return []
 
 
 def load_parameters(state, folder: Path, on_device: bool = False, names: set[str] | None = None) -> None:

@@ -63,3 +63,43 @@ def test_doctor_names_gpus_newer_than_the_engines_machine_code():
     assert "sm_86" in note and "CUDA_CACHE_PATH" in note
     assert "sm_89, sm_90" in cuda_libs.jit_note([(9, 0), (8, 9)])
 
+
+
+def test_ops_that_need_a_missing_cudnn_library_are_named():
+    report = cuda_libs.LoadReport(loaded={"libcudnn_cnn_train.so.8": "/x/libcudnn_cnn_train.so.8"})
+    assert cuda_libs.missing_for_ops(["Conv", "Relu", "Gemm"], report) == [
+        ("convolutions", ["Conv"], ["libcudnn_cnn_infer.so.8"])]
+    assert cuda_libs.missing_for_ops(["MatMul", "Relu"], report) == []  # a transformer needs neither
+    rows = {item: (found, detail) for item, found, detail in cuda_libs.optional_rows(report)}
+    assert rows["cuDNN convolutions"][0] is False and "only models with Conv" in rows["cuDNN convolutions"][1]
+    assert rows["cuDNN RNNs"][0] is False
+
+
+def test_a_cuda_rank_refuses_a_conv_model_without_cudnns_convolution_library(tmp_path, monkeypatch):
+    """cuDNN aborts the process at the first convolution when its convolution library is missing (no Python error):
+    the rank refuses at start instead, naming the library and the fix. The engine's providers, the GPU and the library
+    search are replaced here; the model's op types come from configure's record."""
+    import json
+
+    from ortflow.trainer import startup
+
+    cfg = _cfg(tmp_path, device="cuda", use_nccl=True)
+    cfg.output_dir.mkdir(parents=True)
+    (cfg.output_dir / "configure.json").write_text(json.dumps({"op_types": ["BatchNormalization", "Conv", "Gemm"]}))
+    monkeypatch.setattr(startup.onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider"])
+    monkeypatch.setattr(cuda_libs, "gpu_for_local_rank", lambda rank, size: 0)
+    engine = {soname: "/lib/" + soname for soname in cuda_libs.ENGINE_LIBRARIES}
+    monkeypatch.setattr(cuda_libs, "preload", lambda: cuda_libs.LoadReport(loaded=engine))
+    with pytest.raises(RuntimeError, match=r"Conv nodes need cuDNN's convolutions library \(libcudnn_cnn_infer.so.8, "
+                                           r"libcudnn_cnn_train.so.8\).*install nvidia-cudnn-cu11"):
+        select_device(cfg, 0)
+    (cfg.output_dir / "configure.json").write_text(json.dumps({"op_types": ["Gemm", "Relu"]}))
+    assert select_device(cfg, 0) == "cuda:0"
+
+
+def test_configure_records_the_models_op_types(tmp_path):
+    from ortflow.trainer.startup import recorded_op_types
+    from tests.trainer.test_batchnorm_mpi import cnn_run
+
+    cfg = cnn_run(tmp_path, "cnn", 1)
+    assert {"Conv", "BatchNormalization", "Gemm"} <= set(recorded_op_types(cfg.output_dir))
