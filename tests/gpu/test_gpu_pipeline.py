@@ -129,8 +129,12 @@ def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_rank
     CPU's by float32 rounding only)."""
     from ortflow.checkpoints import list_complete
     from ortflow.checkpoints.h5state import read_params
+    from tests.gpu.test_gpu_cuda_kernels import conv_libraries_missing
     from tests.gpu.test_gpu_four_layouts import ATOL, SGD, STRICT_FP32
     from tests.trainer.test_batchnorm_mpi import cnn_run
+
+    if why := conv_libraries_missing():
+        pytest.skip(why)
 
     layout = {"pipeline_parallel_size": 2}
     gpu = cnn_run(tmp_path, "gpu", 2, distributed={**layout, **GPU}, optimizer=SGD)
