@@ -1,11 +1,14 @@
 """BatchNormalization running statistics as torch keeps them, and the same on every rank.
 
-The engine trains BatchNormalization with the batch's statistics and updates the running ones in place with ONNX's
-rule, ``running = m * running + (1 - m) * statistic`` with the *biased* batch variance. torch updates ``running_var``
-with the unbiased one (``n / (n - 1)`` times it, ``n`` values per channel). After the ``k`` micro-batches of an update
-the engine's variance is ``m^k v0 + sum_i (1 - m) m^(k-1-i) b_i`` (``v0``: the value before the update, ``b_i``: the
-biased variances), so torch's is ``m^k v0 + (v_engine - m^k v0) * n / (n - 1)``: :meth:`RunningStats.after_update`
-applies that, in float64, once per update (``train.batchnorm_variance: unbiased``, the default).
+The engine trains BatchNormalization with the batch's statistics and updates the running ones in place,
+``running = m * running + (1 - m) * statistic``. Its CPU kernel takes the *biased* batch variance for ``running_var``
+(ONNX's rule); its CUDA kernel (cuDNN's) the unbiased one, ``n / (n - 1)`` times it (``n`` values per channel), as
+torch does: measured, a CUDA rank's increment of ``running_var`` over an update is ``n / (n - 1)`` times a CPU rank's
+on the same batches (the torch CNN export, n = 512 and 128). After the ``k`` micro-batches of an update the engine's
+variance is ``m^k v0 + sum_i (1 - m) m^(k-1-i) b_i`` (``v0``: the value before the update, ``b_i``: the batch
+variances it took), so the rule asked for (``train.batchnorm_variance``) is ``m^k v0 + (v_engine - m^k v0) * r``,
+``r`` the ratio of the asked-for variance to the engine's: ``n / (n - 1)`` for torch's rule on CPU, ``(n - 1) / n``
+for the biased rule on CUDA, 1 otherwise. :meth:`RunningStats.after_update` applies it, in float64, once per update.
 
 Each rank's engine updates its own copy from its own batches. Before every eval and every checkpoint
 :meth:`RunningStats.sync` makes them one (``train.batchnorm_sync``):
@@ -45,7 +48,7 @@ class RunningStats:
         micro_batches: Micro-batches per update.
         variance: ``unbiased`` (torch) or ``biased`` (the engine's).
         sync: ``broadcast`` or ``average``.
-        on_device: The parameters live in device buffers.
+        on_device: The parameters live in device buffers (a CUDA rank: the engine's running variance is unbiased).
     """
 
     def __init__(self, layers, parameters, comm, batch_size: int, micro_batches: int, variance: str, sync: str,
@@ -53,19 +56,22 @@ class RunningStats:
         self.layers, self.comm, self.sync_rule, self.on_device = list(layers), comm, sync, on_device
         self.params = parameters
         self.names = [n for layer in self.layers for n in (layer["mean"], layer["var"])]
-        self.correct = variance == "unbiased"
+        unbiased = variance == "unbiased"
+        self.correct = unbiased != on_device  # the engine's rule differs from the one asked for
         self.factors = []
         for layer in self.layers:
             n = None if layer["per_row"] is None else batch_size * layer["per_row"]
-            if self.correct and (n is None or n < 2):
+            if (unbiased or on_device) and (n is None or n < 2):
                 why = "its input's shape after the channel dim is unknown" if n is None else f"n = {n}"
+                fix = ("set train.batchnorm_variance: biased, or give" if not on_device else
+                       "on GPUs the engine's own rule is the unbiased one, and the biased rule is derived from it; give")
                 raise ValueError(
                     f"BatchNormalization '{layer['node']}': torch's unbiased running variance needs n >= 2 values per "
-                    f"channel and batch ({why}); set train.batchnorm_variance: biased, or give the model static "
-                    "spatial dims / a larger train.batch_size"
+                    f"channel and batch ({why}); {fix} the model static spatial dims / a larger train.batch_size"
                 )
             mk = layer["momentum"] ** micro_batches
-            self.factors.append((mk, n / (n - 1) if self.correct else 1.0))
+            ratio = 1.0 if not self.correct else n / (n - 1) if unbiased else (n - 1) / n
+            self.factors.append((mk, ratio))
         self.dirty = False
         self.before = self._read() if self.correct else {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ortflow.build.configure import configure
@@ -25,12 +26,15 @@ def test_configure_records_each_batchnorm_and_a_reused_record_gets_the_entry(tmp
     ]
     assert all(la["momentum"] == pytest.approx(0.9) for la in layers)
     record = json.loads(record_path.read_text())
-    del record["batchnorm"]  # as a record written before the entry
+    op_types = record["op_types"]
+    assert {"Conv", "BatchNormalization"} <= set(op_types)
+    del record["batchnorm"], record["op_types"]  # as a record written before the entries
     record_path.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="re-run `ortflow configure CONFIG`"):
         recorded_layers(cfg.output_dir, cfg.model.path)
-    assert configure(cfg).reused  # the artifacts stay; the record gets the entry
+    assert configure(cfg).reused  # the artifacts stay; the record gets the entries
     assert recorded_layers(cfg.output_dir, cfg.model.path) == layers
+    assert json.loads(record_path.read_text())["op_types"] == op_types
 
 
 def test_a_model_without_batchnorm_needs_no_entry(tmp_path):
@@ -45,3 +49,39 @@ def test_unbiased_variance_needs_two_values_per_channel():
         RunningStats([layer], {}, None, 1, 1, "unbiased", "broadcast")
     with pytest.raises(ValueError, match="shape after the channel dim is unknown"):
         RunningStats([{**layer, "per_row": None}], {}, None, 8, 1, "unbiased", "broadcast")
+
+
+class _Param:
+    """An engine parameter: ``.data`` a writable view (CPU ranks write into it), ``.data = x`` (CUDA ranks)."""
+
+    def __init__(self, value):
+        self._value = np.array(value, dtype=np.float32)
+
+    @property
+    def data(self):
+        return self._value
+
+    @data.setter
+    def data(self, value):
+        self._value = np.array(value, dtype=np.float32)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu-engine", "cuda-engine"])
+@pytest.mark.parametrize("variance", ["unbiased", "biased"])
+def test_running_variance_follows_the_asked_rule_whatever_the_engines(on_device, variance):
+    """The CPU engine updates running_var with the biased batch variance, the CUDA engine (cuDNN) with the unbiased
+    one; after an update of k micro-batches the statistics follow the rule asked for either way."""
+    n, k, m = 8, 3, 0.9  # n values per channel: batch 2 x 4 per row
+    layer = {"node": "bn", "mean": "m", "var": "v", "momentum": m, "per_row": 4}
+    rng = np.random.default_rng(0)
+    v0 = rng.uniform(0.5, 2, size=3)
+    params = {"m": _Param(np.zeros(3)), "v": _Param(v0)}
+    stats = RunningStats([layer], params, None, 2, k, variance, "broadcast", on_device=on_device)
+    batches = [rng.normal(size=(n, 3)) * 2 for _ in range(k)]
+    engine, asked = v0.copy(), v0.copy()
+    for x in batches:  # the engine's own update, then the rule asked for, in float64
+        engine = m * engine + (1 - m) * x.var(axis=0, ddof=1 if on_device else 0)
+        asked = m * asked + (1 - m) * x.var(axis=0, ddof=1 if variance == "unbiased" else 0)
+    params["v"].data = engine
+    stats.after_update()
+    np.testing.assert_allclose(params["v"].data, asked, rtol=2e-6)
