@@ -64,7 +64,7 @@ class RunningStats:
             if (unbiased or on_device) and (n is None or n < 2):
                 why = "its input's shape after the channel dim is unknown" if n is None else f"n = {n}"
                 fix = ("set train.batchnorm_variance: biased, or give" if not on_device else
-                       "on GPUs the engine's own rule is the unbiased one, and the biased rule is derived from it; give")
+                       "on GPUs the engine's own rule is the unbiased one and the biased rule is derived from it; give")
                 raise ValueError(
                     f"BatchNormalization '{layer['node']}': torch's unbiased running variance needs n >= 2 values per "
                     f"channel and batch ({why}); {fix} the model static spatial dims / a larger train.batch_size"

@@ -176,3 +176,38 @@ def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout)] for out in outs]
     assert len(evals[0]) == 2
     np.testing.assert_allclose(evals[1], evals[0], rtol=1e-6)
+    _assert_exports_agree(unsplit, staged)
+
+
+def _assert_exports_agree(unsplit, staged):
+    """The inference models exported from the two runs carry the same running statistics and compute the same logits
+    (the statistics of a stage come from its checkpoint files)."""
+    import onnxruntime as ort
+
+    from ortflow.export.model import export_model
+
+    pixels = np.random.default_rng(3).normal(size=(5, 1, 16, 16)).astype(np.float32)
+    logits = []
+    for cfg in (unsplit, staged):
+        out = cfg.output_dir / "exported.onnx"
+        export_model(cfg.output_dir, out, config=cfg)
+        logits.append(ort.InferenceSession(str(out)).run(["logits"], {"pixels": pixels})[0])
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_killed_two_stage_batchnorm_run_resumes_bitwise(tmp_path):
+    """Each stage's checkpoint files hold its running statistics; a killed pp 2 run resumes to the same weights and
+    statistics as an uninterrupted one, bit for bit."""
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.runs import kill_and_resume
+
+    settings = dict(distributed={"pipeline_parallel_size": 2}, num_train_steps=K * 80, evaluation_period=7,
+                    checkpoint={"period": 10, "max_num_checkpoints": 3})  # fmt: skip
+    steady, killed = cnn_run(tmp_path, "steady", 2, **settings), cnn_run(tmp_path, "killed", 2, **settings)
+    assert run_ranks(steady, timeout=300).returncode == 0
+    kill_and_resume(killed, min_step=30, end_step=80, timeout=300)
+    a = read_params(list_complete(steady.checkpoints_dir)[-1].path)
+    b = read_params(list_complete(killed.checkpoints_dir)[-1].path)
+    assert a.keys() == b.keys() and sum("running_var" in n for n in a) == 2
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
