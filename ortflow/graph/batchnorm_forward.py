@@ -5,9 +5,9 @@ call (parallel/schedule.py). The engine's eval model normalises every ``BatchNor
 statistics (torch's ``model.eval()``), while the training call normalises with the micro-batch's own (torch's
 ``model.train()``): sent as they are, a stage's activations would differ from the ones its own backward pass and the
 unsplit model compute. This pass gives each such node a twin that normalises by the batch, the engine's own
-``com.microsoft.BatchNormalizationInternal`` (the training graph's kernel, on CPU and CUDA alike: the same bits), and a
-bool scalar graph input that picks the twin's output: true for the forward passes of training micro-batches, false
-for evaluation.
+``com.microsoft.BatchNormInternal`` (the kernel its training graphs run, on CPU and CUDA; the CUDA provider has no ONNX
+training-mode BatchNormalization at opset >= 14), and a bool scalar graph input that picks the twin's output: true
+for the forward passes of training micro-batches, false for evaluation.
 """
 
 from __future__ import annotations
