@@ -91,7 +91,7 @@ class _StageView:
     def forward(self, feeds: dict[str, np.ndarray], train: bool = True) -> list[np.ndarray]:
         """A middle stage's forward: every piece (eval models, partial sums summed); ``feeds`` keeps what the pieces
         passed each other (on CUDA ranks on the GPU), for the backward. ``train`` changes nothing: tensor-parallel
-        pieces hold no BatchNorm (refused at configure)."""
+        pieces hold no BatchNorm (validate and the ranks refuse it)."""
         feeds.update(self.rt.forward(feeds, len(self.rt.pieces)))
         return [self.rt.tensors.host(feeds[n]) for n in self.sends]  # the pipeline sends host arrays
 
