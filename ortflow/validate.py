@@ -21,7 +21,9 @@ Checks, in order (each problem names the field and the fix):
    stage and tensor-parallel piece) in a temporary folder, so gradient-builder failures (operators without
    gradients, ...) show up, and the data checks use the built model's real inputs; with ``distributed.device: cuda``
    also every node of the built training model that runs in fp16/bf16 where the GPU engine has no CUDA kernel for it
-   (ortflow/graph/cuda_kernels.py), which would stop every rank at start.
+   (ortflow/graph/cuda_kernels.py), and, where validate runs with the GPU engine installed, the CUDA libraries a rank
+   would not find (cuDNN's convolution library for a model with ``Conv`` nodes, ...): each would stop every rank at
+   start.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
 (int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
@@ -186,9 +188,31 @@ def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, l
         except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
             return None, [str(err)]
         if cfg.distributed.device == "cuda":
-            problems = cuda_kernel_problems(folder / "training_model.onnx")
+            problems = cuda_kernel_problems(folder / "training_model.onnx") + cuda_library_problems(cfg.model.path)
     return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
             for t in built.train_inputs], problems  # fmt: skip
+
+
+def cuda_library_problems(model_path: Path) -> list[str]:
+    """The CUDA libraries a rank of this model would not find here, as the rank refuses them
+    (:func:`ortflow.trainer.startup.select_device`); nothing where the GPU engine is not installed (a host that only
+    launches cannot tell what the GPU hosts have)."""
+    import onnxruntime
+
+    from ortflow.build.configure import op_types
+    from ortflow.trainer import cuda_libs
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return []
+    report = cuda_libs.preload()
+    problems = [f"distributed.device: the GPU engine needs {name}, not found here: install ortflow's `cuda` extra or "
+                f"name its folder in {cuda_libs.ENV_DIRS} (`ortflow doctor` lists what is found)"
+                for name in report.missing if name in cuda_libs.ENGINE_LIBRARIES]  # fmt: skip
+    for what, ops, absent in cuda_libs.missing_for_ops(op_types(model_path), report):
+        problems.append(f"model.path: its {'/'.join(ops)} nodes need cuDNN's {what} library ({', '.join(absent)}), "
+                        f"not found here: install nvidia-cudnn-cu11 (ortflow's `cuda` extra) or name its folder in "
+                        f"{cuda_libs.ENV_DIRS}")
+    return problems
 
 
 def cuda_kernel_problems(training_model: Path) -> list[str]:

@@ -103,3 +103,24 @@ def test_configure_records_the_models_op_types(tmp_path):
 
     cfg = cnn_run(tmp_path, "cnn", 1)
     assert {"Conv", "BatchNormalization", "Gemm"} <= set(recorded_op_types(cfg.output_dir))
+
+
+def test_validate_names_the_cuda_libraries_a_rank_would_not_find(monkeypatch):
+    """Where the GPU engine is installed, validate --deep reports what select_device would refuse: a missing engine
+    library, and cuDNN's convolution library for the CNN export (the providers and the library search replaced here);
+    where only the CPU engine is installed it reports nothing (the GPU hosts may differ)."""
+    from ortflow.validate import cuda_library_problems
+    from tests.support.exports import export_path
+
+    cnn, gpt2 = export_path("cnn.onnx"), export_path("gpt2.onnx")
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert cuda_library_problems(cnn) == []
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider"])
+    loaded = {soname: "/lib/" + soname for soname in cuda_libs.ENGINE_LIBRARIES if soname != "libcublas.so.11"}
+    monkeypatch.setattr(cuda_libs, "preload", lambda: cuda_libs.LoadReport(loaded=loaded, missing=["libcublas.so.11"]))
+    problems = cuda_library_problems(cnn)
+    assert len(problems) == 2
+    assert "the GPU engine needs libcublas.so.11" in problems[0]
+    assert "Conv nodes need cuDNN's convolutions library (libcudnn_cnn_infer.so.8" in problems[1]
+    assert "nvidia-cudnn-cu11" in problems[1]
+    assert cuda_library_problems(gpt2) == problems[:1]  # no convolution in GPT-2

@@ -40,6 +40,7 @@ EXTRA_EDGES: dict[tuple[str, str], str] = {
     ("engine", "ortflow.trainer.cuda_libs"): "the engine's CUDA libraries load before its import",
     ("export", "ortflow.dataprep.loader"): "evaluate reads the eval split's shards",
     ("validate", "ortflow.trainer.batchnorm"): "the refusal of a BatchNorm model that tensor-parallel ranks raise",
+    ("validate", "ortflow.trainer.cuda_libs"): "the CUDA libraries a GPU rank would miss, checked where validate runs",
     ("export", "ortflow.build.records"): "evaluate and export check the artifacts' checksums before loading them",
     ("sample", "ortflow.export.checksum"): "the exported model's checksum sidecar, checked before it is loaded",
 }
