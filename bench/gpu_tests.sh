@@ -11,7 +11,8 @@
 # go (default bench/results/gpu-tests).
 #
 # The 4-GPU layouts and the tests of the training loop's GPU paths run first, so a budget that runs out cuts the
-# least telling ones; the summary lists every collected test as PASS, FAIL, ERROR, SKIP or NOT RUN.
+# least telling ones; the summary lists every collected test as PASS, FAIL, ERROR, SKIP or NOT RUN, and as CRASH the
+# test the test process died in (an abort in a native library leaves no JUnit file: bench/gpu_test_progress.py).
 set -u
 cd "$(dirname "$0")/.."
 PY=${ORTFLOW_PY:-python3}
@@ -20,7 +21,9 @@ BUDGET_S=${BUDGET_S:-450}
 TEST_S=${TEST_S:-170}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-tests.log XML=$OUT/gpu-tests.xml SUMMARY=$OUT/gpu-tests-summary.txt PLAN=$OUT/gpu-tests-plan.txt
-rm -f "$XML" "$SUMMARY" "$PLAN"
+PROGRESS=$OUT/gpu-tests-progress.jsonl  # each test's start and end as they happen (bench/gpu_test_progress.py)
+rm -f "$XML" "$SUMMARY" "$PLAN" "$PROGRESS"
+export ORTFLOW_TEST_PROGRESS=$PROGRESS
 export PYTHONPATH=${ORTFLOW_PYTHONPATH:+$ORTFLOW_PYTHONPATH:}$PWD
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off: NCCL's NVLS init fails on some hosts
 export PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # only the plugins named below
@@ -38,7 +41,7 @@ for file in tests/gpu/test_*.py; do
   case " ${FILES[*]} " in *" $file "*) ;; *) FILES+=("$file") ;; esac
 done
 
-ARGS=(-q -rA --durations=20 -p no:cacheprovider --junitxml="$XML" -o junit_family=xunit1)
+ARGS=(-q -rA --durations=20 -p no:cacheprovider -p bench.gpu_test_progress --junitxml="$XML" -o junit_family=xunit1)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
   ARGS+=(-p pytest_timeout --timeout "$TEST_S")  # SIGALRM: the test fails, its mpiexec is killed, the run goes on
   LIMITS="$TEST_S s per test, $BUDGET_S s in all"
@@ -76,12 +79,13 @@ timeout -s INT -k 20 "$BUDGET_S" "$PY" -c "$PYTEST" "${ARGS[@]}" "${FILES[@]}" "
 status=${PIPESTATUS[0]}
 echo "pytest exit status $status after $(( $(date +%s) - start )) s" | tee -a "$LOG"
 
-"$PY" - "$XML" "$PLAN" <<'EOF' | tee "$SUMMARY" | tee -a "$LOG"
+"$PY" - "$XML" "$PLAN" "$PROGRESS" "$status" <<'EOF' | tee "$SUMMARY" | tee -a "$LOG"
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-xml, plan = Path(sys.argv[1]), Path(sys.argv[2])
+xml, plan, progress, status = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 planned = [line.strip() for line in plan.read_text().splitlines() if "::" in line]
 seen = {}
 if xml.exists():
@@ -96,8 +100,16 @@ if xml.exists():
                 status, why = label, (found.get("message") or "").splitlines()[0][:160] if found.get("message") else ""
                 break
         seen[node] = (status, float(case.get("time", 0)), why)
+# A test that started and never finished: the test process died in it (the JUnit file is then missing or partial).
+events = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] if progress.exists() else []
+started = {e["node"] for e in events if e["event"] == "start"}
+finished = {e["node"] for e in events if e["event"] == "finish"}
+for node in started - finished:
+    seen[node] = ("CRASH", 0.0, f"the test process died in this test (pytest exit status {status})")
 counts = {}
 for node in planned + [n for n in seen if n not in planned]:
+    if node not in seen and node in finished and not xml.exists():
+        seen[node] = ("DONE", 0.0, "finished before the test process died (its result is in gpu-tests.log)")
     status, seconds, why = seen.get(node, ("NOT RUN", 0.0, "time budget or an interrupted run"))
     counts[status] = counts.get(status, 0) + 1
     print(f"{status:8} {seconds:7.1f} s  {node}" + (f"  -- {why}" if why else ""))
