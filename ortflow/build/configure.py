@@ -59,7 +59,8 @@ CONFIGURE_RECORD_NAME = "configure.json"
 
 # Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
 # 2: the batch-dimension pass and the model-preparation pass (ortflow.graph) rewrite the graph before the engine.
-_ARTIFACTS_FORMAT = 2
+# 3: pipeline stages hold BatchNorm running statistics as state, and a middle stage's eval model carries the batch form.
+_ARTIFACTS_FORMAT = 3
 
 
 @dataclass(frozen=True)
