@@ -1,4 +1,4 @@
-"""A pipeline stage's two engine sessions share their memory, and GPU-only refusals come before any session.
+"""A pipeline stage's two engine sessions share their memory.
 
 A stage runs the eval model's forward and then the training model's recompute + backward for every micro-batch
 (trainer/parallel/pipeline_stage.py). Measured (bench/pipeline_memory.py): with the engine's default options both
@@ -16,14 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from ortflow.build.records import read_stages_record
-from ortflow.trainer.comm.communicator import SingleProcessComm
-from ortflow.trainer.parallel.parallel_dims import ParallelDims
-from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
 from tests.support.runs import make_text_run
-from tests.trainer.test_pipeline_mpi import torchlike_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,11 +44,3 @@ def test_a_stage_forward_and_backward_sessions_share_one_working_set(tmp_path):
           f"{eval_only:.1f} MiB, eval + training with the trainer's options {both:.1f} MiB")
     assert eval_only > 1.0 and alone > eval_only  # the model is big enough for the check to mean something
     assert both <= 1.15 * alone + 1.0, (both, alone)
-
-
-def test_tied_weights_across_stages_are_refused_on_cuda_before_any_session(tmp_path):
-    cfg = torchlike_run(tmp_path, "tied", tied=True, distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
-    record = read_stages_record(cfg.artifacts_dir)
-    assert any(stage.get("shared") for stage in record["stages"])  # the split really shares a weight across stages
-    with pytest.raises(RuntimeError, match="tied parameters across pipeline stages .* not supported on CUDA"):
-        init_stage_runtime(cfg.output_dir, cfg, SingleProcessComm(), "cuda:0", ParallelDims(dp=1, pp=2, tp=1))
