@@ -166,6 +166,7 @@ class NCCLComm:
         self._scalars = cupy.zeros(8, dtype=cupy.float64)  # [scalars..., sum of squares]
         self._table: TensorTable | None = None
         self._parts = None  # per-chunk partial sums of squares
+        self._subset: tuple | None = None  # sum_squares: (its chunk table, partials, total)
         self._host: np.ndarray | None = None
         self._device_flat = None
         self._norm_sq = 0.0
@@ -475,10 +476,22 @@ class NCCLComm:
 
     def sum_squares(self, buffers: Sequence[DeviceBuffer]) -> float:
         """The sum of squares of some device buffers' values, in float64 (a subset of the gradients: the norm that
-        :meth:`average_gradients` sums covers all of them, before any later change such as a tied-gradient sum)."""
-        # Sync point: the buffers were written on other streams (the engine's, the exchange's).
+        :meth:`average_gradients` sums covers all of them, before any later change such as a tied-gradient sum).
+        The exchange's multi-tensor kernels over this subset's own chunk table (cached), partials summed in order."""
+        if not buffers:
+            return 0.0
+        key = tuple((b.ptr, b.count) for b in buffers)
+        if self._subset is None or self._subset[0].key != key:
+            table = TensorTable(self._cp, key)
+            self._subset = (table, self._cp.zeros(table.chunks, dtype=self._cp.float64), self._cp.zeros(1, "float64"))
+        table, partials, total = self._subset
+        # Sync point: the buffers were written on other streams (the engine's, the exchange's, a copy from the host).
         self._cp.cuda.runtime.deviceSynchronize()
-        return float(sum(float((self._device_view(b).astype(self._cp.float64) ** 2).sum()) for b in buffers))
+        self._launch(self._sum_squares, table, partials)
+        with self.stream:
+            self._sum_in_order((1,), (256,), (partials, np.int64(table.chunks), total))
+        self.group.watched("sum of squares (nccl)", self.stream.synchronize)  # Sync point: the host reads it next
+        return float(total.get()[0])
 
     def copy_to_host(self, buffer: DeviceBuffer) -> np.ndarray:
         """A host copy of a device buffer (a tied weight's gradient, summed over pipeline stages on the host)."""
