@@ -37,7 +37,7 @@ bench: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev,bench]"
 	$(BIN)/python -m bench
 
-# The long fault-injection campaign (tests/faults/campaign.py, about 30 min on 2 cores); figures in bench/results/.
+# The long fault-injection campaign (tests/faults/campaign.py, about 30 min on 2 cores); figures in bench/out/ (the curated report: bench/reports/faults-campaign.md).
 faults: setup
 	$(BIN)/python -m tests.faults.campaign $(FAULTS_ARGS)
 

@@ -1,1 +1,1 @@
-"""Benchmarks: python -m bench.<name>; results go to bench/results/."""
+"""Benchmarks: python -m bench.<name>; results go to bench/out/ (curated reports: bench/reports/)."""

@@ -1,4 +1,4 @@
-"""``python -m bench``: the whole suite on this machine; writes ``bench/results/<host>-<date>.json`` and ``.md``.
+"""``python -m bench``: the whole suite on this machine; writes ``bench/out/<host>-<date>.json`` and ``.md``.
 
 Parts, in order: the machine's float32 GEMM ceiling; the "same model" check (first losses, engine vs PyTorch);
 the interleaved comparison (ortflow trainer, bare engine loop, PyTorch DDP eager, torch.compile and bf16 autocast
@@ -23,7 +23,7 @@ from pathlib import Path
 from bench import compare
 from bench.common import Setup, default_mpiexec, host_info, parse_result, run_command, summarize, thread_env
 
-RESULTS_DIR = Path(__file__).parent / "results"
+RESULTS_DIR = Path(__file__).parent / "out"
 SHAPE = {"vocab_size": 256, "seq_len": 128, "d_model": 256, "num_layers": 4, "num_heads": 4}
 CHECKPOINT_PERIOD = 100  # weight updates between checkpoints: the config's default period
 
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M')}"
     started = time.perf_counter()
 
+    from bench.compare import build
     from bench.torch_gpt import GPTShape
-    from bench.workload import build
 
     shape = GPTShape(**setup.shape)
     with tempfile.TemporaryDirectory() as tmp:

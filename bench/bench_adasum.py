@@ -4,7 +4,7 @@ With a fixed per-rank batch, 4 averaging ranks take a quarter of the updates of 
 on a 4x larger batch: at the learning rate tuned for 1 rank they fall behind unless the rate is retuned. Adasum
 adds the orthogonal parts of the ranks' contributions, so it keeps closer to the 1-rank curve at the same rate.
 
-    python -m bench adasum [--out bench/results] [--samples 9600]
+    python -m bench adasum [--out bench/out] [--samples 9600]
 
 Writes ``adasum.json`` (loss against samples for every contender, final eval loss, ms per update) and
 ``adasum.png`` (the curves) into ``--out``. CPU only; each contender is a real ``mpiexec`` run of the trainer.
@@ -83,7 +83,7 @@ def run(cfg) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("bench/out"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/ortflow-bench-adasum"))
     parser.add_argument("--samples", type=int, default=9600)
     parser.add_argument("--batch", type=int, default=8)

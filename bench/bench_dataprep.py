@@ -1,6 +1,6 @@
 """Data preparation benchmark: shard writing vs pyarrow's own IPC write, loader batches/s, peak memory.
 
-Run: ``python -m bench dataprep`` (writes bench/results/dataprep.json; about a minute on 2 cores).
+Run: ``python -m bench dataprep`` (writes bench/reports/dataprep.json; about a minute on 2 cores).
 
 * write: ``prepare_data`` end to end (read parquet, check, two-pass shuffle, write shards, sha256, manifest) on a
   GPT-like table, in MB of shards per second, beside ``ipc.new_file`` writing the same in-memory table.
@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from bench.record import write_result
+from bench.common import write_result
 from ortflow.config import config_from_dict
 
-RESULTS = Path(__file__).parent / "results" / "dataprep.json"
+RESULTS = Path(__file__).parent / "out" / "dataprep.json"
 SEQ = 128
 GPT_INPUTS = [{"name": "input_ids", "dtype": "int64", "shape": ["B", "T"]},
               {"name": "labels", "dtype": "int64", "shape": ["N"]}]  # fmt: skip
@@ -151,7 +151,7 @@ def bench_memory(root: Path, rows: int = 600_000) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every part, print the results and write them (``bench/results/dataprep.json`` and ``.md``)."""
+    """Run every part, print the results and write them (``bench/reports/dataprep.json`` and ``.md``)."""
     argparse.ArgumentParser(prog="python -m bench dataprep", description=__doc__).parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -2,7 +2,7 @@
 
 Run under the launcher (2 ranks here, 16 on the device machine's CPUs)::
 
-    .venv/bin/mpiexec -n 2 python -m bench exchange --rounds 15 --out bench/results
+    .venv/bin/mpiexec -n 2 python -m bench exchange --rounds 15 --out bench/out
 
 Gradient shapes: the float initializers of the bench GPT (``ortflow.examples.gpt``, d_model 256, 4 layers, seq 128:
 3.3 M parameters in ~70 tensors, ~13 MB), or ``--model FILE.onnx``. Contenders, interleaved within every round (the
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import write_result
 from bench.exchange_runs import CONTENDERS
-from bench.record import write_result
 from ortflow.trainer.comm.buckets import plan_buckets
 from ortflow.trainer.comm.memory_runs import local_runs
 

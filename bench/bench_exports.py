@@ -1,7 +1,7 @@
 """Pipeline and tensor parallelism on a real export: pp 2 and hp 2 against dp 2 on the Hugging Face GPT-2 fixture.
 
 Run: ``.venv/bin/python -m bench.bench_exports [--rounds 3] [--updates 12]`` (writes
-``bench/results/exports-<host>-<date>.json`` and ``.md``). The driver configures three runs of the committed GPT-2
+``bench/out/exports-<host>-<date>.json`` and ``.md``). The driver configures three runs of the committed GPT-2
 export (``tests/fixtures/exports/gpt2.onnx``, unmodified) on the same text and the same global batch per update
 (dp 2: 2 ranks x ``batch/2`` windows; pp 2 and hp 2: ``batch`` windows through the 2 ranks), then starts the real
 trainer (``mpiexec -n 2 python -m ortflow.trainer``) for each, alternating the layouts round by round so that a busy
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "out"
 LAYOUTS = {"dp2": {"num_ranks": 2}, "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
            "hp2": {"num_ranks": 2, "horizontal_parallel_size": 2}}
 SEQ = 32

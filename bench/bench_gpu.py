@@ -1,6 +1,6 @@
 """GPU benchmark: ortflow on 1 and 2 CUDA ranks (NCCL), PyTorch DDP (NCCL) on the same GPT, and all-reduce bandwidth.
 
-Stages (run in this order on a 2-GPU machine, they write ``bench/results/gpu.{json,md}``):
+Stages (run in this order on a 2-GPU machine, they write ``bench/out/gpu.{json,md}``):
 
 * ``prepare ROOT``: the GPT (``ortflow.examples.gpt.build_gpt``), random tokens, and configured + sharded run folders:
   ``c1``/``c2`` (equivalence: 1 rank at batch 2b vs 2 NCCL ranks at batch b) and ``t1``/``t2`` (throughput, batch B per

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.common import Setup, default_mpiexec, host_info, parse_result, run_command, spawn_ranks, thread_env
-from bench.workload import LEARNING_RATE, SEED, export_model, write_tokens
+from bench.compare import LEARNING_RATE, SEED, export_model, write_tokens
 from ortflow.config import config_from_dict, write_resolved_config
 from ortflow.trainer.metrics import PROGRESS_FILE
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed updates (a multiple of --display)")
     parser.add_argument("--display", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ortflow-bench-layout"))
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("bench/out"))
     parser.add_argument("--name")
     args = parser.parse_args(argv)
     setup = Setup(SHAPE, args.batch_size, args.warmup, args.steps, args.display, default_mpiexec(),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.record import write_result
+from bench.common import write_result
 
 SHAPE = {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12}
 BATCH = 16

@@ -17,7 +17,7 @@ Reported, each as min / median / max over rounds:
   round): whether the trainer slows the engine itself (threads, memory); cross-process, as noisy as the machine;
 * ``wall``: trainer update time / bare update time - 1 (paired per round), the coarse figure earlier reports used.
 
-Run: ``python -m bench overhead --rounds 9 --out bench/results``.
+Run: ``python -m bench overhead --rounds 9 --out bench/out``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.record import write_result
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

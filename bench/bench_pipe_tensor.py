@@ -2,7 +2,7 @@
 against pp 2 and hp 2 (and the unsplit model) on the same GPT.
 
 Run: ``python -m bench pipe-tensor [--steps 4] [--rounds 3]`` (writes
-bench/results/pipe-tensor-<host>.json and .md). The driver configures the four runs with
+bench/out/pipe-tensor-<host>.json and .md). The driver configures the four runs with
 :func:`bench.bench_tensor._configure` (the model of bench_tensor: GPT d_model 256, 8 heads, 2 layers, seq 64; batch
 4 x 2 micro-batches; 1 thread per rank; AdamW) and starts each under mpiexec with this module's worker, which runs the
 trainer's own pieces (``init_runtime``; the pipeline's ``pipeline_step`` or the tensor-parallel runtime's
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_tensor import BATCH, MICRO, ROOT, SHAPE, _configure, _launch
-from bench.record import write_result
+from bench.common import write_result
 
 #: name -> (ranks, hp, pp)
 LAYOUTS = {"pp1hp1": (1, 1, 1), "pp2": (2, 1, 2), "hp2": (2, 2, 1), "pp2xhp2": (4, 2, 2)}
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "load_avg": os.getloadavg(), "shape": SHAPE, "batch_size": BATCH,
               "summary": summarize(results), "raw": results}
-    out = ROOT / "bench" / "results" / f"pipe-tensor-{socket.gethostname()}"
+    out = ROOT / "bench" / "out" / f"pipe-tensor-{socket.gethostname()}"
     write_result(out, record, report(record))
     print(report(record))
 

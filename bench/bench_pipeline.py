@@ -1,6 +1,6 @@
 """Pipeline parallelism on CPU ranks: per-rank memory (pp 2 vs pp 1) and throughput vs data-parallel on the same ranks.
 
-Run: ``python -m bench pipeline [--steps 6] [--rounds 3]`` (writes bench/results/pipeline-<host>.json
+Run: ``python -m bench pipeline [--steps 6] [--rounds 3]`` (writes bench/out/pipeline-<host>.json
 and .md). The driver configures three runs of one GPT (pp1: 1 rank; dp2: 2 ranks data-parallel; pp2: 2 ranks, 2
 stages) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces (init_runtime,
 pipeline_step / the engine calls, the communicator, the update) for warm-up + timed steps and writes one JSON file per
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.record import write_result
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "num_layers": 4, "num_heads": 4}
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
               "load_average_1min": load, "rounds": args.rounds, "timed_steps": args.steps,
               "raw": results}
-    out = ROOT / "bench" / "results" / f"pipeline-{socket.gethostname()}"
+    out = ROOT / "bench" / "out" / f"pipeline-{socket.gethostname()}"
     write_result(out, record, report(record))
     print(report(record))
 

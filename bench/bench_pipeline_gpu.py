@@ -2,7 +2,7 @@
 
 Run on a machine with 2 GPUs and the GPU engine (docs/gpu.md):
 ``python -m bench pipeline-gpu [--batch-size 16] [--rounds 3] [--steps 6] [--micro 2 8]`` (writes
-bench/results/pipeline-gpu-<host>.json and .md, or into --out). The same GPT and the same worker as the CPU bench
+bench/out/pipeline-gpu-<host>.json and .md, or into --out). The same GPT and the same worker as the CPU bench
 (bench/bench_pipeline.py: the trainer's own init_runtime, pipeline_step, NCCL exchange and device update), configured
 with ``device: cuda, use_nccl: true``; rounds alternate the contenders. Memory here is each rank's whole GPU as used
 after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL buffers and the CUDA context), for reference: the
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_pipeline import ROOT, SHAPE, _configure, _launch
-from bench.record import write_result
+from bench.common import write_result
 
 
 def summarize(results: dict, micro: list[int]) -> dict:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches per update (m)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="folder for the .json/.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="folder for the .json/.md")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-gpu-") as tmp:
         root, b = Path(tmp), args.batch_size

@@ -1,6 +1,6 @@
 """Tensor parallelism: per-rank memory of the split layers (hp 2 vs hp 1) and step time, on CPU ranks or GPUs.
 
-Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/results/tensor-<host>.json and
+Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/out/tensor-<host>.json and
 .md); on GPUs ``--device cuda`` with a model where splitting pays, e.g. ``--device cuda --d-model 2048 --num-layers 4
 --seq-len 256 --batch 16 --vocab-size 8192``. The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks
 data-parallel; hp2: 2 ranks, tensor parallel) and starts each under mpiexec with this module's worker, which runs the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.record import write_result
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
               "platform": platform.platform(), "shape": SHAPE, "batch_size": RUN["batch"], "micro": MICRO,
               "device": args.device, "gpus": _gpus() if args.device == "cuda" else None, "summary": summarize(results),
               "split_names": split_names, "raw": results}
-    out = ROOT / "bench" / "results" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"
+    out = ROOT / "bench" / "out" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"
     write_result(out, record, report(record))
     print(report(record))
 

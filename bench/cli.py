@@ -10,27 +10,20 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-# name -> (module, one line). The suite itself is passed in by ``bench/__main__.py``.
+# name -> (module, or module:function when not main, one line). The suite itself is passed in by ``bench/__main__.py``.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "dataprep": ("bench.bench_dataprep", "prepare_data MB/s against pyarrow's own IPC write, the loader, memory"),
     "exchange": ("bench.bench_exchange", "(under mpiexec) the gradient exchange against a bare Allreduce"),
-    "exchange-fold": ("bench.bench_exchange_fold", "(under mpiexec) folding the exchange into the backward"),
-    "arena": ("bench.bench_arena", "forward+backward with the shared gradient arena against a session's own"),
     "overhead": ("bench.bench_overhead", "trainer overhead at 1 x 1 from per-phase counters"),
     "layout": ("bench.bench_layout", "ortflow layouts (auto, R x T) against PyTorch's at one global batch"),
-    "gelu": ("bench.bench_gelu", "the GELU fused against as exported, engine forward+backward on the CPU"),
-    "gelu-forms": ("bench.gelu_forms", "GELU formulations alone on the engine's CPU kernels: ns per element, error"),
-    "gelu-grad-gpt": ("bench.gelu_grad_gpt", "GPTs with the engine's GELU kernels against ortflow's CPU form"),
-    "embedding": ("bench.embedding_grad", "the embedding gradient: Gather, GatherND rewrite, one-hot MatMul"),
     "optim": ("bench.optim_cpu", "ortflow's host update against the engine's optimizer step"),
     "optim-zero": ("bench.optim_zero", "(under mpiexec) ZeRO-1 against ZeRO-0 on the same forward/backward"),
-    "optim-zero-report": ("bench.optim_zero_report", "tabulate optim-zero results of several rank counts"),
-    "optim-torch-check": ("bench.optim_torch_check", "ortflow's AdamW rule: torch against torch.optim.AdamW"),
+    "optim-zero-report": ("bench.optim_zero:report_main", "tabulate optim-zero results of several rank counts"),
+    "optim-torch-check": ("bench.optim_cpu:torch_check_main", "ortflow's AdamW rule: torch against torch.optim.AdamW"),
     "optim-gpu": ("bench.optim_gpu", "(GPU) the fused device update against a copy of the same bytes"),
     "adasum": ("bench.bench_adasum", "Adasum against averaging: loss against samples at 1 and 4 ranks"),
     "pipeline": ("bench.bench_pipeline", "pipeline pp 2 against dp 2: memory per rank, throughput, idle share"),
     "pipeline-memory": ("bench.pipeline_memory", "where a pipeline stage's engine memory goes, per allocator"),
-    "pipeline-breakdown": ("bench.pipeline_breakdown", "a pipeline rank's memory, component by component"),
     "pipeline-gpu": ("bench.bench_pipeline_gpu", "(GPU) pipeline pp 2 against dp 2 on 2 GPUs"),
     "tensor": ("bench.bench_tensor", "tensor parallelism hp 2 against dp 2 and hp 1"),
     "pipe-tensor": ("bench.bench_pipe_tensor", "pp x hp against pp, hp and one rank"),
@@ -64,6 +57,7 @@ def run(argv: Sequence[str], suite: Callable[[list[str]], int | None]) -> int:
         print(f"python -m bench: no benchmark named {name!r}; choose suite or one of: {', '.join(BENCHMARKS)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    module = importlib.import_module(BENCHMARKS[name][0])
+    module_name, _, function = BENCHMARKS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module_name), function or "main")
     sys.argv = [f"python -m bench {name}", *args[1:]]  # what the benchmark's argparse and its report show
-    return module.main(args[1:]) or 0
+    return entry(args[1:]) or 0

@@ -57,37 +57,6 @@ def summarize(values: list[float]) -> dict:
     return {"min": min(kept), "median": statistics.median(kept), "max": max(kept), "n": len(kept)}
 
 
-def interleaved_thread_times(modules: dict, feeds: list, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds of thread CPU time per training step of each engine module, over ``rounds`` after ``warmup`` rounds.
-
-    The modules' steps alternate (order reversed every other round), so the machine's load hits them alike; with one
-    intra-op thread the engine runs on the calling thread, so its thread CPU time is the step's work, which other
-    processes on the cores disturb far less than wall time."""
-    import time
-
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    for r in range(rounds + warmup):
-        for name in list(modules) if r % 2 == 0 else list(modules)[::-1]:
-            start = time.thread_time()
-            modules[name](*feeds)
-            modules[name].lazy_reset_grad()
-            if r >= warmup:
-                times[name].append(time.thread_time() - start)
-    return times
-
-
-def write_result(out: Path | None, stem: str, record: dict, text: str) -> None:
-    """Print the report and, with ``out``, write ``<stem>-<UTC time>.json`` and ``.md`` there."""
-    import json
-    import time
-
-    print(text)
-    if out:
-        stem = f"{stem}-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
-        (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        (out / f"{stem}.md").write_text(text)
-
-
 def host_info() -> dict:
     """Where the numbers come from."""
     cpu = "unknown"
@@ -184,3 +153,70 @@ def random_tokens(rows: int, seq_len: int, vocab: int, seed: int) -> np.ndarray:
     base = (np.arange(seq_len + 1)[None, :] * rng.integers(1, 7, (rows, 1)) + rng.integers(0, vocab, (rows, 1)))
     noise = rng.random((rows, seq_len + 1)) < 0.1
     return np.where(noise, rng.integers(0, vocab, (rows, seq_len + 1)), base % vocab).astype(np.int64)
+
+
+# The one result format of every benchmark: ``STEM.json`` (the record) and ``STEM.md`` (its report). Every record
+# carries the command that produced it, the host (CPU, cores, date, load average) and the versions measured; the
+# markdown gets the same facts under its title, so either file alone says how the numbers were taken.
+
+def command_line() -> str:
+    """The command as typed: ``python -m bench NAME ARGS`` under the CLI, the module's own argv otherwise."""
+    return " ".join([sys.argv[0], shlex.join(sys.argv[1:])]).strip()
+
+
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown`` outside a git checkout."""
+    here = Path(__file__).parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=False).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+def host() -> dict:
+    """``host_info`` at the time of writing, with the commit measured."""
+    info = host_info()
+    info["load_average_when_written"] = info.pop("load_average_at_start", None)
+    info.setdefault("commit", commit())
+    return info
+
+
+def provenance(record: dict) -> list[str]:
+    """Markdown lines naming the command, host and versions of ``record``."""
+    h = record["host"]
+    versions = ", ".join(f"{k} {v}" for k, v in h.get("versions", {}).items() if v)
+    return ["```", record["command"], "```", "",
+            f"{h.get('host')}: {h.get('cpu')}, {h.get('cores')} cores; commit {h.get('commit', 'unknown')}; "
+            f"Python {h.get('python')}; {versions}; written {h.get('date')}, load average then "
+            f"{h.get('load_average_when_written')}."]  # fmt: skip
+
+
+def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
+    """Write ``stem.json`` and ``stem.md``; the record gains ``command`` and ``host`` unless it has them.
+
+    Args:
+        stem: the result's path without suffix (``bench/out/tensor-vm``).
+        record: the measurements (JSON-serialisable); its ``command`` wins over the process's argv (a benchmark under
+            mpiexec knows its launcher line), its ``host`` is completed with ``host_info``.
+        markdown: the report; the provenance lines go under its first ``#`` title (or on top without one).
+
+    Returns:
+        The two paths written.
+    """
+    own = record.get("host")  # a benchmark's own host facts (or just its name) stay, under ours
+    record = {"command": command_line(), **record, "host": {**(own if isinstance(own, dict) else {}), **host()}}
+    lines = markdown.strip("\n").split("\n")
+    title = lines[:1] if lines[0].startswith("# ") else []
+    body = lines[len(title):]
+    while body and not body[0].strip():
+        body.pop(0)
+    lines = [*title, *([""] if title else []), *provenance(record), "", *body]
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+    json_path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path

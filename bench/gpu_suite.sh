@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 ORTFLOW_PY=${ORTFLOW_PY:-python3}
 TORCH_PY=${TORCH_PY:-python3}
 MPIEXEC=${MPIEXEC:-$(command -v mpiexec || echo "$(dirname "$ORTFLOW_PY")/mpiexec")}
-OUT=${OUT:-bench/results/gpu-suite}
+OUT=${OUT:-bench/out/gpu-suite}
 DRIVER_PY=${DRIVER_PY:-$(command -v python3 || echo "$ORTFLOW_PY")}  # the driver needs only the standard library
 exec "$DRIVER_PY" bench/gpu_suite.py --out "$OUT" --ortflow-py "$ORTFLOW_PY" --torch-py "$TORCH_PY" \
   --ortflow-pythonpath "${ORTFLOW_PYTHONPATH:-}" --mpiexec "$MPIEXEC" --budget-s "${BUDGET_S:-540}" "$@"

@@ -8,20 +8,20 @@
 # pytest-timeout each test gets its own limit); ORTFLOW_PYTHONPATH: put before the repository on its PYTHONPATH;
 # MPIEXEC: the MPI launcher, when the one on PATH is not it; BUDGET_S: seconds for the whole run (default 450);
 # TEST_S: seconds per test (default 170); OUT: where gpu-tests.log, gpu-tests.xml (JUnit) and gpu-tests-summary.txt
-# go (default bench/results/gpu-tests).
+# go (default bench/out/gpu-tests).
 #
 # The 4-GPU layouts and the tests of the training loop's GPU paths run first, so a budget that runs out cuts the
 # least telling ones; the summary lists every collected test as PASS, FAIL, ERROR, SKIP or NOT RUN, and as CRASH the
-# test the test process died in (an abort in a native library leaves no JUnit file: bench/gpu_test_progress.py).
+# test the test process died in (an abort in a native library leaves no JUnit file: tests/gpu/progress.py).
 set -u
 cd "$(dirname "$0")/.."
 PY=${ORTFLOW_PY:-python3}
-OUT=${OUT:-bench/results/gpu-tests}
+OUT=${OUT:-bench/out/gpu-tests}
 BUDGET_S=${BUDGET_S:-450}
 TEST_S=${TEST_S:-170}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-tests.log XML=$OUT/gpu-tests.xml SUMMARY=$OUT/gpu-tests-summary.txt PLAN=$OUT/gpu-tests-plan.txt
-PROGRESS=$OUT/gpu-tests-progress.jsonl  # each test's start and end as they happen (bench/gpu_test_progress.py)
+PROGRESS=$OUT/gpu-tests-progress.jsonl  # each test's start and end as they happen (tests/gpu/progress.py)
 rm -f "$XML" "$SUMMARY" "$PLAN" "$PROGRESS"
 export ORTFLOW_TEST_PROGRESS=$PROGRESS
 export PYTHONPATH=${ORTFLOW_PYTHONPATH:+$ORTFLOW_PYTHONPATH:}$PWD
@@ -41,7 +41,7 @@ for file in tests/gpu/test_*.py; do
   case " ${FILES[*]} " in *" $file "*) ;; *) FILES+=("$file") ;; esac
 done
 
-ARGS=(-q -rA --durations=20 -p no:cacheprovider -p bench.gpu_test_progress --junitxml="$XML" -o junit_family=xunit1)
+ARGS=(-q -rA --durations=20 -p no:cacheprovider -p tests.gpu.progress --junitxml="$XML" -o junit_family=xunit1)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
   ARGS+=(-p pytest_timeout --timeout "$TEST_S")  # SIGALRM: the test fails, its mpiexec is killed, the run goes on
   LIMITS="$TEST_S s per test, $BUDGET_S s in all"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.record import write_result
+from bench.common import write_result
 
 #: Datasheet HBM bandwidth (bytes/s) where the runtime does not report memory clock and bus width (CUDA 13).
 DATASHEET = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.04e12}

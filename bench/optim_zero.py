@@ -1,7 +1,7 @@
 """ZeRO-1 vs ZeRO-0 at N CPU ranks, side by side in one run: per-rank update time, step time, optimizer memory.
 
     .venv/bin/mpiexec -n 2 python -m bench optim-zero [--d-model 512 --num-layers 3] [--rounds 5]
-        [--out bench/results/optim-zero-2ranks.md]
+        [--out bench/reports/optim-zero-cpu.md]
 
 Every rank runs the engine's forward/backward of ortflow's example GPT (1 thread, batch 2 x 64), then that stage's
 exchange + update + gather (AdamW torch rule, clipping on so the global norm is computed), stages interleaved in
@@ -13,6 +13,7 @@ whole step (forward/backward included), and the optimizer-state bytes each rank 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bench.record import write_result
+from bench.common import write_result
 from ortflow.config import OptimizerConfig
 from ortflow.examples import build_gpt
 from ortflow.trainer import optim
@@ -133,6 +134,53 @@ def main(argv: list[str] | None = None) -> int:
             write_result(args.out.with_suffix(""), result, text)
     return 0
 
+
+# One table from ``python -m bench optim-zero`` runs at several rank counts.
+#
+# Each run: ``mpiexec -n N python -m bench optim-zero --out DIR/optim-zero-Nranks.md``.
+#
+#     python -m bench optim-zero-report DIR [--out DIR/optim-zero-scaling.md]
+#
+# Reads ``DIR/optim-zero-<N>ranks.json``; per rank count: the ZeRO-0 and ZeRO-1 update times (mean over ranks and the
+# slowest rank), ZeRO-1's update relative to the 1-rank update (goal: close to 1/N), the step times and their ratio
+# (goal: ZeRO-1 not slower), and the optimizer state per rank.
+
+def table(results: list[dict]) -> str:
+    """Markdown rows for results sorted by rank count; the smallest rank count is the reference."""
+    results = sorted(results, key=lambda r: r["ranks"])
+    base = results[0]
+    ref = base["stages"]["ZeRO-0"]["update"]
+    lines = [
+        f"Reference: the ZeRO-0 update at {base['ranks']} rank(s), {ref:.1f} ms; {base['num_parameters']:,} "
+        "parameters. ms are medians over rounds; 'mean' over ranks, 'slowest' the slowest rank.", "",
+        "| ranks | ZeRO-0 update | ZeRO-1 update mean | ZeRO-1 slowest | ZeRO-1 / reference | 1/N | ZeRO-0 step | "
+        "ZeRO-1 step | step ZeRO-1/ZeRO-0 | state ZeRO-0 MiB | state ZeRO-1 MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        z0, z1, n = r["stages"]["ZeRO-0"], r["stages"]["ZeRO-1"], r["ranks"]
+        lines.append(
+            f"| {n} | {z0['update']:.1f} | {z1['update']:.1f} | {z1['update_slowest']:.1f} | "
+            f"{z1['update_slowest'] / ref:.2f} | {1 / n:.2f} | {z0['step']:.1f} | {z1['step']:.1f} | "
+            f"{z1['step'] / z0['step']:.2f} | {z0['state_mib']:.1f} | {z1['state_mib']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    files = sorted(args.folder.glob("optim-zero-*ranks.json"))
+    if not files:
+        print(f"no optim-zero-*ranks.json in {args.folder}", file=sys.stderr)
+        return 1
+    runs = [json.loads(f.read_text()) for f in files]
+    text = "# ZeRO-1 vs ZeRO-0 by rank count (CPU)\n\n" + table(runs)
+    print(text)
+    write_result((args.out or args.folder / "optim-zero-scaling.md").with_suffix(""), {"runs": runs}, text)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 Run: ``python -m bench pipeline-memory [--batch 4 32] [--allocators ...]`` (configures the bench GPT as
 bench_pipeline does, pp 1 and pp 2, measures every cell in a fresh process and writes the table to
-bench/results/pipeline-memory-<host>.md). A cell is (model: unsplit / stage 0 / stage 1; calls: the training call
+bench/out/pipeline-memory-<host>.md). A cell is (model: unsplit / stage 0 / stage 1; calls: the training call
 alone, the eval forward alone, or the eval forward then the training call as a middle stage runs them; allocator):
 ``trainer`` = the sessions as ortflow makes them; ``default`` = an arena per session (the engine's default);
 ``shared`` = one process-wide arena used by both sessions; ``-same`` = that arena extended by what is requested
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_pipeline import ROOT, _configure, _rss_kb
-from bench.record import write_result
+from bench.common import write_result
 
 ALLOCATORS = ("trainer", "default", "shared", "shared-same", "none", "none-mmap", "shared-nopattern",
               "shared-same-nopattern", "default-nopattern")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 got = [_measure(run_dir, stage, calls, allocator, b)["peak_growth"] * mb for b in args.batch]
                 lines.append(f"| {name} | {calls} | {allocator} | " + " | ".join(f"{g:.1f}" for g in got) + " |")
                 print(lines[-1], flush=True)
-    write_result(ROOT / "bench" / "results" / f"pipeline-memory-{socket.gethostname()}", {"table": lines},
+    write_result(ROOT / "bench" / "out" / f"pipeline-memory-{socket.gethostname()}", {"table": lines},
                  "\n".join(lines))
     print("\n".join(lines))
 

@@ -176,7 +176,7 @@ def render(record: dict, plots: list[str]) -> str:
         lines += ["## Data preparation", "", f"`prepare_data` {w['prepare_data_mb_per_s']} MB/s vs pyarrow's own IPC "
                   f"write {w['pyarrow_ipc_write_mb_per_s']} MB/s (ratio {w['ratio_prepare_over_pyarrow']}; "
                   f"{w['note']}). "
-                  "Full results: `bench/results/dataprep.json` (from `bench/bench_dataprep.py`).", ""]  # fmt: skip
+                  "Full results: `bench/reports/dataprep.json` (from `bench/bench_dataprep.py`).", ""]  # fmt: skip
     if "load_average_at_end" in record:
         lines += [f"Load average (1, 5, 15 min) at start {h.get('load_average_at_start')}, at end "
                   f"{record['load_average_at_end']}: load above 0 comes from other processes on the cores.",

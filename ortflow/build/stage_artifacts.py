@@ -136,7 +136,7 @@ def forward_with_batch_statistics(path: Path) -> None:
 def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
     """A middle stage's training model outputs the VJP loss, not the sent tensors: the forward pass has already sent
     them, and as outputs the engine would copy each out and keep it through the backward pass (stage 0 of the bench
-    GPT at 32 sequences: 1 MiB of its 68 MiB working set, bench/results/pipeline-breakdown-vm.md)."""
+    GPT at 32 sequences: 1 MiB of its 68 MiB working set)."""
     model = onnx.load(str(path))
     graph = model.graph
     outputs = [o for o in graph.output if o.name not in sends]

@@ -130,8 +130,8 @@ def session_options(threads: int, deterministic: bool = True, spin: bool = True)
     """One intra-op pool of ``threads`` per rank, so ranks x threads = cores and ranks do not oversubscribe.
 
     ``deterministic`` (distributed.deterministic_compute) asks for the engine's repeatable kernels: without it the
-    CUDA provider's training differs run to run from the third update on, even in fp32 (bench/results/
-    determinism-h200.log), so a resumed run could not end bitwise identical to an uninterrupted one. ``spin``
+    CUDA provider's training differs run to run from the third update on, even in fp32 (measured on
+    an H200), so a resumed run could not end bitwise identical to an uninterrupted one. ``spin``
     False makes the pool's threads sleep between parallel sections instead of spinning (:func:`spin_wait`).
     """
     options = onnxruntime.SessionOptions()
@@ -148,7 +148,7 @@ def spin_wait(cfg: RunConfig, local_size: int, threads: int, cores: int) -> bool
     """distributed.thread_spinning: on, off, or (auto) off when several local ranks fill every core.
 
     Measured on a 32-CPU Xeon host, 16 ranks x 2 threads, the bench GPT against PyTorch DDP at the same layout
-    (bench/results/layout-device-w4-spin*.md, 3 interleaved rounds each): ortflow / PyTorch 0.99 (0.96 .. 1.01) with
+    (3 interleaved rounds each): ortflow / PyTorch 0.99 (0.96 .. 1.01) with
     sleeping threads, 0.93 (0.86 .. 0.94) spinning; the exchange's wait for the slowest rank fell from 13-20% of the
     update to 3-9%. One rank alone keeps the engine's default (spinning shortens its parallel sections' start).
     """

@@ -11,17 +11,19 @@ from pathlib import Path
 import pytest
 
 from bench import cli
-from bench.record import write_result
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_named_benchmark_is_a_module_with_main_taking_argv():
-    for name, (module, _) in cli.BENCHMARKS.items():
+def test_every_named_benchmark_is_a_module_with_an_entry_taking_argv():
+    for name, (entry, _) in cli.BENCHMARKS.items():
+        module, _, function = entry.partition(":")
+        function = function or "main"
         path = ROOT / (module.replace(".", "/") + ".py")
         assert path.exists(), f"{name}: {path} is missing"
-        mains = [f for f in ast.parse(path.read_text()).body if isinstance(f, ast.FunctionDef) and f.name == "main"]
-        assert mains and [a.arg for a in mains[0].args.args] == ["argv"], f"{name}: {module}.main(argv) expected"
+        defs = [f for f in ast.parse(path.read_text()).body if isinstance(f, ast.FunctionDef) and f.name == function]
+        assert defs and [a.arg for a in defs[0].args.args] == ["argv"], f"{name}: {module}.{function}(argv) expected"
 
 
 def test_no_name_and_suite_run_the_suite_with_its_options():

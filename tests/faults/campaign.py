@@ -1,6 +1,7 @@
-"""The long fault campaign (``make faults``): many trials of every kind, figures written to bench/results/.
+"""The long fault campaign (``make faults``): many trials of every kind, figures written to bench/out/
+(the curated report: bench/reports/faults-campaign.md).
 
-Usage: python -m tests.faults.campaign [--scale 1.0] [--only GROUP,...] [--out bench/results/faults-campaign]
+Usage: python -m tests.faults.campaign [--scale 1.0] [--only GROUP,...] [--out bench/out/faults-campaign]
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _disk_full(root: Path) -> trials.Outcome:
 
 
 def markdown(record: dict) -> str:
-    """The campaign's figures as a markdown table (bench/results/faults-campaign.md)."""
+    """The campaign's figures as a markdown table (bench/reports/faults-campaign.md)."""
     lines = [
         f"# Fault campaign, {record['started']} ({record['minutes']} min)", "",
         f"Command: `{record['command']}`  ", f"Commit: {record.get('commit', 'not recorded')}  ",
@@ -154,7 +155,7 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="Multiply every trial count.")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/faults-campaign"))
+    parser.add_argument("--out", type=Path, default=Path("bench/out/faults-campaign"))
     parser.add_argument("--only", default="", help="Run only these groups (comma-separated: kills, stops, orphans, "
                         "hangs, integrity, disk-full, concurrent, fuzz, ownership, stalled, rerun, inputs, "
                         "disk-paths), or the trials whose lambda names this phase or kind.")

@@ -5,8 +5,9 @@ config, 60 updates).
 
 Tolerance: final logged losses within 2% of fp32's first logged loss (BERT learns its task to a loss near 0, where a
 relative difference of the final losses means nothing). On one GPU fp16 and fp32 end within 0.1% of each other
-(bench/results, fixture rows); the fp16 exchange rounds each rank's averaged gradient once more to 11 significant
-bits, which on the bench GPT moved loss windows by at most 2.6% while the loss falls fastest and 0.06% after.
+(bench/reports/gpu-suite-4xh100.md, fixture rows); the fp16 exchange rounds each rank's averaged gradient once
+more to 11 significant bits, which on the bench GPT moved loss windows by at most 2.6% while the loss falls fastest
+and 0.06% after.
 """
 
 from __future__ import annotations

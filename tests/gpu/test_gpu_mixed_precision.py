@@ -7,8 +7,8 @@ Tolerance of the fp16 (and bf16) loss curve against fp32: the fp32 baseline alre
 CUDA provider's default), whose 10-bit mantissa equals fp16's, so what differs is activations and elementwise ops
 rounded to 11 (fp16) or 8 (bf16) significant bits, and the trajectories then separate chaotically. Compared on means
 over windows of 20 updates (the batches, hence the sampling noise, are the same in both runs). Measured: fp16 at most
-0.11% (one H200) and 0.75% (2-GPU H200 machine), bf16 0.44% and 1.67% (bench/results/mixed-h200-dev.log,
-mixed-h200x2.log): the run-to-run spread across machines is itself 5x, so the bounds are 3% (fp16) and 5% (bf16),
+0.11% (one H200) and 0.75% (2-GPU H200 machine), bf16 0.44% and 1.67% (bench/reports/mixed-2xh200.md):
+the run-to-run spread across machines is itself 5x, so the bounds are 3% (fp16) and 5% (bf16),
 about 4x and 3x the worst seen, against a loss that falls by about 2 nats (40%). The curve alone cannot see a loss
 scale that is not divided out (AdamW is nearly scale-invariant), so the logged gradient norms are compared too.
 """
@@ -225,6 +225,6 @@ def test_killed_fp16_run_resumes_with_its_loss_scale_and_bitwise_identical_param
     a, b = final_parameters(steady), final_parameters(killed)
     differ = [name for name in a if not np.array_equal(a[name], b[name])]
     # distributed.deterministic_compute (on by default) asks the engine for repeatable kernels; without it the CUDA
-    # training differed run to run from the third update on (bench/results/determinism-h200.log).
+    # training differed run to run from the third update on (measured on an H200).
     worst = {n: float(np.abs(a[n] - b[n]).max()) for n in differ}
     assert not differ, f"{len(differ)} tensors differ after the resume: {worst}"

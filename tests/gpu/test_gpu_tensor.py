@@ -5,7 +5,7 @@ and the tensor-parallel sums on the device (NCCL all-gather, rank-order adds), o
 pieces' CUDA buffers, the device-side norm of the rank's share. hp 2 on 2 GPUs trains the 2-layer GPT to the
 parameters of 1 GPU unsplit (TF32 tolerance as in test_gpu_training.py), the GPT-2 export's hp 2 equals the same
 layout on CPU ranks, and the engine writes the pieces' outputs on the device
-(bench/results/gpu-tests-4xh100-20261126c.md).
+(bench/reports/gpu-tests-4xh100.md).
 """
 
 from __future__ import annotations

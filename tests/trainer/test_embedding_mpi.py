@@ -2,7 +2,7 @@
 train a byte-level GPT whose token table the CPU engine's GatherGrad would sum in thread order.
 
 The model is the size at which the engine's own Gather gradient was measured to differ run to run with 2 threads
-(vocab 256, T 16, d 64, 2 layers, 16 sequences per rank: bench/results/embedding-grad-*.md), on text, where byte
+(vocab 256, T 16, d 64, 2 layers, 16 sequences per rank), on text, where byte
 ids repeat many times per batch.
 """
 

@@ -133,7 +133,7 @@ class MPIComm:
     def release_sent(self) -> None:
         """Drop the buffers of the sends that have completed (a non-blocking test), so that a pipeline stage holds only
         the tensors still in flight, not every activation or gradient it sent since the last :meth:`wait_sends`
-        (measured: bench/results/pipeline-breakdown-vm.md)."""
+        (measured on the 2-core CPU host)."""
         self._pending = [(buffers, requests) for buffers, requests in self._pending
                          if not self._mpi.Request.Testall(requests)]
 

@@ -9,7 +9,7 @@ Element-wise rules run over *chunks*. The default ``fused`` backend runs each ru
 (:mod:`.fused`): one pass over memory; its chunks only deal the work to the update's threads. The ``numpy`` backend
 runs the rule's numpy operations per chunk of a few thousand elements, so each numpy pass reads and writes data that
 sits in the CPU's L1/L2 cache and the rule costs about one pass over main memory per array it touches instead of one
-per operation. Both give the same bits (bench/results/optim-cpu.md has the times).
+per operation. Both give the same bits (bench/reports/optim-cpu.md has the times).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from ortflow.trainer.comm.pending import ONE, Gradients, apply_factors, factors
 
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
-#: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/results/optim-cpu.md).
+#: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/reports/optim-cpu.md).
 CHUNK = 65536
 
 #: Elements per chunk of the fused backend: large enough that Numba's per-call cost (~10 us) stays under 1% of the
@@ -154,7 +154,7 @@ class Update:
         threads: Threads sharing the chunks (the rank's intra-op threads, idle during the update); the kernels
             release the GIL. Element-wise rules give the same bits with any thread count.
         backend: ``fused`` (one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy operations
-            per chunk; the same bits, slower: bench/results/optim-cpu.md). Default: :func:`default_backend`.
+            per chunk; the same bits, slower: bench/reports/optim-cpu.md). Default: :func:`default_backend`.
     """
 
     def __init__(

@@ -373,7 +373,7 @@ def _build_update(rt: TensorRuntime, threads: int) -> optim.Update:
                                   threads=threads)
     from ortflow.trainer.optim.device import device_update
 
-    # Checked on 2 H200s by tests/gpu/test_gpu_tensor.py (bench/results/gpu-tests-h200x2-w3-tp-pipeline.log).
+    # Checked on 2 H200s by tests/gpu/test_gpu_tensor.py.
     params = [_device_buffer(rt._owner_state(n).get_parameter(n).data, n) for n in trainable]
     segments = optim.whole_segments(trainable, [p.count for p in params])
     return device_update(cfg.optimizer, segments, [p.ptr for p in params], rt.dp_comm.stream)
