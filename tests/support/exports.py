@@ -27,5 +27,5 @@ def export_path(name: str) -> Path:
 
 
 def torch_record(family: str) -> dict:
-    """Torch names of a model family's ``parameters``, ``buffers``, ``state_dict`` (name -> shape) and ``tied`` pairs."""
+    """Torch names of a family's ``parameters``, ``buffers``, ``state_dict`` (name -> shape) and ``tied`` pairs."""
     return json.loads((EXPORTS / f"{family}.torch.json").read_text())
