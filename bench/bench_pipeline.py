@@ -128,7 +128,7 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
     """
     import onnx
 
-    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api

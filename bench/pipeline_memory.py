@@ -69,7 +69,7 @@ def probe(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: i
     """One variant in this process: peak RSS growth (bytes) over ``repeats`` rounds of ``calls``."""
     import onnx
 
-    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api

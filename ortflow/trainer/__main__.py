@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from ortflow.build.records import verify_artifacts
+from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.specs import CONFIGURE_NAME
+from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 from ortflow.trainer import lifeline, output
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
@@ -24,12 +25,6 @@ from ortflow.trainer.startup import writes_per_rank
 
 log = logging.getLogger("ortflow.trainer")
 
-#: Exit status of a run stopped by SIGINT/SIGTERM after a clean checkpoint (128 + SIGTERM, as shells report it).
-EXIT_STOPPED = 143
-#: ... and by SIGINT (Ctrl-C) alone: 128 + SIGINT.
-EXIT_INTERRUPTED = 130
-#: Exit status of a run stopped by a non-finite loss or gradient norm (every rank stops at the same update).
-EXIT_NONFINITE = 4
 
 
 #: Repeats of a stop signal within this many seconds are the same request (a process manager signalling the whole

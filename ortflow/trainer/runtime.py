@@ -16,10 +16,10 @@ import logging
 import os
 from pathlib import Path
 
+from ortflow import cuda_libs
 from ortflow.config import RunConfig, load_run_config, rank_config
-from ortflow.trainer import cuda_libs
+from ortflow.protocol import HEARTBEAT_DIR, NUM_RANKS_ENV
 from ortflow.trainer.comm import Communicator, attach_nccl, create_communicator
-from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.parallel.pipe_tensor_piece import init_pipe_tensor_runtime
 from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
@@ -61,7 +61,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> RankModel
     """Steps 2-6 on a rank whose process group is up: device, communicator, then the rank model its place in
     ``dp x pp x tp`` asks for (session configuration, sessions, state)."""
     run_dir = Path(run_dir)
-    expected = os.environ.get("ORTFLOW_NUM_RANKS") or str(cfg.distributed.num_ranks)  # `ortflow train --np` wins
+    expected = os.environ.get(NUM_RANKS_ENV) or str(cfg.distributed.num_ranks)  # `ortflow train --np` wins
     if expected != "auto" and comm.size != int(expected):
         raise RuntimeError(
             f"started with {comm.size} rank(s) but distributed.num_ranks is {expected}: launch with "

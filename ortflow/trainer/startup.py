@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from ortflow import checkpoints
+from ortflow import checkpoints, cuda_libs
 from ortflow.checkpoints import h5state
 from ortflow.checkpoints.layout_check import check_checkpoint_layout
 from ortflow.config import RunConfig
-from ortflow.trainer import cuda_libs, optim
+from ortflow.protocol import THREADS_ENV
+from ortflow.trainer import optim
 from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.optim.adasum_update import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.zero import Zero0, Zero1
@@ -113,8 +114,6 @@ def available_cores() -> int:
 #: a diagnostic switch for tests and benches, the results are bitwise the same.
 FOLD_ENV = "ORTFLOW_FOLD_SCALES"
 
-#: Threads per rank chosen by the launcher (``--threads``, or the auto layout), read by every rank.
-THREADS_ENV = "ORTFLOW_THREADS_PER_RANK"
 
 
 def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict | None = None) -> int:
@@ -162,7 +161,7 @@ def select_device(cfg: RunConfig, local_rank: int, local_size: int = 1) -> str:
     """The engine device string for this rank: ``cpu``, or ``cuda:<local rank>`` among the visible GPUs.
 
     For CUDA it first loads the engine's CUDA 11.8 / cuDNN 8 libraries from pip's ``nvidia-*-cu11`` packages (see
-    :mod:`ortflow.trainer.cuda_libs`) and fails clearly when the engine, the libraries or the GPUs are missing.
+    :mod:`ortflow.cuda_libs`) and fails clearly when the engine, the libraries or the GPUs are missing.
     """
     if cfg.distributed.device == "cpu":
         return "cpu"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.build.records import read_pipe_tensor_record, stage_base
+from ortflow.artifacts_folder import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator, DeviceBuffer
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups

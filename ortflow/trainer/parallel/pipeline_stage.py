@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from ortflow.build.records import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.artifacts_folder import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.checkpoints import h5state
 from ortflow.config import RunConfig
 from ortflow.engine import api

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.build.records import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
+from ortflow.artifacts_folder import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
 from ortflow.checkpoints import CheckpointError, h5state
 from ortflow.checkpoints.tp import merge_slices, slice_tensor, tp_file
 from ortflow.config import RunConfig
