@@ -21,7 +21,6 @@ from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import init_runtime, start_mpi
-from ortflow.trainer.startup import writes_per_rank
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -79,7 +78,7 @@ def run_rank(run_dir: Path) -> int:
         writer = comm.rank == 0
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
-        per_rank = writes_per_rank(rt.exchange) or rt.dims.split
+        per_rank = rt.exchange.per_rank_state or rt.dims.split
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,

@@ -23,6 +23,8 @@ from ortflow.checkpoints.h5state import TrainState
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.loss_scale import LossScaler
+from ortflow.trainer.optim.exchange import Exchange
+from ortflow.trainer.optim.segments import Update
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.timing import PhaseTimer
 
@@ -88,8 +90,8 @@ class RankModel(Protocol):
     dims: ParallelDims
     device: str
     threads: int
-    update: object
-    exchange: object
+    update: Update
+    exchange: Exchange
     resume: CheckpointInfo | None
     loss_scale: LossScaler
 

@@ -36,23 +36,20 @@ from ortflow.trainer.startup import (
     session_options,
     spin_wait,
     threads_per_rank,
-    writes_per_rank,
 )
 
 log = logging.getLogger("ortflow.trainer")
 
 #: The start-up helpers are re-exported: benches and tests open sessions the way ranks do.
 __all__ = ["FOLD_ENV", "HEARTBEAT_DIR", "THREADS_ENV", "Runtime", "available_cores", "build_update", "init_runtime",
-           "load_parameters", "select_device", "session_options", "spin_wait", "start_mpi", "threads_per_rank",
-           "writes_per_rank"]
+           "load_parameters", "select_device", "session_options", "spin_wait", "start_mpi", "threads_per_rank"]
 
 
 def start_mpi(run_dir: Path) -> tuple[RunConfig, Communicator]:
     """Step 1: the resolved config and the process group (MPI under a launcher, else a group of one)."""
     cfg = load_run_config(run_dir)  # every rank validates the resolved config again
     comm = create_communicator(run_dir / HEARTBEAT_DIR, cfg.distributed.collective_timeout_s, cfg.distributed.use_nccl)
-    if hasattr(comm, "bucket_values"):  # MPIComm: the exchange's bucket size (float32 values)
-        comm.bucket_values = int(cfg.distributed.exchange_bucket_mb * 2**20) // 4
+    comm.bucket_values = int(cfg.distributed.exchange_bucket_mb * 2**20) // 4  # the host exchange's buckets
     return cfg, comm
 
 

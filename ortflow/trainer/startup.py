@@ -49,11 +49,6 @@ def choose_start(
     return resume, warm
 
 
-def writes_per_rank(exchange) -> bool:
-    """Whether every rank writes its own optimizer file: ZeRO-1 shards, or Adasum's per-rank (replica) states."""
-    return exchange.stage == 1 or getattr(exchange, "per_rank_state", False)
-
-
 def optimizer_label(cfg: RunConfig) -> str:
     """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
     return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name

@@ -23,6 +23,13 @@ class Communicator(Protocol):
     size: int
     local_rank: int
     local_size: int
+    #: Whether :meth:`average_gradients` can leave the mean's scale to the caller (the host exchanges can; NCCL
+    #: scales on the device).
+    can_defer_scale: bool
+    #: The switch a folding exchange sets where :attr:`can_defer_scale` (comm/pending.py).
+    defer_scale: bool
+    #: The host exchange's bucket size in float32 values (distributed.exchange_bucket_mb); 0: one pack.
+    bucket_values: int
 
     def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> np.float32:
         """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks.
@@ -83,6 +90,10 @@ class Communicator(Protocol):
     def gather_object(self, obj: object, label: str) -> list | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
 
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        """Make this group's point-to-point channels for ``tags`` now, in this order on every rank (NCCL's are
+        collective to create; MPI needs none), before any transfer is in flight."""
+
     def close(self) -> None:
         """Release resources (stop the watchdog)."""
 
@@ -94,8 +105,10 @@ class SingleProcessComm:
     size = 1
     local_rank = 0
     local_size = 1
+    can_defer_scale = True
     #: True: ``average_gradients`` leaves the mean's scale to the caller (returns it) instead of a pass of its own.
     defer_scale = False
+    bucket_values = 0
 
     def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> np.float32:
         scale = np.float32(1.0 / divisor)
@@ -158,6 +171,9 @@ class SingleProcessComm:
 
     def gather_object(self, obj: object, label: str) -> list | None:
         return [obj]
+
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        pass
 
     def close(self) -> None:
         pass

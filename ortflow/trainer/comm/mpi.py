@@ -35,6 +35,7 @@ class MPIComm:
     #: True: the runs exchange leaves the sums in place and ``average_gradients`` returns the mean's scale, which the
     #: caller's norm and update apply on the fly (comm/pending.py); the bucket exchange always scales.
     defer_scale: bool = False
+    can_defer_scale = True
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
         from mpi4py import MPI  # the only MPI import in ortflow
@@ -354,6 +355,9 @@ class MPIComm:
         sys.stdout.flush()
         time.sleep(0.5)  # the error line this rank just wrote must reach the launcher before MPI kills every proxy
         self.comm.Abort(code)
+
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        """MPI's point-to-point needs no set-up."""
 
     def close(self) -> None:
         if self._closed:  # an NCCLComm wrapping this one closes it too

@@ -124,6 +124,12 @@ class NCCLComm:
         bucket_mb: ``distributed.nccl_bucket_mb``: the exchange in buckets of about this many MB sent (0: one).
     """
 
+    #: The mean's scale is applied on the device, in the exchange's own launches: never left to the caller.
+    can_defer_scale = False
+    defer_scale = False
+    #: NCCL's buckets are ``bucket_mb`` (the host exchange's ``bucket_values`` do not apply).
+    bucket_values = 0
+
     def __init__(self, group: Communicator, device_index: int, allreduce_dtype: str = "float32",
                  packed: bool = False, bucket_mb: float = 0.0):
         try:

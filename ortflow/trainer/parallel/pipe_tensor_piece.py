@@ -119,8 +119,7 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
-    if hasattr(groups.pp, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
-        groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))
+    groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))  # NCCL: its p2p communicators, before any transfer
     info = record["stages"][where.stage]
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),

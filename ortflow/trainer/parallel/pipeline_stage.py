@@ -231,8 +231,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     where, groups = make_groups(comm, dims)
     replica, stage, stage_comm, pipe_comm = where.replica, where.stage, groups.dp, groups.pp
-    if hasattr(pipe_comm, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
-        pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))
+    pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))  # NCCL: its p2p communicators, before any transfer
     resume, warm = choose_start(cfg, comm, num_stages)
     folder = stage_dir(cfg.artifacts_dir, stage)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))

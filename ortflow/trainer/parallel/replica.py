@@ -16,6 +16,7 @@ from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer import arena, loss_scale, optim
 from ortflow.trainer.comm import Communicator, DeviceBuffer
+from ortflow.trainer.optim.exchange import Exchange
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.rank_model import EnginePart, Reduced, compare_digests, sha256_of
 from ortflow.trainer.startup import (
@@ -28,7 +29,6 @@ from ortflow.trainer.startup import (
     session_options,
     spin_wait,
     threads_per_rank,
-    writes_per_rank,
 )
 from ortflow.trainer.timing import PhaseTimer
 
@@ -47,7 +47,7 @@ class Runtime:
     state: object
     module: object
     update: optim.Update
-    exchange: object  # Zero0, Zero1, AdasumExchange (host) or optim.device.Zero1Device
+    exchange: Exchange  # Zero0, Zero1, AdasumExchange (host) or Zero1Device, AdasumDevice (CUDA)
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
     loss_scale: loss_scale.LossScaler = field(default_factory=loss_scale.LossScaler)
@@ -63,9 +63,9 @@ class Runtime:
         return h5state.TrainState(
             parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
             trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
-            rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.stage == 1,
+            rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.sharded,
             extra_state=self.extra_state,
-            replica=writes_per_rank(self.exchange) and self.exchange.stage == 0,
+            replica=self.exchange.per_rank_state and not self.exchange.sharded,
         )
 
     def data_shard(self) -> tuple[int, int]:
