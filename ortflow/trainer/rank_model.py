@@ -22,6 +22,7 @@ from ortflow.checkpoints import CheckpointInfo
 from ortflow.checkpoints.h5state import TrainState
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
 from ortflow.trainer.loss_scale import LossScaler
 from ortflow.trainer.optim.exchange import Exchange
 from ortflow.trainer.optim.segments import Update
@@ -89,6 +90,8 @@ class RankModel(Protocol):
     comm: Communicator
     dims: ParallelDims
     device: str
+    #: Where the engine keeps the parameters and gradients (:mod:`ortflow.trainer.comm.engine_buffers`).
+    buffers: HostBuffers | DeviceBuffers
     threads: int
     update: Update
     exchange: Exchange

@@ -20,6 +20,7 @@ from ortflow import cuda_libs
 from ortflow.config import RunConfig, load_run_config, rank_config
 from ortflow.protocol import HEARTBEAT_DIR, NUM_RANKS_ENV
 from ortflow.trainer.comm import Communicator, attach_nccl, create_communicator
+from ortflow.trainer.optim.rank_update import FOLD_ENV, build_update
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.parallel.pipe_tensor_piece import init_pipe_tensor_runtime
 from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
@@ -27,10 +28,8 @@ from ortflow.trainer.parallel.replica import Runtime, init_replica
 from ortflow.trainer.parallel.tensor_piece import init_tensor_runtime
 from ortflow.trainer.rank_model import RankModel
 from ortflow.trainer.startup import (
-    FOLD_ENV,
     THREADS_ENV,
     available_cores,
-    build_update,
     load_parameters,
     select_device,
     session_options,

@@ -49,6 +49,10 @@ class Communicator(Protocol):
     def scale_gradients(self, grads: Sequence, factor: float) -> None:
         """Every gradient times ``factor`` (gradient clipping): in place, or owed by host ``Gradients``."""
 
+    def sum_squares(self, grads: Sequence) -> float:
+        """The squared L2 norm of some of this rank's gradients as they are now (no collective): a subset, or
+        gradients changed after the exchange (a tied weight's sum)."""
+
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         """Sum of a small float64 array over ranks (a new array)."""
 
@@ -90,6 +94,12 @@ class Communicator(Protocol):
     def gather_object(self, obj: object, label: str) -> list | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
 
+    def copy_to_host(self, buffer) -> np.ndarray:
+        """A host copy of one of this rank's buffers (host or device)."""
+
+    def copy_from_host(self, buffer, values: np.ndarray) -> None:
+        """``values`` into one of this rank's buffers (host or device), done when this returns."""
+
     def open_point_to_point(self, tags: Sequence[int]) -> None:
         """Make this group's point-to-point channels for ``tags`` now, in this order on every rank (NCCL's are
         collective to create; MPI needs none), before any transfer is in flight."""
@@ -128,6 +138,9 @@ class SingleProcessComm:
 
     def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
         scale_gradients(grads, factor)
+
+    def sum_squares(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads) ** 2
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return np.array(values, dtype=np.float64, copy=True)
@@ -174,6 +187,12 @@ class SingleProcessComm:
 
     def open_point_to_point(self, tags: Sequence[int]) -> None:
         pass
+
+    def copy_to_host(self, buffer: np.ndarray) -> np.ndarray:
+        return np.array(buffer, copy=True)
+
+    def copy_from_host(self, buffer: np.ndarray, values: np.ndarray) -> None:
+        buffer[...] = values
 
     def close(self) -> None:
         pass

@@ -192,6 +192,9 @@ class MPIComm:
     def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
         scale_gradients(grads, factor)
 
+    def sum_squares(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads) ** 2  # the host norm, squared: the same bits as the exchange's own norm
+
     def _layout(self, grads: Sequence[np.ndarray], num_scalars: int) -> np.ndarray:
         sizes = [g.size for g in grads]
         if self._flat is None or len(self._slices) != len(sizes) or self._flat.size != sum(sizes) + num_scalars:
@@ -358,6 +361,12 @@ class MPIComm:
 
     def open_point_to_point(self, tags: Sequence[int]) -> None:
         """MPI's point-to-point needs no set-up."""
+
+    def copy_to_host(self, buffer: np.ndarray) -> np.ndarray:
+        return np.array(buffer, copy=True)
+
+    def copy_from_host(self, buffer: np.ndarray, values: np.ndarray) -> None:
+        buffer[...] = values
 
     def close(self) -> None:
         if self._closed:  # an NCCLComm wrapping this one closes it too
