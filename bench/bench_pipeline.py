@@ -128,10 +128,11 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
     """
     import onnx
 
-    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api
+    from ortflow.trainer.comm.engine_buffers import HostBuffers
     from ortflow.trainer.parallel.pipeline_stage import stage_session_options
     from ortflow.trainer.runtime import session_options
 
@@ -139,7 +140,7 @@ def memory_worker(run_dir: Path, stage: int | None, calls: int, micro_batch: int
     folder = cfg.artifacts_dir if stage is None else stage_dir(cfg.artifacts_dir, stage)
     started = _rss_kb("VmRSS")
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
-    options = session_options(1) if stage is None else stage_session_options(1, "cpu")  # as the trainer makes them
+    options = session_options(1) if stage is None else stage_session_options(1, HostBuffers())  # as the trainer
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device="cpu",
                         session_options=options)
     batch = TrainLoader(cfg.data_dir, micro_batch, 0, 1, prefetch=0).batch(0, 0)

@@ -108,8 +108,8 @@ def engine_step(names, vocab: int, d_model: int, num_layers: int, folder: Path):
     """The engine's AdamW graph step on CUDA for the same GPT, after one forward/backward (gradients in place)."""
     import onnx
 
+    from ortflow import cuda_libs
     from ortflow.examples import build_gpt
-    from ortflow.trainer import cuda_libs
 
     cuda_libs.preload()
     from ortflow.engine import api, artifacts, onnxblock

@@ -43,9 +43,10 @@ def _options(allocator: str, stage: int | None):
     from ortflow.trainer.runtime import session_options
 
     if allocator == "trainer":  # as the trainer makes them (stages: stage_session_options; unsplit: session_options)
+        from ortflow.trainer.comm.engine_buffers import HostBuffers
         from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 
-        return session_options(1) if stage is None else stage_session_options(1, "cpu")
+        return session_options(1) if stage is None else stage_session_options(1, HostBuffers())
     options = session_options(1)
     if allocator.endswith("-nopattern"):  # no memory pattern: per-tensor blocks, which the two sessions can share
         options.enable_mem_pattern = False
@@ -69,7 +70,7 @@ def probe(run_dir: Path, stage: int | None, calls: str, allocator: str, batch: i
     """One variant in this process: peak RSS growth (bytes) over ``repeats`` rounds of ``calls``."""
     import onnx
 
-    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import api

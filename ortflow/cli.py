@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ortflow.config import ConfigError, apply_overrides, load_config
+from ortflow.protocol import EXIT_INTERRUPTED, EXIT_STOPPED
 
 app = typer.Typer(
     name="ortflow",
@@ -179,7 +180,8 @@ def train(
             )
     except (LaunchError, RunFolderLocked) as err:
         _fail(str(err))
-    if result.returncode in (130, 143):  # the ranks stopped together on a signal and saved a stop checkpoint
+    # The ranks stopped together on a signal and saved a stop checkpoint.
+    if result.returncode in (EXIT_INTERRUPTED, EXIT_STOPPED):
         console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
         raise typer.Exit(128 + result.signal if result.signal else result.returncode)
     if not result.ok:
@@ -415,7 +417,7 @@ def export_cmd(
 @app.command()
 def doctor() -> None:
     """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing."""
-    from ortflow.trainer.cuda_libs import OPTIONAL_FOR_OPS, diagnose
+    from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose
 
     rows = diagnose()
     optional = {f"cuDNN {what}" for what in OPTIONAL_FOR_OPS}

@@ -3,7 +3,7 @@
 * ``import onnxruntime.training`` imports torch through ``training/optim``; registering an empty module under that
   name first keeps torch out (ortflow never needs it: ``api``, ``artifacts`` and ``onnxblock`` do not).
 * The GPU build (``onnxruntime-training``) needs CUDA 11.8 and cuDNN 8; they are loaded from pip's ``nvidia-*-cu11``
-  packages before the import (:mod:`ortflow.trainer.cuda_libs`), so nobody edits LD_LIBRARY_PATH.
+  packages before the import (:mod:`ortflow.cuda_libs`), so nobody edits LD_LIBRARY_PATH.
 * The engine logs every graph transformer at INFO while building artifacts, whatever the default logger's severity:
   the gradient builder makes its own ``SessionOptions``. ortflow hands it options that log warnings and errors only.
 
@@ -30,7 +30,7 @@ def _gpu_engine_installed() -> bool:
 
 def _import() -> tuple[ModuleType, ModuleType, ModuleType]:
     if _gpu_engine_installed():
-        from ortflow.trainer import cuda_libs
+        from ortflow import cuda_libs
 
         # The GPU build links CUDA 11.8 / cuDNN 8 by soname: load them from pip's nvidia-*-cu11 folders first.
         # What is missing is reported when a rank asks for cuda (runtime.select_device) or by `ortflow doctor`.

@@ -199,8 +199,8 @@ def cuda_library_problems(model_path: Path) -> list[str]:
     launches cannot tell what the GPU hosts have)."""
     import onnxruntime
 
+    from ortflow import cuda_libs
     from ortflow.build.configure import op_types
-    from ortflow.trainer import cuda_libs
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return []

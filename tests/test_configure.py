@@ -12,9 +12,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.artifacts_folder import ARTIFACT_FILES
 from ortflow.build.artifacts import inspect_model
 from ortflow.build.configure import CONFIGURE_RECORD_NAME, configure
-from ortflow.build.records import ARTIFACT_FILES
 from ortflow.config import ConfigError, OptimizerConfig, config_from_dict
 from ortflow.engine import api
 from ortflow.examples import build_gpt, build_mlp

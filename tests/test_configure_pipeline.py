@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.artifacts_folder import ARTIFACT_FILES, read_stages_record, stage_dir
 from ortflow.build.configure import configure
-from ortflow.build.records import ARTIFACT_FILES, read_stages_record, stage_dir
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.engine import api
 from tests.support.mlp_stack import B, T, V, build_torchlike

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from ortflow.artifacts_folder import ARTIFACT_FILES, piece_dir, read_tensor_record
 from ortflow.build.configure import configure
-from ortflow.build.records import ARTIFACT_FILES, piece_dir, read_tensor_record
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.examples.gpt import build_gpt
 

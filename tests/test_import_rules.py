@@ -172,12 +172,13 @@ def test_graph_passes_import_nothing_from_ortflow_outside_graph():
             assert all(n.startswith("ortflow.graph") for n in ours), (module, ours)
 
 
-def test_launchers_import_only_the_config_and_the_process_and_gpu_helpers_from_ortflow():
+def test_launchers_import_only_the_config_the_process_and_gpu_helpers_and_the_protocol_from_ortflow():
     found = {m: names for m, names in MODULES.items() if m.startswith("ortflow.launch")}
     assert "ortflow.launch.local" in found, sorted(found)
     for module, names in found.items():
         ours = {n for n in names if n.startswith("ortflow")}
-        allowed = ("ortflow.config", "ortflow.launch", "ortflow.processes", "ortflow.gpus")  # both: stdlib only
+        # processes, gpus and protocol import nothing from ortflow (the standard library only)
+        allowed = ("ortflow.config", "ortflow.launch", "ortflow.processes", "ortflow.gpus", "ortflow.protocol")
         assert all(n == "ortflow" or n.startswith(allowed) for n in ours), (module, ours)
 
 

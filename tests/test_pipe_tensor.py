@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from ortflow.artifacts_folder import ARTIFACT_FILES, piece_dir, read_pipe_tensor_record, stage_base
 from ortflow.build.configure import configure
-from ortflow.build.records import ARTIFACT_FILES, piece_dir, read_pipe_tensor_record, stage_base
 from ortflow.checkpoints.tp import by_stage, tp_file
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.examples.gpt import build_gpt

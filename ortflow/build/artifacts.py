@@ -30,9 +30,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ortflow.artifacts_folder import ARTIFACT_FILES
 from ortflow.build import mixed_precision, training_graph
 from ortflow.build.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
-from ortflow.build.records import ARTIFACT_FILES
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock

@@ -24,10 +24,7 @@ from typing import Any
 
 import onnx
 
-from ortflow.build.artifacts import ArtifactsError, build_artifacts, inspect_model
-from ortflow.build.engine_input import repeatable_gathers
-from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
-from ortflow.build.records import (
+from ortflow.artifacts_folder import (
     ARTIFACT_FILES,
     DIGESTS_KEY,
     ArtifactsDamaged,
@@ -37,6 +34,9 @@ from ortflow.build.records import (
     read_tensor_record,
     verify_artifacts,
 )
+from ortflow.build.artifacts import ArtifactsError, build_artifacts, inspect_model
+from ortflow.build.engine_input import repeatable_gathers
+from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
 from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
 from ortflow.build.tensor_artifacts import build_tensor_artifacts, plan_tensor
 from ortflow.build.training_graph import sums_as_matmul_applies

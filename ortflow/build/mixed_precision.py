@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from ortflow.build.records import LOSS_SCALE_INPUT as INPUT_NAME
+from ortflow.artifacts_folder import LOSS_SCALE_INPUT as INPUT_NAME
 from ortflow.config import RunConfig
 from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
 

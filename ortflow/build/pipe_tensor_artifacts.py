@@ -27,9 +27,9 @@ from pathlib import Path
 
 import onnx
 
+from ortflow.artifacts_folder import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
 from ortflow.build.artifacts import ArtifactsError, inspect_model, split_parameters
 from ortflow.build.building import building
-from ortflow.build.records import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
 from ortflow.build.stage_artifacts import plan_stages
 from ortflow.build.tensor_artifacts import build_piece, export_fixes, piece_record, split_input
 from ortflow.config import RunConfig

@@ -24,6 +24,14 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from ortflow.artifacts_folder import (
+    ARTIFACT_FILES,
+    BACKPROP_SUFFIX,
+    BATCH_STATISTICS_INPUT,
+    GRAD_IN_SUFFIX,
+    STAGES_DIR,
+    STAGES_RECORD,
+)
 from ortflow.build.artifacts import (
     PROTO_LIMIT,
     ArtifactsError,
@@ -35,14 +43,6 @@ from ortflow.build.artifacts import (
 )
 from ortflow.build.building import building
 from ortflow.build.engine_input import prepare_cut, split_source
-from ortflow.build.records import (
-    ARTIFACT_FILES,
-    BACKPROP_SUFFIX,
-    BATCH_STATISTICS_INPUT,
-    GRAD_IN_SUFFIX,
-    STAGES_DIR,
-    STAGES_RECORD,
-)
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock

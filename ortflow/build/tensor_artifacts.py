@@ -21,6 +21,7 @@ from pathlib import Path
 
 import onnx
 
+from ortflow.artifacts_folder import ARTIFACT_FILES, TENSOR_DIR, TENSOR_RECORD
 from ortflow.build.artifacts import (
     PROTO_LIMIT,
     ArtifactsError,
@@ -32,7 +33,6 @@ from ortflow.build.artifacts import (
 )
 from ortflow.build.building import building
 from ortflow.build.engine_input import prepare_cut, split_source
-from ortflow.build.records import ARTIFACT_FILES, TENSOR_DIR, TENSOR_RECORD
 from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts

@@ -66,7 +66,7 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_rows: i
     if cfg is None or src.data_dir is None:
         raise ExportError(f"{source}: evaluate needs a configured run folder with prepared data (config.yaml, "
                           "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
-    from ortflow.build.records import verify_artifacts
+    from ortflow.artifacts_folder import verify_artifacts
 
     verify_artifacts(cfg.artifacts_dir, src.record)  # before the engine loads them: a damaged file is named
     batch = cfg.train.resolved_eval_batch_size

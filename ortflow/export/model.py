@@ -178,7 +178,7 @@ def resolve_source(
         )
     record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
     if record and found.parent == Path(run_dir) / "artifacts":  # checked before any loader reads it
-        from ortflow.build.records import verify_artifacts
+        from ortflow.artifacts_folder import verify_artifacts
 
         verify_artifacts(found.parent, record)
     return ExportSource(

@@ -34,18 +34,13 @@ from ortflow.launch.job import (
     write_record,
 )
 from ortflow.processes import SHM_DIR, remove_orphan_segments
+from ortflow.protocol import HEARTBEAT_DIR, LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV, NUM_RANKS_ENV, THREADS_ENV
 
 __all__ = ["STOP_GRACE_S", "LaunchError", "LaunchResult", "LocalJob", "build_command", "find_mpiexec", "launch",
            "launcher_environment", "launcher_flavor", "is_error_line", "rank_environment"]
 
 log = logging.getLogger(__name__)
 
-#: Where each rank's collective watchdog leaves its stall report (the trainer's ``comm.watchdog.HEARTBEAT_DIR``).
-HEARTBEAT_DIR = ".ranks"
-#: What the ranks read to follow the launching process (the trainer's ``lifeline`` module: a rank on the same host
-#: exits within a second once this process is gone).
-LAUNCHER_PID_ENV = "ORTFLOW_LAUNCHER_PID"
-LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
 
 def find_mpiexec(explicit: str | Path | None = None) -> Path:
     """The launcher: ``explicit``, else the one installed beside this Python, else ``mpiexec`` on PATH."""
@@ -98,8 +93,8 @@ def rank_environment(num_ranks: int, num_hosts: int, threads: int | None, cores:
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(per_rank)
     if threads:
-        env["ORTFLOW_THREADS_PER_RANK"] = str(threads)  # the engine's intra-op pool (trainer.runtime.threads_per_rank)
-    env["ORTFLOW_NUM_RANKS"] = str(num_ranks)  # the world the launcher chose (--np, auto): ranks accept it
+        env[THREADS_ENV] = str(threads)  # the engine's intra-op pool (trainer.runtime.threads_per_rank)
+    env[NUM_RANKS_ENV] = str(num_ranks)  # the world the launcher chose (--np, auto): ranks accept it
     env["PYTHONUNBUFFERED"] = "1"
     env.update(launcher_environment())  # ranks on this host exit within a second if this process dies
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the hosts we run on

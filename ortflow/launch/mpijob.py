@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from ortflow.config import RunConfig
+from ortflow.protocol import NUM_RANKS_ENV, THREADS_ENV
 
 API_VERSION = "kubeflow.org/v2beta1"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v2beta1", "mpijobs"
@@ -47,7 +48,7 @@ def job_name(cfg: RunConfig) -> str:
 def _env(cfg: RunConfig) -> list[dict[str, str]]:
     threads = cfg.distributed.threads_per_rank or 1
     values = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-              "ORTFLOW_THREADS_PER_RANK": threads, "ORTFLOW_NUM_RANKS": cfg.distributed.num_ranks,
+              THREADS_ENV: threads, NUM_RANKS_ENV: cfg.distributed.num_ranks,
               "PYTHONUNBUFFERED": 1, "NCCL_NVLS_ENABLE": 0}  # fmt: skip
     return [{"name": name, "value": str(value)} for name, value in values.items()]
 

@@ -38,6 +38,7 @@ from ortflow.launch.local import (
     find_mpiexec,
     launcher_flavor,
 )
+from ortflow.protocol import NUM_RANKS_ENV, THREADS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path, flavor: str, pyt
     lines += [f"#SBATCH {entry}" for entry in slurm.extra_sbatch]
     command = build_command(run_dir, ranks, mpiexec, flavor, python=python)
     env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "ORTFLOW_THREADS_PER_RANK": threads, "ORTFLOW_NUM_RANKS": ranks, "PYTHONUNBUFFERED": 1}  # fmt: skip
+           THREADS_ENV: threads, NUM_RANKS_ENV: ranks, "PYTHONUNBUFFERED": 1}  # fmt: skip
     lines += ["", "# Set up the environment of the ranks (slurm.setup).", *slurm.setup, ""]
     lines += [f"export {name}={value}" for name, value in env.items()]
     lines += [

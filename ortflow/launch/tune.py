@@ -29,27 +29,37 @@ from ortflow.launch.layout import (
     write_tuned,
 )
 from ortflow.launch.local import find_mpiexec, launcher_flavor, rank_environment
+from ortflow.protocol import TUNE_RESULT_TAG
 
 log = logging.getLogger(__name__)
-#: The line prefix the ranks print their measurement with (:data:`ortflow.trainer.tune_updates.RESULT_TAG`).
-RESULT_TAG = "ORTFLOW_TUNE "
 
 
-def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_batch: int | None) -> list[Layout]:
+def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_batch: int | None,
+               split: int = 1) -> list[Layout]:
     """The rule's layout, then one rank per CPU where the rule starts fewer (SMT, or its cap of 16 ranks), then half
-    the rule's ranks with twice the threads down to one rank with every core."""
-    first = auto_layout(host, num_parameters, global_batch, fixed_batch)
-    found, ranks = [first], first.ranks // 2
-    fits = host.cores * rank_memory_bytes(num_parameters) <= host.memory_bytes * MEMORY_SHARE
-    if first.ranks < host.cores and fits and (global_batch is None or divides(global_batch, host.cores,
-                                                                               fixed_batch or 1)):
+    the rule's ranks with twice the threads down to the fewest ranks.
+
+    ``split`` is the ranks one replica takes (``pipeline_parallel_size x horizontal_parallel_size``): every candidate
+    starts whole replicas, and a global batch is split over the replicas, as training splits it.
+    """
+    unit = fixed_batch or 1
+
+    def fits(ranks: int) -> bool:
+        return ranks % split == 0 and (global_batch is None or divides(global_batch, ranks // split, unit))
+
+    rule = auto_layout(host, num_parameters, None if split > 1 else global_batch, fixed_batch)
+    first = next((r for r in range(rule.ranks, 0, -1) if fits(r)), split)
+    found = [rule if first == rule.ranks else Layout(first, max(1, host.cores // first), "candidate: whole replicas")]
+    fits_memory = host.cores * rank_memory_bytes(num_parameters) <= host.memory_bytes * MEMORY_SHARE
+    if first < host.cores and fits_memory and fits(host.cores):
         found.append(Layout(host.cores, 1, "candidate: one rank per CPU (SMT siblings included, past the cap)"))
-    while ranks >= 1:
-        if global_batch is None or divides(global_batch, ranks, fixed_batch or 1):
+    ranks = first // 2
+    while ranks >= split:
+        if fits(ranks):
             found.append(Layout(ranks, max(1, host.cores // ranks), "candidate"))
         ranks //= 2
-    if found[-1].ranks != 1 and (global_batch is None or divides(global_batch, 1, fixed_batch or 1)):
-        found.append(Layout(1, host.cores, "candidate"))
+    if found[-1].ranks != split and fits(split):
+        found.append(Layout(split, max(1, host.cores // split), "candidate"))
     return found
 
 
@@ -74,13 +84,15 @@ def tune(cfg, host: Host, updates: int = 6, warmup: int = 2, mpiexec: str | None
     exe = find_mpiexec(mpiexec)
     flavor = launcher_flavor(exe)
     results = []
-    for layout in candidates(host, facts.num_parameters, cfg.train.global_batch_size, facts.fixed_batch):
+    dist = cfg.distributed
+    split = dist.pipeline_parallel_size * dist.horizontal_parallel_size
+    for layout in candidates(host, facts.num_parameters, cfg.train.global_batch_size, facts.fixed_batch, split):
         cmd = [str(exe), "-n", str(layout.ranks)] + (["--allow-run-as-root"] if flavor == "openmpi" else [])
         cmd += [sys.executable, "-m", "ortflow.trainer.tune_updates", str(run_dir), "--updates", str(updates),
                 "--warmup", str(warmup)]  # fmt: skip
         env = rank_environment(layout.ranks, 1, layout.threads, host.cores)
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        found = re.search(RESULT_TAG + r"(\{.*\})", out.stdout)
+        found = re.search(TUNE_RESULT_TAG + r"(\{.*\})", out.stdout)
         if out.returncode or not found:
             detail = (out.stdout + out.stderr)[-3000:]
             raise LayoutError(f"tuning {layout.ranks} x {layout.threads} failed:\n{detail}")

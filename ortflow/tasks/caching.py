@@ -26,9 +26,9 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
+from ortflow.artifacts_folder import ARTIFACT_FILES, verify_artifacts
 from ortflow.build.configure import fingerprint as configure_fingerprint
 from ortflow.build.configure import read_configure_record
-from ortflow.build.records import ARTIFACT_FILES, verify_artifacts
 from ortflow.checkpoints import list_complete, verify
 from ortflow.config import RunConfig
 

@@ -27,6 +27,7 @@ from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
+from ortflow.protocol import EXIT_NONFINITE
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
@@ -54,11 +55,6 @@ _REPEATING = re.compile(
     r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
     r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank"
 )
-
-
-#: The ranks' exit status when a weight update's loss or gradient norm is not finite (every rank stops at the same
-#: update; a retry would resume from the last good checkpoint and diverge again).
-EXIT_NONFINITE = 4
 
 
 def failure_repeats(error_lines: tuple[str, ...], returncode: int = 1) -> bool:

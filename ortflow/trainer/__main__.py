@@ -11,25 +11,19 @@ import sys
 import time
 from pathlib import Path
 
-from ortflow.build.records import verify_artifacts
+from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.specs import CONFIGURE_NAME
+from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 from ortflow.trainer import lifeline, output
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
 from ortflow.trainer.runtime import init_runtime, start_mpi
-from ortflow.trainer.startup import writes_per_rank
 
 log = logging.getLogger("ortflow.trainer")
 
-#: Exit status of a run stopped by SIGINT/SIGTERM after a clean checkpoint (128 + SIGTERM, as shells report it).
-EXIT_STOPPED = 143
-#: ... and by SIGINT (Ctrl-C) alone: 128 + SIGINT.
-EXIT_INTERRUPTED = 130
-#: Exit status of a run stopped by a non-finite loss or gradient norm (every rank stops at the same update).
-EXIT_NONFINITE = 4
 
 
 #: Repeats of a stop signal within this many seconds are the same request (a process manager signalling the whole
@@ -84,7 +78,7 @@ def run_rank(run_dir: Path) -> int:
         writer = comm.rank == 0
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
-        per_rank = writes_per_rank(rt.exchange) or rt.dims.split
+        per_rank = rt.exchange.per_rank_state or rt.dims.split
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,

@@ -171,4 +171,4 @@ def for_model(model) -> RunningStats:
         log.info("rank %d: %d BatchNormalization layer(s): running_var %s, %s across ranks", model.comm.rank,
                  len(layers), train.batchnorm_variance, train.batchnorm_sync)
     return RunningStats(layers, params, comm, train.batch_size, train.gradient_accumulation_steps,
-                        train.batchnorm_variance, train.batchnorm_sync, on_device=model.device != "cpu")
+                        train.batchnorm_variance, train.batchnorm_sync, on_device=model.buffers.on_device)

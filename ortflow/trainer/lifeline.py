@@ -22,14 +22,10 @@ import threading
 from collections.abc import Callable
 
 from ortflow.processes import wait_for_exit
+from ortflow.protocol import EXIT_ORPHANED, LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 
 log = logging.getLogger(__name__)
 
-#: Environment variables the launching process sets for its ranks (``ortflow.launch.local.launcher_environment``).
-LAUNCHER_PID_ENV = "ORTFLOW_LAUNCHER_PID"
-LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
-#: Exit status of a rank ended because its launching process died.
-EXIT_ORPHANED = 137
 _PR_SET_PDEATHSIG = 1
 
 

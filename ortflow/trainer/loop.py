@@ -10,6 +10,7 @@ import fnmatch
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime
@@ -26,7 +27,7 @@ from ortflow.trainer.timing import PhaseTimer
 
 log = logging.getLogger("ortflow.trainer")
 
-__all__ = ["StopFlag", "TrainResult", "evaluate", "train"]
+__all__ = ["StopFlag", "TrainResult", "Updated", "evaluate", "train", "update_weights"]
 
 #: How a resumed run replays the graph's randomness (recorded in every checkpoint's meta).
 RNG_SCHEME = "onnxruntime.set_seed(seed + step) before each update"
@@ -56,7 +57,7 @@ def train(
         tokens_per_sample: For tokens/s (text data), else None.
         clock: Time source for the step-time breakdown and throughput.
     """
-    cfg, scaler = model.cfg, model.loss_scale
+    cfg = model.cfg
     k, total, period = cfg.train.gradient_accumulation_steps, cfg.train.num_weight_updates, cfg.train.evaluation_period
     samples = k * model.dims.dp * cfg.train.batch_size  # one update's samples, over the replicas
     step = model.resume.step if model.resume else 0
@@ -73,29 +74,8 @@ def train(
         onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
         timer.lap("other")  # reporting of the previous update, learning rate, seed
 
-        profiler.begin(step + 1)
-        loss_sum = model.accumulate(batches, k, timer)  # the engine sums the micro-batches' gradients
-        norm_stats.after_update()  # the engine's biased running variance -> torch's unbiased one
-        profiler.after_backward(step + 1)
-        # Sync point: the mean gradient over k micro-batches x replicas, with the loss and the stop flag (and a split
-        # model's norm shares); every rank gets the same loss, stop flag and norm.
-        reduced = model.reduce(k, loss_sum, stop.requested)
-        timer.lap_exchange()
-        step, cursor, train_loss, stopping = step + 1, cursor + samples, reduced.loss, reduced.stop
-
-        # The norm is computed every update: it guards the parameters against NaN/inf. Every rank gets the same norm,
-        # so every rank clips alike and decides alike (the engine's own clipping is not deterministic: done here).
-        grad_norm = model.grad_norm(reduced)
-        # fp16 loss scaling overflows on purpose now and then: that update is skipped on every rank (scale halved);
-        # any other non-finite loss or norm stops the job before it reaches the parameters or a checkpoint.
-        stepped = scaler.update(grad_norm) and check_update(step, train_loss, grad_norm, skip_overflow=scaler.enabled)
-        if stepped:
-            clip_gradients(model.exchange, reduced.grads, grad_norm, cfg.optimizer.max_grad_norm)
-        timer.lap("norm_clip")
-        if stepped:
-            model.update.step(reduced.grads, lr)  # ortflow's rule, in place on the engine's parameter buffers
-        model.after_update()  # Sync point (ZeRO-1): every updated shard back to every rank; tied copies; grads reset
-        timer.lap("update")
+        updated = update_weights(model, batches, step + 1, lr, stop.requested, timer, profiler, norm_stats)
+        step, cursor, train_loss, stopping = step + 1, cursor + samples, updated.loss, updated.stop
         window.samples += samples
 
         # Hooks: eval, report, checkpoint.
@@ -108,7 +88,8 @@ def train(
         eval_loss = evaluate(model, eval_batches) if evaluated else None
         timer.lap("eval")
         if step % cfg.train.display_loss_steps == 0 or evaluated:
-            window.report(step, final, {"loss": train_loss, "eval_loss": eval_loss, "lr": lr, "grad_norm": grad_norm})
+            window.report(step, final, {"loss": train_loss, "eval_loss": eval_loss, "lr": lr,
+                                         "grad_norm": updated.grad_norm})
         timer.lap("other")
         # (the final step was saved before its evaluation: saved again, with its eval loss)
         if checkpoints.should_save(step, final=final or stopping) or evaluated and final:
@@ -122,6 +103,49 @@ def train(
     if stopping:
         log.warning("stop requested: ranks stopped together after step %d (checkpoint saved)", step)
     return TrainResult(step, cursor, train_loss, eval_loss, stopped=stopping)
+
+
+@dataclass(frozen=True)
+class Updated:
+    """What one weight update leaves the hooks, equal on every rank."""
+
+    loss: float  #: the mean training loss over the micro-batches and replicas
+    grad_norm: float  #: the global gradient norm before clipping
+    stop: bool  #: whether any rank asked to stop
+
+
+def update_weights(model: RankModel, batches: Iterator[dict[str, np.ndarray]], step: int, lr: float, stop: bool,
+                   timer: PhaseTimer, profiler: StepProfiler, norm_stats: batchnorm.RunningStats) -> Updated:
+    """Weight update ``step`` (1-based): micro-batches -> exchange -> guard and clip -> update, on any layout.
+
+    The one path every weight update takes: the training loop's and ``ortflow tune``'s
+    (:mod:`ortflow.trainer.tune_updates`).
+    """
+    cfg, scaler = model.cfg, model.loss_scale
+    k = cfg.train.gradient_accumulation_steps
+    profiler.begin(step)
+    loss_sum = model.accumulate(batches, k, timer)  # the engine sums the micro-batches' gradients
+    norm_stats.after_update()  # the engine's biased running variance -> torch's unbiased one
+    profiler.after_backward(step)
+    # Sync point: the mean gradient over k micro-batches x replicas, with the loss and the stop flag (and a split
+    # model's norm shares); every rank gets the same loss, stop flag and norm.
+    reduced = model.reduce(k, loss_sum, stop)
+    timer.lap_exchange()
+
+    # The norm is computed every update: it guards the parameters against NaN/inf. Every rank gets the same norm,
+    # so every rank clips alike and decides alike (the engine's own clipping is not deterministic: done here).
+    grad_norm = model.grad_norm(reduced)
+    # fp16 loss scaling overflows on purpose now and then: that update is skipped on every rank (scale halved);
+    # any other non-finite loss or norm stops the job before it reaches the parameters or a checkpoint.
+    stepped = scaler.update(grad_norm) and check_update(step, reduced.loss, grad_norm, skip_overflow=scaler.enabled)
+    if stepped:
+        clip_gradients(model.exchange, reduced.grads, grad_norm, cfg.optimizer.max_grad_norm)
+    timer.lap("norm_clip")
+    if stepped:
+        model.update.step(reduced.grads, lr)  # ortflow's rule, in place on the engine's parameter buffers
+    model.after_update()  # Sync point (ZeRO-1): every updated shard back to every rank; tied copies; grads reset
+    timer.lap("update")
+    return Updated(reduced.loss, grad_norm, reduced.stop)
 
 
 def evaluate(model: RankModel, eval_batches: EvalBatches) -> float | None:

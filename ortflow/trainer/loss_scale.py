@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ortflow.build.records import LOSS_SCALE_INPUT
+from ortflow.artifacts_folder import LOSS_SCALE_INPUT
 
 #: Name of the training graph's scalar input that multiplies the loss.
-INPUT_NAME = LOSS_SCALE_INPUT  # the graph input configure adds (ortflow.build.records)
+INPUT_NAME = LOSS_SCALE_INPUT  # the graph input configure adds (ortflow.artifacts_folder)
 MIN_SCALE = 1.0
 MAX_SCALE = 2.0**24
 

@@ -72,7 +72,7 @@ class StepProfiler:
         self.model, self.steps = model, steps
         self._parts: list[tuple[object, _Timed, dict[str, np.ndarray]]] = []  # (part, its twin, pinned gradients)
         self.trace: Path | None = None
-        if steps is not None and model.device != "cpu":
+        if steps is not None and model.buffers.on_device:
             raise ValueError("train.profile_steps needs distributed.device cpu (GPU profiling is not wired up yet)")
 
     @classmethod

@@ -22,7 +22,10 @@ from ortflow.checkpoints import CheckpointInfo
 from ortflow.checkpoints.h5state import TrainState
 from ortflow.config import RunConfig
 from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
 from ortflow.trainer.loss_scale import LossScaler
+from ortflow.trainer.optim.exchange import Exchange
+from ortflow.trainer.optim.segments import Update
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.timing import PhaseTimer
 
@@ -87,9 +90,11 @@ class RankModel(Protocol):
     comm: Communicator
     dims: ParallelDims
     device: str
+    #: Where the engine keeps the parameters and gradients (:mod:`ortflow.trainer.comm.engine_buffers`).
+    buffers: HostBuffers | DeviceBuffers
     threads: int
-    update: object
-    exchange: object
+    update: Update
+    exchange: Exchange
     resume: CheckpointInfo | None
     loss_scale: LossScaler
 

@@ -16,10 +16,11 @@ import logging
 import os
 from pathlib import Path
 
+from ortflow import cuda_libs
 from ortflow.config import RunConfig, load_run_config, rank_config
-from ortflow.trainer import cuda_libs
+from ortflow.protocol import HEARTBEAT_DIR, NUM_RANKS_ENV
 from ortflow.trainer.comm import Communicator, attach_nccl, create_communicator
-from ortflow.trainer.comm.watchdog import HEARTBEAT_DIR
+from ortflow.trainer.optim.rank_update import FOLD_ENV, build_update
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.parallel.pipe_tensor_piece import init_pipe_tensor_runtime
 from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
@@ -27,32 +28,27 @@ from ortflow.trainer.parallel.replica import Runtime, init_replica
 from ortflow.trainer.parallel.tensor_piece import init_tensor_runtime
 from ortflow.trainer.rank_model import RankModel
 from ortflow.trainer.startup import (
-    FOLD_ENV,
     THREADS_ENV,
     available_cores,
-    build_update,
     load_parameters,
     select_device,
     session_options,
     spin_wait,
     threads_per_rank,
-    writes_per_rank,
 )
 
 log = logging.getLogger("ortflow.trainer")
 
 #: The start-up helpers are re-exported: benches and tests open sessions the way ranks do.
 __all__ = ["FOLD_ENV", "HEARTBEAT_DIR", "THREADS_ENV", "Runtime", "available_cores", "build_update", "init_runtime",
-           "load_parameters", "select_device", "session_options", "spin_wait", "start_mpi", "threads_per_rank",
-           "writes_per_rank"]
+           "load_parameters", "select_device", "session_options", "spin_wait", "start_mpi", "threads_per_rank"]
 
 
 def start_mpi(run_dir: Path) -> tuple[RunConfig, Communicator]:
     """Step 1: the resolved config and the process group (MPI under a launcher, else a group of one)."""
     cfg = load_run_config(run_dir)  # every rank validates the resolved config again
     comm = create_communicator(run_dir / HEARTBEAT_DIR, cfg.distributed.collective_timeout_s, cfg.distributed.use_nccl)
-    if hasattr(comm, "bucket_values"):  # MPIComm: the exchange's bucket size (float32 values)
-        comm.bucket_values = int(cfg.distributed.exchange_bucket_mb * 2**20) // 4
+    comm.bucket_values = int(cfg.distributed.exchange_bucket_mb * 2**20) // 4  # the host exchange's buckets
     return cfg, comm
 
 
@@ -61,7 +57,7 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> RankModel
     """Steps 2-6 on a rank whose process group is up: device, communicator, then the rank model its place in
     ``dp x pp x tp`` asks for (session configuration, sessions, state)."""
     run_dir = Path(run_dir)
-    expected = os.environ.get("ORTFLOW_NUM_RANKS") or str(cfg.distributed.num_ranks)  # `ortflow train --np` wins
+    expected = os.environ.get(NUM_RANKS_ENV) or str(cfg.distributed.num_ranks)  # `ortflow train --np` wins
     if expected != "auto" and comm.size != int(expected):
         raise RuntimeError(
             f"started with {comm.size} rank(s) but distributed.num_ranks is {expected}: launch with "

@@ -1,5 +1,5 @@
 """Rank start-up pieces every rank model shares: threads and session options, the device, the checkpoint to start
-from, ortflow's update over the engine's buffers, loading parameters by name."""
+from, loading parameters by name."""
 
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import onnxruntime
 
-from ortflow import checkpoints
+from ortflow import checkpoints, cuda_libs
 from ortflow.checkpoints import h5state
 from ortflow.checkpoints.layout_check import check_checkpoint_layout
 from ortflow.config import RunConfig
-from ortflow.trainer import cuda_libs, optim
-from ortflow.trainer.comm import Communicator, DeviceBuffer
-from ortflow.trainer.optim.adasum_update import AdasumExchange, adasum_mode
-from ortflow.trainer.optim.zero import Zero0, Zero1
+from ortflow.protocol import THREADS_ENV
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -48,60 +46,9 @@ def choose_start(
     return resume, warm
 
 
-def writes_per_rank(exchange) -> bool:
-    """Whether every rank writes its own optimizer file: ZeRO-1 shards, or Adasum's per-rank (replica) states."""
-    return exchange.stage == 1 or getattr(exchange, "per_rank_state", False)
-
-
 def optimizer_label(cfg: RunConfig) -> str:
     """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
     return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
-
-
-def build_update(
-    cfg: RunConfig, comm: Communicator, state, trainable: list[str], threads: int = 1
-) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
-    """ortflow's update over the engine's parameter buffers (host views), with its exchange and ``threads``."""
-    params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
-    # The mean's scale and the clip factor applied by the norm and the update as they read the gradients, not by
-    # passes of their own (comm/pending.py; the same bits). FOLD_ENV=0: the eager passes (tests and benches compare).
-    fold = os.environ.get(FOLD_ENV, "1") != "0"
-    if fold and not (cfg.distributed.enable_adasum and comm.size > 1):
-        log.info("rank %d: gradient scales folded into the norm and the update (%s=0: eager passes)", comm.rank,
-                 FOLD_ENV)
-    if cfg.distributed.zero_stage == 1 and comm.size > 1:
-        exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
-        segments = exchange.segments
-        update = optim.build_update(
-            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
-        )
-    else:
-        if cfg.distributed.enable_adasum and comm.size > 1:
-            exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name))
-        else:
-            exchange = Zero0(comm, fold=fold)
-        segments = optim.whole_segments(trainable, [p.size for p in params])
-        update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
-    return update, exchange
-
-
-def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
-    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
-    from ortflow.trainer.optim.device import AdasumDevice, Zero1Device, device_update
-
-    params = []
-    for name in trainable:
-        value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
-        params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
-    if cfg.distributed.zero_stage == 1 and comm.size > 1:
-        dtype = getattr(comm, "allreduce_dtype", "float32")
-        exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size, dtype)
-        segments, ptrs, sums = exchange.segments, exchange.param_ptrs(), exchange.sum_across_ranks
-    else:
-        adasum = cfg.distributed.enable_adasum and comm.size > 1
-        exchange = AdasumDevice(comm, params, adasum_mode(cfg.optimizer.name)) if adasum else Zero0(comm)
-        segments, ptrs, sums = optim.whole_segments(trainable, [p.count for p in params]), [p.ptr for p in params], None
-    return device_update(cfg.optimizer, segments, ptrs, comm.stream, sums, len(trainable)), exchange
 
 
 def available_cores() -> int:
@@ -109,12 +56,6 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-#: ``0``: the host exchange scales the gradients and clips them with passes of their own (the code before the fold);
-#: a diagnostic switch for tests and benches, the results are bitwise the same.
-FOLD_ENV = "ORTFLOW_FOLD_SCALES"
-
-#: Threads per rank chosen by the launcher (``--threads``, or the auto layout), read by every rank.
-THREADS_ENV = "ORTFLOW_THREADS_PER_RANK"
 
 
 def threads_per_rank(cfg: RunConfig, local_size: int, cores: int, environ: dict | None = None) -> int:
@@ -162,7 +103,7 @@ def select_device(cfg: RunConfig, local_rank: int, local_size: int = 1) -> str:
     """The engine device string for this rank: ``cpu``, or ``cuda:<local rank>`` among the visible GPUs.
 
     For CUDA it first loads the engine's CUDA 11.8 / cuDNN 8 libraries from pip's ``nvidia-*-cu11`` packages (see
-    :mod:`ortflow.trainer.cuda_libs`) and fails clearly when the engine, the libraries or the GPUs are missing.
+    :mod:`ortflow.cuda_libs`) and fails clearly when the engine, the libraries or the GPUs are missing.
     """
     if cfg.distributed.device == "cpu":
         return "cpu"
@@ -196,7 +137,7 @@ def recorded_op_types(run_dir: Path) -> list[str]:
         return []
 
 
-def load_parameters(state, folder: Path, on_device: bool = False, names: set[str] | None = None) -> None:
+def load_parameters(state, folder: Path, buffers: HostBuffers | DeviceBuffers, names: set[str] | None = None) -> None:
     """Copy a checkpoint's parameters into the session's buffers by name (shapes and names checked); ``names``
     reads only those (a pipeline stage's)."""
     values = h5state.read_params(folder, names)
@@ -213,7 +154,4 @@ def load_parameters(state, folder: Path, on_device: bool = False, names: set[str
             raise checkpoints.CheckpointError(
                 f"{folder.name}: {name} has shape {list(values[name].shape)}, the model {list(view.shape)}"
             )
-        if on_device:
-            param.data = np.ascontiguousarray(values[name])  # copied into the engine's device buffer
-        else:
-            view[...] = values[name]  # the CPU engine's buffers are writable views
+        buffers.write(param, values[name])

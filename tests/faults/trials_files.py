@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ortflow.build.records import ArtifactsDamaged, verify_artifacts
+from ortflow.artifacts_folder import ArtifactsDamaged, verify_artifacts
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import ConfigError, check_model_file, config_from_dict
 from ortflow.dataprep import DataError, verify_data

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer import cuda_libs
+from ortflow import cuda_libs
 from tests.gpu.test_gpu_training import REASON
 from tests.trainer.adasum_rank import COUNTS, contribution
 from tests.trainer.test_adasum import reference

@@ -13,9 +13,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from ortflow import cuda_libs
 from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
 from ortflow.graph.cuda_kernels import KERNELS, has_kernel
-from ortflow.trainer import cuda_libs
 from tests.support.exports import export_path
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer import cuda_libs
+from ortflow import cuda_libs
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,8 +13,8 @@ import importlib.util
 import numpy as np
 import pytest
 
+from ortflow import cuda_libs
 from ortflow.config import OptimizerConfig
-from ortflow.trainer import cuda_libs
 from ortflow.trainer.optim import build_rule, build_update, whole_segments
 
 

@@ -21,7 +21,7 @@ import re
 import numpy as np
 import pytest
 
-from ortflow.trainer import cuda_libs
+from ortflow import cuda_libs
 from tests.gpu.test_gpu_training import REASON, _digests, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]

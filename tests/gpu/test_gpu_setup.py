@@ -7,8 +7,8 @@ from pathlib import Path
 import onnxruntime
 import pytest
 
+from ortflow import cuda_libs
 from ortflow.config import config_from_dict
-from ortflow.trainer import cuda_libs
 from ortflow.trainer.runtime import select_device
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer import cuda_libs
+from ortflow import cuda_libs
 
 
 def _ready() -> str | None:

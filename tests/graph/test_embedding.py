@@ -151,7 +151,7 @@ def test_the_rewrite_follows_device_and_deterministic_compute(tmp_path):
 
 
 def test_pipeline_stages_get_the_rewrite_too(tmp_path):
-    from ortflow.build.records import stage_dir
+    from ortflow.artifacts_folder import stage_dir
     from tests.support.mlp_stack import B, build_torchlike
 
     path = tmp_path / "m.onnx"

@@ -171,6 +171,18 @@ def test_tune_candidates_add_one_rank_per_cpu_where_the_rule_starts_fewer():
     assert capped == [(16, 2), (32, 1), (8, 4), (4, 8), (2, 16), (1, 32)]
 
 
+def test_tune_candidates_of_a_split_model_start_whole_replicas_that_split_the_global_batch():
+    from ortflow.launch.tune import candidates
+
+    pipeline = [c.pair for c in candidates(Host(8, 64 * GIB), 3_300_000, None, None, split=2)]
+    assert pipeline == [(8, 1), (4, 2), (2, 4)]
+    odd = [c.pair for c in candidates(Host(6, 64 * GIB), 3_300_000, None, None, split=4)]
+    assert odd == [(4, 1)]  # 6 cores: one replica of 4 ranks, the rest idle
+    # A global batch of 8 over replicas of 2 ranks: 1, 2 or 4 replicas, never 3 (6 ranks would split it 8/3).
+    batch = [c.pair for c in candidates(Host(6, 64 * GIB), 3_300_000, 8, None, split=2)]
+    assert batch == [(4, 1), (2, 3)]
+
+
 @pytest.mark.parametrize(
     ("choice", "local_size", "threads", "cores", "spins"),
     [("auto", 16, 2, 32, False),  # several ranks fill the host: sleep
@@ -195,23 +207,15 @@ def test_thread_spinning_rule_and_the_engine_option_it_sets(tmp_path, choice, lo
         assert options.get_session_config_entry(entry) == "0"
 
 
-def test_the_launcher_and_the_ranks_agree_on_run_folder_names():
-    # The launching process may not import the trainer, so it keeps its own copy of the names the ranks read.
+def test_the_launcher_environment_names_this_process_for_the_ranks_to_follow():
+    import socket
+
+    from ortflow import protocol
     from ortflow.launch import local
-    from ortflow.trainer import lifeline
-    from ortflow.trainer.comm import watchdog
 
-    assert local.HEARTBEAT_DIR == watchdog.HEARTBEAT_DIR
-    assert (local.LAUNCHER_PID_ENV, local.LAUNCHER_HOST_ENV) == (lifeline.LAUNCHER_PID_ENV, lifeline.LAUNCHER_HOST_ENV)
     env = local.launcher_environment()
-    assert int(env[lifeline.LAUNCHER_PID_ENV]) == os.getpid()
-
-
-def test_the_tune_driver_reads_the_tag_the_ranks_print():
-    from ortflow.launch import tune
-    from ortflow.trainer import tune_updates
-
-    assert tune.RESULT_TAG == tune_updates.RESULT_TAG
+    assert int(env[protocol.LAUNCHER_PID_ENV]) == os.getpid()
+    assert env[protocol.LAUNCHER_HOST_ENV] == socket.gethostname()
 
 
 def test_launch_layout_splits_a_global_batch_over_the_replicas_as_the_ranks_do(tmp_path):

@@ -14,13 +14,18 @@ LAYERS: dict[str, set[str]] = {
     "graph": {"config"},
     "dataprep": {"config"},
     "checkpoints": {"config", "processes"},
-    "build": {"config", "graph", "checkpoints", "engine"},
-    "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus"},
-    "launch": {"config", "processes", "gpus"},
-    "export": {"config", "checkpoints", "graph", "engine"},
-    "engine": set(),  # the one module that imports onnxruntime.training
+    "build": {"config", "graph", "checkpoints", "engine", "artifacts_folder"},
+    "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus", "artifacts_folder", "cuda_libs",
+                "protocol"},
+    "launch": {"config", "processes", "gpus", "protocol"},
+    "export": {"config", "checkpoints", "graph", "engine", "artifacts_folder"},
+    "engine": {"cuda_libs"},  # the one module that imports onnxruntime.training; its CUDA libraries load first
+    # Neutral homes below the stages: each imports nothing from ortflow but gpus (cuda_libs).
+    "artifacts_folder": set(),  # the artifacts folder's on-disk format: configure writes it, ranks and export read it
+    "cuda_libs": {"gpus"},  # the engine's CUDA libraries: the engine, the ranks and validate load or check them
+    "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
-    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions"},
+    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs"},
     "versions": {"config", "dataprep", "build", "checkpoints"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit
@@ -36,12 +41,8 @@ LAYERS: dict[str, set[str]] = {
 
 #: Single modules a part may import beyond its row, each with the reason.
 EXTRA_EDGES: dict[tuple[str, str], str] = {
-    ("trainer", "ortflow.build.records"): "the artifacts folder's on-disk format (paths, records, checksums)",
-    ("engine", "ortflow.trainer.cuda_libs"): "the engine's CUDA libraries load before its import",
     ("export", "ortflow.dataprep.loader"): "evaluate reads the eval split's shards",
     ("validate", "ortflow.trainer.batchnorm"): "the refusal of a BatchNorm model that tensor-parallel ranks raise",
-    ("validate", "ortflow.trainer.cuda_libs"): "the CUDA libraries a GPU rank would miss, checked where validate runs",
-    ("export", "ortflow.build.records"): "evaluate and export check the artifacts' checksums before loading them",
     ("sample", "ortflow.export.checksum"): "the exported model's checksum sidecar, checked before it is loaded",
 }
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortflow.build.records import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
+from ortflow.artifacts_folder import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
 from ortflow.checkpoints.tp import merge_slices
 from ortflow.engine import api
 from ortflow.graph.tensor_parallel import plan_tensor_split

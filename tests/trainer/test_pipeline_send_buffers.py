@@ -26,7 +26,7 @@ def test_a_middle_stage_training_model_returns_no_copy_of_what_it_sent(tmp_path)
     import numpy as np
     import onnx
 
-    from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+    from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
     from ortflow.engine import api
     from ortflow.trainer.runtime import session_options
     from tests.trainer.test_pipeline_mpi import torchlike_run

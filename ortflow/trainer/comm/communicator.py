@@ -23,6 +23,13 @@ class Communicator(Protocol):
     size: int
     local_rank: int
     local_size: int
+    #: Whether :meth:`average_gradients` can leave the mean's scale to the caller (the host exchanges can; NCCL
+    #: scales on the device).
+    can_defer_scale: bool
+    #: The switch a folding exchange sets where :attr:`can_defer_scale` (comm/pending.py).
+    defer_scale: bool
+    #: The host exchange's bucket size in float32 values (distributed.exchange_bucket_mb); 0: one pack.
+    bucket_values: int
 
     def average_gradients(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> np.float32:
         """In place: every gradient becomes (sum over ranks) / divisor; ``scalars`` becomes its sum over ranks.
@@ -41,6 +48,10 @@ class Communicator(Protocol):
 
     def scale_gradients(self, grads: Sequence, factor: float) -> None:
         """Every gradient times ``factor`` (gradient clipping): in place, or owed by host ``Gradients``."""
+
+    def sum_squares(self, grads: Sequence) -> float:
+        """The squared L2 norm of some of this rank's gradients as they are now (no collective): a subset, or
+        gradients changed after the exchange (a tied weight's sum)."""
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         """Sum of a small float64 array over ranks (a new array)."""
@@ -83,6 +94,16 @@ class Communicator(Protocol):
     def gather_object(self, obj: object, label: str) -> list | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
 
+    def copy_to_host(self, buffer) -> np.ndarray:
+        """A host copy of one of this rank's buffers (host or device)."""
+
+    def copy_from_host(self, buffer, values: np.ndarray) -> None:
+        """``values`` into one of this rank's buffers (host or device), done when this returns."""
+
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        """Make this group's point-to-point channels for ``tags`` now, in this order on every rank (NCCL's are
+        collective to create; MPI needs none), before any transfer is in flight."""
+
     def close(self) -> None:
         """Release resources (stop the watchdog)."""
 
@@ -94,8 +115,10 @@ class SingleProcessComm:
     size = 1
     local_rank = 0
     local_size = 1
+    can_defer_scale = True
     #: True: ``average_gradients`` leaves the mean's scale to the caller (returns it) instead of a pass of its own.
     defer_scale = False
+    bucket_values = 0
 
     def average_gradients(self, grads: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> np.float32:
         scale = np.float32(1.0 / divisor)
@@ -115,6 +138,9 @@ class SingleProcessComm:
 
     def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
         scale_gradients(grads, factor)
+
+    def sum_squares(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads) ** 2
 
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:
         return np.array(values, dtype=np.float64, copy=True)
@@ -158,6 +184,15 @@ class SingleProcessComm:
 
     def gather_object(self, obj: object, label: str) -> list | None:
         return [obj]
+
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        pass
+
+    def copy_to_host(self, buffer: np.ndarray) -> np.ndarray:
+        return np.array(buffer, copy=True)
+
+    def copy_from_host(self, buffer: np.ndarray, values: np.ndarray) -> None:
+        buffer[...] = values
 
     def close(self) -> None:
         pass

@@ -35,6 +35,7 @@ class MPIComm:
     #: True: the runs exchange leaves the sums in place and ``average_gradients`` returns the mean's scale, which the
     #: caller's norm and update apply on the fly (comm/pending.py); the bucket exchange always scales.
     defer_scale: bool = False
+    can_defer_scale = True
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
         from mpi4py import MPI  # the only MPI import in ortflow
@@ -190,6 +191,9 @@ class MPIComm:
 
     def scale_gradients(self, grads: Sequence[np.ndarray], factor: float) -> None:
         scale_gradients(grads, factor)
+
+    def sum_squares(self, grads: Sequence[np.ndarray]) -> float:
+        return gradient_norm(grads) ** 2  # the host norm, squared: the same bits as the exchange's own norm
 
     def _layout(self, grads: Sequence[np.ndarray], num_scalars: int) -> np.ndarray:
         sizes = [g.size for g in grads]
@@ -354,6 +358,15 @@ class MPIComm:
         sys.stdout.flush()
         time.sleep(0.5)  # the error line this rank just wrote must reach the launcher before MPI kills every proxy
         self.comm.Abort(code)
+
+    def open_point_to_point(self, tags: Sequence[int]) -> None:
+        """MPI's point-to-point needs no set-up."""
+
+    def copy_to_host(self, buffer: np.ndarray) -> np.ndarray:
+        return np.array(buffer, copy=True)
+
+    def copy_from_host(self, buffer: np.ndarray, values: np.ndarray) -> None:
+        buffer[...] = values
 
     def close(self) -> None:
         if self._closed:  # an NCCLComm wrapping this one closes it too

@@ -124,6 +124,12 @@ class NCCLComm:
         bucket_mb: ``distributed.nccl_bucket_mb``: the exchange in buckets of about this many MB sent (0: one).
     """
 
+    #: The mean's scale is applied on the device, in the exchange's own launches: never left to the caller.
+    can_defer_scale = False
+    defer_scale = False
+    #: NCCL's buckets are ``bucket_mb`` (the host exchange's ``bucket_values`` do not apply).
+    bucket_values = 0
+
     def __init__(self, group: Communicator, device_index: int, allreduce_dtype: str = "float32",
                  packed: bool = False, bucket_mb: float = 0.0):
         try:
@@ -477,9 +483,12 @@ class NCCLComm:
     def sum_squares(self, buffers: Sequence[DeviceBuffer]) -> float:
         """The sum of squares of some device buffers' values, in float64 (a subset of the gradients: the norm that
         :meth:`average_gradients` sums covers all of them, before any later change such as a tied-gradient sum).
-        The exchange's multi-tensor kernels over this subset's own chunk table (cached), partials summed in order."""
+        The exchange's multi-tensor kernels over this subset's own chunk table (cached), partials summed in order.
+        Host gradients (an engine on the CPU): the host norm, squared."""
         if not buffers:
             return 0.0
+        if isinstance(buffers[0], np.ndarray):
+            return gradient_norm(buffers) ** 2
         key = tuple((b.ptr, b.count) for b in buffers)
         if self._subset is None or self._subset[0].key != key:
             table = TensorTable(self._cp, key)
@@ -493,14 +502,21 @@ class NCCLComm:
         self.group.watched("sum of squares (nccl)", self.stream.synchronize)  # Sync point: the host reads it next
         return float(total.get()[0])
 
-    def copy_to_host(self, buffer: DeviceBuffer) -> np.ndarray:
-        """A host copy of a device buffer (a tied weight's gradient, summed over pipeline stages on the host)."""
+    def copy_to_host(self, buffer: DeviceBuffer | np.ndarray) -> np.ndarray:
+        """A host copy of a device buffer (a tied weight's gradient, summed over pipeline stages on the host), or of
+        a host buffer (an engine on the CPU)."""
+        if isinstance(buffer, np.ndarray):
+            return np.array(buffer, copy=True)
         # Sync point: the engine or the exchange wrote the buffer on another stream.
         self._cp.cuda.runtime.deviceSynchronize()
         return self._cp.asnumpy(self._device_view(buffer))
 
-    def copy_from_host(self, buffer: DeviceBuffer, values: np.ndarray) -> None:
-        """``values`` (as many float32 as ``buffer`` holds) into a device buffer, done when this returns."""
+    def copy_from_host(self, buffer: DeviceBuffer | np.ndarray, values: np.ndarray) -> None:
+        """``values`` (as many float32 as ``buffer`` holds) into a device buffer (or a host one), done when this
+        returns."""
+        if isinstance(buffer, np.ndarray):
+            buffer[...] = values
+            return
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
         if values.size != buffer.count:
             raise ValueError(f"{buffer.name}: {values.size} values for a buffer of {buffer.count}")

@@ -28,8 +28,6 @@ from pathlib import Path
 _RECORD = struct.Struct("<qd48s")  # collective sequence number, wall time entered, label
 _BEAT = struct.Struct("<d")  # wall time of the last liveness beat, at _BEAT_OFFSET
 _BEAT_OFFSET = 64
-#: Folder of the run folder that holds the heartbeats (and stall messages).
-HEARTBEAT_DIR = ".ranks"
 #: Name of the file a timed-out rank leaves its message in (``.format(rank=...)``).
 STALL_FILE = "stall-rank-{rank:05d}.txt"
 

@@ -33,7 +33,8 @@ def adasum_mode(optimizer_name: str) -> str:
 
 
 class AdasumExchange:
-    """Data-parallel exchange that combines ranks with Adasum instead of the mean.
+    """Data-parallel exchange that combines ranks with Adasum instead of the mean (an
+    :class:`~ortflow.trainer.optim.exchange.Exchange`, whole tensors on every rank).
 
     Args:
         comm: The process group (``adasum_tensors``, ``allreduce_sum``); a power of two of ranks.
@@ -41,7 +42,8 @@ class AdasumExchange:
         mode: ``gradients`` or ``deltas`` (:func:`adasum_mode`).
     """
 
-    stage = 0
+    sharded = False
+    per_rank_state = False
 
     def __init__(self, comm, params: Sequence[np.ndarray], mode: str):
         if mode not in ("gradients", "deltas"):

@@ -188,7 +188,8 @@ class Zero1Device:
             all-gather stays float32: every rank's engine needs the update's own bits.
     """
 
-    stage = 1
+    sharded = True
+    per_rank_state = True
 
     def __init__(self, comm, names: Sequence[str], params: Sequence, rank: int, world: int, dtype: str = "float32"):
         cp = self._cp = _cupy()

@@ -58,19 +58,21 @@ def shard_segments(
 
 
 class Zero0:
-    """Stage 0: every rank all-reduces every gradient and updates everything (the communicator's all-reduce).
+    """Stage 0: every rank all-reduces every gradient and updates everything (the communicator's all-reduce); an
+    :class:`~ortflow.trainer.optim.exchange.Exchange`.
 
     Args:
         comm: The process group.
         fold: Host gradients come back as :class:`Gradients` whose clip factor is owed, and, where the communicator
-            can defer it (``defer_scale``: MPIComm's runs exchange, the single process), the mean's scale too.
+            can defer it (``can_defer_scale``: MPIComm's runs exchange, the single process), the mean's scale too.
     """
 
-    stage = 0
+    sharded = False
+    per_rank_state = False
 
     def __init__(self, comm, fold: bool = False):
         self.comm, self.fold = comm, fold
-        self.defers = fold and hasattr(comm, "defer_scale")
+        self.defers = fold and comm.can_defer_scale
         if self.defers:
             comm.defer_scale = True
 
@@ -101,7 +103,8 @@ class Zero0:
 
 
 class Zero1:
-    """Stage 1 on host buffers over the communicator's reduce-scatter and all-gather.
+    """Stage 1 on host buffers over the communicator's reduce-scatter and all-gather; an
+    :class:`~ortflow.trainer.optim.exchange.Exchange`.
 
     Args:
         comm: The process group (``reduce_scatter``, ``all_gather``, ``allgather_sum``).
@@ -111,7 +114,8 @@ class Zero1:
         world: Ranks.
     """
 
-    stage = 1
+    sharded = True
+    per_rank_state = True
 
     def __init__(self, comm, names: Sequence[str], params: Sequence[np.ndarray], rank: int, world: int,
                  fold: bool = False):

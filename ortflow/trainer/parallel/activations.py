@@ -138,3 +138,9 @@ class DeviceTensors:
 
     def host(self, x) -> np.ndarray:
         return x.numpy() if isinstance(x, OrtValue) else np.asarray(x)
+
+
+def activation_store(buffers, comm: Communicator, rank: int, size: int) -> HostTensors | DeviceTensors:
+    """Where a tensor-parallel rank keeps its activations: beside its engine's buffers
+    (:mod:`ortflow.trainer.comm.engine_buffers`), host arrays or the GPU's tensors."""
+    return DeviceTensors(comm) if buffers.on_device else HostTensors(comm, rank, size)

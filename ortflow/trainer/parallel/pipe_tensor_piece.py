@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.build.records import read_pipe_tensor_record, stage_base
+from ortflow.artifacts_folder import read_pipe_tensor_record, stage_base
 from ortflow.config import RunConfig
-from ortflow.trainer.comm import Communicator, DeviceBuffer
+from ortflow.trainer.comm import Communicator
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.schedule import ACT_TAG, GRAD_TAG, pipeline_step, stage_eval_sums, sum_across_stages
 from ortflow.trainer.parallel.tensor_piece import TensorRuntime, assemble_tensor_runtime
@@ -64,14 +64,9 @@ class PipeTensorRuntime(TensorRuntime):
             owners = dict(zip(self.trainable, self.gradient_buffers(), strict=True))  # the owner pieces' buffers
             sum_across_stages(self.pipe_comm, self.stage, self.shared, owners.__getitem__)
 
-    def norm_sq(self, mine: list) -> float:
-        """The tensor-parallel rank's share of the squared norm, a tied parameter counted on its first holder only."""
-        if not self.shared:
-            return super().norm_sq(mine)
-        empty = np.zeros(0, np.float32) if self.device == "cpu" else DeviceBuffer(0, 0)  # a copy: counts nothing
-        counted = [g if self.shared.get(n, [self.stage])[0] == self.stage else empty
-                   for g, n in zip(mine, self.trainable, strict=True)]
-        return super().norm_sq(counted)
+    def counts_in_norm(self, name: str) -> bool:
+        """As a tensor-parallel rank counts, a parameter tied across stages on its first holder only."""
+        return super().counts_in_norm(name) and self.shared.get(name, [self.stage])[0] == self.stage
 
     def eval_sums(self, eval_batches) -> np.ndarray:
         """Each replica's eval batches forward through its stages (the last stage's tp rank 0 counts)."""
@@ -119,8 +114,7 @@ def init_pipe_tensor_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, 
         raise RuntimeError(f"{cfg.artifacts_dir} holds no pipeline x tensor-parallel artifacts of {num_stages} stages "
                            f"x {size} ranks: re-run `ortflow configure` with these sizes")
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the three sub-groups
-    if hasattr(groups.pp, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
-        groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))
+    groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))  # NCCL: its p2p communicators, before any transfer
     info = record["stages"][where.stage]
     return assemble_tensor_runtime(
         PipeTensorRuntime, run_dir, cfg, comm, device, info, stage_base(cfg.artifacts_dir, where.stage),

@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from ortflow.build.records import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.artifacts_folder import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.checkpoints import h5state
 from ortflow.config import RunConfig
 from ortflow.engine import api
-from ortflow.trainer import optim
 from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers, engine_buffers
+from ortflow.trainer.optim.rank_update import whole_update
 from ortflow.trainer.optim.zero import Zero0
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.replica import Runtime
@@ -41,7 +42,6 @@ from ortflow.trainer.parallel.schedule import (
 from ortflow.trainer.rank_model import EnginePart, Reduced, compare_digests, sha256_of
 from ortflow.trainer.startup import (
     available_cores,
-    build_device_update,
     choose_start,
     load_parameters,
     optimizer_label,
@@ -53,34 +53,11 @@ from ortflow.trainer.timing import PhaseTimer
 log = logging.getLogger("ortflow.trainer")
 
 
-_SHARED_ARENA: list[bool] = []
-
-
-def stage_session_options(threads: int, device: str, deterministic: bool = True) -> onnxruntime.SessionOptions:
-    """The trainer's session options; on the CPU, one arena for the stage's two sessions, grown as requested, and no
-    memory patterns.
-
-    A stage runs two sessions every micro-batch (the eval model's forward, the training model's recompute + backward),
-    so what one frees the other must be able to reuse. Measured on the bench GPT at 32 sequences per micro-batch
-    (``python -m bench.pipeline_memory``, peak RSS growth of stage 0's eval forward + training call; the training call
-    alone: 70 MiB): an arena per session (the engine's default) 186 MiB; one shared arena 97 MiB, because each session's
-    memory pattern asks for one block of its whole plan and the eval plan's freed block cannot hold the training plan;
-    one shared arena without memory patterns, extended by what is requested instead of the next power of two (which
-    alone gave 136 MiB for the training call by itself), 72 MiB, the training call's own working set. The
-    price: about 4% more CPU per call at 4 sequences (per-tensor allocations), none measurable at 32.
-    """
-    options = session_options(threads, deterministic)
-    if device == "cpu":
-        if not _SHARED_ARENA:
-            info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
-                                             onnxruntime.OrtMemType.DEFAULT)
-            # OrtArenaCfg(max_mem, arena_extend_strategy, initial_chunk_size_bytes, max_dead_bytes_per_chunk):
-            # 0 / -1 keep the engine's defaults; strategy 1 = kSameAsRequested.
-            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, 1, -1, -1))
-            _SHARED_ARENA.append(True)
-        options.add_session_config_entry("session.use_env_allocators", "1")
-        options.enable_mem_pattern = False
-    return options
+def stage_session_options(threads: int, buffers: HostBuffers | DeviceBuffers,
+                          deterministic: bool = True) -> onnxruntime.SessionOptions:
+    """The trainer's session options; on the CPU, one arena for the stage's two sessions
+    (:func:`ortflow.trainer.arena.use_stage_arena`)."""
+    return buffers.stage_options(session_options(threads, deterministic))
 
 
 @dataclass
@@ -175,8 +152,9 @@ class StageRuntime(Runtime):
         own = [g for n, g in zip(self.trainable, mine, strict=True) if n not in shared or shared[n][0] == self.stage]
         norm_sq = 0.0
         if self.replica == 0:  # a tied weight counted once, after its sum
-            on_device = shared and mine and not isinstance(mine[0], np.ndarray)  # NCCL's norm predates the sum
-            norm_sq = self.pipe_comm.sum_squares(own) if on_device else self.exchange.norm(own) ** 2
+            # The tied sum changed gradients after the exchange, whose norm may predate it (NCCL's does): the stage's
+            # own share is measured afresh then.
+            norm_sq = self.pipe_comm.sum_squares(own) if shared else self.exchange.norm(own) ** 2
         local = np.array([loss_sum / k, float(stop), norm_sq])
         # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
         scalars = self.comm.allreduce_sum(local, "pipeline loss, stop, norm")
@@ -231,20 +209,20 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     # Sync points (collective over the world): the two sub-groups every rank joins (NCCL groups under use_nccl).
     where, groups = make_groups(comm, dims)
     replica, stage, stage_comm, pipe_comm = where.replica, where.stage, groups.dp, groups.pp
-    if hasattr(pipe_comm, "open_point_to_point"):  # NCCL: its p2p communicators, before any transfer is in flight
-        pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))
+    pipe_comm.open_point_to_point((ACT_TAG, GRAD_TAG))  # NCCL: its p2p communicators, before any transfer
     resume, warm = choose_start(cfg, comm, num_stages)
     folder = stage_dir(cfg.artifacts_dir, stage)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
+    buffers = engine_buffers(device, stage_comm)  # on CUDA, updated on the stage group's NCCL stream
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device=device,
-                        session_options=stage_session_options(threads, device,
-                                                                 cfg.distributed.deterministic_compute))
+                        session_options=stage_session_options(threads, buffers, cfg.distributed.deterministic_compute))
     trainable = sorted(name for name, param in state.parameters if param.requires_grad)
     if resume or warm:  # this stage's parameters, read by name from the stage files (or a whole model's params.h5)
-        load_parameters(state, resume.path if resume else Path(warm), on_device=device != "cpu",
+        load_parameters(state, resume.path if resume else Path(warm), buffers,
                         names={name for name, _ in state.parameters})
-    update = build_stage_update(cfg, stage_comm, state, trainable, threads, device)
+    # ortflow's update over this stage's parameter buffers: whole tensors (the stage's replicas average, ZeRO-0).
+    update = whole_update(cfg, stage_comm, trainable, buffers.parameters(state, trainable), buffers, threads)
     if resume:
         h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=replica)
     info = record["stages"][stage]
@@ -257,16 +235,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
                       resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
-                      sends=tuple(info["sends"]), shared=info.get("shared", {}), dims=dims)
+                      sends=tuple(info["sends"]), shared=info.get("shared", {}), dims=dims, buffers=buffers)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     return rt
 
-
-def build_stage_update(cfg: RunConfig, stage_comm: Communicator, state, trainable: list[str], threads: int,
-                       device: str) -> optim.Update:
-    """ortflow's update over this stage's parameter buffers: whole tensors (the stage's replicas average, ZeRO-0)."""
-    if device != "cpu":  # the engine's CUDA buffers, on the stage group's NCCL stream
-        return build_device_update(cfg, stage_comm, state, trainable)[0]
-    params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
-    return optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
-                              threads=threads)

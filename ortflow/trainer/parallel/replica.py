@@ -14,21 +14,21 @@ from ortflow import checkpoints
 from ortflow.checkpoints import h5state
 from ortflow.config import RunConfig
 from ortflow.engine import api
-from ortflow.trainer import arena, loss_scale, optim
-from ortflow.trainer.comm import Communicator, DeviceBuffer
+from ortflow.trainer import loss_scale, optim
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers, engine_buffers
+from ortflow.trainer.optim.exchange import Exchange
+from ortflow.trainer.optim.rank_update import replica_update
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
 from ortflow.trainer.rank_model import EnginePart, Reduced, compare_digests, sha256_of
 from ortflow.trainer.startup import (
     available_cores,
-    build_device_update,
-    build_update,
     choose_start,
     load_parameters,
     optimizer_label,
     session_options,
     spin_wait,
     threads_per_rank,
-    writes_per_rank,
 )
 from ortflow.trainer.timing import PhaseTimer
 
@@ -47,7 +47,7 @@ class Runtime:
     state: object
     module: object
     update: optim.Update
-    exchange: object  # Zero0, Zero1, AdasumExchange (host) or optim.device.Zero1Device
+    exchange: Exchange  # Zero0, Zero1, AdasumExchange (host) or Zero1Device, AdasumDevice (CUDA)
     trainable: list[str]
     resume: checkpoints.CheckpointInfo | None
     loss_scale: loss_scale.LossScaler = field(default_factory=loss_scale.LossScaler)
@@ -55,6 +55,8 @@ class Runtime:
     #: with ``h5state.read_extra_state(rt.resume.path)``.
     extra_state: Callable[[], dict] | None = None
     dims: ParallelDims = ParallelDims(1, 1, 1)
+    #: Where the engine keeps the parameters and gradients: host views (CPU) or device buffers (CUDA).
+    buffers: HostBuffers | DeviceBuffers = field(default_factory=HostBuffers)
     _grads: list | None = None
     _parts: list[EnginePart] | None = None
 
@@ -63,9 +65,9 @@ class Runtime:
         return h5state.TrainState(
             parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
             trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
-            rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.stage == 1,
+            rank=self.comm.rank, world_size=self.comm.size, sharded=self.exchange.sharded,
             extra_state=self.extra_state,
-            replica=writes_per_rank(self.exchange) and self.exchange.stage == 0,
+            replica=self.exchange.per_rank_state and not self.exchange.sharded,
         )
 
     def data_shard(self) -> tuple[int, int]:
@@ -79,25 +81,11 @@ class Runtime:
         return self._parts
 
     def gradient_buffers(self) -> list:
-        """The engine's gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA.
-
-        On CUDA ``Parameter.grad`` returns a host copy, so the device addresses are read from the gradients' OrtValues
-        instead; the engine allocates them once with the module, so they stay valid for its whole life.
-        """
+        """The engine's gradient buffers in ``trainable`` order (:mod:`ortflow.trainer.comm.engine_buffers`)."""
         if self._grads is None:  # the first call's buffers: a profiling module (trainer.profiling) swaps the state's
-            self._grads = self._read_gradient_buffers()
+            grads = self.buffers.gradients(self.state)
+            self._grads = [grads[n] for n in self.trainable]
         return self._grads
-
-    def _read_gradient_buffers(self) -> list:
-        if self.device == "cpu":
-            return [self.state.parameters[n].grad for n in self.trainable]
-        buffers = []
-        for name in self.trainable:
-            grad = self.state._state.get_parameter(name).grad  # the engine's C OrtValue (no copy)
-            if grad.data_type() != "tensor(float)":
-                raise TypeError(f"gradient of {name} is {grad.data_type()}: only float32 gradients are supported")
-            buffers.append(DeviceBuffer(grad.data_ptr(), int(np.prod(grad.shape(), dtype=np.int64)), name))
-        return buffers
 
     def accumulate(self, batches, k: int, timer: PhaseTimer | None = None) -> float:
         """``k`` micro-batches through the engine, which sums their gradients; their loss sum (loss scale included)."""
@@ -172,11 +160,9 @@ def init_replica(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
     state = api.CheckpointState.load_checkpoint(str(state_file))
     # 5. Session. On the CPU, from an arena whose first chunk holds every gradient: the engine then allocates them
     # back to back, and the exchange reduces them as one buffer (trainer/arena.py).
+    buffers = engine_buffers(device, comm)
     spin = spin_wait(cfg, comm.local_size, threads, available_cores())
-    options = session_options(threads, cfg.distributed.deterministic_compute, spin)
-    if device == "cpu":
-        grad_bytes = 4 * sum(p.data.size for _, p in state.parameters if p.requires_grad)  # fp32 gradients
-        options = arena.use_gradient_arena(options, grad_bytes)
+    options = buffers.replica_options(session_options(threads, cfg.distributed.deterministic_compute, spin), state)
     module = api.Module(
         str(cfg.artifacts_dir / "training_model.onnx"),
         state,
@@ -189,11 +175,8 @@ def init_replica(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
     if not trainable:
         raise RuntimeError(f"{state_file} holds no trainable parameters: re-run `ortflow configure`")
     if resume or warm:  # a warm start takes the earlier version's weights only (its optimizer state starts fresh)
-        load_parameters(state, resume.path if resume else Path(warm), on_device=device != "cpu")
-    if device == "cpu":
-        update, exchange = build_update(cfg, comm, state, trainable, threads)
-    else:
-        update, exchange = build_device_update(cfg, comm, state, trainable)
+        load_parameters(state, resume.path if resume else Path(warm), buffers)
+    update, exchange = replica_update(cfg, comm, state, trainable, threads, buffers)
     if resume:
         h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=comm.rank)
     where = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
@@ -207,6 +190,6 @@ def init_replica(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
         log.info("rank %d loss scale %g (%s; %d clean updates, %d skipped so far)", comm.rank, scaler.scale,
                  "dynamic" if scaler.dynamic else "static", scaler.clean_updates, scaler.skipped_updates)
     return Runtime(cfg, run_dir, comm, device, threads, state, module, update, exchange, trainable, resume, scaler,
-                   dims=dims)
+                   dims=dims, buffers=buffers)
 
 

@@ -129,13 +129,10 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
     holder sends first, then receives. (Over NCCL's point-to-point calls, queued on one stream, two holders that both
     send first would each wait for the other's receive.)
     """
-    def read(buffer) -> np.ndarray:
-        return np.array(buffer, copy=True) if isinstance(buffer, np.ndarray) else pipe.copy_to_host(buffer)
-
     link = pipe.host
     parts = {}
     for name, holders in sorted(shared.items()):
-        mine = read(grad_of(name))
+        mine = pipe.copy_to_host(grad_of(name))
         parts[name] = {stage: mine}
         for other in holders:
             if other != stage:
@@ -147,11 +144,7 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
         total = parts[name][holders[0]].copy()
         for other in holders[1:]:
             total += parts[name][other]
-        buffer = grad_of(name)
-        if isinstance(buffer, np.ndarray):
-            buffer[...] = total
-        else:
-            pipe.copy_from_host(buffer, total)
+        pipe.copy_from_host(grad_of(name), total)
     # Sync point: the sent copies must outlive their sends.
     link.wait_sends("tied gradient sends")
 

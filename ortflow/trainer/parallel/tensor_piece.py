@@ -17,22 +17,22 @@ On CUDA ranks the activations, their gradients and the sums stay on the GPU (:mo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ortflow.build.records import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
+from ortflow.artifacts_folder import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
 from ortflow.checkpoints import CheckpointError, h5state
 from ortflow.checkpoints.tp import merge_slices, slice_tensor, tp_file
 from ortflow.config import RunConfig
 from ortflow.engine import api
-from ortflow.trainer import optim
-from ortflow.trainer.comm import Communicator, DeviceBuffer
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import engine_buffers
+from ortflow.trainer.optim.rank_update import whole_update
 from ortflow.trainer.optim.zero import Zero0
-from ortflow.trainer.parallel.activations import DeviceTensors, HostTensors
+from ortflow.trainer.parallel.activations import DeviceTensors, HostTensors, activation_store
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 from ortflow.trainer.parallel.replica import Runtime
@@ -65,7 +65,7 @@ class TensorRuntime(Runtime):
     holders: dict[str, list[int]] = field(default_factory=dict)  # parameter -> pieces holding it (first: owner)
     pipe: tuple[int, int] | None = None  # (stage, P) when it also is a pipeline stage (parallel/pipe_tensor_piece.py)
     tensors: HostTensors | DeviceTensors | None = None  # where the pieces' activations live (.activations)
-    _piece_grads: list[dict[str, np.ndarray]] = field(default_factory=list)  # pinned host views, per piece (CPU)
+    _piece_grads: list[dict] = field(default_factory=list)  # pinned gradient buffers, per piece
 
     def data_shard(self) -> tuple[int, int]:
         """The ``hp`` ranks of a replica read the same batches."""
@@ -90,16 +90,14 @@ class TensorRuntime(Runtime):
         return self.pieces
 
     def gradient_buffers(self) -> list:
-        """The owners' gradient buffers in ``trainable`` order: host views on the CPU, device buffers on CUDA."""
+        """The owners' gradient buffers in ``trainable`` order (:mod:`ortflow.trainer.comm.engine_buffers`)."""
         if self._grads is None:
-            if self.device == "cpu":
-                self._grads = [self.grad_view(self.holders[n][0], n) for n in self.trainable]
-            else:
-                self._grads = [_device_buffer(self._owner_state(n).get_parameter(n).grad, n) for n in self.trainable]
+            self._grads = [self.grad_view(self.holders[n][0], n) for n in self.trainable]
         return self._grads
 
-    def _owner_state(self, name: str):
-        return self.pieces[self.holders[name][0]].state._state  # the engine's C state (device OrtValues)
+    def param_buffer(self, piece: int, name: str):
+        """Piece ``piece``'s parameter buffer of ``name``."""
+        return self.buffers.parameters(self.pieces[piece].state, [name])[0]
 
     # -- the passes ----------------------------------------------------------------------------------------------
 
@@ -122,12 +120,11 @@ class TensorRuntime(Runtime):
             env.update(zip(sends, outputs, strict=True))
         return env
 
-    def grad_view(self, piece: int, name: str) -> np.ndarray:
-        """Piece ``piece``'s gradient buffer of ``name`` (host view, pinned at start: a profiling module swaps what
-        the state returns)."""
+    def grad_view(self, piece: int, name: str):
+        """Piece ``piece``'s gradient buffer of ``name`` (pinned at start: a profiling module swaps what the state
+        returns)."""
         if not self._piece_grads:
-            self._piece_grads = [{n: p.grad for n, p in part.state.parameters if p.requires_grad}
-                                 for part in self.pieces]
+            self._piece_grads = [self.buffers.gradients(part.state) for part in self.pieces]
         return self._piece_grads[piece][name]
 
     def accumulate(self, batches, k: int, timer: PhaseTimer | None = None) -> float:
@@ -170,13 +167,15 @@ class TensorRuntime(Runtime):
                 grads[name] = self.tensors.add(grads[name], g) if name in grads else self.tensors.own(g)
         return loss, grads
 
-    def norm_sq(self, mine: list) -> float:
-        """This rank's share of the whole model's squared gradient norm: its slices, and the replicated gradients
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether this rank counts ``name``'s gradient in the norm: its slices, and the replicated gradients
         (equal on every tp rank) on tp rank 0 only."""
-        counted = [g for g, n in zip(mine, self.trainable, strict=True) if n in self.slicing or self.tp_rank == 0]
-        if self.device == "cpu":
-            return self.exchange.norm(counted) ** 2
-        return self.dp_comm.sum_squares(counted)  # NCCL's own norm covers every gradient: the subset is summed here
+        return name in self.slicing or self.tp_rank == 0
+
+    def norm_sq(self, mine: list) -> float:
+        """This rank's share of the whole model's squared gradient norm (:meth:`counts_in_norm`)."""
+        counted = [g for g, n in zip(mine, self.trainable, strict=True) if self.counts_in_norm(n)]
+        return self.dp_comm.sum_squares(counted)  # the exchange's own norm covers every gradient: a subset here
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
         env = self.forward(batch, len(self.pieces) - 1)
@@ -184,47 +183,24 @@ class TensorRuntime(Runtime):
 
     def sum_tied_gradients(self) -> None:
         """A parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum, added in
-        piece order (on CUDA as float32 adds on the device: the same bits as on the host)."""
-        if self.device != "cpu":
-            with self._device_pass() as view:
-                for name, holders in self._tied():
-                    owner = view(holders[0], name, "grad")
-                    for other in holders[1:]:
-                        owner += view(other, name, "grad")
-            return
-        for name, holders in self.holders.items():
-            for other in holders[1:]:
-                self.grad_view(holders[0], name)[...] += self.grad_view(other, name)
+        piece order (float32 adds where the buffers live: the same bits on the host and on a GPU)."""
+        view = self.buffers.view
+        with self.buffers.passes():
+            for name, holders in self._tied():
+                owner = view(self.grad_view(holders[0], name))
+                for other in holders[1:]:
+                    owner += view(self.grad_view(other, name))
 
     def copy_tied_parameters(self) -> None:
         """After an update, the owner's new value of a tied weight into the other pieces that read it."""
-        if self.device != "cpu":
-            with self._device_pass() as view:
-                for name, holders in self._tied():
-                    for other in holders[1:]:
-                        view(other, name, "data")[...] = view(holders[0], name, "data")
-            return
-        for name, holders in self.holders.items():
-            for other in holders[1:]:
-                self.pieces[other].state.parameters[name].data[...] = self.param(name).data
+        view = self.buffers.view
+        with self.buffers.passes():
+            for name, holders in self._tied():
+                for other in holders[1:]:
+                    view(self.param_buffer(other, name))[...] = view(self.param_buffer(holders[0], name))
 
     def _tied(self) -> list[tuple[str, list[int]]]:
         return [(name, holders) for name, holders in self.holders.items() if len(holders) > 1]
-
-    @contextlib.contextmanager
-    def _device_pass(self):
-        """Work on the pieces' device buffers on the replicas' NCCL stream, between two waits (the engines write
-        and read those buffers on their own streams); yields ``view(piece, name, "data" | "grad")``, a CuPy view."""
-        comm = self.dp_comm
-
-        def view(piece: int, name: str, what: str):
-            value = getattr(self.pieces[piece].state._state.get_parameter(name), what)
-            return comm._device_view(_device_buffer(value, name))
-
-        comm._cp.cuda.runtime.deviceSynchronize()  # Sync point: the engines' last writes to these buffers
-        with comm.stream:
-            yield view
-        comm.stream.synchronize()  # Sync point: the exchange or the next forward reads them on another stream
 
     def reset_gradients(self) -> None:
         for piece in self.pieces:
@@ -329,12 +305,13 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
             f"{resume.meta.get('horizontal_parallel_size', 1)} but this run has {size}: resume with that size, or "
             "start a new run from it with checkpoint.init_from (its merged weights are sliced for this size)")
     threads = threads_per_rank(cfg, comm.local_size, available_cores())
+    buffers = engine_buffers(device, where["dp_comm"])  # on CUDA, worked on on the replicas' NCCL stream
     pieces, holders = [], {}
     for info in record["pieces"]:
         folder = piece_dir(base, tp_rank, info["index"])
         state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
         module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                            device=device, session_options=stage_session_options(threads, device))
+                            device=device, session_options=stage_session_options(threads, buffers))
         for name, _ in state.parameters:
             holders.setdefault(name, []).append(info["index"])
         pieces.append(PieceRun(state, module, folder, info=info))
@@ -342,11 +319,12 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
     dp_exchange = Zero0(where["dp_comm"])
     rt = cls(cfg, Path(run_dir), comm, device, threads, pieces[-1].state, pieces[-1].module, None, dp_exchange,
              trainable, resume, tp_size=size, num_replicas=comm.size // (size * (pipe[1] if pipe else 1)),
-             pieces=pieces, slicing=record["slicing"], holders=holders, pipe=pipe, **where)
+             pieces=pieces, slicing=record["slicing"], holders=holders, pipe=pipe, buffers=buffers, **where)
     if resume or warm:
         load_sliced_parameters(rt, resume.path if resume else Path(warm))
-    rt.tensors = HostTensors(rt.tp_comm, tp_rank, size) if device == "cpu" else DeviceTensors(rt.tp_comm)
-    rt.update = _build_update(rt, threads)
+    rt.tensors = activation_store(buffers, rt.tp_comm, tp_rank, size)
+    params = [rt.param_buffer(holders[n][0], n) for n in trainable]  # the owners' buffers
+    rt.update = whole_update(cfg, rt.dp_comm, trainable, params, buffers, threads)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     if resume:
         own = resume.path / tp_file("optimizer", tp_rank, size, pipe)
@@ -358,25 +336,6 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
              f" of pipeline stage {pipe[0]}/{pipe[1]}" if pipe else "", len(pieces), len(trainable),
              len(set(trainable) & set(rt.slicing)), start)
     return rt
-
-
-def _device_buffer(value, name: str) -> DeviceBuffer:
-    return DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name)
-
-
-def _build_update(rt: TensorRuntime, threads: int) -> optim.Update:
-    """ortflow's update over this rank's slices and replicated parameters (the owners' buffers)."""
-    cfg, trainable = rt.cfg, rt.trainable
-    if rt.device == "cpu":
-        params = [rt.param(n).data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
-        return optim.build_update(cfg.optimizer, optim.whole_segments(trainable, [p.size for p in params]), params,
-                                  threads=threads)
-    from ortflow.trainer.optim.device import device_update
-
-    # Checked on 2 H200s by tests/gpu/test_gpu_tensor.py.
-    params = [_device_buffer(rt._owner_state(n).get_parameter(n).data, n) for n in trainable]
-    segments = optim.whole_segments(trainable, [p.count for p in params])
-    return device_update(cfg.optimizer, segments, [p.ptr for p in params], rt.dp_comm.stream)
 
 
 def load_sliced_parameters(rt: TensorRuntime, folder: Path) -> None:
@@ -397,7 +356,4 @@ def load_sliced_parameters(rt: TensorRuntime, folder: Path) -> None:
             if view.shape != value.shape:
                 raise CheckpointError(f"{folder.name}: {name} has shape {list(value.shape)} for this rank, the "
                                       f"model {list(view.shape)}")
-            if rt.device == "cpu":
-                view[...] = value  # the CPU engine's buffers are writable views
-            else:
-                param.data = np.ascontiguousarray(value)  # copied into the engine's device buffer
+            rt.buffers.write(param, value)
