@@ -3,8 +3,8 @@
 The GPU path of ortflow/trainer/parallel/tensor_piece.py and activations.py: the pieces' activations, their gradients
 and the tensor-parallel sums on the device (NCCL all-gather, rank-order adds), ortflow's device update over the
 pieces' CUDA buffers, the device-side norm of the rank's share. hp 2 on 2 GPUs trains the 2-layer GPT to the
-parameters of 1 GPU unsplit (TF32 tolerance as in test_gpu_training.py), the GPT-2 export's hp 2 equals the same
-layout on CPU ranks, and the engine writes the pieces' outputs on the device
+parameters of 1 GPU unsplit (strict fp32 and SGD, as in test_gpu_four_layouts.py), the GPT-2 export's hp 2 equals
+the same layout on CPU ranks, and the engine writes the pieces' outputs on the device
 (bench/reports/gpu-tests-4xh100.md).
 """
 
@@ -21,18 +21,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 def test_two_gpu_tensor_parallel_ranks_match_one_gpu(tmp_path):
     from ortflow.checkpoints.h5state import read_params
-    from tests.support.parallel_runs import gpt_run, newest
+    from tests.gpu.test_gpu_four_layouts import ATOL, SGD, STRICT_FP32
+    from tests.support.parallel_runs import gpt_run, initial_parameters, newest
 
     gpu = {"device": "cuda", "use_nccl": True}
-    one = gpt_run(tmp_path, "one", distributed={**gpu, "num_ranks": 1})
-    two = gpt_run(tmp_path, "two", distributed={**gpu, "num_ranks": 2, "horizontal_parallel_size": 2})
-    out1 = _run(one, 1)
-    out2 = _run(two, 2)
+    one = gpt_run(tmp_path, "one", distributed={**gpu, "num_ranks": 1}, optimizer=SGD)
+    two = gpt_run(tmp_path, "two", distributed={**gpu, "num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=SGD)
+    # Strict fp32 and plain SGD, as in test_gpu_four_layouts.py: AdamW lifts rounding-level gradient differences to
+    # steps of ~lr, and TF32 matmuls differ between the split and the unsplit products by ~5e-4 relative.
+    out1 = _run(one, 1, env=STRICT_FP32)
+    out2 = _run(two, 2, env=STRICT_FP32)
     print(out1[-2000:], out2[-2000:])  # samples/s of both, for the device log
     p1, p2 = read_params(newest(one)), read_params(newest(two))
+    initial = initial_parameters(one)
     assert sorted(p1) == sorted(p2)
-    for name in p1:  # AdamW at lr 1e-3 for 4 updates; TF32 matmuls on both sides
-        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-3, atol=1e-3, err_msg=name)
+    worst = max(float(np.abs(p2[n] - p1[n]).max()) for n in p1)
+    moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
+    print(f"hp 2 on 2 GPUs against 1 GPU: max |difference| {worst:.3g}; largest move in training {moved:.3g}")
+    assert worst < ATOL, f"hp 2 on 2 GPUs differs from 1 GPU by {worst:.3g} (bound {ATOL})"
+    assert moved > 100 * ATOL, f"training moved the weights by {moved:.3g} only: the comparison is void"
 
 
 @pytest.mark.skipif(REASON is None and gpu_count()[0] < 2, reason="needs 2 GPUs")
