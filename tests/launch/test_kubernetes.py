@@ -93,7 +93,7 @@ class FakeApi:
     def __init__(self, now: datetime | None = None):
         self.jobs: dict[tuple[str, str], dict] = {}
         self.calls: list[tuple] = []
-        self.log: list[tuple[datetime, str]] = []
+        self.logs: dict[str, list[tuple[datetime, str]]] = {}  # launcher pod -> its stamped lines
         self.now = now or datetime(2026, 11, 28, 12, 0, 0, tzinfo=UTC)
         self.uids = iter(range(1, 1000))
 
@@ -142,21 +142,24 @@ class FakeApi:
 
     def list_namespaced_pod(self, namespace, label_selector=""):
         self.calls.append(("list_pods", namespace, label_selector))
-        return SimpleNamespace(items=self._pods(namespace, label_selector) if self.log else [])
+        return SimpleNamespace(items=[pod for pod in self._pods(namespace, label_selector)
+                                      if self.logs.get(pod.metadata.name)])
 
     def read_namespaced_pod_log(self, name, namespace, timestamps=False, since_seconds=None):
         self.calls.append(("log", name, since_seconds))
         assert timestamps, "the launcher's log is read with timestamps"
         since = self.now - timedelta(seconds=since_seconds) if since_seconds else None
-        return "".join(f"{t.strftime('%Y-%m-%dT%H:%M:%S.%f')}123Z {line}\n" for t, line in self.log
-                       if since is None or t >= since)  # fmt: skip
+        return "".join(f"{t.strftime('%Y-%m-%dT%H:%M:%S.%f')}123Z {line}\n"
+                       for t, line in self.logs.get(name, []) if since is None or t >= since)  # fmt: skip
 
     def delete_namespaced_pod(self, name, namespace, body=None):
         self.calls.append(("delete_pod", name))
 
     def advance(self, condition: str | None = None, lines: tuple[str, ...] = (), seconds: float = 5) -> None:
         self.now += timedelta(seconds=seconds)
-        self.log.extend((self.now + timedelta(microseconds=i), line) for i, line in enumerate(lines))
+        for _, name in self.jobs:  # every job's launcher prints them
+            self.logs.setdefault(f"{name}-launcher", []).extend(
+                (self.now + timedelta(microseconds=i), line) for i, line in enumerate(lines))
         if condition:
             for job in self.jobs.values():
                 job.setdefault("status", {}).setdefault("conditions", []).append({"type": condition, "status": "True"})
