@@ -415,6 +415,25 @@ def export_cmd(
 
 
 @app.command()
+def render(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    launcher: Annotated[str | None, typer.Option(help="slurm or kubernetes (default: distributed.launcher).")] = None,
+) -> None:
+    """Print the job training would submit, submitting nothing: the sbatch script (launcher slurm) or the MPIJob
+    manifest (launcher kubernetes, checked strictly against the MPI Operator's CRD schema)."""
+    from ortflow.launch.job import LaunchError
+    from ortflow.launch.scheduled import render_job
+
+    cfg = _load(config, [*(overrides or []), *([f"distributed.launcher={launcher}"] if launcher else [])])
+    try:
+        text = render_job(cfg)
+    except (ValueError, LaunchError) as err:
+        _fail(str(err))
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+@app.command()
 def doctor() -> None:
     """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing."""
     from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose

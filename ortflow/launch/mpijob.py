@@ -168,7 +168,7 @@ def render(cfg: RunConfig) -> dict:
     return {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
-        "metadata": {"name": job_name(cfg), "namespace": k8s.namespace, "labels": labels},
+        "metadata": {"name": job_name(cfg), "namespace": k8s.namespace, "labels": dict(labels)},
         "spec": {
             "slotsPerWorker": ranks // k8s.num_workers,
             "mpiImplementation": "MPICH",
@@ -176,9 +176,9 @@ def render(cfg: RunConfig) -> dict:
             "runPolicy": _run_policy(cfg),
             "mpiReplicaSpecs": {
                 "Launcher": {"replicas": 1, "restartPolicy": "Never",
-                             "template": {"metadata": {"labels": labels}, "spec": _pod_spec(cfg, launcher)}},
+                             "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(cfg, launcher)}},
                 "Worker": {"replicas": k8s.num_workers, "restartPolicy": "Never",
-                           "template": {"metadata": {"labels": labels}, "spec": _pod_spec(cfg, worker)}},
+                           "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(cfg, worker)}},
             },
         },
     }
