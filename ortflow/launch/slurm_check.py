@@ -23,17 +23,19 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
 
 
-def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.executable) -> list[str]:
+def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.executable,
+                     which: Callable[[str], str | None] = shutil.which) -> list[str]:
     """What stops the run's Slurm job from ever starting on this cluster (empty: Slurm would take it).
 
     Args:
         cfg: The run config (distributed.launcher slurm; other launchers have nothing to check here).
         run: Runs one Slurm command (tests pass a fake cluster).
         python: The Python of ortflow's environment on the nodes.
+        which: Finds a command on PATH (tests pass their own).
     """
     if cfg.distributed.launcher != "slurm":
         return []
-    missing = [name for name in ("sbatch", "sinfo", "scontrol") if not shutil.which(name)]
+    missing = [name for name in ("sbatch", "sinfo", "scontrol") if not which(name)]
     if missing:
         return [f"distributed.launcher slurm: {', '.join(missing)} not found on PATH: validate and run from a host "
                 "with the Slurm client commands (a login node), or use launcher local"]
