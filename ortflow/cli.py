@@ -76,11 +76,13 @@ def validate(
     The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
     the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
     and export paths can be written; with --deep, that the engine can build the training graph and, with
-    distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it.
+    distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it. With launcher slurm,
+    also the job against the cluster: the partition, its nodes' CPUs and `sbatch --test-only`.
     """
     from ortflow.validate import validate as find_all
 
     problems = find_all(config, overrides or [], deep=deep)
+    problems += _scheduler_problems(config, overrides)
     if not problems:  # a configured run: every value of its data too (labels vs the model's classes, NaN, range)
         from ortflow.config import find_problems
         from ortflow.dataprep.values import scan_sources
@@ -93,6 +95,15 @@ def validate(
             console.print(f"  - {escape(problem)}", highlight=False)
         raise typer.Exit(1)
     console.print(f"[green]{escape(str(config))}: valid[/]")
+
+
+def _scheduler_problems(config: Path, overrides: list[str] | None) -> list[str]:
+    """With launcher slurm: the job's request against the cluster (partition, slots, ``sbatch --test-only``)."""
+    from ortflow.config import find_problems
+    from ortflow.launch.slurm_check import request_problems
+
+    cfg, _ = find_problems(config, overrides or [])
+    return request_problems(cfg) if cfg is not None else []
 
 
 @app.command()

@@ -59,6 +59,8 @@ def _partition_problems(cfg: RunConfig, run: Runner) -> list[str]:
     """The partition exists and has num_nodes nodes with room for num_ranks / num_nodes ranks each."""
     slurm = cfg.slurm
     listed = run("sinfo", "-h", "-o", "%P")
+    if listed.returncode:  # the controller did not answer: sbatch --test-only below says what is wrong
+        return []
     names = [name.rstrip("*") for name in listed.stdout.split()]
     default = next((name.rstrip("*") for name in listed.stdout.split() if name.endswith("*")), None)
     partition = slurm.partition or default

@@ -334,8 +334,8 @@ def train(config: RunConfig) -> dict:
                                     threads=layout.threads, on_line=on_line, guard=_guard(config),
                                     deadline=deadline)  # fmt: skip
                 if not result.ok:
-                    raise TrainingFailed(result.summary(),
-                                         will_repeat=failure_repeats(result.error_lines, result.returncode))
+                    raise TrainingFailed(result.summary(), will_repeat=not result.retry
+                                         or failure_repeats(result.error_lines, result.returncode))
         finally:
             try:
                 publish_loss_curve(config)
