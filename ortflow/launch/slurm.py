@@ -127,23 +127,35 @@ def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path | None, flavor: s
     command = rank_command(cfg, run_dir, mpiexec, flavor, python)
     env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            THREADS_ENV: threads, NUM_RANKS_ENV: ranks, "PYTHONUNBUFFERED": 1}  # fmt: skip
-    lines += ["", "# Set up the environment of the ranks (slurm.setup).", *slurm.setup, ""]
+    lines += [
+        "",
+        "# SIGTERM (scancel) and SIGUSR1 (the time limit's --signal) stop the ranks after the same update with a stop",
+        "# checkpoint: the ranks' launcher runs in its own process group, which gets SIGTERM. A signal that comes",
+        "# before the ranks start (during the setup) keeps them from starting.",
+        "pid=",
+        "limit=0",
+        "stopping=0",
+        'stop_ranks() { if [ -n "$pid" ]; then kill -TERM -- -"$pid" 2>/dev/null; fi; }',
+        'trap \'stopping=1; echo "ortflow: SIGTERM: ranks stop after this update"; stop_ranks\' TERM',
+        'trap \'limit=1; echo "ortflow: the time limit is near: ranks stop after this update"; stop_ranks\' USR1',
+        "",
+        "# Set up the environment of the ranks (slurm.setup).",
+        *slurm.setup,
+        "",
+    ]
     lines += [f"export {name}={value}" for name, value in env.items()]
     lines += [
         "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}",
         f"unset {LAUNCHER_PID_ENV} {LAUNCHER_HOST_ENV}  # the ranks outlive the submitting process",
         'echo "ortflow: slurm job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
-        "",
-        "# The ranks' launcher runs in its own process group; SIGTERM (scancel) and SIGUSR1 (the time limit's",
-        "# --signal) go on to the whole group as SIGTERM: every rank stops after the same update with a stop checkpoint.",
-        f"setsid {shlex.join(command)} &",
-        "pid=$!",
-        "limit=0",
-        'trap \'echo "ortflow: SIGTERM: ranks stop after this update"; kill -TERM -- -$pid 2>/dev/null\' TERM',
-        'trap \'limit=1; echo "ortflow: the time limit is near: ranks stop after this update"; '
-        'kill -TERM -- -$pid 2>/dev/null\' USR1',
-        "while :; do wait $pid; status=$?; kill -0 $pid 2>/dev/null || break; done",
-        "wait $pid; status=$?",
+        f"status={STOPPED}",
+        'if [ $limit = 0 ] && [ $stopping = 0 ]; then',
+        f"    setsid {shlex.join(command)} &",
+        "    pid=$!",
+        '    if [ $limit = 1 ] || [ $stopping = 1 ]; then stop_ranks; fi  # a signal just before pid was known',
+        "    while :; do wait $pid; status=$?; kill -0 $pid 2>/dev/null || break; done",
+        "    wait $pid; status=$?",
+        "fi",
         f"echo $status > {shlex.quote(str(out))}/job-$SLURM_JOB_ID.status",
         'echo "ortflow: ranks exited with status $status"',
         *_requeue_lines(slurm.requeue),
@@ -156,11 +168,11 @@ def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path | None, flavor: s
 def _requeue_lines(requeue: bool) -> list[str]:
     """After a stop at the time limit: requeue the job (the next allocation resumes), or say why it ends here."""
     if not requeue:
-        return [f'if [ $limit = 1 ] && [ $status = {STOPPED} ]; then',
+        return ["if [ $limit = 1 ] && [ $status != 0 ]; then",
                 '    echo "ortflow: stopped at the time limit; slurm.requeue is off: resume with ortflow train"',
                 "fi"]  # fmt: skip
     return [
-        f"if [ $limit = 1 ] && [ $status = {STOPPED} ]; then",
+        "if [ $limit = 1 ] && [ $status != 0 ]; then  # stopped (or kept from starting) by the time limit",
         "    trap '' TERM  # the requeue ends this allocation: nothing left to stop",
         '    if scontrol requeue "$SLURM_JOB_ID"; then',
         '        echo "ortflow: stopped at the time limit with a checkpoint: requeued; the next allocation resumes"',

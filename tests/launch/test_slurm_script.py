@@ -37,7 +37,7 @@ def test_the_script_asks_for_what_the_config_says(tmp_path):
                      "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                      f"#SBATCH --output={cfg.output_dir}/slurm/job-%j.out", "module load cuda/12.4"):
         assert expected in lines, expected
-    start = next(line for line in lines if line.startswith("setsid "))
+    start = next(line.strip() for line in lines if line.strip().startswith("setsid "))
     assert start.endswith(f"/opt/venv/bin/mpiexec -n 8 -prepend-rank /opt/venv/bin/python -u -P -m ortflow.trainer "
                           f"{cfg.output_dir} &")
     assert "unset ORTFLOW_LAUNCHER_PID ORTFLOW_LAUNCHER_HOST" in script  # the job outlives its submitter
@@ -47,12 +47,13 @@ def test_the_script_asks_for_what_the_config_says(tmp_path):
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
     # The time limit's signal stops the ranks; a clean stop (143) requeues the job instead of failing it.
     assert "trap 'limit=1;" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert script.index("trap 'limit=1;") < script.index("module load cuda/12.4")  # a signal during setup is caught
 
 
 def test_srun_starts_the_ranks_with_the_sites_pmi_when_asked(tmp_path):
     cfg = slurm_config(tmp_path, num_nodes=2, launch="srun", srun_mpi="pmi2")
     script = slurm.render_script(cfg, cfg.output_dir, None, "srun", "/opt/venv/bin/python")
-    start = next(line for line in script.splitlines() if line.startswith("setsid "))
+    start = next(line.strip() for line in script.splitlines() if line.strip().startswith("setsid "))
     assert start.startswith("setsid srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=8 --label /opt/venv/bin/python -u")
     assert "mpiexec" not in script
 
@@ -238,3 +239,61 @@ def test_the_request_is_checked_against_the_cluster(tmp_path):
     refused = check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), FakeCluster((1, "sbatch: error: Invalid account")))
     assert refused == ["sbatch --test-only refuses the run's job (Invalid account): change the slurm section or "
                        "distributed.num_ranks (`ortflow render` prints the script)"]
+
+
+FAKE_RANKS = """#!/bin/bash
+trap 'echo "ranks: stop checkpoint written"; exit 143' TERM
+touch "$STARTED"
+while :; do sleep 0.05; done
+"""
+
+
+def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None, requeue: bool = True) -> tuple[int, str]:
+    """Run the job script with bash as Slurm would (fake ranks and a fake scontrol), send it ``signal_name`` once the
+    ranks run (or, with a setup that waits, during the setup), and return its exit status and output."""
+    import os
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ranks").write_text(FAKE_RANKS)
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    cfg = slurm_config(tmp_path, setup=setup or [], requeue=requeue)
+    (cfg.output_dir / "slurm").mkdir(parents=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm.render_script(cfg, cfg.output_dir, bin_dir / "ranks", "mpich", "python"))
+    started = tmp_path / ("setup-started" if setup else "started")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "STARTED": str(started)}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, signal_name))
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out + ((tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists()
+                                   else "")  # fmt: skip
+
+
+def test_the_time_limit_signal_stops_the_ranks_and_requeues_the_job(tmp_path):
+    code, out = run_script(tmp_path, "SIGUSR1")
+    assert "ranks: stop checkpoint written" in out and "requeue 42" in out
+    assert "requeued; the next allocation resumes" in out and code == 0  # a requeue, not a failure
+
+
+def test_scancel_stops_the_ranks_without_a_requeue(tmp_path):
+    code, out = run_script(tmp_path, "SIGTERM")
+    assert "ranks: stop checkpoint written" in out and "requeue" not in out and code == 143
+
+
+def test_the_time_limit_signal_during_the_setup_keeps_the_ranks_from_starting(tmp_path):
+    code, out = run_script(tmp_path, "SIGUSR1", setup=['touch "$STARTED"', "for i in $(seq 200); do sleep 0.05; done"])
+    assert not (tmp_path / "started").exists() and "requeue 42" in out and code == 0
+
+
+def test_without_requeue_the_time_limit_stop_ends_the_job_and_says_how_to_resume(tmp_path):
+    code, out = run_script(tmp_path, "SIGUSR1", requeue=False)
+    assert "slurm.requeue is off: resume with ortflow train" in out and "requeue 42" not in out and code == 143
