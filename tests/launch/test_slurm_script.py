@@ -281,7 +281,8 @@ def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None,
 def test_the_time_limit_signal_stops_the_ranks_and_requeues_the_job(tmp_path):
     code, out = run_script(tmp_path, "SIGUSR1")
     assert "ranks: stop checkpoint written" in out and "requeue 42" in out
-    assert "requeued; the next allocation resumes" in out and code == 0  # a requeue, not a failure
+    assert "stopped at the time limit (status 143): requeued; the next allocation resumes" in out
+    assert code == 0  # a requeue, not a failure
 
 
 def test_scancel_stops_the_ranks_without_a_requeue(tmp_path):
