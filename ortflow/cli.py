@@ -445,17 +445,25 @@ def render(
 
 
 @app.command()
-def doctor() -> None:
-    """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing."""
+def doctor(
+    mpiexec: Annotated[str | None, typer.Option(help="The MPI launcher the ranks will be started with (e.g. "
+                                                "/usr/bin/mpirun; default: the bundled MPICH's mpiexec).")] = None,
+) -> None:
+    """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing; whether
+    mpi4py's MPI is the launcher's (a mismatch starts N singletons or fails at MPI_Init) and how to fix it."""
+    from ortflow.launch.mpi_check import mpi_rows
     from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose
 
-    rows = diagnose()
+    rows = [row for row in diagnose() if row[0] not in ("mpi4py", "mpiexec")] + mpi_rows(mpiexec)
     optional = {f"cuDNN {what}" for what in OPTIONAL_FOR_OPS}
     for item, found, detail in rows:
         mark = "[green]ok[/]     " if found else "[dim]absent[/] " if item in optional else "[yellow]missing[/]"
         console.print(f"{mark} {item}: {detail}", highlight=False)
-    gpu_ready = all(found for item, found, _ in rows if item not in optional)
+    gpu_ready = all(found for item, found, _ in rows if item not in optional and item != "MPI match")
     console.print("GPU training (device: cuda, use_nccl): " + ("ready" if gpu_ready else "not ready, see above"))
+    if not all(found for item, found, _ in rows if item == "MPI match"):
+        console.print("[yellow]MPI: the launcher and mpi4py do not match, see above[/]")
+        raise typer.Exit(1)
 
 
 def _progress_bar(run_dir, stop) -> None:

@@ -53,7 +53,7 @@ class TrainingFailed(RuntimeError):
 #: Rank error lines that a second attempt would meet again (the config, the model, a shape, a path, bad data).
 _REPEATING = re.compile(
     r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
-    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank"
+    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank|MPI launcher mismatch"
 )
 
 
