@@ -312,3 +312,17 @@ def test_a_request_the_cluster_can_never_start_is_refused_before_configure(slurm
     assert state.is_failed(), state
     assert "2 node(s) with 2 CPUs each" in str(state.result(raise_on_failure=False))
     assert not cfg.artifacts_dir.exists() and not (cfg.output_dir / "slurm").exists()  # nothing configured or sent
+
+
+def test_srun_with_the_sites_pmi2_starts_the_ranks_of_a_job_that_trains_to_completion(slurm, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "srun", distributed={"launcher": "slurm"},
+                     slurm={**TWO_NODES, "launch": "srun", "srun_mpi": "pmi2"})
+    prepared(cfg, tmp_path, "srun")
+    done = subprocess.run([ORTFLOW, "train", str(cfg.output_dir)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    job_id = read_record(cfg.output_dir)["job_id"]
+    output = job_output(cfg.output_dir, job_id)
+    assert "srun --mpi=pmi2" in (cfg.output_dir / "slurm" / "train.sbatch").read_text()
+    for rank in (0, 1):  # one process group of two, one rank on each node
+        assert f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
+    assert read_progress(cfg.output_dir)["step"] == 20 and job_state(job_id) == "COMPLETED"
