@@ -68,6 +68,15 @@ class SlurmConfig(Section):
         "the bundled MPICH, which starts its processes on the allocated nodes with srun). It must be of the MPI that "
         "mpi4py is built against (`ortflow doctor`).",
     )
+    python: str | None = Field(
+        None, min_length=1, description="Python of ortflow's environment on the nodes (default: the submitting "
+        "process's; in a container image: its own, /opt/ortflow/bin/python for docker/Dockerfile).",
+    )
+    rank_prefix: list[Annotated[str, Field(min_length=1)]] = Field(
+        [], description="Command words before each rank's Python: a container runner, so the ranks run in the image "
+        "(e.g. [apptainer, exec, --bind, /shared, /shared/ortflow.sif] or [enroot, start, --mount, /shared, "
+        "ortflow]; docs/slurm.md).",
+    )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
 
 

@@ -84,11 +84,15 @@ def threads_per_rank(cfg: RunConfig) -> int:
 def rank_command(cfg: RunConfig, run_dir: Path, mpiexec: Path | None, flavor: str,
                  python: str = sys.executable) -> list[str]:
     """How the job starts the ranks: the MPI launcher inside the allocation, or ``srun --mpi=PLUGIN``."""
-    ranks = int(cfg.distributed.num_ranks)
-    if cfg.slurm.launch == "srun":  # the site's process manager: every task of the allocation is a rank
-        return ["srun", f"--mpi={cfg.slurm.srun_mpi}", "--kill-on-bad-exit=1", f"--ntasks={ranks}",
-                "--label", python, "-u", "-P", "-m", "ortflow.trainer", str(run_dir)]  # fmt: skip
-    return build_command(run_dir, ranks, mpiexec, flavor, python=python)
+    ranks, slurm = int(cfg.distributed.num_ranks), cfg.slurm
+    python = slurm.python or python
+    if slurm.launch == "srun":  # the site's process manager: every task of the allocation is a rank
+        command = ["srun", f"--mpi={slurm.srun_mpi}", "--kill-on-bad-exit=1", f"--ntasks={ranks}", "--label",
+                   python, "-u", "-P", "-m", "ortflow.trainer", str(run_dir)]  # fmt: skip
+    else:
+        command = build_command(run_dir, ranks, mpiexec, flavor, python=python)
+    at = len(command) - 6  # python -u -P -m ortflow.trainer RUN: a container runner goes before the python
+    return command[:at] + list(slurm.rank_prefix) + command[at:]
 
 
 def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path | None, flavor: str,

@@ -58,6 +58,15 @@ def test_srun_starts_the_ranks_with_the_sites_pmi_when_asked(tmp_path):
     assert "mpiexec" not in script
 
 
+def test_a_container_runner_starts_each_rank_in_the_image(tmp_path):
+    cfg = slurm_config(tmp_path, launch="srun", python="/opt/ortflow/bin/python",
+                       rank_prefix=["apptainer", "exec", "--bind", "/shared", "/shared/ortflow.sif"])
+    script = slurm.render_script(cfg, cfg.output_dir, None, "srun", "/login/venv/bin/python")
+    start = next(line.strip() for line in script.splitlines() if line.strip().startswith("setsid "))
+    assert ("--label apptainer exec --bind /shared /shared/ortflow.sif /opt/ortflow/bin/python -u -P -m "
+            f"ortflow.trainer {cfg.output_dir} &") in start
+
+
 def test_the_script_leaves_out_what_the_config_does_not_set(tmp_path):
     cfg = slurm_config(tmp_path, requeue=False, stop_signal_s=0)
     script = slurm.render_script(cfg, cfg.output_dir, Path("/usr/bin/mpirun"), "openmpi")
