@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+import re
+
+from pydantic import Field, field_validator
 
 from ortflow.config.base import Section
 
@@ -72,12 +74,19 @@ class SlurmConfig(Section):
         None, min_length=1, description="Python of ortflow's environment on the nodes (default: the submitting "
         "process's; in a container image: its own, /opt/ortflow/bin/python for docker/Dockerfile).",
     )
-    rank_prefix: list[Annotated[str, Field(min_length=1)]] = Field(
+    rank_prefix: list[str] = Field(
         [], description="Command words before each rank's Python: a container runner, so the ranks run in the image "
         "(e.g. [apptainer, exec, --bind, /shared, /shared/ortflow.sif] or [enroot, start, --mount, /shared, "
         "ortflow]; docs/slurm.md).",
     )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
+
+    @field_validator("rank_prefix")
+    @classmethod
+    def _words(cls, value: list[str]) -> list[str]:
+        if any(not word.strip() for word in value):
+            raise ValueError("every entry is one non-empty command word (e.g. [apptainer, exec, /shared/ortflow.sif])")
+        return value
 
 
 class Toleration(Section):
@@ -133,13 +142,13 @@ class KubernetesConfig(Section):
         description="Folder inside the claim mounted at run_volume_mount_path (volumeMounts subPath, relative); "
         "unset: the claim's root.",
     )
-    node_selector: dict[Annotated[str, Field(pattern=_LABEL_KEY)], Annotated[str, Field(pattern=_LABEL_VALUE)]] = Field(
+    node_selector: dict[str, str] = Field(
         {}, description="Node labels the pods must run on (nodeSelector, e.g. {nvidia.com/gpu.product: "
         "NVIDIA-H100-80GB-HBM3}).",
     )
     tolerations: list[Toleration] = Field([], description="Tolerations of the pods (e.g. {key: nvidia.com/gpu, "
                                           "operator: Exists, effect: NoSchedule} for tainted GPU nodes).")
-    image_pull_secrets: list[Annotated[str, Field(pattern=_DNS_SUBDOMAIN)]] = Field(
+    image_pull_secrets: list[str] = Field(
         [], description="Secrets (type kubernetes.io/dockerconfigjson) the pods pull a private image with.")
     scheduler_name: str | None = Field(None, pattern=_DNS_SUBDOMAIN, description="schedulerName of the pods (e.g. "
                                        "volcano for gang scheduling; unset: the default scheduler).")
@@ -150,7 +159,7 @@ class KubernetesConfig(Section):
     )
     priority_class: str | None = Field(None, pattern=_DNS_SUBDOMAIN, description="priorityClassName of the pods "
                                        "(and of the pod group with scheduling_queue).")
-    labels: dict[Annotated[str, Field(pattern=_LABEL_KEY)], Annotated[str, Field(pattern=_LABEL_VALUE)]] = Field(
+    labels: dict[str, str] = Field(
         {}, description="Further labels of the MPIJob and its pods, e.g. {kueue.x-k8s.io/queue-name: team-a} to "
         "admit it through a Kueue LocalQueue.",
     )
@@ -165,3 +174,23 @@ class KubernetesConfig(Section):
         description="terminationGracePeriodSeconds of the pods: on cancel the MPIJob is deleted and the ranks get "
         "SIGTERM, stop after the current update with a stop checkpoint, and are killed after this many seconds.",
     )
+
+    @field_validator("node_selector", "labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, text in value.items():
+            if not re.match(_LABEL_KEY, key) or len(key.rpartition("/")[2]) > 63:
+                raise ValueError(f"{key!r} is not a Kubernetes label key (an optional DNS prefix and /, then at most "
+                                 "63 letters, digits, -, _ or .)")
+            if not re.match(_LABEL_VALUE, text):
+                raise ValueError(f"{key}: {text!r} is not a Kubernetes label value (at most 63 letters, digits, -, _ "
+                                 "or ., starting and ending with a letter or digit)")
+        return value
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secrets(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.match(_DNS_SUBDOMAIN, name):
+                raise ValueError(f"{name!r} is not a Secret name (lower-case letters, digits, - and .)")
+        return value
