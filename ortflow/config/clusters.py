@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import re
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 

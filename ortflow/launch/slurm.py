@@ -179,8 +179,8 @@ def _requeue_lines(requeue: bool) -> list[str]:
         "if [ $limit = 1 ] && [ $status != 0 ]; then  # stopped (or kept from starting) by the time limit",
         "    trap '' TERM  # the requeue ends this allocation: nothing left to stop",
         '    if scontrol requeue "$SLURM_JOB_ID"; then',
-        '        echo "ortflow: stopped at the time limit (status $status): requeued; the next allocation resumes from the '
-        'newest complete checkpoint"',
+        '        echo "ortflow: stopped at the time limit (status $status): requeued; the next allocation resumes '
+        'from the newest complete checkpoint"',
         "        exit 0",
         "    fi",
         '    echo "ortflow: error: scontrol requeue $SLURM_JOB_ID failed: the run stops at its stop checkpoint"',

@@ -245,7 +245,8 @@ def test_the_request_is_checked_against_the_cluster(tmp_path):
     assert unknown == ["slurm.partition 'gpu' does not exist on this cluster (partitions: debug): name one of them"]
     too_big = check(slurm_config(tmp_path, num_ranks=8, num_nodes=2), FakeCluster())  # 4 ranks x 2 CPUs per node
     assert "2 node(s) with 8 CPUs each" in too_big[0] and "node1=2, node2=2" in too_big[0]
-    refused = check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), FakeCluster((1, "sbatch: error: Invalid account")))
+    invalid = FakeCluster((1, "sbatch: error: Invalid account"))
+    refused = check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), invalid)
     assert refused == ["sbatch --test-only refuses the run's job (Invalid account): change the slurm section or "
                        "distributed.num_ranks (`ortflow render` prints the script)"]
 
@@ -257,7 +258,8 @@ while :; do sleep 0.05; done
 """
 
 
-def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None, requeue: bool = True) -> tuple[int, str]:
+def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None,
+               requeue: bool = True) -> tuple[int, str]:
     """Run the job script with bash as Slurm would (fake ranks and a fake scontrol), send it ``signal_name`` once the
     ranks run (or, with a setup that waits, during the setup), and return its exit status and output."""
     import os

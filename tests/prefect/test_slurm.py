@@ -234,13 +234,14 @@ def test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_f
                 # Stand in for a machine too slow to finish within two allocations, whatever this one's speed: once
                 # an allocation has trained past its share, its ranks pause until Slurm's time-limit signal comes.
                 share = steps * (allocation + 1) // 3
-                wait_for(lambda: limits_seen() > allocation or (read_progress(run_dir) or {}).get("step", 0) >= share,
-                         240, f"allocation {allocation} to train {share} steps or reach its time limit")
+                trained = lambda n=allocation, s=share: (  # noqa: E731
+                    limits_seen() > n or (read_progress(run_dir) or {}).get("step", 0) >= s)
+                wait_for(trained, 240, f"allocation {allocation} to train {share} steps or reach its time limit")
                 if limits_seen() <= allocation:
                     paused = ranks()
                     for pid in paused:
                         os.kill(pid, signal.SIGSTOP)
-                wait_for(lambda: limits_seen() > allocation, 240, f"allocation {allocation}'s time-limit signal")
+                wait_for(lambda n=allocation: limits_seen() > n, 240, f"allocation {allocation}'s time-limit signal")
                 for pid in paused:
                     os.kill(pid, signal.SIGCONT)  # the stop signal waits for them: they stop with a checkpoint
                 paused = []

@@ -383,9 +383,8 @@ def launched_by_mpi(environ: dict[str, str] | os._Environ = os.environ) -> bool:
 
 
 def mpi_binding() -> dict[str, str]:
-    """The MPI library mpi4py binds to, found without initializing MPI: ``{"abi": "mpich" | "openmpi" | ...,
-    "library": its file}`` (mpi4py picks the MPI_ABI-matching extension from the library it loads: the one named by
-    ``MPI4PY_LIBMPI``, else the environment's own, else the system's)."""
+    """The MPI library mpi4py binds to (``MPI4PY_LIBMPI``, else the environment's, else the system's), without
+    initializing MPI: ``{"abi": "mpich" | "openmpi" | ..., "library": its file}``."""
     try:
         from mpi4py import _mpiabi  # mpi4py's own probe: dlopens the library, does not call MPI_Init
 
