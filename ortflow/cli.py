@@ -451,8 +451,8 @@ def doctor(
 ) -> None:
     """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing; whether
     mpi4py's MPI is the launcher's (a mismatch starts N singletons or fails at MPI_Init) and how to fix it."""
-    from ortflow.launch.mpi_check import mpi_rows
     from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose
+    from ortflow.launch.mpi_check import mpi_rows
 
     rows = [row for row in diagnose() if row[0] not in ("mpi4py", "mpiexec")] + mpi_rows(mpiexec)
     optional = {f"cuDNN {what}" for what in OPTIONAL_FOR_OPS}

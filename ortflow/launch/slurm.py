@@ -45,6 +45,7 @@ from ortflow.launch.local import (
     find_mpiexec,
     launcher_flavor,
 )
+from ortflow.protocol import EXIT_STOPPED as STOPPED
 from ortflow.protocol import NUM_RANKS_ENV, THREADS_ENV
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "
                 "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
                 "AssocMaxNodesPerJobLimit", "AssocMaxCpuPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
                 "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit"}  # fmt: skip
-#: The exit status of ranks stopped by a signal with a stop checkpoint (128 + SIGTERM).
-STOPPED = 143
 
 
 def _commands() -> dict[str, str]:

@@ -27,7 +27,7 @@ from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
-from ortflow.protocol import EXIT_NONFINITE
+from ortflow.protocol import EXIT_NONFINITE, MPI_MISMATCH
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
@@ -53,7 +53,8 @@ class TrainingFailed(RuntimeError):
 #: Rank error lines that a second attempt would meet again (the config, the model, a shape, a path, bad data).
 _REPEATING = re.compile(
     r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
-    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank|MPI launcher mismatch"
+    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank|"
+    + re.escape(MPI_MISMATCH)
 )
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-#: The phrase every launcher-mismatch message starts with (the train task does not retry it: it would repeat).
-MISMATCH = "MPI launcher mismatch"
+from ortflow.protocol import MPI_MISMATCH as MISMATCH
+
 _NAMES = {"mpich": "MPICH (or another MPICH-ABI MPI: Intel MPI, MVAPICH)", "openmpi": "Open MPI"}
 
 
