@@ -76,11 +76,13 @@ def validate(
     The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
     the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
     and export paths can be written; with --deep, that the engine can build the training graph and, with
-    distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it.
+    distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it. With launcher slurm,
+    also the job against the cluster: the partition, its nodes' CPUs and `sbatch --test-only`.
     """
     from ortflow.validate import validate as find_all
 
     problems = find_all(config, overrides or [], deep=deep)
+    problems += _scheduler_problems(config, overrides)
     if not problems:  # a configured run: every value of its data too (labels vs the model's classes, NaN, range)
         from ortflow.config import find_problems
         from ortflow.dataprep.values import scan_sources
@@ -93,6 +95,15 @@ def validate(
             console.print(f"  - {escape(problem)}", highlight=False)
         raise typer.Exit(1)
     console.print(f"[green]{escape(str(config))}: valid[/]")
+
+
+def _scheduler_problems(config: Path, overrides: list[str] | None) -> list[str]:
+    """With launcher slurm: the job's request against the cluster (partition, slots, ``sbatch --test-only``)."""
+    from ortflow.config import find_problems
+    from ortflow.launch.slurm_check import request_problems
+
+    cfg, _ = find_problems(config, overrides or [])
+    return request_problems(cfg) if cfg is not None else []
 
 
 @app.command()
@@ -415,17 +426,44 @@ def export_cmd(
 
 
 @app.command()
-def doctor() -> None:
-    """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing."""
-    from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose
+def render(
+    config: ConfigArg,
+    overrides: SetOpt = None,
+    launcher: Annotated[str | None, typer.Option(help="slurm or kubernetes (default: distributed.launcher).")] = None,
+) -> None:
+    """Print the job training would submit, submitting nothing: the sbatch script (launcher slurm) or the MPIJob
+    manifest (launcher kubernetes, checked strictly against the MPI Operator's CRD schema)."""
+    from ortflow.launch.job import LaunchError
+    from ortflow.launch.scheduled import render_job
 
-    rows = diagnose()
+    cfg = _load(config, [*(overrides or []), *([f"distributed.launcher={launcher}"] if launcher else [])])
+    try:
+        text = render_job(cfg)
+    except (ValueError, LaunchError) as err:
+        _fail(str(err))
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+@app.command()
+def doctor(
+    mpiexec: Annotated[str | None, typer.Option(help="The MPI launcher the ranks will be started with (e.g. "
+                                                "/usr/bin/mpirun; default: the bundled MPICH's mpiexec).")] = None,
+) -> None:
+    """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing; whether
+    mpi4py's MPI is the launcher's (a mismatch starts N singletons or fails at MPI_Init) and how to fix it."""
+    from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose
+    from ortflow.launch.mpi_check import mpi_rows
+
+    rows = [row for row in diagnose() if row[0] not in ("mpi4py", "mpiexec")] + mpi_rows(mpiexec)
     optional = {f"cuDNN {what}" for what in OPTIONAL_FOR_OPS}
     for item, found, detail in rows:
         mark = "[green]ok[/]     " if found else "[dim]absent[/] " if item in optional else "[yellow]missing[/]"
         console.print(f"{mark} {item}: {detail}", highlight=False)
-    gpu_ready = all(found for item, found, _ in rows if item not in optional)
+    gpu_ready = all(found for item, found, _ in rows if item not in optional and item != "MPI match")
     console.print("GPU training (device: cuda, use_nccl): " + ("ready" if gpu_ready else "not ready, see above"))
+    if not all(found for item, found, _ in rows if item == "MPI match"):
+        console.print("[yellow]MPI: the launcher and mpi4py do not match, see above[/]")
+        raise typer.Exit(1)
 
 
 def _progress_bar(run_dir, stop) -> None:

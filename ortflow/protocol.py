@@ -28,5 +28,8 @@ LAUNCHER_HOST_ENV = "ORTFLOW_LAUNCHER_HOST"
 #: The run folder's folder where each rank's collective watchdog keeps its heartbeat and leaves a stall report.
 HEARTBEAT_DIR = ".ranks"
 
+#: How a rank's refusal to start under another MPI's launcher begins (the train task does not retry it).
+MPI_MISMATCH = "MPI launcher mismatch"
+
 #: ``ortflow tune``: rank 0 prints its measurement as one line, this tag then a JSON object.
 TUNE_RESULT_TAG = "ORTFLOW_TUNE "

@@ -39,11 +39,8 @@ from ortflow.config.batch import (  # noqa: F401
     rank_config,
     run_facts,
 )
-from ortflow.config.distributed import (  # noqa: F401
-    DistributedConfig,
-    KubernetesConfig,
-    SlurmConfig,
-)
+from ortflow.config.clusters import KubernetesConfig, SlurmConfig, Toleration  # noqa: F401
+from ortflow.config.distributed import DistributedConfig  # noqa: F401
 from ortflow.config.files import (  # noqa: F401
     MAX_MODEL_BYTES,
     check_files,

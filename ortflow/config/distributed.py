@@ -1,4 +1,4 @@
-"""Where the ranks run: processes, devices, parallel sizes, and the Slurm and Kubernetes launchers."""
+"""Where the ranks run: processes, devices, parallel sizes (the Slurm and Kubernetes sections: ``clusters``)."""
 
 from __future__ import annotations
 
@@ -121,82 +121,3 @@ class DistributedConfig(Section):
         if self.device == "cuda" and local_ranks > 1:
             return 1
         return max(1, cores // max(1, local_ranks))
-
-
-_SLURM_TIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$"
-_SBATCH_LINE = r"^--?[A-Za-z][^\n\r]*$"
-
-
-class SlurmConfig(Section):
-    """The sbatch job of distributed.launcher slurm: distributed.num_ranks ranks over num_nodes nodes."""
-
-    num_nodes: int = Field(1, gt=0, description="Nodes of the allocation (#SBATCH --nodes); num_ranks / num_nodes "
-                           "ranks start on each.")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (#SBATCH --gpus-per-node); 0 asks for none.")
-    cpus_per_rank: int | None = Field(
-        None, gt=0, description="CPUs per rank (#SBATCH --cpus-per-task; default: distributed.threads_per_rank or 1)."
-    )
-    partition: str | None = Field(None, min_length=1, description="Partition (#SBATCH --partition; default: the "
-                                  "cluster's default).")
-    time_limit: str | None = Field(
-        None, pattern=_SLURM_TIME,
-        description="Wall-clock limit as Slurm writes it (MINUTES, HH:MM:SS or DAYS-HH:MM:SS; #SBATCH --time).",
-    )
-    account: str | None = Field(None, min_length=1, description="Account charged (#SBATCH --account).")
-    extra_sbatch: list[Annotated[str, Field(pattern=_SBATCH_LINE)]] = Field(
-        [], description='Further sbatch options, one per entry, each written as "#SBATCH <entry>" (e.g. "--qos=high", '
-        '"--constraint=a100").',
-    )
-    setup: list[str] = Field(
-        [], description="Shell lines the job runs before the ranks start (module load ..., source /path/venv/bin/"
-        "activate); the nodes need ortflow's Python environment and the run folder at the same paths.",
-    )
-    stop_signal_s: int = Field(
-        180, ge=0, le=86400,
-        description="Seconds before the time limit that the job gets SIGTERM (#SBATCH --signal=B:TERM@N), so the "
-        "ranks stop after the current update with a stop checkpoint; 0: no early signal.",
-    )
-    requeue: bool = Field(
-        True, description="Let Slurm requeue the job after a preemption or node failure (#SBATCH --requeue); the "
-        "requeued job resumes from the newest complete checkpoint.",
-    )
-    mpiexec: str | None = Field(
-        None, description="MPI launcher the job runs inside the allocation (default: the mpiexec beside this Python, "
-        "the bundled MPICH, which starts its processes on the allocated nodes with srun).",
-    )
-    poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
-
-
-class KubernetesConfig(Section):
-    """The Kubeflow MPIJob (kubeflow.org/v2beta1) of distributed.launcher kubernetes: a launcher pod runs mpirun,
-    num_workers worker pods run distributed.num_ranks / num_workers ranks each."""
-
-    image: str | None = Field(
-        None, min_length=1, description="Container image of launcher and workers: ortflow's pinned environment with "
-        "Open MPI and sshd (docs/kubernetes.md); required with launcher kubernetes.",
-    )
-    namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Namespace of the "
-                           "MPIJob.")
-    num_workers: int = Field(1, gt=0, description="Worker pods (replicas of the Worker); num_ranks / num_workers "
-                             "ranks (slotsPerWorker) on each.")
-    gpus_per_worker: int = Field(0, ge=0, description="nvidia.com/gpu limit of each worker pod.")
-    cpu_per_worker: str | None = Field(None, pattern=r"^\d+(\.\d+)?m?$", description="CPU request and limit of "
-                                       "each worker pod (Kubernetes quantity, e.g. 16 or 500m).")
-    memory_per_worker: str | None = Field(None, pattern=r"^\d+(\.\d+)?([KMGTPE]i?)?$", description="Memory "
-                                          "request and limit of each worker pod (e.g. 64Gi).")
-    run_volume_claim: str = Field(
-        "ortflow-runs", pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
-        description="PersistentVolumeClaim (ReadWriteMany) holding the run folder; launcher and workers mount it at "
-        "output_dir's path, so the resolved config's paths hold inside the pods.",
-    )
-    service_account: str | None = Field(None, min_length=1, description="Service account of the pods (default: "
-                                        "the namespace's).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy "
-                                                                          "of both containers.")
-    python: str = Field("python", min_length=1, description="Python of ortflow's environment inside the image.")
-    poll_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between MPIJob status reads.")
-    stop_grace_s: int = Field(
-        60, ge=0, le=3600,
-        description="terminationGracePeriodSeconds of the pods: on cancel the MPIJob is deleted and the ranks get "
-        "SIGTERM, stop after the current update with a stop checkpoint, and are killed after this many seconds.",
-    )

@@ -9,7 +9,8 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from ortflow.config.base import Section, resolve_path
-from ortflow.config.distributed import DistributedConfig, KubernetesConfig, SlurmConfig
+from ortflow.config.clusters import KubernetesConfig, SlurmConfig
+from ortflow.config.distributed import DistributedConfig
 from ortflow.config.model_data import DataConfig, ModelConfig, TrainConfig
 from ortflow.config.optimizer import LRScheduleConfig, OptimizerConfig, PrecisionConfig
 from ortflow.config.outputs import (
@@ -124,9 +125,24 @@ def _launcher_problems(cfg: RunConfig) -> list[str]:
     if dist.hostfile is not None or dist.num_hosts != 1:
         problems.append(f"distributed.hostfile and num_hosts are for launcher local; with launcher {dist.launcher} "
                         f"the scheduler places the ranks ({section}.{unit}): unset them")
-    if dist.launcher == "kubernetes" and not cfg.kubernetes.image:
+    if dist.launcher == "kubernetes":
+        problems += _kubernetes_problems(cfg)
+    return problems
+
+
+def _kubernetes_problems(cfg: RunConfig) -> list[str]:
+    """The image is named, and the run and checkpoint folders lie where the pods mount the claim."""
+    k8s = cfg.kubernetes
+    problems = []
+    if not k8s.image:
         problems.append("distributed.launcher kubernetes needs kubernetes.image: the container image with ortflow's "
-                        "environment (docs/kubernetes.md)")
+                        "environment (docker/Dockerfile, docs/kubernetes.md)")
+    mount = Path(k8s.run_volume_mount_path)
+    for what, folder in (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoints_dir)):
+        if not Path(folder).is_relative_to(mount):
+            problems.append(f"{what} {folder} is not under kubernetes.run_volume_mount_path {mount}, where the pods "
+                            "mount the claim: set run_volume_mount_path to the folder the claim holds (the same path "
+                            f"here and in the pods), or put {what} under it")
     return problems
 
 

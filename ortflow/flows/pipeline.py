@@ -57,6 +57,8 @@ def train_pipeline(
                              data=tasks.publish_skipped(cfg, plan))
         run = plan.config
         try:
+            if run.distributed.launcher == "slurm":  # a request Slurm refuses fails here, not after configure
+                tasks.check_launcher(run)
             tasks.staged(tasks.configure, run)(run)
             tasks.staged(tasks.prepare_data, run)(run)
             tasks.staged(tasks.train, run)(run)

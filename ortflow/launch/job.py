@@ -14,6 +14,7 @@ import enum
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -44,6 +45,8 @@ class LaunchResult:
     signal: int = 0  # the stop signal this process received and passed on (0: none)
     launcher: str = "local"  # distributed.launcher that ran the job
     job_id: str | None = None  # the scheduler's id of the job (Slurm job id, MPIJob namespace/name)
+    detail: str = ""  # the scheduler's last word on the job (its final state)
+    retry: bool = True  # False: running the job again would not help (cancelled outside ortflow, can never start)
 
     @property
     def ok(self) -> bool:
@@ -53,8 +56,11 @@ class LaunchResult:
         """A one-paragraph reason for a failed job."""
         if self.ok:
             return "training finished"
+        if not self.retry and self.detail:  # the scheduler's reason is the whole story (scancel, can never start)
+            return f"training stopped: {self.detail}"
         detail = "\n".join(self.error_lines) or "(no error lines captured; see the output above)"
-        return f"training failed with exit status {self.returncode}:\n{detail}"
+        where = f" ({self.launcher} job {self.job_id}: {self.detail})" if self.detail and self.job_id else ""
+        return f"training failed with exit status {self.returncode}{where}:\n{detail}"
 
 
 def is_error_line(line: str) -> bool:
@@ -62,6 +68,11 @@ def is_error_line(line: str) -> bool:
     return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
 
 
+#: The line a scheduler job prints when one of its attempts (a requeued job's next allocation) starts: the failure
+#: summary keeps only the error lines after the last one.
+ATTEMPT_LINE = re.compile(r"^ortflow: \w+ job \S+ attempt \d+")
+#: Seconds between the lines that say why a job is still pending.
+PENDING_REPORT_S = 60.0
 
 
 class Phase(enum.Enum):
@@ -79,6 +90,7 @@ class JobState:
     phase: Phase
     detail: str
     returncode: int | None = None
+    retry: bool = True  # ended: False when another submission would end the same way (scancel, never starts)
 
 
 class Job(Protocol):
@@ -136,8 +148,12 @@ def watch(
     received: list[int] = []
     cancelled_at: list[float] = []
 
+    pending_since: list[float] = []
+
     def drain() -> None:
         for line in job.read_output():
+            if ATTEMPT_LINE.match(line):
+                errors.clear()  # the failure summary quotes the current attempt only
             if is_error_line(line):
                 errors.append(line)
             on_line(line)
@@ -147,6 +163,7 @@ def watch(
         state = job.poll()
         while state.phase is not Phase.ENDED:
             drain()
+            _report_pending(job, state, pending_since, on_line, clock)
             if received and not cancelled_at:
                 cancelled_at.append(clock())
             if cancelled_at and clock() - cancelled_at[0] > grace_s:
@@ -166,7 +183,21 @@ def watch(
         restore()
     log.info("%s job%s ended: %s", job.launcher, f" {job.job_id}" if job.job_id else "", state.detail)
     code = state.returncode if state.returncode is not None else 1
-    return LaunchResult(code, tuple(errors), received[0] if received else 0, job.launcher, job.job_id)
+    return LaunchResult(code, tuple(errors), received[0] if received else 0, job.launcher, job.job_id,
+                        state.detail, state.retry)
+
+
+def _report_pending(job: Job, state: JobState, since: list[float], on_line: Callable[[str], None],
+                    clock: Callable[[], float]) -> None:
+    """Say why a pending job waits: at once, then every :data:`PENDING_REPORT_S` seconds while it stays pending."""
+    if state.phase is not Phase.PENDING:
+        since.clear()
+        return
+    now = clock()
+    if since and now - since[0] < PENDING_REPORT_S:
+        return
+    since[:] = [now]
+    on_line(f"ortflow: {job.launcher} job {job.job_id} is pending: {state.detail}")
 
 
 def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,

@@ -2,8 +2,10 @@
 
 The operator starts ``kubernetes.num_workers`` worker pods running sshd, writes their names into a host file, and
 then a launcher pod that runs ``mpiexec`` over ssh: ``num_ranks / num_workers`` ranks (``slotsPerWorker``) on each
-worker. Every pod mounts the run folder's volume claim at ``output_dir``'s own path, so the resolved config the ranks
-load holds inside the pods unchanged.
+worker. Every pod mounts the run folder's volume claim at ``kubernetes.run_volume_mount_path`` (the folder that holds
+``output_dir`` on the submitting host too; ``run_volume_sub_path`` picks a folder of the claim), so the resolved
+config the ranks load holds inside the pods unchanged. The MPIJob and its pods carry the run's labels (a hash of the
+run folder and the version's name): a job is only ever taken for a run's own when its labels say so.
 
 Stopping: when the MPIJob is deleted, Kubernetes sends SIGTERM to every pod. The launcher's ``mpiexec`` passes it on
 to the ranks; each worker's entry script also passes it to its own ranks and waits for them to exit before it stops
@@ -15,7 +17,9 @@ The schema kept in ``crds/kubeflow.org_mpijobs.yaml`` is the operator's own CRD 
 
 from __future__ import annotations
 
+import copy
 import functools
+import hashlib
 import re
 import shlex
 from pathlib import Path
@@ -38,11 +42,32 @@ class ManifestError(ValueError):
     """The rendered MPIJob does not satisfy the CRD's schema; the message names each path and problem."""
 
 
+RUN_ID_LABEL = "ortflow.run-id"  # the run folder (a version's base folder), hashed
+VERSION_LABEL = "ortflow.version"  # the version folder's name (versions/NAME), empty for an unversioned run
+SHM_VOLUME = "dshm"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()
+
+
+def run_labels(cfg: RunConfig) -> dict[str, str]:
+    """The labels that tie an MPIJob and its pods to one run folder: the run (base folder) and the version."""
+    folder = Path(cfg.output_dir).resolve()
+    version = ""
+    if folder.parent.name == "versions":  # a deployment's version folder: BASE/versions/NAME
+        version, folder = folder.name, folder.parent.parent
+    version = re.sub(r"[^A-Za-z0-9_.-]+", "-", version).strip("-_.")[:63].strip("-_.")
+    return {RUN_ID_LABEL: _digest(folder)[:16], VERSION_LABEL: version}
+
+
 def job_name(cfg: RunConfig) -> str:
-    """The MPIJob's name: the run name as a DNS-1123 label (lower case, ``-`` for other characters, at most 50
-    characters so that the operator's ``-launcher`` and ``-worker-N`` pod names stay within 63)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", cfg.name.lower()).strip("-")[:50].strip("-")
-    return f"ortflow-{name}" if not name[:1].isalpha() else name
+    """The MPIJob's name: the run name as a DNS-1123 label and 8 hex digits of the run folder's path, so runs of one
+    name in other folders (or versions) never share a job; at most 50 characters so that the operator's
+    ``-launcher`` and ``-worker-N`` pod names stay within 63."""
+    name = re.sub(r"[^a-z0-9-]+", "-", cfg.name.lower()).strip("-")[:41].strip("-")
+    name = name if name[:1].isalpha() else f"r-{name}"[:41].strip("-")
+    return f"{name}-{_digest(cfg.output_dir)[:8]}"
 
 
 def _env(cfg: RunConfig) -> list[dict[str, str]]:
@@ -73,69 +98,87 @@ WORKER_SCRIPT = (
 )
 
 
+def _resources(cpu: str | None, memory: str | None, gpus: int = 0) -> dict:
+    amounts: dict[str, object] = {}
+    if gpus:
+        amounts["nvidia.com/gpu"] = gpus
+    if cpu:
+        amounts["cpu"] = cpu
+    if memory:
+        amounts["memory"] = memory
+    return {"limits": amounts, "requests": dict(amounts)} if amounts else {}
+
+
 def _container(cfg: RunConfig, role: str, command: list[str], resources: dict) -> dict:
     k8s = cfg.kubernetes
-    container = {
-        "name": role,
-        "image": k8s.image,
-        "imagePullPolicy": k8s.image_pull_policy,
-        "command": command,
-        "env": _env(cfg),
-        "volumeMounts": [{"name": RUN_VOLUME, "mountPath": str(cfg.output_dir)}],
-    }
+    mount = {"name": RUN_VOLUME, "mountPath": k8s.run_volume_mount_path}
+    if k8s.run_volume_sub_path:
+        mount["subPath"] = k8s.run_volume_sub_path
+    mounts = [mount] + ([{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if k8s.shm_size else [])
+    container = {"name": role, "image": k8s.image, "imagePullPolicy": k8s.image_pull_policy, "command": command,
+                 "env": _env(cfg), "volumeMounts": mounts}  # fmt: skip
     if resources:
-        container["resources"] = {"limits": resources, "requests": dict(resources)}
+        container["resources"] = resources
     return container
 
 
 def _pod_spec(cfg: RunConfig, container: dict) -> dict:
     k8s = cfg.kubernetes
-    spec = {
-        "containers": [container],
-        "terminationGracePeriodSeconds": k8s.stop_grace_s,
-        "volumes": [{"name": RUN_VOLUME, "persistentVolumeClaim": {"claimName": k8s.run_volume_claim}}],
+    volumes: list[dict] = [{"name": RUN_VOLUME, "persistentVolumeClaim": {"claimName": k8s.run_volume_claim}}]
+    if k8s.shm_size:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
+    spec: dict = {"containers": [container], "terminationGracePeriodSeconds": k8s.stop_grace_s, "volumes": volumes}
+    optional = {
+        "serviceAccountName": k8s.service_account,
+        "schedulerName": k8s.scheduler_name,
+        "priorityClassName": k8s.priority_class,
+        "nodeSelector": dict(k8s.node_selector),
+        "imagePullSecrets": [{"name": name} for name in k8s.image_pull_secrets],
+        "tolerations": [_toleration(t) for t in k8s.tolerations],
     }
-    if k8s.service_account:
-        spec["serviceAccountName"] = k8s.service_account
+    spec.update({key: value for key, value in optional.items() if value})
     return spec
+
+
+def _toleration(toleration) -> dict:
+    fields = {"key": toleration.key, "operator": toleration.operator, "value": toleration.value,
+              "effect": toleration.effect, "tolerationSeconds": toleration.toleration_seconds}  # fmt: skip
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _run_policy(cfg: RunConfig) -> dict:
+    k8s = cfg.kubernetes
+    # A failed launcher is not restarted by the operator: the train task's retries resume from checkpoints.
+    policy: dict = {"cleanPodPolicy": "Running", "backoffLimit": 0}
+    if k8s.scheduling_queue:  # gang scheduling: the pod group starts whole (launcher and every worker) or not at all
+        group = {"queue": k8s.scheduling_queue, "minAvailable": k8s.num_workers + 1}
+        if k8s.priority_class:
+            group["priorityClass"] = k8s.priority_class
+        policy["schedulingPolicy"] = group
+    return policy
 
 
 def render(cfg: RunConfig) -> dict:
     """The MPIJob manifest of a run (distributed.launcher kubernetes; counts checked by the config)."""
     k8s, ranks = cfg.kubernetes, int(cfg.distributed.num_ranks)
-    worker_resources: dict[str, object] = {}
-    if k8s.gpus_per_worker:
-        worker_resources["nvidia.com/gpu"] = k8s.gpus_per_worker
-    if k8s.cpu_per_worker:
-        worker_resources["cpu"] = k8s.cpu_per_worker
-    if k8s.memory_per_worker:
-        worker_resources["memory"] = k8s.memory_per_worker
-    name = job_name(cfg)
-    labels = {"app.kubernetes.io/name": "ortflow", "ortflow.run": name}
+    labels = {**k8s.labels, "app.kubernetes.io/name": "ortflow", **run_labels(cfg)}
+    launcher = _container(cfg, "launcher", launcher_command(cfg), _resources(k8s.launcher_cpu, k8s.launcher_memory))
+    worker = _container(cfg, "worker", ["/bin/sh", "-c", WORKER_SCRIPT],
+                        _resources(k8s.cpu_per_worker, k8s.memory_per_worker, k8s.gpus_per_worker))
     return {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
-        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "metadata": {"name": job_name(cfg), "namespace": k8s.namespace, "labels": dict(labels)},
         "spec": {
             "slotsPerWorker": ranks // k8s.num_workers,
             "mpiImplementation": "MPICH",
             "launcherCreationPolicy": "WaitForWorkersReady",
-            # A failed launcher is not restarted by the operator: the train task's retries resume from checkpoints.
-            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
+            "runPolicy": _run_policy(cfg),
             "mpiReplicaSpecs": {
-                "Launcher": {
-                    "replicas": 1,
-                    "restartPolicy": "Never",
-                    "template": {"metadata": {"labels": labels},
-                                 "spec": _pod_spec(cfg, _container(cfg, "launcher", launcher_command(cfg), {}))},
-                },
-                "Worker": {
-                    "replicas": k8s.num_workers,
-                    "restartPolicy": "Never",
-                    "template": {"metadata": {"labels": labels},
-                                 "spec": _pod_spec(cfg, _container(cfg, "worker", ["/bin/sh", "-c", WORKER_SCRIPT],
-                                                                   worker_resources))},
-                },
+                "Launcher": {"replicas": 1, "restartPolicy": "Never",
+                             "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(cfg, launcher)}},
+                "Worker": {"replicas": k8s.num_workers, "restartPolicy": "Never",
+                           "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(cfg, worker)}},
             },
         },
     }
@@ -148,15 +191,56 @@ def crd_schema() -> dict:
     return next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == VERSION)
 
 
+#: What the API server itself checks of an object's own metadata (the CRD leaves it to the server).
+_OBJECT_META = {
+    "type": "object",
+    "required": ["name", "namespace"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "namespace": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "labels": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 63}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+    "additionalProperties": False,  # what a manifest sets; the server adds uid, resourceVersion, ... itself
+}
+
+
+def _closed(schema: object) -> object:
+    """``schema`` with every object that lists its properties closed to others (``additionalProperties: false``):
+    the API server's strict field validation refuses unknown fields where the schema does not preserve them."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: (value if key == "enum" else _closed(value)) for key, value in schema.items()}
+    if ("properties" in schema and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        closed["additionalProperties"] = False
+    return closed
+
+
+@functools.cache
+def strict_schema() -> dict:
+    """The CRD's schema as the API server applies it with strict field validation: unknown fields refused, the
+    object's metadata checked, and only the operator's two replica kinds (Launcher, Worker)."""
+    schema = copy.deepcopy(_closed(crd_schema()))
+    schema["properties"]["metadata"] = _OBJECT_META
+    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
+    replicas = schema["properties"]["spec"]["properties"]["mpiReplicaSpecs"]
+    replicas["propertyNames"] = {"enum": ["Launcher", "Worker"]}
+    return schema
+
+
 def validate(manifest: dict) -> None:
-    """Check ``manifest`` against the MPIJob CRD's OpenAPI schema, as the API server would on create.
+    """Check ``manifest`` against the MPIJob CRD's OpenAPI schema, as the API server would on create with strict
+    field validation: a field the schema does not know (a misspelling) is refused, as is a wrong type or value.
 
     Raises:
         ManifestError: naming every path that breaks the schema.
     """
     from jsonschema import Draft7Validator
 
-    problems = sorted(Draft7Validator(crd_schema()).iter_errors(manifest), key=lambda e: list(e.absolute_path))
+    problems = sorted(Draft7Validator(strict_schema()).iter_errors(manifest), key=lambda e: list(e.absolute_path))
     problems = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in problems]
     for path in _quantities(manifest):
         problems.append(f"{path}: not a Kubernetes quantity")

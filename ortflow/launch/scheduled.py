@@ -25,6 +25,32 @@ def submit(cfg: RunConfig, run_dir: Path) -> tuple[Job, float, float]:
     raise ValueError(f"distributed.launcher {cfg.distributed.launcher!r} is not a scheduler: use launch.local")
 
 
+def render_job(cfg: RunConfig, run_dir: Path | None = None) -> str:
+    """What would be submitted for the run, as text, submitting nothing: the sbatch script (launcher slurm) or the
+    MPIJob manifest as YAML, checked strictly against the MPI Operator's CRD schema (launcher kubernetes).
+
+    Raises:
+        ValueError: launcher local (nothing is submitted); ManifestError (a ValueError) for a manifest the CRD's
+            schema refuses.
+        LaunchError: no MPI launcher found for the Slurm script.
+    """
+    run_dir = Path(run_dir or cfg.output_dir).resolve()
+    if cfg.distributed.launcher == "slurm":
+        from ortflow.launch.slurm import script_text
+
+        return script_text(cfg, run_dir)
+    if cfg.distributed.launcher == "kubernetes":
+        import yaml
+
+        from ortflow.launch import mpijob
+
+        manifest = mpijob.render(cfg)
+        mpijob.validate(manifest)
+        return yaml.safe_dump(manifest, sort_keys=False, width=120)
+    raise ValueError("distributed.launcher local submits nothing to render: mpiexec starts the ranks here (set "
+                     "distributed.launcher slurm or kubernetes, or pass --launcher)")
+
+
 def run_scheduled(cfg: RunConfig, run_dir: Path | None = None, on_line: Callable[[str], None] = print,
                   forward_signals: bool = False, deadline: float | None = None) -> LaunchResult:
     """Submit the run's training job to its scheduler, stream its output until it ends, record its id.

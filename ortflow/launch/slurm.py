@@ -7,10 +7,17 @@ group and passes SIGTERM on to the group, exactly as ``ortflow train`` does on o
 
 * cancel (``scancel --batch --signal=TERM``): every rank stops after the same update, writes a stop checkpoint and
   the job ends with status 143;
-* the time limit: Slurm sends the same SIGTERM ``slurm.stop_signal_s`` before it (``--signal=B:TERM@N``);
+* the time limit: Slurm sends SIGUSR1 ``slurm.stop_signal_s`` before it (``--signal=B:USR1@N``); the ranks stop the
+  same way and, once they have, the job requeues itself (``scontrol requeue``): the next allocation resumes from the
+  stop checkpoint under the same job id, so a run of any length finishes over as many allocations as it needs,
+  none of them a failure (Slurm records the allocation as requeued and the last one as completed);
 * a requeue or preemption (``--requeue``): Slurm stops the ranks, queues the job again under the same id, and the
   script starts over, resuming from the newest complete checkpoint. The output file is opened for appending, so one
-  file holds every attempt.
+  file holds every attempt; each attempt's first line names it, and a failure summary quotes that attempt only;
+* an outside ``scancel``: the ranks stop with a stop checkpoint and the run stops, saying so; it is not submitted
+  again (``ortflow train`` resumes it);
+* a job that can never start (its pending reason says so, e.g. ``PartitionConfig``) is cancelled and the run fails
+  with that reason; any other pending reason is shown every minute.
 
 The job id is kept in ``RUN/slurm/job.json``: a second submission for the same run folder (a retried task, ``ortflow
 train`` again) attaches to a job that is still queued or running instead of starting a second writer.
@@ -38,6 +45,7 @@ from ortflow.launch.local import (
     find_mpiexec,
     launcher_flavor,
 )
+from ortflow.protocol import EXIT_STOPPED as STOPPED
 from ortflow.protocol import NUM_RANKS_ENV, THREADS_ENV
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,11 @@ JOB_RECORD = "job.json"
 ENDED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
                 "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 PENDING_STATES = {"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "CONFIGURING", "RESV_DEL_HOLD"}
+#: Pending reasons that do not clear while the job and the cluster's configuration stay as they are.
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+                "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
+                "AssocMaxNodesPerJobLimit", "AssocMaxCpuPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
+                "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit"}  # fmt: skip
 
 
 def _commands() -> dict[str, str]:
@@ -67,13 +80,28 @@ def threads_per_rank(cfg: RunConfig) -> int:
     return cfg.slurm.cpus_per_rank or cfg.distributed.threads_per_rank or 1
 
 
-def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path, flavor: str, python: str = sys.executable) -> str:
-    """The sbatch script of the run: resources from ``cfg.slurm``, the ranks started with ``mpiexec``.
+def rank_command(cfg: RunConfig, run_dir: Path, mpiexec: Path | None, flavor: str,
+                 python: str = sys.executable) -> list[str]:
+    """How the job starts the ranks: the MPI launcher inside the allocation, or ``srun --mpi=PLUGIN``."""
+    ranks, slurm = int(cfg.distributed.num_ranks), cfg.slurm
+    python = slurm.python or python
+    if slurm.launch == "srun":  # the site's process manager: every task of the allocation is a rank
+        command = ["srun", f"--mpi={slurm.srun_mpi}", "--kill-on-bad-exit=1", f"--ntasks={ranks}", "--label",
+                   python, "-u", "-P", "-m", "ortflow.trainer", str(run_dir)]  # fmt: skip
+    else:
+        command = build_command(run_dir, ranks, mpiexec, flavor, python=python)
+    at = len(command) - 6  # python -u -P -m ortflow.trainer RUN: a container runner goes before the python
+    return command[:at] + list(slurm.rank_prefix) + command[at:]
+
+
+def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path | None, flavor: str,
+                  python: str = sys.executable) -> str:
+    """The sbatch script of the run: resources from ``cfg.slurm``, the ranks started with ``mpiexec`` (or srun).
 
     Args:
         cfg: The run config (distributed.num_ranks a number, a multiple of slurm.num_nodes).
         run_dir: The run folder, at the same path on every node.
-        mpiexec: The MPI launcher on the nodes.
+        mpiexec: The MPI launcher on the nodes (None with slurm.launch srun).
         flavor: ``mpich`` or ``openmpi`` (its command-line options differ).
         python: The Python of ortflow's environment on the nodes.
     """
@@ -97,31 +125,66 @@ def render_script(cfg: RunConfig, run_dir: Path, mpiexec: Path, flavor: str, pyt
         if value:
             lines.append(f"#SBATCH --{option}={value}")
     if slurm.stop_signal_s:
-        lines.append(f"#SBATCH --signal=B:TERM@{slurm.stop_signal_s}")
+        lines.append(f"#SBATCH --signal=B:USR1@{slurm.stop_signal_s}")
     lines += [f"#SBATCH {entry}" for entry in slurm.extra_sbatch]
-    command = build_command(run_dir, ranks, mpiexec, flavor, python=python)
+    command = rank_command(cfg, run_dir, mpiexec, flavor, python)
     env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            THREADS_ENV: threads, NUM_RANKS_ENV: ranks, "PYTHONUNBUFFERED": 1}  # fmt: skip
-    lines += ["", "# Set up the environment of the ranks (slurm.setup).", *slurm.setup, ""]
+    lines += [
+        "",
+        "# SIGTERM (scancel) and SIGUSR1 (the time limit's --signal) stop the ranks after the same update with a stop",
+        "# checkpoint: the ranks' launcher runs in its own process group, which gets SIGTERM. A signal that comes",
+        "# before the ranks start (during the setup) keeps them from starting.",
+        "pid=",
+        "limit=0",
+        "stopping=0",
+        'stop_ranks() { if [ -n "$pid" ]; then kill -TERM -- -"$pid" 2>/dev/null; fi; }',
+        'trap \'stopping=1; echo "ortflow: SIGTERM: ranks stop after this update"; stop_ranks\' TERM',
+        'trap \'limit=1; echo "ortflow: the time limit is near: ranks stop after this update"; stop_ranks\' USR1',
+        "",
+        "# Set up the environment of the ranks (slurm.setup).",
+        *slurm.setup,
+        "",
+    ]
     lines += [f"export {name}={value}" for name, value in env.items()]
     lines += [
         "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}",
         f"unset {LAUNCHER_PID_ENV} {LAUNCHER_HOST_ENV}  # the ranks outlive the submitting process",
         'echo "ortflow: slurm job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
-        "",
-        "# The MPI launcher runs in its own process group; SIGTERM (scancel --batch --signal=TERM, the time limit's",
-        "# --signal) goes to the whole group: every rank stops after the same update with a stop checkpoint.",
-        f"setsid {shlex.join(command)} &",
-        "pid=$!",
-        'trap \'echo "ortflow: SIGTERM: ranks stop after this update"; kill -TERM -- -$pid 2>/dev/null\' TERM',
-        "while :; do wait $pid; status=$?; kill -0 $pid 2>/dev/null || break; done",
-        "wait $pid; status=$?",
-        f'echo $status > {shlex.quote(str(out))}/job-$SLURM_JOB_ID.status',
+        f"status={STOPPED}",
+        'if [ $limit = 0 ] && [ $stopping = 0 ]; then',
+        f"    setsid {shlex.join(command)} &",
+        "    pid=$!",
+        '    if [ $limit = 1 ] || [ $stopping = 1 ]; then stop_ranks; fi  # a signal just before pid was known',
+        "    while :; do wait $pid; status=$?; kill -0 $pid 2>/dev/null || break; done",
+        "    wait $pid; status=$?",
+        "fi",
+        f"echo $status > {shlex.quote(str(out))}/job-$SLURM_JOB_ID.status",
         'echo "ortflow: ranks exited with status $status"',
+        *_requeue_lines(slurm.requeue),
         "exit $status",
         "",
     ]
     return "\n".join(lines)
+
+
+def _requeue_lines(requeue: bool) -> list[str]:
+    """After a stop at the time limit: requeue the job (the next allocation resumes), or say why it ends here."""
+    if not requeue:
+        return ["if [ $limit = 1 ] && [ $status != 0 ]; then",
+                '    echo "ortflow: stopped at the time limit; slurm.requeue is off: resume with ortflow train"',
+                "fi"]  # fmt: skip
+    return [
+        "if [ $limit = 1 ] && [ $status != 0 ]; then  # stopped (or kept from starting) by the time limit",
+        "    trap '' TERM  # the requeue ends this allocation: nothing left to stop",
+        '    if scontrol requeue "$SLURM_JOB_ID"; then',
+        '        echo "ortflow: stopped at the time limit (status $status): requeued; the next allocation resumes '
+        'from the newest complete checkpoint"',
+        "        exit 0",
+        "    fi",
+        '    echo "ortflow: error: scontrol requeue $SLURM_JOB_ID failed: the run stops at its stop checkpoint"',
+        "fi",
+    ]
 
 
 class SlurmJob:
@@ -148,6 +211,7 @@ class SlurmJob:
         self._offset = 0
         self._partial = ""
         self._last = JobState(Phase.PENDING, "PENDING")
+        self._stopping = False  # this watcher asked the job to stop (cancel, kill)
 
     def _subprocess(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(args, capture_output=True, text=True, env=self.env, timeout=120, check=False)
@@ -177,18 +241,35 @@ class SlurmJob:
                 code = 1
             self._last = JobState(Phase.ENDED, f"no longer known to Slurm ({out.stderr.strip()})", code)
         elif state in ENDED_STATES:
-            code, _, sig = fields.get("ExitCode", "1:0").partition(":")
-            returncode = 128 + int(sig) if sig.isdigit() and int(sig) else int(code) if code.isdigit() else 1
-            if state != "COMPLETED" and returncode == 0:
-                returncode = 1  # cancelled while pending, timed out, node failure: not a success
-            self._last = JobState(Phase.ENDED, state, returncode)
+            self._last = self._ended(state, fields)
         else:
             phase = Phase.PENDING if state in PENDING_STATES else Phase.RUNNING
             reason = fields.get("Reason", "None")
             self._last = JobState(phase, state if reason == "None" else f"{state} ({reason})")
+            if phase is Phase.PENDING and reason in NEVER_STARTS:
+                self._last = self._never_starts(state, reason)
         return self._last
 
+    def _ended(self, state: str, fields: dict[str, str]) -> JobState:
+        code, _, sig = fields.get("ExitCode", "1:0").partition(":")
+        returncode = 128 + int(sig) if sig.isdigit() and int(sig) else int(code) if code.isdigit() else 1
+        if state != "COMPLETED" and returncode == 0:
+            returncode = 1  # cancelled while pending, timed out, node failure: not a success
+        if state == "CANCELLED" and not self._stopping:  # scancel from outside: the user's decision stands
+            return JobState(Phase.ENDED, f"slurm job {self.job_id} was cancelled outside ortflow (scancel); it is "
+                            f"not submitted again: resume with `ortflow train {self.run_dir}`", STOPPED, retry=False)
+        return JobState(Phase.ENDED, state, returncode)
+
+    def _never_starts(self, state: str, reason: str) -> JobState:
+        """Cancel a job whose pending reason cannot clear; the run fails with the reason."""
+        self.kill()
+        return JobState(Phase.ENDED, f"slurm job {self.job_id} can never start ({state}, Reason={reason}): it was "
+                        "cancelled; change the request (slurm.partition, num_nodes, distributed.num_ranks, "
+                        "gpus_per_node, time_limit; `ortflow validate` checks it) or ask the cluster's admins", 1,
+                        retry=False)
+
     def cancel(self) -> None:
+        self._stopping = True
         if self._last.phase is Phase.PENDING:  # nothing started: nothing to checkpoint
             self.kill()
             return
@@ -197,6 +278,7 @@ class SlurmJob:
             log.warning("scancel --batch --signal=TERM %s: %s", self.job_id, out.stderr.strip())
 
     def kill(self) -> None:
+        self._stopping = True
         out = self._run(self.commands["scancel"], self.job_id)
         if out.returncode:
             log.warning("scancel %s: %s", self.job_id, out.stderr.strip())
@@ -231,9 +313,8 @@ def submit(cfg: RunConfig, run_dir: Path | None = None, python: str = sys.execut
             job.read_output()  # earlier attempts' lines are already in their logs
             log.info("attaching to slurm job %s of %s, still %s", previous, run_dir, state.detail)
             return job
-    exe = find_mpiexec(cfg.slurm.mpiexec)
     script = folder / "train.sbatch"
-    script.write_text(render_script(cfg, run_dir, exe, launcher_flavor(exe), python))
+    script.write_text(script_text(cfg, run_dir, python))
     out = subprocess.run([commands["sbatch"], "--parsable", str(script)], capture_output=True, text=True, env=base,
                          timeout=120, check=False)  # fmt: skip
     if out.returncode or not re.match(r"^\d+", out.stdout.strip()):
@@ -242,6 +323,14 @@ def submit(cfg: RunConfig, run_dir: Path | None = None, python: str = sys.execut
     record.write_text(json.dumps({"job_id": job_id, "script": str(script)}) + "\n")
     log.info("submitted slurm job %s (%s)", job_id, script)
     return SlurmJob(job_id, run_dir, commands, base)
+
+
+def script_text(cfg: RunConfig, run_dir: Path, python: str = sys.executable) -> str:
+    """The run's sbatch script with the launcher found here (slurm.mpiexec or the bundled MPICH's)."""
+    if cfg.slurm.launch == "srun":
+        return render_script(cfg, run_dir, None, "srun", python)
+    exe = find_mpiexec(cfg.slurm.mpiexec)
+    return render_script(cfg, run_dir, exe, launcher_flavor(exe), python)
 
 
 def _previous_job(record: Path) -> str | None:

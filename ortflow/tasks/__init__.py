@@ -13,7 +13,15 @@ from ortflow.tasks.runs import (
     stage_options,
     staged,
 )
-from ortflow.tasks.stages import configure, export, export_checkpoint, prepare_data, publish_summary, retain_checkpoints
+from ortflow.tasks.stages import (
+    check_launcher,
+    configure,
+    export,
+    export_checkpoint,
+    prepare_data,
+    publish_summary,
+    retain_checkpoints,
+)
 from ortflow.tasks.training import TrainingFailed, train
 
 __all__ = [
@@ -21,6 +29,7 @@ __all__ = [
     "announce_final_state",
     "StageCache",
     "TrainingFailed",
+    "check_launcher",
     "configure",
     "export",
     "export_checkpoint",

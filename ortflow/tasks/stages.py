@@ -19,6 +19,18 @@ from ortflow.trainer.metrics import read_progress
 _RETRY = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_condition_fn": retry_transient}
 
 
+@task(name="check_launcher")
+def check_launcher(config: RunConfig) -> None:
+    """Refuse a scheduler request that could never start (``sbatch --test-only``, partition, slots) before configure
+    and data preparation spend their time (a ConfigError: not retried)."""
+    from ortflow.config import ConfigError
+    from ortflow.launch.slurm_check import request_problems
+
+    problems = request_problems(config)
+    if problems:
+        raise ConfigError(problems, "the slurm section")
+
+
 @task(name="configure", cache_policy=StageCache(stage="configure"), persist_result=True, **_RETRY)
 def configure(config: RunConfig) -> dict:
     """Build the training artifacts (or find them up to date) and write the resolved config into the run folder."""

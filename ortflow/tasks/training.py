@@ -27,7 +27,7 @@ from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
-from ortflow.protocol import EXIT_NONFINITE
+from ortflow.protocol import EXIT_NONFINITE, MPI_MISMATCH
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
@@ -53,7 +53,8 @@ class TrainingFailed(RuntimeError):
 #: Rank error lines that a second attempt would meet again (the config, the model, a shape, a path, bad data).
 _REPEATING = re.compile(
     r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
-    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank"
+    r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank|"
+    + re.escape(MPI_MISMATCH)
 )
 
 
@@ -334,8 +335,8 @@ def train(config: RunConfig) -> dict:
                                     threads=layout.threads, on_line=on_line, guard=_guard(config),
                                     deadline=deadline)  # fmt: skip
                 if not result.ok:
-                    raise TrainingFailed(result.summary(),
-                                         will_repeat=failure_repeats(result.error_lines, result.returncode))
+                    raise TrainingFailed(result.summary(), will_repeat=not result.retry
+                                         or failure_repeats(result.error_lines, result.returncode))
         finally:
             try:
                 publish_loss_curve(config)

@@ -61,7 +61,9 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> RankModel
     if expected != "auto" and comm.size != int(expected):
         raise RuntimeError(
             f"started with {comm.size} rank(s) but distributed.num_ranks is {expected}: launch with "
-            f"`ortflow train {run_dir} --np {expected}` or change the config"
+            f"`ortflow train {run_dir} --np {expected}` or change the config (if the launcher did start {expected} "
+            "processes, each is a world of one: mpi4py's MPI is not the launcher's, see `ortflow doctor --mpiexec "
+            "LAUNCHER`)"
         )
     # A global batch: per-rank batch x accumulation over the data-parallel replicas (the ranks of one pipeline or
     # tensor-parallel group read the same batches).

@@ -46,7 +46,8 @@ def _config(root: Path, nodes: list[str], cpus: int, munge_socket: Path) -> str:
         "SlurmdUser=root",
         f"SlurmctldPort={_free_port()}",
         "AuthType=auth/munge",
-        f"AuthInfo=socket={munge_socket}",
+        # cred_expire: a requeued job waits this long before it may start again (120 s by default).
+        f"AuthInfo=socket={munge_socket},cred_expire=10",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool-%n",  # %n: the node's name, one slurmd per node
         f"SlurmctldPidFile={root}/slurmctld.pid",

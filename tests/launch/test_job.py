@@ -57,7 +57,8 @@ def test_watch_forwards_every_line_and_keeps_the_error_lines():
     seen: list[str] = []
     result = watch(job, seen.append, sleep=lambda s: None)
     assert seen == ["[0] step 1", "[1] Traceback (most recent call last):", "[1] ValueError: bad"]
-    assert result == LaunchResult(1, ("[1] Traceback (most recent call last):", "[1] ValueError: bad"), 0, "fake", "7")
+    errors = ("[1] Traceback (most recent call last):", "[1] ValueError: bad")
+    assert result == LaunchResult(1, errors, 0, "fake", "7", "done")
 
 
 def test_an_interrupted_watch_cancels_the_job_and_lets_it_stop_within_the_grace():

@@ -34,10 +34,10 @@ def test_the_script_asks_for_what_the_config_says(tmp_path):
     for expected in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=2",
                      "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu", "#SBATCH --time=1-00:00:00",
                      "#SBATCH --account=ml-team", "#SBATCH --qos=high", "#SBATCH --constraint=a100",
-                     "#SBATCH --signal=B:TERM@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                     "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                      f"#SBATCH --output={cfg.output_dir}/slurm/job-%j.out", "module load cuda/12.4"):
         assert expected in lines, expected
-    start = next(line for line in lines if line.startswith("setsid "))
+    start = next(line.strip() for line in lines if line.strip().startswith("setsid "))
     assert start.endswith(f"/opt/venv/bin/mpiexec -n 8 -prepend-rank /opt/venv/bin/python -u -P -m ortflow.trainer "
                           f"{cfg.output_dir} &")
     assert "unset ORTFLOW_LAUNCHER_PID ORTFLOW_LAUNCHER_HOST" in script  # the job outlives its submitter
@@ -45,12 +45,33 @@ def test_the_script_asks_for_what_the_config_says(tmp_path):
     first_command = next(i for i, line in enumerate(lines[1:], 1) if line and not line.startswith("#"))
     assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
+    # The time limit's signal stops the ranks; a clean stop (143) requeues the job instead of failing it.
+    assert "trap 'limit=1;" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert script.index("trap 'limit=1;") < script.index("module load cuda/12.4")  # a signal during setup is caught
+
+
+def test_srun_starts_the_ranks_with_the_sites_pmi_when_asked(tmp_path):
+    cfg = slurm_config(tmp_path, num_nodes=2, launch="srun", srun_mpi="pmi2")
+    script = slurm.render_script(cfg, cfg.output_dir, None, "srun", "/opt/venv/bin/python")
+    start = next(line.strip() for line in script.splitlines() if line.strip().startswith("setsid "))
+    assert start.startswith("setsid srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=8 --label /opt/venv/bin/python -u")
+    assert "mpiexec" not in script
+
+
+def test_a_container_runner_starts_each_rank_in_the_image(tmp_path):
+    cfg = slurm_config(tmp_path, launch="srun", python="/opt/ortflow/bin/python",
+                       rank_prefix=["apptainer", "exec", "--bind", "/shared", "/shared/ortflow.sif"])
+    script = slurm.render_script(cfg, cfg.output_dir, None, "srun", "/login/venv/bin/python")
+    start = next(line.strip() for line in script.splitlines() if line.strip().startswith("setsid "))
+    assert ("--label apptainer exec --bind /shared /shared/ortflow.sif /opt/ortflow/bin/python -u -P -m "
+            f"ortflow.trainer {cfg.output_dir} &") in start
 
 
 def test_the_script_leaves_out_what_the_config_does_not_set(tmp_path):
     cfg = slurm_config(tmp_path, requeue=False, stop_signal_s=0)
     script = slurm.render_script(cfg, cfg.output_dir, Path("/usr/bin/mpirun"), "openmpi")
     assert "#SBATCH --no-requeue" in script and "#SBATCH --signal" not in script
+    assert "scontrol requeue" not in script
     assert not any(opt in script for opt in ("--partition", "--time", "--account", "--gpus-per-node"))
     assert "--tag-output" in script  # Open MPI's way of naming each line's rank
 
@@ -106,7 +127,8 @@ def test_a_requeued_job_is_watched_until_it_completes(tmp_path):
 
     result = watch(job, lines.append, sleep=sleep)
     assert result.returncode == 0 and result.job_id == "42" and result.launcher == "slurm"
-    assert lines[:3] == ["ortflow: slurm job 42 attempt 0 on n1", "[0] step 1/2", "[0] step 2/2"]
+    printed = [line for line in lines if "is pending" not in line]
+    assert printed[:3] == ["ortflow: slurm job 42 attempt 0 on n1", "[0] step 1/2", "[0] step 2/2"]
 
 
 @pytest.mark.parametrize(("answer", "code"), [
@@ -150,3 +172,140 @@ def test_ortflow_train_refuses_local_options_and_incomplete_sections_with_a_sche
     no_image = runner.invoke(app, ["train", str(cfg.output_dir), "--launcher", "kubernetes"])
     assert no_image.exit_code == 1 and "needs kubernetes.image" in no_image.output
     assert "Traceback" not in refused.output + no_image.output
+
+
+def test_an_outside_scancel_ends_the_run_without_a_retry_and_says_so(tmp_path):
+    job, _ = job_with(tmp_path, ["JobId=42 JobState=CANCELLED Reason=None ExitCode=0:15"])
+    result = watch(job, lambda line: None, sleep=lambda s: None)
+    assert not result.ok and not result.retry
+    assert "cancelled outside ortflow (scancel)" in result.summary() and "not submitted again" in result.summary()
+    ours, _ = job_with(tmp_path, ["JobId=42 JobState=RUNNING Reason=None ExitCode=0:0",
+                                  "JobId=42 JobState=CANCELLED Reason=None ExitCode=0:15"])
+    ours.poll()
+    ours.cancel()  # this watcher's own cancel: the ordinary stopped state
+    state = ours.poll()
+    assert state.detail == "CANCELLED" and state.retry
+
+
+def test_a_job_that_can_never_start_is_cancelled_and_fails_with_its_reason(tmp_path):
+    job, fake = job_with(tmp_path, ["JobId=42 JobState=PENDING Reason=PartitionConfig ExitCode=0:0"])
+    result = watch(job, lambda line: None, sleep=lambda s: None)
+    assert not result.ok and not result.retry
+    assert "can never start (PENDING, Reason=PartitionConfig)" in result.summary()
+    assert ("scancel", "42") in fake.commands
+
+
+def test_a_pending_jobs_reason_is_shown_every_minute(tmp_path):
+    job, _ = job_with(tmp_path, ["JobId=42 JobState=PENDING Reason=Resources ExitCode=0:0"] * 40 +
+                      ["JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0"])
+    now = [0.0]
+    lines: list[str] = []
+    watch(job, lines.append, poll_s=5, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    said = [line for line in lines if "is pending" in line]
+    assert said == ["ortflow: slurm job 42 is pending: PENDING (Resources)"] * 4  # at 0, 60, 120 and 180 s
+
+
+def test_the_failure_summary_quotes_the_current_attempt_only(tmp_path):
+    job, _ = job_with(tmp_path, ["JobId=42 JobState=RUNNING Reason=None ExitCode=0:0",
+                                 "JobId=42 JobState=FAILED Reason=NonZeroExitCode ExitCode=1:0"])
+    (tmp_path / "slurm" / "job-42.out").write_text(
+        "ortflow: slurm job 42 attempt 0 on n1\n[0] ERROR: node n1 lost\n"
+        "ortflow: slurm job 42 attempt 1 on n2\n[1] ERROR: out of memory\n")
+    result = watch(job, lambda line: None, sleep=lambda s: None)
+    assert result.error_lines == ("[1] ERROR: out of memory",)
+    assert "node n1 lost" not in result.summary()
+
+
+class FakeCluster:
+    """sinfo and sbatch --test-only of a cluster with one partition of two 2-CPU nodes."""
+
+    def __init__(self, test_only: tuple[int, str] = (0, "sbatch: Job 3 to start at now")):
+        self.test_only = test_only
+        self.commands: list[tuple[str, ...]] = []
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess:
+        self.commands.append(args)
+        if args[:3] == ("sinfo", "-h", "-o"):
+            return subprocess.CompletedProcess(args, 0, "debug*\n", "")
+        if args[:3] == ("sinfo", "-h", "-N"):
+            return subprocess.CompletedProcess(args, 0, "node1 2\nnode2 2\n", "")
+        code, said = self.test_only
+        return subprocess.CompletedProcess(args, code, "", said)
+
+
+def check(cfg, cluster: FakeCluster) -> list[str]:
+    from ortflow.launch.slurm_check import request_problems
+
+    return request_problems(cfg, run=cluster, which=lambda name: f"/usr/bin/{name}")
+
+
+def test_the_request_is_checked_against_the_cluster(tmp_path):
+    assert check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), FakeCluster()) == []
+    unknown = check(slurm_config(tmp_path, num_ranks=2, partition="gpu"), FakeCluster())
+    assert unknown == ["slurm.partition 'gpu' does not exist on this cluster (partitions: debug): name one of them"]
+    too_big = check(slurm_config(tmp_path, num_ranks=8, num_nodes=2), FakeCluster())  # 4 ranks x 2 CPUs per node
+    assert "2 node(s) with 8 CPUs each" in too_big[0] and "node1=2, node2=2" in too_big[0]
+    invalid = FakeCluster((1, "sbatch: error: Invalid account"))
+    refused = check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), invalid)
+    assert refused == ["sbatch --test-only refuses the run's job (Invalid account): change the slurm section or "
+                       "distributed.num_ranks (`ortflow render` prints the script)"]
+
+
+FAKE_RANKS = """#!/bin/bash
+trap 'echo "ranks: stop checkpoint written"; exit 143' TERM
+touch "$STARTED"
+while :; do sleep 0.05; done
+"""
+
+
+def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None,
+               requeue: bool = True) -> tuple[int, str]:
+    """Run the job script with bash as Slurm would (fake ranks and a fake scontrol), send it ``signal_name`` once the
+    ranks run (or, with a setup that waits, during the setup), and return its exit status and output."""
+    import os
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ranks").write_text(FAKE_RANKS)
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    cfg = slurm_config(tmp_path, setup=setup or [], requeue=requeue)
+    (cfg.output_dir / "slurm").mkdir(parents=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm.render_script(cfg, cfg.output_dir, bin_dir / "ranks", "mpich", "python"))
+    started = tmp_path / ("setup-started" if setup else "started")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "STARTED": str(started)}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, signal_name))
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out + ((tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists()
+                                   else "")  # fmt: skip
+
+
+def test_the_time_limit_signal_stops_the_ranks_and_requeues_the_job(tmp_path):
+    code, out = run_script(tmp_path, "SIGUSR1")
+    assert "ranks: stop checkpoint written" in out and "requeue 42" in out
+    assert "stopped at the time limit (status 143): requeued; the next allocation resumes" in out
+    assert code == 0  # a requeue, not a failure
+
+
+def test_scancel_stops_the_ranks_without_a_requeue(tmp_path):
+    code, out = run_script(tmp_path, "SIGTERM")
+    assert "ranks: stop checkpoint written" in out and "requeue" not in out and code == 143
+
+
+def test_the_time_limit_signal_during_the_setup_keeps_the_ranks_from_starting(tmp_path):
+    code, out = run_script(tmp_path, "SIGUSR1", setup=['touch "$STARTED"', "for i in $(seq 200); do sleep 0.05; done"])
+    assert not (tmp_path / "started").exists() and "requeue 42" in out and code == 0
+
+
+def test_without_requeue_the_time_limit_stop_ends_the_job_and_says_how_to_resume(tmp_path):
+    code, out = run_script(tmp_path, "SIGUSR1", requeue=False)
+    assert "slurm.requeue is off: resume with ortflow train" in out and "requeue 42" not in out and code == 143

@@ -1,7 +1,9 @@
 """distributed.launcher slurm against a real Slurm cluster of two nodes on this host (munged, slurmctld and two
 slurmd started here as root) and a real local Prefect server: a flow's 2-rank job trains to the end, ``prefect
 flow-run cancel`` leaves a stop checkpoint and no job, a requeued job resumes to the same bits as an uninterrupted
-run, and SIGTERM to ``ortflow train`` cancels its job."""
+run, SIGTERM to ``ortflow train`` cancels its job, a run longer than its time limit completes over several
+allocations of one job with no failed attempt, an outside ``scancel`` stops the run without a resubmission, and a
+request the cluster could never start is refused before configure."""
 
 from __future__ import annotations
 
@@ -190,3 +192,138 @@ def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(s
     stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
     assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
     assert not in_queue(job_id)
+
+
+def prepared(cfg, tmp_path: Path, name: str) -> Path:
+    """Configure the run and prepare its data with the CLI; returns the config file."""
+    config_file = write_config(cfg, tmp_path / f"{name}.yaml")
+    for command in ("configure", "prepare-data"):
+        done = subprocess.run([ORTFLOW, command, str(config_file)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return config_file
+
+
+ORTFLOW = str(Path(sys.executable).parent / "ortflow")
+LIMIT_LINE = "ortflow: the time limit is near"
+
+
+def test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_failed_attempt(
+        slurm, mlp_sources, tmp_path):
+    import signal
+
+    from tests.support.prefect_runs import processes_mentioning
+
+    steps = 1500
+    cfg = mlp_config(tmp_path, mlp_sources, "limited", distributed={"launcher": "slurm"},
+                     slurm={**TWO_NODES, "time_limit": "1", "stop_signal_s": 45},
+                     train={"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 100, "max_num_checkpoints": 2})  # fmt: skip
+    prepared(cfg, tmp_path, "limited")
+    run_dir = cfg.output_dir
+    ranks = lambda: processes_mentioning(f"-m ortflow.trainer {run_dir}")  # noqa: E731
+    out_file = lambda: run_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
+    limits_seen = lambda: out_file().read_text().count(LIMIT_LINE) if out_file().exists() else 0  # noqa: E731
+    job_id = None
+    with (tmp_path / "limited.log").open("w") as log:
+        proc = subprocess.Popen([ORTFLOW, "train", str(run_dir), "--launcher", "slurm"], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        paused: list[int] = []
+        try:
+            job_id = wait_for(lambda: (read_record(run_dir) or {}).get("job_id"), 120, "the job id")
+            for allocation in (0, 1):
+                # Stand in for a machine too slow to finish within two allocations, whatever this one's speed: once
+                # an allocation has trained past its share, its ranks pause until Slurm's time-limit signal comes.
+                share = steps * (allocation + 1) // 3
+                trained = lambda n=allocation, s=share: (  # noqa: E731
+                    limits_seen() > n or (read_progress(run_dir) or {}).get("step", 0) >= s)
+                wait_for(trained, 240, f"allocation {allocation} to train {share} steps or reach its time limit")
+                if limits_seen() <= allocation:
+                    paused = ranks()
+                    for pid in paused:
+                        os.kill(pid, signal.SIGSTOP)
+                wait_for(lambda n=allocation: limits_seen() > n, 240, f"allocation {allocation}'s time-limit signal")
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)  # the stop signal waits for them: they stop with a checkpoint
+                paused = []
+            assert proc.wait(timeout=600) == 0, (tmp_path / "limited.log").read_text()[-3000:]
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+                subprocess.run(["scancel", str(job_id)], check=False)
+    output, printed = job_output(run_dir, job_id), (tmp_path / "limited.log").read_text()
+    requeues = len(re.findall(r"stopped at the time limit \(status \d+\): requeued", output))
+    assert requeues >= 2 and f"slurm job {job_id} attempt {requeues}" in output, output[-3000:]
+    stops = re.findall(r"\[0\] .* ranks stopped together after step (\d+)", output)
+    starts = re.findall(r"\[0\] .* rank 0/2 .* starting from (.*)", output)
+    assert stops and starts[-1].startswith(f"step {stops[-1]} ")  # the last allocation resumed from the last stop
+    assert read_progress(run_dir)["step"] == steps
+    record = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in record and f"Restarts={requeues}" in record  # requeued, then completed
+    assert "FAILED" not in printed and "training finished" in printed
+    assert [p.name for p in (run_dir / "slurm").glob("job-*.out")] == [f"job-{job_id}.out"]  # never resubmitted
+
+
+def test_an_outside_scancel_stops_the_flows_run_without_resubmitting_it(slurm, prefect_server, mlp_sources,
+                                                                         tmp_path):
+    import threading
+
+    from ortflow.flows import train_pipeline
+
+    cfg = mlp_config(tmp_path, mlp_sources, "scancelled", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 100000, "max_num_checkpoints": 1})  # fmt: skip
+    cancelled: list[str] = []
+
+    def cancel_from_outside() -> None:
+        wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 300, "the job to train")
+        cancelled.append(read_record(cfg.output_dir)["job_id"])
+        subprocess.run(["scancel", cancelled[0]], check=True, timeout=60)
+
+    canceller = threading.Thread(target=cancel_from_outside, daemon=True)
+    canceller.start()
+    state = train_pipeline(cfg, return_state=True)
+    canceller.join(timeout=60)
+    assert state.is_failed(), state
+    job_id = cancelled[0]
+    error = state.result(raise_on_failure=False)
+    assert f"slurm job {job_id} was cancelled outside ortflow (scancel)" in str(error), error
+    assert read_record(cfg.output_dir)["job_id"] == job_id  # not submitted again
+    assert [p.name for p in (cfg.output_dir / "slurm").glob("job-*.out")] == [f"job-{job_id}.out"]
+    assert not in_queue(job_id)
+
+
+def test_a_request_the_cluster_can_never_start_is_refused_before_configure(slurm, prefect_server, mlp_sources,
+                                                                            tmp_path):
+    from ortflow.flows import train_pipeline
+
+    # Two ranks on each of the two one-CPU nodes: Slurm would keep the job pending forever (PartitionConfig).
+    cfg = mlp_config(tmp_path, mlp_sources, "impossible", distributed={"launcher": "slurm", "num_ranks": 4},
+                     slurm=TWO_NODES)
+    config_file = write_config(cfg, tmp_path / "impossible.yaml")
+    checked = subprocess.run([ORTFLOW, "validate", str(config_file)], capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 1 and "2 node(s) with 2 CPUs each" in checked.stdout + checked.stderr
+    assert "sbatch --test-only refuses the run's job" in checked.stdout + checked.stderr
+    unknown = subprocess.run([ORTFLOW, "validate", str(config_file), "--set", "slurm.partition=gpu", "--set",
+                              "distributed.num_ranks=2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert unknown.returncode == 1 and "slurm.partition 'gpu' does not exist" in unknown.stdout + unknown.stderr
+
+    state = train_pipeline(cfg, return_state=True)
+    assert state.is_failed(), state
+    assert "2 node(s) with 2 CPUs each" in str(state.result(raise_on_failure=False))
+    assert not cfg.artifacts_dir.exists() and not (cfg.output_dir / "slurm").exists()  # nothing configured or sent
+
+
+def test_srun_with_the_sites_pmi2_starts_the_ranks_of_a_job_that_trains_to_completion(slurm, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "srun", distributed={"launcher": "slurm"},
+                     slurm={**TWO_NODES, "launch": "srun", "srun_mpi": "pmi2"})
+    prepared(cfg, tmp_path, "srun")
+    done = subprocess.run([ORTFLOW, "train", str(cfg.output_dir)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    job_id = read_record(cfg.output_dir)["job_id"]
+    output = job_output(cfg.output_dir, job_id)
+    assert "srun --mpi=pmi2" in (cfg.output_dir / "slurm" / "train.sbatch").read_text()
+    for rank in (0, 1):  # one process group of two, one rank on each node
+        assert f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
+    assert read_progress(cfg.output_dir)["step"] == 20 and job_state(job_id) == "COMPLETED"

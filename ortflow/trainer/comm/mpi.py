@@ -15,6 +15,7 @@ import numpy as np
 from ortflow.trainer.comm.adasum import adasum_allreduce
 from ortflow.trainer.comm.buckets import Bucket, plan_buckets
 from ortflow.trainer.comm.communicator import Communicator, SingleProcessComm, gradient_norm, scale_gradients
+from ortflow.trainer.comm.launcher_match import launcher_abi, launcher_mismatch
 from ortflow.trainer.comm.memory_runs import RunPlan, plan_key
 from ortflow.trainer.comm.watchdog import Heartbeats, Watchdog
 from ortflow.trainer.lifeline import continued_signal, launcher_processes
@@ -381,6 +382,23 @@ def launched_by_mpi(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     return any(name in environ for name in _LAUNCHER_ENV)
 
 
+def mpi_binding() -> dict[str, str]:
+    """The MPI library mpi4py binds to (``MPI4PY_LIBMPI``, else the environment's, else the system's), without
+    initializing MPI: ``{"abi": "mpich" | "openmpi" | ..., "library": its file}``."""
+    try:
+        from mpi4py import _mpiabi  # mpi4py's own probe: dlopens the library, does not call MPI_Init
+
+        abi = _mpiabi._get_mpiabi()
+    except Exception as err:  # noqa: BLE001 - no MPI library at all: importing mpi4py.MPI will say so itself
+        return {"abi": "unknown", "library": f"none loadable ({err})".replace("\n", "; ")}
+    try:
+        with open("/proc/self/maps") as maps:
+            library = next((line.split()[-1] for line in maps if "/libmpi.so" in line), "")
+    except OSError:
+        library = ""
+    return {"abi": abi, "library": library or "(found by the dynamic loader)"}
+
+
 def create_communicator(heartbeat_dir: Path, timeout_s: float, use_nccl: bool = False) -> Communicator:
     """The process group for this process: MPI under a launcher, else the single-process one.
 
@@ -392,5 +410,8 @@ def create_communicator(heartbeat_dir: Path, timeout_s: float, use_nccl: bool = 
         use_nccl: Accepted for the call sites' sake; the group itself is the same with or without NCCL.
     """
     if launched_by_mpi():
+        problem = launcher_mismatch(mpi_binding(), launcher_abi())  # before MPI_Init, which would hang or fail
+        if problem:
+            raise RuntimeError(problem)
         return MPIComm(heartbeat_dir, timeout_s)
     return SingleProcessComm()
