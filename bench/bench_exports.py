@@ -1,6 +1,6 @@
 """Pipeline and tensor parallelism on a real export: pp 2 and hp 2 against dp 2 on the Hugging Face GPT-2 fixture.
 
-Run: ``.venv/bin/python -m bench.bench_exports [--rounds 3] [--updates 12]`` (writes
+Run: ``.venv/bin/python -m bench exports [--rounds 3] [--updates 12]`` (writes
 ``bench/out/exports-<host>-<date>.json`` and ``.md``). The driver configures three runs of the committed GPT-2
 export (``tests/fixtures/exports/gpt2.onnx``, unmodified) on the same text and the same global batch per update
 (dp 2: 2 ranks x ``batch/2`` windows; pp 2 and hp 2: ``batch`` windows through the 2 ranks), then starts the real

@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "pipeline-gpu": ("bench.bench_pipeline_gpu", "(GPU) pipeline pp 2 against dp 2 on 2 GPUs"),
     "tensor": ("bench.bench_tensor", "tensor parallelism hp 2 against dp 2 and hp 1"),
     "pipe-tensor": ("bench.bench_pipe_tensor", "pp x hp against pp, hp and one rank"),
+    "exports": ("bench.bench_exports", "pp 2 and hp 2 against dp 2 on the committed GPT-2 export"),
     "mixed": ("bench.bench_mixed", "(GPU) fp32, fp16 and bf16 training steps"),
     "gpu": ("bench.bench_gpu", "(GPU) ortflow on 1 and 2 GPUs, PyTorch DDP, NCCL bandwidth"),
     "gpu-suite": ("bench.gpu_suite", "(GPU) the whole GPU suite; bench/gpu_suite.sh sets its environment"),
