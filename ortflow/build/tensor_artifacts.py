@@ -40,6 +40,7 @@ from ortflow.graph.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_plan import log_plan
 from ortflow.graph.tensor_shard import shard_model
 
 log = logging.getLogger(__name__)
@@ -137,8 +138,7 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     """
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = plan_tensor(cfg)
-    for line in describe(plan):  # what was split and what was kept, with the reason
-        log.info("tensor_parallel %d: %s", size, line)
+    log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
     ranks, ran_by_piece = [], {}
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):

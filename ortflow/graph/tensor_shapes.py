@@ -1,21 +1,80 @@
-"""What the tensor-parallel split reads off a graph's shape arithmetic: which constant holds an entry of a computed
-shape (so a head count or a width can be rewritten for the local size), and which trained weight a MatMul reads."""
+"""What the tensor-parallel split reads off a graph's shape arithmetic: every tensor's dims, which constant holds an
+entry of a computed shape (so a head count or a width can be rewritten for the local size) or which tensor's runtime
+size it is (so it follows the local size by itself), small integer constants however an exporter writes them, and
+which trained weight a MatMul reads."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import onnx
 from onnx import helper
 
 from ortflow.graph.onnx_tools import constant_values
+from ortflow.graph.shapes import symbolic_shapes
 
 _CANNOT = "the new shape is computed in a way the split cannot follow"
 
 
+def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list]]:
+    """Every tensor's dims: (ints, None where not a fixed number), and (ints and named dims, None where unknown).
+
+    ONNX Runtime's symbolic inference follows shapes computed from the inputs (Shape -> Gather -> Concat -> Reshape of
+    dynamic-shape exports) where onnx's loses the fixed dims, and names the dynamic ones (the batch and sequence axes
+    a Reshape keeps); onnx's (with data propagation) fills in what it does not reach.
+    """
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    g = inferred.graph
+    named: dict[str, list] = {}
+    for vi in [*g.value_info, *g.input, *g.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            named[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+    named.update(symbolic_shapes(model) or {})
+    for t in g.initializer:
+        named[t.name] = list(t.dims)
+    fixed = {k: [d if isinstance(d, int) else None for d in v] for k, v in named.items()}
+    return fixed, named
+
+
+@dataclass(frozen=True)
+class DimOf:
+    """A computed shape entry that is the runtime size of axis ``axis`` (>= 0) of ``tensor``, possibly times
+    constants: on each rank it is that tensor's local size, so it needs no rewriting when the axis is split."""
+
+    tensor: str
+    axis: int
+
+
+def static_ints(graph: onnx.GraphProto, producers: dict[str, int], name: str, depth: int = 0) -> np.ndarray | None:
+    """The value of a small integer tensor computed from constants only (a Constant or initializer, through the Cast,
+    Reshape, Unsqueeze, Squeeze, Identity and Concat the exporters wrap them in), else None."""
+    values = constant_values(graph, name)
+    if values is not None or depth > 8 or name not in producers:
+        return values
+    node = graph.node[producers[name]]
+    inputs = [static_ints(graph, producers, x, depth + 1) if x else None for x in node.input]
+    if not inputs or inputs[0] is None:
+        return None
+    if node.op_type in ("Cast", "Identity"):
+        return inputs[0]
+    if node.op_type in ("Reshape", "Unsqueeze", "Squeeze"):
+        return inputs[0].reshape(-1) if inputs[0].size != 1 or node.op_type != "Squeeze" else inputs[0].reshape(())
+    if node.op_type == "Concat" and all(v is not None for v in inputs):
+        return np.concatenate([v.reshape(-1) for v in inputs])
+    return None
+
+
 def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[str, int], reader: int, pos: int,
                 element: int, depth: int = 0):
-    """The constant that holds element ``element`` of input ``pos`` of node ``reader``, followed back through the
-    shape arithmetic exports write (Concat, Unsqueeze, Squeeze, Gather and Slice of 1-D int tensors, Cast):
-    (the node reading the constant, its input, the element, the value), or why the split cannot follow it.
+    """Where element ``element`` of input ``pos`` of node ``reader`` comes from, followed back through the shape
+    arithmetic exports write (Concat, Unsqueeze, Squeeze, Reshape, Gather and Slice of 1-D int tensors, Cast, a
+    product with a constant, torch's ``expand`` rule ``Where(s == -1, 1, s)``) to a constant or a ``Shape``.
+
+    Returns:
+        (the node reading the constant, its input, the element, the value) for a constant; :class:`DimOf` for a
+        tensor's runtime size; a string saying why the split cannot follow it otherwise.
 
     Args:
         graph: The graph.
@@ -34,12 +93,39 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
             return _CANNOT
         return reader, pos, element, int(flat[element])
     producer = producers.get(name)
-    if producer is None or depth > 12:
+    if producer is None or depth > 16:
         return "the new shape's split entry is computed, not a Constant"
     node = graph.node[producer]
-    if node.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity"):
-        return shape_entry(graph, shapes, producers, producer, 0, element, depth + 1)
-    if node.op_type == "Concat":
+    follow = _followed_input(graph, shapes, producers, node, element)
+    if isinstance(follow, str):
+        return follow
+    if isinstance(follow, DimOf):
+        return follow
+    k, at = follow
+    return shape_entry(graph, shapes, producers, producer, k, at, depth + 1)
+
+
+def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int):
+    """Which input (and element of it) holds ``element`` of ``node``'s output; a DimOf for a Shape; or why not."""
+    op = node.op_type
+    if op == "Shape":
+        rank = len(shapes.get(node.input[0]) or [])
+        start = _attr(node, "start", 0)
+        return DimOf(node.input[0], (start + rank if start < 0 else start) + element)
+    if op in ("Unsqueeze", "Squeeze", "Cast", "Identity"):
+        return 0, element
+    if op == "Reshape" and len(shapes.get(node.input[0]) or [1]) <= 1:  # a scalar or 1-D int tensor made 1-D
+        return 0, element
+    if op == "Where" and _made_by(graph, producers, node.input[1]) == "ConstantOfShape":
+        return 2, element  # torch's expand: -1 entries become 1, the others are the shape's own
+    if op in ("Mul", "Div"):  # a size times (or over) a constant: still that size's multiple on every rank
+        for k in ((0, 1) if op == "Mul" else (0,)):
+            other = node.input[1 - k]
+            if static_ints(graph, producers, other) is not None:
+                dims = shapes.get(node.input[k])
+                return k, (element if dims and dims[0] not in (None, 1) else 0)
+        return _CANNOT
+    if op == "Concat":
         at = 0
         for k, part in enumerate(node.input):
             dims = shapes.get(part)
@@ -47,15 +133,21 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
                 return _CANNOT
             length = dims[0] if dims else 1
             if at <= element < at + length:
-                return shape_entry(graph, shapes, producers, producer, k, element - at, depth + 1)
+                return k, element - at
             at += length
         return _CANNOT
-    if node.op_type in ("Gather", "Slice"):
+    if op in ("Gather", "Slice"):
         index = _index_in(graph, shapes, node, element)
-        if isinstance(index, str):
-            return index
-        return shape_entry(graph, shapes, producers, producer, 0, index, depth + 1)
+        return index if isinstance(index, str) else (0, index)
     return "the new shape's split entry is computed, not a Constant"
+
+
+def _made_by(graph: onnx.GraphProto, producers: dict[str, int], name: str) -> str | None:
+    return graph.node[producers[name]].op_type if name in producers else None
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodeProto, element: int) -> int | str:
@@ -67,8 +159,7 @@ def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodePr
     length = dims[0]
     if node.op_type == "Gather":
         index = constant_values(graph, node.input[1])
-        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
-        if index is None or index.size != 1 or axis != 0:
+        if index is None or index.size != 1 or _attr(node, "axis", 0) != 0:
             return _CANNOT
         return int(index.reshape(-1)[0]) % length
     start, _, axes, steps = [constant_values(graph, x) if x else None for x in [*node.input[1:5], "", "", ""][:4]]
