@@ -37,6 +37,7 @@ from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.pipeline_cuts import FLOAT_TYPES
+from ortflow.graph.noop_casts import drop_noop_casts
 from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 
 def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     """What the tensor split needs beyond the preparation passes: Gemm biases added after the product (so a row-split
-    Gemm's bias is added once, after the all-reduce)."""
-    return separate_gemm_biases(model, trainable)
+    Gemm's bias is added once, after the all-reduce), and no Cast to its input's own type (a piece passing one on is
+    a graph the engine rejects: ortflow/graph/noop_casts.py)."""
+    return separate_gemm_biases(drop_noop_casts(model), trainable)
 
 
 def split_input(cfg: RunConfig) -> tuple[onnx.ModelProto, list[str], list[str]]:

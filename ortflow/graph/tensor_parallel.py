@@ -251,14 +251,14 @@ class _Walk:
             return f"the new shape's split entry is the size of axis {spec.axis} of '{t}', which is not split there"
         if isinstance(spec, str):
             return spec
-        value = spec[3]
+        value, scale = spec[3], spec[4]
         if value == -1 or (value == 1 and copies is None):
             return None
         if value == 0:
             return None if copies == element else "the new shape copies (0) the split axis from another position"
-        if isinstance(full, int) and value != full:
-            return f"the new shape's split entry {value} is not the split axis's size {full}"
-        self.rewrites.append((*spec, root))
+        if isinstance(full, int) and value * scale != full:
+            return f"the new shape's split entry {value * scale:g} is not the split axis's size {full}"
+        self.rewrites.append((*spec[:4], root))
         return None
 
     def _expand(self, i: int, node, axis: int) -> str | None:

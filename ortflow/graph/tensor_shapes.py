@@ -67,14 +67,15 @@ def static_ints(graph: onnx.GraphProto, producers: dict[str, int], name: str, de
 
 
 def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[str, int], reader: int, pos: int,
-                element: int, depth: int = 0):
+                element: int, depth: int = 0, scale: float = 1.0):
     """Where element ``element`` of input ``pos`` of node ``reader`` comes from, followed back through the shape
     arithmetic exports write (Concat, Unsqueeze, Squeeze, Reshape, Gather and Slice of 1-D int tensors, Cast, a
     product with a constant, torch's ``expand`` rule ``Where(s == -1, 1, s)``) to a constant or a ``Shape``.
 
     Returns:
-        (the node reading the constant, its input, the element, the value) for a constant; :class:`DimOf` for a
-        tensor's runtime size; a string saying why the split cannot follow it otherwise.
+        (the node reading the constant, its input, the element, the value, the factor the arithmetic multiplies it
+        by) for a constant; :class:`DimOf` for a tensor's runtime size; a string saying why the split cannot follow
+        it otherwise.
 
     Args:
         graph: The graph.
@@ -84,6 +85,7 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
         pos: Which of its inputs.
         element: Which element of that input (flat).
         depth: How many nodes were followed back so far.
+        scale: The factor the arithmetic followed so far multiplies the entry by.
     """
     name = graph.node[reader].input[pos]
     values = constant_values(graph, name)
@@ -91,7 +93,7 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
         flat = values.reshape(-1)
         if element >= flat.size:
             return _CANNOT
-        return reader, pos, element, int(flat[element])
+        return reader, pos, element, int(flat[element]), scale
     producer = producers.get(name)
     if producer is None or depth > 16:
         return "the new shape's split entry is computed, not a Constant"
@@ -102,7 +104,10 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
     if isinstance(follow, DimOf):
         return follow
     k, at = follow
-    return shape_entry(graph, shapes, producers, producer, k, at, depth + 1)
+    if node.op_type in ("Mul", "Div"):
+        factor = float(static_ints(graph, producers, node.input[1 - k]).reshape(-1)[0])
+        scale = scale * factor if node.op_type == "Mul" else scale / factor
+    return shape_entry(graph, shapes, producers, producer, k, at, depth + 1, scale)
 
 
 def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int):

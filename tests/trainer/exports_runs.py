@@ -26,6 +26,16 @@ def gpt2_run(root: Path, name: str, **sections):
                     **sections)
 
 
+def llama_run(root: Path, name: str, export: str = "llama.onnx", **sections):
+    """A run of a Hugging Face Llama export (GQA: 4 query heads, 2 key/value heads; RoPE), unmodified, on ortflow's
+    own sources (byte tokens < its vocab 512)."""
+    data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": SEQ, "input_name": "input_ids"},
+            "eval_fraction": 0.05}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)
+
+
 
 def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: dict, output: str = "logits") -> None:
     """The exported model's ``output`` equals, bit for bit, the unsplit eval graph's fed with ``params`` and ``feeds``
