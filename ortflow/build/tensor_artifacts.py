@@ -36,8 +36,8 @@ from ortflow.build.engine_input import prepare_cut, split_source
 from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
-from ortflow.graph.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.noop_casts import drop_noop_casts
+from ortflow.graph.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
