@@ -7,8 +7,9 @@ in. Each node is one of:
 * **fp32** (``fp32_ops``: LayerNormalization, Softmax, the reductions, losses; ops with subgraphs; ops outside the
   standard and ``com.microsoft`` domains; ops whose output type is fixed by an attribute; ops whose ONNX schema at
   the model's opset has no such type, e.g. RoPE's Cos and Sin in bf16 before opset 22; ops for which the GPU engine
-  has no CUDA kernel in the compute type, per :mod:`ortflow.graph.cuda_kernels`, e.g. Pow, Sqrt, Neg in bf16):
-  inputs are read in fp32, outputs stay fp32;
+  has no CUDA kernel in the compute type, per :mod:`ortflow.graph.cuda_kernels`, e.g. Pow, Sqrt, Neg in bf16, and
+  the Sigmoid and Mul of a SiLU, which the engine fuses into QuickGelu, without a bf16 kernel): inputs are read in
+  fp32, outputs stay fp32;
 * **shape readers** (Shape, Size): read whatever version exists, no cast;
 * **Cast** to fp32 becomes a cast to the compute type (marked in its ``doc_string``) so a low region stays low.
 
@@ -37,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.cuda_kernels import has_kernel, opsets, schema_admits
+from ortflow.graph.cuda_kernels import fused_without_kernel, has_kernel, opsets, schema_admits
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class _Walk:
         self.compute, self.fp32_ops = compute, fp32_ops
         self.check_kernels = check_kernels
         self.opsets = opsets(model)
+        self.fused = fused_without_kernel(model.graph, compute) if check_kernels else {}
         self.types = _elem_types(model)
         self.report = AutocastReport(compute)
         self.versions: dict[str, dict[int, str]] = {}
@@ -181,6 +183,9 @@ class _Walk:
             return "fp32"
         if self.check_kernels and has_kernel(node.op_type, domain, self.opsets.get(domain, 1), self.compute) is False:
             self.report.no_kernel[node.op_type] += 1
+            return "fp32"
+        if node.output and node.output[0] in self.fused:  # the engine would fuse it into an op without a kernel
+            self.report.no_kernel[f"{node.op_type} (into {self.fused[node.output[0]]})"] += 1
             return "fp32"
         return "low"
 

@@ -92,6 +92,9 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     ("com.microsoft", "FastGelu"): _always(_BOTH),
     ("com.microsoft", "Gelu"): _always(_BOTH),
     ("com.microsoft", "BiasGelu"): _always(_BOTH),
+    # The engine fuses SiLU, x * Sigmoid(x) (Llama's SwiGLU), into QuickGelu when it builds the training graph; the
+    # CUDA QuickGelu of release 1.19.2 has no bf16 type (onnxruntime added it in 2025, PR #24772).
+    ("com.microsoft", "QuickGelu"): _always(_FP16),
 }
 
 
@@ -196,3 +199,21 @@ def schema_admits(node: onnx.NodeProto, opset: int, elem_type: int, lowered: set
                 if want not in allowed.get(kind, {kind}):
                     return False
     return True
+
+
+def fused_without_kernel(graph: onnx.GraphProto, elem_type: int) -> dict[str, str]:
+    """Nodes that the engine's training-graph build fuses into an op without a CUDA kernel in ``elem_type``, by first
+    output -> that op: the ``Sigmoid`` and ``Mul`` of a SiLU, ``x * Sigmoid(x)`` (QuickGelu in bf16). Kept in fp32,
+    they fuse into an fp32 QuickGelu."""
+    if has_kernel("QuickGelu", "com.microsoft", 1, elem_type) is not False:
+        return {}
+    producers = {o: n for n in graph.node for o in n.output}
+    found = {}
+    for node in graph.node:
+        if node.op_type != "Mul" or len(node.input) != 2:
+            continue
+        for x, gate in (node.input, reversed(node.input)):
+            sigmoid = producers.get(gate)
+            if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x:
+                found[node.output[0]] = found[sigmoid.output[0]] = "QuickGelu"
+    return found
