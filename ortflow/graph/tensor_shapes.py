@@ -17,14 +17,63 @@ from ortflow.graph.shapes import symbolic_shapes
 _CANNOT = "the new shape is computed in a way the split cannot follow"
 
 
-def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list]]:
-    """Every tensor's dims: (ints, None where not a fixed number), and (ints and named dims, None where unknown).
+# Two sets of sizes for the inputs' dynamic dims: large primes no model width is, so a dim (or a product of dims)
+# computed from them is recognisable, and differs between the two probes exactly when it depends on them.
+_PROBES = ((10007, 10009, 10037, 10039), (10061, 10067, 10069, 10079))
 
-    ONNX Runtime's symbolic inference follows shapes computed from the inputs (Shape -> Gather -> Concat -> Reshape of
-    dynamic-shape exports) where onnx's loses the fixed dims, and names the dynamic ones (the batch and sequence axes
-    a Reshape keeps); onnx's (with data propagation) fills in what it does not reach.
+
+def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list]]:
+    """Every tensor's dims: (ints, None where not a fixed number), and (ints or names, None where unknown).
+
+    The model is inferred with its inputs' dynamic dims set to sizes of their own, twice (:data:`_PROBES`): a dim that
+    differs between the two follows the inputs (None in the first dict; in the second the first probe's number, so a
+    Reshape's ``[B*T, C] -> [B, T, C]`` still shows which dims it merges). Inference with concrete inputs follows the
+    shape arithmetic of every exporter (Shape -> Gather -> Concat -> Reshape; ``Shape`` ranges; ``Where(s == -1, 1,
+    s)``) where symbolic dims get lost. Without an answer from the probes, ONNX Runtime's symbolic inference and
+    onnx's (with data propagation) fill in the dims, dynamic ones named.
     """
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    first, second = _probe(model, _PROBES[0]), _probe(model, _PROBES[1])
+    named = _symbolic_dims(model)
+    for name, dims in first.items():
+        other = second.get(name)
+        if other is not None and len(other) == len(dims) and None not in dims:
+            named[name] = dims
+    for t in model.graph.initializer:
+        named[t.name] = list(t.dims)
+    fixed = {}
+    for name, dims in named.items():
+        other = second.get(name)
+        same = other is not None and len(other) == len(dims)
+        fixed[name] = [d if isinstance(d, int) and (not same or other[k] == d) else None for k, d in enumerate(dims)]
+    return fixed, named
+
+
+def _probe(model: onnx.ModelProto, sizes: tuple[int, ...]) -> dict[str, list]:
+    """Every tensor's dims (ints, None where unknown) with the inputs' dynamic dims set to ``sizes`` (one per name)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    inits = {t.name for t in probe.graph.initializer}
+    chosen: dict[str, int] = {}
+    for value in probe.graph.input:
+        if value.name in inits:
+            continue
+        for k, dim in enumerate(value.type.tensor_type.shape.dim):
+            if not dim.HasField("dim_value"):
+                key = dim.dim_param or f"{value.name}:{k}"
+                chosen.setdefault(key, sizes[len(chosen) % len(sizes)] if len(chosen) < len(sizes) else 0)
+                if not chosen[key]:
+                    return {}
+                dim.dim_value = chosen[key]
+    dims = _symbolic_dims(probe)
+    return {k: [d if isinstance(d, int) else None for d in v] for k, v in dims.items()}
+
+
+def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
+    """ONNX Runtime's symbolic inference, onnx's (with data propagation) where it does not reach."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - onnx raises several kinds; symbolic inference may still answer
+        inferred = model
     g = inferred.graph
     named: dict[str, list] = {}
     for vi in [*g.value_info, *g.input, *g.output]:
@@ -32,10 +81,7 @@ def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list
         if t.HasField("shape"):
             named[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
     named.update(symbolic_shapes(model) or {})
-    for t in g.initializer:
-        named[t.name] = list(t.dims)
-    fixed = {k: [d if isinstance(d, int) else None for d in v] for k, v in named.items()}
-    return fixed, named
+    return named
 
 
 @dataclass(frozen=True)
