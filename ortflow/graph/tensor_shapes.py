@@ -69,7 +69,7 @@ def _probe(model: onnx.ModelProto, sizes: tuple[int, ...]) -> dict[str, list]:
 
 
 def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
-    """ONNX Runtime's symbolic inference, onnx's (with data propagation) where it does not reach."""
+    """ONNX Runtime's symbolic inference and onnx's (with data propagation), each dim a number where either knows it."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # noqa: BLE001 - onnx raises several kinds; symbolic inference may still answer
@@ -80,7 +80,12 @@ def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
         t = vi.type.tensor_type
         if t.HasField("shape"):
             named[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
-    named.update(symbolic_shapes(model) or {})
+    for name, dims in (symbolic_shapes(model) or {}).items():  # a fixed number from either inference wins
+        mine = named.get(name)
+        if mine is None or len(mine) != len(dims):
+            named[name] = dims
+        else:
+            named[name] = [d if isinstance(d, int) or not isinstance(m, int) else m for d, m in zip(dims, mine)]
     return named
 
 
