@@ -200,6 +200,11 @@ class _Walk:
             if dim is not None and dim != 1:
                 return f"'{x}' is not broadcast along the split axis"
         self.split[node.output[0]] = axis
+        dims = self.named.get(node.input[0])
+        if len([x for x in node.input if x]) == 1 and dims and all(isinstance(d, int) for d in dims):
+            self.named.setdefault(node.output[0], dims)  # a unary op keeps the dims inference may have lost
+            if not all(isinstance(d, int) for d in self.named[node.output[0]]):
+                self.named[node.output[0]] = dims
         return None
 
     def _split(self, i: int, node, axis: int) -> str | None:
