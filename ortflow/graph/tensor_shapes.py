@@ -96,6 +96,7 @@ class DimOf:
 
     tensor: str
     axis: int
+    scale: float = 1.0  # the constant factor the arithmetic multiplies the size by
 
 
 def static_ints(graph: onnx.GraphProto, producers: dict[str, int], name: str, depth: int = 0) -> np.ndarray | None:
@@ -153,7 +154,7 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
     if isinstance(follow, str):
         return follow
     if isinstance(follow, DimOf):
-        return follow
+        return DimOf(follow.tensor, follow.axis, scale)
     k, at = follow
     if node.op_type in ("Mul", "Div"):
         factor = float(static_ints(graph, producers, node.input[1 - k]).reshape(-1)[0])
@@ -240,3 +241,48 @@ def weight_of(graph: onnx.GraphProto, name: str, trainable: set[str]) -> tuple[s
     if perm != [1, 0] or len(readers) != 2:
         return None
     return maker.input[0], True
+
+
+def target_dims(graph: onnx.GraphProto, shapes: dict[str, list], named: dict[str, list], producers: dict[str, int],
+                reader: int, dims_in: list) -> list | None:
+    """The output dims of a Reshape or Expand (node ``reader``, input dims ``dims_in``) read off its shape input
+    (constants, sizes of other tensors, Reshape's 0 and -1, Expand's broadcast), where shape inference lost them; None
+    when the shape's length is unknown. A dim that cannot be told is None."""
+    node = graph.node[reader]
+    length = (shapes.get(node.input[1]) or [None])[0]
+    if length is None:
+        return None
+    out: list = []
+    for e in range(length):
+        spec = shape_entry(graph, shapes, producers, reader, 1, e)
+        if isinstance(spec, DimOf):
+            dims = named.get(spec.tensor) or []
+            d = dims[spec.axis] if spec.axis < len(dims) else None
+            out.append(int(round(d * spec.scale)) if isinstance(d, int) else (d if spec.scale == 1 else None))
+        else:
+            out.append(int(round(spec[3] * spec[4])) if isinstance(spec, tuple) else None)
+    if node.op_type == "Expand":
+        pad = [1] * (len(out) - len(dims_in)) + list(dims_in)
+        return [b if t == 1 else (t if t is not None or b == 1 else None) for t, b in
+                zip([1] * (len(pad) - len(out)) + out, pad)]
+    out = [dims_in[k] if d == 0 and k < len(dims_in) else d for k, d in enumerate(out)]
+    if out.count(-1) == 1:
+        out[out.index(-1)] = _remaining(list(dims_in), [d for d in out if d != -1])
+    return out
+
+
+def _remaining(dims_in: list, others: list):
+    """The size a Reshape's -1 stands for: the input's dims with the others divided out (named dims cancel)."""
+    if None in dims_in or None in others:
+        return None
+    names_in = [d for d in dims_in if isinstance(d, str)]
+    for d in others:
+        if isinstance(d, str):
+            if d not in names_in:
+                return None
+            names_in.remove(d)
+    total = int(np.prod([d for d in dims_in if isinstance(d, int)]))
+    rest = int(np.prod([d for d in others if isinstance(d, int)]))
+    if names_in or rest == 0 or total % rest:
+        return names_in[0] if len(names_in) == 1 and total == rest else None
+    return total // rest
