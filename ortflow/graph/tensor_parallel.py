@@ -39,7 +39,7 @@ from ortflow.graph.tensor_plan import (
     describe,
     log_plan,
 )
-from ortflow.graph.tensor_shapes import DimOf, shape_entry, static_ints, target_dims, tensor_dims, weight_of
+from ortflow.graph.tensor_shapes import DimOf, shape_entry, static_ints, tensor_dims, weight_of
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.graph.tensor_vocab import plan_vocab
 
@@ -200,11 +200,6 @@ class _Walk:
             if dim is not None and dim != 1:
                 return f"'{x}' is not broadcast along the split axis"
         self.split[node.output[0]] = axis
-        dims = self.named.get(node.input[0])
-        if len([x for x in node.input if x]) == 1 and dims and all(isinstance(d, int) for d in dims):
-            self.named.setdefault(node.output[0], dims)  # a unary op keeps the dims inference may have lost
-            if not all(isinstance(d, int) for d in self.named[node.output[0]]):
-                self.named[node.output[0]] = dims
         return None
 
     def _split(self, i: int, node, axis: int) -> str | None:
@@ -226,7 +221,7 @@ class _Walk:
 
     def _reshape(self, i: int, node, axis: int) -> str | None:
         x, out = node.input[0], node.output[0]
-        s_in, s_out = self.named.get(x), self._out_dims(i, node)
+        s_in, s_out = self.named.get(x), self.named.get(out)
         if s_in is None or s_out is None:
             return "shapes around the Reshape are not known (export with fixed sizes)"
         b = reshape_axis(s_in, s_out, len(s_in) + axis)
@@ -277,19 +272,8 @@ class _Walk:
             why = self._entry(i, target[0] + axis, self._dim(x, axis), self.find(self.comp[x]))
             if why:
                 return why
-        self._out_dims(i, node)
         self.split[node.output[0]] = axis
         return None
-
-    def _out_dims(self, i: int, node) -> list | None:
-        """A Reshape's or Expand's output dims, from its shape input where inference lost them (recorded)."""
-        out, dims_in = node.output[0], self.named.get(node.input[0])
-        known = self.named.get(out)
-        if (known is None or not all(isinstance(d, int) for d in known)) and dims_in:
-            computed = target_dims(self.g, self.shapes, self.named, self.producers, i, dims_in)
-            if computed is not None and None not in computed:
-                self.named[out] = computed
-        return self.named.get(out)
 
     def _move(self, node, axis: int) -> str | None:
         """Unsqueeze, Squeeze, Slice and Concat (:func:`ortflow.graph.tensor_axes.moved_axis`)."""

@@ -28,9 +28,10 @@ def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list
     The model is inferred with its inputs' dynamic dims set to sizes of their own, twice (:data:`_PROBES`): a dim that
     differs between the two follows the inputs (None in the first dict; in the second the first probe's number, so a
     Reshape's ``[B*T, C] -> [B, T, C]`` still shows which dims it merges). Inference with concrete inputs follows the
-    shape arithmetic of every exporter (Shape -> Gather -> Concat -> Reshape; ``Shape`` ranges; ``Where(s == -1, 1,
-    s)``) where symbolic dims get lost. Without an answer from the probes, ONNX Runtime's symbolic inference and
-    onnx's (with data propagation) fill in the dims, dynamic ones named.
+    shape arithmetic of exporters (Shape -> Gather -> Concat -> Reshape; ``Shape`` ranges) where symbolic dims get
+    lost; where it still stops, the output dims of a Reshape or Expand are read off its shape input
+    (:func:`target_dims`) and inference goes on from there. Without an answer from the probes, ONNX Runtime's
+    symbolic inference and onnx's (with data propagation) fill in the dims, dynamic ones named.
     """
     first, second = _probe(model, _PROBES[0]), _probe(model, _PROBES[1])
     named = _symbolic_dims(model)
@@ -64,8 +65,25 @@ def _probe(model: onnx.ModelProto, sizes: tuple[int, ...]) -> dict[str, list]:
                 if not chosen[key]:
                     return {}
                 dim.dim_value = chosen[key]
-    dims = _symbolic_dims(probe)
-    return {k: [d if isinstance(d, int) else None for d in v] for k, v in dims.items()}
+    producers = {o: k for k, n in enumerate(probe.graph.node) for o in n.output}
+    for _ in range(4):  # shapes read off Reshape and Expand shape inputs where inference stopped, then again
+        dims = {k: [d if isinstance(d, int) else None for d in v] for k, v in _symbolic_dims(probe).items()}
+        found = {}
+        for k, node in enumerate(probe.graph.node):
+            out, known = node.output[0] if node.output else "", dims.get(node.output[0] if node.output else "")
+            if node.op_type in ("Reshape", "Expand") and (known is None or None in known) and dims.get(node.input[0]):
+                computed = target_dims(probe.graph, dims, dims, producers, k, dims[node.input[0]])
+                if computed and all(isinstance(d, int) and d > 0 for d in computed):
+                    found[out] = computed
+        if not found:
+            return dims
+        for info in [v for v in probe.graph.value_info if v.name in found]:
+            probe.graph.value_info.remove(info)
+        inferred = onnx.shape_inference.infer_shapes(probe).graph.value_info
+        types = {v.name: v.type.tensor_type.elem_type for v in inferred}
+        probe.graph.value_info.extend(helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), d)
+                                      for name, d in found.items())
+    return dims
 
 
 def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
@@ -85,7 +103,8 @@ def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
         if mine is None or len(mine) != len(dims):
             named[name] = dims
         else:
-            named[name] = [d if isinstance(d, int) or not isinstance(m, int) else m for d, m in zip(dims, mine)]
+            named[name] = [d if isinstance(d, int) or not isinstance(m, int) else m
+                           for d, m in zip(dims, mine, strict=True)]
     return named
 
 
@@ -264,7 +283,7 @@ def target_dims(graph: onnx.GraphProto, shapes: dict[str, list], named: dict[str
     if node.op_type == "Expand":
         pad = [1] * (len(out) - len(dims_in)) + list(dims_in)
         return [b if t == 1 else (t if t is not None or b == 1 else None) for t, b in
-                zip([1] * (len(pad) - len(out)) + out, pad)]
+                zip([1] * (len(pad) - len(out)) + out, pad, strict=True)]
     out = [dims_in[k] if d == 0 and k < len(dims_in) else d for k, d in enumerate(out)]
     if out.count(-1) == 1:
         out[out.index(-1)] = _remaining(list(dims_in), [d for d in out if d != -1])
