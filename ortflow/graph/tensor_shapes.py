@@ -205,6 +205,9 @@ def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int
         at = 0
         for k, part in enumerate(node.input):
             dims = shapes.get(part)
+            if dims is None or None in dims:  # a constant part shape inference left untyped (behind an Identity)
+                value = static_ints(graph, producers, part)
+                dims = None if value is None else list(value.shape)
             if dims is None or len(dims) > 1 or None in dims:
                 return _CANNOT
             length = dims[0] if dims else 1
