@@ -9,9 +9,9 @@ import pytest
 
 from ortflow.graph.autocast import BFLOAT16, FLOAT, FLOAT16
 from ortflow.graph.cuda_kernels import element_types, missing_kernels
-from tests.trainer.exports_runs import llama_run
+from tests.trainer.exports_runs import LLAMA_EXPORTS, llama_run
 
-EXPORTS = ["llama.onnx"]
+EXPORTS = LLAMA_EXPORTS
 PRECISION = {FLOAT16: {"use_mixed_precision": True}, BFLOAT16: {"use_mixed_precision": True, "use_bfloat16": True}}
 
 

@@ -17,15 +17,17 @@ from ortflow.graph.shapes import symbolic_shapes
 _CANNOT = "the new shape is computed in a way the split cannot follow"
 
 
-# Two sets of sizes for the inputs' dynamic dims: large primes no model width is, so a dim (or a product of dims)
-# computed from them is recognisable, and differs between the two probes exactly when it depends on them.
-_PROBES = ((10007, 10009, 10037, 10039), (10061, 10067, 10069, 10079))
+# The size every dynamic dim of the inputs gets in each of two probes: a prime no model width is, so a dim (or a product
+# of dims) computed from it is recognisable, and differs between the two probes exactly when it depends on it. One size
+# for all dynamic dims: the inputs of a pipeline stage name the batch and sequence differently from the model's inputs
+# (a received activation's dims are named by shape inference), and the shape arithmetic reads them from either.
+_PROBES = (10007, 10009)
 
 
 def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list]]:
     """Every tensor's dims: (ints, None where not a fixed number), and (ints or names, None where unknown).
 
-    The model is inferred with its inputs' dynamic dims set to sizes of their own, twice (:data:`_PROBES`): a dim that
+    The model is inferred with its inputs' dynamic dims set to one size, twice (:data:`_PROBES`): a dim that
     differs between the two follows the inputs (None in the first dict; in the second the first probe's number, so a
     Reshape's ``[B*T, C] -> [B, T, C]`` still shows which dims it merges). Inference with concrete inputs follows the
     shape arithmetic of exporters (Shape -> Gather -> Concat -> Reshape; ``Shape`` ranges) where symbolic dims get
@@ -49,22 +51,16 @@ def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list
     return fixed, named
 
 
-def _probe(model: onnx.ModelProto, sizes: tuple[int, ...]) -> dict[str, list]:
-    """Every tensor's dims (ints, None where unknown) with the inputs' dynamic dims set to ``sizes`` (one per name)."""
+def _probe(model: onnx.ModelProto, size: int) -> dict[str, list]:
+    """Every tensor's dims (ints, None where unknown) with the inputs' dynamic dims all set to ``size``."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     inits = {t.name for t in probe.graph.initializer}
-    chosen: dict[str, int] = {}
     for value in probe.graph.input:
-        if value.name in inits:
-            continue
-        for k, dim in enumerate(value.type.tensor_type.shape.dim):
-            if not dim.HasField("dim_value"):
-                key = dim.dim_param or f"{value.name}:{k}"
-                chosen.setdefault(key, sizes[len(chosen) % len(sizes)] if len(chosen) < len(sizes) else 0)
-                if not chosen[key]:
-                    return {}
-                dim.dim_value = chosen[key]
+        if value.name not in inits:
+            for dim in value.type.tensor_type.shape.dim:
+                if not dim.HasField("dim_value"):
+                    dim.dim_value = size
     producers = {o: k for k, n in enumerate(probe.graph.node) for o in n.output}
     for _ in range(4):  # shapes read off Reshape and Expand shape inputs where inference stopped, then again
         dims = {k: [d if isinstance(d, int) else None for d in v] for k, v in _symbolic_dims(probe).items()}

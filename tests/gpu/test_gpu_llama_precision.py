@@ -27,14 +27,13 @@ import numpy as np
 import pytest
 
 from ortflow.trainer import cuda_libs
+from tests.trainer.exports_runs import LLAMA_EXPORTS
 
 UPDATES = 60
 WINDOW = 20
 TOLERANCE = {"fp16": 0.03, "bf16": 0.05}
 PRECISION = {"fp32": {}, "fp16": {"use_mixed_precision": True},
              "bf16": {"use_mixed_precision": True, "use_bfloat16": True}}
-# The TorchScript export and the dynamo exporter's default one (torch's default since 2.9).
-EXPORTS = ["llama.onnx", "llama-dynamo.onnx"]
 
 
 def _why_not() -> str | None:
@@ -74,7 +73,7 @@ def _train(root: Path, export: str, kind: str) -> np.ndarray:
     return np.array(losses)
 
 
-@pytest.fixture(scope="module", params=EXPORTS)
+@pytest.fixture(scope="module", params=LLAMA_EXPORTS)
 def fp32_losses(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("llama")
     losses = _train(root, request.param, "fp32")

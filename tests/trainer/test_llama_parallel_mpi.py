@@ -16,7 +16,7 @@ import pytest
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
 from tests.support.runs import run_ranks
-from tests.trainer.exports_runs import llama_run
+from tests.trainer.exports_runs import LLAMA_EXPORTS, llama_run
 
 pytestmark = pytest.mark.mpi
 
@@ -26,7 +26,12 @@ pytestmark = pytest.mark.mpi
 # one update's change (lr = 1e-3): a wrong gradient (a query head reading another rank's key/value head, RoPE applied
 # to the wrong half of a head) moves weights by ~lr every update.
 TP_ATOL = 1e-4
-EXPORTS = ["llama.onnx"]
+EXPORTS = LLAMA_EXPORTS
+
+
+# The residual stream after the first decoder layer: each stage holds one layer's attention and MLP.
+BLOCK_0_OUT = {"llama.onnx": "/model/model/layers.0/Add_1_output_0", "llama-dynamo.onnx": "add_394",
+               "llama-dynamo-noopt.onnx": "add_394"}
 
 
 def _train(cfg):
@@ -56,9 +61,14 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["hp2", "pp2xhp2"])
-def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(llama_dp, pp):
+def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request, llama_dp, pp):
     export, ref_cfg, ref_out = llama_dp
-    cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}hp2", export=export,
+    if export == "llama-dynamo.onnx" and pp > 1:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the untied weights' Transpose nodes of the optimized dynamo export are all made before the first layer, "
+            "so every cut is crossed by the later layers' transposed weights (configure refuses it)")))
+    cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
+    cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}hp2", export=export, **cuts,
                     distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp, "horizontal_parallel_size": 2})
     split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
     assert not [line for line in split if "kept replicated" in line and "self_attn" in line], split
