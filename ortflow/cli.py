@@ -77,11 +77,14 @@ def validate(
     the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
     and export paths can be written; with --deep, that the engine can build the training graph and, with
     distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it. With launcher slurm,
-    also the job against the cluster: the partition, its nodes' CPUs and `sbatch --test-only`.
+    also the job against the cluster: the partition, its nodes' CPUs and `sbatch --test-only`. With pipeline or
+    tensor-parallel sizes above 1, a valid config also prints the split plan: the cuts, which weights each
+    tensor-parallel region splits how (attention by heads), and what stays replicated and why.
     """
     from ortflow.validate import validate as find_all
 
-    problems = find_all(config, overrides or [], deep=deep)
+    plan: list[str] = []
+    problems = find_all(config, overrides or [], deep=deep, split_plan=plan)
     problems += _scheduler_problems(config, overrides)
     if not problems:  # a configured run: every value of its data too (labels vs the model's classes, NaN, range)
         from ortflow.config import find_problems
@@ -94,6 +97,10 @@ def validate(
         for problem in problems:
             console.print(f"  - {escape(problem)}", highlight=False)
         raise typer.Exit(1)
+    if plan:  # what the pipeline / tensor-parallel split does with the model (configure logs the same)
+        console.print("split plan:")
+        for line in plan:
+            console.print(f"  - {escape(line)}", highlight=False, soft_wrap=True)
     console.print(f"[green]{escape(str(config))}: valid[/]")
 
 

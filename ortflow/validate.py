@@ -16,7 +16,8 @@ Checks, in order (each problem names the field and the fix):
    checks it;
 7. ``optimizer.groups`` against the parameters configure will train (patterns that match nothing or only parameters
    of an earlier group);
-8. with pipeline stages or tensor-parallel pieces: the split configure makes, refused as configure refuses it;
+8. with pipeline stages or tensor-parallel pieces: the split configure makes, refused as configure refuses it (the
+   plan, in words, is what ``ortflow validate`` prints for a valid config: what is split how, what stays replicated);
 9. with ``deep``: the engine builds what configure builds (the whole model's training artifacts, and every pipeline
    stage and tensor-parallel piece) in a temporary folder, so gradient-builder failures (operators without
    gradients, ...) show up, and the data checks use the built model's real inputs; with ``distributed.device: cuda``
@@ -56,13 +57,16 @@ MAX_SOURCES_CHECKED = 64
 _FIRST_ROWS_BYTES = 1 << 20
 
 
-def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep: bool = False) -> list[str]:
+def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep: bool = False,
+             split_plan: list[str] | None = None) -> list[str]:
     """Every problem with a config, its model, data and paths (empty when it is valid).
 
     Args:
         path: The config file.
         overrides: ``--set`` overrides.
         deep: Also build the training artifacts in a temporary folder (seconds to minutes for large models).
+        split_plan: When given, the pipeline / tensor-parallel split plan in words is appended to it (what is split
+            how, what stays replicated and why), for a layout that splits the model.
     """
     cfg, problems = find_problems(path, overrides)
     if cfg is None:
@@ -73,7 +77,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
         problems += model_problems
         split = cfg.distributed.horizontal_parallel_size > 1 or cfg.distributed.pipeline_parallel_size > 1
         if split and not model_problems:
-            model_problems = tensor_split_problems(cfg)
+            model_problems = tensor_split_problems(cfg, split_plan)
             problems += model_problems
         if cfg.optimizer.groups and not model_problems:
             problems += group_problems(cfg)
@@ -96,10 +100,11 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
     return InputSpec(info.name, dtype, dims)
 
 
-def tensor_split_problems(cfg: RunConfig) -> list[str]:
+def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -> list[str]:
     """The pipeline or tensor-parallel split's refusal (a cut crossed by a value computed from trained parameters, a
     size that does not divide the heads, nothing to split, a cut inside a split region, a tied weight across stages),
-    exactly as configure gives it (:func:`ortflow.build.configure.plan_layout`); onnx only, no engine."""
+    exactly as configure gives it (:func:`ortflow.build.configure.plan_layout`); onnx only, no engine. The plan in
+    words goes into ``split_plan`` when given."""
     from ortflow.build.artifacts import ArtifactsError
     from ortflow.build.configure import plan_layout
     from ortflow.graph.batchnorm_stats import running_statistics, to_record
@@ -111,7 +116,7 @@ def tensor_split_problems(cfg: RunConfig) -> list[str]:
         except ValueError as err:
             return [str(err)]
     try:
-        plan_layout(cfg)
+        plan_layout(cfg, split_plan)
     except (ArtifactsError, ValueError) as err:
         return [str(err)]
     return []

@@ -140,7 +140,8 @@ def test_tensor_parallelism_with_a_size_that_does_not_divide_the_heads_is_a_prob
     path = setup(tmp_path, distributed={"num_ranks": 3, "horizontal_parallel_size": 3})
     build_gpt(tmp_path / "model.onnx", vocab_size=16, seq_len=4, d_model=8, num_layers=1, num_heads=2)
     problems = validate(path)
-    assert any("horizontal_parallel_size 3 does not divide ['h0.attn.q.weight" in p for p in problems), problems
+    assert any("horizontal_parallel_size 3 does not divide the 2 heads of h0.attn.q.weight" in p
+               for p in problems), problems
 
 
 def test_validate_refuses_too_few_training_rows_like_prepare_data(tmp_path):

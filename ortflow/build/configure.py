@@ -51,6 +51,7 @@ from ortflow.config import (
 )
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.batchnorm_stats import running_statistics, to_record
+from ortflow.graph.tensor_plan import describe
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,13 @@ def _artifacts_intact(artifacts_dir: Path, record: dict) -> bool:
     return True
 
 
-def plan_layout(cfg: RunConfig):
+def plan_layout(cfg: RunConfig, described: list[str] | None = None):
     """Refuse a bad pipeline or tensor-parallel split before anything is built (fast: onnx only, no engine).
+
+    Args:
+        cfg: The run.
+        described: When given, the split plan in words is appended to it (the cuts; per tensor-parallel region what
+            is split how, and each weight kept replicated with the reason), as ``ortflow validate`` prints it.
 
     Returns:
         The pipeline plan (cuts, stages) for pipeline stages alone, else None.
@@ -175,12 +181,21 @@ def plan_layout(cfg: RunConfig):
         ArtifactsError: The split is refused, naming what and the fix.
     """
     pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    lines = []
     if pp > 1 and hp > 1:
-        plan_pipe_tensor(cfg)  # each stage's graph split over the tensor-parallel ranks
-        return None
-    if hp > 1:
-        plan_tensor(cfg)
-    return plan_stages(cfg) if pp > 1 else None
+        cuts, plans = plan_pipe_tensor(cfg)  # each stage's graph split over the tensor-parallel ranks
+        lines = [f"pipeline cuts {cuts}"] + [f"stage {sp.stage.index}: {line}" for sp in plans
+                                             for line in describe(sp.plan)]
+        stages = None
+    else:
+        if hp > 1:
+            lines = describe(plan_tensor(cfg)[1])
+        stages = plan_stages(cfg) if pp > 1 else None
+        if stages is not None:
+            lines.append(f"pipeline cuts {stages[0]} ({len(stages[1])} stages)")
+    if described is not None:
+        described.extend(lines)
+    return stages
 
 
 def op_types(model_path: Path) -> list[str]:

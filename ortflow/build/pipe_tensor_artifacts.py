@@ -36,6 +36,7 @@ from ortflow.config import RunConfig
 from ortflow.graph.pipeline_cuts import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_plan import log_plan
 from ortflow.graph.tensor_shard import shard_model
 
 log = logging.getLogger(__name__)
@@ -145,8 +146,7 @@ def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
         for sp in plans:
             s = sp.stage.index
-            for line in describe(sp.plan):
-                log.info("pipeline stage %d, tensor_parallel %d: %s", s, size, line)
+            log_plan(sp.plan, f" (pipeline stage {s})")
             records, ran_by_piece = [], {}
             for rank in range(size):
                 mine = pieces(sp, rank)

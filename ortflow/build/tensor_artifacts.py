@@ -36,18 +36,21 @@ from ortflow.build.engine_input import prepare_cut, split_source
 from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
+from ortflow.graph.noop_casts import drop_noop_casts
 from ortflow.graph.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_plan import log_plan
 from ortflow.graph.tensor_shard import shard_model
 
 log = logging.getLogger(__name__)
 
 def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     """What the tensor split needs beyond the preparation passes: Gemm biases added after the product (so a row-split
-    Gemm's bias is added once, after the all-reduce)."""
-    return separate_gemm_biases(model, trainable)
+    Gemm's bias is added once, after the all-reduce), and no Cast to its input's own type (a piece passing one on is
+    a graph the engine rejects: ortflow/graph/noop_casts.py)."""
+    return separate_gemm_biases(drop_noop_casts(model), trainable)
 
 
 def split_input(cfg: RunConfig) -> tuple[onnx.ModelProto, list[str], list[str]]:
@@ -137,8 +140,7 @@ def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     """
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = plan_tensor(cfg)
-    for line in describe(plan):  # what was split and what was kept, with the reason
-        log.info("tensor_parallel %d: %s", size, line)
+    log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
     ranks, ran_by_piece = [], {}
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):

@@ -5,9 +5,11 @@ in. Each node is one of:
 
 * **low** (most ops): its fp32 inputs are read in the compute type and its fp32 outputs become the compute type;
 * **fp32** (``fp32_ops``: LayerNormalization, Softmax, the reductions, losses; ops with subgraphs; ops outside the
-  standard and ``com.microsoft`` domains; ops whose output type is fixed by an attribute; ops for which the GPU
-  engine has no CUDA kernel in the compute type, per :mod:`ortflow.graph.cuda_kernels`, e.g. Pow in bf16): inputs
-  are read in fp32, outputs stay fp32;
+  standard and ``com.microsoft`` domains; ops whose output type is fixed by an attribute; ops whose ONNX schema at
+  the model's opset has no such type, e.g. RoPE's Cos and Sin in bf16 before opset 22; ops for which the GPU engine
+  has no CUDA kernel in the compute type, per :mod:`ortflow.graph.cuda_kernels`, e.g. Pow, Sqrt, Neg in bf16, and
+  the Sigmoid and Mul of a SiLU, which the engine fuses into QuickGelu, without a bf16 kernel): inputs are read in
+  fp32, outputs stay fp32;
 * **shape readers** (Shape, Size): read whatever version exists, no cast;
 * **Cast** to fp32 becomes a cast to the compute type (marked in its ``doc_string``) so a low region stays low.
 
@@ -36,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.cuda_kernels import has_kernel, opsets
+from ortflow.graph.cuda_kernels import fused_without_kernel, has_kernel, opsets, schema_admits
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class AutocastReport:
     lowered: collections.Counter = field(default_factory=collections.Counter)
     kept_fp32: collections.Counter = field(default_factory=collections.Counter)
     no_kernel: collections.Counter = field(default_factory=collections.Counter)
+    no_type: collections.Counter = field(default_factory=collections.Counter)
     casts: int = 0
     parameter_casts: int = 0
     constants: int = 0
@@ -87,6 +90,8 @@ class AutocastReport:
         short = _SHORT[self.compute_type]
         lacking = ", ".join(f"{op} x{n}" for op, n in sorted(self.no_kernel.items()))
         lacking = f" ({lacking} for want of a {short} CUDA kernel)" if lacking else ""
+        untyped = ", ".join(f"{op} x{n}" for op, n in sorted(self.no_type.items()))
+        lacking += f" ({untyped} for want of a {short} type in the op's schema)" if untyped else ""
         return (
             f"autocast to {short}: {sum(self.lowered.values())} nodes in {short}, kept in fp32: {kept}{lacking}; "
             f"{self.casts} casts added ({self.parameter_casts} of parameters), {self.constants} constants "
@@ -144,7 +149,9 @@ class _Walk:
     def __init__(self, model: onnx.ModelProto, compute: int, fp32_ops: frozenset[str], check_kernels: bool = True):
         self.graph = model.graph
         self.compute, self.fp32_ops = compute, fp32_ops
-        self.opsets = opsets(model) if check_kernels else None
+        self.check_kernels = check_kernels
+        self.opsets = opsets(model)
+        self.fused = fused_without_kernel(model.graph, compute) if check_kernels else {}
         self.types = _elem_types(model)
         self.report = AutocastReport(compute)
         self.versions: dict[str, dict[int, str]] = {}
@@ -165,11 +172,21 @@ class _Walk:
         if (node.op_type in self.fp32_ops or node.op_type in _FIXED_TYPE_OPS or has_subgraph
                 or node.domain not in ("", "ai.onnx", "com.microsoft")):
             return "fp32"
-        if self.opsets is not None and any(self.types.get(name) == FLOAT for name in node.input if name):
-            domain = "" if node.domain in ("", "ai.onnx") else node.domain
-            if has_kernel(node.op_type, domain, self.opsets.get(domain, 1), self.compute) is False:
-                self.report.no_kernel[node.op_type] += 1
-                return "fp32"
+        exempt = _FP32_INPUTS.get(node.op_type, set())
+        lowered = {x for k, x in enumerate(node.input) if x and k not in exempt and self.types.get(x) == FLOAT}
+        if not lowered:
+            return "low"
+        lowered |= {x for x in node.output if self.types.get(x) == FLOAT}
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        if not schema_admits(node, self.opsets.get(domain, 1), self.compute, lowered):
+            self.report.no_type[node.op_type] += 1  # the engine's graph builder would refuse the type
+            return "fp32"
+        if self.check_kernels and has_kernel(node.op_type, domain, self.opsets.get(domain, 1), self.compute) is False:
+            self.report.no_kernel[node.op_type] += 1
+            return "fp32"
+        if node.output and node.output[0] in self.fused:  # the engine would fuse it into an op without a kernel
+            self.report.no_kernel[f"{node.op_type} (into {self.fused[node.output[0]]})"] += 1
+            return "fp32"
         return "low"
 
     def fetch(self, name: str, want: int) -> str:

@@ -20,7 +20,9 @@ LayerNormalization) has fp16 only; data-movement ops (Reshape, Transpose, Gather
 fixed-size type.
 
 Operators absent from the table are not judged (:func:`has_kernel` returns ``None``): autocast lowers them as before
-and validate does not report them.
+and validate does not report them. Before the table, :func:`schema_admits` asks the operator's ONNX schema at the
+model's opset whether the type exists at all (``Cos`` and ``Sin`` have no bf16 type before opset 22, ``Conv`` none
+before 22): a node the schema refuses stops configure itself ("has unsupported type: tensor(bfloat16)").
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ def _always(types: frozenset[int]) -> tuple[KernelRange, ...]:
     return (KernelRange(1, None, types),)
 
 
-# Data-movement and shape ops: their CUDA kernels are registered for every fixed-size type.
+# Data-movement and shape ops: their CUDA kernels are registered for every fixed-size type. CastLike has no kernel of
+# its own: the engine expands it into its function body, a Cast.
 _ANY_TYPE_OPS = (
-    "Cast", "Concat", "ConstantOfShape", "Expand", "Flatten", "Gather", "GatherElements", "GatherND", "Identity",
-    "Reshape", "Shape", "Size", "Slice", "Split", "Squeeze", "Transpose", "Unsqueeze",
+    "Cast", "CastLike", "Concat", "ConstantOfShape", "Expand", "Flatten", "Gather", "GatherElements", "GatherND",
+    "Identity", "Reshape", "Shape", "Size", "Slice", "Split", "Squeeze", "Transpose", "Trilu", "Unsqueeze",
 )  # fmt: skip
 
 #: (domain, op type) -> the opset ranges and the half types the CUDA provider has kernels for. ``""`` is ai.onnx.
@@ -69,6 +72,8 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     ("", "Tanh"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
     ("", "Relu"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
     ("", "Sigmoid"): (KernelRange(6, 12, _FP16), KernelRange(13, None, _BOTH)),
+    # Unary math of RMSNorm and RoPE (Llama): fp16 kernels only; Sin and Cos have no bf16 type before opset 22 either.
+    **{("", op): _always(_FP16) for op in ("Neg", "Sqrt", "Reciprocal", "Sin", "Cos", "Exp", "Log")},
     ("", "Where"): (KernelRange(9, 15, _FP16), KernelRange(16, None, _BOTH)),
     ("", "Equal"): (KernelRange(7, None, _FP16),),
     ("", "Dropout"): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)),
@@ -87,6 +92,9 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     ("com.microsoft", "FastGelu"): _always(_BOTH),
     ("com.microsoft", "Gelu"): _always(_BOTH),
     ("com.microsoft", "BiasGelu"): _always(_BOTH),
+    # The engine fuses SiLU, x * Sigmoid(x) (Llama's SwiGLU), into QuickGelu when it builds the training graph; the
+    # CUDA QuickGelu of release 1.19.2 has no bf16 type (onnxruntime added it in 2025, PR #24772).
+    ("com.microsoft", "QuickGelu"): _always(_FP16),
 }
 
 
@@ -166,4 +174,46 @@ def missing_kernels(model: onnx.ModelProto, elem_types: dict[str, int] | None = 
         for elem in sorted(half):
             if has_kernel(node.op_type, domain, opset, elem) is False:
                 found.append(MissingKernel(node.name, node.op_type, domain, opset, elem))
+    return found
+
+
+_TYPE_NAMES = {FLOAT16: "tensor(float16)", BFLOAT16: "tensor(bfloat16)"}
+
+
+def schema_admits(node: onnx.NodeProto, opset: int, elem_type: int, lowered: set[str]) -> bool:
+    """Whether the ONNX schema of ``node``'s op at ``opset`` allows ``elem_type`` (fp16 or bf16) for the inputs and
+    outputs named in ``lowered`` (those autocast would give that type). True for ops without a schema in onnx
+    (``com.microsoft`` ops: the kernel table judges those)."""
+    if node.domain not in ("", "ai.onnx"):
+        return True
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return True
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    want = _TYPE_NAMES[elem_type]
+    for formals, actuals in ((schema.inputs, node.input), (schema.outputs, node.output)):
+        for k, name in enumerate(actuals):
+            if name in lowered and formals:
+                kind = formals[min(k, len(formals) - 1)].type_str
+                if want not in allowed.get(kind, {kind}):
+                    return False
+    return True
+
+
+def fused_without_kernel(graph: onnx.GraphProto, elem_type: int) -> dict[str, str]:
+    """Nodes that the engine's training-graph build fuses into an op without a CUDA kernel in ``elem_type``, by first
+    output -> that op: the ``Sigmoid`` and ``Mul`` of a SiLU, ``x * Sigmoid(x)`` (QuickGelu in bf16). Kept in fp32,
+    they fuse into an fp32 QuickGelu."""
+    if has_kernel("QuickGelu", "com.microsoft", 1, elem_type) is not False:
+        return {}
+    producers = {o: n for n in graph.node for o in n.output}
+    found = {}
+    for node in graph.node:
+        if node.op_type != "Mul" or len(node.input) != 2:
+            continue
+        for x, gate in (node.input, reversed(node.input)):
+            sigmoid = producers.get(gate)
+            if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x:
+                found[node.output[0]] = found[sigmoid.output[0]] = "QuickGelu"
     return found

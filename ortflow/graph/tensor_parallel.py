@@ -4,15 +4,17 @@ A **region** starts at column-split MatMuls (``x @ W`` with ``W`` a 2-D trainabl
 block of ``W``'s columns and of the bias added right after) and ends at row-split MatMuls (the region's activation,
 split on its last axis, times a 2-D trainable weight; each rank keeps the matching block of rows, so the product is a
 partial sum that the ranks add: the forward all-reduce). In between the activation stays split on one axis through
-element-wise ops, Reshape/Transpose (the head split: Q/K/V by heads), Softmax over another axis, MatMul of two
-split tensors over a batch axis (attention scores and context), and ``Split`` of a fused QKV projection into equal
-parts (its columns are sliced per part). The bias after a row-split MatMul is added once, after the all-reduce, so it
-stays replicated, as does everything outside a region.
+element-wise ops, Reshape/Transpose (Q/K/V by heads), Unsqueeze/Squeeze, Slice and Concat along another axis (RoPE's
+``rotate_half`` of the head dim), Expand over another axis (grouped-query attention's ``repeat_kv``: each rank's
+key/value heads are those its query heads read), Softmax over another axis, MatMul of two split tensors over a batch
+axis (scores and context), and ``Split`` of a fused QKV projection into equal parts (sliced per part). The bias after
+a row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
 
-Reshape target shapes that carry the head count or the width (a Constant, or a Constant inside a Concat, as
-``torch.onnx.export`` writes them) are rewritten for the local size; so are ``Split`` sizes. A candidate whose split
-activation reaches something else (a graph output, an unknown op, a parameter that would need slicing) is kept
-replicated, and the pass logs why. A split whose sizes ``hp`` does not divide is refused, naming the tensors.
+Shape entries that carry a head count or width are rewritten for the local size where they are constants
+(:mod:`ortflow.graph.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split tensor's
+``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown op, a
+parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``hp`` that does not divide
+a width or a head count (the key/value heads under GQA) is refused, naming them and the sizes that fit.
 
 A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_gemm`) is a weight product like ``MatMul``; its ``[out, in]`` weight
 swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose ``Transpose``
@@ -22,42 +24,28 @@ Embeddings and LM heads are split by vocabulary in regions of their own (:mod:`o
 
 from __future__ import annotations
 
-import logging
-
-import numpy as np
 import onnx
 from onnx import helper
 
 from ortflow.graph.onnx_tools import constant_values, node_label
-from ortflow.graph.shapes import symbolic_shapes
+from ortflow.graph.tensor_axes import moved_axis, reshape_axis
 from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
-from ortflow.graph.tensor_plan import Region, TensorPlan, TensorSplitError
-from ortflow.graph.tensor_shapes import shape_entry, weight_of
+from ortflow.graph.tensor_plan import (
+    Region,
+    TensorPlan,
+    TensorSplitError,  # noqa: F401 - raised by plan_tensor_split; callers import it from here
+    check_rewrites_private,
+    check_sizes,
+    describe,
+    log_plan,
+)
+from ortflow.graph.tensor_shapes import DimOf, shape_entry, static_ints, tensor_dims, weight_of
 from ortflow.graph.tensor_shard import shard_model
 from ortflow.graph.tensor_vocab import plan_vocab
 
-log = logging.getLogger(__name__)
-
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Identity", "Sqrt",
-                "Neg", "Exp", "Log", "Cast", "Where", "FastGelu", "Abs", "Reciprocal", "LeakyRelu", "Elu"}
-
-
-def _shapes(model: onnx.ModelProto) -> dict[str, list]:
-    """Every tensor's dims (None where not a fixed number). ONNX Runtime's symbolic inference follows shapes computed
-    from the inputs (Shape -> Gather -> Concat -> Reshape of dynamic-shape exports) where onnx's loses the fixed
-    dims; onnx's (with data propagation) fills in what it does not reach."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    g = inferred.graph
-    out = {}
-    for vi in [*g.value_info, *g.input, *g.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-    for name, dims in (symbolic_shapes(model) or {}).items():
-        out[name] = [d if isinstance(d, int) else None for d in dims]
-    for t in g.initializer:
-        out[t.name] = list(t.dims)
-    return out
+                "Neg", "Exp", "Log", "Cast", "Where", "FastGelu", "Abs", "Reciprocal", "LeakyRelu", "Elu",
+                "CastLike"}
 
 
 def _attr(node, name, default=None):
@@ -70,9 +58,9 @@ def _attr(node, name, default=None):
 class _Walk:
     """One pass over the graph in order, propagating 'split on axis k' (k < 0, counted from the end) from seeds."""
 
-    def __init__(self, model, trainable: set[str], seeds: set[int], size: int):
+    def __init__(self, model, trainable: set[str], seeds: set[int], size: int, dims: tuple[dict, dict]):
         self.g, self.trainable, self.size = model.graph, trainable, size
-        self.shapes = _shapes(model)
+        self.shapes, self.named = dims
         self.readers: dict[str, list[int]] = {}
         self.producers: dict[str, int] = {}
         for i, n in enumerate(self.g.node):
@@ -91,6 +79,8 @@ class _Walk:
         self.bias_of: dict[str, int] = {}  # tensor after the seed's bias add -> seed node
         self.rewrites: list[tuple[int, int, int, int, int]] = []  # (+ component)
         self.via_transpose: set[str] = set()  # weights read as Transpose(W) (torch's nn.Linear on 3-D inputs)
+        self.head_counts: list[tuple[int, int]] = []  # (Reshape node, size of the split axis it makes) for heads
+        self.seed_heads: dict[int, int] = {}  # seed node -> heads its output is reshaped into
         for i, node in enumerate(self.g.node):
             if i in seeds:
                 self.split[node.output[0]], self.comp[node.output[0]] = -1, i
@@ -173,14 +163,10 @@ class _Walk:
             return None
         if op == "Reshape":
             return self._reshape(i, node, axis)
-        if op == "Expand":  # to the shape of a tensor split alike (the engine's Where gradient fix writes these)
-            maker = self._producer(node.input[1])
-            shape_of = maker is not None and self.g.node[maker].op_type == "Shape"
-            source = self.g.node[maker].input[0] if shape_of else None
-            if source is None or self.split.get(source) != axis or self._rank(source) != self._rank(x):
-                return "an Expand to a shape other than that of a tensor split alike"
-            self.split[node.output[0]] = axis
-            return None
+        if op == "Expand":
+            return self._expand(i, node, axis)
+        if op in ("Unsqueeze", "Squeeze", "Slice", "Concat"):
+            return self._move(node, axis)
         if op == "Split":
             return self._split(i, node, axis)
         if op == "Softmax" or op == "LogSoftmax":
@@ -235,36 +221,77 @@ class _Walk:
 
     def _reshape(self, i: int, node, axis: int) -> str | None:
         x, out = node.input[0], node.output[0]
-        s_in, s_out = self.shapes.get(x), self.shapes.get(out)
-        if s_in is None or s_out is None or None in s_in[axis:]:
+        s_in, s_out = self.named.get(x), self.named.get(out)
+        if s_in is None or s_out is None:
             return "shapes around the Reshape are not known (export with fixed sizes)"
-        suffix = int(np.prod(s_in[axis:]))
-        # The leftmost axis b whose trailing dims (all fixed: the batch and sequence may be dynamic before them)
-        # hold exactly the split axis and the dims after it.
-        found = [b for b in range(1, len(s_out)) if None not in s_out[b:]
-                 and int(np.prod(s_out[b:])) == suffix and s_out[b] > 1]
-        if not found:
-            return "the split axis does not map onto one axis of the new shape"
-        b = found[0]
-        spec = self._shape_entry(i, node.input[1], b)
-        if isinstance(spec, str):
-            return spec
-        node_index, pos, element, value = spec
-        if value > 0:
-            self.rewrites.append((node_index, pos, element, value, self.find(self.comp[x])))
-        elif value == 0 and b != len(s_in) + axis:
-            return "the new shape copies (0) the split axis from another position"
+        b = reshape_axis(s_in, s_out, len(s_in) + axis)
+        if isinstance(b, str):
+            return b
+        why = self._entry(i, b, s_out[b], self.find(self.comp[x]), copies=len(s_in) + axis)
+        if why:
+            return why
         self.split[out] = b - len(s_out)
+        if b < len(s_out) - 1 and isinstance(s_out[b], int):  # a head axis: each rank needs whole heads
+            self.head_counts.append((i, s_out[b]))
+            if x in self.bias_of:
+                self.seed_heads.setdefault(self.bias_of[x], s_out[b])
         if x in self.bias_of and axis == -1 and b == len(s_out) - 1:  # [B*T, 3D] -> [B, T, 3D] before a fused Split
             self.bias_of[out] = self.bias_of[x]
         return None
 
+    def _entry(self, i: int, element: int, full, root: int, copies: int | None = None) -> str | None:
+        """Check the entry of node ``i``'s shape input that sets the split axis's size (``full`` on the whole
+        model), and record the rewrite of the constant holding it: a tensor's runtime size follows the local size
+        by itself when that tensor is split on that axis; -1 (Reshape) and 1 (Expand) need nothing."""
+        spec = shape_entry(self.g, self.shapes, self.producers, i, 1, element)
+        if isinstance(spec, DimOf):
+            t = spec.tensor
+            if t in self.split and self._rank(t) + self.split[t] == spec.axis:
+                return None
+            return f"the new shape's split entry is the size of axis {spec.axis} of '{t}', which is not split there"
+        if isinstance(spec, str):
+            return spec
+        value, scale = spec[3], spec[4]
+        if value == -1 or (value == 1 and copies is None):
+            return None
+        if value == 0:
+            return None if copies == element else "the new shape copies (0) the split axis from another position"
+        if isinstance(full, int) and value * scale != full:
+            return f"the new shape's split entry {value * scale:g} is not the split axis's size {full}"
+        self.rewrites.append((*spec[:4], root))
+        return None
+
+    def _expand(self, i: int, node, axis: int) -> str | None:
+        """An Expand that broadcasts other axes than the split one (``repeat_kv``: ``[B, KV, 1, T, D]`` to
+        ``[B, KV, n_rep, T, D]``; the engine's Where gradient fix: to the shape of a tensor split alike)."""
+        x = node.input[0]
+        target = self.shapes.get(node.input[1])
+        if not target or target[0] is None:
+            return "an Expand to a shape of unknown length"
+        if target[0] + axis >= 0:
+            why = self._entry(i, target[0] + axis, self._dim(x, axis), self.find(self.comp[x]))
+            if why:
+                return why
+        self.split[node.output[0]] = axis
+        return None
+
+    def _move(self, node, axis: int) -> str | None:
+        """Unsqueeze, Squeeze, Slice and Concat (:func:`ortflow.graph.tensor_axes.moved_axis`)."""
+        x = node.input[0]
+        rank = self._rank(x)
+        if rank is None:
+            return "unknown rank"
+        if node.op_type == "Concat" and any(y not in self.split or self.split[y] != axis for y in node.input):
+            return "a Concat of a split tensor with one not split alike"
+        static = [static_ints(self.g, self.producers, y) if y else None for y in node.input[1:]]
+        moved = moved_axis(node, rank, rank + axis, static, self._dim(x, axis))
+        if isinstance(moved, str):
+            return moved
+        self.split[node.output[0]] = moved
+        return None
+
     def _producer(self, name: str):
         return self.producers.get(name)
-
-    def _shape_entry(self, i: int, name: str, b: int):
-        """Where entry ``b`` of a Reshape's shape lives: (node, input, element, value), or why it cannot change."""
-        return shape_entry(self.g, self.shapes, self.producers, i, 1, b)
 
 
 def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
@@ -293,13 +320,14 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
             region was found.
     """
     trainable = set(trainable)
-    candidates = _candidates(model.graph, trainable, _shapes(model))
+    dims = tensor_dims(model)
+    candidates = _candidates(model.graph, trainable, dims[0])
     seeds, kept = set(candidates), {}
     for n in model.graph.node:  # a layer the pass could split once its bias is taken out (configure does)
         if n.op_type == "Gemm" and not is_plain_gemm(n) and n.input[1] in trainable:
             kept[n.input[1]] = "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
     while True:
-        walk = _Walk(model, trainable, seeds, size)
+        walk = _Walk(model, trainable, seeds, size, dims)
         downstream = {s for s in seeds if model.graph.node[s].input[0] in walk.split}
         if downstream:  # fed by another seed's activation: a row-split MatMul, not a seed
             seeds -= downstream
@@ -318,7 +346,8 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept,
                           embedded)
     plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
-    _check_sizes(model, plan, walk)
+    check_sizes(model, plan, walk.shapes, walk.head_counts)
+    check_rewrites_private(model, plan, walk.readers)
     return plan
 
 
@@ -333,6 +362,8 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
             r.nodes.append(walk.producers[graph.node[s].input[1]])
         if walk.groups.get(s, 1) > 1:
             r.groups[candidates[s]] = walk.groups[s]
+        if s in walk.seed_heads:
+            r.num_heads[candidates[s]] = walk.seed_heads[s]
         x = graph.node[s].input[0]
         if x not in r.inputs:
             r.inputs.append(x)
@@ -356,46 +387,13 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
     return [by_root[k] for k in sorted(by_root)]
 
 
-def _check_sizes(model, plan: TensorPlan, walk: _Walk) -> None:
-    if not plan.regions:
-        raise TensorSplitError(
-            "distributed.horizontal_parallel_size > 1 found no layer to split (a MatMul by a 2-D weight whose output "
-            f"reaches a second weight MatMul through element-wise ops and head reshapes); kept: {plan.kept}; use 1"
-        )
-    bad = []
-    for name, (axis, parts) in plan.slicing().items():
-        dim = walk.shapes[name][axis if len(walk.shapes[name]) > 1 else 0]
-        if dim % (parts * plan.size):
-            bad.append(f"{name} {walk.shapes[name]} (axis {axis}{f', {parts} parts' if parts > 1 else ''})")
-    for i, _, _, value in plan.rewrites:
-        if value % plan.size:
-            bad.append(f"{model.graph.node[i].op_type} '{node_label(model.graph.node[i])}' size {value} (heads?)")
-    if bad:
-        raise TensorSplitError(
-            f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "
-            "the number of heads and the widths, or 1"
-        )
-
-
-def describe(plan: TensorPlan) -> list[str]:
-    """One line per region and one for what stays replicated (the pass logs these)."""
-    lines = [f"region {k}: columns {r.columns} (+ biases {r.biases}), rows {r.rows}; all-reduce after {r.outputs}"
-             + (f"; fused parts {r.groups}" if r.groups else "") + (f"; [out, in] {r.transposed}" if r.transposed
-                                                                     else "")
-             if not r.vocab else f"region {k}: vocabulary split of {list(r.vocab)} (axis {list(r.vocab.values())[0]})"
-             f" in {'the LM head ' + str(list(r.heads)) if r.heads else 'the embedding ' + str(r.outputs)}; "
-             f"all-reduce after {r.outputs}" for k, r in enumerate(plan.regions)]
-    lines += [f"kept replicated: {w} ({why})" for w, why in sorted(plan.kept.items())]
-    return lines
-
-
 def split_for_rank(model: onnx.ModelProto, trainable, size: int, rank: int,
                    report: list[dict] | None = None) -> tuple[onnx.ModelProto, TensorPlan]:
     """Plan (logging what it split and kept) and shard for ``rank``: the pass of configure."""
     plan = plan_tensor_split(model, trainable, size)
     lines = describe(plan)
     if rank == 0:
-        log.info("tensor_parallel %d: %s", size, "; ".join(lines))
+        log_plan(plan)
         if report is not None:
             report.append({"pass": "tensor_parallel", "changes": lines})
     return shard_model(model, plan, rank), plan

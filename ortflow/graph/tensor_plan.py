@@ -3,9 +3,15 @@ the vocabulary splits, :mod:`.tensor_shard` applies it to one rank's model)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+import onnx
+
+from ortflow.graph.onnx_tools import node_label
 from ortflow.graph.tensor_gemm import weight_axes
+
+log = logging.getLogger("ortflow.graph.tensor_parallel")
 
 
 class TensorSplitError(ValueError):
@@ -30,6 +36,9 @@ class Region:
         heads: A vocabulary-split LM head's output -> its rank (the local logits are padded back to the vocabulary).
         members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
             the outputs of ``nodes``.
+        num_heads: Column-split weight -> the number of attention heads its output is reshaped into (each rank
+            keeps ``num_heads / hp`` whole heads; under grouped-query attention the key/value projections have
+            fewer heads than the query's, and each rank's key/value heads are those its query heads read).
     """
 
     columns: list[str] = field(default_factory=list)
@@ -43,6 +52,7 @@ class Region:
     vocab: dict[str, int] = field(default_factory=dict)
     heads: dict[str, int] = field(default_factory=dict)
     members: list[str] = field(default_factory=list)
+    num_heads: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,3 +74,114 @@ class TensorPlan:
             out.update({w: (weight_axes(w in r.transposed)[1], 1) for w in r.rows})
             out.update({w: (axis, 1) for w, axis in r.vocab.items()})
         return out
+
+
+def _heads_note(r: Region, size: int) -> str:
+    if not r.num_heads:
+        return ""
+    most = max(r.num_heads.values())
+    parts = [f"{w} {n} -> {n // size} per rank" + (f" (key/value heads, each read by {most // n} query heads)"
+                                                     if n < most else "") for w, n in r.num_heads.items()]
+    return "; heads: " + ", ".join(parts)
+
+
+def describe(plan: TensorPlan) -> list[str]:
+    """The split plan: one line per region (what is split how, where the ranks add up) and one per weight that stays
+    replicated, with the reason (configure logs these, configure.json and ``ortflow validate`` show them)."""
+    lines = []
+    for k, r in enumerate(plan.regions):
+        if r.vocab:
+            where = "the LM head " + str(list(r.heads)) if r.heads else "the embedding " + str(r.outputs)
+            lines.append(f"region {k}: vocabulary split of {list(r.vocab)} (axis {list(r.vocab.values())[0]}) in "
+                         f"{where}; all-reduce after {r.outputs}")
+            continue
+        lines.append(f"region {k}: columns {r.columns} (+ biases {r.biases}), rows {r.rows}; all-reduce after "
+                     f"{r.outputs}" + (f"; fused parts {r.groups}" if r.groups else "")
+                     + (f"; [out, in] {r.transposed}" if r.transposed else "") + _heads_note(r, plan.size))
+    lines += [f"kept replicated: {w} ({why})" for w, why in sorted(plan.kept.items())]
+    return lines
+
+
+def log_plan(plan: TensorPlan, where: str = "") -> list[str]:
+    """Log the split plan: the regions at INFO, each weight kept replicated at WARNING (every rank computes it whole,
+    which costs memory and time the user asked tensor parallelism to save); returns :func:`describe`'s lines."""
+    lines = describe(plan)
+    for line in lines:
+        level = logging.WARNING if line.startswith("kept replicated") else logging.INFO
+        log.log(level, "tensor_parallel %d%s: %s", plan.size, where, line)
+    return lines
+
+
+def check_sizes(model: onnx.ModelProto, plan: TensorPlan, shapes: dict[str, list],
+                head_counts: list[tuple[int, int]]) -> None:
+    """Refuse a plan whose size does not divide a sliced weight, a rewritten shape entry or a head count
+    (``head_counts``: (node, heads) of the head reshapes in split regions), naming them and the sizes that fit."""
+    if not plan.regions:
+        raise TensorSplitError(
+            "distributed.horizontal_parallel_size > 1 found no layer to split (a MatMul by a 2-D weight whose output "
+            f"reaches a second weight MatMul through element-wise ops and head reshapes); kept: {plan.kept}; use 1"
+        )
+    heads = _head_problems(model, plan, head_counts)
+    bad = []
+    for name, (axis, parts) in plan.slicing().items():
+        dim = shapes[name][axis if len(shapes[name]) > 1 else 0]
+        if dim % (parts * plan.size):
+            bad.append(f"{name} {shapes[name]} (axis {axis}{f', {parts} parts' if parts > 1 else ''})")
+    for i, _, _, value in plan.rewrites:
+        if value % plan.size and not heads:
+            bad.append(f"{model.graph.node[i].op_type} '{node_label(model.graph.node[i])}' size {value} (heads?)")
+    if heads:
+        counts = sorted({n for r in plan.regions for n in r.num_heads.values()} | {n for _, n in head_counts})
+        fits = [k for k in range(1, min(counts) + 1) if all(n % k == 0 for n in counts)]
+        raise TensorSplitError(
+            f"distributed.horizontal_parallel_size {plan.size} does not divide {'; '.join(heads)}: tensor parallelism "
+            "gives each rank whole attention heads, and under grouped-query attention whole key/value heads with the "
+            "query heads that read them, so the size must divide the number of key/value heads; use one of "
+            f"{fits}" + (f" (and mind {bad})" if bad else ""))
+    if bad:
+        raise TensorSplitError(
+            f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "
+            "the number of heads and the widths, or 1"
+        )
+
+
+def _head_problems(model, plan: TensorPlan, head_counts: list[tuple[int, int]]) -> list[str]:
+    """Head counts ``plan.size`` does not divide: the projections' heads (query, key/value), then any other head
+    reshape in a split region (``repeat_kv``'s)."""
+    found = []
+    for r in plan.regions:
+        most = max(r.num_heads.values(), default=0)
+        for w, n in r.num_heads.items():
+            if n % plan.size:
+                found.append(f"the {n} {'key/value heads' if n < most else 'heads'} of {w}")
+    if not found:
+        found = [f"the {n} heads made by {model.graph.node[i].op_type} '{node_label(model.graph.node[i])}'"
+                 for i, n in head_counts if n % plan.size]
+    return found
+
+
+# Integer shape arithmetic between a rewritten constant and the Reshape or Expand that reads the shape.
+_SHAPE_OPS = {"Concat", "Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape", "Where", "Mul", "Div", "Gather",
+              "Slice", "Equal", "ConstantOfShape", "Shape"}
+
+
+def check_rewrites_private(model: onnx.ModelProto, plan: TensorPlan, readers: dict[str, list[int]]) -> None:
+    """Refuse a plan that rewrites a shape also read outside the split regions (an exporter shares one shape
+    constant between layers: a layer kept replicated would be reshaped to the local head count)."""
+    inside = {i for r in plan.regions for i in r.nodes}
+    graph = model.graph
+    for i, *_ in plan.rewrites:
+        todo, seen = list(graph.node[i].output), set()
+        while todo:
+            for k in readers.get(todo.pop(), []):
+                node = graph.node[k]
+                if k in inside or k in seen:
+                    continue
+                if node.op_type not in _SHAPE_OPS:
+                    raise TensorSplitError(
+                        f"the shape computed by {graph.node[i].op_type} '{node_label(graph.node[i])}' holds a head "
+                        f"count or width the split rewrites, and {node.op_type} '{node_label(node)}' outside the "
+                        "split layers also reads it; export the model without shared shape constants (torch: "
+                        "optimize=False) or use distributed.horizontal_parallel_size 1")
+                seen.add(k)
+                todo += list(node.output)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.support.exports import export_path
 from tests.support.parallel_runs import corpus
 from tests.support.runs import make_run
@@ -24,6 +26,30 @@ def gpt2_run(root: Path, name: str, **sections):
     optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
     return make_run(root, name, model=export_path("gpt2.onnx"), data=data, train=train, optimizer=optimizer,
                     **sections)
+
+
+def _dynamo_exports_configure() -> bool:
+    """Whether this ortflow configures the dynamo exporter's files (its constants in initializers, its torch names)."""
+    import importlib.util
+
+    return importlib.util.find_spec("ortflow.build.torch_model") is not None
+
+
+_DYNAMO = pytest.mark.skipif(not _dynamo_exports_configure(),
+                             reason="the dynamo exports configure with ortflow.build.torch_model (dynamo exports in)")
+#: The Llama fixtures: TorchScript, and the dynamo exporter's default and optimize=False files.
+LLAMA_EXPORTS = ["llama.onnx", pytest.param("llama-dynamo.onnx", marks=_DYNAMO),
+                 pytest.param("llama-dynamo-noopt.onnx", marks=_DYNAMO)]
+
+
+def llama_run(root: Path, name: str, export: str = "llama.onnx", **sections):
+    """A run of a Hugging Face Llama export (GQA: 4 query heads, 2 key/value heads; RoPE), unmodified, on ortflow's
+    own sources (byte tokens < its vocab 512)."""
+    data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": SEQ, "input_name": "input_ids"},
+            "eval_fraction": 0.05}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)
 
 
 

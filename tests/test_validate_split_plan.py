@@ -1,0 +1,49 @@
+"""``ortflow validate`` on a Llama export (grouped-query attention, RoPE) with tensor parallelism: the split plan it
+prints, and the sizes it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from ortflow.cli import app
+from ortflow.validate import validate
+from tests.support.exports import export_path
+from tests.support.parallel_runs import corpus
+
+
+def llama_config(tmp_path: Path, export: str = "llama.onnx", **distributed) -> Path:
+    raw = {"output_dir": str(tmp_path / "run"), "model": {"path": str(export_path(export))},
+           "data": {"train": [str(corpus(tmp_path))], "format": "text",
+                    "text": {"seq_len": 16, "input_name": "input_ids"}},
+           "train": {"batch_size": 2, "num_train_steps": 2}, "distributed": distributed}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_validate_prints_the_llama_attention_split_by_heads(tmp_path):
+    result = CliRunner().invoke(app, ["validate", str(llama_config(tmp_path, num_ranks=2,
+                                                                   horizontal_parallel_size=2))])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # the console wraps long lines
+    assert "split plan:" in text and text.rstrip().endswith("valid")
+    for layer in range(2):
+        attn = f"model.model.layers.{layer}.self_attn"
+        assert (f"columns ['{attn}.q_proj.weight', '{attn}.k_proj.weight', '{attn}.v_proj.weight'] (+ biases []), "
+                f"rows ['{attn}.o_proj.weight']") in text
+        assert f"{attn}.q_proj.weight 4 -> 2 per rank" in text
+        assert f"{attn}.k_proj.weight 2 -> 1 per rank (key/value heads, each read by 2 query heads)" in text
+        assert f"columns ['model.model.layers.{layer}.mlp.gate_proj.weight', " in text
+    assert "kept replicated" not in text  # every projection of the model is split
+
+
+def test_a_size_that_does_not_divide_the_key_value_heads_is_refused(tmp_path):
+    problems = validate(llama_config(tmp_path, num_ranks=4, horizontal_parallel_size=4))
+    assert len(problems) == 1, problems
+    # 64 query columns and 4 query heads divide by 4; the 2 key/value heads do not
+    assert "horizontal_parallel_size 4 does not divide the 2 key/value heads of " \
+           "model.model.layers.0.self_attn.k_proj.weight" in problems[0]
+    assert "use one of [1, 2]" in problems[0]
