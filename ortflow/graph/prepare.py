@@ -6,8 +6,8 @@ engine only through :func:`prepare_model`, which runs :data:`PASSES` in order an
 model is first prepared whole (without the loss) and cut afterwards, then every cut graph is prepared again: passes
 are idempotent, so the second run changes only what depends on the graph (its parameters, its loss, its outputs).
 
-Order matters: unused-parameter detection first, then optional outputs and Split rewrites (they make more nodes
-differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
+Order matters: unused-parameter detection first, then optional outputs, the exporter's sequence ops and Split
+rewrites (they make more nodes differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
 to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion (on
 CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes, then repeated
 inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums over the
@@ -40,6 +40,7 @@ from ortflow.graph.logits import flatten_logits
 from ortflow.graph.onnx_tools import FLOAT_TYPES, elem_types
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
+from ortflow.graph.sequences import sequences_to_tensors
 from ortflow.graph.shapes import declare_broadcast_shapes, shapes_from_inputs
 from ortflow.graph.split import split_to_slices
 from ortflow.graph.untrainable import untrainable_initializers
@@ -48,6 +49,7 @@ from ortflow.graph.untrainable import untrainable_initializers
 PASSES = (
     "untrainable_initializers",
     "declare_optional_outputs",
+    "sequences_to_tensors",
     "split_to_slices",
     "shapes_from_inputs",
     "gelu_rewrites",
@@ -127,6 +129,8 @@ def prepare_model(
             trainable = trainable - set(buffers)
         elif name == "declare_optional_outputs":
             model = declare_optional_outputs(model, report)
+        elif name == "sequences_to_tensors":
+            model = sequences_to_tensors(model, report)
         elif name == "split_to_slices":
             model = split_to_slices(model, report)
         elif name == "shapes_from_inputs":
