@@ -157,7 +157,29 @@ def _without_values(model: onnx.ModelProto) -> onnx.ModelProto:
     known = {i.name for i in graph.input}
     graph.input.extend(v for v in moved if v.name not in known)
     del graph.value_info[:]
+    _shape_ranges_as_slices(graph)
     return copy_model
+
+
+def _shape_ranges_as_slices(graph: onnx.GraphProto) -> None:
+    """``Shape(x, start, end)`` (opset 15, the dynamo exporter's ``x.size(i)``) as ``Slice(Shape(x))``: ONNX
+    Runtime's symbolic shape inference ignores the range and takes the whole shape."""
+    names = Names(graph)
+    rebuilt = []
+    for node in graph.node:
+        start, end = _attr(node, "start"), _attr(node, "end")
+        if node.op_type != "Shape" or (start is None and end is None):
+            rebuilt.append(node)
+            continue
+        whole = names.new(f"{node.output[0]}/whole")
+        bounds = [int64_constant(names, f"{node.output[0]}/{tag}", [v]) for tag, v in
+                  (("start", start or 0), ("end", end if end is not None else 2**62))]
+        rebuilt += [helper.make_node("Shape", [node.input[0]], [whole], name=names.new(f"{whole}/node")),
+                    *(c for c, _ in bounds),
+                    helper.make_node("Slice", [whole, *(b for _, b in bounds)], [node.output[0]],
+                                     name=names.new(f"{node.output[0]}/range"))]
+    del graph.node[:]
+    graph.node.extend(rebuilt)
 
 
 #: Ops whose gradient sums over the axes an input was broadcast along (the engine reads the input's declared shape).
