@@ -2,7 +2,8 @@
 
 A TorchScript export is used as it is. A dynamo export (torch's default exporter) goes through
 :func:`ortflow.graph.torch_params.torch_parameters` once: renamed and pre-transposed weights get their torch names and
-layouts, merged ones are untied, and the float initializers that are not torch parameters (buffers such as RoPE's
+layouts, merged ones are untied, the integer constant arithmetic the exporter leaves (``optimize=False``) is folded
+(:mod:`ortflow.graph.constant_folding`), and the float initializers that are not torch parameters (buffers such as RoPE's
 ``inv_freq``, constants the exporter computed) are added to ``model.frozen``, so the engine trains exactly the torch
 model's parameters. The result is written beside the artifacts (``torch-model/``, weights in external data) and the
 config configure builds from points at it; ``configure.json`` records what was trained under which torch name
@@ -18,6 +19,7 @@ import onnx
 
 from ortflow.build.engine_input import ArtifactsError
 from ortflow.config import RunConfig
+from ortflow.graph.constant_folding import fold_int_constants
 from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.torch_params import TorchParameters, is_dynamo_export, torch_parameters
 
@@ -63,7 +65,8 @@ def torch_source(cfg: RunConfig, folder: Path) -> tuple[RunConfig, TorchParamete
     target = folder / Path(cfg.model.path).name
     data = target.with_name(target.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends external data to an existing file
-    onnx.save(found.model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+    model = fold_int_constants(found.model)  # shape inference then types what the splits pass between pieces
+    onnx.save(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
               location=data.name, size_threshold=1024)
     for line in found.untied:
         log.info("model.path: untied %s", line)

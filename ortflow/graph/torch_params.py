@@ -230,7 +230,7 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
         holders[canonical] = holders.pop(name)
         alias_lists[canonical] = sorted((found | {name}) - {canonical} - set(holders))
     trained, untied = _rewrite(out, holders)
-    _clear_expression_dims(out.graph)
+    _clear_intermediate_types(out.graph)
     return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen)
 
 
@@ -297,11 +297,9 @@ def _replace_initializer(graph: onnx.GraphProto, tensor: onnx.TensorProto, tenso
         tensors[tensor.name] = graph.initializer[-1]
 
 
-def _clear_expression_dims(graph: onnx.GraphProto) -> None:
-    """Forget the intermediate dims the exporter writes as expressions of its symbols (``s33*Min(64, s50)``):
-    symbolic shape inference and the pipeline cuts would take them for dim names. Shape inference derives them again
-    from the inputs' dims."""
-    for value in graph.value_info:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param") and not dim.dim_param.isidentifier():
-                dim.ClearField("dim_param")
+
+def _clear_intermediate_types(graph: onnx.GraphProto) -> None:
+    """Drop the intermediate types the exporter declares (``value_info``, dims written as expressions of its symbols
+    such as ``s33*Min(64, s50)``): the passes and splits change shapes (a tensor-parallel slice halves a Linear's
+    output), and a stale declaration then contradicts shape inference, which derives them again from the inputs."""
+    del graph.value_info[:]
