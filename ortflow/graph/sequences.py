@@ -4,18 +4,22 @@
 ``SplitToSequence`` followed by one ``SequenceAt`` per part, and ``torch.cat`` of a list as ``SequenceConstruct`` +
 ``ConcatFromSequence``. The engine has no gradient for sequences: every parameter before them is "unreachable from
 the output". Each ``SequenceAt`` of a ``SplitToSequence`` with constant split sizes and a constant position becomes a
-``Slice`` of the split axis (not a ``Split``: a Split with an unused output gets a wrong gradient in the engine); a
+``Slice`` of the split axis (not a ``Split``: a Split with an unused output gets a wrong gradient in the engine), or,
+where the parts read cover the axis exactly once each, all of them one ``Split`` (every output used); a
 ``ConcatFromSequence`` of a ``SequenceConstruct`` becomes a ``Concat`` (after ``Unsqueeze`` for ``new_axis=1``).
 Sequences used any other way are left as they are (``check_differentiable`` then names them).
 """
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 from onnx import helper
 
 from ortflow.graph.onnx_tools import Names, constant_values, consumed_names, int64_constant, report_change
+from ortflow.graph.shapes import symbolic_shapes
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -41,7 +45,25 @@ def _bounds(graph: onnx.GraphProto, split: onnx.NodeProto, position: int) -> tup
     return int(offsets[position]), int(offsets[position + 1])
 
 
-def _split_parts(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: dict, report: list[str]) -> set[int]:
+def _whole(bounds: list[tuple[int, int]], length: int | None) -> bool:
+    """Whether the parts read cover ``length`` exactly, each once, without gaps."""
+    spans = sorted(bounds)
+    return (length is not None and spans[0][0] == 0 and spans[-1][1] == length
+            and all(a[1] == b[0] for a, b in zip(spans, spans[1:])))
+
+
+def _axis_lengths(shapes: dict[str, list] | None):
+    """A function (tensor, axis) -> the axis's fixed length in ``shapes`` (symbolic inference), or None."""
+    def length(name: str, axis: int) -> int | None:
+        dims = (shapes or {}).get(name)
+        if dims is None or not -len(dims) <= axis < len(dims) or not isinstance(dims[axis], int):
+            return None
+        return dims[axis]
+    return length
+
+
+def _split_parts(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: dict, report: list[str],
+                 axis_length) -> set[int]:
     """Slices for the SequenceAt reads of each rewritable SplitToSequence (``placed``: at the split's place); ids
     of the nodes they replace."""
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -63,6 +85,18 @@ def _split_parts(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: 
         squeeze = len(split.input) < 2 or not split.input[1]
         squeeze = squeeze and not _attr(split, "keepdims", 1)
         nodes = placed.setdefault(id(split), [])
+        replaced.add(id(split))
+        if not squeeze and _whole(bounds, axis_length(split.input[0], axis)):
+            # Every part read once: one Split (its gradient is right when every output is used), which the
+            # tensor-parallel split follows like a TorchScript export's fused-QKV Split.
+            order = sorted(range(len(reads)), key=lambda k: bounds[k][0])
+            sizes, sizes_name = int64_constant(names, f"{seq}/sizes", [bounds[k][1] - bounds[k][0] for k in order])
+            nodes += [sizes, helper.make_node("Split", [split.input[0], sizes_name],
+                                              [reads[k].output[0] for k in order], name=names.new(f"{seq}/Split"),
+                                              axis=axis)]
+            replaced.update(id(r) for r in reads)
+            report.append(f"{split.name or seq}: SplitToSequence + {len(reads)} SequenceAt -> Split")
+            continue
         for read, (start, end) in zip(reads, bounds):
             made = [int64_constant(names, f"{read.output[0]}/{tag}", [v]) for tag, v in
                     (("start", start), ("end", end), ("axis", axis))]
@@ -75,7 +109,6 @@ def _split_parts(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: 
                 nodes.append(helper.make_node("Squeeze", [sliced, axes], [read.output[0]],
                                               name=names.new(f"{read.output[0]}/Squeeze")))
             replaced.add(id(read))
-        replaced.add(id(split))
         report.append(f"{split.name or seq}: SplitToSequence + {len(reads)} SequenceAt -> {len(reads)} Slice")
     return replaced
 
@@ -123,16 +156,26 @@ def sequences_to_tensors(model: onnx.ModelProto, report: list[dict] | None = Non
     Returns:
         The rewritten model (a copy even when nothing changed).
     """
+    if not any(n.op_type in ("SplitToSequence", "ConcatFromSequence") for n in model.graph.node):
+        return copy.deepcopy(model)
+    # Slices first: the symbolic shape inference cannot read sequences; with them gone it tells which splits are
+    # read whole, and those become one Split.
+    sliced = _rewrite(model, _axis_lengths(None), [])
+    lines: list[str] = []
+    out = _rewrite(model, _axis_lengths(symbolic_shapes(sliced)), lines)
+    report_change("sequences_to_tensors", lines, report)
+    return out
+
+
+def _rewrite(model: onnx.ModelProto, axis_length, lines: list[str]) -> onnx.ModelProto:
+    """One rewrite of the sequences (Split where ``axis_length`` tells a split is read whole, else Slices)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    if not any(n.op_type in ("SplitToSequence", "ConcatFromSequence") for n in graph.node):
-        return out
     names = Names(graph)
-    lines: list[str] = []
     placed: dict[int, list[onnx.NodeProto]] = {}
     all_nodes = list(graph.node)  # held, so that the ids the helpers key on stay those of these nodes
-    replaced = (_split_parts(graph, all_nodes, names, placed, lines)
+    replaced = (_split_parts(graph, all_nodes, names, placed, lines, axis_length)
                 | _concats(graph, all_nodes, names, placed, lines))
     if not replaced:
         return out
@@ -147,5 +190,4 @@ def sequences_to_tensors(model: onnx.ModelProto, report: list[dict] | None = Non
     stale = [v for v in graph.value_info if v.name not in used and v.type.HasField("sequence_type")]
     for value in stale:
         graph.value_info.remove(value)
-    report_change("sequences_to_tensors", lines, report)
     return out

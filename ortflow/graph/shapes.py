@@ -20,8 +20,9 @@ from __future__ import annotations
 import copy
 import logging
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ortflow.graph.onnx_tools import Names, int64_constant, node_label, report_change
 
@@ -158,7 +159,26 @@ def _without_values(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.input.extend(v for v in moved if v.name not in known)
     del graph.value_info[:]
     _shape_ranges_as_slices(graph)
+    _constants_as_tensors(graph)
     return copy_model
+
+
+_CONSTANT_FORMS = {"value_int": (np.int64, "i"), "value_ints": (np.int64, "ints"), "value_float": (np.float32, "f"),
+                   "value_floats": (np.float32, "floats")}
+
+
+def _constants_as_tensors(graph: onnx.GraphProto) -> None:
+    """``Constant(value_int=...)`` and the other scalar/list forms (the dynamo exporter's) as ``Constant(value=...)``:
+    ONNX Runtime's symbolic shape inference reads only ``value``."""
+    for node in graph.node:
+        attr = node.attribute[0] if node.op_type == "Constant" and len(node.attribute) == 1 else None
+        if attr is None or attr.name not in _CONSTANT_FORMS:
+            continue
+        dtype, field = _CONSTANT_FORMS[attr.name]
+        raw = getattr(attr, field)
+        value = np.asarray(list(raw) if field in ("ints", "floats") else raw, dtype=dtype)
+        del node.attribute[:]
+        node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
 
 
 def _shape_ranges_as_slices(graph: onnx.GraphProto) -> None:
