@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 from ortflow.graph.onnx_tools import FLOAT_TYPES, GraphError, Names
 
 KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+PERSISTENT = "pkg.torch.export.graph_signature.InputSpec.persistent"
 ORIGINAL = "pkg.torch.onnx.original_node_name"
 FX_NODE = "pkg.torch.onnx.fx_node"
 SCOPES = "pkg.torch.onnx.name_scopes"
@@ -55,6 +56,7 @@ class TorchParameters:
         aliases: Torch parameter name -> the other state-dict names tied to it (a tied embedding and LM head).
         untied: One line per merged tensor split back into its torch parameters.
         frozen: Float initializer -> why it is not trained (a buffer, a constant the exporter computed).
+        persistent: The torch buffers kept under their names that belong in the state dict (``persistent``).
     """
 
     model: onnx.ModelProto
@@ -62,10 +64,12 @@ class TorchParameters:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     untied: list[str] = field(default_factory=list)
     frozen: dict[str, str] = field(default_factory=dict)
+    persistent: list[str] = field(default_factory=list)
 
     def to_record(self) -> dict:
         """The ``torch`` entry of configure.json."""
-        return {"parameters": self.trained, "aliases": self.aliases, "untied": self.untied, "frozen": self.frozen}
+        return {"parameters": self.trained, "aliases": self.aliases, "untied": self.untied, "frozen": self.frozen,
+                "persistent_buffers": self.persistent}
 
 
 def is_dynamo_export(model: onnx.ModelProto) -> bool:
@@ -101,11 +105,14 @@ class _Reader:
     def __init__(self, model: onnx.ModelProto):
         self.graph = model.graph
         self.kinds: dict[str, str] = {}
+        self.persistent: set[str] = set()
         self.names: dict[str, str] = {}  # placeholder -> torch name
         for value in (*self.graph.value_info, *self.graph.input):
             meta = _meta(value)
             if KIND in meta:
                 self.kinds[value.name] = meta[KIND]
+                if meta.get(PERSISTENT) == "True":
+                    self.persistent.add(value.name)
                 if ORIGINAL in meta:
                     self.names[meta[ORIGINAL]] = value.name
         self.uses: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
@@ -186,7 +193,8 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
             continue
         kind = reader.kinds.get(tensor.name)
         if kind == "BUFFER":
-            frozen[tensor.name] = "a torch buffer: not a parameter"
+            kept = "in the state dict" if tensor.name in reader.persistent else "not in the state dict"
+            frozen[tensor.name] = f"a torch buffer ({kept}): not a parameter"
             continue
         found = []
         for node, pos in reader.uses.get(tensor.name, []):
@@ -231,7 +239,9 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
         alias_lists[canonical] = sorted((found | {name}) - {canonical} - set(holders))
     trained, untied = _rewrite(out, holders)
     _clear_intermediate_types(out.graph)
-    return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen)
+    persistent = sorted(name for name in reader.persistent if name in frozen)
+    return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen,
+                           persistent)
 
 
 def _rewrite(model: onnx.ModelProto, holders: dict) -> tuple[dict[str, dict], list[str]]:
