@@ -143,6 +143,13 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, 
     _assert_equal_to(bert_dp, cfg, _train(cfg), atol=TP_ATOL if hp > 1 else ATOL)
 
 
+# The two exporters write the same model with differently ordered fp32 ops (Llama: TorchScript folds RoPE's cos/sin
+# tables into constants, dynamo computes them from inv_freq in the graph; RMSNorm's mean and rsqrt are written
+# apart), so gradients differ by a few ulps and AdamW turns an element whose gradient is near zero into a step of up
+# to lr: measured after 20 updates on 2 ranks, GPT-2 bit for bit (0), Llama at most 1.2e-6 (median 2e-10) on weights
+# that moved 1e-2. The bound, 1e-5, is a hundredth of one update's change (lr = 1e-3).
+EXPORTER_ATOL = 1e-5
+
 # Torch's default exporter (dynamo) on the same models: configure trains each export's torch parameters under their
 # torch names (ortflow/build/torch_model.py), so every layout is compared with the unsplit run name by name.
 DYNAMO = ("gpt2-dynamo-noopt.onnx", "llama-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "llama-dynamo.onnx")
@@ -190,6 +197,6 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     worst, worst_key = _max_diffs(trained, script)
     print(f"{family}: dynamo optimize=False vs TorchScript after 20 updates on 2 ranks: max |param diff| {worst:.3g} "
           f"(key biases {worst_key:.3g})")
-    assert worst < ATOL
+    assert worst < EXPORTER_ATOL
     assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(*(losses(o.stdout) for o in outs.values()), rtol=1e-5)
