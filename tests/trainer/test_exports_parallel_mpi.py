@@ -200,3 +200,25 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert worst < EXPORTER_ATOL
     assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(*(losses(o.stdout) for o in outs.values()), rtol=1e-5)
+    _assert_state_dict_holds_the_trained_values(runs[f"{family}-dynamo-noopt.onnx"], dynamo, record)
+
+
+def _assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict) -> None:
+    """``ortflow export RUN --state-dict`` writes every torch state-dict key (tied names too) with its torch shape and
+    the trained values, under the Hugging Face model's own names (the fixtures' wrapper prefix ``model.`` stripped)."""
+    from safetensors.numpy import load_file
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+
+    out = cfg.output_dir / "weights.safetensors"
+    result = CliRunner().invoke(app, ["export", str(cfg.output_dir), "--state-dict", str(out), "--checkpoint",
+                                      "latest", "--strip-prefix", "model."])
+    assert result.exit_code == 0, result.output
+    written = load_file(str(out))
+    assert sorted(written) == sorted(k.removeprefix("model.") for k in record["state_dict"])
+    tied = {alias: name for name, alias in record["tied"]}
+    for key, shape in record["state_dict"].items():
+        value = written[key.removeprefix("model.")]
+        assert list(value.shape) == shape, key
+        np.testing.assert_array_equal(value, trained[tied.get(key, key)], err_msg=key)
