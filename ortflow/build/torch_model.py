@@ -3,11 +3,11 @@
 A TorchScript export is used as it is. A dynamo export (torch's default exporter) goes through
 :func:`ortflow.graph.torch_params.torch_parameters` once: renamed and pre-transposed weights get their torch names and
 layouts, merged ones are untied, the integer constant arithmetic the exporter leaves (``optimize=False``) is folded
-(:mod:`ortflow.graph.constant_folding`), and the float initializers that are not torch parameters (buffers such as RoPE's
-``inv_freq``, constants the exporter computed) are added to ``model.frozen``, so the engine trains exactly the torch
-model's parameters. The result is written beside the artifacts (``torch-model/``, weights in external data) and the
-config configure builds from points at it; ``configure.json`` records what was trained under which torch name
-(``torch``), what was untied and what was frozen and why.
+(:mod:`ortflow.graph.constant_folding`), the constants the exporter computed (``expand_1``, scalars) become
+``Constant`` nodes and the torch buffers (RoPE's ``inv_freq``, masks) are added to ``model.frozen``, so the engine
+trains exactly the torch model's parameters. The result is written beside the artifacts (``torch-model/``, weights in
+external data) and the config configure builds from points at it; ``configure.json`` records what was trained under
+which torch name (``torch``), what was untied and what was frozen and why.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def torch_source(cfg: RunConfig, folder: Path) -> tuple[RunConfig, TorchParamete
         log.info("model.path: untied %s", line)
     if found.frozen:
         log.info("model.path: not trained (not torch parameters): %s", ", ".join(sorted(found.frozen)))
-    frozen = (*cfg.model.frozen, *(_escaped(name) for name in sorted(found.frozen)))
+    kept = {t.name for t in model.graph.initializer}  # buffers; computed constants became Constant nodes
+    frozen = (*cfg.model.frozen, *(_escaped(name) for name in sorted(found.frozen) if name in kept))
     model = cfg.model.model_copy(update={"path": target, "frozen": frozen})
     return cfg.model_copy(update={"model": model}), found

@@ -211,7 +211,7 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
             if kind == "PARAMETER":
                 unknown.append(f"'{tensor.name}' is a parameter that no op reads as one")
             else:
-                frozen[tensor.name] = "a constant the exporter computed, not a torch parameter"
+                frozen[tensor.name] = "a constant the exporter computed, not a torch parameter: a Constant node"
             continue
         seen = {(id(n), p) for _, n, p in found}
         uses_without = [u for u in reader.uses.get(tensor.name, []) if (id(u[0]), u[1]) not in seen]
@@ -238,6 +238,7 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
         holders[canonical] = holders.pop(name)
         alias_lists[canonical] = sorted((found | {name}) - {canonical} - set(holders))
     trained, untied = _rewrite(out, holders)
+    _constants_as_nodes(out.graph, {n for n, why in frozen.items() if why.endswith("a Constant node")})
     _clear_intermediate_types(out.graph)
     persistent = sorted(name for name in reader.persistent if name in frozen)
     return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen,
@@ -286,10 +287,35 @@ def _rewrite(model: onnx.ModelProto, holders: dict) -> tuple[dict[str, dict], li
         graph.initializer.remove(t)
     for value in [v for v in graph.value_info if v.name in {t.name for t in stale}]:
         graph.value_info.remove(value)
-    nodes = [*new_nodes, *graph.node]  # Transposes read only initializers: first is topologically fine
+    _place_before_readers(graph, new_nodes)
+    return trained, untied
+
+
+def _place_before_readers(graph: onnx.GraphProto, added: list[onnx.NodeProto]) -> None:
+    """Put each added node (it reads only initializers) just before the first node that reads its output, where
+    torch's own ``Transpose`` of a Linear weight is (the pipeline cuts follow graph order)."""
+    pending = {node.output[0]: node for node in added}
+    nodes = []
+    for node in graph.node:
+        for name in node.input:
+            if name in pending:
+                nodes.append(pending.pop(name))
+        nodes.append(node)
+    nodes.extend(pending.values())
     del graph.node[:]
     graph.node.extend(nodes)
-    return trained, untied
+
+
+def _constants_as_nodes(graph: onnx.GraphProto, names: set[str]) -> None:
+    """The initializers ``names`` as ``Constant`` nodes (first in the graph): values the exporter computed, which
+    are no parameters and never change, as TorchScript writes them (no checkpoint entry, no pipeline state)."""
+    tensors = [t for t in graph.initializer if t.name in names]
+    constants = [helper.make_node("Constant", [], [t.name], name=f"{t.name}/constant", value=t) for t in tensors]
+    for tensor in tensors:
+        graph.initializer.remove(tensor)
+    nodes = [*constants, *graph.node]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _layout(tensor: onnx.TensorProto, transposed: bool) -> np.ndarray:

@@ -78,10 +78,11 @@ def bert_data(root: Path, num_rows: int = 240, seq: int = 16) -> Path:
     return path
 
 
-def bert_run(root: Path, name: str, **sections):
-    """A run of the Hugging Face BERT classifier export, unmodified (input_ids and attention_mask, 3 labels)."""
+def bert_run(root: Path, name: str, export: str = "bert.onnx", **sections):
+    """A run of the Hugging Face BERT classifier export (TorchScript by default), unmodified (input_ids and
+    attention_mask, 3 labels)."""
     data = {"train": [str(bert_data(root))], "eval_fraction": 0.1}
     train = {**TRAIN, **sections.pop("train", {})}
     optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
-    return make_run(root, name, model=export_path("bert.onnx"), data=data, train=train, optimizer=optimizer,
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer,
                     **sections)

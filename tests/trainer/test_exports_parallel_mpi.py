@@ -152,28 +152,34 @@ EXPORTER_ATOL = 1e-5
 
 # Torch's default exporter (dynamo) on the same models: configure trains each export's torch parameters under their
 # torch names (ortflow/build/torch_model.py), so every layout is compared with the unsplit run name by name.
-DYNAMO = ("gpt2-dynamo-noopt.onnx", "llama-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "llama-dynamo.onnx")
+DYNAMO = ("gpt2-dynamo-noopt.onnx", "llama-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "llama-dynamo.onnx",
+          "bert-dynamo.onnx")
+
+
+def _dynamo_run(root, name, export, **sections):
+    return (bert_run if export.startswith("bert") else gpt2_run)(root, name, export=export, **sections)
 
 
 @pytest.fixture(scope="module", params=DYNAMO)
 def dynamo_dp(request, tmp_path_factory):
     """The unsplit reference of a dynamo export: one rank, the same global batch as every split layout."""
     root = tmp_path_factory.mktemp(request.param.removesuffix(".onnx"))
-    cfg = gpt2_run(root, "dp", export=request.param, distributed={"num_ranks": 1})
+    cfg = _dynamo_run(root, "dp", request.param, distributed={"num_ranks": 1})
     return cfg, _train(cfg)
 
 
 @pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "hp2", "pp2xhp2"])
 def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(dynamo_dp, pp, hp):
     root = dynamo_dp[0].output_dir.parent
-    cfg = gpt2_run(root, f"pp{pp}hp{hp}", export=dynamo_dp[0].model.path.name,
-                   distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp, "horizontal_parallel_size": hp})
-    if hp > 1:  # every block's MLP is split (these exports' attention stays replicated, logged with the reason)
+    cfg = _dynamo_run(root, f"pp{pp}hp{hp}", dynamo_dp[0].model.path.name,
+                      distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp, "horizontal_parallel_size": hp})
+    if hp > 1:  # every block's MLP is split (GPT-2's and Llama's attention stays replicated, logged with the reason)
         split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
         if pp > 1:
             split = [line.split(": ", 1)[1] for line in split]
-        blocks = 4 if "gpt2" in str(cfg.model.path) else 2
-        assert sum(line.startswith("region") and ".mlp." in line for line in split) == blocks, split
+        mlp = {"gpt2": (".mlp.", 4), "llama": (".mlp.", 2), "bert": ("intermediate.dense", 2)}
+        marker, blocks = mlp[dynamo_dp[0].model.path.name.split("-")[0]]
+        assert sum(line.startswith("region") and marker in line for line in split) == blocks, split
     _assert_equal_to(dynamo_dp, cfg, _train(cfg), atol=TP_ATOL if hp > 1 else ATOL)
 
 
@@ -222,3 +228,23 @@ def _assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict
         value = written[key.removeprefix("model.")]
         assert list(value.shape) == shape, key
         np.testing.assert_array_equal(value, trained[tied.get(key, key)], err_msg=key)
+
+
+def test_default_dynamo_export_trains_with_zero1_and_adasum(tmp_path_factory):
+    """The default (optimize=True) Llama export on 2 ranks: ZeRO-1 ends where plain data parallelism does, Adasum
+    trains (its combination of the ranks' gradients differs from the mean by design), both on the torch parameters."""
+    from tests.support.exports import torch_record
+
+    root = tmp_path_factory.mktemp("llama-exchanges")
+    runs = {name: gpt2_run(root, name, export="llama-dynamo.onnx", distributed={"num_ranks": 2, **extra})
+            for name, extra in (("dp2", {}), ("zero1", {"zero_stage": 1}), ("adasum", {"enable_adasum": True}))}
+    outs = {name: _train(cfg) for name, cfg in runs.items()}
+    params = {name: read_params(newest(cfg)) for name, cfg in runs.items()}
+    record = torch_record("llama")
+    for name, cfg in runs.items():
+        info = json.loads((cfg.output_dir / "configure.json").read_text())
+        assert sorted(info["trainable"]) == sorted(record["parameters"]), name
+    worst, _ = _max_diffs(params["dp2"], params["zero1"])
+    assert worst < ATOL
+    adasum = losses(outs["adasum"].stdout)
+    assert len(adasum) == 20 and np.isfinite(adasum).all() and np.mean(adasum[-5:]) < np.mean(adasum[:5])

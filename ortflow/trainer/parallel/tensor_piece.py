@@ -200,7 +200,10 @@ class TensorRuntime(Runtime):
                     view(self.param_buffer(other, name))[...] = view(self.param_buffer(holders[0], name))
 
     def _tied(self) -> list[tuple[str, list[int]]]:
-        return [(name, holders) for name, holders in self.holders.items() if len(holders) > 1]
+        """Trained parameters read by several pieces (a frozen one, such as RoPE's frequencies read by every layer's
+        attention piece, has no gradient and never changes)."""
+        trained = set(self.trainable)
+        return [(name, holders) for name, holders in self.holders.items() if len(holders) > 1 and name in trained]
 
     def reset_gradients(self) -> None:
         for piece in self.pieces:
