@@ -78,4 +78,4 @@ def _evaluate(node: onnx.NodeProto, known: dict[str, np.ndarray]) -> dict[str, n
         return None
     if any(not isinstance(r, np.ndarray) or r.dtype.type not in _INTS or r.size > MAX_ELEMENTS for r in results):
         return None
-    return dict(zip(node.output, results))
+    return dict(zip(node.output, results, strict=False))

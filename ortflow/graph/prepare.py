@@ -6,23 +6,23 @@ engine only through :func:`prepare_model`, which runs :data:`PASSES` in order an
 model is first prepared whole (without the loss) and cut afterwards, then every cut graph is prepared again: passes
 are idempotent, so the second run changes only what depends on the graph (its parameters, its loss, its outputs).
 
-Order matters: unused-parameter detection first, then optional outputs, the exporter's sequence ops and Split
-rewrites (they make more nodes differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
-to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion (on
-CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes, then repeated
-inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums over the
-broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for
-the loss (only on the graph that computes the loss), and last the check that every node on the trained path has a
-gradient (on the graph the engine will see). No step changes an
-initializer.
+Order matters: unused-parameter detection first, then optional outputs, the exporter's sequence ops and Split rewrites
+(they make more nodes differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter,
+so a cut never has to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the
+GELU fusion (on CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes,
+then repeated inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums
+over the broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient, then the logits
+flattening for the loss (only on the graph that computes the loss), and last the check that every node on the trained
+path has a gradient (on the graph the engine will see). No step changes an initializer.
 
-The passes run on a skeleton of the model whose weights hold no values (name, type and dims only); the
-original tensors are put back at the end. Constants stay whole wherever an exporter puts them: ``Constant`` nodes
-(TorchScript) and small initializers (the dynamo exporter keeps scalars, shapes and axes as initializers of at most
-:data:`CONSTANT_ELEMENTS` values), so every pass reads them; a pass that reads a weight gets None from
-:func:`ortflow.graph.onnx_tools.constant_values`, never an empty array. So weights never go through a pass, and a 400 MB model is not copied
-once per pass (measured on the 97.8M-parameter GPT, ``build_gpt(vocab_size=8192, seq_len=256, d_model=768,
-num_layers=12, num_heads=12)``, 2 shared cores: 28.8 s when the passes copied the values, 2.8 s on the skeleton).
+The passes run on a skeleton of the model whose weights hold no values (name, type and dims only); the original tensors
+are put back at the end. Constants stay whole wherever an exporter puts them: ``Constant`` nodes (TorchScript) and small
+initializers (the dynamo exporter keeps scalars, shapes and axes as initializers of at most :data:`CONSTANT_ELEMENTS`
+values), so every pass reads them; a pass that reads a weight gets None from
+:func:`ortflow.graph.onnx_tools.constant_values`, never an empty array. So weights never go through a pass, and a 400 MB
+model is not copied once per pass (measured on the 97.8M-parameter GPT, ``build_gpt(vocab_size=8192, seq_len=256,
+d_model=768, num_layers=12, num_heads=12)``, 2 shared cores: 28.8 s when the passes copied the values, 2.8 s on the
+skeleton).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def _bounds(graph: onnx.GraphProto, split: onnx.NodeProto, position: int) -> tup
     sizes = constant_values(graph, split.input[1]) if len(split.input) > 1 and split.input[1] else np.asarray(1)
     if sizes is None:
         return None
-    if sizes.ndim == 0:  # equal chunks of this size (the last may be shorter: its end is past the axis, as Slice allows)
+    if sizes.ndim == 0:  # equal chunks of this size (the last may be shorter: its end past the axis, as Slice allows)
         if position < 0:
             return None
         size = int(sizes)
@@ -49,7 +49,7 @@ def _whole(bounds: list[tuple[int, int]], length: int | None) -> bool:
     """Whether the parts read cover ``length`` exactly, each once, without gaps."""
     spans = sorted(bounds)
     return (length is not None and spans[0][0] == 0 and spans[-1][1] == length
-            and all(a[1] == b[0] for a, b in zip(spans, spans[1:])))
+            and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)))
 
 
 def _axis_lengths(shapes: dict[str, list] | None):
@@ -97,7 +97,7 @@ def _split_parts(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: 
             replaced.update(id(r) for r in reads)
             report.append(f"{split.name or seq}: SplitToSequence + {len(reads)} SequenceAt -> Split")
             continue
-        for read, (start, end) in zip(reads, bounds):
+        for read, (start, end) in zip(reads, bounds, strict=True):
             made = [int64_constant(names, f"{read.output[0]}/{tag}", [v]) for tag, v in
                     (("start", start), ("end", end), ("axis", axis))]
             nodes.extend(node for node, _ in made)

@@ -268,7 +268,7 @@ def _rewrite(model: onnx.ModelProto, holders: dict) -> tuple[dict[str, dict], li
         tensor = numpy_helper.from_array(first, torch_name)
         keep.add(torch_name)
         transposed_name = None
-        for src, node, pos, flip in uses:
+        for _, node, pos, flip in uses:
             if flip:
                 if transposed_name is None:
                     transposed_name = names.new(f"{torch_name}/transposed")
