@@ -114,3 +114,21 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
         stripped = tmp_path / f"{state}-hf.safetensors"
         export_state_dict(result.run_dir, stripped, checkpoint="initial", strip_prefix="model.")
         assert sorted(load_file(str(stripped))) == sorted(k.removeprefix("model.") for k in expected)
+
+
+def test_constants_in_external_data_reach_the_passes_when_the_weights_stay_on_disk(tmp_path):
+    from ortflow.build.engine_input import prepare
+    from ortflow.config import config_from_dict
+    from ortflow.graph.torch_params import torch_parameters
+
+    model = torch_parameters(onnx.load(str(export_path("gpt2-dynamo.onnx")))).model
+    path = tmp_path / "all-external.onnx"  # every tensor in external data, scalars and shapes too
+    onnx.save(model, str(path), save_as_external_data=True, location="all-external.onnx.data", size_threshold=0)
+    cfg = config_from_dict({"name": "x", "output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
+                            "data": {"train": str(tmp_path / "unused.parquet")},
+                            "train": {"batch_size": 2, "num_train_steps": 2}})
+    trainable = [t.name for t in model.graph.initializer if t.name.startswith("model.")]
+    in_memory, _ = prepare(cfg, trainable, "logits", "labels", proto_limit=1 << 40)
+    on_disk, batch = prepare(cfg, trainable, "logits", "labels", proto_limit=1)  # as a model over 2 GB is prepared
+    assert batch is None  # the weights were not loaded
+    assert on_disk.report == in_memory.report and in_memory.report
