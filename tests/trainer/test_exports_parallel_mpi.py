@@ -207,6 +207,7 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(*(losses(o.stdout) for o in outs.values()), rtol=1e-5)
     _assert_state_dict_holds_the_trained_values(runs[f"{family}-dynamo-noopt.onnx"], dynamo, record)
+    _assert_exports_one_model(runs[f"{family}-dynamo-noopt.onnx"])  # and the ONNX way out works as for TorchScript
 
 
 def _assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict) -> None:
