@@ -146,7 +146,7 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, 
 # The two exporters write the same model with differently ordered fp32 ops (Llama: TorchScript folds RoPE's cos/sin
 # tables into constants, dynamo computes them from inv_freq in the graph; RMSNorm's mean and rsqrt are written
 # apart), so gradients differ by a few ulps and AdamW turns an element whose gradient is near zero into a step of up
-# to lr: measured after 20 updates on 2 ranks, GPT-2 bit for bit (0), Llama at most 1.2e-6 (median 2e-10) on weights
+# to lr: measured after 20 updates on 2 ranks, GPT-2 bit for bit (0), Llama at most 1.6e-6 (median 2e-10) on weights
 # that moved 1e-2. The bound, 1e-5, is a hundredth of one update's change (lr = 1e-3).
 EXPORTER_ATOL = 1e-5
 
