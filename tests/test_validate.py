@@ -300,3 +300,8 @@ def test_plain_validate_refuses_a_dynamo_export_whose_parameters_were_dropped_as
 @pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2)])
 def test_plain_validate_plans_the_split_of_a_dynamo_export_on_its_torch_parameters(tmp_path, pp, hp):
     assert validate(_dynamo_config(tmp_path, "gpt2-dynamo.onnx", pp=pp, hp=hp)) == []
+
+
+def test_validate_deep_builds_a_default_dynamo_export(tmp_path):
+    # The dynamo exporter keeps scalars and shapes as initializers: the passes read them, never a stripped value.
+    assert validate(_dynamo_config(tmp_path, "llama-dynamo.onnx"), deep=True) == []
