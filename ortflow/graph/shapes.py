@@ -49,23 +49,37 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]
     return _symbolic_shapes(_without_values(model))
 
 
-def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str]] | None:
-    """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails."""
+def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]] | None:
+    """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails.
+
+    Where the inference had to guess that two of the graph inputs' named dims are equal (``auto_merge`` of, say, the
+    batch and the sequence length of a piece whose received activation has unnamed dims), it picks one name in set
+    order, which changes from run to run: every dim named by either is reported unknown (None) instead, so no pass
+    writes a shape from a guess.
+    """
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank, verbose
+        done = False
+        inference._preprocess(model)
+        while inference.run_:
+            done = inference._infer_impl()
+        inference._update_output_from_vi()
     except Exception as err:  # noqa: BLE001 - the inference raises many kinds on graphs it cannot follow
         log.debug("symbolic shape inference failed: %s", err)
         return None
-    if inferred is None:
+    if not done:
         return None
+    inputs = set(inference.input_symbols_)
+    guessed = {name for pair in inference.suggested_merge_.items() for name in pair
+               if pair[0] in inputs and pair[1] in inputs}
     shapes = {}
-    for value in inferred.graph.value_info:
+    for value in inference.out_mp_.graph.value_info:
         tensor = value.type.tensor_type
         if tensor.HasField("shape"):
-            shapes[value.name] = [d.dim_param if d.HasField("dim_param") else (int(d.dim_value) if d.HasField(
-                "dim_value") else None) for d in tensor.shape.dim]
+            shapes[value.name] = [(None if d.dim_param in guessed else d.dim_param) if d.HasField("dim_param") else (
+                int(d.dim_value) if d.HasField("dim_value") else None) for d in tensor.shape.dim]
     return shapes
 
 
