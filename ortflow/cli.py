@@ -383,10 +383,18 @@ def export_cmd(
     checkpoint: CheckpointOpt = None,
     verify: Annotated[Path | None, typer.Option(
         "--verify", help="Only check an exported model against its .sha256 sidecar (exit 1 if it differs).")] = None,
+    state_dict: Annotated[Path | None, typer.Option(
+        "--state-dict", help="Instead of a model, write the parameters as a safetensors state dict under their "
+        "torch names, for model.load_state_dict (docs/your-model.md).")] = None,
+    strip_prefix: Annotated[str | None, typer.Option(
+        help="With --state-dict: remove this prefix from every key (e.g. 'model.' of an export wrapper).")] = None,
+    add_prefix: Annotated[str | None, typer.Option(help="With --state-dict: put this prefix before every key.")]
+    = None,
 ) -> None:
     """Export a verified inference model from a checkpoint and the eval model (no training session).
 
     The model gets a sha256 sidecar (model.onnx.sha256); `ortflow export --verify model.onnx` checks it.
+    With --state-dict, writes the trained parameters as a safetensors state dict PyTorch loads instead.
     """
     import json
 
@@ -409,6 +417,9 @@ def export_cmd(
         source = resolve_run(source)  # OUTPUT_DIR/latest: the newest completed version
     except ValueError as err:
         _fail(str(err))
+    if state_dict is not None:
+        _export_state_dict(source, state_dict, checkpoint, strip_prefix, add_prefix)
+        return
     if out is None:
         if not (source / RESOLVED_CONFIG_NAME).exists():
             _fail(f"{source} is not a configured run folder: give the output path with -o model.onnx")
@@ -430,6 +441,19 @@ def export_cmd(
     )
     if result.quantization is not None:
         console.print(f"int8: {json.dumps(result.to_dict()['quantization'])}", highlight=False, soft_wrap=True)
+
+
+def _export_state_dict(source: Path, out: Path, checkpoint: str | None, strip: str | None, add: str | None) -> None:
+    from ortflow.export.state_dict import export_state_dict
+
+    try:
+        with _writing(out.parent):
+            result = export_state_dict(source, out, checkpoint=checkpoint, strip_prefix=strip, add_prefix=add)
+    except ValueError as err:  # ExportError, CheckpointError: each message says what to do
+        _fail(str(err))
+    console.print(f"[green]wrote[/] {result.path}: {len(result.shapes)} tensors from {result.checkpoint} (step "
+                  f"{result.step}) under their torch names; left out {len(result.left_out)} (not torch parameters)",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -74,6 +74,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     specs = None
     if not any(p.startswith("model.path") for p in problems):
         specs, model_problems = predicted_inputs(cfg)
+        model_problems += torch_problems(cfg) if not model_problems else []
         problems += model_problems
         split = cfg.distributed.horizontal_parallel_size > 1 or cfg.distributed.pipeline_parallel_size > 1
         if split and not model_problems:
@@ -115,9 +116,26 @@ def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -
             refuse_tensor_parallel(to_record(running_statistics(cfg.model.path)))  # as the tensor-parallel ranks do
         except ValueError as err:
             return [str(err)]
+    from ortflow.build.torch_model import torch_source
+
     try:
-        plan_layout(cfg, split_plan)
+        with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
+            built_cfg, _ = torch_source(cfg, Path(tmp))  # a dynamo export is split as configure splits it
+            plan_layout(built_cfg, split_plan)
     except (ArtifactsError, ValueError) as err:
+        return [str(err)]
+    return []
+
+
+def torch_problems(cfg: RunConfig) -> list[str]:
+    """A dynamo export whose torch parameters the exporter merged or dropped beyond repair, refused as configure
+    refuses it (with the export call that keeps them); nothing for other exports."""
+    from ortflow.build.artifacts import ArtifactsError
+    from ortflow.build.torch_model import read_torch_parameters
+
+    try:
+        read_torch_parameters(cfg.model.path)
+    except ArtifactsError as err:
         return [str(err)]
     return []
 
@@ -127,10 +145,13 @@ def group_problems(cfg: RunConfig) -> list[str]:
     those the engine cannot train: running statistics and constants), as configure checks them."""
     from fnmatch import fnmatch
 
+    from ortflow.build.torch_model import read_torch_parameters
     from ortflow.graph.untrainable import untrainable_initializers
 
-    proto = onnx.load(str(cfg.model.path))
+    found = read_torch_parameters(cfg.model.path)  # a dynamo export trains its torch parameters, by torch name
+    proto = onnx.load(str(cfg.model.path)) if found is None else found.model
     floats = {t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+              and (found is None or t.name in found.trained)
               and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)}
     trainable = sorted(floats - set(untrainable_initializers(proto, floats)))
     return param_group_problems(trainable, cfg.optimizer)

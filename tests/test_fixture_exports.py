@@ -59,3 +59,76 @@ def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(family):
     aliases = {first: {first, other} for first, other in record["tied"]}
     missing = [p for p in record["parameters"] if not aliases.get(p, {p}) & names]
     assert not missing, missing
+
+
+def _configure_fixture(root, name, **sections):
+    from ortflow.build.configure import configure
+    from ortflow.config import config_from_dict
+
+    raw = {"name": name, "output_dir": str(root / name), "model": {"path": str(export_path(name))},
+           "data": {"train": str(root / "unused.parquet")}, "train": {"batch_size": 2, "num_train_steps": 2},
+           "optimizer": {"learning_rate": 1e-3}, **sections}
+    return configure(config_from_dict(raw))
+
+
+@pytest.mark.parametrize("name", DYNAMO_NAMES)
+def test_dynamo_fixture_configures_with_its_torch_parameters_or_is_refused_before_training(tmp_path, name):
+    from ortflow.config import ConfigError
+    from ortflow.graph.torch_params import NO_OPTIMIZE
+
+    family = name.split("-")[0]
+    record = torch_record(family)
+    if name == "gpt2-fresh-dynamo.onnx":  # the exporter dropped the fresh model's zero biases
+        with pytest.raises(ConfigError, match="has no tensor in the export") as err:
+            _configure_fixture(tmp_path, name)
+        assert NO_OPTIMIZE in str(err.value)
+        assert not (tmp_path / name / "artifacts").exists()  # refused before anything was built
+        return
+    info = _configure_fixture(tmp_path, name).info
+    assert sorted(info["trainable"]) == sorted(record["parameters"])  # exactly the torch parameters, by torch name
+    assert {k: v["shape"] for k, v in info["torch"]["parameters"].items()} == record["parameters"]
+    frozen = info["torch"]["frozen"]
+    assert not set(frozen) & set(info["trainable"])
+    buffers = {n for n, why in frozen.items() if "buffer" in why}
+    assert buffers <= set(info["frozen"])  # kept frozen; the constants the exporter computed are no initializers
+    assert not (set(frozen) - buffers) & set(info["frozen"])
+    assert set(record["buffers"]).isdisjoint(info["trainable"])
+
+
+def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from ortflow.export.state_dict import export_state_dict
+    from tests.support.exports import EXPORTS
+
+    for name, state in (("llama-fresh-dynamo.onnx", "llama-fresh"), ("gpt2-dynamo.onnx", "gpt2")):
+        result = _configure_fixture(tmp_path, name)
+        out = tmp_path / f"{state}.safetensors"
+        export_state_dict(result.run_dir, out, checkpoint="initial")
+        written, expected = load_file(str(out)), load_file(str(EXPORTS / f"{state}.safetensors"))
+        assert sorted(written) == sorted(torch_record(name.split("-")[0])["state_dict"])
+        assert sorted(written) == sorted(expected)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(written[key], value, err_msg=key)
+        stripped = tmp_path / f"{state}-hf.safetensors"
+        export_state_dict(result.run_dir, stripped, checkpoint="initial", strip_prefix="model.")
+        assert sorted(load_file(str(stripped))) == sorted(k.removeprefix("model.") for k in expected)
+
+
+def test_constants_in_external_data_reach_the_passes_when_the_weights_stay_on_disk(tmp_path):
+    from ortflow.build.engine_input import prepare
+    from ortflow.config import config_from_dict
+    from ortflow.graph.torch_params import torch_parameters
+
+    model = torch_parameters(onnx.load(str(export_path("gpt2-dynamo.onnx")))).model
+    path = tmp_path / "all-external.onnx"  # every tensor in external data, scalars and shapes too
+    onnx.save(model, str(path), save_as_external_data=True, location="all-external.onnx.data", size_threshold=0)
+    cfg = config_from_dict({"name": "x", "output_dir": str(tmp_path / "run"), "model": {"path": str(path)},
+                            "data": {"train": str(tmp_path / "unused.parquet")},
+                            "train": {"batch_size": 2, "num_train_steps": 2}})
+    trainable = [t.name for t in model.graph.initializer if t.name.startswith("model.")]
+    in_memory, _ = prepare(cfg, trainable, "logits", "labels", proto_limit=1 << 40)
+    on_disk, batch = prepare(cfg, trainable, "logits", "labels", proto_limit=1)  # as a model over 2 GB is prepared
+    assert batch is None  # the weights were not loaded
+    assert on_disk.report == in_memory.report and in_memory.report

@@ -275,3 +275,34 @@ def test_layout_problems_split_the_global_batch_over_the_replicas_of_the_stages(
     problems, batch = layout_problems(config_from_dict(raw), specs)
     assert batch is None and problems == ["train.global_batch_size 12 cannot be split over 2 rank(s) and the model's "
                                           "fixed batch dim 4: use a global batch of 8 or 16, or 1 or 3 rank(s)"]
+
+
+def _dynamo_config(tmp_path: Path, name: str, **distributed) -> Path:
+    from tests.support.exports import export_path
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("ortflow trains the models PyTorch exports. " * 400)
+    raw = {"name": "d", "output_dir": str(tmp_path / "run"), "model": {"path": str(export_path(name))},
+           "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 16, "input_name": "input_ids"}},
+           "train": {"batch_size": 2, "num_train_steps": 2},
+           "distributed": {"num_ranks": distributed.get("pp", 1) * distributed.get("hp", 1),
+                           "pipeline_parallel_size": distributed.get("pp", 1),
+                           "horizontal_parallel_size": distributed.get("hp", 1)}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_plain_validate_refuses_a_dynamo_export_whose_parameters_were_dropped_as_configure_does(tmp_path):
+    problems = validate(_dynamo_config(tmp_path, "gpt2-fresh-dynamo.onnx"))
+    assert any("has no tensor in the export" in p and "optimize=False" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2)])
+def test_plain_validate_plans_the_split_of_a_dynamo_export_on_its_torch_parameters(tmp_path, pp, hp):
+    assert validate(_dynamo_config(tmp_path, "gpt2-dynamo.onnx", pp=pp, hp=hp)) == []
+
+
+def test_validate_deep_builds_a_default_dynamo_export(tmp_path):
+    # The dynamo exporter keeps scalars and shapes as initializers: the passes read them, never a stripped value.
+    assert validate(_dynamo_config(tmp_path, "llama-dynamo.onnx"), deep=True) == []

@@ -100,6 +100,8 @@ class ArtifactsInfo:
         rewrites: What the model-preparation pass changed (``ortflow.graph.prepare``), one entry per pass.
         batch: What the batch-dimension pass decided (None when the model was too big to load here).
         passes: The preparation passes the model went through, in order (``ortflow.graph.prepare.PASSES``).
+        torch: For a dynamo export, the torch parameters trained, their aliases, what was untied and what frozen
+            (:meth:`ortflow.graph.torch_params.TorchParameters.to_record`); None otherwise.
     """
 
     artifacts_dir: Path
@@ -114,6 +116,7 @@ class ArtifactsInfo:
     rewrites: tuple[dict, ...] = ()
     batch: BatchReport | None = None
     passes: tuple[str, ...] = ()
+    torch: dict | None = None
 
 
 def _tensor_type_info(name: str, type_proto: onnx.TypeProto) -> TensorInfo:

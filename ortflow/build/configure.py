@@ -14,6 +14,7 @@ A second call with the same model bytes and the same ``model`` section finds the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ from ortflow.build.engine_input import repeatable_gathers
 from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
 from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
 from ortflow.build.tensor_artifacts import build_tensor_artifacts, plan_tensor
+from ortflow.build.torch_model import TORCH_MODEL_DIR, torch_source
 from ortflow.build.training_graph import sums_as_matmul_applies
 from ortflow.config import (
     RESOLVED_CONFIG_NAME,
@@ -61,7 +63,8 @@ CONFIGURE_RECORD_NAME = "configure.json"
 # Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
 # 2: the batch-dimension pass and the model-preparation pass (ortflow.graph) rewrite the graph before the engine.
 # 3: pipeline stages hold BatchNorm running statistics as state, and a middle stage's eval model carries the batch form.
-_ARTIFACTS_FORMAT = 3
+# 4: dynamo exports are built from their torch-named model (ortflow/build/torch_model.py).
+_ARTIFACTS_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,9 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
 
     Used by configure and by ``validate --deep`` (in a temporary folder), so both build the same graphs.
 
+    A dynamo export is built from its torch-named model (:func:`ortflow.build.torch_model.torch_source`), written
+    beside ``artifacts_dir``; ``built.torch`` records its parameters.
+
     Returns:
         (what build_artifacts built, the stages record or None, the tensor-parallel record or None).
 
@@ -222,8 +228,10 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
         ArtifactsError: The config does not fit the model, the split is refused, or the engine cannot build a graph.
     """
     pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    cfg, found = torch_source(cfg, Path(artifacts_dir).parent / TORCH_MODEL_DIR)
     plan = plan_layout(cfg)  # refuse a bad split before building anything
     built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record)
+    built = dataclasses.replace(built, torch=found.to_record() if found else None)
     if pp > 1 and hp > 1:
         stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
         split = [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]
@@ -308,6 +316,7 @@ def configure(cfg: RunConfig) -> ConfigureResult:
         "model_inputs": [t.to_dict() for t in model.inputs],
         "model_outputs": [t.to_dict() for t in model.outputs],
         "trainable": list(built.trainable),
+        "torch": built.torch,  # dynamo exports: what is trained under which torch name, untied, frozen and why
         "frozen": list(built.frozen),
         "loss": built.loss,
         "loss_output": built.loss_output,

@@ -10,13 +10,14 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from ortflow.config import RunConfig
 from ortflow.graph.batch_dims import BatchReport, make_batch_symbolic
 from ortflow.graph.differentiable import explain_engine_error
 from ortflow.graph.onnx_tools import GraphError
-from ortflow.graph.prepare import PreparedModel, prepare_model
+from ortflow.graph.prepare import CONSTANT_ELEMENTS, PreparedModel, prepare_model
 from ortflow.graph.ties import describe_copies, folded_tie_copies
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def prepare(
     """
     model = onnx.load(str(cfg.model.path), load_external_data=False)
     batch = None
+    _load_small_external(model, Path(cfg.model.path).parent)
     if _data_bytes(Path(cfg.model.path), model) < proto_limit:
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
         for line in describe_copies(folded_tie_copies(model, set(trainable)), model):
@@ -60,6 +62,7 @@ def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> Prep
         ArtifactsError: A pass refuses the model (names the node and the fix).
     """
     model = onnx.load(str(cfg.model.path), load_external_data=False)
+    _load_small_external(model, Path(cfg.model.path).parent)
     if _data_bytes(Path(cfg.model.path), model) < proto_limit:
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
         model, _ = make_batch_symbolic(model)
@@ -105,6 +108,17 @@ def repeatable_gathers(cfg: RunConfig) -> bool:
     distributed.deterministic_compute, because the CPU engine's Gather gradient sums repeated ids in thread order.
     The CUDA engine's GatherGrad is another kernel, not examined here: CUDA graphs are left as they are."""
     return cfg.distributed.device == "cpu" and cfg.distributed.deterministic_compute
+
+
+def _load_small_external(model: onnx.ModelProto, folder: Path) -> None:
+    """Load the constants an exporter put in external data (tensors of at most ``CONSTANT_ELEMENTS`` values) even
+    when the weights stay on disk (a model over 2 GB): the passes read them (ortflow/graph/prepare.py)."""
+    for tensor in model.graph.initializer:
+        if (tensor.data_location == onnx.TensorProto.EXTERNAL
+                and int(np.prod(tensor.dims, dtype=np.int64)) <= CONSTANT_ELEMENTS):
+            onnx.external_data_helper.load_external_data_for_tensor(tensor, str(folder))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
 
 
 def _data_bytes(model_path: Path, model: onnx.ModelProto) -> int:

@@ -91,11 +91,22 @@ def int64_constant(names: Names, base: str, values: list[int] | int) -> tuple[on
     return helper.make_node("Constant", [], [out], name=names.new(f"{base}/const"), value=tensor), out
 
 
+def holds_values(tensor: onnx.TensorProto) -> bool:
+    """Whether a tensor carries its values in the proto (not external data, not a skeleton's name-and-dims stub)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return False
+    size = int(np.prod(tensor.dims, dtype=np.int64))
+    stored = (tensor.raw_data, tensor.float_data, tensor.int32_data, tensor.int64_data, tensor.double_data,
+              tensor.uint64_data, tensor.string_data)
+    return size == 0 or any(len(x) for x in stored)
+
+
 def constant_values(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
-    """The value of ``name`` when it is an initializer or a Constant node's ``value``, else None."""
+    """The value of ``name`` when it is an initializer or a Constant node's ``value``, else None (also for an
+    initializer whose values are not in the proto: external data, or a weight of the passes' skeleton)."""
     for tensor in graph.initializer:
         if tensor.name == name:
-            return numpy_helper.to_array(tensor)
+            return numpy_helper.to_array(tensor) if holds_values(tensor) else None
     for node in graph.node:
         if node.op_type == "Constant" and node.output and node.output[0] == name:
             for attr in node.attribute:

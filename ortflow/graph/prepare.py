@@ -6,26 +6,30 @@ engine only through :func:`prepare_model`, which runs :data:`PASSES` in order an
 model is first prepared whole (without the loss) and cut afterwards, then every cut graph is prepared again: passes
 are idempotent, so the second run changes only what depends on the graph (its parameters, its loss, its outputs).
 
-Order matters: unused-parameter detection first, then optional outputs and Split rewrites (they make more nodes
-differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter, so a cut never has
-to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the GELU fusion (on
-CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes, then repeated
-inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums over the
-broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient, then the logits flattening for
-the loss (only on the graph that computes the loss), and last the check that every node on the trained path has a
-gradient (on the graph the engine will see). No step changes an
-initializer.
+Order matters: unused-parameter detection first, then optional outputs, the exporter's sequence ops and Split rewrites
+(they make more nodes differentiable), then shapes read from the inputs (shape arithmetic then depends on no parameter,
+so a cut never has to carry it), then ONNX's tanh Gelu as the engine's FastGelu (for its gradient) and (when asked) the
+GELU fusion (on CPU ranks with the tanh GELU in its sigmoid form, whose CPU gradient is fast), then the gradient fixes,
+then repeated inputs, then the declared shapes of broadcast operands (so the engine's gradient of a broadcasting op sums
+over the broadcast axes), then (when asked) the embedding reads with a repeatable CPU gradient, then the logits
+flattening for the loss (only on the graph that computes the loss), and last the check that every node on the trained
+path has a gradient (on the graph the engine will see). No step changes an initializer.
 
-The passes run on a skeleton of the model whose initializers hold no values (name, type and dims only); the
-original tensors are put back at the end. So weights never go through a pass, and a 400 MB model is not copied
-once per pass (measured on the 97.8M-parameter GPT, ``build_gpt(vocab_size=8192, seq_len=256, d_model=768,
-num_layers=12, num_heads=12)``, 2 shared cores: 28.8 s when the passes copied the values, 2.8 s on the skeleton).
+The passes run on a skeleton of the model whose weights hold no values (name, type and dims only); the original tensors
+are put back at the end. Constants stay whole wherever an exporter puts them: ``Constant`` nodes (TorchScript) and small
+initializers (the dynamo exporter keeps scalars, shapes and axes as initializers of at most :data:`CONSTANT_ELEMENTS`
+values), so every pass reads them; a pass that reads a weight gets None from
+:func:`ortflow.graph.onnx_tools.constant_values`, never an empty array. So weights never go through a pass, and a 400 MB
+model is not copied once per pass (measured on the 97.8M-parameter GPT, ``build_gpt(vocab_size=8192, seq_len=256,
+d_model=768, num_layers=12, num_heads=12)``, 2 shared cores: 28.8 s when the passes copied the values, 2.8 s on the
+skeleton).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from ortflow.graph.differentiable import check_differentiable
@@ -36,6 +40,7 @@ from ortflow.graph.logits import flatten_logits
 from ortflow.graph.onnx_tools import FLOAT_TYPES, elem_types
 from ortflow.graph.optional_outputs import declare_optional_outputs
 from ortflow.graph.repeated import separate_repeated_inputs
+from ortflow.graph.sequences import sequences_to_tensors
 from ortflow.graph.shapes import declare_broadcast_shapes, shapes_from_inputs
 from ortflow.graph.split import split_to_slices
 from ortflow.graph.untrainable import untrainable_initializers
@@ -44,6 +49,7 @@ from ortflow.graph.untrainable import untrainable_initializers
 PASSES = (
     "untrainable_initializers",
     "declare_optional_outputs",
+    "sequences_to_tensors",
     "split_to_slices",
     "shapes_from_inputs",
     "gelu_rewrites",
@@ -123,6 +129,8 @@ def prepare_model(
             trainable = trainable - set(buffers)
         elif name == "declare_optional_outputs":
             model = declare_optional_outputs(model, report)
+        elif name == "sequences_to_tensors":
+            model = sequences_to_tensors(model, report)
         elif name == "split_to_slices":
             model = split_to_slices(model, report)
         elif name == "shapes_from_inputs":
@@ -154,9 +162,14 @@ def _float_outputs(model: onnx.ModelProto) -> list[str]:
     return [o.name for o in model.graph.output if types.get(o.name) in FLOAT_TYPES]
 
 
+#: Initializers of at most this many values keep them in the skeleton the passes see (constants, not weights).
+CONSTANT_ELEMENTS = 64
+
+
 def _skeleton(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
-    """A copy of ``model`` whose value-holding initializers keep only name, type and dims; and those tensors."""
-    weights = {t.name: t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    """A copy of ``model`` whose value-holding weights keep only name, type and dims; and those tensors."""
+    weights = {t.name: t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+               and int(np.prod(t.dims, dtype=np.int64)) > CONSTANT_ELEMENTS}
     skeleton = onnx.ModelProto()
     graph = model.graph
     for field_name in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):

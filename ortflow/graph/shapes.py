@@ -20,8 +20,9 @@ from __future__ import annotations
 import copy
 import logging
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ortflow.graph.onnx_tools import Names, int64_constant, node_label, report_change
 
@@ -48,23 +49,37 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]
     return _symbolic_shapes(_without_values(model))
 
 
-def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str]] | None:
-    """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails."""
+def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]] | None:
+    """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails.
+
+    Where the inference had to guess that two of the graph inputs' named dims are equal (``auto_merge`` of, say, the
+    batch and the sequence length of a piece whose received activation has unnamed dims), it picks one name in set
+    order, which changes from run to run: every dim named by either is reported unknown (None) instead, so no pass
+    writes a shape from a guess.
+    """
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank, verbose
+        done = False
+        inference._preprocess(model)
+        while inference.run_:
+            done = inference._infer_impl()
+        inference._update_output_from_vi()
     except Exception as err:  # noqa: BLE001 - the inference raises many kinds on graphs it cannot follow
         log.debug("symbolic shape inference failed: %s", err)
         return None
-    if inferred is None:
+    if not done:
         return None
+    inputs = set(inference.input_symbols_)
+    guessed = {name for pair in inference.suggested_merge_.items() for name in pair
+               if pair[0] in inputs and pair[1] in inputs}
     shapes = {}
-    for value in inferred.graph.value_info:
+    for value in inference.out_mp_.graph.value_info:
         tensor = value.type.tensor_type
         if tensor.HasField("shape"):
-            shapes[value.name] = [d.dim_param if d.HasField("dim_param") else (int(d.dim_value) if d.HasField(
-                "dim_value") else None) for d in tensor.shape.dim]
+            shapes[value.name] = [(None if d.dim_param in guessed else d.dim_param) if d.HasField("dim_param") else (
+                int(d.dim_value) if d.HasField("dim_value") else None) for d in tensor.shape.dim]
     return shapes
 
 
@@ -157,7 +172,48 @@ def _without_values(model: onnx.ModelProto) -> onnx.ModelProto:
     known = {i.name for i in graph.input}
     graph.input.extend(v for v in moved if v.name not in known)
     del graph.value_info[:]
+    _shape_ranges_as_slices(graph)
+    _constants_as_tensors(graph)
     return copy_model
+
+
+_CONSTANT_FORMS = {"value_int": (np.int64, "i"), "value_ints": (np.int64, "ints"), "value_float": (np.float32, "f"),
+                   "value_floats": (np.float32, "floats")}
+
+
+def _constants_as_tensors(graph: onnx.GraphProto) -> None:
+    """``Constant(value_int=...)`` and the other scalar/list forms (the dynamo exporter's) as ``Constant(value=...)``:
+    ONNX Runtime's symbolic shape inference reads only ``value``."""
+    for node in graph.node:
+        attr = node.attribute[0] if node.op_type == "Constant" and len(node.attribute) == 1 else None
+        if attr is None or attr.name not in _CONSTANT_FORMS:
+            continue
+        dtype, field = _CONSTANT_FORMS[attr.name]
+        raw = getattr(attr, field)
+        value = np.asarray(list(raw) if field in ("ints", "floats") else raw, dtype=dtype)
+        del node.attribute[:]
+        node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
+def _shape_ranges_as_slices(graph: onnx.GraphProto) -> None:
+    """``Shape(x, start, end)`` (opset 15, the dynamo exporter's ``x.size(i)``) as ``Slice(Shape(x))``: ONNX
+    Runtime's symbolic shape inference ignores the range and takes the whole shape."""
+    names = Names(graph)
+    rebuilt = []
+    for node in graph.node:
+        start, end = _attr(node, "start"), _attr(node, "end")
+        if node.op_type != "Shape" or (start is None and end is None):
+            rebuilt.append(node)
+            continue
+        whole = names.new(f"{node.output[0]}/whole")
+        bounds = [int64_constant(names, f"{node.output[0]}/{tag}", [v]) for tag, v in
+                  (("start", start or 0), ("end", end if end is not None else 2**62))]
+        rebuilt += [helper.make_node("Shape", [node.input[0]], [whole], name=names.new(f"{whole}/node")),
+                    *(c for c, _ in bounds),
+                    helper.make_node("Slice", [whole, *(b for _, b in bounds)], [node.output[0]],
+                                     name=names.new(f"{node.output[0]}/range"))]
+    del graph.node[:]
+    graph.node.extend(rebuilt)
 
 
 #: Ops whose gradient sums over the axes an input was broadcast along (the engine reads the input's declared shape).

@@ -18,13 +18,14 @@ TRAIN = {"batch_size": 2, "num_train_steps": 40, "gradient_accumulation_steps": 
          "display_loss_steps": 1}
 
 
-def gpt2_run(root: Path, name: str, **sections):
-    """A run of the Hugging Face GPT-2 export, unmodified, on ortflow's own sources (byte tokens < its vocab 512)."""
+def gpt2_run(root: Path, name: str, export: str = "gpt2.onnx", **sections):
+    """A run of a causal LM export (GPT-2 by default; any export of ``input_ids -> logits`` with vocabulary 512),
+    unmodified, on ortflow's own sources (byte tokens < its vocab 512)."""
     data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": SEQ, "input_name": "input_ids"},
             "eval_fraction": 0.05}
     train = {**TRAIN, **sections.pop("train", {})}
     optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
-    return make_run(root, name, model=export_path("gpt2.onnx"), data=data, train=train, optimizer=optimizer,
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer,
                     **sections)
 
 
@@ -103,10 +104,11 @@ def bert_data(root: Path, num_rows: int = 240, seq: int = 16) -> Path:
     return path
 
 
-def bert_run(root: Path, name: str, **sections):
-    """A run of the Hugging Face BERT classifier export, unmodified (input_ids and attention_mask, 3 labels)."""
+def bert_run(root: Path, name: str, export: str = "bert.onnx", **sections):
+    """A run of the Hugging Face BERT classifier export (TorchScript by default), unmodified (input_ids and
+    attention_mask, 3 labels)."""
     data = {"train": [str(bert_data(root))], "eval_fraction": 0.1}
     train = {**TRAIN, **sections.pop("train", {})}
     optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
-    return make_run(root, name, model=export_path("bert.onnx"), data=data, train=train, optimizer=optimizer,
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer,
                     **sections)

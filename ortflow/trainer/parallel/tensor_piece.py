@@ -200,7 +200,7 @@ class TensorRuntime(Runtime):
                     view(self.param_buffer(other, name))[...] = view(self.param_buffer(holders[0], name))
 
     def _tied(self) -> list[tuple[str, list[int]]]:
-        """Trained parameters read by several pieces (a frozen constant read by several, such as a dynamo export's
+        """Trained parameters read by several pieces (a frozen one, such as RoPE's frequencies or a dynamo export's
         shared exponent of the RMSNorms' Pow, has no gradient and never changes)."""
         trained = set(self.trainable)
         return [(name, holders) for name, holders in self.holders.items() if len(holders) > 1 and name in trained]

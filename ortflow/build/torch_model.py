@@ -1,0 +1,78 @@
+"""The model configure builds from: a dynamo export with one initializer per torch parameter, under its torch name.
+
+A TorchScript export is used as it is. A dynamo export (torch's default exporter) goes through
+:func:`ortflow.graph.torch_params.torch_parameters` once: renamed and pre-transposed weights get their torch names and
+layouts, merged ones are untied, the integer constant arithmetic the exporter leaves (``optimize=False``) is folded
+(:mod:`ortflow.graph.constant_folding`), the constants the exporter computed (``expand_1``, scalars) become
+``Constant`` nodes and the torch buffers (RoPE's ``inv_freq``, masks) are added to ``model.frozen``, so the engine
+trains exactly the torch model's parameters. The result is written beside the artifacts (``torch-model/``, weights in
+external data) and the config configure builds from points at it; ``configure.json`` records what was trained under
+which torch name (``torch``), what was untied and what was frozen and why.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+
+from ortflow.build.engine_input import ArtifactsError
+from ortflow.config import RunConfig
+from ortflow.graph.constant_folding import fold_int_constants
+from ortflow.graph.onnx_tools import GraphError
+from ortflow.graph.torch_params import TorchParameters, is_dynamo_export, torch_parameters
+
+log = logging.getLogger(__name__)
+
+#: The folder, beside the artifacts folder, that holds the torch-named model configure builds from.
+TORCH_MODEL_DIR = "torch-model"
+
+
+def _escaped(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def read_torch_parameters(model_path: Path) -> TorchParameters | None:
+    """The torch parameters of a dynamo export (None for other exports), with its weights loaded.
+
+    Raises:
+        ArtifactsError: The exporter merged or dropped parameters beyond what its metadata lets ortflow undo; the
+            message gives the export call that keeps them.
+    """
+    proto = onnx.load(str(model_path), load_external_data=False)
+    if not is_dynamo_export(proto):
+        return None
+    onnx.external_data_helper.load_external_data_for_model(proto, str(Path(model_path).parent))
+    try:
+        return torch_parameters(proto)
+    except GraphError as err:
+        raise ArtifactsError(str(err)) from None
+
+
+def torch_source(cfg: RunConfig, folder: Path) -> tuple[RunConfig, TorchParameters | None]:
+    """The config to build from: ``cfg`` itself for a TorchScript export; for a dynamo export, ``cfg`` with
+    ``model.path`` at the torch-named model written into ``folder`` and its non-parameters in ``model.frozen``.
+
+    Raises:
+        ArtifactsError: As :func:`read_torch_parameters`.
+    """
+    found = read_torch_parameters(cfg.model.path)
+    if found is None:
+        return cfg, None
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / Path(cfg.model.path).name
+    data = target.with_name(target.name + ".data")
+    data.unlink(missing_ok=True)  # onnx appends external data to an existing file
+    model = fold_int_constants(found.model)  # shape inference then types what the splits pass between pieces
+    onnx.save(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=data.name, size_threshold=1024)
+    for line in found.untied:
+        log.info("model.path: untied %s", line)
+    if found.frozen:
+        log.info("model.path: not trained (not torch parameters): %s", ", ".join(sorted(found.frozen)))
+    kept = {t.name for t in model.graph.initializer}  # buffers; computed constants became Constant nodes
+    frozen = (*cfg.model.frozen, *(_escaped(name) for name in sorted(found.frozen) if name in kept))
+    model = cfg.model.model_copy(update={"path": target, "frozen": frozen})
+    return cfg.model_copy(update={"model": model}), found

@@ -1,0 +1,107 @@
+"""The way back to PyTorch: a run's trained parameters as a safetensors state dict under their torch names.
+
+``ortflow export RUN --state-dict weights.safetensors`` writes what ``model.load_state_dict`` reads:
+
+* a dynamo export's run (configure.json ``torch``, :mod:`ortflow.build.torch_model`): every torch parameter under its
+  torch name and shape (configure already gave each its own tensor in torch's layout: transposes undone, merged
+  tensors untied), each tied name (``lm_head.weight`` of a tied embedding) with the same values, and the persistent
+  buffers the export kept; nothing else (RoPE's ``inv_freq`` and other non-persistent buffers are not in a state dict);
+* a TorchScript export's run: every float tensor the checkpoint holds whose name is a torch name (TorchScript keeps
+  parameter names; ``onnx::``-named tensors it computed are left out and listed).
+
+``strip_prefix``/``add_prefix`` rename keys for a model whose module tree differs from the exported wrapper's (the
+test fixtures export ``LogitsOnly(model)``, so their names start with ``model.``; ``strip_prefix="model."`` gives
+the Hugging Face model's own keys). Written with the ``safetensors`` numpy API (no torch), with ``format: pt``
+metadata as ``transformers`` expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ortflow.config import RunConfig
+from ortflow.export.model import load_parameters, resolve_source
+from ortflow.export.verify import ExportError
+
+
+@dataclass(frozen=True)
+class StateDictResult:
+    """What :func:`export_state_dict` wrote.
+
+    Attributes:
+        path: The safetensors file.
+        checkpoint: The checkpoint (or the configured weights) it was read from.
+        step: That checkpoint's step.
+        shapes: Written key -> shape.
+        left_out: Checkpoint tensors not written, with why.
+    """
+
+    path: Path
+    checkpoint: Path
+    step: int
+    shapes: dict[str, list[int]]
+    left_out: dict[str, str]
+
+
+def torch_tensors(params: dict[str, np.ndarray], record: dict | None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The checkpoint's tensors under their torch state-dict names, and those left out with why.
+
+    Raises:
+        ExportError: A torch parameter configure recorded is missing from the checkpoint.
+    """
+    torch = (record or {}).get("torch")
+    if not torch:
+        kept = {n: v for n, v in params.items() if "::" not in n and v.dtype.kind == "f"}
+        left = {n: "a tensor the TorchScript exporter computed, not a torch parameter" for n in params if n not in kept}
+        return kept, left
+    wanted = [*torch["parameters"], *torch.get("persistent_buffers", [])]
+    missing = [n for n in wanted if n not in params]
+    if missing:
+        raise ExportError(f"the checkpoint lacks torch parameters {missing[:5]}; it is not this run's checkpoint")
+    tensors = {n: params[n] for n in wanted}
+    for name, others in torch.get("aliases", {}).items():
+        tensors.update({other: params[name] for other in others})  # tied names: the same values under each
+    left = {n: torch.get("frozen", {}).get(n, "not a torch parameter") for n in params if n not in tensors}
+    return tensors, left
+
+
+def _renamed(name: str, strip_prefix: str | None, add_prefix: str | None) -> str:
+    if strip_prefix:
+        if not name.startswith(strip_prefix):
+            raise ExportError(f"--strip-prefix '{strip_prefix}': key '{name}' does not start with it; give the "
+                              "prefix every key has (or none)")
+        name = name[len(strip_prefix):]
+    return f"{add_prefix or ''}{name}"
+
+
+def export_state_dict(source: Path, out: Path, *, checkpoint: str | None = None, strip_prefix: str | None = None,
+                      add_prefix: str | None = None, config: RunConfig | None = None) -> StateDictResult:
+    """Write a run's parameters as a safetensors state dict under torch names.
+
+    Args:
+        source: A run folder or a checkpoint folder (as ``ortflow export``).
+        out: The ``.safetensors`` file to write.
+        checkpoint: For a run folder, which checkpoint (``best``, ``latest``, ``initial``, ``step-N``).
+        strip_prefix: Removed from the start of every key (each must have it).
+        add_prefix: Put before every key (after stripping).
+        config: The run config, if the caller has it.
+
+    Raises:
+        ExportError: Nothing to export at ``source``, a prefix that does not fit, a missing parameter.
+    """
+    from safetensors.numpy import save_file
+
+    found = resolve_source(Path(source), config=config, checkpoint=checkpoint)
+    tensors, left = torch_tensors(load_parameters(found.checkpoint.path), found.record)
+    renamed = {_renamed(n, strip_prefix, add_prefix): np.ascontiguousarray(v) for n, v in sorted(tensors.items())}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(renamed, str(tmp), metadata={"format": "pt", "ortflow.checkpoint": str(found.checkpoint.path),
+                                           "ortflow.step": str(found.checkpoint.step)})
+    tmp.replace(out)
+    return StateDictResult(out, found.checkpoint.path, found.checkpoint.step,
+                           {n: list(v.shape) for n, v in renamed.items()}, left)

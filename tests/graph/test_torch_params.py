@@ -1,0 +1,92 @@
+"""The torch parameters of the committed dynamo exports (tests/fixtures/exports): each trains exactly its torch
+model's parameters, under their torch names, shapes and values, or is refused with the export call that avoids it."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from safetensors.numpy import load_file
+
+from ortflow.graph.onnx_tools import GraphError
+from ortflow.graph.torch_params import NO_OPTIMIZE, torch_parameters
+from tests.support.exports import DYNAMO_NAMES, EXPORTS, NAMES, export_path, torch_record
+
+REFUSED = {"gpt2-fresh-dynamo.onnx"}  # the exporter dropped the fresh model's zero Gemm biases
+
+
+def _family(name: str) -> str:
+    return name.split("-")[0].split(".")[0]
+
+
+def _state(name: str) -> dict[str, np.ndarray]:
+    fresh = "-fresh" if "-fresh" in name else ""
+    return load_file(str(EXPORTS / f"{_family(name)}{fresh}.safetensors"))
+
+
+@pytest.mark.parametrize("name", sorted(set(DYNAMO_NAMES) - REFUSED))
+def test_dynamo_export_trains_exactly_the_torch_parameters_with_their_values(name):
+    found = torch_parameters(onnx.load(str(export_path(name))))
+    record, state = torch_record(_family(name)), _state(name)
+    assert {k: v["shape"] for k, v in found.trained.items()} == {k: list(v) for k, v in record["parameters"].items()}
+    values = {t.name: numpy_helper.to_array(t) for t in found.model.graph.initializer}
+    for torch_name in record["parameters"]:  # transposes undone, merged tensors untied: torch's own values
+        np.testing.assert_array_equal(values[torch_name], state[torch_name], err_msg=torch_name)
+    tied = {a: b for a, b in record["tied"]}
+    assert {k: set(v) for k, v in found.aliases.items()} == {k: {v} for k, v in tied.items()}
+    assert not set(found.frozen) & set(found.trained)  # buffers and computed constants are never trained
+    onnx.checker.check_model(found.model)
+
+
+def test_rope_frequencies_are_frozen_not_trained():
+    for name in ("llama-dynamo.onnx", "llama-dynamo-noopt.onnx"):
+        found = torch_parameters(onnx.load(str(export_path(name))))
+        buffer = "model.model.rotary_emb.inv_freq" if "noopt" in name else "expand_1"
+        assert buffer in found.frozen and buffer not in found.trained, found.frozen
+    assert "buffer" in found.frozen["model.model.rotary_emb.inv_freq"]
+
+
+def test_merged_norm_weights_are_untied_one_per_torch_parameter():
+    found = torch_parameters(onnx.load(str(export_path("llama-fresh-dynamo.onnx"))))
+    assert len(found.untied) == 1 and "5 torch parameters" in found.untied[0], found.untied
+    norms = [n for n, v in found.trained.items() if n.endswith("norm.weight")]
+    assert len(norms) == 5 and all(found.trained[n]["how"] == "merged" for n in norms)
+    readers = {n: [node.op_type for node in found.model.graph.node if n in node.input] for n in norms}
+    assert all(len(r) == 1 for r in readers.values()), readers  # each norm reads its own copy
+
+
+def test_pre_transposed_linear_weights_get_torch_layout_behind_a_transpose():
+    found = torch_parameters(onnx.load(str(export_path("llama-dynamo.onnx"))))
+    q = "model.model.layers.0.self_attn.q_proj.weight"
+    assert found.trained[q]["how"] == "transposed" and found.trained[q]["from"].startswith("val_")
+    reader = next(n for n in found.model.graph.node if q in n.input)
+    assert reader.op_type == "Transpose"
+    assert not any(t.name.startswith("val_") and len(t.dims) == 2 for t in found.model.graph.initializer)
+
+
+def test_dropped_parameters_are_refused_with_the_export_call_that_keeps_them():
+    with pytest.raises(GraphError) as err:
+        torch_parameters(onnx.load(str(export_path("gpt2-fresh-dynamo.onnx"))))
+    assert "model.transformer.h.0.attn.c_attn.bias" in str(err.value)
+    assert NO_OPTIMIZE in str(err.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torchscript_exports_are_left_as_they_are(name):
+    assert torch_parameters(onnx.load(str(export_path(name)), load_external_data=False)) is None
+
+
+def test_a_tensor_read_as_two_parameters_without_names_to_tell_them_apart_is_refused():
+    # Two Linear weights the exporter merged, both read through MatMul under aten.linear of the same fx node that
+    # names both: nothing says which use is which.
+    fx = "%linear : call_function[target=torch.ops.aten.linear.default](args = (%x, %p_a_weight, %p_b_weight))"
+    meta = {"pkg.torch.onnx.fx_node": fx, "pkg.torch.onnx.name_scopes": "['', 'a', 'linear']"}
+    nodes = [helper.make_node("MatMul", ["x", "w"], [f"y{i}"], name=f"mm{i}") for i in range(2)]
+    for node in nodes:
+        for key, value in meta.items():
+            node.metadata_props.add(key=key, value=value)
+    nodes.append(helper.make_node("Add", ["y0", "y1"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [2, 3])],
+                              [helper.make_tensor_value_info("y", 1, [2, 3])],
+                              [numpy_helper.from_array(np.ones((3, 3), np.float32), "w")])
+    with pytest.raises(GraphError, match="optimize=False"):
+        torch_parameters(helper.make_model(graph))
