@@ -109,6 +109,8 @@ class CheckpointManager:
             that is the same on every rank (rank 0's pid) naming the temporary folder. None: only the writer writes.
         owner: The run's identity (:func:`.owner.run_owner`), recorded in every meta.json so that another run
             sharing the directory is refused on resume.
+        mirror: With a remote run folder, the store's checkpoint directory (:class:`.remote.RemoteCheckpoints`): the
+            writer uploads every complete checkpoint there and applies retention there too.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class CheckpointManager:
         clock: Callable[[], float] = time.time,
         shared: tuple[Callable[[str], None], int] | None = None,
         owner: dict | None = None,
+        mirror: Any = None,
     ):
         if period < 0:
             raise ValueError(f"checkpoint.period must be >= 0 (0: only the final checkpoint), got {period}")
@@ -136,9 +139,12 @@ class CheckpointManager:
         self._token = shared[1] if shared else os.getpid()
         self._saved_steps: set[int] = set()
         self._owner = owner
+        self._mirror = mirror if is_writer else None
         if is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.clean_stale_tmp()
+            if self._mirror is not None:
+                self._mirror.clean_stale()
 
     # -- policy ------------------------------------------------------------------------------------------------------
 
@@ -250,6 +256,8 @@ class CheckpointManager:
                 ) from err
             raise
         log.info("saved checkpoint %s", final)
+        if self._mirror is not None:
+            self._mirror.upload(final)  # complete on the store before retention deletes anything there
         self._apply_retention(protect={step})
         return final
 
@@ -298,4 +306,6 @@ class CheckpointManager:
             if info.step in doomed:
                 delete_checkpoint(info.path)
                 log.info("retention: deleted checkpoint %s", info.path.name)
+        if self._mirror is not None:
+            self._mirror.retain(self.max_num_checkpoints, protect)
         return doomed
