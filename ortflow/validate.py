@@ -44,7 +44,7 @@ from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
 from ortflow.dataprep.prepare_data import canonical_table, check_enough_rows, column_plan, resolve_plan
-from ortflow.dataprep.sources import Source, count_rows, resolve_sources, table_chunks, text_windows
+from ortflow.dataprep.sources import Source, count_rows, resolve_sources, source_size, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
 from ortflow.graph.batch_dims import make_batch_symbolic
@@ -229,7 +229,7 @@ def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:
     for field, patterns in (("data.train", cfg.data.train), ("data.test", cfg.data.test)):
         for pattern in patterns:  # one at a time, so every pattern that matches nothing is listed
             try:
-                found[field] += resolve_sources((pattern,), cfg.data.format, field)
+                found[field] += resolve_sources((pattern,), cfg.data.format, field, cfg.storage.options)
             except DataError as err:
                 problems.append(str(err))
     return found, problems
@@ -324,7 +324,7 @@ def _row_count_problems(cfg: RunConfig, sources: list[Source], text: bool, colum
     if text:
         if cfg.data.text.tokenizer is not None:
             return []  # the window count needs the whole corpus tokenized: prepare-data checks it
-        total = sum(os.path.getsize(s.path) for s in sources) // (cfg.data.text.seq_len + 1)
+        total = sum(source_size(s) for s in sources) // (cfg.data.text.seq_len + 1)
     else:
         try:
             total = sum(count_rows(s, column) for s in sources)

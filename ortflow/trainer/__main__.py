@@ -1,4 +1,5 @@
-"""Rank entry point: ``python -m ortflow.trainer RUN_DIR`` (started by ``ortflow train`` under mpiexec)."""
+"""Rank entry point: ``python -m ortflow.trainer RUN_DIR`` (started by ``ortflow train`` under mpiexec); RUN_DIR may be
+the URL of a run folder on object storage (:mod:`.remote_run`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.specs import CONFIGURE_NAME
+from ortflow.config.storage import is_remote
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
-from ortflow.trainer import lifeline, output
+from ortflow.trainer import lifeline, output, remote_run
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -55,7 +57,7 @@ def _configure_record(run_dir: Path) -> dict | None:
         return None
 
 
-def run_rank(run_dir: Path) -> int:
+def run_rank(run_dir: Path | str) -> int:
     """Train this rank to the end (or to a stop request); returns the process exit status."""
     from ortflow.dataprep.loader import EvalLoader, TrainLoader, verify_data
 
@@ -63,6 +65,13 @@ def run_rank(run_dir: Path) -> int:
     _install_stop_handlers(stop)
     lifeline.die_with_parent()  # the launcher's proxy (our parent) died: the job is gone, so is this rank
     lifeline.follow_launcher()  # `ortflow train` (or the flow) died: exit within a second, not at the next print
+    own_copy = is_remote(str(run_dir))  # no filesystem shared with the other ranks: each has its own local copy
+    if own_copy:
+        try:
+            run_dir = remote_run.materialize(str(run_dir))
+        except (ValueError, OSError) as err:  # ConfigError, StorageError: their messages say what to do
+            log.error("%s", err)
+            return 1
     cfg, comm = start_mpi(run_dir)
     try:
         if comm.rank == 0:
@@ -79,10 +88,15 @@ def run_rank(run_dir: Path) -> int:
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
         per_rank = rt.exchange.per_rank_state or rt.dims.split
+        if per_rank and own_copy:
+            raise ValueError("every rank of this layout writes checkpoint files (ZeRO-1, Adasum or a split model), "
+                             "which needs the ranks to share the run folder; start them on the launching host's copy "
+                             "(`ortflow train`) or use a plain data-parallel layout")
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
             writer=write_state, shared=shared, owner=run_owner(cfg) if writer else None,
+            mirror=remote_run.checkpoint_mirror(cfg, shared[1] if shared else os.getpid()) if writer else None,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard
@@ -130,7 +144,8 @@ def _one_line_os_errors(unraisable) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse the run folder and train this rank."""
     parser = argparse.ArgumentParser(prog="python -m ortflow.trainer", description=__doc__)
-    parser.add_argument("run_dir", type=Path, help="A configured run folder (holds config.yaml and artifacts/).")
+    parser.add_argument("run_dir", help="A configured run folder (holds config.yaml and artifacts/), or its URL on "
+                        "object storage (s3://, gs://, az://).")
     args = parser.parse_args(argv)
     output.never_block()  # a launcher that stops reading (stopped, wedged) must never stall this rank
     sys.unraisablehook = _one_line_os_errors

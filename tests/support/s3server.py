@@ -22,6 +22,7 @@ WEED = Path(sys.executable).parent / "weed"
 ACCESS_KEY, SECRET_KEY = "ortflow-test-key", "ortflow-test-secret"
 #: SeaweedFS serves gRPC on each HTTP port + 10000.
 GRPC_OFFSET = 10000
+PROBE_BUCKET = "ortflow-probe"
 
 
 def weed_problem() -> str | None:
@@ -104,11 +105,12 @@ class S3Server:
                 raise RuntimeError(f"SeaweedFS exited with {self.proc.returncode}; see {self.root / 'weed.log'}")
             try:
                 fs = self.filesystem()
-                probe = f"probe-{os.getpid()}"
-                fs.mkdir(probe)
-                fs.pipe_file(f"{probe}/ready", b"1")  # a write needs a volume: the whole server is up
-                fs.rm(probe, recursive=True)
-                return
+                if not fs.exists(PROBE_BUCKET):
+                    fs.mkdir(PROBE_BUCKET)
+                    fs.pipe_file(f"{PROBE_BUCKET}/kept", b"1")
+                fs.pipe_file(f"{PROBE_BUCKET}/ready", b"1")  # a write needs a volume: the whole server is up
+                if fs.cat_file(f"{PROBE_BUCKET}/kept") == b"1":  # after a restart, the old volumes are back too
+                    return
             except Exception as err:  # noqa: BLE001 - connection refused, 503 while volumes start, ...
                 last = err
             time.sleep(0.2)  # polling: the server is starting
@@ -119,12 +121,56 @@ class S3Server:
         return name
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL) and wait for its exit; its data stays."""
+        """Kill the server (as a crash or a lost machine would) and wait for its exit; the objects it acknowledged
+        stay in its folder. (``weed server`` takes tens of seconds to honour SIGTERM.)"""
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pytest fixtures (imported by the conftest.py of each test folder that talks to the server)
+
+_names = iter(range(1 << 30))
+
+
+def _s3_server(tmp_path_factory):
+    """A running S3 server whose standard AWS_* variables are set for the module's tests (and their child ranks)."""
+    import pytest
+
+    problem = weed_problem()
+    if problem:
+        pytest.skip(f"no S3 server: {problem}")
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    saved = {key: os.environ.get(key) for key in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _module_bucket(s3_server):
+    # SeaweedFS gives every bucket its own volumes: one bucket per module, one folder in it per test.
+    return s3_server.make_bucket(f"ortflow-{os.getpid()}-{next(_names)}")
+
+
+def _bucket(module_bucket, request) -> str:
+    """``bucket/<test name>``: a new, empty folder on the module's server (use it where a bucket name goes)."""
+    return f"{module_bucket}/{request.node.name[:60]}-{next(_names)}"
+
+
+def fixtures():
+    """The fixtures ``s3_server`` (per module), ``module_bucket`` and ``bucket`` (per test), for a conftest.py."""
+    import pytest
+
+    return (pytest.fixture(scope="module", name="s3_server")(_s3_server),
+            pytest.fixture(scope="module", name="module_bucket")(_module_bucket),
+            pytest.fixture(name="bucket")(_bucket))
