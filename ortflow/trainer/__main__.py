@@ -72,6 +72,7 @@ def run_rank(run_dir: Path | str) -> int:
         except (ValueError, OSError) as err:  # ConfigError, StorageError: their messages say what to do
             log.error("%s", err)
             return 1
+    run_dir = Path(run_dir)
     cfg, comm = start_mpi(run_dir)
     try:
         if comm.rank == 0:
