@@ -109,8 +109,9 @@ class CheckpointManager:
             that is the same on every rank (rank 0's pid) naming the temporary folder. None: only the writer writes.
         owner: The run's identity (:func:`.owner.run_owner`), recorded in every meta.json so that another run
             sharing the directory is refused on resume.
-        mirror: With a remote run folder, the store's checkpoint directory (:class:`.remote.RemoteCheckpoints`): the
-            writer uploads every complete checkpoint there and applies retention there too.
+        mirror: With a remote run folder, the store's checkpoint directory
+            (:class:`.object_store.RemoteCheckpoints`): the writer uploads every complete checkpoint there and applies
+            retention there too.
     """
 
     def __init__(

@@ -63,8 +63,8 @@ class StorageConfig(Section):
     )
     options: dict[str, Any] = Field(
         {}, description="fsspec storage_options of the store's filesystem (s3fs: endpoint_url, region_name, anon, "
-        "client_kwargs, ...). Credentials belong in the environment (AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS, "
-        "AZURE_STORAGE_CONNECTION_STRING, ...), not in the config."
+        "client_kwargs, ...). Credentials belong in the environment (AWS_ACCESS_KEY_ID, "
+        "GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_CONNECTION_STRING, ...), not in the config."
     )
     retries: int = Field(6, ge=0, le=100, description="Retries of a failed store operation before the stage stops "
                          "with an error (the run resumes from the newest complete checkpoint on the store).")

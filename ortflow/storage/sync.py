@@ -3,7 +3,7 @@
 The store is the truth; the local copy is a working folder. A record of what each side held when the two last
 agreed (``.ortflow/storage.json`` in the local copy: size and modification time here, ETag there) lets a sync move
 only the files that changed. Hidden names (``.ortflow/`` locks and cache tokens, ``.ranks/`` heartbeats, temporary
-files) and symbolic links stay local; checkpoints move by their own protocol (:mod:`ortflow.checkpoints.remote`).
+files) and symbolic links stay local; checkpoints move by their own protocol (:mod:`ortflow.checkpoints.object_store`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from ortflow.storage.remote import RemoteDir
+from ortflow.storage.remote_dir import RemoteDir
 
 log = logging.getLogger("ortflow.storage")
 

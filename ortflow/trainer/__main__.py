@@ -15,8 +15,8 @@ from pathlib import Path
 from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
-from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.config.storage import is_remote
+from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 from ortflow.trainer import lifeline, output, remote_run
 from ortflow.trainer.guards import NonFiniteError

@@ -5,7 +5,7 @@ launching process: before MPI starts it downloads the resolved config, the artif
 local copy (``$ORTFLOW_CACHE_DIR/ranks/rank-N/...``) and the newest complete checkpoint to resume from; then it trains
 like any rank. A rank started on a local run folder whose config names a remote one (``ortflow train`` on the
 launching host) uses the launching process's copy. Either way the writer rank uploads every checkpoint as it completes
-(:class:`ortflow.checkpoints.remote.RemoteCheckpoints`), so the store holds the truth.
+(:class:`ortflow.checkpoints.object_store.RemoteCheckpoints`), so the store holds the truth.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from ortflow.checkpoints.remote import RemoteCheckpoints, RunStore
+from ortflow.checkpoints.object_store import RemoteCheckpoints, RunStore
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig
 from ortflow.config.storage import cache_folder, default_cache_root
 from ortflow.storage import RemoteDir

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow.checkpoints.remote import RemoteCheckpoints
+from ortflow.checkpoints.object_store import RemoteCheckpoints
 from ortflow.flows import train_pipeline
 from ortflow.storage import RemoteDir
 from tests.support.prefect_runs import mlp_config

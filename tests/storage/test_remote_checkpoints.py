@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import CheckpointError, CheckpointManager, list_complete, verify
-from ortflow.checkpoints.remote import RemoteCheckpoints
+from ortflow.checkpoints.object_store import RemoteCheckpoints
 from ortflow.storage import RemoteDir, StorageError
 
 
@@ -44,7 +44,8 @@ def test_a_checkpoint_downloaded_to_an_empty_folder_verifies_and_holds_the_same_
     assert elsewhere.pull(newest_only=True) == [7]
     info = verify(tmp_path / "other" / "ckpt" / "step-00000007")
     assert info.step == 7
-    assert (info.path / "weights.npy").read_bytes() == (tmp_path / "ckpt" / "step-00000007" / "weights.npy").read_bytes()
+    original = tmp_path / "ckpt" / "step-00000007" / "weights.npy"
+    assert (info.path / "weights.npy").read_bytes() == original.read_bytes()
 
 
 def test_a_prefix_without_meta_json_is_not_a_checkpoint_and_the_next_writer_deletes_it(tmp_path, bucket):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ortflow.build.configure import configure
-from ortflow.checkpoints.remote import RemoteCheckpoints, RunStore
+from ortflow.checkpoints.object_store import RemoteCheckpoints, RunStore
 from ortflow.config import config_from_dict
 from ortflow.dataprep import prepare_data
 from ortflow.storage import RemoteDir

@@ -1,5 +1,5 @@
 """A run folder on object storage, seen from the launching process: which stage needs what from the store, and what
-goes back after it (:class:`ortflow.checkpoints.remote.RunStore` moves the files).
+goes back after it (:class:`ortflow.checkpoints.object_store.RunStore` moves the files).
 
 The flow works in the local copy (``output_dir`` of a config whose ``storage.remote_dir`` is set). It brings the copy up
 to the store when it takes the run folder's lock, downloads the checkpoints a stage reads before it runs (the newest
@@ -13,7 +13,7 @@ import functools
 import logging
 from typing import Any
 
-from ortflow.checkpoints.remote import RunStore
+from ortflow.checkpoints.object_store import RunStore
 from ortflow.config import RunConfig
 
 log = logging.getLogger("ortflow.storage")
