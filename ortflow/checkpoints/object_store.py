@@ -100,10 +100,13 @@ class RemoteCheckpoints:
         """Apply the trainer's retention policy to the store's checkpoints; returns the deleted steps."""
         from ortflow.checkpoints.manager import retention_to_delete
 
-        doomed = retention_to_delete(self.steps(), keep_newest, protect)
-        for step in doomed:
-            self.delete(step)
-            log.info("retention: deleted checkpoint %s on %s", step_dirname(step), self.remote.url)
+        try:
+            doomed = retention_to_delete(self.steps(), keep_newest, protect)
+            for step in doomed:
+                self.delete(step)
+                log.info("retention: deleted checkpoint %s on %s", step_dirname(step), self.remote.url)
+        except StorageError as err:
+            raise CheckpointError(f"retention on the store failed: {err}") from err
         return doomed
 
     def clean_stale(self) -> list[str]:
@@ -111,11 +114,14 @@ class RemoteCheckpoints:
 
         Call only where no other writer of this checkpoint directory runs (the run folder's lock is held).
         """
-        complete = {step_dirname(s) for s in self.steps()}
-        tops = {rel.split("/", 1)[0] for rel in self.remote.files()}
-        stale = sorted(t for t in tops if t.startswith(TMP_PREFIX) or (STEP_RE.match(t) and t not in complete))
-        for top in stale:
-            self.remote.remove_tree(top)
+        try:
+            complete = {step_dirname(s) for s in self.steps()}
+            tops = {rel.split("/", 1)[0] for rel in self.remote.files()}
+            stale = sorted(t for t in tops if t.startswith(TMP_PREFIX) or (STEP_RE.match(t) and t not in complete))
+            for top in stale:
+                self.remote.remove_tree(top)
+        except StorageError as err:
+            raise CheckpointError(f"cannot clean the checkpoint directory on the store: {err}") from err
         if stale:
             log.info("removed %d incomplete checkpoint prefix(es) on %s: %s", len(stale), self.remote.url, stale)
         return stale

@@ -70,15 +70,20 @@ def test_a_damaged_checkpoint_on_the_store_is_skipped_for_the_previous_one(tmp_p
     assert [c.step for c in list_complete(tmp_path / "fresh")] == [1]
 
 
-def test_an_unreachable_store_stops_the_save_with_an_error_naming_the_store_and_the_fix(tmp_path):
-    dead = RemoteDir("s3://nowhere/run/checkpoints", {"endpoint_url": "http://127.0.0.1:9"}, retries=1,
+def test_an_unreachable_store_stops_the_writer_with_an_error_naming_the_store_and_the_fix(tmp_path, bucket):
+    fast = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}
+    dead = RemoteDir("s3://nowhere/run/checkpoints", {"endpoint_url": "http://127.0.0.1:9", **fast}, retries=1,
                      retry_delay_s=0.01)
-    mirror = RemoteCheckpoints(dead, tmp_path / "ckpt")
-    mgr = CheckpointManager(tmp_path / "ckpt", period=1, max_num_checkpoints=2, is_writer=True, writer=write_state,
-                            mirror=None)
-    mgr._mirror = mirror  # noqa: SLF001 - past the start-up cleanup, which would fail the same way
     with pytest.raises(CheckpointError, match=r"s3://nowhere/run/checkpoints.*failed after 2 attempts.*resume"):
+        manager(tmp_path, RemoteCheckpoints(dead, tmp_path / "ckpt"))
+    # The store goes away after the writer started: the save stops with the same kind of error, and the local
+    # checkpoint stays complete for the next attempt.
+    live = RemoteCheckpoints(remote_dir(bucket), tmp_path / "ckpt")
+    mgr = manager(tmp_path, live)
+    live.remote = dead
+    with pytest.raises(CheckpointError, match=r"could not upload checkpoint step-00000001: .*nowhere"):
         mgr.save(1, [1.0], {})
+    assert [c.step for c in list_complete(tmp_path / "ckpt")] == [1]
 
 
 def test_transient_failures_are_retried_and_permanent_ones_are_not(bucket):
