@@ -19,7 +19,7 @@ LAYERS: dict[str, set[str]] = {
     "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus", "artifacts_folder", "cuda_libs",
                 "protocol", "storage"},
     "launch": {"config", "processes", "gpus", "protocol"},
-    "export": {"config", "checkpoints", "graph", "engine", "artifacts_folder", "storage"},
+    "export": {"config", "checkpoints", "graph", "engine", "artifacts_folder"},
     "engine": {"cuda_libs"},  # the one module that imports onnxruntime.training; its CUDA libraries load first
     # Neutral homes below the stages: each imports nothing from ortflow but gpus (cuda_libs).
     "artifacts_folder": set(),  # the artifacts folder's on-disk format: configure writes it, ranks and export read it
@@ -27,7 +27,7 @@ LAYERS: dict[str, set[str]] = {
     "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
     "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs"},
-    "versions": {"config", "dataprep", "build", "checkpoints", "storage"},
+    "versions": {"config", "dataprep", "build", "checkpoints"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit
     "gpus": set(),  # the GPUs the NVIDIA driver shows this process (ctypes only)
