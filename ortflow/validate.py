@@ -85,6 +85,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     problems += layout
     problems += data_problems(cfg, specs, train_batch)
     problems += path_problems(cfg)
+    problems += store_problems(cfg)
     problems += version_problems(cfg)
     return list(dict.fromkeys(problems))  # the same problem found twice is listed once
 
@@ -380,3 +381,18 @@ def path_problems(cfg: RunConfig) -> list[str]:
         (cfg.export_path, "export.path", False),
     ]
     return [p for p in (_writable(Path(path), field, is_dir) for path, field, is_dir in checks) if p]
+
+
+def store_problems(cfg: RunConfig) -> list[str]:
+    """A remote ``output_dir`` must be reachable with the credentials this process has (one request, no retries)."""
+    if cfg.storage.remote_dir is None:
+        return []
+    from ortflow.storage import RemoteDir
+
+    try:
+        RemoteDir(cfg.storage.remote_dir, cfg.storage.options, retries=0).exists("config.yaml")
+    except Exception as err:  # noqa: BLE001 - StorageError, a missing package, refused credentials
+        cause = err.__cause__ or err
+        return [f"output_dir: cannot reach {cfg.storage.remote_dir} ({type(cause).__name__}: {cause}); check the "
+                "endpoint (AWS_ENDPOINT_URL or storage.options), the credentials (docs/storage.md) and the bucket"]
+    return []

@@ -96,3 +96,17 @@ def test_a_local_copy_uploads_and_downloads_only_what_changed_and_keeps_hidden_f
     remote.write_bytes("progress.json", b'{"step": 4}')  # another machine wrote it
     assert other.pull() == ["progress.json"]
     assert (there / "progress.json").read_text() == '{"step": 4}'
+
+
+def test_validate_names_a_store_it_cannot_reach_and_accepts_one_it_can(s3_server, bucket, tmp_path, monkeypatch):
+    from ortflow.config import config_from_dict
+    from ortflow.validate import store_problems
+
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    raw = {"name": "v", "model": {"path": "m.onnx"}, "data": {"train": "x/*.txt", "format": "text"},
+           "train": {"batch_size": 4, "num_train_steps": 4}}
+    assert store_problems(config_from_dict({**raw, "output_dir": f"s3://{bucket}/run"}, base_dir=tmp_path)) == []
+    elsewhere = config_from_dict({**raw, "output_dir": "s3://bucket/run", "storage": {"options": {
+        "endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}}}, base_dir=tmp_path)
+    found = store_problems(elsewhere)
+    assert len(found) == 1 and found[0].startswith("output_dir: cannot reach s3://bucket/run (")

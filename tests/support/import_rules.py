@@ -26,7 +26,7 @@ LAYERS: dict[str, set[str]] = {
     "cuda_libs": {"gpus"},  # the engine's CUDA libraries: the engine, the ranks and validate load or check them
     "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
-    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs"},
+    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs", "storage"},
     "versions": {"config", "dataprep", "build", "checkpoints"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit
