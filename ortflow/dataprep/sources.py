@@ -48,10 +48,10 @@ def _remote_files(pattern: str, field: str, options: dict | None) -> list[tuple[
     from ortflow.storage import StorageError, filesystem
 
     try:
-        fs = filesystem(pattern, options)
+        fs, path = filesystem(pattern, options)
         scheme = pattern.split("://", 1)[0]
-        found = fs.glob(pattern) if glob.has_magic(pattern) else [pattern]
-        return [(f"{scheme}://{fs._strip_protocol(p)}", fs) for p in sorted(found) if fs.isfile(p)]  # noqa: SLF001
+        found = fs.glob(path) if glob.has_magic(path) else [path]
+        return [(f"{scheme}://{p}", fs) for p in sorted(found) if fs.isfile(p)]
     except (StorageError, OSError, ValueError) as err:
         raise DataError(f"{field}: cannot list '{pattern}' ({type(err).__name__}: {err}); check the URL, the "
                         "credentials (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_*) and storage.options") from None

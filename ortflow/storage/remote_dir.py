@@ -28,19 +28,21 @@ class StorageError(OSError):
     """An object-store operation that failed after every retry; the message names the URL and what to do."""
 
 
-def filesystem(url: str, options: dict[str, Any] | None = None) -> Any:
-    """The fsspec filesystem of ``url``'s scheme (s3fs, gcsfs, adlfs), built with ``options`` (storage_options).
+def filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url``'s scheme (s3fs, gcsfs, adlfs), built with ``options`` (storage_options), and
+    ``url`` as that filesystem's path.
 
     Raises:
         StorageError: the scheme's package is not installed.
     """
-    import fsspec  # local: local runs never import the object-store stack
+    from fsspec.core import url_to_fs  # local: local runs never import the object-store stack
 
-    scheme = url_scheme(url)
     try:
-        # Listings are never cached: other processes (the ranks, another machine) write the same folder.
-        return fsspec.filesystem(scheme, **{"use_listings_cache": False, **(options or {})})
+        # Listings are never cached: other processes (the ranks, another machine) write the same folder. Instances are
+        # not shared either: one built before the environment's credentials or endpoint changed would keep the old.
+        return url_to_fs(url, **{"use_listings_cache": False, "skip_instance_cache": True, **(options or {})})
     except ImportError:
+        scheme = url_scheme(url)
         package = REMOTE_SCHEMES.get(scheme, scheme)
         raise StorageError(f"{url}: reading {scheme}:// needs the `{package}` package: pip install {package}") from None
 
@@ -59,9 +61,9 @@ class RemoteDir:
     def __init__(self, url: str, options: dict[str, Any] | None = None, retries: int = 6, retry_delay_s: float = 1.0,
                  sleep: Callable[[float], None] = time.sleep):
         self.url = normalize_url(url)
-        self.fs = filesystem(self.url, options)
-        self._root = self.fs._strip_protocol(self.url)  # noqa: SLF001 - fsspec's documented path normalization
-        self.retries, self.retry_delay_s, self._sleep = retries, retry_delay_s, sleep
+        self.fs, self._root = filesystem(self.url, options)
+        self._root = self._root.rstrip("/")
+        self.options, self.retries, self.retry_delay_s, self._sleep = options, retries, retry_delay_s, sleep
 
     @classmethod
     def from_config(cls, storage: Any, url: str | None = None) -> RemoteDir:
@@ -73,7 +75,7 @@ class RemoteDir:
         return f"{self._root}/{rel}".rstrip("/") if rel else self._root
 
     def child(self, rel: str) -> RemoteDir:
-        """The remote folder ``rel`` below this one, sharing the filesystem."""
+        """The remote folder ``rel`` below this one, on the same filesystem instance."""
         sub = object.__new__(RemoteDir)
         sub.__dict__.update(self.__dict__, url=f"{self.url}/{rel.strip('/')}", _root=self.key(rel.strip("/")))
         return sub
