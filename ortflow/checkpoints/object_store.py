@@ -32,7 +32,7 @@ from ortflow.checkpoints.folder import (
     step_dirname,
     verify,
 )
-from ortflow.storage import FolderSync, RemoteDir, StorageError
+from ortflow.storage import RemoteDir, StorageError
 
 log = logging.getLogger("ortflow.checkpoints")
 
@@ -192,46 +192,3 @@ def _same_meta(path: Path, remote: RemoteDir, name: str) -> bool:
         return False
     return json.loads(local_meta) == json.loads(remote.read_bytes(f"{name}/{META_FILE}"))
 
-
-class RunStore:
-    """A run folder on the store and its local copy (``cfg.output_dir``): files, and checkpoints by their protocol.
-
-    Args:
-        cfg: A config whose ``storage.remote_dir`` is set.
-        token: Names the writer's temporary checkpoint prefixes (rank 0's pid; default this process's).
-    """
-
-    #: Top-level names the folder sync leaves alone: checkpoints move by their protocol, versions by their own runs.
-    SKIP = ("checkpoints", "versions")
-
-    def __init__(self, cfg, token: int | None = None):
-        self.remote = RemoteDir.from_config(cfg.storage)
-        self.local = Path(cfg.output_dir)
-        self.checkpoints = RemoteCheckpoints(self.remote.child("checkpoints"), cfg.checkpoints_dir, token)
-        self.files = FolderSync(self.remote, self.local, self.SKIP)
-
-    def pull(self, checkpoints: str = "none") -> None:
-        """Bring the local copy up to the store: every changed file, and ``checkpoints`` "none", "newest" or "all"."""
-        self.local.mkdir(parents=True, exist_ok=True)
-        self.files.pull()
-        if checkpoints != "none":
-            self.checkpoints.pull(newest_only=checkpoints == "newest")
-
-    def push(self) -> None:
-        """Upload every local file that changed (checkpoints are uploaded by the writer rank as they complete)."""
-        self.files.push()
-
-    def push_deletions(self) -> list[int]:
-        """Delete the store's checkpoints that the local copy no longer holds (after the retention stage, which
-        ran on a local copy holding all of them)."""
-        from ortflow.checkpoints.folder import list_complete
-
-        here = {info.step for info in list_complete(self.checkpoints.local)}
-        gone = [step for step in self.checkpoints.steps() if step not in here]
-        for step in gone:
-            self.checkpoints.delete(step)
-        return gone
-
-    def remove_tree(self, rel: str) -> None:
-        """Delete a folder of the run on the store (a pruned version)."""
-        self.remote.remove_tree(rel)

@@ -13,8 +13,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ortflow import runlock, versions
+from ortflow.checkpoints import run_store
 from ortflow.config import RunConfig, apply_overrides, config_from_dict, load_config
-from ortflow.tasks import store_sync
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 
 
@@ -59,7 +59,7 @@ def run_folder_lock(cfg: RunConfig, purpose: str) -> Iterator[Path]:
     pipe = cfg.pipeline
     with runlock.hold(cfg.output_dir, wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s,
                       flow_run_id=flow_run_id(), purpose=purpose) as path:
-        store_sync.pull(cfg)  # a run folder on object storage: the local copy starts from the store
+        run_store.pull(cfg)  # a run folder on object storage: the local copy starts from the store
         yield path
 
 
@@ -84,8 +84,8 @@ def plan_version(
             logger.info("version %s in %s (%s)%s", plan.version, plan.config.output_dir, how,
                         ", resumed" if plan.resumed else "")
         if plan.version is not None:
-            store_sync.push(config)  # the registry, on the store before the version trains
-            store_sync.pull(plan.config)  # a retried or rerun version's own folder
+            run_store.push(config)  # the registry, on the store before the version trains
+            run_store.pull(plan.config)  # a retried or rerun version's own folder
         if from_stage is not None and not plan.skipped_because:
             logger.info("rerunning %s", ", ".join(invalidate(plan.config, from_stage)))
     return plan
@@ -97,7 +97,7 @@ def finish_version(config: RunConfig, plan: versions.Plan, status: str, summary:
     if plan.version is None:
         return None
     entry = versions.finish_version(config.output_dir, plan.version, status, summary)
-    store_sync.push(config)
+    run_store.push(config)
     return entry
 
 
@@ -109,8 +109,8 @@ def prune_versions(config: RunConfig) -> dict | None:
         return None
     with forward_logs() as logger:
         result = versions.prune_versions(config.output_dir, keep, config.versions.pinned)
-        store_sync.remove_versions(config, list(result.deleted))
-        store_sync.push(config)
+        run_store.remove_versions(config, list(result.deleted))
+        run_store.push(config)
         if result.deleted:
             logger.info("versions.keep %d: pruned %s (%.1f MB freed); %d version folder(s) use %.1f MB", keep,
                         ", ".join(result.deleted), result.freed_bytes / 1e6, len(result.kept),
@@ -171,4 +171,4 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
 def staged(stage_task: Any, cfg: RunConfig) -> Any:
     """The task with its retries and timeout from the config (today's defaults: 2 retries, no time limit); with a run
     folder on object storage, it reads what it needs from the store first and uploads what it wrote after."""
-    return store_sync.around_stage(stage_task.name, cfg, stage_task.with_options(**stage_options(cfg, stage_task.name)))
+    return run_store.around_stage(stage_task.name, cfg, stage_task.with_options(**stage_options(cfg, stage_task.name)))

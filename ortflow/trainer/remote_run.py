@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from ortflow.checkpoints.object_store import RemoteCheckpoints, RunStore
+from ortflow.checkpoints.object_store import RemoteCheckpoints
+from ortflow.checkpoints.run_store import RunStore
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig
 from ortflow.config.storage import cache_folder, default_cache_root
 from ortflow.storage import RemoteDir

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from ortflow.build.configure import configure
-from ortflow.checkpoints.object_store import RemoteCheckpoints, RunStore
+from ortflow.checkpoints.object_store import RemoteCheckpoints
+from ortflow.checkpoints.run_store import RunStore
 from ortflow.config import config_from_dict
 from ortflow.dataprep import prepare_data
 from ortflow.storage import RemoteDir
