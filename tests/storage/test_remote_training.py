@@ -129,8 +129,10 @@ def test_a_server_restart_mid_run_is_survived_or_stops_with_a_clear_error_and_re
         again = start_ranks(url, tmp_path / "machine")
         out = again.communicate(timeout=600)[0]
         assert again.returncode == 0, out[-3000:]
+        print("the job stopped with the store's error and the rerun resumed")  # noqa: T201 - shown with -s
     else:
         assert "retrying in" in out, out[-3000:]  # it saw the outage and outlasted it
+        print(f"the job outlasted the outage: {out.count('retrying in')} retried store operation(s)")  # noqa: T201
     steps, params = stored_parameters(url, tmp_path / "check")
     assert steps[-1] == STEPS
     assert_bitwise(params, reference["params"])

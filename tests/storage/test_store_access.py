@@ -110,3 +110,27 @@ def test_validate_names_a_store_it_cannot_reach_and_accepts_one_it_can(s3_server
         "endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}}}, base_dir=tmp_path)
     found = store_problems(elsewhere)
     assert len(found) == 1 and found[0].startswith("output_dir: cannot reach s3://bucket/run (")
+
+
+def test_ortflow_configure_and_prepare_data_upload_a_remote_run_folder(s3_server, bucket, tmp_path, monkeypatch):
+    import yaml
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from ortflow.examples.mlp import build_mlp
+
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    build_mlp(tmp_path / "mlp.onnx", num_features=8, hidden=16, num_classes=3, seed=0)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", features=rng.normal(size=(64, 8)).astype(np.float32),
+             labels=rng.integers(0, 3, 64))
+    url = f"s3://{bucket}/run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "cli", "output_dir": url, "model": {"path": "mlp.onnx"}, "data": {"train": "data.npz"},
+        "train": {"batch_size": 4, "num_train_steps": 4}}))
+    for command in ("configure", "prepare-data"):
+        result = CliRunner().invoke(app, [command, str(config)])
+        assert result.exit_code == 0, result.output
+    files = RemoteDir(url).files()
+    assert {"artifacts/training_model.onnx", "configure.json", "data/manifest.json"} <= set(files), sorted(files)
