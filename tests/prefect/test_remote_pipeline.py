@@ -61,3 +61,21 @@ def test_pipeline_on_s3_keeps_every_stage_on_the_store_and_a_fresh_machine_expor
     assert RemoteCheckpoints(RemoteDir(url).child("checkpoints"), tmp_path / "probe").steps() == stored
     after = params_on_store(url, 20, tmp_path / "after")
     assert all(np.array_equal(after[k], final[k]) for k in final)  # nothing was trained again
+
+
+def test_versions_of_a_remote_run_folder_and_their_registry_live_on_the_store(
+        prefect_server, mlp_sources, s3_server, bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    url = f"s3://{bucket}/runs"
+    cfg = mlp_config(tmp_path, mlp_sources, "versions", output_dir=url, train={"num_train_steps": 10},
+                     checkpoint={"period": 5, "max_num_checkpoints": 1})
+    state = train_pipeline(cfg, new_version=True, return_state=True)
+    assert state.is_completed(), state
+    registry = json.loads(RemoteDir(url).read_bytes("registry.json"))["versions"]
+    assert [entry["status"] for entry in registry] == ["completed"]
+    name = registry[0]["version"]
+    files = RemoteDir(url).files(f"versions/{name}")
+    assert {"config.yaml", "export/model.onnx", "checkpoints.json"} <= set(files), sorted(files)
+    steps = RemoteCheckpoints(RemoteDir(f"{url}/versions/{name}").child("checkpoints"), tmp_path / "probe").steps()
+    assert steps[-1] == 10
+    assert not any(k.startswith("checkpoints/") for k in RemoteDir(url).files() if not k.startswith("versions/"))
