@@ -90,6 +90,30 @@ class RemoteCheckpoints:
             raise CheckpointError(f"could not upload checkpoint {name}: {err}") from err
         log.info("uploaded checkpoint %s to %s", name, self.remote.url)
 
+    def send(self, tmp: Path) -> None:
+        """Upload this rank's files of a checkpoint in progress (the local temporary folder ``tmp``) to the store's
+        temporary prefix of the same name, where the writer rank collects them (:meth:`receive`).
+
+        Raises:
+            CheckpointError: the store failed after retries.
+        """
+        try:
+            for file in sorted(Path(tmp).iterdir()):
+                self.remote.put(file, f"{Path(tmp).name}/{file.name}")
+        except StorageError as err:
+            raise CheckpointError(f"could not send this rank's checkpoint files to the store: {err}") from err
+
+    def receive(self, tmp: Path) -> list[str]:
+        """Download into ``tmp`` the files other ranks sent to the store's temporary prefix of the same name."""
+        try:
+            theirs = sorted(set(self.remote.files(Path(tmp).name)) - {p.name for p in Path(tmp).iterdir()})
+            for name in theirs:
+                self.remote.get(f"{Path(tmp).name}/{name}", Path(tmp) / name)
+        except StorageError as err:
+            raise CheckpointError(f"could not collect the other ranks' checkpoint files from the store: {err}") \
+                from err
+        return theirs
+
     def delete(self, step: int) -> None:
         """Delete the checkpoint of ``step`` on the store; meta.json goes first."""
         name = step_dirname(step)

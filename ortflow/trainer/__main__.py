@@ -89,15 +89,12 @@ def run_rank(run_dir: Path | str) -> int:
         # Under ZeRO-1 (or Adasum's per-rank states) every rank writes its optimizer file, and in a pipeline every stage
         # its files, into one temporary folder named after rank 0's pid.
         per_rank = rt.exchange.per_rank_state or rt.dims.split
-        if per_rank and own_copy:
-            raise ValueError("every rank of this layout writes checkpoint files (ZeRO-1, Adasum or a split model), "
-                             "which needs the ranks to share the run folder; start them on the launching host's copy "
-                             "(`ortflow train`) or use a plain data-parallel layout")
         shared = (comm.barrier, comm.broadcast(os.getpid(), "checkpoint token")) if per_rank else None
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
             writer=write_state, shared=shared, owner=run_owner(cfg) if writer else None,
-            mirror=remote_run.checkpoint_mirror(cfg, shared[1] if shared else os.getpid()) if writer else None,
+            mirror=remote_run.checkpoint_mirror(cfg, shared[1] if shared else os.getpid()) if writer or own_copy
+            else None, own_copies=own_copy,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard

@@ -30,13 +30,25 @@ SECTIONS = {"train": {"num_train_steps": STEPS, "display_loss_steps": 10},
             "distributed": {"num_ranks": 2, "threads_per_rank": 1}}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def local_reference(root: Path, sections: dict) -> dict:
     """The same run in a local folder, uninterrupted: its final trainable parameters."""
-    cfg = make_run(tmp_path_factory.mktemp("reference"), "local", **SECTIONS)
+    cfg = make_run(root, "local", **sections)
     done = run_ranks(cfg, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
-    return {"params": final_parameters(cfg), "model": cfg.model.path, "data": cfg.data.train[0]}
+    return {"params": final_parameters(cfg), "model": cfg.model.path, "data": cfg.data.train[0],
+            "distributed": sections["distributed"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return local_reference(tmp_path_factory.mktemp("reference"), SECTIONS)
+
+
+@pytest.fixture(scope="module")
+def zero_reference(tmp_path_factory):
+    """ZeRO-1: every rank writes its own optimizer shard into each checkpoint."""
+    sections = {**SECTIONS, "distributed": {**SECTIONS["distributed"], "zero_stage": 1}}
+    return local_reference(tmp_path_factory.mktemp("zero-reference"), sections)
 
 
 def remote_run(url: str, reference: dict, cache: Path, monkeypatch) -> None:
@@ -46,7 +58,7 @@ def remote_run(url: str, reference: dict, cache: Path, monkeypatch) -> None:
         "name": "remote", "output_dir": url, "model": {"path": str(reference["model"])},
         "data": {"train": [reference["data"]], "eval_fraction": 0.125, "rows_per_shard": 100},
         "train": {"batch_size": 4, "evaluation_period": 0, **SECTIONS["train"]}, "optimizer": {"learning_rate": 0.01},
-        "checkpoint": SECTIONS["checkpoint"], "distributed": SECTIONS["distributed"]})
+        "checkpoint": SECTIONS["checkpoint"], "distributed": reference["distributed"]})
     assert local.storage.remote_dir == url and local.output_dir.is_relative_to(cache)
     configure(local)
     prepare_data(local)
@@ -89,8 +101,10 @@ def assert_bitwise(params: dict, expected: dict) -> None:
         assert np.array_equal(params[name], value), name
 
 
+@pytest.mark.parametrize("layout", ["plain", "zero1"])
 def test_ranks_without_a_shared_folder_killed_mid_run_resume_from_the_store_bitwise(
-        s3_server, bucket, reference, tmp_path, monkeypatch):
+        s3_server, bucket, layout, tmp_path, monkeypatch, request):
+    reference = request.getfixturevalue("reference" if layout == "plain" else "zero_reference")
     url = f"s3://{bucket}/run"
     remote_run(url, reference, tmp_path / "launcher", monkeypatch)
     store = RemoteCheckpoints(RemoteDir(url).child("checkpoints"), tmp_path / "probe")
@@ -109,8 +123,10 @@ def test_ranks_without_a_shared_folder_killed_mid_run_resume_from_the_store_bitw
     steps, params = stored_parameters(url, tmp_path / "check")
     assert steps == [STEPS - PERIOD, STEPS]  # max_num_checkpoints applied on the store
     assert_bitwise(params, reference["params"])
-    leftovers = [k for k in RemoteDir(url).files("checkpoints") if k.startswith(".tmp-")]
-    assert leftovers == []
+    files = RemoteDir(url).files("checkpoints")
+    assert [k for k in files if k.startswith(".tmp-")] == []
+    if layout == "zero1":  # each rank's optimizer shard reached the store from its own machine
+        assert {f"step-{STEPS:08d}/optimizer-rank0000{r}-of-00002.h5" for r in (0, 1)} <= set(files), sorted(files)
 
 
 def test_a_server_restart_mid_run_is_survived_or_stops_with_a_clear_error_and_resumes(
