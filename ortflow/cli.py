@@ -49,7 +49,9 @@ def _writing(where: Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        message = disk_problem(err, where)
+        from ortflow.storage import StorageError
+
+        message = str(err) if isinstance(err, StorageError) else disk_problem(err, where)  # a store out of reach
         if message is None:
             raise
         _fail(message)
@@ -272,11 +274,12 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     parameters every time.
     """
     from ortflow.build.configure import configure
+    from ortflow.checkpoints.run_store import around_stage
 
     cfg = _load(config, overrides)
     try:
         with _writing(cfg.output_dir):
-            result = configure(cfg)
+            result = around_stage("configure", cfg, configure)(cfg)  # a remote output_dir: synced with the store
     except ConfigError as err:
         _fail(str(err))
     state = "unchanged, reused existing artifacts" if result.reused else "built artifacts"
@@ -291,12 +294,13 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 @app.command(name="prepare-data")
 def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Shard the data sources into Arrow files + manifest.json in the run folder (a no-op when nothing changed)."""
+    from ortflow.checkpoints.run_store import around_stage
     from ortflow.dataprep import DataError, prepare_data
 
     cfg = _load(config, overrides)
     try:
         with _writing(cfg.data_dir):
-            manifest = prepare_data(cfg)
+            manifest = around_stage("prepare_data", cfg, prepare_data)(cfg)
     except DataError as err:
         _fail(str(err))
     shards = sum(len(s) for s in manifest.splits.values())
@@ -312,10 +316,11 @@ def prepare_data_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
 def retain_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
     from ortflow.checkpoints.retention import reason_label, retain_checkpoints
+    from ortflow.checkpoints.run_store import around_stage
 
     cfg = _load(config, overrides)
     with _writing(cfg.checkpoints_dir):
-        index = retain_checkpoints(cfg)
+        index = around_stage("retain_checkpoints", cfg, retain_checkpoints)(cfg)
     for entry in index.kept:
         reasons = ", ".join(reason_label(r, index.keep_newest) for r in entry["reasons"])
         console.print(f"  keep   step {entry['step']}: {reasons}", highlight=False)

@@ -45,7 +45,7 @@ from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
 from ortflow.dataprep.prepare_data import canonical_table, check_enough_rows, column_plan, resolve_plan
-from ortflow.dataprep.sources import Source, count_rows, resolve_sources, table_chunks, text_windows
+from ortflow.dataprep.sources import Source, count_rows, resolve_sources, source_size, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
 from ortflow.graph.batch_dims import make_batch_symbolic
@@ -90,6 +90,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
     problems += layout
     problems += data_problems(cfg, specs, train_batch)
     problems += path_problems(cfg)
+    problems += store_problems(cfg)
     problems += version_problems(cfg)
     return list(dict.fromkeys(problems))  # the same problem found twice is listed once
 
@@ -255,7 +256,7 @@ def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:
     for field, patterns in (("data.train", cfg.data.train), ("data.test", cfg.data.test)):
         for pattern in patterns:  # one at a time, so every pattern that matches nothing is listed
             try:
-                found[field] += resolve_sources((pattern,), cfg.data.format, field)
+                found[field] += resolve_sources((pattern,), cfg.data.format, field, cfg.storage.options)
             except DataError as err:
                 problems.append(str(err))
     return found, problems
@@ -350,7 +351,7 @@ def _row_count_problems(cfg: RunConfig, sources: list[Source], text: bool, colum
     if text:
         if cfg.data.text.tokenizer is not None:
             return []  # the window count needs the whole corpus tokenized: prepare-data checks it
-        total = sum(os.path.getsize(s.path) for s in sources) // (cfg.data.text.seq_len + 1)
+        total = sum(source_size(s) for s in sources) // (cfg.data.text.seq_len + 1)
     else:
         try:
             total = sum(count_rows(s, column) for s in sources)
@@ -406,3 +407,18 @@ def path_problems(cfg: RunConfig) -> list[str]:
         (cfg.export_path, "export.path", False),
     ]
     return [p for p in (_writable(Path(path), field, is_dir) for path, field, is_dir in checks) if p]
+
+
+def store_problems(cfg: RunConfig) -> list[str]:
+    """A remote ``output_dir`` must be reachable with the credentials this process has (one request, no retries)."""
+    if cfg.storage.remote_dir is None:
+        return []
+    from ortflow.storage import RemoteDir
+
+    try:
+        RemoteDir(cfg.storage.remote_dir, cfg.storage.options, retries=0).exists("config.yaml")
+    except Exception as err:  # noqa: BLE001 - StorageError, a missing package, refused credentials
+        cause = err.__cause__ or err
+        return [f"output_dir: cannot reach {cfg.storage.remote_dir} ({type(cause).__name__}: {cause}); check the "
+                "endpoint (AWS_ENDPOINT_URL or storage.options), the credentials (docs/storage.md) and the bucket"]
+    return []

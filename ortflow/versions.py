@@ -88,8 +88,8 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
 
     data = cfg.data
-    sources = resolve_sources(data.train, data.format, "data.train")
-    sources += resolve_sources(data.test, data.format, "data.test") if data.test else []
+    sources = resolve_sources(data.train, data.format, "data.train", cfg.storage.options)
+    sources += resolve_sources(data.test, data.format, "data.test", cfg.storage.options) if data.test else []
     digest = hashlib.sha256(json.dumps([fingerprint_entry(s) for s in sources], sort_keys=True).encode())
     return {
         "config": cfg.section_fingerprint(*TRAINING_SECTIONS),
@@ -145,6 +145,8 @@ def version_config(cfg: RunConfig, folder: Path, init_from: Path | None) -> RunC
         ])
     raw = cfg.model_dump(mode="json")
     raw["output_dir"] = str(folder)
+    if cfg.storage.remote_dir is not None:  # the version's folder on the store mirrors its local copy
+        raw["storage"]["remote_dir"] = f"{cfg.storage.remote_dir}/{Path(folder).relative_to(cfg.output_dir).as_posix()}"
     raw["checkpoint"].update(dir=None, checkpoint_to_load_path=None, init_from=str(init_from) if init_from else None)
     raw["tensorboard"]["log_dir"] = None
     raw["export"]["path"] = None

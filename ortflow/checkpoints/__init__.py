@@ -2,7 +2,9 @@
 (:mod:`.manager`), the HDF5 files (:mod:`.h5state`), tensor-parallel slices (:mod:`.tp`), format 1 engine files
 (:mod:`.legacy`), the parallel layout a checkpoint was written with (:mod:`.layout_check`), the retention stage after
 training (:mod:`.retention`) and the ``ortflow checkpoint`` tools (:mod:`.tools`). Used by the trainer, export and
-the version records; it imports nothing from ortflow but the config.
+the version records; it imports nothing from ortflow but the config and, for run folders on object storage
+(:mod:`.object_store`: the protocol on the store, :mod:`.run_store`: a run folder's local copy), the storage
+package.
 
 See docs/checkpoints.md for the layout.
 """

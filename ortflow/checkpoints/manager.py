@@ -109,6 +109,11 @@ class CheckpointManager:
             that is the same on every rank (rank 0's pid) naming the temporary folder. None: only the writer writes.
         owner: The run's identity (:func:`.owner.run_owner`), recorded in every meta.json so that another run
             sharing the directory is refused on resume.
+        mirror: With a remote run folder, the store's checkpoint directory
+            (:class:`.object_store.RemoteCheckpoints`): the writer uploads every complete checkpoint there and applies
+            retention there too.
+        own_copies: Each rank works in its own copy of the run folder (no shared filesystem): under ``shared``, the
+            other ranks' files reach the writer through the store's temporary prefix (``mirror`` on every rank).
     """
 
     def __init__(
@@ -121,6 +126,8 @@ class CheckpointManager:
         clock: Callable[[], float] = time.time,
         shared: tuple[Callable[[str], None], int] | None = None,
         owner: dict | None = None,
+        mirror: Any = None,
+        own_copies: bool = False,
     ):
         if period < 0:
             raise ValueError(f"checkpoint.period must be >= 0 (0: only the final checkpoint), got {period}")
@@ -136,9 +143,13 @@ class CheckpointManager:
         self._token = shared[1] if shared else os.getpid()
         self._saved_steps: set[int] = set()
         self._owner = owner
+        self._relay = own_copies and shared is not None  # per-rank files travel through the store
+        self._mirror = mirror if is_writer or self._relay else None
         if is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.clean_stale_tmp()
+            if self._mirror is not None:
+                self._mirror.clean_stale()
 
     # -- policy ------------------------------------------------------------------------------------------------------
 
@@ -227,20 +238,26 @@ class CheckpointManager:
         tmp = self.directory / f"{TMP_PREFIX}{name}-{self._token}"
         final = self.directory / name
         try:
-            if self.is_writer:
+            if self.is_writer or self._relay:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             if self._shared:
                 self._shared[0]("checkpoint folder created")  # Sync point: every rank writes into the new folder
             self._writer(state, tmp)
+            if self._relay and not self.is_writer:
+                self._mirror.send(tmp)
             if self._shared:
                 self._shared[0]("checkpoint files written")  # Sync point: rank 0 checksums every rank's file
             if not self.is_writer:
+                if self._relay:
+                    shutil.rmtree(tmp, ignore_errors=True)
                 return None
+            if self._relay:
+                self._mirror.receive(tmp)
             self._finish(step, tmp, meta)
             self._move_into_place(tmp, final)
         except BaseException as err:
-            if self.is_writer:
+            if self.is_writer or self._relay:
                 shutil.rmtree(tmp, ignore_errors=True)
             self._saved_steps.discard(step)
             if isinstance(err, (OSError, RuntimeError)):  # h5py raises RuntimeError on some write failures (disk full)
@@ -250,6 +267,8 @@ class CheckpointManager:
                 ) from err
             raise
         log.info("saved checkpoint %s", final)
+        if self._mirror is not None:
+            self._mirror.upload(final)  # complete on the store before retention deletes anything there
         self._apply_retention(protect={step})
         return final
 
@@ -298,4 +317,6 @@ class CheckpointManager:
             if info.step in doomed:
                 delete_checkpoint(info.path)
                 log.info("retention: deleted checkpoint %s", info.path.name)
+        if self._mirror is not None:
+            self._mirror.retain(self.max_num_checkpoints, protect)
         return doomed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,47 @@ class ConfigError(ValueError):
 MAX_COUNT = 2**31 - 1
 
 
+#: URL schemes of the object stores ortflow reads and writes through fsspec, with the package each needs.
+REMOTE_SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+LOCAL_SCHEME = "file"
+URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(value: object) -> str | None:
+    """The scheme of a ``scheme://...`` string (lower case), or None for a plain path."""
+    match = URL_RE.match(value) if isinstance(value, str) else None
+    return match.group(1).lower() if match else None
+
+
+def is_remote(value: object) -> bool:
+    """True for a URL of a supported object store (``s3://``, ``gs://``, ``az://``, ``abfs://``)."""
+    return url_scheme(value) in REMOTE_SCHEMES
+
+
+def url_problem(value: object, field: str, remote_ok: bool) -> str | None:
+    """Why ``value`` cannot stand in ``field``: an unknown scheme, a remote URL where only local paths work, or a URL
+    without a bucket; None when it can."""
+    scheme = url_scheme(value)
+    if scheme is None or scheme == LOCAL_SCHEME:
+        return None
+    if scheme not in REMOTE_SCHEMES:
+        known = ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
+        return (f"{field}: '{value}' uses the scheme {scheme}://, which ortflow does not read; use {known}, "
+                f"file:// or a local path")
+    if not remote_ok:
+        return (f"{field}: '{value}' is a remote URL, but this field takes a local path; object storage works for "
+                "output_dir and data.train/data.test (docs/storage.md)")
+    if not str(value)[len(scheme) + 3:].split("/", 1)[0]:
+        return f"{field}: '{value}' names no bucket; write {scheme}://BUCKET/PATH"
+    return None
+
+
+def local_path(value: str) -> str:
+    """A ``file://`` URL as a plain path (``file:///data/x`` -> ``/data/x``); anything else unchanged."""
+    return value[len("file://"):] if url_scheme(value) == LOCAL_SCHEME else value
+
+
+
 def _is_number_field(annotation: Any) -> bool:
     kinds = getattr(annotation, "__args__", None) or (annotation,)
     return any(kind in (int, float) for kind in kinds) and bool not in kinds
@@ -50,7 +92,23 @@ class Section(BaseModel):
                     raise ValueError(f"{name} is `{str(value).lower()}`, a boolean; give a number")
                 if isinstance(value, int) and abs(value) > MAX_COUNT:
                     raise ValueError(f"{name} is {value}, beyond any real run; give at most {MAX_COUNT}")
+            data = _local_path_fields(cls, data)
         return data
+
+
+def _local_path_fields(cls: type[BaseModel], data: dict) -> dict:
+    # A URL in a path field would become a local folder named "s3:"; file:// URLs are plain paths.
+    fixed = {}
+    for name, value in data.items():
+        field = cls.model_fields.get(name)
+        if field is None or url_scheme(value) is None or Path not in (getattr(field.annotation, "__args__", None)
+                                                                       or (field.annotation,)):
+            continue
+        problem = url_problem(value, name, remote_ok=False)
+        if problem:
+            raise ValueError(problem)
+        fixed[name] = local_path(value)
+    return {**data, **fixed} if fixed else data
 
 
 def resolve_path(value: Path | None, info: ValidationInfo) -> Path | None:

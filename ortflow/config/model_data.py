@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from ortflow.config.base import LossName, Section, resolve_path
+from ortflow.config.base import LossName, Section, is_remote, local_path, resolve_path, url_problem
 
 
 class ModelConfig(Section):
@@ -108,7 +108,12 @@ class DataConfig(Section):
     @field_validator("train", "test", mode="after")
     @classmethod
     def _resolve_sources(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
-        return tuple(str(resolve_path(Path(v), info)) for v in value)
+        # Object-store URLs (s3://, gs://, az://) are read where they are; file:// URLs are local paths.
+        for v in value:
+            problem = url_problem(v, info.field_name and f"data.{info.field_name}", remote_ok=True)
+            if problem:
+                raise ValueError(problem)
+        return tuple(v if is_remote(v) else str(resolve_path(Path(local_path(v)), info)) for v in value)
 
     @field_validator("train", mode="after")
     @classmethod

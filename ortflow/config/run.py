@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ortflow.config.base import Section, resolve_path
 from ortflow.config.clusters import KubernetesConfig, SlurmConfig
@@ -21,13 +21,15 @@ from ortflow.config.outputs import (
     TensorBoardConfig,
     VersionsConfig,
 )
+from ortflow.config.storage import StorageConfig, remote_output_dir, remote_problems
 
 
 class RunConfig(Section):
     """The whole run. Every path may be relative to the config file's folder."""
 
     name: str = Field("ortflow-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run and deployment name.")
-    output_dir: Path = Field(description="Run folder: artifacts, shards, checkpoints, logs and the exported model.")
+    output_dir: Path = Field(description="Run folder: artifacts, shards, checkpoints, logs and the exported model. "
+                             "A URL (s3://, gs://, az://) keeps the run folder on object storage (docs/storage.md).")
     model: ModelConfig = Field(description="The ONNX model and its loss.")
     data: DataConfig = Field(description="Training and evaluation data.")
     train: TrainConfig = Field(description="Loop hyper-parameters.")
@@ -44,8 +46,15 @@ class RunConfig(Section):
     schedule: ScheduleConfig = Field(ScheduleConfig(), description="Deployment schedule.")
     pipeline: PipelineConfig = Field(PipelineConfig(), description="Stage retries, timeouts, run-folder lock.")
     versions: VersionsConfig = Field(VersionsConfig(), description="Model versions of scheduled runs.")
+    storage: StorageConfig = Field(StorageConfig(), description="Object storage of a remote output_dir.")
 
     _resolve_path = field_validator("output_dir", mode="after")(resolve_path)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _remote_output_dir(cls, data: object, info: ValidationInfo) -> object:
+        # Runs before the field checks: a URL output_dir becomes storage.remote_dir plus its local copy.
+        return remote_output_dir(data, (info.context or {}).get("base_dir"))
 
     # Derived paths: one place decides the run folder's layout.
     @property
@@ -148,7 +157,8 @@ def _kubernetes_problems(cfg: RunConfig) -> list[str]:
 
 def _cross_field_problems(cfg: RunConfig) -> list[str]:
     """Checks that span sections, each naming the field and what would be valid."""
-    problems: list[str] = []
+    problems: list[str] = remote_problems(cfg.storage, {"checkpoint.dir": cfg.checkpoint.dir,
+                                                         "tensorboard.log_dir": cfg.tensorboard.log_dir})
     dist, prec = cfg.distributed, cfg.precision
     if dist.num_ranks == "auto":
         if dist.data_parallel_size is not None:

@@ -60,8 +60,8 @@ def prepare_data(cfg: RunConfig) -> Manifest:
     """
     specs = read_train_inputs(cfg.output_dir)
     data, data_dir = cfg.data, cfg.data_dir
-    train_sources = resolve_sources(data.train, data.format, "data.train")
-    test_sources = resolve_sources(data.test, data.format, "data.test") if data.test else []
+    train_sources = resolve_sources(data.train, data.format, "data.train", cfg.storage.options)
+    test_sources = resolve_sources(data.test, data.format, "data.test", cfg.storage.options) if data.test else []
     text = train_sources[0].format == "text"
     if test_sources and (test_sources[0].format == "text") != text:
         raise DataError("data.test: mixes text and tables with data.train; give both splits the same kind of source")

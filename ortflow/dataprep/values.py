@@ -189,7 +189,7 @@ def scan_sources(cfg) -> list[str]:
     problems: list[str] = []
     for patterns, field in ((cfg.data.train, "data.train"), (cfg.data.test, "data.test")):
         try:
-            sources = resolve_sources(patterns, cfg.data.format, field) if patterns else []
+            sources = resolve_sources(patterns, cfg.data.format, field, cfg.storage.options) if patterns else []
         except DataError as err:
             problems.append(str(err))
             continue

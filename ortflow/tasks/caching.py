@@ -80,8 +80,8 @@ def _prepare_inputs(cfg: RunConfig) -> dict:
     from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
 
     data = cfg.data
-    train = resolve_sources(data.train, data.format, "data.train")
-    test = resolve_sources(data.test, data.format, "data.test") if data.test else []
+    train = resolve_sources(data.train, data.format, "data.train", cfg.storage.options)
+    test = resolve_sources(data.test, data.format, "data.test", cfg.storage.options) if data.test else []
     record = read_configure_record(cfg.output_dir) or {}
     return {
         "data": cfg.model_dump(mode="json", include={"data"}),

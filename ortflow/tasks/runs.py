@@ -13,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ortflow import runlock, versions
+from ortflow.checkpoints import run_store
 from ortflow.config import RunConfig, apply_overrides, config_from_dict, load_config
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 
@@ -58,6 +59,7 @@ def run_folder_lock(cfg: RunConfig, purpose: str) -> Iterator[Path]:
     pipe = cfg.pipeline
     with runlock.hold(cfg.output_dir, wait=pipe.wait_for_lock, timeout_s=pipe.lock_timeout_s,
                       flow_run_id=flow_run_id(), purpose=purpose) as path:
+        run_store.pull(cfg)  # a run folder on object storage: the local copy starts from the store
         yield path
 
 
@@ -81,6 +83,9 @@ def plan_version(
             how = f"warm start from {plan.parent}" if plan.parent else "from the configured weights"
             logger.info("version %s in %s (%s)%s", plan.version, plan.config.output_dir, how,
                         ", resumed" if plan.resumed else "")
+        if plan.version is not None:
+            run_store.push(config)  # the registry, on the store before the version trains
+            run_store.pull(plan.config)  # a retried or rerun version's own folder
         if from_stage is not None and not plan.skipped_because:
             logger.info("rerunning %s", ", ".join(invalidate(plan.config, from_stage)))
     return plan
@@ -91,7 +96,9 @@ def finish_version(config: RunConfig, plan: versions.Plan, status: str, summary:
     """Record the version's end in the registry (``latest`` follows completed versions); no-op when unversioned."""
     if plan.version is None:
         return None
-    return versions.finish_version(config.output_dir, plan.version, status, summary)
+    entry = versions.finish_version(config.output_dir, plan.version, status, summary)
+    run_store.push(config)
+    return entry
 
 
 @task(name="prune_versions", cache_policy=NO_CACHE)
@@ -102,6 +109,8 @@ def prune_versions(config: RunConfig) -> dict | None:
         return None
     with forward_logs() as logger:
         result = versions.prune_versions(config.output_dir, keep, config.versions.pinned)
+        run_store.remove_versions(config, list(result.deleted))
+        run_store.push(config)
         if result.deleted:
             logger.info("versions.keep %d: pruned %s (%.1f MB freed); %d version folder(s) use %.1f MB", keep,
                         ", ".join(result.deleted), result.freed_bytes / 1e6, len(result.kept),
@@ -160,5 +169,6 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
 
 
 def staged(stage_task: Any, cfg: RunConfig) -> Any:
-    """The task with its retries and timeout from the config (today's defaults: 2 retries, no time limit)."""
-    return stage_task.with_options(**stage_options(cfg, stage_task.name))
+    """The task with its retries and timeout from the config (today's defaults: 2 retries, no time limit); with a run
+    folder on object storage, it reads what it needs from the store first and uploads what it wrote after."""
+    return run_store.around_stage(stage_task.name, cfg, stage_task.with_options(**stage_options(cfg, stage_task.name)))

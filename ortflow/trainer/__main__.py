@@ -1,4 +1,5 @@
-"""Rank entry point: ``python -m ortflow.trainer RUN_DIR`` (started by ``ortflow train`` under mpiexec)."""
+"""Rank entry point: ``python -m ortflow.trainer RUN_DIR`` (started by ``ortflow train`` under mpiexec); RUN_DIR may be
+the URL of a run folder on object storage (:mod:`.remote_run`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
+from ortflow.config.storage import is_remote
 from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
-from ortflow.trainer import lifeline, output
+from ortflow.trainer import lifeline, output, remote_run
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
@@ -55,7 +57,7 @@ def _configure_record(run_dir: Path) -> dict | None:
         return None
 
 
-def run_rank(run_dir: Path) -> int:
+def run_rank(run_dir: Path | str) -> int:
     """Train this rank to the end (or to a stop request); returns the process exit status."""
     from ortflow.dataprep.loader import EvalLoader, TrainLoader, verify_data
 
@@ -63,6 +65,14 @@ def run_rank(run_dir: Path) -> int:
     _install_stop_handlers(stop)
     lifeline.die_with_parent()  # the launcher's proxy (our parent) died: the job is gone, so is this rank
     lifeline.follow_launcher()  # `ortflow train` (or the flow) died: exit within a second, not at the next print
+    own_copy = is_remote(str(run_dir))  # no filesystem shared with the other ranks: each has its own local copy
+    if own_copy:
+        try:
+            run_dir = remote_run.materialize(str(run_dir))
+        except (ValueError, OSError) as err:  # ConfigError, StorageError: their messages say what to do
+            log.error("%s", err)
+            return 1
+    run_dir = Path(run_dir)
     cfg, comm = start_mpi(run_dir)
     try:
         if comm.rank == 0:
@@ -83,6 +93,8 @@ def run_rank(run_dir: Path) -> int:
         manager = CheckpointManager(
             cfg.checkpoints_dir, cfg.checkpoint.period, cfg.checkpoint.max_num_checkpoints, is_writer=writer,
             writer=write_state, shared=shared, owner=run_owner(cfg) if writer else None,
+            mirror=remote_run.checkpoint_mirror(cfg, shared[1] if shared else os.getpid()) if writer or own_copy
+            else None, own_copies=own_copy,
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard
@@ -130,7 +142,8 @@ def _one_line_os_errors(unraisable) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse the run folder and train this rank."""
     parser = argparse.ArgumentParser(prog="python -m ortflow.trainer", description=__doc__)
-    parser.add_argument("run_dir", type=Path, help="A configured run folder (holds config.yaml and artifacts/).")
+    parser.add_argument("run_dir", help="A configured run folder (holds config.yaml and artifacts/), or its URL on "
+                        "object storage (s3://, gs://, az://).")
     args = parser.parse_args(argv)
     output.never_block()  # a launcher that stops reading (stopped, wedged) must never stall this rank
     sys.unraisablehook = _one_line_os_errors

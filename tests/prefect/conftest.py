@@ -111,3 +111,9 @@ def mlp_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
     np.savez(root / "data.npz", features=features, labels=labels)
     return {"model": model, "data": root / "data.npz"}
+
+
+# The S3 server (SeaweedFS) of the remote-storage pipeline tests: s3_server per module, bucket per test.
+from tests.support.s3server import fixtures as _s3_fixtures  # noqa: E402
+
+s3_server, module_bucket, bucket = _s3_fixtures()

@@ -12,11 +12,12 @@ from pathlib import Path
 LAYERS: dict[str, set[str]] = {
     "config": set(),
     "graph": {"config"},
-    "dataprep": {"config"},
-    "checkpoints": {"config", "processes"},
+    "storage": {"config"},  # fsspec: remote folders, the sync of a run folder's local copy
+    "dataprep": {"config", "storage"},
+    "checkpoints": {"config", "processes", "storage"},
     "build": {"config", "graph", "checkpoints", "engine", "artifacts_folder"},
     "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus", "artifacts_folder", "cuda_libs",
-                "protocol"},
+                "protocol", "storage"},
     "launch": {"config", "processes", "gpus", "protocol"},
     "export": {"config", "checkpoints", "graph", "engine", "artifacts_folder"},
     "engine": {"cuda_libs"},  # the one module that imports onnxruntime.training; its CUDA libraries load first
@@ -25,7 +26,7 @@ LAYERS: dict[str, set[str]] = {
     "cuda_libs": {"gpus"},  # the engine's CUDA libraries: the engine, the ranks and validate load or check them
     "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
-    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs"},
+    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs", "storage"},
     "versions": {"config", "dataprep", "build", "checkpoints"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit

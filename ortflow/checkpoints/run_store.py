@@ -1,0 +1,114 @@
+"""A run folder on object storage and its local copy (``output_dir`` of a config whose ``storage.remote_dir`` is set):
+files move by the folder sync, checkpoints by their protocol (:mod:`.object_store`), and each pipeline stage gets what
+it reads from the store before it runs and puts back what it wrote once it ends.
+
+The launching process (the flow, or ``ortflow configure``/``prepare-data``/``retain``) brings the copy up to the store
+when it starts, downloads the checkpoints a stage reads (the newest for training to resume from, all of them for
+retention and export), and uploads what each stage wrote. The ranks upload their checkpoints themselves as each one
+completes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from ortflow.checkpoints.object_store import RemoteCheckpoints
+from ortflow.config import RunConfig
+from ortflow.storage import FolderSync, RemoteDir
+
+log = logging.getLogger("ortflow.storage")
+
+
+class RunStore:
+    """A run folder on the store and its local copy (``cfg.output_dir``): files, and checkpoints by their protocol.
+
+    Args:
+        cfg: A config whose ``storage.remote_dir`` is set.
+        token: Names the writer's temporary checkpoint prefixes (rank 0's pid; default this process's).
+    """
+
+    #: Top-level names the folder sync leaves alone: checkpoints move by their protocol, versions by their own runs.
+    SKIP = ("checkpoints", "versions")
+
+    def __init__(self, cfg: RunConfig, token: int | None = None):
+        self.remote = RemoteDir.from_config(cfg.storage)
+        self.local = Path(cfg.output_dir)
+        self.checkpoints = RemoteCheckpoints(self.remote.child("checkpoints"), cfg.checkpoints_dir, token)
+        self.files = FolderSync(self.remote, self.local, self.SKIP)
+
+    def pull(self, checkpoints: str = "none") -> None:
+        """Bring the local copy up to the store: every changed file, and ``checkpoints`` "none", "newest" or "all"."""
+        self.local.mkdir(parents=True, exist_ok=True)
+        self.files.pull()
+        if checkpoints != "none":
+            self.checkpoints.pull(newest_only=checkpoints == "newest")
+
+    def push(self) -> None:
+        """Upload every local file that changed (checkpoints are uploaded by the writer rank as they complete)."""
+        self.files.push()
+
+    def push_deletions(self) -> list[int]:
+        """Delete the store's checkpoints that the local copy no longer holds (after the retention stage, which
+        ran on a local copy holding all of them)."""
+        from ortflow.checkpoints.folder import list_complete
+
+        here = {info.step for info in list_complete(self.checkpoints.local)}
+        gone = [step for step in self.checkpoints.steps() if step not in here]
+        for step in gone:
+            self.checkpoints.delete(step)
+        return gone
+
+    def remove_tree(self, rel: str) -> None:
+        """Delete a folder of the run on the store (a pruned version)."""
+        self.remote.remove_tree(rel)
+
+
+#: Checkpoints a stage reads, so they are downloaded before it runs.
+STAGE_CHECKPOINTS = {"train": "newest", "retain_checkpoints": "all", "export": "all"}
+
+
+def is_remote_run(cfg: RunConfig) -> bool:
+    return cfg.storage.remote_dir is not None
+
+
+def pull(cfg: RunConfig, checkpoints: str = "none") -> None:
+    """Bring the local copy of a remote run folder up to the store (no-op for a local run folder)."""
+    if is_remote_run(cfg):
+        RunStore(cfg).pull(checkpoints)
+
+
+def push(cfg: RunConfig) -> None:
+    """Upload what changed in the local copy (no-op for a local run folder)."""
+    if is_remote_run(cfg):
+        RunStore(cfg).push()
+
+
+def remove_versions(cfg: RunConfig, names: list[str]) -> None:
+    """Delete pruned versions' folders on the store."""
+    if is_remote_run(cfg):
+        store = RunStore(cfg)
+        for name in names:
+            store.remove_tree(f"versions/{name}")
+
+
+def around_stage(stage: str, cfg: RunConfig, call: Any) -> Any:
+    """``call`` (a stage task) wrapped so that the store is read before it and written after it."""
+    if not is_remote_run(cfg):
+        return call
+
+    @functools.wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        store = RunStore(cfg)
+        store.pull(STAGE_CHECKPOINTS.get(stage, "none"))
+        result = call(*args, **kwargs)
+        store.push()
+        if stage == "retain_checkpoints":
+            deleted = store.push_deletions()  # the stage ran on a copy holding every checkpoint
+            if deleted:
+                log.info("retention: deleted checkpoint steps %s on %s", deleted, cfg.storage.remote_dir)
+        return result
+
+    return run
