@@ -137,3 +137,22 @@ def test_pipeline_stages_and_tensor_pieces_of_a_model_past_the_limit_are_refused
     with pytest.raises(ArtifactsError, match="pipeline_parallel_size / horizontal_parallel_size.*set both to 1"):
         split_source(cfg, names, proto_limit=1)
     assert split_source(cfg, names, proto_limit=2**31 - 1).model.graph.node  # under the limit: cut as before
+
+
+def test_a_dynamo_export_on_the_large_model_path_builds_the_checkpoint_it_builds_under_the_limit(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a tiny corpus")
+
+    def run(name, **limit):
+        cfg = config_from_dict({
+            "name": name, "output_dir": str(tmp_path / name),
+            "model": {"path": "tests/fixtures/exports/llama-dynamo.onnx", "loss": "cross_entropy",
+                      "label_input": "labels"},
+            "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 8}},
+            "train": {"batch_size": 2, "num_train_steps": 1},
+        })
+        folder = configure(cfg, **limit).artifacts_dir
+        state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+        return {n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters}
+
+    assert run("large", proto_limit=1) == run("small")  # the exporter's external data, left in its file
