@@ -93,6 +93,8 @@ def artifact_digests(artifacts_dir: Path) -> dict[str, str]:
     parts = [*sorted(folder.glob("stages/stage-*")), *sorted(folder.glob("tensor/rank-*/piece-*"))]
     names = [*ARTIFACT_FILES, *(f"{part.relative_to(folder).as_posix()}/{name}" for part in parts
                                 for name in ARTIFACT_FILES)]
+    # A checkpoint past the engine's flatbuffer limit keeps its tensors in checkpoint.data beside it.
+    names += [f"{name}.data" for name in names if name.endswith("checkpoint") and (folder / f"{name}.data").exists()]
     return {name: _sha256(folder / name) for name in names}
 
 

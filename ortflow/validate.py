@@ -49,6 +49,7 @@ from ortflow.dataprep.sources import Source, count_rows, resolve_sources, source
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
 from ortflow.graph.batch_dims import make_batch_symbolic
+from ortflow.graph.external_data import data_bytes, needs_external_data, proto_bytes
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ def group_problems(cfg: RunConfig) -> list[str]:
     from ortflow.graph.untrainable import untrainable_initializers
 
     found = read_torch_parameters(cfg.model.path)  # a dynamo export trains its torch parameters, by torch name
-    proto = onnx.load(str(cfg.model.path)) if found is None else found.model
+    proto = onnx.load(str(cfg.model.path), load_external_data=False) if found is None else found.model
     floats = {t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
               and (found is None or t.name in found.trained)
               and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)}
@@ -162,7 +163,7 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
     """The training model's inputs as configure will build them (label included), and loss/output problems."""
     model = cfg.model
     try:
-        proto = onnx.load(str(model.path))
+        proto = load_model(model.path)
     except Exception as err:  # noqa: BLE001 - onnx raises several types (external data, protobuf)
         return None, [f"model.path: cannot load {model.path} with its weights ({type(err).__name__}: {err})"]
     proto, _ = make_batch_symbolic(proto)
@@ -199,6 +200,15 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
             f"'{model.label_input}' input: set model.label_input to another name"
         )
     return (None if problems else [*inputs, label]), problems
+
+
+def load_model(path: Path) -> onnx.ModelProto:
+    """The model with its weights when they fit in one proto (the batch pass test-runs it); past 2 GB its graph,
+    the weights left in their files, as configure reads it (:mod:`ortflow.graph.external_data`)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    if not needs_external_data(proto_bytes(proto), data_bytes(path, proto)):
+        onnx.external_data_helper.load_external_data_for_model(proto, str(Path(path).parent))
+    return proto
 
 
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:

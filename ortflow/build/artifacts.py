@@ -32,7 +32,7 @@ from onnx import helper
 
 from ortflow.artifacts_folder import ARTIFACT_FILES
 from ortflow.build import mixed_precision, training_graph
-from ortflow.build.engine_input import ArtifactsError, artifacts_error, engine_input, prepare
+from ortflow.build.engine_input import PROTO_LIMIT, ArtifactsError, artifacts_error, engine_input, prepare
 from ortflow.config import RunConfig
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
@@ -40,11 +40,6 @@ from ortflow.graph.batch_dims import BatchReport
 
 log = logging.getLogger(__name__)
 
-#: Files build_artifacts writes into the artifacts folder; all must exist for artifacts to count as built.
-
-# onnx cannot serialise a ModelProto over 2 GB; the engine then needs the model's path (and writes temp.onnx into
-# the current folder, so build_artifacts switches into its scratch folder for those).
-PROTO_LIMIT = 2**31 - 1
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -259,11 +254,7 @@ def _mixed_precision(cfg: RunConfig, prepared):
     """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/build/mixed_precision.py)."""
     if not cfg.precision.use_mixed_precision:
         return prepared
-    if prepared.model.ByteSize() >= PROTO_LIMIT or any(t.external_data for t in prepared.model.graph.initializer):
-        raise ArtifactsError(
-            "precision.use_mixed_precision: models with external data or over 2 GB are not supported yet; use fp32"
-        )
-    try:
+    try:  # the autocast pass reads no weights: parameters stay fp32 initializers, where their data lies
         return dataclasses.replace(prepared, model=mixed_precision.prepare_model(cfg, prepared.model))
     except ValueError as err:
         raise ArtifactsError(str(err)) from err
@@ -274,7 +265,8 @@ def _mixed_precision(cfg: RunConfig, prepared):
 _MIN_FREE_BYTES = 1 << 20
 
 
-def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None) -> ArtifactsInfo:
+def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = None,
+                    proto_limit: int = PROTO_LIMIT) -> ArtifactsInfo:
     """Build the training and eval models and the initial checkpoint into ``out_dir``.
 
     Everything is written into a scratch folder next to ``out_dir`` first and swapped in at the end, so a crash
@@ -285,6 +277,8 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         out_dir: The artifacts folder (replaced if it exists).
         stale_record: A file that vouches for the old artifacts (configure.json); deleted just before the new
             artifacts replace the old, so a failed build leaves old artifacts and their record as they were.
+        proto_limit: Model bytes (graph and weights) from which the weights stay in their files while the engine
+            builds (:func:`ortflow.build.engine_input.engine_input`); 2 GiB, lowered by tests.
 
     Returns:
         What was built, including the training model's inputs in the engine's order.
@@ -296,7 +290,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     trainable, frozen = split_parameters(info, cfg.model.frozen)
     output_name = check_loss_io(cfg, info)
     label_name = None if cfg.model.loss == "model_output" else cfg.model.label_input
-    prepared, batch = prepare(cfg, trainable, output_name, label_name, PROTO_LIMIT)
+    prepared, batch = prepare(cfg, trainable, output_name, label_name, proto_limit)
     if prepared.frozen:  # not weights (running statistics, constants the engine does not differentiate): no gradient
         trainable = [n for n in trainable if n not in prepared.frozen]
         frozen = sorted([*frozen, *prepared.frozen])
@@ -312,10 +306,10 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     try:
         prepared = _mixed_precision(cfg, prepared)
         scale_input = mixed_precision.scale_input(cfg)
-        engine_model = engine_input(Path(cfg.model.path), prepared, scratch, PROTO_LIMIT)
+        engine_model, linked = engine_input(Path(cfg.model.path), prepared, scratch, proto_limit)
         cwd = os.getcwd()
-        if isinstance(engine_model, str):
-            os.chdir(scratch)  # the engine writes temp.onnx into the current folder when given a path
+        if linked:
+            os.chdir(scratch)  # the engine's checkpoint writer reads external data relative to the current folder
         try:
             # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
             loss = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale_input)
@@ -333,13 +327,8 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
             raise artifacts_error(cfg, err, prepared, trainable) from err
         finally:
             os.chdir(cwd)
-        for leftover in ("temp.onnx", "temp.onnx.data"):
-            (scratch / leftover).unlink(missing_ok=True)
-        if isinstance(engine_model, str) and Path(engine_model).parent == scratch:  # the big prepared model's copy
-            Path(engine_model).unlink()
-            for name in {e.value for t in prepared.model.graph.initializer for e in t.external_data
-                         if e.key == "location"}:
-                (scratch / name).unlink(missing_ok=True)
+        for name in linked:  # the links to the user's weights: the checkpoint holds them now
+            (scratch / name).unlink(missing_ok=True)
         missing = [f for f in ARTIFACT_FILES if not (scratch / f).exists()]
         if missing:
             raise RuntimeError(f"the engine did not write {missing} into {scratch}")

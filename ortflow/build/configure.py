@@ -35,7 +35,7 @@ from ortflow.artifacts_folder import (
     read_tensor_record,
     verify_artifacts,
 )
-from ortflow.build.artifacts import ArtifactsError, build_artifacts, inspect_model
+from ortflow.build.artifacts import PROTO_LIMIT, ArtifactsError, build_artifacts, inspect_model
 from ortflow.build.engine_input import repeatable_gathers
 from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
 from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
@@ -213,10 +213,12 @@ def op_types(model_path: Path) -> list[str]:
     return sorted(found)
 
 
-def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None = None):
+def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None = None,
+                 proto_limit: int = PROTO_LIMIT):
     """Build the whole model's artifacts and the stages and pieces of the configured layout into ``artifacts_dir``.
 
     Used by configure and by ``validate --deep`` (in a temporary folder), so both build the same graphs.
+    ``proto_limit``: model bytes from which the weights stay in their files while the engine builds (2 GiB).
 
     A dynamo export is built from its torch-named model (:func:`ortflow.build.torch_model.torch_source`), written
     beside ``artifacts_dir``; ``built.torch`` records its parameters.
@@ -230,7 +232,7 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
     pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
     cfg, found = torch_source(cfg, Path(artifacts_dir).parent / TORCH_MODEL_DIR)
     plan = plan_layout(cfg)  # refuse a bad split before building anything
-    built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record)
+    built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record, proto_limit=proto_limit)
     built = dataclasses.replace(built, torch=found.to_record() if found else None)
     if pp > 1 and hp > 1:
         stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
@@ -259,11 +261,13 @@ def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
         raise ConfigError(problems)
 
 
-def configure(cfg: RunConfig) -> ConfigureResult:
+def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult:
     """Check the config and its files, build the training artifacts if needed, and record them in the run folder.
 
     Args:
         cfg: The run config.
+        proto_limit: Model bytes from which the weights stay in their files while the engine builds (2 GiB; tests
+            lower it to take that path on small models).
 
     Returns:
         Where the run folder and artifacts are, whether existing artifacts were reused, and the configure record.
@@ -301,7 +305,8 @@ def configure(cfg: RunConfig) -> ConfigureResult:
     model = inspect_model(cfg.model.path)
     try:
         # The old record is deleted just before the artifacts are replaced: it must never vouch for new artifacts.
-        built, stages, tensor_record = build_layout(cfg, artifacts_dir, stale_record=record_path)
+        built, stages, tensor_record = build_layout(cfg, artifacts_dir, stale_record=record_path,
+                                                    proto_limit=proto_limit)
     except ArtifactsError as err:
         raise ConfigError([str(err)]) from None
     _refuse_bad_groups(cfg, list(built.trainable))

@@ -1,4 +1,4 @@
-"""The model the engine gets: the user's model after ortflow's preparation pass, as a proto or (over 2 GB) a file.
+"""The model the engine gets: the user's model after ortflow's preparation pass, weights loaded or (past 2 GB) in files.
 
 Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
 """
@@ -16,6 +16,7 @@ import onnx
 from ortflow.config import RunConfig
 from ortflow.graph.batch_dims import BatchReport, make_batch_symbolic
 from ortflow.graph.differentiable import explain_engine_error
+from ortflow.graph.external_data import PROTO_LIMIT, data_bytes, external_files, needs_external_data, proto_bytes
 from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.prepare import CONSTANT_ELEMENTS, PreparedModel, prepare_model
 from ortflow.graph.ties import describe_copies, folded_tie_copies
@@ -39,7 +40,7 @@ def prepare(
     model = onnx.load(str(cfg.model.path), load_external_data=False)
     batch = None
     _load_small_external(model, Path(cfg.model.path).parent)
-    if _data_bytes(Path(cfg.model.path), model) < proto_limit:
+    if _fits(Path(cfg.model.path), model, proto_limit):
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
         for line in describe_copies(folded_tie_copies(model, set(trainable)), model):
             log.warning("model.path: %s", line)
@@ -59,13 +60,18 @@ def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> Prep
     each cut graph is prepared again by :func:`prepare_cut`).
 
     Raises:
-        ArtifactsError: A pass refuses the model (names the node and the fix).
+        ArtifactsError: A pass refuses the model (names the node and the fix), or the model is past ``proto_limit``.
     """
     model = onnx.load(str(cfg.model.path), load_external_data=False)
     _load_small_external(model, Path(cfg.model.path).parent)
-    if _data_bytes(Path(cfg.model.path), model) < proto_limit:
-        onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
-        model, _ = make_batch_symbolic(model)
+    if not _fits(Path(cfg.model.path), model, proto_limit):
+        raise ArtifactsError(
+            "distributed.pipeline_parallel_size / horizontal_parallel_size: pipeline stages and tensor-parallel "
+            "pieces are built from models under 2 GB; this one keeps its weights in external data: set both to 1 and "
+            "train it data-parallel (distributed.zero_stage 1 shards the optimizer state)"
+        )
+    onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+    model, _ = make_batch_symbolic(model)
     try:
         return prepare_model(model, set(trainable), cfg.model.loss, None, None, False, fuse_gelu=gelu_fusion(cfg),
                              keep=set(cfg.model.pipeline_cuts))
@@ -121,38 +127,41 @@ def _load_small_external(model: onnx.ModelProto, folder: Path) -> None:
             del tensor.external_data[:]
 
 
-def _data_bytes(model_path: Path, model: onnx.ModelProto) -> int:
-    """Bytes of the model with its external data loaded."""
-    files = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
-    return model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in files)
+def _fits(model_path: Path, model: onnx.ModelProto, proto_limit: int) -> bool:
+    return not needs_external_data(proto_bytes(model), data_bytes(model_path, model), proto_limit)
 
 
-def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path, proto_limit: int):
-    """What generate_artifacts gets: the prepared proto with its weights, or a path when that would pass 2 GB.
+def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path,
+                 proto_limit: int = PROTO_LIMIT) -> tuple[onnx.ModelProto, list[str]]:
+    """What generate_artifacts gets: the prepared proto with its weights loaded, or, when that would reach the
+    proto limit, the prepared proto whose initializers still point into the data files; then the files are linked
+    (or copied) into ``scratch`` at the same relative locations, and the engine must run with ``scratch`` as the
+    current folder.
 
-    A big prepared model is written into ``scratch`` beside hard links (or copies) of the external data files, at the
-    same relative locations, so the user's folder is never written to.
+    The engine's own path input (``generate_artifacts(path)``) loads every weight into Python protos several times over
+    (five times the weights' bytes were measured) and serialises the model whole, which fails past 2 GB unless
+    every initializer is a parameter. Given references, the engine moves the parameters to graph inputs without
+    reading them, and its checkpoint writer reads each one from its file (relative to the current folder) into the
+    checkpoint, writing ``checkpoint.data`` beside it past its own size limit.
+
+    Returns:
+        (the model for the engine, the data files linked into ``scratch``: empty when the weights are loaded).
     """
     model = prepared.model
-    files = [entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"]
-    size = model.ByteSize() + sum((model_path.parent / f).stat().st_size for f in set(files))
-    if size < proto_limit:
+    files = external_files(model)
+    if _fits(model_path, model, proto_limit):
         if files:
             model = onnx.ModelProto.FromString(model.SerializeToString())
             onnx.external_data_helper.load_external_data_for_model(model, str(model_path.parent))
-        return model
-    if not prepared.report:
-        return str(model_path)
-    for name in sorted(set(files)):
+        return model, []
+    for name in files:
         target = scratch / name
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(model_path.parent / name, target)
         except OSError:  # another filesystem: copy once
             shutil.copyfile(model_path.parent / name, target)
-    path = scratch / f"prepared-{model_path.name}"
-    onnx.save(model, str(path))
-    return str(path)
+    return model, files
 
 
 def artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, trainable: list[str]) -> ArtifactsError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
 from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
 from ortflow.graph.embedding import restore_gathers
+from ortflow.graph.external_data import PROTO_LIMIT, needs_external_data, proto_bytes, save_with_external_data
 from ortflow.graph.gelu import decompose_gelu
 from ortflow.graph.onnx_tools import subgraph_reads
 
@@ -54,7 +56,6 @@ TRAINING_OP_TYPES = frozenset({
     "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal", "SoftmaxCrossEntropy", "SparseSoftmaxCrossEntropy",
     "NegativeLogLikelihoodLoss", "NegativeLogLikelihoodLossInternal", "BroadcastGradientArgs",
 })
-PROTO_LIMIT = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,7 @@ def _metadata(checkpoint: CheckpointInfo, source: ExportSource) -> dict[str, str
 
 
 def _stamp(path: Path, metadata: dict[str, str]) -> None:
-    model = onnx.load(str(path))
+    model = onnx.load(str(path), load_external_data=False)  # external data stays where it is
     kept = [p for p in model.metadata_props if p.key not in metadata]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -405,6 +406,7 @@ def export_model(
     config: RunConfig | None = None,
     checkpoint: str | None = None,
     precision: str | None = None,
+    proto_limit: int = PROTO_LIMIT,
 ) -> ExportResult:
     """Export an inference model from a checkpoint and the eval model, verify it, and write it atomically.
 
@@ -423,6 +425,8 @@ def export_model(
         precision: ``fp32`` (default; a mixed-precision run's autocast casts are removed) or ``compute`` (the
             graph as trained, fp16/bf16 weights stored in the compute type); default: the config's
             ``export.precision``. Verified against the eval graph in the same precision.
+        proto_limit: Model bytes from which the weights go to ``<out>.data`` beside ``out`` (2 GiB, the protobuf
+            limit; tests lower it).
 
     Returns:
         Where the model is and the verification numbers.
@@ -452,10 +456,15 @@ def export_model(
     model = build_inference_model(eval_proto, parameters, names, labels)
     if precision == "compute":
         model = fold_parameter_casts(model)
-    if model.ByteSize() > PROTO_LIMIT:
-        raise ExportError("the model is over 2 GB; export with external data is not supported yet")
-
     out = Path(out)
+    size = proto_bytes(model)
+    external = needs_external_data(size, 0, proto_limit)
+    if external and (optimize or quantize):
+        raise ExportError(f"--optimize and --quantize take models under 2 GB; this one ({size / 1e9:.1f} GB) is "
+                          "exported with its weights in external data: export without them")
+    if external:
+        return _export_external(model, out, src, eval_proto, parameters, names, labels, tolerance, precision)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     stem = out.parent / f".{out.name}.tmp-{os.getpid()}"
     plain, optimized_path, quantized_path = (Path(f"{stem}.{kind}.onnx") for kind in ("fp32", "opt", "int8"))
@@ -497,3 +506,38 @@ def export_model(
         quantization=quant,
         sha256=digest,
     )
+
+
+def _export_external(model, out: Path, src: ExportSource, eval_proto, parameters, names, labels, tolerance,
+                     precision) -> ExportResult:
+    """Write ``out`` with its weights in ``<out name>.data`` beside it, verified first in a scratch folder beside
+    ``out``; then the data file and the model are renamed into place, the data first (a crash between the two
+    renames leaves the previous model file reading the new weights: export again)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    scratch.mkdir(exist_ok=True)
+    location = f"{out.name}.data"
+    staged = scratch / out.name
+    try:
+        save_with_external_data(model, staged, location)
+        del model  # its weights left the proto as they were written
+        onnx.checker.check_model(str(staged))  # by path: the checker reads the data files, not the proto
+        batch_size = src.config.train.resolved_eval_batch_size if src.config else 8
+        feeds, data_note = verification.sample_batches(src.data_dir, eval_proto, parameters, batch_size, labels)
+        reference = verification.reference_outputs(eval_proto, parameters, feeds, names)
+        if precision == "compute":
+            tolerance = max(tolerance, _compute_tolerance(reference, src.config))
+        result = verification.verify_against(staged, feeds, reference, tolerance, data_note)
+        _stamp(staged, _metadata(src.checkpoint, src))
+        inputs = tuple(i.name for i in onnx.load(str(staged), load_external_data=False).graph.input)
+        digest = checksum.sha256_file(staged)
+        os.replace(scratch / location, out.parent / location)
+        os.replace(staged, out)
+        checksum.write_sidecar(out, digest)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log.info("exported %s with its weights in %s from %s (outputs %s, max abs diff %s)", out, location,
+             src.checkpoint.path, names, result.max_abs_diff)
+    return ExportResult(path=out, checkpoint=src.checkpoint.path, step=src.checkpoint.step,
+                        eval_loss=src.checkpoint.eval_loss, inputs=inputs, outputs=tuple(names), verification=result,
+                        optimized=False, quantization=None, sha256=digest)

@@ -22,8 +22,14 @@ log = logging.getLogger(__name__)
 _FIRST_CHUNK: list[int] = []
 
 
+#: The engine's arena settings are C ints: a first chunk of 2 GiB or more cannot be asked for (a model past 0.5B fp32
+#: parameters). The gradients then fill the largest chunk and the arena's next ones: a few runs, still one collective
+#: per run (comm/memory_runs.py).
+MAX_FIRST_CHUNK = 2**31 - 2**20
+
+
 def first_chunk_bytes(gradient_bytes: int) -> int:
-    """Room for every gradient twice over plus 1 MiB, rounded up to MiB.
+    """Room for every gradient twice over plus 1 MiB, rounded up to MiB, at most :data:`MAX_FIRST_CHUNK`.
 
     The engine allocates more than the gradients in the arena while it creates the session, among them (measured): a
     classifier with a 4 MB weight among 4.7 MB of gradients needed a first chunk of about 1.5x the gradients to hold
@@ -31,7 +37,7 @@ def first_chunk_bytes(gradient_bytes: int) -> int:
     lost; the chunk is address space until touched.
     """
     want = 2 * gradient_bytes + 2**20
-    return -(-want // 2**20) * 2**20
+    return min(-(-want // 2**20) * 2**20, MAX_FIRST_CHUNK)
 
 
 def use_gradient_arena(options: onnxruntime.SessionOptions, gradient_bytes: int) -> onnxruntime.SessionOptions:

@@ -6,11 +6,13 @@ import os
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, numpy_helper
 
 from ortflow.build.configure import configure
 from ortflow.build.engine_input import engine_input
 from ortflow.engine import api, artifacts
+from ortflow.graph.external_data import needs_external_data
 from ortflow.graph.prepare import prepare_model
 from tests.graph.test_export_patterns import make_cfg
 from tests.support.graph import layernorm_classifier
@@ -40,24 +42,54 @@ def test_rewritten_model_with_external_data_keeps_its_weights(tmp_path):
     assert sorted(os.listdir(path.parent)) == before  # nothing written beside the user's model
 
 
-def test_a_prepared_model_over_the_proto_limit_goes_to_the_engine_as_a_file_in_scratch(tmp_path):
+def test_a_prepared_model_over_the_proto_limit_reaches_the_engine_with_its_weights_in_linked_files(tmp_path):
     path, weights = _external_model(tmp_path)
     graph_only = onnx.load(str(path), load_external_data=False)
     prepared = prepare_model(graph_only, set(weights), "cross_entropy", "logits", "labels")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    engine_path = engine_input(path, prepared, scratch, proto_limit=1)  # as if the model were over 2 GB
-    assert isinstance(engine_path, str) and os.path.dirname(engine_path) == str(scratch)
+    engine_model, linked = engine_input(path, prepared, scratch, proto_limit=1)  # as if the model were over 2 GB
+    assert linked == ["m.data"]
     assert (scratch / "m.data").read_bytes() == (path.parent / "m.data").read_bytes()
+    assert all(t.external_data for t in engine_model.graph.initializer if t.name in weights)  # nothing loaded
     out = tmp_path / "artifacts"
     out.mkdir()
     cwd = os.getcwd()
     os.chdir(scratch)
     try:
-        artifacts.generate_artifacts(engine_path, requires_grad=sorted(weights), frozen_params=[],
-                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+        artifacts.generate_artifacts(engine_model, requires_grad=sorted(weights), frozen_params=[],
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
                                      artifact_directory=str(out))
     finally:
         os.chdir(cwd)
     stored = _checkpoint_values(out)
     assert {n: v.tobytes() for n, v in stored.items()} == {n: v.tobytes() for n, v in weights.items()}
+
+
+def test_a_prepared_model_under_the_proto_limit_reaches_the_engine_with_its_weights_loaded(tmp_path):
+    path, weights = _external_model(tmp_path)
+    prepared = prepare_model(onnx.load(str(path), load_external_data=False), set(weights), "cross_entropy", "logits",
+                             "labels")
+    engine_model, linked = engine_input(path, prepared, tmp_path, proto_limit=2**31 - 1)
+    assert linked == []
+    loaded = {t.name: numpy_helper.to_array(t) for t in engine_model.graph.initializer if t.name in weights}
+    assert {n: v.tobytes() for n, v in loaded.items()} == {n: v.tobytes() for n, v in weights.items()}
+
+
+@pytest.mark.parametrize(("proto", "data", "limit", "expected"), [
+    (200_000, 2**31 - 200_002, 2**31 - 1, False),  # one byte under the limit
+    (200_000, 2**31 - 200_001, 2**31 - 1, True),  # reaching it
+    (10, 4_500_000_000, 2**31 - 1, True),  # the 1B Llama: 4.5 GB of weights
+    (3_000_000_000, 0, 2**31 - 1, True),  # a graph alone past it (constants held in the proto)
+    (1_000, 1_000, 1_500, True),  # a lowered limit
+])
+def test_the_external_data_decision_adds_graph_and_weight_bytes_against_the_limit(proto, data, limit, expected):
+    assert needs_external_data(proto, data, limit) is expected
+
+
+def test_the_model_size_is_summed_part_by_part_within_a_few_bytes_of_the_serialised_size(tmp_path):
+    from ortflow.graph.external_data import proto_bytes
+
+    model = onnx.load(str(layernorm_classifier(tmp_path / "m.onnx")))
+    exact = len(model.SerializeToString())
+    assert exact <= proto_bytes(model) <= exact + 6 * (len(model.graph.node) + len(model.graph.initializer) + 20) + 64

@@ -7,16 +7,25 @@ from pathlib import Path
 
 import onnx
 
-from ortflow.trainer.arena import first_chunk_bytes
+from ortflow.trainer.arena import MAX_FIRST_CHUNK, first_chunk_bytes
 from tests.support.fixed_batch_mlp import build_fixed_batch_classifier
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_first_chunk_holds_the_gradients_twice_over_in_whole_mib():
-    for size in (1, 2**20, 13_293_568, 5 * 2**30 + 3):
+    for size in (1, 2**20, 13_293_568, 2**30 - 2**20):
         chunk = first_chunk_bytes(size)
         assert chunk % 2**20 == 0 and chunk >= 2 * size + 2**20
+
+
+def test_the_first_chunk_of_a_model_past_half_a_billion_parameters_is_one_the_engine_accepts():
+    import onnxruntime
+
+    for size in (2**30, 2_406_733_824, 5 * 2**30 + 3):  # 0.27B, the 600M Llama's, 1.3B fp32 parameters
+        chunk = first_chunk_bytes(size)
+        assert chunk == MAX_FIRST_CHUNK and chunk % 2**20 == 0
+        onnxruntime.OrtArenaCfg({"initial_chunk_size_bytes": chunk, "arena_extend_strategy": 0})  # a C int
 
 
 def test_shared_arena_lays_the_engine_gradients_back_to_back(tmp_path):

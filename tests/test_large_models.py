@@ -1,0 +1,158 @@
+"""The large-model path (weights in external data: configure, training, checkpoints, export) on a tiny Llama.
+
+A model past 2 GB cannot be written in CI; the 2 GB limit is a parameter of configure and export, lowered here to
+one byte so that the tiny model takes the same path as a 1B one: the engine gets the graph with its weights left in
+their files, and export writes ``model.onnx`` plus ``model.onnx.data``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+from ortflow.build.configure import configure
+from ortflow.config import config_from_dict
+from ortflow.dataprep import prepare_data
+from ortflow.engine import api
+from ortflow.export.model import export_model
+from ortflow.graph.external_data import INLINE_BYTES
+from tests.support.runs import final_parameters, run_ranks
+from tools.make_large_llama import PRESETS, LlamaShape, write_model
+
+TINY = PRESETS["tiny"]
+
+
+def _reference_logits(weights: dict[str, np.ndarray], s: LlamaShape, ids: np.ndarray) -> np.ndarray:
+    """Hugging Face's Llama forward in numpy (float64)."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    hd, t = s.head_dim, ids.shape[1]
+
+    def norm(x, name):
+        return w[name] * x / np.sqrt((x * x).mean(-1, keepdims=True) + s.eps)
+
+    inv = 1.0 / s.rope_theta ** (np.arange(0, hd, 2) / hd)
+    emb = np.concatenate([np.outer(np.arange(t), inv)] * 2, -1)
+    cos, sin = np.cos(emb), np.sin(emb)
+
+    def rope(x):
+        return x * cos + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
+
+    def heads(x, n):
+        return x.reshape(*x.shape[:2], n, hd).transpose(0, 2, 1, 3)
+
+    x = w["model.embed_tokens.weight"][ids]
+    mask = np.triu(np.full((t, t), -np.inf), 1)
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        h = norm(x, p + "input_layernorm.weight")
+        q = rope(heads(h @ w[p + "self_attn.q_proj.weight"].T, s.heads))
+        k = rope(heads(h @ w[p + "self_attn.k_proj.weight"].T, s.kv_heads)).repeat(s.heads // s.kv_heads, 1)
+        v = heads(h @ w[p + "self_attn.v_proj.weight"].T, s.kv_heads).repeat(s.heads // s.kv_heads, 1)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        merged = (probs @ v).transpose(0, 2, 1, 3).reshape(*x.shape)
+        x = x + merged @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, p + "post_attention_layernorm.weight")
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    return norm(x, "model.norm.weight") @ w["lm_head.weight"].T
+
+
+def test_make_large_llama_writes_a_llama_forward_with_every_weight_in_the_data_file(tmp_path):
+    shape = LlamaShape(d_model=32, layers=2, heads=4, kv_heads=2, ffn=48, vocab=50)
+    summary = write_model(tmp_path / "m.onnx", shape, seed=3)
+    graph_only = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert {t.name for t in graph_only.graph.initializer} == {n for n, _ in shape.weights()}
+    assert all(t.external_data and not t.raw_data for t in graph_only.graph.initializer)
+    assert summary["num_parameters"] == shape.num_parameters() == sum(int(np.prod(d)) for _, d in shape.weights())
+    loaded = onnx.load(str(tmp_path / "m.onnx"))
+    weights = {t.name: numpy_helper.to_array(t) for t in loaded.graph.initializer}
+    ids = np.random.default_rng(0).integers(0, shape.vocab, (2, 7))
+    got = onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"input_ids": ids})[0]
+    np.testing.assert_allclose(got, _reference_logits(weights, shape, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_the_1b_preset_has_about_1_1b_parameters_past_the_proto_limit():
+    assert 1.05e9 < PRESETS["1b"].num_parameters() < 1.15e9
+    assert PRESETS["600m"].num_parameters() * 4 > 2**31  # the smaller model past 2 GB
+
+
+def _llama_run(tmp_path: Path):
+    model = tmp_path / "llama" / "llama.onnx"
+    write_model(model, TINY, seed=1)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"token{i % 37}" for i in range(3000)))
+    cfg = config_from_dict({
+        "name": "large", "output_dir": str(tmp_path / "run"),
+        "model": {"path": str(model), "loss": "cross_entropy", "label_input": "labels"},
+        "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 16}, "eval_fraction": 0.05},
+        "train": {"batch_size": 2, "num_train_steps": 2, "display_loss_steps": 1, "evaluation_period": 0},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-3},
+        "checkpoint": {"period": 2},
+    })
+    return cfg, model
+
+
+def test_a_model_past_the_proto_limit_configures_trains_checkpoints_and_exports_with_external_data(tmp_path):
+    cfg, model = _llama_run(tmp_path)
+    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+    before = sorted(p.name for p in model.parent.iterdir())
+    result = configure(cfg, proto_limit=1)  # as if the model were past 2 GB
+    assert sorted(p.name for p in model.parent.iterdir()) == before  # nothing written beside the user's model
+    assert not any(p.name.endswith(".data") for p in result.artifacts_dir.iterdir())  # the links are gone
+    state = api.CheckpointState.load_checkpoint(str(result.artifacts_dir / "checkpoint"))
+    stored = {name: np.array(p.data, copy=True) for name, p in state.parameters}
+    assert {n: v.tobytes() for n, v in stored.items()} == {n: v.tobytes() for n, v in weights.items()}
+
+    prepare_data(cfg)
+    done = run_ranks(cfg, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    trained = final_parameters(cfg)
+    assert set(trained) == set(weights) and any(not np.array_equal(trained[n], weights[n]) for n in weights)
+
+    out = tmp_path / "export" / "model.onnx"
+    exported = export_model(cfg.output_dir, out, proto_limit=1)
+    assert exported.verification.max_abs_diff["logits"] <= exported.verification.tolerance
+    large = {n for n, v in weights.items() if v.nbytes >= INLINE_BYTES}  # the norm weights stay in the model file
+    assert (out.parent / "model.onnx.data").stat().st_size == sum(weights[n].nbytes for n in large)
+    graph_only = onnx.load(str(out), load_external_data=False)
+    assert {t.name for t in graph_only.graph.initializer if t.external_data} == large
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    got = onnxruntime.InferenceSession(str(out)).run(["logits"], {"input_ids": ids})[0]
+    expected = _reference_logits(trained, TINY, ids)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_pipeline_stages_and_tensor_pieces_of_a_model_past_the_limit_are_refused_naming_the_fields(tmp_path):
+    from ortflow.build.engine_input import ArtifactsError, split_source
+
+    cfg, model = _llama_run(tmp_path)
+    names = [t.name for t in onnx.load(str(model), load_external_data=False).graph.initializer]
+    with pytest.raises(ArtifactsError, match="pipeline_parallel_size / horizontal_parallel_size.*set both to 1"):
+        split_source(cfg, names, proto_limit=1)
+    assert split_source(cfg, names, proto_limit=2**31 - 1).model.graph.node  # under the limit: cut as before
+
+
+def test_a_dynamo_export_on_the_large_model_path_builds_the_checkpoint_it_builds_under_the_limit(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a tiny corpus")
+
+    def run(name, **limit):
+        cfg = config_from_dict({
+            "name": name, "output_dir": str(tmp_path / name),
+            "model": {"path": "tests/fixtures/exports/llama-dynamo.onnx", "loss": "cross_entropy",
+                      "label_input": "labels"},
+            "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 8}},
+            "train": {"batch_size": 2, "num_train_steps": 1},
+        })
+        folder = configure(cfg, **limit).artifacts_dir
+        state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+        return {n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters}
+
+    assert run("large", proto_limit=1) == run("small")  # the exporter's external data, left in its file
