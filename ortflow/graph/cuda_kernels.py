@@ -192,10 +192,15 @@ def schema_admits(node: onnx.NodeProto, opset: int, elem_type: int, lowered: set
         return True
     allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
     want = _TYPE_NAMES[elem_type]
-    for formals, actuals in ((schema.inputs, node.input), (schema.outputs, node.output)):
+    # An output whose type parameter types no input (LayerNormalization's Mean and InvStdDev, U) gets its type from
+    # the op's attributes, not from the inputs autocast lowers: it does not decide whether the node can be lowered.
+    input_kinds = {f.type_str for f in schema.inputs}
+    for formals, actuals, outputs in ((schema.inputs, node.input, False), (schema.outputs, node.output, True)):
         for k, name in enumerate(actuals):
             if name in lowered and formals:
                 kind = formals[min(k, len(formals) - 1)].type_str
+                if outputs and kind in allowed and kind not in input_kinds:
+                    continue
                 if want not in allowed.get(kind, {kind}):
                     return False
     return True
