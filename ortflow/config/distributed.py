@@ -38,6 +38,13 @@ class DistributedConfig(Section):
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
     )
+    pipeline_recompute: bool = Field(
+        False,
+        description="With pipeline_parallel_size > 1: every stage but the last runs each micro-batch's forward twice "
+        "(a forward to send, then the forward again inside its backward call) and keeps only the tensors it received "
+        "between them; false: the forward runs once and its activations are kept until the backward, at most P - s "
+        "micro-batches on stage s of P (1F1B). CUDA stages always recompute (docs/parallel.md).",
+    )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(
         True,

@@ -29,6 +29,7 @@ from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers, engine_buffers
 from ortflow.trainer.optim.rank_update import whole_update
 from ortflow.trainer.optim.zero import Zero0
+from ortflow.trainer.parallel.kept_activations import KeptActivations
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.replica import Runtime
 from ortflow.trainer.parallel.schedule import (
@@ -77,6 +78,7 @@ class StageRuntime(Runtime):
     _update_started: float | None = None
     _compute_s: float = 0.0
     _batch_statistics: bool | None = None  # its eval model takes BATCH_STATISTICS_INPUT (a BatchNorm before the cut)
+    kept: KeptActivations | None = None  # forward once, activations kept (else the training call recomputes them)
 
     @property
     def last(self) -> bool:
@@ -109,6 +111,8 @@ class StageRuntime(Runtime):
         """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept). ``train``:
         of a training micro-batch, so BatchNorm normalises by the batch as the training call's recomputation will
         (graph/batchnorm_forward.py); else by the running statistics."""
+        if train and self.kept is not None:
+            return self.kept.forward(feeds)
         if self._batch_statistics is None:
             self._batch_statistics = BATCH_STATISTICS_INPUT in self.engine_parts()[0].prepared(False).input_names()
         if self._batch_statistics:
@@ -118,6 +122,8 @@ class StageRuntime(Runtime):
     def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
         """Recompute the forward pass and run the backward pass (the last stage: from its loss; others: driven by
         ``grads``); parameter gradients accumulate in the engine. Returns (loss, gradients of what it received)."""
+        if grads is not None and self.kept is not None:
+            return 0.0, self.kept.backward(grads)
         if grads is not None:
             feeds = {**feeds, **{n + GRAD_IN_SUFFIX: g for n, g in zip(self.sends, grads, strict=True)}}
         outputs = self._call(True, feeds)
@@ -165,6 +171,8 @@ class StageRuntime(Runtime):
 
     def after_update(self) -> None:
         self.module.lazy_reset_grad()
+        if self.kept is not None:
+            self.kept.reset()
         if self._update_started is not None:
             self._timing.append((time.perf_counter() - self._update_started, self._compute_s))
 
@@ -237,5 +245,23 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
                       sends=tuple(info["sends"]), shared=info.get("shared", {}), dims=dims, buffers=buffers)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
+    rt.kept = keep_activations(cfg, rt, folder)
+    if not rt.last:
+        log.info("rank %d stage %d: %s", comm.rank, stage, "forward once, activations kept until the backward"
+                 if rt.kept is not None else "forward recomputed inside the backward call")
     return rt
+
+
+def keep_activations(cfg: RunConfig, rt: StageRuntime, folder: Path) -> KeptActivations | None:
+    """The forward-once calls of a stage that is not the last, unless the config asks for recomputation; CUDA stages
+    and stages whose forward switches BatchNorm to batch statistics (its eval model's extra input) recompute."""
+    if rt.last or cfg.distributed.pipeline_recompute or rt.buffers.on_device:
+        return None
+    eval_model = folder / "eval_model.onnx"
+    if BATCH_STATISTICS_INPUT in rt.engine_parts()[0].prepared(False).input_names():
+        return None
+    rt.module.train()
+    options = stage_session_options(rt.threads, rt.buffers, cfg.distributed.deterministic_compute)
+    return KeptActivations(eval_model, rt.state, rt.trainable, rt.receives, rt.sends, options)
+
 
