@@ -38,12 +38,13 @@ class DistributedConfig(Section):
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
     )
-    pipeline_recompute: bool = Field(
+    recompute_forward: bool = Field(
         False,
-        description="With pipeline_parallel_size > 1: every stage but the last runs each micro-batch's forward twice "
-        "(a forward to send, then the forward again inside its backward call) and keeps only the tensors it received "
-        "between them; false: the forward runs once and its activations are kept until the backward, at most P - s "
-        "micro-batches on stage s of P (1F1B). CUDA stages always recompute (docs/parallel.md).",
+        description="With pipeline or tensor parallelism: every pipeline stage but the last, and every tensor-parallel "
+        "piece but the last, runs each micro-batch's forward twice (a forward to send, then again inside its backward "
+        "call) and keeps only the tensors it received in between (less memory, one more forward); false: the forward "
+        "runs once and its activations are kept until the backward (at most P - s micro-batches on stage s of P, "
+        "1F1B). CUDA ranks always recompute (docs/parallel.md).",
     )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(

@@ -63,7 +63,8 @@ class KeptActivations:
     def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The forward pass of one training micro-batch; returns the sent tensors (in ``sends`` order) and keeps its
         activations until :meth:`backward`."""
-        arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+        arrays = {name: np.ascontiguousarray(feeds[name]) for name in self.engine.feed_names
+                  if name not in self._parameters}
         tensors = [self._parameters[name] if name in self._parameters else self.engine.ortvalue(arrays[name])
                    for name in self.engine.feed_names]
         outputs, state = self.engine.forward(tensors)
@@ -101,3 +102,22 @@ class KeptActivations:
         if self._in_flight:
             raise RuntimeError(f"{len(self._in_flight)} micro-batch(es) still wait for their backward pass")
         self._fresh = True
+
+
+def keep_piece_activations(pieces: list, last_stage: bool, options) -> None:
+    """Give each tensor-parallel piece that is not the model's last (every piece of a middle pipeline stage) its
+    forward-once calls (``piece.kept``); a piece that sends integer tensors keeps recomputing (the engine's backward
+    takes a gradient for every output of the forward).
+
+    Args:
+        pieces: The rank's ``PieceRun`` s (``state``, ``folder``, ``info`` with its ``tensor.json`` entry).
+        last_stage: Whether they hold the model's loss (the last piece's training call computes it).
+        options: Session options of the gradient graphs' sessions.
+    """
+    for piece in pieces[: -1 if last_stage else None]:
+        info = piece.info
+        if list(info["sends"]) != list(info["float_sends"]):
+            continue
+        trainable = sorted(n for n, p in piece.state.parameters if p.requires_grad)
+        piece.kept = KeptActivations(piece.folder / "eval_model.onnx", piece.state, trainable,
+                                     tuple(info["float_receives"]), tuple(info["sends"]), options)

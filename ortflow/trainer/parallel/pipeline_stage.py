@@ -255,7 +255,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
 def keep_activations(cfg: RunConfig, rt: StageRuntime, folder: Path) -> KeptActivations | None:
     """The forward-once calls of a stage that is not the last, unless the config asks for recomputation; CUDA stages
     and stages whose forward switches BatchNorm to batch statistics (its eval model's extra input) recompute."""
-    if rt.last or cfg.distributed.pipeline_recompute or rt.buffers.on_device:
+    if rt.last or cfg.distributed.recompute_forward or rt.buffers.on_device:
         return None
     eval_model = folder / "eval_model.onnx"
     if BATCH_STATISTICS_INPUT in rt.engine_parts()[0].prepared(False).input_names():
