@@ -180,10 +180,11 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"{dist.pipeline_parallel_size} needs {dist.pipeline_parallel_size - 1}; list one cut per stage boundary "
             "or leave it empty to choose them automatically"
         )
-    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum):
+    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum) and dist.device == "cuda":
         problems.append(
-            "distributed.pipeline_parallel_size > 1 averages each stage's gradients over its replicas (ZeRO-0): set "
-            "distributed.zero_stage 0 and enable_adasum false with it"
+            "distributed.pipeline_parallel_size > 1 on device cuda averages each stage's gradients over its replicas "
+            "(ZeRO-0; ZeRO-1 and Adasum over a stage's replicas run on CPU ranks): set distributed.zero_stage 0 and "
+            "enable_adasum false with it, or device cpu"
         )
     if dist.pipeline_parallel_size > 1 and prec.use_mixed_precision:
         problems.append(
