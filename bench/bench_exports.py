@@ -39,7 +39,7 @@ LAYOUTS = {"dp2": {"num_ranks": 2}, "pp2": {"num_ranks": 2, "pipeline_parallel_s
 SEQ = 32
 
 
-def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int):
+def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int, cuts: tuple[str, ...] = ()):
     from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
     from ortflow.dataprep import prepare_data
@@ -50,7 +50,8 @@ def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, update
     per_rank = batch // 2 if name == "dp2" else batch  # the same global batch in every layout
     cfg = config_from_dict({
         "name": name, "output_dir": str(work / name),
-        "model": {"path": str(ROOT / "tests" / "fixtures" / "exports" / "gpt2.onnx")},
+        "model": {"path": str(ROOT / "tests" / "fixtures" / "exports" / "gpt2.onnx"),
+                  "pipeline_cuts": list(cuts) if dist.get("pipeline_parallel_size", 1) > 1 else []},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SEQ}, "eval_fraction": 0.02},
         "train": {"batch_size": per_rank, "gradient_accumulation_steps": micro, "num_train_steps": updates * micro,
                   "display_loss_steps": 2, "evaluation_period": 0},
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per update")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=["dp2", "pp2", "hp2"],
                         help="layouts to run (dp2 is the reference and always runs)")
+    parser.add_argument("--cut", nargs="*", default=[], help="model.pipeline_cuts of the pipeline layouts "
+                        "(default: chosen automatically)")
     parser.add_argument("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-exports-"))
     try:
         layouts = ["dp2", *(name for name in args.layouts if name != "dp2")]
-        cfgs = {name: _configure(work, name, LAYOUTS[name], args.batch, args.micro, args.updates)
+        cfgs = {name: _configure(work, name, LAYOUTS[name], args.batch, args.micro, args.updates, tuple(args.cut))
                 for name in layouts}
         steps: dict[str, list[float]] = {name: [] for name in layouts}
         walls: dict[str, list[float]] = {name: [] for name in layouts}

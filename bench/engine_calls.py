@@ -1,6 +1,6 @@
 """The engine's training call against its separate forward and backward calls, on one CPU process.
 
-Run: ``python -m bench engine-calls [--reps 5] [--micro 2]`` (writes ``bench/results/engine-calls-<host>.json`` and
+Run: ``python -m bench engine-calls [--reps 5] [--micro 2]`` (writes ``bench/out/engine-calls-<host>.json`` and
 ``.md``). For the committed GPT-2 export (``tests/fixtures/exports/gpt2.onnx``, 8 windows of 32 tokens per micro-batch)
 and the bench GPT (``ortflow.examples.gpt`` at the suite's shape: vocab 256, T 128, d 256, 4 layers; 8 sequences per
 micro-batch), one unsplit run folder each is configured; then each contender runs in its own process, 1 thread:
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.record import write_result
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_GPT = {"vocab_size": 256, "seq_len": 128, "d_model": 256, "num_layers": 4, "num_heads": 4}
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         same = "bitwise equal" if row["bitwise_equal"] else f"max rel diff {row['max_relative_difference']:.2g}"
         lines.append(f"| {model} | {t['update_s']:.4f} | {f['update_s']:.4f} | {f['update_s'] / t['update_s']:.2f} | "
                      f"{t['rss_growth'] / 2**20:.1f} | {f['rss_growth'] / 2**20:.1f} | {same} ({row['tensors']}) |")
-    write_result(ROOT / "bench" / "results" / f"engine-calls-{socket.gethostname()}", record, "\n".join(lines))
+    write_result(ROOT / "bench" / "out" / f"engine-calls-{socket.gethostname()}", record, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -90,7 +90,7 @@ class ForwardBackward:
     The gradient graph is built from a forward graph whose parameters are graph inputs (an eval model of the training
     artifacts is one); :meth:`forward` runs the forward pass of one micro-batch and keeps its activations in the
     returned state; :meth:`backward`, fed with the gradients of the forward's outputs, returns the gradients of the
-    requested inputs and of the trainable parameters, in that order, and frees the state's activations. Several
+    requested inputs and of the trainable parameters, in the order asked for, and frees the state's activations. Several
     micro-batches may be in flight, each with its own state; their backwards may run in any order.
 
     Args:
@@ -121,16 +121,17 @@ class ForwardBackward:
         graph = onnx.load_model_from_string(gradient_model).graph
         self.feed_names = [i.name for i in graph.input]
         self.output_names = list(builder.get_graph_info().user_output_names)
-        self.grad_names = [o.name for o in graph.output]
-        expected = [f"{n}_grad" for n in (*input_grads, *trainable)]
-        if self.grad_names != expected:
-            raise RuntimeError(f"the engine's gradient graph returns {self.grad_names}, not {expected}")
+        built = [o.name for o in graph.output]  # the input gradients in graph input order, then the parameters'
+        self.grad_names = [f"{n}_grad" for n in (*input_grads, *trainable)]
+        if sorted(built) != sorted(self.grad_names):
+            raise RuntimeError(f"the engine's gradient graph returns {built}, not {self.grad_names}")
+        self._order = [built.index(n) for n in self.grad_names]
         self._binding = binding
         self._session = onnxruntime.InferenceSession(gradient_model, options, providers)
         cpu = binding.OrtDevice(binding.OrtDevice.cpu(), binding.OrtDevice.default_memory(), 0)
         self._device = cpu
         self._agent = binding.TrainingAgent(self._session._sess, self.feed_names, [cpu] * len(self.output_names),
-                                            self.grad_names, [cpu] * len(self.grad_names), 0)
+                                            built, [cpu] * len(built), 0)
 
     def _vector(self, values: list):
         vector = self._binding.OrtValueVector()
@@ -160,4 +161,4 @@ class ForwardBackward:
         feeds = [a if isinstance(a, (OrtValue, self._binding.OrtValue)) else self.ortvalue(a) for a in arrays]
         grads = self._binding.OrtValueVector()
         self._agent.run_backward(self._vector(feeds), grads, state)
-        return [grads[i] for i in range(len(grads))]
+        return [grads[i] for i in self._order]
