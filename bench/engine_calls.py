@@ -1,6 +1,6 @@
 """The engine's training call against its separate forward and backward calls, on one CPU process.
 
-Run: ``python -m bench engine-calls [--reps 5] [--micro 2]`` (writes ``bench/out/engine-calls-<host>.json`` and
+Run: ``python -m bench engine-calls [--reps 5] [--micro 2] [--stage-options]`` (writes ``bench/out/engine-calls-<host>.json`` and
 ``.md``). For the committed GPT-2 export (``tests/fixtures/exports/gpt2.onnx``, 8 windows of 32 tokens per micro-batch)
 and the bench GPT (``ortflow.examples.gpt`` at the suite's shape: vocab 256, T 128, d 256, 4 layers; 8 sequences per
 micro-batch), one unsplit run folder each is configured; then each contender runs in its own process, 1 thread:
@@ -69,18 +69,22 @@ def _configure(root: Path, name: str, micro: int):
     return cfg.output_dir
 
 
-def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path) -> None:
+def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, stage_options: bool) -> None:
     """One contender in this process: warm-up + ``reps`` updates of ``micro`` micro-batches; prints one JSON line."""
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import ForwardBackward, api
+    from ortflow.trainer.parallel.pipeline_stage import stage_session_options
     from ortflow.trainer.startup import session_options
+
+    def options():
+        return stage_session_options(1, "cpu") if stage_options else session_options(1, True)
 
     cfg = load_run_config(run_dir)
     folder = cfg.artifacts_dir
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        session_options=session_options(1, True))
+                        session_options=options())
     module.train()
     trainable = sorted(n for n, p in state.parameters if p.requires_grad)
     buffers = [state.parameters[n].grad for n in trainable]
@@ -95,7 +99,7 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path) -
                 module(*(batch[n] for n in names))
     else:
         engine = ForwardBackward((folder / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters],
-                                 trainable, [], session_options(1, True), ["CPUExecutionProvider"])
+                                 trainable, [], options(), ["CPUExecutionProvider"])
         params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
         seed = np.ones((), np.float32)
 
@@ -122,9 +126,10 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path) -
                       "rss_growth": 1024 * (_rss_kb("VmHWM") - before)}), flush=True)
 
 
-def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path) -> dict:
+def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path, stage_options: bool) -> dict:
     cmd = [sys.executable, "-m", "bench.engine_calls", "--worker", str(run_dir), "--method", method,
            "--reps", str(reps), "--micro", str(micro), "--grads", str(grads)]
+    cmd += ["--stage-options"] if stage_options else []
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -138,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed updates per contender")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per update")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (contenders alternate)")
+    parser.add_argument("--stage-options", action="store_true",
+                        help="sessions made as a pipeline stage makes them (one shared arena, no memory patterns)")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.method, args.reps, args.micro, args.grads)
+        worker(args.worker, args.method, args.reps, args.micro, args.grads, args.stage_options)
         return 0
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-engine-calls-") as tmp:
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = {m: [] for m in METHODS}
             for r in range(args.rounds):
                 for method in (METHODS if r % 2 == 0 else tuple(reversed(METHODS))):
-                    runs[method].append(_run(run_dir, method, args.reps, args.micro, root / f"{model}-{method}.npz"))
+                    runs[method].append(_run(run_dir, method, args.reps, args.micro, root / f"{model}-{method}.npz",
+                                             args.stage_options))
             grads = {m: np.load(root / f"{model}-{m}.npz") for m in METHODS}
             a, b = grads["training_call"], grads["forward_backward"]
             equal = all(a[k].tobytes() == b[k].tobytes() for k in a.files)
@@ -159,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             rows[model] = {m: {"update_s": statistics.median(x["update_s"] for x in runs[m]),
                                "rss_growth": max(x["rss_growth"] for x in runs[m])} for m in METHODS}
             rows[model].update(bitwise_equal=equal, max_relative_difference=worst, tensors=len(a.files))
-    record = {"micro_batches": args.micro, "reps": args.reps, "rounds": args.rounds, "models": rows}
+    record = {"micro_batches": args.micro, "reps": args.reps, "rounds": args.rounds, "models": rows,
+              "stage_options": args.stage_options}
     lines = ["# Training call against separate forward and backward calls (CPU, 1 thread)", "",
-             f"Medians over {args.rounds} interleaved rounds of {args.reps} updates of {args.micro} micro-batches.", "",
+             f"Medians over {args.rounds} interleaved rounds of {args.reps} updates of {args.micro} micro-batches; "
+             f"session options {'of a pipeline stage' if args.stage_options else 'of an unsplit replica'}.", "",
              "| model | training call s/update | forward+backward s/update | ratio | RSS growth training call MiB | "
              "RSS growth forward+backward MiB | gradients |", "|---|---|---|---|---|---|---|"]
     for model, row in rows.items():
@@ -169,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         same = "bitwise equal" if row["bitwise_equal"] else f"max rel diff {row['max_relative_difference']:.2g}"
         lines.append(f"| {model} | {t['update_s']:.4f} | {f['update_s']:.4f} | {f['update_s'] / t['update_s']:.2f} | "
                      f"{t['rss_growth'] / 2**20:.1f} | {f['rss_growth'] / 2**20:.1f} | {same} ({row['tensors']}) |")
-    write_result(ROOT / "bench" / "out" / f"engine-calls-{socket.gethostname()}", record, "\n".join(lines))
+    stem = f"engine-calls-{socket.gethostname()}{'-stage-options' if args.stage_options else ''}"
+    write_result(ROOT / "bench" / "out" / stem, record, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

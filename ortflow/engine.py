@@ -100,10 +100,12 @@ class ForwardBackward:
         input_grads: Graph inputs (not parameters) whose gradients :meth:`backward` returns first.
         options: The session options of the gradient graph's session.
         providers: Its execution providers.
+        device: Where the outputs and gradients land: ``cpu`` or ``cuda:N`` (then the parameters are fed as the
+            engine's own device tensors and the gradients stay on the GPU).
     """
 
     def __init__(self, model: bytes, parameters: list[str], trainable: list[str], input_grads: list[str], options,
-                 providers: list[str]):
+                 providers: list, device: str = "cpu"):
         import onnx  # graph inspection only
 
         import onnxruntime
@@ -128,10 +130,11 @@ class ForwardBackward:
         self._order = [built.index(n) for n in self.grad_names]
         self._binding = binding
         self._session = onnxruntime.InferenceSession(gradient_model, options, providers)
-        cpu = binding.OrtDevice(binding.OrtDevice.cpu(), binding.OrtDevice.default_memory(), 0)
-        self._device = cpu
-        self._agent = binding.TrainingAgent(self._session._sess, self.feed_names, [cpu] * len(self.output_names),
-                                            built, [cpu] * len(built), 0)
+        kind, _, index = device.partition(":")
+        where = binding.OrtDevice.cuda() if kind == "cuda" else binding.OrtDevice.cpu()
+        self._device = binding.OrtDevice(where, binding.OrtDevice.default_memory(), int(index or 0))
+        devices = [self._device] * len(self.output_names), [self._device] * len(built)
+        self._agent = binding.TrainingAgent(self._session._sess, self.feed_names, devices[0], built, devices[1], 0)
 
     def _vector(self, values: list):
         vector = self._binding.OrtValueVector()
@@ -141,7 +144,8 @@ class ForwardBackward:
         return vector
 
     def ortvalue(self, array):
-        """A host array as the engine's tensor over the same memory (the array must outlive every call reading it)."""
+        """A host array as the engine's tensor: over the same memory on the CPU (the array must outlive every call
+        reading it), a copy on the GPU."""
         return self._binding.OrtValue.ortvalue_from_numpy(array, self._device)
 
     def forward(self, feeds: list) -> tuple[list, object]:
