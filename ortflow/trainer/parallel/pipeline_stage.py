@@ -216,6 +216,9 @@ class StageRuntime(Runtime):
 
     def finish(self) -> None:
         log_stage_timing(self, self._timing)
+        if self.kept is not None:
+            log.info("rank %d stage %d kept the activations of at most %d micro-batches at once", self.comm.rank,
+                     self.stage, self.kept.most_in_flight)
 
 
 def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
@@ -247,7 +250,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     if not buffers.on_device and (cfg.distributed.zero_stage or cfg.distributed.enable_adasum):
         # ZeRO-1 or Adasum over the stage's replicas, built as over an unsplit model's (host buffers)
         update, exchange = build_update(cfg, stage_comm, state, trainable, threads)
-    else:  # whole tensors, the stage's replicas average (ZeRO-0)
+    else:  # whole tensors, the stage's replicas average (ZeRO-0), its scale applied before the norm reads them
         update = whole_update(cfg, stage_comm, trainable, buffers.parameters(state, trainable), buffers, threads)
         exchange = Zero0(stage_comm)
     if exchange.sharded and info.get("shared"):
