@@ -14,6 +14,13 @@ from tests.trainer.test_pipeline_mpi import ATOL, TRAIN, stage_parameters
 pytestmark = pytest.mark.mpi
 
 GRID = {"num_ranks": 4, "pipeline_parallel_size": 2}
+# Adasum combines whole tensors, as the unsplit exchange does: measured bitwise equal (ATOL allows fp32 rounding).
+# ZeRO-1 cuts a stage's parameters into replica ranges other than the whole model's, so the clipping norm's float32
+# chunk sums are grouped differently and the float32 clip factor can move by 1 ulp per update (as between ZeRO-1 and
+# ZeRO-0, tests/trainer/test_zero_mpi.py); AdamW turns that into differences of a few 1e-6 in weights whose gradient
+# is near zero (measured 2.7e-6 after 4 clipped updates at lr 1e-2). A wrong shard (stale or another replica's)
+# moves weights by 1e-3 or more.
+ZERO1_ATOL = 1e-5
 
 
 def _train(cfg):
@@ -33,7 +40,7 @@ def test_two_stages_by_two_replicas_match_the_same_exchange_over_unsplit_replica
     assert sorted(p1) == sorted(p2)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     print(f"{exchange}: max |param diff| pp2 x dp2 vs dp2: {worst}")
-    assert worst < ATOL
+    assert worst < (ZERO1_ATOL if exchange.get("zero_stage") else ATOL)
     folder = list_complete(split.checkpoints_dir)[-1].path
     shards = sorted(f.name for f in folder.glob("optimizer-stage*-rank*.h5"))
     assert len(shards) == 4, shards  # each stage's two replicas write their own optimizer file
