@@ -349,10 +349,10 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
         h5state.load_optimizer(resume.path, rt.update, optimizer_label(cfg), rank=replica, files=[own])
     start = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
-    log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces, %d parameter tensors (%d sliced), "
-             "starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas,
-             f" of pipeline stage {pipe[0]}/{pipe[1]}" if pipe else "", len(pieces), len(trainable),
-             len(set(trainable) & set(rt.slicing)), start)
+    log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces (%d keep their activations), %d "
+             "parameter tensors (%d sliced), starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas,
+             f" of pipeline stage {pipe[0]}/{pipe[1]}" if pipe else "", len(pieces),
+             sum(p.kept is not None for p in pieces), len(trainable), len(set(trainable) & set(rt.slicing)), start)
     return rt
 
 
