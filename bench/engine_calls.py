@@ -74,11 +74,12 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import ForwardBackward, api
+    from ortflow.trainer.comm.engine_buffers import HostBuffers
     from ortflow.trainer.parallel.pipeline_stage import stage_session_options
     from ortflow.trainer.startup import session_options
 
     def options():
-        return stage_session_options(1, "cpu") if stage_options else session_options(1, True)
+        return stage_session_options(1, HostBuffers()) if stage_options else session_options(1, True)
 
     cfg = load_run_config(run_dir)
     folder = cfg.artifacts_dir

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ortflow.build.records import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
 from ortflow.dataprep.loader import TrainLoader
 from ortflow.engine import ForwardBackward, api
 from ortflow.trainer.parallel.kept_activations import KeptActivations
