@@ -102,10 +102,13 @@ class ForwardBackward:
         providers: Its execution providers.
         device: Where the outputs and gradients land: ``cpu`` or ``cuda:N`` (then the parameters are fed as the
             engine's own device tensors and the gradients stay on the GPU).
+        recompute: Memory-optimizer plans (``SUBGRAPH:1:COUNT``): those subgraphs' outputs are recomputed in the
+            backward instead of kept. The engine finds them in this gradient graph (its forward/backward boundary is
+            marked as ORTModule's is), not in the training API's training model.
     """
 
     def __init__(self, model: bytes, parameters: list[str], trainable: list[str], input_grads: list[str], options,
-                 providers: list, device: str = "cpu"):
+                 providers: list, device: str = "cpu", recompute: tuple[str, ...] = ()):
         import onnx  # graph inspection only
 
         import onnxruntime
@@ -129,7 +132,7 @@ class ForwardBackward:
             raise RuntimeError(f"the engine's gradient graph returns {built}, not {self.grad_names}")
         self._order = [built.index(n) for n in self.grad_names]
         self._binding = binding
-        self._session = onnxruntime.InferenceSession(gradient_model, options, providers)
+        self._session = _session(gradient_model, options, providers, recompute)
         kind, _, index = device.partition(":")
         where = binding.OrtDevice.cuda() if kind == "cuda" else binding.OrtDevice.cpu()
         self._device = binding.OrtDevice(where, binding.OrtDevice.default_memory(), int(index or 0))
@@ -166,3 +169,25 @@ class ForwardBackward:
         grads = self._binding.OrtValueVector()
         self._agent.run_backward(self._vector(feeds), grads, state)
         return [grads[i] for i in self._order]
+
+
+def _session(model: bytes, options, providers: list, recompute: tuple[str, ...]):
+    """An inference session of ``model``; with ``recompute``, the memory optimizer's plans (it reads them from a JSON
+    file while the session is made)."""
+    import json
+    import os
+    import tempfile
+
+    import onnxruntime
+
+    if not recompute:
+        return onnxruntime.InferenceSession(model, options, providers)
+    handle, path = tempfile.mkstemp(suffix=".json", prefix="ortflow-recompute-")
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump(list(recompute), f)
+        options.add_session_config_entry("optimization.memory_optimizer_config", path)
+        options.add_session_config_entry("optimization.enable_memory_probe_recompute_config", "1:0")
+        return onnxruntime.InferenceSession(model, options, providers)
+    finally:
+        os.unlink(path)

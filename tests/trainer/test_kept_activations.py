@@ -4,6 +4,7 @@ its in-flight micro-batches' activations (``KeptActivations``), against the trai
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
@@ -138,3 +139,28 @@ def test_the_last_stage_input_gradients_equal_those_of_the_training_call(two_sta
     assert float(out[0]) == float(np.asarray(outputs[0]))
     for mine, theirs in zip(grads[: len(receives)], expected_back, strict=True):
         assert mine.numpy().tobytes() == theirs.tobytes()
+
+
+def test_recomputed_subgraphs_change_the_graph_and_not_the_gradients(two_stages, tmp_path):
+    """``distributed.recompute_subgraphs``: the engine's memory optimizer recomputes the named subgraphs' outputs in
+    the backward (its ``_recompute`` nodes appear in the optimized gradient graph); the gradients keep their bits."""
+    cfg = two_stages
+    info = read_stages_record(cfg.artifacts_dir)["stages"][0]
+    folder = stage_dir(cfg.artifacts_dir, 0)
+    sends = tuple(info["sends"])
+    batch = _batches(cfg, 1)[0]
+    grads = {}
+    for plans in ((), ("LayerNormalization+:1:-1",)):
+        state, _ = _module(folder)
+        trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+        options = session_options(1, True)
+        options.optimized_model_filepath = str(tmp_path / f"gradient-graph-{len(plans)}.onnx")
+        kept = KeptActivations(folder / "eval_model.onnx", state, trainable, (), sends, options, plans)
+        sent = kept.forward(batch)
+        kept.backward([np.ones_like(y) for y in sent])
+        grads[plans] = _grads(state, trainable)
+        graph = onnx.load(options.optimized_model_filepath).graph
+        recomputed = [n.name for n in graph.node if n.name.endswith("_recompute")]
+        assert bool(recomputed) == bool(plans), recomputed
+    for plain, recomputed in zip(*grads.values(), strict=True):
+        assert plain.tobytes() == recomputed.tobytes()

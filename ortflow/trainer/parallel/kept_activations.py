@@ -38,15 +38,16 @@ class KeptActivations:
         receives: The tensors it receives from the previous stage (their gradients are returned).
         sends: The tensors it sends to the next stage.
         options: Session options of the gradient graph's session.
+        recompute: Memory-optimizer plans (``distributed.recompute_subgraphs``).
     """
 
     def __init__(self, eval_model: Path, state, trainable: list[str], receives: tuple[str, ...],
-                 sends: tuple[str, ...], options):
+                 sends: tuple[str, ...], options, recompute: tuple[str, ...] = ()):
         model = onnx.load(str(eval_model))
         inputs = {i.name for i in model.graph.input}
         parameters = [name for name, _ in state.parameters if name in inputs]
         self.engine = ForwardBackward(model.SerializeToString(), parameters, list(trainable), list(receives), options,
-                                      ["CPUExecutionProvider"])
+                                      ["CPUExecutionProvider"], recompute=tuple(recompute))
         order = {name: k for k, name in enumerate(self.engine.output_names)}
         missing = [name for name in sends if name not in order]
         if missing:
@@ -104,7 +105,7 @@ class KeptActivations:
         self._fresh = True
 
 
-def keep_piece_activations(pieces: list, last_stage: bool, options) -> None:
+def keep_piece_activations(pieces: list, last_stage: bool, options, recompute: tuple[str, ...] = ()) -> None:
     """Give each tensor-parallel piece that is not the model's last (every piece of a middle pipeline stage) its
     forward-once calls (``piece.kept``); a piece that sends integer tensors keeps recomputing (the engine's backward
     takes a gradient for every output of the forward).
@@ -113,6 +114,7 @@ def keep_piece_activations(pieces: list, last_stage: bool, options) -> None:
         pieces: The rank's ``PieceRun`` s (``state``, ``folder``, ``info`` with its ``tensor.json`` entry).
         last_stage: Whether they hold the model's loss (the last piece's training call computes it).
         options: Session options of the gradient graphs' sessions.
+        recompute: Memory-optimizer plans (``distributed.recompute_subgraphs``).
     """
     for piece in pieces[: -1 if last_stage else None]:
         info = piece.info
@@ -120,4 +122,4 @@ def keep_piece_activations(pieces: list, last_stage: bool, options) -> None:
             continue
         trainable = sorted(n for n, p in piece.state.parameters if p.requires_grad)
         piece.kept = KeptActivations(piece.folder / "eval_model.onnx", piece.state, trainable,
-                                     tuple(info["float_receives"]), tuple(info["sends"]), options)
+                                     tuple(info["float_receives"]), tuple(info["sends"]), options, recompute)

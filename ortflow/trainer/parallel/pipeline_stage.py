@@ -288,6 +288,7 @@ def keep_activations(cfg: RunConfig, rt: StageRuntime, folder: Path) -> KeptActi
         return None
     rt.module.train()
     options = stage_session_options(rt.threads, rt.buffers, cfg.distributed.deterministic_compute)
-    return KeptActivations(eval_model, rt.state, rt.trainable, rt.receives, rt.sends, options)
+    return KeptActivations(eval_model, rt.state, rt.trainable, rt.receives, rt.sends, options,
+                           cfg.distributed.recompute_subgraphs)
 
 

@@ -343,7 +343,8 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     if not cfg.distributed.recompute_forward and not buffers.on_device:  # CUDA ranks recompute
         keep_piece_activations(rt.pieces, pipe is None or pipe[0] == pipe[1] - 1,
-                               stage_session_options(threads, buffers, cfg.distributed.deterministic_compute))
+                               stage_session_options(threads, buffers, cfg.distributed.deterministic_compute),
+                               cfg.distributed.recompute_subgraphs)
     if resume:
         own = resume.path / tp_file("optimizer", tp_rank, size, pipe)
         h5state.load_optimizer(resume.path, rt.update, optimizer_label(cfg), rank=replica, files=[own])
