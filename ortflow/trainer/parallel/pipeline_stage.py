@@ -113,8 +113,8 @@ class StageRuntime(Runtime):
         """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept). ``train``:
         of a training micro-batch, so BatchNorm normalises by the batch as the training call's recomputation will
         (graph/batchnorm_forward.py); else by the running statistics."""
-        if train and self.kept is not None:
-            return self.kept.forward(feeds)
+        if train and self.kept is not None and self.engine_parts()[0].profiling is None:
+            return self.kept.forward(feeds)  # (a profiled update runs the training calls, which the profiler traces)
         if self._batch_statistics is None:
             self._batch_statistics = BATCH_STATISTICS_INPUT in self.engine_parts()[0].prepared(False).input_names()
         if self._batch_statistics:
@@ -124,7 +124,7 @@ class StageRuntime(Runtime):
     def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
         """Recompute the forward pass and run the backward pass (the last stage: from its loss; others: driven by
         ``grads``); parameter gradients accumulate in the engine. Returns (loss, gradients of what it received)."""
-        if grads is not None and self.kept is not None:
+        if grads is not None and self.kept is not None and self.kept.in_flight():
             return 0.0, self.kept.backward(grads)
         if grads is not None:
             feeds = {**feeds, **{n + GRAD_IN_SUFFIX: g for n, g in zip(self.sends, grads, strict=True)}}

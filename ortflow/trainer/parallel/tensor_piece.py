@@ -117,7 +117,7 @@ class TensorRuntime(Runtime):
         env = self.tensors.adopt(batch)
         for piece in self.pieces[:upto]:
             sends = piece.info["sends"]
-            if train and piece.kept is not None:
+            if train and piece.kept is not None and piece.profiling is None:  # (profiled: the traced training call)
                 outputs = piece.kept.forward(env)
             else:
                 outputs = self.tensors.call(piece, False, env)[: len(sends)]
