@@ -19,6 +19,7 @@ test_kept_activations.py).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from pathlib import Path
 
@@ -46,8 +47,11 @@ class KeptActivations:
         model = onnx.load(str(eval_model))
         inputs = {i.name for i in model.graph.input}
         parameters = [name for name, _ in state.parameters if name in inputs]
-        self.engine = ForwardBackward(model.SerializeToString(), parameters, list(trainable), list(receives), options,
-                                      ["CPUExecutionProvider"], recompute=tuple(recompute))
+        self._build = (model.SerializeToString(), parameters, list(trainable), list(receives))
+        self._recompute = tuple(recompute)
+        self.engine = ForwardBackward(*self._build, options, ["CPUExecutionProvider"], recompute=self._recompute)
+        self._plain: ForwardBackward | None = None  # the trainer's calls while a profiling twin runs them
+        self.seconds, self.calls = 0.0, 0  # time and calls of the profiled updates
         order = {name: k for k, name in enumerate(self.engine.output_names)}
         missing = [name for name in sends if name not in order]
         if missing:
@@ -68,7 +72,9 @@ class KeptActivations:
                   if name not in self._parameters}
         tensors = [self._parameters[name] if name in self._parameters else self.engine.ortvalue(arrays[name])
                    for name in self.engine.feed_names]
+        started = time.perf_counter()
         outputs, state = self.engine.forward(tensors)
+        self._count(started)
         # The inputs' memory is read by the backward too (the engine's tensors alias it): kept with the state.
         self._in_flight.append((state, tensors, arrays))
         self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
@@ -84,7 +90,9 @@ class KeptActivations:
         by_output = [None] * len(self.sends)
         for k, grad in zip(self._send_order, grads, strict=True):
             by_output[k] = grad
+        started = time.perf_counter()
         results = self.engine.backward(state, by_output)
+        self._count(started)
         received = [results[k].numpy() for k in range(len(self.receives))]
         for buffer, grad in zip(self._buffers, results[len(self.receives):], strict=True):
             if self._fresh:
@@ -94,9 +102,26 @@ class KeptActivations:
         self._fresh = False
         return received
 
+    def profile(self, options) -> None:
+        """Run the next calls in a second session of the same gradient graph made with ``options`` (the engine's
+        profiler on): the same parameters and gradient buffers, so the same bits; :meth:`unprofile` drops it, which
+        writes its trace."""
+        self._plain, self.seconds, self.calls = self.engine, 0.0, 0
+        self.engine = ForwardBackward(*self._build, options, ["CPUExecutionProvider"], recompute=self._recompute)
+
+    def unprofile(self) -> None:
+        """Back to the trainer's session; the profiling one is dropped (its trace written)."""
+        if self._plain is not None:
+            self.engine, self._plain = self._plain, None
+
     def in_flight(self) -> int:
         """Micro-batches whose activations are kept now."""
         return len(self._in_flight)
+
+    def _count(self, started: float) -> None:
+        if self._plain is not None:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
 
     def reset(self) -> None:
         """After an update: the next micro-batch's gradients replace the buffers' values."""

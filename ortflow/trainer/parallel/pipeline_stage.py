@@ -113,8 +113,8 @@ class StageRuntime(Runtime):
         """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept). ``train``:
         of a training micro-batch, so BatchNorm normalises by the batch as the training call's recomputation will
         (graph/batchnorm_forward.py); else by the running statistics."""
-        if train and self.kept is not None and self.engine_parts()[0].profiling is None:
-            return self.kept.forward(feeds)  # (a profiled update runs the training calls, which the profiler traces)
+        if train and self.kept is not None:
+            return self.kept.forward(feeds)
         if self._batch_statistics is None:
             self._batch_statistics = BATCH_STATISTICS_INPUT in self.engine_parts()[0].prepared(False).input_names()
         if self._batch_statistics:
@@ -271,7 +271,7 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
                       sends=tuple(info["sends"]), shared=info.get("shared", {}), dims=dims, buffers=buffers)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
-    rt.kept = keep_activations(cfg, rt, folder)
+    rt.kept = rt.engine_parts()[0].kept = keep_activations(cfg, rt, folder)
     if not rt.last:
         log.info("rank %d stage %d: %s", comm.rank, stage, "forward once, activations kept until the backward"
                  if rt.kept is not None else "forward recomputed inside the backward call")

@@ -49,7 +49,6 @@ class PieceRun(EnginePart):
     """One piece's sessions and what it reads and writes (its ``tensor.json`` entry)."""
 
     info: dict = field(default_factory=dict)
-    kept: KeptActivations | None = None  # forward once, activations kept (else its training call recomputes them)
 
 
 @dataclass
@@ -117,7 +116,7 @@ class TensorRuntime(Runtime):
         env = self.tensors.adopt(batch)
         for piece in self.pieces[:upto]:
             sends = piece.info["sends"]
-            if train and piece.kept is not None and piece.profiling is None:  # (profiled: the traced training call)
+            if train and piece.kept is not None:
                 outputs = piece.kept.forward(env)
             else:
                 outputs = self.tensors.call(piece, False, env)[: len(sends)]
