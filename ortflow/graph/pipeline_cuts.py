@@ -177,7 +177,7 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
     for pos, count in enumerate(a.crossing_counts()[:-1]):
         if count == 1:
             (name,) = a.crossing(pos)
-            if a.types.get(name) in FLOAT_TYPES:
+            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total:  # parameters read on both sides
                 candidates.append((pos, name))
     if len(candidates) < num_stages - 1:
         raise SplitError(
