@@ -1,7 +1,9 @@
 """Pipeline and tensor parallelism on a real export: pp 2 and hp 2 against dp 2 on the Hugging Face GPT-2 fixture.
 
-Run: ``.venv/bin/python -m bench exports [--rounds 3] [--updates 12]`` (writes
-``bench/out/exports-<host>-<date>.json`` and ``.md``). The driver configures three runs of the committed GPT-2
+Run: ``.venv/bin/python -m bench exports [--rounds 3] [--updates 12] [--micro 8] [--layouts pp2 pp2-recompute]``
+(writes ``bench/out/exports-<host>-<date>.json`` and ``.md``). The driver configures a run per layout (default
+dp2, pp2, hp2; pp2-recompute: pipeline stages that recompute their forward, distributed.recompute_forward) of the
+committed GPT-2
 export (``tests/fixtures/exports/gpt2.onnx``, unmodified) on the same text and the same global batch per update
 (dp 2: 2 ranks x ``batch/2`` windows; pp 2 and hp 2: ``batch`` windows through the 2 ranks), then starts the real
 trainer (``mpiexec -n 2 python -m ortflow.trainer``) for each, alternating the layouts round by round so that a busy
@@ -32,11 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "out"
 LAYOUTS = {"dp2": {"num_ranks": 2}, "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
+           "pp2-recompute": {"num_ranks": 2, "pipeline_parallel_size": 2, "recompute_forward": True},
            "hp2": {"num_ranks": 2, "horizontal_parallel_size": 2}}
 SEQ = 32
 
 
-def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int):
+def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int, cuts: tuple[str, ...] = ()):
     from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
     from ortflow.dataprep import prepare_data
@@ -44,10 +47,11 @@ def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, update
     corpus = work / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))[:40]))
-    per_rank = batch // 2 if name == "dp2" else batch
+    per_rank = batch // 2 if name == "dp2" else batch  # the same global batch in every layout
     cfg = config_from_dict({
         "name": name, "output_dir": str(work / name),
-        "model": {"path": str(ROOT / "tests" / "fixtures" / "exports" / "gpt2.onnx")},
+        "model": {"path": str(ROOT / "tests" / "fixtures" / "exports" / "gpt2.onnx"),
+                  "pipeline_cuts": list(cuts) if dist.get("pipeline_parallel_size", 1) > 1 else []},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SEQ}, "eval_fraction": 0.02},
         "train": {"batch_size": per_rank, "gradient_accumulation_steps": micro, "num_train_steps": updates * micro,
                   "display_loss_steps": 2, "evaluation_period": 0},
@@ -113,19 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=12, help="weight updates per run")
     parser.add_argument("--batch", type=int, default=8, help="windows of 32 tokens per micro-batch (global)")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per update")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=["dp2", "pp2", "hp2"],
+                        help="layouts to run (dp2 is the reference and always runs)")
+    parser.add_argument("--cut", nargs="*", default=[], help="model.pipeline_cuts of the pipeline layouts "
+                        "(default: chosen automatically)")
     parser.add_argument("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     command = "python -m bench.bench_exports " + " ".join(sys.argv[1:] if argv is None else argv)
     work = Path(tempfile.mkdtemp(prefix="bench-exports-"))
     try:
-        cfgs = {name: _configure(work, name, dist, args.batch, args.micro, args.updates)
-                for name, dist in LAYOUTS.items()}
-        steps: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-        walls: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        layouts = ["dp2", *(name for name in args.layouts if name != "dp2")]
+        cfgs = {name: _configure(work, name, LAYOUTS[name], args.batch, args.micro, args.updates, tuple(args.cut))
+                for name in layouts}
+        steps: dict[str, list[float]] = {name: [] for name in layouts}
+        walls: dict[str, list[float]] = {name: [] for name in layouts}
         memory = {}
         for r in range(args.rounds):
-            for name in (list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))):
+            for name in (layouts if r % 2 == 0 else list(reversed(layouts))):
                 wall, output = _run(cfgs[name], args.mpiexec)
                 steps[name] += _step_seconds(output, args.batch * args.micro)
                 walls[name].append(wall)
@@ -139,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True, check=False).stdout.strip(),
         "model": "tests/fixtures/exports/gpt2.onnx (HF GPT-2: 4 layers, d 64, 4 heads, vocab 512, tied)",
-        "global_batch_windows": args.batch * args.micro, "seq_len": SEQ, "updates": args.updates,
+        "global_batch_windows": args.batch * args.micro, "micro_batches": args.micro, "seq_len": SEQ, "updates": args.updates,
         "rounds": args.rounds,
         "layouts": {name: {"median_step_s": statistics.median(steps[name]), "windows": len(steps[name]),
                            "wall_s": walls[name], **memory[name]["largest_rank"],
-                           "files": memory[name]["files"]} for name in LAYOUTS},
+                           "files": memory[name]["files"]} for name in layouts},
     }
     base = result["layouts"]["dp2"]
     for row in result["layouts"].values():
@@ -153,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"exports-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M')}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    lines = [f"# pp 2 and hp 2 vs dp 2 on the GPT-2 export ({result['date']})", "",
+    lines = [f"# {', '.join(n for n in layouts if n != 'dp2')} vs dp 2 on the GPT-2 export ({result['date']})", "",
              f"Command: `{command}`; commit {result['commit']}; {result['cpus']} CPUs ({result['host']}), Python "
-             f"{result['python']}; global batch {result['global_batch_windows']} windows of {SEQ} tokens per update, "
-             f"{args.updates} updates per run, {args.rounds} interleaved rounds.", "",
+             f"{result['python']}; global batch {result['global_batch_windows']} windows of {SEQ} tokens per update in "
+             f"{args.micro} micro-batches, {args.updates} updates per run, {args.rounds} interleaved rounds.", "",
              "| layout | median step (s) | step vs dp 2 | parameters per rank (bytes) | optimizer state per rank "
              "(bytes) | state vs dp 2 |", "|---|---|---|---|---|---|"]
     for name, row in result["layouts"].items():

@@ -85,7 +85,7 @@ def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> 
             mine = rt.exchange.reduce(grads, k * rt.num_replicas, np.zeros(0, np.float32))
             comm.allreduce_sum(np.zeros(3), "pipeline loss, stop, norm")
             rt.update.step(mine, cfg.optimizer.learning_rate)
-            rt.module.lazy_reset_grad()
+            rt.after_update()  # the engine's sums and a stage's kept activations start again
             busy, held, sent = stats.compute_s, max(held, stats.held_bytes), max(sent, stats.sent_bytes)
         else:
             names = rt.module.input_names()
@@ -175,7 +175,7 @@ def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
 
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
-               device: str = "cpu") -> Path:
+               device: str = "cpu", recompute: bool = False) -> Path:
     from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
     from ortflow.dataprep import prepare_data
@@ -193,7 +193,8 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
         "train": {"batch_size": batch, "num_train_steps": micro, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
-        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1, **gpu},
+        "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1,
+                        "recompute_forward": recompute, **gpu},
     })
     configure(cfg)
     prepare_data(cfg)
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hold-sends", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", action="store_true",
+                        help="pp 2 stages recompute their forward in the backward call (distributed.recompute_forward)")
     parser.add_argument("--calls", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--memory-batch", type=int, nargs="+", default=[4, 32],
                         help="micro-batch sizes (sequences) of the memory measurement")
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = {("pp1", m): (_configure(root, f"pp1-m{m}", 1, 1, m), 1) for m in args.micro[:1]}
         for m in args.micro:
             runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m), 2)
-            runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m), 2)
+            runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m, recompute=args.recompute), 2)
         results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
         first = args.micro[0]
         engine_memory = {b: {"pp1": _memory(runs[("pp1", first)][0], None, b),
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m bench pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": BATCH, "summary": summary,
+              "recompute_forward": args.recompute,
               "load_average_1min": load, "rounds": args.rounds, "timed_steps": args.steps,
               "raw": results}
     out = ROOT / "bench" / "out" / f"pipeline-{socket.gethostname()}"
@@ -287,7 +291,9 @@ def report(record: dict) -> str:
     """The markdown summary written next to the JSON."""
     s, mb = record["summary"], 1 / 2**20
     lines = [f"# Pipeline bench on {record['host']} ({record['cores']} cores)", "", f"`{record['command']}`", "",
-             f"GPT {record['shape']}, 1 thread per rank; training micro-batch {record['batch_size']} sequences.", "",
+             f"GPT {record['shape']}, 1 thread per rank; training micro-batch {record['batch_size']} sequences; pp 2 "
+             f"stages {'recompute their forward' if record.get('recompute_forward') else 'keep their activations'}.",
+             "",
              "## Memory per rank (MiB)", "",
              "Static: parameters, gradient buffers, AdamW moments (from the engine state). Activations: peak RSS "
              "growth of one process (no MPI) running the rank's engine calls on one micro-batch of b sequences "

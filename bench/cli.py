@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "optim-torch-check": ("bench.optim_cpu:torch_check_main", "ortflow's AdamW rule: torch against torch.optim.AdamW"),
     "optim-gpu": ("bench.optim_gpu", "(GPU) the fused device update against a copy of the same bytes"),
     "adasum": ("bench.bench_adasum", "Adasum against averaging: loss against samples at 1 and 4 ranks"),
+    "engine-calls": ("bench.engine_calls", "the engine's training call against its separate forward and backward"),
     "pipeline": ("bench.bench_pipeline", "pipeline pp 2 against dp 2: memory per rank, throughput, idle share"),
     "pipeline-memory": ("bench.pipeline_memory", "where a pipeline stage's engine memory goes, per allocator"),
     "pipeline-gpu": ("bench.bench_pipeline_gpu", "(GPU) pipeline pp 2 against dp 2 on 2 GPUs"),

@@ -17,6 +17,8 @@ import sys
 import types
 from types import ModuleType
 
+import numpy as np
+
 _OPTIM = "onnxruntime.training.optim"
 
 
@@ -79,3 +81,113 @@ def call_module(module, train: bool, inputs: list, outputs: list) -> list:
     step = module._model.train_step_with_ort_values if train else module._model.eval_step_with_ort_values
     step(feeds, fetches)
     return [OrtValue(value) for value in fetches]
+
+
+class ForwardBackward:
+    """Separate forward and backward engine calls of one forward graph (the engine's ``TrainingAgent``, the machinery
+    under ORTModule, used without torch).
+
+    The gradient graph is built from a forward graph whose parameters are graph inputs (an eval model of the training
+    artifacts is one); :meth:`forward` runs the forward pass of one micro-batch and keeps its activations in the
+    returned state; :meth:`backward`, fed with the gradients of the forward's outputs, returns the gradients of the
+    requested inputs and of the trainable parameters, in the order asked for, and frees the state's activations. Several
+    micro-batches may be in flight, each with its own state; their backwards may run in any order.
+
+    Args:
+        model: The forward graph (serialised ``ModelProto``).
+        parameters: Graph inputs that hold parameters (trainable and frozen).
+        trainable: The parameters whose gradients :meth:`backward` returns.
+        input_grads: Graph inputs (not parameters) whose gradients :meth:`backward` returns first.
+        options: The session options of the gradient graph's session.
+        providers: Its execution providers.
+        device: Where the outputs and gradients land: ``cpu`` or ``cuda:N`` (then the parameters are fed as the
+            engine's own device tensors and the gradients stay on the GPU).
+        recompute: Memory-optimizer plans (``SUBGRAPH:1:COUNT``): those subgraphs' outputs are recomputed in the
+            backward instead of kept. The engine finds them in this gradient graph (its forward/backward boundary is
+            marked as ORTModule's is), not in the training API's training model.
+    """
+
+    def __init__(self, model: bytes, parameters: list[str], trainable: list[str], input_grads: list[str], options,
+                 providers: list, device: str = "cpu", recompute: tuple[str, ...] = ()):
+        import onnx  # graph inspection only
+
+        import onnxruntime
+
+        binding = onnxruntime.capi._pybind_state
+        config = binding.OrtModuleGraphBuilderConfiguration()
+        config.initializer_names = list(parameters)
+        config.initializer_names_to_train = list(trainable)
+        config.input_names_require_grad = list(input_grads)
+        config.build_gradient_graph = True
+        builder = binding.OrtModuleGraphBuilder()
+        builder.initialize(model, config)
+        builder.build(binding.TrainingGraphTransformerConfiguration())
+        gradient_model = builder.get_gradient_model()
+        graph = onnx.load_model_from_string(gradient_model).graph
+        self.feed_names = [i.name for i in graph.input]
+        self.output_names = list(builder.get_graph_info().user_output_names)
+        built = [o.name for o in graph.output]  # the input gradients in graph input order, then the parameters'
+        self.grad_names = [f"{n}_grad" for n in (*input_grads, *trainable)]
+        if sorted(built) != sorted(self.grad_names):
+            raise RuntimeError(f"the engine's gradient graph returns {built}, not {self.grad_names}")
+        self._order = [built.index(n) for n in self.grad_names]
+        self._binding = binding
+        self._session = _session(gradient_model, options, providers, recompute)
+        kind, _, index = device.partition(":")
+        where = binding.OrtDevice.cuda() if kind == "cuda" else binding.OrtDevice.cpu()
+        self._device = binding.OrtDevice(where, binding.OrtDevice.default_memory(), int(index or 0))
+        devices = [self._device] * len(self.output_names), [self._device] * len(built)
+        self._agent = binding.TrainingAgent(self._session._sess, self.feed_names, devices[0], built, devices[1], 0)
+
+    def _vector(self, values: list):
+        vector = self._binding.OrtValueVector()
+        vector.reserve(len(values))
+        for value in values:
+            vector.push_back(value._ortvalue if isinstance(value, OrtValue) else value)
+        return vector
+
+    def ortvalue(self, array):
+        """A host array as the engine's tensor: over the same memory on the CPU (the array must outlive every call
+        reading it), a copy on the GPU."""
+        return self._binding.OrtValue.ortvalue_from_numpy(array, self._device)
+
+    def forward(self, feeds: list) -> tuple[list, object]:
+        """The forward pass on ``feeds`` (engine tensors from :meth:`ortvalue`, in ``feed_names`` order); returns the
+        outputs (host arrays) and the state that holds its activations until :meth:`backward`."""
+        state = self._binding.PartialGraphExecutionState()
+        outputs = self._binding.OrtValueVector()
+        self._agent.run_forward(self._vector(feeds), outputs, state, None)
+        # Copied: a forward output's buffer can be one the backward pass writes into (the loss, measured).
+        return [np.array(outputs[i].numpy(), copy=True) for i in range(len(outputs))], state
+
+    def backward(self, state, output_grads: list) -> list:
+        """The backward pass of the forward that made ``state``, fed with the gradients of its outputs (host arrays or
+        engine tensors, in ``output_names`` order); the gradients in ``grad_names`` order (engine tensors)."""
+        arrays = [g if isinstance(g, (OrtValue, self._binding.OrtValue)) else np.ascontiguousarray(g)
+                  for g in output_grads]  # referenced until the call returns: the tensors read their memory
+        feeds = [a if isinstance(a, (OrtValue, self._binding.OrtValue)) else self.ortvalue(a) for a in arrays]
+        grads = self._binding.OrtValueVector()
+        self._agent.run_backward(self._vector(feeds), grads, state)
+        return [grads[i] for i in self._order]
+
+
+def _session(model: bytes, options, providers: list, recompute: tuple[str, ...]):
+    """An inference session of ``model``; with ``recompute``, the memory optimizer's plans (it reads them from a JSON
+    file while the session is made)."""
+    import json
+    import os
+    import tempfile
+
+    import onnxruntime
+
+    if not recompute:
+        return onnxruntime.InferenceSession(model, options, providers)
+    handle, path = tempfile.mkstemp(suffix=".json", prefix="ortflow-recompute-")
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump(list(recompute), f)
+        options.add_session_config_entry("optimization.memory_optimizer_config", path)
+        options.add_session_config_entry("optimization.enable_memory_probe_recompute_config", "1:0")
+        return onnxruntime.InferenceSession(model, options, providers)
+    finally:
+        os.unlink(path)

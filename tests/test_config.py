@@ -292,9 +292,12 @@ def test_help_lists_the_commands():
 
 
 @pytest.mark.parametrize("setting", ["distributed.zero_stage=1", "distributed.enable_adasum=true"])
-def test_pipeline_stages_refuse_sharded_or_adasum_exchanges(tmp_path, setting):
+def test_gpu_pipeline_stages_refuse_sharded_or_adasum_exchanges_and_cpu_stages_take_them(tmp_path, setting):
+    gpu = ("distributed.device=cuda", "distributed.use_nccl=true")
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", setting, *gpu)
+    assert any("averages each stage's gradients over its replicas (ZeRO-0" in p for p in problems), problems
     problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", setting)
-    assert any("averages each stage's gradients over its replicas (ZeRO-0)" in p for p in problems), problems
+    assert not any("averages each stage's gradients" in p for p in problems), problems
 
 
 def test_pipeline_stages_refuse_mixed_precision(tmp_path):
@@ -320,3 +323,10 @@ def test_profile_steps_work_in_every_cpu_layout_and_are_refused_by_name_on_gpus(
     problems = problems_of(tmp_path, "distributed.device=cuda", "distributed.use_nccl=true",
                            "train.profile_steps=[1,2]")
     assert any(p.startswith("train.profile_steps traces CPU ranks only") for p in problems), problems
+
+
+@pytest.mark.parametrize("setting,reason", [("distributed.zero_stage=1", "optimizer state whole"),
+                                            ("distributed.enable_adasum=true", "dot products")])
+def test_tensor_parallel_ranks_refuse_sharded_or_adasum_exchanges_naming_why(tmp_path, setting, reason):
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.horizontal_parallel_size=2", setting)
+    assert any("horizontal_parallel_size > 1" in p and reason in p for p in problems), problems

@@ -37,6 +37,18 @@ def stage_file(kind: str, stage: int, num_stages: int) -> str:
     return f"{kind}-stage{stage:02d}-of-{num_stages:02d}.h5"
 
 
+def stage_shard_file(stage: int, num_stages: int, rank: int, world: int) -> str:
+    """Name of a pipeline stage's replica ``rank``'s optimizer file (ZeRO-1 shard, or Adasum's per-replica state)."""
+    return f"optimizer-stage{stage:02d}-of-{num_stages:02d}-rank{rank:05d}-of-{world:05d}.h5"
+
+
+def stage_optimizer_files(folder: Path, stage: int, num_stages: int) -> list[Path] | None:
+    """A pipeline stage's optimizer files in ``folder`` (whole or per replica); None when it has none of its own (a
+    checkpoint of the unsplit model: every file is read)."""
+    found = sorted(Path(folder).glob(f"optimizer-stage{stage:02d}-of-{num_stages:02d}*.h5"))
+    return found or None
+
+
 def escape(name: str) -> str:
     """An ONNX name as an HDF5 dataset name (``/`` would make groups)."""
     return name.replace("%", "%25").replace("/", "%2F")
@@ -87,11 +99,14 @@ def write_state(state: TrainState, folder: Path) -> None:
                          marks=marks)
             write_optimizer(folder / tpfiles.tp_file("optimizer", t, size, state.stage), state, marks=marks)
         return
-    if state.stage is not None:  # a pipeline stage: its first replica writes the stage's two files
+    if state.stage is not None:  # a pipeline stage: its first replica writes the stage's files
+        index, count = state.stage
         if state.rank == 0:
-            index, count = state.stage
             write_params(folder / stage_file("params", index, count), state.parameters(), set(state.trainable),
                          state.extra_state() if state.extra_state else None)
+        if state.sharded or state.replica:  # each replica its shard (ZeRO-1) or its own state (Adasum's deltas)
+            write_optimizer(folder / stage_shard_file(index, count, state.rank, state.world_size), state)
+        elif state.rank == 0:
             write_optimizer(folder / stage_file("optimizer", index, count), state)
         return
     if state.rank == 0:

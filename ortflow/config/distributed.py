@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -37,6 +38,21 @@ class DistributedConfig(Section):
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
+    )
+    recompute_forward: bool = Field(
+        False,
+        description="With pipeline or tensor parallelism: every pipeline stage but the last, and every tensor-parallel "
+        "piece but the last, runs each micro-batch's forward twice (a forward to send, then again inside its backward "
+        "call) and keeps only the tensors it received in between (less memory, one more forward); false: the forward "
+        "runs once and its activations are kept until the backward (at most P - s micro-batches on stage s of P, "
+        "1F1B). CUDA ranks always recompute (docs/parallel.md).",
+    )
+    recompute_subgraphs: tuple[str, ...] = Field(
+        (),
+        description="Where a forward runs once and its activations are kept (recompute_forward false): the engine's "
+        "memory-optimizer plans, 'SUBGRAPH:1:COUNT' (e.g. 'Gelu+:1:-1': every GELU's output recomputed in the "
+        "backward instead of kept; COUNT -1 = all), trading compute for activation memory; the subgraphs a model "
+        "offers are those the engine's memory optimizer lists (docs/parallel.md).",
     )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(
@@ -97,6 +113,15 @@ class DistributedConfig(Section):
     )
 
     _resolve_path = field_validator("hostfile", mode="after")(resolve_path)
+
+    @field_validator("recompute_subgraphs")
+    @classmethod
+    def _plans(cls, plans: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [p for p in plans if not re.fullmatch(r"[A-Za-z0-9_]+(\+[A-Za-z0-9_]+)*\+:1:(-1|[1-9][0-9]*)", p)]
+        if bad:
+            raise ValueError(f"{bad} are not memory-optimizer plans: write 'SUBGRAPH:1:COUNT', a subgraph of op types "
+                             "each followed by '+' (e.g. 'Gelu+:1:-1', 'FusedMatMul+Add+Softmax+:1:2')")
+        return plans
 
     @property
     def resolved_data_parallel_size(self) -> int:

@@ -105,9 +105,14 @@ class RunConfig(Section):
 def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     """What tensor parallelism does not combine with yet, each with the fix."""
     dist, problems = cfg.distributed, []
-    if dist.zero_stage or dist.enable_adasum:
+    if dist.zero_stage:
         problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
-                        "(ZeRO-0): set distributed.zero_stage 0 and enable_adasum false with it")
+                        "(ZeRO-0): a tensor-parallel checkpoint keeps each slice's optimizer state whole in its rank's "
+                        "file (merged across sizes from one file per slice); set distributed.zero_stage 0 with it")
+    if dist.enable_adasum:
+        problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
+                        "(ZeRO-0): Adasum combines whole tensors by their dot products and norms, and a "
+                        "tensor-parallel rank holds slices of the split ones; set enable_adasum false with it")
     if cfg.precision.use_mixed_precision:
         problems.append("distributed.horizontal_parallel_size > 1 trains in fp32: set precision.use_mixed_precision "
                         "false with it")
@@ -180,10 +185,11 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"{dist.pipeline_parallel_size} needs {dist.pipeline_parallel_size - 1}; list one cut per stage boundary "
             "or leave it empty to choose them automatically"
         )
-    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum):
+    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum) and dist.device == "cuda":
         problems.append(
-            "distributed.pipeline_parallel_size > 1 averages each stage's gradients over its replicas (ZeRO-0): set "
-            "distributed.zero_stage 0 and enable_adasum false with it"
+            "distributed.pipeline_parallel_size > 1 on device cuda averages each stage's gradients over its replicas "
+            "(ZeRO-0; ZeRO-1 and Adasum over a stage's replicas run on CPU ranks): set distributed.zero_stage 0 and "
+            "enable_adasum false with it, or device cpu"
         )
     if dist.pipeline_parallel_size > 1 and prec.use_mixed_precision:
         problems.append(

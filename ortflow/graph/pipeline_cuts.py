@@ -148,31 +148,36 @@ def check_random_ops(graph: onnx.GraphProto) -> None:
 
 
 def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str]) -> list[str]:
-    """Cut tensors that balance trainable parameters over ``num_stages`` stages.
+    """Cut tensors that balance the stages' compute over ``num_stages`` stages.
+
+    A stage's compute is estimated from the trainable parameters its nodes read, per token: a node that multiplies by
+    or adds a parameter (MatMul, Gemm, Conv, LayerNormalization, Add...) does work in proportion to its size, a Gather
+    from a table in proportion to one row (an embedding costs little, its tied LM head a full product), and a
+    parameter read by two nodes counts at each. Activations kept for the backward grow with the same work, so this
+    balances a stage's activation memory too.
 
     Candidates are the positions along the graph's order where exactly one float activation crosses (the residual
     stream between transformer blocks, the hidden state between MLP layers); for each boundary the candidate whose
-    share of the parameters before it is closest to ``s / num_stages`` is chosen.
+    share of the compute before it is closest to ``s / num_stages`` is chosen.
 
     Raises:
         SplitError: There are fewer clean candidates than boundaries.
     """
     a = Analysis(model, set(trainable))
-    sizes = {t.name: _numel(t) for t in a.graph.initializer if t.name in a.trainable}
-    seen: set[str] = set()
-    before: list[int] = []  # parameters read at or before each position
+    shapes = {t.name: list(t.dims) for t in a.graph.initializer if t.name in a.trainable}
+    before: list[int] = []  # estimated compute at or before each position
     total = 0
     for i in a.order:
-        for name in a.graph.node[i].input:
-            if name in sizes and name not in seen:
-                seen.add(name)
-                total += sizes[name]
+        node = a.graph.node[i]
+        for name in set(_parameters_read(a, node, shapes)):
+            size = _numel_of(shapes[name])
+            total += size // max(shapes[name][0], 1) if node.op_type in _ROW_READS else size
         before.append(total)
     candidates = []
     for pos, count in enumerate(a.crossing_counts()[:-1]):
         if count == 1:
             (name,) = a.crossing(pos)
-            if a.types.get(name) in FLOAT_TYPES:
+            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total:  # parameters read on both sides
                 candidates.append((pos, name))
     if len(candidates) < num_stages - 1:
         raise SplitError(
@@ -190,9 +195,28 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
     return cuts
 
 
-def _numel(tensor: onnx.TensorProto) -> int:
+_ROW_READS = {"Gather", "GatherND", "GatherElements"}  # read a row per index, not the whole table
+_PASS_THROUGH = {"Transpose", "Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze"}  # a parameter seen through
+
+
+def _parameters_read(a: Analysis, node: onnx.NodeProto, shapes: dict) -> list[str]:
+    """The trainable parameters ``node`` reads, directly or through a chain of pass-through nodes (an LM head's
+    ``MatMul(x, Transpose(wte))``)."""
+    found = []
+    for name in node.input:
+        while name and name not in shapes and name in a.producer:
+            producer = a.graph.node[a.producer[name]]
+            if producer.op_type not in _PASS_THROUGH or not producer.input:
+                break
+            name = producer.input[0]
+        if name in shapes:
+            found.append(name)
+    return found if node.op_type not in _PASS_THROUGH else []
+
+
+def _numel_of(dims: list[int]) -> int:
     n = 1
-    for d in tensor.dims:
+    for d in dims:
         n *= d
     return n
 

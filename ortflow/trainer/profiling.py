@@ -71,6 +71,7 @@ class StepProfiler:
     def __init__(self, model, steps: tuple[int, int] | None):
         self.model, self.steps = model, steps
         self._parts: list[tuple[object, _Timed, dict[str, np.ndarray]]] = []  # (part, its twin, pinned gradients)
+        self._kept: list[tuple[int, object]] = []  # (part index, its kept-activation calls in a profiling twin)
         self.trace: Path | None = None
         if steps is not None and model.buffers.on_device:
             raise ValueError("train.profile_steps needs distributed.device cpu (GPU profiling is not wired up yet)")
@@ -84,19 +85,22 @@ class StepProfiler:
 
     def begin(self, step: int) -> None:
         """Before update ``step``'s micro-batches: the first profiled update opens a profiling twin of every part."""
-        if self.steps is None or self._parts or not self.steps[0] <= step <= self.steps[1]:
+        if self.steps is None or self._parts or self._kept or not self.steps[0] <= step <= self.steps[1]:
             return
         self.model.gradient_buffers()  # the trainer's buffers, pinned before the second modules exist
         for index, part in enumerate(self.model.engine_parts()):
+            if part.kept is not None:  # its separate forward/backward calls, in a profiling twin of their session
+                part.kept.profile(self._options(index))
+                self._kept.append((index, part.kept))
+                continue
             pinned = {n: p.grad for n, p in part.state.parameters if p.requires_grad}
             twin = _Timed(self._open(part, index))
             part.profiling = twin
             self._parts.append((part, twin, pinned))
         log.info("rank %d profiling updates %d..%d (%d engine part(s))", self.model.comm.rank, *self.steps,
-                 len(self._parts))
+                 len(self._parts) + len(self._kept))
 
-    def _open(self, part, index: int):
-        from ortflow.engine import api
+    def _options(self, index: int):
         from ortflow.trainer.startup import available_cores, session_options, spin_wait
 
         model = self.model
@@ -104,9 +108,14 @@ class StepProfiler:
         options = session_options(model.threads, model.cfg.distributed.deterministic_compute, spin)
         options.enable_profiling = True
         options.profile_file_prefix = str(self._folder() / f".rank-{model.comm.rank}-part-{index}")
+        return options
+
+    def _open(self, part, index: int):
+        from ortflow.engine import api
+
         # No eval model: its session would write a second trace under the same name.
         module = api.Module(str(part.folder / "training_model.onnx"), part.state, None, device="cpu",
-                            session_options=options)  # fmt: skip
+                            session_options=self._options(index))  # fmt: skip
         module.train()
         return module
 
@@ -117,7 +126,7 @@ class StepProfiler:
 
     def after_backward(self, step: int) -> None:
         """On a profiled update: hand its gradients to the trainer's buffers; after the last one, write the traces."""
-        if not self._parts or step < self.steps[0]:
+        if not (self._parts or self._kept) or step < self.steps[0]:
             return
         for part, twin, pinned in self._parts:
             params = part.state.parameters
@@ -129,18 +138,22 @@ class StepProfiler:
 
     def close(self) -> None:
         """Drop the profiling sessions (ONNX Runtime writes the traces then) and merge them into this rank's trace."""
-        if not self._parts:
+        if not (self._parts or self._kept):
             return
-        measured = sum(twin.seconds for _, twin, _ in self._parts)
-        calls = sum(twin.calls for _, twin, _ in self._parts)
+        measured = sum(twin.seconds for _, twin, _ in self._parts) + sum(k.seconds for _, k in self._kept)
+        calls = sum(twin.calls for _, twin, _ in self._parts) + sum(k.calls for _, k in self._kept)
+        indices = sorted([i for i, _ in self._kept] + [i for i, part in enumerate(self.model.engine_parts())
+                                                       if part.profiling is not None])
         for part, twin, _ in self._parts:
             part.profiling = None
             twin.module = None  # drop the session itself, which writes the trace
-        count, self._parts = len(self._parts), []
+        for _, kept in self._kept:
+            kept.unprofile()  # drops the profiling session, which writes the trace
+        self._parts, self._kept = [], []
         gc.collect()
         folder, rank = self._folder(), self.model.comm.rank
         traces = []
-        for index in range(count):  # the largest file of each part is its trace
+        for index in indices:  # the largest file of each part is its trace
             written = sorted(folder.glob(f".rank-{rank}-part-{index}_*.json"), key=lambda p: p.stat().st_size)
             traces += written[-1:]
             for extra in written[:-1]:

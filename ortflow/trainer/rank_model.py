@@ -47,6 +47,9 @@ class EnginePart:
     module: object
     folder: Path
     profiling: object | None = None
+    #: The part's separate forward and backward calls, where it keeps its activations
+    #: (:class:`~ortflow.trainer.parallel.kept_activations.KeptActivations`); the profiler then traces those.
+    kept: object | None = None
 
     def training_module(self):
         """The module that runs this part's training calls now."""

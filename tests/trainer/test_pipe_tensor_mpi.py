@@ -89,9 +89,9 @@ def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(r
 
     root, _, split, _, _ = runs
     folder = newest(split)
-    with h5py.File(folder / tp_file("params", 1, 2, (1, 2)), "r") as f:  # stage 1, tp rank 1: half of h1's q
+    with h5py.File(folder / tp_file("params", 1, 2, (1, 2)), "r") as f:  # stage 1, tp rank 1: half of h1's MLP
         names = {ds.attrs["name"]: ds for ds in f["parameters"].values()}
-        assert names["h1.attn.q.weight"].shape == (32, 16) and "h0.attn.q.weight" not in names
+        assert names["h1.mlp.fc.weight"].shape == (32, 64) and "h0.attn.q.weight" not in names
     params = read_params(folder)
     assert params["h0.attn.q.weight"].shape == (32, 32) and params["h1.mlp.proj.weight"].shape == (128, 32)
     merged = merge(folder, root / "merged.h5")

@@ -70,6 +70,8 @@ def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
     print(f"hp {hp} on {ranks} ranks, {rule}: max |param diff| vs hp 1: {worst}; largest move in training {moved}")
     assert worst < ATOL[rule] and moved > 10 * ATOL[rule]  # the runs trained, and to the same place
+    kept = [int(k) for k in re.findall(r"pieces \((\d+) keep their activations\)", out2.stdout)]
+    assert len(kept) == ranks and min(kept) > 0  # every rank's pieces ran their forward once (all but the loss's)
     np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (out1, out2)]
     assert len(evals[1]) == 2

@@ -86,15 +86,16 @@ class _StageView:
     def forward(self, feeds: dict[str, np.ndarray], train: bool = True) -> list[np.ndarray]:
         """A middle stage's forward: every piece (eval models, partial sums summed); ``feeds`` keeps what the pieces
         passed each other (on CUDA ranks on the GPU), for the backward. ``train`` changes nothing: tensor-parallel
-        pieces hold no BatchNorm (validate and the ranks refuse it)."""
-        feeds.update(self.rt.forward(feeds, len(self.rt.pieces)))
+        pieces hold no BatchNorm (validate and the ranks refuse it), but a training micro-batch's pieces keep their
+        activations where they keep them."""
+        feeds.update(self.rt.forward(feeds, len(self.rt.pieces), train=train))
         return [self.rt.tensors.host(feeds[n]) for n in self.sends]  # the pipeline sends host arrays
 
     def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
         """The pieces' backward (the last stage first runs its forward); returns (loss, gradients of what the stage
         received, summed over the tensor-parallel ranks)."""
         if grads is None:
-            env, arriving = self.rt.forward(feeds, len(self.rt.pieces) - 1), None
+            env, arriving = self.rt.forward(feeds, len(self.rt.pieces) - 1, train=True), None
         else:
             env, arriving = feeds, dict(zip(self.sends, grads, strict=True))
         loss, back = self.rt.backward(env, arriving)

@@ -27,8 +27,9 @@ from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers, engine_buffers
-from ortflow.trainer.optim.rank_update import whole_update
+from ortflow.trainer.optim.rank_update import build_update, whole_update
 from ortflow.trainer.optim.zero import Zero0
+from ortflow.trainer.parallel.kept_activations import KeptActivations
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.replica import Runtime
 from ortflow.trainer.parallel.schedule import (
@@ -77,6 +78,7 @@ class StageRuntime(Runtime):
     _update_started: float | None = None
     _compute_s: float = 0.0
     _batch_statistics: bool | None = None  # its eval model takes BATCH_STATISTICS_INPUT (a BatchNorm before the cut)
+    kept: KeptActivations | None = None  # forward once, activations kept (else the training call recomputes them)
 
     @property
     def last(self) -> bool:
@@ -92,6 +94,8 @@ class StageRuntime(Runtime):
             parameters=lambda: {n: np.array(p.data) for n, p in self.state.parameters},
             trainable=self.trainable, update=self.update, optimizer=optimizer_label(self.cfg),
             rank=self.replica, world_size=self.num_replicas, stage=(self.stage, self.num_stages),
+            sharded=self.exchange.sharded,
+            replica=self.exchange.per_rank_state and not self.exchange.sharded,
         )
 
     # -- the engine calls ------------------------------------------------------------------------------------------
@@ -109,6 +113,8 @@ class StageRuntime(Runtime):
         """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept). ``train``:
         of a training micro-batch, so BatchNorm normalises by the batch as the training call's recomputation will
         (graph/batchnorm_forward.py); else by the running statistics."""
+        if train and self.kept is not None:
+            return self.kept.forward(feeds)
         if self._batch_statistics is None:
             self._batch_statistics = BATCH_STATISTICS_INPUT in self.engine_parts()[0].prepared(False).input_names()
         if self._batch_statistics:
@@ -118,6 +124,8 @@ class StageRuntime(Runtime):
     def backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None) -> tuple[float, list]:
         """Recompute the forward pass and run the backward pass (the last stage: from its loss; others: driven by
         ``grads``); parameter gradients accumulate in the engine. Returns (loss, gradients of what it received)."""
+        if grads is not None and self.kept is not None and self.kept.in_flight():
+            return 0.0, self.kept.backward(grads)
         if grads is not None:
             feeds = {**feeds, **{n + GRAD_IN_SUFFIX: g for n, g in zip(self.sends, grads, strict=True)}}
         outputs = self._call(True, feeds)
@@ -146,25 +154,39 @@ class StageRuntime(Runtime):
     def reduce(self, k: int, loss_sum: float, stop: bool) -> Reduced:
         """A stage's replicas average its gradients (the unsplit exchange, per stage); holders of a tied weight add
         theirs; loss, stop and the norm shares are summed over every rank."""
+        # The mean (ZeRO-0) adds the holders' averaged gradients of a tied weight; ZeRO-1 and Adasum combine after the
+        # holders' sum, so that they see the one tensor the unsplit model's exchange sees.
+        mean = isinstance(self.exchange, Zero0)
+        if not mean:
+            sum_tied_gradients(self)  # Sync point: holders of a tied weight add their gradients (point-to-point)
         mine = self.exchange.reduce(self.gradient_buffers(), k * self.num_replicas, np.zeros(0, np.float32))
-        sum_tied_gradients(self)  # Sync point: holders of a tied weight add their gradients (point-to-point)
+        if mean:
+            sum_tied_gradients(self)
         shared = self.shared or {}
-        own = [g for n, g in zip(self.trainable, mine, strict=True) if n not in shared or shared[n][0] == self.stage]
-        norm_sq = 0.0
-        if self.replica == 0:  # a tied weight counted once, after its sum
+        own = mine if self.exchange.sharded else [  # ZeRO-1: a shard of a stage without tied weights
+            g for n, g in zip(self.trainable, mine, strict=True) if n not in shared or shared[n][0] == self.stage]
+        # Adasum's deltas: each replica steps on its own gradients and clips by their norm, summed over its stages.
+        norm_sq, own_norm = 0.0, self.exchange.per_rank_state and not self.exchange.sharded
+        if own_norm:  # Sync point: the replica's stages add their shares
+            norm_sq = float(self.pipe_comm.allreduce_sum(np.array([self.exchange.norm(own) ** 2]), "stage norms")[0])
+        elif self.replica == 0:  # a tied weight counted once, after its sum
             # The tied sum changed gradients after the exchange, whose norm may predate it (NCCL's does): the stage's
             # own share is measured afresh then.
             norm_sq = self.pipe_comm.sum_squares(own) if shared else self.exchange.norm(own) ** 2
-        local = np.array([loss_sum / k, float(stop), norm_sq])
+        local = np.array([loss_sum / k, float(stop), 0.0 if own_norm else norm_sq])
         # Sync point: loss, stop flag and gradient norm agree on every rank of every stage.
         scalars = self.comm.allreduce_sum(local, "pipeline loss, stop, norm")
-        return Reduced(mine, float(scalars[0]) / self.num_replicas, bool(scalars[1]), float(scalars[2]))
+        return Reduced(mine, float(scalars[0]) / self.num_replicas, bool(scalars[1]),
+                       norm_sq if own_norm else float(scalars[2]))
 
     def grad_norm(self, reduced: Reduced) -> float:
         return float(np.sqrt(reduced.norm_sq))
 
     def after_update(self) -> None:
+        self.exchange.gather()  # Sync point (ZeRO-1, Adasum's deltas): the stage's replicas' parameters agree again
         self.module.lazy_reset_grad()
+        if self.kept is not None:
+            self.kept.reset()
         if self._update_started is not None:
             self._timing.append((time.perf_counter() - self._update_started, self._compute_s))
 
@@ -194,6 +216,9 @@ class StageRuntime(Runtime):
 
     def finish(self) -> None:
         log_stage_timing(self, self._timing)
+        if self.kept is not None:
+            log.info("rank %d stage %d kept the activations of at most %d micro-batches at once", self.comm.rank,
+                     self.stage, self.kept.most_in_flight)
 
 
 def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str,
@@ -221,21 +246,49 @@ def init_stage_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator, device
     if resume or warm:  # this stage's parameters, read by name from the stage files (or a whole model's params.h5)
         load_parameters(state, resume.path if resume else Path(warm), buffers,
                         names={name for name, _ in state.parameters})
-    # ortflow's update over this stage's parameter buffers: whole tensors (the stage's replicas average, ZeRO-0).
-    update = whole_update(cfg, stage_comm, trainable, buffers.parameters(state, trainable), buffers, threads)
-    if resume:
-        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=replica)
     info = record["stages"][stage]
+    if not buffers.on_device and (cfg.distributed.zero_stage or cfg.distributed.enable_adasum):
+        # ZeRO-1 or Adasum over the stage's replicas, built as over an unsplit model's (host buffers)
+        update, exchange = build_update(cfg, stage_comm, state, trainable, threads)
+    else:  # whole tensors, the stage's replicas average (ZeRO-0), its scale applied before the norm reads them
+        update = whole_update(cfg, stage_comm, trainable, buffers.parameters(state, trainable), buffers, threads)
+        exchange = Zero0(stage_comm)
+    if exchange.sharded and info.get("shared"):
+        raise RuntimeError(f"pipeline stage {stage} holds tied weights {sorted(info['shared'])} also held by another "
+                           "stage: distributed.zero_stage 1 shards each stage's gradients before the holders could "
+                           "add theirs; use zero_stage 0 with this model and cut, or cut where no weight is shared")
+    if resume:  # this stage's files (any replica count and sharding)
+        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=replica,
+                               files=h5state.stage_optimizer_files(resume.path, stage, num_stages))
     start = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
     log.info("rank %d on %s: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, "
              "starting from %s", comm.rank, device, stage, num_stages, replica, num_replicas, len(trainable),
              info["receives"], info["sends"], start)
-    rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, update, Zero0(stage_comm), trainable,
+    rt = StageRuntime(cfg, Path(run_dir), comm, device, threads, state, module, update, exchange, trainable,
                       resume,
                       stage=stage, num_stages=num_stages, replica=replica, num_replicas=num_replicas,
                       stage_comm=stage_comm, pipe_comm=pipe_comm, receives=tuple(info["receives"]),
                       sends=tuple(info["sends"]), shared=info.get("shared", {}), dims=dims, buffers=buffers)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
+    rt.kept = rt.engine_parts()[0].kept = keep_activations(cfg, rt, folder)
+    if not rt.last:
+        log.info("rank %d stage %d: %s", comm.rank, stage, "forward once, activations kept until the backward"
+                 if rt.kept is not None else "forward recomputed inside the backward call")
     return rt
+
+
+def keep_activations(cfg: RunConfig, rt: StageRuntime, folder: Path) -> KeptActivations | None:
+    """The forward-once calls of a stage that is not the last, unless the config asks for recomputation; CUDA stages
+    and stages whose forward switches BatchNorm to batch statistics (its eval model's extra input) recompute."""
+    if rt.last or cfg.distributed.recompute_forward or rt.buffers.on_device:
+        return None
+    eval_model = folder / "eval_model.onnx"
+    if BATCH_STATISTICS_INPUT in rt.engine_parts()[0].prepared(False).input_names():
+        return None
+    rt.module.train()
+    options = stage_session_options(rt.threads, rt.buffers, cfg.distributed.deterministic_compute)
+    return KeptActivations(eval_model, rt.state, rt.trainable, rt.receives, rt.sends, options,
+                           cfg.distributed.recompute_subgraphs)
+
 

@@ -33,6 +33,7 @@ from ortflow.trainer.comm.engine_buffers import engine_buffers
 from ortflow.trainer.optim.rank_update import whole_update
 from ortflow.trainer.optim.zero import Zero0
 from ortflow.trainer.parallel.activations import DeviceTensors, HostTensors, activation_store
+from ortflow.trainer.parallel.kept_activations import KeptActivations, keep_piece_activations
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 from ortflow.trainer.parallel.replica import Runtime
@@ -108,13 +109,17 @@ class TensorRuntime(Runtime):
             return x
         return self.tensors.sum(x, label)
 
-    def forward(self, batch: dict[str, np.ndarray], upto: int) -> dict[str, np.ndarray]:
-        """Every piece before ``upto`` forward (eval models); returns what they sent, partial sums summed (with
-        ``batch``, where the rank keeps its activations)."""
+    def forward(self, batch: dict[str, np.ndarray], upto: int, train: bool = False) -> dict[str, np.ndarray]:
+        """Every piece before ``upto`` forward (of a training micro-batch: ``train``, its activations kept where the
+        piece keeps them; else eval models); returns what they sent, partial sums summed (with ``batch``, where the
+        rank keeps its activations)."""
         env = self.tensors.adopt(batch)
         for piece in self.pieces[:upto]:
             sends = piece.info["sends"]
-            outputs = self.tensors.call(piece, False, env)[: len(sends)]
+            if train and piece.kept is not None:
+                outputs = piece.kept.forward(env)
+            else:
+                outputs = self.tensors.call(piece, False, env)[: len(sends)]
             if piece.info["parallel"]:  # Sync point (g): the row-split MatMuls' partial sums
                 outputs = [self.tp_sum(y) for y in outputs]
             env.update(zip(sends, outputs, strict=True))
@@ -141,7 +146,7 @@ class TensorRuntime(Runtime):
 
     def micro_step(self, batch: dict[str, np.ndarray]) -> float:
         """Forward and backward of one micro-batch; parameter gradients accumulate in the pieces' engines."""
-        return self.backward(self.forward(batch, len(self.pieces) - 1))[0]
+        return self.backward(self.forward(batch, len(self.pieces) - 1, train=True))[0]
 
     def backward(self, env: dict[str, np.ndarray], arriving: dict[str, np.ndarray] | None = None):
         """The pieces' training calls in reverse, on the forward tensors ``env``; ``arriving``: gradients of what the
@@ -153,14 +158,18 @@ class TensorRuntime(Runtime):
             info = piece.info
             feeds = env
             driven = piece is not self.pieces[-1] or arriving is not None
-            if driven:  # by the summed gradients of what it sent (zeros if unread)
-                given = {n + GRAD_IN_SUFFIX: grads[n] if n in grads else self.tensors.zeros_like(env[n])
-                         for n in info["float_sends"]}
-                feeds = {**env, **given}
-            outputs = self.tensors.call(piece, True, feeds)
-            if not driven:
-                loss = self.tensors.scalar(outputs[0])
-            back = outputs[1 : 1 + len(info["float_receives"])]
+            if piece.kept is not None and piece.kept.in_flight():  # its forward kept the activations
+                back = piece.kept.backward([grads[n] if n in grads else self.tensors.zeros_like(env[n])
+                                            for n in info["sends"]])
+            else:
+                if driven:  # by the summed gradients of what it sent (zeros if unread)
+                    given = {n + GRAD_IN_SUFFIX: grads[n] if n in grads else self.tensors.zeros_like(env[n])
+                             for n in info["float_sends"]}
+                    feeds = {**env, **given}
+                outputs = self.tensors.call(piece, True, feeds)
+                if not driven:
+                    loss = self.tensors.scalar(outputs[0])
+                back = outputs[1 : 1 + len(info["float_receives"])]
             if info["parallel"]:  # Sync point (f): a split region's input gradients are partial
                 back = [self.tp_sum(g, "tensor-parallel input-gradient sum") for g in back]
             for name, g in zip(info["float_receives"], back, strict=True):
@@ -208,6 +217,8 @@ class TensorRuntime(Runtime):
     def reset_gradients(self) -> None:
         for piece in self.pieces:
             piece.module.lazy_reset_grad()
+            if piece.kept is not None:
+                piece.kept.reset()
 
     def digest(self, names) -> str:
         return sha256_of(self.param(n).data for n in names)
@@ -329,15 +340,19 @@ def assemble_tensor_runtime(cls, run_dir: Path, cfg: RunConfig, comm: Communicat
     params = [rt.param_buffer(holders[n][0], n) for n in trainable]  # the owners' buffers
     rt.update = whole_update(cfg, rt.dp_comm, trainable, params, buffers, threads)
     rt.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
+    if not cfg.distributed.recompute_forward and not buffers.on_device:  # CUDA ranks recompute
+        keep_piece_activations(rt.pieces, pipe is None or pipe[0] == pipe[1] - 1,
+                               stage_session_options(threads, buffers, cfg.distributed.deterministic_compute),
+                               cfg.distributed.recompute_subgraphs)
     if resume:
         own = resume.path / tp_file("optimizer", tp_rank, size, pipe)
         h5state.load_optimizer(resume.path, rt.update, optimizer_label(cfg), rank=replica, files=[own])
     start = f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}" if warm else \
         "the initial weights"
-    log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces, %d parameter tensors (%d sliced), "
-             "starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas,
-             f" of pipeline stage {pipe[0]}/{pipe[1]}" if pipe else "", len(pieces), len(trainable),
-             len(set(trainable) & set(rt.slicing)), start)
+    log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces (%d keep their activations), %d "
+             "parameter tensors (%d sliced), starting from %s", comm.rank, tp_rank, size, replica, rt.num_replicas,
+             f" of pipeline stage {pipe[0]}/{pipe[1]}" if pipe else "", len(pieces),
+             sum(p.kept is not None for p in pieces), len(trainable), len(set(trainable) & set(rt.slicing)), start)
     return rt
 
 

@@ -1,0 +1,150 @@
+"""A pipeline stage that runs each micro-batch's forward pass once and keeps its activations until the backward pass.
+
+Without it, a stage that is not the last runs its eval model forward (nothing kept) and later a training call that
+recomputes the forward before the backward: two forwards per micro-batch. Here the stage's forward graph (its eval
+model: parameters as inputs, the sent tensors as outputs) is turned into the engine's separate forward and backward
+calls (:class:`ortflow.engine.ForwardBackward`): the forward keeps the micro-batch's activations in an engine state,
+the backward is fed the gradients of the sent tensors and returns the gradients of the received tensors (sent back to
+the previous stage) and of the stage's parameters, which are summed here into the training module's gradient buffers,
+where the exchange and the update read them as before.
+
+1F1B bounds what is kept: a stage ``s`` of ``P`` holds at most ``P - s`` micro-batches' activations (its warm-up
+forwards plus one), and its backwards come in forward order, so the states form a queue.
+
+The sums are bitwise those of the training call: the engine's gradient graph of the forward graph computes each
+micro-batch's gradients with the same kernels in the same order as the training model's, and the first micro-batch
+after an update is copied, later ones added in float32, as the engine's accumulators do (tests/trainer/
+test_kept_activations.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ortflow.engine import ForwardBackward
+
+
+class KeptActivations:
+    """A non-last CPU stage's forward and backward calls with its in-flight micro-batches' activations kept.
+
+    Args:
+        eval_model: The stage's eval model (parameters as inputs, the sent tensors as outputs).
+        state: The stage's engine ``CheckpointState`` (parameter values and the gradient buffers summed into).
+        trainable: The stage's trainable parameters, in the order of its gradient buffers.
+        receives: The tensors it receives from the previous stage (their gradients are returned).
+        sends: The tensors it sends to the next stage.
+        options: Session options of the gradient graph's session.
+        recompute: Memory-optimizer plans (``distributed.recompute_subgraphs``).
+    """
+
+    def __init__(self, eval_model: Path, state, trainable: list[str], receives: tuple[str, ...],
+                 sends: tuple[str, ...], options, recompute: tuple[str, ...] = ()):
+        model = onnx.load(str(eval_model))
+        inputs = {i.name for i in model.graph.input}
+        parameters = [name for name, _ in state.parameters if name in inputs]
+        self._build = (model.SerializeToString(), parameters, list(trainable), list(receives))
+        self._recompute = tuple(recompute)
+        self.engine = ForwardBackward(*self._build, options, ["CPUExecutionProvider"], recompute=self._recompute)
+        self._plain: ForwardBackward | None = None  # the trainer's calls while a profiling twin runs them
+        self.seconds, self.calls = 0.0, 0  # time and calls of the profiled updates
+        order = {name: k for k, name in enumerate(self.engine.output_names)}
+        missing = [name for name in sends if name not in order]
+        if missing:
+            raise RuntimeError(f"{eval_model} does not output the sent tensors {missing}: re-run `ortflow configure`")
+        self.sends, self.receives = tuple(sends), tuple(receives)
+        self._send_order = [order[name] for name in sends]
+        # Parameters enter as engine tensors over the state's own buffers (updated in place: no copy per call).
+        self._parameters = {name: self.engine.ortvalue(state.parameters[name].data) for name in parameters}
+        self._buffers = [state.parameters[name].grad for name in trainable]
+        self._in_flight: deque = deque()
+        self._fresh = True  # the next backward copies into the buffers (the first micro-batch after an update)
+        self.most_in_flight = 0
+
+    def forward(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The forward pass of one training micro-batch; returns the sent tensors (in ``sends`` order) and keeps its
+        activations until :meth:`backward`."""
+        arrays = {name: np.ascontiguousarray(feeds[name]) for name in self.engine.feed_names
+                  if name not in self._parameters}
+        tensors = [self._parameters[name] if name in self._parameters else self.engine.ortvalue(arrays[name])
+                   for name in self.engine.feed_names]
+        started = time.perf_counter()
+        outputs, state = self.engine.forward(tensors)
+        self._count(started)
+        # The inputs' memory is read by the backward too (the engine's tensors alias it): kept with the state.
+        self._in_flight.append((state, tensors, arrays))
+        self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+        return [outputs[k] for k in self._send_order]
+
+    def backward(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        """The backward pass of the oldest micro-batch in flight, fed the gradients of its sent tensors (``sends``
+        order); its parameter gradients are summed into the gradient buffers; returns the gradients of the received
+        tensors (``receives`` order)."""
+        if not self._in_flight:
+            raise RuntimeError("a pipeline stage's backward pass came before any forward pass it could belong to")
+        state, _tensors, _arrays = self._in_flight.popleft()
+        by_output = [None] * len(self.sends)
+        for k, grad in zip(self._send_order, grads, strict=True):
+            by_output[k] = grad
+        started = time.perf_counter()
+        results = self.engine.backward(state, by_output)
+        self._count(started)
+        received = [results[k].numpy() for k in range(len(self.receives))]
+        for buffer, grad in zip(self._buffers, results[len(self.receives):], strict=True):
+            if self._fresh:
+                buffer[...] = grad.numpy()
+            else:
+                buffer += grad.numpy()
+        self._fresh = False
+        return received
+
+    def profile(self, options) -> None:
+        """Run the next calls in a second session of the same gradient graph made with ``options`` (the engine's
+        profiler on): the same parameters and gradient buffers, so the same bits; :meth:`unprofile` drops it, which
+        writes its trace."""
+        self._plain, self.seconds, self.calls = self.engine, 0.0, 0
+        self.engine = ForwardBackward(*self._build, options, ["CPUExecutionProvider"], recompute=self._recompute)
+
+    def unprofile(self) -> None:
+        """Back to the trainer's session; the profiling one is dropped (its trace written)."""
+        if self._plain is not None:
+            self.engine, self._plain = self._plain, None
+
+    def in_flight(self) -> int:
+        """Micro-batches whose activations are kept now."""
+        return len(self._in_flight)
+
+    def _count(self, started: float) -> None:
+        if self._plain is not None:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+
+    def reset(self) -> None:
+        """After an update: the next micro-batch's gradients replace the buffers' values."""
+        if self._in_flight:
+            raise RuntimeError(f"{len(self._in_flight)} micro-batch(es) still wait for their backward pass")
+        self._fresh = True
+
+
+def keep_piece_activations(pieces: list, last_stage: bool, options, recompute: tuple[str, ...] = ()) -> None:
+    """Give each tensor-parallel piece that is not the model's last (every piece of a middle pipeline stage) its
+    forward-once calls (``piece.kept``); a piece that sends integer tensors keeps recomputing (the engine's backward
+    takes a gradient for every output of the forward).
+
+    Args:
+        pieces: The rank's ``PieceRun`` s (``state``, ``folder``, ``info`` with its ``tensor.json`` entry).
+        last_stage: Whether they hold the model's loss (the last piece's training call computes it).
+        options: Session options of the gradient graphs' sessions.
+        recompute: Memory-optimizer plans (``distributed.recompute_subgraphs``).
+    """
+    for piece in pieces[: -1 if last_stage else None]:
+        info = piece.info
+        if list(info["sends"]) != list(info["float_sends"]):
+            continue
+        trainable = sorted(n for n, p in piece.state.parameters if p.requires_grad)
+        piece.kept = KeptActivations(piece.folder / "eval_model.onnx", piece.state, trainable,
+                                     tuple(info["float_receives"]), tuple(info["sends"]), options, recompute)

@@ -1,0 +1,166 @@
+"""Separate forward and backward engine calls (``ortflow.engine.ForwardBackward``) and a pipeline stage that keeps
+its in-flight micro-batches' activations (``KeptActivations``), against the training call they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from ortflow.artifacts_folder import GRAD_IN_SUFFIX, read_stages_record, stage_dir
+from ortflow.dataprep.loader import TrainLoader
+from ortflow.engine import ForwardBackward, api
+from ortflow.trainer.parallel.kept_activations import KeptActivations
+from ortflow.trainer.startup import session_options
+from tests.support.runs import make_text_run
+from tests.trainer.exports_runs import gpt2_run
+
+
+def _module(folder):
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
+                        session_options=session_options(1, True))
+    module.train()
+    return state, module
+
+
+def _grads(state, trainable) -> list[np.ndarray]:
+    return [np.array(state.parameters[n].grad, copy=True) for n in trainable]
+
+
+def _listed(outputs) -> list:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def _batches(cfg, k):
+    loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, 0, 1, prefetch=0)
+    return [loader.batch(0, i) for i in range(k)]
+
+
+def test_forward_then_backward_gives_the_training_call_gradients_bitwise_on_the_gpt2_export(tmp_path):
+    cfg = gpt2_run(tmp_path, "dp", distributed={"num_ranks": 1})
+    state, module = _module(cfg.artifacts_dir)
+    trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+    batches = _batches(cfg, 2)
+    expected_loss = sum(float(module(*(b[n] for n in module.input_names()))) for b in batches)
+    expected = _grads(state, trainable)
+
+    engine = ForwardBackward((cfg.artifacts_dir / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters],
+                             trainable, [], session_options(1, True), ["CPUExecutionProvider"])
+    params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
+    arrays = [{n: np.ascontiguousarray(v) for n, v in b.items()} for b in batches]
+    flights = [engine.forward([params[n] if n in params else engine.ortvalue(a[n]) for n in engine.feed_names])
+               for a in arrays]  # both micro-batches in flight before either backward
+    loss = sum(float(outputs[0]) for outputs, _ in flights)
+    sums = None
+    for _, held in flights:
+        grads = [g.numpy() for g in engine.backward(held, [np.ones((), np.float32)])]
+        sums = grads if sums is None else [s + g for s, g in zip(sums, grads, strict=True)]
+    assert engine.grad_names == [f"{n}_grad" for n in trainable]
+    assert loss == expected_loss
+    for name, mine, theirs in zip(trainable, sums, expected, strict=True):
+        assert mine.tobytes() == theirs.tobytes(), name
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    return make_text_run(tmp_path_factory.mktemp("kept"), "pp2",
+                         distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                         train={"batch_size": 2, "gradient_accumulation_steps": 3, "num_train_steps": 18})
+
+
+def test_a_stage_keeps_its_micro_batches_and_sums_the_gradients_of_its_recomputing_training_call(two_stages):
+    cfg = two_stages
+    info = read_stages_record(cfg.artifacts_dir)["stages"][0]
+    folder = stage_dir(cfg.artifacts_dir, 0)
+    sends = tuple(info["sends"])
+    batches = _batches(cfg, 3)
+    state, module = _module(folder)
+    trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+    module.eval()
+    shapes = [[y.shape for y in _listed(module(*(b[n] for n in module.input_names())))][: len(sends)]
+              for b in batches]
+    rng = np.random.default_rng(0)
+    arriving = [[rng.standard_normal(s).astype(np.float32) for s in shape] for shape in shapes]
+    module.train()
+    for b, grads in zip(batches, arriving, strict=True):  # today's call: recompute + backward per micro-batch
+        feeds = {**b, **{n + GRAD_IN_SUFFIX: g for n, g in zip(sends, grads, strict=True)}}
+        module(*(feeds[n] for n in module.input_names()))
+    expected = _grads(state, trainable)
+
+    state2, _module2 = _module(folder)
+    kept = KeptActivations(folder / "eval_model.onnx", state2, trainable, (), sends, session_options(1, True))
+    sent = [kept.forward(b) for b in batches[:2]]  # two in flight, as stage 0 of 3 holds them in 1F1B
+    assert kept.in_flight() == 2
+    with pytest.raises(RuntimeError, match="still wait for their backward"):
+        kept.reset()
+    assert kept.backward(arriving[0]) == []  # stage 0 receives nothing: no input gradient to send back
+    sent.append(kept.forward(batches[2]))
+    kept.backward(arriving[1])
+    kept.backward(arriving[2])
+    assert kept.in_flight() == 0 and kept.most_in_flight == 2
+    for name, mine, theirs in zip(trainable, _grads(state2, trainable), expected, strict=True):
+        assert mine.tobytes() == theirs.tobytes(), name
+    assert [y.shape for y in sent[0]] == shapes[0]
+
+    kept.reset()  # after an update, the next micro-batch replaces the sums
+    kept.forward(batches[0])
+    kept.backward(arriving[0])
+    module.lazy_reset_grad()
+    feeds = {**batches[0], **{n + GRAD_IN_SUFFIX: g for n, g in zip(sends, arriving[0], strict=True)}}
+    module(*(feeds[n] for n in module.input_names()))
+    for name, mine, theirs in zip(trainable, _grads(state2, trainable), _grads(state, trainable), strict=True):
+        assert mine.tobytes() == theirs.tobytes(), name
+
+
+def test_the_last_stage_input_gradients_equal_those_of_the_training_call(two_stages):
+    """A stage that receives tensors returns their gradients from the backward call, bitwise as the training call's
+    ``.backprop`` outputs (here the last stage's forward graph, fed the loss gradient 1)."""
+    cfg = two_stages
+    info = read_stages_record(cfg.artifacts_dir)["stages"][1]
+    folder = stage_dir(cfg.artifacts_dir, 1)
+    receives = tuple(info["receives"])
+    state, module = _module(folder)
+    trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+    batch = _batches(cfg, 1)[0]
+    _, stage0 = _module(stage_dir(cfg.artifacts_dir, 0))
+    stage0.eval()
+    received = _listed(stage0(*(batch[n] for n in stage0.input_names())))
+    feeds = {**batch, **dict(zip(receives, received, strict=False))}
+    outputs = module(*(feeds[n] for n in module.input_names()))
+    expected_back = [np.asarray(x) for x in outputs[1 : 1 + len(receives)]]
+
+    engine = ForwardBackward((folder / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters], trainable,
+                             list(receives), session_options(1, True), ["CPUExecutionProvider"])
+    params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
+    arrays = {n: np.ascontiguousarray(v) for n, v in feeds.items()}
+    out, held = engine.forward([params[n] if n in params else engine.ortvalue(arrays[n]) for n in engine.feed_names])
+    grads = engine.backward(held, [np.ones((), np.float32)])
+    assert float(out[0]) == float(np.asarray(outputs[0]))
+    for mine, theirs in zip(grads[: len(receives)], expected_back, strict=True):
+        assert mine.numpy().tobytes() == theirs.tobytes()
+
+
+def test_recomputed_subgraphs_change_the_graph_and_not_the_gradients(two_stages, tmp_path):
+    """``distributed.recompute_subgraphs``: the engine's memory optimizer recomputes the named subgraphs' outputs in
+    the backward (its ``_recompute`` nodes appear in the optimized gradient graph); the gradients keep their bits."""
+    cfg = two_stages
+    info = read_stages_record(cfg.artifacts_dir)["stages"][0]
+    folder = stage_dir(cfg.artifacts_dir, 0)
+    sends = tuple(info["sends"])
+    batch = _batches(cfg, 1)[0]
+    grads = {}
+    for plans in ((), ("LayerNormalization+:1:-1",)):
+        state, _ = _module(folder)
+        trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+        options = session_options(1, True)
+        options.optimized_model_filepath = str(tmp_path / f"gradient-graph-{len(plans)}.onnx")
+        kept = KeptActivations(folder / "eval_model.onnx", state, trainable, (), sends, options, plans)
+        sent = kept.forward(batch)
+        kept.backward([np.ones_like(y) for y in sent])
+        grads[plans] = _grads(state, trainable)
+        graph = onnx.load(options.optimized_model_filepath).graph
+        recomputed = [n.name for n in graph.node if n.name.endswith("_recompute")]
+        assert bool(recomputed) == bool(plans), recomputed
+    for plain, recomputed in zip(*grads.values(), strict=True):
+        assert plain.tobytes() == recomputed.tobytes()
