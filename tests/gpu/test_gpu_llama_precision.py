@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow.trainer import cuda_libs
+from ortflow import cuda_libs
 from tests.trainer.exports_runs import LLAMA_EXPORTS
 
 UPDATES = 60
