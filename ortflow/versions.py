@@ -191,11 +191,13 @@ def plan_run(
     entries = read_registry(base)
     mine = next((e for e in entries if flow_run_id and e.get("flow_run_id") == flow_run_id and e.get("path")), None)
     if mine is not None:
+        from ortflow.reruns import recorded_config
+
         init = mine.get("init_from")
+        run_cfg = recorded_config(cfg, mine, Path(mine["path"]), Path(init) if init else None)
         _update(base, mine["version"], status="running", retried_at=time.time())
         log.info("flow run %s resumes its version %s", flow_run_id, mine["version"])
-        return Plan(version_config(cfg, Path(mine["path"]), Path(init) if init else None), mine["version"],
-                    mine.get("parent"), resumed=True)
+        return Plan(run_cfg, mine["version"], mine.get("parent"), resumed=True)
     policy = cfg.versions
     prints = fingerprints(cfg)
     done = [e for e in entries if e.get("status") == "completed"]
@@ -223,15 +225,20 @@ def plan_run(
     return Plan(run_cfg, name, parent)
 
 
-def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None) -> Plan:
+def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> Plan:
     """Rerun stages of an existing version in its own folder (a versioned run with ``from_stage``): the one named,
-    else the newest that has a folder. No new version is registered.
+    else the newest that has a folder, with the config it recorded (:func:`ortflow.reruns.recorded_config`). No new
+    version is registered.
 
     Call with the run folder's lock held.
 
     Raises:
-        ConfigError: the named version does not exist (or was pruned), or there is no version yet.
+        ConfigError: the named version does not exist (or was pruned), there is no version yet, or the rerun would
+            change the version's config, model or data.
     """
+    from ortflow.reruns import recorded_config
+
     base = cfg.output_dir
     entries = [e for e in read_registry(base) if e.get("path") and e.get("status") in ("completed", "failed", "stopped")
                and Path(e["path"]).is_dir()]
@@ -247,10 +254,10 @@ def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = No
         raise ConfigError([f"from_stage reruns stages of an existing version, and {base} has none yet: run without "
                            "from_stage first (it trains a new version)"])
     init = entry.get("init_from")
+    run_cfg = recorded_config(cfg, entry, Path(entry["path"]), Path(init) if init else None, overrides)
     _update(base, entry["version"], status="running", rerun_by=flow_run_id, rerun_started=time.time())
-    log.info("rerunning stages of version %s in %s", entry["version"], entry["path"])
-    return Plan(version_config(cfg, Path(entry["path"]), Path(init) if init else None), entry["version"],
-                entry.get("parent"), resumed=True)
+    log.info("rerunning stages of version %s in %s with the config it recorded", entry["version"], entry["path"])
+    return Plan(run_cfg, entry["version"], entry.get("parent"), resumed=True)
 
 
 def finish_version(base: Path, name: str, status: str, summary: dict | None = None) -> dict:
@@ -273,11 +280,20 @@ def finish_version(base: Path, name: str, status: str, summary: dict | None = No
     complete = list_complete(folder / "checkpoints")
     if complete:
         fields["final_checkpoint"] = str(complete[-1].path)
+        if summary is None:  # a stopped or failed version: the steps its newest checkpoint holds
+            fields["steps"] = f"{complete[-1].step}/{_total_steps(folder) or '?'}"
     entry = _update(base, name, **fields)
     newest = latest_version(base)  # a rerun of an older version's stages leaves `latest` where it was
     if status == "completed" and newest is not None:
         _point_latest(Path(base), Path(newest["path"]))
     return entry
+
+
+def _total_steps(folder: Path) -> int | None:
+    try:
+        return json.loads((folder / "progress.json").read_text()).get("total")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _point_latest(base: Path, folder: Path) -> None:
@@ -405,7 +421,8 @@ def prune_versions(base: Path, keep: int, pinned: tuple[str, ...] = ()) -> Prune
         size = folder_bytes(folder)
         shutil.rmtree(folder, ignore_errors=True)
         freed += size - folder_bytes(folder)
-        entry.update(status="pruned", pruned=time.time(), pruned_status=entry.get("status"))
+        entry.update({"status": "pruned", "pruned": time.time(), "pruned_status": entry.get("status"),
+                      "exported model": None})  # deleted with the folder
         log.info("pruned version %s (%.1f MB)", name, size / 1e6)
     if doomed:
         _write_registry(base, entries)
