@@ -178,3 +178,30 @@ def test_the_loss_chart_has_axes_ticks_tick_labels_and_axis_titles():
     assert {"1", "100", "2.5", "0.25"} <= set(texts)  # the ends of both axes are labelled
     assert len([t for t in texts if t.replace(".", "").isdigit()]) >= 8  # ticks along both axes
     assert len(list(svg.iter(f"{ns}polyline"))) == 2
+
+
+def test_a_flow_run_process_counts_as_vanished_only_on_its_own_host_once_its_pid_is_gone_or_reused():
+    import os
+    import socket
+    import subprocess
+
+    from ortflow.tasks.liveness import HOST_LABEL, PID_LABEL, START_LABEL, process_start, vanished
+
+    host = socket.gethostname()
+    me = {HOST_LABEL: host, PID_LABEL: str(os.getpid()), START_LABEL: process_start(os.getpid())}
+    assert not vanished(me, host)
+    assert vanished({**me, START_LABEL: "1"}, host)  # the pid now names another process
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert vanished({**me, PID_LABEL: str(gone.pid)}, host)
+    assert not vanished({**me, PID_LABEL: str(gone.pid)}, "another-host")  # nothing to know about its processes
+    assert not vanished({}, host)  # a run that recorded no process
+
+
+def test_a_never_prepared_data_folder_is_not_reported_as_untrusted(tmp_path, caplog):
+    from ortflow.tasks.caching import outputs_intact
+
+    cfg = _cfg(tmp_path)
+    with caplog.at_level("WARNING"):
+        assert not outputs_intact(cfg, "prepare_data")
+    assert "prepare the data first" not in caplog.text and "not trusted" not in caplog.text
