@@ -185,16 +185,26 @@ def test_a_flow_run_process_counts_as_vanished_only_on_its_own_host_once_its_pid
     import socket
     import subprocess
 
-    from ortflow.tasks.liveness import HOST_LABEL, PID_LABEL, START_LABEL, process_start, vanished
+    from ortflow.tasks.liveness import (
+        HOST_LABEL,
+        PID_LABEL,
+        PIDS_LABEL,
+        START_LABEL,
+        pid_namespace,
+        process_start,
+        vanished,
+    )
 
     host = socket.gethostname()
-    me = {HOST_LABEL: host, PID_LABEL: str(os.getpid()), START_LABEL: process_start(os.getpid())}
+    me = {HOST_LABEL: host, PIDS_LABEL: pid_namespace(), PID_LABEL: str(os.getpid()),
+          START_LABEL: process_start(os.getpid())}
     assert not vanished(me, host)
     assert vanished({**me, START_LABEL: "1"}, host)  # the pid now names another process
     gone = subprocess.Popen(["true"])
     gone.wait()
     assert vanished({**me, PID_LABEL: str(gone.pid)}, host)
     assert not vanished({**me, PID_LABEL: str(gone.pid)}, "another-host")  # nothing to know about its processes
+    assert not vanished({**me, PID_LABEL: str(gone.pid), PIDS_LABEL: "x:1"}, host)  # a container of the same name
     assert not vanished({}, host)  # a run that recorded no process
 
 

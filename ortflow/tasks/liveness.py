@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 PID_LABEL, HOST_LABEL, START_LABEL = "ortflow.pid", "ortflow.host", "ortflow.pid-start"
+#: The boot and pid namespace the pid belongs to: containers may share a host name, never both of these.
+PIDS_LABEL = "ortflow.pid-namespace"
 #: States of a flow run whose process should be alive.
 _LIVE_TYPES = ("PENDING", "RUNNING", "CANCELLING")
 
@@ -31,12 +34,26 @@ def process_start(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
+def pid_namespace() -> str:
+    """This process's boot id and pid namespace (``<boot id>:<namespace inode>``; empty parts where unknown)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = ""
+    return f"{boot}:{namespace}"
+
+
 def record_process(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow-run hook (Running): label the flow run with the host, pid and pid start time of this process."""
     from prefect.client.orchestration import get_client
 
     pid = os.getpid()
-    labels = {HOST_LABEL: socket.gethostname(), PID_LABEL: str(pid), START_LABEL: process_start(pid) or ""}
+    labels = {HOST_LABEL: socket.gethostname(), PIDS_LABEL: pid_namespace(), PID_LABEL: str(pid),
+              START_LABEL: process_start(pid) or ""}
     try:
         with get_client(sync_client=True) as client:
             client.update_flow_run_labels(flow_run.id, labels)
@@ -44,9 +61,12 @@ def record_process(flow: Any, flow_run: Any, state: Any) -> None:
         log.warning("could not label flow run %s with its process: %s", flow_run.name, err)
 
 
-def vanished(labels: dict, host: str) -> bool:
-    """Whether the labels name a process of ``host`` that no longer runs (False for other hosts or no labels)."""
+def vanished(labels: dict, host: str, pids: str | None = None) -> bool:
+    """Whether the labels name a process of ``host`` (and of the pid namespace ``pids``, default this process's)
+    that no longer runs (False for other hosts or namespaces, or no labels)."""
     if labels.get(HOST_LABEL) != host or not str(labels.get(PID_LABEL, "")).isdigit():
+        return False
+    if labels.get(PIDS_LABEL) != (pids or pid_namespace()):
         return False
     start = process_start(int(labels[PID_LABEL]))
     return start is None or start != labels.get(START_LABEL)
