@@ -110,19 +110,30 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
     ids = [runner.add_deployment(deployment) for deployment in deployments]  # registers them, schedules active
     # Ctrl-C goes the same way as SIGTERM (the runner installs its SIGTERM handler when it starts).
     signal.signal(signal.SIGINT, runner.handle_sigterm)
-    crash_vanished_runs()  # runs this host started whose process is gone (an earlier serve killed with -9)
     try:
+        crash_vanished_runs()  # runs this host started whose process is gone (an earlier serve killed with -9)
         asyncio.run(_serve(runner, ids, None if catch_up else started))
     except (KeyboardInterrupt, TerminationSignal, SystemExit):
         pass
+    if runner.stop_signal is not None and not runner.paused:  # stopped before the runner was up
+        _pause(ids)
     log.info("ortflow serve stopped")
     return runner.stop_signal
+
+
+def _pause(deployment_ids: list[UUID]) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for deployment_id in deployment_ids:
+            client.pause_deployment(deployment_id)
 
 
 async def _serve(runner: StoppingRunner, deployment_ids: list[UUID], drop_before: datetime | None) -> None:
     if drop_before is not None:
         await drop_backlog(deployment_ids, drop_before)
-    await runner.start()
+    if runner.stop_signal is None:  # a stop signal meanwhile: nothing to start (serve_config pauses the schedules)
+        await runner.start()
 
 
 log = logging.getLogger(__name__)
@@ -187,6 +198,7 @@ class StoppingRunner(Runner):
     """
 
     stop_signal: int | None = None
+    paused = False
     _stopping_task: asyncio.Task | None = None
 
     def handle_sigterm(self, signum: int = signal.SIGTERM, *args: Any) -> None:
@@ -200,12 +212,15 @@ class StoppingRunner(Runner):
         self._stopping_task = loop.create_task(self._stop())
 
     async def _stop(self) -> None:
+        while not self.started:  # the signal came while the runner starts: stop it once it is up
+            await asyncio.sleep(0.1)
         await asyncio.to_thread(stop_flow_runs)
         # The runner's shutdown cancels its event loop's pending callbacks; asyncio would log each as an error.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         ids = self._deployment_registry.get_deployment_ids()
         try:
             await self._pause_schedules()
+            self.paused = True
             dropped = await drop_scheduled_runs(self._client, ids)  # the ones waiting for the concurrency slot
             if dropped:
                 log.info("dropped %d queued scheduled run(s): %s", len(dropped), ", ".join(dropped))
