@@ -742,8 +742,13 @@ def serve(
     scheduled runs whose time passed while nothing served them are dropped unless --catch-up is given.
     """
     from ortflow.deployments import serve_config
+    from ortflow.tasks import crash_vanished_runs
 
-    stopped_by = serve_config(_load(config, overrides), limit=limit, catch_up=catch_up)
+    cfg = _load(config, overrides)
+    for name in crash_vanished_runs():  # runs of this host whose process is gone (an earlier serve killed -9)
+        console.print(f"flow run {name} was still Running, but its process is gone: marked Crashed",
+                      highlight=False, markup=False)
+    stopped_by = serve_config(cfg, limit=limit, catch_up=catch_up)
     if stopped_by:
         console.print(f"ortflow serve stopped by a signal: schedules paused; `ortflow serve {escape(str(config))}` "
                       "resumes them", highlight=False)

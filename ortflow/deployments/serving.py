@@ -27,7 +27,6 @@ from ortflow.config import RunConfig
 from ortflow.deployments.alerts import HEARTBEAT_S
 from ortflow.deployments.backlog import drop_backlog, drop_scheduled_runs
 from ortflow.flows import export_only, train_pipeline
-from ortflow.tasks import crash_vanished_runs
 from ortflow.processes import process_alive
 
 
@@ -111,7 +110,6 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
     # Ctrl-C goes the same way as SIGTERM (the runner installs its SIGTERM handler when it starts).
     signal.signal(signal.SIGINT, runner.handle_sigterm)
     try:
-        crash_vanished_runs()  # runs this host started whose process is gone (an earlier serve killed with -9)
         asyncio.run(_serve(runner, ids, None if catch_up else started))
     except (KeyboardInterrupt, TerminationSignal, SystemExit):
         pass
