@@ -92,6 +92,7 @@ def _kill_worker_host(proc: subprocess.Popen, run_dir_root: Path) -> None:
     proc.wait()
 
 
+@pytest.mark.timeout(900)  # five runs, then a late window (120 s) and a zombie window (60 s) after the long run starts
 def test_alerts_come_only_for_failed_crashed_and_late_runs(prefect_server, mlp_sources, tmp_path, webhook):
     """The false-alert trial: completed, skipped and export-only runs get no webhook call (neither from the late nor
     from the zombie-run automation, whose windows outlast them); a failed run gets one, a run still running past
