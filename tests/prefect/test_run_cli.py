@@ -179,6 +179,8 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_run_marks_it
     lines = done.stderr.splitlines()
     assert lines[0].startswith("ortflow run next:"), lines[:3]  # printed at once, before the server starts
     assert any(line.startswith("starting a temporary Prefect server") for line in lines[:3]), lines[:3]
+    port = re.search(r"Prefect server at http://127\.0\.0\.1:(\d+) until this run ends", done.stderr)[1]
+    assert f"View at http://127.0.0.1:{port}/runs/flow-run/" in done.stderr  # Prefect's link, on the real port
 
 
 def test_an_offline_run_logs_no_telemetry_error(mlp_sources, tmp_path):
