@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ortflow.config import ConfigError, RunConfig
-from ortflow.version_configs import TRAINING_SECTIONS, fingerprints, recorded_config, version_config
+from ortflow.version_configs import fingerprints, recorded_config, version_config
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,8 @@ def plan_run(
 def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None,
                overrides: list[str] | tuple[str, ...] = ()) -> Plan:
     """Rerun stages of an existing version in its own folder (a versioned run with ``from_stage``): the one named,
-    else the newest that has a folder, with the config it recorded (:func:`ortflow.version_configs.recorded_config`). No new
-    version is registered.
+    else the newest that has a folder, with the config it recorded
+    (:func:`ortflow.version_configs.recorded_config`). No new version is registered.
 
     Call with the run folder's lock held.
 

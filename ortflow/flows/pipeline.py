@@ -15,8 +15,9 @@ Stage = Literal["configure", "prepare_data", "train", "retain", "export"]
 
 #: Hooks: the process running the flow run is recorded (a vanished one is found later), and the events ortflow's
 #: automations react to go out (a run started, a run ended).
+_ENDS = ("on_completion", "on_failure", "on_crashed", "on_cancellation")
 _ANNOUNCE = {"on_running": [tasks.record_process, tasks.announce_state],
-             **{key: [tasks.announce_state] for key in ("on_completion", "on_failure", "on_crashed", "on_cancellation")}}
+             **{key: [tasks.announce_state] for key in _ENDS}}
 
 
 @flow(name="train-pipeline", log_prints=True, **_ANNOUNCE)

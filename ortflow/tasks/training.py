@@ -342,7 +342,8 @@ def train(config: RunConfig) -> dict:
         forward_logs() as logger,
     ):
         try:
-            with _ProgressWatcher(config.output_dir, artifact_key(config, "progress"), config.checkpoints_dir) as watcher:
+            key = artifact_key(config, "progress")
+            with _ProgressWatcher(config.output_dir, key, config.checkpoints_dir) as watcher:
                 on_line = lambda line: logger.log(levels(line), "%s", line)  # noqa: E731
                 if layout is None:
                     result = run_scheduled(config, on_line=on_line, deadline=deadline)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
-from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
+from tests.support.prefect_runs import mlp_config, processes_mentioning, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
 

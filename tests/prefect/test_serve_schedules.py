@@ -30,8 +30,8 @@ def _backfill(env: dict[str, str], deployment, hours: int) -> list:
     time has passed (the server's own backfill endpoint makes them)."""
     now = datetime.now(UTC)
     httpx.post(f"{env['PREFECT_API_URL']}/deployments/{deployment.id}/schedule", timeout=30, json={
-        "start_time": (now - timedelta(hours=hours, minutes=30)).isoformat(), "end_time": (now - timedelta(minutes=1)).isoformat(),
-        "max_runs": hours}).raise_for_status()
+        "start_time": (now - timedelta(hours=hours, minutes=30)).isoformat(),
+        "end_time": (now - timedelta(minutes=1)).isoformat(), "max_runs": hours}).raise_for_status()
     return _waiting(f"train-pipeline/{deployment.name}")
 
 
