@@ -595,11 +595,15 @@ def run(
     import signal
     import threading
 
+    cfg = _load(config, overrides)
+    # A line at once: importing Prefect and starting its server take a while on a busy machine.
+    console.print(f"ortflow run {cfg.name}: {'a new version in ' if new_version else ''}{cfg.output_dir}",
+                  highlight=False, markup=False)
     from ortflow.cli_terminal import failure_advice, terminal
     from ortflow.flows import train_pipeline
+    from ortflow.tasks import crash_vanished_runs
     from ortflow.tasks.caching import STAGES
 
-    cfg = _load(config, overrides)
     if from_stage is not None and from_stage not in STAGES:
         _fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
     if policy is not None and policy not in ("retrain", "continue"):
@@ -632,7 +636,10 @@ def run(
         try:
             # No PREFECT_API_URL: a temporary server in a session of its own (Ctrl-C to this terminal's process
             # group never reaches it), stopped once the flow run has its final state.
-            with api_server():
+            with api_server(say=lambda line: console.print(line, highlight=False, markup=False)):
+                for name in crash_vanished_runs():  # runs of this host whose process is gone (a kill -9)
+                    console.print(f"flow run {name} was still Running, but its process is gone: marked Crashed",
+                                  highlight=False, markup=False)
                 watcher.start()
                 try:
                     # The flow runs in this (main) thread: Prefect's task timeouts need it, and Ctrl-C reaches the
@@ -724,11 +731,28 @@ def serve(
     config: ConfigArg,
     overrides: SetOpt = None,
     limit: Annotated[int | None, typer.Option(help="Most flow runs at once (default: no limit).")] = None,
+    catch_up: Annotated[bool, typer.Option(
+        "--catch-up", help="Run the scheduled runs missed while nothing served the deployments (default: drop them)."
+    )] = False,
 ) -> None:
-    """Serve train-pipeline/<name> and export-only/<name> on the config's schedule until Ctrl-C."""
-    from ortflow.deployments import serve_config
+    """Serve train-pipeline/<name> and export-only/<name> on the config's schedule until Ctrl-C or SIGTERM.
 
-    serve_config(_load(config, overrides), limit=limit)
+    A stop signal stops the running flow runs with a stop checkpoint, pauses both deployments' schedules and drops
+    the scheduled runs they queued, then exits 130 (SIGINT) or 143 (SIGTERM). Serving again resumes the schedules;
+    scheduled runs whose time passed while nothing served them are dropped unless --catch-up is given.
+    """
+    from ortflow.deployments import serve_config
+    from ortflow.tasks import crash_vanished_runs
+
+    cfg = _load(config, overrides)
+    for name in crash_vanished_runs():  # runs of this host whose process is gone (an earlier serve killed -9)
+        console.print(f"flow run {name} was still Running, but its process is gone: marked Crashed",
+                      highlight=False, markup=False)
+    stopped_by = serve_config(cfg, limit=limit, catch_up=catch_up)
+    if stopped_by:
+        console.print(f"ortflow serve stopped by a signal: schedules paused; `ortflow serve {escape(str(config))}` "
+                      "resumes them", highlight=False)
+        raise typer.Exit(128 + stopped_by)
 
 
 @app.command()

@@ -14,7 +14,6 @@ folder's lock (:mod:`ortflow.runlock`); readers never need it (the file is repla
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,17 +23,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ortflow.config import ConfigError, RunConfig, config_from_dict
+from ortflow.config import ConfigError, RunConfig
+from ortflow.version_configs import fingerprints, recorded_config, version_config
 
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "registry.json"
 VERSIONS_DIR = "versions"
 LATEST = "latest"
-
-#: Sections whose values decide what a version trains (a change means "not unchanged" for skip_unchanged).
-TRAINING_SECTIONS = ("model", "data", "train", "optimizer", "lr_schedule", "precision", "distributed", "export")
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -78,27 +74,6 @@ def _update(base: Path, name: str, **fields: object) -> dict:
     return entry
 
 
-def fingerprints(cfg: RunConfig) -> dict[str, str]:
-    """Cheap identities of what a version trains: config sections, model file (+ optimizer), data sources.
-
-    Raises:
-        DataError: a data glob matches nothing (never train on an empty source).
-    """
-    from ortflow.build.configure import fingerprint as model_fingerprint
-    from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
-
-    data = cfg.data
-    sources = resolve_sources(data.train, data.format, "data.train", cfg.storage.options)
-    sources += resolve_sources(data.test, data.format, "data.test", cfg.storage.options) if data.test else []
-    digest = hashlib.sha256(json.dumps([fingerprint_entry(s) for s in sources], sort_keys=True).encode())
-    return {
-        "config": cfg.section_fingerprint(*TRAINING_SECTIONS),
-        "model": model_fingerprint(cfg),
-        "optimizer": cfg.section_fingerprint("optimizer"),
-        "data": digest.hexdigest(),
-    }
-
-
 def continue_problems(cfg: RunConfig, last: dict | None, prints: dict[str, str] | None = None) -> list[str]:
     """Why ``versions.policy continue`` cannot warm-start from version ``last`` (its registry entry): the model
     file or the ``model`` section changed (the checkpoint no longer fits), or the ``optimizer`` section changed (a
@@ -127,30 +102,6 @@ def version_name(flow_run_id: str | None, now: float | None = None) -> str:
     (its start is a timestamp too)."""
     stamp = datetime.fromtimestamp(now if now is not None else time.time(), UTC).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{(flow_run_id or uuid.uuid4().hex).replace('-', '')[-8:]}"
-
-
-def version_config(cfg: RunConfig, folder: Path, init_from: Path | None) -> RunConfig:
-    """The config of a version folder: every output inside it, warm-started from ``init_from`` when given.
-
-    Raises:
-        ConfigError: ``export.path`` is set (every version exports into its own folder; one path would be overwritten
-            by each version).
-    """
-    if cfg.export.path is not None:
-        raise ConfigError([
-            f"export.path {cfg.export.path}: a versioned run exports into its version folder "
-            f"(versions/<version>/export/model.onnx, and {cfg.output_dir / LATEST}/export/model.onnx is the newest); "
-            "remove export.path from the config or the run's overrides, or copy the newest model elsewhere with "
-            "`ortflow export OUTPUT_DIR/latest -o PATH`"
-        ])
-    raw = cfg.model_dump(mode="json")
-    raw["output_dir"] = str(folder)
-    if cfg.storage.remote_dir is not None:  # the version's folder on the store mirrors its local copy
-        raw["storage"]["remote_dir"] = f"{cfg.storage.remote_dir}/{Path(folder).relative_to(cfg.output_dir).as_posix()}"
-    raw["checkpoint"].update(dir=None, checkpoint_to_load_path=None, init_from=str(init_from) if init_from else None)
-    raw["tensorboard"]["log_dir"] = None
-    raw["export"]["path"] = None
-    return config_from_dict(raw, source=f"version {folder.name}")
 
 
 def _warm_start_checkpoint(parent: dict, continue_from: str) -> Path:
@@ -192,10 +143,10 @@ def plan_run(
     mine = next((e for e in entries if flow_run_id and e.get("flow_run_id") == flow_run_id and e.get("path")), None)
     if mine is not None:
         init = mine.get("init_from")
+        run_cfg = recorded_config(cfg, mine, Path(mine["path"]), Path(init) if init else None)
         _update(base, mine["version"], status="running", retried_at=time.time())
         log.info("flow run %s resumes its version %s", flow_run_id, mine["version"])
-        return Plan(version_config(cfg, Path(mine["path"]), Path(init) if init else None), mine["version"],
-                    mine.get("parent"), resumed=True)
+        return Plan(run_cfg, mine["version"], mine.get("parent"), resumed=True)
     policy = cfg.versions
     prints = fingerprints(cfg)
     done = [e for e in entries if e.get("status") == "completed"]
@@ -223,14 +174,17 @@ def plan_run(
     return Plan(run_cfg, name, parent)
 
 
-def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None) -> Plan:
+def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> Plan:
     """Rerun stages of an existing version in its own folder (a versioned run with ``from_stage``): the one named,
-    else the newest that has a folder. No new version is registered.
+    else the newest that has a folder, with the config it recorded
+    (:func:`ortflow.version_configs.recorded_config`). No new version is registered.
 
     Call with the run folder's lock held.
 
     Raises:
-        ConfigError: the named version does not exist (or was pruned), or there is no version yet.
+        ConfigError: the named version does not exist (or was pruned), there is no version yet, or the rerun would
+            change the version's config, model or data.
     """
     base = cfg.output_dir
     entries = [e for e in read_registry(base) if e.get("path") and e.get("status") in ("completed", "failed", "stopped")
@@ -247,10 +201,10 @@ def plan_rerun(cfg: RunConfig, flow_run_id: str | None, version: str | None = No
         raise ConfigError([f"from_stage reruns stages of an existing version, and {base} has none yet: run without "
                            "from_stage first (it trains a new version)"])
     init = entry.get("init_from")
+    run_cfg = recorded_config(cfg, entry, Path(entry["path"]), Path(init) if init else None, overrides)
     _update(base, entry["version"], status="running", rerun_by=flow_run_id, rerun_started=time.time())
-    log.info("rerunning stages of version %s in %s", entry["version"], entry["path"])
-    return Plan(version_config(cfg, Path(entry["path"]), Path(init) if init else None), entry["version"],
-                entry.get("parent"), resumed=True)
+    log.info("rerunning stages of version %s in %s with the config it recorded", entry["version"], entry["path"])
+    return Plan(run_cfg, entry["version"], entry.get("parent"), resumed=True)
 
 
 def finish_version(base: Path, name: str, status: str, summary: dict | None = None) -> dict:
@@ -273,11 +227,20 @@ def finish_version(base: Path, name: str, status: str, summary: dict | None = No
     complete = list_complete(folder / "checkpoints")
     if complete:
         fields["final_checkpoint"] = str(complete[-1].path)
+        if summary is None:  # a stopped or failed version: the steps its newest checkpoint holds
+            fields["steps"] = f"{complete[-1].step}/{_total_steps(folder) or '?'}"
     entry = _update(base, name, **fields)
     newest = latest_version(base)  # a rerun of an older version's stages leaves `latest` where it was
     if status == "completed" and newest is not None:
         _point_latest(Path(base), Path(newest["path"]))
     return entry
+
+
+def _total_steps(folder: Path) -> int | None:
+    try:
+        return json.loads((folder / "progress.json").read_text()).get("total")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _point_latest(base: Path, folder: Path) -> None:
@@ -405,7 +368,8 @@ def prune_versions(base: Path, keep: int, pinned: tuple[str, ...] = ()) -> Prune
         size = folder_bytes(folder)
         shutil.rmtree(folder, ignore_errors=True)
         freed += size - folder_bytes(folder)
-        entry.update(status="pruned", pruned=time.time(), pruned_status=entry.get("status"))
+        entry.update({"status": "pruned", "pruned": time.time(), "pruned_status": entry.get("status"),
+                      "exported model": None})  # deleted with the folder
         log.info("pruned version %s (%.1f MB)", name, size / 1e6)
     if doomed:
         _write_registry(base, entries)

@@ -125,3 +125,31 @@ def test_run_summary_has_no_tokens_per_second_for_non_text_data():
     assert "tokens/s" not in rows and rows["samples/s"] == 10.0
     text = summary_rows({"step": 4, "total": 4, "samples_per_s": 10.0, "tokens_per_s": 640.0}, {}, {})
     assert {"metric": "tokens/s", "value": 640.0} in text
+
+
+def test_runs_shows_a_stopped_versions_steps_and_no_model_for_a_pruned_one(tmp_path):
+    import json
+
+    from ortflow.versions import prune_versions
+
+    path, cfg = _config_file(tmp_path)
+    plans = [plan_run(cfg, f"fr-{i}", new_version=True, now=i) for i in (1, 2, 3)]
+    for plan, step in zip(plans, (4, 4, 3), strict=True):
+        ckpt = plan.config.checkpoints_dir / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
+        (plan.config.output_dir / "progress.json").write_text(json.dumps({"step": 2, "total": 4}))
+    for plan in plans[:2]:
+        finish_version(cfg.output_dir, plan.version, "completed", {
+            "steps": "4/4", "exported model": str(plan.config.output_dir / "export" / "model.onnx")})
+    stopped = finish_version(cfg.output_dir, plans[2].version, "stopped")  # by a signal, after step 3
+    assert stopped["steps"] == "3/4"  # its newest (stop) checkpoint, not the last progress record
+    assert prune_versions(cfg.output_dir, keep=1).deleted == (plans[0].version,)
+    result = runner.invoke(app, ["runs", str(path)], env={"COLUMNS": "300"})
+    lines = result.output.splitlines()
+    pruned = next(i for i, line in enumerate(lines) if line.startswith(plans[0].version))
+    assert "pruned" in lines[pruned] and "model" not in lines[pruned + 1], lines[pruned:pruned + 2]
+    kept = next(i for i, line in enumerate(lines) if line.startswith(plans[1].version))
+    assert "model versions/" in lines[kept + 1]
+    stop = next(line for line in lines if line.startswith(plans[2].version))
+    assert "stopped" in stop and "steps 3/4" in stop, stop

@@ -75,6 +75,10 @@ def test_progress_artifact_ends_with_the_final_state_not_an_eta():
     assert final_description(record, CancelledError()).startswith("Cancelled at step 8/20")
     timed_out = final_description(record, CancelledError(), timed_out=True)
     assert timed_out.startswith("Timed out at step 8/20") and "Cancelled" not in timed_out
+    # The ranks stop after their current update, past the last progress record: a stop names its checkpoint's step.
+    assert final_description(record, KeyboardInterrupt(), checkpoint_step=9).startswith("Stopped by a signal at step "
+                                                                                       "9/20")
+    assert final_description(record, TrainingFailed("boom"), checkpoint_step=5) == "Failed at step 8/20: boom"
 
 
 def test_retries_and_timeouts_come_from_the_config_with_todays_defaults(tmp_path):
@@ -101,6 +105,24 @@ def test_loss_curve_holds_the_logged_losses_and_a_resume_overrides_a_repeated_st
     text = chart_markdown("demo", curve)
     assert "data:image/svg+xml;base64," in text and "| 3 | 0.875 |  |" in text and "| 4 | 0.75 | 1 |" in text
     assert "No losses" in chart_markdown("demo", loss_curve(tmp_path / "none"))
+
+
+def test_a_resumed_tensorboard_log_holds_each_step_once(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardLog(tmp_path, ("train/loss",), ())
+    for step in range(1, 8):  # the run stops after step 7; its newest checkpoint is step 5
+        first.scalars(step, {"train/loss": float(step)})
+    first.close()
+    resumed = TensorBoardLog(tmp_path, ("train/loss",), (), resumed_from=5)
+    for step in range(6, 10):
+        resumed.scalars(step, {"train/loss": step + 0.5})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(1, 10)), steps  # every step once, in order
+    assert [e.value for e in events.Scalars("train/loss")][4:6] == [5.0, 6.5]
 
 
 def test_overrides_apply_to_one_config_and_are_validated(tmp_path):
@@ -156,3 +178,40 @@ def test_the_loss_chart_has_axes_ticks_tick_labels_and_axis_titles():
     assert {"1", "100", "2.5", "0.25"} <= set(texts)  # the ends of both axes are labelled
     assert len([t for t in texts if t.replace(".", "").isdigit()]) >= 8  # ticks along both axes
     assert len(list(svg.iter(f"{ns}polyline"))) == 2
+
+
+def test_a_flow_run_process_counts_as_vanished_only_on_its_own_host_once_its_pid_is_gone_or_reused():
+    import os
+    import socket
+    import subprocess
+
+    from ortflow.tasks.liveness import (
+        HOST_LABEL,
+        PID_LABEL,
+        PIDS_LABEL,
+        START_LABEL,
+        pid_namespace,
+        process_start,
+        vanished,
+    )
+
+    host = socket.gethostname()
+    me = {HOST_LABEL: host, PIDS_LABEL: pid_namespace(), PID_LABEL: str(os.getpid()),
+          START_LABEL: process_start(os.getpid())}
+    assert not vanished(me, host)
+    assert vanished({**me, START_LABEL: "1"}, host)  # the pid now names another process
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert vanished({**me, PID_LABEL: str(gone.pid)}, host)
+    assert not vanished({**me, PID_LABEL: str(gone.pid)}, "another-host")  # nothing to know about its processes
+    assert not vanished({**me, PID_LABEL: str(gone.pid), PIDS_LABEL: "x:1"}, host)  # a container of the same name
+    assert not vanished({}, host)  # a run that recorded no process
+
+
+def test_a_never_prepared_data_folder_is_not_reported_as_untrusted(tmp_path, caplog):
+    from ortflow.tasks.caching import outputs_intact
+
+    cfg = _cfg(tmp_path)
+    with caplog.at_level("WARNING"):
+        assert not outputs_intact(cfg, "prepare_data")
+    assert "prepare the data first" not in caplog.text and "not trusted" not in caplog.text

@@ -2,11 +2,13 @@
 
 * ``ortflow-zombie-runs``: a flow run whose heartbeats stop (its process was killed or its host vanished) is marked
   Crashed, which frees its deployment's concurrency slot for the next scheduled run.
-* ``ortflow-run-failed`` and ``ortflow-run-late``: a webhook (a Prefect ``Webhook`` block named ``ortflow-alerts``)
-  is called when a run of an ortflow deployment fails, crashes or times out, or is still running past its expected
-  time.
+* ``ortflow-run-failed``, ``ortflow-run-lost`` and ``ortflow-run-late``: a webhook (a Prefect ``Webhook`` block named
+  ``ortflow-alerts``) is called when a run of an ortflow deployment fails, crashes or times out, when the zombie-run
+  automation marked it Crashed, or when it is still running past its expected time.
 
 The automations match flow runs tagged ``ortflow``: every deployment ``ortflow serve`` and ``prefect.yaml`` create.
+A run that ended (any end: Completed, Skipped, Failed, ...) closes the windows of the proactive ones, so they fire
+only for runs that are still running.
 """
 
 from __future__ import annotations
@@ -22,25 +24,21 @@ WEBHOOK_BLOCK = "ortflow-alerts"
 ZOMBIE = "ortflow-zombie-runs"
 #: Seconds between flow-run heartbeats in ortflow's deployments (Prefect's minimum is 30).
 HEARTBEAT_S = 30
-#: A placeholder block id for the file when no webhook is installed (the alert automations are left out then).
-_NO_BLOCK = UUID(int=0)
+#: A placeholder id for the file's ids not known yet (the alert automations are left out without a webhook).
+_NO_ID = UUID(int=0)
 
 
-def render(webhook_block_id: UUID | None, late_after_s: int, zombie_after_s: int) -> list[dict]:
-    """The automations of the shipped file with their parameters filled in (Prefect's automation schema)."""
+def render(webhook_block_id: UUID | None, late_after_s: int, zombie_after_s: int,
+           zombie_automation_id: UUID | None = None) -> list[dict]:
+    """The automations of the shipped file with their parameters filled in (Prefect's automation schema): the
+    zombie-run automation alone without a webhook, else all of them (``ortflow-run-lost`` names the zombie-run
+    automation by id: ``zombie_automation_id``)."""
     text = Template(AUTOMATIONS_FILE.read_text()).substitute(
-        webhook_block_id=webhook_block_id or _NO_BLOCK, late_after_s=int(late_after_s),
-        zombie_after_s=int(zombie_after_s))
+        webhook_block_id=webhook_block_id or _NO_ID, late_after_s=int(late_after_s),
+        zombie_after_s=int(zombie_after_s), zombie_automation_id=zombie_automation_id or _NO_ID)
     specs = yaml.safe_load(text)["automations"]
     if not webhook_block_id:
         return [s for s in specs if s["name"] == ZOMBIE]
-    zombie = next(s for s in specs if s["name"] == ZOMBIE)
-    zombie["actions"].append({  # a crash the zombie automation found is alerted too
-        "type": "call-webhook", "block_document_id": str(webhook_block_id),
-        "payload": '{"alert": "ortflow run Crashed (no heartbeat for ' + str(int(zombie_after_s)) + ' s)", '
-                   '"flow_run": "{{ flow_run.name }}", "flow_run_id": "{{ flow_run.id }}", '
-                   '"deployment": "{{ deployment.name }}"}',
-    })
     return specs
 
 
@@ -72,10 +70,15 @@ def install(webhook_url: str | None = None, late_after_s: int = 6 * 3600, zombie
         # An alert endpoint is often inside the network (a chat bridge, a pager gateway): private addresses are fine.
         block_id = Webhook(method="POST", url=webhook_url, headers={"Content-Type": "application/json"},
                            allow_private_urls=True).save(WEBHOOK_BLOCK, overwrite=True)
-    specs = render(block_id, late_after_s, zombie_after_s)
     with get_client(sync_client=True) as client:
-        for spec in specs:
-            for existing in client.read_automations_by_name(spec["name"]):
+        names = [spec["name"] for spec in render(block_id, late_after_s, zombie_after_s)]
+        for name in (spec["name"] for spec in render(_NO_ID, late_after_s, zombie_after_s)):  # every one shipped
+            for existing in client.read_automations_by_name(name):
                 client.delete_automation(existing.id)
-            client.create_automation(AutomationCore.model_validate(spec))
-    return [spec["name"] for spec in specs]
+        # The zombie-run automation first: the alert on its accepted state changes names it by id.
+        zombie_id = client.create_automation(AutomationCore.model_validate(
+            render(None, late_after_s, zombie_after_s)[0]))
+        for spec in render(block_id, late_after_s, zombie_after_s, zombie_id):
+            if spec["name"] != ZOMBIE:
+                client.create_automation(AutomationCore.model_validate(spec))
+    return names

@@ -1,4 +1,4 @@
-"""The temporary Prefect server of ``ortflow run`` when no ``PREFECT_API_URL`` is configured.
+"""The temporary Prefect server (API and UI) of ``ortflow run`` when no ``PREFECT_API_URL`` is configured.
 
 Prefect would start one itself, in the same process group as ``ortflow run``: a Ctrl-C in the terminal (SIGINT to the
 whole group) then stops the server while the flow still reports its final state and publishes its artifacts, and the
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_server(timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
-    """Start Prefect's API (no UI) on a free local port in its own session; returns the process and API URL.
+def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float], None] | None = None,
+                 every_s: float = 10.0) -> tuple[subprocess.Popen, str]:
+    """Start Prefect's API and UI on a free local port in its own session; returns the process and API URL.
+
+    Args:
+        timeout_s: Seconds to wait for it to answer.
+        on_wait: Called with the seconds waited so far, every ``every_s`` while the server is not up yet.
+        every_s: Seconds between ``on_wait`` calls.
 
     Raises:
         RuntimeError: the server exited or did not answer within ``timeout_s``.
@@ -67,10 +73,9 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[subprocess.Popen
     env = {
         **os.environ,
         **get_current_settings().to_environment_variables(exclude_unset=True),
-        "PREFECT_UI_ENABLED": "0",
-        "PREFECT_SERVER_UI_ENABLED": "false",
         "PREFECT__SERVER_EPHEMERAL": "1",
         "PREFECT__SERVER_FINAL": "1",
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",  # the UI's calls go to this port, not the default
     }
     env.pop("PREFECT_API_URL", None)
     # Prefect's server sends an anonymous usage heartbeat when it starts; offline it logs an error for it into the
@@ -81,11 +86,16 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[subprocess.Popen
                "--log-level", "error", "--lifespan", "on"]
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - only prctl runs before exec
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + timeout_s
+    url = env["PREFECT_UI_API_URL"]
+    start = time.monotonic()
+    deadline, next_report = start + timeout_s, start + every_s
     try:
         while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
+            now = time.monotonic()
+            if on_wait is not None and now >= next_report:
+                on_wait(now - start)
+                next_report += every_s
+            if proc.poll() is not None or now > deadline:
                 raise RuntimeError(
                     f"the temporary Prefect server did not start within {timeout_s:.0f} s (exit status "
                     f"{proc.poll()}); start one with `prefect server start` and set PREFECT_API_URL, then run again"
@@ -122,21 +132,28 @@ def _drain() -> None:
 
 
 @contextlib.contextmanager
-def api_server() -> Iterator[str]:
+def api_server(say: Callable[[str], None] | None = None) -> Iterator[str]:
     """The Prefect API for this process: ``PREFECT_API_URL`` when set, else a temporary server for the block.
+
+    Args:
+        say: Prints a line for the user: one when a temporary server starts, then one every 10 s until it answers.
 
     Yields:
         The API URL the flow reports to.
     """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
     configured = PREFECT_API_URL.value()
     if configured:
         yield configured
         return
-    proc, url = start_server()
+    say = say or (lambda line: None)
+    say("starting a temporary Prefect server (no PREFECT_API_URL is set; the first start on a machine takes longest)")
+    proc, url = start_server(on_wait=lambda waited: say(f"  still starting the Prefect server ({waited:.0f} s)"))
+    say(f"Prefect server at {url.removesuffix('/api')} until this run ends")
     try:
-        with temporary_settings(updates={PREFECT_API_URL: url}):
+        # Its UI is on the same port: Prefect's "View at" link points there, not at the default port.
+        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: url.removesuffix("/api")}):
             try:
                 yield url
             finally:

@@ -13,8 +13,10 @@ import logging
 import os
 import signal
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.exceptions import TerminationSignal
@@ -23,6 +25,7 @@ from prefect.schedules import Cron, Interval, Schedule
 
 from ortflow.config import RunConfig
 from ortflow.deployments.alerts import HEARTBEAT_S
+from ortflow.deployments.backlog import drop_backlog, drop_scheduled_runs
 from ortflow.flows import export_only, train_pipeline
 from ortflow.processes import process_alive
 
@@ -78,12 +81,20 @@ def build_deployments(cfg: RunConfig) -> list[RunnerDeployment]:
     return [pipeline, export]
 
 
-def serve_config(cfg: RunConfig, limit: int | None = None) -> None:
-    """Register both deployments and run their flow runs from this process until interrupted.
+def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = False) -> int | None:
+    """Register both deployments and run their flow runs from this process until SIGTERM or SIGINT.
+
+    The deployments' schedules are active while this runs. On a stop signal the flow runs stop (a stop checkpoint
+    each), the schedules are paused and the runs they queued are dropped; a restart resumes the schedules, and drops
+    the runs whose time passed while nothing served them unless ``catch_up``.
 
     Args:
         cfg: The run config.
         limit: Most flow runs at once (default: Prefect's, unlimited).
+        catch_up: Run the scheduled runs missed while nothing served the deployments instead of dropping them.
+
+    Returns:
+        The stop signal's number (None when the runner ended without one).
     """
     deployments = build_deployments(cfg)
     workdir = cfg.output_dir / ".ortflow" / "serve"
@@ -93,15 +104,34 @@ def serve_config(cfg: RunConfig, limit: int | None = None) -> None:
     # Flow runs send a heartbeat this often: the zombie-run automation (`ortflow automations`) marks a run Crashed
     # when they stop.
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    started = datetime.now(UTC)  # runs the scheduler adds once the deployments are active start after this
     runner = StoppingRunner(limit=limit)
-    for deployment in deployments:
-        runner.add_deployment(deployment)
+    ids = [runner.add_deployment(deployment) for deployment in deployments]  # registers them, schedules active
     # Ctrl-C goes the same way as SIGTERM (the runner installs its SIGTERM handler when it starts).
     signal.signal(signal.SIGINT, runner.handle_sigterm)
     try:
-        asyncio.run(runner.start())
+        asyncio.run(_serve(runner, ids, None if catch_up else started))
     except (KeyboardInterrupt, TerminationSignal, SystemExit):
-        log.info("ortflow serve stopped")
+        pass
+    if runner.stop_signal is not None and not runner.paused:  # stopped before the runner was up
+        _pause(ids)
+    log.info("ortflow serve stopped")
+    return runner.stop_signal
+
+
+def _pause(deployment_ids: list[UUID]) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for deployment_id in deployment_ids:
+            client.pause_deployment(deployment_id)
+
+
+async def _serve(runner: StoppingRunner, deployment_ids: list[UUID], drop_before: datetime | None) -> None:
+    if drop_before is not None:
+        await drop_backlog(deployment_ids, drop_before)
+    if runner.stop_signal is None:  # a stop signal meanwhile: nothing to start (serve_config pauses the schedules)
+        await runner.start()
 
 
 log = logging.getLogger(__name__)
@@ -157,17 +187,42 @@ def stop_flow_runs(timeout_s: float = FLOW_RUN_STOP_S) -> list[int]:
 
 
 class StoppingRunner(Runner):
-    """Prefect's runner, except that SIGTERM (and Ctrl-C) stop its flow runs cleanly before it exits.
+    """Prefect's runner, except that SIGTERM (and Ctrl-C) stop its flow runs cleanly, pause its deployments' schedules
+    and drop the runs they queued before it exits.
 
     Prefect's runner ends on SIGTERM by tearing down its flow-run processes: their ranks die without a checkpoint and
-    the flow runs stay ``Running`` on the server, holding the deployment's concurrency slot.
+    the flow runs stay ``Running`` on the server, holding the deployment's concurrency slot. Its own handler calls
+    the coroutine of ``stop`` without awaiting it and exits at once, so the schedules it should pause stay active.
     """
 
-    def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
-        if getattr(self, "_ortflow_stopping", False):
+    stop_signal: int | None = None
+    paused = False
+    _stopping_task: asyncio.Task | None = None
+
+    def handle_sigterm(self, signum: int = signal.SIGTERM, *args: Any) -> None:
+        if self.stop_signal is not None:
             return  # a repeated signal must not cut the flow runs' stop short
-        self._ortflow_stopping = True
-        stop_flow_runs()
+        self.stop_signal = int(signum)
+        try:
+            loop = asyncio.get_running_loop()  # the handler runs in the main thread, between the loop's steps
+        except RuntimeError:  # the runner has not started yet: nothing to stop
+            raise KeyboardInterrupt from None
+        self._stopping_task = loop.create_task(self._stop())
+
+    async def _stop(self) -> None:
+        while not self.started:  # the signal came while the runner starts: stop it once it is up
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(stop_flow_runs)
         # The runner's shutdown cancels its event loop's pending callbacks; asyncio would log each as an error.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        super().handle_sigterm(*args, **kwargs)
+        ids = self._deployment_registry.get_deployment_ids()
+        try:
+            await self._pause_schedules()
+            self.paused = True
+            dropped = await drop_scheduled_runs(self._client, ids)  # the ones waiting for the concurrency slot
+            if dropped:
+                log.info("dropped %d queued scheduled run(s): %s", len(dropped), ", ".join(dropped))
+        except Exception as err:  # noqa: BLE001 - the server may be gone; the runner must still stop
+            log.warning("could not pause the schedules of %d deployment(s): %s", len(ids), err)
+        self.pause_on_shutdown = False  # done above
+        await self.astop()

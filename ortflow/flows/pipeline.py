@@ -13,11 +13,14 @@ from ortflow.config import RunConfig
 Stage = Literal["configure", "prepare_data", "train", "retain", "export"]
 
 
-_FINAL = [tasks.announce_final_state]  # the event ortflow's automations react to
+#: Hooks: the process running the flow run is recorded (a vanished one is found later), and the events ortflow's
+#: automations react to go out (a run started, a run ended).
+_ENDS = ("on_completion", "on_failure", "on_crashed", "on_cancellation")
+_ANNOUNCE = {"on_running": [tasks.record_process, tasks.announce_state],
+             **{key: [tasks.announce_state] for key in _ENDS}}
 
 
-@flow(name="train-pipeline", log_prints=True, on_completion=_FINAL, on_failure=_FINAL, on_crashed=_FINAL,
-      on_cancellation=_FINAL)
+@flow(name="train-pipeline", log_prints=True, **_ANNOUNCE)
 def train_pipeline(
     config: RunConfig | str,
     overrides: list[str] | None = None,
@@ -51,7 +54,7 @@ def train_pipeline(
     """
     cfg = tasks.resolve_config(config, overrides, policy, skip_unchanged, wait_for_lock)
     with tasks.run_folder_lock(cfg, "pipeline"):
-        plan = tasks.plan_version(cfg, new_version, from_stage, version)
+        plan = tasks.plan_version(cfg, new_version, from_stage, version, overrides)
         if plan.skipped_because:  # the flow run ends in a Completed state named Skipped, saying why
             return Completed(name="Skipped", message=f"skipped: {plan.skipped_because}",
                              data=tasks.publish_skipped(cfg, plan))
@@ -77,7 +80,7 @@ def train_pipeline(
     return summary
 
 
-@flow(name="export-only", log_prints=True)
+@flow(name="export-only", log_prints=True, **_ANNOUNCE)
 def export_only(
     checkpoint: str,
     output: str,

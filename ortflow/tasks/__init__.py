@@ -2,8 +2,9 @@
 export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortflow.tasks.caching`)."""
 
 from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
+from ortflow.tasks.liveness import crash_vanished_runs, record_process
 from ortflow.tasks.runs import (
-    announce_final_state,
+    announce_state,
     finish_version,
     plan_version,
     prune_versions,
@@ -26,11 +27,12 @@ from ortflow.tasks.training import TrainingFailed, train
 
 __all__ = [
     "STAGES",
-    "announce_final_state",
+    "announce_state",
     "StageCache",
     "TrainingFailed",
     "check_launcher",
     "configure",
+    "crash_vanished_runs",
     "export",
     "export_checkpoint",
     "finish_version",
@@ -44,6 +46,7 @@ __all__ = [
     "prepare_data",
     "prune_versions",
     "publish_summary",
+    "record_process",
     "retain_checkpoints",
     "stage_key",
     "train",

@@ -123,7 +123,10 @@ def _configure_done(cfg: RunConfig) -> bool:
 
 def _prepare_done(cfg: RunConfig) -> bool:
     from ortflow.dataprep import verify_data
+    from ortflow.dataprep.manifest import MANIFEST_NAME
 
+    if not (cfg.data_dir / MANIFEST_NAME).exists():  # never prepared (a new version): nothing to distrust
+        return False
     return _trusted(lambda: verify_data(cfg.data_dir))  # every shard's size and sha256 against the manifest
 
 

@@ -21,6 +21,7 @@ from prefect.artifacts import (
 )
 
 from ortflow import runlock
+from ortflow.checkpoints import list_complete
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.launch.guard import GUARD_LOG, JobGuard, taken_over_lines
 from ortflow.launch.job import STOP_GRACE_S
@@ -110,20 +111,33 @@ def progress_percent(record: dict | None) -> float:
     return max(0.0, min(100.0, 100.0 * record["step"] / record["total"]))
 
 
-def final_description(record: dict | None, exc: BaseException | None, timed_out: bool = False) -> str:
+def final_description(record: dict | None, exc: BaseException | None, timed_out: bool = False,
+                      checkpoint_step: int | None = None) -> str:
     """The progress artifact's last words: Completed, Failed at step N (why), Timed out, Stopped or Cancelled at
-    step N."""
+    step N.
+
+    Args:
+        record: The last progress record (written every ``display_loss_steps``).
+        exc: What ended the attempt (None: it completed).
+        timed_out: The attempt ran out of its time limit.
+        checkpoint_step: The step of the newest complete checkpoint: a stop (timeout, signal, cancellation) names it,
+            since the ranks stop after their current update, past the last progress record.
+    """
     step = f"step {record.get('step')}/{record.get('total')}" if record else "before the first step"
     if exc is None:
         return f"Completed: {describe_progress(record)}"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    stopped = timed_out or isinstance(exc, (KeyboardInterrupt, SystemExit)) or type(exc).__name__ in (
+        "TerminationSignal", "CancelledError", "Abort")
+    if not stopped:
+        return f"Failed at {step}: {reason}"
+    if checkpoint_step is not None:
+        step = f"step {checkpoint_step}" + (f"/{record['total']}" if record and record.get("total") else "")
     if timed_out:
         return f"Timed out at {step} (pipeline.train_timeout_s); the ranks stopped with a checkpoint"
     if isinstance(exc, (KeyboardInterrupt, SystemExit)) or type(exc).__name__ == "TerminationSignal":
         return f"Stopped by a signal at {step}; the ranks stopped with a checkpoint"
-    if type(exc).__name__ in ("CancelledError", "Abort"):
-        return f"Cancelled at {step}; the ranks stopped with a checkpoint"
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"Failed at {step}: {reason}"
+    return f"Cancelled at {step}; the ranks stopped with a checkpoint"
 
 
 def _guard(config: RunConfig) -> JobGuard | None:
@@ -149,7 +163,7 @@ def report_orphaned_stop(run_dir: Path) -> None:
     from ortflow import versions
     from ortflow.checkpoints import list_complete
     from ortflow.config import load_run_config
-    from ortflow.tasks.runs import announce_final_state
+    from ortflow.tasks.runs import announce_state
 
     flow_run_id = os.environ.get(FLOW_RUN_PROCESS_ENV)
     record = read_progress(run_dir) or {}
@@ -182,7 +196,7 @@ def report_orphaned_stop(run_dir: Path) -> None:
             _end_progress_artifact(client, flow_run_id, artifact_key(config, "progress"), record,
                                    f"Stopped at {step} (the flow-run process was killed); the ranks stopped with a "
                                    "checkpoint")
-    announce_final_state(None, flow_run, flow_run.state)
+    announce_state(None, flow_run, flow_run.state)
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=10)
@@ -224,8 +238,8 @@ class _ProgressWatcher:
     """Polls ``progress.json`` from a small thread and mirrors it into one keyed Prefect progress artifact, which
     ends with the attempt's final state (never a stale ETA)."""
 
-    def __init__(self, run_dir: Path, key: str, interval_s: float = 1.0):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, key: str, checkpoints_dir: Path, interval_s: float = 1.0):
+        self.run_dir, self.checkpoints_dir = run_dir, checkpoints_dir
         self.interval_s = interval_s
         self.stop = threading.Event()
         self.last: dict | None = None
@@ -270,7 +284,9 @@ class _ProgressWatcher:
         try:
             record = read_progress(self.run_dir) or self.last
             self.last = record or self.last
-            final = final_description(record, exc, timed_out=self._timed_out(exc))
+            done = list_complete(self.checkpoints_dir) if exc is not None else []
+            newest = done[-1].step if done and done[-1].step >= (record or {}).get("step", 0) else None
+            final = final_description(record, exc, timed_out=self._timed_out(exc), checkpoint_step=newest)
             update_progress_artifact(self.artifact_id, progress_percent(record), description=final)
         except Exception as err:  # noqa: BLE001
             log.warning("progress artifact update failed: %s", err)
@@ -326,7 +342,8 @@ def train(config: RunConfig) -> dict:
         forward_logs() as logger,
     ):
         try:
-            with _ProgressWatcher(config.output_dir, artifact_key(config, "progress")) as watcher:
+            key = artifact_key(config, "progress")
+            with _ProgressWatcher(config.output_dir, key, config.checkpoints_dir) as watcher:
                 on_line = lambda line: logger.log(levels(line), "%s", line)  # noqa: E731
                 if layout is None:
                     result = run_scheduled(config, on_line=on_line, deadline=deadline)

@@ -98,7 +98,8 @@ def run_rank(run_dir: Path | str) -> int:
         )
         start = rt.resume.step if rt.resume else 0
         tb = cfg.tensorboard
-        tensorboard = TensorBoardLog(cfg.tensorboard_dir, tb.scalar_names, tb.histogram_names) if writer else None
+        tensorboard = TensorBoardLog(cfg.tensorboard_dir, tb.scalar_names, tb.histogram_names,
+                                     resumed_from=start if rt.resume else None) if writer else None
         progress = Progress(rt.run_dir, cfg.train.num_weight_updates, start) if writer else None
         try:
             result = train(

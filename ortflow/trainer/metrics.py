@@ -22,8 +22,18 @@ PROGRESS_FILE = "progress.json"
 class TensorBoardLog:
     """Scalars and parameter histograms in TensorBoard's event format, filtered by the config's names."""
 
-    def __init__(self, log_dir: Path, scalar_names: tuple[str, ...], histogram_patterns: tuple[str, ...]):
+    def __init__(self, log_dir: Path, scalar_names: tuple[str, ...], histogram_patterns: tuple[str, ...],
+                 resumed_from: int | None = None):
+        """Args:
+            log_dir: The run's TensorBoard folder (a new event file is added to it).
+            scalar_names: Scalars to write.
+            histogram_patterns: Parameter name patterns to write histograms of.
+            resumed_from: The checkpoint step a resumed run starts after: the events earlier attempts wrote for
+                later steps are removed, since this run logs those steps again.
+        """
         log_dir.mkdir(parents=True, exist_ok=True)
+        if resumed_from is not None:
+            drop_steps_after(log_dir, resumed_from)
         self._writer = EventFileWriter(str(log_dir))
         self._scalars = set(scalar_names)
         self._patterns = histogram_patterns
@@ -63,6 +73,37 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def drop_steps_after(log_dir: Path, step: int) -> int:
+    """Remove the summaries of steps after ``step`` from the event files in ``log_dir`` (each file is rewritten
+    whole, then renamed over the old one, keeping its name and time); returns how many events were removed."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    removed = 0
+    for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
+        kept, dropped = [], 0
+        for raw in RawEventFileLoader(str(path)).Load():
+            event = event_pb2.Event.FromString(raw)
+            if event.HasField("summary") and event.step > step:
+                dropped += 1
+            else:
+                kept.append(raw)
+        if not dropped:
+            continue
+        times = path.stat()
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("wb") as f:
+            writer = RecordWriter(f)
+            for raw in kept:
+                writer.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.utime(tmp, ns=(times.st_atime_ns, times.st_mtime_ns))
+        os.replace(tmp, path)
+        removed += dropped
+    return removed
 
 
 def format_duration(seconds: float) -> str:

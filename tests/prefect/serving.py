@@ -45,12 +45,14 @@ def read_flow_run(flow_run_id):
 
 
 @contextlib.contextmanager
-def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: Path) -> Iterator[subprocess.Popen]:
-    """Run ``ortflow serve CONFIG`` from ``cwd`` until the block ends; waits for both deployments to exist."""
+def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: Path, extra: list[str] = ()
+            ) -> Iterator[subprocess.Popen]:
+    """Run ``ortflow serve CONFIG [EXTRA...]`` from ``cwd`` until the block ends; waits for both deployments to
+    exist."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             # The console script, as users run it (``python -m`` would put the start folder first on sys.path).
-            [str(Path(sys.executable).parent / "ortflow"), "serve", str(config_file)], env=env, stdout=out,
+            [str(Path(sys.executable).parent / "ortflow"), "serve", str(config_file), *extra], env=env, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
         )
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
-from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
+from tests.support.prefect_runs import mlp_config, processes_mentioning, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
 
@@ -74,38 +74,80 @@ def test_a_failing_scheduled_run_calls_the_alert_webhook(prefect_server, mlp_sou
     assert "no_such_output" in call["message"]
 
 
-def test_a_run_whose_process_vanished_is_marked_crashed_by_the_zombie_automation(
-    prefect_server, mlp_sources, tmp_path
-):
-    _install(prefect_server, "--zombie-after", "60")
-    cfg = mlp_config(tmp_path, mlp_sources, "zombie",
-                     train={"num_train_steps": 4000000, "display_loss_steps": 1000, "evaluation_period": 0},
-                     checkpoint={"period": 1000000})
-    config_file = write_config(cfg, tmp_path / "zombie.yaml")
-    with serving(config_file, prefect_server, "zombie", tmp_path, tmp_path / "serve.log") as proc:
-        from prefect.client.orchestration import get_client
+def _final_state(flow_run_id):
+    return (s := read_flow_run(flow_run_id).state) and s.is_final() and s
 
+
+def _kill_worker_host(proc: subprocess.Popen, run_dir_root: Path) -> None:
+    """The worker's host vanishes: kill -9 of the serving process, of its flow-run processes and of their jobs'
+    guards, no word to the server (the ranks follow the guard within a second)."""
+    engine = [pid for pid in processes_mentioning("prefect.engine")
+              if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
+    assert engine, "the flow run's process was not found"
+    guard = [pid for pid in processes_mentioning("ortflow.launch.guard") if str(run_dir_root) in
+             Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert guard, "the job's guard was not found"
+    for pid in [*guard, proc.pid, *engine]:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.timeout(900)  # five runs, then a late window (120 s) and a zombie window (60 s) after the long run starts
+def test_alerts_come_only_for_failed_crashed_and_late_runs(prefect_server, mlp_sources, tmp_path, webhook):
+    """The false-alert trial: completed, skipped and export-only runs get no webhook call (neither from the late nor
+    from the zombie-run automation, whose windows outlast them); a failed run gets one, a run still running past
+    --late-after gets one, and the same run killed with its host gets one more when the zombie-run automation marks
+    it Crashed."""
+    from prefect.client.orchestration import get_client
+
+    url, calls = webhook
+    late_after = 120
+    _install(prefect_server, "--webhook", url, "--late-after", str(late_after), "--zombie-after", "60")
+    cfg = mlp_config(tmp_path, mlp_sources, "trial", versions={"skip_unchanged": True},
+                     train={"num_train_steps": 10, "evaluation_period": 5})
+    config_file = write_config(cfg, tmp_path / "trial.yaml")
+    with serving(config_file, prefect_server, "trial", tmp_path, tmp_path / "serve.log") as proc:
         with get_client(sync_client=True) as client:
-            deployment = client.read_deployment_by_name("train-pipeline/zombie")
-            run = client.create_flow_run_from_deployment(deployment.id)
-        wait_for(lambda: any(len(rank_pids(f)) == 2 for f in cfg.output_dir.glob("versions/*")), 300,
-                 "two ranks training")
-        # The worker's host vanishes: kill -9 of the serving process, of the flow run's process and of its job's
-        # guard, no word to the server (the ranks follow the guard within a second).
-        engine = [pid for pid in processes_mentioning("prefect.engine")
-                  if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
-        assert engine, "the flow run's process was not found"
-        guard = [pid for pid in processes_mentioning("ortflow.launch.guard") if str(cfg.output_dir) in
-                 Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
-        assert guard, "the job's guard was not found"
-        for pid in guard:
-            os.kill(pid, signal.SIGKILL)
-        os.kill(proc.pid, signal.SIGKILL)
-        for pid in engine:
-            os.kill(pid, signal.SIGKILL)
-        proc.wait()
-        assert read_flow_run(run.id).state.name == "Running"
-        state = wait_for(lambda: (s := read_flow_run(run.id).state) and s.is_final() and s, 240,
-                         "the automation to mark the run Crashed", 2)
-    assert state.name == "Crashed" and "heartbeat" in (state.message or ""), state
+            pipeline = client.read_deployment_by_name("train-pipeline/trial").id
+            export = client.read_deployment_by_name("export-only/trial").id
+            runs = {"completed": client.create_flow_run_from_deployment(pipeline)}
+        wait_for(lambda: _final_state(runs["completed"].id), 300, "the first run to end")
+        with get_client(sync_client=True) as client:
+            runs["skipped"] = client.create_flow_run_from_deployment(pipeline)  # nothing changed
+            runs["export-only"] = client.create_flow_run_from_deployment(export)
+            runs["completed-2"] = client.create_flow_run_from_deployment(
+                pipeline, parameters={"overrides": ["train.num_train_steps=12"]})
+            runs["failed"] = client.create_flow_run_from_deployment(
+                pipeline, parameters={"overrides": ["train.num_train_steps=-3"]})
+        states = {what: wait_for(lambda r=run: _final_state(r.id), 300, f"the {what} run to end")
+                  for what, run in runs.items()}
+        assert [states[w].name for w in ("completed", "skipped", "export-only", "completed-2", "failed")] == [
+            "Completed", "Skipped", "Completed", "Completed", "Failed"], states
+        with get_client(sync_client=True) as client:
+            runs["lost"] = client.create_flow_run_from_deployment(pipeline, parameters={"overrides": [
+                "train.num_train_steps=4000000", "train.display_loss_steps=1000", "train.evaluation_period=0",
+                "checkpoint.period=1000000"]})
+        late = wait_for(lambda: next((c for c in calls if c.get("flow_run_id") == str(runs["lost"].id)), None),
+                        late_after + 240, "the late alert of the long run", 1)
+        assert late["alert"] == f"ortflow run still running after {late_after} s", late
+        _kill_worker_host(proc, cfg.output_dir / "versions")
+        assert read_flow_run(runs["lost"].id).state.name == "Running"
+        state = wait_for(lambda: _final_state(runs["lost"].id), 240, "the zombie-run automation to mark the run "
+                         "Crashed", 2)
+        assert state.name == "Crashed" and "heartbeat" in (state.message or ""), state
+        wait_for(lambda: len([c for c in calls if c.get("flow_run_id") == str(runs["lost"].id)]) == 2, 120,
+                 "the alert for the run the zombie-run automation ended", 0.5)
+    # Every window of the earlier runs (60 s after their last heartbeat, late_after s after their start) ended before
+    # the lost run's: the automations have evaluated them all.
+    by_run = {what: [c["alert"] for c in calls if c.get("flow_run_id") == str(run.id)] for what, run in runs.items()}
+    print(f"false-alert trial: {len(runs)} runs, {len(calls)} webhook call(s): {by_run}")
+    ran_long = {what for what, run in runs.items() if what != "lost" and (
+        (r := read_flow_run(run.id)).end_time - r.start_time).total_seconds() > late_after}
+    assert by_run == {
+        **{what: [] for what in ("completed", "skipped", "export-only", "completed-2")},
+        **{what: [f"ortflow run still running after {late_after} s"] for what in ran_long},
+        "failed": ["ortflow run Failed"],
+        "lost": [f"ortflow run still running after {late_after} s", "ortflow run Crashed (no heartbeat for 60 s)"],
+    }, by_run
+    assert len(calls) == sum(len(alerts) for alerts in by_run.values()), calls
     wait_for(lambda: not processes_mentioning(str(cfg.output_dir / "versions")), 60, "the ranks to exit")

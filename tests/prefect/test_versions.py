@@ -249,3 +249,47 @@ def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_
     assert missing.is_failed()
     with pytest.raises(Exception, match="version no-such: no such version folder"):
         missing.result()
+
+
+def test_a_rerun_of_a_version_uses_its_recorded_config_and_refuses_to_change_its_data_or_settings(
+    prefect_server, mlp_sources, tmp_path
+):
+    from ortflow.config import load_run_config
+    from tests.prefect.test_pipeline import task_states
+
+    data = _write_data(tmp_path / "data-a" / "train.npz", 256, seed=1)
+    cfg = mlp_config(tmp_path, {**mlp_sources, "data": data}, "rerun-recorded",
+                     train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
+                     checkpoint={"period": 5})
+    assert train_pipeline(cfg, new_version=True, return_state=True).is_completed()
+    (entry,) = read_registry(cfg.output_dir)
+    manifest = (Path(entry["path"]) / "data" / "manifest.json").read_bytes()
+    # The deployment's config moves on (other data, longer training); a rerun of the old version's export stage
+    # still exports that version as it was trained: nothing is prepared or trained again.
+    moved = mlp_config(tmp_path, {**mlp_sources, "data": _write_data(tmp_path / "data-b" / "train.npz", 512, seed=2)},
+                       "rerun-recorded", train={"num_train_steps": 40, "display_loss_steps": 5,
+                                                "evaluation_period": 5}, checkpoint={"period": 5})
+    rerun = train_pipeline(moved, new_version=True, from_stage="export", version=entry["version"], return_state=True)
+    assert rerun.is_completed(), rerun
+    states = task_states(rerun.state_details.flow_run_id, expect=("prepare_data", "train", "export"))
+    assert states["prepare_data"] == "Cached" and states["train"] == "Cached", states
+    (after,) = read_registry(cfg.output_dir)
+    assert after["steps"] == entry["steps"] == "10/10", after
+    assert (Path(entry["path"]) / "data" / "manifest.json").read_bytes() == manifest
+    recorded = load_run_config(Path(entry["path"]))
+    assert recorded.train.num_train_steps == 10 and [str(p) for p in recorded.data.train] == [str(data)]
+
+    # Overrides of a training setting, or sources that changed on disk, would change the version: refused.
+    changed = train_pipeline(cfg, overrides=["train.num_train_steps=20"], new_version=True, from_stage="train",
+                             version=entry["version"], return_state=True)
+    assert changed.is_failed()
+    with pytest.raises(Exception, match="this run's overrides change its training settings"):
+        changed.result()
+    _write_data(data, 256, seed=3)
+    redone = train_pipeline(cfg, new_version=True, from_stage="prepare_data", version=entry["version"],
+                            return_state=True)
+    assert redone.is_failed()
+    with pytest.raises(Exception, match="the data sources changed on disk"):
+        redone.result()
+    assert (Path(entry["path"]) / "data" / "manifest.json").read_bytes() == manifest
+    assert [e["steps"] for e in read_registry(cfg.output_dir)] == ["10/10"]

@@ -27,7 +27,8 @@ LAYERS: dict[str, set[str]] = {
     "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
     "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs", "storage"},
-    "versions": {"config", "dataprep", "build", "checkpoints"},
+    "versions": {"config", "dataprep", "build", "checkpoints", "version_configs"},
+    "version_configs": {"config", "dataprep", "build"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit
     "gpus": set(),  # the GPUs the NVIDIA driver shows this process (ctypes only)

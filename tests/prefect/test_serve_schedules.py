@@ -1,0 +1,81 @@
+"""``ortflow serve`` and its deployments' schedules against a real local Prefect server: a stop signal pauses the
+schedules and drops the runs they queued before serve exits 143; serving again resumes the schedules, and drops the
+scheduled runs whose time passed while nothing served them unless ``--catch-up``."""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.prefect.serving import flow_runs_of, serving
+from tests.support.prefect_runs import mlp_config, wait_for, write_config
+
+pytestmark = pytest.mark.prefect
+
+
+def _deployment(name: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_deployment_by_name(name)
+
+
+def _backfill(env: dict[str, str], deployment, hours: int) -> list:
+    """What the server's scheduler leaves when nobody serves an active deployment: auto-scheduled runs whose start
+    time has passed (the server's own backfill endpoint makes them)."""
+    now = datetime.now(UTC)
+    httpx.post(f"{env['PREFECT_API_URL']}/deployments/{deployment.id}/schedule", timeout=30, json={
+        "start_time": (now - timedelta(hours=hours, minutes=30)).isoformat(),
+        "end_time": (now - timedelta(minutes=1)).isoformat(), "max_runs": hours}).raise_for_status()
+    return _waiting(f"train-pipeline/{deployment.name}")
+
+
+def _waiting(deployment_name: str, overdue_only: bool = True) -> list:
+    now = datetime.now(UTC)
+    return [r for r in flow_runs_of(deployment_name) if r.auto_scheduled and r.state.type.value == "SCHEDULED"
+            and (not overdue_only or r.expected_start_time < now)]
+
+
+def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(prefect_server, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "schedules", schedule={"interval_s": 3600},
+                     train={"num_train_steps": 10, "evaluation_period": 5})
+    config_file = write_config(cfg, tmp_path / "schedules.yaml")
+    with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve1.log") as proc:
+        assert not _deployment("train-pipeline/schedules").paused
+        os.kill(proc.pid, signal.SIGKILL)  # a serving process that vanished pauses nothing
+        proc.wait()
+    deployment = _deployment("train-pipeline/schedules")
+    assert not deployment.paused
+    missed = _backfill(prefect_server, deployment, 3)
+    assert len(missed) == 3, missed
+
+    log = tmp_path / "serve2.log"
+    with serving(config_file, prefect_server, "schedules", tmp_path, log) as proc:
+        assert not _deployment("train-pipeline/schedules").paused  # serving resumes the schedule
+        wait_for(lambda: not _waiting("train-pipeline/schedules"), 60, "the missed runs to be dropped")
+        wait_for(lambda: _waiting("train-pipeline/schedules", overdue_only=False), 60,
+                 "the scheduler to schedule the next run")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "never awaited" not in text and "Traceback" not in text, text[-3000:]
+    assert "schedules paused" in text and "dropped 3 scheduled run(s) missed while nothing served them" in text
+    assert _deployment("train-pipeline/schedules").paused and _deployment("export-only/schedules").paused
+    assert _waiting("train-pipeline/schedules", overdue_only=False) == []
+    assert not [r for r in flow_runs_of("train-pipeline/schedules") if r.id in {m.id for m in missed}]
+
+    # With --catch-up the missed runs run: the first one starts (and completes) under the restarted serve.
+    deployment = _deployment("train-pipeline/schedules")
+    missed = _backfill(prefect_server, deployment, 2)
+    assert len(missed) == 2, missed
+    with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve3.log",
+                 extra=["--catch-up"]):
+        ids = {m.id for m in missed}
+        wait_for(lambda: [r for r in flow_runs_of("train-pipeline/schedules") if r.id in ids
+                          and r.state.is_completed()], 300, "a missed run to complete")
+    assert Path(cfg.output_dir / "registry.json").exists()
