@@ -135,6 +135,10 @@ def train(
     launcher: Annotated[
         str | None, typer.Option(help="local, slurm or kubernetes (default: distributed.launcher).")
     ] = None,
+    accept_changed_config: Annotated[bool, typer.Option(
+        "--accept-changed-config",
+        help="Train with a RUN_DIR/config.yaml edited since configure wrote it, and record it (refused when the "
+             "edit changes the model, precision or layout: run configure then).")] = False,
 ) -> None:
     """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
     status.
@@ -150,7 +154,11 @@ def train(
     from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
-        cfg = load_run_config(run_dir)
+        cfg = load_run_config(run_dir, accept_changed=accept_changed_config)
+        if accept_changed_config:
+            from ortflow.build.configure import accept_config_edit
+
+            accept_config_edit(cfg)
         if launcher is not None:
             cfg = apply_overrides(cfg, [f"distributed.launcher={launcher}"])
     except ConfigError as err:
