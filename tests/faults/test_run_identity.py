@@ -24,9 +24,9 @@ def _ortflow(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, stdin=subprocess.DEVNULL)
 
 
-def _trained(tmp_path: Path, name: str, **sections):
+def _trained(tmp_path: Path, name: str, checkpoint: dict | None = None):
     cfg = make_run(tmp_path, name, distributed={"num_ranks": 1}, train={"num_train_steps": 4},
-                   checkpoint={"period": 2, "max_num_checkpoints": 5}, **sections)
+                   checkpoint={"period": 2, "max_num_checkpoints": 5, **(checkpoint or {})})
     out = _ortflow("train", str(cfg.output_dir))
     assert out.returncode == 0, out.stdout[-3000:]
     return cfg
