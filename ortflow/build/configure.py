@@ -50,7 +50,7 @@ from ortflow.config import (
     param_group_problems,
     write_resolved_config,
 )
-from ortflow.config.sealed import RunFileDamaged, record_config, verify_config, write_sealed
+from ortflow.config.sealed import RunFileDamaged, record_config, seal, verify_config, write_sealed
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.batchnorm_stats import running_statistics, to_record
 from ortflow.graph.tensor_plan import describe
@@ -135,8 +135,9 @@ def read_configure_record(run_dir: Path | str) -> dict[str, Any] | None:
         return None
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     write_sealed(path, data)  # sealed: every reader checks its record_sha256
+    return seal(data)
 
 
 def _write_config_if_changed(cfg: RunConfig) -> None:
@@ -297,8 +298,7 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         makers = {"batchnorm": lambda path: to_record(running_statistics(path)), "op_types": op_types}
         added = {key: make(cfg.model.path) for key, make in makers.items() if key not in previous}
         if added:  # a record written before these entries: add them, the rest stays
-            previous = {**previous, **added}
-            _write_json_atomic(record_path, previous)
+            previous = _write_json_atomic(record_path, {**previous, **added})
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
@@ -342,7 +342,7 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
         "op_types": op_types(cfg.model.path),  # the GPU ranks check the libraries they need (trainer/startup.py)
     }
-    _write_json_atomic(record_path, record)
+    record = _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)
     return ConfigureResult(run_dir, artifacts_dir, reused=False, info=record)
 

@@ -46,7 +46,6 @@ def _copy_run(cfg, mount: Path) -> Path:
     raw["output_dir"] = str(run)
     config = mount.parent / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    (run / "config.yaml").write_text(yaml.safe_dump(raw))
     return config
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ortflow.artifacts_folder import ArtifactsDamaged, verify_artifacts
+from ortflow.artifacts_folder import ArtifactsDamaged, verify_run_artifacts
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import ConfigError, check_model_file, config_from_dict
 from ortflow.dataprep import DataError, verify_data
@@ -64,7 +64,7 @@ def corruption_trial(root: Path, kind: str, mode: str, rng: random.Random) -> Ou
             if kind in ("checkpoint", "optimizer", "meta"):
                 verify(path.parent)
             elif kind == "artifact":
-                verify_artifacts(cfg.artifacts_dir, json.loads((cfg.output_dir / "configure.json").read_text()))
+                verify_run_artifacts(cfg.output_dir, cfg.artifacts_dir)
             else:
                 verify_data(cfg.data_dir)
         except (CheckpointError, DataError, ArtifactsDamaged) as err:
