@@ -208,9 +208,12 @@ def train(
             )
     except (LaunchError, RunFolderLocked) as err:
         _fail(str(err))
-    # The ranks stopped together on a signal and saved a stop checkpoint.
-    if result.returncode in (EXIT_INTERRUPTED, EXIT_STOPPED):
-        console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
+    # The ranks stopped together on a signal and saved a stop checkpoint (or the launcher ended them after it).
+    stopped = (EXIT_INTERRUPTED, EXIT_STOPPED)
+    if result.returncode in stopped or (result.signal and not result.ok):
+        how = "" if result.returncode in stopped else f" (the job ended with status {result.returncode})"
+        console.print(f"[yellow]training stopped[/] by a signal{how}; resume with `ortflow train "
+                      f"{escape(str(run_dir))}`")
         raise typer.Exit(128 + result.signal if result.signal else result.returncode)
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)

@@ -223,17 +223,26 @@ def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
     return state
 
 
+#: Signals repeated within this many seconds of the first are one stop request (the ranks count the same way).
+REPEAT_WINDOW_S = 5.0
+
+
 def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
     """While watching, SIGTERM/SIGINT cancel the job once (the ranks stop with a stop checkpoint)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
+    first: list[float] = []
+
     def forward(signum: int, _frame: object) -> None:
         if not received:
             received.append(signum)
+            first.append(time.monotonic())
             log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
                         signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
-        job.cancel()  # again on a repeated signal: stopping twice is harmless, and the first may have been missed
+        elif time.monotonic() - first[0] <= REPEAT_WINDOW_S:
+            return  # a double Ctrl-C is one request: MPICH's mpiexec would kill the ranks on a second signal
+        job.cancel()  # a signal repeated later means "now" to the ranks (and the first may have been missed)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None

@@ -173,13 +173,17 @@ class LocalJob:
         self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
+        kill_job_tree(self.proc.pid)
 
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+#: The exit status of a job ended because a rank or a launcher process stalled (a rank's watchdog aborts with it).
+STALLED_EXIT = 3
 
 
 def launch(
@@ -225,6 +229,11 @@ def launch(
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
     started = time.time()
+    if flavor == "mpich":  # what ranks of earlier jobs left when they were killed with their launcher
+        reclaimed = remove_orphan_segments(0.0)
+        if reclaimed:
+            log.info("removed %d shared-memory segment(s) that ranks of earlier jobs left in %s", len(reclaimed),
+                     SHM_DIR)
     if guard is not None:
         env[LAUNCHER_PID_ENV] = str(guard.pid)  # the ranks outlive this process as long as the guard does
     try:
@@ -239,7 +248,7 @@ def launch(
     write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
         on_start(job.proc)
-    restore_pause = _pause_job_on_terminal_stop(job.proc) if forward_signals else (lambda: None)
+    restore_pause = _keep_running_on_terminal_stop() if forward_signals else (lambda: None)
     stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
     watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
     try:
@@ -250,6 +259,8 @@ def launch(
         restore_pause()
         if guard is not None:
             guard.release()
+    if stuck:  # the job was ended for a stopped launcher: the watchdog's status, whatever mpiexec's was
+        result = dataclasses.replace(result, returncode=STALLED_EXIT)
     if not result.returncode:
         return result
     if flavor == "mpich":  # ranks that died before MPI_Finalize leave their shared memory behind
@@ -278,36 +289,27 @@ def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
     return lines
 
 
-def _pause_job_on_terminal_stop(proc: subprocess.Popen) -> Callable[[], None]:
-    """Ctrl-Z (SIGTSTP) pauses the whole job and ``fg``/``bg`` (SIGCONT) resumes it, by design.
+def _keep_running_on_terminal_stop() -> Callable[[], None]:
+    """Ctrl-Z (SIGTSTP) does not pause a training job: ``ortflow train`` ignores it, says so, and the job runs on.
 
-    The ranks run in their own session, so the terminal's SIGTSTP reaches only this process: it stops the job's
-    process group first, then itself; SIGCONT continues the group. The ranks' watchdogs do not count the time they
-    were stopped, so a paused job continues where it was instead of aborting. Main thread only (signal handlers).
+    A paused job cannot be kept whole: the ranks, their proxies and ``mpiexec`` each run in a session of their own
+    (the terminal's SIGTSTP reaches none of them), a rank paused longer than ``distributed.collective_timeout_s``
+    aborts its peers, and a paused ``ortflow train`` that is then killed cannot end the processes it stopped. To halt
+    training, Ctrl-C stops every rank after the same update with a stop checkpoint; ``ortflow train RUN_DIR`` resumes
+    it. Main thread only (signal handlers).
 
     Returns:
-        A function that restores the previous handlers.
+        A function that restores the previous handler.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
-    def pause(_signum: int, _frame: object) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-        log.warning("job paused (Ctrl-Z): `fg` resumes it")
-        os.kill(os.getpid(), signal.SIGSTOP)
+    def refuse(_signum: int, _frame: object) -> None:
+        log.warning("Ctrl-Z does not pause training (the ranks would time out): the job runs on; Ctrl-C stops it "
+                    "with a checkpoint and `ortflow train RUN_DIR` resumes it")
 
-    def resume(_signum: int, _frame: object) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTSTP, pause),
-                                                                       (signal.SIGCONT, resume))}
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+    previous = signal.signal(signal.SIGTSTP, refuse)
+    return lambda: signal.signal(signal.SIGTSTP, previous) and None
 
 
 def _collective_timeout(run_dir: Path) -> float | None:
@@ -320,8 +322,9 @@ def _collective_timeout(run_dir: Path) -> float | None:
         return None
 
 
-def _launcher_tree(root: int) -> list[tuple[int, str, str]]:
-    """``(pid, name, state)`` of the launcher ``root`` and the MPI proxies below it (not the ranks)."""
+def _launcher_tree(root: int, ranks: bool = False) -> list[tuple[int, str, str]]:
+    """``(pid, name, state)`` of the launcher ``root`` and the MPI proxies below it (and every other process below it
+    with ``ranks``)."""
     parents: dict[int, int] = {}
     info: dict[int, tuple[str, str]] = {}
     for entry in os.listdir("/proc"):
@@ -339,10 +342,25 @@ def _launcher_tree(root: int) -> list[tuple[int, str, str]]:
     while todo:
         pid = todo.pop()
         name, state = info.get(pid, ("?", "?"))
-        if pid == root or any(tag in name for tag in ("proxy", "prted", "orted")):
+        if pid == root or ranks or any(tag in name for tag in ("proxy", "prted", "orted")):
             found.append((pid, name, state))
         todo += [child for child, parent in parents.items() if parent == pid]
     return found
+
+
+def kill_job_tree(root: int) -> None:
+    """SIGKILL the launcher ``root``'s process group and every process below it: MPICH starts each proxy and rank in a
+    session of its own, which a signal to the group does not reach (a stopped proxy would stay stopped for ever)."""
+    below = [pid for pid, _name, _state in _launcher_tree(root, ranks=True) if pid != root]
+    try:
+        os.killpg(root, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, stuck: list[str],
@@ -377,10 +395,7 @@ def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, st
                         f"(longer than distributed.collective_timeout_s {timeout_s:g} s): the job was aborted; the "
                         f"last complete checkpoint is kept. Resume a stopped launcher with SIGCONT within the timeout"
                     )
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL ends stopped processes too
-                    except ProcessLookupError:
-                        pass
+                    kill_job_tree(proc.pid)  # SIGKILL ends stopped processes too, each proxy in its own session
                     return
 
     threading.Thread(target=watch, name="ortflow-launcher-watch", daemon=True).start()
