@@ -52,8 +52,9 @@ def _writing(where: Path) -> Iterator[None]:
         from ortflow.storage import StorageError
 
         message = str(err) if isinstance(err, StorageError) else disk_problem(err, where)  # a store out of reach
-        if message is None:
-            raise
+        if message is None:  # another system refusal (/proc, a vanished folder): named, not a traceback
+            message = (f"cannot use {err.filename or where}: {err.strerror or err}; point output_dir / checkpoint.dir "
+                       "/ export.path at a folder you can write, then rerun the command")
         _fail(message)
 
 

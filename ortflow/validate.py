@@ -405,6 +405,10 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
         return f"{field}: cannot create {path}: {parent} is a file, not a folder; choose another path"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{field}: cannot create {path}: {parent} is not writable; fix its permissions or choose another path"
+    try:  # permissions are not the whole story (/proc, /sys, a full or read-only mount): try, and remove the try
+        os.rmdir(tempfile.mkdtemp(prefix=".ortflow-probe-", dir=parent))
+    except OSError as err:
+        return f"{field}: cannot create {path}: {parent} does not take new folders ({err.strerror}); choose another path"
     return None
 
 

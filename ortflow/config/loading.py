@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from ortflow.config.base import RESOLVED_CONFIG_NAME, ConfigError, regular_file_problem
 from ortflow.config.run import RunConfig
-from ortflow.config.sealed import ConfigChanged, RunFileDamaged, record_config, verify_config
+from ortflow.config.sealed import CONFIG_RECORD, ConfigChanged, RunFileDamaged, record_config, verify_config
 
 # ---------------------------------------------------------------------------------------------------------------------
 # YAML
@@ -239,6 +239,9 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir or cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
+    if target.exists() and not any((run_dir / name).exists() for name in (CONFIG_RECORD, "configure.json")):
+        raise ConfigError([f"output_dir: {target} exists and ortflow did not write it (your own config?); configure "
+                           "never writes over it: choose an output_dir of its own (e.g. runs/NAME)"])
     tmp = target.with_suffix(".yaml.tmp")
     try:
         tmp.write_text(dump_config(cfg, run_dir))
