@@ -408,7 +408,8 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
     try:  # permissions are not the whole story (/proc, /sys, a full or read-only mount): try, and remove the try
         os.rmdir(tempfile.mkdtemp(prefix=".ortflow-probe-", dir=parent))
     except OSError as err:
-        return f"{field}: cannot create {path}: {parent} does not take new folders ({err.strerror}); choose another path"
+        return (f"{field}: cannot create {path}: {parent} does not take new folders ({err.strerror}); choose another "
+                "path")
     return None
 
 

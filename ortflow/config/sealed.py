@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from ortflow.config.atomic import write_text_atomic
 
 #: The key of a sealed record that holds the sha256 of its other fields.
 SEAL_KEY = "record_sha256"
@@ -79,15 +80,7 @@ def write_sealed(path: Path, record: dict[str, Any]) -> None:
     """Write ``record`` sealed, atomically (fsynced, renamed into place); no temporary file remains on an error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w") as f:
-            json.dump(seal(record), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(path, json.dumps(seal(record), indent=2), fsync=True)
 
 
 def file_sha256(path: Path) -> str:

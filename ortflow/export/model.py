@@ -488,7 +488,7 @@ def export_model(
         os.replace(final, out)
         checksum.write_sidecar(out, digest)  # a crash before this leaves a stale sidecar: detected, re-exported
     finally:
-        for tmp in (plain, optimized_path, quantized_path):
+        for tmp in out.parent.glob(f"{stem.name}*"):  # its own and whatever the optimizer or quantizer made beside
             tmp.unlink(missing_ok=True)
     log.info("exported %s from %s (outputs %s, max abs diff %s)", out, checkpoint.path, names, result.max_abs_diff)
     return ExportResult(

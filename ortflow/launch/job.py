@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import re
 import signal
 import threading
@@ -23,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from ortflow.config.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -251,9 +252,7 @@ def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
 def write_record(run_dir: Path, launcher: str, job_id: str | None) -> None:
     """Keep which launcher and job trained the run folder last (replaced atomically)."""
     path = Path(run_dir) / LAUNCH_RECORD
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
 
 
 def read_record(run_dir: Path) -> dict | None:
