@@ -143,8 +143,7 @@ def big_mount(tmp_path):
     files.untmpfs(where)
 
 
-@pytest.mark.parametrize("first", [True, False], ids=["first-training", "checkpoint-write"])
-def test_a_disk_that_fills_while_training_is_named_and_leaves_no_temp_files(big_mount, first):
+def test_a_disk_that_fills_before_a_checkpoint_write_is_named_and_leaves_no_temp_files(big_mount):
     from ortflow.checkpoints import run_owner
     from ortflow.examples.mlp import build_mlp
 
@@ -152,11 +151,21 @@ def test_a_disk_that_fills_while_training_is_named_and_leaves_no_temp_files(big_
     build_mlp(mount / "wide.onnx", num_features=8, hidden=4096, num_classes=3, seed=0)  # ~0.4 MB per checkpoint
     cfg = make_run(mount, "run", model=mount / "wide.onnx", num_rows=256, distributed={"num_ranks": 2},
                    train={"num_train_steps": 6}, checkpoint={"period": 2})
-    if not first:
-        run_owner(cfg)  # the run has its id: the first write that fails is the checkpoint's (h5py)
-    _fill(mount, leave=0 if first else 96 * 1024)  # room for the lock and progress files, not for a checkpoint
+    run_owner(cfg)  # the run has its id: the first write that fails is the checkpoint's (h5py)
+    _fill(mount, leave=96 * 1024)  # room for the lock and progress files, not for a checkpoint
     out = _ortflow("train", str(cfg.output_dir))
     _reported(out, "the disk is full", mount)
     assert not _temp_files(mount), _temp_files(mount)
     assert not list_complete(cfg.checkpoints_dir)
-    assert first or "step 1/6" in out.stdout, out.stdout[-3000:]  # it trained, then failed writing the checkpoint
+    assert "step 1/6" in out.stdout, out.stdout[-3000:]  # it trained, then failed writing the checkpoint
+
+
+def test_the_run_record_on_a_full_disk_is_named_not_a_traceback(big_mount):
+    from ortflow.checkpoints import CheckpointError, run_owner
+
+    cfg = make_run(big_mount, "run", distributed={"num_ranks": 1})
+    _fill(big_mount)
+    with pytest.raises(CheckpointError, match="the disk is full") as err:
+        run_owner(cfg)  # what rank 0 does first when a run trains for the first time
+    assert str(cfg.output_dir / ".ortflow" / "run.json") in str(err.value)
+    assert not _temp_files(big_mount), _temp_files(big_mount)
