@@ -34,7 +34,7 @@ def _refused(out: subprocess.CompletedProcess, *words: str) -> None:
 
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated", "flipped"])
-def test_a_damaged_configure_json_stops_train_evaluate_and_export(run, damage):
+def test_a_damaged_configure_json_stops_train_evaluate_export_and_prepare_data(run, damage):
     record = run.output_dir / "configure.json"
     text = record.read_text()
     if damage == "deleted":
@@ -46,7 +46,8 @@ def test_a_damaged_configure_json_stops_train_evaluate_and_export(run, damage):
         info["num_parameters"] += 1
         record.write_text(json.dumps(info, indent=2))
     for args in (["train", str(run.output_dir)], ["evaluate", str(run.output_dir), "--checkpoint", "initial"],
-                 ["export", str(run.output_dir), "--checkpoint", "initial"]):
+                 ["export", str(run.output_dir), "--checkpoint", "initial"],
+                 ["prepare-data", str(run.output_dir / RESOLVED_CONFIG_NAME), "--set", "data.rows_per_shard=64"]):
         out = _ortflow(*args)
         _refused(out, "configure.json", "ortflow configure")
     assert not run.export_path.exists()
