@@ -117,3 +117,33 @@ def test_unusable_output_paths_are_refused_by_validate_and_named_by_configure(tm
     for command in ("validate", "configure"):
         out = _ortflow(command, str(config), cwd=tmp_path)
         assert out.returncode == 1 and "Traceback" not in out.stdout and "output_dir" in out.stdout, out.stdout
+
+
+def _second_source(folder: Path, case: str) -> str:
+    rng = np.random.default_rng(1)
+    features, labels = rng.normal(size=(64, 8)).astype(np.float32), rng.integers(0, 3, 64)
+    if case == "other feature width":
+        features = features[:, :6]
+    elif case == "float labels":
+        labels = rng.random(64)
+    else:  # a NaN feature and an out-of-range label in one source: both are named
+        features[3, 2], labels[5] = np.nan, -5
+    np.savez(folder / "second.npz", features=features, labels=labels)
+    return "second.npz"
+
+
+DATA = {"other feature width": ["shape [6]"], "float labels": ["labels", "whole numbers"],
+        "NaN and a bad label": ["non-finite", "class labels [-5]"]}
+
+
+@pytest.mark.parametrize("case", sorted(DATA))
+def test_validate_checks_every_source_and_names_every_problem(tmp_path, case):
+    build_mlp(tmp_path / "model.onnx", num_features=8, hidden=16, num_classes=3, seed=0)
+    config = _config(tmp_path, tmp_path / "model.onnx")
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["train"].append(_second_source(tmp_path, case))
+    config.write_text(yaml.safe_dump(raw))
+    out = _ortflow("validate", str(config), cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stdout, out.stdout
+    for words in DATA[case]:
+        assert words in out.stdout and "second.npz" in out.stdout, (words, out.stdout)
