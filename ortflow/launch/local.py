@@ -367,8 +367,8 @@ def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, st
                              poll_s: float = 0.5) -> threading.Event:
     """Watch ``mpiexec`` and its proxies: one stopped longer than ``timeout_s`` (+1 s) gets the job killed, named.
 
-    The ranks cannot finish, or even abort, through a stopped launcher. Time this process itself was stopped (the
-    whole job paused with Ctrl-Z) is not counted.
+    The ranks cannot finish, or even abort, through a stopped launcher. Time this process itself was stopped (SIGSTOP
+    from outside, then SIGCONT) is not counted.
 
     Returns:
         An event that ends the watch when set.
