@@ -27,9 +27,9 @@ def _ortflow(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _short(root: Path, name: str, **sections):
-    return fresh_run(root, name, train={"num_train_steps": 4}, checkpoint={"period": 2, "max_num_checkpoints": 5},
-                     **sections)
+def _short(root: Path, name: str, checkpoint: dict | None = None):
+    return fresh_run(root, name, train={"num_train_steps": 4},
+                     checkpoint={"period": 2, "max_num_checkpoints": 5, **(checkpoint or {})})
 
 
 def _args(command: str, run: Path) -> list[str]:
