@@ -6,8 +6,8 @@ nothing from ortflow, so the rank runtime never loads the graph passes or the ar
 Checksums: a resume trusts the artifacts as much as the checkpoints: a flipped bit in ``training_model.onnx``
 (a constant, an attribute) would train a different model without any error. ``configure.json`` records the sha256
 of every artifact file and is sealed (its own ``record_sha256``, :mod:`ortflow.config.sealed`); rank 0, export and
-evaluate read it with :func:`read_configure` and compare the files before anything loads them. A missing or damaged
-``configure.json`` stops them: it never disables the checks.
+evaluate read it with :func:`ortflow.config.sealed.read_configure` and compare the files before anything loads
+them. A missing or damaged ``configure.json`` stops them: it never disables the checks.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-
-from ortflow.config.sealed import RunFileDamaged, read_sealed
 
 #: The engine's artifacts of one model (the whole model, a pipeline stage or a tensor-parallel piece).
 ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "checkpoint")
@@ -102,51 +100,26 @@ def artifact_digests(artifacts_dir: Path) -> dict[str, str]:
     return {name: _sha256(folder / name) for name in names}
 
 
-#: The record configure writes last into the run folder.
-CONFIGURE_RECORD = "configure.json"
-CONFIGURE_FIX = ("run `ortflow configure CONFIG` again: it rebuilds what is damaged or missing (the checkpoints stay "
-                 "valid for the same model)")
+_FIX = ("run `ortflow configure CONFIG` again: it rebuilds what is damaged or missing (the checkpoints stay valid for "
+        "the same model)")
 
 
-def read_configure(run_dir: Path) -> dict:
-    """The run folder's ``configure.json``, its seal checked.
+def verify_artifacts(artifacts_dir: Path, record: dict) -> None:
+    """Check the artifact files against the checksums of ``record`` (configure.json, read with its seal checked).
 
     Raises:
-        ArtifactsDamaged: it is missing, unreadable, or differs from its seal (the file and the fix named).
+        ArtifactsDamaged: a file is missing or differs, or the record holds no checksums; naming the file and the fix.
     """
-    path = Path(run_dir) / CONFIGURE_RECORD
-    try:
-        record = read_sealed(path, CONFIGURE_FIX)
-    except RunFileDamaged as err:
-        raise ArtifactsDamaged(str(err)) from None
-    if record is None:
-        raise ArtifactsDamaged(f"{path} is missing, so the artifacts cannot be verified: {CONFIGURE_FIX}")
-    return record
-
-
-def verify_run_artifacts(run_dir: Path, artifacts_dir: Path) -> dict:
-    """Read ``configure.json`` (:func:`read_configure`) and check the artifact files against it; returns the record."""
-    record = read_configure(run_dir)
-    verify_artifacts(artifacts_dir, record)
-    return record
-
-
-def verify_artifacts(artifacts_dir: Path, record: dict | None) -> None:
-    """Check the artifact files against configure.json's checksums (a record without them is from an older ortflow).
-
-    Raises:
-        ArtifactsDamaged: naming the file and the fix.
-    """
-    recorded = (record or {}).get(DIGESTS_KEY)
+    recorded = record.get(DIGESTS_KEY)
     if not recorded:
-        return
+        raise ArtifactsDamaged(f"configure.json of {Path(artifacts_dir).parent} records no artifact checksums: {_FIX}")
     for name, digest in recorded.items():
         path = Path(artifacts_dir) / name
         if not path.is_file():
-            raise ArtifactsDamaged(f"{path} is missing: {CONFIGURE_FIX}")
+            raise ArtifactsDamaged(f"{path} is missing: {_FIX}")
         found = _sha256(path)
         if found != digest:
             raise ArtifactsDamaged(
                 f"{path} does not match its sha256 in configure.json (altered or corrupted: expected {digest[:16]}..., "
-                f"found {found[:16]}...): {CONFIGURE_FIX}"
+                f"found {found[:16]}...): {_FIX}"
             )

@@ -28,7 +28,6 @@ from ortflow.artifacts_folder import (
     DIGESTS_KEY,
     ArtifactsDamaged,
     artifact_digests,
-    read_configure,
     read_pipe_tensor_record,
     read_stages_record,
     read_tensor_record,
@@ -50,7 +49,7 @@ from ortflow.config import (
     param_group_problems,
     write_resolved_config,
 )
-from ortflow.config.sealed import RunFileDamaged, record_config, seal, verify_config, write_sealed
+from ortflow.config.sealed import RunFileDamaged, read_configure, record_config, seal, verify_config, write_sealed
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.batchnorm_stats import running_statistics, to_record
 from ortflow.graph.tensor_plan import describe
@@ -129,7 +128,7 @@ def read_configure_record(run_dir: Path | str) -> dict[str, Any] | None:
     """The ``configure.json`` of a run folder, or None when it is missing, unreadable or differs from its seal."""
     try:
         return read_configure(Path(run_dir))
-    except ArtifactsDamaged as err:
+    except RunFileDamaged as err:
         if (Path(run_dir) / CONFIGURE_RECORD_NAME).exists():
             log.warning("configure: %s", err)
         return None
@@ -356,7 +355,7 @@ def accept_config_edit(cfg: RunConfig) -> None:
     """
     try:
         record = read_configure(cfg.output_dir)
-    except ArtifactsDamaged as err:
+    except RunFileDamaged as err:
         raise ConfigError([str(err)]) from None
     if record.get("fingerprint") != fingerprint(cfg):
         raise ConfigError([f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: the edit changes what the artifacts were built "

@@ -96,6 +96,25 @@ def record_config(run_dir: Path) -> None:
                                                   "size": target.stat().st_size})
 
 
+#: The record configure writes last into the run folder (sealed; it holds the artifacts' sha256).
+CONFIGURE_RECORD = "configure.json"
+CONFIGURE_FIX = ("run `ortflow configure CONFIG` again: it rebuilds what is damaged or missing (the checkpoints stay "
+                 "valid for the same model)")
+
+
+def read_configure(run_dir: Path) -> dict[str, Any]:
+    """The run folder's ``configure.json``, its seal checked: what rank 0, export, evaluate and prepare-data trust.
+
+    Raises:
+        RunFileDamaged: it is missing (so nothing could be verified), unreadable, or differs from its seal.
+    """
+    path = Path(run_dir) / CONFIGURE_RECORD
+    record = read_sealed(path, CONFIGURE_FIX)
+    if record is None:
+        raise RunFileDamaged(f"{path} is missing, so the artifacts cannot be verified: {CONFIGURE_FIX}")
+    return record
+
+
 CONFIG_FIX = ("run `ortflow configure CONFIG` again (it rewrites config.yaml from your config), restore the file, or, "
               "when the edit is intended, `ortflow train RUN_DIR --accept-changed-config`")
 
@@ -115,7 +134,7 @@ def verify_config(run_dir: Path) -> None:
     target, record_path = run_dir / "config.yaml", run_dir / CONFIG_RECORD
     record = read_sealed(record_path, CONFIG_FIX)
     if record is None:
-        if (run_dir / "configure.json").exists():
+        if (run_dir / CONFIGURE_RECORD).exists():
             raise RunFileDamaged(f"{record_path} is missing, so {target} cannot be verified: {CONFIG_FIX}")
         return  # a folder whose config was written by hand (not configured): nothing recorded to compare
     size = target.stat().st_size

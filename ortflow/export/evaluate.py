@@ -66,10 +66,11 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_rows: i
     if cfg is None or src.data_dir is None:
         raise ExportError(f"{source}: evaluate needs a configured run folder with prepared data (config.yaml, "
                           "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
-    from ortflow.artifacts_folder import verify_run_artifacts
+    from ortflow.artifacts_folder import verify_artifacts
+    from ortflow.config.sealed import read_configure
     from ortflow.dataprep.loader import verify_data
 
-    verify_run_artifacts(cfg.output_dir, cfg.artifacts_dir)  # before the engine loads them: a damaged file is named
+    verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))  # before the engine loads them
     verify_data(src.data_dir)  # and the shards against the manifest, as training does
     batch = cfg.train.resolved_eval_batch_size
     max_rows = max_rows if max_rows is not None else cfg.train.max_eval_rows  # the rows training evaluated

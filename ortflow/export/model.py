@@ -174,9 +174,11 @@ def resolve_source(
             "(the run's artifacts/eval_model.onnx) or copy it into the checkpoint folder"
         )
     if found.parent.resolve() == (Path(run_dir) / "artifacts").resolve():  # checked before any loader reads it
-        from ortflow.artifacts_folder import verify_run_artifacts
+        from ortflow.artifacts_folder import verify_artifacts
+        from ortflow.config.sealed import read_configure
 
-        record = verify_run_artifacts(run_dir, found.parent)  # a missing or damaged configure.json stops here too
+        record = read_configure(run_dir)  # a missing or damaged configure.json stops here too
+        verify_artifacts(found.parent, record)
     else:
         record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
     return ExportSource(

@@ -33,8 +33,15 @@ from ortflow.launch.job import (
     watch,
     write_record,
 )
-from ortflow.processes import SHM_DIR, remove_orphan_segments
-from ortflow.protocol import HEARTBEAT_DIR, LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV, NUM_RANKS_ENV, THREADS_ENV
+from ortflow.processes import SHM_DIR, kill_tree, launcher_tree, remove_orphan_segments
+from ortflow.protocol import (
+    EXIT_STALLED,
+    HEARTBEAT_DIR,
+    LAUNCHER_HOST_ENV,
+    LAUNCHER_PID_ENV,
+    NUM_RANKS_ENV,
+    THREADS_ENV,
+)
 
 __all__ = ["STOP_GRACE_S", "LaunchError", "LaunchResult", "LocalJob", "build_command", "find_mpiexec", "launch",
            "launcher_environment", "launcher_flavor", "is_error_line", "rank_environment"]
@@ -173,17 +180,13 @@ class LocalJob:
         self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        kill_job_tree(self.proc.pid)
+        kill_tree(self.proc.pid)
 
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
-
-
-#: The exit status of a job ended because a rank or a launcher process stalled (a rank's watchdog aborts with it).
-STALLED_EXIT = 3
 
 
 def launch(
@@ -260,7 +263,7 @@ def launch(
         if guard is not None:
             guard.release()
     if stuck:  # the job was ended for a stopped launcher: the watchdog's status, whatever mpiexec's was
-        result = dataclasses.replace(result, returncode=STALLED_EXIT)
+        result = dataclasses.replace(result, returncode=EXIT_STALLED)
     if not result.returncode:
         return result
     if flavor == "mpich":  # ranks that died before MPI_Finalize leave their shared memory behind
@@ -322,47 +325,6 @@ def _collective_timeout(run_dir: Path) -> float | None:
         return None
 
 
-def _launcher_tree(root: int, ranks: bool = False) -> list[tuple[int, str, str]]:
-    """``(pid, name, state)`` of the launcher ``root`` and the MPI proxies below it (and every other process below it
-    with ``ranks``)."""
-    parents: dict[int, int] = {}
-    info: dict[int, tuple[str, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-        except OSError:
-            continue
-        fields = tail.split()
-        parents[int(entry)] = int(fields[1])
-        info[int(entry)] = (head.split("(", 1)[1], fields[0])
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        name, state = info.get(pid, ("?", "?"))
-        if pid == root or ranks or any(tag in name for tag in ("proxy", "prted", "orted")):
-            found.append((pid, name, state))
-        todo += [child for child, parent in parents.items() if parent == pid]
-    return found
-
-
-def kill_job_tree(root: int) -> None:
-    """SIGKILL the launcher ``root``'s process group and every process below it: MPICH starts each proxy and rank in a
-    session of its own, which a signal to the group does not reach (a stopped proxy would stay stopped for ever)."""
-    below = [pid for pid, _name, _state in _launcher_tree(root, ranks=True) if pid != root]
-    try:
-        os.killpg(root, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in below:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, stuck: list[str],
                              poll_s: float = 0.5) -> threading.Event:
     """Watch ``mpiexec`` and its proxies: one stopped longer than ``timeout_s`` (+1 s) gets the job killed, named.
@@ -385,7 +347,7 @@ def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, st
             if now - last > poll_s + 2.0:  # this process was stopped: start counting again
                 since.clear()
             last = now
-            for pid, name, state in _launcher_tree(proc.pid):
+            for pid, name, state in launcher_tree(proc.pid):
                 if state not in ("T", "t"):
                     since.pop(pid, None)
                     continue
@@ -395,7 +357,7 @@ def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, st
                         f"(longer than distributed.collective_timeout_s {timeout_s:g} s): the job was aborted; the "
                         f"last complete checkpoint is kept. Resume a stopped launcher with SIGCONT within the timeout"
                     )
-                    kill_job_tree(proc.pid)  # SIGKILL ends stopped processes too, each proxy in its own session
+                    kill_tree(proc.pid)  # SIGKILL ends stopped processes too, each proxy in its own session
                     return
 
     threading.Thread(target=watch, name="ortflow-launcher-watch", daemon=True).start()

@@ -11,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from ortflow.artifacts_folder import verify_run_artifacts
+from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
+from ortflow.config.sealed import read_configure
 from ortflow.config.storage import is_remote
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 from ortflow.trainer import lifeline, output, remote_run
@@ -67,7 +68,7 @@ def run_rank(run_dir: Path | str) -> int:
     cfg, comm = start_mpi(run_dir)
     try:
         if comm.rank == 0:
-            verify_run_artifacts(cfg.output_dir, cfg.artifacts_dir)  # a flipped bit in a model file or its record
+            verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))  # a flipped bit in a file or its record
             verify_data(cfg.data_dir)  # and a corrupt or changed shard fail here, before the engine loads anything
         # Sync point: no rank loads the artifacts or reads shards before rank 0 has verified them.
         comm.barrier("verify data")

@@ -15,9 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ortflow.artifacts_folder import ArtifactsDamaged, verify_run_artifacts
+from ortflow.artifacts_folder import ArtifactsDamaged, verify_artifacts
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import ConfigError, check_model_file, config_from_dict
+from ortflow.config.sealed import read_configure
 from ortflow.dataprep import DataError, verify_data
 from tests.faults import procs
 from tests.faults.trials import Outcome, _resume_to_end, _same, fresh_run
@@ -64,7 +65,7 @@ def corruption_trial(root: Path, kind: str, mode: str, rng: random.Random) -> Ou
             if kind in ("checkpoint", "optimizer", "meta"):
                 verify(path.parent)
             elif kind == "artifact":
-                verify_run_artifacts(cfg.output_dir, cfg.artifacts_dir)
+                verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))
             else:
                 verify_data(cfg.data_dir)
         except (CheckpointError, DataError, ArtifactsDamaged) as err:
