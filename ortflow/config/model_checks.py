@@ -4,7 +4,7 @@
   recurse until the process dies (SIGSEGV, no message);
 * a graph input with a fixed dim of size 0: no batch can be fed (the engine fails inside a kernel);
 * external data shorter than the tensor it holds (the engine's error names neither the tensor nor the file);
-* NaN or infinite values in an initializer: the first loss is NaN, which looks like a learning rate problem.
+* NaN values in an initializer: the first loss is NaN, which looks like a learning rate problem.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def short_external_data(proto: Any, folder: Path) -> list[str]:
 
 
 def non_finite_initializers(proto: Any, folder: Path, limit: int = 5) -> list[str]:
-    """Float initializers holding NaN or infinite values (the first ``limit`` named)."""
+    """Float initializers holding NaN values (the first ``limit`` named)."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -122,15 +122,14 @@ def non_finite_initializers(proto: Any, folder: Path, limit: int = 5) -> list[st
             values = numpy_helper.to_array(tensor, base_dir=str(folder))
         except Exception:  # noqa: BLE001 - unreadable data is named by the other checks
             continue
-        try:
-            bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
+        try:  # NaN only: an infinity can be meant (an attention mask's -inf constant)
+            nan = int(np.count_nonzero(np.isnan(values)))
         except TypeError:  # a type numpy cannot test (bfloat16 as raw integers)
             continue
-        if bad:
-            nan = int(np.count_nonzero(np.isnan(values)))
-            problems.append(f"model.path: initializer '{tensor.name}' holds {nan} NaN and {bad - nan} infinite "
-                            f"value(s) of {np.size(values)}: the model's weights are damaged (training would start "
-                            f"from a NaN loss); re-export it from weights that are finite")
+        if nan:
+            problems.append(f"model.path: initializer '{tensor.name}' holds {nan} NaN value(s) of {np.size(values)}: "
+                            f"the model's weights are damaged (training would start from a NaN loss, which is not "
+                            f"the learning rate's doing); re-export it from weights without NaN")
             if len(problems) >= limit:
                 break
     return problems
