@@ -1,12 +1,12 @@
 """Sealed records: small JSON files that carry the sha256 of their own content, and the run folder's config record.
 
 A run folder's files are verified before use against digests recorded by the stage that wrote them. The records that
-hold those digests (``configure.json``, ``.ortflow/config.json``, ``.ortflow/run.json``) are themselves sealed: the
+hold those digests (``configure.json``, ``config.record.json``, ``.ortflow/run.json``) are themselves sealed: the
 ``record_sha256`` field is the sha256 of the record's other fields as canonical JSON, so a flipped bit or a truncation
 of a record is found, and a record that is missing where its stage has run is refused instead of disabling the checks.
 
 ``config.yaml`` is written by configure (and by the flow's train stage when sections outside the artifacts change);
-the writer records its sha256 and size in ``.ortflow/config.json``. Every reader (``ortflow train``, each rank,
+the writer records its sha256 and size in ``config.record.json``. Every reader (``ortflow train``, each rank,
 export, evaluate) compares them first: a hand edit or a damaged file stops with the file, what was expected and the
 fix (run ``ortflow configure CONFIG`` again, restore the file, or ``ortflow train --accept-changed-config``).
 """
@@ -22,8 +22,9 @@ from ortflow.config.atomic import write_text_atomic
 
 #: The key of a sealed record that holds the sha256 of its other fields.
 SEAL_KEY = "record_sha256"
-#: The run folder's record of ``config.yaml`` (written beside it by every writer of the resolved config).
-CONFIG_RECORD = Path(".ortflow") / "config.json"
+#: The run folder's record of ``config.yaml`` (written beside it by every writer of the resolved config; a visible
+#: name, so that a run folder's sync to object storage carries it with the config).
+CONFIG_RECORD = Path("config.record.json")
 
 
 class RunFileDamaged(ValueError):
