@@ -5,7 +5,9 @@ nothing from ortflow, so the rank runtime never loads the graph passes or the ar
 
 Checksums: a resume trusts the artifacts as much as the checkpoints: a flipped bit in ``training_model.onnx``
 (a constant, an attribute) would train a different model without any error. ``configure.json`` records the sha256
-of every artifact file; rank 0 compares them at start, before any rank loads them.
+of every artifact file and is sealed (its own ``record_sha256``, :mod:`ortflow.config.sealed`); rank 0, export and
+evaluate read it with :func:`ortflow.config.sealed.read_configure` and compare the files before anything loads
+them. A missing or damaged ``configure.json`` stops them: it never disables the checks.
 """
 
 from __future__ import annotations
@@ -98,21 +100,26 @@ def artifact_digests(artifacts_dir: Path) -> dict[str, str]:
     return {name: _sha256(folder / name) for name in names}
 
 
-def verify_artifacts(artifacts_dir: Path, record: dict | None) -> None:
-    """Check the artifact files against configure.json's checksums (a record without them is from an older ortflow).
+_FIX = ("run `ortflow configure CONFIG` again: it rebuilds what is damaged or missing (the checkpoints stay valid for "
+        "the same model)")
+
+
+def verify_artifacts(artifacts_dir: Path, record: dict) -> None:
+    """Check the artifact files against the checksums of ``record`` (configure.json, read with its seal checked).
 
     Raises:
-        ArtifactsDamaged: naming the file and the fix.
+        ArtifactsDamaged: a file is missing or differs, or the record holds no checksums; naming the file and the fix.
     """
-    recorded = (record or {}).get(DIGESTS_KEY)
+    recorded = record.get(DIGESTS_KEY)
     if not recorded:
-        return
+        raise ArtifactsDamaged(f"configure.json of {Path(artifacts_dir).parent} records no artifact checksums: {_FIX}")
     for name, digest in recorded.items():
         path = Path(artifacts_dir) / name
         if not path.is_file():
-            raise ArtifactsDamaged(f"{path} is missing; re-run `ortflow configure CONFIG`")
-        if _sha256(path) != digest:
+            raise ArtifactsDamaged(f"{path} is missing: {_FIX}")
+        found = _sha256(path)
+        if found != digest:
             raise ArtifactsDamaged(
-                f"{path} does not match its sha256 in configure.json (altered or corrupted): delete configure.json "
-                "and re-run `ortflow configure CONFIG` (the checkpoints stay valid for the same model)"
+                f"{path} does not match its sha256 in configure.json (altered or corrupted: expected {digest[:16]}..., "
+                f"found {found[:16]}...): {_FIX}"
             )

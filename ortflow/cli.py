@@ -52,8 +52,9 @@ def _writing(where: Path) -> Iterator[None]:
         from ortflow.storage import StorageError
 
         message = str(err) if isinstance(err, StorageError) else disk_problem(err, where)  # a store out of reach
-        if message is None:
-            raise
+        if message is None:  # another system refusal (/proc, a vanished folder): named, not a traceback
+            message = (f"cannot use {err.filename or where}: {err.strerror or err}; point output_dir / checkpoint.dir "
+                       "/ export.path at a folder you can write, then rerun the command")
         _fail(message)
 
 
@@ -135,6 +136,10 @@ def train(
     launcher: Annotated[
         str | None, typer.Option(help="local, slurm or kubernetes (default: distributed.launcher).")
     ] = None,
+    accept_changed_config: Annotated[bool, typer.Option(
+        "--accept-changed-config",
+        help="Train with a RUN_DIR/config.yaml edited since configure wrote it, and record it (refused when the "
+             "edit changes the model, precision or layout: run configure then).")] = False,
 ) -> None:
     """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
     status.
@@ -150,7 +155,11 @@ def train(
     from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     try:
-        cfg = load_run_config(run_dir)
+        cfg = load_run_config(run_dir, accept_changed=accept_changed_config)
+        if accept_changed_config:
+            from ortflow.build.configure import accept_config_edit
+
+            accept_config_edit(cfg)
         if launcher is not None:
             cfg = apply_overrides(cfg, [f"distributed.launcher={launcher}"])
     except ConfigError as err:
@@ -200,9 +209,12 @@ def train(
             )
     except (LaunchError, RunFolderLocked) as err:
         _fail(str(err))
-    # The ranks stopped together on a signal and saved a stop checkpoint.
-    if result.returncode in (EXIT_INTERRUPTED, EXIT_STOPPED):
-        console.print(f"[yellow]training stopped[/] by a signal; resume with `ortflow train {escape(str(run_dir))}`")
+    # The ranks stopped together on a signal and saved a stop checkpoint (or the launcher ended them after it).
+    stopped = (EXIT_INTERRUPTED, EXIT_STOPPED)
+    if result.returncode in stopped or (result.signal and not result.ok):
+        how = "" if result.returncode in stopped else f" (the job ended with status {result.returncode})"
+        console.print(f"[yellow]training stopped[/] by a signal{how}; resume with `ortflow train "
+                      f"{escape(str(run_dir))}`")
         raise typer.Exit(128 + result.signal if result.signal else result.returncode)
     if not result.ok:
         _fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)

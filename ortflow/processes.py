@@ -1,11 +1,13 @@
 """Whether a local process or process group still runs, and waiting for a process to exit: what the ranks' lifeline,
 the job's guard and the serving process share (Linux ``/proc`` and pidfds; a zombie, exited but not yet reaped,
-counts as gone); and the shared-memory segments that ranks which died left behind."""
+counts as gone); the shared-memory segments that ranks which died left behind; and a launcher's process tree (MPICH
+starts each proxy and rank in a session of its own), to watch or to kill."""
 
 from __future__ import annotations
 
 import os
 import select
+import signal
 import threading
 import time
 
@@ -110,3 +112,44 @@ def remove_orphan_segments(since: float, directory: str = SHM_DIR, prefix: str =
         except OSError:
             continue
     return removed
+
+
+def launcher_tree(root: int, ranks: bool = False) -> list[tuple[int, str, str]]:
+    """``(pid, name, state)`` of the launcher ``root`` and the MPI proxies below it (and every other process below it
+    with ``ranks``)."""
+    parents: dict[int, int] = {}
+    info: dict[int, tuple[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = tail.split()
+        parents[int(entry)] = int(fields[1])
+        info[int(entry)] = (head.split("(", 1)[1], fields[0])
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        name, state = info.get(pid, ("?", "?"))
+        if pid == root or ranks or any(tag in name for tag in ("proxy", "prted", "orted")):
+            found.append((pid, name, state))
+        todo += [child for child, parent in parents.items() if parent == pid]
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL the launcher ``root``'s process group and every process below it: MPICH starts each proxy and rank in a
+    session of its own, which a signal to the group does not reach (a stopped proxy would stay stopped for ever)."""
+    below = [pid for pid, _name, _state in launcher_tree(root, ranks=True) if pid != root]
+    try:
+        os.killpg(root, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

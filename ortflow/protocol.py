@@ -14,6 +14,9 @@ EXIT_INTERRUPTED = 130
 #: A weight update's loss or gradient norm was not finite (every rank stops at the same update; a retry would resume
 #: from the last good checkpoint and diverge again).
 EXIT_NONFINITE = 4
+#: A job aborted because a rank or a launcher process stalled: a rank's collective watchdog, or ``ortflow train``
+#: when ``mpiexec`` or a proxy stays stopped longer than the collective timeout.
+EXIT_STALLED = 3
 #: A rank whose launcher died ended itself (128 + SIGKILL, what the launcher's own death would have reported).
 EXIT_ORPHANED = 137
 

@@ -330,13 +330,8 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
                 if windows is not None:
                     shapes = {n: (cfg.data.text.seq_len,) for n in wanted}
                     plan = {n: ColumnPlan(n, (n,), False) for n in wanted}
-            for index, source in enumerate([] if text else group[:MAX_SOURCES_CHECKED]):
-                here = resolve_plan(wanted, source, plan)
-                if index == 0:  # the rows of the first source: dtypes and row shapes
-                    needed = sorted({c for p in here.values() for c in p.columns})
-                    chunk = next(table_chunks(source, needed, _FIRST_ROWS_BYTES), None)
-                    if chunk is not None:  # values too (labels in range, finite floats), on these first rows
-                        canonical_table(chunk, here, dtypes, str(source.path), shapes, rules, 0)
+            for source in [] if text else group[:MAX_SOURCES_CHECKED]:  # every source, as prepare-data reads them
+                problems += _source_problems(source, resolve_plan(wanted, source, plan), dtypes, shapes, rules)
         except DataError as err:
             problems.append(str(err))
             continue
@@ -353,6 +348,23 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
                     merges_leading_dims(spec, shapes[spec.name], batch, column, is_label)
                 except DataError as err:
                     problems.append(f"{field}: {err}")
+    return problems
+
+
+def _source_problems(source: Source, here: dict[str, ColumnPlan], dtypes: dict[str, str],
+                     shapes: dict[str, tuple[int, ...]], rules: ValueRules) -> list[str]:
+    """The first rows of one source against the inputs, each input on its own so that every problem is named: dtypes,
+    row shapes (equal to the earlier sources'), values (labels in range, finite floats)."""
+    needed = sorted({c for p in here.values() for c in p.columns})
+    chunk = next(table_chunks(source, needed, _FIRST_ROWS_BYTES), None)
+    if chunk is None:
+        return []
+    problems = []
+    for name, columns in here.items():
+        try:
+            canonical_table(chunk, {name: columns}, dtypes, str(source.path), shapes, rules, 0)
+        except DataError as err:
+            problems.append(str(err))
     return problems
 
 
@@ -405,6 +417,11 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
         return f"{field}: cannot create {path}: {parent} is a file, not a folder; choose another path"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{field}: cannot create {path}: {parent} is not writable; fix its permissions or choose another path"
+    try:  # permissions are not the whole story (/proc, /sys, a full or read-only mount): try, and remove the try
+        os.rmdir(tempfile.mkdtemp(prefix=".ortflow-probe-", dir=parent))
+    except OSError as err:
+        return (f"{field}: cannot create {path}: {parent} does not take new folders ({err.strerror}); choose another "
+                "path")
     return None
 
 

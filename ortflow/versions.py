@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ortflow.config import ConfigError, RunConfig
+from ortflow.config.atomic import write_text_atomic
 from ortflow.version_configs import fingerprints, recorded_config, version_config
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,7 @@ def read_registry(base: Path) -> list[dict]:
 def _write_registry(base: Path, entries: list[dict]) -> None:
     path = registry_path(base)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": 1, "versions": entries}, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"format": 1, "versions": entries}, indent=1))
 
 
 def _update(base: Path, name: str, **fields: object) -> dict:

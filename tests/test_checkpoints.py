@@ -118,6 +118,16 @@ def test_explicit_corrupted_checkpoint_raises_instead_of_falling_back(tmp_path):
         resolve_resume(tmp_path, first)
 
 
+def test_a_disk_full_message_from_h5py_is_read_from_its_text():
+    from ortflow.checkpoints.manager import write_failure
+
+    h5py_style = RuntimeError("Can't decrement id ref count (file write failed: time = ..., filename = 'x.h5', "
+                              "file descriptor = 36, errno = 28, error message = 'No space left on device', ...)")
+    assert write_failure(h5py_style) == "the disk is full"
+    assert write_failure(OSError(errno.EROFS, "Read-only file system")) == "it is read-only"
+    assert write_failure(RuntimeError("something else\nmore")) == "something else"
+
+
 def test_failed_save_keeps_previous_checkpoints_and_leaves_no_tmp(tmp_path):
     mgr = manager(tmp_path, keep=1)
     mgr.save(1, b"one", {})
@@ -127,7 +137,7 @@ def test_failed_save_keeps_previous_checkpoints_and_leaves_no_tmp(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     failing = CheckpointManager(tmp_path, 1, 1, is_writer=True, writer=disk_full)
-    with pytest.raises(CheckpointError, match="No space left on device.*intact"):
+    with pytest.raises(CheckpointError, match="the disk is full.*intact"):
         failing.maybe_save(2, b"two", {})
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
     assert verify(tmp_path / "step-00000001").step == 1

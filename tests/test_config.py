@@ -104,8 +104,18 @@ def test_missing_required_field_is_named(tmp_path):
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(write(tmp_path))
     again = tmp_path / "again.yaml"
-    again.write_text(dump_config(cfg))
+    again.write_text(dump_config(cfg, tmp_path))  # paths inside the folder it is written to are relative to it
     assert load_config(again) == cfg
+
+
+def test_the_resolved_config_stores_paths_inside_the_run_folder_relative_to_it(tmp_path):
+    cfg = load_config(write(tmp_path))
+    text = dump_config(cfg)
+    assert "output_dir: ." in text and str(cfg.output_dir) not in text
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "config.yaml").write_text(text)
+    assert load_config(moved / "config.yaml").output_dir == moved
 
 
 def test_field_errors_are_all_reported_at_once(tmp_path):

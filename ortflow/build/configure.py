@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +49,7 @@ from ortflow.config import (
     param_group_problems,
     write_resolved_config,
 )
+from ortflow.config.sealed import RunFileDamaged, read_configure, record_config, seal, verify_config, write_sealed
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.batchnorm_stats import running_statistics, to_record
 from ortflow.graph.tensor_plan import describe
@@ -126,27 +125,30 @@ def fingerprint(cfg: RunConfig) -> str:
 
 
 def read_configure_record(run_dir: Path | str) -> dict[str, Any] | None:
-    """The ``configure.json`` of a run folder, or None when it is missing or unreadable."""
+    """The ``configure.json`` of a run folder, or None when it is missing, unreadable or differs from its seal."""
     try:
-        return json.loads((Path(run_dir) / CONFIGURE_RECORD_NAME).read_text())
-    except (OSError, ValueError):
+        return read_configure(Path(run_dir))
+    except RunFileDamaged as err:
+        if (Path(run_dir) / CONFIGURE_RECORD_NAME).exists():
+            log.warning("configure: %s", err)
         return None
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    write_sealed(path, data)  # sealed: every reader checks its record_sha256
+    return seal(data)
 
 
 def _write_config_if_changed(cfg: RunConfig) -> None:
     # Sections outside the fingerprint (batch size, schedule, ...) may change without a rebuild; the ranks must
-    # still see them, so the resolved config is rewritten whenever its text differs.
+    # still see them, so the resolved config is rewritten whenever its text differs (or its record does).
     target = cfg.output_dir / RESOLVED_CONFIG_NAME
-    if not target.exists() or target.read_text() != dump_config(cfg):
+    try:
+        unchanged = target.read_text() == dump_config(cfg)
+        verify_config(cfg.output_dir)
+    except (OSError, RunFileDamaged):
+        unchanged = False
+    if not unchanged:
         write_resolved_config(cfg)
 
 
@@ -295,8 +297,7 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         makers = {"batchnorm": lambda path: to_record(running_statistics(path)), "op_types": op_types}
         added = {key: make(cfg.model.path) for key, make in makers.items() if key not in previous}
         if added:  # a record written before these entries: add them, the rest stays
-            previous = {**previous, **added}
-            _write_json_atomic(record_path, previous)
+            previous = _write_json_atomic(record_path, {**previous, **added})
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)
@@ -340,6 +341,25 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
         "op_types": op_types(cfg.model.path),  # the GPU ranks check the libraries they need (trainer/startup.py)
     }
-    _write_json_atomic(record_path, record)
+    record = _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)
     return ConfigureResult(run_dir, artifacts_dir, reused=False, info=record)
+
+
+def accept_config_edit(cfg: RunConfig) -> None:
+    """Record a hand-edited ``config.yaml`` as the run's config (``ortflow train --accept-changed-config``), when the
+    edit leaves the artifacts valid (the same configure fingerprint: model, precision, layout unchanged).
+
+    Raises:
+        ConfigError: the edit changes what the artifacts were built from, or the folder is not configured.
+    """
+    try:
+        record = read_configure(cfg.output_dir)
+    except RunFileDamaged as err:
+        raise ConfigError([str(err)]) from None
+    if record.get("fingerprint") != fingerprint(cfg):
+        raise ConfigError([f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: the edit changes what the artifacts were built "
+                           "from (the model, precision or parallel layout), so it cannot be accepted as it is: put "
+                           "it in your config and run `ortflow configure CONFIG` again"])
+    record_config(cfg.output_dir)
+    log.info("configure: accepted the edited %s", cfg.output_dir / RESOLVED_CONFIG_NAME)

@@ -253,6 +253,7 @@ def check_owner(info: CheckpointInfo, owner: dict) -> None:
     raise CheckpointError(
         f"{info.path} belongs to {_describe(theirs)}, not to this {_describe(owner)}: two runs share the checkpoint "
         f"folder {info.path.parent}, and resuming would continue the other run's weights. Give each run its own "
-        f"checkpoint.dir (or remove it to use <output_dir>/checkpoints); to start from that checkpoint on purpose, "
-        f"set checkpoint.init_from to it"
+        f"checkpoint.dir (or remove it to use <output_dir>/checkpoints); a copied run folder is a new run, so move "
+        f"the checkpoints it copied out of its checkpoint folder; to start from that checkpoint on purpose, set "
+        f"checkpoint.init_from to it"
     )

@@ -10,6 +10,7 @@ when :meth:`CheckpointManager.should_save` says so: the manager decides when to 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -46,6 +47,20 @@ StateWriter = Callable[[Any, Path], None]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Retention
+
+
+_DISK_REASONS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                 errno.EROFS: "it is read-only", errno.EACCES: "permission is denied"}
+
+
+def write_failure(err: BaseException) -> str:
+    """Why a write failed, in words: h5py reports a full disk as ``... errno = 28, error message = ...`` in a long
+    HDF5 message with no ``errno`` attribute, so the number is read from the text too."""
+    code = getattr(err, "errno", None)
+    if code is None:
+        found = re.search(r"errno = (\d+)", str(err))
+        code = int(found.group(1)) if found else None
+    return _DISK_REASONS.get(code, str(err).splitlines()[0] if str(err) else type(err).__name__)
 
 
 def retention_to_delete(steps: Sequence[int], keep_newest: int, protect: Collection[int] = ()) -> list[int]:
@@ -262,8 +277,9 @@ class CheckpointManager:
             self._saved_steps.discard(step)
             if isinstance(err, (OSError, RuntimeError)):  # h5py raises RuntimeError on some write failures (disk full)
                 raise CheckpointError(
-                    f"could not write checkpoint {name} in {self.directory}: {err}; the earlier checkpoints are "
-                    "intact and no partial folder was left. Free disk space or point checkpoint.dir elsewhere"
+                    f"could not write checkpoint {name} in {self.directory}: {write_failure(err)}; the earlier "
+                    "checkpoints are intact and no partial folder was left. Free disk space or point checkpoint.dir "
+                    "elsewhere"
                 ) from err
             raise
         log.info("saved checkpoint %s", final)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -119,7 +120,19 @@ def resolve_path(value: Path | None, info: ValidationInfo) -> Path | None:
     base = (info.context or {}).get("base_dir")
     if not value.is_absolute() and base is not None:
         value = Path(base) / value
+    long_parts = [part for part in value.parts if len(os.fsencode(part)) > NAME_MAX]
+    if long_parts:
+        size = len(os.fsencode(long_parts[0]))
+        raise ValueError(f"the name '{long_parts[0][:40]}...' in this path has {size} bytes; file systems allow "
+                         f"{NAME_MAX}: choose a shorter name")
+    if len(os.fsencode(str(value))) >= PATH_MAX:
+        raise ValueError(f"the path has {len(os.fsencode(str(value)))} bytes; the system allows {PATH_MAX - 1}: choose "
+                         "a shorter path")
     return value
+
+
+#: Longest file name and path the Linux system calls take (bytes).
+NAME_MAX, PATH_MAX = 255, 4096
 
 
 

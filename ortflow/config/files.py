@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ortflow.config.base import MAX_IR_VERSION, MAX_OPSET, ConfigError, regular_file_problem
+from ortflow.config.base import MAX_IR_VERSION, MAX_OPSET, RESOLVED_CONFIG_NAME, ConfigError, regular_file_problem
 from ortflow.config.loading import load_config
+from ortflow.config.model_checks import model_structure_problems
 from ortflow.config.run import RunConfig
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -44,6 +45,7 @@ def check_model_file(path: Path) -> list[str]:
             )
     folder = path.resolve().parent
     problems.extend(_short_initializers(proto))
+    problems.extend(model_structure_problems(proto, folder))  # recursion, zero dims, short data, NaN weights
     for tensor in proto.graph.initializer:
         for entry in tensor.external_data:
             if entry.key == "location":
@@ -116,4 +118,9 @@ def find_problems(path: Path | str, overrides: list[str] | tuple[str, ...] = ())
         cfg = load_config(path, overrides)
     except ConfigError as err:
         return None, err.problems
-    return cfg, check_files(cfg)
+    problems = check_files(cfg)
+    if (cfg.output_dir / RESOLVED_CONFIG_NAME).resolve() == Path(path).resolve():
+        problems.append(f"output_dir: {cfg.output_dir} is this config's own folder, and configure writes the resolved "
+                        f"config to {RESOLVED_CONFIG_NAME} there, over this file: choose an output_dir of its own "
+                        "(e.g. runs/NAME)")
+    return cfg, problems

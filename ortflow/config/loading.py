@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from ortflow.config.base import RESOLVED_CONFIG_NAME, ConfigError, regular_file_problem
 from ortflow.config.run import RunConfig
+from ortflow.config.sealed import CONFIG_RECORD, ConfigChanged, RunFileDamaged, record_config, verify_config
 
 # ---------------------------------------------------------------------------------------------------------------------
 # YAML
@@ -213,9 +214,24 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...], base
     return config_from_dict(raw, base_dir=base_dir or Path.cwd(), source="overrides " + " ".join(overrides))
 
 
-def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as YAML (absolute paths), loadable by :func:`load_config`."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def _relative_to(value: Any, folder: Path) -> Any:
+    """``value`` (a dumped config tree) with every absolute path inside ``folder`` made relative to it."""
+    if isinstance(value, dict):
+        return {k: _relative_to(v, folder) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relative_to(v, folder) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        path = Path(value)
+        if path == folder or folder in path.parents:
+            return path.relative_to(folder).as_posix()
+    return value
+
+
+def dump_config(cfg: RunConfig, folder: Path | None = None) -> str:
+    """The resolved config as YAML, loadable by :func:`load_config` from a file in ``folder`` (default: the run
+    folder, ``cfg.output_dir``): paths inside that folder are relative to it (``output_dir: .``, so a moved or copied
+    run folder keeps working), the others absolute."""
+    return yaml.safe_dump(_relative_to(cfg.model_dump(mode="json"), Path(folder or cfg.output_dir)), sort_keys=False)
 
 
 def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
@@ -223,18 +239,40 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir or cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
+    if target.exists() and not any((run_dir / name).exists() for name in (CONFIG_RECORD, "configure.json")):
+        raise ConfigError([f"output_dir: {target} exists and ortflow did not write it (your own config?); configure "
+                           "never writes over it: choose an output_dir of its own (e.g. runs/NAME)"])
     tmp = target.with_suffix(".yaml.tmp")
     try:
-        tmp.write_text(dump_config(cfg))
+        tmp.write_text(dump_config(cfg, run_dir))
         tmp.replace(target)
+        record_config(run_dir)  # every reader verifies config.yaml against this record
     finally:  # a full disk leaves no half-written file beside the config
         tmp.unlink(missing_ok=True)
     return target
 
 
-def load_run_config(run_dir: Path | str) -> RunConfig:
-    """Load the resolved config a configured run folder holds (what every rank does at start)."""
+def load_run_config(run_dir: Path | str, accept_changed: bool = False) -> RunConfig:
+    """Load the resolved config a configured run folder holds (what every rank does at start), verified first
+    against the record its writer left (:mod:`.sealed`).
+
+    Args:
+        run_dir: The run folder.
+        accept_changed: Take a ``config.yaml`` that differs from its record as it is (``--accept-changed-config``);
+            the caller records it again once it has checked that the change is safe.
+
+    Raises:
+        ConfigError: no config.yaml, it differs from its record or the record is damaged (file, expected, fix), or the
+            config is invalid.
+    """
     path = Path(run_dir) / RESOLVED_CONFIG_NAME
     if not path.exists():
         raise ConfigError([f"{path} does not exist: run `ortflow configure CONFIG` first"], str(run_dir))
+    try:
+        verify_config(Path(run_dir))
+    except ConfigChanged as err:
+        if not accept_changed:
+            raise ConfigError([str(err)], str(run_dir)) from None
+    except RunFileDamaged as err:
+        raise ConfigError([str(err)], str(run_dir)) from None
     return load_config(path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ortflow.config.atomic import write_text_atomic
 from ortflow.dataprep.errors import DataError
 
 #: Version of the shard layout; stored in every shard's schema metadata and in the manifest.
@@ -115,12 +115,7 @@ def read_manifest(data_dir: Path) -> Manifest:
 def write_manifest(manifest: Manifest, data_dir: Path) -> Path:
     """Write the manifest atomically (temporary file, fsync, rename), so a reader sees a whole one or none."""
     path = Path(data_dir) / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    write_text_atomic(path, manifest.to_json(), fsync=True)
     return path
 
 

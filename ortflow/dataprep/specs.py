@@ -8,12 +8,12 @@ Shape rule: every input has a fixed per-row shape ``row_shape`` in the shards. A
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ortflow.config.sealed import RunFileDamaged, read_sealed
 from ortflow.dataprep.errors import DataError
 
 CONFIGURE_NAME = "configure.json"
@@ -35,10 +35,14 @@ def read_train_inputs(output_dir: Path) -> list[InputSpec]:
         DataError: configure.json is missing or lacks a valid ``train_inputs`` list.
     """
     path = Path(output_dir) / CONFIGURE_NAME
-    if not path.exists():
+    try:  # sealed by configure: a damaged record must not describe the data (ortflow/config/sealed.py)
+        record = read_sealed(path, "re-run configure (`ortflow configure CONFIG`)")
+    except RunFileDamaged as err:
+        raise DataError(str(err)) from None
+    if record is None:
         raise DataError(f"{path} does not exist: run configure first (`ortflow configure CONFIG`)")
     try:
-        raw = json.loads(path.read_text())["train_inputs"]
+        raw = record["train_inputs"]
         specs = [InputSpec(str(i["name"]), str(np.dtype(i["dtype"])), tuple(i["shape"])) for i in raw]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{path}: no valid 'train_inputs' list ({err}); re-run configure") from None

@@ -32,7 +32,7 @@ from ortflow.checkpoints import (
     CheckpointInfo,
     verify,
 )
-from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_config
+from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, load_run_config
 from ortflow.export import checksum
 from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
@@ -126,11 +126,7 @@ def _read_json(path: Path) -> dict | None:
 def _run_config(run_dir: Path) -> RunConfig | None:
     if not (run_dir / RESOLVED_CONFIG_NAME).exists():
         return None
-    try:
-        return load_config(run_dir / RESOLVED_CONFIG_NAME)
-    except ValueError as err:
-        log.warning("export: ignoring %s: %s", run_dir / RESOLVED_CONFIG_NAME, err)
-        return None
+    return load_run_config(run_dir)  # verified against its record: a damaged or edited config.yaml is named
 
 
 def resolve_source(
@@ -177,11 +173,14 @@ def resolve_source(
             f"no eval model for {chosen.path}: looked at {', '.join(map(str, candidates))}; pass --eval-model "
             "(the run's artifacts/eval_model.onnx) or copy it into the checkpoint folder"
         )
-    record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
-    if record and found.parent == Path(run_dir) / "artifacts":  # checked before any loader reads it
+    if found.parent.resolve() == (Path(run_dir) / "artifacts").resolve():  # checked before any loader reads it
         from ortflow.artifacts_folder import verify_artifacts
+        from ortflow.config.sealed import read_configure
 
+        record = read_configure(run_dir)  # a missing or damaged configure.json stops here too
         verify_artifacts(found.parent, record)
+    else:
+        record = _read_json(run_dir / CONFIGURE_RECORD) or _read_json(found.parent.parent / CONFIGURE_RECORD)
     return ExportSource(
         checkpoint=chosen,
         eval_model=found,
@@ -491,7 +490,7 @@ def export_model(
         os.replace(final, out)
         checksum.write_sidecar(out, digest)  # a crash before this leaves a stale sidecar: detected, re-exported
     finally:
-        for tmp in (plain, optimized_path, quantized_path):
+        for tmp in out.parent.glob(f"{stem.name}*"):  # its own and whatever the optimizer or quantizer made beside
             tmp.unlink(missing_ok=True)
     log.info("exported %s from %s (outputs %s, max abs diff %s)", out, checkpoint.path, names, result.max_abs_diff)
     return ExportResult(

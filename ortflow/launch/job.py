@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import re
 import signal
 import threading
@@ -23,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from ortflow.config.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -223,17 +224,26 @@ def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
     return state
 
 
+#: Signals repeated within this many seconds of the first are one stop request (the ranks count the same way).
+REPEAT_WINDOW_S = 5.0
+
+
 def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
     """While watching, SIGTERM/SIGINT cancel the job once (the ranks stop with a stop checkpoint)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
+    first: list[float] = []
+
     def forward(signum: int, _frame: object) -> None:
         if not received:
             received.append(signum)
+            first.append(time.monotonic())
             log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
                         signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
-        job.cancel()  # again on a repeated signal: stopping twice is harmless, and the first may have been missed
+        elif time.monotonic() - first[0] <= REPEAT_WINDOW_S:
+            return  # a double Ctrl-C is one request: MPICH's mpiexec would kill the ranks on a second signal
+        job.cancel()  # a signal repeated later means "now" to the ranks (and the first may have been missed)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
@@ -242,9 +252,7 @@ def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
 def write_record(run_dir: Path, launcher: str, job_id: str | None) -> None:
     """Keep which launcher and job trained the run folder last (replaced atomically)."""
     path = Path(run_dir) / LAUNCH_RECORD
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"launcher": launcher, "job_id": job_id}) + "\n")
 
 
 def read_record(run_dir: Path) -> dict | None:

@@ -32,6 +32,7 @@ from ortflow.config import (
     plan_batch,
     run_facts,
 )
+from ortflow.config.atomic import write_text_atomic
 from ortflow.gpus import gpu_count
 
 __all__ = [
@@ -185,9 +186,7 @@ def write_tuned(run_dir: Path, host: Host, results: list[dict]) -> Path:
     """Record the candidates' measured throughput and the winner (highest samples/s)."""
     best = max(results, key=lambda r: r["samples_per_s"])
     path = Path(run_dir) / TUNED_LAYOUT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"host": asdict(host), "best": best, "candidates": results}, indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"host": asdict(host), "best": best, "candidates": results}, indent=2))
     return path
 
 

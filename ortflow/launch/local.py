@@ -33,8 +33,15 @@ from ortflow.launch.job import (
     watch,
     write_record,
 )
-from ortflow.processes import SHM_DIR, remove_orphan_segments
-from ortflow.protocol import HEARTBEAT_DIR, LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV, NUM_RANKS_ENV, THREADS_ENV
+from ortflow.processes import SHM_DIR, kill_tree, launcher_tree, remove_orphan_segments
+from ortflow.protocol import (
+    EXIT_STALLED,
+    HEARTBEAT_DIR,
+    LAUNCHER_HOST_ENV,
+    LAUNCHER_PID_ENV,
+    NUM_RANKS_ENV,
+    THREADS_ENV,
+)
 
 __all__ = ["STOP_GRACE_S", "LaunchError", "LaunchResult", "LocalJob", "build_command", "find_mpiexec", "launch",
            "launcher_environment", "launcher_flavor", "is_error_line", "rank_environment"]
@@ -173,7 +180,7 @@ class LocalJob:
         self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
+        kill_tree(self.proc.pid)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -225,6 +232,11 @@ def launch(
     env = rank_environment(num_ranks, num_hosts, threads, len(os.sched_getaffinity(0)))
     log.info("launching: %s", " ".join(cmd))
     started = time.time()
+    if flavor == "mpich":  # what ranks of earlier jobs left when they were killed with their launcher
+        reclaimed = remove_orphan_segments(0.0)
+        if reclaimed:
+            log.info("removed %d shared-memory segment(s) that ranks of earlier jobs left in %s", len(reclaimed),
+                     SHM_DIR)
     if guard is not None:
         env[LAUNCHER_PID_ENV] = str(guard.pid)  # the ranks outlive this process as long as the guard does
     try:
@@ -239,7 +251,7 @@ def launch(
     write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
         on_start(job.proc)
-    restore_pause = _pause_job_on_terminal_stop(job.proc) if forward_signals else (lambda: None)
+    restore_pause = _keep_running_on_terminal_stop() if forward_signals else (lambda: None)
     stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
     watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
     try:
@@ -250,6 +262,8 @@ def launch(
         restore_pause()
         if guard is not None:
             guard.release()
+    if stuck:  # the job was ended for a stopped launcher: the watchdog's status, whatever mpiexec's was
+        result = dataclasses.replace(result, returncode=EXIT_STALLED)
     if not result.returncode:
         return result
     if flavor == "mpich":  # ranks that died before MPI_Finalize leave their shared memory behind
@@ -278,36 +292,27 @@ def _stall_messages(run_dir: Path, since: float, seen: deque[str]) -> list[str]:
     return lines
 
 
-def _pause_job_on_terminal_stop(proc: subprocess.Popen) -> Callable[[], None]:
-    """Ctrl-Z (SIGTSTP) pauses the whole job and ``fg``/``bg`` (SIGCONT) resumes it, by design.
+def _keep_running_on_terminal_stop() -> Callable[[], None]:
+    """Ctrl-Z (SIGTSTP) does not pause a training job: ``ortflow train`` ignores it, says so, and the job runs on.
 
-    The ranks run in their own session, so the terminal's SIGTSTP reaches only this process: it stops the job's
-    process group first, then itself; SIGCONT continues the group. The ranks' watchdogs do not count the time they
-    were stopped, so a paused job continues where it was instead of aborting. Main thread only (signal handlers).
+    A paused job cannot be kept whole: the ranks, their proxies and ``mpiexec`` each run in a session of their own
+    (the terminal's SIGTSTP reaches none of them), a rank paused longer than ``distributed.collective_timeout_s``
+    aborts its peers, and a paused ``ortflow train`` that is then killed cannot end the processes it stopped. To halt
+    training, Ctrl-C stops every rank after the same update with a stop checkpoint; ``ortflow train RUN_DIR`` resumes
+    it. Main thread only (signal handlers).
 
     Returns:
-        A function that restores the previous handlers.
+        A function that restores the previous handler.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
-    def pause(_signum: int, _frame: object) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-        log.warning("job paused (Ctrl-Z): `fg` resumes it")
-        os.kill(os.getpid(), signal.SIGSTOP)
+    def refuse(_signum: int, _frame: object) -> None:
+        log.warning("Ctrl-Z does not pause training (the ranks would time out): the job runs on; Ctrl-C stops it "
+                    "with a checkpoint and `ortflow train RUN_DIR` resumes it")
 
-    def resume(_signum: int, _frame: object) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTSTP, pause),
-                                                                       (signal.SIGCONT, resume))}
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
+    previous = signal.signal(signal.SIGTSTP, refuse)
+    return lambda: signal.signal(signal.SIGTSTP, previous) and None
 
 
 def _collective_timeout(run_dir: Path) -> float | None:
@@ -320,37 +325,12 @@ def _collective_timeout(run_dir: Path) -> float | None:
         return None
 
 
-def _launcher_tree(root: int) -> list[tuple[int, str, str]]:
-    """``(pid, name, state)`` of the launcher ``root`` and the MPI proxies below it (not the ranks)."""
-    parents: dict[int, int] = {}
-    info: dict[int, tuple[str, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-        except OSError:
-            continue
-        fields = tail.split()
-        parents[int(entry)] = int(fields[1])
-        info[int(entry)] = (head.split("(", 1)[1], fields[0])
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        name, state = info.get(pid, ("?", "?"))
-        if pid == root or any(tag in name for tag in ("proxy", "prted", "orted")):
-            found.append((pid, name, state))
-        todo += [child for child, parent in parents.items() if parent == pid]
-    return found
-
-
 def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, stuck: list[str],
                              poll_s: float = 0.5) -> threading.Event:
     """Watch ``mpiexec`` and its proxies: one stopped longer than ``timeout_s`` (+1 s) gets the job killed, named.
 
-    The ranks cannot finish, or even abort, through a stopped launcher. Time this process itself was stopped (the
-    whole job paused with Ctrl-Z) is not counted.
+    The ranks cannot finish, or even abort, through a stopped launcher. Time this process itself was stopped (SIGSTOP
+    from outside, then SIGCONT) is not counted.
 
     Returns:
         An event that ends the watch when set.
@@ -367,7 +347,7 @@ def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, st
             if now - last > poll_s + 2.0:  # this process was stopped: start counting again
                 since.clear()
             last = now
-            for pid, name, state in _launcher_tree(proc.pid):
+            for pid, name, state in launcher_tree(proc.pid):
                 if state not in ("T", "t"):
                     since.pop(pid, None)
                     continue
@@ -377,10 +357,7 @@ def _watch_stopped_launchers(proc: subprocess.Popen, timeout_s: float | None, st
                         f"(longer than distributed.collective_timeout_s {timeout_s:g} s): the job was aborted; the "
                         f"last complete checkpoint is kept. Resume a stopped launcher with SIGCONT within the timeout"
                     )
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL ends stopped processes too
-                    except ProcessLookupError:
-                        pass
+                    kill_tree(proc.pid)  # SIGKILL ends stopped processes too, each proxy in its own session
                     return
 
     threading.Thread(target=watch, name="ortflow-launcher-watch", daemon=True).start()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from ortflow.build.configure import fingerprint as configure_fingerprint
 from ortflow.build.configure import read_configure_record
 from ortflow.checkpoints import list_complete, verify
 from ortflow.config import RunConfig
+from ortflow.config.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,7 @@ def _token_path(cfg: RunConfig, stage: str) -> Path:
 def _write_token(path: Path) -> str:
     token = uuid.uuid4().hex
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(token)
-    os.replace(tmp, path)
+    write_text_atomic(path, token)
     return token
 
 

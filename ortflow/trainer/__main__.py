@@ -4,7 +4,6 @@ the URL of a run folder on object storage (:mod:`.remote_run`)."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -15,8 +14,8 @@ from pathlib import Path
 from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
+from ortflow.config.sealed import read_configure
 from ortflow.config.storage import is_remote
-from ortflow.dataprep.specs import CONFIGURE_NAME
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 from ortflow.trainer import lifeline, output, remote_run
 from ortflow.trainer.guards import NonFiniteError
@@ -50,13 +49,6 @@ def _install_stop_handlers(stop: StopFlag, clock=time.monotonic) -> None:
     signal.signal(signal.SIGINT, request_stop)
 
 
-def _configure_record(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / CONFIGURE_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def run_rank(run_dir: Path | str) -> int:
     """Train this rank to the end (or to a stop request); returns the process exit status."""
     from ortflow.dataprep.loader import EvalLoader, TrainLoader, verify_data
@@ -76,7 +68,7 @@ def run_rank(run_dir: Path | str) -> int:
     cfg, comm = start_mpi(run_dir)
     try:
         if comm.rank == 0:
-            verify_artifacts(cfg.artifacts_dir, _configure_record(cfg.output_dir))  # a flipped bit in a model file
+            verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))  # a flipped bit in a file or its record
             verify_data(cfg.data_dir)  # and a corrupt or changed shard fail here, before the engine loads anything
         # Sync point: no rank loads the artifacts or reads shards before rank 0 has verified them.
         comm.barrier("verify data")

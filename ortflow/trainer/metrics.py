@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -13,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from ortflow.config.atomic import write_text_atomic
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -145,9 +146,7 @@ class Progress:
             parts.append(f"eta {format_duration(eta)}")
         log.info(" | ".join(parts))
         record = {"step": step, "total": self.total, "eta_s": eta, "final": final, "time": time.time(), **fields}
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, json.dumps(record))
 
 
 def read_progress(run_dir: Path) -> dict | None:

@@ -1,7 +1,7 @@
 """Rank output that never blocks the rank.
 
 A rank's stdout and stderr are pipes to the launcher (``hydra_pmi_proxy``, then ``mpiexec``, then ``ortflow train``
-or the flow). When any of them stops reading (stopped with SIGSTOP or Ctrl-Z, wedged, busy), the pipes fill and the
+or the flow). When any of them stops reading (stopped with SIGSTOP, wedged, busy), the pipes fill and the
 next ``print`` or log line, Python's or the engine's own C++ one, blocks the rank inside a weight update, and with
 it every other rank at the next collective, the watchdog's own message included.
 

@@ -44,7 +44,7 @@ def materialize(url: str, rank: int | None = None) -> Path:
         ConfigError: the folder holds no resolved config (configure has not run).
         StorageError: the store cannot be reached after retries.
     """
-    from ortflow.config import ConfigError, config_from_dict
+    from ortflow.config import ConfigError, config_from_dict, write_resolved_config
 
     rank = env_rank() if rank is None else rank
     local = cache_folder(url, default_cache_root() / "ranks" / f"rank-{rank:05d}")
@@ -56,10 +56,10 @@ def materialize(url: str, rank: int | None = None) -> Path:
                            "configure CONFIG` with output_dir set to the URL)"]) from None
     raw["output_dir"] = str(local)  # this rank's own copy; storage.remote_dir still names the store
     raw["storage"] = {**raw.get("storage", {}), "remote_dir": remote.url}
-    cfg = config_from_dict(raw, source=f"{url}/{RESOLVED_CONFIG_NAME}")
+    cfg = config_from_dict(raw, base_dir=local, source=f"{url}/{RESOLVED_CONFIG_NAME}")  # its paths: in the copy
     store = RunStore(cfg)
     store.pull("newest")
-    (local / RESOLVED_CONFIG_NAME).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_resolved_config(cfg, local)  # with its record, which the rank verifies the config against
     log.info("rank %d: local copy of %s in %s", rank, url, local)
     return local
 

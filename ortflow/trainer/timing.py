@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from ortflow.config.atomic import write_text_atomic
 
 PHASES = ("data", "forward_backward", "comm", "comm_wait", "norm_clip", "update", "eval", "checkpoint", "other")
 #: Short labels for the progress line.
@@ -97,9 +98,7 @@ class PhaseTimer:
     def write_summary(self, run_dir: Path) -> Path:
         """Write :meth:`summary` into the run folder (atomically)."""
         path = Path(run_dir) / TIMING_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.summary(), indent=2))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(self.summary(), indent=2))
         return path
 
 

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ortflow.config import RunConfig, config_from_dict
+from ortflow.config.sealed import seal
 
 #: The inputs of a small tabular model: an id (to follow rows), a feature vector and a label.
 TABLE_INPUTS = [
@@ -26,7 +27,7 @@ def make_cfg(tmp_path: Path, train, inputs=TABLE_INPUTS, run="run", batch_size=2
     """A RunConfig whose run folder holds a configure.json listing ``inputs``."""
     out = tmp_path / run
     out.mkdir(exist_ok=True)
-    (out / "configure.json").write_text(json.dumps({"train_inputs": inputs}))
+    (out / "configure.json").write_text(json.dumps(seal({"train_inputs": inputs})))  # sealed, as configure writes it
     model = tmp_path / "model.onnx"
     model.write_bytes(b"not checked here")
     data.setdefault("eval_fraction", 0.0)

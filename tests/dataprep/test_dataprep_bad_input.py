@@ -11,12 +11,13 @@ import pytest
 from dataprep_helpers import TABLE_INPUTS, make_cfg, table_rows
 from test_dataprep_values import RECORD
 
+from ortflow.config.sealed import seal
 from ortflow.dataprep import DataError, prepare_data
 
 
 def _classifier(tmp_path, source):
     cfg = make_cfg(tmp_path, [str(source)])
-    (cfg.output_dir / "configure.json").write_text(json.dumps(RECORD))
+    (cfg.output_dir / "configure.json").write_text(json.dumps(seal(RECORD)))  # sealed, as configure writes it
     return cfg
 
 

@@ -9,6 +9,7 @@ from dataprep_helpers import TABLE_INPUTS, write_parquet
 from typer.testing import CliRunner
 
 from ortflow.cli import app
+from ortflow.config.sealed import seal
 
 
 def test_prepare_data_command(tmp_path):
@@ -24,7 +25,8 @@ def test_prepare_data_command(tmp_path):
     assert result.exit_code == 1 and "run configure first" in result.output and "Traceback" not in result.output
 
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "configure.json").write_text(json.dumps({"train_inputs": TABLE_INPUTS}))
+    record = seal({"train_inputs": TABLE_INPUTS})  # sealed, as configure writes it
+    (tmp_path / "out" / "configure.json").write_text(json.dumps(record))
     result = runner.invoke(app, ["prepare-data", str(config)])
     assert result.exit_code == 0, result.output
     assert "15 train + 5 eval rows, 2 shard(s)" in result.output and "written" in result.output

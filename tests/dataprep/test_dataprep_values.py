@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from dataprep_helpers import TABLE_INPUTS, make_cfg, table_rows
 
+from ortflow.config.sealed import seal
 from ortflow.dataprep import DataError, prepare_data, verify_data
 from ortflow.dataprep.values import ValueRules, check_column, rules_from_record
 
@@ -27,7 +28,7 @@ def classifier_cfg(tmp_path, source, ignore_index=None, classes=5):
     cfg = make_cfg(tmp_path, [str(source)])
     record = json.loads(json.dumps(RECORD))
     record["model_outputs"][0]["shape"][-1] = classes
-    (cfg.output_dir / "configure.json").write_text(json.dumps(record))
+    (cfg.output_dir / "configure.json").write_text(json.dumps(seal(record)))  # sealed, as configure writes it
     if ignore_index is not None:
         raw = cfg.model_dump(mode="json")
         raw["model"]["ignore_index"] = ignore_index

@@ -21,6 +21,7 @@ from tests.faults import trials
 from tests.faults import trials_files as files
 from tests.faults import trials_launcher as launcher
 from tests.faults import trials_reliability as rel
+from tests.faults import trials_run_folder as folder
 
 
 def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
@@ -59,6 +60,18 @@ def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
     jobs.append(("disk-full", lambda: _disk_full(root)))
     for i in range(n(3)):
         jobs.append(("concurrent", lambda i=i: files.concurrent_trial(root, reference(), f"c-{i}")))
+    for damage in folder.RECORD_DAMAGE:
+        for command in folder.COMMANDS:
+            jobs.append(("run-folder", lambda d=damage, c=command: folder.record_trial(root, d, c, rng)))
+    for truncate in (False, True):
+        for _ in range(n(4)):
+            jobs.append(("run-folder", lambda t=truncate: folder.config_edit_trial(root, t, rng)))
+    for move in (False, True):
+        for i in range(n(2)):
+            jobs.append(("run-folder", lambda m=move, i=i: folder.copy_move_trial(root, m, f"cm-{m}-{i}")))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        for i in range(n(4)):
+            jobs.append(("stops", lambda s=sig, i=i: folder.double_signal_trial(root, s, rng, f"ds-{s}-{i}")))
     for concurrent in (False, True):
         for i in range(n(3)):
             jobs.append(("ownership", lambda c=concurrent, i=i: rel.shared_dir_trial(root, c, f"sh-{c}-{i}")))
@@ -157,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="Multiply every trial count.")
     parser.add_argument("--out", type=Path, default=Path("bench/out/faults-campaign"))
     parser.add_argument("--only", default="", help="Run only these groups (comma-separated: kills, stops, orphans, "
-                        "hangs, integrity, disk-full, concurrent, fuzz, ownership, stalled, rerun, inputs, "
-                        "disk-paths), or the trials whose lambda names this phase or kind.")
+                        "hangs, integrity, disk-full, concurrent, fuzz, ownership, run-folder, stalled, rerun, "
+                        "inputs, disk-paths), or the trials whose lambda names this phase or kind.")
     args = parser.parse_args(argv)
     start, commit = time.time(), _commit()
     by_category: dict[str, dict] = defaultdict(lambda: {"trials": 0, "survived": 0, "failed": 0, "failures": []})

@@ -46,22 +46,19 @@ def _copy_run(cfg, mount: Path) -> Path:
     raw["output_dir"] = str(run)
     config = mount.parent / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    (run / "config.yaml").write_text(yaml.safe_dump(raw))
     return config
 
 
-def _fill(mount: Path) -> None:
-    with open(mount / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:
-            pass
-    try:
-        with open(mount / "filler", "ab") as f:
-            f.write(b"\0" * 4096)
-    except OSError:
-        pass
+def _fill(mount: Path, leave: int = 0) -> None:
+    with open(mount / "filler", "wb", buffering=0) as f:  # unbuffered: no failing flush when it closes
+        for chunk in (65536, 4096, 512):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
+    if leave:
+        os.truncate(mount / "filler", max(0, os.path.getsize(mount / "filler") - leave))
 
 
 def _ortflow(*args: str) -> subprocess.CompletedProcess:
@@ -134,3 +131,41 @@ def test_an_os_error_in_a_finalizer_is_one_line_not_a_traceback():
                          timeout=60)
     assert "No space left on device" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "Exception ignored" not in out.stderr, out.stderr
+
+
+@pytest.fixture
+def big_mount(tmp_path):
+    """A tmpfs that holds a whole small run (root only)."""
+    where = tmp_path / "big"
+    if not files.tmpfs(where, "64m"):
+        pytest.skip("needs root to mount a tmpfs")
+    yield where
+    files.untmpfs(where)
+
+
+def test_a_disk_that_fills_before_a_checkpoint_write_is_named_and_leaves_no_temp_files(big_mount):
+    from ortflow.checkpoints import run_owner
+    from ortflow.examples.mlp import build_mlp
+
+    mount = big_mount
+    build_mlp(mount / "wide.onnx", num_features=8, hidden=4096, num_classes=3, seed=0)  # ~0.4 MB per checkpoint
+    cfg = make_run(mount, "run", model=mount / "wide.onnx", num_rows=256, distributed={"num_ranks": 2},
+                   train={"num_train_steps": 6}, checkpoint={"period": 2})
+    run_owner(cfg)  # the run has its id: the first write that fails is the checkpoint's (h5py)
+    _fill(mount, leave=96 * 1024)  # room for the lock and progress files, not for a checkpoint
+    out = _ortflow("train", str(cfg.output_dir))
+    _reported(out, "the disk is full", mount)
+    assert not _temp_files(mount), _temp_files(mount)
+    assert not list_complete(cfg.checkpoints_dir)
+    assert "step 1/6" in out.stdout, out.stdout[-3000:]  # it trained, then failed writing the checkpoint
+
+
+def test_the_run_record_on_a_full_disk_is_named_not_a_traceback(big_mount):
+    from ortflow.checkpoints import CheckpointError, run_owner
+
+    cfg = make_run(big_mount, "run", distributed={"num_ranks": 1})
+    _fill(big_mount)
+    with pytest.raises(CheckpointError, match="the disk is full") as err:
+        run_owner(cfg)  # what rank 0 does first when a run trains for the first time
+    assert str(cfg.output_dir / ".ortflow" / "run.json") in str(err.value)
+    assert not _temp_files(big_mount), _temp_files(big_mount)

@@ -34,7 +34,7 @@ def test_a_stopped_launcher_aborts_the_job_within_the_timeout_naming_it(root, ta
 @pytest.mark.mpi
 @pytest.mark.faults
 @pytest.mark.parametrize("target", ["tstp", "launcher"])
-def test_a_paused_job_resumes_and_finishes(root, target):
+def test_a_paused_launcher_or_ctrl_z_lets_the_job_finish(root, target):
     check(launcher.paused_trial(root, target, f"paused-{target}"))
 
 
@@ -108,7 +108,7 @@ def test_time_the_rank_itself_was_stopped_does_not_count_against_the_timeout(tmp
     dog, fired = _watchdog(tmp_path, clock, continued=lambda: bool(signals) and signals.pop())
     dog.enter("allreduce")
     last = clock.now
-    clock.now += 60.0  # the whole job paused (Ctrl-Z) for a minute inside the collective, then resumed (SIGCONT)
+    clock.now += 60.0  # the rank stopped (SIGSTOP) for a minute inside the collective, then resumed (SIGCONT)
     signals.append(True)
     assert not dog.check(last) and not fired
     for _ in range(int(10.0 / dog.beat_s)):  # a real stall after the resume, round by round, still aborts

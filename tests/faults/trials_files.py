@@ -18,6 +18,7 @@ import pyarrow.ipc as ipc
 from ortflow.artifacts_folder import ArtifactsDamaged, verify_artifacts
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import ConfigError, check_model_file, config_from_dict
+from ortflow.config.sealed import read_configure
 from ortflow.dataprep import DataError, verify_data
 from tests.faults import procs
 from tests.faults.trials import Outcome, _resume_to_end, _same, fresh_run
@@ -64,7 +65,7 @@ def corruption_trial(root: Path, kind: str, mode: str, rng: random.Random) -> Ou
             if kind in ("checkpoint", "optimizer", "meta"):
                 verify(path.parent)
             elif kind == "artifact":
-                verify_artifacts(cfg.artifacts_dir, json.loads((cfg.output_dir / "configure.json").read_text()))
+                verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))
             else:
                 verify_data(cfg.data_dir)
         except (CheckpointError, DataError, ArtifactsDamaged) as err:

@@ -223,7 +223,6 @@ def disk_trial(root: Path, case: str) -> Outcome:
         raw["output_dir"] = str(run)
         config = root / f"config-{case}.yaml"
         config.write_text(yaml.safe_dump(raw))
-        (run / "config.yaml").write_text(yaml.safe_dump(raw))
         args = {
             "full-prepare-data": ["prepare-data", str(config), "--set", "data.rows_per_shard=50"],
             "full-retain": ["retain", str(config), "--set", "checkpoint.max_num_checkpoints=5"],

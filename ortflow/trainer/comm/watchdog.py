@@ -135,7 +135,7 @@ class Watchdog:
     """Beats the heartbeat and aborts the job when the current collective exceeds ``timeout`` seconds, or when a
     launcher process this rank depends on has been stopped that long.
 
-    Time this rank itself spent stopped (the whole job paused with Ctrl-Z, then resumed with ``fg``) does not count
+    Time this rank itself spent stopped (SIGSTOP, then SIGCONT: a debugger, a pause from outside) does not count
     against the timeout: once the process has been continued (SIGCONT), the thread that beats every ``beat_s`` moves
     the start of the current wait forward by the gap since its previous round.
 
