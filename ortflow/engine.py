@@ -110,7 +110,6 @@ class ForwardBackward:
     def __init__(self, model: bytes, parameters: list[str], trainable: list[str], input_grads: list[str], options,
                  providers: list, device: str = "cpu", recompute: tuple[str, ...] = ()):
         import onnx  # graph inspection only
-
         import onnxruntime
 
         binding = onnxruntime.capi._pybind_state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path

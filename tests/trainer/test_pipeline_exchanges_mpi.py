@@ -1,5 +1,6 @@
 """ZeRO-1 and Adasum over a pipeline stage's replicas (pp 2 x dp 2 under ``mpiexec -n 4``) against the same exchange
-over unsplit replicas (dp 2): the split ends where the unsplit run ends, and a killed ZeRO-1 pipeline resumes bitwise."""
+over unsplit replicas (dp 2): the split ends where the unsplit run ends, and a killed ZeRO-1 pipeline resumes
+bitwise."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from ortflow.trainer.comm.engine_buffers import engine_buffers
 from ortflow.trainer.optim.rank_update import whole_update
 from ortflow.trainer.optim.zero import Zero0
 from ortflow.trainer.parallel.activations import DeviceTensors, HostTensors, activation_store
-from ortflow.trainer.parallel.kept_activations import KeptActivations, keep_piece_activations
+from ortflow.trainer.parallel.kept_activations import keep_piece_activations
 from ortflow.trainer.parallel.parallel_dims import ParallelDims, make_groups
 from ortflow.trainer.parallel.pipeline_stage import stage_session_options
 from ortflow.trainer.parallel.replica import Runtime
