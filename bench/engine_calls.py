@@ -1,9 +1,10 @@
 """The engine's training call against its separate forward and backward calls, on one CPU process.
 
-Run: ``python -m bench engine-calls [--reps 5] [--micro 2] [--stage-options]`` (writes
-``bench/out/engine-calls-<host>.json`` and ``.md``). For the committed GPT-2 export
-(``tests/fixtures/exports/gpt2.onnx``, 8 windows of 32 tokens per micro-batch) and the bench GPT (``ortflow.examples.gpt`` at the suite's shape: vocab 256, T 128, d 256, 4 layers; 8 sequences per
-micro-batch), one unsplit run folder each is configured; then each contender runs in its own process, 1 thread:
+Run: ``python -m bench engine-calls [--reps 5] [--micro 2] [--stage-options]`` (writes ``bench/out/engine-
+calls-<host>.json`` and ``.md``). For the committed GPT-2 export (``tests/fixtures/exports/gpt2.onnx``, 8 windows of
+32 tokens per micro-batch) and the bench GPT (``ortflow.examples.gpt`` at the suite's shape: vocab 256, T 128, d 256,
+4 layers; 8 sequences per micro-batch), one unsplit run folder each is configured; then each contender runs in its
+own process, 1 thread:
 
 * ``training_call``: the trainer's call (``api.Module`` in train mode; the engine sums gradients in its buffers);
 * ``forward_backward``: ``ortflow.engine.ForwardBackward`` over the eval model (forward, then backward fed the loss
