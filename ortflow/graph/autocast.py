@@ -158,6 +158,7 @@ class _Walk:
         self.nodes: list[onnx.NodeProto] = []
         self.constants: dict[str, np.ndarray] = {}
         self.parameters = {t.name for t in self.graph.initializer}
+        self.constant_outputs = {o for n in self.graph.node if n.op_type == "Constant" for o in n.output}
         self.outputs = {o.name for o in self.graph.output}
         for name, elem in self.types.items():
             if name in self.parameters or name in {i.name for i in self.graph.input}:
@@ -183,6 +184,12 @@ class _Walk:
             return "fp32"
         if self.check_kernels and has_kernel(node.op_type, domain, self.opsets.get(domain, 1), self.compute) is False:
             self.report.no_kernel[node.op_type] += 1
+            return "fp32"
+        if (self.compute == BFLOAT16 and node.op_type == "Div" and len(node.input) > 1
+                and node.input[1] not in self.constant_outputs):
+            # The engine's gradient of a computed divisor (DivGrad's dB, RMSNorm's 1 / sqrt) reduces it with
+            # ReduceSumTraining, whose schema has no bf16 type: the training graph would not load.
+            self.report.no_kernel["Div (its divisor's gradient, ReduceSumTraining)"] += 1
             return "fp32"
         if node.output and node.output[0] in self.fused:  # the engine would fuse it into an op without a kernel
             self.report.no_kernel[f"{node.op_type} (into {self.fused[node.output[0]]})"] += 1
