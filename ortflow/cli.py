@@ -624,7 +624,7 @@ def run(
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
     history = None if PREFECT_API_URL.value() else Path(PREFECT_HOME.value())  # the temporary server's database
-    with terminal(console, cfg.output_dir / "logs", quiet=not verbose) as log_file:
+    with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
         try:
             # No PREFECT_API_URL: a temporary server in a session of its own (Ctrl-C to this terminal's process
             # group never reaches it), stopped once the flow run has its final state.

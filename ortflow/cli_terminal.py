@@ -190,7 +190,7 @@ def next_steps(tensorboard_dir: Path, export_path: Path | None, text_model: bool
 
 
 @contextlib.contextmanager
-def terminal(console: Console, log_dir: Path, quiet: bool = False) -> Iterator[Path]:
+def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool = False) -> Iterator[Path]:
     """Route Prefect's console logging through ``console`` without tracebacks, and every record (tracebacks
     included) into a new log file under ``log_dir``.
 
@@ -198,7 +198,8 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False) -> Iterator[P
         console: Where log lines, stage lines and the progress bar go.
         log_dir: The run's log folder.
         quiet: Only warnings and errors of the loggers reach ``console`` (Prefect's state lines, the ranks' lines and
-            the engine's are in the log file), plus a short line per stage (:class:`StageLines`).
+            the engine's are in the log file).
+        stages: Print a short line as each stage starts and ends (:class:`StageLines`).
 
     Yields:
         The log file's path.
@@ -216,7 +217,7 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False) -> Iterator[P
         handler.setFormatter(_NoTraceback(handler.formatter))
         if quiet:
             handler.setLevel(max(handler.level, logging.WARNING))
-    added = [file_handler, *([StageLines(console)] if quiet else [])]
+    added = [file_handler, *([StageLines(console)] if stages else [])]
     for handler in added:
         root.addHandler(handler)
     previous_level = root.level

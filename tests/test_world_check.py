@@ -7,8 +7,8 @@ import pytest
 
 from tests.support.world import check_world
 
-TWO_RANKS = "[0] rank 0/2 (local 0/2) on cuda:0 with 1 thread(s)\n[1] rank 1/2 (local 1/2) on cuda:1 with 1 thread(s)\n"
-SINGLETONS = "[0] rank 0/1 (local 0/1) on cuda:0 with 1 thread(s)\n[0] rank 0/1 (local 0/1) on cuda:0 with 1 thread(s)\n"
+TWO_RANKS = "[0] rank 0/2 (local 0/2) on cuda:0 with 1 thread(s)\n[1] rank 1/2 (local 1/2) on cuda:1 with 1 thread(s)"
+SINGLETONS = "[0] rank 0/1 (local 0/1) on cuda:0 with 1 thread(s)\n[0] rank 0/1 (local 0/1) on cuda:0 with 1 thread(s)"
 
 
 def test_ranks_that_report_the_asked_world_pass():
