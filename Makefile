@@ -26,6 +26,7 @@ STDLIB_GLOB = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_pa
 DEMO := .demo
 
 demo: setup
+	@mkdir -p $(DEMO)/prefect
 	@$(BIN)/python examples/gpt/build_model.py
 	@PREFECT_HOME=$(CURDIR)/$(DEMO)/prefect $(BIN)/ortflow run examples/gpt/config.yaml \
 		--set 'data.train=$(STDLIB_GLOB)' --set output_dir=$(CURDIR)/$(DEMO)/gpt
