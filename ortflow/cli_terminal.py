@@ -142,6 +142,8 @@ def follow_progress(console: Console, run_dir, stop) -> None:
                 continue
             seen = record.get("time")
             yield record
+            if record.get("final"):  # training ended: the bar stops here, the next stage lines go below it
+                return
 
     if not console.is_terminal:
         for record in records():
@@ -157,7 +159,7 @@ def follow_progress(console: Console, run_dir, stop) -> None:
             total = record.get("total") or 1
             if task_id is None:
                 task_id = bar.add_task("", total=total)
-            text = progress_line(record).split(" · ", 1)[1] if " · " in progress_line(record) else ""
+            text = progress_line(record).partition(" · ")[2]
             bar.update(task_id, completed=record.get("step", 0), total=total, description=text)
 
 
