@@ -102,24 +102,9 @@ class StageLines(logging.Handler):
 
 def format_seconds(seconds: float) -> str:
     """``4s``, ``3m20s``."""
-    from ortflow.trainer.metrics import format_duration
+    from ortflow.tasks.training import format_duration
 
     return format_duration(seconds)
-
-
-def progress_line(record: dict) -> str:
-    """A compact progress line: ``  train step 100/600 · loss 2.727 · eval loss 2.504 · 38 samples/s · ETA 3m53s``."""
-    from ortflow.trainer.metrics import format_duration
-
-    parts = [f"step {record.get('step')}/{record.get('total')}"]
-    for key, label in (("loss", "loss"), ("eval_loss", "eval loss")):
-        if isinstance(record.get(key), (int, float)):
-            parts.append(f"{label} {record[key]:.4g}")
-    if isinstance(record.get("samples_per_s"), (int, float)):
-        parts.append(f"{record['samples_per_s']:,.0f} samples/s")
-    if isinstance(record.get("eta_s"), (int, float)) and not record.get("final"):
-        parts.append(f"ETA {format_duration(record['eta_s'])}")
-    return "  train " + " · ".join(parts)
 
 
 def follow_progress(console: Console, run_dir, stop) -> None:
@@ -128,7 +113,7 @@ def follow_progress(console: Console, run_dir, stop) -> None:
 
     ``run_dir`` is the folder, or a function returning it (a new version's folder appears once the run has begun).
     """
-    from ortflow.trainer.metrics import read_progress
+    from ortflow.tasks.training import progress_line, read_progress
 
     folder = run_dir if callable(run_dir) else (lambda: run_dir)
     start = read_progress(folder())
