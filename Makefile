@@ -1,4 +1,4 @@
-# The two commands README.md opens with. Both create .venv from Python 3.11 and install the pinned set.
+# The make commands README.md opens with (demo, test). Both create .venv from Python 3.11 and install the pinned set.
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
