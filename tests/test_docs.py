@@ -1,5 +1,5 @@
-"""README and docs stay true to the code and to the repository: the commands it opens with, the generated config reference,
-the CLI commands they name, the example config, every link and path, and no development history."""
+"""README and docs stay true to the code and to the repository: the commands it opens with, the generated config
+reference, the CLI commands they name, the example config, every link and path, and no development history."""
 
 import re
 import sys
