@@ -47,6 +47,17 @@ class _NoTraceback(logging.Formatter):
         return text.split("\nTraceback (most recent call last)")[0]
 
 
+class _Short(logging.Formatter):
+    """A warning or error as one short line: ``warning: [0] SIGTERM received: ...`` (a rank's line keeps its rank
+    tag, not its own time and level)."""
+
+    _RANK_HEAD = re.compile(r"^(\[\d+\]) \d\d:\d\d:\d\d [A-Z]+ ")
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = self._RANK_HEAD.sub(r"\1 ", record.getMessage())
+        return f"{record.levelname.lower()}: {message}"
+
+
 def _console_handlers() -> list[logging.Handler]:
     from prefect.logging.configuration import setup_logging
     from prefect.logging.handlers import PrefectConsoleHandler
@@ -201,7 +212,7 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool 
     saved = [(h, h.console, h.formatter, h.level) for h in handlers]
     for handler in handlers:
         handler.console = console  # one console: rich prints log lines above the live progress bar
-        handler.setFormatter(_NoTraceback(handler.formatter))
+        handler.setFormatter(_NoTraceback(_Short() if quiet else handler.formatter))
         if quiet:
             handler.setLevel(max(handler.level, logging.WARNING))
     added = [file_handler, *([StageLines(console)] if stages else [])]
