@@ -171,7 +171,7 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_run_marks_it
     assert state_type == "RUNNING"  # nobody was left to report its end
     # The next `ortflow run` on this machine (another config) talks to a temporary server on the same database.
     short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0})
-    done = subprocess.run([ORTFLOW, "run", str(write_config(short, tmp_path / "next.yaml"))],
+    done = subprocess.run([ORTFLOW, "run", "-v", str(write_config(short, tmp_path / "next.yaml"))],
                           env=_temporary_server_env(tmp_path), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"flow run {name} was still Running, but its process is gone: marked Crashed" in done.stderr
@@ -180,7 +180,7 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_run_marks_it
     assert lines[0].startswith("ortflow run next:"), lines[:3]  # printed at once, before the server starts
     assert any(line.startswith("starting a temporary Prefect server") for line in lines[:3]), lines[:3]
     port = re.search(r"Prefect server at http://127\.0\.0\.1:(\d+) until this run ends", done.stderr)[1]
-    assert f"View at http://127.0.0.1:{port}/runs/flow-run/" in done.stderr  # Prefect's link, on the real port
+    assert f"View at http://127.0.0.1:{port}/runs/flow-run/" in done.stderr  # Prefect's link (-v), on the real port
 
 
 def test_an_offline_run_logs_no_telemetry_error(mlp_sources, tmp_path):
