@@ -1,4 +1,4 @@
-# The two commands README.md opens with. Both create .venv from Python 3.11 and install the pinned set.
+# The make commands README.md opens with (demo, test). Both create .venv from Python 3.11 and install the pinned set.
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -22,10 +22,16 @@ setup: $(STAMP)
 # The GPT example trains on the standard library's own source files (their folder differs between machines).
 STDLIB_GLOB = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/*.py
 
+# Everything the demo writes (its run folder, Prefect's run history) lives under .demo/; `make clean` removes it.
+DEMO := .demo
+
 demo: setup
-	$(BIN)/python examples/gpt/build_model.py
-	$(BIN)/ortflow run examples/gpt/config.yaml --set 'data.train=$(STDLIB_GLOB)'
-	$(BIN)/ortflow sample examples/gpt/runs/export/model.onnx --prompt 'def ' --max-new-tokens 200
+	@mkdir -p $(DEMO)/prefect
+	@$(BIN)/python examples/gpt/build_model.py
+	@PREFECT_HOME=$(CURDIR)/$(DEMO)/prefect $(BIN)/ortflow run examples/gpt/config.yaml \
+		--set 'data.train=$(STDLIB_GLOB)' --set output_dir=$(CURDIR)/$(DEMO)/gpt
+	@echo "ortflow sample $(DEMO)/gpt/export/model.onnx --prompt 'def ' --max-new-tokens 200"
+	@$(BIN)/ortflow sample $(DEMO)/gpt/export/model.onnx --prompt 'def ' --max-new-tokens 200
 
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
@@ -42,7 +48,7 @@ faults: setup
 	$(BIN)/python -m tests.faults.campaign $(FAULTS_ARGS)
 
 clean:
-	rm -rf $(VENV) runs examples/*/runs
+	rm -rf $(VENV) $(DEMO) runs examples/*/runs
 
 docs: setup
 	$(BIN)/python tools/update_config_reference.py

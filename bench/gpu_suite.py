@@ -67,6 +67,20 @@ class Row:
                 "results": self.results, "error_tail": self.error_tail}  # fmt: skip
 
 
+def world_mismatch(row: Row, mpiexec: str) -> str | None:
+    """Why a row's results are not a ``row.world``-GPU measurement: its ranks report another world size (a launcher
+    whose MPI is not mpi4py's starts N singletons of world 1), or a multi-rank row reports none; None when they match.
+    """
+    worlds = [r["world"] for r in row.results if "world" in r]
+    if row.world > 1 and row.results and not worlds:
+        return f"the ranks report no world size; asked for {row.world}"
+    wrong = sorted({w for w in worlds if w != row.world})
+    if not wrong:
+        return None
+    return (f"the ranks report world size {', '.join(map(str, wrong))}, asked for {row.world}: {mpiexec} started "
+            f"singletons (mpi4py is built against another MPI; `ortflow doctor --mpiexec {mpiexec}` names the fix)")
+
+
 class Suite:
     """The plan's commands and their execution under one time budget."""
 
@@ -123,8 +137,12 @@ class Suite:
         row.results = [json.loads(line[line.index("{") :]) for line in text.splitlines()
                        if line.lstrip().startswith("RESULT {") or " RESULT {" in line]  # fmt: skip
         failed = [r for r in row.results if r.get("status") == "failed"]
-        if code == 0 and not failed:
+        wrong_world = world_mismatch(row, self.args.mpiexec)
+        if code == 0 and not failed and not wrong_world:
             row.status = "ok"
+        elif wrong_world:  # never an N-GPU row made of singletons
+            row.status, row.results = "failed", []
+            row.error_tail = f"{wrong_world}\nexit {code}\n" + text[-2000:]
         else:
             row.status = "failed" if code != "timeout" else "timeout"
             row.error_tail = f"exit {code}\n" + text[-2500:]

@@ -12,6 +12,9 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off: NCCL's NVLS init fails on some hosts
 export PYTHONUNBUFFERED=1
+if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told (containers run as root)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
 ORTFLOW_PY=${ORTFLOW_PY:-python3}
 TORCH_PY=${TORCH_PY:-python3}
 MPIEXEC=${MPIEXEC:-$(command -v mpiexec || echo "$(dirname "$ORTFLOW_PY")/mpiexec")}

@@ -514,36 +514,6 @@ def doctor(
         raise typer.Exit(1)
 
 
-def _progress_bar(run_dir, stop) -> None:
-    """Show progress.json as a rich progress bar until ``stop`` (a threading.Event) is set.
-
-    ``run_dir`` is the folder, or a function returning it (a new version's folder appears once the run has begun).
-    """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from ortflow.tasks.training import describe_progress
-    from ortflow.trainer.metrics import read_progress
-
-    folder = run_dir if callable(run_dir) else (lambda: run_dir)
-    start = read_progress(folder())
-    seen = start.get("time") if start else None
-    columns = (
-        TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.description}"),
-    )
-    # The same console as the log lines (cli_terminal.terminal): rich keeps the bar on its own line below them.
-    with Progress(*columns, console=console, transient=False) as bar:
-        task_id = None
-        while not stop.wait(0.5):
-            record = read_progress(folder())
-            if record is None or record.get("time") == seen:  # a record left by an earlier run is not this run's
-                continue
-            if task_id is None:
-                task_id = bar.add_task("", total=record.get("total") or 1)
-            bar.update(task_id, completed=record.get("step", 0), total=record.get("total") or 1,
-                       description=describe_progress(record))
-
-
 def _stop_record(cfg, new_version: bool) -> str:
     """Where a stopped run left its work: the version and its newest complete (stop) checkpoint."""
     from ortflow.checkpoints import list_complete
@@ -596,8 +566,14 @@ def run(
     = False,
     version: Annotated[str | None, typer.Option(
         help="With --new-version --from STAGE: the version whose stages rerun (default: the newest).")] = None,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Also show Prefect's, the engine's and the ranks' log lines (always in the log file).")]
+    = False,
 ) -> None:
     """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun.
+
+    The terminal shows a line per stage, training progress, warnings and errors, the summary and what to do next;
+    every log line (the ranks' and the engine's too) goes to OUTPUT_DIR/logs/run-*.log.
 
     With --new-version --from STAGE, that stage and the later ones rerun inside an existing version (the newest, or
     --version NAME) instead of training a new one. SIGINT/SIGTERM (once or more) stop the ranks with a stop
@@ -611,7 +587,7 @@ def run(
     # A line at once: importing Prefect and starting its server take a while on a busy machine.
     console.print(f"ortflow run {cfg.name}: {'a new version in ' if new_version else ''}{cfg.output_dir}",
                   highlight=False, markup=False)
-    from ortflow.cli_terminal import failure_advice, terminal
+    from ortflow.cli_terminal import failure_advice, follow_progress, next_steps, terminal
     from ortflow.flows import train_pipeline
     from ortflow.tasks import crash_vanished_runs
     from ortflow.tasks.caching import STAGES
@@ -640,11 +616,15 @@ def run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_stop_signal)
     stop = threading.Event()
-    watcher = threading.Thread(target=_progress_bar, args=(lambda: _newest_run_dir(cfg), stop), daemon=True)
+    watcher = threading.Thread(target=follow_progress, args=(console, lambda: _newest_run_dir(cfg), stop),
+                               daemon=True)
     command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
                          else ["ortflow", "run", str(config)])
     state = None
-    with terminal(console, cfg.output_dir / "logs") as log_file:
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    history = None if PREFECT_API_URL.value() else Path(PREFECT_HOME.value())  # the temporary server's database
+    with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
         try:
             # No PREFECT_API_URL: a temporary server in a session of its own (Ctrl-C to this terminal's process
             # group never reaches it), stopped once the flow run has its final state.
@@ -697,6 +677,17 @@ def run(
     for key, value in state.result().items():
         table.add_row(key, "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
+    summary = state.result()
+    exported = Path(summary["exported model"]) if summary.get("exported model") else None
+    run_dir = cfg.output_dir
+    if new_version:  # the version's own folder (the registry's newest entry)
+        from ortflow.versions import read_registry
+
+        with contextlib.suppress(ValueError, IndexError, KeyError):
+            run_dir = Path([e for e in read_registry(cfg.output_dir) if e.get("path")][-1]["path"])
+    events = cfg.tensorboard.log_dir or run_dir / "tensorboard"
+    for line in next_steps(events, exported, cfg.data.format == "text", log_file, history):
+        console.print(line, highlight=False, markup=False)
 
 
 @app.command()

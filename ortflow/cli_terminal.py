@@ -1,12 +1,14 @@
-"""``ortflow run`` in a terminal: Prefect's log lines and the progress bar share one console (the bar stays on its
-own line below the logs), tracebacks go to a log file instead of the terminal, and a failed stage is reported as
-its own message plus the command that reruns or fixes it."""
+"""``ortflow run`` in a terminal: the pipeline's stages as short lines, a progress bar (compact progress lines when
+the output is not a terminal), warnings and errors; every record, tracebacks and the ranks' lines included, goes to a
+log file. Prefect's log lines and the progress bar share one console (the bar stays on its own line below the logs),
+and a failed stage is reported as its own message plus the command that reruns or fixes it."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +47,17 @@ class _NoTraceback(logging.Formatter):
         return text.split("\nTraceback (most recent call last)")[0]
 
 
+class _Short(logging.Formatter):
+    """A warning or error as one short line: ``warning: [0] SIGTERM received: ...`` (a rank's line keeps its rank
+    tag, not its own time and level)."""
+
+    _RANK_HEAD = re.compile(r"^(\[\d+\]) \d\d:\d\d:\d\d [A-Z]+ ")
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = self._RANK_HEAD.sub(r"\1 ", record.getMessage())
+        return f"{record.levelname.lower()}: {message}"
+
+
 def _console_handlers() -> list[logging.Handler]:
     from prefect.logging.configuration import setup_logging
     from prefect.logging.handlers import PrefectConsoleHandler
@@ -57,10 +70,134 @@ def _console_handlers() -> list[logging.Handler]:
     return found() or (setup_logging(), found())[1]
 
 
+#: How ``ortflow run`` names the stage tasks in its short stage lines.
+STAGE_LABELS = {"configure": "configure", "prepare_data": "prepare data", "train": "train",
+                "retain_checkpoints": "keep checkpoints", "export": "export"}
+_FINISHED = re.compile(r"Finished in state (\w+)")
+
+
+class StageLines(logging.Handler):
+    """Prints a line when a stage starts (``ortflow.stages``' records) and when Prefect reports its task finished:
+    ``▸ configure``, then ``✓ configure (4 s)``, ``✓ prepare data (unchanged)`` or ``✗ train failed (12 s)``."""
+
+    def __init__(self, console: Console):
+        super().__init__(logging.INFO)
+        self.console = console
+        self.started: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stage = getattr(record, "ortflow_stage", None)
+        if stage in STAGE_LABELS:
+            self.started[stage] = time.monotonic()
+            self._say(f"▸ {STAGE_LABELS[stage]}")
+            return
+        name = getattr(record, "task_run_name", None) or ""
+        stage = getattr(record, "task_name", None) or name.rpartition("-")[0]
+        found = _FINISHED.match(record.getMessage()) if stage in self.started else None
+        if found is None:
+            return
+        state, label = found[1], STAGE_LABELS[stage]
+        if state in ("AwaitingRetry", "Retrying"):  # the same stage runs again; its finish comes later
+            return
+        took = time.monotonic() - self.started.pop(stage)
+        if state == "Cached":
+            self._say(f"✓ {label} (unchanged)")
+        elif state == "Completed":
+            self._say(f"✓ {label} ({format_seconds(took)})")
+        else:
+            self._say(f"✗ {label} {state.lower()} ({format_seconds(took)})")
+
+    def _say(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False)
+
+
+def format_seconds(seconds: float) -> str:
+    """``4s``, ``3m20s``."""
+    from ortflow.tasks.training import format_duration
+
+    return format_duration(seconds)
+
+
+def follow_progress(console: Console, run_dir, stop) -> None:
+    """Show the run's ``progress.json`` until ``stop`` (a threading.Event) is set: a rich progress bar (loss, eval
+    loss, ETA) when ``console`` is a terminal, else a compact line per new record (every display period).
+
+    ``run_dir`` is the folder, or a function returning it (a new version's folder appears once the run has begun).
+    """
+    from ortflow.tasks.training import progress_line, read_progress
+
+    folder = run_dir if callable(run_dir) else (lambda: run_dir)
+    start = read_progress(folder())
+    seen = start.get("time") if start else None
+
+    def records() -> Iterator[dict]:
+        nonlocal seen
+        while not stop.wait(0.5):
+            record = read_progress(folder())
+            if record is None or record.get("time") == seen:  # a record left by an earlier run is not this run's
+                continue
+            seen = record.get("time")
+            yield record
+            if record.get("final"):  # training ended: the bar stops here, the next stage lines go below it
+                return
+
+    if not console.is_terminal:
+        for record in records():
+            console.print(progress_line(record)[:120], highlight=False, markup=False)
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    columns = (TextColumn("  train"), BarColumn(bar_width=30), MofNCompleteColumn(), TextColumn("{task.description}"))
+    # The same console as the log lines (terminal()): rich keeps the bar on its own line below them.
+    with Progress(*columns, console=console, transient=False) as bar:
+        task_id = None
+        for record in records():
+            total = record.get("total") or 1
+            if task_id is None:
+                task_id = bar.add_task("", total=total)
+            text = progress_line(record).partition(" · ")[2]
+            bar.update(task_id, completed=record.get("step", 0), total=total, description=text)
+
+
+def next_steps(tensorboard_dir: Path, export_path: Path | None, text_model: bool, log_file: Path,
+               prefect_home: Path | None) -> list[str]:
+    """What to do after a completed ``ortflow run``: the lines printed under its summary.
+
+    Args:
+        tensorboard_dir: The run's TensorBoard event folder.
+        export_path: The exported model (None: nothing exported).
+        text_model: The model reads bytes of text (``data.format: text``): ``ortflow sample`` can continue a prompt.
+        log_file: This run's log file.
+        prefect_home: The folder holding the temporary Prefect server's run history (None: a configured server).
+    """
+    import shlex
+
+    def short(path: Path) -> str:
+        with contextlib.suppress(ValueError):
+            return str(Path(path).resolve().relative_to(Path.cwd()))
+        return str(path)
+
+    lines = ["next steps:", f"  loss curves:     tensorboard --logdir {shlex.quote(short(tensorboard_dir))}"]
+    if export_path is not None and text_model:
+        lines.append(f"  generate text:   ortflow sample {shlex.quote(short(export_path))} --prompt 'def '")
+    lines.append("  your own model:  docs/your-model.md (export it from PyTorch, point a config at it)")
+    lines.append(f"  full log:        {short(log_file)}")
+    if prefect_home is not None:
+        lines.append(f"  run history:     PREFECT_HOME={shlex.quote(short(prefect_home))} prefect server start")
+    return lines
+
+
 @contextlib.contextmanager
-def terminal(console: Console, log_dir: Path) -> Iterator[Path]:
+def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool = False) -> Iterator[Path]:
     """Route Prefect's console logging through ``console`` without tracebacks, and every record (tracebacks
     included) into a new log file under ``log_dir``.
+
+    Args:
+        console: Where log lines, stage lines and the progress bar go.
+        log_dir: The run's log folder.
+        quiet: Only warnings and errors of the loggers reach ``console`` (Prefect's state lines, the ranks' lines and
+            the engine's are in the log file).
+        stages: Print a short line as each stage starts and ends (:class:`StageLines`).
 
     Yields:
         The log file's path.
@@ -72,29 +209,35 @@ def terminal(console: Console, log_dir: Path) -> Iterator[Path]:
     file_handler.setLevel(logging.DEBUG)
     root = logging.getLogger()
     handlers = _console_handlers()
-    saved = [(h, h.console, h.formatter) for h in handlers]
+    saved = [(h, h.console, h.formatter, h.level) for h in handlers]
     for handler in handlers:
         handler.console = console  # one console: rich prints log lines above the live progress bar
-        handler.setFormatter(_NoTraceback(handler.formatter))
-    root.addHandler(file_handler)
+        handler.setFormatter(_NoTraceback(_Short() if quiet else handler.formatter))
+        if quiet:
+            handler.setLevel(max(handler.level, logging.WARNING))
+    added = [file_handler, *([StageLines(console)] if stages else [])]
+    for handler in added:
+        root.addHandler(handler)
     previous_level = root.level
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
     # Prefect's client logs one INFO line per API request (a progress update each second): not the user's business.
-    quiet = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    quiet_loggers = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         yield path
     finally:
-        for name, level in quiet.items():
+        for name, level in quiet_loggers.items():
             logging.getLogger(name).setLevel(level)
-        root.removeHandler(file_handler)
+        for handler in added:
+            root.removeHandler(handler)
         root.setLevel(previous_level)
         file_handler.close()
-        for handler, old_console, formatter in saved:
+        for handler, old_console, formatter, level in saved:
             handler.console = old_console
             handler.setFormatter(formatter)
+            handler.setLevel(level)
 
 
 #: errno values that say the disk, not the input, is the problem: the user frees space or fixes permissions.

@@ -54,3 +54,21 @@ def test_version_lines_fit_the_width_even_with_long_paths(tmp_path):
     text = " ".join(" ".join(lines).split())
     assert "eval 1.235 (best 1.2)" in text and "model versions/20261123T031500Z-5f3e2a1b/model.onnx" in text
     assert "skipped: config, model, data and policy unchanged" in text
+
+
+def test_quiet_terminal_shows_warnings_as_short_lines_and_stages_and_the_file_keeps_everything(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, width=120)
+    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
+                                     {"task_run_name": "train-abc", "task_name": "train", "send_to_api": False})
+    with terminal(console, tmp_path / "logs", quiet=True, stages=True) as log_file:
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        task_log.info("[1] 15:54:01 INFO rank 1 parameters sha256 abc at step 100")
+        task_log.warning("[0] 15:54:01 WARNING SIGTERM received: stopping after the current weight update")
+        task_log.info("Finished in state Completed()")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "▸ train"
+    assert "warning: [0] SIGTERM received: stopping after the current weight update" in lines
+    assert lines[-1].startswith("✓ train (") and len(lines) == 3, lines
+    saved = log_file.read_text()
+    assert "parameters sha256" in saved and "SIGTERM received" in saved and "Finished in state" in saved

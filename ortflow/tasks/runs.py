@@ -4,6 +4,7 @@ a retried one, or the run folder itself), record the version's end; and the per-
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,19 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
             "retry_condition_fn": retry_transient}
 
 
+#: Where a stage's start is logged (``extra["ortflow_stage"]``: the task's name); ``ortflow run`` shows it as a line.
+STAGE_LOG = logging.getLogger("ortflow.stages")
+
+
 def staged(stage_task: Any, cfg: RunConfig) -> Any:
     """The task with its retries and timeout from the config (today's defaults: 2 retries, no time limit); with a run
-    folder on object storage, it reads what it needs from the store first and uploads what it wrote after."""
-    return run_store.around_stage(stage_task.name, cfg, stage_task.with_options(**stage_options(cfg, stage_task.name)))
+    folder on object storage, it reads what it needs from the store first and uploads what it wrote after. Calling it
+    logs the stage's start to :data:`STAGE_LOG` first (a cached stage too: Prefect then returns its result)."""
+    configured = run_store.around_stage(stage_task.name, cfg,
+                                        stage_task.with_options(**stage_options(cfg, stage_task.name)))
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        STAGE_LOG.info("stage %s starts", stage_task.name, extra={"ortflow_stage": stage_task.name})
+        return configured(*args, **kwargs)
+
+    return start

@@ -104,6 +104,19 @@ def describe_progress(record: dict | None) -> str:
     return " · ".join(parts)
 
 
+def progress_line(record: dict) -> str:
+    """A compact progress line: ``  train step 100/600 · loss 2.727 · eval loss 2.504 · 38 samples/s · ETA 3m53s``."""
+    parts = [f"step {record.get('step')}/{record.get('total')}"]
+    for key, label in (("loss", "loss"), ("eval_loss", "eval loss")):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{label} {record[key]:.4g}")
+    if isinstance(record.get("samples_per_s"), (int, float)):
+        parts.append(f"{record['samples_per_s']:,.0f} samples/s")
+    if isinstance(record.get("eta_s"), (int, float)) and not record.get("final"):
+        parts.append(f"ETA {format_duration(record['eta_s'])}")
+    return "  train " + " · ".join(parts)
+
+
 def progress_percent(record: dict | None) -> float:
     """Percent done from a progress record (0 before the first)."""
     if not record or not record.get("total"):

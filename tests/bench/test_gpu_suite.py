@@ -121,3 +121,17 @@ def test_a_whole_suite_on_cpu_ranks_reports_ortflow_and_zero_rows(tmp_path):
     assert zero["fp32-zero1 x2"]["zero_stage"] == 1 and zero["fp32 x2"]["zero_stage"] == 0
     assert zero["fp32-zero1 x2"]["optimizer_mib_per_gpu"] < zero["fp32 x2"]["optimizer_mib_per_gpu"]
     assert "ortflow fp32 (defaults)" in (out / "gpu-suite.md").read_text()
+
+
+def test_a_row_whose_ranks_report_another_world_size_fails_and_keeps_no_results(tmp_path):
+    suite = _suite(tmp_path)
+    singleton = "print('RESULT {\"kind\": \"ortflow\", \"world\": 1, \"step_time_s\": 0.1}')"
+    # What a launcher that starts 2 singletons prints: two rank-0 results of a world of 1.
+    twice = [sys.executable, "-c", f"{singleton}\n{singleton}"]
+    row = suite.execute(Row("r1-ortflow-fp32-x2", "round 1", twice, 60, 0, world=2))
+    assert row.status == "failed" and row.results == []
+    assert "report world size 1, asked for 2" in row.error_tail and "singletons" in row.error_tail
+    two = [sys.executable, "-c", "print('RESULT {\"kind\": \"ortflow\", \"world\": 2, \"step_time_s\": 0.1}')"]
+    assert suite.execute(Row("r1-ortflow-fp32-x2b", "round 1", two, 60, 0, world=2)).status == "ok"
+    silent = [sys.executable, "-c", "print('RESULT {\"kind\": \"ortflow\", \"step_time_s\": 0.1}')"]
+    assert suite.execute(Row("r1-ortflow-fp32-x2c", "round 1", silent, 60, 0, world=2)).status == "failed"

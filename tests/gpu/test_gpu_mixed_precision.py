@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from ortflow import cuda_libs
+from tests.support.world import check_world
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,6 +66,7 @@ def _run(cfg, ranks: int, *script: str) -> str:
                          stderr=subprocess.STDOUT, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
+    check_world(out.stdout, ranks, required=not script)  # the trainer names its rank and world; a script may not
     return out.stdout
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from ortflow import cuda_libs
+from tests.support.world import check_world
 
 
 def _ready() -> str | None:
@@ -49,6 +50,7 @@ def _run(cfg, ranks: int, env: dict[str, str] | None = None) -> str:
                           str(cfg.output_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=180, env=env, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
+    check_world(out.stdout, ranks)
     return out.stdout
 
 

@@ -1,0 +1,54 @@
+"""What ``ortflow run`` prints on a tiny run: lines of at most 120 columns, a line per stage, compact progress lines
+when the output is not a terminal, the summary and the next steps; the ranks', the engine's and Prefect's state lines
+only in the run's log file (and in the terminal with --verbose)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.prefect_runs import mlp_config, write_config
+
+pytestmark = pytest.mark.prefect
+
+ORTFLOW = str(Path(sys.executable).parent / "ortflow")
+#: Lines that belong in the log file, not the terminal: the ranks' internals, the engine's, Prefect's state lines.
+INTERNAL = ("gradient scales folded", "parameters sha256", "Saved training model", "Finished in state",
+            "Beginning flow run", "launching:", "View at")
+
+
+def test_the_terminal_shows_stages_progress_summary_and_next_steps_and_the_log_keeps_the_rest(
+    prefect_server, mlp_sources, tmp_path
+):
+    cfg = mlp_config(tmp_path, mlp_sources, "terminal", train={"num_train_steps": 20, "display_loss_steps": 5})
+    config_file = write_config(cfg, tmp_path / "terminal.yaml")
+    done = subprocess.run([ORTFLOW, "run", str(config_file)], env=prefect_server, capture_output=True, text=True,
+                          timeout=400, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 120, [line for line in lines if len(line) > 120]
+    for stage in ("configure", "prepare data", "train", "keep checkpoints", "export"):
+        assert f"▸ {stage}" in lines, out
+        assert any(re.fullmatch(rf"✓ {stage} \(\d+m?\d*s\)", line) for line in lines), out
+    progress = [line for line in lines if line.startswith("  train step ")]
+    assert progress and progress[-1].startswith("  train step 20/20 · loss "), out
+    assert "final eval loss" in out and "next steps:" in out
+    assert "  loss curves:     tensorboard --logdir terminal/tensorboard" in lines, out
+    assert "docs/your-model.md" in out
+    log_file = Path(re.search(r"full log: +(\S+)", out)[1])
+    log = (tmp_path / log_file).read_text()
+    for text in INTERNAL[:2] + INTERNAL[3:5]:
+        assert text not in out, text
+        assert text in log, text
+
+    # --verbose shows the log lines too; a rerun of a cached stage says it is unchanged.
+    again = subprocess.run([ORTFLOW, "run", str(config_file), "-v"], env=prefect_server, capture_output=True,
+                           text=True, timeout=400, cwd=tmp_path)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "Finished in state Cached" in out and "✓ train (unchanged)" in out.splitlines(), out
