@@ -150,7 +150,7 @@ def _kubernetes_problems(cfg: RunConfig) -> list[str]:
     problems = []
     if not k8s.image:
         problems.append("distributed.launcher kubernetes needs kubernetes.image: the container image with ortflow's "
-                        "environment (docker/Dockerfile, docs/kubernetes.md)")
+                        "environment (docker/Dockerfile, docs/clusters.md)")
     mount = Path(k8s.run_volume_mount_path)
     for what, folder in (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoints_dir)):
         if not Path(folder).is_relative_to(mount):
