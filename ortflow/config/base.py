@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
-#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine-notes.md).
+#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine.md).
 MAX_OPSET = 21
 MAX_IR_VERSION = 10
 

@@ -34,7 +34,7 @@ class DistributedConfig(Section):
         1, gt=0,
         description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
         "(Megatron-style column/row split, heads divided; fp32, ZeRO-0; with pipeline_parallel_size each stage is "
-        "split; docs/tensor-parallel.md).",
+        "split; docs/layouts.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
@@ -45,14 +45,14 @@ class DistributedConfig(Section):
         "piece but the last, runs each micro-batch's forward twice (a forward to send, then again inside its backward "
         "call) and keeps only the tensors it received in between (less memory, one more forward); false: the forward "
         "runs once and its activations are kept until the backward (at most P - s micro-batches on stage s of P, "
-        "1F1B). CUDA ranks always recompute (docs/parallel.md).",
+        "1F1B). CUDA ranks always recompute (docs/layouts.md).",
     )
     recompute_subgraphs: tuple[str, ...] = Field(
         (),
         description="Where a forward runs once and its activations are kept (recompute_forward false): the engine's "
         "memory-optimizer plans, 'SUBGRAPH:1:COUNT' (e.g. 'Gelu+:1:-1': every GELU's output recomputed in the "
         "backward instead of kept; COUNT -1 = all), trading compute for activation memory; the subgraphs a model "
-        "offers are those the engine's memory optimizer lists (docs/parallel.md).",
+        "offers are those the engine's memory optimizer lists (docs/layouts.md).",
     )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(

@@ -51,7 +51,7 @@ class ModelConfig(Section):
     pipeline_cuts: tuple[str, ...] = Field(
         (),
         description="With distributed.pipeline_parallel_size P > 1: the P-1 tensor names where the model is cut into "
-        "stages, in graph order (default: chosen to balance the stages' compute; docs/parallel.md).",
+        "stages, in graph order (default: chosen to balance the stages' compute; docs/layouts.md).",
     )
 
     _resolve_path = field_validator("path", mode="after")(resolve_path)
