@@ -29,7 +29,7 @@ class RunConfig(Section):
 
     name: str = Field("ortflow-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run and deployment name.")
     output_dir: Path = Field(description="Run folder: artifacts, shards, checkpoints, logs and the exported model. "
-                             "A URL (s3://, gs://, az://) keeps the run folder on object storage (docs/storage.md).")
+                             "A URL (s3://, gs://, az://) keeps the run folder on object storage (docs/operations.md).")
     model: ModelConfig = Field(description="The ONNX model and its loss.")
     data: DataConfig = Field(description="Training and evaluation data.")
     train: TrainConfig = Field(description="Loop hyper-parameters.")
