@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
-# Test files spread over this many processes (pytest-xdist, whole files per process: docs/testing.md).
+# Test files spread over this many processes (pytest-xdist, whole files per process: docs/design.md).
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench clean docs faults

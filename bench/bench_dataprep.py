@@ -6,7 +6,7 @@ Run: ``python -m bench dataprep`` (writes bench/reports/dataprep.json; about a m
   GPT-like table, in MB of shards per second, beside ``ipc.new_file`` writing the same in-memory table.
 * loader: ``TrainLoader`` micro-batches per second (batch 8 x 128 tokens), with and without the prefetch thread.
   The trainer's step rate comes from the trainer's own bench; a 10.5M-param GPT at 8 x 128 per rank trains at
-  ~1 step/s on a 2-core machine (docs/layout.md), for scale.
+  ~1 step/s on a 2-core machine, for scale.
 * memory: peak RSS (VmHWM, else ru_maxrss) of a fresh child process sharding a source several times
   data.memory_budget_mb, beside the same child's RSS after imports.
 """
@@ -95,7 +95,7 @@ def bench_loader(data_dir: Path, batches: int = 3000) -> dict:
             out[f"batches_per_s_prefetch{prefetch}_world{world}"] = round(rate, 1)
     out["batch"] = f"8 x {SEQ} tokens (int64 input_ids + merged labels)"
     out["trainer_step_rate_reference"] = (
-        "~1 step/s (docs/layout.md, 10.5M-param GPT, 8x128/rank); see the trainer bench"
+        "~1 step/s (10.5M-param GPT, 8x128/rank); see the trainer bench"
     )
     return out
 

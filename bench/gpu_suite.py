@@ -1,6 +1,6 @@
 """The GPU suite: ortflow against PyTorch at its best on 1, 2 and 4 GPUs, ZeRO-1, and the real exports in fp16/bf16.
 
-Run by ``bench/gpu_suite.sh`` (docs/benchmarks.md). Only the standard library is imported here: the rows run in
+Run by ``bench/gpu_suite.sh`` (docs/design.md). Only the standard library is imported here: the rows run in
 subprocesses with the Python of ortflow (``--ortflow-py``, with the GPU engine) and the Python of PyTorch
 (``--torch-py``), so a broken environment fails its rows, not the suite.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite (docs/benchmarks.md "GPU suite"): ortflow fp32/fp16/bf16 at 1, 2 and 4 GPUs, ZeRO-1, PyTorch at its
+# The GPU suite (docs/design.md "GPU suite"): ortflow fp32/fp16/bf16 at 1, 2 and 4 GPUs, ZeRO-1, PyTorch at its
 # best (eager, compile, DDP, FSDP2), and the real GPT-2/BERT exports trained through the CLI, in 3 interleaved rounds
 # under one time budget. Run from the repository root on a host with the GPU engine installed:
 #

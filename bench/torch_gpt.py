@@ -7,7 +7,7 @@ self-attention (Q, K, V from three MatMuls, never a Split) and an erf-GELU MLP, 
 ``x @ W + b`` so that the export is a plain MatMul + Add on the parameter itself (names survive the export).
 
 :func:`export_onnx` uses the legacy TorchScript exporter and then makes the graph trainable by the engine
-(docs/engine-notes.md): every LayerNormalization declares its mean and inv_std outputs, and every initializer that
+(docs/engine.md): every LayerNormalization declares its mean and inv_std outputs, and every initializer that
 is not a parameter (the causal mask) becomes a Constant node, because the engine trains every float initializer.
 """
 

@@ -281,7 +281,7 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Build the training artifacts into the run folder (does nothing when the model is unchanged).
 
     A fixed batch dim the graph does not depend on is made symbolic first (configure.json 'batch' records it). The
-    artifacts hold no optimizer (ortflow applies the update: docs/optimizer.md), so only the model file, the model
+    artifacts hold no optimizer (ortflow applies the update: docs/training.md), so only the model file, the model
     section and the layout and precision settings decide a rebuild; optimizer.groups are checked against the trained
     parameters every time.
     """

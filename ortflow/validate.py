@@ -447,5 +447,5 @@ def store_problems(cfg: RunConfig) -> list[str]:
     except Exception as err:  # noqa: BLE001 - StorageError, a missing package, refused credentials
         cause = err.__cause__ or err
         return [f"output_dir: cannot reach {cfg.storage.remote_dir} ({type(cause).__name__}: {cause}); check the "
-                "endpoint (AWS_ENDPOINT_URL or storage.options), the credentials (docs/storage.md) and the bucket"]
+                "endpoint (AWS_ENDPOINT_URL or storage.options), the credentials (docs/operations.md) and the bucket"]
     return []

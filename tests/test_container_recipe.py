@@ -1,4 +1,4 @@
-"""docker/Dockerfile, the container recipe of docs/kubernetes.md and docs/slurm.md (no image is built here): it
+"""docker/Dockerfile, the container recipe of docs/clusters.md (no image is built here): it
 installs exactly the pinned set, swaps in the pinned GPU engine for the cuda variant, and has what the MPI
 Operator's pods and the worker's entry script use."""
 
@@ -45,5 +45,4 @@ def test_the_image_has_what_the_mpijobs_pods_run():
     assert "/usr/sbin/sshd" in mpijob.WORKER_SCRIPT and "pgrep" in mpijob.WORKER_SCRIPT  # from those packages
     env = next(value for kind, value in instructions() if kind == "ENV")
     assert "PATH=/opt/ortflow/bin:$PATH" in env  # `python` (kubernetes.python) and its mpiexec are the pinned ones
-    assert "docker/Dockerfile" in (ROOT / "docs" / "kubernetes.md").read_text()
-    assert "docker/Dockerfile" in (ROOT / "docs" / "slurm.md").read_text()
+    assert "docker/Dockerfile" in (ROOT / "docs" / "clusters.md").read_text()

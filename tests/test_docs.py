@@ -82,3 +82,22 @@ def test_docs_describe_the_product_not_its_history(page):
     text = page.read_text()
     found = re.findall(r"\bwaves?\b|\bissues? #?\d+|ENGINE_NOTES|\blent\b|run\(kind|\.\./shared", text, re.I)
     assert not found, f"{page.name}: {sorted(set(found))}"
+
+
+def _prose(text: str) -> str:
+    """The page without the fenced code blocks that show sha256 examples (digests there are data, not history)."""
+    return re.sub(r"```.*?```", lambda m: "" if "sha256" in m.group(0) else m.group(0), text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_docs_hold_no_run_logs(page):
+    """Product docs, not a lab notebook: no commit hashes, no dated runs; measurements are cited from bench/reports/."""
+    text = _prose(page.read_text())
+    hashes = [t for t in re.findall(r"(?<![\w-])[0-9a-f]{7,40}(?![\w-])", text)
+              if re.search(r"[a-f]", t) and re.search(r"[0-9]", t)]
+    assert not hashes, f"{page.name} names commit-like hashes: {sorted(set(hashes))}"
+    dates = re.findall(r"\b20\d\d-[01]\d-[0-3]\d\b(?![ T]\d\d:\d\d)", text)  # a timestamp in shown output is fine
+    assert not dates, f"{page.name} holds dated runs {sorted(set(dates))}: cite the report in bench/reports/ instead"
+    reports = re.findall(r"bench/reports/[A-Za-z0-9_.-]*[A-Za-z0-9_]", text)
+    missing = sorted({r for r in reports if not (ROOT / r).exists()})
+    assert not missing, f"{page.name} cites reports that bench/reports/ lacks: {missing}"

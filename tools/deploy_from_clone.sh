@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs docs/pipeline.md's "prefect deploy with a process work pool" block, word for word, in a fresh clone of this
+# Runs docs/operations.md's "prefect deploy with a process work pool" block, word for word, in a fresh clone of this
 # repository (its committed HEAD), against the Prefect server that PREFECT_API_URL names, and waits for the
 # deployment run to finish (`prefect deployment run ... --watch` exits non-zero unless it completes).
 #
@@ -45,9 +45,9 @@ start, end = text.index("\npull:\n") + 1, text.index("\ndefinitions:")
 open("prefect.yaml", "w").write(text[:start] + pull + text[end:])
 PY
 fi
-steps=$(sed -n '/<!-- deploy-steps:begin -->/,/<!-- deploy-steps:end -->/p' docs/pipeline.md | grep -v '^<!--' \
+steps=$(sed -n '/<!-- deploy-steps:begin -->/,/<!-- deploy-steps:end -->/p' docs/operations.md | grep -v '^<!--' \
         | grep -v '^```')
-[ -n "$steps" ] || { echo "docs/pipeline.md has no deploy-steps block" >&2; exit 2; }
+[ -n "$steps" ] || { echo "docs/operations.md has no deploy-steps block" >&2; exit 2; }
 extra=$(printf ' %q' "$@")
 with_extra=""
 while IFS= read -r line; do

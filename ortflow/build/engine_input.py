@@ -103,7 +103,7 @@ def gelu_fusion(cfg: RunConfig) -> str:
     """How exported GELUs reach the engine (:func:`ortflow.graph.gelu.gelu_rewrites`): with model.fuse_gelu,
     ``"cpu"`` on CPU ranks (the engine's Gelu for the erf form, the sigmoid form for the tanh form, whose engine
     gradient is slow on CPU: :mod:`ortflow.graph.gelu_grad`) and ``"engine"`` on GPUs (the engine's Gelu /
-    FastGelu, in fp32, fp16 and bf16: docs/engine-kernels.md "GELU"); ``"as_exported"`` without it."""
+    FastGelu, in fp32, fp16 and bf16: docs/engine.md "GELU"); ``"as_exported"`` without it."""
     if not cfg.model.fuse_gelu:
         return "as_exported"
     return "cpu" if cfg.distributed.device == "cpu" else "engine"

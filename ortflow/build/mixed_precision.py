@@ -12,7 +12,7 @@ Ops that must stay fp32 in bf16 whatever ``precision.fp32_ops`` says are added f
 after configure) turns a residual ``Add`` -> ``LayerNormalization`` into a ``SkipLayerNormalization`` with bf16
 inputs, a type that op does not have, and the session fails ("Type 'tensor(bfloat16)' of input parameter ... of
 operator (SkipLayerNormalization) ... is invalid"; measured on an H200 with an empty fp32 list,
-docs/mixed-precision.md). fp16 has that type, so fp16 leaves the list to the user.
+docs/gpu.md). fp16 has that type, so fp16 leaves the list to the user.
 """
 
 from __future__ import annotations

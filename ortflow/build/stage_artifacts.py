@@ -1,4 +1,4 @@
-"""Build each pipeline stage's training artifacts once, in configure (docs/engine-pipeline.md says why this way).
+"""Build each pipeline stage's training artifacts once, in configure (docs/engine.md says why this way).
 
 For stage ``s`` of ``P`` the folder ``artifacts/stages/stage-SS/`` holds the engine's training and eval models and
 initial state (no optimizer graph: ortflow updates the weights):

@@ -4,7 +4,7 @@ For tensor-parallel rank ``r`` of ``hp`` the folder ``artifacts/tensor/rank-RR/p
 training and eval models and initial state of one piece of that rank's model (its slices of the split weights):
 
 * a piece before the last has the VJP loss ``sum_i ReduceSum(y_i * g_i)`` over the float tensors it sends, and its
-  eval model computes what it sends (docs/engine-pipeline.md);
+  eval model computes what it sends (docs/engine.md);
 * the last piece keeps the configured loss;
 * the float tensors a piece receives are listed in ``requires_grad``; their gradients come out per call as
   ``<name>.backprop`` right after the loss.

@@ -6,7 +6,7 @@ the version records; it imports nothing from ortflow but the config and, for run
 (:mod:`.object_store`: the protocol on the store, :mod:`.run_store`: a run folder's local copy), the storage
 package.
 
-See docs/checkpoints.md for the layout.
+See docs/reliability.md for the layout.
 """
 
 from ortflow.checkpoints.folder import (

@@ -1,6 +1,6 @@
 """Checkpoint folders: complete-or-absent, verified on load, and the resume choice.
 
-A checkpoint is a folder ``step-%08d`` under the checkpoint directory holding HDF5 files (docs/checkpoints.md):
+A checkpoint is a folder ``step-%08d`` under the checkpoint directory holding HDF5 files (docs/reliability.md):
 ``params.h5`` (every parameter once) and the optimizer state (``optimizer.h5``, or one
 ``optimizer-rank%05d-of-%05d.h5`` per rank under ZeRO-1), plus ``meta.json``, written last, with the size and sha256 of
 every file and a sha256 of meta.json's own content (``meta_sha256``), so an edit or a flipped bit anywhere, meta

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
-#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine-notes.md).
+#: Highest ONNX opset and IR version that onnxruntime-training 1.19.2 runs (docs/engine.md).
 MAX_OPSET = 21
 MAX_IR_VERSION = 10
 
@@ -59,7 +59,7 @@ def url_problem(value: object, field: str, remote_ok: bool) -> str | None:
                 f"file:// or a local path")
     if not remote_ok:
         return (f"{field}: '{value}' is a remote URL, but this field takes a local path; object storage works for "
-                "output_dir and data.train/data.test (docs/storage.md)")
+                "output_dir and data.train/data.test (docs/operations.md)")
     if not str(value)[len(scheme) + 3:].split("/", 1)[0]:
         return f"{field}: '{value}' names no bucket; write {scheme}://BUCKET/PATH"
     return None

@@ -60,7 +60,7 @@ class SlurmConfig(Section):
     launch: Literal["mpiexec", "srun"] = Field(
         "mpiexec",
         description="How the job starts the ranks: mpiexec (slurm.mpiexec inside the allocation) or srun (srun "
-        "--mpi=srun_mpi, the site's process manager; mpi4py must be built against the site's MPI, docs/slurm.md).",
+        "--mpi=srun_mpi, the site's process manager; mpi4py must be built against the site's MPI, docs/clusters.md).",
     )
     srun_mpi: str = Field("pmi2", pattern=r"^[a-z0-9_]+$", description="srun's --mpi plugin with launch srun (pmi2, "
                           "pmix, ...; `srun --mpi=list` shows the site's).")
@@ -76,7 +76,7 @@ class SlurmConfig(Section):
     rank_prefix: list[str] = Field(
         [], description="Command words before each rank's Python: a container runner, so the ranks run in the image "
         "(e.g. [apptainer, exec, --bind, /shared, /shared/ortflow.sif] or [enroot, start, --mount, /shared, "
-        "ortflow]; docs/slurm.md).",
+        "ortflow]; docs/clusters.md).",
     )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
 
@@ -106,7 +106,7 @@ class KubernetesConfig(Section):
 
     image: str | None = Field(
         None, min_length=1, description="Container image of launcher and workers: ortflow's pinned environment with "
-        "sshd (docker/Dockerfile, docs/kubernetes.md); required with launcher kubernetes.",
+        "sshd (docker/Dockerfile, docs/clusters.md); required with launcher kubernetes.",
     )
     namespace: str = Field("default", pattern=_DNS_LABEL, description="Namespace of the MPIJob.")
     num_workers: int = Field(1, gt=0, description="Worker pods (replicas of the Worker); num_ranks / num_workers "

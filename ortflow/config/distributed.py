@@ -17,7 +17,7 @@ class DistributedConfig(Section):
     num_ranks: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         1,
         description="World size: processes mpiexec starts; auto picks ranks and threads for the host, one rank per "
-        "visible GPU with device cuda (docs/layout.md).",
+        "visible GPU with device cuda (docs/layouts.md).",
     )
     hostfile: Path | None = Field(None, description="MPI host file for multi-node runs (default: this machine only).")
     num_hosts: int = Field(1, gt=0, description="Hosts the ranks are spread over (must match the host file).")
@@ -34,7 +34,7 @@ class DistributedConfig(Section):
         1, gt=0,
         description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
         "(Megatron-style column/row split, heads divided; fp32, ZeRO-0; with pipeline_parallel_size each stage is "
-        "split; docs/tensor-parallel.md).",
+        "split; docs/layouts.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
@@ -45,14 +45,14 @@ class DistributedConfig(Section):
         "piece but the last, runs each micro-batch's forward twice (a forward to send, then again inside its backward "
         "call) and keeps only the tensors it received in between (less memory, one more forward); false: the forward "
         "runs once and its activations are kept until the backward (at most P - s micro-batches on stage s of P, "
-        "1F1B). CUDA ranks always recompute (docs/parallel.md).",
+        "1F1B). CUDA ranks always recompute (docs/layouts.md).",
     )
     recompute_subgraphs: tuple[str, ...] = Field(
         (),
         description="Where a forward runs once and its activations are kept (recompute_forward false): the engine's "
         "memory-optimizer plans, 'SUBGRAPH:1:COUNT' (e.g. 'Gelu+:1:-1': every GELU's output recomputed in the "
         "backward instead of kept; COUNT -1 = all), trading compute for activation memory; the subgraphs a model "
-        "offers are those the engine's memory optimizer lists (docs/parallel.md).",
+        "offers are those the engine's memory optimizer lists (docs/layouts.md).",
     )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(
@@ -66,20 +66,20 @@ class DistributedConfig(Section):
         "auto",
         description="Whether the engine's intra-op threads spin while they wait for work (its default) or sleep; "
         "auto: sleep when several ranks on a host fill all its cores (ranks x threads >= cores), where spinning "
-        "workers delay other ranks' main threads and the exchange waits for the slowest (docs/layout.md).",
+        "workers delay other ranks' main threads and the exchange waits for the slowest (docs/layouts.md).",
     )
     reduce_sum_as_matmul: bool = Field(
         True,
         description="With device cuda and deterministic_compute: configure rewrites the training graph's sums over "
         "leading axes (bias gradients) as MatMuls with a ones vector, deterministic and fast on CUDA where the "
-        "engine's deterministic ReduceSum is slow; false keeps the engine's ReduceSum (docs/mixed-precision.md).",
+        "engine's deterministic ReduceSum is slow; false keeps the engine's ReduceSum (docs/gpu.md).",
     )
     allreduce_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="Element type of the NCCL gradient all-reduce on device cuda: float16/bfloat16 halve the bytes "
         "sent (gradients pre-scaled by 1/ranks, summed in that type, back to float32); auto: float16 for fp16 mixed "
         "precision on several data-parallel GPU ranks (as fp16 training in DeepSpeed and Megatron-LM reduces), "
-        "float32 otherwise (bf16 included); docs/mixed-precision.md.",
+        "float32 otherwise (bf16 included); docs/gpu.md.",
     )
     nccl_bucket_mb: float = Field(
         0.0, ge=0,
@@ -91,7 +91,7 @@ class DistributedConfig(Section):
         0.0, ge=0,
         description="MPI gradient exchange in buckets of this many MB (each packed, reduced and scaled while in "
         "cache); 0: each run of back-to-back gradients reduced in place by one all-reduce, the small ones packed "
-        "(docs/layout.md).",
+        "(docs/layouts.md).",
     )
     enable_adasum: bool = Field(
         False,
@@ -108,8 +108,8 @@ class DistributedConfig(Section):
     launcher: Literal["local", "slurm", "kubernetes"] = Field(
         "local",
         description="Who starts the ranks: local (mpiexec on this host, or the hosts of hostfile), slurm (an sbatch "
-        "job, section slurm; docs/slurm.md) or kubernetes (a Kubeflow MPIJob, section kubernetes; "
-        "docs/kubernetes.md).",
+        "job, section slurm; docs/clusters.md) or kubernetes (a Kubeflow MPIJob, section kubernetes; "
+        "docs/clusters.md).",
     )
 
     _resolve_path = field_validator("hostfile", mode="after")(resolve_path)

@@ -46,12 +46,12 @@ class ModelConfig(Section):
         description="Replace the elementwise GELU an exporter writes (erf or tanh form) by the engine's one-kernel "
         "Gelu / FastGelu before training (docs/your-model.md); on CPU ranks the tanh form becomes "
         "x * sigmoid(x * (a + b x^2)) instead, the same function with a faster CPU gradient "
-        "(docs/engine-kernels.md). The export writes it back as standard ops. Off with bf16 mixed precision.",
+        "(docs/engine.md). The export writes it back as standard ops. Off with bf16 mixed precision.",
     )
     pipeline_cuts: tuple[str, ...] = Field(
         (),
         description="With distributed.pipeline_parallel_size P > 1: the P-1 tensor names where the model is cut into "
-        "stages, in graph order (default: chosen to balance the stages' compute; docs/parallel.md).",
+        "stages, in graph order (default: chosen to balance the stages' compute; docs/layouts.md).",
     )
 
     _resolve_path = field_validator("path", mode="after")(resolve_path)
@@ -157,7 +157,7 @@ class TrainConfig(Section):
         "broadcast",
         description="How the ranks' BatchNormalization running statistics become one before every eval and "
         "checkpoint: broadcast (rank 0's, as DistributedDataParallel's broadcast_buffers) or average (the mean over "
-        "the data-parallel ranks; docs/batchnorm.md).",
+        "the data-parallel ranks; docs/training.md).",
     )
     seed: int = Field(0, ge=0, lt=2**31, description="Seed for shuffling and any randomness in the run.")
     profile_steps: tuple[int, int] | None = Field(

@@ -43,10 +43,10 @@ class ParamGroupConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (docs/optimizer.md)."""
+    """Optimizer (the reference's training_optimizer_name) and its hyper-parameters (docs/training.md)."""
 
     name: Literal["adamw", "sgd", "lamb"] = Field(
-        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (docs/optimizer.md)."
+        "adamw", description="adamw, sgd or lamb; applied by ortflow to the engine's buffers (docs/training.md)."
     )
     rule: Literal["torch", "engine"] = Field(
         "torch",
@@ -69,7 +69,7 @@ class OptimizerConfig(Section):
         (),
         description="Parameter groups [{params: [patterns], lr_scale or learning_rate, weight_decay, betas}]: the "
         "first group whose pattern matches a parameter is its group; parameters matched by none use this section's "
-        "settings; no_weight_decay still applies inside every group (docs/optimizer.md).",
+        "settings; no_weight_decay still applies inside every group (docs/training.md).",
     )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (0: plain SGD).")
     dampening: float = Field(0.0, ge=0, le=1, description="SGD momentum dampening (as torch.optim.SGD).")
@@ -124,7 +124,7 @@ def param_group_problems(names: list[str] | tuple[str, ...], opt: OptimizerConfi
 class LRScheduleConfig(Section):
     """Learning-rate schedule, computed from the weight-update step and set before every optimizer step.
 
-    Update s (0-based) of T uses learning_rate * f(s); docs/optimizer.md gives every formula.
+    Update s (0-based) of T uses learning_rate * f(s); docs/training.md gives every formula.
     """
 
     name: Literal["constant", "linear", "cosine", "polynomial"] = Field(
@@ -156,7 +156,7 @@ class PrecisionConfig(Section):
     """Mixed precision (the reference's use_mixed_precision, use_bfloat16, loss_scale)."""
 
     use_mixed_precision: bool = Field(
-        False, description="Compute in FP16 (or BF16) with FP32 master weights; GPUs only (docs/mixed-precision.md)."
+        False, description="Compute in FP16 (or BF16) with FP32 master weights; GPUs only (docs/gpu.md)."
     )
     use_bfloat16: bool = Field(False, description="Use BF16 instead of FP16 for mixed precision.")
     loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling (FP16 only).")

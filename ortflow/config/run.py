@@ -29,7 +29,7 @@ class RunConfig(Section):
 
     name: str = Field("ortflow-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run and deployment name.")
     output_dir: Path = Field(description="Run folder: artifacts, shards, checkpoints, logs and the exported model. "
-                             "A URL (s3://, gs://, az://) keeps the run folder on object storage (docs/storage.md).")
+                             "A URL (s3://, gs://, az://) keeps the run folder on object storage (docs/operations.md).")
     model: ModelConfig = Field(description="The ONNX model and its loss.")
     data: DataConfig = Field(description="Training and evaluation data.")
     train: TrainConfig = Field(description="Loop hyper-parameters.")
@@ -150,7 +150,7 @@ def _kubernetes_problems(cfg: RunConfig) -> list[str]:
     problems = []
     if not k8s.image:
         problems.append("distributed.launcher kubernetes needs kubernetes.image: the container image with ortflow's "
-                        "environment (docker/Dockerfile, docs/kubernetes.md)")
+                        "environment (docker/Dockerfile, docs/clusters.md)")
     mount = Path(k8s.run_volume_mount_path)
     for what, folder in (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoints_dir)):
         if not Path(folder).is_relative_to(mount):

@@ -5,7 +5,7 @@
 ``scheme://`` is refused when the config is built, so a URL never silently becomes a local folder named ``s3:``.
 
 A remote ``output_dir`` is the truth; ortflow works in a local copy of it (``storage.cache_dir``) and moves files
-between the two at stage boundaries and at every checkpoint (docs/storage.md).
+between the two at stage boundaries and at every checkpoint (docs/operations.md).
 """
 
 from __future__ import annotations

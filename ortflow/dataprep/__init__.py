@@ -1,6 +1,6 @@
 """Data preparation: sources -> checked, shuffled Arrow shards + manifest.json, and the rank-side loaders.
 
-See docs/data.md. ``prepare_data`` runs once per run (it is a no-op when nothing changed); ranks use
+See docs/your-data.md. ``prepare_data`` runs once per run (it is a no-op when nothing changed); ranks use
 ``loader.verify_data`` (rank 0, once), ``loader.TrainLoader`` and ``loader.EvalLoader``.
 """
 

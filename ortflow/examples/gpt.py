@@ -3,7 +3,7 @@
 ``input_ids`` int64 [B, T] -> ``logits`` float32 [B*T, V]. The logits are flattened so the engine's
 CrossEntropyLoss takes labels of shape [B*T] (it needs 2-D scores). Byte-level by default (V = 256).
 
-The graph keeps to what the engine's gradient builder handles correctly (docs/engine-notes.md):
+The graph keeps to what the engine's gradient builder handles correctly (docs/engine.md):
 
 * Q, K and V come from three MatMuls, never from a Split (a Split with an unused output gets wrong gradients);
 * LayerNormalization declares all three outputs;

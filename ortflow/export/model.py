@@ -1,7 +1,7 @@
 """Export: a complete checkpoint plus the eval model -> an inference ONNX model, verified before it is written.
 
 No training session is made. The engine's own ``Module.export_model_for_inferencing`` needs the training model and
-builds a training session (docs/engine-notes.md); here the checkpoint file is only read (``CheckpointState``), and the
+builds a training session (docs/engine.md); here the checkpoint file is only read (``CheckpointState``), and the
 inference graph is cut out of the eval model with ``onnx``:
 
 1. the parameters (graph inputs of the eval model) become initializers holding the checkpoint's values;

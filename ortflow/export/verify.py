@@ -173,7 +173,7 @@ def reference_outputs(
 ) -> list[dict[str, np.ndarray]]:
     """The eval graph's values of ``outputs`` on each batch, with the checkpoint's parameters fed as inputs."""
     graph_inputs = [i.name for i in eval_proto.graph.input]
-    # Basic level: bit-exact with the engine's eval graph (docs/engine-notes.md); higher levels fuse kernels.
+    # Basic level: bit-exact with the engine's eval graph (docs/engine.md); higher levels fuse kernels.
     with tempfile.TemporaryDirectory(prefix="ortflow-ref-") as tmp:
         path = Path(tmp) / "eval.onnx"
         onnx.save(eval_proto, str(path))

@@ -6,7 +6,7 @@ of them: the forward keeps their intermediates and the backward runs the Erf's g
 the whole ``[B, T, 4d]`` activation several times. The engine's own GELU ops (``Gelu``: the erf form;
 ``FastGelu``: the tanh form) compute the same function in one kernel each way (``GeluGrad`` / ``FastGeluGrad``).
 The engine's own graph optimizer fuses some forms when it builds the training graph (torch's
-``nn.GELU()`` export, Hugging Face's erf GELU and ``gelu_new``), not the others; measured: docs/engine-kernels.md.
+``nn.GELU()`` export, Hugging Face's erf GELU and ``gelu_new``), not the others; measured: docs/engine.md.
 
 Recognised (Mul and Add operands in either order; constants are initializers or Constant nodes holding one float,
 equal to the named value within 1e-5 relative; every intermediate read by nothing else):

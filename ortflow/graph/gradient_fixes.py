@@ -1,5 +1,5 @@
 """Rewrites for ops whose gradient the engine gets wrong or crashes on, found by the gradient audit
-(tests/graph/test_gradient_audit.py; docs/engine-kernels.md, "Gradient audit").
+(tests/graph/test_gradient_audit.py; docs/engine.md, "Gradient audit").
 
 - ``Where`` with a value input smaller than its output (broadcast): the engine's gradient for that input is WRONG,
   silently (measured: off by 1.0 and 0.29 of the largest gradient; it is not summed over the broadcast axes; a

@@ -15,7 +15,7 @@ A trainable parameter read on both sides of a cut (tied embedding and LM head) i
 It refuses, naming the nodes: a non-float tensor computed from parameters that crosses (e.g. ``Shape`` of an
 activation read by a later stage's ``Reshape``), a tensor that crosses two cuts, a model output the last stage does
 not compute, and random operators (the stage's forward is recomputed in its backward call, which would draw different
-random numbers; docs/engine-pipeline.md).
+random numbers; docs/engine.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Replace ``Split`` nodes that have unused outputs by one ``Slice`` per used output.
 
-The engine's gradient for a Split with an output nothing reads is WRONG, with only a log warning (docs/engine-notes.md):
+The engine's gradient for a Split with an output nothing reads is WRONG, with only a log warning (docs/engine.md):
 the gradient of the unused part is not zero-filled in the right place. ``torch.onnx.export`` writes such Splits for
 ``q, k, v = x.split(...)`` when one part is dropped, and for ``chunk``. A Slice per used output computes the same
 values and its gradient is right. Splits whose outputs are all used are left alone.

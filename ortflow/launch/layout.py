@@ -4,7 +4,7 @@ Everything here is a pure function of numbers passed in (cores, memory, model si
 without processes; :func:`host_resources` is the only reader of the machine. The batch split itself
 (:func:`ortflow.config.plan_batch`) lives with the config, because every rank resolves its own batch with it too.
 
-The rule (docs/layout.md holds the measurements it comes from): the engine's intra-op threading scales poorly (2.4x
+The rule (docs/layouts.md): the engine's intra-op threading scales poorly (2.4x
 from 1 to 32 threads on a 32-core Xeon, 1.7x from 1 to 2 here) while data-parallel ranks of one thread each scale
 well (16 x 1 reached 3.7x the tokens/s of 1 x 32 on that Xeon; 2 x 1 beat 1 x 2 by 1.15x on 2 cores). So ``auto``
 starts one single-threaded rank per physical core (SMT siblings share one core's arithmetic units: the Xeon's 32
@@ -133,7 +133,7 @@ def auto_layout(
         if fitting[0] != ranks:
             why += f", largest rank count <= {ranks} dividing global batch {global_batch}"
         ranks = fitting[0]
-    return Layout(ranks, max(1, cores // ranks), f"auto: {why}; 1 rank per physical core (docs/layout.md)")
+    return Layout(ranks, max(1, cores // ranks), f"auto: {why}; 1 rank per physical core (docs/layouts.md)")
 
 
 def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:

@@ -2,7 +2,7 @@
 updates through the real trainer under mpiexec, against the same 60 updates in fp32. Needs the GPU engine, CuPy and
 one CUDA GPU (skipped otherwise).
 
-What autocast keeps in fp32 here (docs/mixed-precision.md): RoPE's Cos and Sin in bf16 (no bf16 type in their schema
+What autocast keeps in fp32 here (docs/gpu.md): RoPE's Cos and Sin in bf16 (no bf16 type in their schema
 at the exports' opsets), Pow, Sqrt, Reciprocal and Neg in bf16 (fp16 CUDA kernels only), a SiLU's Sigmoid and Mul in
 bf16 (the engine fuses them into QuickGelu, without a bf16 kernel), and the default list (ReduceMean of RMSNorm,
 Softmax, the loss) in both. Each run must start (a node without a CUDA kernel stops the rank at session start), stay

@@ -120,7 +120,7 @@ def audit(tmp_path: Path, cases: list[Case], count: int = 12, seed: int = 1, raw
 
 
 def main() -> None:
-    """Print the audit's table (docs/engine-kernels.md): ``python -m tests.graph.audit``."""
+    """Print the audit's table (docs/engine.md): ``python -m tests.graph.audit``."""
     import logging
     import tempfile
 

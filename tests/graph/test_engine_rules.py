@@ -45,7 +45,7 @@ def test_split_with_unused_output_wrong_gradient_without_the_pass_right_with_it(
     x, y = _classifier_inputs()
     reference = Reference(model_path, {"x": x}, y)
     _, raw = engine_loss_and_gradients(_raw_engine_artifacts(model_path, tmp_path / "raw"), [x, y])
-    # The engine's own graph: fc1's gradient is wrong (the fact docs/engine-notes.md records and the pass exists for).
+    # The engine's own graph: fc1's gradient is wrong (the fact docs/engine.md records and the pass exists for).
     with pytest.raises(AssertionError, match="fc1"):
         assert_gradients_match(reference, raw)
     result = configure(make_cfg(tmp_path, model_path))

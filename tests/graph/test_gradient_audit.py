@@ -2,7 +2,7 @@
 configure, has the gradient of the ORIGINAL model to fp32 rounding (float64 central differences, tests/graph/audit.py);
 the variants the engine gets wrong are rewritten (ortflow/graph/gradient_fixes.py) or refused with a fix
 (ortflow/graph/differentiable.py). The engine-fact tests record what the engine does with each untouched, so a
-later engine that fixes one shows up. Results: docs/engine-kernels.md, "Gradient audit".
+later engine that fixes one shows up. Results: docs/engine.md, "Gradient audit".
 """
 
 from __future__ import annotations

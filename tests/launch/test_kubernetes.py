@@ -233,10 +233,12 @@ def test_a_failed_mpijob_reports_its_message(tmp_path):
     assert result.returncode == 1 and not result.ok
 
 
-def docs_example(tmp_path: Path, block: int = 0, **sections) -> object:
-    """The ``block``-th YAML example of docs/kubernetes.md, with its paths moved under ``tmp_path``."""
-    text = (Path(__file__).parents[2] / "docs" / "kubernetes.md").read_text()
-    raw = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", text, re.S)[block].replace("/runs", str(tmp_path / "runs")))
+def docs_example(tmp_path: Path, **sections) -> object:
+    """docs/clusters.md's Kubernetes example (its first YAML block with `launcher: kubernetes`), with its paths moved
+    under ``tmp_path``."""
+    text = (Path(__file__).parents[2] / "docs" / "clusters.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "launcher: kubernetes" in b)
+    raw = yaml.safe_load(block.replace("/runs", str(tmp_path / "runs")))
     raw["kubernetes"]["run_volume_mount_path"] = str(tmp_path / "runs")
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}

@@ -17,9 +17,11 @@ from ortflow.launch import mpijob
 DOCS = Path(__file__).parents[2] / "docs"
 
 
-def first_yaml_example(page: str, tmp_path: Path) -> Path:
-    """The page's first YAML example as a config file (its paths as written: render reads none of them)."""
-    block = re.findall(r"```yaml\n(.*?)```", (DOCS / page).read_text(), re.S)[0]
+def first_yaml_example(page: str, tmp_path: Path, launcher: str) -> Path:
+    """The page's first YAML example with this launcher, as a config file (its paths as written: render reads none
+    of them)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / page).read_text(), re.S)
+    block = next(b for b in blocks if f"launcher: {launcher}" in b)
     path = tmp_path / f"{page}.yaml"
     path.write_text(block)
     return path
@@ -31,7 +33,7 @@ def render(*args: str) -> tuple[int, str]:
 
 
 def test_render_prints_the_documented_mpijob_and_a_gpu_one_both_strictly_valid(tmp_path):
-    config = first_yaml_example("kubernetes.md", tmp_path)
+    config = first_yaml_example("clusters.md", tmp_path, "kubernetes")
     code, text = render(config)
     assert code == 0, text
     documented = yaml.safe_load(text)
@@ -53,7 +55,7 @@ def test_render_prints_the_documented_mpijob_and_a_gpu_one_both_strictly_valid(t
 
 
 def test_render_prints_the_documented_sbatch_script(tmp_path):
-    code, text = render(first_yaml_example("slurm.md", tmp_path))
+    code, text = render(first_yaml_example("clusters.md", tmp_path, "slurm"))
     assert code == 0, text
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR1@300", "module load cuda/12.4"):
@@ -63,7 +65,7 @@ def test_render_prints_the_documented_sbatch_script(tmp_path):
 
 
 def test_render_refuses_the_local_launcher_and_a_manifest_the_config_cannot_place(tmp_path):
-    config = first_yaml_example("kubernetes.md", tmp_path)
+    config = first_yaml_example("clusters.md", tmp_path, "kubernetes")
     code, text = render(config, "--launcher", "local")
     assert code == 1 and "submits nothing to render" in text
     code, text = render(config, "--set", "kubernetes.run_volume_mount_path=/data")

@@ -1,4 +1,4 @@
-"""docs/pipeline.md's deploy block, run from a fresh clone by tools/deploy_from_clone.sh against the test server:
+"""docs/operations.md's deploy block, run from a fresh clone by tools/deploy_from_clone.sh against the test server:
 `prefect deploy` (its build step writes the example), a process worker, and a deployment run that completes."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_gemm_mlp_and_tied_vocabulary_split_train_to_the_unsplit_parameters(tmp_
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
     print(f"Gemm MLP + tied vocabulary split hp 2, sgd: max |param diff| vs hp 1: {max(worst.values())} "
           f"({max(worst, key=worst.get)}); largest move {moved}")
-    # SGD passes the few-ulp rounding differences of the split sums (docs/tensor-parallel.md) through lr = 1e-2, so
+    # SGD passes the few-ulp rounding differences of the split sums (docs/layouts.md) through lr = 1e-2, so
     # weights differ by about an ulp of their own size: measured 6.0e-8 (an ulp in [0.5, 1)) and 1.19e-7 (one ulp of
     # a LayerNorm weight in [1, 2), which the absolute 1e-7 alone refused in a CI run). A wrong split (a bias added
     # twice, a wrong slice, a missing sum) moves weights by ~lr |g|, over 1e4 times that.

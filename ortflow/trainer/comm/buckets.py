@@ -9,7 +9,7 @@ in place in slices of its own memory (no packing at all); small ones are packed 
 few. Every bucket is one more synchronisation of all ranks, though, which costs much more than the passes it saves
 when ranks share cores with other processes: bench/bench_exchange.py measures the choices, and the default exchange
 (MPIComm._exchange_runs: the gradients' memory runs reduced in place, comm/memory_runs.py) stays in place until a
-dedicated host shows buckets faster (docs/layout.md).
+dedicated host shows buckets faster (docs/layouts.md).
 """
 
 from __future__ import annotations

@@ -39,4 +39,4 @@ def launcher_mismatch(binding: dict[str, str], launcher: str | None) -> str | No
               else "or bind mpi4py to the launcher's MPI (MPI4PY_LIBMPI=libmpi.so.12 for MPICH)")  # fmt: skip
     return (f"{MISMATCH}: mpi4py is bound to {_NAMES[abi]} ({binding.get('library')}) but the ranks were started "
             f"by {_NAMES[launcher]}'s launcher, so they cannot form one process group: {fix}, {select} "
-            "(docs/slurm.md, `ortflow doctor --mpiexec LAUNCHER`)")
+            "(docs/clusters.md, `ortflow doctor --mpiexec LAUNCHER`)")

@@ -218,7 +218,7 @@ class MPIComm:
         if self.bucket_values:  # cache-sized buckets (distributed.exchange_bucket_mb, comm/buckets.py): scaled here
             self._collective("gradient all-reduce", lambda: self._exchange_buckets(grads, divisor, scalars))
             return np.float32(1)
-        # Memory runs in place, small ones packed: the fastest measured (docs/layout.md).
+        # Memory runs in place, small ones packed: the fastest measured (docs/layouts.md).
         owed, applied = (scale, np.float32(1)) if self.defer_scale else (np.float32(1), scale)
         self._collective("gradient all-reduce", lambda: self._exchange_runs(grads, applied, scalars))
         return owed
@@ -232,7 +232,7 @@ class MPIComm:
 
         Blocking ``Allreduce`` calls, one after another: Open MPI 4.1's non-blocking collectives (libnbc) took 1.6x
         its blocking ``Allreduce`` of the same bytes on the device's 32 CPUs, and MPICH measured the same either way
-        (docs/layout.md)."""
+        (docs/layouts.md)."""
         mpi = self._mpi
         plan = self._runs
         if plan is None or plan.key != plan_key(grads, scalars.size):

@@ -23,7 +23,7 @@ type:
    in the float32 path (one read of the gradients fewer).
 
 What it costs in accuracy: each rank's gradient is rounded to 11 (fp16) or 8 (bf16) significant bits before the sum,
-and the sum rounded again, instead of the float32 average's one rounding (docs/mixed-precision.md).
+and the sum rounded again, instead of the float32 average's one rounding (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ two float32 multiplications in this order (not one by ``s * c``, whose rounding 
 parameters and state are bit for bit those of the eager passes: :func:`sum_of_squares` applies the factors per
 cache-sized chunk into a scratch buffer, the host update's kernels (``optim/segments.py``, ``optim/fused.py``) as they
 read each element. A factor of 1 is exact (``fl32(x * 1) = x``), so eager paths are the special case
-``scale = clip = 1``. Measured: ``python -m bench exchange-fold``, docs/layout.md.
+``scale = clip = 1``. Measured: ``python -m bench exchange-fold``, docs/layouts.md.
 """
 
 from __future__ import annotations
