@@ -40,8 +40,8 @@ SEQ = 32
 
 
 def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int, cuts: tuple[str, ...] = ()):
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
 
     corpus = work / "corpus.txt"

@@ -65,7 +65,7 @@ def _tokens(path: Path, shape: dict, rows: int, seed: int) -> Path:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

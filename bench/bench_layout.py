@@ -41,7 +41,7 @@ _PROGRESS = re.compile(r"step (\d+)/(\d+) \|.*?samples_per_s ([0-9.eE+-]+)")
 
 def run_folder(root: Path, setup: Setup, global_batch: int, ranks: int | str, threads: int | None) -> object:
     """The ortflow run folder for one layout (configure and data preparation are reused between layouts)."""
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
 
     raw = {

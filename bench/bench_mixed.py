@@ -79,8 +79,8 @@ def emit(record: dict) -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.examples.gpt import build_gpt
 
     root = Path(args.root)
@@ -111,7 +111,7 @@ def _patched(patch: dict):
     if not patch.get("gelu"):
         return contextlib.nullcontext()
     extra = ("Gelu", "FastGelu", "BiasGelu")
-    return mock.patch("ortflow.build.mixed_precision.BF16_FP32_OPS", ("LayerNormalization", *extra))
+    return mock.patch("ortflow.configure.mixed_precision.BF16_FP32_OPS", ("LayerNormalization", *extra))
 
 
 def _configure(configure, config_from_dict, root, name, model, batch, device, cuda, base, variant_settings):

@@ -75,8 +75,8 @@ print(json.dumps({"fb": float(np.mean(fb[warmup:])), "upd": float(np.mean(upd[wa
 
 def make_run(root: Path, steps: int, display: int):
     """A configured, sharded run of the bench GPT (ortflow.examples.gpt: d 256, 4 layers, seq 128, batch 8)."""
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

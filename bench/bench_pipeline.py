@@ -176,8 +176,8 @@ def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
                device: str = "cpu", recompute: bool = False) -> Path:
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

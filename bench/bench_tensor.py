@@ -115,8 +115,8 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
 
 
 def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

@@ -78,7 +78,7 @@ def run_config(root: Path, setup: Setup, num_ranks: int, threads: int) -> RunCon
 
 def build(root: Path, setup: Setup, rows: int) -> RunConfig:
     """Export the model, write the tokens, configure and shard the run folder (1 x 1 layout)."""
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
 
     root.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def build(root: Path, setup: Setup, rows: int) -> RunConfig:
 
 def set_layout(root: Path, setup: Setup, num_ranks: int, threads: int) -> RunConfig:
     """Re-configure the run folder for ``num_ranks`` x ``threads`` and remove what a previous run left."""
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
 
     cfg = run_config(root, setup, num_ranks, threads)
     result = configure(cfg)

@@ -45,8 +45,8 @@ def _rss_kb(field: str) -> int:
 
 
 def _configure(root: Path, name: str, micro: int):
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.examples.gpt import build_gpt
 

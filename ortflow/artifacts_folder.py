@@ -1,6 +1,6 @@
 """The artifacts folder as ranks read it: where each part lives, its records, and the files' checksums.
 
-Configure (:mod:`ortflow.build`) writes the folder; every rank reads it through this module alone, which imports
+Configure (:mod:`ortflow.configure`) writes the folder; every rank reads it through this module alone, which imports
 nothing from ortflow, so the rank runtime never loads the graph passes or the artifact builders.
 
 Checksums: a resume trusts the artifacts as much as the checkpoints: a flipped bit in ``training_model.onnx``

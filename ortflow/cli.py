@@ -157,7 +157,7 @@ def train(
     try:
         cfg = load_run_config(run_dir, accept_changed=accept_changed_config)
         if accept_changed_config:
-            from ortflow.build.configure import accept_config_edit
+            from ortflow.configure.configure import accept_config_edit
 
             accept_config_edit(cfg)
         if launcher is not None:
@@ -253,7 +253,7 @@ def tune(
     """Time candidate ranks x threads layouts of CPU ranks on this host; num_ranks auto then uses the fastest."""
     import json
 
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import DataError, prepare_data
     from ortflow.launch.layout import LayoutError, host_resources
     from ortflow.launch.local import LaunchError
@@ -285,8 +285,8 @@ def configure_cmd(config: ConfigArg, overrides: SetOpt = None) -> None:
     section and the layout and precision settings decide a rebuild; optimizer.groups are checked against the trained
     parameters every time.
     """
-    from ortflow.build.configure import configure
     from ortflow.checkpoints.run_store import around_stage
+    from ortflow.configure.configure import configure
 
     cfg = _load(config, overrides)
     try:

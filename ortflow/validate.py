@@ -106,10 +106,10 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
 def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -> list[str]:
     """The pipeline or tensor-parallel split's refusal (a cut crossed by a value computed from trained parameters, a
     size that does not divide the heads, nothing to split, a cut inside a split region, a tied weight across stages),
-    exactly as configure gives it (:func:`ortflow.build.configure.plan_layout`); onnx only, no engine. The plan in
+    exactly as configure gives it (:func:`ortflow.configure.configure.plan_layout`); onnx only, no engine. The plan in
     words goes into ``split_plan`` when given."""
-    from ortflow.build.artifacts import ArtifactsError
-    from ortflow.build.configure import plan_layout
+    from ortflow.configure.artifacts import ArtifactsError
+    from ortflow.configure.configure import plan_layout
     from ortflow.graph.batchnorm_stats import running_statistics, to_record
     from ortflow.trainer.batchnorm import refuse_tensor_parallel
 
@@ -118,7 +118,7 @@ def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -
             refuse_tensor_parallel(to_record(running_statistics(cfg.model.path)))  # as the tensor-parallel ranks do
         except ValueError as err:
             return [str(err)]
-    from ortflow.build.torch_model import torch_source
+    from ortflow.configure.torch_model import torch_source
 
     try:
         with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
@@ -132,8 +132,8 @@ def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -
 def torch_problems(cfg: RunConfig) -> list[str]:
     """A dynamo export whose torch parameters the exporter merged or dropped beyond repair, refused as configure
     refuses it (with the export call that keeps them); nothing for other exports."""
-    from ortflow.build.artifacts import ArtifactsError
-    from ortflow.build.torch_model import read_torch_parameters
+    from ortflow.configure.artifacts import ArtifactsError
+    from ortflow.configure.torch_model import read_torch_parameters
 
     try:
         read_torch_parameters(cfg.model.path)
@@ -147,7 +147,7 @@ def group_problems(cfg: RunConfig) -> list[str]:
     those the engine cannot train: running statistics and constants), as configure checks them."""
     from fnmatch import fnmatch
 
-    from ortflow.build.torch_model import read_torch_parameters
+    from ortflow.configure.torch_model import read_torch_parameters
     from ortflow.graph.untrainable import untrainable_initializers
 
     found = read_torch_parameters(cfg.model.path)  # a dynamo export trains its torch parameters, by torch name
@@ -214,7 +214,7 @@ def load_model(path: Path) -> onnx.ModelProto:
 def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:
     """Build what configure builds (the whole model's artifacts, and the pipeline stages and tensor-parallel pieces
     of the configured layout) in a temporary folder; (the real train inputs, problems)."""
-    from ortflow.build.configure import build_layout  # the engine: only for --deep
+    from ortflow.configure.configure import build_layout  # the engine: only for --deep
 
     problems = []
     with tempfile.TemporaryDirectory(prefix="ortflow-validate-") as tmp:
@@ -237,7 +237,7 @@ def cuda_library_problems(model_path: Path) -> list[str]:
     import onnxruntime
 
     from ortflow import cuda_libs
-    from ortflow.build.configure import op_types
+    from ortflow.configure.configure import op_types
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return []

@@ -29,7 +29,7 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     Raises:
         DataError: a data glob matches nothing (never train on an empty source).
     """
-    from ortflow.build.configure import fingerprint as model_fingerprint
+    from ortflow.configure.configure import fingerprint as model_fingerprint
     from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
 
     data = cfg.data

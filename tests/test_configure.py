@@ -13,9 +13,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.artifacts_folder import ARTIFACT_FILES
-from ortflow.build.artifacts import inspect_model
-from ortflow.build.configure import CONFIGURE_RECORD_NAME, configure
 from ortflow.config import ConfigError, OptimizerConfig, config_from_dict
+from ortflow.configure.artifacts import inspect_model
+from ortflow.configure.configure import CONFIGURE_RECORD_NAME, configure
 from ortflow.engine import api
 from ortflow.examples import build_gpt, build_mlp
 from ortflow.trainer.optim import build_update, whole_segments
@@ -106,7 +106,7 @@ def test_second_configure_is_a_no_op(tmp_path, caplog):
     stamps = mtimes(first.artifacts_dir)
     record_stamp = (first.run_dir / CONFIGURE_RECORD_NAME).stat().st_mtime_ns
 
-    with caplog.at_level(logging.INFO, logger="ortflow.build.configure"):
+    with caplog.at_level(logging.INFO, logger="ortflow.configure.configure"):
         second = configure(cfg)
 
     assert second.reused
@@ -364,7 +364,7 @@ def test_cross_entropy_on_a_1d_output_is_refused_with_the_loss_to_use(tmp_path):
 
 def test_mixed_precision_is_in_the_artifacts_fingerprint(tmp_path):
     """The autocast pass and the loss-scale input are in the artifacts: switching precision must rebuild them."""
-    from ortflow.build.configure import fingerprint
+    from ortflow.configure.configure import fingerprint
 
     path = build_mlp(tmp_path / "m.onnx")
 

@@ -8,8 +8,8 @@ import json
 import onnx
 import pytest
 
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.prepare import PASSES
 

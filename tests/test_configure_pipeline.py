@@ -9,8 +9,8 @@ import onnx
 import pytest
 
 from ortflow.artifacts_folder import ARTIFACT_FILES, read_stages_record, stage_dir
-from ortflow.build.configure import configure
 from ortflow.config import ConfigError, config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.engine import api
 from tests.support.mlp_stack import B, T, V, build_torchlike
 

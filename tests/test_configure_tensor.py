@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from ortflow.artifacts_folder import ARTIFACT_FILES, piece_dir, read_tensor_record
-from ortflow.build.configure import configure
 from ortflow.config import ConfigError, config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.examples.gpt import build_gpt
 
 

@@ -11,10 +11,10 @@ import onnx
 import onnxruntime
 import pytest
 
-from ortflow.build.configure import configure
 from ortflow.checkpoints import CheckpointManager
 from ortflow.checkpoints.h5state import TrainState, write_state
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.engine import api
 from ortflow.export import export_model
 from ortflow.trainer.optim import build_update, whole_segments

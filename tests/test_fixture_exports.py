@@ -62,8 +62,8 @@ def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(family):
 
 
 def _configure_fixture(root, name, **sections):
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
 
     raw = {"name": name, "output_dir": str(root / name), "model": {"path": str(export_path(name))},
            "data": {"train": str(root / "unused.parquet")}, "train": {"batch_size": 2, "num_train_steps": 2},
@@ -117,8 +117,8 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
 
 
 def test_constants_in_external_data_reach_the_passes_when_the_weights_stay_on_disk(tmp_path):
-    from ortflow.build.engine_input import prepare
     from ortflow.config import config_from_dict
+    from ortflow.configure.engine_input import prepare
     from ortflow.graph.torch_params import torch_parameters
 
     model = torch_parameters(onnx.load(str(export_path("gpt2-dynamo.onnx")))).model

@@ -76,8 +76,8 @@ def test_a_fixed_batch_sequence_model_with_int_inputs_becomes_symbolic():
 
 
 def test_flattened_logits_become_a_multiple_of_the_symbolic_batch_and_train_at_another_size(tmp_path):
-    from ortflow.build.artifacts import build_artifacts
     from ortflow.config import config_from_dict
+    from ortflow.configure.artifacts import build_artifacts
     from ortflow.engine import api
 
     out, report = make_batch_symbolic(flattened_logits_model(batch=2, seq=5))

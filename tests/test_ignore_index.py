@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.engine import api
 from ortflow.examples.mlp import build_mlp
 

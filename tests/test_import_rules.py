@@ -147,7 +147,7 @@ def test_only_the_engine_module_imports_onnxruntime_training():
 
 def test_only_trainer_export_and_build_reach_the_engine():
     users = who_imports("ortflow.engine")
-    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.build.")
+    allowed = ("ortflow.trainer.", "ortflow.export.", "ortflow.configure.")
     assert users and all(u.startswith(allowed) for u in users), users
 
 

@@ -15,8 +15,8 @@ import onnxruntime
 import pytest
 from onnx import numpy_helper
 
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.engine import api
 from ortflow.export.model import export_model
@@ -130,7 +130,7 @@ def test_a_model_past_the_proto_limit_configures_trains_checkpoints_and_exports_
 
 
 def test_pipeline_stages_and_tensor_pieces_of_a_model_past_the_limit_are_refused_naming_the_fields(tmp_path):
-    from ortflow.build.engine_input import ArtifactsError, split_source
+    from ortflow.configure.engine_input import ArtifactsError, split_source
 
     cfg, model = _llama_run(tmp_path)
     names = [t.name for t in onnx.load(str(model), load_external_data=False).graph.initializer]

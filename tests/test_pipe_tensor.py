@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ortflow.artifacts_folder import ARTIFACT_FILES, piece_dir, read_pipe_tensor_record, stage_base
-from ortflow.build.configure import configure
 from ortflow.checkpoints.tp import by_stage, tp_file
 from ortflow.config import ConfigError, config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.examples.gpt import build_gpt
 from ortflow.trainer.parallel.parallel_dims import place, rank_of
 from ortflow.validate import tensor_split_problems
@@ -103,7 +103,7 @@ def test_a_cut_inside_a_split_region_is_refused_with_the_region_and_the_fix(tmp_
 
 
 def test_tied_weights_across_stages_are_split_alike_in_every_holding_stage(tmp_path):
-    from ortflow.build.pipe_tensor_artifacts import plan_pipe_tensor
+    from ortflow.configure.pipe_tensor_artifacts import plan_pipe_tensor
     from tests.support.gpt import gpt2_style
 
     path = gpt2_style(tmp_path / "tied.onnx", vocab=16, seq_len=4, width=8, heads=2, batch=2)
@@ -130,7 +130,7 @@ def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logi
     import numpy as np
     import onnx
 
-    from ortflow.build.pipe_tensor_artifacts import pieces, plan_pipe_tensor
+    from ortflow.configure.pipe_tensor_artifacts import pieces, plan_pipe_tensor
     from tests.support.gpt import torch_gpt
     from tests.support.tensor_sim import run_whole
 

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ortflow.build.configure import configure
 from ortflow.cli import app
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep import DataError, prepare_data
 from ortflow.validate import validate
 from tests.support.batch_models import (

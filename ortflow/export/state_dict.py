@@ -2,8 +2,8 @@
 
 ``ortflow export RUN --state-dict weights.safetensors`` writes what ``model.load_state_dict`` reads:
 
-* a dynamo export's run (configure.json ``torch``, :mod:`ortflow.build.torch_model`): every torch parameter under its
-  torch name and shape (configure already gave each its own tensor in torch's layout: transposes undone, merged
+* a dynamo export's run (configure.json ``torch``, :mod:`ortflow.configure.torch_model`): every torch parameter under
+  its torch name and shape (configure already gave each its own tensor in torch's layout: transposes undone, merged
   tensors untied), each tied name (``lm_head.weight`` of a tied embedding) with the same values, and the persistent
   buffers the export kept; nothing else (RoPE's ``inv_freq`` and other non-persistent buffers are not in a state dict);
 * a TorchScript export's run: every float tensor the checkpoint holds whose name is a torch name (TorchScript keeps

@@ -2,7 +2,7 @@
 
 A serialised protobuf message cannot reach 2 GiB, so a model whose graph and weights together reach it keeps its
 weights in external data files (ONNX's ``external_data`` entries: file, offset, length). Configure hands such a model
-to the engine with its weights unread (:mod:`ortflow.build.engine_input`), and export writes its inference model as
+to the engine with its weights unread (:mod:`ortflow.configure.engine_input`), and export writes its inference model as
 ``model.onnx`` plus ``model.onnx.data`` (:mod:`ortflow.export.model`). Both take the limit as a parameter, so tests
 take the large-model path on small models.
 """

@@ -23,7 +23,7 @@ engine's parameter and gradient names are untouched. Left alone, with the reason
 (not a leading run, or every axis), axes known only at run time (``ReduceSumTraining`` after
 ``BroadcastGradientArgs``), inputs of unknown rank, unknown trailing dims, and non-float types.
 
-Applied by configure to the engine's *training* model (:func:`ortflow.build.artifacts.build_artifacts`) on
+Applied by configure to the engine's *training* model (:func:`ortflow.configure.artifacts.build_artifacts`) on
 ``device: cuda`` with ``distributed.deterministic_compute`` and ``distributed.reduce_sum_as_matmul`` (default on).
 """
 

@@ -26,11 +26,11 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from ortflow.artifacts_folder import ARTIFACT_FILES, verify_artifacts
-from ortflow.build.configure import fingerprint as configure_fingerprint
-from ortflow.build.configure import read_configure_record
 from ortflow.checkpoints import list_complete, verify
 from ortflow.config import RunConfig
 from ortflow.config.atomic import write_text_atomic
+from ortflow.configure.configure import fingerprint as configure_fingerprint
+from ortflow.configure.configure import read_configure_record
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ def check_launcher(config: RunConfig) -> None:
 @task(name="configure", cache_policy=StageCache(stage="configure"), persist_result=True, **_RETRY)
 def configure(config: RunConfig) -> dict:
     """Build the training artifacts (or find them up to date) and write the resolved config into the run folder."""
-    from ortflow.build.configure import configure as run_configure
+    from ortflow.configure.configure import configure as run_configure
 
     with forward_logs():
         result = run_configure(config)

@@ -72,8 +72,8 @@ def test_exported_gpt_trains_in_the_engine_with_the_same_first_loss(tmp_path):
     import torch.nn.functional as F
 
     from bench.torch_gpt import GPT, GPTShape, export_onnx
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.engine import api
 
     shape = GPTShape(vocab_size=32, seq_len=8, d_model=16, num_layers=1, num_heads=2)

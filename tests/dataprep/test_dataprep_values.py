@@ -140,9 +140,9 @@ def test_validate_reports_bad_values_of_a_configured_run(tmp_path):
     import yaml
     from typer.testing import CliRunner
 
-    from ortflow.build.configure import configure
     from ortflow.cli import app
     from ortflow.config import load_config
+    from ortflow.configure.configure import configure
     from ortflow.examples.mlp import build_mlp
 
     build_mlp(tmp_path / "mlp.onnx", num_features=4, hidden=8, num_classes=3, seed=0)

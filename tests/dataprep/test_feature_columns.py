@@ -11,8 +11,8 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep import DataError, EvalLoader, TrainLoader, prepare_data, read_manifest
 from ortflow.dataprep.features import natural_key
 from ortflow.examples.mlp import build_mlp

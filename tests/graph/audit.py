@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 from onnx.reference import ReferenceEvaluator
 
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from tests.graph.gradcheck import engine_loss_and_gradients, parameters_of, sample_indices, to_double
 from tests.support.audit_graph import BATCH, CLASSES, FEATURES, Case, build_model
 

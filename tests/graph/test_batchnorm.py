@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from ortflow.build.configure import configure
+from ortflow.configure.configure import configure
 from ortflow.engine import api
 from tests.graph.gradcheck import Reference, assert_gradients_match, engine_loss_and_gradients
 from tests.graph.test_export_patterns import make_cfg

@@ -13,9 +13,9 @@ import onnxruntime
 import pytest
 from onnx import TensorProto
 
-from ortflow.build.configure import configure
-from ortflow.build.engine_input import repeatable_gathers
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
+from ortflow.configure.engine_input import repeatable_gathers
 from ortflow.engine import api
 from ortflow.graph.embedding import MARK, deterministic_gathers, restore_gathers
 from ortflow.trainer.runtime import session_options

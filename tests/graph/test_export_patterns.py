@@ -11,8 +11,8 @@ import onnx
 import onnxruntime
 import pytest
 
-from ortflow.build.configure import configure
 from ortflow.config import OptimizerConfig, config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.engine import api
 from ortflow.export.model import build_inference_model, default_outputs, label_names, load_parameters
 from ortflow.trainer import optim

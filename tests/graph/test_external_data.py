@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from ortflow.build.configure import configure
-from ortflow.build.engine_input import engine_input
+from ortflow.configure.configure import configure
+from ortflow.configure.engine_input import engine_input
 from ortflow.engine import api, artifacts
 from ortflow.graph.external_data import needs_external_data
 from ortflow.graph.prepare import prepare_model

@@ -8,8 +8,8 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep.prepare_data import prepare_data
 from ortflow.export import export_model
 from ortflow.graph.gelu import MS_DOMAIN, decompose_gelu, gelu_rewrites

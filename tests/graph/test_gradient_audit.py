@@ -13,8 +13,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from ortflow.build.configure import configure
 from ortflow.config import ConfigError, config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.graph.gradient_fixes import expand_where_inputs, gradient_fixes
 from tests.graph.audit import BOUND, audit
 from tests.support.audit_cases import CASES_17, CASES_20
@@ -133,7 +133,7 @@ def test_engine_fact_its_gradient_is_silently_wrong(tmp_path, name):
 
 def test_pipeline_stages_get_the_rewrites_too(tmp_path):
     # Stages are cut from the model file, not from prepare_model's output (stage_artifacts.plan_stages).
-    from ortflow.build.stage_artifacts import plan_stages
+    from ortflow.configure.stage_artifacts import plan_stages
 
     cases = [BY_NAME[n] for n in ("where_y_broadcast", "reduce_sum_noop", "slice_flip_last_axis", "matmul_1d")]
     path, _ = build_model(tmp_path / "m.onnx", cases)

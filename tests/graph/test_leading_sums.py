@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from ortflow.build.artifacts import build_artifacts
-from ortflow.build.configure import fingerprint
-from ortflow.build.training_graph import sums_as_matmul_applies
 from ortflow.config import config_from_dict
+from ortflow.configure.artifacts import build_artifacts
+from ortflow.configure.configure import fingerprint
+from ortflow.configure.training_graph import sums_as_matmul_applies
 from ortflow.engine import api
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.leading_sums import MARK, LeadingSumReport, sums_as_matmul

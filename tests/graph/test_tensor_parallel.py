@@ -124,7 +124,7 @@ def test_slices_merge_back_to_the_whole_tensor(axis, parts):
 @pytest.fixture(scope="module")
 def bert():
     """The Hugging Face BERT export: its Linears read ``Transpose(W)`` of ``[out, in]`` weights."""
-    from ortflow.build.tensor_artifacts import export_fixes
+    from ortflow.configure.tensor_artifacts import export_fixes
     from tests.support.exports import export_path
 
     model = onnx.load(str(export_path("bert.onnx")))

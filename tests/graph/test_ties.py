@@ -12,8 +12,8 @@ from tests.support.exports import export_path
 def test_a_tied_table_untied_by_constant_folding_is_found_and_configure_warns(tmp_path, caplog):
     from onnx import numpy_helper
 
-    from ortflow.build.configure import configure
     from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
     from ortflow.graph.ties import folded_tie_copies
 
     model = onnx.load(str(export_path("gpt2.onnx")))

@@ -154,7 +154,7 @@ def test_rerun_after_failed_export_does_not_rerun_finished_stages(prefect_server
 def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_parameters(
     prefect_server, mlp_sources, tmp_path
 ):
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.launch.local import launch
 
@@ -211,7 +211,7 @@ def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_pa
     """
     import time
 
-    from ortflow.build.configure import configure
+    from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
 
     cfg = mlp_config(tmp_path, mlp_sources, "timeout",

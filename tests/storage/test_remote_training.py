@@ -16,10 +16,10 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow.build.configure import configure
 from ortflow.checkpoints.object_store import RemoteCheckpoints
 from ortflow.checkpoints.run_store import RunStore
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.storage import RemoteDir
 from tests.support.runs import MPIEXEC, final_parameters, make_run, run_ranks

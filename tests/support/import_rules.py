@@ -15,7 +15,7 @@ LAYERS: dict[str, set[str]] = {
     "storage": {"config"},  # fsspec: remote folders, the sync of a run folder's local copy
     "dataprep": {"config", "storage"},
     "checkpoints": {"config", "processes", "storage"},
-    "build": {"config", "graph", "checkpoints", "engine", "artifacts_folder"},
+    "configure": {"config", "graph", "checkpoints", "engine", "artifacts_folder"},
     "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus", "artifacts_folder", "cuda_libs",
                 "protocol", "storage"},
     "launch": {"config", "processes", "gpus", "protocol"},
@@ -26,9 +26,10 @@ LAYERS: dict[str, set[str]] = {
     "cuda_libs": {"gpus"},  # the engine's CUDA libraries: the engine, the ranks and validate load or check them
     "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
-    "validate": {"config", "dataprep", "graph", "build", "checkpoints", "engine", "versions", "cuda_libs", "storage"},
-    "versions": {"config", "dataprep", "build", "checkpoints", "version_configs"},
-    "version_configs": {"config", "dataprep", "build"},
+    "validate": {"config", "dataprep", "graph", "configure", "checkpoints", "engine", "versions", "cuda_libs",
+                 "storage"},
+    "versions": {"config", "dataprep", "configure", "checkpoints", "version_configs"},
+    "version_configs": {"config", "dataprep", "configure"},
     "runlock": set(),
     "processes": set(),  # is a local process alive, wait for its exit
     "gpus": set(),  # the GPUs the NVIDIA driver shows this process (ctypes only)

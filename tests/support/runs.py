@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ortflow.build.configure import configure
 from ortflow.config import RunConfig, config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.examples.mlp import build_mlp
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.support.exports import export_path
 from tests.support.parallel_runs import corpus
 from tests.support.runs import make_run
@@ -29,18 +27,8 @@ def gpt2_run(root: Path, name: str, export: str = "gpt2.onnx", **sections):
                     **sections)
 
 
-def _dynamo_exports_configure() -> bool:
-    """Whether this ortflow configures the dynamo exporter's files (its constants in initializers, its torch names)."""
-    import importlib.util
-
-    return importlib.util.find_spec("ortflow.build.torch_model") is not None
-
-
-_DYNAMO = pytest.mark.skipif(not _dynamo_exports_configure(),
-                             reason="the dynamo exports configure with ortflow.build.torch_model (dynamo exports in)")
 #: The Llama fixtures: TorchScript, and the dynamo exporter's default and optimize=False files.
-LLAMA_EXPORTS = ["llama.onnx", pytest.param("llama-dynamo.onnx", marks=_DYNAMO),
-                 pytest.param("llama-dynamo-noopt.onnx", marks=_DYNAMO)]
+LLAMA_EXPORTS = ["llama.onnx", "llama-dynamo.onnx", "llama-dynamo-noopt.onnx"]
 
 
 def llama_run(root: Path, name: str, export: str = "llama.onnx", **sections):

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from ortflow.build.configure import configure
+from ortflow.configure.configure import configure
 from ortflow.examples.mlp import build_mlp
 from ortflow.trainer.batchnorm import RunningStats, recorded_layers
 from tests.graph.test_export_patterns import make_cfg

@@ -154,7 +154,7 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, 
 EXPORTER_ATOL = 1e-5
 
 # Torch's default exporter (dynamo) on the same models: configure trains each export's torch parameters under their
-# torch names (ortflow/build/torch_model.py), so every layout is compared with the unsplit run name by name.
+# torch names (ortflow/configure/torch_model.py), so every layout is compared with the unsplit run name by name.
 DYNAMO = ("gpt2-dynamo-noopt.onnx", "llama-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "llama-dynamo.onnx",
           "bert-dynamo.onnx")
 

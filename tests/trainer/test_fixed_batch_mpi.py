@@ -13,9 +13,9 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from ortflow.build.configure import configure
 from ortflow.checkpoints import list_complete
 from ortflow.config import config_from_dict
+from ortflow.configure.configure import configure
 from ortflow.dataprep import EvalLoader, prepare_data, read_manifest
 from ortflow.export import export_model
 from tests.support.batch_models import classification_data, fixed_batch_classifier, reshape_batch_classifier

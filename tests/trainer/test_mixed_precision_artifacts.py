@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from ortflow.build.artifacts import ArtifactsError, build_artifacts
-from ortflow.build.configure import configure
 from ortflow.config import config_from_dict
+from ortflow.configure.artifacts import ArtifactsError, build_artifacts
+from ortflow.configure.configure import configure
 from ortflow.engine import api
 from ortflow.trainer.loss_scale import INPUT_NAME
 from tests.support.tiny_lm import build_tiny_lm, save

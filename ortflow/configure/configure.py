@@ -33,13 +33,6 @@ from ortflow.artifacts_folder import (
     read_tensor_record,
     verify_artifacts,
 )
-from ortflow.build.artifacts import PROTO_LIMIT, ArtifactsError, build_artifacts, inspect_model
-from ortflow.build.engine_input import repeatable_gathers
-from ortflow.build.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
-from ortflow.build.stage_artifacts import build_stage_artifacts, plan_stages
-from ortflow.build.tensor_artifacts import build_tensor_artifacts, plan_tensor
-from ortflow.build.torch_model import TORCH_MODEL_DIR, torch_source
-from ortflow.build.training_graph import sums_as_matmul_applies
 from ortflow.config import (
     RESOLVED_CONFIG_NAME,
     ConfigError,
@@ -50,6 +43,13 @@ from ortflow.config import (
     write_resolved_config,
 )
 from ortflow.config.sealed import RunFileDamaged, read_configure, record_config, seal, verify_config, write_sealed
+from ortflow.configure.artifacts import PROTO_LIMIT, ArtifactsError, build_artifacts, inspect_model
+from ortflow.configure.engine_input import repeatable_gathers
+from ortflow.configure.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
+from ortflow.configure.stage_artifacts import build_stage_artifacts, plan_stages
+from ortflow.configure.tensor_artifacts import build_tensor_artifacts, plan_tensor
+from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
+from ortflow.configure.training_graph import sums_as_matmul_applies
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.batchnorm_stats import running_statistics, to_record
 from ortflow.graph.tensor_plan import describe
@@ -62,7 +62,7 @@ CONFIGURE_RECORD_NAME = "configure.json"
 # Bump when the artifacts ortflow builds change for the same inputs, so old run folders get rebuilt.
 # 2: the batch-dimension pass and the model-preparation pass (ortflow.graph) rewrite the graph before the engine.
 # 3: pipeline stages hold BatchNorm running statistics as state, and a middle stage's eval model carries the batch form.
-# 4: dynamo exports are built from their torch-named model (ortflow/build/torch_model.py).
+# 4: dynamo exports are built from their torch-named model (ortflow/configure/torch_model.py).
 _ARTIFACTS_FORMAT = 4
 
 
@@ -222,7 +222,7 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
     Used by configure and by ``validate --deep`` (in a temporary folder), so both build the same graphs.
     ``proto_limit``: model bytes from which the weights stay in their files while the engine builds (2 GiB).
 
-    A dynamo export is built from its torch-named model (:func:`ortflow.build.torch_model.torch_source`), written
+    A dynamo export is built from its torch-named model (:func:`ortflow.configure.torch_model.torch_source`), written
     beside ``artifacts_dir``; ``built.torch`` records its parameters.
 
     Returns:

@@ -1,8 +1,8 @@
 """Pipeline x tensor parallelism in configure: each pipeline stage's graph split over the tensor-parallel ranks.
 
-The model is cut into stages as for the pipeline (:func:`ortflow.build.stage_artifacts.plan_stages`), then
+The model is cut into stages as for the pipeline (:func:`ortflow.configure.stage_artifacts.plan_stages`), then
 each stage's model is split and cut into pieces as a tensor-parallel model is
-(:mod:`ortflow.build.tensor_artifacts`). The first pieces of a stage also list what the stage receives
+(:mod:`ortflow.configure.tensor_artifacts`). The first pieces of a stage also list what the stage receives
 in ``requires_grad`` (their gradients go back to the previous stage); the last piece of a middle stage has the VJP
 loss of what the stage sends, the last piece of the last stage the configured loss.
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import onnx
 
 from ortflow.artifacts_folder import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
-from ortflow.build.artifacts import ArtifactsError, inspect_model, split_parameters
-from ortflow.build.building import building
-from ortflow.build.stage_artifacts import plan_stages
-from ortflow.build.tensor_artifacts import build_piece, export_fixes, piece_record, split_input
 from ortflow.config import RunConfig
+from ortflow.configure.artifacts import ArtifactsError, inspect_model, split_parameters
+from ortflow.configure.building import building
+from ortflow.configure.stage_artifacts import plan_stages
+from ortflow.configure.tensor_artifacts import build_piece, export_fixes, piece_record, split_input
 from ortflow.graph.pipeline_cuts import Stage
 from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
 from ortflow.graph.tensor_pieces import Piece, cut_pieces

@@ -32,7 +32,8 @@ from ortflow.artifacts_folder import (
     STAGES_DIR,
     STAGES_RECORD,
 )
-from ortflow.build.artifacts import (
+from ortflow.config import RunConfig
+from ortflow.configure.artifacts import (
     PROTO_LIMIT,
     ArtifactsError,
     ConfiguredLoss,
@@ -41,9 +42,8 @@ from ortflow.build.artifacts import (
     loss_block,
     split_parameters,
 )
-from ortflow.build.building import building
-from ortflow.build.engine_input import prepare_cut, split_source
-from ortflow.config import RunConfig
+from ortflow.configure.building import building
+from ortflow.configure.engine_input import prepare_cut, split_source
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.batchnorm_forward import switch_to_batch_statistics

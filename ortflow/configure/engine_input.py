@@ -1,6 +1,6 @@
 """The model the engine gets: the user's model after ortflow's preparation pass, weights loaded or (past 2 GB) in files.
 
-Used by :func:`ortflow.build.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
+Used by :func:`ortflow.configure.artifacts.build_artifacts`; the rewrites themselves live in :mod:`ortflow.graph`.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import onnx
 
-from ortflow.build.engine_input import ArtifactsError
 from ortflow.config import RunConfig
+from ortflow.configure.engine_input import ArtifactsError
 from ortflow.graph.constant_folding import fold_int_constants
 from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.torch_params import TorchParameters, is_dynamo_export, torch_parameters

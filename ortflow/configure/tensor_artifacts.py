@@ -22,7 +22,8 @@ from pathlib import Path
 import onnx
 
 from ortflow.artifacts_folder import ARTIFACT_FILES, TENSOR_DIR, TENSOR_RECORD
-from ortflow.build.artifacts import (
+from ortflow.config import RunConfig
+from ortflow.configure.artifacts import (
     PROTO_LIMIT,
     ArtifactsError,
     ConfiguredLoss,
@@ -31,10 +32,9 @@ from ortflow.build.artifacts import (
     loss_block,
     split_parameters,
 )
-from ortflow.build.building import building
-from ortflow.build.engine_input import prepare_cut, split_source
-from ortflow.build.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
-from ortflow.config import RunConfig
+from ortflow.configure.building import building
+from ortflow.configure.engine_input import prepare_cut, split_source
+from ortflow.configure.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.noop_casts import drop_noop_casts
 from ortflow.graph.pipeline_cuts import FLOAT_TYPES
@@ -54,7 +54,7 @@ def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
 
 
 def split_input(cfg: RunConfig) -> tuple[onnx.ModelProto, list[str], list[str]]:
-    """The whole model prepared for a tensor split (:func:`ortflow.build.engine_input.split_source`, then the Gemm
+    """The whole model prepared for a tensor split (:func:`ortflow.configure.engine_input.split_source`, then the Gemm
     biases apart), its trained and its frozen parameters."""
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     source = split_source(cfg, trainable, PROTO_LIMIT)

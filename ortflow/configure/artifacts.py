@@ -31,9 +31,9 @@ import onnx
 from onnx import helper
 
 from ortflow.artifacts_folder import ARTIFACT_FILES
-from ortflow.build import mixed_precision, training_graph
-from ortflow.build.engine_input import PROTO_LIMIT, ArtifactsError, artifacts_error, engine_input, prepare
 from ortflow.config import RunConfig
+from ortflow.configure import mixed_precision, training_graph
+from ortflow.configure.engine_input import PROTO_LIMIT, ArtifactsError, artifacts_error, engine_input, prepare
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.batch_dims import BatchReport
@@ -251,7 +251,7 @@ def check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
 
 
 def _mixed_precision(cfg: RunConfig, prepared):
-    """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/build/mixed_precision.py)."""
+    """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/configure/mixed_precision.py)."""
     if not cfg.precision.use_mixed_precision:
         return prepared
     try:  # the autocast pass reads no weights: parameters stay fp32 initializers, where their data lies
@@ -278,7 +278,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
         stale_record: A file that vouches for the old artifacts (configure.json); deleted just before the new
             artifacts replace the old, so a failed build leaves old artifacts and their record as they were.
         proto_limit: Model bytes (graph and weights) from which the weights stay in their files while the engine
-            builds (:func:`ortflow.build.engine_input.engine_input`); 2 GiB, lowered by tests.
+            builds (:func:`ortflow.configure.engine_input.engine_input`); 2 GiB, lowered by tests.
 
     Returns:
         What was built, including the training model's inputs in the engine's order.
