@@ -42,11 +42,10 @@ def test_an_artifact_that_differs_from_configure_stops_the_job_before_any_step(t
     import json
 
     cfg = make_run(tmp_path, "artifact", distributed={"num_ranks": 2})
-    record_path = cfg.output_dir / "configure.json"
-    record = json.loads(record_path.read_text())
+    record = json.loads((cfg.output_dir / "configure.json").read_text())
     assert set(record["artifact_sha256"]) == {"training_model.onnx", "eval_model.onnx", "checkpoint"}
-    record["artifact_sha256"]["training_model.onnx"] = "0" * 64  # as if the file had changed after configure
-    record_path.write_text(json.dumps(record))
+    model = cfg.artifacts_dir / "training_model.onnx"
+    model.write_bytes(model.read_bytes() + b"\0")  # the file changed after configure (its sealed record did not)
     out = run_ranks(cfg)
     assert out.returncode != 0
     assert "training_model.onnx does not match its sha256 in configure.json" in out.stdout

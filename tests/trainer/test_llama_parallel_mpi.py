@@ -64,10 +64,6 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
 @pytest.mark.parametrize("pp", [1, 2], ids=["hp2", "pp2xhp2"])
 def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request, llama_dp, pp):
     export, ref_cfg, ref_out = llama_dp
-    if export == "llama-dynamo.onnx" and pp > 1:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the untied weights' Transpose nodes of the optimized dynamo export are all made before the first layer, "
-            "so every cut is crossed by the later layers' transposed weights (configure refuses it)")))
     cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
     cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}hp2", export=export, **cuts,
                     distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp, "horizontal_parallel_size": 2})
