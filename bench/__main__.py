@@ -5,7 +5,7 @@ the interleaved comparison (ortflow trainer, bare engine loop, PyTorch DDP eager
 where the CPU has bf16) at 1 x 1, 1 x all cores and N x 1, with ratios against PyTorch's fastest mode and row;
 all-reduce (ortflow vs bare MPI) at the largest rank count; checkpoint save time; data preparation
 (``python -m bench dataprep``). ``--ranks 1,2,4,8,16`` is the scaling run on a many-core host. The feature
-benchmarks are ``python -m bench NAME`` (``bench.cli``).
+benchmarks are ``python -m bench NAME`` (``bench/__init__.py``).
 """
 
 from __future__ import annotations
@@ -208,6 +208,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench.cli import run
+    from bench import run
 
     sys.exit(run(sys.argv[1:], main))

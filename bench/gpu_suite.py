@@ -285,7 +285,7 @@ def machine_info(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.gpu_suite_report import write_report
+    from bench.report import write_gpu_suite_report as write_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for gpu-suite.json, gpu-suite.md and logs.tgz")

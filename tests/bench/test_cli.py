@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
+import bench
 from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_named_benchmark_is_a_module_with_an_entry_taking_argv():
-    for name, (entry, _) in cli.BENCHMARKS.items():
+    for name, (entry, _) in bench.BENCHMARKS.items():
         module, _, function = entry.partition(":")
         function = function or "main"
         path = ROOT / (module.replace(".", "/") + ".py")
@@ -28,20 +28,20 @@ def test_every_named_benchmark_is_a_module_with_an_entry_taking_argv():
 
 def test_no_name_and_suite_run_the_suite_with_its_options():
     seen = []
-    assert cli.run(["--ranks", "1"], lambda argv: seen.append(argv)) == 0
-    assert cli.run(["suite", "--rounds", "1"], lambda argv: seen.append(argv) or 3) == 3
+    assert bench.run(["--ranks", "1"], lambda argv: seen.append(argv)) == 0
+    assert bench.run(["suite", "--rounds", "1"], lambda argv: seen.append(argv) or 3) == 3
     assert seen == [["--ranks", "1"], ["--rounds", "1"]]
 
 
 def test_a_name_runs_that_benchmark_with_the_rest_of_the_arguments(tmp_path):
     folder = tmp_path / "zero"
     folder.mkdir()
-    code = cli.run(["optim-zero-report", str(folder)], lambda argv: pytest.fail("the suite ran"))
+    code = bench.run(["optim-zero-report", str(folder)], lambda argv: pytest.fail("the suite ran"))
     assert code == 1  # the benchmark's own answer: no optim-zero-*ranks.json in the folder
 
 
 def test_an_unknown_name_is_refused_with_the_names_that_exist(capsys):
-    assert cli.run(["tensr"], lambda argv: pytest.fail("the suite ran")) == 2
+    assert bench.run(["tensr"], lambda argv: pytest.fail("the suite ran")) == 2
     err = capsys.readouterr().err
     assert "'tensr'" in err and "tensor" in err and "suite" in err
 
@@ -49,7 +49,7 @@ def test_an_unknown_name_is_refused_with_the_names_that_exist(capsys):
 def test_help_lists_every_benchmark():
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True).stdout  # fmt: skip
-    for name in ["suite", *cli.BENCHMARKS]:
+    for name in ["suite", *bench.BENCHMARKS]:
         assert f"  {name} " in out
 
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 from bench.gpu_suite import Row, Suite, main
-from bench.gpu_suite_report import summarize
+from bench.report import gpu_suite_summary as summarize
 
 
 def _plan(tmp_path, *extra):
