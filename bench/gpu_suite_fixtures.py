@@ -51,7 +51,7 @@ def _data(path: Path, model: str) -> None:
 
 
 def _cli(py: str, *args: str) -> None:
-    out = subprocess.run([py, "-m", "ortflow.cli", *args], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([py, "-m", "ortflow", *args], capture_output=True, text=True, cwd=REPO)
     print(out.stdout[-3000:], out.stderr[-3000:], flush=True)
     if out.returncode != 0:
         raise SystemExit(f"ortflow {args[0]} failed with exit {out.returncode}")
@@ -86,7 +86,7 @@ def configure(args: argparse.Namespace) -> None:
 def train(args: argparse.Namespace) -> None:
     root = Path(args.root) / f"{args.model}-{args.precision}"
     start = time.perf_counter()
-    out = subprocess.run([args.ortflow_py, "-m", "ortflow.cli", "train", str(root / "run"), "--mpiexec",
+    out = subprocess.run([args.ortflow_py, "-m", "ortflow", "train", str(root / "run"), "--mpiexec",
                           args.mpiexec], capture_output=True, text=True, cwd=REPO)  # fmt: skip
     seconds = time.perf_counter() - start
     text = out.stdout + out.stderr

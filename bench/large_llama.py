@@ -70,7 +70,7 @@ def run_config(root: Path, precision: str, args: argparse.Namespace) -> dict:
 
 
 def _cli(*args: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "ortflow.cli", *args], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-m", "ortflow", *args], capture_output=True, text=True, cwd=REPO)
     print(out.stdout[-3000:], out.stderr[-3000:], flush=True)
     if out.returncode != 0:
         raise SystemExit(f"ortflow {args[0]} failed with exit {out.returncode}")
@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> None:
     root = Path(args.root)
     run = root / f"run-{args.precision}"
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "ortflow.cli", "train", str(run), "--mpiexec", args.mpiexec],
+    out = subprocess.run([sys.executable, "-m", "ortflow", "train", str(run), "--mpiexec", args.mpiexec],
                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
     text = out.stdout + out.stderr
     print(text[-6000:], flush=True)

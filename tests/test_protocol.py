@@ -32,7 +32,7 @@ def test_both_sides_import_the_exit_statuses_and_tags_from_protocol():
 
     assert {"EXIT_STOPPED", "EXIT_INTERRUPTED", "EXIT_NONFINITE"} <= imported("ortflow.trainer.__main__")
     assert "EXIT_NONFINITE" in imported("ortflow.tasks.training")
-    assert {"EXIT_STOPPED", "EXIT_INTERRUPTED"} <= imported("ortflow.cli")
+    assert {"EXIT_STOPPED", "EXIT_INTERRUPTED"} <= imported("ortflow.cli.train_command")
     assert "TUNE_RESULT_TAG" in imported("ortflow.trainer.tune_updates") & imported("ortflow.launch.tune")
     assert "HEARTBEAT_DIR" in imported("ortflow.launch.local") & imported("ortflow.trainer.runtime")
 

@@ -238,7 +238,7 @@ def test_a_diverging_run_fails_once_without_retries_and_says_what_to_fix(prefect
 
     from prefect.client.orchestration import get_client
 
-    from ortflow.cli_terminal import failure_advice
+    from ortflow.cli.terminal import failure_advice
 
     rng = np.random.default_rng(0)
     features = (rng.normal(size=(64, 8)) * 1e37).astype(np.float32)  # finite, but x @ W overflows to inf

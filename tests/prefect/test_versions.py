@@ -160,7 +160,7 @@ def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_se
                      train={"num_train_steps": 400000, "display_loss_steps": 1000, "evaluation_period": 0},
                      checkpoint={"period": 100000})
     config_file = write_config(cfg, tmp_path / "busy.yaml")
-    command = [sys.executable, "-m", "ortflow.cli", "run", str(config_file)]
+    command = [sys.executable, "-m", "ortflow", "run", str(config_file)]
     first = subprocess.Popen(command, env=prefect_server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, text=True)
     try:

@@ -35,11 +35,11 @@ LAYERS: dict[str, set[str]] = {
     "gpus": set(),  # the GPUs the NVIDIA driver shows this process (ctypes only)
     "sample": set(),
     "examples": set(),
-    "cli_terminal": {"runlock", "tasks"},
     "tasks": {"*"},
     "flows": {"config", "tasks"},
     "deployments": {"config", "flows", "processes"},
     "cli": {"*"},
+    "__main__": {"cli"},  # python -m ortflow
 }
 
 #: Single modules a part may import beyond its row, each with the reason.

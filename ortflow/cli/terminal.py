@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from ortflow.runlock import RunFolderLocked
 
 #: Loggers of HTTP libraries, kept at WARNING in the terminal and the run's log file.
 QUIET_LOGGERS = ("httpx", "httpcore")
@@ -59,6 +62,8 @@ class _Short(logging.Formatter):
 
 
 def _console_handlers() -> list[logging.Handler]:
+    # Prefect (and the tasks package, which imports it) take seconds to import: imported when a run starts, so that
+    # the commands that do not run a flow, and `ortflow --help`, start at once.
     from prefect.logging.configuration import setup_logging
     from prefect.logging.handlers import PrefectConsoleHandler
 
@@ -145,8 +150,6 @@ def follow_progress(console: Console, run_dir, stop) -> None:
         for record in records():
             console.print(progress_line(record)[:120], highlight=False, markup=False)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     columns = (TextColumn("  train"), BarColumn(bar_width=30), MofNCompleteColumn(), TextColumn("{task.description}"))
     # The same console as the log lines (terminal()): rich keeps the bar on its own line below them.
     with Progress(*columns, console=console, transient=False) as bar:
@@ -269,8 +272,7 @@ def disk_problem(err: BaseException, where: Path | str | None = None) -> str | N
 
 def failure_advice(err: BaseException, command: str) -> list[str]:
     """What to do after a failed ``ortflow run``: fix-then-rerun for errors that would repeat, else rerun."""
-    from ortflow.runlock import RunFolderLocked
-    from ortflow.tasks.policy import will_repeat
+    from ortflow.tasks.policy import will_repeat  # the tasks package imports Prefect (seconds): lazily, as above
 
     if isinstance(err, RunFolderLocked):
         return [f"to queue behind it instead: {command} --wait"]

@@ -9,7 +9,7 @@ import logging
 from rich.console import Console
 from rich.progress import Progress
 
-from ortflow.cli_terminal import terminal
+from ortflow.cli.terminal import terminal
 
 
 def test_log_lines_share_the_progress_bars_console_and_tracebacks_go_to_the_file(tmp_path):
@@ -40,7 +40,7 @@ def test_log_lines_share_the_progress_bars_console_and_tracebacks_go_to_the_file
 def test_version_lines_fit_the_width_even_with_long_paths(tmp_path):
     from pathlib import Path
 
-    from ortflow.cli_terminal import version_lines
+    from ortflow.cli.terminal import version_lines
 
     base = Path("/" + "/".join(["a-rather-long-folder-name"] * 6))
     entries = [

@@ -1,0 +1,74 @@
+"""The ``ortflow`` command: the Typer app and its commands, in the order ``ortflow --help`` lists them.
+
+Each command lives in a small module of this package, calls one plain function (or a flow) and reports errors
+without tracebacks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.markup import escape
+
+from ortflow.cli import (
+    example_command,
+    export_commands,
+    render_command,
+    run_command,
+    sample_command,
+    serve_commands,
+    stage_commands,
+    train_command,
+    tune_command,
+    validate_command,
+    versions_command,
+)
+from ortflow.cli.checkpoint_commands import checkpoint_app
+from ortflow.cli.shared import console
+from ortflow.cli.terminal import disk_problem
+
+ABOUT = "Train ONNX models data-parallel with ONNX Runtime's training engine, under mpirun, orchestrated by Prefect."
+
+app = typer.Typer(name="ortflow", help=ABOUT, no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
+
+
+@app.callback()
+def _root() -> None:
+    """Train ONNX models data-parallel with ONNX Runtime's training engine, under mpirun, orchestrated by Prefect."""
+
+
+app.command()(validate_command.validate)
+app.command()(train_command.train)
+app.command()(tune_command.tune)
+app.command(name="configure")(stage_commands.configure)
+app.command(name="prepare-data")(stage_commands.prepare_data)
+app.command(name="retain")(stage_commands.retain)
+app.command()(export_commands.evaluate)
+app.command(name="export")(export_commands.export)
+app.command()(render_command.render)
+app.command()(validate_command.doctor)
+app.command()(run_command.run)
+app.command()(versions_command.runs)
+app.command()(serve_commands.serve)
+app.command()(serve_commands.automations)
+app.command()(sample_command.sample)
+app.add_typer(checkpoint_app, name="checkpoint")
+app.command()(example_command.example)
+
+
+def main() -> None:
+    """Entry point of the ``ortflow`` console script.
+
+    A full, read-only or forbidden disk is reported as such (the path and the fix), not as a traceback, whichever
+    command met it.
+    """
+    try:
+        app(prog_name="ortflow")
+    except OSError as err:
+        message = disk_problem(err)
+        if message is None:
+            raise
+        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+        sys.exit(1)

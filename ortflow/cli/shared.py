@@ -1,0 +1,67 @@
+"""What every command module shares: the console, the common arguments, and errors reported as one line (exit 1)
+instead of a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ortflow.cli.terminal import disk_problem
+from ortflow.config import ConfigError, RunConfig, load_config
+from ortflow.storage import StorageError
+
+console = Console(stderr=True, soft_wrap=True)  # messages stay whole lines: users grep them
+
+ConfigArg = Annotated[Path, typer.Argument(help="Run config (YAML).", show_default=False)]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a config value: --set train.batch_size=8 (repeatable)."),
+]
+CheckpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpoint", "-c",
+        help="Which checkpoint of a run folder: best, latest, initial (the configured weights, before training), "
+        "step-N or N (default: best by eval loss, else latest).",
+    ),
+]  # fmt: skip
+MpiexecOpt = Annotated[str | None, typer.Option(help="Launcher (default: the bundled MPICH mpiexec).")]
+WaitOpt = Annotated[bool, typer.Option(help="If another run holds the folder, wait for it instead of failing.")]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``error: message`` and exit with ``code``."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # `[rank 0]`, `[/x` stay text
+    raise typer.Exit(code)
+
+
+def say(line: str) -> None:
+    """Print a line as it is (no markup, no highlighting)."""
+    console.print(line, highlight=False, markup=False)
+
+
+@contextlib.contextmanager
+def writing(where: Path) -> Iterator[None]:
+    """Report a full, read-only or forbidden disk met while writing under ``where`` as such, without a traceback."""
+    try:
+        yield
+    except OSError as err:
+        message = str(err) if isinstance(err, StorageError) else disk_problem(err, where)  # a store out of reach
+        if message is None:  # another system refusal (/proc, a vanished folder): named, not a traceback
+            message = (f"cannot use {err.filename or where}: {err.strerror or err}; point output_dir / checkpoint.dir "
+                       "/ export.path at a folder you can write, then rerun the command")
+        fail(message)
+
+
+def load(config: Path, overrides: list[str] | None) -> RunConfig:
+    """The run config with its ``--set`` overrides, or exit naming what is wrong with it."""
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as err:
+        fail(str(err))

@@ -1,0 +1,146 @@
+"""``ortflow train``: launch the ranks of a configured run folder (mpiexec here, or a Slurm or Kubernetes job)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from ortflow.cli.shared import MpiexecOpt, WaitOpt, console, fail, writing
+from ortflow.config import ConfigError, RunConfig, apply_overrides, load_run_config
+from ortflow.launch.job import LaunchError
+from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+from ortflow.protocol import EXIT_INTERRUPTED, EXIT_STOPPED
+from ortflow.runlock import RunFolderLocked, hold, hold_all, training_folders
+
+
+def train(
+    run_dir: Annotated[Path, typer.Argument(help="Configured run folder (configure and prepare-data done).")],
+    np_: Annotated[
+        str | None, typer.Option("--np", "-n", help="Ranks, or auto for this host (default: distributed.num_ranks).")
+    ] = None,
+    hostfile: Annotated[Path | None, typer.Option(help="MPI host file for multi-node runs.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="Threads per rank (default: cores / local ranks; 1 on CUDA ranks sharing a host)."),
+    ] = None,
+    mpiexec: MpiexecOpt = None,
+    wait: WaitOpt = False,
+    profile: Annotated[
+        str | None, typer.Option(help="Profile weight updates A:B per operator (traces in RUN_DIR/profile/).")
+    ] = None,
+    launcher: Annotated[
+        str | None, typer.Option(help="local, slurm or kubernetes (default: distributed.launcher).")
+    ] = None,
+    accept_changed_config: Annotated[bool, typer.Option(
+        "--accept-changed-config",
+        help="Train with a RUN_DIR/config.yaml edited since configure wrote it, and record it (refused when the "
+             "edit changes the model, precision or layout: run configure then).")] = False,
+) -> None:
+    """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
+    status.
+
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130); ranks that have not
+    stopped after the grace period (30 s here, 60 s for a Slurm job) are killed.
+    """
+    cfg = _run_config(run_dir, launcher, accept_changed_config)
+    if cfg.distributed.launcher != "local":
+        if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
+            fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher "
+                 f"{cfg.distributed.launcher} takes them from the config (distributed.num_ranks, section "
+                 f"{cfg.distributed.launcher})")
+        _train_scheduled(cfg, run_dir, wait, profile)
+    else:
+        _train_here(cfg, run_dir, np_, threads, hostfile, mpiexec, wait, profile)
+
+
+def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> RunConfig:
+    """The run folder's config (an edit accepted and recorded when asked), with ``--launcher`` applied."""
+    try:
+        cfg = load_run_config(run_dir, accept_changed=accept_changed)
+        if accept_changed:
+            from ortflow.configure.configure import accept_config_edit  # ONNX and the engine: only for this option
+
+            accept_config_edit(cfg)
+        return cfg if launcher is None else apply_overrides(cfg, [f"distributed.launcher={launcher}"])
+    except ConfigError as err:
+        fail(str(err))
+
+
+def _set_profile(profile: str | None, cfg: RunConfig) -> None:
+    """Check ``--profile A:B`` and put it in the environment the ranks (or the Slurm job) inherit."""
+    from ortflow.trainer.profiling import PROFILE_ENV, parse_steps  # the trainer package imports the engine
+
+    if not profile:
+        return
+    if cfg.distributed.launcher == "kubernetes":
+        fail("--profile with launcher kubernetes: set train.profile_steps in the config (the pods do not get "
+             "this command's environment)")
+    try:
+        parse_steps(profile)
+    except ValueError as err:
+        fail(str(err))
+    if cfg.distributed.launcher == "local" and cfg.distributed.device == "cuda":
+        fail("--profile traces CPU ranks only (the engine's GPU trace is not wired up): profile a run with "
+             "distributed.device cpu")
+    os.environ[PROFILE_ENV] = profile  # overrides train.profile_steps
+
+
+def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | None, hostfile: Path | None,
+                mpiexec: str | None, wait: bool, profile: str | None) -> None:
+    """Launcher local: choose the layout, hold the folders, run mpiexec, report how the ranks ended."""
+    from ortflow.launch.local import launch  # imports the checkpoint reader (h5py)
+
+    if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
+        fail(f"--np {np_}: give a number of ranks or auto")
+    _set_profile(profile, cfg)
+    try:
+        layout, plan = launch_layout(cfg, run_dir, host_resources(), np_ if np_ in (None, "auto") else int(np_),
+                                     threads)
+    except (LayoutError, ValueError) as err:
+        fail(str(err))
+    split = f"; {plan.ranks} x {plan.batch_size} x {plan.accumulation} steps = {plan.global_batch}" if plan else ""
+    console.print(f"layout: {layout.ranks} rank(s) x {layout.threads} thread(s) ({layout.reason}){split}",
+                  highlight=False)  # fmt: skip
+    dist = cfg.distributed
+    try:
+        # one writer per run folder, and per checkpoint folder wherever checkpoint.dir puts it
+        with writing(run_dir), hold_all(training_folders(run_dir, cfg.checkpoints_dir), wait=wait,
+                                        purpose="ortflow train"):
+            result = launch(run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
+                            threads=layout.threads, mpiexec=mpiexec, forward_signals=True)
+    except (LaunchError, RunFolderLocked) as err:
+        fail(str(err))
+    # The ranks stopped together on a signal and saved a stop checkpoint (or the launcher ended them after it).
+    stopped = (EXIT_INTERRUPTED, EXIT_STOPPED)
+    if result.returncode in stopped or (result.signal and not result.ok):
+        how = "" if result.returncode in stopped else f" (the job ended with status {result.returncode})"
+        console.print(f"[yellow]training stopped[/] by a signal{how}; resume with `ortflow train "
+                      f"{escape(str(run_dir))}`")
+        raise typer.Exit(128 + result.signal if result.signal else result.returncode)
+    if not result.ok:
+        fail(result.summary(), code=result.returncode if 0 < result.returncode < 256 else 1)
+    console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
+
+
+def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | None) -> None:
+    """Launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
+    from ortflow.launch.scheduled import run_scheduled  # the Kubernetes client, when the launcher is kubernetes
+
+    _set_profile(profile, cfg)  # the Slurm job inherits this environment
+    try:
+        with hold(run_dir, wait=wait, purpose="ortflow train"):
+            result = run_scheduled(cfg, run_dir, forward_signals=True)
+    except (LaunchError, RunFolderLocked) as err:
+        fail(str(err))
+    job = f"{result.launcher} job {result.job_id}"
+    if result.signal:
+        console.print(f"[yellow]training stopped[/] ({job}) by a signal; resume with `ortflow train "
+                      f"{escape(str(run_dir))}`")
+        raise typer.Exit(128 + result.signal)
+    if not result.ok:
+        fail(f"{job}: {result.summary()}", code=result.returncode if 0 < result.returncode < 256 else 1)
+    console.print(f"[green]training finished[/] ({job}): checkpoints in {cfg.checkpoints_dir}")
