@@ -40,9 +40,9 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
                                  "fp32_ops": ["LayerNormalization"]}}  # fmt: skip
 #: Variants, as suffixes of a precision's name (combinable, e.g. fp16-plainreduce-allreduce16), and what each sets
 #: in the distributed section: without the engine's deterministic kernels (their cost); with the engine's own
-#: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/leading_sums.py); the NCCL gradient
-#: all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
-#: graph/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); bf16 with the attention
+#: ReduceSum instead of ortflow's MatMul rewrite of the training graph (graph/gradients/leading_sums.py); the NCCL
+#: gradient all-reduce in fp16 or bf16 (comm/packed_allreduce.py); the model's GELUs as exported (model.fuse_gelu off,
+#: graph/exports/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); bf16 with the attention
 #: Softmax in fp32, the whole default fp32 list (``-smx32``; bf16's own default computes it in bf16); the float32
 #: all-reduce packed into one buffer (``env``: set by ``steps``); the NCCL exchange in one bucket (``-b0``) or
 #: buckets of 16 or 64 MB (``-b16``, ``-b64``; distributed.nccl_bucket_mb). Keys are config sections.
@@ -129,7 +129,7 @@ def _configure(configure, config_from_dict, root, name, model, batch, device, cu
 def _precision(base: str, changes: dict) -> dict:
     """The precision section of ``base`` with a variant's changes (``fp32_ops_without``: the default fp32 list less
     those ops)."""
-    from ortflow.graph.autocast import DEFAULT_FP32_OPS
+    from ortflow.graph.precision.autocast import DEFAULT_FP32_OPS
 
     section = {**PRECISIONS[base], **{k: v for k, v in changes.items() if k != "fp32_ops_without"}}
     if "fp32_ops_without" in changes:  # set explicitly, so bf16 keeps exactly this list

@@ -28,7 +28,7 @@ STAGES_RECORD = "stages.json"
 GRAD_IN_SUFFIX = ".grad_in"
 BACKPROP_SUFFIX = ".backprop"
 #: A middle stage's eval-model input: true normalises BatchNorm by the batch (its training forward), false by the
-#: running statistics (evaluation): ortflow/graph/batchnorm_forward.py.
+#: running statistics (evaluation): ortflow/graph/pipeline_parallel/batchnorm_forward.py.
 BATCH_STATISTICS_INPUT = "ortflow.batch_statistics"
 #: Tensor-parallel pieces: ``tensor/rank-RR/piece-PP/`` and ``tensor/tensor.json``.
 TENSOR_DIR = "tensor"

@@ -7,8 +7,8 @@ Checks, in order (each problem names the field and the fix):
    ``[B, T, V]`` for cross_entropy), the label name is free;
 3. the data: every source pattern matches files, every column (or feature pattern) exists in every source, and the
    first rows of each source fit the training model's inputs (dtypes, per-row shapes) at ``train.batch_size`` and
-   ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/batch_dims.py, so a batch
-   dim counts as fixed only when the graph really depends on it);
+   ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/exports/batch_dims.py, so
+   a batch dim counts as fixed only when the graph really depends on it);
 4. the layout: ``train.global_batch_size`` against the model's fixed batch dim, the ranks and the stages, with the
    messages ``ortflow train`` would give (and the data checks then use the ranks' real micro-batch);
 5. the run folder, checkpoint, TensorBoard and export paths can be written;
@@ -22,9 +22,9 @@ Checks, in order (each problem names the field and the fix):
    stage and tensor-parallel piece) in a temporary folder, so gradient-builder failures (operators without
    gradients, ...) show up, and the data checks use the built model's real inputs; with ``distributed.device: cuda``
    also every node of the built training model that runs in fp16/bf16 where the GPU engine has no CUDA kernel for it
-   (ortflow/graph/cuda_kernels.py), and, where validate runs with the GPU engine installed, the CUDA libraries a rank
-   would not find (cuDNN's convolution library for a model with ``Conv`` nodes, ...): each would stop every rank at
-   start.
+   (ortflow/graph/precision/cuda_kernels.py), and, where validate runs with the GPU engine installed, the CUDA libraries
+   a rank would not find (cuDNN's convolution library for a model with ``Conv`` nodes, ...): each would stop every rank
+   at start.
 
 The training model's inputs without ``deep`` are predicted: the model's inputs plus the label the loss adds
 (int64 with the logits' leading dims for cross_entropy, the output's dtype and shape for the other losses).
@@ -48,8 +48,8 @@ from ortflow.dataprep.prepare_data import canonical_table, check_enough_rows, co
 from ortflow.dataprep.sources import Source, count_rows, resolve_sources, source_size, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
-from ortflow.graph.batch_dims import make_batch_symbolic
-from ortflow.graph.external_data import data_bytes, needs_external_data, proto_bytes
+from ortflow.graph.exports.batch_dims import make_batch_symbolic
+from ortflow.graph.exports.external_data import data_bytes, needs_external_data, proto_bytes
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -
     words goes into ``split_plan`` when given."""
     from ortflow.configure.artifacts import ArtifactsError
     from ortflow.configure.configure import plan_layout
-    from ortflow.graph.batchnorm_stats import running_statistics, to_record
+    from ortflow.graph.exports.batchnorm_stats import running_statistics, to_record
     from ortflow.trainer.batchnorm import refuse_tensor_parallel
 
     if cfg.distributed.horizontal_parallel_size > 1:
@@ -148,7 +148,7 @@ def group_problems(cfg: RunConfig) -> list[str]:
     from fnmatch import fnmatch
 
     from ortflow.configure.torch_model import read_torch_parameters
-    from ortflow.graph.untrainable import untrainable_initializers
+    from ortflow.graph.exports.untrainable import untrainable_initializers
 
     found = read_torch_parameters(cfg.model.path)  # a dynamo export trains its torch parameters, by torch name
     proto = onnx.load(str(cfg.model.path), load_external_data=False) if found is None else found.model
@@ -204,7 +204,7 @@ def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]
 
 def load_model(path: Path) -> onnx.ModelProto:
     """The model with its weights when they fit in one proto (the batch pass test-runs it); past 2 GB its graph,
-    the weights left in their files, as configure reads it (:mod:`ortflow.graph.external_data`)."""
+    the weights left in their files, as configure reads it (:mod:`ortflow.graph.exports.external_data`)."""
     proto = onnx.load(str(path), load_external_data=False)
     if not needs_external_data(proto_bytes(proto), data_bytes(path, proto)):
         onnx.external_data_helper.load_external_data_for_model(proto, str(Path(path).parent))
@@ -254,7 +254,7 @@ def cuda_library_problems(model_path: Path) -> list[str]:
 
 def cuda_kernel_problems(training_model: Path) -> list[str]:
     """The nodes of a built training model that the GPU engine has no half-precision CUDA kernel for."""
-    from ortflow.graph.cuda_kernels import missing_kernels
+    from ortflow.graph.precision.cuda_kernels import missing_kernels
 
     proto = onnx.load(str(training_model), load_external_data=False)
     return [f"model.path: {m.message()}" for m in missing_kernels(proto)]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from ortflow.graph.autocast import BFLOAT16, FLOAT, FLOAT16
-from ortflow.graph.cuda_kernels import element_types, missing_kernels
+from ortflow.graph.precision.autocast import BFLOAT16, FLOAT, FLOAT16
+from ortflow.graph.precision.cuda_kernels import element_types, missing_kernels
 from tests.trainer.exports_runs import LLAMA_EXPORTS, llama_run
 
 EXPORTS = LLAMA_EXPORTS

@@ -74,7 +74,7 @@ def _configure_fixture(root, name, **sections):
 @pytest.mark.parametrize("name", DYNAMO_NAMES)
 def test_dynamo_fixture_configures_with_its_torch_parameters_or_is_refused_before_training(tmp_path, name):
     from ortflow.config import ConfigError
-    from ortflow.graph.torch_params import NO_OPTIMIZE
+    from ortflow.graph.exports.torch_params import NO_OPTIMIZE
 
     family = name.split("-")[0]
     record = torch_record(family)
@@ -119,7 +119,7 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
 def test_constants_in_external_data_reach_the_passes_when_the_weights_stay_on_disk(tmp_path):
     from ortflow.config import config_from_dict
     from ortflow.configure.engine_input import prepare
-    from ortflow.graph.torch_params import torch_parameters
+    from ortflow.graph.exports.torch_params import torch_parameters
 
     model = torch_parameters(onnx.load(str(export_path("gpt2-dynamo.onnx")))).model
     path = tmp_path / "all-external.onnx"  # every tensor in external data, scalars and shapes too

@@ -1,4 +1,4 @@
-"""The batch-dimension pass (ortflow/graph/batch_dims.py) on exporter-shaped graphs."""
+"""The batch-dimension pass (ortflow/graph/exports/batch_dims.py) on exporter-shaped graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
-from ortflow.graph.batch_dims import BATCH_DIM, make_batch_symbolic
+from ortflow.graph.exports.batch_dims import BATCH_DIM, make_batch_symbolic
 from tests.support.batch_models import (
     batch_mean_classifier,
     fixed_batch_classifier,
@@ -34,7 +34,7 @@ def run(model: onnx.ModelProto, features: np.ndarray) -> np.ndarray:
 def test_a_fixed_batch_the_graph_does_not_use_becomes_symbolic_and_runs_at_any_batch(caplog):
     model = fixed_batch_classifier(batch=4)
     before = model.SerializeToString()
-    with caplog.at_level(logging.INFO, logger="ortflow.graph.batch_dims"):
+    with caplog.at_level(logging.INFO, logger="ortflow.graph.exports.batch_dims"):
         out, report = make_batch_symbolic(model)
     assert model.SerializeToString() == before  # pure: the input is left as it was
     assert report.symbolic and report.fixed_batch == 4

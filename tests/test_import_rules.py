@@ -103,7 +103,8 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.export", {"prefect", "mpi4py", "ortflow.tasks"}),
         ("ortflow.launch.local", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
         ("ortflow.launch.layout", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
-        ("ortflow.graph.batch_dims", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.dataprep"}),
+        ("ortflow.graph.exports.batch_dims", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer",
+                                              "ortflow.dataprep"}),
         ("ortflow.validate", {"prefect", "mpi4py", "onnxruntime.training", "ortflow.tasks"}),  # engine: --deep only
     ],
 )

@@ -20,7 +20,7 @@ from ortflow.configure.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.engine import api
 from ortflow.export.model import export_model
-from ortflow.graph.external_data import INLINE_BYTES
+from ortflow.graph.exports.external_data import INLINE_BYTES
 from tests.support.runs import final_parameters, run_ranks
 from tools.make_large_llama import PRESETS, LlamaShape, write_model
 

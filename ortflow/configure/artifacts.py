@@ -36,7 +36,7 @@ from ortflow.configure import mixed_precision, training_graph
 from ortflow.configure.engine_input import PROTO_LIMIT, ArtifactsError, artifacts_error, engine_input, prepare
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.batch_dims import BatchReport
+from ortflow.graph.exports.batch_dims import BatchReport
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ArtifactsInfo:
         batch: What the batch-dimension pass decided (None when the model was too big to load here).
         passes: The preparation passes the model went through, in order (``ortflow.graph.prepare.PASSES``).
         torch: For a dynamo export, the torch parameters trained, their aliases, what was untied and what frozen
-            (:meth:`ortflow.graph.torch_params.TorchParameters.to_record`); None otherwise.
+            (:meth:`ortflow.graph.exports.torch_params.TorchParameters.to_record`); None otherwise.
     """
 
     artifacts_dir: Path

@@ -51,8 +51,8 @@ from ortflow.configure.tensor_artifacts import build_tensor_artifacts, plan_tens
 from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
 from ortflow.configure.training_graph import sums_as_matmul_applies
 from ortflow.engine import ORT_VERSION
-from ortflow.graph.batchnorm_stats import running_statistics, to_record
-from ortflow.graph.tensor_plan import describe
+from ortflow.graph.exports.batchnorm_stats import running_statistics, to_record
+from ortflow.graph.tensor_parallel.tensor_plan import describe
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def fingerprint(cfg: RunConfig) -> str:
         digest.update(f";pipeline={cfg.distributed.pipeline_parallel_size}".encode())
     if cfg.precision.use_mixed_precision:  # the autocast pass and the loss-scale input are in the artifacts
         digest.update(f";precision={cfg.section_fingerprint('precision')}".encode())
-    if repeatable_gathers(cfg):  # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/embedding.py)
+    # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/gradients/embedding.py)
+    if repeatable_gathers(cfg):
         digest.update(b";gathers=repeatable")
     if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (build/training_graph.py)
         digest.update(b";sums=matmul")

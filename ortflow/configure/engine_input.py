@@ -14,12 +14,18 @@ import numpy as np
 import onnx
 
 from ortflow.config import RunConfig
-from ortflow.graph.batch_dims import BatchReport, make_batch_symbolic
-from ortflow.graph.differentiable import explain_engine_error
-from ortflow.graph.external_data import PROTO_LIMIT, data_bytes, external_files, needs_external_data, proto_bytes
+from ortflow.graph.exports.batch_dims import BatchReport, make_batch_symbolic
+from ortflow.graph.exports.external_data import (
+    PROTO_LIMIT,
+    data_bytes,
+    external_files,
+    needs_external_data,
+    proto_bytes,
+)
+from ortflow.graph.exports.ties import describe_copies, folded_tie_copies
+from ortflow.graph.gradients.differentiable import explain_engine_error
 from ortflow.graph.onnx_tools import GraphError
 from ortflow.graph.prepare import CONSTANT_ELEMENTS, PreparedModel, prepare_model
-from ortflow.graph.ties import describe_copies, folded_tie_copies
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,7 @@ class ArtifactsError(ValueError):
 def prepare(
     cfg: RunConfig, trainable: list[str], output_name: str, label_name: str | None, proto_limit: int
 ) -> tuple[PreparedModel, BatchReport | None]:
-    """The batch-dimension pass (:mod:`ortflow.graph.batch_dims`), then the model-preparation pass.
+    """The batch-dimension pass (:mod:`ortflow.graph.exports.batch_dims`), then the model-preparation pass.
 
     The batch pass test-runs the model at two batch sizes, so it needs the weights: it runs when the model with its
     external data fits in a proto (report None otherwise: the batch dims stay as exported). The preparation passes
@@ -100,9 +106,9 @@ def prepare_cut(cfg: RunConfig, model: onnx.ModelProto, parameters, loss_output:
 
 
 def gelu_fusion(cfg: RunConfig) -> str:
-    """How exported GELUs reach the engine (:func:`ortflow.graph.gelu.gelu_rewrites`): with model.fuse_gelu,
+    """How exported GELUs reach the engine (:func:`ortflow.graph.exports.gelu.gelu_rewrites`): with model.fuse_gelu,
     ``"cpu"`` on CPU ranks (the engine's Gelu for the erf form, the sigmoid form for the tanh form, whose engine
-    gradient is slow on CPU: :mod:`ortflow.graph.gelu_grad`) and ``"engine"`` on GPUs (the engine's Gelu /
+    gradient is slow on CPU: :mod:`ortflow.graph.gradients.gelu_grad`) and ``"engine"`` on GPUs (the engine's Gelu /
     FastGelu, in fp32, fp16 and bf16: docs/engine.md "GELU"); ``"as_exported"`` without it."""
     if not cfg.model.fuse_gelu:
         return "as_exported"
@@ -110,7 +116,7 @@ def gelu_fusion(cfg: RunConfig) -> str:
 
 
 def repeatable_gathers(cfg: RunConfig) -> bool:
-    """Whether embedding reads become GatherND (:mod:`ortflow.graph.embedding`): on the CPU, with
+    """Whether embedding reads become GatherND (:mod:`ortflow.graph.gradients.embedding`): on the CPU, with
     distributed.deterministic_compute, because the CPU engine's Gather gradient sums repeated ids in thread order.
     The CUDA engine's GatherGrad is another kernel, not examined here: CUDA graphs are left as they are."""
     return cfg.distributed.device == "cpu" and cfg.distributed.deterministic_compute

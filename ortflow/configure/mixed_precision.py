@@ -1,7 +1,7 @@
 """What configure does for ``precision.use_mixed_precision``: the autocast pass, the loss-scale input, the eval fix.
 
-1. :func:`prepare_model` rewrites the user's model with :func:`ortflow.graph.autocast.autocast` (fp32 parameters,
-   fp16/bf16 activations, sensitive ops in fp32) before the engine builds its training graphs from it.
+1. :func:`prepare_model` rewrites the user's model with :func:`ortflow.graph.precision.autocast.autocast`
+   (fp32 parameters, fp16/bf16 activations, sensitive ops in fp32) before the engine builds its training graphs from it.
 2. For fp16, the loss block multiplies the loss by a scalar graph input (:data:`loss_scale.INPUT_NAME`) that the
    trainer feeds every micro-batch (:class:`ortflow.trainer.loss_scale.LossScaler`).
 3. :func:`unscale_eval_model`: the eval model is built from the same loss block, so it would take the scale input
@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from ortflow.artifacts_folder import LOSS_SCALE_INPUT as INPUT_NAME
 from ortflow.config import RunConfig
-from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
+from ortflow.graph.precision.autocast import BFLOAT16, FLOAT16, autocast
 
 log = logging.getLogger(__name__)
 

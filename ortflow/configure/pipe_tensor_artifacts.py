@@ -33,11 +33,11 @@ from ortflow.configure.artifacts import ArtifactsError, inspect_model, split_par
 from ortflow.configure.building import building
 from ortflow.configure.stage_artifacts import plan_stages
 from ortflow.configure.tensor_artifacts import build_piece, export_fixes, piece_record, split_input
-from ortflow.graph.pipeline_cuts import Stage
-from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
-from ortflow.graph.tensor_pieces import Piece, cut_pieces
-from ortflow.graph.tensor_plan import log_plan
-from ortflow.graph.tensor_shard import shard_model
+from ortflow.graph.pipeline_parallel.pipeline_cuts import Stage
+from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_parallel.tensor_plan import log_plan
+from ortflow.graph.tensor_parallel.tensor_shard import shard_model
+from ortflow.graph.tensor_parallel.tensor_split import TensorPlan, TensorSplitError, describe, plan_tensor_split
 
 log = logging.getLogger(__name__)
 

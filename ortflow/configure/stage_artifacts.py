@@ -46,8 +46,8 @@ from ortflow.configure.building import building
 from ortflow.configure.engine_input import prepare_cut, split_source
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
-from ortflow.graph.batchnorm_forward import switch_to_batch_statistics
-from ortflow.graph.pipeline_cuts import Stage, choose_cuts, split_model
+from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
+from ortflow.graph.pipeline_parallel.pipeline_cuts import Stage, choose_cuts, split_model
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def strip_vjp_from_eval(path: Path, sends: tuple[str, ...]) -> None:
 
 def forward_with_batch_statistics(path: Path) -> None:
     """A middle stage's eval model also computes its training forward pass: BatchNorm by the batch's statistics when
-    its ``BATCH_STATISTICS_INPUT`` is true (:mod:`ortflow.graph.batchnorm_forward`)."""
+    its ``BATCH_STATISTICS_INPUT`` is true (:mod:`ortflow.graph.pipeline_parallel.batchnorm_forward`)."""
     model = onnx.load(str(path))
     if switch_to_batch_statistics(model, BATCH_STATISTICS_INPUT):
         onnx.save(model, str(path))
@@ -187,7 +187,7 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     Raises:
         ArtifactsError: The split is refused (names the tensors/nodes and the fix).
     """
-    from ortflow.graph.pipeline_cuts import SplitError
+    from ortflow.graph.pipeline_parallel.pipeline_cuts import SplitError
 
     num = cfg.distributed.pipeline_parallel_size
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)

@@ -36,20 +36,20 @@ from ortflow.configure.building import building
 from ortflow.configure.engine_input import prepare_cut, split_source
 from ortflow.configure.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.engine import artifacts as engine_artifacts
-from ortflow.graph.noop_casts import drop_noop_casts
-from ortflow.graph.pipeline_cuts import FLOAT_TYPES
-from ortflow.graph.tensor_gemm import separate_gemm_biases
-from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError, describe, plan_tensor_split
-from ortflow.graph.tensor_pieces import Piece, cut_pieces
-from ortflow.graph.tensor_plan import log_plan
-from ortflow.graph.tensor_shard import shard_model
+from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES
+from ortflow.graph.precision.noop_casts import drop_noop_casts
+from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
+from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
+from ortflow.graph.tensor_parallel.tensor_plan import log_plan
+from ortflow.graph.tensor_parallel.tensor_shard import shard_model
+from ortflow.graph.tensor_parallel.tensor_split import TensorPlan, TensorSplitError, describe, plan_tensor_split
 
 log = logging.getLogger(__name__)
 
 def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     """What the tensor split needs beyond the preparation passes: Gemm biases added after the product (so a row-split
     Gemm's bias is added once, after the all-reduce), and no Cast to its input's own type (a piece passing one on is
-    a graph the engine rejects: ortflow/graph/noop_casts.py)."""
+    a graph the engine rejects: ortflow/graph/precision/noop_casts.py)."""
     return separate_gemm_biases(drop_noop_casts(model), trainable)
 
 

@@ -1,13 +1,13 @@
 """The model configure builds from: a dynamo export with one initializer per torch parameter, under its torch name.
 
 A TorchScript export is used as it is. A dynamo export (torch's default exporter) goes through
-:func:`ortflow.graph.torch_params.torch_parameters` once: renamed and pre-transposed weights get their torch names and
-layouts, merged ones are untied, the integer constant arithmetic the exporter leaves (``optimize=False``) is folded
-(:mod:`ortflow.graph.constant_folding`), the constants the exporter computed (``expand_1``, scalars) become
-``Constant`` nodes and the torch buffers (RoPE's ``inv_freq``, masks) are added to ``model.frozen``, so the engine
-trains exactly the torch model's parameters. The result is written beside the artifacts (``torch-model/``, weights in
-external data) and the config configure builds from points at it; ``configure.json`` records what was trained under
-which torch name (``torch``), what was untied and what was frozen and why.
+:func:`ortflow.graph.exports.torch_params.torch_parameters` once: renamed and pre-transposed weights get their torch
+names and layouts, merged ones are untied, the integer constant arithmetic the exporter leaves (``optimize=False``) is
+folded (:mod:`ortflow.graph.exports.constant_folding`), the constants the exporter computed (``expand_1``, scalars)
+become ``Constant`` nodes and the torch buffers (RoPE's ``inv_freq``, masks) are added to ``model.frozen``, so the
+engine trains exactly the torch model's parameters. The result is written beside the artifacts (``torch-model/``,
+weights in external data) and the config configure builds from points at it; ``configure.json`` records what was trained
+under which torch name (``torch``), what was untied and what was frozen and why.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import onnx
 
 from ortflow.config import RunConfig
 from ortflow.configure.engine_input import ArtifactsError
-from ortflow.graph.constant_folding import fold_int_constants
+from ortflow.graph.exports.constant_folding import fold_int_constants
+from ortflow.graph.exports.torch_params import TorchParameters, is_dynamo_export, torch_parameters
 from ortflow.graph.onnx_tools import GraphError
-from ortflow.graph.torch_params import TorchParameters, is_dynamo_export, torch_parameters
 
 log = logging.getLogger(__name__)
 

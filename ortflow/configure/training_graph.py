@@ -1,10 +1,11 @@
 """Rewrites of the engine's generated training model: run by configure after the engine wrote the artifacts.
 
 The passes in :mod:`ortflow.graph` rewrite the user's model before the engine sees it; some costs only show in what
-the engine generates (its gradient ops). One such pass so far: :func:`ortflow.graph.leading_sums.sums_as_matmul`,
-on GPU runs with ``distributed.deterministic_compute`` (the engine's deterministic CUDA ReduceSum is slow; a MatMul
-with a ones vector gives the same sums, deterministically, through cuBLAS). The eval model has no gradient sums and
-is left as it is; the checkpoint and every parameter and gradient name are unchanged.
+the engine generates (its gradient ops). One such pass so far:
+:func:`ortflow.graph.gradients.leading_sums.sums_as_matmul`, on GPU runs with ``distributed.deterministic_compute`` (the
+engine's deterministic CUDA ReduceSum is slow; a MatMul with a ones vector gives the same sums, deterministically,
+through cuBLAS). The eval model has no gradient sums and is left as it is; the checkpoint and every parameter and
+gradient name are unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import onnx
 
 from ortflow.config import RunConfig
-from ortflow.graph.leading_sums import LeadingSumReport, sums_as_matmul
+from ortflow.graph.gradients.leading_sums import LeadingSumReport, sums_as_matmul
 
 log = logging.getLogger(__name__)
 

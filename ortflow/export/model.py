@@ -37,11 +37,11 @@ from ortflow.export import checksum
 from ortflow.export import verify as verification
 from ortflow.export.choose import pick_checkpoint
 from ortflow.export.verify import ExportError
-from ortflow.graph.autocast import fold_parameter_casts, strip_autocast
-from ortflow.graph.embedding import restore_gathers
-from ortflow.graph.external_data import PROTO_LIMIT, needs_external_data, proto_bytes, save_with_external_data
-from ortflow.graph.gelu import decompose_gelu
+from ortflow.graph.exports.external_data import PROTO_LIMIT, needs_external_data, proto_bytes, save_with_external_data
+from ortflow.graph.exports.gelu import decompose_gelu
+from ortflow.graph.gradients.embedding import restore_gathers
 from ortflow.graph.onnx_tools import subgraph_reads
+from ortflow.graph.precision.autocast import fold_parameter_casts, strip_autocast
 
 log = logging.getLogger(__name__)
 
@@ -445,8 +445,9 @@ def export_model(
     eval_proto = onnx.load(str(src.eval_model))
     if precision == "fp32":  # a mixed-precision run's eval graph without its casts: the user's fp32 model
         eval_proto = strip_autocast(eval_proto)
-    eval_proto = restore_gathers(eval_proto)  # the user's Gathers back (ortflow/graph/embedding.py)
-    eval_proto = decompose_gelu(eval_proto)  # fused GELUs as standard ops: no com.microsoft domain (graph/gelu.py)
+    eval_proto = restore_gathers(eval_proto)  # the user's Gathers back (ortflow/graph/gradients/embedding.py)
+    # fused GELUs as standard ops: no com.microsoft domain (graph/exports/gelu.py)
+    eval_proto = decompose_gelu(eval_proto)
     labels = label_names(eval_proto, src.record, src.config)
     names = list(outputs) or default_outputs(eval_proto, src.record, labels)
     if not names:

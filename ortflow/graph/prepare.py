@@ -32,18 +32,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ortflow.graph.differentiable import check_differentiable
-from ortflow.graph.embedding import deterministic_gathers
-from ortflow.graph.gelu import gelu_rewrites
-from ortflow.graph.gradient_fixes import gradient_fixes
-from ortflow.graph.logits import flatten_logits
+from ortflow.graph.exports.gelu import gelu_rewrites
+from ortflow.graph.exports.logits import flatten_logits
+from ortflow.graph.exports.sequences import sequences_to_tensors
+from ortflow.graph.exports.untrainable import untrainable_initializers
+from ortflow.graph.gradients.differentiable import check_differentiable
+from ortflow.graph.gradients.embedding import deterministic_gathers
+from ortflow.graph.gradients.gradient_fixes import gradient_fixes
+from ortflow.graph.gradients.optional_outputs import declare_optional_outputs
+from ortflow.graph.gradients.repeated import separate_repeated_inputs
+from ortflow.graph.gradients.split import split_to_slices
 from ortflow.graph.onnx_tools import FLOAT_TYPES, elem_types
-from ortflow.graph.optional_outputs import declare_optional_outputs
-from ortflow.graph.repeated import separate_repeated_inputs
-from ortflow.graph.sequences import sequences_to_tensors
 from ortflow.graph.shapes import declare_broadcast_shapes, shapes_from_inputs
-from ortflow.graph.split import split_to_slices
-from ortflow.graph.untrainable import untrainable_initializers
 
 #: The preparation passes, in the order :func:`prepare_model` runs them on every graph the engine sees.
 PASSES = (
@@ -104,10 +104,11 @@ def prepare_model(
             prepared before it is cut, a pipeline stage or tensor piece before the last): its float outputs are what
             the trained path must reach.
         label_input: The label input's name (None for ``model_output``).
-        repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.embedding`): the CPU
-            gradient of Gather is not repeatable with more than one thread.
+        repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.gradients.embedding`):
+            the CPU gradient of Gather is not repeatable with more than one thread.
         fuse_gelu: How GELUs reach the engine: ``"as_exported"`` (False), ``"engine"`` (True: the engine's Gelu /
-            FastGelu) or ``"cpu"`` (the tanh form with a fast CPU gradient); :func:`ortflow.graph.gelu.gelu_rewrites`.
+            FastGelu) or ``"cpu"`` (the tanh form with a fast CPU gradient);
+            :func:`ortflow.graph.exports.gelu.gelu_rewrites`.
         keep: Tensor names no pass may remove (the pipeline cuts).
 
     Returns:

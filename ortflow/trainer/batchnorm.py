@@ -41,7 +41,7 @@ class RunningStats:
 
     Args:
         layers: The model's BatchNorm layers, configure.json's ``batchnorm`` entries (``node``, ``mean``, ``var``,
-            ``momentum``, ``per_row``: ortflow/graph/batchnorm_stats.py).
+            ``momentum``, ``per_row``: ortflow/graph/exports/batchnorm_stats.py).
         parameters: ``name -> engine parameter`` (``.data`` reads; writable views on CPU, ``.data = x`` on devices).
         comm: The data-parallel group.
         batch_size: Rows per micro-batch on this rank.

@@ -55,7 +55,7 @@ def test_markov_tokens_follow_the_fixed_chain_on_every_rank():
 
 
 def test_bf16_computes_the_softmax_in_bf16_and_the_smx32_variant_keeps_it_fp32(tmp_path):
-    from ortflow.graph.autocast import DEFAULT_FP32_OPS
+    from ortflow.graph.precision.autocast import DEFAULT_FP32_OPS
 
     base, settings = bench_mixed.variant("bf16-smx32")
     section = bench_mixed._precision(base, settings["precision"])

@@ -1,4 +1,4 @@
-"""The half-precision kernel table (ortflow/graph/cuda_kernels.py) against the installed GPU engine.
+"""The half-precision kernel table (ortflow/graph/precision/cuda_kernels.py) against the installed GPU engine.
 
 Needs the GPU engine and one CUDA GPU (skipped otherwise). Each judged (op, opset 17, fp16/bf16) becomes a one-node
 model in a CUDA session with the CPU fallback disabled: the session starts exactly when the CUDA provider has the
@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortflow import cuda_libs
-from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
-from ortflow.graph.cuda_kernels import KERNELS, has_kernel
+from ortflow.graph.precision.autocast import BFLOAT16, FLOAT16, autocast
+from ortflow.graph.precision.cuda_kernels import KERNELS, has_kernel
 from tests.support.exports import export_path
 
 

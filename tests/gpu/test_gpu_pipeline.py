@@ -123,10 +123,10 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
 
 def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_ranks(tmp_path):
     """The torch CNN export cut into two stages, a BatchNorm on each side: stage 0's forward passes normalise by the
-    micro-batch (the batch form of its eval model, graph/batchnorm_forward.py) on the GPU as on CPU ranks, and both
-    stages' running statistics are kept, saved and averaged over nothing. Weights and running statistics against the
-    same layout on CPU ranks (SGD, strict fp32: cuDNN's convolutions and batch statistics round differently from the
-    CPU's by float32 rounding only)."""
+    micro-batch (the batch form of its eval model, graph/pipeline_parallel/batchnorm_forward.py) on the GPU as on CPU
+    ranks, and both stages' running statistics are kept, saved and averaged over nothing. Weights and running statistics
+    against the same layout on CPU ranks (SGD, strict fp32: cuDNN's convolutions and batch statistics round differently
+    from the CPU's by float32 rounding only)."""
     from ortflow.checkpoints import list_complete
     from ortflow.checkpoints.h5state import read_params
     from tests.gpu.test_gpu_cuda_kernels import conv_libraries_missing

@@ -1,8 +1,9 @@
 """The GPU speed-ups, for real: the training graph's leading-axis sums as MatMuls
-(``distributed.reduce_sum_as_matmul``, ortflow/graph/leading_sums.py), the NCCL gradient all-reduce in fp16/bf16
-(``distributed.allreduce_dtype``, ortflow/trainer/comm/packed_allreduce.py; ZeRO-1's reduce-scatter too), and the
-bucketed exchange (``distributed.nccl_bucket_mb``, ortflow/trainer/comm/nccl.py). Needs the GPU engine, CuPy and 1 or
-2 CUDA GPUs (skipped otherwise); the runs train the small byte-level GPT of test_gpu_mixed_precision.py under mpiexec.
+(``distributed.reduce_sum_as_matmul``, ortflow/graph/gradients/leading_sums.py), the NCCL gradient all-reduce in
+fp16/bf16 (``distributed.allreduce_dtype``, ortflow/trainer/comm/packed_allreduce.py; ZeRO-1's reduce-scatter too), and
+the bucketed exchange (``distributed.nccl_bucket_mb``, ortflow/trainer/comm/nccl.py). Needs the GPU engine, CuPy and 1
+or 2 CUDA GPUs (skipped otherwise); the runs train the small byte-level GPT of test_gpu_mixed_precision.py under
+mpiexec.
 
 Tolerances (loss means over windows of 10 updates, same batches in both runs):
 

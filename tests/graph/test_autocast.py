@@ -8,7 +8,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.autocast import (
+from ortflow.graph.precision.autocast import (
     BFLOAT16,
     FLOAT,
     FLOAT16,

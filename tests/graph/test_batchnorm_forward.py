@@ -1,5 +1,5 @@
-"""graph/batchnorm_forward.py: a stage's eval model that normalises by the batch when its flag input is true and by
-the running statistics when false, on the committed torch CNN export and on a one-node model."""
+"""graph/pipeline_parallel/batchnorm_forward.py: a stage's eval model that normalises by the batch when its flag input
+is true and by the running statistics when false, on the committed torch CNN export and on a one-node model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.batchnorm_forward import switch_to_batch_statistics
+from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
 from tests.support.exports import export_path
 
 FLAG = "use_batch"

@@ -9,8 +9,8 @@ from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from ortflow.cli import app
-from ortflow.graph.autocast import BFLOAT16, FLOAT16, autocast
-from ortflow.graph.cuda_kernels import element_types, has_kernel, missing_kernels, opsets, schema_admits
+from ortflow.graph.precision.autocast import BFLOAT16, FLOAT16, autocast
+from ortflow.graph.precision.cuda_kernels import element_types, has_kernel, missing_kernels, opsets, schema_admits
 from ortflow.validate import validate
 from tests.support.exports import DYNAMO_NAMES, NAMES, export_path
 from tests.test_validate import setup
@@ -32,7 +32,8 @@ def test_autocast_of_each_fixture_has_a_kernel_for_every_node(name, compute):
 
 
 # Every export but the dynamo GPT-2 without optimisation (its SplitToSequence has no type until the sequence ops are
-# rewritten). ONNX Gelu (opset 20) is judged after preparation, which rewrites it into com.microsoft's (graph/gelu.py).
+# rewritten). ONNX Gelu (opset 20) is judged after preparation, which rewrites it into com.microsoft's
+# (graph/exports/gelu.py).
 AUTOCAST_FIXTURES = [*NAMES, *(n for n in DYNAMO_NAMES if n != "gpt2-dynamo-noopt.onnx")]
 
 

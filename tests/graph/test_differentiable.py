@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.differentiable import check_differentiable, trained_path
+from ortflow.graph.gradients.differentiable import check_differentiable, trained_path
 from ortflow.graph.onnx_tools import GraphError
 from tests.graph.test_passes import f32, make_model
 

@@ -1,6 +1,7 @@
-"""The repeatable-gather pass (ortflow/graph/embedding.py) on export-shaped models (tests/support/embedding_models.py):
-what it rewrites, that the forward is bit for bit the user's, that the engine's gradients equal those of the
-unrewritten graph within fp32 rounding, that they repeat with 2 threads, and that export gets the user's Gather back.
+"""The repeatable-gather pass (ortflow/graph/gradients/embedding.py) on export-shaped models
+(tests/support/embedding_models.py): what it rewrites, that the forward is bit for bit the user's, that the engine's
+gradients equal those of the unrewritten graph within fp32 rounding, that they repeat with 2 threads, and that export
+gets the user's Gather back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ortflow.config import config_from_dict
 from ortflow.configure.configure import configure
 from ortflow.configure.engine_input import repeatable_gathers
 from ortflow.engine import api
-from ortflow.graph.embedding import MARK, deterministic_gathers, restore_gathers
+from ortflow.graph.gradients.embedding import MARK, deterministic_gathers, restore_gathers
 from ortflow.trainer.runtime import session_options
 from tests.support.embedding_models import tied_lm
 

@@ -183,7 +183,7 @@ def test_initial_checkpoint_holds_the_models_weights_bit_for_bit(tmp_path):
 def test_engine_failure_for_a_parameter_without_gradient_says_to_freeze_it(tmp_path):
     # The engine's message (measured: a trained Clip bound, before ortflow froze those) for a parameter whose inputs it
     # does not differentiate; configure freezes the ones it knows, and turns this failure for others into the fix.
-    from ortflow.graph.differentiable import explain_engine_error
+    from ortflow.graph.gradients.differentiable import explain_engine_error
 
     model = onnx.load(str(_act_model(tmp_path / "m.onnx", "Relu", after="fc1")))
     message = ("[ONNXRuntimeError] : 1 : FAIL : graph_augmenter.cc:23 AddToExistingNodeArgs add graph outputs - "

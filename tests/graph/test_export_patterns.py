@@ -53,7 +53,8 @@ PATTERNS = {
     "btv_logits": (token_lm, _token_batch, "flatten_logits"),
     "gpt2_tied_shape_arithmetic": (lambda p: gpt2_style(p, vocab=11, seq_len=5),
                                    _token_batch, "flatten_logits"),
-    # GELUs the engine does not fuse itself, fused by ortflow (graph/gelu.py): gradients against the unfused original
+    # GELUs the engine does not fuse itself, fused by ortflow (graph/exports/gelu.py): gradients against the unfused
+    # original
     "gelu_scaled_erf": (lambda p: gelu_mlp(p, "scaled_erf"), _classifier_batch, "fuse_gelu"),
     "gelu_torch_tanh_tied_lm": (lambda p: gelu_lm(p, "torch_tanh"), _token_batch, "fuse_gelu"),
 }

@@ -12,7 +12,7 @@ from onnx import TensorProto, numpy_helper
 from ortflow.configure.configure import configure
 from ortflow.configure.engine_input import engine_input
 from ortflow.engine import api, artifacts
-from ortflow.graph.external_data import needs_external_data
+from ortflow.graph.exports.external_data import needs_external_data
 from ortflow.graph.prepare import prepare_model
 from tests.graph.test_export_patterns import make_cfg
 from tests.support.graph import layernorm_classifier
@@ -88,7 +88,7 @@ def test_the_external_data_decision_adds_graph_and_weight_bytes_against_the_limi
 
 
 def test_the_model_size_is_summed_part_by_part_within_a_few_bytes_of_the_serialised_size(tmp_path):
-    from ortflow.graph.external_data import proto_bytes
+    from ortflow.graph.exports.external_data import proto_bytes
 
     model = onnx.load(str(layernorm_classifier(tmp_path / "m.onnx")))
     exact = len(model.SerializeToString())

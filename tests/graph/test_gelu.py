@@ -1,4 +1,4 @@
-"""The GELU fusion pass (ortflow/graph/gelu.py) on GELUs as exporters write them, and its inverse for export."""
+"""The GELU fusion pass (ortflow/graph/exports/gelu.py) on GELUs as exporters write them, and its inverse for export."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ortflow.config import config_from_dict
 from ortflow.configure.configure import configure
 from ortflow.dataprep.prepare_data import prepare_data
 from ortflow.export import export_model
-from ortflow.graph.gelu import MS_DOMAIN, decompose_gelu, fuse_gelu
+from ortflow.graph.exports.gelu import MS_DOMAIN, decompose_gelu, fuse_gelu
 from tests.support.gelu_forms import FORMS, gelu_lm, gelu_mlp
 
 

@@ -1,4 +1,4 @@
-"""The tanh GELU's fast CPU gradient (ortflow/graph/gelu_grad.py): same function, right gradient, CPU only."""
+"""The tanh GELU's fast CPU gradient (ortflow/graph/gradients/gelu_grad.py): same function, right gradient, CPU only."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from ortflow.config import config_from_dict
 from ortflow.configure.configure import configure
 from ortflow.dataprep.prepare_data import prepare_data
 from ortflow.export import export_model
-from ortflow.graph.gelu import MS_DOMAIN, decompose_gelu, gelu_rewrites
-from ortflow.graph.gelu_grad import restore_tanh_gelus, sigmoid_gelus
+from ortflow.graph.exports.gelu import MS_DOMAIN, decompose_gelu, gelu_rewrites
+from ortflow.graph.gradients.gelu_grad import restore_tanh_gelus, sigmoid_gelus
 from tests.graph.gradcheck import Reference, engine_loss_and_gradients, sample_indices
 from tests.support.exports import export_path
 from tests.support.gelu_forms import gelu_mlp

@@ -1,7 +1,7 @@
 """The gradient audit: every op variant torch.onnx.export writes (tests/support/audit_cases.py), trained through
 configure, has the gradient of the ORIGINAL model to fp32 rounding (float64 central differences, tests/graph/audit.py);
-the variants the engine gets wrong are rewritten (ortflow/graph/gradient_fixes.py) or refused with a fix
-(ortflow/graph/differentiable.py). The engine-fact tests record what the engine does with each untouched, so a
+the variants the engine gets wrong are rewritten (ortflow/graph/gradients/gradient_fixes.py) or refused with a fix
+(ortflow/graph/gradients/differentiable.py). The engine-fact tests record what the engine does with each untouched, so a
 later engine that fixes one shows up. Results: docs/engine.md, "Gradient audit".
 """
 
@@ -15,7 +15,7 @@ from onnx.reference import ReferenceEvaluator
 
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.configure.configure import configure
-from ortflow.graph.gradient_fixes import expand_where_inputs, gradient_fixes
+from ortflow.graph.gradients.gradient_fixes import expand_where_inputs, gradient_fixes
 from tests.graph.audit import BOUND, audit
 from tests.support.audit_cases import CASES_17, CASES_20
 from tests.support.audit_graph import build_model

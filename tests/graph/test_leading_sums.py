@@ -1,5 +1,5 @@
-"""The leading-axis sums pass (ortflow/graph/leading_sums.py): which reductions it rewrites, which it keeps and why,
-and that the rewritten training graph computes the same gradients and updates as the engine's own."""
+"""The leading-axis sums pass (ortflow/graph/gradients/leading_sums.py): which reductions it rewrites, which it keeps
+and why, and that the rewritten training graph computes the same gradients and updates as the engine's own."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ortflow.configure.configure import fingerprint
 from ortflow.configure.training_graph import sums_as_matmul_applies
 from ortflow.engine import api
 from ortflow.examples.gpt import build_gpt
-from ortflow.graph.leading_sums import MARK, LeadingSumReport, sums_as_matmul
+from ortflow.graph.gradients.leading_sums import MARK, LeadingSumReport, sums_as_matmul
 from tests.support.bias_lm import build_bias_lm, save
 
 

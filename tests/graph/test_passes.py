@@ -11,12 +11,12 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.logits import flatten_logits
+from ortflow.graph.exports.logits import flatten_logits
+from ortflow.graph.exports.untrainable import untrainable_initializers
+from ortflow.graph.gradients.optional_outputs import declare_optional_outputs
+from ortflow.graph.gradients.repeated import separate_repeated_inputs
+from ortflow.graph.gradients.split import split_to_slices
 from ortflow.graph.onnx_tools import GraphError
-from ortflow.graph.optional_outputs import declare_optional_outputs
-from ortflow.graph.repeated import separate_repeated_inputs
-from ortflow.graph.split import split_to_slices
-from ortflow.graph.untrainable import untrainable_initializers
 
 
 def make_model(nodes, inputs, outputs, inits=(), opset=17):

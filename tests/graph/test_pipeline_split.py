@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from ortflow.graph.pipeline_cuts import SplitError, choose_cuts, split_model
+from ortflow.graph.pipeline_parallel.pipeline_cuts import SplitError, choose_cuts, split_model
 from ortflow.trainer.parallel.schedule import one_f_one_b
 from tests.support.mlp_stack import B, T, V, build_torchlike, trainable
 
@@ -90,7 +90,7 @@ def test_bad_cut_names_and_order_are_refused():
 def test_the_split_is_pure_and_logs_each_stage(caplog):
     model = build_torchlike()
     before = model.SerializeToString()
-    with caplog.at_level(logging.INFO, logger="ortflow.graph.pipeline_cuts"):
+    with caplog.at_level(logging.INFO, logger="ortflow.graph.pipeline_parallel.pipeline_cuts"):
         split_model(model, ["blocks.0.resid"], trainable(model))
     assert model.SerializeToString() == before
     assert "pipeline stage 1" in caplog.text

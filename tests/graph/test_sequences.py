@@ -6,9 +6,9 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from ortflow.graph.constant_folding import fold_int_constants
-from ortflow.graph.differentiable import check_differentiable
-from ortflow.graph.sequences import sequences_to_tensors
+from ortflow.graph.exports.constant_folding import fold_int_constants
+from ortflow.graph.exports.sequences import sequences_to_tensors
+from ortflow.graph.gradients.differentiable import check_differentiable
 from tests.support.exports import export_path
 
 F = onnx.TensorProto.FLOAT
@@ -73,7 +73,7 @@ def test_concat_from_sequence_of_a_construct_becomes_concat():
 
 
 def test_gpt2_noopt_export_attention_split_becomes_one_split_per_block():
-    from ortflow.graph.torch_params import torch_parameters
+    from ortflow.graph.exports.torch_params import torch_parameters
 
     model = torch_parameters(onnx.load(str(export_path("gpt2-dynamo-noopt.onnx")))).model
     rewritten = sequences_to_tensors(model)

@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ortflow.graph.pipeline_cuts import _free_nodes
+from ortflow.graph.pipeline_parallel.pipeline_cuts import _free_nodes
 from ortflow.graph.shapes import shapes_from_inputs
 from tests.support.exports import export_path
 

@@ -10,9 +10,9 @@ import pytest
 
 from ortflow.checkpoints.tp import merge_slices
 from ortflow.examples.gpt import build_gpt
-from ortflow.graph.tensor_parallel import TensorSplitError, plan_tensor_split, split_for_rank
-from ortflow.graph.tensor_pieces import cut_pieces
-from ortflow.graph.tensor_shard import shard_model, slice_tensor
+from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
+from ortflow.graph.tensor_parallel.tensor_shard import shard_model, slice_tensor
+from ortflow.graph.tensor_parallel.tensor_split import TensorSplitError, plan_tensor_split, split_for_rank
 from tests.support.gpt import gpt2_style
 from tests.support.tensor_sim import run_pieces, run_whole, trainable
 
@@ -32,7 +32,7 @@ def torchlike(tmp_path_factory):
 
 
 def test_gpt_splits_attention_by_heads_the_mlp_and_the_vocabulary(gpt, caplog):
-    with caplog.at_level(logging.INFO, logger="ortflow.graph.tensor_parallel"):
+    with caplog.at_level(logging.INFO, logger="ortflow.graph.tensor_parallel.tensor_split"):
         local, plan = split_for_rank(gpt, trainable(gpt), 2, 0)
     assert [r.columns for r in plan.regions[:4]] == [
         ["h0.attn.q.weight", "h0.attn.k.weight", "h0.attn.v.weight"], ["h0.mlp.fc.weight"],

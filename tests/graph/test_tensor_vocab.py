@@ -7,11 +7,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from ortflow.graph.embedding import deterministic_gathers
-from ortflow.graph.tensor_gemm import separate_gemm_biases
-from ortflow.graph.tensor_parallel import describe, plan_tensor_split
-from ortflow.graph.tensor_pieces import cut_pieces
-from ortflow.graph.tensor_shard import shard_model
+from ortflow.graph.gradients.embedding import deterministic_gathers
+from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
+from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
+from ortflow.graph.tensor_parallel.tensor_shard import shard_model
+from ortflow.graph.tensor_parallel.tensor_split import describe, plan_tensor_split
 from tests.support.gpt import gemm_tied_gpt, gpt2_style
 from tests.support.tensor_sim import run_pieces, run_whole, trainable
 

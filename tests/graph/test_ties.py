@@ -14,7 +14,7 @@ def test_a_tied_table_untied_by_constant_folding_is_found_and_configure_warns(tm
 
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
-    from ortflow.graph.ties import folded_tie_copies
+    from ortflow.graph.exports.ties import folded_tie_copies
 
     model = onnx.load(str(export_path("gpt2.onnx")))
     trainable = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
@@ -42,7 +42,7 @@ def test_constant_tensors_of_a_fresh_initialisation_are_not_reported_as_ties():
     equal by initialisation; a real copy among them is still found."""
     from onnx import helper, numpy_helper
 
-    from ortflow.graph.ties import folded_tie_copies
+    from ortflow.graph.exports.ties import folded_tie_copies
 
     rng = np.random.default_rng(0)
     table = rng.normal(size=(64, 32)).astype(np.float32)

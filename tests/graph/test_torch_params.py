@@ -7,8 +7,8 @@ import pytest
 from onnx import helper, numpy_helper
 from safetensors.numpy import load_file
 
+from ortflow.graph.exports.torch_params import NO_OPTIMIZE, torch_parameters
 from ortflow.graph.onnx_tools import GraphError
-from ortflow.graph.torch_params import NO_OPTIMIZE, torch_parameters
 from tests.support.exports import DYNAMO_NAMES, EXPORTS, NAMES, export_path, torch_record
 
 REFUSED = {"gpt2-fresh-dynamo.onnx"}  # the exporter dropped the fresh model's zero Gemm biases

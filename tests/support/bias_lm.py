@@ -1,7 +1,7 @@
 """A model shaped like ``torch.onnx.export`` output whose gradients need sums over leading and other axes.
 
-For the tests of :mod:`ortflow.graph.leading_sums` (built with ``onnx.helper``, opset 17, fixed batch dims): a tied
-embedding (read by Gather and, transposed, by the LM head), a learned position table [T, d] added to [B, T, d]
+For the tests of :mod:`ortflow.graph.gradients.leading_sums` (built with ``onnx.helper``, opset 17, fixed batch dims): a
+tied embedding (read by Gather and, transposed, by the LM head), a learned position table [T, d] added to [B, T, d]
 (gradient: a sum over axis 0), a per-row bias [T, 1] (a sum over axes 0 and 2: not a leading run), LayerNormalization
 with only its Y output, MatMul+Add linear, Relu, a per-channel gain (Mul), shape arithmetic from Shape/Gather/
 Unsqueeze/Concat Constants into Reshape, a Gemm with a bias on [B*T, h], and [B, T, V] logits.

@@ -1,4 +1,5 @@
-"""Embedding models shaped like ``torch.onnx.export`` output, for the repeatable-gather pass (graph/embedding.py).
+"""Embedding models shaped like ``torch.onnx.export`` output, for the repeatable-gather pass
+(graph/gradients/embedding.py).
 
 ``tied_lm``: the token table is read by a Gather (optionally through an Identity, as torch writes a tied weight it
 reads twice) and by the LM head ``MatMul(h, Transpose(wte))``; ids int64 or int32; fixed batch dims; LayerNormalization

@@ -87,9 +87,10 @@ def assert_export_equals_eval_graph(cfg, exported: Path, params: dict[str, np.nd
     import onnx
     import onnxruntime as ort
 
-    from ortflow.graph.gelu import decompose_gelu
+    from ortflow.graph.exports.gelu import decompose_gelu
 
-    # The export writes fused GELUs back as standard ops (graph/gelu.py): compare with the eval graph written alike.
+    # The export writes fused GELUs back as standard ops (graph/exports/gelu.py): compare with the eval graph written
+    # alike.
     eval_proto = decompose_gelu(onnx.load(str(cfg.artifacts_dir / "eval_model.onnx")))
     eval_proto.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
     ids = np.random.default_rng(0).integers(0, 256, (2, seq))

@@ -49,9 +49,10 @@ def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: di
     import onnx
     import onnxruntime as ort
 
-    from ortflow.graph.gelu import decompose_gelu
+    from ortflow.graph.exports.gelu import decompose_gelu
 
-    # The export writes fused GELUs back as standard ops (graph/gelu.py): compare with the eval graph written alike.
+    # The export writes fused GELUs back as standard ops (graph/exports/gelu.py): compare with the eval graph written
+    # alike.
     eval_proto = decompose_gelu(onnx.load(str(cfg.artifacts_dir / "eval_model.onnx")))
     eval_proto.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
     first = next(iter(feeds.values()))

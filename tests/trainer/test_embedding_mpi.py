@@ -1,5 +1,5 @@
-"""Training with 2 intra-op threads per rank is repeatable (ortflow/graph/embedding.py): 2 ranks under ``mpiexec``
-train a byte-level GPT whose token table the CPU engine's GatherGrad would sum in thread order.
+"""Training with 2 intra-op threads per rank is repeatable (ortflow/graph/gradients/embedding.py): 2 ranks under
+``mpiexec`` train a byte-level GPT whose token table the CPU engine's GatherGrad would sum in thread order.
 
 The model is the size at which the engine's own Gather gradient was measured to differ run to run with 2 threads
 (vocab 256, T 16, d 64, 2 layers, 16 sequences per rank), on text, where byte

@@ -58,6 +58,6 @@ def test_checkpoint_state_round_trips_through_meta_json():
 
 
 def test_the_configs_default_fp32_ops_are_the_autocast_pass_default():
-    from ortflow.graph.autocast import DEFAULT_FP32_OPS
+    from ortflow.graph.precision.autocast import DEFAULT_FP32_OPS
 
     assert PrecisionConfig().fp32_ops == DEFAULT_FP32_OPS  # config.py imports nothing from ortflow: kept in step here

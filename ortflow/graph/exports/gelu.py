@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from ortflow.graph.gelu_grad import restore_tanh_gelus, sigmoid_gelus
+from ortflow.graph.gradients.gelu_grad import restore_tanh_gelus, sigmoid_gelus
 from ortflow.graph.onnx_tools import Names, constant_values, elem_types, node_label, report_change
 
 MS_DOMAIN = "com.microsoft"
@@ -258,7 +258,7 @@ def gelu_rewrites(
 
     :func:`tanh_gelu_gradients` always; then by ``fuse``: ``"as_exported"`` (or False) nothing more; ``"engine"``
     (or True) :func:`fuse_gelu`; ``"cpu"`` :func:`fuse_gelu`, then every tanh GELU in the sigmoid form of
-    :mod:`ortflow.graph.gelu_grad` (the engine's CPU ``FastGeluGrad`` is slow; its erf ``GeluGrad`` is not).
+    :mod:`ortflow.graph.gradients.gelu_grad` (the engine's CPU ``FastGeluGrad`` is slow; its erf ``GeluGrad`` is not).
     """
     mode = {True: "engine", False: "as_exported"}.get(fuse, fuse) if isinstance(fuse, bool) else fuse
     if mode not in ("as_exported", "engine", "cpu"):
@@ -373,7 +373,7 @@ def _decomposed(node: onnx.NodeProto, names: Names, elem_type: int) -> list[onnx
 
 def decompose_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with every ``com.microsoft`` ``Gelu`` / ``FastGelu`` of one input, and every sigmoid-form GELU of
-    :mod:`ortflow.graph.gelu_grad`, written as standard ops (the form :func:`fuse_gelu` recognises); the
+    :mod:`ortflow.graph.gradients.gelu_grad`, written as standard ops (the form :func:`fuse_gelu` recognises); the
     ``com.microsoft`` opset import is dropped when nothing else uses it."""
     model = restore_tanh_gelus(model)
     fused = [n for n in model.graph.node if n.domain == MS_DOMAIN and n.op_type in ("Gelu", "FastGelu")

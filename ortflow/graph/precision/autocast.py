@@ -7,8 +7,8 @@ in. Each node is one of:
 * **fp32** (``fp32_ops``: LayerNormalization, Softmax, the reductions, losses; ops with subgraphs; ops outside the
   standard and ``com.microsoft`` domains; ops whose output type is fixed by an attribute; ops whose ONNX schema at
   the model's opset has no such type, e.g. RoPE's Cos and Sin in bf16 before opset 22; ops for which the GPU engine
-  has no CUDA kernel in the compute type, per :mod:`ortflow.graph.cuda_kernels`, e.g. Pow, Sqrt, Neg in bf16, and
-  the Sigmoid and Mul of a SiLU, which the engine fuses into QuickGelu, without a bf16 kernel): inputs are read in
+  has no CUDA kernel in the compute type, per :mod:`ortflow.graph.precision.cuda_kernels`, e.g. Pow, Sqrt, Neg in bf16,
+  and the Sigmoid and Mul of a SiLU, which the engine fuses into QuickGelu, without a bf16 kernel): inputs are read in
   fp32, outputs stay fp32;
 * **shape readers** (Shape, Size): read whatever version exists, no cast;
 * **Cast** to fp32 becomes a cast to the compute type (marked in its ``doc_string``) so a low region stays low.
@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.cuda_kernels import fused_without_kernel, has_kernel, opsets, schema_admits
+from ortflow.graph.precision.cuda_kernels import fused_without_kernel, has_kernel, opsets, schema_admits
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ def autocast(
         compute_type: ``TensorProto.FLOAT16`` or ``TensorProto.BFLOAT16``.
         fp32_ops: Op types computed in fp32 (their inputs cast to fp32, outputs left fp32).
         check_kernels: Also keep in fp32 every op the GPU engine has no CUDA kernel for in ``compute_type``
-            (:mod:`ortflow.graph.cuda_kernels`); off only to show what would fail without it.
+            (:mod:`ortflow.graph.precision.cuda_kernels`); off only to show what would fail without it.
 
     Returns:
         The rewritten model; graph inputs, outputs and initializers are unchanged.

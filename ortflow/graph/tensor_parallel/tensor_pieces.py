@@ -1,9 +1,9 @@
 """Cut a rank's tensor-parallel model into pieces at its all-reduce points, for the pipeline's VJP machinery.
 
 Pieces alternate: replicated (even levels: embeddings, residual adds, LayerNorms, the LM head; every rank computes
-the same) and parallel (odd levels: the split regions of :mod:`ortflow.graph.tensor_parallel`). A parallel piece's
-only outputs are its row-split MatMuls' partial sums; the runtime all-reduces them before any later piece reads them
-(Megatron's ``g``: all-reduce forward, identity backward). The gradients a parallel piece returns for what it read
+the same) and parallel (odd levels: the split regions of :mod:`ortflow.graph.tensor_parallel.tensor_split`). A parallel
+piece's only outputs are its row-split MatMuls' partial sums; the runtime all-reduces them before any later piece reads
+them (Megatron's ``g``: all-reduce forward, identity backward). The gradients a parallel piece returns for what it read
 are partial too, and are all-reduced before they join the replicated side's (Megatron's ``f``: identity forward,
 all-reduce backward). A piece may read tensors of any earlier piece (the residual stream skips the parallel pieces),
 so the runtime keeps every piece's outputs until the last reader ran.
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import onnx
 
 from ortflow.graph.onnx_tools import node_label
-from ortflow.graph.pipeline_cuts import FLOAT_TYPES, Analysis, Stage, check_random_ops, stage_model
-from ortflow.graph.tensor_parallel import TensorPlan, TensorSplitError
+from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, Analysis, Stage, check_random_ops, stage_model
+from ortflow.graph.tensor_parallel.tensor_split import TensorPlan, TensorSplitError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def _check_slices_stay_in_regions(a: Analysis, member: dict[int, int], plan: Ten
 
 def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelProto,
                trainable: list[str] | set[str]) -> list[Piece]:
-    """Cut a rank's model (:func:`ortflow.graph.tensor_parallel.shard_model`) into pieces, in the order they run.
+    """Cut a rank's model (:func:`ortflow.graph.tensor_parallel.tensor_shard.shard_model`) into pieces, in the order
+    they run.
 
     Raises:
         TensorSplitError: A node outside the split regions reads a sliced parameter, a parallel piece would send

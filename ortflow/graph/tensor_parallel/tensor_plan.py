@@ -1,5 +1,5 @@
-"""What a tensor-parallel split decides (:mod:`ortflow.graph.tensor_parallel` plans it, :mod:`.tensor_vocab` adds
-the vocabulary splits, :mod:`.tensor_shard` applies it to one rank's model)."""
+"""What a tensor-parallel split decides (:mod:`ortflow.graph.tensor_parallel.tensor_split` plans it,
+:mod:`.tensor_vocab` adds the vocabulary splits, :mod:`.tensor_shard` applies it to one rank's model)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import onnx
 
 from ortflow.graph.onnx_tools import node_label
-from ortflow.graph.tensor_gemm import weight_axes
+from ortflow.graph.tensor_parallel.tensor_gemm import weight_axes
 
-log = logging.getLogger("ortflow.graph.tensor_parallel")
+log = logging.getLogger("ortflow.graph.tensor_parallel.tensor_split")
 
 
 class TensorSplitError(ValueError):
@@ -32,7 +32,8 @@ class Region:
         nodes: Indices of the region's nodes in the graph, with the ``Transpose`` of a weight read as
             ``Transpose(W)``: the rank's piece reads its slice itself, so the slice's gradient is the rank's own.
         transposed: Weights stored ``[out, in]`` (a Gemm with ``transB=1``): their column/row axes swap.
-        vocab: Vocabulary-split tables (:mod:`ortflow.graph.tensor_vocab`) -> the axis each rank keeps a block of.
+        vocab: Vocabulary-split tables (:mod:`ortflow.graph.tensor_parallel.tensor_vocab`) -> the axis each rank
+            keeps a block of.
         heads: A vocabulary-split LM head's output -> its rank (the local logits are padded back to the vocabulary).
         members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
             the outputs of ``nodes``.

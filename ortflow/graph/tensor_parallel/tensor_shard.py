@@ -11,10 +11,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortflow.graph.gelu import declare_fused_types
+from ortflow.graph.exports.gelu import declare_fused_types
 from ortflow.graph.onnx_tools import Names, constant_values
-from ortflow.graph.tensor_plan import TensorPlan
-from ortflow.graph.tensor_vocab import shard_vocab
+from ortflow.graph.tensor_parallel.tensor_plan import TensorPlan
+from ortflow.graph.tensor_parallel.tensor_vocab import shard_vocab
 
 
 def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
@@ -67,4 +67,4 @@ def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.Mod
     kept = [v for v in graph.value_info if v.name not in split]
     del graph.value_info[:]
     graph.value_info.extend(kept)
-    return declare_fused_types(model)  # ...except through com.microsoft ops (fused GELUs, graph/gelu.py)
+    return declare_fused_types(model)  # ...except through com.microsoft ops (fused GELUs, graph/exports/gelu.py)

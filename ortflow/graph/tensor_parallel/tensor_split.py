@@ -11,15 +11,16 @@ axis (scores and context), and ``Split`` of a fused QKV projection into equal pa
 a row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
 
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
-(:mod:`ortflow.graph.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split tensor's
-``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown op, a
-parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``hp`` that does not divide
-a width or a head count (the key/value heads under GQA) is refused, naming them and the sizes that fit.
+(:mod:`ortflow.graph.tensor_parallel.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split
+tensor's ``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown
+op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``hp`` that does not
+divide a width or a head count (the key/value heads under GQA) is refused, naming them and the sizes that fit.
 
-A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_gemm`) is a weight product like ``MatMul``; its ``[out, in]`` weight
-swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose ``Transpose``
-is a node of the region: each rank transposes its own slice in its piece, so the slice's gradient stays its own.
-Embeddings and LM heads are split by vocabulary in regions of their own (:mod:`ortflow.graph.tensor_vocab`).
+A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_parallel.tensor_gemm`) is a weight product like ``MatMul``; its ``[out,
+in]`` weight swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose
+``Transpose`` is a node of the region: each rank transposes its own slice in its piece, so the slice's gradient stays
+its own. Embeddings and LM heads are split by vocabulary in regions of their own
+(:mod:`ortflow.graph.tensor_parallel.tensor_vocab`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import onnx
 from onnx import helper
 
 from ortflow.graph.onnx_tools import constant_values, node_label
-from ortflow.graph.tensor_axes import moved_axis, reshape_axis
-from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
-from ortflow.graph.tensor_plan import (
+from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis
+from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
+from ortflow.graph.tensor_parallel.tensor_plan import (
     Region,
     TensorPlan,
     TensorSplitError,  # noqa: F401 - raised by plan_tensor_split; callers import it from here
@@ -39,9 +40,9 @@ from ortflow.graph.tensor_plan import (
     describe,
     log_plan,
 )
-from ortflow.graph.tensor_shapes import DimOf, shape_entry, static_ints, tensor_dims, weight_of
-from ortflow.graph.tensor_shard import shard_model
-from ortflow.graph.tensor_vocab import plan_vocab
+from ortflow.graph.tensor_parallel.tensor_shapes import DimOf, shape_entry, static_ints, tensor_dims, weight_of
+from ortflow.graph.tensor_parallel.tensor_shard import shard_model
+from ortflow.graph.tensor_parallel.tensor_vocab import plan_vocab
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Identity", "Sqrt",
                 "Neg", "Exp", "Log", "Cast", "Where", "FastGelu", "Abs", "Reciprocal", "LeakyRelu", "Elu",
@@ -276,7 +277,7 @@ class _Walk:
         return None
 
     def _move(self, node, axis: int) -> str | None:
-        """Unsqueeze, Squeeze, Slice and Concat (:func:`ortflow.graph.tensor_axes.moved_axis`)."""
+        """Unsqueeze, Squeeze, Slice and Concat (:func:`ortflow.graph.tensor_parallel.tensor_axes.moved_axis`)."""
         x = node.input[0]
         rank = self._rank(x)
         if rank is None:

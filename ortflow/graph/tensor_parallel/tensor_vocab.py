@@ -27,8 +27,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ortflow.graph.onnx_tools import Names, node_label, opset_version
-from ortflow.graph.tensor_gemm import is_plain_gemm, transposed
-from ortflow.graph.tensor_plan import Region
+from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
+from ortflow.graph.tensor_parallel.tensor_plan import Region
 
 #: Ops that pass logits on unchanged but for their shape (an LM head's output reaches the graph output through them).
 _RESHAPES = {"Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze"}

@@ -112,7 +112,7 @@ class StageRuntime(Runtime):
     def forward(self, feeds: dict[str, np.ndarray], train: bool = True) -> list[np.ndarray]:
         """A middle stage's forward pass (eval model, which outputs just the sent tensors; nothing is kept). ``train``:
         of a training micro-batch, so BatchNorm normalises by the batch as the training call's recomputation will
-        (graph/batchnorm_forward.py); else by the running statistics."""
+        (graph/pipeline_parallel/batchnorm_forward.py); else by the running statistics."""
         if train and self.kept is not None:
             return self.kept.forward(feeds)
         if self._batch_statistics is None:

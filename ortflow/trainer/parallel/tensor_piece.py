@@ -6,10 +6,10 @@ are neighbours, so on one host they talk through shared memory). Two sub-groups:
 replica: activation and input-gradient all-reduces) and ``dp_comm`` (the replicas of tensor-parallel rank ``t``:
 gradient averaging, as unsplit data-parallel training does).
 
-One micro-batch runs the rank's pieces (:mod:`ortflow.graph.tensor_pieces`) forward with their eval models, a
-parallel piece's outputs summed over ``tp_comm`` (Megatron's ``g``), then backward in reverse order: each piece's
-training call recomputes its forward and returns the gradients of what it read, driven by the summed gradients of
-what it sent (docs/engine.md). A parallel piece's input gradients are partial and are summed over
+One micro-batch runs the rank's pieces (:mod:`ortflow.graph.tensor_parallel.tensor_pieces`) forward with their eval
+models, a parallel piece's outputs summed over ``tp_comm`` (Megatron's ``g``), then backward in reverse order: each
+piece's training call recomputes its forward and returns the gradients of what it read, driven by the summed gradients
+of what it sent (docs/engine.md). A parallel piece's input gradients are partial and are summed over
 ``tp_comm`` (Megatron's ``f``). Every sum adds the ranks' parts in rank order (an all-gather, then a local sum), so
 all ``hp`` ranks hold bitwise the same replicated activations and gradients, hence the same replicated parameters.
 On CUDA ranks the activations, their gradients and the sums stay on the GPU (:mod:`.activations`).
