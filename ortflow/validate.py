@@ -79,7 +79,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
         problems += model_problems
         split = cfg.distributed.horizontal_parallel_size > 1 or cfg.distributed.pipeline_parallel_size > 1
         if split and not model_problems:
-            model_problems = tensor_split_problems(cfg, split_plan)
+            model_problems = tensor_parallel_problems(cfg, split_plan)
             problems += model_problems
         if cfg.optimizer.groups and not model_problems:
             problems += group_problems(cfg)
@@ -103,7 +103,7 @@ def _spec(info: onnx.ValueInfoProto) -> InputSpec:
     return InputSpec(info.name, dtype, dims)
 
 
-def tensor_split_problems(cfg: RunConfig, split_plan: list[str] | None = None) -> list[str]:
+def tensor_parallel_problems(cfg: RunConfig, split_plan: list[str] | None = None) -> list[str]:
     """The pipeline or tensor-parallel split's refusal (a cut crossed by a value computed from trained parameters, a
     size that does not divide the heads, nothing to split, a cut inside a split region, a tied weight across stages),
     exactly as configure gives it (:func:`ortflow.configure.configure.plan_layout`); onnx only, no engine. The plan in

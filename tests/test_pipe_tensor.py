@@ -11,7 +11,7 @@ from ortflow.config import ConfigError, config_from_dict
 from ortflow.configure.configure import configure
 from ortflow.examples.gpt import build_gpt
 from ortflow.trainer.parallel.parallel_dims import place, rank_of
-from ortflow.validate import tensor_split_problems
+from ortflow.validate import tensor_parallel_problems
 
 
 def test_rank_layout_puts_tp_ranks_next_to_each_other_then_stages_then_replicas():
@@ -93,23 +93,23 @@ def test_a_cut_inside_a_split_region_is_refused_with_the_region_and_the_fix(tmp_
     path = tmp_path / "gpt.onnx"
     build_gpt(path, vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=4)
     cfg = pp_tp_cfg(tmp_path, path, cuts=["h0.mlp.gelu.out"])
-    problems = tensor_split_problems(cfg)
+    problems = tensor_parallel_problems(cfg)
     assert len(problems) == 1
     assert "crossed by ['h0.mlp.gelu.out']" in problems[0] and "['h0.mlp.fc.weight']" in problems[0]
     assert "cut between regions instead" in problems[0]
     with pytest.raises(ConfigError, match="inside tensor-parallel region"):
         configure(cfg)
-    assert tensor_split_problems(pp_tp_cfg(tmp_path, path, cuts=["h0.resid_mlp"])) == []
+    assert tensor_parallel_problems(pp_tp_cfg(tmp_path, path, cuts=["h0.resid_mlp"])) == []
 
 
 def test_tied_weights_across_stages_are_split_alike_in_every_holding_stage(tmp_path):
-    from ortflow.configure.pipe_tensor_artifacts import plan_pipe_tensor
+    from ortflow.configure.pipeline_tensor_parallel_artifacts import plan_pipeline_tensor_parallel
     from tests.support.gpt import gpt2_style
 
     path = gpt2_style(tmp_path / "tied.onnx", vocab=16, seq_len=4, width=8, heads=2, batch=2)
     cfg = pp_tp_cfg(tmp_path, path)
-    assert tensor_split_problems(cfg) == []
-    _, plans = plan_pipe_tensor(cfg)
+    assert tensor_parallel_problems(cfg) == []
+    _, plans = plan_pipeline_tensor_parallel(cfg)
     (table,) = plans[0].stage.shared  # the embedding (stage 0) and the LM head (stage 1) read one table
     assert [sp.stage.shared for sp in plans] == [{table: (0, 1)}, {table: (0, 1)}]
     # both stages slice it by vocabulary, alike: each tp rank's rows are summed over its pipeline group
@@ -130,14 +130,14 @@ def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logi
     import numpy as np
     import onnx
 
-    from ortflow.configure.pipe_tensor_artifacts import pieces, plan_pipe_tensor
+    from ortflow.configure.pipeline_tensor_parallel_artifacts import pieces, plan_pipeline_tensor_parallel
     from tests.support.gpt import torch_gpt
     from tests.support.tensor_sim import run_whole
 
     path = tmp_path / "torchgpt.onnx"
     torch_gpt(path, layers=2, width=32, heads=4, vocab=64, seq=8, batch=2)
     cfg = pp_tp_cfg(tmp_path, path)
-    _, plans = plan_pipe_tensor(cfg)
+    _, plans = plan_pipeline_tensor_parallel(cfg)
     assert len(plans) == 2 and all(sp.plan.regions for sp in plans)
     fused = {n: v for sp in plans for n, v in sp.plan.slicing().items() if "c_attn.weight" in n}
     assert sorted(fused) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]

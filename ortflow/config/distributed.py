@@ -12,7 +12,7 @@ from ortflow.config.base import Section, resolve_path
 
 
 class DistributedConfig(Section):
-    """Processes, devices and parallelism. data x horizontal x pipeline parallel sizes = num_ranks."""
+    """Processes, devices and parallelism. data x tensor x pipeline parallel sizes = num_ranks."""
 
     num_ranks: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         1,
@@ -28,13 +28,13 @@ class DistributedConfig(Section):
         "host, docs/gpu.md).",
     )
     data_parallel_size: int | None = Field(
-        None, gt=0, description="Data-parallel replicas (default: num_ranks / (horizontal x pipeline parallel sizes))."
+        None, gt=0, description="Data-parallel replicas (default: num_ranks / (tensor x pipeline parallel sizes))."
     )
     horizontal_parallel_size: int = Field(
         1, gt=0,
-        description="Tensor-parallel size hp: each attention block and MLP is split over hp neighbouring ranks "
-        "(Megatron-style column/row split, heads divided; fp32, ZeRO-0; with pipeline_parallel_size each stage is "
-        "split; docs/layouts.md).",
+        description="Tensor-parallel size tp (the key keeps its TrainingRunner name): each attention block and MLP is "
+        "split over tp neighbouring ranks (Megatron-style column/row split, heads divided; fp32, ZeRO-0; with "
+        "pipeline_parallel_size each stage is split; docs/layouts.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
@@ -125,7 +125,7 @@ class DistributedConfig(Section):
 
     @property
     def resolved_data_parallel_size(self) -> int:
-        """data_parallel_size, defaulting to num_ranks / (horizontal x pipeline parallel sizes); None while num_ranks
+        """data_parallel_size, defaulting to num_ranks / (tensor x pipeline parallel sizes); None while num_ranks
         is auto."""
         if self.data_parallel_size or self.num_ranks == "auto":
             return self.data_parallel_size

@@ -261,6 +261,6 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
 
 def _others(dist) -> bool:
     """Whether the exchange is something else than the data-parallel all-reduce or ZeRO-1's reduce-scatter (Adasum,
-    pp or hp groups)."""
+    pp or tp groups)."""
     split = max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) > 1
     return bool(dist.enable_adasum or split)

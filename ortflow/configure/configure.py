@@ -45,9 +45,12 @@ from ortflow.config import (
 from ortflow.config.sealed import RunFileDamaged, read_configure, record_config, seal, verify_config, write_sealed
 from ortflow.configure.artifacts import PROTO_LIMIT, ArtifactsError, build_artifacts, inspect_model
 from ortflow.configure.engine_input import repeatable_gathers
-from ortflow.configure.pipe_tensor_artifacts import build_pipe_tensor_artifacts, plan_pipe_tensor
+from ortflow.configure.pipeline_tensor_parallel_artifacts import (
+    build_pipeline_tensor_parallel_artifacts,
+    plan_pipeline_tensor_parallel,
+)
 from ortflow.configure.stage_artifacts import build_stage_artifacts, plan_stages
-from ortflow.configure.tensor_artifacts import build_tensor_artifacts, plan_tensor
+from ortflow.configure.tensor_parallel_artifacts import build_tensor_parallel_artifacts, plan_tensor_parallel
 from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
 from ortflow.configure.training_graph import sums_as_matmul_applies
 from ortflow.engine import ORT_VERSION
@@ -154,12 +157,12 @@ def _write_config_if_changed(cfg: RunConfig) -> None:
 
 
 def _split_artifacts_exist(cfg: RunConfig, artifacts_dir: Path) -> bool:
-    """The pipeline stages', tensor-parallel pieces' or pp x hp pieces' artifacts that this config needs are built."""
-    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
-    if pp > 1 and hp > 1:
+    """The pipeline stages', tensor-parallel pieces' or pp x tp pieces' artifacts that this config needs are built."""
+    pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    if pp > 1 and tp > 1:
         return read_pipe_tensor_record(artifacts_dir) is not None
     return ((pp == 1 or read_stages_record(artifacts_dir) is not None)
-            and (hp == 1 or read_tensor_record(artifacts_dir) is not None))
+            and (tp == 1 or read_tensor_record(artifacts_dir) is not None))
 
 
 def _artifacts_intact(artifacts_dir: Path, record: dict) -> bool:
@@ -186,16 +189,16 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None):
     Raises:
         ArtifactsError: The split is refused, naming what and the fix.
     """
-    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
     lines = []
-    if pp > 1 and hp > 1:
-        cuts, plans = plan_pipe_tensor(cfg)  # each stage's graph split over the tensor-parallel ranks
+    if pp > 1 and tp > 1:
+        cuts, plans = plan_pipeline_tensor_parallel(cfg)  # each stage's graph split over the tensor-parallel ranks
         lines = [f"pipeline cuts {cuts}"] + [f"stage {sp.stage.index}: {line}" for sp in plans
                                              for line in describe(sp.plan)]
         stages = None
     else:
-        if hp > 1:
-            lines = describe(plan_tensor(cfg)[1])
+        if tp > 1:
+            lines = describe(plan_tensor_parallel(cfg)[1])
         stages = plan_stages(cfg) if pp > 1 else None
         if stages is not None:
             lines.append(f"pipeline cuts {stages[0]} ({len(stages[1])} stages)")
@@ -232,17 +235,17 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
     Raises:
         ArtifactsError: The config does not fit the model, the split is refused, or the engine cannot build a graph.
     """
-    pp, hp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
+    pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
     cfg, found = torch_source(cfg, Path(artifacts_dir).parent / TORCH_MODEL_DIR)
     plan = plan_layout(cfg)  # refuse a bad split before building anything
     built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record, proto_limit=proto_limit)
     built = dataclasses.replace(built, torch=found.to_record() if found else None)
-    if pp > 1 and hp > 1:
-        stages = build_pipe_tensor_artifacts(cfg, artifacts_dir)
+    if pp > 1 and tp > 1:
+        stages = build_pipeline_tensor_parallel_artifacts(cfg, artifacts_dir)
         split = [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]
         return built, stages, {"split": split}
-    if hp > 1:
-        return built, None, build_tensor_artifacts(cfg, artifacts_dir)
+    if tp > 1:
+        return built, None, build_tensor_parallel_artifacts(cfg, artifacts_dir)
     return built, (build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None), None
 
 

@@ -61,9 +61,9 @@ def prepare(
 
 
 def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> PreparedModel:
-    """The model that pipeline stages and tensor pieces are cut from: the whole model after the batch pass (so every
-    cut graph inherits the symbolic batch) and the preparation passes without the loss (:mod:`ortflow.graph.prepare`;
-    each cut graph is prepared again by :func:`prepare_cut`).
+    """The model that pipeline stages and tensor-parallel pieces are cut from: the whole model after the batch pass (so
+    every cut graph inherits the symbolic batch) and the preparation passes without the loss
+    (:mod:`ortflow.graph.prepare`; each cut graph is prepared again by :func:`prepare_cut`).
 
     Raises:
         ArtifactsError: A pass refuses the model (names the node and the fix), or the model is past ``proto_limit``.
@@ -86,7 +86,7 @@ def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> Prep
 
 
 def prepare_cut(cfg: RunConfig, model: onnx.ModelProto, parameters, loss_output: str | None) -> PreparedModel:
-    """One pipeline stage's or tensor piece's graph through the same preparation passes as the whole model.
+    """One pipeline stage's or tensor-parallel piece's graph through the same preparation passes as the whole model.
 
     Args:
         cfg: The run config.

@@ -1,7 +1,7 @@
 """The preparation pipeline: one ordered list of passes (:data:`PASSES`) that every graph the engine sees goes through.
 
-The whole model, each pipeline stage, each tensor-parallel piece and each pipeline x tensor piece are handed to the
-engine only through :func:`prepare_model`, which runs :data:`PASSES` in order and records their names in
+The whole model, each pipeline stage, each tensor-parallel piece and each pipeline x tensor-parallel piece are handed to
+the engine only through :func:`prepare_model`, which runs :data:`PASSES` in order and records their names in
 ``PreparedModel.passes`` (configure writes them into its record for every graph, and a test compares them). A split
 model is first prepared whole (without the loss) and cut afterwards, then every cut graph is prepared again: passes
 are idempotent, so the second run changes only what depends on the graph (its parameters, its loss, its outputs).
@@ -101,8 +101,8 @@ def prepare_model(
         trainable: Names of the parameters to train.
         loss: The configured loss (``cross_entropy``, ``mse``, ..., ``model_output``).
         loss_output: The model output the loss reads; None for a graph that does not compute the loss (a model
-            prepared before it is cut, a pipeline stage or tensor piece before the last): its float outputs are what
-            the trained path must reach.
+            prepared before it is cut, a pipeline stage or tensor-parallel piece before the last): its float outputs are
+            what the trained path must reach.
         label_input: The label input's name (None for ``model_output``).
         repeatable_gathers: Read trained embedding tables with GatherND (:mod:`ortflow.graph.gradients.embedding`):
             the CPU gradient of Gather is not repeatable with more than one thread.

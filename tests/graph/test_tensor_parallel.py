@@ -12,7 +12,7 @@ from ortflow.checkpoints.tp import merge_slices
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model, slice_tensor
-from ortflow.graph.tensor_parallel.tensor_split import TensorSplitError, plan_tensor_split, split_for_rank
+from ortflow.graph.tensor_parallel.tensor_split import TensorParallelError, plan_tensor_parallel_split, split_for_rank
 from tests.support.gpt import gpt2_style
 from tests.support.tensor_sim import run_pieces, run_whole, trainable
 
@@ -55,7 +55,7 @@ def test_gpt_splits_attention_by_heads_the_mlp_and_the_vocabulary(gpt, caplog):
 
 
 def test_torch_shaped_fused_qkv_is_split_per_part(torchlike):
-    plan = plan_tensor_split(torchlike, trainable(torchlike), 2)
+    plan = plan_tensor_parallel_split(torchlike, trainable(torchlike), 2)
     attn = plan.regions[0]
     assert attn.columns == ["transformer.h.0.attn.c_attn.weight"]
     assert attn.groups == {"transformer.h.0.attn.c_attn.weight": 3, "transformer.h.0.attn.c_attn.bias": 3}
@@ -83,7 +83,7 @@ def test_pieces_of_the_torch_shaped_model_compute_the_unsplit_logits(torchlike):
 
 def test_pieces_alternate_replicated_and_parallel(gpt):
     names = trainable(gpt)
-    plan = plan_tensor_split(gpt, names, 2)
+    plan = plan_tensor_parallel_split(gpt, names, 2)
     pieces = cut_pieces(shard_model(gpt, plan, 0), plan, gpt, names)
     # the vocabulary-split embedding first (its ids are a graph input), then the blocks, then the LM head
     assert [p.parallel for p in pieces] == [True, False] * 6
@@ -95,13 +95,13 @@ def test_pieces_alternate_replicated_and_parallel(gpt):
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(gpt, tmp_path):
-    with pytest.raises(TensorSplitError, match=r"horizontal_parallel_size 3 does not divide .*h0.attn.q.weight"):
-        plan_tensor_split(gpt, trainable(gpt), 3)
+    with pytest.raises(TensorParallelError, match=r"horizontal_parallel_size 3 does not divide .*h0.attn.q.weight"):
+        plan_tensor_parallel_split(gpt, trainable(gpt), 3)
     build_gpt(tmp_path / "six.onnx", vocab_size=64, seq_len=8, d_model=48, num_layers=1, num_heads=6)
     six = onnx.load(str(tmp_path / "six.onnx"))
-    with pytest.raises(TensorSplitError, match=r"does not divide the 6 heads of h0.attn.q.weight.*use one of "
+    with pytest.raises(TensorParallelError, match=r"does not divide the 6 heads of h0.attn.q.weight.*use one of "
                                                r"\[1, 2, 3, 6\]"):  # 48 columns divide by 4, 6 heads do not
-        plan_tensor_split(six, trainable(six), 4)
+        plan_tensor_parallel_split(six, trainable(six), 4)
 
 
 def test_a_model_without_a_splittable_layer_is_refused(tmp_path):
@@ -109,8 +109,8 @@ def test_a_model_without_a_splittable_layer_is_refused(tmp_path):
 
     layernorm_classifier(tmp_path / "ln.onnx")
     model = onnx.load(str(tmp_path / "ln.onnx"))
-    with pytest.raises(TensorSplitError, match="found no layer to split"):
-        plan_tensor_split(model, trainable(model), 2)
+    with pytest.raises(TensorParallelError, match="found no layer to split"):
+        plan_tensor_parallel_split(model, trainable(model), 2)
 
 
 @pytest.mark.parametrize("axis,parts", [(1, 1), (1, 3), (0, 1)])
@@ -124,7 +124,7 @@ def test_slices_merge_back_to_the_whole_tensor(axis, parts):
 @pytest.fixture(scope="module")
 def bert():
     """The Hugging Face BERT export: its Linears read ``Transpose(W)`` of ``[out, in]`` weights."""
-    from ortflow.configure.tensor_artifacts import export_fixes
+    from ortflow.configure.tensor_parallel_artifacts import export_fixes
     from tests.support.exports import export_path
 
     model = onnx.load(str(export_path("bert.onnx")))
@@ -134,7 +134,7 @@ def bert():
 
 def test_a_weight_read_transposed_is_transposed_inside_its_region(bert):
     model, names = bert
-    plan = plan_tensor_split(model, names, 2)
+    plan = plan_tensor_parallel_split(model, names, 2)
     pieces = cut_pieces(shard_model(model, plan, 1), plan, model, names)
     sliced = set(plan.slicing())
     transposed = {w for r in plan.regions for w in r.transposed}
@@ -152,11 +152,11 @@ def test_a_weight_read_transposed_is_transposed_inside_its_region(bert):
 
 def test_a_slice_read_outside_its_region_is_refused(bert):
     model, names = bert
-    plan = plan_tensor_split(model, names, 2)
+    plan = plan_tensor_parallel_split(model, names, 2)
     region = plan.regions[0]
     drop = next(i for i in region.nodes if model.graph.node[i].op_type == "Transpose")
     region.nodes.remove(drop)  # as if the split left the Transpose of a sliced weight to the replicated side
-    with pytest.raises(TensorSplitError, match=r"Transpose '.*query/Transpose' reads the tensor-parallel slices "
+    with pytest.raises(TensorParallelError, match=r"Transpose '.*query/Transpose' reads the tensor-parallel slices "
                                                r"\['model.bert.encoder.layer.0.attention.self.query.weight'\] "
                                                r"outside their split region"):
         cut_pieces(shard_model(model, plan, 0), plan, model, names)

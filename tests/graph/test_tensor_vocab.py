@@ -11,7 +11,7 @@ from ortflow.graph.gradients.embedding import deterministic_gathers
 from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
-from ortflow.graph.tensor_parallel.tensor_split import describe, plan_tensor_split
+from ortflow.graph.tensor_parallel.tensor_split import describe, plan_tensor_parallel_split
 from tests.support.gpt import gemm_tied_gpt, gpt2_style
 from tests.support.tensor_sim import run_pieces, run_whole, trainable
 
@@ -31,7 +31,7 @@ def weights(m: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def test_gemm_mlp_splits_its_out_in_weights_on_the_swapped_axes_and_adds_the_row_bias_once(model):
-    plan = plan_tensor_split(model, trainable(model), 2)
+    plan = plan_tensor_parallel_split(model, trainable(model), 2)
     mlp = next(r for r in plan.regions if r.columns == ["transformer.h.0.mlp.c_fc.weight"])
     assert mlp.rows == ["transformer.h.0.mlp.c_proj.weight"]
     assert mlp.transposed == ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]
@@ -56,13 +56,13 @@ def test_gemm_mlp_splits_its_out_in_weights_on_the_swapped_axes_and_adds_the_row
 def test_a_gemm_with_its_bias_inside_is_kept_replicated_with_the_reason(tmp_path):
     path = gemm_tied_gpt(tmp_path / "raw.onnx", width=WIDTH, vocab=VOCAB, seq=SEQ)
     raw = onnx.load(str(path))
-    plan = plan_tensor_split(raw, trainable(raw), 2)
+    plan = plan_tensor_parallel_split(raw, trainable(raw), 2)
     assert "a Gemm with transA, alpha or a bias input" in plan.kept["transformer.h.0.mlp.c_fc.weight"]
     assert "transformer.h.0.mlp.c_fc.weight" not in plan.slicing()
 
 
 def test_tied_embedding_and_lm_head_slice_the_same_vocabulary_rows(model):
-    plan = plan_tensor_split(model, trainable(model), 2)
+    plan = plan_tensor_parallel_split(model, trainable(model), 2)
     vocab = [r for r in plan.regions if r.vocab]
     assert [r.vocab for r in vocab] == [{"transformer.wte.weight": 0}] * 2  # Gather and MatMul(x, Transpose(wte))
     assert plan.slicing()["transformer.wte.weight"] == (0, 1)
@@ -95,7 +95,7 @@ def test_the_embedding_piece_sums_to_the_unsplit_gather_bit_for_bit_also_as_gath
     import onnxruntime as ort
 
     names = trainable(model)
-    plan = plan_tensor_split(model, names, 2)
+    plan = plan_tensor_parallel_split(model, names, 2)
     ids = np.random.default_rng(1).integers(0, VOCAB, (2, SEQ))
     partial = []
     for rank in (0, 1):
@@ -114,7 +114,7 @@ def test_the_embedding_piece_sums_to_the_unsplit_gather_bit_for_bit_also_as_gath
 def test_a_vocabulary_the_size_does_not_divide_stays_replicated_with_the_reason(tmp_path):
     gpt2_style(tmp_path / "g.onnx", vocab=13, seq_len=4, width=8, heads=2, batch=2)
     m = onnx.load(str(tmp_path / "g.onnx"))
-    plan = plan_tensor_split(m, trainable(m), 2)
+    plan = plan_tensor_parallel_split(m, trainable(m), 2)
     assert plan.kept["transformer.wte.weight"] == (
         "vocabulary split: horizontal_parallel_size 2 does not divide the vocabulary 13")
     assert not any(r.vocab for r in plan.regions) and plan.regions  # the blocks are still split
@@ -128,7 +128,7 @@ def test_gemms_with_in_out_weights_split_columns_then_rows_and_compute_the_unspl
         if t.name.endswith(".bias"):
             t.CopyFrom(numpy_helper.from_array(np.linspace(0.5, 1.0, t.dims[0], dtype=np.float32), t.name))
     m = separate_gemm_biases(raw, trainable(raw))
-    plan = plan_tensor_split(m, trainable(m), 2)
+    plan = plan_tensor_parallel_split(m, trainable(m), 2)
     assert plan.slicing() == {"fc1.weight": (1, 1), "fc1.bias": (0, 1), "fc2.weight": (0, 1)}  # fc2.bias: whole
     assert not plan.regions[0].transposed and not plan.kept
     features = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)

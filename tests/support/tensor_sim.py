@@ -20,7 +20,7 @@ from ortflow.checkpoints.tp import merge_slices
 from ortflow.engine import api
 from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
-from ortflow.graph.tensor_parallel.tensor_split import plan_tensor_split
+from ortflow.graph.tensor_parallel.tensor_split import plan_tensor_parallel_split
 
 
 def trainable(model: onnx.ModelProto) -> list[str]:
@@ -31,7 +31,7 @@ def run_pieces(model: onnx.ModelProto, size: int, feeds: dict[str, np.ndarray]) 
     """The model's first output computed by ``size`` simulated ranks, piece by piece, partial sums added in rank
     order (what the all-reduce does)."""
     names = trainable(model)
-    plan = plan_tensor_split(model, names, size)
+    plan = plan_tensor_parallel_split(model, names, size)
     ranks = [cut_pieces(shard_model(model, plan, r), plan, model, names) for r in range(size)]
     options = ort.SessionOptions()
     options.log_severity_level = 3

@@ -5,7 +5,7 @@ torch writes ``transB=1`` (``W`` stored ``[out, in]``, as ``nn.Linear`` holds it
 taken out of every such Gemm (:func:`separate_gemm_biases`: ``Gemm(x, W) + b``, the same parameters under the same
 names), so the split sees the pattern it follows for ``MatMul`` + ``Add``: a column-split layer's bias is sliced with
 its columns, and a row-split layer's bias is added once, after the all-reduce of the partial products (adding it inside
-the Gemm on every rank would add it ``hp`` times).
+the Gemm on every rank would add it ``tp`` times).
 """
 
 from __future__ import annotations

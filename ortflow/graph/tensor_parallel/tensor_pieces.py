@@ -21,7 +21,7 @@ import onnx
 
 from ortflow.graph.onnx_tools import node_label
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, Analysis, Stage, check_random_ops, stage_model
-from ortflow.graph.tensor_parallel.tensor_split import TensorPlan, TensorSplitError
+from ortflow.graph.tensor_parallel.tensor_split import TensorParallelError, TensorParallelPlan
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Piece:
         return self.stage.index
 
 
-def _region_members(a: Analysis, plan: TensorPlan, original: onnx.GraphProto) -> dict[int, int]:
+def _region_members(a: Analysis, plan: TensorParallelPlan, original: onnx.GraphProto) -> dict[int, int]:
     """Node index (in the rank's model) -> region, for region nodes and the shape arithmetic computed from them."""
     region_by_output = {o: k for k, r in enumerate(plan.regions)
                         for o in (r.members or [original.node[i].output[0] for i in r.nodes])}
@@ -92,7 +92,7 @@ def _levels(a: Analysis, member: dict[int, int]) -> dict[int, int]:
             return level
 
 
-def _check_slices_stay_in_regions(a: Analysis, member: dict[int, int], plan: TensorPlan) -> None:
+def _check_slices_stay_in_regions(a: Analysis, member: dict[int, int], plan: TensorParallelPlan) -> None:
     """A sliced parameter is read only inside its region: a replicated node reading it would compute with one
     rank's slice, and the gradient of what it sends would be summed over the ranks as if it were partial."""
     sliced = set(plan.slicing())
@@ -100,19 +100,19 @@ def _check_slices_stay_in_regions(a: Analysis, member: dict[int, int], plan: Ten
         node = a.graph.node[i]
         bad = [x for x in node.input if x in sliced]
         if bad and i not in member:
-            raise TensorSplitError(
+            raise TensorParallelError(
                 f"{node.op_type} '{node_label(node)}' reads the tensor-parallel slices {bad} outside their split "
                 "region; this model's layers cannot be split: use distributed.horizontal_parallel_size 1"
             )
 
 
-def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelProto,
+def cut_pieces(model: onnx.ModelProto, plan: TensorParallelPlan, original: onnx.ModelProto,
                trainable: list[str] | set[str]) -> list[Piece]:
     """Cut a rank's model (:func:`ortflow.graph.tensor_parallel.tensor_shard.shard_model`) into pieces, in the order
     they run.
 
     Raises:
-        TensorSplitError: A node outside the split regions reads a sliced parameter, a parallel piece would send
+        TensorParallelError: A node outside the split regions reads a sliced parameter, a parallel piece would send
             something other than a partial sum (a split activation that reaches the replicated side), or the model
             outputs are not computed by the last piece.
     """
@@ -141,7 +141,7 @@ def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelPro
         sends += [o for o in outputs if o in produced and o not in sends]
         parallel = lv % 2 == 1
         if parallel and set(sends) - partial:
-            raise TensorSplitError(
+            raise TensorParallelError(
                 f"tensor-parallel piece {s} would pass split tensors {sorted(set(sends) - partial)} to replicated "
                 "nodes; this model's layers cannot be split: use distributed.horizontal_parallel_size 1"
             )
@@ -149,7 +149,7 @@ def cut_pieces(model: onnx.ModelProto, plan: TensorPlan, original: onnx.ModelPro
         floats = tuple(n for n in receives if a.types.get(n) in FLOAT_TYPES)
         pieces.append(Piece(stage, parallel, floats))
     if set(outputs) - set(pieces[-1].stage.sends):
-        raise TensorSplitError(f"model outputs {outputs} are not all computed by the last tensor-parallel piece")
+        raise TensorParallelError(f"model outputs {outputs} are not all computed by the last tensor-parallel piece")
     log.info("tensor-parallel pieces: %s", ", ".join(
         f"{p.index}{'P' if p.parallel else 'R'}({len(p.stage.parameters)} params)" for p in pieces))
     return pieces

@@ -14,7 +14,7 @@ from ortflow.graph.tensor_parallel.tensor_gemm import weight_axes
 log = logging.getLogger("ortflow.graph.tensor_parallel.tensor_split")
 
 
-class TensorSplitError(ValueError):
+class TensorParallelError(ValueError):
     """The tensor-parallel split is impossible at this size; the message names the tensors and the fix."""
 
 
@@ -23,9 +23,9 @@ class Region:
     """One split region (an attention block or an MLP): what each rank slices and what the ranks add up.
 
     Attributes:
-        columns: Column-split weights (``[in, out]``: each rank keeps ``out / hp`` columns of every part).
+        columns: Column-split weights (``[in, out]``: each rank keeps ``out / tp`` columns of every part).
         biases: Column-split biases (sliced like their weight's columns).
-        rows: Row-split weights (each rank keeps ``in / hp`` rows).
+        rows: Row-split weights (each rank keeps ``in / tp`` rows).
         groups: Parts of a column-split weight (3 for a fused QKV projection whose output is Split in 3), by name.
         outputs: The row-split MatMuls' outputs: partial sums, all-reduced over the tensor-parallel ranks.
         inputs: Replicated activations the region reads (the backward all-reduce of their gradients happens here).
@@ -38,7 +38,7 @@ class Region:
         members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
             the outputs of ``nodes``.
         num_heads: Column-split weight -> the number of attention heads its output is reshaped into (each rank
-            keeps ``num_heads / hp`` whole heads; under grouped-query attention the key/value projections have
+            keeps ``num_heads / tp`` whole heads; under grouped-query attention the key/value projections have
             fewer heads than the query's, and each rank's key/value heads are those its query heads read).
     """
 
@@ -57,7 +57,7 @@ class Region:
 
 
 @dataclass
-class TensorPlan:
+class TensorParallelPlan:
     """The split of one model at one size: its regions, the shape rewrites, what was kept replicated and why."""
 
     size: int
@@ -86,7 +86,7 @@ def _heads_note(r: Region, size: int) -> str:
     return "; heads: " + ", ".join(parts)
 
 
-def describe(plan: TensorPlan) -> list[str]:
+def describe(plan: TensorParallelPlan) -> list[str]:
     """The split plan: one line per region (what is split how, where the ranks add up) and one per weight that stays
     replicated, with the reason (configure logs these, configure.json and ``ortflow validate`` show them)."""
     lines = []
@@ -103,7 +103,7 @@ def describe(plan: TensorPlan) -> list[str]:
     return lines
 
 
-def log_plan(plan: TensorPlan, where: str = "") -> list[str]:
+def log_plan(plan: TensorParallelPlan, where: str = "") -> list[str]:
     """Log the split plan: the regions at INFO, each weight kept replicated at WARNING (every rank computes it whole,
     which costs memory and time the user asked tensor parallelism to save); returns :func:`describe`'s lines."""
     lines = describe(plan)
@@ -113,12 +113,12 @@ def log_plan(plan: TensorPlan, where: str = "") -> list[str]:
     return lines
 
 
-def check_sizes(model: onnx.ModelProto, plan: TensorPlan, shapes: dict[str, list],
+def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[str, list],
                 head_counts: list[tuple[int, int]]) -> None:
     """Refuse a plan whose size does not divide a sliced weight, a rewritten shape entry or a head count
     (``head_counts``: (node, heads) of the head reshapes in split regions), naming them and the sizes that fit."""
     if not plan.regions:
-        raise TensorSplitError(
+        raise TensorParallelError(
             "distributed.horizontal_parallel_size > 1 found no layer to split (a MatMul by a 2-D weight whose output "
             f"reaches a second weight MatMul through element-wise ops and head reshapes); kept: {plan.kept}; use 1"
         )
@@ -134,19 +134,19 @@ def check_sizes(model: onnx.ModelProto, plan: TensorPlan, shapes: dict[str, list
     if heads:
         counts = sorted({n for r in plan.regions for n in r.num_heads.values()} | {n for _, n in head_counts})
         fits = [k for k in range(1, min(counts) + 1) if all(n % k == 0 for n in counts)]
-        raise TensorSplitError(
+        raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {'; '.join(heads)}: tensor parallelism "
             "gives each rank whole attention heads, and under grouped-query attention whole key/value heads with the "
             "query heads that read them, so the size must divide the number of key/value heads; use one of "
             f"{fits}" + (f" (and mind {bad})" if bad else ""))
     if bad:
-        raise TensorSplitError(
+        raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "
             "the number of heads and the widths, or 1"
         )
 
 
-def _head_problems(model, plan: TensorPlan, head_counts: list[tuple[int, int]]) -> list[str]:
+def _head_problems(model, plan: TensorParallelPlan, head_counts: list[tuple[int, int]]) -> list[str]:
     """Head counts ``plan.size`` does not divide: the projections' heads (query, key/value), then any other head
     reshape in a split region (``repeat_kv``'s)."""
     found = []
@@ -166,7 +166,7 @@ _SHAPE_OPS = {"Concat", "Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape", "
               "Slice", "Equal", "ConstantOfShape", "Shape"}
 
 
-def check_rewrites_private(model: onnx.ModelProto, plan: TensorPlan, readers: dict[str, list[int]]) -> None:
+def check_rewrites_private(model: onnx.ModelProto, plan: TensorParallelPlan, readers: dict[str, list[int]]) -> None:
     """Refuse a plan that rewrites a shape also read outside the split regions (an exporter shares one shape
     constant between layers: a layer kept replicated would be reshaped to the local head count)."""
     inside = {i for r in plan.regions for i in r.nodes}
@@ -179,7 +179,7 @@ def check_rewrites_private(model: onnx.ModelProto, plan: TensorPlan, readers: di
                 if k in inside or k in seen:
                     continue
                 if node.op_type not in _SHAPE_OPS:
-                    raise TensorSplitError(
+                    raise TensorParallelError(
                         f"the shape computed by {graph.node[i].op_type} '{node_label(graph.node[i])}' holds a head "
                         f"count or width the split rewrites, and {node.op_type} '{node_label(node)}' outside the "
                         "split layers also reads it; export the model without shared shape constants (torch: "

@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 
 from ortflow.graph.exports.gelu import declare_fused_types
 from ortflow.graph.onnx_tools import Names, constant_values
-from ortflow.graph.tensor_parallel.tensor_plan import TensorPlan
+from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan
 from ortflow.graph.tensor_parallel.tensor_vocab import shard_vocab
 
 
@@ -24,7 +24,7 @@ def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int)
     return np.concatenate([np.split(p, size, axis=axis)[rank] for p in split], axis=axis)
 
 
-def shard_model(model: onnx.ModelProto, plan: TensorPlan, rank: int) -> onnx.ModelProto:
+def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int) -> onnx.ModelProto:
     """Rank ``rank``'s model: its slices of the split weights, local head counts and widths in the shapes."""
     model = copy.deepcopy(model)
     graph, size = model.graph, plan.size

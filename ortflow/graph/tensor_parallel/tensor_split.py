@@ -1,4 +1,4 @@
-"""Tensor (horizontal) parallel split, Megatron-LM style: find the wide layers, and each rank's slice of the model.
+"""Tensor-parallel split, Megatron-LM style: find the wide layers, and each rank's slice of the model.
 
 A **region** starts at column-split MatMuls (``x @ W`` with ``W`` a 2-D trainable initializer; each rank keeps a
 block of ``W``'s columns and of the bias added right after) and ends at row-split MatMuls (the region's activation,
@@ -13,7 +13,7 @@ a row-split MatMul is added once, after the all-reduce; it and everything outsid
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
 (:mod:`ortflow.graph.tensor_parallel.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split
 tensor's ``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown
-op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``hp`` that does not
+op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``tp`` that does not
 divide a width or a head count (the key/value heads under GQA) is refused, naming them and the sizes that fit.
 
 A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_parallel.tensor_gemm`) is a weight product like ``MatMul``; its ``[out,
@@ -33,8 +33,8 @@ from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_parallel.tensor_plan import (
     Region,
-    TensorPlan,
-    TensorSplitError,  # noqa: F401 - raised by plan_tensor_split; callers import it from here
+    TensorParallelError,  # noqa: F401 - raised by plan_tensor_parallel_split; callers import it from here
+    TensorParallelPlan,
     check_rewrites_private,
     check_sizes,
     describe,
@@ -311,13 +311,13 @@ def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, l
     return found
 
 
-def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int,
-                      embedded: frozenset[str] = frozenset()) -> TensorPlan:
+def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int,
+                               embedded: frozenset[str] = frozenset()) -> TensorParallelPlan:
     """Find the regions to split over ``size`` ranks (pure; nothing is changed). ``embedded``: tables the whole model
     embeds, when ``model`` is one pipeline stage of it (its LM head may be tied to another stage's embedding).
 
     Raises:
-        TensorSplitError: ``size`` does not divide a split width or head count (names them and the fix), or no
+        TensorParallelError: ``size`` does not divide a split width or head count (names them and the fix), or no
             region was found.
     """
     trainable = set(trainable)
@@ -344,9 +344,9 @@ def plan_tensor_split(model: onnx.ModelProto, trainable: list[str] | set[str], s
     regions = _regions(model.graph, walk, seeds, candidates)
     for r in walk.rows.values():
         kept.pop(r, None)
-    regions += plan_vocab(model, trainable, size, walk.shapes, set(TensorPlan(size, regions, [], {}).slicing()), kept,
-                          embedded)
-    plan = TensorPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
+    split_so_far = set(TensorParallelPlan(size, regions, [], {}).slicing())
+    regions += plan_vocab(model, trainable, size, walk.shapes, split_so_far, kept, embedded)
+    plan = TensorParallelPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
     check_sizes(model, plan, walk.shapes, walk.head_counts)
     check_rewrites_private(model, plan, walk.readers)
     return plan
@@ -389,9 +389,9 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
 
 
 def split_for_rank(model: onnx.ModelProto, trainable, size: int, rank: int,
-                   report: list[dict] | None = None) -> tuple[onnx.ModelProto, TensorPlan]:
+                   report: list[dict] | None = None) -> tuple[onnx.ModelProto, TensorParallelPlan]:
     """Plan (logging what it split and kept) and shard for ``rank``: the pass of configure."""
-    plan = plan_tensor_split(model, trainable, size)
+    plan = plan_tensor_parallel_split(model, trainable, size)
     lines = describe(plan)
     if rank == 0:
         log_plan(plan)

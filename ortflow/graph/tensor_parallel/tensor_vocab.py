@@ -5,10 +5,10 @@ A table ``W`` (``[V, C]``, trained) read by ``Gather(W, ids)`` with ``ids`` a gr
 read by ``MatMul(x, W)`` (``[C, V]``), ``MatMul(x, Transpose(W))`` (tied: the embedding's ``[V, C]`` table) or a
 bias-free ``Gemm(x, W)`` whose output reaches a graph output through reshapes (or whose table is also an embedding)
 is an **LM head** when the model embeds a vocabulary of that size (a classifier's last layer is not one). Every use
-of a table must read the vocabulary along the same axis (tied weights: both uses slice the same rows), and ``hp``
+of a table must read the vocabulary along the same axis (tied weights: both uses slice the same rows), and ``tp``
 must divide ``V``; otherwise the table stays replicated and the reason is logged.
 
-Rank ``r`` keeps rows ``[r V/hp, (r+1) V/hp)`` of the vocabulary:
+Rank ``r`` keeps rows ``[r V/tp, (r+1) V/tp)`` of the vocabulary:
 
 * embedding: ids outside its rows are masked (read as local row 0, then zeroed), so each rank's output holds the
   rows it owns and zeros elsewhere; the all-reduce after the region adds them (adding zeros is exact: the sum is the
@@ -16,7 +16,7 @@ Rank ``r`` keeps rows ``[r V/hp, (r+1) V/hp)`` of the vocabulary:
 * LM head: each rank computes the logits of its vocabulary columns and pads them with zeros to ``[..., V]``; the
   all-reduce then concatenates them (the all-gather of Megatron's ``gather_output``), so the graph's ``[B, T, V]``
   logits, the loss and everything after stay as the user wrote them. The input gradient ``dx`` is a partial sum,
-  added over the ranks like any split region's. This moves ``hp`` times the logits' bytes where an all-gather would
+  added over the ranks like any split region's. This moves ``tp`` times the logits' bytes where an all-gather would
   move them once; a vocabulary-parallel cross entropy (which never forms whole logits) is not done here.
 """
 

@@ -1,6 +1,6 @@
 """Build every tensor-parallel rank's piece artifacts once, in configure (the pipeline stages' recipe, per piece).
 
-For tensor-parallel rank ``r`` of ``hp`` the folder ``artifacts/tensor/rank-RR/piece-PP/`` holds the engine's
+For tensor-parallel rank ``r`` of ``tp`` the folder ``artifacts/tensor/rank-RR/piece-PP/`` holds the engine's
 training and eval models and initial state of one piece of that rank's model (its slices of the split weights):
 
 * a piece before the last has the VJP loss ``sum_i ReduceSum(y_i * g_i)`` over the float tensors it sends, and its
@@ -42,34 +42,39 @@ from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
-from ortflow.graph.tensor_parallel.tensor_split import TensorPlan, TensorSplitError, describe, plan_tensor_split
+from ortflow.graph.tensor_parallel.tensor_split import (
+    TensorParallelError,
+    TensorParallelPlan,
+    describe,
+    plan_tensor_parallel_split,
+)
 
 log = logging.getLogger(__name__)
 
 def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
-    """What the tensor split needs beyond the preparation passes: Gemm biases added after the product (so a row-split
-    Gemm's bias is added once, after the all-reduce), and no Cast to its input's own type (a piece passing one on is
-    a graph the engine rejects: ortflow/graph/precision/noop_casts.py)."""
+    """What the tensor-parallel split needs beyond the preparation passes: Gemm biases added after the product (so a
+    row-split Gemm's bias is added once, after the all-reduce), and no Cast to its input's own type (a piece passing one
+    on is a graph the engine rejects: ortflow/graph/precision/noop_casts.py)."""
     return separate_gemm_biases(drop_noop_casts(model), trainable)
 
 
 def split_input(cfg: RunConfig) -> tuple[onnx.ModelProto, list[str], list[str]]:
-    """The whole model prepared for a tensor split (:func:`ortflow.configure.engine_input.split_source`, then the Gemm
-    biases apart), its trained and its frozen parameters."""
+    """The whole model prepared for a tensor-parallel split (:func:`ortflow.configure.engine_input.split_source`, then
+    the Gemm biases apart), its trained and its frozen parameters."""
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     source = split_source(cfg, trainable, PROTO_LIMIT)
     trainable = [n for n in trainable if n not in source.frozen]
     return export_fixes(source.model, trainable), trainable, sorted({*frozen, *source.frozen})
 
 
-def plan_tensor(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorPlan, list[str], list[str]]:
+def plan_tensor_parallel(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorParallelPlan, list[str], list[str]]:
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
     model, trainable, frozen = split_input(cfg)
     try:
-        plan = plan_tensor_split(model, trainable, size)
+        plan = plan_tensor_parallel_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
-    except TensorSplitError as err:
+    except TensorParallelError as err:
         raise ArtifactsError(str(err)) from None
     return model, plan, trainable, frozen
 
@@ -132,14 +137,14 @@ def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
             "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters), "passes": list(passes)}
 
 
-def build_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
+def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     """Build every rank's pieces under ``artifacts_dir/tensor`` (replacing what was there) and return the record.
 
     Raises:
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    model, plan, trainable, frozen = plan_tensor(cfg)
+    model, plan, trainable, frozen = plan_tensor_parallel(cfg)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
     ranks, ran_by_piece = [], {}
     with building(artifacts_dir, TENSOR_DIR) as scratch:

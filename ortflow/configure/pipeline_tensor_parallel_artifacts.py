@@ -2,7 +2,7 @@
 
 The model is cut into stages as for the pipeline (:func:`ortflow.configure.stage_artifacts.plan_stages`), then
 each stage's model is split and cut into pieces as a tensor-parallel model is
-(:mod:`ortflow.configure.tensor_artifacts`). The first pieces of a stage also list what the stage receives
+(:mod:`ortflow.configure.tensor_parallel_artifacts`). The first pieces of a stage also list what the stage receives
 in ``requires_grad`` (their gradients go back to the previous stage); the last piece of a middle stage has the VJP
 loss of what the stage sends, the last piece of the last stage the configured loss.
 
@@ -32,12 +32,17 @@ from ortflow.config import RunConfig
 from ortflow.configure.artifacts import ArtifactsError, inspect_model, split_parameters
 from ortflow.configure.building import building
 from ortflow.configure.stage_artifacts import plan_stages
-from ortflow.configure.tensor_artifacts import build_piece, export_fixes, piece_record, split_input
+from ortflow.configure.tensor_parallel_artifacts import build_piece, export_fixes, piece_record, split_input
 from ortflow.graph.pipeline_parallel.pipeline_cuts import Stage
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
-from ortflow.graph.tensor_parallel.tensor_split import TensorPlan, TensorSplitError, describe, plan_tensor_split
+from ortflow.graph.tensor_parallel.tensor_split import (
+    TensorParallelError,
+    TensorParallelPlan,
+    describe,
+    plan_tensor_parallel_split,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ class StagePlan:
 
     stage: Stage
     model: onnx.ModelProto
-    plan: TensorPlan
+    plan: TensorParallelPlan
 
 
 def _check_cuts(cfg: RunConfig, stages: list[Stage]) -> frozenset[str]:
@@ -56,8 +61,8 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage]) -> frozenset[str]:
     size = cfg.distributed.horizontal_parallel_size
     whole, trainable, _ = split_input(cfg)
     try:
-        plan = plan_tensor_split(whole, trainable, size)
-    except TensorSplitError as err:
+        plan = plan_tensor_parallel_split(whole, trainable, size)
+    except TensorParallelError as err:
         raise ArtifactsError(str(err)) from None
     inside = {}
     for k, region in enumerate(plan.regions):
@@ -93,7 +98,7 @@ def _cuts(cfg: RunConfig, stages: list[Stage]) -> list[str]:
     return list(cfg.model.pipeline_cuts) or [s.receives[0] for s in stages[1:] if s.receives]
 
 
-def plan_pipe_tensor(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
+def plan_pipeline_tensor_parallel(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
     """The cuts and each stage's tensor-parallel split, or the refusal naming what and how to fix: no engine call.
 
     Raises:
@@ -106,9 +111,9 @@ def plan_pipe_tensor(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
     for stage in stages:
         model = export_fixes(stage.model, stage.parameters)
         try:
-            plan = plan_tensor_split(model, stage.parameters, size, embedded)
+            plan = plan_tensor_parallel_split(model, stage.parameters, size, embedded)
             pieces(StagePlan(stage, model, plan), 0)  # refuse a bad cut before any engine call
-        except TensorSplitError as err:
+        except TensorParallelError as err:
             raise ArtifactsError(f"pipeline stage {stage.index} of {len(stages)} (cuts {cuts}): {err}; or move "
                                  "model.pipeline_cuts so that every stage holds a whole attention block or "
                                  "MLP") from None
@@ -133,14 +138,14 @@ def pieces(sp: StagePlan, rank: int) -> list[Piece]:
     return out
 
 
-def build_pipe_tensor_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
+def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
     """Build every (stage, tensor-parallel rank)'s pieces under ``artifacts_dir/pipetensor`` once; return the record.
 
     Raises:
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, plans = plan_pipe_tensor(cfg)
+    cuts, plans = plan_pipeline_tensor_parallel(cfg)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     stages = []
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
