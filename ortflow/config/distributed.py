@@ -136,7 +136,7 @@ class DistributedConfig(Section):
         share a host get 1.
 
         On CUDA the pool only runs the graph's few host nodes (shapes), and at several ranks per host its threads'
-        wake-ups delay the rank's kernel launches: on 4 H100s (64 cores, bench GPT, fp16, ``bench/gpu_threads.sh``,
+        wake-ups delay the rank's kernel launches: on 4 H100s (64 cores, bench GPT, fp16,
         measured) the slowest rank's forward + backward took 16.3-18.1 ms with 16
         threads per rank and 15.9-16.3 ms with 1, the whole update 21.1-23.3 ms and 20.4-21.2 ms; bf16, fp32 and one
         GPU alone differ by about 2% either way.

@@ -121,7 +121,7 @@ def fingerprint(cfg: RunConfig) -> str:
     # embedding reads rewritten for a repeatable CPU gradient (ortflow/graph/gradients/embedding.py)
     if repeatable_gathers(cfg):
         digest.update(b";gathers=repeatable")
-    if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (build/training_graph.py)
+    if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (configure/training_graph.py)
         digest.update(b";sums=matmul")
     if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
         digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())

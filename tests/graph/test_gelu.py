@@ -128,7 +128,7 @@ def test_configure_fuses_and_the_export_is_standard_onnx_with_the_original_value
 
 def test_the_switch_leaves_the_exported_gelu_as_it_was(tmp_path):
     # torch's approximate="tanh" export: a form the engine's own graph optimizer does not fuse (it fuses torch_erf,
-    # hf_erf and hf_tanh itself when it builds the training graph; docs/graph-passes.md).
+    # hf_erf and hf_tanh itself when it builds the training graph; docs/engine.md, "GELU").
     path = gelu_mlp(tmp_path / "m.onnx", "torch_tanh")
     cfg = config_from_dict({
         "output_dir": str(tmp_path / "run"), "model": {"path": str(path), "fuse_gelu": False},

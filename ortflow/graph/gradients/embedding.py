@@ -9,7 +9,7 @@ does not change that kernel.
 
 ``GatherND(W, Unsqueeze(ids, -1))`` reads the same rows of ``W`` (bit for bit), and the engine differentiates it with
 ``GatherNDGrad``, whose CPU kernel adds the rows in index order in one loop: repeatable at any thread count, and
-faster than the locked loop (bench/embedding_grad.py, docs/reliability.md). This pass rewrites every ``Gather`` on
+faster than the locked loop (docs/reliability.md). This pass rewrites every ``Gather`` on
 axis 0 whose data is a trained parameter, read directly or through ``Identity`` nodes (tied embeddings, exported
 graphs); int32 ids are cast to int64 (GatherND reads only int64). Parameters, their names and every other node stay
 as they were. :func:`restore_gathers` turns the rewrite back into the user's ``Gather`` for export.

@@ -9,7 +9,7 @@ Hugging Face's ``gelu_new`` on its own when it builds a training graph) costs ab
 so it is written as ``x * Sigmoid(x * (A + B * (x * x)))`` with ``A = 2 sqrt(2/pi)`` and ``B = A * 0.044715``: six
 vectorised elementwise kernels forward, and the engine's gradients of them (``SigmoidGrad``, a few ``Mul``s, one
 ``Sum``) backward, which the engine does not fuse back. Forward and backward together cost about 0.4 of ``FastGelu``
-+ ``FastGeluGrad`` (docs/engine.md, ``bench/gelu_forms.py``); the function is the same within float32
++ ``FastGeluGrad`` (docs/engine.md); the function is the same within float32
 rounding. ortflow applies it on the CPU only: the CUDA engine's fused kernels are one memory pass each way.
 
 :func:`restore_tanh_gelus` turns the form back into ``FastGelu`` (for the export, which writes the standard form
