@@ -4,10 +4,12 @@ the summary and what to do next."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -59,14 +61,21 @@ def run(
     cfg = load(config, overrides)
     # A line at once: importing Prefect and starting its server take a while on a busy machine.
     say(f"ortflow run {cfg.name}: {'a new version in ' if new_version else ''}{cfg.output_dir}")
+    # Prefect takes seconds to import: imported once that line is out, and before terminal() below, because importing
+    # it sets up Prefect's logging, which terminal() then routes through this console.
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    from ortflow.flows import train_pipeline
+
     _check_options(from_stage, policy, version, new_version)
+    history = None if PREFECT_API_URL.value() else Path(PREFECT_HOME.value())  # the temporary server's database
     command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
                          else ["ortflow", "run", str(config)])
-    flow_options = dict(from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged, new_version=new_version,
-                        wait_for_lock=wait or None, version=version)
+    flow = functools.partial(train_pipeline, cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
+                             new_version=new_version, wait_for_lock=wait or None, version=version, return_state=True)
     received = _stop_signals()
     with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
-        state, history = _run_flow(cfg, flow_options, received)
+        state = _run_flow(cfg, flow, received)
     if received:
         _say_stopped(cfg, new_version, received[0], log_file, command)
     if not state.is_completed():
@@ -78,7 +87,7 @@ def run(
 
 
 def _check_options(from_stage: str | None, policy: str | None, version: str | None, new_version: bool) -> None:
-    from ortflow.tasks.caching import STAGES  # the tasks package imports Prefect (seconds)
+    from ortflow.tasks.caching import STAGES  # Prefect, imported already by run()
 
     if from_stage is not None and from_stage not in STAGES:
         fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
@@ -107,16 +116,11 @@ def _stop_signals() -> list[int]:
     return received
 
 
-def _run_flow(cfg: RunConfig, flow_options: dict, received: list[int]):
-    """The flow run's final state (None when a signal stopped it) and the temporary server's Prefect home."""
-    # Prefect takes seconds to import: imported once the command's first line is out.
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
-
-    from ortflow.deployments.local_server import api_server
-    from ortflow.flows import train_pipeline
+def _run_flow(cfg: RunConfig, flow: Callable, received: list[int]):
+    """The flow run's final state (None when a signal stopped it), on a temporary server if none is configured."""
+    from ortflow.deployments.local_server import api_server  # Prefect, imported already by run()
     from ortflow.tasks import crash_vanished_runs
 
-    history = None if PREFECT_API_URL.value() else Path(PREFECT_HOME.value())  # the temporary server's database
     stop = threading.Event()
     watcher = threading.Thread(target=follow_progress, args=(console, lambda: _newest_run_dir(cfg), stop),
                                daemon=True)
@@ -131,7 +135,7 @@ def _run_flow(cfg: RunConfig, flow_options: dict, received: list[int]):
             try:
                 # The flow runs in this (main) thread: Prefect's task timeouts need it, and Ctrl-C reaches the
                 # launcher, which stops the ranks' process group.
-                state = train_pipeline(cfg, **flow_options, return_state=True)
+                state = flow()
             finally:
                 stop.set()
                 watcher.join(timeout=5)
@@ -141,7 +145,7 @@ def _run_flow(cfg: RunConfig, flow_options: dict, received: list[int]):
         if state is None and not received:
             fail(str(err))
         raise
-    return state, history
+    return state
 
 
 def _say_stopped(cfg: RunConfig, new_version: bool, signum: int, log_file: Path, command: str) -> None:
