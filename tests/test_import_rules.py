@@ -106,6 +106,8 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.graph.exports.batch_dims", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer",
                                               "ortflow.dataprep"}),
         ("ortflow.validate", {"prefect", "mpi4py", "onnxruntime.training", "ortflow.tasks"}),  # engine: --deep only
+        # `ortflow --help` and every command start without what takes seconds to import (each command imports it)
+        ("ortflow.cli", {"prefect", "onnx", "onnxruntime", "h5py", "pyarrow", "kubernetes", "mpi4py", "ortflow.tasks"}),
     ],
 )
 def test_package_does_not_pull_in_what_it_must_not(module, forbidden):

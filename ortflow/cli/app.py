@@ -1,7 +1,10 @@
 """The ``ortflow`` command: the Typer app and its commands, in the order ``ortflow --help`` lists them.
 
 Each command lives in a small module of this package, calls one plain function (or a flow) and reports errors
-without tracebacks.
+without tracebacks. The command modules import at their top what loads fast; Prefect, ONNX, ONNX Runtime, pyarrow,
+h5py and the Kubernetes client take seconds to import, so a command imports those inside its function, when it runs,
+and `ortflow --help` or a command that does not need them starts at once (tests/test_import_rules.py checks that
+importing this package loads none of them).
 """
 
 from __future__ import annotations
