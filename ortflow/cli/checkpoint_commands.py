@@ -20,7 +20,7 @@ CheckpointArg = Annotated[Path, typer.Argument(help="A checkpoint folder (step-N
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(path: CheckpointArg) -> None:
     """Print a checkpoint's step, data cursor, files, parameters and optimizer state as JSON (verified first)."""
-    from ortflow.checkpoints.tools import inspect  # h5py: most of a second to import, so only when a command runs
+    from ortflow.checkpoints.tools import inspect
 
     try:
         print(json.dumps(inspect(path), indent=1))
@@ -44,7 +44,7 @@ def checkpoint_merge(
     out: Annotated[Path, typer.Option("--out", "-o", help="HDF5 file to write (one dataset per tensor).")],
 ) -> None:
     """Gather parameters and every rank's optimizer shards into one HDF5 file readable with plain h5py."""
-    from ortflow.checkpoints.tools import merge  # h5py
+    from ortflow.checkpoints.tools import merge
 
     try:
         info = merge(path, out)

@@ -18,7 +18,7 @@ def example(
     = None,
 ) -> None:
     """Write a runnable example (config, model, and the MLP's data) from the installed package."""
-    from ortflow.examples.write import write_example  # builds the models with ONNX: seconds to import
+    from ortflow.examples.write import write_example
 
     try:
         config = write_example(kind, folder, data)

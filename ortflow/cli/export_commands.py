@@ -28,7 +28,7 @@ def evaluate(
     what training records for the same checkpoint (the same rows: train.max_eval_rows counts rows of the whole split,
     on any layout). `--checkpoint initial` evaluates the configured weights.
     """
-    from ortflow.export.evaluate import evaluate_checkpoint  # the engine: seconds to import
+    from ortflow.export.evaluate import evaluate_checkpoint
 
     try:
         result = evaluate_checkpoint(source, checkpoint, max_rows)
@@ -88,7 +88,7 @@ def export(
 
 
 def _verify(model: Path) -> None:
-    from ortflow.export.checksum import verify_model  # the export package imports the engine: seconds
+    from ortflow.export.checksum import verify_model
 
     try:
         digest = verify_model(model)
@@ -99,7 +99,7 @@ def _verify(model: Path) -> None:
 
 def _export_model(source: Path, out: Path | None, names: list[str], eval_model: Path | None, optimize: bool,
                   quantize: bool, tolerance: float, checkpoint: str | None) -> None:
-    from ortflow.export import export_model  # the engine: seconds to import
+    from ortflow.export import export_model
 
     if out is None:
         if not (source / RESOLVED_CONFIG_NAME).exists():
@@ -124,7 +124,7 @@ def _export_model(source: Path, out: Path | None, names: list[str], eval_model: 
 
 
 def _export_state_dict(source: Path, out: Path, checkpoint: str | None, strip: str | None, add: str | None) -> None:
-    from ortflow.export.state_dict import export_state_dict  # the engine: seconds to import
+    from ortflow.export.state_dict import export_state_dict
 
     try:
         with writing(out.parent):

@@ -18,7 +18,7 @@ def render(
 ) -> None:
     """Print the job training would submit, submitting nothing: the sbatch script (launcher slurm) or the MPIJob
     manifest (launcher kubernetes, checked strictly against the MPI Operator's CRD schema)."""
-    from ortflow.launch.scheduled import render_job  # the Kubernetes client: seconds to import
+    from ortflow.launch.scheduled import render_job
 
     cfg = load(config, [*(overrides or []), *([f"distributed.launcher={launcher}"] if launcher else [])])
     try:

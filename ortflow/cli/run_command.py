@@ -87,7 +87,7 @@ def run(
 
 
 def _check_options(from_stage: str | None, policy: str | None, version: str | None, new_version: bool) -> None:
-    from ortflow.tasks.caching import STAGES  # Prefect, imported already by run()
+    from ortflow.tasks.caching import STAGES
 
     if from_stage is not None and from_stage not in STAGES:
         fail(f"--from {from_stage}: unknown stage; use one of {', '.join(STAGES)}")
@@ -118,7 +118,7 @@ def _stop_signals() -> list[int]:
 
 def _run_flow(cfg: RunConfig, flow: Callable, received: list[int]):
     """The flow run's final state (None when a signal stopped it), on a temporary server if none is configured."""
-    from ortflow.deployments.local_server import api_server  # Prefect, imported already by run()
+    from ortflow.deployments.local_server import api_server
     from ortflow.tasks import crash_vanished_runs
 
     stop = threading.Event()

@@ -29,7 +29,7 @@ def sample(
     and returns logits \\[batch, tokens, V], \\[batch*tokens, V] or \\[batch, V]; the last position's logits of row 0
     pick the next byte.
     """
-    from ortflow.sample import SampleError, generate  # ONNX Runtime: seconds to import
+    from ortflow.sample import SampleError, generate
 
     try:
         model = resolve_model(model)  # OUTPUT_DIR/latest: the newest completed version's exported model

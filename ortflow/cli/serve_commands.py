@@ -24,7 +24,6 @@ def serve(
     the scheduled runs they queued, then exits 130 (SIGINT) or 143 (SIGTERM). Serving again resumes the schedules;
     scheduled runs whose time passed while nothing served them are dropped unless --catch-up is given.
     """
-    # Prefect takes seconds to import: only the commands that use it import it, when they run.
     from ortflow.deployments import serve_config
     from ortflow.tasks import crash_vanished_runs
 
@@ -51,7 +50,7 @@ def automations(
     Always the zombie-run automation (no heartbeat for --zombie-after seconds: the run is marked Crashed); with
     --webhook also the alerts (a Webhook block named ortflow-alerts). They match flow runs tagged ortflow.
     """
-    from prefect.settings import PREFECT_API_URL  # Prefect: seconds to import
+    from prefect.settings import PREFECT_API_URL
 
     from ortflow.deployments.alerts import install
 

@@ -17,7 +17,7 @@ def configure(config: ConfigArg, overrides: SetOpt = None) -> None:
     section and the layout and precision settings decide a rebuild; optimizer.groups are checked against the trained
     parameters every time.
     """
-    from ortflow.configure.configure import configure as build  # ONNX and the engine: seconds to import
+    from ortflow.configure.configure import configure as build
 
     cfg = load(config, overrides)
     try:
@@ -36,7 +36,7 @@ def configure(config: ConfigArg, overrides: SetOpt = None) -> None:
 
 def prepare_data(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Shard the data sources into Arrow files + manifest.json in the run folder (a no-op when nothing changed)."""
-    from ortflow.dataprep import DataError  # pyarrow: seconds to import
+    from ortflow.dataprep import DataError
     from ortflow.dataprep import prepare_data as shard
 
     cfg = load(config, overrides)

@@ -9,6 +9,8 @@ import contextlib
 import errno
 import logging
 import re
+import shlex
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,8 +175,6 @@ def next_steps(tensorboard_dir: Path, export_path: Path | None, text_model: bool
         log_file: This run's log file.
         prefect_home: The folder holding the temporary Prefect server's run history (None: a configured server).
     """
-    import shlex
-
     def short(path: Path) -> str:
         with contextlib.suppress(ValueError):
             return str(Path(path).resolve().relative_to(Path.cwd()))
@@ -272,7 +272,7 @@ def disk_problem(err: BaseException, where: Path | str | None = None) -> str | N
 
 def failure_advice(err: BaseException, command: str) -> list[str]:
     """What to do after a failed ``ortflow run``: fix-then-rerun for errors that would repeat, else rerun."""
-    from ortflow.tasks.policy import will_repeat  # the tasks package imports Prefect (seconds): lazily, as above
+    from ortflow.tasks.policy import will_repeat
 
     if isinstance(err, RunFolderLocked):
         return [f"to queue behind it instead: {command} --wait"]
@@ -291,8 +291,6 @@ def version_lines(entries: list[dict], statuses: list[str], base: Path, width: i
         base: The output_dir, so that paths inside it print relative to it.
         width: Columns to fit.
     """
-    import textwrap
-
     def num(value: object) -> str:
         return f"{value:.4g}" if isinstance(value, float) else "-" if value is None else str(value)
 

@@ -13,6 +13,7 @@ from ortflow.cli.shared import MpiexecOpt, WaitOpt, console, fail, writing
 from ortflow.config import ConfigError, RunConfig, apply_overrides, load_run_config
 from ortflow.launch.job import LaunchError
 from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+from ortflow.launch.local import launch
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_STOPPED
 from ortflow.runlock import RunFolderLocked, hold, hold_all, training_folders
 
@@ -72,7 +73,7 @@ def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> Ru
 
 def _set_profile(profile: str | None, cfg: RunConfig) -> None:
     """Check ``--profile A:B`` and put it in the environment the ranks (or the Slurm job) inherit."""
-    from ortflow.trainer.profiling import PROFILE_ENV, parse_steps  # the trainer package imports the engine
+    from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
 
     if not profile:
         return
@@ -92,8 +93,6 @@ def _set_profile(profile: str | None, cfg: RunConfig) -> None:
 def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | None, hostfile: Path | None,
                 mpiexec: str | None, wait: bool, profile: str | None) -> None:
     """Launcher local: choose the layout, hold the folders, run mpiexec, report how the ranks ended."""
-    from ortflow.launch.local import launch  # imports the checkpoint reader (h5py)
-
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         fail(f"--np {np_}: give a number of ranks or auto")
     _set_profile(profile, cfg)
@@ -128,7 +127,7 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
 
 def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | None) -> None:
     """Launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
-    from ortflow.launch.scheduled import run_scheduled  # the Kubernetes client, when the launcher is kubernetes
+    from ortflow.launch.scheduled import run_scheduled
 
     _set_profile(profile, cfg)  # the Slurm job inherits this environment
     try:

@@ -23,7 +23,6 @@ def tune(
     mpiexec: MpiexecOpt = None,
 ) -> None:
     """Time candidate ranks x threads layouts of CPU ranks on this host; num_ranks auto then uses the fastest."""
-    # configure and dataprep import ONNX, the engine and pyarrow (seconds): only when this command runs
     from ortflow.configure.configure import configure
     from ortflow.dataprep import DataError, prepare_data
 

@@ -32,8 +32,6 @@ def validate(
     tensor-parallel sizes above 1, a valid config also prints the split plan: the cuts, which weights each
     tensor-parallel region splits how (attention by heads), and what stays replicated and why.
     """
-    # Imported when the command runs, like every command's heavy imports: ONNX, ONNX Runtime, pyarrow and Prefect
-    # take seconds to import, and `ortflow --help` (or any other command) should not wait for them.
     from ortflow.dataprep.values import scan_sources
     from ortflow.validate import validate as find_all
 
