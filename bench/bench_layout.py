@@ -15,8 +15,8 @@ Rounds interleave the contenders (order reversed every other round); figures are
 the steady-state samples/s (warm-up updates excluded; for ortflow the progress windows after warm-up, the final
 window excluded). Ratios are taken within a round.
 
-Run: ``python -m bench layout --global-batch 16 --ortflow auto,1x2,2x1 --torch 1x2,2x1``; on a many-core host
-``bash bench/many_core.sh`` runs it in phases.
+Run: ``python -m bench layout --global-batch 16 --ortflow auto,1x2,2x1 --torch 1x2,2x1`` (on a many-core host, one
+call per group of layouts keeps each call short).
 """
 
 from __future__ import annotations
