@@ -24,10 +24,26 @@ _CANNOT = "the new shape is computed in a way the split cannot follow"
 _PROBES = (10007, 10009)
 
 
+def probe_sizes(model: onnx.ModelProto) -> tuple[int, int]:
+    """The two probe sizes (:data:`_PROBES`), or, where the graph clamps a size with ``Min(c, size)``, the two largest
+    primes below the smallest such ``c``: torch's dynamo exporter writes GPT-2's ``min(n_positions, T)`` (the causal
+    mask buffer sliced to the sequence), and a probe longer than the model accepts builds shapes that do not fit
+    (``[B*T, C]`` reshaped to ``[B, n_positions, C]``), where inference stops and the dims are lost."""
+    bounds = []
+    for node in model.graph.node:
+        if node.op_type == "Min":
+            values = [constant_values(model.graph, x) for x in node.input]
+            bounds += [int(v.reshape(-1).min()) for v in values if v is not None and v.size and v.dtype.kind in "iu"]
+    if not bounds or min(bounds) > _PROBES[1]:
+        return _PROBES
+    primes = [n for n in range(min(bounds) - 1, 4, -1) if all(n % d for d in range(2, int(n**0.5) + 1))][:2]
+    return (primes[1], primes[0]) if len(primes) == 2 else _PROBES
+
+
 def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list]]:
     """Every tensor's dims: (ints, None where not a fixed number), and (ints or names, None where unknown).
 
-    The model is inferred with its inputs' dynamic dims set to one size, twice (:data:`_PROBES`): a dim that
+    The model is inferred with its inputs' dynamic dims set to one size, twice (:func:`probe_sizes`): a dim that
     differs between the two follows the inputs (None in the first dict; in the second the first probe's number, so a
     Reshape's ``[B*T, C] -> [B, T, C]`` still shows which dims it merges). Inference with concrete inputs follows the
     shape arithmetic of exporters (Shape -> Gather -> Concat -> Reshape; ``Shape`` ranges) where symbolic dims get
@@ -35,7 +51,8 @@ def tensor_dims(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, list
     (:func:`target_dims`) and inference goes on from there. Without an answer from the probes, ONNX Runtime's
     symbolic inference and onnx's (with data propagation) fill in the dims, dynamic ones named.
     """
-    first, second = _probe(model, _PROBES[0]), _probe(model, _PROBES[1])
+    sizes = probe_sizes(model)
+    first, second = _probe(model, sizes[0]), _probe(model, sizes[1])
     named = _symbolic_dims(model)
     for name, dims in first.items():
         other = second.get(name)

@@ -82,6 +82,7 @@ class _Walk:
         self.via_transpose: set[str] = set()  # weights read as Transpose(W) (torch's nn.Linear on 3-D inputs)
         self.head_counts: list[tuple[int, int]] = []  # (Reshape node, size of the split axis it makes) for heads
         self.seed_heads: dict[int, int] = {}  # seed node -> heads its output is reshaped into
+        self.shape_of: dict[str, int] = {}  # Shape of a split tensor -> the split axis (its length follows by itself)
         for i, node in enumerate(self.g.node):
             if i in seeds:
                 self.split[node.output[0]], self.comp[node.output[0]] = -1, i
@@ -104,6 +105,8 @@ class _Walk:
 
     def _visit(self, i: int, node) -> None:
         ins = [x for x in node.input if x in self.split]
+        if not ins and node.op_type == "Expand" and node.input[1] in self.shape_of:
+            ins = [node.input[1]]  # a replicated tensor broadcast to a split tensor's shape
         if not ins:
             return
         roots = {self.find(self.comp[x]) for x in ins}
@@ -119,7 +122,7 @@ class _Walk:
             self.fail(root, f"{node.op_type} '{node_label(node)}': {why}")
             return
         for out in node.output:
-            if out in self.split:
+            if out in self.split or out in self.shape_of:
                 self.comp[out] = root
 
     def _rank(self, name: str) -> int | None:
@@ -154,6 +157,8 @@ class _Walk:
                 return None
             return "its inputs are not split the same way over a batch axis"
         if op == "Shape":
+            if _attr(node, "start", 0) == 0 and _attr(node, "end") is None:
+                self.shape_of[node.output[0]] = axis
             return None
         if op == "Transpose":
             rank = self._rank(x)
@@ -267,6 +272,12 @@ class _Walk:
         ``[B, KV, n_rep, T, D]``; the engine's Where gradient fix: to the shape of a tensor split alike)."""
         x = node.input[0]
         target = self.shapes.get(node.input[1])
+        if x not in self.split:  # to the shape of a split tensor: split alike where x is broadcast
+            at, rank = self.shape_of[node.input[1]], self._rank(x)
+            if rank is None or (-at <= rank and self._dim(x, at) != 1):
+                return f"'{x}' is expanded to a split tensor's shape but is not broadcast along the split axis"
+            self.split[node.output[0]] = at
+            return None
         if not target or target[0] is None:
             return "an Expand to a shape of unknown length"
         if target[0] + axis >= 0:
