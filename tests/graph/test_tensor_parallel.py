@@ -160,3 +160,39 @@ def test_a_slice_read_outside_its_region_is_refused(bert):
                                                r"\['model.bert.encoder.layer.0.attention.self.query.weight'\] "
                                                r"outside their split region"):
         cut_pieces(shard_model(model, plan, 0), plan, model, names)
+
+
+def dynamo_shaped_mlp() -> onnx.ModelProto:
+    """An MLP as torch's dynamo exporter writes GPT-2's: flattened to ``[B*T, C]`` for the products, reshaped back
+    with the sequence clamped by ``min(n_positions, T)`` (here 16), and a ``Where`` whose replicated fill is expanded
+    to the activation's ``Shape`` (the engine's Where gradient fix, graph/gradient_fixes.py)."""
+    from tests.support.graph import OPSET, Builder
+
+    b = Builder()
+    shape = b.op("Shape", ["x"])
+    batch = b.op("Slice", [shape, b.const([0]), b.const([1])])
+    seq = b.op("Unsqueeze", [b.op("Min", [b.const(16), b.op("Gather", [shape, b.const(1)], axis=0)]), b.const([0])])
+    flat = b.op("Reshape", ["x", b.const([-1, 8])])
+    hidden = b.op("Reshape", [b.linear(flat, "fc", 8, 32), b.op("Concat", [batch, seq, b.const([32])], axis=0)])
+    fill = b.op("Expand", [b.const(0.0, np.float32), b.const(np.zeros(0))])
+    masked = b.op("Where", ["keep", hidden, b.op("Expand", [fill, b.op("Shape", [hidden])])])
+    out = b.linear(b.op("Reshape", [b.op("Relu", [masked]), b.const([-1, 32])]), "proj", 32, 8)
+    b.op("Reshape", [out, b.op("Concat", [batch, seq, b.const([8])], axis=0)])
+    inputs = [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", "T", 8]),
+              onnx.helper.make_tensor_value_info("keep", onnx.TensorProto.BOOL, ["B", "T", 1])]
+    output = onnx.helper.make_tensor_value_info(b.nodes[-1].output[0], onnx.TensorProto.FLOAT, ["B", "T", 8])
+    graph = onnx.helper.make_graph(b.nodes, "main_graph", inputs, [output], b.inits)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+
+
+def test_a_dynamo_shaped_mlp_is_split_and_its_pieces_compute_the_unsplit_output():
+    from ortflow.graph.tensor_shapes import probe_sizes
+
+    model = dynamo_shaped_mlp()
+    assert probe_sizes(model) == (11, 13)  # the shape probes stay within the clamp, so the Reshapes keep their dims
+    plan = plan_tensor_split(model, trainable(model), 2)
+    assert [(r.columns, r.biases, r.rows) for r in plan.regions] == [(["fc.weight"], ["fc.bias"], ["proj.weight"])]
+    assert plan.kept == {}
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(2, 5, 8)).astype(np.float32), "keep": rng.random((2, 5, 1)) < 0.7}
+    np.testing.assert_allclose(run_pieces(model, 2, feeds), run_whole(model, feeds), atol=1e-6)

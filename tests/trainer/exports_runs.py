@@ -41,6 +41,30 @@ def llama_run(root: Path, name: str, export: str = "llama.onnx", **sections):
     return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)
 
 
+def vit_data(root: Path, num_rows: int = 160) -> Path:
+    """16x16 RGB images for the ViT classifier, labelled by which quadrant is brightest (4 of its 10 labels)."""
+    import numpy as np
+
+    path = root / "vit.npz"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        pixels = rng.normal(size=(num_rows, 3, 16, 16)).astype(np.float32)
+        labels = rng.integers(0, 4, num_rows)
+        for k, label in enumerate(labels):
+            row, col = divmod(int(label), 2)
+            pixels[k, :, row * 8:(row + 1) * 8, col * 8:(col + 1) * 8] += 1.0
+        np.savez(path, pixel_values=pixels, labels=labels.astype(np.int64))
+    return path
+
+
+def vit_run(root: Path, name: str, export: str = "vit.onnx", **sections):
+    """A run of the Hugging Face ViT classifier export (TorchScript by default), unmodified (pixel_values, 10
+    labels)."""
+    data = {"train": [str(vit_data(root))], "eval_fraction": 0.1}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)
+
 
 def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: dict, output: str = "logits") -> None:
     """The exported model's ``output`` equals, bit for bit, the unsplit eval graph's fed with ``params`` and ``feeds``
