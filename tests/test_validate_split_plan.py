@@ -1,5 +1,5 @@
-"""``ortflow validate`` on a Llama export (grouped-query attention, RoPE) with tensor parallelism: the split plan it
-prints, and the sizes it refuses."""
+"""``ortflow validate`` on a Llama export (grouped-query attention, RoPE) and on GPT-2's default dynamo export with
+tensor parallelism: the split plan it prints, and the sizes it refuses."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.support.exports import export_path
 from tests.support.parallel_runs import corpus
 
 
-def llama_config(tmp_path: Path, export: str = "llama.onnx", **distributed) -> Path:
+def lm_config(tmp_path: Path, export: str = "llama.onnx", **distributed) -> Path:
     raw = {"output_dir": str(tmp_path / "run"), "model": {"path": str(export_path(export))},
            "data": {"train": [str(corpus(tmp_path))], "format": "text",
                     "text": {"seq_len": 16, "input_name": "input_ids"}},
@@ -25,7 +25,7 @@ def llama_config(tmp_path: Path, export: str = "llama.onnx", **distributed) -> P
 
 
 def test_validate_prints_the_llama_attention_split_by_heads(tmp_path):
-    result = CliRunner().invoke(app, ["validate", str(llama_config(tmp_path, num_ranks=2,
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, num_ranks=2,
                                                                    horizontal_parallel_size=2))])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # the console wraps long lines
@@ -41,9 +41,27 @@ def test_validate_prints_the_llama_attention_split_by_heads(tmp_path):
 
 
 def test_a_size_that_does_not_divide_the_key_value_heads_is_refused(tmp_path):
-    problems = validate(llama_config(tmp_path, num_ranks=4, horizontal_parallel_size=4))
+    problems = validate(lm_config(tmp_path, num_ranks=4, horizontal_parallel_size=4))
     assert len(problems) == 1, problems
     # 64 query columns and 4 query heads divide by 4; the 2 key/value heads do not
     assert "horizontal_parallel_size 4 does not divide the 2 key/value heads of " \
            "model.model.layers.0.self_attn.k_proj.weight" in problems[0]
     assert "use one of [1, 2]" in problems[0]
+
+
+def test_validate_prints_the_gpt2_dynamo_split_of_every_block(tmp_path):
+    """The dynamo exporter's GPT-2 (flattened products, the sequence clamped by ``min(n_positions, T)``, the causal
+    mask's ``Where``): each block's attention by heads (the fused QKV in its 3 parts) and MLP, and the tied table."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, "gpt2-dynamo.onnx", num_ranks=2,
+                                                                   horizontal_parallel_size=2))])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "split plan:" in text and text.rstrip().endswith("valid")
+    for block in range(4):
+        h = f"model.transformer.h.{block}"
+        assert (f"columns ['{h}.attn.c_attn.weight'] (+ biases ['{h}.attn.c_attn.bias']), "
+                f"rows ['{h}.attn.c_proj.weight']") in text
+        assert f"fused parts {{'{h}.attn.c_attn.weight': 3, '{h}.attn.c_attn.bias': 3}}" in text
+        assert f"columns ['{h}.mlp.c_fc.weight'] (+ biases ['{h}.mlp.c_fc.bias']), rows ['{h}.mlp.c_proj.weight']" in text
+    assert "vocabulary split of ['model.transformer.wte.weight'] (axis 0) in the LM head" in text
+    assert "kept replicated" not in text

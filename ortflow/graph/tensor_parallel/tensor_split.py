@@ -7,8 +7,9 @@ partial sum that the ranks add: the forward all-reduce). In between the activati
 element-wise ops, Reshape/Transpose (Q/K/V by heads), Unsqueeze/Squeeze, Slice and Concat along another axis (RoPE's
 ``rotate_half`` of the head dim), Expand over another axis (grouped-query attention's ``repeat_kv``: each rank's
 key/value heads are those its query heads read), Softmax over another axis, MatMul of two split tensors over a batch
-axis (scores and context), and ``Split`` of a fused QKV projection into equal parts (sliced per part). The bias after
-a row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
+axis (scores and context), ``Split`` of a fused QKV projection into equal parts (sliced per part), and Expand of a
+replicated tensor to a split tensor's ``Shape`` (the Where gradient fix on a causal mask's fill). The bias after a
+row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
 
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
 (:mod:`ortflow.graph.tensor_parallel.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split
@@ -50,10 +51,7 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu"
 
 
 def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 class _Walk:
@@ -301,9 +299,6 @@ class _Walk:
             return moved
         self.split[node.output[0]] = moved
         return None
-
-    def _producer(self, name: str):
-        return self.producers.get(name)
 
 
 def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
