@@ -62,6 +62,7 @@ def test_validate_prints_the_gpt2_dynamo_split_of_every_block(tmp_path):
         assert (f"columns ['{h}.attn.c_attn.weight'] (+ biases ['{h}.attn.c_attn.bias']), "
                 f"rows ['{h}.attn.c_proj.weight']") in text
         assert f"fused parts {{'{h}.attn.c_attn.weight': 3, '{h}.attn.c_attn.bias': 3}}" in text
-        assert f"columns ['{h}.mlp.c_fc.weight'] (+ biases ['{h}.mlp.c_fc.bias']), rows ['{h}.mlp.c_proj.weight']" in text
+        mlp = f"{h}.mlp"
+        assert f"columns ['{mlp}.c_fc.weight'] (+ biases ['{mlp}.c_fc.bias']), rows ['{mlp}.c_proj.weight']" in text
     assert "vocabulary split of ['model.transformer.wte.weight'] (axis 0) in the LM head" in text
     assert "kept replicated" not in text

@@ -183,15 +183,16 @@ def dynamo_dp(request, tmp_path_factory):
     return cfg, _train(cfg)
 
 
+# dp 2 on the unsplit run's global batch: 20 updates of one micro-batch of 2 per rank (the unsplit run sums 2).
+DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": 20}
+
+
 @pytest.fixture(scope="module")
 def dynamo_dp2(dynamo_dp):
     """dp 2 on the reference's global batch: one micro-batch of 2 per rank and update (the reference sums 2)."""
     root = dynamo_dp[0].output_dir.parent
     cfg = _dynamo_run(root, "dp2", dynamo_dp[0].model.path.name, train=DP2_TRAIN, distributed={"num_ranks": 2})
     return cfg, _train(cfg)
-
-
-DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": 20}
 
 
 @pytest.mark.parametrize("dynamo_dp", DYNAMO, indirect=True)
