@@ -149,9 +149,10 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, 
 # The two exporters write the same model with differently ordered fp32 ops (Llama: TorchScript folds RoPE's cos/sin
 # tables into constants, dynamo computes them from inv_freq in the graph; RMSNorm's mean and rsqrt are written
 # apart), so gradients differ by a few ulps and AdamW turns an element whose gradient is near zero into a step of up
-# to lr: measured after 20 updates on 2 ranks, GPT-2 bit for bit (0), Llama at most 1.6e-6 (median 2e-10) on weights
-# that moved 1e-2. The bound, 1e-5, is a hundredth of one update's change (lr = 1e-3).
-EXPORTER_ATOL = 1e-5
+# to lr: measured after 20 updates of one micro-batch of 2 per rank on 2 ranks, GPT-2 bit for bit (0), Llama at most
+# 1.34e-5 on weights that moved 1e-2 (1.6e-6 with two micro-batches per rank: the smaller the batch, the more elements
+# with a near-zero gradient). The bound, 5e-5, is a twentieth of one update's change (lr = 1e-3).
+EXPORTER_ATOL = 5e-5
 
 # Torch's default exporter (dynamo) on the same models: configure trains each export's torch parameters under their
 # torch names (ortflow/configure/torch_model.py), so every layout is compared with the unsplit run name by name.
@@ -241,8 +242,9 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     trained = {n: v for n, v in dynamo.items() if n in record["parameters"]}
     assert sorted(trained) == sorted(record["parameters"])
     worst, worst_key = _max_diffs(trained, script)
+    median = float(np.median(np.concatenate([np.abs(v - script[n]).ravel() for n, v in trained.items()])))
     print(f"{family}: dynamo optimize=False vs TorchScript after 20 updates on 2 ranks: max |param diff| {worst:.3g} "
-          f"(key biases {worst_key:.3g})")
+          f"(key biases {worst_key:.3g}, median {median:.3g})")
     assert worst < EXPORTER_ATOL
     assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(losses(noopt_out.stdout), losses(script_out.stdout), rtol=1e-5)
