@@ -165,7 +165,7 @@ def test_a_slice_read_outside_its_region_is_refused(bert):
 def dynamo_shaped_mlp() -> onnx.ModelProto:
     """An MLP as torch's dynamo exporter writes GPT-2's: flattened to ``[B*T, C]`` for the products, reshaped back
     with the sequence clamped by ``min(n_positions, T)`` (here 16), and a ``Where`` whose replicated fill is expanded
-    to the activation's ``Shape`` (the engine's Where gradient fix, graph/gradient_fixes.py)."""
+    to the activation's ``Shape`` (the engine's Where gradient fix, graph/gradients/gradient_fixes.py)."""
     from tests.support.graph import OPSET, Builder
 
     b = Builder()
@@ -186,11 +186,11 @@ def dynamo_shaped_mlp() -> onnx.ModelProto:
 
 
 def test_a_dynamo_shaped_mlp_is_split_and_its_pieces_compute_the_unsplit_output():
-    from ortflow.graph.tensor_shapes import probe_sizes
+    from ortflow.graph.tensor_parallel.tensor_shapes import probe_sizes
 
     model = dynamo_shaped_mlp()
     assert probe_sizes(model) == (11, 13)  # the shape probes stay within the clamp, so the Reshapes keep their dims
-    plan = plan_tensor_split(model, trainable(model), 2)
+    plan = plan_tensor_parallel_split(model, trainable(model), 2)
     assert [(r.columns, r.biases, r.rows) for r in plan.regions] == [(["fc.weight"], ["fc.bias"], ["proj.weight"])]
     assert plan.kept == {}
     rng = np.random.default_rng(0)
