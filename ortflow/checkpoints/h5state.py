@@ -59,7 +59,8 @@ class TrainState:
     """What a rank contributes to a checkpoint.
 
     Attributes:
-        parameters: Returns every parameter (trainable and frozen) by name, host arrays; called on rank 0 only.
+        parameters: Returns every parameter (trainable and frozen) by name, host arrays; called by the ranks that write
+            parameters (and, on a tensor-parallel rank, by those that write optimizer state: the slices' shapes).
         trainable: Names of trained parameters.
         update: The rank's :class:`~ortflow.trainer.optim.Update` (segments, flat state, step count).
         optimizer: Config name of the rule ("adamw/torch", "sgd", ...), recorded and checked on load.
@@ -71,8 +72,9 @@ class TrainState:
         extra_state: Returns small named arrays/scalars to keep (the mixed-precision loss scaler), or None.
         stage: ``(index, count)`` on a pipeline rank: its stage's parameters and optimizer state go to the stage's
             own files, written by the stage's first replica (``rank`` is then the replica, ``world_size`` their count).
-        tp: ``(tp rank, hp, {sliced name: (axis, parts)})`` on a tensor-parallel rank: its slices (and the replicated
-            parameters) go to its own files (:mod:`ortflow.checkpoints.tp`), written by its first replica.
+        tp: ``(tp rank, tp size, {sliced name: (axis, parts)})`` on a tensor-parallel rank: its slices (and the
+            replicated parameters) go to its own files (:mod:`ortflow.checkpoints.tp`), written by its first replica
+            (and its optimizer state, under ZeRO-1 and Adasum's deltas, by each replica).
     """
 
     parameters: Callable[[], dict[str, np.ndarray]]
@@ -90,14 +92,19 @@ class TrainState:
 
 def write_state(state: TrainState, folder: Path) -> None:
     """Write this rank's files of a checkpoint into ``folder`` (the :class:`CheckpointManager` writer)."""
-    if state.tp is not None:  # a tensor-parallel rank: its first replica writes its slices' two files
+    if state.tp is not None:  # a tensor-parallel rank: its slices' files, as a stage's (each replica's optimizer
+        t, size, slicing = state.tp  # state under ZeRO-1 and Adasum's deltas, else the first replica's)
+        own = state.sharded or state.replica
+        if state.rank != 0 and not own:
+            return
+        params = state.parameters()
+        marks = {n: (int(a), int(p), size, params[n].shape) for n, (a, p) in slicing.items() if n in params}
         if state.rank == 0:
-            t, size, slicing = state.tp
-            params = state.parameters()
-            marks = {n: (int(a), int(p), size, params[n].shape) for n, (a, p) in slicing.items() if n in params}
             write_params(folder / tpfiles.tp_file("params", t, size, state.stage), params, set(state.trainable),
                          marks=marks)
-            write_optimizer(folder / tpfiles.tp_file("optimizer", t, size, state.stage), state, marks=marks)
+        name = (tpfiles.tp_shard_file(t, size, state.stage, state.rank, state.world_size) if own
+                else tpfiles.tp_file("optimizer", t, size, state.stage))
+        write_optimizer(folder / name, state, marks=marks)
         return
     if state.stage is not None:  # a pipeline stage: its first replica writes the stage's files
         index, count = state.stage

@@ -24,6 +24,19 @@ def tp_file(kind: str, rank: int, size: int, stage: tuple[int, int] | None = Non
     return f"{kind}{where}-tp{rank:02d}-of-{size:02d}.h5"
 
 
+def tp_shard_file(rank: int, size: int, stage: tuple[int, int] | None, replica: int, replicas: int) -> str:
+    """Name of replica ``replica``'s optimizer file of tensor-parallel rank ``rank`` (ZeRO-1 shard, or Adasum's
+    per-replica state)."""
+    return f"{tp_file('optimizer', rank, size, stage)[:-3]}-rank{replica:05d}-of-{replicas:05d}.h5"
+
+
+def tp_optimizer_files(folder: Path, rank: int, size: int, stage: tuple[int, int] | None = None) -> list[Path]:
+    """Tensor-parallel rank ``rank``'s optimizer files in ``folder``: one, or one per replica."""
+    whole = Path(folder) / tp_file("optimizer", rank, size, stage)
+    shards = sorted(Path(folder).glob(f"{whole.stem}-rank*.h5"))
+    return shards if shards and not whole.exists() else [whole]
+
+
 def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
     """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``: its block of every part, concatenated)."""
     axis = axis if value.ndim > 1 else 0
@@ -89,6 +102,37 @@ def _read_merged_group(files: list[Path], names: set[str] | None) -> dict[str, n
     return {n: _merge(n, arrays, attrs[n]) for n, arrays in by_name.items()}
 
 
+def by_tp_rank(files: list[Path]) -> list[list[Path]]:
+    """One pipeline stage's optimizer files grouped by tensor-parallel rank, in rank order: one file each, or one per
+    replica (ZeRO-1 shards, Adasum's per-replica states; of those, replica 0's alone)."""
+    groups: dict[str, list[Path]] = {}
+    for path in files:
+        groups.setdefault(path.name.split("-rank")[0], []).append(path)
+    chosen = []
+    for key in sorted(groups):
+        paths = sorted(groups[key])
+        with h5py.File(paths[0], "r") as f:
+            replica = bool(f.attrs.get("replica", False))
+        chosen.append(paths[:1] if replica else paths)
+    return chosen
+
+
+def _slice_states(paths: list[Path]) -> tuple[int, str, dict, dict]:
+    """One tensor-parallel rank's optimizer states, each slice whole (its replicas' shards stitched)."""
+    step, optimizer, flat, attrs = 0, "", {}, {}
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            step, optimizer = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
+            for sname, group in f.items():
+                for ds in group.values():
+                    key = (sname, str(ds.attrs["name"]))
+                    whole = flat.setdefault(key, np.zeros(int(ds.attrs["numel"]), np.float32))
+                    whole[int(ds.attrs["lo"]) : int(ds.attrs["hi"])] = ds[()].reshape(-1)
+                    attrs[key] = dict(ds.attrs)
+    arrays = {k: v.reshape(tuple(attrs[k]["tp_shape"])) if "tp_shape" in attrs[k] else v for k, v in flat.items()}
+    return step, optimizer, arrays, attrs
+
+
 def merged_optimizer_pieces(files: list[Path]) -> tuple[int, str, dict[str, list[tuple[str, int, int, np.ndarray]]]]:
     """Step count, optimizer name and each state of every parameter whole (one piece each), from the tp files (of
     every pipeline stage: a tied parameter held by several stages is read from the first, whose copy equals the
@@ -96,17 +140,12 @@ def merged_optimizer_pieces(files: list[Path]) -> tuple[int, str, dict[str, list
     step, optimizer, by_key, attrs = 0, "", {}, {}
     for group_files in by_stage(files):
         earlier = set(by_key)  # a tied parameter held by several stages: the first stage's states
-        for path in group_files:
-            with h5py.File(path, "r") as f:
-                step, optimizer = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
-                for sname, group in f.items():
-                    for ds in group.values():
-                        key = (sname, str(ds.attrs["name"]))
-                        if key in earlier:
-                            continue
-                        shape = tuple(ds.attrs["tp_shape"]) if "tp_shape" in ds.attrs else ds.shape
-                        by_key.setdefault(key, []).append(ds[()].reshape(shape))
-                        attrs[key] = dict(ds.attrs)
+        for paths in by_tp_rank(group_files):
+            step, optimizer, arrays, found = _slice_states(paths)
+            for key, array in arrays.items():
+                if key not in earlier:
+                    by_key.setdefault(key, []).append(array)
+                    attrs[key] = found[key]
     pieces: dict[str, list] = {}
     for (sname, name), arrays in sorted(by_key.items()):
         whole = _merge(f"{sname}/{name}", arrays, attrs[(sname, name)]).reshape(-1)

@@ -21,11 +21,9 @@ from ortflow.config import RunConfig, load_run_config, rank_config
 from ortflow.protocol import HEARTBEAT_DIR, NUM_RANKS_ENV
 from ortflow.trainer.comm import Communicator, attach_nccl, create_communicator
 from ortflow.trainer.optim.rank_update import FOLD_ENV, build_update
+from ortflow.trainer.parallel.build import init_layout
+from ortflow.trainer.parallel.layout_model import LayoutModel
 from ortflow.trainer.parallel.parallel_dims import ParallelDims
-from ortflow.trainer.parallel.pipe_tensor_piece import init_pipe_tensor_runtime
-from ortflow.trainer.parallel.pipeline_stage import init_stage_runtime
-from ortflow.trainer.parallel.replica import Runtime, init_replica
-from ortflow.trainer.parallel.tensor_piece import init_tensor_runtime
 from ortflow.trainer.rank_model import RankModel
 from ortflow.trainer.startup import (
     THREADS_ENV,
@@ -40,7 +38,7 @@ from ortflow.trainer.startup import (
 log = logging.getLogger("ortflow.trainer")
 
 #: The start-up helpers are re-exported: benches and tests open sessions the way ranks do.
-__all__ = ["FOLD_ENV", "HEARTBEAT_DIR", "THREADS_ENV", "Runtime", "available_cores", "build_update", "init_runtime",
+__all__ = ["FOLD_ENV", "HEARTBEAT_DIR", "THREADS_ENV", "LayoutModel", "available_cores", "build_update", "init_runtime",
            "load_parameters", "select_device", "session_options", "spin_wait", "start_mpi", "threads_per_rank"]
 
 
@@ -78,10 +76,6 @@ def init_runtime(run_dir: Path, cfg: RunConfig, comm: Communicator) -> RankModel
             cuda_libs.preload((cuda_libs.NCCL_LIBRARY,), ())
         comm = attach_nccl(comm, cuda_libs.gpu_for_local_rank(comm.local_rank, comm.local_size),
                            cfg.gradient_allreduce_dtype(dims.dp), cfg.distributed.nccl_bucket_mb)
-    if dims.pp > 1 and dims.tp > 1:  # pp x hp: a stage's tensor-parallel pieces
-        return init_pipe_tensor_runtime(run_dir, cfg, comm, device, dims)
-    if dims.tp > 1:  # a tensor-parallel rank: its pieces and process groups
-        return init_tensor_runtime(run_dir, cfg, comm, device, dims)
-    if dims.pp > 1:  # a pipeline stage: its own artifacts and process groups
-        return init_stage_runtime(run_dir, cfg, comm, device, dims)
-    return init_replica(run_dir, cfg, comm, device, dims)
+    # 4-6. The rank model its place asks for: a replica of its body (the whole model or its tensor-parallel pieces),
+    # with a pipeline schedule when the model is cut into stages (trainer/parallel/layout_model.py).
+    return init_layout(run_dir, cfg, comm, device, dims)

@@ -9,7 +9,7 @@ from pathlib import Path
 import ortflow.trainer.__main__ as entry
 from ortflow.trainer.parallel import pipeline_stage as stages
 
-real_backward = stages.StageRuntime.backward
+real_backward = stages.PipelineStage.backward
 
 
 def backward(self, feeds, grads):
@@ -18,6 +18,6 @@ def backward(self, feeds, grads):
     return real_backward(self, feeds, grads)
 
 
-stages.StageRuntime.backward = backward
+stages.PipelineStage.backward = backward
 logging.basicConfig(level=logging.INFO, force=True)
 sys.exit(entry.run_rank(Path(sys.argv[1])))

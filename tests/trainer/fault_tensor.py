@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import ortflow.trainer.__main__ as entry
-from ortflow.trainer.parallel import tensor_piece as tensor
+from ortflow.trainer.parallel import tensor_parallel_body as tensor
 
-real_micro_step = tensor.TensorRuntime.micro_step
+real_micro_step = tensor.TensorParallel.micro_step
 
 
 def micro_step(self, batch):
@@ -18,6 +18,6 @@ def micro_step(self, batch):
     return real_micro_step(self, batch)
 
 
-tensor.TensorRuntime.micro_step = micro_step
+tensor.TensorParallel.micro_step = micro_step
 logging.basicConfig(level=logging.INFO, force=True)
 sys.exit(entry.run_rank(Path(sys.argv[1])))

@@ -38,9 +38,11 @@ class Communicator(Protocol):
         ``defer_scale`` is set and it left the sums in place (comm/pending.py: the caller's norm and update apply it).
         """
 
-    def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray) -> None:
+    def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray, peers=None) -> None:
         """In place: every tensor is divided by ``divisor`` on its own rank, then replaced by the Adasum of all ranks'
-        (per tensor, the same bytes on every rank); ``scalars`` becomes its sum over ranks."""
+        (per tensor, the same bytes on every rank); ``scalars`` becomes its sum over ranks. ``peers``: the
+        :class:`~ortflow.trainer.comm.adasum.PeerGroup` the tree runs over, when not this group itself (host
+        tensors only)."""
 
     def gradient_norm(self, grads: Sequence) -> float:
         """Global L2 norm of the averaged gradients (the same on every rank; the trainer clips with it), owed factors
@@ -129,7 +131,7 @@ class SingleProcessComm:
                 grad *= scale
         return np.float32(1)
 
-    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray, peers=None) -> None:
         if divisor != 1.0:  # Adasum of one vector is that vector: only this rank's own mean
             scale_gradients(tensors, 1.0 / divisor)
 

@@ -287,12 +287,12 @@ class MPIComm:
             if i == last:
                 scalars[:] = pack[at:]
 
-    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray) -> None:
+    def adasum_tensors(self, tensors: Sequence[np.ndarray], divisor: float, scalars: np.ndarray, peers=None) -> None:
         flat = self._layout(tensors, 0)
         scale = np.float32(1.0 / divisor)
         for tensor, part in zip(tensors, self._slices, strict=True):
             np.multiply(tensor.reshape(-1), scale, out=flat[part])
-        adasum_allreduce(flat, [t.size for t in tensors], self)
+        adasum_allreduce(flat, [t.size for t in tensors], peers or self)
         for tensor, part in zip(tensors, self._slices, strict=True):
             tensor.reshape(-1)[:] = flat[part]
         if scalars.size:

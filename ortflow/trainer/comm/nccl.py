@@ -318,7 +318,9 @@ class NCCLComm:
     def group_allreduce_sum(self, values: np.ndarray, group_size: int, label: str) -> np.ndarray:
         return self.group.group_allreduce_sum(values, group_size, label)
 
-    def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray) -> None:
+    def adasum_tensors(self, tensors: Sequence, divisor: float, scalars: np.ndarray, peers=None) -> None:
+        if peers is not None:
+            raise RuntimeError("Adasum over tensor-parallel slices runs on CPU ranks only (device cpu)")
         if tensors and isinstance(tensors[0], np.ndarray):
             raise RuntimeError("Adasum with use_nccl needs device: cuda (CPU ranks: set use_nccl: false)")
         cp = self._cp

@@ -46,6 +46,12 @@ class Gradients(list):
         return self.scale != 1 or self.clip != 1
 
 
+def pick(grads: Sequence, keep: Sequence[bool]) -> Sequence:
+    """The gradients whose ``keep`` is set, owing what ``grads`` owes (a subset for a norm share)."""
+    picked = [g for g, k in zip(grads, keep, strict=True) if k]
+    return Gradients(picked, grads.scale, grads.clip) if isinstance(grads, Gradients) else picked
+
+
 def factors(grads: Sequence) -> tuple[np.float32, np.float32]:
     """(scale, clip) owed by ``grads``: those of :class:`Gradients`, (1, 1) for any other sequence."""
     if isinstance(grads, Gradients):

@@ -40,15 +40,18 @@ class AdasumExchange:
         comm: The process group (``adasum_tensors``, ``allreduce_sum``); a power of two of ranks.
         params: 1-D host views of every trainable parameter in the engine's buffers (trainable order).
         mode: ``gradients`` or ``deltas`` (:func:`adasum_mode`).
+        peers: What the tree runs over when it is not ``comm`` itself (:class:`SlicedPeers`: the replicas of a
+            tensor-parallel rank, whose tensors' dot products also add the other slices').
     """
 
     sharded = False
     per_rank_state = False
+    averages = False
 
-    def __init__(self, comm, params: Sequence[np.ndarray], mode: str):
+    def __init__(self, comm, params: Sequence[np.ndarray], mode: str, peers=None):
         if mode not in ("gradients", "deltas"):
             raise ValueError(f"Adasum mode must be gradients or deltas, got {mode!r}")
-        self.comm, self.params, self.mode = comm, list(params), mode
+        self.comm, self.params, self.mode, self.peers = comm, list(params), mode, peers
         #: Each rank's optimizer state is its own (deltas): every rank writes it into the checkpoint.
         self.per_rank_state = mode == "deltas"
         self._start = [np.empty_like(p) for p in self.params] if mode == "deltas" else []
@@ -57,7 +60,7 @@ class AdasumExchange:
         local = divisor / self.comm.size  # the loop's divisor is micro-batches x ranks; a rank's own mean is local
         if self.mode == "gradients":
             # Sync point: the update's collective - Adasum of the ranks' mean gradients, plus loss and stop.
-            self.comm.adasum_tensors(grads, local, scalars)
+            self.comm.adasum_tensors(grads, local, scalars, self.peers)
             return [g.reshape(-1) for g in grads]
         scale_gradients(grads, 1.0 / local)
         # Sync point: loss and stop must agree on every rank before anyone steps.
@@ -78,9 +81,41 @@ class AdasumExchange:
         for start, p in zip(self._start, self.params, strict=True):
             p -= start  # this rank's update
         # Sync point: the ranks' updates combined per tensor; identical bytes on every rank.
-        self.comm.adasum_tensors(self.params, 1.0, _NO_SCALARS)
+        self.comm.adasum_tensors(self.params, 1.0, _NO_SCALARS, self.peers)
         for start, p in zip(self._start, self.params, strict=True):
             p += start
 
     def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
         return values  # every rank updates whole tensors
+
+    def names(self, trainable: Sequence[str]) -> list[str]:
+        return list(trainable)
+
+
+class SlicedPeers:
+    """Adasum's tree over the replicas of a tensor-parallel rank, for tensors some of which are slices.
+
+    The combination's coefficients come from each tensor's dot product and squared norms. A sliced tensor's partial
+    sums are added over the tensor-parallel group too (in rank order: every tensor-parallel rank gets the same bits),
+    so the coefficients are the whole tensor's, as data parallelism alone computes them; a replicated tensor is
+    bitwise the same on every tensor-parallel rank, so its own sums already are. A
+    :class:`~ortflow.trainer.comm.adasum.PeerGroup`.
+
+    Args:
+        dp: The replicas' group (the pairs exchange over it).
+        tp: The tensor-parallel group of this rank's stage.
+        sliced: For each tensor in packed (trainable) order, whether this rank holds a slice of it.
+    """
+
+    def __init__(self, dp, tp, sliced: Sequence[bool]):
+        self.dp, self.tp, self.rank, self.size = dp, tp, dp.rank, dp.size
+        self.sliced = np.repeat(np.asarray(sliced, dtype=bool), 3)  # [dot, |a|^2, |b|^2] per tensor
+
+    def sendrecv(self, send: np.ndarray, peer: int, recv: np.ndarray, label: str) -> None:
+        self.dp.sendrecv(send, peer, recv, label)
+
+    def group_allreduce_sum(self, values: np.ndarray, group_size: int, label: str) -> np.ndarray:
+        summed = self.dp.group_allreduce_sum(values, group_size, label)
+        # Sync point: the slices' partial dot products and norms, added over the tensor-parallel ranks.
+        over_tp = self.tp.allgather_sum(np.where(self.sliced, summed, 0.0), f"{label} (slices)")
+        return np.where(self.sliced, over_tp, summed)

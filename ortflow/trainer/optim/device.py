@@ -190,6 +190,7 @@ class Zero1Device:
 
     sharded = True
     per_rank_state = True
+    averages = False
 
     def __init__(self, comm, names: Sequence[str], params: Sequence, rank: int, world: int, dtype: str = "float32"):
         cp = self._cp = _cupy()
@@ -292,6 +293,9 @@ class Zero1Device:
 
     def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
         return self.comm.allgather_sum(values, "zero-1 lamb norms")
+
+    def names(self, trainable: Sequence[str]) -> list[str]:
+        return [s.name for s in self.segments]
 
 
 class _Ptr:

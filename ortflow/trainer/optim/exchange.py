@@ -15,7 +15,9 @@ exchange                                       sharded    per_rank_state  where
 =============================================  =========  ==============  ==========================================
 
 What differs between them that a caller must know is declared as capabilities, read as plain attributes (never
-probed with ``hasattr``): :attr:`Exchange.sharded` and :attr:`Exchange.per_rank_state`.
+probed with ``hasattr``): :attr:`Exchange.sharded`, :attr:`Exchange.per_rank_state` and :attr:`Exchange.averages`.
+Every layout builds its exchange the same way (:func:`~.rank_update.data_parallel_update`) over the replicas of
+its part of the model.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Exchange(Protocol):
     #: Every rank writes its own optimizer file into a checkpoint: ZeRO-1's shards, or Adasum's ``deltas`` mode, where
     #: each rank's moments are its own.
     per_rank_state: bool
+    #: The result is the plain mean of the replicas' gradients (ZeRO-0): a sum taken after it equals the sum taken
+    #: before it up to rounding, so a layout may add gradients across ranks (a tied weight's holders) after it.
+    averages: bool
 
     def reduce(self, grads: Sequence, divisor: float, scalars: np.ndarray) -> Sequence:
         """The gradients this rank updates, summed over the replicas and divided by ``divisor``; ``scalars`` (loss,
@@ -52,4 +57,7 @@ class Exchange(Protocol):
 
     def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
         """Per-tensor sums an update rule needs (Lamb's norms) over the ranks that share a tensor's elements."""
+
+    def names(self, trainable: Sequence[str]) -> list[str]:
+        """The parameter each array of ``mine`` belongs to (``trainable``: the names of the gradients reduced)."""
 

@@ -1,9 +1,9 @@
 """ortflow's update and its exchange over a rank's engine buffers, on the host or on the GPU.
 
-A rank model asks for its update once at start: :func:`replica_update` for a data-parallel replica (ZeRO-0, ZeRO-1 or
-Adasum, as configured), :func:`whole_update` for a pipeline stage or a tensor-parallel rank (whole tensors; their
-replicas average with :class:`~ortflow.trainer.optim.zero.Zero0`). Where the buffers live
-(:mod:`ortflow.trainer.comm.engine_buffers`) picks the host rules or the fused CuPy kernels.
+Every layout asks for its update once at start, the same way: :func:`data_parallel_update` over the parameters this
+rank holds (the whole model, a pipeline stage, tensor-parallel slices) and the replicas of that part (ZeRO-0, ZeRO-1
+or Adasum, as configured). Where the buffers live (:mod:`ortflow.trainer.comm.engine_buffers`) picks the host rules
+or the fused CuPy kernels.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
-
 from ortflow.config import RunConfig
 from ortflow.trainer import optim
-from ortflow.trainer.comm import Communicator, DeviceBuffer
+from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
 from ortflow.trainer.optim.adasum_update import AdasumExchange, adasum_mode
 from ortflow.trainer.optim.exchange import Exchange
@@ -28,25 +26,21 @@ log = logging.getLogger("ortflow.trainer")
 FOLD_ENV = "ORTFLOW_FOLD_SCALES"
 
 
-def replica_update(cfg: RunConfig, comm: Communicator, state, trainable: list[str], threads: int,
-                   buffers: HostBuffers | DeviceBuffers) -> tuple[optim.Update, Exchange]:
-    """A data-parallel replica's update and exchange over its engine's buffers."""
+def data_parallel_update(cfg: RunConfig, comm: Communicator, names: list[str], params: list,
+                         buffers: HostBuffers | DeviceBuffers, threads: int, fold: bool = True,
+                         peers=None) -> tuple[optim.Update, Exchange]:
+    """The update of this rank's parameters ``params`` (``buffers.parameters``, in ``names`` order) and the exchange
+    over their replicas ``comm``: ZeRO-0, ZeRO-1 or Adasum as configured, whatever part of the model they are.
+
+    Args:
+        fold: The host exchange may leave the mean's scale and the clip factor to the norm and the update (nothing
+            writes the gradients between the exchange and the update).
+        peers: Adasum's tree over tensor-parallel slices (:class:`~.adasum_update.SlicedPeers`), else None.
+    """
     if buffers.on_device:
-        return build_device_update(cfg, comm, state, trainable)
-    return build_update(cfg, comm, state, trainable, threads)
-
-
-def whole_update(cfg: RunConfig, comm: Communicator, names: list[str], params: list,
-                 buffers: HostBuffers | DeviceBuffers, threads: int) -> optim.Update:
-    """The update of whole tensors ``params`` (``buffers.parameters``), on the replicas' group ``comm``'s stream on
-    a GPU."""
-    if buffers.on_device:
-        from ortflow.trainer.optim.device import device_update
-
-        segments = optim.whole_segments(names, [p.count for p in params])
-        return device_update(cfg.optimizer, segments, [p.ptr for p in params], comm.stream)
-    return optim.build_update(cfg.optimizer, optim.whole_segments(names, [p.size for p in params]), params,
-                              threads=threads)
+        return build_device_update(cfg, comm, names, params)
+    fold = fold and os.environ.get(FOLD_ENV, "1") != "0"
+    return host_update(cfg, comm, names, params, threads, fold, peers)
 
 
 def build_update(
@@ -54,9 +48,14 @@ def build_update(
 ) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
     """ortflow's update over the engine's parameter buffers (host views), with its exchange and ``threads``."""
     params = [state.parameters[n].data.reshape(-1) for n in trainable]  # writable zero-copy views (CPU engine)
+    return host_update(cfg, comm, trainable, params, threads, os.environ.get(FOLD_ENV, "1") != "0")
+
+
+def host_update(cfg: RunConfig, comm: Communicator, trainable: list[str], params: list, threads: int, fold: bool,
+                peers=None) -> tuple[optim.Update, Zero0 | Zero1 | AdasumExchange]:
+    """The host update over 1-D parameter views and its exchange over ``comm``."""
     # The mean's scale and the clip factor applied by the norm and the update as they read the gradients, not by
     # passes of their own (comm/pending.py; the same bits). FOLD_ENV=0: the eager passes (tests and benches compare).
-    fold = os.environ.get(FOLD_ENV, "1") != "0"
     if fold and not (cfg.distributed.enable_adasum and comm.size > 1):
         log.info("rank %d: gradient scales folded into the norm and the update (%s=0: eager passes)", comm.rank,
                  FOLD_ENV)
@@ -68,7 +67,7 @@ def build_update(
         )
     else:
         if cfg.distributed.enable_adasum and comm.size > 1:
-            exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name))
+            exchange = AdasumExchange(comm, params, adasum_mode(cfg.optimizer.name), peers)
         else:
             exchange = Zero0(comm, fold=fold)
         segments = optim.whole_segments(trainable, [p.size for p in params])
@@ -76,14 +75,11 @@ def build_update(
     return update, exchange
 
 
-def build_device_update(cfg: RunConfig, comm, state, trainable: list[str]):
-    """The update on the engine's CUDA buffers: fused CuPy kernels on the NCCL stream (ZeRO-1, Adasum over NCCL)."""
+def build_device_update(cfg: RunConfig, comm, trainable: list[str], params: list):
+    """The update on the engine's CUDA buffers (``DeviceBuffers.parameters``): fused CuPy kernels on the NCCL stream
+    (ZeRO-1, Adasum over NCCL)."""
     from ortflow.trainer.optim.device import AdasumDevice, Zero1Device, device_update
 
-    params = []
-    for name in trainable:
-        value = state._state.get_parameter(name).data  # the engine's C OrtValue on the device (no copy)
-        params.append(DeviceBuffer(value.data_ptr(), int(np.prod(value.shape(), dtype=np.int64)), name))
     if cfg.distributed.zero_stage == 1 and comm.size > 1:
         dtype = getattr(comm, "allreduce_dtype", "float32")
         exchange = Zero1Device(comm, trainable, params, comm.rank, comm.size, dtype)

@@ -69,6 +69,7 @@ class Zero0:
 
     sharded = False
     per_rank_state = False
+    averages = True
 
     def __init__(self, comm, fold: bool = False):
         self.comm, self.fold = comm, fold
@@ -101,6 +102,9 @@ class Zero0:
     def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
         return values
 
+    def names(self, trainable: Sequence[str]) -> list[str]:
+        return list(trainable)
+
 
 class Zero1:
     """Stage 1 on host buffers over the communicator's reduce-scatter and all-gather; an
@@ -116,6 +120,7 @@ class Zero1:
 
     sharded = True
     per_rank_state = True
+    averages = False
 
     def __init__(self, comm, names: Sequence[str], params: Sequence[np.ndarray], rank: int, world: int,
                  fold: bool = False):
@@ -183,3 +188,6 @@ class Zero1:
     def sum_across_ranks(self, values: np.ndarray) -> np.ndarray:
         # Sync point: Lamb's per-tensor norms of tensors split between ranks.
         return self.comm.allgather_sum(values, "zero-1 lamb norms")
+
+    def names(self, trainable: Sequence[str]) -> list[str]:
+        return [s.name for s in self.segments]

@@ -65,7 +65,8 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
     """Forward and backward passes of ``k`` micro-batches through the pipeline; gradients accumulate in the engine.
 
     ``rt`` speaks the stage protocol (``stage``, ``num_stages``, ``last``, ``pipe_comm``, ``receives``, ``sends``,
-    ``forward``, ``backward``): a :class:`~.pipeline_stage.StageRuntime` or a pipe x tensor stage's view.
+    ``forward``, ``backward``): a :class:`~.pipeline_stage.PipelineStage` over a whole stage or its tensor-parallel
+    pieces.
     ``timer`` (a :class:`~ortflow.trainer.timing.PhaseTimer`) is charged the wait for the micro-batches as ``data``.
     """
     pipe, stage = rt.pipe_comm, rt.stage
@@ -164,13 +165,13 @@ def stage_eval_sums(rt, eval_batches: Callable[[], Iterator[tuple[dict, float, i
             feeds[name] = pipe.recv(stage - 1, ACT_TAG, f"recv eval act {n} <- stage {stage - 1}")
         if rt.last:
             loss = rt.eval_loss(feeds)
-            if getattr(rt, "counts_loss", True):  # of a pp x hp last stage's tp ranks (same loss), one counts
+            if rt.counts_loss:  # of a pp x tp last stage's tp ranks (same loss), one counts
                 sums += (loss * weight, rows)
         else:
             for y in rt.forward(feeds, train=False):
                 pipe.send(y, stage + 1, ACT_TAG)
         pipe.wait_sends("pipeline eval sends")
-    rt.module.train()
+    rt.train_mode()
     return sums
 
 

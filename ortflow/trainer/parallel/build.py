@@ -1,0 +1,217 @@
+"""Steps 4-6 of a rank's start for any layout: its body, its replica part and, on a pipeline, its stage part
+(:mod:`.layout_model`), from the artifacts configure wrote for the layout and the state to start from.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ortflow.artifacts_folder import (
+    BATCH_STATISTICS_INPUT,
+    read_pipe_tensor_record,
+    read_stages_record,
+    read_tensor_record,
+    stage_base,
+    stage_dir,
+)
+from ortflow.checkpoints import CheckpointError, h5state
+from ortflow.checkpoints.tp import tp_optimizer_files
+from ortflow.config import RunConfig
+from ortflow.engine import api
+from ortflow.trainer import loss_scale
+from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.engine_buffers import engine_buffers
+from ortflow.trainer.optim.adasum_update import SlicedPeers
+from ortflow.trainer.optim.rank_update import data_parallel_update
+from ortflow.trainer.parallel.activations import activation_store
+from ortflow.trainer.parallel.kept_activations import KeptActivations, keep_piece_activations
+from ortflow.trainer.parallel.layout_model import DataParallel, LayoutModel
+from ortflow.trainer.parallel.parallel_dims import Groups, ParallelDims, Place, make_groups
+from ortflow.trainer.parallel.pipeline_stage import PipelineStage, stage_session_options
+from ortflow.trainer.parallel.schedule import ACT_TAG, GRAD_TAG
+from ortflow.trainer.parallel.tensor_parallel_body import TensorParallel, load_pieces, load_sliced_parameters
+from ortflow.trainer.parallel.whole_model import WholeModel
+from ortflow.trainer.startup import (
+    available_cores,
+    choose_start,
+    load_parameters,
+    optimizer_label,
+    session_options,
+    spin_wait,
+    threads_per_rank,
+)
+
+log = logging.getLogger("ortflow.trainer")
+
+
+def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, dims: ParallelDims) -> LayoutModel:
+    """This rank's model in the ``dp x pp x tp`` layout ``dims``: groups joined, sessions opened, state loaded."""
+    record = layout_record(cfg, dims)
+    where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the sub-groups it joins
+    if dims.pp > 1:
+        groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))  # NCCL: its p2p communicators, before any transfer
+    resume, warm = choose_start(cfg, comm, dims.pp)
+    start = resume.path if resume else Path(warm) if warm else None  # a warm start takes the weights only
+    threads = threads_per_rank(cfg, comm.local_size, available_cores())
+    buffers = engine_buffers(device, groups.dp)  # on CUDA, updated on the replicas' NCCL stream
+    info = record["stages"][where.stage] if dims.pp > 1 else {}
+    if dims.tp > 1:
+        pieces = info if dims.pp > 1 else record
+        base = stage_base(cfg.artifacts_dir, where.stage) if dims.pp > 1 else Path(cfg.artifacts_dir)
+        body = tensor_body(cfg, pieces, base, where, groups, buffers, threads, device, resume, start,
+                           last=where.stage == dims.pp - 1)
+    else:
+        body = whole_body(cfg, comm, dims, where, buffers, threads, device, start)
+    stage = None
+    if dims.pp > 1:
+        stage = PipelineStage(body, comm, where.stage, dims.pp, groups.pp, tuple(info["receives"]),
+                              tuple(info["sends"]), info.get("shared", {}))
+    data = replica_part(cfg, groups, where, dims, body, stage, threads, resume)
+    scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
+    if scaler.enabled:
+        log.info("rank %d loss scale %g (%s; %d clean updates, %d skipped so far)", comm.rank, scaler.scale,
+                 "dynamic" if scaler.dynamic else "static", scaler.clean_updates, scaler.skipped_updates)
+    model = LayoutModel(cfg, Path(run_dir), comm, dims, device, threads, buffers, resume, body, data, stage, scaler)
+    if isinstance(body, WholeModel) and stage is not None:
+        body.kept = body.engine_parts()[0].kept = keep_activations(cfg, body, stage, threads)
+    log_start(model, where, info, "the initial weights" if start is None else
+              f"step {resume.step} ({resume.path.name})" if resume else f"the weights of {warm}")
+    return model
+
+
+def layout_record(cfg: RunConfig, dims: ParallelDims) -> dict:
+    """The record of the artifacts configure wrote for this layout (stages, tensor-parallel pieces or both).
+
+    Raises:
+        RuntimeError: they were written for other sizes (or not at all), naming the fix.
+    """
+    folder = cfg.artifacts_dir
+    if dims.pp > 1 and dims.tp > 1:
+        record = read_pipe_tensor_record(folder)
+        if record is None or record["size"] != dims.tp or record["num_stages"] != dims.pp:
+            raise RuntimeError(f"{folder} holds no pipeline x tensor-parallel artifacts of {dims.pp} stages x "
+                               f"{dims.tp} ranks: re-run `ortflow configure` with these sizes")
+    elif dims.tp > 1:
+        record = read_tensor_record(folder)
+        if record is None or record["size"] != dims.tp:
+            raise RuntimeError(f"{folder} holds no tensor-parallel artifacts of size {dims.tp}: re-run `ortflow "
+                               f"configure` with distributed.horizontal_parallel_size {dims.tp}")
+    elif dims.pp > 1:
+        record = read_stages_record(folder)
+        if record is None or len(record["stages"]) != dims.pp:
+            raise RuntimeError(f"{folder} holds no {dims.pp}-stage pipeline artifacts: re-run `ortflow configure` "
+                               f"with distributed.pipeline_parallel_size {dims.pp}")
+    else:
+        record = {}
+    return record
+
+
+def whole_body(cfg: RunConfig, comm: Communicator, dims: ParallelDims, where: Place, buffers, threads: int,
+               device: str, start: Path | None) -> WholeModel:
+    """One engine module: the whole model, or this rank's pipeline stage; its parameters from ``start``."""
+    folder = stage_dir(cfg.artifacts_dir, where.stage) if dims.pp > 1 else Path(cfg.artifacts_dir)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    deterministic = cfg.distributed.deterministic_compute
+    if dims.pp > 1:  # on the CPU, one arena for the stage's two sessions (trainer/arena.py)
+        options = stage_session_options(threads, buffers, deterministic)
+    else:  # on the CPU, from an arena whose first chunk holds every gradient: the exchange reduces them as one buffer
+        spin = spin_wait(cfg, comm.local_size, threads, available_cores())
+        options = buffers.replica_options(session_options(threads, deterministic, spin), state)
+    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"), device=device,
+                        session_options=options)
+    trainable = sorted(name for name, param in state.parameters if param.requires_grad)
+    if not trainable:
+        raise RuntimeError(f"{folder / 'checkpoint'} holds no trainable parameters: re-run `ortflow configure`")
+    if start is not None:  # by name (a stage reads its own from the stage files or a whole model's params.h5)
+        load_parameters(state, start, buffers, names={n for n, _ in state.parameters} if dims.pp > 1 else None)
+    body = WholeModel(state, module, folder, trainable, buffers)
+    body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
+    return body
+
+
+def tensor_body(cfg: RunConfig, record: dict, base: Path, where: Place, groups: Groups, buffers, threads: int,
+                device: str, resume, start: Path | None, last: bool) -> TensorParallel:
+    """This tensor-parallel rank's pieces (of ``base``, their ``tensor.json`` ``record``), their slices of
+    ``start``'s parameters (merged ones sliced for this size) and where their activations live."""
+    size = cfg.distributed.horizontal_parallel_size
+    if resume and int(resume.meta.get("horizontal_parallel_size", 1)) != size:
+        raise CheckpointError(
+            f"checkpoint {resume.path} was written with distributed.horizontal_parallel_size "
+            f"{resume.meta.get('horizontal_parallel_size', 1)} but this run has {size}: resume with that size, or "
+            "start a new run from it with checkpoint.init_from (its merged weights are sliced for this size)")
+    pieces, holders = load_pieces(record, base, where.tp_rank, device, stage_session_options(threads, buffers))
+    trainable = sorted(n for n, hs in holders.items() if pieces[hs[0]].state.parameters[n].requires_grad)
+    body = TensorParallel(pieces, holders, trainable, record["slicing"], buffers, where.tp_rank, size, groups.tp)
+    if start is not None:
+        load_sliced_parameters(body, start)
+    body.tensors = activation_store(buffers, groups.tp, where.tp_rank, size)
+    body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
+    if not cfg.distributed.recompute_forward and not buffers.on_device:  # CUDA ranks recompute
+        keep_piece_activations(pieces, last, stage_session_options(threads, buffers,
+                                                                   cfg.distributed.deterministic_compute),
+                               cfg.distributed.recompute_subgraphs)
+    return body
+
+
+def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDims, body, stage, threads: int,
+                 resume) -> DataParallel:
+    """The exchange over the replicas of this rank's part and the update of its parameters (optimizer state from
+    the checkpoint being resumed: this part's files, any replica count and sharding)."""
+    dist, dp = cfg.distributed, groups.dp
+    averages = not ((dist.zero_stage == 1 or dist.enable_adasum) and dp.size > 1)
+    shared = stage.shared if stage is not None else {}
+    tensor = isinstance(body, TensorParallel)
+    peers = SlicedPeers(dp, groups.tp, [n in body.slicing for n in body.trainable]) if tensor else None
+    # The host exchange leaves the mean's scale to the norm and the update unless a tied sum writes the gradients
+    # between the exchange and the update.
+    update, exchange = data_parallel_update(cfg, dp, body.trainable, body.parameter_buffers(), body.buffers, threads,
+                                            fold=not (shared and averages), peers=peers)
+    if exchange.sharded and shared:
+        raise RuntimeError(f"pipeline stage {where.stage} holds tied weights {sorted(shared)} also held by another "
+                           "stage: distributed.zero_stage 1 shards each stage's gradients before the holders could "
+                           "add theirs; use zero_stage 0 with this model and cut, or cut where no weight is shared")
+    if resume:
+        if tensor:
+            files = tp_optimizer_files(resume.path, where.tp_rank, dims.tp,
+                                       (where.stage, dims.pp) if dims.pp > 1 else None)
+        elif stage is not None:
+            files = h5state.stage_optimizer_files(resume.path, where.stage, dims.pp)
+        else:
+            files = None
+        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=where.replica, files=files)
+    return DataParallel(dp, where.replica, dims.dp, update, exchange)
+
+
+def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, threads: int) -> KeptActivations | None:
+    """The forward-once calls of a stage that is not the last, unless the config asks for recomputation; CUDA stages
+    and stages whose forward switches BatchNorm to batch statistics (its eval model's extra input) recompute."""
+    if stage.last or cfg.distributed.recompute_forward or body.buffers.on_device:
+        return None
+    if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
+        return None
+    body.module.train()
+    options = stage_session_options(threads, body.buffers, cfg.distributed.deterministic_compute)
+    return KeptActivations(body.folder / "eval_model.onnx", body.state, body.trainable, stage.receives, stage.sends,
+                           options, cfg.distributed.recompute_subgraphs)
+
+
+def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
+    """One line per rank: where it sits and what it starts from."""
+    comm, body, dims = model.comm, model.body, model.dims
+    if isinstance(body, TensorParallel):
+        log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces (%d keep their activations), %d "
+                 "parameter tensors (%d sliced), starting from %s", comm.rank, body.tp_rank, body.tp_size,
+                 where.replica, dims.dp, f" of pipeline stage {where.stage}/{dims.pp}" if dims.pp > 1 else "",
+                 len(body.pieces), sum(p.kept is not None for p in body.pieces), len(body.trainable),
+                 len(set(body.trainable) & set(body.slicing)), start)
+    elif model.stage is not None:
+        log.info("rank %d on %s: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, "
+                 "starting from %s", comm.rank, model.device, where.stage, dims.pp, where.replica, dims.dp,
+                 len(body.trainable), info["receives"], info["sends"], start)
+        if not model.stage.last:
+            log.info("rank %d stage %d: %s", comm.rank, where.stage, "forward once, activations kept until the "
+                     "backward" if body.kept is not None else "forward recomputed inside the backward call")
+    else:
+        log.info("rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s", comm.rank, comm.size,
+                 comm.local_rank, comm.local_size, model.device, model.threads, start)
