@@ -1,10 +1,11 @@
 """What the training loop asks of a rank's model, whatever part of the whole model the rank holds.
 
-A data-parallel replica (:mod:`.parallel.replica`), a pipeline stage (:mod:`.parallel.pipeline_stage`), a
-tensor-parallel rank's pieces (:mod:`.parallel.tensor_piece`) and a pipeline stage's tensor-parallel pieces
-(:mod:`.parallel.pipe_tensor_piece`) each provide :class:`RankModel`; :func:`ortflow.trainer.loop.train` is written
-once against it. Its engine sessions are :class:`EnginePart` s (one, or one per piece), which is how the per-op
-profiler reaches every layout.
+Every layout's rank model is one :class:`~.parallel.layout_model.LayoutModel`, composed of a body (the whole model or
+a pipeline stage's graph, :mod:`.parallel.whole_model`; or tensor-parallel pieces,
+:mod:`.parallel.tensor_parallel_body`), its replica part (the exchange over the data-parallel group and the update)
+and, on a pipeline, a stage part (:mod:`.parallel.pipeline_stage`); :func:`ortflow.trainer.loop.train` is written once
+against :class:`RankModel`. Its engine sessions are :class:`EnginePart` s (one, or one per piece), which is how the
+per-op profiler reaches every layout.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ GIB = 2**30
 LAYOUTS = {
     "dp": ({}, Host(2, 16 * GIB), [(2, 1), (1, 2)]),
     "pp": ({"pipeline_parallel_size": 2}, Host(2, 16 * GIB), [(2, 1)]),
-    "hp": ({"horizontal_parallel_size": 2}, Host(2, 16 * GIB), [(2, 1)]),
+    "tp": ({"horizontal_parallel_size": 2}, Host(2, 16 * GIB), [(2, 1)]),
     "pp_x_hp": ({"pipeline_parallel_size": 2, "horizontal_parallel_size": 2}, Host(4, 16 * GIB), [(4, 1)]),
 }
 

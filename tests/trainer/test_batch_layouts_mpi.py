@@ -21,7 +21,7 @@ from tests.support.runs import make_run, run_ranks
 pytestmark = pytest.mark.mpi
 
 SEQ, TRACED, BATCH = 8, 2, 4
-LAYOUTS = {"pp2": (2, 1), "hp2": (1, 2), "pp2xhp2": (2, 2)}
+LAYOUTS = {"pp2": (2, 1), "tp2": (1, 2), "pp2xtp2": (2, 2)}
 
 
 def fixed_batch_gpt(path):
@@ -33,7 +33,7 @@ def fixed_batch_gpt(path):
     onnx.save(model, str(path))
 
 
-def run(root, name, pp, hp):
+def run(root, name, pp, tp):
     model = root / "fixed.onnx"
     if not model.exists():
         fixed_batch_gpt(model)
@@ -43,8 +43,8 @@ def run(root, name, pp, hp):
     data = {"train": [str(corpus)], "format": "text", "text": {"seq_len": SEQ}, "eval_fraction": 0.05}
     train = {"batch_size": BATCH, "num_train_steps": 4, "evaluation_period": 2, "display_loss_steps": 1}
     return make_run(root, name, model=model, data=data, train=train, optimizer={"learning_rate": 1e-3},
-                    distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp,
-                                 "horizontal_parallel_size": hp})
+                    distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp,
+                                 "horizontal_parallel_size": tp})
 
 
 def eval_losses(output: str) -> list[float]:
@@ -74,6 +74,6 @@ def test_any_batch_size_and_a_short_last_eval_batch_work_in_every_layout(unsplit
     assert len(eval_losses(out.stdout)) == 2
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
     # pp alone computes the unsplit ops (fp32 rounding of the regrouped sums only); tensor pieces add row-parallel
-    # partial sums, a few ulps per gradient (measured after 4 updates: hp 2 3.7e-6, pp 2 x hp 2 2.0e-6).
+    # partial sums, a few ulps per gradient (measured after 4 updates: tp 2 3.7e-6, pp 2 x tp 2 2.0e-6).
     atol = 1e-6 if LAYOUTS[layout][1] == 1 else 1e-5
     assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < atol

@@ -1,4 +1,4 @@
-"""Every layout has every feature: dp 2, pp 2, hp 2, pp 2 x hp 2 and dp 2 x hp 2 under mpiexec, with the per-op
+"""Every layout has every feature: dp 2, pp 2, tp 2, pp 2 x tp 2 and dp 2 x tp 2 under mpiexec, with the per-op
 profiler, the step-time breakdown and TensorBoard histograms on; and profiling leaves the training bitwise unchanged."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.mpi
 LAYOUTS = {
     "dp2": {"num_ranks": 2},
     "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
-    "hp2": {"num_ranks": 2, "horizontal_parallel_size": 2},
-    "pp2hp2": {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2},
-    "dp2hp2": {"num_ranks": 4, "horizontal_parallel_size": 2},  # replicas of a split model: replica 0's gather
+    "tp2": {"num_ranks": 2, "horizontal_parallel_size": 2},
+    "pp2tp2": {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2},
+    "dp2tp2": {"num_ranks": 4, "horizontal_parallel_size": 2},  # replicas of a split model: replica 0's gather
 }
 UPDATES = 4  # parallel_runs.TRAIN: 8 steps of 2 micro-batches, a report after every update
 PROFILED = [2, 3]

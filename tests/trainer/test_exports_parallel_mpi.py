@@ -31,8 +31,8 @@ KEY_BIAS_ATOL = 1e-4
 # Tensor pieces add the row-parallel partial sums over the ranks: each product is rounded in two halves, so gradients
 # differ from the unsplit ones by a few ulps everywhere, and AdamW turns a few ulps of an element whose gradient is
 # near zero (an MLP unit GELU keeps near zero on every token) into steps of up to lr: measured on GPT-2 after 20
-# updates, every parameter within 2.4e-5 but one element of h.1's MLP projection 9.5e-5 (hp 2 and pp 2 x hp 2); on
-# BERT hp 2 every parameter within 6.8e-6.
+# updates, every parameter within 2.4e-5 but one element of h.1's MLP projection 9.5e-5 (tp 2 and pp 2 x tp 2); on
+# BERT tp 2 every parameter within 6.8e-6.
 # The bound, 5e-4, is half of one update's change (lr = 1e-3): a wrong gradient moves weights by ~lr every update.
 TP_ATOL = 5e-4
 
@@ -109,10 +109,10 @@ def _assert_exports_one_model(cfg):
     assert_export_equals_eval_graph(cfg, out, read_params(newest(cfg)), {"input_ids": ids})
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["hp2", "pp2xhp2"])
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
 def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters(gpt2_dp, pp):
     root = gpt2_dp[0].output_dir.parent
-    cfg = gpt2_run(root, f"pp{pp}hp2", distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp,
+    cfg = gpt2_run(root, f"pp{pp}tp2", distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp,
                                                    "horizontal_parallel_size": 2})
     split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
     for block in range(4):  # attention (fused QKV by heads) and MLP of every block, and the tied table by vocabulary
@@ -131,19 +131,19 @@ def bert_dp(tmp_path_factory):
     return cfg, _train(cfg)
 
 
-@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "hp2", "pp2xhp2"])
-def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, pp, hp):
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "tp2", "pp2xtp2"])
+def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, pp, tp):
     root = bert_dp[0].output_dir.parent
-    cfg = bert_run(root, f"pp{pp}hp{hp}", distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp,
-                                                       "horizontal_parallel_size": hp})
-    if hp > 1:  # every layer's attention (separate Q, K, V Linears by heads) and MLP
+    cfg = bert_run(root, f"pp{pp}tp{tp}", distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp,
+                                                       "horizontal_parallel_size": tp})
+    if tp > 1:  # every layer's attention (separate Q, K, V Linears by heads) and MLP
         split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
         for layer in range(2):
             prefix = f"model.bert.encoder.layer.{layer}"
             assert any(f"'{prefix}.attention.self.query.weight', '{prefix}.attention.self.key.weight'" in line
                        and f"rows ['{prefix}.attention.output.dense.weight']" in line for line in split), split
             assert any(f"columns ['{prefix}.intermediate.dense.weight']" in line for line in split), split
-    _assert_equal_to(bert_dp, cfg, _train(cfg), atol=TP_ATOL if hp > 1 else ATOL)
+    _assert_equal_to(bert_dp, cfg, _train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
 
 
 # The two exporters write the same model with differently ordered fp32 ops (Llama: TorchScript folds RoPE's cos/sin
@@ -197,12 +197,12 @@ def dynamo_dp2(dynamo_dp):
 
 
 @pytest.mark.parametrize("dynamo_dp", DYNAMO, indirect=True)
-@pytest.mark.parametrize("pp,hp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "hp2", "pp2xhp2"])
-def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(dynamo_dp, pp, hp):
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "tp2", "pp2xtp2"])
+def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(dynamo_dp, pp, tp):
     root = dynamo_dp[0].output_dir.parent
-    cfg = _dynamo_run(root, f"pp{pp}hp{hp}", dynamo_dp[0].model.path.name,
-                      distributed={"num_ranks": pp * hp, "pipeline_parallel_size": pp, "horizontal_parallel_size": hp})
-    if hp > 1:  # every block's attention (by heads) and MLP are split, as on the TorchScript exports
+    cfg = _dynamo_run(root, f"pp{pp}tp{tp}", dynamo_dp[0].model.path.name,
+                      distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp, "horizontal_parallel_size": tp})
+    if tp > 1:  # every block's attention (by heads) and MLP are split, as on the TorchScript exports
         split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
         if pp > 1:
             split = [line.split(": ", 1)[1] for line in split]
@@ -211,7 +211,7 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(dynamo_
             regions = [line for line in split if line.startswith("region") and line.split(", rows")[0].count(marker)]
             assert len(regions) == blocks, (marker, split)
         assert not [line for line in split if line.startswith("kept") and any(m in line for m in markers)], split
-    _assert_equal_to(dynamo_dp, cfg, _train(cfg), atol=TP_ATOL if hp > 1 else ATOL)
+    _assert_equal_to(dynamo_dp, cfg, _train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
 
 
 @pytest.mark.parametrize("dynamo_dp", [*DYNAMO, *DYNAMO_DP_ONLY], indirect=True)

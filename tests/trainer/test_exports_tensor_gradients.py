@@ -1,5 +1,5 @@
 """Tensor pieces compute the unsplit model's gradients: one micro-batch through the artifacts configure builds for
-``hp`` 2 and for one rank, the ranks simulated in one process (tests/support/tensor_sim.py), compared parameter by
+``tp`` 2 and for one rank, the ranks simulated in one process (tests/support/tensor_sim.py), compared parameter by
 parameter on the real exports."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.support.tensor_sim import piece_gradients, whole_gradients
 from .exports_runs import SEQ, bert_data, bert_run, gpt2_run
 
 # The pieces add the row-parallel partial sums over the ranks, each rounded in halves: every gradient measured within
-# 4.8e-7 of its parameter's largest unsplit entry (BERT hp 2). A wrong gradient is off by a whole term: a tensor of
+# 4.8e-7 of its parameter's largest unsplit entry (BERT tp 2). A wrong gradient is off by a whole term: a tensor of
 # slices summed over the ranks differed by 1.0 of it.
 RTOL = 1e-5
 # The attention key biases' exact gradient is zero (softmax ignores them); the engine's is rounding noise of 1e-11.
@@ -32,7 +32,7 @@ def _batch(name: str, root) -> dict[str, np.ndarray]:
 def test_tensor_pieces_compute_every_parameters_unsplit_gradient(tmp_path, name):
     make = bert_run if name == "bert" else gpt2_run
     whole_cfg = make(tmp_path, "dp", distributed={"num_ranks": 1})
-    split_cfg = make(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2})
+    split_cfg = make(tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2})
     batch = _batch(name, tmp_path)
 
     loss, whole = whole_gradients(whole_cfg.artifacts_dir, batch)

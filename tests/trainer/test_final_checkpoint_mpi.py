@@ -15,8 +15,8 @@ pytestmark = pytest.mark.mpi
 
 FAULT = str(Path(__file__).with_name("eval_fault_rank.py"))
 LAYOUTS = {"dp2": {"num_ranks": 2}, "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
-           "hp2": {"num_ranks": 2, "horizontal_parallel_size": 2},
-           "pp2xhp2": {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}}
+           "tp2": {"num_ranks": 2, "horizontal_parallel_size": 2},
+           "pp2xtp2": {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -1,6 +1,6 @@
 """Tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2 key/value heads;
 RoPE; SwiGLU), trained unmodified under mpiexec: attention is split by heads, each rank holding one key/value head
-with the two query heads that read it, and hp 2 and pp 2 x hp 2 end where the unsplit run on the same global batch
+with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run on the same global batch
 ends."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.mpi
 
 # As on GPT-2 and BERT (test_exports_parallel_mpi.py): the row-parallel products are summed in two halves, so
 # gradients differ from the unsplit ones by a few ulps, and AdamW turns a few ulps of a near-zero gradient into larger
-# steps: measured 2.2e-6 to 9.5e-6 (TorchScript export) and 1.01e-5 (dynamo exports) after 20 updates, hp 2 and pp 2 x
-# hp 2. The bound, 1e-4, is a tenth of
+# steps: measured 2.2e-6 to 9.5e-6 (TorchScript export) and 1.01e-5 (dynamo exports) after 20 updates, tp 2 and pp 2 x
+# tp 2. The bound, 1e-4, is a tenth of
 # one update's change (lr = 1e-3): a wrong gradient (a query head reading another rank's key/value head, RoPE applied
 # to the wrong half of a head) moves weights by ~lr every update.
 TP_ATOL = 1e-4
@@ -61,11 +61,11 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
     return shapes
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["hp2", "pp2xhp2"])
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
 def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request, llama_dp, pp):
     export, ref_cfg, ref_out = llama_dp
     cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
-    cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}hp2", export=export, **cuts,
+    cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}tp2", export=export, **cuts,
                     distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp, "horizontal_parallel_size": 2})
     split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
     assert not [line for line in split if "kept replicated" in line and "self_attn" in line], split

@@ -1,6 +1,6 @@
 """Pipeline x tensor parallelism for real: a 2-layer GPT in 2 stages x 2 tensor-parallel ranks (``mpiexec -n 4``).
 
-One pp 2 x hp 2 run (checkpoint every update) is shared by the tests: against the unsplit run, against a second
+One pp 2 x tp 2 run (checkpoint every update) is shared by the tests: against the unsplit run, against a second
 run killed and resumed, and through merge and export.
 """
 
@@ -27,32 +27,32 @@ from tests.trainer.test_tensor_mpi import ATOL, digests
 
 pytestmark = pytest.mark.mpi
 
-PP_HP = {"num_ranks": 4, "horizontal_parallel_size": 2, "pipeline_parallel_size": 2}
+PP_TP = {"num_ranks": 4, "horizontal_parallel_size": 2, "pipeline_parallel_size": 2}
 EVERY = {"period": 1, "max_num_checkpoints": 10}
 FILES = {tp_file(kind, t, 2, (s, 2)) for kind in ("params", "optimizer") for s in range(2) for t in range(2)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The unsplit run and the pp 2 x hp 2 run (AdamW, 4 updates of 2 micro-batches, the same samples)."""
+    """The unsplit run and the pp 2 x tp 2 run (AdamW, 4 updates of 2 micro-batches, the same samples)."""
     root = tmp_path_factory.mktemp("pptp")
-    whole = gpt_run(root, "pp1hp1", distributed={"num_ranks": 1}, checkpoint=EVERY)
-    split = gpt_run(root, "pp2hp2", distributed=PP_HP, checkpoint=EVERY)
+    whole = gpt_run(root, "pp1tp1", distributed={"num_ranks": 1}, checkpoint=EVERY)
+    split = gpt_run(root, "pp2tp2", distributed=PP_TP, checkpoint=EVERY)
     out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
     assert out1.returncode == 0, out1.stdout[-3000:]
     assert out2.returncode == 0, out2.stdout[-3000:]
     return root, whole, split, out1, out2
 
 
-def test_pp2_hp2_trains_to_the_unsplit_parameters_and_tp_ranks_agree(runs):
+def test_pp2_tp2_trains_to_the_unsplit_parameters_and_tp_ranks_agree(runs):
     _, whole, split, out1, out2 = runs
     p1, p2 = read_params(newest(whole)), read_params(newest(split))  # every stage's slices merged
     assert sorted(p1) == sorted(p2)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     initial = initial_parameters(whole)
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
-    print(f"pp 2 x hp 2, adamw: max |param diff| vs pp 1 x hp 1: {worst}; largest move in training {moved}")
-    # The tolerance of hp 2 alone (test_tensor_mpi.ATOL): the stage cut adds no rounding of its own (pp 2 is bitwise
+    print(f"pp 2 x tp 2, adamw: max |param diff| vs pp 1 x tp 1: {worst}; largest move in training {moved}")
+    # The tolerance of tp 2 alone (test_tensor_mpi.ATOL): the stage cut adds no rounding of its own (pp 2 is bitwise
     # equal to pp 1), the tensor split's row-parallel partial sums do.
     assert worst < ATOL["adamw"] and moved > 10 * ATOL["adamw"]
     np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
@@ -69,7 +69,7 @@ def test_pp2_hp2_trains_to_the_unsplit_parameters_and_tp_ranks_agree(runs):
 
 def test_kill_and_resume_is_bitwise_identical(runs):
     root, _, straight, _, _ = runs
-    resumed = gpt_run(root, "resumed", distributed=PP_HP, checkpoint=EVERY)
+    resumed = gpt_run(root, "resumed", distributed=PP_TP, checkpoint=EVERY)
     done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed, timeout=300)
@@ -111,17 +111,17 @@ def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(r
 
 
 @pytest.mark.slow
-def test_dp2_pp2_hp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_replicas(tmp_path):
+def test_dp2_pp2_tp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_replicas(tmp_path):
     opt = {"name": "sgd", "learning_rate": 1e-2}
     whole = gpt_run(tmp_path, "dp2", distributed={"num_ranks": 2}, optimizer=opt)
-    split = gpt_run(tmp_path, "dp2pp2hp2", distributed={**PP_HP, "num_ranks": 8}, optimizer=opt)
+    split = gpt_run(tmp_path, "dp2pp2tp2", distributed={**PP_TP, "num_ranks": 8}, optimizer=opt)
     out1, out2 = run_ranks(whole), run_ranks(split, timeout=400)
     assert out1.returncode == 0, out1.stdout[-3000:]
     assert out2.returncode == 0, out2.stdout[-3000:]
     p1, p2 = read_params(newest(whole)), read_params(newest(split))
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     moved = max(float(np.abs(p1[n] - initial_parameters(whole)[n]).max()) for n in p1)
-    print(f"dp 2 x pp 2 x hp 2, sgd: max |param diff| vs dp 2: {worst}; largest move in training {moved}")
+    print(f"dp 2 x pp 2 x tp 2, sgd: max |param diff| vs dp 2: {worst}; largest move in training {moved}")
     assert worst < ATOL["sgd"] and moved > 10 * ATOL["sgd"]
     seen = digests(out2.stdout)  # rank = (replica * 2 + stage) * 2 + t
     assert sorted(seen) == list(range(8))

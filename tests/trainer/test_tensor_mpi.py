@@ -26,10 +26,10 @@ from tests.support.runs import run_ranks
 
 pytestmark = pytest.mark.mpi
 
-# The split changes where fp32 sums are rounded: a row-split MatMul's hp partial products are added after the local
+# The split changes where fp32 sums are rounded: a row-split MatMul's tp partial products are added after the local
 # dot products (the unsplit MatMul adds all terms in one), and a split region's input gradient is summed the same way;
 # each such sum differs by a few ulps. With SGD that reaches the weights as is: measured max |diff| 3.7e-9 after 4
-# updates (hp 2 x dp 2, lr 1e-2; about one ulp of a 0.02 weight), so SGD is held to 1e-7. AdamW's step
+# updates (tp 2 x dp 2, lr 1e-2; about one ulp of a 0.02 weight), so SGD is held to 1e-7. AdamW's step
 # m / (sqrt(v) + eps) normalizes each entry: an entry whose gradient is at rounding level (~1e-7) gets a step of
 # up to ~lr whatever its sign, so a few-ulp change there moves that weight by up to ~lr per update. Measured max
 # |diff| 4.0e-5 (h1.mlp.proj.weight) with lr 1e-3 vs a largest move of 4.0e-3; AdamW is held to 0.1 lr = 1e-4. A
@@ -54,11 +54,11 @@ def digests(output: str) -> dict[int, tuple[str, str]]:
     return {int(rank): (whole, replicated) for rank, whole, replicated in found}
 
 
-@pytest.mark.parametrize("hp,ranks,rule", [(2, 2, "adamw"), (2, 4, "sgd"), (2, 4, "adamw")])
-def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
+@pytest.mark.parametrize("tp,ranks,rule", [(2, 2, "adamw"), (2, 4, "sgd"), (2, 4, "adamw")])
+def test_split_trains_to_the_unsplit_parameters(tmp_path, tp, ranks, rule):
     opt = {"name": rule, "learning_rate": LR[rule]}
-    whole = gpt_run(tmp_path, "hp1", distributed={"num_ranks": ranks // hp}, optimizer=opt)
-    split = gpt_run(tmp_path, f"hp{hp}x{ranks // hp}", distributed={"num_ranks": ranks, "horizontal_parallel_size": hp},
+    whole = gpt_run(tmp_path, "tp1", distributed={"num_ranks": ranks // tp}, optimizer=opt)
+    split = gpt_run(tmp_path, f"tp{tp}x{ranks // tp}", distributed={"num_ranks": ranks, "horizontal_parallel_size": tp},
                     optimizer=opt)
     out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
     assert out1.returncode == 0, out1.stdout
@@ -68,7 +68,7 @@ def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     initial = initial_parameters(whole)
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
-    print(f"hp {hp} on {ranks} ranks, {rule}: max |param diff| vs hp 1: {worst}; largest move in training {moved}")
+    print(f"tp {tp} on {ranks} ranks, {rule}: max |param diff| vs tp 1: {worst}; largest move in training {moved}")
     assert worst < ATOL[rule] and moved > 10 * ATOL[rule]  # the runs trained, and to the same place
     kept = [int(k) for k in re.findall(r"pieces \((\d+) keep their activations\)", out2.stdout)]
     assert len(kept) == ranks and min(kept) > 0  # every rank's pieces ran their forward once (all but the loss's)
@@ -76,17 +76,17 @@ def test_split_trains_to_the_unsplit_parameters(tmp_path, hp, ranks, rule):
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (out1, out2)]
     assert len(evals[1]) == 2
     np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)  # eval through the pieces
-    seen = digests(out2.stdout)  # rank = replica * hp + t
+    seen = digests(out2.stdout)  # rank = replica * tp + t
     assert len(seen) == ranks and len({r for _, r in seen.values()}) == 1  # replicated: bitwise equal on every rank
-    for rank in range(hp, ranks):  # each rank's slices equal its replica-0 peer's, and differ from other tp ranks'
-        assert seen[rank][0] == seen[rank % hp][0]
+    for rank in range(tp, ranks):  # each rank's slices equal its replica-0 peer's, and differ from other tp ranks'
+        assert seen[rank][0] == seen[rank % tp][0]
     assert seen[0][0] != seen[1][0]
 
 
 def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_path):
     opt = {"name": "sgd", "learning_rate": LR["sgd"]}
-    whole = torch_run(tmp_path, "hp1", distributed={"num_ranks": 1}, optimizer=opt)
-    split = torch_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt)
+    whole = torch_run(tmp_path, "tp1", distributed={"num_ranks": 1}, optimizer=opt)
+    split = torch_run(tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt)
     out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
@@ -94,7 +94,7 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
     initial = initial_parameters(whole)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
-    print(f"torch-shaped GPT hp 2, sgd: max |param diff| vs hp 1: {worst}; largest move {moved}")
+    print(f"torch-shaped GPT tp 2, sgd: max |param diff| vs tp 1: {worst}; largest move {moved}")
     # The bound per entry: ATOL plus 2 ulps of the entry (the split sums differ by a few ulps; one ulp of an entry
     # >= 1 is 1.19e-7, beyond an absolute 1e-7), as in test_tensor_vocab_mpi.
     over = {n: float((np.abs(p1[n] - p2[n]) - ATOL["sgd"] - 2 * np.spacing(np.abs(p1[n]))).max()) for n in p1}
@@ -103,22 +103,22 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
     assert p2["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # merged back from the per-part slices
 
 
-HP2 = {"distributed": {"num_ranks": 2, "horizontal_parallel_size": 2}, "train": {"evaluation_period": 0},
+TP2 = {"distributed": {"num_ranks": 2, "horizontal_parallel_size": 2}, "train": {"evaluation_period": 0},
        "checkpoint": {"period": 1, "max_num_checkpoints": 10}}
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """One finished hp 2 run (AdamW, 4 updates, a checkpoint after each), shared by the kill/resume test (the
+    """One finished tp 2 run (AdamW, 4 updates, a checkpoint after each), shared by the kill/resume test (the
     uninterrupted reference), the merge/export test (its last checkpoint) and the resharding test (its step-2 one)."""
-    cfg = gpt_run(tmp_path_factory.mktemp("hp2"), "straight", **HP2)
+    cfg = gpt_run(tmp_path_factory.mktemp("tp2"), "straight", **TP2)
     out = run_ranks(cfg)
     assert out.returncode == 0, out.stdout[-3000:]
     return cfg
 
 
 def test_kill_and_resume_is_bitwise_identical(straight):
-    resumed = gpt_run(straight.output_dir.parent, "resumed", **HP2)
+    resumed = gpt_run(straight.output_dir.parent, "resumed", **TP2)
     done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed)
@@ -163,12 +163,12 @@ def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_grap
 
 def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path, straight):
     folder = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 2)
-    whole = gpt_run(tmp_path, "hp1", distributed={"num_ranks": 1}, train={"num_train_steps": 8, "evaluation_period": 0},
+    whole = gpt_run(tmp_path, "tp1", distributed={"num_ranks": 1}, train={"num_train_steps": 8, "evaluation_period": 0},
                     checkpoint={"checkpoint_to_load_path": str(folder)})
     out = run_ranks(whole)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "starting from step 2" in out.stdout  # params and AdamW moments merged from both ranks' files
-    back = gpt_run(tmp_path, "hp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+    back = gpt_run(tmp_path, "tp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
                    train={"num_train_steps": 12, "evaluation_period": 0},
                    checkpoint={"checkpoint_to_load_path": str(newest(whole))})
     out = run_ranks(back)
@@ -197,9 +197,9 @@ def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path)
 
 
 def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(tmp_path):
-    # global batch 8 on hp 2 x dp 1: each update sees 8 samples, so 2 updates read 16 (the cursor says so)
+    # global batch 8 on tp 2 x dp 1: each update sees 8 samples, so 2 updates read 16 (the cursor says so)
     train = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
-    split = gpt_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, train=train)
+    split = gpt_run(tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, train=train)
     out = run_ranks(split)
     assert out.returncode == 0, out.stdout[-3000:]
     info = list_complete(split.checkpoints_dir)[-1]

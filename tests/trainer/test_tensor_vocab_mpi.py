@@ -1,5 +1,5 @@
 """Tensor parallelism for real on a torch-export-shaped GPT with Gemm MLPs and a tied embedding / LM head split by
-vocabulary (``mpiexec -n 2``), and kill-and-resume at hp 2 x dp 2 (``mpiexec -n 4``)."""
+vocabulary (``mpiexec -n 2``), and kill-and-resume at tp 2 x dp 2 (``mpiexec -n 4``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def gemm_run(root, name, **sections):
 def test_gemm_mlp_and_tied_vocabulary_split_train_to_the_unsplit_parameters(tmp_path):
     opt = {"name": "sgd", "learning_rate": LR["sgd"]}
     train = {"num_train_steps": 6, "evaluation_period": 0}
-    whole = gemm_run(tmp_path, "hp1", distributed={"num_ranks": 1}, optimizer=opt, train=train)
-    split = gemm_run(tmp_path, "hp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt,
+    whole = gemm_run(tmp_path, "tp1", distributed={"num_ranks": 1}, optimizer=opt, train=train)
+    split = gemm_run(tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt,
                      train=train)
     out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
     assert out1.returncode == 0, out1.stdout
@@ -42,7 +42,7 @@ def test_gemm_mlp_and_tied_vocabulary_split_train_to_the_unsplit_parameters(tmp_
     # The bound per entry: ATOL plus 2 ulps of the entry (an absolute bound alone refuses one ulp of an entry >= 1).
     over = {n: float((np.abs(p1[n] - p2[n]) - ATOL["sgd"] - 2 * np.spacing(np.abs(p1[n]))).max()) for n in p1}
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
-    print(f"Gemm MLP + tied vocabulary split hp 2, sgd: max |param diff| vs hp 1: {max(worst.values())} "
+    print(f"Gemm MLP + tied vocabulary split tp 2, sgd: max |param diff| vs tp 1: {max(worst.values())} "
           f"({max(worst, key=worst.get)}); largest move {moved}")
     # SGD passes the few-ulp rounding differences of the split sums (docs/layouts.md) through lr = 1e-2, so
     # weights differ by about an ulp of their own size: measured 6.0e-8 (an ulp in [0.5, 1)) and 1.19e-7 (one ulp of
@@ -74,7 +74,7 @@ def test_gemm_mlp_and_tied_vocabulary_split_train_to_the_unsplit_parameters(tmp_
     assert list(table.dims) == [256, 32]  # merged whole, read by the Gather and the tied head
 
 
-def test_kill_and_resume_at_hp2_x_dp2_is_bitwise_identical(tmp_path):
+def test_kill_and_resume_at_tp2_x_dp2_is_bitwise_identical(tmp_path):
     dist = {"num_ranks": 4, "horizontal_parallel_size": 2}
     every = {"period": 1, "max_num_checkpoints": 10}
     train = {"evaluation_period": 0, "num_train_steps": 6}

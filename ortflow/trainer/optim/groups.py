@@ -71,7 +71,7 @@ MakeUpdate = Callable[[GroupSettings, list[int]], object]
 def grouped_update(segments: Sequence[Segment], opt: OptimizerConfig, make: MakeUpdate):
     """One update per group over this rank's ``segments`` (see the module docstring). The patterns are checked
     against the whole model by configure and validate (:func:`group_problems`), not here: a pipeline stage or a
-    tensor piece holds only some of the parameters."""
+    tensor-parallel rank holds only some of the parameters."""
     of_segment = assign([s.name for s in segments], opt)
     table = settings(opt)
     members = [[i for i, g in enumerate(of_segment) if g == k] for k in range(len(table))]

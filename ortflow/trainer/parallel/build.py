@@ -163,10 +163,10 @@ def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDim
     shared = stage.shared if stage is not None else {}
     tensor = isinstance(body, TensorParallel)
     peers = SlicedPeers(dp, groups.tp, [n in body.slicing for n in body.trainable]) if tensor else None
-    # The host exchange leaves the mean's scale to the norm and the update unless a tied sum writes the gradients
-    # between the exchange and the update.
+    # The host exchange leaves the mean's scale to the norm and the update; a split model's mean (over a sub-group,
+    # where a tied sum may write the gradients between the exchange and the update) scales eagerly.
     update, exchange = data_parallel_update(cfg, dp, body.trainable, body.parameter_buffers(), body.buffers, threads,
-                                            fold=not (shared and averages), peers=peers)
+                                            fold=not (dims.split and averages), peers=peers)
     if exchange.sharded and shared:
         raise RuntimeError(f"pipeline stage {where.stage} holds tied weights {sorted(shared)} also held by another "
                            "stage: distributed.zero_stage 1 shards each stage's gradients before the holders could "

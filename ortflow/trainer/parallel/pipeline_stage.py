@@ -2,8 +2,8 @@
 
 A :class:`PipelineStage` is applied to a body (:class:`~.whole_model.WholeModel`, a stage's graph, or
 :class:`~.tensor_parallel_body.TensorParallel`, a stage's tensor-parallel pieces): the micro-batches go through the
-stages with :mod:`.schedule`'s 1F1B, stage ``s`` exchanging activations and gradients with stages ``s +- 1`` of its replica
-over ``pipe_comm`` (at the same tensor-parallel rank: what crosses a cut is replicated). Layout:
+stages with :mod:`.schedule`'s 1F1B, stage ``s`` exchanging activations and gradients with stages ``s +- 1`` of its
+replica over ``pipe_comm`` (at the same tensor-parallel rank: what crosses a cut is replicated). Layout:
 :mod:`.parallel_dims`; a replica's stages are neighbouring ranks, so on one host they talk through shared memory.
 
 A trainable parameter read on both sides of a cut (a tied embedding and LM head) is held by every stage that reads
