@@ -143,7 +143,6 @@ def test_horizontal_parallelism_is_accepted_alone_and_with_data_parallel(tmp_pat
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (("distributed.num_ranks=2", "distributed.zero_stage=1"), "set distributed.zero_stage 0"),
     (("distributed.num_ranks=2", "precision.use_mixed_precision=true"), "use_mixed_precision false"),
     (("distributed.num_ranks=2", "distributed.device=cuda"), "set use_nccl true with device cuda"),
     (("distributed.num_ranks=2", "distributed.use_nccl=true"), "false with device cpu"),
@@ -301,22 +300,26 @@ def test_help_lists_the_commands():
         assert command in result.output
 
 
+SPLITS = {"pp2": ("distributed.pipeline_parallel_size=2",), "tp2": ("distributed.horizontal_parallel_size=2",),
+          "pp2tp2": ("distributed.pipeline_parallel_size=2", "distributed.horizontal_parallel_size=2")}
+
+
+@pytest.mark.parametrize("split", ["pp2", "tp2"])
 @pytest.mark.parametrize("setting", ["distributed.zero_stage=1", "distributed.enable_adasum=true"])
-def test_gpu_pipeline_stages_refuse_sharded_or_adasum_exchanges_and_cpu_stages_take_them(tmp_path, setting):
+def test_gpu_split_models_refuse_sharded_or_adasum_exchanges_and_cpu_ranks_take_them(tmp_path, setting, split):
     gpu = ("distributed.device=cuda", "distributed.use_nccl=true")
-    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", setting, *gpu)
-    assert any("averages each stage's gradients over its replicas (ZeRO-0" in p for p in problems), problems
-    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2", setting)
-    assert not any("averages each stage's gradients" in p for p in problems), problems
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", *SPLITS[split], setting, *gpu)
+    assert any("averages each stage's or slice's gradients over its replicas (ZeRO-0" in p for p in problems), problems
+    assert problems_of(tmp_path, "distributed.num_ranks=4", *SPLITS[split], setting) == []
 
 
-def test_pipeline_stages_refuse_mixed_precision(tmp_path):
-    problems = problems_of(tmp_path, "distributed.num_ranks=2", "distributed.pipeline_parallel_size=2",
-                           "distributed.device=cuda", "distributed.use_nccl=true", "precision.use_mixed_precision=true")
-    assert problems == [
-        "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision false "
-        "with it"
-    ]
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_split_models_refuse_mixed_precision_naming_the_engine_fact(tmp_path, split):
+    problems = problems_of(tmp_path, "distributed.num_ranks=4", *SPLITS[split], "distributed.device=cuda",
+                           "distributed.use_nccl=true", "precision.use_mixed_precision=true")
+    (problem,) = problems
+    assert "trains in fp32" in problem and "the CPU build of onnxruntime-training has no fp16/bf16 training " \
+        "kernels" in problem and problem.endswith("train in mixed precision with data parallelism"), problem
 
 
 def test_max_eval_batches_is_refused_with_the_global_row_limit_as_the_fix():
@@ -333,10 +336,3 @@ def test_profile_steps_work_in_every_cpu_layout_and_are_refused_by_name_on_gpus(
     problems = problems_of(tmp_path, "distributed.device=cuda", "distributed.use_nccl=true",
                            "train.profile_steps=[1,2]")
     assert any(p.startswith("train.profile_steps traces CPU ranks only") for p in problems), problems
-
-
-@pytest.mark.parametrize("setting,reason", [("distributed.zero_stage=1", "optimizer state whole"),
-                                            ("distributed.enable_adasum=true", "dot products")])
-def test_tensor_parallel_ranks_refuse_sharded_or_adasum_exchanges_naming_why(tmp_path, setting, reason):
-    problems = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.horizontal_parallel_size=2", setting)
-    assert any("horizontal_parallel_size > 1" in p and reason in p for p in problems), problems

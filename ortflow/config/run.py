@@ -103,22 +103,33 @@ class RunConfig(Section):
 
 
 def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
-    """What tensor parallelism does not combine with yet, each with the fix."""
+    """What tensor parallelism needs of the devices, with the fix."""
     dist, problems = cfg.distributed, []
-    if dist.zero_stage:
-        problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
-                        "(ZeRO-0): a tensor-parallel checkpoint keeps each slice's optimizer state whole in its rank's "
-                        "file (merged across sizes from one file per slice); set distributed.zero_stage 0 with it")
-    if dist.enable_adasum:
-        problems.append("distributed.horizontal_parallel_size > 1 averages each slice's gradients over its replicas "
-                        "(ZeRO-0): Adasum combines whole tensors by their dot products and norms, and a "
-                        "tensor-parallel rank holds slices of the split ones; set enable_adasum false with it")
-    if cfg.precision.use_mixed_precision:
-        problems.append("distributed.horizontal_parallel_size > 1 trains in fp32: set precision.use_mixed_precision "
-                        "false with it")
     if (dist.device == "cuda") != dist.use_nccl:
         problems.append("distributed.horizontal_parallel_size > 1 sums activations with MPI on CPU ranks and with "
                         "NCCL on GPU ranks: set use_nccl true with device cuda, false with device cpu")
+    return problems
+
+
+def _split_problems(cfg: RunConfig) -> list[str]:
+    """What a split model (pipeline stages, tensor parallelism) does not combine with, each with the reason and fix."""
+    dist, prec, problems = cfg.distributed, cfg.precision, []
+    split = "distributed.pipeline_parallel_size > 1" if dist.pipeline_parallel_size > 1 else \
+        "distributed.horizontal_parallel_size > 1"
+    if (dist.zero_stage or dist.enable_adasum) and dist.device == "cuda":
+        problems.append(
+            f"{split} on device cuda averages each stage's or slice's gradients over its replicas (ZeRO-0; ZeRO-1 and "
+            "Adasum over the replicas of a stage or a tensor-parallel slice run on CPU ranks): set "
+            "distributed.zero_stage 0 and enable_adasum false with it, or device cpu"
+        )
+    if prec.use_mixed_precision:
+        problems.append(
+            f"{split} trains in fp32: mixed precision (fp16 with loss scaling, bf16) is built for data parallelism "
+            "only, because fp16/bf16 training graphs run on the GPU engine alone (the CPU build of "
+            "onnxruntime-training has no fp16/bf16 training kernels), so a stage's or tensor-parallel piece's mixed "
+            "precision cannot be checked against data parallelism on CPU ranks; set precision.use_mixed_precision "
+            "false with it, or train in mixed precision with data parallelism"
+        )
     return problems
 
 
@@ -185,17 +196,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"{dist.pipeline_parallel_size} needs {dist.pipeline_parallel_size - 1}; list one cut per stage boundary "
             "or leave it empty to choose them automatically"
         )
-    if dist.pipeline_parallel_size > 1 and (dist.zero_stage or dist.enable_adasum) and dist.device == "cuda":
-        problems.append(
-            "distributed.pipeline_parallel_size > 1 on device cuda averages each stage's gradients over its replicas "
-            "(ZeRO-0; ZeRO-1 and Adasum over a stage's replicas run on CPU ranks): set distributed.zero_stage 0 and "
-            "enable_adasum false with it, or device cpu"
-        )
-    if dist.pipeline_parallel_size > 1 and prec.use_mixed_precision:
-        problems.append(
-            "distributed.pipeline_parallel_size > 1 trains the stages in fp32: set precision.use_mixed_precision "
-            "false with it"
-        )
+    if dist.pipeline_parallel_size > 1 or dist.horizontal_parallel_size > 1:
+        problems += _split_problems(cfg)
     dp = dist.resolved_data_parallel_size
     if dist.enable_adasum and dp and dp & (dp - 1):
         problems.append(
