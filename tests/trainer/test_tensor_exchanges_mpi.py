@@ -1,0 +1,86 @@
+"""ZeRO-1 and Adasum over the replicas of tensor-parallel ranks (tp 2 x dp 2 under ``mpiexec -n 4``) against the same
+exchange over unsplit replicas (dp 2): the split ends where the unsplit run ends, its checkpoint holds each replica's
+optimizer file per tensor-parallel rank, and the merged optimizer state equals the unsplit run's."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from ortflow.checkpoints import h5state
+from ortflow.checkpoints.h5state import read_params
+from ortflow.checkpoints.tp import tp_shard_file
+from tests.support.parallel_runs import gpt_run, initial_parameters, losses, newest
+from tests.support.runs import run_ranks
+from tests.trainer.test_tensor_mpi import ATOL
+
+pytestmark = pytest.mark.mpi
+
+# The tensor split's own rounding (test_tensor_mpi.ATOL: its row-split partial sums are added after the local dot
+# products) is what separates the runs; the exchange adds none of its own beyond the norm's float32 chunk sums
+# (ZeRO-1's ranges, Adasum's coefficients from the slices' dot products added over the tp ranks in float64). A wrong
+# exchange (a shard or coefficient of the wrong slice, a replicated tensor counted twice) moves weights by ~lr.
+EXCHANGES = {"zero1": {"zero_stage": 1}, "adasum": {"enable_adasum": True}}
+CLIP = 0.05  # below the measured norms: every update clips by the global norm, which the ranks must agree on
+
+
+@pytest.fixture(scope="module", params=sorted(EXCHANGES))
+def runs(request, tmp_path_factory):
+    """The dp 2 run and the dp 2 x tp 2 run of one exchange (AdamW, the same samples)."""
+    exchange = EXCHANGES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    opt = {"name": "adamw", "max_grad_norm": CLIP}
+    whole = gpt_run(root, "dp2", distributed={"num_ranks": 2, **exchange}, optimizer=opt)
+    split = gpt_run(root, "dp2tp2", distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
+                    optimizer=opt)
+    out1, out2 = run_ranks(whole, timeout=300), run_ranks(split, timeout=300)
+    assert out1.returncode == 0, out1.stdout[-3000:]
+    assert out2.returncode == 0, out2.stdout[-3000:]
+    return request.param, whole, split, out1, out2
+
+
+def test_tensor_parallel_replicas_match_the_same_exchange_over_unsplit_replicas(runs):
+    name, whole, split, out1, out2 = runs
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))  # the split one's slices merged
+    assert sorted(p1) == sorted(p2)
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    initial = initial_parameters(whole)
+    moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
+    print(f"{name}: max |param diff| dp 2 x tp 2 vs dp 2: {worst}; largest move in training {moved}")
+    assert worst < ATOL["adamw"] and moved > 10 * ATOL["adamw"]
+    np.testing.assert_allclose(losses(out2.stdout), losses(out1.stdout), rtol=1e-5)
+    norms = [[float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", o.stdout)] for o in (out1, out2)]
+    assert norms[1] and max(norms[1]) > CLIP  # clipped by a norm the ranks agreed on (else the digests differ)
+    np.testing.assert_allclose(norms[1], norms[0], rtol=1e-4)
+
+
+def test_each_replica_writes_its_optimizer_file_per_tensor_parallel_rank_and_they_merge(runs):
+    name, whole, split, _, _ = runs
+    folder = newest(split)
+    assert sorted(f.name for f in folder.glob("optimizer*.h5")) == sorted(
+        tp_shard_file(t, 2, None, r, 2) for t in range(2) for r in range(2))
+    # The merged state (ZeRO-1: each slice's replica shards stitched; Adasum: replica 0's own moments) against the
+    # unsplit run's (its rank 0's under Adasum), moment by moment.
+    step1, _, whole_pieces = h5state.state_pieces(newest(whole), rank=0)
+    step2, _, split_pieces = h5state.state_pieces(folder)
+    assert step1 == step2 == 4
+    assert sorted(split_pieces) == sorted(whole_pieces)
+    for sname, pieces in whole_pieces.items():
+        values, merged = _stitched(pieces), _stitched(split_pieces[sname])
+        assert sorted(merged) == sorted(values)
+        scale = max(float(np.abs(v).max()) for v in values.values())
+        worst = max(float(np.abs(values[p] - merged[p].reshape(-1)).max()) for p in values)
+        print(f"{name} {sname}: max |diff| {worst} of {scale}")
+        assert worst <= 1e-3 * scale
+
+
+def _stitched(pieces) -> dict[str, np.ndarray]:
+    """Each parameter's state whole from its ``(name, lo, hi, values)`` pieces (ranges that follow each other)."""
+    whole: dict[str, np.ndarray] = {}
+    for param, lo, hi, array in sorted(pieces, key=lambda p: (p[0], p[1])):
+        before = whole.get(param, np.zeros(0, np.float32))
+        assert before.size == lo and array.size == hi - lo, (param, lo, hi, before.size)  # no gap, no overlap
+        whole[param] = np.concatenate([before, array.reshape(-1)])
+    return whole
