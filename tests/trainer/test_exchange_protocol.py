@@ -20,15 +20,26 @@ TRAINER = Path(ortflow.trainer.__file__).parent
 
 
 @pytest.mark.parametrize(
-    ("exchange", "sharded", "per_rank_state"),
-    [(Zero0, False, False), (Zero1, True, True), (Zero1Device, True, True), (AdasumExchange, False, False),
-     (AdasumDevice, False, False)],
+    ("exchange", "sharded", "per_rank_state", "averages"),
+    [(Zero0, False, False, True), (Zero1, True, True, False), (Zero1Device, True, True, False),
+     (AdasumExchange, False, False, False), (AdasumDevice, False, False, False)],
 )
-def test_every_exchange_declares_its_capabilities_and_the_calls_of_an_update(exchange, sharded, per_rank_state):
+def test_every_exchange_declares_its_capabilities_and_the_calls_of_an_update(exchange, sharded, per_rank_state,
+                                                                             averages):
     assert exchange.sharded is sharded and exchange.per_rank_state is per_rank_state
-    for call in ("reduce", "norm", "scale", "gather", "sum_across_ranks"):
+    assert exchange.averages is averages
+    for call in ("reduce", "norm", "scale", "gather", "sum_across_ranks", "names"):
         assert callable(getattr(exchange, call)), call
-    assert set(Exchange.__annotations__) == {"sharded", "per_rank_state"}
+    assert set(Exchange.__annotations__) == {"sharded", "per_rank_state", "averages"}
+
+
+def test_a_sharded_exchange_names_the_parameter_of_each_range_it_returns():
+    params = [np.zeros(3, np.float32), np.zeros(5, np.float32)]
+    whole = Zero0(SingleProcessComm())
+    assert whole.names(["a", "b"]) == ["a", "b"]
+    # Rank 1 of 2 holds elements 4..7 of the packed 8: the last 4 of "b".
+    shard = Zero1(SingleProcessComm(), ["a", "b"], params, rank=1, world=2)
+    assert shard.names(["a", "b"]) == ["b"]
 
 
 def test_adasum_keeps_each_ranks_optimizer_state_only_when_it_combines_updates():
@@ -44,9 +55,9 @@ def test_zero0_defers_the_mean_only_to_a_communicator_that_can_leave_it():
     assert NCCLComm.can_defer_scale is False and MPIComm.can_defer_scale is True
 
 
-@pytest.mark.parametrize("module", ["rank_model.py", "runtime.py", "loop.py", "parallel/replica.py",
-                                    "parallel/pipeline_stage.py", "parallel/tensor_piece.py",
-                                    "parallel/pipe_tensor_piece.py", "tune_updates.py"])
+@pytest.mark.parametrize("module", ["rank_model.py", "runtime.py", "loop.py", "parallel/layout_model.py",
+                                    "parallel/build.py", "parallel/whole_model.py", "parallel/pipeline_stage.py",
+                                    "parallel/tensor_parallel_body.py", "tune_updates.py"])
 def test_rank_models_and_the_loop_probe_nothing_with_hasattr(module):
     tree = ast.parse((TRAINER / module).read_text())
     probes = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
