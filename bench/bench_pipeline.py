@@ -81,8 +81,8 @@ def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> 
         comm.barrier("bench step")
         started = time.perf_counter()
         if pipelined:
-            stats = pipeline_step(rt, batches, k)
-            mine = rt.exchange.reduce(grads, k * rt.num_replicas, np.zeros(0, np.float32))
+            stats = pipeline_step(rt.stage, batches, k)
+            mine = rt.exchange.reduce(grads, k * rt.data.num_replicas, np.zeros(0, np.float32))
             comm.allreduce_sum(np.zeros(3), "pipeline loss, stop, norm")
             rt.update.step(mine, cfg.optimizer.learning_rate)
             rt.after_update()  # the engine's sums and a stage's kept activations start again
@@ -107,7 +107,8 @@ def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> 
         free, total = cupy.cuda.runtime.memGetInfo()
         device_used = total - free
     record = {
-        "rank": comm.rank, "stage": getattr(rt, "stage", 0), "step_s": statistics.median(times), "device": rt.device,
+        "rank": comm.rank, "stage": rt.stage.stage if rt.stage is not None else 0,
+        "step_s": statistics.median(times), "device": rt.device,
         "device_memory_used": device_used,
         "compute_s": statistics.median(compute), "samples_per_step": k * cfg.train.batch_size * (
             comm.size // cfg.distributed.pipeline_parallel_size),

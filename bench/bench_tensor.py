@@ -4,7 +4,7 @@ Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/out/tenso
 .md); on GPUs ``--device cuda`` with a model where splitting pays, e.g. ``--device cuda --d-model 2048 --num-layers 4
 --seq-len 256 --batch 16 --vocab-size 8192``. The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks
 data-parallel; hp2: 2 ranks, tensor parallel) and starts each under mpiexec with this module's worker, which runs the
-trainer's own pieces (init_runtime, TensorRuntime.micro_step / the engine's training call, the gradient exchange,
+trainer's own pieces (init_runtime, TensorParallel.micro_step / the engine's training call, the gradient exchange,
 ortflow's update) for warm-up + timed steps and writes one JSON file per rank. Rounds alternate the contenders, so a
 busy shared machine slows them alike. hp 2 reads each batch on both ranks (samples/s counts it once); dp 2 reads two.
 
@@ -44,7 +44,7 @@ def _split_names(artifacts_dir: Path) -> list[str]:
 
 def _memory(rt, names: list[str]) -> dict:
     def values(name: str) -> int:
-        owner = rt.param(name) if hasattr(rt, "param") else rt.state.parameters[name]
+        owner = rt.body.param(name) if rt.dims.tp > 1 else rt.state.parameters[name]
         return int(np.prod(owner.data.shape))
 
     split = sum(values(n) for n in names)
@@ -77,10 +77,10 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     k = cfg.train.gradient_accumulation_steps
     shard, shards = rt.data_shard()
     batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
-    tensor = hasattr(rt, "micro_step")
+    tensor, body = rt.dims.tp > 1, rt.body
     reduce_s, engine_s = [0.0], [0.0]
     if tensor:  # the seconds spent in the tensor-parallel sums and in the pieces' engine calls
-        rt.tp_sum, rt.tensors.call = _timed(rt.tp_sum, reduce_s), _timed(rt.tensors.call, engine_s)
+        body.tp_sum, body.tensors.call = _timed(body.tp_sum, reduce_s), _timed(body.tensors.call, engine_s)
     grads = rt.gradient_buffers()
     times, reduces, engines = [], [], []
     for step in range(warmup + steps):
@@ -89,8 +89,8 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
         started = time.perf_counter()
         if tensor:
             for _ in range(k):
-                rt.micro_step(next(batches))
-            divisor = k * rt.num_replicas
+                body.micro_step(next(batches))
+            divisor = k * rt.data.num_replicas
         else:
             names = rt.module.input_names()
             for _ in range(k):
@@ -99,7 +99,7 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
             divisor = k * comm.size
         mine = rt.exchange.reduce(grads, divisor, np.zeros(0, np.float32))
         rt.update.step(mine, cfg.optimizer.learning_rate)
-        for module in [p.module for p in rt.pieces] if tensor else [rt.module]:
+        for module in [p.module for p in rt.engine_parts()]:
             module.lazy_reset_grad()
         if step >= warmup:
             times.append(time.perf_counter() - started)
@@ -259,9 +259,9 @@ Run: ``python -m bench pipe-tensor [--steps 4] [--rounds 3]`` (writes
 bench/out/pipe-tensor-<host>.json and .md). The driver configures the four runs with
 :func:`_configure` (the model of the tensor bench: GPT d_model 256, 8 heads, 2 layers, seq 64; batch
 4 x 2 micro-batches; 1 thread per rank; AdamW) and starts each under mpiexec with its worker
-(``python -m bench pipe-tensor --worker``), which runs the trainer's own pieces (``init_runtime``; the pipeline's
-``pipeline_step`` or the tensor-parallel runtime's ``accumulate``, which runs pp x hp's 1F1B over its pieces; the
-gradient exchange; ortflow's update) for warm-up + timed steps and writes one JSON per rank. Rounds alternate the
+(``python -m bench pipe-tensor --worker``), which runs the trainer's own pieces (``init_runtime``; the rank model's
+``accumulate``, which runs the pipeline's 1F1B over a stage's graph or its tensor-parallel pieces; the gradient
+exchange; ortflow's update) for warm-up + timed steps and writes one JSON per rank. Rounds alternate the
 layouts, so a busy shared machine slows them alike.
 
 Memory per rank: trainable parameter values held by the rank (4 bytes each, its slices for split weights), their
@@ -275,7 +275,6 @@ PIPE_TENSOR_LAYOUTS = {"pp1hp1": (1, 1, 1), "pp2": (2, 1, 2), "hp2": (2, 2, 1), 
 def pipe_tensor_worker(run_dir: Path, warmup: int, steps: int) -> None:
     """Under mpiexec: warm-up + timed updates with the trainer's own pieces; one JSON per rank."""
     from ortflow.dataprep.loader import TrainLoader
-    from ortflow.trainer.parallel.schedule import pipeline_step
     from ortflow.trainer.runtime import init_runtime, start_mpi
 
     cfg, comm = start_mpi(run_dir)
@@ -283,27 +282,18 @@ def pipe_tensor_worker(run_dir: Path, warmup: int, steps: int) -> None:
     k = cfg.train.gradient_accumulation_steps
     shard, shards = rt.data_shard()
     batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
-    tensor, stage = hasattr(rt, "accumulate"), hasattr(rt, "pipe_comm")
     grads = rt.gradient_buffers()
     times = []
     for step in range(warmup + steps):
         comm.barrier("bench step")
         started = time.perf_counter()
-        if tensor:
-            rt.accumulate(batches, k)
-        elif stage:
-            pipeline_step(rt, batches, k)
-        else:
-            names = rt.module.input_names()
-            for _ in range(k):
-                feeds = next(batches)
-                rt.module(*(feeds[n] for n in names))
+        rt.accumulate(batches, k)  # through the stages' 1F1B on a pipeline
         mine = rt.exchange.reduce(grads, k * shards, np.zeros(0, np.float32))
         rt.update.step(mine, cfg.optimizer.learning_rate)
-        rt.reset_gradients() if tensor else rt.module.lazy_reset_grad()
+        rt.body.after_update()  # the engines' gradient sums start again
         if step >= warmup:
             times.append(time.perf_counter() - started)
-    param = rt.param if tensor else (lambda n: rt.state.parameters[n])
+    param = rt.body.param if rt.dims.tp > 1 else (lambda n: rt.state.parameters[n])
     values = sum(int(np.prod(param(n).data.shape)) for n in rt.trainable)
     record = {"rank": comm.rank, "step_s": statistics.median(times), "samples_per_step": k * cfg.train.batch_size *
               shards, "memory": {"parameters": 4 * values, "gradients": 4 * values,

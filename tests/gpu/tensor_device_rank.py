@@ -18,7 +18,7 @@ from ortflow.trainer.runtime import init_runtime, start_mpi
 
 run_dir = Path(sys.argv[1])
 cfg, comm = start_mpi(run_dir)
-rt = init_runtime(run_dir, cfg, comm)
+rt = init_runtime(run_dir, cfg, comm).body  # the rank's tensor-parallel pieces
 tensors, devices = rt.tensors, []
 engine_call = activations.call_module
 
@@ -31,7 +31,7 @@ def call_module(module, train, inputs, outputs):
 
 
 activations.call_module = call_module
-shard, shards = rt.data_shard()
+shard, shards = comm.rank // rt.tp_size, comm.size // rt.tp_size  # a replica's tp ranks read its batches
 batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
 for _ in range(3):
     devices.append(set())

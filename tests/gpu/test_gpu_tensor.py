@@ -1,9 +1,9 @@
 """Tensor parallelism on 2 GPUs with NCCL (skipped without 2 GPUs, the GPU engine and CuPy).
 
-The GPU path of ortflow/trainer/parallel/tensor_piece.py and activations.py: the pieces' activations, their gradients
-and the tensor-parallel sums on the device (NCCL all-gather, rank-order adds), ortflow's device update over the
-pieces' CUDA buffers, the device-side norm of the rank's share. hp 2 on 2 GPUs trains the 2-layer GPT to the
-parameters of 1 GPU unsplit (strict fp32 and SGD, as in test_gpu_four_layouts.py), the GPT-2 export's hp 2 equals
+The GPU path of ortflow/trainer/parallel/tensor_parallel_body.py and activations.py: the pieces' activations, their
+gradients and the tensor-parallel sums on the device (NCCL all-gather, rank-order adds), ortflow's device update over
+the pieces' CUDA buffers, the device-side norm of the rank's share. tp 2 on 2 GPUs trains the 2-layer GPT to the
+parameters of 1 GPU unsplit (strict fp32 and SGD, as in test_gpu_four_layouts.py), the GPT-2 export's tp 2 equals
 the same layout on CPU ranks, and the engine writes the pieces' outputs on the device
 (bench/reports/gpu-tests-4xh100.md).
 """

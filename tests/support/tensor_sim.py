@@ -2,8 +2,8 @@
 
 :func:`run_pieces` runs the forward of the pieces of a model (the GPTs of :mod:`tests.support.gpt`, the real exports)
 in inference sessions; :func:`piece_gradients` runs one micro-batch forward and backward through the engine artifacts
-``ortflow configure`` built for every tensor-parallel rank, as :mod:`ortflow.trainer.parallel.tensor_piece` does on
-``hp`` ranks, and :func:`whole_gradients` through the unsplit artifacts, so the two can be compared parameter by
+``ortflow configure`` built for every tensor-parallel rank, as :mod:`ortflow.trainer.parallel.tensor_parallel_body`
+does on ``tp`` ranks, and :func:`whole_gradients` through the unsplit artifacts, so the two can be compared parameter by
 parameter.
 """
 
