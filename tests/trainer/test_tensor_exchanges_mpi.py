@@ -1,6 +1,7 @@
 """ZeRO-1 and Adasum over the replicas of tensor-parallel ranks (tp 2 x dp 2 under ``mpiexec -n 4``) against the same
 exchange over unsplit replicas (dp 2): the split ends where the unsplit run ends, its checkpoint holds each replica's
-optimizer file per tensor-parallel rank, and the merged optimizer state equals the unsplit run's."""
+optimizer file per tensor-parallel rank, the merged optimizer state equals the unsplit run's, and a killed ZeRO-1 run
+resumes bitwise from its replicas' shards."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from ortflow.checkpoints import h5state
 from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_shard_file
-from tests.support.parallel_runs import gpt_run, initial_parameters, losses, newest
+from tests.support.parallel_runs import (
+    gpt_run,
+    h5_arrays,
+    initial_parameters,
+    kill_after_first_checkpoint,
+    losses,
+    newest,
+)
 from tests.support.runs import run_ranks
 from tests.trainer.test_tensor_mpi import ATOL
 
@@ -26,23 +34,34 @@ EXCHANGES = {"zero1": {"zero_stage": 1}, "adasum": {"enable_adasum": True}}
 CLIP = 0.05  # below the measured norms: every update clips by the global norm, which the ranks must agree on
 
 
-@pytest.fixture(scope="module", params=sorted(EXCHANGES))
-def runs(request, tmp_path_factory):
-    """The dp 2 run and the dp 2 x tp 2 run of one exchange (AdamW, the same samples)."""
-    exchange = EXCHANGES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    opt = {"name": "adamw", "max_grad_norm": CLIP}
-    whole = gpt_run(root, "dp2", distributed={"num_ranks": 2, **exchange}, optimizer=opt)
-    split = gpt_run(root, "dp2tp2", distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
-                    optimizer=opt)
-    out1, out2 = run_ranks(whole, timeout=300), run_ranks(split, timeout=300)
-    assert out1.returncode == 0, out1.stdout[-3000:]
-    assert out2.returncode == 0, out2.stdout[-3000:]
-    return request.param, whole, split, out1, out2
+EVERY = {"period": 1, "max_num_checkpoints": 10}
 
 
-def test_tensor_parallel_replicas_match_the_same_exchange_over_unsplit_replicas(runs):
-    name, whole, split, out1, out2 = runs
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The runs of each exchange, made once for every test that asks (:func:`runs_of`)."""
+    return {"factory": tmp_path_factory}
+
+
+def runs_of(trained: dict, name: str):
+    """The dp 2 run and the dp 2 x tp 2 run of one exchange (AdamW, the same samples, a checkpoint every update)."""
+    if name not in trained:
+        exchange = EXCHANGES[name]
+        root = trained["factory"].mktemp(name)
+        opt = {"name": "adamw", "max_grad_norm": CLIP}
+        whole = gpt_run(root, "dp2", distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY)
+        split = gpt_run(root, "dp2tp2", distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
+                        optimizer=opt, checkpoint=EVERY)
+        out1, out2 = run_ranks(whole, timeout=300), run_ranks(split, timeout=300)
+        assert out1.returncode == 0, out1.stdout[-3000:]
+        assert out2.returncode == 0, out2.stdout[-3000:]
+        trained[name] = (name, whole, split, out1, out2)
+    return trained[name]
+
+
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_tensor_parallel_replicas_match_the_same_exchange_over_unsplit_replicas(trained, exchange):
+    name, whole, split, out1, out2 = runs_of(trained, exchange)
     p1, p2 = read_params(newest(whole)), read_params(newest(split))  # the split one's slices merged
     assert sorted(p1) == sorted(p2)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
@@ -56,8 +75,9 @@ def test_tensor_parallel_replicas_match_the_same_exchange_over_unsplit_replicas(
     np.testing.assert_allclose(norms[1], norms[0], rtol=1e-4)
 
 
-def test_each_replica_writes_its_optimizer_file_per_tensor_parallel_rank_and_they_merge(runs):
-    name, whole, split, _, _ = runs
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_each_replica_writes_its_optimizer_file_per_tensor_parallel_rank_and_they_merge(trained, exchange):
+    name, whole, split, _, _ = runs_of(trained, exchange)
     folder = newest(split)
     assert sorted(f.name for f in folder.glob("optimizer*.h5")) == sorted(
         tp_shard_file(t, 2, None, r, 2) for t in range(2) for r in range(2))
@@ -74,6 +94,23 @@ def test_each_replica_writes_its_optimizer_file_per_tensor_parallel_rank_and_the
         worst = max(float(np.abs(values[p] - merged[p].reshape(-1)).max()) for p in values)
         print(f"{name} {sname}: max |diff| {worst} of {scale}")
         assert worst <= 1e-3 * scale
+
+
+def test_a_killed_zero1_tensor_parallel_run_resumes_bitwise_from_its_replicas_shards(trained):
+    _, _, straight, _, _ = runs_of(trained, "zero1")
+    resumed = gpt_run(straight.output_dir.parent, "resumed", optimizer={"name": "adamw", "max_grad_norm": CLIP},
+                      distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **EXCHANGES["zero1"]},
+                      checkpoint=EVERY)
+    done = kill_after_first_checkpoint(resumed)
+    assert done and done[-1] < 4, done
+    out = run_ranks(resumed, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"starting from step {done[-1]}" in out.stdout
+    a, b = newest(straight), newest(resumed)
+    names = sorted(f.name for f in a.glob("*.h5"))
+    assert names == sorted(f.name for f in b.glob("*.h5")) and len(names) == 6  # 2 params + 4 optimizer shards
+    for name in names:  # every rank's own files, bit for bit
+        assert h5_arrays(a / name) == h5_arrays(b / name), name
 
 
 def _stitched(pieces) -> dict[str, np.ndarray]:
