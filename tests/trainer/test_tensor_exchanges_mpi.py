@@ -1,7 +1,7 @@
-"""ZeRO-1 and Adasum over the replicas of tensor-parallel ranks (tp 2 x dp 2 under ``mpiexec -n 4``) against the same
-exchange over unsplit replicas (dp 2): the split ends where the unsplit run ends, its checkpoint holds each replica's
-optimizer file per tensor-parallel rank, the merged optimizer state equals the unsplit run's, and a killed ZeRO-1 run
-resumes bitwise from its replicas' shards."""
+"""ZeRO-1 and Adasum over the replicas of tensor-parallel ranks (tp 2 x dp 2 under ``mpiexec -n 4``; Adasum also
+pp 2 x tp 2 x dp 2 under ``-n 8``) against the same exchange over unsplit replicas (dp 2): the split ends where the
+unsplit run ends, its checkpoint holds each replica's optimizer file per tensor-parallel rank, the merged optimizer
+state equals the unsplit run's, and a killed ZeRO-1 run resumes bitwise from its replicas' shards."""
 
 from __future__ import annotations
 
@@ -94,6 +94,22 @@ def test_each_replica_writes_its_optimizer_file_per_tensor_parallel_rank_and_the
         worst = max(float(np.abs(values[p] - merged[p].reshape(-1)).max()) for p in values)
         print(f"{name} {sname}: max |diff| {worst} of {scale}")
         assert worst <= 1e-3 * scale
+
+
+def test_adasum_over_pp2_x_tp2_replicas_matches_adasum_over_unsplit_replicas(trained):
+    """The one 8-rank run (dp 2 x pp 2 x tp 2): Adasum's coefficients from slices summed over a stage's tp group, its
+    per-replica norm summed over the replica's stages and tp ranks, a tied weight summed across stages first."""
+    _, whole, _, _, _ = runs_of(trained, "adasum")
+    split = gpt_run(whole.output_dir.parent, "dp2pp2tp2", optimizer={"name": "adamw", "max_grad_norm": CLIP},
+                    distributed={"num_ranks": 8, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2,
+                                 **EXCHANGES["adasum"]})
+    out = run_ranks(split, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    p1, p2 = read_params(newest(whole)), read_params(newest(split))
+    worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
+    print(f"adasum: max |param diff| dp 2 x pp 2 x tp 2 vs dp 2: {worst}")
+    assert sorted(p1) == sorted(p2) and worst < ATOL["adamw"]
+    assert len(list(newest(split).glob("optimizer-stage*-tp*-rank*.h5"))) == 8  # each replica of each (stage, slice)
 
 
 def test_a_killed_zero1_tensor_parallel_run_resumes_bitwise_from_its_replicas_shards(trained):
