@@ -8,12 +8,13 @@ tensor-parallel rank exchange their gradients through the layout's data-parallel
 Adasum), and a pipeline stage's pieces go through the stage part's 1F1B schedule.
 
 One micro-batch runs the rank's pieces (:mod:`ortflow.graph.tensor_parallel.tensor_pieces`) forward, a parallel
-piece's outputs summed over ``tp_comm`` (Megatron's ``g``), then backward in reverse order: each piece's training call returns the
-gradients of what it read, driven by the summed gradients of what it sent (a piece that kept its activations runs its
-backward alone; others recompute their forward; docs/engine.md). A parallel piece's input gradients are partial and
-are summed over ``tp_comm`` (Megatron's ``f``). Every sum adds the ranks' parts in rank order (an all-gather, then a
-local sum), so all ``tp`` ranks hold bitwise the same replicated activations and gradients, hence the same replicated
-parameters. On CUDA ranks the activations, their gradients and the sums stay on the GPU (:mod:`.activations`).
+piece's outputs summed over ``tp_comm`` (Megatron's ``g``), then backward in reverse order: each piece's training
+call returns the gradients of what it read, driven by the summed gradients of what it sent (a piece that kept its
+activations runs its backward alone; others recompute their forward; docs/engine.md). A parallel piece's input
+gradients are partial and are summed over ``tp_comm`` (Megatron's ``f``). Every sum adds the ranks' parts in rank
+order (an all-gather, then a local sum), so all ``tp`` ranks hold bitwise the same replicated activations and
+gradients, hence the same replicated parameters. On CUDA ranks the activations, their gradients and the sums stay on
+the GPU (:mod:`.activations`).
 """
 
 from __future__ import annotations
