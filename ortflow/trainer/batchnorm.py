@@ -157,7 +157,7 @@ def refuse_tensor_parallel(layers: list[dict]) -> None:
 def for_model(model) -> RunningStats:
     """The running statistics of a rank model's BatchNorm layers (none: every method does nothing).
 
-    A pipeline stage holds its own layers and syncs them over its replicas (``stage_comm``); tensor-parallel pieces
+    A pipeline stage holds its own layers and syncs them over its replicas (``model.replicas``); tensor-parallel pieces
     keep none, so a BatchNorm model is refused there by name.
     """
     layers = recorded_layers(model.run_dir, model.cfg.model.path)
@@ -165,7 +165,7 @@ def for_model(model) -> RunningStats:
         refuse_tensor_parallel(layers)
     params = {name: p for part in model.engine_parts() for name, p in part.state.parameters}
     layers = [la for la in layers if la["mean"] in params and la["var"] in params]
-    comm = getattr(model, "stage_comm", None) or model.comm  # the replicas of this rank's part
+    comm = model.replicas  # the replicas of this rank's part
     train = model.cfg.train
     if layers:
         log.info("rank %d: %d BatchNormalization layer(s): running_var %s, %s across ranks", model.comm.rank,

@@ -92,6 +92,8 @@ class RankModel(Protocol):
     cfg: RunConfig
     run_dir: Path
     comm: Communicator
+    #: The replicas of this rank's part of the model: the group its exchange (and BatchNorm's statistics) runs over.
+    replicas: Communicator
     dims: ParallelDims
     device: str
     #: Where the engine keeps the parameters and gradients (:mod:`ortflow.trainer.comm.engine_buffers`).

@@ -82,6 +82,11 @@ class LayoutModel:
         return self.data.exchange
 
     @property
+    def replicas(self) -> Communicator:
+        """The replicas of this rank's part of the model (every rank when nothing is split)."""
+        return self.data.comm
+
+    @property
     def trainable(self) -> list[str]:
         return self.body.trainable
 
