@@ -24,6 +24,8 @@ WEBHOOK_BLOCK = "ortflow-alerts"
 ZOMBIE = "ortflow-zombie-runs"
 #: Seconds between flow-run heartbeats in ortflow's deployments (Prefect's minimum is 30).
 HEARTBEAT_S = 30
+#: Prefect refuses proactive triggers with a shorter window.
+SHORTEST_WINDOW_S = 10
 #: A placeholder id for the file's ids not known yet (the alert automations are left out without a webhook).
 _NO_ID = UUID(int=0)
 
@@ -63,8 +65,9 @@ def install(webhook_url: str | None = None, late_after_s: int = 6 * 3600, zombie
 
     if zombie_after_s < 2 * HEARTBEAT_S:
         raise ValueError(f"--zombie-after {zombie_after_s}: give at least {2 * HEARTBEAT_S} s (two heartbeats)")
-    if late_after_s < 1:
-        raise ValueError(f"--late-after {late_after_s}: give a number of seconds >= 1")
+    if late_after_s < SHORTEST_WINDOW_S:
+        raise ValueError(f"--late-after {late_after_s}: give at least {SHORTEST_WINDOW_S} s (Prefect's shortest "
+                         "window for an automation that fires on a missing event)")
     block_id = None
     if webhook_url:
         # An alert endpoint is often inside the network (a chat bridge, a pager gateway): private addresses are fine.

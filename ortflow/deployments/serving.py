@@ -106,10 +106,15 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
     started = datetime.now(UTC)  # runs the scheduler adds once the deployments are active start after this
     runner = StoppingRunner(limit=limit)
-    ids = [runner.add_deployment(deployment) for deployment in deployments]  # registers them, schedules active
-    # Ctrl-C goes the same way as SIGTERM (the runner installs its SIGTERM handler when it starts).
+    # SIGTERM and Ctrl-C stop serve the same way from here on, while it registers the deployments and drops the
+    # backlog too (the runner installs the same handler again when it starts; Python's default would end the
+    # process at once, leaving the schedules active).
+    signal.signal(signal.SIGTERM, runner.handle_sigterm)
     signal.signal(signal.SIGINT, runner.handle_sigterm)
+    ids: list[UUID] = []
     try:
+        for deployment in deployments:
+            ids.append(runner.add_deployment(deployment))  # registers it, its schedules active
         asyncio.run(_serve(runner, ids, None if catch_up else started))
     except (KeyboardInterrupt, TerminationSignal, SystemExit):
         pass

@@ -2,9 +2,9 @@
 export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortflow.tasks.caching`)."""
 
 from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
+from ortflow.tasks.events import announce_state
 from ortflow.tasks.liveness import crash_vanished_runs, record_process
 from ortflow.tasks.runs import (
-    announce_state,
     finish_version,
     plan_version,
     prune_versions,

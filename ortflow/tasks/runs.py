@@ -133,50 +133,6 @@ def publish_skipped(config: RunConfig, plan: versions.Plan) -> dict:
     return {"skipped": plan.skipped_because, "version": plan.parent}
 
 
-#: State names that keep their own event name; every other state is announced by its type (``Cached`` is a
-#: ``Completed``).
-_NAMED_STATES = ("Skipped", "TimedOut")
-
-
-def state_event(state: Any) -> str:
-    """The event ortflow emits for a flow run entering ``state``: ``ortflow.flow-run.<Running|Completed|Skipped|
-    Failed|TimedOut|Crashed|Cancelled>``."""
-    name = state.name if state.name in _NAMED_STATES else state.type.value.title()
-    return f"ortflow.flow-run.{name}"
-
-
-def announce_state(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow-run hook: emit :func:`state_event` when a run starts (Running) and when it ends (Completed, Skipped,
-    Failed, TimedOut, Crashed, Cancelled), the events ortflow's automations (``ortflow automations``) react to.
-
-    Prefect's own state events of a run created by the server's scheduler follow a state that had no event, and its
-    automations hold such followers for many minutes before evaluating them; this event follows nothing, so alerts
-    and the zombie-run automation see it at once. It is posted to the server's events endpoint and sent once:
-    Prefect's events client sends every event it has not had confirmed again each time its connection is renewed
-    (a busy server, a process that exits), and the server's automations react to each copy.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.events import Event, emit_event
-
-    related = [{"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}
-               for tag in sorted(flow_run.tags or ())]
-    if flow_run.deployment_id:
-        related.append({"prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
-                        "prefect.resource.role": "deployment"})
-    event = Event(
-        event=state_event(state),
-        resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.name": flow_run.name,
-                  "ortflow.state-message": str(state.message or "")[:1000]},
-        related=related,
-    )
-    try:
-        with get_client(sync_client=True) as client:
-            client.request("POST", "/events", json=[event.model_dump(mode="json")]).raise_for_status()
-    except Exception:  # noqa: BLE001 - a server without the endpoint (Prefect Cloud): its events client instead
-        emit_event(event=event.event, resource=dict(event.resource), related=[dict(r) for r in event.related],
-                   id=event.id, occurred=event.occurred)
-
-
 def _delays(values: tuple[float, ...], retries: int) -> list[float]:
     return [values[min(i, len(values) - 1)] for i in range(retries)] if values and retries else [0.0] * retries
 

@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+from prefect import flow
 
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
 from tests.support.prefect_runs import mlp_config, processes_mentioning, wait_for, write_config
@@ -72,6 +74,55 @@ def test_a_failing_scheduled_run_calls_the_alert_webhook(prefect_server, mlp_sou
     assert call["alert"] == "ortflow run Failed", call
     assert call["deployment"] == "alerting" and call["flow_run"] == run.name
     assert "no_such_output" in call["message"]
+
+
+@flow(name="alerted")
+def _alerted() -> None:
+    """A flow whose runs the race test announces by hand (they never execute)."""
+
+
+def _post(events) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.request("POST", "/events", json=[e.model_dump(mode="json") for e in events]).raise_for_status()
+
+
+def test_ended_runs_get_no_late_alert_and_an_event_posted_twice_alerts_once(prefect_server, webhook):
+    """A busy server takes a short run's start and end events off its queue together, and evaluates them at once in
+    its two automation consumers: the end event must still close the start event's late window. Each ended run's
+    two events go in one request here; a run that never ends, started after the others' windows closed, shows
+    that the late automation evaluated them. A Failed event posted twice (a retried request) alerts once."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Failed, Running
+
+    from ortflow.tasks.events import run_event
+
+    url, calls = webhook
+    late_after = 10  # the shortest window Prefect takes
+    refused = subprocess.run([ORTFLOW, "automations", "--webhook", url, "--late-after", "9"], env=prefect_server,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--late-after 9: give at least 10 s" in refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr
+    _install(prefect_server, "--webhook", url, "--late-after", str(late_after), "--zombie-after", "60")
+    with get_client(sync_client=True) as client:
+        ended = [client.create_flow_run(_alerted, tags=["ortflow"]) for _ in range(12)]
+        failed, marker = (client.create_flow_run(_alerted, tags=["ortflow"]) for _ in range(2))
+    for i, run in enumerate(ended):
+        start = run_event(run, Running())
+        _post([start, run_event(run, Completed(name="Skipped") if i % 2 else Completed(), start)])
+    start, end = run_event(failed, Running()), Failed(message="boom")
+    _post([start, run_event(failed, end, start), run_event(failed, end, start)])
+    _post([run_event(failed, end, start)])
+    # Every window above closes late_after s after its start; any false alert comes within the next evaluation.
+    deadline = time.monotonic() + late_after + 10
+    wait_for(lambda: time.monotonic() > deadline or [c for c in calls if c["flow_run_id"] != str(failed.id)],
+             late_after + 30, "the ended runs' late windows to close")
+    _post([run_event(marker, Running())])
+    wait_for(lambda: any(c["flow_run_id"] == str(marker.id) for c in calls), 120, "the never-ending run's late alert")
+    alerts = sorted((c["flow_run_id"], c["alert"]) for c in calls)
+    assert alerts == sorted([(str(failed.id), "ortflow run Failed"),
+                             (str(marker.id), f"ortflow run still running after {late_after} s")]), calls
 
 
 def _final_state(flow_run_id):

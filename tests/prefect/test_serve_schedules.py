@@ -1,6 +1,6 @@
-"""``ortflow serve`` and its deployments' schedules against a real local Prefect server: a stop signal pauses the
-schedules and drops the runs they queued before serve exits 143; serving again resumes the schedules, and drops the
-scheduled runs whose time passed while nothing served them unless ``--catch-up``."""
+"""``ortflow serve`` and its deployments' schedules against a real local Prefect server: a stop signal (even one
+while serve starts) pauses the schedules and drops the runs they queued before serve exits 143; serving again resumes
+the schedules, and drops the scheduled runs whose time passed while nothing served them unless ``--catch-up``."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def _backfill(env: dict[str, str], deployment, hours: int) -> list:
 
 
 def _waiting(deployment_name: str, overdue_only: bool = True) -> list:
+    """The deployment's auto-scheduled runs waiting to start (a run read while serve deletes it has no state)."""
     now = datetime.now(UTC)
-    return [r for r in flow_runs_of(deployment_name) if r.auto_scheduled and r.state.type.value == "SCHEDULED"
+    return [r for r in flow_runs_of(deployment_name) if r.auto_scheduled and r.state and r.state.is_scheduled()
             and (not overdue_only or r.expected_start_time < now)]
 
 
@@ -45,8 +46,16 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
     cfg = mlp_config(tmp_path, mlp_sources, "schedules", schedule={"interval_s": 3600},
                      train={"num_train_steps": 10, "evaluation_period": 5})
     config_file = write_config(cfg, tmp_path / "schedules.yaml")
+    # A stop signal the moment the deployments exist (serve still drops the backlog or starts its runner).
+    log = tmp_path / "serve0.log"
+    with serving(config_file, prefect_server, "schedules", tmp_path, log) as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    assert _deployment("train-pipeline/schedules").paused and _deployment("export-only/schedules").paused
+
     with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve1.log") as proc:
-        assert not _deployment("train-pipeline/schedules").paused
+        assert not _deployment("train-pipeline/schedules").paused  # serving resumes the schedule
         os.kill(proc.pid, signal.SIGKILL)  # a serving process that vanished pauses nothing
         proc.wait()
     deployment = _deployment("train-pipeline/schedules")
@@ -56,7 +65,7 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
 
     log = tmp_path / "serve2.log"
     with serving(config_file, prefect_server, "schedules", tmp_path, log) as proc:
-        assert not _deployment("train-pipeline/schedules").paused  # serving resumes the schedule
+        assert not _deployment("train-pipeline/schedules").paused
         wait_for(lambda: not _waiting("train-pipeline/schedules"), 60, "the missed runs to be dropped")
         wait_for(lambda: _waiting("train-pipeline/schedules", overdue_only=False), 60,
                  "the scheduler to schedule the next run")
