@@ -55,7 +55,7 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
     assert _deployment("train-pipeline/schedules").paused and _deployment("export-only/schedules").paused
 
     with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve1.log") as proc:
-        assert not _deployment("train-pipeline/schedules").paused  # serving resumes the schedule
+        wait_for(lambda: not _deployment("train-pipeline/schedules").paused, 90, "serve to resume the schedule")
         os.kill(proc.pid, signal.SIGKILL)  # a serving process that vanished pauses nothing
         proc.wait()
     deployment = _deployment("train-pipeline/schedules")
