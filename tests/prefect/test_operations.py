@@ -62,7 +62,9 @@ def test_a_failing_scheduled_run_calls_the_alert_webhook(prefect_server, mlp_sou
     out = _install(prefect_server, "--webhook", url, "--late-after", "3600")
     assert "ortflow-run-failed" in out and "ortflow-zombie-runs" in out
     cfg = mlp_config(tmp_path, mlp_sources, "alerting", export={"outputs": ["no_such_output"]},
-                     train={"num_train_steps": 10, "evaluation_period": 0}, schedule={"interval_s": 20})
+                     distributed={"num_ranks": 1, "threads_per_rank": 1}, checkpoint={"period": 4},
+                     train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0},
+                     schedule={"interval_s": 20})
     config_file = write_config(cfg, tmp_path / "alerting.yaml")
     with serving(config_file, prefect_server, "alerting", tmp_path, tmp_path / "serve.log"):
         def failed_scheduled_run():
@@ -169,6 +171,8 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs(prefect_server, mlp_s
         with get_client(sync_client=True) as client:
             runs["skipped"] = client.create_flow_run_from_deployment(pipeline)  # nothing changed
             runs["export-only"] = client.create_flow_run_from_deployment(export)
+        wait_for(lambda: _final_state(runs["skipped"].id), 300, "the skipped run to end")  # before a change
+        with get_client(sync_client=True) as client:
             runs["completed-2"] = client.create_flow_run_from_deployment(
                 pipeline, parameters={"overrides": ["train.num_train_steps=6"]})
             runs["failed"] = client.create_flow_run_from_deployment(

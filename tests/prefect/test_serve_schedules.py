@@ -44,7 +44,9 @@ def _waiting(deployment_name: str, overdue_only: bool = True) -> list:
 
 def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(prefect_server, mlp_sources, tmp_path):
     cfg = mlp_config(tmp_path, mlp_sources, "schedules", schedule={"interval_s": 3600},
-                     train={"num_train_steps": 10, "evaluation_period": 5})
+                     distributed={"num_ranks": 1, "threads_per_rank": 1},
+                     train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0},
+                     checkpoint={"period": 4, "max_num_checkpoints": 1})
     config_file = write_config(cfg, tmp_path / "schedules.yaml")
     # A stop signal the moment the deployments exist (serve still drops the backlog or starts its runner).
     log = tmp_path / "serve0.log"
