@@ -47,3 +47,16 @@ def test_a_late_window_shorter_than_prefect_takes_is_refused_before_anything_is_
         alerts.install("http://127.0.0.1:9/hook", late_after_s=9)
     with pytest.raises(ValueError, match=r"--zombie-after 59: give at least 60 s"):
         alerts.install(None, zombie_after_s=59)
+
+
+def test_alert_windows_close_on_ortflow_end_events_and_a_failed_run_alerts_once_per_window():
+    from uuid import uuid4 as new_id
+
+    specs = {s["name"]: s["trigger"] for s in alerts.render(new_id(), 3600, 90, new_id())}
+    late, failed = specs["ortflow-run-late"], specs["ortflow-run-failed"]
+    # Prefect's own end events (other than the zombie-run automation's Crashed) arrive together with ortflow's and
+    # would evaluate the same window at once.
+    assert set(late["expect"]) == {f"ortflow.flow-run.{s}" for s in (
+        "Completed", "Skipped", "Failed", "TimedOut", "Crashed", "Cancelled")} | {"prefect.flow-run.Crashed"}
+    assert late["after"] == ["ortflow.flow-run.Running"] and late["within"] == 3600
+    assert failed["for_each"] == ["prefect.resource.id"] and failed["within"] > 0 and failed["posture"] == "Reactive"
