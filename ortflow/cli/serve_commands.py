@@ -40,8 +40,8 @@ def serve(
 def automations(
     webhook: Annotated[str | None, typer.Option(
         help="URL that gets a JSON POST when an ortflow deployment run fails, crashes, times out or is late.")] = None,
-    late_after: Annotated[int, typer.Option(help="Seconds after its start at which a still running run is late.")]
-    = 6 * 3600,
+    late_after: Annotated[int, typer.Option(
+        help="Seconds after its start at which a still running run is late (at least 10).")] = 6 * 3600,
     zombie_after: Annotated[int, typer.Option(
         help="Seconds without a heartbeat after which a run is marked Crashed (at least 60).")] = 90,
 ) -> None:
