@@ -60,6 +60,7 @@ def test_ctrl_z_keeps_the_job_running_and_a_kill_then_leaves_no_process_behind(r
         seen = procs.wait_for_step(run.output_dir, 2, proc)
         tree = procs.descendants(proc.pid)
         os.kill(proc.pid, signal.SIGTSTP)  # Ctrl-Z: documented not to pause training
+        procs.wait_for_line(lines, "Ctrl-Z does not pause training", proc)  # delivered (a kill would drop it)
         procs.wait_for_step(run.output_dir, seen + 3, proc)  # the job runs on
         assert procs.state(proc.pid) not in ("T", None), procs.state(proc.pid)
         assert not [p for p in tree if procs.state(p) == "T"], "a process of the job was stopped"

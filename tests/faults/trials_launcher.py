@@ -17,6 +17,8 @@ from tests.faults import procs
 from tests.faults.trials import Outcome, fresh_run
 
 TIMEOUT_S = 5.0
+STEPS = 200  # of a paused trial
+REFUSED = "Ctrl-Z does not pause training"  # what `ortflow train` says when it gets SIGTSTP
 
 
 def _victim(proc: subprocess.Popen, target: str) -> int:
@@ -74,7 +76,7 @@ def paused_trial(root: Path, target: str, name: str) -> Outcome:
     """
     category = f"paused-{target}"
     cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
-                    train={"num_train_steps": 200, "display_loss_steps": 1}, checkpoint={"period": 0})
+                    train={"num_train_steps": STEPS, "display_loss_steps": 1}, checkpoint={"period": 0})
     proc = procs.start_train(cfg.output_dir)
     lines = procs.drain(proc)
     try:
@@ -82,7 +84,11 @@ def paused_trial(root: Path, target: str, name: str) -> Outcome:
         if target == "tstp":
             os.kill(proc.pid, signal.SIGTSTP)
             hold = 0.0
-            procs.wait_for_step(cfg.output_dir, 35, proc)  # it runs on: no pause, so no timeout to race on a busy host
+            # `fg` only once `ortflow train` has said so: a SIGCONT discards a stop signal not yet delivered (the
+            # kernel does, handler or not), and on a busy host the delivery can lag the ranks by several steps.
+            procs.wait_for_line(lines, REFUSED, proc)
+            seen = procs.wait_for_step(cfg.output_dir, 0, proc)
+            procs.wait_for_step(cfg.output_dir, min(seen + 5, STEPS), proc)  # it runs on: no pause to time out
             os.kill(proc.pid, signal.SIGCONT)
         else:
             victim, hold = _victim(proc, target), TIMEOUT_S / 2
@@ -98,5 +104,5 @@ def paused_trial(root: Path, target: str, name: str) -> Outcome:
     time.sleep(0.2)
     text = "\n".join(lines)
     ok = proc.returncode == 0 and "training finished" in text and (
-        target != "tstp" or "Ctrl-Z does not pause training" in text)
+        target != "tstp" or REFUSED in text)
     return Outcome(category, ok, f"paused {hold:g} s, exit {proc.returncode}" + ("" if ok else f": {text[-600:]}"))
