@@ -1,5 +1,5 @@
 """`make test`, the command CI runs (.ci/run execs it), fails whenever pytest does, also when no test was collected
-(pytest's status 5: a wrong path or marker must not pass as a green suite)."""
+(pytest's status 5: a wrong path or marker must not pass as a green suite); its files start slowest first."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ def test_make_test_fails_when_no_test_is_collected_and_passes_when_the_tests_do(
     (tmp_path / "one" / "test_one.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
     out = make_test(tmp_path / "one")
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_files_start_slowest_first_and_keep_their_tests_in_order(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    table = tmp_path / "durations.json"
+    table.write_text('{"tests/b.py": 50.0, "tests/c.py": 900.5}')
+    monkeypatch.setattr(conftest, "TABLE", table)
+    ids = ["tests/a.py::t1", "tests/b.py::t2", "tests/b.py::t1", "tests/c.py::t", "tests/d.py::t", "tests/a.py::t0"]
+    items = [SimpleNamespace(nodeid=i) for i in ids]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == ["tests/c.py::t", "tests/b.py::t2", "tests/b.py::t1", "tests/a.py::t1",
+                                         "tests/a.py::t0", "tests/d.py::t"]  # unlisted files: pytest's order
