@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
-# Test files spread over this many processes (pytest-xdist, whole files per process: docs/design.md).
+# Test files spread over this many processes (pytest-xdist, whole files per process, the slowest first:
+# tests/conftest.py, docs/design.md).
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench clean docs faults
@@ -34,7 +35,7 @@ demo: setup
 	@$(BIN)/ortflow sample $(DEMO)/gpt/export/model.onnx --prompt 'def ' --max-new-tokens 200
 
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check ortflow tests bench

@@ -298,10 +298,6 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         and _artifacts_intact(artifacts_dir, previous)
     ):
         _refuse_bad_groups(cfg, previous.get("trainable", []))
-        makers = {"batchnorm": lambda path: to_record(running_statistics(path)), "op_types": op_types}
-        added = {key: make(cfg.model.path) for key, make in makers.items() if key not in previous}
-        if added:  # a record written before these entries: add them, the rest stays
-            previous = _write_json_atomic(record_path, {**previous, **added})
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)

@@ -239,9 +239,11 @@ def launch(
                      SHM_DIR)
     if guard is not None:
         env[LAUNCHER_PID_ENV] = str(guard.pid)  # the ranks outlive this process as long as the guard does
+    restore_pause = _keep_running_on_terminal_stop() if forward_signals else (lambda: None)  # before any rank runs
     try:
         job = LocalJob(cmd, env, output=(guard.read_fd, guard.write_fd) if guard is not None else None)
     except BaseException:
+        restore_pause()
         if guard is not None:
             os.close(guard.read_fd)
             guard.release()
@@ -251,7 +253,6 @@ def launch(
     write_record(run_dir, job.launcher, job.job_id)
     if on_start is not None:
         on_start(job.proc)
-    restore_pause = _keep_running_on_terminal_stop() if forward_signals else (lambda: None)
     stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
     watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
     try:

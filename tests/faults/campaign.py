@@ -80,7 +80,7 @@ def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
             jobs.append(("stalled", lambda t=target, i=i: launcher.stopped_launcher_trial(root, t, f"sl-{t}-{i}")))
     for target in ("tstp", "cli", "launcher", "proxy"):
         for i in range(n(2)):
-            jobs.append(("stalled", lambda t=target, i=i: launcher.paused_trial(root, t, f"pa-{t}-{i}")))
+            jobs.append(("stalled", lambda t=target, i=i: launcher.paused_trial(root, (t,), f"pa-{t}-{i}")))
     for kind in rel.RERUN_KINDS:
         for mode in ("flip", "truncate"):
             for _ in range(n(8)):

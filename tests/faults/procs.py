@@ -87,6 +87,19 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise TimeoutError(f"no step {step} within {timeout} s")
 
 
+def wait_for_line(lines: list[str], text: str, proc: subprocess.Popen, timeout: float = 120) -> str:
+    """Wait until a line containing ``text`` is in ``lines`` (filled by :func:`drain`); returns that line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = next((line for line in list(lines) if text in line), None)
+        if found is not None:
+            return found
+        if proc.poll() is not None:
+            raise RuntimeError(f"the job ended (exit {proc.returncode}) without printing {text!r}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no line with {text!r} within {timeout} s")
+
+
 def signal_target(proc: subprocess.Popen, target: str, sig: int) -> list[int]:
     """Send ``sig`` to part of the job: cli, launcher, group (the launcher's process group) or all. Returns pids."""
     launcher = launcher_of(proc.pid)

@@ -33,9 +33,8 @@ def test_a_stopped_launcher_aborts_the_job_within_the_timeout_naming_it(root, ta
 
 @pytest.mark.mpi
 @pytest.mark.faults
-@pytest.mark.parametrize("target", ["tstp", "launcher"])
-def test_a_paused_launcher_or_ctrl_z_lets_the_job_finish(root, target):
-    check(launcher.paused_trial(root, target, f"paused-{target}"))
+def test_a_paused_launcher_or_ctrl_z_lets_the_job_finish(root):
+    check(launcher.paused_trial(root, ("tstp", "launcher"), "paused"))  # one job: Ctrl-Z, then mpiexec paused
 
 
 WRITER = """

@@ -17,6 +17,8 @@ from tests.faults import procs
 from tests.faults.trials import Outcome, fresh_run
 
 TIMEOUT_S = 5.0
+STEPS = 400  # of a paused trial: it outlasts two pauses
+REFUSED = "Ctrl-Z does not pause training"  # what `ortflow train` says when it gets SIGTSTP
 
 
 def _victim(proc: subprocess.Popen, target: str) -> int:
@@ -65,30 +67,24 @@ def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
                    + ("" if ok else f": {text[-600:]}"))
 
 
-def paused_trial(root: Path, target: str, name: str) -> Outcome:
-    """Pause part of the job and continue it: the job finishes (exit 0) and its steps go on after the pause.
+def paused_trial(root: Path, targets: tuple[str, ...], name: str) -> Outcome:
+    """Pause parts of one job in turn and continue them: its steps go on after each pause and it finishes (exit 0).
 
     ``tstp`` is Ctrl-Z on ``ortflow train`` (SIGTSTP, then SIGCONT as ``fg`` sends): it does not pause training, so
     the job runs on through it, says so, and finishes; the other targets are SIGSTOPped for half the timeout, then
     continued.
     """
-    category = f"paused-{target}"
+    category = f"paused-{'-'.join(targets)}"
     cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
-                    train={"num_train_steps": 200, "display_loss_steps": 1}, checkpoint={"period": 0})
+                    train={"num_train_steps": STEPS, "display_loss_steps": 1}, checkpoint={"period": 0})
     proc = procs.start_train(cfg.output_dir)
     lines = procs.drain(proc)
+    held = []
     try:
-        procs.wait_for_step(cfg.output_dir, 30, proc)
-        if target == "tstp":
-            os.kill(proc.pid, signal.SIGTSTP)
-            hold = 0.0
-            procs.wait_for_step(cfg.output_dir, 35, proc)  # it runs on: no pause, so no timeout to race on a busy host
-            os.kill(proc.pid, signal.SIGCONT)
-        else:
-            victim, hold = _victim(proc, target), TIMEOUT_S / 2
-            os.kill(victim, signal.SIGSTOP)
-            time.sleep(hold)
-            os.kill(victim, signal.SIGCONT)
+        seen = procs.wait_for_step(cfg.output_dir, 30, proc)
+        for target in targets:
+            held.append(_pause(proc, target, lines))
+            seen = procs.wait_for_step(cfg.output_dir, min(seen + 5, STEPS), proc)  # it runs on after the pause
         proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
         return Outcome(category, False, "the job did not finish within 300 s of the resume")
@@ -97,6 +93,22 @@ def paused_trial(root: Path, target: str, name: str) -> Outcome:
         proc.wait()
     time.sleep(0.2)
     text = "\n".join(lines)
-    ok = proc.returncode == 0 and "training finished" in text and (
-        target != "tstp" or "Ctrl-Z does not pause training" in text)
-    return Outcome(category, ok, f"paused {hold:g} s, exit {proc.returncode}" + ("" if ok else f": {text[-600:]}"))
+    ok = proc.returncode == 0 and "training finished" in text and ("tstp" not in targets or REFUSED in text)
+    paused = ", ".join(f"{target} {hold:g} s" for target, hold in zip(targets, held, strict=False))
+    return Outcome(category, ok, f"paused {paused}, exit {proc.returncode}" + ("" if ok else f": {text[-600:]}"))
+
+
+def _pause(proc: subprocess.Popen, target: str, lines: list[str]) -> float:
+    """Pause ``target`` of the job and continue it; returns how long it was held."""
+    if target == "tstp":
+        os.kill(proc.pid, signal.SIGTSTP)
+        # `fg` only once `ortflow train` has said so: a SIGCONT discards a stop signal not yet delivered (the kernel
+        # does, handler or not), and on a busy host the delivery can lag the ranks by several steps.
+        procs.wait_for_line(lines, REFUSED, proc)
+        os.kill(proc.pid, signal.SIGCONT)
+        return 0.0
+    victim, hold = _victim(proc, target), TIMEOUT_S / 2
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(hold)  # the pause itself, shorter than the collective timeout
+    os.kill(victim, signal.SIGCONT)
+    return hold

@@ -1,5 +1,6 @@
-"""configure records the BatchNorm layers the ranks keep (configure.json ``batchnorm``), also into a record written
-before that entry; ranks refuse a BatchNorm model whose record lacks it, and need nothing for other models."""
+"""configure records the BatchNorm layers the ranks keep (configure.json ``batchnorm``) and rebuilds a record without
+that entry (unsealed, from before); ranks refuse a BatchNorm model whose record lacks it, and need nothing for other
+models."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.graph.test_export_patterns import make_cfg
 from tests.support.exports import export_path
 
 
-def test_configure_records_each_batchnorm_and_a_reused_record_gets_the_entry(tmp_path):
+def test_configure_records_each_batchnorm_and_rebuilds_a_record_without_the_entry(tmp_path):
     cfg = make_cfg(tmp_path, export_path("cnn.onnx"))
     configure(cfg)
     record_path = cfg.output_dir / "configure.json"
@@ -28,11 +29,11 @@ def test_configure_records_each_batchnorm_and_a_reused_record_gets_the_entry(tmp
     record = json.loads(record_path.read_text())
     op_types = record["op_types"]
     assert {"Conv", "BatchNormalization"} <= set(op_types)
-    del record["batchnorm"], record["op_types"]  # as a record written before the entries
+    del record["batchnorm"], record["op_types"], record["record_sha256"]  # as an unsealed record of before
     record_path.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="re-run `ortflow configure CONFIG`"):
         recorded_layers(cfg.output_dir, cfg.model.path)
-    assert configure(cfg).reused  # the artifacts stay; the record gets the entries
+    assert not configure(cfg).reused  # an unsealed record vouches for nothing: configure rebuilds, with the entries
     assert recorded_layers(cfg.output_dir, cfg.model.path) == layers
     assert json.loads(record_path.read_text())["op_types"] == op_types
 
