@@ -141,7 +141,7 @@ def recorded_layers(run_dir: Path, model_path: Path) -> list[dict]:
     graph = onnx.load(str(model_path), load_external_data=False).graph  # a record written before the entry
     if any(n.op_type == "BatchNormalization" for n in graph.node):
         raise ValueError(f"{run_dir}/configure.json does not list the model's BatchNorm layers: re-run "
-                         "`ortflow configure CONFIG` (the artifacts are kept)")
+                         "`ortflow configure CONFIG` (it rebuilds the artifacts)")
     return []
 
 
