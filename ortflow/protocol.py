@@ -2,7 +2,8 @@
 
 The launching side (``ortflow train``, the Prefect task, ``ortflow tune``, the Slurm and Kubernetes launchers) and
 the ranks (``python -m ortflow.trainer``, ``python -m ortflow.trainer.tune_updates``) agree on these exit statuses,
-environment variables and output tags. This module imports nothing, so either side may import it.
+environment variables and output tags; ``ortflow automations`` and the flow runs agree on the late bound's name. This
+module imports nothing, so either side may import it.
 """
 
 from __future__ import annotations
@@ -36,3 +37,7 @@ MPI_MISMATCH = "MPI launcher mismatch"
 
 #: ``ortflow tune``: rank 0 prints its measurement as one line, this tag then a JSON object.
 TUNE_RESULT_TAG = "ORTFLOW_TUNE "
+
+#: The Prefect Variable through which ``ortflow automations --late-after`` tells flow runs when they are late: a run
+#: still running that many seconds after it started emits ``ortflow.flow-run.late`` (``ortflow/tasks/events.py``).
+LATE_AFTER_VARIABLE = "ortflow_late_after_s"

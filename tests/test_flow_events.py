@@ -1,8 +1,10 @@
-"""The events ortflow's flows emit for its automations (no server): names, ids, and the start event an end event
-follows; the alert automations' bounds."""
+"""The events ortflow's flows emit for its automations (no server): names, ids, the start event an end event
+follows, the late event a running run emits; the alert automations' triggers and bounds."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 from uuid import uuid4
@@ -11,7 +13,16 @@ import pytest
 from prefect.states import Completed, Crashed, Failed, Running
 
 from ortflow.deployments import alerts
-from ortflow.tasks.events import FOLLOW_WITHIN, event_id, run_event, state_event
+from ortflow.tasks.events import (
+    FOLLOW_WITHIN,
+    LATE_EVENT,
+    event_id,
+    late_event,
+    run_event,
+    start_late_timer,
+    state_event,
+    stop_late_timer,
+)
 
 
 def _flow_run():
@@ -49,14 +60,47 @@ def test_a_late_window_shorter_than_prefect_takes_is_refused_before_anything_is_
         alerts.install(None, zombie_after_s=59)
 
 
-def test_alert_windows_close_on_ortflow_end_events_and_a_failed_run_alerts_once_per_window():
+def test_the_late_and_failed_alerts_react_to_one_event_and_alert_once_per_run():
     from uuid import uuid4 as new_id
 
-    specs = {s["name"]: s["trigger"] for s in alerts.render(new_id(), 3600, 90, new_id())}
-    late, failed = specs["ortflow-run-late"], specs["ortflow-run-failed"]
-    # Prefect's own end events (other than the zombie-run automation's Crashed) arrive together with ortflow's and
-    # would evaluate the same window at once.
-    assert set(late["expect"]) == {f"ortflow.flow-run.{s}" for s in (
-        "Completed", "Skipped", "Failed", "TimedOut", "Crashed", "Cancelled")} | {"prefect.flow-run.Crashed"}
-    assert late["after"] == ["ortflow.flow-run.Running"] and late["within"] == 3600
-    assert failed["for_each"] == ["prefect.resource.id"] and failed["within"] > 0 and failed["posture"] == "Reactive"
+    specs = {s["name"]: s for s in alerts.render(new_id(), 3600, 90, new_id())}
+    late, failed = specs["ortflow-run-late"]["trigger"], specs["ortflow-run-failed"]["trigger"]
+    assert late["posture"] == "Reactive" and late["expect"] == [LATE_EVENT]
+    assert "after 3600 s" in specs["ortflow-run-late"]["actions"][0]["payload"]
+    for trigger in (late, failed):
+        assert trigger["for_each"] == ["prefect.resource.id"] and trigger["within"] > 0
+    assert failed["posture"] == "Reactive"
+    zombie = specs["ortflow-zombie-runs"]["trigger"]  # every end closes the zombie window
+    assert {f"ortflow.flow-run.{s}" for s in ("Completed", "Skipped", "Failed", "TimedOut", "Crashed",
+                                             "Cancelled")} <= set(zombie["expect"])
+
+
+def _posted():
+    sent, done = [], threading.Event()
+
+    def post(event):
+        sent.append(event)
+        done.set()
+    return sent, done, post
+
+
+def test_a_run_still_running_at_the_late_bound_announces_itself_late_once():
+    run = _flow_run()
+    sent, done, post = _posted()
+    start_late_timer(run, 0.05, post)
+    start_late_timer(run, 0.05, post)  # a retry's Running keeps the first start's clock
+    assert done.wait(10), "no late event"
+    time.sleep(0.2)
+    assert [e.event for e in sent] == [LATE_EVENT]
+    assert sent[0].resource["prefect.resource.id"] == f"prefect.flow-run.{run.id}"
+    assert sent[0].id == late_event(run, 0.05).id  # sent twice, taken once
+
+
+def test_a_run_that_ends_before_the_late_bound_never_announces_itself_late():
+    run = _flow_run()
+    sent, done, post = _posted()
+    start_late_timer(run, 0.3, post)
+    stop_late_timer(run)
+    assert not done.wait(0.6) and sent == []
+    start_late_timer(run, None, post)  # no late bound installed: no timer
+    assert not done.wait(0.1) and sent == []

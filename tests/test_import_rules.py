@@ -1,4 +1,4 @@
-"""STYLE.md's import rules: each package imported in a fresh interpreter, every module's imports read (inside
+"""The import rules of docs/design.md: each package imported in a fresh interpreter, every module's imports read (inside
 functions too) against the layer table, no import cycles, no private names imported across modules."""
 
 from __future__ import annotations

@@ -7,8 +7,9 @@
   automation marked it Crashed, or when it is still running past its expected time.
 
 The automations match flow runs tagged ``ortflow``: every deployment ``ortflow serve`` and ``prefect.yaml`` create.
-A run that ended (any end: Completed, Skipped, Failed, ...) closes the windows of the proactive ones, so they fire
-only for runs that are still running.
+A run that ended (any end: Completed, Skipped, Failed, ...) closes the zombie-run window; a run announces itself late
+from its own process (``ortflow.flow-run.late``, at the bound kept in the Prefect Variable ``ortflow_late_after_s``),
+so only runs that are still running are ever late.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from uuid import UUID
 
 import yaml
 
+from ortflow.protocol import LATE_AFTER_VARIABLE
+
 AUTOMATIONS_FILE = Path(__file__).with_name("automations.yaml")
 WEBHOOK_BLOCK = "ortflow-alerts"
 ZOMBIE = "ortflow-zombie-runs"
 #: Seconds between flow-run heartbeats in ortflow's deployments (Prefect's minimum is 30).
 HEARTBEAT_S = 30
-#: Prefect refuses proactive triggers with a shorter window.
+#: The shortest late bound taken (a shorter one calls every run late).
 SHORTEST_WINDOW_S = 10
 #: A placeholder id for the file's ids not known yet (the alert automations are left out without a webhook).
 _NO_ID = UUID(int=0)
@@ -66,8 +69,7 @@ def install(webhook_url: str | None = None, late_after_s: int = 6 * 3600, zombie
     if zombie_after_s < 2 * HEARTBEAT_S:
         raise ValueError(f"--zombie-after {zombie_after_s}: give at least {2 * HEARTBEAT_S} s (two heartbeats)")
     if late_after_s < SHORTEST_WINDOW_S:
-        raise ValueError(f"--late-after {late_after_s}: give at least {SHORTEST_WINDOW_S} s (Prefect's shortest "
-                         "window for an automation that fires on a missing event)")
+        raise ValueError(f"--late-after {late_after_s}: give at least {SHORTEST_WINDOW_S} s")
     block_id = None
     if webhook_url:
         # An alert endpoint is often inside the network (a chat bridge, a pager gateway): private addresses are fine.
@@ -84,4 +86,19 @@ def install(webhook_url: str | None = None, late_after_s: int = 6 * 3600, zombie
         for spec in render(block_id, late_after_s, zombie_after_s, zombie_id):
             if spec["name"] != ZOMBIE:
                 client.create_automation(AutomationCore.model_validate(spec))
+        _set_late_after(client, late_after_s if block_id else None)
     return names
+
+
+def _set_late_after(client, late_after_s: int | None) -> None:
+    """Runs read the late bound from a Prefect Variable and announce themselves late (``ortflow.flow-run.late``);
+    without the late alert (no webhook) the variable is removed and no run announces anything."""
+    from prefect.client.schemas.actions import VariableCreate, VariableUpdate
+
+    if late_after_s is None:
+        if client.read_variable_by_name(LATE_AFTER_VARIABLE) is not None:
+            client.delete_variable_by_name(LATE_AFTER_VARIABLE)
+    elif client.read_variable_by_name(LATE_AFTER_VARIABLE) is None:
+        client.create_variable(VariableCreate(name=LATE_AFTER_VARIABLE, value=int(late_after_s)))
+    else:
+        client.update_variable(VariableUpdate(name=LATE_AFTER_VARIABLE, value=int(late_after_s)))

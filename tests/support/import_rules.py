@@ -7,8 +7,8 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Which top-level parts of ``ortflow`` each part may import (STYLE.md's table, plus the top-level modules it leaves
-#: out). A part is a subpackage or a top-level module; "*" means any part. A part missing here is reported.
+#: Which top-level parts of ``ortflow`` each part may import (docs/design.md's table, plus the top-level modules it
+#: leaves out). A part is a subpackage or a top-level module; "*" means any part. A part missing here is reported.
 LAYERS: dict[str, set[str]] = {
     "config": set(),
     "graph": {"config"},
@@ -24,7 +24,9 @@ LAYERS: dict[str, set[str]] = {
     # Neutral homes below the stages: each imports nothing from ortflow but gpus (cuda_libs).
     "artifacts_folder": set(),  # the artifacts folder's on-disk format: configure writes it, ranks and export read it
     "cuda_libs": {"gpus"},  # the engine's CUDA libraries: the engine, the ranks and validate load or check them
-    "protocol": set(),  # exit statuses, environment variables and output tags between launchers and ranks
+    # exit statuses, environment variables and output tags between launchers and ranks; the late bound between
+    # `ortflow automations` and flow runs
+    "protocol": set(),
     # Plain functions the CLI and the tasks call: below orchestration, above the pipeline's stages.
     "validate": {"config", "dataprep", "graph", "configure", "checkpoints", "engine", "versions", "cuda_libs",
                  "storage"},
@@ -37,7 +39,7 @@ LAYERS: dict[str, set[str]] = {
     "examples": set(),
     "tasks": {"*"},
     "flows": {"config", "tasks"},
-    "deployments": {"config", "flows", "processes"},
+    "deployments": {"config", "flows", "processes", "protocol"},
     "cli": {"*"},
     "__main__": {"cli"},  # python -m ortflow
 }
