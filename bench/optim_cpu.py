@@ -42,9 +42,9 @@ from ortflow.trainer.optim.segments import Update, default_backend
 from ortflow.trainer.optim.zero import Zero0, Zero1
 
 
-def engine_session(folder: Path, d_model: int, num_layers: int, threads: int):
-    from ortflow.engine import api, artifacts, onnxblock
-    from ortflow.trainer.runtime import session_options
+def _gpt_module(folder: Path, d_model: int, num_layers: int, optimizer, options):
+    """A bench GPT's engine module (artifacts generated into ``folder``) and its state and parameter names."""
+    from ortflow.engine import api, artifacts
 
     model = onnx.load(str(build_gpt(folder / "gpt.onnx", seq_len=64, d_model=d_model, num_layers=num_layers,
                                     num_heads=4)))
@@ -53,16 +53,25 @@ def engine_session(folder: Path, d_model: int, num_layers: int, threads: int):
     os.chdir(folder)
     try:
         artifacts.generate_artifacts(model, requires_grad=names, frozen_params=[],
-                                     loss=artifacts.LossType.CrossEntropyLoss,
-                                     optimizer=onnxblock.optim.AdamW(eps=1e-8, weight_decay=0.01),
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer,
                                      artifact_directory=str(folder))
     finally:
         os.chdir(cwd)
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        session_options=session_options(threads))
-    optimizer = api.Optimizer(str(folder / "optimizer_model.onnx"), module)
+                        session_options=options(state))
     module.train()
+    return state, module, names
+
+
+def engine_session(folder: Path, d_model: int, num_layers: int, threads: int):
+    from ortflow.engine import api, onnxblock
+    from ortflow.trainer.runtime import session_options
+
+    state, module, names = _gpt_module(folder, d_model, num_layers,
+                                       onnxblock.optim.AdamW(eps=1e-8, weight_decay=0.01),
+                                       lambda _: session_options(threads))
+    optimizer = api.Optimizer(str(folder / "optimizer_model.onnx"), module)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, (2, 64)).astype(np.int64)
     module(ids, np.roll(ids, -1, axis=1).reshape(-1))
@@ -275,28 +284,13 @@ whole step (forward/backward included), and the optimizer-state bytes each rank 
 
 
 def zero_session(folder: Path, d_model: int, num_layers: int):
-    from ortflow.engine import api, artifacts
+    from ortflow.trainer.arena import use_gradient_arena
     from ortflow.trainer.runtime import session_options
 
-    model = onnx.load(str(build_gpt(folder / "gpt.onnx", seq_len=64, d_model=d_model, num_layers=num_layers,
-                                    num_heads=4)))
-    names = sorted(t.name for t in model.graph.initializer)
-    cwd = Path.cwd()
-    os.chdir(folder)
-    try:
-        artifacts.generate_artifacts(model, requires_grad=names, frozen_params=[],
-                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
-                                     artifact_directory=str(folder))
-    finally:
-        os.chdir(cwd)
-    from ortflow.trainer.arena import use_gradient_arena
+    def options(state):  # as the trainer sets them for a run whose update is ortflow's
+        return use_gradient_arena(session_options(1), 4 * sum(p.data.size for _, p in state.parameters))
 
-    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
-    options = use_gradient_arena(session_options(1), 4 * sum(p.data.size for _, p in state.parameters))  # as trainer
-    module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        session_options=options)
-    module.train()
-    return state, module, names
+    return _gpt_module(folder, d_model, num_layers, None, options)
 
 
 def zero_main(argv: list[str] | None = None) -> int:
