@@ -103,7 +103,8 @@ def taken_over_lines(log: Path) -> list[str]:
     return [line for line in lines[starts[-1] + 1:] if not _OWN.match(line)] if starts else []
 
 
-_OWN = re.compile(r"^\d\d:\d\d:\d\d (asking the ranks|no job was started|the job did not stop)")
+_OWN = re.compile(r"^\d\d:\d\d:\d\d (asking the ranks|no job was started|the job did not stop|waiting for .* to "
+                  r"import|reporting the stop)")
 
 
 def _say(text: str) -> None:
@@ -194,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     wait_for_exit(args.follow)
     _say(f"the launching process {args.follow} {_TAKE_OVER}")
     take_over(job.get("pgid"), args.output_fd, args.grace)
+    if loader.is_alive():
+        _say(f"waiting for {args.then} to import")
     loader.join()
+    if then:
+        _say(f"reporting the stop ({args.then})")
     for report in then:
         report(args.run_dir)
     return 0 if then or not args.then else 1

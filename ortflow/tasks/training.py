@@ -176,7 +176,7 @@ def report_orphaned_stop(run_dir: Path) -> None:
     from ortflow import versions
     from ortflow.checkpoints import list_complete
     from ortflow.config import load_run_config
-    from ortflow.tasks.runs import announce_state
+    from ortflow.tasks.events import announce_state
 
     flow_run_id = os.environ.get(FLOW_RUN_PROCESS_ENV)
     record = read_progress(run_dir) or {}
@@ -201,8 +201,9 @@ def report_orphaned_stop(run_dir: Path) -> None:
     if not flow_run_id:
         return
     with get_client(sync_client=True) as client:
-        client.create_logs(logs)  # the ranks' last lines, which the killed process could not forward
+        # The final state first: it frees the deployment's concurrency slot; the rest is the record.
         client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+        client.create_logs(logs)  # the ranks' last lines, which the killed process could not forward
         flow_run = client.read_flow_run(flow_run_id)
         if config is not None:
             step = f"step {newest[-1].step}{total}" if newest else "before the first checkpoint"

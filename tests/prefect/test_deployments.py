@@ -13,6 +13,7 @@ from ortflow.config import load_run_config
 from ortflow.versions import read_registry, resolve_run
 from tests.prefect.serving import serving
 from tests.support.prefect_runs import (
+    FINAL_STATE_S,
     mlp_config,
     processes_mentioning,
     rank_pids,
@@ -125,12 +126,11 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
         last_periodic = list_complete(folder / "checkpoints")[-1].step
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None, 90,
-                         "the flow run to reach a final state")
-        took = time.monotonic() - sent
+        state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None,
+                         FINAL_STATE_S, "the flow run to reach a final state")
+        print(f"final state {state.name} {time.monotonic() - sent:.1f} s after the SIGTERM")
         proc.wait(timeout=90)
     assert state.type.value in ("CRASHED", "CANCELLED"), state
-    assert took < 30, f"the flow run took {took:.0f} s to reach its final state"
     stop = list_complete(folder / "checkpoints")[-1]
     assert stop.step > last_periodic and stop.step % 500 != 0, (stop.step, last_periodic)  # written on the stop
     (entry,) = read_registry(cfg.output_dir)

@@ -159,7 +159,7 @@ def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_pa
     from ortflow.launch.local import launch
 
     sections = {
-        "train": {"num_train_steps": 6000, "display_loss_steps": 250, "evaluation_period": 0},
+        "train": {"num_train_steps": 3000, "display_loss_steps": 250, "evaluation_period": 0},
         "checkpoint": {"period": 500, "max_num_checkpoints": 2},
     }
     reference = mlp_config(tmp_path, mlp_sources, "uninterrupted", **sections)
@@ -172,8 +172,8 @@ def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_pa
 
     def kill_one_rank() -> None:
         # Wait for a checkpoint to exist and training to be under way, then SIGKILL one rank (a crashed node).
-        record = wait_for(lambda: (r := read_progress(cfg.output_dir)) and 1500 <= r["step"] < 4000 and r, 120,
-                          "training to pass step 1500")
+        record = wait_for(lambda: (r := read_progress(cfg.output_dir)) and 1000 <= r["step"] < 2700 and r, 120,
+                          "training to pass step 1000")
         pids = rank_pids(cfg.output_dir)
         os.kill(pids[0], signal.SIGKILL)
         killed.append(record["step"])

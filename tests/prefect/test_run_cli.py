@@ -148,7 +148,16 @@ def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and
     assert "httpx" not in out  # the terminal shows ortflow's lines, not HTTP requests
 
 
-def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_run_marks_its_flow_run_crashed(
+def _offline(env: dict[str, str]) -> dict[str, str]:
+    """Offline: every request that would leave the host goes to a proxy that refuses connections; the temporary
+    server on 127.0.0.1 is reached directly. Prefect's analytics setting is left as a user's environment has it."""
+    env = {k: v for k, v in env.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", ALL_PROXY="http://127.0.0.1:9",
+               NO_PROXY="127.0.0.1,localhost")
+    return env
+
+
+def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_marks_its_flow_run_crashed_and_logs_no_telemetry_error(  # noqa: E501
     mlp_sources, tmp_path
 ):
     import sqlite3
@@ -169,10 +178,11 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_run_marks_it
 
     name, state_type, _ = state()
     assert state_type == "RUNNING"  # nobody was left to report its end
-    # The next `ortflow run` on this machine (another config) talks to a temporary server on the same database.
+    # The next `ortflow run` on this machine (another config), offline, talks to a temporary server on the same
+    # database.
     short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0})
     done = subprocess.run([ORTFLOW, "run", "-v", str(write_config(short, tmp_path / "next.yaml"))],
-                          env=_temporary_server_env(tmp_path), capture_output=True, text=True, timeout=400)
+                          env=_offline(_temporary_server_env(tmp_path)), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"flow run {name} was still Running, but its process is gone: marked Crashed" in done.stderr
     assert state()[1:] == ("CRASHED", "Crashed")
@@ -181,19 +191,6 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_run_marks_it
     assert any(line.startswith("starting a temporary Prefect server") for line in lines[:3]), lines[:3]
     port = re.search(r"Prefect server at http://127\.0\.0\.1:(\d+) until this run ends", done.stderr)[1]
     assert f"View at http://127.0.0.1:{port}/runs/flow-run/" in done.stderr  # Prefect's link (-v), on the real port
-
-
-def test_an_offline_run_logs_no_telemetry_error(mlp_sources, tmp_path):
-    # Offline: every request that would leave the host goes to a proxy that refuses connections; the temporary
-    # server on 127.0.0.1 is reached directly. Prefect's analytics setting is left as a user's environment has it.
-    env = {k: v for k, v in _temporary_server_env(tmp_path).items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
-    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", ALL_PROXY="http://127.0.0.1:9",
-               NO_PROXY="127.0.0.1,localhost")
-    cfg = mlp_config(tmp_path, mlp_sources, "offline", train={"num_train_steps": 10, "evaluation_period": 0})
-    config_file = write_config(cfg, tmp_path / "offline.yaml")
-    done = subprocess.run([ORTFLOW, "run", str(config_file)], env=env, capture_output=True, text=True, timeout=400)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    assert "telemetry" not in out.lower(), out[-3000:]
-    log = next((cfg.output_dir / "logs").glob("run-*.log")).read_text()
+    assert "telemetry" not in (done.stdout + done.stderr).lower(), (done.stdout + done.stderr)[-3000:]
+    log = next((short.output_dir / "logs").glob("run-*.log")).read_text()
     assert "telemetry" not in log.lower(), log[-3000:]

@@ -11,6 +11,12 @@ import numpy as np
 import yaml
 
 from ortflow.config import RunConfig, config_from_dict
+from ortflow.launch.job import STOP_GRACE_S
+
+#: A liveness bound for a stopped run's final state: it comes once the ranks stopped (within the stop grace) and the
+#: process that reports it (the flow-run process, or the job's guard, whose import of Prefect may still be running on
+#: a loaded machine) has reported it.
+FINAL_STATE_S = 2 * STOP_GRACE_S + 60
 
 
 def mlp_config(root: Path, sources: dict[str, Path], name: str, **sections: dict) -> RunConfig:
