@@ -1,5 +1,6 @@
 """The import checker behind tests/test_import_rules.py: reads every module of a package (imports inside functions
-included) and reports what breaks the layer table, import cycles and private names imported across modules."""
+included) and reports what breaks the layer table, import cycles, private names imported across modules and imports
+of the package's own modules or names that do not exist (an import inside a function fails only when it runs)."""
 
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ class Report:
     layer: list[str] = field(default_factory=list)
     cycles: list[list[str]] = field(default_factory=list)
     private: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
-        return [*self.layer, *(" -> ".join([*c, c[0]]) for c in self.cycles), *self.private]
+        return [*self.layer, *(" -> ".join([*c, c[0]]) for c in self.cycles), *self.private, *self.unresolved]
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -102,6 +104,38 @@ def imports_of(module: str, path: Path) -> list[Import]:
     return found
 
 
+def top_level_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (inside top-level ``if``/``try`` blocks too): what
+    ``from module import name`` can find without importing it."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(h for handler in getattr(node, "handlers", []) for h in handler.body)]
+    return names
+
+
+def _unresolved(imp: Import, modules: dict[str, Path], defined: dict[str, set[str]]) -> str | None:
+    """Why the import of one of the package's own modules or names cannot succeed (None when it can)."""
+    if imp.module not in modules:
+        return f"{imp.importer}:{imp.line} imports {imp.module}, which is not a module of the package"
+    if imp.name and imp.name != "*" and f"{imp.module}.{imp.name}" not in modules:
+        if imp.module not in defined:
+            defined[imp.module] = top_level_names(modules[imp.module])
+        if imp.name not in defined[imp.module]:
+            return f"{imp.importer}:{imp.line} imports {imp.name} from {imp.module}, which does not define it"
+    return None
+
+
 def _part(module: str, top: str) -> str | None:
     parts = module.split(".")
     return parts[1] if parts[0] == top and len(parts) > 1 else None
@@ -109,16 +143,19 @@ def _part(module: str, top: str) -> str | None:
 
 def check(root: Path, layers: dict[str, set[str]] | None, extra_edges: dict[tuple[str, str], str] | None = None,
           private_known: dict[tuple[str, str], str] | None = None) -> Report:
-    """Check the package at folder ``root`` against ``layers`` (None skips the table); cycles and private names
-    always."""
+    """Check the package at folder ``root`` against ``layers`` (None skips the table); cycles, private names and
+    unresolved imports always."""
     top = root.name
     modules = module_names(root)
     report = Report()
     graph: dict[str, set[str]] = {m: set() for m in modules}
+    defined: dict[str, set[str]] = {}
     for module, path in modules.items():
         for imp in imports_of(module, path):
             if imp.module != top and not imp.module.startswith(top + "."):
                 continue
+            if (missing := _unresolved(imp, modules, defined)) is not None:
+                report.unresolved.append(missing)
             # ``from pkg import sub`` imports the submodule; ``from mod import name`` the module.
             target = f"{imp.module}.{imp.name}" if imp.name and f"{imp.module}.{imp.name}" in modules else imp.module
             if target in modules and target != module:
