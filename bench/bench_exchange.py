@@ -218,10 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from ortflow.trainer.comm import MPIComm, runs
+    from ortflow.trainer.comm import MPIComm, memory_runs
 
     if args.huge_pages == "off":
-        runs.advise_huge_pages = lambda view: False  # every RunPlan (ortflow's and the run contenders') skips it
+        memory_runs.advise_huge_pages = lambda view: False  # every RunPlan (ortflow's and the run contenders') skips it
 
     with tempfile.TemporaryDirectory() as tmp:
         comm = MPIComm(Path(tmp) / "hb", 600.0)

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.import_rules import EXTRA_EDGES, LAYERS, PRIVATE_KNOWN, check, imports_of, module_names
+from tests.support.import_rules import (
+    EXTRA_EDGES,
+    LAYERS,
+    PRIVATE_KNOWN,
+    check,
+    imports_of,
+    module_names,
+    unresolved_from_outside,
+)
 
 ROOT = Path(__file__).resolve().parents[1] / "ortflow"
 REPORT = check(ROOT, LAYERS, EXTRA_EDGES, PRIVATE_KNOWN)
@@ -33,6 +41,11 @@ def test_every_import_of_ortflow_names_a_module_or_name_that_exists():
     # An import inside a function is resolved only when the function runs: a moved or renamed name breaks a rare path
     # (a stop report, an error message) long after the change.
     assert not REPORT.unresolved, "\n".join(REPORT.unresolved)
+
+
+def test_every_import_of_ortflow_in_tests_bench_and_tools_exists():
+    missing = unresolved_from_outside(ROOT, [ROOT.parent / "tests", ROOT.parent / "bench", ROOT.parent / "tools"])
+    assert not missing, "\n".join(missing)
 
 
 def test_every_listed_exception_is_still_used():

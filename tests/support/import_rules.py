@@ -136,6 +136,20 @@ def _unresolved(imp: Import, modules: dict[str, Path], defined: dict[str, set[st
     return None
 
 
+def unresolved_from_outside(root: Path, folders: list[Path]) -> list[str]:
+    """Imports of the package at ``root`` that cannot succeed, made by the scripts and tests under ``folders``."""
+    top, modules, defined = root.name, module_names(root), {}
+    found = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            name = ".".join(path.relative_to(folder.parent).with_suffix("").parts)
+            for imp in imports_of(name, path):
+                if (imp.module == top or imp.module.startswith(top + ".")) and \
+                        (missing := _unresolved(imp, modules, defined)) is not None:
+                    found.append(missing)
+    return found
+
+
 def _part(module: str, top: str) -> str | None:
     parts = module.split(".")
     return parts[1] if parts[0] == top and len(parts) > 1 else None
