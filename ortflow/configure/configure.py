@@ -184,27 +184,27 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None):
             is split how, and each weight kept replicated with the reason), as ``ortflow validate`` prints it.
 
     Returns:
-        The pipeline plan (cuts, stages) for pipeline stages alone, else None.
+        The plan the layout's builder takes, so it is made once: the pipeline plan (cuts, stages) for pipeline stages
+        alone, the tensor-parallel plan for tensor pieces alone, the cuts and each stage's split for both, else None.
 
     Raises:
         ArtifactsError: The split is refused, naming what and the fix.
     """
     pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
-    lines = []
+    lines, plan = [], None
     if pp > 1 and tp > 1:
-        cuts, plans = plan_pipeline_tensor_parallel(cfg)  # each stage's graph split over the tensor-parallel ranks
+        plan = cuts, plans = plan_pipeline_tensor_parallel(cfg)  # each stage's graph split over the tp ranks
         lines = [f"pipeline cuts {cuts}"] + [f"stage {sp.stage.index}: {line}" for sp in plans
                                              for line in describe(sp.plan)]
-        stages = None
-    else:
-        if tp > 1:
-            lines = describe(plan_tensor_parallel(cfg)[1])
-        stages = plan_stages(cfg) if pp > 1 else None
-        if stages is not None:
-            lines.append(f"pipeline cuts {stages[0]} ({len(stages[1])} stages)")
+    elif tp > 1:
+        plan = plan_tensor_parallel(cfg)
+        lines = describe(plan[1])
+    elif pp > 1:
+        plan = plan_stages(cfg)
+        lines.append(f"pipeline cuts {plan[0]} ({len(plan[1])} stages)")
     if described is not None:
         described.extend(lines)
-    return stages
+    return plan
 
 
 def op_types(model_path: Path) -> list[str]:
@@ -241,11 +241,11 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
     built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record, proto_limit=proto_limit)
     built = dataclasses.replace(built, torch=found.to_record() if found else None)
     if pp > 1 and tp > 1:
-        stages = build_pipeline_tensor_parallel_artifacts(cfg, artifacts_dir)
+        stages = build_pipeline_tensor_parallel_artifacts(cfg, artifacts_dir, plan)
         split = [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]
         return built, stages, {"split": split}
     if tp > 1:
-        return built, None, build_tensor_parallel_artifacts(cfg, artifacts_dir)
+        return built, None, build_tensor_parallel_artifacts(cfg, artifacts_dir, plan)
     return built, (build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None), None
 
 

@@ -138,14 +138,18 @@ def pieces(sp: StagePlan, rank: int) -> list[Piece]:
     return out
 
 
-def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
+def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
+                                             planned: tuple[list[str], list[StagePlan]] | None = None) -> dict:
     """Build every (stage, tensor-parallel rank)'s pieces under ``artifacts_dir/pipetensor`` once; return the record.
+
+    ``planned``: what :func:`plan_pipeline_tensor_parallel` returned for ``cfg`` (configure plans first, to refuse a
+    bad split before building anything), so the stages and their splits are not planned twice.
 
     Raises:
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, plans = plan_pipeline_tensor_parallel(cfg)
+    cuts, plans = planned or plan_pipeline_tensor_parallel(cfg)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     stages = []
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:

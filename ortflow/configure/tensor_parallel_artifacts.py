@@ -137,14 +137,18 @@ def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
             "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters), "passes": list(passes)}
 
 
-def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path) -> dict:
+def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
+                                    planned: tuple | None = None) -> dict:
     """Build every rank's pieces under ``artifacts_dir/tensor`` (replacing what was there) and return the record.
+
+    ``planned``: what :func:`plan_tensor_parallel` returned for ``cfg`` (configure plans before it builds the whole
+    model's artifacts, to refuse a bad split early), so the split is not planned twice.
 
     Raises:
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    model, plan, trainable, frozen = plan_tensor_parallel(cfg)
+    model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
     ranks, ran_by_piece = [], {}
     with building(artifacts_dir, TENSOR_DIR) as scratch:
