@@ -9,7 +9,8 @@
   model-preparation pass (:mod:`ortflow.graph.prepare`) changed in the graph the engine got.
 
 A second call with the same model bytes and the same ``model`` section finds the fingerprint in
-``configure.json`` and the artifact files in place, and does no work.
+``configure.json`` and the artifact files in place, and does no work; in a moved or copied run folder it also
+records the artifacts' new place.
 """
 
 from __future__ import annotations
@@ -298,6 +299,8 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         and _artifacts_intact(artifacts_dir, previous)
     ):
         _refuse_bad_groups(cfg, previous.get("trainable", []))
+        if previous.get("artifacts_dir") != str(artifacts_dir):  # a moved or copied folder: its artifacts verified here
+            previous = _write_json_atomic(record_path, {**previous, "artifacts_dir": str(artifacts_dir)})
         _write_config_if_changed(cfg)
         log.info("configure: unchanged, reusing %s", artifacts_dir)
         return ConfigureResult(run_dir, artifacts_dir, reused=True, info=previous)

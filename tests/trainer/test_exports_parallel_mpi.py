@@ -12,7 +12,15 @@ import pytest
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
 from tests.support.runs import run_ranks
-from tests.trainer.exports_runs import SEQ, assert_export_equals_eval_graph, bert_run, gpt2_run, vit_run
+from tests.trainer.exports_runs import (
+    SEQ,
+    UPDATES,
+    assert_export_equals_eval_graph,
+    bert_run,
+    copied_run,
+    gpt2_run,
+    vit_run,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -79,11 +87,11 @@ def _assert_equal_to(reference, cfg, out, atol=ATOL):
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
     assert sorted(p1) == sorted(p2)
     worst, worst_key = _max_diffs(p1, p2)
-    print(f"{cfg.name}: max |param diff| vs unsplit after 20 updates: {worst:.3g} (key biases {worst_key:.3g})")
+    print(f"{cfg.name}: max |param diff| vs unsplit after {UPDATES} updates: {worst:.3g} (key biases {worst_key:.3g})")
     assert worst < atol
     assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(losses(out.stdout), losses(ref_out.stdout), rtol=1e-4)
-    assert len(losses(out.stdout)) == 20  # one loss per update
+    assert len(losses(out.stdout)) == UPDATES  # one loss per update
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (ref_out, out)]
     assert len(evals[1]) == 2
     np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)
@@ -184,15 +192,17 @@ def dynamo_dp(request, tmp_path_factory):
     return cfg, _train(cfg)
 
 
-# dp 2 on the unsplit run's global batch: 20 updates of one micro-batch of 2 per rank (the unsplit run sums 2).
-DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": 20}
+# dp 2 on the unsplit run's global batch: UPDATES updates of one micro-batch of 2 per rank (the unsplit run sums 2).
+DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": UPDATES}
 
 
 @pytest.fixture(scope="module")
 def dynamo_dp2(dynamo_dp):
-    """dp 2 on the reference's global batch: one micro-batch of 2 per rank and update (the reference sums 2)."""
-    root = dynamo_dp[0].output_dir.parent
-    cfg = _dynamo_run(root, "dp2", dynamo_dp[0].model.path.name, train=DP2_TRAIN, distributed={"num_ranks": 2})
+    """dp 2 on the reference's global batch: one micro-batch of 2 per rank and update (the reference sums 2); its
+    artifacts are the reference's (the same model and layout), copied."""
+    ref = dynamo_dp[0]
+    cfg = copied_run(ref, _dynamo_run, ref.output_dir.parent, "dp2", export=ref.model.path.name, train=DP2_TRAIN,
+                     distributed={"num_ranks": 2})
     return cfg, _train(cfg)
 
 
@@ -225,14 +235,15 @@ def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_o
 
 
 @pytest.mark.parametrize("dynamo_dp", ["gpt2-dynamo-noopt.onnx", "llama-dynamo-noopt.onnx"], indirect=True)
-def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(dynamo_dp, dynamo_dp2):
+def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(dynamo_dp, dynamo_dp2, gpt2_dp):
     """dp 2 on the optimize=False dynamo export and on the TorchScript export of the same model, same seed and data:
     the same torch parameters are trained (no buffer), to the same values."""
     from tests.support.exports import torch_record
 
     (noopt, noopt_out), family = dynamo_dp2, _family(dynamo_dp[0].model.path.name)
-    script_cfg = gpt2_run(noopt.output_dir.parent, "torchscript", export=f"{family}.onnx", train=DP2_TRAIN,
-                          distributed={"num_ranks": 2})
+    script = {"export": f"{family}.onnx", "train": DP2_TRAIN, "distributed": {"num_ranks": 2}}
+    script_cfg = (copied_run(gpt2_dp[0], gpt2_run, noopt.output_dir.parent, "torchscript", **script)
+                  if family == "gpt2" else gpt2_run(noopt.output_dir.parent, "torchscript", **script))
     script_out = _train(script_cfg)
     record = torch_record(family)
     info = json.loads((noopt.output_dir / "configure.json").read_text())
@@ -243,7 +254,7 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert sorted(trained) == sorted(record["parameters"])
     worst, worst_key = _max_diffs(trained, script)
     median = float(np.median(np.concatenate([np.abs(v - script[n]).ravel() for n, v in trained.items()])))
-    print(f"{family}: dynamo optimize=False vs TorchScript after 20 updates on 2 ranks: max |param diff| {worst:.3g} "
+    print(f"{family}: dynamo optimize=False vs TorchScript after {UPDATES} updates on 2 ranks: max |param diff| {worst:.3g} "
           f"(key biases {worst_key:.3g}, median {median:.3g})")
     assert worst < EXPORTER_ATOL
     assert worst_key < KEY_BIAS_ATOL
@@ -292,8 +303,8 @@ def test_dynamo_export_trains_with_zero1_and_adasum(dynamo_dp, dynamo_dp2):
     from tests.support.exports import torch_record
 
     (dp2, dp2_out), export = dynamo_dp2, dynamo_dp[0].model.path.name
-    runs = {name: _dynamo_run(dp2.output_dir.parent, name, export, train=DP2_TRAIN,
-                              distributed={"num_ranks": 2, **extra})
+    runs = {name: copied_run(dp2, _dynamo_run, dp2.output_dir.parent, name, export=export, train=DP2_TRAIN,
+                             distributed={"num_ranks": 2, **extra})
             for name, extra in (("zero1", {"zero_stage": 1}), ("adasum", {"enable_adasum": True}))}
     outs = {name: _train(cfg) for name, cfg in runs.items()}
     record = torch_record(_family(export))
@@ -304,9 +315,9 @@ def test_dynamo_export_trains_with_zero1_and_adasum(dynamo_dp, dynamo_dp2):
     worst, worst_key = _max_diffs(params["dp2"], params["zero1"])
     assert worst < ATOL and worst_key < KEY_BIAS_ATOL
     adasum, mean = losses(outs["adasum"].stdout), losses(dp2_out.stdout)
-    assert len(adasum) == 20 and np.isfinite(adasum).all() and adasum[0] == mean[0]  # same start, same batch
+    assert len(adasum) == UPDATES and np.isfinite(adasum).all() and adasum[0] == mean[0]  # same start, same batch
     ada, dp = (_steps(runs["adasum"], params[name], list(record["parameters"])) for name in ("adasum", "dp2"))
     cosine, ratio = float(ada @ dp / np.linalg.norm(ada) / np.linalg.norm(dp)), np.linalg.norm(ada) / np.linalg.norm(dp)
-    print(f"{export}: Adasum's step vs dp 2's after 20 updates: cosine {cosine:.3f}, norm ratio {ratio:.3f}")
+    print(f"{export}: Adasum's step vs dp 2's after {UPDATES} updates: cosine {cosine:.3f}, norm ratio {ratio:.3f}")
     # measured: cosine 0.94 (GPT-2), 0.96 (Llama), 0.88 (BERT); norm ratio 1.11 to 1.24
     assert cosine > 0.7 and 0.5 < ratio < 2

@@ -16,7 +16,7 @@ import pytest
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
 from tests.support.runs import run_ranks
-from tests.trainer.exports_runs import LLAMA_EXPORTS, llama_run
+from tests.trainer.exports_runs import LLAMA_EXPORTS, UPDATES, llama_run
 
 pytestmark = pytest.mark.mpi
 
@@ -83,10 +83,10 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
     assert sorted(p1) == sorted(p2)
     worst = {name: float(np.abs(p1[name] - p2[name]).max()) for name in p1}
-    print(f"{export} {cfg.name}: max |param diff| vs unsplit after 20 updates: {max(worst.values()):.3g} "
+    print(f"{export} {cfg.name}: max |param diff| vs unsplit after {UPDATES} updates: {max(worst.values()):.3g} "
           f"(attention {max(v for k, v in worst.items() if 'self_attn' in k):.3g})")
     assert max(worst.values()) < TP_ATOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
-    assert len(losses(out.stdout)) == 20  # one loss per update
+    assert len(losses(out.stdout)) == UPDATES  # one loss per update
     np.testing.assert_allclose(losses(out.stdout), losses(ref_out.stdout), rtol=1e-4)
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (ref_out, out)]
     assert len(evals[1]) == 2
