@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,25 @@ def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None =
     cfg = config_from_dict(raw)
     configure(cfg)
     prepare_data(cfg)
+    return cfg
+
+
+def copied_run(source, make, root: Path, name: str, **sections):
+    """``make(root, name, **sections)`` in a folder that holds a copy of ``source``'s configured artifacts (a run of
+    the same model and layout: the same configure fingerprint): configure verifies the copies against the copied
+    record and reuses them, recording their new place, instead of building them again."""
+    from ortflow.configure.configure import CONFIGURE_RECORD_NAME, configure
+    from ortflow.configure.torch_model import TORCH_MODEL_DIR
+
+    target = root / name
+    target.mkdir(parents=True)
+    for folder in ("artifacts", TORCH_MODEL_DIR):
+        if (source.output_dir / folder).is_dir():
+            shutil.copytree(source.output_dir / folder, target / folder)
+    shutil.copy2(source.output_dir / CONFIGURE_RECORD_NAME, target / CONFIGURE_RECORD_NAME)
+    cfg = make(root, name, **sections)
+    again = configure(cfg)
+    assert again.reused and again.info["artifacts_dir"] == str(cfg.artifacts_dir), again.info["artifacts_dir"]
     return cfg
 
 

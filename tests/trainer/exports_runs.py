@@ -3,7 +3,6 @@ sharded under a test folder, and their final parameters whatever the layout."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from tests.support.exports import export_path
@@ -129,21 +128,3 @@ def bert_run(root: Path, name: str, export: str = "bert.onnx", **sections):
     return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer,
                     **sections)
 
-
-def copied_run(source, make, root: Path, name: str, **sections):
-    """``make(root, name, **sections)`` in a folder that holds a copy of ``source``'s configured artifacts (a run of
-    the same model and layout: the same configure fingerprint): configure verifies the copies against the copied
-    record and reuses them, recording their new place, instead of building them again."""
-    from ortflow.configure.configure import CONFIGURE_RECORD_NAME, configure
-    from ortflow.configure.torch_model import TORCH_MODEL_DIR
-
-    target = root / name
-    target.mkdir(parents=True)
-    for folder in ("artifacts", TORCH_MODEL_DIR):
-        if (source.output_dir / folder).is_dir():
-            shutil.copytree(source.output_dir / folder, target / folder)
-    shutil.copy2(source.output_dir / CONFIGURE_RECORD_NAME, target / CONFIGURE_RECORD_NAME)
-    cfg = make(root, name, **sections)
-    again = configure(cfg)
-    assert again.reused and again.info["artifacts_dir"] == str(cfg.artifacts_dir), again.info["artifacts_dir"]
-    return cfg

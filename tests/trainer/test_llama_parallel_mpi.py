@@ -1,7 +1,8 @@
 """Tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2 key/value heads;
 RoPE; SwiGLU), trained unmodified under mpiexec: attention is split by heads, each rank holding one key/value head
-with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run on the same global batch
-ends."""
+with the two query heads that read it, and tp 2 and pp 2 x tp 2 (a layer per stage) end where the unsplit run on the
+same global batch ends. (test_exports_parallel_mpi.py trains the dynamo exports in pp 2 and in pp 2 x tp 2 with
+automatic cuts.)"""
 
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request
                     distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp, "horizontal_parallel_size": 2})
     split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
     assert not [line for line in split if "kept replicated" in line and "self_attn" in line], split
+    regions = [line.split(": ", 1)[1] if pp > 1 else line for line in split]  # a stage's lines name the stage first
+    for marker in (".self_attn.q_proj.", ".mlp.gate_proj."):  # each layer's attention and MLP: a region, not kept
+        assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
+        assert not [line for line in regions if line.startswith("kept") and marker in line], split
     for rank in range(2):
         shapes = rank_parameter_shapes(cfg, rank)
         for layer in range(2):

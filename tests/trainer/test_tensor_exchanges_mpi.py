@@ -21,7 +21,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import run_ranks
+from tests.support.runs import copied_run, run_ranks
 from tests.trainer.test_tensor_mpi import ATOL
 
 pytestmark = pytest.mark.mpi
@@ -49,9 +49,15 @@ def runs_of(trained: dict, name: str):
         exchange = EXCHANGES[name]
         root = trained["factory"].mktemp(name)
         opt = {"name": "adamw", "max_grad_norm": CLIP}
-        whole = gpt_run(root, "dp2", distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY)
-        split = gpt_run(root, "dp2tp2", distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
-                        optimizer=opt, checkpoint=EVERY)
+        done = [trained[other] for other in EXCHANGES if other in trained]
+
+        def make(run_name: str, index: int, **sections):  # the other exchange's runs hold the same artifacts
+            return copied_run(done[0][index], gpt_run, root, run_name, **sections) if done else \
+                gpt_run(root, run_name, **sections)
+
+        whole = make("dp2", 1, distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY)
+        split = make("dp2tp2", 2, distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
+                     optimizer=opt, checkpoint=EVERY)
         out1, out2 = run_ranks(whole, timeout=300), run_ranks(split, timeout=300)
         assert out1.returncode == 0, out1.stdout[-3000:]
         assert out2.returncode == 0, out2.stdout[-3000:]
@@ -114,9 +120,10 @@ def test_adasum_over_pp2_x_tp2_replicas_matches_adasum_over_unsplit_replicas(tra
 
 def test_a_killed_zero1_tensor_parallel_run_resumes_bitwise_from_its_replicas_shards(trained):
     _, _, straight, _, _ = runs_of(trained, "zero1")
-    resumed = gpt_run(straight.output_dir.parent, "resumed", optimizer={"name": "adamw", "max_grad_norm": CLIP},
-                      distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **EXCHANGES["zero1"]},
-                      checkpoint=EVERY)
+    resumed = copied_run(straight, gpt_run, straight.output_dir.parent, "resumed",
+                         optimizer={"name": "adamw", "max_grad_norm": CLIP},
+                         distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **EXCHANGES["zero1"]},
+                         checkpoint=EVERY)
     done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed, timeout=300)

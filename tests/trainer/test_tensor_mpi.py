@@ -1,4 +1,5 @@
-"""Tensor parallelism for real: a 2-layer GPT split over 2 ranks (``mpiexec -n 2``) and 2 x 2 (``-n 4``)."""
+"""Tensor parallelism for real: a 2-layer GPT split over 2 ranks (``mpiexec -n 2``) and 2 x 2 (``-n 4``), trained,
+killed and resumed, merged, exported and warm-started."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import run_ranks
+from tests.support.runs import copied_run, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -54,15 +55,56 @@ def digests(output: str) -> dict[int, tuple[str, str]]:
     return {int(rank): (whole, replicated) for rank, whole, replicated in found}
 
 
+# Every run of the 2-layer GPT here checkpoints after each update, so the split runs also serve as the uninterrupted
+# references of the kill-and-resume tests.
+EVERY = {"period": 1, "max_num_checkpoints": 10}
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    """The 2-layer GPT configured unsplit and for tp 2 (the artifacts depend on the model and the split, not on the
+    ranks, optimizer or steps): each run of this module starts from a copy of one of them (``copied_run``)."""
+    root = tmp_path_factory.mktemp("configured")
+    return {tp: gpt_run(root, f"tp{tp}", distributed={"num_ranks": tp, "horizontal_parallel_size": tp})
+            for tp in (1, 2)}
+
+
+def tp_run(configured: dict, root: Path, name: str, **sections):
+    """:func:`gpt_run` on a copy of the configured artifacts of its tensor-parallel size."""
+    tp = sections.get("distributed", {}).get("horizontal_parallel_size", 1)
+    return copied_run(configured[tp], gpt_run, root, name, **sections)
+
+
+@pytest.fixture(scope="module")
+def trained(configured, tmp_path_factory):
+    """The unsplit and split runs of each (tp, ranks, rule), made once for every test that asks (:func:`runs_of`)."""
+    return {"configured": configured, "factory": tmp_path_factory}
+
+
+def split_sections(ranks: int, rule: str, tp: int = 2) -> dict:
+    """The config sections of the split run of :func:`runs_of` (its kill-and-resume twins use the same)."""
+    return {"distributed": {"num_ranks": ranks, "horizontal_parallel_size": tp}, "checkpoint": EVERY,
+            "optimizer": {"name": rule, "learning_rate": LR[rule]}}
+
+
+def runs_of(trained: dict, tp: int, ranks: int, rule: str):
+    """tp 1 on ranks / tp replicas and tp ``tp`` on ``ranks`` ranks (``rule``; 4 updates, evals after 2 and 4), run
+    to their end: (whole, split, whole's output, split's output)."""
+    key = (tp, ranks, rule)
+    if key not in trained:
+        root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
+        whole = tp_run(trained["configured"], root, "tp1", **{**split_sections(ranks // tp, rule, 1)})
+        split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **split_sections(ranks, rule, tp))
+        out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+        assert out1.returncode == 0, out1.stdout
+        assert out2.returncode == 0, out2.stdout
+        trained[key] = whole, split, out1, out2
+    return trained[key]
+
+
 @pytest.mark.parametrize("tp,ranks,rule", [(2, 2, "adamw"), (2, 4, "sgd"), (2, 4, "adamw")])
-def test_split_trains_to_the_unsplit_parameters(tmp_path, tp, ranks, rule):
-    opt = {"name": rule, "learning_rate": LR[rule]}
-    whole = gpt_run(tmp_path, "tp1", distributed={"num_ranks": ranks // tp}, optimizer=opt)
-    split = gpt_run(tmp_path, f"tp{tp}x{ranks // tp}", distributed={"num_ranks": ranks, "horizontal_parallel_size": tp},
-                    optimizer=opt)
-    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
-    assert out1.returncode == 0, out1.stdout
-    assert out2.returncode == 0, out2.stdout
+def test_split_trains_to_the_unsplit_parameters(trained, tp, ranks, rule):
+    whole, split, out1, out2 = runs_of(trained, tp, ranks, rule)
     p1, p2 = read_params(newest(whole)), read_params(newest(split))  # the split one's slices merged
     assert sorted(p1) == sorted(p2)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
@@ -103,31 +145,29 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
     assert p2["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # merged back from the per-part slices
 
 
-TP2 = {"distributed": {"num_ranks": 2, "horizontal_parallel_size": 2}, "train": {"evaluation_period": 0},
-       "checkpoint": {"period": 1, "max_num_checkpoints": 10}}
-
-
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """One finished tp 2 run (AdamW, 4 updates, a checkpoint after each), shared by the kill/resume test (the
-    uninterrupted reference), the merge/export test (its last checkpoint) and the resharding test (its step-2 one)."""
-    cfg = gpt_run(tmp_path_factory.mktemp("tp2"), "straight", **TP2)
-    out = run_ranks(cfg)
-    assert out.returncode == 0, out.stdout[-3000:]
-    return cfg
+def straight(trained):
+    """The finished tp 2 run on 2 ranks (AdamW, 4 updates, a checkpoint after each), shared by the kill/resume test
+    (the uninterrupted reference), the merge/export test (its last checkpoint) and the resharding test (its step-2
+    one)."""
+    return runs_of(trained, 2, 2, "adamw")[1]
 
 
-def test_kill_and_resume_is_bitwise_identical(straight):
-    resumed = gpt_run(straight.output_dir.parent, "resumed", **TP2)
-    done = kill_after_first_checkpoint(resumed)
+@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "tp2xdp2"])
+def test_kill_and_resume_is_bitwise_identical(trained, ranks):
+    """A tp 2 run (on 2 ranks, and as 2 replicas on 4) killed after its first checkpoint resumes from it and ends with
+    every tensor-parallel rank's files bitwise those of the uninterrupted run (:func:`runs_of`)."""
+    straight = runs_of(trained, 2, ranks, "adamw")[1]
+    resumed = tp_run(trained["configured"], straight.output_dir.parent, "resumed", **split_sections(ranks, "adamw"))
+    done = kill_after_first_checkpoint(resumed, wait_s=180)
     assert done and done[-1] < 4, done
-    out = run_ranks(resumed)
+    out = run_ranks(resumed, timeout=300)
     assert out.returncode == 0, out.stdout
     assert f"starting from step {done[-1]}" in out.stdout
     folder = newest(resumed)
     assert {f.name for f in folder.iterdir()} == {"meta.json"} | {tp_file(k, t, 2) for k in ("params", "optimizer")
                                                                   for t in range(2)}
-    for kind in ("params", "optimizer"):  # every rank's own files, bit for bit
+    for kind in ("params", "optimizer"):  # every tensor-parallel rank's own files, bit for bit
         for t in range(2):
             assert h5_arrays(newest(straight) / tp_file(kind, t, 2)) == h5_arrays(folder / tp_file(kind, t, 2))
 
@@ -161,31 +201,34 @@ def test_slices_merge_into_whole_tensors_and_export_equals_the_unsplit_eval_grap
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
 
 
-def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path, straight):
+def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_another_size(tmp_path, configured,
+                                                                                       straight):
     folder = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 2)
-    whole = gpt_run(tmp_path, "tp1", distributed={"num_ranks": 1}, train={"num_train_steps": 8, "evaluation_period": 0},
-                    checkpoint={"checkpoint_to_load_path": str(folder)})
+    whole = tp_run(configured, tmp_path, "tp1", distributed={"num_ranks": 1},
+                   train={"num_train_steps": 8, "evaluation_period": 0},
+                   checkpoint={"checkpoint_to_load_path": str(folder)})
     out = run_ranks(whole)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "starting from step 2" in out.stdout  # params and AdamW moments merged from both ranks' files
-    back = gpt_run(tmp_path, "tp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
-                   train={"num_train_steps": 12, "evaluation_period": 0},
-                   checkpoint={"checkpoint_to_load_path": str(newest(whole))})
+    back = tp_run(configured, tmp_path, "tp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                  train={"num_train_steps": 12, "evaluation_period": 0},
+                  checkpoint={"checkpoint_to_load_path": str(newest(whole))})
     out = run_ranks(back)
     assert out.returncode != 0
     assert "was written with distributed.horizontal_parallel_size 1 but this run has 2" in out.stdout, \
         out.stdout[-3000:]
 
 
-def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path):
+def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path, configured):
     opt = {"name": "sgd", "learning_rate": LR["sgd"]}
     short = {"num_train_steps": 4, "evaluation_period": 0}
-    first = gpt_run(tmp_path, "first", distributed={"num_ranks": 1}, optimizer=opt, train=short)
+    first = tp_run(configured, tmp_path, "first", distributed={"num_ranks": 1}, optimizer=opt, train=short)
     assert run_ranks(first).returncode == 0
     start = {"init_from": str(newest(first))}  # params.h5 of an unsplit run
-    whole = gpt_run(tmp_path, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short, checkpoint=start)
-    split = gpt_run(tmp_path, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt,
-                    train=short, checkpoint=start)
+    whole = tp_run(configured, tmp_path, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short,
+                   checkpoint=start)
+    split = tp_run(configured, tmp_path, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                   optimizer=opt, train=short, checkpoint=start)
     out1, out2 = run_ranks(whole), run_ranks(split)
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
@@ -196,18 +239,19 @@ def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path)
     assert max(float(np.abs(p1[n] - reference[n]).max()) for n in p1) > 1e3 * ATOL["sgd"]  # it trained on from there
 
 
-def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(tmp_path):
+def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(tmp_path, configured):
     # global batch 8 on tp 2 x dp 1: each update sees 8 samples, so 2 updates read 16 (the cursor says so)
     train = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
-    split = gpt_run(tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, train=train)
+    split = tp_run(configured, tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+                   train=train)
     out = run_ranks(split)
     assert out.returncode == 0, out.stdout[-3000:]
     info = list_complete(split.checkpoints_dir)[-1]
     assert info.meta["global_cursor"] == info.step * 8, info.meta
 
 
-def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(tmp_path):
-    cfg = gpt_run(tmp_path, "hang", distributed={"num_ranks": 2, "horizontal_parallel_size": 2,
+def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(tmp_path, configured):
+    cfg = tp_run(configured, tmp_path, "hang", distributed={"num_ranks": 2, "horizontal_parallel_size": 2,
                                                  "collective_timeout_s": 2.0})
     started = time.monotonic()
     out = run_ranks(cfg, str(Path(__file__).with_name("fault_tensor.py")), timeout=60)
