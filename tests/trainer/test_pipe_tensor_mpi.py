@@ -22,7 +22,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import run_ranks
+from tests.support.runs import copied_run, run_ranks
 from tests.trainer.test_tensor_mpi import ATOL, digests
 
 pytestmark = pytest.mark.mpi
@@ -69,7 +69,7 @@ def test_pp2_tp2_trains_to_the_unsplit_parameters_and_tp_ranks_agree(runs):
 
 def test_kill_and_resume_is_bitwise_identical(runs):
     root, _, straight, _, _ = runs
-    resumed = gpt_run(root, "resumed", distributed=PP_TP, checkpoint=EVERY)
+    resumed = copied_run(straight, gpt_run, root, "resumed", distributed=PP_TP, checkpoint=EVERY)
     done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed, timeout=300)
@@ -111,10 +111,12 @@ def test_merge_rebuilds_whole_tensors_and_export_equals_the_unsplit_eval_graph(r
 
 
 @pytest.mark.slow
-def test_dp2_pp2_tp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_replicas(tmp_path):
+def test_dp2_pp2_tp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_replicas(tmp_path, runs):
     opt = {"name": "sgd", "learning_rate": 1e-2}
-    whole = gpt_run(tmp_path, "dp2", distributed={"num_ranks": 2}, optimizer=opt)
-    split = gpt_run(tmp_path, "dp2pp2tp2", distributed={**PP_TP, "num_ranks": 8}, optimizer=opt)
+    _, configured_whole, configured_split, _, _ = runs  # the same model and split: their artifacts, copied
+    whole = copied_run(configured_whole, gpt_run, tmp_path, "dp2", distributed={"num_ranks": 2}, optimizer=opt)
+    split = copied_run(configured_split, gpt_run, tmp_path, "dp2pp2tp2", distributed={**PP_TP, "num_ranks": 8},
+                       optimizer=opt)
     out1, out2 = run_ranks(whole), run_ranks(split, timeout=400)
     assert out1.returncode == 0, out1.stdout[-3000:]
     assert out2.returncode == 0, out2.stdout[-3000:]
