@@ -12,10 +12,10 @@ from tests.support.runs import make_run
 SEQ = 32
 #: Updates of every run: a layout that computes a wrong gradient moves weights by ~lr each update, so 4 show it.
 UPDATES = 4
-# UPDATES updates of 2 micro-batches of 2 windows (num_train_steps counts micro-batches), an eval after updates 2 and 4
-# (an eval split of 0.05 of the corpus).
+# UPDATES updates of 2 micro-batches of 2 windows (num_train_steps counts micro-batches), an eval of 8 rows after
+# updates 2 and 4 (an eval split of 0.05 of the corpus).
 TRAIN = {"batch_size": 2, "num_train_steps": 2 * UPDATES, "gradient_accumulation_steps": 2, "evaluation_period": 2,
-         "display_loss_steps": 1}
+         "max_eval_rows": 8, "display_loss_steps": 1}
 
 
 def gpt2_run(root: Path, name: str, export: str = "gpt2.onnx", **sections):
