@@ -93,7 +93,7 @@ def runs_of(trained: dict, tp: int, ranks: int, rule: str):
     key = (tp, ranks, rule)
     if key not in trained:
         root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
-        whole = tp_run(trained["configured"], root, "tp1", **{**split_sections(ranks // tp, rule, 1)})
+        whole = tp_run(trained["configured"], root, "tp1", **split_sections(ranks // tp, rule, 1))
         split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **split_sections(ranks, rule, tp))
         out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
         assert out1.returncode == 0, out1.stdout
