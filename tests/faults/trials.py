@@ -136,10 +136,10 @@ def kill_in_save_trial(root: Path, reference: dict, phase: str, rng: random.Rand
 def signal_trial(root: Path, target: str, sig: int, name: str) -> Outcome:
     """SIGTERM/SIGINT to part of the job: every rank stops at one update, a stop checkpoint, exit 128+sig, in grace."""
     category = f"stop-{signal.Signals(sig).name}-{target}"
-    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 50}, checkpoint={"period": 0})
+    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 5}, checkpoint={"period": 0})
     proc = procs.start_train(cfg.output_dir)
     try:
-        procs.wait_for_step(cfg.output_dir, 100, proc)
+        procs.wait_for_step(cfg.output_dir, 10, proc)
         everything = [proc.pid, *procs.descendants(proc.pid)]
         start = time.monotonic()
         procs.signal_target(proc, target, sig)
@@ -172,10 +172,10 @@ def signal_trial(root: Path, target: str, sig: int, name: str) -> Outcome:
 
 def orphan_trial(root: Path, target: str, name: str) -> Outcome:
     """SIGKILL ``ortflow train``, the launcher or a proxy: every rank exits within 2 s."""
-    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 200}, checkpoint={"period": 0})
+    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 20}, checkpoint={"period": 0})
     proc = procs.start_train(cfg.output_dir)
     try:
-        procs.wait_for_step(cfg.output_dir, 200, proc)
+        procs.wait_for_step(cfg.output_dir, 20, proc)
         ranks = procs.ranks_of(proc.pid)
         tree = procs.descendants(proc.pid)
         victim = {"cli": proc.pid, "launcher": procs.launcher_of(proc.pid)}.get(target) or next(
