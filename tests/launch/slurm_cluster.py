@@ -61,6 +61,9 @@ def _config(root: Path, nodes: list[str], cpus: int, munge_socket: Path) -> str:
         "SelectTypeParameters=CR_Core",
         "ReturnToService=2",
         "SchedulerType=sched/backfill",
+        # The main scheduler looks at pending jobs every second (60 s by default): a requeued job starts as soon as
+        # its hold (cred_expire) ends.
+        "SchedulerParameters=sched_interval=1",
         "JobRequeue=1",
         "KillWait=30",
         "MinJobAge=600",
