@@ -30,14 +30,8 @@ def check(outcome: trials.Outcome) -> None:
     assert outcome.ok, f"{outcome.category}: {outcome.detail}"
 
 
-@pytest.mark.parametrize("target", ["rank", "cli"])
-def test_a_random_kill_resumes_bit_identical(root, reference, target):
-    check(trials.kill_trial(root, reference, target, random.Random(target), f"kill-{target}"))
-
-
-@pytest.mark.parametrize("phase", ["write"])
-def test_a_kill_inside_checkpointing_resumes_bit_identical(root, reference, phase):
-    check(trials.kill_in_save_trial(root, reference, phase, random.Random(phase), f"save-{phase}"))
+def test_a_kill_inside_checkpointing_then_of_a_random_rank_then_of_the_cli_each_resume_bit_identical(root, reference):
+    check(trials.chained_kill_trial(root, reference, random.Random("chain"), "kill-chain"))
 
 
 @pytest.mark.parametrize("target, sig", [

@@ -27,7 +27,8 @@ def root(tmp_path_factory):
 @pytest.mark.mpi
 @pytest.mark.faults
 @pytest.mark.parametrize("target", ["cli", "launcher", "proxy"])
-def test_a_stopped_launcher_aborts_the_job_within_the_timeout_naming_it(root, target):
+def test_a_stopped_launcher_aborts_the_job_within_the_timeout_naming_it_and_a_stopped_proxy_is_ended_with_status_3(
+        root, target):
     check(launcher.stopped_launcher_trial(root, target, f"stopped-{target}"))
 
 

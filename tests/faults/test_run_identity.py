@@ -44,20 +44,6 @@ def _steps(folder: Path) -> dict[int, str]:
     return {c.step: c.meta["run"]["run_id"] for c in list_complete(folder)}
 
 
-def test_a_moved_run_folder_resumes_in_its_new_place(tmp_path):
-    cfg = _trained(tmp_path, "run")
-    before = _steps(cfg.checkpoints_dir)
-    moved = tmp_path / "elsewhere" / "moved"
-    moved.parent.mkdir()
-    shutil.move(cfg.output_dir, moved)
-    _set(moved, "train", "num_train_steps", 6)
-    out = _ortflow("train", str(moved), "--accept-changed-config")
-    assert out.returncode == 0, out.stdout[-3000:]
-    after = _steps(moved / "checkpoints")
-    assert max(after) == 6 and set(after.values()) == set(before.values()), (before, after)  # the same run went on
-    assert not cfg.output_dir.exists(), "something was written at the old place (a lock folder?)"
-
-
 def test_a_copied_run_folder_is_a_new_run_that_leaves_the_originals_checkpoints_alone(tmp_path):
     shared = tmp_path / "shared-checkpoints"
     first = _trained(tmp_path, "exp1", checkpoint={"dir": str(shared)})
@@ -74,11 +60,24 @@ def test_a_copied_run_folder_is_a_new_run_that_leaves_the_originals_checkpoints_
     assert again.returncode == 0, again.stdout[-3000:]
 
 
-def test_a_damaged_run_record_does_not_disown_the_runs_checkpoints(tmp_path):
+def test_a_damaged_run_record_does_not_disown_the_runs_checkpoints_and_a_moved_run_folder_resumes_in_its_new_place(
+        tmp_path):
     cfg = _trained(tmp_path, "run")
+    before = _steps(cfg.checkpoints_dir)
     record = cfg.output_dir / ".ortflow" / "run.json"
     record.write_text(record.read_text()[:10])
     _set(cfg.output_dir, "train", "num_train_steps", 6)
     out = _ortflow("train", str(cfg.output_dir), "--accept-changed-config")
     assert out.returncode == 0, out.stdout[-3000:]
-    assert max(_steps(cfg.checkpoints_dir)) == 6 and len(set(_steps(cfg.checkpoints_dir).values())) == 1
+    repaired = _steps(cfg.checkpoints_dir)
+    assert max(repaired) == 6 and set(repaired.values()) == set(before.values()), (before, repaired)  # one run
+
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    shutil.move(cfg.output_dir, moved)
+    _set(moved, "train", "num_train_steps", 8)
+    out = _ortflow("train", str(moved), "--accept-changed-config")
+    assert out.returncode == 0, out.stdout[-3000:]
+    after = _steps(moved / "checkpoints")
+    assert max(after) == 8 and set(after.values()) == set(before.values()), (before, after)  # the same run went on
+    assert not cfg.output_dir.exists(), "something was written at the old place (a lock folder?)"

@@ -19,6 +19,7 @@ import numpy as np
 
 from ortflow.checkpoints import CheckpointError, list_complete, verify
 from ortflow.config import RunConfig
+from ortflow.trainer.metrics import read_progress
 from tests.faults import procs
 from tests.support.runs import final_parameters, make_run, run_ranks
 
@@ -81,10 +82,17 @@ def _resume_to_end(cfg: RunConfig) -> subprocess.CompletedProcess:
 def kill_trial(root: Path, reference: dict, target: str, rng: random.Random, name: str) -> Outcome:
     """SIGKILL a rank, the launcher or ``ortflow train`` at a random step; resume; parameters equal the reference."""
     cfg = fresh_run(root, name)
+    at, left = _kill_running(cfg, target, rng.randint(2, 250), rng)
+    return _resumed_outcome(cfg, reference, f"kill-{target}", f"killed near step {at}", left)
+
+
+def _kill_running(cfg: RunConfig, target: str, step: int, rng: random.Random) -> tuple[int, list[int]]:
+    """Start ``ortflow train`` on the run and SIGKILL ``target`` once it reaches ``step``; returns the step seen and
+    the processes still alive 10 s after the kill."""
     proc = procs.start_train(cfg.output_dir)
     procs.drain(proc)  # nobody else reads its output here
     try:
-        at = procs.wait_for_step(cfg.output_dir, rng.randint(2, 250), proc)
+        at = procs.wait_for_step(cfg.output_dir, step, proc)
         time.sleep(rng.random() * 0.05)  # anywhere inside a step, an eval or a checkpoint write
         if target == "rank":
             pids = [rng.choice(procs.ranks_of(proc.pid))]
@@ -102,7 +110,30 @@ def kill_trial(root: Path, reference: dict, target: str, rng: random.Random, nam
     finally:
         procs.kill_tree(proc.pid)
         proc.wait()
-    return _resumed_outcome(cfg, reference, f"kill-{target}", f"killed near step {at}", left)
+    return at, left
+
+
+def chained_kill_trial(root: Path, reference: dict, rng: random.Random, name: str) -> Outcome:
+    """One run killed three times, each kill resumed by the next job: rank 0 inside the checkpoint write of a random
+    update, then a random rank, then ``ortflow train`` at random steps; every checkpoint verifies after each kill and
+    the final parameters equal the reference."""
+    cfg = fresh_run(root, name)
+    update = rng.choice([10, 15, 20, 25])
+    out = run_ranks(cfg, INJECT, f"kill-write:0:{update}", timeout=120)
+    if out.returncode == 0:
+        return Outcome("kill-chain", False, "the injected kill did not happen")
+    what = [f"rank 0 killed in the write of step {update}"]
+    for target in ("rank", "cli"):
+        damaged = _all_verify(cfg)
+        if damaged:
+            return Outcome("kill-chain", False, f"{'; '.join(what)}: a checkpoint was damaged: {damaged}")
+        # A step this job reaches (the progress record before it is the killed job's), before the end (step 300).
+        step = (read_progress(cfg.output_dir) or {}).get("step", 0) + rng.randint(2, 100)
+        at, left = _kill_running(cfg, target, step, rng)
+        what.append(f"{target} killed near step {at}")
+        if left:
+            return Outcome("kill-chain", False, f"{'; '.join(what)}: processes {left} outlived the kill by 10 s")
+    return _resumed_outcome(cfg, reference, "kill-chain", "; ".join(what), [])
 
 
 def _resumed_outcome(cfg: RunConfig, reference: dict, category: str, what: str, left: list[int]) -> Outcome:
@@ -136,10 +167,10 @@ def kill_in_save_trial(root: Path, reference: dict, phase: str, rng: random.Rand
 def signal_trial(root: Path, target: str, sig: int, name: str) -> Outcome:
     """SIGTERM/SIGINT to part of the job: every rank stops at one update, a stop checkpoint, exit 128+sig, in grace."""
     category = f"stop-{signal.Signals(sig).name}-{target}"
-    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 50}, checkpoint={"period": 0})
+    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 5}, checkpoint={"period": 0})
     proc = procs.start_train(cfg.output_dir)
     try:
-        procs.wait_for_step(cfg.output_dir, 100, proc)
+        procs.wait_for_step(cfg.output_dir, 10, proc)
         everything = [proc.pid, *procs.descendants(proc.pid)]
         start = time.monotonic()
         procs.signal_target(proc, target, sig)
@@ -172,10 +203,10 @@ def signal_trial(root: Path, target: str, sig: int, name: str) -> Outcome:
 
 def orphan_trial(root: Path, target: str, name: str) -> Outcome:
     """SIGKILL ``ortflow train``, the launcher or a proxy: every rank exits within 2 s."""
-    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 200}, checkpoint={"period": 0})
+    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 20}, checkpoint={"period": 0})
     proc = procs.start_train(cfg.output_dir)
     try:
-        procs.wait_for_step(cfg.output_dir, 200, proc)
+        procs.wait_for_step(cfg.output_dir, 20, proc)
         ranks = procs.ranks_of(proc.pid)
         tree = procs.descendants(proc.pid)
         victim = {"cli": proc.pid, "launcher": procs.launcher_of(proc.pid)}.get(target) or next(

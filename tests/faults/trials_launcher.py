@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ortflow.protocol import EXIT_STALLED
 from tests.faults import procs
 from tests.faults.trials import Outcome, fresh_run
 
@@ -30,7 +31,8 @@ def _victim(proc: subprocess.Popen, target: str) -> int:
 
 
 def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
-    """SIGSTOP ``target`` for good: every rank gone within timeout + 2 s, the job's exit names the stopped process."""
+    """SIGSTOP ``target`` for good: every rank gone within timeout + 2 s, the job's exit names the stopped process;
+    a stopped proxy is itself ended (not left stopped), nothing of the job is left and it exits 3."""
     category = f"stopped-{target}"
     cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
                     train={"num_train_steps": 200000, "display_loss_steps": 1}, checkpoint={"period": 0})
@@ -39,6 +41,7 @@ def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
     try:
         procs.wait_for_step(cfg.output_dir, 30, proc)
         victim = _victim(proc, target)
+        tree = procs.descendants(proc.pid)
         ranks = [p for p in procs.ranks_of(proc.pid) if "hydra" not in procs.cmdline(p).split(" ")[0]
                  and p != procs.launcher_of(proc.pid)]  # mpiexec's own command line names the trainer too
         os.kill(victim, signal.SIGSTOP)
@@ -47,6 +50,8 @@ def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
             time.sleep(0.02)
         took = time.monotonic() - start
         left = procs.alive(ranks)
+        # A stopped proxy is ended with the job, not left stopped (nobody continues it here).
+        kept = _left_within([victim], 15) if target == "proxy" else []
         try:
             os.kill(victim, signal.SIGCONT)  # a stopped `ortflow train` reports once continued
         except ProcessLookupError:
@@ -55,16 +60,28 @@ def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             return Outcome(category, False, f"ranks gone after {took:.1f} s, but `ortflow train` did not exit")
+        if target == "proxy":
+            kept += _left_within(tree, 15)
     finally:
         procs.kill_tree(proc.pid)
         proc.wait()
     time.sleep(0.2)  # the reader thread's last lines
     text = "\n".join(lines)
     named = {"cli": "the launching process", "launcher": "'mpiexec'", "proxy": "hydra_pmi_proxy"}[target]
-    ok = not left and took <= TIMEOUT_S + 2.0 and proc.returncode != 0 and named in text and "stopped for" in text
+    status_ok = proc.returncode == EXIT_STALLED if target == "proxy" else proc.returncode != 0
+    ok = not left and not kept and took <= TIMEOUT_S + 2.0 and status_ok and named in text and "stopped for" in text
     return Outcome(category, ok, f"ranks gone {took:.1f} s after the stop (timeout {TIMEOUT_S:g} s), exit "
                    f"{proc.returncode}, {named} {'named' if named in text else 'NOT named'}"
+                   + (f", left behind: {[procs.cmdline(p) for p in kept]}" if kept else "")
                    + ("" if ok else f": {text[-600:]}"))
+
+
+def _left_within(pids: list[int], seconds: float) -> list[int]:
+    """Those of ``pids`` still alive after up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while procs.alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return procs.alive(pids)
 
 
 def paused_trial(root: Path, targets: tuple[str, ...], name: str) -> Outcome:

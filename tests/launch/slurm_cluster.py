@@ -61,6 +61,9 @@ def _config(root: Path, nodes: list[str], cpus: int, munge_socket: Path) -> str:
         "SelectTypeParameters=CR_Core",
         "ReturnToService=2",
         "SchedulerType=sched/backfill",
+        # The main scheduler looks at pending jobs every second (60 s by default): a requeued job starts as soon as
+        # its hold (cred_expire) ends.
+        "SchedulerParameters=sched_interval=1",
         "JobRequeue=1",
         "KillWait=30",
         "MinJobAge=600",
@@ -80,22 +83,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(pid_file: Path) -> None:
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+def _stop(pid_files: list[Path]) -> None:
+    """SIGTERM every daemon at once and wait for each to exit (SIGKILL after 30 s): each takes a few seconds."""
+    pids = []
+    for pid_file in pid_files:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+            pids.append(int(pid_file.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[-1], signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -127,8 +139,7 @@ def slurm_cluster(root: Path, num_nodes: int = 2, cpus: int = 1) -> Iterator[dic
         _wait_idle(env, root, num_nodes)
         yield env
     finally:
-        for pid_file in reversed(started):
-            _stop(pid_file)
+        _stop(started)
 
 
 def _wait_idle(env: dict[str, str], root: Path, num_nodes: int, timeout_s: float = 120) -> None:

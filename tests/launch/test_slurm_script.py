@@ -261,7 +261,8 @@ while :; do sleep 0.05; done
 def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None,
                requeue: bool = True) -> tuple[int, str]:
     """Run the job script with bash as Slurm would (fake ranks and a fake scontrol), send it ``signal_name`` once the
-    ranks run (or, with a setup that waits, during the setup), and return its exit status and output."""
+    ranks run (or, with a setup that waits for $RELEASED, during the setup, which then ends), and return its exit
+    status and output."""
     import os
     import signal
     import time
@@ -277,13 +278,16 @@ def run_script(tmp_path: Path, signal_name: str, setup: list[str] | None = None,
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render_script(cfg, cfg.output_dir, bin_dir / "ranks", "mpich", "python"))
     started = tmp_path / ("setup-started" if setup else "started")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "STARTED": str(started)}
+    released = tmp_path / "released"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "STARTED": str(started),
+           "RELEASED": str(released)}  # fmt: skip
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
     deadline = time.monotonic() + 60
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(getattr(signal, signal_name))
+    released.touch()  # bash runs the trap before the command after the one the signal interrupted
     out, _ = proc.communicate(timeout=60)
     return proc.returncode, out + ((tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists()
                                    else "")  # fmt: skip
@@ -302,7 +306,8 @@ def test_scancel_stops_the_ranks_without_a_requeue(tmp_path):
 
 
 def test_the_time_limit_signal_during_the_setup_keeps_the_ranks_from_starting(tmp_path):
-    code, out = run_script(tmp_path, "SIGUSR1", setup=['touch "$STARTED"', "for i in $(seq 200); do sleep 0.05; done"])
+    code, out = run_script(tmp_path, "SIGUSR1", setup=['touch "$STARTED"',
+                                                        'while [ ! -e "$RELEASED" ]; do sleep 0.05; done'])
     assert not (tmp_path / "started").exists() and "requeue 42" in out and code == 0
 
 

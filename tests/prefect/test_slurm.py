@@ -7,6 +7,7 @@ request the cluster could never start is refused before configure."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ UNAVAILABLE = unavailable()
 pytestmark = [pytest.mark.prefect, pytest.mark.slurm,
               pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
 
+ORTFLOW = str(Path(sys.executable).parent / "ortflow")
 #: The test cluster's two nodes of one CPU each: one rank on each.
 TWO_NODES = {"num_nodes": 2}
 
@@ -58,6 +60,13 @@ def job_state(job_id: str) -> str:
 def in_queue(job_id: str) -> bool:
     out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True)
     return bool(out.stdout.strip())
+
+
+def send(pids: list[int], sig: int) -> None:
+    """Signal each of the processes that still exists."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def job_output(run_dir: Path, job_id: str) -> str:
@@ -121,46 +130,52 @@ def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, pref
 
 
 def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp_sources, tmp_path):
-    sections = {"train": {"num_train_steps": 1500, "display_loss_steps": 50, "evaluation_period": 0},
-                "checkpoint": {"period": 100, "max_num_checkpoints": 2}}
-    ortflow = str(Path(sys.executable).parent / "ortflow")
-    runs = {}
-    for name in ("plain", "requeued"):
-        cfg = mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES, **sections)
-        for command in (["configure"], ["prepare-data"]):
-            done = subprocess.run([ortflow, *command, str(write_config(cfg, tmp_path / f"{name}.yaml"))],
-                                  capture_output=True, text=True, timeout=300)  # fmt: skip
-            assert done.returncode == 0, done.stdout + done.stderr
-        runs[name] = cfg
+    import signal
 
-    # The uninterrupted reference runs here (the same 2 ranks x 1 thread, mpiexec without Slurm).
-    plain = subprocess.run([ortflow, "train", str(runs["plain"].output_dir), "--launcher", "local"],
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    from tests.support.prefect_runs import rank_pids
 
+    steps = 300
+    sections = {"train": {"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
+                "checkpoint": {"period": 50, "max_num_checkpoints": 2}}  # fmt: skip
+    runs = {name: mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                             **sections) for name in ("plain", "requeued")}  # fmt: skip
+    for name, cfg in runs.items():
+        prepared(cfg, tmp_path, name)
+
+    # The uninterrupted reference runs here meanwhile (the same 2 ranks x 1 thread, mpiexec without Slurm).
+    plain = subprocess.Popen([ORTFLOW, "train", str(runs["plain"].output_dir), "--launcher", "local"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     cfg = runs["requeued"]
+    out_file = lambda: cfg.output_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
+    job_id, paused = None, []
     with (tmp_path / "requeued.log").open("w") as log:
-        proc = subprocess.Popen([ortflow, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
+        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
                                 stderr=subprocess.STDOUT)  # fmt: skip
         try:
             job_id = wait_for(lambda: (read_record(cfg.output_dir) or {}).get("job_id"), 120, "the job id")
-            wait_for(lambda: any(c.step >= 100 for c in list_complete(cfg.checkpoints_dir)), 300,
-                     "the first checkpoint")  # fmt: skip
+            wait_for(lambda: list_complete(cfg.checkpoints_dir), 300, "the first checkpoint", interval=0.01)
+            # The ranks wait (paused) for the requeue, however far this machine's speed would have taken them.
+            paused = rank_pids(cfg.output_dir)
+            send(paused, signal.SIGSTOP)
             requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
             assert requeue.returncode == 0, requeue.stderr
-            # Slurm holds a requeued job back (BeginTime, about 2 min); start it as soon as it is pending again.
-            wait_for(lambda: job_state(job_id) == "PENDING", 120, "the requeued job to be pending")
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
-            assert proc.wait(timeout=600) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
+            wait_for(lambda: "ortflow: SIGTERM" in out_file().read_text(), 120, "Slurm to stop the job's script")
+            send(paused, signal.SIGCONT)
+            paused = []
+            # Slurm holds the requeued job back for cred_expire (10 s on the test cluster), then starts it again.
+            assert proc.wait(timeout=300) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
         finally:
+            send(paused, signal.SIGCONT)
             if proc.poll() is None:
                 proc.kill()
-                subprocess.run(["scancel", job_id], check=False)
+                subprocess.run(["scancel", str(job_id)], check=False)
+            reference_output = plain.communicate(timeout=300)[0]
+    assert plain.returncode == 0, reference_output[-3000:]
     output = job_output(cfg.output_dir, job_id)
     assert f"slurm job {job_id} attempt 1" in output, output[-3000:]  # the same job id ran a second time
     resumed = re.findall(r"rank 0/2 .* starting from (.*)", output)
     assert resumed[0] == "the initial weights" and resumed[-1].startswith("step "), resumed
-    assert read_progress(cfg.output_dir)["step"] == 1500
+    assert read_progress(cfg.output_dir)["step"] == steps
     ours, reference = final_parameters(cfg), final_parameters(runs["plain"])
     assert ours.keys() == reference.keys()
     for name in reference:
@@ -173,12 +188,9 @@ def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(s
     cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
                      train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
                      checkpoint={"period": 100000, "max_num_checkpoints": 1})
-    ortflow = str(Path(sys.executable).parent / "ortflow")
-    config_file = write_config(cfg, tmp_path / "cli.yaml")
-    for command in ("configure", "prepare-data"):
-        assert subprocess.run([ortflow, command, str(config_file)], capture_output=True, timeout=300).returncode == 0
+    prepared(cfg, tmp_path, "cli")
     with (tmp_path / "cli.log").open("w") as log:
-        proc = subprocess.Popen([ortflow, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
             job_id = read_record(cfg.output_dir)["job_id"]
@@ -195,69 +207,85 @@ def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(s
 
 
 def prepared(cfg, tmp_path: Path, name: str) -> Path:
-    """Configure the run and prepare its data with the CLI; returns the config file."""
-    config_file = write_config(cfg, tmp_path / f"{name}.yaml")
-    for command in ("configure", "prepare-data"):
-        done = subprocess.run([ORTFLOW, command, str(config_file)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-    return config_file
+    """Configure the run and prepare its data (in this process: the stages' own code, no CLI start-up)."""
+    from ortflow.configure.configure import configure
+    from ortflow.dataprep import prepare_data
+
+    configure(cfg)
+    prepare_data(cfg)
+    return write_config(cfg, tmp_path / f"{name}.yaml")
 
 
-ORTFLOW = str(Path(sys.executable).parent / "ortflow")
 LIMIT_LINE = "ortflow: the time limit is near"
+#: Rank 0 says where the ranks stopped.
+STOP_LINE = re.compile(r"\[0\] .* ranks stopped together after step (\d+)")
+REQUEUED_LINE = "requeued; the next allocation resumes"
 
 
 def test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_failed_attempt(
         slurm, mlp_sources, tmp_path):
     import signal
+    import time
 
     from tests.support.prefect_runs import processes_mentioning
 
-    steps = 1500
+    # Slurm checks time limits every 30 s and sends the --signal up to 30 s early: with a 2-minute limit and the
+    # signal 80 s before it, an allocation gets it 10-40 s after it starts, and its limit comes 80 s or more after
+    # that, whatever the load: time for the ranks to stop with a checkpoint and the job to requeue itself.
+    steps, share = 300, 50
     cfg = mlp_config(tmp_path, mlp_sources, "limited", distributed={"launcher": "slurm"},
-                     slurm={**TWO_NODES, "time_limit": "1", "stop_signal_s": 45},
-                     train={"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
-                     checkpoint={"period": 100, "max_num_checkpoints": 2})  # fmt: skip
+                     slurm={**TWO_NODES, "time_limit": "2", "stop_signal_s": 80},
+                     train={"num_train_steps": steps, "display_loss_steps": 1, "evaluation_period": 0},
+                     checkpoint={"period": 0, "max_num_checkpoints": 2})  # fmt: skip
     prepared(cfg, tmp_path, "limited")
     run_dir = cfg.output_dir
+    deadline = time.monotonic() + 500  # the whole run, within pytest's timeout
+    left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     ranks = lambda: processes_mentioning(f"-m ortflow.trainer {run_dir}")  # noqa: E731
     out_file = lambda: run_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
-    limits_seen = lambda: out_file().read_text().count(LIMIT_LINE) if out_file().exists() else 0  # noqa: E731
+    text = lambda: out_file().read_text() if out_file().exists() else ""  # noqa: E731
+    seen = lambda line: len(line.findall(text())) if isinstance(line, re.Pattern) else text().count(line)  # noqa: E731
+    step = lambda: (read_progress(run_dir) or {}).get("step", 0)  # noqa: E731
     job_id = None
     with (tmp_path / "limited.log").open("w") as log:
         proc = subprocess.Popen([ORTFLOW, "train", str(run_dir), "--launcher", "slurm"], stdout=log,
                                 stderr=subprocess.STDOUT)  # fmt: skip
         paused: list[int] = []
         try:
-            job_id = wait_for(lambda: (read_record(run_dir) or {}).get("job_id"), 120, "the job id")
-            for allocation in (0, 1):
-                # Stand in for a machine too slow to finish within two allocations, whatever this one's speed: once
-                # an allocation has trained past its share, its ranks pause until Slurm's time-limit signal comes.
-                share = steps * (allocation + 1) // 3
-                trained = lambda n=allocation, s=share: (  # noqa: E731
-                    limits_seen() > n or (read_progress(run_dir) or {}).get("step", 0) >= s)
-                wait_for(trained, 240, f"allocation {allocation} to train {share} steps or reach its time limit")
-                if limits_seen() <= allocation:
+            job_id = wait_for(lambda: (read_record(run_dir) or {}).get("job_id"), left(), "the job id")
+            # Stand in for a machine too slow to finish in two allocations, whatever this one's speed: each
+            # allocation's ranks pause once they have trained their share, until Slurm's time-limit signal comes.
+            # An allocation whose signal comes before its ranks trained (or started) just adds one more.
+            while seen(STOP_LINE) < 2:
+                limits, target = seen(LIMIT_LINE), step() + share
+                wait_for(lambda n=limits, t=target: seen(LIMIT_LINE) > n or step() >= t, left(),
+                         f"the allocation to train to step {target} or reach its time limit", interval=0.01)
+                if seen(LIMIT_LINE) == limits:
                     paused = ranks()
-                    for pid in paused:
-                        os.kill(pid, signal.SIGSTOP)
-                wait_for(lambda n=allocation: limits_seen() > n, 240, f"allocation {allocation}'s time-limit signal")
-                for pid in paused:
-                    os.kill(pid, signal.SIGCONT)  # the stop signal waits for them: they stop with a checkpoint
+                    send(paused, signal.SIGSTOP)
+                wait_for(lambda n=limits: seen(LIMIT_LINE) > n, left(), "the time-limit signal")
+                send(paused, signal.SIGCONT)  # the stop signal waits for them: they stop with a checkpoint
                 paused = []
-            assert proc.wait(timeout=600) == 0, (tmp_path / "limited.log").read_text()[-3000:]
+                wait_for(lambda n=limits: seen(REQUEUED_LINE) > n, left(), "the job to requeue itself")
+                if seen(STOP_LINE) >= 2:  # the last allocation gets the time the rest needs (as an admin would
+                    # give it), so this machine's speed cannot make the run need more allocations
+                    raised = subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=15"],
+                                            capture_output=True, text=True, timeout=60)  # fmt: skip
+                    assert raised.returncode == 0, raised.stderr
+            assert proc.wait(timeout=left()) == 0, (tmp_path / "limited.log").read_text()[-3000:]
         finally:
-            for pid in paused:
-                os.kill(pid, signal.SIGCONT)
+            send(paused, signal.SIGCONT)
             if proc.poll() is None:
                 proc.kill()
                 subprocess.run(["scancel", str(job_id)], check=False)
     output, printed = job_output(run_dir, job_id), (tmp_path / "limited.log").read_text()
-    requeues = len(re.findall(r"stopped at the time limit \(status \d+\): requeued", output))
-    assert requeues >= 2 and f"slurm job {job_id} attempt {requeues}" in output, output[-3000:]
-    stops = re.findall(r"\[0\] .* ranks stopped together after step (\d+)", output)
+    requeues = output.count(REQUEUED_LINE)
+    assert requeues >= 2 and f"slurm job {job_id} attempt {requeues} " in output, output[-3000:]
+    stops = STOP_LINE.findall(output)
     starts = re.findall(r"\[0\] .* rank 0/2 .* starting from (.*)", output)
-    assert stops and starts[-1].startswith(f"step {stops[-1]} ")  # the last allocation resumed from the last stop
+    assert len(stops) >= 2 and starts[-1].startswith(f"step {stops[-1]} "), (stops, starts)  # resumed from the last
+    kept = [c.step for c in list_complete(cfg.checkpoints_dir)]
+    assert kept == [int(stops[-1]), steps], kept  # the last stop checkpoint, then the end
     assert read_progress(run_dir)["step"] == steps
     record = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
     assert "JobState=COMPLETED" in record and f"Restarts={requeues}" in record  # requeued, then completed
