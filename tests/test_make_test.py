@@ -34,6 +34,21 @@ def test_make_test_fails_when_no_test_is_collected_and_passes_when_the_tests_do(
     (tmp_path / "one" / "test_one.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
     out = make_test(tmp_path / "one")
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    # And ortflow's bytecode is current, so the processes the suite starts do not compile it from source.
+    stale = [str(p) for p in (ROOT / "ortflow").rglob("*.py") if not _current_bytecode(p)]
+    assert not stale, stale[:5]
+
+
+def _current_bytecode(source: Path) -> bool:
+    """Whether the interpreter would load ``source`` from its cached bytecode (a .pyc recording its mtime and size)."""
+    import importlib.util
+
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    if not cached.exists():
+        return False
+    header, stat = cached.read_bytes()[:16], source.stat()
+    return (int.from_bytes(header[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
+            and int.from_bytes(header[12:16], "little") == stat.st_size & 0xFFFFFFFF)
 
 
 def test_files_start_slowest_first_and_keep_their_tests_in_order(tmp_path, monkeypatch):

@@ -11,8 +11,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
-from tensorboard.compat.proto import event_pb2, summary_pb2
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from ortflow.config.atomic import write_text_atomic
 
@@ -33,6 +31,10 @@ class TensorBoardLog:
             resumed_from: The checkpoint step a resumed run starts after: the events earlier attempts wrote for
                 later steps are removed, since this run logs those steps again.
         """
+        # TensorBoard's writer is imported here, by rank 0 only: importing it costs a rank about half a second (it pulls
+        # in fsspec and TensorFlow's stubs), and the other ranks, the orchestrator and the CLI never write events.
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         log_dir.mkdir(parents=True, exist_ok=True)
         if resumed_from is not None:
             drop_steps_after(log_dir, resumed_from)
@@ -42,6 +44,8 @@ class TensorBoardLog:
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Write the named scalars that the config asks for (None values are skipped)."""
+        from tensorboard.compat.proto import summary_pb2
+
         kept = [
             summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
             for tag, value in values.items()
@@ -54,6 +58,8 @@ class TensorBoardLog:
         """Histograms of the parameters whose names match the config's patterns."""
         if not self._patterns:
             return
+        from tensorboard.compat.proto import summary_pb2
+
         values = []
         for name, array in params.items():
             if any(fnmatch.fnmatchcase(name, p) for p in self._patterns):
@@ -67,7 +73,9 @@ class TensorBoardLog:
         if values:
             self._emit(step, summary_pb2.Summary(value=values))
 
-    def _emit(self, step: int, summary: summary_pb2.Summary) -> None:
+    def _emit(self, step: int, summary) -> None:
+        from tensorboard.compat.proto import event_pb2
+
         self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
@@ -81,6 +89,7 @@ def drop_steps_after(log_dir: Path, step: int) -> int:
     """Remove the summaries of steps after ``step`` from the event files in ``log_dir`` (each file is rewritten
     whole, then renamed over the old one, keeping its name and time); returns how many events were removed."""
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
 
     removed = 0

@@ -36,9 +36,9 @@ def _run(tmp_path, name, ranks, **train):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    """A finished 2-rank run of the global batch: one layout of the trajectory test, and the unprofiled reference of
-    the profiling test."""
-    cfg = _run(tmp_path_factory.mktemp("layout"), "two", 2)
+    """A finished 2-rank run of the global batch (an eval every 3 updates): one layout of the trajectory test, the run
+    whose step-time breakdown is checked, and the unprofiled reference of the profiling test."""
+    cfg = _run(tmp_path_factory.mktemp("layout"), "two", 2, evaluation_period=3)
     out = run_ranks(cfg)
     assert out.returncode == 0, out.stdout
     return cfg
@@ -70,9 +70,8 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_naming_valid_choices(t
     assert "use a global batch of 12 or 24" in out.stdout
 
 
-def test_breakdown_reports_each_phase_in_progress_tensorboard_and_timing_json(tmp_path):
-    cfg = _run(tmp_path, "timed", 2, evaluation_period=3)
-    assert run_ranks(cfg).returncode == 0
+def test_breakdown_reports_each_phase_in_progress_tensorboard_and_timing_json(two):
+    cfg = two
     record = json.loads((cfg.output_dir / "progress.json").read_text())
     assert "fwd+bwd" in record["time"] and "%" in record["time"]
     timing = read_timing(cfg.output_dir)
@@ -93,7 +92,7 @@ def test_breakdown_reports_each_phase_in_progress_tensorboard_and_timing_json(tm
 
 def test_profiled_updates_write_a_trace_per_rank_and_leave_training_unchanged(two):
     plain = two
-    profiled = _run(two.output_dir.parent, "profiled", 2, profile_steps=[2, 4])
+    profiled = _run(two.output_dir.parent, "profiled", 2, profile_steps=[2, 4], evaluation_period=3)
     out = run_ranks(profiled)
     assert out.returncode == 0, out.stdout
     folder = profiled.output_dir / "profile"

@@ -88,12 +88,16 @@ def run_ranks(
 
 def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
     """Trainable parameters of the newest checkpoint of a run."""
-    import h5py
-
     from ortflow.checkpoints import list_complete
 
-    newest = list_complete(cfg.checkpoints_dir)[-1]
-    with h5py.File(newest.path / "params.h5", "r") as f:  # plain h5py: one dataset per parameter
+    return checkpoint_parameters(list_complete(cfg.checkpoints_dir)[-1].path)
+
+
+def checkpoint_parameters(folder: Path) -> dict[str, np.ndarray]:
+    """Trainable parameters of one checkpoint folder (a run without pipeline stages)."""
+    import h5py
+
+    with h5py.File(folder / "params.h5", "r") as f:  # plain h5py: one dataset per parameter
         return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values() if ds.attrs["requires_grad"]}
 
 

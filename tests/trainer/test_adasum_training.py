@@ -72,17 +72,36 @@ def _digests(output: str) -> dict[tuple[int, int], str]:
     return {(int(rank), int(step)): digest for rank, digest, step in found}
 
 
+# AdamW's runs: 200 updates, enough that the kill below lands between two checkpoints.
+LONG = {"train": {"num_train_steps": 200, "batch_size": 8}, "checkpoint": {"period": 25, "max_num_checkpoints": 2}}
+ADASUM = {"num_ranks": 2, "enable_adasum": True}
+
+
+@pytest.fixture(scope="module")
+def adamw_steady(tmp_path_factory):
+    """A finished 2-rank Adasum AdamW run (LONG), shared by the identity test and as the kill/resume reference."""
+    cfg = make_run(tmp_path_factory.mktemp("adasum"), "ada", distributed=ADASUM, optimizer={"name": "adamw"}, **LONG)
+    out = run_ranks(cfg, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    return cfg, out
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("optimizer", [{"name": "sgd", "learning_rate": 0.05}, {"name": "adamw"}, {"name": "lamb"}])
-def test_adasum_ranks_stay_identical_and_differ_from_the_mean(tmp_path, optimizer):
-    settings = dict(distributed={"num_ranks": 2}, optimizer=optimizer, train={"num_train_steps": 20})
-    ada = make_run(tmp_path, "ada", **{**settings, "distributed": {"num_ranks": 2, "enable_adasum": True}})
-    mean = make_run(tmp_path, "mean", **settings)
-    out = run_ranks(ada)
-    assert out.returncode == 0, out.stdout[-3000:]
+def test_adasum_ranks_stay_identical_and_differ_from_the_mean(request, tmp_path, optimizer):
+    if optimizer["name"] == "adamw":
+        ada, out = request.getfixturevalue("adamw_steady")
+        settings, tmp_path = LONG, ada.output_dir.parent
+    else:
+        settings = {"train": {"num_train_steps": 20}}
+        ada = make_run(tmp_path, "ada", distributed=ADASUM, optimizer=optimizer, **settings)
+        out = run_ranks(ada)
+        assert out.returncode == 0, out.stdout[-3000:]
+    mean = make_run(tmp_path, "mean", distributed={"num_ranks": 2}, optimizer=optimizer, **settings)
     assert run_ranks(mean).returncode == 0
     seen = _digests(out.stdout)
-    assert {step for _, step in seen} == {5, 10, 15, 20}
+    updates, period = settings["train"]["num_train_steps"], settings.get("checkpoint", {}).get("period", 5)
+    assert {step for _, step in seen} == set(range(period, updates + 1, period))
     assert all(seen[(0, step)] == seen[(1, step)] for _, step in seen)  # bitwise identical replicas
     a, m = final_parameters(ada), final_parameters(mean)
     assert any(not np.allclose(a[n], m[n], rtol=1e-4, atol=1e-6) for n in a)  # Adasum really replaced the mean
@@ -93,13 +112,9 @@ def test_adasum_ranks_stay_identical_and_differ_from_the_mean(tmp_path, optimize
 
 
 @pytest.mark.mpi
-def test_adasum_adamw_killed_job_resumes_bitwise_with_per_rank_optimizer_states(tmp_path):
-    settings = dict(distributed={"num_ranks": 2, "enable_adasum": True},
-                    train={"num_train_steps": 200, "batch_size": 8},
-                    checkpoint={"period": 25, "max_num_checkpoints": 2})
-    steady = make_run(tmp_path, "steady", **settings)
-    killed = make_run(tmp_path, "killed", **settings)
-    assert run_ranks(steady, timeout=300).returncode == 0
+def test_adasum_adamw_killed_job_resumes_bitwise_with_per_rank_optimizer_states(adamw_steady):
+    steady, _ = adamw_steady
+    killed = make_run(steady.output_dir.parent, "killed", distributed=ADASUM, optimizer={"name": "adamw"}, **LONG)
     kill_and_resume(killed, min_step=40, end_step=200, timeout=300)
     a, b = final_parameters(steady), final_parameters(killed)
     for name in a:

@@ -79,13 +79,44 @@ def checkpoint_values(path):
         return {ds.attrs["name"]: ds[()].astype(np.float64) for ds in f["parameters"].values()}
 
 
+EVAL_ROWS = 37  # of the 64 eval rows, split unevenly over 2 and 3 ranks
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(name, ranks, **settings)``: the finished run of that name (trained on first use, then shared), its
+    config and output. The runs evaluate the first EVAL_ROWS rows, so that each serves the statistics, evaluate and
+    pipeline tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance rule), 3 ranks, pp 2 and
+    pp 2 x dp 2."""
+    root, done = tmp_path_factory.mktemp("cnn"), {}
+
+    def get(name, ranks, **settings):
+        if name not in done:
+            cfg = cnn_run(root, name, ranks, max_eval_rows=EVAL_ROWS, **settings)
+            out = run_ranks(cfg, timeout=300)
+            assert out.returncode == 0, out.stdout[-3000:]
+            done[name] = cfg, out
+        return done[name]
+
+    return get
+
+
+def two_ranks(trained, sync="average", variance="unbiased"):
+    """The 2-rank run with this BatchNorm sync and variance rule."""
+    return trained(f"dp2-{sync}-{variance}", 2, batchnorm_sync=sync, batchnorm_variance=variance)
+
+
+def one_rank(trained):
+    """The 1-rank run (averaged statistics: the unsplit reference of the pp 2 run, as the 2-rank averaged run is of
+    pp 2 x dp 2)."""
+    return trained("dp1", 1, batchnorm_sync="average")
+
+
 @pytest.mark.parametrize(("sync", "variance"), [("broadcast", "unbiased"), ("average", "unbiased"),
                                                ("broadcast", "biased")])
-def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(tmp_path, sync, variance):
-    cfg = cnn_run(tmp_path, sync, 2, batchnorm_sync=sync, batchnorm_variance=variance)
+def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trained, sync, variance):
+    cfg, _ = two_ranks(trained, sync, variance)
     ddof = 1 if variance == "unbiased" else 0
-    out = run_ranks(cfg, timeout=300)
-    assert out.returncode == 0, out.stdout
     saved = {info.step: checkpoint_values(info.path) for info in list_complete(cfg.checkpoints_dir)}
     assert sorted(saved) == list(range(1, UPDATES + 1))
     params = {t.name: numpy_helper.to_array(t).astype(np.float64)
@@ -117,17 +148,15 @@ def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(tmp_
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_evaluate_equals_the_recorded_eval_loss(tmp_path, ranks):
-    cfg = cnn_run(tmp_path, f"r{ranks}", ranks, max_eval_rows=37)  # 37 of the 64 eval rows, split unevenly
-    out = run_ranks(cfg, timeout=300)
-    assert out.returncode == 0, out.stdout
+def test_evaluate_equals_the_recorded_eval_loss(trained, ranks):
+    cfg, _ = {1: one_rank, 2: two_ranks}.get(ranks, lambda t: t("dp3", 3))(trained)
     compared = 0
     for info in list_complete(cfg.checkpoints_dir):
         recorded = json.loads((info.path / "meta.json").read_text())["eval_loss"]
         if recorded is None:
             continue  # no eval at this step
         result = evaluate_checkpoint(cfg.output_dir, str(info.step))
-        assert result.num_rows == 37
+        assert result.num_rows == EVAL_ROWS
         assert result.loss == pytest.approx(recorded, rel=1e-5), info.step
         compared += 1
     assert compared == 2  # the evals after updates 2 and 4
@@ -149,7 +178,7 @@ def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["pp2", "pp2xdp2"])
-def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics(tmp_path, replicas):
+def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics(trained, replicas):
     """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut) ends every checkpoint where the
     unsplit run on as many data-parallel ranks does: weights, running statistics (averaged over the replicas of each
     stage), losses and eval losses. The first stage's forward passes normalise by the micro-batch, as its training
@@ -157,12 +186,10 @@ def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics
     from ortflow.checkpoints.h5state import read_params
     from tests.support.parallel_runs import losses
 
-    sync = {"batchnorm_sync": "average"}
-    unsplit = cnn_run(tmp_path, "unsplit", replicas, **sync)
-    staged = cnn_run(tmp_path, "pp2", 2 * replicas, distributed={"pipeline_parallel_size": 2}, **sync)
-    outs = [run_ranks(cfg, timeout=300) for cfg in (unsplit, staged)]
-    for out in outs:
-        assert out.returncode == 0, out.stdout[-3000:]
+    unsplit, out_unsplit = (one_rank if replicas == 1 else two_ranks)(trained)
+    staged, out_staged = trained(f"pp2xdp{replicas}", 2 * replicas, distributed={"pipeline_parallel_size": 2},
+                                 batchnorm_sync="average")
+    outs = [out_unsplit, out_staged]
     steps = [[info.step for info in list_complete(cfg.checkpoints_dir)] for cfg in (unsplit, staged)]
     assert steps[0] == steps[1] and len(steps[0]) == UPDATES
     worst = 0.0

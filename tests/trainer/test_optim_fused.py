@@ -122,3 +122,14 @@ def test_engine_sqrt_in_place_gives_the_bits_of_the_copying_path():
             direct += in_place.base is out.base
             assert np.array_equal(copied, in_place), (numel, lo, hi)
     assert direct > 0  # the in-place path really ran
+
+
+def test_a_run_too_small_to_repay_numbas_start_keeps_the_numpy_kernels():
+    from ortflow.trainer.optim import build_update
+    from ortflow.trainer.optim.segments import FUSED_MIN_WORK
+
+    assert default_backend(FUSED_MIN_WORK - 1) == "numpy" and default_backend(FUSED_MIN_WORK) == "fused"
+    segments, params = whole_segments(["w", "b"], [6, 2]), [np.zeros(6, np.float32), np.zeros(2, np.float32)]
+    small = build_update(OptimizerConfig(), segments, params, num_updates=FUSED_MIN_WORK // 8 - 1)
+    large = build_update(OptimizerConfig(), segments, params, num_updates=FUSED_MIN_WORK // 8)
+    assert (small.backend, large.backend) == ("numpy", "fused")  # 8 elements x num_updates against the bound

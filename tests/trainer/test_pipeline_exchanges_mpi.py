@@ -30,17 +30,43 @@ def _train(cfg):
     return out
 
 
-@pytest.mark.parametrize("exchange", [{"zero_stage": 1}, {"enable_adasum": True}], ids=["zero1", "adasum"])
-def test_two_stages_by_two_replicas_match_the_same_exchange_over_unsplit_replicas(tmp_path, exchange):
-    clip = {"max_grad_norm": 0.5}  # below the measured norms (1.3-2.5): every update clips by the global norm
-    unsplit = make_text_run(tmp_path, "dp2", distributed={"num_ranks": 2, **exchange}, train=TRAIN, optimizer=clip)
-    split = make_text_run(tmp_path, "pp2dp2", distributed={**GRID, **exchange}, train=TRAIN, optimizer=clip)
+CLIP = {"max_grad_norm": 0.5}  # below the measured norms (1.3-2.5): every update clips by the global norm
+COMPARED = 4  # updates after which split and unsplit are compared (the bounds above were measured there)
+# ZeRO-1 runs: 12 updates with a checkpoint after each, enough that the kill below lands mid-run.
+ZERO1 = {"train": {**TRAIN, "num_train_steps": 24}, "optimizer": CLIP,
+         "checkpoint": {"period": 1, "max_num_checkpoints": 20}}
+
+
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory):
+    """Finished ZeRO-1 runs over unsplit replicas (dp 2) and over a pipeline stage's replicas (pp 2 x dp 2), shared by
+    the comparison (at update COMPARED) and as the uninterrupted reference of the kill/resume test."""
+    root = tmp_path_factory.mktemp("zero1")
+    unsplit = make_text_run(root, "dp2", distributed={"num_ranks": 2, "zero_stage": 1}, **ZERO1)
+    split = make_text_run(root, "pp2dp2", distributed={**GRID, "zero_stage": 1}, **ZERO1)
     _train(unsplit)
-    out = _train(split)
-    p1, p2 = stage_parameters(unsplit), stage_parameters(split)
+    return unsplit, split, _train(split)
+
+
+def _at(cfg, step):
+    return next(c.path for c in list_complete(cfg.checkpoints_dir) if c.step == step)
+
+
+@pytest.mark.parametrize("exchange", [{"zero_stage": 1}, {"enable_adasum": True}], ids=["zero1", "adasum"])
+def test_two_stages_by_two_replicas_match_the_same_exchange_over_unsplit_replicas(request, tmp_path, exchange):
+    if exchange.get("zero_stage"):
+        unsplit, split, out = request.getfixturevalue("zero1")
+        p1, p2 = (stage_parameters(cfg, _at(cfg, COMPARED)) for cfg in (unsplit, split))
+    else:
+        unsplit = make_text_run(tmp_path, "dp2", distributed={"num_ranks": 2, **exchange}, train=TRAIN, optimizer=CLIP)
+        split = make_text_run(tmp_path, "pp2dp2", distributed={**GRID, **exchange}, train=TRAIN, optimizer=CLIP)
+        _train(unsplit)
+        out = _train(split)
+        assert list_complete(split.checkpoints_dir)[-1].step == COMPARED
+        p1, p2 = stage_parameters(unsplit), stage_parameters(split)
     assert sorted(p1) == sorted(p2)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
-    print(f"{exchange}: max |param diff| pp2 x dp2 vs dp2: {worst}")
+    print(f"{exchange}: max |param diff| pp2 x dp2 vs dp2 after {COMPARED} updates: {worst}")
     assert worst < (ZERO1_ATOL if exchange.get("zero_stage") else ATOL)
     folder = list_complete(split.checkpoints_dir)[-1].path
     shards = sorted(f.name for f in folder.glob("optimizer-stage*-rank*.h5"))
@@ -48,13 +74,9 @@ def test_two_stages_by_two_replicas_match_the_same_exchange_over_unsplit_replica
     assert "forward once, activations kept" in out.stdout
 
 
-def test_a_killed_zero1_pipeline_resumes_bitwise(tmp_path):
-    settings = {"distributed": {**GRID, "zero_stage": 1},
-                "train": {**TRAIN, "num_train_steps": 24, "evaluation_period": 0},
-                "checkpoint": {"period": 1, "max_num_checkpoints": 20}}
-    steady = make_text_run(tmp_path, "steady", **settings)
-    killed = make_text_run(tmp_path, "killed", **settings)
-    _train(steady)
+def test_a_killed_zero1_pipeline_resumes_bitwise(zero1):
+    _, steady, _ = zero1
+    killed = make_text_run(steady.output_dir.parent, "killed", distributed={**GRID, "zero_stage": 1}, **ZERO1)
     done = kill_after_first_checkpoint(killed)
     assert done and done[-1] < 12, done
     out = _train(killed)

@@ -68,13 +68,32 @@ def digests(output: str) -> dict[tuple[int, int], str]:
     return {(int(rank), int(step)): digest for rank, digest, step in found}
 
 
+# 4 updates of 4 micro-batches (a stage in the middle of a 3-stage pipeline sees its steady state), an eval after 2.
+SPLIT_TRAIN = {**TRAIN, "num_train_steps": 16, "gradient_accumulation_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def unsplit(tmp_path_factory):
+    """One finished 1-rank run of the 1-layer GPT (SPLIT_TRAIN, no clipping), the reference of the 2- and 3-stage
+    runs; returns its config and output."""
+    cfg = make_text_run(tmp_path_factory.mktemp("unsplit"), "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN)
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout
+    return cfg, out
+
+
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])  # 0.5: below the measured norms (1.3-2.5), so every update clips
-def test_two_stages_train_to_the_unsplit_parameters(tmp_path, max_grad_norm):
+def test_two_stages_train_to_the_unsplit_parameters(request, tmp_path, max_grad_norm):
     opt = {"max_grad_norm": max_grad_norm}
-    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=TRAIN, optimizer=opt)
-    split = make_text_run(tmp_path, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2}, train=TRAIN,
-                          optimizer=opt)
-    out1, out2 = run_ranks(unsplit), run_ranks(split)
+    if max_grad_norm is None:
+        unsplit, out1 = request.getfixturevalue("unsplit")
+        tmp_path = unsplit.output_dir.parent  # its model and data files
+    else:
+        unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN, optimizer=opt)
+        out1 = run_ranks(unsplit)
+    split = make_text_run(tmp_path, f"pp2-clip{max_grad_norm}", distributed={"num_ranks": 2,
+                          "pipeline_parallel_size": 2}, train=SPLIT_TRAIN, optimizer=opt)
+    out2 = run_ranks(split)
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
     p1, p2 = stage_parameters(unsplit), stage_parameters(split)
@@ -136,13 +155,12 @@ def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(requ
         assert np.array_equal(copies[0], copies[1]) and not np.array_equal(copies[0], p1["wte"] * 0)
 
 
-def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters(tmp_path):
+def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters(unsplit):
     # The middle stage both receives and sends (forward, recompute, VJP): 3 ranks, 4 micro-batches per update.
-    train = {**TRAIN, "num_train_steps": 8, "gradient_accumulation_steps": 4, "evaluation_period": 0}
-    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=train)
-    split = make_text_run(tmp_path, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3}, train=train)
-    out1, out3 = run_ranks(unsplit), run_ranks(split, timeout=240)
-    assert out1.returncode == 0, out1.stdout
+    unsplit, _ = unsplit
+    split = make_text_run(unsplit.output_dir.parent, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3},
+                          train=SPLIT_TRAIN)
+    out3 = run_ranks(split, timeout=240)
     assert out3.returncode == 0, out3.stdout
     p1, p3 = stage_parameters(unsplit), stage_parameters(split)
     assert max(float(np.abs(p1[n] - p3[n]).max()) for n in p1) < ATOL

@@ -41,11 +41,18 @@ def two(tmp_path_factory):
     return cfg, out
 
 
-def test_two_ranks_match_one_rank_on_the_concatenated_batch(two):
+@pytest.fixture(scope="module")
+def one(two):
+    """One finished 1-rank run on batch 8 (the 2-rank run's two batches of 4 concatenated), 20 updates: the reference
+    of the replica test and of the accumulation test."""
+    cfg = make_run(two[0].output_dir.parent, "one", distributed={"num_ranks": 1}, train={"batch_size": 8})
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout
+    return cfg
+
+
+def test_two_ranks_match_one_rank_on_the_concatenated_batch(two, one):
     two, out_two = two
-    one = make_run(two.output_dir.parent, "one", distributed={"num_ranks": 1}, train={"batch_size": 8})
-    out_one = run_ranks(one)
-    assert out_one.returncode == 0, out_one.stdout
     p2, p1 = final_parameters(two), final_parameters(one)
     assert p2.keys() == p1.keys()
     for name in p1:
@@ -66,18 +73,16 @@ def final_parameters_initial(cfg):
     return {name: np.array(p.data) for name, p in state.parameters if p.requires_grad}
 
 
-def test_accumulation_equals_one_step_on_a_larger_batch(tmp_path):
-    accumulated = make_run(tmp_path, "acc", distributed={"num_ranks": 1},
-                           train={"batch_size": 4, "gradient_accumulation_steps": 3, "num_train_steps": 30})
-    large = make_run(tmp_path, "large", distributed={"num_ranks": 1},
-                     train={"batch_size": 12, "gradient_accumulation_steps": 1, "num_train_steps": 10})
+def test_accumulation_equals_one_step_on_a_larger_batch(one):
+    # 2 micro-batches of 4 per update against the 1-rank run's one batch of 8, 20 updates each.
+    accumulated = make_run(one.output_dir.parent, "acc", distributed={"num_ranks": 1},
+                           train={"batch_size": 4, "gradient_accumulation_steps": 2, "num_train_steps": 40})
     assert run_ranks(accumulated).returncode == 0
-    assert run_ranks(large).returncode == 0
-    pa, pl = final_parameters(accumulated), final_parameters(large)
+    pa, pl = final_parameters(accumulated), final_parameters(one)
     for name in pl:
         np.testing.assert_allclose(pa[name], pl[name], rtol=1e-5, atol=1e-7, err_msg=name)
     meta = list_complete(accumulated.checkpoints_dir)[-1].meta
-    assert meta["step"] == 10 and meta["global_cursor"] == 120  # 10 updates x 3 micro-batches x 4 samples
+    assert meta["step"] == 20 and meta["global_cursor"] == 160  # 20 updates x 2 micro-batches x 4 samples
 
 
 def test_retention_keeps_the_newest_complete_checkpoints(two):

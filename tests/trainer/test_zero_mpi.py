@@ -23,12 +23,21 @@ def state_bytes(path) -> int:
         return sum(ds.nbytes for group in f.values() for ds in group.values())
 
 
-def test_zero1_ranks_identical_every_update_equal_zero0_and_half_the_state(tmp_path):
-    zero1 = make_run(tmp_path, "zero1", distributed={"num_ranks": 2, "zero_stage": 1}, **SETTINGS)
-    zero0 = make_run(tmp_path, "zero0", distributed={"num_ranks": 2, "zero_stage": 0}, **SETTINGS)
+@pytest.fixture(scope="module")
+def zero_pair(tmp_path_factory):
+    """Finished 2-rank ZeRO-1 and ZeRO-0 runs (20 updates, a checkpoint after each); ZeRO-1's checkpoint after
+    update 10 is where the other rank counts below resume."""
+    root = tmp_path_factory.mktemp("zero")
+    zero1 = make_run(root, "zero1", distributed={"num_ranks": 2, "zero_stage": 1}, **SETTINGS)
+    zero0 = make_run(root, "zero0", distributed={"num_ranks": 2, "zero_stage": 0}, **SETTINGS)
     out1, out0 = run_ranks(zero1), run_ranks(zero0)
     assert out1.returncode == 0, out1.stdout
     assert out0.returncode == 0, out0.stdout
+    return zero1, out1, zero0
+
+
+def test_zero1_ranks_identical_every_update_equal_zero0_and_half_the_state(zero_pair):
+    zero1, out1, zero0 = zero_pair
     # A checkpoint (and so a digest of each rank's parameters) after every update: identical after each.
     seen = digests(out1.stdout)
     assert {step for _, step in seen} == set(range(1, 21))
@@ -65,24 +74,16 @@ def test_zero1_killed_job_resumes_bitwise_identical(tmp_path):
         assert np.array_equal(a[name], b[name]), name
 
 
-@pytest.fixture(scope="module")
-def zero1_base(tmp_path_factory):
-    """A finished 2-rank ZeRO-1 run (10 updates): the checkpoint both rank counts below resume from."""
-    base = make_run(tmp_path_factory.mktemp("zero1"), "base", distributed={"num_ranks": 2, "zero_stage": 1},
-                    train={"num_train_steps": 10}, checkpoint={"period": 5, "max_num_checkpoints": 3})
-    assert run_ranks(base).returncode == 0
-    return base
-
-
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(zero1_base, ranks):
-    tmp_path = zero1_base.output_dir.parent  # the same model and data files
-    start = list_complete(zero1_base.checkpoints_dir)[-1]
-    assert start.step == 10 and len(list(start.path.glob("optimizer-rank*.h5"))) == 2
+def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(zero_pair, ranks):
+    base = zero_pair[0]
+    tmp_path = base.output_dir.parent  # the same model and data files
+    start = next(c for c in list_complete(base.checkpoints_dir) if c.step == 10)
+    assert len(list(start.path.glob("optimizer-rank*.h5"))) == 2
     runs = {}
     for stage in (1, 0):  # ZeRO-1 resharded vs ZeRO-0 started from the same state on the same number of ranks
         cfg = make_run(tmp_path, f"r{ranks}z{stage}", distributed={"num_ranks": ranks, "zero_stage": stage},
-                       train={"num_train_steps": 16},
+                       train={"num_train_steps": 16}, optimizer=SETTINGS["optimizer"],
                        checkpoint={"period": 3, "max_num_checkpoints": 3, "checkpoint_to_load_path": str(start.path)})
         out = run_ranks(cfg, timeout=300)
         assert out.returncode == 0, out.stdout

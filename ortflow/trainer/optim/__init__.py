@@ -54,6 +54,7 @@ def build_update(
     sum_across_ranks: SumAcrossRanks | None = None,
     num_tensors: int | None = None,
     threads: int = 1,
+    num_updates: int | None = None,
 ) -> Update:
     """The rank's update for its segments (:func:`whole_segments` without sharding, ``zero.shard_segments`` with).
 
@@ -64,6 +65,8 @@ def build_update(
         sum_across_ranks: Sums per-tensor partial sums over ranks (ZeRO-1); None without sharding.
         num_tensors: Trainable tensors in all (ZeRO-1, where a rank's segments cover only some).
         threads: Threads sharing the element-wise work (the rank's intra-op threads).
+        num_updates: The run's weight updates; a run too small to repay Numba's start keeps the numpy kernels
+            (:func:`~.segments.default_backend`).
     """
     flags = decays([s.name for s in segments], opt.no_weight_decay)
     if opt.groups:
@@ -71,10 +74,12 @@ def build_update(
 
         def make(group: GroupSettings, idx: list[int]) -> Update:
             return Update(build_rule(opt, group), regroup(segments, idx), [params[i] for i in idx],
-                          [flags[i] for i in idx], sum_across_ranks or _same, count, threads=threads)
+                          [flags[i] for i in idx], sum_across_ranks or _same, count, threads=threads,
+                          num_updates=num_updates)
 
         return grouped_update(segments, opt, make)  # type: ignore[return-value]
     rule = build_rule(opt)
     if sum_across_ranks is None:
-        return Update(rule, segments, params, flags, num_tensors=num_tensors, threads=threads)
-    return Update(rule, segments, params, flags, sum_across_ranks, num_tensors, threads=threads)
+        return Update(rule, segments, params, flags, num_tensors=num_tensors, threads=threads, num_updates=num_updates)
+    return Update(rule, segments, params, flags, sum_across_ranks, num_tensors, threads=threads,
+                  num_updates=num_updates)

@@ -63,7 +63,8 @@ def host_update(cfg: RunConfig, comm: Communicator, trainable: list[str], params
         exchange = Zero1(comm, trainable, params, comm.rank, comm.size, fold=fold)
         segments = exchange.segments
         update = optim.build_update(
-            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads
+            cfg.optimizer, segments, exchange.my_params(), exchange.sum_across_ranks, len(trainable), threads,
+            cfg.train.num_weight_updates,
         )
     else:
         if cfg.distributed.enable_adasum and comm.size > 1:
@@ -71,7 +72,8 @@ def host_update(cfg: RunConfig, comm: Communicator, trainable: list[str], params
         else:
             exchange = Zero0(comm, fold=fold)
         segments = optim.whole_segments(trainable, [p.size for p in params])
-        update = optim.build_update(cfg.optimizer, segments, params, threads=threads)
+        update = optim.build_update(cfg.optimizer, segments, params, threads=threads,
+                                    num_updates=cfg.train.num_weight_updates)
     return update, exchange
 
 

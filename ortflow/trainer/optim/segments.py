@@ -37,6 +37,11 @@ _warned = False
 #: How the element-wise kernels run: one compiled pass (Numba, :mod:`.fused`), or numpy operations per chunk.
 BACKENDS = ("fused", "numpy")
 
+#: Element updates (elements x weight updates) below which a run keeps the numpy kernels: starting Numba (its import
+#: and loading the cached kernels) costs a rank about 0.6-1 s of CPU, and the fused kernels save about 8 ns per
+#: element update (bench/reports/optim-cpu.md), so a smaller run would spend more on the start than it saves.
+FUSED_MIN_WORK = 100_000_000
+
 #: Sums the per-tensor partial sums of every rank (identity on one rank / without sharding).
 SumAcrossRanks = Callable[[np.ndarray], np.ndarray]
 
@@ -112,13 +117,17 @@ def _plan(segments: Sequence[Segment], chunk: int, threads: int) -> list[list[tu
     return [g for g in groups if g] or [[]]
 
 
-def default_backend() -> str:
-    """``fused`` where Numba is installed (a pinned dependency), else ``numpy`` with a warning, once.
+def default_backend(work: int | None = None) -> str:
+    """``fused`` where Numba is installed (a pinned dependency), else ``numpy`` with a warning, once; ``numpy`` also
+    for a run whose ``work`` (elements x weight updates) is below :data:`FUSED_MIN_WORK`, where Numba's start costs
+    more than its kernels save (both give the same bits).
 
     Environments installed without dependencies (e.g. offline installs with --no-deps) may lack Numba; the numpy
     kernels give the same bits, about 2-3x slower.
     """
     global _warned
+    if work is not None and work < FUSED_MIN_WORK:
+        return "numpy"
     try:
         import numba  # noqa: F401 - only whether it imports
     except ImportError:
@@ -155,6 +164,8 @@ class Update:
             release the GIL. Element-wise rules give the same bits with any thread count.
         backend: ``fused`` (one compiled pass per chunk, :mod:`.fused`) or ``numpy`` (the rules' numpy operations
             per chunk; the same bits, slower: bench/reports/optim-cpu.md). Default: :func:`default_backend`.
+        num_updates: The weight updates the run makes: with the elements, the work that picks the default backend
+            (None: ``fused`` where Numba is installed).
     """
 
     def __init__(
@@ -168,8 +179,10 @@ class Update:
         chunk: int | None = None,
         threads: int = 1,
         backend: str | None = None,
+        num_updates: int | None = None,
     ):
-        backend = backend or default_backend()
+        backend = backend or default_backend(
+            None if num_updates is None else num_updates * sum(s.size for s in segments))
         chunk = chunk or (FUSED_CHUNK if backend == "fused" else CHUNK)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
