@@ -208,6 +208,32 @@ def test_a_flow_run_process_counts_as_vanished_only_on_its_own_host_once_its_pid
     assert not vanished({}, host)  # a run that recorded no process
 
 
+def test_a_busy_server_does_not_hold_up_a_flow_run_at_its_process_labels(monkeypatch, caplog):
+    import os
+    import threading
+    import types
+
+    from ortflow.tasks import liveness
+
+    sent, release = [], threading.Event()
+
+    def slow_server(flow_run, labels):  # a server answering "database is locked" while the client backs off
+        release.wait(30)
+        sent.append((flow_run.id, labels))
+
+    monkeypatch.setattr(liveness, "_send_labels", slow_server)
+    monkeypatch.setattr(liveness, "LABEL_WAIT_S", 0.2)
+    run = types.SimpleNamespace(id="run-1", name="busy-run")
+    with caplog.at_level("WARNING"):
+        liveness.record_process(None, run, None)  # returns after LABEL_WAIT_S, the labels still on their way
+    assert not sent and "has not taken flow run busy-run's process labels" in caplog.text
+    release.set()
+    for thread in threading.enumerate():
+        if thread.name == "ortflow-labels":
+            thread.join(10)
+    assert sent and sent[0][1][liveness.PID_LABEL] == str(os.getpid())  # they follow
+
+
 def test_a_never_prepared_data_folder_is_not_reported_as_untrusted(tmp_path, caplog):
     from ortflow.tasks.caching import outputs_intact
 

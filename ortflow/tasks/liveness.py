@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,30 @@ def pid_namespace() -> str:
     return f"{boot}:{namespace}"
 
 
-def record_process(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow-run hook (Running): label the flow run with the host, pid and pid start time of this process."""
-    from prefect.client.orchestration import get_client
+#: Seconds the Running hook waits for the server to take the labels before the run goes on without waiting.
+LABEL_WAIT_S = 10.0
 
+
+def record_process(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow-run hook (Running): label the flow run with the host, pid and pid start time of this process.
+
+    The labels are sent from a thread the hook waits for at most :data:`LABEL_WAIT_S`: a busy server (SQLite under
+    load answers "database is locked" and the client retries with back-off for a minute and more) must not hold up
+    the run; the labels follow when the server takes them."""
     pid = os.getpid()
     labels = {HOST_LABEL: socket.gethostname(), PIDS_LABEL: pid_namespace(), PID_LABEL: str(pid),
               START_LABEL: process_start(pid) or ""}
+    sender = threading.Thread(target=_send_labels, args=(flow_run, labels), name="ortflow-labels", daemon=True)
+    sender.start()
+    sender.join(LABEL_WAIT_S)
+    if sender.is_alive():
+        log.warning("the Prefect server has not taken flow run %s's process labels within %.0f s (it is busy): the "
+                    "run goes on, the labels follow", flow_run.name, LABEL_WAIT_S)
+
+
+def _send_labels(flow_run: Any, labels: dict[str, str]) -> None:
+    from prefect.client.orchestration import get_client
+
     try:
         with get_client(sync_client=True) as client:
             client.update_flow_run_labels(flow_run.id, labels)
