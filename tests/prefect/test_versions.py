@@ -70,7 +70,7 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
         _write_data(data / "part-1.npz", 256, seed=1)  # new data arrives
         wait_for(lambda: no_failed_runs() or len(_entries(base, "completed")) == 2, 240, "a second version", 1)
         second = _entries(base, "completed")[1]["version"]
-        wait_for(lambda: no_failed_runs() or any(e.get("parent") == second for e in _entries(base, "skipped")), 120,
+        wait_for(lambda: no_failed_runs() or any(e.get("parent") == second for e in _entries(base, "skipped")), 240,
                  "a scheduled run skipped as unchanged", 1)
 
     first, second = _entries(base, "completed")[:2]
