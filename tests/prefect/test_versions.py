@@ -61,7 +61,9 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
     (start_folder / "ortflow").mkdir(parents=True)
     (start_folder / "ortflow" / "__init__.py").write_text("raise ImportError('the working folder was imported')\n")
     base = cfg.output_dir
-    with serving(config_file, prefect_server, "versioned", start_folder, tmp_path / "serve.log"):
+    # Runs take longer than the 5 s schedule, so scheduled runs queue; `--limit 1` keeps serve from asking the server
+    # to start each queued run at every poll (docs/operations.md), which slowed a loaded test server to a crawl.
+    with serving(config_file, prefect_server, "versioned", start_folder, tmp_path / "serve.log", ["--limit", "1"]):
         def no_failed_runs():
             failed = [r for r in flow_runs_of("train-pipeline/versioned") if r.state and r.state.is_failed()]
             assert not failed, f"{failed[0].state}\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
