@@ -13,6 +13,12 @@ own process, 1 thread:
 Reported: median seconds per update of ``--micro`` micro-batches over ``--reps`` repetitions after one warm-up, the
 peak resident memory growth over the calls (``VmHWM`` after resetting it, above the started sessions), and whether
 the summed gradients are bitwise equal (else the largest difference relative to the largest gradient).
+
+``--device cuda`` runs both contenders on GPU 0 (the GPU engine and CuPy): the parameters enter the forward as the
+engine's own device tensors, the gradients stay on the GPU and are summed there with CuPy; the memory column is then
+the GPU memory taken over the calls (used memory after them minus before them: the engine's arena keeps its peak),
+and a third model, ``gpt_1024`` (d 1024, 8 layers, vocab 8192, T 256; 8 sequences per micro-batch), shows a size
+where the GPU is busy rather than waiting on launches.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_GPT = {"vocab_size": 256, "seq_len": 128, "d_model": 256, "num_layers": 4, "num_heads": 4}
+GPT_1024 = {"vocab_size": 8192, "seq_len": 256, "d_model": 1024, "num_layers": 8, "num_heads": 16}
 METHODS = ("training_call", "forward_backward")
 
 
@@ -44,7 +51,7 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def _configure(root: Path, name: str, micro: int):
+def _configure(root: Path, name: str, micro: int, device: str):
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
@@ -56,21 +63,40 @@ def _configure(root: Path, name: str, micro: int):
     if name == "gpt2":
         model, seq, text = ROOT / "tests" / "fixtures" / "exports" / "gpt2.onnx", 32, {"input_name": "input_ids"}
     else:
-        model, seq, text = root / "gpt.onnx", BENCH_GPT["seq_len"], {}
+        shape = GPT_1024 if name == "gpt_1024" else BENCH_GPT
+        model, seq, text = root / f"{name}.onnx", shape["seq_len"], {}
         if not model.exists():
-            build_gpt(model, **BENCH_GPT)
+            build_gpt(model, **shape)
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": seq, **text}, "eval_fraction": 0.02},
         "train": {"batch_size": 8, "gradient_accumulation_steps": micro, "num_train_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
+        "distributed": {"device": device, "use_nccl": device == "cuda"},
     })
     configure(cfg)
     prepare_data(cfg)
     return cfg.output_dir
 
 
-def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, stage_options: bool) -> None:
+def _gpu_used() -> int:
+    import cupy
+
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free
+
+
+def _cuda_view(value):
+    """A CuPy float32 view of an engine tensor on the GPU (no copy)."""
+    import cupy
+
+    count = int(np.prod(value.shape(), dtype=np.int64))
+    memory = cupy.cuda.UnownedMemory(value.data_ptr(), count * 4, value)
+    return cupy.ndarray((count,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, stage_options: bool,
+           device: str = "cpu") -> None:
     """One contender in this process: warm-up + ``reps`` updates of ``micro`` micro-batches; prints one JSON line."""
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
@@ -82,14 +108,14 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
     def options():
         return stage_session_options(1, HostBuffers()) if stage_options else session_options(1, True)
 
+    cuda = device == "cuda"
     cfg = load_run_config(run_dir)
     folder = cfg.artifacts_dir
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        session_options=options())
+                        device=device, session_options=options())
     module.train()
     trainable = sorted(n for n, p in state.parameters if p.requires_grad)
-    buffers = [state.parameters[n].grad for n in trainable]
     loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, 0, 1, prefetch=0)
     batches = [loader.batch(0, i) for i in range(micro)]
     if method == "training_call":
@@ -99,10 +125,25 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
             module.lazy_reset_grad()
             for batch in batches:
                 module(*(batch[n] for n in names))
+
+        def gradients() -> list[np.ndarray]:
+            return [np.array(state.parameters[n].grad) for n in trainable]  # host copies on CUDA
     else:
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
         engine = ForwardBackward((folder / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters],
-                                 trainable, [], options(), ["CPUExecutionProvider"])
-        params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
+                                 trainable, [], options(), providers, device="cuda:0" if cuda else "cpu")
+        if cuda:  # the engine's own device tensors, and gradient sums on the GPU
+            import cupy
+
+            params = {n: state._state.get_parameter(n).data for n, _ in state.parameters}
+            buffers = [cupy.empty(state.parameters[n].data.shape, cupy.float32) for n in trainable]
+            view = _cuda_view
+        else:
+            params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
+            buffers = [state.parameters[n].grad for n in trainable]
+
+            def view(grad):
+                return grad.numpy()
         seed = np.ones((), np.float32)
 
         def update() -> None:
@@ -110,27 +151,39 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
                 arrays = {n: np.ascontiguousarray(batch[n]) for n in engine.feed_names if n not in params}
                 _, held = engine.forward([params[n] if n in params else engine.ortvalue(arrays[n])
                                           for n in engine.feed_names])
-                for buffer, grad in zip(buffers, engine.backward(held, [seed]), strict=True):
+                grads = engine.backward(held, [seed])
+                if cuda:
+                    cupy.cuda.runtime.deviceSynchronize()  # the engine's stream wrote them
+                for buffer, grad in zip(buffers, grads, strict=True):
+                    flat = view(grad).reshape(buffer.shape)
                     if k == 0:
-                        buffer[...] = grad.numpy()
+                        buffer[...] = flat
                     else:
-                        buffer += grad.numpy()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _rss_kb("VmRSS")
+                        buffer += flat
+            if cuda:
+                cupy.cuda.runtime.deviceSynchronize()
+
+        def gradients() -> list[np.ndarray]:
+            return [cupy.asnumpy(b) if cuda else np.array(b) for b in buffers]
+    if cuda:
+        before = _gpu_used()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _rss_kb("VmRSS")
     update()  # warm-up
     times = []
     for _ in range(reps):
         started = time.perf_counter()
         update()
         times.append(time.perf_counter() - started)
-    np.savez(grads_out, *[np.array(b) for b in buffers])
-    print(json.dumps({"update_s": statistics.median(times), "times": times,
-                      "rss_growth": 1024 * (_rss_kb("VmHWM") - before)}), flush=True)
+    grown = _gpu_used() - before if cuda else 1024 * (_rss_kb("VmHWM") - before)
+    np.savez(grads_out, *gradients())
+    print(json.dumps({"update_s": statistics.median(times), "times": times, "rss_growth": grown}), flush=True)
 
 
-def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path, stage_options: bool) -> dict:
+def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path, stage_options: bool, device: str) -> dict:
     cmd = [sys.executable, "-m", "bench.engine_calls", "--worker", str(run_dir), "--method", method,
-           "--reps", str(reps), "--micro", str(micro), "--grads", str(grads)]
+           "--reps", str(reps), "--micro", str(micro), "--grads", str(grads), "--device", device]
     cmd += ["--stage-options"] if stage_options else []
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -147,20 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (contenders alternate)")
     parser.add_argument("--stage-options", action="store_true",
                         help="sessions made as a pipeline stage makes them (one shared arena, no memory patterns)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both contenders run")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.method, args.reps, args.micro, args.grads, args.stage_options)
+        worker(args.worker, args.method, args.reps, args.micro, args.grads, args.stage_options, args.device)
         return 0
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-engine-calls-") as tmp:
         root = Path(tmp)
-        for model in ("gpt2", "bench_gpt"):
-            run_dir = _configure(root, model, args.micro)
+        for model in ("gpt2", "bench_gpt") + (("gpt_1024",) if args.device == "cuda" else ()):
+            run_dir = _configure(root, model, args.micro, args.device)
             runs = {m: [] for m in METHODS}
             for r in range(args.rounds):
                 for method in (METHODS if r % 2 == 0 else tuple(reversed(METHODS))):
                     runs[method].append(_run(run_dir, method, args.reps, args.micro, root / f"{model}-{method}.npz",
-                                             args.stage_options))
+                                             args.stage_options, args.device))
             grads = {m: np.load(root / f"{model}-{m}.npz") for m in METHODS}
             a, b = grads["training_call"], grads["forward_backward"]
             equal = all(a[k].tobytes() == b[k].tobytes() for k in a.files)
@@ -170,18 +224,20 @@ def main(argv: list[str] | None = None) -> int:
                                "rss_growth": max(x["rss_growth"] for x in runs[m])} for m in METHODS}
             rows[model].update(bitwise_equal=equal, max_relative_difference=worst, tensors=len(a.files))
     record = {"micro_batches": args.micro, "reps": args.reps, "rounds": args.rounds, "models": rows,
-              "stage_options": args.stage_options}
-    lines = ["# Training call against separate forward and backward calls (CPU, 1 thread)", "",
+              "stage_options": args.stage_options, "device": args.device}
+    where, memory = ("GPU 0", "GPU memory growth") if args.device == "cuda" else ("CPU, 1 thread", "RSS growth")
+    lines = [f"# Training call against separate forward and backward calls ({where})", "",
              f"Medians over {args.rounds} interleaved rounds of {args.reps} updates of {args.micro} micro-batches; "
              f"session options {'of a pipeline stage' if args.stage_options else 'of an unsplit replica'}.", "",
-             "| model | training call s/update | forward+backward s/update | ratio | RSS growth training call MiB | "
-             "RSS growth forward+backward MiB | gradients |", "|---|---|---|---|---|---|---|"]
+             f"| model | training call s/update | forward+backward s/update | ratio | {memory} training call MiB | "
+             f"{memory} forward+backward MiB | gradients |", "|---|---|---|---|---|---|---|"]
     for model, row in rows.items():
         t, f = row["training_call"], row["forward_backward"]
         same = "bitwise equal" if row["bitwise_equal"] else f"max rel diff {row['max_relative_difference']:.2g}"
         lines.append(f"| {model} | {t['update_s']:.4f} | {f['update_s']:.4f} | {f['update_s'] / t['update_s']:.2f} | "
                      f"{t['rss_growth'] / 2**20:.1f} | {f['rss_growth'] / 2**20:.1f} | {same} ({row['tensors']}) |")
-    stem = f"engine-calls-{socket.gethostname()}{'-stage-options' if args.stage_options else ''}"
+    stem = (f"engine-calls-{socket.gethostname()}{'-cuda' if args.device == 'cuda' else ''}"
+            f"{'-stage-options' if args.stage_options else ''}")
     write_result(ROOT / "bench" / "out" / stem, record, "\n".join(lines))
     print("\n".join(lines))
     return 0

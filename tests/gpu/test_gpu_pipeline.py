@@ -62,7 +62,8 @@ def test_two_gpu_stages_match_one_gpu(tmp_path):
                         train=TRAIN)
     _run(one, 1)
     log = _run(two, 2)
-    assert "rank 0 on cuda:0: pipeline stage 0/2" in log and "rank 1 on cuda:1: pipeline stage 1/2" in log, log[-3000:]
+    assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 1/2 (local 1/2) on cuda:1" in log, log[-3000:]
+    assert "rank 0: pipeline stage 0/2" in log and "rank 1: pipeline stage 1/2" in log, log[-3000:]
     _compare(two, one)
     timing = _stage_timing(log)
     assert sorted(s for s, *_ in timing.values()) == [0, 1], log[-3000:]
@@ -107,7 +108,7 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
     cpu = gpt2_run(tmp_path, "cpu", distributed=layout, optimizer=SGD, train=train)
     log = _run(gpu, 2, env=STRICT_FP32)
     cpu_log = _run(cpu, 2)
-    assert re.search(r"rank 0 on cuda:0: pipeline stage 0/2", log), log[-3000:]
+    assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 0: pipeline stage 0/2" in log, log[-3000:]
     norms = [[float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", text)] for text in (log, cpu_log)]
     assert norms[0] and len(norms[0]) == len(norms[1])  # the table counted once, after its sum, on both
     np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
@@ -141,7 +142,7 @@ def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_rank
     cpu = cnn_run(tmp_path, "cpu", 2, distributed=layout, optimizer=SGD)
     log = _run(gpu, 2, env=STRICT_FP32)
     _run(cpu, 2)
-    assert re.search(r"rank 0 on cuda:0: pipeline stage 0/2", log), log[-3000:]
+    assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 0: pipeline stage 0/2" in log, log[-3000:]
     checkpoints = [list_complete(cfg.checkpoints_dir) for cfg in (gpu, cpu)]
     assert [c.step for c in checkpoints[0]] == [c.step for c in checkpoints[1]] and checkpoints[0]
     worst, moved = 0.0, 0.0

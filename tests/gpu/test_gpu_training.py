@@ -23,7 +23,8 @@ from ortflow import cuda_libs
 from tests.support.world import check_world
 
 
-def _ready() -> str | None:
+def _ready(gpus: int = 2) -> str | None:
+    """Why the tests cannot run here (``None`` when they can): the GPU engine, CuPy and ``gpus`` CUDA GPUs."""
     import onnxruntime
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
@@ -31,7 +32,9 @@ def _ready() -> str | None:
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed"
     count, why = cuda_libs.gpu_count()
-    return None if count >= 2 else f"needs 2 GPUs ({why or f'{count} found'})"
+    if count >= gpus:
+        return None
+    return f"needs {gpus} GPU{'s' if gpus > 1 else ''} ({why or f'{count} found'})"
 
 
 REASON = _ready()

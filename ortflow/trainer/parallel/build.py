@@ -197,21 +197,21 @@ def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, thr
 
 
 def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
-    """One line per rank: where it sits and what it starts from."""
+    """Lines per rank: the same first line in every layout (its place in the world, its device, where it starts
+    from: what ``mpiexec`` launchers are checked by), then its part of the model in a split layout."""
     comm, body, dims = model.comm, model.body, model.dims
+    log.info("rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s", comm.rank, comm.size,
+             comm.local_rank, comm.local_size, model.device, model.threads, start)
     if isinstance(body, TensorParallel):
         log.info("rank %d: tensor-parallel rank %d/%d of replica %d/%d%s, %d pieces (%d keep their activations), %d "
-                 "parameter tensors (%d sliced), starting from %s", comm.rank, body.tp_rank, body.tp_size,
+                 "parameter tensors (%d sliced)", comm.rank, body.tp_rank, body.tp_size,
                  where.replica, dims.dp, f" of pipeline stage {where.stage}/{dims.pp}" if dims.pp > 1 else "",
                  len(body.pieces), sum(p.kept is not None for p in body.pieces), len(body.trainable),
-                 len(set(body.trainable) & set(body.slicing)), start)
+                 len(set(body.trainable) & set(body.slicing)))
     elif model.stage is not None:
-        log.info("rank %d on %s: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s, "
-                 "starting from %s", comm.rank, model.device, where.stage, dims.pp, where.replica, dims.dp,
-                 len(body.trainable), info["receives"], info["sends"], start)
+        log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s",
+                 comm.rank, where.stage, dims.pp, where.replica, dims.dp, len(body.trainable), info["receives"],
+                 info["sends"])
         if not model.stage.last:
             log.info("rank %d stage %d: %s", comm.rank, where.stage, "forward once, activations kept until the "
                      "backward" if body.kept is not None else "forward recomputed inside the backward call")
-    else:
-        log.info("rank %d/%d (local %d/%d) on %s with %d thread(s), starting from %s", comm.rank, comm.size,
-                 comm.local_rank, comm.local_size, model.device, model.threads, start)
