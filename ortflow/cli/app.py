@@ -29,6 +29,7 @@ from ortflow.cli import (
 )
 from ortflow.cli.checkpoint_commands import checkpoint_app
 from ortflow.cli.shared import console
+from ortflow.cli.stop_signals import mark_process_entry
 from ortflow.cli.terminal import disk_problem
 
 ABOUT = "Train ONNX models data-parallel with ONNX Runtime's training engine, under mpirun, orchestrated by Prefect."
@@ -67,6 +68,7 @@ def main() -> None:
     A full, read-only or forbidden disk is reported as such (the path and the fix), not as a traceback, whichever
     command met it.
     """
+    mark_process_entry()
     try:
         app(prog_name="ortflow")
     except OSError as err:

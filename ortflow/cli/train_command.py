@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +11,7 @@ import typer
 from rich.markup import escape
 
 from ortflow.cli.shared import MpiexecOpt, WaitOpt, console, fail, writing
+from ortflow.cli.stop_signals import StoppedBeforeJob, StopSignals, stop_signals
 from ortflow.config import ConfigError, RunConfig, apply_overrides, load_run_config
 from ortflow.launch.job import LaunchError
 from ortflow.launch.layout import LayoutError, host_resources, launch_layout
@@ -44,18 +46,25 @@ def train(
     """Launch the ranks (mpiexec here, or a Slurm or Kubernetes job) and stream their output; exits with the job's
     status.
 
-    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130); ranks that have not
-    stopped after the grace period (30 s here, 60 s for a Slurm job) are killed.
+    SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130, however often the
+    signal is repeated); ranks that have not stopped after the grace period (30 s here, 60 s for a Slurm job) are
+    killed.
     """
-    cfg = _run_config(run_dir, launcher, accept_changed_config)
-    if cfg.distributed.launcher != "local":
-        if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
-            fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher "
-                 f"{cfg.distributed.launcher} takes them from the config (distributed.num_ranks, section "
-                 f"{cfg.distributed.launcher})")
-        _train_scheduled(cfg, run_dir, wait, profile)
-    else:
-        _train_here(cfg, run_dir, np_, threads, hostfile, mpiexec, wait, profile)
+    with stop_signals() as stops:
+        try:
+            cfg = _run_config(run_dir, launcher, accept_changed_config)
+            if cfg.distributed.launcher != "local":
+                if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
+                    fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher "
+                         f"{cfg.distributed.launcher} takes them from the config (distributed.num_ranks, section "
+                         f"{cfg.distributed.launcher})")
+                _train_scheduled(cfg, run_dir, wait, profile, stops)
+            else:
+                _train_here(cfg, run_dir, np_, threads, hostfile, mpiexec, wait, profile, stops)
+        except StoppedBeforeJob as stop:
+            console.print(f"[yellow]stopped by {signal.Signals(stop.signum).name}[/] before the training job "
+                          "started: nothing was trained")
+            raise typer.Exit(128 + stop.signum) from None
 
 
 def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> RunConfig:
@@ -91,7 +100,7 @@ def _set_profile(profile: str | None, cfg: RunConfig) -> None:
 
 
 def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | None, hostfile: Path | None,
-                mpiexec: str | None, wait: bool, profile: str | None) -> None:
+                mpiexec: str | None, wait: bool, profile: str | None, stops: StopSignals) -> None:
     """Launcher local: choose the layout, hold the folders, run mpiexec, report how the ranks ended."""
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         fail(f"--np {np_}: give a number of ranks or auto")
@@ -109,10 +118,13 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
         # one writer per run folder, and per checkpoint folder wherever checkpoint.dir puts it
         with writing(run_dir), hold_all(training_folders(run_dir, cfg.checkpoints_dir), wait=wait,
                                         purpose="ortflow train"):
+            stops.phase = "job"
             result = launch(run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
-                            threads=layout.threads, mpiexec=mpiexec, forward_signals=True)
+                            threads=layout.threads, mpiexec=mpiexec, forward_signals=True, received=stops.received)
     except (LaunchError, RunFolderLocked) as err:
         fail(str(err))
+    finally:
+        stops.phase = "after"
     # The ranks stopped together on a signal and saved a stop checkpoint (or the launcher ended them after it).
     stopped = (EXIT_INTERRUPTED, EXIT_STOPPED)
     if result.returncode in stopped or (result.signal and not result.ok):
@@ -125,16 +137,19 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
 
 
-def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | None) -> None:
+def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | None, stops: StopSignals) -> None:
     """Launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
     from ortflow.launch.scheduled import run_scheduled
 
     _set_profile(profile, cfg)  # the Slurm job inherits this environment
     try:
         with hold(run_dir, wait=wait, purpose="ortflow train"):
-            result = run_scheduled(cfg, run_dir, forward_signals=True)
+            stops.phase = "job"
+            result = run_scheduled(cfg, run_dir, forward_signals=True, received=stops.received)
     except (LaunchError, RunFolderLocked) as err:
         fail(str(err))
+    finally:
+        stops.phase = "after"
     job = f"{result.launcher} job {result.job_id}"
     if result.signal:
         console.print(f"[yellow]training stopped[/] ({job}) by a signal; resume with `ortflow train "

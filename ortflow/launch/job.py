@@ -126,6 +126,7 @@ def watch(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     deadline: float | None = None,
+    received: list[int] | None = None,
 ) -> LaunchResult:
     """Stream ``job``'s output until it ends; return its exit status and last error lines.
 
@@ -140,13 +141,16 @@ def watch(
         sleep: Waits between polls (passed in by tests).
         deadline: A ``clock()`` value after which the job is stopped and :class:`TimeLimitReached` raised (a task's
             time limit, enforced here too: a timeout delivered as an exception into a busy process can be lost).
+        received: With ``forward_signals``, the stop signals the command received before the watch began (its own
+            handler kept them): the job is stopped at once; later ones are added.
 
     Raises:
         Whatever interrupted the watch (KeyboardInterrupt, a task timeout, Prefect's cancellation), after the job
         was cancelled and has ended or been killed.
     """
     errors: deque[str] = deque(maxlen=20)
-    received: list[int] = []
+    received = received if received is not None else []
+    signum = 0
     cancelled_at: list[float] = []
 
     pending_since: list[float] = []
@@ -177,6 +181,7 @@ def watch(
             sleep(poll_s)
             state = job.poll()
         drain()
+        signum = received[0] if received else 0  # a signal after the job ended does not make it a stopped one
     except BaseException:  # a cancelled flow, a timeout, Ctrl-C: the job must not outlive its watcher unasked
         stop(job, grace_s, on_line, clock, sleep)
         raise
@@ -184,7 +189,7 @@ def watch(
         restore()
     log.info("%s job%s ended: %s", job.launcher, f" {job.job_id}" if job.job_id else "", state.detail)
     code = state.returncode if state.returncode is not None else 1
-    return LaunchResult(code, tuple(errors), received[0] if received else 0, job.launcher, job.job_id,
+    return LaunchResult(code, tuple(errors), signum, job.launcher, job.job_id,
                         state.detail, state.retry)
 
 
@@ -229,23 +234,31 @@ REPEAT_WINDOW_S = 5.0
 
 
 def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
-    """While watching, SIGTERM/SIGINT cancel the job once (the ranks stop with a stop checkpoint)."""
+    """While watching, SIGTERM/SIGINT cancel the job once (the ranks stop with a stop checkpoint); so does a signal
+    already in ``received``."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
-    first: list[float] = []
+    first: list[float] = [time.monotonic()] if received else []  # signals before the job started: stopped below
+
+    def ask(signum: int) -> None:
+        log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
+                    signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
 
     def forward(signum: int, _frame: object) -> None:
         if not received:
             received.append(signum)
             first.append(time.monotonic())
-            log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
-                        signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
+            ask(signum)
         elif time.monotonic() - first[0] <= REPEAT_WINDOW_S:
             return  # a double Ctrl-C is one request: MPICH's mpiexec would kill the ranks on a second signal
         job.cancel()  # a signal repeated later means "now" to the ranks (and the first may have been missed)
 
+    early = received[:1]
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if early:
+        ask(early[0])
+        job.cancel()
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()] and None
 
 

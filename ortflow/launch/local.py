@@ -201,6 +201,7 @@ def launch(
     forward_signals: bool = False,
     guard: JobGuard | None = None,
     deadline: float | None = None,
+    received: list[int] | None = None,
 ) -> LaunchResult:
     """Run the training job and stream its output.
 
@@ -220,6 +221,8 @@ def launch(
             Released here once the job ended or was stopped.
         deadline: ``time.monotonic()`` value at which the job is stopped (stop checkpoint) and
             :class:`ortflow.launch.job.TimeLimitReached` raised: a task's time limit.
+        received: With ``forward_signals``, stop signals the command received before the job started (the job is
+            stopped as soon as it starts); later ones are added.
 
     Returns:
         The exit status, the last error lines and the stop signal received. Otherwise (a KeyboardInterrupt, a task
@@ -257,7 +260,7 @@ def launch(
     watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
     try:
         result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals,
-                       sleep=job.wait, deadline=deadline)
+                       sleep=job.wait, deadline=deadline, received=received)
     finally:
         watcher.set()
         restore_pause()

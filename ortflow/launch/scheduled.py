@@ -52,7 +52,8 @@ def render_job(cfg: RunConfig, run_dir: Path | None = None) -> str:
 
 
 def run_scheduled(cfg: RunConfig, run_dir: Path | None = None, on_line: Callable[[str], None] = print,
-                  forward_signals: bool = False, deadline: float | None = None) -> LaunchResult:
+                  forward_signals: bool = False, deadline: float | None = None,
+                  received: list[int] | None = None) -> LaunchResult:
     """Submit the run's training job to its scheduler, stream its output until it ends, record its id.
 
     Args:
@@ -61,9 +62,12 @@ def run_scheduled(cfg: RunConfig, run_dir: Path | None = None, on_line: Callable
         on_line: Receives every output line.
         forward_signals: SIGTERM/SIGINT to this process cancel the job (``ortflow train``).
         deadline: ``time.monotonic()`` value at which the job is stopped and ``TimeLimitReached`` raised.
+        received: With ``forward_signals``, stop signals received before the job was submitted (it is cancelled as
+            soon as it is); later ones are added.
     """
     run_dir = Path(run_dir or cfg.output_dir)
     job, poll_s, grace_s = submit(cfg, run_dir)
     write_record(run_dir, job.launcher, job.job_id)
     on_line(f"ortflow: {job.launcher} job {job.job_id}")
-    return watch(job, on_line, poll_s=poll_s, grace_s=grace_s, forward_signals=forward_signals, deadline=deadline)
+    return watch(job, on_line, poll_s=poll_s, grace_s=grace_s, forward_signals=forward_signals, deadline=deadline,
+                 received=received)

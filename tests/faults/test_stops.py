@@ -1,5 +1,6 @@
 """Every stop of `ortflow train` ends with its documented status and leaves nothing behind: a signal given twice
-(an impatient double Ctrl-C) still exits 130/143 with the stop checkpoint; Ctrl-Z does not pause training (its one
+(an impatient double Ctrl-C), then repeated until the command has exited (a process manager), still exits 130/143
+with the stop checkpoint; Ctrl-Z does not pause training (its one
 documented meaning), so a kill after it leaves no process; the shared memory of a killed job is reclaimed by the next
 job. A stopped proxy (status 3, itself ended): test_launcher_stop.py."""
 
@@ -33,24 +34,48 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
 
 
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-@pytest.mark.parametrize("gap_s", [0.3, 1.0])
-def test_a_signal_given_twice_stops_with_its_status_and_a_stop_checkpoint(run, sig, status, gap_s):
+def test_a_signal_given_twice_then_repeated_until_the_command_exits_stops_with_its_status_and_a_stop_checkpoint(
+        run, sig, status):
     proc = procs.start_train(run.output_dir)
     lines = procs.drain(proc)
     try:
         procs.wait_for_step(run.output_dir, 2, proc)
         tree = procs.descendants(proc.pid)
         os.kill(proc.pid, sig)
-        time.sleep(gap_s)  # the second press of an impatient user, not a wait for something to start
-        os.kill(proc.pid, sig)
+        procs.wait_for_line(lines, "to stop after the current update", proc)
+        os.kill(proc.pid, sig)  # the second press of an impatient user, while the ranks stop
+        _wait_for(lambda: list_complete(run.checkpoints_dir), proc)  # the ranks have stopped
+        # A process manager repeating the signal: it reaches the command while its job ends and after it has ended.
+        after_job = _repeat_until_exit(proc, sig)
         code = proc.wait(timeout=120)
     finally:
         procs.kill_tree(proc.pid)
     text = "\n".join(lines)
     assert code == status, text[-3000:]
+    assert after_job, "no signal reached the command between the end of its job and its exit"
     assert "training failed" not in text and "Traceback" not in text, text[-3000:]
     assert list_complete(run.checkpoints_dir), "no stop checkpoint"
     assert not _gone_within(tree, 10), [procs.cmdline(p) for p in procs.alive(tree)]
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the command exited ({proc.returncode}) first"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _repeat_until_exit(proc: subprocess.Popen, sig: int) -> int:
+    """Send ``sig`` every few milliseconds until ``proc`` exits; returns how many were sent once its job had ended
+    (no process left below it)."""
+    after_job = 0
+    while proc.poll() is None:
+        ended = not procs.descendants(proc.pid)
+        os.kill(proc.pid, sig)  # a zombie until waited for: the pid stays ours
+        after_job += ended
+        time.sleep(0.002)
+    return after_job
 
 
 def test_ctrl_z_keeps_the_job_running_and_a_kill_then_leaves_no_process_and_no_shared_memory_behind(run):
@@ -83,3 +108,31 @@ def test_ctrl_z_keeps_the_job_running_and_a_kill_then_leaves_no_process_and_no_s
 
 def _segments() -> set[str]:
     return {e.path for e in os.scandir("/dev/shm") if e.name.startswith("mpich_shm_")}
+
+
+def test_the_train_commands_stop_signals_end_it_before_the_job_are_kept_for_it_and_stay_handled_until_exit():
+    from ortflow.cli import stop_signals as module
+
+    before = {sig: signal.getsignal(sig) for sig in module.STOP_SIGNALS}
+    with pytest.raises(module.StoppedBeforeJob) as stopped, module.stop_signals():
+        signal.raise_signal(signal.SIGINT)  # nothing started yet: the command ends at once
+    assert stopped.value.signum == signal.SIGINT
+    assert {sig: signal.getsignal(sig) for sig in module.STOP_SIGNALS} == before  # in-process: given back
+
+    with module.stop_signals() as stops:
+        stops.phase = "job"  # starting the job, its watcher not there yet: kept for it
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        stops.phase = "after"  # the job has ended: noted and ignored
+        signal.raise_signal(signal.SIGTERM)
+    assert stops.received == [signal.SIGTERM, signal.SIGTERM]
+
+    module.mark_process_entry()  # the `ortflow` process: ignored from the end of the command to the exit
+    try:
+        with module.stop_signals():
+            pass
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in module.STOP_SIGNALS)
+    finally:
+        module._process_entry[0] = False
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from ortflow.launch.job import (
@@ -87,6 +89,16 @@ def test_a_watch_past_its_deadline_stops_the_job_then_raises_a_timeout():
     assert job.calls == ["cancel"]  # the ranks were asked to stop (stop checkpoint) and stopped: no kill
     assert 5.0 <= now[0] < 10.0
     assert issubclass(TimeLimitReached, TimeoutError)
+
+
+def test_a_stop_signal_received_before_the_watch_cancels_the_job_as_it_starts_and_the_result_carries_it():
+    previous = signal.getsignal(signal.SIGTERM)
+    job = FakeJob(run_polls=100, stop_polls=2)
+    received = [signal.SIGTERM]  # noted by `ortflow train` while it started the job
+    result = watch(job, lambda line: None, sleep=lambda s: None, forward_signals=True, received=received)
+    assert job.calls == ["cancel"] and job.cancelled_at == 0  # before the first poll, once
+    assert (result.returncode, result.signal) == (143, signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_a_job_that_does_not_stop_within_the_grace_is_killed():
