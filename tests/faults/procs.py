@@ -151,3 +151,20 @@ def state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+def ortflow_here(*args: str) -> subprocess.CompletedProcess:
+    """``ortflow ARGS`` run in this process (no interpreter start, no imports again): its exit status and its output
+    (both streams) in ``.stdout``. For checks of what a command says and its status; an exception the command let
+    escape is appended as the traceback a terminal would show. Commands that start ranks launch them as usual."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from ortflow.cli.app import app
+
+    result = CliRunner().invoke(app, list(args))
+    out = result.output
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        out += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess([ORTFLOW, *args], result.exit_code, out)

@@ -11,19 +11,26 @@ import pytest
 
 from ortflow.config import RESOLVED_CONFIG_NAME, load_yaml
 from tests.faults import procs
-from tests.support.runs import make_run
+from tests.support.runs import copied_run, make_run
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 
 
-def _ortflow(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+# What a command says and its status are checked: the commands run in this process (procs.ortflow_here).
+_ortflow = procs.ortflow_here
+SECTIONS = {"distributed": {"num_ranks": 1}, "train": {"num_train_steps": 4}}
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("configured"), "run", **SECTIONS)
 
 
 @pytest.fixture
-def run(tmp_path):
-    return make_run(tmp_path, "run", distributed={"num_ranks": 1}, train={"num_train_steps": 4})
+def run(configured, tmp_path):
+    """A run folder of its own for each test, with the configured artifacts copied (configure verifies and reuses
+    them)."""
+    return copied_run(configured, make_run, tmp_path, "run", **SECTIONS)
 
 
 def _refused(out: subprocess.CompletedProcess, *words: str) -> None:
