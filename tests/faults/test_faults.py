@@ -15,6 +15,10 @@ from tests.faults import trials_files as files
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 
+#: The kill and concurrency trials here train runs of this many updates (the campaign's are longer): room for three
+#: kills at random steps, each resumed.
+STEPS = 60
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
@@ -23,7 +27,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(root):
-    return trials.reference_parameters(root)
+    return trials.reference_parameters(root, STEPS)
 
 
 def check(outcome: trials.Outcome) -> None:
@@ -31,7 +35,7 @@ def check(outcome: trials.Outcome) -> None:
 
 
 def test_a_kill_inside_checkpointing_then_of_a_random_rank_then_of_the_cli_each_resume_bit_identical(root, reference):
-    check(trials.chained_kill_trial(root, reference, random.Random("chain"), "kill-chain"))
+    check(trials.chained_kill_trial(root, reference, random.Random("chain"), "kill-chain", STEPS))
 
 
 @pytest.mark.parametrize("target, sig", [
@@ -69,7 +73,7 @@ def test_a_full_disk_fails_the_job_cleanly_and_keeps_the_earlier_checkpoint(root
 
 
 def test_concurrent_runs_on_one_folder_end_sound(root, reference):
-    check(files.concurrent_trial(root, reference, "concurrent"))
+    check(files.concurrent_trial(root, reference, "concurrent", STEPS))
 
 
 def test_fuzzed_configs_give_messages_never_crashes(root):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ from tests.support.runs import make_run
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
 
 
-def _ortflow(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
+_ortflow = procs.ortflow_here  # the commands run in this process: their ranks are real, their start-up is not repeated
 
 
 def _trained(tmp_path: Path, name: str, checkpoint: dict | None = None):

@@ -47,9 +47,9 @@ def fresh_run(root: Path, name: str, **sections) -> RunConfig:
     return make_run(root, name, **merged)
 
 
-def reference_parameters(root: Path) -> dict[str, np.ndarray]:
-    """Final parameters of the uninterrupted job (computed once per root)."""
-    cfg = fresh_run(root, "reference")
+def reference_parameters(root: Path, steps: int = KILL_RUN["train"]["num_train_steps"]) -> dict[str, np.ndarray]:
+    """Final parameters of the uninterrupted job of ``steps`` updates (computed once per root)."""
+    cfg = fresh_run(root, "reference", train={"num_train_steps": steps})
     if not list_complete(cfg.checkpoints_dir):
         out = run_ranks(cfg, timeout=300)
         if out.returncode:
@@ -113,11 +113,12 @@ def _kill_running(cfg: RunConfig, target: str, step: int, rng: random.Random) ->
     return at, left
 
 
-def chained_kill_trial(root: Path, reference: dict, rng: random.Random, name: str) -> Outcome:
-    """One run killed three times, each kill resumed by the next job: rank 0 inside the checkpoint write of a random
-    update, then a random rank, then ``ortflow train`` at random steps; every checkpoint verifies after each kill and
-    the final parameters equal the reference."""
-    cfg = fresh_run(root, name)
+def chained_kill_trial(root: Path, reference: dict, rng: random.Random, name: str,
+                       steps: int = KILL_RUN["train"]["num_train_steps"]) -> Outcome:
+    """One run of ``steps`` updates (the reference's) killed three times, each kill resumed by the next job: rank 0
+    inside the checkpoint write of a random update, then a random rank, then ``ortflow train`` at random steps; every
+    checkpoint verifies after each kill and the final parameters equal the reference."""
+    cfg = fresh_run(root, name, train={"num_train_steps": steps})
     update = rng.choice([10, 15, 20, 25])
     out = run_ranks(cfg, INJECT, f"kill-write:0:{update}", timeout=120)
     if out.returncode == 0:
@@ -127,8 +128,8 @@ def chained_kill_trial(root: Path, reference: dict, rng: random.Random, name: st
         damaged = _all_verify(cfg)
         if damaged:
             return Outcome("kill-chain", False, f"{'; '.join(what)}: a checkpoint was damaged: {damaged}")
-        # A step this job reaches (the progress record before it is the killed job's), before the end (step 300).
-        step = (read_progress(cfg.output_dir) or {}).get("step", 0) + rng.randint(2, 100)
+        # A step this job reaches (the progress record before it is the killed job's), before the end.
+        step = min((read_progress(cfg.output_dir) or {}).get("step", 0) + rng.randint(2, steps // 3), steps - 5)
         at, left = _kill_running(cfg, target, step, rng)
         what.append(f"{target} killed near step {at}")
         if left:

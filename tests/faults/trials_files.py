@@ -21,7 +21,7 @@ from ortflow.config import ConfigError, check_model_file, config_from_dict
 from ortflow.config.sealed import read_configure
 from ortflow.dataprep import DataError, verify_data
 from tests.faults import procs
-from tests.faults.trials import Outcome, _resume_to_end, _same, fresh_run
+from tests.faults.trials import KILL_RUN, Outcome, _resume_to_end, _same, fresh_run
 from tests.support.runs import final_parameters, run_ranks
 
 #: File kinds a resume trusts, and the owner of their integrity when it is not this suite's work.
@@ -110,9 +110,11 @@ def _verifies(path: Path) -> bool:
         return False
 
 
-def concurrent_trial(root: Path, reference: dict, name: str) -> Outcome:
-    """Two ``ortflow train`` on one run folder at once: either one refuses, or both end with sound checkpoints."""
-    cfg = fresh_run(root, name)
+def concurrent_trial(root: Path, reference: dict, name: str,
+                     steps: int = KILL_RUN["train"]["num_train_steps"]) -> Outcome:
+    """Two ``ortflow train`` on one run folder at once (``steps`` updates, the reference's): either one refuses, or
+    both end with sound checkpoints."""
+    cfg = fresh_run(root, name, train={"num_train_steps": steps})
     a, b = procs.start_train(cfg.output_dir), procs.start_train(cfg.output_dir)
     outs = [p.communicate(timeout=300)[0] for p in (a, b)]
     codes = sorted([a.returncode, b.returncode])
