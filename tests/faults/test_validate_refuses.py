@@ -85,8 +85,15 @@ MODELS = {
 
 
 def _ortflow(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A process of its own: a model can crash the engine (a SIGSEGV is status 139, not a test run's crash)."""
     return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=300, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def _ortflow_here(*args: str, cwd: Path, monkeypatch) -> subprocess.CompletedProcess:
+    """Config and data refusals (no engine): what the command says and its status, in this process."""
+    monkeypatch.chdir(cwd)
+    return procs.ortflow_here(*args)
 
 
 @pytest.mark.parametrize("case", sorted(MODELS))
@@ -99,23 +106,23 @@ def test_model_problems_are_named_by_validate_and_configure_without_a_crash(tmp_
         assert "Traceback" not in out.stdout and words in out.stdout and "model.path" in out.stdout, out.stdout
 
 
-def test_configure_never_writes_over_the_users_config(tmp_path):
+def test_configure_never_writes_over_the_users_config(tmp_path, monkeypatch):
     build_mlp(tmp_path / "model.onnx", num_features=8, hidden=16, num_classes=3, seed=0)
     config = _config(tmp_path, tmp_path / "model.onnx", output_dir=".")
     original = config.read_bytes()
-    out = _ortflow("validate", str(config), cwd=tmp_path)
+    out = _ortflow_here("validate", str(config), cwd=tmp_path, monkeypatch=monkeypatch)
     assert out.returncode == 1 and "output_dir" in out.stdout, out.stdout
-    out = _ortflow("configure", str(config), cwd=tmp_path)
+    out = _ortflow_here("configure", str(config), cwd=tmp_path, monkeypatch=monkeypatch)
     assert out.returncode == 1 and "Traceback" not in out.stdout and "output_dir" in out.stdout, out.stdout
     assert config.read_bytes() == original
 
 
 @pytest.mark.parametrize("output_dir", ["/proc/ortflow-run", "runs/" + "n" * 300])
-def test_unusable_output_paths_are_refused_by_validate_and_named_by_configure(tmp_path, output_dir):
+def test_unusable_output_paths_are_refused_by_validate_and_named_by_configure(tmp_path, output_dir, monkeypatch):
     build_mlp(tmp_path / "model.onnx", num_features=8, hidden=16, num_classes=3, seed=0)
     config = _config(tmp_path, tmp_path / "model.onnx", output_dir=output_dir)
     for command in ("validate", "configure"):
-        out = _ortflow(command, str(config), cwd=tmp_path)
+        out = _ortflow_here(command, str(config), cwd=tmp_path, monkeypatch=monkeypatch)
         assert out.returncode == 1 and "Traceback" not in out.stdout and "output_dir" in out.stdout, out.stdout
 
 
@@ -137,13 +144,13 @@ DATA = {"other feature width": ["shape [6]"], "float labels": ["labels", "whole 
 
 
 @pytest.mark.parametrize("case", sorted(DATA))
-def test_validate_checks_every_source_and_names_every_problem(tmp_path, case):
+def test_validate_checks_every_source_and_names_every_problem(tmp_path, case, monkeypatch):
     build_mlp(tmp_path / "model.onnx", num_features=8, hidden=16, num_classes=3, seed=0)
     config = _config(tmp_path, tmp_path / "model.onnx")
     raw = yaml.safe_load(config.read_text())
     raw["data"]["train"].append(_second_source(tmp_path, case))
     config.write_text(yaml.safe_dump(raw))
-    out = _ortflow("validate", str(config), cwd=tmp_path)
+    out = _ortflow_here("validate", str(config), cwd=tmp_path, monkeypatch=monkeypatch)
     assert out.returncode == 1 and "Traceback" not in out.stdout, out.stdout
     for words in DATA[case]:
         assert words in out.stdout and "second.npz" in out.stdout, (words, out.stdout)

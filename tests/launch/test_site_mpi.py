@@ -18,7 +18,7 @@ import pytest
 
 from ortflow.trainer.comm.launcher_match import MISMATCH, launcher_abi, launcher_mismatch
 from tests.support.prefect_runs import final_parameters
-from tests.support.runs import make_run
+from tests.support.runs import copied_run, make_run
 
 ORTFLOW = str(Path(sys.executable).parent / "ortflow")
 OPEN_MPI_LIBRARY = "libmpi.so.40"
@@ -60,6 +60,19 @@ def test_a_mismatch_names_both_mpis_and_the_fix():
     assert "unset MPI4PY_LIBMPI" in launcher_mismatch({"abi": "openmpi", "library": "x"}, "mpich")
 
 
+SECTIONS = {"distributed": {"num_ranks": 2}, "train": {"num_train_steps": 6}}
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("configured"), "configured", **SECTIONS)
+
+
+def run_folder(configured, tmp_path: Path, name: str):
+    """A run folder of its own with the configured artifacts copied (configure verifies and reuses them)."""
+    return copied_run(configured, make_run, tmp_path, name, **SECTIONS)
+
+
 def train(run_dir: Path, mpiexec: str | None, **env: str) -> subprocess.CompletedProcess:
     command = [ORTFLOW, "train", str(run_dir), "--np", "2", "--threads", "1"]
     command += ["--mpiexec", mpiexec] if mpiexec else []
@@ -67,8 +80,8 @@ def train(run_dir: Path, mpiexec: str | None, **env: str) -> subprocess.Complete
 
 
 @needs_open_mpi
-def test_open_mpis_mpirun_with_the_bundled_mpich_mpi4py_is_refused_naming_the_fix(tmp_path):
-    cfg = make_run(tmp_path, "mismatch", distributed={"num_ranks": 2})
+def test_open_mpis_mpirun_with_the_bundled_mpich_mpi4py_is_refused_naming_the_fix(configured, tmp_path):
+    cfg = run_folder(configured, tmp_path, "mismatch")
     done = train(cfg.output_dir, MPIRUN)
     assert done.returncode != 0
     said = done.stdout + done.stderr
@@ -77,8 +90,8 @@ def test_open_mpis_mpirun_with_the_bundled_mpich_mpi4py_is_refused_naming_the_fi
 
 
 @needs_open_mpi
-def test_the_bundled_mpiexec_with_mpi4py_bound_to_open_mpi_is_refused_not_run_as_singletons(tmp_path):
-    cfg = make_run(tmp_path, "singletons", distributed={"num_ranks": 2})
+def test_the_bundled_mpiexec_with_mpi4py_bound_to_open_mpi_is_refused_not_run_as_singletons(configured, tmp_path):
+    cfg = run_folder(configured, tmp_path, "singletons")
     done = train(cfg.output_dir, None, MPI4PY_LIBMPI=OPEN_MPI_LIBRARY)
     said = done.stdout + done.stderr
     assert done.returncode != 0 and "MPI launcher mismatch: mpi4py is bound to Open MPI" in said
@@ -86,8 +99,8 @@ def test_the_bundled_mpiexec_with_mpi4py_bound_to_open_mpi_is_refused_not_run_as
 
 
 @needs_open_mpi
-def test_the_system_open_mpi_trains_the_run_to_the_bundled_mpichs_bits(tmp_path):
-    runs = {name: make_run(tmp_path, name, distributed={"num_ranks": 2}) for name in ("mpich", "openmpi")}
+def test_the_system_open_mpi_trains_the_run_to_the_bundled_mpichs_bits(configured, tmp_path):
+    runs = {name: run_folder(configured, tmp_path, name) for name in ("mpich", "openmpi")}
     assert train(runs["mpich"].output_dir, None).returncode == 0
     done = train(runs["openmpi"].output_dir, MPIRUN, MPI4PY_LIBMPI=OPEN_MPI_LIBRARY)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
