@@ -62,6 +62,7 @@ def test_a_corrupted_output_makes_its_stage_run_again(done, stage):
 
 
 def _ortflow(*args: str) -> subprocess.CompletedProcess:
+    """A process of its own: where a damaged file could reach the engine in the command's own process."""
     return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -69,13 +70,13 @@ def _ortflow(*args: str) -> subprocess.CompletedProcess:
 def test_the_exported_model_has_a_sidecar_that_export_verify_checks(done):
     model = done.export_path
     assert sidecar_path(model).read_text().split()[1] == model.name
-    ok = _ortflow("export", "--verify", str(model))
+    ok = procs.ortflow_here("export", "--verify", str(model))  # checksum checks: in this process
     assert ok.returncode == 0 and "matches" in ok.stdout, ok.stdout
     original = _flip(model, at=len(model.read_bytes()) - 40)  # inside the weights: the model still loads
     try:
-        bad = _ortflow("export", "--verify", str(model))
+        bad = procs.ortflow_here("export", "--verify", str(model))
         assert bad.returncode == 1 and "does not match its checksum" in bad.stdout, bad.stdout
-        sampled = _ortflow("sample", str(model), "--max-new-tokens", "1")
+        sampled = procs.ortflow_here("sample", str(model), "--max-new-tokens", "1")
         assert sampled.returncode == 1 and "does not match its checksum" in sampled.stdout, sampled.stdout
         assert "Traceback" not in bad.stdout + sampled.stdout
     finally:
@@ -91,7 +92,7 @@ def test_damaged_artifacts_are_named_before_the_engine_loads_them(done, name, ho
     else:
         path.write_bytes(original[: len(original) // 3])
     try:
-        trained = _ortflow("train", str(done.output_dir), "--np", "1")
+        trained = procs.ortflow_here("train", str(done.output_dir), "--np", "1")  # the engine is in its rank
         evaluated = _ortflow("evaluate", str(done.output_dir))
     finally:
         path.write_bytes(original)
