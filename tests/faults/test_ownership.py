@@ -4,7 +4,6 @@ checkpoint, naming both runs."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -66,8 +65,7 @@ def test_a_second_run_sharing_a_checkpoint_dir_is_refused_and_the_first_keeps_it
                       checkpoint=shared)
     assert run_ranks(first, timeout=300).returncode == 0
     kept = [c.path.name for c in list_complete(first.checkpoints_dir)]
-    out = subprocess.run([procs.ORTFLOW, "train", str(second.output_dir)], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = procs.ortflow_here("train", str(second.output_dir))  # what the refusal says, in this process
     assert out.returncode != 0 and "Traceback" not in out.stdout, out.stdout
     assert "run 'first'" in out.stdout and "run 'second'" in out.stdout, out.stdout
     assert [c.path.name for c in list_complete(first.checkpoints_dir)] == kept  # nothing of the first run touched
@@ -85,8 +83,7 @@ def test_two_runs_training_into_one_checkpoint_dir_at_once_are_refused_by_its_lo
         while holder(first.checkpoints_dir) is None:
             assert job.poll() is None and time.monotonic() < deadline, "the first run never held checkpoint.dir"
             time.sleep(0.05)
-        out = subprocess.run([procs.ORTFLOW, "train", str(second.output_dir)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        out = procs.ortflow_here("train", str(second.output_dir))
         assert out.returncode != 0 and "Traceback" not in out.stdout, out.stdout
         assert str(first.checkpoints_dir) in out.stdout and "in use by" in out.stdout, out.stdout
     finally:
