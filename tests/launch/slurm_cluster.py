@@ -46,8 +46,9 @@ def _config(root: Path, nodes: list[str], cpus: int, munge_socket: Path) -> str:
         "SlurmdUser=root",
         f"SlurmctldPort={_free_port()}",
         "AuthType=auth/munge",
-        # cred_expire: a requeued job waits this long before it may start again (120 s by default).
-        f"AuthInfo=socket={munge_socket},cred_expire=10",
+        # cred_expire: a requeued job waits this long before it may start again (120 s by default; 5 s is the least
+        # slurmctld accepts).
+        f"AuthInfo=socket={munge_socket},cred_expire=5",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool-%n",  # %n: the node's name, one slurmd per node
         f"SlurmctldPidFile={root}/slurmctld.pid",

@@ -20,6 +20,7 @@ import pytest
 from ortflow.checkpoints import list_complete
 from ortflow.launch.job import read_record
 from ortflow.trainer.metrics import read_progress
+from tests.faults.procs import ortflow_here
 from tests.launch.slurm_cluster import slurm_cluster, unavailable
 from tests.prefect.serving import read_flow_run, serving
 from tests.support.prefect_runs import final_parameters, mlp_config, wait_for, write_config
@@ -162,7 +163,7 @@ def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp
             wait_for(lambda: "ortflow: SIGTERM" in out_file().read_text(), 120, "Slurm to stop the job's script")
             send(paused, signal.SIGCONT)
             paused = []
-            # Slurm holds the requeued job back for cred_expire (10 s on the test cluster), then starts it again.
+            # Slurm holds the requeued job back for cred_expire (5 s on the test cluster), then starts it again.
             assert proc.wait(timeout=300) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
         finally:
             send(paused, signal.SIGCONT)
@@ -330,12 +331,12 @@ def test_a_request_the_cluster_can_never_start_is_refused_before_configure(slurm
     cfg = mlp_config(tmp_path, mlp_sources, "impossible", distributed={"launcher": "slurm", "num_ranks": 4},
                      slurm=TWO_NODES)
     config_file = write_config(cfg, tmp_path / "impossible.yaml")
-    checked = subprocess.run([ORTFLOW, "validate", str(config_file)], capture_output=True, text=True, timeout=300)
-    assert checked.returncode == 1 and "2 node(s) with 2 CPUs each" in checked.stdout + checked.stderr
-    assert "sbatch --test-only refuses the run's job" in checked.stdout + checked.stderr
-    unknown = subprocess.run([ORTFLOW, "validate", str(config_file), "--set", "slurm.partition=gpu", "--set",
-                              "distributed.num_ranks=2"], capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert unknown.returncode == 1 and "slurm.partition 'gpu' does not exist" in unknown.stdout + unknown.stderr
+    checked = ortflow_here("validate", str(config_file))  # what it says and its status: in this process
+    assert checked.returncode == 1 and "2 node(s) with 2 CPUs each" in checked.stdout, checked.stdout
+    assert "sbatch --test-only refuses the run's job" in checked.stdout
+    unknown = ortflow_here("validate", str(config_file), "--set", "slurm.partition=gpu", "--set",
+                           "distributed.num_ranks=2")
+    assert unknown.returncode == 1 and "slurm.partition 'gpu' does not exist" in unknown.stdout, unknown.stdout
 
     state = train_pipeline(cfg, return_state=True)
     assert state.is_failed(), state
