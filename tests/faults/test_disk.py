@@ -62,6 +62,8 @@ def _fill(mount: Path, leave: int = 0) -> None:
 
 
 def _ortflow(*args: str) -> subprocess.CompletedProcess:
+    """``ortflow run`` in a process of its own (its Prefect server and flow); the other commands run in this process
+    (procs.ortflow_here): what they say and their status are checked, with no interpreter start for each."""
     return subprocess.run([procs.ORTFLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -87,7 +89,7 @@ def test_a_full_disk_is_named_with_the_folder_and_leaves_no_temp_files(trained, 
         "export": ["export", str(run), "-o", str(mount / "out" / "model.onnx")],
     }[command]
     _fill(mount)
-    out = _ortflow(*args)
+    out = procs.ortflow_here(*args)
     _reported(out, "the disk is full", mount)
     assert not _temp_files(mount), _temp_files(mount)
     assert list_complete(run / "checkpoints"), "the run's checkpoints must survive"
@@ -104,7 +106,7 @@ def test_a_read_only_run_folder_is_named_as_such(trained, mount, command):
         "export": ["export", str(run), "-o", str(mount / "model.onnx")],
         "run": ["run", str(config), "--from", "configure"],
     }[command]
-    out = _ortflow(*args)
+    out = _ortflow(*args) if command == "run" else procs.ortflow_here(*args)
     _reported(out, "read-only", mount)
 
 
@@ -153,7 +155,7 @@ def test_a_disk_that_fills_before_a_checkpoint_write_is_named_and_leaves_no_temp
                    train={"num_train_steps": 6}, checkpoint={"period": 2})
     run_owner(cfg)  # the run has its id: the first write that fails is the checkpoint's (h5py)
     _fill(mount, leave=96 * 1024)  # room for the lock and progress files, not for a checkpoint
-    out = _ortflow("train", str(cfg.output_dir))
+    out = procs.ortflow_here("train", str(cfg.output_dir))
     _reported(out, "the disk is full", mount)
     assert not _temp_files(mount), _temp_files(mount)
     assert not list_complete(cfg.checkpoints_dir)
