@@ -1,12 +1,13 @@
 """Every stop of `ortflow train` ends with its documented status and leaves nothing behind: a signal given twice
 (an impatient double Ctrl-C), then repeated until the command has exited (a process manager), still exits 130/143
-with the stop checkpoint; Ctrl-Z does not pause training (its one
+with one stop checkpoint, every rank stopped at the same update; Ctrl-Z does not pause training (its one
 documented meaning), so a kill after it leaves no process; the shared memory of a killed job is reclaimed by the next
 job. A stopped proxy (status 3, itself ended): test_launcher_stop.py."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -54,8 +55,16 @@ def test_a_signal_given_twice_then_repeated_until_the_command_exits_stops_with_i
     assert code == status, text[-3000:]
     assert after_job, "no signal reached the command between the end of its job and its exit"
     assert "training failed" not in text and "Traceback" not in text, text[-3000:]
-    assert list_complete(run.checkpoints_dir), "no stop checkpoint"
+    steps = [c.step for c in list_complete(run.checkpoints_dir)]
+    assert len(steps) == 1, f"checkpoints {steps}, want the one stop checkpoint"
+    # Every rank stopped after the same update, with the same parameters, and said so through `ortflow train`.
+    digests = {(int(step), digest) for _, digest, step in re.findall(PARAMETERS, text)}
+    assert digests == {(steps[0], next(iter(digests))[1])} and len(re.findall(PARAMETERS, text)) == 2, digests
+    assert text.count(f"stop requested: ranks stopped together after step {steps[0]}") == 2, text[-3000:]
     assert not _gone_within(tree, 10), [procs.cmdline(p) for p in procs.alive(tree)]
+
+
+PARAMETERS = r"rank (\d) parameters sha256 ([0-9a-f]{64}) at step (\d+)"
 
 
 def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
