@@ -1,6 +1,42 @@
-"""Fixtures of the object-storage tests: one SeaweedFS S3 server and bucket per test module, a fresh folder in it per
-test (tests/support/s3server.py)."""
+"""Fixtures of the object-storage tests: one SeaweedFS S3 server for the folder's modules that run in one process
+(started once, stopped at the end), its AWS_* variables set while each module runs, a bucket per module and a fresh
+folder in it per test (tests/support/s3server.py)."""
 
-from tests.support.s3server import fixtures
+import os
 
-s3_server, module_bucket, bucket = fixtures()
+import pytest
+
+from tests.support.s3server import S3Server, fixtures, weed_problem
+
+_, module_bucket, bucket = fixtures()
+
+
+@pytest.fixture(scope="session")
+def storage_server(tmp_path_factory):
+    problem = weed_problem()
+    if problem:
+        pytest.skip(f"no S3 server: {problem}")
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_server(storage_server):
+    """The server, running (a test may have stopped and started it), with its standard AWS_* variables set for the
+    module's tests and their child ranks."""
+    if storage_server.proc is None or storage_server.proc.poll() is not None:
+        storage_server.start()
+    saved = {key: os.environ.get(key) for key in storage_server.env}
+    os.environ.update(storage_server.env)
+    try:
+        yield storage_server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
