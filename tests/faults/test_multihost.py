@@ -63,18 +63,18 @@ def test_two_hosts_train_to_the_same_parameters_as_two_local_ranks(tmp_path, two
     first, second = two_hosts
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"{first}:1\n{second}:1\n")
-    local = make_run(tmp_path, "local", distributed={"num_ranks": 2, "threads_per_rank": 1})
+    train = {"num_train_steps": 10}  # two checkpoints (period 5)
+    local = make_run(tmp_path, "local", distributed={"num_ranks": 2, "threads_per_rank": 1}, train=train)
     spread = make_run(tmp_path, "spread", distributed={"num_ranks": 2, "threads_per_rank": 1, "num_hosts": 2,
-                                                       "hostfile": str(hostfile)})
+                                                       "hostfile": str(hostfile)}, train=train)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": NSEXEC}
     # `ortflow train` itself runs on the first host, as a user would run it on the head node.
     across = subprocess.run(
         ["ip", "netns", "exec", first, "unshare", "--uts", "sh", "-c",
          f"hostname {first}; exec {procs.ORTFLOW} train {spread.output_dir}"],
         capture_output=True, text=True, env=env, timeout=300, check=False)
-    alone = subprocess.run([procs.ORTFLOW, "train", str(local.output_dir)], capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, check=False)
-    out_across, out_alone = across.stdout + across.stderr, alone.stdout + alone.stderr
+    alone = procs.ortflow_here("train", str(local.output_dir))  # on this host, in this process
+    out_across, out_alone = across.stdout + across.stderr, alone.stdout
     assert across.returncode == 0, out_across[-3000:]
     assert alone.returncode == 0, out_alone[-3000:]
     # Two nodes of one rank each (MPI's shared-memory split), against one node of two ranks.
