@@ -109,8 +109,7 @@ def test_ctrl_z_keeps_the_job_running_and_a_kill_then_leaves_no_process_and_no_s
     segments = _segments() - before
     assert segments, "the killed job left no segment in /dev/shm: nothing to reclaim"
     short = make_run(run.output_dir.parent, "next", distributed={"num_ranks": 2}, train={"num_train_steps": 2})
-    out = subprocess.run([procs.ORTFLOW, "train", str(short.output_dir)], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = procs.ortflow_here("train", str(short.output_dir))  # the next job on this host (launched in-process)
     assert out.returncode == 0, out.stdout[-2000:]
     assert not (segments & _segments()), sorted(segments & _segments())
 
