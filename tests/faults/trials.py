@@ -71,9 +71,9 @@ def _all_verify(cfg: RunConfig) -> str | None:
 
 
 def _resume_to_end(cfg: RunConfig) -> subprocess.CompletedProcess:
-    return subprocess.run([procs.ORTFLOW, "train", str(cfg.output_dir)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """``ortflow train`` on the run, launched from this process (its ranks are real; only the command's start-up is
+    spared)."""
+    return procs.ortflow_here("train", str(cfg.output_dir))
 
 
 # -- kills anywhere ----------------------------------------------------------------------------------------------------

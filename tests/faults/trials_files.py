@@ -123,7 +123,9 @@ def concurrent_trial(root: Path, reference: dict, name: str,
         return Outcome("concurrent", False, f"exits {codes}; damaged checkpoints {damaged}", "run lock")
     refused = codes[0] == 0 and codes[1] != 0 and any("lock" in o.lower() for o in outs)
     if codes == [0, 0] or refused:
-        out = _resume_to_end(cfg)
+        # A job that exited 0 trained to the end; a resume runs only if the checkpoints say otherwise.
+        newest = list_complete(cfg.checkpoints_dir)
+        out = _resume_to_end(cfg) if not newest or newest[-1].step < steps else subprocess.CompletedProcess([], 0, "")
         how = "one refused (locked)" if refused else "both ran (no run lock yet)"
         if out.returncode:
             return Outcome("concurrent", False, f"{how}; the final resume failed ({out.returncode}): "
