@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 
 from ortflow.cli.shared import say
@@ -68,6 +69,10 @@ def stop_signals() -> Iterator[StopSignals]:
     the watcher) and to ``"after"`` once it has ended; it is ``"after"`` on leaving in any case.
     """
     stops = StopSignals()
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's (called as a
+        stops.phase = "job"  # function from another thread: the signals stay with whoever owns them)
+        yield stops
+        return
     previous = {sig: signal.signal(sig, stops.handle) for sig in STOP_SIGNALS}
     try:
         yield stops

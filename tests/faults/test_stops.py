@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -118,7 +119,7 @@ def _segments() -> set[str]:
     return {e.path for e in os.scandir("/dev/shm") if e.name.startswith("mpich_shm_")}
 
 
-def test_the_train_commands_stop_signals_end_it_before_the_job_are_kept_for_it_and_stay_handled_until_exit():
+def test_train_stop_signals_end_it_before_the_job_are_kept_for_it_stay_handled_to_exit_off_main_untouched():
     from ortflow.cli import stop_signals as module
 
     before = {sig: signal.getsignal(sig) for sig in module.STOP_SIGNALS}
@@ -134,6 +135,17 @@ def test_the_train_commands_stop_signals_end_it_before_the_job_are_kept_for_it_a
         stops.phase = "after"  # the job has ended: noted and ignored
         signal.raise_signal(signal.SIGTERM)
     assert stops.received == [signal.SIGTERM, signal.SIGTERM]
+
+    seen = []  # called from another thread (no handlers there): nothing is installed, nothing breaks
+
+    def elsewhere() -> None:
+        with module.stop_signals() as stops:
+            seen.append(stops.phase)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == ["job"] and {sig: signal.getsignal(sig) for sig in module.STOP_SIGNALS} == before
 
     module.mark_process_entry()  # the `ortflow` process: ignored from the end of the command to the exit
     try:
