@@ -7,6 +7,9 @@ flow waits on client retries. A ``kill -9`` of ``ortflow run`` leaves Prefect's 
 * runs in a session of its own, so signals meant for ``ortflow run``'s group never reach it;
 * gets SIGKILL from the kernel when the thread that started it dies (``PR_SET_PDEATHSIG``), so it never outlives a
   killed ``ortflow run``;
+* is the API of every thread of ``ortflow run`` while it runs (Prefect's process-global settings and the environment
+  name it too, not only the settings of the flow's context), so no thread ever starts a Prefect server of its own in
+  ``ortflow run``'s process group, where a Ctrl-C would crash it with a traceback in the terminal;
 * is stopped by ``ortflow run`` once the flow run has its final state and the buffered logs and events are sent;
 * sends no usage heartbeat to Prefect (``PREFECT_SERVER_ANALYTICS_ENABLED=false`` unless set), so an offline run
   logs no error about it.
@@ -153,10 +156,32 @@ def api_server(say: Callable[[str], None] | None = None) -> Iterator[str]:
     say(f"Prefect server at {url.removesuffix('/api')} until this run ends")
     try:
         # Its UI is on the same port: Prefect's "View at" link points there, not at the default port.
-        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: url.removesuffix("/api")}):
+        ui_url = url.removesuffix("/api")
+        with _process_wide(url, ui_url), temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ui_url}):
             try:
                 yield url
             finally:
                 _drain()
     finally:
         stop_server(proc)
+
+
+@contextlib.contextmanager
+def _process_wide(api_url: str, ui_url: str) -> Iterator[None]:
+    """``PREFECT_API_URL``/``PREFECT_UI_URL`` for every thread of this process for the block: in the environment and
+    in Prefect's process-global settings, which a thread started without a copy of the caller's context reads (a
+    Prefect client there would otherwise start a server of its own)."""
+    from prefect.context import refresh_global_settings_context
+
+    saved = {name: os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_UI_URL")}
+    os.environ.update(PREFECT_API_URL=api_url, PREFECT_UI_URL=ui_url)
+    refresh_global_settings_context()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        refresh_global_settings_context()

@@ -104,8 +104,11 @@ def _start_training(tmp_path: Path, mlp_sources, name: str) -> tuple[subprocess.
     wait_for(training, 300, "two ranks training")
     assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
     family = _descendants(proc.pid)
-    assert any("uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p) for p in family), [
-        _cmdline(p) for p in family]
+    servers = [p for p in family if "uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p)]
+    # One server, ortflow's own, in a session of its own: no thread of the run started a Prefect server of its own
+    # in the terminal's process group (a Ctrl-C there would crash it with a traceback).
+    assert len(servers) == 1, [_cmdline(p) for p in family]
+    assert os.getsid(servers[0]) == servers[0] != os.getpgid(proc.pid), servers
     return proc, cfg, family
 
 
