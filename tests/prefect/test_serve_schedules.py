@@ -1,6 +1,7 @@
 """``ortflow serve`` and its deployments' schedules against a real local Prefect server: a stop signal (even one
-while serve starts) pauses the schedules and drops the runs they queued before serve exits 143; serving again resumes
-the schedules, and drops the scheduled runs whose time passed while nothing served them unless ``--catch-up``."""
+while serve registers its deployments) pauses the schedules and drops the runs they queued before serve exits 143;
+serving again resumes the schedules, and drops the scheduled runs whose time passed while nothing served them unless
+``--catch-up``."""
 
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
                      train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0},
                      checkpoint={"period": 4, "max_num_checkpoints": 1})
     config_file = write_config(cfg, tmp_path / "schedules.yaml")
-    # A stop signal the moment the deployments exist (serve still drops the backlog or starts its runner).
+    # A stop signal the moment the first deployment exists (serve still registers the second, drops the backlog or
+    # starts its runner): both end registered and paused.
     log = tmp_path / "serve0.log"
-    with serving(config_file, prefect_server, "schedules", tmp_path, log) as proc:
+    with serving(config_file, prefect_server, "schedules", tmp_path, log, flows=("train-pipeline",)) as proc:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
