@@ -11,6 +11,9 @@ flow waits on client retries. A ``kill -9`` of ``ortflow run`` leaves Prefect's 
   name it too, not only the settings of the flow's context), so no thread ever starts a Prefect server of its own in
   ``ortflow run``'s process group, where a Ctrl-C would crash it with a traceback in the terminal;
 * is stopped by ``ortflow run`` once the flow run has its final state and the buffered logs and events are sent;
+* starts on a new database (a new ``PREFECT_HOME``) from ortflow's cached empty database of this Prefect version
+  (``~/.cache/ortflow/``), which the first start of a temporary server on a new database leaves there: its 100-odd
+  schema migrations and block registrations take seconds of CPU that every later new database is spared;
 * sends no usage heartbeat to Prefect (``PREFECT_SERVER_ANALYTICS_ENABLED=false`` unless set), so an offline run
   logs no error about it.
 """
@@ -21,8 +24,10 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -84,6 +89,8 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     # Prefect's server sends an anonymous usage heartbeat when it starts; offline it logs an error for it into the
     # terminal of `ortflow run`. The temporary server sends none, unless the environment asks for it.
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    database = _sqlite_file(get_current_settings())
+    new_database = database is not None and not database.exists() and not _seed(database)
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
                "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "error", "--lifespan", "on"]
@@ -107,7 +114,59 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     except BaseException:  # a stop signal while it starts, too
         stop_server(proc)
         raise
+    if new_database:  # migrated and its blocks registered; nothing else is written before a flow runs
+        _keep_empty(database)
     return proc, url
+
+
+def empty_database_cache() -> Path:
+    """Where the empty database of this Prefect version is kept (``$XDG_CACHE_HOME/ortflow``, default
+    ``~/.cache/ortflow``)."""
+    import prefect
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortflow"
+    return root / f"prefect-{prefect.__version__}-empty.db"
+
+
+def _sqlite_file(settings) -> Path | None:
+    """The server's SQLite database file (None for another database)."""
+    url = settings.server.database.connection_url
+    url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
+    prefix = "sqlite+aiosqlite:///"
+    return Path(url[len(prefix):]) if url.startswith(prefix) and ":memory:" not in url else None
+
+
+def _seed(database: Path) -> bool:
+    """Copy the cached empty database to ``database`` (a new one); False when there is none to copy."""
+    cached = empty_database_cache()
+    if not cached.is_file():
+        return False
+    database.parent.mkdir(parents=True, exist_ok=True)
+    partial = database.with_name(f".{database.name}.{os.getpid()}")
+    try:
+        shutil.copyfile(cached, partial)
+        os.replace(partial, database)
+    except OSError as err:  # the server creates it then
+        partial.unlink(missing_ok=True)
+        log.debug("could not copy the cached empty Prefect database: %s", err)
+        return False
+    return True
+
+
+def _keep_empty(database: Path) -> None:
+    """Keep a consistent copy of the just-created ``database`` as this Prefect version's empty database (best
+    effort: a cache)."""
+    cached = empty_database_cache()
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.closing(sqlite3.connect(database)) as source, contextlib.closing(
+                sqlite3.connect(partial)) as copy:
+            source.backup(copy)
+        os.replace(partial, cached)
+    except (OSError, sqlite3.Error) as err:
+        partial.unlink(missing_ok=True)
+        log.debug("could not keep the empty Prefect database: %s", err)
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
