@@ -84,14 +84,19 @@ def _posted():
     return sent, done, post
 
 
-def test_a_run_still_running_at_the_late_bound_announces_itself_late_once():
+def test_a_run_still_running_at_the_late_bound_announces_itself_late_once_to_the_server_it_runs_on():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     run = _flow_run()
     sent, done, post = _posted()
-    start_late_timer(run, 0.05, post)
-    start_late_timer(run, 0.05, post)  # a retry's Running keeps the first start's clock
+    servers = []
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # the run's server, per context
+        start_late_timer(run, 0.05, lambda event: (servers.append(PREFECT_API_URL.value()), post(event)))
+        start_late_timer(run, 0.05, post)  # a retry's Running keeps the first start's clock
     assert done.wait(10), "no late event"
     time.sleep(0.2)
     assert [e.event for e in sent] == [LATE_EVENT]
+    assert servers == ["http://127.0.0.1:9/api"]  # the timer's thread talks to it, not to a server of its own
     assert sent[0].resource["prefect.resource.id"] == f"prefect.flow-run.{run.id}"
     assert sent[0].id == late_event(run, 0.05).id  # sent twice, taken once
 

@@ -208,10 +208,14 @@ def test_a_flow_run_process_counts_as_vanished_only_on_its_own_host_once_its_pid
     assert not vanished({}, host)  # a run that recorded no process
 
 
-def test_a_busy_server_does_not_hold_up_a_flow_run_at_its_process_labels(monkeypatch, caplog):
+def test_a_busy_server_does_not_hold_up_a_flow_run_at_its_process_labels_which_go_to_the_runs_server(
+    monkeypatch, caplog
+):
     import os
     import threading
     import types
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ortflow.tasks import liveness
 
@@ -219,12 +223,13 @@ def test_a_busy_server_does_not_hold_up_a_flow_run_at_its_process_labels(monkeyp
 
     def slow_server(flow_run, labels):  # a server answering "database is locked" while the client backs off
         release.wait(30)
-        sent.append((flow_run.id, labels))
+        sent.append((flow_run.id, labels, PREFECT_API_URL.value()))
 
     monkeypatch.setattr(liveness, "_send_labels", slow_server)
     monkeypatch.setattr(liveness, "LABEL_WAIT_S", 0.2)
     run = types.SimpleNamespace(id="run-1", name="busy-run")
-    with caplog.at_level("WARNING"):
+    # The run's server is given per context (as ortflow run's temporary server is): the labels' thread uses it too.
+    with caplog.at_level("WARNING"), temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         liveness.record_process(None, run, None)  # returns after LABEL_WAIT_S, the labels still on their way
     assert not sent and "has not taken flow run busy-run's process labels" in caplog.text
     release.set()
@@ -232,6 +237,7 @@ def test_a_busy_server_does_not_hold_up_a_flow_run_at_its_process_labels(monkeyp
         if thread.name == "ortflow-labels":
             thread.join(10)
     assert sent and sent[0][1][liveness.PID_LABEL] == str(os.getpid())  # they follow
+    assert sent[0][2] == "http://127.0.0.1:9/api"  # to the run's server, not to a server Prefect would start
 
 
 def test_a_never_prepared_data_folder_is_not_reported_as_untrusted(tmp_path, caplog):

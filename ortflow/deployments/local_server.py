@@ -7,7 +7,13 @@ flow waits on client retries. A ``kill -9`` of ``ortflow run`` leaves Prefect's 
 * runs in a session of its own, so signals meant for ``ortflow run``'s group never reach it;
 * gets SIGKILL from the kernel when the thread that started it dies (``PR_SET_PDEATHSIG``), so it never outlives a
   killed ``ortflow run``;
+* is the API of every thread of ``ortflow run`` while it runs (Prefect's process-global settings and the environment
+  name it too, not only the settings of the flow's context), so no thread ever starts a Prefect server of its own in
+  ``ortflow run``'s process group, where a Ctrl-C would crash it with a traceback in the terminal;
 * is stopped by ``ortflow run`` once the flow run has its final state and the buffered logs and events are sent;
+* starts on a new database (a new ``PREFECT_HOME``) from ortflow's cached empty database of this Prefect version
+  (``~/.cache/ortflow/``), which the first start of a temporary server on a new database leaves there: its 100-odd
+  schema migrations and block registrations take seconds of CPU that every later new database is spared;
 * sends no usage heartbeat to Prefect (``PREFECT_SERVER_ANALYTICS_ENABLED=false`` unless set), so an offline run
   logs no error about it.
 """
@@ -18,8 +24,10 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -81,6 +89,8 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     # Prefect's server sends an anonymous usage heartbeat when it starts; offline it logs an error for it into the
     # terminal of `ortflow run`. The temporary server sends none, unless the environment asks for it.
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    database = _sqlite_file(get_current_settings())
+    new_database = database is not None and not database.exists() and not _seed(database)
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
                "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "error", "--lifespan", "on"]
@@ -104,7 +114,59 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     except BaseException:  # a stop signal while it starts, too
         stop_server(proc)
         raise
+    if new_database:  # migrated and its blocks registered; nothing else is written before a flow runs
+        _keep_empty(database)
     return proc, url
+
+
+def empty_database_cache() -> Path:
+    """Where the empty database of this Prefect version is kept (``$XDG_CACHE_HOME/ortflow``, default
+    ``~/.cache/ortflow``)."""
+    import prefect
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortflow"
+    return root / f"prefect-{prefect.__version__}-empty.db"
+
+
+def _sqlite_file(settings) -> Path | None:
+    """The server's SQLite database file (None for another database)."""
+    url = settings.server.database.connection_url
+    url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
+    prefix = "sqlite+aiosqlite:///"
+    return Path(url[len(prefix):]) if url.startswith(prefix) and ":memory:" not in url else None
+
+
+def _seed(database: Path) -> bool:
+    """Copy the cached empty database to ``database`` (a new one); False when there is none to copy."""
+    cached = empty_database_cache()
+    if not cached.is_file():
+        return False
+    database.parent.mkdir(parents=True, exist_ok=True)
+    partial = database.with_name(f".{database.name}.{os.getpid()}")
+    try:
+        shutil.copyfile(cached, partial)
+        os.replace(partial, database)
+    except OSError as err:  # the server creates it then
+        partial.unlink(missing_ok=True)
+        log.debug("could not copy the cached empty Prefect database: %s", err)
+        return False
+    return True
+
+
+def _keep_empty(database: Path) -> None:
+    """Keep a consistent copy of the just-created ``database`` as this Prefect version's empty database (best
+    effort: a cache)."""
+    cached = empty_database_cache()
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.closing(sqlite3.connect(database)) as source, contextlib.closing(
+                sqlite3.connect(partial)) as copy:
+            source.backup(copy)
+        os.replace(partial, cached)
+    except (OSError, sqlite3.Error) as err:
+        partial.unlink(missing_ok=True)
+        log.debug("could not keep the empty Prefect database: %s", err)
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -153,10 +215,32 @@ def api_server(say: Callable[[str], None] | None = None) -> Iterator[str]:
     say(f"Prefect server at {url.removesuffix('/api')} until this run ends")
     try:
         # Its UI is on the same port: Prefect's "View at" link points there, not at the default port.
-        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: url.removesuffix("/api")}):
+        ui_url = url.removesuffix("/api")
+        with _process_wide(url, ui_url), temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ui_url}):
             try:
                 yield url
             finally:
                 _drain()
     finally:
         stop_server(proc)
+
+
+@contextlib.contextmanager
+def _process_wide(api_url: str, ui_url: str) -> Iterator[None]:
+    """``PREFECT_API_URL``/``PREFECT_UI_URL`` for every thread of this process for the block: in the environment and
+    in Prefect's process-global settings, which a thread started without a copy of the caller's context reads (a
+    Prefect client there would otherwise start a server of its own)."""
+    from prefect.context import refresh_global_settings_context
+
+    saved = {name: os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_UI_URL")}
+    os.environ.update(PREFECT_API_URL=api_url, PREFECT_UI_URL=ui_url)
+    refresh_global_settings_context()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        refresh_global_settings_context()

@@ -113,9 +113,15 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
     signal.signal(signal.SIGINT, runner.handle_sigterm)
     ids: list[UUID] = []
     try:
+        # A stop signal while the deployments register waits until all are registered (a deployment interrupted
+        # half-way could be created on the server after its id was lost, its schedule left active): then all of
+        # them are paused below.
+        runner.registering = True
         for deployment in deployments:
             ids.append(runner.add_deployment(deployment))  # registers it, its schedules active
-        asyncio.run(_serve(runner, ids, None if catch_up else started))
+        runner.registering = False
+        if runner.stop_signal is None:
+            asyncio.run(_serve(runner, ids, None if catch_up else started))
     except (KeyboardInterrupt, TerminationSignal, SystemExit):
         pass
     if runner.stop_signal is not None and not runner.paused:  # stopped before the runner was up
@@ -202,12 +208,18 @@ class StoppingRunner(Runner):
 
     stop_signal: int | None = None
     paused = False
+    #: True while ``serve_config`` registers the deployments: a stop signal then only records itself.
+    registering = False
     _stopping_task: asyncio.Task | None = None
 
     def handle_sigterm(self, signum: int = signal.SIGTERM, *args: Any) -> None:
         if self.stop_signal is not None:
+            if self.registering:  # a repeat while a deployment registers (a server not answering): give up now
+                raise KeyboardInterrupt
             return  # a repeated signal must not cut the flow runs' stop short
         self.stop_signal = int(signum)
+        if self.registering:
+            return
         try:
             loop = asyncio.get_running_loop()  # the handler runs in the main thread, between the loop's steps
         except RuntimeError:  # the runner has not started yet: nothing to stop

@@ -12,6 +12,7 @@ same event, which the server takes once.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from datetime import timedelta
 from typing import Any
@@ -150,7 +151,9 @@ def start_late_timer(flow_run: Any, late_after_s: float | None, post=None) -> No
         except Exception as exc:  # noqa: BLE001 - a timer thread has nobody to raise to
             print(f"ortflow: could not announce flow run {flow_run.name} late: {exc}", flush=True)
 
-    timer = threading.Timer(late_after_s, fire)
+    # The timer thread runs ``fire`` in a copy of this context: it posts to the server this run talks to (settings
+    # given per context would otherwise be missing there).
+    timer = threading.Timer(late_after_s, contextvars.copy_context().run, args=(fire,))
     timer.daemon = True
     _LATE_TIMERS[key] = timer
     timer.start()

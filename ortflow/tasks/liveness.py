@@ -8,6 +8,7 @@ run's end; without this, its temporary server's database would show it ``Running
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -57,11 +58,14 @@ def record_process(flow: Any, flow_run: Any, state: Any) -> None:
 
     The labels are sent from a thread the hook waits for at most :data:`LABEL_WAIT_S`: a busy server (SQLite under
     load answers "database is locked" and the client retries with back-off for a minute and more) must not hold up
-    the run; the labels follow when the server takes them."""
+    the run; the labels follow when the server takes them. The thread runs in a copy of this context, so it talks
+    to the server this run talks to (settings given per context, like ``ortflow run``'s temporary server's URL,
+    would otherwise be missing there, and Prefect would start a server of its own for the thread)."""
     pid = os.getpid()
     labels = {HOST_LABEL: socket.gethostname(), PIDS_LABEL: pid_namespace(), PID_LABEL: str(pid),
               START_LABEL: process_start(pid) or ""}
-    sender = threading.Thread(target=_send_labels, args=(flow_run, labels), name="ortflow-labels", daemon=True)
+    sender = threading.Thread(target=contextvars.copy_context().run, args=(_send_labels, flow_run, labels),
+                              name="ortflow-labels", daemon=True)
     sender.start()
     sender.join(LABEL_WAIT_S)
     if sender.is_alive():

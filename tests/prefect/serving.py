@@ -45,10 +45,10 @@ def read_flow_run(flow_run_id):
 
 
 @contextlib.contextmanager
-def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: Path, extra: list[str] = ()
-            ) -> Iterator[subprocess.Popen]:
-    """Run ``ortflow serve CONFIG [EXTRA...]`` from ``cwd`` until the block ends; waits for both deployments to
-    exist."""
+def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: Path, extra: list[str] = (),
+            flows: tuple[str, ...] = ("train-pipeline", "export-only")) -> Iterator[subprocess.Popen]:
+    """Run ``ortflow serve CONFIG [EXTRA...]`` from ``cwd`` until the block ends; waits for the deployments of
+    ``flows`` (default both) to exist."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             # The console script, as users run it (``python -m`` would put the start folder first on sys.path).
@@ -56,8 +56,7 @@ def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: P
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
         )
         try:
-            wait_for(lambda: proc.poll() is not None or (deployment_exists(f"train-pipeline/{name}")
-                                                          and deployment_exists(f"export-only/{name}")),
+            wait_for(lambda: proc.poll() is not None or all(deployment_exists(f"{flow}/{name}") for flow in flows),
                      90, "ortflow serve to register its deployments")
             assert proc.poll() is None, log.read_text()[-3000:]
             yield proc

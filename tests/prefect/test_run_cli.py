@@ -1,6 +1,7 @@
 """``ortflow run`` in a terminal: a failed stage is reported as its own message and the command to rerun or fix (the
 traceback only in the log file) and is not retried when it would fail again; SIGTERM stops the ranks and Prefect's
-temporary server, and the ranks' stop lines reach the terminal; an offline run logs no telemetry error."""
+temporary server, and the ranks' stop lines reach the terminal; an offline run logs no telemetry error; a new
+database starts from the cached empty one."""
 
 from __future__ import annotations
 
@@ -78,22 +79,61 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _temporary_server_env(tmp_path: Path) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def cache_home(tmp_path_factory) -> Path:
+    """The XDG cache of this module's runs: the first temporary server on a new database keeps the empty database
+    there, the later ones start from a copy."""
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+def _temporary_server_env(tmp_path: Path, cache_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_UI_ENABLED="false", OMP_NUM_THREADS="1")  # no API URL: a temporary server
+               PREFECT_SERVER_UI_ENABLED="false", OMP_NUM_THREADS="1",  # no API URL: a temporary server
+               XDG_CACHE_HOME=str(cache_home))
     return env
 
 
-def _start_training(tmp_path: Path, mlp_sources, name: str) -> tuple[subprocess.Popen, object, list[int]]:
+def _flow_runs(database: Path) -> int:
+    import sqlite3
+
+    with sqlite3.connect(database) as db:
+        return db.execute("SELECT count(*) FROM flow_run").fetchone()[0]
+
+
+def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_database_leaves(tmp_path, monkeypatch):
+    import sqlite3
+
+    from ortflow.deployments import local_server
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cached = local_server.empty_database_cache()
+    assert cached.parent == tmp_path / "cache" / "ortflow"
+    first = tmp_path / "home-1" / "prefect.db"
+    assert not local_server._seed(first) and not first.exists()  # nothing cached yet: the server creates it
+    first.parent.mkdir()
+    with sqlite3.connect(first) as db:  # what the server leaves once it has migrated it
+        db.execute("CREATE TABLE alembic_version (version_num TEXT)")
+        db.execute("INSERT INTO alembic_version VALUES ('head')")
+    local_server._keep_empty(first)
+    second = tmp_path / "home-2" / "prefect.db"
+    assert local_server._seed(second)
+    with sqlite3.connect(second) as db:
+        assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [("head",)]
+    assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name]  # no partial copy left
+
+
+def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path
+                    ) -> tuple[subprocess.Popen, object, list[int]]:
     """``ortflow run --new-version`` of a long run in a process group of its own (as a terminal starts it), once
     its two ranks train; returns the process, the config and every process it started (the server included)."""
     cfg = mlp_config(tmp_path, mlp_sources, name,
                      train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},
                      checkpoint={"period": 1000000})
     config_file = write_config(cfg, tmp_path / f"{name}.yaml")
-    proc = subprocess.Popen([ORTFLOW, "run", str(config_file), "--new-version"], env=_temporary_server_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([ORTFLOW, "run", str(config_file), "--new-version"],
+                            env=_temporary_server_env(tmp_path, cache_home), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
     def training() -> bool:
@@ -104,8 +144,15 @@ def _start_training(tmp_path: Path, mlp_sources, name: str) -> tuple[subprocess.
     wait_for(training, 300, "two ranks training")
     assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
     family = _descendants(proc.pid)
-    assert any("uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p) for p in family), [
-        _cmdline(p) for p in family]
+    servers = [p for p in family if "uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p)]
+    # One server, ortflow's own, in a session of its own: no thread of the run started a Prefect server of its own
+    # in the terminal's process group (a Ctrl-C there would crash it with a traceback).
+    assert len(servers) == 1, [_cmdline(p) for p in family]
+    assert os.getsid(servers[0]) == servers[0] != os.getpgid(proc.pid), servers
+    # The empty database a new database starts from: kept by the first server on a new database, never a run in it.
+    import prefect
+
+    assert _flow_runs(cache_home / "ortflow" / f"prefect-{prefect.__version__}-empty.db") == 0
     return proc, cfg, family
 
 
@@ -113,12 +160,12 @@ def _start_training(tmp_path: Path, mlp_sources, name: str) -> tuple[subprocess.
     (signal.SIGINT, False, 1), (signal.SIGINT, True, 2), (signal.SIGTERM, False, 2), (signal.SIGTERM, True, 1),
 ])
 def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and_no_process(
-    mlp_sources, tmp_path, sig, to_group, times
+    mlp_sources, tmp_path, cache_home, sig, to_group, times
 ):
     from ortflow.checkpoints import list_complete
     from ortflow.versions import read_registry
 
-    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped")
+    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped", cache_home)
     try:
         sent = time.monotonic()
         for _ in range(times):  # a second Ctrl-C, or a process manager repeating itself, keeps the stop clean
@@ -158,13 +205,13 @@ def _offline(env: dict[str, str]) -> dict[str, str]:
 
 
 def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_marks_its_flow_run_crashed_and_logs_no_telemetry_error(  # noqa: E501
-    mlp_sources, tmp_path
+    mlp_sources, tmp_path, cache_home
 ):
     import sqlite3
 
     from ortflow.versions import read_registry
 
-    proc, cfg, family = _start_training(tmp_path, mlp_sources, "killed")
+    proc, cfg, family = _start_training(tmp_path, mlp_sources, "killed", cache_home)
     proc.kill()
     proc.wait()
     wait_for(lambda: not any(_alive(p) for p in family), 30, "the temporary server and the ranks to exit")
@@ -182,7 +229,8 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_
     # database.
     short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0})
     done = subprocess.run([ORTFLOW, "run", "-v", str(write_config(short, tmp_path / "next.yaml"))],
-                          env=_offline(_temporary_server_env(tmp_path)), capture_output=True, text=True, timeout=400)
+                          env=_offline(_temporary_server_env(tmp_path, cache_home)), capture_output=True, text=True,
+                          timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"flow run {name} was still Running, but its process is gone: marked Crashed" in done.stderr
     assert state()[1:] == ("CRASHED", "Crashed")

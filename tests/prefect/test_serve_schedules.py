@@ -1,6 +1,7 @@
 """``ortflow serve`` and its deployments' schedules against a real local Prefect server: a stop signal (even one
-while serve starts) pauses the schedules and drops the runs they queued before serve exits 143; serving again resumes
-the schedules, and drops the scheduled runs whose time passed while nothing served them unless ``--catch-up``."""
+while serve registers its deployments) pauses the schedules and drops the runs they queued before serve exits 143;
+serving again resumes the schedules, and drops the scheduled runs whose time passed while nothing served them unless
+``--catch-up``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import signal
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.prefect.serving import flow_runs_of, serving
@@ -25,13 +25,17 @@ def _deployment(name: str):
         return client.read_deployment_by_name(name)
 
 
-def _backfill(env: dict[str, str], deployment, hours: int) -> list:
+def _backfill(deployment, hours: int) -> list:
     """What the server's scheduler leaves when nobody serves an active deployment: auto-scheduled runs whose start
-    time has passed (the server's own backfill endpoint makes them)."""
+    time has passed (the server's own backfill endpoint makes them). Sent through Prefect's client, which retries
+    what a busy server answers (503, 429) as it does for every other call."""
+    from prefect.client.orchestration import get_client
+
     now = datetime.now(UTC)
-    httpx.post(f"{env['PREFECT_API_URL']}/deployments/{deployment.id}/schedule", timeout=30, json={
-        "start_time": (now - timedelta(hours=hours, minutes=30)).isoformat(),
-        "end_time": (now - timedelta(minutes=1)).isoformat(), "max_runs": hours}).raise_for_status()
+    with get_client(sync_client=True) as client:
+        client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment.id}, json={
+            "start_time": (now - timedelta(hours=hours, minutes=30)).isoformat(),
+            "end_time": (now - timedelta(minutes=1)).isoformat(), "max_runs": hours})
     return _waiting(f"train-pipeline/{deployment.name}")
 
 
@@ -48,9 +52,10 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
                      train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0},
                      checkpoint={"period": 4, "max_num_checkpoints": 1})
     config_file = write_config(cfg, tmp_path / "schedules.yaml")
-    # A stop signal the moment the deployments exist (serve still drops the backlog or starts its runner).
+    # A stop signal the moment the first deployment exists (serve still registers the second, drops the backlog or
+    # starts its runner): both end registered and paused.
     log = tmp_path / "serve0.log"
-    with serving(config_file, prefect_server, "schedules", tmp_path, log) as proc:
+    with serving(config_file, prefect_server, "schedules", tmp_path, log, flows=("train-pipeline",)) as proc:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
@@ -62,7 +67,7 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
         proc.wait()
     deployment = _deployment("train-pipeline/schedules")
     assert not deployment.paused
-    missed = _backfill(prefect_server, deployment, 3)
+    missed = _backfill(deployment, 3)
     assert len(missed) == 3, missed
 
     log = tmp_path / "serve2.log"
@@ -82,7 +87,7 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
 
     # With --catch-up the missed runs run: the first one starts (and completes) under the restarted serve.
     deployment = _deployment("train-pipeline/schedules")
-    missed = _backfill(prefect_server, deployment, 2)
+    missed = _backfill(deployment, 2)
     assert len(missed) == 2, missed
     with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve3.log",
                  extra=["--catch-up"]):
