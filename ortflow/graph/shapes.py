@@ -18,7 +18,9 @@ is left as it was. No value the model computes changes, and no initializer is re
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+from collections import OrderedDict
 
 import numpy as np
 import onnx
@@ -49,7 +51,28 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]
     return _symbolic_shapes(_without_values(model))
 
 
+#: Results of :func:`_symbolic_shapes` by the sha256 of the model it read: configure infers the same graph several
+#: times (the whole model when it plans a split and again when it builds it, a piece before and after a pass that
+#: changed nothing in it), and the inference (sympy) is most of what configure spends outside the engine.
+_INFERRED: OrderedDict[str, dict[str, list[int | str | None]] | None] = OrderedDict()
+_INFERRED_ENTRIES = 64
+
+
 def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]] | None:
+    """:func:`_infer_symbolic_shapes`, once per distinct model (the bytes of a model whose float initializers hold no
+    values are small) in this process."""
+    key = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+    if key in _INFERRED:
+        _INFERRED.move_to_end(key)
+    else:
+        _INFERRED[key] = _infer_symbolic_shapes(model)
+        if len(_INFERRED) > _INFERRED_ENTRIES:
+            _INFERRED.popitem(last=False)
+    shapes = _INFERRED[key]
+    return None if shapes is None else {name: list(dims) for name, dims in shapes.items()}
+
+
+def _infer_symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]] | None:
     """Every tensor's dims (ints and named dims) from ONNX Runtime's symbolic shape inference, or None if it fails.
 
     Where the inference had to guess that two of the graph inputs' named dims are equal (``auto_merge`` of, say, the
