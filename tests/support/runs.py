@@ -44,24 +44,60 @@ def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None =
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     cfg = config_from_dict(raw)
-    configure(cfg)
+    _configure(cfg)
     prepare_data(cfg)
     return cfg
+
+
+#: configure fingerprint -> the first run folder configured with it in this test process (:func:`reuse_configured`).
+_CONFIGURED: dict[str, Path] = {}
+#: Whether :func:`make_run` starts a run from a copy of an earlier run's artifacts with the same fingerprint (on for
+#: the trainer's tests: tests/trainer/conftest.py).
+REUSE_CONFIGURED = False
+
+
+def _configure(cfg: RunConfig) -> None:
+    """configure ``cfg``; with :data:`REUSE_CONFIGURED`, from a copy of the artifacts an earlier run of this process
+    built from the same model bytes, model section and layout (the same configure fingerprint): configure verifies
+    the copies against the copied record (checksums) and reuses them, as it does for a copied run folder."""
+    from ortflow.configure.configure import CONFIGURE_RECORD_NAME, fingerprint
+
+    if not REUSE_CONFIGURED:
+        configure(cfg)
+        return
+    try:
+        key = fingerprint(cfg)
+    except OSError:  # a missing model: configure names it
+        configure(cfg)
+        return
+    source = _CONFIGURED.get(key)
+    if (source is not None and source != cfg.output_dir and (source / CONFIGURE_RECORD_NAME).exists()
+            and not (cfg.output_dir / CONFIGURE_RECORD_NAME).exists()):
+        _copy_configured(source, cfg.output_dir)
+    result = configure(cfg)
+    if source is None or not result.reused:
+        _CONFIGURED[key] = cfg.output_dir
+
+
+def _copy_configured(source: Path, target: Path) -> None:
+    """Copy a configured run folder's artifacts (and torch-named model) and its configure record into ``target``."""
+    from ortflow.configure.configure import CONFIGURE_RECORD_NAME
+    from ortflow.configure.torch_model import TORCH_MODEL_DIR
+
+    target.mkdir(parents=True, exist_ok=True)
+    for folder in ("artifacts", TORCH_MODEL_DIR):
+        if (source / folder).is_dir() and not (target / folder).exists():
+            shutil.copytree(source / folder, target / folder)
+    shutil.copy2(source / CONFIGURE_RECORD_NAME, target / CONFIGURE_RECORD_NAME)
 
 
 def copied_run(source, make, root: Path, name: str, **sections):
     """``make(root, name, **sections)`` in a folder that holds a copy of ``source``'s configured artifacts (a run of
     the same model and layout: the same configure fingerprint): configure verifies the copies against the copied
     record and reuses them, recording their new place, instead of building them again."""
-    from ortflow.configure.configure import CONFIGURE_RECORD_NAME, configure
-    from ortflow.configure.torch_model import TORCH_MODEL_DIR
-
     target = root / name
     target.mkdir(parents=True)
-    for folder in ("artifacts", TORCH_MODEL_DIR):
-        if (source.output_dir / folder).is_dir():
-            shutil.copytree(source.output_dir / folder, target / folder)
-    shutil.copy2(source.output_dir / CONFIGURE_RECORD_NAME, target / CONFIGURE_RECORD_NAME)
+    _copy_configured(source.output_dir, target)
     cfg = make(root, name, **sections)
     again = configure(cfg)
     assert again.reused and again.info["artifacts_dir"] == str(cfg.artifacts_dir), again.info["artifacts_dir"]
@@ -84,6 +120,52 @@ def run_ranks(
         rank_command(cfg, script, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=timeout, env=env, stdin=subprocess.DEVNULL, check=False,
     )
+
+
+_BACKGROUND = None
+
+
+def start_ranks(cfg: RunConfig, timeout: float = 600):
+    """Start the job and return at once: a future of :func:`run_ranks`'s result (``.result()`` waits for it), so that
+    the test can configure its next run while this one trains."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _BACKGROUND
+    if _BACKGROUND is None:
+        _BACKGROUND = ThreadPoolExecutor(4, thread_name_prefix="ranks")
+    return _BACKGROUND.submit(run_ranks, cfg, timeout=timeout)
+
+
+def run_ranks_together(*cfgs: RunConfig, timeout: float = 300,
+                       envs: list[dict] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run several independent jobs at once (each its own mpiexec, its own run folder) to their ends; like
+    :func:`run_ranks` for each, in order (``envs``: each job's extra environment variables). A job still running
+    after ``timeout`` seconds is killed with the others and raises ``subprocess.TimeoutExpired``."""
+    import tempfile
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [tempfile.TemporaryFile("w+") for _ in cfgs]  # files, not pipes: no job waits for its reader
+    procs = [subprocess.Popen(rank_command(cfg), stdout=log, stderr=subprocess.STDOUT, text=True,
+                              env={**env, **extra}, stdin=subprocess.DEVNULL)
+             for cfg, log, extra in zip(cfgs, logs, envs or [{}] * len(cfgs), strict=True)]
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, out) for proc, out in
+            zip(procs, outputs, strict=True)]
 
 
 def final_parameters(cfg: RunConfig) -> dict[str, np.ndarray]:
@@ -141,9 +223,23 @@ def kill_when(cfg: RunConfig, proc: subprocess.Popen, min_step: int) -> int:
     pytest.fail("no progress within 60 s")
 
 
-def kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: float = 120) -> str:
+def kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: float = 120,
+                    beside: RunConfig | None = None) -> str:
     """Start the job, SIGKILL it past ``min_step`` updates, check it was cut between checkpoints before
-    ``end_step``, run it again and check that it resumed from its newest checkpoint; returns the resumed output."""
+    ``end_step``, run it again and check that it resumed from its newest checkpoint; returns the resumed output.
+    ``beside``: an independent job (the uninterrupted reference) run to its end meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_ranks, beside, timeout=timeout) if beside is not None else None
+        out = _kill_and_resume(cfg, min_step, end_step, timeout)
+        if reference is not None:
+            done = reference.result()
+            assert done.returncode == 0, done.stdout[-3000:]
+    return out
+
+
+def _kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: float) -> str:
     from ortflow.checkpoints import list_complete
 
     proc = subprocess.Popen(rank_command(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -23,7 +23,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks
+from tests.support.runs import copied_run, run_ranks, run_ranks_together
 
 pytestmark = pytest.mark.mpi
 
@@ -95,7 +95,7 @@ def runs_of(trained: dict, tp: int, ranks: int, rule: str):
         root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
         whole = tp_run(trained["configured"], root, "tp1", **split_sections(ranks // tp, rule, 1))
         split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **split_sections(ranks, rule, tp))
-        out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+        out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
         assert out1.returncode == 0, out1.stdout
         assert out2.returncode == 0, out2.stdout
         trained[key] = whole, split, out1, out2
@@ -129,7 +129,7 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
     opt = {"name": "sgd", "learning_rate": LR["sgd"]}
     whole = torch_run(tmp_path, "tp1", distributed={"num_ranks": 1}, optimizer=opt)
     split = torch_run(tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2}, optimizer=opt)
-    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+    out1, out2 = run_ranks_together(whole, split, timeout=300)
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
     p1, p2 = read_params(newest(whole)), read_params(newest(split))
@@ -219,17 +219,16 @@ def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_anothe
         out.stdout[-3000:]
 
 
-def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path, configured):
+def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path, configured, trained):
     opt = {"name": "sgd", "learning_rate": LR["sgd"]}
     short = {"num_train_steps": 4, "evaluation_period": 0}
-    first = tp_run(configured, tmp_path, "first", distributed={"num_ranks": 1}, optimizer=opt, train=short)
-    assert run_ranks(first).returncode == 0
+    first = runs_of(trained, 2, 2, "adamw")[0]  # an unsplit run (one rank, 4 AdamW updates)
     start = {"init_from": str(newest(first))}  # params.h5 of an unsplit run
     whole = tp_run(configured, tmp_path, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short,
                    checkpoint=start)
     split = tp_run(configured, tmp_path, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
                    optimizer=opt, train=short, checkpoint=start)
-    out1, out2 = run_ranks(whole), run_ranks(split)
+    out1, out2 = run_ranks_together(whole, split)
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
     assert "starting from the weights of" in out2.stdout
