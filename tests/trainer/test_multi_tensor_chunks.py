@@ -20,19 +20,26 @@ def _table(counts: list[int]) -> TensorTable:
     return TensorTable(NUMPY_AS_CUPY, tuple((1_000_000 * (i + 1), c) for i, c in enumerate(counts)))
 
 
-def _chunk_elements(table: TensorTable, first: int, chunks: int) -> list[tuple[int, int]]:
-    """(tensor, element) that blocks 0 .. chunks - 1 of a launch from chunk ``first`` read (sum_squares, scale, pack,
-    unpack: chunk c = first + blockIdx.x)."""
+def _chunk_elements(table: TensorTable, first: int, chunks: int) -> np.ndarray:
+    """(tensor, element) rows, in order, that blocks 0 .. chunks - 1 of a launch from chunk ``first`` read
+    (sum_squares, scale, pack, unpack: chunk c = first + blockIdx.x)."""
     ptrs, sizes, tensor, start, chunk = table.args
-    covered = []
+    covered = [np.empty((0, 2), np.int64)]
     for block in range(chunks):
         c = first + block
         t, lo = int(tensor[c]), int(start[c])
-        covered.extend((t, i) for i in range(lo, min(lo + int(chunk), int(sizes[t]))))
-    return covered
+        elements = np.arange(lo, min(lo + int(chunk), int(sizes[t])))
+        covered.append(np.stack([np.full(elements.size, t), elements], axis=1))
+    return np.concatenate(covered)
 
 
-def _replay(counts: list[int]) -> tuple[TensorTable, list[tuple[int, int]]]:
+def _all_elements(counts: list[int]) -> np.ndarray:
+    """(tensor, element) rows of every element of tensors of ``counts`` elements, in tensor order."""
+    return np.concatenate([np.empty((0, 2), np.int64)] + [np.stack([np.full(n, t), np.arange(n)], axis=1)
+                                                          for t, n in enumerate(counts)])
+
+
+def _replay(counts: list[int]) -> tuple[TensorTable, np.ndarray]:
     table = _table(counts)
     return table, _chunk_elements(table, 0, table.chunks)
 
@@ -40,7 +47,7 @@ def _replay(counts: list[int]) -> tuple[TensorTable, list[tuple[int, int]]]:
 def test_every_element_is_in_exactly_one_chunk_in_tensor_order():
     counts = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 0, 5]
     table, covered = _replay(counts)
-    assert covered == [(t, i) for t, n in enumerate(counts) for i in range(n)]
+    assert np.array_equal(covered, _all_elements(counts))
     assert table.chunks == 1 + 1 + 1 + 2 + 4 + 1 + 1  # an empty tensor keeps one (empty) chunk
     assert table.total == sum(counts)
     assert table.offsets.tolist() == np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
@@ -48,7 +55,8 @@ def test_every_element_is_in_exactly_one_chunk_in_tensor_order():
 
 def test_a_large_model_gets_blocks_in_proportion_to_its_size_not_to_its_largest_tensor():
     counts = [6_291_456] + [768] * 150 + [2_359_296] * 12  # an embedding, many small vectors, the blocks' weights
-    table, _ = _replay(counts)
+    table = _table(counts)  # the chunk count only (test_every_element_is_in_exactly_one_chunk_in_tensor_order
+    # replays the elements, on tensors small enough to list them)
     assert table.chunks == 384 + 150 + 12 * 144
 
 
@@ -70,10 +78,10 @@ def test_buckets_are_consecutive_chunk_ranges_whose_packed_range_and_pieces_hold
     base = {1_000_000 * (i + 1): i for i in range(len(COUNTS))}
     for bucket in buckets:
         elements = _chunk_elements(table, bucket.first, bucket.chunks)
-        packed = [int(table.offsets[t]) + i for t, i in elements]  # where the pack writes them
-        assert packed == list(range(bucket.lo, bucket.hi))
-        pieces = []  # what the per-tensor all-reduce of the bucket covers: (device address - base) / 4 of tensor t
-        for ptr, count in bucket.pieces:
+        packed = np.asarray(table.offsets)[elements[:, 0]] + elements[:, 1]  # where the pack writes them
+        assert np.array_equal(packed, np.arange(bucket.lo, bucket.hi))
+        pieces = [np.empty((0, 2), np.int64)]  # what the per-tensor all-reduce of the bucket covers:
+        for ptr, count in bucket.pieces:  # (device address - base) / 4 of tensor t
             t = max(b for b in base if b <= ptr)
-            pieces.extend((base[t], (ptr - t) // 4 + i) for i in range(count))
-        assert pieces == elements
+            pieces.append(np.stack([np.full(count, base[t]), (ptr - t) // 4 + np.arange(count)], axis=1))
+        assert np.array_equal(np.concatenate(pieces), elements)
