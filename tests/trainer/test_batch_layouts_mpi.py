@@ -16,7 +16,7 @@ from ortflow.checkpoints.h5state import read_params
 from ortflow.dataprep.manifest import read_manifest
 from ortflow.examples.gpt import build_gpt
 from tests.support.parallel_runs import newest
-from tests.support.runs import make_run, run_ranks
+from tests.support.runs import make_run, run_ranks, start_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -55,20 +55,19 @@ def eval_losses(output: str) -> list[float]:
 def unsplit(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch")
     cfg = run(root, "dp", 1, 1)
-    out = run_ranks(cfg, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:]
-    return cfg, out
+    return cfg, start_ranks(cfg, timeout=600)  # it trains while the first layout's run configures
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_any_batch_size_and_a_short_last_eval_batch_work_in_every_layout(unsplit, layout):
-    ref_cfg, ref_out = unsplit
+    ref_cfg, ref_job = unsplit
     assert read_manifest(ref_cfg.data_dir).num_rows("eval") % BATCH != 0  # the last eval batch is short
     batch = json.loads((ref_cfg.output_dir / "configure.json").read_text())["batch"]
     assert batch["fixed_batch"] == TRACED and batch["symbolic"]  # configure made the traced batch symbolic
     cfg = run(ref_cfg.output_dir.parent, layout, *LAYOUTS[layout])
-    out = run_ranks(cfg, timeout=600)
+    out, ref_out = run_ranks(cfg, timeout=600), ref_job.result()
     assert out.returncode == 0, out.stdout[-3000:]
+    assert ref_out.returncode == 0, ref_out.stdout[-3000:]
     assert [c.step for c in list_complete(cfg.checkpoints_dir)][-1] == 4
     np.testing.assert_allclose(eval_losses(out.stdout), eval_losses(ref_out.stdout), rtol=1e-5)
     assert len(eval_losses(out.stdout)) == 2

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ortflow.trainer.comm import SingleProcessComm
-from tests.support.runs import final_parameters, make_text_run, run_ranks
+from tests.support.runs import final_parameters, make_text_run, run_ranks_together
 
 
 def test_norm_and_scale_in_place():
@@ -21,8 +21,7 @@ def test_clipped_training_is_deterministic_and_ranks_stay_identical(tmp_path):
     first = make_text_run(tmp_path, "first", distributed={"num_ranks": 1}, train={"batch_size": 8}, **clip)
     again = make_text_run(tmp_path, "again", distributed={"num_ranks": 1}, train={"batch_size": 8}, **clip)
     two = make_text_run(tmp_path, "two", distributed={"num_ranks": 2}, train={"batch_size": 4}, **clip)
-    for cfg in (first, again, two):
-        out = run_ranks(cfg)
+    for out in run_ranks_together(first, again, two):  # independent jobs: at once
         assert out.returncode == 0, out.stdout[-3000:]  # a divergence between ranks fails the job
     p1, p1_again, p2 = final_parameters(first), final_parameters(again), final_parameters(two)
     for name in p1:

@@ -18,7 +18,7 @@ import pytest
 from ortflow.checkpoints import list_complete
 from ortflow.examples.gpt import build_gpt
 from ortflow.export import export_model
-from tests.support.runs import checkpoint_parameters, final_parameters, kill_and_resume, make_text_run, run_ranks
+from tests.support.runs import checkpoint_parameters, final_parameters, kill_and_resume, make_text_run
 
 pytestmark = pytest.mark.mpi
 
@@ -50,9 +50,7 @@ def runs(tmp_path_factory):
     repeatability case); those after it from the resumed process (the resume case)."""
     root = tmp_path_factory.mktemp("embedding")
     steady, killed = _text_run(root, "steady", STEPS, PERIOD), _text_run(root, "killed", STEPS, PERIOD)
-    done = run_ranks(steady, timeout=300)
-    assert done.returncode == 0, done.stdout
-    resumed = kill_and_resume(killed, min_step=30, end_step=STEPS, timeout=300)
+    resumed = kill_and_resume(killed, min_step=30, end_step=STEPS, timeout=300, beside=steady)
     return steady, killed, int(re.findall(r"starting from step (\d+)", resumed)[0])
 
 

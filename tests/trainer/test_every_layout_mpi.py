@@ -12,7 +12,7 @@ from ortflow.checkpoints.h5state import read_params
 from ortflow.trainer.profiling import top_operators
 from ortflow.trainer.timing import PHASES, read_timing
 from tests.support.parallel_runs import gpt_run, newest
-from tests.support.runs import run_ranks
+from tests.support.runs import run_ranks_together
 
 pytestmark = pytest.mark.mpi
 
@@ -46,8 +46,7 @@ def test_layout_writes_timing_profile_and_histograms_and_trains_as_without_them(
     plain = gpt_run(root, f"{name}-plain", distributed=dist)
     traced = gpt_run(root, f"{name}-traced", distributed=dist, train={"profile_steps": PROFILED},
                      tensorboard={"histogram_names": ["*"]})
-    for cfg in (plain, traced):
-        out = run_ranks(cfg, timeout=400)
+    for out in run_ranks_together(plain, traced, timeout=400):  # independent jobs: at once
         assert out.returncode == 0, out.stdout[-3000:]
 
     # The step-time breakdown: timing.json and the time/* scalars of every report.

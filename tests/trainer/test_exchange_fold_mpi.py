@@ -12,7 +12,7 @@ import pytest
 
 from ortflow.trainer.metrics import read_progress
 from ortflow.trainer.runtime import FOLD_ENV
-from tests.support.runs import MPIEXEC, final_parameters, make_run, run_ranks
+from tests.support.runs import MPIEXEC, final_parameters, make_run, run_ranks_together
 
 pytestmark = pytest.mark.mpi
 
@@ -41,9 +41,8 @@ def test_clipped_two_rank_training_with_the_fold_equals_the_eager_passes_bitwise
                 "optimizer": {"learning_rate": 0.01, "max_grad_norm": 0.01}}  # fmt: skip
     folded = make_run(tmp_path, "folded", **sections)
     eager = make_run(tmp_path, "eager", **sections)
-    out_folded = run_ranks(folded)
-    monkeypatch.setenv(FOLD_ENV, "0")
-    out_eager = run_ranks(eager)
+    monkeypatch.delenv(FOLD_ENV, raising=False)
+    out_folded, out_eager = run_ranks_together(folded, eager, envs=[{}, {FOLD_ENV: "0"}])  # independent: at once
     assert out_folded.returncode == 0, out_folded.stdout[-3000:]
     assert out_eager.returncode == 0, out_eager.stdout[-3000:]
     assert out_folded.stdout.count(FOLDED) == 2 and FOLDED not in out_eager.stdout  # each run took its path

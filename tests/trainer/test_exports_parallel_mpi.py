@@ -12,7 +12,7 @@ import pytest
 
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
-from tests.support.runs import copied_run, run_ranks
+from tests.support.runs import copied_run, run_ranks_together, start_ranks
 from tests.trainer.exports_runs import (
     SEQ,
     UPDATES,
@@ -57,18 +57,33 @@ def key_bias(name: str, shape: tuple[int, ...]) -> slice | None:
     return None
 
 
-def _train(cfg):
-    out = run_ranks(cfg, timeout=600)
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out
+class Reference:
+    """An unsplit reference run, started as soon as it is configured (its training overlaps the configuring of the
+    runs compared to it); ``out`` waits for its end."""
+
+    def __init__(self, cfg):
+        self.cfg, self._job = cfg, start_ranks(cfg, timeout=600)
+
+    @property
+    def out(self):
+        out = self._job.result()
+        assert out.returncode == 0, out.stdout[-4000:]
+        return out
+
+
+def _train(*cfgs) -> list:
+    """Train independent runs to their ends, at once; returns their outputs."""
+    outs = run_ranks_together(*cfgs, timeout=600)
+    for out in outs:
+        assert out.returncode == 0, out.stdout[-4000:]
+    return outs
 
 
 @pytest.fixture(scope="module")
 def gpt2_dp(tmp_path_factory):
     """The unsplit reference: one rank, the same global batch as every split layout."""
     root = tmp_path_factory.mktemp("gpt2")
-    cfg = gpt2_run(root, "dp", distributed={"num_ranks": 1})
-    return cfg, _train(cfg)
+    return Reference(gpt2_run(root, "dp", distributed={"num_ranks": 1}))
 
 
 def _max_diffs(p1: dict, p2: dict) -> tuple[float, float]:
@@ -85,7 +100,7 @@ def _max_diffs(p1: dict, p2: dict) -> tuple[float, float]:
 
 
 def _assert_equal_to(reference, cfg, out, atol=ATOL):
-    ref_cfg, ref_out = reference
+    ref_cfg, ref_out = reference.cfg, reference.out
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
     assert sorted(p1) == sorted(p2)
     worst, worst_key = _max_diffs(p1, p2)
@@ -101,10 +116,10 @@ def _assert_equal_to(reference, cfg, out, atol=ATOL):
 
 @pytest.mark.parametrize("cuts", [(), ("/model/transformer/h.1/Add_1_output_0",)], ids=["automatic", "blocks-1-2"])
 def test_gpt2_two_stages_train_to_the_unsplit_parameters(gpt2_dp, cuts):
-    root = gpt2_dp[0].output_dir.parent
+    root = gpt2_dp.cfg.output_dir.parent
     cfg = gpt2_run(root, f"pp2-{len(cuts)}", model_fields={"pipeline_cuts": list(cuts)},
                    distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
-    _assert_equal_to(gpt2_dp, cfg, _train(cfg))
+    _assert_equal_to(gpt2_dp, cfg, *_train(cfg))
     _assert_exports_one_model(cfg)
 
 
@@ -138,27 +153,26 @@ def _configured_split(configured: dict, reference, make, pp: int, tp: int):
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
 def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters(gpt2_dp, configured, pp):
-    cfg = _configured_split(configured, gpt2_dp[0], gpt2_run, pp, 2)
+    cfg = _configured_split(configured, gpt2_dp.cfg, gpt2_run, pp, 2)
     split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
     for block in range(4):  # attention (fused QKV by heads) and MLP of every block, and the tied table by vocabulary
         assert any(f"h.{block}.attn.c_attn.weight" in line and "fused parts" in line for line in split), split
         assert any(f"columns ['model.transformer.h.{block}.mlp.c_fc.weight']" in line for line in split), split
     vocab = [line for line in split if "vocabulary split of ['model.transformer.wte.weight']" in line]
     assert len(vocab) == 2 and any("LM head ['logits']" in line for line in vocab), split
-    _assert_equal_to(gpt2_dp, cfg, _train(cfg), atol=TP_ATOL)
+    _assert_equal_to(gpt2_dp, cfg, *_train(cfg), atol=TP_ATOL)
     _assert_exports_one_model(cfg)
 
 
 @pytest.fixture(scope="module")
 def bert_dp(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert")
-    cfg = bert_run(root, "dp", distributed={"num_ranks": 1})
-    return cfg, _train(cfg)
+    return Reference(bert_run(root, "dp", distributed={"num_ranks": 1}))
 
 
 @pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "tp2", "pp2xtp2"])
 def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, configured, pp, tp):
-    cfg = _configured_split(configured, bert_dp[0], bert_run, pp, tp)
+    cfg = _configured_split(configured, bert_dp.cfg, bert_run, pp, tp)
     if tp > 1:  # every layer's attention (separate Q, K, V Linears by heads) and MLP
         split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
         for layer in range(2):
@@ -166,7 +180,7 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(bert_dp, 
             assert any(f"'{prefix}.attention.self.query.weight', '{prefix}.attention.self.key.weight'" in line
                        and f"rows ['{prefix}.attention.output.dense.weight']" in line for line in split), split
             assert any(f"columns ['{prefix}.intermediate.dense.weight']" in line for line in split), split
-    _assert_equal_to(bert_dp, cfg, _train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
+    _assert_equal_to(bert_dp, cfg, *_train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
 
 
 # The pieces add the row-parallel partial sums over the ranks, each rounded in halves: every gradient measured within
@@ -193,7 +207,7 @@ def test_tensor_pieces_compute_every_parameters_unsplit_gradient(request, config
     the ranks simulated in one process (tests/support/tensor_sim.py), compared parameter by parameter."""
     from tests.support.tensor_sim import piece_gradients, whole_gradients
 
-    whole_cfg = request.getfixturevalue(f"{name}_dp")[0]
+    whole_cfg = request.getfixturevalue(f"{name}_dp").cfg
     split_cfg = _configured_split(configured, whole_cfg, bert_run if name == "bert" else gpt2_run, 1, 2)
     batch = _batch(name, whole_cfg.output_dir.parent)
 
@@ -249,8 +263,7 @@ def dynamo_dp(request, tmp_path_factory):
     """The unsplit reference of a dynamo export (parametrised by the tests that use it): one rank, the same global
     batch as every other layout."""
     root = tmp_path_factory.mktemp(request.param.removesuffix(".onnx"))
-    cfg = _dynamo_run(root, "dp", request.param, distributed={"num_ranks": 1})
-    return cfg, _train(cfg)
+    return Reference(_dynamo_run(root, "dp", request.param, distributed={"num_ranks": 1}))
 
 
 # dp 2 on the unsplit run's global batch: UPDATES updates of one micro-batch of 2 per rank (the unsplit run sums 2).
@@ -261,10 +274,10 @@ DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": UPDATES}
 def dynamo_dp2(dynamo_dp):
     """dp 2 on the reference's global batch: one micro-batch of 2 per rank and update (the reference sums 2); its
     artifacts are the reference's (the same model and layout), copied."""
-    ref = dynamo_dp[0]
+    ref = dynamo_dp.cfg
     cfg = copied_run(ref, _dynamo_run, ref.output_dir.parent, "dp2", export=ref.model.path.name, train=DP2_TRAIN,
                      distributed={"num_ranks": 2})
-    return cfg, _train(cfg)
+    return cfg, *_train(cfg)
 
 
 @pytest.mark.parametrize("dynamo_dp", DYNAMO, indirect=True)
@@ -281,19 +294,19 @@ def test_dynamo_tensor_pieces_train_to_the_unsplit_parameters(dynamo_dp):
 
 
 def _assert_dynamo_layout_trains_to_the_unsplit_parameters(dynamo_dp, pp: int, tp: int) -> None:
-    root = dynamo_dp[0].output_dir.parent
-    cfg = _dynamo_run(root, f"pp{pp}tp{tp}", dynamo_dp[0].model.path.name,
+    root = dynamo_dp.cfg.output_dir.parent
+    cfg = _dynamo_run(root, f"pp{pp}tp{tp}", dynamo_dp.cfg.model.path.name,
                       distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp, "horizontal_parallel_size": tp})
     if tp > 1:  # every block's attention (by heads) and MLP are split, as on the TorchScript exports
         split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
         if pp > 1:
             split = [line.split(": ", 1)[1] for line in split]
-        markers, blocks = REGIONS[_family(dynamo_dp[0].model.path.name)]
+        markers, blocks = REGIONS[_family(dynamo_dp.cfg.model.path.name)]
         for marker in markers:
             regions = [line for line in split if line.startswith("region") and line.split(", rows")[0].count(marker)]
             assert len(regions) == blocks, (marker, split)
         assert not [line for line in split if line.startswith("kept") and any(m in line for m in markers)], split
-    _assert_equal_to(dynamo_dp, cfg, _train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
+    _assert_equal_to(dynamo_dp, cfg, *_train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
 
 
 @pytest.mark.parametrize("dynamo_dp", [*DYNAMO, *DYNAMO_DP_ONLY], indirect=True)
@@ -312,11 +325,11 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     the same torch parameters are trained (no buffer), to the same values."""
     from tests.support.exports import torch_record
 
-    (noopt, noopt_out), family = dynamo_dp2, _family(dynamo_dp[0].model.path.name)
+    (noopt, noopt_out), family = dynamo_dp2, _family(dynamo_dp.cfg.model.path.name)
     script = {"export": f"{family}.onnx", "train": DP2_TRAIN, "distributed": {"num_ranks": 2}}
-    script_cfg = (copied_run(gpt2_dp[0], gpt2_run, noopt.output_dir.parent, "torchscript", **script)
+    script_cfg = (copied_run(gpt2_dp.cfg, gpt2_run, noopt.output_dir.parent, "torchscript", **script)
                   if family == "gpt2" else gpt2_run(noopt.output_dir.parent, "torchscript", **script))
-    script_out = _train(script_cfg)
+    (script_out,) = _train(script_cfg)
     record = torch_record(family)
     info = json.loads((noopt.output_dir / "configure.json").read_text())
     assert sorted(info["trainable"]) == sorted(record["parameters"])
@@ -374,11 +387,11 @@ def test_dynamo_export_trains_with_zero1_and_adasum(dynamo_dp, dynamo_dp2):
     design, so it moves the weights in nearly the same direction by about as much)."""
     from tests.support.exports import torch_record
 
-    (dp2, dp2_out), export = dynamo_dp2, dynamo_dp[0].model.path.name
+    (dp2, dp2_out), export = dynamo_dp2, dynamo_dp.cfg.model.path.name
     runs = {name: copied_run(dp2, _dynamo_run, dp2.output_dir.parent, name, export=export, train=DP2_TRAIN,
                              distributed={"num_ranks": 2, **extra})
             for name, extra in (("zero1", {"zero_stage": 1}), ("adasum", {"enable_adasum": True}))}
-    outs = {name: _train(cfg) for name, cfg in runs.items()}
+    outs = dict(zip(runs, _train(*runs.values()), strict=True))
     record = torch_record(_family(export))
     for name, cfg in runs.items():
         info = json.loads((cfg.output_dir / "configure.json").read_text())

@@ -16,7 +16,7 @@ import pytest
 
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
-from tests.support.runs import run_ranks
+from tests.support.runs import run_ranks, start_ranks
 from tests.trainer.exports_runs import LLAMA_EXPORTS, UPDATES, llama_run
 
 pytestmark = pytest.mark.mpi
@@ -44,10 +44,11 @@ def _train(cfg):
 
 @pytest.fixture(scope="module", params=EXPORTS)
 def llama_dp(request, tmp_path_factory):
-    """The unsplit reference: one rank, the same global batch as every split layout."""
+    """The unsplit reference: one rank, the same global batch as every split layout; started as soon as it is
+    configured (it trains while the split runs configure), its output a future."""
     root = tmp_path_factory.mktemp("llama")
     cfg = llama_run(root, "dp", export=request.param, distributed={"num_ranks": 1})
-    return request.param, cfg, _train(cfg)
+    return request.param, cfg, start_ranks(cfg, timeout=900)
 
 
 def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
@@ -64,7 +65,7 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
 def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request, llama_dp, pp):
-    export, ref_cfg, ref_out = llama_dp
+    export, ref_cfg, ref_job = llama_dp
     cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
     cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}tp2", export=export, **cuts,
                     distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp, "horizontal_parallel_size": 2})
@@ -84,7 +85,8 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request
             assert shapes[f"{attn}.k_proj.weight"] == [16, 64] and shapes[f"{attn}.v_proj.weight"] == [16, 64]
             assert shapes[f"{attn}.o_proj.weight"] == [64, 32]
             assert shapes[f"model.model.layers.{layer}.mlp.gate_proj.weight"] == [64, 64]
-    out = _train(cfg)
+    out, ref_out = _train(cfg), ref_job.result()
+    assert ref_out.returncode == 0, ref_out.stdout[-4000:]
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
     assert sorted(p1) == sorted(p2)
     worst = {name: float(np.abs(p1[name] - p2[name]).max()) for name in p1}

@@ -22,7 +22,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks
+from tests.support.runs import copied_run, run_ranks, run_ranks_together
 from tests.trainer.test_tensor_mpi import ATOL, digests
 
 pytestmark = pytest.mark.mpi
@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pptp")
     whole = gpt_run(root, "pp1tp1", distributed={"num_ranks": 1}, checkpoint=EVERY)
     split = gpt_run(root, "pp2tp2", distributed=PP_TP, checkpoint=EVERY)
-    out1, out2 = run_ranks(whole), run_ranks(split, timeout=300)
+    out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
     assert out1.returncode == 0, out1.stdout[-3000:]
     assert out2.returncode == 0, out2.stdout[-3000:]
     return root, whole, split, out1, out2
@@ -117,7 +117,7 @@ def test_dp2_pp2_tp2_on_8_ranks_trains_to_the_dp2_parameters_with_identical_repl
     whole = copied_run(configured_whole, gpt_run, tmp_path, "dp2", distributed={"num_ranks": 2}, optimizer=opt)
     split = copied_run(configured_split, gpt_run, tmp_path, "dp2pp2tp2", distributed={**PP_TP, "num_ranks": 8},
                        optimizer=opt)
-    out1, out2 = run_ranks(whole), run_ranks(split, timeout=400)
+    out1, out2 = run_ranks_together(whole, split, timeout=400)
     assert out1.returncode == 0, out1.stdout[-3000:]
     assert out2.returncode == 0, out2.stdout[-3000:]
     p1, p2 = read_params(newest(whole)), read_params(newest(split))

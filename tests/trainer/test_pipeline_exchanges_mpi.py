@@ -9,7 +9,7 @@ import pytest
 
 from ortflow.checkpoints import list_complete
 from tests.support.parallel_runs import kill_after_first_checkpoint
-from tests.support.runs import make_text_run, run_ranks
+from tests.support.runs import make_text_run, run_ranks_together
 from tests.trainer.test_pipeline_mpi import ATOL, TRAIN, stage_parameters
 
 pytestmark = pytest.mark.mpi
@@ -24,10 +24,12 @@ GRID = {"num_ranks": 4, "pipeline_parallel_size": 2}
 ZERO1_ATOL = 1e-5
 
 
-def _train(cfg):
-    out = run_ranks(cfg, timeout=300)
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out
+def _train(*cfgs):
+    """Train independent jobs to their ends, at once; returns the last one's output."""
+    outs = run_ranks_together(*cfgs, timeout=300)
+    for out in outs:
+        assert out.returncode == 0, out.stdout[-4000:]
+    return outs[-1]
 
 
 CLIP = {"max_grad_norm": 0.5}  # below the measured norms (1.3-2.5): every update clips by the global norm
@@ -44,8 +46,7 @@ def zero1(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero1")
     unsplit = make_text_run(root, "dp2", distributed={"num_ranks": 2, "zero_stage": 1}, **ZERO1)
     split = make_text_run(root, "pp2dp2", distributed={**GRID, "zero_stage": 1}, **ZERO1)
-    _train(unsplit)
-    return unsplit, split, _train(split)
+    return unsplit, split, _train(unsplit, split)
 
 
 def _at(cfg, step):
@@ -60,8 +61,7 @@ def test_two_stages_by_two_replicas_match_the_same_exchange_over_unsplit_replica
     else:
         unsplit = make_text_run(tmp_path, "dp2", distributed={"num_ranks": 2, **exchange}, train=TRAIN, optimizer=CLIP)
         split = make_text_run(tmp_path, "pp2dp2", distributed={**GRID, **exchange}, train=TRAIN, optimizer=CLIP)
-        _train(unsplit)
-        out = _train(split)
+        out = _train(unsplit, split)
         assert list_complete(split.checkpoints_dir)[-1].step == COMPARED
         p1, p2 = stage_parameters(unsplit), stage_parameters(split)
     assert sorted(p1) == sorted(p2)

@@ -15,7 +15,7 @@ from ortflow.checkpoints import list_complete, verify
 from ortflow.checkpoints.h5state import params_files, stage_file
 from tests.support.mlp_stack import B, T, build_torchlike
 from tests.support.parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
-from tests.support.runs import make_run, make_text_run, rank_command, run_ranks
+from tests.support.runs import make_run, make_text_run, rank_command, run_ranks, run_ranks_together, start_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -74,26 +74,26 @@ SPLIT_TRAIN = {**TRAIN, "num_train_steps": 16, "gradient_accumulation_steps": 4}
 
 @pytest.fixture(scope="module")
 def unsplit(tmp_path_factory):
-    """One finished 1-rank run of the 1-layer GPT (SPLIT_TRAIN, no clipping), the reference of the 2- and 3-stage
-    runs; returns its config and output."""
+    """One 1-rank run of the 1-layer GPT (SPLIT_TRAIN, no clipping), the reference of the 2- and 3-stage runs; returns
+    its config and the future of its output (it trains while the split runs configure)."""
     cfg = make_text_run(tmp_path_factory.mktemp("unsplit"), "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN)
-    out = run_ranks(cfg)
-    assert out.returncode == 0, out.stdout
-    return cfg, out
+    return cfg, start_ranks(cfg)
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])  # 0.5: below the measured norms (1.3-2.5), so every update clips
 def test_two_stages_train_to_the_unsplit_parameters(request, tmp_path, max_grad_norm):
     opt = {"max_grad_norm": max_grad_norm}
+    unsplit = None
     if max_grad_norm is None:
-        unsplit, out1 = request.getfixturevalue("unsplit")
+        unsplit, job = request.getfixturevalue("unsplit")
         tmp_path = unsplit.output_dir.parent  # its model and data files
-    else:
-        unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN, optimizer=opt)
-        out1 = run_ranks(unsplit)
     split = make_text_run(tmp_path, f"pp2-clip{max_grad_norm}", distributed={"num_ranks": 2,
                           "pipeline_parallel_size": 2}, train=SPLIT_TRAIN, optimizer=opt)
-    out2 = run_ranks(split)
+    if unsplit is None:
+        unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN, optimizer=opt)
+        out1, out2 = run_ranks_together(unsplit, split)  # independent jobs: at once
+    else:
+        out2, out1 = run_ranks(split), job.result()
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
     p1, p2 = stage_parameters(unsplit), stage_parameters(split)
@@ -136,11 +136,10 @@ def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(requ
     else:
         root = tmp_path
         split = torchlike_run(root, "pp2", tied, distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
-        out2 = run_ranks(split)
-        assert out2.returncode == 0, out2.stdout
     unsplit = torchlike_run(root, "pp1", tied, distributed={"num_ranks": 1})
-    out1 = run_ranks(unsplit)
-    assert out1.returncode == 0, out1.stdout
+    outs = run_ranks_together(unsplit, *([] if tied else [split]))  # independent jobs: at once
+    for out in outs:
+        assert out.returncode == 0, out.stdout
     p1, p2 = stage_parameters(unsplit), stage_parameters(split)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     print(f"tied={tied}: max |param diff| pp2 vs pp1: {worst}")
@@ -157,10 +156,11 @@ def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(requ
 
 def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters(unsplit):
     # The middle stage both receives and sends (forward, recompute, VJP): 3 ranks, 4 micro-batches per update.
-    unsplit, _ = unsplit
+    unsplit, job = unsplit
     split = make_text_run(unsplit.output_dir.parent, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3},
                           train=SPLIT_TRAIN)
     out3 = run_ranks(split, timeout=240)
+    assert job.result().returncode == 0, job.result().stdout
     assert out3.returncode == 0, out3.stdout
     p1, p3 = stage_parameters(unsplit), stage_parameters(split)
     assert max(float(np.abs(p1[n] - p3[n]).max()) for n in p1) < ATOL
@@ -173,7 +173,7 @@ def test_two_stages_by_two_replicas_match_and_replicas_are_bitwise_identical(tmp
     train = {**TRAIN, "num_train_steps": 4, "evaluation_period": 0}
     unsplit = make_text_run(tmp_path, "dp2", distributed={"num_ranks": 2}, train=train)
     grid = make_text_run(tmp_path, "pp2dp2", distributed={"num_ranks": 4, "pipeline_parallel_size": 2}, train=train)
-    out1, out4 = run_ranks(unsplit, timeout=240), run_ranks(grid, timeout=240)
+    out1, out4 = run_ranks_together(unsplit, grid, timeout=240)
     assert out1.returncode == 0, out1.stdout
     assert out4.returncode == 0, out4.stdout
     p1, p4 = stage_parameters(unsplit), stage_parameters(grid)

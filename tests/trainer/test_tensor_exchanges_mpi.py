@@ -21,7 +21,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks
+from tests.support.runs import copied_run, run_ranks, run_ranks_together
 from tests.trainer.test_tensor_mpi import ATOL
 
 pytestmark = pytest.mark.mpi
@@ -58,7 +58,7 @@ def runs_of(trained: dict, name: str):
         whole = make("dp2", 1, distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY)
         split = make("dp2tp2", 2, distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
                      optimizer=opt, checkpoint=EVERY)
-        out1, out2 = run_ranks(whole, timeout=300), run_ranks(split, timeout=300)
+        out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
         assert out1.returncode == 0, out1.stdout[-3000:]
         assert out2.returncode == 0, out2.stdout[-3000:]
         trained[name] = (name, whole, split, out1, out2)

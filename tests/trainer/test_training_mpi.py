@@ -17,7 +17,7 @@ import pytest
 from ortflow.checkpoints import list_complete, verify
 from ortflow.launch.local import launch
 from ortflow.trainer.metrics import read_progress
-from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks, run_ranks_together
 
 pytestmark = pytest.mark.mpi
 FAULT = str(Path(__file__).with_name("fault_rank.py"))
@@ -30,25 +30,30 @@ def digests(output: str) -> dict[tuple[int, int], str]:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    """One finished 2-rank run (batch 4 per rank, 20 updates, eval every 5, a checkpoint every 2 keeping 3), shared by
-    the replica test, the retention test and the TensorBoard test; returns its config and output."""
-    cfg = make_run(tmp_path_factory.mktemp("two"), "two", distributed={"num_ranks": 2},
-                   train={"batch_size": 4, "evaluation_period": 5},
+def finished(tmp_path_factory):
+    """The runs of :func:`two` and :func:`one`, trained at once (independent jobs)."""
+    root = tmp_path_factory.mktemp("two")
+    two = make_run(root, "two", distributed={"num_ranks": 2}, train={"batch_size": 4, "evaluation_period": 5},
                    checkpoint={"period": 2, "max_num_checkpoints": 3})
-    out = run_ranks(cfg)
-    assert out.returncode == 0, out.stdout
-    return cfg, out
+    one = make_run(root, "one", distributed={"num_ranks": 1}, train={"batch_size": 8})
+    outs = run_ranks_together(two, one)
+    for out in outs:
+        assert out.returncode == 0, out.stdout
+    return (two, outs[0]), one
 
 
 @pytest.fixture(scope="module")
-def one(two):
+def two(finished):
+    """One finished 2-rank run (batch 4 per rank, 20 updates, eval every 5, a checkpoint every 2 keeping 3), shared by
+    the replica test, the retention test and the TensorBoard test; returns its config and output."""
+    return finished[0]
+
+
+@pytest.fixture(scope="module")
+def one(finished):
     """One finished 1-rank run on batch 8 (the 2-rank run's two batches of 4 concatenated), 20 updates: the reference
     of the replica test and of the accumulation test."""
-    cfg = make_run(two[0].output_dir.parent, "one", distributed={"num_ranks": 1}, train={"batch_size": 8})
-    out = run_ranks(cfg)
-    assert out.returncode == 0, out.stdout
-    return cfg
+    return finished[1]
 
 
 def test_two_ranks_match_one_rank_on_the_concatenated_batch(two, one):
@@ -99,9 +104,7 @@ def test_killed_job_resumes_to_bitwise_identical_parameters(tmp_path):
                     lr_schedule={"name": "cosine", "warmup_steps": 50})
     steady = make_run(tmp_path, "steady", **settings)
     killed = make_run(tmp_path, "killed", **settings)
-    assert run_ranks(steady).returncode == 0
-
-    kill_and_resume(killed, min_step=60, end_step=300)
+    kill_and_resume(killed, min_step=60, end_step=300, beside=steady)
     a, b = final_parameters(steady), final_parameters(killed)
     for name in a:
         assert np.array_equal(a[name], b[name]), name

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
-from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks_together
 from tests.trainer.test_training_mpi import digests
 
 pytestmark = pytest.mark.mpi
@@ -30,7 +30,7 @@ def zero_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero")
     zero1 = make_run(root, "zero1", distributed={"num_ranks": 2, "zero_stage": 1}, **SETTINGS)
     zero0 = make_run(root, "zero0", distributed={"num_ranks": 2, "zero_stage": 0}, **SETTINGS)
-    out1, out0 = run_ranks(zero1), run_ranks(zero0)
+    out1, out0 = run_ranks_together(zero1, zero0)  # independent jobs: at once
     assert out1.returncode == 0, out1.stdout
     assert out0.returncode == 0, out0.stdout
     return zero1, out1, zero0
@@ -67,8 +67,7 @@ def test_zero1_killed_job_resumes_bitwise_identical(tmp_path):
                     lr_schedule={"name": "cosine", "warmup_steps": 50})
     steady = make_run(tmp_path, "steady", **settings)
     killed = make_run(tmp_path, "killed", **settings)
-    assert run_ranks(steady).returncode == 0
-    kill_and_resume(killed, min_step=60, end_step=200)
+    kill_and_resume(killed, min_step=60, end_step=200, beside=steady)
     a, b = final_parameters(steady), final_parameters(killed)
     for name in a:
         assert np.array_equal(a[name], b[name]), name
@@ -82,13 +81,13 @@ def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(zero_pair, ran
     assert len(list(start.path.glob("optimizer-rank*.h5"))) == 2
     runs = {}
     for stage in (1, 0):  # ZeRO-1 resharded vs ZeRO-0 started from the same state on the same number of ranks
-        cfg = make_run(tmp_path, f"r{ranks}z{stage}", distributed={"num_ranks": ranks, "zero_stage": stage},
-                       train={"num_train_steps": 16}, optimizer=SETTINGS["optimizer"],
-                       checkpoint={"period": 3, "max_num_checkpoints": 3, "checkpoint_to_load_path": str(start.path)})
-        out = run_ranks(cfg, timeout=300)
+        runs[stage] = make_run(tmp_path, f"r{ranks}z{stage}", distributed={"num_ranks": ranks, "zero_stage": stage},
+                               train={"num_train_steps": 16}, optimizer=SETTINGS["optimizer"],
+                               checkpoint={"period": 3, "max_num_checkpoints": 3,
+                                           "checkpoint_to_load_path": str(start.path)})
+    for out in run_ranks_together(*runs.values()):  # independent jobs: at once
         assert out.returncode == 0, out.stdout
         assert "starting from step 10" in out.stdout
-        runs[stage] = cfg
     last = list_complete(runs[1].checkpoints_dir)[-1]
     # Continued at the exact sample: 10 updates x 2 ranks x 4, then 6 updates x ranks x 4.
     assert last.step == 16 and last.meta["global_cursor"] == 10 * 2 * 4 + 6 * ranks * 4
