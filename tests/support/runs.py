@@ -224,17 +224,17 @@ def kill_when(cfg: RunConfig, proc: subprocess.Popen, min_step: int) -> int:
 
 
 def kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: float = 120,
-                    beside: RunConfig | None = None) -> str:
+                    beside: RunConfig | tuple[RunConfig, ...] = ()) -> str:
     """Start the job, SIGKILL it past ``min_step`` updates, check it was cut between checkpoints before
     ``end_step``, run it again and check that it resumed from its newest checkpoint; returns the resumed output.
-    ``beside``: an independent job (the uninterrupted reference) run to its end meanwhile."""
+    ``beside``: independent jobs (the uninterrupted reference) run to their ends meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
+    others = (beside,) if isinstance(beside, RunConfig) else tuple(beside)
     with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(run_ranks, beside, timeout=timeout) if beside is not None else None
+        references = pool.submit(run_ranks_together, *others, timeout=timeout) if others else None
         out = _kill_and_resume(cfg, min_step, end_step, timeout)
-        if reference is not None:
-            done = reference.result()
+        for done in references.result() if references else ():
             assert done.returncode == 0, done.stdout[-3000:]
     return out
 
