@@ -85,6 +85,9 @@ def train(
             norm_stats.sync()  # Sync point: every replica evaluates and saves the same running statistics
         if evaluated and final:  # saved first: a failing final evaluation never costs the trained weights
             save(model, checkpoints, step, cursor, train_loss, None)
+            # Sync point: no rank evaluates (and may fail, aborting the job) before rank 0 has the checkpoint in place;
+            # without it a data-parallel rank, which does not wait for rank 0's write, could abort it mid-write.
+            model.comm.barrier("final checkpoint saved")
         eval_loss = evaluate(model, eval_batches) if evaluated else None
         timer.lap("eval")
         if step % cfg.train.display_loss_steps == 0 or evaluated:
