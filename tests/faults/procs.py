@@ -66,11 +66,26 @@ def start_train(run_dir: Path, *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def drain(proc: subprocess.Popen) -> list[str]:
+class Lines(list):
+    """The output lines of a job, appended by a reader thread as they come (see :func:`drain`)."""
+
+    reader: threading.Thread
+
+    def complete(self, timeout: float = 60) -> list[str]:
+        """Wait until the reader has read the output to its end (every process holding the pipe has exited) and
+        return the lines; raises if the pipe is still open after ``timeout`` s."""
+        self.reader.join(timeout)
+        if self.reader.is_alive():
+            raise TimeoutError(f"the job's output was still open {timeout:g} s later (a process of it lives on)")
+        return list(self)
+
+
+def drain(proc: subprocess.Popen) -> Lines:
     """Read the job's output in a thread into the returned list: a job whose pipe nobody reads blocks on a full pipe
     (64 KB, a few hundred progress lines), and a blocked ``ortflow train`` cannot exit when a rank is killed."""
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    lines = Lines()
+    lines.reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    lines.reader.start()
     return lines
 
 

@@ -6,6 +6,8 @@ job. A stopped proxy (status 3, itself ended): test_launcher_stop.py."""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 import signal
@@ -89,7 +91,6 @@ def _repeat_until_exit(proc: subprocess.Popen, sig: int) -> int:
 
 
 def test_ctrl_z_keeps_the_job_running_and_a_kill_then_leaves_no_process_and_no_shared_memory_behind(run):
-    before = _segments()
     proc = procs.start_train(run.output_dir)
     lines = procs.drain(proc)
     try:
@@ -100,23 +101,46 @@ def test_ctrl_z_keeps_the_job_running_and_a_kill_then_leaves_no_process_and_no_s
         procs.wait_for_step(run.output_dir, seen + 3, proc)  # the job runs on
         assert procs.state(proc.pid) not in ("T", None), procs.state(proc.pid)
         assert not [p for p in tree if procs.state(p) == "T"], "a process of the job was stopped"
-        os.kill(proc.pid, signal.SIGKILL)  # `kill -9 %1`
-        proc.wait(timeout=30)
-        left = _gone_within(tree, 15)
+        # This job's own segments (other jobs on the host make and reclaim theirs meanwhile), held mapped here so
+        # that no other job's start reclaims them before the next job of this test.
+        segments = _mapped_segments(tree)
+        assert segments, "the job's ranks map no segment in /dev/shm"
+        with _held(segments):
+            os.kill(proc.pid, signal.SIGKILL)  # `kill -9 %1`
+            proc.wait(timeout=30)
+            left = _gone_within(tree, 15)
+            # The ranks died without MPI_Finalize: their shared memory stays until the next job reclaims it.
+            kept = {path for path in segments if os.path.exists(path)}
     finally:
         procs.kill_tree(proc.pid)
     assert not left, [(procs.cmdline(p), procs.state(p)) for p in left]
-    # The ranks died without MPI_Finalize: their shared memory stays until the next job on this host reclaims it.
-    segments = _segments() - before
-    assert segments, "the killed job left no segment in /dev/shm: nothing to reclaim"
+    assert kept == segments, f"the killed job left {sorted(kept)} of {sorted(segments)}: nothing to reclaim"
     short = make_run(run.output_dir.parent, "next", distributed={"num_ranks": 2}, train={"num_train_steps": 2})
     out = procs.ortflow_here("train", str(short.output_dir))  # the next job on this host (launched in-process)
     assert out.returncode == 0, out.stdout[-2000:]
-    assert not (segments & _segments()), sorted(segments & _segments())
+    assert not [path for path in segments if os.path.exists(path)], out.stdout[-2000:]
 
 
-def _segments() -> set[str]:
-    return {e.path for e in os.scandir("/dev/shm") if e.name.startswith("mpich_shm_")}
+def _mapped_segments(pids: list[int]) -> set[str]:
+    """The MPICH segments in /dev/shm that processes ``pids`` map."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                found |= {line.split(maxsplit=5)[-1].strip() for line in maps if " /dev/shm/mpich_shm_" in line}
+        except OSError:
+            continue
+    return {path for path in found if not path.endswith(" (deleted)")}
+
+
+@contextlib.contextmanager
+def _held(paths: set[str]):
+    """Map ``paths`` in this process for the block: a mapped segment is never reclaimed."""
+    with contextlib.ExitStack() as stack:
+        for path in sorted(paths):
+            with open(path, "rb") as f:
+                stack.enter_context(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+        yield
 
 
 def test_train_stop_signals_end_it_before_the_job_are_kept_for_it_stay_handled_to_exit_off_main_untouched():

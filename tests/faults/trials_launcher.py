@@ -65,8 +65,7 @@ def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
     finally:
         procs.kill_tree(proc.pid)
         proc.wait()
-    time.sleep(0.2)  # the reader thread's last lines
-    text = "\n".join(lines)
+    text = "\n".join(lines.complete())  # to its last line: the reader thread may lag the exit on a busy host
     named = {"cli": "the launching process", "launcher": "'mpiexec'", "proxy": "hydra_pmi_proxy"}[target]
     status_ok = proc.returncode == EXIT_STALLED if target == "proxy" else proc.returncode != 0
     ok = not left and not kept and took <= TIMEOUT_S + 2.0 and status_ok and named in text and "stopped for" in text
@@ -108,8 +107,7 @@ def paused_trial(root: Path, targets: tuple[str, ...], name: str) -> Outcome:
     finally:
         procs.kill_tree(proc.pid)
         proc.wait()
-    time.sleep(0.2)
-    text = "\n".join(lines)
+    text = "\n".join(lines.complete())  # to its last line: the reader thread may lag the exit on a busy host
     ok = proc.returncode == 0 and "training finished" in text and ("tstp" not in targets or REFUSED in text)
     paused = ", ".join(f"{target} {hold:g} s" for target, hold in zip(targets, held, strict=False))
     return Outcome(category, ok, f"paused {paused}, exit {proc.returncode}" + ("" if ok else f": {text[-600:]}"))
