@@ -192,8 +192,10 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
             "Completed", "Skipped", "Completed", "Completed", "Failed"], states
         with runlock.hold(cfg.output_dir), get_client(sync_client=True) as client:
             runs["lost"] = client.create_flow_run_from_deployment(pipeline, parameters={"wait_for_lock": True})
+            # --limit 1: its 10 s schedule is shorter than a run, and a runner without a limit asks the server to
+            # start every queued run at every poll (docs/operations.md), which slows a loaded test server down.
             alerting = serving(_alerting_config(tmp_path, mlp_sources), prefect_server, "alerting", tmp_path,
-                               tmp_path / "serve-alerting.log")
+                               tmp_path / "serve-alerting.log", extra=["--limit", "1"])
             with alerting:
                 late_call = wait_for(lambda: next((c for c in calls if c.get("flow_run_id") == str(runs["lost"].id)),
                                                   None), late_after + 240, "the late alert of the lost run", 0.5)
