@@ -2,22 +2,16 @@
 (started once, stopped at the end), its AWS_* variables set while each module runs, a bucket per module and a fresh
 folder in it per test (tests/support/s3server.py)."""
 
-import os
-
 import pytest
 
-from tests.support.s3server import S3Server, fixtures, weed_problem
+from tests.support.s3server import environment, fixtures, started_server
 
 _, module_bucket, bucket = fixtures()
 
 
 @pytest.fixture(scope="session")
 def storage_server(tmp_path_factory):
-    problem = weed_problem()
-    if problem:
-        pytest.skip(f"no S3 server: {problem}")
-    server = S3Server(tmp_path_factory.mktemp("seaweedfs"))
-    server.start()
+    server = started_server(tmp_path_factory)
     try:
         yield server
     finally:
@@ -30,13 +24,5 @@ def s3_server(storage_server):
     module's tests and their child ranks."""
     if storage_server.proc is None or storage_server.proc.poll() is not None:
         storage_server.start()
-    saved = {key: os.environ.get(key) for key in storage_server.env}
-    os.environ.update(storage_server.env)
-    try:
+    with environment(storage_server.env):
         yield storage_server
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

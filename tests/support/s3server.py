@@ -7,6 +7,7 @@ object), and requires signed requests with one access key, like a real store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 WEED = Path(sys.executable).parent / "weed"
@@ -135,8 +137,8 @@ class S3Server:
 _names = iter(range(1 << 30))
 
 
-def _s3_server(tmp_path_factory):
-    """A running S3 server whose standard AWS_* variables are set for the module's tests (and their child ranks)."""
+def started_server(tmp_path_factory) -> S3Server:
+    """A new, running S3 server in a temporary folder (the test is skipped, with the reason, where none can run)."""
     import pytest
 
     problem = weed_problem()
@@ -144,17 +146,32 @@ def _s3_server(tmp_path_factory):
         pytest.skip(f"no S3 server: {problem}")
     server = S3Server(tmp_path_factory.mktemp("seaweedfs"))
     server.start()
-    saved = {key: os.environ.get(key) for key in server.env}
-    os.environ.update(server.env)
+    return server
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block (child processes inherit them), the old values back after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
-        yield server
+        yield
     finally:
-        server.stop()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _s3_server(tmp_path_factory):
+    """A running S3 server whose standard AWS_* variables are set for the module's tests (and their child ranks)."""
+    server = started_server(tmp_path_factory)
+    try:
+        with environment(server.env):
+            yield server
+    finally:
+        server.stop()
 
 
 def _module_bucket(s3_server):
