@@ -203,7 +203,8 @@ class Suite:
     def torch_row(self, world: int, rnds: int) -> Row:
         """All of PyTorch's rounds at one GPU count in one process: each mode compiled once, windows interleaved."""
         a = self.args
-        modes = ["eager", "compile", "fp32"] if world == 1 else ["eager", "compile", "blockcompile", "fsdp2"]
+        one = ["eager", "compile", "cudagraphs", "fp32"]  # CUDA graphs on one GPU only (no NCCL inside a capture)
+        modes = one if world == 1 else ["eager", "compile", "blockcompile", "fsdp2"]
         modes = [m for m in modes if m in a.torch_modes.split(",")]
         cmd = [*self.torchrun(world), "bench/torch_contender.py", "--modes", ",".join(modes), "--device", a.device,
                "--shape", a.shape, "--steps", str(a.steps), "--warmup", str(a.warmup), "--rounds", str(rnds),
@@ -302,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixture-precisions", default="fp32,fp16,bf16")
     parser.add_argument("--no-zero", dest="zero", action="store_false", help="skip the ZeRO-1 row")
     parser.add_argument("--zero-precision", default="fp16", help="the precision measured with and without ZeRO-1")
-    parser.add_argument("--torch-modes", default="eager,compile,fsdp2,fp32",
-                        help="of eager, compile, blockcompile (DDP over blocks compiled one by one), fsdp2, fp32; '' "
-                        "for none")  # fmt: skip
+    parser.add_argument("--torch-modes", default="eager,compile,cudagraphs,fsdp2,fp32",
+                        help="of eager, compile, cudagraphs (one GPU: torch.compile with CUDA graphs), blockcompile "
+                        "(DDP over blocks compiled one by one), fsdp2, fp32; '' for none")  # fmt: skip
     parser.add_argument("--no-gpu-tests", dest="gpu_tests", action="store_false",
                         help="skip tests/gpu/test_gpu_cuda_kernels.py and test_gpu_adasum.py in the setup")
     parser.add_argument("--compile-backend", default="inductor")

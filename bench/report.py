@@ -202,6 +202,7 @@ def write_report(json_path: Path) -> Path:
 # The GPU suite's report: ``gpu-suite.json`` (everything) and ``gpu-suite.md`` (the tables), from its rows.
 
 TORCH_LABELS = {"eager": "PyTorch bf16 autocast, eager", "compile": "PyTorch bf16 autocast + torch.compile",
+                "cudagraphs": "PyTorch bf16 autocast + torch.compile, CUDA graphs",
                 "blockcompile": "PyTorch bf16 autocast, blocks compiled",
                 "fsdp2": "PyTorch FSDP2 bf16, blocks compiled",
                 "fp32": "PyTorch strict fp32, eager (side note)"}  # fmt: skip
@@ -258,10 +259,16 @@ def gpu_suite_summary(rows: list) -> dict:
     ratios = {}
     for world in worlds:
         compile_ms = median.get(f"{TORCH_LABELS['compile']} x{world}")
+        torch_ms = [(ms, mode) for mode, label in TORCH_LABELS.items()
+                    if mode != "fp32" and (ms := median.get(f"{label} x{world}"))]  # the strict-fp32 side note aside
+        fastest = min(torch_ms, default=None)
         for prec in ("fp16", "bf16", "fp32"):
             mine = median.get(f"{ORTFLOW_LABELS[prec]} x{world}")
             if mine and compile_ms:
                 ratios[f"x{world} ortflow {prec} speed vs torch.compile"] = round(compile_ms / mine, 3)
+            if mine and fastest:
+                ratios[f"x{world} ortflow {prec} speed vs PyTorch's fastest mode ({fastest[1]})"] = round(
+                    fastest[0] / mine, 3)
         fp16, bf16 = median.get(f"{ORTFLOW_LABELS['fp16']} x{world}"), median.get(f"{ORTFLOW_LABELS['bf16']} x{world}")
         if fp16 and bf16:
             ratios[f"x{world} ortflow bf16 speed vs fp16"] = round(fp16 / bf16, 3)

@@ -8,6 +8,8 @@ modes interleave and a compile is paid once. Rank 0 prints one ``RESULT {json}``
 * ``eager``: bf16 autocast, the bare model (one rank) or DDP (several);
 * ``compile``: the same with ``torch.compile`` of the whole model (one rank) or of the DDP module (DDPOptimizer splits
   the graph at bucket boundaries, so the reduction overlaps the backward);
+* ``cudagraphs``: ``torch.compile(mode="reduce-overhead")`` of the whole model, one rank only: inductor's kernels
+  replayed as CUDA graphs, so a host slow to launch kernels does not hold the GPU back;
 * ``blockcompile``: DDP over a model whose blocks are compiled one by one (DDP's own hooks overlap the reduction);
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and the root, bf16 parameters and fp32 gradient
   reduction (``MixedPrecisionPolicy``), blocks compiled;
@@ -43,7 +45,7 @@ from bench.torch_gpt import GPT, GPTShape  # noqa: E402 - the path above makes b
 SHAPES = {"bench": {"vocab_size": 8192, "seq_len": 256, "d_model": 768, "num_layers": 12, "num_heads": 12},
           "tiny": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "num_layers": 2, "num_heads": 2}}  # fmt: skip
 BATCH = {"bench": 16, "tiny": 4}
-MODES = ("eager", "compile", "blockcompile", "fsdp2", "fp32")
+MODES = ("eager", "compile", "cudagraphs", "blockcompile", "fsdp2", "fp32")
 BUCKETS_MB = (25, 50, 100, 200)
 
 
@@ -174,6 +176,11 @@ class Bench:
         if mode == "compile":
             model = torch.compile(model, backend=backend)
             info["compiled"] = "whole model" if self.world == 1 else "whole DDP module (DDPOptimizer)"
+        if mode == "cudagraphs":
+            if self.world > 1:
+                raise SystemExit("the cudagraphs mode runs on one GPU only (NCCL calls cannot be captured here)")
+            model = torch.compile(model, backend=backend, mode="reduce-overhead")
+            info["compiled"] = "whole model, CUDA graphs (mode reduce-overhead)"
         return model, info
 
     def prepare(self, mode: str, bucket_mb: int, warmup: int) -> Contender:

@@ -33,7 +33,7 @@ def test_plan_runs_every_contender_at_every_gpu_count_in_each_round(tmp_path):
         assert names.index(f"r1-ortflow-bf16-x{world}") < names.index(f"r1-torch-x{world}")
     assert not any(n.startswith(("r2-torch", "r3-torch")) for n in names)
     modes = {r["name"]: r["command"].split("--modes ")[1].split()[0] for r in rows if "-torch-" in r["name"]}
-    assert modes["r1-torch-x1"] == "eager,compile,fp32"  # the strict-fp32 side note at one GPU
+    assert modes["r1-torch-x1"] == "eager,compile,cudagraphs,fp32"  # CUDA graphs and the fp32 side note: one GPU
     assert modes["r1-torch-x4"] == "eager,compile,fsdp2"
     # the fixtures come after round 1 and before round 2, all six
     fixtures = [i for i, n in enumerate(names) if n.startswith("fixture-") and "config" not in n]
