@@ -6,20 +6,28 @@
   packages before the import (:mod:`ortflow.cuda_libs`), so nobody edits LD_LIBRARY_PATH.
 * The engine logs every graph transformer at INFO while building artifacts, whatever the default logger's severity:
   the gradient builder makes its own ``SessionOptions``. ortflow hands it options that log warnings and errors only.
+* ``import onnxruntime`` imports the whole training package (its build check tries ``ortmodule``), and that imports
+  ``artifacts``, which imports onnx and the ORT-format tools: a third of a second of CPU that a rank, which only runs
+  ``api``, never needs. A placeholder stands for ``artifacts`` until a name of it is used (the real module then
+  runs), and this module's ``artifacts`` and ``onnxblock`` are imported when first asked for (configure and export
+  build graphs with them). So that this applies, ranks import this module before ``onnxruntime``.
 
 Only ``ortflow.trainer`` and ``ortflow.export`` import this module.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import sys
 import types
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 _OPTIM = "onnxruntime.training.optim"
+_ARTIFACTS = "onnxruntime.training.artifacts"
 
 
 def _gpu_engine_installed() -> bool:
@@ -30,7 +38,23 @@ def _gpu_engine_installed() -> bool:
     return True
 
 
-def _import() -> tuple[ModuleType, ModuleType, ModuleType]:
+class _OnFirstUse(ModuleType):
+    """Stands in ``sys.modules`` for a module that runs when a name of it is first used (not when it is imported)."""
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("__"):  # the import system's probes (__path__, __file__) find a plain, empty module
+            raise AttributeError(attr)
+        return getattr(_run(self.__name__), attr)
+
+
+def _run(name: str) -> ModuleType:
+    """Module ``name``, run now in place of its :class:`_OnFirstUse` placeholder if it has one."""
+    if isinstance(sys.modules.get(name), _OnFirstUse):
+        del sys.modules[name]
+    return importlib.import_module(name)
+
+
+def _import() -> ModuleType:
     if _gpu_engine_installed():
         from ortflow import cuda_libs
 
@@ -41,25 +65,47 @@ def _import() -> tuple[ModuleType, ModuleType, ModuleType]:
         stub = types.ModuleType(_OPTIM)
         stub.__doc__ = "Placeholder registered by ortflow.engine so that onnxruntime.training does not import torch."
         sys.modules[_OPTIM] = stub
+    if "onnxruntime" not in sys.modules:
+        sys.modules.setdefault(_ARTIFACTS, _OnFirstUse(_ARTIFACTS))
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
-    from onnxruntime.training import api, artifacts, onnxblock
+    from onnxruntime.training import api
+
+    return api
+
+
+def _quiet_options():
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    return options
+
+
+api = _import()
+
+if TYPE_CHECKING:
+    pass
+
+
+def __getattr__(name: str) -> ModuleType:
+    # ``artifacts`` and ``onnxblock`` (graph building: configure, export) are imported when first asked for: they
+    # import onnx, which a rank does not need.
+    if name not in ("artifacts", "onnxblock"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    artifacts = _run(_ARTIFACTS)
+    from onnxruntime.training import onnxblock
     from onnxruntime.training.onnxblock import _training_graph_utils
 
-    def quiet_options() -> onnxruntime.SessionOptions:
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
-        return options
+    _training_graph_utils.SessionOptions = _quiet_options
+    globals().update(artifacts=artifacts, onnxblock=onnxblock)
+    return globals()[name]
 
-    _training_graph_utils.SessionOptions = quiet_options
-    return api, artifacts, onnxblock
-
-
-api, artifacts, onnxblock = _import()
 
 ORT_VERSION: str = __import__("onnxruntime").__version__
 OrtValue = __import__("onnxruntime").OrtValue  # a tensor where the engine keeps it (a training call's device outputs)
+set_seed = __import__("onnxruntime").set_seed  # the engine's random seed (dropout and other random ops in graphs)
 
 
 def call_module(module, train: bool, inputs: list, outputs: list) -> list:

@@ -44,7 +44,7 @@ from onnx import helper
 from ortflow.config import RunConfig, find_problems, param_group_problems
 from ortflow.dataprep.errors import DataError
 from ortflow.dataprep.features import ColumnPlan
-from ortflow.dataprep.prepare_data import canonical_table, check_enough_rows, column_plan, resolve_plan
+from ortflow.dataprep.preparation import canonical_table, check_enough_rows, column_plan, resolve_plan
 from ortflow.dataprep.sources import Source, count_rows, resolve_sources, source_size, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules

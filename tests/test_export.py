@@ -17,7 +17,7 @@ from ortflow.checkpoints import PARAMS_FILE, CheckpointError, CheckpointManager
 from ortflow.checkpoints.h5state import TrainState, read_params, write_state
 from ortflow.config import config_from_dict
 from ortflow.configure.configure import configure
-from ortflow.dataprep.prepare_data import prepare_data
+from ortflow.dataprep import prepare_data
 from ortflow.examples.mlp import build_mlp
 from ortflow.export import ExportError, VerificationError, export_model
 from ortflow.export.model import TRAINING_DOMAINS, training_ops

@@ -129,7 +129,12 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.dataprep", {"ortflow.trainer", "ortflow.export", "ortflow.tasks", "prefect", "mpi4py",
                               "onnxruntime.training"}),
         ("ortflow.trainer.loop", {"prefect", "ortflow.tasks", "ortflow.flows"}),
-        ("ortflow.trainer.__main__", {"prefect", "ortflow.tasks", "ortflow.flows", "mpi4py"}),
+        # a rank imports what its role needs, when it needs it: onnx for pipeline stages, h5py at the first checkpoint
+        # file, TensorBoard's protos on rank 0 (ortflow frames the records), the shard readers (not the preparation)
+        ("ortflow.trainer.__main__", {"prefect", "ortflow.tasks", "ortflow.flows", "mpi4py", "onnx", "h5py",
+                                      "tensorboard", "ortflow.dataprep"}),
+        ("ortflow.engine", {"onnx", "onnxruntime.tools", "flatbuffers"}),  # artifacts and onnxblock: when asked for
+        ("ortflow.dataprep.loader", {"ortflow.dataprep.preparation", "pyarrow.compute", "pyarrow.parquet", "onnx"}),
         ("ortflow.export", {"prefect", "mpi4py", "ortflow.tasks"}),
         ("ortflow.launch.local", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),
         ("ortflow.launch.layout", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer", "ortflow.tasks"}),

@@ -37,6 +37,17 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used or written; the message names the file, the problem and what to do."""
 
 
+def h5_file(path: Path | str, mode: str):
+    """``h5py.File(path, mode)``: the one place that imports h5py for the checkpoint files.
+
+    It is imported at the first file a process opens, not with this package: most ranks never read or write one (in
+    plain data parallelism only rank 0 writes; a fresh run reads none), and h5py costs a rank a tenth of a second.
+    """
+    import h5py
+
+    return h5py.File(path, mode)
+
+
 def step_dirname(step: int) -> str:
     """Folder name of the checkpoint at weight update ``step``: zero-padded so names sort by step."""
     return f"step-{step:08d}"

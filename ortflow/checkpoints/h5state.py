@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from ortflow.checkpoints import tp as tpfiles
-from ortflow.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError
+from ortflow.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError, h5_file
 
 log = logging.getLogger("ortflow.checkpoints")
 
@@ -128,7 +127,7 @@ def write_state(state: TrainState, folder: Path) -> None:
 def write_params(path: Path, params: dict[str, np.ndarray], trainable: set[str], extra: dict | None = None,
                  marks: dict | None = None) -> None:
     """``params.h5``: one dataset per parameter (and the extra state); ``marks``: tensor-parallel slicing."""
-    with h5py.File(path, "w") as f:
+    with h5_file(path, "w") as f:
         group = f.create_group("parameters")
         for name in sorted(params):
             ds = group.create_dataset(escape(name), data=np.asarray(params[name], dtype=np.float32))
@@ -146,7 +145,7 @@ def write_optimizer(path: Path, state: TrainState, marks: dict | None = None) ->
     update = state.update
     if hasattr(update, "to_host"):  # a device update: its state into the host mirrors first
         update.to_host()
-    with h5py.File(path, "w") as f:
+    with h5_file(path, "w") as f:
         f.attrs["step_count"] = update.step_count
         f.attrs["optimizer"] = state.optimizer
         f.attrs["rank"], f.attrs["world_size"] = state.rank, state.world_size
@@ -162,9 +161,9 @@ def write_optimizer(path: Path, state: TrainState, marks: dict | None = None) ->
                 tpfiles.mark(ds, (marks or {}).get(seg.name))
 
 
-def _open(path: Path) -> h5py.File:
+def _open(path: Path):
     try:
-        return h5py.File(path, "r")
+        return h5_file(path, "r")
     except OSError as err:
         raise CheckpointError(f"{path} cannot be read as HDF5 ({err}); the checkpoint is damaged") from None
 

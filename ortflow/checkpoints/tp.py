@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from ortflow.checkpoints.folder import CheckpointError
+from ortflow.checkpoints.folder import CheckpointError, h5_file
 
 
 def tp_file(kind: str, rank: int, size: int, stage: tuple[int, int] | None = None) -> str:
@@ -93,7 +92,7 @@ def _read_merged_group(files: list[Path], names: set[str] | None) -> dict[str, n
     by_name: dict[str, list] = {}
     attrs: dict[str, dict] = {}
     for path in files:
-        with h5py.File(path, "r") as f:
+        with h5_file(path, "r") as f:
             for ds in f["parameters"].values():
                 name = str(ds.attrs["name"])
                 if names is None or name in names:
@@ -111,7 +110,7 @@ def by_tp_rank(files: list[Path]) -> list[list[Path]]:
     chosen = []
     for key in sorted(groups):
         paths = sorted(groups[key])
-        with h5py.File(paths[0], "r") as f:
+        with h5_file(paths[0], "r") as f:
             replica = bool(f.attrs.get("replica", False))
         chosen.append(paths[:1] if replica else paths)
     return chosen
@@ -121,7 +120,7 @@ def _slice_states(paths: list[Path]) -> tuple[int, str, dict, dict]:
     """One tensor-parallel rank's optimizer states, each slice whole (its replicas' shards stitched)."""
     step, optimizer, flat, attrs = 0, "", {}, {}
     for path in paths:
-        with h5py.File(path, "r") as f:
+        with h5_file(path, "r") as f:
             step, optimizer = int(f.attrs["step_count"]), str(f.attrs["optimizer"])
             for sname, group in f.items():
                 for ds in group.values():

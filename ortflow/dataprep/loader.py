@@ -116,7 +116,7 @@ class _Split:
     def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Rows ``rows`` of every input, shaped by the shape rule, C-contiguous, in the model's dtypes."""
         segment = np.searchsorted(self.starts, rows, side="right") - 1
-        touched = np.unique(segment)
+        touched = np.flatnonzero(np.bincount(segment))  # sorted, as np.unique (which would import numpy.ma)
         feeds = {}
         for inp in self.inputs:
             views = self.views[inp.name]
@@ -136,7 +136,10 @@ class _Split:
 
 def _numpy_view(column: pa.Array, row_shape: list[int], dtype: str) -> np.ndarray:
     """A zero-copy ``[rows, *row_shape]`` view of a shard column."""
-    flat = column.flatten() if row_shape else column
+    # A row is one fixed-size list; its values, sliced here (flatten() would import pyarrow.compute, a third of a second
+    # per rank).
+    width = column.type.list_size if row_shape else 1
+    flat = column.values.slice(column.offset * width, len(column) * width) if row_shape else column
     values = flat.to_numpy(zero_copy_only=True).reshape(len(column), *row_shape)
     return values.view(np.bool_) if np.dtype(dtype) == np.bool_ else values
 
@@ -182,9 +185,11 @@ class TrainLoader:
         """Training rows of global sample indices."""
         epochs, pos = np.divmod(samples, self.num_samples)
         rows = np.empty_like(samples)
-        for e in np.unique(epochs):  # one or two epochs per batch
+        # One or two epochs per batch, in order (a range: np.unique imports numpy.ma, a tenth of a second per rank).
+        for e in range(int(epochs.min()), int(epochs.max()) + 1) if samples.size else ():
             mask = epochs == e
-            rows[mask] = self.permutation(int(e))[pos[mask]]
+            if mask.any():
+                rows[mask] = self.permutation(e)[pos[mask]]
         return rows
 
     def batch(self, cursor: int, k: int) -> dict[str, np.ndarray]:

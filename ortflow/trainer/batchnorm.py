@@ -31,7 +31,6 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +137,8 @@ def recorded_layers(run_dir: Path, model_path: Path) -> list[dict]:
         record = {}
     if "batchnorm" in record:
         return list(record["batchnorm"])
+    import onnx  # here: only a record written before the entry needs it, and ranks start without onnx otherwise
+
     graph = onnx.load(str(model_path), load_external_data=False).graph  # a record written before the entry
     if any(n.op_type == "BatchNormalization" for n in graph.node):
         raise ValueError(f"{run_dir}/configure.json does not list the model's BatchNorm layers: re-run "

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime
 
+from ortflow import engine
 from ortflow.checkpoints import CheckpointManager
 from ortflow.trainer import batchnorm, loss_scale
 from ortflow.trainer.guards import check_update, clip_gradients
@@ -71,7 +71,7 @@ def train(
 
     while step < total and not stopping:
         lr = learning_rate(step, total, cfg.optimizer.learning_rate, cfg.lr_schedule)
-        onnxruntime.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
+        engine.set_seed(cfg.train.seed + step)  # randomness in the graph replays exactly after a resume
         timer.lap("other")  # reporting of the previous update, learning rate, seed
 
         updated = update_weights(model, batches, step + 1, lr, stop.requested, timer, profiler, norm_stats)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.config.atomic import write_text_atomic
+from ortflow.trainer.event_records import EventFile, write_record
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -31,14 +32,10 @@ class TensorBoardLog:
             resumed_from: The checkpoint step a resumed run starts after: the events earlier attempts wrote for
                 later steps are removed, since this run logs those steps again.
         """
-        # TensorBoard's writer is imported here, by rank 0 only: importing it costs a rank about half a second (it pulls
-        # in fsspec and TensorFlow's stubs), and the other ranks, the orchestrator and the CLI never write events.
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
         log_dir.mkdir(parents=True, exist_ok=True)
         if resumed_from is not None:
             drop_steps_after(log_dir, resumed_from)
-        self._writer = EventFileWriter(str(log_dir))
+        self._writer = EventFile(log_dir)
         self._scalars = set(scalar_names)
         self._patterns = histogram_patterns
 
@@ -88,9 +85,8 @@ class TensorBoardLog:
 def drop_steps_after(log_dir: Path, step: int) -> int:
     """Remove the summaries of steps after ``step`` from the event files in ``log_dir`` (each file is rewritten
     whole, then renamed over the old one, keeping its name and time); returns how many events were removed."""
-    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader  # a resumed run only
     from tensorboard.compat.proto import event_pb2
-    from tensorboard.summary.writer.record_writer import RecordWriter
 
     removed = 0
     for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
@@ -106,9 +102,8 @@ def drop_steps_after(log_dir: Path, step: int) -> int:
         times = path.stat()
         tmp = path.with_name(f".{path.name}.tmp")
         with tmp.open("wb") as f:
-            writer = RecordWriter(f)
             for raw in kept:
-                writer.write(raw)
+                write_record(f, raw)
             f.flush()
             os.fsync(f.fileno())
         os.utime(tmp, ns=(times.st_atime_ns, times.st_mtime_ns))

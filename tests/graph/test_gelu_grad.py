@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.config import config_from_dict
 from ortflow.configure.configure import configure
-from ortflow.dataprep.prepare_data import prepare_data
+from ortflow.dataprep import prepare_data
 from ortflow.export import export_model
 from ortflow.graph.exports.gelu import MS_DOMAIN, decompose_gelu, gelu_rewrites
 from ortflow.graph.gradients.gelu_grad import restore_tanh_gelus, sigmoid_gelus

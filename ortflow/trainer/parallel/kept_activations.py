@@ -24,7 +24,6 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from ortflow.engine import ForwardBackward
 
@@ -44,6 +43,8 @@ class KeptActivations:
 
     def __init__(self, eval_model: Path, state, trainable: list[str], receives: tuple[str, ...],
                  sends: tuple[str, ...], options, recompute: tuple[str, ...] = ()):
+        import onnx  # here: only pipeline stages read a graph, and a data-parallel rank starts without onnx
+
         model = onnx.load(str(eval_model))
         inputs = {i.name for i in model.graph.input}
         parameters = [name for name, _ in state.parameters if name in inputs]
