@@ -39,6 +39,10 @@ class MPIComm:
     can_defer_scale = True
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
+        # A rank that waits in MPI (in MPI_Init for a slower rank, at a barrier while rank 0 verifies the data or writes
+        # a checkpoint) sleeps between polls instead of spinning a core that the rank doing the work could use: MPICH's
+        # setting, read at MPI_Init (other MPIs ignore it); MPIR_CVAR_ENABLE_HEAVY_YIELD=0 in the environment spins.
+        os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
         from mpi4py import MPI  # the only MPI import in ortflow
 
         self._mpi = MPI
