@@ -85,8 +85,8 @@ def _quiet_options():
 
 api = _import()
 
-if TYPE_CHECKING:
-    pass
+if TYPE_CHECKING:  # what __getattr__ below provides
+    from onnxruntime.training import artifacts, onnxblock  # noqa: F401
 
 
 def __getattr__(name: str) -> ModuleType:
