@@ -24,8 +24,8 @@ def test_bert_export_split_over_two_gpus_equals_two_cpu_ranks(tmp_path, layout):
     from ortflow.checkpoints.h5state import read_params
     from tests.gpu.test_gpu_four_layouts import SGD, STRICT_FP32, _compare
     from tests.support.parallel_runs import initial_parameters, newest
+    from tests.trainer.exports_checks import key_bias
     from tests.trainer.exports_runs import bert_run
-    from tests.trainer.test_exports_parallel_mpi import key_bias
 
     layout, train = {"num_ranks": 2, **layout}, {"num_train_steps": 8}
     gpu = bert_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD, train=train)

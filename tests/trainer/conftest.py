@@ -12,3 +12,21 @@ from tests.support import runs
 @pytest.fixture(autouse=True)
 def _reuse_configured(monkeypatch):
     monkeypatch.setattr(runs, "REUSE_CONFIGURED", True)
+
+
+@pytest.fixture(scope="module")
+def export_dp(request, tmp_path_factory):
+    """The unsplit reference of a committed export (parametrised indirectly by the tests that use it): one rank, the
+    same global batch as every other layout, trained once per module (tests/trainer/exports_checks.py)."""
+    from tests.trainer.exports_checks import Reference, export_run
+
+    root = tmp_path_factory.mktemp(request.param.removesuffix(".onnx"))
+    return Reference(export_run(root, "dp", request.param, distributed={"num_ranks": 1}))
+
+
+@pytest.fixture(scope="module")
+def export_dp2(export_dp):
+    """dp 2 on ``export_dp``'s global batch, trained (tests/trainer/exports_checks.py)."""
+    from tests.trainer.exports_checks import dp2_run
+
+    return dp2_run(export_dp)

@@ -1,23 +1,29 @@
-"""Tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2 key/value heads;
-RoPE; SwiGLU), trained unmodified under mpiexec: attention is split by heads, each rank holding one key/value head
-with the two query heads that read it, and tp 2 and pp 2 x tp 2 (a layer per stage) end where the unsplit run on the
-same global batch ends. (test_exports_parallel_mpi.py trains the dynamo exports in pp 2 and in pp 2 x tp 2 with
-automatic cuts.)"""
+"""Data, pipeline and tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2
+key/value heads; RoPE; SwiGLU), trained unmodified under mpiexec, each layout against the one unsplit run of its
+export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
+key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 (a layer per stage) end where the
+unsplit run ends; the dynamo exports also train in pp 2 and pp 2 x tp 2 with automatic cuts, at dp 2 on their torch
+parameters, as their TorchScript twin, and with ZeRO-1 and Adasum (what test_exports_parallel_mpi.py asserts on GPT-2
+and BERT: tests/trainer/exports_checks.py)."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 
-from ortflow.checkpoints.h5state import read_params
-from tests.support.parallel_runs import losses, newest
-from tests.support.runs import run_ranks, start_ranks
-from tests.trainer.exports_runs import LLAMA_EXPORTS, UPDATES, llama_run
+from tests.trainer.exports_checks import (
+    assert_dynamo_layout_trains_to_the_unsplit_parameters,
+    assert_equal_to,
+    assert_trains_as_its_torchscript_twin,
+    assert_trains_its_torch_parameters_at_dp2,
+    assert_trains_with_zero1_and_adasum,
+    layout_run,
+    split_lines,
+    train,
+)
+from tests.trainer.exports_runs import LLAMA_EXPORTS
 
 pytestmark = pytest.mark.mpi
 
@@ -27,28 +33,12 @@ pytestmark = pytest.mark.mpi
 # tp 2; after the 4 updates the test trains, 3.7e-6 and 8.3e-6. The bound, 1e-4, is a tenth of
 # one update's change (lr = 1e-3): a wrong gradient (a query head reading another rank's key/value head, RoPE applied
 # to the wrong half of a head) moves weights by ~lr every update.
-TP_ATOL = 1e-4
-EXPORTS = LLAMA_EXPORTS
-
+LLAMA_TP_ATOL = 1e-4
+DYNAMO = [e for e in LLAMA_EXPORTS if "dynamo" in e]
 
 # The residual stream after the first decoder layer: each stage holds one layer's attention and MLP.
 BLOCK_0_OUT = {"llama.onnx": "/model/model/layers.0/Add_1_output_0", "llama-dynamo.onnx": "add_394",
                "llama-dynamo-noopt.onnx": "add_394"}
-
-
-def _train(cfg):
-    out = run_ranks(cfg, timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out
-
-
-@pytest.fixture(scope="module", params=EXPORTS)
-def llama_dp(request, tmp_path_factory):
-    """The unsplit reference: one rank, the same global batch as every split layout; started as soon as it is
-    configured (it trains while the split runs configure), its output a future."""
-    root = tmp_path_factory.mktemp("llama")
-    cfg = llama_run(root, "dp", export=request.param, distributed={"num_ranks": 1})
-    return request.param, cfg, start_ranks(cfg, timeout=900)
 
 
 def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
@@ -63,18 +53,17 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
     return shapes
 
 
+@pytest.mark.parametrize("export_dp", LLAMA_EXPORTS, indirect=True)
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
-def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request, llama_dp, pp):
-    export, ref_cfg, ref_job = llama_dp
+def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_dp, pp):
+    export = export_dp.cfg.model.path.name
     cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
-    cfg = llama_run(ref_cfg.output_dir.parent, f"pp{pp}tp2", export=export, **cuts,
-                    distributed={"num_ranks": 2 * pp, "pipeline_parallel_size": pp, "horizontal_parallel_size": 2})
-    split = json.loads((cfg.output_dir / "configure.json").read_text())["tensor_parallel_split"]
-    assert not [line for line in split if "kept replicated" in line and "self_attn" in line], split
-    regions = [line.split(": ", 1)[1] if pp > 1 else line for line in split]  # a stage's lines name the stage first
+    cfg = layout_run(export_dp, pp, 2, **cuts)
+    regions = split_lines(cfg, pp)  # a stage's lines name the stage first
+    assert not [line for line in regions if "kept replicated" in line and "self_attn" in line], regions
     for marker in (".self_attn.q_proj.", ".mlp.gate_proj."):  # each layer's attention and MLP: a region, not kept
         assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
-        assert not [line for line in regions if line.startswith("kept") and marker in line], split
+        assert not [line for line in regions if line.startswith("kept") and marker in line], regions
     for rank in range(2):
         shapes = rank_parameter_shapes(cfg, rank)
         for layer in range(2):
@@ -85,16 +74,31 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(request
             assert shapes[f"{attn}.k_proj.weight"] == [16, 64] and shapes[f"{attn}.v_proj.weight"] == [16, 64]
             assert shapes[f"{attn}.o_proj.weight"] == [64, 32]
             assert shapes[f"model.model.layers.{layer}.mlp.gate_proj.weight"] == [64, 64]
-    out, ref_out = _train(cfg), ref_job.result()
-    assert ref_out.returncode == 0, ref_out.stdout[-4000:]
-    p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
-    assert sorted(p1) == sorted(p2)
-    worst = {name: float(np.abs(p1[name] - p2[name]).max()) for name in p1}
-    print(f"{export} {cfg.name}: max |param diff| vs unsplit after {UPDATES} updates: {max(worst.values()):.3g} "
-          f"(attention {max(v for k, v in worst.items() if 'self_attn' in k):.3g})")
-    assert max(worst.values()) < TP_ATOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
-    assert len(losses(out.stdout)) == UPDATES  # one loss per update
-    np.testing.assert_allclose(losses(out.stdout), losses(ref_out.stdout), rtol=1e-4)
-    evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (ref_out, out)]
-    assert len(evals[1]) == 2
-    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)
+    # Llama has no attention key bias: every parameter is held to the bound (its losses and evaluations too)
+    assert_equal_to(export_dp, cfg, *train(cfg), atol=LLAMA_TP_ATOL)
+
+
+@pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2", "pp2xtp2"])
+def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
+    """Automatic cuts (inside the second layer, where the split above cuts between the layers)."""
+    assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
+
+
+@pytest.mark.parametrize("export_dp", [*DYNAMO, "llama-fresh-dynamo.onnx"], indirect=True)
+def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
+    assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
+
+
+@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx"], indirect=True)
+def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_dp, export_dp2):
+    """dp 2 on the optimize=False dynamo export and on the TorchScript export of the same model, same seed and data:
+    the same torch parameters are trained (no buffer), to the same values."""
+    assert_trains_as_its_torchscript_twin(export_dp, export_dp2)
+
+
+@pytest.mark.parametrize("export_dp", ["llama-dynamo.onnx"], indirect=True)
+def test_dynamo_export_trains_with_zero1_and_adasum(export_dp, export_dp2):
+    """The default (optimize=True) export on 2 ranks, on the torch parameters: ZeRO-1 ends where plain data
+    parallelism does; Adasum trains as it does."""
+    assert_trains_with_zero1_and_adasum(export_dp, export_dp2)
