@@ -172,18 +172,48 @@ def reference_outputs(
     outputs: Sequence[str],
 ) -> list[dict[str, np.ndarray]]:
     """The eval graph's values of ``outputs`` on each batch, with the checkpoint's parameters fed as inputs."""
-    graph_inputs = [i.name for i in eval_proto.graph.input]
     # Basic level: bit-exact with the engine's eval graph (docs/engine.md); higher levels fuse kernels.
     with tempfile.TemporaryDirectory(prefix="ortflow-ref-") as tmp:
-        path = Path(tmp) / "eval.onnx"
-        onnx.save(eval_proto, str(path))
-        # Keep only inputs that some batch or the checkpoint provides: the labels drop out with the loss.
-        provided = set(parameters) | set().union(*(b.keys() for b in batches))
         cut = Path(tmp) / "reference.onnx"
-        onnx.utils.extract_model(str(path), str(cut), [n for n in graph_inputs if n in provided], list(outputs),
-                                 check_model=False)
+        onnx.save(needed_graph(eval_proto, outputs), str(cut))
         session = _session(cut, onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC)
         return [run(session, {**batch, **parameters}, outputs) for batch in batches]
+
+
+def needed_graph(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """``model`` cut to what ``outputs`` need (the labels drop out with the loss): the nodes they are computed by, in
+    the graph's order, and the graph inputs and initializers those read; found in one walk back from the outputs,
+    linear in the graph's size (``onnx.utils.extract_model`` searches every node for each tensor it visits, and checks
+    and infers shapes of the whole graph first: seconds on a small GPT-2, more than the export itself)."""
+    from ortflow.graph.onnx_tools import subgraph_reads
+
+    graph = model.graph
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    needed: set[str] = set()
+    keep: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        index = producer.get(name)
+        if index is not None and index not in keep:
+            keep.add(index)
+            node = graph.node[index]
+            stack.extend([n for n in node.input if n] + sorted(subgraph_reads(node)))
+    typed = {v.name: v for v in [*graph.value_info, *graph.output]}
+    cut = helper.make_graph(
+        [node for i, node in enumerate(graph.node) if i in keep], graph.name or "reference",
+        [i for i in graph.input if i.name in needed],
+        [typed.get(name) or helper.make_empty_tensor_value_info(name) for name in outputs],
+        [t for t in graph.initializer if t.name in needed],
+        value_info=[v for v in graph.value_info if v.name in needed and v.name not in set(outputs)],
+    )
+    result = helper.make_model(cut, opset_imports=model.opset_import)
+    result.ir_version = model.ir_version
+    result.functions.extend(model.functions)
+    return result
 
 
 def _rows(batches: list[dict[str, np.ndarray]]) -> int:

@@ -139,10 +139,11 @@ def split_lines(cfg, pp: int) -> list[str]:
     return [line.split(": ", 1)[1] for line in split] if pp > 1 else split
 
 
-def layout_run(reference: Reference, pp: int, tp: int, **sections):
-    """A pp x tp run of the reference's export and data (``sections``: e.g. the model section's cuts)."""
+def layout_run(reference: Reference, pp: int, tp: int, name: str = "", **sections):
+    """A pp x tp run of the reference's export and data, in its own folder (``name``, by default ``pp<pp>tp<tp>``;
+    ``sections``: e.g. the model section's cuts)."""
     ref = reference.cfg
-    return export_run(ref.output_dir.parent, f"pp{pp}tp{tp}", ref.model.path.name, **sections,
+    return export_run(ref.output_dir.parent, name or f"pp{pp}tp{tp}", ref.model.path.name, **sections,
                       distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp, "horizontal_parallel_size": tp})
 
 

@@ -58,7 +58,7 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
 def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_dp, pp):
     export = export_dp.cfg.model.path.name
     cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
-    cfg = layout_run(export_dp, pp, 2, **cuts)
+    cfg = layout_run(export_dp, pp, 2, f"pp{pp}tp2-by-layer", **cuts)
     regions = split_lines(cfg, pp)  # a stage's lines name the stage first
     assert not [line for line in regions if "kept replicated" in line and "self_attn" in line], regions
     for marker in (".self_attn.q_proj.", ".mlp.gate_proj."):  # each layer's attention and MLP: a region, not kept
