@@ -9,7 +9,7 @@ import pytest
 
 from ortflow.checkpoints import list_complete
 from ortflow.trainer.optim.adasum_update import AdasumExchange, adasum_mode
-from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks, run_ranks_together
+from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks_together
 from tests.trainer.test_adasum import reference
 
 
@@ -79,26 +79,27 @@ ADASUM = {"num_ranks": 2, "enable_adasum": True}
 
 @pytest.fixture(scope="module")
 def adamw_steady(tmp_path_factory):
-    """A finished 2-rank Adasum AdamW run (LONG), shared by the identity test and as the kill/resume reference."""
-    cfg = make_run(tmp_path_factory.mktemp("adasum"), "ada", distributed=ADASUM, optimizer={"name": "adamw"}, **LONG)
-    out = run_ranks(cfg, timeout=300)
+    """A finished 2-rank Adasum AdamW run (LONG), shared by the identity test and as the kill/resume reference, and
+    the same run with the mean (the identity test's comparison), trained at once."""
+    root = tmp_path_factory.mktemp("adasum")
+    cfg = make_run(root, "ada", distributed=ADASUM, optimizer={"name": "adamw"}, **LONG)
+    mean = make_run(root, "mean", distributed={"num_ranks": 2}, optimizer={"name": "adamw"}, **LONG)
+    out, done = run_ranks_together(cfg, mean, timeout=300)  # independent jobs: at once
     assert out.returncode == 0, out.stdout[-3000:]
-    return cfg, out
+    assert done.returncode == 0, done.stdout[-3000:]
+    return cfg, out, mean
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("optimizer", [{"name": "sgd", "learning_rate": 0.05}, {"name": "adamw"}, {"name": "lamb"}])
 def test_adasum_ranks_stay_identical_and_differ_from_the_mean(request, tmp_path, optimizer):
     if optimizer["name"] == "adamw":
-        ada, out = request.getfixturevalue("adamw_steady")
-        settings, tmp_path = LONG, ada.output_dir.parent
+        ada, out, mean = request.getfixturevalue("adamw_steady")
+        settings = LONG
     else:
         settings = {"train": {"num_train_steps": 20}}
         ada = make_run(tmp_path, "ada", distributed=ADASUM, optimizer=optimizer, **settings)
-    mean = make_run(tmp_path, "mean", distributed={"num_ranks": 2}, optimizer=optimizer, **settings)
-    if optimizer["name"] == "adamw":
-        assert run_ranks(mean).returncode == 0
-    else:
+        mean = make_run(tmp_path, "mean", distributed={"num_ranks": 2}, optimizer=optimizer, **settings)
         out, done = run_ranks_together(ada, mean)  # independent jobs: at once
         assert out.returncode == 0, out.stdout[-3000:]
         assert done.returncode == 0, done.stdout[-3000:]
@@ -116,7 +117,7 @@ def test_adasum_ranks_stay_identical_and_differ_from_the_mean(request, tmp_path,
 
 @pytest.mark.mpi
 def test_adasum_adamw_killed_job_resumes_bitwise_with_per_rank_optimizer_states(adamw_steady):
-    steady, _ = adamw_steady
+    steady = adamw_steady[0]
     killed = make_run(steady.output_dir.parent, "killed", distributed=ADASUM, optimizer={"name": "adamw"}, **LONG)
     kill_and_resume(killed, min_step=40, end_step=200, timeout=300)
     a, b = final_parameters(steady), final_parameters(killed)
