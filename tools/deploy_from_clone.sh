@@ -69,5 +69,8 @@ cleanup() {
     exit "$status"
 }
 trap cleanup EXIT
+# Job control, as in the terminal the steps are typed into: without it a script's background commands ignore SIGINT,
+# and a Prefect worker, which stops on SIGTERM by sending itself SIGINT, would then not stop until killed.
+set -m
 set -x
 eval "$steps"

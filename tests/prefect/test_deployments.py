@@ -1,5 +1,6 @@
-"""Served deployments against a real local Prefect server: a run started with the CLI completes (from a start folder
-that would shadow ortflow), ``overrides`` change one run only, a cancelled run leaves no rank process alive."""
+"""Served deployments against a real local Prefect server: runs started with the CLI and with ``overrides`` complete
+(from a start folder that would shadow ortflow) and the overrides change their run only, a cancelled run leaves no
+rank process alive, SIGTERM to ``ortflow serve`` stops its run with a stop checkpoint and frees the slot."""
 
 from __future__ import annotations
 
@@ -46,37 +47,33 @@ def served(prefect_server, mlp_sources, tmp_path_factory):
         yield {"cfg": cfg, "root": root, "env": prefect_server, "log": root / "serve.log"}
 
 
-def test_served_deployment_started_with_prefect_cli_completes(served):
-    cfg = served["cfg"]
-    done = subprocess.run(
-        [sys.executable, "-m", "prefect", "deployment", "run", "train-pipeline/served", "--watch",
-         "--watch-timeout", "180"],
-        env=served["env"], capture_output=True, text=True, timeout=240,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr + served["log"].read_text()[-3000:]
-    assert "Completed" in done.stdout + done.stderr
-    latest = resolve_run(cfg.output_dir / "latest")  # a served run trains a new version
-    assert latest.parent == cfg.output_dir / "versions"
-    assert (latest / "export" / "model.onnx").exists() and (latest / "checkpoints.json").exists()
-
-
-def test_overrides_change_one_run_only(served):
+def test_served_runs_started_with_prefect_cli_and_with_overrides_complete_and_overrides_change_one_run_only(served):
     from prefect.client.orchestration import get_client
 
     cfg = served["cfg"]
-    with get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as client:  # queued first: the deployment runs one at a time
         deployment = client.read_deployment_by_name("train-pipeline/served")
         short = client.create_flow_run_from_deployment(
             deployment.id, parameters={"overrides": ["train.num_train_steps=10", "train.evaluation_period=5"]})
-        plain = client.create_flow_run_from_deployment(deployment.id)
-    for run in (short, plain):
-        state = wait_for(lambda run=run: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None,
-                         240, "the flow run to end")
-        assert state.is_completed(), (state, served["log"].read_text()[-3000:])
-    steps = {e["flow_run_id"]: e["steps"] for e in read_registry(cfg.output_dir)}
-    assert steps[str(short.id)] == "10/10" and steps[str(plain.id)] == "20/20"
-    assert load_run_config(Path(next(e["path"] for e in read_registry(cfg.output_dir)
-                                     if e["flow_run_id"] == str(plain.id)))).train.num_train_steps == 20
+    done = subprocess.run(  # a plain run, as users start one
+        [sys.executable, "-m", "prefect", "deployment", "run", "train-pipeline/served", "--watch",
+         "--watch-timeout", "240"],
+        env=served["env"], capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr + served["log"].read_text()[-3000:]
+    assert "Completed" in done.stdout + done.stderr
+    state = wait_for(lambda: _flow_run(short.id).state if _flow_run(short.id).state.is_final() else None,
+                     240, "the run with overrides to end")
+    assert state.is_completed(), (state, served["log"].read_text()[-3000:])
+    entries = read_registry(cfg.output_dir)
+    assert len(entries) == 2 and all(e["status"] == "completed" for e in entries), entries
+    (plain,) = [e for e in entries if e["flow_run_id"] != str(short.id)]
+    steps = {e["flow_run_id"]: e["steps"] for e in entries}
+    assert steps[str(short.id)] == "10/10" and plain["steps"] == "20/20"
+    assert load_run_config(Path(plain["path"])).train.num_train_steps == 20
+    latest = resolve_run(cfg.output_dir / "latest")  # a served run trains a new version
+    assert latest.parent == cfg.output_dir / "versions" and latest in {Path(e["path"]) for e in entries}
+    assert (latest / "export" / "model.onnx").exists() and (latest / "checkpoints.json").exists()
 
 
 def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources):

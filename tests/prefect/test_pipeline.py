@@ -1,11 +1,12 @@
 """The pipeline flow against a real local Prefect server: completion, reruns that skip finished stages, a killed
-and retried train task, and a train task timeout."""
+and retried train task (resumed in its own version folder, bit for bit), a train task timeout, and a diverging run."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,16 +152,21 @@ def test_rerun_after_failed_export_does_not_rerun_finished_stages(prefect_server
     assert [fourth[s] for s in STAGES] == ["Cached", "Cached", "Cached", "Completed", "Completed"], fourth
 
 
-def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_parameters(
+def test_train_task_killed_mid_run_is_retried_in_its_own_version_folder_and_ends_with_the_uninterrupted_parameters(
     prefect_server, mlp_sources, tmp_path
 ):
+    import time
+
+    from ortflow.checkpoints import list_complete
+    from ortflow.config import load_run_config
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
     from ortflow.launch.local import launch
+    from ortflow.versions import read_registry
 
     sections = {
         "train": {"num_train_steps": 3000, "display_loss_steps": 250, "evaluation_period": 0},
-        "checkpoint": {"period": 500, "max_num_checkpoints": 2},
+        "checkpoint": {"period": 250, "max_num_checkpoints": 100},  # every checkpoint stays as a record
     }
     reference = mlp_config(tmp_path, mlp_sources, "uninterrupted", **sections)
     configure(reference)
@@ -171,16 +177,26 @@ def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_pa
     killed = []
 
     def kill_one_rank() -> None:
-        # Wait for a checkpoint to exist and training to be under way, then SIGKILL one rank (a crashed node).
-        record = wait_for(lambda: (r := read_progress(cfg.output_dir)) and 1000 <= r["step"] < 2700 and r, 120,
-                          "training to pass step 1000")
-        pids = rank_pids(cfg.output_dir)
-        os.kill(pids[0], signal.SIGKILL)
-        killed.append(record["step"])
+        # Wait for the version folder, a checkpoint in it and training under way, then SIGKILL one rank (a crashed
+        # node).
+        def running_version():
+            running = [e for e in read_registry(cfg.output_dir) if e.get("status") == "running"]
+            return running and Path(running[0]["path"])
+
+        folder = wait_for(running_version, 120, "the version folder")
+
+        def under_way() -> bool:
+            r = read_progress(folder)
+            return bool(r) and 750 <= r["step"] < 2500 and bool(list_complete(folder / "checkpoints"))
+
+        wait_for(under_way, 180, "training to pass step 750 with a checkpoint written")
+        at = time.time()
+        os.kill(rank_pids(folder)[0], signal.SIGKILL)
+        killed.append(at)
 
     killer = threading.Thread(target=kill_one_rank, daemon=True)
     killer.start()
-    state = train_pipeline(cfg, return_state=True)
+    state = train_pipeline(cfg, new_version=True, return_state=True)
     killer.join(timeout=5)
 
     assert killed, "the rank was never killed"
@@ -191,7 +207,25 @@ def test_train_task_killed_mid_run_is_retried_and_ends_with_the_uninterrupted_pa
         runs = read_task_runs(client, state.state_details.flow_run_id)
     train_run = next(r for r in runs if r.name.startswith("train-"))
     assert train_run.run_count == 2  # failed once, retried once
-    ours, theirs = final_parameters(cfg), final_parameters(reference)
+    entries = read_registry(cfg.output_dir)
+    assert len(entries) == 1 and entries[0]["status"] == "completed", entries
+    assert entries[0]["flow_run_id"] == str(state.state_details.flow_run_id)
+    folder = Path(entries[0]["path"])
+    assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [folder.name]
+    # The checkpoints are the record of progress: each folder's meta.json is written last, once. The retry resumed in
+    # the same folder from the newest checkpoint of the killed attempt: every checkpoint written before the kill is
+    # still the one the first attempt wrote, and the retry wrote only later steps. A restart from scratch would have
+    # rewritten step 250 and every step after it.
+    done = list_complete(folder / "checkpoints")
+    assert [c.step for c in done] == list(range(250, 3001, 250))
+    written = {c.step: (c.path / "meta.json").stat().st_mtime for c in done}
+    before = sorted(step for step, mtime in written.items() if mtime < killed[0])
+    after = sorted(step for step, mtime in written.items() if mtime >= killed[0])
+    assert before and after and max(before) < min(after), (before, after)
+    assert entries[0]["final_checkpoint"] == str(done[-1].path)
+    assert read_progress(folder)["step"] == 3000
+    # ... and it ends where the uninterrupted run ends, bit for bit.
+    ours, theirs = final_parameters(load_run_config(folder)), final_parameters(reference)
     assert ours.keys() == theirs.keys()
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)

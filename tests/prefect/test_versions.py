@@ -1,7 +1,8 @@
 """Versioned scheduled training against a real local Prefect server: the server's scheduler creates runs of a served
-interval schedule and they complete (the SQLAlchemy pin), scheduled runs train new versions (continue warm-starts
-from the previous one), unchanged data is skipped, a killed rank's retry resumes its own version folder,
-and a second run on a busy folder is refused with the holder named."""
+interval schedule and they complete (the SQLAlchemy pin), a scheduled run trains a new version (continue warm-starts
+from the previous one), a scheduled run on unchanged data is skipped, a second run on a busy folder is refused with the holder named,
+and three versions of one config (trained once for several tests) show retention, reruns of an existing version's
+stages and pruning on demand. A killed rank's retry in its own version folder: tests/prefect/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,6 @@ import pytest
 
 from ortflow.flows import train_pipeline
 from ortflow.tasks.charts import loss_curve
-from ortflow.trainer.metrics import read_progress
 from ortflow.versions import read_registry, resolve_run
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
 from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
@@ -61,6 +60,10 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
     (start_folder / "ortflow").mkdir(parents=True)
     (start_folder / "ortflow" / "__init__.py").write_text("raise ImportError('the working folder was imported')\n")
     base = cfg.output_dir
+    # The first version, trained from scratch by a run of the config (scheduled runs and this one plan versions the
+    # same way): the scheduled runs below continue from it.
+    assert train_pipeline(cfg, new_version=True, return_state=True).is_completed()
+    _write_data(data / "part-1.npz", 256, seed=1)  # new data arrives
     # Runs take longer than the 5 s schedule, so scheduled runs queue; `--limit 1` keeps serve from asking the server
     # to start each queued run at every poll (docs/operations.md), which slowed a loaded test server to a crawl.
     with serving(config_file, prefect_server, "versioned", start_folder, tmp_path / "serve.log", ["--limit", "1"]):
@@ -68,17 +71,20 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
             failed = [r for r in flow_runs_of("train-pipeline/versioned") if r.state and r.state.is_failed()]
             assert not failed, f"{failed[0].state}\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
 
-        wait_for(lambda: no_failed_runs() or _entries(base, "completed"), 240, "the first scheduled version", 1)
-        _write_data(data / "part-1.npz", 256, seed=1)  # new data arrives
-        wait_for(lambda: no_failed_runs() or len(_entries(base, "completed")) == 2, 240, "a second version", 1)
+        wait_for(lambda: no_failed_runs() or len(_entries(base, "completed")) == 2, 240,
+                 "a scheduled version on the new data", 1)
         second = _entries(base, "completed")[1]["version"]
         wait_for(lambda: no_failed_runs() or any(e.get("parent") == second for e in _entries(base, "skipped")), 240,
                  "a scheduled run skipped as unchanged", 1)
 
     first, second = _entries(base, "completed")[:2]
-    for entry in (first, second):  # both were created by the server's scheduler service and completed
+    skipped = next(e for e in _entries(base, "skipped") if e.get("parent") == second["version"])
+    for entry in (second, skipped):  # both were created by the server's scheduler service and completed
         run = read_flow_run(entry["flow_run_id"])
         assert run.auto_scheduled and run.state.is_completed(), run.state
+    assert read_flow_run(second["flow_run_id"]).state.name == "Completed"
+    assert read_flow_run(skipped["flow_run_id"]).state.name == "Skipped"
+    for entry in (first, second):
         assert Path(entry["path"]).parent == base / "versions" and (Path(entry["path"]) / "export/model.onnx").exists()
         assert entry["steps"] == "40/40"
     assert first["parent"] is None and second["parent"] == first["version"]
@@ -91,70 +97,11 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
     assert first_initial - first_final > 0.2, (first_initial, first_final)
     assert abs(second_initial - first_final) < 0.5 * abs(second_initial - first_initial), (
         first_initial, first_final, second_initial)
-    skipped = next(e for e in _entries(base, "skipped") if e.get("parent") == second["version"])
     assert "unchanged since version " + second["version"] in skipped["reason"]
     assert "path" not in skipped  # nothing was trained or written for it
     assert sorted(p.name for p in (base / "versions").iterdir()) == sorted(e["version"] for e in (first, second))
     assert resolve_run(base / "latest") == Path(second["path"])
     assert (base / "latest").resolve() == Path(second["path"]).resolve()
-
-
-def test_retry_after_a_killed_rank_resumes_its_own_version_folder(prefect_server, mlp_sources, tmp_path):
-    import time
-
-    from ortflow.checkpoints import list_complete
-
-    cfg = mlp_config(tmp_path, mlp_sources, "killed-version",
-                     train={"num_train_steps": 4000, "display_loss_steps": 100, "evaluation_period": 0},
-                     checkpoint={"period": 250, "max_num_checkpoints": 100})  # every checkpoint stays as a record
-    killed = []
-
-    def kill_one_rank() -> None:
-        def running_version():
-            running = [e for e in read_registry(cfg.output_dir) if e.get("status") == "running"]
-            return running and Path(running[0]["path"])
-
-        folder = wait_for(running_version, 120, "the version folder")
-        def past_800() -> bool:
-            r = read_progress(folder)
-            return bool(r) and 800 <= r["step"] < 3500 and bool(list_complete(folder / "checkpoints"))
-        wait_for(past_800, 180, "training to pass step 800 with a checkpoint written")
-        at = time.time()
-        os.kill(rank_pids(folder)[0], signal.SIGKILL)
-        killed.append(at)
-
-    killer = threading.Thread(target=kill_one_rank, daemon=True)
-    killer.start()
-    state = train_pipeline(cfg, new_version=True, return_state=True)
-    killer.join(timeout=5)
-
-    assert killed, "the rank was never killed"
-    assert state.is_completed(), state
-    entries = read_registry(cfg.output_dir)
-    assert len(entries) == 1 and entries[0]["status"] == "completed", entries
-    assert entries[0]["flow_run_id"] == str(state.state_details.flow_run_id)
-    folder = Path(entries[0]["path"])
-    assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [folder.name]
-    from prefect.client.orchestration import get_client
-
-    from tests.prefect.test_pipeline import read_task_runs
-
-    with get_client(sync_client=True) as client:
-        train_run = next(r for r in read_task_runs(client, state.state_details.flow_run_id)
-                         if r.name.startswith("train-"))
-    assert train_run.run_count == 2  # failed once, retried once
-    # The checkpoints are the record of progress: each folder's meta.json is written last, once. The retry resumed in
-    # the same folder from the newest checkpoint of the killed attempt: every checkpoint written before the kill is
-    # still the one the first attempt wrote, and the retry wrote only later steps. A restart from scratch would have
-    # rewritten step 250 and every step after it.
-    done = list_complete(folder / "checkpoints")
-    assert [c.step for c in done] == list(range(250, 4001, 250))
-    written = {c.step: (c.path / "meta.json").stat().st_mtime for c in done}
-    before = sorted(step for step, mtime in written.items() if mtime < killed[0])
-    after = sorted(step for step, mtime in written.items() if mtime >= killed[0])
-    assert before and after and max(before) < min(after), (before, after)
-    assert entries[0]["final_checkpoint"] == str(done[-1].path)
-    assert read_progress(folder)["step"] == 4000
 
 
 def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_server, mlp_sources, tmp_path):
@@ -185,12 +132,16 @@ def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_se
     wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the first run's processes to exit")
 
 
-def test_versions_keep_2_after_3_runs_leaves_2_version_folders_and_prune_on_demand_reports_the_disk(
-    prefect_server, mlp_sources, tmp_path
-):
+@pytest.fixture(scope="module")
+def kept(prefect_server, mlp_sources, tmp_path_factory):
+    """Three versions of one config with ``versions.keep: 2``, trained once for the tests below (in file order: the
+    reruns leave the versions as they were, the data change and the prune come last). Its data file is its own: a
+    test changes it on disk."""
     from ortflow.versions import folder_bytes
 
-    cfg = mlp_config(tmp_path, mlp_sources, "kept",
+    root = tmp_path_factory.mktemp("kept")
+    data = _write_data(root / "data-a" / "train.npz", 256, seed=1)
+    cfg = mlp_config(root, {**mlp_sources, "data": data}, "kept",
                      train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
                      checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 2})
     sizes = []
@@ -198,38 +149,26 @@ def test_versions_keep_2_after_3_runs_leaves_2_version_folders_and_prune_on_dema
         state = train_pipeline(cfg, new_version=True, return_state=True)
         assert state.is_completed(), state
         sizes.append(folder_bytes(cfg.output_dir / "versions"))
+    return {"cfg": cfg, "root": root, "data": data, "sizes": sizes, "env": prefect_server}
+
+
+def test_versions_keep_2_after_3_runs_leaves_2_version_folders(kept):
+    cfg = kept["cfg"]
     entries = read_registry(cfg.output_dir)
     statuses = [e["status"] for e in entries]
     assert statuses == ["pruned", "completed", "completed"], statuses
     folders = sorted(p.name for p in (cfg.output_dir / "versions").iterdir())
     assert folders == [e["version"] for e in entries[1:]]
     assert resolve_run(cfg.output_dir / "latest") == Path(entries[-1]["path"])
-    print(f"version folders after each of the 3 runs (keep 2): {[f'{s / 1e6:.2f} MB' for s in sizes]}")
-
-    config_file = write_config(cfg, tmp_path / "kept.yaml")
-    done = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
-                           "--set", "versions.keep=1"], env=prefect_server, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "pruned 1 version(s)" in done.stderr and "MB freed" in done.stderr, done.stderr
-    assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [entries[-1]["version"]]
-    print(done.stderr.splitlines()[0])
-    without = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
-                              "--set", "versions.keep=null"], env=prefect_server, capture_output=True, text=True,
-                             timeout=120)
-    assert without.returncode == 1 and "versions.keep is not set" in without.stderr, without.stderr
+    print(f"version folders after each of the 3 runs (keep 2): {[f'{s / 1e6:.2f} MB' for s in kept['sizes']]}")
 
 
-def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_never_a_new_one(
-    prefect_server, mlp_sources, tmp_path
-):
+def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_never_a_new_one(kept):
     from tests.prefect.test_pipeline import task_states
 
-    cfg = mlp_config(tmp_path, mlp_sources, "rerun-version",
-                     train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
-                     checkpoint={"period": 5})
-    for _ in range(2):
-        assert train_pipeline(cfg, new_version=True, return_state=True).is_completed()
-    first, second = read_registry(cfg.output_dir)
+    cfg = kept["cfg"]
+    registered = read_registry(cfg.output_dir)
+    first, second = registered[1:]  # the two kept versions
     models = {e["version"]: Path(e["exported model"]) for e in (first, second)}
     written = {name: path.stat().st_mtime_ns for name, path in models.items()}
 
@@ -237,7 +176,7 @@ def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_
     assert named.is_completed(), named
     states = task_states(named.state_details.flow_run_id, expect=("train", "export"))
     assert states["train"] == "Cached" and states["export"] == "Completed", states
-    assert [e["version"] for e in read_registry(cfg.output_dir)] == [first["version"], second["version"]]
+    assert read_registry(cfg.output_dir) == registered  # no new version, nothing pruned
     assert models[first["version"]].stat().st_mtime_ns > written[first["version"]]  # exported again
     assert models[second["version"]].stat().st_mtime_ns == written[second["version"]]
     assert resolve_run(cfg.output_dir / "latest") == Path(second["path"])  # latest stays the newest version
@@ -245,7 +184,8 @@ def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_
     newest = train_pipeline(cfg, new_version=True, from_stage="export", return_state=True)
     assert newest.is_completed(), newest
     assert models[second["version"]].stat().st_mtime_ns > written[second["version"]]
-    assert len(read_registry(cfg.output_dir)) == 2 and len(list((cfg.output_dir / "versions").iterdir())) == 2
+    assert [e["version"] for e in read_registry(cfg.output_dir)] == [e["version"] for e in registered]
+    assert len(list((cfg.output_dir / "versions").iterdir())) == 2
 
     missing = train_pipeline(cfg, new_version=True, from_stage="export", version="no-such", return_state=True)
     assert missing.is_failed()
@@ -253,29 +193,23 @@ def test_from_stage_on_a_versioned_run_reruns_that_stage_of_an_existing_version_
         missing.result()
 
 
-def test_a_rerun_of_a_version_uses_its_recorded_config_and_refuses_to_change_its_data_or_settings(
-    prefect_server, mlp_sources, tmp_path
-):
+def test_a_rerun_of_a_version_uses_its_recorded_config_and_refuses_to_change_its_data_or_settings(kept, mlp_sources):
     from ortflow.config import load_run_config
     from tests.prefect.test_pipeline import task_states
 
-    data = _write_data(tmp_path / "data-a" / "train.npz", 256, seed=1)
-    cfg = mlp_config(tmp_path, {**mlp_sources, "data": data}, "rerun-recorded",
-                     train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
-                     checkpoint={"period": 5})
-    assert train_pipeline(cfg, new_version=True, return_state=True).is_completed()
-    (entry,) = read_registry(cfg.output_dir)
+    cfg, root, data = kept["cfg"], kept["root"], kept["data"]
+    entry = read_registry(cfg.output_dir)[1]  # the older kept version
     manifest = (Path(entry["path"]) / "data" / "manifest.json").read_bytes()
     # The deployment's config moves on (other data, longer training); a rerun of the old version's export stage
     # still exports that version as it was trained: nothing is prepared or trained again.
-    moved = mlp_config(tmp_path, {**mlp_sources, "data": _write_data(tmp_path / "data-b" / "train.npz", 512, seed=2)},
-                       "rerun-recorded", train={"num_train_steps": 40, "display_loss_steps": 5,
-                                                "evaluation_period": 5}, checkpoint={"period": 5})
+    moved = mlp_config(root, {**mlp_sources, "data": _write_data(root / "data-b" / "train.npz", 512, seed=2)},
+                       "kept", train={"num_train_steps": 40, "display_loss_steps": 5, "evaluation_period": 5},
+                       checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 2})
     rerun = train_pipeline(moved, new_version=True, from_stage="export", version=entry["version"], return_state=True)
     assert rerun.is_completed(), rerun
     states = task_states(rerun.state_details.flow_run_id, expect=("prepare_data", "train", "export"))
     assert states["prepare_data"] == "Cached" and states["train"] == "Cached", states
-    (after,) = read_registry(cfg.output_dir)
+    after = next(e for e in read_registry(cfg.output_dir) if e["version"] == entry["version"])
     assert after["steps"] == entry["steps"] == "10/10", after
     assert (Path(entry["path"]) / "data" / "manifest.json").read_bytes() == manifest
     recorded = load_run_config(Path(entry["path"]))
@@ -294,4 +228,20 @@ def test_a_rerun_of_a_version_uses_its_recorded_config_and_refuses_to_change_its
     with pytest.raises(Exception, match="the data sources changed on disk"):
         redone.result()
     assert (Path(entry["path"]) / "data" / "manifest.json").read_bytes() == manifest
-    assert [e["steps"] for e in read_registry(cfg.output_dir)] == ["10/10"]
+    assert [e["steps"] for e in read_registry(cfg.output_dir)][1:] == ["10/10", "10/10"]
+
+
+def test_prune_on_demand_keeps_the_newest_versions_and_reports_the_disk_freed(kept):
+    cfg, env = kept["cfg"], kept["env"]
+    entries = read_registry(cfg.output_dir)
+    config_file = write_config(cfg, kept["root"] / "kept.yaml")
+    done = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
+                           "--set", "versions.keep=1"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pruned 1 version(s)" in done.stderr and "MB freed" in done.stderr, done.stderr
+    assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [entries[-1]["version"]]
+    print(done.stderr.splitlines()[0])
+    without = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
+                              "--set", "versions.keep=null"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert without.returncode == 1 and "versions.keep is not set" in without.stderr, without.stderr
