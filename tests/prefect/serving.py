@@ -67,3 +67,13 @@ def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: P
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def slots_in_use(deployment_id) -> int:
+    """Concurrency slots of a deployment (``concurrency_limit``) that its runs hold now."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_deployment(deployment_id).global_concurrency_limit
+    assert limit is not None, "the deployment has no concurrency limit"
+    return limit.active_slots

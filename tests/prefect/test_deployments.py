@@ -12,7 +12,7 @@ import pytest
 
 from ortflow.config import load_run_config
 from ortflow.versions import read_registry, resolve_run
-from tests.prefect.serving import serving
+from tests.prefect.serving import serving, slots_in_use
 from tests.support.prefect_runs import (
     FINAL_STATE_S,
     mlp_config,
@@ -35,16 +35,17 @@ def _flow_run(flow_run_id):
 
 @pytest.fixture(scope="module")
 def served(prefect_server, mlp_sources, tmp_path_factory):
-    """``ortflow serve CONFIG`` in a subprocess, until the module's tests are done. It starts from a folder holding a
-    package named ``ortflow`` that fails on import: served runs must import the installed ortflow instead."""
+    """``ortflow serve CONFIG`` in a subprocess, until the module's tests are done (the last one stops it). It starts
+    from a folder holding a package named ``ortflow`` that fails on import: served runs must import the installed
+    ortflow instead."""
     root = tmp_path_factory.mktemp("served")
     cfg = mlp_config(root, mlp_sources, "served")
     config_file = write_config(cfg, root / "served.yaml")
     start = root / "checkout"
     (start / "ortflow").mkdir(parents=True)
     (start / "ortflow" / "__init__.py").write_text("raise ImportError('the start folder was imported')\n")
-    with serving(config_file, prefect_server, "served", start, root / "serve.log"):
-        yield {"cfg": cfg, "root": root, "env": prefect_server, "log": root / "serve.log"}
+    with serving(config_file, prefect_server, "served", start, root / "serve.log") as proc:
+        yield {"cfg": cfg, "root": root, "env": prefect_server, "log": root / "serve.log", "proc": proc}
 
 
 def test_served_runs_started_with_prefect_cli_and_with_overrides_complete_and_overrides_change_one_run_only(served):
@@ -100,48 +101,40 @@ def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources)
     assert processes_mentioning(str(long.output_dir)) == []
 
 
-def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees_the_slot(
-    prefect_server, mlp_sources, tmp_path
-):
+def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees_the_slot(served, mlp_sources):
+    """Stops the module's ``ortflow serve``: the module's last test."""
     import signal
     import time
 
+    from prefect.client.orchestration import get_client
+
+    from ortflow import runlock
     from ortflow.checkpoints import list_complete
 
-    cfg = mlp_config(tmp_path, mlp_sources, "serve-stop",
-                     train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},
-                     checkpoint={"period": 500, "max_num_checkpoints": 2})
-    config_file = write_config(cfg, tmp_path / "serve-stop.yaml")
-    with serving(config_file, prefect_server, "serve-stop", tmp_path, tmp_path / "serve.log") as proc:
-        from prefect.client.orchestration import get_client
+    long = mlp_config(served["root"], mlp_sources, "serve-stop",
+                      train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},
+                      checkpoint={"period": 500, "max_num_checkpoints": 2})
+    proc, log_start = served["proc"], served["log"].stat().st_size  # this test's part of the log starts here
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("train-pipeline/served")
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
 
-        with get_client(sync_client=True) as client:
-            deployment = client.read_deployment_by_name("train-pipeline/serve-stop")
-            run = client.create_flow_run_from_deployment(deployment.id)
-
-        folder = wait_for_periodic_checkpoint(cfg.output_dir)
-        last_periodic = list_complete(folder / "checkpoints")[-1].step
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None,
-                         FINAL_STATE_S, "the flow run to reach a final state")
-        print(f"final state {state.name} {time.monotonic() - sent:.1f} s after the SIGTERM")
-        proc.wait(timeout=90)
+    folder = wait_for_periodic_checkpoint(long.output_dir)
+    last_periodic = list_complete(folder / "checkpoints")[-1].step
+    assert slots_in_use(deployment.id) == 1  # the training run holds the deployment's only slot
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None,
+                     FINAL_STATE_S, "the flow run to reach a final state")
+    print(f"final state {state.name} {time.monotonic() - sent:.1f} s after the SIGTERM")
+    proc.wait(timeout=90)
     assert state.type.value in ("CRASHED", "CANCELLED"), state
     stop = list_complete(folder / "checkpoints")[-1]
     assert stop.step > last_periodic and stop.step % 500 != 0, (stop.step, last_periodic)  # written on the stop
-    (entry,) = read_registry(cfg.output_dir)
+    (entry,) = read_registry(long.output_dir)
     assert entry["status"] == "stopped", entry
     assert not processes_mentioning(str(folder))
-    assert "Traceback" not in (tmp_path / "serve.log").read_text()
-    # The deployment's only concurrency slot is free: a run created now starts and completes under a new serve.
-    with serving(config_file, prefect_server, "serve-stop", tmp_path, tmp_path / "serve2.log"):
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            deployment = client.read_deployment_by_name("train-pipeline/serve-stop")
-            short = client.create_flow_run_from_deployment(
-                deployment.id, parameters={"overrides": ["train.num_train_steps=10", "checkpoint.period=5"]})
-        state = wait_for(lambda: _flow_run(short.id).state if _flow_run(short.id).state.is_final() else None,
-                         300, "the next run to end")
-    assert state.is_completed(), (state, (tmp_path / "serve2.log").read_text()[-3000:])
+    assert b"Traceback" not in served["log"].read_bytes()[log_start:]
+    # The run's folder and the deployment's only concurrency slot are free: the next run could start at once.
+    assert runlock.holder(long.output_dir) is None and runlock.holder(folder) is None
+    assert wait_for(lambda: slots_in_use(deployment.id) == 0, 30, "the concurrency slot to be released")
