@@ -61,6 +61,9 @@ def run(
     cfg = load(config, overrides)
     # A line at once: importing Prefect and starting its server take a while on a busy machine.
     say(f"ortflow run {cfg.name}: {'a new version in ' if new_version else ''}{cfg.output_dir}")
+    command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
+                         else ["ortflow", "run", str(config)])
+    _refuse_if_busy(cfg, wait, command)
     # Prefect takes seconds to import: imported once that line is out, and before terminal() below, because importing
     # it sets up Prefect's logging, which terminal() then routes through this console.
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
@@ -69,8 +72,6 @@ def run(
 
     _check_options(from_stage, policy, version, new_version)
     history = None if PREFECT_API_URL.value() else Path(PREFECT_HOME.value())  # the temporary server's database
-    command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
-                         else ["ortflow", "run", str(config)])
     flow = functools.partial(train_pipeline, cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
                              new_version=new_version, wait_for_lock=wait or None, version=version, return_state=True)
     received = _stop_signals()
@@ -84,6 +85,21 @@ def run(
         console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
         return
     _report_summary(cfg, state.result(), new_version, log_file, history)
+
+
+def _refuse_if_busy(cfg: RunConfig, wait: bool, command: str) -> None:
+    """A run folder that another live process writes is refused before Prefect is imported (the flow's own lock
+    still settles two runs that start together); exit 1."""
+    from ortflow.runlock import RunFolderLocked, holder
+
+    busy = None if wait or cfg.pipeline.wait_for_lock else holder(cfg.output_dir)
+    if busy is None:
+        return
+    err = RunFolderLocked(cfg.output_dir, busy)
+    console.print(f"error: pipeline refused: {err}", highlight=False, markup=False, style="bold red")
+    for line in failure_advice(err, command):
+        say(f"  {line}")
+    raise typer.Exit(1)
 
 
 def _check_options(from_stage: str | None, policy: str | None, version: str | None, new_version: bool) -> None:
