@@ -92,7 +92,12 @@ def _refuse_if_busy(cfg: RunConfig, wait: bool, command: str) -> None:
     still settles two runs that start together); exit 1."""
     from ortflow.runlock import RunFolderLocked, holder
 
-    busy = None if wait or cfg.pipeline.wait_for_lock else holder(cfg.output_dir)
+    if wait or cfg.pipeline.wait_for_lock:
+        return
+    try:
+        busy = holder(cfg.output_dir)
+    except OSError:  # not a readable folder: the pipeline's first stage says what is wrong with it
+        return
     if busy is None:
         return
     err = RunFolderLocked(cfg.output_dir, busy)
