@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ortflow.versions import read_registry
+from tests.support.prefect_runs import sigint_taken
 
 pytestmark = pytest.mark.prefect
 
@@ -40,7 +41,9 @@ def test_deploy_section_of_the_docs_works_from_a_fresh_clone(prefect_server, tmp
            "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_PREFETCH_SECONDS": "2", "ORTFLOW_PULL": pull}
     env.pop("VIRTUAL_ENV", None)
     out_file = tmp_path / "deploy.log"
-    with out_file.open("w") as out:  # a file, not a pipe: nothing the script started can keep the test waiting
+    # A file, not a pipe: nothing the script started can keep the test waiting. The worker the script starts must
+    # take SIGINT, or it outlives the script's stop by 20 s.
+    with out_file.open("w") as out, sigint_taken():
         done = subprocess.run(
             ["bash", str(ROOT / "tools" / "deploy_from_clone.sh"), "--watch-timeout", "400",
              "--params", json.dumps({"overrides": overrides})],

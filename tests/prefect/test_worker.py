@@ -27,6 +27,7 @@ from tests.support.prefect_runs import (
     mlp_config,
     processes_mentioning,
     rank_pids,
+    sigint_taken,
     wait_for,
     wait_for_periodic_checkpoint,
 )
@@ -59,8 +60,9 @@ def worker(pool: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[sub
     """``prefect worker start --pool POOL --type process`` until the block ends (then SIGKILL if still running)."""
     env = {**env, "PYTHONPATH": str(ROOT), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
     with log.open("w") as out:
-        proc = subprocess.Popen([*PREFECT, "worker", "start", "--pool", pool, "--type", "process"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        with sigint_taken():
+            proc = subprocess.Popen([*PREFECT, "worker", "start", "--pool", pool, "--type", "process"], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         try:
             yield proc
         finally:
@@ -136,9 +138,9 @@ def test_sigterm_to_a_process_worker_stops_its_run_with_a_stop_checkpoint_and_fr
         proc.send_signal(signal.SIGTERM)
         # A worker that takes its SIGTERM cancels its flow-run tasks, which SIGKILLs their processes, and exits
         # ("Worker ... stopped!"); the job's guard then stops the ranks (stop checkpoint) and reports the final
-        # state. Prefect's process worker at times misses its first SIGTERM (a race in its shutdown: its flow-run
-        # tasks are not cancelled): it waits for its run, which trains on, and the repeat that process managers send
-        # makes it SIGKILL itself, whereupon the flow-run process stops the run itself.
+        # state. A worker that misses its first SIGTERM (it turns it into SIGINT, which it ignores where its parent
+        # did: `worker` makes sure it does not) waits for its run, which trains on, and the repeat that process
+        # managers send makes it SIGKILL itself, whereupon the flow-run process stops the run itself.
         missed = False
         if not _exits(proc, WORKER_EXIT_S):
             log = (tmp_path / "worker.log").read_text()

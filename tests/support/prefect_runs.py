@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +104,18 @@ def wait_for_periodic_checkpoint(output_dir: Path, timeout: float = 300) -> Path
         return folders and len(rank_pids(folders[0])) == 2 and list_complete(folders[0] / "checkpoints") and folders[0]
 
     return wait_for(ready, timeout, "two ranks training past a periodic checkpoint")
+
+
+@contextlib.contextmanager
+def sigint_taken() -> Iterator[None]:
+    """Processes started in the block take SIGINT even where this one ignores it (a suite started in the background
+    of a script does, and children inherit an ignored signal): a Prefect worker stops on SIGTERM by sending itself
+    SIGINT, and one that ignores it keeps running until killed."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler, reset to the default by exec
+    try:
+        yield
+    finally:
+        if previous == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, previous)
