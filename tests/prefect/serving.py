@@ -57,7 +57,7 @@ def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: P
         )
         try:
             wait_for(lambda: proc.poll() is not None or all(deployment_exists(f"{flow}/{name}") for flow in flows),
-                     90, "ortflow serve to register its deployments")
+                     90, "ortflow serve to register its deployments", 0.5)
             assert proc.poll() is None, log.read_text()[-3000:]
             yield proc
         finally:

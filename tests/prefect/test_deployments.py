@@ -33,6 +33,15 @@ def _flow_run(flow_run_id):
         return client.read_flow_run(flow_run_id)
 
 
+def _final_state(flow_run_id, timeout: float, what: str = "the flow run to end"):
+    """The flow run's final state, read from the server once a second (each read costs the server a query)."""
+    def final():
+        state = _flow_run(flow_run_id).state
+        return state if state is not None and state.is_final() else None
+
+    return wait_for(final, timeout, what, interval=1)
+
+
 @pytest.fixture(scope="module")
 def served(prefect_server, mlp_sources, tmp_path_factory):
     """``ortflow serve CONFIG`` in a subprocess, until the module's tests are done (the last one stops it). It starts
@@ -63,8 +72,7 @@ def test_served_runs_started_with_prefect_cli_and_with_overrides_complete_and_ov
     )
     assert done.returncode == 0, done.stdout + done.stderr + served["log"].read_text()[-3000:]
     assert "Completed" in done.stdout + done.stderr
-    state = wait_for(lambda: _flow_run(short.id).state if _flow_run(short.id).state.is_final() else None,
-                     240, "the run with overrides to end")
+    state = _final_state(short.id, 240, "the run with overrides to end")
     assert state.is_completed(), (state, served["log"].read_text()[-3000:])
     entries = read_registry(cfg.output_dir)
     assert len(entries) == 2 and all(e["status"] == "completed" for e in entries), entries
@@ -92,8 +100,7 @@ def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources)
              240, "two ranks training")  # a served run trains a new version
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)
-    state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None, 90,
-                     "the flow run to end")
+    state = _final_state(run.id, 90)
     assert state.name == "Cancelled", state
     leftover = wait_for(lambda: not processes_mentioning(str(long.output_dir)) or None, 45,
                         "every process of the cancelled run to exit")
@@ -124,8 +131,7 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
     assert slots_in_use(deployment.id) == 1  # the training run holds the deployment's only slot
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    state = wait_for(lambda: _flow_run(run.id).state if _flow_run(run.id).state.is_final() else None,
-                     FINAL_STATE_S, "the flow run to reach a final state")
+    state = _final_state(run.id, FINAL_STATE_S, "the flow run to reach a final state")
     print(f"final state {state.name} {time.monotonic() - sent:.1f} s after the SIGTERM")
     proc.wait(timeout=90)
     assert state.type.value in ("CRASHED", "CANCELLED"), state
@@ -137,4 +143,4 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
     assert b"Traceback" not in served["log"].read_bytes()[log_start:]
     # The run's folder and the deployment's only concurrency slot are free: the next run could start at once.
     assert runlock.holder(long.output_dir) is None and runlock.holder(folder) is None
-    assert wait_for(lambda: slots_in_use(deployment.id) == 0, 30, "the concurrency slot to be released")
+    assert wait_for(lambda: slots_in_use(deployment.id) == 0, 30, "the concurrency slot to be released", 1)

@@ -149,7 +149,7 @@ def test_sigterm_to_a_process_worker_stops_its_run_with_a_stop_checkpoint_and_fr
                 print(f"the worker missed its SIGTERM (its run trains on after {WORKER_EXIT_S} s): sending another")
                 proc.send_signal(signal.SIGTERM)
         try:
-            state = wait_for(lambda: _final(run.id), FINAL_STATE_S, "the flow run to reach a final state")
+            state = wait_for(lambda: _final(run.id), FINAL_STATE_S, "the flow run to reach a final state", 1)
         except AssertionError as err:
             raise AssertionError(f"{err}\nworker log:\n{(tmp_path / 'worker.log').read_text()[-3000:]}\n"
                                  f"guard log:\n{_guard_log(folder)}") from None
@@ -181,7 +181,7 @@ def test_sigterm_to_a_process_worker_stops_its_run_with_a_stop_checkpoint_and_fr
     assert progress.description.startswith(final_words) and "ETA" not in progress.description, progress.description
     # The run's folder and the deployment's only concurrency slot are free: the next run could start at once.
     assert runlock.holder(cfg.output_dir) is None and runlock.holder(folder) is None
-    assert wait_for(lambda: slots_in_use(deployment_id) == 0, 30, "the concurrency slot to be released")
+    assert wait_for(lambda: slots_in_use(deployment_id) == 0, 30, "the concurrency slot to be released", 1)
 
 
 @flow(name="orphaned")
