@@ -124,6 +124,11 @@ def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_se
         assert "flow run " in message and "pipeline" in message
         assert "--wait" in message  # the command that queues instead
         assert "launching" not in message  # the second run never started ranks: nothing trained twice
+        # A run that reaches the flow (a served or scheduled one) is refused there, by the same lock.
+        flowed = train_pipeline(cfg, return_state=True)
+        assert flowed.is_failed()
+        with pytest.raises(Exception, match=f"is in use by pid {first.pid} on "):
+            flowed.result()
         assert sorted(rank_pids(cfg.output_dir)) == ranks
         assert not (cfg.output_dir / "versions").exists()
     finally:
