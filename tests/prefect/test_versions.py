@@ -75,8 +75,15 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
         wait_for(lambda: no_failed_runs() or len(_entries(base, "completed")) == 2, 240,
                  "a scheduled version on the new data", 1)
         second = _entries(base, "completed")[1]["version"]
-        wait_for(lambda: no_failed_runs() or any(e.get("parent") == second for e in _entries(base, "skipped")), 240,
-                 "a scheduled run skipped as unchanged", 1)
+        skip = wait_for(lambda: no_failed_runs() or next(
+            (e["flow_run_id"] for e in _entries(base, "skipped") if e.get("parent") == second), None), 240,
+            "a scheduled run skipped as unchanged", 1)
+
+        def ended():  # the skip is recorded before the run ends: serve stops once it has
+            state = read_flow_run(skip).state
+            return state is not None and state.is_final()
+
+        wait_for(ended, 60, "the skipped run to end", 1)
 
     first, second = _entries(base, "completed")[:2]
     skipped = next(e for e in _entries(base, "skipped") if e.get("parent") == second["version"])
