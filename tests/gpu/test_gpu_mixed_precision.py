@@ -1,7 +1,7 @@
 """Mixed precision on GPUs, for real: needs the GPU engine, CuPy and 1 or 2 CUDA GPUs (skipped otherwise).
 
-All runs train a small byte-level GPT (2 layers, d 64, T 16) on ortflow's own sources through the real trainer
-under mpiexec, with the same data order in every run.
+All runs train a small byte-level GPT (2 layers, d 64, T 16) on the test corpus (tests/fixtures/corpus.txt, Python
+source) through the real trainer under mpiexec, with the same data order in every run.
 
 Tolerance of the fp16 (and bf16) loss curve against fp32: the fp32 baseline already runs its matmuls in TF32 (the
 CUDA provider's default), whose 10-bit mantissa equals fp16's, so what differs is activations and elementwise ops

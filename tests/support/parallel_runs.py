@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-import ortflow
 from ortflow.checkpoints import list_complete
-from tests.support.runs import make_run, rank_command
+from tests.support.runs import make_run, rank_command, text_corpus
 
 SEQ = 16
 TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2, "evaluation_period": 2,
@@ -21,15 +20,12 @@ TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2
 
 
 def corpus(root: Path) -> Path:
-    """The text the GPT runs train on: the first 6 of ortflow's own source files, written once under ``root``."""
-    path = root / "corpus.txt"
-    if not path.exists():
-        path.write_text("\n".join(p.read_text() for p in sorted(Path(ortflow.__file__).parent.rglob("*.py"))[:6]))
-    return path
+    """The text the GPT runs train on (tests/fixtures/corpus.txt), copied once under ``root``."""
+    return text_corpus(root)
 
 
 def gpt_run(root: Path, name: str, model_path: Path | None = None, **sections):
-    """A run on a 2-layer GPT (d_model 32, 4 heads; or the model at ``model_path``) over ortflow's sources."""
+    """A run on a 2-layer GPT (d_model 32, 4 heads; or the model at ``model_path``) over the test corpus."""
     from ortflow.examples.gpt import build_gpt
 
     model = model_path or root / "gpt2l.onnx"

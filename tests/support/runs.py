@@ -183,19 +183,29 @@ def checkpoint_parameters(folder: Path) -> dict[str, np.ndarray]:
         return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values() if ds.attrs["requires_grad"]}
 
 
+#: The text the GPT runs train on: Python source (six of ortflow's modules as they once were), fixed, so that the data
+#: and every loss computed from it stay the same while the code changes (the GPU precision tests' bounds hold on it).
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "corpus.txt"
+
+
+def text_corpus(root: Path) -> Path:
+    """:data:`CORPUS` copied under ``root`` (once)."""
+    path = root / "corpus.txt"
+    if not path.exists():
+        path.write_bytes(CORPUS.read_bytes())
+    return path
+
+
 def make_text_run(root: Path, name: str, **sections) -> RunConfig:
-    """Configure + shard a tiny byte-level GPT run on text (ortflow's own sources) under ``root/name``."""
+    """Configure + shard a tiny byte-level GPT run on text (:data:`CORPUS`) under ``root/name``."""
     from ortflow.examples.gpt import build_gpt
 
     root.mkdir(parents=True, exist_ok=True)
     model = root / "gpt.onnx"
     if not model.exists():
         build_gpt(model, seq_len=16, d_model=32, num_layers=1, num_heads=2)
-    corpus = root / "corpus.txt"
-    if not corpus.exists():
-        sources = sorted((Path(__file__).resolve().parents[2] / "ortflow").rglob("*.py"))[:6]
-        corpus.write_text("\n".join(p.read_text() for p in sources))
-    base = {"data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 16}, "eval_fraction": 0.05}}
+    data = {"train": [str(text_corpus(root))], "format": "text", "text": {"seq_len": 16}, "eval_fraction": 0.05}
+    base = {"data": data}
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return make_run(root, name, model=model, **base)

@@ -20,7 +20,7 @@ TRAIN = {"batch_size": 2, "num_train_steps": 2 * UPDATES, "gradient_accumulation
 
 def gpt2_run(root: Path, name: str, export: str = "gpt2.onnx", **sections):
     """A run of a causal LM export (GPT-2 by default; any export of ``input_ids -> logits`` with vocabulary 512),
-    unmodified, on ortflow's own sources (byte tokens < its vocab 512)."""
+    unmodified, on the test corpus of Python source (byte tokens < its vocab 512)."""
     data = {"train": [str(corpus(root))], "format": "text", "text": {"seq_len": SEQ, "input_name": "input_ids"},
             "eval_fraction": 0.05}
     train = {**TRAIN, **sections.pop("train", {})}
