@@ -182,14 +182,12 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
             runs["export-only"] = client.create_flow_run_from_deployment(export)
         wait_for(lambda: _final_state(runs["skipped"].id), 300, "the skipped run to end")  # before a change
         with get_client(sync_client=True) as client:
-            runs["completed-2"] = client.create_flow_run_from_deployment(
-                pipeline, parameters={"overrides": ["train.num_train_steps=6"]})
             runs["failed"] = client.create_flow_run_from_deployment(
                 pipeline, parameters={"overrides": ["train.num_train_steps=-3"]})
         states = {what: wait_for(lambda r=run: _final_state(r.id), 300, f"the {what} run to end")
                   for what, run in runs.items()}
-        assert [states[w].name for w in ("completed", "skipped", "export-only", "completed-2", "failed")] == [
-            "Completed", "Skipped", "Completed", "Completed", "Failed"], states
+        assert [states[w].name for w in ("completed", "skipped", "export-only", "failed")] == [
+            "Completed", "Skipped", "Completed", "Failed"], states
         with runlock.hold(cfg.output_dir), get_client(sync_client=True) as client:
             runs["lost"] = client.create_flow_run_from_deployment(pipeline, parameters={"wait_for_lock": True})
             # --limit 1: its 10 s schedule is shorter than a run, and a runner without a limit asks the server to
@@ -227,7 +225,7 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
         assert _late_alerts_match(by_run[what], seconds, late), (what, seconds, by_run)
     assert by_run["lost"] == [late, "ortflow run Crashed (no heartbeat for 60 s)"], by_run
     assert {what: [a for a in alerts if a != late] for what, alerts in by_run.items() if what != "lost"} == {
-        **{what: [] for what in ("completed", "skipped", "export-only", "completed-2")},
+        **{what: [] for what in ("completed", "skipped", "export-only")},
         "failed": ["ortflow run Failed"],
     }, by_run
     # The other calls are the served deployment's scheduled runs' (the one that failed, and any that serve's stop
