@@ -27,7 +27,9 @@ def test_failed_stage_prints_its_message_and_the_fix_and_a_bad_export_path_is_no
 ):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the export folder should be")
-    cfg = mlp_config(tmp_path, mlp_sources, "bad-export", export={"path": str(blocker / "model.onnx")})
+    cfg = mlp_config(tmp_path, mlp_sources, "bad-export", export={"path": str(blocker / "model.onnx")},
+                     distributed={"num_ranks": 1, "threads_per_rank": 1}, checkpoint={"period": 4},
+                     train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0})
     config_file = write_config(cfg, tmp_path / "bad-export.yaml")
     done = subprocess.run([ORTFLOW, "run", str(config_file)], env=prefect_server, capture_output=True, text=True,
                           timeout=400)
