@@ -235,7 +235,8 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_
     assert state_type == "RUNNING"  # nobody was left to report its end
     # The next `ortflow run` on this machine (another config), offline, talks to a temporary server on the same
     # database.
-    short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0})
+    short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0},
+                       distributed={"num_ranks": 1, "threads_per_rank": 1}, checkpoint={"period": 4})
     done = subprocess.run([ORTFLOW, "run", "-v", str(write_config(short, tmp_path / "next.yaml"))],
                           env=_offline(_temporary_server_env(tmp_path, cache_home)), capture_output=True, text=True,
                           timeout=400)
