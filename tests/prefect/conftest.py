@@ -61,6 +61,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         # instead of 30 s once the slot frees.
         "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
         "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+        # No flow run pauses or suspends itself: the service that expires paused runs (a query every 5 s) is off.
+        "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
         "OMP_NUM_THREADS": "1",
     }
     env.pop("PREFECT_API_URL", None)
