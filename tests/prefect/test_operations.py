@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -17,12 +16,11 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
+from tests.faults.procs import ortflow_here
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
 from tests.support.prefect_runs import mlp_config, processes_mentioning, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
-
-ORTFLOW = str(Path(sys.executable).parent / "ortflow")
 
 
 @pytest.fixture
@@ -52,10 +50,11 @@ def webhook():
         server.shutdown()
 
 
-def _install(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run([ORTFLOW, "automations", *args], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stderr
+def _install(*args: str) -> str:
+    """``ortflow automations ARGS`` against the test server, in this process (no CLI start-up); its output."""
+    done = ortflow_here("automations", *args)
+    assert done.returncode == 0, done.stdout
+    return done.stdout
 
 
 @flow(name="alerted")
@@ -82,7 +81,7 @@ def test_ended_runs_get_no_late_alert_and_an_event_posted_twice_alerts_once(pref
 
     url, calls = webhook
     late_after = 20
-    _install(prefect_server, "--webhook", url, "--late-after", str(late_after), "--zombie-after", "60")
+    _install("--webhook", url, "--late-after", str(late_after), "--zombie-after", "60")
     assert read_late_after() == late_after
     with get_client(sync_client=True) as client:
         ended = [client.create_flow_run(_alerted, tags=["ortflow"]) for _ in range(12)]
@@ -164,7 +163,7 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
     url, calls = webhook
     late_after = LATE_AFTER_S
     late = f"ortflow run still running after {late_after} s"
-    out = _install(prefect_server, "--webhook", url, "--late-after", str(late_after), "--zombie-after", "60")
+    out = _install("--webhook", url, "--late-after", str(late_after), "--zombie-after", "60")
     assert "ortflow-run-failed" in out and "ortflow-zombie-runs" in out
     cfg = mlp_config(tmp_path, mlp_sources, "trial", versions={"skip_unchanged": True},
                      distributed={"num_ranks": 1, "threads_per_rank": 1},
