@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -60,20 +61,14 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         # instead of 30 s once the slot frees.
         "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
         "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+        # No flow run pauses or suspends itself: the service that expires paused runs (a query every 5 s) is off.
+        "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
         "OMP_NUM_THREADS": "1",
     }
     env.pop("PREFECT_API_URL", None)
-    log = (home / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-    )
+    with _empty_database(home / "prefect.db") as start_settings:
+        server, log = _start(port, {**env, **start_settings}, home, url)
     try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
         client_env = {**env, "PREFECT_API_URL": url}
         with temporary_settings(
             updates={
@@ -98,6 +93,50 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
+
+
+@contextlib.contextmanager
+def _empty_database(database: Path) -> Iterator[dict[str, str]]:
+    """Start the block's server on a copy of ortflow's cached empty database of this Prefect version (the one
+    ``ortflow run``'s temporary server keeps: ``local_server.empty_database_cache``) when there is one, sparing its
+    migrations and block registrations (seconds of CPU); else let it create the database and keep it as that cache.
+    One xdist worker at a time: the second one starts from the copy the first one leaves. Yields the settings the
+    server starts with."""
+    import fcntl
+
+    from ortflow.deployments import local_server
+
+    cache = local_server.empty_database_cache()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with cache.with_name(f"{cache.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        seeded = local_server._seed(database)
+        # A copy is at this Prefect version's schema with its blocks registered, as for ortflow's temporary server.
+        yield {"PREFECT_SERVER_DATABASE_MIGRATE_ON_START": "false",
+               "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false"} if seeded else {}
+        if not seeded:
+            local_server._keep_empty(database)
+
+
+def _start(port: int, env: dict[str, str], home: Path, url: str):
+    """``prefect server start`` until it answers; returns the process and its open log file."""
+    log = (home / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
+        raise
+    return server, log
 
 
 @pytest.fixture(scope="session")

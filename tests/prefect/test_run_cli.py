@@ -27,7 +27,9 @@ def test_failed_stage_prints_its_message_and_the_fix_and_a_bad_export_path_is_no
 ):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the export folder should be")
-    cfg = mlp_config(tmp_path, mlp_sources, "bad-export", export={"path": str(blocker / "model.onnx")})
+    cfg = mlp_config(tmp_path, mlp_sources, "bad-export", export={"path": str(blocker / "model.onnx")},
+                     distributed={"num_ranks": 1, "threads_per_rank": 1}, checkpoint={"period": 4},
+                     train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0})
     config_file = write_config(cfg, tmp_path / "bad-export.yaml")
     done = subprocess.run([ORTFLOW, "run", str(config_file)], env=prefect_server, capture_output=True, text=True,
                           timeout=400)
@@ -149,11 +151,15 @@ def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path
     # in the terminal's process group (a Ctrl-C there would crash it with a traceback).
     assert len(servers) == 1, [_cmdline(p) for p in family]
     assert os.getsid(servers[0]) == servers[0] != os.getpgid(proc.pid), servers
-    # The empty database a new database starts from: kept by the first server on a new database, never a run in it.
+    return proc, cfg, family
+
+
+def _assert_cached_empty_database(cache_home: Path) -> None:
+    """The empty database a new database starts from: kept by the first server on a new database, never a run in
+    it (checked once the run is stopped: its ranks train meanwhile)."""
     import prefect
 
     assert _flow_runs(cache_home / "ortflow" / f"prefect-{prefect.__version__}-empty.db") == 0
-    return proc, cfg, family
 
 
 @pytest.mark.parametrize(("sig", "to_group", "times"), [
@@ -178,6 +184,7 @@ def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + sig, out[-3000:]
+    _assert_cached_empty_database(cache_home)
     assert took < 30, f"ortflow run took {took:.0f} s to stop"
     assert f"stopped by {signal.Signals(sig).name}" in out and "Traceback" not in out, out[-3000:]
     wait_for(lambda: not any(_alive(p) for p in family), 30, "every process ortflow run started to exit")
@@ -215,6 +222,7 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_
     proc.kill()
     proc.wait()
     wait_for(lambda: not any(_alive(p) for p in family), 30, "the temporary server and the ranks to exit")
+    _assert_cached_empty_database(cache_home)
     (entry,) = read_registry(cfg.output_dir)
     database = tmp_path / "prefect-home" / "prefect.db"
 
@@ -227,7 +235,8 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_
     assert state_type == "RUNNING"  # nobody was left to report its end
     # The next `ortflow run` on this machine (another config), offline, talks to a temporary server on the same
     # database.
-    short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0})
+    short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0},
+                       distributed={"num_ranks": 1, "threads_per_rank": 1}, checkpoint={"period": 4})
     done = subprocess.run([ORTFLOW, "run", "-v", str(write_config(short, tmp_path / "next.yaml"))],
                           env=_offline(_temporary_server_env(tmp_path, cache_home)), capture_output=True, text=True,
                           timeout=400)

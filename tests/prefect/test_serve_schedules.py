@@ -1,7 +1,7 @@
 """``ortflow serve`` and its deployments' schedules against a real local Prefect server: a stop signal (even one
 while serve registers its deployments) pauses the schedules and drops the runs they queued before serve exits 143;
 serving again resumes the schedules, and drops the scheduled runs whose time passed while nothing served them unless
-``--catch-up``."""
+``--catch-up``; a serving process killed with SIGKILL pauses nothing."""
 
 from __future__ import annotations
 
@@ -61,18 +61,12 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
     assert _deployment("train-pipeline/schedules").paused and _deployment("export-only/schedules").paused
 
-    with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve1.log") as proc:
-        wait_for(lambda: not _deployment("train-pipeline/schedules").paused, 90, "serve to resume the schedule")
-        os.kill(proc.pid, signal.SIGKILL)  # a serving process that vanished pauses nothing
-        proc.wait()
-    deployment = _deployment("train-pipeline/schedules")
-    assert not deployment.paused
-    missed = _backfill(deployment, 3)
+    # Runs whose time passed while nothing served the deployment: serving again resumes the schedules and drops them.
+    missed = _backfill(_deployment("train-pipeline/schedules"), 3)
     assert len(missed) == 3, missed
-
-    log = tmp_path / "serve2.log"
+    log = tmp_path / "serve1.log"
     with serving(config_file, prefect_server, "schedules", tmp_path, log) as proc:
-        assert not _deployment("train-pipeline/schedules").paused
+        wait_for(lambda: not _deployment("train-pipeline/schedules").paused, 90, "serve to resume the schedule")
         wait_for(lambda: not _waiting("train-pipeline/schedules"), 60, "the missed runs to be dropped")
         wait_for(lambda: _waiting("train-pipeline/schedules", overdue_only=False), 60,
                  "the scheduler to schedule the next run")
@@ -85,13 +79,16 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
     assert _waiting("train-pipeline/schedules", overdue_only=False) == []
     assert not [r for r in flow_runs_of("train-pipeline/schedules") if r.id in {m.id for m in missed}]
 
-    # With --catch-up the missed runs run: the first one starts (and completes) under the restarted serve.
-    deployment = _deployment("train-pipeline/schedules")
-    missed = _backfill(deployment, 2)
-    assert len(missed) == 2, missed
-    with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve3.log",
-                 extra=["--catch-up"]):
-        ids = {m.id for m in missed}
-        wait_for(lambda: [r for r in flow_runs_of("train-pipeline/schedules") if r.id in ids
-                          and r.state.is_completed()], 300, "a missed run to complete")
+    # With --catch-up the missed run runs (and completes) under the restarted serve; a serving process that vanished
+    # (SIGKILL) pauses nothing.
+    missed = _backfill(_deployment("train-pipeline/schedules"), 1)
+    assert len(missed) == 1, missed
+    with serving(config_file, prefect_server, "schedules", tmp_path, tmp_path / "serve2.log",
+                 extra=["--catch-up"]) as proc:
+        wait_for(lambda: [r for r in flow_runs_of("train-pipeline/schedules") if r.id == missed[0].id
+                          and r.state.is_completed()], 300, "the missed run to complete")
+        assert not _deployment("train-pipeline/schedules").paused
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not _deployment("train-pipeline/schedules").paused
     assert Path(cfg.output_dir / "registry.json").exists()
