@@ -8,7 +8,9 @@ bf16 (the engine fuses them into QuickGelu, without a bf16 kernel), and the defa
 Softmax, the loss) in both. Each run must start (a node without a CUDA kernel stops the rank at session start), stay
 finite, and follow fp32: the mean loss of every window of 20 updates within 3% (fp16) and 5% (bf16) of fp32's, the
 bounds of tests/gpu/test_gpu_mixed_precision.py (activations rounded to 11 or 8 significant bits, the trajectories
-then separating chaotically; the fp32 baseline itself runs its matmuls in TF32).
+then separating chaotically; the fp32 baseline itself runs its matmuls in TF32). The fp16 bound is close: on the test
+corpus the windows differ by 2.7%, 2.3% and 0.7% on an H200; on another text of the same kind the first window
+differed by 3.4%.
 
 Run: ``.venv/bin/python -m pytest -v -s tests/gpu/test_gpu_llama_precision.py``; each test prints its windows.
 """
