@@ -40,7 +40,7 @@ from ortflow.export.verify import ExportError
 from ortflow.graph.exports.external_data import PROTO_LIMIT, needs_external_data, proto_bytes, save_with_external_data
 from ortflow.graph.exports.gelu import decompose_gelu
 from ortflow.graph.gradients.embedding import restore_gathers
-from ortflow.graph.onnx_tools import subgraph_reads
+from ortflow.graph.onnx_tools import subgraph_reads, upstream
 from ortflow.graph.precision.autocast import fold_parameter_casts, strip_autocast
 
 log = logging.getLogger(__name__)
@@ -299,21 +299,9 @@ def build_inference_model(
                 f"output '{name}' is computed from the label input {sorted(labels)}: it belongs to the loss, which an "
                 "inference model does not hold; choose outputs computed from the model's inputs"
             )
-    needed: set[str] = set()
-    stack = list(outputs)
-    keep_nodes: set[int] = set()
-    node_ids = {id(node): i for i, node in enumerate(graph.node)}
-    while stack:
-        name = stack.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        node = produced.get(name)
-        if node is not None and node_ids[id(node)] not in keep_nodes:
-            keep_nodes.add(node_ids[id(node)])
-            stack.extend(_node_inputs(node))
+    needed, keep_nodes = upstream(graph, outputs)
 
-    nodes = [node for i, node in enumerate(graph.node) if i in keep_nodes]
+    nodes = [graph.node[i] for i in keep_nodes]
     new_inits = []
     for name in sorted(needed):
         if name in parameters and (name in graph_inputs or name in initializers):

@@ -185,26 +185,13 @@ def needed_graph(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelPr
     the graph's order, and the graph inputs and initializers those read; found in one walk back from the outputs,
     linear in the graph's size (``onnx.utils.extract_model`` searches every node for each tensor it visits, and checks
     and infers shapes of the whole graph first: seconds on a small GPT-2, more than the export itself)."""
-    from ortflow.graph.onnx_tools import subgraph_reads
+    from ortflow.graph.onnx_tools import upstream
 
     graph = model.graph
-    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
-    needed: set[str] = set()
-    keep: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        name = stack.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        index = producer.get(name)
-        if index is not None and index not in keep:
-            keep.add(index)
-            node = graph.node[index]
-            stack.extend([n for n in node.input if n] + sorted(subgraph_reads(node)))
+    needed, keep = upstream(graph, outputs)
     typed = {v.name: v for v in [*graph.value_info, *graph.output]}
     cut = helper.make_graph(
-        [node for i, node in enumerate(graph.node) if i in keep], graph.name or "reference",
+        [graph.node[i] for i in keep], graph.name or "reference",
         [i for i in graph.input if i.name in needed],
         [typed.get(name) or helper.make_empty_tensor_value_info(name) for name in outputs],
         [t for t in graph.initializer if t.name in needed],

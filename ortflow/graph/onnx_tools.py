@@ -53,6 +53,26 @@ def subgraph_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def upstream(graph: onnx.GraphProto, outputs: list[str]) -> tuple[set[str], list[int]]:
+    """What ``outputs`` are computed from: every tensor name they read (graph inputs and initializers included) and the
+    indices of the nodes that compute them, in the graph's order; one walk back, linear in the graph's size."""
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    needed: set[str] = set()
+    keep: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        index = producer.get(name)
+        if index is not None and index not in keep:
+            keep.add(index)
+            node = graph.node[index]
+            stack.extend([n for n in node.input if n] + sorted(subgraph_reads(node)))
+    return needed, sorted(keep)
+
+
 def consumed_names(graph: onnx.GraphProto) -> set[str]:
     """Tensors that some node reads (subgraphs included) or that the graph outputs."""
     used = {o.name for o in graph.output}
