@@ -45,7 +45,8 @@ PRECISIONS = {"fp32": {}, "fp16": {"use_mixed_precision": True},
 #: graph/exports/gelu.py); bf16 with its fused GELUs kept in fp32 (``patch``: :func:`_patched`); bf16 with the attention
 #: Softmax in fp32, the whole default fp32 list (``-smx32``; bf16's own default computes it in bf16); the float32
 #: all-reduce packed into one buffer (``env``: set by ``steps``); the NCCL exchange in one bucket (``-b0``) or
-#: buckets of 16 or 64 MB (``-b16``, ``-b64``; distributed.nccl_bucket_mb). Keys are config sections.
+#: buckets of 16 or 64 MB (``-b16``, ``-b64``; distributed.nccl_bucket_mb); the training call replayed as a CUDA graph
+#: (``-graphs``; distributed.cuda_graphs). Keys are config sections.
 VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-plainreduce": {"distributed": {"reduce_sum_as_matmul": False}},
             "-allreduce16": {"distributed": {"allreduce_dtype": "float16"}},
@@ -58,7 +59,8 @@ VARIANTS = {"-nondet": {"distributed": {"deterministic_compute": False}},
             "-packed": {"env": {"ORTFLOW_PACKED_ALLREDUCE": "1"}},
             "-b0": {"distributed": {"nccl_bucket_mb": 0}},
             "-b16": {"distributed": {"nccl_bucket_mb": 16}},
-            "-b64": {"distributed": {"nccl_bucket_mb": 64}}}
+            "-b64": {"distributed": {"nccl_bucket_mb": 64}},
+            "-graphs": {"distributed": {"cuda_graphs": True}}}
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -145,7 +147,7 @@ def steps(args: argparse.Namespace) -> None:
     cfg, group = start_mpi(Path(args.run_dir))
     cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"num_ranks": group.size})})
     rt = init_runtime(Path(args.run_dir), cfg, group)
-    comm, scaler, names = rt.comm, rt.loss_scale, rt.module.input_names()
+    comm, scaler = rt.comm, rt.loss_scale
     rng = np.random.default_rng(comm.rank)
     saved = json.loads((Path(args.run_dir).parent / "shape.json").read_text())
     vocab, seq, batch = saved["shape"]["vocab_size"], saved["shape"]["seq_len"], saved["batch"]
@@ -158,7 +160,7 @@ def steps(args: argparse.Namespace) -> None:
     for k in range(args.warmup + args.steps):
         start = time.perf_counter()
         feeds = scaler.feed(batches[k % len(batches)])
-        loss = float(rt.module(*(feeds[n] for n in names)))
+        loss = rt.body.micro_step(feeds)  # the loop's training call (a CUDA graph replay with -graphs)
         forward.append(time.perf_counter() - start)
         grads = grads or rt.gradient_buffers()
         scalars[0] = loss / scaler.scale
@@ -167,7 +169,7 @@ def steps(args: argparse.Namespace) -> None:
         if scaler.update(norm):
             rt.update.step(mine, args.lr)  # ortflow's update (fused device kernels on CUDA)
         rt.exchange.gather()
-        rt.module.lazy_reset_grad()
+        rt.body.after_update()  # the engine's gradient sums start again
         times.append(time.perf_counter() - start)
         losses.append(float(scalars[0]) / comm.size)
     median = float(np.median(times[args.warmup :]))

@@ -18,6 +18,10 @@ from pathlib import Path
 
 #: The engine's artifacts of one model (the whole model, a pipeline stage or a tensor-parallel piece).
 ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "checkpoint")
+#: A CUDA whole model's training graph cut for CUDA graph capture (ortflow/graph/capture.py): the part the CUDA
+#: provider records and replays, and (when some nodes cannot be recorded) the part run after it as usual.
+CAPTURE_HEAD = "training_head.onnx"
+CAPTURE_TAIL = "training_tail.onnx"
 #: The fp16 loss scale: a scalar graph input the loss block multiplies the loss by (configure adds it, ranks feed it).
 LOSS_SCALE_INPUT = "loss_scale"
 
@@ -97,6 +101,7 @@ def artifact_digests(artifacts_dir: Path) -> dict[str, str]:
                                 for name in ARTIFACT_FILES)]
     # A checkpoint past the engine's flatbuffer limit keeps its tensors in checkpoint.data beside it.
     names += [f"{name}.data" for name in names if name.endswith("checkpoint") and (folder / f"{name}.data").exists()]
+    names += [name for name in (CAPTURE_HEAD, CAPTURE_TAIL) if (folder / name).exists()]
     return {name: _sha256(folder / name) for name in names}
 
 

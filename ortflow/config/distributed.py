@@ -62,6 +62,14 @@ class DistributedConfig(Section):
         "on the CPU, reads trained embedding tables with GatherND, whose gradient does not depend on thread timing "
         "as the engine's Gather gradient does with threads_per_rank > 1 (docs/reliability.md).",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="With device cuda, for the whole model (data parallelism, ZeRO-1, Adasum): configure cuts the "
+        "training graph so that the CUDA provider records the training call once and replays it as a CUDA graph "
+        "instead of launching every kernel from the host; where the engine cannot record the model's call, the rank "
+        "says so and launches every kernel. Opt-in: equal to the launched call bitwise in fp32, not yet in fp16 on "
+        "every model (docs/gpu.md).",
+    )
     thread_spinning: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Whether the engine's intra-op threads spin while they wait for work (its default) or sleep; "

@@ -53,7 +53,7 @@ from ortflow.configure.pipeline_tensor_parallel_artifacts import (
 from ortflow.configure.stage_artifacts import build_stage_artifacts, plan_stages
 from ortflow.configure.tensor_parallel_artifacts import build_tensor_parallel_artifacts, plan_tensor_parallel
 from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
-from ortflow.configure.training_graph import sums_as_matmul_applies
+from ortflow.configure.training_graph import capture_applies, sums_as_matmul_applies
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.exports.batchnorm_stats import running_statistics, to_record
 from ortflow.graph.tensor_parallel.tensor_plan import describe
@@ -124,6 +124,8 @@ def fingerprint(cfg: RunConfig) -> str:
         digest.update(b";gathers=repeatable")
     if sums_as_matmul_applies(cfg):  # the training graph's leading-axis sums as MatMuls (configure/training_graph.py)
         digest.update(b";sums=matmul")
+    if capture_applies(cfg):  # the training graph cut for CUDA graphs (configure/training_graph.py)
+        digest.update(b";capture")
     if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
         digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())
     return digest.hexdigest()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ortflow.artifacts_folder import (
     BATCH_STATISTICS_INPUT,
+    CAPTURE_HEAD,
+    CAPTURE_TAIL,
     read_pipe_tensor_record,
     read_stages_record,
     read_tensor_record,
@@ -20,6 +22,7 @@ from ortflow.checkpoints.tp import tp_optimizer_files
 from ortflow.config import RunConfig
 from ortflow.engine import api
 from ortflow.trainer import loss_scale
+from ortflow.trainer.captured_call import CapturedTraining
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import engine_buffers
 from ortflow.trainer.optim.adasum_update import SlicedPeers
@@ -126,6 +129,10 @@ def whole_body(cfg: RunConfig, comm: Communicator, dims: ParallelDims, where: Pl
     if start is not None:  # by name (a stage reads its own from the stage files or a whole model's params.h5)
         load_parameters(state, start, buffers, names={n for n, _ in state.parameters} if dims.pp > 1 else None)
     body = WholeModel(state, module, folder, trainable, buffers)
+    if device != "cpu" and dims.pp == 1 and cfg.distributed.cuda_graphs and (folder / CAPTURE_HEAD).exists():
+        tail = folder / CAPTURE_TAIL
+        body.captured = CapturedTraining(folder / CAPTURE_HEAD, tail if tail.exists() else None, state,
+                                         int(device.partition(":")[2] or 0), options)
     body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     return body
 

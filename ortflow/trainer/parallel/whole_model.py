@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.artifacts_folder import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX
+from ortflow.trainer.captured_call import CapturedTraining
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
 from ortflow.trainer.parallel.kept_activations import KeptActivations
@@ -40,6 +41,9 @@ class WholeModel:
     _grads: list | None = None
     _parts: list[EnginePart] | None = None
     _batch_statistics: bool | None = None  # its eval model takes BATCH_STATISTICS_INPUT (a BatchNorm before a cut)
+    #: Its training calls as CUDA graph replays (trainer/captured_call.py), else None.
+    captured: CapturedTraining | None = None
+    _reset: bool = True  # the next training call starts the update's gradients (else it adds to them)
 
     def engine_parts(self) -> list[EnginePart]:
         """The one module."""
@@ -62,7 +66,14 @@ class WholeModel:
 
     def micro_step(self, feeds: dict[str, np.ndarray]) -> float:
         """One training call (forward and backward; the engine adds the gradients up): its loss."""
-        engine = self.engine_parts()[0].training_module()
+        part, reset, self._reset = self.engine_parts()[0], self._reset, False
+        if self.captured is not None and part.profiling is None and self.captured.takes(feeds):
+            return self.captured(feeds, reset)
+        if not reset and self.captured is not None:
+            raise RuntimeError(
+                "distributed.cuda_graphs replays the training call for one batch shape, and this update's micro-"
+                f"batches differ ({ {n: np.shape(v) for n, v in feeds.items()} }): set distributed.cuda_graphs false")
+        engine = part.training_module()
         return float(engine(*(feeds[n] for n in self.module.input_names())))
 
     def stage_forward(self, feeds: dict[str, np.ndarray], sends: tuple[str, ...], train: bool) -> list[np.ndarray]:
@@ -104,6 +115,7 @@ class WholeModel:
     def after_update(self) -> None:
         """The engine's gradient sums (and kept activations) start again."""
         self.module.lazy_reset_grad()
+        self._reset = True
         if self.kept is not None:
             self.kept.reset()
 
