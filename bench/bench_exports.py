@@ -12,7 +12,10 @@ shared machine slows them alike; each round starts from the initial weights.
 Step time: ``global batch / samples_per_s`` of each display window rank 0 logs, the first window (warm-up) left out,
 median over windows and rounds. Memory per rank: the values of parameters and optimizer state each rank holds, read
 from the final checkpoint's HDF5 datasets (dp: every rank holds everything; pp: its stage's file; hp: its slice
-file), the largest rank reported.
+file), the largest rank reported; and the peak resident memory each rank logs at its end (the process's high-water
+mark: runtime, parameters, optimizer state, activations and engine workspace), the largest rank's, median over
+rounds. ``pp2`` against ``pp2-recompute`` is the activation-recomputation trade: kept activations (at most P - s
+micro-batches per stage, 1F1B) against a second forward per micro-batch.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ LAYOUTS = {"dp2": {"num_ranks": 2}, "pp2": {"num_ranks": 2, "pipeline_parallel_s
            "pp2-recompute": {"num_ranks": 2, "pipeline_parallel_size": 2, "recompute_forward": True},
            "hp2": {"num_ranks": 2, "horizontal_parallel_size": 2}}
 SEQ = 32
+#: The line every rank logs at its end (trainer/parallel/layout_model.py).
+_PEAK = re.compile(r"rank \d+ peak resident memory ([0-9.]+) MiB")
 
 
 def _configure(work: Path, name: str, dist: dict, batch: int, micro: int, updates: int, cuts: tuple[str, ...] = ()):
@@ -132,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                 for name in layouts}
         steps: dict[str, list[float]] = {name: [] for name in layouts}
         walls: dict[str, list[float]] = {name: [] for name in layouts}
-        memory = {}
+        memory, peaks = {}, {}
         for r in range(args.rounds):
             for name in (layouts if r % 2 == 0 else list(reversed(layouts))):
                 wall, output = _run(cfgs[name], args.mpiexec)
                 steps[name] += _step_seconds(output, args.batch * args.micro)
+                peaks.setdefault(name, []).append(max(float(m) for m in _PEAK.findall(output)))
                 walls[name].append(wall)
                 memory[name] = _memory_per_rank(cfgs[name])
                 print(f"round {r} {name}: wall {wall:.1f} s, step {statistics.median(steps[name]):.4f} s", flush=True)
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "layouts": {name: {"median_step_s": statistics.median(steps[name]), "windows": len(steps[name]),
                            "wall_s": walls[name], **memory[name]["largest_rank"],
+                           "peak_resident_mib": statistics.median(peaks[name]),
                            "files": memory[name]["files"]} for name in layouts},
     }
     base = result["layouts"]["dp2"]
@@ -168,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{result['python']}; global batch {result['global_batch_windows']} windows of {SEQ} tokens per update in "
              f"{args.micro} micro-batches, {args.updates} updates per run, {args.rounds} interleaved rounds.", "",
              "| layout | median step (s) | step vs dp 2 | parameters per rank (bytes) | optimizer state per rank "
-             "(bytes) | state vs dp 2 |", "|---|---|---|---|---|---|"]
+             "(bytes) | state vs dp 2 | peak resident memory per rank (MiB) |", "|---|---|---|---|---|---|---|"]
     for name, row in result["layouts"].items():
         lines.append(f"| {name} | {row['median_step_s']:.4f} | {row['step_vs_dp2']:.2f} | {row.get('parameters', 0)} "
-                     f"| {row.get('optimizer_state', 0)} | {row['state_vs_dp2']:.2f} |")
+                     f"| {row.get('optimizer_state', 0)} | {row['state_vs_dp2']:.2f} "
+                     f"| {row['peak_resident_mib']:.1f} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -20,7 +20,8 @@ Where the engine cannot record a model's call (it places some nodes on the host 
 inside the call, or a kernel waits for the device while recording), the rank says so once and launches every kernel
 of the same cut (the head's plain session): nothing is lost, and a failed recording ran no kernel.
 
-The gradients equal the training API call's bitwise: the same kernels in the same order (tests/gpu).
+Measured on an H200 (tests/gpu/test_gpu_cuda_graphs.py): through the cut, fp32 runs end with the training API
+call's parameters bitwise; fp16 GPT-2 does not, which is why ``cuda_graphs`` is off by default (docs/gpu.md).
 """
 
 from __future__ import annotations

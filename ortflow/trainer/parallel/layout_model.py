@@ -15,6 +15,7 @@ Adasum, the loss scale, the norm and clipping, the checkpoint's optimizer files)
 from __future__ import annotations
 
 import logging
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,9 +272,11 @@ class LayoutModel:
         )
 
     def finish(self) -> None:
-        """A pipeline stage logs its timing and the activations it kept."""
+        """A pipeline stage logs its timing and the activations it kept; every rank its peak resident memory."""
         if self.stage is not None:
             self.stage.finish()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        log.info("rank %d peak resident memory %.1f MiB", self.comm.rank, peak)
 
 
 def _lap(timer: PhaseTimer | None, phase: str) -> None:

@@ -67,9 +67,10 @@ class WholeModel:
     def micro_step(self, feeds: dict[str, np.ndarray]) -> float:
         """One training call (forward and backward; the engine adds the gradients up): its loss."""
         part, reset, self._reset = self.engine_parts()[0], self._reset, False
-        if self.captured is not None and part.profiling is None and self.captured.takes(feeds):
-            return self.captured(feeds, reset)
-        if not reset and self.captured is not None:
+        captured = self.captured if part.profiling is None else None  # the profiler traces the engine's own call
+        if captured is not None and captured.takes(feeds):
+            return captured(feeds, reset)
+        if captured is not None and not reset:
             raise RuntimeError(
                 "distributed.cuda_graphs replays the training call for one batch shape, and this update's micro-"
                 f"batches differ ({ {n: np.shape(v) for n, v in feeds.items()} }): set distributed.cuda_graphs false")
