@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -42,7 +43,18 @@ def two(tmp_path_factory):
     cfg = _run(tmp_path_factory.mktemp("layout"), "two", 2, evaluation_period=3)
     out = run_ranks(cfg)
     assert out.returncode == 0, out.stdout
+    OUTPUTS[cfg.name] = out.stdout
     return cfg
+
+
+#: The ranks' output of the module's runs, by run name.
+OUTPUTS: dict[str, str] = {}
+
+
+def test_every_rank_logs_its_peak_resident_memory_at_its_end(two):
+    peaks = dict(re.findall(r"rank (\d+) peak resident memory ([0-9.]+) MiB", OUTPUTS[two.name]))
+    assert sorted(peaks) == ["0", "1"]
+    assert all(50 < float(mib) < 4096 for mib in peaks.values())  # a Python process with the engine loaded
 
 
 def test_fixed_global_batch_gives_the_same_trajectory_on_every_layout(two):
