@@ -29,3 +29,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for index, item in enumerate(items):
         first.setdefault(item.nodeid.split("::")[0], index)
     items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
+
+
+# One SeaweedFS S3 server per test process, for every test folder whose conftest.py takes s3_server from
+# tests/support/s3server.py's fixtures() (started on first use, stopped at the end of the session).
+from tests.support.s3server import session_fixture as _s3_session_fixture  # noqa: E402
+
+storage_server = _s3_session_fixture()

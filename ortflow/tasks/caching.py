@@ -29,8 +29,6 @@ from ortflow.artifacts_folder import ARTIFACT_FILES, verify_artifacts
 from ortflow.checkpoints import list_complete, verify
 from ortflow.config import RunConfig
 from ortflow.config.atomic import write_text_atomic
-from ortflow.configure.configure import fingerprint as configure_fingerprint
-from ortflow.configure.configure import read_configure_record
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +68,21 @@ def _index(cfg: RunConfig) -> dict | None:
 # --- what each stage's key is made of ----------------------------------------------------------------------------
 
 
+def _configure_record(run_dir: Path) -> dict | None:
+    """configure.json of a run folder (None when missing or damaged). The configure package (onnx, the engine, the
+    graph passes) is imported here, when a stage's key is first computed, not with the flows: a flow run that is
+    skipped, or only exports, and ``ortflow serve`` start without it."""
+    from ortflow.configure.configure import read_configure_record as read
+
+    return read(run_dir)
+
+
 def _configure_inputs(cfg: RunConfig) -> dict:
     # configure.fingerprint covers the model file (and its external data), the model section and the layout and
     # precision settings the artifacts depend on.
-    return {"fingerprint": configure_fingerprint(cfg)}
+    from ortflow.configure.configure import fingerprint
+
+    return {"fingerprint": fingerprint(cfg)}
 
 
 def _prepare_inputs(cfg: RunConfig) -> dict:
@@ -82,7 +91,7 @@ def _prepare_inputs(cfg: RunConfig) -> dict:
     data = cfg.data
     train = resolve_sources(data.train, data.format, "data.train", cfg.storage.options)
     test = resolve_sources(data.test, data.format, "data.test", cfg.storage.options) if data.test else []
-    record = read_configure_record(cfg.output_dir) or {}
+    record = _configure_record(cfg.output_dir) or {}
     return {
         "data": cfg.model_dump(mode="json", include={"data"}),
         "seed": cfg.train.seed,
@@ -95,7 +104,7 @@ def _train_inputs(cfg: RunConfig) -> dict:
     sections = ("model", "optimizer", "lr_schedule", "train", "precision", "distributed", "checkpoint")
     return {
         "sections": cfg.section_fingerprint(*sections),
-        "artifacts": (read_configure_record(cfg.output_dir) or {}).get("fingerprint"),
+        "artifacts": (_configure_record(cfg.output_dir) or {}).get("fingerprint"),
         "data": _manifest_fingerprint(cfg),
     }
 
@@ -115,7 +124,7 @@ def _export_inputs(cfg: RunConfig) -> dict:
 
 
 def _configure_done(cfg: RunConfig) -> bool:
-    record = read_configure_record(cfg.output_dir)
+    record = _configure_record(cfg.output_dir)
     if record is None or not all((cfg.artifacts_dir / name).exists() for name in ARTIFACT_FILES):
         return False
     return _trusted(lambda: verify_artifacts(cfg.artifacts_dir, record))

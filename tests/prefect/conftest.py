@@ -155,7 +155,8 @@ def mlp_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": model, "data": root / "data.npz"}
 
 
-# The S3 server (SeaweedFS) of the remote-storage pipeline tests: s3_server per module, bucket per test.
+# The S3 server (SeaweedFS) of the remote-storage pipeline tests: the session's server (tests/conftest.py), set for the
+# module by s3_server, a bucket per test.
 from tests.support.s3server import fixtures as _s3_fixtures  # noqa: E402
 
 s3_server, module_bucket, bucket = _s3_fixtures()

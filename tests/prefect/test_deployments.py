@@ -1,6 +1,7 @@
 """Served deployments against a real local Prefect server: runs started with the CLI and with ``overrides`` complete
-(from a start folder that would shadow ortflow) and the overrides change their run only, a cancelled run leaves no
-rank process alive, SIGTERM to ``ortflow serve`` stops its run with a stop checkpoint and frees the slot."""
+(from a start folder that would shadow ortflow) and the overrides change their run only, a second run of a folder a
+served run trains (``ortflow run``, or a flow run) is refused with the holder named, a cancelled run leaves no rank
+process alive, SIGTERM to ``ortflow serve`` stops its run with a stop checkpoint and frees the slot."""
 
 from __future__ import annotations
 
@@ -85,9 +86,26 @@ def test_served_runs_started_with_prefect_cli_and_with_overrides_complete_and_ov
     assert (latest / "export" / "model.onnx").exists() and (latest / "checkpoints.json").exists()
 
 
-def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources):
+def _flow_run_process(pid: int) -> int | None:
+    """The flow-run process (``python -m prefect.engine``) that ``pid`` descends from."""
+    while pid > 1:
+        try:
+            if b"prefect.engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+    return None
+
+
+def test_a_second_run_on_a_busy_folder_is_refused_with_the_holder_named_and_cancelling_the_holder_leaves_no_rank_alive(
+        served, mlp_sources):
+    import os
+
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
+
+    from ortflow.flows import train_pipeline
 
     long = mlp_config(served["root"], mlp_sources, "cancelled",
                       train={"num_train_steps": 200000, "display_loss_steps": 5, "evaluation_period": 0},
@@ -98,6 +116,28 @@ def test_cancelling_a_flow_run_leaves_no_rank_process_alive(served, mlp_sources)
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
     wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and any(long.output_dir.glob("versions/*/progress.json")),
              240, "two ranks training")  # a served run trains a new version
+    ranks, versions = sorted(rank_pids(long.output_dir)), sorted(long.output_dir.glob("versions/*"))
+    holder = _flow_run_process(ranks[0])
+    assert holder is not None, "the ranks do not descend from a flow-run process"
+
+    # A second run of the folder while the served run trains it: `ortflow run` is refused with the holder named.
+    config_file = write_config(long, served["root"] / "cancelled.yaml")
+    second = subprocess.run([sys.executable, "-m", "ortflow", "run", str(config_file)], env=served["env"],
+                            capture_output=True, text=True, timeout=120)
+    message = second.stdout + second.stderr
+    assert second.returncode == 1, message
+    assert f"is in use by pid {holder} on {os.uname().nodename}" in message, message
+    assert f"flow run {run.id}" in message and "pipeline" in message, message
+    assert "--wait" in message  # the command that queues instead
+    assert "launching" not in message  # the second run never started ranks: nothing trained twice
+    # A run that reaches the flow (a served or scheduled one) is refused there, by the same lock.
+    flowed = train_pipeline(long, return_state=True)
+    assert flowed.is_failed()
+    with pytest.raises(Exception, match=f"is in use by pid {holder} on "):
+        flowed.result()
+    assert sorted(rank_pids(long.output_dir)) == ranks
+    assert sorted(long.output_dir.glob("versions/*")) == versions
+
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)
     state = _final_state(run.id, 90)

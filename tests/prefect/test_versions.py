@@ -1,14 +1,12 @@
 """Versioned scheduled training against a real local Prefect server: the server's scheduler creates runs of a served
 interval schedule and they complete (the SQLAlchemy pin), a scheduled run trains a new version (continue warm-starts
-from the previous one), a scheduled run on unchanged data is skipped, a second run on a busy folder is refused with
-the holder named, and three versions of one config (trained once for several tests) show retention, reruns of an
-existing version's stages and pruning on demand. A killed rank's retry in its own version folder:
-tests/prefect/test_pipeline.py."""
+from the previous one), a scheduled run on unchanged data is skipped, and three versions of one config (trained once
+for several tests) show retention, reruns of an existing version's stages and pruning on demand. A killed rank's
+retry in its own version folder: tests/prefect/test_pipeline.py; a second run on a busy folder refused with the holder
+named: tests/prefect/test_deployments.py."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +18,7 @@ from ortflow.flows import train_pipeline
 from ortflow.tasks.charts import loss_curve
 from ortflow.versions import read_registry, resolve_run
 from tests.prefect.serving import flow_runs_of, read_flow_run, serving
-from tests.support.prefect_runs import mlp_config, processes_mentioning, rank_pids, wait_for, write_config
+from tests.support.prefect_runs import mlp_config, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
 
@@ -110,39 +108,6 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
     assert sorted(p.name for p in (base / "versions").iterdir()) == sorted(e["version"] for e in (first, second))
     assert resolve_run(base / "latest") == Path(second["path"])
     assert (base / "latest").resolve() == Path(second["path"]).resolve()
-
-
-def test_second_run_on_a_busy_folder_is_refused_with_the_holder_named(prefect_server, mlp_sources, tmp_path):
-    cfg = mlp_config(tmp_path, mlp_sources, "busy",
-                     train={"num_train_steps": 400000, "display_loss_steps": 1000, "evaluation_period": 0},
-                     checkpoint={"period": 100000})
-    config_file = write_config(cfg, tmp_path / "busy.yaml")
-    command = [sys.executable, "-m", "ortflow", "run", str(config_file)]
-    first = subprocess.Popen(command, env=prefect_server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, text=True)
-    try:
-        wait_for(lambda: first.poll() is not None or len(rank_pids(cfg.output_dir)) == 2, 180, "two ranks training")
-        assert first.poll() is None, first.stdout.read()
-        ranks = sorted(rank_pids(cfg.output_dir))
-        second = subprocess.run(command, env=prefect_server, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 1
-        message = second.stdout + second.stderr
-        assert f"is in use by pid {first.pid} on {os.uname().nodename}" in message, message
-        assert "flow run " in message and "pipeline" in message
-        assert "--wait" in message  # the command that queues instead
-        assert "launching" not in message  # the second run never started ranks: nothing trained twice
-        # A run that reaches the flow (a served or scheduled one) is refused there, by the same lock.
-        flowed = train_pipeline(cfg, return_state=True)
-        assert flowed.is_failed()
-        with pytest.raises(Exception, match=f"is in use by pid {first.pid} on "):
-            flowed.result()
-        assert sorted(rank_pids(cfg.output_dir)) == ranks
-        assert not (cfg.output_dir / "versions").exists()
-    finally:
-        first.send_signal(signal.SIGTERM)
-        out, _ = first.communicate(timeout=90)
-    assert first.returncode == 143, out[-3000:]
-    wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 45, "the first run's processes to exit")
 
 
 @pytest.fixture(scope="module")

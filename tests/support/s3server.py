@@ -164,14 +164,22 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _s3_server(tmp_path_factory):
-    """A running S3 server whose standard AWS_* variables are set for the module's tests (and their child ranks)."""
+def _storage_server(tmp_path_factory):
+    """One S3 server for the whole session (every test folder that talks to one), stopped at the end."""
     server = started_server(tmp_path_factory)
     try:
-        with environment(server.env):
-            yield server
+        yield server
     finally:
         server.stop()
+
+
+def _s3_server(storage_server):
+    """The session's server, running (a test may have stopped and started it), with its standard AWS_* variables set
+    for the module's tests (and their child ranks)."""
+    if storage_server.proc is None or storage_server.proc.poll() is not None:
+        storage_server.start()
+    with environment(storage_server.env):
+        yield storage_server
 
 
 def _module_bucket(s3_server):
@@ -184,8 +192,17 @@ def _bucket(module_bucket, request) -> str:
     return f"{module_bucket}/{request.node.name[:60]}-{next(_names)}"
 
 
+def session_fixture():
+    """The fixture ``storage_server`` (per session), for tests/conftest.py: one SeaweedFS start per test process, shared
+    by the test folders that use ``fixtures()``."""
+    import pytest
+
+    return pytest.fixture(scope="session", name="storage_server")(_storage_server)
+
+
 def fixtures():
-    """The fixtures ``s3_server`` (per module), ``module_bucket`` and ``bucket`` (per test), for a conftest.py."""
+    """The fixtures ``s3_server`` (per module, on the session's server), ``module_bucket`` and ``bucket`` (per
+    test), for a conftest.py."""
     import pytest
 
     return (pytest.fixture(scope="module", name="s3_server")(_s3_server),
