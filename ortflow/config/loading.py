@@ -206,16 +206,22 @@ def config_from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: 
         raise ConfigError(_format_validation_error(err), source) from None
 
 
-def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Read YAML with the safe loader and apply ``--set`` overrides."""
-    path = Path(path)
+def read_config_bytes(path: Path) -> bytes:
+    """The bytes of a config file (a regular file of at most :data:`MAX_CONFIG_BYTES`)."""
     try:
         refusal = regular_file_problem(path, MAX_CONFIG_BYTES, "a config")
         if refusal:
             raise ConfigError([refusal], str(path))
-        text = path.read_bytes().decode("utf-8")
+        return path.read_bytes()
     except OSError as err:
         raise ConfigError([f"cannot read config file: {err.strerror}; check the path"], str(path)) from None
+
+
+def parse_config_bytes(data: bytes, path: Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config file's bytes as a dict (YAML, safe loader), with ``--set`` overrides applied; ``path`` names the file in
+    errors."""
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(
             [f"not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the file as UTF-8"],
@@ -235,6 +241,12 @@ def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = 
     for key, value in parse_overrides(overrides):
         _set_dotted(raw, key, value)
     return raw
+
+
+def read_config_dict(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read YAML with the safe loader and apply ``--set`` overrides."""
+    path = Path(path)
+    return parse_config_bytes(read_config_bytes(path), path, overrides)
 
 
 def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -313,14 +325,16 @@ def load_run_config(run_dir: Path | str, accept_changed: bool = False) -> RunCon
         ConfigError: no config.yaml, it differs from its record or the record is damaged (file, expected, fix), or the
             config is invalid.
     """
-    path = Path(run_dir) / RESOLVED_CONFIG_NAME
+    path = (Path(run_dir) / RESOLVED_CONFIG_NAME).resolve()
     if not path.exists():
-        raise ConfigError([f"{path} does not exist: run `ortflow configure CONFIG` first"], str(run_dir))
+        raise ConfigError([f"{Path(run_dir) / RESOLVED_CONFIG_NAME} does not exist: run `ortflow configure CONFIG` "
+                           "first"], str(run_dir))
+    data = read_config_bytes(path)  # read once: the bytes verified are the bytes parsed
     try:
-        verify_config(Path(run_dir))
+        verify_config(Path(run_dir), data)
     except ConfigChanged as err:
         if not accept_changed:
             raise ConfigError([str(err)], str(run_dir)) from None
     except RunFileDamaged as err:
         raise ConfigError([str(err)], str(run_dir)) from None
-    return load_config(path)
+    return config_from_dict(parse_config_bytes(data, path), base_dir=path.parent, source=str(path))

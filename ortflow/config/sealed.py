@@ -124,8 +124,9 @@ class ConfigChanged(RunFileDamaged):
     """``config.yaml`` differs from what its writer recorded (edited by hand, truncated, or flipped)."""
 
 
-def verify_config(run_dir: Path) -> None:
-    """Check the run folder's ``config.yaml`` against its record.
+def verify_config(run_dir: Path, data: bytes | None = None) -> None:
+    """Check the run folder's ``config.yaml`` against its record; ``data``: the file's bytes when the caller has
+    already read them (so that what it parses is what was verified), else the file is read.
 
     Raises:
         RunFileDamaged: the record is damaged, or missing in a configured folder (``configure.json`` present).
@@ -138,8 +139,10 @@ def verify_config(run_dir: Path) -> None:
         if (run_dir / CONFIGURE_RECORD).exists():
             raise RunFileDamaged(f"{record_path} is missing, so {target} cannot be verified: {CONFIG_FIX}")
         return  # a folder whose config was written by hand (not configured): nothing recorded to compare
-    size = target.stat().st_size
-    digest = file_sha256(target)
+    if data is None:
+        size, digest = target.stat().st_size, file_sha256(target)
+    else:
+        size, digest = len(data), hashlib.sha256(data).hexdigest()
     if digest != record.get("sha256") or size != record.get("size"):
         raise ConfigChanged(
             f"{target} differs from what configure wrote (expected sha256 {str(record.get('sha256'))[:16]}..., "

@@ -11,6 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+# A rank validates its config with pydantic but has no use for pydantic plugins (observability hooks a package may
+# register): looking for them reads the metadata of every installed distribution, in each of a job's ranks. Set
+# PYDANTIC_DISABLE_PLUGINS to a value of your own (empty: load them all) to have ranks load them.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+
 from ortflow.artifacts_folder import verify_artifacts
 from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
