@@ -41,9 +41,11 @@ demo: setup
 	@$(BIN)/ortflow sample $(DEMO)/gpt/export/model.onnx --prompt 'def ' --max-new-tokens 200
 
 # Bytecode of ortflow's own modules (an editable install: pip compiles only site-packages) is written first, so the
-# hundreds of rank and CLI processes the suite starts read it even where PYTHONDONTWRITEBYTECODE is set.
+# hundreds of rank and CLI processes the suite starts read it even where PYTHONDONTWRITEBYTECODE is set; so is pytest's
+# cache of the assertion-rewritten test modules (tools/rewrite_tests.py), which each worker would otherwise rewrite.
 test: setup
 	$(BIN)/python -m compileall -q ortflow tests bench >/dev/null
+	$(BIN)/python tools/rewrite_tests.py tests >/dev/null
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
