@@ -8,19 +8,19 @@ PYTEST_ARGS ?=
 # tests/conftest.py, docs/design.md).
 TEST_WORKERS ?= 2
 
-# pip installs without compiling (it compiles one file at a time); compileall then writes the bytecode of the installed
-# packages on every core, except their own test suites, which nothing imports (docs/design.md, "Tests").
-SITE_PACKAGES = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-
 .PHONY: setup demo test lint bench clean docs faults
 
+# pip installs without compiling (one file at a time); compileall then writes the installed packages' bytecode on every
+# core, leaving out their own test suites, which nothing imports (docs/design.md, "Tests"). pip is upgraded only when
+# the venv's own is older than 24.
 $(STAMP): pyproject.toml requirements.lock
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"ortflow needs Python 3.11, found {sys.version.split()[0]}: set PYTHON=/path/to/python3.11"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c 'import pip, sys; sys.exit(int(pip.__version__.split(".")[0]) < 24)' 2>/dev/null \
 		|| $(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip install --quiet --no-compile -c requirements.lock -e ".[dev]"
-	$(BIN)/python -m compileall -q -j 0 -x 'site-packages/.*/tests?/' $(SITE_PACKAGES) >/dev/null
+	$(BIN)/python -m compileall -q -j 0 -x 'site-packages/.*/tests?/' \
+		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
 	rm -f $(VENV)/.installed-*
 	touch $@
 
