@@ -14,14 +14,20 @@ def _reuse_configured(monkeypatch):
     monkeypatch.setattr(runs, "REUSE_CONFIGURED", True)
 
 
-@pytest.fixture(scope="module")
-def export_dp(request, tmp_path_factory):
-    """The unsplit reference of a committed export (parametrised indirectly by the tests that use it): one rank, the
-    same global batch as every other layout, trained once per module (tests/trainer/exports_checks.py)."""
-    from tests.trainer.exports_checks import Reference, export_run
+@pytest.fixture(scope="session")
+def export_references(tmp_path_factory):
+    """The unsplit reference of each committed export, by file name, trained once per test process whichever tests
+    ask for it (tests/trainer/exports_checks.py: :func:`~tests.trainer.exports_checks.reference_of`)."""
+    return {"factory": tmp_path_factory}
 
-    root = tmp_path_factory.mktemp(request.param.removesuffix(".onnx"))
-    return Reference(export_run(root, "dp", request.param, distributed={"num_ranks": 1}))
+
+@pytest.fixture(scope="module")
+def export_dp(request, export_references):
+    """The unsplit reference of a committed export (parametrised indirectly by the tests that use it): one rank, the
+    same global batch as every other layout, trained once per test process (``export_references``)."""
+    from tests.trainer.exports_checks import reference_of
+
+    return reference_of(export_references, request.param)
 
 
 @pytest.fixture(scope="module")

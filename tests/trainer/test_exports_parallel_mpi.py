@@ -5,6 +5,8 @@ are test_llama_parallel_mpi.py's; what both files assert is tests/trainer/export
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -29,11 +31,15 @@ pytestmark = pytest.mark.mpi
 GPT2 = pytest.mark.parametrize("export_dp", ["gpt2.onnx"], indirect=True)
 
 
+# Where the tests cut GPT-2 into two stages by hand: between blocks 1 and 2 (the automatic cut is inside block 2).
+BLOCKS_1_2 = "/model/transformer/h.1/Add_1_output_0"
+
+
 @GPT2
-@pytest.mark.parametrize("cuts", [(), ("/model/transformer/h.1/Add_1_output_0",)], ids=["automatic", "blocks-1-2"])
-def test_gpt2_two_stages_train_to_the_unsplit_parameters(export_dp, cuts):
-    cfg = export_run(export_dp.cfg.output_dir.parent, f"pp2-{len(cuts)}", "gpt2.onnx",
-                     model_fields={"pipeline_cuts": list(cuts)},
+def test_gpt2_two_stages_train_to_the_unsplit_parameters(export_dp):
+    """Automatic cuts (the cut by hand is the pp 2 x tp 2 run's: :func:`test_gpt2_tensor_pieces_train_to_the_unsplit_
+    parameters_also_in_two_stages_cut_by_hand`)."""
+    cfg = export_run(export_dp.cfg.output_dir.parent, "pp2-0", "gpt2.onnx",
                      distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
     assert_equal_to(export_dp, cfg, *train(cfg))
     assert_exports_one_model(cfg)
@@ -46,18 +52,23 @@ def configured():
     return {}
 
 
-def _configured_split(configured: dict, reference, pp: int, tp: int):
-    """The run of ``reference``'s model and data at pp x tp, configured once."""
+def _configured_split(configured: dict, reference, pp: int, tp: int, **sections):
+    """The run of ``reference``'s model and data at pp x tp (``sections``: e.g. the model section's cuts), configured
+    once."""
     key = (reference.cfg.output_dir, pp, tp)
     if key not in configured:
-        configured[key] = layout_run(reference, pp, tp)
+        configured[key] = layout_run(reference, pp, tp, **sections)
     return configured[key]
 
 
 @GPT2
-@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
-def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters(export_dp, configured, pp):
-    cfg = _configured_split(configured, export_dp, pp, 2)
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2-blocks-1-2"])
+def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters_also_in_two_stages_cut_by_hand(export_dp, configured, pp):
+    """tp 2, and pp 2 x tp 2 with the stages cut by hand between blocks 1 and 2 (configure keeps the given cut)."""
+    cuts = {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}} if pp > 1 else {}
+    cfg = _configured_split(configured, export_dp, pp, 2, **cuts)
+    if pp > 1:
+        assert json.loads((cfg.output_dir / "configure.json").read_text())["pipeline_cuts"] == [BLOCKS_1_2]
     split = split_lines(cfg, 1)
     for block in range(4):  # attention (fused QKV by heads) and MLP of every block, and the tied table by vocabulary
         assert any(f"h.{block}.attn.c_attn.weight" in line and "fused parts" in line for line in split), split
@@ -147,10 +158,11 @@ def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_o
 
 
 @pytest.mark.parametrize("export_dp", ["gpt2-dynamo-noopt.onnx"], indirect=True)
-def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_dp, export_dp2):
-    """dp 2 on the optimize=False dynamo export and on the TorchScript export of the same model, same seed and data:
-    the same torch parameters are trained (no buffer), to the same values."""
-    assert_trains_as_its_torchscript_twin(export_dp, export_dp2)
+def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
+                                                                                export_dp2):
+    """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
+    seed and data (their reference runs): the same torch parameters are trained (no buffer), to the same values."""
+    assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
 @pytest.mark.parametrize("export_dp", ["gpt2-dynamo.onnx", "bert-dynamo.onnx"], indirect=True)

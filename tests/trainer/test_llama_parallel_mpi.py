@@ -91,10 +91,11 @@ def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_o
 
 
 @pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx"], indirect=True)
-def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_dp, export_dp2):
-    """dp 2 on the optimize=False dynamo export and on the TorchScript export of the same model, same seed and data:
-    the same torch parameters are trained (no buffer), to the same values."""
-    assert_trains_as_its_torchscript_twin(export_dp, export_dp2)
+def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
+                                                                                export_dp2):
+    """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
+    seed and data (their reference runs): the same torch parameters are trained (no buffer), to the same values."""
+    assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
 @pytest.mark.parametrize("export_dp", ["llama-dynamo.onnx"], indirect=True)
