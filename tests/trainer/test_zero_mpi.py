@@ -1,4 +1,6 @@
-"""ZeRO stage 1 for real under mpiexec: sharded optimizer state, identical ranks, resharding on resume."""
+"""ZeRO stage 1 for real under mpiexec: sharded optimizer state, identical ranks, resharding on resume. A killed
+ZeRO-1 job resuming bitwise from its ranks' shards (LAMB and AdamW, with parameter groups):
+test_optim_groups_mpi.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 from ortflow.checkpoints import list_complete
-from tests.support.runs import final_parameters, kill_and_resume, make_run, run_ranks_together
+from tests.support.runs import final_parameters, make_run, run_ranks_together
 from tests.trainer.test_training_mpi import digests
 
 pytestmark = pytest.mark.mpi
@@ -58,19 +60,6 @@ def test_zero1_ranks_identical_every_update_equal_zero0_and_half_the_state(zero_
     assert len(shards) == 2 and sum(shards) == full
     for shard in shards:
         assert abs(shard / full - 0.5) <= 8 / full, (shard, full)  # within one element of each of 2 states
-
-
-def test_zero1_killed_job_resumes_bitwise_identical(tmp_path):
-    settings = dict(distributed={"num_ranks": 2, "zero_stage": 1}, train={"num_train_steps": 200, "batch_size": 8},
-                    checkpoint={"period": 25, "max_num_checkpoints": 2},
-                    optimizer={"name": "lamb", "learning_rate": 0.01},
-                    lr_schedule={"name": "cosine", "warmup_steps": 50})
-    steady = make_run(tmp_path, "steady", **settings)
-    killed = make_run(tmp_path, "killed", **settings)
-    kill_and_resume(killed, min_step=60, end_step=200, beside=steady)
-    a, b = final_parameters(steady), final_parameters(killed)
-    for name in a:
-        assert np.array_equal(a[name], b[name]), name
 
 
 @pytest.mark.parametrize("ranks", [1, 3])
