@@ -70,30 +70,26 @@ def digests(output: str) -> dict[tuple[int, int], str]:
 
 # 4 updates of 4 micro-batches (a stage in the middle of a 3-stage pipeline sees its steady state), an eval after 2.
 SPLIT_TRAIN = {**TRAIN, "num_train_steps": 16, "gradient_accumulation_steps": 4}
+# Below the measured norms (1.3-2.5), so every update of the 2- and 3-stage runs and of their reference clips by the
+# global norm (summed over the stages). Unclipped stages against the unsplit run:
+# test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters.
+CLIP = {"max_grad_norm": 0.5}
 
 
 @pytest.fixture(scope="module")
 def unsplit(tmp_path_factory):
-    """One 1-rank run of the 1-layer GPT (SPLIT_TRAIN, no clipping), the reference of the 2- and 3-stage runs; returns
-    its config and the future of its output (it trains while the split runs configure)."""
-    cfg = make_text_run(tmp_path_factory.mktemp("unsplit"), "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN)
+    """One 1-rank run of the 1-layer GPT (SPLIT_TRAIN, every update clipped), the reference of the 2- and 3-stage
+    runs; returns its config and the future of its output (it trains while the split runs configure)."""
+    cfg = make_text_run(tmp_path_factory.mktemp("unsplit"), "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN,
+                        optimizer=CLIP)
     return cfg, start_ranks(cfg)
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 0.5])  # 0.5: below the measured norms (1.3-2.5), so every update clips
-def test_two_stages_train_to_the_unsplit_parameters(request, tmp_path, max_grad_norm):
-    opt = {"max_grad_norm": max_grad_norm}
-    unsplit = None
-    if max_grad_norm is None:
-        unsplit, job = request.getfixturevalue("unsplit")
-        tmp_path = unsplit.output_dir.parent  # its model and data files
-    split = make_text_run(tmp_path, f"pp2-clip{max_grad_norm}", distributed={"num_ranks": 2,
-                          "pipeline_parallel_size": 2}, train=SPLIT_TRAIN, optimizer=opt)
-    if unsplit is None:
-        unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN, optimizer=opt)
-        out1, out2 = run_ranks_together(unsplit, split)  # independent jobs: at once
-    else:
-        out2, out1 = run_ranks(split), job.result()
+def test_two_stages_train_to_the_unsplit_parameters_with_every_update_clipped(unsplit):
+    unsplit, job = unsplit
+    split = make_text_run(unsplit.output_dir.parent, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
+                          train=SPLIT_TRAIN, optimizer=CLIP)
+    out2, out1 = run_ranks(split), job.result()
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
     p1, p2 = stage_parameters(unsplit), stage_parameters(split)
@@ -105,7 +101,7 @@ def test_two_stages_train_to_the_unsplit_parameters(request, tmp_path, max_grad_
     evals = [re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout) for out in (out1, out2)]
     assert len(evals[1]) == 2 and evals[1] == evals[0]  # eval through the stages: the unsplit eval loss, as printed
     norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", out2.stdout)]
-    assert norms and (max_grad_norm is None or min(norms) > max_grad_norm)  # the clipping case really clipped
+    assert norms and min(norms) > CLIP["max_grad_norm"]  # every update really clipped
     folder = list_complete(split.checkpoints_dir)[-1].path
     assert {f.name for f in folder.iterdir()} == stage_files(2)
     assert set(verify(folder).meta["files"]) == stage_files(2) - {"meta.json"}  # every stage file, with its checksum
@@ -154,16 +150,18 @@ def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(requ
         assert np.array_equal(copies[0], copies[1]) and not np.array_equal(copies[0], p1["wte"] * 0)
 
 
-def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters(unsplit):
+def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters_with_every_update_clipped(unsplit):
     # The middle stage both receives and sends (forward, recompute, VJP): 3 ranks, 4 micro-batches per update.
     unsplit, job = unsplit
     split = make_text_run(unsplit.output_dir.parent, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3},
-                          train=SPLIT_TRAIN)
+                          train=SPLIT_TRAIN, optimizer=CLIP)
     out3 = run_ranks(split, timeout=240)
     assert job.result().returncode == 0, job.result().stdout
     assert out3.returncode == 0, out3.stdout
     p1, p3 = stage_parameters(unsplit), stage_parameters(split)
     assert max(float(np.abs(p1[n] - p3[n]).max()) for n in p1) < ATOL
+    norms = [float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", out3.stdout)]
+    assert norms and min(norms) > CLIP["max_grad_norm"]  # the norm summed over 3 stages, every update clipped
     folder = list_complete(split.checkpoints_dir)[-1].path
     assert {f.name for f in folder.iterdir()} == stage_files(3)
 
