@@ -19,6 +19,10 @@ TRAIN = {"batch_size": 2, "num_train_steps": 8, "gradient_accumulation_steps": 2
          "display_loss_steps": 1, "max_eval_rows": 4}
 
 
+#: A checkpoint after every update, all kept (the runs compared bit for bit with a killed and resumed one).
+EVERY = {"period": 1, "max_num_checkpoints": 10}
+
+
 def corpus(root: Path) -> Path:
     """The text the GPT runs train on (tests/fixtures/corpus.txt), copied once under ``root``."""
     return text_corpus(root)

@@ -36,3 +36,16 @@ def export_dp2(export_dp):
     from tests.trainer.exports_checks import dp2_run
 
     return dp2_run(export_dp)
+
+
+@pytest.fixture(scope="session")
+def gpt_unsplit(tmp_path_factory):
+    """The 2-layer GPT's unsplit run (tests/support/parallel_runs.py's ``gpt_run``: one rank, AdamW, 4 updates, a
+    checkpoint after each), the reference of the tensor-parallel tests (test_tensor_mpi.py) and of the pp x tp tests
+    (test_pipe_tensor_mpi.py), trained once per test process: its config and the future of its output (it trains
+    while the split runs configure)."""
+    from tests.support.parallel_runs import EVERY, gpt_run
+    from tests.support.runs import start_ranks
+
+    cfg = gpt_run(tmp_path_factory.mktemp("gpt-unsplit"), "tp1", distributed={"num_ranks": 1}, checkpoint=EVERY)
+    return cfg, start_ranks(cfg, timeout=600)

@@ -14,6 +14,7 @@ import pytest
 from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_file
 from tests.support.parallel_runs import (
+    EVERY,
     assert_export_equals_eval_graph,
     gpt_run,
     h5_arrays,
@@ -28,17 +29,18 @@ from tests.trainer.test_tensor_mpi import ATOL, digests
 pytestmark = pytest.mark.mpi
 
 PP_TP = {"num_ranks": 4, "horizontal_parallel_size": 2, "pipeline_parallel_size": 2}
-EVERY = {"period": 1, "max_num_checkpoints": 10}
 FILES = {tp_file(kind, t, 2, (s, 2)) for kind in ("params", "optimizer") for s in range(2) for t in range(2)}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The unsplit run and the pp 2 x tp 2 run (AdamW, 4 updates of 2 micro-batches, the same samples)."""
+def runs(tmp_path_factory, gpt_unsplit):
+    """The unsplit run (the session's, shared with test_tensor_mpi.py: tests/trainer/conftest.py) and the pp 2 x tp 2
+    run (AdamW, 4 updates of 2 micro-batches, the same samples)."""
     root = tmp_path_factory.mktemp("pptp")
-    whole = gpt_run(root, "pp1tp1", distributed={"num_ranks": 1}, checkpoint=EVERY)
+    whole, job = gpt_unsplit
     split = gpt_run(root, "pp2tp2", distributed=PP_TP, checkpoint=EVERY)
-    out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
+    out2 = run_ranks(split, timeout=300)
+    out1 = job.result()
     assert out1.returncode == 0, out1.stdout[-3000:]
     assert out2.returncode == 0, out2.stdout[-3000:]
     return root, whole, split, out1, out2

@@ -14,6 +14,7 @@ from ortflow.checkpoints import list_complete
 from ortflow.checkpoints.h5state import read_params
 from ortflow.checkpoints.tp import tp_file
 from tests.support.parallel_runs import (
+    EVERY,
     SEQ,
     assert_export_equals_eval_graph,
     gpt_run,
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.mpi
 # The split changes where fp32 sums are rounded: a row-split MatMul's tp partial products are added after the local
 # dot products (the unsplit MatMul adds all terms in one), and a split region's input gradient is summed the same way;
 # each such sum differs by a few ulps. With SGD that reaches the weights as is: measured max |diff| 3.7e-9 after 4
-# updates (tp 2 x dp 2, lr 1e-2; about one ulp of a 0.02 weight), so SGD is held to 1e-7. AdamW's step
+# updates (tp 2, and tp 2 x dp 2, lr 1e-2; about one ulp of a 0.02 weight), so SGD is held to 1e-7. AdamW's step
 # m / (sqrt(v) + eps) normalizes each entry: an entry whose gradient is at rounding level (~1e-7) gets a step of
 # up to ~lr whatever its sign, so a few-ulp change there moves that weight by up to ~lr per update. Measured max
 # |diff| 4.0e-5 (h1.mlp.proj.weight) with lr 1e-3 vs a largest move of 4.0e-3; AdamW is held to 0.1 lr = 1e-4. A
@@ -55,9 +56,8 @@ def digests(output: str) -> dict[int, tuple[str, str]]:
     return {int(rank): (whole, replicated) for rank, whole, replicated in found}
 
 
-# Every run of the 2-layer GPT here checkpoints after each update, so the split runs also serve as the uninterrupted
-# references of the kill-and-resume tests.
-EVERY = {"period": 1, "max_num_checkpoints": 10}
+# Every run of the 2-layer GPT here checkpoints after each update (EVERY), so the split runs also serve as the
+# uninterrupted references of the kill-and-resume tests.
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,10 @@ def tp_run(configured: dict, root: Path, name: str, **sections):
 
 
 @pytest.fixture(scope="module")
-def trained(configured, tmp_path_factory):
-    """The unsplit and split runs of each (tp, ranks, rule), made once for every test that asks (:func:`runs_of`)."""
-    return {"configured": configured, "factory": tmp_path_factory}
+def trained(configured, tmp_path_factory, gpt_unsplit):
+    """The unsplit and split runs of each (tp, ranks, rule), made once for every test that asks (:func:`runs_of`);
+    the one-rank AdamW run is the session's (tests/trainer/conftest.py), shared with test_pipe_tensor_mpi.py."""
+    return {"configured": configured, "factory": tmp_path_factory, "unsplit": gpt_unsplit}
 
 
 def split_sections(ranks: int, rule: str, tp: int = 2) -> dict:
@@ -93,16 +94,21 @@ def runs_of(trained: dict, tp: int, ranks: int, rule: str):
     key = (tp, ranks, rule)
     if key not in trained:
         root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
-        whole = tp_run(trained["configured"], root, "tp1", **split_sections(ranks // tp, rule, 1))
         split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **split_sections(ranks, rule, tp))
-        out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
+        if ranks == tp and rule == "adamw":  # the session's unsplit run: the same model, data, optimizer, checkpoints
+            whole, job = trained["unsplit"]
+            out2 = run_ranks(split, timeout=300)
+            out1 = job.result()
+        else:
+            whole = tp_run(trained["configured"], root, "tp1", **split_sections(ranks // tp, rule, 1))
+            out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
         assert out1.returncode == 0, out1.stdout
         assert out2.returncode == 0, out2.stdout
         trained[key] = whole, split, out1, out2
     return trained[key]
 
 
-@pytest.mark.parametrize("tp,ranks,rule", [(2, 2, "adamw"), (2, 4, "sgd"), (2, 4, "adamw")])
+@pytest.mark.parametrize("tp,ranks,rule", [(2, 2, "adamw"), (2, 2, "sgd"), (2, 4, "adamw")])
 def test_split_trains_to_the_unsplit_parameters(trained, tp, ranks, rule):
     whole, split, out1, out2 = runs_of(trained, tp, ranks, rule)
     p1, p2 = read_params(newest(whole)), read_params(newest(split))  # the split one's slices merged
@@ -219,34 +225,40 @@ def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_anothe
         out.stdout[-3000:]
 
 
-def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(tmp_path, configured, trained):
+@pytest.fixture(scope="module")
+def warm_started(configured, trained, tmp_path_factory):
+    """An unsplit run and a tp 2 run (SGD, 2 updates of a global batch of 8), both started from the weights of an
+    unsplit AdamW run's last checkpoint: (whole, split, whole's output, split's output). The warm-start test and the
+    global-batch test read them."""
+    root = tmp_path_factory.mktemp("warm")
     opt = {"name": "sgd", "learning_rate": LR["sgd"]}
-    short = {"num_train_steps": 4, "evaluation_period": 0}
+    # global batch 8 on tp 2 x dp 1: each update sees 8 samples, so 2 updates read 16
+    short = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
     first = runs_of(trained, 2, 2, "adamw")[0]  # an unsplit run (one rank, 4 AdamW updates)
     start = {"init_from": str(newest(first))}  # params.h5 of an unsplit run
-    whole = tp_run(configured, tmp_path, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short,
+    whole = tp_run(configured, root, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short,
                    checkpoint=start)
-    split = tp_run(configured, tmp_path, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+    split = tp_run(configured, root, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
                    optimizer=opt, train=short, checkpoint=start)
     out1, out2 = run_ranks_together(whole, split)
-    assert out1.returncode == 0, out1.stdout
-    assert out2.returncode == 0, out2.stdout
+    assert out1.returncode == 0, out1.stdout[-3000:]
+    assert out2.returncode == 0, out2.stdout[-3000:]
+    return whole, split, out1, out2
+
+
+def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(trained, warm_started):
+    whole, split, _, out2 = warm_started
     assert "starting from the weights of" in out2.stdout
     p1, p2 = read_params(newest(whole)), read_params(newest(split))
-    reference = read_params(newest(first))
+    reference = read_params(newest(runs_of(trained, 2, 2, "adamw")[0]))  # the weights both started from
     assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL["sgd"]
     assert max(float(np.abs(p1[n] - reference[n]).max()) for n in p1) > 1e3 * ATOL["sgd"]  # it trained on from there
 
 
-def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(tmp_path, configured):
-    # global batch 8 on tp 2 x dp 1: each update sees 8 samples, so 2 updates read 16 (the cursor says so)
-    train = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
-    split = tp_run(configured, tmp_path, "tp2", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
-                   train=train)
-    out = run_ranks(split)
-    assert out.returncode == 0, out.stdout[-3000:]
+def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(warm_started):
+    split = warm_started[1]  # global batch 8 on tp 2 x dp 1, 2 updates
     info = list_complete(split.checkpoints_dir)[-1]
-    assert info.meta["global_cursor"] == info.step * 8, info.meta
+    assert info.step == 2 and info.meta["global_cursor"] == info.step * 8, info.meta
 
 
 def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(tmp_path, configured):
