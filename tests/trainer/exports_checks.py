@@ -1,6 +1,7 @@
 """What the parallel-layout tests on the real exports (test_exports_parallel_mpi.py: GPT-2, BERT, ViT;
-test_llama_parallel_mpi.py: Llama) assert, shared by both: each export's unsplit reference is trained once per module
-(the ``export_dp`` fixture, tests/trainer/conftest.py) and every layout of that export is compared with it."""
+test_llama_parallel_mpi.py: Llama) assert, shared by both: each export's unsplit reference is trained once per test
+process (:func:`reference_of`, behind the ``export_dp`` fixture: tests/trainer/conftest.py) and every layout of that
+export is compared with it."""
 
 from __future__ import annotations
 
