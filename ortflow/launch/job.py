@@ -208,23 +208,41 @@ def _report_pending(job: Job, state: JobState, since: list[float], on_line: Call
 
 def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> JobState:
-    """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out."""
+    """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out.
+
+    A repeated stop request while it waits (a second Ctrl-C, a process manager repeating its SIGTERM, which Prefect
+    raises as an exception during a flow run) neither cuts the wait nor the ranks' last lines short: the grace
+    bounds the wait."""
     log.warning("%s job%s: asking the ranks to stop after the current update (%.0f s grace)",
                 job.launcher, f" {job.job_id}" if job.job_id else "", grace_s)
     job.cancel()
     deadline = clock() + grace_s
-    state = job.poll()
-    while state.phase is not Phase.ENDED and clock() < deadline:
-        for line in job.read_output():
-            on_line(line)
-        sleep(min(1.0, grace_s))
-        state = job.poll()
+    while True:
+        try:
+            state = _stream_until_ended(job, deadline, min(1.0, grace_s), on_line, clock, sleep)
+            break
+        except BaseException as err:  # noqa: BLE001 - only a repeated interruption is let through to the loop
+            if isinstance(err, (Exception, SystemExit, GeneratorExit)):
+                raise
+            log.warning("already stopping: the ranks are writing their stop checkpoint")
     for line in job.read_output():
         on_line(line)
     if state.phase is not Phase.ENDED:
         log.error("%s job%s did not stop within %.0f s: ending it", job.launcher,
                   f" {job.job_id}" if job.job_id else "", grace_s)
         job.kill()
+        state = job.poll()
+    return state
+
+
+def _stream_until_ended(job: Job, deadline: float, poll_s: float, on_line: Callable[[str], None],
+                        clock: Callable[[], float], sleep: Callable[[float], None]) -> JobState:
+    """Poll ``job`` every ``poll_s`` and stream its lines until it ended or ``deadline`` passed; its last state."""
+    state = job.poll()
+    while state.phase is not Phase.ENDED and clock() < deadline:
+        for line in job.read_output():
+            on_line(line)
+        sleep(poll_s)
         state = job.poll()
     return state
 

@@ -118,3 +118,30 @@ def test_the_launch_record_is_replaced_by_each_job(tmp_path):
     write_record(tmp_path, "slurm", "42")
     write_record(tmp_path, "local", None)
     assert read_record(tmp_path) == {"launcher": "local", "job_id": None}
+
+
+def test_a_repeated_interruption_while_the_job_stops_neither_cuts_the_wait_nor_its_last_lines_short():
+    # A process manager repeating its SIGTERM during a flow run: Prefect raises each one as an exception.
+    job = FakeJob(lines=["[1] stop requested", "[0] stop requested", "[0] saved checkpoint"], run_polls=100,
+                  stop_polls=3)
+    seen: list[str] = []
+    interruptions = [KeyboardInterrupt(), KeyboardInterrupt()]
+
+    def sleep(_s: float) -> None:
+        if interruptions:
+            raise interruptions.pop()
+
+    state = stop(job, grace_s=30, on_line=seen.append, clock=lambda: 0.0, sleep=sleep)
+    assert not interruptions and state.phase is Phase.ENDED and state.returncode == 143
+    assert job.calls == ["cancel"]  # stopped by itself, once asked: no kill, no second cancel
+    assert seen == ["[1] stop requested", "[0] stop requested", "[0] saved checkpoint"]
+
+
+def test_an_error_while_the_job_stops_is_not_taken_for_a_repeated_interruption():
+    job = FakeJob(run_polls=100, stop_polls=3)
+
+    def sleep(_s: float) -> None:
+        raise OSError("scontrol vanished")
+
+    with pytest.raises(OSError, match="scontrol vanished"):
+        stop(job, grace_s=30, on_line=lambda line: None, clock=lambda: 0.0, sleep=sleep)

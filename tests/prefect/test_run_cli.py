@@ -1,7 +1,7 @@
 """``ortflow run`` in a terminal: a failed stage is reported as its own message and the command to rerun or fix (the
-traceback only in the log file) and is not retried when it would fail again; SIGTERM stops the ranks and Prefect's
-temporary server, and the ranks' stop lines reach the terminal; an offline run logs no telemetry error; a new
-database starts from the cached empty one."""
+traceback only in the log file) and is not retried when it would fail again; SIGINT/SIGTERM stop the ranks (and
+Prefect's temporary server, when the run started one), and the ranks' stop lines reach the terminal; an offline run
+logs no telemetry error; a new database starts from the cached empty one."""
 
 from __future__ import annotations
 
@@ -103,7 +103,9 @@ def _flow_runs(database: Path) -> int:
         return db.execute("SELECT count(*) FROM flow_run").fetchone()[0]
 
 
-def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_database_leaves(tmp_path, monkeypatch):
+def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_database_leaves_and_one_at_its_schema_skips_migrations(  # noqa: E501
+    tmp_path, monkeypatch
+):
     import sqlite3
 
     from ortflow.deployments import local_server
@@ -123,18 +125,27 @@ def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_dat
     with sqlite3.connect(second) as db:
         assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [("head",)]
     assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name]  # no partial copy left
+    # A later start on an existing database skips the migration check only where it would change nothing.
+    assert local_server._at_current_schema(second)
+    with sqlite3.connect(first) as db:
+        db.execute("UPDATE alembic_version SET version_num = 'older'")
+    assert not local_server._at_current_schema(first)
+    assert not local_server._at_current_schema(tmp_path / "home-3" / "prefect.db")  # none there
 
 
-def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path
+def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path, server_env: dict[str, str] | None = None
                     ) -> tuple[subprocess.Popen, object, list[int]]:
     """``ortflow run --new-version`` of a long run in a process group of its own (as a terminal starts it), once
-    its two ranks train; returns the process, the config and every process it started (the server included)."""
+    its two ranks train; returns the process, the config and every process it started (the server included).
+
+    With ``server_env`` (the session server's environment) the run reports to that server; else it starts its own
+    temporary server, which must run in a session of its own."""
     cfg = mlp_config(tmp_path, mlp_sources, name,
-                     train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0},
+                     train={"num_train_steps": 4000000, "display_loss_steps": 20, "evaluation_period": 0},
                      checkpoint={"period": 1000000})
     config_file = write_config(cfg, tmp_path / f"{name}.yaml")
     proc = subprocess.Popen([ORTFLOW, "run", str(config_file), "--new-version"],
-                            env=_temporary_server_env(tmp_path, cache_home), stdout=subprocess.PIPE,
+                            env=server_env or _temporary_server_env(tmp_path, cache_home), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
@@ -147,10 +158,10 @@ def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path
     assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
     family = _descendants(proc.pid)
     servers = [p for p in family if "uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p)]
-    # One server, ortflow's own, in a session of its own: no thread of the run started a Prefect server of its own
-    # in the terminal's process group (a Ctrl-C there would crash it with a traceback).
-    assert len(servers) == 1, [_cmdline(p) for p in family]
-    assert os.getsid(servers[0]) == servers[0] != os.getpgid(proc.pid), servers
+    # No thread of the run started a Prefect server of its own in the terminal's process group (a Ctrl-C there would
+    # crash it with a traceback); without a configured server, ortflow's own runs in a session of its own.
+    assert len(servers) == (0 if server_env else 1), [_cmdline(p) for p in family]
+    assert all(os.getsid(server) == server != os.getpgid(proc.pid) for server in servers), servers
     return proc, cfg, family
 
 
@@ -162,16 +173,20 @@ def _assert_cached_empty_database(cache_home: Path) -> None:
     assert _flow_runs(cache_home / "ortflow" / f"prefect-{prefect.__version__}-empty.db") == 0
 
 
+#: Each signal, once and repeated, to ``ortflow run`` alone and to its whole process group. A signal to the group
+#: also reaches everything the run started in it: those runs start their own temporary server (which must not get
+#: it); the others report to the session's server, as a run with PREFECT_API_URL set does.
 @pytest.mark.parametrize(("sig", "to_group", "times"), [
     (signal.SIGINT, False, 1), (signal.SIGINT, True, 2), (signal.SIGTERM, False, 2), (signal.SIGTERM, True, 1),
 ])
 def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and_no_process(
-    mlp_sources, tmp_path, cache_home, sig, to_group, times
+    mlp_sources, tmp_path, cache_home, request, sig, to_group, times
 ):
     from ortflow.checkpoints import list_complete
     from ortflow.versions import read_registry
 
-    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped", cache_home)
+    server_env = None if to_group else request.getfixturevalue("prefect_server")
+    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped", cache_home, server_env)
     try:
         sent = time.monotonic()
         for _ in range(times):  # a second Ctrl-C, or a process manager repeating itself, keeps the stop clean
@@ -184,7 +199,8 @@ def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + sig, out[-3000:]
-    _assert_cached_empty_database(cache_home)
+    if server_env is None:
+        _assert_cached_empty_database(cache_home)
     assert took < 30, f"ortflow run took {took:.0f} s to stop"
     assert f"stopped by {signal.Signals(sig).name}" in out and "Traceback" not in out, out[-3000:]
     wait_for(lambda: not any(_alive(p) for p in family), 30, "every process ortflow run started to exit")

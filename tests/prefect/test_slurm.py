@@ -99,6 +99,7 @@ def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefec
 
 def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, prefect_server, mlp_sources, tmp_path):
     from prefect.client.orchestration import get_client
+    from prefect.testing.cli import CycloptsCliRunner
 
     base = mlp_config(tmp_path, mlp_sources, "slurm-served", distributed={"launcher": "slurm"}, slurm=TWO_NODES)
     env = {**prefect_server, "SLURM_CONF": slurm["SLURM_CONF"]}
@@ -115,9 +116,9 @@ def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, pref
                           240, "the slurm job to be submitted")
         job_id = read_record(folder)["job_id"]
         wait_for(lambda: (read_progress(folder) or {}).get("step", 0) >= 20, 240, "the job to train")
-        cancel = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", str(run.id)], env=env,
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        # Prefect's command, run in this process (its own in-process runner: no interpreter start, no imports again).
+        cancel = CycloptsCliRunner().invoke(["flow-run", "cancel", str(run.id)])
+        assert cancel.exit_code == 0 and "scheduled for cancellation" in cancel.output, cancel.output
         state = wait_for(lambda: read_flow_run(run.id).state if read_flow_run(run.id).state.is_final() else None,
                          180, "the flow run to end")
         assert state.name == "Cancelled", state
