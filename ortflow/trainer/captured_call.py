@@ -79,6 +79,7 @@ class CapturedTraining:
             try:
                 self._head[0].run_with_iobinding(self._head[1], run_options)
             except RuntimeError as err:  # a kernel that waits for the device: nothing ran, launch them instead
+                # (not yet run on a GPU: the recording failure was seen before this fallback existed)
                 self._give_up(err)
         if self._head is None:
             self._plain[0].run_with_iobinding(self._plain[1])
