@@ -48,15 +48,17 @@ def rewrite_training_model(cfg: RunConfig, path: Path) -> list[dict]:
     and the tensors keep their references to the data file beside ``path``.
     """
     report: list[dict] = []
+    if not (sums_as_matmul_applies(cfg) or capture_applies(cfg)):
+        return report
+    model = onnx.load(str(path), load_external_data=False)
     if sums_as_matmul_applies(cfg):
-        _sums_as_matmul(path, report)
+        model = _sums_as_matmul(model, path, report)
     if capture_applies(cfg):
-        _write_capture_split(onnx.load(str(path), load_external_data=False), path.parent)
+        _write_capture_split(model, path.parent)
     return report
 
 
-def _sums_as_matmul(path: Path, report: list[dict]) -> None:
-    model = onnx.load(str(path), load_external_data=False)
+def _sums_as_matmul(model: onnx.ModelProto, path: Path, report: list[dict]) -> onnx.ModelProto:
     details = LeadingSumReport()
     model = sums_as_matmul(model, report, details)
     total = len(details.rewritten) + len(details.kept)
@@ -64,6 +66,7 @@ def _sums_as_matmul(path: Path, report: list[dict]) -> None:
              "reduce_sum_as_matmul; %d kept)", len(details.rewritten), total, len(details.kept))  # fmt: skip
     if details.rewritten:
         onnx.save(model, str(path))
+    return model
 
 
 def _write_capture_split(model: onnx.ModelProto, folder: Path) -> None:

@@ -88,7 +88,7 @@ def test_head_and_tail_of_a_real_export_compute_the_unsplit_loss_and_gradients_b
     written = {**head_fed, **tail_fed}
     for name in buffers:
         np.testing.assert_array_equal(written[name], want_fed[name], err_msg=name)
-    assert [n for n in buffers if n in tail_fed and "emb" in n or "wte" in n]  # the embedding's, by the tail
+    assert [n for n in buffers if n in tail_fed and ("emb" in n or "wte" in n)]  # the embedding's, by the tail
 
 
 def test_configure_cuts_the_training_graph_only_for_a_cuda_whole_model_and_the_fingerprint_says_so(tmp_path):
