@@ -229,6 +229,10 @@ class StoppingRunner(Runner):
     async def _stop(self) -> None:
         while not self.started:  # the signal came while the runner starts: stop it once it is up
             await asyncio.sleep(0.1)
+        # No new flow run from here on: the slot a stopped run frees would otherwise go to a queued scheduled run,
+        # whose process starts while the pause below deletes it on the server (its task runs then refer to a flow
+        # run that no longer exists).
+        self._stop_polling()
         await asyncio.to_thread(stop_flow_runs)
         # The runner's shutdown cancels its event loop's pending callbacks; asyncio would log each as an error.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -241,5 +245,14 @@ class StoppingRunner(Runner):
                 log.info("dropped %d queued scheduled run(s): %s", len(dropped), ", ".join(dropped))
         except Exception as err:  # noqa: BLE001 - the server may be gone; the runner must still stop
             log.warning("could not pause the schedules of %d deployment(s): %s", len(ids), err)
+        # A submission already under way when polling stopped may have started its process since: stop it too.
+        await asyncio.to_thread(stop_flow_runs)
         self.pause_on_shutdown = False  # done above
         await self.astop()
+
+    def _stop_polling(self) -> None:
+        """Submit no further flow run (Prefect's runner sets the same flags only in ``astop``)."""
+        self.stopping = True
+        poller = getattr(self, "_scheduled_run_poller", None)
+        if poller is not None:
+            poller.stopping = True

@@ -70,7 +70,11 @@ def run_rank(run_dir: Path | str) -> int:
             log.error("%s", err)
             return 1
     run_dir = Path(run_dir)
-    cfg, comm = start_mpi(run_dir)
+    try:
+        cfg, comm = start_mpi(run_dir)
+    except (ValueError, OSError) as err:  # an edited or damaged config.yaml: its message says what to do
+        log.error("%s", err)
+        return 1
     try:
         if comm.rank == 0:
             verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))  # a flipped bit in a file or its record

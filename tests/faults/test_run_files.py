@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -78,6 +79,11 @@ def test_an_edited_config_yaml_is_refused_until_accepted(run):
     path.write_text(json.dumps(raw))  # JSON is YAML: the same config with another learning rate
     out = _ortflow("train", str(run.output_dir))
     _refused(out, "config.yaml", "--accept-changed-config", "ortflow configure")
+    # A rank started by hand (`python -m ortflow.trainer`, as a cluster script would) refuses it the same way.
+    rank = subprocess.run([sys.executable, "-m", "ortflow.trainer", str(run.output_dir)], capture_output=True,
+                          text=True, timeout=120)
+    _refused(subprocess.CompletedProcess(rank.args, rank.returncode, rank.stdout + rank.stderr),
+             "config.yaml", "ortflow configure")
     assert not any(run.checkpoints_dir.glob("step-*"))
     out = _ortflow("train", str(run.output_dir), "--accept-changed-config")
     assert out.returncode == 0, out.stdout[-3000:]

@@ -63,6 +63,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
         # No flow run pauses or suspends itself: the service that expires paused runs (a query every 5 s) is off.
         "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
+        # Nothing reads the event history (automations and task runs are built from the event stream itself): the
+        # service that writes every event to the database is off, sparing SQLite the writes that lock it under load.
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+        # Task runs are recorded from their events one at a time, one per incoming event or per flush interval: an
+        # event the recorder cannot store (a task of a deleted flow run) is retried five times and delays the ones
+        # queued behind it; a 1 s interval (instead of 5) drains such a queue sooner.
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
         "OMP_NUM_THREADS": "1",
     }
     env.pop("PREFECT_API_URL", None)

@@ -148,8 +148,10 @@ def test_a_second_run_on_a_busy_folder_is_refused_with_the_holder_named_and_canc
     assert processes_mentioning(str(long.output_dir)) == []
 
 
-def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees_the_slot(served, mlp_sources):
-    """Stops the module's ``ortflow serve``: the module's last test."""
+def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_frees_the_slot_and_starts_no_queued_run(
+        served, mlp_sources):
+    """Stops the module's ``ortflow serve``: the module's last test. A second run waits for the deployment's only
+    slot; the slot the stopped run frees does not start it while serve stops (it stays queued for the next serve)."""
     import signal
     import time
 
@@ -165,8 +167,15 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("train-pipeline/served")
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
+    queued_cfg = mlp_config(served["root"], mlp_sources, "serve-stop-queued",
+                            train={"num_train_steps": 4000000, "display_loss_steps": 100, "evaluation_period": 0})
 
     folder = wait_for_periodic_checkpoint(long.output_dir)
+    with get_client(sync_client=True) as client:
+        queued = client.create_flow_run_from_deployment(
+            deployment.id, parameters={"config": queued_cfg.model_dump(mode="json")})
+    wait_for(lambda: _flow_run(queued.id).state.name == "AwaitingConcurrencySlot" or None, 60,
+             "the second run to wait for the slot", 0.5)
     last_periodic = list_complete(folder / "checkpoints")[-1].step
     assert slots_in_use(deployment.id) == 1  # the training run holds the deployment's only slot
     sent = time.monotonic()
@@ -184,3 +193,9 @@ def test_sigterm_to_ortflow_serve_stops_its_run_with_a_stop_checkpoint_and_frees
     # The run's folder and the deployment's only concurrency slot are free: the next run could start at once.
     assert runlock.holder(long.output_dir) is None and runlock.holder(folder) is None
     assert wait_for(lambda: slots_in_use(deployment.id) == 0, 30, "the concurrency slot to be released", 1)
+    # The queued run never started: still waiting on the server, nothing of it on this machine.
+    waiting = _flow_run(queued.id)
+    assert waiting.state.type.value == "SCHEDULED" and not waiting.run_count, waiting.state
+    assert not processes_mentioning(str(queued_cfg.output_dir)) and not queued_cfg.output_dir.exists()
+    with get_client(sync_client=True) as client:
+        client.delete_flow_run(queued.id)

@@ -28,7 +28,8 @@ def task_states(flow_run_id, wait_s: float = 60.0, expect: tuple[str, ...] = ("t
     Task runs and their states reach the server as events that it records asynchronously, so right after a flow
     returns a task run may still read "Running", have no state, or not be there yet on a loaded machine (seen in CI):
     read again until every stage in ``expect`` is there and every task run has a final state, for up to ``wait_s``
-    seconds, then return what the server has.
+    seconds. A stage in ``expect`` still missing then fails with the server log's last errors (why the server did not
+    record it).
     """
     import time
 
@@ -43,7 +44,22 @@ def task_states(flow_run_id, wait_s: float = 60.0, expect: tuple[str, ...] = ("t
             if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-    return {run.name.rsplit("-", 1)[0]: run.state.name if run.state else "None" for run in runs}
+    states = {run.name.rsplit("-", 1)[0]: run.state.name if run.state else "None" for run in runs}
+    missing = [stage for stage in expect if stage not in states]
+    assert not missing, (f"the server recorded no task run of {missing} of flow run {flow_run_id} in {wait_s:.0f} s "
+                         f"(it has {states}); its log's last errors:\n{_server_errors()}")
+    return states
+
+
+def _server_errors(most: int = 10) -> str:
+    """The last ERROR lines of the test server's log (``server.log`` in its PREFECT_HOME)."""
+    from prefect.settings import PREFECT_HOME
+
+    try:
+        lines = (PREFECT_HOME.value() / "server.log").read_text(errors="replace").splitlines()
+    except OSError as err:
+        return f"(no server log: {err})"
+    return "\n".join([line[:300] for line in lines if "| ERROR" in line][-most:]) or "(none)"
 
 
 def read_task_runs(client, flow_run_id) -> list:
