@@ -66,6 +66,10 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         # Nothing reads the event history (automations and task runs are built from the event stream itself): the
         # service that writes every event to the database is off, sparing SQLite the writes that lock it under load.
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+        # Nothing waits for a run to be marked Late (ortflow's late alert is its own automation; dropping a backlog
+        # selects every Scheduled-type state): the service that marks them is off. Under load its writes failed with
+        # "database is locked" every 5 s for minutes while a short schedule queued runs behind a running one.
+        "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
         # Task runs are recorded from their events one at a time, one per incoming event or per flush interval: an
         # event the recorder cannot store (a task of a deleted flow run) is retried five times and delays the ones
         # queued behind it; a 1 s interval (instead of 5) drains such a queue sooner.
