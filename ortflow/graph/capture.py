@@ -68,8 +68,9 @@ def split_for_capture(model: onnx.ModelProto) -> CaptureSplit:
         return CaptureSplit(model, None, ())
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
     copied = _shape_ancestry(graph, producer, tail_nodes)
-    tail_set = set(tail_nodes) | copied
-    head_idx = [i for i in range(len(graph.node)) if i not in tail_set or i in copied]
+    cut = set(tail_nodes)
+    head_idx = [i for i in range(len(graph.node)) if i not in cut]  # the copied shape nodes stay in the head too
+    tail_set = cut | copied
     tail_idx = sorted(tail_set)
     produced_in_tail = {o for i in tail_idx for o in graph.node[i].output if o}
     initializers = {t.name for t in graph.initializer}

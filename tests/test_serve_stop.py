@@ -1,0 +1,37 @@
+"""``ortflow serve``'s stop: its runner's poller (Prefect's ``ScheduledRunPoller``, which submits nothing while its
+``stopping`` flag is set) is told to stop before the flow runs stop, so the slot a stopped run frees does not start a
+queued run that the pause then deletes on the server; a run whose start was under way is stopped after the pause."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from ortflow.deployments import serving
+
+
+def test_a_stopping_serve_stops_polling_before_its_runs_stop_and_stops_a_run_started_meanwhile(monkeypatch):
+    runner = serving.StoppingRunner()
+    runner.started = True
+    runner._scheduled_run_poller = types.SimpleNamespace(stopping=False)  # created when the runner starts
+    steps = []
+
+    def stop_flow_runs():
+        steps.append(("flow runs", runner.stopping, runner._scheduled_run_poller.stopping))
+        return []
+
+    async def pause():
+        steps.append("pause")
+
+    async def astop():
+        steps.append("astop")
+
+    async def no_runs(client, ids):
+        return []
+
+    monkeypatch.setattr(serving, "stop_flow_runs", stop_flow_runs)
+    monkeypatch.setattr(serving, "drop_scheduled_runs", no_runs)
+    monkeypatch.setattr(runner, "_pause_schedules", pause)
+    monkeypatch.setattr(runner, "astop", astop)
+    asyncio.run(runner._stop())
+    assert steps == [("flow runs", True, True), "pause", ("flow runs", True, True), "astop"]
