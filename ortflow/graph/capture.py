@@ -8,7 +8,9 @@ to the host to size its work, and nodes whose output shape depends on the data d
 node downstream of them form the tail; the tensors the tail reads from the head become the head's outputs (written
 into buffers bound once) and the tail's inputs. Cheap shape computations the tail needs (``Shape`` of a tensor and
 integer arithmetic on it) are copied into the tail instead of crossing, since the head computes them on the host,
-where a replay does not run them.
+where a replay does not run them. A head node whose results only the tail reads moves to the tail, so the engine
+fuses the same pairs of nodes as in the unsplit graph (a fused pair rounds once, a split one twice: in fp16 the
+embedding's gradient would not keep its bits).
 
 A graph with random operators is not cut: a replay repeats the recorded random draws (every update would reuse one
 dropout mask), so such a model trains without capture.
@@ -66,6 +68,7 @@ def split_for_capture(model: onnx.ModelProto) -> CaptureSplit:
     tail_nodes = _downstream(graph, [i for i, n in enumerate(graph.node) if n.op_type in UNCAPTURABLE])
     if not tail_nodes:
         return CaptureSplit(model, None, ())
+    tail_nodes = _with_exclusive_producers(graph, tail_nodes)
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
     copied = _shape_ancestry(graph, producer, tail_nodes)
     cut = set(tail_nodes)
@@ -102,6 +105,32 @@ def _downstream(graph: onnx.GraphProto, start: list[int]) -> list[int]:
                 if j not in found:
                     found.add(j)
                     frontier.append(j)
+    return sorted(found)
+
+
+def _with_exclusive_producers(graph: onnx.GraphProto, tail: list[int]) -> list[int]:
+    """``tail`` and every head node whose results only the tail reads (transitively; none a graph output).
+
+    The engine fuses a node into its only reader (a gradient ``Gemm`` into the ``Sum`` that adds the tied embedding's
+    two shares, computing ``A @ B + C`` with one rounding): a cut between them would leave two roundings in the cut's
+    sessions, so in fp16 they would not give the unsplit call's bits. Moving such producers to the tail keeps every
+    pair the engine can fuse in one session."""
+    consumers: dict[str, set[int]] = {}
+    for i, node in enumerate(graph.node):
+        for name in node.input:
+            consumers.setdefault(name, set()).add(i)
+    outputs = {v.name for v in graph.output}
+    found, changed = set(tail), True
+    while changed:
+        changed = False
+        for i in range(len(graph.node) - 1, -1, -1):
+            results = [o for o in graph.node[i].output if o]
+            if i in found or not results or any(o in outputs for o in results):
+                continue
+            readers = set().union(*(consumers.get(o, set()) for o in results))
+            if readers and readers <= found:
+                found.add(i)
+                changed = True
     return sorted(found)
 
 

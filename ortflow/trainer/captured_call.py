@@ -16,12 +16,13 @@ graphs are recorded (one that overwrites the gradients, the first micro-batch of
 them), chosen per call by the provider's ``gpu_graph_id`` run option. The first call of each kind runs and records;
 the call before the first recording runs without (it finds the shapes of the tensors the tail reads).
 
-Where the engine cannot record a model's call (it places some nodes on the host and copies between host and device
-inside the call, or a kernel waits for the device while recording), the rank says so once and launches every kernel
-of the same cut (the head's plain session): nothing is lost, and a failed recording ran no kernel.
+The engine's recording call runs the graph more than once (plain runs, the recording, a replay): the gradient
+buffers are saved before it and restored after, then one replay computes the call. Where the engine cannot record a
+model's call (it places some nodes on the host and copies between host and device inside the call, or a kernel waits
+for the device while recording), the rank restores the buffers the failed recording may have written, says so once
+and launches every kernel of the same cut (the head's plain session) from then on.
 
-Measured on an H200 (tests/gpu/test_gpu_cuda_graphs.py): through the cut, fp32 runs end with the training API
-call's parameters bitwise; fp16 GPT-2 does not, which is why ``cuda_graphs`` is off by default (docs/gpu.md).
+A run through the cut ends with the training API call's parameters bitwise (tests/gpu/test_gpu_cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class CapturedTraining:
         self._shapes: dict[str, tuple] | None = None  # the batch shapes it was built for
         self._values: dict[str, OrtValue] = {}
         self._head = self._tail = self._plain = None  # (session, its IOBinding) each
+        self._recorded: set[str] = set()  # the gpu_graph_ids recorded so far
+        self._accumulated: dict[str, OrtValue] = {}  # the gradient buffers the head adds to
 
     def takes(self, feeds: dict[str, np.ndarray]) -> bool:
         """Whether a call with ``feeds`` can replay: before the first call, or with the first call's shapes."""
@@ -74,18 +77,37 @@ class CapturedTraining:
             self._values[name].update_inplace(np.ascontiguousarray(feeds[name]))
         self._values[_RESET].update_inplace(np.array([reset]))
         if self._head is not None:
-            run_options = onnxruntime.RunOptions()
-            run_options.add_run_config_entry("gpu_graph_id", _GRAPH_IDS[reset])
-            try:
-                self._head[0].run_with_iobinding(self._head[1], run_options)
-            except RuntimeError as err:  # a kernel that waits for the device: nothing ran, launch them instead
-                # (not yet run on a GPU: the recording failure was seen before this fallback existed)
-                self._give_up(err)
+            self._replay(_GRAPH_IDS[reset])
         if self._head is None:
             self._plain[0].run_with_iobinding(self._plain[1])
         if self._tail is not None:
             self._tail[0].run_with_iobinding(self._tail[1])
         return float(self._loss.numpy().reshape(-1)[0])
+
+    def _replay(self, graph_id: str) -> None:
+        """Replay the recorded head; the first call of a graph records it.
+
+        The engine's recording call runs the graph more than once (plain runs that size its memory, the recording,
+        then a replay to compute what the recording did not), so a graph that adds to the gradients would add this
+        call's twice: the gradient buffers are saved before it and restored after, and one replay computes the call.
+        A recording that fails (a kernel that waits for the device) may have run the graph too: the buffers are
+        restored and every kernel is launched from then on."""
+        session, io = self._head
+        run_options = onnxruntime.RunOptions()
+        run_options.add_run_config_entry("gpu_graph_id", graph_id)
+        if graph_id in self._recorded:
+            session.run_with_iobinding(io, run_options)
+            return
+        saved = {name: value.numpy() for name, value in self._accumulated.items()}
+        try:
+            session.run_with_iobinding(io, run_options)
+        except RuntimeError as err:
+            self._give_up(err)
+        for name, value in self._accumulated.items():
+            value.update_inplace(saved[name])
+        if self._head is not None:
+            session.run_with_iobinding(io, run_options)
+            self._recorded.add(graph_id)
 
     @property
     def replays(self) -> bool:
@@ -157,6 +179,8 @@ class CapturedTraining:
             return float(self._loss.numpy().reshape(-1)[0])
         io = recorded.io_binding()
         self._bind_inputs(recorded, io, feeds)
+        self._accumulated = {a.name: self._engine_value(a.name) for a in recorded.get_inputs()
+                             if a.name.endswith(_BUFFER_SUFFIX)}
         for arg in recorded.get_outputs():
             io.bind_ortvalue_output(arg.name, self._values[arg.name])
         self._head = (recorded, io)
