@@ -67,8 +67,8 @@ class DistributedConfig(Section):
         description="With device cuda, for the whole model (data parallelism, ZeRO-1, Adasum): configure cuts the "
         "training graph so that the CUDA provider records the training call once and replays it as a CUDA graph "
         "instead of launching every kernel from the host; where the engine cannot record the model's call, the rank "
-        "says so and launches every kernel. Opt-in: equal to the launched call bitwise in fp32, not yet in fp16 on "
-        "every model (docs/gpu.md).",
+        "says so and launches every kernel. Ends bitwise equal to the launched call (fp32 and fp16). Opt-in: every "
+        "micro-batch of an update must have the shape of the update's first (docs/gpu.md).",
     )
     thread_spinning: Literal["auto", "on", "off"] = Field(
         "auto",
