@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from ortflow.checkpoints import CheckpointError, verify
 from ortflow.cli.shared import console, fail
 
 checkpoint_app = typer.Typer(
@@ -20,6 +19,7 @@ CheckpointArg = Annotated[Path, typer.Argument(help="A checkpoint folder (step-N
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(path: CheckpointArg) -> None:
     """Print a checkpoint's step, data cursor, files, parameters and optimizer state as JSON (verified first)."""
+    from ortflow.checkpoints import CheckpointError
     from ortflow.checkpoints.tools import inspect
 
     try:
@@ -31,6 +31,8 @@ def checkpoint_inspect(path: CheckpointArg) -> None:
 @checkpoint_app.command("verify")
 def checkpoint_verify(path: CheckpointArg) -> None:
     """Check meta.json's digest and every file's size and sha256; exit 1 naming the damaged file."""
+    from ortflow.checkpoints import CheckpointError, verify
+
     try:
         info = verify(path)
     except CheckpointError as err:
@@ -44,6 +46,7 @@ def checkpoint_merge(
     out: Annotated[Path, typer.Option("--out", "-o", help="HDF5 file to write (one dataset per tensor).")],
 ) -> None:
     """Gather parameters and every rank's optimizer shards into one HDF5 file readable with plain h5py."""
+    from ortflow.checkpoints import CheckpointError
     from ortflow.checkpoints.tools import merge
 
     try:

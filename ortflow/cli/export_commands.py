@@ -11,8 +11,6 @@ import typer
 from rich.markup import escape
 
 from ortflow.cli.shared import CheckpointOpt, console, fail, writing
-from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
-from ortflow.versions import resolve_run
 
 
 def evaluate(
@@ -76,6 +74,8 @@ def export(
         return
     if source is None:
         fail("give the run folder (or checkpoint folder) to export, or --verify MODEL to check an exported model")
+    from ortflow.versions import resolve_run
+
     try:
         source = resolve_run(source)  # OUTPUT_DIR/latest: the newest completed version
     except ValueError as err:
@@ -99,6 +99,7 @@ def _verify(model: Path) -> None:
 
 def _export_model(source: Path, out: Path | None, names: list[str], eval_model: Path | None, optimize: bool,
                   quantize: bool, tolerance: float, checkpoint: str | None) -> None:
+    from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
     from ortflow.export import export_model
 
     if out is None:

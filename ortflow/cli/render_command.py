@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from ortflow.cli.shared import ConfigArg, SetOpt, fail, load
-from ortflow.launch.job import LaunchError
 
 
 def render(
@@ -18,6 +17,7 @@ def render(
 ) -> None:
     """Print the job training would submit, submitting nothing: the sbatch script (launcher slurm) or the MPIJob
     manifest (launcher kubernetes, checked strictly against the MPI Operator's CRD schema)."""
+    from ortflow.launch.job import LaunchError
     from ortflow.launch.scheduled import render_job
 
     cfg = load(config, [*(overrides or []), *([f"distributed.launcher={launcher}"] if launcher else [])])

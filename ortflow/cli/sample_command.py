@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from ortflow.cli.shared import fail
-from ortflow.versions import resolve_model
 
 
 # `\[` in help text: rich markup would read `[batch, tokens]` as a style tag and drop it.
@@ -30,6 +29,7 @@ def sample(
     pick the next byte.
     """
     from ortflow.sample import SampleError, generate
+    from ortflow.versions import resolve_model
 
     try:
         model = resolve_model(model)  # OUTPUT_DIR/latest: the newest completed version's exported model

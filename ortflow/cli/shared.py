@@ -6,15 +6,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from ortflow.cli.terminal import disk_problem
-from ortflow.config import ConfigError, RunConfig, load_config
-from ortflow.storage import StorageError
+
+if TYPE_CHECKING:
+    from ortflow.config import RunConfig
 
 console = Console(stderr=True, soft_wrap=True)  # messages stay whole lines: users grep them
 
@@ -52,6 +53,8 @@ def writing(where: Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
+        from ortflow.storage import StorageError
+
         message = str(err) if isinstance(err, StorageError) else disk_problem(err, where)  # a store out of reach
         if message is None:  # another system refusal (/proc, a vanished folder): named, not a traceback
             message = (f"cannot use {err.filename or where}: {err.strerror or err}; point output_dir / checkpoint.dir "
@@ -61,6 +64,8 @@ def writing(where: Path) -> Iterator[None]:
 
 def load(config: Path, overrides: list[str] | None) -> RunConfig:
     """The run config with its ``--set`` overrides, or exit naming what is wrong with it."""
+    from ortflow.config import ConfigError, load_config
+
     try:
         return load_config(config, overrides or [])
     except ConfigError as err:

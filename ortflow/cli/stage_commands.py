@@ -3,10 +3,7 @@ own module)."""
 
 from __future__ import annotations
 
-from ortflow.checkpoints.retention import reason_label, retain_checkpoints
-from ortflow.checkpoints.run_store import around_stage
 from ortflow.cli.shared import ConfigArg, SetOpt, console, fail, load, writing
-from ortflow.config import ConfigError
 
 
 def configure(config: ConfigArg, overrides: SetOpt = None) -> None:
@@ -17,6 +14,8 @@ def configure(config: ConfigArg, overrides: SetOpt = None) -> None:
     section and the layout and precision settings decide a rebuild; optimizer.groups are checked against the trained
     parameters every time.
     """
+    from ortflow.checkpoints.run_store import around_stage
+    from ortflow.config import ConfigError
     from ortflow.configure.configure import configure as build
 
     cfg = load(config, overrides)
@@ -36,6 +35,7 @@ def configure(config: ConfigArg, overrides: SetOpt = None) -> None:
 
 def prepare_data(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Shard the data sources into Arrow files + manifest.json in the run folder (a no-op when nothing changed)."""
+    from ortflow.checkpoints.run_store import around_stage
     from ortflow.dataprep import DataError
     from ortflow.dataprep import prepare_data as shard
 
@@ -56,6 +56,9 @@ def prepare_data(config: ConfigArg, overrides: SetOpt = None) -> None:
 
 def retain(config: ConfigArg, overrides: SetOpt = None) -> None:
     """Keep the newest max_num_checkpoints, the best by eval loss and the final checkpoint; write checkpoints.json."""
+    from ortflow.checkpoints.retention import reason_label, retain_checkpoints
+    from ortflow.checkpoints.run_store import around_stage
+
     cfg = load(config, overrides)
     with writing(cfg.checkpoints_dir):
         index = around_stage("retain_checkpoints", cfg, retain_checkpoints)(cfg)

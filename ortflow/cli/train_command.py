@@ -5,19 +5,18 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
 from ortflow.cli.shared import MpiexecOpt, WaitOpt, console, fail, writing
 from ortflow.cli.stop_signals import StoppedBeforeJob, StopSignals, stop_signals
-from ortflow.config import ConfigError, RunConfig, apply_overrides, load_run_config
-from ortflow.launch.job import LaunchError
-from ortflow.launch.layout import LayoutError, host_resources, launch_layout
-from ortflow.launch.local import launch
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_STOPPED
 from ortflow.runlock import RunFolderLocked, hold, hold_all, training_folders
+
+if TYPE_CHECKING:
+    from ortflow.config import RunConfig
 
 
 def train(
@@ -69,6 +68,8 @@ def train(
 
 def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> RunConfig:
     """The run folder's config (an edit accepted and recorded when asked), with ``--launcher`` applied."""
+    from ortflow.config import ConfigError, apply_overrides, load_run_config
+
     try:
         cfg = load_run_config(run_dir, accept_changed=accept_changed)
         if accept_changed:
@@ -82,7 +83,7 @@ def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> Ru
 
 def _set_profile(profile: str | None, cfg: RunConfig) -> None:
     """Check ``--profile A:B`` and put it in the environment the ranks (or the Slurm job) inherit."""
-    from ortflow.trainer.profiling import PROFILE_ENV, parse_steps
+    from ortflow.trainer.profile_report import PROFILE_ENV, parse_steps
 
     if not profile:
         return
@@ -102,6 +103,10 @@ def _set_profile(profile: str | None, cfg: RunConfig) -> None:
 def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | None, hostfile: Path | None,
                 mpiexec: str | None, wait: bool, profile: str | None, stops: StopSignals) -> None:
     """Launcher local: choose the layout, hold the folders, run mpiexec, report how the ranks ended."""
+    from ortflow.launch.job import LaunchError
+    from ortflow.launch.layout import LayoutError, host_resources, launch_layout
+    from ortflow.launch.local import launch
+
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         fail(f"--np {np_}: give a number of ranks or auto")
     _set_profile(profile, cfg)
@@ -139,6 +144,7 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
 
 def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | None, stops: StopSignals) -> None:
     """Launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
+    from ortflow.launch.job import LaunchError
     from ortflow.launch.scheduled import run_scheduled
 
     _set_profile(profile, cfg)  # the Slurm job inherits this environment

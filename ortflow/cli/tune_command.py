@@ -8,11 +8,6 @@ from typing import Annotated
 import typer
 
 from ortflow.cli.shared import ConfigArg, MpiexecOpt, SetOpt, console, fail, load
-from ortflow.config import ConfigError
-from ortflow.launch.job import LaunchError
-from ortflow.launch.layout import LayoutError, host_resources
-from ortflow.launch.tune import check_tunable
-from ortflow.launch.tune import tune as tune_layouts
 
 
 def tune(
@@ -23,8 +18,13 @@ def tune(
     mpiexec: MpiexecOpt = None,
 ) -> None:
     """Time candidate ranks x threads layouts of CPU ranks on this host; num_ranks auto then uses the fastest."""
+    from ortflow.config import ConfigError
     from ortflow.configure.configure import configure
     from ortflow.dataprep import DataError, prepare_data
+    from ortflow.launch.job import LaunchError
+    from ortflow.launch.layout import LayoutError, host_resources
+    from ortflow.launch.tune import check_tunable
+    from ortflow.launch.tune import tune as tune_layouts
 
     cfg = load(config, overrides)
     try:

@@ -8,10 +8,7 @@ import typer
 from rich.markup import escape
 
 from ortflow.cli.shared import ConfigArg, SetOpt, console
-from ortflow.config import find_problems
 from ortflow.cuda_libs import OPTIONAL_FOR_OPS, diagnose
-from ortflow.launch.mpi_check import mpi_rows
-from ortflow.launch.slurm_check import request_problems
 
 
 def validate(
@@ -32,7 +29,9 @@ def validate(
     tensor-parallel sizes above 1, a valid config also prints the split plan: the cuts, which weights each
     tensor-parallel region splits how (attention by heads), and what stays replicated and why.
     """
+    from ortflow.config import find_problems
     from ortflow.dataprep.values import scan_sources
+    from ortflow.launch.slurm_check import request_problems
     from ortflow.validate import validate as find_all
 
     plan: list[str] = []
@@ -60,6 +59,8 @@ def doctor(
 ) -> None:
     """Report the engine build, CUDA libraries, GPUs, NCCL/CuPy and MPI found here, and what is missing; whether
     mpi4py's MPI is the launcher's (a mismatch starts N singletons or fails at MPI_Init) and how to fix it."""
+    from ortflow.launch.mpi_check import mpi_rows
+
     rows = [row for row in diagnose() if row[0] not in ("mpi4py", "mpiexec")] + mpi_rows(mpiexec)
     optional = {f"cuDNN {what}" for what in OPTIONAL_FOR_OPS}
     for item, found, detail in rows:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ortflow.cli.shared import ConfigArg, SetOpt, console, fail, load
 from ortflow.cli.terminal import version_lines
-from ortflow.config import RunConfig
 from ortflow.runlock import RunFolderLocked, hold, holder
-from ortflow.versions import describe, prune_versions, read_registry
+
+if TYPE_CHECKING:
+    from ortflow.config import RunConfig
 
 
 def runs(
@@ -21,6 +22,8 @@ def runs(
     = False,
 ) -> None:
     """List the model versions in the config's output_dir (registry.json): status, parent, losses, model."""
+    from ortflow.versions import describe, read_registry
+
     cfg = load(config, overrides)
     if prune:
         _prune(cfg)
@@ -39,6 +42,8 @@ def runs(
 
 
 def _prune(cfg: RunConfig) -> None:
+    from ortflow.versions import prune_versions
+
     if cfg.versions.keep is None:
         fail("--prune: versions.keep is not set; set it in the config (or --set versions.keep=3)")
     try:

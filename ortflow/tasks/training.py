@@ -33,7 +33,7 @@ from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import format_duration, read_progress
-from ortflow.trainer.profiling import top_operators_table
+from ortflow.trainer.profile_report import top_operators_table
 from ortflow.trainer.timing import read_timing
 
 log = logging.getLogger(__name__)

@@ -9,11 +9,13 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ortflow.config.atomic import write_text_atomic
 from ortflow.trainer.event_records import EventFile, write_record
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -55,6 +57,7 @@ class TensorBoardLog:
         """Histograms of the parameters whose names match the config's patterns."""
         if not self._patterns:
             return
+        import numpy as np  # the orchestrator reads progress.json through this module: it never loads numpy
         from tensorboard.compat.proto import summary_pb2
 
         values = []

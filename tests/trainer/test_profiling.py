@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ortflow.trainer.profiling import markdown_table, parse_steps, top_operators
+from ortflow.trainer.profile_report import markdown_table, parse_steps, top_operators
 
 #: Recorded by `train.profile_steps: [2, 4]` on tests/support/fixed_batch_mlp.py's classifier, 2 ranks x 2
 #: micro-batches (rank 0).
@@ -66,7 +66,7 @@ def test_recorded_trace_is_the_chrome_trace_format():
 
 
 def test_top_operators_table_reads_rank_zeros_trace_of_a_run_folder(tmp_path):
-    from ortflow.trainer.profiling import top_operators_table
+    from ortflow.trainer.profile_report import top_operators_table
 
     assert top_operators_table(tmp_path) is None  # not profiled
     (tmp_path / "profile").mkdir()
