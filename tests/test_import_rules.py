@@ -141,8 +141,12 @@ def loaded_by(module: str) -> set[str]:
         ("ortflow.graph.exports.batch_dims", {"prefect", "mpi4py", "onnxruntime", "ortflow.trainer",
                                               "ortflow.dataprep"}),
         ("ortflow.validate", {"prefect", "mpi4py", "onnxruntime.training", "ortflow.tasks"}),  # engine: --deep only
-        # `ortflow --help` and every command start without what takes seconds to import (each command imports it)
-        ("ortflow.cli", {"prefect", "onnx", "onnxruntime", "h5py", "pyarrow", "kubernetes", "mpi4py", "ortflow.tasks"}),
+        # `ortflow --help` and every command start without what takes seconds to import (each command imports it),
+        # nor the config's pydantic models: the commands that read a config import them when they run
+        ("ortflow.cli", {"prefect", "onnx", "onnxruntime", "h5py", "pyarrow", "kubernetes", "mpi4py", "ortflow.tasks",
+                         "pydantic", "yaml", "numpy", "ortflow.config", "ortflow.checkpoints", "ortflow.launch"}),
+        # each served flow run and `ortflow run` import the flows: Prefect and the config, not the ranks' numerics
+        ("ortflow.flows", {"numpy", "onnx", "onnxruntime", "h5py", "pyarrow", "mpi4py", "kubernetes"}),
     ],
 )
 def test_package_does_not_pull_in_what_it_must_not(module, forbidden):
