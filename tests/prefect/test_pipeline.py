@@ -181,8 +181,8 @@ def test_train_task_killed_mid_run_is_retried_in_its_own_version_folder_and_ends
     from ortflow.versions import read_registry
 
     sections = {
-        "train": {"num_train_steps": 1500, "display_loss_steps": 100, "evaluation_period": 0},
-        "checkpoint": {"period": 125, "max_num_checkpoints": 100},  # every checkpoint stays as a record
+        "train": {"num_train_steps": 600, "display_loss_steps": 50, "evaluation_period": 0},
+        "checkpoint": {"period": 50, "max_num_checkpoints": 100},  # every checkpoint stays as a record
     }
     reference = mlp_config(tmp_path, mlp_sources, "uninterrupted", **sections)
     configure(reference)
@@ -203,9 +203,9 @@ def test_train_task_killed_mid_run_is_retried_in_its_own_version_folder_and_ends
 
         def under_way() -> bool:
             r = read_progress(folder)
-            return bool(r) and 400 <= r["step"] < 1200 and bool(list_complete(folder / "checkpoints"))
+            return bool(r) and 150 <= r["step"] < 500 and bool(list_complete(folder / "checkpoints"))
 
-        wait_for(under_way, 180, "training to pass step 400 with a checkpoint written")
+        wait_for(under_way, 180, "training to pass step 150 with a checkpoint written")
         at = time.time()
         os.kill(rank_pids(folder)[0], signal.SIGKILL)
         killed.append(at)
@@ -231,15 +231,15 @@ def test_train_task_killed_mid_run_is_retried_in_its_own_version_folder_and_ends
     # The checkpoints are the record of progress: each folder's meta.json is written last, once. The retry resumed in
     # the same folder from the newest checkpoint of the killed attempt: every checkpoint written before the kill is
     # still the one the first attempt wrote, and the retry wrote only later steps. A restart from scratch would have
-    # rewritten step 125 and every step after it.
+    # rewritten step 50 and every step after it.
     done = list_complete(folder / "checkpoints")
-    assert [c.step for c in done] == list(range(125, 1501, 125))
+    assert [c.step for c in done] == list(range(50, 601, 50))
     written = {c.step: (c.path / "meta.json").stat().st_mtime for c in done}
     before = sorted(step for step, mtime in written.items() if mtime < killed[0])
     after = sorted(step for step, mtime in written.items() if mtime >= killed[0])
     assert before and after and max(before) < min(after), (before, after)
     assert entries[0]["final_checkpoint"] == str(done[-1].path)
-    assert read_progress(folder)["step"] == 1500
+    assert read_progress(folder)["step"] == 600
     # ... and it ends where the uninterrupted run ends, bit for bit.
     ours, theirs = final_parameters(load_run_config(folder)), final_parameters(reference)
     assert ours.keys() == theirs.keys()

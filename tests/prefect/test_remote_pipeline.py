@@ -19,8 +19,8 @@ from tests.support.prefect_runs import mlp_config
 pytestmark = pytest.mark.prefect
 
 
-def params_on_store(url: str, step: int, folder) -> dict[str, np.ndarray]:
-    info = RemoteCheckpoints(RemoteDir(url).child("checkpoints"), folder).download(step)
+def params_on_store(store: RemoteDir, step: int, folder) -> dict[str, np.ndarray]:
+    info = RemoteCheckpoints(store.child("checkpoints"), folder).download(step)
     with h5py.File(info.path / "params.h5", "r") as f:
         return {ds.attrs["name"]: ds[()] for ds in f["parameters"].values()}
 
@@ -39,27 +39,28 @@ def test_pipeline_on_s3_keeps_every_stage_on_the_store_and_a_fresh_machine_expor
 
     state = train_pipeline(cfg, return_state=True)
     assert state.is_completed(), state
-    files = RemoteDir(url).files()
+    store = RemoteDir(url)  # the test's one client of the store
+    files = store.files()
     for name in ("config.yaml", "configure.json", "artifacts/training_model.onnx", "data/manifest.json",
                  "checkpoints.json", "progress.json", "export/model.onnx"):
         assert name in files, (name, sorted(files))
-    index = json.loads(RemoteDir(url).read_bytes("checkpoints.json"))
+    index = json.loads(store.read_bytes("checkpoints.json"))
     kept = sorted(entry["step"] for entry in index["kept"])
-    stored = RemoteCheckpoints(RemoteDir(url).child("checkpoints"), tmp_path / "probe").steps()
+    stored = RemoteCheckpoints(store.child("checkpoints"), tmp_path / "probe").steps()
     assert stored == kept and 20 in stored and len(stored) < 4  # retention ran on the store
-    manifest = json.loads(RemoteDir(url).read_bytes("data/manifest.json"))
+    manifest = json.loads(store.read_bytes("data/manifest.json"))
     assert manifest["sources"]["train"] == [f"s3://{bucket}/sources/part-0.npz"]  # read from the store
-    final = params_on_store(url, 20, tmp_path / "before")
+    final = params_on_store(store, 20, tmp_path / "before")
     exported = files["export/model.onnx"]
 
     shutil.rmtree(cache)  # another machine: nothing local, the store holds the run
-    RemoteDir(url).remove("export/model.onnx")
+    store.remove("export/model.onnx")
     again = train_pipeline(cfg, from_stage="export", return_state=True)
     assert again.is_completed(), again
-    files = RemoteDir(url).files()
+    files = store.files()
     assert files["export/model.onnx"]["size"] == exported["size"]
-    assert RemoteCheckpoints(RemoteDir(url).child("checkpoints"), tmp_path / "probe").steps() == stored
-    after = params_on_store(url, 20, tmp_path / "after")
+    assert RemoteCheckpoints(store.child("checkpoints"), tmp_path / "probe").steps() == stored
+    after = params_on_store(store, 20, tmp_path / "after")
     assert all(np.array_equal(after[k], final[k]) for k in final)  # nothing was trained again
 
 
@@ -71,11 +72,12 @@ def test_versions_of_a_remote_run_folder_and_their_registry_live_on_the_store(
                      checkpoint={"period": 5, "max_num_checkpoints": 1})
     state = train_pipeline(cfg, new_version=True, return_state=True)
     assert state.is_completed(), state
-    registry = json.loads(RemoteDir(url).read_bytes("registry.json"))["versions"]
+    store = RemoteDir(url)  # the test's one client of the store
+    registry = json.loads(store.read_bytes("registry.json"))["versions"]
     assert [entry["status"] for entry in registry] == ["completed"]
     name = registry[0]["version"]
-    files = RemoteDir(url).files(f"versions/{name}")
+    files = store.files(f"versions/{name}")
     assert {"config.yaml", "export/model.onnx", "checkpoints.json"} <= set(files), sorted(files)
-    steps = RemoteCheckpoints(RemoteDir(f"{url}/versions/{name}").child("checkpoints"), tmp_path / "probe").steps()
+    steps = RemoteCheckpoints(store.child(f"versions/{name}/checkpoints"), tmp_path / "probe").steps()
     assert steps[-1] == 10
-    assert not any(k.startswith("checkpoints/") for k in RemoteDir(url).files() if not k.startswith("versions/"))
+    assert not any(k.startswith("checkpoints/") for k in store.files() if not k.startswith("versions/"))

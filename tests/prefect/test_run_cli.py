@@ -133,20 +133,21 @@ def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_dat
     assert not local_server._at_current_schema(tmp_path / "home-3" / "prefect.db")  # none there
 
 
-def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path, server_env: dict[str, str] | None = None
+def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path, server_env: dict[str, str] | None = None,
+                    env: dict[str, str] | None = None, args: tuple[str, ...] = ()
                     ) -> tuple[subprocess.Popen, object, list[int]]:
-    """``ortflow run --new-version`` of a long run in a process group of its own (as a terminal starts it), once
-    its two ranks train; returns the process, the config and every process it started (the server included).
+    """``ortflow run --new-version [ARGS]`` of a long run in a process group of its own (as a terminal starts it),
+    once its two ranks train; returns the process, the config and every process it started (the server included).
 
     With ``server_env`` (the session server's environment) the run reports to that server; else it starts its own
-    temporary server, which must run in a session of its own."""
+    temporary server (with ``env``, default :func:`_temporary_server_env`), which must run in a session of its own."""
     cfg = mlp_config(tmp_path, mlp_sources, name,
                      train={"num_train_steps": 4000000, "display_loss_steps": 20, "evaluation_period": 0},
                      checkpoint={"period": 1000000})
     config_file = write_config(cfg, tmp_path / f"{name}.yaml")
-    proc = subprocess.Popen([ORTFLOW, "run", str(config_file), "--new-version"],
-                            env=server_env or _temporary_server_env(tmp_path, cache_home), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([ORTFLOW, "run", *args, str(config_file), "--new-version"],
+                            env=server_env or env or _temporary_server_env(tmp_path, cache_home),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
     def training() -> bool:
@@ -173,34 +174,29 @@ def _assert_cached_empty_database(cache_home: Path) -> None:
     assert _flow_runs(cache_home / "ortflow" / f"prefect-{prefect.__version__}-empty.db") == 0
 
 
-#: Each signal, once and repeated, to ``ortflow run`` alone and to its whole process group. A signal to the group
-#: also reaches everything the run started in it: those runs start their own temporary server (which must not get
-#: it); the others report to the session's server, as a run with PREFECT_API_URL set does.
-@pytest.mark.parametrize(("sig", "to_group", "times"), [
-    (signal.SIGINT, False, 1), (signal.SIGINT, True, 2), (signal.SIGTERM, False, 2), (signal.SIGTERM, True, 1),
-])
-def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and_no_process(
-    mlp_sources, tmp_path, cache_home, request, sig, to_group, times
-):
-    from ortflow.checkpoints import list_complete
-    from ortflow.versions import read_registry
-
-    server_env = None if to_group else request.getfixturevalue("prefect_server")
-    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped", cache_home, server_env)
+def _stop(proc: subprocess.Popen, sig: int, to_group: bool, times: int) -> tuple[str, float]:
+    """Send ``sig`` ``times`` times to ``ortflow run`` alone or to its process group; its output and the seconds it
+    took to exit."""
     try:
         sent = time.monotonic()
         for _ in range(times):  # a second Ctrl-C, or a process manager repeating itself, keeps the stop clean
             os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
             time.sleep(0.3)
         out = proc.communicate(timeout=120)[0].decode()
-        took = time.monotonic() - sent
+        return out, time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _assert_stopped(proc: subprocess.Popen, cfg, family: list[int], sig: int, out: str, took: float) -> Path:
+    """A stopped run: exit 128 + the signal, a stop checkpoint named in the terminal, each rank's stop line there,
+    the version ``stopped``, the flow run's final state in the log file, and no process left; returns the log file."""
+    from ortflow.checkpoints import list_complete
+    from ortflow.versions import read_registry
+
     assert proc.returncode == 128 + sig, out[-3000:]
-    if server_env is None:
-        _assert_cached_empty_database(cache_home)
     assert took < 30, f"ortflow run took {took:.0f} s to stop"
     assert f"stopped by {signal.Signals(sig).name}" in out and "Traceback" not in out, out[-3000:]
     wait_for(lambda: not any(_alive(p) for p in family), 30, "every process ortflow run started to exit")
@@ -212,10 +208,30 @@ def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and
     # Each rank's stop line (a warning) reaches the terminal; rank 0's checkpoint line is in the log file.
     step = stop_checkpoints[-1].step
     assert out.count(f"stop requested: ranks stopped together after step {step} (checkpoint saved)") == 2, out[-3000:]
-    log = Path(re.search(r"the log is in (\S+)", out)[1]).read_text()
+    log_file = Path(re.search(r"the log is in (\S+)", out)[1])
+    log = log_file.read_text()
     assert f"saved checkpoint {stop_checkpoints[-1].path}" in log, log[-3000:]
     assert re.search(r"prefect.flow_runs '.*' \| Finished in state (Crashed|Cancelled)", log), log[-3000:]
     assert "httpx" not in out  # the terminal shows ortflow's lines, not HTTP requests
+    return log_file
+
+
+#: Each signal, once and repeated, to ``ortflow run`` alone and to its whole process group. A signal to the group
+#: also reaches everything the run started in it: those runs start their own temporary server (which must not get
+#: it); the others report to the session's server, as a run with PREFECT_API_URL set does. SIGTERM once to the
+#: group: the kill -9 test's next run.
+@pytest.mark.parametrize(("sig", "to_group", "times"), [
+    (signal.SIGINT, False, 1), (signal.SIGINT, True, 2), (signal.SIGTERM, False, 2),
+])
+def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and_no_process(
+    mlp_sources, tmp_path, cache_home, request, sig, to_group, times
+):
+    server_env = None if to_group else request.getfixturevalue("prefect_server")
+    proc, cfg, family = _start_training(tmp_path, mlp_sources, "stopped", cache_home, server_env)
+    out, took = _stop(proc, sig, to_group, times)
+    if server_env is None:
+        _assert_cached_empty_database(cache_home)
+    _assert_stopped(proc, cfg, family, sig, out, took)
 
 
 def _offline(env: dict[str, str]) -> dict[str, str]:
@@ -227,7 +243,7 @@ def _offline(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_marks_its_flow_run_crashed_and_logs_no_telemetry_error(  # noqa: E501
+def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_marks_its_flow_run_crashed_logs_no_telemetry_error_and_stops_on_sigterm_to_its_group(  # noqa: E501
     mlp_sources, tmp_path, cache_home
 ):
     import sqlite3
@@ -250,20 +266,18 @@ def test_kill_9_of_ortflow_run_leaves_no_server_behind_and_the_next_offline_run_
     name, state_type, _ = state()
     assert state_type == "RUNNING"  # nobody was left to report its end
     # The next `ortflow run` on this machine (another config), offline, talks to a temporary server on the same
-    # database.
-    short = mlp_config(tmp_path, mlp_sources, "next", train={"num_train_steps": 4, "evaluation_period": 0},
-                       distributed={"num_ranks": 1, "threads_per_rank": 1}, checkpoint={"period": 4})
-    done = subprocess.run([ORTFLOW, "run", "-v", str(write_config(short, tmp_path / "next.yaml"))],
-                          env=_offline(_temporary_server_env(tmp_path, cache_home)), capture_output=True, text=True,
-                          timeout=400)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert f"flow run {name} was still Running, but its process is gone: marked Crashed" in done.stderr
+    # database; it trains until SIGTERM reaches its whole process group (the server, in a session of its own, must
+    # not get it).
+    proc, short, family = _start_training(tmp_path, mlp_sources, "next", cache_home, args=("-v",),
+                                          env=_offline(_temporary_server_env(tmp_path, cache_home)))
+    out, took = _stop(proc, signal.SIGTERM, True, 1)
+    log = _assert_stopped(proc, short, family, signal.SIGTERM, out, took).read_text()
+    assert f"flow run {name} was still Running, but its process is gone: marked Crashed" in out, out[-3000:]
     assert state()[1:] == ("CRASHED", "Crashed")
-    lines = done.stderr.splitlines()
+    lines = out.splitlines()
     assert lines[0].startswith("ortflow run next:"), lines[:3]  # printed at once, before the server starts
     assert any(line.startswith("starting a temporary Prefect server") for line in lines[:3]), lines[:3]
-    port = re.search(r"Prefect server at http://127\.0\.0\.1:(\d+) until this run ends", done.stderr)[1]
-    assert f"View at http://127.0.0.1:{port}/runs/flow-run/" in done.stderr  # Prefect's link (-v), on the real port
-    assert "telemetry" not in (done.stdout + done.stderr).lower(), (done.stdout + done.stderr)[-3000:]
-    log = next((short.output_dir / "logs").glob("run-*.log")).read_text()
+    port = re.search(r"Prefect server at http://127\.0\.0\.1:(\d+) until this run ends", out)[1]
+    assert f"View at http://127.0.0.1:{port}/runs/flow-run/" in out  # Prefect's link (-v), on the real port
+    assert "telemetry" not in out.lower(), out[-3000:]
     assert "telemetry" not in log.lower(), log[-3000:]

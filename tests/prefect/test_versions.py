@@ -121,7 +121,8 @@ def kept(prefect_server, mlp_sources, tmp_path_factory):
     data = _write_data(root / "data-a" / "train.npz", 256, seed=1)
     cfg = mlp_config(root, {**mlp_sources, "data": data}, "kept",
                      train={"num_train_steps": 10, "display_loss_steps": 5, "evaluation_period": 5},
-                     checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 2})
+                     checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 2},
+                     distributed={"num_ranks": 1, "threads_per_rank": 1})  # versions, not a layout: one rank
     sizes = []
     for _ in range(3):
         state = train_pipeline(cfg, new_version=True, return_state=True)
@@ -183,7 +184,8 @@ def test_a_rerun_of_a_version_uses_its_recorded_config_and_refuses_to_change_its
     # still exports that version as it was trained: nothing is prepared or trained again.
     moved = mlp_config(root, {**mlp_sources, "data": _write_data(root / "data-b" / "train.npz", 512, seed=2)},
                        "kept", train={"num_train_steps": 40, "display_loss_steps": 5, "evaluation_period": 5},
-                       checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 2})
+                       checkpoint={"period": 5, "max_num_checkpoints": 2}, versions={"keep": 2},
+                       distributed={"num_ranks": 1, "threads_per_rank": 1})
     rerun = train_pipeline(moved, new_version=True, from_stage="export", version=entry["version"], return_state=True)
     assert rerun.is_completed(), rerun
     states = task_states(rerun.state_details.flow_run_id, expect=("prepare_data", "train", "export"))
