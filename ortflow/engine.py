@@ -11,6 +11,9 @@
   ``api``, never needs. A placeholder stands for ``artifacts`` until a name of it is used (the real module then
   runs), and this module's ``artifacts`` and ``onnxblock`` are imported when first asked for (configure and export
   build graphs with them). So that this applies, ranks import this module before ``onnxruntime``.
+* The ORT-format tools call ``logging.basicConfig`` when imported, which would give the root logger a stderr handler
+  in every process that builds a graph (its records then print twice, and ``ortflow run``'s terminal finds Prefect's
+  console handler behind it): the root logger keeps the handlers it had.
 
 Only ``ortflow.trainer`` and ``ortflow.export`` import this module.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import sys
 import types
 from types import ModuleType
@@ -48,10 +52,17 @@ class _OnFirstUse(ModuleType):
 
 
 def _run(name: str) -> ModuleType:
-    """Module ``name``, run now in place of its :class:`_OnFirstUse` placeholder if it has one."""
+    """Module ``name``, run now in place of its :class:`_OnFirstUse` placeholder if it has one (the root logger's
+    handlers as they were)."""
     if isinstance(sys.modules.get(name), _OnFirstUse):
         del sys.modules[name]
-    return importlib.import_module(name)
+    root = logging.getLogger()
+    kept = list(root.handlers)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for handler in [h for h in root.handlers if h not in kept]:
+            root.removeHandler(handler)
 
 
 def _import() -> ModuleType:

@@ -379,3 +379,15 @@ def test_mixed_precision_is_in_the_artifacts_fingerprint(tmp_path):
               fingerprint(cfg(use_mixed_precision=True, use_bfloat16=True))}
     assert len(prints) == 3
     assert fingerprint(cfg()) == fingerprint(cfg(use_mixed_precision=False))  # fp32 runs keep their fingerprint
+
+
+def test_building_graphs_leaves_the_root_loggers_handlers_as_they_were():
+    # The engine's ORT-format tools call logging.basicConfig on import: in a fresh process that would give the root
+    # logger a stderr handler (records printed twice; `ortflow run`'s terminal then misses Prefect's console handler).
+    import subprocess
+    import sys
+
+    code = ("import logging; from ortflow import engine; engine.artifacts; engine.onnxblock; "
+            "print(len(logging.getLogger().handlers))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "0", out.stdout + out.stderr
