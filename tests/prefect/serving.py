@@ -44,29 +44,44 @@ def read_flow_run(flow_run_id):
         return client.read_flow_run(flow_run_id)
 
 
+def start_serve(config_file: Path, env: dict[str, str], cwd: Path, log: Path, extra: list[str] = ()
+                ) -> subprocess.Popen:
+    """``ortflow serve CONFIG [EXTRA...]`` from ``cwd`` in a subprocess writing to ``log``; returns at once."""
+    with log.open("w") as out:
+        # The console script, as users run it (``python -m`` would put the start folder first on sys.path).
+        return subprocess.Popen([str(Path(sys.executable).parent / "ortflow"), "serve", str(config_file), *extra],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def wait_served(proc: subprocess.Popen, name: str, log: Path,
+                flows: tuple[str, ...] = ("train-pipeline", "export-only"), timeout: float = 90) -> None:
+    """Wait for the deployments of ``flows`` named ``name`` to exist, while ``proc`` (``ortflow serve``) runs."""
+    wait_for(lambda: proc.poll() is not None or all(deployment_exists(f"{flow}/{name}") for flow in flows),
+             timeout, f"ortflow serve to register the deployments of {name}", 0.5)
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    """SIGTERM (the runner pauses its schedules and exits), SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def serving(config_file: Path, env: dict[str, str], name: str, cwd: Path, log: Path, extra: list[str] = (),
             flows: tuple[str, ...] = ("train-pipeline", "export-only")) -> Iterator[subprocess.Popen]:
     """Run ``ortflow serve CONFIG [EXTRA...]`` from ``cwd`` until the block ends; waits for the deployments of
     ``flows`` (default both) to exist."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            # The console script, as users run it (``python -m`` would put the start folder first on sys.path).
-            [str(Path(sys.executable).parent / "ortflow"), "serve", str(config_file), *extra], env=env, stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-        )
-        try:
-            wait_for(lambda: proc.poll() is not None or all(deployment_exists(f"{flow}/{name}") for flow in flows),
-                     90, "ortflow serve to register its deployments", 0.5)
-            assert proc.poll() is None, log.read_text()[-3000:]
-            yield proc
-        finally:
-            proc.terminate()  # the runner pauses its schedules and exits on SIGTERM
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    proc = start_serve(config_file, env, cwd, log, extra)
+    try:
+        wait_served(proc, name, log, flows)
+        yield proc
+    finally:
+        stop_serve(proc)
 
 
 def slots_in_use(deployment_id) -> int:
