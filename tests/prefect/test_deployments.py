@@ -5,8 +5,12 @@ process alive, SIGTERM to ``ortflow serve`` stops its run with a stop checkpoint
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,27 +102,23 @@ def _flow_run_process(pid: int) -> int | None:
     return None
 
 
-def test_a_second_run_on_a_busy_folder_is_refused_with_the_holder_named_and_cancelling_the_holder_leaves_no_rank_alive(
-        served, mlp_sources):
-    import os
+@contextlib.contextmanager
+def _frozen(pids: list[int]) -> Iterator[None]:
+    """The processes are stopped (SIGSTOP) in the block and continue after it."""
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
-    from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
 
+def _second_runs_refused(long, served, run, holder: int, ranks: list[int], versions: list[Path]) -> None:
+    """A second run of the folder while the served run holds it: ``ortflow run`` and a run that reaches the flow
+    are refused with the holder named, and start nothing."""
     from ortflow.flows import train_pipeline
-
-    long = mlp_config(served["root"], mlp_sources, "cancelled",
-                      train={"num_train_steps": 200000, "display_loss_steps": 5, "evaluation_period": 0},
-                      checkpoint={"period": 1000, "max_num_checkpoints": 1})
-    with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("train-pipeline/served")
-        # The whole RunConfig goes through the API as JSON and is validated again by the flow run.
-        run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
-    wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and any(long.output_dir.glob("versions/*/progress.json")),
-             240, "two ranks training")  # a served run trains a new version
-    ranks, versions = sorted(rank_pids(long.output_dir)), sorted(long.output_dir.glob("versions/*"))
-    holder = _flow_run_process(ranks[0])
-    assert holder is not None, "the ranks do not descend from a flow-run process"
 
     # A second run of the folder while the served run trains it: `ortflow run` is refused with the holder named.
     config_file = write_config(long, served["root"] / "cancelled.yaml")
@@ -138,6 +138,26 @@ def test_a_second_run_on_a_busy_folder_is_refused_with_the_holder_named_and_canc
     assert sorted(rank_pids(long.output_dir)) == ranks
     assert sorted(long.output_dir.glob("versions/*")) == versions
 
+
+def test_a_second_run_on_a_busy_folder_is_refused_with_the_holder_named_and_cancelling_the_holder_leaves_no_rank_alive(
+        served, mlp_sources):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    long = mlp_config(served["root"], mlp_sources, "cancelled",
+                      train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                      checkpoint={"period": 1000, "max_num_checkpoints": 1})
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("train-pipeline/served")
+        # The whole RunConfig goes through the API as JSON and is validated again by the flow run.
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": long.model_dump(mode="json")})
+    wait_for(lambda: len(rank_pids(long.output_dir)) == 2 and any(long.output_dir.glob("versions/*/progress.json")),
+             240, "two ranks training")  # a served run trains a new version
+    ranks, versions = sorted(rank_pids(long.output_dir)), sorted(long.output_dir.glob("versions/*"))
+    holder = _flow_run_process(ranks[0])
+    assert holder is not None, "the ranks do not descend from a flow-run process"
+    with _frozen(ranks):  # the run holds its folder meanwhile; its ranks need not burn two cores
+        _second_runs_refused(long, served, run, holder, ranks, versions)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)
     state = _final_state(run.id, 90)
