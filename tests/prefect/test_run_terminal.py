@@ -24,7 +24,8 @@ INTERNAL = ("gradient scales folded", "parameters sha256", "Saved training model
 def test_the_terminal_shows_stages_progress_summary_and_next_steps_and_the_log_keeps_the_rest(
     prefect_server, mlp_sources, tmp_path
 ):
-    cfg = mlp_config(tmp_path, mlp_sources, "terminal", train={"num_train_steps": 20, "display_loss_steps": 5})
+    cfg = mlp_config(tmp_path, mlp_sources, "terminal", train={"num_train_steps": 20, "display_loss_steps": 5},
+                     distributed={"num_ranks": 1, "threads_per_rank": 1})  # one rank's lines are the log's
     config_file = write_config(cfg, tmp_path / "terminal.yaml")
     done = subprocess.run([ORTFLOW, "run", str(config_file)], env=prefect_server, capture_output=True, text=True,
                           timeout=400, cwd=tmp_path)
