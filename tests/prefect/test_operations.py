@@ -212,7 +212,7 @@ def _start_runs(deployments: dict, procs: dict, calls: list) -> dict:
             killed.append(call)
         return "skipped" in runs and bool(killed)
 
-    wait_for(step, 300, "the first run to end and the late alert of the lost run", 0.5)
+    wait_for(step, 400, "the first run to end and the late alert of the lost run", 0.5)
     return runs
 
 
@@ -240,7 +240,7 @@ def _windows_passed(runs: dict) -> None:
              "the ended runs' zombie-run windows to pass", 1)
 
 
-@pytest.mark.timeout(600)  # the runs, the lost run's late window and zombie window (60 s after its heartbeat)
+@pytest.mark.timeout(900)  # the runs, the lost run's late window and zombie window (60 s after its heartbeat)
 def test_alerts_come_once_and_only_for_failed_crashed_and_late_runs_and_a_failing_scheduled_run_calls_the_webhook(
     prefect_server, mlp_sources, tmp_path, webhook
 ):
