@@ -54,8 +54,9 @@ def start_serve(config_file: Path, env: dict[str, str], cwd: Path, log: Path, ex
 
 
 def wait_served(proc: subprocess.Popen, name: str, log: Path,
-                flows: tuple[str, ...] = ("train-pipeline", "export-only"), timeout: float = 90) -> None:
-    """Wait for the deployments of ``flows`` named ``name`` to exist, while ``proc`` (``ortflow serve``) runs."""
+                flows: tuple[str, ...] = ("train-pipeline", "export-only"), timeout: float = 240) -> None:
+    """Wait for the deployments of ``flows`` named ``name`` to exist, while ``proc`` (``ortflow serve``) runs (a
+    liveness bound: serve's start takes seconds of CPU, and minutes on a machine whose cores are shared many times)."""
     wait_for(lambda: proc.poll() is not None or all(deployment_exists(f"{flow}/{name}") for flow in flows),
              timeout, f"ortflow serve to register the deployments of {name}", 0.5)
     assert proc.poll() is None, log.read_text()[-3000:]

@@ -173,8 +173,8 @@ def _three_serves(env, tmp_path: Path, mlp_sources) -> Iterator[tuple[dict, obje
         for name, (config_file, extra) in files.items():
             procs[name] = start_serve(config_file, env, tmp_path, tmp_path / f"serve-{name}.log", extra)
             stack.callback(stop_serve, procs[name])
-        for name, proc in procs.items():  # three starting at once on a loaded machine: a generous bound
-            wait_served(proc, name, tmp_path / f"serve-{name}.log", timeout=240)
+        for name, proc in procs.items():
+            wait_served(proc, name, tmp_path / f"serve-{name}.log")
         yield procs, trial
 
 
