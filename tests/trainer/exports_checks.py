@@ -66,10 +66,17 @@ def family(export: str) -> str:
     return export.split("-")[0].removesuffix(".onnx")
 
 
+#: Rows of each of a run's two evaluations: two micro-batches, enough to compare every layout's eval loss with the
+#: unsplit run's (the evaluations cost as much as the training steps of these short runs).
+EVAL_ROWS = 4
+
+
 def export_run(root, name, export, **sections):
-    """A run of any committed export (TorchScript or dynamo) on its family's data."""
+    """A run of any committed export (TorchScript or dynamo) on its family's data, evaluated on its first
+    :data:`EVAL_ROWS` eval rows."""
     run = {"bert": bert_run, "vit": vit_run}.get(family(export), gpt2_run)
-    return run(root, name, export=export, **sections)
+    return run(root, name, export=export, **{**sections, "train": {"max_eval_rows": EVAL_ROWS,
+                                                                  **sections.get("train", {})}})
 
 
 class Reference:
@@ -159,9 +166,11 @@ def layout_run(reference: Reference, pp: int, tp: int, name: str = "", **section
                       distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp, "horizontal_parallel_size": tp})
 
 
-def assert_dynamo_layout_trains_to_the_unsplit_parameters(reference: Reference, pp: int, tp: int) -> None:
+def assert_dynamo_layout_trains_to_the_unsplit_parameters(reference: Reference, pp: int, tp: int,
+                                                          tp_atol: float = TP_ATOL):
     """The export at pp x tp (automatic cuts): at tp > 1 every block's attention (by heads) and MLP are split, as on
-    the TorchScript exports; the run ends where the unsplit one does."""
+    the TorchScript exports; the run ends where the unsplit one does (within ``tp_atol`` at tp > 1). Returns the
+    run's config."""
     cfg = layout_run(reference, pp, tp)
     if tp > 1:
         split = split_lines(cfg, pp)
@@ -170,7 +179,8 @@ def assert_dynamo_layout_trains_to_the_unsplit_parameters(reference: Reference, 
             regions = [line for line in split if line.startswith("region") and line.split(", rows")[0].count(marker)]
             assert len(regions) == blocks, (marker, split)
         assert not [line for line in split if line.startswith("kept") and any(m in line for m in markers)], split
-    assert_equal_to(reference, cfg, *train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
+    assert_equal_to(reference, cfg, *train(cfg), atol=tp_atol if tp > 1 else ATOL)
+    return cfg
 
 
 def dp2_run(reference: Reference):

@@ -1,10 +1,11 @@
 """Data, pipeline and tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2
 key/value heads; RoPE; SwiGLU), trained unmodified under mpiexec, each layout against the one unsplit run of its
 export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
-key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 (a layer per stage) end where the
-unsplit run ends; the dynamo exports also train in pp 2 and pp 2 x tp 2 with automatic cuts, at dp 2 on their torch
-parameters, as their TorchScript twin, and with ZeRO-1 and Adasum (what test_exports_parallel_mpi.py asserts on GPT-2
-and BERT: tests/trainer/exports_checks.py)."""
+key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
+TorchScript export's stages cut by hand between its layers, the dynamo exports' cut automatically, inside the second
+layer); the dynamo exports also train in pp 2 with automatic cuts, at dp 2 on their torch parameters, as their
+TorchScript twin, and with ZeRO-1 and Adasum (what test_exports_parallel_mpi.py asserts on GPT-2 and BERT:
+tests/trainer/exports_checks.py)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ pytestmark = pytest.mark.mpi
 LLAMA_TP_ATOL = 1e-4
 DYNAMO = [e for e in LLAMA_EXPORTS if "dynamo" in e]
 
-# The residual stream after the first decoder layer: each stage holds one layer's attention and MLP.
-BLOCK_0_OUT = {"llama.onnx": "/model/model/layers.0/Add_1_output_0", "llama-dynamo.onnx": "add_394",
-               "llama-dynamo-noopt.onnx": "add_394"}
+# The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
+# MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_dynamo_stages_and_tensor_pieces_train_to_the_
+# unsplit_parameters_with_attention_split_by_heads).
+BLOCK_0_OUT = "/model/model/layers.0/Add_1_output_0"
 
 
 def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
@@ -53,12 +55,9 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
     return shapes
 
 
-@pytest.mark.parametrize("export_dp", LLAMA_EXPORTS, indirect=True)
-@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
-def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_dp, pp):
-    export = export_dp.cfg.model.path.name
-    cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT[export]]}} if pp > 1 else {}
-    cfg = layout_run(export_dp, pp, 2, f"pp{pp}tp2-by-layer", **cuts)
+def assert_attention_split_by_heads(cfg, pp: int) -> None:
+    """Every layer's attention and MLP are split regions (none kept replicated), and each tensor-parallel rank holds
+    half of the query heads, one of the two key/value heads and the output projection's columns that read them."""
     regions = split_lines(cfg, pp)  # a stage's lines name the stage first
     assert not [line for line in regions if "kept replicated" in line and "self_attn" in line], regions
     for marker in (".self_attn.q_proj.", ".mlp.gate_proj."):  # each layer's attention and MLP: a region, not kept
@@ -74,15 +73,33 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
             assert shapes[f"{attn}.k_proj.weight"] == [16, 64] and shapes[f"{attn}.v_proj.weight"] == [16, 64]
             assert shapes[f"{attn}.o_proj.weight"] == [64, 32]
             assert shapes[f"model.model.layers.{layer}.mlp.gate_proj.weight"] == [64, 64]
+
+
+# tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript export (the dynamo exports' pp 2 x
+# tp 2 runs, cut automatically, assert the same below).
+BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in LLAMA_EXPORTS],
+            pytest.param("llama.onnx", 2, id="pp2xtp2-blocks-llama.onnx")]
+
+
+@pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
+def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_dp, pp):
+    cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT]}} if pp > 1 else {}
+    cfg = layout_run(export_dp, pp, 2, f"pp{pp}tp2-by-layer", **cuts)
+    assert_attention_split_by_heads(cfg, pp)
     # Llama has no attention key bias: every parameter is held to the bound (its losses and evaluations too)
     assert_equal_to(export_dp, cfg, *train(cfg), atol=LLAMA_TP_ATOL)
 
 
 @pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
 @pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2", "pp2xtp2"])
-def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
-    """Automatic cuts (inside the second layer, where the split above cuts between the layers)."""
-    assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
+def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention_split_by_heads(export_dp, pp,
+                                                                                                       tp):
+    """Automatic cuts (inside the second layer, where the TorchScript export's pp 2 x tp 2 run is cut by hand between
+    the layers); at tp 2 attention is split by heads as on tp 2 alone, and the run ends within the tensor-parallel
+    bound of the Llama exports."""
+    cfg = assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp, tp_atol=LLAMA_TP_ATOL)
+    if tp > 1:
+        assert_attention_split_by_heads(cfg, pp)
 
 
 @pytest.mark.parametrize("export_dp", [*DYNAMO, "llama-fresh-dynamo.onnx"], indirect=True)
