@@ -128,12 +128,30 @@ _BACKGROUND = None
 def start_ranks(cfg: RunConfig, timeout: float = 600):
     """Start the job and return at once: a future of :func:`run_ranks`'s result (``.result()`` waits for it), so that
     the test can configure its next run while this one trains."""
+    return _pool().submit(run_ranks, cfg, timeout=timeout)
+
+
+def _pool():
     from concurrent.futures import ThreadPoolExecutor
 
     global _BACKGROUND
     if _BACKGROUND is None:
         _BACKGROUND = ThreadPoolExecutor(4, thread_name_prefix="ranks")
-    return _BACKGROUND.submit(run_ranks, cfg, timeout=timeout)
+    return _BACKGROUND
+
+
+def start_script_ranks(cfg: RunConfig, script: str, *args: str, timeout: float = 120):
+    """Start the job of a test script wrapping the entry point (:func:`run_ranks`) and return at once: a future of
+    ``(result, seconds the job ran)``, so that a job that mostly waits (a rank made to hang) overlaps the test's other
+    jobs."""
+    import time
+
+    def timed():
+        started = time.monotonic()
+        out = run_ranks(cfg, script, *args, timeout=timeout)
+        return out, time.monotonic() - started
+
+    return _pool().submit(timed)
 
 
 def run_ranks_together(*cfgs: RunConfig, timeout: float = 300,

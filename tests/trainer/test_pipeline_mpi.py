@@ -15,7 +15,15 @@ from ortflow.checkpoints import list_complete, verify
 from ortflow.checkpoints.h5state import params_files, stage_file
 from tests.support.mlp_stack import B, T, build_torchlike
 from tests.support.parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
-from tests.support.runs import make_run, make_text_run, rank_command, run_ranks, run_ranks_together, start_ranks
+from tests.support.runs import (
+    make_run,
+    make_text_run,
+    rank_command,
+    run_ranks,
+    run_ranks_together,
+    start_ranks,
+    start_script_ranks,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -77,9 +85,20 @@ CLIP = {"max_grad_norm": 0.5}
 
 
 @pytest.fixture(scope="module")
-def unsplit(tmp_path_factory):
+def hung_stage(tmp_path_factory):
+    """The 2-stage job whose stage 1 hangs in its first backward call (fault_stage.py), started with the module's
+    first run (:func:`unsplit`): it waits out its collective timeout while the other runs train. The future of its
+    output and the seconds it ran."""
+    cfg = make_text_run(tmp_path_factory.mktemp("hang"), "hang", distributed={
+        "num_ranks": 2, "pipeline_parallel_size": 2, "collective_timeout_s": 2.0}, train=TRAIN)
+    return start_script_ranks(cfg, str(Path(__file__).with_name("fault_stage.py")), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def unsplit(tmp_path_factory, hung_stage):
     """One 1-rank run of the 1-layer GPT (SPLIT_TRAIN, every update clipped), the reference of the 2- and 3-stage
-    runs; returns its config and the future of its output (it trains while the split runs configure)."""
+    runs; returns its config and the future of its output (it trains while the split runs configure). The hung-stage
+    job starts first."""
     cfg = make_text_run(tmp_path_factory.mktemp("unsplit"), "pp1", distributed={"num_ranks": 1}, train=SPLIT_TRAIN,
                         optimizer=CLIP)
     return cfg, start_ranks(cfg)
@@ -224,15 +243,12 @@ def test_export_stitches_the_stages_into_the_unsplit_eval_graph(tmp_path, straig
     assert any(not np.array_equal(initial[n], params[n]) for n in params)  # trained, not the initial weights
 
 
-def test_a_hung_stage_is_named_when_its_neighbour_times_out(tmp_path):
-    cfg = make_text_run(tmp_path, "hang", distributed={"num_ranks": 2, "pipeline_parallel_size": 2,
-                                                       "collective_timeout_s": 2.0}, train=TRAIN)
-    started = time.monotonic()
-    out = run_ranks(cfg, str(Path(__file__).with_name("fault_stage.py")), timeout=60)
+def test_a_hung_stage_is_named_when_its_neighbour_times_out(hung_stage):
+    out, seconds = hung_stage.result()
     assert out.returncode != 0
     assert "'recv grad mb0 <- stage 1' waited" in out.stdout, out.stdout
     assert "stalled: rank 1 (last entered" in out.stdout, out.stdout
-    assert time.monotonic() - started < 40
+    assert seconds < 40
 
 
 def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path, straight):
