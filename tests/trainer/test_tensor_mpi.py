@@ -4,7 +4,6 @@ killed and resumed, merged, exported and warm-started."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks, run_ranks_together
+from tests.support.runs import copied_run, run_ranks, run_ranks_together, start_script_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -76,9 +75,20 @@ def tp_run(configured: dict, root: Path, name: str, **sections):
 
 
 @pytest.fixture(scope="module")
-def trained(configured, tmp_path_factory, gpt_unsplit):
+def hung(configured, tmp_path_factory):
+    """The tp 2 job whose rank 1 hangs in its first micro-batch (fault_tensor.py), started with the module's first runs
+    (:func:`trained`): it waits out its collective timeout while they train. The future of its output and the seconds
+    it ran."""
+    cfg = tp_run(configured, tmp_path_factory.mktemp("hang"), "hang", distributed={
+        "num_ranks": 2, "horizontal_parallel_size": 2, "collective_timeout_s": 2.0})
+    return start_script_ranks(cfg, str(Path(__file__).with_name("fault_tensor.py")), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def trained(configured, tmp_path_factory, gpt_unsplit, hung):
     """The unsplit and split runs of each (tp, ranks, rule), made once for every test that asks (:func:`runs_of`);
-    the one-rank AdamW run is the session's (tests/trainer/conftest.py), shared with test_pipe_tensor_mpi.py."""
+    the one-rank AdamW run is the session's (tests/trainer/conftest.py), shared with test_pipe_tensor_mpi.py. The
+    hung job starts first."""
     return {"configured": configured, "factory": tmp_path_factory, "unsplit": gpt_unsplit}
 
 
@@ -88,19 +98,40 @@ def split_sections(ranks: int, rule: str, tp: int = 2) -> dict:
             "optimizer": {"name": rule, "learning_rate": LR[rule]}}
 
 
+# The SGD runs start from the weights of the one-rank AdamW run's last checkpoint (a whole-model params.h5) and train
+# 4 updates of a global batch of 8 (on tp 2 x dp 1 each update reads 8 samples), evals after 2 and 4: they are the
+# SGD comparison, the warm-start test and the global-batch test at once.
+WARM_TRAIN = {"global_batch_size": 8, "num_train_steps": 4, "gradient_accumulation_steps": 1, "evaluation_period": 2}
+
+
+def warm_start(trained: dict) -> Path:
+    """The checkpoint the SGD runs start from: the one-rank AdamW run's last (4 updates)."""
+    whole, job = trained["unsplit"]
+    assert job.result().returncode == 0, job.result().stdout
+    return newest(whole)
+
+
+def sections_of(trained: dict, ranks: int, rule: str, tp: int) -> dict:
+    """:func:`split_sections`, from :func:`warm_start` with :data:`WARM_TRAIN` for SGD."""
+    sections = split_sections(ranks, rule, tp)
+    if rule == "sgd":
+        sections.update(train=WARM_TRAIN, checkpoint={**EVERY, "init_from": str(warm_start(trained))})
+    return sections
+
+
 def runs_of(trained: dict, tp: int, ranks: int, rule: str):
-    """tp 1 on ranks / tp replicas and tp ``tp`` on ``ranks`` ranks (``rule``; 4 updates, evals after 2 and 4), run
-    to their end: (whole, split, whole's output, split's output)."""
+    """tp 1 on ranks / tp replicas and tp ``tp`` on ``ranks`` ranks (``rule``; 4 updates, evals after 2 and 4; SGD
+    from :func:`warm_start`), run to their end: (whole, split, whole's output, split's output)."""
     key = (tp, ranks, rule)
     if key not in trained:
         root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
-        split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **split_sections(ranks, rule, tp))
+        split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **sections_of(trained, ranks, rule, tp))
         if ranks == tp and rule == "adamw":  # the session's unsplit run: the same model, data, optimizer, checkpoints
             whole, job = trained["unsplit"]
             out2 = run_ranks(split, timeout=300)
             out1 = job.result()
         else:
-            whole = tp_run(trained["configured"], root, "tp1", **split_sections(ranks // tp, rule, 1))
+            whole = tp_run(trained["configured"], root, "tp1", **sections_of(trained, ranks // tp, rule, 1))
             out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
         assert out1.returncode == 0, out1.stdout
         assert out2.returncode == 0, out2.stdout
@@ -114,7 +145,7 @@ def test_split_trains_to_the_unsplit_parameters(trained, tp, ranks, rule):
     p1, p2 = read_params(newest(whole)), read_params(newest(split))  # the split one's slices merged
     assert sorted(p1) == sorted(p2)
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
-    initial = initial_parameters(whole)
+    initial = read_params(warm_start(trained)) if rule == "sgd" else initial_parameters(whole)
     moved = max(float(np.abs(p1[n] - initial[n]).max()) for n in p1)
     print(f"tp {tp} on {ranks} ranks, {rule}: max |param diff| vs tp 1: {worst}; largest move in training {moved}")
     assert worst < ATOL[rule] and moved > 10 * ATOL[rule]  # the runs trained, and to the same place
@@ -153,16 +184,17 @@ def test_a_torch_shaped_gpt_with_fused_qkv_trains_to_the_unsplit_parameters(tmp_
 
 @pytest.fixture(scope="module")
 def straight(trained):
-    """The finished tp 2 run on 2 ranks (AdamW, 4 updates, a checkpoint after each), shared by the kill/resume test
-    (the uninterrupted reference), the merge/export test (its last checkpoint) and the resharding test (its step-2
-    one)."""
+    """The finished tp 2 run on 2 ranks (AdamW, 4 updates, a checkpoint after each), shared by the merge/export test
+    (its last checkpoint) and the resharding test (its step-2 one)."""
     return runs_of(trained, 2, 2, "adamw")[1]
 
 
-@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "tp2xdp2"])
+# As 2 replicas of tp 2: replica 0's two tensor-parallel ranks write and every rank reads the files a tp 2 run on 2
+# ranks writes and reads (the same file names, asserted below), and the replicas resume alike.
+@pytest.mark.parametrize("ranks", [4], ids=["tp2xdp2"])
 def test_kill_and_resume_is_bitwise_identical(trained, ranks):
-    """A tp 2 run (on 2 ranks, and as 2 replicas on 4) killed after its first checkpoint resumes from it and ends with
-    every tensor-parallel rank's files bitwise those of the uninterrupted run (:func:`runs_of`)."""
+    """A tp 2 run (as 2 replicas on 4 ranks) killed after its first checkpoint resumes from it and ends with every
+    tensor-parallel rank's files bitwise those of the uninterrupted run (:func:`runs_of`)."""
     straight = runs_of(trained, 2, ranks, "adamw")[1]
     resumed = tp_run(trained["configured"], straight.output_dir.parent, "resumed", **split_sections(ranks, "adamw"))
     done = kill_after_first_checkpoint(resumed, wait_s=180)
@@ -225,48 +257,26 @@ def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_anothe
         out.stdout[-3000:]
 
 
-@pytest.fixture(scope="module")
-def warm_started(configured, trained, tmp_path_factory):
-    """An unsplit run and a tp 2 run (SGD, 2 updates of a global batch of 8), both started from the weights of an
-    unsplit AdamW run's last checkpoint: (whole, split, whole's output, split's output). The warm-start test and the
-    global-batch test read them."""
-    root = tmp_path_factory.mktemp("warm")
-    opt = {"name": "sgd", "learning_rate": LR["sgd"]}
-    # global batch 8 on tp 2 x dp 1: each update sees 8 samples, so 2 updates read 16
-    short = {"global_batch_size": 8, "num_train_steps": 2, "gradient_accumulation_steps": 1, "evaluation_period": 0}
-    first = runs_of(trained, 2, 2, "adamw")[0]  # an unsplit run (one rank, 4 AdamW updates)
-    start = {"init_from": str(newest(first))}  # params.h5 of an unsplit run
-    whole = tp_run(configured, root, "whole", distributed={"num_ranks": 1}, optimizer=opt, train=short,
-                   checkpoint=start)
-    split = tp_run(configured, root, "split", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
-                   optimizer=opt, train=short, checkpoint=start)
-    out1, out2 = run_ranks_together(whole, split)
-    assert out1.returncode == 0, out1.stdout[-3000:]
-    assert out2.returncode == 0, out2.stdout[-3000:]
-    return whole, split, out1, out2
-
-
-def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(trained, warm_started):
-    whole, split, _, out2 = warm_started
+def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(trained):
+    """The SGD runs of :func:`runs_of` start from a whole-model checkpoint (:func:`warm_start`): the tp 2 run slices
+    its weights, trains on from them and ends where the unsplit run does."""
+    whole, split, _, out2 = runs_of(trained, 2, 2, "sgd")
     assert "starting from the weights of" in out2.stdout
     p1, p2 = read_params(newest(whole)), read_params(newest(split))
-    reference = read_params(newest(runs_of(trained, 2, 2, "adamw")[0]))  # the weights both started from
+    reference = read_params(warm_start(trained))  # the weights both started from
     assert max(float(np.abs(p1[n] - p2[n]).max()) for n in p1) < ATOL["sgd"]
     assert max(float(np.abs(p1[n] - reference[n]).max()) for n in p1) > 1e3 * ATOL["sgd"]  # it trained on from there
 
 
-def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(warm_started):
-    split = warm_started[1]  # global batch 8 on tp 2 x dp 1, 2 updates
+def test_a_global_batch_is_split_over_the_replicas_not_the_tensor_parallel_ranks(trained):
+    split = runs_of(trained, 2, 2, "sgd")[1]  # global batch 8 on tp 2 x dp 1, 4 updates
     info = list_complete(split.checkpoints_dir)[-1]
-    assert info.step == 2 and info.meta["global_cursor"] == info.step * 8, info.meta
+    assert info.step == 4 and info.meta["global_cursor"] == info.step * 8, info.meta
 
 
-def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(tmp_path, configured):
-    cfg = tp_run(configured, tmp_path, "hang", distributed={"num_ranks": 2, "horizontal_parallel_size": 2,
-                                                 "collective_timeout_s": 2.0})
-    started = time.monotonic()
-    out = run_ranks(cfg, str(Path(__file__).with_name("fault_tensor.py")), timeout=60)
+def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(hung):
+    out, seconds = hung.result()
     assert out.returncode != 0
     assert "'tensor-parallel activation sum' waited" in out.stdout, out.stdout[-3000:]
     assert "stalled: rank 1" in out.stdout, out.stdout[-3000:]
-    assert time.monotonic() - started < 40
+    assert seconds < 40
