@@ -162,11 +162,16 @@ def test_evaluate_equals_the_recorded_eval_loss(trained, ranks):
     assert compared == 2  # the evals after updates 2 and 4
 
 
+# The killed runs evaluate between their checkpoints (eval must leave the weights and running statistics as they are);
+# a few eval batches show that as well as the whole split.
+KILLED_EVAL_ROWS = 8
+
+
 def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
     from tests.support.runs import kill_and_resume
 
     settings = dict(batchnorm_sync="average", num_train_steps=K * 80, evaluation_period=7,
-                    checkpoint={"period": 10, "max_num_checkpoints": 3})
+                    max_eval_rows=KILLED_EVAL_ROWS, checkpoint={"period": 10, "max_num_checkpoints": 3})
     steady, killed = cnn_run(tmp_path, "steady", 2, **settings), cnn_run(tmp_path, "killed", 2, **settings)
     kill_and_resume(killed, min_step=30, end_step=80, timeout=300, beside=steady)
     a = checkpoint_values(list_complete(steady.checkpoints_dir)[-1].path)
@@ -228,7 +233,7 @@ def test_a_killed_two_stage_batchnorm_run_resumes_bitwise(tmp_path):
     from tests.support.runs import kill_and_resume
 
     settings = dict(distributed={"pipeline_parallel_size": 2}, num_train_steps=K * 80, evaluation_period=7,
-                    checkpoint={"period": 10, "max_num_checkpoints": 3})  # fmt: skip
+                    max_eval_rows=KILLED_EVAL_ROWS, checkpoint={"period": 10, "max_num_checkpoints": 3})
     steady, killed = cnn_run(tmp_path, "steady", 2, **settings), cnn_run(tmp_path, "killed", 2, **settings)
     kill_and_resume(killed, min_step=30, end_step=80, timeout=300, beside=steady)
     a = read_params(list_complete(steady.checkpoints_dir)[-1].path)
