@@ -35,6 +35,9 @@ CLIP = 0.05  # below the measured norms: every update clips by the global norm, 
 
 
 EVERY = {"period": 1, "max_num_checkpoints": 10}
+# No evaluation: these tests compare parameters, losses, norms and optimizer state (evaluation through tensor pieces
+# and stages: test_tensor_mpi.py, test_pipe_tensor_mpi.py).
+NO_EVAL = {"evaluation_period": 0}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +58,9 @@ def runs_of(trained: dict, name: str):
             return copied_run(done[0][index], gpt_run, root, run_name, **sections) if done else \
                 gpt_run(root, run_name, **sections)
 
-        whole = make("dp2", 1, distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY)
+        whole = make("dp2", 1, distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY, train=NO_EVAL)
         split = make("dp2tp2", 2, distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
-                     optimizer=opt, checkpoint=EVERY)
+                     optimizer=opt, checkpoint=EVERY, train=NO_EVAL)
         out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
         assert out1.returncode == 0, out1.stdout[-3000:]
         assert out2.returncode == 0, out2.stdout[-3000:]
@@ -107,6 +110,7 @@ def test_adasum_over_pp2_x_tp2_replicas_matches_adasum_over_unsplit_replicas(tra
     per-replica norm summed over the replica's stages and tp ranks, a tied weight summed across stages first."""
     _, whole, _, _, _ = runs_of(trained, "adasum")
     split = gpt_run(whole.output_dir.parent, "dp2pp2tp2", optimizer={"name": "adamw", "max_grad_norm": CLIP},
+                    train=NO_EVAL,
                     distributed={"num_ranks": 8, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2,
                                  **EXCHANGES["adasum"]})
     out = run_ranks(split, timeout=600)
@@ -123,7 +127,7 @@ def test_a_killed_zero1_tensor_parallel_run_resumes_bitwise_from_its_replicas_sh
     resumed = copied_run(straight, gpt_run, straight.output_dir.parent, "resumed",
                          optimizer={"name": "adamw", "max_grad_norm": CLIP},
                          distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **EXCHANGES["zero1"]},
-                         checkpoint=EVERY)
+                         checkpoint=EVERY, train=NO_EVAL)
     done = kill_after_first_checkpoint(resumed)
     assert done and done[-1] < 4, done
     out = run_ranks(resumed, timeout=300)
