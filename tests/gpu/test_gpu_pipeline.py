@@ -1,6 +1,7 @@
-"""Pipeline stages on GPUs with NCCL point-to-point (skipped without 2 GPUs, the GPU engine and CuPy).
+"""Pipeline stages on GPUs (skipped without 2 GPUs, the GPU engine and CuPy).
 
-These tests run the NCCL send/recv path of comm/nccl.py (CPU ranks use MPI's).
+Stages pass activations and gradients as host arrays over the process group (MPI), as CPU stages do; the replicas of a
+stage average their gradients with NCCL.
 
 Tolerance against the unsplit model on one GPU: the CUDA provider runs matmuls in TF32 by default (10-bit mantissa,
 relative error ~5e-4 per product). Each stage runs the unsplit graph's operators on the same micro-batch shapes, so
@@ -53,13 +54,16 @@ def _compare(split, unsplit) -> float:
     return worst
 
 
-def test_two_gpu_stages_match_one_gpu(tmp_path):
+def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path):
+    """8 micro-batches per update: 1F1B keeps up to 2 in flight on stage 0, so activations and gradients of different
+    micro-batches cross between the stages in both directions at once (the schedule that once stalled on GPUs)."""
     from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN
 
-    one = make_text_run(tmp_path, "one", distributed={**GPU, "num_ranks": 1}, train=TRAIN)
+    train = {**TRAIN, "num_train_steps": 32, "gradient_accumulation_steps": 8}
+    one = make_text_run(tmp_path, "one", distributed={**GPU, "num_ranks": 1}, train=train)
     two = make_text_run(tmp_path, "two", distributed={**GPU, "num_ranks": 2, "pipeline_parallel_size": 2},
-                        train=TRAIN)
+                        train=train)
     _run(one, 1)
     log = _run(two, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 1/2 (local 1/2) on cuda:1" in log, log[-3000:]

@@ -93,6 +93,9 @@ class Communicator(Protocol):
     def wait_sends(self, label: str) -> None:
         """Wait for this rank's started sends to complete."""
 
+    def pending_send_bytes(self) -> int:
+        """Bytes of sent tensors this rank still holds (not yet known to be received; 0 where none can be)."""
+
     def gather_object(self, obj: object, label: str) -> list | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
 
@@ -101,10 +104,6 @@ class Communicator(Protocol):
 
     def copy_from_host(self, buffer, values: np.ndarray) -> None:
         """``values`` into one of this rank's buffers (host or device), done when this returns."""
-
-    def open_point_to_point(self, tags: Sequence[int]) -> None:
-        """Make this group's point-to-point channels for ``tags`` now, in this order on every rank (NCCL's are
-        collective to create; MPI needs none), before any transfer is in flight."""
 
     def close(self) -> None:
         """Release resources (stop the watchdog)."""
@@ -187,8 +186,8 @@ class SingleProcessComm:
     def gather_object(self, obj: object, label: str) -> list | None:
         return [obj]
 
-    def open_point_to_point(self, tags: Sequence[int]) -> None:
-        pass
+    def pending_send_bytes(self) -> int:
+        return 0
 
     def copy_to_host(self, buffer: np.ndarray) -> np.ndarray:
         return np.array(buffer, copy=True)

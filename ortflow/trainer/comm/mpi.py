@@ -364,9 +364,6 @@ class MPIComm:
         time.sleep(0.5)  # the error line this rank just wrote must reach the launcher before MPI kills every proxy
         self.comm.Abort(code)
 
-    def open_point_to_point(self, tags: Sequence[int]) -> None:
-        """MPI's point-to-point needs no set-up."""
-
     def copy_to_host(self, buffer: np.ndarray) -> np.ndarray:
         return np.array(buffer, copy=True)
 

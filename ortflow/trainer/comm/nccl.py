@@ -362,64 +362,33 @@ class NCCLComm:
         # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
         self.stream.synchronize()
 
-    # -- pipeline: sub-groups and point-to-point; tests/gpu/test_gpu_pipeline.py runs it on 2 GPUs. The engine's Python
-    # API returns forward outputs and input gradients as host arrays, so each message is staged host -> device -> NCCL
-    # -> device -> host; MPI point-to-point is as direct on one host. Activations and gradients travel on two
-    # communicators, each with its own stream: activations only flow forward and gradients only backward, so neither
-    # stream waits on a message the other direction has not posted yet (1F1B interleaves the two directions). A stage's
-    # send kernels may still run on its GPU while it waits for a gradient: they complete when the next stage receives,
-    # which needs nothing from this stage, so no cycle of waits forms. The shape goes first over MPI (the receiver
-    # allocates); every host wait (the shape, the stream synchronize, the sends at the end of a step) runs under the
-    # watchdog, so a stalled peer is named and the job aborted rather than hung.
+    # -- pipeline: sub-groups and point-to-point. The engine's Python API returns forward outputs and input gradients
+    # as host arrays, so a pipeline message goes over the process group (MPI) as on CPU ranks: host to host, sends that
+    # complete without their receiver's GPU. NCCL point-to-point would stage each message host -> device -> NCCL ->
+    # device -> host, and its send and receive kernels each wait on the GPU for their peer: with more than two
+    # micro-batches in flight per update, two stages' kernels waited on each other until the watchdog aborted the job
+    # (tests/gpu/test_gpu_pipeline.py runs 8 micro-batches per update).
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
         return NCCLComm(self.group.split(color, label), self.device_index, self.allreduce_dtype, self.packed,
                         self.bucket_mb)
 
-    def open_point_to_point(self, tags: Sequence[int]) -> None:
-        """Make the p2p communicator of each tag now, in this order on every rank of the group (NCCL init is
-        collective): made lazily, an init could start while this rank's GPU still runs a send that waits on a peer."""
-        for tag in tags:
-            self._p2p(tag)
-
-    def _p2p(self, tag: int) -> tuple:
-        if not hasattr(self, "_links"):
-            self._links = {}
-        if tag not in self._links:
-            uid = self._nccl.get_unique_id() if self.rank == 0 else None
-            uid = self.group.broadcast(uid, f"nccl p2p id {tag}")
-            comm = self.group.watched("nccl p2p init", lambda: self._nccl.NcclCommunicator(self.size, uid, self.rank))
-            self._links[tag] = (comm, self._cp.cuda.Stream(non_blocking=True), [])
-        return self._links[tag]
-
     @property
     def host(self) -> Communicator:
-        """The process group: host arrays go over it, not through the GPU (a tied gradient summed on the host)."""
+        """The process group: host arrays go over it, not through the GPU (pipeline messages, a tied gradient's sum)."""
         return self.group
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
-        comm, stream, pending = self._p2p(tag)
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        self.group.send_object(array.shape, dest, tag)  # the shape first, over MPI: the receiver allocates
-        with stream:
-            device = self._cp.asarray(array)
-        comm.send(device.data.ptr, array.size, self._nccl.NCCL_FLOAT32, dest, stream.ptr)
-        pending.append(device)  # the device copy must live until the send completes
+        self.group.send(array, dest, tag)
 
     def recv(self, source: int, tag: int, label: str) -> np.ndarray:
-        comm, stream, _ = self._p2p(tag)
-        shape = self.group.recv_object(source, tag, label)
-        device = self._cp.empty(shape, dtype=self._cp.float32)
-        comm.recv(device.data.ptr, device.size, self._nccl.NCCL_FLOAT32, source, stream.ptr)
-        # Sync point: the host hands the received tensor to the engine next.
-        self.group.watched(label, stream.synchronize)
-        return self._cp.asnumpy(device)
+        return self.group.recv(source, tag, label)
+
+    def pending_send_bytes(self) -> int:
+        return self.group.pending_send_bytes()
 
     def wait_sends(self, label: str) -> None:
-        for _, stream, pending in getattr(self, "_links", {}).values():
-            self.group.watched(label, stream.synchronize)
-            pending.clear()
         self.group.wait_sends(label)
 
     def gather_object(self, obj: object, label: str) -> list | None:

@@ -32,7 +32,6 @@ from ortflow.trainer.parallel.kept_activations import KeptActivations, keep_piec
 from ortflow.trainer.parallel.layout_model import DataParallel, LayoutModel
 from ortflow.trainer.parallel.parallel_dims import Groups, ParallelDims, Place, make_groups
 from ortflow.trainer.parallel.pipeline_stage import PipelineStage, stage_session_options
-from ortflow.trainer.parallel.schedule import ACT_TAG, GRAD_TAG
 from ortflow.trainer.parallel.tensor_parallel_body import TensorParallel, load_pieces, load_sliced_parameters
 from ortflow.trainer.parallel.whole_model import WholeModel
 from ortflow.trainer.startup import (
@@ -52,8 +51,6 @@ def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, 
     """This rank's model in the ``dp x pp x tp`` layout ``dims``: groups joined, sessions opened, state loaded."""
     record = layout_record(cfg, dims)
     where, groups = make_groups(comm, dims)  # Sync points (collective over the world): the sub-groups it joins
-    if dims.pp > 1:
-        groups.pp.open_point_to_point((ACT_TAG, GRAD_TAG))  # NCCL: its p2p communicators, before any transfer
     resume, warm = choose_start(cfg, comm, dims.pp)
     start = resume.path if resume else Path(warm) if warm else None  # a warm start takes the weights only
     threads = threads_per_rank(cfg, comm.local_size, available_cores())

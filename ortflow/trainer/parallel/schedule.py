@@ -90,7 +90,7 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
             stats.compute_s += clock() - started
             for y in outputs:
                 pipe.send(y, stage + 1, ACT_TAG)
-            stats.sent_bytes = max(stats.sent_bytes, _pending_send_bytes(pipe))
+            stats.sent_bytes = max(stats.sent_bytes, pipe.pending_send_bytes())
             continue
         grads = None
         if not rt.last:
@@ -102,15 +102,10 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
             stats.loss_sum += loss
         for g in back:
             pipe.send(g, stage - 1, GRAD_TAG)
-        stats.sent_bytes = max(stats.sent_bytes, _pending_send_bytes(pipe))
+        stats.sent_bytes = max(stats.sent_bytes, pipe.pending_send_bytes())
     # Sync point: the sent tensors' buffers must outlive their sends; a stalled peer shows here.
     pipe.wait_sends(f"pipeline sends of stage {stage}")
     return stats
-
-
-def _pending_send_bytes(pipe) -> int:
-    pending = getattr(pipe, "pending_send_bytes", None)
-    return pending() if pending is not None else 0
 
 
 def sum_tied_gradients(rt) -> None:
