@@ -122,8 +122,7 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
     buffer, copied to the host and back through ``pipe`` (one tied table per update).
 
     The host copies travel over the process group (``pipe.host``), whose sends do not wait for their receiver: every
-    holder sends first, then receives. (Over NCCL's point-to-point calls, queued on one stream, two holders that both
-    send first would each wait for the other's receive.)
+    holder sends first, then receives.
     """
     link = pipe.host
     parts = {}
