@@ -239,6 +239,12 @@ def _shape_ranges_as_slices(graph: onnx.GraphProto) -> None:
     graph.node.extend(rebuilt)
 
 
+def _known(value: onnx.ValueInfoProto, dims_of: dict[str, tuple[str, int]]) -> bool:
+    """Whether ``value``'s declared shape has a rank and every dim a fixed number or a named dim of a graph input."""
+    tensor = value.type.tensor_type
+    return tensor.HasField("shape") and all(d.HasField("dim_value") or d.dim_param in dims_of for d in tensor.shape.dim)
+
+
 #: Ops whose gradient sums over the axes an input was broadcast along (the engine reads the input's declared shape).
 _BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min"}
 
@@ -267,19 +273,24 @@ def declare_broadcast_shapes(model: onnx.ModelProto, report: list[dict] | None =
         return copy.deepcopy(model)
     declared = {v.name: v for v in [*known.value_info, *known.input, *known.output]}
     fixed = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    # Only operands whose shape onnx's inference leaves partly unknown are declared: when there are none (an MLP, a
+    # model of fixed sizes), the symbolic inference (sympy, most of a small model's configure) is not run at all.
+    unknown = [name for name in sorted(operands - fixed) if name in declared and not _known(declared[name], dims_of)]
+    if not unknown:
+        return copy.deepcopy(model)
     shapes = symbolic_shapes(model)
     if shapes is None:
         return copy.deepcopy(model)
     model = copy.deepcopy(model)
     changes = []
-    for name in sorted(operands - fixed):
+    for name in unknown:
         dims = shapes.get(name)
-        old = declared.get(name)
-        if dims is None or old is None or any(not isinstance(d, int) and d not in dims_of for d in dims):
+        old = declared[name]
+        if dims is None or any(not isinstance(d, int) and d not in dims_of for d in dims):
             continue
         old_dims = old.type.tensor_type.shape.dim
         if len(old_dims) == len(dims) and all(d.HasField("dim_value") or d.dim_param in dims_of for d in old_dims):
-            continue  # already known
+            continue  # already known (a declaration without a shape, of a scalar)
         elem = old.type.tensor_type.elem_type
         for existing in [v for v in model.graph.value_info if v.name == name]:
             model.graph.value_info.remove(existing)

@@ -212,3 +212,22 @@ def test_prepare_model_keeps_every_initializer_and_leaves_its_input_alone(tmp_pa
         "declare_optional_outputs", "shapes_from_inputs", "declare_broadcast_shapes", "flatten_logits"]
     assert prepared.loss_input != "logits" and prepared.label_input != "labels"
     onnx.checker.check_model(prepared.model, full_check=True)
+
+
+def test_broadcast_shapes_known_to_onnx_are_left_and_need_no_symbolic_inference(monkeypatch):
+    # x [batch, 4] @ w [4, 3] + b [3]: onnx's inference knows the MatMul output as [batch, 3], so nothing is declared
+    # and the symbolic inference (sympy, most of a small model's configure) is not run.
+    from ortflow.graph import shapes
+
+    def refuse(model):
+        raise AssertionError("symbolic shape inference ran")
+
+    monkeypatch.setattr(shapes, "_infer_symbolic_shapes", refuse)
+    inits = [numpy_helper.from_array(np.ones((4, 3), np.float32), "w"),
+             numpy_helper.from_array(np.ones(3, np.float32), "b")]
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+                       [f32("x", ["batch", 4])], [f32("y", ["batch", 3])], inits)
+    report = []
+    out = shapes.declare_broadcast_shapes(model, report)
+    assert out.SerializeToString() == model.SerializeToString() and out is not model
+    assert report == []
