@@ -44,7 +44,7 @@ class JobGuard:
         run_dir: The run folder (the guard's log goes there; ``then`` receives it).
         grace_s: How long the ranks get to write their stop checkpoint after the guard asks them to stop.
         then: ``module:function`` the guard calls with the run folder after it stopped an orphaned job (imported when
-            the guard starts, so that the call does not wait for imports).
+            the take-over starts, while the ranks stop; a released guard never imports it).
     """
 
     def __init__(self, run_dir: Path, grace_s: float, then: str | None = None):
@@ -183,15 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     reader = threading.Thread(target=control, name="ortflow-guard-control", daemon=True)
     reader.start()
     threading.Thread(target=follow, name="ortflow-guard-follow", daemon=True).start()
-    then: list[Callable[[Path], object]] = []
-    # Imported ahead, so that the report does not wait for it; a guard released meanwhile exits without waiting.
-    loader = threading.Thread(target=lambda: then.append(_resolve(args.then)) if args.then else None,
-                              name="ortflow-guard-import", daemon=True)
-    loader.start()
     finished.wait()
     reader.join(5.0)  # a "done" written just before the launching process exited is still in the pipe
     if released.is_set():
-        return 0
+        return 0  # the usual end: nothing to report, so ``then`` (Prefect's client, a second of CPU) is never imported
+    then: list[Callable[[Path], object]] = []
+    # Imported while the ranks stop (they finish their update and write a stop checkpoint), so that the report
+    # seldom waits for it.
+    loader = threading.Thread(target=lambda: then.append(_resolve(args.then)) if args.then else None,
+                              name="ortflow-guard-import", daemon=True)
+    loader.start()
     wait_for_exit(args.follow)
     _say(f"the launching process {args.follow} {_TAKE_OVER}")
     take_over(job.get("pgid"), args.output_fd, args.grace)

@@ -1,6 +1,6 @@
 """The job guard without MPI or Prefect: a launching process starts a shell "job" under a guard; killed with SIGKILL,
 the guard stops the job with SIGTERM (the job's stop line lands in the guard's log) and calls its ``then``
-function; released, the guard exits at once and leaves the job alone."""
+function; released, the guard exits at once, leaves the job alone and never imports ``then``'s module."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ LAUNCHER = textwrap.dedent("""
     from ortflow.launch.local import LAUNCHER_PID_ENV, LocalJob
 
     run_dir, release = Path(sys.argv[1]), sys.argv[2] == "release"
-    guard = JobGuard(run_dir, grace_s=20, then="tests.launch.test_guard:record_report")
+    guard = JobGuard(run_dir, grace_s=20, then="guard_then:record_report")
     job = LocalJob(["bash", "-c", sys.argv[3]], {**os.environ, LAUNCHER_PID_ENV: str(guard.pid)},
                    output=(guard.read_fd, guard.write_fd))
     guard.job_started(job.proc.pid)
@@ -34,6 +34,7 @@ LAUNCHER = textwrap.dedent("""
     while not any("tick" in line for line in job.read_output()):
         job.wait(0.5)
     if release:
+        time.sleep(1.0)  # a guard that has run a while (one that imported its then at start would have done so)
         guard.release()
         (run_dir / "released").write_text(str(guard.proc.returncode))
     print("ready", flush=True)
@@ -41,13 +42,23 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
-def record_report(run_dir: Path) -> None:
-    """The guard's ``then`` in these tests: leaves a file saying it was called."""
-    (Path(run_dir) / "reported").write_text("called after the job ended\n")
+# The guard's ``then`` in these tests (module guard_then in the test's folder): leaves a file when its module is
+# imported and one when it is called.
+THEN = textwrap.dedent("""
+    from pathlib import Path
+
+    (Path(__file__).parent / "imported").write_text("the guard imported its then\\n")
+
+
+    def record_report(run_dir):
+        (Path(run_dir) / "reported").write_text("called after the job ended\\n")
+""")
 
 
 def _start(tmp_path: Path, mode: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    (tmp_path / "guard_then.py").write_text(THEN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(tmp_path),
+                                                                     os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), mode, JOB], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
     assert proc.stdout.readline().strip() == "ready", proc.stdout.read()
@@ -68,6 +79,7 @@ def test_a_guard_stops_the_job_of_a_killed_launching_process_and_reports(tmp_pat
         proc.kill()  # no warning: what a stopped Prefect process worker does to its flow-run process
         proc.wait()
         wait_for(lambda: (tmp_path / "reported").exists(), 120, "the guard's report")
+        assert (tmp_path / "imported").exists()
     finally:
         for pid in processes_mentioning("ortflow.launch.guard"):
             if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
@@ -85,6 +97,7 @@ def test_a_released_guard_exits_and_leaves_the_job_alone(tmp_path):
         assert _alive(job)  # and did not stop the job
         assert (tmp_path / GUARD_LOG).read_text() == ""
         assert not (tmp_path / "reported").exists()
+        assert not (tmp_path / "imported").exists()  # a released guard has nothing to report: no import either
     finally:
         proc.kill()
         proc.wait()
