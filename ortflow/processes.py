@@ -91,9 +91,11 @@ def remove_orphan_segments(since: float, directory: str = SHM_DIR, prefix: str =
         return []
     time.sleep(max(0.0, min(settle_s, max(written.values()) + settle_s - time.time())))
     candidates = set(written)
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    # Newest processes first (the ranks that map a live segment are recent): the scan ends once every segment is seen
+    # mapped, sparing the maps of every other process of this user.
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int, reverse=True):
+        if not candidates:
+            break
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid:
                 continue  # another user's process cannot map this user's segments (MPICH makes them 0600)
