@@ -147,6 +147,9 @@ def loaded_by(module: str) -> set[str]:
                          "pydantic", "yaml", "numpy", "ortflow.config", "ortflow.checkpoints", "ortflow.launch"}),
         # each served flow run and `ortflow run` import the flows: Prefect and the config, not the ranks' numerics
         ("ortflow.flows", {"numpy", "onnx", "onnxruntime", "h5py", "pyarrow", "mpi4py", "kubernetes"}),
+        # `ortflow run` starts its temporary server without the serving half of the package (Prefect's runner)
+        ("ortflow.deployments.local_server", {"ortflow.deployments.serving", "prefect.runner",
+                                              "prefect.deployments.runner"}),
     ],
 )
 def test_package_does_not_pull_in_what_it_must_not(module, forbidden):
