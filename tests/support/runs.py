@@ -14,6 +14,7 @@ from ortflow.config import RunConfig, config_from_dict
 from ortflow.configure.configure import configure
 from ortflow.dataprep import prepare_data
 from ortflow.examples.mlp import build_mlp
+from ortflow.protocol import THREADS_ENV
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 
@@ -104,10 +105,18 @@ def copied_run(source, make, root: Path, name: str, **sections):
     return cfg
 
 
+#: Whether the ranks of :func:`rank_command` run one intra-op thread each where their config leaves the count to the
+#: host (on for the trainer's tests: tests/trainer/conftest.py). A rank alone on the 2-core test machine would
+#: otherwise take both cores with spinning threads for graphs too small to share (a quarter of a one-rank job's CPU,
+#: measured), beside the other test process's jobs; ranks that share the host take one each anyway.
+ONE_THREAD = False
+
+
 def rank_command(cfg: RunConfig, script: str | None = None, *args: str) -> list[str]:
     """mpiexec command for the run's ranks: the real entry point, or a test script wrapping it."""
     target = [script, *args] if script else ["-m", "ortflow.trainer"]
-    return [MPIEXEC, "-n", str(cfg.distributed.num_ranks), "-prepend-rank", sys.executable, "-u", *target,
+    threads = ["-genv", THREADS_ENV, "1"] if ONE_THREAD else []
+    return [MPIEXEC, "-n", str(cfg.distributed.num_ranks), *threads, "-prepend-rank", sys.executable, "-u", *target,
             str(cfg.output_dir)]
 
 
@@ -115,11 +124,13 @@ def run_ranks(
     cfg: RunConfig, script: str | None = None, *args: str, timeout: float = 120
 ) -> subprocess.CompletedProcess:
     """Run the job to its end; output (both streams) in ``.stdout``."""
+    return _run(rank_command(cfg, script, *args), timeout)
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        rank_command(cfg, script, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout, env=env, stdin=subprocess.DEVNULL, check=False,
-    )
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          env=env, stdin=subprocess.DEVNULL, check=False)
 
 
 _BACKGROUND = None
@@ -128,7 +139,7 @@ _BACKGROUND = None
 def start_ranks(cfg: RunConfig, timeout: float = 600):
     """Start the job and return at once: a future of :func:`run_ranks`'s result (``.result()`` waits for it), so that
     the test can configure its next run while this one trains."""
-    return _pool().submit(run_ranks, cfg, timeout=timeout)
+    return _pool().submit(_run, rank_command(cfg), timeout)
 
 
 def _pool():
@@ -146,9 +157,11 @@ def start_script_ranks(cfg: RunConfig, script: str, *args: str, timeout: float =
     jobs."""
     import time
 
+    command = rank_command(cfg, script, *args)
+
     def timed():
         started = time.monotonic()
-        out = run_ranks(cfg, script, *args, timeout=timeout)
+        out = _run(command, timeout)
         return out, time.monotonic() - started
 
     return _pool().submit(timed)

@@ -1,6 +1,7 @@
 """The trainer's tests configure each model and layout once per test process: a run whose configure fingerprint (model
 bytes, model section, layout) matches an earlier run's starts from a copy of that run's artifacts, which configure
-verifies and reuses (tests/support/runs.py)."""
+verifies and reuses (tests/support/runs.py). Their ranks run one intra-op thread each where the config leaves the
+count to the host (``runs.ONE_THREAD``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ from tests.support import runs
 @pytest.fixture(autouse=True)
 def _reuse_configured(monkeypatch):
     monkeypatch.setattr(runs, "REUSE_CONFIGURED", True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """One thread per rank from the start of each test here, before its fixtures start any job (a session's or
+    module's run included), until its teardown ends: tests elsewhere keep the host's count."""
+    runs.ONE_THREAD = True
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    runs.ONE_THREAD = False
 
 
 @pytest.fixture(scope="session")

@@ -79,9 +79,9 @@ def export_run(root, name, export, **sections):
                                                                   **sections.get("train", {})}})
 
 
-class Reference:
-    """An unsplit reference run, started as soon as it is configured (its training overlaps the configuring of the
-    runs compared to it); ``out`` waits for its end."""
+class Started:
+    """A run started as soon as it is configured (its training overlaps the configuring of the next runs); ``out``
+    waits for its end."""
 
     def __init__(self, cfg):
         self.cfg, self._job = cfg, start_ranks(cfg, timeout=600)
@@ -91,6 +91,14 @@ class Reference:
         out = self._job.result()
         assert out.returncode == 0, out.stdout[-4000:]
         return out
+
+
+class Reference(Started):
+    """An unsplit reference run, and the layouts of its export started so far (:func:`start_layouts`), by name."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layouts: dict[str, Started] = {}
 
 
 def reference_of(references: dict, export: str) -> Reference:
@@ -166,12 +174,36 @@ def layout_run(reference: Reference, pp: int, tp: int, name: str = "", **section
                       distributed={"num_ranks": pp * tp, "pipeline_parallel_size": pp, "horizontal_parallel_size": tp})
 
 
+def start_layouts(reference: Reference, layouts: dict[str, tuple]) -> None:
+    """Configure the export's layouts (name -> (pp, tp) or (pp, tp, sections) of :func:`layout_run`) not started yet,
+    each starting to train as soon as it is configured: one layout trains while the next configures, beside the
+    others and the reference (no assertion depends on their order or speed). The tests of an export call this with
+    every layout of theirs and then wait for their own (:func:`layout_of`)."""
+    for name, (pp, tp, *sections) in layouts.items():
+        if name not in reference.layouts:
+            reference.layouts[name] = Started(layout_run(reference, pp, tp, name, **(sections[0] if sections else {})))
+
+
+def layout_of(reference: Reference, name: str, pp: int, tp: int, **sections) -> Started:
+    """The export's layout of that name, started (:func:`start_layouts`) if it is not yet."""
+    start_layouts(reference, {name: (pp, tp, sections)})
+    return reference.layouts[name]
+
+
+#: The layouts of every dynamo export's test of automatic cuts
+#: (:func:`assert_dynamo_layout_trains_to_the_unsplit_parameters`), by run name.
+DYNAMO_LAYOUTS = {"pp2tp1": (2, 1), "pp2tp2": (2, 2), "pp1tp2": (1, 2)}
+
+
 def assert_dynamo_layout_trains_to_the_unsplit_parameters(reference: Reference, pp: int, tp: int,
-                                                          tp_atol: float = TP_ATOL):
+                                                          tp_atol: float = TP_ATOL,
+                                                          layouts: dict[str, tuple] = DYNAMO_LAYOUTS):
     """The export at pp x tp (automatic cuts): at tp > 1 every block's attention (by heads) and MLP are split, as on
-    the TorchScript exports; the run ends where the unsplit one does (within ``tp_atol`` at tp > 1). Returns the
-    run's config."""
-    cfg = layout_run(reference, pp, tp)
+    the TorchScript exports; the run ends where the unsplit one does (within ``tp_atol`` at tp > 1). ``layouts``: the
+    export's layouts its tests train, started together (:func:`start_layouts`). Returns the run's config."""
+    start_layouts(reference, layouts)
+    run = layout_of(reference, f"pp{pp}tp{tp}", pp, tp)
+    cfg = run.cfg
     if tp > 1:
         split = split_lines(cfg, pp)
         markers, blocks = REGIONS[family(reference.cfg.model.path.name)]
@@ -179,7 +211,7 @@ def assert_dynamo_layout_trains_to_the_unsplit_parameters(reference: Reference, 
             regions = [line for line in split if line.startswith("region") and line.split(", rows")[0].count(marker)]
             assert len(regions) == blocks, (marker, split)
         assert not [line for line in split if line.startswith("kept") and any(m in line for m in markers)], split
-    assert_equal_to(reference, cfg, *train(cfg), atol=tp_atol if tp > 1 else ATOL)
+    assert_equal_to(reference, cfg, run.out, atol=tp_atol if tp > 1 else ATOL)
     return cfg
 
 

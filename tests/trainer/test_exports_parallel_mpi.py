@@ -19,10 +19,8 @@ from tests.trainer.exports_checks import (
     assert_trains_as_its_torchscript_twin,
     assert_trains_its_torch_parameters_at_dp2,
     assert_trains_with_zero1_and_adasum,
-    export_run,
-    layout_run,
     split_lines,
-    train,
+    start_layouts,
 )
 from tests.trainer.exports_runs import SEQ, bert_data
 
@@ -33,40 +31,38 @@ GPT2 = pytest.mark.parametrize("export_dp", ["gpt2.onnx"], indirect=True)
 
 # Where the tests cut GPT-2 into two stages by hand: between blocks 1 and 2 (the automatic cut is inside block 2).
 BLOCKS_1_2 = "/model/transformer/h.1/Add_1_output_0"
+# The layouts of each TorchScript export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an
+# export configures them all, each training as soon as it is configured (exports_checks.start_layouts); the gradient
+# test reads the tp 2 run's artifacts.
+LAYOUTS = {
+    "gpt2.onnx": {"pp2-0": (2, 1), "pp1tp2": (1, 2),
+                  "pp2tp2": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}})},
+    "bert.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
+}
+
+
+def _layout(reference, name: str):
+    """The export's layout run of that name, its export's layouts started (:data:`LAYOUTS`)."""
+    layouts = LAYOUTS[reference.cfg.model.path.name]
+    start_layouts(reference, layouts)
+    return reference.layouts[name]
 
 
 @GPT2
 def test_gpt2_two_stages_train_to_the_unsplit_parameters(export_dp):
     """Automatic cuts (the cut by hand is the pp 2 x tp 2 run's: :func:`test_gpt2_tensor_pieces_train_to_the_unsplit_
     parameters_also_in_two_stages_cut_by_hand`)."""
-    cfg = export_run(export_dp.cfg.output_dir.parent, "pp2-0", "gpt2.onnx",
-                     distributed={"num_ranks": 2, "pipeline_parallel_size": 2})
-    assert_equal_to(export_dp, cfg, *train(cfg))
-    assert_exports_one_model(cfg)
-
-
-@pytest.fixture(scope="module")
-def configured():
-    """The split runs configured so far, by (reference run folder, pp, tp): the training tests and the gradient test
-    (:func:`test_tensor_pieces_compute_every_parameters_unsplit_gradient`) share them."""
-    return {}
-
-
-def _configured_split(configured: dict, reference, pp: int, tp: int, **sections):
-    """The run of ``reference``'s model and data at pp x tp (``sections``: e.g. the model section's cuts), configured
-    once."""
-    key = (reference.cfg.output_dir, pp, tp)
-    if key not in configured:
-        configured[key] = layout_run(reference, pp, tp, **sections)
-    return configured[key]
+    run = _layout(export_dp, "pp2-0")
+    assert_equal_to(export_dp, run.cfg, run.out)
+    assert_exports_one_model(run.cfg)
 
 
 @GPT2
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2-blocks-1-2"])
-def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters_also_in_two_stages_cut_by_hand(export_dp, configured, pp):
+def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters_also_in_two_stages_cut_by_hand(export_dp, pp):
     """tp 2, and pp 2 x tp 2 with the stages cut by hand between blocks 1 and 2 (configure keeps the given cut)."""
-    cuts = {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}} if pp > 1 else {}
-    cfg = _configured_split(configured, export_dp, pp, 2, **cuts)
+    run = _layout(export_dp, f"pp{pp}tp2")
+    cfg = run.cfg
     if pp > 1:
         assert json.loads((cfg.output_dir / "configure.json").read_text())["pipeline_cuts"] == [BLOCKS_1_2]
     split = split_lines(cfg, 1)
@@ -75,14 +71,15 @@ def test_gpt2_tensor_pieces_train_to_the_unsplit_parameters_also_in_two_stages_c
         assert any(f"columns ['model.transformer.h.{block}.mlp.c_fc.weight']" in line for line in split), split
     vocab = [line for line in split if "vocabulary split of ['model.transformer.wte.weight']" in line]
     assert len(vocab) == 2 and any("LM head ['logits']" in line for line in vocab), split
-    assert_equal_to(export_dp, cfg, *train(cfg), atol=TP_ATOL)
+    assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL)
     assert_exports_one_model(cfg)
 
 
 @pytest.mark.parametrize("export_dp", ["bert.onnx"], indirect=True)
 @pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "tp2", "pp2xtp2"])
-def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, configured, pp, tp):
-    cfg = _configured_split(configured, export_dp, pp, tp)
+def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
+    run = _layout(export_dp, f"pp{pp}tp{tp}")
+    cfg = run.cfg
     if tp > 1:  # every layer's attention (separate Q, K, V Linears by heads) and MLP
         split = split_lines(cfg, 1)
         for layer in range(2):
@@ -90,7 +87,7 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp
             assert any(f"'{prefix}.attention.self.query.weight', '{prefix}.attention.self.key.weight'" in line
                        and f"rows ['{prefix}.attention.output.dense.weight']" in line for line in split), split
             assert any(f"columns ['{prefix}.intermediate.dense.weight']" in line for line in split), split
-    assert_equal_to(export_dp, cfg, *train(cfg), atol=TP_ATOL if tp > 1 else ATOL)
+    assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL if tp > 1 else ATOL)
 
 
 # The pieces add the row-parallel partial sums over the ranks, each rounded in halves: every gradient measured within
@@ -112,13 +109,13 @@ def _batch(name: str, root) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("export_dp", ["bert.onnx", "gpt2.onnx"], indirect=True)
-def test_tensor_pieces_compute_every_parameters_unsplit_gradient(export_dp, configured):
+def test_tensor_pieces_compute_every_parameters_unsplit_gradient(export_dp):
     """One micro-batch through the artifacts configure built for tp 2 and for one rank (the unsplit reference run's),
     the ranks simulated in one process (tests/support/tensor_sim.py), compared parameter by parameter."""
     from tests.support.tensor_sim import piece_gradients, whole_gradients
 
     whole_cfg = export_dp.cfg
-    split_cfg = _configured_split(configured, export_dp, 1, 2)
+    split_cfg = _layout(export_dp, "pp1tp2").cfg
     batch = _batch(whole_cfg.model.path.name, whole_cfg.output_dir.parent)
 
     loss, whole = whole_gradients(whole_cfg.artifacts_dir, batch)

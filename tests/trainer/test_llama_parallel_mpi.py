@@ -20,9 +20,8 @@ from tests.trainer.exports_checks import (
     assert_trains_as_its_torchscript_twin,
     assert_trains_its_torch_parameters_at_dp2,
     assert_trains_with_zero1_and_adasum,
-    layout_run,
     split_lines,
-    train,
+    start_layouts,
 )
 from tests.trainer.exports_runs import LLAMA_EXPORTS
 
@@ -79,15 +78,21 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
 # tp 2 runs, cut automatically, assert the same below).
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in LLAMA_EXPORTS],
             pytest.param("llama.onnx", 2, id="pp2xtp2-blocks-llama.onnx")]
+# The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
+# configures them all, each training as soon as it is configured (exports_checks.start_layouts).
+DYNAMO_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1), "pp2tp2": (2, 2)}
+LAYOUTS = {"llama.onnx": {"pp1tp2-by-layer": (1, 2),
+                          "pp2tp2-by-layer": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT]}})},
+           **{e: DYNAMO_LAYOUTS for e in DYNAMO}}
 
 
 @pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
 def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_dp, pp):
-    cuts = {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT]}} if pp > 1 else {}
-    cfg = layout_run(export_dp, pp, 2, f"pp{pp}tp2-by-layer", **cuts)
-    assert_attention_split_by_heads(cfg, pp)
+    start_layouts(export_dp, LAYOUTS[export_dp.cfg.model.path.name])
+    run = export_dp.layouts[f"pp{pp}tp2-by-layer"]
+    assert_attention_split_by_heads(run.cfg, pp)
     # Llama has no attention key bias: every parameter is held to the bound (its losses and evaluations too)
-    assert_equal_to(export_dp, cfg, *train(cfg), atol=LLAMA_TP_ATOL)
+    assert_equal_to(export_dp, run.cfg, run.out, atol=LLAMA_TP_ATOL)
 
 
 @pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
@@ -97,7 +102,8 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_at
     """Automatic cuts (inside the second layer, where the TorchScript export's pp 2 x tp 2 run is cut by hand between
     the layers); at tp 2 attention is split by heads as on tp 2 alone, and the run ends within the tensor-parallel
     bound of the Llama exports."""
-    cfg = assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp, tp_atol=LLAMA_TP_ATOL)
+    cfg = assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp, tp_atol=LLAMA_TP_ATOL,
+                                                                layouts=DYNAMO_LAYOUTS)
     if tp > 1:
         assert_attention_split_by_heads(cfg, pp)
 
