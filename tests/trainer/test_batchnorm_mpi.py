@@ -17,7 +17,7 @@ from ortflow.checkpoints import list_complete
 from ortflow.dataprep.loader import TrainLoader
 from ortflow.export.evaluate import evaluate_checkpoint
 from tests.support.exports import export_path
-from tests.support.runs import make_run, run_ranks
+from tests.support.runs import make_run, start_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -82,34 +82,48 @@ def checkpoint_values(path):
 EVAL_ROWS = 37  # of the 64 eval rows, split unevenly over 2 and 3 ranks
 
 
+def _two_ranks(sync, variance):
+    return f"dp2-{sync}-{variance}", (2, {"batchnorm_sync": sync, "batchnorm_variance": variance})
+
+
+#: The module's finished runs, by name: (ranks, settings). They evaluate the first EVAL_ROWS rows, so that each serves
+#: the statistics, evaluate and pipeline tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
+#: rule), 3 ranks, pp 2 and pp 2 x dp 2.
+RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiased"), _two_ranks("broadcast", "biased"),
+             ("dp1", (1, {"batchnorm_sync": "average"})), ("dp3", (3, {})),
+             ("pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
+             ("pp2xdp2", (4, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"}))])
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """``trained(name, ranks, **settings)``: the finished run of that name (trained on first use, then shared), its
-    config and output. The runs evaluate the first EVAL_ROWS rows, so that each serves the statistics, evaluate and
-    pipeline tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance rule), 3 ranks, pp 2 and
-    pp 2 x dp 2."""
-    root, done = tmp_path_factory.mktemp("cnn"), {}
+    """``trained(name)``: the finished run of that name of :data:`RUNS`, its config and output. The first test that
+    asks configures them all, each starting to train as soon as it is configured (independent jobs, side by side:
+    no assertion depends on their order or speed)."""
+    root, started = tmp_path_factory.mktemp("cnn"), {}
 
-    def get(name, ranks, **settings):
-        if name not in done:
-            cfg = cnn_run(root, name, ranks, max_eval_rows=EVAL_ROWS, **settings)
-            out = run_ranks(cfg, timeout=300)
-            assert out.returncode == 0, out.stdout[-3000:]
-            done[name] = cfg, out
-        return done[name]
+    def get(name):
+        if not started:
+            for run, (ranks, settings) in RUNS.items():
+                cfg = cnn_run(root, run, ranks, max_eval_rows=EVAL_ROWS, **settings)
+                started[run] = cfg, start_ranks(cfg, timeout=300)
+        cfg, job = started[name]
+        out = job.result()
+        assert out.returncode == 0, out.stdout[-3000:]
+        return cfg, out
 
     return get
 
 
 def two_ranks(trained, sync="average", variance="unbiased"):
     """The 2-rank run with this BatchNorm sync and variance rule."""
-    return trained(f"dp2-{sync}-{variance}", 2, batchnorm_sync=sync, batchnorm_variance=variance)
+    return trained(f"dp2-{sync}-{variance}")
 
 
 def one_rank(trained):
     """The 1-rank run (averaged statistics: the unsplit reference of the pp 2 run, as the 2-rank averaged run is of
     pp 2 x dp 2)."""
-    return trained("dp1", 1, batchnorm_sync="average")
+    return trained("dp1")
 
 
 @pytest.mark.parametrize(("sync", "variance"), [("broadcast", "unbiased"), ("average", "unbiased"),
@@ -149,7 +163,7 @@ def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trai
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_evaluate_equals_the_recorded_eval_loss(trained, ranks):
-    cfg, _ = {1: one_rank, 2: two_ranks}.get(ranks, lambda t: t("dp3", 3))(trained)
+    cfg, _ = {1: one_rank, 2: two_ranks}.get(ranks, lambda t: t("dp3"))(trained)
     compared = 0
     for info in list_complete(cfg.checkpoints_dir):
         recorded = json.loads((info.path / "meta.json").read_text())["eval_loss"]
@@ -191,8 +205,7 @@ def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics
     from tests.support.parallel_runs import losses
 
     unsplit, out_unsplit = (one_rank if replicas == 1 else two_ranks)(trained)
-    staged, out_staged = trained(f"pp2xdp{replicas}", 2 * replicas, distributed={"pipeline_parallel_size": 2},
-                                 batchnorm_sync="average")
+    staged, out_staged = trained(f"pp2xdp{replicas}")
     outs = [out_unsplit, out_staged]
     steps = [[info.step for info in list_complete(cfg.checkpoints_dir)] for cfg in (unsplit, staged)]
     assert steps[0] == steps[1] and len(steps[0]) == UPDATES
