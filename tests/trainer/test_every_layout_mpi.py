@@ -21,7 +21,7 @@ from ortflow.examples.gpt import build_gpt
 from ortflow.trainer.profiling import top_operators
 from ortflow.trainer.timing import PHASES, read_timing
 from tests.support.parallel_runs import newest
-from tests.support.runs import make_run, run_ranks_together, start_ranks
+from tests.support.runs import make_run, start_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -87,23 +87,27 @@ def unsplit(root):
 
 @pytest.fixture(scope="module")
 def trained(unsplit):
-    """Each layout's two finished runs, by layout name (:func:`runs_of`); the unsplit run starts first."""
+    """Each layout's two runs and their jobs, by layout name (:func:`runs_of`); the unsplit run starts first."""
     return {}
 
 
 def runs_of(root, trained: dict, name: str):
     """The layout's plain run and its profiled run (timing, per-op profile, histograms of every parameter), trained
-    at once, once for every test that asks: (plain, traced, plain's output)."""
-    if name not in trained:
-        dist = LAYOUTS[name]
-        plain = layout_run(root, f"{name}-plain", dist)
-        traced = layout_run(root, f"{name}-traced", dist, train={"profile_steps": PROFILED},
-                            tensorboard={"histogram_names": ["*"]})
-        outs = run_ranks_together(plain, traced, timeout=400)  # independent jobs: at once
-        for out in outs:
-            assert out.returncode == 0, out.stdout[-3000:]
-        trained[name] = plain, traced, outs[0]
-    return trained[name]
+    once for every test that asks: (plain, traced, plain's output). The first test that asks configures both runs of
+    every layout, each starting to train as soon as it is configured (independent jobs, side by side: no assertion
+    depends on their order or speed)."""
+    if not trained:
+        for layout, dist in LAYOUTS.items():
+            plain = layout_run(root, f"{layout}-plain", dist)
+            trained[layout] = [(plain, start_ranks(plain, timeout=400))]
+            traced = layout_run(root, f"{layout}-traced", dist, train={"profile_steps": PROFILED},
+                                tensorboard={"histogram_names": ["*"]})
+            trained[layout].append((traced, start_ranks(traced, timeout=400)))
+    (plain, plain_job), (traced, traced_job) = trained[name]
+    outs = [plain_job.result(), traced_job.result()]
+    for out in outs:
+        assert out.returncode == 0, out.stdout[-3000:]
+    return plain, traced, outs[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
