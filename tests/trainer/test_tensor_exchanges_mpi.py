@@ -61,9 +61,9 @@ def runs_of(trained: dict, name: str):
             for index, (run_name, ranks, tp) in enumerate(PAIR):
                 sections = dict(distributed={"num_ranks": ranks, **tp, **settings}, optimizer=opt, checkpoint=EVERY,
                                 train=NO_EVAL)
-                # the first exchange's runs hold the same artifacts
-                cfg = copied_run(first[index][0], gpt_run, root, run_name, **sections) if first else \
-                    gpt_run(root, run_name, **sections)
+                # the first exchange's runs hold the same artifacts, configured from the same model file
+                cfg = copied_run(first[index][0], gpt_run, root, run_name, model_path=first[index][0].model.path,
+                                 **sections) if first else gpt_run(root, run_name, **sections)
                 runs.append((cfg, start_ranks(cfg, timeout=300)))
             trained["jobs"][exchange] = runs
         grid = gpt_run(root, "dp2pp2tp2", optimizer=opt, train=NO_EVAL,

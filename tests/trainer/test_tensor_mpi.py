@@ -23,7 +23,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks, run_ranks_together, start_script_ranks
+from tests.support.runs import copied_run, run_ranks, run_ranks_together, start_ranks, start_script_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -69,9 +69,10 @@ def configured(tmp_path_factory):
 
 
 def tp_run(configured: dict, root: Path, name: str, **sections):
-    """:func:`gpt_run` on a copy of the configured artifacts of its tensor-parallel size."""
+    """:func:`gpt_run` on a copy of the configured artifacts of its tensor-parallel size (and on its model file: the
+    model's path is part of the configure fingerprint)."""
     tp = sections.get("distributed", {}).get("horizontal_parallel_size", 1)
-    return copied_run(configured[tp], gpt_run, root, name, **sections)
+    return copied_run(configured[tp], gpt_run, root, name, model_path=configured[tp].model.path, **sections)
 
 
 @pytest.fixture(scope="module")
@@ -119,24 +120,39 @@ def sections_of(trained: dict, ranks: int, rule: str, tp: int) -> dict:
     return sections
 
 
+#: The (tp, ranks, rule) of every pair of :func:`runs_of`, in the order they start.
+PAIRS = [(2, 2, "adamw"), (2, 4, "adamw"), (2, 2, "sgd")]
+
+
 def runs_of(trained: dict, tp: int, ranks: int, rule: str):
     """tp 1 on ranks / tp replicas and tp ``tp`` on ``ranks`` ranks (``rule``; 4 updates, evals after 2 and 4; SGD
-    from :func:`warm_start`), run to their end: (whole, split, whole's output, split's output)."""
+    from :func:`warm_start`), run to their end: (whole, split, whole's output, split's output). The first test that
+    asks configures every pair of :data:`PAIRS`, each run starting to train as soon as it is configured (independent
+    jobs, side by side: no assertion depends on their order or speed; the SGD pair once the run it starts from is
+    done)."""
+    if "jobs" not in trained:
+        trained["jobs"] = {}
+        for key in PAIRS:
+            trained["jobs"][key] = _start_pair(trained, *key)
     key = (tp, ranks, rule)
     if key not in trained:
-        root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
-        split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **sections_of(trained, ranks, rule, tp))
-        if ranks == tp and rule == "adamw":  # the session's unsplit run: the same model, data, optimizer, checkpoints
-            whole, job = trained["unsplit"]
-            out2 = run_ranks(split, timeout=300)
-            out1 = job.result()
-        else:
-            whole = tp_run(trained["configured"], root, "tp1", **sections_of(trained, ranks // tp, rule, 1))
-            out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
+        (whole, job1), (split, job2) = trained["jobs"][key]
+        out1, out2 = job1.result(), job2.result()
         assert out1.returncode == 0, out1.stdout
         assert out2.returncode == 0, out2.stdout
         trained[key] = whole, split, out1, out2
     return trained[key]
+
+
+def _start_pair(trained: dict, tp: int, ranks: int, rule: str):
+    """Configure and start the pair of :func:`runs_of`: ((whole, its job), (split, its job))."""
+    root = trained["factory"].mktemp(f"tp{tp}x{ranks // tp}-{rule}")
+    split = tp_run(trained["configured"], root, f"tp{tp}x{ranks // tp}", **sections_of(trained, ranks, rule, tp))
+    split_job = start_ranks(split, timeout=300)
+    if ranks == tp and rule == "adamw":  # the session's unsplit run: the same model, data, optimizer, checkpoints
+        return trained["unsplit"], (split, split_job)
+    whole = tp_run(trained["configured"], root, "tp1", **sections_of(trained, ranks // tp, rule, 1))
+    return (whole, start_ranks(whole, timeout=300)), (split, split_job)
 
 
 @pytest.mark.parametrize("tp,ranks,rule", [(2, 2, "adamw"), (2, 2, "sgd"), (2, 4, "adamw")])
