@@ -104,11 +104,23 @@ def unsplit(tmp_path_factory, hung_stage):
     return cfg, start_ranks(cfg)
 
 
-def test_two_stages_train_to_the_unsplit_parameters_with_every_update_clipped(unsplit):
+@pytest.fixture(scope="module")
+def staged(unsplit):
+    """The 2- and 3-stage runs compared with :func:`unsplit`, by stage count: each config and the future of its
+    output, configured at once and each started as soon as it is configured (independent jobs, side by side: no
+    assertion depends on their order or speed)."""
+    root, runs = unsplit[0].output_dir.parent, {}
+    for stages in (2, 3):
+        cfg = make_text_run(root, f"pp{stages}", distributed={"num_ranks": stages, "pipeline_parallel_size": stages},
+                            train=SPLIT_TRAIN, optimizer=CLIP)
+        runs[stages] = cfg, start_ranks(cfg, timeout=240)
+    return runs
+
+
+def test_two_stages_train_to_the_unsplit_parameters_with_every_update_clipped(unsplit, staged):
     unsplit, job = unsplit
-    split = make_text_run(unsplit.output_dir.parent, "pp2", distributed={"num_ranks": 2, "pipeline_parallel_size": 2},
-                          train=SPLIT_TRAIN, optimizer=CLIP)
-    out2, out1 = run_ranks(split), job.result()
+    split, split_job = staged[2]
+    out2, out1 = split_job.result(), job.result()
     assert out1.returncode == 0, out1.stdout
     assert out2.returncode == 0, out2.stdout
     p1, p2 = stage_parameters(unsplit), stage_parameters(split)
@@ -169,12 +181,11 @@ def test_two_stages_of_a_torch_shaped_model_train_to_the_unsplit_parameters(requ
         assert np.array_equal(copies[0], copies[1]) and not np.array_equal(copies[0], p1["wte"] * 0)
 
 
-def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters_with_every_update_clipped(unsplit):
+def test_three_stages_with_a_middle_stage_match_the_unsplit_parameters_with_every_update_clipped(unsplit, staged):
     # The middle stage both receives and sends (forward, recompute, VJP): 3 ranks, 4 micro-batches per update.
     unsplit, job = unsplit
-    split = make_text_run(unsplit.output_dir.parent, "pp3", distributed={"num_ranks": 3, "pipeline_parallel_size": 3},
-                          train=SPLIT_TRAIN, optimizer=CLIP)
-    out3 = run_ranks(split, timeout=240)
+    split, split_job = staged[3]
+    out3 = split_job.result()
     assert job.result().returncode == 0, job.result().stdout
     assert out3.returncode == 0, out3.stdout
     p1, p3 = stage_parameters(unsplit), stage_parameters(split)
