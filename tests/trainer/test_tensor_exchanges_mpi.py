@@ -21,7 +21,7 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks, start_ranks
+from tests.support.runs import copied_run, run_ranks, run_ranks_together
 from tests.trainer.test_tensor_mpi import ATOL
 
 pytestmark = pytest.mark.mpi
@@ -35,8 +35,6 @@ CLIP = 0.05  # below the measured norms: every update clips by the global norm, 
 
 
 EVERY = {"period": 1, "max_num_checkpoints": 10}
-# The runs of each exchange: (name, ranks, tensor-parallel size), over unsplit and over tensor-parallel replicas.
-PAIR = (("dp2", 2, {}), ("dp2tp2", 4, {"horizontal_parallel_size": 2}))
 # No evaluation: these tests compare parameters, losses, norms and optimizer state (evaluation through tensor pieces
 # and stages: test_tensor_mpi.py, test_pipe_tensor_mpi.py).
 NO_EVAL = {"evaluation_period": 0}
@@ -49,32 +47,28 @@ def trained(tmp_path_factory):
 
 
 def runs_of(trained: dict, name: str):
-    """The dp 2 run and the dp 2 x tp 2 run of one exchange (AdamW, the same samples, a checkpoint every update), or
-    (``"dp2pp2tp2"``) the 8-rank Adasum run. The first test that asks configures every exchange's runs and the 8-rank
-    one, each starting to train as soon as it is configured (independent jobs, side by side: no assertion depends on
-    their order or speed); the second exchange's runs start from copies of the first's artifacts."""
-    if "jobs" not in trained:
-        trained["jobs"], opt = {}, {"name": "adamw", "max_grad_norm": CLIP}
-        for exchange, settings in EXCHANGES.items():
-            root, first = trained["factory"].mktemp(exchange), next(iter(trained["jobs"].values()), None)
-            runs = []
-            for index, (run_name, ranks, tp) in enumerate(PAIR):
-                sections = dict(distributed={"num_ranks": ranks, **tp, **settings}, optimizer=opt, checkpoint=EVERY,
-                                train=NO_EVAL)
-                # the first exchange's runs hold the same artifacts, configured from the same model file
-                cfg = copied_run(first[index][0], gpt_run, root, run_name, model_path=first[index][0].model.path,
-                                 **sections) if first else gpt_run(root, run_name, **sections)
-                runs.append((cfg, start_ranks(cfg, timeout=300)))
-            trained["jobs"][exchange] = runs
-        grid = gpt_run(root, "dp2pp2tp2", optimizer=opt, train=NO_EVAL,
-                       distributed={"num_ranks": 8, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2,
-                                    **EXCHANGES["adasum"]})
-        trained["jobs"]["dp2pp2tp2"] = [(grid, start_ranks(grid, timeout=600))]
-    runs = trained["jobs"][name]
-    outs = [job.result() for _, job in runs]
-    for out in outs:
-        assert out.returncode == 0, out.stdout[-3000:]
-    return (name, *(cfg for cfg, _ in runs), *outs)
+    """The dp 2 run and the dp 2 x tp 2 run of one exchange (AdamW, the same samples, a checkpoint every update)."""
+    if name not in trained:
+        exchange = EXCHANGES[name]
+        root = trained["factory"].mktemp(name)
+        opt = {"name": "adamw", "max_grad_norm": CLIP}
+        done = [trained[other] for other in EXCHANGES if other in trained]
+
+        def make(run_name: str, index: int, **sections):
+            # the other exchange's runs hold the same artifacts, configured from the same model file
+            if not done:
+                return gpt_run(root, run_name, **sections)
+            return copied_run(done[0][index], gpt_run, root, run_name, model_path=done[0][index].model.path,
+                              **sections)
+
+        whole = make("dp2", 1, distributed={"num_ranks": 2, **exchange}, optimizer=opt, checkpoint=EVERY, train=NO_EVAL)
+        split = make("dp2tp2", 2, distributed={"num_ranks": 4, "horizontal_parallel_size": 2, **exchange},
+                     optimizer=opt, checkpoint=EVERY, train=NO_EVAL)
+        out1, out2 = run_ranks_together(whole, split, timeout=300)  # independent jobs: at once
+        assert out1.returncode == 0, out1.stdout[-3000:]
+        assert out2.returncode == 0, out2.stdout[-3000:]
+        trained[name] = (name, whole, split, out1, out2)
+    return trained[name]
 
 
 @pytest.mark.parametrize("exchange", sorted(EXCHANGES))
@@ -118,7 +112,12 @@ def test_adasum_over_pp2_x_tp2_replicas_matches_adasum_over_unsplit_replicas(tra
     """The one 8-rank run (dp 2 x pp 2 x tp 2): Adasum's coefficients from slices summed over a stage's tp group, its
     per-replica norm summed over the replica's stages and tp ranks, a tied weight summed across stages first."""
     _, whole, _, _, _ = runs_of(trained, "adasum")
-    _, split, _ = runs_of(trained, "dp2pp2tp2")
+    split = gpt_run(whole.output_dir.parent, "dp2pp2tp2", optimizer={"name": "adamw", "max_grad_norm": CLIP},
+                    train=NO_EVAL,
+                    distributed={"num_ranks": 8, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2,
+                                 **EXCHANGES["adasum"]})
+    out = run_ranks(split, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
     p1, p2 = read_params(newest(whole)), read_params(newest(split))
     worst = max(float(np.abs(p1[n] - p2[n]).max()) for n in p1)
     print(f"adasum: max |param diff| dp 2 x pp 2 x tp 2 vs dp 2: {worst}")
