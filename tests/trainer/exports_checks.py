@@ -181,7 +181,25 @@ def start_layouts(reference: Reference, layouts: dict[str, tuple]) -> None:
     every layout of theirs and then wait for their own (:func:`layout_of`)."""
     for name, (pp, tp, *sections) in layouts.items():
         if name not in reference.layouts:
-            reference.layouts[name] = Started(layout_run(reference, pp, tp, name, **(sections[0] if sections else {})))
+            try:
+                cfg = layout_run(reference, pp, tp, name, **(sections[0] if sections else {}))
+            except Exception as err:  # noqa: BLE001 - raised by the test of that layout, not by the others
+                reference.layouts[name] = NotConfigured(err)
+            else:
+                reference.layouts[name] = Started(cfg)
+
+
+class NotConfigured:
+    """A layout whose configure raised: the test that reads it raises the same error."""
+
+    def __init__(self, err: Exception):
+        self.err = err
+
+    @property
+    def cfg(self):
+        raise self.err
+
+    out = cfg
 
 
 def layout_of(reference: Reference, name: str, pp: int, tp: int, **sections) -> Started:
