@@ -52,6 +52,24 @@ def test_save_writes_meta_last_with_fields_and_checksum(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]  # no temporary folder left
 
 
+def test_amend_records_the_final_eval_loss_in_meta_json_alone(tmp_path):
+    mgr = manager(tmp_path, period=1)
+    path = mgr.save(4, b"state", {"global_cursor": 8, "eval_loss": None, "train_loss": 2.0})
+    state_file = path / CHECKPOINT_FILE
+    before = state_file.stat()
+    assert mgr.amend(4, {"eval_loss": 1.25}) == path
+    after = state_file.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # the state is not written again
+    info = verify(path)  # meta.json's own checksum and the files' checksums hold
+    assert (info.step, info.global_cursor, info.eval_loss, info.train_loss) == (4, 8, 1.25, 2.0)
+    assert sorted(p.name for p in path.iterdir()) == sorted([CHECKPOINT_FILE, META_FILE])  # no temporary file left
+    reader = CheckpointManager(tmp_path, 1, 10, is_writer=False, clock=lambda: 0.0, writer=fake_writer)
+    assert reader.amend(4, {"eval_loss": 9.0}) is None  # only the writer rank touches the folder
+    assert verify(path).eval_loss == 1.25
+    with pytest.raises(CheckpointError, match="step-00000005.*intact"):
+        mgr.amend(5, {"eval_loss": 1.0})
+
+
 def test_should_save_every_period_and_final_never_twice(tmp_path):
     mgr = manager(tmp_path, period=3)
     saved = [s for s in range(1, 11) if mgr.maybe_save(s, b"x", {}, final=(s == 10))]

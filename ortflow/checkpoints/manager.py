@@ -288,6 +288,41 @@ class CheckpointManager:
         self._apply_retention(protect={step})
         return final
 
+    def amend(self, step: int, fields: dict) -> Path | None:
+        """Record ``fields`` (the final evaluation's loss) in the checkpoint of ``step``, written before them: only its
+        meta.json is written again (a new file, fsynced, renamed over the old one, its checksum recomputed); the state
+        files stay as they are, and the checkpoint is complete at every moment.
+
+        Returns:
+            The checkpoint folder on the writer rank, else None.
+
+        Raises:
+            CheckpointError: the checkpoint of ``step`` is not there, or writing failed; the checkpoint stays complete
+                with its earlier meta.json.
+        """
+        if not self.is_writer:
+            return None
+        folder = self.directory / step_dirname(step)
+        part = folder / f"{META_FILE}.{TMP_PREFIX}{self._token}"
+        try:
+            meta = json.loads((folder / META_FILE).read_text())
+            meta.update(fields)
+            meta.pop(META_SHA_KEY, None)
+            meta[META_SHA_KEY] = meta_digest(meta)
+            with open(part, "w") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, folder / META_FILE)
+            _fsync_dir(folder)
+        except (OSError, ValueError) as err:
+            part.unlink(missing_ok=True)
+            raise CheckpointError(f"could not record {sorted(fields)} in checkpoint {folder}: {write_failure(err)}; "
+                                  "the checkpoint is intact without them") from err
+        if self._mirror is not None:
+            self._mirror.amend(folder)
+        return folder
+
     def _finish(self, step: int, tmp: Path, meta: dict) -> None:
         files = {}
         for file in sorted(tmp.iterdir()):

@@ -60,6 +60,15 @@ class RemoteCheckpoints:
 
     # -- writing -----------------------------------------------------------------------------------------------------
 
+    def amend(self, folder: Path) -> None:
+        """Replace the store's meta.json of the complete checkpoint ``folder`` with the local one (its state files are
+        unchanged; one object written whole, so the store's checkpoint stays complete)."""
+        folder = Path(folder)
+        try:
+            self.remote.put(folder / META_FILE, f"{folder.name}/{META_FILE}")
+        except StorageError as err:
+            raise CheckpointError(f"could not update {self.remote.url}/{folder.name}/{META_FILE}: {err}") from err
+
     def upload(self, folder: Path) -> None:
         """Upload the complete local checkpoint ``folder`` (see the module docstring for the protocol).
 

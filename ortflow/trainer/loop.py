@@ -94,8 +94,10 @@ def train(
             window.report(step, final, {"loss": train_loss, "eval_loss": eval_loss, "lr": lr,
                                          "grad_norm": updated.grad_norm})
         timer.lap("other")
-        # (the final step was saved before its evaluation: saved again, with its eval loss)
-        if checkpoints.should_save(step, final=final or stopping) or evaluated and final:
+        if evaluated and final:  # saved before its evaluation: its meta.json records the eval loss now
+            if eval_loss is not None:
+                checkpoints.amend(step, {"eval_loss": eval_loss})
+        elif checkpoints.should_save(step, final=final or stopping):
             save(model, checkpoints, step, cursor, train_loss, eval_loss)
         timer.lap("checkpoint")
 

@@ -98,6 +98,13 @@ def test_retention_keeps_the_newest_complete_checkpoints(two):
         verify(info.path)
 
 
+def test_the_final_checkpoint_is_written_once_and_records_the_final_eval_loss(two):
+    cfg, out = two
+    final = verify(cfg.checkpoints_dir / "step-00000020")
+    assert final.eval_loss is not None and final.train_loss is not None  # meta.json amended after the evaluation
+    assert len(re.findall(r"saved checkpoint \S*step-00000020", out.stdout)) == 1, out.stdout[-3000:]
+
+
 def test_killed_job_resumes_to_bitwise_identical_parameters(tmp_path):
     settings = dict(distributed={"num_ranks": 2}, train={"num_train_steps": 300, "batch_size": 8},
                     checkpoint={"period": 25, "max_num_checkpoints": 2},
