@@ -49,10 +49,11 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
     cfg = mlp_config(
         tmp_path, mlp_sources, "versioned",
         data={"train": [str(data / "*.npz")]},
-        train={"num_train_steps": 40, "display_loss_steps": 1, "evaluation_period": 20},
+        train={"num_train_steps": 40, "display_loss_steps": 1, "evaluation_period": 20, "batch_size": 8},
         optimizer={"learning_rate": 0.05},
         versions={"policy": "continue", "skip_unchanged": True},
         schedule={"interval_s": 5},
+        distributed={"num_ranks": 1, "threads_per_rank": 1},  # versions, not a layout: one rank (2 x 4 rows a batch)
     )
     config_file = write_config(cfg, tmp_path / "versioned.yaml")
     start_folder = tmp_path / "checkout"  # a folder holding a package named ortflow must not shadow the installed one
