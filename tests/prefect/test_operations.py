@@ -124,6 +124,11 @@ LATE_AFTER_S = 20
 #: Runs that end within this many seconds of the late bound may or may not have announced themselves late (their
 #: timer and their end race); shorter runs must not, longer runs must.
 LATE_MARGIN_S = 10
+#: Seconds between the trial's flow-run heartbeats (serve's default is 30, Prefect's minimum): the lost run is killed
+#: once its late alert came, after LATE_AFTER_S, and before its second heartbeat, so the zombie-run automation marks
+#: it Crashed 60 s after its first one, not after a second one that a 30 s period would often send first. A live run
+#: still beats well within the 60 s window.
+TRIAL_HEARTBEAT_S = 45
 
 
 def _late_alerts_match(alerts: list[str], seconds: float, stored: float, late: str) -> bool:
@@ -173,7 +178,8 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
                      train={"num_train_steps": 4, "display_loss_steps": 2, "evaluation_period": 0},
                      checkpoint={"period": 4, "max_num_checkpoints": 1})
     config_file = write_config(cfg, tmp_path / "trial.yaml")
-    with serving(config_file, prefect_server, "trial", tmp_path, tmp_path / "serve.log") as proc:
+    trial_env = {**prefect_server, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(TRIAL_HEARTBEAT_S)}
+    with serving(config_file, trial_env, "trial", tmp_path, tmp_path / "serve.log") as proc:
         with get_client(sync_client=True) as client:
             pipeline = client.read_deployment_by_name("train-pipeline/trial").id
             export = client.read_deployment_by_name("export-only/trial").id
@@ -201,6 +207,7 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
                                                   None), late_after + 240, "the late alert of the lost run", 0.5)
                 assert late_call["alert"] == late, late_call
                 _kill_worker_host(proc)
+                killed = time.time()
                 assert read_flow_run(runs["lost"].id).state.name == "Running"
 
                 def failed_scheduled_run():
@@ -215,6 +222,9 @@ def test_alerts_come_only_for_failed_crashed_and_late_runs_and_a_failing_schedul
         state = wait_for(lambda: _final_state(runs["lost"].id), 240, "the zombie-run automation to mark the run "
                          "Crashed", 1)
         assert state.name == "Crashed" and "heartbeat" in (state.message or ""), state
+        started = read_flow_run(runs["lost"].id).start_time.timestamp()
+        print(f"the lost run: killed {killed - started:.0f} s after its start, marked Crashed "
+              f"{state.timestamp.timestamp() - started:.0f} s after it")
         wait_for(lambda: len([c for c in calls if c.get("flow_run_id") == str(runs["lost"].id)]) == 2, 120,
                  "the alert for the run the zombie-run automation ended", 0.5)
     # Every window of the earlier runs (60 s after their last heartbeat, late_after s after their start) ended before

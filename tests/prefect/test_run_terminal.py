@@ -1,6 +1,8 @@
 """What ``ortflow run`` prints on a tiny run: lines of at most 120 columns, a line per stage, compact progress lines
 when the output is not a terminal, the summary and the next steps; the ranks', the engine's and Prefect's state lines
-only in the run's log file (and in the terminal with --verbose)."""
+only in the run's log file (``--verbose`` shows them: tests/prefect/test_run_cli.py). A rerun of the same run folder
+says which stage is unchanged; a failed stage is reported as its own message and the command to rerun or fix (the
+traceback only in the log file) and is not retried when it would fail again."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ INTERNAL = ("gradient scales folded", "parameters sha256", "Saved training model
             "Beginning flow run", "launching:", "View at")
 
 
-def test_the_terminal_shows_stages_progress_summary_and_next_steps_and_the_log_keeps_the_rest(
+def test_the_terminal_shows_stages_progress_summary_and_next_steps_and_the_log_keeps_the_rest_and_a_failed_stage_its_message_and_fix(  # noqa: E501
     prefect_server, mlp_sources, tmp_path
 ):
     cfg = mlp_config(tmp_path, mlp_sources, "terminal", train={"num_train_steps": 20, "display_loss_steps": 5},
@@ -47,9 +49,27 @@ def test_the_terminal_shows_stages_progress_summary_and_next_steps_and_the_log_k
         assert text not in out, text
         assert text in log, text
 
-    # --verbose shows the log lines too; a rerun of a cached stage says it is unchanged.
-    again = subprocess.run([ORTFLOW, "run", str(config_file), "-v"], env=prefect_server, capture_output=True,
-                           text=True, timeout=400, cwd=tmp_path)
+    # The same run folder with a file where the export folder should be: training is unchanged (cached), the export
+    # stage fails once (an error that would repeat is not retried) and the terminal says what to fix.
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the export folder should be")
+    bad = mlp_config(tmp_path, mlp_sources, "terminal", train={"num_train_steps": 20, "display_loss_steps": 5},
+                     distributed={"num_ranks": 1, "threads_per_rank": 1}, export={"path": str(blocker / "model.onnx")})
+    bad_file = write_config(bad, tmp_path / "bad-export.yaml")
+    again = subprocess.run([ORTFLOW, "run", str(bad_file)], env=prefect_server, capture_output=True, text=True,
+                           timeout=400, cwd=tmp_path)
     out = again.stdout + again.stderr
-    assert again.returncode == 0, out[-3000:]
-    assert "Finished in state Cached" in out and "✓ train (unchanged)" in out.splitlines(), out
+    assert again.returncode == 1, out[-3000:]
+    assert "✓ train (unchanged)" in out.splitlines(), out
+    assert "Traceback" not in out
+    assert re.search(r"error: pipeline failed: .*not-a-folder", out), out[-3000:]
+    assert f"fix the problem above, then: ortflow run {bad_file}" in out
+    log_file = tmp_path / re.search(r"full log with tracebacks: (\S+)", out)[1]
+    assert log_file.parent == cfg.output_dir / "logs"
+    log = log_file.read_text()
+    assert "Traceback (most recent call last)" in log  # kept for whoever needs it
+    assert re.search(r"prefect\.task_runs 'train-\w+' \| Finished in state Cached", log), log[-3000:]
+    # An error that would repeat is not retried: the export task fails once and the flow fails right after.
+    assert "Retry 1/" not in log
+    export_failures = [line for line in log.splitlines() if "prefect.task_runs 'export-" in line and "Failed(" in line]
+    assert len(export_failures) == 1 and "FileExistsError" in export_failures[0], export_failures

@@ -7,8 +7,6 @@ named: tests/prefect/test_deployments.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +47,11 @@ def test_scheduled_runs_train_new_versions_warm_start_and_skip_unchanged_data(
     cfg = mlp_config(
         tmp_path, mlp_sources, "versioned",
         data={"train": [str(data / "*.npz")]},
-        train={"num_train_steps": 40, "display_loss_steps": 1, "evaluation_period": 20},
+        train={"num_train_steps": 40, "display_loss_steps": 1, "evaluation_period": 20, "batch_size": 8},
         optimizer={"learning_rate": 0.05},
         versions={"policy": "continue", "skip_unchanged": True},
         schedule={"interval_s": 5},
+        distributed={"num_ranks": 1, "threads_per_rank": 1},  # versions, not a layout: one rank (2 x 4 rows a batch)
     )
     config_file = write_config(cfg, tmp_path / "versioned.yaml")
     start_folder = tmp_path / "checkout"  # a folder holding a package named ortflow must not shadow the installed one
@@ -128,7 +127,7 @@ def kept(prefect_server, mlp_sources, tmp_path_factory):
         state = train_pipeline(cfg, new_version=True, return_state=True)
         assert state.is_completed(), state
         sizes.append(folder_bytes(cfg.output_dir / "versions"))
-    return {"cfg": cfg, "root": root, "data": data, "sizes": sizes, "env": prefect_server}
+    return {"cfg": cfg, "root": root, "data": data, "sizes": sizes}
 
 
 def test_versions_keep_2_after_3_runs_leaves_2_version_folders(kept):
@@ -213,16 +212,18 @@ def test_a_rerun_of_a_version_uses_its_recorded_config_and_refuses_to_change_its
 
 
 def test_prune_on_demand_keeps_the_newest_versions_and_reports_the_disk_freed(kept):
-    cfg, env = kept["cfg"], kept["env"]
+    from typer.testing import CliRunner
+
+    from ortflow.cli.app import app
+
+    cfg = kept["cfg"]
     entries = read_registry(cfg.output_dir)
     config_file = write_config(cfg, kept["root"] / "kept.yaml")
-    done = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
-                           "--set", "versions.keep=1"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    # `ortflow runs` in this process (no interpreter start, no imports again); its streams apart.
+    done = CliRunner().invoke(app, ["runs", str(config_file), "--prune", "--set", "versions.keep=1"])
+    assert done.exit_code == 0, done.output
     assert "pruned 1 version(s)" in done.stderr and "MB freed" in done.stderr, done.stderr
     assert [p.name for p in (cfg.output_dir / "versions").iterdir()] == [entries[-1]["version"]]
     print(done.stderr.splitlines()[0])
-    without = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "runs", str(config_file), "--prune",
-                              "--set", "versions.keep=null"], env=env, capture_output=True, text=True,
-                             timeout=120)
-    assert without.returncode == 1 and "versions.keep is not set" in without.stderr, without.stderr
+    without = CliRunner().invoke(app, ["runs", str(config_file), "--prune", "--set", "versions.keep=null"])
+    assert without.exit_code == 1 and "versions.keep is not set" in without.stderr, without.output
