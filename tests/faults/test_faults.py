@@ -50,7 +50,8 @@ def signal_trials(request, root):
 
 
 def alone(signal_trials: dict) -> None:
-    """Wait for the stop-signal jobs to end: a trial that times how fast ranks react runs with no job beside it."""
+    """Wait for the stop-signal jobs to end: the orphan and hang trials time how fast ranks react (to a dead launcher,
+    a stopped rank) and run with no job beside them."""
     for future in signal_trials.values():
         future.exception()
 

@@ -183,6 +183,100 @@ def drive_time_limited(cfg, log_file: Path, ended) -> tuple[str, str]:
     return job_id, log_file.read_text()
 
 
+# The tests that need no Prefect server come first, so the time-limit run starts before the server does.
+
+
+def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp_sources, tmp_path):
+    import signal
+
+    from tests.support.prefect_runs import rank_pids
+    from tests.support.runs import start_ranks
+
+    steps = 300
+    sections = {"train": {"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
+                "checkpoint": {"period": 50, "max_num_checkpoints": 2}}  # fmt: skip
+    runs = {name: mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                             **sections) for name in ("plain", "requeued")}  # fmt: skip
+    for name, cfg in runs.items():
+        prepared(cfg, tmp_path, name)
+
+    # The uninterrupted reference runs here meanwhile (the same 2 ranks x 1 thread, mpiexec without Slurm).
+    plain = start_ranks(runs["plain"], timeout=300)
+    cfg = runs["requeued"]
+    out_file = lambda: cfg.output_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
+    job_id, paused = None, []
+    with (tmp_path / "requeued.log").open("w") as log:
+        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            job_id = wait_for(lambda: (read_record(cfg.output_dir) or {}).get("job_id"), 120, "the job id")
+            wait_for(lambda: list_complete(cfg.checkpoints_dir), 300, "the first checkpoint", interval=0.01)
+            # The ranks wait (paused) for the requeue, however far this machine's speed would have taken them.
+            paused = rank_pids(cfg.output_dir)
+            send(paused, signal.SIGSTOP)
+            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+            assert requeue.returncode == 0, requeue.stderr
+            wait_for(lambda: "ortflow: SIGTERM" in out_file().read_text(), 120, "Slurm to stop the job's script")
+            send(paused, signal.SIGCONT)
+            paused = []
+            # Slurm holds the requeued job back for cred_expire (5 s on the test cluster), then starts it again.
+            assert proc.wait(timeout=300) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
+        finally:
+            send(paused, signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+                subprocess.run(["scancel", str(job_id)], check=False)
+            reference = plain.result()
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    output = job_output(cfg.output_dir, job_id)
+    assert f"slurm job {job_id} attempt 1" in output, output[-3000:]  # the same job id ran a second time
+    resumed = re.findall(r"rank 0/2 .* starting from (.*)", output)
+    assert resumed[0] == "the initial weights" and resumed[-1].startswith("step "), resumed
+    assert read_progress(cfg.output_dir)["step"] == steps
+    ours, theirs = final_parameters(cfg), final_parameters(runs["plain"])
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert np.array_equal(ours[name], theirs[name]), name
+
+
+def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
+    import signal
+
+    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 100000, "max_num_checkpoints": 1})
+    prepared(cfg, tmp_path, "cli")
+    with (tmp_path / "cli.log").open("w") as log:
+        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
+            job_id = read_record(cfg.output_dir)["job_id"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=180) == 143, (tmp_path / "cli.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    printed = (tmp_path / "cli.log").read_text()
+    assert "training stopped" in printed and f"slurm job {job_id}" in printed
+    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
+    assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
+    assert not in_queue(job_id)
+
+
+def test_srun_with_the_sites_pmi2_starts_the_ranks_of_a_job_that_trains_to_completion(slurm, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "srun", distributed={"launcher": "slurm"},
+                     slurm={**TWO_NODES, "launch": "srun", "srun_mpi": "pmi2"})
+    prepared(cfg, tmp_path, "srun")
+    done = ortflow_here("train", str(cfg.output_dir))  # the command in this process; its job as usual
+    assert done.returncode == 0, done.stdout[-3000:]
+    job_id = read_record(cfg.output_dir)["job_id"]
+    output = job_output(cfg.output_dir, job_id)
+    assert "srun --mpi=pmi2" in (cfg.output_dir / "slurm" / "train.sbatch").read_text()
+    for rank in (0, 1):  # one process group of two, one rank on each node
+        assert f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
+    assert read_progress(cfg.output_dir)["step"] == 20 and job_state(job_id) == "COMPLETED"
+
+
 def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefect_server, mlp_sources, tmp_path):
     from ortflow.flows import train_pipeline
 
@@ -238,83 +332,6 @@ def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, pref
     kept = list_complete(folder / "checkpoints")
     assert kept and kept[-1].step == int(stopped[1])  # the stop checkpoint, not a periodic one (period 100000)
     assert job_state(job_id) in ("FAILED", "CANCELLED", "COMPLETED")
-
-
-def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp_sources, tmp_path):
-    import signal
-
-    from tests.support.prefect_runs import rank_pids
-
-    steps = 300
-    sections = {"train": {"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
-                "checkpoint": {"period": 50, "max_num_checkpoints": 2}}  # fmt: skip
-    runs = {name: mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES,
-                             **sections) for name in ("plain", "requeued")}  # fmt: skip
-    for name, cfg in runs.items():
-        prepared(cfg, tmp_path, name)
-
-    # The uninterrupted reference runs here meanwhile (the same 2 ranks x 1 thread, mpiexec without Slurm).
-    plain = subprocess.Popen([ORTFLOW, "train", str(runs["plain"].output_dir), "--launcher", "local"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    cfg = runs["requeued"]
-    out_file = lambda: cfg.output_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
-    job_id, paused = None, []
-    with (tmp_path / "requeued.log").open("w") as log:
-        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            job_id = wait_for(lambda: (read_record(cfg.output_dir) or {}).get("job_id"), 120, "the job id")
-            wait_for(lambda: list_complete(cfg.checkpoints_dir), 300, "the first checkpoint", interval=0.01)
-            # The ranks wait (paused) for the requeue, however far this machine's speed would have taken them.
-            paused = rank_pids(cfg.output_dir)
-            send(paused, signal.SIGSTOP)
-            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-            assert requeue.returncode == 0, requeue.stderr
-            wait_for(lambda: "ortflow: SIGTERM" in out_file().read_text(), 120, "Slurm to stop the job's script")
-            send(paused, signal.SIGCONT)
-            paused = []
-            # Slurm holds the requeued job back for cred_expire (5 s on the test cluster), then starts it again.
-            assert proc.wait(timeout=300) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
-        finally:
-            send(paused, signal.SIGCONT)
-            if proc.poll() is None:
-                proc.kill()
-                subprocess.run(["scancel", str(job_id)], check=False)
-            reference_output = plain.communicate(timeout=300)[0]
-    assert plain.returncode == 0, reference_output[-3000:]
-    output = job_output(cfg.output_dir, job_id)
-    assert f"slurm job {job_id} attempt 1" in output, output[-3000:]  # the same job id ran a second time
-    resumed = re.findall(r"rank 0/2 .* starting from (.*)", output)
-    assert resumed[0] == "the initial weights" and resumed[-1].startswith("step "), resumed
-    assert read_progress(cfg.output_dir)["step"] == steps
-    ours, reference = final_parameters(cfg), final_parameters(runs["plain"])
-    assert ours.keys() == reference.keys()
-    for name in reference:
-        assert np.array_equal(ours[name], reference[name]), name
-
-
-def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
-    import signal
-
-    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
-                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
-                     checkpoint={"period": 100000, "max_num_checkpoints": 1})
-    prepared(cfg, tmp_path, "cli")
-    with (tmp_path / "cli.log").open("w") as log:
-        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
-            job_id = read_record(cfg.output_dir)["job_id"]
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=180) == 143, (tmp_path / "cli.log").read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    printed = (tmp_path / "cli.log").read_text()
-    assert "training stopped" in printed and f"slurm job {job_id}" in printed
-    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
-    assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
-    assert not in_queue(job_id)
 
 
 def prepared(cfg, tmp_path: Path, name: str) -> Path:
@@ -375,20 +392,6 @@ def test_a_request_the_cluster_can_never_start_is_refused_before_configure(slurm
     assert state.is_failed(), state
     assert "2 node(s) with 3 CPUs each" in str(state.result(raise_on_failure=False))
     assert not cfg.artifacts_dir.exists() and not (cfg.output_dir / "slurm").exists()  # nothing configured or sent
-
-
-def test_srun_with_the_sites_pmi2_starts_the_ranks_of_a_job_that_trains_to_completion(slurm, mlp_sources, tmp_path):
-    cfg = mlp_config(tmp_path, mlp_sources, "srun", distributed={"launcher": "slurm"},
-                     slurm={**TWO_NODES, "launch": "srun", "srun_mpi": "pmi2"})
-    prepared(cfg, tmp_path, "srun")
-    done = subprocess.run([ORTFLOW, "train", str(cfg.output_dir)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    job_id = read_record(cfg.output_dir)["job_id"]
-    output = job_output(cfg.output_dir, job_id)
-    assert "srun --mpi=pmi2" in (cfg.output_dir / "slurm" / "train.sbatch").read_text()
-    for rank in (0, 1):  # one process group of two, one rank on each node
-        assert f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
-    assert read_progress(cfg.output_dir)["step"] == 20 and job_state(job_id) == "COMPLETED"
 
 
 def test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_failed_attempt(time_limited):
