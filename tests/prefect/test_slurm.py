@@ -99,7 +99,7 @@ def time_limited(request, slurm, mlp_sources, tmp_path_factory):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    if not any(item.originalname == TIME_LIMIT_TEST for item in request.session.items):
+    if not any(getattr(item, "originalname", None) == TIME_LIMIT_TEST for item in request.session.items):
         yield None
         return
     tmp_path = tmp_path_factory.mktemp("limited")
