@@ -20,12 +20,13 @@ from pathlib import Path
 from tests.faults import trials
 from tests.faults import trials_files as files
 from tests.faults import trials_launcher as launcher
-from tests.faults import trials_reliability as rel
 from tests.faults import trials_run_folder as folder
 
 
 def plan(scale: float, only: str = "") -> list[tuple[str, callable]]:
     """(category group, zero-argument trial) for the whole campaign."""
+    from tests.faults import trials_reliability as rel  # it imports Prefect; the report (markdown) does not need it
+
     n = lambda count: max(1, round(count * scale))  # noqa: E731
     rng = random.Random(19)
     root = Path(tempfile.mkdtemp(prefix="ortflow-faults-"))

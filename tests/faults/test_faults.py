@@ -13,7 +13,8 @@ import pytest
 from tests.faults import trials
 from tests.faults import trials_files as files
 
-pytestmark = [pytest.mark.mpi, pytest.mark.faults]
+# Every test takes signal_trials, so the stop-signal jobs start with the module's first test and run beside it.
+pytestmark = [pytest.mark.mpi, pytest.mark.faults, pytest.mark.usefixtures("signal_trials")]
 
 #: The kill and concurrency trials here train runs of this many updates (the campaign's are longer): room for three
 #: kills at random steps, each resumed.
@@ -30,6 +31,31 @@ def reference(root):
     return trials.reference_parameters(root, STEPS)
 
 
+SIGNAL_TEST = "test_a_stop_signal_stops_every_rank_at_one_update_with_a_checkpoint"
+
+
+@pytest.fixture(scope="module")
+def signal_trials(request, root):
+    """The stop-signal trials of this module's selected tests, started at once in threads (their runs configured
+    here first: configure is not thread-safe): their jobs train and stop beside the tests that run meanwhile, with
+    30 s of grace for the stop. Maps ``(target, signal)`` to the future of the trial's outcome."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chosen = [item.callspec.params for item in request.session.items
+              if getattr(item, "module", None) is request.module and item.originalname == SIGNAL_TEST]  # fmt: skip
+    runs = {(p["target"], p["sig"]): trials.signal_run(root, f"stop-{p['target']}-{p['sig']}") for p in chosen}
+    with ThreadPoolExecutor(max(1, len(runs)), thread_name_prefix="signal-trial") as pool:
+        yield {(target, sig): pool.submit(trials.signal_trial, root, target, sig, f"stop-{target}-{sig}", cfg)
+               for (target, sig), cfg in runs.items()}  # fmt: skip
+
+
+def alone(signal_trials: dict) -> None:
+    """Wait for the stop-signal jobs to end: the orphan and hang trials time how fast ranks react (to a dead launcher,
+    a stopped rank) and run with no job beside them."""
+    for future in signal_trials.values():
+        future.exception()
+
+
 def check(outcome: trials.Outcome) -> None:
     assert outcome.ok, f"{outcome.category}: {outcome.detail}"
 
@@ -40,17 +66,19 @@ def test_a_kill_inside_checkpointing_then_of_a_random_rank_then_of_the_cli_each_
 
 # A signal to `ortflow train` alone (given twice, then repeated): test_stops.py asserts the same there.
 @pytest.mark.parametrize("target, sig", [("all", signal.SIGTERM), ("all", signal.SIGINT)])
-def test_a_stop_signal_stops_every_rank_at_one_update_with_a_checkpoint(root, target, sig):
-    check(trials.signal_trial(root, target, sig, f"stop-{target}-{sig}"))
+def test_a_stop_signal_stops_every_rank_at_one_update_with_a_checkpoint(signal_trials, target, sig):
+    check(signal_trials[target, sig].result(timeout=300))
 
 
 @pytest.mark.parametrize("target", ["cli", "proxy"])
-def test_ranks_exit_within_two_seconds_of_their_launcher(root, target):
+def test_ranks_exit_within_two_seconds_of_their_launcher(root, signal_trials, target):
+    alone(signal_trials)
     check(trials.orphan_trial(root, target, f"orphan-{target}"))
 
 
 @pytest.mark.parametrize("victim, inside", [(1, True)])
-def test_a_sigstopped_rank_is_named_and_the_job_aborted_in_time(root, victim, inside):
+def test_a_sigstopped_rank_is_named_and_the_job_aborted_in_time(root, signal_trials, victim, inside):
+    alone(signal_trials)
     check(trials.hang_trial(root, victim, inside, f"hang-{victim}-{inside}"))
 
 

@@ -24,18 +24,44 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("launcher")
 
 
+STOPPED_TEST = ("test_a_stopped_launcher_aborts_the_job_within_the_timeout_naming_it"
+                "_and_a_stopped_proxy_is_ended_with_status_3")
+PAUSED_TEST = "test_a_paused_launcher_or_ctrl_z_lets_the_job_finish"
+
+
+@pytest.fixture(scope="module")
+def launcher_trials(request, root):
+    """The launcher trials of this module's selected tests, their jobs side by side (each mostly waits: for the
+    collective timeout once its launcher is stopped, for a pause to end): configured here one after another, then
+    run each in its own thread. Maps the stopped target (or "paused") to the future of the trial's outcome."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    targets = [item.callspec.params["target"] for item in selected if item.originalname == STOPPED_TEST]
+    runs = {target: launcher.stopped_run(root, f"stopped-{target}") for target in targets}
+    if any(item.originalname == PAUSED_TEST for item in selected):
+        runs["paused"] = launcher.paused_run(root, "paused")
+    with ThreadPoolExecutor(max(1, len(runs)), thread_name_prefix="launcher-trial") as pool:
+        futures = {target: pool.submit(launcher.stopped_launcher_trial, root, target, f"stopped-{target}", cfg)
+                   for target, cfg in runs.items() if target != "paused"}  # fmt: skip
+        if "paused" in runs:  # one job: Ctrl-Z, then mpiexec paused
+            futures["paused"] = pool.submit(launcher.paused_trial, root, ("tstp", "launcher"), "paused",
+                                            runs["paused"])  # fmt: skip
+        yield futures
+
+
 @pytest.mark.mpi
 @pytest.mark.faults
 @pytest.mark.parametrize("target", ["cli", "launcher", "proxy"])
 def test_a_stopped_launcher_aborts_the_job_within_the_timeout_naming_it_and_a_stopped_proxy_is_ended_with_status_3(
-        root, target):
-    check(launcher.stopped_launcher_trial(root, target, f"stopped-{target}"))
+        launcher_trials, target):
+    check(launcher_trials[target].result(timeout=500))
 
 
 @pytest.mark.mpi
 @pytest.mark.faults
-def test_a_paused_launcher_or_ctrl_z_lets_the_job_finish(root):
-    check(launcher.paused_trial(root, ("tstp", "launcher"), "paused"))  # one job: Ctrl-Z, then mpiexec paused
+def test_a_paused_launcher_or_ctrl_z_lets_the_job_finish(launcher_trials):
+    check(launcher_trials["paused"].result(timeout=500))
 
 
 WRITER = """

@@ -165,10 +165,16 @@ def kill_in_save_trial(root: Path, reference: dict, phase: str, rng: random.Rand
 # -- stop signals ------------------------------------------------------------------------------------------------------
 
 
-def signal_trial(root: Path, target: str, sig: int, name: str) -> Outcome:
-    """SIGTERM/SIGINT to part of the job: every rank stops at one update, a stop checkpoint, exit 128+sig, in grace."""
+def signal_run(root: Path, name: str) -> RunConfig:
+    """The configured run of a :func:`signal_trial`."""
+    return fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 5}, checkpoint={"period": 0})
+
+
+def signal_trial(root: Path, target: str, sig: int, name: str, cfg: RunConfig | None = None) -> Outcome:
+    """SIGTERM/SIGINT to part of the job: every rank stops at one update, a stop checkpoint, exit 128+sig, in grace.
+    ``cfg``: the run :func:`signal_run` configured (made here when None)."""
     category = f"stop-{signal.Signals(sig).name}-{target}"
-    cfg = fresh_run(root, name, train={"num_train_steps": 200000, "display_loss_steps": 5}, checkpoint={"period": 0})
+    cfg = cfg or signal_run(root, name)
     proc = procs.start_train(cfg.output_dir)
     try:
         procs.wait_for_step(cfg.output_dir, 10, proc)

@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ortflow.config import RunConfig
 from ortflow.protocol import EXIT_STALLED
 from tests.faults import procs
 from tests.faults.trials import Outcome, fresh_run
@@ -30,12 +31,18 @@ def _victim(proc: subprocess.Popen, target: str) -> int:
     return next(p for p in procs.descendants(proc.pid) if "hydra_pmi_proxy" in procs.cmdline(p))
 
 
-def stopped_launcher_trial(root: Path, target: str, name: str) -> Outcome:
+def stopped_run(root: Path, name: str) -> RunConfig:
+    """The configured run of a :func:`stopped_launcher_trial`."""
+    return fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
+                     train={"num_train_steps": 200000, "display_loss_steps": 1}, checkpoint={"period": 0})
+
+
+def stopped_launcher_trial(root: Path, target: str, name: str, cfg: RunConfig | None = None) -> Outcome:
     """SIGSTOP ``target`` for good: every rank gone within timeout + 2 s, the job's exit names the stopped process;
-    a stopped proxy is itself ended (not left stopped), nothing of the job is left and it exits 3."""
+    a stopped proxy is itself ended (not left stopped), nothing of the job is left and it exits 3. ``cfg``: the run
+    :func:`stopped_run` configured (made here when None)."""
     category = f"stopped-{target}"
-    cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
-                    train={"num_train_steps": 200000, "display_loss_steps": 1}, checkpoint={"period": 0})
+    cfg = cfg or stopped_run(root, name)
     proc = procs.start_train(cfg.output_dir)
     lines = procs.drain(proc)
     try:
@@ -83,16 +90,21 @@ def _left_within(pids: list[int], seconds: float) -> list[int]:
     return procs.alive(pids)
 
 
-def paused_trial(root: Path, targets: tuple[str, ...], name: str) -> Outcome:
+def paused_run(root: Path, name: str) -> RunConfig:
+    """The configured run of a :func:`paused_trial`."""
+    return fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
+                     train={"num_train_steps": STEPS, "display_loss_steps": 1}, checkpoint={"period": 0})
+
+
+def paused_trial(root: Path, targets: tuple[str, ...], name: str, cfg: RunConfig | None = None) -> Outcome:
     """Pause parts of one job in turn and continue them: its steps go on after each pause and it finishes (exit 0).
 
     ``tstp`` is Ctrl-Z on ``ortflow train`` (SIGTSTP, then SIGCONT as ``fg`` sends): it does not pause training, so
     the job runs on through it, says so, and finishes; the other targets are SIGSTOPped for half the timeout, then
-    continued.
+    continued. ``cfg``: the run :func:`paused_run` configured (made here when None).
     """
     category = f"paused-{'-'.join(targets)}"
-    cfg = fresh_run(root, name, distributed={"collective_timeout_s": TIMEOUT_S},
-                    train={"num_train_steps": STEPS, "display_loss_steps": 1}, checkpoint={"period": 0})
+    cfg = cfg or paused_run(root, name)
     proc = procs.start_train(cfg.output_dir)
     lines = procs.drain(proc)
     held = []

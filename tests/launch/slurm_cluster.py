@@ -60,6 +60,8 @@ def _config(root: Path, nodes: list[str], cpus: int, munge_socket: Path) -> str:
         "MpiDefault=none",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
+        # The nodes' CPUs are the configured ones: slurmd does not drain a node whose host has fewer.
+        "SlurmdParameters=config_overrides",
         "ReturnToService=2",
         "SchedulerType=sched/backfill",
         # The main scheduler looks at pending jobs every second (60 s by default): a requeued job starts as soon as

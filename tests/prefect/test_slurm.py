@@ -27,20 +27,28 @@ from tests.support.prefect_runs import final_parameters, mlp_config, wait_for, w
 
 #: Why this machine cannot run the test cluster (None: it can); checked before any fixture starts a Prefect server.
 UNAVAILABLE = unavailable()
+# Every test takes time_limited, so its run starts with the module's first test (it mostly waits for Slurm's
+# time-limit checks) and trains beside the others' jobs until the last test asserts on it.
 pytestmark = [pytest.mark.prefect, pytest.mark.slurm,
-              pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
+              pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
+              pytest.mark.usefixtures("time_limited")]
 
 ORTFLOW = str(Path(sys.executable).parent / "ortflow")
-#: The test cluster's two nodes of one CPU each: one rank on each.
+#: One rank on each of the test cluster's two nodes.
 TWO_NODES = {"num_nodes": 2}
+#: The test that asserts on the time-limit run; :func:`time_limited` starts that run only where it is selected.
+TIME_LIMIT_TEST = "test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_failed_attempt"
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """A running test cluster; the Slurm commands of this process and its children find it through SLURM_CONF."""
+    """A running test cluster; the Slurm commands of this process and its children find it through SLURM_CONF.
+
+    Its two nodes have two CPUs each: a 2-rank job (one rank on each node) takes one CPU of each, so the time-limit
+    run (:func:`time_limited`) trains beside the job of the test that runs meanwhile."""
     root = tmp_path_factory.mktemp("slurm")
     root.chmod(0o700)  # munged refuses a key folder others can write to
-    with slurm_cluster(root) as env:
+    with slurm_cluster(root, cpus=2) as env:
         previous = os.environ.get("SLURM_CONF")
         os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # sbatch/scontrol/scancel run by the in-process flow
         try:
@@ -72,6 +80,201 @@ def send(pids: list[int], sig: int) -> None:
 
 def job_output(run_dir: Path, job_id: str) -> str:
     return (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+
+
+LIMIT_LINE = "ortflow: the time limit is near"
+#: Rank 0 says where the ranks stopped.
+STOP_LINE = re.compile(r"\[0\] .* ranks stopped together after step (\d+)")
+REQUEUED_LINE = "requeued; the next allocation resumes"
+#: The time-limit run's updates, and how many of them each allocation trains before its ranks wait for the signal.
+LIMITED_STEPS, LIMITED_SHARE = 300, 50
+
+
+@pytest.fixture(scope="module")
+def time_limited(request, slurm, mlp_sources, tmp_path_factory):
+    """The run of :data:`TIME_LIMIT_TEST`, longer than its time limit: started with the module's first test and driven
+    in a thread (:func:`drive_time_limited`) while the other tests run; yields the run's config and a future of
+    ``(job id, output of ortflow train)``. Where that test is not selected, nothing starts (None). A run still going
+    when the module ends is stopped: its driver fails, its job is cancelled."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not any(getattr(item, "originalname", None) == TIME_LIMIT_TEST for item in request.session.items):
+        yield None
+        return
+    tmp_path = tmp_path_factory.mktemp("limited")
+    # Slurm checks time limits every 30 s and sends the --signal up to 30 s early: with a 2-minute limit and the
+    # signal 80 s before it, an allocation gets it 10-40 s after it starts, and its limit comes 80 s or more after
+    # that, whatever the load: time for the ranks to stop with a checkpoint and the job to requeue itself. (A
+    # requeued allocation starts about 6 s after the check that signalled the last one, so it gets its signal at the
+    # check 24 s later: the run takes about a minute, which the other tests' jobs fill.)
+    cfg = mlp_config(tmp_path, mlp_sources, "limited", distributed={"launcher": "slurm"},
+                     slurm={**TWO_NODES, "time_limit": "2", "stop_signal_s": 80},
+                     train={"num_train_steps": LIMITED_STEPS, "display_loss_steps": 1, "evaluation_period": 0},
+                     checkpoint={"period": 0, "max_num_checkpoints": 2})  # fmt: skip
+    prepared(cfg, tmp_path, "limited")
+    ended = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="time-limited") as pool:
+        future = pool.submit(drive_time_limited, cfg, tmp_path / "limited.log", ended)
+        try:
+            yield cfg, future
+        finally:
+            ended.set()  # a driver still waiting gives up, stops its `ortflow train` and cancels its job
+
+
+def drive_time_limited(cfg, log_file: Path, ended) -> tuple[str, str]:
+    """``ortflow train`` on the time-limit run to its end, pausing each allocation's ranks once they have trained
+    their share until Slurm's time-limit signal comes; returns the job id and what ``ortflow train`` printed. Gives
+    up (fails) once ``ended`` is set."""
+    import signal
+    import time
+
+    from tests.support.prefect_runs import processes_mentioning
+
+    run_dir = cfg.output_dir
+    deadline = time.monotonic() + 500  # the whole run, within pytest's timeout
+    ranks = lambda: processes_mentioning(f"-m ortflow.trainer {run_dir}")  # noqa: E731
+    out_file = lambda: run_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
+    text = lambda: out_file().read_text() if out_file().exists() else ""  # noqa: E731
+    seen = lambda line: len(line.findall(text())) if isinstance(line, re.Pattern) else text().count(line)  # noqa: E731
+    step = lambda: (read_progress(run_dir) or {}).get("step", 0)  # noqa: E731
+
+    def until(condition, what: str, interval: float = 0.2):
+        value = wait_for(lambda: ended.is_set() or condition(), max(1.0, deadline - time.monotonic()), what,
+                         interval)  # fmt: skip
+        if ended.is_set():
+            raise AssertionError(f"the module's tests ended while the time-limit run waited for {what}")
+        return value
+
+    job_id = None
+    with log_file.open("w") as log:
+        proc = subprocess.Popen([ORTFLOW, "train", str(run_dir), "--launcher", "slurm"], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        paused: list[int] = []
+        try:
+            job_id = until(lambda: (read_record(run_dir) or {}).get("job_id"), "the job id")
+            # Stand in for a machine too slow to finish in two allocations, whatever this one's speed: each
+            # allocation's ranks pause once they have trained their share, until Slurm's time-limit signal comes.
+            # An allocation whose signal comes before its ranks trained (or started) just adds one more.
+            while seen(STOP_LINE) < 2:
+                limits, target = seen(LIMIT_LINE), step() + LIMITED_SHARE
+                until(lambda n=limits, t=target: seen(LIMIT_LINE) > n or step() >= t,
+                      f"the allocation to train to step {target} or reach its time limit", interval=0.01)
+                if seen(LIMIT_LINE) == limits:
+                    paused = ranks()
+                    send(paused, signal.SIGSTOP)
+                until(lambda n=limits: seen(LIMIT_LINE) > n, "the time-limit signal")
+                send(paused, signal.SIGCONT)  # the stop signal waits for them: they stop with a checkpoint
+                paused = []
+                until(lambda n=limits: seen(REQUEUED_LINE) > n, "the job to requeue itself")
+                if seen(STOP_LINE) >= 2:  # the last allocation gets the time the rest needs (as an admin would
+                    # give it), so this machine's speed cannot make the run need more allocations
+                    raised = subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=15"],
+                                            capture_output=True, text=True, timeout=60)  # fmt: skip
+                    assert raised.returncode == 0, raised.stderr
+            until(lambda: proc.poll() is not None, "ortflow train to exit")
+            assert proc.returncode == 0, log_file.read_text()[-3000:]
+        finally:
+            send(paused, signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                subprocess.run(["scancel", str(job_id)], check=False)
+    return job_id, log_file.read_text()
+
+
+# The tests that need no Prefect server come first, so the time-limit run starts before the server does.
+
+
+def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp_sources, tmp_path):
+    import signal
+
+    from tests.support.prefect_runs import rank_pids
+    from tests.support.runs import start_ranks
+
+    steps = 300
+    sections = {"train": {"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
+                "checkpoint": {"period": 50, "max_num_checkpoints": 2}}  # fmt: skip
+    runs = {name: mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                             **sections) for name in ("plain", "requeued")}  # fmt: skip
+    for name, cfg in runs.items():
+        prepared(cfg, tmp_path, name)
+
+    # The uninterrupted reference runs here meanwhile (the same 2 ranks x 1 thread, mpiexec without Slurm).
+    plain = start_ranks(runs["plain"], timeout=300)
+    cfg = runs["requeued"]
+    out_file = lambda: cfg.output_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
+    job_id, paused = None, []
+    with (tmp_path / "requeued.log").open("w") as log:
+        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            job_id = wait_for(lambda: (read_record(cfg.output_dir) or {}).get("job_id"), 120, "the job id")
+            wait_for(lambda: list_complete(cfg.checkpoints_dir), 300, "the first checkpoint", interval=0.01)
+            # The ranks wait (paused) for the requeue, however far this machine's speed would have taken them.
+            paused = rank_pids(cfg.output_dir)
+            send(paused, signal.SIGSTOP)
+            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+            assert requeue.returncode == 0, requeue.stderr
+            wait_for(lambda: "ortflow: SIGTERM" in out_file().read_text(), 120, "Slurm to stop the job's script")
+            send(paused, signal.SIGCONT)
+            paused = []
+            # Slurm holds the requeued job back for cred_expire (5 s on the test cluster), then starts it again.
+            assert proc.wait(timeout=300) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
+        finally:
+            send(paused, signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+                subprocess.run(["scancel", str(job_id)], check=False)
+            reference = plain.result()
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    output = job_output(cfg.output_dir, job_id)
+    assert f"slurm job {job_id} attempt 1" in output, output[-3000:]  # the same job id ran a second time
+    resumed = re.findall(r"rank 0/2 .* starting from (.*)", output)
+    assert resumed[0] == "the initial weights" and resumed[-1].startswith("step "), resumed
+    assert read_progress(cfg.output_dir)["step"] == steps
+    ours, theirs = final_parameters(cfg), final_parameters(runs["plain"])
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert np.array_equal(ours[name], theirs[name]), name
+
+
+def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
+    import signal
+
+    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
+                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
+                     checkpoint={"period": 100000, "max_num_checkpoints": 1})
+    prepared(cfg, tmp_path, "cli")
+    with (tmp_path / "cli.log").open("w") as log:
+        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
+            job_id = read_record(cfg.output_dir)["job_id"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=180) == 143, (tmp_path / "cli.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    printed = (tmp_path / "cli.log").read_text()
+    assert "training stopped" in printed and f"slurm job {job_id}" in printed
+    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
+    assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
+    assert not in_queue(job_id)
+
+
+def test_srun_with_the_sites_pmi2_starts_the_ranks_of_a_job_that_trains_to_completion(slurm, mlp_sources, tmp_path):
+    cfg = mlp_config(tmp_path, mlp_sources, "srun", distributed={"launcher": "slurm"},
+                     slurm={**TWO_NODES, "launch": "srun", "srun_mpi": "pmi2"})
+    prepared(cfg, tmp_path, "srun")
+    done = ortflow_here("train", str(cfg.output_dir))  # the command in this process; its job as usual
+    assert done.returncode == 0, done.stdout[-3000:]
+    job_id = read_record(cfg.output_dir)["job_id"]
+    output = job_output(cfg.output_dir, job_id)
+    assert "srun --mpi=pmi2" in (cfg.output_dir / "slurm" / "train.sbatch").read_text()
+    for rank in (0, 1):  # one process group of two, one rank on each node
+        assert f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
+    assert read_progress(cfg.output_dir)["step"] == 20 and job_state(job_id) == "COMPLETED"
 
 
 def test_a_two_rank_job_submitted_by_the_flow_trains_to_completion(slurm, prefect_server, mlp_sources, tmp_path):
@@ -131,83 +334,6 @@ def test_prefect_flow_run_cancel_leaves_a_stop_checkpoint_and_no_job(slurm, pref
     assert job_state(job_id) in ("FAILED", "CANCELLED", "COMPLETED")
 
 
-def test_a_requeued_job_resumes_bit_identical_to_an_uninterrupted_run(slurm, mlp_sources, tmp_path):
-    import signal
-
-    from tests.support.prefect_runs import rank_pids
-
-    steps = 300
-    sections = {"train": {"num_train_steps": steps, "display_loss_steps": 50, "evaluation_period": 0},
-                "checkpoint": {"period": 50, "max_num_checkpoints": 2}}  # fmt: skip
-    runs = {name: mlp_config(tmp_path, mlp_sources, name, distributed={"launcher": "slurm"}, slurm=TWO_NODES,
-                             **sections) for name in ("plain", "requeued")}  # fmt: skip
-    for name, cfg in runs.items():
-        prepared(cfg, tmp_path, name)
-
-    # The uninterrupted reference runs here meanwhile (the same 2 ranks x 1 thread, mpiexec without Slurm).
-    plain = subprocess.Popen([ORTFLOW, "train", str(runs["plain"].output_dir), "--launcher", "local"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    cfg = runs["requeued"]
-    out_file = lambda: cfg.output_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
-    job_id, paused = None, []
-    with (tmp_path / "requeued.log").open("w") as log:
-        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir), "--launcher", "slurm"], stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            job_id = wait_for(lambda: (read_record(cfg.output_dir) or {}).get("job_id"), 120, "the job id")
-            wait_for(lambda: list_complete(cfg.checkpoints_dir), 300, "the first checkpoint", interval=0.01)
-            # The ranks wait (paused) for the requeue, however far this machine's speed would have taken them.
-            paused = rank_pids(cfg.output_dir)
-            send(paused, signal.SIGSTOP)
-            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-            assert requeue.returncode == 0, requeue.stderr
-            wait_for(lambda: "ortflow: SIGTERM" in out_file().read_text(), 120, "Slurm to stop the job's script")
-            send(paused, signal.SIGCONT)
-            paused = []
-            # Slurm holds the requeued job back for cred_expire (5 s on the test cluster), then starts it again.
-            assert proc.wait(timeout=300) == 0, (tmp_path / "requeued.log").read_text()[-3000:]
-        finally:
-            send(paused, signal.SIGCONT)
-            if proc.poll() is None:
-                proc.kill()
-                subprocess.run(["scancel", str(job_id)], check=False)
-            reference_output = plain.communicate(timeout=300)[0]
-    assert plain.returncode == 0, reference_output[-3000:]
-    output = job_output(cfg.output_dir, job_id)
-    assert f"slurm job {job_id} attempt 1" in output, output[-3000:]  # the same job id ran a second time
-    resumed = re.findall(r"rank 0/2 .* starting from (.*)", output)
-    assert resumed[0] == "the initial weights" and resumed[-1].startswith("step "), resumed
-    assert read_progress(cfg.output_dir)["step"] == steps
-    ours, reference = final_parameters(cfg), final_parameters(runs["plain"])
-    assert ours.keys() == reference.keys()
-    for name in reference:
-        assert np.array_equal(ours[name], reference[name]), name
-
-
-def test_sigterm_to_ortflow_train_cancels_the_slurm_job_with_a_stop_checkpoint(slurm, mlp_sources, tmp_path):
-    import signal
-
-    cfg = mlp_config(tmp_path, mlp_sources, "cli-stopped", distributed={"launcher": "slurm"}, slurm=TWO_NODES,
-                     train={"num_train_steps": 200000, "display_loss_steps": 50, "evaluation_period": 0},
-                     checkpoint={"period": 100000, "max_num_checkpoints": 1})
-    prepared(cfg, tmp_path, "cli")
-    with (tmp_path / "cli.log").open("w") as log:
-        proc = subprocess.Popen([ORTFLOW, "train", str(cfg.output_dir)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: (read_progress(cfg.output_dir) or {}).get("step", 0) >= 20, 240, "the job to train")
-            job_id = read_record(cfg.output_dir)["job_id"]
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=180) == 143, (tmp_path / "cli.log").read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    printed = (tmp_path / "cli.log").read_text()
-    assert "training stopped" in printed and f"slurm job {job_id}" in printed
-    stopped = re.search(r"stop requested: ranks stopped together after step (\d+)", job_output(cfg.output_dir, job_id))
-    assert stopped and list_complete(cfg.checkpoints_dir)[-1].step == int(stopped[1])
-    assert not in_queue(job_id)
-
-
 def prepared(cfg, tmp_path: Path, name: str) -> Path:
     """Configure the run and prepare its data (in this process: the stages' own code, no CLI start-up)."""
     from ortflow.configure.configure import configure
@@ -216,83 +342,6 @@ def prepared(cfg, tmp_path: Path, name: str) -> Path:
     configure(cfg)
     prepare_data(cfg)
     return write_config(cfg, tmp_path / f"{name}.yaml")
-
-
-LIMIT_LINE = "ortflow: the time limit is near"
-#: Rank 0 says where the ranks stopped.
-STOP_LINE = re.compile(r"\[0\] .* ranks stopped together after step (\d+)")
-REQUEUED_LINE = "requeued; the next allocation resumes"
-
-
-def test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_failed_attempt(
-        slurm, mlp_sources, tmp_path):
-    import signal
-    import time
-
-    from tests.support.prefect_runs import processes_mentioning
-
-    # Slurm checks time limits every 30 s and sends the --signal up to 30 s early: with a 2-minute limit and the
-    # signal 80 s before it, an allocation gets it 10-40 s after it starts, and its limit comes 80 s or more after
-    # that, whatever the load: time for the ranks to stop with a checkpoint and the job to requeue itself.
-    steps, share = 300, 50
-    cfg = mlp_config(tmp_path, mlp_sources, "limited", distributed={"launcher": "slurm"},
-                     slurm={**TWO_NODES, "time_limit": "2", "stop_signal_s": 80},
-                     train={"num_train_steps": steps, "display_loss_steps": 1, "evaluation_period": 0},
-                     checkpoint={"period": 0, "max_num_checkpoints": 2})  # fmt: skip
-    prepared(cfg, tmp_path, "limited")
-    run_dir = cfg.output_dir
-    deadline = time.monotonic() + 500  # the whole run, within pytest's timeout
-    left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
-    ranks = lambda: processes_mentioning(f"-m ortflow.trainer {run_dir}")  # noqa: E731
-    out_file = lambda: run_dir / "slurm" / f"job-{job_id}.out"  # noqa: E731
-    text = lambda: out_file().read_text() if out_file().exists() else ""  # noqa: E731
-    seen = lambda line: len(line.findall(text())) if isinstance(line, re.Pattern) else text().count(line)  # noqa: E731
-    step = lambda: (read_progress(run_dir) or {}).get("step", 0)  # noqa: E731
-    job_id = None
-    with (tmp_path / "limited.log").open("w") as log:
-        proc = subprocess.Popen([ORTFLOW, "train", str(run_dir), "--launcher", "slurm"], stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-        paused: list[int] = []
-        try:
-            job_id = wait_for(lambda: (read_record(run_dir) or {}).get("job_id"), left(), "the job id")
-            # Stand in for a machine too slow to finish in two allocations, whatever this one's speed: each
-            # allocation's ranks pause once they have trained their share, until Slurm's time-limit signal comes.
-            # An allocation whose signal comes before its ranks trained (or started) just adds one more.
-            while seen(STOP_LINE) < 2:
-                limits, target = seen(LIMIT_LINE), step() + share
-                wait_for(lambda n=limits, t=target: seen(LIMIT_LINE) > n or step() >= t, left(),
-                         f"the allocation to train to step {target} or reach its time limit", interval=0.01)
-                if seen(LIMIT_LINE) == limits:
-                    paused = ranks()
-                    send(paused, signal.SIGSTOP)
-                wait_for(lambda n=limits: seen(LIMIT_LINE) > n, left(), "the time-limit signal")
-                send(paused, signal.SIGCONT)  # the stop signal waits for them: they stop with a checkpoint
-                paused = []
-                wait_for(lambda n=limits: seen(REQUEUED_LINE) > n, left(), "the job to requeue itself")
-                if seen(STOP_LINE) >= 2:  # the last allocation gets the time the rest needs (as an admin would
-                    # give it), so this machine's speed cannot make the run need more allocations
-                    raised = subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=15"],
-                                            capture_output=True, text=True, timeout=60)  # fmt: skip
-                    assert raised.returncode == 0, raised.stderr
-            assert proc.wait(timeout=left()) == 0, (tmp_path / "limited.log").read_text()[-3000:]
-        finally:
-            send(paused, signal.SIGCONT)
-            if proc.poll() is None:
-                proc.kill()
-                subprocess.run(["scancel", str(job_id)], check=False)
-    output, printed = job_output(run_dir, job_id), (tmp_path / "limited.log").read_text()
-    requeues = output.count(REQUEUED_LINE)
-    assert requeues >= 2 and f"slurm job {job_id} attempt {requeues} " in output, output[-3000:]
-    stops = STOP_LINE.findall(output)
-    starts = re.findall(r"\[0\] .* rank 0/2 .* starting from (.*)", output)
-    assert len(stops) >= 2 and starts[-1].startswith(f"step {stops[-1]} "), (stops, starts)  # resumed from the last
-    kept = [c.step for c in list_complete(cfg.checkpoints_dir)]
-    assert kept == [int(stops[-1]), steps], kept  # the last stop checkpoint, then the end
-    assert read_progress(run_dir)["step"] == steps
-    record = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    assert "JobState=COMPLETED" in record and f"Restarts={requeues}" in record  # requeued, then completed
-    assert "FAILED" not in printed and "training finished" in printed
-    assert [p.name for p in (run_dir / "slurm").glob("job-*.out")] == [f"job-{job_id}.out"]  # never resubmitted
 
 
 def test_an_outside_scancel_stops_the_flows_run_without_resubmitting_it(slurm, prefect_server, mlp_sources,
@@ -328,12 +377,12 @@ def test_a_request_the_cluster_can_never_start_is_refused_before_configure(slurm
                                                                             tmp_path):
     from ortflow.flows import train_pipeline
 
-    # Two ranks on each of the two one-CPU nodes: Slurm would keep the job pending forever (PartitionConfig).
-    cfg = mlp_config(tmp_path, mlp_sources, "impossible", distributed={"launcher": "slurm", "num_ranks": 4},
+    # Three ranks on each of the two two-CPU nodes: Slurm would keep the job pending forever (PartitionConfig).
+    cfg = mlp_config(tmp_path, mlp_sources, "impossible", distributed={"launcher": "slurm", "num_ranks": 6},
                      slurm=TWO_NODES)
     config_file = write_config(cfg, tmp_path / "impossible.yaml")
     checked = ortflow_here("validate", str(config_file))  # what it says and its status: in this process
-    assert checked.returncode == 1 and "2 node(s) with 2 CPUs each" in checked.stdout, checked.stdout
+    assert checked.returncode == 1 and "2 node(s) with 3 CPUs each" in checked.stdout, checked.stdout
     assert "sbatch --test-only refuses the run's job" in checked.stdout
     unknown = ortflow_here("validate", str(config_file), "--set", "slurm.partition=gpu", "--set",
                            "distributed.num_ranks=2")
@@ -341,19 +390,24 @@ def test_a_request_the_cluster_can_never_start_is_refused_before_configure(slurm
 
     state = train_pipeline(cfg, return_state=True)
     assert state.is_failed(), state
-    assert "2 node(s) with 2 CPUs each" in str(state.result(raise_on_failure=False))
+    assert "2 node(s) with 3 CPUs each" in str(state.result(raise_on_failure=False))
     assert not cfg.artifacts_dir.exists() and not (cfg.output_dir / "slurm").exists()  # nothing configured or sent
 
 
-def test_srun_with_the_sites_pmi2_starts_the_ranks_of_a_job_that_trains_to_completion(slurm, mlp_sources, tmp_path):
-    cfg = mlp_config(tmp_path, mlp_sources, "srun", distributed={"launcher": "slurm"},
-                     slurm={**TWO_NODES, "launch": "srun", "srun_mpi": "pmi2"})
-    prepared(cfg, tmp_path, "srun")
-    done = subprocess.run([ORTFLOW, "train", str(cfg.output_dir)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    job_id = read_record(cfg.output_dir)["job_id"]
-    output = job_output(cfg.output_dir, job_id)
-    assert "srun --mpi=pmi2" in (cfg.output_dir / "slurm" / "train.sbatch").read_text()
-    for rank in (0, 1):  # one process group of two, one rank on each node
-        assert f"rank {rank}/2 (local 0/1)" in output, output[-3000:]
-    assert read_progress(cfg.output_dir)["step"] == 20 and job_state(job_id) == "COMPLETED"
+def test_a_run_longer_than_its_time_limit_completes_across_allocations_with_no_failed_attempt(time_limited):
+    cfg, future = time_limited  # the run trained while the tests above ran
+    job_id, printed = future.result(timeout=540)
+    run_dir = cfg.output_dir
+    output = job_output(run_dir, job_id)
+    requeues = output.count(REQUEUED_LINE)
+    assert requeues >= 2 and f"slurm job {job_id} attempt {requeues} " in output, output[-3000:]
+    stops = STOP_LINE.findall(output)
+    starts = re.findall(r"\[0\] .* rank 0/2 .* starting from (.*)", output)
+    assert len(stops) >= 2 and starts[-1].startswith(f"step {stops[-1]} "), (stops, starts)  # resumed from the last
+    kept = [c.step for c in list_complete(cfg.checkpoints_dir)]
+    assert kept == [int(stops[-1]), LIMITED_STEPS], kept  # the last stop checkpoint, then the end
+    assert read_progress(run_dir)["step"] == LIMITED_STEPS
+    record = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in record and f"Restarts={requeues}" in record  # requeued, then completed
+    assert "FAILED" not in printed and "training finished" in printed
+    assert [p.name for p in (run_dir / "slurm").glob("job-*.out")] == [f"job-{job_id}.out"]  # never resubmitted

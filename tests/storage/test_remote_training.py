@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def assert_bitwise(params: dict, expected: dict) -> None:
 
 def killed_and_resumed(url: str, reference: dict, tmp_path: Path, monkeypatch, meanwhile=None) -> str:
     """Kill the ranks (machine A) between two checkpoints on the store; resume on machine B from the store alone,
-    calling ``meanwhile(job, store, resumed_from)`` while B trains. Returns B's output (and a rerun's, if any)."""
+    calling ``meanwhile(job, store, resumed_from, lines)`` while B trains (``lines``: B's output so far). Returns B's
+    output (and a rerun's, if any)."""
     remote_run(url, reference, tmp_path / "launcher", monkeypatch)
     store = RemoteCheckpoints(RemoteDir(url).child("checkpoints"), tmp_path / "probe")
     first = start_ranks(url, tmp_path / "machine-a")
@@ -116,8 +118,13 @@ def killed_and_resumed(url: str, reference: dict, tmp_path: Path, monkeypatch, m
     shutil.rmtree(tmp_path / "machine-a")  # the machines are gone: only the store remains
 
     second = start_ranks(url, tmp_path / "machine-b")
-    rerun = meanwhile(second, store, max(before)) if meanwhile else None
-    out = second.communicate(timeout=600)[0]
+    lines: list[str] = []  # B's output as it comes (``meanwhile`` reads it while B trains)
+    reader = threading.Thread(target=lambda: lines.extend(second.stdout), daemon=True)
+    reader.start()
+    rerun = meanwhile(second, store, max(before), lines) if meanwhile else None
+    second.wait(timeout=600)
+    reader.join(timeout=60)
+    out = "".join(lines)
     assert f"starting from step {max(before)}" in out, out[-3000:]
     if rerun:
         out += rerun(second.returncode, out)
@@ -134,12 +141,18 @@ def test_ranks_without_a_shared_folder_killed_mid_run_resume_from_the_store_bitw
         s3_server, bucket, reference, tmp_path, monkeypatch):
     url = f"s3://{bucket}/run"
 
-    def restart_server(job: subprocess.Popen, store: RemoteCheckpoints, resumed_from: int):
+    def restart_server(job: subprocess.Popen, store: RemoteCheckpoints, resumed_from: int, lines: list[str]):
         deadline = time.monotonic() + 180
         while max(store.steps(), default=0) <= resumed_from and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)  # polling the store for the resumed job's first checkpoint
         s3_server.stop()
         assert job.poll() is None  # the server went away while the ranks were training
+        # It stays away until the ranks have found it gone (past the client library's own quick retries of a refused
+        # connection) and retry the operation, or have given up; then it comes back.
+        deadline = time.monotonic() + 180
+        while not any("retrying in" in line for line in list(lines)) and job.poll() is None:
+            assert time.monotonic() < deadline, "the ranks neither retried a store operation nor ended"
+            time.sleep(0.05)  # polling the job's output for its first retry
         s3_server.start()
 
         def rerun_if_stopped(returncode: int, out: str) -> str:

@@ -92,7 +92,9 @@ class S3Server:
                "-ip.bind=127.0.0.1", f"-master.port={self.master}", f"-volume.port={self.volume}", "-filer",
                f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}", f"-s3.config={config}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=100",
-               "-master.telemetry=false"]
+               "-master.telemetry=false",
+               # A restarted master (its raft state kept) elects itself after this long (10-20 s by default).
+               "-master.electionTimeout=1s"]
         log = open(self.root / "weed.log", "ab")  # noqa: SIM115 - the server's own log, closed with the process
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
