@@ -3,9 +3,12 @@ and retried train task (resumed in its own version folder, bit for bit), a train
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -183,11 +186,17 @@ def test_train_task_killed_mid_run_is_retried_in_its_own_version_folder_and_ends
     sections = {
         "train": {"num_train_steps": 600, "display_loss_steps": 50, "evaluation_period": 0},
         "checkpoint": {"period": 50, "max_num_checkpoints": 100},  # every checkpoint stays as a record
+        "pipeline": {"train_retry_delays_s": [0.5]},  # the retry itself is the subject, not its default delay
     }
     reference = mlp_config(tmp_path, mlp_sources, "uninterrupted", **sections)
     configure(reference)
     prepare_data(reference)
-    assert launch(reference.output_dir, 2, threads=1, on_line=lambda line: None).ok
+    # The uninterrupted reference trains beside the killed run: nothing below depends on their order or speed. (In
+    # this test's settings context: Prefect's log handler sees the launcher's log lines.)
+    background = ThreadPoolExecutor(1, thread_name_prefix="reference")
+    uninterrupted = background.submit(contextvars.copy_context().run, launch, reference.output_dir, 2, threads=1,
+                                      on_line=lambda line: None)
+    background.shutdown(wait=False)
 
     cfg = mlp_config(tmp_path, mlp_sources, "killed", **sections)
     killed = []
@@ -214,6 +223,7 @@ def test_train_task_killed_mid_run_is_retried_in_its_own_version_folder_and_ends
     killer.start()
     state = train_pipeline(cfg, new_version=True, return_state=True)
     killer.join(timeout=5)
+    assert uninterrupted.result(timeout=300).ok
 
     assert killed, "the rank was never killed"
     assert state.is_completed(), state
@@ -252,12 +262,49 @@ def _train_with_timeout(config, timeout_s: float) -> None:
     tasks.train.with_options(timeout_seconds=timeout_s, retries=0)(config)
 
 
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+def _frozen_once_trained(cfg, started: float, thaw_at: float) -> threading.Thread:
+    """A thread that stops (SIGSTOP) the two ranks once they reported a step after ``started`` (``time.time()``) and
+    continues them at ``thaw_at`` (``time.monotonic()``), a moment before the task's time limit: they train when it
+    passes, and do not burn both cores while the test waits for it."""
+    import time
+
+    def freeze_and_thaw() -> None:
+        frozen: list[int] = []
+        try:
+            while time.monotonic() < thaw_at and not frozen:
+                ranks = rank_pids(cfg.output_dir)
+                if len(ranks) == 2 and _written_since(cfg.output_dir / "progress.json", started):
+                    for pid in ranks:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGSTOP)
+                            frozen.append(pid)
+                else:
+                    time.sleep(0.1)
+            time.sleep(max(0.0, thaw_at - time.monotonic()))
+        finally:
+            for pid in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=freeze_and_thaw, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_path):
     """A task timeout that fires while the ranks train stops every one of them.
 
     The ranks take a while to start on a loaded machine, and a timeout that fires before training began proves
     nothing: the test starts with a 6 s limit and, while an attempt ends before its ranks reported a step, doubles
-    the limit (each attempt must still fail and leave no rank behind).
+    the limit (each attempt must still fail and leave no rank behind). Ranks that reported a step wait stopped
+    (SIGSTOP) until a second before the limit, then train on until it stops them.
     """
     import time
 
@@ -272,7 +319,10 @@ def test_train_task_timeout_stops_every_rank(prefect_server, mlp_sources, tmp_pa
     timeout_s, trained_during = 6.0, None
     while trained_during is None and timeout_s <= 200:
         started = time.time()
+        # The task's limit counts from the task's start, after this: the ranks continue before it passes.
+        freezer = _frozen_once_trained(cfg, started, time.monotonic() + timeout_s - 1.0)
         state = _train_with_timeout(cfg, timeout_s, return_state=True)
+        freezer.join()
         assert state.is_failed(), state
         assert task_states(state.state_details.flow_run_id)["train"] == "TimedOut"
         wait_for(lambda: not processes_mentioning(str(cfg.output_dir)), 60, "the ranks to exit after the timeout")
