@@ -57,9 +57,9 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
         # The scheduler service creates runs of scheduled deployments; every 2 s instead of 60 s keeps tests short.
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        # A run waiting for its deployment's concurrency slot (one pipeline run at a time) is tried again after 2 s
+        # A run waiting for its deployment's concurrency slot (one pipeline run at a time) is tried again after 1 s
         # instead of 30 s once the slot frees.
-        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
         "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
         # No flow run pauses or suspends itself: the service that expires paused runs (a query every 5 s) is off.
         "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
