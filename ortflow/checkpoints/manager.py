@@ -53,6 +53,15 @@ _DISK_REASONS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota
                  errno.EROFS: "it is read-only", errno.EACCES: "permission is denied"}
 
 
+def _write_meta(path: Path, meta: dict) -> None:
+    """``meta`` with its own checksum (:data:`META_SHA_KEY`, recomputed) written to ``path`` and fsynced."""
+    meta = {**meta, META_SHA_KEY: meta_digest(meta)}  # meta_digest leaves out an earlier checksum
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_failure(err: BaseException) -> str:
     """Why a write failed, in words: h5py reports a full disk as ``... errno = 28, error message = ...`` in a long
     HDF5 message with no ``errno`` attribute, so the number is read from the text too."""
@@ -305,14 +314,7 @@ class CheckpointManager:
         folder = self.directory / step_dirname(step)
         part = folder / f"{META_FILE}.{TMP_PREFIX}{self._token}"
         try:
-            meta = json.loads((folder / META_FILE).read_text())
-            meta.update(fields)
-            meta.pop(META_SHA_KEY, None)
-            meta[META_SHA_KEY] = meta_digest(meta)
-            with open(part, "w") as f:
-                json.dump(meta, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_meta(part, {**json.loads((folder / META_FILE).read_text()), **fields})
             os.replace(part, folder / META_FILE)
             _fsync_dir(folder)
         except (OSError, ValueError) as err:
@@ -339,11 +341,7 @@ class CheckpointManager:
             "ortflow_version": __version__,
             "created": datetime.fromtimestamp(self._clock(), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
-        full_meta[META_SHA_KEY] = meta_digest(full_meta)
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(full_meta, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_meta(tmp / META_FILE, full_meta)
         _fsync_dir(tmp)
 
     def _move_into_place(self, tmp: Path, final: Path) -> None:
