@@ -143,7 +143,7 @@ def test_horizontal_parallelism_is_accepted_alone_and_with_data_parallel(tmp_pat
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (("distributed.num_ranks=2", "precision.use_mixed_precision=true"), "use_mixed_precision false"),
+    (("distributed.num_ranks=2", "precision.use_mixed_precision=true"), "needs distributed.device: cuda"),
     (("distributed.num_ranks=2", "distributed.device=cuda"), "set use_nccl true with device cuda"),
     (("distributed.num_ranks=2", "distributed.use_nccl=true"), "false with device cpu"),
 ])
@@ -313,13 +313,15 @@ def test_gpu_split_models_refuse_sharded_or_adasum_exchanges_and_cpu_ranks_take_
     assert problems_of(tmp_path, "distributed.num_ranks=4", *SPLITS[split], setting) == []
 
 
-@pytest.mark.parametrize("split", sorted(SPLITS))
-def test_split_models_refuse_mixed_precision_naming_the_engine_fact(tmp_path, split):
-    problems = problems_of(tmp_path, "distributed.num_ranks=4", *SPLITS[split], "distributed.device=cuda",
-                           "distributed.use_nccl=true", "precision.use_mixed_precision=true")
-    (problem,) = problems
-    assert "trains in fp32" in problem and "the CPU build of onnxruntime-training has no fp16/bf16 training " \
-        "kernels" in problem and problem.endswith("train in mixed precision with data parallelism"), problem
+@pytest.mark.parametrize("precision", [("precision.use_mixed_precision=true",),
+                                       ("precision.use_mixed_precision=true", "precision.use_bfloat16=true")])
+def test_pipeline_stages_and_tensor_parallelism_take_mixed_precision_each_alone(tmp_path, precision):
+    gpu = ("distributed.num_ranks=4", "distributed.device=cuda", "distributed.use_nccl=true", *precision)
+    assert problems_of(tmp_path, *SPLITS["pp2"], *gpu) == []
+    assert problems_of(tmp_path, *SPLITS["tp2"], *gpu) == []
+    (problem,) = problems_of(tmp_path, *SPLITS["pp2tp2"], *gpu)
+    assert "pipeline_parallel_size > 1 with horizontal_parallel_size > 1 trains in fp32" in problem, problem
+    assert problem.endswith("or split the model one way"), problem
 
 
 def test_max_eval_batches_is_refused_with_the_global_row_limit_as_the_fix():

@@ -122,13 +122,11 @@ def _split_problems(cfg: RunConfig) -> list[str]:
             "Adasum over the replicas of a stage or a tensor-parallel slice run on CPU ranks): set "
             "distributed.zero_stage 0 and enable_adasum false with it, or device cpu"
         )
-    if prec.use_mixed_precision:
+    if prec.use_mixed_precision and dist.pipeline_parallel_size > 1 and dist.horizontal_parallel_size > 1:
         problems.append(
-            f"{split} trains in fp32: mixed precision (fp16 with loss scaling, bf16) is built for data parallelism "
-            "only, because fp16/bf16 training graphs run on the GPU engine alone (the CPU build of "
-            "onnxruntime-training has no fp16/bf16 training kernels), so a stage's or tensor-parallel piece's mixed "
-            "precision cannot be checked against data parallelism on CPU ranks; set precision.use_mixed_precision "
-            "false with it, or train in mixed precision with data parallelism"
+            "distributed.pipeline_parallel_size > 1 with horizontal_parallel_size > 1 trains in fp32: mixed precision "
+            "(fp16 with loss scaling, bf16) is built for data parallelism, pipeline stages and tensor parallelism "
+            "each alone; set precision.use_mixed_precision false with both, or split the model one way"
         )
     return problems
 

@@ -250,8 +250,11 @@ def check_loss_io(cfg: RunConfig, info: ModelInfo) -> str:
     return output_name
 
 
-def _mixed_precision(cfg: RunConfig, prepared):
-    """The prepared model rewritten for ``precision.use_mixed_precision`` (ortflow/configure/mixed_precision.py)."""
+def in_mixed_precision(cfg: RunConfig, prepared):
+    """The prepared model (the whole one, a pipeline stage's or a tensor-parallel piece's) rewritten for
+    ``precision.use_mixed_precision`` (ortflow/configure/mixed_precision.py). A stage's or piece's inputs and outputs
+    keep their fp32 type (the autocast pass casts at the graph's edges), so what crosses between stages and pieces
+    stays fp32 and a half-precision value passes through its fp32 copy unchanged."""
     if not cfg.precision.use_mixed_precision:
         return prepared
     try:  # the autocast pass reads no weights: parameters stay fp32 initializers, where their data lies
@@ -304,7 +307,7 @@ def build_artifacts(cfg: RunConfig, out_dir: Path, stale_record: Path | None = N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        prepared = _mixed_precision(cfg, prepared)
+        prepared = in_mixed_precision(cfg, prepared)
         scale_input = mixed_precision.scale_input(cfg)
         engine_model, linked = engine_input(Path(cfg.model.path), prepared, scratch, proto_limit)
         cwd = os.getcwd()

@@ -38,12 +38,14 @@ from ortflow.configure.artifacts import (
     ArtifactsError,
     ConfiguredLoss,
     check_loss_io,
+    in_mixed_precision,
     inspect_model,
     loss_block,
     split_parameters,
 )
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import prepare_cut, split_source
+from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
@@ -150,11 +152,13 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     folder.mkdir(parents=True)
     output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
     prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
+    prepared = in_mixed_precision(cfg, prepared)  # each stage autocast alone: what crosses a cut stays fp32
     model = prepared.model
     held = frozen | set(stage.frozen) | set(prepared.frozen)
     stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in held)
+    scale = scale_input(cfg) if last else None  # fp16: the last stage's loss x the scale; the others pass it back
     if last:
-        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input)
+        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale)
         extra = None
     else:
         types = {o.name: o for o in model.graph.output}
@@ -169,6 +173,8 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
         additional_output_names=extra,
     )
     (folder / "temp.onnx").unlink(missing_ok=True)
+    if scale:
+        unscale_eval_model(folder / "eval_model.onnx", scale)
     if not last:
         strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)

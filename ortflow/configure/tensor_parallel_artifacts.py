@@ -28,12 +28,14 @@ from ortflow.configure.artifacts import (
     ArtifactsError,
     ConfiguredLoss,
     check_loss_io,
+    in_mixed_precision,
     inspect_model,
     loss_block,
     split_parameters,
 )
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import prepare_cut, split_source
+from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
 from ortflow.configure.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES
@@ -100,10 +102,12 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
     stage = piece.stage
     output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
     prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
+    prepared = in_mixed_precision(cfg, prepared)  # each piece autocast alone: what its rank sums stays fp32
     model = prepared.model
     frozen = frozen | set(prepared.frozen)
+    scale = scale_input(cfg) if last else None  # fp16: the last piece's loss x the scale
     if last:
-        loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input), None
+        loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale), None
     else:
         types = {o.name: o for o in model.graph.output}
         floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in FLOAT_TYPES)
@@ -118,6 +122,8 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
         additional_output_names=extra,
     )
     (folder / "temp.onnx").unlink(missing_ok=True)
+    if scale:
+        unscale_eval_model(folder / "eval_model.onnx", scale)
     if not last:
         strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
     if piece.float_receives:

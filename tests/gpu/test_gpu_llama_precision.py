@@ -53,21 +53,28 @@ WHY = _why_not()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"needs 1 GPU ({WHY})")]
 
 
-def _train(root: Path, export: str, kind: str) -> np.ndarray:
-    """The losses of ``UPDATES`` updates of one run on one GPU, in order."""
+#: The split layouts on 2 GPUs (the model cut into two stages at the automatic cut, or split over two ranks).
+SPLITS = {"pp2": {"pipeline_parallel_size": 2}, "tp2": {"horizontal_parallel_size": 2}}
+_ONE_GPU: dict[tuple[str, str], np.ndarray] = {}
+
+
+def _train(root: Path, export: str, kind: str, layout: str | None = None) -> np.ndarray:
+    """The losses of ``UPDATES`` updates of one run on one GPU (or two, split by ``layout``), in order."""
     from ortflow.launch.local import launcher_flavor
     from tests.support.runs import MPIEXEC
     from tests.trainer.exports_runs import llama_run
 
-    cfg = llama_run(root, f"{export.removesuffix('.onnx')}-{kind}", export=export, precision=PRECISION[kind],
-                    distributed={"num_ranks": 1, "device": "cuda", "use_nccl": True},
+    ranks = 2 if layout else 1
+    cfg = llama_run(root, f"{export.removesuffix('.onnx')}-{kind}{'-' + layout if layout else ''}", export=export,
+                    precision=PRECISION[kind],
+                    distributed={"num_ranks": ranks, "device": "cuda", "use_nccl": True, **SPLITS.get(layout, {})},
                     train={"batch_size": 16, "num_train_steps": UPDATES, "gradient_accumulation_steps": 1,
                            "evaluation_period": 0},
                     checkpoint={"period": 1000, "max_num_checkpoints": 1})
     mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
     tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
-    out = subprocess.run([mpiexec, "-n", "1", tag, sys.executable, "-u", "-m", "ortflow.trainer", str(cfg.output_dir)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+    command = [mpiexec, "-n", str(ranks), tag, sys.executable, "-u", "-m", "ortflow.trainer", str(cfg.output_dir)]
+    out = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
     losses = [float(x) for x in re.findall(r"step \d+/\d+ \| loss ([-+0-9.e]+|nan|inf)", out.stdout)]
@@ -84,13 +91,35 @@ def fp32_losses(request, tmp_path_factory):
     return root, request.param, losses
 
 
-@pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_llama_in_half_precision_follows_the_fp32_losses(fp32_losses, kind):
-    root, export, ref = fp32_losses
-    got = _train(root, export, kind)
+def _one_gpu(root: Path, export: str, kind: str) -> np.ndarray:
+    """The one-GPU run of ``kind`` on ``export``, trained once per session (both tests read it)."""
+    if (export, kind) not in _ONE_GPU:
+        _ONE_GPU[export, kind] = _train(root, export, kind)
+    return _ONE_GPU[export, kind]
+
+
+def _windows(got: np.ndarray, ref: np.ndarray, label: str) -> np.ndarray:
     assert np.isfinite(got).all(), got
     means = [x.reshape(-1, WINDOW).mean(1) for x in (got, ref)]
     windows = np.abs(means[0] - means[1]) / means[1]
-    print(f"{export} {kind}: fp32 window means {np.round(means[1], 4).tolist()}, {kind} "
+    print(f"{label}: reference window means {np.round(means[1], 4).tolist()}, run "
           f"{np.round(means[0], 4).tolist()}, relative differences {np.round(windows, 4).tolist()}")
+    return windows
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_llama_in_half_precision_follows_the_fp32_losses(fp32_losses, kind):
+    root, export, ref = fp32_losses
+    windows = _windows(_one_gpu(root, export, kind), ref, f"{export} {kind} against fp32")
+    assert windows.max() < TOLERANCE[kind], windows
+
+
+@pytest.mark.skipif(cuda_libs.gpu_count()[0] < 2, reason="a split over 2 GPUs needs 2 GPUs")
+@pytest.mark.parametrize(("layout", "kind"), [("pp2", "fp16"), ("tp2", "bf16")])
+def test_llama_split_over_two_gpus_in_half_precision_follows_one_gpu_in_that_precision(fp32_losses, layout, kind):
+    """The stages (or tensor-parallel ranks) autocast each alone, the loss scale divided out of every stage's
+    gradients: the same bound against the one-GPU run of the same precision as that run has against fp32."""
+    root, export, _ = fp32_losses
+    windows = _windows(_train(root, export, kind, layout), _one_gpu(root, export, kind),
+                       f"{export} {kind} {layout} against one GPU")
     assert windows.max() < TOLERANCE[kind], windows

@@ -183,3 +183,29 @@ def test_bf16_constants_beyond_its_range_are_clipped_not_infinite():
     tensor, changed = convert_tensor(lowest, "m", TensorProto.BFLOAT16)
     value = (np.frombuffer(tensor.raw_data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)[0]
     assert changed and np.isfinite(value) and value < -3.38e38
+
+
+@pytest.mark.parametrize("compute", [FLOAT16, BFLOAT16])
+def test_an_output_also_read_by_an_fp32_op_is_cast_back_once_under_its_name(compute):
+    """A pipeline stage or tensor-parallel piece sends its residual stream and normalises it too: the output is made in
+    the compute type and read in fp32 inside the graph; one Cast back under the output's name serves both."""
+    x = helper.make_tensor_value_info("x", FLOAT, [2, 4])
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32), "w")
+    scale, bias = numpy_helper.from_array(np.ones(4, np.float32), "g"), numpy_helper.from_array(np.zeros(4, np.float32),
+                                                                                                "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),  # low: h is made in the compute type
+             helper.make_node("LayerNormalization", ["h", "g", "b"], ["n"], name="ln", axis=-1)]  # reads h in fp32
+    graph = helper.make_graph(nodes, "part", [x], [helper.make_tensor_value_info("h", FLOAT, [2, 4]),
+                                                   helper.make_tensor_value_info("n", FLOAT, [2, 4])], [w, scale, bias])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    mixed = autocast(original, compute)
+    onnx.checker.check_model(mixed, full_check=True)  # every input is made before it is read
+    assert [n.output for n in mixed.graph.node].count(["h"]) == 1
+    assert _types(mixed)["h"] == FLOAT
+    assert helper.printable_graph(strip_autocast(mixed).graph) == helper.printable_graph(original.graph)
+    if compute == BFLOAT16:
+        return  # the CPU engine has no bf16 MatMul to run it with
+    feeds = {"x": np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32)}
+    h, n = onnxruntime.InferenceSession(mixed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    reference = feeds["x"] @ numpy_helper.to_array(w)
+    np.testing.assert_allclose(h, reference, rtol=2e-2, atol=2e-2)

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from ortflow.artifacts_folder import BACKPROP_SUFFIX, GRAD_IN_SUFFIX
 from ortflow.config import config_from_dict
 from ortflow.configure.artifacts import ArtifactsError, build_artifacts
 from ortflow.configure.configure import configure
@@ -83,3 +84,59 @@ def test_bf16_keeps_layer_normalization_fp32_even_when_fp32_ops_leaves_it_out(tm
         assert norms
         for node in norms:
             assert (types[node.input[0]] == onnx.TensorProto.FLOAT) is fp32_ln, (precision, node.name)
+
+
+SPLIT_CASES = [  # (export, layout, precision): both exporters, both layouts, both compute types
+    ("gpt2-dynamo.onnx", "pp2", "fp16"), ("gpt2.onnx", "tp2", "bf16"),
+    ("llama.onnx", "pp2", "bf16"), ("llama-dynamo.onnx", "tp2", "fp16"),
+]
+
+
+def _split_parts(cfg, layout: str) -> list[tuple[str, object, list[str]]]:
+    """(label, folder, tensors it exchanges with the other parts) of every stage or piece configure built, the part
+    that computes the loss last."""
+    from ortflow.artifacts_folder import piece_dir, read_stages_record, read_tensor_record, stage_dir
+
+    art = cfg.artifacts_dir
+    if layout == "pp2":
+        stages = read_stages_record(art)["stages"]
+        return [(f"stage {s['index']}", stage_dir(art, s["index"]), s["receives"] + s["sends"]) for s in stages]
+    pieces = read_tensor_record(art)["pieces"]  # the same pieces on every rank, each with its slices
+    return [(f"rank {rank} piece {piece['index']}", piece_dir(art, rank, piece["index"]),
+             piece["float_receives"] + piece["float_sends"]) for rank in range(2) for piece in pieces]
+
+
+@pytest.mark.parametrize(("export", "layout", "precision"), SPLIT_CASES)
+def test_each_stage_and_piece_is_autocast_alone_with_fp32_cut_tensors_and_the_scale_on_the_loss_only(
+        tmp_path, export, layout, precision):
+    """Pipeline stages and tensor-parallel pieces of the real exports in mixed precision: every training graph
+    computes in the compute type, what crosses between parts stays fp32 (so no message changes type), and with fp16
+    only the graph holding the loss takes the scale (no eval model does)."""
+    from tests.trainer.exports_runs import gpt2_run, llama_run
+
+    make = llama_run if export.startswith("llama") else gpt2_run
+    split = {"pipeline_parallel_size": 2} if layout == "pp2" else {"horizontal_parallel_size": 2}
+    compute = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[precision]
+    cfg = make(tmp_path, "run", export=export,
+               distributed={"num_ranks": 2, "device": "cuda", "use_nccl": True, **split},
+               precision={"use_mixed_precision": True, "use_bfloat16": precision == "bf16"})
+    configure(cfg)
+    parts = _split_parts(cfg, layout)
+    assert len(parts) >= 2, parts
+    last = parts[-1][0].rsplit(" ", 1)[1]  # the last stage, or each tensor-parallel rank's last piece
+    ends = {label for label, _, _ in parts if label.endswith(f" {last}") and (layout == "tp2" or label == parts[-1][0])}
+    for label, folder, crossing in parts:
+        training = onnx.load(str(folder / "training_model.onnx"), load_external_data=False)
+        casts = [n for n in training.graph.node if n.op_type == "Cast" and n.name.startswith("autocast/")]
+        assert any(a.name == "to" and a.i == compute for n in casts for a in n.attribute), label
+        # What it receives or sends, and their gradients, in the training and eval graphs' inputs and outputs.
+        graphs = [onnx.load(str(folder / f), load_external_data=False).graph
+                  for f in ("training_model.onnx", "eval_model.onnx")]
+        types = {v.name: v.type.tensor_type.elem_type for g in graphs for v in [*g.input, *g.output]}
+        seen = {m: types[m] for n in crossing for m in (n, n + GRAD_IN_SUFFIX, n + BACKPROP_SUFFIX) if m in types}
+        assert crossing and len(seen) >= len(crossing), (label, crossing, seen)
+        declared = {m: t for m, t in seen.items() if t != onnx.TensorProto.UNDEFINED}  # exposed gradients: untyped
+        assert declared and set(declared.values()) == {onnx.TensorProto.FLOAT}, (label, seen)
+        takes_scale = INPUT_NAME in _inputs(folder / "training_model.onnx")
+        assert takes_scale == (precision == "fp16" and label in ends), label
+        assert INPUT_NAME not in _inputs(folder / "eval_model.onnx"), label

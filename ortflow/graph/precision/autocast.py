@@ -205,6 +205,10 @@ class _Walk:
             return have[want]
         short = _SHORT.get(want, str(want))
         new = f"{name}__{short}"
+        if want == FLOAT and name in self.outputs:  # a graph output read in fp32 inside too (a pipeline stage's
+            self.cast_output(name, have[self.compute])  # residual stream): its cast back, made now, serves both
+            have[want] = name
+            return name
         if name in self.constants and want == self.compute:
             tensor, clipped = convert_tensor(self.constants[name], new, want)
             self.nodes.append(helper.make_node("Constant", [], [new], name=f"autocast/{name}/{short}", value=tensor,
@@ -266,15 +270,18 @@ class _Walk:
             self.report.kept_fp32[node.op_type] += 1
         self.nodes.append(node)
 
+    def cast_output(self, name: str, source: str) -> None:
+        """The graph output ``name``, made in the compute type as ``source``, cast back to fp32 under its name."""
+        self.nodes.append(helper.make_node("Cast", [source], [name], name=f"autocast/{name}/output", to=FLOAT,
+                                           doc_string=f"autocast: output {name}"))
+        self.report.casts += 1
+
     def finish_outputs(self) -> None:
         """Graph outputs made in the compute type are cast back to fp32 under their own names."""
         for out in self.graph.output:
             have = self.versions.get(out.name, {})
             if self.types.get(out.name) == FLOAT and FLOAT not in have and self.compute in have:
-                self.nodes.append(helper.make_node("Cast", [have[self.compute]], [out.name],
-                                                   name=f"autocast/{out.name}/output", to=FLOAT,
-                                                   doc_string=f"autocast: output {out.name}"))
-                self.report.casts += 1
+                self.cast_output(out.name, have[self.compute])
 
 
 def autocast(

@@ -116,11 +116,12 @@ class LayoutModel:
     def accumulate(self, batches, k: int, timer: PhaseTimer | None = None) -> float:
         """``k`` micro-batches (through the stages on a pipeline); gradients accumulate in the engines. Their loss
         sum (loss scale included) where this rank computes the loss, else 0."""
+        batches = map(self.loss_scale.feed, batches)  # fp16: the loss's graph multiplies the loss by the scale input
         if self.stage is not None:
             return self.stage.accumulate(batches, k, timer)
         loss_sum = 0.0
         for _ in range(k):
-            feeds = self.loss_scale.feed(next(batches))  # fp16: the graph multiplies the loss by the scale input
+            feeds = next(batches)
             _lap(timer, "data")
             loss_sum += self.body.micro_step(feeds)
             _lap(timer, "forward_backward")
@@ -128,7 +129,8 @@ class LayoutModel:
 
     def reduce(self, k: int, loss_sum: float, stop: bool) -> Reduced:
         """The exchange over the replicas; on a split model also the tied-gradient sums, and loss, stop and the norm
-        shares summed over every rank."""
+        shares summed over every rank. The loss scale is divided out with the average (a non-finite gradient of any
+        stage or piece makes the global norm non-finite on every rank, so every rank skips that update)."""
         if not self.dims.split:
             return self._reduce_whole(k, loss_sum, stop)
         ex, stage = self.exchange, self.stage
@@ -138,13 +140,14 @@ class LayoutModel:
         tied_after = stage is not None and bool(stage.shared) and ex.averages
         if stage is not None and not tied_after:
             stage.sum_tied_gradients(self._grad_of)
-        mine = ex.reduce(self.gradient_buffers(), k * self.data.num_replicas, np.zeros(0, np.float32))
+        scale = self.loss_scale.scale  # 1 but in fp16, whose gradients arrive that much larger on every stage
+        mine = ex.reduce(self.gradient_buffers(), k * self.data.num_replicas * scale, np.zeros(0, np.float32))
         if tied_after:
             stage.sum_tied_gradients(self._grad_of)
         own = ex.per_rank_state and not ex.sharded  # Adasum's deltas: each replica clips by its own gradient's norm
         share = self._norm_share(mine, tied_after, own)
         norm_sq = self._sum_over_replica(share) if own else 0.0
-        local = np.array([loss_sum / k if self.body.counts_loss else 0.0, float(stop), 0.0 if own else share])
+        local = np.array([loss_sum / k / scale if self.body.counts_loss else 0.0, float(stop), 0.0 if own else share])
         # Sync point: loss, stop flag and gradient norm agree on every rank.
         scalars = self.sum_scalars(local, "loss, stop, norm")
         return Reduced(mine, float(scalars[0]) / self.data.num_replicas, bool(scalars[1]),
