@@ -33,7 +33,7 @@ if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told (containers run
 fi
 
 # Most telling first: the 4-GPU layouts, then the loop's GPU paths, then the rest; any other file comes last.
-FIRST="test_gpu_four_layouts test_gpu_training test_gpu_cuda_graphs test_gpu_pipeline test_gpu_tensor test_gpu_mixed_precision
+FIRST="test_gpu_four_layouts test_gpu_training test_gpu_cuda_graphs test_gpu_pipeline test_gpu_tensor test_gpu_mixed_precision test_gpu_split_precision
 test_gpu_adasum test_gpu_cuda_kernels test_gpu_sums_allreduce test_gpu_optim test_gpu_setup"
 FILES=()
 for name in $FIRST; do [ -f "tests/gpu/$name.py" ] && FILES+=("tests/gpu/$name.py"); done
