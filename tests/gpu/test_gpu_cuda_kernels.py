@@ -58,14 +58,15 @@ def _one_node(op: str, domain: str, elem: int) -> onnx.ModelProto | None:
               "MatMul": [x, [8, 8]], "Gemm": [[4, 8], [8, 8], [8]], "LayerNormalization": [x, [8], [8]],
               "Conv": [x, [4, 4, 3, 3]], "BatchNormalization": [x, [4], [4], [4], [4]],
               "SkipLayerNormalization": [[2, 4, 8], [2, 4, 8], [8], [8]], "FastGelu": [x], "Gelu": [x],
-              "BiasGelu": [x, [8]], "Where": [x, x, x]}  # fmt: skip
+              "BiasGelu": [x, [8]], "Where": [x, x, x], "Pad": [x]}  # fmt: skip
     if op not in shapes:
         return None
     inputs = [helper.make_tensor_value_info(f"in{i}", TensorProto.BOOL if op == "Where" and i == 0 else elem, s)
               for i, s in enumerate(shapes[op])]  # fmt: skip
     out_elem = TensorProto.BOOL if op == "Equal" else elem
-    node = helper.make_node(op, [i.name for i in inputs], ["out"], domain=domain)
-    graph = helper.make_graph([node], "probe", inputs, [helper.make_tensor_value_info("out", out_elem, None)])
+    consts = [helper.make_tensor("pads", TensorProto.INT64, [8], [0, 0, 0, 0, 0, 0, 0, 2])] if op == "Pad" else []
+    node = helper.make_node(op, [i.name for i in inputs] + [c.name for c in consts], ["out"], domain=domain)
+    graph = helper.make_graph([node], "probe", inputs, [helper.make_tensor_value_info("out", out_elem, None)], consts)
     imports = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(graph, opset_imports=imports)
     model.ir_version = 8

@@ -21,6 +21,8 @@ def test_the_table_knows_the_known_gaps():
     assert has_kernel("Pow", "", 15, FLOAT16) is True
     assert has_kernel("Add", "ai.onnx", 17, BFLOAT16) is True
     assert has_kernel("SkipLayerNormalization", "com.microsoft", 1, BFLOAT16) is False
+    assert has_kernel("Pad", "", 19, BFLOAT16) is False  # a bf16 tensor-parallel LM head stopped at rank start on it
+    assert has_kernel("Pad", "", 13, FLOAT16) is True
     assert has_kernel("NotAnOp", "", 17, BFLOAT16) is None  # not judged
 
 

@@ -13,6 +13,7 @@ from ortflow.config import config_from_dict
 from ortflow.configure.artifacts import ArtifactsError, build_artifacts
 from ortflow.configure.configure import configure
 from ortflow.engine import api
+from ortflow.graph.precision.cuda_kernels import missing_kernels
 from ortflow.trainer.loss_scale import INPUT_NAME
 from tests.support.tiny_lm import build_tiny_lm, save
 
@@ -129,6 +130,8 @@ def test_each_stage_and_piece_is_autocast_alone_with_fp32_cut_tensors_and_the_sc
         training = onnx.load(str(folder / "training_model.onnx"), load_external_data=False)
         casts = [n for n in training.graph.node if n.op_type == "Cast" and n.name.startswith("autocast/")]
         assert any(a.name == "to" and a.i == compute for n in casts for a in n.attribute), label
+        assert missing_kernels(training) == [], label  # every half node starts on the GPU engine (e.g. the LM
+        # head's vocabulary Pad of a tensor-parallel rank has no bf16 CUDA kernel: it stays fp32)
         # What it receives or sends, and their gradients, in the training and eval graphs' inputs and outputs.
         graphs = [onnx.load(str(folder / f), load_external_data=False).graph
                   for f in ("training_model.onnx", "eval_model.onnx")]

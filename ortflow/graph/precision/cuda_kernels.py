@@ -15,7 +15,7 @@ and each op's type constraints) and, where they disagree, what the installed GPU
 session per autocast fixture, and the failure the table prevents; where the two disagree, the engine is right and the
 test names the entry. In short: elementwise arithmetic, MatMul, Gemm, Softmax, LayerNormalization and the
 ``com.microsoft`` GELU kernels have both types; Pow and LogSoftmax have fp16 but no bf16; Conv and BatchNormalization
-have fp16 only (cuDNN paths); SkipLayerNormalization (which the engine's own fusion makes out of Add +
+have fp16 only (cuDNN paths), and so has Pad; SkipLayerNormalization (which the engine's own fusion makes out of Add +
 LayerNormalization) has fp16 only; data-movement ops (Reshape, Transpose, Gather, Concat, Slice, ...) take any
 fixed-size type.
 
@@ -87,6 +87,8 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     # Convolutional layers: cuDNN paths registered for fp16 only.
     ("", "Conv"): (KernelRange(1, None, _FP16),),
     ("", "BatchNormalization"): (KernelRange(7, None, _FP16),),
+    # Pad (the vocabulary padding of a tensor-parallel LM head, graph/tensor_parallel): float, double, fp16 and bool.
+    ("", "Pad"): (KernelRange(2, None, _FP16),),
     # com.microsoft ops that ortflow's passes or the engine's fusions introduce.
     ("com.microsoft", "SkipLayerNormalization"): _always(_FP16),
     ("com.microsoft", "FastGelu"): _always(_BOTH),
