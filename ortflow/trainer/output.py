@@ -9,7 +9,8 @@ it every other rank at the next collective, the watchdog's own message included.
 ends of private pipes that a reader thread empties at once into a bounded buffer, and a writer thread passes the
 buffer on to the launcher, blocking only itself. When the launcher reads again, the buffer flows out. When the buffer
 is full, new output is dropped and counted, and a line saying how much was dropped is written once the launcher reads
-again. At exit the buffer is given a bounded time to drain.
+again. At exit the buffer is given a bounded time to drain: until every byte written before it is in the launcher's
+pipe, counted wherever it is on the way (the private pipe, the buffer, the writer's hands).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import array
 import atexit
 import fcntl
 import os
+import select
 import sys
 import termios
 import threading
@@ -39,6 +41,7 @@ class Relay:
         self._target = os.dup(fd)  # the launcher's pipe
         read_end, write_end = os.pipe()
         os.set_inheritable(read_end, False)
+        os.set_blocking(read_end, False)  # only the reader reads it, once poll says there is output
         os.dup2(write_end, fd)
         os.close(write_end)
         self._read_end = read_end
@@ -51,14 +54,23 @@ class Relay:
         threading.Thread(target=self._write, name=f"ortflow-output-write-{fd}", daemon=True).start()
 
     def _read(self) -> None:
+        # Output moves from the pipe into the buffer under the lock, in one step, so that pending() finds every byte
+        # in one or the other. Read outside the lock, the bytes the reader has taken but not yet queued would be
+        # counted nowhere, and a rank exiting right after its last message (a refused config, then exit 1) would end
+        # with that message in the reader's hands: lost, whether its output goes to a pipe or a file.
+        poller = select.poll()
+        poller.register(self._read_end, select.POLLIN)
         while True:
-            try:
-                data = os.read(self._read_end, 65536)
-            except OSError:
-                return
-            if not data:
-                return
+            poller.poll()  # wait for output without taking it
             with self._cond:
+                try:
+                    data = os.read(self._read_end, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
                 if self._held + len(data) > self.limit:
                     self.dropped += len(data)  # the launcher is not reading: drop, never block the rank
                 else:
@@ -89,14 +101,15 @@ class Relay:
                     self._cond.notify_all()
 
     def pending(self) -> int:
-        """Bytes written by the rank that have not reached the launcher yet."""
+        """Bytes written by the rank that have not reached the launcher yet (1 for a count of dropped bytes not yet
+        reported, and for a chunk being written)."""
         queued = array.array("i", [0])
-        try:
-            fcntl.ioctl(self._read_end, termios.FIONREAD, queued)
-        except OSError:
-            queued[0] = 0
-        with self._cond:
-            return queued[0] + self._held + (1 if self._writing else 0)
+        with self._cond:  # nothing moves between the pipe, the buffer and the writer meanwhile
+            try:
+                fcntl.ioctl(self._read_end, termios.FIONREAD, queued)
+            except OSError:
+                queued[0] = 0
+            return queued[0] + self._held + (1 if self.dropped else 0) + (1 if self._writing else 0)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until everything written so far has been passed on (or ``timeout_s``); True when it has."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +89,20 @@ def test_an_edited_config_yaml_is_refused_until_accepted(run):
     out = _ortflow("train", str(run.output_dir), "--accept-changed-config")
     assert out.returncode == 0, out.stdout[-3000:]
     assert any(run.checkpoints_dir.glob("step-*"))
+
+
+def test_a_rank_piped_to_a_reader_passes_on_its_refusal_before_it_exits(run):
+    # The refusal is the rank's last output before exit 1; its output relays (ortflow/trainer/output.py) hold each
+    # chunk half a second between reading it and queuing it (slow_relay_rank.py), as a reader thread waiting for the
+    # interpreter's lock does for a moment: the exit drain must count those bytes too, or the message is lost.
+    path = run.output_dir / RESOLVED_CONFIG_NAME
+    raw = load_yaml(path.read_text())
+    raw["optimizer"]["learning_rate"] = 0.5
+    path.write_text(json.dumps(raw))
+    rank = subprocess.run([sys.executable, str(Path(__file__).with_name("slow_relay_rank.py")), str(run.output_dir)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)  # `... | tee`
+    assert rank.returncode == 1, rank.stdout[-3000:]
+    _refused(rank, "config.yaml", "ortflow configure")
 
 
 def test_an_accepted_edit_may_not_change_the_artifacts(run):

@@ -4,6 +4,7 @@ function; released, the guard exits at once, leaves the job alone and never impo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,7 +35,6 @@ LAUNCHER = textwrap.dedent("""
     while not any("tick" in line for line in job.read_output()):
         job.wait(0.5)
     if release:
-        time.sleep(1.0)  # a guard that has run a while (one that imported its then at start would have done so)
         guard.release()
         (run_dir / "released").write_text(str(guard.proc.returncode))
     print("ready", flush=True)
@@ -55,8 +55,48 @@ THEN = textwrap.dedent("""
 """)
 
 
+# What a released guard has imported by its end (module sitecustomize in the test's folder, which every interpreter
+# started there imports at start-up; it acts in the guard only). Once the guard's main function has returned, it waits
+# until every other thread of the guard has ended or waits for a process to exit (the launching process, alive until
+# the test ends): a thread that a guard would have started to import its then at start has done so by then, however
+# slowly it ran. Then it records whether the guard imported that module, and the threads it waited for.
+GUARD_EXIT = textwrap.dedent("""
+    import atexit, json, os, sys, threading, time
+
+
+    def _waits_for_a_process(frame):
+        while frame is not None:
+            if frame.f_code.co_name == "wait_for_exit":
+                return True
+            frame = frame.f_back
+        return False
+
+
+    def _record():
+        if getattr(sys.modules["__main__"].__spec__, "name", None) != "ortflow.launch.guard":
+            return
+        waited = set()
+        while True:
+            frames = sys._current_frames()
+            running = [t.name for t in threading.enumerate() if t is not threading.main_thread()
+                       and t.ident in frames and not _waits_for_a_process(frames[t.ident])]
+            if not running:
+                break
+            waited.update(running)
+            time.sleep(0.01)
+        record = {"imported_then": "guard_then" in sys.modules, "waited_for": sorted(waited)}
+        with open(os.path.join(os.path.dirname(__file__), "guard-exit.json"), "w") as f:
+            json.dump(record, f)
+
+
+    atexit.register(_record)
+""")
+
+
 def _start(tmp_path: Path, mode: str) -> subprocess.Popen:
     (tmp_path / "guard_then.py").write_text(THEN)
+    if mode == "release":
+        (tmp_path / "sitecustomize.py").write_text(GUARD_EXIT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(tmp_path),
                                                                      os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), mode, JOB], env=env,
@@ -97,7 +137,10 @@ def test_a_released_guard_exits_and_leaves_the_job_alone(tmp_path):
         assert _alive(job)  # and did not stop the job
         assert (tmp_path / GUARD_LOG).read_text() == ""
         assert not (tmp_path / "reported").exists()
-        assert not (tmp_path / "imported").exists()  # a released guard has nothing to report: no import either
+        # A released guard has nothing to report: no import either, not even by a thread of its still at work.
+        record = json.loads((tmp_path / "guard-exit.json").read_text())
+        assert record["imported_then"] is False, record
+        assert not (tmp_path / "imported").exists()
     finally:
         proc.kill()
         proc.wait()
