@@ -5,9 +5,10 @@ The shape comes from the JSON line ``tools/make_large_llama.py`` printed (``--su
 Face's ``LlamaForCausalLM`` from ``LlamaConfig`` when transformers is importable, else the same architecture
 written here (RMSNorm, rotary embeddings, grouped key/value heads, SwiGLU, untied head; SDPA attention).
 ``fully_shard`` on every block and the root with bf16 parameters and fp32 gradient reduction
-(``MixedPrecisionPolicy``), each block compiled; fused AdamW (lr 1e-4); the same synthetic next-token data and the
-same per-GPU batch as ortflow's runs; the host waits for each update's loss, as ortflow's loop does. Rank 0 prints
-one ``RESULT`` line: median step time over the updates after ``--warmup``, tokens/s, first and last loss.
+(``MixedPrecisionPolicy``), each block compiled; fused AdamW (lr 1e-4); the same synthetic next-token data rule (a
+new batch every update) and the same per-GPU batch as ortflow's runs; the host waits for each update's loss, as
+ortflow's loop does. Rank 0 prints one ``RESULT`` line: median step time over the updates after ``--warmup``,
+tokens/s, first and last loss.
 """
 
 from __future__ import annotations
@@ -127,6 +128,21 @@ def _logits(model, ids):
     return out.logits if hasattr(out, "logits") else out
 
 
+def token_batches(vocab: int, args, rank: int, world: int) -> torch.Tensor:
+    """This rank's batch of every update, ``[steps, batch, seq + 1]``: ortflow's data rule (``bench/large_llama.py``:
+    each token a fixed function of the previous one, 10% of them random), a new batch each update, the ranks' batches
+    of an update distinct."""
+    gen = torch.Generator().manual_seed(0)
+    rows = args.steps * world * args.batch
+    tokens = torch.empty((rows, args.seq + 1), dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (rows,), generator=gen)
+    for t in range(args.seq):
+        noise = torch.rand(rows, generator=gen) < 0.1
+        tokens[:, t + 1] = torch.where(noise, torch.randint(0, vocab, (rows,), generator=gen),
+                                       (tokens[:, t] * 37 + 11) % vocab)
+    return tokens.reshape(args.steps, world, args.batch, args.seq + 1)[:, rank]
+
+
 def run(args) -> dict:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
@@ -148,13 +164,9 @@ def run(args) -> dict:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
-    gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, shape.vocab, (args.batch, args.seq + 1), generator=gen)
-    for t in range(args.seq):  # the same rule as ortflow's data: each token a fixed function of the previous one
-        tokens[:, t + 1] = (tokens[:, t] * 37 + 11) % shape.vocab
-    tokens = tokens.to(device)
+    batches = token_batches(shape.vocab, args, rank, world).to(device)
     times, losses = [], []
-    for _ in range(args.steps):
+    for tokens in batches:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         logits = _logits(model, tokens[:, :-1])
