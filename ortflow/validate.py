@@ -225,7 +225,7 @@ def build_in_temporary_folder(cfg: RunConfig) -> tuple[list[InputSpec] | None, l
         except Exception as err:  # noqa: BLE001 - ArtifactsError, and whatever else the engine raises
             return None, [str(err)]
         if cfg.distributed.device == "cuda":
-            problems = cuda_kernel_problems(folder / "training_model.onnx") + cuda_library_problems(cfg.model.path)
+            problems = cuda_kernel_problems(folder) + cuda_library_problems(cfg.model.path)
     return [InputSpec(t.name, t.dtype, tuple(d if d is not None else "?" for d in t.shape))
             for t in built.train_inputs], problems  # fmt: skip
 
@@ -252,12 +252,18 @@ def cuda_library_problems(model_path: Path) -> list[str]:
     return problems
 
 
-def cuda_kernel_problems(training_model: Path) -> list[str]:
-    """The nodes of a built training model that the GPU engine has no half-precision CUDA kernel for."""
+def cuda_kernel_problems(artifacts: Path) -> list[str]:
+    """The nodes that the GPU engine has no half-precision CUDA kernel for, in every training model built under
+    ``artifacts`` (the whole model's, and each pipeline stage's and tensor-parallel piece's, named by its folder)."""
     from ortflow.graph.precision.cuda_kernels import missing_kernels
 
-    proto = onnx.load(str(training_model), load_external_data=False)
-    return [f"model.path: {m.message()}" for m in missing_kernels(proto)]
+    problems = []
+    for path in sorted(Path(artifacts).rglob("training_model.onnx"), key=lambda p: (len(p.parts), p)):
+        part = path.parent.relative_to(artifacts).as_posix()
+        where = "" if part == "." else f" (in {part})"
+        proto = onnx.load(str(path), load_external_data=False)
+        problems += [f"model.path{where}: {m.message()}" for m in missing_kernels(proto)]
+    return problems
 
 
 def _sources(cfg: RunConfig) -> tuple[dict[str, list[Source]], list[str]]:

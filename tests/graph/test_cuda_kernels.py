@@ -119,3 +119,13 @@ def test_validate_deep_on_cuda_reports_a_planted_op_without_kernel(tmp_path):
     on_cpu = setup(tmp_path / "cpu")
     _plant_bf16_pow(tmp_path / "cpu" / "model.onnx")
     assert not any("CUDA kernel" in p for p in validate(on_cpu, deep=True))  # a CPU run does not use the table
+
+
+def test_validate_deep_on_cuda_checks_every_pipeline_stage_a_rank_loads(tmp_path):
+    path = setup(tmp_path, distributed={"device": "cuda", "use_nccl": True, "num_ranks": 2,
+                                        "pipeline_parallel_size": 2})
+    _plant_bf16_pow(tmp_path / "model.onnx")
+    problems = [p for p in validate(path, deep=True) if "'/plant/Pow' runs in bfloat16" in p]
+    # The whole model's training graph (configure builds it too) and the last stage's hold the planted node, stage 0's
+    # does not; the report names the stage.
+    assert [p.split(":", 1)[0] for p in problems] == ["model.path", "model.path (in stages/stage-01)"], problems
