@@ -147,16 +147,38 @@ def drop_sends_from_training(path: Path, sends: tuple[str, ...]) -> None:
     onnx.save(model, str(path))
 
 
+def prepare_part(cfg: RunConfig, stage: Stage, last: bool):
+    """A pipeline stage's or tensor-parallel piece's graph prepared as the whole model is (graph/prepare.py), then
+    autocast alone in mixed precision (what crosses to another part stays fp32); and the loss-scale input its loss
+    takes (fp16, the part holding the loss; the others pass the scaled gradients back)."""
+    output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
+    prepared = in_mixed_precision(cfg, prepare_cut(cfg, stage.model, stage.parameters, output_name))
+    return prepared, scale_input(cfg) if last else None
+
+
+def finish_part(folder: Path, scale: str | None, sends: tuple[str, ...] | None, receives: tuple[str, ...]) -> None:
+    """What the engine built for a stage or piece, fitted to its calls: the eval model's scale input fixed to 1, a
+    middle part's gradient inputs dropped from its eval model (``sends``: None for the part holding the loss), the
+    gradients of what it received exposed; refuses a folder the engine left incomplete."""
+    (folder / "temp.onnx").unlink(missing_ok=True)
+    if scale:
+        unscale_eval_model(folder / "eval_model.onnx", scale)
+    if sends is not None:
+        strip_vjp_from_eval(folder / "eval_model.onnx", sends)
+    if receives:
+        expose_input_gradients(folder / "training_model.onnx", receives)
+    missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
+    if missing:
+        raise RuntimeError(f"the engine did not write {missing} into {folder}")
+
+
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
     """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through."""
     folder.mkdir(parents=True)
-    output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
-    prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
-    prepared = in_mixed_precision(cfg, prepared)  # each stage autocast alone: what crosses a cut stays fp32
+    prepared, scale = prepare_part(cfg, stage, last)
     model = prepared.model
     held = frozen | set(stage.frozen) | set(prepared.frozen)
     stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in held)
-    scale = scale_input(cfg) if last else None  # fp16: the last stage's loss x the scale; the others pass it back
     if last:
         loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale)
         extra = None
@@ -172,18 +194,10 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
         artifact_directory=folder,
         additional_output_names=extra,
     )
-    (folder / "temp.onnx").unlink(missing_ok=True)
-    if scale:
-        unscale_eval_model(folder / "eval_model.onnx", scale)
+    finish_part(folder, scale, None if last else stage.sends, stage.receives)
     if not last:
-        strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
         forward_with_batch_statistics(folder / "eval_model.onnx")
-    if stage.receives:
-        expose_input_gradients(folder / "training_model.onnx", stage.receives)
-    missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
-    if missing:
-        raise RuntimeError(f"the engine did not write {missing} into {folder}")
     return prepared.passes
 
 

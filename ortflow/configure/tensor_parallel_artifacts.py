@@ -21,22 +21,19 @@ from pathlib import Path
 
 import onnx
 
-from ortflow.artifacts_folder import ARTIFACT_FILES, TENSOR_DIR, TENSOR_RECORD
+from ortflow.artifacts_folder import TENSOR_DIR, TENSOR_RECORD
 from ortflow.config import RunConfig
 from ortflow.configure.artifacts import (
     PROTO_LIMIT,
     ArtifactsError,
     ConfiguredLoss,
-    check_loss_io,
-    in_mixed_precision,
     inspect_model,
     loss_block,
     split_parameters,
 )
 from ortflow.configure.building import building
-from ortflow.configure.engine_input import prepare_cut, split_source
-from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
-from ortflow.configure.stage_artifacts import VJPLoss, expose_input_gradients, strip_vjp_from_eval
+from ortflow.configure.engine_input import split_source
+from ortflow.configure.stage_artifacts import VJPLoss, finish_part, prepare_part
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.precision.noop_casts import drop_noop_casts
@@ -100,12 +97,9 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
 def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
     folder.mkdir(parents=True)
     stage = piece.stage
-    output_name = check_loss_io(cfg, inspect_model(cfg.model.path)) if last else None
-    prepared = prepare_cut(cfg, stage.model, stage.parameters, output_name)  # as the whole model (graph/prepare.py)
-    prepared = in_mixed_precision(cfg, prepared)  # each piece autocast alone: what its rank sums stays fp32
+    prepared, scale = prepare_part(cfg, stage, last)
     model = prepared.model
     frozen = frozen | set(prepared.frozen)
-    scale = scale_input(cfg) if last else None  # fp16: the last piece's loss x the scale
     if last:
         loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale), None
     else:
@@ -121,16 +115,7 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
         artifact_directory=folder,
         additional_output_names=extra,
     )
-    (folder / "temp.onnx").unlink(missing_ok=True)
-    if scale:
-        unscale_eval_model(folder / "eval_model.onnx", scale)
-    if not last:
-        strip_vjp_from_eval(folder / "eval_model.onnx", stage.sends)
-    if piece.float_receives:
-        expose_input_gradients(folder / "training_model.onnx", piece.float_receives)
-    missing = [f for f in ARTIFACT_FILES if not (folder / f).exists()]
-    if missing:
-        raise RuntimeError(f"the engine did not write {missing} into {folder}")
+    finish_part(folder, scale, None if last else stage.sends, piece.float_receives)
     return prepared.passes
 
 
