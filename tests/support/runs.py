@@ -243,25 +243,39 @@ def make_text_run(root: Path, name: str, **sections) -> RunConfig:
 
 
 def kill_when(cfg: RunConfig, proc: subprocess.Popen, min_step: int) -> int:
-    """SIGKILL the whole job once progress shows ``min_step`` updates; returns the step seen."""
-    import signal
+    """SIGKILL the whole job once progress shows ``min_step`` updates; returns the step seen. The launcher, its
+    proxies and the ranks (MPICH starts each in a session of its own, out of the launcher's group) are all gone when
+    it returns, so no rank writes a checkpoint after the caller has counted them."""
     import time
 
     import pytest
 
+    from ortflow.processes import kill_tree, launcher_tree
     from ortflow.trainer.metrics import read_progress
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         progress = read_progress(cfg.output_dir)
         if progress and progress["step"] >= min_step:
-            os.killpg(proc.pid, signal.SIGKILL)
+            job = [pid for pid, _name, _state in launcher_tree(proc.pid, ranks=True) if pid != proc.pid]
+            kill_tree(proc.pid)
             proc.wait()
+            while any(_alive(pid) for pid in job):
+                time.sleep(0.005)
             return progress["step"]
         if proc.poll() is not None:
             pytest.fail("the job ended before it could be killed")
         time.sleep(0.002)
     pytest.fail("no progress within 60 s")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has; its parent may be gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: float = 120,
@@ -290,5 +304,5 @@ def _kill_and_resume(cfg: RunConfig, min_step: int, end_step: int, timeout: floa
     assert before and max(before) < end_step, before  # interrupted between checkpoints, before the end
     resumed = run_ranks(cfg, timeout=timeout)
     assert resumed.returncode == 0, resumed.stdout
-    assert f"starting from step {max(before)}" in resumed.stdout
+    assert f"starting from step {max(before)}" in resumed.stdout, (before, resumed.stdout[-3000:])
     return resumed.stdout
