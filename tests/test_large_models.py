@@ -2,11 +2,13 @@
 
 A model past 2 GB cannot be written in CI; the 2 GB limit is a parameter of configure and export, lowered here to
 one byte so that the tiny model takes the same path as a 1B one: the engine gets the graph with its weights left in
-their files, and export writes ``model.onnx`` plus ``model.onnx.data``.
+their files, and export writes ``model.onnx`` plus ``model.onnx.data``; cut into pipeline stages, each stage reaches
+the engine the same way and trains, resumes and exports as the same stages built under the limit.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from ortflow.dataprep import prepare_data
 from ortflow.engine import api
 from ortflow.export.model import export_model
 from ortflow.graph.exports.external_data import INLINE_BYTES
+from ortflow.graph.prepare import CONSTANT_ELEMENTS
 from tests.support.runs import final_parameters, run_ranks
 from tools.make_large_llama import PRESETS, LlamaShape, write_model
 
@@ -83,20 +86,25 @@ def test_the_1b_preset_has_about_1_1b_parameters_past_the_proto_limit():
     assert PRESETS["600m"].num_parameters() * 4 > 2**31  # the smaller model past 2 GB
 
 
-def _llama_run(tmp_path: Path):
+def _llama_run(tmp_path: Path, name: str = "run", **sections):
+    """A run of the tiny Llama (written once under ``tmp_path``), ``sections`` merged into its config."""
     model = tmp_path / "llama" / "llama.onnx"
-    write_model(model, TINY, seed=1)
+    if not model.exists():
+        write_model(model, TINY, seed=1)
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(" ".join(f"token{i % 37}" for i in range(3000)))
-    cfg = config_from_dict({
-        "name": "large", "output_dir": str(tmp_path / "run"),
+    if not corpus.exists():
+        corpus.write_text(" ".join(f"token{i % 37}" for i in range(3000)))
+    base = {
+        "name": "large", "output_dir": str(tmp_path / name),
         "model": {"path": str(model), "loss": "cross_entropy", "label_input": "labels"},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 16}, "eval_fraction": 0.05},
         "train": {"batch_size": 2, "num_train_steps": 2, "display_loss_steps": 1, "evaluation_period": 0},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
         "checkpoint": {"period": 2},
-    })
-    return cfg, model
+    }
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return config_from_dict(base), model
 
 
 def test_a_model_past_the_proto_limit_configures_trains_checkpoints_and_exports_with_external_data(tmp_path):
@@ -129,13 +137,109 @@ def test_a_model_past_the_proto_limit_configures_trains_checkpoints_and_exports_
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_pipeline_stages_and_tensor_pieces_of_a_model_past_the_limit_are_refused_naming_the_fields(tmp_path):
-    from ortflow.configure.engine_input import ArtifactsError, split_source
+PP2 = {"distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}, "train": {"num_train_steps": 4},
+       "checkpoint": {"period": 2, "max_num_checkpoints": 3}}
 
-    cfg, model = _llama_run(tmp_path)
+
+def _engine_calls(monkeypatch) -> list[dict]:
+    """What every engine build of this process gets: the folder it runs in (and what lies there), where it writes,
+    and which initializers of its model hold their values (not references into a data file)."""
+    from ortflow.engine import artifacts as engine_artifacts
+
+    calls, real = [], engine_artifacts.generate_artifacts
+
+    def spy(model, *args, **kwargs):
+        loaded = [t.name for t in model.graph.initializer
+                  if t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data]
+        calls.append({"cwd": Path.cwd(), "there": sorted(p.name for p in Path.cwd().iterdir()),
+                      "folder": Path(kwargs["artifact_directory"]), "loaded": loaded,
+                      "initializers": [t.name for t in model.graph.initializer]})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(engine_artifacts, "generate_artifacts", spy)
+    return calls
+
+
+def _stage_checkpoints(cfg) -> list[dict[str, bytes]]:
+    folders = sorted((cfg.artifacts_dir / "stages").glob("stage-*"))
+    states = [api.CheckpointState.load_checkpoint(str(f / "checkpoint")) for f in folders]
+    return [{n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters} for state in states]
+
+
+def test_pipeline_stages_of_a_model_past_the_limit_build_train_resume_and_export_as_under_the_limit(
+        tmp_path, monkeypatch):
+    from ortflow.checkpoints import list_complete
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.runs import copied_run, run_ranks_together
+
+    large, model = _llama_run(tmp_path, "large", **PP2)
+    small, _ = _llama_run(tmp_path, "small", **PP2)
+    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+    data_files = sorted(p.name for p in model.parent.iterdir() if p != model)
+    calls = _engine_calls(monkeypatch)
+    configure(large, proto_limit=1)  # as if the model were past 2 GB: the stages are cut with their weights in files
+    stage_calls = [c for c in calls if c["folder"].name.startswith("stage-")]
+    assert [c["folder"].name for c in stage_calls] == ["stage-00", "stage-01"]
+    for call in stage_calls:  # each stage's engine run: in its folder, the data files linked there, no weight loaded
+        assert call["cwd"] == call["folder"] and set(data_files) <= set(call["there"])
+        assert {n for n in call["loaded"] if weights[n].size > CONSTANT_ELEMENTS} == set()
+        assert any(weights[n].size > CONSTANT_ELEMENTS for n in call["initializers"])
+    assert not any(p.suffix == ".data" for p in (large.artifacts_dir / "stages").rglob("*"))  # the links are gone
+    configure(small)  # under the limit: the weights loaded, the batch pass run
+    # The same cuts and stages, each stage's checkpoint the user's weights bit for bit.
+    assert json.loads((large.artifacts_dir / "stages" / "stages.json").read_text()) == \
+        json.loads((small.artifacts_dir / "stages" / "stages.json").read_text())
+    held = _stage_checkpoints(large)
+    assert held == _stage_checkpoints(small)
+    assert {n: v for stage in held for n, v in stage.items()} == {n: v.tobytes() for n, v in weights.items()}
+
+    prepare_data(large)
+    prepare_data(small)
+    for done in run_ranks_together(large, small, timeout=300):
+        assert done.returncode == 0, done.stdout[-3000:]
+    trained = read_params(list_complete(large.checkpoints_dir)[-1].path)
+    reference = read_params(list_complete(small.checkpoints_dir)[-1].path)
+    assert set(trained) == set(weights) and any(not np.array_equal(trained[n], weights[n]) for n in weights)
+    assert {n: v.tobytes() for n, v in trained.items()} == {n: v.tobytes() for n, v in reference.items()}
+
+    # Resumed from the step-2 checkpoint, the run ends where the straight one did, bit for bit.
+    middle = next(c.path for c in list_complete(large.checkpoints_dir) if c.step == 2)
+    sections = {**PP2, "checkpoint": {**PP2["checkpoint"], "checkpoint_to_load_path": str(middle)}}
+    resumed = copied_run(large, lambda root, name, **s: _llama_run(root, name, **s)[0], tmp_path, "resumed",
+                         **sections)
+    prepare_data(resumed)
+    (done,) = run_ranks_together(resumed, timeout=300)
+    assert done.returncode == 0 and "starting from step 2" in done.stdout, done.stdout[-3000:]
+    again = read_params(list_complete(resumed.checkpoints_dir)[-1].path)
+    assert {n: v.tobytes() for n, v in again.items()} == {n: v.tobytes() for n, v in trained.items()}
+
+    out = tmp_path / "export" / "model.onnx"
+    exported = export_model(large.output_dir, out, proto_limit=1)  # the stages' parameters into one model + data
+    assert exported.verification.max_abs_diff["logits"] <= exported.verification.tolerance
+    outside = {n for n, v in weights.items() if v.nbytes >= INLINE_BYTES}
+    assert (out.parent / "model.onnx.data").stat().st_size == sum(weights[n].nbytes for n in outside)
+    graph_only = onnx.load(str(out), load_external_data=False)
+    assert {t.name for t in graph_only.graph.initializer if t.external_data} == outside
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    got = onnxruntime.InferenceSession(str(out)).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_allclose(got, _reference_logits(trained, TINY, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [{"num_ranks": 2, "horizontal_parallel_size": 2},
+                                    {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}],
+                         ids=["tp", "pp_x_tp"])
+def test_tensor_parallel_pieces_of_a_model_past_the_limit_are_refused_naming_pipeline_stages_instead(
+        tmp_path, layout):
+    from ortflow.config import ConfigError
+    from ortflow.configure.engine_input import split_source
+
+    cfg, model = _llama_run(tmp_path, distributed=layout)
+    with pytest.raises(ConfigError, match="distributed.horizontal_parallel_size: tensor-parallel pieces slice the "
+                       "weights.*set distributed.horizontal_parallel_size 1 and split it into pipeline stages with "
+                       "distributed.pipeline_parallel_size"):
+        configure(cfg, proto_limit=1)
+    assert not (cfg.artifacts_dir).exists()  # refused before anything is built
     names = [t.name for t in onnx.load(str(model), load_external_data=False).graph.initializer]
-    with pytest.raises(ArtifactsError, match="pipeline_parallel_size / horizontal_parallel_size.*set both to 1"):
-        split_source(cfg, names, proto_limit=1)
     assert split_source(cfg, names, proto_limit=2**31 - 1).model.graph.node  # under the limit: cut as before
 
 

@@ -178,13 +178,15 @@ def _artifacts_intact(artifacts_dir: Path, record: dict) -> bool:
     return True
 
 
-def plan_layout(cfg: RunConfig, described: list[str] | None = None):
+def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit: int = PROTO_LIMIT):
     """Refuse a bad pipeline or tensor-parallel split before anything is built (fast: onnx only, no engine).
 
     Args:
         cfg: The run.
         described: When given, the split plan in words is appended to it (the cuts; per tensor-parallel region what
             is split how, and each weight kept replicated with the reason), as ``ortflow validate`` prints it.
+        proto_limit: Model bytes from which the stages are cut with their weights left in the data files and
+            tensor-parallel pieces are refused (2 GiB; tests lower it).
 
     Returns:
         The plan the layout's builder takes, so it is made once: the pipeline plan (cuts, stages) for pipeline stages
@@ -196,14 +198,15 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None):
     pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
     lines, plan = [], None
     if pp > 1 and tp > 1:
-        plan = cuts, plans = plan_pipeline_tensor_parallel(cfg)  # each stage's graph split over the tp ranks
+        # each stage's graph split over the tp ranks
+        plan = cuts, plans = plan_pipeline_tensor_parallel(cfg, proto_limit)
         lines = [f"pipeline cuts {cuts}"] + [f"stage {sp.stage.index}: {line}" for sp in plans
                                              for line in describe(sp.plan)]
     elif tp > 1:
-        plan = plan_tensor_parallel(cfg)
+        plan = plan_tensor_parallel(cfg, proto_limit)
         lines = describe(plan[1])
     elif pp > 1:
-        plan = plan_stages(cfg)
+        plan = plan_stages(cfg, proto_limit)
         lines.append(f"pipeline cuts {plan[0]} ({len(plan[1])} stages)")
     if described is not None:
         described.extend(lines)
@@ -240,7 +243,7 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
     """
     pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
     cfg, found = torch_source(cfg, Path(artifacts_dir).parent / TORCH_MODEL_DIR)
-    plan = plan_layout(cfg)  # refuse a bad split before building anything
+    plan = plan_layout(cfg, proto_limit=proto_limit)  # refuse a bad split before building anything
     built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record, proto_limit=proto_limit)
     built = dataclasses.replace(built, torch=found.to_record() if found else None)
     if pp > 1 and tp > 1:
@@ -249,7 +252,7 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
         return built, stages, {"split": split}
     if tp > 1:
         return built, None, build_tensor_parallel_artifacts(cfg, artifacts_dir, plan)
-    return built, (build_stage_artifacts(cfg, artifacts_dir, plan) if plan else None), None
+    return built, (build_stage_artifacts(cfg, artifacts_dir, plan, proto_limit) if plan else None), None
 
 
 def graph_passes(model: tuple[str, ...], stages: dict | None, tensor: dict | None) -> dict[str, list[str]]:

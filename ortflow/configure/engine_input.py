@@ -65,19 +65,29 @@ def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> Prep
     every cut graph inherits the symbolic batch) and the preparation passes without the loss
     (:mod:`ortflow.graph.prepare`; each cut graph is prepared again by :func:`prepare_cut`).
 
+    A model past ``proto_limit`` keeps its weights in their files: its initializers still point into the data files
+    (constants loaded, as :func:`prepare` does), the batch pass is skipped (it test-runs the model: the batch dims stay
+    as exported), and each stage cut from it reaches the engine through :func:`engine_input`. The cut reads only the
+    tensors' names, types and dims (:mod:`ortflow.graph.pipeline_parallel.pipeline_cuts`). Tensor-parallel pieces
+    slice the weights themselves, so they are refused for such a model.
+
     Raises:
-        ArtifactsError: A pass refuses the model (names the node and the fix), or the model is past ``proto_limit``.
+        ArtifactsError: A pass refuses the model (names the node and the fix), or tensor parallelism of a model past
+            ``proto_limit``.
     """
     model = onnx.load(str(cfg.model.path), load_external_data=False)
     _load_small_external(model, Path(cfg.model.path).parent)
-    if not _fits(Path(cfg.model.path), model, proto_limit):
+    if _fits(Path(cfg.model.path), model, proto_limit):
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
+        model, _ = make_batch_symbolic(model)
+    elif cfg.distributed.horizontal_parallel_size > 1:
         raise ArtifactsError(
-            "distributed.pipeline_parallel_size / horizontal_parallel_size: pipeline stages and tensor-parallel "
-            "pieces are built from models under 2 GB; this one keeps its weights in external data: set both to 1 and "
-            "train it data-parallel (distributed.zero_stage 1 shards the optimizer state)"
+            "distributed.horizontal_parallel_size: tensor-parallel pieces slice the weights, so they are built from "
+            "models under 2 GB; this one keeps its weights in external data: set "
+            "distributed.horizontal_parallel_size 1 and split it into pipeline stages with "
+            "distributed.pipeline_parallel_size (each stage reads its weights from the data files), or train it "
+            "data-parallel (distributed.zero_stage 1 shards the optimizer state)"
         )
-    onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
-    model, _ = make_batch_symbolic(model)
     try:
         return prepare_model(model, set(trainable), cfg.model.loss, None, None, False, fuse_gelu=gelu_fusion(cfg),
                              keep=set(cfg.model.pipeline_cuts))

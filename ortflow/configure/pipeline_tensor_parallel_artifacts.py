@@ -29,7 +29,7 @@ import onnx
 
 from ortflow.artifacts_folder import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR_DIR
 from ortflow.config import RunConfig
-from ortflow.configure.artifacts import ArtifactsError, inspect_model, split_parameters
+from ortflow.configure.artifacts import PROTO_LIMIT, ArtifactsError, inspect_model, split_parameters
 from ortflow.configure.building import building
 from ortflow.configure.stage_artifacts import plan_stages
 from ortflow.configure.tensor_parallel_artifacts import build_piece, export_fixes, piece_record, split_input
@@ -55,11 +55,11 @@ class StagePlan:
     plan: TensorParallelPlan
 
 
-def _check_cuts(cfg: RunConfig, stages: list[Stage]) -> frozenset[str]:
+def _check_cuts(cfg: RunConfig, stages: list[Stage], proto_limit: int) -> frozenset[str]:
     """Refuse cuts crossed by a tensor made inside a split region of the whole model; returns the tables the whole
     model embeds (a stage's LM head tied to them is split by vocabulary like the embedding)."""
     size = cfg.distributed.horizontal_parallel_size
-    whole, trainable, _ = split_input(cfg)
+    whole, trainable, _ = split_input(cfg, proto_limit)
     try:
         plan = plan_tensor_parallel_split(whole, trainable, size)
     except TensorParallelError as err:
@@ -98,15 +98,15 @@ def _cuts(cfg: RunConfig, stages: list[Stage]) -> list[str]:
     return list(cfg.model.pipeline_cuts) or [s.receives[0] for s in stages[1:] if s.receives]
 
 
-def plan_pipeline_tensor_parallel(cfg: RunConfig) -> tuple[list[str], list[StagePlan]]:
+def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[list[str], list[StagePlan]]:
     """The cuts and each stage's tensor-parallel split, or the refusal naming what and how to fix: no engine call.
 
     Raises:
         ArtifactsError: The stages or a stage's split are refused.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, stages = plan_stages(cfg)
-    embedded = _check_cuts(cfg, stages)
+    cuts, stages = plan_stages(cfg, proto_limit)  # refused past proto_limit: the pieces slice the weights
+    embedded = _check_cuts(cfg, stages, proto_limit)
     plans = []
     for stage in stages:
         model = export_fixes(stage.model, stage.parameters)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from ortflow.configure.artifacts import (
     split_parameters,
 )
 from ortflow.configure.building import building
-from ortflow.configure.engine_input import prepare_cut, split_source
+from ortflow.configure.engine_input import engine_input, prepare_cut, split_source
 from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
@@ -172,28 +173,43 @@ def finish_part(folder: Path, scale: str | None, sends: tuple[str, ...] | None, 
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
 
 
-def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
-    """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through."""
+def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path,
+               proto_limit: int = PROTO_LIMIT) -> tuple[str, ...]:
+    """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through.
+
+    A stage of a model past ``proto_limit`` reaches the engine as the whole model does
+    (:func:`ortflow.configure.engine_input.engine_input`): its initializers point into the user's data files, linked
+    into ``folder`` while the engine runs there and reads each weight into the stage's checkpoint."""
     folder.mkdir(parents=True)
     prepared, scale = prepare_part(cfg, stage, last)
     model = prepared.model
     held = frozen | set(stage.frozen) | set(prepared.frozen)
     stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in held)
-    if last:
-        loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale)
-        extra = None
-    else:
-        types = {o.name: o for o in model.graph.output}
-        loss, extra = VJPLoss(stage.sends, types), list(stage.sends)
-    engine_artifacts.generate_artifacts(
-        model,
-        requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
-        frozen_params=stage_frozen,
-        loss=loss,
-        optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
-        artifact_directory=folder,
-        additional_output_names=extra,
-    )
+    engine_model, linked = engine_input(Path(cfg.model.path), prepared, folder, proto_limit)
+    cwd = os.getcwd()
+    if linked:
+        os.chdir(folder)  # the engine's checkpoint writer reads external data relative to the current folder
+    try:
+        # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
+        if last:
+            loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale)
+            extra = None
+        else:
+            types = {o.name: o for o in model.graph.output}
+            loss, extra = VJPLoss(stage.sends, types), list(stage.sends)
+        engine_artifacts.generate_artifacts(
+            engine_model,
+            requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
+            frozen_params=stage_frozen,
+            loss=loss,
+            optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
+            artifact_directory=folder,
+            additional_output_names=extra,
+        )
+    finally:
+        os.chdir(cwd)
+    for name in linked:  # the links to the user's weights: the stage's checkpoint holds them now
+        (folder / name).unlink(missing_ok=True)
     finish_part(folder, scale, None if last else stage.sends, stage.receives)
     if not last:
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
@@ -201,8 +217,11 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     return prepared.passes
 
 
-def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
+def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[list[str], list[Stage]]:
     """The cuts (``model.pipeline_cuts`` or balanced) and the stages, or the refusal: fast, no engine call.
+
+    ``proto_limit``: model bytes from which the stages are cut with their weights left in the data files
+    (:func:`ortflow.configure.engine_input.split_source`); 2 GiB, lowered by tests.
 
     Raises:
         ArtifactsError: The split is refused (names the tensors/nodes and the fix).
@@ -213,7 +232,7 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     # The whole model through the batch pass and the preparation passes first: stages compute what it computes,
     # inherit its symbolic batch, and read their shape arithmetic from the inputs (graph/shapes.py).
-    source = split_source(cfg, trainable, PROTO_LIMIT)
+    source = split_source(cfg, trainable, proto_limit)
     model = source.model
     trainable = [n for n in trainable if n not in source.frozen]
     try:
@@ -230,8 +249,11 @@ def plan_stages(cfg: RunConfig) -> tuple[list[str], list[Stage]]:
     return cuts, stages
 
 
-def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | None = None) -> dict:
+def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | None = None,
+                          proto_limit: int = PROTO_LIMIT) -> dict:
     """Build every stage's artifacts under ``artifacts_dir`` (from :func:`plan_stages`, made here if not given).
+
+    ``proto_limit``: model bytes from which each stage reaches the engine with its weights in the data files (2 GiB).
 
     Returns:
         The ``stages.json`` record.
@@ -240,14 +262,14 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
         ArtifactsError: The split is refused (names the tensors/nodes) or the engine cannot build a stage.
     """
     num = cfg.distributed.pipeline_parallel_size
-    cuts, stages = plan or plan_stages(cfg)
+    cuts, stages = plan or plan_stages(cfg, proto_limit)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     with building(artifacts_dir, STAGES_DIR) as scratch:
         passes = []
         for stage in stages:
             try:
                 passes.append(list(_build_one(cfg, stage, stage.index == num - 1, set(frozen),
-                                              scratch / f"stage-{stage.index:02d}")))
+                                              scratch / f"stage-{stage.index:02d}", proto_limit)))
             except ArtifactsError:
                 raise
             except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors

@@ -57,19 +57,20 @@ def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     return separate_gemm_biases(drop_noop_casts(model), trainable)
 
 
-def split_input(cfg: RunConfig) -> tuple[onnx.ModelProto, list[str], list[str]]:
+def split_input(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[onnx.ModelProto, list[str], list[str]]:
     """The whole model prepared for a tensor-parallel split (:func:`ortflow.configure.engine_input.split_source`, then
-    the Gemm biases apart), its trained and its frozen parameters."""
+    the Gemm biases apart), its trained and its frozen parameters; refused for a model past ``proto_limit``."""
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    source = split_source(cfg, trainable, PROTO_LIMIT)
+    source = split_source(cfg, trainable, proto_limit)
     trainable = [n for n in trainable if n not in source.frozen]
     return export_fixes(source.model, trainable), trainable, sorted({*frozen, *source.frozen})
 
 
-def plan_tensor_parallel(cfg: RunConfig) -> tuple[onnx.ModelProto, TensorParallelPlan, list[str], list[str]]:
+def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
+                         ) -> tuple[onnx.ModelProto, TensorParallelPlan, list[str], list[str]]:
     """The split of the configured model (or the refusal, naming what and how to fix): fast, no engine call."""
     size = cfg.distributed.horizontal_parallel_size
-    model, trainable, frozen = split_input(cfg)
+    model, trainable, frozen = split_input(cfg, proto_limit)
     try:
         plan = plan_tensor_parallel_split(model, trainable, size)
         cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
