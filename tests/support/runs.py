@@ -250,23 +250,33 @@ def kill_when(cfg: RunConfig, proc: subprocess.Popen, min_step: int) -> int:
 
     import pytest
 
-    from ortflow.processes import kill_tree, launcher_tree
     from ortflow.trainer.metrics import read_progress
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         progress = read_progress(cfg.output_dir)
         if progress and progress["step"] >= min_step:
-            job = [pid for pid, _name, _state in launcher_tree(proc.pid, ranks=True) if pid != proc.pid]
-            kill_tree(proc.pid)
-            proc.wait()
-            while any(_alive(pid) for pid in job):
-                time.sleep(0.005)
+            kill_job(proc)
             return progress["step"]
         if proc.poll() is not None:
             pytest.fail("the job ended before it could be killed")
         time.sleep(0.002)
     pytest.fail("no progress within 60 s")
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher ``proc`` (started in a session of its own), its proxies and its ranks, and return once
+    every one of them is gone: MPICH starts each proxy and rank in a session of its own, out of the launcher's group,
+    so a signal to the group alone would leave the ranks a moment to finish a checkpoint."""
+    import time
+
+    from ortflow.processes import kill_tree, launcher_tree
+
+    job = [pid for pid, _name, _state in launcher_tree(proc.pid, ranks=True) if pid != proc.pid]
+    kill_tree(proc.pid)
+    proc.wait()
+    while any(_alive(pid) for pid in job):
+        time.sleep(0.005)
 
 
 def _alive(pid: int) -> bool:
