@@ -3,7 +3,10 @@
 A model past 2 GB cannot be written in CI; the 2 GB limit is a parameter of configure and export, lowered here to
 one byte so that the tiny model takes the same path as a 1B one: the engine gets the graph with its weights left in
 their files, and export writes ``model.onnx`` plus ``model.onnx.data``; cut into pipeline stages, each stage reaches
-the engine the same way and trains, resumes and exports as the same stages built under the limit.
+the engine the same way and trains, resumes and exports as the same stages built under the limit; split into
+tensor-parallel pieces (alone or within pipeline stages), each weight a piece slices is read alone from its file, the
+slices reach the engine in a data file of the piece's own, and the pieces train and export as those built under the
+limit.
 """
 
 from __future__ import annotations
@@ -143,17 +146,20 @@ PP2 = {"distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}, "train": {"
 
 def _engine_calls(monkeypatch) -> list[dict]:
     """What every engine build of this process gets: the folder it runs in (and what lies there), where it writes,
-    and which initializers of its model hold their values (not references into a data file)."""
+    which initializers of its model hold their values (not references into a data file), which of those hold more
+    than ``CONSTANT_ELEMENTS`` values, and the data file each of the others points into."""
     from ortflow.engine import artifacts as engine_artifacts
 
     calls, real = [], engine_artifacts.generate_artifacts
 
     def spy(model, *args, **kwargs):
-        loaded = [t.name for t in model.graph.initializer
-                  if t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data]
+        loaded = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data]
         calls.append({"cwd": Path.cwd(), "there": sorted(p.name for p in Path.cwd().iterdir()),
-                      "folder": Path(kwargs["artifact_directory"]), "loaded": loaded,
-                      "initializers": [t.name for t in model.graph.initializer]})
+                      "folder": Path(kwargs["artifact_directory"]), "loaded": [t.name for t in loaded],
+                      "loaded_large": [t.name for t in loaded if np.prod(t.dims) > CONSTANT_ELEMENTS],
+                      "initializers": [t.name for t in model.graph.initializer],
+                      "external": {t.name: e.value for t in model.graph.initializer for e in t.external_data
+                                   if e.key == "location"}})
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(engine_artifacts, "generate_artifacts", spy)
@@ -225,22 +231,71 @@ def test_pipeline_stages_of_a_model_past_the_limit_build_train_resume_and_export
     np.testing.assert_allclose(got, _reference_logits(trained, TINY, ids), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", [{"num_ranks": 2, "horizontal_parallel_size": 2},
-                                    {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}],
-                         ids=["tp", "pp_x_tp"])
-def test_tensor_parallel_pieces_of_a_model_past_the_limit_are_refused_naming_pipeline_stages_instead(
-        tmp_path, layout):
-    from ortflow.config import ConfigError
-    from ortflow.configure.engine_input import split_source
+def _piece_checkpoints(folder: Path) -> dict[str, dict[str, bytes]]:
+    """Every piece's engine checkpoint under ``folder``, by the piece folder's path: parameter name -> bytes."""
+    states = {str(f.relative_to(folder)): api.CheckpointState.load_checkpoint(str(f / "checkpoint"))
+              for f in sorted(folder.rglob("piece-*"))}
+    return {k: {n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters} for k, state in states.items()}
 
-    cfg, model = _llama_run(tmp_path, distributed=layout)
-    with pytest.raises(ConfigError, match="distributed.horizontal_parallel_size: tensor-parallel pieces slice the "
-                       "weights.*set distributed.horizontal_parallel_size 1 and split it into pipeline stages with "
-                       "distributed.pipeline_parallel_size"):
-        configure(cfg, proto_limit=1)
-    assert not (cfg.artifacts_dir).exists()  # refused before anything is built
-    names = [t.name for t in onnx.load(str(model), load_external_data=False).graph.initializer]
-    assert split_source(cfg, names, proto_limit=2**31 - 1).model.graph.node  # under the limit: cut as before
+
+@pytest.mark.parametrize(("layout", "folder", "record"), [
+    ({"num_ranks": 2, "horizontal_parallel_size": 2}, "tensor", "tensor.json"),
+    ({"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}, "pipetensor", "pipetensor.json"),
+], ids=["tp", "pp_x_tp"])
+def test_tensor_parallel_pieces_of_a_model_past_the_limit_build_from_the_data_files_and_train_as_under_the_limit(
+        tmp_path, monkeypatch, layout, folder, record):
+    from ortflow.checkpoints import list_complete
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.runs import run_ranks_together
+
+    large, model = _llama_run(tmp_path, "large", distributed=layout)
+    small, _ = _llama_run(tmp_path, "small", distributed=layout)
+    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+    data_files = sorted(p.name for p in model.parent.iterdir() if p != model)
+    calls = _engine_calls(monkeypatch)
+    configure(large, proto_limit=1)  # as if the model were past 2 GB: each weight sliced alone from its file
+    piece_calls = [c for c in calls if c["folder"].name.startswith("piece-")]
+    assert len(piece_calls) == len(list((large.artifacts_dir / folder).rglob("piece-*"))) > 0
+    records = json.loads((large.artifacts_dir / folder / record).read_text())
+    sliced = {n for split in [records, *records.get("stages", [])] for n in split.get("slicing", {})}
+    in_files = {n: f for c in piece_calls for n, f in c["external"].items()}
+    for call in piece_calls:  # no weight held in the proto; a piece reading data files runs in its folder, by them
+        assert call["loaded_large"] == []
+        assert not call["external"] or (call["cwd"] == call["folder"]
+                                        and set(call["external"].values()) <= set(call["there"]))
+    # The replicated weights stay in the user's files; the slices (new arrays) reach the engine in a data file of the
+    # piece's own.
+    assert set(in_files) == {n for n, v in weights.items() if v.size > CONSTANT_ELEMENTS} and sliced
+    assert {n for n, f in in_files.items() if f in data_files} == set(in_files) - sliced
+    assert all(f not in data_files for n, f in in_files.items() if n in sliced)
+    assert not any(p.suffix == ".data" for p in (large.artifacts_dir / folder).rglob("*"))  # removed after the build
+    configure(small)  # under the limit: the weights loaded, then sliced
+    # The same split and pieces, each piece's checkpoint the same slices bit for bit.
+    assert json.loads((large.artifacts_dir / folder / record).read_text()) == \
+        json.loads((small.artifacts_dir / folder / record).read_text())
+    held = _piece_checkpoints(large.artifacts_dir / folder)
+    assert held == _piece_checkpoints(small.artifacts_dir / folder)
+    assert {n for piece in held.values() for n in piece} == set(weights)
+
+    prepare_data(large)
+    prepare_data(small)
+    for done in run_ranks_together(large, small, timeout=300):
+        assert done.returncode == 0, done.stdout[-3000:]
+    trained = read_params(list_complete(large.checkpoints_dir)[-1].path)
+    reference = read_params(list_complete(small.checkpoints_dir)[-1].path)
+    assert set(trained) == set(weights) and any(not np.array_equal(trained[n], weights[n]) for n in weights)
+    assert {n: v.tobytes() for n, v in trained.items()} == {n: v.tobytes() for n, v in reference.items()}
+
+    out = tmp_path / "export" / "model.onnx"
+    exported = export_model(large.output_dir, out, proto_limit=1)  # the merged slices into one model + data
+    assert exported.verification.max_abs_diff["logits"] <= exported.verification.tolerance
+    outside = {n for n, v in weights.items() if v.nbytes >= INLINE_BYTES}
+    assert (out.parent / "model.onnx.data").stat().st_size == sum(weights[n].nbytes for n in outside)
+    graph_only = onnx.load(str(out), load_external_data=False)
+    assert {t.name for t in graph_only.graph.initializer if t.external_data} == outside
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    got = onnxruntime.InferenceSession(str(out)).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_allclose(got, _reference_logits(trained, TINY, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_a_dynamo_export_on_the_large_model_path_builds_the_checkpoint_it_builds_under_the_limit(tmp_path):

@@ -185,8 +185,8 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
         cfg: The run.
         described: When given, the split plan in words is appended to it (the cuts; per tensor-parallel region what
             is split how, and each weight kept replicated with the reason), as ``ortflow validate`` prints it.
-        proto_limit: Model bytes from which the stages are cut with their weights left in the data files and
-            tensor-parallel pieces are refused (2 GiB; tests lower it).
+        proto_limit: Model bytes from which the stages and tensor-parallel pieces are cut with their weights left in
+            the data files (2 GiB; tests lower it).
 
     Returns:
         The plan the layout's builder takes, so it is made once: the pipeline plan (cuts, stages) for pipeline stages
@@ -247,11 +247,11 @@ def build_layout(cfg: RunConfig, artifacts_dir: Path, stale_record: Path | None 
     built = build_artifacts(cfg, artifacts_dir, stale_record=stale_record, proto_limit=proto_limit)
     built = dataclasses.replace(built, torch=found.to_record() if found else None)
     if pp > 1 and tp > 1:
-        stages = build_pipeline_tensor_parallel_artifacts(cfg, artifacts_dir, plan)
+        stages = build_pipeline_tensor_parallel_artifacts(cfg, artifacts_dir, plan, proto_limit)
         split = [f"stage {s['index']}: {line}" for s in stages["stages"] for line in s["split"]]
         return built, stages, {"split": split}
     if tp > 1:
-        return built, None, build_tensor_parallel_artifacts(cfg, artifacts_dir, plan)
+        return built, None, build_tensor_parallel_artifacts(cfg, artifacts_dir, plan, proto_limit)
     return built, (build_stage_artifacts(cfg, artifacts_dir, plan, proto_limit) if plan else None), None
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ortflow.config import RunConfig
 from ortflow.graph.exports.batch_dims import BatchReport, make_batch_symbolic
@@ -68,26 +69,18 @@ def split_source(cfg: RunConfig, trainable: list[str], proto_limit: int) -> Prep
     A model past ``proto_limit`` keeps its weights in their files: its initializers still point into the data files
     (constants loaded, as :func:`prepare` does), the batch pass is skipped (it test-runs the model: the batch dims stay
     as exported), and each stage cut from it reaches the engine through :func:`engine_input`. The cut reads only the
-    tensors' names, types and dims (:mod:`ortflow.graph.pipeline_parallel.pipeline_cuts`). Tensor-parallel pieces
-    slice the weights themselves, so they are refused for such a model.
+    tensors' names, types and dims (:mod:`ortflow.graph.pipeline_parallel.pipeline_cuts`); a tensor-parallel split
+    reads each weight it slices alone from its file (:func:`ortflow.graph.tensor_parallel.tensor_shard.shard_model`),
+    and each piece reaches the engine through :func:`engine_input` too, its slices written to a data file of its own.
 
     Raises:
-        ArtifactsError: A pass refuses the model (names the node and the fix), or tensor parallelism of a model past
-            ``proto_limit``.
+        ArtifactsError: A pass refuses the model (names the node and the fix).
     """
     model = onnx.load(str(cfg.model.path), load_external_data=False)
     _load_small_external(model, Path(cfg.model.path).parent)
     if _fits(Path(cfg.model.path), model, proto_limit):
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(cfg.model.path).parent))
         model, _ = make_batch_symbolic(model)
-    elif cfg.distributed.horizontal_parallel_size > 1:
-        raise ArtifactsError(
-            "distributed.horizontal_parallel_size: tensor-parallel pieces slice the weights, so they are built from "
-            "models under 2 GB; this one keeps its weights in external data: set "
-            "distributed.horizontal_parallel_size 1 and split it into pipeline stages with "
-            "distributed.pipeline_parallel_size (each stage reads its weights from the data files), or train it "
-            "data-parallel (distributed.zero_stage 1 shards the optimizer state)"
-        )
     try:
         return prepare_model(model, set(trainable), cfg.model.loss, None, None, False, fuse_gelu=gelu_fusion(cfg),
                              keep=set(cfg.model.pipeline_cuts))
@@ -160,8 +153,14 @@ def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path,
     reading them, and its checkpoint writer reads each one from its file (relative to the current folder) into the
     checkpoint, writing ``checkpoint.data`` beside it past its own size limit.
 
+    A tensor-parallel piece holds its slices of the split weights (new arrays, :func:`ortflow.graph.tensor_parallel.
+    tensor_shard.shard_model`) beside its references to the replicated ones: past the limit, every initializer held in
+    the proto with more than ``CONSTANT_ELEMENTS`` values is moved into a data file written in ``scratch``
+    (:func:`write_held_weights`), so the engine gets references only.
+
     Returns:
-        (the model for the engine, the data files linked into ``scratch``: empty when the weights are loaded).
+        (the model for the engine, the data files linked or written into ``scratch``: empty when the weights are
+        loaded).
     """
     model = prepared.model
     files = external_files(model)
@@ -177,7 +176,41 @@ def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path,
             os.link(model_path.parent / name, target)
         except OSError:  # another filesystem: copy once
             shutil.copyfile(model_path.parent / name, target)
-    return model, files
+    written = write_held_weights(model, scratch, files)
+    return model, files + ([written] if written else [])
+
+
+#: External data offsets are aligned to this many bytes (a page: the readers may map the file).
+ALIGNMENT = 4096
+
+
+def write_held_weights(model: onnx.ModelProto, folder: Path, taken: list[str]) -> str | None:
+    """Move every initializer of ``model`` held in the proto with more than ``CONSTANT_ELEMENTS`` values into one data
+    file in ``folder`` (named apart from ``taken``), each tensor a reference to its bytes there, one tensor at a time.
+
+    Returns:
+        The file's name, relative to ``folder``; None when no initializer was moved.
+    """
+    held = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+            and int(np.prod(t.dims, dtype=np.int64)) > CONSTANT_ELEMENTS]
+    if not held:
+        return None
+    name = "piece.data"
+    while name in taken:
+        name = "_" + name
+    with open(folder / name, "wb") as out:
+        for tensor in held:
+            data = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
+            offset = -out.tell() % ALIGNMENT + out.tell()
+            out.seek(offset)
+            out.write(data)
+            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(field)
+            del tensor.external_data[:]
+            for key, value in (("location", name), ("offset", str(offset)), ("length", str(len(data)))):
+                tensor.external_data.add(key=key, value=value)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+    return name
 
 
 def artifacts_error(cfg: RunConfig, err: Exception, prepared: PreparedModel, trainable: list[str]) -> ArtifactsError:

@@ -32,7 +32,13 @@ from ortflow.config import RunConfig
 from ortflow.configure.artifacts import PROTO_LIMIT, ArtifactsError, inspect_model, split_parameters
 from ortflow.configure.building import building
 from ortflow.configure.stage_artifacts import plan_stages
-from ortflow.configure.tensor_parallel_artifacts import build_piece, export_fixes, piece_record, split_input
+from ortflow.configure.tensor_parallel_artifacts import (
+    build_piece,
+    export_fixes,
+    piece_record,
+    split_input,
+    weights_folder,
+)
 from ortflow.graph.pipeline_parallel.pipeline_cuts import Stage
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
@@ -48,11 +54,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class StagePlan:
-    """One pipeline stage, split for tensor parallelism: its model (export fixes applied) and the split."""
+    """One pipeline stage, split for tensor parallelism: its model (export fixes applied), the split, and the folder
+    its weights' data files are relative to (a model past 2 GB keeps them there)."""
 
     stage: Stage
     model: onnx.ModelProto
     plan: TensorParallelPlan
+    weights: Path
 
 
 def _check_cuts(cfg: RunConfig, stages: list[Stage], proto_limit: int) -> frozenset[str]:
@@ -105,19 +113,19 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
         ArtifactsError: The stages or a stage's split are refused.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, stages = plan_stages(cfg, proto_limit)  # refused past proto_limit: the pieces slice the weights
+    cuts, stages = plan_stages(cfg, proto_limit)  # past proto_limit the stages' weights stay in the data files
     embedded = _check_cuts(cfg, stages, proto_limit)
     plans = []
     for stage in stages:
         model = export_fixes(stage.model, stage.parameters)
         try:
             plan = plan_tensor_parallel_split(model, stage.parameters, size, embedded)
-            pieces(StagePlan(stage, model, plan), 0)  # refuse a bad cut before any engine call
+            pieces(StagePlan(stage, model, plan, weights_folder(cfg)), 0)  # refuse a bad cut before any engine call
         except TensorParallelError as err:
             raise ArtifactsError(f"pipeline stage {stage.index} of {len(stages)} (cuts {cuts}): {err}; or move "
                                  "model.pipeline_cuts so that every stage holds a whole attention block or "
                                  "MLP") from None
-        plans.append(StagePlan(stage, model, plan))
+        plans.append(StagePlan(stage, model, plan, weights_folder(cfg)))
     _check_tied(plans, size)
     return cuts, plans
 
@@ -125,7 +133,7 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
 def pieces(sp: StagePlan, rank: int) -> list[Piece]:
     """Tensor-parallel rank ``rank``'s pieces of a stage; a piece reading what the stage receives also returns its
     gradient (the previous stage's backward needs it)."""
-    cut = cut_pieces(shard_model(sp.model, sp.plan, rank), sp.plan, sp.model, sp.stage.parameters)
+    cut = cut_pieces(shard_model(sp.model, sp.plan, rank, sp.weights), sp.plan, sp.model, sp.stage.parameters)
     received = set(sp.stage.receives)
     out = []
     for piece in cut:
@@ -139,17 +147,19 @@ def pieces(sp: StagePlan, rank: int) -> list[Piece]:
 
 
 def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
-                                             planned: tuple[list[str], list[StagePlan]] | None = None) -> dict:
+                                             planned: tuple[list[str], list[StagePlan]] | None = None,
+                                             proto_limit: int = PROTO_LIMIT) -> dict:
     """Build every (stage, tensor-parallel rank)'s pieces under ``artifacts_dir/pipetensor`` once; return the record.
 
     ``planned``: what :func:`plan_pipeline_tensor_parallel` returned for ``cfg`` (configure plans first, to refuse a
-    bad split before building anything), so the stages and their splits are not planned twice.
+    bad split before building anything), so the stages and their splits are not planned twice. ``proto_limit``: model
+    bytes from which the weights stay in their files (each piece then reaches the engine as a stage does).
 
     Raises:
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, plans = planned or plan_pipeline_tensor_parallel(cfg)
+    cuts, plans = planned or plan_pipeline_tensor_parallel(cfg, proto_limit)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     stages = []
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
@@ -164,7 +174,7 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     where = f"piece {piece.index} of tensor-parallel rank {rank} of pipeline stage {s}"
-                    passes.append(build_piece(cfg, piece, last, set(frozen), folder, where))
+                    passes.append(build_piece(cfg, piece, last, set(frozen), folder, where, proto_limit))
                 records.append([piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])
                 ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                      for p, ran in zip(mine, passes, strict=True)})

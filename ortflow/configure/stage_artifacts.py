@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -173,6 +174,25 @@ def finish_part(folder: Path, scale: str | None, sends: tuple[str, ...] | None, 
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
 
 
+def build_in_folder(model_path: Path, prepared, folder: Path, proto_limit: int,
+                    build: Callable[[onnx.ModelProto], None]) -> None:
+    """Call ``build`` (the engine's generate_artifacts, its loss block made inside) with the engine input of a stage or
+    piece (:func:`ortflow.configure.engine_input.engine_input`). Past ``proto_limit`` the input's initializers point
+    into data files linked (the user's) or written (a piece's slices) into ``folder``; the engine then runs with
+    ``folder`` as the current folder, reads each weight into the checkpoint, and the files are removed after: the
+    checkpoint holds the weights."""
+    engine_model, linked = engine_input(model_path, prepared, folder, proto_limit)
+    cwd = os.getcwd()
+    if linked:
+        os.chdir(folder)  # the engine's checkpoint writer reads external data relative to the current folder
+    try:
+        build(engine_model)
+    finally:
+        os.chdir(cwd)
+        for name in linked:
+            (folder / name).unlink(missing_ok=True)
+
+
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path,
                proto_limit: int = PROTO_LIMIT) -> tuple[str, ...]:
     """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through.
@@ -185,12 +205,9 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     model = prepared.model
     held = frozen | set(stage.frozen) | set(prepared.frozen)
     stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in held)
-    engine_model, linked = engine_input(Path(cfg.model.path), prepared, folder, proto_limit)
-    cwd = os.getcwd()
-    if linked:
-        os.chdir(folder)  # the engine's checkpoint writer reads external data relative to the current folder
-    try:
-        # Blocks note the current folder when built (for temp.onnx): build them after the chdir.
+
+    def build(engine_model: onnx.ModelProto) -> None:
+        # Blocks note the current folder when built (for temp.onnx): build them in the engine's folder.
         if last:
             loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale)
             extra = None
@@ -206,10 +223,8 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
             artifact_directory=folder,
             additional_output_names=extra,
         )
-    finally:
-        os.chdir(cwd)
-    for name in linked:  # the links to the user's weights: the stage's checkpoint holds them now
-        (folder / name).unlink(missing_ok=True)
+
+    build_in_folder(Path(cfg.model.path), prepared, folder, proto_limit, build)
     finish_part(folder, scale, None if last else stage.sends, stage.receives)
     if not last:
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)

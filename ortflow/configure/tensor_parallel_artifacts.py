@@ -33,7 +33,7 @@ from ortflow.configure.artifacts import (
 )
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import split_source
-from ortflow.configure.stage_artifacts import VJPLoss, finish_part, prepare_part
+from ortflow.configure.stage_artifacts import VJPLoss, build_in_folder, finish_part, prepare_part
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.precision.noop_casts import drop_noop_casts
@@ -59,11 +59,17 @@ def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
 
 def split_input(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[onnx.ModelProto, list[str], list[str]]:
     """The whole model prepared for a tensor-parallel split (:func:`ortflow.configure.engine_input.split_source`, then
-    the Gemm biases apart), its trained and its frozen parameters; refused for a model past ``proto_limit``."""
+    the Gemm biases apart), its trained and its frozen parameters; past ``proto_limit`` its weights stay in the data
+    files (:func:`weights_folder` says where)."""
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     source = split_source(cfg, trainable, proto_limit)
     trainable = [n for n in trainable if n not in source.frozen]
     return export_fixes(source.model, trainable), trainable, sorted({*frozen, *source.frozen})
+
+
+def weights_folder(cfg: RunConfig) -> Path:
+    """The folder the split model's external data file names are relative to (the user's model's)."""
+    return Path(cfg.model.path).parent
 
 
 def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
@@ -73,49 +79,61 @@ def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
     model, trainable, frozen = split_input(cfg, proto_limit)
     try:
         plan = plan_tensor_parallel_split(model, trainable, size)
-        cut_pieces(shard_model(model, plan, 0), plan, model, trainable)  # refuse a bad cut before any engine call
+        # refuse a bad cut before any engine call
+        cut_pieces(shard_model(model, plan, 0, weights_folder(cfg)), plan, model, trainable)
     except TensorParallelError as err:
         raise ArtifactsError(str(err)) from None
     return model, plan, trainable, frozen
 
 
 def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
-                where: str) -> tuple[str, ...]:
+                where: str, proto_limit: int = PROTO_LIMIT) -> tuple[str, ...]:
     """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through.
+
+    A piece of a model past ``proto_limit`` reaches the engine as a pipeline stage does
+    (:func:`ortflow.configure.stage_artifacts.build_in_folder`): its slices written to a data file in ``folder``, its
+    replicated weights still references into the user's data files, linked there.
 
     Raises:
         ArtifactsError: Also for the engine's own failures (bare RuntimeErrors and C++ errors), naming ``where``
             (e.g. "piece 1 of tensor-parallel rank 0").
     """
     try:
-        return _build_piece(cfg, piece, last, frozen, folder)
+        return _build_piece(cfg, piece, last, frozen, folder, proto_limit)
     except ArtifactsError:
         raise
     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
         raise ArtifactsError(f"the engine could not build {where}: {type(err).__name__}: {err}") from err
 
 
-def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path) -> tuple[str, ...]:
+def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
+                 proto_limit: int) -> tuple[str, ...]:
     folder.mkdir(parents=True)
     stage = piece.stage
     prepared, scale = prepare_part(cfg, stage, last)
     model = prepared.model
     frozen = frozen | set(prepared.frozen)
-    if last:
-        loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale), None
-    else:
-        types = {o.name: o for o in model.graph.output}
-        floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in FLOAT_TYPES)
-        loss, extra = VJPLoss(floats, types), list(stage.sends)
-    engine_artifacts.generate_artifacts(
-        model,
-        requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
-        frozen_params=sorted(t.name for t in model.graph.initializer if t.name in frozen),
-        loss=loss,
-        optimizer=None,  # ortflow updates the weights
-        artifact_directory=folder,
-        additional_output_names=extra,
-    )
+    frozen_params = sorted(t.name for t in model.graph.initializer if t.name in frozen)
+    types = {o.name: o for o in model.graph.output}
+
+    def build(engine_model: onnx.ModelProto) -> None:
+        # Blocks note the current folder when built (for temp.onnx): build them in the engine's folder.
+        if last:
+            loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale), None
+        else:
+            floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in FLOAT_TYPES)
+            loss, extra = VJPLoss(floats, types), list(stage.sends)
+        engine_artifacts.generate_artifacts(
+            engine_model,
+            requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
+            frozen_params=frozen_params,
+            loss=loss,
+            optimizer=None,  # ortflow updates the weights
+            artifact_directory=folder,
+            additional_output_names=extra,
+        )
+
+    build_in_folder(Path(cfg.model.path), prepared, folder, proto_limit, build)
     finish_part(folder, scale, None if last else stage.sends, piece.float_receives)
     return prepared.passes
 
@@ -130,27 +148,29 @@ def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
 
 
 def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
-                                    planned: tuple | None = None) -> dict:
+                                    planned: tuple | None = None, proto_limit: int = PROTO_LIMIT) -> dict:
     """Build every rank's pieces under ``artifacts_dir/tensor`` (replacing what was there) and return the record.
 
     ``planned``: what :func:`plan_tensor_parallel` returned for ``cfg`` (configure plans before it builds the whole
-    model's artifacts, to refuse a bad split early), so the split is not planned twice.
+    model's artifacts, to refuse a bad split early), so the split is not planned twice. ``proto_limit``: model bytes
+    from which the weights stay in their files (each piece's slices are read one weight at a time and written to a data
+    file in its folder).
 
     Raises:
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg)
+    model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg, proto_limit)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
     ranks, ran_by_piece = [], {}
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
-            pieces = cut_pieces(shard_model(model, plan, rank), plan, model, trainable)
+            pieces = cut_pieces(shard_model(model, plan, rank, weights_folder(cfg)), plan, model, trainable)
             passes = []
             for piece in pieces:
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                 passes.append(build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
-                                          f"tensor-parallel piece {piece.index} of rank {rank}"))
+                                          f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit))
             ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
             ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                  for p, ran in zip(pieces, passes, strict=True)})

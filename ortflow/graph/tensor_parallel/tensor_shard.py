@@ -6,6 +6,7 @@ The inverse (whole tensors from every rank's slices) is :func:`ortflow.checkpoin
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,15 +25,38 @@ def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int)
     return np.concatenate([np.split(p, size, axis=axis)[rank] for p in split], axis=axis)
 
 
-def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int) -> onnx.ModelProto:
-    """Rank ``rank``'s model: its slices of the split weights, local head counts and widths in the shapes."""
+def weight_values(tensor: onnx.TensorProto, folder: Path | None) -> np.ndarray:
+    """The values of one initializer: held in the proto, or read alone from its external data file (``folder``: where
+    the file names are relative to), leaving ``tensor`` a reference."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    if folder is None:
+        raise ValueError(f"initializer '{tensor.name}' is in external data and no folder was given to read it from")
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    onnx.external_data_helper.load_external_data_for_tensor(loaded, str(folder))
+    loaded.data_location = onnx.TensorProto.DEFAULT
+    del loaded.external_data[:]
+    return numpy_helper.to_array(loaded)
+
+
+def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int,
+                weights: Path | None = None) -> onnx.ModelProto:
+    """Rank ``rank``'s model: its slices of the split weights, local head counts and widths in the shapes.
+
+    A split weight in external data (a model past 2 GB) is read alone from its file in ``weights``, sliced, and its
+    slice held in the rank's model; the replicated weights stay references into the files. So the rank's model holds
+    its share of the split weights, and reading them never holds more than one whole weight at a time.
+    """
     model = copy.deepcopy(model)
     graph, size = model.graph, plan.size
     slicing = plan.slicing()
     for t in graph.initializer:
         if t.name in slicing:
             axis, parts = slicing[t.name]
-            t.CopyFrom(numpy_helper.from_array(slice_tensor(numpy_helper.to_array(t), axis, parts, size, rank), t.name))
+            whole = weight_values(t, weights)
+            t.CopyFrom(numpy_helper.from_array(slice_tensor(whole, axis, parts, size, rank), t.name))
+            del whole
     names = Names(graph)
     for r in plan.regions:  # names the plan chose for the nodes a vocabulary split adds
         for m in r.members:
