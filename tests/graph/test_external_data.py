@@ -66,6 +66,42 @@ def test_a_prepared_model_over_the_proto_limit_reaches_the_engine_with_its_weigh
     assert {n: v.tobytes() for n, v in stored.items()} == {n: v.tobytes() for n, v in weights.items()}
 
 
+def test_weights_held_in_a_graph_over_the_proto_limit_reach_the_engine_from_a_data_file_written_beside_the_links(
+        tmp_path):
+    """A tensor-parallel piece's slices are new arrays held in its proto, its replicated weights references: past the
+    limit the held ones go to a data file of the piece's own, the engine reads both into the checkpoint."""
+    model = onnx.load(str(layernorm_classifier(tmp_path / "base.onnx", features=10, hidden=12, classes=8)))
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    path = tmp_path / "model" / "m.onnx"
+    path.parent.mkdir()
+    onnx.save(model, str(path), save_as_external_data=True, location="m.data", size_threshold=0)
+    graph_only = onnx.load(str(path), load_external_data=False)
+    sliced = {"fc1.weight": weights["fc1.weight"] * 2, "fc2.weight": weights["fc2.weight"] + 1}  # held, > 64 values
+    for t in graph_only.graph.initializer:
+        if t.name in sliced:
+            t.CopyFrom(numpy_helper.from_array(sliced[t.name], t.name))
+    prepared = prepare_model(graph_only, set(weights), "cross_entropy", "logits", "labels")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    engine_model, linked = engine_input(path, prepared, scratch, proto_limit=1)  # as if the model were over 2 GB
+    assert linked == ["m.data", "piece.data"]
+    where = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in engine_model.graph.initializer}
+    assert {n: where[n] for n in weights} == {n: "piece.data" if n in sliced else "m.data" for n in weights}
+    assert (scratch / "m.data").read_bytes() == (path.parent / "m.data").read_bytes()  # the user's file as it was
+    out = tmp_path / "artifacts"
+    out.mkdir()
+    cwd = os.getcwd()
+    os.chdir(scratch)
+    try:
+        artifacts.generate_artifacts(engine_model, requires_grad=sorted(weights), frozen_params=[],
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
+                                     artifact_directory=str(out))
+    finally:
+        os.chdir(cwd)
+    expected = {**weights, **sliced}
+    assert {n: v.tobytes() for n, v in _checkpoint_values(out).items()} == {n: v.tobytes() for n, v in expected.items()}
+
+
 def test_a_prepared_model_under_the_proto_limit_reaches_the_engine_with_its_weights_loaded(tmp_path):
     path, weights = _external_model(tmp_path)
     prepared = prepare_model(onnx.load(str(path), load_external_data=False), set(weights), "cross_entropy", "logits",
