@@ -153,10 +153,11 @@ def engine_input(model_path: Path, prepared: PreparedModel, scratch: Path,
     reading them, and its checkpoint writer reads each one from its file (relative to the current folder) into the
     checkpoint, writing ``checkpoint.data`` beside it past its own size limit.
 
-    A tensor-parallel piece holds its slices of the split weights (new arrays, :func:`ortflow.graph.tensor_parallel.
-    tensor_shard.shard_model`) beside its references to the replicated ones: past the limit, every initializer held in
-    the proto with more than ``CONSTANT_ELEMENTS`` values is moved into a data file written in ``scratch``
-    (:func:`write_held_weights`), so the engine gets references only.
+    A tensor-parallel piece holds its slices of the split weights (new arrays, made by
+    :func:`ortflow.graph.tensor_parallel.tensor_shard.shard_model`) beside its references to the replicated ones: past
+    the limit, every initializer held in the proto with more than ``CONSTANT_ELEMENTS`` values is moved (in
+    ``prepared.model`` itself) into a data file written in ``scratch`` (:func:`write_held_weights`), so the engine gets
+    references only.
 
     Returns:
         (the model for the engine, the data files linked or written into ``scratch``: empty when the weights are
