@@ -172,6 +172,38 @@ def _stage_checkpoints(cfg) -> list[dict[str, bytes]]:
     return [{n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters} for state in states]
 
 
+
+def _train_both_alike(large, small, weights: dict) -> dict:
+    """Train the run configured past the limit and its twin under it side by side; both end at the same parameters,
+    bit for bit, and away from ``weights`` (the initial ones). Returns the trained parameters."""
+    from ortflow.checkpoints import list_complete
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.runs import run_ranks_together
+
+    prepare_data(large)
+    prepare_data(small)
+    for done in run_ranks_together(large, small, timeout=300):
+        assert done.returncode == 0, done.stdout[-3000:]
+    trained = read_params(list_complete(large.checkpoints_dir)[-1].path)
+    reference = read_params(list_complete(small.checkpoints_dir)[-1].path)
+    assert set(trained) == set(weights) and any(not np.array_equal(trained[n], weights[n]) for n in weights)
+    assert {n: v.tobytes() for n, v in trained.items()} == {n: v.tobytes() for n, v in reference.items()}
+    return trained
+
+
+def _exports_in_files(cfg, out: Path, weights: dict, trained: dict) -> None:
+    """Export past the limit writes ``model.onnx`` + ``model.onnx.data`` (every initializer of ``INLINE_BYTES`` or
+    more in the data file), verified, whose logits are the numpy Llama's on the ``trained`` parameters."""
+    exported = export_model(cfg.output_dir, out, proto_limit=1)
+    assert exported.verification.max_abs_diff["logits"] <= exported.verification.tolerance
+    outside = {n for n, v in weights.items() if v.nbytes >= INLINE_BYTES}
+    assert (out.parent / "model.onnx.data").stat().st_size == sum(weights[n].nbytes for n in outside)
+    graph_only = onnx.load(str(out), load_external_data=False)
+    assert {t.name for t in graph_only.graph.initializer if t.external_data} == outside
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    got = onnxruntime.InferenceSession(str(out)).run(["logits"], {"input_ids": ids})[0]
+    np.testing.assert_allclose(got, _reference_logits(trained, TINY, ids), rtol=1e-4, atol=1e-4)
+
 def test_pipeline_stages_of_a_model_past_the_limit_build_train_resume_and_export_as_under_the_limit(
         tmp_path, monkeypatch):
     from ortflow.checkpoints import list_complete
@@ -199,14 +231,7 @@ def test_pipeline_stages_of_a_model_past_the_limit_build_train_resume_and_export
     assert held == _stage_checkpoints(small)
     assert {n: v for stage in held for n, v in stage.items()} == {n: v.tobytes() for n, v in weights.items()}
 
-    prepare_data(large)
-    prepare_data(small)
-    for done in run_ranks_together(large, small, timeout=300):
-        assert done.returncode == 0, done.stdout[-3000:]
-    trained = read_params(list_complete(large.checkpoints_dir)[-1].path)
-    reference = read_params(list_complete(small.checkpoints_dir)[-1].path)
-    assert set(trained) == set(weights) and any(not np.array_equal(trained[n], weights[n]) for n in weights)
-    assert {n: v.tobytes() for n, v in trained.items()} == {n: v.tobytes() for n, v in reference.items()}
+    trained = _train_both_alike(large, small, weights)
 
     # Resumed from the step-2 checkpoint, the run ends where the straight one did, bit for bit.
     middle = next(c.path for c in list_complete(large.checkpoints_dir) if c.step == 2)
@@ -219,16 +244,7 @@ def test_pipeline_stages_of_a_model_past_the_limit_build_train_resume_and_export
     again = read_params(list_complete(resumed.checkpoints_dir)[-1].path)
     assert {n: v.tobytes() for n, v in again.items()} == {n: v.tobytes() for n, v in trained.items()}
 
-    out = tmp_path / "export" / "model.onnx"
-    exported = export_model(large.output_dir, out, proto_limit=1)  # the stages' parameters into one model + data
-    assert exported.verification.max_abs_diff["logits"] <= exported.verification.tolerance
-    outside = {n for n, v in weights.items() if v.nbytes >= INLINE_BYTES}
-    assert (out.parent / "model.onnx.data").stat().st_size == sum(weights[n].nbytes for n in outside)
-    graph_only = onnx.load(str(out), load_external_data=False)
-    assert {t.name for t in graph_only.graph.initializer if t.external_data} == outside
-    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
-    got = onnxruntime.InferenceSession(str(out)).run(["logits"], {"input_ids": ids})[0]
-    np.testing.assert_allclose(got, _reference_logits(trained, TINY, ids), rtol=1e-4, atol=1e-4)
+    _exports_in_files(large, tmp_path / "export" / "model.onnx", weights, trained)  # the stages' parameters
 
 
 def _piece_checkpoints(folder: Path) -> dict[str, dict[str, bytes]]:
@@ -244,9 +260,6 @@ def _piece_checkpoints(folder: Path) -> dict[str, dict[str, bytes]]:
 ], ids=["tp", "pp_x_tp"])
 def test_tensor_parallel_pieces_of_a_model_past_the_limit_build_from_the_data_files_and_train_as_under_the_limit(
         tmp_path, monkeypatch, layout, folder, record):
-    from ortflow.checkpoints import list_complete
-    from ortflow.checkpoints.h5state import read_params
-    from tests.support.runs import run_ranks_together
 
     large, model = _llama_run(tmp_path, "large", distributed=layout)
     small, _ = _llama_run(tmp_path, "small", distributed=layout)
@@ -277,25 +290,9 @@ def test_tensor_parallel_pieces_of_a_model_past_the_limit_build_from_the_data_fi
     assert held == _piece_checkpoints(small.artifacts_dir / folder)
     assert {n for piece in held.values() for n in piece} == set(weights)
 
-    prepare_data(large)
-    prepare_data(small)
-    for done in run_ranks_together(large, small, timeout=300):
-        assert done.returncode == 0, done.stdout[-3000:]
-    trained = read_params(list_complete(large.checkpoints_dir)[-1].path)
-    reference = read_params(list_complete(small.checkpoints_dir)[-1].path)
-    assert set(trained) == set(weights) and any(not np.array_equal(trained[n], weights[n]) for n in weights)
-    assert {n: v.tobytes() for n, v in trained.items()} == {n: v.tobytes() for n, v in reference.items()}
+    trained = _train_both_alike(large, small, weights)
 
-    out = tmp_path / "export" / "model.onnx"
-    exported = export_model(large.output_dir, out, proto_limit=1)  # the merged slices into one model + data
-    assert exported.verification.max_abs_diff["logits"] <= exported.verification.tolerance
-    outside = {n for n, v in weights.items() if v.nbytes >= INLINE_BYTES}
-    assert (out.parent / "model.onnx.data").stat().st_size == sum(weights[n].nbytes for n in outside)
-    graph_only = onnx.load(str(out), load_external_data=False)
-    assert {t.name for t in graph_only.graph.initializer if t.external_data} == outside
-    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
-    got = onnxruntime.InferenceSession(str(out)).run(["logits"], {"input_ids": ids})[0]
-    np.testing.assert_allclose(got, _reference_logits(trained, TINY, ids), rtol=1e-4, atol=1e-4)
+    _exports_in_files(large, tmp_path / "export" / "model.onnx", weights, trained)  # the merged slices
 
 
 def test_a_dynamo_export_on_the_large_model_path_builds_the_checkpoint_it_builds_under_the_limit(tmp_path):

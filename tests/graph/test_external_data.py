@@ -32,6 +32,21 @@ def _checkpoint_values(folder):
     return {name: np.array(p.data, copy=True) for name, p in state.parameters}
 
 
+
+def _build_in(scratch, engine_model, trainable, out):
+    """The engine's artifacts of ``engine_model`` built with ``scratch`` (where its data files lie) as the current
+    folder, written to ``out``."""
+    out.mkdir()
+    cwd = os.getcwd()
+    os.chdir(scratch)
+    try:
+        artifacts.generate_artifacts(engine_model, requires_grad=trainable, frozen_params=[],
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
+                                     artifact_directory=str(out))
+    finally:
+        os.chdir(cwd)
+    return out
+
 def test_rewritten_model_with_external_data_keeps_its_weights(tmp_path):
     path, weights = _external_model(tmp_path)
     before = sorted(os.listdir(path.parent))
@@ -52,16 +67,7 @@ def test_a_prepared_model_over_the_proto_limit_reaches_the_engine_with_its_weigh
     assert linked == ["m.data"]
     assert (scratch / "m.data").read_bytes() == (path.parent / "m.data").read_bytes()
     assert all(t.external_data for t in engine_model.graph.initializer if t.name in weights)  # nothing loaded
-    out = tmp_path / "artifacts"
-    out.mkdir()
-    cwd = os.getcwd()
-    os.chdir(scratch)
-    try:
-        artifacts.generate_artifacts(engine_model, requires_grad=sorted(weights), frozen_params=[],
-                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
-                                     artifact_directory=str(out))
-    finally:
-        os.chdir(cwd)
+    out = _build_in(scratch, engine_model, sorted(weights), tmp_path / "artifacts")
     stored = _checkpoint_values(out)
     assert {n: v.tobytes() for n, v in stored.items()} == {n: v.tobytes() for n, v in weights.items()}
 
@@ -88,16 +94,7 @@ def test_weights_held_in_a_graph_over_the_proto_limit_reach_the_engine_from_a_da
     where = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in engine_model.graph.initializer}
     assert {n: where[n] for n in weights} == {n: "piece.data" if n in sliced else "m.data" for n in weights}
     assert (scratch / "m.data").read_bytes() == (path.parent / "m.data").read_bytes()  # the user's file as it was
-    out = tmp_path / "artifacts"
-    out.mkdir()
-    cwd = os.getcwd()
-    os.chdir(scratch)
-    try:
-        artifacts.generate_artifacts(engine_model, requires_grad=sorted(weights), frozen_params=[],
-                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
-                                     artifact_directory=str(out))
-    finally:
-        os.chdir(cwd)
+    out = _build_in(scratch, engine_model, sorted(weights), tmp_path / "artifacts")
     expected = {**weights, **sliced}
     assert {n: v.tobytes() for n, v in _checkpoint_values(out).items()} == {n: v.tobytes() for n, v in expected.items()}
 
