@@ -40,7 +40,7 @@ from ortflow.export.verify import ExportError
 from ortflow.graph.exports.external_data import PROTO_LIMIT, needs_external_data, proto_bytes, save_with_external_data
 from ortflow.graph.exports.gelu import decompose_gelu
 from ortflow.graph.gradients.embedding import restore_gathers
-from ortflow.graph.onnx_tools import subgraph_reads, upstream
+from ortflow.graph.onnx_tools import infer_shapes, subgraph_reads, upstream
 from ortflow.graph.precision.autocast import fold_parameter_casts, strip_autocast
 
 log = logging.getLogger(__name__)
@@ -341,7 +341,7 @@ def build_inference_model(
 def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """Types of the graph's tensors (shape inference where it works; the engine's contrib ops may defeat it)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = infer_shapes(model)
     except Exception as err:  # noqa: BLE001 - onnx raises several types; types only improve the output's metadata
         log.debug("shape inference failed: %s", err)
         inferred = model

@@ -19,10 +19,43 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.T
                          onnx.TensorProto.BFLOAT16})
 
 
+#: Initializer bytes held in a proto from which shape inference runs on a copy without them: protobuf serialises at
+#: most 2 GiB, and a tensor-parallel rank's model of a model past 2 GB holds its slices of every split weight.
+INFERENCE_HELD_BYTES = 2**30
+#: Initializers of at most this many values keep them in that copy (shape constants the inference may read).
+_INFERENCE_CONSTANTS = 64
+
+
+def infer_shapes(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
+    """onnx's shape inference (``kwargs`` as onnx's), for reading the inferred types and shapes: a model whose
+    initializers hold ``INFERENCE_HELD_BYTES`` or more is inferred on a copy whose larger initializers keep their name,
+    type and dims but no values, so the result may hold no weight values."""
+    if _held_bytes(model) < INFERENCE_HELD_BYTES:
+        return onnx.shape_inference.infer_shapes(model, **kwargs)
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    for field in ("node", "input", "output", "value_info"):
+        getattr(light.graph, field).extend(getattr(model.graph, field))
+    for tensor in model.graph.initializer:
+        if int(np.prod(tensor.dims, dtype=np.int64)) <= _INFERENCE_CONSTANTS:
+            light.graph.initializer.append(tensor)
+        else:
+            light.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+    return onnx.shape_inference.infer_shapes(light, **kwargs)
+
+
+def _held_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of initializer values held in the proto (not in external data)."""
+    return sum(len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data)
+               + len(t.double_data) + len(t.uint64_data)) for t in model.graph.initializer)
+
+
 def elem_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor shape inference can tell (initializers included); others are absent."""
     try:
-        graph = onnx.shape_inference.infer_shapes(model).graph
+        graph = infer_shapes(model).graph
     except Exception:  # noqa: BLE001 - onnx raises several types; callers treat unknown types conservatively
         graph = model.graph
     values = [*graph.value_info, *graph.input, *graph.output]

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortflow.graph.onnx_tools import Names, int64_constant, node_label, report_change
+from ortflow.graph.onnx_tools import Names, infer_shapes, int64_constant, node_label, report_change
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def declare_broadcast_shapes(model: onnx.ModelProto, report: list[dict] | None =
     if not operands or not dims_of:
         return copy.deepcopy(model)
     try:
-        known = onnx.shape_inference.infer_shapes(model).graph
+        known = infer_shapes(model).graph
     except Exception:  # noqa: BLE001 - onnx raises several kinds; nothing is declared then
         return copy.deepcopy(model)
     declared = {v.name: v for v in [*known.value_info, *known.input, *known.output]}

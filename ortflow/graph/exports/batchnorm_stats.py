@@ -15,6 +15,8 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from ortflow.graph.onnx_tools import infer_shapes
+
 
 @dataclass(frozen=True)
 class RunningStatistics:
@@ -45,7 +47,7 @@ def running_statistics(model: onnx.ModelProto | Path | str) -> list[RunningStati
              and len(n.input) >= 5 and n.input[3] in inits and n.input[4] in inits]
     if not nodes:
         return []
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = infer_shapes(model)
     shapes = {v.name: v.type.tensor_type.shape for v in
               [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
     found = []

@@ -31,7 +31,7 @@ import onnx
 from onnx import helper
 
 from ortflow.graph.gradients.gelu_grad import restore_tanh_gelus, sigmoid_gelus
-from ortflow.graph.onnx_tools import Names, constant_values, elem_types, node_label, report_change
+from ortflow.graph.onnx_tools import Names, constant_values, elem_types, infer_shapes, node_label, report_change
 
 MS_DOMAIN = "com.microsoft"
 _RTOL = 1e-5
@@ -209,7 +209,7 @@ def _matches(model: onnx.ModelProto, keep: set[str]) -> list[_Match]:
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """The type (element type and shape, as far as shape inference tells) of every tensor it can tell."""
     try:
-        graph = onnx.shape_inference.infer_shapes(model).graph
+        graph = infer_shapes(model).graph
     except Exception:  # noqa: BLE001 - onnx raises several types; unknown types just mean no fusion
         graph = model.graph
     types = {v.name: v.type for v in [*graph.value_info, *graph.input, *graph.output] if v.type.tensor_type.elem_type}

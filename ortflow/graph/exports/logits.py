@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from ortflow.graph.onnx_tools import GraphError, Names, int64_constant, report_change
+from ortflow.graph.onnx_tools import GraphError, Names, infer_shapes, int64_constant, report_change
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def output_rank(model: onnx.ModelProto, output: str) -> int | None:
     if declared is not None and declared.type.tensor_type.HasField("shape"):
         return len(declared.type.tensor_type.shape.dim)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = infer_shapes(model)
     except Exception:  # noqa: BLE001 - onnx raises several types; an unknown rank is handled by the caller
         return None
     found = next((o for o in [*inferred.graph.output, *inferred.graph.value_info] if o.name == output), None)
@@ -50,7 +50,7 @@ def _scores_type(model: onnx.ModelProto, output: str) -> onnx.TypeProto | None:
     if declared is not None and declared.type.tensor_type.HasField("shape"):
         return declared.type
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = infer_shapes(model)
     except Exception:  # noqa: BLE001
         return None
     found = next((o for o in [*inferred.graph.output, *inferred.graph.value_info] if o.name == output), None)

@@ -39,6 +39,7 @@ from onnx import TensorProto, helper
 from ortflow.graph.onnx_tools import (
     Names,
     constant_values,
+    infer_shapes,
     int64_constant,
     log,
     node_label,
@@ -137,7 +138,7 @@ def _shapes(model: onnx.ModelProto) -> tuple[dict[str, Shape], dict[str, int]]:
     graph = model.graph
     values = [*graph.value_info, *graph.input, *graph.output]
     try:  # the engine's graph declares most value_info itself; inference fills in what it can (unknown ops skipped)
-        values += list(onnx.shape_inference.infer_shapes(model).graph.value_info)
+        values += list(infer_shapes(model).graph.value_info)
     except Exception:  # noqa: BLE001 - onnx raises several types; unknown shapes only mean fewer rewrites
         pass
     shapes: dict[str, Shape] = {}

@@ -23,6 +23,7 @@ from ortflow.graph.onnx_tools import (
     Names,
     constant_values,
     consumed_names,
+    infer_shapes,
     int64_constant,
     node_label,
     opset_version,
@@ -125,7 +126,7 @@ def split_to_slices(model: onnx.ModelProto, report: list[dict] | None = None) ->
             f"{opset} has no Slice with tensor bounds to replace it; re-export the model with opset 17"
         )
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = infer_shapes(model)
         shapes = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.input]}
     except Exception:  # noqa: BLE001 - shapes only let the bounds be constants; without them they are computed
         shapes = {v.name: v.type for v in graph.input}

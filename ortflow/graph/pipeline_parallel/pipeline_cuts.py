@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import helper
 
+from ortflow.graph.onnx_tools import infer_shapes
+
 log = logging.getLogger(__name__)
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -83,7 +85,7 @@ def _free_nodes(graph: onnx.GraphProto, trainable: set[str]) -> set[int]:
 
 def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = infer_shapes(model)
     except Exception:  # noqa: BLE001 - onnx raises several kinds; unknown types are then refused as not float
         inferred = model
     g = inferred.graph

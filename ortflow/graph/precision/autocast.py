@@ -38,6 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.graph.onnx_tools import infer_shapes
 from ortflow.graph.precision.cuda_kernels import fused_without_kernel, has_kernel, opsets, schema_admits
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class AutocastReport:
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor the graph names (inputs, initializers, node outputs via shape inference)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = infer_shapes(model, strict_mode=False)
     except Exception as err:  # noqa: BLE001 - onnx raises several kinds; the walk reports untyped tensors itself
         log.debug("shape inference failed: %s", err)
         inferred = model

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto
 
+from ortflow.graph.onnx_tools import infer_shapes
+
 FLOAT16, BFLOAT16 = TensorProto.FLOAT16, TensorProto.BFLOAT16
 HALF_NAMES = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
 _BOTH = frozenset({FLOAT16, BFLOAT16})
@@ -142,7 +144,7 @@ class MissingKernel:
 def element_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor ``model`` names: inputs, initializers, value_info and onnx's shape inference."""
     try:
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        model = infer_shapes(model, strict_mode=False)
     except Exception:  # noqa: BLE001 - onnx raises several kinds; what value_info records is used as it is
         pass
     graph = model.graph

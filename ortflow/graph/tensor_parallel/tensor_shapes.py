@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.graph.onnx_tools import constant_values
+from ortflow.graph.onnx_tools import constant_values, infer_shapes
 from ortflow.graph.shapes import symbolic_shapes
 
 _CANNOT = "the new shape is computed in a way the split cannot follow"
@@ -92,7 +92,7 @@ def _probe(model: onnx.ModelProto, size: int) -> dict[str, list]:
             return dims
         for info in [v for v in probe.graph.value_info if v.name in found]:
             probe.graph.value_info.remove(info)
-        inferred = onnx.shape_inference.infer_shapes(probe).graph.value_info
+        inferred = infer_shapes(probe).graph.value_info
         types = {v.name: v.type.tensor_type.elem_type for v in inferred}
         probe.graph.value_info.extend(helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), d)
                                       for name, d in found.items())
@@ -102,7 +102,7 @@ def _probe(model: onnx.ModelProto, size: int) -> dict[str, list]:
 def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
     """ONNX Runtime's symbolic inference and onnx's (with data propagation), each dim a number where either knows it."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = infer_shapes(model, data_prop=True)
     except Exception:  # noqa: BLE001 - onnx raises several kinds; symbolic inference may still answer
         inferred = model
     g = inferred.graph
