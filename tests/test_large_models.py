@@ -312,3 +312,15 @@ def test_a_dynamo_export_on_the_large_model_path_builds_the_checkpoint_it_builds
         return {n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters}
 
     assert run("large", proto_limit=1) == run("small")  # the exporter's external data, left in its file
+
+
+def test_planning_a_tensor_parallel_split_of_a_model_past_the_limit_reads_no_weight(tmp_path, monkeypatch):
+    """validate and configure check how the pieces are cut before anything is built: from the slices' dims alone."""
+    from ortflow.configure.tensor_parallel_artifacts import plan_tensor_parallel
+    from ortflow.graph.tensor_parallel import tensor_shard
+
+    cfg, _ = _llama_run(tmp_path, distributed={"num_ranks": 2, "horizontal_parallel_size": 2})
+    read = []
+    monkeypatch.setattr(tensor_shard, "weight_values", lambda tensor, folder: read.append(tensor.name))
+    _, plan, _, _ = plan_tensor_parallel(cfg, proto_limit=1)
+    assert plan.slicing() and read == []

@@ -120,7 +120,8 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
         model = export_fixes(stage.model, stage.parameters)
         try:
             plan = plan_tensor_parallel_split(model, stage.parameters, size, embedded)
-            pieces(StagePlan(stage, model, plan, weights_folder(cfg)), 0)  # refuse a bad cut before any engine call
+            # refuse a bad cut before any engine call (the slices' dims are enough: no weight is read)
+            pieces(StagePlan(stage, model, plan, weights_folder(cfg)), 0, values=False)
         except TensorParallelError as err:
             raise ArtifactsError(f"pipeline stage {stage.index} of {len(stages)} (cuts {cuts}): {err}; or move "
                                  "model.pipeline_cuts so that every stage holds a whole attention block or "
@@ -130,10 +131,10 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
     return cuts, plans
 
 
-def pieces(sp: StagePlan, rank: int) -> list[Piece]:
+def pieces(sp: StagePlan, rank: int, values: bool = True) -> list[Piece]:
     """Tensor-parallel rank ``rank``'s pieces of a stage; a piece reading what the stage receives also returns its
-    gradient (the previous stage's backward needs it)."""
-    cut = cut_pieces(shard_model(sp.model, sp.plan, rank, sp.weights), sp.plan, sp.model, sp.stage.parameters)
+    gradient (the previous stage's backward needs it). Without ``values``: the slices' names, types and dims only."""
+    cut = cut_pieces(shard_model(sp.model, sp.plan, rank, sp.weights, values), sp.plan, sp.model, sp.stage.parameters)
     received = set(sp.stage.receives)
     out = []
     for piece in cut:

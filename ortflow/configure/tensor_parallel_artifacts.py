@@ -79,8 +79,8 @@ def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
     model, trainable, frozen = split_input(cfg, proto_limit)
     try:
         plan = plan_tensor_parallel_split(model, trainable, size)
-        # refuse a bad cut before any engine call
-        cut_pieces(shard_model(model, plan, 0, weights_folder(cfg)), plan, model, trainable)
+        # refuse a bad cut before any engine call (the slices' dims are enough: no weight is read)
+        cut_pieces(shard_model(model, plan, 0, values=False), plan, model, trainable)
     except TensorParallelError as err:
         raise ArtifactsError(str(err)) from None
     return model, plan, trainable, frozen

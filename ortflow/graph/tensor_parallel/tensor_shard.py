@@ -40,13 +40,21 @@ def weight_values(tensor: onnx.TensorProto, folder: Path | None) -> np.ndarray:
     return numpy_helper.to_array(loaded)
 
 
+def slice_dims(dims: list[int], axis: int, parts: int, size: int, rank: int) -> list[int]:
+    """The dims of :func:`slice_tensor`'s block of a tensor of ``dims`` (computed on a vector along ``axis``)."""
+    axis = axis if len(dims) > 1 else 0
+    along = np.zeros([d if i == axis else 1 for i, d in enumerate(dims)], np.int8)
+    return [*dims[:axis], slice_tensor(along, axis, parts, size, rank).shape[axis], *dims[axis + 1:]]
+
+
 def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int,
-                weights: Path | None = None) -> onnx.ModelProto:
+                weights: Path | None = None, values: bool = True) -> onnx.ModelProto:
     """Rank ``rank``'s model: its slices of the split weights, local head counts and widths in the shapes.
 
     A split weight in external data (a model past 2 GB) is read alone from its file in ``weights``, sliced, and its
     slice held in the rank's model; the replicated weights stay references into the files. So the rank's model holds
-    its share of the split weights, and reading them never holds more than one whole weight at a time.
+    its share of the split weights, and reading them never holds more than one whole weight at a time. Without
+    ``values`` (to check how the pieces are cut) a split weight's slice is its name, type and dims only: none is read.
     """
     model = copy.deepcopy(model)
     graph, size = model.graph, plan.size
@@ -54,6 +62,11 @@ def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int,
     for t in graph.initializer:
         if t.name in slicing:
             axis, parts = slicing[t.name]
+            if not values:
+                sliced = onnx.TensorProto(name=t.name, data_type=t.data_type,
+                                          dims=slice_dims(list(t.dims), axis, parts, size, rank))
+                t.CopyFrom(sliced)
+                continue
             whole = weight_values(t, weights)
             t.CopyFrom(numpy_helper.from_array(slice_tensor(whole, axis, parts, size, rank), t.name))
             del whole
