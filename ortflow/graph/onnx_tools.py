@@ -32,6 +32,12 @@ def infer_shapes(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
     type and dims but no values, so the result may hold no weight values."""
     if _held_bytes(model) < INFERENCE_HELD_BYTES:
         return onnx.shape_inference.infer_shapes(model, **kwargs)
+    return onnx.shape_inference.infer_shapes(dims_only(model, _INFERENCE_CONSTANTS), **kwargs)
+
+
+def dims_only(model: onnx.ModelProto, keep_elements: int = 0) -> onnx.ModelProto:
+    """A copy for shape inference: the graph, and initializers of more than ``keep_elements`` values as their name,
+    type and dims only (no values copied)."""
     light = onnx.ModelProto()
     light.ir_version = model.ir_version
     light.opset_import.extend(model.opset_import)
@@ -39,11 +45,11 @@ def infer_shapes(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
     for field in ("node", "input", "output", "value_info"):
         getattr(light.graph, field).extend(getattr(model.graph, field))
     for tensor in model.graph.initializer:
-        if int(np.prod(tensor.dims, dtype=np.int64)) <= _INFERENCE_CONSTANTS:
+        if int(np.prod(tensor.dims, dtype=np.int64)) <= keep_elements:
             light.graph.initializer.append(tensor)
         else:
             light.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
-    return onnx.shape_inference.infer_shapes(light, **kwargs)
+    return light
 
 
 def _held_bytes(model: onnx.ModelProto) -> int:

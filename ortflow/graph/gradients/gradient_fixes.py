@@ -36,7 +36,15 @@ import numpy as np
 import onnx
 from onnx import helper, shape_inference
 
-from ortflow.graph.onnx_tools import Names, constant_values, consumed_names, int64_constant, node_label, report_change
+from ortflow.graph.onnx_tools import (
+    Names,
+    constant_values,
+    consumed_names,
+    dims_only,
+    int64_constant,
+    node_label,
+    report_change,
+)
 
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
                          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"})
@@ -54,14 +62,7 @@ def gradient_fixes(model: onnx.ModelProto, report: list[dict] | None = None) -> 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list]:
     """Inferred dims (int, symbolic name or None) per tensor; inferred on a copy without initializer values."""
-    light = onnx.ModelProto()
-    light.ir_version = model.ir_version
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
-    for name in ("node", "input", "output", "value_info"):
-        getattr(light.graph, name).extend(getattr(model.graph, name))
-    for t in model.graph.initializer:
-        light.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+    light = dims_only(model)
     try:
         inferred = shape_inference.infer_shapes(light).graph
     except Exception:  # noqa: BLE001 - no shapes: every broadcast input is expanded dynamically
