@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -37,14 +38,10 @@ def _build_in(scratch, engine_model, trainable, out):
     """The engine's artifacts of ``engine_model`` built with ``scratch`` (where its data files lie) as the current
     folder, written to ``out``."""
     out.mkdir()
-    cwd = os.getcwd()
-    os.chdir(scratch)
-    try:
+    with contextlib.chdir(scratch):
         artifacts.generate_artifacts(engine_model, requires_grad=trainable, frozen_params=[],
                                      loss=artifacts.LossType.CrossEntropyLoss, optimizer=None,
                                      artifact_directory=str(out))
-    finally:
-        os.chdir(cwd)
     return out
 
 def test_rewritten_model_with_external_data_keeps_its_weights(tmp_path):
