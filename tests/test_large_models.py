@@ -27,6 +27,7 @@ from ortflow.engine import api
 from ortflow.export.model import export_model
 from ortflow.graph.exports.external_data import INLINE_BYTES
 from ortflow.graph.prepare import CONSTANT_ELEMENTS
+from tests.support.exports import export_path
 from tests.support.runs import final_parameters, run_ranks
 from tools.make_large_llama import PRESETS, LlamaShape, write_model
 
@@ -295,23 +296,37 @@ def test_tensor_parallel_pieces_of_a_model_past_the_limit_build_from_the_data_fi
     _exports_in_files(large, tmp_path / "export" / "model.onnx", weights, trained)  # the merged slices
 
 
-def test_a_dynamo_export_on_the_large_model_path_builds_the_checkpoint_it_builds_under_the_limit(tmp_path):
+LAYOUTS = {"dp": {}, "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
+           "tp2": {"num_ranks": 2, "horizontal_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("export", ["llama-dynamo.onnx", "llama.onnx"])
+def test_a_real_export_on_the_large_model_path_builds_the_checkpoints_it_builds_under_the_limit(tmp_path, export,
+                                                                                               layout):
+    """The Hugging Face Llama from both torch exporters (dynamo's weights in its external data, TorchScript's held
+    in the proto), whole, in pipeline stages and in tensor-parallel pieces: every engine checkpoint the same."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a tiny corpus")
 
     def run(name, **limit):
         cfg = config_from_dict({
             "name": name, "output_dir": str(tmp_path / name),
-            "model": {"path": "tests/fixtures/exports/llama-dynamo.onnx", "loss": "cross_entropy",
-                      "label_input": "labels"},
+            "model": {"path": str(export_path(export)), "loss": "cross_entropy", "label_input": "labels"},
             "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": 8}},
             "train": {"batch_size": 2, "num_train_steps": 1},
+            "distributed": LAYOUTS[layout],
         })
         folder = configure(cfg, **limit).artifacts_dir
-        state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
-        return {n: np.array(p.data, copy=True).tobytes() for n, p in state.parameters}
+        found = {}
+        for checkpoint in sorted(folder.rglob("checkpoint")):
+            state = api.CheckpointState.load_checkpoint(str(checkpoint))
+            found[str(checkpoint.relative_to(folder))] = {n: np.array(p.data, copy=True).tobytes()
+                                                          for n, p in state.parameters}
+        return found
 
-    assert run("large", proto_limit=1) == run("small")  # the exporter's external data, left in its file
+    large = run("large", proto_limit=1)  # the weights left in the exporter's file (or written out of the proto)
+    assert large == run("small") and (len(large) > 1) == (layout != "dp")  # the whole model's, and each part's
 
 
 def test_planning_a_tensor_parallel_split_of_a_model_past_the_limit_reads_no_weight(tmp_path, monkeypatch):
