@@ -270,12 +270,17 @@ def kill_job(proc: subprocess.Popen) -> None:
     so a signal to the group alone would leave the ranks a moment to finish a checkpoint."""
     import time
 
+    import pytest
+
     from ortflow.processes import kill_tree, launcher_tree
 
     job = [pid for pid, _name, _state in launcher_tree(proc.pid, ranks=True) if pid != proc.pid]
     kill_tree(proc.pid)
     proc.wait()
+    deadline = time.monotonic() + 60
     while any(_alive(pid) for pid in job):
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes {[pid for pid in job if _alive(pid)]} of the killed job outlived SIGKILL by 60 s")
         time.sleep(0.005)
 
 
