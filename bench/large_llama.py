@@ -1,13 +1,16 @@
-"""The 1B Llama on GPUs: ortflow data-parallel with ZeRO-1 in fp16 and bf16 against PyTorch FSDP2 + torch.compile.
+"""The 1B Llama on GPUs: ortflow in fp16 and bf16 (data-parallel with ZeRO-1, or split in pipeline stages or by tensor
+parallelism) against PyTorch FSDP2 + torch.compile.
 
 Run through ``bench/large_llama.sh`` (one call does everything); the steps, each a subcommand:
 
-* ``configure ROOT PRECISION``: synthetic next-token data (each token a fixed function of the previous one, 10%
-  noise), a YAML config (``distributed.zero_stage 1``, NCCL, the precision), ``ortflow configure`` and
+* ``configure ROOT PRECISION [--layout dp|pp|tp]``: synthetic next-token data (each token a fixed function of the
+  previous one, 10% noise), a YAML config (NCCL, the precision, the layout: ``dp`` data parallelism with ZeRO-1,
+  ``pp`` one pipeline stage per GPU with 8 micro-batches per update, ``tp`` the model split over the GPUs by tensor
+  parallelism; every layout trains ``gpus x batch`` sequences per update), ``ortflow configure`` and
   ``ortflow prepare-data``, as a user runs them, on the model ``tools/make_large_llama.py`` wrote into ROOT;
-* ``train ROOT PRECISION``: ``ortflow train`` on the configured GPUs; prints one ``RESULT`` line: the step time
-  (median over the display windows of ``timing.json`` after the warm-up ones), tokens/s, the first and last logged
-  losses;
+* ``train ROOT PRECISION [--layout ...]``: ``ortflow train`` on the configured GPUs; prints one ``RESULT`` line: the
+  step time (median over the display windows of ``timing.json`` after the warm-up ones), tokens/s, the first and
+  last logged losses;
 * ``report OUT``: reads every ``RESULT`` line of the logs in OUT (this script's and ``bench/torch_llama.py``'s) and
   writes ``large-llama.md`` and ``large-llama.json``: tokens/s and model FLOPs utilisation
   ``6 * parameters * tokens/s / (GPUs * peak)`` per contender, with the command, commit, GPUs and versions.
@@ -41,6 +44,14 @@ def add_workload(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=32000)
 
 
+#: What each ortflow layout adds to ``distributed`` and how it names its contender; every layout trains
+#: ``gpus x batch`` sequences per update (``train.global_batch_size``).
+LAYOUTS = {"dp": ("ZeRO-1", lambda gpus: {"zero_stage": 1}),
+           "pp": ("{gpus} pipeline stages", lambda gpus: {"pipeline_parallel_size": gpus}),
+           "tp": ("tensor parallel {gpus}", lambda gpus: {"horizontal_parallel_size": gpus})}  # fmt: skip
+PIPELINE_MICRO_BATCHES = 8
+
+
 def _tokens(rows: int, seq: int, vocab: int):
     import numpy as np
 
@@ -53,17 +64,23 @@ def _tokens(rows: int, seq: int, vocab: int):
     return tokens
 
 
+def run_name(precision: str, layout: str) -> str:
+    return f"run-{precision}" if layout == "dp" else f"run-{precision}-{layout}"
+
+
 def run_config(root: Path, precision: str, args: argparse.Namespace) -> dict:
-    """The ortflow config of one precision's run (the model and data under ``root``)."""
-    display = 2
+    """The ortflow config of one precision's and layout's run (the model and data under ``root``)."""
+    display, layout = 2, getattr(args, "layout", "dp")
+    global_batch = args.gpus * args.batch
+    micro = max(1, global_batch // PIPELINE_MICRO_BATCHES) if layout == "pp" else args.batch
     return {
-        "name": f"llama-{precision}", "output_dir": str(root / f"run-{precision}"),
+        "name": f"llama-{precision}-{layout}", "output_dir": str(root / run_name(precision, layout)),
         "model": {"path": str(root / "llama.onnx"), "loss": "cross_entropy", "label_input": "labels"},
         "data": {"train": [str(root / "data.npz")], "eval_fraction": 0.0},
-        "train": {"batch_size": args.batch, "num_train_steps": args.steps, "display_loss_steps": display,
-                  "evaluation_period": 0},
+        "train": {"batch_size": micro, "global_batch_size": global_batch, "num_train_steps": args.steps,
+                  "display_loss_steps": display, "evaluation_period": 0},
         "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-        "distributed": {"num_ranks": args.gpus, "device": "cuda", "use_nccl": True, "zero_stage": 1},
+        "distributed": {"num_ranks": args.gpus, "device": "cuda", "use_nccl": True, **LAYOUTS[layout][1](args.gpus)},
         "checkpoint": {"period": 0},
         "precision": PRECISION[precision],
     }  # fmt: skip
@@ -87,12 +104,12 @@ def configure(args: argparse.Namespace) -> None:
         tmp = root / f"data-{args.precision}.npz"  # two precisions configure at once: one writes, rename is atomic
         np.savez(tmp, input_ids=tokens[:, :-1], labels=tokens[:, 1:])
         tmp.replace(data)
-    path = root / f"config-{args.precision}.yaml"
+    path = root / f"config-{args.precision}-{args.layout}.yaml"
     path.write_text(yaml.safe_dump(run_config(root, args.precision, args), sort_keys=False))
     start = time.perf_counter()
     _cli("configure", str(path))
     _cli("prepare-data", str(path))
-    print(f"configured {args.precision} in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"configured {args.precision} {args.layout} in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def step_time(timing: dict, display: int, warmup: int) -> float | None:
@@ -104,7 +121,7 @@ def step_time(timing: dict, display: int, warmup: int) -> float | None:
 
 def train(args: argparse.Namespace) -> None:
     root = Path(args.root)
-    run = root / f"run-{args.precision}"
+    run = root / run_name(args.precision, args.layout)
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "ortflow", "train", str(run), "--mpiexec", args.mpiexec],
                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
@@ -113,7 +130,8 @@ def train(args: argparse.Namespace) -> None:
     losses = [float(x) for x in re.findall(r"step \d+/\d+ \| loss ([0-9.eE+-]+|nan|inf)", text)]
     timing = json.loads((run / "timing.json").read_text()) if (run / "timing.json").exists() else {}
     step = step_time(timing, run_config(root, args.precision, args)["train"]["display_loss_steps"], args.warmup)
-    record = {"contender": f"ortflow {args.precision} ZeRO-1", "precision": args.precision, "gpus": args.gpus,
+    contender = f"ortflow {args.precision} " + LAYOUTS[args.layout][0].format(gpus=args.gpus)
+    record = {"contender": contender, "precision": args.precision, "layout": args.layout, "gpus": args.gpus,
               "batch": args.batch, "seq": args.seq, "step_time_s": step,
               "tokens_per_s": args.gpus * args.batch * args.seq / step if step else None,
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
@@ -144,7 +162,7 @@ def mfu(tokens_per_s: float | None, parameters: int, gpus: int, peak_tflops: flo
 def render(results: list[dict], meta: dict) -> str:
     """The markdown report: one row per contender."""
     params, peak = meta["parameters"], meta.get("peak_tflops", PEAK_TFLOPS)
-    lines = [f"# 1B Llama on {meta.get('gpus', '?')} GPUs: ortflow ZeRO-1 against PyTorch FSDP2 + compile", "",
+    lines = [f"# 1B Llama on {meta.get('gpus', '?')} GPUs: ortflow against PyTorch FSDP2 + compile", "",
              f"Model: {params / 1e9:.2f}B parameters ({meta.get('shape', '')}); per GPU {meta.get('batch')} x "
              f"{meta.get('seq')} tokens per update. MFU = 6 x parameters x tokens/s / (GPUs x {peak:g} TFLOP/s).", ""]
     for key in ("command", "commit", "gpu", "versions"):
@@ -211,6 +229,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p = sub.add_parser(name)
         p.add_argument("root", help="the folder holding llama.onnx (tools/make_large_llama.py)")
         p.add_argument("precision", choices=sorted(PRECISION))
+        p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp",
+                       help="dp: data parallelism with ZeRO-1; pp: a pipeline stage per GPU; tp: tensor parallelism")
         add_workload(p)
     sub.choices["train"].add_argument("--mpiexec", default="mpiexec")
     r = sub.add_parser("report")

@@ -2,6 +2,8 @@
 # The 1B Llama (tools/make_large_llama.py --size 1b, 1.12B parameters, 4.5 GB of fp32 weights in external data) on
 # 2 GPUs: ortflow data-parallel with ZeRO-1 in fp16 and in bf16, then PyTorch FSDP2 + torch.compile (bf16) on the same
 # shape, batch and data rule; tokens/s and model FLOPs utilisation in OUT/large-llama.md (bench/large_llama.py).
+# LAYOUTS="dp pp tp" also trains the model in one pipeline stage per GPU and split by tensor parallelism (each layout
+# in each of PRECISIONS, default "fp16 bf16"); TORCH=0 leaves PyTorch out.
 # Run from the repository root on a host with the GPU engine installed:
 #
 #   ORTFLOW_PY=/path/to/python3.11 TORCH_PY=python3 bash bench/large_llama.sh
@@ -24,19 +26,32 @@ start=$(date +%s)
 "$ORTFLOW_PY" tools/make_large_llama.py "$OUT/llama.onnx" --size "$SIZE" > "$OUT/0-model.log" 2>&1 \
   || { cat "$OUT/0-model.log"; exit 1; }
 echo "model written in $(( $(date +%s) - start )) s: $(cat "$OUT/0-model.log")"
-# PyTorch trains on the GPUs while both precisions configure on the CPUs (the engine builds each training graph in
-# one process; the host has cores to spare), so the GPUs do not wait for configure.
-"$TORCH_PY" -m torch.distributed.run --standalone --nproc_per_node "$GPUS" bench/torch_llama.py \
-  --summary "$OUT/0-model.log" "${WORK[@]}" > "$OUT/3-torch.log" 2>&1 &
-for p in fp16 bf16; do
-  "$ORTFLOW_PY" bench/large_llama.py configure "$OUT" "$p" "${WORK[@]}" > "$OUT/1-configure-$p.log" 2>&1 &
+# PyTorch trains on the GPUs while every layout and precision configures on the CPUs (the engine builds each training
+# graph in one process; the host has cores to spare), so the GPUs do not wait for configure.
+LAYOUTS=${LAYOUTS:-dp}; PRECISIONS=${PRECISIONS:-fp16 bf16}
+if [ "${TORCH:-1}" != 0 ]; then
+  "$TORCH_PY" -m torch.distributed.run --standalone --nproc_per_node "$GPUS" bench/torch_llama.py \
+    --summary "$OUT/0-model.log" "${WORK[@]}" > "$OUT/3-torch.log" 2>&1 &
+fi
+for l in $LAYOUTS; do
+  for p in $PRECISIONS; do
+    "$ORTFLOW_PY" bench/large_llama.py configure "$OUT" "$p" --layout "$l" "${WORK[@]}" \
+      > "$OUT/1-configure-$p-$l.log" 2>&1 &
+  done
 done
 wait
 echo "configured (and PyTorch done) in $(( $(date +%s) - start )) s"
-grep '^RESULT' "$OUT/3-torch.log" || tail -20 "$OUT/3-torch.log"
-for p in fp16 bf16; do
-  "$ORTFLOW_PY" bench/large_llama.py train "$OUT" "$p" "${WORK[@]}" --mpiexec "$MPIEXEC" > "$OUT/2-train-$p.log" 2>&1
-  grep '^RESULT' "$OUT/2-train-$p.log" || tail -20 "$OUT/2-train-$p.log"
+[ "${TORCH:-1}" = 0 ] || grep '^RESULT' "$OUT/3-torch.log" || tail -20 "$OUT/3-torch.log"
+for l in $LAYOUTS; do
+  for p in $PRECISIONS; do
+    "$ORTFLOW_PY" bench/large_llama.py train "$OUT" "$p" --layout "$l" "${WORK[@]}" --mpiexec "$MPIEXEC" \
+      > "$OUT/2-train-$p-$l.log" 2>&1
+    grep '^RESULT' "$OUT/2-train-$p-$l.log" || tail -20 "$OUT/2-train-$p-$l.log"
+  done
 done
-"$ORTFLOW_PY" bench/large_llama.py report "$OUT" --size "$SIZE" "${WORK[@]}" --command "bash bench/large_llama.sh"
+command="bash bench/large_llama.sh"
+[ "$LAYOUTS" = dp ] || command="LAYOUTS=\"$LAYOUTS\" $command"
+[ "$PRECISIONS" = "fp16 bf16" ] || command="PRECISIONS=\"$PRECISIONS\" $command"
+[ "${TORCH:-1}" != 0 ] || command="TORCH=0 $command"
+"$ORTFLOW_PY" bench/large_llama.py report "$OUT" --size "$SIZE" "${WORK[@]}" --command "$command"
 echo "total $(( $(date +%s) - start )) s; report: $OUT/large-llama.md"

@@ -21,6 +21,25 @@ def test_each_precision_trains_zero_1_on_nccl_with_the_shared_workload(tmp_path)
     assert fp16.precision.use_mixed_precision and not fp16.precision.use_bfloat16
 
 
+def test_split_layouts_train_the_same_sequences_per_update_in_stages_or_tensor_parallel_pieces(tmp_path):
+    base = ["--gpus", "2", "--batch", "8", "--seq", "512"]
+    dp = config_from_dict(large_llama.run_config(tmp_path, "fp16", large_llama.parse(["configure", str(tmp_path),
+                                                                                       "fp16", *base])))
+    pp = config_from_dict(large_llama.run_config(tmp_path, "fp16", large_llama.parse(["configure", str(tmp_path),
+                                                                                       "fp16", "--layout", "pp",
+                                                                                       *base])))
+    tp = config_from_dict(large_llama.run_config(tmp_path, "bf16", large_llama.parse(["configure", str(tmp_path),
+                                                                                       "bf16", "--layout", "tp",
+                                                                                       *base])))
+    assert dp.train.global_batch_size == pp.train.global_batch_size == tp.train.global_batch_size == 16
+    assert dp.distributed.zero_stage == 1 and dp.output_dir == tmp_path / "run-fp16"
+    assert pp.distributed.pipeline_parallel_size == 2 and pp.distributed.zero_stage == 0
+    assert pp.train.batch_size * large_llama.PIPELINE_MICRO_BATCHES == 16  # 8 micro-batches per update
+    assert pp.output_dir == tmp_path / "run-fp16-pp" and pp.precision.use_mixed_precision
+    assert tp.distributed.horizontal_parallel_size == 2 and tp.output_dir == tmp_path / "run-bf16-tp"
+    assert tp.precision.use_bfloat16
+
+
 def test_the_step_time_is_the_median_window_after_the_warm_up():
     windows = [{"forward_backward": 9.0, "update": 1.0}, {"forward_backward": 0.5, "update": 0.1},  # updates 0-3
                {"forward_backward": 0.3, "update": 0.1}, {"forward_backward": 0.4, "update": 0.2},
