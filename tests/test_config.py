@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import onnx
@@ -12,10 +13,12 @@ from typer.testing import CliRunner
 from ortflow.cli import app
 from ortflow.config import (
     ConfigError,
+    RunConfig,
     config_from_dict,
     dump_config,
     find_problems,
     load_config,
+    load_yaml,
     parse_overrides,
 )
 
@@ -64,6 +67,29 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path):
     assert cfg.data.train == (str(tmp_path / "corpus/*.txt"),)
     assert cfg.checkpoints_dir == tmp_path / "runs/unit/checkpoints"
     assert cfg.train.num_weight_updates == 4
+
+
+def test_a_config_built_in_python_resolves_relative_paths_against_the_current_folder_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    raw = {**load_yaml(BASE), "model": {"path": "model.onnx"},
+           "data": {"train": ["corpus/*.txt"], "test": "test.txt", "format": "text", "text": {"tokenizer": "tok.json"}},
+           "checkpoint": {"dir": "ckpt", "checkpoint_to_load_path": "ckpt/step", "init_from": "warm/step"},
+           "tensorboard": {"log_dir": "tb"}, "export": {"path": "out/model.onnx"}, "distributed": {"hostfile": "hosts"}}
+    for cfg in (config_from_dict(raw), RunConfig.model_validate(raw)):
+        os.chdir("/")  # a later step's current folder (configure's scratch folders) changes nothing
+        assert cfg.output_dir == tmp_path / "runs/unit"
+        assert (cfg.model.path, cfg.data.text.tokenizer) == (tmp_path / "model.onnx", tmp_path / "tok.json")
+        assert cfg.data.train == (str(tmp_path / "corpus/*.txt"),) and cfg.data.test == (str(tmp_path / "test.txt"),)
+        assert (cfg.checkpoint.dir, cfg.checkpoint.checkpoint_to_load_path, cfg.checkpoint.init_from) == (
+            tmp_path / "ckpt", tmp_path / "ckpt/step", tmp_path / "warm/step")
+        assert (cfg.tensorboard.log_dir, cfg.export.path) == (tmp_path / "tb", tmp_path / "out/model.onnx")
+        assert cfg.distributed.hostfile == tmp_path / "hosts"
+        # The run folder's stored config names the same files, whichever folder reads it.
+        stored = cfg.output_dir / "config.yaml"
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        stored.write_text(dump_config(cfg))
+        assert load_config(stored) == cfg
+        monkeypatch.chdir(tmp_path)
 
 
 def test_overrides_set_nested_values_with_yaml_types(tmp_path):

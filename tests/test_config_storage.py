@@ -34,6 +34,9 @@ def test_a_url_output_dir_names_the_store_and_a_local_copy_under_the_cache(tmp_p
     assert cfg.checkpoints_dir == cfg.output_dir / "checkpoints"
     mine = build(tmp_path, output_dir="gs://b/r", storage={"cache_dir": "scratch"})  # relative: the config's folder
     assert mine.output_dir == tmp_path / "scratch" / "runs" / "gs" / "b" / "r"
+    monkeypatch.chdir(tmp_path)  # built in Python, without a config folder: relative to the current folder
+    python = config_from_dict({**RAW, "output_dir": "gs://b/r", "storage": {"cache_dir": "scratch"}})
+    assert python.output_dir == mine.output_dir and python.storage.cache_dir == tmp_path / "scratch"
     again = load_config_text(tmp_path, dump_config(cfg, tmp_path))  # as every rank loads it (written here)
     assert again.output_dir == cfg.output_dir and again.storage.remote_dir == cfg.storage.remote_dir
 

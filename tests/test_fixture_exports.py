@@ -132,3 +132,57 @@ def test_constants_in_external_data_reach_the_passes_when_the_weights_stay_on_di
     on_disk, batch = prepare(cfg, trainable, "logits", "labels", proto_limit=1)  # as a model over 2 GB is prepared
     assert batch is None  # the weights were not loaded
     assert on_disk.report == in_memory.report and in_memory.report
+
+
+RELATIVE_LAYOUTS = {"dp": {}, "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2},
+                    "tp2": {"num_ranks": 2, "horizontal_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("layout", sorted(RELATIVE_LAYOUTS))
+def test_a_python_config_with_relative_paths_configures_every_layout_from_the_current_folder(tmp_path, monkeypatch,
+                                                                                              layout):
+    """Relative paths of a config built in Python mean the current folder's files, in every layout: the split builders
+    build in a scratch folder (their current folder), the ranks read the stored config from the run folder."""
+    import shutil
+
+    from ortflow.artifacts_folder import (
+        ARTIFACT_FILES,
+        piece_dir,
+        read_stages_record,
+        read_tensor_record,
+        stage_dir,
+    )
+    from ortflow.config import config_from_dict, load_run_config
+    from ortflow.configure.configure import configure
+
+    name = "llama-dynamo.onnx"  # its weights in an external-data file beside it, read by a relative location too
+    for file in (name, name + ".data"):
+        shutil.copy(export_path(name).with_name(file), tmp_path / file)
+    (tmp_path / "corpus.txt").write_text("a tiny corpus")
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_dict({
+        "name": layout, "output_dir": "run",
+        "model": {"path": name, "loss": "cross_entropy", "label_input": "labels"},
+        "data": {"train": ["corpus.txt"], "format": "text", "text": {"seq_len": 8}},
+        "train": {"batch_size": 2, "num_train_steps": 1},
+        "distributed": RELATIVE_LAYOUTS[layout],
+    })
+
+    folder = configure(cfg).artifacts_dir
+    assert folder == tmp_path / "run" / "artifacts"
+    assert all((folder / f).exists() for f in ARTIFACT_FILES)
+    if layout == "pp2":
+        assert len(read_stages_record(folder)["stages"]) == 2
+        for stage in range(2):
+            assert all((stage_dir(folder, stage) / f).exists() for f in ARTIFACT_FILES), stage
+    if layout == "tp2":
+        pieces = len(read_tensor_record(folder)["pieces"])
+        assert pieces > 1
+        for rank in range(2):
+            for piece in range(pieces):
+                assert all((piece_dir(folder, rank, piece) / f).exists() for f in ARTIFACT_FILES), (rank, piece)
+    monkeypatch.chdir(tmp_path / "run")  # the ranks, export and resume read the stored config from anywhere
+    stored = load_run_config(tmp_path / "run")
+    assert stored.output_dir == tmp_path / "run"
+    assert stored.model.path == tmp_path / name
+    assert stored.data.train == (str(tmp_path / "corpus.txt"),)

@@ -112,14 +112,32 @@ def _local_path_fields(cls: type[BaseModel], data: dict) -> dict:
     return {**data, **fixed} if fixed else data
 
 
+def absolute_path(value: Path | str, base_dir: Path | str | None) -> Path:
+    """``value`` (``~`` expanded) as an absolute path: a relative one joined to ``base_dir``, the config file's folder,
+    or, for a config built without one (in Python), to the current folder at the time it is built. Resolved once, a
+    path keeps its meaning when a later step changes the current folder (the engine builds in a scratch folder).
+
+    Raises:
+        ValueError: the path is relative, no ``base_dir`` is given and the current folder no longer exists.
+    """
+    value = Path(value).expanduser()
+    if value.is_absolute():
+        return value
+    if base_dir is None:
+        try:
+            base_dir = Path.cwd()
+        except FileNotFoundError:
+            raise ValueError(f"'{value}' is relative to the current folder, which no longer exists; give an absolute "
+                             "path") from None
+    return Path(base_dir) / value
+
+
 def resolve_path(value: Path | None, info: ValidationInfo) -> Path | None:
-    """Relative paths resolve against the config file's folder (passed as validation context ``base_dir``)."""
+    """Relative paths resolve against the config file's folder (passed as validation context ``base_dir``), else the
+    current folder (:func:`absolute_path`)."""
     if value is None:
         return None
-    value = Path(value).expanduser()
-    base = (info.context or {}).get("base_dir")
-    if not value.is_absolute() and base is not None:
-        value = Path(base) / value
+    value = absolute_path(value, (info.context or {}).get("base_dir"))
     long_parts = [part for part in value.parts if len(os.fsencode(part)) > NAME_MAX]
     if long_parts:
         size = len(os.fsencode(long_parts[0]))

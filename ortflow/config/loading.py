@@ -196,7 +196,12 @@ def _format_validation_error(err: ValidationError) -> list[str]:
 
 
 def config_from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None) -> RunConfig:
-    """Build a RunConfig from a plain dict, raising :class:`ConfigError` with every problem."""
+    """Build a RunConfig from a plain dict, raising :class:`ConfigError` with every problem.
+
+    Relative paths (``model.path``, ``data.train``, ``output_dir``, ...) resolve against ``base_dir`` (a config file's
+    folder), else against the current folder now: the config holds absolute paths, which keep their meaning in every
+    later step (configure builds in scratch folders) and in the run folder's stored config.
+    """
     if not isinstance(raw, dict):
         problems = ["the config must be a YAML mapping of sections (name, output_dir, model, data, train, ...)"]
         raise ConfigError(problems, source)
@@ -271,7 +276,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...], base
     raw = cfg.model_dump(mode="json")
     for key, value in parse_overrides(overrides):
         _set_dotted(raw, key, value)
-    return config_from_dict(raw, base_dir=base_dir or Path.cwd(), source="overrides " + " ".join(overrides))
+    return config_from_dict(raw, base_dir=base_dir, source="overrides " + " ".join(overrides))
 
 
 def _relative_to(value: Any, folder: Path) -> Any:

@@ -20,6 +20,7 @@ from ortflow.config.base import (  # noqa: F401 - the URL helpers are this modul
     LOCAL_SCHEME,
     REMOTE_SCHEMES,
     Section,
+    absolute_path,
     is_remote,
     local_path,
     url_problem,
@@ -92,8 +93,8 @@ def remote_output_dir(data: object, base_dir: Path | None) -> object:
         raise ValueError(f"storage.remote_dir {storage['remote_dir']} differs from output_dir {url}; remove "
                          "storage.remote_dir (output_dir names the remote run folder)")
     cache_root = storage.get("cache_dir")
-    if cache_root is not None and not Path(cache_root).expanduser().is_absolute() and base_dir is not None:
-        cache_root = Path(base_dir) / cache_root
+    if cache_root is not None:
+        cache_root = absolute_path(cache_root, base_dir)
     storage.update(remote_dir=normalize_url(url), cache_dir=cache_root)
     return {**data, "storage": storage, "output_dir": str(cache_folder(url, cache_root))}
 
