@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import onnx
+import pytest
 
 from ortflow.trainer.arena import MAX_FIRST_CHUNK, first_chunk_bytes
 from tests.support.fixed_batch_mlp import build_fixed_batch_classifier
@@ -68,3 +69,31 @@ def test_an_existing_shared_arena_is_used_rather_than_an_error(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "USES 1" in out.stdout
+
+
+def test_a_gpu_ranks_stage_and_piece_sessions_share_one_cuda_arena_without_memory_patterns(monkeypatch):
+    # A tensor-parallel rank opens two sessions per piece (92 pieces per rank for the 1.12B Llama at tp 2): with an
+    # arena each, the rank holds the sum of their peaks. The CPU build cannot make a CUDA arena, so the engine's
+    # registration is recorded here; the GPU tests (tests/gpu/test_gpu_tensor.py) train with the real one.
+    import onnxruntime
+
+    from ortflow.trainer import arena
+    from ortflow.trainer.comm.engine_buffers import DeviceBuffers, engine_buffers
+
+    made = []
+    monkeypatch.setattr(onnxruntime, "create_and_register_allocator_v2",
+                        lambda provider, info, options, config: made.append((provider, info, options)))
+    monkeypatch.setattr(onnxruntime, "OrtMemoryInfo", lambda *args: args)  # the engine's object shows no fields
+    monkeypatch.setattr(arena, "_DEVICE_ARENA", [])
+    buffers = engine_buffers("cuda:1", comm=None)
+    assert isinstance(buffers, DeviceBuffers) and buffers.device_index == 1
+    first, second = (buffers.stage_options(onnxruntime.SessionOptions()) for _ in range(2))
+    assert len(made) == 1, "one arena per process, made by the first session's options"
+    provider, info, options = made[0]
+    assert provider == "CUDAExecutionProvider" and options == {"device_id": "1"}
+    assert info == ("Cuda", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 1, onnxruntime.OrtMemType.DEFAULT)
+    for opts in (first, second):
+        assert opts.get_session_config_entry("session.use_env_allocators") == "1"
+        assert not opts.enable_mem_pattern
+    with pytest.raises(RuntimeError, match="on GPU 1, not 0"):
+        DeviceBuffers(None, 0).stage_options(onnxruntime.SessionOptions())

@@ -64,18 +64,22 @@ class DeviceBuffers:
 
     Args:
         comm: The NCCL group whose stream runs the in-rank passes (the replicas' group).
+        device_index: This rank's GPU among the visible ones.
     """
 
     on_device = True
 
-    def __init__(self, comm):
+    def __init__(self, comm, device_index: int = 0):
         self.comm = comm
+        self.device_index = device_index
 
     def replica_options(self, options: onnxruntime.SessionOptions, state) -> onnxruntime.SessionOptions:
         return options  # the CUDA provider's own arena
 
     def stage_options(self, options: onnxruntime.SessionOptions) -> onnxruntime.SessionOptions:
-        return options
+        """A stage's or a piece's sessions: one CUDA arena for all of them
+        (:func:`ortflow.trainer.arena.use_device_stage_arena`)."""
+        return arena.use_device_stage_arena(options, self.device_index)
 
     def gradients(self, state) -> dict[str, DeviceBuffer]:
         # On CUDA ``Parameter.grad`` returns a host copy, so the addresses come from the gradients' OrtValues.
@@ -112,7 +116,7 @@ class DeviceBuffers:
 
 def engine_buffers(device: str, comm) -> HostBuffers | DeviceBuffers:
     """The buffers of an engine on ``device`` (``cpu`` or ``cuda:N``); ``comm``: the NCCL group of a CUDA rank."""
-    return HostBuffers() if device == "cpu" else DeviceBuffers(comm)
+    return HostBuffers() if device == "cpu" else DeviceBuffers(comm, int(device.partition(":")[2] or 0))
 
 
 def _device_buffer(value, name: str) -> DeviceBuffer:
