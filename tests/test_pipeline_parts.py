@@ -45,6 +45,8 @@ def test_failed_jobs_are_classified_by_the_ranks_error_lines():
     assert failure_repeats(("[1] onnxruntime...: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions",))
     assert not failure_repeats(("[1] BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "killed by signal 9"))
     assert failure_repeats(("[0] ERROR weight update 7: non-finite loss",), returncode=4)  # a divergence repeats
+    assert failure_repeats(("[1] 22:06:48 ERROR rank 1 ran out of GPU memory (CUBLAS_STATUS_ALLOC_FAILED): the "
+                            "model's weights ... do not fit; use a smaller micro-batch",))  # the same config repeats
     from ortflow.tasks.training import EXIT_NONFINITE as task_view
     from ortflow.trainer.__main__ import EXIT_NONFINITE
     assert task_view == EXIT_NONFINITE

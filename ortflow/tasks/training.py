@@ -51,10 +51,12 @@ class TrainingFailed(RuntimeError):
         self.will_repeat = will_repeat
 
 
-#: Rank error lines that a second attempt would meet again (the config, the model, a shape, a path, bad data).
+#: Rank error lines that a second attempt would meet again (the config, the model, a shape, a path, bad data, a
+#: micro-batch that does not fit in memory).
 _REPEATING = re.compile(
     r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
     r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank|"
+    r"ran out of (?:GPU|host) memory|"
     + re.escape(MPI_MISMATCH)
 )
 

@@ -26,6 +26,7 @@ from ortflow.trainer import lifeline, output, remote_run
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.metrics import Progress, TensorBoardLog
+from ortflow.trainer.outcome import out_of_memory
 from ortflow.trainer.runtime import init_runtime, start_mpi
 
 log = logging.getLogger("ortflow.trainer")
@@ -126,7 +127,12 @@ def run_rank(run_dir: Path | str) -> int:
         log.error("rank %d: %s; stopping every rank", comm.rank, err)
         comm.abort(1)
         return 1  # not reached under MPI (Abort ends the process); no traceback either way
-    except BaseException:
+    except BaseException as err:
+        reason = out_of_memory(err)
+        if reason is not None:  # the engine's C++ trace would say nothing a user can act on
+            log.error("rank %d %s; stopping every rank", comm.rank, reason)
+            comm.abort(1)
+            return 1
         log.exception("rank %d failed; stopping every rank", comm.rank)
         comm.abort(1)
         raise

@@ -37,6 +37,32 @@ def test_nan_gradients_on_one_rank_stop_both_at_that_update(tmp_path):
     assert [c.step for c in list_complete(cfg.checkpoints_dir)] == [5]  # nothing written after the bad update
 
 
+def test_out_of_memory_is_named_with_its_fixes_and_other_failures_are_not():
+    from ortflow.trainer.outcome import out_of_memory
+
+    gpu = out_of_memory(RuntimeError("[ONNXRuntimeError] : 1 : FAIL : CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED ; "
+                                     "GPU=0 ; expr=cublasCreate(&cublas_handle_);"))
+    assert gpu.startswith("ran out of GPU memory (CUBLAS_STATUS_ALLOC_FAILED)")
+    assert "distributed.zero_stage 1" in gpu and "distributed.pipeline_parallel_size" in gpu
+    assert "train.batch_size" in gpu and "precision.use_mixed_precision" in gpu
+    arena = out_of_memory(RuntimeError("BFCArena::AllocateRawInternal Failed to allocate memory for requested buffer "
+                                       "of size 8589934592"))
+    assert arena.startswith("ran out of host memory") and "fewer ranks or threads" in arena
+    assert out_of_memory(MemoryError()).startswith("ran out of host memory (MemoryError)")
+    assert out_of_memory(RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Unexpected input data type")) is None
+    assert out_of_memory(KeyboardInterrupt()) is None
+
+
+@pytest.mark.mpi
+def test_a_rank_out_of_gpu_memory_stops_the_job_with_one_line_naming_the_fixes(tmp_path):
+    cfg = make_run(tmp_path, "oom", distributed={"num_ranks": 2})
+    out = run_ranks(cfg, INJECT, "oom:1:3")
+    assert out.returncode == 1, out.stdout
+    assert "rank 1 ran out of GPU memory (CUBLAS_STATUS_ALLOC_FAILED)" in out.stdout, out.stdout
+    assert "distributed.pipeline_parallel_size" in out.stdout
+    assert "Traceback" not in out.stdout and "cuda_call.cc" not in out.stdout
+
+
 @pytest.mark.mpi
 def test_an_artifact_that_differs_from_configure_stops_the_job_before_any_step(tmp_path):
     import json
