@@ -51,7 +51,7 @@ def out_of_memory(err: BaseException) -> str | None:
                      "optimizer state sharded over the replicas (distributed.zero_stage 1), ")
             fixes += ("mixed precision (precision.use_mixed_precision), or the model split over more GPUs in pipeline "
                       "stages (distributed.pipeline_parallel_size)") if memory == "GPU" else (
-                     "fewer ranks or threads per host, or the model split over more ranks in pipeline stages "
+                     "fewer ranks per host, or the model split over more ranks in pipeline stages "
                      "(distributed.pipeline_parallel_size)")
             return (f"ran out of {memory} memory ({token}): the model's weights, gradients and optimizer state and "
                     f"one micro-batch's activations do not fit; use {fixes}")

@@ -47,7 +47,7 @@ def test_out_of_memory_is_named_with_its_fixes_and_other_failures_are_not():
     assert "train.batch_size" in gpu and "precision.use_mixed_precision" in gpu
     arena = out_of_memory(RuntimeError("BFCArena::AllocateRawInternal Failed to allocate memory for requested buffer "
                                        "of size 8589934592"))
-    assert arena.startswith("ran out of host memory") and "fewer ranks or threads" in arena
+    assert arena.startswith("ran out of host memory") and "fewer ranks per host" in arena
     assert out_of_memory(MemoryError()).startswith("ran out of host memory (MemoryError)")
     assert out_of_memory(RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Unexpected input data type")) is None
     assert out_of_memory(KeyboardInterrupt()) is None
