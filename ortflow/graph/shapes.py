@@ -77,11 +77,14 @@ def _infer_symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str |
 
     Where the inference had to guess that two of the graph inputs' named dims are equal (``auto_merge`` of, say, the
     batch and the sequence length of a piece whose received activation has unnamed dims), it picks one name in set
-    order, which changes from run to run: every dim named by either is reported unknown (None) instead, so no pass
-    writes a shape from a guess.
+    order, which changes from run to run: every dim named by any of the merged names is reported unknown (None)
+    instead, so no pass writes a shape from a guess. The inference renames the inputs' dims to the names it merged
+    them into, so the names are taken from the graph inputs before it runs, and a merge counts as a guess when the
+    names merged into one (through any chain of merges) include two of them.
     """
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+    named = {d.dim_param for value in model.graph.input for d in value.type.tensor_type.shape.dim if d.dim_param}
     try:
         inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank, verbose
         done = False
@@ -94,9 +97,7 @@ def _infer_symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str |
         return None
     if not done:
         return None
-    inputs = set(inference.input_symbols_)
-    guessed = {name for pair in inference.suggested_merge_.items() for name in pair
-               if pair[0] in inputs and pair[1] in inputs}
+    guessed = _guessed_merges(inference.suggested_merge_, named | set(inference.input_symbols_))
     shapes = {}
     for value in inference.out_mp_.graph.value_info:
         tensor = value.type.tensor_type
@@ -104,6 +105,22 @@ def _infer_symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str |
             shapes[value.name] = [(None if d.dim_param in guessed else d.dim_param) if d.HasField("dim_param") else (
                 int(d.dim_value) if d.HasField("dim_value") else None) for d in tensor.shape.dim]
     return shapes
+
+
+def _guessed_merges(merges: dict, inputs: set[str]) -> set[str]:
+    """The names in groups of merged dims (``merges``: name -> the name it became, possibly through a chain) that hold
+    two or more of the graph inputs' dim names: all of them, as every one now stands for a guess."""
+    def root(name):
+        seen = set()
+        while name in merges and name not in seen:
+            seen.add(name)
+            name = merges[name]
+        return name
+
+    groups: dict = {}
+    for name in {*merges, *merges.values()}:
+        groups.setdefault(root(name), set()).add(name)
+    return {str(n) for group in groups.values() if len(group & inputs) >= 2 for n in group}
 
 
 def _attr(node: onnx.NodeProto, name: str) -> int | None:

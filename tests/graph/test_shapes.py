@@ -8,7 +8,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from ortflow.graph.pipeline_parallel.pipeline_cuts import _free_nodes
-from ortflow.graph.shapes import shapes_from_inputs
+from ortflow.graph.shapes import shapes_from_inputs, symbolic_shapes
 from tests.support.exports import export_path
 
 
@@ -46,3 +46,18 @@ def test_a_shape_with_a_derived_dim_is_left_as_it_was():
     rewritten = shapes_from_inputs(model)
     assert [n.op_type for n in rewritten.graph.node] == ["Concat", "Shape"]
 
+
+
+def test_a_shape_whose_dims_the_inference_guessed_equal_is_left_as_it_was():
+    """A piece that adds two received activations whose dims carry different names (the token embedding's
+    ``[unk__0, unk__1, C]`` and the position embedding's ``[1, seq, C]``): the inference guesses ``unk__1 = seq`` (in
+    set order: either name, or another input dim merged in by chance), so the sum's Shape is not rewritten from either
+    input; the inference renames the inputs' dims to the merged name, which must not hide the guess."""
+    float_in = lambda name, dims: helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)  # noqa: E731
+    nodes = [helper.make_node("Add", ["tok", "pos"], ["sum"]), helper.make_node("Shape", ["sum"], ["s"])]
+    graph = helper.make_graph(nodes, "g", [float_in("tok", ["unk__0", "unk__1", 4]), float_in("pos", [1, "seq", 4])],
+                              [helper.make_tensor_value_info("s", TensorProto.INT64, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert symbolic_shapes(model)["sum"] == ["unk__0", None, 4]
+    rewritten = shapes_from_inputs(model)
+    assert [n.op_type for n in rewritten.graph.node] == ["Add", "Shape"]
