@@ -16,10 +16,9 @@ initial state (no optimizer graph: ortflow updates the weights):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -174,58 +173,54 @@ def finish_part(folder: Path, scale: str | None, sends: tuple[str, ...] | None, 
         raise RuntimeError(f"the engine did not write {missing} into {folder}")
 
 
-def build_in_folder(model_path: Path, prepared, folder: Path, proto_limit: int,
-                    build: Callable[[onnx.ModelProto], None]) -> None:
-    """Call ``build`` (the engine's generate_artifacts, its loss block made inside) with the engine input of a stage or
-    piece (:func:`ortflow.configure.engine_input.engine_input`). Past ``proto_limit`` the input's initializers point
-    into data files linked (the user's) or written (a piece's slices) into ``folder``; the engine then runs with
-    ``folder`` as the current folder, reads each weight into the checkpoint, and the files are removed after: the
-    checkpoint holds the weights."""
-    engine_model, linked = engine_input(model_path, prepared, folder, proto_limit)
-    cwd = os.getcwd()
-    if linked:
-        os.chdir(folder)  # the engine's checkpoint writer reads external data relative to the current folder
+def generate_part(cfg: RunConfig, prepared, folder: Path, proto_limit: int, scale: str | None,
+                  sends: tuple[str, ...] | None, vjp_sends: tuple[str, ...], requires_grad: list[str],
+                  frozen_params: list[str]) -> None:
+    """The engine's artifacts of a pipeline stage or tensor-parallel piece into ``folder``: its loss is the configured
+    one for the part holding the loss (``sends`` None), else the vector-Jacobian product of ``vjp_sends`` (the float
+    ones of ``sends``, which stay outputs of the eval model).
+
+    The engine gets the part through :func:`ortflow.configure.engine_input.engine_input`: past ``proto_limit`` its
+    initializers point into data files linked (the user's) or written (a piece's slices) into ``folder``, the engine
+    runs with ``folder`` as the current folder and reads each weight into the checkpoint, and the files are removed
+    after: the checkpoint holds the weights."""
+    engine_model, linked = engine_input(Path(cfg.model.path), prepared, folder, proto_limit)
     try:
-        build(engine_model)
+        # the engine's checkpoint writer reads external data relative to the current folder, and a loss block notes
+        # the current folder when made (for temp.onnx): both in the engine's folder
+        with contextlib.chdir(folder) if linked else contextlib.nullcontext():
+            if sends is None:
+                loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input,
+                                                       scale)
+                extra = None
+            else:
+                loss, extra = VJPLoss(vjp_sends, {o.name: o for o in prepared.model.graph.output}), list(sends)
+            engine_artifacts.generate_artifacts(
+                engine_model,
+                requires_grad=requires_grad,
+                frozen_params=frozen_params,
+                loss=loss,
+                optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
+                artifact_directory=folder,
+                additional_output_names=extra,
+            )
     finally:
-        os.chdir(cwd)
         for name in linked:
             (folder / name).unlink(missing_ok=True)
 
 
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path,
                proto_limit: int = PROTO_LIMIT) -> tuple[str, ...]:
-    """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through.
-
-    A stage of a model past ``proto_limit`` reaches the engine as the whole model does
-    (:func:`ortflow.configure.engine_input.engine_input`): its initializers point into the user's data files, linked
-    into ``folder`` while the engine runs there and reads each weight into the stage's checkpoint."""
+    """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through (a stage of
+    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`)."""
     folder.mkdir(parents=True)
     prepared, scale = prepare_part(cfg, stage, last)
-    model = prepared.model
     held = frozen | set(stage.frozen) | set(prepared.frozen)
-    stage_frozen = sorted(t.name for t in model.graph.initializer if t.name in held)
-
-    def build(engine_model: onnx.ModelProto) -> None:
-        # Blocks note the current folder when built (for temp.onnx): build them in the engine's folder.
-        if last:
-            loss: onnxblock.Block = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale)
-            extra = None
-        else:
-            types = {o.name: o for o in model.graph.output}
-            loss, extra = VJPLoss(stage.sends, types), list(stage.sends)
-        engine_artifacts.generate_artifacts(
-            engine_model,
-            requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
-            frozen_params=stage_frozen,
-            loss=loss,
-            optimizer=None,  # ortflow updates the weights (ortflow.trainer.optim): no optimizer graph
-            artifact_directory=folder,
-            additional_output_names=extra,
-        )
-
-    build_in_folder(Path(cfg.model.path), prepared, folder, proto_limit, build)
-    finish_part(folder, scale, None if last else stage.sends, stage.receives)
+    sends = None if last else stage.sends
+    generate_part(cfg, prepared, folder, proto_limit, scale, sends, stage.sends,
+                  requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
+                  frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in held))
+    finish_part(folder, scale, sends, stage.receives)
     if not last:
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
         forward_with_batch_statistics(folder / "eval_model.onnx")

@@ -26,15 +26,12 @@ from ortflow.config import RunConfig
 from ortflow.configure.artifacts import (
     PROTO_LIMIT,
     ArtifactsError,
-    ConfiguredLoss,
     inspect_model,
-    loss_block,
     split_parameters,
 )
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import split_source
-from ortflow.configure.stage_artifacts import VJPLoss, build_in_folder, finish_part, prepare_part
-from ortflow.engine import artifacts as engine_artifacts
+from ortflow.configure.stage_artifacts import finish_part, generate_part, prepare_part
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES
 from ortflow.graph.precision.noop_casts import drop_noop_casts
 from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
@@ -91,7 +88,7 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
     """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through.
 
     A piece of a model past ``proto_limit`` reaches the engine as a pipeline stage does
-    (:func:`ortflow.configure.stage_artifacts.build_in_folder`): its slices written to a data file in ``folder``, its
+    (:func:`ortflow.configure.stage_artifacts.generate_part`): its slices written to a data file in ``folder``, its
     replicated weights still references into the user's data files, linked there.
 
     Raises:
@@ -111,30 +108,14 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
     folder.mkdir(parents=True)
     stage = piece.stage
     prepared, scale = prepare_part(cfg, stage, last)
-    model = prepared.model
     frozen = frozen | set(prepared.frozen)
-    frozen_params = sorted(t.name for t in model.graph.initializer if t.name in frozen)
-    types = {o.name: o for o in model.graph.output}
-
-    def build(engine_model: onnx.ModelProto) -> None:
-        # Blocks note the current folder when built (for temp.onnx): build them in the engine's folder.
-        if last:
-            loss, extra = ConfiguredLoss(loss_block(cfg), prepared.loss_input, prepared.label_input, scale), None
-        else:
-            floats = tuple(n for n in stage.sends if types[n].type.tensor_type.elem_type in FLOAT_TYPES)
-            loss, extra = VJPLoss(floats, types), list(stage.sends)
-        engine_artifacts.generate_artifacts(
-            engine_model,
-            requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
-            frozen_params=frozen_params,
-            loss=loss,
-            optimizer=None,  # ortflow updates the weights
-            artifact_directory=folder,
-            additional_output_names=extra,
-        )
-
-    build_in_folder(Path(cfg.model.path), prepared, folder, proto_limit, build)
-    finish_part(folder, scale, None if last else stage.sends, piece.float_receives)
+    types = {o.name: o.type.tensor_type.elem_type for o in prepared.model.graph.output}
+    sends = None if last else stage.sends
+    generate_part(cfg, prepared, folder, proto_limit, scale, sends,
+                  tuple(n for n in stage.sends if types[n] in FLOAT_TYPES),
+                  requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
+                  frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in frozen))
+    finish_part(folder, scale, sends, piece.float_receives)
     return prepared.passes
 
 
