@@ -238,7 +238,7 @@ def _session(model: bytes, options, providers: list, recompute: tuple[str, ...])
 
     # A partial run plans each state's memory on its own; with memory patterns every forward in flight takes a block
     # of the whole graph's plan: on an H200, gpt_1024 (110M parameters, 2 micro-batches) grew the GPU memory by
-    # 16.4 GB with patterns and 3.1 GB without (the training call: 2.6 GB), and took 46.5 instead of 66.1 ms per
+    # 16.0 GiB with patterns and 3.0 GiB without (the training call: 2.5 GiB), and took 46.5 instead of 66.1 ms per
     # update. (It changes the caller's ``options``.)
     options.enable_mem_pattern = False
     if not recompute:

@@ -100,11 +100,11 @@ def use_device_stage_arena(options: onnxruntime.SessionOptions, device_index: in
     Each session otherwise gets the CUDA provider's own arena, which keeps the peak of that session's calls, so a rank
     holds the sum of its sessions' peaks; a tensor-parallel rank runs two sessions per piece. Measured on an H200 with
     six training Modules of a 110M-parameter GPT (d 1024, 8 layers), one training and one eval call each, one after
-    another: 30.9 GB of GPU memory with an arena each, 29.4 GB with an arena each and no memory patterns, 16.3 GB with
-    this shared arena (parameters and gradients alone: 5.3 GB). The shared arena does not reuse everything one
-    Module's calls freed for the next (about 1.6 GB per Module beyond its parameters and gradients here), so a rank
+    another: 30.2 GiB of GPU memory with an arena each, 28.7 GiB with an arena each and no memory patterns, 15.9 GiB
+    with this shared arena (parameters and gradients alone: 4.9 GiB). The shared arena does not reuse everything one
+    Module's calls freed for the next (about 1.6 GiB per Module beyond its parameters and gradients here), so a rank
     of many large pieces still grows: the 1.12B Llama at tp 2 (92 pieces per rank, 8 x 512 tokens per micro-batch)
-    passes an H200's 141 GB in its first update either way (``docs/gpu.md``).
+    fills an H200's 140 GiB in its first update either way (``docs/gpu.md``).
     """
     if not _DEVICE_ARENA:
         info = onnxruntime.OrtMemoryInfo("Cuda", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_index,

@@ -48,7 +48,7 @@ def test_forward_then_backward_gives_the_training_call_gradients_bitwise_on_the_
     engine = ForwardBackward((cfg.artifacts_dir / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters],
                              trainable, [], session_options(1, True), ["CPUExecutionProvider"])
     # Asked with memory patterns, the gradient graph's session runs without: with them each forward in flight takes
-    # a block of the whole graph's plan (on a GPU 16.4 GB against 3.1 GB for two micro-batches of a 110M GPT).
+    # a block of the whole graph's plan (on a GPU 16.0 GiB against 3.0 GiB for two micro-batches of a 110M GPT).
     assert not engine._session.get_session_options().enable_mem_pattern
     params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
     arrays = [{n: np.ascontiguousarray(v) for n, v in b.items()} for b in batches]
