@@ -126,8 +126,8 @@ def fingerprint(cfg: RunConfig) -> str:
         digest.update(b";sums=matmul")
     if capture_applies(cfg):  # the training graph cut for CUDA graphs (configure/training_graph.py)
         digest.update(b";capture")
-    if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size
-        digest.update(f";tensor={cfg.distributed.horizontal_parallel_size}".encode())
+    if cfg.distributed.horizontal_parallel_size > 1:  # and tensor-parallel pieces on the size and how they are cut
+        digest.update(f";tensor={cfg.distributed.horizontal_parallel_size};pieces=folded".encode())
     return digest.hexdigest()
 
 

@@ -142,7 +142,7 @@ def pieces(sp: StagePlan, rank: int, values: bool = True) -> list[Piece]:
         if extra:
             stage = dataclasses.replace(piece.stage, receives=piece.stage.receives + extra,
                                         data_inputs=tuple(n for n in piece.stage.data_inputs if n not in received))
-            piece = Piece(stage, piece.parallel, piece.float_receives + extra)
+            piece = dataclasses.replace(piece, stage=stage, float_receives=piece.float_receives + extra)
         out.append(piece)
     return out
 

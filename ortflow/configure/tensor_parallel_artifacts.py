@@ -10,7 +10,9 @@ training and eval models and initial state of one piece of that rank's model (it
   ``<name>.backprop`` right after the loss.
 
 ``tensor.json`` in ``artifacts/tensor/`` records the size, the split (what each rank slices, along which axis) and
-each piece's tensors; it is written last.
+each piece's tensors (:mod:`ortflow.graph.tensor_parallel.tensor_pieces`): whether it is parallel, which of its sends
+are partial sums (``partial_sends``, summed over the ranks; the others are replicated) and which of its parameters
+are not sliced (``replicated_parameters``, whose gradients are summed over the ranks); it is written last.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
     return {"index": stage.index, "parallel": piece.parallel, "receives": list(stage.receives),
             "float_receives": list(piece.float_receives), "sends": list(stage.sends),
             "float_sends": [n for n in stage.sends if types.get(n) in FLOAT_TYPES],
+            "partial_sends": list(piece.partial_sends), "replicated_parameters": list(piece.replicated_parameters),
             "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters), "passes": list(passes)}
 
 

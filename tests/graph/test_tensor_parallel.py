@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -81,17 +82,55 @@ def test_pieces_of_the_torch_shaped_model_compute_the_unsplit_logits(torchlike):
                                run_whole(torchlike, {"input_ids": ids}), atol=1e-5)
 
 
-def test_pieces_alternate_replicated_and_parallel(gpt):
+def test_each_replicated_level_is_folded_into_the_parallel_piece_after_it(gpt):
     names = trainable(gpt)
     plan = plan_tensor_parallel_split(gpt, names, 2)
     pieces = cut_pieces(shard_model(gpt, plan, 0), plan, gpt, names)
-    # the vocabulary-split embedding first (its ids are a graph input), then the blocks, then the LM head
-    assert [p.parallel for p in pieces] == [True, False] * 6
-    assert pieces[0].stage.sends == ("wte.out",) and pieces[0].stage.data_inputs == ("input_ids",)
-    assert pieces[2].stage.receives == ("h0.ln_1.out",) and pieces[2].stage.sends == ("h0.attn.proj.mm",)
-    assert "embed.out" in pieces[3].stage.receives  # the residual stream skips the parallel piece
-    assert pieces[-2].stage.sends == ("lm_head.out.tp_vocab_padded",)  # whole [B, T, V] logits after the sum
-    assert pieces[-1].stage.sends == ("logits",)
+    # the vocabulary-split embedding first (its ids are a graph input), then each split region with the replicated
+    # nodes before it (position embedding, residual adds, LayerNorms, row biases), then the loss tail alone: one piece
+    # per region and the tail, where a cut at every all-reduce gives two per region
+    assert len(plan.regions) == 6 and [p.parallel for p in pieces] == [True] * 6 + [False]
+    assert pieces[0].stage.sends == pieces[0].partial_sends == ("wte.out",)
+    assert pieces[0].stage.data_inputs == ("input_ids",) and pieces[0].replicated_parameters == ()
+    first = pieces[1]  # embedding sum and ln_1, then the attention region
+    assert first.stage.receives == ("wte.out",) and first.stage.sends == ("h0.attn.proj.mm", "embed.out")
+    assert first.partial_sends == ("h0.attn.proj.mm",)  # "embed.out" (the residual stream) is replicated
+    assert set(first.replicated_parameters) == {"wpe.weight", "h0.ln_1.weight", "h0.ln_1.bias"}
+    assert "embed.out" in pieces[2].stage.receives  # the residual stream skips the attention region
+    assert "h0.attn.proj.bias" in pieces[2].replicated_parameters  # a row bias is added after the sum
+    assert pieces[-2].stage.sends == pieces[-2].partial_sends == ("lm_head.out.tp_vocab_padded",)
+    assert set(pieces[-2].replicated_parameters) == {"h1.mlp.proj.bias", "ln_f.weight", "ln_f.bias"}
+    assert pieces[-1].stage.sends == ("logits",) and pieces[-1].partial_sends == ()
+    sliced = set(plan.slicing())
+    for piece in pieces:
+        assert not sliced & set(piece.replicated_parameters)
+        assert set(piece.replicated_parameters) == set(piece.stage.parameters) - sliced if piece.parallel else \
+            piece.replicated_parameters == ()
+
+
+@pytest.mark.parametrize("layers", [2, 22])
+def test_a_llama_is_two_pieces_per_layer(tmp_path, layers):
+    """Norm + attention and residual + norm + MLP per layer, between the vocabulary-split embedding, the final norm +
+    LM head and the loss tail: 47 pieces for the 22 layers of the 1.1B preset (92 when every replicated level is a
+    piece of its own), each two engine sessions per rank."""
+    from ortflow.configure.tensor_parallel_artifacts import export_fixes
+    from tools.make_large_llama import PRESETS, write_model
+
+    shape = dataclasses.replace(PRESETS["tiny"], layers=layers)
+    write_model(tmp_path / "llama.onnx", shape, seed=0)
+    model = onnx.load(str(tmp_path / "llama.onnx"))
+    names = trainable(model)
+    model = export_fixes(model, names)
+    plan = plan_tensor_parallel_split(model, names, 2)
+    pieces = cut_pieces(shard_model(model, plan, 1), plan, model, names)
+    assert len(plan.regions) == 2 * layers + 2  # embedding, attention and MLP per layer, LM head
+    assert len(pieces) == 2 * layers + 3 == len(plan.regions) + 1
+    assert [p.parallel for p in pieces] == [True] * (2 * layers + 2) + [False]
+    norms = [sorted(p.replicated_parameters) for p in pieces[1:-1]]
+    assert norms == [[f"model.layers.{k}.{norm}.weight"] for k in range(layers)
+                     for norm in ("input_layernorm", "post_attention_layernorm")] + [["model.norm.weight"]]
+    for piece in pieces[2:-2]:  # the residual stream passes on, replicated, beside the partial sums
+        assert len(piece.partial_sends) == 1 and len(piece.stage.sends) == 2
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(gpt, tmp_path):

@@ -29,7 +29,7 @@ def trainable(model: onnx.ModelProto) -> list[str]:
 
 def run_pieces(model: onnx.ModelProto, size: int, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """The model's first output computed by ``size`` simulated ranks, piece by piece, partial sums added in rank
-    order (what the all-reduce does)."""
+    order (what the all-reduce does; a parallel piece's replicated sends are each rank's own)."""
     names = trainable(model)
     plan = plan_tensor_parallel_split(model, names, size)
     ranks = [cut_pieces(shard_model(model, plan, r), plan, model, names) for r in range(size)]
@@ -43,9 +43,10 @@ def run_pieces(model: onnx.ModelProto, size: int, feeds: dict[str, np.ndarray]) 
             session = ort.InferenceSession(stage.model.SerializeToString(), options)
             values = session.run(list(stage.sends), {i.name: envs[r][i.name] for i in session.get_inputs()})
             outs.append(dict(zip(stage.sends, values, strict=True)))
-        if ranks[0][k].parallel:
-            summed = {n: sum(o[n] for o in outs[1:]) + outs[0][n] for n in outs[0]}
-            outs = [summed] * size
+        partial = ranks[0][k].partial_sends
+        if partial:
+            summed = {n: sum(o[n] for o in outs[1:]) + outs[0][n] for n in partial}
+            outs = [{**o, **summed} for o in outs]
         for r in range(size):
             envs[r].update(outs[r])
     return envs[0][model.graph.output[0].name]
@@ -92,8 +93,9 @@ def _rank_sum(values: list[np.ndarray]) -> np.ndarray:
 def piece_gradients(artifacts_dir: Path, batch: dict[str, np.ndarray]) -> tuple[list[float], dict[str, np.ndarray],
                                                                                  dict[str, list[np.ndarray]]]:
     """One micro-batch through the tensor pieces a run's configure built for its ``hp`` ranks, ranks one after
-    another: the forward with the eval models (a parallel piece's sends summed over the ranks in rank order), then
-    the training calls in reverse, driven by the gradients of what each piece sent, a parallel piece's input
+    another: the forward with the eval models (a parallel piece's partial sums summed over the ranks in rank order),
+    then the training calls in reverse, driven by the gradients of what each piece sent (a parallel piece's
+    replicated sends' divided by the size), a parallel piece's input gradients and its replicated parameters'
     gradients summed over the ranks.
 
     Returns:
@@ -114,8 +116,9 @@ def piece_gradients(artifacts_dir: Path, batch: dict[str, np.ndarray]) -> tuple[
     envs = [dict(batch) for _ in range(size)]
     for k, info in enumerate(infos[:-1]):
         outs = [_call(ranks[r][k][1], False, envs[r])[: len(info["sends"])] for r in range(size)]
-        if info["parallel"]:
-            outs = [[_rank_sum([o[j] for o in outs]) for j in range(len(info["sends"]))]] * size
+        partial = info["partial_sends"]
+        outs = [[_rank_sum([o[j] for o in outs]) if n in partial else outs[r][j] for j, n in enumerate(info["sends"])]
+                for r in range(size)]
         for r in range(size):
             envs[r].update(zip(info["sends"], outs[r], strict=True))
     grads: list[dict[str, np.ndarray]] = [{} for _ in range(size)]
@@ -124,8 +127,10 @@ def piece_gradients(artifacts_dir: Path, batch: dict[str, np.ndarray]) -> tuple[
         info, last = infos[k], k == len(infos) - 1
         backs = []
         for r in range(size):
+            scale = {n: np.float32(1 / size) if info["parallel"] and n not in info["partial_sends"] else np.float32(1)
+                     for n in info["float_sends"]}
             feeds = envs[r] if last else {**envs[r], **{n + GRAD_IN_SUFFIX: grads[r].get(n, np.zeros_like(envs[r][n]))
-                                                        for n in info["float_sends"]}}
+                                                        * scale[n] for n in info["float_sends"]}}
             outputs = _call(ranks[r][k][1], True, feeds)
             if last:
                 losses.append(float(outputs[0]))
@@ -135,6 +140,13 @@ def piece_gradients(artifacts_dir: Path, batch: dict[str, np.ndarray]) -> tuple[
         for r in range(size):
             for name, g in zip(info["float_receives"], backs[r], strict=True):
                 grads[r][name] = grads[r][name] + g if name in grads[r] else np.array(g)
+    for k, info in enumerate(infos):
+        for name in info["replicated_parameters"]:
+            params = [ranks[r][k][0].parameters[name] for r in range(size)]
+            if params[0].requires_grad:
+                total = _rank_sum([p.grad for p in params])
+                for p in params:
+                    p.grad[...] = total
     per_rank = [_gradients(state for state, _ in pieces) for pieces in ranks]
     slicing = record["slicing"]
     merged = {n: merge_slices([p[n] for p in per_rank], *slicing[n]) if n in slicing else g

@@ -451,6 +451,16 @@ class NCCLComm:
             self._cp.add(view(a_ptr), view(b_ptr), out=view(out_ptr))
         self.stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 
+    def scale_device(self, x_ptr: int, out_ptr: int, count: int, factor: float) -> None:
+        """``out = x * factor`` for ``count`` float32 at device addresses, on the NCCL stream (tensor parallelism's
+        gradients of a replicated tensor that a parallel piece sends)."""
+        if count == 0:
+            return
+        view = lambda ptr: self._device_view(DeviceBuffer(ptr, count))  # noqa: E731
+        with self.stream:
+            self._cp.multiply(view(x_ptr), self._cp.float32(factor), out=view(out_ptr))
+        self.stream.synchronize()  # Sync point: the engine's next call reads the product on its own stream
+
     def sum_squares(self, buffers: Sequence[DeviceBuffer]) -> float:
         """The sum of squares of some device buffers' values, in float64 (a subset of the gradients: the norm that
         :meth:`average_gradients` sums covers all of them, before any later change such as a tied-gradient sum).

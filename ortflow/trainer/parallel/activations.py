@@ -45,6 +45,14 @@ class HostTensors:
             total += part
         return total.reshape(x.shape)
 
+    def sum_into(self, buffer: np.ndarray, label: str) -> None:
+        """A gradient buffer of the engine replaced in place by its sum over the group (added in rank order)."""
+        buffer[...] = self.sum(buffer, label)
+
+    def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        """``x * factor`` in float32, a new array."""
+        return np.multiply(x, np.float32(factor), dtype=np.float32)
+
     def zeros_like(self, x: np.ndarray) -> np.ndarray:
         return np.zeros_like(x)
 
@@ -116,6 +124,20 @@ class DeviceTensors:
         out = self._new(x.shape())
         count = int(np.prod(x.shape(), dtype=np.int64))
         self.comm.tensor_sum(x.data_ptr(), out.data_ptr(), count, label)
+        return out
+
+    def sum_into(self, buffer, label: str) -> None:
+        """An engine's gradient buffer (a :class:`~ortflow.trainer.comm.nccl.DeviceBuffer`) replaced in place by its
+        sum over the group, added in rank order on the GPU (the all-gather reads it before the adds write it)."""
+        self.comm.tensor_sum(buffer.ptr, buffer.ptr, buffer.count, label)
+
+    def scale(self, x: OrtValue, factor: float) -> OrtValue:
+        """``x * factor`` in float32 on the GPU: a new device tensor."""
+        x = self.to_device(x)
+        if x.data_type() != "tensor(float)":
+            raise TypeError(f"tensor-parallel gradient scaling takes float32 tensors, not {x.data_type()}")
+        out = self._new(x.shape())
+        self.comm.scale_device(x.data_ptr(), out.data_ptr(), int(np.prod(x.shape(), dtype=np.int64)), factor)
         return out
 
     def zeros_like(self, x: OrtValue) -> OrtValue:

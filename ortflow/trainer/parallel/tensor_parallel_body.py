@@ -7,14 +7,18 @@ The rank's tensor-parallel group ``tp_comm`` holds the ``tp`` ranks of one stage
 tensor-parallel rank exchange their gradients through the layout's data-parallel part (any exchange: ZeRO-0, ZeRO-1,
 Adasum), and a pipeline stage's pieces go through the stage part's 1F1B schedule.
 
-One micro-batch runs the rank's pieces (:mod:`ortflow.graph.tensor_parallel.tensor_pieces`) forward, a parallel
-piece's outputs summed over ``tp_comm`` (Megatron's ``g``), then backward in reverse order: each piece's training
-call returns the gradients of what it read, driven by the summed gradients of what it sent (a piece that kept its
-activations runs its backward alone; others recompute their forward; docs/engine.md). A parallel piece's input
-gradients are partial and are summed over ``tp_comm`` (Megatron's ``f``). Every sum adds the ranks' parts in rank
-order (an all-gather, then a local sum), so all ``tp`` ranks hold bitwise the same replicated activations and
-gradients, hence the same replicated parameters. On CUDA ranks the activations, their gradients and the sums stay on
-the GPU (:mod:`.activations`).
+One micro-batch runs the rank's pieces (:mod:`ortflow.graph.tensor_parallel.tensor_pieces`: a parallel piece is a
+replicated prefix, such as a residual add and a norm, then a split region) forward, a parallel piece's partial sums
+summed over ``tp_comm`` (Megatron's ``g``; the replicated tensors its prefix sends are the same on every rank), then
+backward in reverse order: each piece's training call returns the gradients of what it read, driven by the gradients
+of what it sent (a piece that kept its activations runs its backward alone; others recompute their forward;
+docs/engine.md). A parallel piece's input gradients are partial and are summed over ``tp_comm`` (Megatron's ``f``);
+so that the prefix's full part is counted once in that sum, the arriving gradients of its replicated sends are fed
+divided by ``tp``. The gradients of the prefix's parameters (``replicated_parameters``) mix the same parts and are
+summed over ``tp_comm`` once per update, before the tied-weight sums, the clip and the update. Every sum adds the
+ranks' parts in rank order (an all-gather, then a local sum), so all ``tp`` ranks hold bitwise the same replicated
+activations and gradients, hence the same replicated parameters. On CUDA ranks the activations, their gradients and
+the sums stay on the GPU (:mod:`.activations`).
 """
 
 from __future__ import annotations
@@ -118,8 +122,9 @@ class TensorParallel:
                 outputs = piece.kept.forward(env)
             else:
                 outputs = self.tensors.call(piece, False, env)[: len(sends)]
-            if piece.info["parallel"]:  # Sync point (g): the row-split MatMuls' partial sums
-                outputs = [self.tp_sum(y) for y in outputs]
+            partial = piece.info["partial_sends"]
+            if partial:  # Sync point (g): the row-split MatMuls' partial sums (replicated sends are not summed)
+                outputs = [self.tp_sum(y) if n in partial else y for n, y in zip(sends, outputs, strict=True)]
             env.update(zip(sends, outputs, strict=True))
         return env
 
@@ -145,12 +150,10 @@ class TensorParallel:
             feeds = env
             driven = piece is not self.pieces[-1] or arriving is not None
             if piece.kept is not None and piece.kept.in_flight():  # its forward kept the activations
-                back = piece.kept.backward([grads[n] if n in grads else self.tensors.zeros_like(env[n])
-                                            for n in info["sends"]])
+                back = piece.kept.backward([self._arriving(info, n, grads, env) for n in info["sends"]])
             else:
                 if driven:  # by the summed gradients of what it sent (zeros if unread)
-                    given = {n + GRAD_IN_SUFFIX: grads[n] if n in grads else self.tensors.zeros_like(env[n])
-                             for n in info["float_sends"]}
+                    given = {n + GRAD_IN_SUFFIX: self._arriving(info, n, grads, env) for n in info["float_sends"]}
                     feeds = {**env, **given}
                 outputs = self.tensors.call(piece, True, feeds)
                 if not driven:
@@ -162,6 +165,17 @@ class TensorParallel:
                 grads[name] = self.tensors.add(grads[name], g) if name in grads else self.tensors.own(g)
         return loss, grads
 
+    def _arriving(self, info: dict, name: str, grads: dict, env: dict):
+        """The gradient a piece's backward is fed for its send ``name`` (zeros if nothing read it): a parallel
+        piece's replicated send's divided by ``tp``, as each rank's backward then adds a ``1/tp`` share of the
+        prefix's full part to its partial part, and the sums over ``tp_comm`` count it once (exact for ``tp`` a power
+        of two)."""
+        if name not in grads:
+            return self.tensors.zeros_like(env[name])
+        if info["parallel"] and self.tp_size > 1 and name not in info["partial_sends"]:
+            return self.tensors.scale(grads[name], 1.0 / self.tp_size)
+        return grads[name]
+
     def counts_in_norm(self, name: str) -> bool:
         """Whether this rank counts ``name``'s gradient in the norm: its slices, and the replicated gradients
         (equal on every tp rank) on tp rank 0 only."""
@@ -172,14 +186,29 @@ class TensorParallel:
         return self.tensors.scalar(self.tensors.call(self.pieces[-1], False, env)[0])
 
     def sum_tied_gradients(self) -> None:
-        """A parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum, added in
-        piece order (float32 adds where the buffers live: the same bits on the host and on a GPU)."""
+        """First a parallel piece's replicated parameters' gradients (partial: :meth:`sum_replicated_gradients`),
+        then a parameter read by several pieces (a tied weight): its owner's gradient becomes the holders' sum, added
+        in piece order (float32 adds where the buffers live: the same bits on the host and on a GPU)."""
+        self.sum_replicated_gradients()
         view = self.buffers.view
         with self.buffers.passes():
             for name, holders in self._tied():
                 owner = view(self.grad_view(holders[0], name))
                 for other in holders[1:]:
                     owner += view(self.grad_view(other, name))
+
+    def sum_replicated_gradients(self) -> None:
+        """Each parallel piece's gradients of its replicated parameters (its prefix's norm weights) summed over
+        ``tp_comm``, piece by piece (a tied weight's other holders' gradients are full), added in rank order: then
+        they are equal on every tp rank, like every replicated gradient, and counted in the norm on tp rank 0."""
+        if self.tp_size == 1:
+            return
+        trained = set(self.trainable)
+        with self.buffers.passes():
+            for k, piece in enumerate(self.pieces):
+                for name in piece.info["replicated_parameters"]:
+                    if name in trained:  # Sync point (f, per update): partial parameter gradients
+                        self.tensors.sum_into(self.grad_view(k, name), "tensor-parallel replicated-gradient sum")
 
     def copy_tied_parameters(self) -> None:
         """After an update, the owner's new value of a tied weight into the other pieces that read it."""
@@ -266,6 +295,9 @@ def load_pieces(record: dict, base: Path, tp_rank: int, device: str, options) ->
     which pieces hold each parameter."""
     pieces, holders = [], {}
     for info in record["pieces"]:
+        if "partial_sends" not in info:
+            raise RuntimeError(f"{base} holds tensor-parallel pieces cut before replicated levels were folded into "
+                               "the parallel pieces after them: re-run `ortflow configure` to rebuild them")
         folder = piece_dir(base, tp_rank, info["index"])
         state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
         module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
