@@ -28,12 +28,16 @@ def test_every_rank_gets_its_pieces_and_the_split_is_logged_and_recorded(tmp_pat
     with caplog.at_level(logging.INFO):
         first = configure(cfg)
     record = read_tensor_record(cfg.artifacts_dir)
-    assert record["size"] == 2 and len(record["pieces"]) == 12  # embedding, 2 x (attention, MLP), LM head
-    assert [p["parallel"] for p in record["pieces"]] == [True, False] * 6
+    # embedding, 2 x (attention, MLP), LM head, each with the replicated nodes before it; the loss tail
+    assert record["size"] == 2 and len(record["pieces"]) == 7
+    assert [p["parallel"] for p in record["pieces"]] == [True] * 6 + [False]
+    mlp = record["pieces"][2]  # residual add, ln_2, the MLP region
+    assert mlp["partial_sends"] == ["h0.mlp.proj.mm"] and mlp["sends"] == ["h0.mlp.proj.mm", "h0.resid_attn"]
+    assert sorted(mlp["replicated_parameters"]) == ["h0.attn.proj.bias", "h0.ln_2.bias", "h0.ln_2.weight"]
     assert record["slicing"]["h0.attn.q.weight"] == [1, 1] and record["slicing"]["h0.mlp.proj.weight"] == [0, 1]
     assert record["slicing"]["wte.weight"] == [0, 1] and record["slicing"]["lm_head.weight"] == [1, 1]
     for rank in (0, 1):
-        for piece in range(12):
+        for piece in range(7):
             assert all((piece_dir(cfg.artifacts_dir, rank, piece) / f).exists() for f in ARTIFACT_FILES)
     assert first.info["tensor_parallel_split"] == record["split"]
     assert "vocabulary split of ['lm_head.weight']" in caplog.text
@@ -44,7 +48,7 @@ def test_every_rank_gets_its_pieces_and_the_split_is_logged_and_recorded(tmp_pat
     ops = {n.op_type for n in embedding.graph.node}
     assert "GatherND" in ops and "Gather" not in ops  # the rank's vocabulary slice read with GatherND on the CPU
     assert configure(cfg).reused  # built once
-    assert any("tensor/rank-01/piece-11" in name for name in first.info["artifact_sha256"])
+    assert any("tensor/rank-01/piece-06" in name for name in first.info["artifact_sha256"])
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_building(tmp_path):
