@@ -2,8 +2,9 @@
 
 Usage: mpiexec -n 2 python tensor_device_rank.py RUN_DIR (an hp 2 run on CUDA). Every engine call of the rank's pieces
 is recorded with the devices where the engine wrote its outputs. After three micro-batches the rank sums a random
-tensor of its own over the tensor-parallel group and adds two tensors on the GPU, and prints one ``RESULT`` line: the
-devices per micro-batch, and whether the sum and the add have the bits of the host's rank-order float32 adds.
+tensor of its own over the tensor-parallel group (also in place, as a replicated parameter's gradient buffer), adds two
+tensors and halves one on the GPU, and prints one ``RESULT`` line: the devices per micro-batch, and whether the sums,
+the add and the product have the bits of the host's rank-order float32 adds and float32 product.
 """
 
 import json
@@ -14,6 +15,7 @@ import numpy as np
 
 import ortflow.trainer.parallel.activations as activations
 from ortflow.dataprep.loader import TrainLoader
+from ortflow.trainer.comm.nccl import DeviceBuffer
 from ortflow.trainer.runtime import init_runtime, start_mpi
 
 run_dir = Path(sys.argv[1])
@@ -46,10 +48,15 @@ for part in every[1:]:
     expected += part
 total = tensors.sum(tensors.to_device(mine), "test sum")
 added = tensors.add(tensors.to_device(every[0]), tensors.to_device(every[1]))
+halved = tensors.scale(tensors.to_device(mine), 0.5)  # a replicated send's arriving gradient at tp 2
+buffer = tensors.to_device(mine)  # an engine gradient buffer summed in place (a replicated parameter's)
+tensors.sum_into(DeviceBuffer(buffer.data_ptr(), mine.size, "test buffer"), "test sum into")
 print("RESULT " + json.dumps({
     "rank": comm.rank, "devices": [sorted(d) for d in devices], "sum_device": total.device_name(),
     "sum_bits_equal": tensors.host(total).tobytes() == expected.tobytes(),
     "add_bits_equal": tensors.host(added).tobytes() == (every[0] + every[1]).tobytes(),
+    "scale_bits_equal": tensors.host(halved).tobytes() == (mine * np.float32(0.5)).tobytes(),
+    "sum_into_bits_equal": tensors.host(buffer).tobytes() == expected.tobytes(),
 }), flush=True)
 comm.barrier("test done")
 comm.close()

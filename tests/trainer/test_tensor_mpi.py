@@ -296,3 +296,21 @@ def test_a_hung_tensor_parallel_rank_is_named_when_its_peer_times_out(hung):
     assert "'tensor-parallel activation sum' waited" in out.stdout, out.stdout[-3000:]
     assert "stalled: rank 1" in out.stdout, out.stdout[-3000:]
     assert seconds < 40
+
+
+def test_pieces_recorded_without_their_partial_sends_are_refused_naming_configure(tmp_path, configured):
+    """A ``tensor.json`` whose pieces do not say which sends are partial sums (each replicated level a piece of its
+    own) is refused by the ranks before they train, naming the fix (configure's fingerprint names the cut)."""
+    import json
+
+    cfg = tp_run(configured, tmp_path, "stale", distributed={"num_ranks": 2, "horizontal_parallel_size": 2})
+    path = cfg.artifacts_dir / "tensor" / "tensor.json"
+    record = json.loads(path.read_text())
+    for info in record["pieces"]:
+        del info["partial_sends"], info["replicated_parameters"]
+    path.write_text(json.dumps(record))
+    out = run_ranks(cfg)
+    assert out.returncode != 0
+    assert "without partial_sends in their record" in out.stdout and "re-run `ortflow configure`" in out.stdout, \
+        out.stdout[-3000:]
+    assert not list_complete(cfg.checkpoints_dir)
