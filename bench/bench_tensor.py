@@ -90,6 +90,7 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
         if tensor:
             for _ in range(k):
                 body.micro_step(next(batches))
+            body.sum_tied_gradients()  # as the trainer's reduce: replicated-parameter sums over tp, tied sums
             divisor = k * rt.data.num_replicas
         else:
             names = rt.module.input_names()

@@ -50,8 +50,8 @@ class HostTensors:
         buffer[...] = self.sum(buffer, label)
 
     def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
-        """``x * factor`` in float32, a new array."""
-        return np.multiply(x, np.float32(factor), dtype=np.float32)
+        """``x * factor`` in ``x``'s float type, a new array."""
+        return x * np.asarray(factor, dtype=x.dtype)
 
     def zeros_like(self, x: np.ndarray) -> np.ndarray:
         return np.zeros_like(x)
