@@ -2,10 +2,11 @@
 
 The rank's nodes fall into levels that alternate: replicated (even levels: embeddings, residual adds, LayerNorms and
 RMSNorms, the LM head's un-padding and the loss; every rank computes the same) and parallel (odd levels: the split
-regions of :mod:`ortflow.graph.tensor_parallel.tensor_split`). Each replicated level is folded into the parallel level
-that follows it, so a piece is either parallel (a replicated prefix, possibly empty, then a split region) or
-replicated (a replicated level with no parallel level after it: the loss tail). A Llama layer is two pieces (norm +
-attention, residual + norm + MLP), not four; every piece is two engine sessions per rank.
+regions of :mod:`ortflow.graph.tensor_parallel.tensor_split`). Each replicated level but the first is folded into the
+parallel level that follows it, so a piece is parallel (a replicated prefix, possibly empty, then a split region) or
+replicated: the first level (a model's embeddings, when its vocabulary is not split: their gradients are the same on
+every rank and need no sum) and a replicated level with no parallel level after it (the loss tail). A Llama layer is
+two pieces (norm + attention, residual + norm + MLP), not four; every piece is two engine sessions per rank.
 
 A parallel piece sends two kinds of tensors. Its split region's only outputs are its row-split MatMuls' partial
 sums (``partial_sends``); the runtime sums them over the ranks before any later piece reads them (Megatron's ``g``:
@@ -123,10 +124,10 @@ def _check_slices_stay_in_regions(a: Analysis, member: dict[int, int], plan: Ten
 
 
 def _fold(levels: list[int]) -> list[list[int]]:
-    """The levels of each piece, in order: a replicated level joins the parallel level right after it."""
+    """The levels of each piece, in order: a replicated level but the first joins the parallel level right after it."""
     groups: list[list[int]] = []
     for lv in levels:
-        if lv % 2 == 1 and groups and groups[-1] == [lv - 1]:
+        if lv % 2 == 1 and lv > 1 and groups and groups[-1] == [lv - 1]:
             groups[-1].append(lv)
         else:
             groups.append([lv])
