@@ -71,9 +71,10 @@ def test_configure_builds_every_stage_and_tp_rank_once(tmp_path):
     record = read_pipe_tensor_record(cfg.artifacts_dir)
     assert record["size"] == 2 and record["num_stages"] == 2 and record["cuts"] == ["h0.resid_mlp"]
     # stage 0 starts with the vocabulary-split embedding (its sum is a piece boundary), then h0's attention and MLP,
-    # each with the replicated nodes before it, and the residual add the stage ends with; the untied LM head of stage
-    # 1 is kept whole (its width is not a vocabulary embedded in the same stage), so its last piece is replicated
-    expected = [[True, True, True, False], [True, True, False]]
+    # each with the replicated nodes before it, and the residual add the stage ends with; stage 1 starts with the
+    # replicated nodes that only read what it receives (h1's ln_1) and its untied LM head is kept whole (its width is
+    # not a vocabulary embedded in the same stage), so its last piece is replicated too
+    expected = [[True, True, True, False], [False, True, True, False]]
     for s, info in enumerate(record["stages"]):
         assert [p["parallel"] for p in info["pieces"]] == expected[s]
         for rank in (0, 1):
