@@ -134,7 +134,9 @@ class LayoutModel:
         if not self.dims.split:
             return self._reduce_whole(k, loss_sum, stop)
         ex, stage = self.exchange, self.stage
-        self.body.sum_tied_gradients()  # within the rank: pieces that read one weight add their gradients
+        # Sync point (tensor parallel): a parallel piece's replicated parameters' partial gradients summed over tp;
+        # then within the rank, pieces that read one weight add their gradients.
+        self.body.sum_tied_gradients()
         # A mean (ZeRO-0) adds the holders' averaged gradients of a weight tied across stages; ZeRO-1 and Adasum
         # combine after the holders' sum, so that they see the one tensor the unsplit model's exchange sees.
         tied_after = stage is not None and bool(stage.shared) and ex.averages
