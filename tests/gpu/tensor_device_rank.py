@@ -50,7 +50,7 @@ total = tensors.sum(tensors.to_device(mine), "test sum")
 added = tensors.add(tensors.to_device(every[0]), tensors.to_device(every[1]))
 halved = tensors.scale(tensors.to_device(mine), 0.5)  # a replicated send's arriving gradient at tp 2
 buffer = tensors.to_device(mine)  # an engine gradient buffer summed in place (a replicated parameter's)
-tensors.sum_into(DeviceBuffer(buffer.data_ptr(), mine.size, "test buffer"), "test sum into")
+tensors.sum_into([DeviceBuffer(buffer.data_ptr(), mine.size, "test buffer")], "test sum into")
 print("RESULT " + json.dumps({
     "rank": comm.rank, "devices": [sorted(d) for d in devices], "sum_device": total.device_name(),
     "sum_bits_equal": tensors.host(total).tobytes() == expected.tobytes(),

@@ -45,9 +45,16 @@ class HostTensors:
             total += part
         return total.reshape(x.shape)
 
-    def sum_into(self, buffer: np.ndarray, label: str) -> None:
-        """A gradient buffer of the engine replaced in place by its sum over the group (added in rank order)."""
-        buffer[...] = self.sum(buffer, label)
+    def sum_into(self, buffers: list[np.ndarray], label: str) -> None:
+        """Gradient buffers of the engine, each replaced in place by its sum over the group (added in rank order),
+        packed into one all-gather."""
+        if not buffers:
+            return
+        total = self.sum(np.concatenate([b.reshape(-1) for b in buffers]), label)
+        start = 0
+        for b in buffers:
+            b[...] = total[start : start + b.size].reshape(b.shape)
+            start += b.size
 
     def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
         """``x * factor`` in ``x``'s float type, a new array."""
@@ -126,10 +133,11 @@ class DeviceTensors:
         self.comm.tensor_sum(x.data_ptr(), out.data_ptr(), count, label)
         return out
 
-    def sum_into(self, buffer, label: str) -> None:
-        """An engine's gradient buffer (a :class:`~ortflow.trainer.comm.nccl.DeviceBuffer`) replaced in place by its
+    def sum_into(self, buffers: list, label: str) -> None:
+        """Engine gradient buffers (:class:`~ortflow.trainer.comm.nccl.DeviceBuffer` s), each replaced in place by its
         sum over the group, added in rank order on the GPU (the all-gather reads it before the adds write it)."""
-        self.comm.tensor_sum(buffer.ptr, buffer.ptr, buffer.count, label)
+        for buffer in buffers:
+            self.comm.tensor_sum(buffer.ptr, buffer.ptr, buffer.count, label)
 
     def scale(self, x: OrtValue, factor: float) -> OrtValue:
         """``x * factor`` in float32 on the GPU: a new device tensor."""

@@ -204,11 +204,10 @@ class TensorParallel:
         if self.tp_size == 1:
             return
         trained = set(self.trainable)
-        with self.buffers.passes():
-            for k, piece in enumerate(self.pieces):
-                for name in piece.info["replicated_parameters"]:
-                    if name in trained:  # Sync point (f, per update): partial parameter gradients
-                        self.tensors.sum_into(self.grad_view(k, name), "tensor-parallel replicated-gradient sum")
+        buffers = [self.grad_view(k, name) for k, piece in enumerate(self.pieces)
+                   for name in piece.info["replicated_parameters"] if name in trained]
+        with self.buffers.passes():  # Sync point (f, per update): partial parameter gradients
+            self.tensors.sum_into(buffers, "tensor-parallel replicated-gradient sum")
 
     def copy_tied_parameters(self) -> None:
         """After an update, the owner's new value of a tied weight into the other pieces that read it."""
