@@ -313,4 +313,5 @@ def test_pieces_recorded_without_their_partial_sends_are_refused_naming_configur
     assert out.returncode != 0
     assert "without partial_sends in their record" in out.stdout and "re-run `ortflow configure`" in out.stdout, \
         out.stdout[-3000:]
+    assert "Traceback" not in out.stdout  # the rank's own error: one line, no traceback
     assert not list_complete(cfg.checkpoints_dir)

@@ -295,7 +295,7 @@ def load_pieces(record: dict, base: Path, tp_rank: int, device: str, options) ->
     pieces, holders = [], {}
     for info in record["pieces"]:
         if "partial_sends" not in info:
-            raise RuntimeError(f"{base} holds tensor-parallel pieces without partial_sends in their record (each "
+            raise ValueError(f"{base} holds tensor-parallel pieces without partial_sends in their record (each "
                                "replicated level its own piece): re-run `ortflow configure` to rebuild them")
         folder = piece_dir(base, tp_rank, info["index"])
         state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
