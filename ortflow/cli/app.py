@@ -32,7 +32,10 @@ from ortflow.cli.shared import console
 from ortflow.cli.stop_signals import mark_process_entry
 from ortflow.cli.terminal import disk_problem
 
-ABOUT = "Train ONNX models data-parallel with ONNX Runtime's training engine, under mpirun, orchestrated by Prefect."
+ABOUT = (
+    "Train ONNX models with ONNX Runtime's training engine (data,"
+    " pipeline and tensor parallel, on CPUs and GPUs), under mpirun, orchestrated by Prefect."
+)
 
 app = typer.Typer(name="ortflow", help=ABOUT, no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -40,7 +43,7 @@ app = typer.Typer(name="ortflow", help=ABOUT, no_args_is_help=True, add_completi
 
 @app.callback()
 def _root() -> None:
-    """Train ONNX models data-parallel with ONNX Runtime's training engine, under mpirun, orchestrated by Prefect."""
+    """The ortflow command (its help is ``ABOUT``)."""
 
 
 app.command()(validate_command.validate)
