@@ -155,7 +155,20 @@ def test_field_errors_are_all_reported_at_once(tmp_path):
 
 def test_parallel_sizes_must_multiply_to_the_world_size(tmp_path):
     (problem,) = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.data_parallel_size=3")
-    assert "= 3 must equal distributed.num_ranks (4)" in problem
+    assert "= 3 must equal distributed.num_ranks (4): set num_ranks to 3, or leave data_parallel_size unset" in problem
+
+
+def test_ranks_that_do_not_split_into_replicas_name_the_counts_that_do(tmp_path):
+    # data_parallel_size left unset: the refusal names the ranks a replica takes and the counts that work, not a
+    # derived data_parallel_size the user never wrote.
+    (problem,) = problems_of(tmp_path, "distributed.num_ranks=3", "distributed.horizontal_parallel_size=2")
+    assert problem == (
+        "distributed.num_ranks 3 is not a multiple of horizontal_parallel_size (2) x pipeline_parallel_size (1) = 2, "
+        "the ranks of one model replica: set num_ranks to a multiple of 2 (2, 4, 6, ...; data_parallel_size is "
+        "num_ranks / 2), or change the parallel sizes")
+    (problem,) = problems_of(tmp_path, "distributed.num_ranks=2", "distributed.horizontal_parallel_size=2",
+                             "distributed.pipeline_parallel_size=2")
+    assert "set num_ranks to a multiple of 4 (4, 8, 12, ...;" in problem and "data_parallel_size (" not in problem
 
 
 def test_horizontal_parallelism_is_accepted_alone_and_with_data_parallel(tmp_path):
@@ -181,7 +194,8 @@ def test_horizontal_parallelism_refuses_what_it_does_not_combine_with(tmp_path, 
 def test_pipeline_parallel_size_divides_the_ranks_into_replicas(tmp_path):
     assert problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=2") == []
     (problem,) = problems_of(tmp_path, "distributed.num_ranks=4", "distributed.pipeline_parallel_size=3")
-    assert "x pipeline_parallel_size (3) = 3 must equal distributed.num_ranks (4)" in problem
+    assert problem.startswith(
+        "distributed.num_ranks 4 is not a multiple of horizontal_parallel_size (1) x pipeline_parallel_size (3) = 3")
 
 
 def test_pipeline_cuts_must_name_one_tensor_per_boundary(tmp_path):

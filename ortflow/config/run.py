@@ -169,6 +169,23 @@ def _kubernetes_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _world_size_problem(dist: DistributedConfig, product: int) -> str:
+    """The ranks do not split into the parallel sizes: the sizes as they multiply, and the fix. Without
+    data_parallel_size (derived as num_ranks / (tensor x pipeline parallel sizes)) the fix is a multiple of the split;
+    with it, the product or leaving data_parallel_size unset."""
+    split = dist.horizontal_parallel_size * dist.pipeline_parallel_size
+    sizes = (f"horizontal_parallel_size ({dist.horizontal_parallel_size}) x pipeline_parallel_size "
+             f"({dist.pipeline_parallel_size})")
+    if dist.data_parallel_size is None:
+        multiples = ", ".join(str(split * k) for k in range(1, 4))
+        return (f"distributed.num_ranks {dist.num_ranks} is not a multiple of {sizes} = {split}, the ranks of one "
+                f"model replica: set num_ranks to a multiple of {split} ({multiples}, ...; data_parallel_size is "
+                f"num_ranks / {split}), or change the parallel sizes")
+    return (f"distributed: data_parallel_size ({dist.data_parallel_size}) x {sizes} = {product} must equal "
+            f"distributed.num_ranks ({dist.num_ranks}): set num_ranks to {product}, or leave data_parallel_size unset "
+            f"(it defaults to num_ranks / {split})")
+
+
 def _cross_field_problems(cfg: RunConfig) -> list[str]:
     """Checks that span sections, each naming the field and what would be valid."""
     problems: list[str] = remote_problems(cfg.storage, {"checkpoint.dir": cfg.checkpoint.dir,
@@ -180,11 +197,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     elif (
         product := dist.resolved_data_parallel_size * dist.horizontal_parallel_size * dist.pipeline_parallel_size
     ) != dist.num_ranks:
-        problems.append(
-            f"distributed: data_parallel_size ({dist.resolved_data_parallel_size}) x horizontal_parallel_size "
-            f"({dist.horizontal_parallel_size}) x pipeline_parallel_size ({dist.pipeline_parallel_size}) = {product} "
-            f"must equal distributed.num_ranks ({dist.num_ranks})"
-        )
+        problems.append(_world_size_problem(dist, product))
     if dist.horizontal_parallel_size > 1:
         problems += _tensor_parallel_problems(cfg)
     cuts = cfg.model.pipeline_cuts
