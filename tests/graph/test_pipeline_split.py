@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.graph.pipeline_parallel.pipeline_cuts import SplitError, choose_cuts, split_model
 from ortflow.trainer.parallel.schedule import one_f_one_b
@@ -62,6 +64,36 @@ def test_tied_weights_across_a_cut_are_held_by_both_stages():
     ids = np.random.default_rng(0).integers(0, V, (B, T))
     full = ort.InferenceSession(model.SerializeToString()).run(["logits"], {"input_ids": ids})[0]
     np.testing.assert_array_equal(run_stages(stages, ids), full)
+
+
+def _embed_relu_head() -> onnx.ModelProto:
+    """input_ids -> Gather(wte) -> MatMul(w1) -> Relu -> MatMul(w2) -> logits: a single activation crosses after
+    the Gather, after the first MatMul and after the Relu, with no parameter read between the last two (as a norm's
+    parameter-free arithmetic sits between a residual add and the norm's weight)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+             for name, shape in (("wte", (V, 8)), ("w1", (8, 8)), ("w2", (8, V)))]
+    nodes = [helper.make_node("Gather", ["wte", "input_ids"], ["embed"], axis=0),
+             helper.make_node("MatMul", ["embed", "w1"], ["hidden"]),
+             helper.make_node("Relu", ["hidden"], ["act"]),
+             helper.make_node("MatMul", ["act", "w2"], ["logits"])]
+    graph = helper.make_graph(nodes, "embed_relu_head",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, T])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [B, T, V])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_automatic_cuts_never_leave_a_stage_without_parameters():
+    model = _embed_relu_head()
+    params = ["w1", "w2", "wte"]
+    for num_stages in (2, 3):
+        stages = split_model(model, choose_cuts(model, num_stages, params), params)
+        assert all(s.parameters for s in stages), [s.parameters for s in stages]
+    # 4 stages would need the cuts after both the MatMul and the Relu, a stage holding nothing: refused with the most
+    # stages the model splits into, before any stage is built.
+    with pytest.raises(SplitError, match=r"make at most 3 stages.*use distributed.pipeline_parallel_size 3 or fewer, "
+                                         r"or name the cuts in model.pipeline_cuts"):
+        choose_cuts(model, 4, params)
 
 
 def test_a_shape_tensor_crossing_the_cut_is_refused_naming_its_nodes():

@@ -159,11 +159,14 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
     balances a stage's activation memory too.
 
     Candidates are the positions along the graph's order where exactly one float activation crosses (the residual
-    stream between transformer blocks, the hidden state between MLP layers); for each boundary the candidate whose
-    share of the compute before it is closest to ``s / num_stages`` is chosen.
+    stream between transformer blocks, the hidden state between MLP layers), the first of each run of positions with
+    no parameter read between them (two such cuts would leave a stage without a parameter: a norm's parameter-free
+    arithmetic between a residual add and its weight); for each boundary the candidate whose share of the compute
+    before it is closest to ``s / num_stages`` is chosen.
 
     Raises:
-        SplitError: There are fewer clean candidates than boundaries.
+        SplitError: There are fewer clean candidates than boundaries (the message names the most stages the model
+            splits into).
     """
     a = Analysis(model, set(trainable))
     shapes = {t.name: list(t.dims) for t in a.graph.initializer if t.name in a.trainable}
@@ -179,12 +182,15 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
     for pos, count in enumerate(a.crossing_counts()[:-1]):
         if count == 1:
             (name,) = a.crossing(pos)
-            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total:  # parameters read on both sides
+            fresh = not candidates or before[candidates[-1][0]] < before[pos]  # a parameter read since the last
+            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total and fresh:  # parameters on both sides
                 candidates.append((pos, name))
     if len(candidates) < num_stages - 1:
         raise SplitError(
-            f"found {len(candidates)} place(s) where a single activation crosses the graph, but "
-            f"{num_stages} stages need {num_stages - 1}: name the cuts in model.pipeline_cuts"
+            f"the model has {len(candidates)} place(s) where a single activation crosses between its parameters, so "
+            f"its automatic cuts make at most {len(candidates) + 1} stages, each holding a parameter; {num_stages} "
+            f"stages need {num_stages - 1} cuts: use distributed.pipeline_parallel_size {len(candidates) + 1} or "
+            "fewer, or name the cuts in model.pipeline_cuts"
         )
     cuts: list[str] = []
     last = -1
