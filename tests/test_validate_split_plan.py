@@ -49,6 +49,17 @@ def test_a_size_that_does_not_divide_the_key_value_heads_is_refused(tmp_path):
     assert "use one of [1, 2]" in problems[0]
 
 
+def test_a_size_that_divides_neither_heads_nor_widths_names_a_few_heads_and_the_sizes_that_fit(tmp_path):
+    (problem,) = validate(lm_config(tmp_path, num_ranks=3, horizontal_parallel_size=3))
+    # 3 divides none of the 6 head counts (2 layers x q, k, v) nor any weight's width: the first three are named, the
+    # rest counted, and the sizes offered divide every head count and width (no list of every sliced weight).
+    assert problem.startswith("distributed.horizontal_parallel_size 3 does not divide the 4 heads of "
+                              "model.model.layers.0.self_attn.q_proj.weight; the 2 key/value heads of "
+                              "model.model.layers.0.self_attn.k_proj.weight; ")
+    assert "; and 3 more head count(s) like them: " in problem and "layers.1" not in problem
+    assert problem.endswith("use one of [1, 2] (the sizes that divide every head count and the split layers' widths)")
+
+
 def test_validate_prints_the_gpt2_dynamo_split_of_every_block(tmp_path):
     """The dynamo exporter's GPT-2 (flattened products, the sequence clamped by ``min(n_positions, T)``, the causal
     mask's ``Where``): each block's attention by heads (the fused QKV in its 3 parts) and MLP, and the tied table."""

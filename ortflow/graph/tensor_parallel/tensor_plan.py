@@ -133,12 +133,18 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
             bad.append(f"{model.graph.node[i].op_type} '{node_label(model.graph.node[i])}' size {value} (heads?)")
     if heads:
         counts = sorted({n for r in plan.regions for n in r.num_heads.values()} | {n for _, n in head_counts})
-        fits = [k for k in range(1, min(counts) + 1) if all(n % k == 0 for n in counts)]
+        tables = {w for r in plan.regions for w in r.vocab}  # a size that does not divide a vocabulary keeps it whole
+        widths = [(shapes[name][axis if len(shapes[name]) > 1 else 0], parts)
+                  for name, (axis, parts) in plan.slicing().items() if name not in tables]
+        fits = [k for k in range(1, min(counts) + 1)
+                if all(n % k == 0 for n in counts) and all(dim % (parts * k) == 0 for dim, parts in widths)]
+        more = f"; and {len(heads) - 3} more head count(s) like them" if len(heads) > 3 else ""
+        named = "; ".join(heads[:3]) + more
         raise TensorParallelError(
-            f"distributed.horizontal_parallel_size {plan.size} does not divide {'; '.join(heads)}: tensor parallelism "
-            "gives each rank whole attention heads, and under grouped-query attention whole key/value heads with the "
-            "query heads that read them, so the size must divide the number of key/value heads; use one of "
-            f"{fits}" + (f" (and mind {bad})" if bad else ""))
+            f"distributed.horizontal_parallel_size {plan.size} does not divide {named}: tensor parallelism gives each "
+            "rank whole attention heads, and under grouped-query attention whole key/value heads with the query heads "
+            f"that read them, so the size must divide the number of key/value heads; use one of {fits} (the sizes "
+            "that divide every head count and the split layers' widths)")
     if bad:
         raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "
