@@ -38,6 +38,7 @@ from ortflow.gpus import gpu_count
 __all__ = [
     "MAX_AUTO_RANKS", "BatchPlan", "Host", "Layout", "LayoutError", "RunFacts", "auto_layout", "divides",
     "fixed_batch_dim", "gpu_layout", "host_resources", "launch_layout", "nearest_multiples", "plan_batch", "read_tuned",
+    "replica_layout",
     "run_facts", "write_tuned",
 ]
 
@@ -136,6 +137,26 @@ def auto_layout(
     return Layout(ranks, max(1, cores // ranks), f"auto: {why}; 1 rank per physical core (docs/layouts.md)")
 
 
+def replica_layout(host: Host, num_parameters: int, global_batch: int | None = None, fixed_batch: int | None = None,
+                   split: int = 1) -> Layout:
+    """The rule (:func:`auto_layout`) for a model whose replica takes ``split`` ranks (``pipeline_parallel_size x
+    horizontal_parallel_size``): the most whole replicas up to the rule's ranks whose count splits the global batch;
+    one replica, its ranks sharing the cores, on a host with fewer cores than a replica takes.
+
+    Raises:
+        LayoutError: as :func:`auto_layout`.
+    """
+    rule = auto_layout(host, num_parameters, None if split > 1 else global_batch, fixed_batch)
+    unit = fixed_batch or 1
+    fitting = [r for r in range(rule.ranks, 0, -1)
+               if r % split == 0 and (global_batch is None or divides(global_batch, r // split, unit))]
+    ranks = fitting[0] if fitting else split
+    if ranks == rule.ranks:
+        return rule
+    return Layout(ranks, max(1, host.cores // ranks),
+                  f"{rule.reason}; whole replicas of pipeline x tensor-parallel {split} rank(s)")
+
+
 def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
     """Distinct physical cores (package, core id) behind ``cpus``, from sysfs; None when it cannot be read."""
     found = set()
@@ -207,6 +228,7 @@ def launch_layout(
         LayoutError: no layout fits, or the global batch cannot be split over the chosen ranks.
     """
     dist, train = cfg.distributed, cfg.train
+    split = dist.pipeline_parallel_size * dist.horizontal_parallel_size  # the ranks of one replica
     wanted = ranks if ranks is not None else dist.num_ranks
     facts = run_facts(run_dir) if wanted == "auto" or train.global_batch_size else None
     if wanted == "auto" and dist.device == "cuda":
@@ -217,8 +239,8 @@ def launch_layout(
             train.global_batch_size, tuned.ranks * dist.num_hosts, facts.fixed_batch or 1
         ):
             tuned = None  # the recorded winner cannot split this global batch: fall back to the rule
-        layout = tuned or auto_layout(host, facts.num_parameters, _per_host(train.global_batch_size, dist.num_hosts),
-                                      facts.fixed_batch)  # fmt: skip
+        layout = tuned or replica_layout(host, facts.num_parameters, _per_host(train.global_batch_size, dist.num_hosts),
+                                         facts.fixed_batch, split)  # fmt: skip
         layout = Layout(layout.ranks * dist.num_hosts, layout.threads, layout.reason)
     else:
         local = -(-int(wanted) // dist.num_hosts)
@@ -226,9 +248,15 @@ def launch_layout(
                         "distributed.num_ranks" if ranks is None else "--np")
     if threads or dist.threads_per_rank:
         layout = Layout(layout.ranks, threads or dist.threads_per_rank, layout.reason)
+    if layout.ranks % split:  # every rank would refuse it at start
+        raise LayoutError(
+            f"{layout.ranks} rank(s) ({layout.reason}) do not make whole replicas of pipeline_parallel_size "
+            f"{dist.pipeline_parallel_size} x horizontal_parallel_size {dist.horizontal_parallel_size} = {split} "
+            f"rank(s): use a multiple of {split} ({', '.join(str(split * k) for k in range(1, 4))}, ...)"
+        )
     plan = None
     if train.global_batch_size:  # split over the data-parallel replicas, as every rank splits it (rank_config)
-        replicas = max(1, layout.ranks // (dist.pipeline_parallel_size * dist.horizontal_parallel_size))
+        replicas = max(1, layout.ranks // split)
         plan = plan_batch(train.global_batch_size, replicas, train.batch_size, facts.fixed_batch)
     return layout, plan
 

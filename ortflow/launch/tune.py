@@ -22,9 +22,9 @@ from ortflow.launch.layout import (
     Host,
     Layout,
     LayoutError,
-    auto_layout,
     divides,
     rank_memory_bytes,
+    replica_layout,
     run_facts,
     write_tuned,
 )
@@ -47,9 +47,8 @@ def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_
     def fits(ranks: int) -> bool:
         return ranks % split == 0 and (global_batch is None or divides(global_batch, ranks // split, unit))
 
-    rule = auto_layout(host, num_parameters, None if split > 1 else global_batch, fixed_batch)
-    first = next((r for r in range(rule.ranks, 0, -1) if fits(r)), split)
-    found = [rule if first == rule.ranks else Layout(first, max(1, host.cores // first), "candidate: whole replicas")]
+    found = [replica_layout(host, num_parameters, global_batch, fixed_batch, split)]
+    first = found[0].ranks
     fits_memory = host.cores * rank_memory_bytes(num_parameters) <= host.memory_bytes * MEMORY_SHARE
     if first < host.cores and fits_memory and fits(host.cores):
         found.append(Layout(host.cores, 1, "candidate: one rank per CPU (SMT siblings included, past the cap)"))

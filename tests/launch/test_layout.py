@@ -229,6 +229,34 @@ def test_launch_layout_splits_a_global_batch_over_the_replicas_as_the_ranks_do(t
     assert rank_config(cfg, 2, tmp_path).train.batch_size == 4
 
 
+def _split_cfg(tmp_path, **distributed):
+    raw = _cfg(tmp_path).model_dump(mode="json")
+    raw["distributed"] = {"num_ranks": "auto", **distributed}
+    return config_from_dict(raw)
+
+
+def test_auto_starts_whole_replicas_of_a_split_model(tmp_path):
+    _configured(tmp_path)
+    pp_tp = _split_cfg(tmp_path, pipeline_parallel_size=2, horizontal_parallel_size=2)
+    # 2 cores, replicas of 4 ranks: one replica sharing the cores, not the rule's 2 ranks every rank would refuse.
+    layout, _ = launch_layout(pp_tp, tmp_path, Host(2, 16 * GIB))
+    assert layout.pair == (4, 1) and "whole replicas of pipeline x tensor-parallel 4 rank(s)" in layout.reason
+    assert launch_layout(pp_tp, tmp_path, Host(6, 16 * GIB))[0].pair == (4, 1)  # 6 cores: one replica of 4
+    assert launch_layout(pp_tp, tmp_path, Host(8, 16 * GIB))[0].pair == (8, 1)  # the rule's ranks: 2 replicas
+    tp = _split_cfg(tmp_path, horizontal_parallel_size=2)
+    assert launch_layout(tp, tmp_path, Host(3, 16 * GIB))[0].pair == (2, 1)
+
+
+def test_a_rank_count_that_does_not_make_whole_replicas_is_refused_before_any_rank_starts(tmp_path):
+    _configured(tmp_path)
+    tp = _split_cfg(tmp_path, horizontal_parallel_size=2)
+    with pytest.raises(LayoutError) as refused:
+        launch_layout(tp, tmp_path, Host(4, 16 * GIB), ranks=3)
+    assert str(refused.value) == ("3 rank(s) (--np) do not make whole replicas of pipeline_parallel_size 1 x "
+                                  "horizontal_parallel_size 2 = 2 rank(s): use a multiple of 2 (2, 4, 6, ...)")
+    assert launch_layout(tp, tmp_path, Host(4, 16 * GIB), ranks=4)[0].pair == (4, 1)
+
+
 def test_cuda_ranks_sharing_a_host_get_one_engine_thread_each_unless_told(tmp_path):
     from ortflow.trainer.startup import threads_per_rank
 
