@@ -81,6 +81,18 @@ def _console_handlers() -> list[logging.Handler]:
 STAGE_LABELS = {"configure": "configure", "prepare_data": "prepare data", "train": "train",
                 "retain_checkpoints": "keep checkpoints", "export": "export"}
 _FINISHED = re.compile(r"Finished in state (\w+)")
+#: Prefect's words for a run it ends Crashed because a signal stopped it: after a Ctrl-C or SIGTERM the ranks stop
+#: with a checkpoint and `ortflow run` says so, so the terminal shows the stage as stopped, not crashed.
+_SIGNALLED = ("aborted by an interrupt signal", "aborted by a termination signal")
+
+
+class _NoSignalCrash(logging.Filter):
+    """Drops Prefect's ``Crash detected! Execution was aborted by an interrupt signal.`` and ``Finished in state
+    Crashed(...)`` errors of a signalled run from the terminal (the log file keeps them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (record.levelno >= logging.ERROR and any(words in message for words in _SIGNALLED))
 
 
 class StageLines(logging.Handler):
@@ -111,6 +123,8 @@ class StageLines(logging.Handler):
             self._say(f"✓ {label} (unchanged)")
         elif state == "Completed":
             self._say(f"✓ {label} ({format_seconds(took)})")
+        elif state == "Crashed" and any(words in record.getMessage() for words in _SIGNALLED):
+            self._say(f"■ {label} stopped by a signal ({format_seconds(took)})")
         else:
             self._say(f"✗ {label} {state.lower()} ({format_seconds(took)})")
 
@@ -213,11 +227,13 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool 
     root = logging.getLogger()
     handlers = _console_handlers()
     saved = [(h, h.console, h.formatter, h.level) for h in handlers]
+    no_signal_crash = _NoSignalCrash()
     for handler in handlers:
         handler.console = console  # one console: rich prints log lines above the live progress bar
         handler.setFormatter(_NoTraceback(_Short() if quiet else handler.formatter))
         if quiet:
             handler.setLevel(max(handler.level, logging.WARNING))
+            handler.addFilter(no_signal_crash)
     added = [file_handler, *([StageLines(console)] if stages else [])]
     for handler in added:
         root.addHandler(handler)
@@ -241,6 +257,7 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool 
             handler.console = old_console
             handler.setFormatter(formatter)
             handler.setLevel(level)
+            handler.removeFilter(no_signal_crash)
 
 
 #: errno values that say the disk, not the input, is the problem: the user frees space or fixes permissions.

@@ -72,3 +72,30 @@ def test_quiet_terminal_shows_warnings_as_short_lines_and_stages_and_the_file_ke
     assert lines[-1].startswith("✓ train (") and len(lines) == 3, lines
     saved = log_file.read_text()
     assert "parameters sha256" in saved and "SIGTERM received" in saved and "Finished in state" in saved
+
+
+def test_a_stage_stopped_by_a_signal_shows_as_stopped_not_crashed_and_the_file_keeps_prefects_errors(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, width=120)
+    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
+                                     {"task_run_name": "train-abc", "task_name": "train", "send_to_api": False})
+    with terminal(console, tmp_path / "logs", quiet=True, stages=True) as log_file:
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        task_log.warning("[0] 15:54:01 WARNING stop requested: ranks stopped together after step 1001")
+        task_log.error("Crash detected! Execution was aborted by an interrupt signal.")
+        task_log.error("Finished in state Crashed('Execution was aborted by an interrupt signal.')")
+        task_log.error("a real error")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "▸ train" and "warning: [0] stop requested: ranks stopped together after step 1001" in lines
+    assert lines[2].startswith("■ train stopped by a signal (") and lines[3] == "error: a real error", lines
+    assert len(lines) == 4 and not any("Crash" in line for line in lines), lines
+    saved = log_file.read_text()
+    assert "Crash detected! Execution was aborted by an interrupt signal." in saved and "Crashed(" in saved
+    # A crash that no signal caused is shown as it is.
+    out = io.StringIO()
+    with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True):
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        task_log.error("Finished in state Crashed('Execution was interrupted by an unexpected exception')")
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "error: Finished in state Crashed('Execution was interrupted by an unexpected exception')"
+    assert lines[2].startswith("✗ train crashed (") and len(lines) == 3, lines
