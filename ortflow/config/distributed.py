@@ -33,8 +33,9 @@ class DistributedConfig(Section):
     horizontal_parallel_size: int = Field(
         1, gt=0,
         description="Tensor-parallel size tp (the key keeps its TrainingRunner name): each attention block and MLP is "
-        "split over tp neighbouring ranks (Megatron-style column/row split, heads divided; fp32, ZeRO-0; with "
-        "pipeline_parallel_size each stage is split; docs/layouts.md).",
+        "split over tp neighbouring ranks (Megatron-style column/row split, heads divided; every exchange on CPU "
+        "ranks, ZeRO-0 and mixed precision on GPU ranks; with pipeline_parallel_size each stage is split, in fp32; "
+        "docs/layouts.md).",
     )
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
