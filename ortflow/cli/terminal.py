@@ -84,6 +84,8 @@ _FINISHED = re.compile(r"Finished in state (\w+)")
 #: Prefect's words for a run it ends Crashed because a signal stopped it: after a Ctrl-C or SIGTERM the ranks stop
 #: with a checkpoint and `ortflow run` says so, so the terminal shows the stage as stopped, not crashed.
 _SIGNALLED = ("aborted by an interrupt signal", "aborted by a termination signal")
+#: Rank 0's first line (ortflow/trainer/parallel/build.py) when it resumes from a checkpoint.
+_RESUMED = re.compile(r"^\[0\] \S+ INFO rank 0/\d+ .*, starting from (step \d+ \(.+\))$")
 
 
 class _NoSignalCrash(logging.Filter):
@@ -97,7 +99,8 @@ class _NoSignalCrash(logging.Filter):
 
 class StageLines(logging.Handler):
     """Prints a line when a stage starts (``ortflow.stages``' records) and when Prefect reports its task finished:
-    ``▸ configure``, then ``✓ configure (4 s)``, ``✓ prepare data (unchanged)`` or ``✗ train failed (12 s)``."""
+    ``▸ configure``, then ``✓ configure (4 s)``, ``✓ prepare data (unchanged)`` or ``✗ train failed (12 s)``; and,
+    when training resumes, the checkpoint it resumes from (``  resuming from step 1001 (step-00001001)``)."""
 
     def __init__(self, console: Console):
         super().__init__(logging.INFO)
@@ -112,6 +115,10 @@ class StageLines(logging.Handler):
             return
         name = getattr(record, "task_run_name", None) or ""
         stage = getattr(record, "task_name", None) or name.rpartition("-")[0]
+        resumed = _RESUMED.match(record.getMessage()) if stage == "train" else None
+        if resumed:  # the progress bar starts past 0: say where from
+            self._say(f"  resuming from {resumed[1]}")
+            return
         found = _FINISHED.match(record.getMessage()) if stage in self.started else None
         if found is None:
             return

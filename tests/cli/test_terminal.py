@@ -99,3 +99,21 @@ def test_a_stage_stopped_by_a_signal_shows_as_stopped_not_crashed_and_the_file_k
     lines = out.getvalue().splitlines()
     assert lines[1] == "error: Finished in state Crashed('Execution was interrupted by an unexpected exception')"
     assert lines[2].startswith("✗ train crashed (") and len(lines) == 3, lines
+
+
+def test_a_resumed_training_names_the_checkpoint_it_resumes_from_once(tmp_path):
+    out = io.StringIO()
+    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
+                                     {"task_run_name": "train-abc", "task_name": "train", "send_to_api": False})
+    with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True):
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        for rank in (1, 0):
+            task_log.info(f"[{rank}] 01:34:31 INFO rank {rank}/2 (local {rank}/2) on cpu with 1 thread(s), starting "
+                          "from step 1001 (step-00001001)")
+    assert out.getvalue().splitlines() == ["▸ train", "  resuming from step 1001 (step-00001001)"]
+    out = io.StringIO()
+    with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True):
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        task_log.info("[0] 01:34:31 INFO rank 0/2 (local 0/2) on cpu with 1 thread(s), starting from the initial "
+                      "weights")
+    assert out.getvalue().splitlines() == ["▸ train"]
