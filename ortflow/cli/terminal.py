@@ -88,13 +88,32 @@ _SIGNALLED = ("aborted by an interrupt signal", "aborted by a termination signal
 _RESUMED = re.compile(r"^\[0\] \S+ INFO rank 0/\d+ .*, starting from (step \d+ \(.+\))$")
 
 
-class _NoSignalCrash(logging.Filter):
-    """Drops Prefect's ``Crash detected! Execution was aborted by an interrupt signal.`` and ``Finished in state
-    Crashed(...)`` errors of a signalled run from the terminal (the log file keeps them)."""
+class _NoEcho(logging.Filter):
+    """Drops Prefect's errors that ``ortflow run`` says better from the terminal (the log file keeps them):
+    ``Crash detected! Execution was aborted by an interrupt signal.`` of a signalled run (it says where the run
+    stopped), a stage's final ``Finished in state Failed(...)`` or ``Crashed(...)`` (its stage line says failed, and the
+    run ends with the stage's own message and the fix), and ``Encountered exception during execution: ...`` for an
+    error that a retry would meet again (so none follows: that final message shows it). A passing error's line stays:
+    it says why the stage runs again. Also ``Error encountered when computing cache key``: an input the key hashes
+    is missing or unreadable, which the stage then reports itself (its result is not cached)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
         message = record.getMessage()
-        return not (record.levelno >= logging.ERROR and any(words in message for words in _SIGNALLED))
+        if any(words in message for words in _SIGNALLED):
+            return False
+        if not record.name.startswith("prefect"):
+            return True
+        if re.match(r"Finished in state (Failed|Crashed)\(", message):
+            return False
+        if message.startswith("Error encountered when computing cache key"):  # a missing input: the stage says so
+            return False
+        if message.startswith("Encountered exception during execution") and record.exc_info:
+            from ortflow.tasks.policy import will_repeat
+
+            return not will_repeat(record.exc_info[1])
+        return True
 
 
 class StageLines(logging.Handler):
@@ -234,13 +253,13 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool 
     root = logging.getLogger()
     handlers = _console_handlers()
     saved = [(h, h.console, h.formatter, h.level) for h in handlers]
-    no_signal_crash = _NoSignalCrash()
+    no_echo = _NoEcho()
     for handler in handlers:
         handler.console = console  # one console: rich prints log lines above the live progress bar
         handler.setFormatter(_NoTraceback(_Short() if quiet else handler.formatter))
         if quiet:
             handler.setLevel(max(handler.level, logging.WARNING))
-            handler.addFilter(no_signal_crash)
+            handler.addFilter(no_echo)
     added = [file_handler, *([StageLines(console)] if stages else [])]
     for handler in added:
         root.addHandler(handler)
@@ -264,7 +283,7 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool 
             handler.console = old_console
             handler.setFormatter(formatter)
             handler.setLevel(level)
-            handler.removeFilter(no_signal_crash)
+            handler.removeFilter(no_echo)
 
 
 #: errno values that say the disk, not the input, is the problem: the user frees space or fixes permissions.

@@ -91,14 +91,41 @@ def test_a_stage_stopped_by_a_signal_shows_as_stopped_not_crashed_and_the_file_k
     assert len(lines) == 4 and not any("Crash" in line for line in lines), lines
     saved = log_file.read_text()
     assert "Crash detected! Execution was aborted by an interrupt signal." in saved and "Crashed(" in saved
-    # A crash that no signal caused is shown as it is.
+    # A crash that no signal caused is shown as crashed (the run's own report then gives its message).
     out = io.StringIO()
     with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True):
         logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
         task_log.error("Finished in state Crashed('Execution was interrupted by an unexpected exception')")
     lines = out.getvalue().splitlines()
-    assert lines[1] == "error: Finished in state Crashed('Execution was interrupted by an unexpected exception')"
-    assert lines[2].startswith("✗ train crashed (") and len(lines) == 3, lines
+    assert lines[1].startswith("✗ train crashed (") and len(lines) == 2, lines
+
+
+def test_a_failed_stage_shows_its_error_once_and_a_retried_one_says_why_it_runs_again(tmp_path):
+    from ortflow.config.base import ConfigError
+
+    out = io.StringIO()
+    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
+                                     {"task_run_name": "configure-abc", "task_name": "configure", "send_to_api": False})
+    problem = ConfigError("1 problem(s):\n  - distributed.pipeline_parallel_size 16: use 12 or fewer")
+    with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True) as log_file:
+        logging.getLogger("ortflow.stages").info("stage configure starts", extra={"ortflow_stage": "configure"})
+        task_log.error("Error encountered when computing cache key - result will not be persisted.")
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except OSError:  # passes: retried, so its line says why the stage runs again
+            task_log.error("Encountered exception during execution: ConnectionResetError(104)", exc_info=True)
+        try:
+            raise problem
+        except ConfigError:  # repeats: not retried; `ortflow run` ends with its message and the fix
+            task_log.error(f"Encountered exception during execution: {problem!r}", exc_info=True)
+        task_log.error(f"Finished in state Failed('Task run encountered an exception {problem}')")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "▸ configure" and lines[1].startswith("error: Encountered exception during execution: "
+                                                             "ConnectionResetError"), lines
+    assert lines[2].startswith("✗ configure failed (") and len(lines) == 3, lines
+    saved = log_file.read_text()
+    assert "Encountered exception during execution: ConfigError(" in saved and "Finished in state Failed(" in saved
+    assert "computing cache key" in saved
 
 
 def test_a_resumed_training_names_the_checkpoint_it_resumes_from_once(tmp_path):
