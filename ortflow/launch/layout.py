@@ -235,10 +235,10 @@ def launch_layout(
         layout = gpu_layout(host, dist)
     elif wanted == "auto":
         tuned = read_tuned(run_dir, host)
-        if tuned is not None and train.global_batch_size and not divides(
-            train.global_batch_size, tuned.ranks * dist.num_hosts, facts.fixed_batch or 1
-        ):
-            tuned = None  # the recorded winner cannot split this global batch: fall back to the rule
+        if tuned is not None and (tuned.ranks % split or train.global_batch_size and not divides(
+            train.global_batch_size, tuned.ranks * dist.num_hosts // split, facts.fixed_batch or 1
+        )):  # fmt: skip
+            tuned = None  # the recorded winner makes no whole replicas, or they cannot split this global batch
         layout = tuned or replica_layout(host, facts.num_parameters, _per_host(train.global_batch_size, dist.num_hosts),
                                          facts.fixed_batch, split)  # fmt: skip
         layout = Layout(layout.ranks * dist.num_hosts, layout.threads, layout.reason)

@@ -247,6 +247,19 @@ def test_auto_starts_whole_replicas_of_a_split_model(tmp_path):
     assert launch_layout(tp, tmp_path, Host(3, 16 * GIB))[0].pair == (2, 1)
 
 
+def test_a_tuned_winner_counts_the_replicas_of_a_split_model(tmp_path):
+    _configured(tmp_path)
+    host = Host(4, 16 * GIB)
+    write_tuned(tmp_path, host, [{"ranks": 4, "threads": 1, "samples_per_s": 10.0}])
+    raw = _cfg(tmp_path, global_batch_size=2).model_dump(mode="json")
+    raw["distributed"] = {"num_ranks": "auto", "horizontal_parallel_size": 2}
+    # 4 ranks at tp 2 are 2 replicas, which split a global batch of 2: the winner stays.
+    assert launch_layout(config_from_dict(raw), tmp_path, host)[0].reason.startswith("tuned: ")
+    write_tuned(tmp_path, host, [{"ranks": 3, "threads": 1, "samples_per_s": 10.0}])  # not whole tp-2 replicas
+    layout, _ = launch_layout(config_from_dict(raw), tmp_path, host)
+    assert layout.ranks % 2 == 0 and not layout.reason.startswith("tuned: ")
+
+
 def test_a_rank_count_that_does_not_make_whole_replicas_is_refused_before_any_rank_starts(tmp_path):
     _configured(tmp_path)
     tp = _split_cfg(tmp_path, horizontal_parallel_size=2)
