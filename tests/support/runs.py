@@ -17,6 +17,10 @@ from ortflow.examples.mlp import build_mlp
 from ortflow.protocol import THREADS_ENV
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+#: Where jobs start (the folder pytest runs in). A job started from a background thread (:func:`start_ranks`) would
+#: otherwise inherit whatever folder the test's own thread is in at that moment: configure builds split artifacts
+#: inside a scratch folder it makes the current one, and renames it when done (mpiexec then cannot enter it).
+_LAUNCH_DIR = os.getcwd()
 
 
 def make_run(root: Path, name: str, *, num_rows: int = 512, model: Path | None = None, model_fields: dict | None = None,
@@ -130,7 +134,7 @@ def run_ranks(
 def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                          env=env, stdin=subprocess.DEVNULL, check=False)
+                          env=env, stdin=subprocess.DEVNULL, check=False, cwd=_LAUNCH_DIR)
 
 
 _BACKGROUND = None
