@@ -12,11 +12,16 @@ from rich.progress import Progress
 from ortflow.cli.terminal import terminal
 
 
+def _task_log(task: str) -> logging.LoggerAdapter:
+    """Prefect's logger of a run of the stage task ``task``, as the stage's records carry it."""
+    return logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
+                                 {"task_run_name": f"{task}-abc", "task_name": task, "send_to_api": False})
+
+
 def test_log_lines_share_the_progress_bars_console_and_tracebacks_go_to_the_file(tmp_path):
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100)
-    logger = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
-                                   {"task_run_name": "export-abc", "task_name": "export", "send_to_api": False})
+    logger = _task_log("export")
     with terminal(console, tmp_path / "logs") as log_file, Progress(console=console) as bar:
         task = bar.add_task("training", total=10)
         bar.update(task, completed=3)
@@ -59,8 +64,7 @@ def test_version_lines_fit_the_width_even_with_long_paths(tmp_path):
 def test_quiet_terminal_shows_warnings_as_short_lines_and_stages_and_the_file_keeps_everything(tmp_path):
     out = io.StringIO()
     console = Console(file=out, width=120)
-    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
-                                     {"task_run_name": "train-abc", "task_name": "train", "send_to_api": False})
+    task_log = _task_log("train")
     with terminal(console, tmp_path / "logs", quiet=True, stages=True) as log_file:
         logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
         task_log.info("[1] 15:54:01 INFO rank 1 parameters sha256 abc at step 100")
@@ -77,8 +81,7 @@ def test_quiet_terminal_shows_warnings_as_short_lines_and_stages_and_the_file_ke
 def test_a_stage_stopped_by_a_signal_shows_as_stopped_not_crashed_and_the_file_keeps_prefects_errors(tmp_path):
     out = io.StringIO()
     console = Console(file=out, width=120)
-    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
-                                     {"task_run_name": "train-abc", "task_name": "train", "send_to_api": False})
+    task_log = _task_log("train")
     with terminal(console, tmp_path / "logs", quiet=True, stages=True) as log_file:
         logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
         task_log.warning("[0] 15:54:01 WARNING stop requested: ranks stopped together after step 1001")
@@ -104,8 +107,7 @@ def test_a_failed_stage_shows_its_error_once_and_a_retried_one_says_why_it_runs_
     from ortflow.config.base import ConfigError
 
     out = io.StringIO()
-    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
-                                     {"task_run_name": "configure-abc", "task_name": "configure", "send_to_api": False})
+    task_log = _task_log("configure")
     problem = ConfigError("1 problem(s):\n  - distributed.pipeline_parallel_size 16: use 12 or fewer")
     with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True) as log_file:
         logging.getLogger("ortflow.stages").info("stage configure starts", extra={"ortflow_stage": "configure"})
@@ -130,8 +132,7 @@ def test_a_failed_stage_shows_its_error_once_and_a_retried_one_says_why_it_runs_
 
 def test_a_resumed_training_names_the_checkpoint_it_resumes_from_once(tmp_path):
     out = io.StringIO()
-    task_log = logging.LoggerAdapter(logging.getLogger("prefect.task_runs"),
-                                     {"task_run_name": "train-abc", "task_name": "train", "send_to_api": False})
+    task_log = _task_log("train")
     with terminal(Console(file=out, width=120), tmp_path / "logs", quiet=True, stages=True):
         logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
         for rank in (1, 0):

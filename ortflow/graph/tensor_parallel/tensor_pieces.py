@@ -151,11 +151,12 @@ def cut_pieces(model: onnx.ModelProto, plan: TensorParallelPlan, original: onnx.
     _check_slices_stay_in_regions(a, member, plan)
     partial = {o for r in plan.regions for o in r.outputs}
     sliced = set(plan.slicing())
-    piece_of = {lv: s for s, group in enumerate(_fold(sorted(set(level.values())))) for lv in group}
+    groups = _fold(sorted(set(level.values())))
+    piece_of = {lv: s for s, group in enumerate(groups) for lv in group}
     where = {i: piece_of[lv] for i, lv in level.items()}
     outputs = [o.name for o in model.graph.output]
     pieces = []
-    for s in range(len(set(piece_of.values()))):
+    for s in range(len(groups)):
         nodes = [i for i in a.order if where[i] == s]
         produced = {o for i in nodes for o in a.graph.node[i].output if o}
         receives, sends = [], []
