@@ -207,12 +207,16 @@ class ForwardBackward:
         reading it), a copy on the GPU."""
         return self._binding.OrtValue.ortvalue_from_numpy(array, self._device)
 
-    def forward(self, feeds: list) -> tuple[list, object]:
+    def forward(self, feeds: list, host: bool = True) -> tuple[list, object]:
         """The forward pass on ``feeds`` (engine tensors from :meth:`ortvalue`, in ``feed_names`` order); returns the
-        outputs (host arrays) and the state that holds its activations until :meth:`backward`."""
+        outputs (host arrays; with ``host`` False the engine's own tensors where they lie, which the caller reads
+        only once the call's work is done and not after :meth:`backward`) and the state that holds its activations
+        until :meth:`backward`."""
         state = self._binding.PartialGraphExecutionState()
         outputs = self._binding.OrtValueVector()
         self._agent.run_forward(self._vector(feeds), outputs, state, None)
+        if not host:
+            return [outputs[i] for i in range(len(outputs))], state
         # Copied: a forward output's buffer can be one the backward pass writes into (the loss, measured).
         return [np.array(outputs[i].numpy(), copy=True) for i in range(len(outputs))], state
 

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime
 
 from ortflow.trainer import arena
-from ortflow.trainer.comm.nccl import DeviceBuffer
+from ortflow.trainer.comm.nccl import DeviceBuffer, EngineStream
 
 
 class HostBuffers:
@@ -57,6 +57,10 @@ class HostBuffers:
     def view(self, buffer: np.ndarray) -> np.ndarray:
         """An array to compute on in place: a host buffer is one."""
         return buffer
+
+    def engine_stream(self) -> None:
+        """None: the CPU engine's calls return when their work is done."""
+        return None
 
 
 class DeviceBuffers:
@@ -112,6 +116,11 @@ class DeviceBuffers:
     def view(self, buffer: DeviceBuffer):
         """A CuPy view of a device buffer (no copy)."""
         return self.comm._device_view(buffer)
+
+    def engine_stream(self) -> EngineStream:
+        """The rank's stream for the engine's separate forward and backward calls and the gradient sums behind them
+        (:class:`~ortflow.trainer.comm.nccl.EngineStream`)."""
+        return self.comm.engine_stream()
 
 
 def engine_buffers(device: str, comm) -> HostBuffers | DeviceBuffers:

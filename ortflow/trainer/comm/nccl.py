@@ -100,6 +100,66 @@ class Bucket:
     pieces: tuple[tuple[int, int], ...]
 
 
+class EngineStream:
+    """A CUDA stream that a rank owns and hands to the engine's separate forward and backward calls
+    (:class:`ortflow.engine.ForwardBackward`: the CUDA provider's ``user_compute_stream``), so that ortflow's work on
+    their outputs runs on the engine's own stream: the gradient sums into the training module's buffers are queued
+    behind the backward with no wait between them.
+
+    The engine does not wait for a user stream at the end of a call; the host does, where it reads what the calls
+    wrote (:meth:`synchronize`). A host array becomes an engine tensor through a copy on the legacy default stream,
+    which a non-blocking stream does not wait for by itself: :meth:`after_host_copies` orders it.
+
+    Args:
+        cupy: The cupy module.
+        device_index: This rank's GPU among the visible ones.
+    """
+
+    def __init__(self, cupy, device_index: int):
+        self._cp, self.device_index = cupy, device_index
+        with cupy.cuda.Device(device_index):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def provider_options(self) -> dict[str, str]:
+        """The CUDA provider's options that put a session's work on this stream."""
+        return {"device_id": str(self.device_index), "has_user_compute_stream": "1",
+                "user_compute_stream": str(self.stream.ptr)}
+
+    def after_host_copies(self) -> None:
+        """The stream's next work waits, on the GPU, for the copies the legacy default stream holds so far (a host
+        array copied into an engine tensor): an event, no host wait."""
+        self.stream.wait_event(self._cp.cuda.Stream.null.record())
+
+    def sum_into(self, buffers: Sequence[DeviceBuffer], values: Sequence, fresh: bool) -> None:
+        """Engine tensors ``values`` (float32, on this GPU) copied (``fresh``) or added in float32 into the device
+        ``buffers``, queued on this stream (after the engine call that wrote them; :meth:`synchronize` waits)."""
+        cp = self._cp
+        with self.stream:
+            for buffer, value in zip(buffers, values, strict=True):
+                count = int(np.prod(value.shape(), dtype=np.int64))
+                if value.data_type() != "tensor(float)" or count != buffer.count:
+                    raise TypeError(f"gradient of {buffer.name}: {value.data_type()} of {count} values for a float32 "
+                                    f"buffer of {buffer.count}")
+                if count == 0:
+                    continue
+                source = _float_view(cp, value.data_ptr(), count, value, self.device_index)
+                target = _float_view(cp, buffer.ptr, count, self, self.device_index)
+                if fresh:
+                    cp.copyto(target, source)
+                else:
+                    cp.add(target, source, out=target)
+
+    def synchronize(self) -> None:
+        """The host waits for everything queued on this stream (engine calls and sums)."""
+        self.stream.synchronize()
+
+
+def _float_view(cupy, ptr: int, count: int, owner: object, device_index: int):
+    """A CuPy float32 view of ``count`` values at device address ``ptr`` (no copy)."""
+    memory = cupy.cuda.UnownedMemory(ptr, count * 4, owner, device_index)
+    return cupy.ndarray((count,), dtype=cupy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
 class NCCLComm:
     """Gradients averaged with NCCL; every other collective goes to the wrapped MPI (or single-process) group.
 
@@ -177,6 +237,7 @@ class NCCLComm:
         self._device_flat = None
         self._norm_sq = 0.0
         self._closed = False
+        self._engine_stream: EngineStream | None = None
 
     # -- the gradient path ----------------------------------------------------------------------------------------
     def _tensor_table(self, grads: Sequence[DeviceBuffer]) -> TensorTable:
@@ -296,6 +357,13 @@ class NCCLComm:
             np.multiply(flat[offset : offset + grad.size].reshape(grad.shape), scale, out=grad)
             offset += grad.size
         scalars[:] = flat[offset:]
+
+    def engine_stream(self) -> EngineStream:
+        """The stream this rank's separate engine calls run on (:class:`EngineStream`: one per rank, made on first
+        use)."""
+        if self._engine_stream is None:
+            self._engine_stream = EngineStream(self._cp, self.device_index)
+        return self._engine_stream
 
     # -- Adasum (comm/adasum.py's schedule on device buffers) -------------------------------------------------------
     def _device_view(self, buffer: DeviceBuffer):

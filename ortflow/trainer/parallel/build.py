@@ -151,10 +151,10 @@ def tensor_body(cfg: RunConfig, record: dict, base: Path, where: Place, groups: 
         load_sliced_parameters(body, start)
     body.tensors = activation_store(buffers, groups.tp, where.tp_rank, size)
     body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
-    if not cfg.distributed.recompute_forward and not buffers.on_device:  # CUDA ranks recompute
+    if not cfg.distributed.recompute_forward:
         keep_piece_activations(pieces, last, stage_session_options(threads, buffers,
                                                                    cfg.distributed.deterministic_compute),
-                               cfg.distributed.recompute_subgraphs)
+                               cfg.distributed.recompute_subgraphs, buffers)
     return body
 
 
@@ -188,16 +188,17 @@ def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDim
 
 
 def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, threads: int) -> KeptActivations | None:
-    """The forward-once calls of a stage that is not the last, unless the config asks for recomputation; CUDA stages
-    and stages whose forward switches BatchNorm to batch statistics (its eval model's extra input) recompute."""
-    if stage.last or cfg.distributed.recompute_forward or body.buffers.on_device:
+    """The forward-once calls of a stage that is not the last (on the CPU or its GPU), unless the config asks for
+    recomputation; stages whose forward switches BatchNorm to batch statistics (its eval model's extra input)
+    recompute."""
+    if stage.last or cfg.distributed.recompute_forward:
         return None
     if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
         return None
     body.module.train()
     options = stage_session_options(threads, body.buffers, cfg.distributed.deterministic_compute)
     return KeptActivations(body.folder / "eval_model.onnx", body.state, body.trainable, stage.receives, stage.sends,
-                           options, cfg.distributed.recompute_subgraphs)
+                           options, cfg.distributed.recompute_subgraphs, buffers=body.buffers)
 
 
 def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
