@@ -125,6 +125,8 @@ def test_pp2_hp2_on_four_gpus_equals_the_same_layout_on_cpu_ranks(tmp_path):
     for rank in range(4):  # rank = stage * 2 + t (one replica), one GPU each
         assert (f"rank {rank}: tensor-parallel rank {rank % 2}/2 of replica 0/1 of pipeline stage {rank // 2}/2"
                 in log), log[-3000:]
+    kept = [(int(n), int(k)) for n, k in re.findall(r"(\d+) pieces \((\d+) keep their activations\)", log)]
+    assert len(kept) == 4 and all(k > 0 for _, k in kept), kept  # stage 0: every piece; stage 1: all but the loss's
     _compare(read_params(newest(gpu)), read_params(newest(cpu)), initial_parameters(cpu), "pp 2 x hp 2")
     _assert_losses_match(gpu, cpu)
 

@@ -1,7 +1,9 @@
 """Pipeline stages on GPUs (skipped without 2 GPUs, the GPU engine and CuPy).
 
 Stages pass activations and gradients as host arrays over the process group (MPI), as CPU stages do; the replicas of a
-stage average their gradients with NCCL.
+stage average their gradients with NCCL. A stage that is not the last runs each micro-batch's forward once and keeps
+its activations until the backward, as CPU stages do (the engine on a stream the rank owns: the rank logs "forward
+once, activations kept until the backward"); a stage with a BatchNorm before its cut recomputes its forward.
 
 Tolerance against the unsplit model on one GPU: the CUDA provider runs matmuls in TF32 by default (10-bit mantissa,
 relative error ~5e-4 per product). Each stage runs the unsplit graph's operators on the same micro-batch shapes, so
@@ -29,6 +31,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 
 # A hang (a lost NCCL message) is named by the watchdog within 60 s, before _run's 180 s subprocess timeout.
 GPU = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0}
+KEPT = "rank 0 stage 0: forward once, activations kept until the backward"
+RECOMPUTED = "rank 0 stage 0: forward recomputed inside the backward call"
 TIMING = re.compile(r"rank (\d+) stage (\d+)/(\d+) timing: median update ([0-9.]+) s, engine calls ([0-9.]+) s, "
                     r"idle ([0-9.]+)")
 
@@ -68,6 +72,7 @@ def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path):
     log = _run(two, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 1/2 (local 1/2) on cuda:1" in log, log[-3000:]
     assert "rank 0: pipeline stage 0/2" in log and "rank 1: pipeline stage 1/2" in log, log[-3000:]
+    assert KEPT in log and RECOMPUTED not in log, log[-3000:]
     _compare(two, one)
     timing = _stage_timing(log)
     assert sorted(s for s, *_ in timing.values()) == [0, 1], log[-3000:]
@@ -86,6 +91,7 @@ def test_four_gpus_two_stages_by_two_replicas_match_and_replicas_are_identical(t
                          train=train)
     _run(dp, 2)
     log = _run(grid, 4)
+    assert KEPT in log and "rank 2 stage 0: forward once, activations kept until the backward" in log, log[-3000:]
     _compare(grid, dp)
     seen = _digests(log)  # rank = replica * 2 + stage: ranks 0, 2 hold stage 0; ranks 1, 3 stage 1
     last = max(step for _, step in seen)
@@ -113,6 +119,7 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
     log = _run(gpu, 2, env=STRICT_FP32)
     cpu_log = _run(cpu, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 0: pipeline stage 0/2" in log, log[-3000:]
+    assert KEPT in log, log[-3000:]
     norms = [[float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", text)] for text in (log, cpu_log)]
     assert norms[0] and len(norms[0]) == len(norms[1])  # the table counted once, after its sum, on both
     np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
@@ -128,10 +135,10 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
 
 def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_ranks(tmp_path):
     """The torch CNN export cut into two stages, a BatchNorm on each side: stage 0's forward passes normalise by the
-    micro-batch (the batch form of its eval model, graph/pipeline_parallel/batchnorm_forward.py) on the GPU as on CPU
-    ranks, and both stages' running statistics are kept, saved and averaged over nothing. Weights and running statistics
-    against the same layout on CPU ranks (SGD, strict fp32: cuDNN's convolutions and batch statistics round differently
-    from the CPU's by float32 rounding only)."""
+    micro-batch (the batch form of its eval model, graph/pipeline_parallel/batchnorm_forward.py; recomputed in the
+    backward call, not kept) on the GPU as on CPU ranks, and both stages' running statistics are kept, saved and
+    averaged over nothing. Weights and running statistics against the same layout on CPU ranks (SGD, strict fp32:
+    cuDNN's convolutions and batch statistics round differently from the CPU's by float32 rounding only)."""
     from ortflow.checkpoints import list_complete
     from ortflow.checkpoints.h5state import read_params
     from tests.gpu.test_gpu_cuda_kernels import conv_libraries_missing
@@ -147,6 +154,7 @@ def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_rank
     log = _run(gpu, 2, env=STRICT_FP32)
     _run(cpu, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 0: pipeline stage 0/2" in log, log[-3000:]
+    assert RECOMPUTED in log, log[-3000:]  # its forward switches BatchNorm to batch statistics
     checkpoints = [list_complete(cfg.checkpoints_dir) for cfg in (gpu, cpu)]
     assert [c.step for c in checkpoints[0]] == [c.step for c in checkpoints[1]] and checkpoints[0]
     worst, moved = 0.0, 0.0

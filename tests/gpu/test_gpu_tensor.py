@@ -5,10 +5,13 @@ gradients and the tensor-parallel sums on the device (NCCL all-gather, rank-orde
 the pieces' CUDA buffers, the device-side norm of the rank's share. tp 2 on 2 GPUs trains the 2-layer GPT to the
 parameters of 1 GPU unsplit (strict fp32 and SGD, as in test_gpu_four_layouts.py), the GPT-2 export's tp 2 equals
 the same layout on CPU ranks, and the engine writes the pieces' outputs on the device
-(bench/reports/gpu-tests-4xh100.md).
+(bench/reports/gpu-tests-4xh100.md). Every piece but the loss's runs its forward once and keeps its activations on the
+GPU (the engine on a stream the rank owns), as on CPU ranks.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -32,6 +35,8 @@ def test_two_gpu_tensor_parallel_ranks_match_one_gpu(tmp_path):
     out1 = _run(one, 1, env=STRICT_FP32)
     out2 = _run(two, 2, env=STRICT_FP32)
     print(out1[-2000:], out2[-2000:])  # samples/s of both, for the device log
+    kept = re.findall(r"(\d+) pieces \((\d+) keep their activations\)", out2)
+    assert len(kept) == 2 and all(0 < int(k) < int(n) for n, k in kept), kept  # all but the loss's piece, on the GPU
     p1, p2 = read_params(newest(one)), read_params(newest(two))
     initial = initial_parameters(one)
     assert sorted(p1) == sorted(p2)

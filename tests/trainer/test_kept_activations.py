@@ -167,3 +167,73 @@ def test_recomputed_subgraphs_change_the_graph_and_not_the_gradients(two_stages,
         assert bool(recomputed) == bool(plans), recomputed
     for plain, recomputed in zip(*grads.values(), strict=True):
         assert plain.tobytes() == recomputed.tobytes()
+
+
+class _DeviceBuffers:
+    """A CUDA rank's buffers as the start of a rank sees them (the calls are recorded, not made)."""
+
+    on_device = True
+
+    def stage_options(self, options):
+        return options
+
+
+def _stage_body(batch_statistics: bool = False):
+    from types import SimpleNamespace
+
+    from ortflow.artifacts_folder import BATCH_STATISTICS_INPUT
+
+    inputs = ["input_ids", *([BATCH_STATISTICS_INPUT] if batch_statistics else [])]
+    part = SimpleNamespace(prepared=lambda train: SimpleNamespace(input_names=lambda: inputs))
+    return SimpleNamespace(engine_parts=lambda: [part], module=SimpleNamespace(train=lambda: None),
+                           buffers=_DeviceBuffers(), folder=None, state=None, trainable=["w"])
+
+
+def test_cuda_stages_keep_their_activations_unless_recompute_forward_batchnorm_or_the_last(monkeypatch, tmp_path):
+    """A CUDA stage that is not the last keeps its activations (its buffers go with the calls: the engine then runs
+    on the rank's stream); ``distributed.recompute_forward``, a BatchNorm switched to batch statistics before its cut,
+    and the last stage recompute."""
+    from types import SimpleNamespace
+
+    from ortflow.trainer.parallel import build
+
+    made = []
+    monkeypatch.setattr(build, "KeptActivations", lambda *args, **kwargs: made.append(kwargs) or "kept")
+    body = _stage_body()
+    body.folder = tmp_path
+
+    def config(recompute_forward: bool):
+        return SimpleNamespace(distributed=SimpleNamespace(recompute_forward=recompute_forward,
+                                                           deterministic_compute=True, recompute_subgraphs=()))
+
+    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",))
+    assert build.keep_activations(config(False), body, middle, 1) == "kept"
+    assert made[-1]["buffers"] is body.buffers
+    assert build.keep_activations(config(True), body, middle, 1) is None
+    assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
+    assert build.keep_activations(config(False), body, SimpleNamespace(last=True, receives=("h",), sends=()), 1) is None
+    assert len(made) == 1
+
+
+def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_and_the_loss(monkeypatch, tmp_path):
+    """Tensor-parallel pieces on a GPU keep their activations with their sent tensors left on the device; a piece
+    that sends an integer tensor and the last stage's last piece (its training call computes the loss) recompute."""
+    from types import SimpleNamespace
+
+    from ortflow.trainer.parallel import kept_activations
+
+    made = []
+    monkeypatch.setattr(kept_activations, "KeptActivations",
+                        lambda *args, **kwargs: made.append((args, kwargs)) or "kept")
+    state = SimpleNamespace(parameters=[("w", SimpleNamespace(requires_grad=True))])
+
+    def piece(sends, float_sends):
+        info = {"sends": sends, "float_sends": float_sends, "float_receives": ["x"]}
+        return SimpleNamespace(info=info, state=state, folder=tmp_path, kept=None)
+
+    pieces = [piece(["a"], ["a"]), piece(["ids", "b"], ["b"]), piece(["c"], ["c"]), piece(["loss"], ["loss"])]
+    buffers = _DeviceBuffers()
+    kept_activations.keep_piece_activations(pieces, True, None, (), buffers)
+    assert [p.kept for p in pieces] == ["kept", None, "kept", None]
+    assert all(kwargs == {"buffers": buffers, "host_sends": False} for _, kwargs in made)
+    assert made[0][0][3:5] == (("x",), ("a",))  # receives (float), sends
