@@ -46,7 +46,7 @@ class DistributedConfig(Section):
         "piece but the last, runs each micro-batch's forward twice (a forward to send, then again inside its backward "
         "call) and keeps only the tensors it received in between (less memory, one more forward); false: the forward "
         "runs once and its activations are kept until the backward (at most P - s micro-batches on stage s of P, "
-        "1F1B). CUDA ranks always recompute (docs/layouts.md).",
+        "1F1B), on CPU and CUDA ranks alike (docs/layouts.md).",
     )
     recompute_subgraphs: tuple[str, ...] = Field(
         (),
