@@ -1,7 +1,8 @@
 """Test-only rank entry: a tensor-parallel CUDA rank's micro-batches, watching where its pieces' tensors live.
 
 Usage: mpiexec -n 2 python tensor_device_rank.py RUN_DIR (an hp 2 run on CUDA). Every engine call of the rank's pieces
-is recorded with the devices where the engine wrote its outputs. After three micro-batches the rank sums a random
+is recorded with the devices where the engine wrote its outputs, and so are the sent tensors of the pieces that keep
+their activations (the engine's separate calls on the rank's stream). After three micro-batches the rank sums a random
 tensor of its own over the tensor-parallel group (also in place, as a replicated parameter's gradient buffer), adds two
 tensors and halves one on the GPU, and prints one ``RESULT`` line: the devices per micro-batch, and whether the sums,
 the add and the product have the bits of the host's rank-order float32 adds and float32 product.
@@ -33,6 +34,23 @@ def call_module(module, train, inputs, outputs):
 
 
 activations.call_module = call_module
+kept_devices: set[str] = set()  # where the pieces that keep their activations leave their sent tensors
+
+
+def watch_kept(kept):
+    forward = kept.forward
+
+    def watched(feeds):
+        outputs = forward(feeds)
+        kept_devices.update(o.device_name() for o in outputs)
+        return outputs
+
+    kept.forward = watched
+
+
+for piece in rt.pieces:
+    if piece.kept is not None:
+        watch_kept(piece.kept)
 shard, shards = comm.rank // rt.tp_size, comm.size // rt.tp_size  # a replica's tp ranks read its batches
 batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
 for _ in range(3):
@@ -53,6 +71,7 @@ buffer = tensors.to_device(mine)  # an engine gradient buffer summed in place (a
 tensors.sum_into([DeviceBuffer(buffer.data_ptr(), mine.size, "test buffer")], "test sum into")
 print("RESULT " + json.dumps({
     "rank": comm.rank, "devices": [sorted(d) for d in devices], "sum_device": total.device_name(),
+    "kept_pieces": sum(p.kept is not None for p in rt.pieces), "kept_devices": sorted(kept_devices),
     "sum_bits_equal": tensors.host(total).tobytes() == expected.tobytes(),
     "add_bits_equal": tensors.host(added).tobytes() == (every[0] + every[1]).tobytes(),
     "scale_bits_equal": tensors.host(halved).tobytes() == (mine * np.float32(0.5)).tobytes(),

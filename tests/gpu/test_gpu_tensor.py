@@ -71,7 +71,8 @@ def test_gpt2_export_with_its_tied_table_splits_over_two_gpus_as_over_two_cpu_ra
 
 def test_pieces_keep_activations_and_their_sums_on_the_gpu(tmp_path):
     """After a piece's first call (the engine allocates its outputs on the host; their shapes are recorded), every
-    training and eval call writes its outputs into device tensors, and the tensor-parallel sums and gradient adds
+    training and eval call writes its outputs into device tensors, the pieces that keep their activations leave their
+    sent tensors on the GPU from the first micro-batch, and the tensor-parallel sums and gradient adds
     run on the GPU with the bits of the host's rank-order float32 adds."""
     import json
     import re
@@ -89,5 +90,6 @@ def test_pieces_keep_activations_and_their_sums_on_the_gpu(tmp_path):
         assert r["devices"][0] == ["cpu"]  # the first micro-batch: the engine's own (host) outputs, shapes recorded
         assert r["devices"][1:] == [["cuda"], ["cuda"]], r["devices"]
         assert r["sum_device"] == "cuda"
+        assert r["kept_pieces"] > 0 and r["kept_devices"] == ["cuda"], r  # kept pieces' sends stay on the GPU
         assert r["sum_bits_equal"] and r["add_bits_equal"], r
         assert r["scale_bits_equal"] and r["sum_into_bits_equal"], r
