@@ -156,7 +156,8 @@ class ForwardBackward:
         trainable: The parameters whose gradients :meth:`backward` returns.
         input_grads: Graph inputs (not parameters) whose gradients :meth:`backward` returns first.
         options: The session options of the gradient graph's session.
-        providers: Its execution providers.
+        providers: Its execution providers (names, or ``(name, options)`` pairs: a CUDA rank's
+            ``user_compute_stream``).
         device: Where the outputs and gradients land: ``cpu`` or ``cuda:N`` (then the parameters are fed as the
             engine's own device tensors and the gradients stay on the GPU).
         recompute: Memory-optimizer plans (``SUBGRAPH:1:COUNT``): those subgraphs' outputs are recomputed in the

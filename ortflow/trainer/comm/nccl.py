@@ -487,7 +487,8 @@ class NCCLComm:
 
         The all-gather and the sum are queued on the NCCL stream; nothing leaves the GPU. The host then waits once,
         under the watchdog, for that stream: the engine reads ``dst`` next, on its own stream, which cannot be told to
-        wait for this one. ``src`` is an output of an engine call, complete when the call returned.
+        wait for this one. ``src`` is an output of an engine call, complete when the call returned (a kept piece's
+        separate calls return after the host waited for the rank's :class:`EngineStream`).
         """
         if count == 0:
             return
