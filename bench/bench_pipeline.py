@@ -52,6 +52,11 @@ def _state_bytes(state, trainable: list[str]) -> dict:
     return {"parameters": 4 * values, "gradients": 4 * values, "optimizer_state": 8 * values, "values": values}
 
 
+def _kept_parts(rt) -> int:
+    """How many of the rank's engine parts run the forward once and keep its activations (0: recomputing)."""
+    return sum(getattr(part, "kept", None) is not None for part in getattr(rt.body, "pieces", [rt.body]))
+
+
 def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> None:
     """Under mpiexec: warm-up + timed steps of the run's layout with the trainer's own pieces; one JSON per rank.
 
@@ -110,8 +115,8 @@ def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> 
         "rank": comm.rank, "stage": rt.stage.stage if rt.stage is not None else 0,
         "step_s": statistics.median(times), "device": rt.device,
         "device_memory_used": device_used,
-        "compute_s": statistics.median(compute), "samples_per_step": k * cfg.train.batch_size * (
-            comm.size // cfg.distributed.pipeline_parallel_size),
+        "compute_s": statistics.median(compute), "kept_parts": _kept_parts(rt),
+        "samples_per_step": k * cfg.train.batch_size * (comm.size // cfg.distributed.pipeline_parallel_size),
         "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held, "sent_held": sent,
                    "activations_peak": 1024 * (_rss_kb("VmHWM") - rss_before), "rss_peak": 1024 * _rss_kb("VmHWM")},
     }
@@ -176,7 +181,10 @@ def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
 
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
-               device: str = "cpu", recompute: bool = False) -> Path:
+               device: str = "cpu", recompute: bool = False, like: Path | None = None) -> Path:
+    """Configure and prepare the data of one contender's run folder ``root/name``; ``like``: a run folder with the
+    same artifacts (same stage count), whose artifacts and shards it reuses (hard links) instead of building them."""
+    from bench.common import link_configured
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
@@ -197,8 +205,10 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch
         "distributed": {"num_ranks": ranks, "pipeline_parallel_size": stages, "threads_per_rank": 1,
                         "recompute_forward": recompute, **gpu},
     })
-    configure(cfg)
-    prepare_data(cfg)
+    linked = like is not None and link_configured(cfg, like)
+    built, data = configure(cfg), prepare_data(cfg)
+    if linked and not (built.reused and data.reused):
+        raise RuntimeError(f"{cfg.output_dir}: configure did not reuse the artifacts and shards linked from {like}")
     return cfg.output_dir
 
 
@@ -236,12 +246,13 @@ def main(argv: list[str] | None = None) -> None:
         return memory_worker(args.memory, args.stage, args.calls, args.memory_batch[0])
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         root = Path(tmp)
-        runs = {("pp1", m): (_configure(root, f"pp1-m{m}", 1, 1, m), 1) for m in args.micro[:1]}
-        for m in args.micro:
-            runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m), 2)
-            runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m, recompute=args.recompute), 2)
-        results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
         first = args.micro[0]
+        runs = {("pp1", first): (_configure(root, f"pp1-m{first}", 1, 1, first), 1)}
+        pp2 = _configure(root, f"pp2-m{first}", 2, 2, first, recompute=args.recompute)
+        for m in args.micro:  # every unsplit run reuses pp1's artifacts, every pp 2 run the first one's
+            runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, like=runs[("pp1", first)][0]), 2)
+            runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m, recompute=args.recompute, like=pp2), 2)
+        results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
         engine_memory = {b: {"pp1": _memory(runs[("pp1", first)][0], None, b),
                              "pp2": [_memory(runs[("pp2", first)][0], s, b) for s in (0, 1)]}
                          for b in args.memory_batch}
@@ -340,88 +351,155 @@ def report(record: dict) -> str:
 
 
 
-GPU_DOC = """Pipeline parallelism on 2 GPUs: pp 2 vs dp 2 (NCCL), each stage's update time and idle share.
+GPU_DOC = """Pipeline parallelism on 2 GPUs: pp 2 keeping its activations vs pp 2 recomputing vs dp 2 (NCCL).
 
 Run on a machine with 2 GPUs and the GPU engine (docs/gpu.md):
-``python -m bench pipeline-gpu [--batch-size 16] [--rounds 3] [--steps 6] [--micro 2 8]`` (writes
-bench/out/pipeline-gpu-<host>.json and .md, or into --out). The same GPT and the same worker as the CPU bench
-above (the trainer's own init_runtime, pipeline_step, NCCL exchange and device update), configured
-with ``device: cuda, use_nccl: true``; rounds alternate the contenders. Memory here is each rank's whole GPU as used
-after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL buffers and the CUDA context), for reference: the
-CPU bench measures the per-rank memory split.
+``python -m bench pipeline-gpu [--batch-size 16] [--rounds 3] [--steps 6] [--micro 2 8] [--d-model 128 ...]
+[--budget-s S]`` (writes bench/out/pipeline-gpu-<host>.json and .md, or into --out). The same GPT and the same worker
+as the CPU bench above (the trainer's own init_runtime, pipeline_step, NCCL exchange and device update), configured
+with ``device: cuda, use_nccl: true``, in four contenders: pp1 (one GPU, its memory only), dp2, pp2 (stage 0 runs
+each micro-batch's forward once and keeps its activations) and pp2-recompute (``distributed.recompute_forward: true``:
+stage 0 recomputes its forward inside the training call). Rounds alternate the contenders (reversed every other
+round); ``--budget-s`` starts no round after that many seconds (at least one runs). The unsplit runs share one
+configure's artifacts, the pp 2 runs another's (hard links: recompute_forward, the rank count and the micro-batch
+count are outside configure's fingerprint). Memory here is each rank's whole GPU as used after the steps
+(cudaMemGetInfo: the engine's CUDA arena, NCCL buffers and the CUDA context), for reference: the CPU bench measures
+the per-rank memory split.
 
 Bubble: on each stage, idle = 1 - (seconds inside engine calls) / (update seconds), against (P-1)/(m+P-1).
+Kept / recompute: per round, pp2's stage 0 engine ms and samples/s over pp2-recompute's, the median over rounds.
 """
+
+#: The pp 2 contenders of the GPU bench: name -> distributed.recompute_forward.
+GPU_PIPELINES = {"pp2": False, "pp2-recompute": True}
+
+
+def _samples_per_s(ranks: list[dict]) -> float:
+    return ranks[0]["samples_per_step"] / max(x["step_s"] for x in ranks)
 
 
 def gpu_summarize(results: dict, micro: list[int]) -> dict:
-    """Medians over rounds: samples/s of dp2 and pp2, each stage's update/engine ms and idle share, GPU memory."""
+    """Medians over rounds: samples/s of dp2 and each pp 2 contender, each stage's update/engine ms and idle share,
+    the paired kept/recompute ratios, GPU memory."""
     def med(key: str, pick) -> float:
         return statistics.median(pick(r) for r in results[key])
 
     rows = {}
     for m in micro:
-        row = {kind: med(f"{kind}-m{m}", lambda r: r[0]["samples_per_step"] / max(x["step_s"] for x in r))
-               for kind in ("dp2", "pp2")}
-        row["pp2_over_dp2"] = row["pp2"] / row["dp2"]
-        row["stage_step_ms"] = [1e3 * med(f"pp2-m{m}", lambda r, s=s: r[s]["step_s"]) for s in (0, 1)]
-        row["stage_engine_ms"] = [1e3 * med(f"pp2-m{m}", lambda r, s=s: r[s]["compute_s"]) for s in (0, 1)]
-        row["idle_stage"] = [med(f"pp2-m{m}", lambda r, s=s: 1 - r[s]["compute_s"] / r[s]["step_s"]) for s in (0, 1)]
-        row["bubble_theory"] = 1 / (m + 1)
+        dp2 = med(f"dp2-m{m}", _samples_per_s)
+        row = {"dp2": {"samples_per_s": dp2}, "bubble_theory": 1 / (m + 1)}
+        for kind in GPU_PIPELINES:
+            key = f"{kind}-m{m}"
+            row[kind] = {
+                "samples_per_s": med(key, _samples_per_s), "over_dp2": med(key, _samples_per_s) / dp2,
+                "stage_step_ms": [1e3 * med(key, lambda r, s=s: r[s]["step_s"]) for s in (0, 1)],
+                "stage_engine_ms": [1e3 * med(key, lambda r, s=s: r[s]["compute_s"]) for s in (0, 1)],
+                "idle_stage": [med(key, lambda r, s=s: 1 - r[s]["compute_s"] / r[s]["step_s"]) for s in (0, 1)],
+                "kept_parts": [r.get("kept_parts") for r in results[key][0]],
+            }
+        kept, recomputing = results[f"pp2-m{m}"], results[f"pp2-recompute-m{m}"]
+        pairs = list(zip(kept, recomputing, strict=True))  # the same round: ratios are paired, then the median taken
+        row["kept_over_recompute"] = {
+            "samples_per_s": statistics.median(_samples_per_s(a) / _samples_per_s(b) for a, b in pairs),
+            "stage0_engine_ms": statistics.median(a[0]["compute_s"] / b[0]["compute_s"] for a, b in pairs),
+            "rounds": len(pairs)}
         rows[m] = row
     first = micro[0]
     memory = {"pp1": results[f"pp1-m{first}"][0][0]["device_memory_used"],
               "dp2 rank 0": results[f"dp2-m{first}"][0][0]["device_memory_used"]}
-    memory.update({f"pp2 stage {s}": results[f"pp2-m{first}"][0][s]["device_memory_used"] for s in (0, 1)})
+    for kind in GPU_PIPELINES:
+        memory.update({f"{kind} stage {s}": results[f"{kind}-m{first}"][0][s]["device_memory_used"] for s in (0, 1)})
     return {"throughput": rows, "device_memory_used": memory}
 
 
 def gpu_report(record: dict) -> str:
     """The markdown summary written next to the JSON."""
     s = record["summary"]
+    rounds = record.get("rounds_run", record["rounds"])
     lines = [f"# Pipeline bench on 2 GPUs ({record['host']})", "", f"`{record['command']}`", "",
              f"GPT {record['shape']}, micro-batch {record['batch_size']} sequences, `device: cuda`, `use_nccl: true`; "
-             f"medians of {record['rounds']} rounds x {record['timed_steps']} timed updates.", "",
-             "| m | dp2 samples/s | pp2 samples/s | pp2/dp2 | stage 0 update ms | stage 1 update ms | "
-             "stage 0 engine ms | stage 1 engine ms | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"medians of {rounds} rounds x {record['timed_steps']} timed updates. pp2: stage 0 keeps its "
+             "activations; pp2-recompute: `recompute_forward: true`.", "",
+             "| m | contender | samples/s | vs dp2 | stage 0 update ms | stage 1 update ms | stage 0 engine ms | "
+             "stage 1 engine ms | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) | parts keeping (stage 0, 1) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, row in s["throughput"].items():
-        lines.append(f"| {m} | {row['dp2']:.1f} | {row['pp2']:.1f} | {row['pp2_over_dp2']:.2f} | "
-                     f"{row['stage_step_ms'][0]:.2f} | {row['stage_step_ms'][1]:.2f} | {row['stage_engine_ms'][0]:.2f}"
-                     f" | {row['stage_engine_ms'][1]:.2f} | {row['idle_stage'][0]:.2f} | {row['idle_stage'][1]:.2f} | "
-                     f"{row['bubble_theory']:.2f} |")
+        lines.append(f"| {m} | dp2 | {row['dp2']['samples_per_s']:.1f} | 1.00 | | | | | | | | |")
+        for kind in GPU_PIPELINES:
+            c = row[kind]
+            kept = ", ".join("-" if k is None else str(k) for k in c["kept_parts"])
+            lines.append(f"| {m} | {kind} | {c['samples_per_s']:.1f} | {c['over_dp2']:.2f} | "
+                         f"{c['stage_step_ms'][0]:.2f} | {c['stage_step_ms'][1]:.2f} | {c['stage_engine_ms'][0]:.2f} | "
+                         f"{c['stage_engine_ms'][1]:.2f} | {c['idle_stage'][0]:.2f} | {c['idle_stage'][1]:.2f} | "
+                         f"{row['bubble_theory']:.2f} | {kept} |")
+    lines += ["", "pp2 (keeping) / pp2-recompute, paired within each round, median over rounds:", ""]
+    for m, row in s["throughput"].items():
+        r = row["kept_over_recompute"]
+        lines.append(f"- m = {m}: stage 0 engine ms {r['stage0_engine_ms']:.2f}x, samples/s {r['samples_per_s']:.2f}x "
+                     f"({r['rounds']} rounds)")
     lines += ["", "GPU memory in use after the steps (MiB, whole device: engine arena + NCCL + CUDA context): "
               + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in s["device_memory_used"].items() if v is not None), ""]
     return "\n".join(lines)
 
 
-def gpu_main(argv: list[str] | None = None) -> None:
+def gpu_runs(root: Path, micro: list[int], batch: int) -> dict:
+    """The GPU bench's contenders, configured: (kind, m) -> (run folder, ranks). One configure builds the unsplit
+    artifacts (pp1, every dp2), one the pp 2 stages (every pp2 and pp2-recompute); the others reuse them."""
+    first = micro[0]
+    unsplit = _configure(root, "pp1", 1, 1, first, batch, "cuda")
+    runs = {("pp1", first): (unsplit, 1)}
+    stages = None
+    for m in micro:
+        runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, batch, "cuda", like=unsplit), 2)
+        for kind, recompute in GPU_PIPELINES.items():
+            run_dir = _configure(root, f"{kind}-m{m}", 2, 2, m, batch, "cuda", recompute, like=stages)
+            stages = stages or run_dir
+            runs[(kind, m)] = (run_dir, 2)
+    return runs
+
+
+def gpu_main(argv: list[str] | None = None, clock=time.perf_counter) -> None:
+    """``python -m bench pipeline-gpu``; ``clock``: seconds, for the budget."""
     parser = argparse.ArgumentParser(description=GPU_DOC.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no round after this many seconds of launches (at least one round runs)")
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches per update (m)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
+    parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
+                        help="rows of the token table and LM head (the byte-level text uses ids < 256)")
+    parser.add_argument("--d-model", type=int, default=SHAPE["d_model"])
+    parser.add_argument("--num-layers", type=int, default=SHAPE["num_layers"])
+    parser.add_argument("--num-heads", type=int, default=SHAPE["num_heads"])
+    parser.add_argument("--seq-len", type=int, default=SHAPE["seq_len"])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="folder for the .json/.md")
     args = parser.parse_args(argv)
+    SHAPE.update(vocab_size=args.vocab_size, d_model=args.d_model, num_layers=args.num_layers,
+                 num_heads=args.num_heads, seq_len=args.seq_len)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-gpu-") as tmp:
-        root, b = Path(tmp), args.batch_size
-        runs = {("pp1", args.micro[0]): (_configure(root, "pp1", 1, 1, args.micro[0], b, "cuda"), 1)}
-        for m in args.micro:
-            runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, b, "cuda"), 2)
-            runs[("pp2", m)] = (_configure(root, f"pp2-m{m}", 2, 2, m, b, "cuda"), 2)
+        started = clock()
+        runs = gpu_runs(Path(tmp), args.micro, args.batch_size)
+        print(f"configured {len(runs)} runs in {clock() - started:.1f} s", flush=True)
         results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
-        for round_ in range(args.rounds):
-            for (kind, m), (run_dir, ranks) in runs.items():
-                if kind == "pp1" and round_:  # one GPU unsplit: its memory only, once
+        started, rounds_run = clock(), 0
+        while rounds_run < args.rounds and (not rounds_run or args.budget_s is None
+                                            or clock() - started < args.budget_s):
+            order = list(runs.items())
+            for (kind, m), (run_dir, ranks) in order if rounds_run % 2 == 0 else order[::-1]:
+                if kind == "pp1" and rounds_run:  # one GPU unsplit: its memory only, once
                     continue
                 results[f"{kind}-m{m}"].append(_launch(run_dir, ranks, args.warmup, args.steps))
-                print(f"{kind} m={m}: " + ", ".join(f"rank {r['rank']} {r['step_s'] * 1e3:.2f} ms/update"
+                print(f"{kind} m={m}: " + ", ".join(f"rank {r['rank']} {r['step_s'] * 1e3:.2f} ms/update "
+                                                   f"(engine {r['compute_s'] * 1e3:.2f} ms)"
                                                    for r in results[f"{kind}-m{m}"][-1]), flush=True)
+            rounds_run += 1
     command = "python -m bench pipeline-gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "platform": platform.platform(),
-              "shape": SHAPE, "batch_size": args.batch_size, "rounds": args.rounds, "timed_steps": args.steps,
-              "load_average_1min": os.getloadavg()[0], "summary": gpu_summarize(results, args.micro), "raw": results}
+              "shape": dict(SHAPE), "batch_size": args.batch_size, "rounds": args.rounds, "rounds_run": rounds_run,
+              "timed_steps": args.steps, "load_average_1min": os.getloadavg()[0],
+              "summary": gpu_summarize(results, args.micro), "raw": results}
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pipeline-gpu-{socket.gethostname()}"
     write_result(out, record, gpu_report(record))

@@ -2,16 +2,21 @@
 
 Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/out/tensor-<host>.json and
 .md); on GPUs ``--device cuda`` with a model where splitting pays, e.g. ``--device cuda --d-model 2048 --num-layers 4
---seq-len 256 --batch 16 --vocab-size 8192``. The driver configures three runs of one GPT (hp1: 1 rank; dp2: 2 ranks
-data-parallel; hp2: 2 ranks, tensor parallel) and starts each under mpiexec with this module's worker, which runs the
-trainer's own pieces (init_runtime, TensorParallel.micro_step / the engine's training call, the gradient exchange,
-ortflow's update) for warm-up + timed steps and writes one JSON file per rank. Rounds alternate the contenders, so a
-busy shared machine slows them alike. hp 2 reads each batch on both ranks (samples/s counts it once); dp 2 reads two.
+--seq-len 256 --batch 16 --vocab-size 8192``. The driver configures four runs of one GPT (hp1: 1 rank; dp2: 2 ranks
+data-parallel; hp2: 2 ranks, tensor parallel, every piece but the last running its forward once and keeping its
+activations; hp2-recompute: hp2 with ``distributed.recompute_forward: true``, the pieces recomputing their forward
+inside the training call) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces
+(init_runtime, TensorParallel.micro_step / the engine's calls, the gradient exchange, ortflow's update) for warm-up +
+timed steps and writes one JSON file per rank. Rounds alternate the contenders (reversed every other round), so a busy
+shared machine slows them alike; ``--budget-s`` starts no round after that many seconds. dp2 reuses hp1's artifacts
+and hp2-recompute hp2's (hard links: the rank count and recompute_forward are outside configure's fingerprint). hp 2
+reads each batch on both ranks (samples/s counts it once); dp 2 reads two.
 
 Memory of the split layers on a rank (the weights that hp 2 slices, named by the hp 2 run's ``tensor.json``):
 parameter values read from the rank's engine state (4 bytes each), gradient buffers (the same count), and the
 optimizer state that ortflow's update allocated for them (AdamW's two moments, counted from its segments). Time:
-median step seconds; for hp 2 also the seconds spent in the activation/input-gradient all-reduces (``tp_sum``).
+median step seconds; for hp 2 also the seconds spent in the activation/input-gradient all-reduces (``tp_sum``) and
+in the pieces' engine calls; hp2 / hp2-recompute ratios are paired within a round, the median over rounds.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
 BATCH, MICRO = 4, 2
 RUN = {"device": "cpu", "mpiexec": str(Path(sys.executable).parent / "mpiexec"), "batch": BATCH}
+#: The tensor bench's contenders: name -> (ranks, tensor-parallel size, distributed.recompute_forward).
+CONTENDERS = {"hp1": (1, 1, False), "dp2": (2, 1, False), "hp2": (2, 2, False), "hp2-recompute": (2, 2, True)}
 
 
 def _split_names(artifacts_dir: Path) -> list[str]:
@@ -81,6 +88,10 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     reduce_s, engine_s = [0.0], [0.0]
     if tensor:  # the seconds spent in the tensor-parallel sums and in the pieces' engine calls
         body.tp_sum, body.tensors.call = _timed(body.tp_sum, reduce_s), _timed(body.tensors.call, engine_s)
+        for piece in body.pieces:  # where a piece keeps its activations: its separate forward and backward calls
+            if piece.kept is not None:
+                piece.kept.forward = _timed(piece.kept.forward, engine_s)
+                piece.kept.backward = _timed(piece.kept.backward, engine_s)
     grads = rt.gradient_buffers()
     times, reduces, engines = [], [], []
     for step in range(warmup + steps):
@@ -106,8 +117,9 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
             times.append(time.perf_counter() - started)
             reduces.append(reduce_s[0])
             engines.append(engine_s[0])
+    kept = sum(getattr(p, "kept", None) is not None for p in rt.engine_parts()) if tensor else 0
     record = {"rank": comm.rank, "step_s": statistics.median(times), "allreduce_s": statistics.median(reduces),
-              "engine_calls_s": statistics.median(engines),
+              "engine_calls_s": statistics.median(engines), "kept_parts": kept,
               "samples_per_step": k * cfg.train.batch_size * (comm.size // cfg.distributed.horizontal_parallel_size),
               "memory": _memory(rt, _split_names(names_from))}
     (run_dir / f"bench-rank{comm.rank}.json").write_text(json.dumps(record))
@@ -115,7 +127,11 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     comm.close()
 
 
-def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
+def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1, recompute: bool = False,
+               like: Path | None = None) -> Path:
+    """Configure and prepare the data of the run folder ``root/name``; ``like``: a run folder with the same artifacts
+    (same layout), whose artifacts and shards it reuses (hard links) instead of building them."""
+    from bench.common import link_configured
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
@@ -135,11 +151,24 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1) -> Path:
         "train": {"batch_size": RUN["batch"], "num_train_steps": MICRO, "gradient_accumulation_steps": MICRO},
         "optimizer": {"learning_rate": 1e-3},
         "distributed": {"num_ranks": ranks, "horizontal_parallel_size": hp, "pipeline_parallel_size": pp,
-                        "threads_per_rank": 1, "device": RUN["device"], "use_nccl": RUN["device"] == "cuda"},
+                        "threads_per_rank": 1, "device": RUN["device"], "use_nccl": RUN["device"] == "cuda",
+                        "recompute_forward": recompute},
     })
-    configure(cfg)
-    prepare_data(cfg)
+    linked = like is not None and link_configured(cfg, like)
+    built, data = configure(cfg), prepare_data(cfg)
+    if linked and not (built.reused and data.reused):
+        raise RuntimeError(f"{cfg.output_dir}: configure did not reuse the artifacts and shards linked from {like}")
     return cfg.output_dir
+
+
+def configure_contenders(root: Path) -> dict[str, tuple[Path, int]]:
+    """The contenders' run folders under ``root`` (configured there, or reused from an earlier call): name -> (run
+    folder, ranks). Two configures build artifacts: hp1's (dp2 reuses them) and hp2's (hp2-recompute reuses them)."""
+    runs: dict[str, tuple[Path, int]] = {}
+    for name, (ranks, hp, recompute) in CONTENDERS.items():
+        like = next((runs[other][0] for other, (_, h, _) in CONTENDERS.items() if other in runs and h == hp), None)
+        runs[name] = (_configure(root, name, ranks, hp, recompute=recompute, like=like), ranks)
+    return runs
 
 
 def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int,
@@ -156,7 +185,8 @@ def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int
 
 
 def summarize(results: dict) -> dict:
-    """Medians over rounds: split-layer memory per rank (and its ratio to hp 1), step time, samples/s."""
+    """Medians over rounds: split-layer memory per rank (and its ratio to hp 1), step time, samples/s; hp2 against
+    hp2-recompute (when it ran), paired within each round."""
     def med(key: str, pick) -> float:
         return statistics.median(pick(r) for r in results[key])
 
@@ -166,13 +196,23 @@ def summarize(results: dict) -> dict:
     ratios = {key: {f: m[f] / base[f] for f in ("split_parameters", "split_optimizer_state", "all_parameters")}
               for key, m in memory.items() if key != "hp1"}
     timing = {}
-    for kind in ("hp1", "dp2", "hp2"):
+    for kind in (k for k in CONTENDERS if k in results):
         step = med(kind, lambda r: max(x["step_s"] for x in r))
         timing[kind] = {"step_s": step, "samples_per_s": results[kind][0][0]["samples_per_step"] / step,
                         "allreduce_s": med(kind, lambda r: max(x["allreduce_s"] for x in r)),
-                        "engine_calls_s": med(kind, lambda r: max(x.get("engine_calls_s", 0.0) for x in r))}
-    return {"memory": memory, "memory_ratio_vs_hp1": ratios, "timing": timing,
-            "hp2_step_vs_hp1": timing["hp2"]["step_s"] / timing["hp1"]["step_s"]}
+                        "engine_calls_s": med(kind, lambda r: max(x.get("engine_calls_s", 0.0) for x in r)),
+                        "kept_parts": [x.get("kept_parts") for x in results[kind][0]]}
+    summary = {"memory": memory, "memory_ratio_vs_hp1": ratios, "timing": timing,
+               "hp2_step_vs_hp1": timing["hp2"]["step_s"] / timing["hp1"]["step_s"]}
+    if "hp2-recompute" in results:
+        pairs = list(zip(results["hp2"], results["hp2-recompute"], strict=True))  # round by round
+
+        def ratio(field: str) -> float:
+            return statistics.median(max(x[field] for x in a) / max(x[field] for x in b) for a, b in pairs)
+
+        summary["hp2_kept_vs_recompute"] = {"step_s": ratio("step_s"), "engine_calls_s": ratio("engine_calls_s"),
+                                            "rounds": len(pairs)}
+    return summary
 
 
 def report(record: dict) -> str:
@@ -190,13 +230,18 @@ def report(record: dict) -> str:
         lines.append(f"| {key} | {m['split_parameters'] / mib:.2f} | {m['split_optimizer_state'] / mib:.2f} | "
                      f"{m['all_parameters'] / mib:.2f} | {ratio['split_parameters']:.3f} | "
                      f"{ratio['all_parameters']:.3f} |")
-    lines += ["", "| layout | step s (median) | samples/s | all-reduce s per step | hp engine calls s per step |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| layout | step s (median) | samples/s | all-reduce s per step | hp engine calls s per step | "
+              "pieces keeping activations (per rank) |", "|---|---|---|---|---|---|"]
     for kind, t in s["timing"].items():
+        kept = ", ".join("-" if k is None else str(k) for k in t.get("kept_parts", []))
         lines.append(f"| {kind} | {t['step_s']:.3f} | {t['samples_per_s']:.1f} | {t['allreduce_s']:.3f} | "
-                     f"{t.get('engine_calls_s', 0.0):.3f} |")
-    lines += ["", f"hp2 step time / hp1: {s['hp2_step_vs_hp1']:.2f}", "",
-              f"Split by hp 2 (tensor.json): {record.get('split_names', '(not recorded)')}"]
+                     f"{t.get('engine_calls_s', 0.0):.3f} | {kept or '-'} |")
+    lines += ["", f"hp2 step time / hp1: {s['hp2_step_vs_hp1']:.2f}"]
+    if "hp2_kept_vs_recompute" in s:
+        r = s["hp2_kept_vs_recompute"]
+        lines.append(f"hp2 (keeping) / hp2-recompute, paired within each of {r['rounds']} rounds, median: step time "
+                     f"{r['step_s']:.2f}x, engine calls {r['engine_calls_s']:.2f}x")
+    lines += ["", f"Split by hp 2 (tensor.json): {record.get('split_names', '(not recorded)')}"]
     return "\n".join(lines) + "\n"
 
 
@@ -214,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no round after this many seconds of launches (at least one round runs)")
     parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
                         help="rows of the token table and LM head (the byte-level text uses ids < 256)")
     parser.add_argument("--d-model", type=int, default=SHAPE["d_model"])
@@ -223,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=BATCH, help="rows per micro-batch")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--mpiexec", default=RUN["mpiexec"], help="the MPI launcher")
-    parser.add_argument("--root", type=Path, help="configure the three runs here and keep them (default: a temporary "
+    parser.add_argument("--root", type=Path, help="configure the four runs here and keep them (default: a temporary "
                         "folder); runs already configured there are reused")
     parser.add_argument("--tag", default="", help="suffix of the result files (tensor-<host>[-tag].json/.md)")
     args = parser.parse_args(argv)
@@ -234,18 +281,26 @@ def main(argv: list[str] | None = None) -> None:
                  num_heads=args.num_heads, seq_len=args.seq_len)
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
         root = args.root or Path(tmp)
-        hp2 = _configure(root, "hp2", 2, 2)
+        runs = configure_contenders(root)
+        hp2 = runs["hp2"][0]
         split_names = _split_names(hp2 / "artifacts")
-        runs = {"hp1": (_configure(root, "hp1", 1, 1), 1), "dp2": (_configure(root, "dp2", 2, 1), 2),
-                "hp2": (hp2, 2)}
         results: dict = {kind: [] for kind in runs}
-        for _ in range(args.rounds):
-            for kind, (run_dir, ranks) in runs.items():
+        started, rounds_run = time.perf_counter(), 0
+        while rounds_run < args.rounds and (not rounds_run or args.budget_s is None
+                                            or time.perf_counter() - started < args.budget_s):
+            order = list(runs.items())
+            for kind, (run_dir, ranks) in order if rounds_run % 2 == 0 else order[::-1]:
                 results[kind].append(_launch(run_dir, hp2 / "artifacts", ranks, args.warmup, args.steps))
+                print(f"{kind}: " + ", ".join(f"rank {r['rank']} {r['step_s'] * 1e3:.1f} ms/step (sums "
+                                              f"{r['allreduce_s'] * 1e3:.1f}, engine calls "
+                                              f"{r['engine_calls_s'] * 1e3:.1f})" for r in results[kind][-1]),
+                      flush=True)
+            rounds_run += 1
     command = "python -m bench tensor " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": RUN["batch"], "micro": MICRO,
-              "device": args.device, "gpus": _gpus() if args.device == "cuda" else None, "summary": summarize(results),
+              "device": args.device, "gpus": _gpus() if args.device == "cuda" else None, "rounds": args.rounds,
+              "rounds_run": rounds_run, "summary": summarize(results),
               "split_names": split_names, "raw": results}
     out = ROOT / "bench" / "out" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"
     write_result(out, record, report(record))

@@ -147,6 +147,37 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, target)
+
+
+def link_configured(cfg, configured: Path) -> bool:
+    """Give ``cfg``'s run folder the artifacts and data shards of the run folder ``configured``, as hard links, when
+    configure would build the same artifacts for both (the same configure fingerprint: model, precision, layout;
+    ``distributed.recompute_forward``, ``num_ranks`` or the batch schedule are outside it) and ``cfg``'s folder holds
+    no artifacts yet. ``configure`` and ``prepare-data`` of ``cfg`` then verify and reuse them instead of building
+    them again; both replace the files they write (a new file renamed into place), so the folders stay independent.
+
+    Returns:
+        Whether the folder was linked (False: ``configure`` of ``cfg`` builds its own artifacts).
+    """
+    from ortflow.configure.configure import fingerprint, read_configure_record
+
+    target = Path(cfg.output_dir)
+    record = read_configure_record(configured)
+    if record is None or (target / "artifacts").exists() or record.get("fingerprint") != fingerprint(cfg):
+        return False
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("artifacts", "data"):
+        if (configured / name).is_dir():
+            shutil.copytree(configured / name, target / name, copy_function=_link_or_copy)
+    shutil.copy2(configured / "configure.json", target / "configure.json")  # configure records the new place
+    return True
+
+
 def random_tokens(rows: int, seq_len: int, vocab: int, seed: int) -> np.ndarray:
     """[rows, seq_len + 1] token ids with some structure (a noisy repeating pattern) so that the loss can fall."""
     rng = np.random.default_rng(seed)

@@ -3,14 +3,17 @@ parallelism) against PyTorch FSDP2 + torch.compile.
 
 Run through ``bench/large_llama.sh`` (one call does everything); the steps, each a subcommand:
 
-* ``configure ROOT PRECISION [--layout dp|pp|tp]``: synthetic next-token data (each token a fixed function of the
-  previous one, 10% noise), a YAML config (NCCL, the precision, the layout: ``dp`` data parallelism with ZeRO-1,
-  ``pp`` one pipeline stage per GPU with 8 micro-batches per update, ``tp`` the model split over the GPUs by tensor
-  parallelism; every layout trains ``gpus x batch`` sequences per update), ``ortflow configure`` and
-  ``ortflow prepare-data``, as a user runs them, on the model ``tools/make_large_llama.py`` wrote into ROOT;
-* ``train ROOT PRECISION [--layout ...]``: ``ortflow train`` on the configured GPUs; prints one ``RESULT`` line: the
-  step time (median over the display windows of ``timing.json`` after the warm-up ones), tokens/s, the first and
-  last logged losses;
+* ``configure ROOT PRECISION [--layout dp|pp|tp] [--recompute]``: synthetic next-token data (each token a fixed
+  function of the previous one, 10% noise), a YAML config (NCCL, the precision, the layout: ``dp`` data parallelism
+  with ZeRO-1, ``pp`` one pipeline stage per GPU with 8 micro-batches per update, ``tp`` the model split over the GPUs
+  by tensor parallelism; every layout trains ``gpus x batch`` sequences per update), ``ortflow configure`` and
+  ``ortflow prepare-data``, as a user runs them, on the model ``tools/make_large_llama.py`` wrote into ROOT.
+  ``--recompute`` (pp and tp): the same layout with ``distributed.recompute_forward: true`` in a run folder of its own
+  (``...-recompute``), which takes the artifacts and shards of the layout's folder as hard links when that one is
+  configured (recompute_forward is outside configure's fingerprint, so configure reuses them);
+* ``train ROOT PRECISION [--layout ...] [--recompute]``: ``ortflow train`` on the configured GPUs; prints one
+  ``RESULT`` line: the step time (median over the display windows of ``timing.json`` after the warm-up ones),
+  tokens/s, the first and last logged losses (a ``--recompute`` contender is named "... (recompute)");
 * ``report OUT``: reads every ``RESULT`` line of the logs in OUT (this script's and ``bench/torch_llama.py``'s) and
   writes ``large-llama.md`` and ``large-llama.json``: tokens/s and model FLOPs utilisation
   ``6 * parameters * tokens/s / (GPUs * peak)`` per contender, with the command, commit, GPUs and versions.
@@ -64,23 +67,33 @@ def _tokens(rows: int, seq: int, vocab: int):
     return tokens
 
 
-def run_name(precision: str, layout: str) -> str:
-    return f"run-{precision}" if layout == "dp" else f"run-{precision}-{layout}"
+def run_name(precision: str, layout: str, recompute: bool = False) -> str:
+    name = f"run-{precision}" if layout == "dp" else f"run-{precision}-{layout}"
+    return name + "-recompute" if recompute else name
+
+
+def contender(args: argparse.Namespace) -> str:
+    """The report's name of an ortflow run: precision and layout, "(recompute)" for ``--recompute``."""
+    name = f"ortflow {args.precision} " + LAYOUTS[args.layout][0].format(gpus=args.gpus)
+    return name + " (recompute)" if getattr(args, "recompute", False) else name
 
 
 def run_config(root: Path, precision: str, args: argparse.Namespace) -> dict:
     """The ortflow config of one precision's and layout's run (the model and data under ``root``)."""
-    display, layout = 2, getattr(args, "layout", "dp")
+    display, layout, recompute = 2, getattr(args, "layout", "dp"), getattr(args, "recompute", False)
     global_batch = args.gpus * args.batch
     micro = max(1, global_batch // PIPELINE_MICRO_BATCHES) if layout == "pp" else args.batch
+    split = {"recompute_forward": True} if recompute else {}
     return {
-        "name": f"llama-{precision}-{layout}", "output_dir": str(root / run_name(precision, layout)),
+        "name": f"llama-{precision}-{layout}" + ("-recompute" if recompute else ""),
+        "output_dir": str(root / run_name(precision, layout, recompute)),
         "model": {"path": str(root / "llama.onnx"), "loss": "cross_entropy", "label_input": "labels"},
         "data": {"train": [str(root / "data.npz")], "eval_fraction": 0.0},
         "train": {"batch_size": micro, "global_batch_size": global_batch, "num_train_steps": args.steps,
                   "display_loss_steps": display, "evaluation_period": 0},
         "optimizer": {"name": "adamw", "learning_rate": 1e-4},
-        "distributed": {"num_ranks": args.gpus, "device": "cuda", "use_nccl": True, **LAYOUTS[layout][1](args.gpus)},
+        "distributed": {"num_ranks": args.gpus, "device": "cuda", "use_nccl": True, **LAYOUTS[layout][1](args.gpus),
+                        **split},
         "checkpoint": {"period": 0},
         "precision": PRECISION[precision],
     }  # fmt: skip
@@ -104,12 +117,22 @@ def configure(args: argparse.Namespace) -> None:
         tmp = root / f"data-{args.precision}.npz"  # two precisions configure at once: one writes, rename is atomic
         np.savez(tmp, input_ids=tokens[:, :-1], labels=tokens[:, 1:])
         tmp.replace(data)
-    path = root / f"config-{args.precision}-{args.layout}.yaml"
-    path.write_text(yaml.safe_dump(run_config(root, args.precision, args), sort_keys=False))
+    recompute = getattr(args, "recompute", False)
+    path = root / f"config-{args.precision}-{args.layout}{'-recompute' if recompute else ''}.yaml"
+    raw = run_config(root, args.precision, args)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
     start = time.perf_counter()
+    if recompute:  # the layout's own folder, when configured, holds the same artifacts
+        sys.path.insert(0, str(REPO))
+        from bench.common import link_configured
+        from ortflow.config import config_from_dict
+
+        kept = root / run_name(args.precision, args.layout)
+        if link_configured(config_from_dict(raw), kept):
+            print(f"linked the artifacts and data of {kept}", flush=True)
     _cli("configure", str(path))
     _cli("prepare-data", str(path))
-    print(f"configured {args.precision} {args.layout} in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"configured {contender(args)} in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def step_time(timing: dict, display: int, warmup: int) -> float | None:
@@ -121,7 +144,7 @@ def step_time(timing: dict, display: int, warmup: int) -> float | None:
 
 def train(args: argparse.Namespace) -> None:
     root = Path(args.root)
-    run = root / run_name(args.precision, args.layout)
+    run = root / run_name(args.precision, args.layout, args.recompute)
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "ortflow", "train", str(run), "--mpiexec", args.mpiexec],
                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
@@ -130,8 +153,8 @@ def train(args: argparse.Namespace) -> None:
     losses = [float(x) for x in re.findall(r"step \d+/\d+ \| loss ([0-9.eE+-]+|nan|inf)", text)]
     timing = json.loads((run / "timing.json").read_text()) if (run / "timing.json").exists() else {}
     step = step_time(timing, run_config(root, args.precision, args)["train"]["display_loss_steps"], args.warmup)
-    contender = f"ortflow {args.precision} " + LAYOUTS[args.layout][0].format(gpus=args.gpus)
-    record = {"contender": contender, "precision": args.precision, "layout": args.layout, "gpus": args.gpus,
+    record = {"contender": contender(args), "precision": args.precision, "layout": args.layout,
+              "recompute_forward": args.recompute, "gpus": args.gpus,
               "batch": args.batch, "seq": args.seq, "step_time_s": step,
               "tokens_per_s": args.gpus * args.batch * args.seq / step if step else None,
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
@@ -231,6 +254,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("precision", choices=sorted(PRECISION))
         p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp",
                        help="dp: data parallelism with ZeRO-1; pp: a pipeline stage per GPU; tp: tensor parallelism")
+        p.add_argument("--recompute", action="store_true",
+                       help="pp, tp: stages and pieces recompute their forward (distributed.recompute_forward)")
         add_workload(p)
     sub.choices["train"].add_argument("--mpiexec", default="mpiexec")
     r = sub.add_parser("report")
@@ -239,7 +264,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="one GPU's dense fp16/bf16 peak")
     r.add_argument("--command", default="bash bench/large_llama.sh", help="the command the report names")
     add_workload(r)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "recompute", False) and args.layout == "dp":
+        parser.error("--recompute is for the split layouts (--layout pp or tp)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

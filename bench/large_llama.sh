@@ -3,7 +3,9 @@
 # 2 GPUs: ortflow data-parallel with ZeRO-1 in fp16 and in bf16, then PyTorch FSDP2 + torch.compile (bf16) on the same
 # shape, batch and data rule; tokens/s and model FLOPs utilisation in OUT/large-llama.md (bench/large_llama.py).
 # LAYOUTS="dp pp tp" also trains the model in one pipeline stage per GPU and split by tensor parallelism (each layout
-# in each of PRECISIONS, default "fp16 bf16"); TORCH=0 leaves PyTorch out.
+# in each of PRECISIONS, default "fp16 bf16"); RECOMPUTE=1 adds to each pp and tp run a contender with
+# distributed.recompute_forward: true, "... (recompute)", configured from the same artifacts (hard links) and trained
+# right after it; TORCH=0 leaves PyTorch out.
 # Run from the repository root on a host with the GPU engine installed:
 #
 #   ORTFLOW_PY=/path/to/python3.11 TORCH_PY=python3 bash bench/large_llama.sh
@@ -28,15 +30,22 @@ start=$(date +%s)
 echo "model written in $(( $(date +%s) - start )) s: $(cat "$OUT/0-model.log")"
 # PyTorch trains on the GPUs while every layout and precision configures on the CPUs (the engine builds each training
 # graph in one process; the host has cores to spare), so the GPUs do not wait for configure.
-LAYOUTS=${LAYOUTS:-dp}; PRECISIONS=${PRECISIONS:-fp16 bf16}
+LAYOUTS=${LAYOUTS:-dp}; PRECISIONS=${PRECISIONS:-fp16 bf16}; RECOMPUTE=${RECOMPUTE:-0}
+# The variants of a layout: its own run, and with RECOMPUTE=1 on a split layout the recomputing one.
+variants() { if [ "$RECOMPUTE" = 1 ] && [ "$1" != dp ]; then echo "kept recompute"; else echo kept; fi; }
 if [ "${TORCH:-1}" != 0 ]; then
   "$TORCH_PY" -m torch.distributed.run --standalone --nproc_per_node "$GPUS" bench/torch_llama.py \
     --summary "$OUT/0-model.log" "${WORK[@]}" > "$OUT/3-torch.log" 2>&1 &
 fi
 for l in $LAYOUTS; do
   for p in $PRECISIONS; do
-    "$ORTFLOW_PY" bench/large_llama.py configure "$OUT" "$p" --layout "$l" "${WORK[@]}" \
-      > "$OUT/1-configure-$p-$l.log" 2>&1 &
+    (  # a recomputing variant after the layout's own configure, whose artifacts it reuses
+      for v in $(variants "$l"); do
+        flag=(); tag=""; [ "$v" = kept ] || { flag=(--recompute); tag=-recompute; }
+        "$ORTFLOW_PY" bench/large_llama.py configure "$OUT" "$p" --layout "$l" ${flag[@]+"${flag[@]}"} \
+          "${WORK[@]}" > "$OUT/1-configure-$p-$l$tag.log" 2>&1
+      done
+    ) &
   done
 done
 wait
@@ -44,14 +53,18 @@ echo "configured (and PyTorch done) in $(( $(date +%s) - start )) s"
 [ "${TORCH:-1}" = 0 ] || grep '^RESULT' "$OUT/3-torch.log" || tail -20 "$OUT/3-torch.log"
 for l in $LAYOUTS; do
   for p in $PRECISIONS; do
-    "$ORTFLOW_PY" bench/large_llama.py train "$OUT" "$p" --layout "$l" "${WORK[@]}" --mpiexec "$MPIEXEC" \
-      > "$OUT/2-train-$p-$l.log" 2>&1
-    grep '^RESULT' "$OUT/2-train-$p-$l.log" || tail -20 "$OUT/2-train-$p-$l.log"
+    for v in $(variants "$l"); do
+      flag=(); tag=""; [ "$v" = kept ] || { flag=(--recompute); tag=-recompute; }
+      "$ORTFLOW_PY" bench/large_llama.py train "$OUT" "$p" --layout "$l" ${flag[@]+"${flag[@]}"} \
+        "${WORK[@]}" --mpiexec "$MPIEXEC" > "$OUT/2-train-$p-$l$tag.log" 2>&1
+      grep '^RESULT' "$OUT/2-train-$p-$l$tag.log" || tail -20 "$OUT/2-train-$p-$l$tag.log"
+    done
   done
 done
 command="bash bench/large_llama.sh"
 [ "$LAYOUTS" = dp ] || command="LAYOUTS=\"$LAYOUTS\" $command"
 [ "$PRECISIONS" = "fp16 bf16" ] || command="PRECISIONS=\"$PRECISIONS\" $command"
+[ "$RECOMPUTE" != 1 ] || command="RECOMPUTE=1 $command"
 [ "${TORCH:-1}" != 0 ] || command="TORCH=0 $command"
 "$ORTFLOW_PY" bench/large_llama.py report "$OUT" --size "$SIZE" "${WORK[@]}" --command "$command"
 echo "total $(( $(date +%s) - start )) s; report: $OUT/large-llama.md"

@@ -1,9 +1,12 @@
-"""bench_tensor's summary and report: medians over rounds of the slowest rank, samples/s, and what a GPU record says."""
+"""bench_tensor's contenders, summary and report: hp2 keeping its activations against hp2-recompute, medians over
+rounds of the slowest rank, samples/s, and what a GPU record says."""
 
 from __future__ import annotations
 
 import pytest
+import yaml
 
+from bench import bench_tensor
 from bench.bench_tensor import report, summarize
 
 MEMORY = {"split_parameters": 8, "split_gradients": 8, "split_optimizer_state": 16, "all_parameters": 10,
@@ -12,9 +15,9 @@ HALF = {"split_parameters": 4, "split_gradients": 4, "split_optimizer_state": 8,
         "optimizer_state_total": 12}
 
 
-def _rank(step: float, sums: float = 0.0, calls: float = 0.0, samples: int = 16, memory=MEMORY) -> dict:
+def _rank(step: float, sums: float = 0.0, calls: float = 0.0, samples: int = 16, memory=MEMORY, kept: int = 0) -> dict:
     return {"step_s": step, "allreduce_s": sums, "engine_calls_s": calls, "samples_per_step": samples,
-            "memory": memory}
+            "memory": memory, "kept_parts": kept}
 
 
 def test_summary_takes_each_rounds_slowest_rank_and_the_median_round():
@@ -28,6 +31,7 @@ def test_summary_takes_each_rounds_slowest_rank_and_the_median_round():
     assert summary["timing"]["hp2"]["step_s"] == pytest.approx(0.056)  # rounds' slowest ranks 0.056, 0.055, 0.070
     assert summary["timing"]["dp2"]["samples_per_s"] == pytest.approx(32 / 0.037)
     assert summary["memory_ratio_vs_hp1"]["hp2 rank 0"]["split_parameters"] == 0.5
+    assert "hp2_kept_vs_recompute" not in summary  # no recomputing contender in these results
     record = {"command": "python -m bench tensor --device cuda", "host": "h", "cores": 64, "shape": {"d_model": 2048},
               "batch_size": 8, "micro": 2, "device": "cuda", "gpus": "4 x NVIDIA H100", "summary": summary}
     text = report(record)
@@ -36,3 +40,53 @@ def test_summary_takes_each_rounds_slowest_rank_and_the_median_round():
     assert summary["timing"]["hp2"]["engine_calls_s"] == pytest.approx(0.043)  # each round's slowest rank's median
     assert "| hp2 | 0.056 | 285.7 | 0.009 | 0.043 |" in text and "hp2 step time / hp1: 1.70" in text
     assert report({**record, "device": "cpu", "gpus": None}).startswith("# Tensor parallelism on CPU ranks")
+
+
+def test_hp2_keeping_is_set_against_hp2_recomputing_round_by_round():
+    hp2 = [[_rank(0.050, 0.009, 0.040, memory=HALF, kept=19), _rank(0.052, 0.009, 0.041, memory=HALF, kept=19)],
+           [_rank(0.060, 0.009, 0.050, memory=HALF, kept=19), _rank(0.058, 0.009, 0.048, memory=HALF, kept=19)],
+           [_rank(0.050, 0.009, 0.040, memory=HALF, kept=19), _rank(0.050, 0.009, 0.040, memory=HALF, kept=19)]]
+    recompute = [[_rank(0.065, 0.009, 0.052, memory=HALF), _rank(0.064, 0.009, 0.051, memory=HALF)],
+                 [_rank(0.060, 0.009, 0.050, memory=HALF), _rank(0.060, 0.009, 0.050, memory=HALF)],
+                 [_rank(0.080, 0.009, 0.070, memory=HALF), _rank(0.080, 0.009, 0.070, memory=HALF)]]
+    results = {"hp1": [[_rank(0.033)]] * 3, "dp2": [[_rank(0.036, samples=32)] * 2] * 3, "hp2": hp2,
+               "hp2-recompute": recompute}
+    summary = summarize(results)
+    ratio = summary["hp2_kept_vs_recompute"]
+    # Paired per round (slowest rank): steps 0.052/0.065, 0.060/0.060, 0.050/0.080; engine 0.041/0.052, ...
+    assert ratio["step_s"] == pytest.approx(0.052 / 0.065) and ratio["rounds"] == 3
+    assert ratio["engine_calls_s"] == pytest.approx(0.041 / 0.052)
+    assert summary["timing"]["hp2-recompute"]["step_s"] == pytest.approx(0.065)
+    text = report({"command": "python -m bench tensor", "host": "h", "cores": 2, "shape": {}, "batch_size": 4,
+                   "summary": summary})
+    assert "| hp2 | 0.052 | 307.7 | 0.009 | 0.041 | 19, 19 |" in text
+    assert "| hp2-recompute | 0.065 | 246.2 | 0.009 | 0.052 | 0, 0 |" in text
+    assert "hp2 (keeping) / hp2-recompute, paired within each of 3 rounds, median: step time 0.80x, engine calls " \
+           "0.79x" in text
+
+
+def test_hp2_recompute_is_hp2_with_recompute_forward_on_hp2s_artifacts(tmp_path, monkeypatch):
+    """The contenders' configs: hp2-recompute asks for recompute_forward and takes hp2's artifacts and shards (hard
+    links that configure and prepare-data verified and reused); dp2 takes hp1's."""
+    monkeypatch.setitem(bench_tensor.SHAPE, "d_model", 32)
+    monkeypatch.setitem(bench_tensor.SHAPE, "num_heads", 2)
+    monkeypatch.setitem(bench_tensor.SHAPE, "num_layers", 1)
+    monkeypatch.setitem(bench_tensor.SHAPE, "seq_len", 16)
+    (tmp_path / "corpus.txt").write_text("the contenders train on the same text. " * 200)
+    runs = bench_tensor.configure_contenders(tmp_path)
+    assert {name: ranks for name, (_, ranks) in runs.items()} == {"hp1": 1, "dp2": 2, "hp2": 2, "hp2-recompute": 2}
+
+    def distributed(name: str) -> dict:
+        return yaml.safe_load((runs[name][0] / "config.yaml").read_text())["distributed"]
+
+    assert distributed("hp2-recompute")["recompute_forward"] is True
+    assert distributed("hp2-recompute")["horizontal_parallel_size"] == 2
+    assert distributed("hp2")["recompute_forward"] is False and distributed("hp1")["recompute_forward"] is False
+    for name, source, parts in (("hp2-recompute", "hp2", ["artifacts/tensor/tensor.json"]),
+                                ("dp2", "hp1", ["artifacts/training_model.onnx"])):
+        for part in [*parts, "artifacts/checkpoint", "data/manifest.json"]:
+            linked, original = runs[name][0] / part, runs[source][0] / part
+            assert linked.exists() and linked.stat().st_ino == original.stat().st_ino, (name, part)
+    record = yaml.safe_load((runs["hp2-recompute"][0] / "configure.json").read_text())
+    assert record["artifacts_dir"] == str(runs["hp2-recompute"][0] / "artifacts")  # configure recorded its place
+    assert bench_tensor.configure_contenders(tmp_path) == runs  # configured folders are reused as they are
