@@ -40,6 +40,25 @@ def test_split_layouts_train_the_same_sequences_per_update_in_stages_or_tensor_p
     assert tp.precision.use_bfloat16
 
 
+def test_a_recompute_contender_is_its_split_layout_with_recompute_forward_in_a_folder_of_its_own(tmp_path):
+    base = ["--gpus", "2", "--batch", "8", "--seq", "512"]
+    for layout, name in (("pp", "ortflow fp16 2 pipeline stages"), ("tp", "ortflow fp16 tensor parallel 2")):
+        kept = large_llama.parse(["configure", str(tmp_path), "fp16", "--layout", layout, *base])
+        recompute = large_llama.parse(["configure", str(tmp_path), "fp16", "--layout", layout, "--recompute", *base])
+        a = config_from_dict(large_llama.run_config(tmp_path, "fp16", kept))
+        b = config_from_dict(large_llama.run_config(tmp_path, "fp16", recompute))
+        assert not a.distributed.recompute_forward and b.distributed.recompute_forward
+        assert a.output_dir == tmp_path / f"run-fp16-{layout}"
+        assert b.output_dir == tmp_path / f"run-fp16-{layout}-recompute"
+        assert a.model_dump(exclude={"name", "output_dir", "distributed"}) == b.model_dump(
+            exclude={"name", "output_dir", "distributed"})  # the same workload, precision and model
+        assert (a.distributed.pipeline_parallel_size, a.distributed.horizontal_parallel_size) == (
+            b.distributed.pipeline_parallel_size, b.distributed.horizontal_parallel_size)
+        assert large_llama.contender(kept) == name and large_llama.contender(recompute) == name + " (recompute)"
+    with pytest.raises(SystemExit):  # data parallelism has no forward to recompute
+        large_llama.parse(["configure", str(tmp_path), "fp16", "--recompute", *base])
+
+
 def test_the_step_time_is_the_median_window_after_the_warm_up():
     windows = [{"forward_backward": 9.0, "update": 1.0}, {"forward_backward": 0.5, "update": 0.1},  # updates 0-3
                {"forward_backward": 0.3, "update": 0.1}, {"forward_backward": 0.4, "update": 0.2},
@@ -99,6 +118,26 @@ def test_the_bench_configures_a_llama_through_the_cli_as_its_gpu_run_does(tmp_pa
     training = onnx.load(str(tmp_path / "run-fp16" / "artifacts" / "training_model.onnx"), load_external_data=False)
     assert "loss_scale" in {i.name for i in training.graph.input}  # fp16: the loss-scale input of mixed precision
     assert (tmp_path / "run-fp16" / "data").is_dir()
+
+
+def test_the_recompute_contender_configures_on_its_layouts_artifacts_as_hard_links(tmp_path):
+    from tools.make_large_llama import PRESETS, write_model
+
+    write_model(tmp_path / "llama.onnx", PRESETS["tiny"])
+    work = ["fp16", "--layout", "pp", "--gpus", "2", "--batch", "2", "--seq", "16", "--steps", "2", "--vocab", "512"]
+    large_llama.main(["configure", str(tmp_path), *work])
+    large_llama.main(["configure", str(tmp_path), *work, "--recompute"])
+    kept, recompute = tmp_path / "run-fp16-pp", tmp_path / "run-fp16-pp-recompute"
+    import yaml
+
+    assert yaml.safe_load((recompute / "config.yaml").read_text())["distributed"]["recompute_forward"] is True
+    assert yaml.safe_load((kept / "config.yaml").read_text())["distributed"]["recompute_forward"] is False
+    record = json.loads((recompute / "configure.json").read_text())
+    assert record["artifacts_dir"] == str(recompute / "artifacts")  # configure verified and recorded the new place
+    originals = sorted(p for p in (kept / "artifacts").rglob("*") if p.is_file())
+    assert originals
+    for original in originals:  # every artifact file shared, none built again
+        assert (recompute / original.relative_to(kept)).stat().st_ino == original.stat().st_ino, original
 
 
 def test_the_report_command_writes_markdown_and_json_with_the_run_facts(tmp_path):
