@@ -29,11 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import in_processes, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "num_layers": 4, "num_heads": 4}
@@ -180,6 +181,24 @@ def _memory(run_dir: Path, stage: int | None, micro_batch: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _inputs(root: Path) -> tuple[Path, Path]:
+    """The GPT of ``SHAPE`` and the text corpus every run folder under ``root`` trains on (made once)."""
+    from ortflow.examples.gpt import build_gpt
+
+    model, corpus = root / "gpt.onnx", root / "corpus.txt"
+    if not model.exists():
+        build_gpt(model, **SHAPE)
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    return model, corpus
+
+
+def _configure_as(shape: dict, *args, **kwargs) -> Path:
+    """:func:`_configure` in a spawned process, the parent's ``SHAPE`` passed along."""
+    SHAPE.update(shape)
+    return _configure(*args, **kwargs)
+
+
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
                device: str = "cpu", recompute: bool = False, like: Path | None = None) -> Path:
     """Configure and prepare the data of one contender's run folder ``root/name``; ``like``: a run folder with the
@@ -188,14 +207,8 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
-    from ortflow.examples.gpt import build_gpt
 
-    model = root / "gpt.onnx"
-    if not model.exists():
-        build_gpt(model, **SHAPE)
-    corpus = root / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    model, corpus = _inputs(root)
     gpu = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0} if device == "cuda" else {}
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
@@ -362,9 +375,9 @@ each micro-batch's forward once and keeps its activations) and pp2-recompute (``
 stage 0 recomputes its forward inside the training call). Rounds alternate the contenders (reversed every other
 round); ``--budget-s`` starts no round after that many seconds (at least one runs). The unsplit runs share one
 configure's artifacts, the pp 2 runs another's (hard links: recompute_forward, the rank count and the micro-batch
-count are outside configure's fingerprint). Memory here is each rank's whole GPU as used after the steps
-(cudaMemGetInfo: the engine's CUDA arena, NCCL buffers and the CUDA context), for reference: the CPU bench measures
-the per-rank memory split.
+count are outside configure's fingerprint); the two configures that build run at once, each in a process of its
+own. Memory here is each rank's whole GPU as used after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL
+buffers and the CUDA context), for reference: the CPU bench measures the per-rank memory split.
 
 Bubble: on each stage, idle = 1 - (seconds inside engine calls) / (update seconds), against (P-1)/(m+P-1).
 Kept / recompute: per round, pp2's stage 0 engine ms and samples/s over pp2-recompute's, the median over rounds.
@@ -444,17 +457,18 @@ def gpu_report(record: dict) -> str:
 
 def gpu_runs(root: Path, micro: list[int], batch: int) -> dict:
     """The GPU bench's contenders, configured: (kind, m) -> (run folder, ranks). One configure builds the unsplit
-    artifacts (pp1, every dp2), one the pp 2 stages (every pp2 and pp2-recompute); the others reuse them."""
+    artifacts (pp1, every dp2), one the pp 2 stages (every pp2 and pp2-recompute), both at once in processes of their
+    own; the others reuse them."""
     first = micro[0]
-    unsplit = _configure(root, "pp1", 1, 1, first, batch, "cuda")
+    _inputs(root)
+    unsplit, stages = in_processes([partial(_configure_as, dict(SHAPE), root, "pp1", 1, 1, first, batch, "cuda"),
+                                    partial(_configure_as, dict(SHAPE), root, f"pp2-m{first}", 2, 2, first, batch,
+                                            "cuda", GPU_PIPELINES["pp2"])])
     runs = {("pp1", first): (unsplit, 1)}
-    stages = None
     for m in micro:
         runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, batch, "cuda", like=unsplit), 2)
         for kind, recompute in GPU_PIPELINES.items():
-            run_dir = _configure(root, f"{kind}-m{m}", 2, 2, m, batch, "cuda", recompute, like=stages)
-            stages = stages or run_dir
-            runs[(kind, m)] = (run_dir, 2)
+            runs[(kind, m)] = (_configure(root, f"{kind}-m{m}", 2, 2, m, batch, "cuda", recompute, like=stages), 2)
     return runs
 
 

@@ -9,7 +9,8 @@ inside the training call) and starts each under mpiexec with this module's worke
 (init_runtime, TensorParallel.micro_step / the engine's calls, the gradient exchange, ortflow's update) for warm-up +
 timed steps and writes one JSON file per rank. Rounds alternate the contenders (reversed every other round), so a busy
 shared machine slows them alike; ``--budget-s`` starts no round after that many seconds. dp2 reuses hp1's artifacts
-and hp2-recompute hp2's (hard links: the rank count and recompute_forward are outside configure's fingerprint). hp 2
+and hp2-recompute hp2's (hard links: the rank count and recompute_forward are outside configure's fingerprint); hp1's
+and hp2's configures run at once, each in a process of its own. hp 2
 reads each batch on both ranks (samples/s counts it once); dp 2 reads two.
 
 Memory of the split layers on a rank (the weights that hp 2 slices, named by the hp 2 run's ``tensor.json``):
@@ -31,11 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import in_processes, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
@@ -127,6 +129,25 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     comm.close()
 
 
+def _inputs(root: Path) -> tuple[Path, Path]:
+    """The GPT of ``SHAPE`` and the text corpus every run folder under ``root`` trains on (made once)."""
+    from ortflow.examples.gpt import build_gpt
+
+    model, corpus = root / "gpt.onnx", root / "corpus.txt"
+    if not model.exists():
+        build_gpt(model, **SHAPE)
+    if not corpus.exists():
+        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    return model, corpus
+
+
+def _configure_as(shape: dict, run: dict, *args, **kwargs) -> Path:
+    """:func:`_configure` in a spawned process, the parent's ``SHAPE`` and ``RUN`` passed along."""
+    SHAPE.update(shape)
+    RUN.update(run)
+    return _configure(*args, **kwargs)
+
+
 def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1, recompute: bool = False,
                like: Path | None = None) -> Path:
     """Configure and prepare the data of the run folder ``root/name``; ``like``: a run folder with the same artifacts
@@ -135,16 +156,10 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1, recomput
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
-    from ortflow.examples.gpt import build_gpt
 
     if (root / name / "configure.json").exists() and (root / name / "data").exists():
         return root / name  # configured by an earlier call with --root
-    model = root / "gpt.onnx"
-    if not model.exists():
-        build_gpt(model, **SHAPE)
-    corpus = root / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ortflow").rglob("*.py"))))
+    model, corpus = _inputs(root)
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
@@ -163,12 +178,18 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1, recomput
 
 def configure_contenders(root: Path) -> dict[str, tuple[Path, int]]:
     """The contenders' run folders under ``root`` (configured there, or reused from an earlier call): name -> (run
-    folder, ranks). Two configures build artifacts: hp1's (dp2 reuses them) and hp2's (hp2-recompute reuses them)."""
-    runs: dict[str, tuple[Path, int]] = {}
+    folder, ranks). Two configures build artifacts, at once in processes of their own: hp1's (dp2 reuses them) and
+    hp2's (hp2-recompute reuses them)."""
+    _inputs(root)
+    builders = {name: (ranks, hp) for name, (ranks, hp, _) in CONTENDERS.items() if name in ("hp1", "hp2")}
+    built = in_processes([partial(_configure_as, dict(SHAPE), dict(RUN), root, name, ranks, hp)
+                          for name, (ranks, hp) in builders.items()])
+    runs = {name: (run_dir, builders[name][0]) for name, run_dir in zip(builders, built, strict=True)}
     for name, (ranks, hp, recompute) in CONTENDERS.items():
-        like = next((runs[other][0] for other, (_, h, _) in CONTENDERS.items() if other in runs and h == hp), None)
-        runs[name] = (_configure(root, name, ranks, hp, recompute=recompute, like=like), ranks)
-    return runs
+        if name not in runs:
+            like = next(runs[other][0] for other, (_, h) in builders.items() if h == hp)
+            runs[name] = (_configure(root, name, ranks, hp, recompute=recompute, like=like), ranks)
+    return {name: runs[name] for name in CONTENDERS}
 
 
 def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int,

@@ -178,6 +178,20 @@ def link_configured(cfg, configured: Path) -> bool:
     return True
 
 
+def in_processes(calls: list) -> list:
+    """Each call (a picklable callable: a ``functools.partial`` of a module-level function) in a spawned process of
+    its own, all at once; their results, in order. For configures, which are CPU-bound and single-process: a host with
+    cores to spare builds two layouts' artifacts in the time of the slower one."""
+    import concurrent.futures
+    import multiprocessing
+
+    if len(calls) < 2:
+        return [call() for call in calls]
+    with concurrent.futures.ProcessPoolExecutor(len(calls), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
 def random_tokens(rows: int, seq_len: int, vocab: int, seed: int) -> np.ndarray:
     """[rows, seq_len + 1] token ids with some structure (a noisy repeating pattern) so that the loss can fall."""
     rng = np.random.default_rng(seed)
