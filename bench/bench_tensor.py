@@ -113,8 +113,7 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
             divisor = k * comm.size
         mine = rt.exchange.reduce(grads, divisor, np.zeros(0, np.float32))
         rt.update.step(mine, cfg.optimizer.learning_rate)
-        for module in [p.module for p in rt.engine_parts()]:
-            module.lazy_reset_grad()
+        rt.after_update()  # as the trainer: tied copies, the engines' gradient sums and kept pieces start again
         if step >= warmup:
             times.append(time.perf_counter() - started)
             reduces.append(reduce_s[0])
