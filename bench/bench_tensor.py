@@ -10,8 +10,8 @@ inside the training call) and starts each under mpiexec with this module's worke
 timed steps and writes one JSON file per rank. Rounds alternate the contenders (reversed every other round), so a busy
 shared machine slows them alike; ``--budget-s`` starts no round after that many seconds. dp2 reuses hp1's artifacts
 and hp2-recompute hp2's (hard links: the rank count and recompute_forward are outside configure's fingerprint); hp1's
-and hp2's configures run at once, each in a process of its own. hp 2
-reads each batch on both ranks (samples/s counts it once); dp 2 reads two.
+and hp2's configures run at once, each in a process of its own. hp 2 reads each batch on both ranks (samples/s counts
+it once); dp 2 reads two.
 
 Memory of the split layers on a rank (the weights that hp 2 slices, named by the hp 2 run's ``tensor.json``):
 parameter values read from the rank's engine state (4 bytes each), gradient buffers (the same count), and the
