@@ -15,7 +15,12 @@ peak resident memory growth over the calls (``VmHWM`` after resetting it, above 
 the summed gradients are bitwise equal (else the largest difference relative to the largest gradient).
 
 ``--device cuda`` runs both contenders on GPU 0 (the GPU engine and CuPy): the parameters enter the forward as the
-engine's own device tensors, the gradients stay on the GPU and are summed there with CuPy; the memory column is then
+engine's own device tensors, the gradients stay on the GPU and are summed there with CuPy, and the separate calls run
+as a CUDA pipeline stage or tensor-parallel piece runs them (``ortflow.trainer.parallel.kept_activations``): their
+session computes on a stream the process owns (``EngineStream``, the CUDA provider's user compute stream), the sums
+are queued behind the backward on that stream, and the host waits for the stream once after each call (where a stage
+reads what the call wrote); ``--nondeterministic`` turns the engine's deterministic compute off in both contenders'
+sessions. The memory column is then
 the GPU memory taken over the calls (used memory after them minus before them: the engine's arena keeps its peak),
 and a third model, ``gpt_1024`` (d 1024, 8 layers, vocab 8192, T 256; 8 sequences per micro-batch), shows a size
 where the GPU is busy rather than waiting on launches.
@@ -86,17 +91,8 @@ def _gpu_used() -> int:
     return total - free
 
 
-def _cuda_view(value):
-    """A CuPy float32 view of an engine tensor on the GPU (no copy)."""
-    import cupy
-
-    count = int(np.prod(value.shape(), dtype=np.int64))
-    memory = cupy.cuda.UnownedMemory(value.data_ptr(), count * 4, value)
-    return cupy.ndarray((count,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
-
-
 def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, stage_options: bool,
-           device: str = "cpu") -> None:
+           device: str = "cpu", deterministic: bool = True) -> None:
     """One contender in this process: warm-up + ``reps`` updates of ``micro`` micro-batches; prints one JSON line."""
     from ortflow.config import load_run_config
     from ortflow.dataprep.loader import TrainLoader
@@ -106,7 +102,9 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
     from ortflow.trainer.startup import session_options
 
     def options():
-        return stage_session_options(1, HostBuffers()) if stage_options else session_options(1, True)
+        if stage_options:
+            return stage_session_options(1, HostBuffers(), deterministic)
+        return session_options(1, deterministic)
 
     cuda = device == "cuda"
     cfg = load_run_config(run_dir)
@@ -129,15 +127,20 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
         def gradients() -> list[np.ndarray]:
             return [np.array(state.parameters[n].grad) for n in trainable]  # host copies on CUDA
     else:
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+        providers = ["CPUExecutionProvider"]
+        if cuda:  # the rank's stream: the engine computes on it and the sums are queued behind the backward
+            import cupy
+
+            from ortflow.trainer.comm.nccl import DeviceBuffer, EngineStream
+
+            stream = EngineStream(cupy, 0)
+            providers = [("CUDAExecutionProvider", stream.provider_options()), "CPUExecutionProvider"]
         engine = ForwardBackward((folder / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters],
                                  trainable, [], options(), providers, device="cuda:0" if cuda else "cpu")
         if cuda:  # the engine's own device tensors, and gradient sums on the GPU
-            import cupy
-
             params = {n: state._state.get_parameter(n).data for n, _ in state.parameters}
             buffers = [cupy.empty(state.parameters[n].data.shape, cupy.float32) for n in trainable]
-            view = _cuda_view
+            targets = [DeviceBuffer(b.data.ptr, b.size, n) for b, n in zip(buffers, trainable, strict=True)]
         else:
             params = {n: engine.ortvalue(state.parameters[n].data) for n, _ in state.parameters}
             buffers = [state.parameters[n].grad for n in trainable]
@@ -146,22 +149,31 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
                 return grad.numpy()
         seed = np.ones((), np.float32)
 
-        def update() -> None:
+        def device_update() -> None:  # as KeptActivations on a CUDA rank
+            for k, batch in enumerate(batches):
+                arrays = {n: np.ascontiguousarray(batch[n]) for n in engine.feed_names if n not in params}
+                feeds = [params[n] if n in params else engine.ortvalue(arrays[n]) for n in engine.feed_names]
+                stream.after_host_copies()
+                _, held = engine.forward(feeds, host=False)
+                stream.synchronize()  # a stage reads (sends) the forward's outputs here
+                grads = engine.backward(held, [seed])
+                stream.sum_into(targets, grads, k == 0)
+                stream.synchronize()  # and the input gradients here
+
+        def host_update() -> None:
             for k, batch in enumerate(batches):
                 arrays = {n: np.ascontiguousarray(batch[n]) for n in engine.feed_names if n not in params}
                 _, held = engine.forward([params[n] if n in params else engine.ortvalue(arrays[n])
                                           for n in engine.feed_names])
                 grads = engine.backward(held, [seed])
-                if cuda:
-                    cupy.cuda.runtime.deviceSynchronize()  # the engine's stream wrote them
                 for buffer, grad in zip(buffers, grads, strict=True):
                     flat = view(grad).reshape(buffer.shape)
                     if k == 0:
                         buffer[...] = flat
                     else:
                         buffer += flat
-            if cuda:
-                cupy.cuda.runtime.deviceSynchronize()
+
+        update = device_update if cuda else host_update
 
         def gradients() -> list[np.ndarray]:
             return [cupy.asnumpy(b) if cuda else np.array(b) for b in buffers]
@@ -181,10 +193,12 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
     print(json.dumps({"update_s": statistics.median(times), "times": times, "rss_growth": grown}), flush=True)
 
 
-def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path, stage_options: bool, device: str) -> dict:
+def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path, stage_options: bool, device: str,
+         deterministic: bool = True) -> dict:
     cmd = [sys.executable, "-m", "bench.engine_calls", "--worker", str(run_dir), "--method", method,
            "--reps", str(reps), "--micro", str(micro), "--grads", str(grads), "--device", device]
     cmd += ["--stage-options"] if stage_options else []
+    cmd += [] if deterministic else ["--nondeterministic"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -201,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-options", action="store_true",
                         help="sessions made as a pipeline stage makes them (one shared arena, no memory patterns)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both contenders run")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="both contenders' sessions without the engine's deterministic compute")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.method, args.reps, args.micro, args.grads, args.stage_options, args.device)
+        worker(args.worker, args.method, args.reps, args.micro, args.grads, args.stage_options, args.device,
+               not args.nondeterministic)
         return 0
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-engine-calls-") as tmp:
@@ -214,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for method in (METHODS if r % 2 == 0 else tuple(reversed(METHODS))):
                     runs[method].append(_run(run_dir, method, args.reps, args.micro, root / f"{model}-{method}.npz",
-                                             args.stage_options, args.device))
+                                             args.stage_options, args.device, not args.nondeterministic))
             grads = {m: np.load(root / f"{model}-{m}.npz") for m in METHODS}
             a, b = grads["training_call"], grads["forward_backward"]
             equal = all(a[k].tobytes() == b[k].tobytes() for k in a.files)
@@ -224,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                                "rss_growth": max(x["rss_growth"] for x in runs[m])} for m in METHODS}
             rows[model].update(bitwise_equal=equal, max_relative_difference=worst, tensors=len(a.files))
     record = {"micro_batches": args.micro, "reps": args.reps, "rounds": args.rounds, "models": rows,
-              "stage_options": args.stage_options, "device": args.device}
+              "stage_options": args.stage_options, "device": args.device,
+              "deterministic_compute": not args.nondeterministic}
     where, memory = ("GPU 0", "GPU memory growth") if args.device == "cuda" else ("CPU, 1 thread", "RSS growth")
     lines = [f"# Training call against separate forward and backward calls ({where})", "",
              f"Medians over {args.rounds} interleaved rounds of {args.reps} updates of {args.micro} micro-batches; "
-             f"session options {'of a pipeline stage' if args.stage_options else 'of an unsplit replica'}.", "",
+             f"session options {'of a pipeline stage' if args.stage_options else 'of an unsplit replica'}, "
+             f"deterministic compute {'off' if args.nondeterministic else 'on'}.", "",
              f"| model | training call s/update | forward+backward s/update | ratio | {memory} training call MiB | "
              f"{memory} forward+backward MiB | gradients |", "|---|---|---|---|---|---|---|"]
     for model, row in rows.items():
@@ -237,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {model} | {t['update_s']:.4f} | {f['update_s']:.4f} | {f['update_s'] / t['update_s']:.2f} | "
                      f"{t['rss_growth'] / 2**20:.1f} | {f['rss_growth'] / 2**20:.1f} | {same} ({row['tensors']}) |")
     stem = (f"engine-calls-{socket.gethostname()}{'-cuda' if args.device == 'cuda' else ''}"
-            f"{'-stage-options' if args.stage_options else ''}")
+            f"{'-stage-options' if args.stage_options else ''}{'-nondeterministic' if args.nondeterministic else ''}")
     write_result(ROOT / "bench" / "out" / stem, record, "\n".join(lines))
     print("\n".join(lines))
     return 0
