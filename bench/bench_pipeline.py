@@ -472,7 +472,7 @@ def gpu_runs(root: Path, micro: list[int], batch: int) -> dict:
     return runs
 
 
-def gpu_main(argv: list[str] | None = None, clock=time.perf_counter) -> None:
+def gpu_main(argv: list[str] | None = None, *, clock=time.perf_counter) -> None:
     """``python -m bench pipeline-gpu``; ``clock``: seconds, for the budget."""
     parser = argparse.ArgumentParser(description=GPU_DOC.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2)
