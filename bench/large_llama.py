@@ -83,7 +83,7 @@ def run_config(root: Path, precision: str, args: argparse.Namespace) -> dict:
     display, layout, recompute = 2, getattr(args, "layout", "dp"), getattr(args, "recompute", False)
     global_batch = args.gpus * args.batch
     micro = max(1, global_batch // PIPELINE_MICRO_BATCHES) if layout == "pp" else args.batch
-    split = {"recompute_forward": True} if recompute else {}
+    split = {"recompute_forward": bool(recompute)} if layout in ("pp", "tp") else {}  # kept or recomputed, not auto
     return {
         "name": f"llama-{precision}-{layout}" + ("-recompute" if recompute else ""),
         "output_dir": str(root / run_name(precision, layout, recompute)),

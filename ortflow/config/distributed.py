@@ -40,13 +40,14 @@ class DistributedConfig(Section):
     pipeline_parallel_size: int = Field(
         1, gt=0, description="Pipeline stages, one rank each per replica; micro-batches = gradient_accumulation_steps."
     )
-    recompute_forward: bool = Field(
-        False,
-        description="With pipeline or tensor parallelism: every pipeline stage but the last, and every tensor-parallel "
-        "piece but the last, runs each micro-batch's forward twice (a forward to send, then again inside its backward "
-        "call) and keeps only the tensors it received in between (less memory, one more forward); false: the forward "
-        "runs once and its activations are kept until the backward (at most P - s micro-batches on stage s of P, "
-        "1F1B), on CPU and CUDA ranks alike (docs/layouts.md).",
+    recompute_forward: bool | Literal["auto"] = Field(
+        "auto",
+        description="With pipeline or tensor parallelism, true: every pipeline stage but the last, and every "
+        "tensor-parallel piece but the last, runs each micro-batch's forward twice (a forward to send, then again "
+        "inside its backward call) and keeps only the tensors it received in between (less memory, one more forward); "
+        "false: the forward runs once and its activations are kept until the backward (at most P - s micro-batches on "
+        "stage s of P, 1F1B); auto: kept, except on CUDA pipeline stages, where the engine's training call with the "
+        "forward again measures faster than separate forward and backward calls (docs/layouts.md, docs/gpu.md).",
     )
     recompute_subgraphs: tuple[str, ...] = Field(
         (),

@@ -123,5 +123,7 @@ def test_kept_activations_on_a_user_stream_sum_the_training_call_gradients_into_
         kept.forward(batch)
         kept.backward([np.ones((), np.float32)])
     again = [np.array(kept_state.parameters[n].grad) for n in trainable]
+    # Not added to the first sums (that would double them). Equal to ~1e-5, not bitwise: the engine's CUDA gradient
+    # of the embedding's Gather adds rows in the order its threads reach them (2 of 32,768 entries differed, H200).
     for name, mine, first in zip(trainable, again, sums, strict=True):
-        np.testing.assert_allclose(mine, first, rtol=1e-6, atol=1e-9, err_msg=name)  # not added to the first sums
+        np.testing.assert_allclose(mine, first, rtol=1e-4, atol=1e-7, err_msg=name)

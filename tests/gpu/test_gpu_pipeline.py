@@ -1,9 +1,11 @@
 """Pipeline stages on GPUs (skipped without 2 GPUs, the GPU engine and CuPy).
 
 Stages pass activations and gradients as host arrays over the process group (MPI), as CPU stages do; the replicas of a
-stage average their gradients with NCCL. A stage that is not the last runs each micro-batch's forward once and keeps
-its activations until the backward, as CPU stages do (the engine on a stream the rank owns: the rank logs "forward
-once, activations kept until the backward"); a stage with a BatchNorm before its cut recomputes its forward.
+stage average their gradients with NCCL. By default (``recompute_forward: auto``) a GPU stage that is not the last
+runs its forward again inside its backward call (the rank logs "forward recomputed inside the backward call"); with
+``recompute_forward: false`` it runs each micro-batch's forward once and keeps its activations until the backward, as
+CPU stages do (the engine on a stream the rank owns: "forward once, activations kept until the backward"); a stage
+with a BatchNorm before its cut recomputes its forward either way.
 
 Tolerance against the unsplit model on one GPU: the CUDA provider runs matmuls in TF32 by default (10-bit mantissa,
 relative error ~5e-4 per product). Each stage runs the unsplit graph's operators on the same micro-batch shapes, so
@@ -58,21 +60,24 @@ def _compare(split, unsplit) -> float:
     return worst
 
 
-def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path):
+@pytest.mark.parametrize("recompute_forward", ["auto", False])
+def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path, recompute_forward):
     """8 micro-batches per update: 1F1B keeps up to 2 in flight on stage 0, so activations and gradients of different
-    micro-batches cross between the stages in both directions at once (the schedule that once stalled on GPUs)."""
+    micro-batches cross between the stages in both directions at once (the schedule that once stalled on GPUs); stage
+    0 recomputes its forward (auto, the default on GPUs) or keeps its activations (false)."""
     from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN
 
     train = {**TRAIN, "num_train_steps": 32, "gradient_accumulation_steps": 8}
     one = make_text_run(tmp_path, "one", distributed={**GPU, "num_ranks": 1}, train=train)
-    two = make_text_run(tmp_path, "two", distributed={**GPU, "num_ranks": 2, "pipeline_parallel_size": 2},
-                        train=train)
+    two = make_text_run(tmp_path, "two", distributed={**GPU, "num_ranks": 2, "pipeline_parallel_size": 2,
+                                                      "recompute_forward": recompute_forward}, train=train)
     _run(one, 1)
     log = _run(two, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 1/2 (local 1/2) on cuda:1" in log, log[-3000:]
     assert "rank 0: pipeline stage 0/2" in log and "rank 1: pipeline stage 1/2" in log, log[-3000:]
-    assert KEPT in log and RECOMPUTED not in log, log[-3000:]
+    expected, other = (RECOMPUTED, KEPT) if recompute_forward == "auto" else (KEPT, RECOMPUTED)
+    assert expected in log and other not in log, log[-3000:]
     _compare(two, one)
     timing = _stage_timing(log)
     assert sorted(s for s, *_ in timing.values()) == [0, 1], log[-3000:]
@@ -91,7 +96,7 @@ def test_four_gpus_two_stages_by_two_replicas_match_and_replicas_are_identical(t
                          train=train)
     _run(dp, 2)
     log = _run(grid, 4)
-    assert KEPT in log and "rank 2 stage 0: forward once, activations kept until the backward" in log, log[-3000:]
+    assert RECOMPUTED in log and "rank 2 stage 0: forward recomputed inside the backward call" in log, log[-3000:]
     _compare(grid, dp)
     seen = _digests(log)  # rank = replica * 2 + stage: ranks 0, 2 hold stage 0; ranks 1, 3 stage 1
     last = max(step for _, step in seen)
@@ -114,7 +119,8 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
     from tests.trainer.test_pipeline_mpi import stage_parameters
 
     layout, train = {"num_ranks": 2, "pipeline_parallel_size": 2}, {"num_train_steps": 8}
-    gpu = gpt2_run(tmp_path, "gpu", distributed={**layout, **GPU}, optimizer=SGD, train=train)
+    gpu = gpt2_run(tmp_path, "gpu", distributed={**layout, **GPU, "recompute_forward": False}, optimizer=SGD,
+                   train=train)  # stage 0 keeps its activations on its GPU
     cpu = gpt2_run(tmp_path, "cpu", distributed=layout, optimizer=SGD, train=train)
     log = _run(gpu, 2, env=STRICT_FP32)
     cpu_log = _run(cpu, 2)

@@ -189,10 +189,11 @@ def _stage_body(batch_statistics: bool = False):
                            buffers=_DeviceBuffers(), folder=None, state=None, trainable=["w"])
 
 
-def test_cuda_stages_keep_their_activations_unless_recompute_forward_batchnorm_or_the_last(monkeypatch, tmp_path):
-    """A CUDA stage that is not the last keeps its activations (its buffers go with the calls: the engine then runs
-    on the rank's stream); ``distributed.recompute_forward``, a BatchNorm switched to batch statistics before its cut,
-    and the last stage recompute."""
+def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_last(monkeypatch, tmp_path):
+    """A CUDA stage that is not the last keeps its activations with ``recompute_forward: false`` (its buffers go with
+    the calls: the engine then runs on the rank's stream); ``auto`` (the default) and ``true`` recompute on a GPU
+    stage, as do a BatchNorm switched to batch statistics before its cut and the last stage; ``auto`` keeps on a
+    CPU stage."""
     from types import SimpleNamespace
 
     from ortflow.trainer.parallel import build
@@ -202,7 +203,7 @@ def test_cuda_stages_keep_their_activations_unless_recompute_forward_batchnorm_o
     body = _stage_body()
     body.folder = tmp_path
 
-    def config(recompute_forward: bool):
+    def config(recompute_forward):
         return SimpleNamespace(distributed=SimpleNamespace(recompute_forward=recompute_forward,
                                                            deterministic_compute=True, recompute_subgraphs=()))
 
@@ -210,9 +211,32 @@ def test_cuda_stages_keep_their_activations_unless_recompute_forward_batchnorm_o
     assert build.keep_activations(config(False), body, middle, 1) == "kept"
     assert made[-1]["buffers"] is body.buffers
     assert build.keep_activations(config(True), body, middle, 1) is None
+    assert build.keep_activations(config("auto"), body, middle, 1) is None
     assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
     assert build.keep_activations(config(False), body, SimpleNamespace(last=True, receives=("h",), sends=()), 1) is None
     assert len(made) == 1
+    body.buffers = SimpleNamespace(on_device=False, stage_options=lambda options: options)
+    assert build.keep_activations(config("auto"), body, middle, 1) == "kept"
+    assert made[-1]["buffers"] is body.buffers
+
+
+def test_recompute_forward_auto_keeps_on_cpu_ranks_and_gpu_pieces_and_recomputes_on_gpu_stages():
+    """``distributed.recompute_forward`` resolved per part: written true/false everywhere as written; ``auto``
+    recomputes only a CUDA pipeline stage; a config that says nothing is ``auto``."""
+    from types import SimpleNamespace
+
+    from ortflow.config.distributed import DistributedConfig
+    from ortflow.trainer.parallel.build import recomputes_forward
+
+    def cfg(value=None):
+        written = {} if value is None else {"recompute_forward": value}
+        return SimpleNamespace(distributed=DistributedConfig.model_validate(written))
+
+    assert cfg().distributed.recompute_forward == "auto"
+    places = [(gpu, stage) for gpu in (False, True) for stage in (False, True)]
+    assert [recomputes_forward(cfg(), gpu=g, stage=s) for g, s in places] == [False, False, False, True]
+    assert [recomputes_forward(cfg(True), gpu=g, stage=s) for g, s in places] == [True] * 4
+    assert [recomputes_forward(cfg(False), gpu=g, stage=s) for g, s in places] == [False] * 4
 
 
 def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_and_the_loss(monkeypatch, tmp_path):
