@@ -3,7 +3,8 @@
 # 2 GPUs: ortflow data-parallel with ZeRO-1 in fp16 and in bf16, then PyTorch FSDP2 + torch.compile (bf16) on the same
 # shape, batch and data rule; tokens/s and model FLOPs utilisation in OUT/large-llama.md (bench/large_llama.py).
 # LAYOUTS="dp pp tp" also trains the model in one pipeline stage per GPU and split by tensor parallelism (each layout
-# in each of PRECISIONS, default "fp16 bf16"); RECOMPUTE=1 adds to each pp and tp run a contender with
+# in each of PRECISIONS, default "fp16 bf16"; stages and pieces keep their activations, recompute_forward: false);
+# RECOMPUTE=1 adds to each pp and tp run a contender with
 # distributed.recompute_forward: true, "... (recompute)", configured from the same artifacts (hard links) and trained
 # right after it; TORCH=0 leaves PyTorch out.
 # Run from the repository root on a host with the GPU engine installed:

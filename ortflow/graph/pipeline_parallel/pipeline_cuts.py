@@ -144,8 +144,9 @@ def check_random_ops(graph: onnx.GraphProto) -> None:
     random = [f"{n.op_type} '{n.name}'" for n in graph.node if n.op_type in _RANDOM_OPS]
     if random:
         raise SplitError(
-            f"pipeline stages recompute their forward pass in the backward call, so random operators would draw "
-            f"different numbers: {random[:5]}; export the model without dropout/random ops (e.g. torch eval mode)"
+            f"random operators in a split model: {random[:5]}; a pipeline stage or tensor-parallel piece that "
+            f"recomputes its forward in the backward call (distributed.recompute_forward) would draw different "
+            f"numbers there; export the model without dropout/random ops (e.g. torch eval mode)"
         )
 
 
