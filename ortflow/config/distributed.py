@@ -51,7 +51,7 @@ class DistributedConfig(Section):
     )
     recompute_subgraphs: tuple[str, ...] = Field(
         (),
-        description="Where a forward runs once and its activations are kept (recompute_forward false): the engine's "
+        description="Where a forward runs once and its activations are kept (see recompute_forward): the engine's "
         "memory-optimizer plans, 'SUBGRAPH:1:COUNT' (e.g. 'Gelu+:1:-1': every GELU's output recomputed in the "
         "backward instead of kept; COUNT -1 = all), trading compute for activation memory; the subgraphs a model "
         "offers are those the engine's memory optimizer lists (docs/layouts.md).",
