@@ -1,10 +1,11 @@
-"""``ortflow validate`` on a Llama export (grouped-query attention, RoPE) and on GPT-2's default dynamo export with
-tensor parallelism: the split plan it prints, and the sizes it refuses."""
+"""``ortflow validate`` on a Llama export (grouped-query attention, RoPE) and on GPT-2's TorchScript and default dynamo
+exports (a fused QKV projection) with tensor parallelism: the split plan it prints, and the sizes it refuses."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -60,10 +61,12 @@ def test_a_size_that_divides_neither_heads_nor_widths_names_a_few_heads_and_the_
     assert problem.endswith("use one of [1, 2] (the sizes that divide every head count and the split layers' widths)")
 
 
-def test_validate_prints_the_gpt2_dynamo_split_of_every_block(tmp_path):
-    """The dynamo exporter's GPT-2 (flattened products, the sequence clamped by ``min(n_positions, T)``, the causal
-    mask's ``Where``): each block's attention by heads (the fused QKV in its 3 parts) and MLP, and the tied table."""
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, "gpt2-dynamo.onnx", num_ranks=2,
+@pytest.mark.parametrize("export", ["gpt2.onnx", "gpt2-dynamo.onnx"])
+def test_validate_prints_the_gpt2_split_of_every_block_with_the_heads_of_the_fused_qkv(tmp_path, export):
+    """Both exporters' GPT-2 (TorchScript: ``addmm`` Gemms, the sequence from ``Shape``; dynamo: flattened products, the
+    sequence clamped by ``min(n_positions, T)``, the causal mask's ``Where``): each block's attention by heads (the
+    fused QKV in its 3 parts, each part's 4 heads named on the line) and MLP, and the tied table."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
                                                                    horizontal_parallel_size=2))])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
@@ -72,8 +75,26 @@ def test_validate_prints_the_gpt2_dynamo_split_of_every_block(tmp_path):
         h = f"model.transformer.h.{block}"
         assert (f"columns ['{h}.attn.c_attn.weight'] (+ biases ['{h}.attn.c_attn.bias']), "
                 f"rows ['{h}.attn.c_proj.weight']") in text
-        assert f"fused parts {{'{h}.attn.c_attn.weight': 3, '{h}.attn.c_attn.bias': 3}}" in text
+        assert (f"fused parts {{'{h}.attn.c_attn.weight': 3, '{h}.attn.c_attn.bias': 3}}; "
+                f"heads: {h}.attn.c_attn.weight 4 -> 2 per rank in each of its 3 fused parts") in text
         mlp = f"{h}.mlp"
         assert f"columns ['{mlp}.c_fc.weight'] (+ biases ['{mlp}.c_fc.bias']), rows ['{mlp}.c_proj.weight']" in text
+    assert text.count("heads: ") == 4  # the attention blocks only: the MLPs have no heads
     assert "vocabulary split of ['model.transformer.wte.weight'] (axis 0) in the LM head" in text
     assert "kept replicated" not in text
+
+
+@pytest.mark.parametrize("export", ["gpt2.onnx", "gpt2-dynamo.onnx"])
+def test_a_size_that_does_not_divide_the_gpt2_heads_names_the_fused_qkv_weights_and_the_sizes_that_fit(tmp_path,
+                                                                                                          export):
+    (problem,) = validate(lm_config(tmp_path, export, num_ranks=3, horizontal_parallel_size=3))
+    # 3 divides neither the 4 heads of each fused part (query, key, value) of the 4 blocks' c_attn nor any width: the
+    # first three weights are named with their head count, the fourth counted; no Reshape node is named
+    assert problem.startswith(
+        "distributed.horizontal_parallel_size 3 does not divide the 4 heads in each of the 3 fused parts of "
+        "model.transformer.h.0.attn.c_attn.weight; the 4 heads in each of the 3 fused parts of "
+        "model.transformer.h.1.attn.c_attn.weight; the 4 heads in each of the 3 fused parts of "
+        "model.transformer.h.2.attn.c_attn.weight; and 1 more head count(s) like them: "), problem
+    assert "Reshape" not in problem
+    assert problem.endswith("use one of [1, 2, 4] (the sizes that divide every head count and the split layers' "
+                            "widths)"), problem

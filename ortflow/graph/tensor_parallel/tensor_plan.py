@@ -37,9 +37,10 @@ class Region:
         heads: A vocabulary-split LM head's output -> its rank (the local logits are padded back to the vocabulary).
         members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
             the outputs of ``nodes``.
-        num_heads: Column-split weight -> the number of attention heads its output is reshaped into (each rank
-            keeps ``num_heads / tp`` whole heads; under grouped-query attention the key/value projections have
-            fewer heads than the query's, and each rank's key/value heads are those its query heads read).
+        num_heads: Column-split weight -> the number of attention heads its output is reshaped into, or each part
+            of it for a fused projection (GPT-2's ``c_attn``: q, k and v of that many heads each); each rank keeps
+            ``num_heads / tp`` whole heads (of every part); under grouped-query attention the key/value projections
+            have fewer heads than the query's, and each rank's key/value heads are those its query heads read.
     """
 
     columns: list[str] = field(default_factory=list)
@@ -81,9 +82,17 @@ def _heads_note(r: Region, size: int) -> str:
     if not r.num_heads:
         return ""
     most = max(r.num_heads.values())
-    parts = [f"{w} {n} -> {n // size} per rank" + (f" (key/value heads, each read by {most // n} query heads)"
-                                                     if n < most else "") for w, n in r.num_heads.items()]
+    parts = [f"{w} {n} -> {n // size} per rank" + _in_parts(r, w, "in each of its {} fused parts")
+             + (f" (key/value heads, each read by {most // n} query heads)" if n < most else "")
+             for w, n in r.num_heads.items()]
     return "; heads: " + ", ".join(parts)
+
+
+def _in_parts(r: Region, weight: str, words: str) -> str:
+    """``words`` with the number of fused parts of ``weight`` (a fused QKV projection's 3), after a space; "" for a
+    weight that is one projection."""
+    parts = r.groups.get(weight, 1)
+    return " " + words.format(parts) if parts > 1 else ""
 
 
 def describe(plan: TensorParallelPlan) -> list[str]:
@@ -153,14 +162,15 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
 
 
 def _head_problems(model, plan: TensorParallelPlan, head_counts: list[tuple[int, int]]) -> list[str]:
-    """Head counts ``plan.size`` does not divide: the projections' heads (query, key/value), then any other head
-    reshape in a split region (``repeat_kv``'s)."""
+    """Head counts ``plan.size`` does not divide: the projections' heads (query, key/value, or each part of a fused
+    QKV projection), then any other head reshape in a split region (``repeat_kv``'s)."""
     found = []
     for r in plan.regions:
         most = max(r.num_heads.values(), default=0)
         for w, n in r.num_heads.items():
             if n % plan.size:
-                found.append(f"the {n} {'key/value heads' if n < most else 'heads'} of {w}")
+                found.append(f"the {n} {'key/value heads' if n < most else 'heads'}"
+                             f"{_in_parts(r, w, 'in each of the {} fused parts')} of {w}")
     if not found:
         found = [f"the {n} heads made by {model.graph.node[i].op_type} '{node_label(model.graph.node[i])}'"
                  for i, n in head_counts if n % plan.size]

@@ -15,7 +15,8 @@ Shape entries that carry a head count or width are rewritten for the local size 
 (:mod:`ortflow.graph.tensor_parallel.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split
 tensor's ``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown
 op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``tp`` that does not
-divide a width or a head count (the key/value heads under GQA) is refused, naming them and the sizes that fit.
+divide a width or a head count (the key/value heads under GQA, the heads of each part of a fused QKV projection) is
+refused, naming the projections and the sizes that fit.
 
 A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_parallel.tensor_gemm`) is a weight product like ``MatMul``; its ``[out,
 in]`` weight swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose
@@ -76,6 +77,7 @@ class _Walk:
         self.biases: dict[int, str] = {}
         self.groups: dict[int, int] = {}  # seed node -> parts (Split after it)
         self.bias_of: dict[str, int] = {}  # tensor after the seed's bias add -> seed node
+        self.part_of: dict[str, int] = {}  # a part of a fused projection's Split (q, k or v) -> seed node
         self.rewrites: list[tuple[int, int, int, int, int]] = []  # (+ component)
         self.via_transpose: set[str] = set()  # weights read as Transpose(W) (torch's nn.Linear on 3-D inputs)
         self.head_counts: list[tuple[int, int]] = []  # (Reshape node, size of the split axis it makes) for heads
@@ -221,6 +223,7 @@ class _Walk:
                 self.rewrites.append((i, 1, k, int(v), seed))
         for out in node.output:
             self.split[out] = axis
+            self.part_of[out] = seed
         return None
 
     def _reshape(self, i: int, node, axis: int) -> str | None:
@@ -237,8 +240,9 @@ class _Walk:
         self.split[out] = b - len(s_out)
         if b < len(s_out) - 1 and isinstance(s_out[b], int):  # a head axis: each rank needs whole heads
             self.head_counts.append((i, s_out[b]))
-            if x in self.bias_of:
-                self.seed_heads.setdefault(self.bias_of[x], s_out[b])
+            seed = self.bias_of.get(x, self.part_of.get(x))  # the projection's output, or a part of a fused one
+            if seed is not None:
+                self.seed_heads.setdefault(seed, s_out[b])
         if x in self.bias_of and axis == -1 and b == len(s_out) - 1:  # [B*T, 3D] -> [B, T, 3D] before a fused Split
             self.bias_of[out] = self.bias_of[x]
         return None
