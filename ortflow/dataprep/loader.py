@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -319,8 +320,12 @@ class Prefetcher:
 
 
 class EvalLoader:
-    """This rank's contiguous share of the eval split (or of its first ``max_rows`` rows), in order: rows
-    ``[r*N//W, (r+1)*N//W)`` of the ``N`` evaluated, so the same rows are evaluated on any number of ranks.
+    """This rank's contiguous share of the eval split's batches (of its first ``max_rows`` rows), in order.
+
+    The ``N`` rows evaluated form ``num_batches`` batches of ``batch_size`` rows (rows ``[k*B, (k+1)*B)``, the last one
+    short); rank ``r`` of ``W`` takes batches ``[r*K//W, (r+1)*K//W)``. Every batch is the same on any number of ranks,
+    so the engine computes the same float32 mean for it, and :func:`mean_eval_loss` adds the batches in one fixed rule:
+    the eval loss of a checkpoint is one number on any layout and in ``ortflow evaluate``.
 
     When the model fixes its batch dim (an input's declared leading dim is an integer), every batch must have exactly
     ``batch_size`` rows: the short last batch is padded with copies of its first row, and :meth:`weighted_batches`
@@ -328,7 +333,7 @@ class EvalLoader:
 
     Args:
         data_dir: the prepared data folder.
-        batch_size: rows per batch on this rank.
+        batch_size: rows per batch (the same on every rank).
         rank: this rank.
         world_size: number of ranks.
         max_rows: evaluate only the split's first this many rows (``train.max_eval_rows``; None: all).
@@ -338,47 +343,65 @@ class EvalLoader:
         _check_rank(batch_size, rank, world_size)
         manifest = read_manifest(Path(data_dir))
         self._split = _Split(Path(data_dir), manifest, "eval")
-        total = self._split.num_rows if max_rows is None else min(max_rows, self._split.num_rows)
-        self._lo, self._hi = rank * total // world_size, (rank + 1) * total // world_size
+        self._total = self._split.num_rows if max_rows is None else min(max_rows, self._split.num_rows)
         self.batch_size = batch_size
-        self.num_samples: int = self._hi - self._lo
+        #: Batches of the whole evaluation (every rank's), the length of :func:`mean_eval_loss`'s input.
+        self.num_batches: int = -(-self._total // batch_size)
+        self._first = rank * self.num_batches // world_size
+        self._end = (rank + 1) * self.num_batches // world_size
+        self.num_samples: int = min(self._end * batch_size, self._total) - min(self._first * batch_size, self._total)
         self.fixed_batch: bool = any(
             i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 for i in manifest.inputs
         )
 
-    def _rows(self, max_batches: int | None) -> Iterator[np.ndarray]:
-        for k, start in enumerate(range(self._lo, self._hi, self.batch_size)):
-            if max_batches is not None and k >= max_batches:
+    def _rows(self, max_batches: int | None) -> Iterator[tuple[int, np.ndarray]]:
+        for k in range(self._first, self._end):
+            if max_batches is not None and k - self._first >= max_batches:
                 return
-            yield np.arange(start, min(start + self.batch_size, self._hi), dtype=np.int64)
+            start = k * self.batch_size
+            yield k, np.arange(start, min(start + self.batch_size, self._total), dtype=np.int64)
 
     def batches(self, max_batches: int | None = None) -> Iterator[tuple[dict[str, np.ndarray], int]]:
         """Yield ``(feeds, real_rows)``; the last batch may be short, or padded to ``batch_size`` when fixed.
 
         Padded batches hold their ``real_rows`` real rows first, then copies of the first one.
         """
-        for rows in self._rows(max_batches):
+        for _, rows in self._rows(max_batches):
             real = len(rows)
             if self.fixed_batch and real < self.batch_size:
                 rows = np.concatenate([rows, np.full(self.batch_size - real, rows[0], dtype=np.int64)])
             yield self._split.gather(rows), real
 
-    def weighted_batches(self, max_batches: int | None = None) -> Iterator[tuple[dict[str, np.ndarray], float, int]]:
-        """Yield ``(feeds, weight, real_rows)``: the sum of ``weight * mean batch loss`` is the sum of row losses.
+    def weighted_batches(self) -> Iterator[tuple[int, dict[str, np.ndarray], float, int]]:
+        """Yield ``(batch, feeds, weight, real_rows)``: the sum of ``weight * mean batch loss`` over a batch index's
+        items is the sum of its rows' losses (``batch``: the index into :func:`mean_eval_loss`'s input).
 
         A full batch has weight ``B``. A padded batch (``r`` real rows + ``B - r`` copies of its first row ``x0``)
-        has weight ``B`` and is followed by a batch of ``B`` copies of ``x0`` with weight ``-(B - r)`` and 0 rows:
-        ``B * mean(pad) - (B - r) * loss(x0)`` is exactly the real rows' loss sum, for any loss that is a mean over
-        rows of equal size (every loss the engine adds; also a model_output mean loss), at any number of ranks.
+        has weight ``B`` and is followed by a batch of ``B`` copies of ``x0`` with weight ``-(B - r)`` and 0 rows,
+        under the same index: ``B * mean(pad) - (B - r) * loss(x0)`` is exactly the real rows' loss sum, for any loss
+        that is a mean over rows of equal size (every loss the engine adds; also a model_output mean loss).
         """
-        for rows in self._rows(max_batches):
+        for k, rows in self._rows(None):
             real = len(rows)
             if not self.fixed_batch or real == self.batch_size:
-                yield self._split.gather(rows), float(real), real
+                yield k, self._split.gather(rows), float(real), real
                 continue
             pad = np.full(self.batch_size - real, rows[0], dtype=np.int64)
-            yield self._split.gather(np.concatenate([rows, pad])), float(self.batch_size), real
-            yield self._split.gather(np.full(self.batch_size, rows[0], dtype=np.int64)), -float(len(pad)), 0
+            yield k, self._split.gather(np.concatenate([rows, pad])), float(self.batch_size), real
+            yield k, self._split.gather(np.full(self.batch_size, rows[0], dtype=np.int64)), -float(len(pad)), 0
+
+
+def mean_eval_loss(batch_sums: np.ndarray) -> float | None:
+    """The eval loss from every batch's ``[weighted loss sum, rows]`` (``num_batches x 2``, float64, in batch order;
+    the training loop's ranks add theirs, zeros elsewhere, so each entry holds one rank's value exactly).
+
+    The one rule for the recorded eval loss, ``ortflow evaluate`` and what export quotes: the mean loss per row, the
+    batches' sums added exactly rounded (``math.fsum``), so the result does not depend on which rank held which
+    batch or in what order the ranks' numbers arrived. None when no row was evaluated.
+    """
+    sums = np.asarray(batch_sums, dtype=np.float64).reshape(-1, 2)
+    rows = math.fsum(sums[:, 1])
+    return math.fsum(sums[:, 0]) / rows if rows else None
 
 
 def _check_rank(batch_size: int, rank: int, world_size: int) -> None:

@@ -1,8 +1,10 @@
 """``ortflow evaluate``: eval loss (and accuracy for classifiers) of any checkpoint of a run on its eval split.
 
-The loss is the training engine's own eval graph run on the checkpoint's parameters, weighted exactly as the
-trainer's evaluations are (``EvalLoader.weighted_batches``: every row once, padded batches of fixed-batch models
-corrected), so it equals the eval loss training records for the same checkpoint. Accuracy (cross_entropy only) is the
+The loss is the training engine's own eval graph run on the checkpoint's parameters, over the same batches and added
+by the same rule as the trainer's evaluations (``EvalLoader.weighted_batches``: every row once, padded batches of
+fixed-batch models corrected; :func:`~ortflow.dataprep.loader.mean_eval_loss`), so it is the eval loss training
+records for the same checkpoint, digit for digit, where the training ranks ran the same arithmetic (a CPU data-parallel
+run; GPU kernels and tensor-parallel slices add in other orders in float32). Accuracy (cross_entropy only) is the
 share of labels equal to the argmax of the loss output over its last axis, counted per position for ``[B, T, V]``
 logits; it comes from the inference graph cut out of the eval model (as export makes it).
 """
@@ -13,6 +15,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 
@@ -58,7 +61,7 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_rows: i
     Raises:
         ExportError: no run config, checkpoint, eval model or prepared eval data.
     """
-    from ortflow.dataprep.loader import EvalLoader
+    from ortflow.dataprep.loader import EvalLoader, mean_eval_loss
     from ortflow.engine import api
 
     src = resolve_source(Path(source), None, None, checkpoint)
@@ -84,11 +87,10 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_rows: i
         param.data[...] = values[name]
     module.eval()
     names = module.input_names()
-    total, rows = 0.0, 0
-    for feeds, weight, real in loader.weighted_batches():
-        total += float(module(*(feeds[n] for n in names))) * weight
-        rows += real
-    loss = total / rows if rows else None
+    sums = np.zeros((loader.num_batches, 2))
+    for k, feeds, weight, real in loader.weighted_batches():
+        sums[k] += (float(module(*(feeds[n] for n in names))) * weight, real)
+    loss, rows = mean_eval_loss(sums), int(sums[:, 1].sum())
     accuracy = _accuracy(src, loader) if (src.record or {}).get("loss") == "cross_entropy" else None
     log.info("evaluated %s: loss %s, accuracy %s over %d rows", src.checkpoint.path, loss, accuracy, rows)
     return Evaluation(str(src.checkpoint.path), src.checkpoint.step, loss, accuracy, rows)

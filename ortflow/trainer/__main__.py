@@ -105,7 +105,7 @@ def run_rank(run_dir: Path | str) -> int:
         progress = Progress(rt.run_dir, cfg.train.num_weight_updates, start) if writer else None
         try:
             result = train(
-                rt, loader.iter_from, evals.weighted_batches, manager, tensorboard,
+                rt, loader.iter_from, evals, manager, tensorboard,
                 progress, stop, tokens_per_sample=loader.tokens_per_sample,
             )
         finally:

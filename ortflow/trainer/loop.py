@@ -16,6 +16,7 @@ import numpy as np
 
 from ortflow import engine
 from ortflow.checkpoints import CheckpointManager
+from ortflow.dataprep.loader import mean_eval_loss
 from ortflow.trainer import batchnorm, loss_scale
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
@@ -49,7 +50,7 @@ def train(
     Args:
         model: This rank's model (a replica, a pipeline stage, tensor-parallel pieces; :mod:`.rank_model`).
         train_batches: ``cursor -> iterator`` of this rank's micro-batches from a global sample cursor.
-        eval_batches: Iterator factory over this rank's share of the eval split, yielding (feeds, weight, rows).
+        eval_batches: This rank's share of the eval split (``EvalLoader``).
         checkpoints: Owns when to save and what to keep; the loop only offers each step.
         tensorboard: Rank 0's event writer (None on other ranks).
         progress: Rank 0's progress reporter (None on other ranks).
@@ -156,15 +157,18 @@ def update_weights(model: RankModel, batches: Iterator[dict[str, np.ndarray]], s
 def evaluate(model: RankModel, eval_batches: EvalBatches) -> float | None:
     """Mean eval loss over the whole eval split, each replica taking its share; None if the split is empty.
 
-    ``eval_batches`` yields ``(feeds, weight, rows)`` (``EvalLoader.weighted_batches``): padded batches of a model
-    with a fixed batch dim are weighted so that every real row counts exactly once.
+    ``eval_batches`` is this rank's ``EvalLoader``: padded batches of a model with a fixed batch dim are weighted so
+    that every real row counts exactly once. The batches and the rule that adds them (:func:`mean_eval_loss`) are
+    those of ``ortflow evaluate``, so both give one number for one checkpoint.
     """
     sums = model.eval_sums(eval_batches)
-    # Sync point: the eval split is sharded over the replicas, so the mean needs every rank's loss sum and row count.
-    total = model.sum_scalars(sums, "eval loss")
+    # Sync point: the eval split is sharded over the replicas, so the mean needs every batch's loss sum and row count
+    # (each batch's entry is one rank's value plus zeros: exact, whatever the order of the sum over ranks).
+    total = model.sum_scalars(sums.ravel(), "eval loss").reshape(sums.shape)
+    loss = mean_eval_loss(total)
     if model.comm.rank == 0:
-        log.info("eval loss %.6g over %d rows", total[0] / total[1] if total[1] else float("nan"), int(total[1]))
-    return float(total[0] / total[1]) if total[1] else None
+        log.info("eval loss %.6g over %d rows", float("nan") if loss is None else loss, int(total[:, 1].sum()))
+    return loss
 
 
 class Window:

@@ -32,8 +32,13 @@ from ortflow.trainer.timing import PhaseTimer
 
 log = logging.getLogger("ortflow.trainer")
 
-#: ``(feeds, weight, rows)`` of this rank's share of the eval split (``EvalLoader.weighted_batches``).
-EvalBatches = Callable[[], Iterator[tuple[dict, float, int]]]
+class EvalBatches(Protocol):
+    """This rank's share of the eval split (``EvalLoader``): its items and the whole evaluation's batch count."""
+
+    num_batches: int
+
+    def weighted_batches(self) -> Iterator[tuple[int, dict, float, int]]:
+        """``(batch index, feeds, weight, rows)`` (``EvalLoader.weighted_batches``)."""
 
 
 @dataclass
@@ -128,7 +133,8 @@ class RankModel(Protocol):
         """After the optimizer step: gather shards, copy tied weights, reset the engine's gradients."""
 
     def eval_sums(self, eval_batches: EvalBatches) -> np.ndarray:
-        """``[weighted loss sum, rows]`` of this rank's eval batches, counted once per replica (zeros elsewhere)."""
+        """``[weighted loss sum, rows]`` per eval batch (``num_batches x 2``): this rank's batches, counted once per
+        replica, zeros elsewhere."""
 
     def sum_scalars(self, values: np.ndarray, label: str) -> np.ndarray:
         """A few float64 values summed over every rank, bitwise the same on every rank."""

@@ -216,14 +216,15 @@ class LayoutModel:
     # -- eval, checks, checkpoints --------------------------------------------------------------------------------
 
     def eval_sums(self, eval_batches) -> np.ndarray:
-        """``[weighted loss sum, rows]`` of this rank's eval batches, counted once per replica (zeros elsewhere)."""
+        """``[weighted loss sum, rows]`` per eval batch (``num_batches x 2``): this rank's batches, counted once per
+        replica, zeros elsewhere."""
         if self.stage is not None:
             return self.stage.eval_sums(eval_batches)
-        sums = np.zeros(2)
-        for feeds, weight, rows in eval_batches():
-            sums += (self.body.eval_loss(feeds) * weight, rows)
+        sums = np.zeros((eval_batches.num_batches, 2))
+        for k, feeds, weight, rows in eval_batches.weighted_batches():
+            sums[k] += (self.body.eval_loss(feeds) * weight, rows)
         self.body.train_mode()
-        return sums if self.body.counts_loss else np.zeros(2)
+        return sums if self.body.counts_loss else np.zeros_like(sums)
 
     def sum_scalars(self, values: np.ndarray, label: str) -> np.ndarray:
         """Summed over every rank; in rank order where tensor-parallel ranks must get the same bits."""

@@ -144,23 +144,24 @@ def sum_across_stages(pipe, stage: int, shared: dict[str, list[int]], grad_of: C
     link.wait_sends("tied gradient sends")
 
 
-def stage_eval_sums(rt, eval_batches: Callable[[], Iterator[tuple[dict, float, int]]]) -> np.ndarray:
-    """``[weighted loss sum, rows]``: each replica's stages pass its eval batches forward; the last stage computes the
-    loss (zeros on the other stages, and on all but one tensor-parallel rank of a pp x tp last stage).
+def stage_eval_sums(rt, eval_batches) -> np.ndarray:
+    """``[weighted loss sum, rows]`` per eval batch (``num_batches x 2``): each replica's stages pass its eval batches
+    forward; the last stage computes the loss (zeros on the other stages, and on all but one tensor-parallel rank of a
+    pp x tp last stage).
 
-    ``eval_batches`` yields ``(feeds, weight, rows)`` as for the unsplit loop (padded batches weighted so that every
-    real row counts once).
+    ``eval_batches.weighted_batches()`` yields ``(batch index, feeds, weight, rows)`` as for the unsplit loop (padded
+    batches weighted so that every real row counts once).
     """
     pipe, stage = rt.pipe_comm, rt.stage
-    sums = np.zeros(2)
-    for n, (batch, weight, rows) in enumerate(eval_batches()):
+    sums = np.zeros((eval_batches.num_batches, 2))
+    for n, (k, batch, weight, rows) in enumerate(eval_batches.weighted_batches()):
         feeds = dict(batch)
         for name in rt.receives:
             feeds[name] = pipe.recv(stage - 1, ACT_TAG, f"recv eval act {n} <- stage {stage - 1}")
         if rt.last:
             loss = rt.eval_loss(feeds)
             if rt.counts_loss:  # of a pp x tp last stage's tp ranks (same loss), one counts
-                sums += (loss * weight, rows)
+                sums[k] += (loss * weight, rows)
         else:
             for y in rt.forward(feeds, train=False):
                 pipe.send(y, stage + 1, ACT_TAG)
