@@ -1,8 +1,10 @@
-"""``ortflow evaluate`` on any checkpoint (``initial`` included) and ``ortflow export --checkpoint initial``."""
+"""``ortflow evaluate`` on any checkpoint (``initial`` included), ``ortflow export --checkpoint initial``, and the one
+eval loss that evaluate, export, the checkpoint and the training log quote for a checkpoint."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -16,7 +18,7 @@ from ortflow.cli import app
 from ortflow.dataprep import EvalLoader
 from ortflow.export.evaluate import evaluate_checkpoint
 from tests.support.batch_models import reshape_batch_classifier
-from tests.support.runs import make_run, run_ranks
+from tests.support.runs import make_run, make_text_run, run_ranks
 
 
 def reference(model_path, cfg) -> tuple[float, float, int]:
@@ -71,9 +73,29 @@ def test_a_trained_checkpoint_evaluates_to_the_loss_training_recorded(tmp_path):
     final = list_complete(cfg.checkpoints_dir)[-1]
     result = evaluate_checkpoint(cfg.output_dir, "latest")
     assert result.step == final.step == 10 and result.num_rows == 64
-    assert result.loss == pytest.approx(final.eval_loss, rel=1e-6)
+    assert result.loss == final.eval_loss  # the same batches, added by the same rule
     initial = evaluate_checkpoint(cfg.output_dir, "initial")
     assert initial.loss > result.loss  # training lowered it
+
+
+@pytest.mark.mpi
+def test_evaluate_and_export_quote_one_eval_loss_for_a_checkpoint_trained_on_two_ranks(tmp_path):
+    cfg = make_text_run(tmp_path, "run", train={"num_train_steps": 2, "eval_batch_size": 3},
+                        distributed={"num_ranks": 2})  # 104 eval rows: each rank's share ends in a short batch
+    out = run_ranks(cfg)
+    assert out.returncode == 0, out.stdout
+    final = list_complete(cfg.checkpoints_dir)[-1]
+    evaluated = cli("evaluate", str(cfg.output_dir), "--checkpoint", "latest")
+    exported = CliRunner().invoke(app, ["export", str(cfg.output_dir), "--checkpoint", "latest", "-o",
+                                        str(tmp_path / "model.onnx")])
+    assert exported.exit_code == 0, exported.output
+    quoted = re.search(r"eval loss (\S+) as training recorded it", exported.output)
+    stamped = {p.key: p.value for p in onnx.load(str(tmp_path / "model.onnx")).metadata_props}
+    logged = json.loads((cfg.output_dir / "progress.json").read_text())
+    assert evaluated["step"] == final.step == logged["step"] == 2 and stamped["step"] == "2"
+    assert quoted is not None, exported.output
+    assert repr(evaluated["loss"]) == quoted.group(1) == stamped["eval_loss"] == repr(final.eval_loss) \
+        == repr(logged["eval_loss"])
 
 
 def test_an_unknown_checkpoint_lists_the_ones_there(tmp_path):

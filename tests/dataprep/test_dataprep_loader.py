@@ -5,13 +5,14 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from dataprep_helpers import check_rows, make_cfg, write_parquet
 
 from ortflow.dataprep import EvalLoader, TrainLoader, prepare_data
-from ortflow.dataprep.loader import Prefetcher
+from ortflow.dataprep.loader import Prefetcher, mean_eval_loss
 
 
 @pytest.fixture
@@ -138,7 +139,34 @@ def test_eval_shares_are_disjoint_ordered_and_complete(data_dir, world_size):
         counts.append(rows)
         assert rows == loader.num_samples
     assert seen == list(range(100, 111))  # ranks' shares in order, disjoint, covering the split
-    assert max(counts) - min(counts) <= 1
+    assert max(counts) - min(counts) <= 2  # whole batches: the shares differ by at most one batch
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_eval_batches_are_the_same_on_any_number_of_ranks(data_dir, world_size):
+    def batches(world_size):
+        found = {}
+        for rank in range(world_size):
+            loader = EvalLoader(data_dir, 2, rank, world_size)
+            assert loader.num_batches == 6  # 11 rows in batches of 2: the whole evaluation's, on every rank
+            for k, feeds, weight, real in loader.weighted_batches():
+                assert k not in found and weight == real == len(feeds["ids"])
+                found[k] = feeds["ids"].tolist()
+        return found
+
+    alone = batches(1)
+    assert alone == {k: list(range(100 + 2 * k, min(102 + 2 * k, 111))) for k in range(6)}
+    assert batches(world_size) == alone  # the same rows in the same batch, under the same index
+
+
+def test_mean_eval_loss_adds_the_batches_exactly_rounded_in_any_order():
+    rng = np.random.default_rng(0)
+    losses = rng.uniform(0.5, 9.0, size=1000).astype(np.float32).astype(np.float64)
+    sums = np.stack([losses * 3, np.full(1000, 3.0)], axis=1)
+    loss = mean_eval_loss(sums)
+    assert loss == mean_eval_loss(sums[::-1]) == mean_eval_loss(sums[rng.permutation(1000)])
+    assert loss == float(sum(Fraction(x) for x in sums[:, 0])) / 3000  # the exact sum rounded once, per row
+    assert mean_eval_loss(np.zeros((0, 2))) is None
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

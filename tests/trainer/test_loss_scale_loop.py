@@ -7,7 +7,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ortflow.checkpoints import CheckpointManager, list_complete
 from ortflow.checkpoints.h5state import write_state
-from ortflow.dataprep.loader import TrainLoader
+from ortflow.dataprep.loader import EvalLoader, TrainLoader
 from ortflow.trainer.comm import SingleProcessComm
 from ortflow.trainer.loop import StopFlag, train
 from ortflow.trainer.loss_scale import LossScaler
@@ -29,7 +29,8 @@ def test_a_non_finite_gradient_skips_exactly_that_update_and_is_reported(tmp_pat
 
     tensorboard = TensorBoardLog(cfg.tensorboard_dir, cfg.tensorboard.scalar_names, ())
     manager = CheckpointManager(cfg.checkpoints_dir, 1, 8, is_writer=True, writer=write_state)
-    result = train(rt, batches, lambda: iter(()), manager, tensorboard, Progress(cfg.output_dir, 8, 0), StopFlag())
+    no_eval = EvalLoader(cfg.data_dir, 4, 0, 1, max_rows=0)
+    result = train(rt, batches, no_eval, manager, tensorboard, Progress(cfg.output_dir, 8, 0), StopFlag())
     tensorboard.close()
     assert result.step == 8 and rt.loss_scale.skipped_updates == 1
     digests = {c.step: c.meta["params_sha256"] for c in list_complete(cfg.checkpoints_dir)}
