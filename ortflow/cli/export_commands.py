@@ -115,7 +115,8 @@ def _export_model(source: Path, out: Path | None, names: list[str], eval_model: 
     ver = result.verification
     console.print(
         f"[green]exported[/] {result.path} from {result.checkpoint.name} (step {result.step}, eval loss "
-        f"{result.eval_loss} as training recorded it); outputs {list(result.outputs)}; max abs diff to the eval graph {ver.max_abs_diff} "
+        f"{result.eval_loss} as training recorded it); outputs {list(result.outputs)}; max abs diff to the eval graph "
+        f"{ver.max_abs_diff} "
         f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data}); sha256 {result.sha256}",
         highlight=False,
         soft_wrap=True,

@@ -16,7 +16,6 @@ import numpy as np
 
 from ortflow import engine
 from ortflow.checkpoints import CheckpointManager
-from ortflow.dataprep.loader import mean_eval_loss
 from ortflow.trainer import batchnorm, loss_scale
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
@@ -161,6 +160,8 @@ def evaluate(model: RankModel, eval_batches: EvalBatches) -> float | None:
     that every real row counts exactly once. The batches and the rule that adds them (:func:`mean_eval_loss`) are
     those of ``ortflow evaluate``, so both give one number for one checkpoint.
     """
+    from ortflow.dataprep.loader import mean_eval_loss  # the rank entry imports the loader only when it runs
+
     sums = model.eval_sums(eval_batches)
     # Sync point: the eval split is sharded over the replicas, so the mean needs every batch's loss sum and row count
     # (each batch's entry is one rank's value plus zeros: exact, whatever the order of the sum over ranks).
