@@ -111,7 +111,8 @@ def run_facts(run_dir: Path) -> RunFacts:
 
 def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
     """The config a rank trains with: with train.global_batch_size, the per-rank batch and accumulation for
-    ``world`` ranks (run length in weight updates unchanged); otherwise ``cfg`` itself.
+    ``world`` ranks (run length in weight updates unchanged; the eval batch stays the config's, so evaluations form
+    the batches ``ortflow evaluate`` forms on any number of ranks); otherwise ``cfg`` itself.
 
     Raises:
         LayoutError: the global batch cannot be split over ``world`` ranks (names the nearest valid choices).
@@ -123,6 +124,6 @@ def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
     steps = train.num_weight_updates * plan.accumulation
     resolved = train.model_copy(
         update={"batch_size": plan.batch_size, "gradient_accumulation_steps": plan.accumulation,
-                "num_train_steps": steps}  # fmt: skip
+                "num_train_steps": steps, "eval_batch_size": train.resolved_eval_batch_size}  # fmt: skip
     )
     return cfg.model_copy(update={"train": resolved})

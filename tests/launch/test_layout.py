@@ -128,6 +128,9 @@ def test_rank_config_derives_batch_and_accumulation_and_keeps_the_run_length(tmp
     assert (two.batch_size, two.gradient_accumulation_steps, two.num_weight_updates) == (8, 2, 10)
     assert rank_config(rank_config(cfg, 2, tmp_path), 2, tmp_path).train == two  # ranks may resolve it again
     assert rank_config(_cfg(tmp_path), 2, tmp_path).train.batch_size == 8  # no global batch: unchanged
+    six = rank_config(_cfg(tmp_path, global_batch_size=12), 2, tmp_path).train
+    assert (six.batch_size, six.gradient_accumulation_steps) == (6, 1)
+    assert six.resolved_eval_batch_size == 8  # the config's: the batches ortflow evaluate forms
 
 
 def test_launch_layout_auto_uses_the_tuned_winner_for_the_same_host(tmp_path):
