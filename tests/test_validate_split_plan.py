@@ -39,6 +39,20 @@ def test_validate_prints_the_llama_attention_split_by_heads(tmp_path):
         assert f"{attn}.k_proj.weight 2 -> 1 per rank (key/value heads, each read by 2 query heads)" in text
         assert f"columns ['model.model.layers.{layer}.mlp.gate_proj.weight', " in text
     assert "kept replicated" not in text  # every projection of the model is split
+    assert ("activations: tensor-parallel pieces but the loss's run each micro-batch's forward once and keep its "
+            "activations until its backward (distributed.recompute_forward auto)") in text
+
+
+@pytest.mark.parametrize("recompute", ["auto", True])
+def test_validate_says_whether_pipeline_stages_keep_their_activations(tmp_path, recompute):
+    config = lm_config(tmp_path, num_ranks=2, pipeline_parallel_size=2, recompute_forward=recompute)
+    result = CliRunner().invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    how = ("run each micro-batch's forward once and keep its activations until its backward" if recompute == "auto"
+           else "run the forward again in the backward call")
+    assert f"activations: pipeline stages but the last {how} (distributed.recompute_forward {recompute})".lower() \
+        in text.lower()
 
 
 def test_a_size_that_does_not_divide_the_key_value_heads_is_refused(tmp_path):

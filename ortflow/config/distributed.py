@@ -124,6 +124,26 @@ class DistributedConfig(Section):
 
     _resolve_path = field_validator("hostfile", mode="after")(resolve_path)
 
+    def recomputes_forward(self, *, stage: bool) -> bool:
+        """``recompute_forward`` resolved for a pipeline stage (``stage``) or tensor-parallel pieces on this
+        config's device: true or false as written; ``auto`` recomputes on CUDA pipeline stages only (their separate
+        forward and backward calls measure slower than the training call that runs the forward again; tensor-parallel
+        pieces on GPUs and CPU ranks measure faster keeping: docs/gpu.md)."""
+        if self.recompute_forward == "auto":
+            return stage and self.device == "cuda"
+        return bool(self.recompute_forward)
+
+    def activations_line(self) -> str | None:
+        """What the split layout's parts do with their activations, in words (``ortflow validate``'s plan); None for
+        an unsplit model."""
+        pp, tp = self.pipeline_parallel_size, self.horizontal_parallel_size
+        if pp == 1 and tp == 1:
+            return None
+        parts = "tensor-parallel pieces but the loss's" if tp > 1 else "pipeline stages but the last"
+        how = ("run the forward again in the backward call" if self.recomputes_forward(stage=tp == 1) else
+               "run each micro-batch's forward once and keep its activations until its backward")
+        return f"activations: {parts} {how} (distributed.recompute_forward {str(self.recompute_forward).lower()})"
+
     @field_validator("recompute_subgraphs")
     @classmethod
     def _plans(cls, plans: tuple[str, ...]) -> tuple[str, ...]:

@@ -208,6 +208,8 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
     elif pp > 1:
         plan = plan_stages(cfg, proto_limit)
         lines.append(f"pipeline cuts {plan[0]} ({len(plan[1])} stages)")
+    if lines and cfg.distributed.activations_line():
+        lines.append(cfg.distributed.activations_line())
     if described is not None:
         described.extend(lines)
     return plan

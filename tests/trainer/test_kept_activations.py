@@ -196,6 +196,7 @@ def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_l
     CPU stage."""
     from types import SimpleNamespace
 
+    from ortflow.config.distributed import DistributedConfig
     from ortflow.trainer.parallel import build
 
     made = []
@@ -203,9 +204,8 @@ def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_l
     body = _stage_body()
     body.folder = tmp_path
 
-    def config(recompute_forward):
-        return SimpleNamespace(distributed=SimpleNamespace(recompute_forward=recompute_forward,
-                                                           deterministic_compute=True, recompute_subgraphs=()))
+    def config(recompute_forward, device="cuda"):
+        return SimpleNamespace(distributed=DistributedConfig(recompute_forward=recompute_forward, device=device))
 
     middle = SimpleNamespace(last=False, receives=("h",), sends=("y",))
     assert build.keep_activations(config(False), body, middle, 1) == "kept"
@@ -216,27 +216,38 @@ def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_l
     assert build.keep_activations(config(False), body, SimpleNamespace(last=True, receives=("h",), sends=()), 1) is None
     assert len(made) == 1
     body.buffers = SimpleNamespace(on_device=False, stage_options=lambda options: options)
-    assert build.keep_activations(config("auto"), body, middle, 1) == "kept"
+    assert build.keep_activations(config("auto", "cpu"), body, middle, 1) == "kept"
     assert made[-1]["buffers"] is body.buffers
 
 
 def test_recompute_forward_auto_keeps_on_cpu_ranks_and_gpu_pieces_and_recomputes_on_gpu_stages():
     """``distributed.recompute_forward`` resolved per part: written true/false everywhere as written; ``auto``
-    recomputes only a CUDA pipeline stage; a config that says nothing is ``auto``."""
-    from types import SimpleNamespace
-
+    recomputes only a CUDA pipeline stage; a config that says nothing is ``auto``. ``ortflow validate``'s plan says
+    which."""
     from ortflow.config.distributed import DistributedConfig
-    from ortflow.trainer.parallel.build import recomputes_forward
 
-    def cfg(value=None):
+    def cfg(device, value=None, **sizes):
         written = {} if value is None else {"recompute_forward": value}
-        return SimpleNamespace(distributed=DistributedConfig.model_validate(written))
+        return DistributedConfig.model_validate({"device": device, **written, **sizes})
 
-    assert cfg().distributed.recompute_forward == "auto"
-    places = [(gpu, stage) for gpu in (False, True) for stage in (False, True)]
-    assert [recomputes_forward(cfg(), gpu=g, stage=s) for g, s in places] == [False, False, False, True]
-    assert [recomputes_forward(cfg(True), gpu=g, stage=s) for g, s in places] == [True] * 4
-    assert [recomputes_forward(cfg(False), gpu=g, stage=s) for g, s in places] == [False] * 4
+    assert cfg("cpu").recompute_forward == "auto"
+    places = [(device, stage) for device in ("cpu", "cuda") for stage in (False, True)]
+    assert [cfg(d).recomputes_forward(stage=s) for d, s in places] == [False, False, False, True]
+    assert [cfg(d, True).recomputes_forward(stage=s) for d, s in places] == [True] * 4
+    assert [cfg(d, False).recomputes_forward(stage=s) for d, s in places] == [False] * 4
+    assert cfg("cpu").activations_line() is None
+    pp = {"num_ranks": 2, "pipeline_parallel_size": 2}
+    assert cfg("cpu", **pp).activations_line() == (
+        "activations: pipeline stages but the last run each micro-batch's forward once and keep its activations until "
+        "its backward (distributed.recompute_forward auto)")
+    assert cfg("cuda", **pp).activations_line() == (
+        "activations: pipeline stages but the last run the forward again in the backward call "
+        "(distributed.recompute_forward auto)")
+    tp = {"num_ranks": 2, "horizontal_parallel_size": 2}
+    pieces = cfg("cuda", **tp).activations_line()
+    assert "tensor-parallel pieces but the loss's run each micro-batch's forward once" in pieces
+    assert cfg("cpu", True, **tp).activations_line().endswith(
+        "run the forward again in the backward call (distributed.recompute_forward true)")
 
 
 def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_and_the_loss(monkeypatch, tmp_path):

@@ -151,7 +151,7 @@ def tensor_body(cfg: RunConfig, record: dict, base: Path, where: Place, groups: 
         load_sliced_parameters(body, start)
     body.tensors = activation_store(buffers, groups.tp, where.tp_rank, size)
     body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
-    if not recomputes_forward(cfg, gpu=buffers.on_device, stage=False):
+    if not cfg.distributed.recomputes_forward(stage=False):
         keep_piece_activations(pieces, last, stage_session_options(threads, buffers,
                                                                    cfg.distributed.deterministic_compute),
                                cfg.distributed.recompute_subgraphs, buffers)
@@ -187,20 +187,11 @@ def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDim
     return DataParallel(dp, where.replica, dims.dp, update, exchange)
 
 
-def recomputes_forward(cfg: RunConfig, *, gpu: bool, stage: bool) -> bool:
-    """``distributed.recompute_forward`` for a pipeline stage (``stage``) or tensor-parallel pieces on a GPU rank or
-    a CPU one: true or false as written; ``auto`` recomputes on CUDA pipeline stages only (their separate forward and
-    backward calls measure slower than the training call that runs the forward again; tensor-parallel pieces on
-    GPUs and CPU ranks measure faster keeping: docs/gpu.md)."""
-    choice = cfg.distributed.recompute_forward
-    return gpu and stage if choice == "auto" else bool(choice)
-
-
 def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, threads: int) -> KeptActivations | None:
     """The forward-once calls of a stage that is not the last (on the CPU or its GPU), unless it recomputes
-    (``recomputes_forward``); stages whose forward switches BatchNorm to batch statistics (its eval model's extra input)
-    recompute."""
-    if stage.last or recomputes_forward(cfg, gpu=body.buffers.on_device, stage=True):
+    (``DistributedConfig.recomputes_forward``); stages whose forward switches BatchNorm to batch statistics (its eval
+    model's extra input) recompute."""
+    if stage.last or cfg.distributed.recomputes_forward(stage=True):
         return None
     if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
         return None
