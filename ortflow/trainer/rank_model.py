@@ -137,7 +137,8 @@ class RankModel(Protocol):
         replica, zeros elsewhere."""
 
     def sum_scalars(self, values: np.ndarray, label: str) -> np.ndarray:
-        """A few float64 values summed over every rank, bitwise the same on every rank."""
+        """Float64 values (a few scalars, or a pair per eval batch) summed over every rank, bitwise the same on every
+        rank."""
 
     def replica_check(self, step: int) -> dict:
         """Raise if ranks that must hold equal parameters do not; the checkpoint meta fields it vouches for."""
