@@ -105,6 +105,32 @@ def test_a_boolean_is_not_a_batch_size(tmp_path):
     assert problems == ["train: batch_size is `true`, a boolean; give a number"]
 
 
+def test_a_boolean_is_not_a_rank_count(tmp_path):
+    # num_ranks takes a number or auto: `true` is a mistake, not one rank.
+    assert problems_of(tmp_path, "distributed.num_ranks=true") == [
+        "distributed: num_ranks is `true`, a boolean; give a number"]
+
+
+@pytest.mark.parametrize("setting,problem", [
+    ("distributed.recompute_forward=maybe", "distributed.recompute_forward: 'maybe' is not true, false or auto"),
+    ("distributed.recompute_forward=AUTO", "distributed.recompute_forward: 'AUTO' is not true, false or auto"),
+    ("distributed.recompute_forward=2", "distributed.recompute_forward: 2 is not true, false or auto"),
+    ("distributed.num_ranks=many", "distributed.num_ranks: 'many' is not a positive number of ranks or auto"),
+    ("distributed.num_ranks=0", "distributed.num_ranks: 0 is not a positive number of ranks or auto"),
+])
+def test_a_value_that_is_neither_auto_nor_the_other_kind_is_one_problem_naming_both(tmp_path, setting, problem):
+    """A field taking a value or auto refuses anything else once, naming what it takes (not once per kind under
+    pydantic's internal names, `recompute_forward.bool: ...`, `recompute_forward.literal['auto']: ...`)."""
+    assert problems_of(tmp_path, setting) == [problem]
+
+
+@pytest.mark.parametrize("written,read", [("auto", "auto"), ("true", True), ("yes", True), ("false", False),
+                                          ("'false'", False), ("0", False)])
+def test_recompute_forward_reads_yaml_booleans_as_every_boolean_field_does(tmp_path, written, read):
+    cfg = load_config(write(tmp_path), [f"distributed.recompute_forward={written}"])
+    assert cfg.distributed.recompute_forward == read
+
+
 @pytest.mark.parametrize("setting", ["optimizer.learning_rate=.inf", "optimizer.weight_decay=.inf",
                                      "optimizer.learning_rate=.nan", "lr_schedule.min_lr_ratio=.nan",
                                      "optimizer.max_grad_norm=.inf", "optimizer.learning_rate=1e300"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
@@ -73,6 +73,8 @@ def local_path(value: str) -> str:
 
 def _is_number_field(annotation: Any) -> bool:
     kinds = getattr(annotation, "__args__", None) or (annotation,)
+    # `Annotated[int, Field(gt=0)] | Literal["auto"]` (num_ranks): a member's constraints wrap its type
+    kinds = tuple(get_args(kind)[0] if get_origin(kind) is Annotated else kind for kind in kinds)
     return any(kind in (int, float) for kind in kinds) and bool not in kinds
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
 from ortflow.config.base import Section, resolve_path
+
+_POSITIVE_INT = TypeAdapter(Annotated[int, Field(gt=0)])
+_BOOL = TypeAdapter(bool)
 
 
 class DistributedConfig(Section):
@@ -123,6 +126,22 @@ class DistributedConfig(Section):
     )
 
     _resolve_path = field_validator("hostfile", mode="after")(resolve_path)
+
+    @field_validator("num_ranks", "recompute_forward", mode="before")
+    @classmethod
+    def _value_or_auto(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic refuses a bad value of `int | Literal["auto"]` once per member, under its internal names
+        # ("num_ranks.constrained-int: ...", "num_ranks.literal['auto']: ..."): one problem naming what works instead.
+        if value == "auto":
+            return value
+        if info.field_name == "num_ranks":
+            allowed, member = "a positive number of ranks or auto", _POSITIVE_INT
+        else:
+            allowed, member = "true, false or auto", _BOOL
+        try:
+            return member.validate_python(value)
+        except ValidationError:
+            raise ValueError(f"{value!r} is not {allowed}") from None
 
     def recomputes_forward(self, *, stage: bool) -> bool:
         """``recompute_forward`` resolved for a pipeline stage (``stage``) or tensor-parallel pieces on this
