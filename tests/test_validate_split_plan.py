@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 import yaml
+from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
 from ortflow.cli import app
@@ -112,3 +115,41 @@ def test_a_size_that_does_not_divide_the_gpt2_heads_names_the_fused_qkv_weights_
     assert "Reshape" not in problem
     assert problem.endswith("use one of [1, 2, 4] (the sizes that divide every head count and the split layers' "
                             "widths)"), problem
+
+
+def gpt2_with_dropout(folder: Path) -> Path:
+    """The GPT-2 TorchScript export with a training-mode Dropout (torch's export of ``model.train()`` writes
+    ``training_mode=True``) before block 1's MLP projection."""
+    model = onnx.load(str(export_path("gpt2.onnx")))
+    graph = model.graph
+    at = next(i for i, n in enumerate(graph.node) if "h.1/mlp/c_proj" in n.name)
+    graph.initializer.extend([numpy_helper.from_array(np.array(0.1, np.float32), "drop_ratio"),
+                              numpy_helper.from_array(np.array(True), "drop_training")])
+    graph.node.insert(at, helper.make_node("Dropout", [graph.node[at].input[0], "drop_ratio", "drop_training"],
+                                           ["dropped"], name="h1_dropout"))
+    graph.node[at + 1].input[0] = "dropped"
+    path = folder / "gpt2-dropout.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2, "recompute_forward": True},
+                                    {"pipeline_parallel_size": 2, "recompute_forward": False},
+                                    {"horizontal_parallel_size": 2, "recompute_forward": False}])
+def test_a_model_with_dropout_is_refused_in_a_split_layout_whatever_recompute_forward_says(tmp_path, layout):
+    """Recomputed, a stage's or piece's forward would draw other numbers in the backward call; kept, it runs its eval
+    graph, where Dropout is off: refused with either value, naming the parallel size, the node and the way out."""
+    config = lm_config(tmp_path, num_ranks=2, **layout)
+    raw = yaml.safe_load(config.read_text())
+    raw["model"]["path"] = str(gpt2_with_dropout(tmp_path))
+    config.write_text(yaml.safe_dump(raw))
+    size = "pipeline_parallel_size" if "pipeline_parallel_size" in layout else "horizontal_parallel_size"
+    (problem,) = validate(config)
+    assert problem.startswith(f"distributed.{size} 2: random operators in a split model: [\"Dropout 'h1_dropout'\"]; "
+                              "with any distributed.recompute_forward"), problem
+    assert "the forward runs its eval graph, where Dropout is off" in problem
+    assert problem.endswith("export the model without dropout/random ops (e.g. torch eval mode), or train it with "
+                            "data parallelism")
+    result = CliRunner().invoke(app, ["configure", str(config)])  # as validate says, without a traceback
+    assert result.exit_code == 1 and not isinstance(result.exception, ValueError), result.output
+    assert "random operators in a split model" in " ".join(result.output.split())

@@ -34,7 +34,7 @@ from ortflow.configure.artifacts import (
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import split_source
 from ortflow.configure.stage_artifacts import finish_part, generate_part, prepare_part
-from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES
+from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, SplitError, check_random_ops
 from ortflow.graph.precision.noop_casts import drop_noop_casts
 from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
@@ -77,11 +77,14 @@ def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
     size = cfg.distributed.horizontal_parallel_size
     model, trainable, frozen = split_input(cfg, proto_limit)
     try:
+        check_random_ops(model.graph)
         plan = plan_tensor_parallel_split(model, trainable, size)
         # refuse a bad cut before any engine call (the slices' dims are enough: no weight is read)
         cut_pieces(shard_model(model, plan, 0, values=False), plan, model, trainable)
     except TensorParallelError as err:
         raise ArtifactsError(str(err)) from None
+    except SplitError as err:  # random operators: the pieces could not train them
+        raise ArtifactsError(f"distributed.horizontal_parallel_size {size}: {err}") from None
     return model, plan, trainable, frozen
 
 

@@ -144,9 +144,11 @@ def check_random_ops(graph: onnx.GraphProto) -> None:
     random = [f"{n.op_type} '{n.name}'" for n in graph.node if n.op_type in _RANDOM_OPS]
     if random:
         raise SplitError(
-            f"random operators in a split model: {random[:5]}; a pipeline stage or tensor-parallel piece that "
-            f"recomputes its forward in the backward call (distributed.recompute_forward) would draw different "
-            f"numbers there; export the model without dropout/random ops (e.g. torch eval mode)"
+            f"random operators in a split model: {random[:5]}; with any distributed.recompute_forward a pipeline "
+            f"stage or tensor-parallel piece would not train them as the whole model's training call does (recomputed, "
+            f"the forward inside the backward call draws other numbers; kept, the forward runs its eval graph, where "
+            f"Dropout is off); export the model without dropout/random ops (e.g. torch eval mode), or train it with "
+            f"data parallelism"
         )
 
 
