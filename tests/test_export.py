@@ -243,3 +243,22 @@ def test_cli_export_and_retain(run, tmp_path):
     assert "keep   step 2: one of the 5 newest, best eval loss, export source" in retained.output
     assert "delete" not in retained.output
     assert (run.output_dir / "checkpoints.json").exists()
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["-o", "model.onnx", "--state-dict", "w.safetensors"],
+     "--state-dict writes the parameters instead of a model, so -o/--out would do nothing"),
+    (["--state-dict", "w.safetensors", "--outputs", "logits", "--quantize"],
+     "--state-dict writes the parameters instead of a model, so --outputs, --quantize would do nothing"),
+    (["--strip-prefix", "model."], "--strip-prefix and --add-prefix rename the keys of a state dict: add --state-dict"),
+])
+def test_export_refuses_options_of_the_other_kind_of_export_instead_of_ignoring_them(tmp_path, monkeypatch, args,
+                                                                                    problem):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+
+    monkeypatch.chdir(tmp_path)  # where the files named above would go
+    result = CliRunner().invoke(app, ["export", str(tmp_path), *args])
+    assert result.exit_code == 1 and problem in " ".join(result.output.split()), result.output
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -72,6 +72,15 @@ def export(
     if verify is not None:
         _verify(verify)
         return
+    # Options of the other kind of export would be ignored: the user would get a file other than the one asked for.
+    model_options = [name for name, given in (("-o/--out", out is not None), ("--outputs", outputs is not None),
+                                              ("--eval-model", eval_model is not None), ("--optimize", optimize),
+                                              ("--quantize", quantize)) if given]
+    if state_dict is not None and model_options:
+        fail(f"--state-dict writes the parameters instead of a model, so {', '.join(model_options)} would do nothing: "
+             "run `ortflow export` once with --state-dict and once with the model's options")
+    if state_dict is None and (strip_prefix is not None or add_prefix is not None):
+        fail("--strip-prefix and --add-prefix rename the keys of a state dict: add --state-dict weights.safetensors")
     if source is None:
         fail("give the run folder (or checkpoint folder) to export, or --verify MODEL to check an exported model")
     from ortflow.versions import resolve_run
