@@ -79,12 +79,14 @@ def test_a_trained_checkpoint_evaluates_to_the_loss_training_recorded(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("train", [
-    {"num_train_steps": 2, "eval_batch_size": 3},  # 104 eval rows: each rank's share ends in a short batch
-    {"num_train_steps": 2, "batch_size": 8, "global_batch_size": 12},  # ranks train on 6, evaluate on batch_size's 8
-], ids=["eval_batch_size", "global_batch_size"])
-def test_evaluate_and_export_quote_one_eval_loss_for_a_checkpoint_trained_on_two_ranks(tmp_path, train):
-    cfg = make_text_run(tmp_path, "run", train=train, distributed={"num_ranks": 2})
+@pytest.mark.parametrize("train,distributed", [
+    ({"num_train_steps": 2, "eval_batch_size": 3}, {}),  # 104 eval rows: each rank's share ends in a short batch
+    ({"num_train_steps": 2, "batch_size": 8, "global_batch_size": 12}, {}),  # ranks train on 6, evaluate on 8
+    ({"num_train_steps": 4, "gradient_accumulation_steps": 2, "eval_batch_size": 3},  # the last stage sums the batches
+     {"pipeline_parallel_size": 2}),
+], ids=["eval_batch_size", "global_batch_size", "pipeline"])
+def test_evaluate_and_export_quote_one_eval_loss_for_a_checkpoint_trained_on_two_ranks(tmp_path, train, distributed):
+    cfg = make_text_run(tmp_path, "run", train=train, distributed={"num_ranks": 2, **distributed})
     out = run_ranks(cfg)
     assert out.returncode == 0, out.stdout
     final = list_complete(cfg.checkpoints_dir)[-1]
