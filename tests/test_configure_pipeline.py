@@ -10,8 +10,9 @@ import pytest
 
 from ortflow.artifacts_folder import ARTIFACT_FILES, read_stages_record, stage_dir
 from ortflow.config import ConfigError, config_from_dict
-from ortflow.configure.configure import configure
+from ortflow.configure.configure import configure, plan_layout
 from ortflow.engine import api
+from tests.support.exports import export_path
 from tests.support.mlp_stack import B, T, V, build_torchlike
 
 
@@ -95,3 +96,21 @@ def test_changing_the_stage_count_rebuilds(tmp_path):
     cfg3 = config_from_dict(raw)
     result = configure(cfg3)
     assert not result.reused and len(read_stages_record(cfg3.artifacts_dir)["stages"]) == 3
+
+
+@pytest.mark.parametrize("recompute", ["auto", False, True])
+def test_the_plan_says_a_stage_with_batchnorm_recomputes_its_forward_whatever_recompute_forward_says(tmp_path,
+                                                                                                  recompute):
+    """The CNN export's first stage holds BatchNorm: its forward normalises by the batch only inside the training call,
+    so it recomputes (tests/trainer/test_batchnorm_mpi.py trains it); the plan says so instead of 'keep'."""
+    raw = pipeline_cfg(tmp_path, export_path("cnn.onnx")).model_dump(mode="json")
+    raw["distributed"]["recompute_forward"] = recompute
+    lines: list[str] = []
+    plan_layout(config_from_dict(raw), lines)
+    stages = (", except stage(s) [0], whose forward switches BatchNorm to batch statistics: they run the forward "
+              "again in the backward call")
+    assert lines[-1] == (
+        "activations: pipeline stages but the last run the forward again in the backward call "
+        "(distributed.recompute_forward true)" if recompute is True else
+        "activations: pipeline stages but the last run each micro-batch's forward once and keep its activations until "
+        f"its backward (distributed.recompute_forward {str(recompute).lower()}){stages}")

@@ -152,16 +152,22 @@ class DistributedConfig(Section):
             return stage and self.device == "cuda"
         return bool(self.recompute_forward)
 
-    def activations_line(self) -> str | None:
+    def activations_line(self, batchnorm_stages: list[int] = ()) -> str | None:
         """What the split layout's parts do with their activations, in words (``ortflow validate``'s plan); None for
-        an unsplit model."""
+        an unsplit model. ``batchnorm_stages``: the pipeline stages before the last whose forward switches BatchNorm
+        to batch statistics, which recompute whatever ``recompute_forward`` says."""
         pp, tp = self.pipeline_parallel_size, self.horizontal_parallel_size
         if pp == 1 and tp == 1:
             return None
         parts = "tensor-parallel pieces but the loss's" if tp > 1 else "pipeline stages but the last"
-        how = ("run the forward again in the backward call" if self.recomputes_forward(stage=tp == 1) else
+        recompute = self.recomputes_forward(stage=tp == 1)
+        how = ("run the forward again in the backward call" if recompute else
                "run each micro-batch's forward once and keep its activations until its backward")
-        return f"activations: {parts} {how} (distributed.recompute_forward {str(self.recompute_forward).lower()})"
+        line = f"activations: {parts} {how} (distributed.recompute_forward {str(self.recompute_forward).lower()})"
+        if batchnorm_stages and not recompute:
+            line += (f", except stage(s) {list(batchnorm_stages)}, whose forward switches BatchNorm to batch "
+                     "statistics: they run the forward again in the backward call")
+        return line
 
     @field_validator("recompute_subgraphs")
     @classmethod

@@ -196,7 +196,7 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
         ArtifactsError: The split is refused, naming what and the fix.
     """
     pp, tp = cfg.distributed.pipeline_parallel_size, cfg.distributed.horizontal_parallel_size
-    lines, plan = [], None
+    lines, plan, batchnorm_stages = [], None, []
     if pp > 1 and tp > 1:
         # each stage's graph split over the tp ranks
         plan = cuts, plans = plan_pipeline_tensor_parallel(cfg, proto_limit)
@@ -208,8 +208,12 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
     elif pp > 1:
         plan = plan_stages(cfg, proto_limit)
         lines.append(f"pipeline cuts {plan[0]} ({len(plan[1])} stages)")
-    if lines and cfg.distributed.activations_line():
-        lines.append(cfg.distributed.activations_line())
+        # their eval model's forward normalises by the batch only as a twin the training call recomputes
+        batchnorm_stages = [s.index for s in plan[1][:-1] if any(n.op_type == "BatchNormalization"
+                                                                  for n in s.model.graph.node)]
+    activations = cfg.distributed.activations_line(batchnorm_stages)
+    if lines and activations:
+        lines.append(activations)
     if described is not None:
         described.extend(lines)
     return plan
