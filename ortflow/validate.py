@@ -67,7 +67,8 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
         overrides: ``--set`` overrides.
         deep: Also build the training artifacts in a temporary folder (seconds to minutes for large models).
         split_plan: When given, the pipeline / tensor-parallel split plan in words is appended to it (what is split
-            how, what stays replicated and why), for a layout that splits the model.
+            how, what stays replicated and why, what the parts do with their activations), for a layout that splits
+            the model.
     """
     cfg, problems = find_problems(path, overrides)
     if cfg is None:

@@ -153,3 +153,14 @@ def test_a_model_with_dropout_is_refused_in_a_split_layout_whatever_recompute_fo
     result = CliRunner().invoke(app, ["configure", str(config)])  # as validate says, without a traceback
     assert result.exit_code == 1 and not isinstance(result.exception, ValueError), result.output
     assert "random operators in a split model" in " ".join(result.output.split())
+
+
+def test_validate_prints_the_cuts_and_stage_count_of_a_pipeline_of_tensor_parallel_stages(tmp_path):
+    config = lm_config(tmp_path, num_ranks=4, pipeline_parallel_size=2, horizontal_parallel_size=2)
+    result = CliRunner().invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "- pipeline cuts [" in text and "] (2 stages) - stage 0: region 0:" in text, text
+    assert "- stage 1: region " in text
+    assert ("activations: tensor-parallel pieces but the loss's run each micro-batch's forward once and keep its "
+            "activations until its backward (distributed.recompute_forward auto)") in text

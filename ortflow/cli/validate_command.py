@@ -27,7 +27,8 @@ def validate(
     distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it. With launcher slurm,
     also the job against the cluster: the partition, its nodes' CPUs and `sbatch --test-only`. With pipeline or
     tensor-parallel sizes above 1, a valid config also prints the split plan: the cuts, which weights each
-    tensor-parallel region splits how (attention by heads), and what stays replicated and why.
+    tensor-parallel region splits how (attention by heads), what stays replicated and why, and whether the parts keep
+    their activations or run the forward again in the backward call (distributed.recompute_forward).
     """
     from ortflow.config import find_problems
     from ortflow.dataprep.values import scan_sources

@@ -200,8 +200,8 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
     if pp > 1 and tp > 1:
         # each stage's graph split over the tp ranks
         plan = cuts, plans = plan_pipeline_tensor_parallel(cfg, proto_limit)
-        lines = [f"pipeline cuts {cuts}"] + [f"stage {sp.stage.index}: {line}" for sp in plans
-                                             for line in describe(sp.plan)]
+        lines = [f"pipeline cuts {cuts} ({len(plans)} stages)"]
+        lines += [f"stage {sp.stage.index}: {line}" for sp in plans for line in describe(sp.plan)]
     elif tp > 1:
         plan = plan_tensor_parallel(cfg, proto_limit)
         lines = describe(plan[1])

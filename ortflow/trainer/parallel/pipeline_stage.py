@@ -116,5 +116,5 @@ class PipelineStage:
         log_stage_timing(self, self._timing)
         most = self.body.most_kept()
         if most is not None:
-            log.info("rank %d stage %d kept the activations of at most %d micro-batches at once", self.comm.rank,
-                     self.stage, most)
+            log.info("rank %d stage %d kept the activations of at most %d micro-batch%s at once", self.comm.rank,
+                     self.stage, most, "" if most == 1 else "es")
