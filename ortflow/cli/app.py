@@ -9,6 +9,7 @@ importing this package loads none of them).
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import typer
@@ -63,6 +64,29 @@ app.command()(serve_commands.automations)
 app.command()(sample_command.sample)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.command()(example_command.example)
+
+
+def reflow(doc: str) -> str:
+    """A command's docstring as its ``--help`` prose: the lines of each paragraph joined, so that the terminal wraps
+    them at its own width (Typer keeps a docstring's line breaks after the first paragraph); a paragraph with a list
+    item or an indented line keeps its lines."""
+    paragraphs = []
+    for paragraph in doc.split("\n\n"):
+        lines = paragraph.splitlines()
+        keep = any(line.startswith(("- ", "* ", " ", "\b")) for line in lines)
+        paragraphs.append(paragraph if keep else " ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs)
+
+
+def _reflow_help(typer_app: typer.Typer) -> None:
+    for info in typer_app.registered_commands:
+        if info.help is None and info.callback is not None:
+            info.help = reflow(inspect.getdoc(info.callback) or "")
+    for group in typer_app.registered_groups:
+        _reflow_help(group.typer_instance)
+
+
+_reflow_help(app)
 
 
 def main() -> None:
