@@ -76,7 +76,8 @@ class FolderSync:
         return sent
 
     def pull(self) -> list[str]:
-        """Download every remote file that changed since the last sync (or is missing here); returns their paths."""
+        """Download every remote file that changed on the store since the last sync (or is missing here); returns
+        their paths. A file that changed only here (a log still being written) is left for :meth:`push`."""
         record = self._read_record()
         here = _local_files(self.local, self.skip)
         got = []
@@ -84,11 +85,8 @@ class FolderSync:
             top = rel.split("/", 1)[0]
             if top in self.skip or any(part.startswith(".") for part in rel.split("/")):
                 continue
-            known, st = record.get(rel, {}), here.get(rel)
-            unchanged_here = st is not None and known.get("size") == st.st_size and known.get("mtime_ns") == \
-                st.st_mtime_ns
-            if unchanged_here and known.get("etag") == _etag(info):
-                continue
+            if rel in here and record.get(rel, {}).get("etag") == _etag(info):
+                continue  # the store still holds what was last synced: a change made here is the next push's
             target = self.local / rel
             tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
             self.remote.get(rel, tmp)

@@ -98,6 +98,22 @@ def test_a_local_copy_uploads_and_downloads_only_what_changed_and_keeps_hidden_f
     assert (there / "progress.json").read_text() == '{"step": 4}'
 
 
+def test_a_pull_keeps_a_file_that_changed_only_here_for_the_next_push(s3_server, bucket, tmp_path):
+    remote = RemoteDir(f"s3://{bucket}/run")
+    here = tmp_path / "here"
+    (here / "logs").mkdir(parents=True)
+    log_file = here / "logs" / "run.log"
+    log_file.write_text("configure\n")
+    sync = FolderSync(remote, here)
+    assert sync.push() == ["logs/run.log"]
+    with log_file.open("a") as f:  # a log still being written while the next stage pulls
+        f.write("train\n")
+    assert sync.pull() == []
+    assert log_file.read_text() == "configure\ntrain\n"
+    assert sync.push() == ["logs/run.log"]
+    assert remote.read_bytes("logs/run.log") == b"configure\ntrain\n"
+
+
 def test_validate_names_a_store_it_cannot_reach_and_accepts_one_it_can(s3_server, bucket, tmp_path, monkeypatch):
     from ortflow.config import config_from_dict
     from ortflow.validate import store_problems
