@@ -86,6 +86,18 @@ def push(cfg: RunConfig) -> None:
         RunStore(cfg).push()
 
 
+def push_log(cfg: RunConfig, log_file: Path) -> str | None:
+    """Upload ``ortflow run``'s log file once the flow run ended (the stages uploaded it only up to the last one);
+    returns why it could not be uploaded (None when it was, or when the run folder is local)."""
+    if not is_remote_run(cfg):
+        return None
+    try:
+        RunStore(cfg).files.push(only={Path(log_file).relative_to(cfg.output_dir).as_posix()})
+    except (OSError, ValueError) as err:  # a store out of reach: the local copy keeps the log
+        return str(err)
+    return None
+
+
 def remove_versions(cfg: RunConfig, names: list[str]) -> None:
     """Delete pruned versions' folders on the store."""
     if is_remote_run(cfg):

@@ -46,6 +46,7 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
     received = _stop_signals()
     with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
         state = _run_flow(cfg, flow, received)
+    _upload_log(cfg, log_file)
     if received:
         _say_stopped(cfg, new_version, received[0], log_file, command)
     if not state.is_completed():
@@ -54,6 +55,16 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
         console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
         return
     _report_summary(cfg, state.result(), new_version, log_file, history)
+
+
+def _upload_log(cfg: RunConfig, log_file: Path) -> None:
+    """A run folder on object storage gets the whole log, the lines after its last stage included."""
+    from ortflow.checkpoints.run_store import push_log
+
+    problem = push_log(cfg, log_file)
+    if problem:
+        console.print(f"warning: the log stays in {log_file} only: {problem}", highlight=False, markup=False,
+                      style="yellow")
 
 
 def _refuse_if_busy(cfg: RunConfig, wait: bool, command: str) -> None:

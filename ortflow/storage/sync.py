@@ -58,11 +58,14 @@ class FolderSync:
         tmp.write_text(json.dumps(record, indent=0, sort_keys=True))
         os.replace(tmp, path)
 
-    def push(self) -> list[str]:
-        """Upload every local file that changed since the last sync; returns their relative paths."""
+    def push(self, only: Collection[str] | None = None) -> list[str]:
+        """Upload every local file that changed since the last sync (or only those of the relative paths ``only``);
+        returns their relative paths."""
         record = self._read_record()
         sent = []
         for rel, st in sorted(_local_files(self.local, self.skip).items()):
+            if only is not None and rel not in only:
+                continue
             known = record.get(rel, {})
             if known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns:
                 continue

@@ -5,11 +5,16 @@ from the store alone."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+import yaml
 
 from ortflow.checkpoints.object_store import RemoteCheckpoints
 from ortflow.flows import train_pipeline
@@ -81,3 +86,27 @@ def test_versions_of_a_remote_run_folder_and_their_registry_live_on_the_store(
     steps = RemoteCheckpoints(store.child(f"versions/{name}/checkpoints"), tmp_path / "probe").steps()
     assert steps[-1] == 10
     assert not any(k.startswith("checkpoints/") for k in store.files() if not k.startswith("versions/"))
+
+
+def test_ortflow_run_on_s3_keeps_its_whole_log_here_and_on_the_store(prefect_server, mlp_sources, s3_server, bucket,
+                                                                      tmp_path):
+    url = f"s3://{bucket}/run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "logged", "output_dir": url, "model": {"path": str(mlp_sources["model"])},
+        "data": {"train": [str(mlp_sources["data"])], "eval_fraction": 0.125},
+        "train": {"batch_size": 4, "num_train_steps": 10}, "distributed": {"num_ranks": 1, "threads_per_rank": 1},
+        "checkpoint": {"period": 5}}))
+    env = {**prefect_server, **s3_server.env, "ORTFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "run", str(config)], env=env,
+                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    log_file = tmp_path / re.search(r"full log: +(\S+)", out)[1]
+    log = log_file.read_text()
+    # Each stage pulls the run folder from the store while the log is being written: the log keeps every stage's
+    # lines, and the flow run's end, which comes after the last stage uploaded the folder, reaches the store too.
+    for stage in ("configure", "train", "export"):
+        assert re.search(rf"'{stage}-\w+' \| Finished in state Completed", log), (stage, log[-3000:])
+    assert re.search(r"prefect\.flow_runs .*Finished in state Completed", log), log[-3000:]
+    assert RemoteDir(url).read_bytes(f"logs/{log_file.name}") == log_file.read_bytes()
