@@ -46,7 +46,7 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
     received = _stop_signals()
     with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
         state = _run_flow(cfg, flow, received)
-    _upload_log(cfg, log_file)
+    _upload_log(cfg, log_file, warn=state is not None and state.is_completed())
     if received:
         _say_stopped(cfg, new_version, received[0], log_file, command)
     if not state.is_completed():
@@ -57,12 +57,13 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
     _report_summary(cfg, state.result(), new_version, log_file, history)
 
 
-def _upload_log(cfg: RunConfig, log_file: Path) -> None:
-    """A run folder on object storage gets the whole log, the lines after its last stage included."""
+def _upload_log(cfg: RunConfig, log_file: Path, warn: bool) -> None:
+    """A run folder on object storage gets the whole log, the lines after its last stage included. Only a run that
+    completed warns when that fails: a failed or stopped run's report names the local log (and the store's problem)."""
     from ortflow.checkpoints.run_store import push_log
 
     problem = push_log(cfg, log_file)
-    if problem:
+    if problem and warn:
         console.print(f"warning: the log stays in {log_file} only: {problem}", highlight=False, markup=False,
                       style="yellow")
 

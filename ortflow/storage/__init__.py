@@ -4,7 +4,7 @@ Only runs whose ``output_dir`` or sources are URLs (``s3://``, ``gs://``, ``az:/
 import fsspec. The URL rules and the ``storage`` config section live in :mod:`ortflow.config.storage`.
 """
 
-from ortflow.storage.remote_dir import RemoteDir, StorageError, filesystem
+from ortflow.storage.remote_dir import RemoteDir, StorageAccessDenied, StorageError, filesystem
 from ortflow.storage.sync import FolderSync
 
-__all__ = ["FolderSync", "RemoteDir", "StorageError", "filesystem"]
+__all__ = ["FolderSync", "RemoteDir", "StorageAccessDenied", "StorageError", "filesystem"]

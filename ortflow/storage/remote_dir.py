@@ -28,6 +28,19 @@ class StorageError(OSError):
     """An object-store operation that failed after every retry; the message names the URL and what to do."""
 
 
+class StorageAccessDenied(StorageError, PermissionError):
+    """The store refused this process's credentials for an operation (never retried: a refusal repeats)."""
+
+    #: Read by the pipeline's retry policy: running the stage again meets the same refusal.
+    will_repeat = True
+
+
+#: Where each scheme's filesystem finds its credentials (docs/operations.md, Remote storage).
+CREDENTIALS = {"s3": "AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
+               "gs": "GOOGLE_APPLICATION_CREDENTIALS", "az": "AZURE_STORAGE_CONNECTION_STRING (or "
+               "AZURE_STORAGE_ACCOUNT_NAME + a key)"}
+
+
 def filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec filesystem of ``url``'s scheme (s3fs, gcsfs, adlfs), built with ``options`` (storage_options), and
     ``url`` as that filesystem's path.
@@ -86,6 +99,13 @@ class RemoteDir:
         for attempt in range(self.retries + 1):
             try:
                 return call()
+            except PermissionError as err:
+                credentials = CREDENTIALS.get(url_scheme(self.url), CREDENTIALS["az"])
+                raise StorageAccessDenied(
+                    f"{what} on {self.url} was refused ({type(err).__name__}: {err}): the store does not accept this "
+                    f"process's credentials for that folder; check {credentials} and the bucket's access policy "
+                    "(docs/operations.md, Remote storage), then run again"
+                ) from err
             except PERMANENT:
                 raise
             except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise unrelated types

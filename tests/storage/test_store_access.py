@@ -114,6 +114,22 @@ def test_a_pull_keeps_a_file_that_changed_only_here_for_the_next_push(s3_server,
     assert remote.read_bytes("logs/run.log") == b"configure\ntrain\n"
 
 
+def test_refused_credentials_name_the_folder_and_the_variables_to_check_and_are_not_retried(s3_server, bucket):
+    import pytest
+
+    from ortflow.storage import StorageAccessDenied
+    from ortflow.tasks.policy import will_repeat
+    from tests.support.s3server import ACCESS_KEY
+
+    waits = []
+    wrong = RemoteDir(f"s3://{bucket}/run", {"key": ACCESS_KEY, "secret": "not-the-secret"}, sleep=waits.append)
+    with pytest.raises(StorageAccessDenied, match=rf"listing / on s3://{bucket}/run was refused .*check "
+                       r"AWS_ACCESS_KEY_ID \+ AWS_SECRET_ACCESS_KEY") as refused:
+        wrong.files()
+    assert waits == []  # a refusal repeats: no retry, and the pipeline does not retry the stage either
+    assert isinstance(refused.value, PermissionError) and will_repeat(refused.value)
+
+
 def test_validate_names_a_store_it_cannot_reach_and_accepts_one_it_can(s3_server, bucket, tmp_path, monkeypatch):
     from ortflow.config import config_from_dict
     from ortflow.validate import store_problems
