@@ -1,5 +1,6 @@
 """Object-storage URLs in the config: a URL output_dir becomes the store's run folder plus a local copy, unknown schemes
-and URLs in local-only fields are refused by name, file:// URLs are local paths."""
+and URLs in local-only fields are refused by name, file:// URLs are local paths; commands that take local paths refuse a
+URL and name its local copy."""
 
 from __future__ import annotations
 
@@ -88,3 +89,20 @@ def test_a_version_of_a_remote_run_lives_in_the_versions_folder_on_the_store(tmp
     version = version_config(cfg, cfg.output_dir / "versions" / "v1", None)
     assert version.storage.remote_dir == "s3://bucket/run/versions/v1"
     assert version.output_dir == cfg.output_dir / "versions" / "v1"
+
+
+def test_commands_that_read_or_write_local_files_refuse_a_url_naming_the_local_copy_and_write_no_s3_folder(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    copy = tmp_path / "cache" / "runs" / "s3" / "team" / "runs" / "gpt"
+    for command in (["evaluate", "s3://team/runs/gpt"], ["export", "s3://team/runs/gpt/latest"],
+                    ["train", "s3://team/runs/gpt"], ["sample", "s3://team/runs/gpt/export/model.onnx"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 1, (command, result.output)
+        assert f"error: {command[1]}: this command reads local files" in result.output, result.output
+        assert str(copy) in result.output.replace("\n", ""), result.output
+    result = CliRunner().invoke(app, ["export", str(tmp_path), "-o", "s3://team/models/model.onnx"])
+    assert result.exit_code == 1, result.output
+    assert "-o/--out s3://team/models/model.onnx: takes a local path" in result.output, result.output
+    assert not (tmp_path / "s3:").exists()

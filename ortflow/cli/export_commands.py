@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ortflow.cli.shared import CheckpointOpt, console, fail, writing
+from ortflow.cli.shared import CheckpointOpt, console, fail, local_paths, writing
 
 
 def evaluate(
@@ -28,6 +28,7 @@ def evaluate(
     """
     from ortflow.export.evaluate import evaluate_checkpoint
 
+    local_paths(source)
     try:
         result = evaluate_checkpoint(source, checkpoint, max_rows)
     except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
@@ -83,6 +84,7 @@ def export(
         fail("--strip-prefix and --add-prefix rename the keys of a state dict: add --state-dict weights.safetensors")
     if source is None:
         fail("give the run folder (or checkpoint folder) to export, or --verify MODEL to check an exported model")
+    local_paths(source, **{"-o/--out": out, "--eval-model": eval_model, "--state-dict": state_dict})
     from ortflow.versions import resolve_run
 
     try:

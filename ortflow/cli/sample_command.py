@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ortflow.cli.shared import fail
+from ortflow.cli.shared import fail, local_paths
 
 
 # `\[` in help text: rich markup would read `[batch, tokens]` as a style tag and drop it.
@@ -31,6 +31,7 @@ def sample(
     from ortflow.sample import SampleError, generate
     from ortflow.versions import resolve_model
 
+    local_paths(model)
     try:
         model = resolve_model(model)  # OUTPUT_DIR/latest: the newest completed version's exported model
     except ValueError as err:

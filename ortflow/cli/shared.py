@@ -62,6 +62,29 @@ def writing(where: Path) -> Iterator[None]:
         fail(message)
 
 
+def local_paths(run_folder: Path | None = None, **outputs: Path | None) -> None:
+    """Refuse an object-store URL where a command takes a local path (the shell's ``s3://b/run`` reaches a Path
+    argument as ``s3:/b/run``, which would name a local folder ``s3:``): ``run_folder`` is a run or checkpoint folder
+    (the message names its local copy), ``outputs`` maps option names to the paths they write."""
+    from ortflow.config.base import REMOTE_SCHEMES
+    from ortflow.config.storage import cache_folder
+
+    def url(path: Path | None) -> str | None:
+        scheme, sep, rest = str(path).partition(":/") if path is not None else ("", "", "")
+        return f"{scheme}://{rest.lstrip('/')}" if sep and scheme.lower() in REMOTE_SCHEMES else None
+
+    remote = url(run_folder)
+    if remote is not None:
+        fail(f"{remote}: this command reads local files; a run folder on object storage is read through its local "
+             f"copy, {cache_folder(remote, None)} (`ortflow run CONFIG` brings it up to the store, every kept "
+             "checkpoint included; with another storage.cache_dir, the copy is under it)")
+    for option, path in outputs.items():
+        remote = url(path)
+        if remote is not None:
+            fail(f"{option} {remote}: takes a local path; write the file here, then copy it to the store (a run "
+                 "whose output_dir is on the store uploads its export/model.onnx itself)")
+
+
 def load(config: Path, overrides: list[str] | None) -> RunConfig:
     """The run config with its ``--set`` overrides, or exit naming what is wrong with it."""
     from ortflow.config import ConfigError, load_config

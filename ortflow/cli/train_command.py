@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from ortflow.cli.shared import MpiexecOpt, WaitOpt, console, fail, writing
+from ortflow.cli.shared import MpiexecOpt, WaitOpt, console, fail, local_paths, writing
 from ortflow.cli.stop_signals import StoppedBeforeJob, StopSignals, stop_signals
 from ortflow.protocol import EXIT_INTERRUPTED, EXIT_STOPPED
 from ortflow.runlock import RunFolderLocked, hold, hold_all, training_folders
@@ -49,6 +49,7 @@ def train(
     signal is repeated); ranks that have not stopped after the grace period (30 s here, 60 s for a Slurm job) are
     killed.
     """
+    local_paths(run_dir)
     with stop_signals() as stops:
         try:
             cfg = _run_config(run_dir, launcher, accept_changed_config)
