@@ -35,6 +35,10 @@ HEARTBEAT_DIR = ".ranks"
 #: How a rank's refusal to start under another MPI's launcher begins (the train task does not retry it).
 MPI_MISMATCH = "MPI launcher mismatch"
 
+#: What a rank's error line says after the rank's name when ortflow refused to go on (a config, data, checkpoint or path
+#: error, each naming its fix): the same job would be refused again, so the train task does not retry it.
+RANK_REFUSED = "refused: "
+
 #: ``ortflow tune``: rank 0 prints its measurement as one line, this tag then a JSON object.
 TUNE_RESULT_TAG = "ORTFLOW_TUNE "
 

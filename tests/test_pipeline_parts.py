@@ -42,6 +42,10 @@ def test_only_failures_that_would_not_repeat_are_retried(err, repeats):
 
 def test_failed_jobs_are_classified_by_the_ranks_error_lines():
     assert failure_repeats(("[0] ValueError: data.columns names no column 'x'",))
+    # ortflow's own refusals in a rank (trainer/__main__.py) are one line naming the fix, with no exception name
+    assert failure_repeats(("[0] 03:51:14 ERROR rank 0 refused: /r/checkpoints/step-00000100 belongs to run 'a'; "
+                            "stopping every rank",))
+    assert not failure_repeats(("[1] 03:12:05 ERROR rank 1 failed; stopping every rank",))
     assert failure_repeats(("[1] onnxruntime...: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions",))
     assert not failure_repeats(("[1] BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "killed by signal 9"))
     assert failure_repeats(("[0] ERROR weight update 7: non-finite loss",), returncode=4)  # a divergence repeats

@@ -9,6 +9,10 @@ the persisted result; once they are gone, or one of them no longer matches its r
 configure.json, shards against the manifest, checkpoints against their meta.json, the exported model against its
 sidecar), the key changes and the stage runs again. ``invalidate`` replaces tokens on
 purpose (``ortflow run --from STAGE``).
+
+The key also names the run folder (its store URL for a remote one): a stage's result holds paths inside the folder it
+ran in, so a copy of a run folder (tokens included) runs its stages itself instead of replaying the original's
+results, which point at the original's checkpoints and exported model.
 """
 
 from __future__ import annotations
@@ -205,6 +209,12 @@ def outputs_intact(cfg: RunConfig, stage: str) -> bool:
     return _STAGE_PARTS[stage][1](cfg)
 
 
+def _folder(cfg: RunConfig) -> str:
+    """The run folder a stage's result belongs to: the store URL of a remote one (every machine's local copy is the
+    same run), else the local folder's absolute path."""
+    return cfg.storage.remote_dir or str(Path(cfg.output_dir).resolve())
+
+
 def stage_key(cfg: RunConfig, stage: str) -> str:
     """The cache key of ``stage`` for this config and the current state of the run folder.
 
@@ -213,10 +223,11 @@ def stage_key(cfg: RunConfig, stage: str) -> str:
         stage: One of :data:`STAGES`.
 
     Returns:
-        A hex digest of the stage's config sections, its input fingerprints and its generation token.
+        A hex digest of the run folder, the stage's config sections, its input fingerprints and its generation token.
     """
     inputs, done = _STAGE_PARTS[stage]
-    return _hash({"stage": stage, "inputs": inputs(cfg), "generation": generation(cfg, stage, done(cfg))})
+    return _hash({"stage": stage, "folder": _folder(cfg), "inputs": inputs(cfg),
+                  "generation": generation(cfg, stage, done(cfg))})
 
 
 def invalidate(cfg: RunConfig, from_stage: str) -> list[str]:

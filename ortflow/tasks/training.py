@@ -28,7 +28,7 @@ from ortflow.launch.job import STOP_GRACE_S
 from ortflow.launch.layout import host_resources, launch_layout
 from ortflow.launch.local import launch
 from ortflow.launch.scheduled import run_scheduled
-from ortflow.protocol import EXIT_NONFINITE, MPI_MISMATCH
+from ortflow.protocol import EXIT_NONFINITE, MPI_MISMATCH, RANK_REFUSED
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.charts import chart_markdown, loss_curve
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
@@ -57,7 +57,7 @@ _REPEATING = re.compile(
     r"ConfigError|DataError|CheckpointError|ExportError|ValueError|TypeError|FileNotFoundError|PermissionError|"
     r"INVALID_ARGUMENT|INVALID_GRAPH|invalid dimensions|NOT_IMPLEMENTED|started with \d+ rank|"
     r"ran out of (?:GPU|host) memory|"
-    + re.escape(MPI_MISMATCH)
+    + re.escape(MPI_MISMATCH) + r"|rank \d+ " + re.escape(RANK_REFUSED)
 )
 
 

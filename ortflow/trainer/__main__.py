@@ -21,7 +21,7 @@ from ortflow.checkpoints import CheckpointManager, run_owner
 from ortflow.checkpoints.h5state import write_state
 from ortflow.config.sealed import read_configure
 from ortflow.config.storage import is_remote
-from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
+from ortflow.protocol import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED, RANK_REFUSED
 from ortflow.trainer import lifeline, output, remote_run
 from ortflow.trainer.guards import NonFiniteError
 from ortflow.trainer.loop import StopFlag, train
@@ -124,7 +124,9 @@ def run_rank(run_dir: Path | str) -> int:
         comm.close()
         return EXIT_NONFINITE
     except ValueError as err:  # ortflow's own errors (data, checkpoint, config) say what to do: no traceback
-        log.error("rank %d: %s; stopping every rank", comm.rank, err)
+        # A refusal repeats on a retry; a failed write (a full disk, a lost file server) may pass, so it is no refusal.
+        how = ": " if isinstance(err.__cause__, OSError | RuntimeError) else f" {RANK_REFUSED}"
+        log.error("rank %d%s%s; stopping every rank", comm.rank, how, err)
         comm.abort(1)
         return 1  # not reached under MPI (Abort ends the process); no traceback either way
     except BaseException as err:

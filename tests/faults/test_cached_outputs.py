@@ -1,9 +1,11 @@
-"""No stage trusts a file it did not verify: a corrupted output is detected on rerun, the exported model carries a
-checksum that export --verify and sample check, and damaged artifacts are named before the engine loads them."""
+"""No stage trusts a file it did not verify: a corrupted output is detected on rerun, a copied run folder never
+replays the original's results, the exported model carries a checksum that export --verify and sample check, and
+damaged artifacts are named before the engine loads them."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -12,7 +14,7 @@ from ortflow.checkpoints import list_complete
 from ortflow.checkpoints.retention import retain_checkpoints
 from ortflow.export import export_model
 from ortflow.export.checksum import sidecar_path
-from ortflow.tasks.caching import outputs_intact
+from ortflow.tasks.caching import STAGES, outputs_intact, stage_key
 from tests.faults import procs
 from tests.support.runs import make_run, run_ranks
 
@@ -59,6 +61,18 @@ def test_a_corrupted_output_makes_its_stage_run_again(done, stage):
     finally:
         path.write_bytes(original)
     assert outputs_intact(done, stage)
+
+
+def test_a_copied_run_folder_runs_its_stages_instead_of_replaying_the_originals_results(done, tmp_path):
+    # The copy holds the original's generation tokens and intact outputs; a key without the folder would hand it the
+    # original's persisted results, whose paths (checkpoints, exported model) are the original's.
+    keys = {stage: stage_key(done, stage) for stage in STAGES}  # the pipeline's run wrote the tokens
+    copy = done.model_copy(update={"output_dir": tmp_path / "copy"})
+    shutil.copytree(done.output_dir, copy.output_dir)
+    for stage in STAGES:
+        assert outputs_intact(copy, stage), stage
+        assert stage_key(copy, stage) != keys[stage], f"the copy would replay the original's {stage} result"
+        assert stage_key(done, stage) == keys[stage], f"{stage} is no longer cached in its own folder"
 
 
 def _ortflow(*args: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """A run's identity survives a move and not a copy: a moved run folder resumes where it stopped (the paths inside it
 are stored relative to it, and no lock appears at the old place); a copied folder is a new run that refuses the
-original's checkpoints and never deletes them; a damaged run record does not make a run refuse its own checkpoints."""
+original's checkpoints once (a retry would be refused again) and never deletes them; a damaged run record does not
+make a run refuse its own checkpoints."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from ortflow.checkpoints import list_complete
 from ortflow.config import RESOLVED_CONFIG_NAME, load_yaml
+from ortflow.launch.job import is_error_line
+from ortflow.tasks.training import failure_repeats
 from tests.faults import procs
 from tests.support.runs import make_run
 
@@ -41,7 +44,8 @@ def _steps(folder: Path) -> dict[int, str]:
     return {c.step: c.meta["run"]["run_id"] for c in list_complete(folder)}
 
 
-def test_a_copied_run_folder_is_a_new_run_that_leaves_the_originals_checkpoints_alone(tmp_path):
+def test_a_copied_run_folder_is_a_new_run_refused_without_retries_that_leaves_the_originals_checkpoints_alone(
+        tmp_path):
     shared = tmp_path / "shared-checkpoints"
     first = _trained(tmp_path, "exp1", checkpoint={"dir": str(shared)})
     kept = {c.path.name: (c.path / "params.h5").read_bytes() for c in list_complete(shared)}
@@ -52,6 +56,9 @@ def test_a_copied_run_folder_is_a_new_run_that_leaves_the_originals_checkpoints_
     out = _ortflow("train", str(copy), "--accept-changed-config")
     assert out.returncode != 0 and "Traceback" not in out.stdout, out.stdout[-3000:]
     assert str(first.output_dir) in out.stdout and str(copy) in out.stdout, out.stdout[-3000:]
+    # The train task reads the ranks' error lines as this: a refusal that a retry would meet again is not retried.
+    errors = tuple(line for line in out.stdout.splitlines() if is_error_line(line))
+    assert failure_repeats(errors, out.returncode), errors
     assert {c.path.name: (c.path / "params.h5").read_bytes() for c in list_complete(shared)} == kept
     again = _ortflow("train", str(first.output_dir))  # the original still resumes its own checkpoints
     assert again.returncode == 0, again.stdout[-3000:]
