@@ -61,12 +61,33 @@ class LaunchResult:
             return f"training stopped: {self.detail}"
         detail = "\n".join(self.error_lines) or "(no error lines captured; see the output above)"
         where = f" ({self.launcher} job {self.job_id}: {self.detail})" if self.detail and self.job_id else ""
-        return f"training failed with exit status {self.returncode}{where}:\n{detail}"
+        return f"training failed with exit status {self.returncode}{where}:\n{detail}{_signalled(self.error_lines)}"
+
+
+#: MPICH's line for a rank that a signal ended: ``YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)``.
+_SIGNALLED = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+
+
+def _signalled(error_lines: tuple[str, ...]) -> str:
+    """What a rank ended by a signal means, when no rank said why (a rank that failed says it in its own lines)."""
+    found = next((m for m in map(_SIGNALLED.search, error_lines) if m), None)
+    if found is None or any(line.startswith("[") for line in error_lines):
+        return ""
+    signum = int(found[1])
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    cause = (", sent by hand or by the kernel's out-of-memory killer (`dmesg` names its victims)"
+             if signum == signal.SIGKILL else "")
+    return (f"\na rank was ended by {name}{cause}; every checkpoint completed before is intact, and training run "
+            "again resumes from the newest")
 
 
 def is_error_line(line: str) -> bool:
     """Whether an output line reports an error (kept for the failure summary)."""
-    return any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
+    return (any(tag in line for tag in ("ERROR", "Error", "Traceback", "error:", "Abort", "killed"))
+            or _SIGNALLED.search(line) is not None)
 
 
 #: The line a scheduler job prints when one of its attempts (a requeued job's next allocation) starts: the failure

@@ -63,6 +63,20 @@ def test_watch_forwards_every_line_and_keeps_the_error_lines():
     assert result == LaunchResult(1, errors, 0, "fake", "7", "done")
 
 
+def test_a_rank_ended_by_a_signal_is_named_with_its_likely_causes_and_that_a_rerun_resumes():
+    # What mpiexec (MPICH) printed for `kill -9` of a rank mid-training; the rank itself said nothing.
+    mpich = ["=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   PID 6986 RUNNING AT vm",
+             "=   EXIT CODE: 9", "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"]
+    result = watch(FakeJob(lines=["[0] step 1410/3000 | loss 0.01", *mpich], run_polls=6, code=9), lambda line: None,
+                   sleep=lambda s: None)
+    summary = result.summary()
+    assert "a rank was ended by SIGKILL" in summary and "out-of-memory killer" in summary, summary
+    assert "training run again resumes from the newest" in summary, summary
+    # A rank that said why it failed is not second-guessed by the launcher's cleanup.
+    refused = LaunchResult(1, ("[0] 03:51:14 ERROR rank 0 refused: shard damaged; stopping every rank", mpich[-1]))
+    assert "ended by" not in refused.summary()
+
+
 def test_an_interrupted_watch_cancels_the_job_and_lets_it_stop_within_the_grace():
     job = FakeJob(run_polls=100, stop_polls=2)
     ticks = iter(range(100))
