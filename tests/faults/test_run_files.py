@@ -1,6 +1,7 @@
 """Every file a stage reads from a run folder is verified first: configure.json (itself sealed) vouches for the
 artifacts and cannot be deleted or truncated to switch the checks off; config.yaml is checked against the record its
-writer left (an edit needs ``--accept-changed-config``); ``ortflow evaluate`` checks the shards as training does."""
+writer left (an edit needs ``--accept-changed-config``, which refuses one the artifacts or the model's fixed batch dim
+cannot take); ``ortflow evaluate`` checks the shards as training does."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from ortflow.config import RESOLVED_CONFIG_NAME, load_yaml
 from tests.faults import procs
+from tests.support.fixed_batch_mlp import build_fixed_batch_classifier
 from tests.support.runs import copied_run, make_run
 
 pytestmark = [pytest.mark.mpi, pytest.mark.faults]
@@ -111,6 +113,19 @@ def test_an_accepted_edit_may_not_change_the_artifacts(run):
     raw["model"]["loss"] = "mse" if raw["model"].get("loss") != "mse" else "cross_entropy"
     path.write_text(json.dumps(raw))
     _refused(_ortflow("train", str(run.output_dir), "--accept-changed-config"), "ortflow configure")
+
+
+def test_an_accepted_edit_may_not_give_a_fixed_batch_model_another_batch_size(tmp_path):
+    # Without the check the edit was recorded and every rank failed in the engine's first update with a traceback.
+    model = build_fixed_batch_classifier(tmp_path / "fixed.onnx", batch=4)
+    cfg = make_run(tmp_path, "fixed", model=model, data={"columns": {"x": "features"}}, **SECTIONS)
+    path = cfg.output_dir / RESOLVED_CONFIG_NAME
+    raw = load_yaml(path.read_text())
+    raw["train"]["batch_size"] = 2
+    path.write_text(json.dumps(raw))
+    _refused(_ortflow("train", str(cfg.output_dir), "--accept-changed-config"), "train.batch_size 2",
+             "fixed batch dim of 4")
+    assert not any(cfg.checkpoints_dir.glob("step-*"))
 
 
 def test_a_truncated_config_yaml_is_refused_not_read_with_defaults(run):
