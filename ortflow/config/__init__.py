@@ -34,6 +34,7 @@ from ortflow.config.batch import (  # noqa: F401
     RunFacts,
     divides,
     fixed_batch_dim,
+    fixed_batch_problems,
     nearest_multiples,
     plan_batch,
     rank_config,

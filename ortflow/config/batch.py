@@ -109,6 +109,24 @@ def run_facts(run_dir: Path) -> RunFacts:
     return RunFacts(int(record.get("num_parameters", 0)), fixed_batch_dim(record.get("train_inputs", []), merged))
 
 
+def fixed_batch_problems(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """Batch sizes of ``cfg`` that the model's fixed batch dim (configure.json) cannot take: the engine would fail at
+    the first update or evaluation with a shape error.
+
+    Raises:
+        LayoutError: the folder is not configured, or its inputs fix different batch sizes.
+    """
+    fixed = run_facts(run_dir).fixed_batch
+    train = cfg.train
+    # A global batch is split into batches of the fixed size (plan_batch): only a per-rank one can miss it.
+    sizes = {} if train.global_batch_size else {"train.batch_size": train.batch_size}
+    if train.eval_batch_size is not None:
+        sizes["train.eval_batch_size"] = train.eval_batch_size
+    return [f"{field} {size} does not fit the model's fixed batch dim of {fixed} (configure.json 'batch' says why it "
+            f"was kept): set {field} to {fixed}, or export the model with a dynamic batch dim and configure again"
+            for field, size in sizes.items() if fixed is not None and size != fixed]
+
+
 def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
     """The config a rank trains with: with train.global_batch_size, the per-rank batch and accumulation for
     ``world`` ranks (run length in weight updates unchanged; the eval batch stays the config's, so evaluations form
@@ -119,6 +137,9 @@ def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
     """
     train = cfg.train
     if not train.global_batch_size:
+        problems = fixed_batch_problems(cfg, run_dir)
+        if problems:
+            raise LayoutError("\n".join(problems))
         return cfg
     plan = plan_batch(train.global_batch_size, world, train.batch_size, run_facts(run_dir).fixed_batch)
     steps = train.num_weight_updates * plan.accumulation

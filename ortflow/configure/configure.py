@@ -40,8 +40,8 @@ from ortflow.config import (
     RunConfig,
     check_files,
     dump_config,
+    fixed_batch_problems,
     param_group_problems,
-    run_facts,
     write_resolved_config,
 )
 from ortflow.config.sealed import RunFileDamaged, read_configure, record_config, seal, verify_config, write_sealed
@@ -376,26 +376,9 @@ def accept_config_edit(cfg: RunConfig) -> None:
         raise ConfigError([f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: the edit changes what the artifacts were built "
                            "from (the model, precision or parallel layout), so it cannot be accepted as it is: put "
                            "it in your config and run `ortflow configure CONFIG` again"])
-    problems = _fixed_batch_problems(cfg)
+    problems = fixed_batch_problems(cfg, cfg.output_dir)  # prepare-data checks a new config's; an edit skips it
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError([f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: {p}" for p in problems])
     record_config(cfg.output_dir)
     log.info("configure: accepted the edited %s", cfg.output_dir / RESOLVED_CONFIG_NAME)
 
-
-def _fixed_batch_problems(cfg: RunConfig) -> list[str]:
-    """Batch sizes of an edited config that the model's fixed batch dim cannot take: the engine would fail at the first
-    update (prepare-data checks them for a new config; an accepted edit does not prepare the data again)."""
-    try:
-        fixed = run_facts(cfg.output_dir).fixed_batch
-    except ValueError as err:  # LayoutError: inputs fixing different batch sizes
-        return [str(err)]
-    train = cfg.train
-    # A global batch is split into batches of the fixed size (config.batch.plan_batch): only a per-rank one can miss it.
-    sizes = {} if train.global_batch_size else {"train.batch_size": train.batch_size}
-    if train.eval_batch_size is not None:
-        sizes["train.eval_batch_size"] = train.eval_batch_size
-    return [f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: {field} {size} does not fit the model's fixed batch dim of "
-            f"{fixed} (configure.json 'batch' says why it was kept), so the edit cannot be accepted: set {field} to "
-            f"{fixed}, or export the model with a dynamic batch dim and run `ortflow configure CONFIG` again"
-            for field, size in sizes.items() if fixed is not None and size != fixed]

@@ -133,6 +133,18 @@ def test_rank_config_derives_batch_and_accumulation_and_keeps_the_run_length(tmp
     assert six.resolved_eval_batch_size == 8  # the config's: the batches ortflow evaluate forms
 
 
+def test_rank_config_refuses_batches_the_models_fixed_batch_dim_cannot_take(tmp_path):
+    # Each rank checks before the engine sees a batch (a config.yaml whose batch changed after configure, by
+    # --accept-changed-config or a configure whose prepare-data then failed): not a shape error mid-update.
+    _configured(tmp_path, shape=(4, 8))
+    with pytest.raises(LayoutError, match=r"train.batch_size 8 does not fit the model's fixed batch dim of 4"):
+        rank_config(_cfg(tmp_path), 1, tmp_path)
+    with pytest.raises(LayoutError, match=r"train.eval_batch_size 8 does not fit"):
+        rank_config(_cfg(tmp_path, batch_size=4, eval_batch_size=8), 1, tmp_path)
+    assert rank_config(_cfg(tmp_path, batch_size=4), 1, tmp_path).train.batch_size == 4
+    assert rank_config(_cfg(tmp_path, global_batch_size=16), 2, tmp_path).train.batch_size == 4  # split to fit
+
+
 def test_launch_layout_auto_uses_the_tuned_winner_for_the_same_host(tmp_path):
     _configured(tmp_path)
     host = Host(4, 16 * GIB)
