@@ -136,6 +136,15 @@ def test_explicit_corrupted_checkpoint_raises_instead_of_falling_back(tmp_path):
         resolve_resume(tmp_path, first)
 
 
+def test_a_checkpoint_of_another_stage_count_is_refused_as_a_checkpoint_error_naming_both_sizes(tmp_path):
+    # A CheckpointError: the rank stops with its one line (no traceback) and the train task does not retry it.
+    from ortflow.checkpoints.layout_check import check_checkpoint_layout
+
+    with pytest.raises(CheckpointError, match="pipeline_parallel_size 1 but this run has 2: resume with 1"):
+        check_checkpoint_layout({"pipeline_parallel_size": 1}, tmp_path, 2)
+    check_checkpoint_layout({"pipeline_parallel_size": 2}, tmp_path, 2)
+
+
 def test_a_disk_full_message_from_h5py_is_read_from_its_text():
     from ortflow.checkpoints.manager import write_failure
 

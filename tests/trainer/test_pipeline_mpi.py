@@ -269,6 +269,7 @@ def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path, str
     out = run_ranks(unsplit)
     assert out.returncode != 0
     assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout
+    assert "Traceback" not in out.stdout, out.stdout  # one line naming the fix, which a retry would meet again
 
 
 def test_a_stop_signal_on_one_stage_stops_every_stage_at_the_same_update(tmp_path):
