@@ -39,15 +39,21 @@ def sample(
     if not model.exists():
         fail(f"{model} does not exist; export a model first (ortflow run CONFIG or ortflow export)")
     out = sys.stdout
-    out.write(prompt)
-    out.flush()
+    started = False
 
     def stream(byte: bytes) -> None:
+        nonlocal started
+        if not started:  # the prompt once the model runs: a refused model's error starts a line of its own
+            out.write(prompt)
+            out.flush()
+            started = True
         out.buffer.write(byte)
         out.buffer.flush()
 
     try:
         generate(model, prompt, max_new_tokens, temperature, top_k, seed, seq_len, on_token=stream)
     except SampleError as err:
+        if started:
+            out.write("\n")
         fail(str(err))
     out.write("\n")

@@ -90,8 +90,9 @@ def test_the_exported_model_has_a_sidecar_that_export_verify_checks(done):
     try:
         bad = procs.ortflow_here("export", "--verify", str(model))
         assert bad.returncode == 1 and "does not match its checksum" in bad.stdout, bad.stdout
-        sampled = procs.ortflow_here("sample", str(model), "--max-new-tokens", "1")
+        sampled = procs.ortflow_here("sample", str(model), "--max-new-tokens", "1", "--prompt", "def ")
         assert sampled.returncode == 1 and "does not match its checksum" in sampled.stdout, sampled.stdout
+        assert "def " not in sampled.stdout, sampled.stdout  # no prompt before the refusal, glued to its first line
         assert "Traceback" not in bad.stdout + sampled.stdout
     finally:
         model.write_bytes(original)
