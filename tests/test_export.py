@@ -159,7 +159,7 @@ def test_exported_model_runs_in_a_fresh_interpreter_without_the_training_api(run
     assert np.abs(fresh - untrained).max() > 1e-3
 
 
-def test_export_from_a_checkpoint_folder_copied_elsewhere(run, tmp_path):
+def test_export_from_a_checkpoint_folder_copied_elsewhere_and_its_eval_model_checked(run, tmp_path):
     alone = tmp_path / "copied" / "step-00000003"
     shutil.copytree(run.checkpoints_dir / "step-00000003", alone)
     shutil.copy(run.artifacts_dir / "eval_model.onnx", alone / "eval_model.onnx")
@@ -175,6 +175,11 @@ def test_export_from_a_checkpoint_folder_copied_elsewhere(run, tmp_path):
     with pytest.raises(ExportError, match="no eval model.*--eval-model"):
         export_model(bare, tmp_path / "nope.onnx")
     assert export_model(bare, tmp_path / "given.onnx", eval_model=alone / "eval_model.onnx").step == 3
+    # A truncated copy of the eval model (no digest records it outside the run) is named, not a protobuf traceback.
+    data = (alone / "eval_model.onnx").read_bytes()
+    (alone / "eval_model.onnx").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExportError, match=r"eval_model.onnx is not a valid ONNX model .*copy the run's"):
+        export_model(alone, tmp_path / "truncated.onnx")
 
 
 def test_corrupted_checkpoint_is_refused_with_a_clear_message(run, tmp_path):

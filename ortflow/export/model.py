@@ -190,6 +190,21 @@ def resolve_source(
     )
 
 
+def _load_eval_model(path: Path) -> onnx.ModelProto:
+    """The eval model at ``path``; one copied beside a checkpoint has no recorded digest, so a damaged copy is named.
+
+    Raises:
+        ExportError: the file does not parse as an ONNX model.
+    """
+    try:
+        return onnx.load(str(path))
+    except Exception as err:  # noqa: BLE001 - onnx raises several types for bad files (protobuf's DecodeError, ...)
+        raise ExportError(
+            f"{path} is not a valid ONNX model ({type(err).__name__}: {err}): it is damaged or truncated; copy the "
+            "run's artifacts/eval_model.onnx again (or pass it with --eval-model)"
+        ) from None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Cutting the inference graph out of the eval model
 
@@ -430,7 +445,7 @@ def export_model(
             "export.precision compute: a bf16 model cannot be verified here (the CPU provider that verification runs "
             "on has no bf16 kernels); export fp32 (the default) and convert it where it will run"
         )
-    eval_proto = onnx.load(str(src.eval_model))
+    eval_proto = _load_eval_model(src.eval_model)
     if precision == "fp32":  # a mixed-precision run's eval graph without its casts: the user's fp32 model
         eval_proto = strip_autocast(eval_proto)
     eval_proto = restore_gathers(eval_proto)  # the user's Gathers back (ortflow/graph/gradients/embedding.py)
