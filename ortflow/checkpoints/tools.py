@@ -54,7 +54,9 @@ def merge(path: Path, out: Path) -> CheckpointInfo:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with h5py.File(tmp, "w") as f:
+        # HDF5 writes through a Python file: a full disk is an OSError here, not a failed HDF5 close that leaves the
+        # library's state behind (tracebacks from its finalizers and a crash as the interpreter exits).
+        with open(tmp, "wb") as raw, h5py.File(raw, "w") as f:
             f.attrs.update({"step": info.step, "step_count": step_count, "optimizer": optimizer or "",
                             "global_cursor": info.global_cursor or 0, "meta": json.dumps(info.meta, sort_keys=True)})
             group = f.create_group("parameters")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ortflow.cli.shared import console, fail
+from ortflow.cli.shared import console, fail, writing
 
 checkpoint_app = typer.Typer(
     help="Inspect, verify or merge a checkpoint folder (HDF5; no engine needed).", no_args_is_help=True
@@ -50,7 +50,8 @@ def checkpoint_merge(
     from ortflow.checkpoints.tools import merge
 
     try:
-        info = merge(path, out)
+        with writing(out.parent):
+            info = merge(path, out)
     except (CheckpointError, ValueError) as err:
         fail(str(err))
     console.print(f"merged {info.path} (step {info.step}) into {out}", highlight=False)

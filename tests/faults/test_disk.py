@@ -78,7 +78,7 @@ def _reported(out: subprocess.CompletedProcess, what: str, where: Path) -> None:
     assert what in out.stdout and str(where) in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("command", ["prepare-data", "retain", "configure", "export"])
+@pytest.mark.parametrize("command", ["prepare-data", "retain", "configure", "export", "checkpoint merge"])
 def test_a_full_disk_is_named_with_the_folder_and_leaves_no_temp_files(trained, mount, command):
     config = _copy_run(trained, mount)
     run = mount / "run"
@@ -87,6 +87,8 @@ def test_a_full_disk_is_named_with_the_folder_and_leaves_no_temp_files(trained, 
         "retain": ["retain", str(config), "--set", "checkpoint.max_num_checkpoints=5"],
         "configure": ["configure", str(config), "--set", f"output_dir={mount / 'fresh'}"],
         "export": ["export", str(run), "-o", str(mount / "out" / "model.onnx")],
+        "checkpoint merge": ["checkpoint", "merge", str(list_complete(run / "checkpoints")[-1].path), "-o",
+                             str(mount / "out" / "merged.h5")],
     }[command]
     _fill(mount)
     out = procs.ortflow_here(*args)
