@@ -24,10 +24,17 @@ def serve(
     the scheduled runs they queued, then exits 130 (SIGINT) or 143 (SIGTERM). Serving again resumes the schedules;
     scheduled runs whose time passed while nothing served them are dropped unless --catch-up is given.
     """
+    from prefect.settings import PREFECT_API_URL
+
     from ortflow.deployments import serve_config
     from ortflow.tasks import crash_vanished_runs
 
     cfg = load(config, overrides)
+    if not PREFECT_API_URL.value():
+        # Prefect would start a temporary server inside this process's group: the first Ctrl-C stops it before the
+        # schedules are paused, and no other terminal can reach it to start a run.
+        fail("ortflow serve registers its deployments on a Prefect server: start one (prefect server start), set "
+             "PREFECT_API_URL (e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api) and run again")
     for name in crash_vanished_runs():  # runs of this host whose process is gone (an earlier serve killed -9)
         say(f"flow run {name} was still Running, but its process is gone: marked Crashed")
     stopped_by = serve_config(cfg, limit=limit, catch_up=catch_up)
