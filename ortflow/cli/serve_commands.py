@@ -37,7 +37,7 @@ def serve(
              "PREFECT_API_URL (e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api) and run again")
     for name in crash_vanished_runs():  # runs of this host whose process is gone (an earlier serve killed -9)
         say(f"flow run {name} was still Running, but its process is gone: marked Crashed")
-    stopped_by = serve_config(cfg, limit=limit, catch_up=catch_up)
+    stopped_by = serve_config(cfg, limit=limit, catch_up=catch_up, say=say)
     if stopped_by:
         console.print(f"ortflow serve stopped by a signal: schedules paused; `ortflow serve {escape(str(config))}` "
                       "resumes them", highlight=False)

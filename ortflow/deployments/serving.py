@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,17 @@ def build_deployments(cfg: RunConfig) -> list[RunnerDeployment]:
     return [pipeline, export]
 
 
-def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = False) -> int | None:
+def describe_schedule(cfg: RunConfig) -> str:
+    """When the pipeline deployment runs, in words: ``every 60 s``, ``on cron '0 3 * * *' (UTC)`` or ``on demand``."""
+    if cfg.schedule.cron:
+        return f"on cron '{cfg.schedule.cron}' ({cfg.schedule.timezone})"
+    if cfg.schedule.interval_s:
+        return f"every {cfg.schedule.interval_s:g} s"
+    return "on demand"
+
+
+def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = False,
+                 say: Callable[[str], None] | None = None) -> int | None:
     """Register both deployments and run their flow runs from this process until SIGTERM or SIGINT.
 
     The deployments' schedules are active while this runs. On a stop signal the flow runs stop (a stop checkpoint
@@ -92,6 +103,7 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
         cfg: The run config.
         limit: Most flow runs at once (default: Prefect's, unlimited).
         catch_up: Run the scheduled runs missed while nothing served the deployments instead of dropping them.
+        say: Gets one line once both deployments are registered: what is served, when, and on which server.
 
     Returns:
         The stop signal's number (None when the runner ended without one).
@@ -120,6 +132,11 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
         for deployment in deployments:
             ids.append(runner.add_deployment(deployment))  # registers it, its schedules active
         runner.registering = False
+        if say is not None and runner.stop_signal is None:
+            from prefect.settings import PREFECT_API_URL
+
+            say(f"serving train-pipeline/{cfg.name} ({describe_schedule(cfg)}) and export-only/{cfg.name} on "
+                f"{PREFECT_API_URL.value()}; Ctrl-C or SIGTERM stops")
         if runner.stop_signal is None:
             asyncio.run(_serve(runner, ids, None if catch_up else started))
     except (KeyboardInterrupt, TerminationSignal, SystemExit):

@@ -74,6 +74,8 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
         assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
     text = log.read_text()
     assert "never awaited" not in text and "Traceback" not in text, text[-3000:]
+    assert any(line.startswith("serving train-pipeline/schedules (every 3600 s) and export-only/schedules on http")
+               for line in text.splitlines()), text[-3000:]
     assert "schedules paused" in text and "dropped 3 scheduled run(s) missed while nothing served them" in text
     assert _deployment("train-pipeline/schedules").paused and _deployment("export-only/schedules").paused
     assert _waiting("train-pipeline/schedules", overdue_only=False) == []
