@@ -258,8 +258,8 @@ class StoppingRunner(Runner):
             await self._pause_schedules()
             self.paused = True
             dropped = await drop_scheduled_runs(self._client, ids)  # the ones waiting for the concurrency slot
-            if dropped:
-                log.info("dropped %d queued scheduled run(s): %s", len(dropped), ", ".join(dropped))
+            if dropped:  # shown in serve's terminal: runs the schedule owed are gone
+                log.warning("dropped %d queued scheduled run(s): %s", len(dropped), ", ".join(dropped))
         except Exception as err:  # noqa: BLE001 - the server may be gone; the runner must still stop
             log.warning("could not pause the schedules of %d deployment(s): %s", len(ids), err)
         # A submission already under way when polling stopped may have started its process since: stop it too.
