@@ -29,7 +29,7 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
     """``ortflow run`` with its options (see its help): load the config, run the flow, report the outcome."""
     cfg = load(config, overrides)
     # A line at once: importing Prefect and starting its server take a while on a busy machine.
-    say(f"ortflow run {cfg.name}: {'a new version in ' if new_version else ''}{cfg.output_dir}")
+    say(f"ortflow run {cfg.name}: {_what_runs(new_version, from_stage, version)}{cfg.output_dir}")
     command = shlex.join(["ortflow", "run", *sys.argv[sys.argv.index("run") + 1:]] if "run" in sys.argv
                          else ["ortflow", "run", str(config)])
     _refuse_if_busy(cfg, wait, command)
@@ -55,6 +55,15 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
         console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
         return
     _report_summary(cfg, state.result(), new_version, log_file, history)
+
+
+def _what_runs(new_version: bool, from_stage: str | None, version: str | None) -> str:
+    """The headline's words before the run folder: a versioned ``--from`` reruns stages of an existing version."""
+    if not new_version:
+        return ""
+    if from_stage is None:
+        return "a new version in "
+    return f"rerunning {from_stage} onwards in {f'version {version}' if version else 'the newest version'} of "
 
 
 def _upload_log(cfg: RunConfig, log_file: Path, warn: bool) -> None:

@@ -153,3 +153,18 @@ def test_runs_shows_a_stopped_versions_steps_and_no_model_for_a_pruned_one(tmp_p
     assert "model versions/" in lines[kept + 1]
     stop = next(line for line in lines if line.startswith(plans[2].version))
     assert "stopped" in stop and "steps 3/4" in stop, stop
+
+
+def test_run_from_a_stage_of_a_version_says_it_reruns_that_version_not_a_new_one(tmp_path):
+    path, cfg = _config_file(tmp_path)
+    # An unknown policy stops the command right after its headline, before Prefect runs anything.
+    for extra, headline in (([], f"ortflow run v: rerunning export onwards in the newest version of {cfg.output_dir}"),
+                            (["--version", "20261130T041041Z-eaf1acce"],
+                             "ortflow run v: rerunning export onwards in version 20261130T041041Z-eaf1acce of "
+                             f"{cfg.output_dir}")):
+        result = runner.invoke(app, ["run", str(path), "--new-version", "--from", "export", *extra, "--policy", "x"],
+                               terminal_width=300)
+        assert result.exit_code == 1, result.output
+        assert result.output.splitlines()[:2] == [headline, "error: --policy x: use retrain or continue"], result.output
+    result = runner.invoke(app, ["run", str(path), "--new-version", "--policy", "x"], terminal_width=300)
+    assert result.output.splitlines()[0] == f"ortflow run v: a new version in {cfg.output_dir}", result.output
