@@ -60,6 +60,15 @@ def test_a_late_window_shorter_than_prefect_takes_is_refused_before_anything_is_
         alerts.install(None, zombie_after_s=59)
 
 
+def test_a_webhook_that_is_not_an_http_url_is_refused_before_anything_is_installed():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # nothing answers there
+        for url in ("hooks.example.com/ortflow", "ftp://hooks.example.com/x", "https://"):
+            with pytest.raises(ValueError, match=rf"--webhook {url}: give an http:// or https:// URL"):
+                alerts.install(url)
+
+
 def test_the_late_and_failed_alerts_react_to_one_event_and_alert_once_per_run():
     from uuid import uuid4 as new_id
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from string import Template
+from urllib.parse import urlsplit
 from uuid import UUID
 
 import yaml
@@ -60,7 +61,7 @@ def install(webhook_url: str | None = None, late_after_s: int = 6 * 3600, zombie
         The names of the automations installed.
 
     Raises:
-        ValueError: a bound is too short to mean anything.
+        ValueError: a bound is too short to mean anything, or the webhook is not an http(s) URL.
     """
     from prefect.blocks.webhook import Webhook
     from prefect.client.orchestration import get_client
@@ -70,6 +71,11 @@ def install(webhook_url: str | None = None, late_after_s: int = 6 * 3600, zombie
         raise ValueError(f"--zombie-after {zombie_after_s}: give at least {2 * HEARTBEAT_S} s (two heartbeats)")
     if late_after_s < SHORTEST_WINDOW_S:
         raise ValueError(f"--late-after {late_after_s}: give at least {SHORTEST_WINDOW_S} s")
+    if webhook_url is not None:
+        parts = urlsplit(webhook_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:  # Prefect saves any text; alerts never come
+            raise ValueError(f"--webhook {webhook_url}: give an http:// or https:// URL "
+                             "(e.g. https://hooks.example.com/ortflow)")
     block_id = None
     if webhook_url:
         # An alert endpoint is often inside the network (a chat bridge, a pager gateway): private addresses are fine.
