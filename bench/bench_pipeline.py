@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import in_processes, write_result
+from bench.common import add_shape_options, in_processes, set_shape, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "num_layers": 4, "num_heads": 4}
@@ -482,16 +482,10 @@ def gpu_main(argv: list[str] | None = None, *, clock=time.perf_counter) -> None:
                         help="start no round after this many seconds of launches (at least one round runs)")
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches per update (m)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
-    parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
-                        help="rows of the token table and LM head (the byte-level text uses ids < 256)")
-    parser.add_argument("--d-model", type=int, default=SHAPE["d_model"])
-    parser.add_argument("--num-layers", type=int, default=SHAPE["num_layers"])
-    parser.add_argument("--num-heads", type=int, default=SHAPE["num_heads"])
-    parser.add_argument("--seq-len", type=int, default=SHAPE["seq_len"])
+    add_shape_options(parser, SHAPE)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="folder for the .json/.md")
     args = parser.parse_args(argv)
-    SHAPE.update(vocab_size=args.vocab_size, d_model=args.d_model, num_layers=args.num_layers,
-                 num_heads=args.num_heads, seq_len=args.seq_len)
+    set_shape(SHAPE, args)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-gpu-") as tmp:
         started = clock()
         runs = gpu_runs(Path(tmp), args.micro, args.batch_size)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import in_processes, write_result
+from bench.common import add_shape_options, in_processes, set_shape, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
@@ -281,12 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no round after this many seconds of launches (at least one round runs)")
-    parser.add_argument("--vocab-size", type=int, default=SHAPE["vocab_size"],
-                        help="rows of the token table and LM head (the byte-level text uses ids < 256)")
-    parser.add_argument("--d-model", type=int, default=SHAPE["d_model"])
-    parser.add_argument("--num-layers", type=int, default=SHAPE["num_layers"])
-    parser.add_argument("--num-heads", type=int, default=SHAPE["num_heads"])
-    parser.add_argument("--seq-len", type=int, default=SHAPE["seq_len"])
+    add_shape_options(parser, SHAPE)
     parser.add_argument("--batch", type=int, default=BATCH, help="rows per micro-batch")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--mpiexec", default=RUN["mpiexec"], help="the MPI launcher")
@@ -297,8 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args.worker, args.names_from, args.warmup, args.steps)
     RUN.update(device=args.device, mpiexec=args.mpiexec, batch=args.batch)
-    SHAPE.update(vocab_size=args.vocab_size, d_model=args.d_model, num_layers=args.num_layers,
-                 num_heads=args.num_heads, seq_len=args.seq_len)
+    set_shape(SHAPE, args)
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
         root = args.root or Path(tmp)
         runs = configure_contenders(root)

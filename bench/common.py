@@ -140,6 +140,20 @@ def spawn_ranks(cmd: list[str], world: int, env: dict, timeout: float) -> tuple[
     return max(codes, key=abs), output
 
 
+def add_shape_options(parser, shape: dict) -> None:
+    """The GPT shape options of a layout bench (``--vocab-size``, ``--d-model``, ``--num-layers``, ``--num-heads``,
+    ``--seq-len``), defaulting to ``shape``; :func:`set_shape` writes the parsed ones back into it."""
+    parser.add_argument("--vocab-size", type=int, default=shape["vocab_size"],
+                        help="rows of the token table and LM head (the byte-level text uses ids < 256)")
+    for key in ("d_model", "num_layers", "num_heads", "seq_len"):
+        parser.add_argument("--" + key.replace("_", "-"), type=int, default=shape[key])
+
+
+def set_shape(shape: dict, args) -> None:
+    """``shape`` updated from the options :func:`add_shape_options` added."""
+    shape.update({key: getattr(args, key) for key in shape})
+
+
 def fresh_dir(path: Path) -> Path:
     """An empty folder at ``path``."""
     shutil.rmtree(path, ignore_errors=True)
