@@ -33,6 +33,7 @@ from ortflow.config.batch import (  # noqa: F401
     LayoutError,
     RunFacts,
     divides,
+    eval_batch,
     fixed_batch_dim,
     fixed_batch_problems,
     nearest_multiples,

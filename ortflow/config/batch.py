@@ -127,6 +127,16 @@ def fixed_batch_problems(cfg: RunConfig, run_dir: Path) -> list[str]:
             for field, size in sizes.items() if fixed is not None and size != fixed]
 
 
+def eval_batch(cfg: RunConfig, run_dir: Path) -> int:
+    """The eval batch of every evaluation of a run, the ranks' and ``ortflow evaluate``'s: ``train.eval_batch_size``,
+    else the model's fixed batch dim (configure.json), else ``train.batch_size`` as written (also where
+    ``train.global_batch_size`` derives the ranks' training batch), so the eval batches are the same on any layout."""
+    train = cfg.train
+    if train.eval_batch_size is not None:
+        return train.eval_batch_size
+    return run_facts(run_dir).fixed_batch or train.batch_size
+
+
 def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
     """The config a rank trains with: with train.global_batch_size, the per-rank batch and accumulation for
     ``world`` ranks (run length in weight updates unchanged; the eval batch stays the config's, so evaluations form
@@ -145,6 +155,6 @@ def rank_config(cfg: RunConfig, world: int, run_dir: Path) -> RunConfig:
     steps = train.num_weight_updates * plan.accumulation
     resolved = train.model_copy(
         update={"batch_size": plan.batch_size, "gradient_accumulation_steps": plan.accumulation,
-                "num_train_steps": steps, "eval_batch_size": train.resolved_eval_batch_size}  # fmt: skip
+                "num_train_steps": steps, "eval_batch_size": eval_batch(cfg, run_dir)}  # fmt: skip
     )
     return cfg.model_copy(update={"train": resolved})

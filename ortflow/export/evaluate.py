@@ -70,12 +70,13 @@ def evaluate_checkpoint(source: Path, checkpoint: str | None = None, max_rows: i
         raise ExportError(f"{source}: evaluate needs a configured run folder with prepared data (config.yaml, "
                           "data/manifest.json): run `ortflow configure` and `ortflow prepare-data` first")  # fmt: skip
     from ortflow.artifacts_folder import verify_artifacts
+    from ortflow.config import eval_batch
     from ortflow.config.sealed import read_configure
     from ortflow.dataprep.loader import verify_data
 
     verify_artifacts(cfg.artifacts_dir, read_configure(cfg.output_dir))  # before the engine loads them
     verify_data(src.data_dir)  # and the shards against the manifest, as training does
-    batch = cfg.train.resolved_eval_batch_size
+    batch = eval_batch(cfg, cfg.output_dir)  # the ranks' eval batch: the same batches, the same float32 means
     max_rows = max_rows if max_rows is not None else cfg.train.max_eval_rows  # the rows training evaluated
     loader = EvalLoader(src.data_dir, batch, rank=0, world_size=1, max_rows=max_rows)
     # The engine's session starts from the configured weights; the checkpoint's values (HDF5, or a format 1 engine

@@ -133,6 +133,19 @@ def test_rank_config_derives_batch_and_accumulation_and_keeps_the_run_length(tmp
     assert six.resolved_eval_batch_size == 8  # the config's: the batches ortflow evaluate forms
 
 
+def test_a_fixed_batch_model_evaluates_in_batches_of_its_fixed_dim_under_a_global_batch(tmp_path):
+    """batch_size is the most a rank takes under a global batch; a model that fixes its batch dim at 4 trains and
+    evaluates in batches of 4 (ortflow evaluate too: config.eval_batch), not of the 8 written."""
+    from ortflow.config import eval_batch
+
+    _configured(tmp_path, shape=(4, 8))
+    cfg = _cfg(tmp_path, global_batch_size=16)
+    ranks = rank_config(cfg, 2, tmp_path).train
+    assert (ranks.batch_size, ranks.gradient_accumulation_steps, ranks.resolved_eval_batch_size) == (4, 2, 4)
+    assert eval_batch(cfg, tmp_path) == 4
+    assert eval_batch(_cfg(tmp_path, global_batch_size=16, eval_batch_size=4), tmp_path) == 4
+
+
 def test_rank_config_refuses_batches_the_models_fixed_batch_dim_cannot_take(tmp_path):
     # Each rank checks before the engine sees a batch (a config.yaml whose batch changed after configure, by
     # --accept-changed-config or a configure whose prepare-data then failed): not a shape error mid-update.
