@@ -46,9 +46,10 @@ def test_validate_prints_the_llama_attention_split_by_heads(tmp_path):
             "activations until its backward (distributed.recompute_forward auto)") in text
 
 
+@pytest.mark.parametrize("export", ["llama.onnx", "llama-dynamo.onnx"])
 @pytest.mark.parametrize("recompute", ["auto", True])
-def test_validate_says_whether_pipeline_stages_keep_their_activations(tmp_path, recompute):
-    config = lm_config(tmp_path, num_ranks=2, pipeline_parallel_size=2, recompute_forward=recompute)
+def test_validate_says_whether_pipeline_stages_keep_their_activations(tmp_path, recompute, export):
+    config = lm_config(tmp_path, export, num_ranks=2, pipeline_parallel_size=2, recompute_forward=recompute)
     result = CliRunner().invoke(app, ["validate", str(config)])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
