@@ -153,6 +153,51 @@ class EngineStream:
         """The host waits for everything queued on this stream (engine calls and sums)."""
         self.stream.synchronize()
 
+    def record(self):
+        """An event after everything queued on this stream so far (another stream waits for it on the GPU)."""
+        return self.stream.record()
+
+    def add(self, a_ptr: int, b_ptr: int, out_ptr: int, count: int) -> None:
+        """``out = a + b`` for ``count`` float32 at device addresses, queued on this stream (no wait)."""
+        if count:
+            cp = self._cp
+            with self.stream:
+                cp.add(self._view(a_ptr, count), self._view(b_ptr, count), out=self._view(out_ptr, count))
+
+    def scale(self, x_ptr: int, out_ptr: int, count: int, factor: float) -> None:
+        """``out = x * factor`` for ``count`` float32 at device addresses, queued on this stream (no wait)."""
+        if count:
+            cp = self._cp
+            with self.stream:
+                cp.multiply(self._view(x_ptr, count), cp.float32(factor), out=self._view(out_ptr, count))
+
+    def zero(self, ptr: int, count: int) -> None:
+        """``count`` float32 at a device address set to 0, queued on this stream (no wait)."""
+        if count:
+            with self.stream:
+                self._view(ptr, count).fill(0)
+
+    def pack(self, buffers: Sequence[DeviceBuffer], ptr: int) -> None:
+        """The device ``buffers`` copied one after another into the float32 tensor at ``ptr``, on this stream."""
+        start = 0
+        with self.stream:
+            for b in buffers:
+                if b.count:
+                    self._view(ptr + 4 * start, b.count)[...] = self._view(b.ptr, b.count)
+                start += b.count
+
+    def unpack(self, ptr: int, buffers: Sequence[DeviceBuffer]) -> None:
+        """The float32 tensor at ``ptr`` copied back into the device ``buffers`` (:meth:`pack`'s order)."""
+        start = 0
+        with self.stream:
+            for b in buffers:
+                if b.count:
+                    self._view(b.ptr, b.count)[...] = self._view(ptr + 4 * start, b.count)
+                start += b.count
+
+    def _view(self, ptr: int, count: int):
+        return _float_view(self._cp, ptr, count, self, self.device_index)
+
 
 def _float_view(cupy, ptr: int, count: int, owner: object, device_index: int):
     """A CuPy float32 view of ``count`` values at device address ``ptr`` (no copy)."""
@@ -481,14 +526,16 @@ class NCCLComm:
         """ZeRO-1 on the GPU: every rank's ``count`` floats into ``recv`` (in place when send = recv + rank x count)."""
         self.comm.allGather(send_ptr, recv_ptr, count, self._nccl.NCCL_FLOAT32, self.stream.ptr)
 
-    def tensor_sum(self, src_ptr: int, dst_ptr: int, count: int, label: str) -> None:
+    def tensor_sum(self, src_ptr: int, dst_ptr: int, count: int, label: str,
+                   engine: EngineStream | None = None) -> None:
         """``count`` float32 at device address ``src_ptr`` summed over the group into ``dst_ptr``, the ranks' parts
         added in rank order: bitwise the same on every rank (tensor parallelism's activation and input-gradient sums).
 
-        The all-gather and the sum are queued on the NCCL stream; nothing leaves the GPU. The host then waits once,
-        under the watchdog, for that stream: the engine reads ``dst`` next, on its own stream, which cannot be told to
-        wait for this one. ``src`` is an output of an engine call, complete when the call returned (a kept piece's
-        separate calls return after the host waited for the rank's :class:`EngineStream`).
+        The all-gather and the sum are queued on the NCCL stream; nothing leaves the GPU. With the rank's ``engine``
+        stream, on which ``src`` was written and ``dst`` is read next, the GPU orders the three: the NCCL stream waits
+        for an event of the engine stream, and the engine stream for one of the NCCL stream, with no host wait (a stall
+        shows where the host next waits for the engine stream, under the watchdog). Without it, ``src`` is complete
+        (an engine call's output, or ``dst`` itself) and the host waits for the NCCL stream under the watchdog.
         """
         if count == 0:
             return
@@ -496,6 +543,8 @@ class NCCLComm:
         out = self._device_view(DeviceBuffer(dst_ptr, count, label))
 
         def run() -> None:
+            if engine is not None:
+                stream.wait_event(engine.record())  # src was written on the engine's stream
             with stream:
                 flat = cp.empty(self.size * count, dtype=cp.float32)
                 self.comm.allGather(src_ptr, flat.data.ptr, count, self._nccl.NCCL_FLOAT32, stream.ptr)
@@ -506,9 +555,15 @@ class NCCLComm:
                     cp.add(parts[0], parts[1], out=out)
                 for part in parts[2:]:
                     cp.add(out, part, out=out)
-            stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
+            if engine is not None:
+                engine.stream.wait_event(stream.record())  # the engine's next work reads dst
+            else:
+                stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 
-        self.group.watched(label, run)
+        if engine is not None:
+            run()
+        else:
+            self.group.watched(label, run)
 
     def add_device(self, a_ptr: int, b_ptr: int, out_ptr: int, count: int) -> None:
         """``out = a + b`` for ``count`` float32 at device addresses, on the NCCL stream (tensor parallelism's

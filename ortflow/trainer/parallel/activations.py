@@ -6,7 +6,11 @@ their gradients, and the sums of both over the tensor-parallel group.
 * :class:`DeviceTensors` (CUDA ranks): the engine's own device tensors (``OrtValue``): the batch is copied to the GPU
   once, every engine call takes and returns device tensors, and a sum all-gathers the parts with NCCL and adds them in
   rank order on the GPU (:meth:`~ortflow.trainer.comm.nccl.NCCLComm.tensor_sum`). Nothing crosses to the host within a
-  micro-batch except the loss; a pipeline stage hands what crosses its cut to the pipeline as host arrays.
+  micro-batch except the loss; a pipeline stage hands what crosses its cut to the pipeline as host arrays. The rank's
+  engine stream (:class:`~ortflow.trainer.comm.nccl.EngineStream`, where the pieces that keep their activations run
+  their calls) orders the work: the adds and scalings are queued on it, a sum's NCCL stream waits for it and it for
+  the sum, all on the GPU; the host waits for it (under the watchdog) before a training module's call (another
+  stream, and the arena the sessions share), before it reads or copies in a tensor, and once after each backward.
 
 Both add in the same order with float32 adds, so a sum has the same bits on every rank and on both devices.
 """
@@ -32,6 +36,9 @@ class HostTensors:
 
     def call(self, part: EnginePart, train: bool, feeds: dict) -> list:
         return part.call(train, feeds)
+
+    def settle(self) -> None:
+        """Nothing to wait for: the CPU engine's calls return when their work is done."""
 
     def sum(self, x: np.ndarray, label: str) -> np.ndarray:
         """``x`` summed over the group, added in rank order."""
@@ -82,11 +89,17 @@ class DeviceTensors:
 
     Args:
         comm: The tensor-parallel group's NCCLComm (its stream and device).
+        engine: The rank's engine stream (None: every step waits on the host, as before the engine had a stream).
     """
 
-    def __init__(self, comm):
-        self.comm, self.device = comm, comm.device_index
+    def __init__(self, comm, engine=None):
+        self.comm, self.device, self.engine = comm, comm.device_index, engine
         self._outputs: dict[tuple, list[tuple[list[int], np.dtype]]] = {}  # call -> its outputs' shapes and types
+
+    def settle(self) -> None:
+        """The host waits for the engine stream (under the watchdog: a stalled sum queued on it shows here)."""
+        if self.engine is not None:
+            self.comm.group.watched("tensor-parallel work on the engine stream", self.engine.synchronize)
 
     def _new(self, shape, dtype=np.float32) -> OrtValue:
         return OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device)
@@ -100,6 +113,7 @@ class DeviceTensors:
         output shapes from input shapes alone (no data-dependent shape in a transformer's pieces).
         """
         module = part.prepared(train)
+        self.settle()  # Sync point: the module computes on its own stream, and may reuse the arena's freed memory
         inputs = [self.to_device(feeds[name]) for name in module.input_names()]
         key = (id(module), train, tuple(tuple(x.shape()) for x in inputs))
         known = self._outputs.get(key)
@@ -117,6 +131,7 @@ class DeviceTensors:
             if x.device_name() == "cuda":
                 return x
             x = x.numpy()
+        self.settle()  # Sync point: the copy runs on the legacy stream, into memory the engine stream may still read
         return OrtValue.ortvalue_from_numpy(np.asarray(x, order="C"), "cuda", self.device)  # 0-d stays 0-d
 
     def adopt(self, values: dict) -> dict:
@@ -130,14 +145,25 @@ class DeviceTensors:
             raise TypeError(f"{label}: tensor-parallel sums take float32 tensors, not {x.data_type()}")
         out = self._new(x.shape())
         count = int(np.prod(x.shape(), dtype=np.int64))
-        self.comm.tensor_sum(x.data_ptr(), out.data_ptr(), count, label)
+        self.comm.tensor_sum(x.data_ptr(), out.data_ptr(), count, label, self.engine)
         return out
 
     def sum_into(self, buffers: list, label: str) -> None:
         """Engine gradient buffers (:class:`~ortflow.trainer.comm.nccl.DeviceBuffer` s), each replaced in place by its
-        sum over the group, added in rank order on the GPU (the all-gather reads it before the adds write it)."""
-        for buffer in buffers:
-            self.comm.tensor_sum(buffer.ptr, buffer.ptr, buffer.count, label)
+        sum over the group, added in rank order on the GPU: packed into one tensor on the engine stream, one sum, and
+        unpacked (then the host waits); without an engine stream, one sum each (the all-gather reads a buffer before
+        the adds write it)."""
+        if self.engine is None or len(buffers) < 2:
+            self.settle()  # Sync point: the buffers were last written on the engine stream
+            for buffer in buffers:
+                self.comm.tensor_sum(buffer.ptr, buffer.ptr, buffer.count, label)
+            return
+        total = sum(b.count for b in buffers)
+        packed = self._new((total,))
+        self.engine.pack(buffers, packed.data_ptr())
+        self.comm.tensor_sum(packed.data_ptr(), packed.data_ptr(), total, label, self.engine)
+        self.engine.unpack(packed.data_ptr(), buffers)
+        self.settle()  # Sync point: the update reads the sums on other streams
 
     def scale(self, x: OrtValue, factor: float) -> OrtValue:
         """``x * factor`` in float32 on the GPU: a new device tensor."""
@@ -145,11 +171,19 @@ class DeviceTensors:
         if x.data_type() != "tensor(float)":
             raise TypeError(f"tensor-parallel gradient scaling takes float32 tensors, not {x.data_type()}")
         out = self._new(x.shape())
-        self.comm.scale_device(x.data_ptr(), out.data_ptr(), int(np.prod(x.shape(), dtype=np.int64)), factor)
+        count = int(np.prod(x.shape(), dtype=np.int64))
+        if self.engine is not None:
+            self.engine.scale(x.data_ptr(), out.data_ptr(), count, factor)
+        else:
+            self.comm.scale_device(x.data_ptr(), out.data_ptr(), count, factor)
         return out
 
     def zeros_like(self, x: OrtValue) -> OrtValue:
-        return OrtValue.ortvalue_from_numpy(np.zeros(x.shape(), np.float32), "cuda", self.device)
+        if self.engine is None:
+            return OrtValue.ortvalue_from_numpy(np.zeros(x.shape(), np.float32), "cuda", self.device)
+        out = self._new(x.shape())
+        self.engine.zero(out.data_ptr(), int(np.prod(x.shape(), dtype=np.int64)))
+        return out
 
     def add(self, a: OrtValue, b: OrtValue) -> OrtValue:
         """``a + b`` in float32 on the GPU (NCCL stream, waited for: the engine reads it next)."""
@@ -157,20 +191,26 @@ class DeviceTensors:
         if a.shape() != b.shape() or a.data_type() != "tensor(float)" or b.data_type() != "tensor(float)":
             raise TypeError(f"gradients of one tensor differ: {a.shape()} {a.data_type()}, {b.shape()} {b.data_type()}")
         out = self._new(a.shape())
-        self.comm.add_device(a.data_ptr(), b.data_ptr(), out.data_ptr(), int(np.prod(a.shape(), dtype=np.int64)))
+        count = int(np.prod(a.shape(), dtype=np.int64))
+        if self.engine is not None:
+            self.engine.add(a.data_ptr(), b.data_ptr(), out.data_ptr(), count)
+        else:
+            self.comm.add_device(a.data_ptr(), b.data_ptr(), out.data_ptr(), count)
         return out
 
     def own(self, x: OrtValue) -> OrtValue:
         return self.to_device(x)  # an engine output owns its buffer; later adds write new tensors
 
     def scalar(self, x: OrtValue) -> float:
+        self.settle()  # Sync point: the host reads it
         return float(x.numpy().item()) if isinstance(x, OrtValue) else float(x)
 
     def host(self, x) -> np.ndarray:
+        self.settle()  # Sync point: the host reads it
         return x.numpy() if isinstance(x, OrtValue) else np.asarray(x)
 
 
 def activation_store(buffers, comm: Communicator, rank: int, size: int) -> HostTensors | DeviceTensors:
     """Where a tensor-parallel rank keeps its activations: beside its engine's buffers
     (:mod:`ortflow.trainer.comm.engine_buffers`), host arrays or the GPU's tensors."""
-    return DeviceTensors(comm) if buffers.on_device else HostTensors(comm, rank, size)
+    return DeviceTensors(comm, buffers.engine_stream()) if buffers.on_device else HostTensors(comm, rank, size)

@@ -133,9 +133,10 @@ class KeptActivations:
         stream.after_host_copies()  # the engine reads the batch's copies on its stream
         started = time.perf_counter()
         outputs, state = self.engine.forward(tensors, host=False)
-        # Sync point: the sent tensors leave the engine's stream (the host sends a stage's; the NCCL stream sums a
-        # piece's, and later pieces' sessions read them on their own streams).
-        stream.synchronize()
+        if self.host_sends:
+            stream.synchronize()  # Sync point: the host sends a stage's sent tensors
+        # A piece's sent tensors stay on the stream: its sums wait for it on the GPU, and the host waits for it
+        # before a training module's call or a host read (activations.DeviceTensors).
         self._count(started)
         self._in_flight.append((state, tensors, arrays))  # the backward reads the feeds' device memory too
         self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
@@ -180,9 +181,12 @@ class KeptActivations:
         # Queued behind the backward on the engine's stream: no wait between the two.
         stream.sum_into(self._buffers, results[len(self.receives):], self._fresh)
         self._fresh = False
-        # Sync point: the input gradients leave the engine's stream (the host sends a stage's, the NCCL stream sums a
-        # piece's) and the engine may hand the returned tensors' memory to another session once they are dropped.
-        stream.synchronize()
+        if self.host_sends:
+            # Sync point: the host sends a stage's input gradients, and the engine may hand the returned tensors'
+            # memory to another session once they are dropped.
+            stream.synchronize()
+        # A piece's input gradients stay on the stream (summed there; the other pieces' kept sessions run on the same
+        # stream, and the host waits for it before any training module's call and after the backward).
         self._count(started)
         received = results[: len(self.receives)]
         if self.host_sends:

@@ -163,6 +163,7 @@ class TensorParallel:
                 back = [self.tp_sum(g, "tensor-parallel input-gradient sum") for g in back]
             for name, g in zip(info["float_receives"], back, strict=True):
                 grads[name] = self.tensors.add(grads[name], g) if name in grads else self.tensors.own(g)
+        self.tensors.settle()  # Sync point (once per micro-batch): the exchange and the update read on other streams
         return loss, grads
 
     def _arriving(self, info: dict, name: str, grads: dict, env: dict):
