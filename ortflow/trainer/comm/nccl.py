@@ -119,6 +119,12 @@ class EngineStream:
         self._cp, self.device_index = cupy, device_index
         with cupy.cuda.Device(device_index):
             self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._held: list = []  # temporaries that work queued behind this stream still reads (freed by synchronize)
+
+    def hold(self, value) -> None:
+        """Keep ``value`` (a temporary that queued work reads, possibly on another stream ordered before this one's
+        next work) alive until the host next waits for this stream."""
+        self._held.append(value)
 
     def provider_options(self) -> dict[str, str]:
         """The CUDA provider's options that put a session's work on this stream."""
@@ -150,8 +156,9 @@ class EngineStream:
                     cp.add(target, source, out=target)
 
     def synchronize(self) -> None:
-        """The host waits for everything queued on this stream (engine calls and sums)."""
+        """The host waits for everything queued on this stream (engine calls and sums); the held temporaries go."""
         self.stream.synchronize()
+        self._held.clear()
 
     def record(self):
         """An event after everything queued on this stream so far (another stream waits for it on the GPU)."""
@@ -557,6 +564,7 @@ class NCCLComm:
                     cp.add(out, part, out=out)
             if engine is not None:
                 engine.stream.wait_event(stream.record())  # the engine's next work reads dst
+                engine.hold(flat)  # read by the NCCL stream after this returns
             else:
                 stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 

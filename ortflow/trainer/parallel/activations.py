@@ -163,7 +163,7 @@ class DeviceTensors:
         self.engine.pack(buffers, packed.data_ptr())
         self.comm.tensor_sum(packed.data_ptr(), packed.data_ptr(), total, label, self.engine)
         self.engine.unpack(packed.data_ptr(), buffers)
-        self.settle()  # Sync point: the update reads the sums on other streams
+        self.settle()  # Sync point: the update reads the sums on other streams (and packed is read until then)
 
     def scale(self, x: OrtValue, factor: float) -> OrtValue:
         """``x * factor`` in float32 on the GPU: a new device tensor."""
