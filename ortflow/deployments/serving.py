@@ -27,6 +27,7 @@ from prefect.schedules import Cron, Interval, Schedule
 from ortflow.config import RunConfig
 from ortflow.deployments.alerts import HEARTBEAT_S
 from ortflow.deployments.backlog import drop_backlog, drop_scheduled_runs
+from ortflow.deployments.run_console import write_logging_config
 from ortflow.flows import export_only, train_pipeline
 from ortflow.processes import process_alive
 
@@ -116,6 +117,9 @@ def serve_config(cfg: RunConfig, limit: int | None = None, catch_up: bool = Fals
     # Flow runs send a heartbeat this often: the zombie-run automation (`ortflow automations`) marks a run Crashed
     # when they stop.
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    # Flow runs print to this terminal without tracebacks, a failed run as one line (their logs on the server keep
+    # the tracebacks): Prefect's logging config with ortflow's console formatter and filter (run_console.py).
+    os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(write_logging_config(workdir / "logging.yml"))
     started = datetime.now(UTC)  # runs the scheduler adds once the deployments are active start after this
     runner = StoppingRunner(limit=limit)
     # SIGTERM and Ctrl-C stop serve the same way from here on, while it registers the deployments and drops the

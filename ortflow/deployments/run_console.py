@@ -1,0 +1,106 @@
+"""What a served flow run prints in ``ortflow serve``'s terminal: Prefect's lines without tracebacks, and a failed run
+as one line naming the run, the stage that failed, its error and where the full log is.
+
+``ortflow serve``'s flow runs are processes of their own (``python -m prefect.engine``) that set up Prefect's logging
+from ``PREFECT_LOGGING_SETTINGS_PATH``; :func:`write_logging_config` writes Prefect's own logging config with the
+console handler's formatter and filter replaced by the two classes below. Only the console changes: the run's logs on
+the Prefect server (its UI, ``prefect flow-run logs ID``) keep every record with its traceback.
+
+This module imports nothing heavy: each flow-run process imports it while it sets up logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+#: Prefect's errors that the one line replaces (each carries the same exception, with a traceback).
+_REPLACED = re.compile(r"^(Task run failed with |Encountered exception during execution|"
+                       r"Engine execution exited with unexpected exception|Crash detected!)")
+_RETRY = re.compile(r" - Retry \d+/\d+ will start")
+_ENDED = re.compile(r"^Finished in state (Failed|Crashed|TimedOut)\(")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+class ServedRunFailures(logging.Filter):
+    """The console filter of a served flow run: drops Prefect's error records that repeat the failure (the task's,
+    the flow's and the engine's, each with a traceback), remembers the first failed stage and its error, and marks
+    the flow run's final ``Finished in state Failed(...)`` record with the one line :class:`NoTraceback` prints
+    instead. A retried stage's error stays (one line, no traceback): it says why the stage runs again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage: str | None = None
+        self.error: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR and not _RETRY.search(message) and _REPLACED.match(message):
+            err = record.exc_info[1] if record.exc_info else None
+            if self.error is None and err is not None:  # the first failure is the cause; the flow's repeats it
+                self.stage = getattr(record, "task_name", None)
+                self.error = f"{type(err).__name__}: {err}"
+            return False
+        if record.name.startswith("prefect.task_runs") and _ENDED.match(message):
+            return False  # the failed stage's final state: the run's line says it
+        ended = _ENDED.match(message)
+        if ended and record.name.startswith("prefect.flow_runs"):
+            record.ortflow_line = self.line(record, ended.group(1).lower(), message)
+        return True
+
+    def line(self, record: logging.LogRecord, outcome: str, message: str) -> str:
+        """``flow run NAME (FLOW/DEPLOYMENT) failed in STAGE: ERROR; full log: prefect flow-run logs ID``."""
+        flow = getattr(record, "flow_name", "?")
+        deployment = getattr(record, "deployment_name", None)
+        which = f"{flow}/{deployment}" if deployment else flow
+        where = f" in {self.stage}" if self.stage else ""
+        error = self.error or re.sub(r"^Finished in state \w+\('?|'?\)$", "", message)
+        return (f"flow run {getattr(record, 'flow_run_name', '?')} ({which}) {outcome}{where}: {_one_line(error)}; "
+                f"full log with tracebacks: prefect flow-run logs {getattr(record, 'flow_run_id', '?')} (or the "
+                "Prefect UI)")
+
+
+class NoTraceback(logging.Formatter):
+    """Prefect's console format without exception text or stack, and a record marked by :class:`ServedRunFailures`
+    as its one line (the record itself is left untouched for the other handlers)."""
+
+    def __init__(self, *args: object, **kwargs: object):
+        super().__init__()
+        from prefect.logging.formatters import PrefectFormatter
+
+        self.inner = PrefectFormatter(*args, **kwargs)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = getattr(record, "ortflow_line", None)
+        if line is not None:
+            return f"error: {line}"
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record).split("\nTraceback (most recent call last)")[0]
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def write_logging_config(path: Path) -> Path:
+    """Write Prefect's logging config (its ``logging.yml``) with the console handler's formatter and filter made the
+    ones above to ``path``; returns ``path`` (for ``PREFECT_LOGGING_SETTINGS_PATH``)."""
+    import yaml
+    from prefect.logging.configuration import DEFAULT_LOGGING_SETTINGS_PATH
+
+    # Loaded raw: Prefect fills in its `${SETTING}` templates when each process reads the file.
+    config = yaml.safe_load(DEFAULT_LOGGING_SETTINGS_PATH.read_text())
+    standard = dict(config["formatters"]["standard"])
+    standard.pop("()", None)
+    config["formatters"]["ortflow_served"] = {"()": f"{__name__}.NoTraceback", **standard}
+    config.setdefault("filters", {})["ortflow_served"] = {"()": f"{__name__}.ServedRunFailures"}
+    console = config["handlers"]["console"]
+    console["formatter"] = "ortflow_served"
+    console["filters"] = ["ortflow_served"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

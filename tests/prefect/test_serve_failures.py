@@ -1,0 +1,50 @@
+"""A failed served run in ``ortflow serve``'s terminal: one line naming the run, the stage, the error and where the
+full log is, and no traceback (the run's logs on the server keep it). Against a real local Prefect server; the run
+fails on a bad override before any rank starts, so the test costs one flow-run process."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.prefect.serving import read_flow_run, serving
+from tests.support.prefect_runs import mlp_config, wait_for, write_config
+
+pytestmark = pytest.mark.prefect
+
+
+def test_a_failed_served_run_is_one_line_in_the_serve_terminal_and_its_traceback_stays_in_its_log(
+        prefect_server, mlp_sources, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    cfg = mlp_config(tmp_path, mlp_sources, "failing", distributed={"num_ranks": 1, "threads_per_rank": 1})
+    config_file = write_config(cfg, tmp_path / "failing.yaml")
+    log = tmp_path / "serve.log"
+    with serving(config_file, prefect_server, "failing", tmp_path, log, flows=("train-pipeline",)):
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("train-pipeline/failing")
+            run = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"overrides": ["train.batch_size=0"]})
+        state = wait_for(lambda: (s := read_flow_run(run.id).state) is not None and s.is_final() and s, 240,
+                         "the served run to end", 0.5)
+        # The line comes from the flow-run process as it ends: wait for it (serve's output is a file here).
+        # (Prefect's own last line of the run where the one line is missing.)
+        wait_for(lambda: any(end in log.read_text() for end in (f"flow-run logs {run.id}", "Finished in state Failed")),
+                 60, "the failed run's line in serve's output", 0.5)
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    output = log.read_text()
+    assert state.is_failed(), (state, output[-3000:])
+    assert "Traceback" not in output, output
+    # The error once, on the run's one line (Prefect's own error lines for the task, the flow and the engine are gone).
+    lines = [line for line in output.splitlines() if "batch_size" in line or "ERROR" in line]
+    assert len(lines) == 1, output
+    (line,) = lines
+    assert re.match(rf"error: flow run {run.name} \(train-pipeline/failing\) failed in resolve_config: ConfigError: "
+                    r"1 problem\(s\) in overrides train.batch_size=0: - train.batch_size: Input should be greater "
+                    r"than 0; ", line), line
+    assert f"prefect flow-run logs {run.id}" in line, line
+    # The full traceback is still in the run's log on the server (its UI and `prefect flow-run logs`).
+    assert any("Traceback (most recent call last)" in entry.message for entry in logs), [e.message for e in logs]
