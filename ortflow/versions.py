@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 REGISTRY_NAME = "registry.json"
 VERSIONS_DIR = "versions"
 LATEST = "latest"
+#: The summary's row naming the exported model's local file when the run folder is on object storage (its "exported
+#: model" row then names the URL); the registry keeps the local file under "exported model", the URL beside it.
+EXPORTED_LOCAL_COPY = "exported model, local copy"
 
 @dataclass(frozen=True)
 class Plan:
@@ -216,6 +219,9 @@ def finish_version(base: Path, name: str, status: str, summary: dict | None = No
     if summary is not None:
         fields.update({k: summary.get(k) for k in ("steps", "final train loss", "final eval loss", "best eval loss",
                                                      "exported model")})
+        if summary.get(EXPORTED_LOCAL_COPY):  # a run folder on the store: the summary named the model's URL
+            fields.update({"exported model": summary[EXPORTED_LOCAL_COPY],
+                           "exported model url": summary["exported model"]})
     try:
         index = json.loads((folder / "checkpoints.json").read_text())
     except (OSError, ValueError):
@@ -368,7 +374,7 @@ def prune_versions(base: Path, keep: int, pinned: tuple[str, ...] = ()) -> Prune
         shutil.rmtree(folder, ignore_errors=True)
         freed += size - folder_bytes(folder)
         entry.update({"status": "pruned", "pruned": time.time(), "pruned_status": entry.get("status"),
-                      "exported model": None})  # deleted with the folder
+                      "exported model": None, "exported model url": None})  # deleted with the folder
         log.info("pruned version %s (%.1f MB)", name, size / 1e6)
     if doomed:
         _write_registry(base, entries)

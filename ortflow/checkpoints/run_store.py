@@ -74,6 +74,18 @@ def is_remote_run(cfg: RunConfig) -> bool:
     return cfg.storage.remote_dir is not None
 
 
+def store_url(cfg: RunConfig, path: Path | str) -> str | None:
+    """The URL on the store of ``path``, a file of a remote run folder's local copy (None for a local run folder or a
+    path outside the run folder, which never reaches the store)."""
+    if not is_remote_run(cfg):
+        return None
+    try:
+        rel = Path(path).absolute().relative_to(Path(cfg.output_dir).absolute())
+    except ValueError:
+        return None
+    return f"{cfg.storage.remote_dir}/{rel.as_posix()}".rstrip("/.")
+
+
 def pull(cfg: RunConfig, checkpoints: str = "none") -> None:
     """Bring the local copy of a remote run folder up to the store (no-op for a local run folder)."""
     if is_remote_run(cfg):

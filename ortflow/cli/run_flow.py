@@ -20,7 +20,7 @@ from ortflow.checkpoints import list_complete
 from ortflow.cli.shared import console, fail, load, say
 from ortflow.cli.terminal import disk_problem, failure_advice, follow_progress, next_steps, terminal
 from ortflow.config import RunConfig
-from ortflow.versions import read_registry
+from ortflow.versions import EXPORTED_LOCAL_COPY, read_registry
 
 
 def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str | None, new_version: bool,
@@ -188,7 +188,9 @@ def _report_summary(cfg: RunConfig, summary: dict, new_version: bool, log_file: 
     for key, value in summary.items():
         table.add_row(key, "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
-    exported = Path(summary["exported model"]) if summary.get("exported model") else None
+    # The local file (a run folder on the store: the summary's "exported model" is the URL, its local copy a row)
+    local = summary.get(EXPORTED_LOCAL_COPY) or summary.get("exported model")
+    exported = Path(local) if local else None
     run_dir = cfg.output_dir
     if new_version:  # the version's own folder (the registry's newest entry)
         with contextlib.suppress(ValueError, IndexError, KeyError):

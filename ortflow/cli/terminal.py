@@ -351,8 +351,8 @@ def version_lines(entries: list[dict], statuses: list[str], base: Path, width: i
             details.append(f"parent {entry['parent']}")
         if status == "skipped" and entry.get("reason"):
             details.append(f"skipped: {entry['reason']}")
-        if entry.get("exported model"):
-            details.append(f"model {short(entry['exported model'])}")
+        if entry.get("exported model url") or entry.get("exported model"):  # a run folder on the store: the URL
+            details.append(f"model {entry.get('exported model url') or short(entry['exported model'])}")
         lines.append(head[:width])
         lines += textwrap.wrap("; ".join(details), width, initial_indent="  ", subsequent_indent="    ",
                                break_long_words=True, break_on_hyphens=False)

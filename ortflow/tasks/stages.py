@@ -14,6 +14,7 @@ from ortflow.launch.job import read_record
 from ortflow.tasks.caching import StageCache
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 from ortflow.trainer.metrics import read_progress
+from ortflow.versions import EXPORTED_LOCAL_COPY
 
 # Every stage writes its outputs atomically and skips work that is already done, so running one twice is safe.
 _RETRY = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_condition_fn": retry_transient}
@@ -109,9 +110,11 @@ def export_checkpoint(
 
 
 def summary_rows(
-    progress: dict | None, index: dict | None, exported: dict | None, version: str | None = None
+    progress: dict | None, index: dict | None, exported: dict | None, version: str | None = None,
+    exported_url: str | None = None,
 ) -> list[dict]:
-    """The pipeline's result as metric/value rows: steps, final and best eval loss, throughput, checkpoints, model."""
+    """The pipeline's result as metric/value rows: steps, final and best eval loss, throughput, checkpoints, model
+    (its URL and then its local copy when ``exported_url``, the model on object storage, is given)."""
     progress, index, exported = progress or {}, index or {}, exported or {}
     kept, newest = index.get("kept", []), index.get("keep_newest")
 
@@ -128,7 +131,8 @@ def summary_rows(
         ("samples/s", progress.get("samples_per_s")),
         *([("tokens/s", progress["tokens_per_s"])] if progress.get("tokens_per_s") is not None else []),  # text only
         ("kept checkpoints", ", ".join(f"step {k['step']} ({why(k)})" for k in kept) or None),
-        ("exported model", exported.get("path")),
+        ("exported model", exported_url or exported.get("path")),
+        *([(EXPORTED_LOCAL_COPY, exported.get("path"))] if exported_url else []),
         ("export source step", exported.get("step")),
         ("exported model sha256", exported.get("sha256")),
     ]
@@ -150,7 +154,10 @@ def _markdown(name: str, rows: list[dict]) -> str:
 def publish_summary(config: RunConfig, index: dict, exported: dict, version: str | None = None) -> dict:
     """Publish the run's result as a markdown and a table artifact (always runs, so every flow run shows one), with
     keys stable per run name: ``ortflow-<name>-summary`` and ``ortflow-<name>-results``."""
-    rows = summary_rows(read_progress(config.output_dir), index, exported, version)
+    from ortflow.checkpoints.run_store import store_url
+
+    url = store_url(config, exported["path"]) if (exported or {}).get("path") else None
+    rows = summary_rows(read_progress(config.output_dir), index, exported, version, url)
     job = read_record(config.output_dir)  # the launcher and job that trained the run folder last
     if job and job.get("job_id"):
         rows.append({"metric": f"{job['launcher']} job", "value": job["job_id"]})

@@ -61,6 +61,16 @@ def test_version_lines_fit_the_width_even_with_long_paths(tmp_path):
     assert "skipped: config, model, data and policy unchanged" in text
 
 
+def test_version_lines_name_the_model_url_of_a_version_on_object_storage(tmp_path):
+    from ortflow.cli.terminal import version_lines
+
+    entry = {"version": "20261123T031500Z-5f3e2a1b", "policy": "retrain", "steps": "4/4",
+             "exported model": str(tmp_path / "versions" / "20261123T031500Z-5f3e2a1b" / "export" / "model.onnx"),
+             "exported model url": "s3://b/runs/versions/20261123T031500Z-5f3e2a1b/export/model.onnx"}
+    text = " ".join(version_lines([entry], ["completed"], tmp_path, width=200))
+    assert "model s3://b/runs/versions/20261123T031500Z-5f3e2a1b/export/model.onnx" in text
+
+
 def test_quiet_terminal_shows_warnings_as_short_lines_and_stages_and_the_file_keeps_everything(tmp_path):
     out = io.StringIO()
     console = Console(file=out, width=120)

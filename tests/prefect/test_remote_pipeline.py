@@ -1,6 +1,6 @@
 """The pipeline with its run folder and its sources on a real S3 server (SeaweedFS), against a real Prefect server:
-every stage's output lands on the store, retention applies there, and a machine with no local copy reruns the export
-from the store alone."""
+every stage's output lands on the store, retention applies there, a machine with no local copy reruns the export
+from the store alone, and the summary and the versions' registry name the exported model's URL."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def test_pipeline_on_s3_keeps_every_stage_on_the_store_and_a_fresh_machine_expor
 
     state = train_pipeline(cfg, return_state=True)
     assert state.is_completed(), state
+    summary = state.result()  # the summary names the model on the store, and its local copy as such
+    assert summary["exported model"] == f"{url}/export/model.onnx"
+    assert summary["exported model, local copy"] == str(cfg.export_path)
     store = RemoteDir(url)  # the test's one client of the store
     files = store.files()
     for name in ("config.yaml", "configure.json", "artifacts/training_model.onnx", "data/manifest.json",
@@ -81,6 +84,9 @@ def test_versions_of_a_remote_run_folder_and_their_registry_live_on_the_store(
     registry = json.loads(store.read_bytes("registry.json"))["versions"]
     assert [entry["status"] for entry in registry] == ["completed"]
     name = registry[0]["version"]
+    # The registry keeps the local file (`ortflow sample OUTPUT_DIR/latest` reads it) and the model's URL beside it.
+    assert registry[0]["exported model url"] == f"{url}/versions/{name}/export/model.onnx"
+    assert registry[0]["exported model"] == str(cfg.output_dir / "versions" / name / "export" / "model.onnx")
     files = store.files(f"versions/{name}")
     assert {"config.yaml", "export/model.onnx", "checkpoints.json"} <= set(files), sorted(files)
     steps = RemoteCheckpoints(store.child(f"versions/{name}/checkpoints"), tmp_path / "probe").steps()
@@ -97,12 +103,17 @@ def test_ortflow_run_on_s3_keeps_its_whole_log_here_and_on_the_store(prefect_ser
         "data": {"train": [str(mlp_sources["data"])], "eval_fraction": 0.125},
         "train": {"batch_size": 4, "num_train_steps": 10}, "distributed": {"num_ranks": 1, "threads_per_rank": 1},
         "checkpoint": {"period": 5}}))
-    env = {**prefect_server, **s3_server.env, "ORTFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    # COLUMNS: the summary table's cells hold a whole URL per line.
+    env = {**prefect_server, **s3_server.env, "ORTFLOW_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300"}
     done = subprocess.run([str(Path(sys.executable).parent / "ortflow"), "run", str(config)], env=env,
                           capture_output=True, text=True, timeout=400, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     log_file = tmp_path / re.search(r"full log: +(\S+)", out)[1]
+    # The summary at the end names the exported model's URL, and its local copy labelled as such.
+    local = tmp_path / "cache" / "runs" / "s3" / bucket / "run" / "export" / "model.onnx"
+    assert re.search(rf"exported model +│ {re.escape(url)}/export/model.onnx ", out), out[-3000:]
+    assert re.search(rf"exported model, local copy +│ {re.escape(str(local))} ", out), out[-3000:]
     log = log_file.read_text()
     # Each stage pulls the run folder from the store while the log is being written: the log keeps every stage's
     # lines, and the flow run's end, which comes after the last stage uploaded the folder, reaches the store too.
