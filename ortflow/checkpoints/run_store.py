@@ -11,7 +11,10 @@ completes.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +139,108 @@ def around_stage(stage: str, cfg: RunConfig, call: Any) -> Any:
         return result
 
     return run
+
+
+# -- a command given a URL (ortflow evaluate, export, sample) ----------------------------------------------------------
+
+#: fsspec storage_options (JSON) for reading a remote run folder's config before the config's own options are known.
+OPTIONS_ENV = "ORTFLOW_STORAGE_OPTIONS"
+_CHECKPOINT_URL = re.compile(r"^(?P<run>.+)/checkpoints/(?P<step>step-\d+)$")
+_REGISTRY = "registry.json"
+_LATEST = "latest"
+
+
+def _env_options() -> dict:
+    return json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+
+
+def _latest_version_url(base: str) -> str:
+    """``OUTPUT_DIR/latest`` on the store: the newest completed version's folder (an unversioned run folder: itself).
+
+    Raises:
+        ValueError: no version has completed and the folder holds no checkpoint.
+    """
+    remote = RemoteDir(base, _env_options())
+    try:
+        entries = json.loads(remote.read_bytes(_REGISTRY)).get("versions", [])
+    except FileNotFoundError:
+        entries = []
+    except ValueError as err:
+        raise ValueError(f"{base}/{_REGISTRY} cannot be read ({err}); restore it on the store") from None
+    done = [e for e in entries if e.get("status") == "completed"]
+    if done:
+        return f"{base}/versions/{done[-1]['version']}"
+    if remote.glob("checkpoints/step-*/meta.json"):  # an unversioned run folder: `ortflow run CONFIG` trains it
+        return base
+    raise ValueError(f"{base}/{_LATEST}: no completed version on the store ({_REGISTRY} lists none); train one first "
+                     "(a deployment run, or `ortflow run CONFIG --new-version`)")
+
+
+def fetch_run(url: str) -> Path:
+    """Bring the local copy of the remote run folder ``url`` up to the store, every complete checkpoint included (what
+    ``ortflow evaluate`` and ``export`` read), and return it: the copy ``ortflow run`` keeps
+    (``<storage.cache_dir>/runs/<scheme>/<bucket>/<path>``, the cache folder of the config on the store).
+
+    ``url`` may also name a checkpoint folder of the run (``.../checkpoints/step-N``: its local copy is returned) or
+    ``OUTPUT_DIR/latest`` (the newest completed version's folder). The store is reached with the environment's
+    credentials and endpoint, and ``$ORTFLOW_STORAGE_OPTIONS`` (JSON) until the config's own ``storage.options`` are
+    read.
+
+    Raises:
+        ConfigError: the folder holds no config.yaml (it is not a configured run folder), or the config is invalid.
+        StorageError: the store cannot be reached after retries, or refuses the credentials.
+    """
+    import yaml
+
+    from ortflow.config import RESOLVED_CONFIG_NAME, ConfigError, config_from_dict
+    from ortflow.config.storage import cache_folder, normalize_url
+
+    url = normalize_url(url)
+    if url.endswith(f"/{_LATEST}"):
+        return fetch_run(_latest_version_url(url[:-len(_LATEST) - 1]))
+    checkpoint = _CHECKPOINT_URL.match(url)
+    if checkpoint:
+        return fetch_run(checkpoint["run"]) / "checkpoints" / checkpoint["step"]
+    remote = RemoteDir(url, _env_options())
+    try:
+        raw = yaml.safe_load(remote.read_bytes(RESOLVED_CONFIG_NAME))
+    except FileNotFoundError:
+        raise ConfigError([f"{url}/{RESOLVED_CONFIG_NAME} does not exist: not a run folder configured on the store "
+                           "(`ortflow run CONFIG` or `ortflow configure CONFIG` with output_dir set to the URL)"]
+                          ) from None
+    storage = dict(raw.get("storage") or {})
+    local = cache_folder(url, storage.get("cache_dir"))
+    storage.update(remote_dir=url, options={**(storage.get("options") or {}), **_env_options()})
+    cfg = config_from_dict({**raw, "output_dir": str(local), "storage": storage}, base_dir=local,
+                           source=f"{url}/{RESOLVED_CONFIG_NAME}")
+    RunStore(cfg).pull("all")
+    log.info("local copy of %s in %s", url, local)
+    return local
+
+
+def fetch_file(url: str) -> Path:
+    """Download the file ``url`` (an exported model on the store, with its ``.sha256`` sidecar when there is one)
+    into its place in the local copies (``<cache>/runs/<scheme>/<bucket>/<path>``) and return it. ``OUTPUT_DIR/latest``
+    is the newest completed version's exported model.
+
+    Raises:
+        FileNotFoundError: the store holds no such file.
+        StorageError: the store cannot be reached after retries, or refuses the credentials.
+    """
+    from ortflow.config.storage import cache_folder, normalize_url
+
+    url = normalize_url(url)
+    if url.endswith(f"/{_LATEST}"):
+        url = f"{_latest_version_url(url[:-len(_LATEST) - 1])}/export/model.onnx"
+    folder, name = url.rsplit("/", 1)
+    remote = RemoteDir(folder, _env_options())
+    local = cache_folder(url, None)
+    if not remote.exists(name):
+        raise FileNotFoundError(f"{url} does not exist on the store; export a model first (ortflow run CONFIG or "
+                                "ortflow export)")
+    for each in (name, f"{name}.sha256"):
+        if each == name or remote.exists(each):
+            tmp = local.with_name(f".{each}.{os.getpid()}.part")
+            remote.get(each, tmp)
+            os.replace(tmp, local.with_name(each))
+    return local

@@ -10,11 +10,12 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ortflow.cli.shared import CheckpointOpt, console, fail, local_paths, writing
+from ortflow.cli.shared import CheckpointOpt, console, fail, fetched, local_paths, writing
 
 
 def evaluate(
-    source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one.")],
+    source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one (a path, or its s3:// / "
+                                           "gs:// / az:// URL: brought up to the store in its local copy first).")],
     checkpoint: CheckpointOpt = None,
     max_rows: Annotated[int | None, typer.Option(
         min=1, help="Evaluate the eval split's first N rows (default: the run's train.max_eval_rows, else all)."
@@ -28,7 +29,7 @@ def evaluate(
     """
     from ortflow.export.evaluate import evaluate_checkpoint
 
-    local_paths(source)
+    source = fetched(source)  # a run folder on object storage: its local copy, up to the store
     try:
         result = evaluate_checkpoint(source, checkpoint, max_rows)
     except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
@@ -44,7 +45,8 @@ def evaluate(
 
 def export(
     source: Annotated[Path | None, typer.Argument(
-        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version).",
+        help="Run folder (best checkpoint, else newest), checkpoint folder, or OUTPUT_DIR/latest (newest version); "
+        "a path, or a URL on object storage (brought up to the store in its local copy first).",
         show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Model to write (default: the run's export.path).")]
     = None,
@@ -84,7 +86,8 @@ def export(
         fail("--strip-prefix and --add-prefix rename the keys of a state dict: add --state-dict weights.safetensors")
     if source is None:
         fail("give the run folder (or checkpoint folder) to export, or --verify MODEL to check an exported model")
-    local_paths(source, **{"-o/--out": out, "--eval-model": eval_model, "--state-dict": state_dict})
+    local_paths(None, **{"-o/--out": out, "--eval-model": eval_model, "--state-dict": state_dict})
+    source = fetched(source)  # a run folder on object storage: its local copy, up to the store
     from ortflow.versions import resolve_run
 
     try:

@@ -8,13 +8,14 @@ from typing import Annotated
 
 import typer
 
-from ortflow.cli.shared import fail, local_paths
+from ortflow.cli.shared import fail, fetched
 
 
 # `\[` in help text: rich markup would read `[batch, tokens]` as a style tag and drop it.
 def sample(
     model: Annotated[Path, typer.Argument(
-        help="Exported byte-level language model (.onnx), or OUTPUT_DIR/latest (the newest version's).")],
+        help="Exported byte-level language model (.onnx), or OUTPUT_DIR/latest (the newest version's); a URL on "
+        "object storage is downloaded into the local copies first.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Bytes to generate.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0, help="Softmax temperature; 0 is greedy.")] = 0.8,
@@ -31,7 +32,7 @@ def sample(
     from ortflow.sample import SampleError, generate
     from ortflow.versions import resolve_model
 
-    local_paths(model)
+    model = fetched(model, "file")  # an exported model on object storage: downloaded into the local copies
     try:
         model = resolve_model(model)  # OUTPUT_DIR/latest: the newest completed version's exported model
     except ValueError as err:

@@ -62,27 +62,50 @@ def writing(where: Path) -> Iterator[None]:
         fail(message)
 
 
-def local_paths(run_folder: Path | None = None, **outputs: Path | None) -> None:
-    """Refuse an object-store URL where a command takes a local path (the shell's ``s3://b/run`` reaches a Path
-    argument as ``s3:/b/run``, which would name a local folder ``s3:``): ``run_folder`` is a run or checkpoint folder
-    (the message names its local copy), ``outputs`` maps option names to the paths they write."""
+def _url(path: Path | None) -> str | None:
+    """The object-store URL a Path argument was given as (the shell's ``s3://b/run`` reaches it as ``s3:/b/run``)."""
     from ortflow.config.base import REMOTE_SCHEMES
+
+    scheme, sep, rest = str(path).partition(":/") if path is not None else ("", "", "")
+    return f"{scheme}://{rest.lstrip('/')}" if sep and scheme.lower() in REMOTE_SCHEMES else None
+
+
+def local_paths(run_folder: Path | None = None, **outputs: Path | None) -> None:
+    """Refuse an object-store URL where a command takes a local path (a Path argument given ``s3://b/run`` would name
+    a local folder ``s3:``): ``run_folder`` is a run folder the command runs in place (the message names its local
+    copy), ``outputs`` maps option names to the paths they write."""
     from ortflow.config.storage import cache_folder
 
-    def url(path: Path | None) -> str | None:
-        scheme, sep, rest = str(path).partition(":/") if path is not None else ("", "", "")
-        return f"{scheme}://{rest.lstrip('/')}" if sep and scheme.lower() in REMOTE_SCHEMES else None
-
-    remote = url(run_folder)
+    remote = _url(run_folder)
     if remote is not None:
         fail(f"{remote}: this command reads local files; a run folder on object storage is read through its local "
              f"copy, {cache_folder(remote, None)} (`ortflow run CONFIG` brings it up to the store, every kept "
              "checkpoint included; with another storage.cache_dir, the copy is under it)")
     for option, path in outputs.items():
-        remote = url(path)
+        remote = _url(path)
         if remote is not None:
             fail(f"{option} {remote}: takes a local path; write the file here, then copy it to the store (a run "
                  "whose output_dir is on the store uploads its export/model.onnx itself)")
+
+
+def fetched(source: Path, what: str = "run") -> Path:
+    """``source`` as a local path: a URL of a run folder on object storage (or of one of its checkpoint folders, or
+    ``OUTPUT_DIR/latest``) is brought up to the store in its local copy, which is returned; ``what="file"``: a file
+    on the store (an exported model) is downloaded into its place in the local copies. A local path is returned as
+    is; a store out of reach, refused credentials or a folder that is not a run folder exit with one line."""
+    remote = _url(source)
+    if remote is None:
+        return source
+    from ortflow.checkpoints.run_store import fetch_file, fetch_run
+    from ortflow.config import ConfigError
+
+    say(f"{remote}: bringing the local copy up to the store")
+    try:
+        local = fetch_file(remote) if what == "file" else fetch_run(remote)
+    except (OSError, ConfigError, ValueError) as err:  # StorageError, a missing file or config: each says what to do
+        fail(str(err))
+    say(f"{remote}: local copy {local}")
+    return local
 
 
 def load(config: Path, overrides: list[str] | None) -> RunConfig:

@@ -18,15 +18,13 @@ from pathlib import Path
 import yaml
 
 from ortflow.checkpoints.object_store import RemoteCheckpoints
-from ortflow.checkpoints.run_store import RunStore
+from ortflow.checkpoints.run_store import OPTIONS_ENV, RunStore
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig
 from ortflow.config.storage import cache_folder, default_cache_root
 from ortflow.storage import RemoteDir
 
 log = logging.getLogger("ortflow.trainer")
 
-#: fsspec storage_options (JSON) for reading the run folder's config before the config's own options are known.
-OPTIONS_ENV = "ORTFLOW_STORAGE_OPTIONS"
 #: Where each launcher puts the process's rank before MPI starts.
 RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
