@@ -36,6 +36,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -50,6 +51,9 @@ from ortflow.dataprep.specs import InputSpec, merges_leading_dims
 from ortflow.dataprep.values import ValueRules
 from ortflow.graph.exports.batch_dims import make_batch_symbolic
 from ortflow.graph.exports.external_data import data_bytes, needs_external_data, proto_bytes
+
+if TYPE_CHECKING:
+    from ortflow.storage import RemoteDir
 
 log = logging.getLogger(__name__)
 
@@ -443,16 +447,37 @@ def path_problems(cfg: RunConfig) -> list[str]:
     return [p for p in (_writable(Path(path), field, is_dir) for path, field, is_dir in checks) if p]
 
 
-def store_problems(cfg: RunConfig) -> list[str]:
-    """A remote ``output_dir`` must be reachable with the credentials this process has (one request, no retries)."""
+def store_problems(cfg: RunConfig, remote: RemoteDir | None = None) -> list[str]:
+    """A remote ``output_dir`` must be reachable, accept this process's credentials and have its bucket (read-only
+    requests, no retries; nothing is created). ``remote`` is the run folder on the store (default: from the config).
+    """
     if cfg.storage.remote_dir is None:
         return []
-    from ortflow.storage import RemoteDir
+    from ortflow.storage import RemoteDir, StorageAccessDenied
+    from ortflow.storage.remote_dir import CREDENTIALS
 
+    url = cfg.storage.remote_dir
+    scheme = url.split(":", 1)[0]
     try:
-        RemoteDir(cfg.storage.remote_dir, cfg.storage.options, retries=0).exists("config.yaml")
-    except Exception as err:  # noqa: BLE001 - StorageError, a missing package, refused credentials
+        remote = remote or RemoteDir(url, cfg.storage.options, retries=0)
+        remote.check_bucket()
+    except FileNotFoundError:
+        make = {"s3": f"aws s3 mb s3://{remote.bucket}", "gs": f"gcloud storage buckets create gs://{remote.bucket}"}
+        how = make.get(scheme, f"az storage container create --name {remote.bucket}")
+        return [f"output_dir: {url}: the bucket {remote.bucket} does not exist on this store; create it ({how}, or "
+                "in the store's console; ortflow creates no bucket) or correct the bucket in output_dir"]
+    except StorageAccessDenied as err:
         cause = err.__cause__ or err
-        return [f"output_dir: cannot reach {cfg.storage.remote_dir} ({type(cause).__name__}: {cause}); check the "
-                "endpoint (AWS_ENDPOINT_URL or storage.options), the credentials (docs/operations.md) and the bucket"]
+        return [f"output_dir: {url}: the store refused this process's credentials ({type(cause).__name__}: "
+                f"{_one_line(cause)}); check {CREDENTIALS.get(scheme, CREDENTIALS['az'])} and the bucket's access "
+                "policy (docs/operations.md, Remote storage)"]
+    except Exception as err:  # noqa: BLE001 - StorageError (unreachable), a missing package
+        cause = err.__cause__ or err
+        return [f"output_dir: cannot reach {url} ({type(cause).__name__}: {_one_line(cause)}); check the endpoint "
+                "(AWS_ENDPOINT_URL or storage.options.endpoint_url), the network and the credentials "
+                "(docs/operations.md, Remote storage)"]
     return []
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

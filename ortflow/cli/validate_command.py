@@ -23,7 +23,8 @@ def validate(
 
     The config's fields and cross-field rules; the model, its loss output and rank; every data source, column and
     the first rows' dtypes and shapes at the configured batch sizes (fixed batch dims included); that the output
-    and export paths can be written; with --deep, that the engine can build the training graph and, with
+    and export paths can be written (an output_dir on object storage: the store reachable, the credentials accepted,
+    the bucket there; nothing is created); with --deep, that the engine can build the training graph and, with
     distributed.device cuda, that the GPU engine has a kernel for every fp16/bf16 node of it. With launcher slurm,
     also the job against the cluster: the partition, its nodes' CPUs and `sbatch --test-only`. With pipeline or
     tensor-parallel sizes above 1, a valid config also prints the split plan: the cuts, which weights each

@@ -140,6 +140,25 @@ class RemoteDir:
         found = self.retry(f"listing {rel or '/'}", find)
         return {path[len(base):].lstrip("/"): info for path, info in found.items() if info.get("type") != "directory"}
 
+    @property
+    def bucket(self) -> str:
+        """The bucket (container) this folder lives in."""
+        return self._root.split("/", 1)[0]
+
+    def check_bucket(self) -> None:
+        """Read, never write: the bucket's metadata (S3 HeadBucket), else, when that is refused (a bucket policy that
+        grants only a prefix refuses it), whether this folder's ``config.yaml`` exists.
+
+        Raises:
+            FileNotFoundError: the bucket does not exist.
+            StorageAccessDenied: the store refuses this process's credentials.
+            StorageError: the store cannot be reached (after this folder's retries).
+        """
+        try:
+            self.retry(f"reading the bucket {self.bucket}", lambda: self.fs.info(self.bucket))
+        except StorageAccessDenied:
+            self.retry("checking config.yaml", lambda: self.fs.exists(self.key("config.yaml")))
+
     def glob(self, pattern: str) -> list[str]:
         """Paths relative to this folder that match ``pattern`` (fsspec glob)."""
         found = self.retry(f"listing {pattern}", lambda: self.fs.glob(self.key(pattern)))

@@ -144,6 +144,64 @@ def test_validate_names_a_store_it_cannot_reach_and_accepts_one_it_can(s3_server
     assert len(found) == 1 and found[0].startswith("output_dir: cannot reach s3://bucket/run (")
 
 
+def test_validate_names_a_missing_bucket_and_refused_credentials_in_one_line_each_and_creates_nothing(
+        s3_server, bucket, tmp_path, monkeypatch):
+    """SeaweedFS answers a missing bucket as S3 does (HeadBucket 404, NoSuchBucket on a listing) and creates none on a
+    read, so the missing bucket is the server's own answer here."""
+    from ortflow.config import config_from_dict
+    from ortflow.validate import store_problems
+    from tests.support.s3server import ACCESS_KEY
+
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    raw = {"name": "v", "model": {"path": "m.onnx"}, "data": {"train": "x/*.txt", "format": "text"},
+           "train": {"batch_size": 4, "num_train_steps": 4}}
+    missing = f"ortflow-missing-{bucket.split('/')[0]}"
+    found = store_problems(config_from_dict({**raw, "output_dir": f"s3://{missing}/run"}, base_dir=tmp_path))
+    assert len(found) == 1 and "\n" not in found[0], found
+    assert found[0].startswith(f"output_dir: s3://{missing}/run: the bucket {missing} does not exist"), found
+    assert f"create it (aws s3 mb s3://{missing}" in found[0] and "ortflow creates no bucket" in found[0], found
+    assert not s3_server.filesystem().exists(missing)  # validate created nothing
+
+    refused = config_from_dict({**raw, "output_dir": f"s3://{bucket}/run",
+                                "storage": {"options": {"key": ACCESS_KEY, "secret": "not-the-secret"}}},
+                               base_dir=tmp_path)
+    found = store_problems(refused)
+    assert len(found) == 1 and "\n" not in found[0], found
+    assert found[0].startswith(f"output_dir: s3://{bucket}/run: the store refused this process's credentials"), found
+    assert "AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY" in found[0], found
+    assert not s3_server.filesystem().exists(f"{bucket}/run")
+
+
+def test_validate_accepts_a_bucket_whose_policy_refuses_head_bucket_but_lets_the_run_folder_be_listed(tmp_path,
+                                                                                                      monkeypatch):
+    """A bucket policy may allow a prefix only: S3 then refuses HeadBucket (403) while the run folder lists. A stub
+    filesystem answers as S3 does there (the local server grants its one key everything, so it cannot refuse only
+    HeadBucket); the missing-bucket and refused-credential answers are the real server's (the test above)."""
+    from ortflow.config import config_from_dict
+    from ortflow.validate import store_problems
+
+    class PrefixOnly:
+        def __init__(self):
+            self.calls: list[str] = []
+
+        def info(self, path):
+            self.calls.append(f"info {path}")
+            raise PermissionError("Forbidden")
+
+        def exists(self, path):
+            self.calls.append(f"exists {path}")
+            return False
+
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = config_from_dict({"name": "v", "model": {"path": "m.onnx"}, "data": {"train": "x/*.txt", "format": "text"},
+                            "train": {"batch_size": 4, "num_train_steps": 4}, "output_dir": "s3://team/runs/a"},
+                           base_dir=tmp_path)
+    remote = RemoteDir(cfg.storage.remote_dir, retries=0)  # builds the filesystem only: no request
+    remote.fs = PrefixOnly()
+    assert store_problems(cfg, remote) == []
+    assert remote.fs.calls == ["info team", "exists team/runs/a/config.yaml"]
+
+
 def test_ortflow_configure_and_prepare_data_upload_a_remote_run_folder(s3_server, bucket, tmp_path, monkeypatch):
     import yaml
     from typer.testing import CliRunner
