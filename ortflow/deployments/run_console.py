@@ -6,7 +6,7 @@ from ``PREFECT_LOGGING_SETTINGS_PATH``; :func:`write_logging_config` writes Pref
 console handler's formatter and filter replaced by the two classes below. Only the console changes: the run's logs on
 the Prefect server (its UI, ``prefect flow-run logs ID``) keep every record with its traceback.
 
-This module imports nothing heavy: each flow-run process imports it while it sets up logging.
+Each flow-run process imports this module while it sets up logging: it imports only what Prefect has loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ _REPLACED = re.compile(r"^(Task run failed with |Encountered exception during ex
                        r"Engine execution exited with unexpected exception|Crash detected!)")
 _RETRY = re.compile(r" - Retry \d+/\d+ will start")
 _ENDED = re.compile(r"^Finished in state (Failed|Crashed|TimedOut)\(")
+#: Prefect's words for a run that a stop signal ended (serve's SIGTERM or Ctrl-C): stopped, not failed.
+_SIGNALLED = ("aborted by an interrupt signal", "aborted by a termination signal")
 
 
 def _one_line(text: str) -> str:
@@ -53,15 +55,19 @@ class ServedRunFailures(logging.Filter):
         return True
 
     def line(self, record: logging.LogRecord, outcome: str, message: str) -> str:
-        """``flow run NAME (FLOW/DEPLOYMENT) failed in STAGE: ERROR; full log: prefect flow-run logs ID``."""
+        """``error: flow run NAME (FLOW/DEPLOYMENT) failed in STAGE: ERROR; full log with tracebacks: prefect
+        flow-run logs ID (or the Prefect UI)``; a run a stop signal ended is ``stopped by a signal``, not an error."""
         flow = getattr(record, "flow_name", "?")
         deployment = getattr(record, "deployment_name", None)
         which = f"{flow}/{deployment}" if deployment else flow
-        where = f" in {self.stage}" if self.stage else ""
-        error = self.error or re.sub(r"^Finished in state \w+\('?|'?\)$", "", message)
-        return (f"flow run {getattr(record, 'flow_run_name', '?')} ({which}) {outcome}{where}: {_one_line(error)}; "
-                f"full log with tracebacks: prefect flow-run logs {getattr(record, 'flow_run_id', '?')} (or the "
-                "Prefect UI)")
+        state_message = re.sub(r"^Finished in state \w+\('?|'?\)$", "", message)
+        if any(words in message for words in _SIGNALLED):
+            head, error = "", f"stopped by a signal: {state_message}"
+        else:
+            where = f" in {self.stage}" if self.stage else ""
+            head, error = "error: ", f"{outcome}{where}: {self.error or state_message}"
+        return (f"{head}flow run {getattr(record, 'flow_run_name', '?')} ({which}) {_one_line(error)}; full log with "
+                f"tracebacks: prefect flow-run logs {getattr(record, 'flow_run_id', '?')} (or the Prefect UI)")
 
 
 class NoTraceback(logging.Formatter):
@@ -77,7 +83,7 @@ class NoTraceback(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = getattr(record, "ortflow_line", None)
         if line is not None:
-            return f"error: {line}"
+            return line
         saved = record.exc_info, record.exc_text, record.stack_info
         record.exc_info = record.exc_text = record.stack_info = None
         try:

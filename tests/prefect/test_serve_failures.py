@@ -1,6 +1,7 @@
 """A failed served run in ``ortflow serve``'s terminal: one line naming the run, the stage, the error and where the
 full log is, and no traceback (the run's logs on the server keep it). Against a real local Prefect server; the run
-fails on a bad override before any rank starts, so the test costs one flow-run process."""
+fails on a bad override before any rank starts, so the test costs one flow-run process. A run a stop signal ended is
+said to be stopped, not failed (its records built here, as Prefect's engine logs them)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,27 @@ def test_a_failed_served_run_is_one_line_in_the_serve_terminal_and_its_traceback
     assert f"prefect flow-run logs {run.id}" in line, line
     # The full traceback is still in the run's log on the server (its UI and `prefect flow-run logs`).
     assert any("Traceback (most recent call last)" in entry.message for entry in logs), [e.message for e in logs]
+
+
+def test_a_served_run_a_signal_stopped_is_one_line_that_says_stopped_not_an_error():
+    import logging
+
+    from ortflow.deployments.run_console import NoTraceback, ServedRunFailures
+
+    def record(name: str, level: int, message: str, exc: BaseException | None = None) -> logging.LogRecord:
+        made = logging.LogRecord(name, level, __file__, 1, message, (), (type(exc), exc, None) if exc else None)
+        made.__dict__.update(flow_run_name="calm-fox", flow_run_id="1234", flow_name="train-pipeline",
+                             deployment_name="served")
+        return made
+
+    console, formatter = ServedRunFailures(), NoTraceback(format="%(message)s")
+    crash = record("prefect.flow_runs", logging.ERROR, "Crash detected! Execution was aborted by a termination signal.",
+                   KeyboardInterrupt())
+    assert not console.filter(crash)  # its traceback: the run's log on the server only
+    end = record("prefect.flow_runs", logging.INFO,
+                 "Finished in state Crashed('Execution was aborted by a termination signal.')")
+    assert console.filter(end)
+    assert formatter.format(end) == ("flow run calm-fox (train-pipeline/served) stopped by a signal: Execution was "
+                                     "aborted by a termination signal.; full log with tracebacks: prefect flow-run "
+                                     "logs 1234 (or the Prefect UI)")
+    assert end.getMessage().startswith("Finished in state Crashed")  # the other handlers get the record unchanged
