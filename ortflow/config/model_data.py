@@ -128,7 +128,8 @@ class TrainConfig(Section):
 
     batch_size: int = Field(gt=0, le=2**24, description="Samples per micro-batch per rank.")
     eval_batch_size: int | None = Field(
-        None, gt=0, le=2**24, description="Samples per eval batch (default: the model's fixed batch dim if it has one, else "
+        None, gt=0, le=2**24,
+        description="Samples per eval batch (default: the model's fixed batch dim if it has one, else "
         "batch_size as written, also with global_batch_size); each rank evaluates whole batches, the same on any "
         "number of ranks."
     )
