@@ -96,13 +96,29 @@ def test_commands_that_read_or_write_local_files_refuse_a_url_naming_the_local_c
     monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     copy = tmp_path / "cache" / "runs" / "s3" / "team" / "runs" / "gpt"
-    for command in (["evaluate", "s3://team/runs/gpt"], ["export", "s3://team/runs/gpt/latest"],
-                    ["train", "s3://team/runs/gpt"], ["sample", "s3://team/runs/gpt/export/model.onnx"]):
-        result = CliRunner().invoke(app, command)
-        assert result.exit_code == 1, (command, result.output)
-        assert f"error: {command[1]}: this command reads local files" in result.output, result.output
-        assert str(copy) in result.output.replace("\n", ""), result.output
+    result = CliRunner().invoke(app, ["train", "s3://team/runs/gpt"])
+    assert result.exit_code == 1, result.output
+    assert "error: s3://team/runs/gpt: this command reads local files" in result.output, result.output
+    assert str(copy) in result.output.replace("\n", ""), result.output
     result = CliRunner().invoke(app, ["export", str(tmp_path), "-o", "s3://team/models/model.onnx"])
     assert result.exit_code == 1, result.output
     assert "-o/--out s3://team/models/model.onnx: takes a local path" in result.output, result.output
     assert not (tmp_path / "s3:").exists()
+
+
+def test_commands_that_fetch_from_a_store_without_credentials_say_so_at_once_without_retrying(tmp_path, monkeypatch):
+    """evaluate, export and sample fetch a run folder or model from its store; with no credentials anywhere
+    (botocore's NoCredentialsError) that is one line naming the variables to set, not six retries with backoff."""
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    for command in (["evaluate", "s3://team/runs/gpt"], ["export", "s3://team/runs/gpt/latest"],
+                    ["sample", "s3://team/runs/gpt/export/model.onnx"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 1, (command, result.output)
+        assert "AWS_ACCESS_KEY_ID" in result.output and "attempts" not in result.output, (command, result.output)
+        assert "retrying" not in result.output and "Traceback" not in result.output, (command, result.output)

@@ -21,6 +21,8 @@ log = logging.getLogger("ortflow.storage")
 T = TypeVar("T")
 MAX_DELAY_S = 30.0
 #: Errors that would repeat on a retry (what is missing stays missing, a refused credential stays refused).
+#: botocore's errors for credentials that are missing or incomplete (named, not imported: botocore is optional).
+NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
 
@@ -109,6 +111,12 @@ class RemoteDir:
             except PERMANENT:
                 raise
             except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise unrelated types
+                if type(err).__name__ in NO_CREDENTIALS:  # botocore's: none found anywhere; a retry finds none
+                    credentials = CREDENTIALS.get(url_scheme(self.url), CREDENTIALS["az"])
+                    raise StorageAccessDenied(
+                        f"{what} on {self.url}: no credentials for the store ({err}); set {credentials}, or the "
+                        "storage options (docs/operations.md, Remote storage), then run again"
+                    ) from err
                 if attempt == self.retries:
                     raise StorageError(
                         f"{what} on {self.url} failed after {self.retries + 1} attempts ({type(err).__name__}: {err}); "
