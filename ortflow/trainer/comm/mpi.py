@@ -59,7 +59,8 @@ class MPIComm:
         self._groups: dict[int, object] = {}  # group size -> MPI sub-communicator of consecutive ranks
         self.heartbeats = Heartbeats(heartbeat_dir, self.rank, self.size)
         self.watchdog = Watchdog(timeout_s, self.heartbeats, self._timed_out, launchers=launcher_processes(),
-                                 on_launcher_stopped=self._launcher_stopped, continued=continued_signal())
+                                 on_launcher_stopped=self._launcher_stopped, continued=continued_signal(),
+                                 stacks=True)
         self._runs: RunPlan | None = None  # the runs exchange's plan, made at its first call
         self._pending: list[tuple[tuple, list]] = []  # started sends: (buffers that must outlive them, requests)
         self._world_of: dict[int, int] = {}
@@ -77,7 +78,9 @@ class MPIComm:
             sys.stderr.flush()
         except OSError:
             pass
-        time.sleep(0.5)
+        # A moment for the launcher's proxy, and for the other ranks to answer the watchdog's request for their stacks
+        # (at their next beat).
+        time.sleep(0.5 + self.watchdog.beat_s)
         # MPI's abort goes through the launcher's proxy and mpiexec; a stopped or blocked one holds it (and the GIL)
         # for ever, so the kernel ends the rank 2 s later whatever happens (SIGALRM's default action; the stall file
         # tells the story).

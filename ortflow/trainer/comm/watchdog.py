@@ -14,11 +14,25 @@ never reached this collective (sequence number behind), and those whose liveness
 was SIGSTOPped, or wedged with the interpreter blocked, even inside the same collective). The message goes to stderr
 (the job output, and so the Prefect log) and to ``stall-rank-N.txt`` beside the heartbeats, which the launcher
 replays after the job ends in case the abort cut the stream; then the whole job is aborted.
+
+Where each rank was is kept too: its Python stacks (every thread's) go to ``stacks-rank-N.txt`` beside the heartbeats,
+and the message names the files of the ranks it reports. They are written without the interpreter's lock, so also by a
+rank whose main thread holds it inside a native call that never returns (its output thread cannot run then: a dump
+to stderr would stay in the pipe, unread, until the abort). Three ways (:class:`Watchdog` with ``stacks``):
+
+* a rank whose watchdog thread has not run for half the timeout dumps its stacks (Python's ``faulthandler`` timer, a C
+  thread, re-armed at every beat): a wedged rank's stacks are in its file before its peers' timeout ends the job;
+* a rank that times out dumps its own and asks every other rank for theirs (``stacks-request`` beside the heartbeats,
+  answered at their next beat), so a stalled rank whose Python still runs (waiting in a native call that released the
+  lock, outside the watchdog) leaves its stacks too;
+* ``kill -USR2 PID`` of a rank dumps its stacks at any time.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import struct
 import threading
 import time
@@ -30,6 +44,10 @@ _BEAT = struct.Struct("<d")  # wall time of the last liveness beat, at _BEAT_OFF
 _BEAT_OFFSET = 64
 #: Name of the file a timed-out rank leaves its message in (``.format(rank=...)``).
 STALL_FILE = "stall-rank-{rank:05d}.txt"
+#: Name of the file a rank's Python stacks are dumped into (``.format(rank=...)``).
+STACKS_FILE = "stacks-rank-{rank:05d}.txt"
+#: The file a timed-out rank writes to ask every rank for its stacks.
+STACKS_REQUEST = "stacks-request"
 
 
 class Heartbeats:
@@ -74,6 +92,10 @@ class Heartbeats:
             return None
         return _BEAT.unpack(data[_BEAT_OFFSET : _BEAT_OFFSET + _BEAT.size])[0]
 
+    def stacks_path(self, rank: int | None = None) -> Path:
+        """The file a rank's Python stacks are dumped into (this rank's by default)."""
+        return self.directory / STACKS_FILE.format(rank=self.rank if rank is None else rank)
+
     def leave_message(self, message: str) -> Path:
         """Write this rank's stall message beside the heartbeats (fsynced: the abort follows)."""
         path = self.directory / STALL_FILE.format(rank=self.rank)
@@ -88,19 +110,21 @@ class Heartbeats:
 
 
 def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: float, now: float,
-                   stale_s: float = float("inf"), peer: int | None = None) -> str:
+                   stale_s: float = float("inf"), peer: int | None = None, stacks: bool = False) -> str:
     """The message a waiting rank prints: which ranks are stalled, and where they are.
 
     A rank is stalled when it never reached collective ``my_seq`` or when its liveness beat is older than
     ``stale_s`` (stopped or wedged, possibly inside this same collective). For a point-to-point wait (``peer``
-    given) the stalled rank is the peer, wherever it is.
+    given) the stalled rank is the peer, wherever it is. ``stacks``: the ranks dump their Python stacks
+    (:class:`Watchdog`); the message names the files of the stalled ranks and of this one.
     """
-    stalled = []
+    stalled, ranks = [], []
     for rank in range(heartbeats.size) if peer is None else [peer]:
         record = heartbeats.read(rank)
         if record is None:
             stalled.append(f"rank {rank} (no heartbeat: it never started)")
             continue
+        before = len(stalled)
         seq, when, where = record
         beat = heartbeats.last_beat(rank)
         silent = beat is not None and now - beat > stale_s
@@ -114,10 +138,17 @@ def describe_stall(heartbeats: Heartbeats, my_seq: int, label: str, waited: floa
                 f"rank {rank} (stopped or wedged: no sign of life for {now - beat:.0f} s, inside collective #{seq} "
                 f"'{where}')"
             )
+        if len(stalled) > before:
+            ranks.append(rank)
     names = "; ".join(stalled) or "none found (every rank is alive and arrived; check the logs)"
+    files = ""
+    if stacks:
+        named = [r for r in ranks if r != heartbeats.rank] + [heartbeats.rank]
+        files = " Python stacks: " + "; ".join(
+            f"{'this rank' if r == heartbeats.rank else f'rank {r}'} {heartbeats.stacks_path(r)}" for r in named) + "."
     return (
         f"collective #{my_seq} '{label}' waited {waited:.0f} s (distributed.collective_timeout_s); "
-        f"stalled: {names}. Aborting the job; the last complete checkpoint is kept."
+        f"stalled: {names}.{files} Aborting the job; the last complete checkpoint is kept."
     )
 
 
@@ -151,13 +182,15 @@ class Watchdog:
             could not get through it).
         continued: True once this process has been continued (SIGCONT) since the previous call
             (:func:`ortflow.trainer.lifeline.continued_signal`).
+        stacks: Dump this rank's Python stacks into ``heartbeats.stacks_path()`` (the module docstring says when;
+            one watchdog per process: the ``faulthandler`` timer and SIGUSR2 are the process's).
     """
 
     def __init__(self, timeout: float, heartbeats: Heartbeats, on_timeout: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic, launchers: tuple[tuple[str, int], ...] = (),
                  state: Callable[[int], str | None] = process_state,
                  on_launcher_stopped: Callable[[str], None] | None = None,
-                 continued: Callable[[], bool] = lambda: False):
+                 continued: Callable[[], bool] = lambda: False, stacks: bool = False):
         self.timeout = timeout
         self.heartbeats = heartbeats
         self.on_timeout = on_timeout
@@ -175,8 +208,58 @@ class Watchdog:
         self._peer: int | None = None
         self._entered: float | None = None
         self._stop = threading.Event()
+        self._stacks = None
+        if stacks:
+            self._stacks = open(heartbeats.stacks_path(), "w")  # noqa: SIM115 - open for faulthandler until close()
+            self._asked = self._request_time()  # a request older than this rank is not for it
+            faulthandler.register(signal.SIGUSR2, file=self._stacks, all_threads=True, chain=False)
+            self._arm()
         self._thread = threading.Thread(target=self._run, name="ortflow-watchdog", daemon=True)
         self._thread.start()
+
+    # -- this rank's Python stacks -----------------------------------------------------------------------------------
+    @property
+    def stacks_after(self) -> float:
+        """Seconds without a beat after which this rank's stacks are dumped: half the timeout, so that a wedged rank's
+        are written before its peers' timeout aborts the job."""
+        return self.timeout / 2
+
+    def _arm(self) -> None:
+        faulthandler.dump_traceback_later(self.stacks_after, repeat=False, file=self._stacks)
+
+    def dump_stacks(self, why: str) -> None:
+        """Append every thread's Python stacks to this rank's stacks file, after a line saying why."""
+        if self._stacks is None:
+            return
+        try:
+            self._stacks.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {why} ---\n")
+            self._stacks.flush()
+            faulthandler.dump_traceback(file=self._stacks, all_threads=True)
+        except (OSError, ValueError):
+            pass
+
+    def _request_path(self) -> Path:
+        return self.heartbeats.directory / STACKS_REQUEST
+
+    def _request_time(self) -> float:
+        try:
+            return self._request_path().stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def request_stacks(self) -> None:
+        """Ask every rank for its stacks (each answers at its next beat)."""
+        try:
+            self._request_path().write_text(f"{self.heartbeats.rank}\n")
+            self._asked = self._request_time()
+        except OSError:
+            pass
+
+    def _answer_request(self) -> None:
+        asked = self._request_time()
+        if asked > self._asked:
+            self._asked = asked
+            self.dump_stacks("another rank reported a stall and asked for every rank's stacks")
 
     def enter(self, label: str, count: bool = True, peer: int | None = None) -> None:
         """Start timing a wait; ``count=False`` and the ``peer`` world rank for point-to-point waits, which only some
@@ -194,6 +277,9 @@ class Watchdog:
         last = self.clock()
         while not self._stop.wait(self.beat_s):
             self.heartbeats.beat()
+            if self._stacks is not None:
+                self._arm()  # the dump is due only once this thread misses the beats of half the timeout
+                self._answer_request()
             if self.check(last):
                 return
             last = self.clock()
@@ -210,7 +296,11 @@ class Watchdog:
         entered = self._entered
         if entered is not None and now - entered > self.timeout:
             message = describe_stall(self.heartbeats, self.seq, self._label, now - entered, time.time(),
-                                     self.stale_s, self._peer)
+                                     self.stale_s, self._peer, stacks=self._stacks is not None)
+            if self._stacks is not None:
+                faulthandler.cancel_dump_traceback_later()
+                self.dump_stacks(f"this rank timed out: {message}")
+                self.request_stacks()
             self.on_timeout(message)
             return True
         stopped = self.stopped_launcher(now)
@@ -241,3 +331,8 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._stacks is not None:
+            faulthandler.cancel_dump_traceback_later()
+            faulthandler.unregister(signal.SIGUSR2)
+            self._stacks.close()
+            self._stacks = None
