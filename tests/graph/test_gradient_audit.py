@@ -61,7 +61,7 @@ def test_configure_refuses_what_the_engine_cannot_train_naming_node_and_op(tmp_p
 
 def test_configure_reports_each_rewrite(tmp_path):
     cases = [BY_NAME[n] for n in ("where_y_broadcast", "reduce_sum_noop", "slice_flip_last_axis",
-                                  "batchnorm_training", "matmul_1d", "dropout_ratio_input_eval")]
+                                  "batchnorm_training", "matmul_1d", "dropout_ratio_input_eval", "castlike_scale")]
     _, info = audit(tmp_path, cases, count=2)
     passes = {r["pass"]: r["changes"] for r in info["graph_rewrites"]}
     assert len(passes["expand_where_inputs"]) == 1
@@ -70,6 +70,7 @@ def test_configure_reports_each_rewrite(tmp_path):
     assert len(passes["batchnorm_inference_form"]) == 1
     assert len(passes["vector_matmuls"]) == 1
     assert len(passes["inference_dropouts"]) == 1
+    assert len(passes["castlike_to_cast"]) == 1
 
 
 def test_nothing_to_fix_leaves_the_model_as_it_is(tmp_path):
@@ -113,6 +114,7 @@ ENGINE_CRASHES = {
     "sum3": "gradient builder has not been registered: Sum",
     "matmul_1d": "Incompatible dimensions for matrix multiplication",
     "where_x_broadcast_column": "cannot be reshaped to the requested shape",
+    "castlike_scale": "gradient builder has not been registered: CastLike",
 }
 
 

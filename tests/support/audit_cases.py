@@ -169,6 +169,14 @@ def _batchnorm(read_statistics: bool = False):
     return build
 
 
+def _castlike(value):
+    """``q * CastLike(value, q)``: the type input ``q`` is read elsewhere too, as the query is in attention."""
+    def build(b: Branch) -> str:
+        q = b.act((4, 5))
+        return b.op("Mul", [q, b.op("CastLike", [value(b, q), q])])
+    return build
+
+
 CASES_17: list[Case] = [
     Case("relu", lambda b: b.op("Relu", [_away_from_zero(b)])),
     Case("leaky_relu", lambda b: b.op("LeakyRelu", [_away_from_zero(b)], alpha=0.1)),
@@ -285,6 +293,10 @@ CASES_17: list[Case] = [
     Case("dropout_mask_declared", lambda b: b.op("Dropout", [b.act((4, 5)), b.const(0.5, F)], num_outputs=2)[0]),
     Case("dropout_mode_false", lambda b: b.op("Dropout", [b.act((4, 5)), b.const(0.3, F), b.const(False, np.bool_)],
                                               num_outputs=2)[0]),
+    # torch's scaled_dot_product_attention in a dynamo optimize=False export: the scale computed from a shape and
+    # cast like the query, so a trained tensor feeds CastLike's type input.
+    Case("castlike_scale", _castlike(lambda b, q: b.const(3))),
+    Case("castlike_value", _castlike(lambda b, q: b.op("Cast", [b.act((4, 5))], to=11))),
     Case("cast_double_roundtrip", lambda b: b.op("Cast", [b.op("Cast", [b.act((4, 5))], to=11)], to=1)),
     Case("sum3", lambda b: b.op("Sum", [b.act((4, 5)), b.param((5,)), b.act((4, 5))])),
     Case("topk_values", lambda b: b.op("TopK", [b.act((4, 6)), b.const([3])], num_outputs=2, axis=-1)[0]),

@@ -23,6 +23,11 @@
   nothing reads: the engine's eval model fails to load ("number of op outputs should be 1 when Training_mode =
   False"). It becomes the inference form (one output), which the engine trains with batch statistics and whose
   running statistics it updates itself (tests/graph/test_batchnorm.py).
+- ``CastLike`` (the dynamo exporter's ``optimize=False`` export of ``scaled_dot_product_attention``, the default
+  attention of Hugging Face models: the scale computed from a shape and cast like the query): the engine has no
+  gradient for it ("gradient builder has not been registered: CastLike"), so every parameter before the query is
+  refused. Where the type input's element type is known it becomes ``Cast(to=that type)``, the same values, with the
+  engine's Cast gradient; the type input, which only lends its type, is no longer read.
 
 Each is a pure ``ModelProto -> ModelProto`` pass that logs once; :func:`gradient_fixes` runs them all, on every
 graph the engine gets (the whole model, pipeline stages, tensor-parallel pieces).
@@ -41,6 +46,7 @@ from ortflow.graph.onnx_tools import (
     constant_values,
     consumed_names,
     dims_only,
+    elem_types,
     int64_constant,
     node_label,
     report_change,
@@ -57,6 +63,7 @@ def gradient_fixes(model: onnx.ModelProto, report: list[dict] | None = None) -> 
     model = last_axis_slices(model, report)
     model = vector_matmuls(model, report)
     model = inference_dropouts(model, report)
+    model = castlike_to_cast(model, report)
     return batchnorm_inference_form(model, report)
 
 
@@ -272,3 +279,24 @@ def inference_dropouts(model: onnx.ModelProto, report: list[dict] | None = None)
         if value is not None and not bool(value) and not (len(node.output) > 1 and node.output[1] in used):
             found.append(i)
     return _to_identity(model, found, "without training_mode (the identity)", "inference_dropouts", report)
+
+
+def castlike_to_cast(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
+    """``CastLike(x, like)`` whose ``like`` has a known element type -> ``Cast(x, to=that type)``."""
+    found = [i for i, n in enumerate(model.graph.node) if n.op_type == "CastLike" and n.domain in ("", "ai.onnx")]
+    if not found:
+        return model
+    types = elem_types(model)
+    found = [i for i in found if types.get(model.graph.node[i].input[1])]
+    if not found:
+        return model
+    model = copy.deepcopy(model)
+    changes = []
+    for i in found:
+        node = model.graph.node[i]
+        to = types[node.input[1]]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name == "saturate"}
+        changes.append(f"CastLike '{node_label(node)}' -> Cast(to={onnx.TensorProto.DataType.Name(to)})")
+        node.CopyFrom(helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=to, **attrs))
+    report_change("castlike_to_cast", changes, report)
+    return model
