@@ -7,7 +7,9 @@
   tensors untied), each tied name (``lm_head.weight`` of a tied embedding) with the same values, and the persistent
   buffers the export kept; nothing else (RoPE's ``inv_freq`` and other non-persistent buffers are not in a state dict);
 * a TorchScript export's run: every float tensor the checkpoint holds whose name is a torch name (TorchScript keeps
-  parameter names; ``onnx::``-named tensors it computed are left out and listed).
+  parameter names; ``onnx::``-named constants it computed are left out and listed; a trained ``onnx::`` tensor, a
+  weight its constant folding stored transposed under a computed name, is refused with the export call that keeps
+  the names).
 
 ``strip_prefix``/``add_prefix`` rename keys for a model whose module tree differs from the exported wrapper's (the
 test fixtures export ``LogitsOnly(model)``, so their names start with ``model.``; ``strip_prefix="model."`` gives
@@ -54,6 +56,13 @@ def torch_tensors(params: dict[str, np.ndarray], record: dict | None) -> tuple[d
     """
     torch = (record or {}).get("torch")
     if not torch:
+        unnamed = sorted(n for n in (record or {}).get("trainable", []) if "::" in n)
+        if unnamed:
+            raise ExportError(f"{len(unnamed)} trained tensor(s) have no torch name ({', '.join(unnamed[:3])}"
+                              f"{', ...' if len(unnamed) > 3 else ''}): the TorchScript exporter's constant folding "
+                              "(do_constant_folding=True, its default) stored these weights transposed under computed "
+                              "names, so no state dict holds them; re-export with torch.onnx.export(..., dynamo=False, "
+                              "do_constant_folding=False), or with the dynamo exporter (docs/your-model.md)")
         kept = {n: v for n, v in params.items() if "::" not in n and v.dtype.kind == "f"}
         left = {n: "a tensor the TorchScript exporter computed, not a torch parameter" for n in params if n not in kept}
         return kept, left

@@ -90,3 +90,73 @@ def test_a_tensor_read_as_two_parameters_without_names_to_tell_them_apart_is_ref
                               [numpy_helper.from_array(np.ones((3, 3), np.float32), "w")])
     with pytest.raises(GraphError, match="optimize=False"):
         torch_parameters(helper.make_model(graph))
+
+
+def _torchscript_fresh(path):
+    """What torch.onnx.export(dynamo=False) writes for a fresh model: equal-valued parameters (two zero biases) merged
+    into the first one's initializer, the second read through ``Identity(first) -> second's torch name``."""
+    zeros, w = np.zeros(4, np.float32), np.arange(16, dtype=np.float32).reshape(4, 4) / 16
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["a.bias"], ["b.bias"], name="Identity_7"),
+         helper.make_node("MatMul", ["x", "a.weight"], ["h"], name="/a/MatMul"),
+         helper.make_node("Add", ["h", "a.bias"], ["h1"], name="/a/Add"),
+         helper.make_node("Add", ["h1", "b.bias"], ["y"], name="/b/Add")], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(w, "a.weight"), numpy_helper.from_array(zeros, "a.bias")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_torchscript_merged_equal_parameters_are_untied_one_per_torch_name(tmp_path):
+    from ortflow.graph.exports.torchscript import untie_deduplicated
+
+    model = onnx.load(str(_torchscript_fresh(tmp_path / "m.onnx")))
+    untied, lines = untie_deduplicated(model)
+    values = {t.name: numpy_helper.to_array(t) for t in untied.graph.initializer}
+    assert sorted(values) == ["a.bias", "a.weight", "b.bias"]
+    np.testing.assert_array_equal(values["b.bias"], values["a.bias"])
+    assert "Identity" not in [n.op_type for n in untied.graph.node]
+    assert lines == ["'b.bias' from 'a.bias' (the TorchScript exporter merged their equal values)"]
+    assert untie_deduplicated(untied) == (untied, [])  # idempotent
+
+
+def _configured(tmp_path, model_path):
+    from ortflow.config import config_from_dict
+    from ortflow.configure.configure import configure
+
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(model_path), "loss": "mse"},
+                            "data": {"train": [str(tmp_path / "t.npz")]},
+                            "train": {"batch_size": 2, "num_train_steps": 1}})
+    return configure(cfg)
+
+
+def test_a_fresh_torchscript_export_trains_and_gives_back_each_merged_parameter(tmp_path):
+    from ortflow.export.state_dict import export_state_dict
+
+    result = _configured(tmp_path, _torchscript_fresh(tmp_path / "m.onnx"))
+    assert sorted(result.info["trainable"]) == ["a.bias", "a.weight", "b.bias"]  # trained apart, as in torch
+    out = tmp_path / "w.safetensors"
+    export_state_dict(result.run_dir, out, checkpoint="initial")
+    written = load_file(str(out))
+    assert sorted(written) == ["a.bias", "a.weight", "b.bias"]
+    np.testing.assert_array_equal(written["b.bias"], np.zeros(4, np.float32))
+
+
+def test_state_dict_of_a_torchscript_run_with_folded_weights_is_refused_naming_the_fix(tmp_path):
+    from ortflow.export.state_dict import export_state_dict
+    from ortflow.export.verify import ExportError
+
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "onnx::MatMul_7")  # a Linear weight, folded transposed
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "onnx::MatMul_7"], ["h"], name="/fc/MatMul"),
+         helper.make_node("Add", ["h", "fc.bias"], ["y"], name="/fc/Add")], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [w, numpy_helper.from_array(np.ones(4, np.float32), "fc.bias")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    result = _configured(tmp_path, tmp_path / "m.onnx")
+    with pytest.raises(ExportError, match="onnx::MatMul_7") as err:
+        export_state_dict(result.run_dir, tmp_path / "w.safetensors", checkpoint="initial")
+    assert "do_constant_folding=False" in str(err.value)
+    assert not (tmp_path / "w.safetensors").exists()

@@ -1,0 +1,52 @@
+"""Parameters the TorchScript exporter merged because their values were equal, given back one initializer each.
+
+``torch.onnx.export(model, args, path, dynamo=False)`` de-duplicates initializers by value in eval mode: a freshly
+initialised model's equal tensors (every zero bias of one size, every LayerNorm or RMSNorm weight of ones) become one
+initializer, and each other parameter is read through ``Identity(kept) -> <its torch name>``. Trained as exported,
+they would be one tensor (every norm of the model sharing one weight), and the state dict would lack their names. Each
+such ``Identity`` becomes an initializer under its output's name holding the kept tensor's values, so every torch
+parameter trains apart, as in torch, under its own name. Tied weights (one torch parameter read by two modules, a
+GPT-2's embedding and LM head) are read directly, not through an ``Identity``, and stay one tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import onnx
+
+from ortflow.graph.onnx_tools import FLOAT_TYPES
+
+
+def _merged(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The ``Identity`` nodes that read a float initializer under another parameter's name."""
+    graph = model.graph
+    floats = {t.name for t in graph.initializer if t.data_type in FLOAT_TYPES}
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    return [n for n in graph.node if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.input[0] in floats
+            and n.output[0] not in taken and "::" not in n.output[0] and not n.output[0].startswith("/")]
+
+
+def untie_deduplicated(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """``model`` with one initializer per parameter the exporter merged (``model`` itself when there is none).
+
+    Returns:
+        The model, and one line per parameter given its own tensor.
+    """
+    found = _merged(model)
+    if not found:
+        return model, []
+    model = copy.deepcopy(model)
+    graph = model.graph
+    tensors = {t.name: t for t in graph.initializer}
+    outputs = {n.output[0]: n.input[0] for n in found}
+    lines = []
+    for name, kept in outputs.items():
+        tensor = graph.initializer.add()
+        tensor.CopyFrom(tensors[kept])
+        tensor.name = name
+        lines.append(f"'{name}' from '{kept}' (the TorchScript exporter merged their equal values)")
+    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in outputs)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model, lines
