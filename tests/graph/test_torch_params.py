@@ -160,3 +160,37 @@ def test_state_dict_of_a_torchscript_run_with_folded_weights_is_refused_naming_t
         export_state_dict(result.run_dir, tmp_path / "w.safetensors", checkpoint="initial")
     assert "do_constant_folding=False" in str(err.value)
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_batchnorm_folded_into_the_layer_before_it_is_refused_with_the_export_call_that_keeps_it():
+    # torch.onnx.export(dynamo=True) of Linear -> BatchNorm1d in eval mode: the optimiser folds the BatchNorm into the
+    # Linear's Gemm, which keeps the BatchNorm's fx node (its placeholders p_bn_weight, p_bn_bias) and the Linear's
+    # tensor names. Trained as exported, the model would have no BatchNorm, and fc1's values would pass as bn's.
+    def fx(target, args):
+        return f"%y : [num_users=1] = call_function[target={target}](args = ({args}), kwargs = {{}})"
+
+    def node(op, inputs, output, target, args, scopes):
+        made = helper.make_node(op, inputs, [output], name=f"node_{output}")
+        for key, value in ((FX, fx(target, args)), (SCOPES, repr(scopes))):
+            made.metadata_props.add(key=key, value=value)
+        return made
+
+    from ortflow.graph.exports.torch_params import FX_NODE as FX
+    from ortflow.graph.exports.torch_params import SCOPES
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [node("Gemm", ["x", "fc1.weight", "fc1.bias"], "h", "torch.ops.aten._native_batch_norm_legit_no_training"
+              ".default", "%linear, %p_bn_weight, %p_bn_bias, %b_bn_running_mean, %b_bn_running_var, 0.1, 1e-05",
+              ["", "bn", "_native_batch_norm_legit_no_training"]),
+         node("Gemm", ["h", "fc2.weight", "fc2.bias"], "y", "torch.ops.aten.linear.default",
+              "%h, %p_fc2_weight, %p_fc2_bias", ["", "fc2", "linear_1"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+         for n, s in (("fc1.weight", (4, 3)), ("fc1.bias", (4,)), ("fc2.weight", (2, 4)), ("fc2.bias", (2,)))])
+    for n in graph.node:
+        n.attribute.append(helper.make_attribute("transB", 1))
+    with pytest.raises(GraphError, match="BatchNorm 'bn'") as err:
+        torch_parameters(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert NO_OPTIMIZE in str(err.value)

@@ -7,7 +7,8 @@ torch program as metadata: each parameter initializer it keeps under its torch n
 (``p_<name with dots as underscores>``); each node carries ``pkg.torch.onnx.fx_node`` (the torch op and its arguments,
 placeholders included) and ``pkg.torch.onnx.name_scopes`` (the module path). With its default ``optimize=True`` the
 exporter then folds and merges initializers: a Linear weight becomes a pre-transposed ``val_NN``, equal-valued tensors
-(a fresh model's norm weights, zero biases) become one, a zero bias may be dropped. :func:`torch_parameters` reads the
+(a fresh model's norm weights, zero biases) become one, a zero bias may be dropped, an eval-mode BatchNorm is folded
+into the Linear or Conv before it (refused: nothing of it is left to train). :func:`torch_parameters` reads the
 metadata back and undoes that: a renamed tensor gets its torch name, a transposed one is stored in torch's layout
 behind a ``Transpose`` node, a merged one is untied into one copy per torch parameter. Where the metadata does not say
 which parameter a tensor is, or a parameter has no tensor left, it refuses with the export call that keeps them.
@@ -224,7 +225,8 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
             holders[torch_name].append((tensor.name, node, pos, reader.transposed(node, pos)))
     referenced = {reader.names.get(p) for n in out.graph.node for p in _placeholders(n)} - {None}
     missing = sorted(referenced - set(holders))
-    problems = unknown + [f"parameter '{name}' has no tensor in the export (merged or dropped)" for name in missing]
+    problems = _folded_batchnorms(out.graph) + unknown
+    problems += [f"parameter '{name}' has no tensor in the export (merged or dropped)" for name in missing]
     if problems:
         raise GraphError(
             "model.path: the dynamo exporter's optimisation merged, dropped or folded torch parameters, so training "
@@ -243,6 +245,20 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
     persistent = sorted(name for name in reader.persistent if name in frozen)
     return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen,
                            persistent)
+
+
+def _folded_batchnorms(graph: onnx.GraphProto) -> list[str]:
+    """One line per BatchNorm the optimiser folded into the Gemm or Conv before it (eval mode): the node keeps the
+    BatchNorm's fx node, and its tensors are the fused layer's, so nothing of the BatchNorm is left to train."""
+    found = []
+    for node in graph.node:
+        if "batch_norm" in _target(node) and node.op_type != "BatchNormalization":
+            scopes = [s for s in _scopes(node) if s]
+            module = scopes[-2] if len(scopes) > 1 else (scopes[0] if scopes else node.name)
+            found.append(f"BatchNorm '{module}' was folded into the {node.op_type} before it "
+                         f"({', '.join(repr(i) for i in node.input[1:] if i)}), so its weight, bias and running "
+                         "statistics have no tensors of their own")
+    return found
 
 
 def _rewrite(model: onnx.ModelProto, holders: dict) -> tuple[dict[str, dict], list[str]]:
