@@ -102,12 +102,13 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
     from ortflow.export.state_dict import export_state_dict
     from tests.support.exports import EXPORTS
 
-    for name, state in (("llama-fresh-dynamo.onnx", "llama-fresh"), ("gpt2-dynamo.onnx", "gpt2")):
+    for name, state in (("llama-fresh-dynamo.onnx", "llama-fresh"), ("gpt2-dynamo.onnx", "gpt2"),
+                        ("gpt2.onnx", "gpt2"), ("llama.onnx", "llama")):  # dynamo, then TorchScript exports
         result = _configure_fixture(tmp_path, name)
         out = tmp_path / f"{state}.safetensors"
         export_state_dict(result.run_dir, out, checkpoint="initial")
         written, expected = load_file(str(out)), load_file(str(EXPORTS / f"{state}.safetensors"))
-        assert sorted(written) == sorted(torch_record(name.split("-")[0])["state_dict"])
+        assert sorted(written) == sorted(torch_record(name.split("-")[0].removesuffix(".onnx"))["state_dict"])
         assert sorted(written) == sorted(expected)
         for key, value in expected.items():
             np.testing.assert_array_equal(written[key], value, err_msg=key)

@@ -9,7 +9,8 @@
 * a TorchScript export's run: every float tensor the checkpoint holds whose name is a torch name (TorchScript keeps
   parameter names; ``onnx::``-named constants it computed are left out and listed; a trained ``onnx::`` tensor, a
   weight its constant folding stored transposed under a computed name, is refused with the export call that keeps
-  the names).
+  the names); the second name of a tied weight (``lm_head.weight``) with the same values, found from the module
+  path of the node that reads it (:func:`ortflow.graph.exports.torchscript.tied_names`).
 
 ``strip_prefix``/``add_prefix`` rename keys for a model whose module tree differs from the exported wrapper's (the
 test fixtures export ``LogitsOnly(model)``, so their names start with ``model.``; ``strip_prefix="model."`` gives
@@ -23,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from ortflow.config import RunConfig
 from ortflow.export.model import load_parameters, resolve_source
 from ortflow.export.verify import ExportError
+from ortflow.graph.exports.torchscript import tied_names
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ def torch_tensors(params: dict[str, np.ndarray], record: dict | None) -> tuple[d
                               "do_constant_folding=False), or with the dynamo exporter (docs/your-model.md)")
         kept = {n: v for n, v in params.items() if "::" not in n and v.dtype.kind == "f"}
         left = {n: "a tensor the TorchScript exporter computed, not a torch parameter" for n in params if n not in kept}
+        for name, others in _torchscript_ties(record).items():
+            if name in kept:
+                kept.update({other: kept[name] for other in others})  # tied names: the same values under each
         return kept, left
     wanted = [*torch["parameters"], *torch.get("persistent_buffers", [])]
     missing = [n for n in wanted if n not in params]
@@ -75,6 +81,14 @@ def torch_tensors(params: dict[str, np.ndarray], record: dict | None) -> tuple[d
         tensors.update({other: params[name] for other in others})  # tied names: the same values under each
     left = {n: torch.get("frozen", {}).get(n, "not a torch parameter") for n in params if n not in tensors}
     return tensors, left
+
+
+def _torchscript_ties(record: dict | None) -> dict[str, list[str]]:
+    """Tied parameters' other names in the run's TorchScript export (none when the export is gone)."""
+    path = Path((record or {}).get("model_path") or "")
+    if not path.is_file():
+        return {}
+    return tied_names(onnx.load(str(path), load_external_data=False))
 
 
 def _renamed(name: str, strip_prefix: str | None, add_prefix: str | None) -> str:

@@ -194,3 +194,18 @@ def test_batchnorm_folded_into_the_layer_before_it_is_refused_with_the_export_ca
     with pytest.raises(GraphError, match="BatchNorm 'bn'") as err:
         torch_parameters(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     assert NO_OPTIMIZE in str(err.value)
+
+
+def test_torchscript_tied_names_come_from_the_module_that_reads_the_weight():
+    from ortflow.graph.exports.torchscript import tied_names
+
+    emb = numpy_helper.from_array(np.ones((6, 4), np.float32), "model.wte.weight")
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "model.block.norm.weight")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["model.wte.weight", "ids"], ["h"], name="/model/wte/Gather"),
+         helper.make_node("Mul", ["h", "model.block.norm.weight"], ["h1"], name="/model/block/Mul"),  # a parent's read
+         helper.make_node("Transpose", ["model.wte.weight"], ["wt"], name="/model/lm_head/Transpose", perm=[1, 0]),
+         helper.make_node("MatMul", ["h1", "wt"], ["y"], name="/model/lm_head/MatMul")], "g",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["b"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", 6])], [emb, scale])
+    assert tied_names(helper.make_model(graph)) == {"model.wte.weight": ["model.lm_head.weight"]}

@@ -50,3 +50,37 @@ def untie_deduplicated(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[st
     del graph.node[:]
     graph.node.extend(nodes)
     return model, lines
+
+
+#: Ops through which a torch leaf module reads its own weight (Embedding, Linear), as TorchScript writes them.
+_WEIGHT_READERS = frozenset({"Gather", "MatMul", "Gemm", "Transpose"})
+
+
+def _scope(node: onnx.NodeProto) -> str | None:
+    """The module path of a TorchScript node (``/model/lm_head/MatMul`` -> ``model.lm_head``), None if unnamed."""
+    if not node.name.startswith("/"):
+        return None
+    return ".".join(node.name.strip("/").split("/")[:-1])
+
+
+def tied_names(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """The other state-dict names of tied parameters in a TorchScript export: parameter -> names.
+
+    TorchScript writes a tied parameter (a GPT-2's ``lm_head.weight`` that is ``transformer.wte.weight``) once, under
+    the name of its first module; a leaf module that reads it as its own weight (Embedding's ``Gather``, Linear's
+    ``MatMul``/``Gemm``/``Transpose``) under another module path gives the second name: that path and the
+    parameter's own attribute name. A module reading a parameter of one of its submodules is no tie.
+    """
+    floats = {t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES and "::" not in t.name}
+    found: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        scope = _scope(node)
+        if scope is None or node.op_type not in _WEIGHT_READERS:
+            continue
+        for name in node.input:
+            if name not in floats or "." not in name:
+                continue
+            module, attr = name.rsplit(".", 1)
+            if scope and scope != module and not scope.startswith(module + ".") and not module.startswith(scope + "."):
+                found.setdefault(name, set()).add(f"{scope}.{attr}")
+    return {name: sorted(others - floats) for name, others in sorted(found.items()) if others - floats}
