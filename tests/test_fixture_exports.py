@@ -4,7 +4,7 @@
 import onnx
 import pytest
 
-from tests.support.exports import DYNAMO_NAMES, NAMES, VERSIONS, export_path, torch_record
+from tests.support.exports import DYNAMO_NAMES, NAMES, PATTERN_NAMES, VERSIONS, export_path, torch_record
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -15,6 +15,31 @@ def test_fixture_is_the_recorded_export(name):
     assert {o.domain: o.version for o in model.opset_import}[""] == VERSIONS["opset_torchscript"]
     batch = model.graph.input[0].type.tensor_type.shape.dim[0]
     assert batch.dim_param == "batch", f"{name}: the batch axis is not dynamic"
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_pattern_fixture_is_the_recorded_export_with_its_pattern(name):
+    """Each holds the exporter's output that ortflow rewrites or refuses (tests/trainer/test_exporter_patterns.py
+    trains them): the fixture keeps testing that pattern only while the pinned exporter still writes it."""
+    path = export_path(name)
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    assert model.producer_name == "pytorch"
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param, f"{name}: the batch axis is not dynamic"
+    ops = [n.op_type for n in model.graph.node]
+    if name == "gpt2-sdpa.onnx":  # TorchScript: each merged parameter read through Identity(kept) -> its torch name
+        assert {o.domain: o.version for o in model.opset_import}[""] == VERSIONS["opset_torchscript"]
+        params = set(torch_record("gpt2-sdpa")["parameters"])
+        merged = {n.output[0] for n in model.graph.node if n.op_type == "Identity" and n.input[0] in params}
+        assert len(merged) == 6 and merged <= params, merged
+        assert not merged & {i.name for i in model.graph.initializer}
+    else:  # dynamo: weights in external data
+        assert path.with_name(path.name + ".data").exists()
+    if name == "gpt2-sdpa-dynamo-noopt.onnx":
+        assert ops.count("CastLike") == 6  # the attention's scale, cast like the query
+    if name.startswith("bnmlp"):
+        assert ops.count("BatchNormalization") == (1 if "noopt" in name else 0)  # folded into fc1's Gemm by default
+        assert ops.count("Gemm") == 2
 
 
 def test_gpt2_fixture_ties_embedding_and_lm_head():

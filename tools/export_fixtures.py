@@ -1,8 +1,10 @@
 """Export the small real models that tests train, with both of torch's exporters.
 
 Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), BERT classifier and ViT
-classifier, and a torch CNN with BatchNorm. Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual
-environment with the pinned torch and transformers; ortflow itself never imports torch.
+classifier, and a torch CNN with BatchNorm; and, exported as a user exports a model they train from scratch, a fresh
+tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with BatchNorm1d
+(``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual environment with the pinned
+torch and transformers; ortflow itself never imports torch.
 
 Each model is exported the way a user exports theirs:
 
@@ -12,11 +14,21 @@ Each model is exported the way a user exports theirs:
   exporter's defaults (``optimize=True``, opset 18, weights in ``<name>.onnx.data``) as ``gpt2-dynamo.onnx``, and
   with ``optimize=False`` as ``gpt2-dynamo-noopt.onnx``.
 
+The fresh tiny GPT-2 (``gpt2-sdpa``, default ``sdpa`` attention, not perturbed) is exported by TorchScript
+(``gpt2-sdpa.onnx``: the exporter merges its equal-valued initializers, zero biases and unit LayerNorm weights) and by
+dynamo with ``optimize=False`` (``gpt2-sdpa-dynamo-noopt.onnx``: the attention's scale is a ``CastLike``). The MLP
+with BatchNorm1d (``bnmlp``) is exported by dynamo only: with its defaults (``bnmlp-dynamo.onnx``, the optimiser folds
+the eval-mode BatchNorm into the Linear before it) and with ``optimize=False`` (``bnmlp-dynamo-noopt.onnx``).
+
 Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
 shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from.
 Weights come from a fixed seed, so a re-export with the same versions writes the same graphs.
 
-Usage: python tools/export_fixtures.py OUT_DIR
+Usage: python tools/export_fixtures.py OUT_DIR [FAMILY ...]
+
+With families named (``gpt2-sdpa bnmlp``), only theirs are exported and ``versions.json`` is updated in place: the
+other families' entries stay as recorded, which needs the recorded torch, transformers, onnx and onnxscript versions
+to be this environment's.
 """
 
 import hashlib
@@ -46,8 +58,10 @@ def perturb(model: nn.Module) -> None:
 
 
 def export(model: nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
-           dynamic_axes: dict) -> None:
-    perturb(model)
+           dynamic_axes: dict, fresh: bool = False) -> None:
+    """The TorchScript export of ``model``, perturbed first unless ``fresh``."""
+    if not fresh:
+        perturb(model)
     model.eval()
     torch.onnx.export(model, args, str(path), input_names=input_names, output_names=output_names,
                       dynamic_axes=dynamic_axes, opset_version=OPSET, do_constant_folding=False, dynamo=False)
@@ -55,15 +69,18 @@ def export(model: nn.Module, args: tuple, path: Path, input_names: list[str], ou
 
 
 def export_dynamo(model: nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
-                  dynamic_axes: dict, optimize: bool) -> list[str]:
-    """The default exporter as a user calls it; returns the files written (the model and its external data)."""
+                  dynamic_axes: dict, optimize: bool, varargs: bool = True) -> list[str]:
+    """The default exporter as a user calls it; returns the files written (the model and its external data).
+
+    ``varargs``: the model's forward takes ``*args`` (``LogitsOnly``), so the dynamic shapes are one tuple with an
+    entry per input; otherwise they are an entry per named input.
+    """
     model.eval()
     for stale in (path, path.with_name(path.name + ".data")):
         stale.unlink(missing_ok=True)
-    # LogitsOnly.forward takes *args, so the dynamic shapes are one tuple with an entry per input.
     dims = tuple({axis: torch.export.Dim.DYNAMIC for axis in dynamic_axes[name]} for name in input_names)
     torch.onnx.export(model, args, str(path), input_names=input_names, output_names=output_names,
-                      dynamic_shapes=(dims,), dynamo=True, optimize=optimize)
+                      dynamic_shapes=(dims,) if varargs else dims, dynamo=True, optimize=optimize)
     onnx.checker.check_model(str(path))
     return [p.name for p in (path, path.with_name(path.name + ".data")) if p.exists()]
 
@@ -216,21 +233,101 @@ def cnn(out: Path) -> tuple[dict, dict]:
             "inputs": {"pixels": "float [batch, 1, 16, 16]"}, "outputs": {"logits": "float [batch, 10]"}}, files
 
 
+def gpt2_sdpa(out: Path) -> tuple[dict, dict]:
+    """A fresh tiny GPT-2 with the default attention (torch's scaled_dot_product_attention), as a user who trains it
+    from scratch exports it: TorchScript (equal-valued initializers merged) and dynamo with ``optimize=False``."""
+    torch.manual_seed(0)
+    shape = {"vocab_size": 512, "n_positions": 32, "n_embd": 32, "n_layer": 1, "n_head": 2,
+             "activation_function": "gelu_new", "tie_word_embeddings": True, "attn_implementation": "sdpa"}
+    model = LogitsOnly(transformers.GPT2LMHeadModel(transformers.GPT2Config(use_cache=False, **shape)))
+    ids = torch.randint(0, 512, (2, 16))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    export(model, (ids,), out / "gpt2-sdpa.onnx", ["input_ids"], ["logits"], axes, fresh=True)
+    torch_record(model, out, "gpt2-sdpa")
+    files = {"gpt2-sdpa.onnx": "torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False) of the "
+                               "freshly initialised model"}
+    written = export_dynamo(model, (ids,), out / "gpt2-sdpa-dynamo-noopt.onnx", ["input_ids"], ["logits"], axes,
+                            optimize=False)
+    files.update({name: "torch.onnx.export(dynamo=True, optimize=False) of the freshly initialised model"
+                  for name in written})
+    return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
+            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+
+
+class BatchNormMLP(nn.Module):
+    """Linear, BatchNorm1d, ReLU, Linear: a BatchNorm right after the layer the dynamo optimiser folds it into."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, features):
+        return self.fc2(torch.relu(self.bn(self.fc1(features))))
+
+
+def bnmlp(out: Path) -> tuple[dict, dict]:
+    """The MLP with BatchNorm1d, trained-looking (perturbed parameters, non-trivial running statistics), from the
+    dynamo exporter with its defaults (the BatchNorm folded) and with ``optimize=False`` (kept)."""
+    torch.manual_seed(0)
+    model = BatchNormMLP()
+    perturb(model)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.1, 0.1)
+        model.bn.running_var.uniform_(0.9, 1.1)
+    torch_record(model, out, "bnmlp")
+    args = (torch.randn(4, 8),)
+    files = {}
+    for suffix, optimize in (("-dynamo", True), ("-dynamo-noopt", False)):
+        written = export_dynamo(model, args, out / f"bnmlp{suffix}.onnx", ["features"], ["logits"],
+                                {"features": {0: "batch"}, "logits": {0: "batch"}}, optimize, varargs=False)
+        files.update({name: f"torch.onnx.export(dynamo=True, optimize={optimize})" for name in written})
+    return {"layers": "Linear(8->16), BatchNorm1d(16), ReLU, Linear(16->3)",
+            "inputs": {"features": "float [batch, 8]"}, "outputs": {"logits": "float [batch, 3]"}}, files
+
+
+FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
+            "bnmlp": bnmlp}
+
+
+def family_of(name: str) -> str:
+    """The family a fixture file belongs to (``gpt2-fresh-dynamo.onnx`` -> ``gpt2``, ``gpt2-sdpa.onnx`` ->
+    ``gpt2-sdpa``)."""
+    return max((f for f in FAMILIES if name.startswith((f"{f}.", f"{f}-"))), key=len)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    models, files = {}, {}
-    for family in (gpt2, llama, bert, vit, cnn):
-        models[f"{family.__name__}.onnx"], written = family(out)
-        files.update(written)
-    for family in models:
-        stem = family.removesuffix(".onnx")
-        files[f"{stem}.torch.json"] = "torch names and shapes of the model's parameters, buffers and state dict"
-        files[f"{stem}.safetensors"] = "the torch state dict the exports were made from"
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__,
-            "onnxscript": onnxscript.__version__, "opset_torchscript": OPSET, "models": models, "files": files,
+    wanted = sys.argv[2:] or list(FAMILIES)
+    unknown = sorted(set(wanted) - set(FAMILIES))
+    if unknown:
+        sys.exit(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__,
+                "onnxscript": onnxscript.__version__}
+    recorded = out / "versions.json"
+    old = {"models": {}, "files": {}}
+    if sys.argv[2:] and recorded.exists():  # the other families' entries stay as recorded
+        old = json.loads(recorded.read_text())
+        if {k: old[k] for k in versions} != versions:
+            sys.exit(f"{recorded} records {({k: old[k] for k in versions})}, this environment has {versions}: "
+                     "re-export every family")
+    models, written = {}, {}
+    for family in FAMILIES:  # in this order whichever are exported, so that versions.json is the same either way
+        if family in wanted:
+            models[f"{family}.onnx"], written[family] = FAMILIES[family](out)
+        elif f"{family}.onnx" in old["models"]:
+            models[f"{family}.onnx"] = old["models"][f"{family}.onnx"]
+            written[family] = {name: why for name, why in old["files"].items() if family_of(name) == family
+                               and name not in (f"{family}.torch.json", f"{family}.safetensors")}
+    files = {name: why for family in written for name, why in written[family].items()}
+    for family in written:
+        files[f"{family}.torch.json"] = "torch names and shapes of the model's parameters, buffers and state dict"
+        files[f"{family}.safetensors"] = "the torch state dict the exports were made from"
+    info = {**versions, "opset_torchscript": OPSET, "models": models, "files": files,
             "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in sorted(files)}}
-    (out / "versions.json").write_text(json.dumps(info, indent=2) + "\n")
+    recorded.write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info, indent=2))
 
 

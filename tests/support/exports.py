@@ -1,6 +1,7 @@
 """The committed real exports (tools/export_fixtures.py), as users export them: Hugging Face GPT-2, Llama, BERT and ViT
-and a torch CNN with BatchNorm, from torch's TorchScript exporter and (but the CNN) its dynamo exporter, with the
-torch names and shapes of each model's tensors beside them."""
+and a torch CNN with BatchNorm, from torch's TorchScript exporter and (but the CNN) its dynamo exporter, a fresh tiny
+GPT-2 with sdpa attention and an MLP with BatchNorm1d, with the torch names and shapes of each model's tensors beside
+them."""
 
 import hashlib
 import json
@@ -15,6 +16,12 @@ NAMES = ("gpt2.onnx", "bert.onnx", "cnn.onnx", "llama.onnx", "vit.onnx")
 DYNAMO_NAMES = ("gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "gpt2-fresh-dynamo.onnx",
                 "llama-dynamo.onnx", "llama-dynamo-noopt.onnx", "llama-fresh-dynamo.onnx",
                 "bert-dynamo.onnx", "bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx")
+
+# Exports that pin what each exporter writes where ortflow rewrites or refuses it: a fresh tiny GPT-2 with torch's
+# scaled_dot_product_attention from TorchScript (equal-valued initializers merged, read through Identity) and from
+# dynamo with optimize=False (the attention's scale a CastLike); an MLP whose BatchNorm1d follows a Linear, from dynamo
+# with its defaults (the BatchNorm folded into the Linear's Gemm) and with optimize=False (kept).
+PATTERN_NAMES = ("gpt2-sdpa.onnx", "gpt2-sdpa-dynamo-noopt.onnx", "bnmlp-dynamo.onnx", "bnmlp-dynamo-noopt.onnx")
 
 
 def export_path(name: str) -> Path:

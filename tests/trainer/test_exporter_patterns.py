@@ -1,0 +1,144 @@
+"""The committed exports that pin what torch's exporters write where ortflow rewrites or refuses it
+(tests/support/exports.py, ``PATTERN_NAMES``), trained on one rank: a fresh tiny GPT-2 with sdpa attention from
+TorchScript (equal-valued initializers merged) and from dynamo with ``optimize=False`` (the attention's ``CastLike``),
+and an MLP with BatchNorm1d from dynamo with ``optimize=False`` (trained) and with its defaults (refused: the BatchNorm
+folded into the Linear before it)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from ortflow.checkpoints.h5state import read_params
+from tests.support.exports import export_path, torch_record
+from tests.support.parallel_runs import losses, newest
+from tests.support.runs import make_run, run_ranks_together
+from tests.trainer.exports_checks import EXPORTER_ATOL
+from tests.trainer.exports_runs import gpt2_run
+
+#: The exports trained here, by file name, and the torch family whose record they are checked against.
+TRAINED = {"gpt2-sdpa.onnx": "gpt2-sdpa", "gpt2-sdpa-dynamo-noopt.onnx": "gpt2-sdpa",
+           "bnmlp-dynamo-noopt.onnx": "bnmlp"}
+#: Updates each run trains (one micro-batch each); lr 1e-3 moves a weight by up to ~1e-3 per update.
+UPDATES = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each export of :data:`TRAINED` configured and trained for :data:`UPDATES` updates on one rank (the three jobs
+    side by side): name -> (config, the job's output)."""
+    root = tmp_path_factory.mktemp("patterns")
+    one_rank = {"num_train_steps": UPDATES, "gradient_accumulation_steps": 1, "evaluation_period": 0}
+    cfgs = {}
+    for name in TRAINED:
+        stem = name.removesuffix(".onnx")
+        if name.startswith("gpt2"):
+            cfgs[name] = gpt2_run(root, stem, export=name, train=one_rank)
+        else:
+            cfgs[name] = make_run(root, stem, model=export_path(name), train=one_rank)
+    outs = run_ranks_together(*cfgs.values())
+    return {name: (cfg, out) for (name, cfg), out in zip(cfgs.items(), outs, strict=True)}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_pattern_export_validates_trains_and_writes_the_torch_state_dict(runs, name):
+    """validate finds nothing; configure trains exactly the torch parameters under their torch names; one rank trains
+    it; ``ortflow export --state-dict`` writes every torch state-dict key with its torch shape and the trained values
+    (GPT-2's tied ``lm_head.weight`` too, from the TorchScript run's one table)."""
+    from safetensors.numpy import load_file
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from ortflow.validate import validate
+
+    cfg, out = runs[name]
+    record = torch_record(TRAINED[name])
+    other_folder = cfg.output_dir.parent / f"validate-{cfg.output_dir.name}"
+    assert validate(cfg.output_dir / "config.yaml", [f"output_dir={other_folder}"]) == []
+    info = json.loads((cfg.output_dir / "configure.json").read_text())
+    assert sorted(info["trainable"]) == sorted(record["parameters"])
+    assert out.returncode == 0, out.stdout[-3000:]
+    trained = losses(out.stdout)
+    assert len(trained) == UPDATES and all(np.isfinite(trained)), trained
+
+    params = read_params(newest(cfg))
+    written_path = cfg.output_dir / "weights.safetensors"
+    result = CliRunner().invoke(app, ["export", str(cfg.output_dir), "--state-dict", str(written_path),
+                                      "--checkpoint", "latest"])
+    assert result.exit_code == 0, result.output
+    written = load_file(str(written_path))
+    # torch's BatchNorm counts its training batches in num_batches_tracked, which no ONNX graph holds;
+    # BatchNorm.load_state_dict(strict=True) of a state dict without it keeps the module's own count.
+    expected = {k: v for k, v in record["state_dict"].items() if not k.endswith(".num_batches_tracked")}
+    assert sorted(written) == sorted(expected)
+    tied = {alias: first for first, alias in record["tied"]}
+    for key, shape in expected.items():
+        assert list(written[key].shape) == shape, key
+        np.testing.assert_array_equal(written[key], params[tied.get(key, key)], err_msg=key)
+    if name == "gpt2-sdpa.onnx":  # TorchScript wrote the tied table once, as transformer.wte.weight
+        assert "model.lm_head.weight" not in params
+        np.testing.assert_array_equal(written["model.lm_head.weight"], written["model.transformer.wte.weight"])
+    if name.startswith("bnmlp"):  # the running statistics the engine updated, as the checkpoint holds them
+        assert {"bn.running_mean", "bn.running_var"} <= set(written)
+
+
+def test_sdpa_castlike_is_trained_as_cast(runs):
+    """The dynamo optimize=False export's six ``CastLike`` nodes (sdpa's scale, cast like the query) are ``Cast``
+    nodes in what the engine trains: it has no CastLike gradient, so configure would otherwise refuse every parameter
+    before the attention."""
+    cfg, _ = runs["gpt2-sdpa-dynamo-noopt.onnx"]
+    castlikes = [n.name for n in onnx.load(str(export_path("gpt2-sdpa-dynamo-noopt.onnx"))).graph.node
+                 if n.op_type == "CastLike"]
+    assert len(castlikes) == 6
+    info = json.loads((cfg.output_dir / "configure.json").read_text())
+    changes = {r["pass"]: r["changes"] for r in info["graph_rewrites"]}["castlike_to_cast"]
+    assert sorted(c.split("'")[1] for c in changes) == sorted(castlikes)
+    training = onnx.load(str(cfg.artifacts_dir / "training_model.onnx"), load_external_data=False)
+    assert "CastLike" not in {n.op_type for n in training.graph.node}
+
+
+def test_torchscript_merged_parameters_train_apart_as_in_torch(runs):
+    """TorchScript merged the fresh GPT-2's equal parameters (unit LayerNorm weights, zero biases): each trains apart
+    under its own name, and ends where the dynamo optimize=False export of the same model, which keeps every torch
+    parameter apart, ends it; the parameters the exporter merged end with different values there."""
+    model = onnx.load(str(export_path("gpt2-sdpa.onnx")))
+    merged = [(n.input[0], n.output[0]) for n in model.graph.node if n.op_type == "Identity"
+              and n.input[0] in {t.name for t in model.graph.initializer}]
+    assert len(merged) == 6, merged
+    script = read_params(newest(runs["gpt2-sdpa.onnx"][0]))
+    dynamo = read_params(newest(runs["gpt2-sdpa-dynamo-noopt.onnx"][0]))
+    assert sorted(script) == sorted(dynamo)
+    for name, value in script.items():  # measured: bit for bit
+        np.testing.assert_allclose(value, dynamo[name], rtol=0, atol=EXPORTER_ATOL, err_msg=name)
+    for kept, other in merged:
+        # torch's gradients of the two differ, so the dynamo run moves them apart by several updates' steps
+        assert np.abs(dynamo[kept] - dynamo[other]).max() > 2e-3, (kept, other)
+        assert np.abs(script[kept] - script[other]).max() > 2e-3, (kept, other)
+    assert losses(runs["gpt2-sdpa.onnx"][1].stdout) == pytest.approx(
+        losses(runs["gpt2-sdpa-dynamo-noopt.onnx"][1].stdout), rel=1e-5)
+
+
+def test_folded_batchnorm_export_is_refused_at_validate_and_configure(tmp_path):
+    """The dynamo exporter's default optimisation folded the eval-mode BatchNorm into fc1's Gemm: validate reports it
+    as one problem naming the BatchNorm and ``optimize=False``, and configure refuses it before building anything."""
+    import yaml
+
+    from ortflow.config import ConfigError, config_from_dict
+    from ortflow.configure.configure import configure
+    from ortflow.validate import validate
+
+    np.savez(tmp_path / "data.npz", features=np.ones((64, 8), np.float32), labels=np.zeros(64, np.int64))
+    raw = {"name": "folded", "output_dir": str(tmp_path / "run"),
+           "model": {"path": str(export_path("bnmlp-dynamo.onnx"))}, "data": {"train": [str(tmp_path / "data.npz")]},
+           "train": {"batch_size": 4, "num_train_steps": 2}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    (problem,) = validate(tmp_path / "run.yaml")
+    assert "BatchNorm 'bn' was folded into the Gemm" in problem and "optimize=False" in problem
+    assert "\n" not in problem
+    with pytest.raises(ConfigError, match="BatchNorm 'bn' was folded") as err:
+        configure(config_from_dict(raw))
+    assert "optimize=False" in str(err.value)
+    assert not (tmp_path / "run" / "artifacts").exists()
