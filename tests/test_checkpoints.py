@@ -136,13 +136,26 @@ def test_explicit_corrupted_checkpoint_raises_instead_of_falling_back(tmp_path):
         resolve_resume(tmp_path, first)
 
 
-def test_a_checkpoint_of_another_stage_count_is_refused_as_a_checkpoint_error_naming_both_sizes(tmp_path):
+def test_a_checkpoint_of_another_split_is_refused_naming_both_sizes_and_a_way_out_that_works_there(tmp_path):
     # A CheckpointError: the rank stops with its one line (no traceback) and the train task does not retry it.
     from ortflow.checkpoints.layout_check import check_checkpoint_layout
 
-    with pytest.raises(CheckpointError, match="pipeline_parallel_size 1 but this run has 2: resume with 1"):
-        check_checkpoint_layout({"pipeline_parallel_size": 1}, tmp_path, 2)
-    check_checkpoint_layout({"pipeline_parallel_size": 2}, tmp_path, 2)
+    with pytest.raises(CheckpointError, match="pipeline_parallel_size 1 but this run has 2: resume with 1") as err:
+        check_checkpoint_layout({"pipeline_parallel_size": 1}, tmp_path, 2, 1, named=False)
+    # The way out: its weights with checkpoint.init_from, in a run whose checkpoint folder is empty (a folder holding
+    # checkpoints resumes its newest and never reads init_from, so the same folder would refuse again).
+    assert f"checkpoint.init_from: {tmp_path}" in str(err.value), err.value
+    assert "another output_dir" in str(err.value) and "ignores checkpoint.init_from" in str(err.value), err.value
+    with pytest.raises(CheckpointError, match="horizontal_parallel_size 1 but this run has 2: resume with 1") as err:
+        check_checkpoint_layout({}, tmp_path, 1, 2, named=True)
+    # Named with checkpoint_to_load_path: the same config with init_from in its place.
+    assert f"checkpoint.init_from: {tmp_path} in place of checkpoint.checkpoint_to_load_path" in str(err.value)
+    with pytest.raises(CheckpointError, match="horizontal_parallel_size 4 but this run has 2"):
+        check_checkpoint_layout({"horizontal_parallel_size": 4}, tmp_path, 1, 2, named=False)
+    check_checkpoint_layout({"pipeline_parallel_size": 2}, tmp_path, 2, 1, named=False)
+    check_checkpoint_layout({"pipeline_parallel_size": 2, "horizontal_parallel_size": 2}, tmp_path, 2, 2, named=False)
+    # An unsplit run resumes a tensor-parallel checkpoint with its slices merged.
+    check_checkpoint_layout({"horizontal_parallel_size": 2}, tmp_path, 1, 1, named=False)
 
 
 def test_a_disk_full_message_from_h5py_is_read_from_its_text():

@@ -1,4 +1,5 @@
-"""Which pipeline layout a checkpoint was written with, checked before any rank loads it."""
+"""Which split (pipeline stages, tensor-parallel size) a checkpoint was written with, checked before any rank loads
+it."""
 
 from __future__ import annotations
 
@@ -7,16 +8,35 @@ from pathlib import Path
 from ortflow.checkpoints.folder import CheckpointError
 
 
-def check_checkpoint_layout(meta: dict, path: Path, num_stages: int) -> None:
-    """Refuse a checkpoint written with another ``pipeline_parallel_size`` (its state files are split differently).
+def check_checkpoint_layout(meta: dict, path: Path, num_stages: int, tp_size: int, named: bool) -> None:
+    """Refuse a checkpoint written with another ``pipeline_parallel_size``, or with another
+    ``horizontal_parallel_size`` when this run is tensor parallel (its state files are split differently; an unsplit
+    run resumes a tensor-parallel checkpoint with its slices merged).
+
+    Args:
+        meta: The checkpoint's ``meta.json``.
+        path: Its folder.
+        num_stages: This run's pipeline stages.
+        tp_size: This run's tensor-parallel size.
+        named: The checkpoint was named by ``checkpoint.checkpoint_to_load_path`` (not the newest of the run's own).
 
     Raises:
-        CheckpointError: naming both sizes and what to do (the rank stops with that line, not a traceback).
+        CheckpointError: naming both sizes and the ways out (the rank stops with that line, not a traceback).
     """
-    written = int(meta.get("pipeline_parallel_size", 1))
-    if written != num_stages:
-        raise CheckpointError(
-            f"checkpoint {path} was written with distributed.pipeline_parallel_size {written} but this run has "
-            f"{num_stages}: resume with {written}, or export it (`ortflow export`, which stitches the stages) and "
-            "start a new run from the exported model"
-        )
+    written_pp, written_tp = int(meta.get("pipeline_parallel_size", 1)), int(meta.get("horizontal_parallel_size", 1))
+    if written_pp != num_stages:
+        field, written, this = "pipeline_parallel_size", written_pp, num_stages
+    elif tp_size > 1 and written_tp != tp_size:
+        field, written, this = "horizontal_parallel_size", written_tp, tp_size
+    else:
+        return
+    # A folder that holds checkpoints resumes its newest one and never reads init_from: the warm start needs a run
+    # whose checkpoint folder is empty, or the config that named this checkpoint with init_from in its place.
+    where = ("in place of checkpoint.checkpoint_to_load_path" if named else
+             "in a new run (another output_dir, or a checkpoint.dir without checkpoints: a run that holds "
+             "checkpoints resumes its newest and ignores checkpoint.init_from)")
+    raise CheckpointError(
+        f"checkpoint {path} was written with distributed.{field} {written} but this run has {this}: resume with "
+        f"{written}, or start from its weights (merged and split for this layout; the optimizer state starts fresh "
+        f"at step 0) with checkpoint.init_from: {path} {where}"
+    )

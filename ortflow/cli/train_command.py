@@ -82,6 +82,11 @@ def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> Ru
         fail(str(err))
 
 
+def _busy(err: RunFolderLocked, run_dir: Path) -> str:
+    """The refusal of a folder another run holds, with this command's way to queue behind it."""
+    return f"{err}\n  to queue behind it instead: ortflow train {run_dir} --wait"
+
+
 def _set_profile(profile: str | None, cfg: RunConfig) -> None:
     """Check ``--profile A:B`` and put it in the environment the ranks (or the Slurm job) inherit."""
     from ortflow.trainer.profile_report import PROFILE_ENV, parse_steps
@@ -127,7 +132,9 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
             stops.phase = "job"
             result = launch(run_dir, layout.ranks, hostfile=hostfile or dist.hostfile, num_hosts=dist.num_hosts,
                             threads=layout.threads, mpiexec=mpiexec, forward_signals=True, received=stops.received)
-    except (LaunchError, RunFolderLocked) as err:
+    except RunFolderLocked as err:
+        fail(_busy(err, run_dir))
+    except LaunchError as err:
         fail(str(err))
     finally:
         stops.phase = "after"
@@ -153,7 +160,9 @@ def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | N
         with hold(run_dir, wait=wait, purpose="ortflow train"):
             stops.phase = "job"
             result = run_scheduled(cfg, run_dir, forward_signals=True, received=stops.received)
-    except (LaunchError, RunFolderLocked) as err:
+    except RunFolderLocked as err:
+        fail(_busy(err, run_dir))
+    except LaunchError as err:
         fail(str(err))
     finally:
         stops.phase = "after"

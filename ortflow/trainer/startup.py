@@ -29,7 +29,8 @@ def choose_start(
     Args:
         cfg: The run config (checkpoint dir, checkpoint_to_load_path, init_from).
         comm: The world group; rank 0 chooses and broadcasts.
-        num_stages: Pipeline stages of this run; a checkpoint written with another count is refused.
+        num_stages: Pipeline stages of this run; a checkpoint written with another count (or, on a tensor-parallel
+            run, another tensor-parallel size) is refused.
     """
     chosen = warm = None
     if comm.rank == 0:
@@ -42,7 +43,8 @@ def choose_start(
     chosen, warm = comm.broadcast((chosen, warm), "choose checkpoint")
     resume = checkpoints.CheckpointInfo(Path(chosen[0]), chosen[1]["step"], chosen[1]) if chosen else None
     if resume:
-        check_checkpoint_layout(resume.meta, resume.path, num_stages)
+        check_checkpoint_layout(resume.meta, resume.path, num_stages, cfg.distributed.horizontal_parallel_size,
+                                named=cfg.checkpoint.checkpoint_to_load_path is not None)
     return resume, warm
 
 

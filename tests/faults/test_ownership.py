@@ -86,6 +86,7 @@ def test_two_runs_training_into_one_checkpoint_dir_at_once_are_refused_by_its_lo
         out = procs.ortflow_here("train", str(second.output_dir))
         assert out.returncode != 0 and "Traceback" not in out.stdout, out.stdout
         assert str(first.checkpoints_dir) in out.stdout and "in use by" in out.stdout, out.stdout
+        assert f"to queue behind it instead: ortflow train {second.output_dir} --wait" in out.stdout, out.stdout
     finally:
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=120)

@@ -269,6 +269,8 @@ def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path, str
     out = run_ranks(unsplit)
     assert out.returncode != 0
     assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout
+    # The way out names this config's own fix: the same checkpoint as a warm start (which stitches the stages).
+    assert f"checkpoint.init_from: {folder} in place of checkpoint.checkpoint_to_load_path" in out.stdout, out.stdout
     assert "Traceback" not in out.stdout, out.stdout  # one line naming the fix, which a retry would meet again
 
 

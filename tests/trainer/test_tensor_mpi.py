@@ -271,6 +271,8 @@ def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_anothe
     assert out.returncode != 0
     assert "was written with distributed.horizontal_parallel_size 1 but this run has 2" in out.stdout, \
         out.stdout[-3000:]
+    # The way out names this config's own fix: the same checkpoint as a warm start, its weights sliced for tp 2.
+    assert f"checkpoint.init_from: {newest(whole)} in place of checkpoint.checkpoint_to_load_path" in out.stdout
 
 
 def test_a_warm_start_from_a_whole_model_checkpoint_slices_its_weights(trained):

@@ -17,7 +17,7 @@ from ortflow.artifacts_folder import (
     stage_base,
     stage_dir,
 )
-from ortflow.checkpoints import CheckpointError, h5state
+from ortflow.checkpoints import h5state
 from ortflow.checkpoints.tp import tp_optimizer_files
 from ortflow.config import RunConfig
 from ortflow.engine import api
@@ -59,7 +59,7 @@ def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, 
     if dims.tp > 1:
         pieces = info if dims.pp > 1 else record
         base = stage_base(cfg.artifacts_dir, where.stage) if dims.pp > 1 else Path(cfg.artifacts_dir)
-        body = tensor_body(cfg, pieces, base, where, groups, buffers, threads, device, resume, start,
+        body = tensor_body(cfg, pieces, base, where, groups, buffers, threads, device, start,
                            last=where.stage == dims.pp - 1)
     else:
         body = whole_body(cfg, comm, dims, where, buffers, threads, device, start)
@@ -135,15 +135,10 @@ def whole_body(cfg: RunConfig, comm: Communicator, dims: ParallelDims, where: Pl
 
 
 def tensor_body(cfg: RunConfig, record: dict, base: Path, where: Place, groups: Groups, buffers, threads: int,
-                device: str, resume, start: Path | None, last: bool) -> TensorParallel:
+                device: str, start: Path | None, last: bool) -> TensorParallel:
     """This tensor-parallel rank's pieces (of ``base``, their ``tensor.json`` ``record``), their slices of
     ``start``'s parameters (merged ones sliced for this size) and where their activations live."""
-    size = cfg.distributed.horizontal_parallel_size
-    if resume and int(resume.meta.get("horizontal_parallel_size", 1)) != size:
-        raise CheckpointError(
-            f"checkpoint {resume.path} was written with distributed.horizontal_parallel_size "
-            f"{resume.meta.get('horizontal_parallel_size', 1)} but this run has {size}: resume with that size, or "
-            "start a new run from it with checkpoint.init_from (its merged weights are sliced for this size)")
+    size = cfg.distributed.horizontal_parallel_size  # choose_start refused a checkpoint of another size
     pieces, holders = load_pieces(record, base, where.tp_rank, device, stage_session_options(threads, buffers))
     trainable = sorted(n for n, hs in holders.items() if pieces[hs[0]].state.parameters[n].requires_grad)
     body = TensorParallel(pieces, holders, trainable, record["slicing"], buffers, where.tp_rank, size, groups.tp)
