@@ -62,6 +62,8 @@ def train(
     samples = k * model.dims.dp * cfg.train.batch_size  # one update's samples, over the replicas
     step = model.resume.step if model.resume else 0
     cursor = model.resume.global_cursor if model.resume else 0
+    if model.resume and model.comm.rank == 0:
+        note_batch_change(model.resume.meta, model.resume.path.name, samples, model.dims.dp, k, cfg.train.batch_size)
     batches = train_batches(cursor)
     timer, profiler = PhaseTimer(clock), StepProfiler.for_run(model)  # step-time breakdown; per-op profile on demand
     window = Window(model, progress, tensorboard, timer, tokens_per_sample)
@@ -209,12 +211,28 @@ class Window:
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
 
+#: The key of meta.json that records one weight update's samples over the replicas.
+SAMPLES_KEY = "samples_per_update"
+
+
+def note_batch_change(meta: dict, name: str, samples: int, replicas: int, micro_batches: int, batch_size: int) -> None:
+    """Warn when a resumed run takes another number of samples per update than the checkpoint's run (a layout
+    changed under a per-rank ``train.batch_size``): allowed, but the loss and the schedule then see another batch."""
+    before = meta.get(SAMPLES_KEY)
+    if before is None or int(before) == samples:
+        return
+    log.warning("%s was trained with %d samples per weight update; this run takes %d (%d replica(s) x "
+                "train.batch_size %d x %d micro-batch(es)): set train.global_batch_size: %d to keep %d on any layout",
+                name, before, samples, replicas, batch_size, micro_batches, before, before)
+
+
 def save(model: RankModel, checkpoints: CheckpointManager, step: int, cursor: int, train_loss, eval_loss) -> None:
     """The checkpoint hook: check the replicas, then every rank takes part in the manager's save (its barriers)."""
     cfg = model.cfg
     meta = {
         "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps,
         "num_weight_updates": cfg.train.num_weight_updates, "train_loss": train_loss, "eval_loss": eval_loss,
+        SAMPLES_KEY: cfg.train.gradient_accumulation_steps * model.dims.dp * cfg.train.batch_size,
         "num_ranks": model.comm.size, **model.layout_meta(), "config_fingerprint": cfg.section_fingerprint(),
         "rng": {"seed": cfg.train.seed, "scheme": RNG_SCHEME},
         **model.replica_check(step),

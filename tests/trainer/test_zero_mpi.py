@@ -77,6 +77,10 @@ def test_a_two_rank_zero1_checkpoint_resumes_on_other_rank_counts(zero_pair, ran
     for out in run_ranks_together(*runs.values()):  # independent jobs: at once
         assert out.returncode == 0, out.stdout
         assert "starting from step 10" in out.stdout
+        # train.batch_size is per rank: another rank count takes another batch, which the resume says, with the fix.
+        assert (f"step-00000010 was trained with 8 samples per weight update; this run takes {4 * ranks} "
+                f"({ranks} replica(s) x train.batch_size 4 x 1 micro-batch(es)): set train.global_batch_size: 8"
+                in out.stdout), out.stdout
     last = list_complete(runs[1].checkpoints_dir)[-1]
     # Continued at the exact sample: 10 updates x 2 ranks x 4, then 6 updates x ranks x 4.
     assert last.step == 16 and last.meta["global_cursor"] == 10 * 2 * 4 + 6 * ranks * 4
