@@ -51,11 +51,12 @@ def trained(world: int, opt: OptimizerConfig, steps: int = 3):
     return ranks
 
 
-def save(directory: Path, ranks, step: int = 3, extra=None) -> Path:
-    """A checkpoint of every rank's state (the ranks' writes into one folder, done here one after the other)."""
+def save(directory: Path, ranks, step: int = 3, extra=None, optimizer: str = "adamw/torch") -> Path:
+    """A checkpoint of every rank's state (the ranks' writes into one folder, done here one after the other), its
+    optimizer files labelled ``optimizer``."""
     world = len(ranks)
     states = [
-        TrainState(lambda p=params: dict(zip(NAMES, p, strict=True)), list(NAMES), update, "adamw/torch",
+        TrainState(lambda p=params: dict(zip(NAMES, p, strict=True)), list(NAMES), update, optimizer,
                    rank=rank, world_size=world, sharded=world > 1, extra_state=extra)
         for rank, (params, update) in enumerate(ranks)
     ]
@@ -99,11 +100,15 @@ def test_optimizer_state_reshards_between_world_sizes(tmp_path, written, read):
 
 
 def test_resuming_with_another_optimizer_is_refused_clearly(tmp_path):
-    path = save(tmp_path, trained(1, OptimizerConfig(name="sgd")))
+    path = save(tmp_path, trained(1, OptimizerConfig(name="sgd", momentum=0.9)), optimizer="sgd")
     segs = whole_segments(NAMES, SIZES)
     adam = build_update(OptimizerConfig(), segs, [np.zeros(s.size, np.float32) for s in segs])
-    with pytest.raises(CheckpointError, match="needs \\['exp_avg', 'exp_avg_sq'\\]"):
+    with pytest.raises(CheckpointError, match="needs \\['exp_avg', 'exp_avg_sq'\\]") as err:
         load_optimizer(path, adam, "adamw/torch")
+    # Both ways out: the optimizer that wrote it, or its weights with a fresh state in a run without checkpoints
+    # (a run folder that holds checkpoints resumes them and never reads init_from).
+    assert "resume with optimizer sgd" in str(err.value), err.value
+    assert f"checkpoint.init_from: {path} in a new run (another output_dir" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("victim", ["params.h5", "optimizer-rank00000-of-00002.h5", "optimizer-rank00001-of-00002.h5",

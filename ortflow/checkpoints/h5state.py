@@ -286,9 +286,12 @@ def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: l
     step, written_by, pieces = state_pieces(folder, rank, {seg.name for seg in update.segments} or None, files)
     wanted = update.rule.state_names
     if wanted and set(wanted) - set(pieces):
+        writer = str(written_by or "").partition("/")[0] or "that wrote it"  # the optimizer.name to resume with
         raise CheckpointError(
             f"{folder.name} holds optimizer state {sorted(pieces)} (written by {written_by}) but optimizer "
-            f"{optimizer} needs {list(wanted)}: resume with the optimizer that wrote it, or start a new run"
+            f"{optimizer} needs {list(wanted)}: resume with optimizer {writer}, "
+            f"or start from its weights with a fresh {optimizer} state (at step 0) with checkpoint.init_from: "
+            f"{folder} in a new run (another output_dir, or a checkpoint.dir without checkpoints)"
         )
     if written_by and written_by != optimizer:
         fix = " (set optimizer.rule: engine to continue it bit for bit)" if written_by == "adamw/engine" else ""
