@@ -63,7 +63,7 @@ def train(
     step = model.resume.step if model.resume else 0
     cursor = model.resume.global_cursor if model.resume else 0
     if model.resume and model.comm.rank == 0:
-        note_batch_change(model.resume.meta, model.resume.path.name, samples, model.dims.dp, k, cfg.train.batch_size)
+        note_batch_change(model.resume.meta, model.resume.path.name, samples, model.dims.dp, k, cfg.train)
     batches = train_batches(cursor)
     timer, profiler = PhaseTimer(clock), StepProfiler.for_run(model)  # step-time breakdown; per-op profile on demand
     window = Window(model, progress, tensorboard, timer, tokens_per_sample)
@@ -215,15 +215,20 @@ class Window:
 SAMPLES_KEY = "samples_per_update"
 
 
-def note_batch_change(meta: dict, name: str, samples: int, replicas: int, micro_batches: int, batch_size: int) -> None:
+def note_batch_change(meta: dict, name: str, samples: int, replicas: int, micro_batches: int, train) -> None:
     """Warn when a resumed run takes another number of samples per update than the checkpoint's run (a layout
-    changed under a per-rank ``train.batch_size``): allowed, but the loss and the schedule then see another batch."""
+    changed under a per-rank ``train.batch_size``, or an accepted edit of the batch): allowed, but the loss and the
+    schedule then see another batch."""
     before = meta.get(SAMPLES_KEY)
     if before is None or int(before) == samples:
         return
+    if train.global_batch_size:  # changed on purpose: nothing to fix
+        log.warning("%s was trained with %d samples per weight update; this run takes %d (train.global_batch_size)",
+                    name, before, samples)
+        return
     log.warning("%s was trained with %d samples per weight update; this run takes %d (%d replica(s) x "
                 "train.batch_size %d x %d micro-batch(es)): set train.global_batch_size: %d to keep %d on any layout",
-                name, before, samples, replicas, batch_size, micro_batches, before, before)
+                name, before, samples, replicas, train.batch_size, micro_batches, before, before)
 
 
 def save(model: RankModel, checkpoints: CheckpointManager, step: int, cursor: int, train_loss, eval_loss) -> None:
