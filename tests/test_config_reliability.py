@@ -207,3 +207,16 @@ def test_a_missing_checkpoint_to_start_from_is_named_before_training(tmp_path, f
     tiny_model(tmp_path / "model.onnx")
     cfg, problems = find_problems(write(tmp_path, BASE + f"checkpoint: {{{field}: nowhere/step-00000010}}\n"))
     assert any(f"checkpoint.{field}" in p and "does not exist" in p for p in problems), problems
+
+
+def test_a_run_folder_given_as_a_config_is_refused_naming_its_own_config(tmp_path):
+    # `ortflow retain RUN_DIR` (whose siblings train, evaluate and export take the run folder): the refusal names the
+    # folder's config.yaml, which the command takes.
+    (tmp_path / "config.yaml").write_text("name: x\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert "is not a regular file" in str(err.value), err.value
+    assert f"a run folder's own config is {tmp_path / 'config.yaml'}" in str(err.value), err.value
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "none")  # another folder: no such hint
+    assert "run folder" not in str(err.value), err.value

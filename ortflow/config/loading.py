@@ -215,6 +215,8 @@ def read_config_bytes(path: Path) -> bytes:
     """The bytes of a config file (a regular file of at most :data:`MAX_CONFIG_BYTES`)."""
     try:
         refusal = regular_file_problem(path, MAX_CONFIG_BYTES, "a config")
+        if refusal and (path / RESOLVED_CONFIG_NAME).is_file():  # a run folder where its config was meant
+            refusal += f" (a run folder's own config is {path / RESOLVED_CONFIG_NAME})"
         if refusal:
             raise ConfigError([refusal], str(path))
         return path.read_bytes()
