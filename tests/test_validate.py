@@ -306,3 +306,26 @@ def test_plain_validate_plans_the_stages_of_a_dynamo_export_on_its_torch_paramet
 def test_validate_deep_builds_a_default_dynamo_export(tmp_path):
     # The dynamo exporter keeps scalars and shapes as initializers: the passes read them, never a stripped value.
     assert validate(_dynamo_config(tmp_path, "llama-dynamo.onnx"), deep=True) == []
+
+
+def test_a_checkpoint_that_training_would_refuse_for_its_split_is_a_problem_before_training(tmp_path):
+    # The run folder's newest checkpoint was written by 2 pipeline stages; this config trains unsplit: the ranks would
+    # refuse it at start, so validate says so first, with the same way out.
+    from ortflow.checkpoints import CheckpointManager
+
+    path = setup(tmp_path)
+    folder = tmp_path / "run" / "checkpoints"
+
+    def write(_, where):
+        (where / "params-stage00-of-02.h5").write_bytes(b"weights")
+
+    CheckpointManager(folder, 1, 5, is_writer=True, writer=write).save(
+        3, None, {"global_cursor": 12, "pipeline_parallel_size": 2})
+    refusals = [p for p in validate(path) if "pipeline_parallel_size 2 but this run has 1" in p]
+    assert len(refusals) == 1 and str(folder / "step-00000003") in refusals[0], refusals
+    assert f"checkpoint.init_from: {folder / 'step-00000003'} in a new run" in refusals[0], refusals
+    assert not [p for p in validate(setup(tmp_path, distributed={"pipeline_parallel_size": 2, "num_ranks": 2}))
+                if "was written with" in p]  # its own split resumes
+    # A damaged checkpoint is skipped by training (an earlier one resumes, or none): not this refusal.
+    (folder / "step-00000003" / "params-stage00-of-02.h5").write_bytes(b"flipped")
+    assert not [p for p in validate(path) if "was written with" in p]
