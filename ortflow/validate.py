@@ -439,29 +439,11 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
 
 def resume_layout_problems(cfg: RunConfig) -> list[str]:
     """The checkpoint training would resume, written with another pipeline or tensor-parallel size: the ranks refuse
-    it at start (:func:`~ortflow.checkpoints.layout_check.check_checkpoint_layout`), so it is a problem now.
+    it at start, so it is a problem now (:func:`~ortflow.checkpoints.layout_check.resume_layout_refusal`)."""
+    from ortflow.checkpoints.layout_check import resume_layout_refusal
 
-    Reads the newest complete checkpoint's ``meta.json`` (or ``checkpoint_to_load_path``'s); only one that conflicts
-    has its files hashed, and a damaged one is passed over, as training passes over it."""
-    from ortflow.checkpoints import CheckpointError, list_complete, verify
-    from ortflow.checkpoints.layout_check import check_checkpoint_layout
-
-    named, dist = cfg.checkpoint.checkpoint_to_load_path, cfg.distributed
-    found = list_complete(Path(named).parent if named is not None else cfg.checkpoints_dir)
-    if named is not None:
-        found = [c for c in found if c.path.name == Path(named).name]
-    for info in reversed(found):
-        try:
-            check_checkpoint_layout(info.meta, info.path, dist.pipeline_parallel_size, dist.horizontal_parallel_size,
-                                    named=named is not None)
-        except CheckpointError as refusal:
-            try:
-                verify(info.path)
-            except CheckpointError:
-                continue  # damaged: training passes over it (or, named, stops on it with its own message)
-            return [f"checkpoint: {refusal}"]
-        return []
-    return []
+    refusal = resume_layout_refusal(cfg)
+    return [f"checkpoint: {refusal}"] if refusal else []
 
 
 def path_problems(cfg: RunConfig) -> list[str]:

@@ -4,8 +4,12 @@ it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ortflow.checkpoints.folder import CheckpointError
+from ortflow.checkpoints.folder import CheckpointError, list_complete, verify
+
+if TYPE_CHECKING:
+    from ortflow.config import RunConfig
 
 
 def check_checkpoint_layout(meta: dict, path: Path, num_stages: int, tp_size: int, named: bool) -> None:
@@ -40,3 +44,30 @@ def check_checkpoint_layout(meta: dict, path: Path, num_stages: int, tp_size: in
         f"{written}, or start from its weights (merged and split for this layout; the optimizer state starts fresh "
         f"at step 0) with checkpoint.init_from: {path} {where}"
     )
+
+
+def resume_layout_refusal(cfg: RunConfig) -> str | None:
+    """Before any rank starts: the refusal the ranks would meet for the checkpoint they would resume, else None.
+
+    Reads the newest complete checkpoint's ``meta.json`` (or ``checkpoint_to_load_path``'s); only one that conflicts
+    has its files hashed, and a damaged one is passed over, as the ranks pass over it. A run folder on object storage
+    is left to the ranks (the local folder may not hold what the store holds).
+    """
+    if cfg.storage.remote_dir is not None:
+        return None
+    named, dist = cfg.checkpoint.checkpoint_to_load_path, cfg.distributed
+    found = list_complete(Path(named).parent if named is not None else Path(cfg.checkpoints_dir))
+    if named is not None:
+        found = [c for c in found if c.path.name == Path(named).name]
+    for info in reversed(found):
+        try:
+            check_checkpoint_layout(info.meta, info.path, dist.pipeline_parallel_size, dist.horizontal_parallel_size,
+                                    named=named is not None)
+        except CheckpointError as refusal:
+            try:
+                verify(info.path)
+            except CheckpointError:
+                continue  # damaged: the ranks pass over it (or, named, stop on it with their own message)
+            return str(refusal)
+        return None
+    return None

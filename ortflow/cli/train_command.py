@@ -53,6 +53,7 @@ def train(
     with stop_signals() as stops:
         try:
             cfg = _run_config(run_dir, launcher, accept_changed_config)
+            _refuse_another_split(cfg)
             if cfg.distributed.launcher != "local":
                 if np_ is not None or hostfile is not None or threads is not None or mpiexec is not None:
                     fail(f"--np, --hostfile, --threads and --mpiexec are for launcher local; launcher "
@@ -80,6 +81,16 @@ def _run_config(run_dir: Path, launcher: str | None, accept_changed: bool) -> Ru
         return cfg if launcher is None else apply_overrides(cfg, [f"distributed.launcher={launcher}"])
     except ConfigError as err:
         fail(str(err))
+
+
+def _refuse_another_split(cfg: RunConfig) -> None:
+    """A checkpoint to resume of another pipeline or tensor-parallel size: refused before any job starts (the ranks
+    would refuse it at start, under a scheduler after the queue wait)."""
+    from ortflow.checkpoints.layout_check import resume_layout_refusal
+
+    refusal = resume_layout_refusal(cfg)
+    if refusal:
+        fail(refusal)
 
 
 def _busy(err: RunFolderLocked, run_dir: Path) -> str:

@@ -10,9 +10,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from ortflow.checkpoints import list_complete, verify
 from ortflow.checkpoints.h5state import params_files, stage_file
+from ortflow.cli import app
 from tests.support.mlp_stack import B, T, build_torchlike
 from tests.support.parallel_runs import assert_export_equals_eval_graph, corpus, kill_after_first_checkpoint, losses
 from tests.support.runs import (
@@ -271,6 +273,12 @@ def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path, str
     assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout
     # The way out names this config's own fix: the same checkpoint as a warm start (which stitches the stages).
     assert f"checkpoint.init_from: {folder} in place of checkpoint.checkpoint_to_load_path" in out.stdout, out.stdout
+    # `ortflow train` refuses it before it starts a job: no layout chosen, no rank started.
+    result = CliRunner().invoke(app, ["train", str(unsplit.output_dir)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception  # no traceback
+    assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in result.output, result.output
+    assert "layout:" not in result.output and "[0]" not in result.output, result.output
     assert "Traceback" not in out.stdout, out.stdout  # one line naming the fix, which a retry would meet again
 
 
