@@ -420,8 +420,15 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
         if not is_dir and path.is_dir():
             return f"{field}: {path} is a folder; give the file to write, e.g. {path / 'model.onnx'}"
         target = path if is_dir else path.parent
-        return None if os.access(target, os.W_OK | os.X_OK) else f"{field}: {target} is not writable; fix its " \
-            "permissions or choose another path"
+        if not os.access(target, os.W_OK | os.X_OK):
+            return f"{field}: {target} is not writable; fix its permissions or choose another path"
+        try:  # permissions are not the whole story (root, /sys, a full or read-only mount): try, and remove the try
+            handle, probe = tempfile.mkstemp(prefix=".ortflow-probe-", dir=target)
+        except OSError as err:
+            return f"{field}: {target} takes no new files ({err.strerror}); choose another path"
+        os.close(handle)
+        os.unlink(probe)
+        return None
     parent = path.parent
     while not parent.exists():
         parent = parent.parent

@@ -116,6 +116,14 @@ def test_unwritable_output_and_export_paths(tmp_path):
     assert any(p.startswith("export.path:") and "is a folder" in p for p in problems), problems
 
 
+def test_an_existing_tensorboard_folder_that_takes_no_files_is_a_problem(tmp_path):
+    # /sys/kernel exists and passes the permission check for root, yet takes no new files: the first event file
+    # failed in rank 0 with a traceback after validate had called the config valid
+    problems = validate(setup(tmp_path, tensorboard={"log_dir": "/sys/kernel"}))
+    assert any(p.startswith("tensorboard.log_dir: /sys/kernel ") and "choose another path" in p
+               for p in problems), problems
+
+
 def test_every_problem_at_once(tmp_path):
     path = setup(tmp_path, reshape_batch_classifier, data={"train": ["*.parquet", "none.csv"]},
                  train={"batch_size": 8}, export={"path": str(tmp_path)})  # fmt: skip

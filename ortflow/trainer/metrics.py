@@ -34,10 +34,14 @@ class TensorBoardLog:
             resumed_from: The checkpoint step a resumed run starts after: the events earlier attempts wrote for
                 later steps are removed, since this run logs those steps again.
         """
-        log_dir.mkdir(parents=True, exist_ok=True)
-        if resumed_from is not None:
-            drop_steps_after(log_dir, resumed_from)
-        self._writer = EventFile(log_dir)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            if resumed_from is not None:
+                drop_steps_after(log_dir, resumed_from)
+            self._writer = EventFile(log_dir)
+        except OSError as err:  # the rank reports a ValueError as one line (a retry may pass: it keeps the cause)
+            raise ValueError(f"tensorboard.log_dir: cannot write an event file in {log_dir} ({err.strerror or err}); "
+                             "choose another folder or fix its permissions") from err
         self._scalars = set(scalar_names)
         self._patterns = histogram_patterns
 

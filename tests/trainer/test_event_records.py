@@ -3,7 +3,10 @@ own reader, checksums included."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_masked_crc32c
@@ -37,3 +40,10 @@ def test_scalars_and_histograms_read_back_with_tensorboards_reader_from_files_of
     assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(1, 2.5), (2, 1.5)]
     assert events.Tags()["histograms"] == ["params/w1"]
     assert events.Histograms("params/w1")[0].histogram_value.max == 11.0
+
+
+def test_a_folder_that_takes_no_event_file_is_named_with_the_field_not_a_traceback():
+    # rank 0 turns a ValueError into one line naming the problem; a raw PermissionError printed a traceback
+    with pytest.raises(ValueError, match=r"^tensorboard.log_dir: cannot write an event file in /sys/kernel \(") as err:
+        TensorBoardLog(Path("/sys/kernel"), ("train/loss",), ())
+    assert isinstance(err.value.__cause__, OSError)
