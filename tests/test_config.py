@@ -121,6 +121,21 @@ def test_unknown_field_is_named(tmp_path):
     assert any("train.batchsize: unknown field" in p for p in problems_of(tmp_path, "train.batchsize=3"))
 
 
+@pytest.mark.parametrize(("override", "named"), [
+    ("optimizer.learnig_rate=0.1", "optimizer.learnig_rate: unknown field; did you mean optimizer.learning_rate?"),
+    ("lr_scheduler.name=cosine", "lr_scheduler: unknown field; did you mean lr_schedule?"),
+    ("optimizer.groups=[{params: ['*'], lr_scal: 2}]", "optimizer.groups.0.lr_scal: unknown field; did you mean "
+     "optimizer.groups.0.lr_scale?"),
+    ("train.warmup_steps=3", "train.warmup_steps: unknown field; did you mean lr_schedule.warmup_steps?"),
+    # torch.optim's argument names, which docs/training.md compares the rules with
+    ("optimizer.lr=0.1", "optimizer.lr: unknown field; did you mean optimizer.learning_rate?"),
+    ("optimizer.betas=[0.9,0.95]", "optimizer.betas: unknown field; did you mean optimizer.beta1 and optimizer.beta2?"),
+    ("optimizer.eps=1e-6", "optimizer.eps: unknown field; did you mean optimizer.epsilon?"),
+])
+def test_a_misspelled_field_is_named_with_the_field_meant(tmp_path, override, named):
+    assert named in problems_of(tmp_path, override)
+
+
 def test_missing_required_field_is_named(tmp_path):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"output_dir": "x", "model": {"path": "m.onnx"}, "data": {"train": "a"}})

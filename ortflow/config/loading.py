@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ortflow.config.base import RESOLVED_CONFIG_NAME, ConfigError, regular_file_problem
 from ortflow.config.run import RunConfig
@@ -182,13 +183,56 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
     return parsed
 
 
+#: torch.optim's argument names, which docs/training.md compares the rules with, -> the optimizer section's fields.
+_TORCH_NAMES = {"lr": ("learning_rate",), "betas": ("beta1", "beta2"), "eps": ("epsilon",)}
+
+
+def _section_model(loc: tuple) -> type[BaseModel] | None:
+    """The config model that holds the field at ``loc`` (a validation error's location), or None."""
+    model: type[BaseModel] = RunConfig
+    for key in loc[:-1]:
+        if isinstance(key, int):
+            continue  # an item of a list of sections: the model found for the list holds it
+        field = model.model_fields.get(key)
+        if field is None:
+            return None
+        found = [t for t in _types_in(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not found:
+            return None
+        model = found[0]
+    return model
+
+
+def _types_in(annotation: Any) -> list:
+    """``annotation`` and the types inside it (``tuple[X, ...]``, ``X | None``, ``list[X]``)."""
+    return [annotation, *(t for arg in get_args(annotation) for t in _types_in(arg))]
+
+
+def _unknown_field(loc: tuple) -> str:
+    """The message for a field the section does not have: the field meant, where one is close."""
+    model, name = _section_model(loc), str(loc[-1])
+    meant: tuple[str, ...] = ()
+    if model is not None:
+        fields = list(model.model_fields)
+        meant = tuple(f for f in _TORCH_NAMES.get(name, ()) if f in fields) or tuple(
+            difflib.get_close_matches(name, fields, n=1, cutoff=0.75))
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    if not meant and len(loc) == 2:  # a field of another section (train.warmup_steps for lr_schedule.warmup_steps)
+        sections = {key: _section_model((key, name)) for key in RunConfig.model_fields}
+        meant = tuple(f"{key}.{name}" for key, model in sections.items() if model and name in model.model_fields)
+        prefix = ""
+    if not meant:
+        return "unknown field; check the spelling (docs/config.md lists every field)"
+    return f"unknown field; did you mean {' and '.join(prefix + m for m in meant)}?"
+
+
 def _format_validation_error(err: ValidationError) -> list[str]:
     problems = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling (docs/config.md lists every field)"
+            msg = _unknown_field(tuple(e["loc"]))
         elif e["type"] == "missing":
             msg = "required field is missing"
         problems.extend(m if not loc or m.startswith(loc) else f"{loc}: {m}" for m in msg.split("\n"))
