@@ -162,5 +162,5 @@ class StepProfiler:
             rows = top_operators(self.trace)
             (folder / "top_ops.md").write_text(markdown_table(rows, meta))
             top = markdown_table(rows[:10], meta, kernels_ms=sum(r["total_ms"] for r in rows))
-            log.info("profile of updates %d..%d: %s (top 10 of %d op types)\n%s", *self.steps, self.trace, len(rows),
-                     top)  # fmt: skip
+            log.info("profile of updates %d..%d: %s (top %d of %d op types)\n%s", *self.steps, self.trace,
+                     min(10, len(rows)), len(rows), top)  # fmt: skip

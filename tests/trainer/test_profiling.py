@@ -1,4 +1,5 @@
-"""The top-operators table from ONNX Runtime's Chrome trace: a recorded trace and hand-made events."""
+"""The top-operators table from ONNX Runtime's Chrome trace: a recorded trace, hand-made events, and a profiled
+update in process."""
 
 from __future__ import annotations
 
@@ -74,3 +75,25 @@ def test_top_operators_table_reads_rank_zeros_trace_of_a_run_folder(tmp_path):
     rows = top_operators_table(tmp_path, limit=3)
     assert len(rows) == 3 and rows[0]["op_type"] == "Gemm"
     assert set(rows[0]) == {"op_type", "calls", "total_ms", "mean_ms", "share"}
+
+
+def test_a_profiled_update_logs_its_top_operators_counting_only_the_op_types_there_are(tmp_path, caplog):
+    from ortflow.checkpoints import CheckpointManager
+    from ortflow.checkpoints.h5state import write_state
+    from ortflow.dataprep.loader import EvalLoader, TrainLoader
+    from ortflow.trainer.comm import SingleProcessComm
+    from ortflow.trainer.loop import StopFlag, train
+    from ortflow.trainer.runtime import init_runtime
+    from tests.support.runs import make_run
+
+    cfg = make_run(tmp_path, "profiled", train={"num_train_steps": 2, "profile_steps": [2, 2]},
+                   checkpoint={"period": 0})
+    rt = init_runtime(cfg.output_dir, cfg, SingleProcessComm())
+    loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, 0, 1, prefetch=0)
+    manager = CheckpointManager(cfg.checkpoints_dir, 0, 1, is_writer=True, writer=write_state)
+    with caplog.at_level("INFO", logger="ortflow.trainer"):
+        train(rt, loader.iter_from, EvalLoader(cfg.data_dir, 4, 0, 1, max_rows=0), manager, None, None, StopFlag())
+    rows = top_operators(cfg.output_dir / "profile" / "rank-0.json")
+    assert 1 < len(rows) < 10  # the MLP has fewer op types than the line shows at most
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of updates 2..2"))
+    assert f"(top {len(rows)} of {len(rows)} op types)" in line, line
