@@ -257,6 +257,26 @@ def test_lamb_and_sgd_momentum_are_accepted_and_nesterov_needs_momentum(tmp_path
     assert "nesterov needs optimizer.momentum > 0" in problem
 
 
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["optimizer.momentum=0.9"], "optimizer.momentum applies to sgd, not adamw"),
+    (["optimizer.name=lamb", "optimizer.dampening=0.1"], "optimizer.dampening applies to sgd, not lamb"),
+    (["optimizer.name=sgd", "optimizer.beta2=0.95"], "optimizer.beta2 applies to adamw and lamb, not sgd"),
+    (["optimizer.name=sgd", "optimizer.epsilon=1e-6"], "optimizer.epsilon applies to adamw and lamb, not sgd"),
+    (["optimizer.ratio_max=10"], "optimizer.ratio_max applies to lamb, not adamw"),
+    (["optimizer.name=lamb", "optimizer.rule=engine"], "optimizer.rule applies to adamw, not lamb"),
+])
+def test_a_hyper_parameter_the_optimizer_does_not_use_is_refused_not_ignored(tmp_path, overrides, named):
+    (problem,) = problems_of(tmp_path, *overrides)
+    assert named in problem and "remove it" in problem, problem
+
+
+def test_the_defaults_of_other_optimizers_hyper_parameters_are_accepted(tmp_path):
+    # the resolved config.yaml of a run folder writes every field, the other optimizers' at their defaults
+    for name in ("adamw", "sgd", "lamb"):
+        assert not problems_of(tmp_path, f"optimizer.name={name}", "optimizer.momentum=0.0", "optimizer.beta1=0.9",
+                               "optimizer.epsilon=1e-8", "optimizer.rule=torch", "optimizer.ratio_min=0.0")
+
+
 def test_adasum_needs_a_power_of_two_of_data_parallel_ranks(tmp_path):
     assert not problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=4")
     (problem,) = problems_of(tmp_path, "distributed.enable_adasum=true", "distributed.num_ranks=3")
@@ -329,11 +349,12 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
 
 
 def test_validate_prints_every_problem_and_exits_1(tmp_path):
-    result = CliRunner().invoke(app, ["validate", str(write(tmp_path)), "--set", "optimizer.ratio_min=2",
-                                      "--set", "optimizer.ratio_max=1", "--set", "train.num_train_steps=10"])
+    result = CliRunner().invoke(app, ["validate", str(write(tmp_path)), "--set", "optimizer.name=lamb", "--set",
+                                      "optimizer.ratio_min=2", "--set", "optimizer.ratio_max=1", "--set",
+                                      "train.num_train_steps=10"])  # fmt: skip
     assert result.exit_code == 1
     assert "2 problem(s)" in result.output
-    assert "ratio_max" in result.output and "multiple of" in result.output
+    assert "ratio_max (1.0) must be >= optimizer.ratio_min" in result.output and "multiple of" in result.output
     assert "Traceback" not in result.output
 
 

@@ -82,6 +82,14 @@ class OptimizerConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:
+        unused = [
+            f"optimizer.{field} applies to {' and '.join(users)}, not {self.name}; remove it (or set optimizer.name: "
+            f"{users[0]})"
+            for field, users in _USED_BY.items()
+            if self.name not in users and getattr(self, field) != type(self).model_fields[field].default
+        ]  # a run folder's config.yaml writes every field: the others' defaults are no choice, a changed value is
+        if unused:
+            raise ValueError("\n".join(unused))
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("optimizer.nesterov needs optimizer.momentum > 0 and optimizer.dampening 0")
         if self.name == "sgd" and any(g.betas is not None for g in self.groups):
@@ -91,6 +99,15 @@ class OptimizerConfig(Section):
                 f"optimizer.ratio_max ({self.ratio_max}) must be >= optimizer.ratio_min ({self.ratio_min})"
             )
         return self
+
+
+#: The hyper-parameters that only some optimizers use; a changed value under another optimizer is refused, not ignored.
+_USED_BY = {
+    "rule": ("adamw",),
+    "beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"), "epsilon": ("adamw", "lamb"),
+    "momentum": ("sgd",), "dampening": ("sgd",), "nesterov": ("sgd",),
+    "ratio_min": ("lamb",), "ratio_max": ("lamb",),
+}  # fmt: skip
 
 
 def param_group_index(names: list[str] | tuple[str, ...], opt: OptimizerConfig) -> list[int]:
