@@ -23,7 +23,7 @@ def tune(
     from ortflow.dataprep import DataError, prepare_data
     from ortflow.launch.job import LaunchError
     from ortflow.launch.layout import LayoutError, host_resources
-    from ortflow.launch.tune import check_tunable
+    from ortflow.launch.tune import check_tunable, tune_notes
     from ortflow.launch.tune import tune as tune_layouts
 
     cfg = load(config, overrides)
@@ -40,3 +40,5 @@ def tune(
     best = record["best"]
     console.print(f"[green]fastest[/]: {best['ranks']} rank(s) x {best['threads']} thread(s), recorded in {path}",
                   highlight=False)  # fmt: skip
+    for note in tune_notes(cfg, record):
+        console.print(f"[yellow]note[/]: {note}", highlight=False)

@@ -62,6 +62,22 @@ def candidates(host: Host, num_parameters: int, global_batch: int | None, fixed_
     return found
 
 
+def tune_notes(cfg, record: dict) -> list[str]:
+    """What a user of ``record`` (a layout.json) should know: the config does not start the winner (num_ranks is a
+    number), or the candidates train different samples per update (a per-rank ``train.batch_size``)."""
+    notes = []
+    ranks = cfg.distributed.num_ranks
+    if ranks != "auto":
+        notes.append(f"distributed.num_ranks is {ranks} in this config, so training starts {ranks} rank(s): set "
+                     "distributed.num_ranks: auto (or run `ortflow train RUN --np auto`) to train with the fastest")
+    sizes = sorted({c["samples_per_update"] for c in record["candidates"]})
+    if not cfg.train.global_batch_size and len(sizes) > 1:
+        notes.append(f"the fastest trains {record['best']['samples_per_update']} samples per weight update, the "
+                     f"candidates {sizes[0]} to {sizes[-1]} (train.batch_size is per rank): set "
+                     "train.global_batch_size to train one batch on any layout")
+    return notes
+
+
 def check_tunable(cfg) -> None:
     """Refuse a run ``tune`` cannot measure: CUDA ranks take one GPU each, not a share of the cores.
 

@@ -350,3 +350,24 @@ def test_tune_refuses_cuda_runs_before_configuring_anything(tmp_path):
     assert "ortflow tune times CPU layouts" in result.output and "one rank per GPU" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "run").exists()  # no configure, no prepare-data
+
+
+def test_tune_says_when_the_config_will_not_start_its_winner_or_trains_another_batch_on_it():
+    from ortflow.launch.tune import tune_notes
+
+    def cfg(**dist_train):
+        raw = {"output_dir": "/tmp/x", "model": {"path": "m.onnx"}, "data": {"train": ["a.npz"]},
+               "train": {"batch_size": 16, "num_train_steps": 4, **dist_train.get("train", {})},
+               "distributed": dist_train.get("distributed", {"num_ranks": "auto"})}
+        return config_from_dict(raw)
+
+    per_rank = {"candidates": [{"ranks": 2, "threads": 1, "samples_per_update": 32},
+                               {"ranks": 1, "threads": 2, "samples_per_update": 16}],
+                "best": {"ranks": 1, "threads": 2, "samples_per_update": 16}}
+    fixed = {"candidates": [{**c, "samples_per_update": 32} for c in per_rank["candidates"]],
+             "best": {**per_rank["best"], "samples_per_update": 32}}
+    (fixed_ranks,) = tune_notes(cfg(distributed={"num_ranks": 2}, train={"global_batch_size": 32}), fixed)
+    assert "distributed.num_ranks is 2" in fixed_ranks and "distributed.num_ranks: auto" in fixed_ranks
+    (batch,) = tune_notes(cfg(), per_rank)
+    assert "16 samples per weight update" in batch and "train.global_batch_size" in batch
+    assert tune_notes(cfg(train={"global_batch_size": 32}), fixed) == []
