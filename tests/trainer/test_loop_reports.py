@@ -1,5 +1,6 @@
-"""What the loop reports at each step, as docs/training.md ("What a run reports") states it: the rate of that update,
-the gradient norm before clipping, and the samples of every replica per second of training time (in process)."""
+"""What the loop reports at each step, as docs/training.md states it: the rate of that update, the gradient norm before
+clipping, the samples of every replica per second of training time, and which checkpoints record an eval loss (in
+process)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ortflow.checkpoints import CheckpointManager
+from ortflow.checkpoints import CheckpointManager, list_complete
 from ortflow.checkpoints.h5state import write_state
 from ortflow.dataprep.loader import EvalLoader, TrainLoader
 from ortflow.trainer.comm import SingleProcessComm
@@ -50,3 +51,17 @@ def test_step_n_reports_update_n_rate_the_unclipped_norm_and_samples_per_trainin
     for rate, window in zip(throughput, windows, strict=True):
         training_s = sum(window.values()) - window["eval"] - window["checkpoint"]
         assert rate * training_s == pytest.approx(8, rel=1e-5)
+
+
+def test_a_checkpoint_records_an_eval_loss_only_at_an_evaluation_step(tmp_path):
+    cfg = make_run(tmp_path, "periods", train={"num_train_steps": 6, "evaluation_period": 2},
+                   checkpoint={"period": 3, "max_num_checkpoints": 3})
+    rt = init_runtime(cfg.output_dir, cfg, SingleProcessComm())
+    loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, 0, 1, prefetch=0)
+    manager = CheckpointManager(cfg.checkpoints_dir, 3, 3, is_writer=True, writer=write_state)
+    evals = EvalLoader(cfg.data_dir, 4, 0, 1)
+    train(rt, loader.iter_from, evals, manager, None, Progress(cfg.output_dir, 6, 0), StopFlag())
+    metas = {c.step: c.meta for c in list_complete(cfg.checkpoints_dir)}
+    assert sorted(metas) == [3, 6]
+    assert metas[3]["eval_loss"] is None  # update 3 is no evaluation step: no candidate for the best checkpoint
+    assert metas[6]["eval_loss"] is not None and metas[6]["eval_loss"] > 0  # the final one always evaluates
