@@ -32,13 +32,29 @@ def runs(
     except ValueError as err:
         fail(str(err))
     if not entries:
-        console.print(f"{cfg.output_dir}: no versions yet (deployment runs and `ortflow run --new-version` add them)",
-                      highlight=False)
+        console.print(f"{cfg.output_dir}: no versions yet (deployment runs and `ortflow run --new-version` add them)"
+                      f"{_plain_run(cfg)}", highlight=False)  # fmt: skip
         return
     busy = holder(cfg.output_dir) is not None
     width = min(console.width, 100)  # a terminal's width (80 when not a terminal), no wider than 100
     for line in version_lines(entries, [describe(e, busy) for e in entries], cfg.output_dir, width):
         print(line)
+
+
+def _plain_run(cfg: RunConfig) -> str:
+    """``; the run folder itself: step 4/4, loss .., eval loss .., model PATH`` for a run trained without versions
+    (``ortflow run CONFIG``, ``ortflow train``), from its progress.json and exported model; empty when there is none."""
+    from ortflow.trainer.metrics import read_progress
+
+    progress = read_progress(cfg.output_dir)
+    if progress is None:
+        return ""
+    parts = [f"step {progress['step']}/{progress['total']}"]
+    parts += [f"{label} {progress[key]:.4g}" for key, label in (("loss", "loss"), ("eval_loss", "eval loss"))
+              if progress.get(key) is not None]
+    if cfg.export_path.is_file():
+        parts.append(f"model {cfg.export_path}")
+    return f"; the run folder itself: {', '.join(parts)}"
 
 
 def _prune(cfg: RunConfig) -> None:

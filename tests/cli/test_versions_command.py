@@ -30,6 +30,22 @@ def _config_file(tmp_path, **versions):
     return path, config_from_dict(raw)
 
 
+def test_runs_shows_a_run_without_versions_from_its_progress_and_export(tmp_path):
+    # `ortflow run CONFIG` trains the output_dir itself (no version): `ortflow runs` said only "no versions yet"
+    path, cfg = _config_file(tmp_path)
+    cfg.output_dir.mkdir()
+    (cfg.output_dir / "progress.json").write_text('{"step": 3, "total": 4, "final": false, "loss": 0.75, '
+                                                  '"eval_loss": null, "lr": 0.001}')
+    output = " ".join(runner.invoke(app, ["runs", str(path)], env={"COLUMNS": "200"}).output.split())
+    assert "no versions yet" in output and "the run folder itself: step 3/4, loss 0.75" in output, output
+    (cfg.output_dir / "progress.json").write_text('{"step": 4, "total": 4, "final": true, "loss": 0.5, '
+                                                  '"eval_loss": 0.25}')
+    cfg.export_path.parent.mkdir(parents=True)
+    cfg.export_path.write_bytes(b"onnx")
+    output = " ".join(runner.invoke(app, ["runs", str(path)], env={"COLUMNS": "200"}).output.split())
+    assert f"step 4/4, loss 0.5, eval loss 0.25, model {cfg.export_path}" in output, output
+
+
 def test_runs_lists_versions_with_status_parent_and_losses(tmp_path):
     path, cfg = _config_file(tmp_path, skip_unchanged=True)
     assert "no versions yet" in runner.invoke(app, ["runs", str(path)]).output
