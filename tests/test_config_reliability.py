@@ -202,6 +202,15 @@ def test_warm_up_longer_than_the_run_is_refused(tmp_path):
     assert any("lr_schedule.warmup_steps 4" in p and "4 weight update" in p for p in problems), problems
 
 
+def test_a_profile_that_ends_after_the_run_is_refused(tmp_path):
+    # 4 weight updates: [5, 6] profiled nothing and [3, 6] fewer updates than asked, both without a word
+    for steps in ("[5,6]", "[3,6]"):
+        problems = problems_of(tmp_path, f"train.profile_steps={steps}")
+        assert any(p.startswith(f"train.profile_steps {steps.replace(',', ', ')} ends after the run's 4 weight "
+                                "update(s)") for p in problems), problems
+    assert not problems_of(tmp_path, "train.profile_steps=[3,4]")
+
+
 @pytest.mark.parametrize("field", ["init_from", "checkpoint_to_load_path"])
 def test_a_missing_checkpoint_to_start_from_is_named_before_training(tmp_path, field):
     tiny_model(tmp_path / "model.onnx")

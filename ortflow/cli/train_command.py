@@ -108,9 +108,13 @@ def _set_profile(profile: str | None, cfg: RunConfig) -> None:
         fail("--profile with launcher kubernetes: set train.profile_steps in the config (the pods do not get "
              "this command's environment)")
     try:
-        parse_steps(profile)
+        _, end = parse_steps(profile)
     except ValueError as err:
         fail(str(err))
+    updates = cfg.train.num_weight_updates
+    if end > updates:
+        fail(f"--profile {profile} ends after the run's {updates} weight update(s): profile updates within "
+             f"1..{updates}")
     if cfg.distributed.launcher == "local" and cfg.distributed.device == "cuda":
         fail("--profile traces CPU ranks only (the engine's GPU trace is not wired up): profile a run with "
              "distributed.device cpu")

@@ -165,8 +165,9 @@ class TrainConfig(Section):
     seed: int = Field(0, ge=0, lt=2**31, description="Seed for shuffling and any randomness in the run.")
     profile_steps: tuple[int, int] | None = Field(
         None,
-        description="Profile these weight updates [start, end] (1-based, inclusive) with the engine's per-operator "
-        "profiler: a Chrome trace per rank in <output_dir>/profile/ and a top-operators table.",
+        description="Profile these weight updates [start, end] (1-based, inclusive, end at most the run's weight "
+        "updates) with the engine's per-operator profiler: a Chrome trace per rank in <output_dir>/profile/ and a "
+        "top-operators table.",
     )
 
     @property

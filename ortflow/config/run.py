@@ -264,6 +264,10 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if cfg.model.loss == "model_output" and cfg.model.loss_output is None:
         problems.append("model.loss is model_output: name the output that holds the loss in model.loss_output")
     updates = cfg.train.num_weight_updates
+    profiled = cfg.train.profile_steps
+    if profiled and profiled[1] > updates:
+        problems.append(f"train.profile_steps {list(profiled)} ends after the run's {updates} weight update(s): "
+                        f"profile updates within 1..{updates}, e.g. [{min(profiled[0], updates)}, {updates}]")
     if cfg.lr_schedule.warmup_steps >= updates > 0:
         problems.append(
             f"lr_schedule.warmup_steps {cfg.lr_schedule.warmup_steps} is not shorter than the run's {updates} weight "

@@ -97,3 +97,19 @@ def test_a_profiled_update_logs_its_top_operators_counting_only_the_op_types_the
     assert 1 < len(rows) < 10  # the MLP has fewer op types than the line shows at most
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of updates 2..2"))
     assert f"(top {len(rows)} of {len(rows)} op types)" in line, line
+
+
+def test_a_profile_option_past_the_runs_last_update_is_refused_before_any_rank_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from ortflow.config import config_from_dict, write_resolved_config
+
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path / "m.onnx")},
+                            "data": {"train": ["a.npz"]}, "train": {"batch_size": 2, "num_train_steps": 8,
+                                                                     "gradient_accumulation_steps": 2}})
+    write_resolved_config(cfg)
+    result = CliRunner().invoke(app, ["train", str(cfg.output_dir), "--profile", "4:5"], terminal_width=300)
+    assert result.exit_code == 1, result.output
+    assert "--profile 4:5 ends after the run's 4 weight update(s)" in result.output, result.output
+    assert not cfg.checkpoints_dir.exists()  # no rank started
