@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import logging
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("ortflow.trainer")
 
 PROGRESS_FILE = "progress.json"
+#: Why a folder takes no files that a retry would meet again: permissions, a read-only mount, a file in the way.
+_REPEATS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
 
 
 class TensorBoardLog:
@@ -39,9 +42,12 @@ class TensorBoardLog:
             if resumed_from is not None:
                 drop_steps_after(log_dir, resumed_from)
             self._writer = EventFile(log_dir)
-        except OSError as err:  # the rank reports a ValueError as one line (a retry may pass: it keeps the cause)
-            raise ValueError(f"tensorboard.log_dir: cannot write an event file in {log_dir} ({err.strerror or err}); "
-                             "choose another folder or fix its permissions") from err
+        except OSError as err:  # the rank reports a ValueError as one line
+            problem = ValueError(f"tensorboard.log_dir: cannot write an event file in {log_dir} "
+                                 f"({err.strerror or err}); choose another folder or fix its permissions")
+            if err.errno in _REPEATS:  # a refusal: the flow does not retry it
+                raise problem from None
+            raise problem from err  # with its OSError, a failure a retry may get past (a full disk, a lost server)
         self._scalars = set(scalar_names)
         self._patterns = histogram_patterns
 
