@@ -136,7 +136,7 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
                                      threads)
     except (LayoutError, ValueError) as err:
         fail(str(err))
-    split = f"; {plan.ranks} x {plan.batch_size} x {plan.accumulation} steps = {plan.global_batch}" if plan else ""
+    split = f"; {plan.describe()}" if plan else ""
     console.print(f"layout: {layout.ranks} rank(s) x {layout.threads} thread(s) ({layout.reason}){split}",
                   highlight=False)  # fmt: skip
     dist = cfg.distributed

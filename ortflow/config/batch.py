@@ -27,6 +27,11 @@ class BatchPlan:
     def global_batch(self) -> int:
         return self.batch_size * self.accumulation * self.ranks
 
+    def describe(self) -> str:
+        """``2 replica(s) x 16 samples x 2 micro-batch(es) = 64 samples per update`` (the layout line of training)."""
+        return (f"{self.ranks} replica(s) x {self.batch_size} samples x {self.accumulation} micro-batch(es) = "
+                f"{self.global_batch} samples per update")
+
 
 def divides(global_batch: int, ranks: int, unit: int) -> bool:
     """Whether ``ranks`` micro-batches of a multiple of ``unit`` can make up ``global_batch`` samples."""

@@ -371,3 +371,8 @@ def test_tune_says_when_the_config_will_not_start_its_winner_or_trains_another_b
     (batch,) = tune_notes(cfg(), per_rank)
     assert "16 samples per weight update" in batch and "train.global_batch_size" in batch
     assert tune_notes(cfg(train={"global_batch_size": 32}), fixed) == []
+
+
+def test_the_layout_line_names_each_factor_of_the_global_batch():
+    # `ortflow train` printed "2 x 16 x 2 steps = 64": which number was which, and 64 of what?
+    assert BatchPlan(16, 2, 2).describe() == "2 replica(s) x 16 samples x 2 micro-batch(es) = 64 samples per update"
