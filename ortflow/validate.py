@@ -86,7 +86,7 @@ def validate(path: Path | str, overrides: list[str] | tuple[str, ...] = (), deep
         if split and not model_problems:
             model_problems = tensor_parallel_problems(cfg, split_plan)
             problems += model_problems
-        if cfg.optimizer.groups and not model_problems:
+        if (cfg.optimizer.groups or cfg.tensorboard.histogram_names) and not model_problems:
             problems += group_problems(cfg)
         if deep and not model_problems:
             built, deep_problems = build_in_temporary_folder(cfg)
@@ -149,8 +149,9 @@ def torch_problems(cfg: RunConfig) -> list[str]:
 
 
 def group_problems(cfg: RunConfig) -> list[str]:
-    """optimizer.groups against the parameters configure will train (float initializers outside model.frozen, less
-    those the engine cannot train: running statistics and constants), as configure checks them."""
+    """optimizer.groups and tensorboard.histogram_names against the parameters configure will train (float
+    initializers outside model.frozen, less those the engine cannot train: running statistics and constants), as
+    configure checks the groups; the histograms show trained parameters only."""
     from fnmatch import fnmatch
 
     from ortflow.configure.torch_model import read_torch_parameters
@@ -162,7 +163,12 @@ def group_problems(cfg: RunConfig) -> list[str]:
               and (found is None or t.name in found.trained)
               and not any(fnmatch(t.name, pattern) for pattern in cfg.model.frozen)}
     trainable = sorted(floats - set(untrainable_initializers(proto, floats)))
-    return param_group_problems(trainable, cfg.optimizer)
+    examples = ", ".join(repr(n) for n in trainable[:3])
+    histograms = [f"tensorboard.histogram_names: '{pattern}' matches no trained parameter; fix the pattern "
+                  f"(parameters are named as in the ONNX model, e.g. {examples})"
+                  for pattern in cfg.tensorboard.histogram_names
+                  if not any(fnmatch(n, pattern) for n in trainable)]
+    return param_group_problems(trainable, cfg.optimizer) + histograms
 
 
 def predicted_inputs(cfg: RunConfig) -> tuple[list[InputSpec] | None, list[str]]:

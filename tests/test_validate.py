@@ -269,6 +269,18 @@ def test_optimizer_groups_are_checked_against_the_trained_parameters(tmp_path):
     assert validate(setup(tmp_path, optimizer={"groups": [{"params": ["*bias"], "weight_decay": 0.0}]})) == []
 
 
+def test_histogram_patterns_are_checked_against_the_trained_parameters(tmp_path):
+    # a pattern that matches no trained parameter logged no histogram, without a word
+    problems = validate(setup(tmp_path, tensorboard={"histogram_names": ["fc1.*", "encoder.*"]},
+                              model={"path": "model.onnx", "frozen": ["fc2.bias"]}))
+    assert problems == ["tensorboard.histogram_names: 'encoder.*' matches no trained parameter; fix the pattern "
+                        "(parameters are named as in the ONNX model, e.g. 'fc1.bias', 'fc1.weight', 'fc2.weight')"]
+    assert validate(setup(tmp_path, tensorboard={"histogram_names": ["fc2.bias"]}, model={
+        "path": "model.onnx", "frozen": ["fc2.bias"]})) == ["tensorboard.histogram_names: 'fc2.bias' matches no "
+        "trained parameter; fix the pattern (parameters are named as in the ONNX model, e.g. 'fc1.bias', "
+        "'fc1.weight', 'fc2.weight')"]  # frozen parameters are no histograms
+
+
 def test_layout_problems_split_the_global_batch_over_the_replicas_of_the_stages(tmp_path):
     from ortflow.dataprep.specs import InputSpec
     from ortflow.validate import layout_problems

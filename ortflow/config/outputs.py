@@ -40,7 +40,9 @@ class TensorBoardConfig(Section):
         ),
         description="Scalars to log; any subset of the default (time/*: each phase's share of the window's wall time).",
     )
-    histogram_names: tuple[str, ...] = Field((), description="fnmatch patterns of parameters whose histograms to log.")
+    histogram_names: tuple[str, ...] = Field(
+        (), description="fnmatch patterns of trained parameters whose histograms to log (each must match one)."
+    )
 
     @field_validator("scalar_names", mode="after")
     @classmethod
