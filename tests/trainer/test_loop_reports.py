@@ -40,6 +40,9 @@ def test_step_n_reports_update_n_rate_the_unclipped_norm_and_samples_per_trainin
     assert [e.value for e in rates] == pytest.approx([0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025], rel=1e-6)
     assert read_progress(cfg.output_dir)["lr"] == pytest.approx(0.0025)
 
+    tags = events.Tags()["scalars"]  # fp32 and no text: no loss scale, no tokens
+    assert "train/loss_scale" not in tags and "train/skipped_updates" not in tags and "train/tokens_per_s" not in tags
+
     norms = [e.value for e in events.Scalars("train/grad_norm")]
     assert len(norms) == 6 and min(norms) > 100 * max_norm  # the norm before clipping, as clip_grad_norm_ returns
 
