@@ -270,6 +270,18 @@ def test_a_hyper_parameter_the_optimizer_does_not_use_is_refused_not_ignored(tmp
     assert named in problem and "remove it" in problem, problem
 
 
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["lr_schedule.min_lr_ratio=0.1"], "lr_schedule.min_lr_ratio applies to linear, cosine and polynomial, not "
+     "constant"),
+    (["lr_schedule.name=cosine", "lr_schedule.power=2"], "lr_schedule.power applies to polynomial, not cosine"),
+])
+def test_a_schedule_setting_the_schedule_does_not_use_is_refused_not_ignored(tmp_path, overrides, named):
+    (problem,) = problems_of(tmp_path, *overrides)
+    assert named in problem and "remove it" in problem, problem
+    assert not problems_of(tmp_path, "lr_schedule.name=polynomial", "lr_schedule.power=2",
+                           "lr_schedule.min_lr_ratio=0.1")
+
+
 def test_the_defaults_of_other_optimizers_hyper_parameters_are_accepted(tmp_path):
     # the resolved config.yaml of a run folder writes every field, the other optimizers' at their defaults
     for name in ("adamw", "sgd", "lamb"):

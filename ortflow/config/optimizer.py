@@ -83,7 +83,7 @@ class OptimizerConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:
         unused = [
-            f"optimizer.{field} applies to {' and '.join(users)}, not {self.name}; remove it (or set optimizer.name: "
+            f"optimizer.{field} applies to {_listed(users)}, not {self.name}; remove it (or set optimizer.name: "
             f"{users[0]})"
             for field, users in _USED_BY.items()
             if self.name not in users and getattr(self, field) != type(self).model_fields[field].default
@@ -99,6 +99,11 @@ class OptimizerConfig(Section):
                 f"optimizer.ratio_max ({self.ratio_max}) must be >= optimizer.ratio_min ({self.ratio_min})"
             )
         return self
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 #: The hyper-parameters that only some optimizers use; a changed value under another optimizer is refused, not ignored.
@@ -163,6 +168,18 @@ class LRScheduleConfig(Section):
         "warm-up f = (s + 1) / W and p = (s - W) / max(1, T - W - 1) (the peak is used twice, the last update "
         "uses exactly r).",
     )
+
+    @model_validator(mode="after")
+    def _used(self) -> LRScheduleConfig:
+        unused = [
+            f"lr_schedule.{field} applies to {_listed(users)}, not {self.name}; remove it (or set lr_schedule.name "
+            f"to {'it' if len(users) == 1 else 'one of them'})"
+            for field, users in (("min_lr_ratio", ("linear", "cosine", "polynomial")), ("power", ("polynomial",)))
+            if self.name not in users and getattr(self, field) != type(self).model_fields[field].default
+        ]  # a run folder's config.yaml writes every field: a default is no choice, a changed value is
+        if unused:
+            raise ValueError("\n".join(unused))
+        return self
 
 
 #: Ops of the default fp32 list that bf16 computes in bf16 when ``precision.fp32_ops`` is not set.

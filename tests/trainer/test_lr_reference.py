@@ -43,7 +43,10 @@ def hf_lambda(name: str, step: int, warmup: int, total: int, min_ratio: float, p
 
 
 def schedule(name, warmup, min_ratio=0.0, power=1.0):
-    return LRScheduleConfig(name=name, warmup_steps=warmup, min_lr_ratio=min_ratio, power=power)
+    """The schedule with the settings ``name`` uses (a floor under constant, a power under another than polynomial
+    are refused; hf_lambda ignores them there)."""
+    return LRScheduleConfig(name=name, warmup_steps=warmup, min_lr_ratio=0.0 if name == "constant" else min_ratio,
+                            power=power if name == "polynomial" else 1.0)
 
 
 @pytest.mark.parametrize("warmup", [0, 1, 10])
