@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ortflow.config.base import Section
 
@@ -19,6 +19,22 @@ _DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$"
 #: A label or annotation key (optional DNS prefix, then a name of letters, digits, ``-_.``) and a label value.
 _LABEL_KEY = r"^([a-z0-9]([-.a-z0-9]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 _LABEL_VALUE = r"^(|[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$"
+
+
+#: Slurm sends the time limit's --signal at its periodic time-limit check, up to this many seconds late.
+SLURM_LIMIT_CHECK_S = 30
+
+
+def slurm_time_s(value: str) -> int:
+    """Seconds of a Slurm time limit as ``--time`` reads it: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS,
+    DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS (0: no limit)."""
+    days, _, rest = value.rpartition("-")
+    parts = [int(part) for part in rest.split(":")]
+    if days:  # DAYS-HOURS[:MINUTES[:SECONDS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    hours, minutes, seconds = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return (hours * 60 + minutes) * 60 + seconds
 
 
 class SlurmConfig(Section):
@@ -79,6 +95,18 @@ class SlurmConfig(Section):
         "ortflow]; docs/clusters.md).",
     )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
+
+    @model_validator(mode="after")
+    def _time_to_train(self) -> SlurmConfig:
+        limit_s = slurm_time_s(self.time_limit) if self.time_limit else 0
+        if limit_s and self.stop_signal_s and limit_s - self.stop_signal_s - SLURM_LIMIT_CHECK_S <= 0:
+            raise ValueError(
+                f"slurm.stop_signal_s ({self.stop_signal_s}) leaves no time to train in slurm.time_limit "
+                f"{self.time_limit!r} ({limit_s} s): Slurm sends the stop signal stop_signal_s before the limit, up to "
+                f"{SLURM_LIMIT_CHECK_S} s earlier, so every allocation would stop and requeue at once; lower "
+                f"stop_signal_s or raise time_limit (stop_signal_s < time_limit - {SLURM_LIMIT_CHECK_S} s)"
+            )
+        return self
 
     @field_validator("rank_prefix")
     @classmethod

@@ -87,6 +87,26 @@ def test_the_config_refuses_what_a_slurm_job_cannot_run(tmp_path):
         slurm_config(tmp_path, extra_sbatch=["--qos=high\nrm -rf /"])
 
 
+@pytest.mark.parametrize(("time_limit", "stop_signal_s", "allowed"), [
+    ("1", 180, False),  # the default signal 3 minutes before a 1-minute limit
+    ("2", 90, False),  # 120 s - 90 s - 30 s of time-limit checks: nothing left to train
+    ("2", 89, True), ("2:00", 89, True), ("1:30", 60, False), ("00:01:30", 60, False), ("1-00", 86400, False),
+    ("1-0:1", 86400, True), ("1-0:0:1", 86400, False),
+    ("1", 0, True),  # no early signal: nothing to refuse
+    ("0", 180, True),  # --time=0: no time limit
+])
+def test_the_config_refuses_a_stop_signal_that_leaves_no_time_to_train(tmp_path, time_limit, stop_signal_s, allowed):
+    """Slurm checks time limits every 30 s: an allocation trains at least time_limit - stop_signal_s - 30 s before
+    the signal, so a signal that leaves no time at all would requeue the job again and again, training seconds (or
+    nothing) in each allocation."""
+    if allowed:
+        slurm_config(tmp_path, time_limit=time_limit, stop_signal_s=stop_signal_s)
+        return
+    with pytest.raises(ConfigError, match=r"slurm.stop_signal_s \(\d+\) leaves no time to train in "
+                       r"slurm.time_limit .*; lower stop_signal_s or raise time_limit"):
+        slurm_config(tmp_path, time_limit=time_limit, stop_signal_s=stop_signal_s)
+
+
 class FakeScontrol:
     """Answers ``scontrol show job -o ID`` from a list of states, as the controller would over a job's life."""
 
