@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from ortflow.config.base import Section
+from ortflow.config.base import Section, absolute_path
 
 _SLURM_TIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$"
 _SBATCH_LINE = r"^--?[A-Za-z][^\n\r]*$"
@@ -83,11 +83,12 @@ class SlurmConfig(Section):
     mpiexec: str | None = Field(
         None, description="MPI launcher the job runs inside the allocation (default: the mpiexec beside this Python, "
         "the bundled MPICH, which starts its processes on the allocated nodes with srun). It must be of the MPI that "
-        "mpi4py is built against (`ortflow doctor`).",
+        "mpi4py is built against (`ortflow doctor`). A relative path resolves against the config's folder.",
     )
     python: str | None = Field(
         None, min_length=1, description="Python of ortflow's environment on the nodes (default: the submitting "
-        "process's; in a container image: its own, /opt/ortflow/bin/python for docker/Dockerfile).",
+        "process's; in a container image: its own, /opt/ortflow/bin/python for docker/Dockerfile). A relative path "
+        "resolves against the config's folder; a bare name (python3) is looked up on the nodes' PATH.",
     )
     rank_prefix: list[str] = Field(
         [], description="Command words before each rank's Python: a container runner, so the ranks run in the image "
@@ -107,6 +108,15 @@ class SlurmConfig(Section):
                 f"stop_signal_s or raise time_limit (stop_signal_s < time_limit - {SLURM_LIMIT_CHECK_S} s)"
             )
         return self
+
+    @field_validator("python", "mpiexec", mode="after")
+    @classmethod
+    def _command_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A relative path (``.venv/bin/python``) resolves against the config's folder, as every path of the config
+        does: the job runs in the run folder. A bare command name (``python3``) stays one, found on the nodes' PATH."""
+        if value is None or "/" not in value:
+            return value
+        return str(absolute_path(value, (info.context or {}).get("base_dir")))
 
     @field_validator("rank_prefix")
     @classmethod

@@ -329,7 +329,15 @@ def script_text(cfg: RunConfig, run_dir: Path, python: str = sys.executable) -> 
     """The run's sbatch script with the launcher found here (slurm.mpiexec or the bundled MPICH's)."""
     if cfg.slurm.launch == "srun":
         return render_script(cfg, run_dir, None, "srun", python)
-    exe = find_mpiexec(cfg.slurm.mpiexec)
+    try:
+        exe = find_mpiexec(cfg.slurm.mpiexec)
+    except LaunchError:
+        if not cfg.slurm.mpiexec:
+            raise LaunchError(f"no MPI launcher found (neither beside {sys.executable} nor mpiexec on PATH): install "
+                              "ortflow with its pinned dependencies (the mpich wheel brings mpiexec) or name the "
+                              "nodes' launcher in slurm.mpiexec") from None
+        raise LaunchError(f"slurm.mpiexec {cfg.slurm.mpiexec} not found or not executable here: give the path of the "
+                          "MPI launcher (the same on the nodes), or unset it for the bundled MPICH") from None
     return render_script(cfg, run_dir, exe, launcher_flavor(exe), python)
 
 

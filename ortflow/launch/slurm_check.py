@@ -43,7 +43,7 @@ def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.execu
     try:
         script = script_text(cfg, Path(cfg.output_dir).resolve(), python)
     except LaunchError as err:
-        return problems + [f"slurm.mpiexec: {err}"]
+        return problems + [str(err)]
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="ortflow-check-") as f:
         f.write(script)
         f.flush()

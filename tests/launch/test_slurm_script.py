@@ -10,7 +10,7 @@ import pytest
 
 from ortflow.config import ConfigError, config_from_dict
 from ortflow.launch import slurm
-from ortflow.launch.job import Phase, watch
+from ortflow.launch.job import LaunchError, Phase, watch
 
 
 def slurm_config(tmp_path: Path, num_ranks: int | str = 8, **section) -> object:
@@ -105,6 +105,44 @@ def test_the_config_refuses_a_stop_signal_that_leaves_no_time_to_train(tmp_path,
     with pytest.raises(ConfigError, match=r"slurm.stop_signal_s \(\d+\) leaves no time to train in "
                        r"slurm.time_limit .*; lower stop_signal_s or raise time_limit"):
         slurm_config(tmp_path, time_limit=time_limit, stop_signal_s=stop_signal_s)
+
+
+def test_relative_slurm_paths_resolve_against_the_configs_folder_wherever_it_is_rendered(tmp_path, monkeypatch):
+    """The job runs in the run folder (--chdir), so slurm.python and slurm.mpiexec written relative to the config
+    (``.venv/bin/python``) must reach the script as absolute paths; a bare command name stays one (the nodes' PATH)."""
+    import yaml
+
+    from ortflow.config import load_config
+
+    project = tmp_path / "project"
+    (project / "venv" / "bin").mkdir(parents=True)
+    mpiexec = project / "venv" / "bin" / "mpiexec"
+    mpiexec.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
+    mpiexec.chmod(0o755)
+    raw = {"name": "mlp", "output_dir": "runs/mlp", "model": {"path": "model.onnx"}, "data": {"train": ["d.npz"]},
+           "train": {"batch_size": 4, "num_train_steps": 10},
+           "distributed": {"num_ranks": 2, "launcher": "slurm"},
+           "slurm": {"python": "venv/bin/python", "mpiexec": "./venv/bin/mpiexec"}}
+    (project / "run.yaml").write_text(yaml.safe_dump(raw))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(project / "run.yaml")
+    assert cfg.slurm.python == str(project / "venv" / "bin" / "python")
+    assert Path(cfg.slurm.mpiexec) == mpiexec
+    script = slurm.script_text(cfg, cfg.output_dir)
+    assert f"setsid {mpiexec} -n 2 -prepend-rank {project}/venv/bin/python -u -P -m ortflow.trainer" in script
+    bare = load_config(project / "run.yaml", ["slurm.python=python3"])
+    assert bare.slurm.python == "python3"
+
+
+def test_a_missing_slurm_mpiexec_names_the_config_field(tmp_path):
+    cfg = slurm_config(tmp_path, num_ranks=2, mpiexec=str(tmp_path / "no" / "mpirun"))
+    with pytest.raises(LaunchError, match=r"slurm.mpiexec .*no/mpirun.* not found") as raised:
+        slurm.script_text(cfg, cfg.output_dir)
+    assert "--mpiexec" not in str(raised.value)  # a local-launcher option, refused with launcher slurm
+    problems = check(cfg, FakeCluster())  # `ortflow validate` and the flow's first task say the same, once
+    assert problems[-1] == str(raised.value)
 
 
 class FakeScontrol:
