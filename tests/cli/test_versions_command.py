@@ -107,6 +107,7 @@ def test_ortflow_train_is_refused_while_another_process_holds_the_folder(tmp_pat
         result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=300)
         assert result.exit_code == 1
         assert f"is in use by pid {holder.pid}" in result.output and "flow run fr-9" in result.output, result.output
+        assert f"ortflow train {cfg.output_dir} --wait" in result.output  # the command that queues instead
         assert not cfg.checkpoints_dir.exists()
     finally:
         holder.kill()
