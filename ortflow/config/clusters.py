@@ -97,6 +97,12 @@ class SlurmConfig(Section):
     )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between job state queries (scontrol).")
 
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _minutes(cls, value: object) -> object:
+        """``time_limit: 30`` (MINUTES), which YAML reads as a number, is Slurm's time as written."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _time_to_train(self) -> SlurmConfig:
         limit_s = slurm_time_s(self.time_limit) if self.time_limit else 0

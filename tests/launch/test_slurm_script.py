@@ -87,6 +87,15 @@ def test_the_config_refuses_what_a_slurm_job_cannot_run(tmp_path):
         slurm_config(tmp_path, extra_sbatch=["--qos=high\nrm -rf /"])
 
 
+def test_a_time_limit_in_minutes_may_be_written_as_a_yaml_number(tmp_path):
+    """``time_limit: 30`` is Slurm's MINUTES form; YAML reads it as a number."""
+    cfg = slurm_config(tmp_path, time_limit=30, stop_signal_s=60)
+    assert cfg.slurm.time_limit == "30"
+    assert "#SBATCH --time=30\n" in slurm.render_script(cfg, cfg.output_dir, Path("/opt/venv/bin/mpiexec"), "mpich")
+    with pytest.raises(ConfigError, match="slurm.time_limit"):
+        slurm_config(tmp_path, time_limit=-5)
+
+
 @pytest.mark.parametrize(("time_limit", "stop_signal_s", "allowed"), [
     ("1", 180, False),  # the default signal 3 minutes before a 1-minute limit
     ("2", 90, False),  # 120 s - 90 s - 30 s of time-limit checks: nothing left to train
