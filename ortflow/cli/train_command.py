@@ -165,6 +165,21 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
 
 
+def _finished(cfg: RunConfig) -> bool:
+    """The run's final checkpoint exists and verifies: a scheduler job would only queue for an allocation that trains
+    nothing."""
+    from ortflow.checkpoints import CheckpointError, list_complete, verify
+
+    done = list_complete(cfg.checkpoints_dir)
+    if not done or done[-1].step < cfg.train.num_weight_updates:
+        return False
+    try:
+        verify(done[-1].path)
+    except (CheckpointError, OSError):
+        return False  # the ranks fall back to an older checkpoint and train again
+    return True
+
+
 def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | None, stops: StopSignals) -> None:
     """Launcher slurm or kubernetes: submit, stream the job's output, exit with its status."""
     from ortflow.launch.job import LaunchError
@@ -173,6 +188,11 @@ def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | N
     _set_profile(profile, cfg)  # the Slurm job inherits this environment
     try:
         with hold(run_dir, wait=wait, purpose="ortflow train"):
+            if _finished(cfg):
+                console.print(f"training is already complete at step {cfg.train.num_weight_updates}/"
+                              f"{cfg.train.num_weight_updates} (checkpoints in {escape(str(cfg.checkpoints_dir))}): "
+                              f"no {cfg.distributed.launcher} job submitted", highlight=False)
+                return
             stops.phase = "job"
             result = run_scheduled(cfg, run_dir, forward_signals=True, received=stops.received)
     except RunFolderLocked as err:

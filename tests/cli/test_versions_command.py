@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ortflow.cli import app
-from ortflow.config import config_from_dict, write_resolved_config
+from ortflow.config import apply_overrides, config_from_dict, write_resolved_config
 from ortflow.examples.mlp import build_mlp
 from ortflow.versions import finish_version, plan_run
 
@@ -112,6 +112,30 @@ def test_ortflow_train_is_refused_while_another_process_holds_the_folder(tmp_pat
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_ortflow_train_submits_no_scheduler_job_for_a_finished_run(tmp_path, monkeypatch):
+    """A Slurm job for a run whose final checkpoint exists would only wait in the queue for an allocation that trains
+    nothing; ``ortflow train`` says the run is complete instead. A stop checkpoint before the end still submits."""
+    from ortflow.checkpoints import CheckpointManager
+    from ortflow.launch import slurm
+
+    _, cfg = _config_file(tmp_path)
+    cfg = apply_overrides(cfg, ["distributed.launcher=slurm", "distributed.num_ranks=2"])
+    write_resolved_config(cfg)
+    submitted = []
+    monkeypatch.setattr(slurm, "submit", lambda *a, **k: submitted.append(a) or (_ for _ in ()).throw(
+        slurm.LaunchError("sbatch: the test cluster is closed")))
+    writer = lambda state, folder: (folder / "state.bin").write_bytes(state)  # noqa: E731
+    ckpts = CheckpointManager(cfg.checkpoints_dir, 1, 10, is_writer=True, clock=lambda: 0.0, writer=writer)
+    ckpts.save(3, b"three", {})
+    result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=300)
+    assert result.exit_code == 1 and "the test cluster is closed" in result.output and len(submitted) == 1
+    ckpts.save(4, b"four", {})  # the final step: num_train_steps 4
+    result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=300)
+    assert result.exit_code == 0, result.output
+    assert "training is already complete at step 4/4" in result.output and "no slurm job submitted" in result.output
+    assert len(submitted) == 1
 
 
 def test_help_keeps_every_bracketed_shape_of_the_docstrings():
