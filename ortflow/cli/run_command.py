@@ -37,8 +37,9 @@ def run(
 ) -> None:
     """Run the whole pipeline as a Prefect flow (no server needed); finished stages are skipped on a rerun.
 
-    The terminal shows a line per stage, training progress, warnings and errors, the summary and what to do next;
-    every log line (the ranks' and the engine's too) goes to OUTPUT_DIR/logs/run-*.log.
+    The terminal shows a line per stage, training progress, a Slurm or Kubernetes job's id and state (pending, each
+    allocation, a time-limit requeue), warnings and errors, the summary and what to do next; every log line (the
+    ranks' and the engine's too) goes to OUTPUT_DIR/logs/run-*.log.
 
     With --new-version --from STAGE, that stage and the later ones rerun inside an existing version (the newest, or
     --version NAME) instead of training a new one. SIGINT/SIGTERM (once or more) stop the ranks with a stop

@@ -84,6 +84,9 @@ _FINISHED = re.compile(r"Finished in state (\w+)")
 #: Prefect's words for a run it ends Crashed because a signal stopped it: after a Ctrl-C or SIGTERM the ranks stop
 #: with a checkpoint and `ortflow run` says so, so the terminal shows the stage as stopped, not crashed.
 _SIGNALLED = ("aborted by an interrupt signal", "aborted by a termination signal")
+#: How the lines of a scheduler job's life start (its id, why it is pending, each allocation, a time-limit requeue),
+#: from the watcher (ortflow/launch/job.py) and the job script (ortflow/launch/slurm.py).
+_JOB_LINE = "ortflow: "
 #: Rank 0's first line (ortflow/trainer/parallel/build.py) when it resumes from a checkpoint.
 _RESUMED = re.compile(r"^\[0\] \S+ INFO rank 0/\d+ .*, starting from (step \d+ \(.+\))$")
 
@@ -118,12 +121,15 @@ class _NoEcho(logging.Filter):
 
 class StageLines(logging.Handler):
     """Prints a line when a stage starts (``ortflow.stages``' records) and when Prefect reports its task finished:
-    ``▸ configure``, then ``✓ configure (4 s)``, ``✓ prepare data (unchanged)`` or ``✗ train failed (12 s)``; and,
-    when training resumes, the checkpoint it resumes from (``  resuming from step 1001 (step-00001001)``)."""
+    ``▸ configure``, then ``✓ configure (4 s)``, ``✓ prepare data (unchanged)`` or ``✗ train failed (12 s)``; when
+    training resumes, the checkpoint it resumes from (``  resuming from step 1001 (step-00001001)``); and the lines of
+    a scheduler job's life (``  slurm job 42 is pending: PENDING (Resources)``, ``  slurm job 42 attempt 1 on
+    node1``)."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, job_lines: bool = True):
         super().__init__(logging.INFO)
         self.console = console
+        self.job_lines = job_lines  # False where the console shows every INFO line already (ortflow run -v)
         self.started: dict[str, float] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -137,6 +143,10 @@ class StageLines(logging.Handler):
         resumed = _RESUMED.match(record.getMessage()) if stage == "train" else None
         if resumed:  # the progress bar starts past 0: say where from
             self._say(f"  resuming from {resumed[1]}")
+            return
+        if (self.job_lines and stage == "train" and record.levelno == logging.INFO
+                and record.getMessage().startswith(_JOB_LINE)):
+            self._say(f"  {record.getMessage().removeprefix(_JOB_LINE)}")  # the scheduler job's own line
             return
         found = _FINISHED.match(record.getMessage()) if stage in self.started else None
         if found is None:
@@ -260,7 +270,7 @@ def terminal(console: Console, log_dir: Path, quiet: bool = False, stages: bool 
         if quiet:
             handler.setLevel(max(handler.level, logging.WARNING))
             handler.addFilter(no_echo)
-    added = [file_handler, *([StageLines(console)] if stages else [])]
+    added = [file_handler, *([StageLines(console, job_lines=quiet)] if stages else [])]
     for handler in added:
         root.addHandler(handler)
     previous_level = root.level

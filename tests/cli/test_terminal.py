@@ -155,3 +155,28 @@ def test_a_resumed_training_names_the_checkpoint_it_resumes_from_once(tmp_path):
         task_log.info("[0] 01:34:31 INFO rank 0/2 (local 0/2) on cpu with 1 thread(s), starting from the initial "
                       "weights")
     assert out.getvalue().splitlines() == ["▸ train"]
+
+
+def test_the_scheduler_jobs_own_lines_show_in_the_train_stage(tmp_path):
+    """A Slurm job's id, why it waits, each allocation and each time-limit requeue show under the train stage, so the
+    ranks' stop warnings of a requeue read as what they are; the ranks' info lines stay in the file."""
+    out = io.StringIO()
+    task_log = _task_log("train")
+    job_lines = ["ortflow: slurm job 21", "ortflow: slurm job 21 is pending: PENDING (Resources)",
+                 "ortflow: slurm job 21 attempt 0 on node1", "ortflow: the time limit is near: ranks stop after "
+                 "this update", "ortflow: ranks exited with status 143", "ortflow: stopped at the time limit (status "
+                 "143): requeued; the next allocation resumes from the newest complete checkpoint",
+                 "ortflow: slurm job 21 attempt 1 on node1"]  # fmt: skip
+    with terminal(Console(file=out, width=200), tmp_path / "logs", quiet=True, stages=True) as log_file:
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        for line in job_lines:
+            task_log.info(line)
+            task_log.info("[0] 01:34:31 INFO step 10/100 | loss 4.51")
+        _task_log("export").info("ortflow: slurm job 9")  # another stage's line: not the train stage's job
+    assert out.getvalue().splitlines() == ["▸ train"] + [f"  {line.removeprefix('ortflow: ')}" for line in job_lines]
+    assert "step 10/100" in log_file.read_text()
+    out = io.StringIO()  # ortflow run -v: the console shows every line already, each once
+    with terminal(Console(file=out, width=200), tmp_path / "logs", stages=True):
+        logging.getLogger("ortflow.stages").info("stage train starts", extra={"ortflow_stage": "train"})
+        task_log.info(job_lines[0])
+    assert sum(job_lines[0].removeprefix("ortflow: ") in line for line in out.getvalue().splitlines()) == 1
