@@ -33,6 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +63,13 @@ NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "
                 "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
                 "AssocMaxNodesPerJobLimit", "AssocMaxCpuPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
                 "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit"}  # fmt: skip
+
+
+#: Seconds the watcher waits for a controller that does not answer (restarting, overloaded) before it gives up on the
+#: job; the job itself runs on, and ``ortflow train`` attaches to it later.
+CONTROLLER_GRACE_S = 600.0
+#: What scontrol says of a job the controller no longer knows (ended longer than MinJobAge ago).
+FORGOTTEN = "Invalid job id"
 
 
 def _commands() -> dict[str, str]:
@@ -201,8 +209,12 @@ class SlurmJob:
     launcher = "slurm"
 
     def __init__(self, job_id: str, run_dir: Path, commands: dict[str, str], env: dict[str, str] | None = None,
-                 run: Callable[..., subprocess.CompletedProcess] | None = None):
+                 run: Callable[..., subprocess.CompletedProcess] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.job_id = job_id
+        self.clock = clock
+        self._silent_since: float | None = None  # the controller has not answered since then
+        self._notices: list[str] = []  # the watcher's own lines, passed on with the job's output
         self.run_dir = run_dir
         self.commands = commands
         self.env = env
@@ -217,6 +229,10 @@ class SlurmJob:
         return subprocess.run(args, capture_output=True, text=True, env=self.env, timeout=120, check=False)
 
     def read_output(self) -> list[str]:
+        notices, self._notices = self._notices, []
+        return notices + self._read_file()
+
+    def _read_file(self) -> list[str]:
         try:
             with self.output.open("rb") as f:
                 f.seek(self._offset)
@@ -230,9 +246,18 @@ class SlurmJob:
         return lines
 
     def poll(self) -> JobState:
-        out = self._run(self.commands["scontrol"], "show", "job", "-o", self.job_id)
+        try:
+            out = self._run(self.commands["scontrol"], "show", "job", "-o", self.job_id)
+        except subprocess.TimeoutExpired as err:
+            out = subprocess.CompletedProcess(err.cmd, 124, "", f"no answer within {err.timeout:.0f} s")
+        if out.returncode and FORGOTTEN not in out.stderr:  # the controller did not answer: the job runs on
+            return self._unanswered(" ".join(out.stderr.split()) or f"scontrol exit status {out.returncode}")
         fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item) if out.returncode == 0 else {}
         state = fields.get("JobState", "")
+        if self._silent_since is not None:
+            self._silent_since = None
+            self._notices.append(f"ortflow: the Slurm controller answers again: slurm job {self.job_id} is "
+                                 f"{state or 'no longer known'}")
         if not state:  # the controller forgot the job (MinJobAge): its script left the exit status
             status = self.run_dir / SLURM_DIR / f"job-{self.job_id}.status"
             try:
@@ -248,6 +273,20 @@ class SlurmJob:
             self._last = JobState(phase, state if reason == "None" else f"{state} ({reason})")
             if phase is Phase.PENDING and reason in NEVER_STARTS:
                 self._last = self._never_starts(state, reason)
+        return self._last
+
+    def _unanswered(self, said: str) -> JobState:
+        """The job's last known state while the controller is silent; after :data:`CONTROLLER_GRACE_S` the watch
+        ends (the job is neither cancelled nor forgotten: ``ortflow train`` attaches to it)."""
+        now = self.clock()
+        if self._silent_since is None:
+            self._silent_since = now
+            self._notices.append(f"ortflow: the Slurm controller does not answer ({said}): still watching slurm job "
+                                 f"{self.job_id}")
+        elif now - self._silent_since >= CONTROLLER_GRACE_S:
+            return JobState(Phase.ENDED, f"the Slurm controller has not answered for {CONTROLLER_GRACE_S:.0f} s "
+                            f"({said}): slurm job {self.job_id} may still run; `ortflow train {self.run_dir}` "
+                            "attaches to it once the controller answers", 1)
         return self._last
 
     def _ended(self, state: str, fields: dict[str, str]) -> JobState:

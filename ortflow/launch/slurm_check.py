@@ -39,7 +39,12 @@ def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.execu
     if missing:
         return [f"distributed.launcher slurm: {', '.join(missing)} not found on PATH: validate and run from a host "
                 "with the Slurm client commands (a login node), or use launcher local"]
-    problems = _partition_problems(cfg, run)
+    listed = _ask(run, "sinfo", "-h", "-o", "%P")
+    if listed.returncode:  # nothing else can be checked, and sbatch would fail the same way
+        said = " ".join((listed.stderr or listed.stdout).split()) or f"exit status {listed.returncode}"
+        return [f"the Slurm controller does not answer (sinfo: {said}): validate and run where the Slurm commands "
+                "reach it (a login node; SLURM_CONF names the cluster's slurm.conf), or use launcher local"]
+    problems = _partition_problems(cfg, run, listed)
     try:
         script = script_text(cfg, Path(cfg.output_dir).resolve(), python)
     except LaunchError as err:
@@ -47,7 +52,7 @@ def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.execu
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="ortflow-check-") as f:
         f.write(script)
         f.flush()
-        out = run("sbatch", "--test-only", f.name)
+        out = _ask(run, "sbatch", "--test-only", f.name)
     if out.returncode:
         said = " ".join((out.stderr or out.stdout).replace("sbatch: error:", "").split())
         problems.append(f"sbatch --test-only refuses the run's job ({said}): change the slurm section or "
@@ -55,12 +60,18 @@ def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.execu
     return problems
 
 
-def _partition_problems(cfg: RunConfig, run: Runner) -> list[str]:
-    """The partition exists and has num_nodes nodes with room for num_ranks / num_nodes ranks each."""
+def _ask(run: Runner, *args: str) -> subprocess.CompletedProcess:
+    """One Slurm command; one that does not answer in time (an unreadable slurm.conf retries for a minute) fails."""
+    try:
+        return run(*args)
+    except subprocess.TimeoutExpired as err:
+        return subprocess.CompletedProcess(args, 124, "", f"no answer within {err.timeout:.0f} s")
+
+
+def _partition_problems(cfg: RunConfig, run: Runner, listed: subprocess.CompletedProcess) -> list[str]:
+    """The partition exists and has num_nodes nodes with room for num_ranks / num_nodes ranks each (``listed``:
+    sinfo's partitions)."""
     slurm = cfg.slurm
-    listed = run("sinfo", "-h", "-o", "%P")
-    if listed.returncode:  # the controller did not answer: sbatch --test-only below says what is wrong
-        return []
     names = [name.rstrip("*") for name in listed.stdout.split()]
     default = next((name.rstrip("*") for name in listed.stdout.split() if name.endswith("*")), None)
     partition = slurm.partition or default
@@ -69,7 +80,7 @@ def _partition_problems(cfg: RunConfig, run: Runner) -> list[str]:
                 f"{', '.join(names) or 'none listed'}): name one of them"]
     if partition is None:
         return []  # no default partition: sbatch --test-only says what it makes of that
-    nodes = run("sinfo", "-h", "-N", "-p", partition, "-o", "%N %c")
+    nodes = _ask(run, "sinfo", "-h", "-N", "-p", partition, "-o", "%N %c")
     cpus: dict[str, int] = {}
     for line in nodes.stdout.splitlines():
         name, _, count = line.partition(" ")

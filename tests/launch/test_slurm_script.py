@@ -165,6 +165,10 @@ class FakeScontrol:
         self.commands.append(args)
         if args[0] == "scontrol":
             out = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+            if out == "!timeout":
+                raise subprocess.TimeoutExpired(args, 120)
+            if out.startswith("!"):  # the controller does not answer: scontrol says why
+                return subprocess.CompletedProcess(args, 1, "", out[1:])
             return subprocess.CompletedProcess(args, 0 if out else 1, out, "" if out else "Invalid job id specified")
         return subprocess.CompletedProcess(args, 0, "", "")
 
@@ -174,6 +178,40 @@ def job_with(tmp_path: Path, answers: list[str]) -> tuple[slurm.SlurmJob, FakeSc
     job = slurm.SlurmJob("42", tmp_path, {"scontrol": "scontrol", "scancel": "scancel"}, run=fake)
     (tmp_path / "slurm").mkdir(exist_ok=True)
     return job, fake
+
+
+UNREACHABLE = "!slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
+
+
+def watch_with_clock(job: slurm.SlurmJob, lines: list[str]):
+    now = [0.0]
+    job.clock = lambda: now[0]
+    return watch(job, lines.append, poll_s=5, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+
+
+def test_a_controller_that_stops_answering_for_a_while_does_not_end_the_watch(tmp_path):
+    """slurmctld restarting or too busy to answer: the job runs on, so the watch goes on, saying why it waits."""
+    running = "JobId=42 JobState=RUNNING Reason=None ExitCode=0:0"
+    job, fake = job_with(tmp_path, [running, UNREACHABLE, "!timeout", UNREACHABLE, running,
+                                    "JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0"])
+    lines: list[str] = []
+    result = watch_with_clock(job, lines)
+    assert result.ok, result
+    said = [line for line in lines if "does not answer" in line]
+    assert said == ["ortflow: the Slurm controller does not answer (slurm_load_jobs error: Unable to contact slurm "
+                    "controller (connect failure)): still watching slurm job 42"], lines
+    assert "ortflow: the Slurm controller answers again: slurm job 42 is RUNNING" in lines
+    assert not any(command[0] == "scancel" for command in fake.commands)
+
+
+def test_a_controller_silent_past_the_grace_ends_the_watch_and_leaves_the_job_to_attach_to(tmp_path):
+    job, fake = job_with(tmp_path, ["JobId=42 JobState=RUNNING Reason=None ExitCode=0:0", UNREACHABLE])
+    lines: list[str] = []
+    result = watch_with_clock(job, lines)
+    assert result.returncode == 1 and result.retry, result
+    assert f"has not answered for {slurm.CONTROLLER_GRACE_S:.0f} s" in result.detail
+    assert f"ortflow train {tmp_path}" in result.detail  # attaches to the job once the controller answers
+    assert not any(command[0] == "scancel" for command in fake.commands)  # nothing known: nothing cancelled
 
 
 def test_a_requeued_job_is_watched_until_it_completes(tmp_path):
@@ -286,12 +324,17 @@ def test_the_failure_summary_quotes_the_current_attempt_only(tmp_path):
 class FakeCluster:
     """sinfo and sbatch --test-only of a cluster with one partition of two 2-CPU nodes."""
 
-    def __init__(self, test_only: tuple[int, str] = (0, "sbatch: Job 3 to start at now")):
+    def __init__(self, test_only: tuple[int, str] = (0, "sbatch: Job 3 to start at now"), down: str | None = None):
         self.test_only = test_only
+        self.down = down  # what every command says when the controller does not answer
         self.commands: list[tuple[str, ...]] = []
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess:
         self.commands.append(args)
+        if self.down is not None:
+            if self.down == "timeout":
+                raise subprocess.TimeoutExpired(args, 60)
+            return subprocess.CompletedProcess(args, 1, "", self.down)
         if args[:3] == ("sinfo", "-h", "-o"):
             return subprocess.CompletedProcess(args, 0, "debug*\n", "")
         if args[:3] == ("sinfo", "-h", "-N"):
@@ -316,6 +359,19 @@ def test_the_request_is_checked_against_the_cluster(tmp_path):
     refused = check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), invalid)
     assert refused == ["sbatch --test-only refuses the run's job (Invalid account): change the slurm section or "
                        "distributed.num_ranks (`ortflow render` prints the script)"]
+
+
+@pytest.mark.parametrize("said", [
+    "slurm_load_partitions: Unable to contact slurm controller (connect failure)\n",
+    "sinfo: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+    "sinfo: fatal: Could not establish a configuration source\n",
+    "timeout",  # a slurm.conf that cannot be read: the commands retry for a minute
+])
+def test_a_cluster_that_does_not_answer_is_named_as_such_not_as_a_bad_request(tmp_path, said):
+    problems = check(slurm_config(tmp_path, num_ranks=2, num_nodes=2), FakeCluster(down=said))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("the Slurm controller does not answer (sinfo: "), problems
+    assert "SLURM_CONF" in problems[0] and "change the slurm section" not in problems[0]
 
 
 FAKE_RANKS = """#!/bin/bash
