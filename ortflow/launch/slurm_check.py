@@ -41,7 +41,8 @@ def request_problems(cfg: RunConfig, run: Runner = _run, python: str = sys.execu
                 "with the Slurm client commands (a login node), or use launcher local"]
     listed = _ask(run, "sinfo", "-h", "-o", "%P")
     if listed.returncode:  # nothing else can be checked, and sbatch would fail the same way
-        said = " ".join((listed.stderr or listed.stdout).split()) or f"exit status {listed.returncode}"
+        said = " ".join((listed.stderr or listed.stdout).replace("sinfo: ", "").split()) or \
+            f"exit status {listed.returncode}"
         return [f"the Slurm controller does not answer (sinfo: {said}): validate and run where the Slurm commands "
                 "reach it (a login node; SLURM_CONF names the cluster's slurm.conf), or use launcher local"]
     problems = _partition_problems(cfg, run, listed)
