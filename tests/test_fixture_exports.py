@@ -75,6 +75,26 @@ def test_dynamo_fixture_keeps_weights_in_external_data(name):
     assert batch.dim_param, f"{name}: the batch axis is not dynamic"
 
 
+@pytest.mark.parametrize("name", [*DYNAMO_NAMES, "gpt2-sdpa-dynamo-noopt.onnx", "bnmlp-dynamo.onnx",
+                                  "bnmlp-dynamo-noopt.onnx"])
+def test_dynamo_fixture_metadata_names_no_exporting_environment(name):
+    """tools/export_fixtures.py drops the stack traces (paths, line numbers) and object addresses, which differ from
+    one export to the next, and keeps the torch metadata configure reads on every node."""
+    import re
+
+    from ortflow.graph.exports.torch_params import CLASSES, FX_NODE, SCOPES
+
+    model = onnx.load(str(export_path(name)), load_external_data=False)
+    graph = model.graph
+    for proto in (model, graph, *graph.node, *graph.input, *graph.output, *graph.value_info, *graph.initializer):
+        for prop in proto.metadata_props:
+            assert prop.key != "pkg.torch.onnx.stack_trace", f"{name}: a stack trace on {proto.name!r}"
+            assert not re.search(r"0x[0-9a-f]{6,}|\.py\b", prop.value), f"{name}: {prop.key} = {prop.value[:200]!r}"
+    exported = [n for n in graph.node if n.metadata_props]
+    assert exported, f"{name}: no node metadata"
+    assert all({FX_NODE, SCOPES, CLASSES} <= {p.key for p in n.metadata_props} for n in exported)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "vit"])
 def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(family):
     model = onnx.load(str(export_path(f"{family}-dynamo-noopt.onnx")), load_external_data=False)

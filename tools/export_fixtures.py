@@ -22,7 +22,8 @@ the eval-mode BatchNorm into the Linear before it) and with ``optimize=False`` (
 
 Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
 shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from.
-Weights come from a fixed seed, so a re-export with the same versions writes the same graphs.
+Weights come from a fixed seed, and the dynamo exports' metadata is stripped of what names the exporting environment
+(:func:`reproducible`), so a re-export with the same versions writes the same files byte for byte.
 
 Usage: python tools/export_fixtures.py OUT_DIR [FAMILY ...]
 
@@ -33,6 +34,7 @@ to be this environment's.
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -44,6 +46,12 @@ import transformers
 from torch import nn
 
 OPSET = 17
+#: Metadata the dynamo exporter writes on each node that ortflow never reads and that names the exporting environment:
+#: the Python stack of the op (the paths of this script and of the virtual environment, this script's line numbers).
+UNREPRODUCIBLE = ("pkg.torch.onnx.stack_trace",)
+#: A Python object's address in a repr (``<function sym_min at 0x7fed4731df80>`` in ``namespace`` and
+#: ``pkg.torch.onnx.class_hierarchy``): dropped, the rest of the value is kept.
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def perturb(model: nn.Module) -> None:
@@ -68,6 +76,37 @@ def export(model: nn.Module, args: tuple, path: Path, input_names: list[str], ou
     onnx.checker.check_model(onnx.load(str(path)))
 
 
+def _with_metadata(graph: onnx.GraphProto):
+    """The graph, its values, initializers and nodes, and those of the graphs its nodes hold."""
+    yield graph
+    yield from (*graph.input, *graph.output, *graph.value_info, *graph.initializer)
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                yield from _with_metadata(sub)
+
+
+def reproducible(path: Path) -> None:
+    """Rewrite the ``.onnx`` file of a dynamo export without the metadata that differs between two exports of the
+    same model: :data:`UNREPRODUCIBLE` keys dropped, :data:`ADDRESS` cut from the other values. What ortflow reads
+    (``pkg.torch.onnx.fx_node``, ``name_scopes``, ``class_hierarchy``, the graph signature) is kept. The external
+    data file is left as written."""
+    model = onnx.load(str(path), load_external_data=False)
+    protos = [model, *_with_metadata(model.graph)]
+    for function in model.functions:
+        protos += [function, *function.node]
+    env = (str(Path(__file__).resolve().parent), sys.prefix)
+    for proto in protos:
+        kept = [(p.key, ADDRESS.sub("", p.value)) for p in proto.metadata_props if p.key not in UNREPRODUCIBLE]
+        del proto.metadata_props[:]
+        for key, value in kept:
+            if any(place in value for place in env):
+                sys.exit(f"{path}: metadata {key!r} names this environment: {value[:200]!r}")
+            proto.metadata_props.add(key=key, value=value)
+    path.write_bytes(model.SerializeToString())
+
+
 def export_dynamo(model: nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
                   dynamic_axes: dict, optimize: bool, varargs: bool = True) -> list[str]:
     """The default exporter as a user calls it; returns the files written (the model and its external data).
@@ -81,6 +120,8 @@ def export_dynamo(model: nn.Module, args: tuple, path: Path, input_names: list[s
     dims = tuple({axis: torch.export.Dim.DYNAMIC for axis in dynamic_axes[name]} for name in input_names)
     torch.onnx.export(model, args, str(path), input_names=input_names, output_names=output_names,
                       dynamic_shapes=(dims,) if varargs else dims, dynamo=True, optimize=optimize)
+    onnx.checker.check_model(str(path))
+    reproducible(path)
     onnx.checker.check_model(str(path))
     return [p.name for p in (path, path.with_name(path.name + ".data")) if p.exists()]
 
