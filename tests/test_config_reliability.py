@@ -54,6 +54,21 @@ def test_an_unparsable_set_value_is_named(tmp_path):
     assert "quote it" in problems[0]
 
 
+def test_a_set_list_of_patterns_gets_a_hint_to_quote_each_item_and_the_hinted_form_loads(tmp_path):
+    """YAML reads a leading ``*`` as an alias. Quoting the whole list would make it one string; the hint quotes each
+    item, and the exact ``--set`` it suggests loads the patterns as a list."""
+    import shlex
+
+    problems = problems_of(tmp_path, "tensorboard.histogram_names=[*.weight, h0.*]")
+    assert len(problems) == 1 and "not valid YAML" in problems[0], problems
+    hint = problems[0].partition("quote each item: ")[2]
+    assert hint == """--set 'tensorboard.histogram_names=["*.weight", "h0.*"]'""", problems[0]
+    option, value = shlex.split(hint)
+    assert option == "--set"
+    cfg = load_config(write(tmp_path), [value])
+    assert cfg.tensorboard.histogram_names == ("*.weight", "h0.*")
+
+
 def test_output_dir_that_is_a_file_is_named(tmp_path):
     tiny_model(tmp_path / "model.onnx")
     (tmp_path / "runs").mkdir()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any, get_args
 
@@ -177,10 +179,25 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
             value = load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as err:
             problem = str(err).replace("\n", " ")
-            raise ConfigError([f"--set '{item}': the value is not valid YAML ({problem}); quote it: {key}='\"...\"'"]) \
+            raise ConfigError([f"--set '{item}': the value is not valid YAML ({problem}); {_quoting_hint(key, raw)}"]) \
                 from None
         parsed.append((key.strip(), value))
     return parsed
+
+
+def _quoting_hint(key: str, raw: str) -> str:
+    """How to quote a ``--set`` value YAML refuses (a ``*`` or ``&`` that starts a word, a ``:`` in a list item).
+
+    A whole list in quotes would be one string: a flat list gets each item quoted, in the exact ``--set`` to type.
+    """
+    text = raw.strip()
+    if text.startswith("[") and text.endswith("]"):
+        items = [item.strip() for item in text[1:-1].split(",")]
+        if all(item and not any(c in item for c in "[]{}\"'\\") for item in items):
+            quoted = ", ".join(json.dumps(item) for item in items)
+            return f"quote each item: --set {shlex.quote(f'{key.strip()}=[{quoted}]')}"
+        return f"quote each item of the list in double quotes: --set '{key.strip()}=[\"...\", \"...\"]'"
+    return f"quote it: {key}='\"...\"'"
 
 
 #: torch.optim's argument names, which docs/training.md compares the rules with, -> the optimizer section's fields.
