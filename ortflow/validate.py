@@ -461,12 +461,18 @@ def resume_layout_problems(cfg: RunConfig) -> list[str]:
 
 def path_problems(cfg: RunConfig) -> list[str]:
     """The run folder and the checkpoint, TensorBoard and export paths must be writable."""
-    checks = [
-        (cfg.output_dir, "output_dir", True),
-        (cfg.checkpoints_dir, "checkpoint.dir", True),
-        (cfg.tensorboard_dir, "tensorboard.log_dir", True),
-        (cfg.export_path, "export.path", False),
-    ]
+    return [*_path_problems([(cfg.output_dir, "output_dir", True)]), *training_path_problems(cfg),
+            *_path_problems([(cfg.export_path, "export.path", False)])]
+
+
+def training_path_problems(cfg: RunConfig) -> list[str]:
+    """The folders the ranks write, checked before they start (``ortflow train``, the train stage): the checkpoint
+    and TensorBoard folders must be writable (a file is written there and removed)."""
+    return _path_problems([(cfg.checkpoints_dir, "checkpoint.dir", True),
+                           (cfg.tensorboard_dir, "tensorboard.log_dir", True)])
+
+
+def _path_problems(checks: list[tuple[Path, str, bool]]) -> list[str]:
     return [p for p in (_writable(Path(path), field, is_dir) for path, field, is_dir in checks) if p]
 
 

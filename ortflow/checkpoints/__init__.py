@@ -18,6 +18,7 @@ from ortflow.checkpoints.folder import (
     CheckpointError,
     CheckpointInfo,
     check_owner,
+    final_checkpoint,
     latest_verified,
     list_complete,
     meta_digest,
@@ -35,7 +36,7 @@ from ortflow.checkpoints.owner import run_owner
 
 __all__ = [
     "CHECKPOINT_FILE", "FORMAT", "META_FILE", "META_SHA_KEY", "PARAMS_FILE", "CheckpointError", "CheckpointInfo",
-    "CheckpointManager", "StateWriter", "check_owner",
+    "CheckpointManager", "StateWriter", "check_owner", "final_checkpoint",
     "run_owner", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
     "resolve_resume", "retention_to_delete", "step_dirname", "verify",
 ]

@@ -216,6 +216,22 @@ def latest_verified(directory: Path) -> CheckpointInfo | None:
     return None
 
 
+def final_checkpoint(directory: Path, num_updates: int) -> CheckpointInfo | None:
+    """The run's final checkpoint (at step ``num_updates`` or later) when it is the newest and verifies, else None.
+
+    With it, training has nothing left to do: a launch would only start ranks (or queue a scheduler job) that resume
+    at the last step and exit. A damaged final checkpoint gives None: the ranks fall back to an older one and train
+    again.
+    """
+    done = list_complete(directory)
+    if not done or done[-1].step < num_updates:
+        return None
+    try:
+        return verify(done[-1].path)
+    except (CheckpointError, OSError):
+        return None
+
+
 def resolve_resume(
     directory: Path, checkpoint_to_load: Path | None, owner: dict | None = None
 ) -> CheckpointInfo | None:

@@ -93,6 +93,15 @@ def _refuse_another_split(cfg: RunConfig) -> None:
         fail(refusal)
 
 
+def _refuse_unwritable(cfg: RunConfig) -> None:
+    """A checkpoint or TensorBoard folder that takes no files, refused before any rank starts (as validate does)."""
+    from ortflow.validate import training_path_problems
+
+    problems = training_path_problems(cfg)
+    if problems:
+        fail("; ".join(problems))
+
+
 def _busy(err: RunFolderLocked, run_dir: Path) -> str:
     """The refusal of a folder another run holds, with this command's way to queue behind it."""
     return f"{err}\n  to queue behind it instead: ortflow train {run_dir} --wait"
@@ -131,6 +140,9 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
     if np_ is not None and np_ != "auto" and not (np_.isdigit() and int(np_) > 0):
         fail(f"--np {np_}: give a number of ranks or auto")
     _set_profile(profile, cfg)
+    if _already_complete(cfg, run_dir, "no ranks started"):
+        return
+    _refuse_unwritable(cfg)
     try:
         layout, plan = launch_layout(cfg, run_dir, host_resources(), np_ if np_ in (None, "auto") else int(np_),
                                      threads)
@@ -165,18 +177,19 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
     console.print(f"[green]training finished[/]: checkpoints in {cfg.checkpoints_dir}")
 
 
-def _finished(cfg: RunConfig) -> bool:
-    """The run's final checkpoint exists and verifies: a scheduler job would only queue for an allocation that trains
-    nothing."""
-    from ortflow.checkpoints import CheckpointError, list_complete, verify
+def _already_complete(cfg: RunConfig, run_dir: Path, nothing: str) -> bool:
+    """Say so when the run's final checkpoint exists and verifies: ranks (or a scheduler job) would only resume at the
+    last step and exit. ``nothing`` names what is then not started."""
+    from ortflow.checkpoints import final_checkpoint
+    from ortflow.config import RESOLVED_CONFIG_NAME
 
-    done = list_complete(cfg.checkpoints_dir)
-    if not done or done[-1].step < cfg.train.num_weight_updates:
+    updates = cfg.train.num_weight_updates
+    if final_checkpoint(cfg.checkpoints_dir, updates) is None:
         return False
-    try:
-        verify(done[-1].path)
-    except (CheckpointError, OSError):
-        return False  # the ranks fall back to an older checkpoint and train again
+    console.print(f"training is already complete at step {updates}/{updates} (checkpoints in "
+                  f"{escape(str(cfg.checkpoints_dir))}): {nothing}; to train further, raise train.num_train_steps in "
+                  f"{escape(str(run_dir / RESOLVED_CONFIG_NAME))} and run `ortflow train {escape(str(run_dir))} "
+                  "--accept-changed-config`", highlight=False)
     return True
 
 
@@ -188,11 +201,9 @@ def _train_scheduled(cfg: RunConfig, run_dir: Path, wait: bool, profile: str | N
     _set_profile(profile, cfg)  # the Slurm job inherits this environment
     try:
         with hold(run_dir, wait=wait, purpose="ortflow train"):
-            if _finished(cfg):
-                console.print(f"training is already complete at step {cfg.train.num_weight_updates}/"
-                              f"{cfg.train.num_weight_updates} (checkpoints in {escape(str(cfg.checkpoints_dir))}): "
-                              f"no {cfg.distributed.launcher} job submitted", highlight=False)
+            if _already_complete(cfg, run_dir, f"no {cfg.distributed.launcher} job submitted"):
                 return
+            _refuse_unwritable(cfg)
             stops.phase = "job"
             result = run_scheduled(cfg, run_dir, forward_signals=True, received=stops.received)
     except RunFolderLocked as err:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -21,7 +21,7 @@ from prefect.artifacts import (
 )
 
 from ortflow import runlock
-from ortflow.checkpoints import list_complete
+from ortflow.checkpoints import final_checkpoint, list_complete
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.launch.guard import GUARD_LOG, JobGuard, taken_over_lines
 from ortflow.launch.job import STOP_GRACE_S
@@ -346,6 +346,18 @@ def train(config: RunConfig) -> dict:
         write_resolved_config(config)
     dist, pipe = config.distributed, config.pipeline
     from ortflow.tasks.runs import flow_run_id
+    from ortflow.validate import training_path_problems
+
+    updates = config.train.num_weight_updates
+    if final_checkpoint(config.checkpoints_dir, updates) is not None:  # the ranks would resume at the end and exit
+        get_run_logger().info("ortflow: training is already complete at step %d/%d (checkpoints in %s): no ranks "
+                              "started; to train further, raise train.num_train_steps", updates, updates,
+                              config.checkpoints_dir)
+        return {"progress": read_progress(config.output_dir) or {}, "checkpoints_dir": str(config.checkpoints_dir),
+                "launcher": dist.launcher, "job_id": None}
+    problems = training_path_problems(config)  # validate's check: refused before any rank starts, not retried
+    if problems:
+        raise TrainingFailed("; ".join(problems), will_repeat=True)
 
     local = dist.launcher == "local"  # else a Slurm or Kubernetes job places the ranks
     layout = launch_layout(config, config.output_dir, host_resources())[0] if local else None  # auto: this host's

@@ -138,6 +138,51 @@ def test_ortflow_train_submits_no_scheduler_job_for_a_finished_run(tmp_path, mon
     assert len(submitted) == 1
 
 
+def test_ortflow_train_starts_no_ranks_for_a_finished_run(tmp_path, monkeypatch):
+    """Launcher local: a run whose final checkpoint exists gets one line saying it is complete (and how to train
+    further) and no mpiexec; a stop checkpoint before the end still launches the ranks, which resume."""
+    from ortflow.checkpoints import CheckpointManager
+    from ortflow.launch import local
+    from ortflow.launch.job import LaunchResult
+
+    _, cfg = _config_file(tmp_path)
+    write_resolved_config(cfg)
+    launched = []
+    monkeypatch.setattr(local, "launch", lambda *a, **k: launched.append(a) or LaunchResult(0, ()))
+    writer = lambda state, folder: (folder / "state.bin").write_bytes(state)  # noqa: E731
+    ckpts = CheckpointManager(cfg.checkpoints_dir, 1, 10, is_writer=True, clock=lambda: 0.0, writer=writer)
+    ckpts.save(3, b"three", {})
+    result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=400)
+    assert result.exit_code == 0 and "training finished" in result.output and len(launched) == 1, result.output
+    ckpts.save(4, b"four", {})  # the final step: num_train_steps 4
+    result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert len(launched) == 1 and "training finished" not in result.output and "layout:" not in result.output
+    assert "training is already complete at step 4/4" in result.output and "no ranks started" in result.output
+    assert (f"raise train.num_train_steps in {cfg.output_dir / 'config.yaml'} and run `ortflow train "
+            f"{cfg.output_dir} --accept-changed-config`") in result.output, result.output
+
+
+def test_ortflow_train_refuses_an_event_folder_that_takes_no_files_before_any_rank_starts(tmp_path, monkeypatch):
+    """The checkpoint and TensorBoard folders get validate's check (a file written and removed) before the ranks
+    start or a scheduler job is submitted: one error line naming the field."""
+    from ortflow.launch import local, slurm
+
+    _, cfg = _config_file(tmp_path)
+    (tmp_path / "events").write_text("a file where the event folder goes")
+    started = []
+    monkeypatch.setattr(local, "launch", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(slurm, "submit", lambda *a, **k: started.append(a))
+    for launcher in ("local", "slurm"):
+        write_resolved_config(apply_overrides(cfg, [f"tensorboard.log_dir={tmp_path / 'events'}",
+                                                    f"distributed.launcher={launcher}"]))
+        result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=400)
+        assert result.exit_code == 1, result.output
+        assert (f"error: tensorboard.log_dir: {tmp_path / 'events'} is a file, not a folder; choose a folder path"
+                in result.output), result.output
+        assert not started and "layout:" not in result.output
+
+
 def test_help_keeps_every_bracketed_shape_of_the_docstrings():
     import re
 
