@@ -184,9 +184,11 @@ def watch(
                 errors.append(line)
             on_line(line)
 
-    restore = _cancel_on_signals(job, received) if forward_signals else (lambda: None)
+    seen: list[JobState] = []  # the newest state polled: a stop request says what it does to a pending job
+    restore = _cancel_on_signals(job, received, seen) if forward_signals else (lambda: None)
     try:
         state = job.poll()
+        seen[:] = [state]
         while state.phase is not Phase.ENDED:
             drain()
             _report_pending(job, state, pending_since, on_line, clock)
@@ -201,10 +203,11 @@ def watch(
                 raise TimeLimitReached(f"the time limit passed while the {job.launcher} job ran: it was stopped")
             sleep(poll_s)
             state = job.poll()
+            seen[:] = [state]
         drain()
         signum = received[0] if received else 0  # a signal after the job ended does not make it a stopped one
     except BaseException:  # a cancelled flow, a timeout, Ctrl-C: the job must not outlive its watcher unasked
-        stop(job, grace_s, on_line, clock, sleep)
+        stop(job, grace_s, on_line, clock, sleep, pending=bool(seen) and seen[0].phase is Phase.PENDING)
         raise
     finally:
         restore()
@@ -228,14 +231,15 @@ def _report_pending(job: Job, state: JobState, since: list[float], on_line: Call
 
 
 def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
-         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> JobState:
+         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+         pending: bool = False) -> JobState:
     """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out.
 
     A repeated stop request while it waits (a second Ctrl-C, a process manager repeating its SIGTERM, which Prefect
     raises as an exception during a flow run) neither cuts the wait nor the ranks' last lines short: the grace
-    bounds the wait."""
-    log.warning("%s job%s: asking the ranks to stop after the current update (%.0f s grace)",
-                job.launcher, f" {job.job_id}" if job.job_id else "", grace_s)
+    bounds the wait. ``pending``: the job was last seen waiting for resources (no rank runs; cancelling removes it).
+    """
+    log.warning("%s", _stop_words(job, pending, f" ({grace_s:.0f} s grace)"))
     job.cancel()
     deadline = clock() + grace_s
     while True:
@@ -272,17 +276,26 @@ def _stream_until_ended(job: Job, deadline: float, poll_s: float, on_line: Calla
 REPEAT_WINDOW_S = 5.0
 
 
-def _cancel_on_signals(job: Job, received: list[int]) -> Callable[[], None]:
+def _stop_words(job: Job, pending: bool, grace: str = "") -> str:
+    """What a stop request does: a pending job is removed (no rank runs), a running one's ranks stop after the
+    current update with a stop checkpoint."""
+    name = f"{job.launcher} job{f' {job.job_id}' if job.job_id else ''}"
+    if pending:
+        return f"removing the pending {name} from the queue: no rank is running, nothing to checkpoint"
+    return f"asking the ranks of the {name} to stop after the current update{grace}"
+
+
+def _cancel_on_signals(job: Job, received: list[int], seen: list[JobState]) -> Callable[[], None]:
     """While watching, SIGTERM/SIGINT cancel the job once (the ranks stop with a stop checkpoint); so does a signal
-    already in ``received``."""
+    already in ``received``. ``seen`` holds the job's newest polled state (empty before the first poll)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     first: list[float] = [time.monotonic()] if received else []  # signals before the job started: stopped below
 
     def ask(signum: int) -> None:
-        log.warning("%s: asking the ranks of the %s job%s to stop after the current update",
-                    signal.Signals(signum).name, job.launcher, f" {job.job_id}" if job.job_id else "")
+        pending = bool(seen) and seen[0].phase is Phase.PENDING
+        log.warning("%s: %s", signal.Signals(signum).name, _stop_words(job, pending))
 
     def forward(signum: int, _frame: object) -> None:
         if not received:

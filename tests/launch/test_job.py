@@ -115,6 +115,47 @@ def test_a_stop_signal_received_before_the_watch_cancels_the_job_as_it_starts_an
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+class QueuedJob(FakeJob):
+    """A job that waits for resources until it is cancelled (which removes it, as scancel does a pending Slurm job)."""
+
+    def poll(self) -> JobState:
+        self.polls += 1
+        if self.cancelled_at is not None:
+            return JobState(Phase.ENDED, "CANCELLED", 1)
+        return JobState(Phase.PENDING, "PENDING (Resources)")
+
+
+@pytest.mark.parametrize("job", [QueuedJob(), FakeJob(run_polls=100, stop_polls=1)], ids=["pending", "running"])
+def test_a_stop_signal_says_a_pending_job_is_removed_and_a_running_ones_ranks_are_asked_to_stop(job, caplog):
+    def sleep(_s: float) -> None:
+        if job.polls == 2:
+            signal.raise_signal(signal.SIGTERM)  # the handler watch() installed runs here, in the main thread
+
+    with caplog.at_level("WARNING", logger="ortflow.launch.job"):
+        result = watch(job, lambda line: None, sleep=sleep, forward_signals=True)
+    assert job.calls == ["cancel"] and result.signal == signal.SIGTERM
+    said = [r.getMessage() for r in caplog.records]
+    if isinstance(job, QueuedJob):
+        assert said == ["SIGTERM: removing the pending fake job 7 from the queue: no rank is running, nothing to "
+                        "checkpoint"], said
+    else:
+        assert said == ["SIGTERM: asking the ranks of the fake job 7 to stop after the current update"], said
+
+
+def test_an_interrupted_watch_of_a_pending_job_says_it_is_removed(caplog):
+    job = QueuedJob()
+
+    def sleep(_s: float) -> None:
+        if job.polls == 2 and "cancel" not in job.calls:
+            raise KeyboardInterrupt
+
+    with caplog.at_level("WARNING", logger="ortflow.launch.job"), pytest.raises(KeyboardInterrupt):
+        watch(job, lambda line: None, grace_s=30, sleep=sleep)
+    assert job.calls == ["cancel"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "removing the pending fake job 7 from the queue: no rank is running, nothing to checkpoint"]
+
+
 def test_a_job_that_does_not_stop_within_the_grace_is_killed():
     job = FakeJob(run_polls=100, stop_polls=None)
     now = [0.0]
