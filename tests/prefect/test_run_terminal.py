@@ -2,7 +2,8 @@
 when the output is not a terminal, the summary and the next steps; the ranks', the engine's and Prefect's state lines
 only in the run's log file (``--verbose`` shows them: tests/prefect/test_run_cli.py). A rerun of the same run folder
 says which stage is unchanged; a failed stage is reported as its own message and the command to rerun or fix (the
-traceback only in the log file) and is not retried when it would fail again."""
+traceback only in the log file) and is not retried when it would fail again. The train stage refuses a TensorBoard
+folder that takes no files before any rank starts, and starts no ranks for a run whose final checkpoint exists."""
 
 from __future__ import annotations
 
@@ -73,3 +74,27 @@ def test_the_terminal_shows_stages_progress_summary_and_next_steps_and_the_log_k
     assert "Retry 1/" not in log
     export_failures = [line for line in log.splitlines() if "prefect.task_runs 'export-" in line and "Failed(" in line]
     assert len(export_failures) == 1 and "FileExistsError" in export_failures[0], export_failures
+
+    # Longer training with a file where the TensorBoard folder should be: the train stage refuses it with validate's
+    # message before any rank starts, once (it would fail again).
+    unwritable = mlp_config(tmp_path, mlp_sources, "terminal", train={"num_train_steps": 40, "display_loss_steps": 5},
+                            distributed={"num_ranks": 1, "threads_per_rank": 1}, tensorboard={"log_dir": str(blocker)})
+    unwritable_file = write_config(unwritable, tmp_path / "bad-events.yaml")
+    refused = subprocess.run([ORTFLOW, "run", str(unwritable_file)], env=prefect_server, capture_output=True,
+                             text=True, timeout=400, cwd=tmp_path)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode == 1, out[-3000:]
+    assert "tensorboard.log_dir: " in out and "not-a-folder is a file, not a folder" in " ".join(out.split()), out
+    log = (tmp_path / re.search(r"full log with tracebacks: (\S+)", out)[1]).read_text()
+    assert "launching:" not in log and "Retry 1/" not in log, log[-3000:]
+
+    # Training again a run whose final checkpoint exists: the train stage says so and starts no ranks.
+    finished = subprocess.run([ORTFLOW, "run", str(config_file), "--from", "train"], env=prefect_server,
+                              capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    out = finished.stdout + finished.stderr
+    assert finished.returncode == 0, out[-3000:]
+    words = " ".join(out.split())
+    assert "training is already complete at step 20/20" in words and "no ranks started" in words, out
+    assert "raise train.num_train_steps" in words and "resuming from" not in out, out
+    log = (tmp_path / re.search(r"full log: +(\S+)", out)[1]).read_text()
+    assert "launching:" not in log, log[-3000:]
