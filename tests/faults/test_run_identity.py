@@ -60,8 +60,12 @@ def test_a_copied_run_folder_is_a_new_run_refused_without_retries_that_leaves_th
     errors = tuple(line for line in out.stdout.splitlines() if is_error_line(line))
     assert failure_repeats(errors, out.returncode), errors
     assert {c.path.name: (c.path / "params.h5").read_bytes() for c in list_complete(shared)} == kept
-    again = _ortflow("train", str(first.output_dir))  # the original still resumes its own checkpoints
+    # The original still resumes its own checkpoints (trained further: a finished run starts no ranks).
+    own = set(_steps(shared).values())
+    _set(first.output_dir, "train", "num_train_steps", 6)
+    again = _ortflow("train", str(first.output_dir), "--accept-changed-config")
     assert again.returncode == 0, again.stdout[-3000:]
+    assert max(_steps(shared)) == 6 and set(_steps(shared).values()) == own, _steps(shared)
 
 
 def test_a_damaged_run_record_does_not_disown_the_runs_checkpoints_and_a_moved_run_folder_resumes_in_its_new_place(
