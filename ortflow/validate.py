@@ -418,6 +418,17 @@ def version_problems(cfg: RunConfig) -> list[str]:
         return []
 
 
+def _not_writable(folder: Path) -> str:
+    """Why a folder refuses writing: its file system is mounted read-only, or its permissions."""
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return "is on a read-only file system; choose another path"
+    return "is not writable; fix its permissions or choose another path"
+
+
 def _writable(path: Path, field: str, is_dir: bool) -> str | None:
     """Why ``path`` cannot be created or written, or None."""
     if path.exists():
@@ -427,7 +438,7 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
             return f"{field}: {path} is a folder; give the file to write, e.g. {path / 'model.onnx'}"
         target = path if is_dir else path.parent
         if not os.access(target, os.W_OK | os.X_OK):
-            return f"{field}: {target} is not writable; fix its permissions or choose another path"
+            return f"{field}: {target} {_not_writable(target)}"
         try:  # permissions are not the whole story (root, /sys, a full or read-only mount): try, and remove the try
             handle, probe = tempfile.mkstemp(prefix=".ortflow-probe-", dir=target)
         except OSError as err:
@@ -441,7 +452,7 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
     if not parent.is_dir():
         return f"{field}: cannot create {path}: {parent} is a file, not a folder; choose another path"
     if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{field}: cannot create {path}: {parent} is not writable; fix its permissions or choose another path"
+        return f"{field}: cannot create {path}: {parent} {_not_writable(parent)}"
     try:  # permissions are not the whole story (/proc, /sys, a full or read-only mount): try, and remove the try
         os.rmdir(tempfile.mkdtemp(prefix=".ortflow-probe-", dir=parent))
     except OSError as err:
