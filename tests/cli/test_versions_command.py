@@ -161,6 +161,9 @@ def test_ortflow_train_starts_no_ranks_for_a_finished_run(tmp_path, monkeypatch)
     assert "training is already complete at step 4/4" in result.output and "no ranks started" in result.output
     assert (f"raise train.num_train_steps in {cfg.output_dir / 'config.yaml'} and run `ortflow train "
             f"{cfg.output_dir} --accept-changed-config`") in result.output, result.output
+    (cfg.checkpoints_dir / "step-00000004" / "state.bin").write_bytes(b"fout")  # damaged: the ranks fall back
+    result = runner.invoke(app, ["train", str(cfg.output_dir)], terminal_width=400)
+    assert result.exit_code == 0 and "training finished" in result.output and len(launched) == 2, result.output
 
 
 def test_ortflow_train_refuses_an_event_folder_that_takes_no_files_before_any_rank_starts(tmp_path, monkeypatch):
