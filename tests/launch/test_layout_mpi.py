@@ -152,6 +152,8 @@ def test_cli_train_np_auto_prints_the_layout_and_profiles(tmp_path):
     ranks = max(r for r in range(1, cores + 1) if 16 % (r * 4) == 0)
     assert f"layout: {ranks} rank(s) x 1 thread(s) (auto:" in out.stderr
     assert (cfg.output_dir / "profile" / "rank-0.json").exists()
-    bad = ortflow_here("train", str(cfg.output_dir), "--np", "3")  # a refusal: what it says, in this process
+    # A refusal (what it says, in this process), on a run not yet trained: a finished run is only reported complete.
+    fresh = _run(tmp_path, "cli-fresh", 1)
+    bad = ortflow_here("train", str(fresh.output_dir), "--np", "3")
     assert bad.returncode == 1
     assert "cannot be split over 3 rank(s) and the model's fixed batch dim 4" in bad.stdout
