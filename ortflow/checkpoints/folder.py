@@ -216,20 +216,25 @@ def latest_verified(directory: Path) -> CheckpointInfo | None:
     return None
 
 
-def final_checkpoint(directory: Path, num_updates: int) -> CheckpointInfo | None:
+def final_checkpoint(directory: Path, num_updates: int, owner: dict | None = None) -> CheckpointInfo | None:
     """The run's final checkpoint (at step ``num_updates`` or later) when it is the newest and verifies, else None.
 
     With it, training has nothing left to do: a launch would only start ranks (or queue a scheduler job) that resume
     at the last step and exit. A damaged final checkpoint gives None: the ranks fall back to an older one and train
-    again.
+    again. ``owner`` (this run's identity, :func:`.owner.run_owner`): a checkpoint another run wrote, or one that a
+    folder without an id of its own yet (a copy) holds, gives None too: the ranks refuse it, naming both runs.
     """
     done = list_complete(directory)
     if not done or done[-1].step < num_updates:
         return None
     try:
-        return verify(done[-1].path)
+        info = verify(done[-1].path)
     except (CheckpointError, OSError):
         return None
+    theirs = info.meta.get(RUN_META_KEY)
+    if owner is not None and isinstance(theirs, dict) and theirs.get("run_id") != owner.get("run_id"):
+        return None
+    return info
 
 
 def resolve_resume(

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ortflow.checkpoints import CheckpointError, CheckpointManager, list_complete, resolve_resume, run_owner
+from ortflow.checkpoints import (
+    CheckpointError,
+    CheckpointManager,
+    final_checkpoint,
+    list_complete,
+    resolve_resume,
+    run_owner,
+)
 from ortflow.config import config_from_dict
 from ortflow.runlock import holder
 from tests.faults import procs
@@ -40,6 +47,19 @@ def test_a_resume_refuses_the_newest_checkpoint_of_another_run_naming_both(tmp_p
     assert "run 'first'" in message and "run 'second'" in message and "checkpoint.dir" in message
     assert str(tmp_path / "first") in message and str(tmp_path / "second") in message
     assert resolve_resume(shared, None, first).step == 150  # its own run resumes
+
+
+def test_a_final_checkpoint_another_run_wrote_does_not_make_this_run_complete(tmp_path):
+    """`ortflow train` says a run is complete, and starts nothing, only from a final checkpoint of that run: another
+    run's (a shared checkpoint.dir) or a copied folder's (no id of its own yet) goes to the ranks, which refuse it
+    naming both runs."""
+    shared = tmp_path / "shared"
+    first, second = run_owner(_cfg(tmp_path, "first")), run_owner(_cfg(tmp_path, "second"))
+    _write(shared, first, 4)
+    assert final_checkpoint(shared, 4, first).step == 4
+    assert final_checkpoint(shared, 4) is not None  # no owner to compare: the checkpoint alone
+    assert final_checkpoint(shared, 4, second) is None
+    assert final_checkpoint(shared, 4, {**first, "run_id": None}) is None
 
 
 def test_a_run_folder_keeps_its_identity_when_moved(tmp_path):
