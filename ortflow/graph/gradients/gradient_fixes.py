@@ -140,14 +140,26 @@ def empty_axes_reductions(model: onnx.ModelProto, report: list[dict] | None = No
 def _to_identity(model: onnx.ModelProto, found: list[int], why: str, pass_name: str,
                  report: list[dict] | None) -> onnx.ModelProto:
     """A copy of ``model`` whose nodes at ``found`` are ``Identity(input 0) -> output 0``, each change logged."""
+    def identity(node: onnx.NodeProto) -> tuple[onnx.NodeProto, str]:
+        return (helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name),
+                f"{node.op_type} '{node_label(node)}' {why} -> Identity")
+
+    return _replace_nodes(model, found, identity, pass_name, report)
+
+
+def _replace_nodes(model: onnx.ModelProto, found: list[int], make, pass_name: str,
+                   report: list[dict] | None) -> onnx.ModelProto:
+    """A copy of ``model`` whose nodes at ``found`` are replaced by ``make(node) -> (new node, change line)``, each
+    change logged; ``model`` itself when ``found`` is empty."""
     if not found:
         return model
     model = copy.deepcopy(model)
     changes = []
     for i in found:
         node = model.graph.node[i]
-        changes.append(f"{node.op_type} '{node_label(node)}' {why} -> Identity")
-        node.CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+        replacement, change = make(node)
+        changes.append(change)
+        node.CopyFrom(replacement)
     report_change(pass_name, changes, report)
     return model
 
@@ -288,15 +300,11 @@ def castlike_to_cast(model: onnx.ModelProto, report: list[dict] | None = None) -
         return model
     types = elem_types(model)
     found = [i for i in found if types.get(model.graph.node[i].input[1])]
-    if not found:
-        return model
-    model = copy.deepcopy(model)
-    changes = []
-    for i in found:
-        node = model.graph.node[i]
+
+    def cast(node: onnx.NodeProto) -> tuple[onnx.NodeProto, str]:
         to = types[node.input[1]]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name == "saturate"}
-        changes.append(f"CastLike '{node_label(node)}' -> Cast(to={onnx.TensorProto.DataType.Name(to)})")
-        node.CopyFrom(helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=to, **attrs))
-    report_change("castlike_to_cast", changes, report)
-    return model
+        return (helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=to, **attrs),
+                f"CastLike '{node_label(node)}' -> Cast(to={onnx.TensorProto.DataType.Name(to)})")
+
+    return _replace_nodes(model, found, cast, "castlike_to_cast", report)
