@@ -32,11 +32,11 @@ from ortflow.checkpoints.manager import (
     delete_checkpoint,
     retention_to_delete,
 )
-from ortflow.checkpoints.owner import run_owner
+from ortflow.checkpoints.owner import completed_run, run_owner
 
 __all__ = [
     "CHECKPOINT_FILE", "FORMAT", "META_FILE", "META_SHA_KEY", "PARAMS_FILE", "CheckpointError", "CheckpointInfo",
     "CheckpointManager", "StateWriter", "check_owner", "final_checkpoint",
-    "run_owner", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
+    "completed_run", "run_owner", "delete_checkpoint", "latest_verified", "list_complete", "meta_digest",
     "resolve_resume", "retention_to_delete", "step_dirname", "verify",
 ]

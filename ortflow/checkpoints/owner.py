@@ -28,7 +28,7 @@ import logging
 import uuid
 from pathlib import Path
 
-from ortflow.checkpoints.folder import RUN_META_KEY, CheckpointError, list_complete
+from ortflow.checkpoints.folder import RUN_META_KEY, CheckpointError, CheckpointInfo, final_checkpoint, list_complete
 from ortflow.config import RunConfig
 from ortflow.config.sealed import RunFileDamaged, read_sealed, write_sealed
 
@@ -111,6 +111,14 @@ def run_owner(cfg: RunConfig, create: bool = True) -> dict:
                 "config_fingerprint": cfg.section_fingerprint()}
     return {"run_id": run_id_of(cfg, create), "name": cfg.name, "output_dir": str(Path(cfg.output_dir).resolve()),
             "config_fingerprint": cfg.section_fingerprint()}
+
+
+def completed_run(cfg: RunConfig) -> CheckpointInfo | None:
+    """This run's own final checkpoint when training has nothing left to do (:func:`.folder.final_checkpoint`), else
+    None; a local run folder's checkpoints are checked against its identity (a copy's or another run's go to the
+    ranks, which refuse them naming both runs)."""
+    owner = None if cfg.storage.remote_dir else run_owner(cfg, create=False)
+    return final_checkpoint(cfg.checkpoints_dir, cfg.train.num_weight_updates, owner)
 
 
 def _remote_run_id(cfg: RunConfig, create: bool) -> str | None:

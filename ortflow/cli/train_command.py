@@ -180,12 +180,11 @@ def _train_here(cfg: RunConfig, run_dir: Path, np_: str | None, threads: int | N
 def _already_complete(cfg: RunConfig, run_dir: Path, nothing: str) -> bool:
     """Say so when the run's final checkpoint exists and verifies: ranks (or a scheduler job) would only resume at the
     last step and exit. ``nothing`` names what is then not started."""
-    from ortflow.checkpoints import final_checkpoint, run_owner
+    from ortflow.checkpoints import completed_run
     from ortflow.config import RESOLVED_CONFIG_NAME
 
     updates = cfg.train.num_weight_updates
-    owner = None if cfg.storage.remote_dir else run_owner(cfg, create=False)  # this run's checkpoint, not a copy's
-    if final_checkpoint(cfg.checkpoints_dir, updates, owner) is None:
+    if completed_run(cfg) is None:
         return False
     console.print(f"training is already complete at step {updates}/{updates} (checkpoints in "
                   f"{escape(str(cfg.checkpoints_dir))}): {nothing}; to train further, raise train.num_train_steps in "

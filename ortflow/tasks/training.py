@@ -21,7 +21,7 @@ from prefect.artifacts import (
 )
 
 from ortflow import runlock
-from ortflow.checkpoints import final_checkpoint, list_complete, run_owner
+from ortflow.checkpoints import completed_run, list_complete
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.launch.guard import GUARD_LOG, JobGuard, taken_over_lines
 from ortflow.launch.job import STOP_GRACE_S
@@ -349,8 +349,7 @@ def train(config: RunConfig) -> dict:
     from ortflow.validate import training_path_problems
 
     updates = config.train.num_weight_updates
-    owner = None if config.storage.remote_dir else run_owner(config, create=False)  # this run's, not a copy's
-    if final_checkpoint(config.checkpoints_dir, updates, owner) is not None:  # the ranks would resume and exit
+    if completed_run(config) is not None:  # the ranks would resume at the end and exit
         get_run_logger().info("ortflow: training is already complete at step %d/%d (checkpoints in %s): no ranks "
                               "started; to train further, raise train.num_train_steps", updates, updates,
                               config.checkpoints_dir)
