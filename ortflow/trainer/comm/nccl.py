@@ -206,6 +206,137 @@ class EngineStream:
         return _float_view(self._cp, ptr, count, self, self.device_index)
 
 
+#: Engine tensor type -> (numpy type of a tensor allocated for it, NCCL type code from nccl.h): what a pipeline message
+#: can carry (a point-to-point transfer copies bytes; the type only counts them). bfloat16 is not in it: the engine's
+#: Python binding allocates tensors by numpy type only.
+P2P_TYPES = {"tensor(float)": (np.float32, 7), "tensor(float16)": (np.float16, 6), "tensor(double)": (np.float64, 8),
+             "tensor(int64)": (np.int64, 4), "tensor(int32)": (np.int32, 2), "tensor(int8)": (np.int8, 0),
+             "tensor(uint8)": (np.uint8, 1), "tensor(bool)": (np.bool_, 1)}
+
+
+@dataclass
+class PipeLink:
+    """One direction between two neighbouring stages on one of its ranks: the pair's 2-rank NCCL communicator, this
+    rank's stream for it (only sends, or only receives), and the other rank's place in the communicator."""
+
+    comm: object
+    stream: object
+    peer: int
+    name: str = ""
+
+
+class DevicePipe:
+    """A CUDA pipeline stage's messages (activations forward, their gradients back) over NCCL, device to device.
+
+    The schedule calls it as it calls the process group (:mod:`ortflow.trainer.parallel.schedule`), with the same host
+    semantics: :meth:`send` queues and returns; :meth:`recv` returns once the tensor has arrived (the host waits under
+    the watchdog, so a stalled peer is named); :meth:`wait_sends` waits for every queued send. A message's header
+    (shape, type) goes over the process group first, so the receiver allocates the device tensor the payload lands in.
+
+    Ordering on the GPU: a send's stream waits for an event of the rank's engine stream (a kept call's outputs are
+    written there) and of the legacy default stream (a host array or a training module's host output copied in), then
+    sends; a receive's stream waits for an event of the engine stream before NCCL writes into the new tensor (memory
+    the allocator may have had back from a tensor that queued engine work still reads). A sent tensor is held until its
+    send stream has passed it: dropped once its event is done, else at :meth:`wait_sends`, which synchronizes the
+    send streams and then the engine stream (the step's queued engine work: before the exchange and before any other
+    session's call).
+
+    Args:
+        cupy: The cupy module (its streams, events and the legacy default stream).
+        nccl: ``cupy.cuda.nccl``.
+        group: The pipeline's process group (headers, the watchdog, its rank is the stage).
+        sends: Next or previous stage -> the :class:`PipeLink` this rank sends to it on.
+        receives: Previous or next stage -> the :class:`PipeLink` this rank receives from it on.
+        engine: The rank's :class:`EngineStream` (None: no engine call is queued on one).
+        device_index: This rank's GPU.
+        new_tensor: ``(shape, numpy type) -> device tensor`` (default: an ``OrtValue`` on this GPU).
+    """
+
+    def __init__(self, cupy, nccl, group: Communicator, sends: dict, receives: dict, engine: EngineStream | None,
+                 device_index: int, new_tensor: Callable | None = None):
+        self._cp, self._nccl, self.group = cupy, nccl, group
+        self._sends, self._receives, self.engine = sends, receives, engine
+        self.device_index = device_index
+        self._new = new_tensor or self._ortvalue
+        self._pending: list[tuple[object, object, int]] = []  # (sent tensor, its send's event, bytes), in send order
+        #: Messages and bytes sent and received over NCCL since the start (the trainer logs them at the end).
+        self.sent, self.received, self.sent_bytes, self.received_bytes = 0, 0, 0, 0
+
+    def _ortvalue(self, shape, dtype):
+        from onnxruntime import OrtValue  # the engine's tensors; ortflow.engine has imported it on every rank
+
+        return OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device_index)
+
+    @property
+    def host(self) -> Communicator:
+        """The process group (a tied gradient's sum goes over it, host to host)."""
+        return self.group
+
+    def _link(self, links: dict, peer: int, what: str) -> PipeLink:
+        if peer not in links:
+            raise RuntimeError(f"stage {self.group.rank} has no NCCL link to {what} stage {peer} (its neighbours: "
+                               f"{sorted(links)})")
+        return links[peer]
+
+    def send(self, tensor, dest: int, tag: int) -> None:
+        """Queue ``tensor`` (a device ``OrtValue``) to stage ``dest``; the header goes at once, the payload when the
+        GPU has written it and ``dest`` receives it. The tensor is held until the send has passed it."""
+        self.release_sent()
+        link = self._link(self._sends, dest, "send to")
+        kind = P2P_TYPES.get(tensor.data_type())
+        if kind is None:
+            raise TypeError(f"a pipeline message cannot carry {tensor.data_type()} (it carries {sorted(P2P_TYPES)})")
+        shape = tuple(int(d) for d in tensor.shape())
+        count = int(np.prod(shape, dtype=np.int64))
+        self.group.send_object((shape, tensor.data_type()), dest, tag)
+        stream = link.stream
+        if self.engine is not None:
+            stream.wait_event(self.engine.record())  # a kept call wrote it on the engine stream
+        stream.wait_event(self._cp.cuda.Stream.null.record())  # a host array or host output copied in
+        if count:
+            link.comm.send(tensor.data_ptr(), count, kind[1], link.peer, stream.ptr)
+        nbytes = count * np.dtype(kind[0]).itemsize
+        self._pending.append((tensor, stream.record(), nbytes))
+        self.sent, self.sent_bytes = self.sent + 1, self.sent_bytes + nbytes
+
+    def recv(self, source: int, tag: int, label: str):
+        """The next tensor stage ``source`` sent, in a new device tensor; returns once it has arrived (the host waits
+        under the watchdog)."""
+        link = self._link(self._receives, source, "receive from")
+        shape, data_type = self.group.recv_object(source, tag, label)
+        kind = P2P_TYPES[data_type]
+        tensor = self._new(shape, kind[0])
+        count = int(np.prod(shape, dtype=np.int64))
+        stream = link.stream
+        if self.engine is not None:
+            stream.wait_event(self.engine.record())  # its memory may be a freed tensor's that queued engine work reads
+        if count:
+            link.comm.recv(tensor.data_ptr(), count, kind[1], link.peer, stream.ptr)
+        self.group.watched(label, stream.synchronize)  # Sync point: the engine reads it next
+        self.release_sent()  # a peer that sent has often taken what was sent to it
+        self.received, self.received_bytes = self.received + 1, self.received_bytes + count * np.dtype(kind[0]).itemsize
+        return tensor
+
+    def release_sent(self) -> None:
+        """Drop the sent tensors whose sends have completed (a non-blocking query of their events, in send order per
+        stream: a later send on a stream completes after an earlier one)."""
+        self._pending = [p for p in self._pending if not p[1].done]
+
+    def pending_send_bytes(self) -> int:
+        """Bytes of the sent tensors this rank still holds (sends not known to be done)."""
+        return sum(n for _, _, n in self._pending)
+
+    def wait_sends(self, label: str) -> None:
+        """Wait until every queued send has completed (each send stream synchronized, under the watchdog), then for
+        the engine stream; the held tensors go."""
+        for link in self._sends.values():
+            self.group.watched(f"{label} ({link.name})", link.stream.synchronize)
+        if self.engine is not None:
+            self.group.watched(f"{label} (engine stream)", self.engine.synchronize)
+        self._pending = []
+        self.group.wait_sends(label)  # the headers
+
+
 def _float_view(cupy, ptr: int, count: int, owner: object, device_index: int):
     """A CuPy float32 view of ``count`` values at device address ``ptr`` (no copy)."""
     memory = cupy.cuda.UnownedMemory(ptr, count * 4, owner, device_index)
@@ -482,12 +613,13 @@ class NCCLComm:
         # Sync point: the engine's optimizer (its own stream) must read the clipped gradients.
         self.stream.synchronize()
 
-    # -- pipeline: sub-groups and point-to-point. The engine's Python API returns forward outputs and input gradients
-    # as host arrays, so a pipeline message goes over the process group (MPI) as on CPU ranks: host to host, sends that
-    # complete without their receiver's GPU. NCCL point-to-point would stage each message host -> device -> NCCL ->
-    # device -> host, and its send and receive kernels each wait on the GPU for their peer: with more than two
-    # micro-batches in flight per update, two stages' kernels waited on each other until the watchdog aborted the job
-    # (tests/gpu/test_gpu_pipeline.py runs 8 micro-batches per update).
+    # -- pipeline: sub-groups and point-to-point. On the process group (MPI), host arrays: a CPU-engine rank's
+    # messages, a pipeline x tensor-parallel stage's, and the tied-gradient sums (``host``). A CUDA stage's
+    # activations and their gradients go device to device instead (:meth:`device_pipe`, :class:`DevicePipe`): each
+    # direction between two neighbouring stages is a 2-rank NCCL communicator with a stream of its own on both ranks, so
+    # every stream carries only sends to one peer or only receives from one peer, in schedule order on both sides. (On
+    # one NCCL stream the sends and receives of several micro-batches in flight made two stages' kernels wait on each
+    # other: a send of an activation queued before the receive of a gradient on one stage, the opposite on the other.)
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
@@ -513,6 +645,36 @@ class NCCLComm:
 
     def gather_object(self, obj: object, label: str) -> list | None:
         return self.group.gather_object(obj, label)
+
+    def device_pipe(self, engine: EngineStream | None) -> DevicePipe:
+        """This pipeline group's messages device to device (this rank's stage is its rank here): for each neighbouring
+        pair of stages ``(s, s + 1)``, the 2-rank NCCL communicators ``act`` (``s`` sends, ``s + 1`` receives) and
+        ``grad`` (the other way), each with a stream of its own on both ranks. Collective over the group: rank 0 makes
+        the ids and the group broadcasts them; every rank joins its pairs in ascending order (a join waits for the
+        pair's two ranks only, so the joins chain along the pipeline without a cycle). ``engine``: the rank's engine
+        stream (:class:`EngineStream`; None where no engine call runs on it). Each link sends one value once, so
+        that NCCL connects its two ranks here, not in the schedule."""
+        nccl, stage = self._nccl, self.rank
+        ids = [(nccl.get_unique_id(), nccl.get_unique_id()) for _ in range(self.size - 1)] if stage == 0 else None
+        ids = self.group.broadcast(ids, "nccl pipeline link ids")
+        sends, receives = {}, {}
+        with self._cp.cuda.Device(self.device_index):
+            for pair, (act, grad) in enumerate(ids):
+                if stage not in (pair, pair + 1):
+                    continue
+                me = stage - pair  # 0: the lower stage of the pair
+                for uid, sender in ((act, 0), (grad, 1)):
+                    name = f"nccl pipeline link {'act' if sender == 0 else 'grad'} {pair}<->{pair + 1}"
+                    comm = self.group.watched(name, lambda uid=uid, me=me: nccl.NcclCommunicator(2, uid, me))
+                    link = PipeLink(comm, self._cp.cuda.Stream(non_blocking=True), peer=1 - me, name=name)
+                    (sends if me == sender else receives)[pair + 1 - me] = link
+                    # NCCL connects a peer on its first send or receive, the host waiting for the other rank: one
+                    # value now, in the joins' order, so that no send of the schedule waits on the host for its peer.
+                    probe = self._cp.zeros(1, dtype=self._cp.float32)
+                    op = link.comm.send if me == sender else link.comm.recv
+                    op(probe.data.ptr, 1, nccl.NCCL_FLOAT32, link.peer, link.stream.ptr)
+                    self.group.watched(f"{name} connect", link.stream.synchronize)
+        return DevicePipe(self._cp, nccl, self.group, sends, receives, engine, self.device_index)
 
     # -- everything else runs on the process group ----------------------------------------------------------------
     def allreduce_sum(self, values: np.ndarray, label: str) -> np.ndarray:

@@ -6,7 +6,9 @@ their gradients, and the sums of both over the tensor-parallel group.
 * :class:`DeviceTensors` (CUDA ranks): the engine's own device tensors (``OrtValue``): the batch is copied to the GPU
   once, every engine call takes and returns device tensors, and a sum all-gathers the parts with NCCL and adds them in
   rank order on the GPU (:meth:`~ortflow.trainer.comm.nccl.NCCLComm.tensor_sum`). Nothing crosses to the host within a
-  micro-batch except the loss; a pipeline stage hands what crosses its cut to the pipeline as host arrays. The rank's
+  micro-batch except the loss; a pipeline x tensor-parallel stage hands what crosses its cut to the pipeline as host
+arrays (a stage of one engine module on a CUDA rank with NCCL calls its module through a DeviceTensors too, and its
+messages stay device tensors: :class:`~ortflow.trainer.comm.nccl.DevicePipe`). The rank's
   engine stream (:class:`~ortflow.trainer.comm.nccl.EngineStream`, where the pieces that keep their activations run
   their calls) orders the work: the adds and scalings are queued on it, a sum's NCCL stream waits for it and it for
   the sum, all on the GPU; the host waits for it (under the watchdog) before a training module's call (another
@@ -90,16 +92,17 @@ class DeviceTensors:
     Args:
         comm: The tensor-parallel group's NCCLComm (its stream and device).
         engine: The rank's engine stream (None: every step waits on the host, as before the engine had a stream).
+        label: What the host waits for in :meth:`settle` (a stall report names it).
     """
 
-    def __init__(self, comm, engine=None):
-        self.comm, self.device, self.engine = comm, comm.device_index, engine
+    def __init__(self, comm, engine=None, label: str = "tensor-parallel work on the engine stream"):
+        self.comm, self.device, self.engine, self.label = comm, comm.device_index, engine, label
         self._outputs: dict[tuple, list[tuple[list[int], np.dtype]]] = {}  # call -> its outputs' shapes and types
 
     def settle(self) -> None:
         """The host waits for the engine stream (under the watchdog: a stalled sum queued on it shows here)."""
         if self.engine is not None:
-            self.comm.group.watched("tensor-parallel work on the engine stream", self.engine.synchronize)
+            self.comm.group.watched(self.label, self.engine.synchronize)
 
     def _new(self, shape, dtype=np.float32) -> OrtValue:
         return OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device)

@@ -25,9 +25,10 @@ from ortflow.trainer import loss_scale
 from ortflow.trainer.captured_call import CapturedTraining
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import engine_buffers
+from ortflow.trainer.comm.nccl import DevicePipe, NCCLComm
 from ortflow.trainer.optim.adasum_update import SlicedPeers
 from ortflow.trainer.optim.rank_update import data_parallel_update
-from ortflow.trainer.parallel.activations import activation_store
+from ortflow.trainer.parallel.activations import DeviceTensors, activation_store
 from ortflow.trainer.parallel.kept_activations import KeptActivations, keep_piece_activations
 from ortflow.trainer.parallel.layout_model import DataParallel, LayoutModel
 from ortflow.trainer.parallel.parallel_dims import Groups, ParallelDims, Place, make_groups
@@ -67,6 +68,7 @@ def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, 
     if dims.pp > 1:
         stage = PipelineStage(body, comm, where.stage, dims.pp, groups.pp, tuple(info["receives"]),
                               tuple(info["sends"]), info.get("shared", {}))
+        stage.device_pipe = pipeline_messages(groups.pp, body, buffers)  # Sync point (collective): the NCCL links
     data = replica_part(cfg, groups, where, dims, body, stage, threads, resume)
     scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
     if scaler.enabled:
@@ -193,7 +195,22 @@ def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, thr
     body.module.train()
     options = stage_session_options(threads, body.buffers, cfg.distributed.deterministic_compute)
     return KeptActivations(body.folder / "eval_model.onnx", body.state, body.trainable, stage.receives, stage.sends,
-                           options, cfg.distributed.recompute_subgraphs, buffers=body.buffers)
+                           options, cfg.distributed.recompute_subgraphs, buffers=body.buffers,
+                           host_sends=stage.device_pipe is None)
+
+
+def pipeline_messages(pipe: Communicator, body, buffers) -> DevicePipe | None:
+    """The pipeline's activations and gradients over NCCL, device to device
+    (:meth:`~ortflow.trainer.comm.nccl.NCCLComm.device_pipe`), where they can go so: a CUDA rank (``buffers`` on the
+    device) whose pipeline group is an NCCL group and whose body is one engine module, which then takes and returns
+    device tensors (:attr:`WholeModel.tensors`). Else None: host arrays over the pipeline's process group (CPU ranks; a
+    pipeline x tensor-parallel stage). Collective over the pipeline group when it makes the links (every rank of it has
+    the same device kind and body kind)."""
+    if not (buffers.on_device and isinstance(pipe, NCCLComm) and isinstance(body, WholeModel)):
+        return None
+    engine = buffers.engine_stream()
+    body.tensors = DeviceTensors(pipe, engine, "pipeline stage work on the engine stream")
+    return pipe.device_pipe(engine)
 
 
 def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:

@@ -19,11 +19,13 @@ test_kept_activations.py).
 On a CUDA rank the gradient graph's session runs on a stream the rank owns (the CUDA provider's user compute stream,
 :class:`~ortflow.trainer.comm.nccl.EngineStream`): the parameters enter as the engine's own device tensors, the
 gradients stay on the GPU and are summed into the training module's device buffers with CuPy on that same stream,
-queued behind the backward with no wait between them. The host waits for the stream once per call, where what the
-call wrote leaves it: a forward's outputs (a stage sends them over the process group; a piece's go to the
-tensor-parallel sums on the NCCL stream) and a backward's input gradients with the sums before them. Measured on an
-H200 (the 110M GPT, 2 micro-batches of 8 x 256 tokens): 31.7 ms per update with deterministic compute, 26.1 ms
-without, against 25.5 ms for the training call (docs/engine.md).
+queued behind the backward with no wait between them. Where the sent tensors and the input gradients stay on the GPU
+(a stage whose messages go over NCCL, :class:`~ortflow.trainer.comm.nccl.DevicePipe`; a tensor-parallel piece, whose
+outputs go to the sums on the NCCL stream) the host does not wait for the calls: the NCCL streams wait for the engine
+stream's events. Otherwise (a stage whose messages are host arrays) the host waits for the stream once per call, where
+what the call wrote leaves it: a forward's outputs and a backward's input gradients with the sums before them.
+Measured on an H200 (the 110M GPT, 2 micro-batches of 8 x 256 tokens, host messages): 31.7 ms per update with
+deterministic compute, 26.1 ms without, against 25.5 ms for the training call (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class KeptActivations:
         recompute: Memory-optimizer plans (``distributed.recompute_subgraphs``).
         buffers: Where the engine keeps the state's buffers (:mod:`ortflow.trainer.comm.engine_buffers`); None or
             host buffers: the CPU engine.
-        host_sends: Whether :meth:`forward` returns host arrays (a stage: the pipeline sends them) or, on a GPU,
-            device tensors (a piece: its tensor-parallel sums and the next pieces read them there).
+        host_sends: Whether :meth:`forward` and :meth:`backward` return host arrays (a stage whose messages are host
+            arrays) or, on a GPU, device tensors (a piece: its tensor-parallel sums and the next pieces read them
+            there; a stage whose messages go over NCCL: the pipeline sends them from there).
     """
 
     def __init__(self, eval_model: Path, state, trainable: list[str], receives: tuple[str, ...],
@@ -135,14 +138,16 @@ class KeptActivations:
         outputs, state = self.engine.forward(tensors, host=False)
         if self.host_sends:
             stream.synchronize()  # Sync point: the host sends a stage's sent tensors
-        # A piece's sent tensors stay on the stream: its sums wait for it on the GPU, and the host waits for it
-        # before a training module's call or a host read (activations.DeviceTensors).
+        # Device sends stay on the stream: a piece's sums and a stage's NCCL sends wait for it on the GPU, and the host
+        # waits for it before a training module's call or a host read (activations.DeviceTensors) and at the end of
+        # the pipeline step (DevicePipe.wait_sends).
         self._count(started)
         self._in_flight.append((state, tensors, arrays))  # the backward reads the feeds' device memory too
         self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
         if self.host_sends:
             return [np.array(outputs[k].numpy(), copy=True) for k in self._send_order]
-        # Not copied: nothing reads a piece's sent tensors after its backward (the next pieces' calls come before).
+        # Not copied: nothing reads a piece's sent tensors after its backward (the next pieces' calls come before),
+        # nor a stage's (its backward comes after the next stage received them: that stage sent their gradients).
         return [OrtValue(outputs[k]) for k in self._send_order]
 
     def backward(self, grads: list) -> list:
@@ -185,8 +190,9 @@ class KeptActivations:
             # Sync point: the host sends a stage's input gradients, and the engine may hand the returned tensors'
             # memory to another session once they are dropped.
             stream.synchronize()
-        # A piece's input gradients stay on the stream (summed there; the other pieces' kept sessions run on the same
-        # stream, and the host waits for it before any training module's call and after the backward).
+        # Device input gradients stay on the stream (a piece's are summed there, a stage's NCCL send waits for it; the
+        # other kept sessions run on the same stream, and the host waits for it before any training module's call,
+        # after a piece's backward and at the end of a pipeline step).
         self._count(started)
         received = results[: len(self.receives)]
         if self.host_sends:

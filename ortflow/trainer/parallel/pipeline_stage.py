@@ -3,8 +3,12 @@
 A :class:`PipelineStage` is applied to a body (:class:`~.whole_model.WholeModel`, a stage's graph, or
 :class:`~.tensor_parallel_body.TensorParallel`, a stage's tensor-parallel pieces): the micro-batches go through the
 stages with :mod:`.schedule`'s 1F1B, stage ``s`` exchanging activations and gradients with stages ``s +- 1`` of its
-replica over ``pipe_comm`` (at the same tensor-parallel rank: what crosses a cut is replicated). Layout:
-:mod:`.parallel_dims`; a replica's stages are neighbouring ranks, so on one host they talk through shared memory.
+replica (at the same tensor-parallel rank: what crosses a cut is replicated). Layout: :mod:`.parallel_dims`; a
+replica's stages are neighbouring ranks. The messages (:attr:`PipelineStage.messages`) are host arrays over the
+pipeline's process group (``pipe_comm``, MPI: on one host through shared memory), or, on a CUDA stage of a whole
+stage's graph with NCCL, device tensors over NCCL point-to-point (:class:`~ortflow.trainer.comm.nccl.DevicePipe`,
+made by :func:`~.build.pipeline_messages`): the engine's outputs go from one GPU to the next without a host copy. A
+pipeline x tensor-parallel stage's messages and the tied-gradient sums stay host arrays over ``pipe_comm``.
 
 A trainable parameter read on both sides of a cut (a tied embedding and LM head) is held by every stage that reads
 it; the holders add their gradients in stage order (:func:`~.schedule.sum_across_stages`), so their copies get
@@ -50,6 +54,8 @@ class PipelineStage:
     receives: tuple[str, ...]
     sends: tuple[str, ...]
     shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
+    #: The activations and gradients over NCCL, device to device (a DevicePipe); None: host arrays over ``pipe_comm``.
+    device_pipe: object | None = None
     _timing: list[tuple[float, float]] = field(default_factory=list)  # (update s, engine s) of each update
     _update_started: float | None = None
     _compute_s: float = 0.0
@@ -57,6 +63,11 @@ class PipelineStage:
     @property
     def last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    @property
+    def messages(self):
+        """Where the schedule sends and receives the activations and their gradients."""
+        return self.device_pipe if self.device_pipe is not None else self.pipe_comm
 
     @property
     def counts_loss(self) -> bool:
@@ -114,7 +125,13 @@ class PipelineStage:
     def finish(self) -> None:
         """Log this rank's median update time, the idle share of it, and the activations it kept."""
         log_stage_timing(self, self._timing)
+        pipe = self.device_pipe
+        if pipe is not None:
+            log.info("rank %d stage %d pipeline messages over NCCL, device to device: %d sent (%.1f MiB), %d received "
+                     "(%.1f MiB)", self.comm.rank, self.stage, pipe.sent, pipe.sent_bytes / 2**20, pipe.received,
+                     pipe.received_bytes / 2**20)
         most = self.body.most_kept()
         if most is not None:
             log.info("rank %d stage %d kept the activations of at most %d micro-batch%s at once", self.comm.rank,
                      self.stage, most, "" if most == 1 else "es")
+

@@ -7,8 +7,11 @@ forward, so a stage holds one micro-batch's activations at a time and, between i
 only the tensors it received (at most ``P - s`` micro-batches of them). GPipe would hold all ``m`` received inputs
 and gains nothing here: with recomputation both schedules compute the same and 1F1B keeps less.
 
-Sends are non-blocking (MPI ``Isend``) and receives block under the watchdog in schedule order, so no pair of
-stages waits on each other; the label of a stalled receive names the stage and rank it waits for.
+The messages go over ``rt.messages``: the process group (MPI ``Isend``/``Recv`` of host arrays) on CPU ranks and
+pipeline x tensor-parallel stages, or on CUDA stages with NCCL a :class:`~ortflow.trainer.comm.nccl.DevicePipe`
+(device tensors, NCCL point-to-point, one stream per direction and neighbour). Either way sends are queued and return,
+and receives block under the watchdog in schedule order, so no pair of stages waits on each other; the label of a
+stalled receive names the stage and rank it waits for.
 """
 
 from __future__ import annotations
@@ -64,12 +67,12 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
                   clock: Callable[[], float] = time.perf_counter, timer=None) -> StepStats:
     """Forward and backward passes of ``k`` micro-batches through the pipeline; gradients accumulate in the engine.
 
-    ``rt`` speaks the stage protocol (``stage``, ``num_stages``, ``last``, ``pipe_comm``, ``receives``, ``sends``,
+    ``rt`` speaks the stage protocol (``stage``, ``num_stages``, ``last``, ``messages``, ``receives``, ``sends``,
     ``forward``, ``backward``): a :class:`~.pipeline_stage.PipelineStage` over a whole stage or its tensor-parallel
     pieces.
     ``timer`` (a :class:`~ortflow.trainer.timing.PhaseTimer`) is charged the wait for the micro-batches as ``data``.
     """
-    pipe, stage = rt.pipe_comm, rt.stage
+    pipe, stage = rt.messages, rt.stage
     micro = [next(batches) for _ in range(k)]
     if timer is not None:
         timer.lap("data")
@@ -83,7 +86,7 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
             held[i] = feeds
             if len(held) > stats.most_held:
                 stats.most_held = len(held)
-                stats.held_bytes = sum(f[n].nbytes for f in held.values() for n in rt.receives)
+                stats.held_bytes = sum(message_bytes(f[n]) for f in held.values() for n in rt.receives)
         started = clock()
         if kind == "F":
             outputs = rt.forward(held[i])
@@ -106,6 +109,18 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
     # Sync point: the sent tensors' buffers must outlive their sends; a stalled peer shows here.
     pipe.wait_sends(f"pipeline sends of stage {stage}")
     return stats
+
+
+def message_bytes(x) -> int:
+    """Bytes of a received tensor: a host array, or a device tensor (``OrtValue``: its shape and element type)."""
+    if isinstance(x, np.ndarray):
+        return int(x.nbytes)
+    return int(np.prod(x.shape(), dtype=np.int64)) * _ITEM_BYTES[x.data_type()]
+
+
+#: Bytes per element of the engine's tensor types that cross a cut.
+_ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(double)": 8,
+               "tensor(int64)": 8, "tensor(int32)": 4, "tensor(int8)": 1, "tensor(uint8)": 1, "tensor(bool)": 1}
 
 
 def sum_tied_gradients(rt) -> None:
@@ -152,7 +167,7 @@ def stage_eval_sums(rt, eval_batches) -> np.ndarray:
     ``eval_batches.weighted_batches()`` yields ``(batch index, feeds, weight, rows)`` as for the unsplit loop (padded
     batches weighted so that every real row counts once).
     """
-    pipe, stage = rt.pipe_comm, rt.stage
+    pipe, stage = rt.messages, rt.stage
     sums = np.zeros((eval_batches.num_batches, 2))
     for n, (k, batch, weight, rows) in enumerate(eval_batches.weighted_batches()):
         feeds = dict(batch)

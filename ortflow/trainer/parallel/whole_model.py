@@ -19,6 +19,7 @@ from ortflow.artifacts_folder import BATCH_STATISTICS_INPUT, GRAD_IN_SUFFIX
 from ortflow.trainer.captured_call import CapturedTraining
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
+from ortflow.trainer.parallel.activations import DeviceTensors
 from ortflow.trainer.parallel.kept_activations import KeptActivations
 from ortflow.trainer.rank_model import EnginePart, sha256_of
 
@@ -43,6 +44,9 @@ class WholeModel:
     _batch_statistics: bool | None = None  # its eval model takes BATCH_STATISTICS_INPUT (a BatchNorm before a cut)
     #: Its training calls as CUDA graph replays (trainer/captured_call.py), else None.
     captured: CapturedTraining | None = None
+    #: A CUDA stage whose messages go over NCCL (:func:`~.build.pipeline_messages`): its stage calls take and return
+    #: the engine's device tensors (:class:`~.activations.DeviceTensors`); None: host arrays.
+    tensors: DeviceTensors | None = None
     _reset: bool = True  # the next training call starts the update's gradients (else it adds to them)
 
     def engine_parts(self) -> list[EnginePart]:
@@ -78,16 +82,24 @@ class WholeModel:
         return float(engine(*(feeds[n] for n in self.module.input_names())))
 
     def stage_forward(self, feeds: dict[str, np.ndarray], sends: tuple[str, ...], train: bool) -> list[np.ndarray]:
-        """A middle stage's forward pass: what it sends. Of a training micro-batch (``train``), its activations kept
-        where it keeps them, and BatchNorm normalises by the batch as the training call's recomputation will
-        (graph/pipeline_parallel/batchnorm_forward.py); else the eval model, by the running statistics."""
+        """A middle stage's forward pass: what it sends (host arrays, or device tensors with :attr:`tensors`). Of a
+        training micro-batch (``train``), its activations kept where it keeps them, and BatchNorm normalises by the
+        batch as the training call's recomputation will (graph/pipeline_parallel/batchnorm_forward.py); else the eval
+        model, by the running statistics."""
         if train and self.kept is not None:
             return self.kept.forward(feeds)
         if self._batch_statistics is None:
             self._batch_statistics = BATCH_STATISTICS_INPUT in self.engine_parts()[0].prepared(False).input_names()
         if self._batch_statistics:
             feeds = {**feeds, BATCH_STATISTICS_INPUT: np.array(train)}
-        return self.engine_parts()[0].call(False, feeds)[: len(sends)]
+        return self._call(False, feeds)[: len(sends)]
+
+    def _call(self, train: bool, feeds: dict) -> list:
+        """One engine call of the module: on host arrays, or with :attr:`tensors` on device tensors (its outputs
+        written on the GPU; the received ones are device tensors already)."""
+        if self.tensors is not None:
+            return self.tensors.call(self.engine_parts()[0], train, feeds)
+        return self.engine_parts()[0].call(train, feeds)
 
     def stage_backward(self, feeds: dict[str, np.ndarray], grads: list[np.ndarray] | None, sends: tuple[str, ...],
                        receives: tuple[str, ...]) -> tuple[float, list]:
@@ -97,12 +109,15 @@ class WholeModel:
             return 0.0, self.kept.backward(grads)
         if grads is not None:
             feeds = {**feeds, **{n + GRAD_IN_SUFFIX: g for n, g in zip(sends, grads, strict=True)}}
-        outputs = self.engine_parts()[0].call(True, feeds)
-        return float(outputs[0]), outputs[1 : 1 + len(receives)]
+        outputs = self._call(True, feeds)
+        return self._scalar(outputs[0]), outputs[1 : 1 + len(receives)]
 
     def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
         """The loss of an eval batch (eval model; configure fixed a loss scale input to 1)."""
-        return float(self.engine_parts()[0].call(False, feeds)[0])
+        return self._scalar(self._call(False, feeds)[0])
+
+    def _scalar(self, x) -> float:
+        return self.tensors.scalar(x) if self.tensors is not None else float(x)
 
     def train_mode(self) -> None:
         """Back to training calls after eval."""
