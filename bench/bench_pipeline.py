@@ -58,6 +58,14 @@ def _kept_parts(rt) -> int:
     return sum(getattr(part, "kept", None) is not None for part in getattr(rt.body, "pieces", [rt.body]))
 
 
+def _messages(rt) -> str | None:
+    """How the rank's pipeline messages travel: ``nccl`` (device to device), ``host`` (host arrays over the process
+    group), None unsplit."""
+    if rt.stage is None:
+        return None
+    return "nccl" if rt.stage.device_pipe is not None else "host"
+
+
 def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> None:
     """Under mpiexec: warm-up + timed steps of the run's layout with the trainer's own pieces; one JSON per rank.
 
@@ -117,6 +125,7 @@ def worker(run_dir: Path, warmup: int, steps: int, hold_sends: bool = False) -> 
         "step_s": statistics.median(times), "device": rt.device,
         "device_memory_used": device_used,
         "compute_s": statistics.median(compute), "kept_parts": _kept_parts(rt),
+        "messages": _messages(rt),
         "samples_per_step": k * cfg.train.batch_size * (comm.size // cfg.distributed.pipeline_parallel_size),
         "memory": {**_state_bytes(rt.state, rt.trainable), "held_inputs": held, "sent_held": sent,
                    "activations_peak": 1024 * (_rss_kb("VmHWM") - rss_before), "rss_peak": 1024 * _rss_kb("VmHWM")},
@@ -379,6 +388,9 @@ count are outside configure's fingerprint); the two configures that build run at
 own. Memory here is each rank's whole GPU as used after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL
 buffers and the CUDA context), for reference: the CPU bench measures the per-rank memory split.
 
+Each rank reports how its pipeline messages went: ``nccl`` (device to device, ortflow.trainer.comm.nccl.DevicePipe:
+what CUDA stages with NCCL use) or ``host`` (host arrays over the process group); the report's last column.
+
 Bubble: on each stage, idle = 1 - (seconds inside engine calls) / (update seconds), against (P-1)/(m+P-1).
 Kept / recompute: per round, pp2's stage 0 engine ms and samples/s over pp2-recompute's, the median over rounds.
 """
@@ -409,6 +421,7 @@ def gpu_summarize(results: dict, micro: list[int]) -> dict:
                 "stage_engine_ms": [1e3 * med(key, lambda r, s=s: r[s]["compute_s"]) for s in (0, 1)],
                 "idle_stage": [med(key, lambda r, s=s: 1 - r[s]["compute_s"] / r[s]["step_s"]) for s in (0, 1)],
                 "kept_parts": [r.get("kept_parts") for r in results[key][0]],
+                "messages": [r.get("messages") for r in results[key][0]],
             }
         kept, recomputing = results[f"pp2-m{m}"], results[f"pp2-recompute-m{m}"]
         pairs = list(zip(kept, recomputing, strict=True))  # the same round: ratios are paired, then the median taken
@@ -434,17 +447,19 @@ def gpu_report(record: dict) -> str:
              f"medians of {rounds} rounds x {record['timed_steps']} timed updates. pp2: stage 0 keeps its "
              "activations; pp2-recompute: `recompute_forward: true`.", "",
              "| m | contender | samples/s | vs dp2 | stage 0 update ms | stage 1 update ms | stage 0 engine ms | "
-             "stage 1 engine ms | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) | parts keeping (stage 0, 1) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "stage 1 engine ms | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) | parts keeping (stage 0, 1) | "
+             "messages (stage 0, 1) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, row in s["throughput"].items():
-        lines.append(f"| {m} | dp2 | {row['dp2']['samples_per_s']:.1f} | 1.00 | | | | | | | | |")
+        lines.append(f"| {m} | dp2 | {row['dp2']['samples_per_s']:.1f} | 1.00 | | | | | | | | | |")
         for kind in GPU_PIPELINES:
             c = row[kind]
             kept = ", ".join("-" if k is None else str(k) for k in c["kept_parts"])
+            how = ", ".join(str(x) for x in c.get("messages", []))
             lines.append(f"| {m} | {kind} | {c['samples_per_s']:.1f} | {c['over_dp2']:.2f} | "
                          f"{c['stage_step_ms'][0]:.2f} | {c['stage_step_ms'][1]:.2f} | {c['stage_engine_ms'][0]:.2f} | "
                          f"{c['stage_engine_ms'][1]:.2f} | {c['idle_stage'][0]:.2f} | {c['idle_stage'][1]:.2f} | "
-                         f"{row['bubble_theory']:.2f} | {kept} |")
+                         f"{row['bubble_theory']:.2f} | {kept} | {how} |")
     lines += ["", "pp2 (keeping) / pp2-recompute, paired within each round, median over rounds:", ""]
     for m, row in s["throughput"].items():
         r = row["kept_over_recompute"]

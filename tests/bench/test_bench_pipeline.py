@@ -38,18 +38,19 @@ def test_the_gpu_contenders_are_pp2_keeping_and_recomputing_on_one_configures_st
     assert (runs[("dp2", 4)][0] / "artifacts" / "training_model.onnx").stat().st_ino == unsplit.stat().st_ino
 
 
-def _ranks(step0: float, engine0: float, step1: float = 0.0, samples: int = 32, kept: int = 0) -> list[dict]:
+def _ranks(step0: float, engine0: float, step1: float = 0.0, samples: int = 32, kept: int = 0,
+           messages: str | None = "nccl") -> list[dict]:
     return [{"rank": 0, "step_s": step0, "compute_s": engine0, "samples_per_step": samples, "kept_parts": kept,
-             "device_memory_used": 3 * 2**30},
+             "device_memory_used": 3 * 2**30, "messages": messages},
             {"rank": 1, "step_s": step1 or step0, "compute_s": engine0 / 2, "samples_per_step": samples,
-             "kept_parts": 0, "device_memory_used": 2 * 2**30}]
+             "kept_parts": 0, "device_memory_used": 2 * 2**30, "messages": messages}]
 
 
 def test_the_gpu_report_sets_pp2_keeping_against_pp2_recomputing_round_by_round():
     results = {"pp1-m8": [_ranks(0.010, 0.010)[:1]],
                "dp2-m8": [_ranks(0.016, 0.015, samples=320)] * 2,
                "pp2-m8": [_ranks(0.040, 0.030, kept=1), _ranks(0.050, 0.036, kept=1)],
-               "pp2-recompute-m8": [_ranks(0.036, 0.020), _ranks(0.040, 0.024)]}
+               "pp2-recompute-m8": [_ranks(0.036, 0.020, messages="host"), _ranks(0.040, 0.024, messages="host")]}
     summary = gpu_summarize(results, [8])
     row = summary["throughput"][8]
     assert row["pp2"]["samples_per_s"] == pytest.approx(720.0)  # median of 32/0.040 and 32/0.050
@@ -58,11 +59,13 @@ def test_the_gpu_report_sets_pp2_keeping_against_pp2_recomputing_round_by_round(
     assert row["kept_over_recompute"]["stage0_engine_ms"] == pytest.approx(1.5)
     assert row["kept_over_recompute"]["samples_per_s"] == pytest.approx((0.9 + 0.8) / 2)
     assert row["pp2"]["kept_parts"] == [1, 0] and row["pp2-recompute"]["kept_parts"] == [0, 0]
+    assert row["pp2"]["messages"] == ["nccl", "nccl"] and row["pp2-recompute"]["messages"] == ["host", "host"]
     text = gpu_report({"command": "python -m bench pipeline-gpu --micro 8", "host": "h", "shape": {"d_model": 2048},
                        "batch_size": 16, "rounds": 3, "rounds_run": 2, "timed_steps": 6, "summary": summary})
     assert "medians of 2 rounds x 6 timed updates" in text
     assert "| 8 | dp2 | 20000.0 | 1.00 |" in text
-    assert "| 8 | pp2 | 720.0 | 0.04 | 45.00 | 45.00 | 33.00 | 16.50 |" in text and "| 1, 0 |" in text
+    assert "| 8 | pp2 | 720.0 | 0.04 | 45.00 | 45.00 | 33.00 | 16.50 |" in text and "| 1, 0 | nccl, nccl |" in text
+    assert "| 0, 0 | host, host |" in text  # which way each stage's messages went
     assert "| 8 | pp2-recompute | 844.4 | 0.04 | 38.00 | 38.00 | 22.00 | 11.00 |" in text
     assert "- m = 8: stage 0 engine ms 1.50x, samples/s 0.85x (2 rounds)" in text
     assert "pp2-recompute stage 0 3072" in text

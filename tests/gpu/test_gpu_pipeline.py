@@ -1,7 +1,9 @@
 """Pipeline stages on GPUs (skipped without 2 GPUs, the GPU engine and CuPy).
 
-Stages pass activations and gradients as host arrays over the process group (MPI), as CPU stages do; the replicas of a
-stage average their gradients with NCCL. By default (``recompute_forward: auto``) a GPU stage that is not the last
+Stages pass activations and gradients device to device over NCCL (one 2-rank communicator and one stream per
+direction between neighbouring stages, the headers over the process group; ortflow.trainer.comm.nccl.DevicePipe): each
+rank logs how many messages went that way, which the tests read; the replicas of a stage average their gradients with
+NCCL. A tied table's gradients are summed over the process group through the host, as on CPU ranks. By default (``recompute_forward: auto``) a GPU stage that is not the last
 runs its forward again inside its backward call (the rank logs "forward recomputed inside the backward call"); with
 ``recompute_forward: false`` it runs each micro-batch's forward once and keeps its activations until the backward, as
 CPU stages do (the engine on a stream the rank owns: "forward once, activations kept until the backward"); a stage
@@ -35,6 +37,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 GPU = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0}
 KEPT = "rank 0 stage 0: forward once, activations kept until the backward"
 RECOMPUTED = "rank 0 stage 0: forward recomputed inside the backward call"
+NCCL_MESSAGES = re.compile(r"rank (\d+) stage (\d+) pipeline messages over NCCL, device to device: (\d+) sent "
+                           r"\(([0-9.]+) MiB\), (\d+) received \(([0-9.]+) MiB\)")
 TIMING = re.compile(r"rank (\d+) stage (\d+)/(\d+) timing: median update ([0-9.]+) s, engine calls ([0-9.]+) s, "
                     r"idle ([0-9.]+)")
 
@@ -46,6 +50,11 @@ def _stage_timing(output: str) -> dict[int, tuple[int, float, float, float]]:
         print(f"pp on GPUs: rank {rank} stage {stage}: median update {step_s * 1e3:.2f} ms, engine calls "
               f"{busy_s * 1e3:.2f} ms, idle {idle:.2f}")
     return found
+
+
+def _nccl_messages(output: str) -> dict[int, tuple[int, int, int]]:
+    """rank -> (stage, messages sent, messages received) over NCCL, from the stages' end-of-run log lines."""
+    return {int(r): (int(s), int(sent), int(got)) for r, s, sent, _, got, _ in NCCL_MESSAGES.findall(output)}
 
 
 def _compare(split, unsplit) -> float:
@@ -83,6 +92,13 @@ def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path, recompu
     assert sorted(s for s, *_ in timing.values()) == [0, 1], log[-3000:]
     assert all(0 < busy <= step for _, step, busy, _ in timing.values())
     assert len(re.findall(r"eval_loss ([0-9.e+-]+)", log)) == 2  # eval after updates 2 and 4, through both stages
+    # Every activation and gradient went GPU to GPU over NCCL: one per micro-batch each way (num_train_steps counts
+    # micro-batches), and the eval batches forward.
+    messages = _nccl_messages(log)
+    assert sorted(messages) == [0, 1], log[-3000:]
+    micro_batches = train["num_train_steps"]
+    assert messages[1][1] == micro_batches and messages[0][2] == micro_batches  # the gradients back: training only
+    assert messages[0][1] == messages[1][2] > micro_batches  # the activations forward: training and eval batches
 
 
 @pytest.mark.skipif(cuda_libs.gpu_count()[0] < 4, reason="pp 2 x dp 2 needs 4 GPUs")
@@ -97,6 +113,7 @@ def test_four_gpus_two_stages_by_two_replicas_match_and_replicas_are_identical(t
     _run(dp, 2)
     log = _run(grid, 4)
     assert RECOMPUTED in log and "rank 2 stage 0: forward recomputed inside the backward call" in log, log[-3000:]
+    assert sorted(_nccl_messages(log)) == [0, 1, 2, 3], log[-3000:]  # each replica's stages over NCCL
     _compare(grid, dp)
     seen = _digests(log)  # rank = replica * 2 + stage: ranks 0, 2 hold stage 0; ranks 1, 3 stage 1
     last = max(step for _, step in seen)
@@ -126,6 +143,8 @@ def test_gpt2_export_with_its_tied_table_in_two_stages_on_two_gpus_equals_two_cp
     cpu_log = _run(cpu, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 0: pipeline stage 0/2" in log, log[-3000:]
     assert KEPT in log, log[-3000:]
+    messages = _nccl_messages(log)  # the activations and gradients over NCCL; the tied table's sum through the host
+    assert sorted(messages) == [0, 1] and all(sent > 0 and got > 0 for _, sent, got in messages.values()), log[-3000:]
     norms = [[float(x) for x in re.findall(r"grad_norm ([0-9.e+-]+)", text)] for text in (log, cpu_log)]
     assert norms[0] and len(norms[0]) == len(norms[1])  # the table counted once, after its sum, on both
     np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
@@ -161,6 +180,7 @@ def test_cnn_export_with_batchnorm_in_two_stages_on_two_gpus_equals_two_cpu_rank
     _run(cpu, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 0: pipeline stage 0/2" in log, log[-3000:]
     assert RECOMPUTED in log, log[-3000:]  # its forward switches BatchNorm to batch statistics
+    assert sorted(_nccl_messages(log)) == [0, 1], log[-3000:]  # the eval model's forward outputs on the GPU too
     checkpoints = [list_complete(cfg.checkpoints_dir) for cfg in (gpu, cpu)]
     assert [c.step for c in checkpoints[0]] == [c.step for c in checkpoints[1]] and checkpoints[0]
     worst, moved = 0.0, 0.0
