@@ -3,11 +3,13 @@
 Stages pass activations and gradients device to device over NCCL (one 2-rank communicator and one stream per
 direction between neighbouring stages, the headers over the process group; ortflow.trainer.comm.nccl.DevicePipe): each
 rank logs how many messages went that way, which the tests read; the replicas of a stage average their gradients with
-NCCL. A tied table's gradients are summed over the process group through the host, as on CPU ranks. By default (``recompute_forward: auto``) a GPU stage that is not the last
-runs its forward again inside its backward call (the rank logs "forward recomputed inside the backward call"); with
-``recompute_forward: false`` it runs each micro-batch's forward once and keeps its activations until the backward, as
-CPU stages do (the engine on a stream the rank owns: "forward once, activations kept until the backward"); a stage
-with a BatchNorm before its cut recomputes its forward either way.
+NCCL. A tied table's gradients are summed over the process group through the host, as on CPU ranks.
+
+By default (``recompute_forward: auto``) a GPU stage that is not the last runs its forward again inside its backward
+call (the rank logs "forward recomputed inside the backward call"); with ``recompute_forward: false`` it runs each
+micro-batch's forward once and keeps its activations until the backward, as CPU stages do (the engine on a stream
+the rank owns: "forward once, activations kept until the backward"); a stage with a BatchNorm before its cut
+recomputes its forward either way.
 
 Tolerance against the unsplit model on one GPU: the CUDA provider runs matmuls in TF32 by default (10-bit mantissa,
 relative error ~5e-4 per product). Each stage runs the unsplit graph's operators on the same micro-batch shapes, so

@@ -618,8 +618,9 @@ class NCCLComm:
     # activations and their gradients go device to device instead (:meth:`device_pipe`, :class:`DevicePipe`): each
     # direction between two neighbouring stages is a 2-rank NCCL communicator with a stream of its own on both ranks, so
     # every stream carries only sends to one peer or only receives from one peer, in schedule order on both sides. (On
-    # one NCCL stream the sends and receives of several micro-batches in flight made two stages' kernels wait on each
-    # other: a send of an activation queued before the receive of a gradient on one stage, the opposite on the other.)
+    # one NCCL stream, the sends and receives of several micro-batches in flight make two stages' kernels wait on each
+    # other: an activation's send queued before a gradient's receive on one stage, the opposite on the other; the
+    # stand-in GPU of tests/trainer/test_device_pipe_order.py finds that stall and none with a stream per direction.)
 
     def split(self, color: int, label: str) -> NCCLComm:
         """The ranks sharing ``color`` as their own NCCL group (on this rank's GPU)."""
@@ -628,7 +629,8 @@ class NCCLComm:
 
     @property
     def host(self) -> Communicator:
-        """The process group: host arrays go over it, not through the GPU (pipeline messages, a tied gradient's sum)."""
+        """The process group: host arrays go over it, not through the GPU (a tied gradient's sum; the pipeline messages
+        of a pipeline x tensor-parallel stage, and the headers of :meth:`device_pipe`'s)."""
         return self.group
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
