@@ -242,7 +242,8 @@ class _World:
             return call()
 
         return SimpleNamespace(rank=rank, size=self.ranks, send_object=send_object, recv_object=recv_object,
-                               broadcast=broadcast, watched=watched, wait_sends=lambda label: None)
+                               broadcast=broadcast, watched=None, wait_sends=lambda label: None,
+                               watched_peer=lambda label, call, peer=None: watched(label, call))
 
     def nccl_comm(self, rank: int, engine) -> NCCLComm:
         """An NCCLComm over stand-ins (only what :meth:`NCCLComm.device_pipe` reads)."""

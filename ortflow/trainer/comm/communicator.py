@@ -158,6 +158,9 @@ class SingleProcessComm:
     def watched(self, label: str, call: Callable[[], object]) -> object:
         return call()
 
+    def watched_peer(self, label: str, call: Callable[[], object], peer: int | None = None) -> object:
+        return call()
+
     def broadcast(self, obj: object, label: str) -> object:
         return obj
 

@@ -108,6 +108,11 @@ class MPIComm:
     #: Run a blocking call (a collective, or a wait on one) under the watchdog.
     watched = _collective
 
+    def watched_peer(self, label: str, call: Callable[[], object], peer: int | None = None) -> object:
+        """``call`` under the watchdog as a point-to-point wait: not counted among the collectives (only some ranks
+        make it); ``peer``: the rank of this group it waits for, named in a stall report."""
+        return self._point_to_point(label, call, self._world_rank(peer) if peer is not None else None)
+
     # -- sub-groups and point-to-point (pipeline parallelism) --------------------------------------------------------
 
     def split(self, color: int, label: str) -> MPIComm:

@@ -230,8 +230,9 @@ class DevicePipe:
 
     The schedule calls it as it calls the process group (:mod:`ortflow.trainer.parallel.schedule`), with the same host
     semantics: :meth:`send` queues and returns; :meth:`recv` returns once the tensor has arrived (the host waits under
-    the watchdog, so a stalled peer is named); :meth:`wait_sends` waits for every queued send. A message's header
-    (shape, type) goes over the process group first, so the receiver allocates the device tensor the payload lands in.
+    the watchdog as for a point-to-point message, so a stalled peer is named); :meth:`wait_sends` waits for every
+    queued send. A message's header (shape, type) goes over the process group first, so the receiver allocates the
+    device tensor the payload lands in.
 
     Ordering on the GPU: a send's stream waits for an event of the rank's engine stream (a kept call's outputs are
     written there) and of the legacy default stream (a host array or a training module's host output copied in), then
@@ -312,7 +313,7 @@ class DevicePipe:
             stream.wait_event(self.engine.record())  # its memory may be a freed tensor's that queued engine work reads
         if count:
             link.comm.recv(tensor.data_ptr(), count, kind[1], link.peer, stream.ptr)
-        self.group.watched(label, stream.synchronize)  # Sync point: the engine reads it next
+        self.group.watched_peer(label, stream.synchronize, source)  # Sync point: the engine reads it next
         self.release_sent()  # a peer that sent has often taken what was sent to it
         self.received, self.received_bytes = self.received + 1, self.received_bytes + count * np.dtype(kind[0]).itemsize
         return tensor
@@ -329,10 +330,10 @@ class DevicePipe:
     def wait_sends(self, label: str) -> None:
         """Wait until every queued send has completed (each send stream synchronized, under the watchdog), then for
         the engine stream; the held tensors go."""
-        for link in self._sends.values():
-            self.group.watched(f"{label} ({link.name})", link.stream.synchronize)
+        for dest, link in self._sends.items():
+            self.group.watched_peer(f"{label} ({link.name})", link.stream.synchronize, dest)
         if self.engine is not None:
-            self.group.watched(f"{label} (engine stream)", self.engine.synchronize)
+            self.group.watched_peer(f"{label} (engine stream)", self.engine.synchronize)
         self._pending = []
         self.group.wait_sends(label)  # the headers
 
@@ -667,15 +668,16 @@ class NCCLComm:
                 me = stage - pair  # 0: the lower stage of the pair
                 for uid, sender in ((act, 0), (grad, 1)):
                     name = f"nccl pipeline link {'act' if sender == 0 else 'grad'} {pair}<->{pair + 1}"
-                    comm = self.group.watched(name, lambda uid=uid, me=me: nccl.NcclCommunicator(2, uid, me))
+                    peer = pair + 1 - me
+                    comm = self.group.watched_peer(name, lambda uid=uid, me=me: nccl.NcclCommunicator(2, uid, me), peer)
                     link = PipeLink(comm, self._cp.cuda.Stream(non_blocking=True), peer=1 - me, name=name)
-                    (sends if me == sender else receives)[pair + 1 - me] = link
+                    (sends if me == sender else receives)[peer] = link
                     # NCCL connects a peer on its first send or receive, the host waiting for the other rank: one
                     # value now, in the joins' order, so that no send of the schedule waits on the host for its peer.
                     probe = self._cp.zeros(1, dtype=self._cp.float32)
                     op = link.comm.send if me == sender else link.comm.recv
                     op(probe.data.ptr, 1, nccl.NCCL_FLOAT32, link.peer, link.stream.ptr)
-                    self.group.watched(f"{name} connect", link.stream.synchronize)
+                    self.group.watched_peer(f"{name} connect", link.stream.synchronize, peer)
         return DevicePipe(self._cp, nccl, self.group, sends, receives, engine, self.device_index)
 
     # -- everything else runs on the process group ----------------------------------------------------------------

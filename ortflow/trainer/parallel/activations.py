@@ -93,16 +93,24 @@ class DeviceTensors:
         comm: The tensor-parallel group's NCCLComm (its stream and device).
         engine: The rank's engine stream (None: every step waits on the host, as before the engine had a stream).
         label: What the host waits for in :meth:`settle` (a stall report names it).
+        collective: Whether every rank of ``comm`` settles alike (a tensor-parallel group: the wait counts among its
+            collectives), or not (a pipeline stage: a point-to-point wait for the watchdog).
     """
 
-    def __init__(self, comm, engine=None, label: str = "tensor-parallel work on the engine stream"):
+    def __init__(self, comm, engine=None, label: str = "tensor-parallel work on the engine stream",
+                 collective: bool = True):
         self.comm, self.device, self.engine, self.label = comm, comm.device_index, engine, label
+        self._collective = collective
         self._outputs: dict[tuple, list[tuple[list[int], np.dtype]]] = {}  # call -> its outputs' shapes and types
 
     def settle(self) -> None:
         """The host waits for the engine stream (under the watchdog: a stalled sum queued on it shows here)."""
         if self.engine is not None:
-            self.comm.group.watched(self.label, self.engine.synchronize)
+            group = self.comm.group
+            if self._collective:
+                group.watched(self.label, self.engine.synchronize)
+            else:
+                group.watched_peer(self.label, self.engine.synchronize)
 
     def _new(self, shape, dtype=np.float32) -> OrtValue:
         return OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device)

@@ -209,7 +209,7 @@ def pipeline_messages(pipe: Communicator, body, buffers) -> DevicePipe | None:
     if not (buffers.on_device and isinstance(pipe, NCCLComm) and isinstance(body, WholeModel)):
         return None
     engine = buffers.engine_stream()
-    body.tensors = DeviceTensors(pipe, engine, "pipeline stage work on the engine stream")
+    body.tensors = DeviceTensors(pipe, engine, "pipeline stage work on the engine stream", collective=False)
     return pipe.device_pipe(engine)
 
 
