@@ -3,9 +3,11 @@
 process group: every stage runs the real schedule (:func:`pipeline_step`, :func:`stage_eval_sums`) in a thread of its
 own, and a simulated GPU runs what they queue. A stream runs its operations in order; an NCCL send and its receive
 complete only together, once both are at the head of their streams (a transfer that needs its peer); a wait for an
-event only once the event's stream has passed it. A host wait (a stream's synchronize, a header's receive) that nothing
-can ever satisfy, with every stage waiting, is a deadlock. The calls are made on the GPU by
-tests/gpu/test_gpu_pipeline.py; here, which streams carry what, in which order, and that nothing waits forever."""
+event only once the event's stream has passed it; an engine stream's calls run only as far as a wait for its event
+needs or when its host waits for it (as late as a GPU may run them). A host wait (a stream's synchronize, a header's
+receive) that nothing can ever satisfy, with every stage waiting, is a deadlock. The calls are made on the GPU by
+tests/gpu/test_gpu_pipeline.py; here, which streams carry what, in which order, and that nothing waits forever (and,
+last, which stages take the device path and how their engine calls go)."""
 
 from __future__ import annotations
 
@@ -455,3 +457,45 @@ def test_sent_tensors_are_held_until_their_send_ran_and_counted_as_pending():
     # Stage 0 sends 8 activations before it waits for its sends; the GPU ran each while its tensor was held (asserted
     # by the simulated GPU), and the most bytes held at once was at least one message.
     assert results[0].stats.sent_bytes >= 2 * 3 * 4
+
+
+def test_cuda_stages_of_one_module_with_nccl_take_the_device_path_and_others_keep_host_arrays(monkeypatch):
+    """pipeline_messages: device messages for a CUDA rank's whole-stage body over an NCCL pipeline group (its calls
+    then go through DeviceTensors, waited for as point-to-point work); host arrays on CPU ranks, over an MPI group, and
+    for a pipeline x tensor-parallel stage."""
+    from ortflow.trainer.parallel import build
+    from ortflow.trainer.parallel.whole_model import WholeModel
+
+    engine = object()
+    pipe = NCCLComm.__new__(NCCLComm)
+    pipe.device_index = 0
+    monkeypatch.setattr(NCCLComm, "device_pipe", lambda self, stream: ("device pipe", stream))
+    on_gpu = SimpleNamespace(on_device=True, engine_stream=lambda: engine)
+    body = WholeModel.__new__(WholeModel)
+    body.tensors = None
+    assert build.pipeline_messages(pipe, body, on_gpu) == ("device pipe", engine)
+    assert body.tensors.engine is engine and body.tensors._collective is False
+    other = WholeModel.__new__(WholeModel)
+    other.tensors = None
+    assert build.pipeline_messages(pipe, other, SimpleNamespace(on_device=False)) is None and other.tensors is None
+    assert build.pipeline_messages(SimpleNamespace(), other, on_gpu) is None and other.tensors is None
+    assert build.pipeline_messages(pipe, SimpleNamespace(), on_gpu) is None  # tensor-parallel pieces
+
+
+def test_a_whole_stage_on_the_device_path_calls_its_module_on_device_tensors():
+    """With DeviceTensors a stage's recomputing forward, training call and eval loss go through it (device outputs,
+    the loss read back as a scalar); without, the module's own call on host arrays."""
+    from ortflow.trainer.parallel.whole_model import WholeModel
+
+    calls = []
+    tensors = SimpleNamespace(call=lambda part, train, feeds: calls.append((train, sorted(feeds))) or ["out0", "out1"],
+                              scalar=lambda x: calls.append(("scalar", x)) or 2.5)
+    body = WholeModel.__new__(WholeModel)
+    body.kept, body.tensors, body._batch_statistics = None, tensors, False
+    body._parts = [SimpleNamespace(call=lambda train, feeds: calls.append(("host", train)) or [1.0, "g"])]
+    assert body.stage_forward({"x": 1}, ("y",), train=True) == ["out0"]
+    assert body.stage_backward({"x": 1}, ["gy"], ("y",), ("x",)) == (2.5, ["out1"])
+    assert body.eval_loss({"x": 1}) == 2.5
+    assert calls == [(False, ["x"]), (True, ["x", "y.grad_in"]), ("scalar", "out0"), (False, ["x"]), ("scalar", "out0")]
+    body.tensors, calls[:] = None, []
+    assert body.stage_backward({"x": 1}, None, ("y",), ("x",)) == (1.0, ["g"]) and calls == [("host", True)]

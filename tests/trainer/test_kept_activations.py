@@ -191,7 +191,8 @@ def _stage_body(batch_statistics: bool = False):
 
 def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_last(monkeypatch, tmp_path):
     """A CUDA stage that is not the last keeps its activations with ``recompute_forward: false`` (its buffers go with
-    the calls: the engine then runs on the rank's stream); ``auto`` (the default) and ``true`` recompute on a GPU
+    the calls: the engine then runs on the rank's stream; its calls return device tensors where its messages go over
+    NCCL); ``auto`` (the default) and ``true`` recompute on a GPU
     stage, as do a BatchNorm switched to batch statistics before its cut and the last stage; ``auto`` keeps on a
     CPU stage."""
     from types import SimpleNamespace
@@ -207,13 +208,17 @@ def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_l
     def config(recompute_forward, device="cuda"):
         return SimpleNamespace(distributed=DistributedConfig(recompute_forward=recompute_forward, device=device))
 
-    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",))
+    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None)
     assert build.keep_activations(config(False), body, middle, 1) == "kept"
-    assert made[-1]["buffers"] is body.buffers
+    assert made[-1]["buffers"] is body.buffers and made[-1]["host_sends"]  # messages as host arrays
+    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object())
+    assert build.keep_activations(config(False), body, over_nccl, 1) == "kept"
+    assert made.pop()["host_sends"] is False  # its sends leave from the GPU
     assert build.keep_activations(config(True), body, middle, 1) is None
     assert build.keep_activations(config("auto"), body, middle, 1) is None
     assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
-    assert build.keep_activations(config(False), body, SimpleNamespace(last=True, receives=("h",), sends=()), 1) is None
+    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None)
+    assert build.keep_activations(config(False), body, last, 1) is None
     assert len(made) == 1
     body.buffers = SimpleNamespace(on_device=False, stage_options=lambda options: options)
     assert build.keep_activations(config("auto", "cpu"), body, middle, 1) == "kept"
