@@ -260,6 +260,7 @@ class DevicePipe:
         self.device_index = device_index
         self._new = new_tensor or self._ortvalue
         self._pending: list[tuple[object, object, int]] = []  # (sent tensor, its send's event, bytes), in send order
+        self._spare: dict[tuple, list] = {}  # (shape, type) -> received tensors the schedule is done with
         #: Messages and bytes sent and received over NCCL since the start (the trainer logs them at the end).
         self.sent, self.received, self.sent_bytes, self.received_bytes = 0, 0, 0, 0
 
@@ -306,7 +307,11 @@ class DevicePipe:
         link = self._link(self._receives, source, "receive from")
         shape, data_type = self.group.recv_object(source, tag, label)
         kind = P2P_TYPES[data_type]
-        tensor = self._new(shape, kind[0])
+        spare = self._spare.get((tuple(shape), data_type))
+        # No allocation between a message's header and its receive once the tensors of the first messages are back
+        # (:meth:`recycle`): an allocation may synchronize the whole GPU, waiting for this rank's send, whose peer may
+        # be doing the same before it receives (tests/trainer/test_device_pipe_mpi.py).
+        tensor = spare.pop() if spare else self._new(shape, kind[0])
         count = int(np.prod(shape, dtype=np.int64))
         stream = link.stream
         if self.engine is not None:
@@ -317,6 +322,14 @@ class DevicePipe:
         self.release_sent()  # a peer that sent has often taken what was sent to it
         self.received, self.received_bytes = self.received + 1, self.received_bytes + count * np.dtype(kind[0]).itemsize
         return tensor
+
+    def recycle(self, tensors) -> None:
+        """Received tensors whose backward pass has been called (nothing reads them after it but work already queued):
+        the next receives of the same shape and type write into them. Safe on the GPU: a receive's stream waits for
+        the engine stream before NCCL writes, and the training modules' calls return when their work is done."""
+        for tensor in tensors:
+            key = (tuple(int(d) for d in tensor.shape()), tensor.data_type())
+            self._spare.setdefault(key, []).append(tensor)
 
     def release_sent(self) -> None:
         """Drop the sent tensors whose sends have completed (a non-blocking query of their events, in send order per

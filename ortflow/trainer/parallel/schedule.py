@@ -78,6 +78,7 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
         timer.lap("data")
     held: dict[int, dict[str, np.ndarray]] = {}
     stats = StepStats()
+    recycle = getattr(pipe, "recycle", None)  # a DevicePipe reuses the received tensors a backward pass is done with
     for kind, i in one_f_one_b(stage, rt.num_stages, k):
         if i not in held:  # receive (or, on stage 0, take from the batch) this micro-batch's inputs
             feeds = dict(micro[i])
@@ -99,8 +100,11 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
         if not rt.last:
             grads = [pipe.recv(stage + 1, GRAD_TAG, f"recv grad mb{i} <- stage {stage + 1}") for _ in rt.sends]
             started = clock()
-        loss, back = rt.backward(held.pop(i), grads)
+        feeds = held.pop(i)
+        loss, back = rt.backward(feeds, grads)
         stats.compute_s += clock() - started
+        if recycle is not None:
+            recycle([feeds[n] for n in rt.receives] + list(grads or []))
         if rt.last:
             stats.loss_sum += loss
         for g in back:
