@@ -291,6 +291,9 @@ class DevicePipe:
         shape = tuple(int(d) for d in tensor.shape())
         count = int(np.prod(shape, dtype=np.int64))
         self.group.send_object((shape, tensor.data_type()), dest, tag)
+        progress = getattr(self.group, "release_sent", None)
+        if progress is not None:  # MPI moves the header on now, not only at this rank's next MPI call
+            progress()
         stream = link.stream
         if self.engine is not None:
             stream.wait_event(self.engine.record())  # a kept call wrote it on the engine stream
