@@ -296,7 +296,11 @@ def device_synchronize() -> None:
     world.watched_peer("an implicit device synchronization", wait_all)
 
 
+allocated = []
+
+
 def new_tensor(shape, dtype) -> Tensor:
+    allocated.append(shape)
     if alloc_syncs:
         device_synchronize()
     return Tensor(np.empty(shape, dtype))
@@ -320,5 +324,6 @@ for step in range(steps):
     world.barrier(f"step {step}")
 assert all(s.non_blocking for s in Stream.made), "a stream of the pipe or the engine is a blocking stream"
 print(f"rank {world.rank} {mode} ok: {stage.checked} micro-batches checked, {pipe.sent} sent, {pipe.received} received,"
-      f" collective #{after_links} after the links, #{world.watchdog.seq} at the end", flush=True)
+      f" collective #{after_links} after the links, #{world.watchdog.seq} at the end, {len(allocated)} received"
+      f" tensor(s) allocated", flush=True)
 world.close()

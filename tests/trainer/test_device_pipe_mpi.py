@@ -41,6 +41,9 @@ def test_two_stages_exchange_eight_micro_batches_over_the_device_pipe_and_number
     # and at the end, so a stall report's "#N" on one rank and its peer's "#N" name the same collective.
     numbers = re.findall(r"collective #(\d+) after the links, #(\d+) at the end", out)
     assert len(numbers) == 2 and numbers[0] == numbers[1], numbers
+    # Each stage has one received tensor in use at a time here: the first message allocates it, every later one of the
+    # two updates is received into it again.
+    assert out.count("at the end, 1 received tensor(s) allocated") == 2, out
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])

@@ -235,9 +235,11 @@ class DevicePipe:
     device tensor the payload lands in.
 
     Ordering on the GPU: a send's stream waits for an event of the rank's engine stream (a kept call's outputs are
-    written there) and of the legacy default stream (a host array or a training module's host output copied in), then
-    sends; a receive's stream waits for an event of the engine stream before NCCL writes into the new tensor (memory
-    the allocator may have had back from a tensor that queued engine work still reads). A sent tensor is held until its
+    written there), then sends; a host array or a training module's host output becomes a device tensor through the
+    engine's binding, whose copy has completed when it returns (a copy and a wait on the legacy default stream), so
+    the NCCL streams never wait for the legacy stream (which waits for every blocking stream of the device). A
+    receive's stream waits for an event of the engine stream before NCCL writes into its tensor (a new one, or a
+    :meth:`recycle` d one that queued engine work may still read). A sent tensor is held until its
     send stream has passed it: dropped once its event is done, else at :meth:`wait_sends`, which synchronizes the
     send streams and then the engine stream (the step's queued engine work: before the exchange and before any other
     session's call).
@@ -297,7 +299,6 @@ class DevicePipe:
         stream = link.stream
         if self.engine is not None:
             stream.wait_event(self.engine.record())  # a kept call wrote it on the engine stream
-        stream.wait_event(self._cp.cuda.Stream.null.record())  # a host array or host output copied in
         if count:
             link.comm.send(tensor.data_ptr(), count, kind[1], link.peer, stream.ptr)
         nbytes = count * np.dtype(kind[0]).itemsize
