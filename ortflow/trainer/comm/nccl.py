@@ -355,6 +355,30 @@ class DevicePipe:
         self.group.wait_sends(label)  # the headers
 
 
+#: Every NCCL communicator this process has made, in the order it made them (:func:`destroy_communicators`).
+_COMMUNICATORS: list = []
+
+
+def _join(nccl, size: int, uid, rank: int):
+    """A new NCCL communicator (``ncclCommInitRank``: the host waits for all ``size`` ranks), recorded for
+    :func:`destroy_communicators`."""
+    comm = nccl.NcclCommunicator(size, uid, rank)
+    _COMMUNICATORS.append(comm)
+    return comm
+
+
+def destroy_communicators(first: int = 0) -> None:
+    """Destroy the communicators made from the ``first``-th on, in the order they were made. A rank's communicators
+    left to the garbage collector at exit go in no set order, and NCCL's destroy waits for the communicator's other
+    ranks: two stages that destroyed their two pipeline links in opposite orders waited on each other forever. Every
+    rank made its communicators in one order (each join waits for its members, so that order has no cycle); destroying
+    them in it has none either."""
+    made = _COMMUNICATORS[first:]
+    del _COMMUNICATORS[first:]
+    for comm in made:
+        comm.destroy()
+
+
 def _float_view(cupy, ptr: int, count: int, owner: object, device_index: int):
     """A CuPy float32 view of ``count`` values at device address ``ptr`` (no copy)."""
     memory = cupy.cuda.UnownedMemory(ptr, count * 4, owner, device_index)
@@ -409,7 +433,8 @@ class NCCLComm:
         # Rank bootstrap as in llm.c's zero.cuh: rank 0 makes the unique id, the process group broadcasts it.
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = group.broadcast(uid, "nccl unique id")
-        self.comm = group.watched("nccl init", lambda: nccl.NcclCommunicator(self.size, uid, self.rank))
+        self._first = len(_COMMUNICATORS)  # close() destroys this communicator and every one made after it
+        self.comm = group.watched("nccl init", lambda: _join(nccl, self.size, uid, self.rank))
         self.stream = cupy.cuda.Stream(non_blocking=True)  # the exchange's kernels and the update
         self.wire = cupy.cuda.Stream(non_blocking=True)  # the bucketed exchange's NCCL calls
         self.bucket_mb = bucket_mb
@@ -686,7 +711,7 @@ class NCCLComm:
                 for uid, sender in ((act, 0), (grad, 1)):
                     name = f"nccl pipeline link {'act' if sender == 0 else 'grad'} {pair}<->{pair + 1}"
                     peer = pair + 1 - me
-                    comm = self.group.watched_peer(name, lambda uid=uid, me=me: nccl.NcclCommunicator(2, uid, me), peer)
+                    comm = self.group.watched_peer(name, lambda uid=uid, me=me: _join(nccl, 2, uid, me), peer)
                     link = PipeLink(comm, self._cp.cuda.Stream(non_blocking=True), peer=1 - me, name=name)
                     (sends if me == sender else receives)[peer] = link
                     # NCCL connects a peer on its first send or receive, the host waiting for the other rank: one
@@ -839,10 +864,14 @@ class NCCLComm:
         self.group.abort(code)
 
     def close(self) -> None:
+        """Wait for this rank's queued GPU work, destroy the NCCL communicators made since this one (its sub-groups' and
+        pipeline links', in the order they were made), then close the process group."""
         if not self._closed:
             self._closed = True
             self.wire.synchronize()
             self.stream.synchronize()
+            self._cp.cuda.runtime.deviceSynchronize()  # the sub-groups' and pipeline links' streams too
+            self.group.watched("nccl communicators destroyed", lambda: destroy_communicators(self._first))
             self.group.close()
 
 
