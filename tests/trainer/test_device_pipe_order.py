@@ -499,3 +499,31 @@ def test_a_whole_stage_on_the_device_path_calls_its_module_on_device_tensors():
     assert calls == [(False, ["x"]), (True, ["x", "y.grad_in"]), ("scalar", "out0"), (False, ["x"]), ("scalar", "out0")]
     body.tensors, calls[:] = None, []
     assert body.stage_backward({"x": 1}, None, ("y",), ("x",)) == (1.0, ["g"]) and calls == [("host", True)]
+
+
+def test_communicators_are_destroyed_in_the_order_they_were_made_from_the_closing_ones_on(monkeypatch):
+    """NCCL's destroy waits for the communicator's other ranks: two stages whose pipeline links the garbage collector
+    destroyed in opposite orders at exit both waited forever. close() destroys its communicator and every one made
+    after it (sub-groups, pipeline links) in the order they were made, which is the same on every rank."""
+    from ortflow.trainer.comm import nccl as nccl_module
+
+    events: list[tuple[str, int]] = []
+
+    class Communicator:
+        def __init__(self, size, uid, rank):
+            self.uid = uid
+            events.append(("made", uid))
+
+        def destroy(self):
+            events.append(("destroyed", self.uid))
+
+    monkeypatch.setattr(nccl_module, "_COMMUNICATORS", [])
+    stand_in = SimpleNamespace(NcclCommunicator=Communicator)
+    world = nccl_module._join(stand_in, 2, 0, 0)
+    first = len(nccl_module._COMMUNICATORS)
+    made = [nccl_module._join(stand_in, 2, uid, 0) for uid in (1, 2, 3)]
+    nccl_module.destroy_communicators(first)
+    assert events[-3:] == [("destroyed", 1), ("destroyed", 2), ("destroyed", 3)]
+    assert nccl_module._COMMUNICATORS == [world] and all(c not in nccl_module._COMMUNICATORS for c in made)
+    nccl_module.destroy_communicators(0)
+    assert events[-1] == ("destroyed", 0) and nccl_module._COMMUNICATORS == []
