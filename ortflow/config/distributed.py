@@ -49,8 +49,8 @@ class DistributedConfig(Section):
         "tensor-parallel piece but the last, runs each micro-batch's forward twice (a forward to send, then again "
         "inside its backward call) and keeps only the tensors it received in between (less memory, one more forward); "
         "false: the forward runs once and its activations are kept until the backward (at most P - s micro-batches on "
-        "stage s of P, 1F1B); auto: kept, except on CUDA pipeline stages, where the engine's training call with the "
-        "forward again measures faster than separate forward and backward calls (docs/layouts.md, docs/gpu.md).",
+        "stage s of P, 1F1B); auto: kept, the choice measured faster on CPU ranks and on GPUs (docs/layouts.md, "
+        "docs/gpu.md).",
     )
     recompute_subgraphs: tuple[str, ...] = Field(
         (),
@@ -143,14 +143,11 @@ class DistributedConfig(Section):
         except ValidationError:
             raise ValueError(f"{value!r} is not {allowed}") from None
 
-    def recomputes_forward(self, *, stage: bool) -> bool:
-        """``recompute_forward`` resolved for a pipeline stage (``stage``) or tensor-parallel pieces on this
-        config's device: true or false as written; ``auto`` recomputes on CUDA pipeline stages only (their separate
-        forward and backward calls measure slower than the training call that runs the forward again; tensor-parallel
-        pieces on GPUs and CPU ranks measure faster keeping: docs/gpu.md)."""
-        if self.recompute_forward == "auto":
-            return stage and self.device == "cuda"
-        return bool(self.recompute_forward)
+    def recomputes_forward(self) -> bool:
+        """``recompute_forward`` resolved: true or false as written; ``auto`` keeps (pipeline stages and
+        tensor-parallel pieces measure faster keeping on CPU ranks and on GPUs, where a CUDA stage's messages go over
+        NCCL: docs/gpu.md)."""
+        return self.recompute_forward is True
 
     def activations_line(self, batchnorm_stages: list[int] = ()) -> str | None:
         """What the split layout's parts do with their activations, in words (``ortflow validate``'s plan); None for
@@ -160,7 +157,7 @@ class DistributedConfig(Section):
         if pp == 1 and tp == 1:
             return None
         parts = "tensor-parallel pieces but the loss's" if tp > 1 else "pipeline stages but the last"
-        recompute = self.recomputes_forward(stage=tp == 1)
+        recompute = self.recomputes_forward()
         how = ("run the forward again in the backward call" if recompute else
                "run each micro-batch's forward once and keep its activations until its backward")
         line = f"activations: {parts} {how} (distributed.recompute_forward {str(self.recompute_forward).lower()})"

@@ -5,10 +5,10 @@ direction between neighbouring stages, the headers over the process group; ortfl
 rank logs how many messages went that way, which the tests read; the replicas of a stage average their gradients with
 NCCL. A tied table's gradients are summed over the process group through the host, as on CPU ranks.
 
-By default (``recompute_forward: auto``) a GPU stage that is not the last runs its forward again inside its backward
-call (the rank logs "forward recomputed inside the backward call"); with ``recompute_forward: false`` it runs each
-micro-batch's forward once and keeps its activations until the backward, as CPU stages do (the engine on a stream
-the rank owns: "forward once, activations kept until the backward"); a stage with a BatchNorm before its cut
+By default (``recompute_forward: auto``) a GPU stage that is not the last runs each micro-batch's forward once and
+keeps its activations until the backward, as CPU stages do (the engine on a stream the rank owns: the rank logs
+"forward once, activations kept until the backward"); with ``recompute_forward: true`` it runs its forward again
+inside its backward call ("forward recomputed inside the backward call"); a stage with a BatchNorm before its cut
 recomputes its forward either way.
 
 Tolerance against the unsplit model on one GPU: the CUDA provider runs matmuls in TF32 by default (10-bit mantissa,
@@ -71,11 +71,11 @@ def _compare(split, unsplit) -> float:
     return worst
 
 
-@pytest.mark.parametrize("recompute_forward", ["auto", False])
+@pytest.mark.parametrize("recompute_forward", ["auto", True])
 def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path, recompute_forward):
     """8 micro-batches per update: 1F1B keeps up to 2 in flight on stage 0, so activations and gradients of different
     micro-batches cross between the stages in both directions at once (the schedule that once stalled on GPUs); stage
-    0 recomputes its forward (auto, the default on GPUs) or keeps its activations (false)."""
+    0 keeps its activations (auto, the default) or recomputes its forward (true)."""
     from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN
 
@@ -87,7 +87,7 @@ def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path, recompu
     log = _run(two, 2)
     assert "rank 0/2 (local 0/2) on cuda:0" in log and "rank 1/2 (local 1/2) on cuda:1" in log, log[-3000:]
     assert "rank 0: pipeline stage 0/2" in log and "rank 1: pipeline stage 1/2" in log, log[-3000:]
-    expected, other = (RECOMPUTED, KEPT) if recompute_forward == "auto" else (KEPT, RECOMPUTED)
+    expected, other = (RECOMPUTED, KEPT) if recompute_forward is True else (KEPT, RECOMPUTED)
     assert expected in log and other not in log, log[-3000:]
     _compare(two, one)
     timing = _stage_timing(log)
@@ -114,7 +114,7 @@ def test_four_gpus_two_stages_by_two_replicas_match_and_replicas_are_identical(t
                          train=train)
     _run(dp, 2)
     log = _run(grid, 4)
-    assert RECOMPUTED in log and "rank 2 stage 0: forward recomputed inside the backward call" in log, log[-3000:]
+    assert KEPT in log and "rank 2 stage 0: forward once, activations kept until the backward" in log, log[-3000:]
     assert sorted(_nccl_messages(log)) == [0, 1, 2, 3], log[-3000:]  # each replica's stages over NCCL
     _compare(grid, dp)
     seen = _digests(log)  # rank = replica * 2 + stage: ranks 0, 2 hold stage 0; ranks 1, 3 stage 1

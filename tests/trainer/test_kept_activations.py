@@ -189,12 +189,11 @@ def _stage_body(batch_statistics: bool = False):
                            buffers=_DeviceBuffers(), folder=None, state=None, trainable=["w"])
 
 
-def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_last(monkeypatch, tmp_path):
-    """A CUDA stage that is not the last keeps its activations with ``recompute_forward: false`` (its buffers go with
-    the calls: the engine then runs on the rank's stream; its calls return device tensors where its messages go over
-    NCCL); ``auto`` (the default) and ``true`` recompute on a GPU
-    stage, as do a BatchNorm switched to batch statistics before its cut and the last stage; ``auto`` keeps on a
-    CPU stage."""
+def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last(monkeypatch, tmp_path):
+    """A CUDA stage that is not the last keeps its activations with ``recompute_forward: false`` and ``auto`` (the
+    default): its buffers go with the calls (the engine then runs on the rank's stream; its calls return device
+    tensors where its messages go over NCCL); ``true`` recomputes, as do a BatchNorm switched to batch statistics
+    before its cut and the last stage; ``auto`` keeps on a CPU stage."""
     from types import SimpleNamespace
 
     from ortflow.config.distributed import DistributedConfig
@@ -214,21 +213,24 @@ def test_cuda_stages_keep_their_activations_when_asked_unless_batchnorm_or_the_l
     over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object())
     assert build.keep_activations(config(False), body, over_nccl, 1) == "kept"
     assert made.pop()["host_sends"] is False  # its sends leave from the GPU
+    assert build.keep_activations(config("auto"), body, over_nccl, 1) == "kept"
+    assert made.pop()["host_sends"] is False
     assert build.keep_activations(config(True), body, middle, 1) is None
-    assert build.keep_activations(config("auto"), body, middle, 1) is None
     assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
+    assert build.keep_activations(config("auto"), _stage_body(batch_statistics=True), middle, 1) is None
     last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None)
     assert build.keep_activations(config(False), body, last, 1) is None
+    assert build.keep_activations(config("auto"), body, last, 1) is None
     assert len(made) == 1
     body.buffers = SimpleNamespace(on_device=False, stage_options=lambda options: options)
     assert build.keep_activations(config("auto", "cpu"), body, middle, 1) == "kept"
     assert made[-1]["buffers"] is body.buffers
 
 
-def test_recompute_forward_auto_keeps_on_cpu_ranks_and_gpu_pieces_and_recomputes_on_gpu_stages():
-    """``distributed.recompute_forward`` resolved per part: written true/false everywhere as written; ``auto``
-    recomputes only a CUDA pipeline stage; a config that says nothing is ``auto``. ``ortflow validate``'s plan says
-    which."""
+def test_recompute_forward_auto_keeps_on_cpu_ranks_and_on_gpus():
+    """``distributed.recompute_forward`` resolved: true/false as written; ``auto`` keeps on pipeline stages and
+    tensor-parallel pieces, on CPU ranks and CUDA ones (a CUDA stage's messages go over NCCL); a config that says
+    nothing is ``auto``. ``ortflow validate``'s plan says which."""
     from ortflow.config.distributed import DistributedConfig
 
     def cfg(device, value=None, **sizes):
@@ -236,18 +238,18 @@ def test_recompute_forward_auto_keeps_on_cpu_ranks_and_gpu_pieces_and_recomputes
         return DistributedConfig.model_validate({"device": device, **written, **sizes})
 
     assert cfg("cpu").recompute_forward == "auto"
-    places = [(device, stage) for device in ("cpu", "cuda") for stage in (False, True)]
-    assert [cfg(d).recomputes_forward(stage=s) for d, s in places] == [False, False, False, True]
-    assert [cfg(d, True).recomputes_forward(stage=s) for d, s in places] == [True] * 4
-    assert [cfg(d, False).recomputes_forward(stage=s) for d, s in places] == [False] * 4
+    assert [cfg(d).recomputes_forward() for d in ("cpu", "cuda")] == [False, False]
+    assert [cfg(d, v).recomputes_forward() for d in ("cpu", "cuda") for v in (True, "true")] == [True] * 4
+    assert [cfg(d, v).recomputes_forward() for d in ("cpu", "cuda") for v in (False, "false", "auto")] == [False] * 6
     assert cfg("cpu").activations_line() is None
     pp = {"num_ranks": 2, "pipeline_parallel_size": 2}
     assert cfg("cpu", **pp).activations_line() == (
         "activations: pipeline stages but the last run each micro-batch's forward once and keep its activations until "
         "its backward (distributed.recompute_forward auto)")
-    assert cfg("cuda", **pp).activations_line() == (
+    assert cfg("cuda", **pp).activations_line() == cfg("cpu", **pp).activations_line()
+    assert cfg("cuda", True, **pp).activations_line() == (
         "activations: pipeline stages but the last run the forward again in the backward call "
-        "(distributed.recompute_forward auto)")
+        "(distributed.recompute_forward true)")
     tp = {"num_ranks": 2, "horizontal_parallel_size": 2}
     pieces = cfg("cuda", **tp).activations_line()
     assert "tensor-parallel pieces but the loss's run each micro-batch's forward once" in pieces

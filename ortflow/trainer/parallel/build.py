@@ -148,7 +148,7 @@ def tensor_body(cfg: RunConfig, record: dict, base: Path, where: Place, groups: 
         load_sliced_parameters(body, start)
     body.tensors = activation_store(buffers, groups.tp, where.tp_rank, size)
     body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
-    if not cfg.distributed.recomputes_forward(stage=False):
+    if not cfg.distributed.recomputes_forward():
         keep_piece_activations(pieces, last, stage_session_options(threads, buffers,
                                                                    cfg.distributed.deterministic_compute),
                                cfg.distributed.recompute_subgraphs, buffers)
@@ -188,7 +188,7 @@ def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, thr
     """The forward-once calls of a stage that is not the last (on the CPU or its GPU), unless it recomputes
     (``DistributedConfig.recomputes_forward``); stages whose forward switches BatchNorm to batch statistics (its eval
     model's extra input) recompute."""
-    if stage.last or cfg.distributed.recomputes_forward(stage=True):
+    if stage.last or cfg.distributed.recomputes_forward():
         return None
     if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
         return None
