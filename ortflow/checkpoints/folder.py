@@ -28,6 +28,9 @@ FORMAT = 2
 READABLE_FORMATS = (1, 2)
 META_SHA_KEY = "meta_sha256"
 
+MICRO_BATCHES_KEY = "micro_batches_per_rank"
+"""meta.json: micro-batches each rank ran forward in training mode up to the checkpoint, resumes included."""
+
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
 _REQUIRED_META = ("format", "step", "files")
@@ -75,6 +78,17 @@ class CheckpointInfo:
     def global_cursor(self) -> int | None:
         """Samples consumed by all ranks together when this checkpoint was written (the loader's cursor)."""
         return self.meta.get("global_cursor")
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """Micro-batches each rank ran forward in training mode up to this checkpoint (what torch's BatchNorm counts
+        in ``num_batches_tracked``). Checkpoints that do not record it count ``step`` updates of the micro-batches
+        per update their run was configured with."""
+        recorded = self.meta.get(MICRO_BATCHES_KEY)
+        if recorded is not None:
+            return int(recorded)
+        steps, updates = self.meta.get("num_train_steps"), self.meta.get("num_weight_updates")
+        return self.step * (int(steps) // int(updates) if steps and updates else 1)
 
     @property
     def eval_loss(self) -> float | None:

@@ -10,7 +10,10 @@
   parameter names; ``onnx::``-named constants it computed are left out and listed; a trained ``onnx::`` tensor, a
   weight its constant folding stored transposed under a computed name, is refused with the export call that keeps
   the names); the second name of a tied weight (``lm_head.weight``) with the same values, found from the module
-  path of the node that reads it (:func:`ortflow.graph.exports.torchscript.tied_names`).
+  path of the node that reads it (:func:`ortflow.graph.exports.torchscript.tied_names`);
+* either way, each BatchNorm's ``num_batches_tracked`` (no ONNX graph holds it): the micro-batches each rank ran
+  forward in training mode up to the checkpoint (``micro_batches_per_rank`` in its meta.json), the count torch's
+  module keeps on each rank of a data-parallel run; 0 for ``--checkpoint initial`` (docs/your-model.md).
 
 ``strip_prefix``/``add_prefix`` rename keys for a model whose module tree differs from the exported wrapper's (the
 test fixtures export ``LogitsOnly(model)``, so their names start with ``model.``; ``strip_prefix="model."`` gives
@@ -51,12 +54,34 @@ class StateDictResult:
     left_out: dict[str, str]
 
 
-def torch_tensors(params: dict[str, np.ndarray], record: dict | None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def torch_tensors(params: dict[str, np.ndarray], record: dict | None,
+                  batches_tracked: int = 0) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The checkpoint's tensors under their torch state-dict names, and those left out with why.
+
+    Args:
+        params: The checkpoint's tensors by name.
+        record: The run's configure record (configure.json).
+        batches_tracked: Each BatchNorm's ``num_batches_tracked``: the micro-batches a rank trained.
 
     Raises:
         ExportError: A torch parameter configure recorded is missing from the checkpoint.
     """
+    tensors, left = _named(params, record)
+    return {**tensors, **_batches_tracked(tensors, batches_tracked)}, left
+
+
+def _batches_tracked(tensors: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """``PREFIX.num_batches_tracked`` (int64, shape ``[]``, as torch's buffer) of every module with running statistics:
+    no ONNX graph holds the count, and torch's state dict of a BatchNorm (and of an InstanceNorm that tracks its
+    statistics) has it beside ``running_mean`` and ``running_var``."""
+    suffix = ".running_mean"
+    modules = [n[:-len(suffix)] for n in tensors if n.endswith(suffix) and f"{n[:-len(suffix)]}.running_var" in tensors]
+    return {f"{m}.num_batches_tracked": np.array(count, dtype=np.int64) for m in modules
+            if f"{m}.num_batches_tracked" not in tensors}
+
+
+def _named(params: dict[str, np.ndarray], record: dict | None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """:func:`torch_tensors` without the BatchNorm counts."""
     torch = (record or {}).get("torch")
     if not torch:
         unnamed = sorted(n for n in (record or {}).get("trainable", []) if "::" in n)
@@ -118,8 +143,9 @@ def export_state_dict(source: Path, out: Path, *, checkpoint: str | None = None,
     from safetensors.numpy import save_file
 
     found = resolve_source(Path(source), config=config, checkpoint=checkpoint)
-    tensors, left = torch_tensors(load_parameters(found.checkpoint.path), found.record)
-    renamed = {_renamed(n, strip_prefix, add_prefix): np.ascontiguousarray(v) for n, v in sorted(tensors.items())}
+    tensors, left = torch_tensors(load_parameters(found.checkpoint.path), found.record,
+                                  found.checkpoint.micro_batches_per_rank)
+    renamed = {_renamed(n, strip_prefix, add_prefix): np.asarray(v, order="C") for n, v in sorted(tensors.items())}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

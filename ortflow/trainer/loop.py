@@ -16,6 +16,7 @@ import numpy as np
 
 from ortflow import engine
 from ortflow.checkpoints import CheckpointManager
+from ortflow.checkpoints.folder import MICRO_BATCHES_KEY
 from ortflow.trainer import batchnorm, loss_scale
 from ortflow.trainer.guards import check_update, clip_gradients
 from ortflow.trainer.lr_schedule import learning_rate
@@ -231,6 +232,15 @@ def note_batch_change(meta: dict, name: str, samples: int, replicas: int, micro_
                 name, before, samples, replicas, train.batch_size, micro_batches, before, before)
 
 
+def micro_batches_per_rank(model: RankModel, step: int) -> int:
+    """Micro-batches each rank has run forward in training mode after update ``step``: the resumed checkpoint's count
+    plus this run's updates (torch's BatchNorm ``num_batches_tracked``; ``ortflow export --state-dict`` writes it)."""
+    k = model.cfg.train.gradient_accumulation_steps
+    if model.resume is None:
+        return step * k
+    return model.resume.micro_batches_per_rank + (step - model.resume.step) * k
+
+
 def save(model: RankModel, checkpoints: CheckpointManager, step: int, cursor: int, train_loss, eval_loss) -> None:
     """The checkpoint hook: check the replicas, then every rank takes part in the manager's save (its barriers)."""
     cfg = model.cfg
@@ -238,6 +248,7 @@ def save(model: RankModel, checkpoints: CheckpointManager, step: int, cursor: in
         "global_cursor": cursor, "num_train_steps": cfg.train.num_train_steps,
         "num_weight_updates": cfg.train.num_weight_updates, "train_loss": train_loss, "eval_loss": eval_loss,
         SAMPLES_KEY: cfg.train.gradient_accumulation_steps * model.dims.dp * cfg.train.batch_size,
+        MICRO_BATCHES_KEY: micro_batches_per_rank(model, step),
         "num_ranks": model.comm.size, **model.layout_meta(), "config_fingerprint": cfg.section_fingerprint(),
         "rng": {"seed": cfg.train.seed, "scheme": RNG_SCHEME},
         **model.replica_check(step),
