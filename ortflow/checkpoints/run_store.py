@@ -218,10 +218,31 @@ def fetch_run(url: str) -> Path:
     return local
 
 
+def _run_cache_dir(folder: str) -> str | None:
+    """``storage.cache_dir`` of the run folder that the store's ``folder`` belongs to (the folder itself, or the run
+    folder above its ``export/``), or None: where :func:`fetch_run` keeps that run's local copy."""
+    import yaml
+
+    from ortflow.config import RESOLVED_CONFIG_NAME
+
+    candidates = [folder, folder.rsplit("/", 1)[0]] if folder.endswith("/export") else [folder]
+    for candidate in candidates:
+        try:
+            raw = yaml.safe_load(RemoteDir(candidate, _env_options()).read_bytes(RESOLVED_CONFIG_NAME))
+        except FileNotFoundError:
+            continue
+        except yaml.YAMLError:
+            return None  # not a config ortflow wrote: the default cache
+        storage = raw.get("storage") if isinstance(raw, dict) else None
+        return storage.get("cache_dir") if isinstance(storage, dict) else None
+    return None
+
+
 def fetch_file(url: str) -> Path:
     """Download the file ``url`` (an exported model on the store, with its ``.sha256`` sidecar when there is one)
-    into its place in the local copies (``<cache>/runs/<scheme>/<bucket>/<path>``) and return it. ``OUTPUT_DIR/latest``
-    is the newest completed version's exported model.
+    into its place in the local copies (``<cache>/runs/<scheme>/<bucket>/<path>``, under the ``storage.cache_dir`` of
+    the run folder it belongs to, as :func:`fetch_run` keeps that run's copy) and return it. ``OUTPUT_DIR/latest`` is
+    the newest completed version's exported model.
 
     Raises:
         FileNotFoundError: the store holds no such file.
@@ -234,7 +255,7 @@ def fetch_file(url: str) -> Path:
         url = f"{_latest_version_url(url[:-len(_LATEST) - 1])}/export/model.onnx"
     folder, name = url.rsplit("/", 1)
     remote = RemoteDir(folder, _env_options())
-    local = cache_folder(url, None)
+    local = cache_folder(url, _run_cache_dir(folder))
     if not remote.exists(name):
         raise FileNotFoundError(f"{url} does not exist on the store; export a model first (ortflow run CONFIG or "
                                 "ortflow export)")

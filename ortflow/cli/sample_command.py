@@ -15,7 +15,8 @@ from ortflow.cli.shared import fail, fetched
 def sample(
     model: Annotated[Path, typer.Argument(
         help="Exported byte-level language model (.onnx), or OUTPUT_DIR/latest (the newest version's); a URL on "
-        "object storage is downloaded into the local copies first.")],
+        "object storage is downloaded first, into the local copy of its run (the run config's storage.cache_dir, else "
+        "$ORTFLOW_CACHE_DIR).")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Bytes to generate.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0, help="Softmax temperature; 0 is greedy.")] = 0.8,
@@ -32,7 +33,7 @@ def sample(
     from ortflow.sample import SampleError, generate
     from ortflow.versions import resolve_model
 
-    model = fetched(model, "file")  # an exported model on object storage: downloaded into the local copies
+    model = fetched(model, "file")  # an exported model on object storage: downloaded into its run's local copy
     try:
         model = resolve_model(model)  # OUTPUT_DIR/latest: the newest completed version's exported model
     except ValueError as err:

@@ -71,21 +71,32 @@ def test_evaluate_and_export_read_a_run_folder_url_through_its_local_copy_on_a_m
     assert "Traceback" not in missing.output
 
 
-def test_sample_downloads_an_exported_model_named_by_its_url_or_by_output_dir_latest(s3_server, bucket, tmp_path,
-                                                                                     monkeypatch):
+def test_sample_downloads_an_exported_model_named_by_its_url_or_by_output_dir_latest_into_its_runs_local_copy(
+        s3_server, bucket, tmp_path, monkeypatch):
+    """The model lands where ``evaluate`` and ``export`` keep the local copy of its run: under the run's own
+    ``storage.cache_dir`` when its config sets one, else under the default cache."""
     from tests.test_sample import _next_byte_model
 
     monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    team = tmp_path / "team-cache"
     store = RemoteDir(f"s3://{bucket}/runs")
-    store.put(_next_byte_model(tmp_path / "m.onnx"), "versions/v1/export/model.onnx")
+    model = _next_byte_model(tmp_path / "m.onnx")
+    store.put(model, "versions/v1/export/model.onnx")
+    store.write_bytes("versions/v1/config.yaml", yaml.safe_dump({"storage": {"cache_dir": str(team)}}).encode())
+    store.put(model, "plain/export/model.onnx")  # a run folder whose config keeps the default cache
+    store.write_bytes("plain/config.yaml", yaml.safe_dump({"storage": {}}).encode())
     store.write_bytes("registry.json", json.dumps({"format": 1, "versions": [
         {"version": "v1", "status": "completed"}, {"version": "v2", "status": "failed"}]}).encode())
-    for source in (f"s3://{bucket}/runs/versions/v1/export/model.onnx", f"s3://{bucket}/runs/latest"):
+    for source in (f"s3://{bucket}/runs/versions/v1/export/model.onnx", f"s3://{bucket}/runs/latest",
+                   f"s3://{bucket}/runs/plain/export/model.onnx"):
         sampled = CliRunner().invoke(app, ["sample", source, "--prompt", "a", "--max-new-tokens", "3",
                                            "--temperature", "0"])
         assert sampled.exit_code == 0, sampled.output
         assert sampled.stdout.splitlines()[-1] == "abcd"
-    assert (cache_folder(f"s3://{bucket}/runs/versions/v1/export/model.onnx", None)).exists()
+    run = f"s3://{bucket}/runs/versions/v1"
+    assert (cache_folder(run, team) / "export" / "model.onnx").exists()  # evaluate/export's copy of that run
+    assert not cache_folder(run, None).exists()
+    assert (cache_folder(f"s3://{bucket}/runs/plain", None) / "export" / "model.onnx").exists()
 
 
 def test_train_still_refuses_a_url_and_names_the_local_copy(tmp_path, monkeypatch):
