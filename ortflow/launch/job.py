@@ -207,7 +207,7 @@ def watch(
         drain()
         signum = received[0] if received else 0  # a signal after the job ended does not make it a stopped one
     except BaseException:  # a cancelled flow, a timeout, Ctrl-C: the job must not outlive its watcher unasked
-        stop(job, grace_s, on_line, clock, sleep, pending=bool(seen) and seen[0].phase is Phase.PENDING)
+        stop(job, grace_s, on_line, clock, sleep, pending=_known(job, seen).phase is Phase.PENDING)
         raise
     finally:
         restore()
@@ -276,6 +276,14 @@ def _stream_until_ended(job: Job, deadline: float, poll_s: float, on_line: Calla
 REPEAT_WINDOW_S = 5.0
 
 
+def _known(job: Job, seen: list[JobState]) -> JobState:
+    """The job's newest polled state; polled now when the watch has not polled it yet (a stop request before the
+    first poll): the words of a stop request and what the job's ``cancel`` does both follow what the scheduler says."""
+    if not seen:
+        seen[:] = [job.poll()]
+    return seen[0]
+
+
 def _stop_words(job: Job, pending: bool, grace: str = "") -> str:
     """What a stop request does: a pending job is removed (no rank runs), a running one's ranks stop after the
     current update with a stop checkpoint."""
@@ -294,7 +302,7 @@ def _cancel_on_signals(job: Job, received: list[int], seen: list[JobState]) -> C
     first: list[float] = [time.monotonic()] if received else []  # signals before the job started: stopped below
 
     def ask(signum: int) -> None:
-        pending = bool(seen) and seen[0].phase is Phase.PENDING
+        pending = _known(job, seen).phase is Phase.PENDING
         log.warning("%s: %s", signal.Signals(signum).name, _stop_words(job, pending))
 
     def forward(signum: int, _frame: object) -> None:

@@ -223,6 +223,7 @@ class SlurmJob:
         self._offset = 0
         self._partial = ""
         self._last = JobState(Phase.PENDING, "PENDING")
+        self._answered = False  # the controller has said the job's state at least once
         self._stopping = False  # this watcher asked the job to stop (cancel, kill)
 
     def _subprocess(self, *args: str) -> subprocess.CompletedProcess:
@@ -254,6 +255,7 @@ class SlurmJob:
             return self._unanswered(" ".join(out.stderr.split()) or f"scontrol exit status {out.returncode}")
         fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item) if out.returncode == 0 else {}
         state = fields.get("JobState", "")
+        self._answered = True
         if self._silent_since is not None:
             self._silent_since = None
             self._notices.append(f"ortflow: the Slurm controller answers again: slurm job {self.job_id} is "
@@ -308,8 +310,12 @@ class SlurmJob:
                         retry=False)
 
     def cancel(self) -> None:
+        if not self._answered:  # a stop before the first poll: a running job's ranks must not be killed unasked
+            self.poll()
+        if self._last.phase is Phase.ENDED:
+            return
         self._stopping = True
-        if self._last.phase is Phase.PENDING:  # nothing started: nothing to checkpoint
+        if self._answered and self._last.phase is Phase.PENDING:  # nothing started: nothing to checkpoint
             self.kill()
             return
         out = self._run(self.commands["scancel"], "--batch", "--signal=TERM", self.job_id)

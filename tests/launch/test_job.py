@@ -110,7 +110,8 @@ def test_a_stop_signal_received_before_the_watch_cancels_the_job_as_it_starts_an
     job = FakeJob(run_polls=100, stop_polls=2)
     received = [signal.SIGTERM]  # noted by `ortflow train` while it started the job
     result = watch(job, lambda line: None, sleep=lambda s: None, forward_signals=True, received=received)
-    assert job.calls == ["cancel"] and job.cancelled_at == 0  # before the first poll, once
+    # once, at the start: after the one poll that says whether it is pending or running (what the cancel does)
+    assert job.calls == ["cancel"] and job.cancelled_at == 1
     assert (result.returncode, result.signal) == (143, signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is previous
 

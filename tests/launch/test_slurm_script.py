@@ -264,6 +264,52 @@ def test_cancel_signals_the_batch_shell_and_a_pending_job_is_just_removed(tmp_pa
     assert fake.commands[-1] == ("scancel", "42")
 
 
+RUNNING = "JobId=42 JobState=RUNNING Reason=None ExitCode=0:0"
+PENDING = "JobId=42 JobState=PENDING Reason=Priority ExitCode=0:0"
+STOPPED = "JobId=42 JobState=CANCELLED Reason=None ExitCode=0:15"
+TERM = ("scancel", "--batch", "--signal=TERM", "42")
+
+
+@pytest.mark.parametrize(("answer", "said", "scancel"), [
+    (RUNNING, "SIGINT: asking the ranks of the slurm job 42 to stop after the current update", TERM),
+    (PENDING, "SIGINT: removing the pending slurm job 42 from the queue: no rank is running, nothing to checkpoint",
+     ("scancel", "42")),
+], ids=["running", "pending"])
+def test_ctrl_c_before_the_first_poll_says_and_does_what_fits_the_state_slurm_reports(tmp_path, caplog, answer,
+                                                                                       said, scancel):
+    """A Ctrl-C that ``ortflow train`` took while it submitted the job (before the watch's first ``scontrol``): the
+    line names what happens to the job as Slurm reports it, and the job gets exactly that (a running job's ranks a
+    stop signal for their stop checkpoint, a pending job removed)."""
+    import signal
+
+    job, fake = job_with(tmp_path, [answer, STOPPED])
+    with caplog.at_level("WARNING", logger="ortflow.launch.job"):
+        result = watch(job, lambda line: None, sleep=lambda s: None, forward_signals=True, received=[signal.SIGINT])
+    assert [r.getMessage() for r in caplog.records] == [said]
+    assert [c for c in fake.commands if c[0] == "scancel"] == [scancel]
+    assert result.signal == signal.SIGINT
+
+
+def test_ctrl_c_during_the_first_poll_asks_a_running_jobs_ranks_to_stop_and_says_so(tmp_path, caplog):
+    """KeyboardInterrupt inside the watch's first ``scontrol`` (no state seen yet): the job is polled again, and its
+    running ranks are asked to stop, as the line says, not killed as a pending job would be removed."""
+    job, fake = job_with(tmp_path, [RUNNING, STOPPED])
+    calls = []
+
+    def interrupted_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return fake(*args)
+
+    job._run = interrupted_once
+    with caplog.at_level("WARNING", logger="ortflow.launch.job"), pytest.raises(KeyboardInterrupt):
+        watch(job, lambda line: None, sleep=lambda s: None, grace_s=30)
+    assert [r.getMessage() for r in caplog.records] == [
+        "asking the ranks of the slurm job 42 to stop after the current update (30 s grace)"]
+    assert [c for c in fake.commands if c[0] == "scancel"] == [TERM]
+
+
 def test_ortflow_train_refuses_local_options_and_incomplete_sections_with_a_scheduler(tmp_path):
     from typer.testing import CliRunner
 
