@@ -277,6 +277,29 @@ def _check_groups(folder: Path, update, files: list[Path] | None) -> None:
                     "without" if saved is None else "with", "with" if mine is not None else "without")
 
 
+def state_refusal(folder: Path, saved: set[str], written_by: str | None, optimizer: str,
+                  wanted: tuple[str, ...]) -> str | None:
+    """Why optimizer ``optimizer``, which keeps ``wanted``, cannot resume the state ``saved`` that ``written_by`` left
+    in checkpoint ``folder`` (None when it can)."""
+    if not wanted or not set(wanted) - saved:
+        return None
+    writer = str(written_by or "").partition("/")[0] or "that wrote it"  # the optimizer.name to resume with
+    return (f"{folder.name} holds optimizer state {sorted(saved)} (written by {written_by}) but optimizer "
+            f"{optimizer} needs {list(wanted)}: resume with optimizer {writer}, "
+            f"or start from its weights with a fresh {optimizer} state (at step 0) with checkpoint.init_from: "
+            f"{folder} in a new run (another output_dir, or a checkpoint.dir without checkpoints)")
+
+
+def saved_state(folder: Path) -> tuple[str | None, set[str]] | None:
+    """The optimizer that wrote a format 2 checkpoint's state and the state names it holds, read from its first
+    optimizer file's attributes and group names (no state is read); None for a folder without one (format 1)."""
+    files = tpfiles.tp_files(folder, "optimizer") or optimizer_files(folder)
+    if not files:
+        return None
+    with _open(files[0]) as f:
+        return str(f.attrs.get("optimizer", "")) or None, {name for name, group in f.items() if len(group)}
+
+
 def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: list[Path] | None = None) -> None:
     """Fill ``update``'s state (any sharding) and step count from a checkpoint's optimizer files (any sharding).
 
@@ -285,14 +308,9 @@ def load_optimizer(folder: Path, update, optimizer: str, rank: int = 0, files: l
     """
     step, written_by, pieces = state_pieces(folder, rank, {seg.name for seg in update.segments} or None, files)
     wanted = update.rule.state_names
-    if wanted and set(wanted) - set(pieces):
-        writer = str(written_by or "").partition("/")[0] or "that wrote it"  # the optimizer.name to resume with
-        raise CheckpointError(
-            f"{folder.name} holds optimizer state {sorted(pieces)} (written by {written_by}) but optimizer "
-            f"{optimizer} needs {list(wanted)}: resume with optimizer {writer}, "
-            f"or start from its weights with a fresh {optimizer} state (at step 0) with checkpoint.init_from: "
-            f"{folder} in a new run (another output_dir, or a checkpoint.dir without checkpoints)"
-        )
+    refusal = state_refusal(folder, set(pieces), written_by, optimizer, wanted)
+    if refusal:
+        raise CheckpointError(refusal)
     if written_by and written_by != optimizer:
         fix = " (set optimizer.rule: engine to continue it bit for bit)" if written_by == "adamw/engine" else ""
         log.warning("%s was written by optimizer %s; continuing with %s%s", folder.name, written_by, optimizer, fix)

@@ -1,12 +1,13 @@
-"""Which split (pipeline stages, tensor-parallel size) a checkpoint was written with, checked before any rank loads
-it."""
+"""Which split (pipeline stages, tensor-parallel size) and optimizer state a checkpoint was written with, checked
+before any rank loads it (and before a command records a config whose ranks would refuse it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ortflow.checkpoints.folder import CheckpointError, list_complete, verify
+from ortflow.checkpoints.folder import CheckpointError, CheckpointInfo, list_complete, verify
 
 if TYPE_CHECKING:
     from ortflow.config import RunConfig
@@ -46,28 +47,64 @@ def check_checkpoint_layout(meta: dict, path: Path, num_stages: int, tp_size: in
     )
 
 
-def resume_layout_refusal(cfg: RunConfig) -> str | None:
-    """Before any rank starts: the refusal the ranks would meet for the checkpoint they would resume, else None.
+def _optimizer_refusal(info: CheckpointInfo, cfg: RunConfig) -> str | None:
+    """The ranks' refusal of a checkpoint whose optimizer state this config's optimizer cannot continue."""
+    from ortflow.checkpoints.h5state import saved_state, state_refusal
 
-    Reads the newest complete checkpoint's ``meta.json`` (or ``checkpoint_to_load_path``'s); only one that conflicts
-    has its files hashed, and a damaged one is passed over, as the ranks pass over it. A run folder on object storage
-    is left to the ranks (the local folder may not hold what the store holds).
+    saved = saved_state(info.path)
+    if saved is None:
+        return None
+    written_by, names = saved
+    return state_refusal(info.path, names, written_by, cfg.optimizer.label, cfg.optimizer.state_names)
+
+
+def resume_layout_refusal(cfg: RunConfig) -> str | None:
+    """Before any rank starts: the refusal the ranks would meet for the checkpoint they would resume (another split,
+    or an optimizer state this config's optimizer cannot continue), else None.
+
+    Reads the newest complete checkpoint's ``meta.json`` (or ``checkpoint_to_load_path``'s) and its first optimizer
+    file's attributes; only one that conflicts has its files hashed, and a damaged one is passed over, as the ranks
+    pass over it. A run folder on object storage is left to the ranks (the local folder may not hold what the store
+    holds).
     """
+    named = cfg.checkpoint.checkpoint_to_load_path is not None
+    dist = cfg.distributed
+
+    def refusal(info: CheckpointInfo) -> str | None:
+        check_checkpoint_layout(info.meta, info.path, dist.pipeline_parallel_size, dist.horizontal_parallel_size,
+                                named=named)
+        return _optimizer_refusal(info, cfg)
+
+    return _first_refusal(cfg, refusal)
+
+
+def resume_optimizer_refusal(cfg: RunConfig) -> str | None:
+    """The ranks' refusal of the checkpoint they would resume for its optimizer state (written by an optimizer whose
+    state this config's optimizer cannot continue), else None: checked before a command records a config, so that a
+    refused optimizer edit is not left in the run folder."""
+    return _first_refusal(cfg, lambda info: _optimizer_refusal(info, cfg))
+
+
+def _first_refusal(cfg: RunConfig, check: Callable[[CheckpointInfo], str | None]) -> str | None:
+    """``check``'s refusal of the checkpoint the ranks would resume (a damaged one is passed over, as they do)."""
     if cfg.storage.remote_dir is not None:
         return None
-    named, dist = cfg.checkpoint.checkpoint_to_load_path, cfg.distributed
+    named = cfg.checkpoint.checkpoint_to_load_path
     found = list_complete(Path(named).parent if named is not None else Path(cfg.checkpoints_dir))
     if named is not None:
         found = [c for c in found if c.path.name == Path(named).name]
     for info in reversed(found):
         try:
-            check_checkpoint_layout(info.meta, info.path, dist.pipeline_parallel_size, dist.horizontal_parallel_size,
-                                    named=named is not None)
-        except CheckpointError as refusal:
-            try:
-                verify(info.path)
-            except CheckpointError:
-                continue  # damaged: the ranks pass over it (or, named, stop on it with their own message)
-            return str(refusal)
-        return None
+            refusal = check(info)
+        except CheckpointError as err:
+            refusal = str(err)
+        except OSError:  # an optimizer file that does not open: the ranks say what is wrong with it
+            return None
+        if refusal is None:
+            return None
+        try:
+            verify(info.path)
+        except CheckpointError:
+            continue  # damaged: the ranks pass over it (or, named, stop on it with their own message)
+        return refusal
     return None

@@ -80,6 +80,18 @@ class OptimizerConfig(Section):
         None, gt=0, description="Clip the global gradient norm to this value before the step (default: no clipping)."
     )
 
+    @property
+    def label(self) -> str:
+        """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
+        return f"adamw/{self.rule}" if self.name == "adamw" else self.name
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The per-element state the rule keeps and a resumed checkpoint must hold (the trainer's rules keep these)."""
+        if self.name == "sgd":
+            return ("momentum",) if self.momentum > 0 else ()
+        return ("exp_avg", "exp_avg_sq")
+
     @model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:
         unused = [

@@ -298,6 +298,7 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
     problems = check_files(cfg)
     if problems:
         raise ConfigError(problems)
+    _refuse_unresumable_optimizer(cfg)
     run_dir, artifacts_dir = cfg.output_dir, cfg.artifacts_dir
     record_path = run_dir / CONFIGURE_RECORD_NAME
     key = fingerprint(cfg)
@@ -361,6 +362,17 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
     return ConfigureResult(run_dir, artifacts_dir, reused=False, info=record)
 
 
+def _refuse_unresumable_optimizer(cfg: RunConfig) -> None:
+    """An optimizer whose state the checkpoint the ranks would resume cannot feed (another optimizer wrote it) is
+    refused here, before the config is recorded in the run folder: the ranks would refuse it at start, and a later
+    command would otherwise read the refused optimizer from the folder's config."""
+    from ortflow.checkpoints.layout_check import resume_optimizer_refusal
+
+    refusal = resume_optimizer_refusal(cfg)
+    if refusal:
+        raise ConfigError([f"optimizer: {refusal}"])
+
+
 def accept_config_edit(cfg: RunConfig) -> None:
     """Record a hand-edited ``config.yaml`` as the run's config (``ortflow train --accept-changed-config``), when the
     edit leaves the artifacts valid (the same configure fingerprint: model, precision, layout unchanged).
@@ -379,6 +391,7 @@ def accept_config_edit(cfg: RunConfig) -> None:
     problems = fixed_batch_problems(cfg, cfg.output_dir)  # prepare-data checks a new config's; an edit skips it
     if problems:
         raise ConfigError([f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: {p}" for p in problems])
+    _refuse_unresumable_optimizer(cfg)
     record_config(cfg.output_dir)
     log.info("configure: accepted the edited %s", cfg.output_dir / RESOLVED_CONFIG_NAME)
 

@@ -50,7 +50,7 @@ def choose_start(
 
 def optimizer_label(cfg: RunConfig) -> str:
     """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
-    return f"adamw/{cfg.optimizer.rule}" if cfg.optimizer.name == "adamw" else cfg.optimizer.name
+    return cfg.optimizer.label
 
 
 def available_cores() -> int:
