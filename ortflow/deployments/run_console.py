@@ -1,10 +1,13 @@
-"""What a served flow run prints in ``ortflow serve``'s terminal: Prefect's lines without tracebacks, and a failed run
-as one line naming the run, the stage that failed, its error and where the full log is.
+"""What a flow run that Prefect started in a process of its own prints in its terminal (``ortflow serve``'s, a
+``prefect worker``'s): Prefect's lines without tracebacks, and a failed run as one line naming the run, the stage that
+failed, its error and where the full log is.
 
 ``ortflow serve``'s flow runs are processes of their own (``python -m prefect.engine``) that set up Prefect's logging
 from ``PREFECT_LOGGING_SETTINGS_PATH``; :func:`write_logging_config` writes Prefect's own logging config with the
-console handler's formatter and filter replaced by the two classes below. Only the console changes: the run's logs on
-the Prefect server (its UI, ``prefect flow-run logs ID``) keep every record with its traceback.
+console handler's formatter and filter replaced by the two classes below. A worker's flow runs (``prefect worker
+start``, whose environment ortflow does not set) get the same two from :func:`quiet_console`, which the flows' first
+hook calls as the run starts. Only the console changes: the run's logs on the Prefect server (its UI, ``prefect
+flow-run logs ID``) keep every record with its traceback.
 
 Each flow-run process imports this module while it sets up logging: it imports only what Prefect has loaded.
 """
@@ -12,7 +15,9 @@ Each flow-run process imports this module while it sets up logging: it imports o
 from __future__ import annotations
 
 import logging
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 #: Prefect's errors that the one line replaces (each carries the same exception, with a traceback).
@@ -74,11 +79,11 @@ class NoTraceback(logging.Formatter):
     """Prefect's console format without exception text or stack, and a record marked by :class:`ServedRunFailures`
     as its one line (the record itself is left untouched for the other handlers)."""
 
-    def __init__(self, *args: object, **kwargs: object):
+    def __init__(self, *args: object, inner: logging.Formatter | None = None, **kwargs: object):
         super().__init__()
         from prefect.logging.formatters import PrefectFormatter
 
-        self.inner = PrefectFormatter(*args, **kwargs)
+        self.inner = inner if inner is not None else PrefectFormatter(*args, **kwargs)
 
     def format(self, record: logging.LogRecord) -> str:
         line = getattr(record, "ortflow_line", None)
@@ -110,3 +115,24 @@ def write_logging_config(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def quiet_console(env: Mapping[str, str] = os.environ) -> bool:
+    """In a flow-run process that Prefect started (``PREFECT__FLOW_RUN_ID`` set: a worker's or a runner's), give
+    Prefect's console handler on the root logger :class:`NoTraceback` around its own formatter and the
+    :class:`ServedRunFailures` filter, once; returns whether it did. A flow called in this process (``ortflow run``)
+    keeps its terminal's own handling."""
+    if not env.get("PREFECT__FLOW_RUN_ID"):
+        return False
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    done = False
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, PrefectConsoleHandler):
+            continue
+        if not any(isinstance(f, ServedRunFailures) for f in handler.filters):
+            handler.addFilter(ServedRunFailures())
+        if not isinstance(handler.formatter, NoTraceback):
+            handler.setFormatter(NoTraceback(inner=handler.formatter or logging.Formatter()))
+        done = True
+    return done

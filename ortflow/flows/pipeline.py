@@ -13,10 +13,11 @@ from ortflow.config import RunConfig
 Stage = Literal["configure", "prepare_data", "train", "retain", "export"]
 
 
-#: Hooks: the process running the flow run is recorded (a vanished one is found later), and the events ortflow's
-#: automations react to go out (a run started, a run ended).
+#: Hooks: a worker's flow-run process prints a failed stage as one line (no traceback), the process running the flow
+#: run is recorded (a vanished one is found later), and the events ortflow's automations react to go out (a run
+#: started, a run ended).
 _ENDS = ("on_completion", "on_failure", "on_crashed", "on_cancellation")
-_ANNOUNCE = {"on_running": [tasks.record_process, tasks.announce_state],
+_ANNOUNCE = {"on_running": [tasks.quiet_console, tasks.record_process, tasks.announce_state],
              **{key: [tasks.announce_state] for key in _ENDS}}
 
 

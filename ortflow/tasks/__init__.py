@@ -3,7 +3,7 @@ export) with retries, persisted results and on-disk-aware cache keys (:mod:`ortf
 
 from ortflow.tasks.caching import STAGES, StageCache, invalidate, stage_key
 from ortflow.tasks.events import announce_state
-from ortflow.tasks.liveness import crash_vanished_runs, record_process
+from ortflow.tasks.liveness import crash_vanished_runs, quiet_console, record_process
 from ortflow.tasks.runs import (
     finish_version,
     plan_version,
@@ -38,6 +38,7 @@ __all__ = [
     "finish_version",
     "plan_version",
     "publish_skipped",
+    "quiet_console",
     "resolve_config",
     "run_folder_lock",
     "stage_options",

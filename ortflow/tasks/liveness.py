@@ -53,6 +53,15 @@ def pid_namespace() -> str:
 LABEL_WAIT_S = 10.0
 
 
+def quiet_console(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow-run hook (Running): in a process Prefect started for the run (a worker's), its terminal shows a failed
+    stage as one line and no traceback, as ``ortflow serve``'s does; the run's log on the server keeps the traceback
+    (:func:`ortflow.deployments.run_console.quiet_console`)."""
+    from ortflow.deployments.run_console import quiet_console as install
+
+    install()
+
+
 def record_process(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow-run hook (Running): label the flow run with the host, pid and pid start time of this process.
 
