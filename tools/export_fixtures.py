@@ -126,6 +126,16 @@ def export_dynamo(model: nn.Module, args: tuple, path: Path, input_names: list[s
     return [p.name for p in (path, path.with_name(path.name + ".data")) if p.exists()]
 
 
+def export_dynamo_alone(*args, **kwargs) -> list[str]:
+    """:func:`export_dynamo` in a process of its own. ``torch.export`` of an ``nn.LSTM`` or ``nn.GRU`` keeps state
+    in the process: a second export of the same model (a copy, or a new module with its state dict) finds the
+    sequence axis static (``tracing inferred a static shape of 8``) and fails."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(export_dynamo, args, kwargs)
+
+
 def torch_record(model: nn.Module, out: Path, family: str) -> None:
     """Write what torch calls the model's tensors (``<family>.torch.json``) and its state dict (safetensors)."""
     params = {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -149,12 +159,14 @@ def torch_record(model: nn.Module, out: Path, family: str) -> None:
 
 
 def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_names: list[str],
-                   output_names: list[str], dynamic_axes: dict, dynamo: bool = True, fresh: bool = False) -> dict:
+                   output_names: list[str], dynamic_axes: dict, dynamo: bool = True, fresh: bool = False,
+                   varargs: bool = True, alone: bool = False) -> dict:
     """TorchScript export, then (where asked) the dynamo exports with and without optimisation, of one model.
 
     With ``fresh``, the freshly initialised model (before ``perturb``) is also exported with the dynamo exporter's
     defaults, as a user who starts training from scratch exports it: its equal-valued initializers (norm weights,
-    zero biases) are what the exporter's optimisation merges.
+    zero biases) are what the exporter's optimisation merges. ``varargs`` as in :func:`export_dynamo`; with ``alone``, each dynamo export runs in a process of its own
+    (:func:`export_dynamo_alone`).
     """
     files = {}
     if fresh:
@@ -171,8 +183,9 @@ def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_
     files[f"{family}.onnx"] = "torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False)"
     if dynamo:
         for suffix, optimize in (("-dynamo", True), ("-dynamo-noopt", False)):
-            written = export_dynamo(model, args, out / f"{family}{suffix}.onnx", input_names, output_names,
-                                    dynamic_axes, optimize)
+            written = (export_dynamo_alone if alone else export_dynamo)(
+                model, args, out / f"{family}{suffix}.onnx", input_names, output_names, dynamic_axes, optimize,
+                varargs)
             for name in written:
                 files[name] = f"torch.onnx.export(dynamo=True, optimize={optimize})"
     return files
@@ -269,9 +282,34 @@ def cnn(out: Path) -> tuple[dict, dict]:
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.9, 1.1)
     files = both_exporters("cnn", model, (torch.randn(2, 1, 16, 16),), out, ["pixels"], ["logits"],
-                           {"pixels": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+                           {"pixels": {0: "batch"}, "logits": {0: "batch"}}, varargs=False)
     return {"layers": "Conv(1->8,3)+BN+ReLU, Conv(8->16,3,s2)+BN+ReLU, mean over H,W, Linear(16->10)",
             "inputs": {"pixels": "float [batch, 1, 16, 16]"}, "outputs": {"logits": "float [batch, 10]"}}, files
+
+
+class RNN(nn.Module):
+    """A recurrent classifier: token embedding, one LSTM layer, one GRU layer (batch first), a linear head on the
+    last step's state."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.lstm = nn.LSTM(16, 24, batch_first=True)
+        self.gru = nn.GRU(24, 24, batch_first=True)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, input_ids):
+        states, _ = self.lstm(self.embed(input_ids))
+        states, _ = self.gru(states)
+        return self.head(states[:, -1])
+
+
+def rnn(out: Path) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    files = both_exporters("rnn", RNN(), (torch.randint(0, 64, (2, 8)),), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}, varargs=False, alone=True)
+    return {"layers": "Embedding(64, 16), LSTM(16->24), GRU(24->24), batch first, Linear(24->5) on the last step",
+            "inputs": {"input_ids": "int64 [batch, seq]"}, "outputs": {"logits": "float [batch, 5]"}}, files
 
 
 def gpt2_sdpa(out: Path) -> tuple[dict, dict]:
@@ -329,7 +367,7 @@ def bnmlp(out: Path) -> tuple[dict, dict]:
 
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
-            "bnmlp": bnmlp}
+            "bnmlp": bnmlp, "rnn": rnn}
 
 
 def family_of(name: str) -> str:
