@@ -1,10 +1,10 @@
 """Export the small real models that tests train, with both of torch's exporters.
 
 Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), BERT classifier and ViT
-classifier, and a torch CNN with BatchNorm; and, exported as a user exports a model they train from scratch, a fresh
-tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with BatchNorm1d
-(``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual environment with the pinned
-torch and transformers; ortflow itself never imports torch.
+classifier, a torch CNN with BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported
+as a user exports a model they train from scratch, a fresh tiny GPT-2 with torch's ``scaled_dot_product_attention``
+(``gpt2-sdpa``) and a small MLP with BatchNorm1d (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a
+throwaway virtual environment with the pinned torch and transformers; ortflow itself never imports torch.
 
 Each model is exported the way a user exports theirs:
 
@@ -159,14 +159,14 @@ def torch_record(model: nn.Module, out: Path, family: str) -> None:
 
 
 def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_names: list[str],
-                   output_names: list[str], dynamic_axes: dict, dynamo: bool = True, fresh: bool = False,
-                   varargs: bool = True, alone: bool = False) -> dict:
-    """TorchScript export, then (where asked) the dynamo exports with and without optimisation, of one model.
+                   output_names: list[str], dynamic_axes: dict, fresh: bool = False, varargs: bool = True,
+                   alone: bool = False) -> dict:
+    """TorchScript export, then the dynamo exports with and without optimisation, of one model.
 
     With ``fresh``, the freshly initialised model (before ``perturb``) is also exported with the dynamo exporter's
     defaults, as a user who starts training from scratch exports it: its equal-valued initializers (norm weights,
-    zero biases) are what the exporter's optimisation merges. ``varargs`` as in :func:`export_dynamo`; with ``alone``, each dynamo export runs in a process of its own
-    (:func:`export_dynamo_alone`).
+    zero biases) are what the exporter's optimisation merges. ``varargs`` as in :func:`export_dynamo`; with ``alone``,
+    each dynamo export runs in a process of its own (:func:`export_dynamo_alone`).
     """
     files = {}
     if fresh:
@@ -181,13 +181,11 @@ def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_
     export(model, args, out / f"{family}.onnx", input_names, output_names, dynamic_axes)
     torch_record(model, out, family)
     files[f"{family}.onnx"] = "torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False)"
-    if dynamo:
-        for suffix, optimize in (("-dynamo", True), ("-dynamo-noopt", False)):
-            written = (export_dynamo_alone if alone else export_dynamo)(
-                model, args, out / f"{family}{suffix}.onnx", input_names, output_names, dynamic_axes, optimize,
-                varargs)
-            for name in written:
-                files[name] = f"torch.onnx.export(dynamo=True, optimize={optimize})"
+    for suffix, optimize in (("-dynamo", True), ("-dynamo-noopt", False)):
+        written = (export_dynamo_alone if alone else export_dynamo)(
+            model, args, out / f"{family}{suffix}.onnx", input_names, output_names, dynamic_axes, optimize, varargs)
+        for name in written:
+            files[name] = f"torch.onnx.export(dynamo=True, optimize={optimize})"
     return files
 
 

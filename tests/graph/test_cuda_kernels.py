@@ -84,6 +84,20 @@ def test_without_the_table_the_bf16_gpt2_would_need_a_missing_kernel():
     assert "Conv x2 for want of a bf16 type in the op's schema" in cnn.doc_string
 
 
+def test_autocast_keeps_the_recurrent_layers_fp32_and_says_why():
+    """The engine trains an LSTM or GRU node as com.microsoft LSTMTraining/LSTMGrad (GRUTraining/GRUGrad), kernels of
+    the CPU provider in float only: lowered to fp16 or bf16, the rank would find no kernel at all."""
+    for compute in (FLOAT16, BFLOAT16):
+        assert has_kernel("LSTM", "", 14, compute) is False and has_kernel("GRU", "", 14, compute) is False
+        for name in ("rnn.onnx", "rnn-dynamo-noopt.onnx"):
+            model = autocast(onnx.load(str(export_path(name))), compute)
+            assert "GRU x1, LSTM x1 for want of a" in model.doc_string, model.doc_string
+            types = element_types(model)
+            recurrent = [n for n in model.graph.node if n.op_type in ("LSTM", "GRU")]
+            assert len(recurrent) == 2 and all(types[x] == TensorProto.FLOAT for n in recurrent for x in n.input if x)
+            assert any(types[n.output[0]] == compute for n in model.graph.node if n.op_type == "Gemm")  # the head
+
+
 def test_bf16_autocast_keeps_pow_fp32_and_says_why():
     model = autocast(onnx.load(str(export_path("gpt2.onnx"))), BFLOAT16)
     assert "Pow x8 for want of a bf16 CUDA kernel" in model.doc_string

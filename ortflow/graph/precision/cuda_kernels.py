@@ -5,9 +5,9 @@ node whose (op, opset, element type) has no CUDA kernel falls back to the CPU pr
 for arithmetic either, and the rank stops with ``NOT_IMPLEMENTED: Could not find an implementation for Pow(15)``.
 ``configure`` cannot see this: the CPU build only builds the graph.
 
-:data:`KERNELS` records, for the operators ortflow meets in real exports (Hugging Face GPT-2 and BERT, torch CNNs,
-``ortflow.examples.gpt``) and in its own passes, which of fp16 and bf16 the CUDA execution provider registers a kernel
-for, per opset range. It follows the CUDA kernel registrations in the engine's source
+:data:`KERNELS` records, for the operators ortflow meets in real exports (Hugging Face GPT-2 and BERT, torch CNNs and
+recurrent layers, ``ortflow.examples.gpt``) and in its own passes, which of fp16 and bf16 the CUDA execution provider
+registers a kernel for, per opset range. It follows the CUDA kernel registrations in the engine's source
 (``onnxruntime/core/providers/cuda/cuda_execution_provider.cc``,
 ``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc``
 and each op's type constraints) and, where they disagree, what the installed GPU engine of release 1.19.2 does:
@@ -15,7 +15,8 @@ and each op's type constraints) and, where they disagree, what the installed GPU
 session per autocast fixture, and the failure the table prevents; where the two disagree, the engine is right and the
 test names the entry. In short: elementwise arithmetic, MatMul, Gemm, Softmax, LayerNormalization and the
 ``com.microsoft`` GELU kernels have both types; Pow and LogSoftmax have fp16 but no bf16; Conv and BatchNormalization
-have fp16 only (cuDNN paths), and so has Pad; SkipLayerNormalization (which the engine's own fusion makes out of Add +
+have fp16 only (cuDNN paths), and so has Pad; LSTM and GRU train in fp32 only (the engine's training kernels of
+both are the CPU provider's); SkipLayerNormalization (which the engine's own fusion makes out of Add +
 LayerNormalization) has fp16 only; data-movement ops (Reshape, Transpose, Gather, Concat, Slice, ...) take any
 fixed-size type.
 
@@ -91,6 +92,10 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     ("", "BatchNormalization"): (KernelRange(7, None, _FP16),),
     # Pad (the vocabulary padding of a tensor-parallel LM head, graph/tensor_parallel): float, double, fp16 and bool.
     ("", "Pad"): (KernelRange(2, None, _FP16),),
+    # Recurrent layers: the engine trains an LSTM or GRU node as com.microsoft LSTMTraining + LSTMGrad (GRUTraining +
+    # GRUGrad), which it registers for the CPU provider alone, in float: in fp16 or bf16 no provider has a kernel (the
+    # CUDA provider's fp16 LSTM and GRU serve inference only). Kept fp32, they run on the CPU beside the GPU's nodes.
+    **{("", op): _always(_NONE) for op in ("LSTM", "GRU")},
     # com.microsoft ops that ortflow's passes or the engine's fusions introduce.
     ("com.microsoft", "SkipLayerNormalization"): _always(_FP16),
     ("com.microsoft", "FastGelu"): _always(_BOTH),
