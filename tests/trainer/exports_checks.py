@@ -13,7 +13,16 @@ import numpy as np
 from ortflow.checkpoints.h5state import read_params
 from tests.support.parallel_runs import losses, newest
 from tests.support.runs import copied_run, run_ranks_together, start_ranks
-from tests.trainer.exports_runs import SEQ, UPDATES, assert_export_equals_eval_graph, bert_run, gpt2_run, vit_run
+from tests.trainer.exports_runs import (
+    RNN_VOCAB,
+    SEQ,
+    UPDATES,
+    assert_export_equals_eval_graph,
+    bert_run,
+    gpt2_run,
+    rnn_run,
+    vit_run,
+)
 
 # Every layout computes the same ops on the same batch; what differs is where fp32 sums are grouped (a tied table's
 # two uses summed per stage then across, per-rank partial products all-reduced, and the gradient graph a stage's
@@ -74,7 +83,7 @@ EVAL_ROWS = 4
 def export_run(root, name, export, **sections):
     """A run of any committed export (TorchScript or dynamo) on its family's data, evaluated on its first
     :data:`EVAL_ROWS` eval rows."""
-    run = {"bert": bert_run, "vit": vit_run}.get(family(export), gpt2_run)
+    run = {"bert": bert_run, "vit": vit_run, "rnn": rnn_run}.get(family(export), gpt2_run)
     return run(root, name, export=export, **{**sections, "train": {"max_eval_rows": EVAL_ROWS,
                                                                   **sections.get("train", {})}})
 
@@ -156,7 +165,8 @@ def assert_exports_one_model(cfg):
     out = cfg.output_dir / "exported.onnx"
     result = export_model(cfg.output_dir, out, config=cfg)
     assert max(result.verification.max_abs_diff.values()) <= 1e-5
-    ids = np.random.default_rng(0).integers(0, 512, (3, SEQ))  # a batch size no run used
+    vocab = RNN_VOCAB if family(cfg.model.path.name) == "rnn" else 512
+    ids = np.random.default_rng(0).integers(0, vocab, (3, SEQ))  # a batch size (and for the rnn a length) no run used
     assert_export_equals_eval_graph(cfg, out, read_params(newest(cfg)), {"input_ids": ids})
 
 
@@ -280,21 +290,24 @@ def assert_trains_as_its_torchscript_twin(references: dict, reference: Reference
 
 def _assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict) -> None:
     """``ortflow export RUN --state-dict`` writes every torch state-dict key (tied names too) with its torch shape and
-    the trained values, under the Hugging Face model's own names (the fixtures' wrapper prefix ``model.`` stripped)."""
+    the trained values, under the Hugging Face model's own names (the fixtures' wrapper prefix ``model.`` stripped; a
+    torch model's keys have none)."""
     from safetensors.numpy import load_file
     from typer.testing import CliRunner
 
     from ortflow.cli import app
 
     out = cfg.output_dir / "weights.safetensors"
+    prefix = "model." if all(k.startswith("model.") for k in record["state_dict"]) else ""  # the torch models: none
+    strip = ["--strip-prefix", prefix] if prefix else []
     result = CliRunner().invoke(app, ["export", str(cfg.output_dir), "--state-dict", str(out), "--checkpoint",
-                                      "latest", "--strip-prefix", "model."])
+                                      "latest", *strip])
     assert result.exit_code == 0, result.output
     written = load_file(str(out))
-    assert sorted(written) == sorted(k.removeprefix("model.") for k in record["state_dict"])
+    assert sorted(written) == sorted(k.removeprefix(prefix) for k in record["state_dict"])
     tied = {alias: name for name, alias in record["tied"]}
     for key, shape in record["state_dict"].items():
-        value = written[key.removeprefix("model.")]
+        value = written[key.removeprefix(prefix)]
         assert list(value.shape) == shape, key
         np.testing.assert_array_equal(value, trained[tied.get(key, key)], err_msg=key)
 

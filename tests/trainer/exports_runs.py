@@ -1,5 +1,6 @@
-"""Runs on the committed real exports (tests/fixtures/exports): the Hugging Face GPT-2 and BERT, configured and
-sharded under a test folder, and their final parameters whatever the layout."""
+"""Runs on the committed real exports (tests/fixtures/exports): the Hugging Face GPT-2, Llama, BERT and ViT and the
+torch LSTM + GRU classifier, configured and sharded under a test folder, and their final parameters whatever the
+layout."""
 
 from __future__ import annotations
 
@@ -68,6 +69,29 @@ def vit_run(root: Path, name: str, export: str = "vit.onnx", **sections):
     return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)
 
 
+#: The LSTM + GRU classifier's vocabulary and classes (tools/export_fixtures.py, ``rnn``).
+RNN_VOCAB, RNN_CLASSES = 64, 5
+
+
+def rnn_data(root: Path, num_rows: int = 160, seq: int = 16) -> Path:
+    """Token rows for the LSTM + GRU classifier, labelled by the sum of their tokens (its 5 classes)."""
+    import numpy as np
+
+    path = root / "rnn.npz"
+    if not path.exists():
+        ids = np.random.default_rng(0).integers(0, RNN_VOCAB, (num_rows, seq))
+        np.savez(path, input_ids=ids.astype(np.int64), labels=(ids.sum(axis=1) % RNN_CLASSES).astype(np.int64))
+    return path
+
+
+def rnn_run(root: Path, name: str, export: str = "rnn.onnx", **sections):
+    """A run of the torch LSTM + GRU classifier export (TorchScript by default), unmodified (input_ids, 5 classes)."""
+    data = {"train": [str(rnn_data(root))], "eval_fraction": 0.1}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)
+
+
 def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: dict, output: str = "logits") -> None:
     """The exported model's ``output`` equals, bit for bit, the unsplit eval graph's fed with ``params`` and ``feeds``
     (the labels the eval graph also reads are zeros of the shape it declares: they do not change the output)."""
@@ -82,17 +106,22 @@ def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: di
     eval_proto = decompose_gelu(onnx.load(str(cfg.artifacts_dir / "eval_model.onnx")))
     eval_proto.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
     first = next(iter(feeds.values()))
+    dims = {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in eval_proto.graph.input}
     all_feeds = {}
     for value in eval_proto.graph.input:
         if value.name in params:
             all_feeds[value.name] = params[value.name]
         elif value.name in feeds:
             all_feeds[value.name] = feeds[value.name]
-        elif value.name == cfg.model.label_input:
-            rank = len(value.type.tensor_type.shape.dim)
-            all_feeds[value.name] = np.zeros(first.shape[:rank] if rank == first.ndim else first.size, np.int64)
+        elif value.name == cfg.model.label_input:  # a label per row (a classifier's), per token, or flattened tokens
+            rank, per_row = len(dims[value.name]), dims[value.name][:1] == dims[next(iter(feeds))][:1] != [""]
+            all_feeds[value.name] = np.zeros(first.shape[:rank] if rank == first.ndim or per_row else first.size,
+                                             np.int64)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # fusions at ALL round differently
+    # One thread: on two, the engine's CPU LSTM and GRU round the eval graph's and the exported model's logits apart by
+    # 1.5e-8 (each deterministic; the two graphs differ only in data movement: the training graph's GatherND embedding)
+    options.intra_op_num_threads = 1
     reference = ort.InferenceSession(eval_proto.SerializeToString(), options).run([output], all_feeds)[0]
     got = ort.InferenceSession(str(exported), options).run([output], feeds)[0]
     np.testing.assert_array_equal(got, reference)

@@ -2,7 +2,7 @@
 (tests/support/exports.py, ``PATTERN_NAMES``), trained on one rank: a fresh tiny GPT-2 with sdpa attention from
 TorchScript (equal-valued initializers merged) and from dynamo with ``optimize=False`` (the attention's ``CastLike``),
 and an MLP with BatchNorm1d from dynamo with ``optimize=False`` (trained) and with its defaults (refused: the BatchNorm
-folded into the Linear before it)."""
+folded into the Linear before it, as the CNN's BatchNorms are into its convolutions)."""
 
 from __future__ import annotations
 
@@ -122,24 +122,34 @@ def test_torchscript_merged_parameters_train_apart_as_in_torch(runs):
         losses(runs["gpt2-sdpa-dynamo-noopt.onnx"][1].stdout), rel=1e-5)
 
 
-def test_folded_batchnorm_export_is_refused_at_validate_and_configure(tmp_path):
-    """The dynamo exporter's default optimisation folded the eval-mode BatchNorm into fc1's Gemm: validate reports it
-    as one problem naming the BatchNorm and ``optimize=False``, and configure refuses it before building anything."""
+#: The dynamo exports whose default optimisation folded eval-mode BatchNorms into the layer before them: the feature
+#: the model reads, its shape, and what validate names.
+FOLDED = {"bnmlp-dynamo.onnx": ("features", (8,), ["BatchNorm 'bn' was folded into the Gemm"]),
+          "cnn-dynamo.onnx": ("pixels", (1, 16, 16), [f"BatchNorm 'features.{k}' was folded into the Conv"
+                                                      for k in (1, 4)])}
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED))
+def test_folded_batchnorm_export_is_refused_at_validate_and_configure(tmp_path, name):
+    """The dynamo exporter's default optimisation folded the eval-mode BatchNorms into the Gemm or Conv before them:
+    validate reports it as one problem naming each BatchNorm and ``optimize=False``, and configure refuses it before
+    building anything."""
     import yaml
 
     from ortflow.config import ConfigError, config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.validate import validate
 
-    np.savez(tmp_path / "data.npz", features=np.ones((64, 8), np.float32), labels=np.zeros(64, np.int64))
+    feature, shape, folded = FOLDED[name]
+    np.savez(tmp_path / "data.npz", **{feature: np.ones((64, *shape), np.float32)}, labels=np.zeros(64, np.int64))
     raw = {"name": "folded", "output_dir": str(tmp_path / "run"),
-           "model": {"path": str(export_path("bnmlp-dynamo.onnx"))}, "data": {"train": [str(tmp_path / "data.npz")]},
+           "model": {"path": str(export_path(name))}, "data": {"train": [str(tmp_path / "data.npz")]},
            "train": {"batch_size": 4, "num_train_steps": 2}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
     (problem,) = validate(tmp_path / "run.yaml")
-    assert "BatchNorm 'bn' was folded into the Gemm" in problem and "optimize=False" in problem
+    assert all(what in problem for what in folded) and "optimize=False" in problem, problem
     assert "\n" not in problem
-    with pytest.raises(ConfigError, match="BatchNorm 'bn' was folded") as err:
+    with pytest.raises(ConfigError, match=folded[0]) as err:
         configure(config_from_dict(raw))
     assert "optimize=False" in str(err.value)
     assert not (tmp_path / "run" / "artifacts").exists()

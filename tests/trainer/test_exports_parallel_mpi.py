@@ -1,7 +1,7 @@
-"""Pipeline and tensor parallelism on the real GPT-2, BERT and ViT exports (tests/fixtures/exports), trained
-unmodified under mpiexec: each layout ends where the unsplit run on the same global batch ends (one unsplit run per
-export, the ``export_dp`` fixture), and tensor pieces compute the unsplit model's gradients. The Llama exports' layouts
-are test_llama_parallel_mpi.py's; what both files assert is tests/trainer/exports_checks.py."""
+"""Pipeline and tensor parallelism on the real GPT-2, BERT, ViT and LSTM + GRU exports (tests/fixtures/exports),
+trained unmodified under mpiexec: each layout ends where the unsplit run on the same global batch ends (one unsplit run
+per export, the ``export_dp`` fixture), and tensor pieces compute the unsplit model's gradients. The Llama exports'
+layouts are test_llama_parallel_mpi.py's; what both files assert is tests/trainer/exports_checks.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from ortflow.checkpoints.h5state import read_params
 from tests.trainer.exports_checks import (
     ATOL,
     TP_ATOL,
@@ -38,6 +39,7 @@ LAYOUTS = {
     "gpt2.onnx": {"pp2-0": (2, 1), "pp1tp2": (1, 2),
                   "pp2tp2": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}})},
     "bert.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
+    "rnn.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2)},
 }
 
 
@@ -87,6 +89,22 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp
             assert any(f"'{prefix}.attention.self.query.weight', '{prefix}.attention.self.key.weight'" in line
                        and f"rows ['{prefix}.attention.output.dense.weight']" in line for line in split), split
             assert any(f"columns ['{prefix}.intermediate.dense.weight']" in line for line in split), split
+    assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL if tp > 1 else ATOL)
+
+
+@pytest.mark.parametrize("export_dp", ["rnn.onnx"], indirect=True)
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)], ids=["pp2", "tp2"])
+def test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
+    """The LSTM + GRU classifier cut between its LSTM and its GRU, and in tensor pieces: the embedding table split by
+    vocabulary, the recurrent layers replicated (no tensor-parallel split of their own)."""
+    run = _layout(export_dp, f"pp{pp}tp{tp}")
+    cfg = run.cfg
+    if pp > 1:
+        assert json.loads((cfg.output_dir / "configure.json").read_text())["pipeline_cuts"] == ["/lstm/LSTM_output_0"]
+    if tp > 1:
+        split = split_lines(cfg, 1)
+        assert any("vocabulary split of ['embed.weight']" in line for line in split), split
+        assert not any("lstm." in line or "gru." in line for line in split if line.startswith("region")), split
     assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL if tp > 1 else ATOL)
 
 
@@ -140,7 +158,7 @@ def test_tensor_pieces_compute_every_parameters_unsplit_gradient(export_dp):
 DYNAMO = ("gpt2-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "bert-dynamo.onnx")
 # The other dynamo fixtures that configure (gpt2-fresh-dynamo is refused before training: tests/test_fixture_exports.py)
 # train at dp 2 only: their families' layouts are covered above, and ViT's split is BERT's.
-DYNAMO_DP_ONLY = ("bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx")
+DYNAMO_DP_ONLY = ("bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx", "rnn-dynamo-noopt.onnx")
 
 
 @pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
@@ -154,7 +172,7 @@ def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_o
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", ["gpt2-dynamo-noopt.onnx"], indirect=True)
+@pytest.mark.parametrize("export_dp", ["gpt2-dynamo-noopt.onnx", "rnn-dynamo-noopt.onnx"], indirect=True)
 def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
                                                                                 export_dp2):
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
@@ -167,3 +185,22 @@ def test_dynamo_export_trains_with_zero1_and_adasum(export_dp, export_dp2):
     """The default (optimize=True) exports on 2 ranks, both on the torch parameters: ZeRO-1 ends where plain data
     parallelism does; Adasum trains as it does."""
     assert_trains_with_zero1_and_adasum(export_dp, export_dp2)
+
+
+def test_a_killed_rnn_run_on_two_ranks_resumes_bitwise(tmp_path):
+    """The LSTM + GRU classifier (the dynamo export, optimize=False) on 2 ranks, killed between checkpoints and
+    resumed, ends with the parameters of an uninterrupted run, bit for bit."""
+    from ortflow.checkpoints import list_complete
+    from tests.support.runs import kill_and_resume
+    from tests.trainer.exports_runs import rnn_run
+
+    settings = dict(export="rnn-dynamo-noopt.onnx", distributed={"num_ranks": 2},
+                    train={"num_train_steps": 80, "gradient_accumulation_steps": 1, "evaluation_period": 0},
+                    checkpoint={"period": 10, "max_num_checkpoints": 2})
+    steady, killed = rnn_run(tmp_path, "steady", **settings), rnn_run(tmp_path, "killed", **settings)
+    kill_and_resume(killed, min_step=30, end_step=80, timeout=300, beside=steady)
+    a = read_params(list_complete(steady.checkpoints_dir)[-1].path)
+    b = read_params(list_complete(killed.checkpoints_dir)[-1].path)
+    assert sorted(a) == sorted(b) and "lstm.weight_hh_l0" in a
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
