@@ -1,8 +1,9 @@
 """The committed exports that pin what torch's exporters write where ortflow rewrites or refuses it
 (tests/support/exports.py, ``PATTERN_NAMES``), trained on one rank: a fresh tiny GPT-2 with sdpa attention from
 TorchScript (equal-valued initializers merged) and from dynamo with ``optimize=False`` (the attention's ``CastLike``),
-and an MLP with BatchNorm1d from dynamo with ``optimize=False`` (trained) and with its defaults (refused: the BatchNorm
-folded into the Linear before it, as the CNN's BatchNorms are into its convolutions)."""
+the CNN from both exporters (BatchNorms kept with ``optimize=False``), and an MLP with BatchNorm1d from dynamo with
+``optimize=False`` (trained) and with its defaults (refused: the BatchNorm folded into the Linear before it, as the
+CNN's BatchNorms are into its convolutions)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,19 @@ from tests.trainer.exports_runs import gpt2_run
 
 #: The exports trained here, by file name, and the torch family whose record they are checked against.
 TRAINED = {"gpt2-sdpa.onnx": "gpt2-sdpa", "gpt2-sdpa-dynamo-noopt.onnx": "gpt2-sdpa",
-           "bnmlp-dynamo-noopt.onnx": "bnmlp"}
+           "bnmlp-dynamo-noopt.onnx": "bnmlp", "cnn.onnx": "cnn", "cnn-dynamo-noopt.onnx": "cnn"}
 #: Updates each run trains (one micro-batch each); lr 1e-3 moves a weight by up to ~1e-3 per update.
 UPDATES = 4
+
+
+def _pixels(root):
+    """Random 16x16 images with 10 classes for the CNN."""
+    path = root / "pixels.npz"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        pixels = rng.normal(size=(64, 1, 16, 16)).astype(np.float32)
+        np.savez(path, pixels=pixels, labels=rng.integers(0, 10, 64))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +48,9 @@ def runs(tmp_path_factory):
         stem = name.removesuffix(".onnx")
         if name.startswith("gpt2"):
             cfgs[name] = gpt2_run(root, stem, export=name, train=one_rank)
+        elif name.startswith("cnn"):
+            cfgs[name] = make_run(root, stem, model=export_path(name), data={"train": [str(_pixels(root))]},
+                                  train=one_rank)
         else:
             cfgs[name] = make_run(root, stem, model=export_path(name), train=one_rank)
     outs = run_ranks_together(*cfgs.values())
@@ -84,6 +98,21 @@ def test_pattern_export_validates_trains_and_writes_the_torch_state_dict(runs, n
         np.testing.assert_array_equal(written["model.lm_head.weight"], written["model.transformer.wte.weight"])
     if name.startswith("bnmlp"):  # the running statistics the engine updated, as the checkpoint holds them
         assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= set(written)
+    if name.startswith("cnn"):
+        assert {f"features.{k}.{s}" for k in (1, 4) for s in ("running_mean", "running_var", "num_batches_tracked")} \
+            <= set(written)
+
+
+def test_cnn_dynamo_noopt_export_trains_as_its_torchscript_twin(runs):
+    """The CNN's dynamo export with optimize=False and its TorchScript export, trained alike on one rank, end with the
+    same weights and running statistics, and the same losses."""
+    script = read_params(newest(runs["cnn.onnx"][0]))
+    dynamo = read_params(newest(runs["cnn-dynamo-noopt.onnx"][0]))
+    assert sorted(script) == sorted(dynamo) and sum("running_var" in n for n in script) == 2
+    for name, value in script.items():
+        np.testing.assert_allclose(value, dynamo[name], rtol=0, atol=EXPORTER_ATOL, err_msg=name)
+    assert losses(runs["cnn.onnx"][1].stdout) == pytest.approx(losses(runs["cnn-dynamo-noopt.onnx"][1].stdout),
+                                                               rel=1e-5)
 
 
 def test_sdpa_castlike_is_trained_as_cast(runs):
