@@ -68,6 +68,18 @@ def test_dropped_parameters_are_refused_with_the_export_call_that_keeps_them():
     assert NO_OPTIMIZE in str(err.value)
 
 
+def test_recurrent_weights_computed_into_gate_order_are_refused_naming_each_layer():
+    """The default optimisation computes the LSTM's and GRU's weights in the ONNX ops' gate order into new constants:
+    one problem per layer, naming the module, the constants and the torch parameters left without a tensor."""
+    with pytest.raises(GraphError) as err:
+        torch_parameters(onnx.load(str(export_path("rnn-dynamo.onnx"))))
+    message = str(err.value)
+    for op, module in (("LSTM", "lstm"), ("GRU", "gru")):
+        assert f"{op} '{module}' reads its weights as constants the optimiser computed in the ONNX gate" in message
+        assert all(f"'{module}.{p}_l0'" in message for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+    assert "merged or dropped" not in message and NO_OPTIMIZE in message
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_torchscript_exports_are_left_as_they_are(name):
     assert torch_parameters(onnx.load(str(export_path(name)), load_external_data=False)) is None

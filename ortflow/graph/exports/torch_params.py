@@ -225,8 +225,10 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
             holders[torch_name].append((tensor.name, node, pos, reader.transposed(node, pos)))
     referenced = {reader.names.get(p) for n in out.graph.node for p in _placeholders(n)} - {None}
     missing = sorted(referenced - set(holders))
-    problems = _folded_batchnorms(out.graph) + unknown
-    problems += [f"parameter '{name}' has no tensor in the export (merged or dropped)" for name in missing]
+    recurrent, computed = _computed_recurrent_weights(out.graph, reader, set(missing))
+    problems = _folded_batchnorms(out.graph) + recurrent + unknown
+    problems += [f"parameter '{name}' has no tensor in the export (merged or dropped)" for name in missing
+                 if name not in computed]
     if problems:
         raise GraphError(
             "model.path: the dynamo exporter's optimisation merged, dropped or folded torch parameters, so training "
@@ -259,6 +261,26 @@ def _folded_batchnorms(graph: onnx.GraphProto) -> list[str]:
                          f"({', '.join(repr(i) for i in node.input[1:] if i)}), so its weight, bias and running "
                          "statistics have no tensors of their own")
     return found
+
+
+def _computed_recurrent_weights(graph: onnx.GraphProto, reader: _Reader,
+                                missing: set[str]) -> tuple[list[str], set[str]]:
+    """One line per LSTM, GRU or RNN node whose torch weights have no tensor: the optimiser computed them, put into
+    the ONNX op's gate order, into new constants the node reads. Returns the lines and the parameters they name."""
+    found, named = [], set()
+    for node in graph.node:
+        if node.op_type not in ("LSTM", "GRU", "RNN"):
+            continue
+        lost = [name for name in (reader.names.get(p) for p in _placeholders(node)) if name in missing]
+        if not lost:
+            continue
+        scopes = [s for s in _scopes(node) if s]
+        module = scopes[-2] if len(scopes) > 1 else (scopes[0] if scopes else node.name)
+        found.append(f"{node.op_type} '{module}' reads its weights as constants the optimiser computed in the ONNX "
+                     f"gate order ({', '.join(repr(i) for i in node.input[1:4] if i)}), so "
+                     f"{', '.join(repr(n) for n in lost)} have no tensors of their own")
+        named.update(lost)
+    return found, named
 
 
 def _rewrite(model: onnx.ModelProto, holders: dict) -> tuple[dict[str, dict], list[str]]:
