@@ -21,7 +21,8 @@ with BatchNorm1d (``bnmlp``) is exported by dynamo only: with its defaults (``bn
 the eval-mode BatchNorm into the Linear before it) and with ``optimize=False`` (``bnmlp-dynamo-noopt.onnx``).
 
 Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
-shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from.
+shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from;
+for the CNN and the recurrent classifier, ``<family>.grads.safetensors`` holds a batch and torch's gradients on it.
 Weights come from a fixed seed, and the dynamo exports' metadata is stripped of what names the exporting environment
 (:func:`reproducible`), so a re-export with the same versions writes the same files byte for byte.
 
@@ -189,6 +190,26 @@ def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_
     return files
 
 
+def torch_gradients(model: nn.Module, out: Path, family: str, inputs: dict[str, torch.Tensor],
+                    labels: torch.Tensor) -> dict:
+    """Write ``<family>.grads.safetensors``: a batch (``input.<name>``, ``labels``) and torch's gradient of the mean
+    cross-entropy of the model in training mode on it (``grad.<parameter>``, BatchNorm with batch statistics), from
+    the state dict the exports were made from; the model is left in eval mode with its state unchanged."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    model.zero_grad()
+    nn.functional.cross_entropy(model(*inputs.values()), labels).backward()
+    tensors = {f"input.{k}": v.contiguous() for k, v in inputs.items()}
+    tensors["labels"] = labels.contiguous()
+    tensors.update({f"grad.{n}": p.grad.detach().contiguous().clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    model.load_state_dict(state)  # the running statistics the training-mode forward moved
+    model.eval()
+    safetensors.torch.save_file(tensors, str(out / f"{family}.grads.safetensors"))
+    return {f"{family}.grads.safetensors": "a batch and torch's gradients of the mean cross-entropy on it "
+                                           "(training mode), from the exported state dict"}
+
+
 class LogitsOnly(nn.Module):
     """Returns the logits tensor alone (Hugging Face models return tuples)."""
 
@@ -281,6 +302,8 @@ def cnn(out: Path) -> tuple[dict, dict]:
                 m.running_var.uniform_(0.9, 1.1)
     files = both_exporters("cnn", model, (torch.randn(2, 1, 16, 16),), out, ["pixels"], ["logits"],
                            {"pixels": {0: "batch"}, "logits": {0: "batch"}}, varargs=False)
+    files.update(torch_gradients(model, out, "cnn", {"pixels": torch.randn(8, 1, 16, 16)},
+                                 torch.randint(0, 10, (8,))))
     return {"layers": "Conv(1->8,3)+BN+ReLU, Conv(8->16,3,s2)+BN+ReLU, mean over H,W, Linear(16->10)",
             "inputs": {"pixels": "float [batch, 1, 16, 16]"}, "outputs": {"logits": "float [batch, 10]"}}, files
 
@@ -304,8 +327,11 @@ class RNN(nn.Module):
 
 def rnn(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
-    files = both_exporters("rnn", RNN(), (torch.randint(0, 64, (2, 8)),), out, ["input_ids"], ["logits"],
+    model = RNN()
+    files = both_exporters("rnn", model, (torch.randint(0, 64, (2, 8)),), out, ["input_ids"], ["logits"],
                            {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}, varargs=False, alone=True)
+    files.update(torch_gradients(model, out, "rnn", {"input_ids": torch.randint(0, 64, (8, 12))},
+                                 torch.randint(0, 5, (8,))))
     return {"layers": "Embedding(64, 16), LSTM(16->24), GRU(24->24), batch first, Linear(24->5) on the last step",
             "inputs": {"input_ids": "int64 [batch, seq]"}, "outputs": {"logits": "float [batch, 5]"}}, files
 
