@@ -273,6 +273,8 @@ def assert_trains_as_its_torchscript_twin(references: dict, reference: Reference
     info = json.loads((reference.cfg.output_dir / "configure.json").read_text())
     assert sorted(info["trainable"]) == sorted(record["parameters"])
     assert set(record["buffers"]).isdisjoint(info["trainable"])
+    # Both runs ended (the TorchScript one starts here when no earlier test of this process asked for it).
+    assert script_ref.out and reference.out
     script, dynamo = read_params(newest(script_ref.cfg)), read_params(newest(reference.cfg))
     trained = {n: v for n, v in dynamo.items() if n in record["parameters"]}
     assert sorted(trained) == sorted(record["parameters"])
