@@ -503,7 +503,7 @@ def test_a_whole_stage_on_the_device_path_calls_its_module_on_device_tensors():
 
 def test_communicators_are_destroyed_in_the_order_they_were_made_from_the_closing_ones_on(monkeypatch):
     """NCCL's destroy waits for the communicator's other ranks: two stages whose pipeline links the garbage collector
-    destroyed in opposite orders at exit both waited forever. close() destroys its communicator and every one made
+    destroys in opposite orders at exit both wait forever. close() destroys its communicator and every one made
     after it (sub-groups, pipeline links) in the order they were made, which is the same on every rank."""
     from ortflow.trainer.comm import nccl as nccl_module
 

@@ -231,16 +231,16 @@ class DevicePipe:
     The schedule calls it as it calls the process group (:mod:`ortflow.trainer.parallel.schedule`), with the same host
     semantics: :meth:`send` queues and returns; :meth:`recv` returns once the tensor has arrived (the host waits under
     the watchdog as for a point-to-point message, so a stalled peer is named); :meth:`wait_sends` waits for every
-    queued send. A message's header (shape, type) goes over the process group first, so the receiver allocates the
-    device tensor the payload lands in.
+    queued send. A message's header (shape, type) goes over the process group first, so the receiver has a device
+    tensor of that shape and type for the payload to land in.
 
     Ordering on the GPU: a send's stream waits for an event of the rank's engine stream (a kept call's outputs are
     written there), then sends; a host array or a training module's host output becomes a device tensor through the
     engine's binding, whose copy has completed when it returns (a copy and a wait on the legacy default stream), so
     the NCCL streams never wait for the legacy stream (which waits for every blocking stream of the device). A
-    receive's stream waits for an event of the engine stream before NCCL writes into its tensor (a new one, or a
-    :meth:`recycle` d one that queued engine work may still read). A sent tensor is held until its
-    send stream has passed it: dropped once its event is done, else at :meth:`wait_sends`, which synchronizes the
+    receive's stream waits for an event of the engine stream before NCCL writes into its tensor (a new one, or one
+    handed back by :meth:`recycle`, which queued engine work may still read). A sent tensor is held until its send
+    stream has passed it: dropped once its event is done, else at :meth:`wait_sends`, which synchronizes the
     send streams and then the engine stream (the step's queued engine work: before the exchange and before any other
     session's call).
 
@@ -306,8 +306,8 @@ class DevicePipe:
         self.sent, self.sent_bytes = self.sent + 1, self.sent_bytes + nbytes
 
     def recv(self, source: int, tag: int, label: str):
-        """The next tensor stage ``source`` sent, in a new device tensor; returns once it has arrived (the host waits
-        under the watchdog)."""
+        """The next tensor stage ``source`` sent, in a device tensor (one of its shape and type handed back by
+        :meth:`recycle`, else a new one); returns once it has arrived (the host waits under the watchdog)."""
         link = self._link(self._receives, source, "receive from")
         shape, data_type = self.group.recv_object(source, tag, label)
         kind = P2P_TYPES[data_type]
@@ -370,8 +370,8 @@ def _join(nccl, size: int, uid, rank: int):
 def destroy_communicators(first: int = 0) -> None:
     """Destroy the communicators made from the ``first``-th on, in the order they were made. A rank's communicators
     left to the garbage collector at exit go in no set order, and NCCL's destroy waits for the communicator's other
-    ranks: two stages that destroyed their two pipeline links in opposite orders waited on each other forever. Every
-    rank made its communicators in one order (each join waits for its members, so that order has no cycle); destroying
+    ranks: two stages that destroy their two pipeline links in opposite orders wait on each other forever. Every rank
+    makes its communicators in one order (each join waits for its members, so that order has no cycle); destroying
     them in it has none either."""
     made = _COMMUNICATORS[first:]
     del _COMMUNICATORS[first:]

@@ -7,10 +7,10 @@ their gradients, and the sums of both over the tensor-parallel group.
   once, every engine call takes and returns device tensors, and a sum all-gathers the parts with NCCL and adds them in
   rank order on the GPU (:meth:`~ortflow.trainer.comm.nccl.NCCLComm.tensor_sum`). Nothing crosses to the host within a
   micro-batch except the loss; a pipeline x tensor-parallel stage hands what crosses its cut to the pipeline as host
-arrays (a stage of one engine module on a CUDA rank with NCCL calls its module through a DeviceTensors too, and its
-messages stay device tensors: :class:`~ortflow.trainer.comm.nccl.DevicePipe`). The rank's
-  engine stream (:class:`~ortflow.trainer.comm.nccl.EngineStream`, where the pieces that keep their activations run
-  their calls) orders the work: the adds and scalings are queued on it, a sum's NCCL stream waits for it and it for
+  arrays (a stage of one engine module on a CUDA rank with NCCL calls its module through a DeviceTensors too, and its
+  messages stay device tensors: :class:`~ortflow.trainer.comm.nccl.DevicePipe`). The rank's engine stream
+  (:class:`~ortflow.trainer.comm.nccl.EngineStream`, where the pieces that keep their activations run their calls)
+  orders the work: the adds and scalings are queued on it, a sum's NCCL stream waits for it and it for
   the sum, all on the GPU; the host waits for it (under the watchdog) before a training module's call (another
   stream, and the arena the sessions share), before it reads or copies in a tensor, and once after each backward.
 
@@ -90,8 +90,8 @@ class DeviceTensors:
     """CUDA ranks: the engine's device tensors (see the module docstring).
 
     Args:
-        comm: The tensor-parallel group's NCCLComm (its stream and device).
-        engine: The rank's engine stream (None: every step waits on the host, as before the engine had a stream).
+        comm: The NCCLComm of the tensor-parallel group, or of the pipeline for a whole stage (its stream and device).
+        engine: The rank's engine stream (None: every step waits on the host).
         label: What the host waits for in :meth:`settle` (a stall report names it).
         collective: Whether every rank of ``comm`` settles alike (a tensor-parallel group: the wait counts among its
             collectives), or not (a pipeline stage: a point-to-point wait for the watchdog).

@@ -113,7 +113,8 @@ class KeptActivations:
 
     def forward(self, feeds: dict) -> list:
         """The forward pass of one training micro-batch; returns the sent tensors (in ``sends`` order: host arrays,
-        or device tensors of a piece on a GPU) and keeps its activations until :meth:`backward`."""
+        or device tensors of a piece or a stage whose messages go over NCCL) and keeps its activations until
+        :meth:`backward`."""
         if self._stream is not None:
             return self._device_forward(feeds)
         arrays = {name: np.ascontiguousarray(feeds[name]) for name in self.engine.feed_names
@@ -153,7 +154,8 @@ class KeptActivations:
     def backward(self, grads: list) -> list:
         """The backward pass of the oldest micro-batch in flight, fed the gradients of its sent tensors (``sends``
         order); its parameter gradients are summed into the gradient buffers; returns the gradients of the received
-        tensors (``receives`` order; host arrays, or device tensors of a piece on a GPU)."""
+        tensors (``receives`` order; host arrays, or device tensors of a piece or a stage whose messages go over
+        NCCL)."""
         if not self._in_flight:
             raise RuntimeError("a pipeline stage's backward pass came before any forward pass it could belong to")
         state, _tensors, _arrays = self._in_flight.popleft()

@@ -123,7 +123,8 @@ class PipelineStage:
             self._timing.append((time.perf_counter() - self._update_started, self._compute_s))
 
     def finish(self) -> None:
-        """Log this rank's median update time, the idle share of it, and the activations it kept."""
+        """Log this rank's median update time, the idle share of it, its messages over NCCL (a device pipe's) and the
+        activations it kept."""
         log_stage_timing(self, self._timing)
         pipe = self.device_pipe
         if pipe is not None:
@@ -134,4 +135,3 @@ class PipelineStage:
         if most is not None:
             log.info("rank %d stage %d kept the activations of at most %d micro-batch%s at once", self.comm.rank,
                      self.stage, most, "" if most == 1 else "es")
-

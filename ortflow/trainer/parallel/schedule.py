@@ -52,7 +52,8 @@ class StepStats:
         most_held: The most micro-batches whose received inputs were held at once.
         held_bytes: Bytes of received inputs held at that moment (the stage's only stashed activations).
         sent_bytes: The most bytes of sent tensors (activations, gradients) whose buffers this rank still held after a
-            pass: the sends not yet known to be received (MPI; 0 where the communicator does not say).
+            pass: the sends not yet known to be received (MPI's or a DevicePipe's; 0 where the communicator does not
+            say).
         compute_s: Seconds inside the engine's forward/backward calls (the rest of the step is waiting/transfer).
     """
 
