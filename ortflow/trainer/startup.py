@@ -48,11 +48,6 @@ def choose_start(
     return resume, warm
 
 
-def optimizer_label(cfg: RunConfig) -> str:
-    """The rule as recorded in optimizer files: ``adamw/torch``, ``adamw/engine``, ``sgd``, ``lamb``."""
-    return cfg.optimizer.label
-
-
 def available_cores() -> int:
     """Cores this process may run on (affinity-aware)."""
     return len(os.sched_getaffinity(0))

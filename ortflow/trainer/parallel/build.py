@@ -39,7 +39,6 @@ from ortflow.trainer.startup import (
     available_cores,
     choose_start,
     load_parameters,
-    optimizer_label,
     session_options,
     spin_wait,
     threads_per_rank,
@@ -180,7 +179,7 @@ def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDim
             files = h5state.stage_optimizer_files(resume.path, where.stage, dims.pp)
         else:
             files = None
-        h5state.load_optimizer(resume.path, update, optimizer_label(cfg), rank=where.replica, files=files)
+        h5state.load_optimizer(resume.path, update, cfg.optimizer.label, rank=where.replica, files=files)
     return DataParallel(dp, where.replica, dims.dp, update, exchange)
 
 

@@ -35,7 +35,6 @@ from ortflow.trainer.parallel.pipeline_stage import PipelineStage
 from ortflow.trainer.parallel.tensor_parallel_body import TensorParallel
 from ortflow.trainer.parallel.whole_model import WholeModel
 from ortflow.trainer.rank_model import EnginePart, Reduced, compare_digests
-from ortflow.trainer.startup import optimizer_label
 from ortflow.trainer.timing import PhaseTimer
 
 log = logging.getLogger("ortflow.trainer")
@@ -271,7 +270,7 @@ class LayoutModel:
         ex = self.exchange
         return h5state.TrainState(
             parameters=self.body.parameters, trainable=self.trainable, update=self.update,
-            optimizer=optimizer_label(self.cfg), rank=self.data.replica, world_size=self.data.num_replicas,
+            optimizer=self.cfg.optimizer.label, rank=self.data.replica, world_size=self.data.num_replicas,
             sharded=ex.sharded, replica=ex.per_rank_state and not ex.sharded, extra_state=self.extra_state,
             stage=(self.stage.stage, self.stage.num_stages) if self.stage is not None else None,
             tp=self.body.tp_state(),
