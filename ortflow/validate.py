@@ -462,8 +462,9 @@ def _writable(path: Path, field: str, is_dir: bool) -> str | None:
 
 
 def resume_layout_problems(cfg: RunConfig) -> list[str]:
-    """The checkpoint training would resume, written with another pipeline or tensor-parallel size: the ranks refuse
-    it at start, so it is a problem now (:func:`~ortflow.checkpoints.layout_check.resume_layout_refusal`)."""
+    """The checkpoint training would resume, written with another pipeline or tensor-parallel size or holding an
+    optimizer state this config's optimizer cannot continue: the ranks refuse it at start, so it is a problem now
+    (:func:`~ortflow.checkpoints.layout_check.resume_layout_refusal`)."""
     from ortflow.checkpoints.layout_check import resume_layout_refusal
 
     refusal = resume_layout_refusal(cfg)

@@ -1,7 +1,7 @@
 """An optimizer edit that the checkpoint to resume cannot feed (another optimizer wrote its state) is refused before
 anything records it: ``ortflow configure``, the train stage and ``ortflow train --accept-changed-config`` leave the run
 folder's config.yaml and its record as they were, so a later command reads the optimizer the checkpoints were
-trained with. Each names ``checkpoint.init_from``, as the ranks do."""
+trained with; ``ortflow validate`` reports it. Each names ``checkpoint.init_from``, as the ranks do."""
 
 from __future__ import annotations
 
@@ -41,6 +41,22 @@ def test_configure_refuses_an_optimizer_the_checkpoint_cannot_feed_and_records_n
     assert INIT_FROM in result.output and "Traceback" not in result.output
     assert (sgd_run.output_dir / "config.yaml").read_bytes() == before
     assert _optimizer_recorded(sgd_run) == "sgd"
+
+
+def test_validate_reports_an_optimizer_the_checkpoint_cannot_feed(sgd_run, tmp_path):
+    from ortflow.validate import validate
+
+    before = (sgd_run.output_dir / "config.yaml").read_bytes()
+    for name in ("sgd", "adamw"):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({**sgd_run.model_dump(mode="json"), "optimizer": {"name": name}}))
+        refused = [p for p in validate(config) if "holds optimizer state" in p]
+        if name == "sgd":  # the optimizer that wrote the state resumes it
+            assert refused == [], refused
+        else:
+            assert len(refused) == 1 and "but optimizer adamw/torch needs ['exp_avg', 'exp_avg_sq']" in refused[0]
+            assert refused[0].startswith("checkpoint: ") and INIT_FROM in refused[0], refused
+    assert (sgd_run.output_dir / "config.yaml").read_bytes() == before
 
 
 def test_the_check_asks_for_the_state_the_configs_optimizer_keeps(sgd_run):
