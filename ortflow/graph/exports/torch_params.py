@@ -231,8 +231,8 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
                  if name not in computed]
     if problems:
         raise GraphError(
-            "model.path: the dynamo exporter's optimisation merged, dropped or folded torch parameters, so training "
-            "this export would not train the torch model: " + "; ".join(problems[:4])
+            "model.path: the dynamo exporter's optimisation merged, dropped, folded or recomputed torch parameters, so "
+            "training this export would not train the torch model: " + "; ".join(problems[:4])
             + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             + f". Export with `{NO_OPTIMIZE}`, which keeps every parameter under its torch name"
         )
