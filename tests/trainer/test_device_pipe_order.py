@@ -527,3 +527,11 @@ def test_communicators_are_destroyed_in_the_order_they_were_made_from_the_closin
     assert nccl_module._COMMUNICATORS == [world] and all(c not in nccl_module._COMMUNICATORS for c in made)
     nccl_module.destroy_communicators(0)
     assert events[-1] == ("destroyed", 0) and nccl_module._COMMUNICATORS == []
+
+
+def test_the_held_bytes_of_received_device_tensors_count_their_shapes_and_types():
+    """A stage's held inputs are device tensors here: their bytes come from shape and element type (2 x 3 float32 =
+    24 bytes a message), at most P - s micro-batches of them on stage s (stage 0 holds its batches, no message)."""
+    world, results, errors = _run(3, 8)
+    assert not errors, errors
+    assert [(r.stats.most_held, r.stats.held_bytes) for _, r in sorted(results.items())] == [(3, 0), (2, 48), (1, 24)]

@@ -1,4 +1,5 @@
-"""Gradients averaged with NCCL through CuPy: the only module that imports CuPy."""
+"""Gradients averaged, and a CUDA pipeline stage's messages sent, with NCCL through CuPy: the only module that
+imports CuPy."""
 
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ortflow.trainer.comm.nccl import P2P_TYPES
+
 log = logging.getLogger("ortflow.trainer")
 
 #: Point-to-point message tags: activations go forward, gradients come back, tied-weight gradients between holders.
@@ -117,15 +119,11 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
 
 
 def message_bytes(x) -> int:
-    """Bytes of a received tensor: a host array, or a device tensor (``OrtValue``: its shape and element type)."""
+    """Bytes of a received tensor: a host array, or a device tensor (``OrtValue``: its shape and element type, one of
+    the types a :class:`~ortflow.trainer.comm.nccl.DevicePipe` carries)."""
     if isinstance(x, np.ndarray):
         return int(x.nbytes)
-    return int(np.prod(x.shape(), dtype=np.int64)) * _ITEM_BYTES[x.data_type()]
-
-
-#: Bytes per element of the engine's tensor types that cross a cut.
-_ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(double)": 8,
-               "tensor(int64)": 8, "tensor(int32)": 4, "tensor(int8)": 1, "tensor(uint8)": 1, "tensor(bool)": 1}
+    return int(np.prod(x.shape(), dtype=np.int64)) * np.dtype(P2P_TYPES[x.data_type()][0]).itemsize
 
 
 def sum_tied_gradients(rt) -> None:
