@@ -74,8 +74,9 @@ def _compare(split, unsplit) -> float:
 @pytest.mark.parametrize("recompute_forward", ["auto", True])
 def test_two_gpu_stages_with_eight_micro_batches_match_one_gpu(tmp_path, recompute_forward):
     """8 micro-batches per update: 1F1B keeps up to 2 in flight on stage 0, so activations and gradients of different
-    micro-batches cross between the stages in both directions at once (the schedule that once stalled on GPUs); stage
-    0 keeps its activations (auto, the default) or recomputes its forward (true)."""
+    micro-batches cross between the stages in both directions at once (which stalls where one NCCL stream carries both
+    directions: tests/trainer/test_device_pipe_order.py); stage 0 keeps its activations (auto, the default) or
+    recomputes its forward (true)."""
     from tests.support.runs import make_text_run
     from tests.trainer.test_pipeline_mpi import TRAIN
 
