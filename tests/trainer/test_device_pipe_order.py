@@ -254,7 +254,7 @@ class _World:
 
         def new_stream(non_blocking):
             assert non_blocking
-            if world.shared_stream and streams:  # the design that stalled: one stream for both directions
+            if world.shared_stream and streams:  # what stalls: one stream for both directions
                 return streams[0]
             streams.append(_Stream(gpu, f"rank {rank} link stream {len(streams)}", rank))
             return streams[-1]
