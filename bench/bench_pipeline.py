@@ -388,8 +388,9 @@ count are outside configure's fingerprint); the two configures that build run at
 own. Memory here is each rank's whole GPU as used after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL
 buffers and the CUDA context), for reference: the CPU bench measures the per-rank memory split.
 
-Each rank reports how its pipeline messages went: ``nccl`` (device to device, ortflow.trainer.comm.nccl.DevicePipe:
-what CUDA stages with NCCL use) or ``host`` (host arrays over the process group); the report's last column.
+Each rank reports how its pipeline messages went: ``nccl`` (device to device,
+ortflow.trainer.comm.device_pipe.DevicePipe: what CUDA stages with NCCL use) or ``host`` (host arrays over the
+process group); the report's last column.
 
 Bubble: on each stage, idle = 1 - (seconds inside engine calls) / (update seconds), against (P-1)/(m+P-1).
 Kept / recompute: per round, pp2's stage 0 engine ms and samples/s over pp2-recompute's, the median over rounds.

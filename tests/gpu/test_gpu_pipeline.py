@@ -1,9 +1,9 @@
 """Pipeline stages on GPUs (skipped without 2 GPUs, the GPU engine and CuPy).
 
-Stages pass activations and gradients device to device over NCCL (one 2-rank communicator and one stream per
-direction between neighbouring stages, the headers over the process group; ortflow.trainer.comm.nccl.DevicePipe): each
-rank logs how many messages went that way, which the tests read; the replicas of a stage average their gradients with
-NCCL. A tied table's gradients are summed over the process group through the host, as on CPU ranks.
+Stages pass activations and gradients device to device over NCCL (one 2-rank communicator and one stream per direction
+between neighbouring stages, the headers over the process group; ortflow.trainer.comm.device_pipe.DevicePipe): each rank
+logs how many messages went that way, which the tests read; the replicas of a stage average their gradients with NCCL. A
+tied table's gradients are summed over the process group through the host, as on CPU ranks.
 
 By default (``recompute_forward: auto``) a GPU stage that is not the last runs each micro-batch's forward once and
 keeps its activations until the backward, as CPU stages do (the engine on a stream the rank owns: the rank logs

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ortflow.trainer.comm.nccl import DevicePipe, NCCLComm
+from ortflow.trainer.comm.device_pipe import DevicePipe
+from ortflow.trainer.comm.nccl import NCCLComm
 from ortflow.trainer.parallel.schedule import pipeline_step, stage_eval_sums
 
 

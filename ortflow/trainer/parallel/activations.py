@@ -8,7 +8,7 @@ their gradients, and the sums of both over the tensor-parallel group.
   rank order on the GPU (:meth:`~ortflow.trainer.comm.nccl.NCCLComm.tensor_sum`). Nothing crosses to the host within a
   micro-batch except the loss; a pipeline x tensor-parallel stage hands what crosses its cut to the pipeline as host
   arrays (a stage of one engine module on a CUDA rank with NCCL calls its module through a DeviceTensors too, and its
-  messages stay device tensors: :class:`~ortflow.trainer.comm.nccl.DevicePipe`). The rank's engine stream
+  messages stay device tensors: :class:`~ortflow.trainer.comm.device_pipe.DevicePipe`). The rank's engine stream
   (:class:`~ortflow.trainer.comm.nccl.EngineStream`, where the pieces that keep their activations run their calls)
   orders the work: the adds and scalings are queued on it, a sum's NCCL stream waits for it and it for
   the sum, all on the GPU; the host waits for it (under the watchdog) before a training module's call (another

@@ -24,8 +24,9 @@ from ortflow.engine import api
 from ortflow.trainer import loss_scale
 from ortflow.trainer.captured_call import CapturedTraining
 from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.device_pipe import DevicePipe
 from ortflow.trainer.comm.engine_buffers import engine_buffers
-from ortflow.trainer.comm.nccl import DevicePipe, NCCLComm
+from ortflow.trainer.comm.nccl import NCCLComm
 from ortflow.trainer.optim.adasum_update import SlicedPeers
 from ortflow.trainer.optim.rank_update import data_parallel_update
 from ortflow.trainer.parallel.activations import DeviceTensors, activation_store

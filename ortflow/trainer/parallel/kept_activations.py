@@ -19,8 +19,8 @@ test_kept_activations.py).
 On a CUDA rank the gradient graph's session runs on a stream the rank owns (the CUDA provider's user compute stream,
 :class:`~ortflow.trainer.comm.nccl.EngineStream`): the parameters enter as the engine's own device tensors, the
 gradients stay on the GPU and are summed into the training module's device buffers with CuPy on that same stream,
-queued behind the backward with no wait between them. Where the sent tensors and the input gradients stay on the GPU
-(a stage whose messages go over NCCL, :class:`~ortflow.trainer.comm.nccl.DevicePipe`; a tensor-parallel piece, whose
+queued behind the backward with no wait between them. Where the sent tensors and the input gradients stay on the GPU (a
+stage whose messages go over NCCL, :class:`~ortflow.trainer.comm.device_pipe.DevicePipe`; a tensor-parallel piece, whose
 outputs go to the sums on the NCCL stream) the host does not wait for the calls: the NCCL streams wait for the engine
 stream's events. Otherwise (a stage whose messages are host arrays) the host waits for the stream once per call, where
 what the call wrote leaves it: a forward's outputs and a backward's input gradients with the sums before them.

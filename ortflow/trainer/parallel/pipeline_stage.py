@@ -6,7 +6,7 @@ stages with :mod:`.schedule`'s 1F1B, stage ``s`` exchanging activations and grad
 replica (at the same tensor-parallel rank: what crosses a cut is replicated). Layout: :mod:`.parallel_dims`; a
 replica's stages are neighbouring ranks. The messages (:attr:`PipelineStage.messages`) are host arrays over the
 pipeline's process group (``pipe_comm``, MPI: on one host through shared memory), or, on a CUDA stage of a whole
-stage's graph with NCCL, device tensors over NCCL point-to-point (:class:`~ortflow.trainer.comm.nccl.DevicePipe`,
+stage's graph with NCCL, device tensors over NCCL point-to-point (:class:`~ortflow.trainer.comm.device_pipe.DevicePipe`,
 made by :func:`~.build.pipeline_messages`): the engine's outputs go from one GPU to the next without a host copy. A
 pipeline x tensor-parallel stage's messages and the tied-gradient sums stay host arrays over ``pipe_comm``.
 

@@ -8,7 +8,7 @@ only the tensors it received (at most ``P - s`` micro-batches of them). GPipe wo
 and gains nothing here: with recomputation both schedules compute the same and 1F1B keeps less.
 
 The messages go over ``rt.messages``: the process group (MPI ``Isend``/``Recv`` of host arrays) on CPU ranks and
-pipeline x tensor-parallel stages, or on CUDA stages with NCCL a :class:`~ortflow.trainer.comm.nccl.DevicePipe`
+pipeline x tensor-parallel stages, or on CUDA stages with NCCL a :class:`~ortflow.trainer.comm.device_pipe.DevicePipe`
 (device tensors, NCCL point-to-point, one stream per direction and neighbour). Either way sends are queued and return,
 and receives block under the watchdog in schedule order, so no pair of stages waits on each other; the label of a
 stalled receive names the stage and rank it waits for.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ortflow.trainer.comm.nccl import P2P_TYPES
+from ortflow.trainer.comm.device_pipe import P2P_TYPES
 
 log = logging.getLogger("ortflow.trainer")
 
@@ -120,7 +120,7 @@ def pipeline_step(rt, batches: Iterator[dict[str, np.ndarray]], k: int,
 
 def message_bytes(x) -> int:
     """Bytes of a received tensor: a host array, or a device tensor (``OrtValue``: its shape and element type, one of
-    the types a :class:`~ortflow.trainer.comm.nccl.DevicePipe` carries)."""
+    the types a :class:`~ortflow.trainer.comm.device_pipe.DevicePipe` carries)."""
     if isinstance(x, np.ndarray):
         return int(x.nbytes)
     return int(np.prod(x.shape(), dtype=np.int64)) * np.dtype(P2P_TYPES[x.data_type()][0]).itemsize
