@@ -40,6 +40,7 @@ LAYOUTS = {
                   "pp2tp2": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}})},
     "bert.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
     "rnn.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2)},
+    "rnn-dynamo-noopt.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2)},
 }
 
 
@@ -92,17 +93,24 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp
     assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL if tp > 1 else ATOL)
 
 
-@pytest.mark.parametrize("export_dp", ["rnn.onnx"], indirect=True)
-@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)], ids=["pp2", "tp2"])
+@pytest.mark.parametrize(("export_dp", "pp", "tp"),
+                         [("rnn.onnx", 2, 1), ("rnn.onnx", 1, 2),
+                          ("rnn-dynamo-noopt.onnx", 2, 1), ("rnn-dynamo-noopt.onnx", 1, 2)],
+                         ids=["pp2", "tp2", "dynamo-noopt-pp2", "dynamo-noopt-tp2"], indirect=["export_dp"])
 def test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
-    """The LSTM + GRU classifier cut between its LSTM and its GRU, and in tensor pieces: the embedding table split by
-    vocabulary, the recurrent layers replicated (no tensor-parallel split of their own)."""
+    """The LSTM + GRU classifier (its TorchScript export, and its dynamo ``optimize=False`` export's torch parameters)
+    cut between its LSTM and its GRU, and in tensor pieces: the embedding table split by vocabulary, the recurrent
+    layers replicated (no tensor-parallel split of their own)."""
+    import onnx
+
     run = _layout(export_dp, f"pp{pp}tp{tp}")
     cfg = run.cfg
-    if pp > 1:
-        assert json.loads((cfg.output_dir / "configure.json").read_text())["pipeline_cuts"] == ["/lstm/LSTM_output_0"]
+    if pp > 1:  # the automatic cut is the LSTM node's output (TorchScript's '/lstm/LSTM_output_0', dynamo's 'val_NN')
+        (cut,) = json.loads((cfg.output_dir / "configure.json").read_text())["pipeline_cuts"]
+        graph = onnx.load(str(cfg.model.path), load_external_data=False).graph
+        assert [n.op_type for n in graph.node if cut in n.output] == ["LSTM"], cut
     if tp > 1:
-        split = split_lines(cfg, 1)
+        split = split_lines(cfg, pp)
         assert any("vocabulary split of ['embed.weight']" in line for line in split), split
         assert not any("lstm." in line or "gru." in line for line in split if line.startswith("region")), split
     assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL if tp > 1 else ATOL)
@@ -158,7 +166,9 @@ def test_tensor_pieces_compute_every_parameters_unsplit_gradient(export_dp):
 DYNAMO = ("gpt2-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "bert-dynamo.onnx")
 # The other dynamo fixtures that configure (gpt2-fresh-dynamo is refused before training: tests/test_fixture_exports.py)
 # train at dp 2 only: their families' layouts are covered above, and ViT's split is BERT's.
-DYNAMO_DP_ONLY = ("bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx", "rnn-dynamo-noopt.onnx")
+# The LSTM + GRU classifier's optimize=False export trains in pipeline stages and tensor pieces beside its TorchScript
+# twin (test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters) and at dp 2 here.
+DYNAMO_DP_ONLY = ("bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx")
 
 
 @pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
@@ -167,7 +177,7 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_
     assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, *DYNAMO_DP_ONLY], indirect=True)
+@pytest.mark.parametrize("export_dp", [*DYNAMO, *DYNAMO_DP_ONLY, "rnn-dynamo-noopt.onnx"], indirect=True)
 def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
