@@ -1,6 +1,7 @@
-"""BatchNorm under mpiexec, on the committed torch CNN export (Conv-BN-ReLU x 2): running statistics follow torch's
-rule (float64 reference), every rank holds the same ones (rank 0's, or their mean), and ``ortflow evaluate`` on a
-checkpoint equals the eval loss training recorded for it on 1, 2 and 3 ranks."""
+"""BatchNorm under mpiexec, on the committed torch CNN exports (Conv-BN-ReLU x 2; TorchScript, and dynamo
+``optimize=False`` for dp 2 and pp 2): running statistics follow torch's rule (float64 reference), every rank holds the
+same ones (rank 0's, or their mean), and ``ortflow evaluate`` on a checkpoint equals the eval loss training recorded for
+it on 1, 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -26,15 +27,19 @@ TORCH_MOMENTUM, EPS = 0.1, 1e-5
 LAYERS = (("features.0", "features.1", 1), ("features.3", "features.4", 2))  # (conv, batchnorm, conv stride)
 
 
-def cnn_run(root, name, ranks, checkpoint=None, distributed=None, optimizer=None, **train):
-    """A run of the torch CNN export on random 16x16 images with 10 classes."""
+#: The dynamo exporter's optimize=False CNN (the same torch parameters and BatchNorm buffers, by their torch names).
+DYNAMO = "cnn-dynamo-noopt.onnx"
+
+
+def cnn_run(root, name, ranks, checkpoint=None, distributed=None, optimizer=None, export="cnn.onnx", **train):
+    """A run of the torch CNN export (TorchScript by default) on random 16x16 images with 10 classes."""
     data = root / "pixels.npz"
     if not data.exists():
         rng = np.random.default_rng(0)
         pixels = rng.normal(size=(256, 1, 16, 16)).astype(np.float32)
         labels = (pixels.mean(axis=(1, 2, 3)) * 40).astype(np.int64).clip(-5, 4) + 5
         np.savez(data, pixels=pixels, labels=labels)
-    return make_run(root, name, model=export_path("cnn.onnx"),
+    return make_run(root, name, model=export_path(export),
                     data={"train": [str(data)], "eval_fraction": 0.25},
                     distributed={"num_ranks": ranks, **(distributed or {})},
                     train={"batch_size": B, "gradient_accumulation_steps": K, "num_train_steps": K * UPDATES,
@@ -88,11 +93,16 @@ def _two_ranks(sync, variance):
 
 #: The module's finished runs, by name: (ranks, settings). They evaluate the first EVAL_ROWS rows, so that each serves
 #: the statistics, evaluate and pipeline tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
-#: rule), 3 ranks, pp 2 and pp 2 x dp 2.
+#: rule), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks and pp 2.
 RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiased"), _two_ranks("broadcast", "biased"),
              ("dp1", (1, {"batchnorm_sync": "average"})), ("dp3", (3, {})),
              ("pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
-             ("pp2xdp2", (4, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"}))])
+             ("pp2xdp2", (4, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
+             ("dynamo-dp1", (1, {"batchnorm_sync": "average", "export": DYNAMO})),
+             ("dynamo-dp2-average-unbiased", (2, {"batchnorm_sync": "average", "batchnorm_variance": "unbiased",
+                                                  "export": DYNAMO})),
+             ("dynamo-pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average",
+                                     "export": DYNAMO}))])
 
 
 @pytest.fixture(scope="module")
@@ -115,26 +125,33 @@ def trained(tmp_path_factory):
     return get
 
 
-def two_ranks(trained, sync="average", variance="unbiased"):
-    """The 2-rank run with this BatchNorm sync and variance rule."""
-    return trained(f"dp2-{sync}-{variance}")
+def _prefix(export):
+    return "dynamo-" if export == DYNAMO else ""
 
 
-def one_rank(trained):
-    """The 1-rank run (averaged statistics: the unsplit reference of the pp 2 run, as the 2-rank averaged run is of
-    pp 2 x dp 2)."""
-    return trained("dp1")
+def two_ranks(trained, sync="average", variance="unbiased", export="cnn.onnx"):
+    """The 2-rank run of the export with this BatchNorm sync and variance rule."""
+    return trained(f"{_prefix(export)}dp2-{sync}-{variance}")
 
 
-@pytest.mark.parametrize(("sync", "variance"), [("broadcast", "unbiased"), ("average", "unbiased"),
-                                               ("broadcast", "biased")])
-def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trained, sync, variance):
-    cfg, _ = two_ranks(trained, sync, variance)
+def one_rank(trained, export="cnn.onnx"):
+    """The export's 1-rank run (averaged statistics: the unsplit reference of the pp 2 run, as the 2-rank averaged run
+    is of pp 2 x dp 2)."""
+    return trained(f"{_prefix(export)}dp1")
+
+
+@pytest.mark.parametrize(("export", "sync", "variance"),
+                         [("cnn.onnx", "broadcast", "unbiased"), ("cnn.onnx", "average", "unbiased"),
+                          ("cnn.onnx", "broadcast", "biased"), (DYNAMO, "average", "unbiased")])
+def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trained, export, sync, variance):
+    """dp 2 (each rank's BatchNorms normalise by its own micro-batches, so dp 2 differs from one rank by design): the
+    running statistics after every update equal torch's rule applied to each rank's batches, synced as asked."""
+    cfg, _ = two_ranks(trained, sync, variance, export)
     ddof = 1 if variance == "unbiased" else 0
     saved = {info.step: checkpoint_values(info.path) for info in list_complete(cfg.checkpoints_dir)}
     assert sorted(saved) == list(range(1, UPDATES + 1))
     params = {t.name: numpy_helper.to_array(t).astype(np.float64)
-              for t in onnx.load(str(export_path("cnn.onnx"))).graph.initializer}
+              for t in onnx.load(str(export_path(export))).graph.initializer}
     stats = {bn: (params[f"{bn}.running_mean"], params[f"{bn}.running_var"]) for _, bn, _ in LAYERS}
     batches = [TrainLoader(cfg.data_dir, B, r, 2, prefetch=0).iter_from(0) for r in range(2)]
     checked = 0
@@ -195,8 +212,9 @@ def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
         assert np.array_equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("replicas", [1, 2], ids=["pp2", "pp2xdp2"])
-def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics(trained, replicas):
+@pytest.mark.parametrize(("export", "replicas"), [("cnn.onnx", 1), ("cnn.onnx", 2), (DYNAMO, 1)],
+                         ids=["pp2", "pp2xdp2", "dynamo-noopt-pp2"])
+def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics(trained, export, replicas):
     """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut) ends every checkpoint where the
     unsplit run on as many data-parallel ranks does: weights, running statistics (averaged over the replicas of each
     stage), losses and eval losses. The first stage's forward passes normalise by the micro-batch, as its training
@@ -204,8 +222,8 @@ def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics
     from ortflow.checkpoints.h5state import read_params
     from tests.support.parallel_runs import losses
 
-    unsplit, out_unsplit = (one_rank if replicas == 1 else two_ranks)(trained)
-    staged, out_staged = trained(f"pp2xdp{replicas}")
+    unsplit, out_unsplit = (one_rank if replicas == 1 else two_ranks)(trained, export=export)
+    staged, out_staged = trained(f"{_prefix(export)}pp2xdp{replicas}")
     outs = [out_unsplit, out_staged]
     steps = [[info.step for info in list_complete(cfg.checkpoints_dir)] for cfg in (unsplit, staged)]
     assert steps[0] == steps[1] and len(steps[0]) == UPDATES
@@ -214,7 +232,7 @@ def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics
         p, q = read_params(a.path), read_params(b.path)
         assert sorted(p) == sorted(q) and sum("running_mean" in n for n in p) == 2
         worst = max(worst, max(float(np.abs(p[n] - q[n]).max()) for n in p))
-    print(f"cnn pp 2 x dp {replicas} vs unsplit: max |difference| over {UPDATES} checkpoints {worst:.3g}")
+    print(f"{export} pp 2 x dp {replicas} vs unsplit: max |difference| over {UPDATES} checkpoints {worst:.3g}")
     assert worst < 1e-6  # the same kernels on the same micro-batches (0 measured); an update moves weights by ~1e-2
     np.testing.assert_allclose(losses(outs[1].stdout), losses(outs[0].stdout), rtol=1e-6)
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout)] for out in outs]

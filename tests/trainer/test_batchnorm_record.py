@@ -86,3 +86,27 @@ def test_running_variance_follows_the_asked_rule_whatever_the_engines(on_device,
     params["v"].data = engine
     stats.after_update()
     np.testing.assert_allclose(params["v"].data, asked, rtol=2e-6)
+
+
+@pytest.mark.parametrize("export", ["cnn.onnx", "cnn-dynamo-noopt.onnx"])
+def test_tensor_parallel_pieces_of_a_batchnorm_model_are_refused_naming_the_running_statistics(tmp_path, export):
+    """Both exporters' CNN at tp 2: ``ortflow validate`` refuses it as the tensor-parallel ranks would, naming the first
+    BatchNorm, why (its running statistics are kept in data-parallel and pipeline layouts only) and the fix."""
+    import yaml
+
+    from ortflow.validate import validate
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "pixels.npz", pixels=rng.normal(size=(64, 1, 16, 16)).astype(np.float32),
+             labels=rng.integers(0, 10, 64))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "tp2", "output_dir": str(tmp_path / "run"), "model": {"path": str(export_path(export))},
+        "data": {"train": [str(tmp_path / "pixels.npz")], "eval_fraction": 0.25},
+        "train": {"batch_size": 2, "num_train_steps": 2},
+        "distributed": {"num_ranks": 2, "horizontal_parallel_size": 2},
+    }))
+    (problem,) = validate(path)
+    assert problem.startswith("BatchNormalization '") and problem.endswith(
+        "': its running statistics are kept in data-parallel and pipeline layouts, not with "
+        "distributed.horizontal_parallel_size > 1; set it to 1"), problem
