@@ -13,9 +13,12 @@ pieces), written last.
 A tied weight read in two stages (an embedding and its LM head) is sliced alike in both (by vocabulary) and recorded
 under ``shared``: the holders add their slices' gradients over their tensor-parallel rank's pipeline group.
 
+A stage with no layer to split (a recurrent classifier's GRU and head) runs whole on each of its tensor-parallel
+ranks, its parameters replicated as a split stage's unsplit layers are.
+
 Refused, with the names and the fix: a cut crossed by a tensor inside a split region (an attention block or MLP:
 its activations are split over the ranks, the pipeline carries whole tensors), a tied weight that two stages would
-slice differently, and a stage with no layer to split.
+slice differently, and a model with no layer to split (:func:`_check_cuts` plans the whole model first).
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ def _cuts(cfg: RunConfig, stages: list[Stage]) -> list[str]:
 
 
 def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[list[str], list[StagePlan]]:
-    """The cuts and each stage's tensor-parallel split, or the refusal naming what and how to fix: no engine call.
+    """The cuts and each stage's tensor-parallel split (a stage with nothing to split runs whole on each tensor-parallel
+    rank), or the refusal naming what and how to fix: no engine call.
 
     Raises:
         ArtifactsError: The stages or a stage's split are refused.
@@ -119,13 +123,13 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
     for stage in stages:
         model = export_fixes(stage.model, stage.parameters)
         try:
-            plan = plan_tensor_parallel_split(model, stage.parameters, size, embedded)
+            plan = plan_tensor_parallel_split(model, stage.parameters, size, embedded, unsplit=True)
             # refuse a bad cut before any engine call (the slices' dims are enough: no weight is read)
             pieces(StagePlan(stage, model, plan, weights_folder(cfg)), 0, values=False)
         except TensorParallelError as err:
             raise ArtifactsError(f"pipeline stage {stage.index} of {len(stages)} (cuts {cuts}): {err}; or move "
-                                 "model.pipeline_cuts so that every stage holds a whole attention block or "
-                                 "MLP") from None
+                                 "model.pipeline_cuts so that each stage holds whole attention blocks and "
+                                 "MLPs") from None
         plans.append(StagePlan(stage, model, plan, weights_folder(cfg)))
     _check_tied(plans, size)
     return cuts, plans

@@ -39,7 +39,7 @@ LAYOUTS = {
     "gpt2.onnx": {"pp2-0": (2, 1), "pp1tp2": (1, 2),
                   "pp2tp2": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}})},
     "bert.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
-    "rnn.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2)},
+    "rnn.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
     "rnn-dynamo-noopt.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2)},
 }
 
@@ -94,13 +94,16 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp
 
 
 @pytest.mark.parametrize(("export_dp", "pp", "tp"),
-                         [("rnn.onnx", 2, 1), ("rnn.onnx", 1, 2),
+                         [("rnn.onnx", 2, 1), ("rnn.onnx", 1, 2), ("rnn.onnx", 2, 2),
                           ("rnn-dynamo-noopt.onnx", 2, 1), ("rnn-dynamo-noopt.onnx", 1, 2)],
-                         ids=["pp2", "tp2", "dynamo-noopt-pp2", "dynamo-noopt-tp2"], indirect=["export_dp"])
+                         ids=["pp2", "tp2", "pp2xtp2", "dynamo-noopt-pp2", "dynamo-noopt-tp2"], indirect=["export_dp"])
 def test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
     """The LSTM + GRU classifier (its TorchScript export, and its dynamo ``optimize=False`` export's torch parameters)
     cut between its LSTM and its GRU, and in tensor pieces: the embedding table split by vocabulary, the recurrent
-    layers replicated (no tensor-parallel split of their own)."""
+    layers replicated (no tensor-parallel split of their own). At pp 2 x tp 2 the second stage (GRU and head) has
+    nothing to split: each of its tensor-parallel ranks runs it whole, holding bitwise the same parameters."""
+    import re
+
     import onnx
 
     run = _layout(export_dp, f"pp{pp}tp{tp}")
@@ -113,6 +116,14 @@ def test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp,
         split = split_lines(cfg, pp)
         assert any("vocabulary split of ['embed.weight']" in line for line in split), split
         assert not any("lstm." in line or "gru." in line for line in split if line.startswith("region")), split
+    if pp > 1 and tp > 1:
+        stages = split_lines(cfg, 1)
+        assert "stage 1: no layer to split: each tensor-parallel rank runs the whole graph" in stages, stages
+        # each rank logs the hash of all its parameters and of its replicated ones: a stage run whole replicates all
+        hashes = re.findall(r"rank (\d+) parameters sha256 (\w+) \(replicated (\w+)\)", run.out.stdout)
+        whole = {rank: mine for rank, mine, replicated in hashes if mine == replicated}
+        assert len(hashes) == 4 and len(whole) == 2 and len(set(whole.values())) == 1, hashes
+        assert_exports_one_model(cfg)
     assert_equal_to(export_dp, cfg, run.out, atol=TP_ATOL if tp > 1 else ATOL)
 
 

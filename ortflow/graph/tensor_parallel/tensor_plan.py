@@ -96,9 +96,10 @@ def _in_parts(r: Region, weight: str, words: str) -> str:
 
 
 def describe(plan: TensorParallelPlan) -> list[str]:
-    """The split plan: one line per region (what is split how, where the ranks add up) and one per weight that stays
-    replicated, with the reason (configure logs these, configure.json and ``ortflow validate`` show them)."""
-    lines = []
+    """The split plan: one line per region (what is split how, where the ranks add up), or a line saying the graph
+    runs whole (a pipeline stage with nothing to split), and one per weight that stays replicated, with the reason
+    (configure logs these, configure.json and ``ortflow validate`` show them)."""
+    lines = [] if plan.regions else ["no layer to split: each tensor-parallel rank runs the whole graph"]
     for k, r in enumerate(plan.regions):
         if r.vocab:
             where = "the LM head " + str(list(r.heads)) if r.heads else "the embedding " + str(r.outputs)
@@ -123,10 +124,11 @@ def log_plan(plan: TensorParallelPlan, where: str = "") -> list[str]:
 
 
 def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[str, list],
-                head_counts: list[tuple[int, int]]) -> None:
+                head_counts: list[tuple[int, int]], unsplit: bool = False) -> None:
     """Refuse a plan whose size does not divide a sliced weight, a rewritten shape entry or a head count
-    (``head_counts``: (node, heads) of the head reshapes in split regions), naming them and the sizes that fit."""
-    if not plan.regions:
+    (``head_counts``: (node, heads) of the head reshapes in split regions), naming them and the sizes that fit; and a
+    plan that splits nothing, unless ``unsplit`` (a pipeline stage the ranks of its tensor-parallel group run whole)."""
+    if not plan.regions and not unsplit:
         raise TensorParallelError(
             "distributed.horizontal_parallel_size > 1 found no layer to split (a MatMul by a 2-D weight whose output "
             f"reaches a second weight MatMul through element-wise ops and head reshapes); kept: {plan.kept}; use 1"

@@ -322,13 +322,15 @@ def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, l
 
 
 def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int,
-                               embedded: frozenset[str] = frozenset()) -> TensorParallelPlan:
+                               embedded: frozenset[str] = frozenset(), unsplit: bool = False) -> TensorParallelPlan:
     """Find the regions to split over ``size`` ranks (pure; nothing is changed). ``embedded``: tables the whole model
     embeds, when ``model`` is one pipeline stage of it (its LM head may be tied to another stage's embedding).
+    ``unsplit``: a plan with no region is returned (a pipeline stage its tensor-parallel ranks run whole) rather than
+    refused.
 
     Raises:
         TensorParallelError: ``size`` does not divide a split width or head count (names them and the fix), or no
-            region was found.
+            region was found (without ``unsplit``).
     """
     trainable = set(trainable)
     dims = tensor_dims(model)
@@ -357,7 +359,7 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
     split_so_far = set(TensorParallelPlan(size, regions, [], {}).slicing())
     regions += plan_vocab(model, trainable, size, walk.shapes, split_so_far, kept, embedded)
     plan = TensorParallelPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
-    check_sizes(model, plan, walk.shapes, walk.head_counts)
+    check_sizes(model, plan, walk.shapes, walk.head_counts, unsplit)
     check_rewrites_private(model, plan, walk.readers)
     return plan
 
