@@ -40,7 +40,7 @@ LAYOUTS = {
                   "pp2tp2": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCKS_1_2]}})},
     "bert.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
     "rnn.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
-    "rnn-dynamo-noopt.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2)},
+    "rnn-dynamo-noopt.onnx": {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)},
 }
 
 
@@ -95,8 +95,10 @@ def test_bert_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp
 
 @pytest.mark.parametrize(("export_dp", "pp", "tp"),
                          [("rnn.onnx", 2, 1), ("rnn.onnx", 1, 2), ("rnn.onnx", 2, 2),
-                          ("rnn-dynamo-noopt.onnx", 2, 1), ("rnn-dynamo-noopt.onnx", 1, 2)],
-                         ids=["pp2", "tp2", "pp2xtp2", "dynamo-noopt-pp2", "dynamo-noopt-tp2"], indirect=["export_dp"])
+                          ("rnn-dynamo-noopt.onnx", 2, 1), ("rnn-dynamo-noopt.onnx", 1, 2),
+                          ("rnn-dynamo-noopt.onnx", 2, 2)],
+                         ids=["pp2", "tp2", "pp2xtp2", "dynamo-noopt-pp2", "dynamo-noopt-tp2", "dynamo-noopt-pp2xtp2"],
+                         indirect=["export_dp"])
 def test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
     """The LSTM + GRU classifier (its TorchScript export, and its dynamo ``optimize=False`` export's torch parameters)
     cut between its LSTM and its GRU, and in tensor pieces: the embedding table split by vocabulary, the recurrent
