@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c 'import pip, sys; sys.exit(int(pip.__version__.split(".")[0]) < 24)' 2>/dev/null \
 		|| $(BIN)/python -m pip install --quiet --upgrade "pip>=24"
-	$(BIN)/python -m pip install --quiet --no-compile -c requirements.lock -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-compile -c requirements.lock -e ".[dev,text]"
 	$(BIN)/python -m compileall -q -j 0 -x 'site-packages/.*/tests?/' \
 		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
 	rm -f $(VENV)/.installed-*
@@ -52,7 +52,7 @@ lint: setup
 	$(BIN)/ruff check ortflow tests bench
 
 bench: setup
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev,bench]"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev,text,bench]"
 	$(BIN)/python -m bench
 
 # The long fault-injection campaign (tests/faults/campaign.py, about 30 min on 2 cores); figures in bench/out/ (the curated report: bench/reports/faults-campaign.md).
