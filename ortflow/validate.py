@@ -8,7 +8,8 @@ Checks, in order (each problem names the field and the fix):
 3. the data: every source pattern matches files, every column (or feature pattern) exists in every source, and the
    first rows of each source fit the training model's inputs (dtypes, per-row shapes) at ``train.batch_size`` and
    ``train.eval_batch_size``, fixed batch dims included (after the batch pass of ortflow/graph/exports/batch_dims.py, so
-   a batch dim counts as fixed only when the graph really depends on it);
+   a batch dim counts as fixed only when the graph really depends on it); a text corpus's tokenizer is a ``tokenizers``
+   JSON file whose ids fit the embedding table the token input indexes (ortflow/dataprep/tokenizer.py);
 4. the layout: ``train.global_batch_size`` against the model's fixed batch dim, the ranks and the stages, with the
    messages ``ortflow train`` would give (and the data checks then use the ranks' real micro-batch);
 5. the run folder, checkpoint, TensorBoard and export paths can be written;
@@ -48,6 +49,7 @@ from ortflow.dataprep.features import ColumnPlan
 from ortflow.dataprep.preparation import canonical_table, check_enough_rows, column_plan, resolve_plan
 from ortflow.dataprep.sources import Source, count_rows, resolve_sources, source_size, table_chunks, text_windows
 from ortflow.dataprep.specs import InputSpec, merges_leading_dims
+from ortflow.dataprep.tokenizer import open_tokenizer, vocab_problem
 from ortflow.dataprep.values import ValueRules
 from ortflow.graph.exports.batch_dims import make_batch_symbolic
 from ortflow.graph.exports.external_data import data_bytes, needs_external_data, proto_bytes
@@ -330,6 +332,8 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
     if specs is None:
         return problems
     text = any(s.format == "text" for group in sources.values() for s in group)
+    if text:
+        problems += tokenizer_problems(cfg)
     try:
         wanted = column_plan(cfg, specs, text)
     except DataError as err:
@@ -367,6 +371,26 @@ def data_problems(cfg: RunConfig, specs: list[InputSpec] | None, train_batch: in
                 except DataError as err:
                     problems.append(f"{field}: {err}")
     return problems
+
+
+def tokenizer_problems(cfg: RunConfig) -> list[str]:
+    """The text's tokenizer file: a ``tokenizers`` JSON file (``tokenizers`` installed), whose ids fit every embedding
+    table the model's token input (``data.text.input_name``) indexes."""
+    from ortflow.graph.exports.token_tables import token_tables
+
+    path = cfg.data.text.tokenizer
+    if path is None or not path.exists():
+        return []  # byte-level, or a missing file reported with the other files (ortflow/config/files.py)
+    try:
+        tokenizer = open_tokenizer(path)
+    except DataError as err:
+        return [str(err)]
+    try:
+        tables = token_tables(onnx.load(str(cfg.model.path), load_external_data=False))
+    except Exception:  # noqa: BLE001 - an unloadable model is reported by the model checks
+        return []
+    problem = vocab_problem(tokenizer, cfg.data.text.input_name, tables.get(cfg.data.text.input_name, []))
+    return [problem] if problem else []
 
 
 def _source_problems(source: Source, here: dict[str, ColumnPlan], dtypes: dict[str, str],

@@ -30,13 +30,13 @@ from ortflow.dataprep.sources import (
     Source,
     estimate_bytes,
     fingerprint_entry,
-    load_tokenizer,
     resolve_sources,
     source_columns,
     table_chunks,
     text_windows,
 )
 from ortflow.dataprep.specs import CONFIGURE_NAME, InputSpec, merges_leading_dims, read_train_inputs
+from ortflow.dataprep.tokenizer import TextTokenizer, open_tokenizer, vocab_problem
 from ortflow.dataprep.values import ValueRules, check_column, rules_from_record
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ def prepare_data(cfg: RunConfig) -> Manifest:
     text = train_sources[0].format == "text"
     if test_sources and (test_sources[0].format == "text") != text:
         raise DataError("data.test: mixes text and tables with data.train; give both splits the same kind of source")
-    fingerprint = _fingerprint(cfg, specs, train_sources, test_sources)
+    record = json.loads((cfg.output_dir / CONFIGURE_NAME).read_text())
+    tokenizer = _checked_tokenizer(cfg, record) if text else None
+    fingerprint = _fingerprint(cfg, specs, train_sources, test_sources, tokenizer)
 
     if (data_dir / MANIFEST_NAME).exists():
         try:
@@ -86,14 +88,13 @@ def prepare_data(cfg: RunConfig) -> Manifest:
     plan: dict[str, ColumnPlan] = {}  # as resolved against the first source; every later source must agree
     dtypes = {s.name: s.dtype for s in specs}
     chunk_bytes = max(1 << 16, data.memory_budget_mb * (1 << 20) // 16)
-    tokenizer = load_tokenizer(data.text.tokenizer) if text else None
-    record = json.loads((cfg.output_dir / CONFIGURE_NAME).read_text())
     rules = rules_from_record(record, cfg.model.loss, cfg.model.ignore_index)
 
     def stream(sources: list[Source], field: str) -> Iterator[pa.Table]:
         if text:
             first = 0
-            for windows in text_windows(sources, data.text.seq_len, tokenizer, chunk_bytes):
+            encode = tokenizer.encode_lines if tokenizer is not None else None
+            for windows in text_windows(sources, data.text.seq_len, encode, chunk_bytes):
                 chunk = {data.text.input_name: windows[:, :-1], data.text.label_name: windows[:, 1:]}
                 plan.update({n: ColumnPlan(n, (n,), False) for n in wanted})
                 yield canonical_table(chunk, plan, dtypes, f"{field} text windows", shapes, rules, first)
@@ -193,11 +194,27 @@ def check_enough_rows(cfg: RunConfig, train_rows: int) -> None:
         )
 
 
-def _fingerprint(cfg: RunConfig, specs: list[InputSpec], train: list[Source], test: list[Source]) -> str:
-    """Changes when the sources, the data settings, the seed or the model's inputs do."""
+def _checked_tokenizer(cfg: RunConfig, record: dict) -> TextTokenizer | None:
+    """The text's tokenizer file (None: byte-level), refused when its ids do not fit an embedding table of the model's
+    token input (configure records the tables: ``token_tables`` in configure.json)."""
+    if cfg.data.text.tokenizer is None:
+        return None
+    tokenizer = open_tokenizer(cfg.data.text.tokenizer)
+    tables = [tuple(t) for t in record.get("token_tables", {}).get(cfg.data.text.input_name, [])]
+    problem = vocab_problem(tokenizer, cfg.data.text.input_name, tables)
+    if problem:
+        raise DataError(problem)
+    return tokenizer
+
+
+def _fingerprint(cfg: RunConfig, specs: list[InputSpec], train: list[Source], test: list[Source],
+                 tokenizer: TextTokenizer | None) -> str:
+    """Changes when the sources, the data settings, the tokenizer file's contents, the seed or the model's inputs
+    do."""
     key = {
         "format": FORMAT_VERSION,
         "data": cfg.model_dump(mode="json", include={"data"}),
+        "tokenizer": tokenizer.digest if tokenizer is not None else None,  # a file rewritten in place re-tokenizes
         "seed": cfg.train.seed,
         "inputs": [asdict(s) for s in specs],
         "train": [fingerprint_entry(s) for s in train],

@@ -279,23 +279,6 @@ def _need(columns: list[str], present: list[str], path: Path) -> None:
         )
 
 
-def load_tokenizer(path: Path | None):
-    """A function ``list[str] -> list[list[int]]`` for a ``tokenizers`` JSON file; None means byte-level."""
-    if path is None:
-        return None
-    try:
-        from tokenizers import Tokenizer  # optional dependency, only for tokenizer files
-    except ImportError:
-        raise DataError(
-            f"data.text.tokenizer names {path}, which needs the `tokenizers` package: pip install tokenizers "
-            f"(or remove data.text.tokenizer to use the byte-level tokenizer)"
-        ) from None
-    if not Path(path).exists():
-        raise DataError(f"data.text.tokenizer: {path} does not exist; check the path")
-    tok = Tokenizer.from_file(str(path))
-    return lambda lines: [enc.ids for enc in tok.encode_batch(lines)]
-
-
 def text_windows(sources: list[Source], seq_len: int, tokenizer, chunk_bytes: int) -> Iterator[np.ndarray]:
     """Token windows ``[n, seq_len + 1]`` (int64) from text files, read ``chunk_bytes`` at a time."""
     width = seq_len + 1

@@ -91,6 +91,7 @@ def _configure_inputs(cfg: RunConfig) -> dict:
 
 def _prepare_inputs(cfg: RunConfig) -> dict:
     from ortflow.dataprep.sources import fingerprint_entry, resolve_sources
+    from ortflow.dataprep.tokenizer import tokenizer_digest
 
     data = cfg.data
     train = resolve_sources(data.train, data.format, "data.train", cfg.storage.options)
@@ -101,6 +102,7 @@ def _prepare_inputs(cfg: RunConfig) -> dict:
         "seed": cfg.train.seed,
         "model_inputs": record.get("fingerprint"),
         "sources": [fingerprint_entry(s) for s in [*train, *test]],
+        "tokenizer": tokenizer_digest(data.text.tokenizer),  # a tokenizer file rewritten in place makes other ids
     }
 
 
