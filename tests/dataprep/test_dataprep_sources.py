@@ -12,7 +12,7 @@ import pyarrow.ipc as ipc
 import pytest
 from dataprep_helpers import TABLE_INPUTS, check_rows, make_cfg, table_rows, write_parquet
 
-from ortflow.dataprep import DataError, EvalLoader, TrainLoader, prepare_data
+from ortflow.dataprep import EvalLoader, TrainLoader, prepare_data
 
 
 def _all_train_rows(cfg, batch_size=1) -> dict[str, np.ndarray]:
@@ -96,21 +96,6 @@ def test_text_round_trip_byte_windows_and_merged_labels(tmp_path):
     epoch = next(TrainLoader(cfg.data_dir, n_windows, 0, 1, prefetch=0).iter_from(0))
     got = np.concatenate([epoch["input_ids"], epoch["labels"].reshape(n_windows, seq)[:, -1:]], axis=1)
     np.testing.assert_array_equal(got[np.lexsort(got.T[::-1])], windows[np.lexsort(windows.T[::-1])])
-
-
-def test_tokenizer_file_needs_tokenizers_package(tmp_path):
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("tokenizers is installed here")
-    (tmp_path / "a.txt").write_text("hello world\n" * 20)
-    (tmp_path / "tok.json").write_text("{}")
-    cfg = make_cfg(tmp_path, [str(tmp_path / "a.txt")], inputs=GPT_INPUTS, text={"seq_len": 4, "tokenizer": "tok.json"})
-    with pytest.raises(DataError, match="pip install tokenizers"):
-        prepare_data(cfg)
-    assert not cfg.data_dir.exists()
 
 
 def test_separate_test_files_become_the_eval_split(tmp_path):
