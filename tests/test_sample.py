@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -109,3 +111,44 @@ def test_a_file_onnx_runtime_cannot_load_is_a_sample_error(tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"not a model")
     with pytest.raises(SampleError, match="ONNX Runtime cannot load"):
         generate(tmp_path / "junk.onnx", "a", max_new_tokens=1)
+
+
+TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "tokenizers" / "bpe-512.json"
+
+
+def _next_token_model(path, vocab=512):
+    """input_ids int64 [1, T] (T symbolic) -> logits [1, T, vocab]; token t predicts t + 1 (mod vocab)."""
+    table = np.full((vocab, vocab), -5.0, np.float32)
+    table[np.arange(vocab), (np.arange(vocab) + 1) % vocab] = 5.0
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "next_token",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", vocab])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_tokenizer_encodes_the_prompt_and_decodes_the_generated_ids_to_text(tmp_path):
+    from ortflow.dataprep.tokenizer import open_tokenizer
+
+    tok = open_tokenizer(TOKENIZER)
+    model = _next_token_model(tmp_path / "m.onnx")
+    [last] = tok.encode("def")[-1:]
+    streamed = []
+    text = generate(model, "def", max_new_tokens=6, temperature=0, seq_len=4, tokenizer=tok,
+                    on_token=streamed.append)
+    assert text == tok.decode([(last + k) % 512 for k in range(1, 7)])
+    assert max(last + k for k in range(1, 7)) > 255  # ids past the bytes: decoded by the tokenizer, not as bytes
+    assert b"".join(streamed).decode() == text
+    # The run's window is the context when the model's token dim is symbolic and no --seq-len is given.
+    assert generate(model, "def", max_new_tokens=6, temperature=0, tokenizer=tok, run_seq_len=4) == text
+
+
+def test_ids_past_the_bytes_without_a_tokenizer_are_refused_naming_the_tokenizer_option(tmp_path):
+    model = _next_token_model(tmp_path / "m.onnx")
+    with pytest.raises(SampleError, match=r"predicts token 256, not a byte: give the tokenizer .*--tokenizer"):
+        generate(model, "\xff", max_new_tokens=100, temperature=0, seq_len=4)  # UTF-8 c3 bf: 191, 192, ..., 256

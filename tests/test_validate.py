@@ -349,3 +349,32 @@ def test_a_checkpoint_that_training_would_refuse_for_its_split_is_a_problem_befo
     # A damaged checkpoint is skipped by training (an earlier one resumes, or none): not this refusal.
     (folder / "step-00000003" / "params-stage00-of-02.h5").write_bytes(b"flipped")
     assert not [p for p in validate(path) if "was written with" in p]
+
+
+TOKENIZERS = Path(__file__).resolve().parent / "fixtures" / "tokenizers"
+
+
+@pytest.mark.parametrize(("name", "table"), [("gpt2.onnx", "model.transformer.wte.weight"),
+                                              ("gpt2-dynamo.onnx", "model.lm_head.weight"),
+                                              ("llama.onnx", "model.model.embed_tokens.weight")])
+def test_validate_refuses_a_tokenizer_with_more_ids_than_the_real_exports_embedding_has_rows(tmp_path, name, table):
+    config = _dynamo_config(tmp_path, name)
+    assert validate(config, [f"data.text.tokenizer={TOKENIZERS / 'bpe-512.json'}"]) == []
+    problems = validate(config, [f"data.text.tokenizer={TOKENIZERS / 'bpe-1024.json'}"])
+    assert problems == [
+        f"data.text.tokenizer: {TOKENIZERS / 'bpe-1024.json'} has a vocabulary of 1024 (ids 0..1023), but the model's "
+        f"input 'input_ids' indexes embedding table '{table}' of 512 rows, so ids 512..1023 would read past it; give "
+        "the tokenizer the model was made for (its tokenizer.json), or export the model with an embedding of at least "
+        "1024 rows (transformers: model.resize_token_embeddings(1024) before the export)"]
+
+
+def test_validate_refuses_a_slow_tokenizers_files_naming_the_tokenizer_json_to_give(tmp_path):
+    folder = tmp_path / "gpt2-tokenizer"
+    folder.mkdir()
+    (folder / "vocab.json").write_text('{"a": 0}')
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    config = _dynamo_config(tmp_path, "gpt2.onnx")
+    result = CliRunner().invoke(app, ["validate", str(config), "--set", f"data.text.tokenizer={folder}"])
+    assert result.exit_code == 1
+    assert f"data.text.tokenizer: {folder} is a folder without a tokenizer.json" in " ".join(result.output.split())
+    assert "save_pretrained(DIR)" in result.output and "Traceback" not in result.output
