@@ -65,7 +65,9 @@ class TextConfig(Section):
 
     seq_len: int = Field(128, gt=1, description="Tokens per window; inputs and labels are shifted by one token.")
     tokenizer: Path | None = Field(
-        None, description="A local `tokenizers` JSON file; default: byte-level (vocabulary of 256)."
+        None,
+        description="A Hugging Face `tokenizers` JSON file (a model's tokenizer.json; the `text` extra), whose ids "
+        "must fit the model's embedding table; default: byte-level (vocabulary of 256).",
     )
     input_name: str = Field("input_ids", description="Model input that receives the token window.")
     label_name: str = Field("labels", description="Input that receives the next-token targets.")

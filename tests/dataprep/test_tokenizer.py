@@ -187,14 +187,20 @@ def test_prepare_data_refuses_a_tokenizer_with_more_ids_than_the_embedding_has_r
 
 
 def test_a_tokenizer_file_rewritten_in_place_prepares_the_data_again(tmp_path):
+    """prepare-data's fingerprint and the prepare stage's cache key (`ortflow run`) hold the file's contents."""
+    from ortflow.tasks.caching import stage_key
+
     path = tmp_path / "tokenizer.json"
     path.write_bytes((TOKENIZERS / "bpe-512.json").read_bytes())
     cfg, text = _text_cfg(tmp_path, path)
     assert not prepare_data(cfg).reused
     assert prepare_data(cfg).reused
+    key = stage_key(cfg, "prepare_data")
+    assert stage_key(cfg, "prepare_data") == key
     vocab = json.loads(path.read_text())
     vocab["model"]["merges"] = vocab["model"]["merges"][:100]  # a smaller tokenizer at the same path
     path.write_text(json.dumps(vocab))
+    assert stage_key(cfg, "prepare_data") != key
     assert not prepare_data(cfg).reused
     tok = open_tokenizer(path)
     ids = [i for line in text.splitlines(keepends=True) for i in tok.encode(line)]
