@@ -29,7 +29,8 @@ def test_the_recipe_installs_the_pinned_lock_and_the_pinned_gpu_engine():
     cpu_engine = re.search(r"^onnxruntime-training-cpu==(\S+)$", lock, re.M)[1]
     assert args["GPU_ENGINE"] == f"onnxruntime-training=={cpu_engine}"  # the same engine release, GPU build
     install = next(value for kind, value in steps if kind == "RUN" and "pip install" in value)
-    assert 'pip install -c requirements.lock ".[cuda]"' in install and "pip install -c requirements.lock ." in install
+    assert 'pip install -c requirements.lock ".[cuda,text]"' in install  # text: data.text.tokenizer's package
+    assert 'pip install -c requirements.lock ".[text]"' in install
     assert "pip uninstall -y onnxruntime-training-cpu" in install  # never both engines
     for kind, value in steps:
         if kind == "COPY":
