@@ -87,15 +87,22 @@ def checkpoint_values(path):
 EVAL_ROWS = 37  # of the 64 eval rows, split unevenly over 2 and 3 ranks
 
 
+#: The statistics rule of the unsplit 2-rank run the ZeRO-1 runs end at.
+AVERAGED = {"batchnorm_sync": "average", "batchnorm_variance": "unbiased"}
+
+
 def _two_ranks(sync, variance):
     return f"dp2-{sync}-{variance}", (2, {"batchnorm_sync": sync, "batchnorm_variance": variance})
 
 
 #: The module's finished runs, by name: (ranks, settings). They evaluate the first EVAL_ROWS rows, so that each serves
-#: the statistics, evaluate and pipeline tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
-#: rule), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks and pp 2.
+#: the statistics, evaluate and layout tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
+#: rule, and ZeRO-1), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks (and ZeRO-1) and
+#: pp 2.
 RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiased"), _two_ranks("broadcast", "biased"),
              ("dp1", (1, {"batchnorm_sync": "average"})), ("dp3", (3, {})),
+             ("dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED})),
+             ("dynamo-dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED, "export": DYNAMO})),
              ("pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
              ("pp2xdp2", (4, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
              ("dynamo-dp1", (1, {"batchnorm_sync": "average", "export": DYNAMO})),
@@ -212,18 +219,21 @@ def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
         assert np.array_equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize(("export", "replicas"), [("cnn.onnx", 1), ("cnn.onnx", 2), (DYNAMO, 1)],
-                         ids=["pp2", "pp2xdp2", "dynamo-noopt-pp2"])
-def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics(trained, export, replicas):
-    """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut) ends every checkpoint where the
-    unsplit run on as many data-parallel ranks does: weights, running statistics (averaged over the replicas of each
-    stage), losses and eval losses. The first stage's forward passes normalise by the micro-batch, as its training
-    call does; its eval passes by the running statistics."""
+@pytest.mark.parametrize(("export", "layout"), [("cnn.onnx", "pp2xdp1"), ("cnn.onnx", "pp2xdp2"), (DYNAMO, "pp2xdp1"),
+                                               ("cnn.onnx", "dp2-zero1"), (DYNAMO, "dp2-zero1")],
+                         ids=["pp2", "pp2xdp2", "dynamo-noopt-pp2", "zero1", "dynamo-noopt-zero1"])
+def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_statistics(trained, export, layout):
+    """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut), or on 2 ranks with ZeRO-1, ends
+    every checkpoint where the unsplit run on as many data-parallel ranks (averaged statistics) does: weights, running
+    statistics (averaged over the replicas of each stage), losses and eval losses. The first stage's forward passes
+    normalise by the micro-batch, as its training call does; its eval passes by the running statistics. Each ZeRO-1
+    rank updates its shard of the parameters; the running statistics, which no optimizer updates, are synced as at
+    dp 2."""
     from ortflow.checkpoints.h5state import read_params
     from tests.support.parallel_runs import losses
 
-    unsplit, out_unsplit = (one_rank if replicas == 1 else two_ranks)(trained, export=export)
-    staged, out_staged = trained(f"{_prefix(export)}pp2xdp{replicas}")
+    unsplit, out_unsplit = (one_rank if layout == "pp2xdp1" else two_ranks)(trained, export=export)
+    staged, out_staged = trained(f"{_prefix(export)}{layout}")
     outs = [out_unsplit, out_staged]
     steps = [[info.step for info in list_complete(cfg.checkpoints_dir)] for cfg in (unsplit, staged)]
     assert steps[0] == steps[1] and len(steps[0]) == UPDATES
@@ -232,7 +242,7 @@ def test_two_pipeline_stages_train_to_the_unsplit_weights_and_running_statistics
         p, q = read_params(a.path), read_params(b.path)
         assert sorted(p) == sorted(q) and sum("running_mean" in n for n in p) == 2
         worst = max(worst, max(float(np.abs(p[n] - q[n]).max()) for n in p))
-    print(f"{export} pp 2 x dp {replicas} vs unsplit: max |difference| over {UPDATES} checkpoints {worst:.3g}")
+    print(f"{export} {layout} vs unsplit: max |difference| over {UPDATES} checkpoints {worst:.3g}")
     assert worst < 1e-6  # the same kernels on the same micro-batches (0 measured); an update moves weights by ~1e-2
     np.testing.assert_allclose(losses(outs[1].stdout), losses(outs[0].stdout), rtol=1e-6)
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout)] for out in outs]
