@@ -177,12 +177,11 @@ def test_tensor_pieces_compute_every_parameters_unsplit_gradient(export_dp):
 
 # Torch's default exporter (dynamo) on the same models: configure trains each export's torch parameters under their
 # torch names (ortflow/configure/torch_model.py), so every layout is compared with the unsplit run name by name.
-DYNAMO = ("gpt2-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "bert-dynamo.onnx")
-# The other dynamo fixtures that configure (gpt2-fresh-dynamo is refused before training: tests/test_fixture_exports.py)
-# train at dp 2 only: their families' layouts are covered above, and ViT's split is BERT's.
+DYNAMO = ("gpt2-dynamo-noopt.onnx", "gpt2-dynamo.onnx", "bert-dynamo.onnx", "bert-dynamo-noopt.onnx", "vit-dynamo.onnx",
+          "vit-dynamo-noopt.onnx")
 # The LSTM + GRU classifier's optimize=False export trains in pipeline stages and tensor pieces beside its TorchScript
-# twin (test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters) and at dp 2 here.
-DYNAMO_DP_ONLY = ("bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx")
+# twin (test_rnn_stages_and_tensor_pieces_train_to_the_unsplit_parameters) and at dp 2 here; the fresh GPT-2's
+# default export is refused before training (tests/test_fixture_exports.py).
 
 
 @pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
@@ -191,7 +190,7 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_
     assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, *DYNAMO_DP_ONLY, "rnn-dynamo-noopt.onnx"], indirect=True)
+@pytest.mark.parametrize("export_dp", [*DYNAMO, "rnn-dynamo-noopt.onnx"], indirect=True)
 def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 

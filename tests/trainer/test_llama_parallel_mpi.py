@@ -34,7 +34,9 @@ pytestmark = pytest.mark.mpi
 # one update's change (lr = 1e-3): a wrong gradient (a query head reading another rank's key/value head, RoPE applied
 # to the wrong half of a head) moves weights by ~lr every update.
 LLAMA_TP_ATOL = 1e-4
-DYNAMO = [e for e in LLAMA_EXPORTS if "dynamo" in e]
+#: The dynamo exports (default, optimize=False, and the fresh model's default export, whose merged norm weights are
+#: untied).
+DYNAMO = [*(e for e in LLAMA_EXPORTS if "dynamo" in e), "llama-fresh-dynamo.onnx"]
 
 # The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
 # MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_dynamo_stages_and_tensor_pieces_train_to_the_
@@ -76,7 +78,7 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
 
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript export (the dynamo exports' pp 2 x
 # tp 2 runs, cut automatically, assert the same below).
-BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in LLAMA_EXPORTS],
+BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
             pytest.param("llama.onnx", 2, id="pp2xtp2-blocks-llama.onnx")]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
 # configures them all, each training as soon as it is configured (exports_checks.start_layouts).
@@ -108,7 +110,7 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_at
         assert_attention_split_by_heads(cfg, pp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, "llama-fresh-dynamo.onnx"], indirect=True)
+@pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
 def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
