@@ -3,9 +3,10 @@ key/value heads; RoPE; SwiGLU), trained unmodified under mpiexec, each layout ag
 export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
 key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
 TorchScript export's stages cut by hand between its layers, the dynamo exports' cut automatically, inside the second
-layer); the dynamo exports also train in pp 2 with automatic cuts, at dp 2 on their torch parameters, as their
-TorchScript twin, and with ZeRO-1 and Adasum (what test_exports_parallel_mpi.py asserts on GPT-2 and BERT:
-tests/trainer/exports_checks.py)."""
+layer); the dynamo exports (the fresh model's too) also train in pp 2 with automatic cuts and at dp 2 on their torch
+parameters, the optimize=False one as its TorchScript twin; the TorchScript and default dynamo exports train with
+ZeRO-1, the default dynamo one with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the
+LSTM + GRU classifier: tests/trainer/exports_checks.py)."""
 
 from __future__ import annotations
 
