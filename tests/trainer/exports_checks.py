@@ -350,6 +350,9 @@ def assert_trains_with_zero1_and_adasum(reference: Reference, exchanges: tuple[s
     for name, cfg in runs.items():
         info = json.loads((cfg.output_dir / "configure.json").read_text())
         assert sorted(info["trainable"]) == sorted(record["parameters"]), name
+    for name, cfg in runs.items():  # each rank keeps its own optimizer state (ZeRO-1: its shard; Adasum: its deltas')
+        files = sorted(f.name for f in newest(cfg).glob("optimizer*.h5"))
+        assert files == [f"optimizer-rank0000{rank}-of-00002.h5" for rank in range(2)], (name, files)
     if "zero1" in runs:
         assert_equal_to(reference, runs["zero1"], outs["zero1"])
     if "adasum" not in runs:

@@ -242,6 +242,9 @@ def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_stat
         p, q = read_params(a.path), read_params(b.path)
         assert sorted(p) == sorted(q) and sum("running_mean" in n for n in p) == 2
         worst = max(worst, max(float(np.abs(p[n] - q[n]).max()) for n in p))
+    if layout == "dp2-zero1":  # each rank updates its shard of the parameters and writes its optimizer state
+        files = sorted(f.name for f in list_complete(staged.checkpoints_dir)[-1].path.glob("optimizer*.h5"))
+        assert files == [f"optimizer-rank0000{rank}-of-00002.h5" for rank in range(2)], files
     print(f"{export} {layout} vs unsplit: max |difference| over {UPDATES} checkpoints {worst:.3g}")
     assert worst < 1e-6  # the same kernels on the same micro-batches (0 measured); an update moves weights by ~1e-2
     np.testing.assert_allclose(losses(outs[1].stdout), losses(outs[0].stdout), rtol=1e-6)
