@@ -35,8 +35,8 @@ from tests.trainer.exports_runs import (
 ATOL = 5e-6
 # Except the attention key biases: softmax is invariant to them (they add the same q.b_k to every score of a row), so
 # their exact gradient is zero and what the engine computes is rounding noise, which AdamW normalises into steps of up
-# to lr. Any regrouping of a sum changes that noise: measured up to 1.1e-5 after 20 updates (and after 4); the bound is
-# 1e-4.
+# to lr. Any regrouping of a sum changes that noise: measured up to 1.1e-5 after 20 updates (and after 4) on GPT-2 and
+# BERT, 8.0e-5 after 4 on ViT's tensor pieces; the bound is 1e-4.
 KEY_BIAS_ATOL = 1e-4
 # Tensor pieces add the row-parallel partial sums over the ranks: each product is rounded in two halves, so gradients
 # differ from the unsplit ones by a few ulps everywhere, and AdamW turns a few ulps of an element whose gradient is
@@ -350,7 +350,7 @@ def assert_trains_with_zero1_and_adasum(reference: Reference, exchanges: tuple[s
     for name, cfg in runs.items():
         info = json.loads((cfg.output_dir / "configure.json").read_text())
         assert sorted(info["trainable"]) == sorted(record["parameters"]), name
-    for name, cfg in runs.items():  # each rank keeps its own optimizer state (ZeRO-1: its shard; Adasum: its deltas')
+    for name, cfg in runs.items():  # each rank keeps its own optimizer state (ZeRO-1: its shard's)
         files = sorted(f.name for f in newest(cfg).glob("optimizer*.h5"))
         assert files == [f"optimizer-rank0000{rank}-of-00002.h5" for rank in range(2)], (name, files)
     if "zero1" in runs:
@@ -365,5 +365,5 @@ def assert_trains_with_zero1_and_adasum(reference: Reference, exchanges: tuple[s
     cosine, ratio = float(ada @ dp / np.linalg.norm(ada) / np.linalg.norm(dp)), np.linalg.norm(ada) / np.linalg.norm(dp)
     print(f"{export}: Adasum's step vs the mean's after {UPDATES} updates: cosine {cosine:.3f}, norm ratio {ratio:.3f}")
     # measured after 20 updates: cosine 0.94 (GPT-2), 0.96 (Llama), 0.88 (BERT), norm ratio 1.11 to 1.24; after 4:
-    # cosine 0.90, 0.89, 0.82, norm ratio 1.20 to 1.32
+    # cosine 0.90, 0.89, 0.82, 0.85 (the LSTM + GRU classifier), norm ratio 1.20 to 1.42
     assert cosine > 0.7 and 0.5 < ratio < 2
