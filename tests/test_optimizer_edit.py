@@ -1,7 +1,8 @@
-"""An optimizer edit that the checkpoint to resume cannot feed (another optimizer wrote its state) is refused before
-anything records it: ``ortflow configure``, the train stage and ``ortflow train --accept-changed-config`` leave the run
-folder's config.yaml and its record as they were, so a later command reads the optimizer the checkpoints were
-trained with; ``ortflow validate`` reports it. Each names ``checkpoint.init_from``, as the ranks do."""
+"""An edit that the checkpoint to resume cannot feed (another optimizer wrote its state, or another pipeline or
+tensor-parallel split wrote it) is refused before anything records it: ``ortflow configure``, the train stage and
+``ortflow train --accept-changed-config`` leave the run folder's config.yaml, its record and its artifacts as they were,
+so a later command reads the optimizer and layout the checkpoints were trained with; ``ortflow validate`` reports it.
+Each names ``checkpoint.init_from``, as the ranks do."""
 
 from __future__ import annotations
 
@@ -43,6 +44,27 @@ def test_configure_refuses_an_optimizer_the_checkpoint_cannot_feed_and_records_n
     assert _optimizer_recorded(sgd_run) == "sgd"
 
 
+def test_configure_refuses_another_split_before_it_records_or_rebuilds_anything(sgd_run, tmp_path):
+    from ortflow.artifacts_folder import verify_artifacts
+    from ortflow.configure.configure import fingerprint, read_configure_record
+
+    files = ("config.yaml", "configure.json")
+    before = {name: (sgd_run.output_dir / name).read_bytes() for name in files}
+    config = tmp_path / "pp2.yaml"
+    config.write_text(yaml.safe_dump({**sgd_run.model_dump(mode="json"),
+                                      "distributed": {"num_ranks": 2, "pipeline_parallel_size": 2}}))
+    result = CliRunner().invoke(app, ["configure", str(config)])
+    assert result.exit_code == 1, result.output
+    assert "was written with distributed.pipeline_parallel_size 1 but this run has 2" in result.output, result.output
+    assert INIT_FROM in result.output and "Traceback" not in result.output
+    assert {name: (sgd_run.output_dir / name).read_bytes() for name in files} == before
+    assert load_run_config(sgd_run.output_dir).distributed.pipeline_parallel_size == 1
+    # The artifacts are still the unsplit ones the record vouches for: `ortflow train` resumes the folder as it was.
+    record = read_configure_record(sgd_run.output_dir)
+    assert record["fingerprint"] == fingerprint(sgd_run) and record["pipeline_cuts"] == []
+    verify_artifacts(sgd_run.artifacts_dir, record)
+
+
 def test_validate_reports_an_optimizer_the_checkpoint_cannot_feed(sgd_run, tmp_path):
     from ortflow.validate import validate
 
@@ -60,11 +82,11 @@ def test_validate_reports_an_optimizer_the_checkpoint_cannot_feed(sgd_run, tmp_p
 
 
 def test_the_check_asks_for_the_state_the_configs_optimizer_keeps(sgd_run):
-    from ortflow.checkpoints.layout_check import resume_optimizer_refusal
+    from ortflow.checkpoints.layout_check import resume_layout_refusal
 
-    assert resume_optimizer_refusal(sgd_run) is None  # the optimizer that wrote it resumes it
+    assert resume_layout_refusal(sgd_run) is None  # the optimizer that wrote it resumes it
     momentum = sgd_run.model_copy(update={"optimizer": OptimizerConfig(name="sgd", momentum=0.9)})
-    assert "needs ['momentum']" in resume_optimizer_refusal(momentum)
+    assert "needs ['momentum']" in resume_layout_refusal(momentum)
 
 
 def test_the_configs_state_names_are_the_trainers_rules(tmp_path):
@@ -88,6 +110,18 @@ def test_the_train_stage_refuses_the_edit_before_it_writes_the_config_for_the_ra
         train.fn(edited)
     assert err.value.will_repeat and INIT_FROM in str(err.value)
     assert _optimizer_recorded(sgd_run) == "sgd"
+
+
+def test_the_train_stage_refuses_another_split_before_it_writes_the_config_for_the_ranks(sgd_run):
+    from ortflow.config import DistributedConfig
+    from ortflow.tasks.training import TrainingFailed, train
+
+    split = DistributedConfig(num_ranks=2, pipeline_parallel_size=2)
+    with pytest.raises(TrainingFailed, match="pipeline_parallel_size 1 but this run has 2") as err:
+        train.fn(sgd_run.model_copy(update={"distributed": split}))
+    assert err.value.will_repeat and INIT_FROM in str(err.value)
+    verify_config(sgd_run.output_dir)
+    assert load_run_config(sgd_run.output_dir).distributed.pipeline_parallel_size == 1
 
 
 def test_an_accepted_hand_edit_that_the_checkpoint_cannot_feed_is_refused_and_stays_unaccepted(sgd_run):

@@ -59,8 +59,11 @@ def _optimizer_refusal(info: CheckpointInfo, cfg: RunConfig) -> str | None:
 
 
 def resume_layout_refusal(cfg: RunConfig) -> str | None:
-    """Before any rank starts: the refusal the ranks would meet for the checkpoint they would resume (another split,
-    or an optimizer state this config's optimizer cannot continue), else None.
+    """Before any rank starts, and before a command records a config in the run folder: the refusal the ranks would
+    meet for the checkpoint they would resume (another split, or an optimizer state this config's optimizer cannot
+    continue), else None. ``ortflow configure``, the train stage and ``ortflow train --accept-changed-config`` check
+    it before they record or build anything, so that a refused layout or optimizer is not left in the run folder for a
+    later command to read; ``ortflow validate`` and ``ortflow train`` report it.
 
     Reads the newest complete checkpoint's ``meta.json`` (or ``checkpoint_to_load_path``'s) and its first optimizer
     file's attributes; only one that conflicts has its files hashed, and a damaged one is passed over, as the ranks
@@ -76,13 +79,6 @@ def resume_layout_refusal(cfg: RunConfig) -> str | None:
         return _optimizer_refusal(info, cfg)
 
     return _first_refusal(cfg, refusal)
-
-
-def resume_optimizer_refusal(cfg: RunConfig) -> str | None:
-    """The ranks' refusal of the checkpoint they would resume for its optimizer state (written by an optimizer whose
-    state this config's optimizer cannot continue), else None: checked before a command records a config, so that a
-    refused optimizer edit is not left in the run folder."""
-    return _first_refusal(cfg, lambda info: _optimizer_refusal(info, cfg))
 
 
 def _first_refusal(cfg: RunConfig, check: Callable[[CheckpointInfo], str | None]) -> str | None:

@@ -299,7 +299,7 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
     problems = check_files(cfg)
     if problems:
         raise ConfigError(problems)
-    _refuse_unresumable_optimizer(cfg)
+    _refuse_unresumable_checkpoint(cfg)
     run_dir, artifacts_dir = cfg.output_dir, cfg.artifacts_dir
     record_path = run_dir / CONFIGURE_RECORD_NAME
     key = fingerprint(cfg)
@@ -371,15 +371,16 @@ def _token_tables(cfg: RunConfig) -> dict[str, list[tuple[str, int]]]:
     return token_tables(onnx.load(str(cfg.model.path), load_external_data=False))
 
 
-def _refuse_unresumable_optimizer(cfg: RunConfig) -> None:
-    """An optimizer whose state the checkpoint the ranks would resume cannot feed (another optimizer wrote it) is
-    refused here, before the config is recorded in the run folder: the ranks would refuse it at start, and a later
-    command would otherwise read the refused optimizer from the folder's config."""
-    from ortflow.checkpoints.layout_check import resume_optimizer_refusal
+def _refuse_unresumable_checkpoint(cfg: RunConfig) -> None:
+    """A layout or optimizer that the checkpoint the ranks would resume cannot feed (written with another pipeline or
+    tensor-parallel split, or its optimizer state by another optimizer) is refused here, before the config is recorded
+    in the run folder or an artifact is built: the ranks would refuse it at start, and a later command would otherwise
+    read the refused config from the folder, or find the artifacts of the checkpoint's layout rebuilt for another."""
+    from ortflow.checkpoints.layout_check import resume_layout_refusal
 
-    refusal = resume_optimizer_refusal(cfg)
+    refusal = resume_layout_refusal(cfg)
     if refusal:
-        raise ConfigError([f"optimizer: {refusal}"])
+        raise ConfigError([f"checkpoint: {refusal}"])
 
 
 def accept_config_edit(cfg: RunConfig) -> None:
@@ -400,7 +401,7 @@ def accept_config_edit(cfg: RunConfig) -> None:
     problems = fixed_batch_problems(cfg, cfg.output_dir)  # prepare-data checks a new config's; an edit skips it
     if problems:
         raise ConfigError([f"{cfg.output_dir / RESOLVED_CONFIG_NAME}: {p}" for p in problems])
-    _refuse_unresumable_optimizer(cfg)
+    _refuse_unresumable_checkpoint(cfg)
     record_config(cfg.output_dir)
     log.info("configure: accepted the edited %s", cfg.output_dir / RESOLVED_CONFIG_NAME)
 

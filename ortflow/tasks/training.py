@@ -22,7 +22,7 @@ from prefect.artifacts import (
 
 from ortflow import runlock
 from ortflow.checkpoints import completed_run, list_complete
-from ortflow.checkpoints.layout_check import resume_optimizer_refusal
+from ortflow.checkpoints.layout_check import resume_layout_refusal
 from ortflow.config import RESOLVED_CONFIG_NAME, RunConfig, dump_config, write_resolved_config
 from ortflow.launch.guard import GUARD_LOG, JobGuard, taken_over_lines
 from ortflow.launch.job import STOP_GRACE_S
@@ -344,7 +344,7 @@ def train(config: RunConfig) -> dict:
     # The ranks load the resolved config: configure may have been cached while train/distributed sections changed.
     target = config.output_dir / RESOLVED_CONFIG_NAME
     if not target.exists() or target.read_text() != dump_config(config):
-        refusal = resume_optimizer_refusal(config)  # what the ranks would refuse is not recorded in the run folder
+        refusal = resume_layout_refusal(config)  # what the ranks would refuse is not recorded in the run folder
         if refusal:
             raise TrainingFailed(refusal, will_repeat=True)
         write_resolved_config(config)

@@ -116,6 +116,24 @@ def copied_run(source, make, root: Path, name: str, **sections):
 ONE_THREAD = False
 
 
+def named_past_the_check(cfg: RunConfig, folder: Path, refusal: str) -> RunConfig:
+    """``cfg`` naming ``folder``, a checkpoint of another split, with ``checkpoint.checkpoint_to_load_path``: configure
+    refuses to record it (its error holds ``refusal``), so it is written into the run folder past that check, for the
+    ranks' own check (which also guards a run folder on object storage, where the commands leave it to the ranks)."""
+    from ortflow.config import ConfigError, write_resolved_config
+
+    named = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
+        update={"checkpoint_to_load_path": Path(folder)})})
+    try:
+        configure(named)
+    except ConfigError as err:
+        assert refusal in str(err), err
+    else:
+        raise AssertionError(f"configure recorded {folder}, a checkpoint of another split")
+    write_resolved_config(named)
+    return named
+
+
 def rank_command(cfg: RunConfig, script: str | None = None, *args: str) -> list[str]:
     """mpiexec command for the run's ranks: the real entry point, or a test script wrapping it."""
     target = [script, *args] if script else ["-m", "ortflow.trainer"]

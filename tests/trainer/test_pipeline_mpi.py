@@ -20,6 +20,7 @@ from tests.support.parallel_runs import assert_export_equals_eval_graph, corpus,
 from tests.support.runs import (
     make_run,
     make_text_run,
+    named_past_the_check,
     rank_command,
     run_ranks,
     run_ranks_together,
@@ -266,8 +267,9 @@ def test_a_hung_stage_is_named_when_its_neighbour_times_out(hung_stage):
 
 def test_resuming_with_another_stage_count_is_refused_with_the_fix(tmp_path, straight):
     folder = next(c.path for c in list_complete(straight.checkpoints_dir) if c.step == 1)  # a pp 2 checkpoint
-    unsplit = make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1},
-                            checkpoint={"checkpoint_to_load_path": str(folder)}, train={**TRAIN, "num_train_steps": 4})
+    unsplit = named_past_the_check(make_text_run(tmp_path, "pp1", distributed={"num_ranks": 1},
+                                                 train={**TRAIN, "num_train_steps": 4}),
+                                   folder, "was written with distributed.pipeline_parallel_size 2 but this run has 1")
     out = run_ranks(unsplit)
     assert out.returncode != 0
     assert "was written with distributed.pipeline_parallel_size 2 but this run has 1" in out.stdout, out.stdout

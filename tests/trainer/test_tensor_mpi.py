@@ -23,7 +23,14 @@ from tests.support.parallel_runs import (
     losses,
     newest,
 )
-from tests.support.runs import copied_run, run_ranks, run_ranks_together, start_ranks, start_script_ranks
+from tests.support.runs import (
+    copied_run,
+    named_past_the_check,
+    run_ranks,
+    run_ranks_together,
+    start_ranks,
+    start_script_ranks,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -264,9 +271,10 @@ def test_an_unsplit_run_resumes_the_merged_slices_and_a_split_run_refuses_anothe
     out = run_ranks(whole)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "starting from step 2" in out.stdout  # params and AdamW moments merged from both ranks' files
-    back = tp_run(configured, tmp_path, "tp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
-                  train={"num_train_steps": 12, "evaluation_period": 0},
-                  checkpoint={"checkpoint_to_load_path": str(newest(whole))})
+    back = named_past_the_check(
+        tp_run(configured, tmp_path, "tp2again", distributed={"num_ranks": 2, "horizontal_parallel_size": 2},
+               train={"num_train_steps": 12, "evaluation_period": 0}),
+        newest(whole), "was written with distributed.horizontal_parallel_size 1 but this run has 2")
     out = run_ranks(back)
     assert out.returncode != 0
     assert "was written with distributed.horizontal_parallel_size 1 but this run has 2" in out.stdout, \
