@@ -113,6 +113,7 @@ class JobState:
     detail: str
     returncode: int | None = None
     retry: bool = True  # ended: False when another submission would end the same way (scancel, never starts)
+    known: bool = True  # False: the scheduler has not said the job's state yet (the phase is the watcher's guess)
 
 
 class Job(Protocol):
@@ -207,7 +208,7 @@ def watch(
         drain()
         signum = received[0] if received else 0  # a signal after the job ended does not make it a stopped one
     except BaseException:  # a cancelled flow, a timeout, Ctrl-C: the job must not outlive its watcher unasked
-        stop(job, grace_s, on_line, clock, sleep, pending=_known(job, seen).phase is Phase.PENDING)
+        stop(job, grace_s, on_line, clock, sleep, last=_known(job, seen))
         raise
     finally:
         restore()
@@ -232,14 +233,15 @@ def _report_pending(job: Job, state: JobState, since: list[float], on_line: Call
 
 def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-         pending: bool = False) -> JobState:
+         last: JobState | None = None) -> JobState:
     """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out.
 
     A repeated stop request while it waits (a second Ctrl-C, a process manager repeating its SIGTERM, which Prefect
     raises as an exception during a flow run) neither cuts the wait nor the ranks' last lines short: the grace
-    bounds the wait. ``pending``: the job was last seen waiting for resources (no rank runs; cancelling removes it).
+    bounds the wait. ``last``: the job's newest polled state, which the warning follows (a pending job is removed, no
+    rank runs; a job whose state the scheduler has not said gets the stop signal); None: a running job.
     """
-    log.warning("%s", _stop_words(job, pending, f" ({grace_s:.0f} s grace)"))
+    log.warning("%s", _stop_words(job, last, f" ({grace_s:.0f} s grace)"))
     job.cancel()
     deadline = clock() + grace_s
     while True:
@@ -284,11 +286,16 @@ def _known(job: Job, seen: list[JobState]) -> JobState:
     return seen[0]
 
 
-def _stop_words(job: Job, pending: bool, grace: str = "") -> str:
-    """What a stop request does: a pending job is removed (no rank runs), a running one's ranks stop after the
-    current update with a stop checkpoint."""
+def _stop_words(job: Job, last: JobState | None, grace: str = "") -> str:
+    """What a stop request does to the job in its newest polled state ``last``: a pending job is removed (no rank
+    runs), a running one's ranks stop after the current update with a stop checkpoint, and one whose state the
+    scheduler has not said gets the stop signal, as a running one does (its ``cancel`` removes a job only when the
+    scheduler said it is pending)."""
     name = f"{job.launcher} job{f' {job.job_id}' if job.job_id else ''}"
-    if pending:
+    if last is not None and not last.known:
+        return (f"sending the stop signal to the {name}: its state is unknown (the scheduler has not answered); "
+                f"ranks that run stop after the current update{grace}")
+    if last is not None and last.phase is Phase.PENDING:
         return f"removing the pending {name} from the queue: no rank is running, nothing to checkpoint"
     return f"asking the ranks of the {name} to stop after the current update{grace}"
 
@@ -302,8 +309,7 @@ def _cancel_on_signals(job: Job, received: list[int], seen: list[JobState]) -> C
     first: list[float] = [time.monotonic()] if received else []  # signals before the job started: stopped below
 
     def ask(signum: int) -> None:
-        pending = _known(job, seen).phase is Phase.PENDING
-        log.warning("%s: %s", signal.Signals(signum).name, _stop_words(job, pending))
+        log.warning("%s: %s", signal.Signals(signum).name, _stop_words(job, _known(job, seen)))
 
     def forward(signum: int, _frame: object) -> None:
         if not received:

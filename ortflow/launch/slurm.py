@@ -222,7 +222,7 @@ class SlurmJob:
         self.output = run_dir / SLURM_DIR / f"job-{job_id}.out"
         self._offset = 0
         self._partial = ""
-        self._last = JobState(Phase.PENDING, "PENDING")
+        self._last = JobState(Phase.PENDING, "PENDING", known=False)  # a guess until the controller answers
         self._answered = False  # the controller has said the job's state at least once
         self._stopping = False  # this watcher asked the job to stop (cancel, kill)
 

@@ -270,19 +270,22 @@ STOPPED = "JobId=42 JobState=CANCELLED Reason=None ExitCode=0:15"
 TERM = ("scancel", "--batch", "--signal=TERM", "42")
 
 
-@pytest.mark.parametrize(("answer", "said", "scancel"), [
-    (RUNNING, "SIGINT: asking the ranks of the slurm job 42 to stop after the current update", TERM),
-    (PENDING, "SIGINT: removing the pending slurm job 42 from the queue: no rank is running, nothing to checkpoint",
+@pytest.mark.parametrize(("answers", "said", "scancel"), [
+    ([RUNNING], "SIGINT: asking the ranks of the slurm job 42 to stop after the current update", TERM),
+    ([PENDING], "SIGINT: removing the pending slurm job 42 from the queue: no rank is running, nothing to checkpoint",
      ("scancel", "42")),
-], ids=["running", "pending"])
-def test_ctrl_c_before_the_first_poll_says_and_does_what_fits_the_state_slurm_reports(tmp_path, caplog, answer,
+    ([UNREACHABLE, UNREACHABLE], "SIGINT: sending the stop signal to the slurm job 42: its state is unknown (the "
+     "scheduler has not answered); ranks that run stop after the current update", TERM),
+], ids=["running", "pending", "unanswered"])
+def test_ctrl_c_before_the_first_poll_says_and_does_what_fits_the_state_slurm_reports(tmp_path, caplog, answers,
                                                                                        said, scancel):
     """A Ctrl-C that ``ortflow train`` took while it submitted the job (before the watch's first ``scontrol``): the
     line names what happens to the job as Slurm reports it, and the job gets exactly that (a running job's ranks a
-    stop signal for their stop checkpoint, a pending job removed)."""
+    stop signal for their stop checkpoint, a pending job removed); a job whose state the controller never said (no
+    answer to the stop's ``scontrol`` nor to the cancel's) gets the stop signal, and the line says so."""
     import signal
 
-    job, fake = job_with(tmp_path, [answer, STOPPED])
+    job, fake = job_with(tmp_path, [*answers, STOPPED])
     with caplog.at_level("WARNING", logger="ortflow.launch.job"):
         result = watch(job, lambda line: None, sleep=lambda s: None, forward_signals=True, received=[signal.SIGINT])
     assert [r.getMessage() for r in caplog.records] == [said]
