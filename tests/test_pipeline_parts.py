@@ -1,5 +1,6 @@
 """The pipeline's small parts, without a server: which failures are retried, rank line levels, the progress
-artifact's final words, stage options from the config, the loss-curve data, overrides, and the shipped examples."""
+artifact's final words, stage options from the config, the loss-curve data, overrides, the shipped examples, and the
+configure stage's cache key on a folder configured since by hand."""
 
 from __future__ import annotations
 
@@ -253,3 +254,21 @@ def test_a_never_prepared_data_folder_is_not_reported_as_untrusted(tmp_path, cap
     with caplog.at_level("WARNING"):
         assert not outputs_intact(cfg, "prepare_data")
     assert "prepare the data first" not in caplog.text and "not trusted" not in caplog.text
+
+
+def test_the_configure_stage_is_not_replayed_on_a_folder_configured_since_for_another_config(tmp_path):
+    # `ortflow configure` by hand between two flow runs of one config, with another model, precision or layout: the
+    # folder's artifacts are no longer this config's, so the flow's configure stage runs (and builds them again)
+    # instead of replaying its result; once it has, the folder is back in the state the cached result describes.
+    from ortflow.configure.configure import configure
+    from ortflow.tasks.caching import stage_key
+    from tests.support.runs import make_run
+
+    cfg = make_run(tmp_path, "run", num_rows=64, distributed={"num_ranks": 1})
+    key = stage_key(cfg, "configure")
+    split = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(
+        update={"num_ranks": 2, "pipeline_parallel_size": 2})})
+    configure(split)  # the folder holds no checkpoint: the other layout is built
+    assert stage_key(cfg, "configure") != key
+    assert not configure(cfg).reused
+    assert stage_key(cfg, "configure") == key

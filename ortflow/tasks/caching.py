@@ -83,10 +83,15 @@ def _configure_record(run_dir: Path) -> dict | None:
 
 def _configure_inputs(cfg: RunConfig) -> dict:
     # configure.fingerprint covers the model file (and its external data), the model section and the layout and
-    # precision settings the artifacts depend on.
+    # precision settings the artifacts depend on. A folder configured since for another config (`ortflow configure`
+    # by hand between two flow runs) holds artifacts that are not this config's: its record's fingerprint enters the
+    # key, so the stage runs and builds them again instead of replaying its result (once it has, the key is the one
+    # that result was stored under).
     from ortflow.configure.configure import fingerprint
 
-    return {"fingerprint": fingerprint(cfg)}
+    key = fingerprint(cfg)
+    built_for = (_configure_record(cfg.output_dir) or {}).get("fingerprint", key)
+    return {"fingerprint": key} if built_for == key else {"fingerprint": key, "folder_built_for": built_for}
 
 
 def _prepare_inputs(cfg: RunConfig) -> dict:
