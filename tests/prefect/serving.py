@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -93,3 +94,33 @@ def slots_in_use(deployment_id) -> int:
         limit = client.read_deployment(deployment_id).global_concurrency_limit
     assert limit is not None, "the deployment has no concurrency limit"
     return limit.active_slots
+
+
+def wait_for_failed_run_line(log: Path, run_id, where: str) -> list:
+    """Wait until the output in ``log`` holds a failed flow run's one line (it comes from the flow-run process as it
+    ends; Prefect's own last line of the run where the one line is missing), then return the run's log entries on the
+    server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    wait_for(lambda: any(end in log.read_text() for end in (f"flow-run logs {run_id}", "Finished in state Failed")),
+             60, f"the failed run's line in {where}", 0.5)
+    with get_client(sync_client=True) as client:
+        return client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+
+
+def assert_bad_batch_size_is_one_line(state, output: str, logs: list, run, deployment: str,
+                                      also: str | None = None) -> None:
+    """A run failed on ``train.batch_size=0`` shows in ``output`` (a terminal) as one line naming the run, the
+    deployment, the stage, the error and ``prefect flow-run logs ID``, without a traceback, while the run's log on the
+    server keeps the traceback. ``also``: another marker of lines that must not appear beside it (e.g. ``ERROR``)."""
+    assert state.is_failed(), (state, output[-3000:])
+    assert "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if "batch_size" in line or (also and also in line)]
+    assert len(lines) == 1, output
+    (line,) = lines
+    assert re.match(rf"error: flow run {re.escape(run.name)} \({re.escape(deployment)}\) failed in resolve_config: "
+                    r"ConfigError: 1 problem\(s\) in overrides train.batch_size=0: - train.batch_size: Input should "
+                    r"be greater than 0; ", line), line
+    assert f"prefect flow-run logs {run.id}" in line, line
+    assert any("Traceback (most recent call last)" in entry.message for entry in logs), [e.message for e in logs]

@@ -5,11 +5,14 @@ said to be stopped, not failed (its records built here, as Prefect's engine logs
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.prefect.serving import read_flow_run, serving
+from tests.prefect.serving import (
+    assert_bad_batch_size_is_one_line,
+    read_flow_run,
+    serving,
+    wait_for_failed_run_line,
+)
 from tests.support.prefect_runs import mlp_config, wait_for, write_config
 
 pytestmark = pytest.mark.prefect
@@ -18,7 +21,6 @@ pytestmark = pytest.mark.prefect
 def test_a_failed_served_run_is_one_line_in_the_serve_terminal_and_its_traceback_stays_in_its_log(
         prefect_server, mlp_sources, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     cfg = mlp_config(tmp_path, mlp_sources, "failing", distributed={"num_ranks": 1, "threads_per_rank": 1})
     config_file = write_config(cfg, tmp_path / "failing.yaml")
@@ -30,25 +32,9 @@ def test_a_failed_served_run_is_one_line_in_the_serve_terminal_and_its_traceback
                 deployment.id, parameters={"overrides": ["train.batch_size=0"]})
         state = wait_for(lambda: (s := read_flow_run(run.id).state) is not None and s.is_final() and s, 240,
                          "the served run to end", 0.5)
-        # The line comes from the flow-run process as it ends: wait for it (serve's output is a file here).
-        # (Prefect's own last line of the run where the one line is missing.)
-        wait_for(lambda: any(end in log.read_text() for end in (f"flow-run logs {run.id}", "Finished in state Failed")),
-                 60, "the failed run's line in serve's output", 0.5)
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-    output = log.read_text()
-    assert state.is_failed(), (state, output[-3000:])
-    assert "Traceback" not in output, output
+        logs = wait_for_failed_run_line(log, run.id, "serve's output")
     # The error once, on the run's one line (Prefect's own error lines for the task, the flow and the engine are gone).
-    lines = [line for line in output.splitlines() if "batch_size" in line or "ERROR" in line]
-    assert len(lines) == 1, output
-    (line,) = lines
-    assert re.match(rf"error: flow run {run.name} \(train-pipeline/failing\) failed in resolve_config: ConfigError: "
-                    r"1 problem\(s\) in overrides train.batch_size=0: - train.batch_size: Input should be greater "
-                    r"than 0; ", line), line
-    assert f"prefect flow-run logs {run.id}" in line, line
-    # The full traceback is still in the run's log on the server (its UI and `prefect flow-run logs`).
-    assert any("Traceback (most recent call last)" in entry.message for entry in logs), [e.message for e in logs]
+    assert_bad_batch_size_is_one_line(state, log.read_text(), logs, run, "train-pipeline/failing", also="ERROR")
 
 
 def test_a_served_run_a_signal_stopped_is_one_line_that_says_stopped_not_an_error():

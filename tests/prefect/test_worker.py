@@ -21,7 +21,12 @@ from ortflow import runlock
 from ortflow.processes import process_alive
 from ortflow.versions import read_registry
 from tests.faults.procs import descendants
-from tests.prefect.serving import read_flow_run, slots_in_use
+from tests.prefect.serving import (
+    assert_bad_batch_size_is_one_line,
+    read_flow_run,
+    slots_in_use,
+    wait_for_failed_run_line,
+)
 from tests.support.prefect_runs import (
     FINAL_STATE_S,
     mlp_config,
@@ -198,10 +203,7 @@ def test_a_failed_run_is_one_line_in_the_workers_terminal_and_its_traceback_stay
     """As in ``ortflow serve``'s terminal: a run a process worker executes that fails in a stage prints one line naming
     the run, the stage, the error and where the full log is, and no traceback; the run's log on the server keeps it.
     The run fails on a bad override before any rank starts (one flow-run process)."""
-    import re
-
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     cfg = mlp_config(tmp_path, mlp_sources, "worker-fails", distributed={"num_ranks": 1, "threads_per_rank": 1})
     deployment_id = _deploy(cfg, "ortflow-worker-fails")
@@ -210,21 +212,8 @@ def test_a_failed_run_is_one_line_in_the_workers_terminal_and_its_traceback_stay
     log = tmp_path / "worker.log"
     with worker("ortflow-worker-fails", prefect_server, tmp_path, log):
         state = wait_for(lambda: _final(run.id), 240, "the worker's run to end", 0.5)
-        # The line comes from the flow-run process as it ends (Prefect's own last line of the run where it is missing).
-        wait_for(lambda: any(end in log.read_text() for end in (f"flow-run logs {run.id}", "Finished in state Failed")),
-                 60, "the failed run's line in the worker's output", 0.5)
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-    output = log.read_text()
-    assert state.is_failed(), (state, output[-3000:])
-    assert "Traceback" not in output, output
-    lines = [line for line in output.splitlines() if "batch_size" in line]
-    assert len(lines) == 1, output
-    assert re.match(rf"error: flow run {run.name} \(train-pipeline/worker-fails\) failed in resolve_config: "
-                    r"ConfigError: 1 problem\(s\) in overrides train.batch_size=0: - train.batch_size: Input should "
-                    r"be greater than 0; ", lines[0]), lines[0]
-    assert f"prefect flow-run logs {run.id}" in lines[0], lines[0]
-    assert any("Traceback (most recent call last)" in entry.message for entry in logs), [e.message for e in logs]
+        logs = wait_for_failed_run_line(log, run.id, "the worker's output")
+    assert_bad_batch_size_is_one_line(state, log.read_text(), logs, run, "train-pipeline/worker-fails")
 
 
 @flow(name="orphaned")
