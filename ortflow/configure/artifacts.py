@@ -37,6 +37,7 @@ from ortflow.configure.engine_input import PROTO_LIMIT, ArtifactsError, artifact
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.exports.batch_dims import BatchReport
+from ortflow.graph.exports.token_tables import token_tables
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class ModelInfo:
     float_initializers: tuple[TensorInfo, ...]
     opset: int
     ir_version: int
+    #: Each graph input -> the ``[table, rows]`` of every embedding table its values index
+    #: (:func:`~ortflow.graph.exports.token_tables.token_tables`, as lists: configure.json records them).
+    token_tables: dict[str, list[list]]
 
     def output(self, name: str) -> TensorInfo | None:
         """The output called ``name``, or None."""
@@ -133,7 +137,8 @@ def _graph_inputs(graph: onnx.GraphProto, exclude: set[str]) -> tuple[TensorInfo
 
 
 def inspect_model(path: Path | str) -> ModelInfo:
-    """Read an ONNX model's inputs, outputs, float initializers, opset and IR version (external data is not loaded).
+    """Read an ONNX model's inputs, outputs, float initializers, opset, IR version and token tables (external data
+    is not loaded).
 
     Inputs that are also initializers (old exporters list weights as inputs) are reported as initializers only.
 
@@ -158,6 +163,7 @@ def inspect_model(path: Path | str) -> ModelInfo:
         float_initializers=floats,
         opset=opset,
         ir_version=proto.ir_version,
+        token_tables={name: [list(t) for t in tables] for name, tables in token_tables(proto).items()},
     )
 
 

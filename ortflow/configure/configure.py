@@ -57,7 +57,6 @@ from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
 from ortflow.configure.training_graph import capture_applies, sums_as_matmul_applies
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.exports.batchnorm_stats import running_statistics, to_record
-from ortflow.graph.exports.token_tables import token_tables
 from ortflow.graph.tensor_parallel.tensor_plan import describe
 
 log = logging.getLogger(__name__)
@@ -358,17 +357,11 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
         "op_types": op_types(cfg.model.path),  # the GPU ranks check the libraries they need (trainer/startup.py)
         # input -> [table, rows] of the embeddings it indexes: prepare-data refuses a tokenizer with more ids
-        "token_tables": {name: [list(t) for t in tables]  # lists, as configure.json reads back
-                         for name, tables in _token_tables(cfg).items()},
+        "token_tables": model.token_tables,
     }
     record = _write_json_atomic(record_path, record)
     log.info("configure: built artifacts in %s (%d trainable parameters)", artifacts_dir, built.num_parameters)
     return ConfigureResult(run_dir, artifacts_dir, reused=False, info=record)
-
-
-def _token_tables(cfg: RunConfig) -> dict[str, list[tuple[str, int]]]:
-    """The embedding tables each model input indexes (its graph, read without the weights)."""
-    return token_tables(onnx.load(str(cfg.model.path), load_external_data=False))
 
 
 def _refuse_unresumable_checkpoint(cfg: RunConfig) -> None:
