@@ -14,7 +14,10 @@ it is stopped, with no signal before it) gives it no chance to stop the ranks. T
   reports its final state there).
 
 The launching process talks to the guard through the guard's standard input: ``job PGID`` once the job started,
-``done`` when it no longer needs the guard (the job ended, or it stopped the job itself).
+``done`` when it no longer needs the guard (the job ended, or it stopped the job itself). When the launching process
+asks the ranks to stop itself (a flow run cancelled, a task's time limit, Prefect's SIGTERM), it appends the job's
+lines it reads from then on to the guard's log as it reads them (:class:`StopTranscript`): a process killed during
+that stop has read lines it never forwarded, and the guard's report sends them on with its own.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from ortflow.processes import group_alive, wait_for_exit
 
@@ -57,6 +61,8 @@ class JobGuard:
         with open(Path(run_dir) / GUARD_LOG, "a") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
                                          pass_fds=(self.read_fd,), start_new_session=True)
+
+        self.transcript = StopTranscript(Path(run_dir) / GUARD_LOG)
 
     @property
     def pid(self) -> int:
@@ -89,22 +95,64 @@ class JobGuard:
             pass  # the guard is gone: the ranks follow it and end, the job's own exit status says so
 
 
+class StopTranscript:
+    """The job's lines the launching process reads once it has asked the ranks to stop, appended to the guard's log
+    ``log`` as they are read (one write per line, in append mode beside the guard's own writes), after a line that
+    names the process. Before :meth:`start` it writes nothing."""
+
+    def __init__(self, log: Path):
+        self.log = log
+        self._file: TextIO | None = None
+
+    def start(self) -> None:
+        """The launching process asks the ranks to stop now (once; later calls do nothing)."""
+        if self._file is not None:
+            return
+        try:
+            file = open(self.log, "a", buffering=1)  # noqa: SIM115 - open until this process exits
+            file.write(f"{time.strftime('%H:%M:%S')} the launching process {os.getpid()} {_ASKED}\n")
+        except OSError:
+            return  # the transcript is a record: a run folder that cannot take it does not stop the stop
+        self._file = file
+
+    def write(self, line: str) -> None:
+        """A line of the job's output (without its newline), read by the launching process."""
+        if self._file is not None:
+            try:
+                self._file.write(line + "\n")
+            except (OSError, ValueError):
+                pass
+
+
 #: The guard's log line that starts a take-over (what follows it is the job's output and the guard's own lines).
 _TAKE_OVER = "is gone before its job ended"
+#: The launching process's line in the guard's log before the job's lines it reads while it stops the job itself.
+_ASKED = "asked the ranks to stop; the lines it read follow"
+_PROCESS = re.compile(r"the launching process (\d+) ")
 
 
 def taken_over_lines(log: Path) -> list[str]:
-    """The job's output lines that the guard copied to its log ``log`` during its last take-over."""
+    """The job's output lines of its last take-over: those the guard copied to its log ``log``, and before them those
+    the killed launching process had read while it was stopping the job itself (which it may or may not have
+    forwarded before it was killed)."""
     try:
         lines = Path(log).read_text(errors="replace").splitlines()
     except OSError:
         return []
     starts = [i for i, line in enumerate(lines) if _TAKE_OVER in line]
-    return [line for line in lines[starts[-1] + 1:] if not _OWN.match(line)] if starts else []
+    if not starts:
+        return []
+    start = starts[-1]
+    killed = _PROCESS.search(lines[start])
+    previous = starts[-2] if len(starts) > 1 else -1
+    asked = [i for i in range(previous + 1, start) if _ASKED in lines[i] and killed
+             and (found := _PROCESS.search(lines[i])) and found.group(1) == killed.group(1)]
+    first = asked[-1] if asked else start
+    return [line for line in lines[first + 1:] if not _OWN.match(line)]
 
 
 _OWN = re.compile(r"^\d\d:\d\d:\d\d (asking the ranks|no job was started|the job did not stop|waiting for .* to "
-                  r"import|reporting the stop)")
+                  r"import|reporting the stop|the launching process \d+ )")
 
 
 def _say(text: str) -> None:

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from ortflow.launch.guard import JobGuard
+from ortflow.launch.guard import JobGuard, StopTranscript
 from ortflow.launch.job import (
     STOP_GRACE_S,
     JobState,
@@ -119,12 +119,16 @@ class LocalJob:
     Args:
         cmd: The launcher command line.
         env: The ranks' environment.
+        output: A pipe made beforehand (read end, write end) whose read end a guard holds too.
+        transcript: Where the lines read after :meth:`cancel` also go, as they are read (the guard's log).
     """
 
     launcher = "local"
     job_id = None
 
-    def __init__(self, cmd: list[str], env: dict[str, str], output: tuple[int, int] | None = None):
+    def __init__(self, cmd: list[str], env: dict[str, str], output: tuple[int, int] | None = None,
+                 transcript: StopTranscript | None = None):
+        self._transcript = transcript
         if output is None:
             self.proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
@@ -146,7 +150,10 @@ class LocalJob:
 
     def _read(self) -> None:
         for line in self._stream or ():
-            self._lines.put(line.rstrip("\n"))
+            line = line.rstrip("\n")
+            if self._transcript is not None:
+                self._transcript.write(line)  # on disk before it is forwarded: this process may be killed first
+            self._lines.put(line)
             self._news.set()
         self._eof.set()
         self._news.set()
@@ -177,6 +184,8 @@ class LocalJob:
         a second SIGINT as "kill now", and a process manager that signals every process at once has already sent it
         one.
         """
+        if self._transcript is not None:
+            self._transcript.start()
         self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
@@ -244,7 +253,8 @@ def launch(
         env[LAUNCHER_PID_ENV] = str(guard.pid)  # the ranks outlive this process as long as the guard does
     restore_pause = _keep_running_on_terminal_stop() if forward_signals else (lambda: None)  # before any rank runs
     try:
-        job = LocalJob(cmd, env, output=(guard.read_fd, guard.write_fd) if guard is not None else None)
+        job = LocalJob(cmd, env, output=(guard.read_fd, guard.write_fd) if guard is not None else None,
+                       transcript=guard.transcript if guard is not None else None)
     except BaseException:
         restore_pause()
         if guard is not None:

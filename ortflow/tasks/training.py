@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,7 @@ def report_orphaned_stop(run_dir: Path) -> None:
     with get_client(sync_client=True) as client:
         # The final state first: it frees the deployment's concurrency slot; the rest is the record.
         client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
-        client.create_logs(logs)  # the ranks' last lines, which the killed process could not forward
+        client.create_logs(_not_yet_logged(client, flow_run_id, logs))  # what the killed process did not forward
         flow_run = client.read_flow_run(flow_run_id)
         if config is not None:
             step = f"step {newest[-1].step}{total}" if newest else "before the first checkpoint"
@@ -217,6 +218,29 @@ def report_orphaned_stop(run_dir: Path) -> None:
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=10)
+
+
+def _not_yet_logged(client: Any, flow_run_id: str, logs: list) -> list:
+    """``logs`` less those the flow run's logs hold already: lines the killed process read while it stopped the job
+    itself, some of which it may have sent before it was killed (each copy on the server cancels one here)."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    if not logs:
+        return logs
+    try:
+        sent = Counter(entry.message for entry in client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,  # the server's most
+            sort=LogSort.TIMESTAMP_DESC))
+    except Exception:  # noqa: BLE001 - a repeated line is better than a lost one
+        return logs
+    kept = []
+    for entry in logs:
+        if sent[entry.message] > 0:
+            sent[entry.message] -= 1
+        else:
+            kept.append(entry)
+    return kept
 
 
 def _end_progress_artifact(client: Any, flow_run_id: str, key: str, record: dict, description: str) -> None:

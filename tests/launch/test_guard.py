@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ortflow.launch.guard import GUARD_LOG
+from ortflow.launch.guard import GUARD_LOG, taken_over_lines
 from tests.support.prefect_runs import processes_mentioning, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,17 +26,21 @@ LAUNCHER = textwrap.dedent("""
     from ortflow.launch.guard import JobGuard
     from ortflow.launch.local import LAUNCHER_PID_ENV, LocalJob
 
-    run_dir, release = Path(sys.argv[1]), sys.argv[2] == "release"
+    run_dir, mode = Path(sys.argv[1]), sys.argv[2]
     guard = JobGuard(run_dir, grace_s=20, then="guard_then:record_report")
     job = LocalJob(["bash", "-c", sys.argv[3]], {**os.environ, LAUNCHER_PID_ENV: str(guard.pid)},
-                   output=(guard.read_fd, guard.write_fd))
+                   output=(guard.read_fd, guard.write_fd), transcript=guard.transcript)
     guard.job_started(job.proc.pid)
     (run_dir / "job.pid").write_text(str(job.proc.pid))
     while not any("tick" in line for line in job.read_output()):
         job.wait(0.5)
-    if release:
+    if mode == "release":
         guard.release()
         (run_dir / "released").write_text(str(guard.proc.returncode))
+    if mode == "cancel":  # this process stops the job itself (a cancelled flow run) and reads its last line
+        job.cancel()
+        while not any("stop line" in line for line in job.read_output()):
+            job.wait(0.5)
     print("ready", flush=True)
     time.sleep(600)
 """)
@@ -127,6 +131,55 @@ def test_a_guard_stops_the_job_of_a_killed_launching_process_and_reports(tmp_pat
     assert not _alive(job)
     log = (tmp_path / GUARD_LOG).read_text()
     assert "is gone before its job ended" in log and "stop line of the job" in log, log
+
+
+def test_lines_a_killed_launching_process_read_while_it_stopped_the_job_itself_reach_the_guards_report(tmp_path):
+    """The launching process asks the job to stop (a flow run cancelled, Prefect's SIGTERM), reads the job's stop
+    line and is killed before it forwards it: the line is in the guard's log all the same, and among the lines the
+    report sends, once."""
+    proc = _start(tmp_path, "cancel")
+    try:
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: (tmp_path / "reported").exists(), 120, "the guard's report")
+    finally:
+        for pid in processes_mentioning("ortflow.launch.guard"):
+            if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                wait_for(lambda pid=pid: not _alive(pid), 30, "the guard to exit")
+    log = (tmp_path / GUARD_LOG).read_text()
+    assert f"the launching process {proc.pid} asked the ranks to stop" in log, log
+    lines = taken_over_lines(tmp_path / GUARD_LOG)
+    assert lines.count("stop line of the job") == 1, log
+    assert not [line for line in lines if "the launching process" in line], lines
+
+
+def test_the_report_takes_the_stop_lines_of_the_killed_process_of_the_last_take_over_only(tmp_path):
+    """A guard's log spans attempts: the lines of the last take-over are the guard's copies and, before them, those
+    the killed process read while it stopped the job itself; an earlier attempt's, or another process's, are not."""
+    log = tmp_path / GUARD_LOG
+    log.write_text("\n".join([
+        "10:00:00 the launching process 11 asked the ranks to stop; the lines it read follow",
+        "[0] 10:00:01 WARNING stop requested: ranks stopped together after step 3 (checkpoint saved)",
+        "10:00:05 the launching process 11 is gone before its job ended",
+        "10:00:05 asking the ranks (process group 12) to stop after the current update (30 s grace)",
+        "[1] 10:00:06 INFO first attempt's copy",
+        "11:00:00 the launching process 40 asked the ranks to stop; the lines it read follow",  # released: no take-over
+        "[0] 11:00:01 INFO second attempt, stopped by its own process",
+        "12:00:00 the launching process 77 asked the ranks to stop; the lines it read follow",
+        "[1] 12:00:01 WARNING SIGTERM received: stopping after the current weight update",
+        "12:00:02 the launching process 77 is gone before its job ended",
+        "12:00:02 asking the ranks (process group 78) to stop after the current update (30 s grace)",
+        "[0] 12:00:03 WARNING stop requested: ranks stopped together after step 9 (checkpoint saved)",
+        "12:00:04 reporting the stop (ortflow.tasks.training:report_orphaned_stop)",
+    ]) + "\n")
+    assert taken_over_lines(log) == [
+        "[1] 12:00:01 WARNING SIGTERM received: stopping after the current weight update",
+        "[0] 12:00:03 WARNING stop requested: ranks stopped together after step 9 (checkpoint saved)",
+    ]
+    # A take-over whose process never stopped the job itself: only the guard's copies.
+    log.write_text(log.read_text().replace("launching process 77 asked", "launching process 76 asked"))
+    assert taken_over_lines(log) == [
+        "[0] 12:00:03 WARNING stop requested: ranks stopped together after step 9 (checkpoint saved)"]
 
 
 def test_a_released_guard_exits_and_leaves_the_job_alone(tmp_path):

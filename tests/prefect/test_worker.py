@@ -6,6 +6,7 @@ for the deployment's next run."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import subprocess
@@ -178,9 +179,13 @@ def test_sigterm_to_a_process_worker_stops_its_run_with_a_stop_checkpoint_and_fr
     (entry,) = read_registry(cfg.output_dir)
     assert entry["status"] == "stopped", entry
     assert ranks_gone
-    # The ranks' stop lines, which the killed flow-run process could not forward, are in the flow run's logs.
+    # Each rank's stop line is in the flow run's logs once: the guard copied it after the flow-run process was
+    # killed, or that process read it while it stopped the job itself (Prefect may SIGTERM it before the kill), and
+    # sent it or left it to the guard's report.
     stop_line = f"stop requested: ranks stopped together after step {stop.step} (checkpoint saved)"
-    assert sum(stop_line in message for message in _log_messages(run.id)) == 2, _log_messages(run.id)[-20:]
+    messages = _log_messages(run.id)
+    for rank in (0, 1):
+        assert sum(m.startswith(f"[{rank}] ") and stop_line in m for m in messages) == 1, (rank, messages[-20:])
     # The progress artifact ends with the stop instead of an ETA.
     with get_client(sync_client=True) as client:
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -228,6 +233,7 @@ def test_the_guards_report_of_an_orphaned_job_ends_its_flow_run_crashed_with_the
     SIGTERM, when the worker takes it): the flow run ends Crashed, saying where the ranks stopped, and the ranks'
     last lines go to its logs."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
     from prefect.states import Running
 
     from ortflow.launch.guard import GUARD_LOG
@@ -238,10 +244,20 @@ def test_the_guards_report_of_an_orphaned_job_ends_its_flow_run_crashed_with_the
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     stop_line = "[0] 12:00:01 WARNING stop requested: ranks stopped together after step 7 (checkpoint saved)"
-    (run_dir / GUARD_LOG).write_text(f"12:00:00 the launching process 1 is gone before its job ended\n{stop_line}\n")
+    # The killed process had asked the ranks to stop itself and read two lines, one of which it sent before it died.
+    sent = "[1] 12:00:00 WARNING SIGTERM received: stopping after the current weight update"
+    unsent = "[0] 12:00:00 WARNING SIGTERM received: stopping after the current weight update"
+    (run_dir / GUARD_LOG).write_text(
+        f"11:59:59 the launching process 1 asked the ranks to stop; the lines it read follow\n{sent}\n{unsent}\n"
+        f"12:00:00 the launching process 1 is gone before its job ended\n{stop_line}\n")
+    with get_client(sync_client=True) as client:
+        client.create_logs([LogCreate(name="ortflow", level=30, message=sent, flow_run_id=run.id,
+                                      timestamp=datetime.datetime.now(datetime.UTC))])
+    wait_for(lambda: sent in _log_messages(run.id), 30, "the sent line on the server")
     monkeypatch.setenv(FLOW_RUN_PROCESS_ENV, str(run.id))
     report_orphaned_stop(run_dir)
     state = read_flow_run(run.id).state
     assert state.name == "Crashed", state
     assert state.message.startswith("Stopped before the first checkpoint: the flow-run process was killed"), state
-    assert stop_line in _log_messages(run.id)
+    messages = _log_messages(run.id)
+    assert [messages.count(line) for line in (sent, unsent, stop_line)] == [1, 1, 1], messages
