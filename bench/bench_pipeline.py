@@ -209,9 +209,10 @@ def _configure_as(shape: dict, *args, **kwargs) -> Path:
 
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
-               device: str = "cpu", recompute: bool = False, like: Path | None = None) -> Path:
+               device: str = "cpu", recompute: bool = False, like: Path | None = None, cuts: tuple = ()) -> Path:
     """Configure and prepare the data of one contender's run folder ``root/name``; ``like``: a run folder with the
-    same artifacts (same stage count), whose artifacts and shards it reuses (hard links) instead of building them."""
+    same artifacts (same stage count), whose artifacts and shards it reuses (hard links) instead of building them;
+    ``cuts``: ``model.pipeline_cuts`` (default: the automatic cuts)."""
     from bench.common import link_configured
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
@@ -220,7 +221,7 @@ def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch
     model, corpus = _inputs(root)
     gpu = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0} if device == "cuda" else {}
     cfg = config_from_dict({
-        "name": name, "output_dir": str(root / name), "model": {"path": str(model)},
+        "name": name, "output_dir": str(root / name), "model": {"path": str(model), "pipeline_cuts": list(cuts)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
         "train": {"batch_size": batch, "num_train_steps": micro, "gradient_accumulation_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
@@ -446,7 +447,8 @@ def gpu_report(record: dict) -> str:
     lines = [f"# Pipeline bench on 2 GPUs ({record['host']})", "", f"`{record['command']}`", "",
              f"GPT {record['shape']}, micro-batch {record['batch_size']} sequences, `device: cuda`, `use_nccl: true`; "
              f"medians of {rounds} rounds x {record['timed_steps']} timed updates. pp2: stage 0 keeps its "
-             "activations; pp2-recompute: `recompute_forward: true`.", "",
+             "activations; pp2-recompute: `recompute_forward: true`. Cut at "
+             + (f"`model.pipeline_cuts: {record['cuts']}`." if record.get("cuts") else "the automatic cut."), "",
              "| m | contender | samples/s | vs dp2 | stage 0 update ms | stage 1 update ms | stage 0 engine ms | "
              "stage 1 engine ms | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) | parts keeping (stage 0, 1) | "
              "messages (stage 0, 1) |",
@@ -471,20 +473,21 @@ def gpu_report(record: dict) -> str:
     return "\n".join(lines)
 
 
-def gpu_runs(root: Path, micro: list[int], batch: int) -> dict:
+def gpu_runs(root: Path, micro: list[int], batch: int, cuts: tuple = ()) -> dict:
     """The GPU bench's contenders, configured: (kind, m) -> (run folder, ranks). One configure builds the unsplit
-    artifacts (pp1, every dp2), one the pp 2 stages (every pp2 and pp2-recompute), both at once in processes of their
-    own; the others reuse them."""
+    artifacts (pp1, every dp2), one the pp 2 stages (every pp2 and pp2-recompute, cut at ``cuts`` when given), both
+    at once in processes of their own; the others reuse them."""
     first = micro[0]
     _inputs(root)
     unsplit, stages = in_processes([partial(_configure_as, dict(SHAPE), root, "pp1", 1, 1, first, batch, "cuda"),
                                     partial(_configure_as, dict(SHAPE), root, f"pp2-m{first}", 2, 2, first, batch,
-                                            "cuda", GPU_PIPELINES["pp2"])])
+                                            "cuda", GPU_PIPELINES["pp2"], cuts=cuts)])
     runs = {("pp1", first): (unsplit, 1)}
     for m in micro:
         runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, batch, "cuda", like=unsplit), 2)
         for kind, recompute in GPU_PIPELINES.items():
-            runs[(kind, m)] = (_configure(root, f"{kind}-m{m}", 2, 2, m, batch, "cuda", recompute, like=stages), 2)
+            runs[(kind, m)] = (_configure(root, f"{kind}-m{m}", 2, 2, m, batch, "cuda", recompute, like=stages,
+                                          cuts=cuts), 2)
     return runs
 
 
@@ -498,13 +501,16 @@ def gpu_main(argv: list[str] | None = None, *, clock=time.perf_counter) -> None:
                         help="start no round after this many seconds of launches (at least one round runs)")
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches per update (m)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
+    parser.add_argument("--cuts", nargs="+", default=[],
+                        help="model.pipeline_cuts of the pp 2 contenders (default: the automatic cut; `ortflow "
+                             "validate` lists the places)")
     add_shape_options(parser, SHAPE)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="folder for the .json/.md")
     args = parser.parse_args(argv)
     set_shape(SHAPE, args)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-gpu-") as tmp:
         started = clock()
-        runs = gpu_runs(Path(tmp), args.micro, args.batch_size)
+        runs = gpu_runs(Path(tmp), args.micro, args.batch_size, tuple(args.cuts))
         print(f"configured {len(runs)} runs in {clock() - started:.1f} s", flush=True)
         results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
         started, rounds_run = clock(), 0
@@ -521,8 +527,8 @@ def gpu_main(argv: list[str] | None = None, *, clock=time.perf_counter) -> None:
             rounds_run += 1
     command = "python -m bench pipeline-gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "platform": platform.platform(),
-              "shape": dict(SHAPE), "batch_size": args.batch_size, "rounds": args.rounds, "rounds_run": rounds_run,
-              "timed_steps": args.steps, "load_average_1min": os.getloadavg()[0],
+              "shape": dict(SHAPE), "batch_size": args.batch_size, "cuts": args.cuts, "rounds": args.rounds,
+              "rounds_run": rounds_run, "timed_steps": args.steps, "load_average_1min": os.getloadavg()[0],
               "summary": gpu_summarize(results, args.micro), "raw": results}
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pipeline-gpu-{socket.gethostname()}"

@@ -3,6 +3,7 @@ exports (a fused QKV projection) with tensor parallelism: the split plan it prin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -161,7 +162,34 @@ def test_validate_prints_the_cuts_and_stage_count_of_a_pipeline_of_tensor_parall
     result = CliRunner().invoke(app, ["validate", str(config)])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert "- pipeline cuts [" in text and "] (2 stages) - stage 0: region 0:" in text, text
+    assert re.search(r"- pipeline cuts \[.*\] \(2 stages; estimated compute per stage \d+\.\d% / \d+\.\d%, from the "
+                     r"parameters each reads\) - stage 0: region 0:", text), text
     assert "- stage 1: region " in text
     assert ("activations: tensor-parallel pieces but the loss's run each micro-batch's forward once and keep its "
             "activations until its backward (distributed.recompute_forward auto)") in text
+
+
+@pytest.mark.parametrize("export", ["gpt2.onnx", "gpt2-dynamo.onnx"])
+def test_validate_prints_each_stages_estimated_compute_and_the_other_places_a_named_cut_can_take(tmp_path, export):
+    """The automatic cuts balance an estimate (the parameters each stage reads): validate prints each stage's share
+    and every other place to cut with the share before it, and a cut named from that list gives those shares."""
+    config = lm_config(tmp_path, export, num_ranks=2, pipeline_parallel_size=2)
+    result = CliRunner().invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    first, second = (float(x) for x in re.search(r"estimated compute per stage ([\d.]+)% / ([\d.]+)%", text).groups())
+    assert abs(first + second - 100) < 0.15 and 35 < first < 65, text
+    places = re.findall(r"(\S+) \(([\d.]+)%\)", text.split("other places to cut (model.pipeline_cuts), with the "
+                                                               "estimated compute before each: ")[1].split(" - ")[0])
+    assert len(places) >= 4, text
+    shares = [float(share) for _, share in places]
+    assert shares == sorted(shares) and all(0 <= x < 100 for x in shares), places
+    # The place nearest a third of the compute, named: its share is the first stage's.
+    name, share = min(places, key=lambda p: abs(float(p[1]) - 33))
+    raw = yaml.safe_load(config.read_text())
+    raw["model"]["pipeline_cuts"] = [name]
+    config.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"pipeline cuts ['{name}'] (2 stages; estimated compute per stage {share}% / " in text, text

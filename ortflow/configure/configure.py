@@ -51,7 +51,7 @@ from ortflow.configure.pipeline_tensor_parallel_artifacts import (
     build_pipeline_tensor_parallel_artifacts,
     plan_pipeline_tensor_parallel,
 )
-from ortflow.configure.stage_artifacts import build_stage_artifacts, plan_stages
+from ortflow.configure.stage_artifacts import build_stage_artifacts, cut_lines, plan_stages
 from ortflow.configure.tensor_parallel_artifacts import build_tensor_parallel_artifacts, plan_tensor_parallel
 from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
 from ortflow.configure.training_graph import capture_applies, sums_as_matmul_applies
@@ -201,16 +201,16 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
     if pp > 1 and tp > 1:
         # each stage's graph split over the tp ranks
         plan = cuts, plans = plan_pipeline_tensor_parallel(cfg, proto_limit)
-        lines = [f"pipeline cuts {cuts} ({len(plans)} stages)"]
+        lines = cut_lines(cuts, [sp.stage for sp in plans], [])
         lines += [f"stage {sp.stage.index}: {line}" for sp in plans for line in describe(sp.plan)]
     elif tp > 1:
         plan = plan_tensor_parallel(cfg, proto_limit)
         lines = describe(plan[1])
     elif pp > 1:
         plan = plan_stages(cfg, proto_limit)
-        lines.append(f"pipeline cuts {plan[0]} ({len(plan[1])} stages)")
+        lines += plan.lines()
         # their eval model's forward normalises by the batch only as a twin the training call recomputes
-        batchnorm_stages = [s.index for s in plan[1][:-1] if any(n.op_type == "BatchNormalization"
+        batchnorm_stages = [s.index for s in plan.stages[:-1] if any(n.op_type == "BatchNormalization"
                                                                   for n in s.model.graph.node)]
     activations = cfg.distributed.activations_line(batchnorm_stages)
     if lines and activations:

@@ -117,7 +117,7 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
         ArtifactsError: The stages or a stage's split are refused.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, stages = plan_stages(cfg, proto_limit)  # past proto_limit the stages' weights stay in the data files
+    cuts, stages, _ = plan_stages(cfg, proto_limit)  # past proto_limit the stages' weights stay in the data files
     embedded = _check_cuts(cfg, stages, proto_limit)
     plans = []
     for stage in stages:

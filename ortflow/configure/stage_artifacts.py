@@ -21,6 +21,7 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import onnx
 from onnx import helper
@@ -50,7 +51,14 @@ from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
-from ortflow.graph.pipeline_parallel.pipeline_cuts import Stage, choose_cuts, split_model
+from ortflow.graph.pipeline_parallel.pipeline_cuts import (
+    CutPlace,
+    Stage,
+    choose_cuts,
+    cut_places,
+    split_model,
+    stage_shares,
+)
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +235,33 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
     return prepared.passes
 
 
-def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[list[str], list[Stage]]:
+class PipelinePlan(NamedTuple):
+    """The cuts, the stages (each with its estimated share of the compute), and every place the automatic cuts may
+    cut, for the plan's words."""
+
+    cuts: list[str]
+    stages: list[Stage]
+    places: list[CutPlace]
+
+    def lines(self) -> list[str]:
+        """The plan in words, as ``ortflow validate`` prints it."""
+        return cut_lines(self.cuts, self.stages, self.places)
+
+
+def cut_lines(cuts: list[str], stages: list[Stage], places: list[CutPlace]) -> list[str]:
+    """The cuts with each stage's estimated share of the compute, and the other places to cut with theirs."""
+    shares = " / ".join(f"{s.share:.1%}" for s in stages)
+    lines = [f"pipeline cuts {cuts} ({len(stages)} stages; estimated compute per stage {shares}, from the parameters "
+             "each reads)"]
+    others = [p for p in places if p.name not in cuts]
+    if others:
+        lines.append("other places to cut (model.pipeline_cuts), with the estimated compute before each: "
+                     + ", ".join(f"{p.name} ({p.share:.1%})" for p in others[:12])
+                     + (f" and {len(others) - 12} more" if len(others) > 12 else ""))
+    return lines
+
+
+def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> PipelinePlan:
     """The cuts (``model.pipeline_cuts`` or balanced) and the stages, or the refusal: fast, no engine call.
 
     ``proto_limit``: model bytes from which the stages are cut with their weights left in the data files
@@ -251,15 +285,16 @@ def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[list[st
     except SplitError as err:
         raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {err}") from None
     # The state the whole model's preparation froze (running statistics) stays state in the stage that reads it.
-    stages = [replace(s, frozen=tuple(t.name for t in s.model.graph.initializer if t.name in source.frozen))
-              for s in stages]
+    shares = stage_shares(model, cuts, trainable)
+    stages = [replace(s, frozen=tuple(t.name for t in s.model.graph.initializer if t.name in source.frozen),
+                      share=shares[s.index]) for s in stages]
     empty = [s.index for s in stages if not s.parameters]
     if empty:
         raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")
-    return cuts, stages
+    return PipelinePlan(cuts, stages, cut_places(model, trainable))
 
 
-def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | None = None,
+def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePlan | None = None,
                           proto_limit: int = PROTO_LIMIT) -> dict:
     """Build every stage's artifacts under ``artifacts_dir`` (from :func:`plan_stages`, made here if not given).
 
@@ -272,7 +307,7 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: tuple | Non
         ArtifactsError: The split is refused (names the tensors/nodes) or the engine cannot build a stage.
     """
     num = cfg.distributed.pipeline_parallel_size
-    cuts, stages = plan or plan_stages(cfg, proto_limit)
+    cuts, stages, _ = plan or plan_stages(cfg, proto_limit)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     with building(artifacts_dir, STAGES_DIR) as scratch:
         passes = []

@@ -38,6 +38,19 @@ def test_the_gpu_contenders_are_pp2_keeping_and_recomputing_on_one_configures_st
     assert (runs[("dp2", 4)][0] / "artifacts" / "training_model.onnx").stat().st_ino == unsplit.stat().st_ino
 
 
+def test_the_gpu_bench_cuts_its_pipelines_where_it_is_told(tmp_path, monkeypatch):
+    for key, value in {"d_model": 32, "num_heads": 2, "num_layers": 2, "seq_len": 16}.items():
+        monkeypatch.setitem(bench_pipeline.SHAPE, key, value)
+    (tmp_path / "corpus.txt").write_text("each stage reads the same text. " * 300)
+    runs = bench_pipeline.gpu_runs(tmp_path, [2], batch=2, cuts=("h1.resid_attn",))
+    for kind in ("pp2", "pp2-recompute"):
+        assert yaml.safe_load((runs[(kind, 2)][0] / "config.yaml").read_text())["model"]["pipeline_cuts"] == [
+            "h1.resid_attn"]
+        stages = json.loads((runs[(kind, 2)][0] / "artifacts" / "stages" / "stages.json").read_text())
+        assert stages["cuts"] == ["h1.resid_attn"] and stages["stages"][1]["receives"] == ["h1.resid_attn"]
+    assert yaml.safe_load((runs[("dp2", 2)][0] / "config.yaml").read_text())["model"]["pipeline_cuts"] == []
+
+
 def _ranks(step0: float, engine0: float, step1: float = 0.0, samples: int = 32, kept: int = 0,
            messages: str | None = "nccl") -> list[dict]:
     return [{"rank": 0, "step_s": step0, "compute_s": engine0, "samples_per_step": samples, "kept_parts": kept,

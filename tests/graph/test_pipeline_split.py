@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.pipeline_parallel.pipeline_cuts import SplitError, choose_cuts, split_model
+from ortflow.graph.pipeline_parallel.pipeline_cuts import SplitError, choose_cuts, cut_places, split_model, stage_shares
 from ortflow.trainer.parallel.schedule import one_f_one_b
 from tests.support.mlp_stack import B, T, V, build_torchlike, trainable
 
@@ -53,6 +53,19 @@ def test_automatic_cuts_balance_the_compute_not_the_parameters():
     per_stage = [sum(sizes[p] for p in s.parameters) for s in stages]
     block = 2 * 16 + 16 * 16 + 16  # LayerNormalization + fc weight and bias
     assert per_stage == [512 + 3 * block, block + 32 + 512]
+
+
+def test_cut_places_and_stage_shares_follow_the_estimate():
+    model = build_torchlike(num_blocks=4)
+    params = trainable(model)
+    places = cut_places(model, params)
+    # The residual stream after each block (the first of the places between two parameter reads), with the compute
+    # before it out of 1776 (see above: 16 + 4 * 304 + 544).
+    named = {p.name: (p.before, p.total) for p in places}
+    assert named["blocks.2.resid"] == (928, 1776) and named["blocks.0.resid"] == (320, 1776), named
+    assert [p.share for p in places] == sorted(p.share for p in places)
+    assert stage_shares(model, ["blocks.2.resid"], params) == [928 / 1776, 848 / 1776]
+    assert stage_shares(model, ["blocks.0.resid", "blocks.2.resid"], params) == [320 / 1776, 608 / 1776, 848 / 1776]
 
 
 def test_tied_weights_across_a_cut_are_held_by_both_stages():

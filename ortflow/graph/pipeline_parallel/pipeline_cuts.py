@@ -55,6 +55,7 @@ class Stage:
             each holder keeps a copy and the holders sum their gradients before the update, so the copies stay equal.
         frozen: Initializers it holds that are state, not weights (BatchNorm running statistics): the engine keeps and
             updates them and checkpoints save them, untrained.
+        share: Its share of the model's compute as :func:`cut_places` estimates it (0..1).
     """
 
     index: int
@@ -65,6 +66,7 @@ class Stage:
     parameters: tuple[str, ...]
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
     frozen: tuple[str, ...] = ()
+    share: float = 0.0
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -152,28 +154,61 @@ def check_random_ops(graph: onnx.GraphProto) -> None:
         )
 
 
-def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str]) -> list[str]:
-    """Cut tensors that balance the stages' compute over ``num_stages`` stages.
+@dataclass(frozen=True)
+class CutPlace:
+    """A place where the automatic cuts may cut: the tensor, and the model's estimated compute before it and in all."""
+
+    name: str
+    before: int
+    total: int
+
+    @property
+    def share(self) -> float:
+        """The share of the estimated compute before the place (0..1)."""
+        return self.before / self.total
+
+
+def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlace]:
+    """Where the automatic cuts may cut, in graph order, each with the share of the compute before it.
 
     A stage's compute is estimated from the trainable parameters its nodes read, per token: a node that multiplies by
     or adds a parameter (MatMul, Gemm, Conv, LayerNormalization, Add...) does work in proportion to its size, a Gather
     from a table in proportion to one row (an embedding costs little, its tied LM head a full product), and a
     parameter read by two nodes counts at each. Activations kept for the backward grow with the same work, so this
-    balances a stage's activation memory too.
+    balances a stage's activation memory too. Work without parameters (attention's scores, the loss's softmax over
+    the vocabulary) is not counted: where a stage measures busier than its estimate, name the cuts
+    (``model.pipeline_cuts``) from this list.
 
-    Candidates are the positions along the graph's order where exactly one float activation crosses (the residual
-    stream between transformer blocks, the hidden state between MLP layers), the first of each run of positions with
-    no parameter read between them (two such cuts would leave a stage without a parameter: a norm's parameter-free
-    arithmetic between a residual add and its weight); for each boundary the candidate whose share of the compute
-    before it is closest to ``s / num_stages`` is chosen.
-
-    Raises:
-        SplitError: There are fewer clean candidates than boundaries (the message names the most stages the model
-            splits into).
+    The places are the positions along the graph's order where exactly one float activation crosses (the residual
+    stream between transformer blocks and between a block's attention and its MLP, the hidden state between MLP
+    layers), the first of each run of positions with no parameter read between them (two such cuts would leave a stage
+    without a parameter: a norm's parameter-free arithmetic between a residual add and its weight).
     """
+    a, before, total = _estimate(model, trainable)
+    places = []
+    for pos, count in enumerate(a.crossing_counts()[:-1]):
+        if count == 1:
+            (name,) = a.crossing(pos)
+            fresh = not places or before[places[-1][0]] < before[pos]  # a parameter read since the last
+            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total and fresh:  # parameters on both sides
+                places.append((pos, name))
+    return [CutPlace(name, before[pos], total) for pos, name in places]
+
+
+def stage_shares(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence[str]) -> list[float]:
+    """Each stage's share of the model's estimated compute (as :func:`cut_places` estimates it) for ``cuts``."""
+    a, before, total = _estimate(model, trainable)
+    edges = [before[a.position[a.producer[name]]] / total if name in a.producer
+             and a.producer[name] in a.position else 0.0 for name in cuts]
+    bounds = [0.0, *edges, 1.0]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+def _estimate(model: onnx.ModelProto, trainable: Sequence[str]) -> tuple[Analysis, list[int], int]:
+    """The graph's analysis, the estimated compute at or before each position of its order, and the total."""
     a = Analysis(model, set(trainable))
     shapes = {t.name: list(t.dims) for t in a.graph.initializer if t.name in a.trainable}
-    before: list[int] = []  # estimated compute at or before each position
+    before: list[int] = []
     total = 0
     for i in a.order:
         node = a.graph.node[i]
@@ -181,28 +216,32 @@ def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str
             size = _numel_of(shapes[name])
             total += size // max(shapes[name][0], 1) if node.op_type in _ROW_READS else size
         before.append(total)
-    candidates = []
-    for pos, count in enumerate(a.crossing_counts()[:-1]):
-        if count == 1:
-            (name,) = a.crossing(pos)
-            fresh = not candidates or before[candidates[-1][0]] < before[pos]  # a parameter read since the last
-            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total and fresh:  # parameters on both sides
-                candidates.append((pos, name))
-    if len(candidates) < num_stages - 1:
+    return a, before, max(total, 1)
+
+
+def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str]) -> list[str]:
+    """Cut tensors that balance the stages' estimated compute over ``num_stages`` stages: for each boundary, the place
+    (:func:`cut_places`) whose share of the compute before it is closest to ``s / num_stages``.
+
+    Raises:
+        SplitError: There are fewer places than boundaries (the message names the most stages the model splits into).
+    """
+    places = cut_places(model, trainable)
+    if len(places) < num_stages - 1:
         raise SplitError(
-            f"the model has {len(candidates)} place(s) where a single activation crosses between its parameters, so "
-            f"its automatic cuts make at most {len(candidates) + 1} stages, each holding a parameter; {num_stages} "
-            f"stages need {num_stages - 1} cuts: use distributed.pipeline_parallel_size {len(candidates) + 1} or "
+            f"the model has {len(places)} place(s) where a single activation crosses between its parameters, so "
+            f"its automatic cuts make at most {len(places) + 1} stages, each holding a parameter; {num_stages} "
+            f"stages need {num_stages - 1} cuts: use distributed.pipeline_parallel_size {len(places) + 1} or "
             "fewer, or name the cuts in model.pipeline_cuts"
         )
     cuts: list[str] = []
     last = -1
     for s in range(1, num_stages):
-        target = total * s / num_stages
-        pool = [(pos, name) for pos, name in candidates if pos > last]
-        pos, name = min(pool[: len(pool) - (num_stages - 1 - s)], key=lambda c: abs(before[c[0]] - target))
-        cuts.append(name)
-        last = pos
+        pool = list(enumerate(places))[last + 1:]
+        pool = pool[: len(pool) - (num_stages - 1 - s)]  # a place left for each later boundary
+        index, place = min(pool, key=lambda c, s=s: abs(c[1].before - c[1].total * s / num_stages))
+        cuts.append(place.name)
+        last = index
     return cuts
 
 
