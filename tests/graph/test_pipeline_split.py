@@ -157,3 +157,27 @@ def test_one_f_one_b_orders_and_bounds_the_held_inputs(num_stages, num_micro):
             if kind == "B":
                 held.discard(i)
         assert most <= min(num_stages - stage, num_micro)  # 1F1B: at most P - s micro-batches' inputs held
+
+
+@pytest.mark.parametrize("elem", [TensorProto.BFLOAT16, TensorProto.FLOAT16, TensorProto.DOUBLE])
+def test_a_cut_crossed_by_an_activation_that_is_not_float32_is_refused_and_never_chosen(elem):
+    """Stages send each other float32: a cut where a bfloat16 (float16, double) activation crosses is refused naming
+    it and the way out, and the automatic cuts never go there."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}") for i in range(3)]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w0"], ["h0"]),
+         helper.make_node("Cast", ["h0"], ["narrow"], to=elem),
+         helper.make_node("Cast", ["narrow"], ["wide"], to=TensorProto.FLOAT),
+         helper.make_node("MatMul", ["wide", "w1"], ["h1"]),
+         helper.make_node("MatMul", ["h1", "w2"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    params = ["w0", "w1", "w2"]
+    with pytest.raises(SplitError, match=r"cut 1 is crossed by 'narrow' \(made by Cast .*\) of type "
+                                         + TensorProto.DataType.Name(elem).lower()
+                                         + r": pipeline stages send each other float32 activations"):
+        split_model(model, ["narrow"], params)
+    assert [p.name for p in cut_places(model, params)] == ["h0", "h1"]
+    assert choose_cuts(model, 2, params) in (["h0"], ["h1"])

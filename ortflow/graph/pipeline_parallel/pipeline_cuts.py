@@ -179,7 +179,7 @@ def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlac
     the vocabulary) is not counted: where a stage measures busier than its estimate, name the cuts
     (``model.pipeline_cuts``) from this list.
 
-    The places are the positions along the graph's order where exactly one float activation crosses (the residual
+    The places are the positions along the graph's order where exactly one float32 activation crosses (the residual
     stream between transformer blocks and between a block's attention and its MLP, the hidden state between MLP
     layers), the first of each run of positions with no parameter read between them (two such cuts would leave a stage
     without a parameter: a norm's parameter-free arithmetic between a residual add and its weight).
@@ -190,7 +190,8 @@ def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlac
         if count == 1:
             (name,) = a.crossing(pos)
             fresh = not places or before[places[-1][0]] < before[pos]  # a parameter read since the last
-            if a.types.get(name) in FLOAT_TYPES and 0 < before[pos] < total and fresh:  # parameters on both sides
+            float32 = a.types.get(name) == onnx.TensorProto.FLOAT
+            if float32 and 0 < before[pos] < total and fresh:  # parameters on both sides
                 places.append((pos, name))
     return [CutPlace(name, before[pos], total) for pos, name in places]
 
@@ -326,6 +327,14 @@ def _check_boundary(a: Analysis, pos: int, index: int) -> list[str]:
         raise SplitError(
             f"cut {index + 1} is crossed by non-float tensors computed from parameters, which carry no gradient: "
             f"{bad}; move the cut so that these are made and read in one stage"
+        )
+    other = [f"{a.describe(n)} of type {onnx.TensorProto.DataType.Name(a.types[n]).lower()}" for n in crossing
+             if a.types.get(n) != onnx.TensorProto.FLOAT]
+    if other:
+        raise SplitError(
+            f"cut {index + 1} is crossed by {'; '.join(other)}: pipeline stages send each other float32 activations "
+            "and gradients; cut where a float32 activation crosses (`ortflow validate` lists the places), or export "
+            "the model's graph in float32 (the precision section casts inside each stage)"
         )
     return crossing
 
