@@ -220,8 +220,9 @@ def watch(
 
 def _report_pending(job: Job, state: JobState, since: list[float], on_line: Callable[[str], None],
                     clock: Callable[[], float]) -> None:
-    """Say why a pending job waits: at once, then every :data:`PENDING_REPORT_S` seconds while it stays pending."""
-    if state.phase is not Phase.PENDING:
+    """Say why a pending job waits: once the scheduler has said it is pending, then every :data:`PENDING_REPORT_S`
+    seconds while it stays pending. A state the scheduler has not said yet (the watcher's guess) is not reported."""
+    if state.phase is not Phase.PENDING or not state.known:
         since.clear()
         return
     now = clock()

@@ -359,6 +359,21 @@ def test_a_pending_jobs_reason_is_shown_every_minute(tmp_path):
     assert said == ["ortflow: slurm job 42 is pending: PENDING (Resources)"] * 4  # at 0, 60, 120 and 180 s
 
 
+def test_a_job_whose_state_slurm_has_not_said_is_not_reported_pending(tmp_path):
+    """Before the controller's first answer the job's state is unknown, not pending: the pending line comes once
+    Slurm says PENDING, with its reason."""
+    job, _ = job_with(tmp_path, [UNREACHABLE, UNREACHABLE, "JobId=42 JobState=PENDING Reason=Resources ExitCode=0:0",
+                                 "JobId=42 JobState=RUNNING Reason=None ExitCode=0:0",
+                                 "JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0"])
+    lines: list[str] = []
+    assert watch_with_clock(job, lines).ok
+    said = [line for line in lines if "is pending" in line or "answer" in line]
+    assert said == ["ortflow: the Slurm controller does not answer (slurm_load_jobs error: Unable to contact slurm "
+                    "controller (connect failure)): still watching slurm job 42",
+                    "ortflow: the Slurm controller answers again: slurm job 42 is PENDING",
+                    "ortflow: slurm job 42 is pending: PENDING (Resources)"], lines
+
+
 def test_the_failure_summary_quotes_the_current_attempt_only(tmp_path):
     job, _ = job_with(tmp_path, ["JobId=42 JobState=RUNNING Reason=None ExitCode=0:0",
                                  "JobId=42 JobState=FAILED Reason=NonZeroExitCode ExitCode=1:0"])
