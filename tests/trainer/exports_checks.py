@@ -34,10 +34,14 @@ from tests.trainer.exports_runs import (
 # 6.7e-7 on BERT). 5e-6 is above that and far below one update's change (lr = 1e-3).
 ATOL = 5e-6
 # Except the attention key biases: softmax is invariant to them (they add the same q.b_k to every score of a row), so
-# their exact gradient is zero and what the engine computes is rounding noise, which AdamW normalises into steps of up
-# to lr. Any regrouping of a sum changes that noise: measured up to 1.1e-5 after 20 updates (and after 4) on GPT-2 and
-# BERT, 8.0e-5 after 4 on ViT's tensor pieces; the bound is 1e-4.
-KEY_BIAS_ATOL = 1e-4
+# their exact gradient is zero and what the engine computes is rounding noise of the attention's gradient sums. AdamW
+# divides it by its own running scale (sqrt(v) + epsilon 1e-8), so each update moves them by lr x noise / (|noise| +
+# 1e-8): noise, different in every layout (any regrouping of a sum changes it), is what the two runs compare, measured
+# up to 1.7e-5 apart after 4 updates on GPT-2 and BERT and 8.0e-5 on ViT's tensor pieces. So they are not compared
+# between runs: each run's key biases stay within KEY_BIAS_DRIFT of where they started (:func:`assert_key_biases_stay`):
+# measured up to 1.5e-4 (ViT), 1.3e-5 (GPT-2), 1.3e-6 (BERT) after 4 updates, where the query and value biases beside
+# them, whose gradient is real, move 3.7e-3 to 4.0e-3 (AdamW's steps of ~lr = 1e-3). The bound is a quarter of that.
+KEY_BIAS_DRIFT = 1e-3
 # Tensor pieces add the row-parallel partial sums over the ranks: each product is rounded in two halves, so gradients
 # differ from the unsplit ones by a few ulps everywhere, and AdamW turns a few ulps of an element whose gradient is
 # near zero (an MLP unit GELU keeps near zero on every token) into steps of up to lr: measured on GPT-2 after 20
@@ -143,6 +147,32 @@ def max_diffs(p1: dict, p2: dict) -> tuple[float, float]:
     return worst, worst_key
 
 
+def start_values(cfg) -> dict[str, np.ndarray]:
+    """The weights a run of ``cfg`` starts from: a dynamo export's torch-named model, written by configure beside the
+    artifacts; a TorchScript export's own initializers."""
+    import onnx
+    from onnx import numpy_helper
+
+    torch_model = cfg.output_dir / "torch-model"
+    model = next(torch_model.glob("*.onnx")) if torch_model.is_dir() else cfg.model.path
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+
+
+def assert_key_biases_stay(*runs) -> float:
+    """Each run's (``cfg, params, cfg, params, ...``) attention key biases end within :data:`KEY_BIAS_DRIFT` of their
+    starting values: their gradient is rounding noise, as it must be (a layout that gave them a gradient of its own
+    moves them by ~lr every update). Returns the largest drift."""
+    worst = 0.0
+    for cfg, params in zip(runs[::2], runs[1::2], strict=True):
+        start = start_values(cfg)
+        for name, value in params.items():
+            noise = key_bias(name, value.shape)
+            if noise is not None:
+                worst = max(worst, float(np.abs(value[noise] - start[name][noise]).max()))
+    assert worst < KEY_BIAS_DRIFT, worst
+    return worst
+
+
 def assert_equal_to(reference: Reference, cfg, out, atol=ATOL):
     """``cfg``'s run (output ``out``) ends within ``atol`` of the unsplit reference's parameters, with its losses and
     its two evaluations."""
@@ -150,9 +180,10 @@ def assert_equal_to(reference: Reference, cfg, out, atol=ATOL):
     p1, p2 = read_params(newest(ref_cfg)), read_params(newest(cfg))
     assert sorted(p1) == sorted(p2)
     worst, worst_key = max_diffs(p1, p2)
-    print(f"{cfg.name}: max |param diff| vs unsplit after {UPDATES} updates: {worst:.3g} (key biases {worst_key:.3g})")
+    drift = assert_key_biases_stay(ref_cfg, p1, cfg, p2)
+    print(f"{cfg.name}: max |param diff| vs unsplit after {UPDATES} updates: {worst:.3g} (key biases {worst_key:.3g}, "
+          f"their drift from the start {drift:.3g})")
     assert worst < atol, sorted(((float(np.abs(p1[n] - p2[n]).max()), n) for n in p1), reverse=True)[:5]
-    assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(losses(out.stdout), losses(ref_out.stdout), rtol=1e-4)
     assert len(losses(out.stdout)) == UPDATES  # one loss per update
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", o.stdout)] for o in (ref_out, out)]
@@ -282,10 +313,10 @@ def assert_trains_as_its_torchscript_twin(references: dict, reference: Reference
     assert sorted(trained) == sorted(record["parameters"])
     worst, worst_key = max_diffs(trained, script)
     median = float(np.median(np.concatenate([np.abs(v - script[n]).ravel() for n, v in trained.items()])))
+    drift = assert_key_biases_stay(reference.cfg, trained, script_ref.cfg, script)
     print(f"{fam}: dynamo optimize=False vs TorchScript after {UPDATES} updates on one rank: max |param diff| "
-          f"{worst:.3g} (key biases {worst_key:.3g}, median {median:.3g})")
+          f"{worst:.3g} (key biases {worst_key:.3g}, their drift from the start {drift:.3g}; median {median:.3g})")
     assert worst < EXPORTER_ATOL
-    assert worst_key < KEY_BIAS_ATOL
     np.testing.assert_allclose(losses(reference.out.stdout), losses(script_ref.out.stdout), rtol=1e-5)
     noopt = dp2[0]
     _assert_state_dict_holds_the_trained_values(noopt, read_params(newest(noopt)), record)
@@ -316,17 +347,24 @@ def _assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict
         np.testing.assert_array_equal(value, trained[tied.get(key, key)], err_msg=key)
 
 
-def _steps(cfg, params: dict, trained: list[str]) -> np.ndarray:
+def training_steps(cfg, params: dict, trained: list[str]) -> np.ndarray:
     """What training moved the trained parameters by, flattened: the final values less the weights training started
-    from (a dynamo export's torch-named model, written by configure beside the artifacts; a TorchScript export's own
-    initializers)."""
-    import onnx
-    from onnx import numpy_helper
-
-    torch_model = cfg.output_dir / "torch-model"
-    model = next(torch_model.glob("*.onnx")) if torch_model.is_dir() else cfg.model.path
-    start = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+    from (:func:`start_values`)."""
+    start = start_values(cfg)
     return np.concatenate([(params[n] - start[n]).ravel() for n in sorted(trained)])
+
+
+def assert_adasum_steps_as_the_mean(export: str, adasum_cfg, adasum_params: dict, mean_params: dict,
+                                    trained: list[str]) -> None:
+    """Adasum's step (its run's final parameters less the start) points the way the mean's does and is about as long
+    (its combination of the ranks' gradients differs from the mean by design)."""
+    ada, dp = (training_steps(adasum_cfg, params, trained) for params in (adasum_params, mean_params))
+    cosine, ratio = float(ada @ dp / np.linalg.norm(ada) / np.linalg.norm(dp)), np.linalg.norm(ada) / np.linalg.norm(dp)
+    print(f"{export}: Adasum's step vs the mean's after {UPDATES} updates: cosine {cosine:.3f}, norm ratio {ratio:.3f}")
+    # measured after 20 updates: cosine 0.94 (GPT-2), 0.96 (Llama), 0.88 (BERT), norm ratio 1.11 to 1.24; after 4:
+    # cosine 0.90, 0.89, 0.82, 0.83 (ViT), 0.85 (the LSTM + GRU classifier), 0.82 (the CNN, against dp 2), the same on
+    # either exporter; norm ratio 1.20 to 1.43
+    assert cosine > 0.7 and 0.5 < ratio < 2
 
 
 #: The exchanges :func:`assert_trains_with_zero1_and_adasum` trains at dp 2, by run name: their distributed fields.
@@ -361,9 +399,4 @@ def assert_trains_with_zero1_and_adasum(reference: Reference, exchanges: tuple[s
     adasum, mean = losses(outs["adasum"].stdout), losses(reference.out.stdout)
     # same start, same global batch: the first update's loss is the reference's (the mean of the ranks' losses)
     assert len(adasum) == UPDATES and np.isfinite(adasum).all() and adasum[0] == pytest.approx(mean[0], rel=1e-5)
-    ada, dp = (_steps(runs["adasum"], params, list(record["parameters"])) for params in (ada_params, ref_params))
-    cosine, ratio = float(ada @ dp / np.linalg.norm(ada) / np.linalg.norm(dp)), np.linalg.norm(ada) / np.linalg.norm(dp)
-    print(f"{export}: Adasum's step vs the mean's after {UPDATES} updates: cosine {cosine:.3f}, norm ratio {ratio:.3f}")
-    # measured after 20 updates: cosine 0.94 (GPT-2), 0.96 (Llama), 0.88 (BERT), norm ratio 1.11 to 1.24; after 4:
-    # cosine 0.90, 0.89, 0.82, 0.85 (the LSTM + GRU classifier), norm ratio 1.20 to 1.42
-    assert cosine > 0.7 and 0.5 < ratio < 2
+    assert_adasum_steps_as_the_mean(export, runs["adasum"], ada_params, ref_params, list(record["parameters"]))

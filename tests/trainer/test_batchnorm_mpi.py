@@ -1,7 +1,7 @@
 """BatchNorm under mpiexec, on the committed torch CNN exports (Conv-BN-ReLU x 2; TorchScript, and dynamo
-``optimize=False`` for dp 2 and pp 2): running statistics follow torch's rule (float64 reference), every rank holds the
-same ones (rank 0's, or their mean), and ``ortflow evaluate`` on a checkpoint equals the eval loss training recorded for
-it on 1, 2 and 3 ranks."""
+``optimize=False`` for dp 2, pp 2, ZeRO-1 and Adasum): running statistics follow torch's rule (float64 reference),
+every rank holds the same ones (rank 0's, or their mean), Adasum trains as the mean does, and ``ortflow evaluate`` on a
+checkpoint equals the eval loss training recorded for it on 1, 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -97,12 +97,14 @@ def _two_ranks(sync, variance):
 
 #: The module's finished runs, by name: (ranks, settings). They evaluate the first EVAL_ROWS rows, so that each serves
 #: the statistics, evaluate and layout tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
-#: rule, and ZeRO-1), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks (and ZeRO-1) and
-#: pp 2.
+#: rule, ZeRO-1 and Adasum), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks (ZeRO-1
+#: and Adasum too) and pp 2.
 RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiased"), _two_ranks("broadcast", "biased"),
              ("dp1", (1, {"batchnorm_sync": "average"})), ("dp3", (3, {})),
              ("dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED})),
              ("dynamo-dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED, "export": DYNAMO})),
+             ("dp2-adasum", (2, {"distributed": {"enable_adasum": True}, **AVERAGED})),
+             ("dynamo-dp2-adasum", (2, {"distributed": {"enable_adasum": True}, **AVERAGED, "export": DYNAMO})),
              ("pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
              ("pp2xdp2", (4, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average"})),
              ("dynamo-dp1", (1, {"batchnorm_sync": "average", "export": DYNAMO})),
@@ -136,9 +138,10 @@ def _prefix(export):
     return "dynamo-" if export == DYNAMO else ""
 
 
-def two_ranks(trained, sync="average", variance="unbiased", export="cnn.onnx"):
-    """The 2-rank run of the export with this BatchNorm sync and variance rule."""
-    return trained(f"{_prefix(export)}dp2-{sync}-{variance}")
+def two_ranks(trained, sync="average", variance="unbiased", export="cnn.onnx", exchange=""):
+    """The 2-rank run of the export with this BatchNorm sync and variance rule (``exchange`` ``adasum``: the Adasum
+    run, averaged unbiased statistics)."""
+    return trained(f"{_prefix(export)}dp2-{exchange or f'{sync}-{variance}'}")
 
 
 def one_rank(trained, export="cnn.onnx"):
@@ -147,13 +150,16 @@ def one_rank(trained, export="cnn.onnx"):
     return trained(f"{_prefix(export)}dp1")
 
 
-@pytest.mark.parametrize(("export", "sync", "variance"),
-                         [("cnn.onnx", "broadcast", "unbiased"), ("cnn.onnx", "average", "unbiased"),
-                          ("cnn.onnx", "broadcast", "biased"), (DYNAMO, "average", "unbiased")])
-def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trained, export, sync, variance):
+@pytest.mark.parametrize(("export", "sync", "variance", "exchange"),
+                         [("cnn.onnx", "broadcast", "unbiased", ""), ("cnn.onnx", "average", "unbiased", ""),
+                          ("cnn.onnx", "broadcast", "biased", ""), (DYNAMO, "average", "unbiased", ""),
+                          ("cnn.onnx", "average", "unbiased", "adasum"), (DYNAMO, "average", "unbiased", "adasum")])
+def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trained, export, sync, variance, exchange):
     """dp 2 (each rank's BatchNorms normalise by its own micro-batches, so dp 2 differs from one rank by design): the
-    running statistics after every update equal torch's rule applied to each rank's batches, synced as asked."""
-    cfg, _ = two_ranks(trained, sync, variance, export)
+    running statistics after every update equal torch's rule applied to each rank's batches, synced as asked; with
+    Adasum too, which combines the ranks' weight updates and leaves the statistics, which no optimizer updates, to
+    that sync."""
+    cfg, _ = two_ranks(trained, sync, variance, export, exchange)
     ddof = 1 if variance == "unbiased" else 0
     saved = {info.step: checkpoint_values(info.path) for info in list_complete(cfg.checkpoints_dir)}
     assert sorted(saved) == list(range(1, UPDATES + 1))
@@ -252,6 +258,30 @@ def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_stat
     assert len(evals[0]) == 2
     np.testing.assert_allclose(evals[1], evals[0], rtol=1e-6)
     _assert_exports_agree(unsplit, staged)
+
+
+@pytest.mark.parametrize("export", ["cnn.onnx", DYNAMO], ids=["torchscript", "dynamo-noopt"])
+def test_adasum_trains_as_the_mean_does(trained, export):
+    """On 2 ranks with Adasum (averaged statistics), against the same export's 2-rank run that averages the ranks'
+    gradients: each rank keeps its own optimizer state, the first update's loss is the mean run's (same start, same
+    batches), and Adasum's step points the way the mean's does and is about as long."""
+    from ortflow.checkpoints.h5state import read_params
+    from tests.support.parallel_runs import losses
+    from tests.trainer.exports_checks import assert_adasum_steps_as_the_mean
+
+    mean_cfg, mean_out = two_ranks(trained, export=export)
+    ada_cfg, ada_out = two_ranks(trained, export=export, exchange="adasum")
+    newest = list_complete(ada_cfg.checkpoints_dir)[-1].path
+    files = sorted(f.name for f in newest.glob("optimizer*.h5"))
+    assert files == [f"optimizer-rank0000{rank}-of-00002.h5" for rank in range(2)], files
+    adasum, mean = losses(ada_out.stdout), losses(mean_out.stdout)
+    assert len(adasum) == UPDATES and np.isfinite(adasum).all() and adasum[0] == pytest.approx(mean[0], rel=1e-6)
+    evals = [float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", ada_out.stdout)]
+    assert len(evals) == 2 and np.isfinite(evals).all()
+    trainable = json.loads((ada_cfg.output_dir / "configure.json").read_text())["trainable"]
+    assert not [n for n in trainable if "running_" in n]  # the statistics are not Adasum's (the test above)
+    assert_adasum_steps_as_the_mean(export, ada_cfg, read_params(newest),
+                                    read_params(list_complete(mean_cfg.checkpoints_dir)[-1].path), trainable)
 
 
 def _assert_exports_agree(unsplit, staged):

@@ -4,8 +4,8 @@ export on the same global batch (the ``export_dp`` fixture): attention is split 
 key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
 TorchScript export's stages cut by hand between its layers, the dynamo exports' cut automatically, inside the second
 layer); the dynamo exports (the fresh model's too) also train in pp 2 with automatic cuts and at dp 2 on their torch
-parameters, the optimize=False one as its TorchScript twin; the TorchScript and default dynamo exports train with
-ZeRO-1, the default dynamo one with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the
+parameters, the optimize=False one as its TorchScript twin; the TorchScript, default dynamo and optimize=False dynamo
+exports train with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the
 LSTM + GRU classifier: tests/trainer/exports_checks.py)."""
 
 from __future__ import annotations
@@ -124,10 +124,8 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
-@pytest.mark.parametrize(("export_dp", "exchanges"), [("llama.onnx", ("zero1",)),
-                                                      ("llama-dynamo.onnx", ("zero1", "adasum"))],
-                         ids=["llama.onnx", "llama-dynamo.onnx"], indirect=["export_dp"])
-def test_exports_train_with_zero1_and_adasum(export_dp, exchanges):
-    """On 2 ranks, on the torch parameters: ZeRO-1 ends where the unsplit run (and so plain data parallelism) does
-    (the TorchScript and the default dynamo export); Adasum trains as the mean does."""
-    assert_trains_with_zero1_and_adasum(export_dp, exchanges)
+@pytest.mark.parametrize("export_dp", LLAMA_EXPORTS, indirect=True)
+def test_exports_train_with_zero1_and_adasum(export_dp):
+    """On 2 ranks, on the torch parameters (the TorchScript, default dynamo and optimize=False dynamo exports): ZeRO-1
+    ends where the unsplit run (and so plain data parallelism) does; Adasum trains as the mean does."""
+    assert_trains_with_zero1_and_adasum(export_dp)
