@@ -104,8 +104,9 @@ def use_device_stage_arena(options: onnxruntime.SessionOptions, device_index: in
     with this shared arena (parameters and gradients alone: 4.9 GiB). The shared arena does not reuse everything one
     Module's calls freed for the next (about 1.6 GiB per Module beyond its parameters and gradients here), so a rank
     of many large pieces still grows (the 1.12B Llama at tp 2, its pieces recomputing, peaks at 96.3 GiB with 47
-    pieces per rank, ``docs/gpu.md``). The arena's other settings change little on the six Modules: power-of-two growth 16.2 GiB,
-    ``max_dead_bytes_per_chunk`` 1 MiB 15.9 GiB, a shrink of the arena after each Module's calls 14.9 GiB.
+    pieces per rank, ``docs/gpu.md``). The arena's other settings change little on the six Modules: power-of-two
+    growth 16.2 GiB, ``max_dead_bytes_per_chunk`` 1 MiB 15.9 GiB, a shrink of the arena after each Module's calls
+    14.9 GiB.
     """
     if not _DEVICE_ARENA:
         info = onnxruntime.OrtMemoryInfo("Cuda", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_index,
