@@ -1,10 +1,11 @@
 """Export the small real models that tests train, with both of torch's exporters.
 
-Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), BERT classifier and ViT
-classifier, a torch CNN with BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported
-as a user exports a model they train from scratch, a fresh tiny GPT-2 with torch's ``scaled_dot_product_attention``
-(``gpt2-sdpa``) and a small MLP with BatchNorm1d (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a
-throwaway virtual environment with the pinned torch and transformers; ortflow itself never imports torch.
+Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), Qwen2 (Llama's shape with biases on
+the query, key and value projections), BERT classifier and ViT classifier, a torch CNN with BatchNorm and a torch
+classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a model they train from scratch, a
+fresh tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with BatchNorm1d
+(``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual environment with the pinned
+torch and transformers; ortflow itself never imports torch.
 
 Each model is exported the way a user exports theirs:
 
@@ -248,6 +249,20 @@ def llama(out: Path) -> tuple[dict, dict]:
             "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
 
+def qwen2(out: Path) -> tuple[dict, dict]:
+    """Llama's shape with Qwen2's biases on the query, key and value projections (none on the output projection)."""
+    torch.manual_seed(0)
+    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+             "tie_word_embeddings": False, "attn_implementation": "eager"}
+    model = LogitsOnly(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_cache=False, **shape)))
+    ids = torch.randint(0, 512, (2, 16))
+    files = both_exporters("qwen2", model, (ids,), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
+            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+
+
 def bert(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -391,7 +406,7 @@ def bnmlp(out: Path) -> tuple[dict, dict]:
 
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
-            "bnmlp": bnmlp, "rnn": rnn}
+            "bnmlp": bnmlp, "rnn": rnn, "qwen2": qwen2}
 
 
 def family_of(name: str) -> str:
