@@ -103,7 +103,7 @@ def test_dynamo_fixture_metadata_names_no_exporting_environment(name):
     assert all({FX_NODE, SCOPES, CLASSES} <= {p.key for p in n.metadata_props} for n in exported)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "vit", "cnn", "rnn"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "vit", "cnn", "rnn", "qwen2"])
 def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(family):
     model = onnx.load(str(export_path(f"{family}-dynamo-noopt.onnx")), load_external_data=False)
     names = {i.name for i in model.graph.initializer}
@@ -159,7 +159,7 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
     for name, state in (("llama-fresh-dynamo.onnx", "llama-fresh"), ("gpt2-dynamo.onnx", "gpt2"),
                         ("bnmlp-dynamo-noopt.onnx", "bnmlp"), ("cnn-dynamo-noopt.onnx", "cnn"),
                         ("rnn-dynamo-noopt.onnx", "rnn"), ("gpt2.onnx", "gpt2"), ("llama.onnx", "llama"),
-                        ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn")):
+                        ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn"), ("qwen2-dynamo.onnx", "qwen2")):
         result = _configure_fixture(tmp_path, name)
         out = tmp_path / f"{state}.safetensors"
         export_state_dict(result.run_dir, out, checkpoint="initial")

@@ -1,12 +1,15 @@
 """Data, pipeline and tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2
-key/value heads; RoPE; SwiGLU), trained unmodified under mpiexec, each layout against the one unsplit run of its
+key/value heads; RoPE; SwiGLU) and the Qwen2 exports of the same shape (biases on the query, key and value
+projections, split with their heads), trained unmodified under mpiexec, each layout against the one unsplit run of its
 export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
 key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
 TorchScript export's stages cut by hand between its layers, the dynamo exports' cut automatically, inside the second
 layer); the dynamo exports (the fresh model's too) also train in pp 2 with automatic cuts and at dp 2 on their torch
 parameters, the optimize=False one as its TorchScript twin; the TorchScript, default dynamo and optimize=False dynamo
 exports train with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the
-LSTM + GRU classifier: tests/trainer/exports_checks.py)."""
+LSTM + GRU classifier: tests/trainer/exports_checks.py). Qwen2 runs the cheapest case of each: tp 2 on the
+TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export (which also trains with ZeRO-1 and Adasum),
+dp 2 on the optimize=False export as its TorchScript twin, with its state dict."""
 
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ LLAMA_TP_ATOL = 1e-4
 #: The dynamo exports (default, optimize=False, and the fresh model's default export, whose merged norm weights are
 #: untied).
 DYNAMO = [*(e for e in LLAMA_EXPORTS if "dynamo" in e), "llama-fresh-dynamo.onnx"]
+#: The Qwen2 exports each test trains (the others' layouts are Llama's without the biases).
+QWEN2_DYNAMO, QWEN2_NOOPT = "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx"
 
 # The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
 # MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_dynamo_stages_and_tensor_pieces_train_to_the_
@@ -59,7 +64,8 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
 
 def assert_attention_split_by_heads(cfg, pp: int) -> None:
     """Every layer's attention and MLP are split regions (none kept replicated), and each tensor-parallel rank holds
-    half of the query heads, one of the two key/value heads and the output projection's columns that read them."""
+    half of the query heads, one of the two key/value heads and the output projection's columns that read them (and,
+    in Qwen2, the query, key and value biases of those heads)."""
     regions = split_lines(cfg, pp)  # a stage's lines name the stage first
     assert not [line for line in regions if "kept replicated" in line and "self_attn" in line], regions
     for marker in (".self_attn.q_proj.", ".mlp.gate_proj."):  # each layer's attention and MLP: a region, not kept
@@ -75,18 +81,23 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
             assert shapes[f"{attn}.k_proj.weight"] == [16, 64] and shapes[f"{attn}.v_proj.weight"] == [16, 64]
             assert shapes[f"{attn}.o_proj.weight"] == [64, 32]
             assert shapes[f"model.model.layers.{layer}.mlp.gate_proj.weight"] == [64, 64]
+            if cfg.model.path.name.startswith("qwen2"):  # each bias split with its heads' rows
+                assert shapes[f"{attn}.q_proj.bias"] == [32], (rank, shapes)
+                assert shapes[f"{attn}.k_proj.bias"] == [16] and shapes[f"{attn}.v_proj.bias"] == [16]
 
 
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript export (the dynamo exports' pp 2 x
 # tp 2 runs, cut automatically, assert the same below).
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
-            pytest.param("llama.onnx", 2, id="pp2xtp2-blocks-llama.onnx")]
+            pytest.param("llama.onnx", 2, id="pp2xtp2-blocks-llama.onnx"),
+            pytest.param("qwen2.onnx", 1, id="tp2-qwen2.onnx")]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
 # configures them all, each training as soon as it is configured (exports_checks.start_layouts).
 DYNAMO_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1), "pp2tp2": (2, 2)}
 LAYOUTS = {"llama.onnx": {"pp1tp2-by-layer": (1, 2),
                           "pp2tp2-by-layer": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT]}})},
-           **{e: DYNAMO_LAYOUTS for e in DYNAMO}}
+           **{e: DYNAMO_LAYOUTS for e in DYNAMO},
+           "qwen2.onnx": {"pp1tp2-by-layer": (1, 2)}, QWEN2_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)}}
 
 
 @pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
@@ -94,11 +105,12 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
     start_layouts(export_dp, LAYOUTS[export_dp.cfg.model.path.name])
     run = export_dp.layouts[f"pp{pp}tp2-by-layer"]
     assert_attention_split_by_heads(run.cfg, pp)
-    # Llama has no attention key bias: every parameter is held to the bound (its losses and evaluations too)
+    # Llama has no attention key bias, and Qwen2's is no softmax-invariant noise: RoPE rotates it by the key's
+    # position, so it has a gradient of its own. Every parameter is held to the bound (its losses and evaluations too)
     assert_equal_to(export_dp, run.cfg, run.out, atol=LLAMA_TP_ATOL)
 
 
-@pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
+@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO], indirect=True)
 @pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2", "pp2xtp2"])
 def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention_split_by_heads(export_dp, pp,
                                                                                                        tp):
@@ -106,17 +118,17 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_at
     the layers); at tp 2 attention is split by heads as on tp 2 alone, and the run ends within the tensor-parallel
     bound of the Llama exports."""
     cfg = assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp, tp_atol=LLAMA_TP_ATOL,
-                                                                layouts=DYNAMO_LAYOUTS)
+                                                                layouts=LAYOUTS[export_dp.cfg.model.path.name])
     if tp > 1:
         assert_attention_split_by_heads(cfg, pp)
 
 
-@pytest.mark.parametrize("export_dp", DYNAMO, indirect=True)
+@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_NOOPT], indirect=True)
 def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx"], indirect=True)
+@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT], indirect=True)
 def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
                                                                                 export_dp2):
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
@@ -124,8 +136,9 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", LLAMA_EXPORTS, indirect=True)
+@pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, QWEN2_DYNAMO], indirect=True)
 def test_exports_train_with_zero1_and_adasum(export_dp):
-    """On 2 ranks, on the torch parameters (the TorchScript, default dynamo and optimize=False dynamo exports): ZeRO-1
-    ends where the unsplit run (and so plain data parallelism) does; Adasum trains as the mean does."""
+    """On 2 ranks, on the torch parameters (Llama's TorchScript, default dynamo and optimize=False dynamo exports,
+    Qwen2's default dynamo export): ZeRO-1 ends where the unsplit run (and so plain data parallelism) does; Adasum
+    trains as the mean does."""
     assert_trains_with_zero1_and_adasum(export_dp)
