@@ -1,5 +1,6 @@
-"""``ortflow validate`` on a Llama export (grouped-query attention, RoPE) and on GPT-2's TorchScript and default dynamo
-exports (a fused QKV projection) with tensor parallelism: the split plan it prints, and the sizes it refuses."""
+"""``ortflow validate`` on a Llama and a Qwen2 export (grouped-query attention, RoPE) and on GPT-2's TorchScript and
+default dynamo exports (a fused QKV projection) with tensor parallelism: the split plan it prints, and the sizes it
+refuses."""
 
 from __future__ import annotations
 
@@ -29,16 +30,19 @@ def lm_config(tmp_path: Path, export: str = "llama.onnx", **distributed) -> Path
     return path
 
 
-def test_validate_prints_the_llama_attention_split_by_heads(tmp_path):
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, num_ranks=2,
+@pytest.mark.parametrize("export", ["llama.onnx", "qwen2-dynamo.onnx"])
+def test_validate_prints_the_llama_attention_split_by_heads(tmp_path, export):
+    """Llama's, and Qwen2's of the same shape, whose query, key and value biases are split with their heads."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
                                                                    horizontal_parallel_size=2))])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # the console wraps long lines
     assert "split plan:" in text and text.rstrip().endswith("valid")
     for layer in range(2):
         attn = f"model.model.layers.{layer}.self_attn"
-        assert (f"columns ['{attn}.q_proj.weight', '{attn}.k_proj.weight', '{attn}.v_proj.weight'] (+ biases []), "
-                f"rows ['{attn}.o_proj.weight']") in text
+        biases = [f"{attn}.{p}_proj.bias" for p in "qkv"] if export.startswith("qwen2") else []
+        assert (f"columns ['{attn}.q_proj.weight', '{attn}.k_proj.weight', '{attn}.v_proj.weight'] (+ biases "
+                f"{biases}), rows ['{attn}.o_proj.weight']") in text
         assert f"{attn}.q_proj.weight 4 -> 2 per rank" in text
         assert f"{attn}.k_proj.weight 2 -> 1 per rank (key/value heads, each read by 2 query heads)" in text
         assert f"columns ['model.model.layers.{layer}.mlp.gate_proj.weight', " in text
