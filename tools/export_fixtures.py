@@ -23,7 +23,8 @@ the eval-mode BatchNorm into the Linear before it) and with ``optimize=False`` (
 
 Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
 shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from;
-for the CNN and the recurrent classifier, ``<family>.grads.safetensors`` holds a batch and torch's gradients on it.
+for the CNN, the recurrent classifier and Qwen2, ``<family>.grads.safetensors`` holds a batch and torch's gradients
+on it.
 Weights come from a fixed seed, and the dynamo exports' metadata is stripped of what names the exporting environment
 (:func:`reproducible`), so a re-export with the same versions writes the same files byte for byte.
 
@@ -194,12 +195,14 @@ def both_exporters(family: str, model: nn.Module, args: tuple, out: Path, input_
 def torch_gradients(model: nn.Module, out: Path, family: str, inputs: dict[str, torch.Tensor],
                     labels: torch.Tensor) -> dict:
     """Write ``<family>.grads.safetensors``: a batch (``input.<name>``, ``labels``) and torch's gradient of the mean
-    cross-entropy of the model in training mode on it (``grad.<parameter>``, BatchNorm with batch statistics), from
-    the state dict the exports were made from; the model is left in eval mode with its state unchanged."""
+    cross-entropy of the model in training mode on it (``grad.<parameter>``, BatchNorm with batch statistics; a
+    language model's over every token of the batch), from the state dict the exports were made from; the model is
+    left in eval mode with its state unchanged."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     model.train()
     model.zero_grad()
-    nn.functional.cross_entropy(model(*inputs.values()), labels).backward()
+    logits = model(*inputs.values())
+    nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
     tensors = {f"input.{k}": v.contiguous() for k, v in inputs.items()}
     tensors["labels"] = labels.contiguous()
     tensors.update({f"grad.{n}": p.grad.detach().contiguous().clone() for n, p in model.named_parameters()})
@@ -259,6 +262,8 @@ def qwen2(out: Path) -> tuple[dict, dict]:
     ids = torch.randint(0, 512, (2, 16))
     files = both_exporters("qwen2", model, (ids,), out, ["input_ids"], ["logits"],
                            {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    files.update(torch_gradients(model, out, "qwen2", {"input_ids": torch.randint(0, 512, (8, 16))},
+                                 torch.randint(0, 512, (8, 16))))
     return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
             "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
