@@ -96,6 +96,7 @@ def generate(
     on_token: Callable[[bytes], None] | None = None,
     tokenizer: Tokenizer | None = None,
     run_seq_len: int | None = None,
+    byte_text: bool = False,
 ) -> str:
     """Continue ``prompt`` with tokens sampled from the model.
 
@@ -114,6 +115,9 @@ def generate(
         tokenizer: Encodes the prompt and decodes the generated ids (None: tokens are bytes).
         run_seq_len: The window the model was trained on (``data.text.seq_len``), the context length when the model's
             token dimension is symbolic and ``seq_len`` is None.
+        byte_text: The model was trained on text prepared as bytes (a run without a tokenizer): without a
+            ``tokenizer``, only the 256 byte ids are sampled, whatever the model's vocabulary (a Hugging Face LM has
+            more ids than the data ever held). Otherwise an id past the bytes is refused, naming ``--tokenizer``.
 
     Returns:
         The generated continuation (invalid UTF-8 sequences replaced).
@@ -146,7 +150,8 @@ def generate(
             logits = session.run(None, {name: ids})[0]
         except Exception as err:  # noqa: BLE001 - a model that needs other inputs or shapes fails here
             raise SampleError(f"the model failed on token ids of shape {list(ids.shape)}: {err}") from None
-        token = sample_next(last_position_logits(logits, batch, window), temperature, top_k, rng)
+        row = last_position_logits(logits, batch, window)
+        token = sample_next(row[:256] if byte_text and tokenizer is None else row, temperature, top_k, rng)
         if tokenizer is None and token > 255:
             raise SampleError(f"the model predicts token {token}, not a byte: give the tokenizer its text was "
                               "prepared with (--tokenizer tokenizer.json)")

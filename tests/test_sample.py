@@ -152,3 +152,27 @@ def test_ids_past_the_bytes_without_a_tokenizer_are_refused_naming_the_tokenizer
     model = _next_token_model(tmp_path / "m.onnx")
     with pytest.raises(SampleError, match=r"predicts token 256, not a byte: give the tokenizer .*--tokenizer"):
         generate(model, "\xff", max_new_tokens=100, temperature=0, seq_len=4)  # UTF-8 c3 bf: 191, 192, ..., 256
+
+
+def test_a_runs_export_trained_on_bytes_samples_bytes_whatever_its_vocabulary(tmp_path):
+    """`ortflow sample RUN/export/model.onnx`, the command `ortflow run` prints, on a run whose text was prepared as
+    bytes (no tokenizer) and whose model has more ids than bytes (a Hugging Face LM's 512): only the byte ids the run's
+    data holds are sampled, where a model from elsewhere without a tokenizer is refused (the test above)."""
+    from typer.testing import CliRunner
+
+    from ortflow.cli import app
+    from ortflow.config import config_from_dict, write_resolved_config
+
+    run_dir = tmp_path / "run"
+    (run_dir / "export").mkdir(parents=True)
+    model = _next_token_model(run_dir / "export" / "model.onnx")
+    write_resolved_config(config_from_dict({
+        "name": "bytes", "output_dir": str(run_dir), "model": {"path": str(model)},
+        "data": {"train": [str(tmp_path / "corpus.txt")], "format": "text", "text": {"seq_len": 4}},
+        "train": {"batch_size": 2, "num_train_steps": 1}}), run_dir)
+    result = CliRunner().invoke(app, ["sample", str(model), "--prompt", "\xff", "--max-new-tokens", "70",
+                                      "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    # c3 bf: 191 predicts 192, ..., 255 (64 bytes); 255's best id, 256, is no byte: the best byte, 0, then 1 ... 5
+    expected = bytes([*range(192, 256), *range(0, 6)]).decode("utf-8", errors="replace")
+    assert result.output == "\xff" + expected + "\n"

@@ -34,7 +34,7 @@ def sample(
     The model takes int64 token ids \\[batch, tokens] (a batch dim fixed above 1 is filled with copies of the context)
     and returns logits \\[batch, tokens, V], \\[batch*tokens, V] or \\[batch, V]; the last position's logits of row 0
     pick the next token. Token ids are bytes, or those of the tokenizer (which encodes the prompt and decodes the
-    output).
+    output); a run's export trained on bytes samples only the byte ids, whatever its vocabulary.
     """
     from ortflow.sample import SampleError, generate
     from ortflow.versions import resolve_model
@@ -70,8 +70,10 @@ def sample(
         out.buffer.flush()
 
     try:
+        # A run without a tokenizer prepared its text as bytes: the model's other ids never occur in its data.
         generate(model, prompt, max_new_tokens, temperature, top_k, seed, seq_len, on_token=stream,
-                 tokenizer=text_tokenizer, run_seq_len=run.data.text.seq_len if run is not None else None)
+                 tokenizer=text_tokenizer, run_seq_len=run.data.text.seq_len if run is not None else None,
+                 byte_text=run is not None and tokenizer is None)
     except SampleError as err:
         if started:
             out.write("\n")
