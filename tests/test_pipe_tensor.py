@@ -72,9 +72,10 @@ def test_configure_builds_every_stage_and_tp_rank_once(tmp_path):
     assert record["size"] == 2 and record["num_stages"] == 2 and record["cuts"] == ["h0.resid_mlp"]
     # stage 0 starts with the vocabulary-split embedding (its sum is a piece boundary), then h0's attention and MLP,
     # each with the replicated nodes before it, and the residual add the stage ends with; stage 1 starts with the
-    # replicated nodes that only read what it receives (h1's ln_1) and its untied LM head is kept whole (its width is
-    # not a vocabulary embedded in the same stage), so its last piece is replicated too
-    expected = [[True, True, True, False], [False, True, True, False]]
+    # replicated nodes that only read what it receives (h1's ln_1), then h1's attention and MLP and its untied LM head,
+    # split by vocabulary as in the whole model though the embedding is in stage 0, and ends with the logits'
+    # un-padding, replicated
+    expected = [[True, True, True, False], [False, True, True, True, False]]
     for s, info in enumerate(record["stages"]):
         assert [p["parallel"] for p in info["pieces"]] == expected[s]
         for rank in (0, 1):
@@ -84,9 +85,12 @@ def test_configure_builds_every_stage_and_tp_rank_once(tmp_path):
     stage1 = record["stages"][1]
     assert stage1["receives"] == ["h0.resid_mlp"] and "h0.resid_mlp" in stage1["pieces"][0]["float_receives"]
     assert stage1["slicing"]["h1.mlp.fc.weight"] == [1, 1] and "h0.mlp.fc.weight" not in stage1["slicing"]
+    assert stage1["slicing"]["lm_head.weight"] == [1, 1]  # [C, V]: the vocabulary is axis 1
     assert first.info["pipeline_cuts"] == ["h0.resid_mlp"]
     assert any(line.startswith("stage 1: region 1: columns ['h1.mlp.fc.weight']")
                for line in first.info["tensor_parallel_split"])
+    assert "stage 1: region 2: vocabulary split of ['lm_head.weight'] (axis 1) in the LM head ['lm_head.out']; " \
+           "all-reduce after ['lm_head.out.tp_vocab_padded']" in first.info["tensor_parallel_split"]
     assert not (cfg.artifacts_dir / "stages").exists() and not (cfg.artifacts_dir / "tensor").exists()
     assert configure(cfg).reused  # built once
 

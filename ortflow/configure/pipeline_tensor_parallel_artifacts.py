@@ -68,7 +68,8 @@ class StagePlan:
 
 def _check_cuts(cfg: RunConfig, stages: list[Stage], proto_limit: int) -> frozenset[str]:
     """Refuse cuts crossed by a tensor made inside a split region of the whole model; returns the tables the whole
-    model embeds (a stage's LM head tied to them is split by vocabulary like the embedding)."""
+    model splits by vocabulary (its embeddings and LM heads: a stage holding one splits it so, though the stage's graph
+    alone does not show the vocabulary, as the last stage's LM head whose embedding is in the first stage)."""
     size = cfg.distributed.horizontal_parallel_size
     whole, trainable, _ = split_input(cfg, proto_limit)
     try:
@@ -89,7 +90,7 @@ def _check_cuts(cfg: RunConfig, stages: list[Stage], proto_limit: int) -> frozen
                 f"inside tensor-parallel region {k} (columns {region.columns}, rows {region.rows}), whose "
                 f"activations are split over the {size} tensor-parallel ranks: cut between regions instead, e.g. at "
                 f"a residual add or a LayerNorm output, after {region.outputs} is summed")
-    return frozenset(t for r in plan.regions if r.vocab and not r.heads for t in r.vocab)
+    return frozenset(t for r in plan.regions if r.vocab for t in r.vocab)
 
 
 def _check_tied(plans: list[StagePlan], size: int) -> None:

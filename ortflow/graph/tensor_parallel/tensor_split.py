@@ -324,7 +324,8 @@ def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, l
 def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | set[str], size: int,
                                embedded: frozenset[str] = frozenset(), unsplit: bool = False) -> TensorParallelPlan:
     """Find the regions to split over ``size`` ranks (pure; nothing is changed). ``embedded``: tables the whole model
-    embeds, when ``model`` is one pipeline stage of it (its LM head may be tied to another stage's embedding).
+    splits by vocabulary, when ``model`` is one pipeline stage of it (the last stage's LM head, whose embedding is in
+    the first stage; an LM head tied to another stage's embedding).
     ``unsplit``: a plan with no region is returned (a pipeline stage its tensor-parallel ranks run whole) rather than
     refused.
 

@@ -83,14 +83,15 @@ def plan_vocab(model: onnx.ModelProto, trainable, size: int, shapes: dict[str, l
                kept: dict[str, str], embedded: frozenset[str] = frozenset()) -> list[Region]:
     """The vocabulary-split regions of ``model`` (one per embedding Gather and per LM head); records in ``kept`` why
     a table that looks like an embedding or LM head stays replicated (and drops the tables it splits from it).
-    ``embedded``: tables the whole model embeds (a pipeline stage's LM head tied to another stage's embedding)."""
+    ``embedded``: tables the whole model splits by vocabulary, for a pipeline stage's graph: its embedding or LM head
+    (the last stage's LM head, whose embedding is in the first stage; an LM head tied to another stage's embedding)."""
     if opset_version(model) < MIN_OPSET:
         return []
     graph, names, regions = _Graph(model, shapes), Names(model.graph), []
     tables = [t for t in sorted(set(trainable) - sliced) if len(shapes.get(t, [])) == 2]
     uses = {t: [graph.use(i, t) for i in graph.readers.get(t, [])] for t in tables}
-    vocabularies = {shapes[t][0] for t in tables if t in embedded
-                    or any(isinstance(u, tuple) and u[0] == "embedding" for u in uses[t])}
+    vocabularies = {shapes[t][u[1]] for t in tables for u in uses[t]
+                    if isinstance(u, tuple) and (u[0] == "embedding" or t in embedded)}
     for table in tables:
         # an LM head is the output layer of a model that embeds a vocabulary of its width (not a classifier's head)
         found = [u for u in uses[table] if isinstance(u, tuple) and (u[0] == "embedding"
