@@ -343,13 +343,13 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
               "grads": args.grads, "arena": args.arena, "huge_pages": args.huge_pages,
               "memory_runs": runs, "failed": failed}  # fmt: skip
     print("BENCH_RESULT " + json.dumps(record), flush=True)
+    record["command"] = (f"mpiexec -n {ranks} python -m bench exchange --rounds {args.rounds} --calls {args.calls}"
+                         + (f" --contenders {args.contenders}" if args.contenders else "")
+                         + (" --grads numpy" if args.grads == "numpy" else "")
+                         + (" --arena session" if args.arena == "session" else "")
+                         + (" --huge-pages off" if args.huge_pages == "off" else ""))  # fmt: skip
     lines = [f"# Gradient exchange, {ranks} ranks, {nbytes / 1e6:.1f} MB in {tensors} tensors ({record['time']})", "",
-             "```", f"mpiexec -n {ranks} python -m bench exchange --rounds {args.rounds} --calls {args.calls}"
-             + (f" --contenders {args.contenders}" if args.contenders else "")
-             + (" --grads numpy" if args.grads == "numpy" else "")
-             + (" --arena session" if args.arena == "session" else "")
-             + (" --huge-pages off" if args.huge_pages == "off" else ""),
-             "```", "", f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}. "
+             f"Host {record['host']}, {record['cores']} cores, load average {record['load_avg']}. "
              "Gradients: "
              f"{'the engine buffers' if args.grads == 'engine' else 'numpy arrays'}, in {runs} memory run(s) "
              f"(arena: {args.arena}); {record['mpi']}.", "",

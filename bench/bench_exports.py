@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.common import host, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "out"
@@ -116,6 +117,21 @@ def _memory_per_rank(cfg) -> dict:
     return {"files": ranks, "largest_rank": largest}
 
 
+def markdown(result: dict, others: list[str], args) -> str:
+    """The report: the provenance block, then one row per layout against dp 2."""
+    lines = [f"# {', '.join(others)} vs dp 2 on the GPT-2 export ({result['date']})", "",
+             *provenance(result["command"], result["host"]), "",
+             f"Global batch {result['global_batch_windows']} windows of {SEQ} tokens per update in {args.micro} "
+             f"micro-batches, {args.updates} updates per run, {args.rounds} interleaved rounds.", "",
+             "| layout | median step (s) | step vs dp 2 | parameters per rank (bytes) | optimizer state per rank "
+             "(bytes) | state vs dp 2 | peak resident memory per rank (MiB) |", "|---|---|---|---|---|---|---|"]
+    for name, row in result["layouts"].items():
+        lines.append(f"| {name} | {row['median_step_s']:.4f} | {row['step_vs_dp2']:.2f} | {row.get('parameters', 0)} "
+                     f"| {row.get('optimizer_state', 0)} | {row['state_vs_dp2']:.2f} "
+                     f"| {row['peak_resident_mib']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_exports", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three layouts")
@@ -149,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
-        "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(),
-        "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, check=False).stdout.strip(),
+        "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": host(),
         "model": "tests/fixtures/exports/gpt2.onnx (HF GPT-2: 4 layers, d 64, 4 heads, vocab 512, tied)",
         "global_batch_windows": args.batch * args.micro, "micro_batches": args.micro, "seq_len": SEQ,
         "updates": args.updates,
@@ -170,18 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"exports-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M')}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    lines = [f"# {', '.join(n for n in layouts if n != 'dp2')} vs dp 2 on the GPT-2 export ({result['date']})", "",
-             f"Command: `{command}`; commit {result['commit']}; {result['cpus']} CPUs ({result['host']}), Python "
-             f"{result['python']}; global batch {result['global_batch_windows']} windows of {SEQ} tokens per update in "
-             f"{args.micro} micro-batches, {args.updates} updates per run, {args.rounds} interleaved rounds.", "",
-             "| layout | median step (s) | step vs dp 2 | parameters per rank (bytes) | optimizer state per rank "
-             "(bytes) | state vs dp 2 | peak resident memory per rank (MiB) |", "|---|---|---|---|---|---|---|"]
-    for name, row in result["layouts"].items():
-        lines.append(f"| {name} | {row['median_step_s']:.4f} | {row['step_vs_dp2']:.2f} | {row.get('parameters', 0)} "
-                     f"| {row.get('optimizer_state', 0)} | {row['state_vs_dp2']:.2f} "
-                     f"| {row['peak_resident_mib']:.1f} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = markdown(result, [n for n in layouts if n != "dp2"], args)
+    stem.with_suffix(".md").write_text(text)
+    print(text)
     return 0
 
 

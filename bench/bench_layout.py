@@ -30,7 +30,16 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import Setup, default_mpiexec, host_info, parse_result, run_command, spawn_ranks, thread_env
+from bench.common import (
+    Setup,
+    default_mpiexec,
+    host_info,
+    parse_result,
+    provenance,
+    run_command,
+    spawn_ranks,
+    thread_env,
+)
 from bench.compare import LEARNING_RATE, SEED, export_model, write_tokens
 from ortflow.config import config_from_dict, write_resolved_config
 from ortflow.trainer.metrics import PROGRESS_FILE
@@ -185,12 +194,9 @@ def write_report(args, info: dict, runs: dict, wall: float, name: str, quiet: bo
     (args.out / f"{name}.json").write_text(json.dumps(record, indent=2))
     fmt = lambda v: " / ".join(f"{x:.2f}" for x in v) if v else "failed"  # noqa: E731
     lines = [f"# Layouts at global batch {args.global_batch}: {info['host']}, {info['cores']} cores, {info['date']}",
-             "", "```", record["command"], "```", "",
-             f"{info['cpu']}; commit {info.get('commit', 'unknown')}; Python {info['python']}, "
-             + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "; "
-             f"load average at start {info['load_average_at_start']}, at end "
-             f"{record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. Model: "
-             f"{info.get('model', '?')} {SHAPE}. Samples/s min / median "
+             "", *provenance(record["command"], info), "",
+             f"Load average at end {record['load_average_at_end']}; {args.rounds} interleaved rounds, {wall:.0f} s. "
+             f"Model: {info.get('model', '?')} {SHAPE}. Samples/s min / median "
              "/ max over rounds (every contender trains the same samples per weight update).", "",
              "| contender | ranks x threads | samples/s |", "|---|---|---|"]  # fmt: skip
     lines += [f"| {label} | {row['layout']} | {fmt(row['samples_per_s'])} |" for label, row in rows.items()]

@@ -160,7 +160,6 @@ def main(argv: list[str] | None = None) -> None:
                f"--warmup-windows {args.warmup_windows}")  # fmt: skip
     lines = [
         f"# Trainer overhead at 1 x 1, per-phase counters ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-        "```", command, "```", "",
         f"{os.cpu_count()} cores; load average (1, 5, 15 min) at start {[round(x, 2) for x in load_start]}, at end "
         f"{[round(x, 2) for x in load_end]}; {args.rounds} interleaved rounds, {time.time() - started:.0f} s.", "",
         "| figure | min / median / max over rounds |", "|---|---|",

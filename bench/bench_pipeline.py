@@ -325,7 +325,7 @@ def summarize(results: dict, micro: list[int], engine_memory: dict) -> dict:
 def report(record: dict) -> str:
     """The markdown summary written next to the JSON."""
     s, mb = record["summary"], 1 / 2**20
-    lines = [f"# Pipeline bench on {record['host']} ({record['cores']} cores)", "", f"`{record['command']}`", "",
+    lines = [f"# Pipeline bench on {record['host']} ({record['cores']} cores)", "",
              f"GPT {record['shape']}, 1 thread per rank; training micro-batch {record['batch_size']} sequences; pp 2 "
              f"stages {'recompute their forward' if record.get('recompute_forward') else 'keep their activations'}.",
              "",

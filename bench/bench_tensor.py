@@ -240,7 +240,7 @@ def report(record: dict) -> str:
     mib = 2**20
     where = "GPUs" if record.get("device") == "cuda" else "CPU ranks"
     lines = [f"# Tensor parallelism on {where} ({record['host']}, {record['cores']} cores)", "",
-             f"Command: `{record['command']}`", f"GPT {record['shape']}, batch {record['batch_size']} x "
+             f"GPT {record['shape']}, batch {record['batch_size']} x "
              f"{record.get('micro', MICRO)} micro-batches per update, 1 thread per rank, AdamW (ortflow's update).",
              f"GPUs: {record.get('gpus') or '-'}", "",
              "| rank | split-layer params MiB | their AdamW state MiB | all params MiB | split params vs hp1 | "
@@ -392,7 +392,6 @@ def pipe_tensor_summarize(results: dict) -> dict:
 def pipe_tensor_report(record: dict) -> str:
     s, mib = record["summary"], 2**20
     lines = [f"# Pipeline x tensor parallelism on CPU ranks ({record['host']}, {record['cores']} cores)", "",
-             f"Command: `{record['command']}`", "",
              f"GPT {record['shape']}, batch {BATCH} x {MICRO} micro-batches per update, 1 thread per rank, AdamW "
              "(ortflow's update); medians over rounds of the slowest rank's step.", "",
              "| layout | ranks | step s | samples/s | per-rank params MiB | per-rank AdamW state MiB | "

@@ -57,8 +57,32 @@ def summarize(values: list[float]) -> dict:
     return {"min": min(kept), "median": statistics.median(kept), "max": max(kept), "n": len(kept)}
 
 
+def commit(where: Path | None = None) -> str:
+    """The commit of the checkout holding ``where`` (default: this package's), ``+dirty`` with uncommitted changes to
+    tracked files, or ``unknown`` outside a git checkout."""
+    here = where or Path(__file__).parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=False).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+def gpu_names() -> str | None:
+    """The GPUs ``nvidia-smi`` lists (name and memory, one entry per GPU), or None without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=False).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "; ".join(line.strip() for line in out.splitlines() if line.strip()) or None
+
+
 def host_info() -> dict:
-    """Where the numbers come from."""
+    """Where the numbers come from: host, CPU, cores, GPUs, the commit measured, Python and package versions."""
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -73,14 +97,9 @@ def host_info() -> dict:
             versions[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
             versions[name] = None
-    try:  # the code measured; "unknown" outside a git checkout
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent, check=False).stdout.strip() or "unknown"  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
     return {
-        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "commit": commit,
-        "python": platform.python_version(), "versions": versions,
+        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "gpu": gpu_names(),
+        "commit": commit(), "python": platform.python_version(), "versions": versions,
         "load_average_at_start": os.getloadavg(),  # other processes on the machine skew every timing
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }  # fmt: skip
@@ -223,35 +242,53 @@ def command_line() -> str:
     return " ".join([sys.argv[0], shlex.join(sys.argv[1:])]).strip()
 
 
-def commit() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown`` outside a git checkout."""
-    here = Path(__file__).parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10, check=False).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
-
-
 def host() -> dict:
-    """``host_info`` at the time of writing, with the commit measured."""
+    """``host_info`` at the time of writing."""
     info = host_info()
     info["load_average_when_written"] = info.pop("load_average_at_start", None)
-    info.setdefault("commit", commit())
     return info
 
 
-def provenance(record: dict) -> list[str]:
-    """Markdown lines naming the command, host and versions of ``record``."""
-    h = record["host"]
-    versions = ", ".join(f"{k} {v}" for k, v in h.get("versions", {}).items() if v)
-    return ["```", record["command"], "```", "",
-            f"{h.get('host')}: {h.get('cpu')}, {h.get('cores')} cores; commit {h.get('commit', 'unknown')}; "
-            f"Python {h.get('python')}; {versions}; written {h.get('date')}, load average then "
-            f"{h.get('load_average_when_written')}."]  # fmt: skip
+def provenance(command: str, info: dict) -> list[str]:
+    """The standard provenance block of every report: the command in a code block, then one line with the commit,
+    the host (CPU and cores, GPUs where there are), Python, the package versions, the date and the load average.
+
+    Args:
+        command: the command as typed.
+        info: :func:`host_info` or :func:`host` facts; missing ones are left out (``commit`` reads ``unknown``).
+    """
+    where = [f"{info['host']}:" if info.get("host") else "",
+             f"{info['cpu']}," if info.get("cpu") else "",
+             f"{info['cores']} cores" if info.get("cores") else ""]  # fmt: skip
+    parts = [f"commit {info.get('commit') or 'unknown'}", " ".join(w for w in where if w).rstrip(",:")]
+    if info.get("gpu"):
+        parts.append(f"GPUs {info['gpu']}")
+    if info.get("python"):
+        parts.append(f"Python {info['python']}")
+    versions = info.get("versions") or {}
+    if isinstance(versions, dict):
+        versions = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+    parts.append(versions)
+    when = f"written {info['date']}" if info.get("date") else ""
+    for key, label in (("load_average_when_written", "load average then"), ("load_average_at_start",
+                                                                           "load average at start")):
+        if info.get(key) is not None:
+            load = ", ".join(f"{x:.2f}" for x in info[key]) if isinstance(info[key], list | tuple) else info[key]
+            when += f"{', ' if when else ''}{label} ({load})"
+            break
+    parts.append(when)
+    line = "; ".join(p for p in parts if p)
+    return ["```", command, "```", "", line[:1].upper() + line[1:] + "."]
+
+
+def with_provenance(markdown: str, command: str, info: dict) -> str:
+    """``markdown`` with :func:`provenance`'s block under its first ``#`` title (on top without one)."""
+    lines = markdown.strip("\n").split("\n")
+    title = lines[:1] if lines[0].startswith("# ") else []
+    body = lines[len(title) :]
+    while body and not body[0].strip():
+        body.pop(0)
+    return "\n".join([*title, *([""] if title else []), *provenance(command, info), "", *body]) + "\n"
 
 
 def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
@@ -260,22 +297,16 @@ def write_result(stem: Path, record: dict, markdown: str) -> tuple[Path, Path]:
     Args:
         stem: the result's path without suffix (``bench/out/tensor-vm``).
         record: the measurements (JSON-serialisable); its ``command`` wins over the process's argv (a benchmark under
-            mpiexec knows its launcher line), its ``host`` is completed with ``host_info``.
-        markdown: the report; the provenance lines go under its first ``#`` title (or on top without one).
+            mpiexec knows its launcher line), its ``host`` is completed with ``host``.
+        markdown: the report; :func:`provenance`'s block goes under its first ``#`` title (or on top without one).
 
     Returns:
         The two paths written.
     """
     own = record.get("host")  # a benchmark's own host facts (or just its name) stay, under ours
     record = {"command": command_line(), **record, "host": {**(own if isinstance(own, dict) else {}), **host()}}
-    lines = markdown.strip("\n").split("\n")
-    title = lines[:1] if lines[0].startswith("# ") else []
-    body = lines[len(title):]
-    while body and not body[0].strip():
-        body.pop(0)
-    lines = [*title, *([""] if title else []), *provenance(record), "", *body]
     stem.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
     json_path.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    md_path.write_text("\n".join(lines) + "\n")
+    md_path.write_text(with_provenance(markdown, record["command"], record["host"]))
     return json_path, md_path

@@ -183,15 +183,15 @@ def mfu(tokens_per_s: float | None, parameters: int, gpus: int, peak_tflops: flo
 
 
 def render(results: list[dict], meta: dict) -> str:
-    """The markdown report: one row per contender."""
+    """The markdown report: the provenance block, then one row per contender."""
+    sys.path.insert(0, str(REPO))
+    from bench.common import with_provenance
+
     params, peak = meta["parameters"], meta.get("peak_tflops", PEAK_TFLOPS)
     lines = [f"# 1B Llama on {meta.get('gpus', '?')} GPUs: ortflow against PyTorch FSDP2 + compile", "",
              f"Model: {params / 1e9:.2f}B parameters ({meta.get('shape', '')}); per GPU {meta.get('batch')} x "
              f"{meta.get('seq')} tokens per update. MFU = 6 x parameters x tokens/s / (GPUs x {peak:g} TFLOP/s).", ""]
-    for key in ("command", "commit", "gpu", "versions"):
-        if meta.get(key):
-            lines.append(f"- {key}: {meta[key]}")
-    lines += ["", "| contender | status | step (ms) | tokens/s | MFU | first loss | last loss |",
+    lines += ["| contender | status | step (ms) | tokens/s | MFU | first loss | last loss |",
               "|---|---|---|---|---|---|---|"]
     for r in results:
         util = mfu(r.get("tokens_per_s"), params, r.get("gpus", meta.get("gpus", 1)), peak)
@@ -203,7 +203,7 @@ def render(results: list[dict], meta: dict) -> str:
     failed = [r for r in results if r.get("status") != "ok"]
     for r in failed:
         lines += ["", f"{r['contender']} failed:", "", "```", str(r.get("error", ""))[-1500:], "```"]
-    return "\n".join(lines) + "\n"
+    return with_provenance("\n".join(lines), meta.get("command", "unknown"), meta)
 
 
 def _num(value) -> str:
@@ -222,6 +222,7 @@ def run_meta(args: argparse.Namespace) -> dict:
     import importlib.metadata as metadata
 
     sys.path.insert(0, str(REPO))
+    from bench.common import host
     from tools.make_large_llama import PRESETS
 
     versions = {}
@@ -230,9 +231,9 @@ def run_meta(args: argparse.Namespace) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
-    return {"command": args.command, "commit": _probe(["git", "rev-parse", "HEAD"]),
+    return {**host(), "command": args.command,
             "gpu": _probe(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
-            "versions": json.dumps(versions), "parameters": PRESETS[args.size].num_parameters(), "shape": args.size,
+            "versions": versions, "parameters": PRESETS[args.size].num_parameters(), "shape": args.size,
             "gpus": args.gpus, "batch": args.batch, "seq": args.seq, "peak_tflops": args.peak_tflops}
 
 

@@ -22,7 +22,7 @@ import argparse
 import contextlib
 import json
 import os
-import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -190,13 +190,10 @@ def measure(args, folder: Path) -> tuple[int, int, dict]:
     return num, len(engines[args.threads[0]][3]), rows
 
 
-def report(args, argv, num: int, tensors: int, rows: dict) -> str:
-    command = "python -m bench optim " + " ".join(argv if argv is not None else sys.argv[1:])
+def report(args, num: int, tensors: int, rows: dict) -> str:
     lines = [
         f"# ortflow update vs engine optimizer step (CPU, 1 rank) - {num:,} parameters, {tensors} tensors", "",
-        f"Command: `{command.strip()}`  ", f"Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores (shared; load average at the end {os.getloadavg()[0]:.1f}), numpy {np.__version__}; "
-        f"{args.rounds} interleaved rounds. "
+        f"Load average at the end {os.getloadavg()[0]:.1f}; {args.rounds} interleaved rounds. "
         "vs engine: median over the engine step's median at the same threads. GB/s: bytes the rule must move "
         "(AdamW/Lamb 28 B/param, SGD-momentum 20) / median time. bits: gives the numpy rule's bits.", "",
         "| threads | variant | min ms | median ms | vs engine | GB/s | bits |", "|---:|---|---:|---:|---:|---:|---|",
@@ -222,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         num, tensors, rows = measure(args, Path(tmp))
-    text = report(args, argv, num, tensors, rows)
+    text = report(args, num, tensors, rows)
     print(text)
     if args.out:
         data = [{"threads": t, "variant": k, **r} for (t, k), r in rows.items()]
@@ -349,13 +346,13 @@ def zero_main(argv: list[str] | None = None) -> int:
         num = int(sum(p.size for p in params))
         lines = [
             f"# ZeRO-1 vs ZeRO-0 on {comm.size} CPU ranks - {num:,} parameters (AdamW torch, clipping on)", "",
-            "Command: `mpiexec -n {} python -m bench optim-zero {}`  ".format(comm.size, " ".join(sys.argv[1:])),
             f"Median over {args.rounds} interleaved rounds of the mean over ranks, ms; state: MiB per rank.", "",
             "| stage | forward+backward | exchange | update | update, slowest rank | gather | step | "
             "optimizer state |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        result = {"ranks": comm.size, "num_parameters": num, "rounds": args.rounds, "stages": {}}
+        command = f"mpiexec -n {comm.size} python -m bench optim-zero {shlex.join(sys.argv[1:])}".strip()
+        result = {"command": command, "ranks": comm.size, "num_parameters": num, "rounds": args.rounds, "stages": {}}
         for name in stages:
             med = {k: statistics.median(v[1:]) * 1e3 for k, v in times[name].items()}
             med["update_slowest"] = statistics.median(slowest[name][1:]) * 1e3

@@ -191,7 +191,6 @@ def report(result: dict, command: str) -> str:
     lines = [
         f"# Fused device update vs HBM bandwidth - {result['num_parameters']:,} parameters, "
         f"{result['num_tensors']} tensors", "",
-        f"Command: `{command}`  ",
         f"Peak: {result['peak_source']}. Engine step: {result['engine']}. {result['rounds']} rounds x "
         f"{result['steps']} calls; GB/s = bytes the rule must move / median time.", "",
         "| variant | min ms | median ms | B/param | GB/s | % peak | % copy |", "|---|---:|---:|---:|---:|---:|---:|",

@@ -159,7 +159,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     mb = 1 / 2**20
     lines = [f"# Pipeline stage memory probe on {socket.gethostname()}", "",
-             "`python -m bench pipeline-memory " + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
              "Peak RSS growth (MiB) over 3 rounds of the calls, one fresh process per cell (bench/pipeline_memory.py).",
              "", "| model | calls | allocator | " + " | ".join(f"b={b}" for b in args.batch) + " |",
              "|---|---|---|" + "---|" * len(args.batch)]

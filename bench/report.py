@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import host, provenance, with_provenance
+
 GOALS = {"overhead": 0.03, "efficiency_2": 0.95, "efficiency_16": 0.90, "ortflow_over_torch": 1.0}
 
 
@@ -94,9 +96,7 @@ def plot(record: dict, out: Path) -> list[str]:
 def render(record: dict, plots: list[str]) -> str:
     """The report's markdown."""
     h, m, r = record["host"], record["model"], record["ratios"]
-    lines = [f"# ortflow benchmark: {h['host']}, {h['date']}", "", "```", record["command"], "```", ""]
-    lines += [f"{h['cpu']}, {h['cores']} cores; commit {h.get('commit', 'unknown')}; Python {h['python']}; "
-              + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + ".", ""]  # fmt: skip
+    lines = [f"# ortflow benchmark: {h['host']}, {h['date']}", "", *provenance(record["command"], h), ""]
     s = record["setup"]
     lines += [f"Model: the PyTorch GPT of `bench/torch_gpt.py` exported to ONNX, {m['shape']}, "
               f"{m['num_params'] / 1e6:.2f} M parameters, {m['train_flops_per_token'] / 1e6:.1f} MFLOP per token "
@@ -298,8 +298,7 @@ def gpu_suite_summary(rows: list) -> dict:
 
 def _gpu_suite_markdown(summary: dict, rows: list, meta: dict) -> str:
     worlds = sorted({w for entry in summary["table"] for w in entry["ms"]})
-    out = [f"# GPU suite, {meta['date']}", "", f"- command: `{meta['command']}`", f"- commit: {meta['commit']}",
-           f"- GPUs: {meta['gpus']}", f"- ortflow Python: {meta['ortflow_python']}",
+    out = [f"# GPU suite, {meta['date']}", "", f"- ortflow Python: {meta['ortflow_python']}",
            f"- PyTorch Python: {meta['torch_python']}", f"- mpiexec: {meta['mpiexec']}; CPUs: {meta['cpus']}",
            f"- environment: {meta['env']}", f"- wall time {meta['seconds']:.0f} s of a {meta['budget_s']:.0f} s budget",
            "", "ms per update: median over rounds (each round's figure in brackets); each figure is the median of the "
@@ -331,12 +330,13 @@ def _gpu_suite_markdown(summary: dict, rows: list, meta: dict) -> str:
     failed = [r for r in rows if r.status in ("failed", "timeout")]
     for row in failed:
         out += ["", f"### {row.name} ({row.status})", "", "```", row.error_tail[-1500:], "```"]
-    return "\n".join(out) + "\n"
+    return with_provenance("\n".join(out), meta["command"], {**meta.get("host", {}), "commit": meta["commit"],
+                                                           "gpu": meta["gpus"]})
 
 
 def write_gpu_suite_report(out: Path, rows: list, info: dict, args, seconds: float) -> None:
     """``gpu-suite.json`` and ``gpu-suite.md`` in ``out``."""
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": shlex.join(sys.argv),
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": shlex.join(sys.argv), "host": host(),
             "env": {k: os.environ[k] for k in ENV_SHOWN if k in os.environ}, "seconds": seconds,
             "budget_s": args.budget_s, "dry_run": args.dry_run, "args": vars(args),
             **{k: info.get(k, "-") for k in ("commit", "gpus", "topology", "ortflow_python", "torch_python",

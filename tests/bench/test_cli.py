@@ -62,7 +62,7 @@ def test_write_result_records_command_host_and_versions_in_both_files(tmp_path, 
     assert record["host"]["commit"]  # the checkout's commit, or "unknown" outside one
     lines = md_path.read_text().splitlines()
     assert lines[:5] == ["# Tensor", "", "```", "python -m bench tensor --steps 4", "```"]
-    assert f"commit {record['host']['commit']};" in md_path.read_text()
+    assert lines[6].startswith(f"Commit {record['host']['commit']}; ")
     assert lines[-2:] == ["| a |", "|---|"]
 
 

@@ -85,7 +85,7 @@ def test_the_report_reads_every_contender_from_the_logs_and_renders_tokens_and_m
     util = 6 * 1_123_117_056 * 32768 / (2 * 989e12)
     assert f"| ortflow fp16 ZeRO-1 | ok | 250.0 | 32,768 | {util:.1%} | 10.4 | 9.1 |" in text
     assert "| PyTorch FSDP2 + compile bf16 | failed | - | - | - |" in text and "CUDA out of memory" in text
-    assert "commit: abc123" in text and "1.12B parameters" in text
+    assert "\nCommit abc123." in text and "1.12B parameters" in text
 
 
 def test_the_torch_contender_trains_the_same_shape_on_cpu(tmp_path, capsys, monkeypatch):
