@@ -5,7 +5,8 @@ processes take the core), far above a 1% goal. Counters inside each process are 
 trainer adds is time outside the engine's calls, which its breakdown (``timing.json``, ortflow.trainer.timing) measures
 directly. So, in interleaved rounds (bare, trainer, then reversed), on the same GPT, artifacts, batches and 1 thread:
 
-* bare loop: per update ``fb`` = ``module(*inputs)`` and ``upd`` = ``optimizer.step(); module.lazy_reset_grad()``;
+* bare loop: per update ``fb`` = ``module(*inputs)`` and ``upd`` = ``optimizer.step(); module.lazy_reset_grad()``
+  (``optimizer.step()``: ortflow's update on the engine's buffers, the one the trainer applies);
 * trainer (``mpiexec -n 1 python -m ortflow.trainer``): per update, each phase of its display windows after warm-up.
 
 Reported, each as min / median / max over rounds:
@@ -43,20 +44,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHO
 BARE = """
 import json, sys, time
 import numpy as np
-from ortflow.config import load_run_config
+from bench.workers import engine_loop
 from ortflow.dataprep.loader import TrainLoader
-from ortflow.engine import api
-from ortflow.trainer.runtime import session_options
 
-cfg = load_run_config(sys.argv[1])
 steps, warmup = int(sys.argv[2]), int(sys.argv[3])
-art = cfg.artifacts_dir
-state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
-module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"), device="cpu",
-                    session_options=session_options(1))
-optimizer = api.Optimizer(str(art / "optimizer_model.onnx"), module)
-optimizer.set_learning_rate(cfg.optimizer.learning_rate)
-module.train()
+cfg, state, module, optimizer = engine_loop(sys.argv[1], 1)  # optimizer.step(): ortflow's update, as the trainer's
 loader = TrainLoader(cfg.data_dir, cfg.train.batch_size, 0, 1, prefetch=0)
 batches = [loader.batch(0, k) for k in range(steps)]
 names, fb, upd = module.input_names(), [], []

@@ -39,7 +39,9 @@ def emit(record: dict) -> None:
     print(RESULT_TAG + json.dumps(record), flush=True)
 
 
-def _engine(run_dir: Path, threads: int):
+def engine_loop(run_dir: Path, threads: int):
+    """The run's config, engine state and module (training mode) and ortflow's update on the engine's buffers
+    (``step()``): the parts of the bare loop."""
     from ortflow.config import load_run_config
     from ortflow.engine import api
     from ortflow.trainer.runtime import session_options
@@ -87,7 +89,7 @@ def _batches(cfg, count: int, rank: int = 0, world: int = 1) -> list[dict[str, n
 
 
 def bare(args: argparse.Namespace) -> None:
-    cfg, _, module, optimizer = _engine(args.run_dir, args.threads)
+    cfg, _, module, optimizer = engine_loop(args.run_dir, args.threads)
     batches = _batches(cfg, args.warmup + args.steps)
     names = module.input_names()
     times, losses = [], []
@@ -165,7 +167,7 @@ def sanity(args: argparse.Namespace) -> None:
 
     from bench.torch_gpt import GPT, GPTShape
 
-    cfg, _, module, optimizer = _engine(args.run_dir, 1)
+    cfg, _, module, optimizer = engine_loop(args.run_dir, 1)
     batches = _batches(cfg, args.steps)
     names = module.input_names()
     engine_losses = []
@@ -225,7 +227,7 @@ def checkpoint(args: argparse.Namespace) -> None:
     from ortflow.checkpoints import CheckpointManager
     from ortflow.checkpoints.h5state import write_state
 
-    cfg, state, module, optimizer = _engine(args.run_dir, 1)
+    cfg, state, module, optimizer = engine_loop(args.run_dir, 1)
     feeds = _batches(cfg, 1)[0]
     module(*(feeds[n] for n in module.input_names()))
     optimizer.step()  # the AdamW moments exist only after a step
