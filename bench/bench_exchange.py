@@ -40,6 +40,11 @@ from ortflow.trainer.comm.buckets import plan_buckets
 from ortflow.trainer.comm.memory_runs import local_runs
 
 
+def library_line(version: str) -> str:
+    """The first line of an MPI library's version string, without the C string's NUL (Open MPI ends it with one)."""
+    return version.replace("\0", "").splitlines()[0].strip() if version.strip("\0 \n") else "unknown"
+
+
 def gradient_shapes(model: Path | None) -> list[tuple[int, ...]]:
     """Float initializer shapes of ``model`` (default: the bench GPT built into a temporary folder)."""
     import onnx
@@ -339,7 +344,7 @@ def report(times: dict, fastest: dict, ranks: int, nbytes: int, tensors: int, ar
     record = {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": ranks, "bytes": nbytes,
               "tensors": tensors, "rounds": args.rounds, "calls": args.calls, "load_avg": os.getloadavg(),
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "mpi": __import__("mpi4py.MPI").MPI.Get_library_version().splitlines()[0].strip(), "contenders": rows,
+              "mpi": library_line(__import__("mpi4py.MPI").MPI.Get_library_version()), "contenders": rows,
               "grads": args.grads, "arena": args.arena, "huge_pages": args.huge_pages,
               "memory_runs": runs, "failed": failed}  # fmt: skip
     print("BENCH_RESULT " + json.dumps(record), flush=True)
