@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import subprocess
+import sys
 from pathlib import Path
 
 from bench import bench_exports, bench_layout, large_llama
@@ -121,3 +122,12 @@ def test_every_bench_module_writing_markdown_writes_it_with_the_block():
                  for n in ast.walk(tree) if isinstance(n, ast.Call)}  # fmt: skip
         if '.md"' in path.read_text() and path.name != "common.py":
             assert names & shared, f"{path.name} writes a .md without the provenance block"
+
+
+def test_the_gpu_suite_driver_writes_its_report_with_the_standard_library_alone():
+    """bench/gpu_suite.sh runs the driver on a Python that may lack numpy: the report modules must not need it."""
+    code = ("import sys; sys.modules['numpy'] = None; import bench.report, bench.common; "
+            "print(bench.common.provenance('c', bench.common.host())[4])")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True).stdout  # fmt: skip
+    assert out.startswith("Commit ")
