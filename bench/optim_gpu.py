@@ -184,7 +184,7 @@ def measure(args) -> dict:
             "engine": engine_note, "rounds": args.rounds, "steps": args.steps, "rows": rows}
 
 
-def report(result: dict, command: str) -> str:
+def report(result: dict) -> str:
     """The markdown table of a :func:`measure` result."""
     copy = next((r for r in result["rows"] if r["variant"] == "copy"), None)
     peak = result["peak_bytes_s"]
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="Folder for optim-gpu.md and .json.")
     args = parser.parse_args(argv)
     result = measure(args)
-    text = report(result, "bench/optim_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    text = report(result)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

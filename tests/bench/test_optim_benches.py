@@ -28,7 +28,7 @@ def test_optim_gpu_report_gives_percent_of_peak_and_of_copy():
             {"variant": "adamw torch", "min_ms": 1.2, "median_ms": 1.25, "bytes_per_param": 28, "gb_s": 2240.0}]
     result = {"num_parameters": 10**8, "num_tensors": 3, "peak_bytes_s": 4.8e12, "peak_source": "H200: datasheet",
               "engine": "not run", "rounds": 5, "steps": 20, "rows": rows}
-    text = optim_gpu.report(result, "bench/optim_gpu.py")
+    text = optim_gpu.report(result)
     assert "| adamw torch | 1.200 | 1.250 | 28 | 2240 | 47% | 80% |" in text
     assert "| copy | 1.000 | 1.000 | 28 | 2800 | 58% | 100% |" in text
 
