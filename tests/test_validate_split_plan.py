@@ -1,6 +1,6 @@
-"""``ortflow validate`` on a Llama and a Qwen2 export (grouped-query attention, RoPE) and on GPT-2's TorchScript and
-default dynamo exports (a fused QKV projection) with tensor parallelism: the split plan it prints, and the sizes it
-refuses."""
+"""``ortflow validate`` on a Llama and a Qwen2 export (grouped-query attention, RoPE), a Llama with multi-query
+attention (key/value heads replicated) and on GPT-2's TorchScript and default dynamo exports (a fused QKV projection)
+with tensor parallelism: the split plan it prints, and the sizes it refuses."""
 
 from __future__ import annotations
 
@@ -64,13 +64,38 @@ def test_validate_says_whether_pipeline_stages_keep_their_activations(tmp_path, 
         in text.lower()
 
 
-def test_a_size_that_does_not_divide_the_key_value_heads_is_refused(tmp_path):
-    problems = validate(lm_config(tmp_path, num_ranks=4, horizontal_parallel_size=4))
-    assert len(problems) == 1, problems
-    # 64 query columns and 4 query heads divide by 4; the 2 key/value heads do not
-    assert "horizontal_parallel_size 4 does not divide the 2 key/value heads of " \
-           "model.model.layers.0.self_attn.k_proj.weight" in problems[0]
-    assert "use one of [1, 2]" in problems[0]
+def replicated_kv_line(layer: int, kv_heads: int, size: int, reads: str) -> str:
+    """validate's words for a layer whose key/value projections stay whole on every rank."""
+    attn = f"model.model.layers.{layer}.self_attn"
+    return (f"key/value heads replicated: ['{attn}.k_proj.weight', '{attn}.v_proj.weight'] whole on every rank "
+            f"({kv_heads} key/value head(s), tensor-parallel size {size}; their gradients summed over the ranks): "
+            + reads)
+
+
+@pytest.mark.parametrize("export,size,reads", [
+    ("llama-mqa.onnx", 2, "rank 0's query heads 0-1 read key/value head 0, rank 1's query heads 2-3 read key/value "
+                          "head 0"),
+    ("llama.onnx", 4, "rank 0's query head 0 reads key/value head 0, rank 1's query head 1 reads key/value head 0, "
+                      "rank 2's query head 2 reads key/value head 1, rank 3's query head 3 reads key/value head 1")],
+    ids=["mqa-tp2", "gqa-tp4"])
+def test_validate_prints_the_key_value_heads_replicated_where_the_size_does_not_divide_them(tmp_path, export, size,
+                                                                                          reads):
+    """Multi-query attention (1 key/value head) at tp 2, and the Llama export's 2 key/value heads at tp 4: the query
+    heads are split, the key/value projections (and their RoPE) stay whole on every rank and each rank's query heads
+    read the key/value heads they map to; nothing is kept replicated with a warning."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=size,
+                                                                   horizontal_parallel_size=size))])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "split plan:" in text and text.rstrip().endswith("valid")
+    kv_heads = 1 if export == "llama-mqa.onnx" else 2
+    for layer in range(2):
+        attn = f"model.model.layers.{layer}.self_attn"
+        assert f"columns ['{attn}.q_proj.weight'] (+ biases []), rows ['{attn}.o_proj.weight']" in text
+        assert f"heads: {attn}.q_proj.weight 4 -> {4 // size} per rank" in text
+        assert replicated_kv_line(layer, kv_heads, size, reads) in text
+        assert f"columns ['model.model.layers.{layer}.mlp.gate_proj.weight', " in text
+    assert "kept replicated" not in text
 
 
 def test_a_size_that_divides_neither_heads_nor_widths_names_a_few_heads_and_the_sizes_that_fit(tmp_path):
@@ -81,7 +106,9 @@ def test_a_size_that_divides_neither_heads_nor_widths_names_a_few_heads_and_the_
                               "model.model.layers.0.self_attn.q_proj.weight; the 2 key/value heads of "
                               "model.model.layers.0.self_attn.k_proj.weight; ")
     assert "; and 3 more head count(s) like them: " in problem and "layers.1" not in problem
-    assert problem.endswith("use one of [1, 2] (the sizes that divide every head count and the split layers' widths)")
+    # 4 fits too: its key/value heads are replicated, each rank's query head reading its own
+    assert problem.endswith("use one of [1, 2, 4] (the sizes that divide every head count and the split layers' "
+                            "widths)"), problem
 
 
 @pytest.mark.parametrize("export", ["gpt2.onnx", "gpt2-dynamo.onnx"])

@@ -1,7 +1,7 @@
-"""The committed real exports (tools/export_fixtures.py), as users export them: Hugging Face GPT-2, Llama, Qwen2, BERT
-and ViT, a torch CNN with BatchNorm and a torch LSTM + GRU classifier, from torch's TorchScript exporter and its
-dynamo exporter, a fresh tiny GPT-2 with sdpa attention and an MLP with BatchNorm1d, with the torch names and shapes
-of each model's tensors beside them."""
+"""The committed real exports (tools/export_fixtures.py), as users export them: Hugging Face GPT-2, Llama (and one with
+multi-query attention), Qwen2, BERT and ViT, a torch CNN with BatchNorm and a torch LSTM + GRU classifier, from torch's
+TorchScript exporter and its dynamo exporter, a fresh tiny GPT-2 with sdpa attention and an MLP with BatchNorm1d, with
+the torch names and shapes of each model's tensors beside them."""
 
 import hashlib
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 VERSIONS = json.loads((EXPORTS / "versions.json").read_text())
 # TorchScript exports (dynamo=False, opset 17).
-NAMES = ("gpt2.onnx", "bert.onnx", "cnn.onnx", "llama.onnx", "vit.onnx", "rnn.onnx", "qwen2.onnx")
+NAMES = ("gpt2.onnx", "bert.onnx", "cnn.onnx", "llama.onnx", "vit.onnx", "rnn.onnx", "qwen2.onnx", "llama-mqa.onnx")
 # Dynamo exports (torch's default exporter): with the exporter's default optimisation, without it, and of the freshly
 # initialised model (whose equal-valued initializers the optimisation merges).
 DYNAMO_NAMES = ("gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "gpt2-fresh-dynamo.onnx",
