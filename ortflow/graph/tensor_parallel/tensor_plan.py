@@ -10,6 +10,7 @@ import onnx
 
 from ortflow.graph.onnx_tools import node_label
 from ortflow.graph.tensor_parallel.tensor_gemm import weight_axes
+from ortflow.graph.tensor_parallel.tensor_kv import reads_note
 
 log = logging.getLogger("ortflow.graph.tensor_parallel.tensor_split")
 
@@ -41,6 +42,9 @@ class Region:
             of it for a fused projection (GPT-2's ``c_attn``: q, k and v of that many heads each); each rank keeps
             ``num_heads / tp`` whole heads (of every part); under grouped-query attention the key/value projections
             have fewer heads than the query's, and each rank's key/value heads are those its query heads read.
+        replicated_kv: Key/value projections left whole on every rank because ``tp`` does not divide their heads
+            (:mod:`ortflow.graph.tensor_parallel.tensor_kv`) -> (their key/value heads, the query heads): replicated
+            nodes before the region, whose keys and values each rank's query heads read a block of.
     """
 
     columns: list[str] = field(default_factory=list)
@@ -55,6 +59,7 @@ class Region:
     heads: dict[str, int] = field(default_factory=dict)
     members: list[str] = field(default_factory=list)
     num_heads: dict[str, int] = field(default_factory=dict)
+    replicated_kv: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +70,8 @@ class TensorParallelPlan:
     regions: list[Region]
     rewrites: list[tuple[int, int, int, int]]  # (node index, input index, element, full value) to divide by size
     kept: dict[str, str]  # candidate weight -> why it stays replicated
+    # (node index, input index, axis, full length) of replicated keys/values each rank slices to its query heads' block
+    slices: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def slicing(self) -> dict[str, tuple[int, int]]:
         """Sliced parameter -> (axis, parts): axis 1 (columns) or 0 (rows / a bias's only axis); swapped for a
@@ -85,7 +92,13 @@ def _heads_note(r: Region, size: int) -> str:
     parts = [f"{w} {n} -> {n // size} per rank" + _in_parts(r, w, "in each of its {} fused parts")
              + (f" (key/value heads, each read by {most // n} query heads)" if n < most else "")
              for w, n in r.num_heads.items()]
-    return "; heads: " + ", ".join(parts)
+    note = "; heads: " + ", ".join(parts)
+    if r.replicated_kv:
+        kv_heads, heads = next(iter(r.replicated_kv.values()))
+        note += (f"; key/value heads replicated: {list(r.replicated_kv)} whole on every rank ({kv_heads} key/value "
+                 f"head(s), tensor-parallel size {size}; their gradients summed over the ranks): "
+                 + reads_note(kv_heads, heads, size))
+    return note
 
 
 def _in_parts(r: Region, weight: str, words: str) -> str:
@@ -143,19 +156,25 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
         if value % plan.size and not heads:
             bad.append(f"{model.graph.node[i].op_type} '{node_label(model.graph.node[i])}' size {value} (heads?)")
     if heads:
-        counts = sorted({n for r in plan.regions for n in r.num_heads.values()} | {n for _, n in head_counts})
+        # key/value heads a size does not divide are replicated (tensor_kv): the sizes that fit divide the query heads
+        kv = {w: n for r in plan.regions for w, n in r.num_heads.items() if n < max(r.num_heads.values())}
+        kv_widths = {shapes[w][plan.slicing()[w][0]] for w in kv}
+        counts = sorted({max(r.num_heads.values()) for r in plan.regions if r.num_heads}
+                        | {n for _, n in head_counts if n not in kv.values()})
         tables = {w for r in plan.regions for w in r.vocab}  # a size that does not divide a vocabulary keeps it whole
         widths = [(shapes[name][axis if len(shapes[name]) > 1 else 0], parts)
-                  for name, (axis, parts) in plan.slicing().items() if name not in tables]
+                  for name, (axis, parts) in plan.slicing().items() if name not in tables and name not in kv
+                  and not (len(shapes[name]) == 1 and shapes[name][0] in kv_widths)]  # nor their biases
         fits = [k for k in range(1, min(counts) + 1)
                 if all(n % k == 0 for n in counts) and all(dim % (parts * k) == 0 for dim, parts in widths)]
         more = f"; and {len(heads) - 3} more head count(s) like them" if len(heads) > 3 else ""
         named = "; ".join(heads[:3]) + more
         raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {named}: tensor parallelism gives each "
-            "rank whole attention heads, and under grouped-query attention whole key/value heads with the query heads "
-            f"that read them, so the size must divide the number of key/value heads; use one of {fits} (the sizes "
-            "that divide every head count and the split layers' widths)")
+            "rank whole attention heads, so the size must divide the number of query heads (under grouped-query or "
+            "multi-query attention each rank keeps the key/value heads its query heads read, whole on every rank "
+            f"where the size does not divide them); use one of {fits} (the sizes that divide every head count and "
+            "the split layers' widths)")
     if bad:
         raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "

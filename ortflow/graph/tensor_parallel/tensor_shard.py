@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 
 from ortflow.graph.exports.gelu import declare_fused_types
 from ortflow.graph.onnx_tools import Names, constant_values
+from ortflow.graph.tensor_parallel.tensor_kv import slice_heads
 from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan
 from ortflow.graph.tensor_parallel.tensor_vocab import shard_vocab
 
@@ -92,6 +93,8 @@ def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int,
         tensor = numpy_helper.from_array(values, out)
         new_nodes.setdefault(i, []).append(helper.make_node("Constant", [], [out], name=names.new(out), value=tensor))
         node.input[pos] = out
+    for i, pos, axis, full in plan.slices:  # replicated keys/values: the block this rank's query heads read
+        new_nodes.setdefault(i, []).extend(slice_heads(graph, names, graph.node[i], pos, axis, full, size, rank))
     split = {out for r in plan.regions for i in r.nodes for out in graph.node[i].output} | {
         m for r in plan.regions for m in r.members}
     ordered = []

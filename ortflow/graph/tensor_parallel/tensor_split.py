@@ -33,6 +33,7 @@ from onnx import helper
 from ortflow.graph.onnx_tools import constant_values, node_label
 from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
+from ortflow.graph.tensor_parallel.tensor_kv import replicated_kv
 from ortflow.graph.tensor_parallel.tensor_plan import (
     Region,
     TensorParallelError,  # noqa: F401 - raised by plan_tensor_parallel_split; callers import it from here
@@ -58,8 +59,9 @@ def _attr(node, name, default=None):
 class _Walk:
     """One pass over the graph in order, propagating 'split on axis k' (k < 0, counted from the end) from seeds."""
 
-    def __init__(self, model, trainable: set[str], seeds: set[int], size: int, dims: tuple[dict, dict]):
-        self.g, self.trainable, self.size = model.graph, trainable, size
+    def __init__(self, model, trainable: set[str], seeds: set[int], size: int, dims: tuple[dict, dict],
+                 products: dict[int, set[int]] | None = None):
+        self.g, self.trainable, self.size, self.products = model.graph, trainable, size, products or {}
         self.shapes, self.named = dims
         self.readers: dict[str, list[int]] = {}
         self.producers: dict[str, int] = {}
@@ -83,6 +85,7 @@ class _Walk:
         self.head_counts: list[tuple[int, int]] = []  # (Reshape node, size of the split axis it makes) for heads
         self.seed_heads: dict[int, int] = {}  # seed node -> heads its output is reshaped into
         self.shape_of: dict[str, int] = {}  # Shape of a split tensor -> the split axis (its length follows by itself)
+        self.slices: list[tuple[int, int, int, int, int]] = []  # replicated keys/values each rank slices (+ component)
         for i, node in enumerate(self.g.node):
             if i in seeds:
                 self.split[node.output[0]], self.comp[node.output[0]] = -1, i
@@ -154,6 +157,12 @@ class _Walk:
             if (op == "MatMul" and a in self.split and b in self.split and self.split[a] == self.split[b]
                     and self.split[a] <= -3):
                 self.split[node.output[0]] = self.split[a]
+                return None
+            at = self.split.get(a, 0)
+            if i in self.products and b not in self.split and at <= -3 and self._dim(b, at) == self._dim(a, at):
+                # replicated keys or values (tensor_kv): each rank reads its query heads' block of their head axis
+                self.slices.append((i, 1, at, self._dim(a, at), self.find(self.comp[a])))
+                self.split[node.output[0]] = at
                 return None
             return "its inputs are not split the same way over a batch axis"
         if op == "Shape":
@@ -336,12 +345,13 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
     trainable = set(trainable)
     dims = tensor_dims(model)
     candidates = _candidates(model.graph, trainable, dims[0])
-    seeds, kept = set(candidates), {}
+    kv, products = replicated_kv(model.graph, dims[0], set(candidates), size)
+    seeds, kept = set(candidates) - set(kv), {}
     for n in model.graph.node:  # a layer the pass could split once its bias is taken out (configure does)
         if n.op_type == "Gemm" and not is_plain_gemm(n) and n.input[1] in trainable:
             kept[n.input[1]] = "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
     while True:
-        walk = _Walk(model, trainable, seeds, size, dims)
+        walk = _Walk(model, trainable, seeds, size, dims, products)
         downstream = {s for s in seeds if model.graph.node[s].input[0] in walk.split}
         if downstream:  # fed by another seed's activation: a row-split MatMul, not a seed
             seeds -= downstream
@@ -354,18 +364,20 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
         if not (failed | unended):
             break
         seeds -= failed | unended
-    regions = _regions(model.graph, walk, seeds, candidates)
+    regions = _regions(model.graph, walk, seeds, candidates, kv, products)
     for r in walk.rows.values():
         kept.pop(r, None)
     split_so_far = set(TensorParallelPlan(size, regions, [], {}).slicing())
     regions += plan_vocab(model, trainable, size, walk.shapes, split_so_far, kept, embedded)
-    plan = TensorParallelPlan(size, regions, [w[:4] for w in walk.rewrites], kept)
+    plan = TensorParallelPlan(size, regions, [w[:4] for w in walk.rewrites], kept,
+                              [x[:4] for x in walk.slices if walk.find(x[4]) not in walk.failed])
     check_sizes(model, plan, walk.shapes, walk.head_counts, unsplit)
     check_rewrites_private(model, plan, walk.readers)
     return plan
 
 
-def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) -> list[Region]:
+def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str],
+             kv: dict[int, tuple[int, int]], products: dict[int, set[int]]) -> list[Region]:
     by_root: dict[int, Region] = {}
     for s in sorted(seeds):
         r = by_root.setdefault(walk.find(s), Region())
@@ -396,6 +408,8 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str]) ->
             seed = walk.bias_of[graph.node[i].output[0]]
             if walk.groups.get(seed, 1) > 1:
                 r.groups[walk.biases[i]] = walk.groups[seed]
+    for i, _, _, _, c in walk.slices:  # the replicated key/value projections whose heads the product reads
+        by_root[walk.find(c)].replicated_kv.update({candidates[s]: kv[s] for s in sorted(products[i])})
     for r in by_root.values():
         r.nodes.sort()
     return [by_root[k] for k in sorted(by_root)]
