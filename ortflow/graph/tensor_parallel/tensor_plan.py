@@ -158,13 +158,14 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
     if heads:
         # key/value heads a size does not divide are replicated (tensor_kv): the sizes that fit divide the query heads
         kv = {w: n for r in plan.regions for w, n in r.num_heads.items() if n < max(r.num_heads.values())}
-        kv_widths = {shapes[w][plan.slicing()[w][0]] for w in kv}
+        for r in plan.regions:  # and their biases, as wide as their columns
+            widths = {shapes[w][plan.slicing()[w][0]] for w in kv if w in r.columns}
+            kv.update({b: 0 for b in r.biases if shapes[b][0] in widths})
         counts = sorted({max(r.num_heads.values()) for r in plan.regions if r.num_heads}
                         | {n for _, n in head_counts if n not in kv.values()})
         tables = {w for r in plan.regions for w in r.vocab}  # a size that does not divide a vocabulary keeps it whole
         widths = [(shapes[name][axis if len(shapes[name]) > 1 else 0], parts)
-                  for name, (axis, parts) in plan.slicing().items() if name not in tables and name not in kv
-                  and not (len(shapes[name]) == 1 and shapes[name][0] in kv_widths)]  # nor their biases
+                  for name, (axis, parts) in plan.slicing().items() if name not in tables and name not in kv]
         fits = [k for k in range(1, min(counts) + 1)
                 if all(n % k == 0 for n in counts) and all(dim % (parts * k) == 0 for dim, parts in widths)]
         more = f"; and {len(heads) - 3} more head count(s) like them" if len(heads) > 3 else ""

@@ -14,9 +14,11 @@ row-split MatMul is added once, after the all-reduce; it and everything outside 
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
 (:mod:`ortflow.graph.tensor_parallel.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split
 tensor's ``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown
-op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). A size ``tp`` that does not
-divide a width or a head count (the key/value heads under GQA, the heads of each part of a fused QKV projection) is
-refused, naming the projections and the sizes that fit.
+op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). Key/value projections whose
+heads ``tp`` does not divide (multi-query attention) stay whole on every rank, before the region, whose attention
+products read each rank's block of their heads (:mod:`ortflow.graph.tensor_parallel.tensor_kv`). A size ``tp`` that
+does not divide a width or the query heads (of each part of a fused QKV projection) is refused, naming the projections
+and the sizes that fit.
 
 A bias-free ``Gemm`` (:mod:`ortflow.graph.tensor_parallel.tensor_gemm`) is a weight product like ``MatMul``; its ``[out,
 in]`` weight swaps the axes, as does a weight read as ``Transpose(W)`` (torch's ``nn.Linear`` on 3-D inputs), whose
