@@ -98,6 +98,25 @@ def test_validate_prints_the_key_value_heads_replicated_where_the_size_does_not_
     assert "kept replicated" not in text
 
 
+def test_key_value_heads_whose_attention_stays_whole_are_kept_replicated_with_the_reason():
+    """The multi-query export with layer 0's query projection also a graph output: that layer's attention is kept
+    replicated, and its key/value projections with it, each named with why (layer 1's are read by its split
+    attention)."""
+    from ortflow.graph.tensor_parallel.tensor_split import describe, plan_tensor_parallel_split
+
+    model = onnx.load(str(export_path("llama-mqa.onnx")))
+    query = next(n for n in model.graph.node if n.name == "/model/model/layers.0/self_attn/q_proj/MatMul")
+    model.graph.output.append(helper.make_tensor_value_info(query.output[0], onnx.TensorProto.FLOAT, None))
+    trainable = [t.name for t in model.graph.initializer if t.name.endswith(".weight")]
+    lines = describe(plan_tensor_parallel_split(model, trainable, 2))
+    attn = "model.model.layers.{}.self_attn"
+    for proj in ("k_proj", "v_proj"):
+        assert (f"kept replicated: {attn.format(0)}.{proj}.weight (key/value heads (1 for 4 query heads, "
+                "tensor-parallel size 2), and no split attention reads them)") in lines, lines
+    assert any(line.startswith("kept replicated: " + attn.format(0) + ".q_proj.weight") for line in lines)
+    assert any(replicated_kv_line(1, 1, 2, "rank 0's query heads 0-1") in line for line in lines), lines
+
+
 def test_a_size_that_divides_neither_heads_nor_widths_names_a_few_heads_and_the_sizes_that_fit(tmp_path):
     (problem,) = validate(lm_config(tmp_path, num_ranks=3, horizontal_parallel_size=3))
     # 3 divides none of the 6 head counts (2 layers x q, k, v) nor any weight's width: the first three are named, the

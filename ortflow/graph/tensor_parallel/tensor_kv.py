@@ -82,6 +82,11 @@ def replicated_kv(graph: onnx.GraphProto, shapes: dict[str, list], seeds: set[in
     return kv, products
 
 
+def tp_note(counts: tuple[int, int], size: int) -> str:
+    """``(1 for 4 query heads, tensor-parallel size 2)``: the counts that make a key/value projection replicated."""
+    return f"({counts[0]} for {counts[1]} query heads, tensor-parallel size {size})"
+
+
 def reads_note(kv_heads: int, heads: int, size: int) -> str:
     """Which key/value heads each rank's query heads read (``rank 0's query heads 0-1 read key/value head 0, ...``)."""
     per, rep = heads // size, heads // kv_heads

@@ -35,7 +35,7 @@ from onnx import helper
 from ortflow.graph.onnx_tools import constant_values, node_label
 from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
-from ortflow.graph.tensor_parallel.tensor_kv import replicated_kv
+from ortflow.graph.tensor_parallel.tensor_kv import replicated_kv, tp_note
 from ortflow.graph.tensor_parallel.tensor_plan import (
     Region,
     TensorParallelError,  # noqa: F401 - raised by plan_tensor_parallel_split; callers import it from here
@@ -369,6 +369,9 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
     regions = _regions(model.graph, walk, seeds, candidates, kv, products)
     for r in walk.rows.values():
         kept.pop(r, None)
+    read = {w for r in regions for w in r.replicated_kv}
+    kept.update({candidates[s]: f"key/value heads {tp_note(kv[s], size)}, and no split attention reads them"
+                 for s in kv if candidates[s] not in read})
     split_so_far = set(TensorParallelPlan(size, regions, [], {}).slicing())
     regions += plan_vocab(model, trainable, size, walk.shapes, split_so_far, kept, embedded)
     plan = TensorParallelPlan(size, regions, [w[:4] for w in walk.rewrites], kept,
