@@ -444,7 +444,7 @@ def gpu_report(record: dict) -> str:
     """The markdown summary written next to the JSON."""
     s = record["summary"]
     rounds = record.get("rounds_run", record["rounds"])
-    lines = [f"# Pipeline bench on 2 GPUs ({record['host']})", "", f"`{record['command']}`", "",
+    lines = [f"# Pipeline bench on 2 GPUs ({record['host']})", "",
              f"GPT {record['shape']}, micro-batch {record['batch_size']} sequences, `device: cuda`, `use_nccl: true`; "
              f"medians of {rounds} rounds x {record['timed_steps']} timed updates. pp2: stage 0 keeps its "
              "activations; pp2-recompute: `recompute_forward: true`. Cut at "

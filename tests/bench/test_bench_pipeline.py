@@ -82,6 +82,7 @@ def test_the_gpu_report_sets_pp2_keeping_against_pp2_recomputing_round_by_round(
     assert "| 8 | pp2-recompute | 844.4 | 0.04 | 38.00 | 38.00 | 22.00 | 11.00 |" in text
     assert "- m = 8: stage 0 engine ms 1.50x, samples/s 0.85x (2 rounds)" in text
     assert "pp2-recompute stage 0 3072" in text
+    assert "--micro 8" not in text  # the command is write_result's provenance block's, once
 
 
 def test_gpu_main_alternates_the_contenders_and_starts_no_round_past_the_budget(tmp_path, monkeypatch):
