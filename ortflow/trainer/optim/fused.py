@@ -11,7 +11,8 @@ and reads ``(g[i] * gs) * gc``: the bits of the eager passes, since a factor of 
 ranks x threads stays what the launcher chose). ``cache``: compiled once per machine and reused by every rank
 (compiling all kernels takes a few seconds).
 
-Measured against numpy, numexpr, Numba's ``parallel`` loops and an ONNX Runtime graph: bench/reports/optim-cpu.md.
+Measured against numpy on cache-sized chunks, numpy with whole-array temporaries and the engine's AdamW graph:
+bench/reports/optim-cpu.md.
 """
 
 from __future__ import annotations

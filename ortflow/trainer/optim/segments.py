@@ -24,7 +24,7 @@ import numpy as np
 from ortflow.trainer.comm.pending import ONE, Gradients, apply_factors, factors
 
 #: Elements per chunk: 64K float32 = 256 KiB per array, so the 5-6 arrays a rule touches stay in L2 and numpy's
-#: per-call overhead stays small (measured against 4K, 16K, 256K and whole tensors: bench/reports/optim-cpu.md).
+#: per-call overhead stays small (measured against 8K chunks and whole-array temporaries: bench/reports/optim-cpu.md).
 CHUNK = 65536
 
 #: Elements per chunk of the fused backend: large enough that Numba's per-call cost (~10 us) stays under 1% of the
