@@ -120,7 +120,7 @@ class StopTranscript:
         if self._file is not None:
             try:
                 self._file.write(line + "\n")
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # a full disk, a closed file: the line is forwarded all the same
                 pass
 
 
