@@ -6,16 +6,17 @@ it. What a boundary carries is every tensor produced before the cut and read aft
 * **free nodes** (no trainable parameter among their ancestors: Constant nodes, masks and shape arithmetic computed
   from the inputs or from frozen initializers) are copied into every stage that reads them, so they never cross;
 * **graph inputs** (the batch) are fed to every stage that reads them: every rank of a pipeline reads the same batch;
-* **activations**: float tensors computed from trainable parameters cross the boundary; the receiving stage gets
+* **activations**: float32 tensors computed from trainable parameters cross the boundary; the receiving stage gets
   them as inputs (and sends back their gradients).
 
 A trainable parameter read on both sides of a cut (tied embedding and LM head) is held by every stage that reads it
 (``Stage.shared``); the trainer sums the holders' gradients before the update so the copies stay equal.
 
 It refuses, naming the nodes: a non-float tensor computed from parameters that crosses (e.g. ``Shape`` of an
-activation read by a later stage's ``Reshape``), a tensor that crosses two cuts, a model output the last stage does
-not compute, and random operators (the stage's forward is recomputed in its backward call, which would draw different
-random numbers; docs/engine.md).
+activation read by a later stage's ``Reshape``), a float16, bfloat16 or double activation that crosses (stages send
+each other float32), a tensor that crosses two cuts, a model output the last stage does not compute, and random
+operators (the stage's forward is recomputed in its backward call, which would draw different random numbers;
+docs/engine.md).
 """
 
 from __future__ import annotations
