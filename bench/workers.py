@@ -56,7 +56,8 @@ def engine_loop(run_dir: Path, threads: int):
 
 
 class _Update:
-    """ortflow's update on the engine's buffers behind the old ``optimizer.step()`` call (what the trainer applies)."""
+    """ortflow's update on the engine's buffers behind an ``optimizer.step()`` call, the engine optimizer's interface
+    (what the trainer applies)."""
 
     def __init__(self, cfg, state):
         from ortflow.trainer import optim
