@@ -262,7 +262,8 @@ def cut_lines(cuts: list[str], stages: list[Stage], places: list[CutPlace]) -> l
 
 
 def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> PipelinePlan:
-    """The cuts (``model.pipeline_cuts`` or balanced) and the stages, or the refusal: fast, no engine call.
+    """The cuts (``model.pipeline_cuts`` or balanced), the stages with their estimated shares of the compute and the
+    places to cut (:class:`PipelinePlan`), or the refusal: fast, no engine call.
 
     ``proto_limit``: model bytes from which the stages are cut with their weights left in the data files
     (:func:`ortflow.configure.engine_input.split_source`); 2 GiB, lowered by tests.
