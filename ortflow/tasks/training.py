@@ -230,7 +230,7 @@ def _not_yet_logged(client: Any, flow_run_id: str, logs: list) -> list:
         return logs
     try:
         sent = Counter(entry.message for entry in client.read_logs(
-            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,  # the server's most
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,  # the most one read returns
             sort=LogSort.TIMESTAMP_DESC))
     except Exception:  # noqa: BLE001 - a repeated line is better than a lost one
         return logs
