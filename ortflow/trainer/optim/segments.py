@@ -38,9 +38,10 @@ _warned = False
 BACKENDS = ("fused", "numpy")
 
 #: Element updates (elements x weight updates) below which a run keeps the numpy kernels: starting Numba (its import
-#: and loading the cached kernels) costs a rank about 0.6-1 s of CPU, and the fused kernels save about 8 ns per
-#: element update (bench/reports/optim-cpu.md), so a smaller run would spend more on the start than it saves.
-FUSED_MIN_WORK = 100_000_000
+#: and loading the cached kernels) costs a rank about 0.6-1 s of CPU, and the fused kernels save about 1 ns per
+#: element update over the numpy chunks (0.97 ns on one thread, 0.76 ns on two: bench/reports/optim-cpu.md), so a
+#: smaller run would spend more on the start than it saves.
+FUSED_MIN_WORK = 1_000_000_000
 
 #: Sums the per-tensor partial sums of every rank (identity on one rank / without sharding).
 SumAcrossRanks = Callable[[np.ndarray], np.ndarray]
