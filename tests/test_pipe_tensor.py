@@ -115,7 +115,7 @@ def test_tied_weights_across_stages_are_split_alike_in_every_holding_stage(tmp_p
     path = gpt2_style(tmp_path / "tied.onnx", vocab=16, seq_len=4, width=8, heads=2, batch=2)
     cfg = pp_tp_cfg(tmp_path, path)
     assert tensor_parallel_problems(cfg) == []
-    _, plans = plan_pipeline_tensor_parallel(cfg)
+    plans = plan_pipeline_tensor_parallel(cfg).plans
     (table,) = plans[0].stage.shared  # the embedding (stage 0) and the LM head (stage 1) read one table
     assert [sp.stage.shared for sp in plans] == [{table: (0, 1)}, {table: (0, 1)}]
     # both stages slice it by vocabulary, alike: each tp rank's rows are summed over its pipeline group
@@ -143,7 +143,7 @@ def test_a_torch_shaped_gpt_split_in_stages_and_slices_computes_the_unsplit_logi
     path = tmp_path / "torchgpt.onnx"
     torch_gpt(path, layers=2, width=32, heads=4, vocab=64, seq=8, batch=2)
     cfg = pp_tp_cfg(tmp_path, path)
-    _, plans = plan_pipeline_tensor_parallel(cfg)
+    plans = plan_pipeline_tensor_parallel(cfg).plans
     assert len(plans) == 2 and all(sp.plan.regions for sp in plans)
     fused = {n: v for sp in plans for n, v in sp.plan.slicing().items() if "c_attn.weight" in n}
     assert sorted(fused) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]

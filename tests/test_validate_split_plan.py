@@ -213,7 +213,8 @@ def test_validate_prints_the_cuts_and_stage_count_of_a_pipeline_of_tensor_parall
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert re.search(r"- pipeline cuts \[.*\] \(2 stages; estimated compute per stage \d+\.\d% / \d+\.\d%, from the "
-                     r"parameters each reads\) - stage 0: region 0:", text), text
+                     r"parameters each reads\) - other places to cut \(model.pipeline_cuts\), with the estimated "
+                     r"compute before each: .* - stage 0: region 0:", text), text
     assert "- stage 1: region " in text
     assert ("activations: tensor-parallel pieces but the loss's run each micro-batch's forward once and keep its "
             "activations until its backward (distributed.recompute_forward auto)") in text

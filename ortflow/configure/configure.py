@@ -200,9 +200,9 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
     lines, plan, batchnorm_stages = [], None, []
     if pp > 1 and tp > 1:
         # each stage's graph split over the tp ranks
-        plan = cuts, plans = plan_pipeline_tensor_parallel(cfg, proto_limit)
-        lines = cut_lines(cuts, [sp.stage for sp in plans], [])
-        lines += [f"stage {sp.stage.index}: {line}" for sp in plans for line in describe(sp.plan)]
+        plan = plan_pipeline_tensor_parallel(cfg, proto_limit)
+        lines = cut_lines(plan.cuts, [sp.stage for sp in plan.plans], plan.places)
+        lines += [f"stage {sp.stage.index}: {line}" for sp in plan.plans for line in describe(sp.plan)]
     elif tp > 1:
         plan = plan_tensor_parallel(cfg, proto_limit)
         lines = describe(plan[1])

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import onnx
 
@@ -42,7 +43,7 @@ from ortflow.configure.tensor_parallel_artifacts import (
     split_input,
     weights_folder,
 )
-from ortflow.graph.pipeline_parallel.pipeline_cuts import Stage
+from ortflow.graph.pipeline_parallel.pipeline_cuts import CutPlace, Stage
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
@@ -110,7 +111,16 @@ def _cuts(cfg: RunConfig, stages: list[Stage]) -> list[str]:
     return list(cfg.model.pipeline_cuts) or [s.receives[0] for s in stages[1:] if s.receives]
 
 
-def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[list[str], list[StagePlan]]:
+class PipeTensorPlan(NamedTuple):
+    """The cuts, each stage's tensor-parallel split, and every place the automatic cuts may cut (for the plan's
+    words)."""
+
+    cuts: list[str]
+    plans: list[StagePlan]
+    places: list[CutPlace]
+
+
+def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> PipeTensorPlan:
     """The cuts and each stage's tensor-parallel split (a stage with nothing to split runs whole on each tensor-parallel
     rank), or the refusal naming what and how to fix: no engine call.
 
@@ -118,7 +128,7 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
         ArtifactsError: The stages or a stage's split are refused.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, stages, _ = plan_stages(cfg, proto_limit)  # past proto_limit the stages' weights stay in the data files
+    cuts, stages, places = plan_stages(cfg, proto_limit)  # past proto_limit the stages' weights stay in data files
     embedded = _check_cuts(cfg, stages, proto_limit)
     plans = []
     for stage in stages:
@@ -133,7 +143,7 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
                                  "MLPs") from None
         plans.append(StagePlan(stage, model, plan, weights_folder(cfg)))
     _check_tied(plans, size)
-    return cuts, plans
+    return PipeTensorPlan(cuts, plans, places)
 
 
 def pieces(sp: StagePlan, rank: int, values: bool = True) -> list[Piece]:
@@ -153,7 +163,7 @@ def pieces(sp: StagePlan, rank: int, values: bool = True) -> list[Piece]:
 
 
 def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
-                                             planned: tuple[list[str], list[StagePlan]] | None = None,
+                                             planned: PipeTensorPlan | None = None,
                                              proto_limit: int = PROTO_LIMIT) -> dict:
     """Build every (stage, tensor-parallel rank)'s pieces under ``artifacts_dir/pipetensor`` once; return the record.
 
@@ -165,7 +175,7 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
         ArtifactsError: The split is refused (names the tensors and the fix) or the engine cannot build a piece.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, plans = planned or plan_pipeline_tensor_parallel(cfg, proto_limit)
+    cuts, plans, _ = planned or plan_pipeline_tensor_parallel(cfg, proto_limit)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     stages = []
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:

@@ -51,14 +51,7 @@ from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
-from ortflow.graph.pipeline_parallel.pipeline_cuts import (
-    CutPlace,
-    Stage,
-    choose_cuts,
-    cut_places,
-    split_model,
-    stage_shares,
-)
+from ortflow.graph.pipeline_parallel.pipeline_cuts import CutEstimate, CutPlace, Stage, split_model
 
 log = logging.getLogger(__name__)
 
@@ -280,19 +273,20 @@ def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> PipelinePlan:
     source = split_source(cfg, trainable, proto_limit)
     model = source.model
     trainable = [n for n in trainable if n not in source.frozen]
+    estimate = CutEstimate(model, trainable)
     try:
-        cuts = list(cfg.model.pipeline_cuts) or choose_cuts(model, num, trainable)
+        cuts = list(cfg.model.pipeline_cuts) or estimate.choose(num)
         stages = split_model(model, cuts, trainable)
     except SplitError as err:
         raise ArtifactsError(f"distributed.pipeline_parallel_size {num}: {err}") from None
     # The state the whole model's preparation froze (running statistics) stays state in the stage that reads it.
-    shares = stage_shares(model, cuts, trainable)
+    shares = estimate.shares(cuts)
     stages = [replace(s, frozen=tuple(t.name for t in s.model.graph.initializer if t.name in source.frozen),
                       share=shares[s.index]) for s in stages]
     empty = [s.index for s in stages if not s.parameters]
     if empty:
         raise ArtifactsError(f"pipeline stages {empty} hold no trainable parameter; move model.pipeline_cuts {cuts}")
-    return PipelinePlan(cuts, stages, cut_places(model, trainable))
+    return PipelinePlan(cuts, stages, estimate.places())
 
 
 def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePlan | None = None,

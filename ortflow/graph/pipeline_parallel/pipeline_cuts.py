@@ -169,8 +169,9 @@ class CutPlace:
         return self.before / self.total
 
 
-def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlace]:
-    """Where the automatic cuts may cut, in graph order, each with the share of the compute before it.
+class CutEstimate:
+    """The model's compute estimated along its graph order, for the automatic cuts (built once: the graph's analysis
+    infers its shapes).
 
     A stage's compute is estimated from the trainable parameters its nodes read, per token: a node that multiplies by
     or adds a parameter (MatMul, Gemm, Conv, LayerNormalization, Add...) does work in proportion to its size, a Gather
@@ -178,73 +179,88 @@ def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlac
     parameter read by two nodes counts at each. Activations kept for the backward grow with the same work, so this
     balances a stage's activation memory too. Work without parameters (attention's scores, the loss's softmax over
     the vocabulary) is not counted: where a stage measures busier than its estimate, name the cuts
-    (``model.pipeline_cuts``) from this list.
-
-    The places are the positions along the graph's order where exactly one float32 activation crosses (the residual
-    stream between transformer blocks and between a block's attention and its MLP, the hidden state between MLP
-    layers), the first of each run of positions with no parameter read between them (two such cuts would leave a stage
-    without a parameter: a norm's parameter-free arithmetic between a residual add and its weight).
+    (``model.pipeline_cuts``) from :meth:`places`.
     """
-    a, before, total = _estimate(model, trainable)
-    places = []
-    for pos, count in enumerate(a.crossing_counts()[:-1]):
-        if count == 1:
-            (name,) = a.crossing(pos)
-            fresh = not places or before[places[-1][0]] < before[pos]  # a parameter read since the last
-            float32 = a.types.get(name) == onnx.TensorProto.FLOAT
-            if float32 and 0 < before[pos] < total and fresh:  # parameters on both sides
-                places.append((pos, name))
-    return [CutPlace(name, before[pos], total) for pos, name in places]
+
+    def __init__(self, model: onnx.ModelProto, trainable: Sequence[str]):
+        a = Analysis(model, set(trainable))
+        shapes = {t.name: list(t.dims) for t in a.graph.initializer if t.name in a.trainable}
+        self.analysis, self.before, total = a, [], 0  # before: the compute at or before each position
+        for i in a.order:
+            node = a.graph.node[i]
+            for name in set(_parameters_read(a, node, shapes)):
+                size = _numel_of(shapes[name])
+                total += size // max(shapes[name][0], 1) if node.op_type in _ROW_READS else size
+            self.before.append(total)
+        self.total = max(total, 1)
+        self._places: list[CutPlace] | None = None
+
+    def places(self) -> list[CutPlace]:
+        """Where the automatic cuts may cut, in graph order, each with the compute before it: the positions where
+        exactly one float32 activation crosses (the residual stream between transformer blocks and between a block's
+        attention and its MLP, the hidden state between MLP layers), the first of each run of positions with no
+        parameter read between them (two such cuts would leave a stage without a parameter: a norm's parameter-free
+        arithmetic between a residual add and its weight)."""
+        if self._places is None:
+            a, before, found = self.analysis, self.before, []
+            for pos, count in enumerate(a.crossing_counts()[:-1]):
+                if count == 1:
+                    (name,) = a.crossing(pos)
+                    fresh = not found or before[found[-1][0]] < before[pos]  # a parameter read since the last
+                    float32 = a.types.get(name) == onnx.TensorProto.FLOAT
+                    if float32 and 0 < before[pos] < self.total and fresh:  # parameters on both sides
+                        found.append((pos, name))
+            self._places = [CutPlace(name, before[pos], self.total) for pos, name in found]
+        return self._places
+
+    def shares(self, cuts: Sequence[str]) -> list[float]:
+        """Each stage's share of the estimated compute for ``cuts``."""
+        a = self.analysis
+        edges = [self.before[a.position[a.producer[name]]] / self.total if name in a.producer
+                 and a.producer[name] in a.position else 0.0 for name in cuts]
+        bounds = [0.0, *edges, 1.0]
+        return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+    def choose(self, num_stages: int) -> list[str]:
+        """Cut tensors that balance the stages' estimated compute over ``num_stages`` stages: for each boundary, the
+        place whose share of the compute before it is closest to ``s / num_stages``.
+
+        Raises:
+            SplitError: There are fewer places than boundaries (the message names the most stages the model splits
+                into).
+        """
+        places = self.places()
+        if len(places) < num_stages - 1:
+            raise SplitError(
+                f"the model has {len(places)} place(s) where a single activation crosses between its parameters, so "
+                f"its automatic cuts make at most {len(places) + 1} stages, each holding a parameter; {num_stages} "
+                f"stages need {num_stages - 1} cuts: use distributed.pipeline_parallel_size {len(places) + 1} or "
+                "fewer, or name the cuts in model.pipeline_cuts"
+            )
+        cuts: list[str] = []
+        last = -1
+        for s in range(1, num_stages):
+            pool = list(enumerate(places))[last + 1:]
+            pool = pool[: len(pool) - (num_stages - 1 - s)]  # a place left for each later boundary
+            index, place = min(pool, key=lambda c, s=s: abs(c[1].before - c[1].total * s / num_stages))
+            cuts.append(place.name)
+            last = index
+        return cuts
+
+
+def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlace]:
+    """:meth:`CutEstimate.places` of ``model``."""
+    return CutEstimate(model, trainable).places()
 
 
 def stage_shares(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence[str]) -> list[float]:
-    """Each stage's share of the model's estimated compute (as :func:`cut_places` estimates it) for ``cuts``."""
-    a, before, total = _estimate(model, trainable)
-    edges = [before[a.position[a.producer[name]]] / total if name in a.producer
-             and a.producer[name] in a.position else 0.0 for name in cuts]
-    bounds = [0.0, *edges, 1.0]
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
-
-
-def _estimate(model: onnx.ModelProto, trainable: Sequence[str]) -> tuple[Analysis, list[int], int]:
-    """The graph's analysis, the estimated compute at or before each position of its order, and the total."""
-    a = Analysis(model, set(trainable))
-    shapes = {t.name: list(t.dims) for t in a.graph.initializer if t.name in a.trainable}
-    before: list[int] = []
-    total = 0
-    for i in a.order:
-        node = a.graph.node[i]
-        for name in set(_parameters_read(a, node, shapes)):
-            size = _numel_of(shapes[name])
-            total += size // max(shapes[name][0], 1) if node.op_type in _ROW_READS else size
-        before.append(total)
-    return a, before, max(total, 1)
+    """:meth:`CutEstimate.shares` of ``model`` for ``cuts``."""
+    return CutEstimate(model, trainable).shares(cuts)
 
 
 def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str]) -> list[str]:
-    """Cut tensors that balance the stages' estimated compute over ``num_stages`` stages: for each boundary, the place
-    (:func:`cut_places`) whose share of the compute before it is closest to ``s / num_stages``.
-
-    Raises:
-        SplitError: There are fewer places than boundaries (the message names the most stages the model splits into).
-    """
-    places = cut_places(model, trainable)
-    if len(places) < num_stages - 1:
-        raise SplitError(
-            f"the model has {len(places)} place(s) where a single activation crosses between its parameters, so "
-            f"its automatic cuts make at most {len(places) + 1} stages, each holding a parameter; {num_stages} "
-            f"stages need {num_stages - 1} cuts: use distributed.pipeline_parallel_size {len(places) + 1} or "
-            "fewer, or name the cuts in model.pipeline_cuts"
-        )
-    cuts: list[str] = []
-    last = -1
-    for s in range(1, num_stages):
-        pool = list(enumerate(places))[last + 1:]
-        pool = pool[: len(pool) - (num_stages - 1 - s)]  # a place left for each later boundary
-        index, place = min(pool, key=lambda c, s=s: abs(c[1].before - c[1].total * s / num_stages))
-        cuts.append(place.name)
-        last = index
-    return cuts
+    """:meth:`CutEstimate.choose` of ``model``."""
+    return CutEstimate(model, trainable).choose(num_stages)
 
 
 _ROW_READS = {"Gather", "GatherND", "GatherElements"}  # read a row per index, not the whole table
