@@ -48,11 +48,23 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out to outgoing connections (32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_ports(count: int) -> list[int]:
-    """``count`` ports each free together with its gRPC twin (port + 10000)."""
+    """``count`` ports each free together with its gRPC twin (port + 10000), all below the ports the kernel hands out
+    to outgoing connections: a restart binds the same ports again, and a client's connection must not hold one of
+    them meanwhile."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    top = _ephemeral_start() - GRPC_OFFSET - count
+    low, high = (10000, top) if top > 12000 else (20000, 30000)
     for _ in range(200):
-        base = rng.randrange(20000, 30000, 10)
+        base = rng.randrange(low, high, 10)
         ports = [base + i for i in range(count)]
         if all(_free(p) and _free(p + GRPC_OFFSET) for p in ports):
             return ports
