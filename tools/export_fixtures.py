@@ -1,9 +1,8 @@
 """Export the small real models that tests train, with both of torch's exporters.
 
 Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; and with multi-query attention,
-``llama-mqa``, TorchScript export only), Qwen2 (Llama's shape with biases on
-the query, key and value projections), BERT classifier and ViT classifier, a torch CNN with BatchNorm and a torch
-classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a model they train from scratch, a
+``llama-mqa``), Qwen2 (Llama's shape with biases on the query, key and value projections), BERT classifier and ViT
+classifier, a torch CNN with BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a model they train from scratch, a
 fresh tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with BatchNorm1d
 (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual environment with the pinned
 torch and transformers; ortflow itself never imports torch.
@@ -255,17 +254,15 @@ def llama(out: Path) -> tuple[dict, dict]:
 
 def llama_mqa(out: Path) -> tuple[dict, dict]:
     """Llama's shape with multi-query attention (one key/value head for the 4 query heads, as Falcon and StarCoder
-    have), TorchScript export only: the key/value projections stay whole on every tensor-parallel rank."""
+    have): the key/value projections stay whole on every tensor-parallel rank."""
     torch.manual_seed(0)
     shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 64,
              "tie_word_embeddings": False, "attn_implementation": "eager"}
     model = LogitsOnly(transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **shape)))
     ids = torch.randint(0, 512, (2, 16))
-    export(model, (ids,), out / "llama-mqa.onnx", ["input_ids"], ["logits"],
-           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
-    torch_record(model, out, "llama-mqa")
-    files = {"llama-mqa.onnx": "torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False)"}
+    files = both_exporters("llama-mqa", model, (ids,), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
     return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
             "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
