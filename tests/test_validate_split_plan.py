@@ -72,23 +72,25 @@ def replicated_kv_line(layer: int, kv_heads: int, size: int, reads: str) -> str:
             + reads)
 
 
+MQA_TP2_READS = "rank 0's query heads 0-1 read key/value head 0, rank 1's query heads 2-3 read key/value head 0"
+
+
 @pytest.mark.parametrize("export,size,reads", [
-    ("llama-mqa.onnx", 2, "rank 0's query heads 0-1 read key/value head 0, rank 1's query heads 2-3 read key/value "
-                          "head 0"),
+    ("llama-mqa.onnx", 2, MQA_TP2_READS), ("llama-mqa-dynamo.onnx", 2, MQA_TP2_READS),
     ("llama.onnx", 4, "rank 0's query head 0 reads key/value head 0, rank 1's query head 1 reads key/value head 0, "
                       "rank 2's query head 2 reads key/value head 1, rank 3's query head 3 reads key/value head 1")],
-    ids=["mqa-tp2", "gqa-tp4"])
+    ids=["mqa-tp2", "mqa-dynamo-tp2", "gqa-tp4"])
 def test_validate_prints_the_key_value_heads_replicated_where_the_size_does_not_divide_them(tmp_path, export, size,
                                                                                           reads):
-    """Multi-query attention (1 key/value head) at tp 2, and the Llama export's 2 key/value heads at tp 4: the query
-    heads are split, the key/value projections (and their RoPE) stay whole on every rank and each rank's query heads
-    read the key/value heads they map to; nothing is kept replicated with a warning."""
+    """Multi-query attention (1 key/value head, from both exporters) at tp 2, and the Llama export's 2 key/value heads
+    at tp 4: the query heads are split, the key/value projections (and their RoPE) stay whole on every rank and each
+    rank's query heads read the key/value heads they map to; nothing is kept replicated with a warning."""
     result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=size,
                                                                    horizontal_parallel_size=size))])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "split plan:" in text and text.rstrip().endswith("valid")
-    kv_heads = 1 if export == "llama-mqa.onnx" else 2
+    kv_heads = 1 if export.startswith("llama-mqa") else 2
     for layer in range(2):
         attn = f"model.model.layers.{layer}.self_attn"
         assert f"columns ['{attn}.q_proj.weight'] (+ biases []), rows ['{attn}.o_proj.weight']" in text

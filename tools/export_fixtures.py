@@ -2,10 +2,10 @@
 
 Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; and with multi-query attention,
 ``llama-mqa``), Qwen2 (Llama's shape with biases on the query, key and value projections), BERT classifier and ViT
-classifier, a torch CNN with BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a model they train from scratch, a
-fresh tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with BatchNorm1d
-(``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a throwaway virtual environment with the pinned
-torch and transformers; ortflow itself never imports torch.
+classifier, a torch CNN with BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported as a
+user exports a model they train from scratch, a fresh tiny GPT-2 with torch's ``scaled_dot_product_attention``
+(``gpt2-sdpa``) and a small MLP with BatchNorm1d (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a
+throwaway virtual environment with the pinned torch and transformers; ortflow itself never imports torch.
 
 Each model is exported the way a user exports theirs:
 

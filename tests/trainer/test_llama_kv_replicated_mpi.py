@@ -1,10 +1,10 @@
 """Tensor parallelism of attention whose key/value heads the size does not divide, trained under mpiexec against the
-unsplit run of the same export on the same global batch (the ``export_dp`` fixture): the Llama export with multi-query
-attention (1 key/value head, as Falcon and StarCoder have) at tp 2, and the Llama export's 2 key/value heads at tp 4.
-The query heads are split; the key/value projections and their RoPE run whole on every rank, each rank's query heads
-read the key/value heads they map to, and the key/value weights' gradients are summed over the ranks, so every rank
-holds the same key/value weights, bit for bit, and the run ends within the tensor-parallel bound of the Llama exports
-(test_llama_parallel_mpi.py)."""
+unsplit run of the same export on the same global batch (the ``export_dp`` fixture): the Llama exports with multi-query
+attention (1 key/value head, as Falcon and StarCoder have) from TorchScript and from dynamo at tp 2, and the Llama
+export's 2 key/value heads at tp 4. The query heads are split; the key/value projections and their RoPE run whole on
+every rank, each rank's query heads read the key/value heads they map to, and the key/value weights' gradients are
+summed over the ranks, so every rank holds the same key/value weights, bit for bit, and the run ends within the
+tensor-parallel bound of the Llama exports (test_llama_parallel_mpi.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def rank_params(folder, rank: int, size: int) -> dict[str, np.ndarray]:
 
 
 # (export, tp, key/value heads)
-CASES = [pytest.param("llama-mqa.onnx", 2, 1, id="mqa-tp2"), pytest.param("llama.onnx", 4, 2, id="gqa-tp4")]
+CASES = [pytest.param("llama-mqa.onnx", 2, 1, id="mqa-tp2"),
+         pytest.param("llama-mqa-dynamo.onnx", 2, 1, id="mqa-dynamo-tp2"),
+         pytest.param("llama.onnx", 4, 2, id="gqa-tp4")]
 
 
 @pytest.mark.parametrize("export_dp,tp,kv_heads", CASES, indirect=["export_dp"])
