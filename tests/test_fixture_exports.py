@@ -11,6 +11,7 @@ from tests.support.exports import (
     REFUSED_DYNAMO,
     VERSIONS,
     export_path,
+    family,
     torch_record,
 )
 
@@ -103,11 +104,11 @@ def test_dynamo_fixture_metadata_names_no_exporting_environment(name):
     assert all({FX_NODE, SCOPES, CLASSES} <= {p.key for p in n.metadata_props} for n in exported)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "vit", "cnn", "rnn", "qwen2"])
-def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(family):
-    model = onnx.load(str(export_path(f"{family}-dynamo-noopt.onnx")), load_external_data=False)
+@pytest.mark.parametrize("name", [n for n in DYNAMO_NAMES if n.endswith("-dynamo-noopt.onnx")])
+def test_noopt_dynamo_fixture_keeps_every_torch_parameter_name(name):
+    model = onnx.load(str(export_path(name)), load_external_data=False)
     names = {i.name for i in model.graph.initializer}
-    record = torch_record(family)
+    record = torch_record(family(name))
     # A tied parameter may be written under any of its torch names (GPT-2's table as model.lm_head.weight).
     aliases = {first: {first, other} for first, other in record["tied"]}
     missing = [p for p in record["parameters"] if not aliases.get(p, {p}) & names]
@@ -129,8 +130,7 @@ def test_dynamo_fixture_configures_with_its_torch_parameters_or_is_refused_befor
     from ortflow.config import ConfigError
     from ortflow.graph.exports.torch_params import NO_OPTIMIZE
 
-    family = name.split("-")[0]
-    record = torch_record(family)
+    record = torch_record(family(name))
     if name in REFUSED_DYNAMO:  # dropped zero biases, folded BatchNorms, LSTM and GRU weights in the ops' layout
         with pytest.raises(ConfigError, match="has no tensor in the export|have no tensors of their own") as err:
             _configure_fixture(tmp_path, name)
@@ -159,12 +159,13 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
     for name, state in (("llama-fresh-dynamo.onnx", "llama-fresh"), ("gpt2-dynamo.onnx", "gpt2"),
                         ("bnmlp-dynamo-noopt.onnx", "bnmlp"), ("cnn-dynamo-noopt.onnx", "cnn"),
                         ("rnn-dynamo-noopt.onnx", "rnn"), ("gpt2.onnx", "gpt2"), ("llama.onnx", "llama"),
-                        ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn"), ("qwen2-dynamo.onnx", "qwen2")):
+                        ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn"), ("qwen2-dynamo.onnx", "qwen2"),
+                        ("llama-mqa-dynamo.onnx", "llama-mqa")):
         result = _configure_fixture(tmp_path, name)
         out = tmp_path / f"{state}.safetensors"
         export_state_dict(result.run_dir, out, checkpoint="initial")
         written, expected = load_file(str(out)), load_file(str(EXPORTS / f"{state}.safetensors"))
-        assert sorted(written) == sorted(torch_record(name.split("-")[0].removesuffix(".onnx"))["state_dict"])
+        assert sorted(written) == sorted(torch_record(family(name))["state_dict"])
         assert sorted(written) == sorted(expected)
         for key, value in expected.items():
             assert (written[key].dtype, written[key].shape) == (value.dtype, value.shape), key  # num_batches_tracked

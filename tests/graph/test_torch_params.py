@@ -9,22 +9,18 @@ from safetensors.numpy import load_file
 
 from ortflow.graph.exports.torch_params import NO_OPTIMIZE, torch_parameters
 from ortflow.graph.onnx_tools import GraphError
-from tests.support.exports import DYNAMO_NAMES, EXPORTS, NAMES, REFUSED_DYNAMO, export_path, torch_record
-
-
-def _family(name: str) -> str:
-    return name.split("-")[0].split(".")[0]
+from tests.support.exports import DYNAMO_NAMES, EXPORTS, NAMES, REFUSED_DYNAMO, export_path, family, torch_record
 
 
 def _state(name: str) -> dict[str, np.ndarray]:
     fresh = "-fresh" if "-fresh" in name else ""
-    return load_file(str(EXPORTS / f"{_family(name)}{fresh}.safetensors"))
+    return load_file(str(EXPORTS / f"{family(name)}{fresh}.safetensors"))
 
 
 @pytest.mark.parametrize("name", sorted(set(DYNAMO_NAMES) - set(REFUSED_DYNAMO)))
 def test_dynamo_export_trains_exactly_the_torch_parameters_with_their_values(name):
     found = torch_parameters(onnx.load(str(export_path(name))))
-    record, state = torch_record(_family(name)), _state(name)
+    record, state = torch_record(family(name)), _state(name)
     assert {k: v["shape"] for k, v in found.trained.items()} == {k: list(v) for k, v in record["parameters"].items()}
     values = {t.name: numpy_helper.to_array(t) for t in found.model.graph.initializer}
     for torch_name in record["parameters"]:  # transposes undone, merged tensors untied: torch's own values

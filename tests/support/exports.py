@@ -17,7 +17,7 @@ DYNAMO_NAMES = ("gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "gpt2-fresh-dynamo
                 "llama-dynamo.onnx", "llama-dynamo-noopt.onnx", "llama-fresh-dynamo.onnx",
                 "bert-dynamo.onnx", "bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx",
                 "cnn-dynamo.onnx", "cnn-dynamo-noopt.onnx", "rnn-dynamo.onnx", "rnn-dynamo-noopt.onnx",
-                "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx")
+                "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx")
 #: Dynamo exports with the exporter's defaults that configure refuses, naming ``optimize=False``: the optimisation
 #: dropped the fresh GPT-2's zero biases, folded the CNN's BatchNorms into its convolutions, and wrote the LSTM's and
 #: GRU's weights in the ONNX ops' gate order as new tensors.
@@ -37,6 +37,13 @@ def export_path(name: str) -> Path:
     if digest != VERSIONS["sha256"][name]:
         raise RuntimeError(f"{path} differs from the export recorded in versions.json: re-run tools/export_fixtures.sh")
     return path
+
+
+def family(name: str) -> str:
+    """The model family an export belongs to, as tools/export_fixtures.py names it: the longest family its name starts
+    with (``llama-mqa-dynamo.onnx`` -> ``llama-mqa``, ``llama-fresh-dynamo.onnx`` -> ``llama``)."""
+    families = (model.removesuffix(".onnx") for model in VERSIONS["models"])
+    return max((f for f in families if name.startswith((f"{f}.", f"{f}-"))), key=len)
 
 
 def torch_record(family: str) -> dict:
