@@ -287,11 +287,12 @@ def dp2_run(reference: Reference):
 
 
 def assert_trains_its_torch_parameters_at_dp2(reference: Reference, dp2) -> None:
+    from tests.support.exports import family as torch_family
     from tests.support.exports import torch_record
 
     cfg, out = dp2
     info = json.loads((cfg.output_dir / "configure.json").read_text())
-    assert sorted(info["trainable"]) == sorted(torch_record(family(cfg.model.path.name))["parameters"])
+    assert sorted(info["trainable"]) == sorted(torch_record(torch_family(cfg.model.path.name))["parameters"])
     assert_equal_to(reference, cfg, out)
 
 
@@ -299,9 +300,10 @@ def assert_trains_as_its_torchscript_twin(references: dict, reference: Reference
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
     seed and data (the two exports' reference runs, :func:`reference_of`): the same torch parameters are trained (no
     buffer), to the same values; the dynamo export's dp 2 run's state dict and the ONNX model it exports hold them."""
+    from tests.support.exports import family as torch_family
     from tests.support.exports import torch_record
 
-    fam = family(reference.cfg.model.path.name)
+    fam = torch_family(reference.cfg.model.path.name)
     script_ref = reference_of(references, f"{fam}.onnx")
     record = torch_record(fam)
     info = json.loads((reference.cfg.output_dir / "configure.json").read_text())
@@ -378,6 +380,7 @@ def assert_trains_with_zero1_and_adasum(reference: Reference, exchanges: tuple[s
     does (parameters, losses and evaluations: :func:`assert_equal_to`); Adasum trains as the mean does (its
     combination of the ranks' gradients differs from the mean by design, so it moves the weights in nearly the same
     direction by about as much)."""
+    from tests.support.exports import family as torch_family
     from tests.support.exports import torch_record
 
     ref, export = reference.cfg, reference.cfg.model.path.name
@@ -385,7 +388,7 @@ def assert_trains_with_zero1_and_adasum(reference: Reference, exchanges: tuple[s
                              distributed={"num_ranks": 2, **EXCHANGES[name]})
             for name in exchanges}
     outs = dict(zip(runs, train(*runs.values()), strict=True))
-    record = torch_record(family(export))
+    record = torch_record(torch_family(export))
     for name, cfg in runs.items():
         info = json.loads((cfg.output_dir / "configure.json").read_text())
         assert sorted(info["trainable"]) == sorted(record["parameters"]), name

@@ -190,8 +190,11 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_
     assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, "rnn-dynamo-noopt.onnx"], indirect=True)
-def test_every_dynamo_export_trains_its_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
+@pytest.mark.parametrize("export_dp", [*DYNAMO, "rnn-dynamo-noopt.onnx", "bert.onnx"], indirect=True)
+def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
+    """Every dynamo export here, and BERT's TorchScript export (GPT-2's and the LSTM + GRU classifier's TorchScript
+    exports train as their optimize=False twins: test_dynamo_noopt_export_trains_the_torch_parameters_as_its_
+    torchscript_twin)."""
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 

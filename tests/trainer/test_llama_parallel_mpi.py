@@ -1,15 +1,17 @@
 """Data, pipeline and tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2
 key/value heads; RoPE; SwiGLU) and the Qwen2 exports of the same shape (biases on the query, key and value
-projections, split with their heads), trained unmodified under mpiexec, each layout against the one unsplit run of its
-export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
+projections, split with their heads), trained unmodified under mpiexec, each layout against the one unsplit run of
+its export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
 key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
 TorchScript export's stages cut by hand between its layers, the dynamo exports' cut automatically, inside the second
-layer); the dynamo exports (the fresh model's too) also train in pp 2 with automatic cuts and at dp 2 on their torch
-parameters, the optimize=False one as its TorchScript twin; the TorchScript, default dynamo and optimize=False dynamo
-exports train with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the
-LSTM + GRU classifier: tests/trainer/exports_checks.py). Qwen2 runs the cheapest case of each: tp 2 on the
-TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export (which also trains with ZeRO-1 and Adasum),
-dp 2 on the optimize=False export as its TorchScript twin, with its state dict."""
+layer); every export trains in pp 2 with automatic cuts, and the dynamo exports (the fresh model's too) at dp 2 on
+their torch parameters, the optimize=False one as its TorchScript twin; the TorchScript, default dynamo and
+optimize=False dynamo exports train with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2,
+BERT, ViT and the LSTM + GRU classifier: tests/trainer/exports_checks.py), as does the default dynamo export of Llama
+with multi-query attention (its tensor-parallel layouts: test_llama_kv_replicated_mpi.py). Qwen2 runs the cheapest
+case of each: tp 2 and pp 2 on the TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export (which also
+trains with ZeRO-1 and Adasum), tp 2 and dp 2 on the optimize=False export, its dp 2 as its TorchScript twin, with
+its state dict."""
 
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ DYNAMO = [*(e for e in LLAMA_EXPORTS if "dynamo" in e), "llama-fresh-dynamo.onnx
 QWEN2_DYNAMO, QWEN2_NOOPT = "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx"
 
 # The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
-# MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_dynamo_stages_and_tensor_pieces_train_to_the_
-# unsplit_parameters_with_attention_split_by_heads).
+# MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_stages_and_tensor_pieces_train_to_the_unsplit_
+# parameters_with_attention_split_by_heads).
 BLOCK_0_OUT = "/model/model/layers.0/Add_1_output_0"
 
 
@@ -91,14 +93,15 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
 # tp 2 runs, cut automatically, assert the same below).
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
             pytest.param("llama.onnx", 2, id="pp2xtp2-blocks-llama.onnx"),
-            pytest.param("qwen2.onnx", 1, id="tp2-qwen2.onnx")]
+            *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT)]]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
 # configures them all, each training as soon as it is configured (exports_checks.start_layouts).
 DYNAMO_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1), "pp2tp2": (2, 2)}
-LAYOUTS = {"llama.onnx": {"pp1tp2-by-layer": (1, 2),
+LAYOUTS = {"llama.onnx": {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1),
                           "pp2tp2-by-layer": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT]}})},
            **{e: DYNAMO_LAYOUTS for e in DYNAMO},
-           "qwen2.onnx": {"pp1tp2-by-layer": (1, 2)}, QWEN2_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)}}
+           "qwen2.onnx": {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1)}, QWEN2_NOOPT: {"pp1tp2-by-layer": (1, 2)},
+           QWEN2_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)}}
 
 
 @pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
@@ -111,10 +114,15 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
     assert_equal_to(export_dp, run.cfg, run.out, atol=LLAMA_TP_ATOL)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO], indirect=True)
-@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2", "pp2xtp2"])
-def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention_split_by_heads(export_dp, pp,
-                                                                                                       tp):
+# pp 2 and pp 2 x tp 2 on every dynamo export; pp 2 on the TorchScript exports (their pp 2 x tp 2 run is cut by hand:
+# BY_HEADS).
+STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO]
+            for pp, tp, name in ((2, 1, "pp2"), (2, 2, "pp2xtp2"))],
+          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx")]]
+
+
+@pytest.mark.parametrize("export_dp,pp,tp", STAGES, indirect=["export_dp"])
+def test_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention_split_by_heads(export_dp, pp, tp):
     """Automatic cuts (inside the second layer, where the TorchScript export's pp 2 x tp 2 run is cut by hand between
     the layers); at tp 2 attention is split by heads as on tp 2 alone, and the run ends within the tensor-parallel
     bound of the Llama exports."""
@@ -137,9 +145,9 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, QWEN2_DYNAMO], indirect=True)
+@pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, QWEN2_DYNAMO, "llama-mqa-dynamo.onnx"], indirect=True)
 def test_exports_train_with_zero1_and_adasum(export_dp):
     """On 2 ranks, on the torch parameters (Llama's TorchScript, default dynamo and optimize=False dynamo exports,
-    Qwen2's default dynamo export): ZeRO-1 ends where the unsplit run (and so plain data parallelism) does; Adasum
-    trains as the mean does."""
+    Qwen2's default dynamo export, the default dynamo export of Llama with multi-query attention): ZeRO-1 ends where
+    the unsplit run (and so plain data parallelism) does; Adasum trains as the mean does."""
     assert_trains_with_zero1_and_adasum(export_dp)
