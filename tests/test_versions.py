@@ -165,3 +165,27 @@ def test_continue_refuses_a_changed_optimizer_section_as_documented_and_validate
     assert "use policy retrain" in problems[0]
     with pytest.raises(ConfigError, match="the optimizer section changed"):
         plan_run(changed, "fr-2", new_version=True, now=2)
+
+
+def test_a_repeated_stop_signal_does_not_keep_a_stopped_version_recorded_as_running(monkeypatch):
+    """During a flow run Prefect raises each SIGTERM where the flow is: one arriving while the pipeline records the
+    version's end interrupts that write, which is then written all the same."""
+    from prefect.exceptions import TerminationSignal
+
+    from ortflow.flows import pipeline
+
+    written = []
+
+    def finish_version(cfg, plan, status, summary=None):
+        if not written:
+            written.append("interrupted")
+            raise TerminationSignal(signal=15)  # the repeated SIGTERM, raised inside the task
+        written.append(status)
+
+    monkeypatch.setattr(pipeline.tasks, "finish_version", finish_version)
+    pipeline._finish_version(object(), object(), "stopped")
+    assert written == ["interrupted", "stopped"]
+    # A failure while recording is not swallowed.
+    monkeypatch.setattr(pipeline.tasks, "finish_version", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        pipeline._finish_version(object(), object(), "stopped")

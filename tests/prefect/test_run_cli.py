@@ -174,7 +174,7 @@ def _assert_stopped(proc: subprocess.Popen, cfg, family: list[int], sig: int, ou
     assert f"stopped by {signal.Signals(sig).name}" in out and "Traceback" not in out, out[-3000:]
     wait_for(lambda: not any(_alive(p) for p in family), 30, "every process ortflow run started to exit")
     (entry,) = read_registry(cfg.output_dir)
-    assert entry["status"] == "stopped", entry
+    assert entry["status"] == "stopped", (entry, out[-3000:])
     stop_checkpoints = list_complete(Path(entry["path"]) / "checkpoints")
     assert stop_checkpoints and stop_checkpoints[-1].step % 1000000 != 0  # written on the stop, not by the period
     assert str(stop_checkpoints[-1].path) in out  # the message names it
