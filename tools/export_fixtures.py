@@ -239,48 +239,45 @@ def gpt2(out: Path) -> tuple[dict, dict]:
             "inputs": {"input_ids": "int64 [batch, seq]"}, "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
 
-def llama(out: Path) -> tuple[dict, dict]:
+#: The tiny Llama-shaped decoders' configuration (Llama, Llama with multi-query attention, Qwen2).
+DECODER = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "tie_word_embeddings": False, "attn_implementation": "eager"}
+
+
+def _decoder(out: Path, family: str, model_class, config_class, fresh: bool = False,
+             **changes) -> tuple[dict, dict, nn.Module]:
+    """A tiny decoder LM of ``DECODER``'s shape (with ``changes``), exported by both exporters: its record, its
+    files and the model."""
     torch.manual_seed(0)
-    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-             "tie_word_embeddings": False, "attn_implementation": "eager"}
-    model = LogitsOnly(transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **shape)))
+    shape = {**DECODER, **changes}
+    model = LogitsOnly(model_class(config_class(use_cache=False, **shape)))
     ids = torch.randint(0, 512, (2, 16))
-    files = both_exporters("llama", model, (ids,), out, ["input_ids"], ["logits"],
-                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}, fresh=True)
+    files = both_exporters(family, model, (ids,), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}, fresh=fresh)
     return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
-            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+            "outputs": {"logits": "float [batch, seq, 512]"}}, files, model
+
+
+def llama(out: Path) -> tuple[dict, dict]:
+    record, files, _ = _decoder(out, "llama", transformers.LlamaForCausalLM, transformers.LlamaConfig, fresh=True)
+    return record, files
 
 
 def llama_mqa(out: Path) -> tuple[dict, dict]:
     """Llama's shape with multi-query attention (one key/value head for the 4 query heads, as Falcon and StarCoder
     have): the key/value projections stay whole on every tensor-parallel rank."""
-    torch.manual_seed(0)
-    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 64,
-             "tie_word_embeddings": False, "attn_implementation": "eager"}
-    model = LogitsOnly(transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **shape)))
-    ids = torch.randint(0, 512, (2, 16))
-    files = both_exporters("llama-mqa", model, (ids,), out, ["input_ids"], ["logits"],
-                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
-    return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
-            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+    record, files, _ = _decoder(out, "llama-mqa", transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                                num_key_value_heads=1)
+    return record, files
 
 
 def qwen2(out: Path) -> tuple[dict, dict]:
     """Llama's shape with Qwen2's biases on the query, key and value projections (none on the output projection)."""
-    torch.manual_seed(0)
-    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-             "tie_word_embeddings": False, "attn_implementation": "eager"}
-    model = LogitsOnly(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_cache=False, **shape)))
-    ids = torch.randint(0, 512, (2, 16))
-    files = both_exporters("qwen2", model, (ids,), out, ["input_ids"], ["logits"],
-                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    record, files, model = _decoder(out, "qwen2", transformers.Qwen2ForCausalLM, transformers.Qwen2Config)
     files.update(torch_gradients(model, out, "qwen2", {"input_ids": torch.randint(0, 512, (8, 16))},
                                  torch.randint(0, 512, (8, 16))))
-    return {**shape, "inputs": {"input_ids": "int64 [batch, seq]"},
-            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+    return record, files
 
 
 def bert(out: Path) -> tuple[dict, dict]:
