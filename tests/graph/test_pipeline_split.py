@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.graph.pipeline_parallel.pipeline_cuts import SplitError, choose_cuts, cut_places, split_model, stage_shares
+from ortflow.graph.pipeline_parallel.pipeline_cuts import CutEstimate, SplitError, split_model
 from ortflow.trainer.parallel.schedule import one_f_one_b
 from tests.support.mlp_stack import B, T, V, build_torchlike, trainable
 
@@ -27,7 +27,7 @@ def run_stages(stages, ids):
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_stages_chained_compute_the_model(num_stages):
     model = build_torchlike(num_blocks=4)
-    cuts = choose_cuts(model, num_stages, trainable(model))
+    cuts = CutEstimate(model, trainable(model)).choose(num_stages)
     stages = split_model(model, cuts, trainable(model))
     ids = np.random.default_rng(0).integers(0, V, (B, T))
     full = ort.InferenceSession(model.SerializeToString()).run(["logits"], {"input_ids": ids})[0]
@@ -42,7 +42,7 @@ def test_stages_chained_compute_the_model(num_stages):
 
 def test_automatic_cuts_balance_the_compute_not_the_parameters():
     model = build_torchlike(num_blocks=4)
-    (cut,) = choose_cuts(model, 2, trainable(model))
+    (cut,) = CutEstimate(model, trainable(model)).choose(2)
     # Per token: the embedding's Gather reads one 16-wide row of its [32, 16] table, each block 2 * 16 + 16 * 16 + 16
     # = 304, the LM head [16, 32] and ln_f 512 + 32. Before blocks.2.resid: 16 + 3 * 304 = 928, after it 304 + 544 =
     # 848 (the closest to half); a cut by parameter count (blocks.1.resid: 512 + 2 * 304 either side) would leave
@@ -58,14 +58,15 @@ def test_automatic_cuts_balance_the_compute_not_the_parameters():
 def test_cut_places_and_stage_shares_follow_the_estimate():
     model = build_torchlike(num_blocks=4)
     params = trainable(model)
-    places = cut_places(model, params)
+    estimate = CutEstimate(model, params)
+    places = estimate.places()
     # The residual stream after each block (the first of the places between two parameter reads), with the compute
     # before it out of 1776 (see above: 16 + 4 * 304 + 544).
     named = {p.name: (p.before, p.total) for p in places}
     assert named["blocks.2.resid"] == (928, 1776) and named["blocks.0.resid"] == (320, 1776), named
     assert [p.share for p in places] == sorted(p.share for p in places)
-    assert stage_shares(model, ["blocks.2.resid"], params) == [928 / 1776, 848 / 1776]
-    assert stage_shares(model, ["blocks.0.resid", "blocks.2.resid"], params) == [320 / 1776, 608 / 1776, 848 / 1776]
+    assert estimate.shares(["blocks.2.resid"]) == [928 / 1776, 848 / 1776]
+    assert estimate.shares(["blocks.0.resid", "blocks.2.resid"]) == [320 / 1776, 608 / 1776, 848 / 1776]
 
 
 def test_tied_weights_across_a_cut_are_held_by_both_stages():
@@ -100,13 +101,13 @@ def test_automatic_cuts_never_leave_a_stage_without_parameters():
     model = _embed_relu_head()
     params = ["w1", "w2", "wte"]
     for num_stages in (2, 3):
-        stages = split_model(model, choose_cuts(model, num_stages, params), params)
+        stages = split_model(model, CutEstimate(model, params).choose(num_stages), params)
         assert all(s.parameters for s in stages), [s.parameters for s in stages]
     # 4 stages would need the cuts after both the MatMul and the Relu, a stage holding nothing: refused with the most
     # stages the model splits into, before any stage is built.
     with pytest.raises(SplitError, match=r"make at most 3 stages.*use distributed.pipeline_parallel_size 3 or fewer, "
                                          r"or name the cuts in model.pipeline_cuts"):
-        choose_cuts(model, 4, params)
+        CutEstimate(model, params).choose(4)
 
 
 def test_a_shape_tensor_crossing_the_cut_is_refused_naming_its_nodes():
@@ -179,5 +180,5 @@ def test_a_cut_crossed_by_an_activation_that_is_not_float32_is_refused_and_never
                                          + TensorProto.DataType.Name(elem).lower()
                                          + r": pipeline stages send each other float32 activations"):
         split_model(model, ["narrow"], params)
-    assert [p.name for p in cut_places(model, params)] == ["h0", "h1"]
-    assert choose_cuts(model, 2, params) in (["h0"], ["h1"])
+    assert [p.name for p in CutEstimate(model, params).places()] == ["h0", "h1"]
+    assert CutEstimate(model, params).choose(2) in (["h0"], ["h1"])

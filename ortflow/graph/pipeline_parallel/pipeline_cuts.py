@@ -56,7 +56,7 @@ class Stage:
             each holder keeps a copy and the holders sum their gradients before the update, so the copies stay equal.
         frozen: Initializers it holds that are state, not weights (BatchNorm running statistics): the engine keeps and
             updates them and checkpoints save them, untrained.
-        share: Its share of the model's compute as :func:`cut_places` estimates it (0..1).
+        share: Its share of the model's compute as :class:`CutEstimate` estimates it (0..1).
     """
 
     index: int
@@ -246,21 +246,6 @@ class CutEstimate:
             cuts.append(place.name)
             last = index
         return cuts
-
-
-def cut_places(model: onnx.ModelProto, trainable: Sequence[str]) -> list[CutPlace]:
-    """:meth:`CutEstimate.places` of ``model``."""
-    return CutEstimate(model, trainable).places()
-
-
-def stage_shares(model: onnx.ModelProto, cuts: Sequence[str], trainable: Sequence[str]) -> list[float]:
-    """:meth:`CutEstimate.shares` of ``model`` for ``cuts``."""
-    return CutEstimate(model, trainable).shares(cuts)
-
-
-def choose_cuts(model: onnx.ModelProto, num_stages: int, trainable: Sequence[str]) -> list[str]:
-    """:meth:`CutEstimate.choose` of ``model``."""
-    return CutEstimate(model, trainable).choose(num_stages)
 
 
 _ROW_READS = {"Gather", "GatherND", "GatherElements"}  # read a row per index, not the whole table
