@@ -9,7 +9,7 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import typer
@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ortflow.checkpoints import list_complete
 from ortflow.cli.shared import console, fail, load, say
+from ortflow.cli.stop_signals import STOP_SIGNALS, hand_back
 from ortflow.cli.terminal import disk_problem, failure_advice, follow_progress, next_steps, terminal
 from ortflow.config import RunConfig
 from ortflow.versions import EXPORTED_LOCAL_COPY, read_registry
@@ -43,18 +44,19 @@ def run_in_terminal(config: Path, overrides: list[str] | None, from_stage: str |
     history = None if PREFECT_API_URL.value() else Path(PREFECT_HOME.value())  # the temporary server's database
     flow = functools.partial(train_pipeline, cfg, from_stage=from_stage, policy=policy, skip_unchanged=skip_unchanged,
                              new_version=new_version, wait_for_lock=wait or None, version=version, return_state=True)
-    received = _stop_signals()
-    with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
-        state = _run_flow(cfg, flow, received)
-    _upload_log(cfg, log_file, warn=state is not None and state.is_completed())
-    if received:
-        _say_stopped(cfg, new_version, received[0], log_file, command)
-    if not state.is_completed():
-        _report_failure(state, command, log_file)
-    if state.name == "Skipped":
-        console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
-        return
-    _report_summary(cfg, state.result(), new_version, log_file, history)
+    with _stop_signals() as signals:
+        with terminal(console, cfg.output_dir / "logs", quiet=not verbose, stages=True) as log_file:
+            state = _run_flow(cfg, flow, signals.received)
+        signals.flow_ended = True
+        _upload_log(cfg, log_file, warn=state is not None and state.is_completed())
+        if signals.received:
+            _say_stopped(cfg, new_version, signals.received[0], log_file, command)
+        if not state.is_completed():
+            _report_failure(state, command, log_file)
+        if state.name == "Skipped":
+            console.print(f"[yellow]{escape(state.message or 'skipped')}[/]; nothing was trained", highlight=False)
+            return
+        _report_summary(cfg, state.result(), new_version, log_file, history)
 
 
 def _what_runs(new_version: bool, from_stage: str | None, version: str | None) -> str:
@@ -108,23 +110,45 @@ def _check_options(from_stage: str | None, policy: str | None, version: str | No
         fail("--version names the version whose stages --from reruns: use it with --new-version --from STAGE")
 
 
-def _stop_signals() -> list[int]:
-    """Handle SIGINT/SIGTERM from now on; the list returned collects the signals received."""
-    received: list[int] = []
+class _FlowSignals:
+    """``ortflow run``'s SIGINT/SIGTERM: :attr:`received` collects the signals that stopped the flow run."""
 
-    def on_stop_signal(signum: int, _frame: object) -> None:
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.flow_ended = False  # the flow run has its final state: the exit status is decided
+        self._said: set[str] = set()
+
+    def handle(self, signum: int, _frame: object) -> None:
         # The first SIGINT/SIGTERM unwinds like Ctrl-C: the train task's launcher stops the ranks with a stop
         # checkpoint and the flow run records its final state. A repeat (a second Ctrl-C, or the same signal sent
-        # to the whole process group) must not cut that stop short.
-        if received:
-            say(f"already stopping ({signal.Signals(received[0]).name}): the ranks are writing their stop checkpoint")
-            return
-        received.append(signum)
-        raise KeyboardInterrupt
+        # to the whole process group) must not cut that stop short, nor a signal once the flow run has ended.
+        name = signal.Signals(signum).name
+        if self.flow_ended:
+            self._say_once(f"{name}: the flow run has ended; ortflow run is exiting")
+        elif self.received:
+            self._say_once(f"already stopping ({signal.Signals(self.received[0]).name}): the ranks are writing "
+                           "their stop checkpoint")
+        else:
+            self.received.append(signum)
+            raise KeyboardInterrupt
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_stop_signal)
-    return received
+    def _say_once(self, line: str) -> None:
+        if line not in self._said:  # a process manager may repeat a signal many times
+            self._said.add(line)
+            say(line)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[_FlowSignals]:
+    """Handle SIGINT/SIGTERM until the command ends, then hand them back (the ``ortflow`` process ignores them until
+    it exits: a late repeat of the stop signal must not kill it while it reports)."""
+    signals = _FlowSignals()
+    previous = {sig: signal.signal(sig, signals.handle) for sig in STOP_SIGNALS}
+    try:
+        yield signals
+    finally:
+        signals.flow_ended = True
+        hand_back(previous)
 
 
 def _run_flow(cfg: RunConfig, flow: Callable, received: list[int]):

@@ -78,5 +78,12 @@ def stop_signals() -> Iterator[StopSignals]:
         yield stops
     finally:
         stops.phase = "after"
-        for sig in STOP_SIGNALS:  # the ``ortflow`` process ends next: a signal now must not decide its status
-            signal.signal(sig, signal.SIG_IGN if _process_entry[0] else previous[sig])
+        hand_back(previous)
+
+
+def hand_back(previous: dict[int, object]) -> None:
+    """The command is ending: the ``ortflow`` process ignores the stop signals until it exits (a signal now must not
+    decide its status, and the interpreter's shutdown would give them their default action); a command called as a
+    function gives back the ``previous`` handlers."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN if _process_entry[0] else previous[sig])

@@ -207,6 +207,47 @@ def test_a_stop_signal_to_ortflow_run_leaves_a_stop_checkpoint_a_final_state_and
     _assert_stopped(proc, cfg, family, sig, out, took)
 
 
+#: ``ortflow run`` whose flow run has completed at once; the summary takes a while, and a stop signal (the late
+#: repeat of one sent twice, a process manager's) arrives while it is being reported or while the process exits.
+_LATE_SIGNAL_RUN = """
+import os, signal, sys, time
+from ortflow.cli import main, run_flow
+
+class Completed:
+    name = "Completed"
+    def is_completed(self): return True
+    def result(self): return None
+
+def report_summary(*_args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+    print("summary reported", flush=True)
+
+def exiting():
+    os.kill(os.getpid(), signal.SIGTERM)  # the interpreter is shutting down
+    time.sleep(0.3)
+
+import atexit
+atexit.register(exiting)
+run_flow._run_flow = lambda cfg, flow, received: Completed()
+run_flow._report_summary = report_summary
+sys.argv = ["ortflow", "run", sys.argv[1], "--new-version"]
+main()
+"""
+
+
+def test_a_stop_signal_after_the_flow_run_ended_changes_neither_the_exit_status_nor_the_report(
+    mlp_sources, tmp_path
+):
+    config_file = write_config(mlp_config(tmp_path, mlp_sources, "late"), tmp_path / "late.yaml")
+    done = subprocess.run([sys.executable, "-c", _LATE_SIGNAL_RUN, str(config_file)], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]  # not 143, nor killed by the signal (-15) while exiting
+    assert "summary reported" in out and "Traceback" not in out, out[-3000:]
+    assert "SIGTERM: the flow run has ended; ortflow run is exiting" in out, out[-3000:]
+
+
 def _offline(env: dict[str, str]) -> dict[str, str]:
     """Offline: every request that would leave the host goes to a proxy that refuses connections; the temporary
     server on 127.0.0.1 is reached directly. Prefect's analytics setting is left as a user's environment has it."""
