@@ -1,7 +1,8 @@
 """Whether a local process or process group still runs, and waiting for a process to exit: what the ranks' lifeline,
 the job's guard and the serving process share (Linux ``/proc`` and pidfds; a zombie, exited but not yet reaped,
 counts as gone); the shared-memory segments that ranks which died left behind; and a launcher's process tree (MPICH
-starts each proxy and rank in a session of its own), to watch or to kill."""
+starts each proxy and rank in a session of its own), to watch or to kill; and finishing a step of a stop while the
+stop signal repeats."""
 
 from __future__ import annotations
 
@@ -10,9 +11,27 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 #: Where MPICH keeps its shared-memory segments, and their names' prefix.
 SHM_DIR, MPICH_SHM_PREFIX = "/dev/shm", "mpich_shm_"
+
+
+_T = TypeVar("_T")
+
+
+def despite_repeated_stops(call: Callable[[], _T], on_repeat: Callable[[], None] = lambda: None) -> _T:
+    """``call()`` to its end while a stop request repeats: a repeated interruption (KeyboardInterrupt, Prefect's
+    ``TerminationSignal``, which Prefect raises for each SIGTERM during a flow run) calls ``on_repeat`` and then
+    ``call`` again, so it must be safe to call again; errors, ``SystemExit`` and ``GeneratorExit`` go through."""
+    while True:
+        try:
+            return call()
+        except BaseException as err:  # noqa: BLE001 - only a repeated interruption is kept from going through
+            if isinstance(err, (Exception, SystemExit, GeneratorExit)):
+                raise
+            on_repeat()
 
 
 def _stat(pid: int | str) -> list[str] | None:

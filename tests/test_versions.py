@@ -172,7 +172,7 @@ def test_a_repeated_stop_signal_does_not_keep_a_stopped_version_recorded_as_runn
     version's end interrupts that write, which is then written all the same."""
     from prefect.exceptions import TerminationSignal
 
-    from ortflow.flows import pipeline
+    from ortflow.tasks import runs
 
     written = []
 
@@ -182,10 +182,10 @@ def test_a_repeated_stop_signal_does_not_keep_a_stopped_version_recorded_as_runn
             raise TerminationSignal(signal=15)  # the repeated SIGTERM, raised inside the task
         written.append(status)
 
-    monkeypatch.setattr(pipeline.tasks, "finish_version", finish_version)
-    pipeline._finish_version(object(), object(), "stopped")
+    monkeypatch.setattr(runs, "finish_version", finish_version)
+    runs.record_version_end(object(), object(), "stopped")
     assert written == ["interrupted", "stopped"]
     # A failure while recording is not swallowed.
-    monkeypatch.setattr(pipeline.tasks, "finish_version", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(runs, "finish_version", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
-        pipeline._finish_version(object(), object(), "stopped")
+        runs.record_version_end(object(), object(), "stopped")

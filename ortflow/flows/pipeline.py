@@ -70,33 +70,15 @@ def train_pipeline(
             exported = tasks.staged(tasks.export, run)(run)
             summary = tasks.publish_summary(run, index, exported, plan.version)
         except Exception:
-            _finish_version(cfg, plan, "failed")
+            tasks.record_version_end(cfg, plan, "failed")
             raise
         except BaseException:  # a stop signal or a cancellation: the ranks stopped with a stop checkpoint
-            _finish_version(cfg, plan, "stopped")
+            tasks.record_version_end(cfg, plan, "stopped")
             raise
         tasks.finish_version(cfg, plan, "completed", summary)
         if plan.version is not None:
             tasks.prune_versions(cfg)  # versions.keep
     return summary
-
-
-def _finish_version(cfg, plan, status: str) -> None:
-    """Record how the version ended, even while a stop signal repeats: during a flow run Prefect raises each SIGTERM
-    where the flow is (a process manager repeating its signal, a second Ctrl-C sent as SIGTERM), which would leave
-    the version recorded as running."""
-    for _ in range(_FINISH_ATTEMPTS):
-        try:
-            tasks.finish_version(cfg, plan, status)
-            return
-        except Exception:
-            raise
-        except BaseException:  # noqa: BLE001 - a repeated stop signal: the record is written all the same
-            continue
-
-
-#: How many repeated stop signals recording a version's end outlasts.
-_FINISH_ATTEMPTS = 10
 
 
 @flow(name="export-only", log_prints=True, **_ANNOUNCE)

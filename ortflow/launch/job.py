@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ortflow.config.atomic import write_text_atomic
+from ortflow.processes import despite_repeated_stops
 
 log = logging.getLogger(__name__)
 
@@ -245,14 +246,9 @@ def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
     log.warning("%s", _stop_words(job, last, f" ({grace_s:.0f} s grace)"))
     job.cancel()
     deadline = clock() + grace_s
-    while True:
-        try:
-            state = _stream_until_ended(job, deadline, min(1.0, grace_s), on_line, clock, sleep)
-            break
-        except BaseException as err:  # noqa: BLE001 - only a repeated interruption is let through to the loop
-            if isinstance(err, (Exception, SystemExit, GeneratorExit)):
-                raise
-            log.warning("already stopping: the ranks are writing their stop checkpoint")
+    state = despite_repeated_stops(
+        lambda: _stream_until_ended(job, deadline, min(1.0, grace_s), on_line, clock, sleep),
+        on_repeat=lambda: log.warning("already stopping: the ranks are writing their stop checkpoint"))
     for line in job.read_output():
         on_line(line)
     if state.phase is not Phase.ENDED:

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from ortflow import runlock, versions
 from ortflow.checkpoints import run_store
 from ortflow.config import RunConfig, apply_overrides, config_from_dict, load_config
+from ortflow.processes import despite_repeated_stops
 from ortflow.tasks.policy import artifact_key, forward_logs, retry_transient
 
 
@@ -102,6 +103,13 @@ def finish_version(config: RunConfig, plan: versions.Plan, status: str, summary:
     entry = versions.finish_version(config.output_dir, plan.version, status, summary)
     run_store.push(config)
     return entry
+
+
+def record_version_end(config: RunConfig, plan: versions.Plan, status: str) -> None:
+    """Record a version that failed or stopped, even while a stop signal repeats: during a flow run Prefect raises
+    each SIGTERM where the flow is (a process manager repeating its signal, a second Ctrl-C sent as SIGTERM), which
+    would leave the version recorded as running. (Writing the record again is harmless.)"""
+    despite_repeated_stops(lambda: finish_version(config, plan, status))
 
 
 @task(name="prune_versions", cache_policy=NO_CACHE)
