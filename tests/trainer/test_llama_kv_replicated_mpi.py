@@ -1,10 +1,10 @@
 """Tensor parallelism of attention whose key/value heads the size does not divide, trained under mpiexec against the
 unsplit run of the same export on the same global batch (the ``export_dp`` fixture): the Llama exports with
-multi-query attention (1 key/value head, as Falcon and StarCoder have) from TorchScript and from dynamo at tp 2, the
-dynamo one also at pp 2 x tp 2, and the Llama export's 2 key/value heads at tp 4. The query heads are split; the
-key/value projections and their RoPE run whole on every rank, each rank's query heads read the key/value heads they
-map to, and the key/value weights' gradients are summed over the ranks, so every rank holds the same key/value
-weights, bit for bit, and the run ends within the tensor-parallel bound of the Llama exports
+multi-query attention (1 key/value head, as Falcon and StarCoder have) from TorchScript and from dynamo (default and
+optimize=False) at tp 2 and at pp 2 x tp 2 (cut automatically), and the Llama export's 2 key/value heads at tp 4. The
+query heads are split; the key/value projections and their RoPE run whole on every rank, each rank's query heads read
+the key/value heads they map to, and the key/value weights' gradients are summed over the ranks, so every rank holds
+the same key/value weights, bit for bit, and the run ends within the tensor-parallel bound of the Llama exports
 (test_llama_parallel_mpi.py)."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def rank_params(folder, rank: int, size: int, pp: int = 1) -> dict[str, np.ndarr
 
 
 # (export, pp, tp, key/value heads); pp 2 x tp 2 cut automatically (inside the second layer)
-CASES = [pytest.param("llama-mqa.onnx", 1, 2, 1, id="mqa-tp2"),
-         pytest.param("llama-mqa-dynamo.onnx", 1, 2, 1, id="mqa-dynamo-tp2"),
-         pytest.param("llama-mqa-dynamo.onnx", 2, 2, 1, id="mqa-dynamo-pp2xtp2"),
+CASES = [*[pytest.param(export, pp, 2, 1, id=f"{export.removeprefix('llama-').removesuffix('.onnx')}-{layout}")
+           for export in ("llama-mqa.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx")
+           for pp, layout in ((1, "tp2"), (2, "pp2xtp2"))],
          pytest.param("llama.onnx", 1, 4, 2, id="gqa-tp4")]
 
 
