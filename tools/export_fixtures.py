@@ -239,7 +239,7 @@ def gpt2(out: Path) -> tuple[dict, dict]:
             "inputs": {"input_ids": "int64 [batch, seq]"}, "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
 
-#: The tiny Llama-shaped decoders' configuration (Llama, Llama with multi-query attention, Qwen2).
+#: The tiny Llama-shaped decoders' configuration (Llama, Llama with multi-query attention, Qwen2, Phi-3).
 DECODER = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
            "tie_word_embeddings": False, "attn_implementation": "eager"}
@@ -276,6 +276,17 @@ def qwen2(out: Path) -> tuple[dict, dict]:
     """Llama's shape with Qwen2's biases on the query, key and value projections (none on the output projection)."""
     record, files, model = _decoder(out, "qwen2", transformers.Qwen2ForCausalLM, transformers.Qwen2Config)
     files.update(torch_gradients(model, out, "qwen2", {"input_ids": torch.randint(0, 512, (8, 16))},
+                                 torch.randint(0, 512, (8, 16))))
+    return record, files
+
+
+def phi3(out: Path) -> tuple[dict, dict]:
+    """Llama's shape with Phi-3's fused projections: one ``qkv_proj`` Linear (the query, key and value rows stacked)
+    and one ``gate_up_proj`` Linear (the gate and up rows stacked). No padding token: Phi-3's default (32000) is past
+    the tiny vocabulary, and an embedding's padding row gets no gradient in torch, which an ONNX graph does not know."""
+    record, files, model = _decoder(out, "phi3", transformers.Phi3ForCausalLM, transformers.Phi3Config,
+                                    pad_token_id=None)
+    files.update(torch_gradients(model, out, "phi3", {"input_ids": torch.randint(0, 512, (8, 16))},
                                  torch.randint(0, 512, (8, 16))))
     return record, files
 
@@ -423,7 +434,8 @@ def bnmlp(out: Path) -> tuple[dict, dict]:
 
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
-            "bnmlp": bnmlp, "rnn": rnn, "qwen2": qwen2, "llama-mqa": llama_mqa}
+            "bnmlp": bnmlp, "rnn": rnn, "qwen2": qwen2, "llama-mqa": llama_mqa,
+            "phi3": phi3}
 
 
 def family_of(name: str) -> str:
