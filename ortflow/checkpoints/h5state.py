@@ -97,7 +97,8 @@ def write_state(state: TrainState, folder: Path) -> None:
         if state.rank != 0 and not own:
             return
         params = state.parameters()
-        marks = {n: (int(a), int(p), size, params[n].shape) for n, (a, p) in slicing.items() if n in params}
+        marks = {n: (int(a), tpfiles.parts_of(p), size, params[n].shape) for n, (a, p) in slicing.items()
+                 if n in params}
         if state.rank == 0:
             write_params(folder / tpfiles.tp_file("params", t, size, state.stage), params, set(state.trainable),
                          marks=marks)

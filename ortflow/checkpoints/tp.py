@@ -1,11 +1,11 @@
 """Tensor-parallel checkpoint files: each tensor-parallel rank's slices, and the whole tensors rebuilt from them.
 
 Rank ``t`` of ``hp`` (its first data-parallel replica) writes ``params-tpTT-of-HH.h5`` and ``optimizer-tpTT-of-HH.h5``
-in the format of ``params.h5`` / ``optimizer.h5`` (:mod:`ortflow.checkpoints.h5state`), holding its slices
-of the split parameters (attributes ``tp_axis``, ``tp_parts``, ``tp_size``; an optimizer state segment also
-``tp_shape``, the slice's shape) and every replicated parameter whole (bitwise equal on every tp rank: checked when
-merged). Readers that want whole tensors (export, ``ortflow checkpoint merge``, a warm start at another size) get
-them merged here; a resuming rank reads its own two files.
+in the format of ``params.h5`` / ``optimizer.h5`` (:mod:`ortflow.checkpoints.h5state`), holding its slices of the split
+parameters (attributes ``tp_axis``, ``tp_parts``: a number, or the widths of unequal fused parts, ``tp_size``; an
+optimizer state segment also ``tp_shape``, the slice's shape) and every replicated parameter whole (bitwise equal on
+every tp rank: checked when merged). Readers that want whole tensors (export, ``ortflow checkpoint merge``, a warm
+start at another size) get them merged here; a resuming rank reads its own two files.
 """
 
 from __future__ import annotations
@@ -36,17 +36,36 @@ def tp_optimizer_files(folder: Path, rank: int, size: int, stage: tuple[int, int
     return shards if shards and not whole.exists() else [whole]
 
 
-def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``: its block of every part, concatenated)."""
+def parts_of(value) -> int | list[int]:
+    """A weight's fused parts as recorded (JSON, an HDF5 attribute): their number, or their widths (parts of unequal
+    widths: Phi-3's fused query, key and value projection under grouped-query attention)."""
+    return int(value) if np.ndim(value) == 0 else [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _split_parts(value: np.ndarray, parts: int | list[int], axis: int) -> list[np.ndarray]:
+    """``value`` cut along ``axis`` into its fused parts: equal ones, or in proportion to the recorded widths (a
+    rank's slice holds the same proportion of each part as the whole tensor)."""
+    if isinstance(parts, int):
+        return np.split(value, parts, axis=axis)
+    length, total = value.shape[axis], sum(parts)
+    return np.split(value, np.cumsum([length * p // total for p in parts])[:-1], axis=axis)
+
+
+def slice_tensor(value: np.ndarray, axis: int, parts: int | list[int], size: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``, their number or widths: its block of every
+    part, concatenated)."""
     axis = axis if value.ndim > 1 else 0
-    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in np.split(value, parts, axis=axis)], axis=axis)
+    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in _split_parts(value, parts_of(parts), axis)],
+                          axis=axis)
 
 
-def merge_slices(pieces: list[np.ndarray], axis: int, parts: int) -> np.ndarray:
+def merge_slices(pieces: list[np.ndarray], axis: int, parts: int | list[int]) -> np.ndarray:
     """The whole tensor from every rank's :func:`slice_tensor` (in rank order): its inverse."""
     axis = axis if pieces[0].ndim > 1 else 0
-    per_rank = [np.split(p, parts, axis=axis) for p in pieces]
-    return np.concatenate([np.concatenate([r[k] for r in per_rank], axis=axis) for k in range(parts)], axis=axis)
+    parts = parts_of(parts)
+    per_rank = [_split_parts(p, parts, axis) for p in pieces]
+    return np.concatenate([np.concatenate([r[k] for r in per_rank], axis=axis) for k in range(len(per_rank[0]))],
+                          axis=axis)
 
 
 def tp_files(folder: Path, kind: str) -> list[Path]:
@@ -72,7 +91,7 @@ def mark(ds, sliced: tuple | None) -> None:
 
 def _merge(name: str, arrays: list[np.ndarray], attrs) -> np.ndarray:
     if "tp_axis" in attrs:
-        return merge_slices(arrays, int(attrs["tp_axis"]), int(attrs["tp_parts"]))
+        return merge_slices(arrays, int(attrs["tp_axis"]), parts_of(attrs["tp_parts"]))
     for k, other in enumerate(arrays[1:], 1):
         if not np.array_equal(other, arrays[0]):
             raise CheckpointError(f"replicated tensor {name} differs between tensor-parallel rank 0 and {k}: the "

@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from ortflow.checkpoints.tp import merge_slices
 from ortflow.examples.gpt import build_gpt
@@ -152,12 +153,19 @@ def test_a_model_without_a_splittable_layer_is_refused(tmp_path):
         plan_tensor_parallel_split(model, trainable(model), 2)
 
 
-@pytest.mark.parametrize("axis,parts", [(1, 1), (1, 3), (0, 1)])
+@pytest.mark.parametrize("axis,parts", [(1, 1), (1, 3), (0, 1), (0, [8, 2, 2]), (1, [8, 16])])
 def test_slices_merge_back_to_the_whole_tensor(axis, parts):
+    """Equal fused parts by their number, unequal ones by their widths (Phi-3's query, key and value rows)."""
+    from ortflow.checkpoints.tp import slice_tensor as checkpoint_slice
+
     value = np.arange(12 * 24, dtype=np.float32).reshape(12, 24)
     pieces = [slice_tensor(value, axis, parts, 2, r) for r in range(2)]
     assert pieces[0].shape[axis] == value.shape[axis] // 2
+    for r in range(2):  # the checkpoints' slicing (a resumed rank's) is the graph pass's
+        np.testing.assert_array_equal(checkpoint_slice(value, axis, parts, 2, r), pieces[r])
     np.testing.assert_array_equal(merge_slices(pieces, axis, parts), value)
+    if parts == [8, 2, 2]:  # rank 1: the second half of each part's rows
+        np.testing.assert_array_equal(pieces[1], np.concatenate([value[4:8], value[9:10], value[11:12]]))
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +258,31 @@ def test_a_shard_without_values_is_the_shard_with_its_slices_dims_only(gpt, size
             assert (b.name in split) == (not b.raw_data and not b.float_data)  # no values for the slices only
         cut = [(p.index, p.stage.sends, p.stage.receives) for p in cut_pieces(light, plan, gpt, trainable(gpt))]
         assert cut == [(p.index, p.stage.sends, p.stage.receives) for p in cut_pieces(real, plan, gpt, trainable(gpt))]
+
+
+@pytest.mark.parametrize("name", ["phi3.onnx", "phi3-dynamo-noopt.onnx"])
+def test_phi3_fused_qkv_is_split_per_part_of_its_own_width_and_the_pieces_compute_the_unsplit_logits(name):
+    """Phi-3's one ``qkv_proj`` Linear (4 query heads, then 2 key and 2 value heads of 16 rows, read by ``Slice``s of
+    unequal widths): each rank keeps its block of every part (2 query heads and the key/value head they read), the
+    Slices' bounds rewritten to the local widths (the graph as exported: configure's passes turn the dynamo export's
+    ``SplitToSequence`` of ``gate_up_proj`` into a Split, which test_validate_split_plan.py shows split in halves)."""
+    from tests.support.exports import export_path
+
+    model = onnx.load(str(export_path(name)))
+    plan = plan_tensor_parallel_split(model, trainable(model), 2)
+    for layer in range(2):
+        qkv = f"model.model.layers.{layer}.self_attn.qkv_proj.weight"
+        (region,) = [r for r in plan.regions if qkv in r.columns]
+        assert region.columns == [qkv] and region.rows == [f"model.model.layers.{layer}.self_attn.o_proj.weight"]
+        assert region.groups[qkv] == (64, 32, 32) and region.part_heads[qkv] == (4, 2, 2)
+        assert plan.slicing()[qkv] == (0, (64, 32, 32))  # [out, in]: rows
+        if name == "phi3.onnx":  # TorchScript computes the chunk's bounds as (D + 1) / 2: kept whole, with the reason
+            assert "bounds the split cannot follow" in plan.kept[f"model.model.layers.{layer}.mlp.gate_up_proj.weight"]
+    whole = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    qkv = "model.model.layers.0.self_attn.qkv_proj.weight"
+    rank1 = {t.name: numpy_helper.to_array(t) for t in shard_model(model, plan, 1).graph.initializer}
+    np.testing.assert_array_equal(rank1[qkv], np.concatenate([whole[qkv][32:64], whole[qkv][80:96],
+                                                              whole[qkv][112:128]]))
+    ids = np.random.default_rng(0).integers(0, 512, (2, 7))
+    np.testing.assert_allclose(run_pieces(model, 2, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
+                               atol=2e-6)

@@ -27,7 +27,9 @@ class Region:
         columns: Column-split weights (``[in, out]``: each rank keeps ``out / tp`` columns of every part).
         biases: Column-split biases (sliced like their weight's columns).
         rows: Row-split weights (each rank keeps ``in / tp`` rows).
-        groups: Parts of a column-split weight (3 for a fused QKV projection whose output is Split in 3), by name.
+        groups: Parts of a column-split weight, by name: their number when equal (3 for a fused QKV projection
+            whose output is Split in 3), else their widths in column order (Phi-3's ``qkv_proj`` under grouped-query
+            attention: the query part wider than the key and value parts); each rank keeps its block of every part.
         outputs: The row-split MatMuls' outputs: partial sums, all-reduced over the tensor-parallel ranks.
         inputs: Replicated activations the region reads (the backward all-reduce of their gradients happens here).
         nodes: Indices of the region's nodes in the graph, with the ``Transpose`` of a weight read as
@@ -39,7 +41,8 @@ class Region:
         members: The tensors computed by the region in the rank's model (a vocabulary split adds nodes); when empty,
             the outputs of ``nodes``.
         num_heads: Column-split weight -> the number of attention heads its output is reshaped into, or each part
-            of it for a fused projection (GPT-2's ``c_attn``: q, k and v of that many heads each); each rank keeps
+            of it for a fused projection (GPT-2's ``c_attn``: q, k and v of that many heads each; the query part's
+            for parts of their own widths, whose heads ``part_heads`` lists); each rank keeps
             ``num_heads / tp`` whole heads (of every part); under grouped-query attention the key/value projections
             have fewer heads than the query's, and each rank's key/value heads are those its query heads read.
         replicated_kv: Key/value projections left whole on every rank because ``tp`` does not divide their heads
@@ -60,6 +63,7 @@ class Region:
     members: list[str] = field(default_factory=list)
     num_heads: dict[str, int] = field(default_factory=dict)
     replicated_kv: dict[str, tuple[int, int]] = field(default_factory=dict)
+    part_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # fused parts of their own widths -> heads
 
 
 @dataclass
@@ -85,11 +89,26 @@ class TensorParallelPlan:
         return out
 
 
+def num_parts(parts: int | tuple[int, ...] | list[int]) -> int:
+    """How many fused parts a weight has (:attr:`Region.groups`: their number, or their widths)."""
+    return parts if isinstance(parts, int) else len(parts)
+
+
+def part_widths(length: int, parts: int | tuple[int, ...] | list[int]) -> list[int]:
+    """The widths of a weight's fused parts along an axis of ``length``: equal, or in proportion to the widths the
+    plan recorded (a rank's block of every part is the same proportion of its slice)."""
+    if isinstance(parts, int):
+        return [length // parts] * parts
+    total = sum(parts)
+    return [length * p // total for p in parts]
+
+
 def _heads_note(r: Region, size: int) -> str:
     if not r.num_heads:
         return ""
     most = max(r.num_heads.values())
-    parts = [f"{w} {n} -> {n // size} per rank" + _in_parts(r, w, "in each of its {} fused parts")
+    parts = [_part_heads_note(r, w, size) if w in r.part_heads else
+             f"{w} {n} -> {n // size} per rank" + _in_parts(r, w, "in each of its {} fused parts")
              + (f" (key/value heads, each read by {most // n} query heads)" if n < most else "")
              for w, n in r.num_heads.items()]
     note = "; heads: " + ", ".join(parts)
@@ -101,10 +120,19 @@ def _heads_note(r: Region, size: int) -> str:
     return note
 
 
+def _part_heads_note(r: Region, weight: str, size: int) -> str:
+    """The heads of each part of a fused projection whose parts have their own widths (Phi-3's ``qkv_proj``)."""
+    heads, widths = r.part_heads[weight], r.groups[weight]
+    most = max(heads)
+    return f"{weight} in {len(widths)} fused parts of widths {list(widths)}: " + ", ".join(
+        f"{n} -> {n // size} per rank" + (f" (key/value heads, each read by {most // n} query heads)"
+                                          if 0 < n < most else "") for n in heads)
+
+
 def _in_parts(r: Region, weight: str, words: str) -> str:
     """``words`` with the number of fused parts of ``weight`` (a fused QKV projection's 3), after a space; "" for a
     weight that is one projection."""
-    parts = r.groups.get(weight, 1)
+    parts = num_parts(r.groups.get(weight, 1))
     return " " + words.format(parts) if parts > 1 else ""
 
 
@@ -150,8 +178,8 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
     bad = []
     for name, (axis, parts) in plan.slicing().items():
         dim = shapes[name][axis if len(shapes[name]) > 1 else 0]
-        if dim % (parts * plan.size):
-            bad.append(f"{name} {shapes[name]} (axis {axis}{f', {parts} parts' if parts > 1 else ''})")
+        if any(w % plan.size for w in part_widths(dim, parts)) or sum(part_widths(dim, parts)) != dim:
+            bad.append(f"{name} {shapes[name]} (axis {axis}{f', parts {parts}' if num_parts(parts) > 1 else ''})")
     for i, _, _, value in plan.rewrites:
         if value % plan.size and not heads:
             bad.append(f"{model.graph.node[i].op_type} '{node_label(model.graph.node[i])}' size {value} (heads?)")
@@ -167,7 +195,8 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
         widths = [(shapes[name][axis if len(shapes[name]) > 1 else 0], parts)
                   for name, (axis, parts) in plan.slicing().items() if name not in tables and name not in kv]
         fits = [k for k in range(1, min(counts) + 1)
-                if all(n % k == 0 for n in counts) and all(dim % (parts * k) == 0 for dim, parts in widths)]
+                if all(n % k == 0 for n in counts) and all(w % k == 0 for dim, parts in widths
+                                                           for w in part_widths(dim, parts))]
         more = f"; and {len(heads) - 3} more head count(s) like them" if len(heads) > 3 else ""
         named = "; ".join(heads[:3]) + more
         raise TensorParallelError(
@@ -189,7 +218,12 @@ def _head_problems(model, plan: TensorParallelPlan, head_counts: list[tuple[int,
     found = []
     for r in plan.regions:
         most = max(r.num_heads.values(), default=0)
+        for w, counts in r.part_heads.items():  # fused parts of their own widths: each part's heads
+            found += [f"the {n} {'key/value heads' if n < most else 'heads'} in part {k} of the {len(counts)} fused "
+                      f"parts of {w}" for k, n in enumerate(counts) if n % plan.size]
         for w, n in r.num_heads.items():
+            if w in r.part_heads:
+                continue
             if n % plan.size:
                 found.append(f"the {n} {'key/value heads' if n < most else 'heads'}"
                              f"{_in_parts(r, w, 'in each of the {} fused parts')} of {w}")

@@ -15,14 +15,15 @@ from onnx import helper, numpy_helper
 from ortflow.graph.exports.gelu import declare_fused_types
 from ortflow.graph.onnx_tools import Names, constant_values
 from ortflow.graph.tensor_parallel.tensor_kv import slice_heads
-from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan
+from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan, part_widths
 from ortflow.graph.tensor_parallel.tensor_vocab import shard_vocab
 
 
-def slice_tensor(value: np.ndarray, axis: int, parts: int, size: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``: its block of every part, concatenated)."""
+def slice_tensor(value: np.ndarray, axis: int, parts: int | list[int], size: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``, their number or their widths: its block of
+    every part, concatenated)."""
     axis = axis if value.ndim > 1 else 0
-    split = np.split(value, parts, axis=axis)
+    split = np.split(value, np.cumsum(part_widths(value.shape[axis], parts))[:-1], axis=axis)
     return np.concatenate([np.split(p, size, axis=axis)[rank] for p in split], axis=axis)
 
 
@@ -41,7 +42,7 @@ def weight_values(tensor: onnx.TensorProto, folder: Path | None) -> np.ndarray:
     return numpy_helper.to_array(loaded)
 
 
-def slice_dims(dims: list[int], axis: int, parts: int, size: int, rank: int) -> list[int]:
+def slice_dims(dims: list[int], axis: int, parts: int | list[int], size: int, rank: int) -> list[int]:
     """The dims of :func:`slice_tensor`'s block of a tensor of ``dims`` (computed on a vector along ``axis``)."""
     axis = axis if len(dims) > 1 else 0
     along = np.zeros([d if i == axis else 1 for i, d in enumerate(dims)], np.int8)
