@@ -160,7 +160,7 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
                         ("bnmlp-dynamo-noopt.onnx", "bnmlp"), ("cnn-dynamo-noopt.onnx", "cnn"),
                         ("rnn-dynamo-noopt.onnx", "rnn"), ("gpt2.onnx", "gpt2"), ("llama.onnx", "llama"),
                         ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn"), ("qwen2-dynamo.onnx", "qwen2"),
-                        ("llama-mqa-dynamo.onnx", "llama-mqa")):
+                        ("llama-mqa-dynamo.onnx", "llama-mqa"), ("phi3.onnx", "phi3"), ("phi3-dynamo.onnx", "phi3")):
         result = _configure_fixture(tmp_path, name)
         out = tmp_path / f"{state}.safetensors"
         export_state_dict(result.run_dir, out, checkpoint="initial")

@@ -1,6 +1,7 @@
 """``ortflow validate`` on a Llama and a Qwen2 export (grouped-query attention, RoPE), a Llama with multi-query
-attention (key/value heads replicated) and on GPT-2's TorchScript and default dynamo exports (a fused QKV projection)
-with tensor parallelism: the split plan it prints, and the sizes it refuses."""
+attention (key/value heads replicated), Phi-3's exports (fused query, key and value parts of unequal widths) and on
+GPT-2's TorchScript and default dynamo exports (a fused QKV projection) with tensor parallelism: the split plan it
+prints, and the sizes it refuses."""
 
 from __future__ import annotations
 
@@ -49,6 +50,36 @@ def test_validate_prints_the_llama_attention_split_by_heads(tmp_path, export):
     assert "kept replicated" not in text  # every projection of the model is split
     assert ("activations: tensor-parallel pieces but the loss's run each micro-batch's forward once and keep its "
             "activations until its backward (distributed.recompute_forward auto)") in text
+
+
+@pytest.mark.parametrize("export", ["phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx"])
+def test_validate_prints_the_phi3_fused_qkv_split_per_part_with_the_heads_of_each(tmp_path, export):
+    """Phi-3's fused ``qkv_proj`` (4 query heads, 2 key and 2 value heads, read by Slices of widths 64, 32, 32): each
+    rank keeps its block of every part; the dynamo exports' fused ``gate_up_proj`` split in its two halves, the
+    TorchScript export's kept whole (its chunk bounds are ``(D + 1) / 2``), with the reason."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
+                                                                   horizontal_parallel_size=2))])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "split plan:" in text and text.rstrip().endswith("valid")
+    for layer in range(2):
+        qkv, mlp = f"model.model.layers.{layer}.self_attn.qkv_proj.weight", f"model.model.layers.{layer}.mlp"
+        assert (f"columns ['{qkv}'] (+ biases []), rows ['model.model.layers.{layer}.self_attn.o_proj.weight']"
+                in text)
+        assert (f"fused parts {{'{qkv}': (64, 32, 32)}}" in text and f"heads: {qkv} in 3 fused parts of widths "
+                "[64, 32, 32]: 4 -> 2 per rank, 2 -> 1 per rank (key/value heads, each read by 2 query heads), "
+                "2 -> 1 per rank (key/value heads, each read by 2 query heads)") in text
+        if "dynamo" in export:
+            assert (f"columns ['{mlp}.gate_up_proj.weight'] (+ biases []), rows ['{mlp}.down_proj.weight']" in text
+                    and f"fused parts {{'{mlp}.gate_up_proj.weight': 2}}" in text)
+        else:
+            assert (f"kept replicated: {mlp}.gate_up_proj.weight (Slice '/model/model/layers.{layer}/mlp/Slice': a "
+                    "Slice of a fused projection's columns whose bounds the split cannot follow") in text
+    assert not re.search(r"kept replicated: \S+self_attn", text)  # every layer's attention is split
+    (problem,) = validate(lm_config(tmp_path, export, num_ranks=4, horizontal_parallel_size=4))
+    assert problem.startswith("distributed.horizontal_parallel_size 4 does not divide the 2 key/value heads in part 1 "
+                              "of the 3 fused parts of model.model.layers.0.self_attn.qkv_proj.weight"), problem
+    assert problem.endswith("use one of [1, 2] (the sizes that divide every head count and the split layers' widths)")
 
 
 @pytest.mark.parametrize("export", ["llama.onnx", "llama-dynamo.onnx"])

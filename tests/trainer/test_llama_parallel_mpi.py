@@ -5,11 +5,14 @@ its export on the same global batch (the ``export_dp`` fixture): attention is sp
 key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
 TorchScript exports' stages cut by hand between their layers, the dynamo exports' cut automatically, inside the second
 layer); every export trains in pp 2 with automatic cuts, and the dynamo exports (the fresh model's too) at dp 2 on
-their torch parameters, Llama's and Qwen2's optimize=False ones as their TorchScript twins; every export trains with
-ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the LSTM + GRU classifier:
-tests/trainer/exports_checks.py). The exports of Llama with multi-query attention (1 key/value head) train at dp 2,
-in pp 2, with ZeRO-1 and with Adasum here, and in their tensor-parallel layouts in test_llama_kv_replicated_mpi.py;
-Qwen2's optimize=False export's dp 2 run also writes its state dict.
+their torch parameters, Llama's, Qwen2's and Phi-3's optimize=False ones as their TorchScript twins; every export
+trains with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the LSTM + GRU
+classifier: tests/trainer/exports_checks.py). The exports of Llama with multi-query attention (1 key/value head) train
+at dp 2, in pp 2, with ZeRO-1 and with Adasum here, and in their tensor-parallel layouts in
+test_llama_kv_replicated_mpi.py; Qwen2's optimize=False export's dp 2 run also writes its state dict. Phi-3 (the same
+shape with one fused query/key/value projection and one fused gate/up projection, each rank keeping its block of every
+fused part) runs tp 2 and pp 2 on the TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export, tp 2, dp
+2 and the twin test on the optimize=False export, and ZeRO-1 and Adasum on all three.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ QWEN2_DYNAMO, QWEN2_NOOPT = "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx"
 QWEN2 = ["qwen2.onnx", QWEN2_DYNAMO, QWEN2_NOOPT]
 #: The exports of Llama with multi-query attention (their tensor-parallel layouts: test_llama_kv_replicated_mpi.py).
 MQA = ["llama-mqa.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx"]
+#: The Phi-3 exports.
+PHI3, PHI3_DYNAMO, PHI3_NOOPT = "phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx"
 
 # The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
 # MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_stages_and_tensor_pieces_train_to_the_unsplit_
@@ -74,6 +79,9 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
     in Qwen2, the query, key and value biases of those heads)."""
     regions = split_lines(cfg, pp)  # a stage's lines name the stage first
     assert not [line for line in regions if "kept replicated" in line and "self_attn" in line], regions
+    if cfg.model.path.name.startswith("phi3"):
+        assert_phi3_split_by_parts(cfg, regions)
+        return
     for marker in (".self_attn.q_proj.", ".mlp.gate_proj."):  # each layer's attention and MLP: a region, not kept
         assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
         assert not [line for line in regions if line.startswith("kept") and marker in line], regions
@@ -92,11 +100,28 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
                 assert shapes[f"{attn}.k_proj.bias"] == [16] and shapes[f"{attn}.v_proj.bias"] == [16]
 
 
+def assert_phi3_split_by_parts(cfg, regions: list[str]) -> None:
+    """Phi-3: every layer's fused ``qkv_proj`` is a region split in its 3 parts of widths 64, 32, 32 (each rank keeps
+    2 of the 4 query heads and the key/value head they read: 32 + 16 + 16 rows) with ``o_proj`` the rows; the dynamo
+    exports' fused ``gate_up_proj`` in its two halves (the TorchScript export's stays whole: its chunk bounds are
+    ``(D + 1) / 2``)."""
+    dynamo = "dynamo" in cfg.model.path.name
+    for marker in (".self_attn.qkv_proj.", *((".mlp.gate_up_proj.",) if dynamo else ())):
+        assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
+    for rank in range(2):
+        shapes = rank_parameter_shapes(cfg, rank)
+        for layer in range(2):
+            attn = f"model.model.layers.{layer}.self_attn"
+            assert shapes[f"{attn}.qkv_proj.weight"] == [64, 64], (rank, shapes)
+            assert shapes[f"{attn}.o_proj.weight"] == [64, 32]
+            assert shapes[f"model.model.layers.{layer}.mlp.gate_up_proj.weight"] == [128 if dynamo else 256, 64]
+
+
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript exports (the dynamo exports' pp 2 x
 # tp 2 runs, cut automatically, assert the same below).
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
             *[pytest.param(e, 2, id=f"pp2xtp2-blocks-{e}") for e in ("llama.onnx", "qwen2.onnx")],
-            *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT)]]
+            *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT, PHI3, PHI3_NOOPT)]]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
 # configures them all, each training as soon as it is configured (exports_checks.start_layouts).
 DYNAMO_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1), "pp2tp2": (2, 2)}
@@ -104,7 +129,9 @@ SCRIPT_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1),
                   "pp2tp2-by-layer": (2, 2, {"model_fields": {"pipeline_cuts": [BLOCK_0_OUT]}})}
 LAYOUTS = {"llama.onnx": SCRIPT_LAYOUTS, **{e: DYNAMO_LAYOUTS for e in DYNAMO}, "qwen2.onnx": SCRIPT_LAYOUTS,
            QWEN2_NOOPT: DYNAMO_LAYOUTS, QWEN2_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)},
-           **{e: {"pp2tp1": (2, 1)} for e in MQA}}
+           **{e: {"pp2tp1": (2, 1)} for e in MQA},
+           PHI3: {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1)}, PHI3_NOOPT: {"pp1tp2-by-layer": (1, 2)},
+           PHI3_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)}}
 
 
 @pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
@@ -120,9 +147,9 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
 # pp 2 and pp 2 x tp 2 on every dynamo export; pp 2 on the TorchScript exports (their pp 2 x tp 2 run is cut by hand:
 # BY_HEADS) and on every export of Llama with multi-query attention (its pp 2 x tp 2 runs, whose key/value heads are
 # replicated: test_llama_kv_replicated_mpi.py).
-STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT]
+STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, PHI3_DYNAMO]
             for pp, tp, name in ((2, 1, "pp2"), (2, 2, "pp2xtp2"))],
-          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", *MQA)]]
+          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", PHI3, *MQA)]]
 
 
 @pytest.mark.parametrize("export_dp,pp,tp", STAGES, indirect=["export_dp"])
@@ -136,15 +163,15 @@ def test_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention
         assert_attention_split_by_heads(cfg, pp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA], indirect=True)
+@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA, PHI3_NOOPT], indirect=True)
 def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
-    """Every dynamo export, and the TorchScript export of Llama with multi-query attention (Llama's and Qwen2's
-    TorchScript exports train as their optimize=False twins: test_dynamo_noopt_export_trains_the_torch_parameters_as_
-    its_torchscript_twin)."""
+    """Every dynamo export, and the TorchScript export of Llama with multi-query attention (Llama's, Qwen2's and
+    Phi-3's TorchScript exports train as their optimize=False twins: test_dynamo_noopt_export_trains_the_torch_
+    parameters_as_its_torchscript_twin)."""
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT], indirect=True)
+@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT, PHI3_NOOPT], indirect=True)
 def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
                                                                                 export_dp2):
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
@@ -152,9 +179,11 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
     assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx", *QWEN2, *MQA], indirect=True)
+@pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx", *QWEN2, *MQA, PHI3, PHI3_DYNAMO,
+                                       PHI3_NOOPT], indirect=True)
 def test_exports_train_with_zero1_and_adasum(export_dp):
     """On 2 ranks, on the torch parameters (the TorchScript, default dynamo and optimize=False dynamo exports of Llama,
-    of Qwen2 and of Llama with multi-query attention, and the fresh Llama's default dynamo export): ZeRO-1 ends where
+    of Qwen2, of Llama with multi-query attention and of Phi-3, and the fresh Llama's default dynamo export): ZeRO-1
+    ends where
     the unsplit run (and so plain data parallelism) does; Adasum trains as the mean does."""
     assert_trains_with_zero1_and_adasum(export_dp)
