@@ -326,11 +326,11 @@ def assert_trains_as_its_torchscript_twin(references: dict, reference: Reference
     assert worst < EXPORTER_ATOL
     np.testing.assert_allclose(losses(reference.out.stdout), losses(script_ref.out.stdout), rtol=1e-5)
     noopt = dp2[0]
-    _assert_state_dict_holds_the_trained_values(noopt, read_params(newest(noopt)), record)
+    assert_state_dict_holds_the_trained_values(noopt, read_params(newest(noopt)), record)
     assert_exports_one_model(noopt)  # and the ONNX way out works as for TorchScript
 
 
-def _assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict) -> None:
+def assert_state_dict_holds_the_trained_values(cfg, trained: dict, record: dict) -> None:
     """``ortflow export RUN --state-dict`` writes every torch state-dict key (tied names too) with its torch shape and
     the trained values, under the Hugging Face model's own names (the fixtures' wrapper prefix ``model.`` stripped; a
     torch model's keys have none)."""

@@ -11,8 +11,9 @@ classifier: tests/trainer/exports_checks.py). The exports of Llama with multi-qu
 at dp 2, in pp 2, with ZeRO-1 and with Adasum here, and in their tensor-parallel layouts in
 test_llama_kv_replicated_mpi.py; Qwen2's optimize=False export's dp 2 run also writes its state dict. Phi-3 (the same
 shape with one fused query/key/value projection and one fused gate/up projection, each rank keeping its block of every
-fused part) runs tp 2 and pp 2 on the TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export, tp 2, dp
-2 and the twin test on the optimize=False export, and ZeRO-1 and Adasum on all three.
+fused part) runs tp 2 and pp 2 on the TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export, tp 2 and
+the twin test on the optimize=False export, dp 2 on both dynamo exports, and ZeRO-1 and Adasum on all three; its tp 2
+runs' state dicts hold every fused weight whole, in torch's layout.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from pathlib import Path
 import onnx
 import pytest
 
+from ortflow.checkpoints.h5state import read_params
+from tests.support.exports import torch_record
+from tests.support.parallel_runs import newest
 from tests.trainer.exports_checks import (
     assert_dynamo_layout_trains_to_the_unsplit_parameters,
     assert_equal_to,
+    assert_state_dict_holds_the_trained_values,
     assert_trains_as_its_torchscript_twin,
     assert_trains_its_torch_parameters_at_dp2,
     assert_trains_with_zero1_and_adasum,
@@ -142,6 +147,8 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
     # Llama has no attention key bias, and Qwen2's is no softmax-invariant noise: RoPE rotates it by the key's
     # position, so it has a gradient of its own. Every parameter is held to the bound (its losses and evaluations too)
     assert_equal_to(export_dp, run.cfg, run.out, atol=LLAMA_TP_ATOL)
+    if export_dp.cfg.model.path.name.startswith("phi3"):  # each fused part's slices merged back where torch has them
+        assert_state_dict_holds_the_trained_values(run.cfg, read_params(newest(run.cfg)), torch_record("phi3"))
 
 
 # pp 2 and pp 2 x tp 2 on every dynamo export; pp 2 on the TorchScript exports (their pp 2 x tp 2 run is cut by hand:
@@ -163,7 +170,8 @@ def test_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention
         assert_attention_split_by_heads(cfg, pp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA, PHI3_NOOPT], indirect=True)
+@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA, PHI3_DYNAMO, PHI3_NOOPT],
+                         indirect=True)
 def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     """Every dynamo export, and the TorchScript export of Llama with multi-query attention (Llama's, Qwen2's and
     Phi-3's TorchScript exports train as their optimize=False twins: test_dynamo_noopt_export_trains_the_torch_
