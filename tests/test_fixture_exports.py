@@ -160,7 +160,8 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
                         ("bnmlp-dynamo-noopt.onnx", "bnmlp"), ("cnn-dynamo-noopt.onnx", "cnn"),
                         ("rnn-dynamo-noopt.onnx", "rnn"), ("gpt2.onnx", "gpt2"), ("llama.onnx", "llama"),
                         ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn"), ("qwen2-dynamo.onnx", "qwen2"),
-                        ("llama-mqa-dynamo.onnx", "llama-mqa"), ("phi3.onnx", "phi3"), ("phi3-dynamo.onnx", "phi3")):
+                        ("llama-mqa-dynamo.onnx", "llama-mqa"), ("phi3.onnx", "phi3"), ("phi3-dynamo.onnx", "phi3"),
+                        ("gemma-dynamo-noopt.onnx", "gemma"), ("gemma.onnx", "gemma")):
         result = _configure_fixture(tmp_path, name)
         out = tmp_path / f"{state}.safetensors"
         export_state_dict(result.run_dir, out, checkpoint="initial")
@@ -175,6 +176,47 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
         stripped = tmp_path / f"{state}-hf.safetensors"
         export_state_dict(result.run_dir, stripped, checkpoint="initial", strip_prefix="model.")
         assert sorted(load_file(str(stripped))) == sorted(k.removeprefix("model.") for k in expected)
+
+
+def _validate_fixture(tmp_path, name, **sections) -> list[str]:
+    """``ortflow validate``'s problems with a run of the committed export on token rows."""
+    import numpy as np
+    import yaml
+
+    from ortflow.validate import validate
+
+    np.savez(tmp_path / "tokens.npz", input_ids=np.ones((64, 16), np.int64), labels=np.ones((64, 16), np.int64))
+    raw = {"name": "v", "output_dir": str(tmp_path / "run"), "model": {"path": str(export_path(name))},
+           "data": {"train": [str(tmp_path / "tokens.npz")]}, "train": {"batch_size": 2, "num_train_steps": 2},
+           **sections}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    return validate(tmp_path / "run.yaml")
+
+
+def test_gemma_default_dynamo_export_is_refused_by_validate_naming_the_folded_norm_weights(tmp_path):
+    """The optimiser folded each RMSNorm's ``1 + weight`` into a constant: validate names the weights and the export
+    call that keeps them (configure refuses it alike: REFUSED_DYNAMO)."""
+    from ortflow.graph.exports.torch_params import NO_OPTIMIZE
+
+    (problem,) = _validate_fixture(tmp_path, "gemma-dynamo.onnx")
+    assert "'model.model.layers.0.input_layernorm.weight' has no tensor in the export" in problem, problem
+    assert "folded it into the constant" in problem and NO_OPTIMIZE in problem
+
+
+@pytest.mark.parametrize("name,tp", [("gemma.onnx", 1), ("gemma-dynamo-noopt.onnx", 2), ("gpt2.onnx", 1)])
+def test_zero1_with_a_weight_tied_across_pipeline_stages_is_refused_by_validate_naming_the_weight_and_the_fix(
+        tmp_path, name, tp):
+    """The embedding tied to the LM head is read in the first and the last stage: ZeRO-1 over the stages' replicas
+    would shard its gradients before the two stages add theirs, so validate refuses it (the ranks would), naming the
+    weight and what to use instead; with one replica per stage, or the mean, the layout is accepted."""
+    table = "model.transformer.wte.weight" if name.startswith("gpt2") else "model.model.embed_tokens.weight"
+    layout = {"pipeline_parallel_size": 2, "horizontal_parallel_size": tp}
+    (problem,) = _validate_fixture(tmp_path, name, distributed={"num_ranks": 4 * tp, "zero_stage": 1, **layout})
+    assert problem.startswith("distributed.zero_stage 1 with pipeline stages that share a tied weight: "
+                              f"'{table}' (stages 0, 1)"), problem
+    assert "Use distributed.zero_stage 0" in problem and "pipeline_parallel_size 1" in problem
+    assert _validate_fixture(tmp_path, name, distributed={"num_ranks": 4 * tp, "zero_stage": 0, **layout}) == []
+    assert _validate_fixture(tmp_path, name, distributed={"num_ranks": 2 * tp, "zero_stage": 1, **layout}) == []
 
 
 def test_constants_in_external_data_reach_the_passes_when_the_weights_stay_on_disk(tmp_path):

@@ -2,10 +2,11 @@
 
 Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; and with multi-query attention,
 ``llama-mqa``), Qwen2 (Llama's shape with biases on the query, key and value projections), Phi-3 (Llama's shape with
-one fused query/key/value projection and one fused gate/up projection), BERT classifier and ViT classifier, a torch
-CNN with BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a
-model they train from scratch, a fresh tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a
-small MLP with BatchNorm1d (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a
+one fused query/key/value projection and one fused gate/up projection), Gemma (Llama's shape with the embedding tied
+to the LM head, ``(1 + weight)`` RMSNorm and GeGLU), BERT classifier and ViT classifier, a torch CNN with BatchNorm and
+a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a model they train from
+scratch, a fresh tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with
+BatchNorm1d (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a
 throwaway virtual environment with the pinned torch and transformers; ortflow itself never imports torch.
 
 Each model is exported the way a user exports theirs:
@@ -24,7 +25,7 @@ the eval-mode BatchNorm into the Linear before it) and with ``optimize=False`` (
 
 Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
 shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from;
-for the CNN, the recurrent classifier, Qwen2 and Phi-3, ``<family>.grads.safetensors`` holds a batch and torch's
+for the CNN, the recurrent classifier, Qwen2, Phi-3 and Gemma, ``<family>.grads.safetensors`` holds a batch and torch's
 gradients on it.
 Weights come from a fixed seed, and the dynamo exports' metadata is stripped of what names the exporting environment
 (:func:`reproducible`), so a re-export with the same versions writes the same files byte for byte.
@@ -288,6 +289,19 @@ def phi3(out: Path) -> tuple[dict, dict]:
     record, files, model = _decoder(out, "phi3", transformers.Phi3ForCausalLM, transformers.Phi3Config,
                                     pad_token_id=None)
     files.update(torch_gradients(model, out, "phi3", {"input_ids": torch.randint(0, 512, (8, 16))},
+                                  torch.randint(0, 512, (8, 16))))
+    return record, files
+
+
+def gemma(out: Path) -> tuple[dict, dict]:
+    """Gemma: Llama's shape with the input embedding tied to the LM head (one parameter read by the first and the last
+    layer), the embedding scaled by sqrt(hidden_size), RMSNorm scaling by (1 + weight) from weights initialised at
+    zero, a GeGLU MLP (GELU, tanh approximation) and ``head_dim`` set on its own; grouped-query attention as
+    Llama's, and the default ``pad_token_id`` 0 (torch's embedding gives row 0 no gradient of its own)."""
+    record, files, model = _decoder(out, "gemma", transformers.GemmaForCausalLM, transformers.GemmaConfig,
+                                    head_dim=16, tie_word_embeddings=True,
+                                    hidden_activation="gelu_pytorch_tanh")
+    files.update(torch_gradients(model, out, "gemma", {"input_ids": torch.randint(0, 512, (8, 16))},
                                  torch.randint(0, 512, (8, 16))))
     return record, files
 
@@ -436,7 +450,7 @@ def bnmlp(out: Path) -> tuple[dict, dict]:
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
             "bnmlp": bnmlp, "rnn": rnn, "qwen2": qwen2, "llama-mqa": llama_mqa,
-            "phi3": phi3}
+            "phi3": phi3, "gemma": gemma}
 
 
 def family_of(name: str) -> str:

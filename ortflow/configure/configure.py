@@ -212,12 +212,36 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
         # their eval model's forward normalises by the batch only as a twin the training call recomputes
         batchnorm_stages = [s.index for s in plan.stages[:-1] if any(n.op_type == "BatchNormalization"
                                                                   for n in s.model.graph.node)]
+    if pp > 1:
+        refuse_tied_zero1(cfg, plan.stages if tp == 1 else [sp.stage for sp in plan.plans])
     activations = cfg.distributed.activations_line(batchnorm_stages)
     if lines and activations:
         lines.append(activations)
     if described is not None:
         described.extend(lines)
     return plan
+
+
+def refuse_tied_zero1(cfg: RunConfig, stages: list) -> None:
+    """ZeRO-1 over the replicas of pipeline stages that hold one tied weight (an embedding tied to the LM head, read in
+    the first and the last stage): each stage's replicas shard its gradients before the holders could add theirs, so
+    the ranks refuse it; refused here first, by configure and ``ortflow validate``, before anything is built.
+
+    Raises:
+        ArtifactsError: The layout is refused, naming the weights and the fix.
+    """
+    dist = cfg.distributed
+    layout = dist.pipeline_parallel_size * dist.horizontal_parallel_size
+    replicas = dist.data_parallel_size or (None if dist.num_ranks == "auto" else dist.num_ranks // layout)
+    shared = {name: holders for stage in stages for name, holders in stage.shared.items()}
+    if dist.zero_stage == 1 and shared and (replicas is None or replicas > 1):
+        tied = ", ".join(f"'{name}' (stages {', '.join(map(str, holders))})"
+                         for name, holders in sorted(shared.items()))
+        raise ArtifactsError(
+            f"distributed.zero_stage 1 with pipeline stages that share a tied weight: {tied}; ZeRO-1 shards each "
+            "stage's gradients over its replicas before the stages holding the weight add theirs. Use "
+            "distributed.zero_stage 0 (or enable_adasum) with this model in pipeline stages, or "
+            "pipeline_parallel_size 1")
 
 
 def op_types(model_path: Path) -> list[str]:

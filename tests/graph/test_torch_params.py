@@ -76,6 +76,32 @@ def test_recurrent_weights_computed_into_gate_order_are_refused_naming_each_laye
     assert "merged or dropped" not in message and NO_OPTIMIZE in message
 
 
+def test_parameters_folded_into_computed_constants_are_refused_naming_each():
+    """Gemma's RMSNorm scales by ``1 + weight``: the default optimisation folds each sum into a constant (``add_99``)
+    that no op reads as a parameter, so nothing of the norm weight would be trained; only the optimiser's
+    ``folded_from`` record names it. RoPE's ``inv_freq`` buffer, folded into ``expand_1`` alike, stays frozen."""
+    with pytest.raises(GraphError) as err:
+        torch_parameters(onnx.load(str(export_path("gemma-dynamo.onnx"))))
+    message = str(err.value)
+    assert ("parameter 'model.model.layers.0.input_layernorm.weight' has no tensor in the export: the optimiser folded "
+            "it into the constant 'add_99'") in message
+    assert "and 1 more" in message and NO_OPTIMIZE in message  # 5 norm weights, the first 4 named
+    assert "inv_freq" not in message
+    found = torch_parameters(onnx.load(str(export_path("gemma-dynamo-noopt.onnx"))))  # kept under their torch names
+    assert all(found.trained[f"model.model.layers.{k}.input_layernorm.weight"]["how"] == "initializer"
+               for k in range(2))
+
+
+def test_embedding_padding_rows_are_found_from_the_torch_op():
+    """Gemma's and BERT's embeddings have torch's ``padding_idx`` 0 (their ``pad_token_id``), which the ``Gather``
+    does not carry: configure names the table and the row (and warns), under the name the table is trained by."""
+    found = {name: torch_parameters(onnx.load(str(export_path(name)))).padding
+             for name in ("gemma-dynamo-noopt.onnx", "bert-dynamo.onnx", "llama-dynamo-noopt.onnx")}
+    assert found == {"gemma-dynamo-noopt.onnx": {"model.model.embed_tokens.weight": 0},
+                     "bert-dynamo.onnx": {"model.bert.embeddings.word_embeddings.weight": 0},
+                     "llama-dynamo-noopt.onnx": {}}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_torchscript_exports_are_left_as_they_are(name):
     assert torch_parameters(onnx.load(str(export_path(name)), load_external_data=False)) is None

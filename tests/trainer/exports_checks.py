@@ -67,6 +67,7 @@ EXPORTER_ATOL = 5e-5
 REGIONS = {"gpt2": ((".attn.c_attn.", ".mlp.c_fc."), 4), "llama": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "qwen2": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "phi3": ((".self_attn.qkv_proj.", ".mlp.gate_up_proj."), 2),
+           "gemma": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "bert": ((".attention.self.query.", ".intermediate.dense."), 2),
            "vit": ((".attention.attention.query.", ".intermediate.dense."), 2)}
 # dp 2 on the unsplit run's global batch: UPDATES updates of one micro-batch of 2 per rank (the unsplit run sums 2).

@@ -5,15 +5,18 @@ its export on the same global batch (the ``export_dp`` fixture): attention is sp
 key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
 TorchScript exports' stages cut by hand between their layers, the dynamo exports' cut automatically, inside the second
 layer); every export trains in pp 2 with automatic cuts, and the dynamo exports (the fresh model's too) at dp 2 on
-their torch parameters, Llama's, Qwen2's and Phi-3's optimize=False ones as their TorchScript twins; every export
-trains with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the LSTM + GRU
-classifier: tests/trainer/exports_checks.py). The exports of Llama with multi-query attention (1 key/value head) train
-at dp 2, in pp 2, with ZeRO-1 and with Adasum here, and in their tensor-parallel layouts in
+their torch parameters, Llama's, Qwen2's, Phi-3's and Gemma's optimize=False ones as their TorchScript twins; every
+export trains with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the LSTM +
+GRU classifier: tests/trainer/exports_checks.py). The exports of Llama with multi-query attention (1 key/value head)
+train at dp 2, in pp 2, with ZeRO-1 and with Adasum here, and in their tensor-parallel layouts in
 test_llama_kv_replicated_mpi.py; Qwen2's optimize=False export's dp 2 run also writes its state dict. Phi-3 (the same
 shape with one fused query/key/value projection and one fused gate/up projection, each rank keeping its block of every
 fused part) runs tp 2 and pp 2 on the TorchScript export, pp 2 and pp 2 x tp 2 on the default dynamo export, tp 2 and
 the twin test on the optimize=False export, dp 2 on both dynamo exports, and ZeRO-1 and Adasum on all three; its tp 2
-runs' state dicts hold every fused weight whole, in torch's layout.
+runs' state dicts hold every fused weight whole, in torch's layout. The Gemma exports (TorchScript and optimize=False;
+Llama's attention shape, the embedding tied to the LM head, split by vocabulary in both uses and held by the first and
+the last stage) train in every layout as Qwen2's do, with ZeRO-1 and with Adasum; the optimize=False export's dp 2
+run writes its state dict with both tied keys.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ QWEN2 = ["qwen2.onnx", QWEN2_DYNAMO, QWEN2_NOOPT]
 MQA = ["llama-mqa.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx"]
 #: The Phi-3 exports.
 PHI3, PHI3_DYNAMO, PHI3_NOOPT = "phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx"
+#: The Gemma exports that train (embedding tied to the LM head; the default dynamo export is refused before training:
+#: the optimiser folded its norm weights into constants, tests/test_fixture_exports.py).
+GEMMA_NOOPT = "gemma-dynamo-noopt.onnx"
+GEMMA = ["gemma.onnx", GEMMA_NOOPT]
 
 # The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
 # MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_stages_and_tensor_pieces_train_to_the_unsplit_
@@ -105,6 +112,11 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
             if cfg.model.path.name.startswith("qwen2"):  # each bias split with its heads' rows
                 assert shapes[f"{attn}.q_proj.bias"] == [32], (rank, shapes)
                 assert shapes[f"{attn}.k_proj.bias"] == [16] and shapes[f"{attn}.v_proj.bias"] == [16]
+        if cfg.model.path.name.startswith("gemma"):  # the tied table: half of the vocabulary's rows on each rank
+            assert shapes["model.model.embed_tokens.weight"] == [256, 64], (rank, shapes)
+    if cfg.model.path.name.startswith("gemma"):  # read by the embedding (first stage) and the LM head (last stage)
+        vocab = [line for line in regions if "vocabulary split of ['model.model.embed_tokens.weight']" in line]
+        assert len(vocab) == 2 and any("in the LM head ['logits']" in line for line in vocab), regions
 
 
 def assert_phi3_split_by_parts(cfg, regions: list[str]) -> None:
@@ -128,7 +140,8 @@ def assert_phi3_split_by_parts(cfg, regions: list[str]) -> None:
 # tp 2 runs, cut automatically, assert the same below).
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
             *[pytest.param(e, 2, id=f"pp2xtp2-blocks-{e}") for e in ("llama.onnx", "qwen2.onnx")],
-            *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT, PHI3, PHI3_NOOPT)]]
+            *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT, PHI3, PHI3_NOOPT, *GEMMA)],
+            pytest.param("gemma.onnx", 2, id="pp2xtp2-blocks-gemma.onnx")]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
 # configures them all, each training as soon as it is configured (exports_checks.start_layouts).
 DYNAMO_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1), "pp2tp2": (2, 2)}
@@ -138,7 +151,8 @@ LAYOUTS = {"llama.onnx": SCRIPT_LAYOUTS, **{e: DYNAMO_LAYOUTS for e in DYNAMO}, 
            QWEN2_NOOPT: DYNAMO_LAYOUTS, QWEN2_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)},
            **{e: {"pp2tp1": (2, 1)} for e in MQA},
            PHI3: {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1)}, PHI3_NOOPT: {"pp1tp2-by-layer": (1, 2)},
-           PHI3_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)}}
+           PHI3_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)},
+           "gemma.onnx": SCRIPT_LAYOUTS, GEMMA_NOOPT: DYNAMO_LAYOUTS}
 
 
 @pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
@@ -156,9 +170,10 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
 # pp 2 and pp 2 x tp 2 on every dynamo export; pp 2 on the TorchScript exports (their pp 2 x tp 2 run is cut by hand:
 # BY_HEADS) and on every export of Llama with multi-query attention (its pp 2 x tp 2 runs, whose key/value heads are
 # replicated: test_llama_kv_replicated_mpi.py).
-STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, PHI3_DYNAMO]
+STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, PHI3_DYNAMO,
+                                                             GEMMA_NOOPT]
             for pp, tp, name in ((2, 1, "pp2"), (2, 2, "pp2xtp2"))],
-          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", PHI3, *MQA)]]
+          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", PHI3, *MQA, "gemma.onnx")]]
 
 
 @pytest.mark.parametrize("export_dp,pp,tp", STAGES, indirect=["export_dp"])
@@ -172,7 +187,8 @@ def test_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention
         assert_attention_split_by_heads(cfg, pp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA, PHI3_DYNAMO, PHI3_NOOPT],
+@pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA, PHI3_DYNAMO, PHI3_NOOPT,
+                                       GEMMA_NOOPT],
                          indirect=True)
 def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     """Every dynamo export, and the TorchScript export of Llama with multi-query attention (Llama's, Qwen2's and
@@ -181,7 +197,7 @@ def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT, PHI3_NOOPT], indirect=True)
+@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT, PHI3_NOOPT, GEMMA_NOOPT], indirect=True)
 def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
                                                                                 export_dp2):
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
@@ -190,7 +206,7 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
 
 
 @pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx", *QWEN2, *MQA, PHI3, PHI3_DYNAMO,
-                                       PHI3_NOOPT], indirect=True)
+                                       PHI3_NOOPT, *GEMMA], indirect=True)
 def test_exports_train_with_zero1_and_adasum(export_dp):
     """On 2 ranks, on the torch parameters (the TorchScript, default dynamo and optimize=False dynamo exports of Llama,
     of Qwen2, of Llama with multi-query attention and of Phi-3, and the fresh Llama's default dynamo export): ZeRO-1

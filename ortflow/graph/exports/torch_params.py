@@ -35,6 +35,9 @@ ORIGINAL = "pkg.torch.onnx.original_node_name"
 FX_NODE = "pkg.torch.onnx.fx_node"
 SCOPES = "pkg.torch.onnx.name_scopes"
 CLASSES = "pkg.torch.onnx.class_hierarchy"
+#: The onnxscript optimiser's record, on the value of a tensor it computed by constant folding, of the tensors it
+#: computed it from.
+FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 #: The export call that keeps every parameter as its own initializer under its torch name.
 NO_OPTIMIZE = "torch.onnx.export(model, args, path, dynamo=True, optimize=False)"
 # Which argument of a torch module's op an ONNX input holds, where an fx node reads several parameters (a Linear's
@@ -58,6 +61,8 @@ class TorchParameters:
         untied: One line per merged tensor split back into its torch parameters.
         frozen: Float initializer -> why it is not trained (a buffer, a constant the exporter computed).
         persistent: The torch buffers kept under their names that belong in the state dict (``persistent``).
+        padding: Each embedding table read with torch's ``padding_idx`` -> that row: torch's lookup gives the row no
+            gradient, the exported ``Gather`` does (:func:`padding_rows`).
     """
 
     model: onnx.ModelProto
@@ -66,11 +71,12 @@ class TorchParameters:
     untied: list[str] = field(default_factory=list)
     frozen: dict[str, str] = field(default_factory=dict)
     persistent: list[str] = field(default_factory=list)
+    padding: dict[str, int] = field(default_factory=dict)
 
     def to_record(self) -> dict:
         """The ``torch`` entry of configure.json."""
         return {"parameters": self.trained, "aliases": self.aliases, "untied": self.untied, "frozen": self.frozen,
-                "persistent_buffers": self.persistent}
+                "persistent_buffers": self.persistent, "padding_rows": self.padding}
 
 
 def is_dynamo_export(model: onnx.ModelProto) -> bool:
@@ -226,9 +232,11 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
     referenced = {reader.names.get(p) for n in out.graph.node for p in _placeholders(n)} - {None}
     missing = sorted(referenced - set(holders))
     recurrent, computed = _computed_recurrent_weights(out.graph, reader, set(missing))
+    held = set(holders) | {a for found in aliases.values() for a in found}
     problems = _folded_batchnorms(out.graph) + recurrent + unknown
     problems += [f"parameter '{name}' has no tensor in the export (merged or dropped)" for name in missing
                  if name not in computed]
+    problems += _parameters_folded_into_constants(out.graph, held | set(missing) | computed)
     if problems:
         raise GraphError(
             "model.path: the dynamo exporter's optimisation merged, dropped, folded or recomputed torch parameters, so "
@@ -246,7 +254,20 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
     _clear_intermediate_types(out.graph)
     persistent = sorted(name for name in reader.persistent if name in frozen)
     return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen,
-                           persistent)
+                           persistent, padding_rows(out.graph))
+
+
+def padding_rows(graph: onnx.GraphProto) -> dict[str, int]:
+    """Each table an ``nn.Embedding`` with ``padding_idx`` reads (``aten.embedding(weight, ids, padding_idx)`` in the
+    ``Gather``'s fx node) -> its padding row. Torch's lookup gives that row no gradient; ONNX has no such argument,
+    so the exported ``Gather`` passes the padding positions' gradient to the row like any other's (a row tied to an
+    LM head still gets the head's gradient in both)."""
+    found = {}
+    for node in graph.node:
+        args = re.search(r"aten\.embedding\.default\]\(args = \(%\w+, %\w+, (-?\d+)", _meta(node).get(FX_NODE, ""))
+        if node.op_type == "Gather" and args and int(args.group(1)) >= 0:
+            found[node.input[0]] = int(args.group(1))
+    return found
 
 
 def _folded_batchnorms(graph: onnx.GraphProto) -> list[str]:
@@ -260,6 +281,27 @@ def _folded_batchnorms(graph: onnx.GraphProto) -> list[str]:
             found.append(f"BatchNorm '{module}' was folded into the {node.op_type} before it "
                          f"({', '.join(repr(i) for i in node.input[1:] if i)}), so its weight, bias and running "
                          "statistics have no tensors of their own")
+    return found
+
+
+def _parameters_folded_into_constants(graph: onnx.GraphProto, accounted: set[str]) -> list[str]:
+    """One line per torch parameter the optimiser folded into a constant it computed (Gemma's RMSNorm ``1 + weight``
+    written as the sum's values): no op reads the parameter any more, so only the optimiser's :data:`FOLDED_FROM`
+    record on the constant names it. A folded torch name is a parameter where its last part names a weight or a bias
+    (torch's layers name theirs so; a buffer folded into a constant, RoPE's ``inv_freq``, is rightly frozen).
+    ``accounted``: the parameters already held by a tensor or reported."""
+    found = []
+    for value in graph.value_info:
+        try:
+            sources = ast.literal_eval(_meta(value).get(FOLDED_FROM, "[]"))
+        except (ValueError, SyntaxError):
+            continue
+        for name in sources if isinstance(sources, list) else []:
+            last = name.rsplit(".", 1)[-1] if isinstance(name, str) and "." in name else ""
+            if ("weight" in last or "bias" in last) and name not in accounted:
+                found.append(f"parameter '{name}' has no tensor in the export: the optimiser folded it into the "
+                             f"constant '{value.name}' it computed from it")
+                accounted = accounted | {name}
     return found
 
 
