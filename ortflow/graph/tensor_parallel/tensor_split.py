@@ -7,11 +7,9 @@ partial sum that the ranks add: the forward all-reduce). In between the activati
 element-wise ops, Reshape/Transpose (Q/K/V by heads), Unsqueeze/Squeeze, Slice and Concat along another axis (RoPE's
 ``rotate_half`` of the head dim), Expand over another axis (grouped-query attention's ``repeat_kv``: each rank's
 key/value heads are those its query heads read), Softmax over another axis, MatMul of two split tensors over a batch
-axis (scores and context), ``Split`` of a fused QKV projection into equal parts (sliced per part), ``Slice`` of a
-fused projection's columns into parts of any widths (Phi-3's ``qkv_proj``, whose key and value parts have fewer heads
-than its query part under grouped-query attention, and ``gate_up_proj``: :meth:`_Walk._part`; each rank keeps its block
-of every part, the Slice's bounds rewritten for the local widths), and Expand of a replicated tensor to a split
-tensor's ``Shape`` (the Where gradient fix on a causal mask's fill). The bias after a
+axis (scores and context), the parts of a fused projection (QKV, gate and up) read by a ``Split`` or by ``Slice``s of
+its columns (each rank keeps its block of every part: :mod:`ortflow.graph.tensor_parallel.tensor_fused`), and Expand
+of a replicated tensor to a split tensor's ``Shape`` (the Where gradient fix on a causal mask's fill). The bias after a
 row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
 
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
@@ -35,8 +33,9 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ortflow.graph.onnx_tools import constant_values, node_label
-from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis, slice_keeps_axis
+from ortflow.graph.onnx_tools import node_label
+from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis
+from ortflow.graph.tensor_parallel.tensor_fused import FusedParts, keeps_axis, slice_part, split_parts
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_parallel.tensor_kv import replicated_kv, tp_note
 from ortflow.graph.tensor_parallel.tensor_plan import (
@@ -82,12 +81,9 @@ class _Walk:
         self.partial: dict[str, int] = {}  # row outputs -> component
         self.rows: dict[int, str] = {}  # node -> row weight
         self.biases: dict[int, str] = {}
-        self.groups: dict[int, int | tuple[int, ...]] = {}  # seed node -> parts (Split after it), or their widths
-        self.part_bounds: dict[int, list[tuple[int, int]]] = {}  # seed node -> (start, end) of each Slice of it
-        self.part_range: dict[str, tuple[int, int]] = {}  # a Slice of a fused projection -> its (start, end)
-        self.part_heads: dict[int, dict[tuple[int, int], int]] = {}  # seed -> (start, end) -> heads of that part
+        self.parts = FusedParts()  # the parts of fused projections
         self.bias_of: dict[str, int] = {}  # tensor after the seed's bias add -> seed node
-        self.part_of: dict[str, int] = {}  # a part of a fused projection's Split (q, k or v) -> seed node
+        self.part_of: dict[str, int] = {}  # a part of a fused projection (q, k or v) -> seed node
         self.rewrites: list[tuple[int, int, int, int, int]] = []  # (+ component)
         self.via_transpose: set[str] = set()  # weights read as Transpose(W) (torch's nn.Linear on 3-D inputs)
         self.head_counts: list[tuple[int, int]] = []  # (Reshape node, size of the split axis it makes) for heads
@@ -102,8 +98,10 @@ class _Walk:
                 continue
             self._visit(i, node)
         self.outputs = {o.name for o in self.g.output}
-        for seed, bounds in self.part_bounds.items():
-            self._parts_cover(seed, bounds)
+        for seed in self.parts.bounds:
+            why = self.parts.cover(seed, self._dim(self.g.node[seed].output[0], -1))
+            if why:
+                self.fail(seed, why)
         for name, c in self.comp.items():
             if name in self.outputs:
                 self.fail(c, f"its split activation '{name}' is a graph output")
@@ -190,7 +188,8 @@ class _Walk:
             return self._reshape(i, node, axis)
         if op == "Expand":
             return self._expand(i, node, axis)
-        if op == "Slice" and self.bias_of.get(x) is not None and not self._keeps_axis(node, axis):
+        if op == "Slice" and self.bias_of.get(x) is not None and not keeps_axis(self.g, self.shapes, self.producers,
+                                                                                 node, axis):
             return self._part(i, node, axis)
         if op in ("Unsqueeze", "Squeeze", "Slice", "Concat"):
             return self._move(node, axis)
@@ -231,93 +230,30 @@ class _Walk:
 
     def _split(self, i: int, node, axis: int) -> str | None:
         seed = self.bias_of.get(node.input[0])
-        rank = self._rank(node.input[0])
-        if seed is None or rank is None or (_attr(node, "axis", 0) % rank) != rank + axis:
-            return "a Split of a split activation other than a projection's output, along its columns"
-        parts = len(node.output)
-        sizes = constant_values(self.g, node.input[1]) if len(node.input) > 1 and node.input[1] else None
-        if sizes is not None and len(set(sizes.tolist())) != 1:
-            return "a Split into unequal parts"
-        self.groups[seed] = parts
-        if sizes is not None:
-            for k, v in enumerate(sizes.tolist()):
-                self.rewrites.append((i, 1, k, int(v), seed))
+        rewrites = split_parts(self.g, self.shapes, i, axis) if seed is not None else None
+        if not isinstance(rewrites, list):
+            return rewrites or "a Split of a split activation other than a projection's output, along its columns"
+        self.parts.groups[seed] = len(node.output)
+        self.rewrites += [(*w, seed) for w in rewrites]
         for out in node.output:
             self.split[out] = axis
             self.part_of[out] = seed
         return None
 
-    def _keeps_axis(self, node, axis: int) -> bool:
-        """Whether a Slice leaves the split axis whole (its bounds constant and covering it)."""
-        rank = self._rank(node.input[0])
-        if rank is None:
-            return True  # _move says why
-        starts, ends, axes, steps = [static_ints(self.g, self.producers, y) if y else None
-                                     for y in [*node.input[1:5], "", "", ""][:4]]
-        if starts is None or ends is None or (len(node.input) > 3 and node.input[3] and axes is None):
-            return False
-        return slice_keeps_axis(rank, rank + axis, starts, ends, axes, steps, self._dim(node.input[0], axis))
-
     def _part(self, i: int, node, axis: int) -> str | None:
-        """A Slice of a fused projection's output along its columns: one part (Phi-3's query, key or value rows of
-        ``qkv_proj``; the gate or up rows of ``gate_up_proj``). Each rank keeps its block of every part: the part's
-        bounds must be constants (rewritten to the local widths) or fractions of the split tensor's own size
-        (which follow by themselves); the parts must cover the columns once each (:meth:`_parts_cover`)."""
-        x, seed = node.input[0], self.bias_of[node.input[0]]
-        rank, width = self._rank(x), self._dim(x, axis)
-        axes = static_ints(self.g, self.producers, node.input[3]) if len(node.input) > 3 and node.input[3] else None
-        steps = static_ints(self.g, self.producers, node.input[4]) if len(node.input) > 4 and node.input[4] else None
-        starts = static_ints(self.g, self.producers, node.input[1]) if axes is None else None
-        if rank is None or width is None or (axes is None and (len(node.input) > 3 and node.input[3])):
-            return "a Slice of the split axis whose axes or width are not known"
-        listed = ([int(a) % rank for a in axes.reshape(-1)] if axes is not None
-                  else list(range(starts.size if starts is not None else rank)))
-        if rank + axis not in listed:
+        """A Slice of a fused projection's output along its columns: one part (:func:`slice_part`)."""
+        x = node.input[0]
+        part = slice_part(self.g, self.shapes, self.producers, self.split, i, axis, self.size)
+        if part is None:
             return self._move(node, axis)
-        k = listed.index(rank + axis)
-        if steps is not None and int(steps.reshape(-1)[k]) != 1:
-            return "a Slice of a fused projection's columns with a step"
-        bounds = []
-        for pos in (1, 2):
-            spec = shape_entry(self.g, self.shapes, self.producers, i, pos, k)
-            if isinstance(spec, DimOf):  # a fraction of a split tensor's size: the local one on each rank
-                if spec.tensor not in self.split or self._rank(spec.tensor) + self.split[spec.tensor] != spec.axis:
-                    return "a Slice of a fused projection's columns at the size of an axis that is not split"
-                full = self._dim(spec.tensor, self.split[spec.tensor])
-                if full is None:
-                    return "a Slice of a fused projection's columns at an unknown size"
-                bounds.append(int(round(full * spec.scale)))
-                continue
-            if isinstance(spec, str):
-                return f"a Slice of a fused projection's columns whose bounds the split cannot follow ({spec})"
-            value = int(round(spec[3] * spec[4]))
-            if value < 0 or (pos == 1 and value >= width):
-                return "a Slice of a fused projection's columns from its end (negative bounds)"
-            if value >= width:  # "to the end" (torch writes INT64_MAX): the local end too
-                bounds.append(width)
-                continue
-            bounds.append(value)
-            if value:
-                self.rewrites.append((*spec[:4], self.find(self.comp[x])))
-        self.part_bounds.setdefault(seed, []).append((bounds[0], bounds[1]))
+        if isinstance(part, str):
+            return part
+        start, end, rewrites = part
+        self.rewrites += [(*w, self.find(self.comp[x])) for w in rewrites]
+        self.parts.add(self.bias_of[x], node.output[0], start, end)
         self.split[node.output[0]] = axis
-        self.part_of[node.output[0]] = seed
-        self.part_range[node.output[0]] = (bounds[0], bounds[1])
+        self.part_of[node.output[0]] = self.bias_of[x]
         return None
-
-    def _parts_cover(self, seed: int, bounds: list[tuple[int, int]]) -> None:
-        """Record the parts of a fused projection read by Slices (:meth:`_part`): their widths in column order, or
-        their number when they are equal; a projection whose Slices overlap or leave columns out stays whole (each
-        rank's block of every part is only its share of the heads when the parts tile the columns)."""
-        width = self._dim(self.g.node[seed].output[0], -1)
-        ranges = sorted(set(bounds))
-        ends = [0, *(end for _, end in ranges)]
-        if width is None or [start for start, _ in ranges] != ends[:-1] or ends[-1] != width or seed in self.groups:
-            self.fail(seed, f"the Slices {ranges} of the fused projection's {width} columns do not cover them once "
-                            "each in parts")
-            return
-        widths = tuple(end - start for start, end in ranges)
-        self.groups[seed] = len(widths) if len(set(widths)) == 1 else widths
 
     def _reshape(self, i: int, node, axis: int) -> str | None:
         x, out = node.input[0], node.output[0]
@@ -336,8 +272,7 @@ class _Walk:
             seed = self.bias_of.get(x, self.part_of.get(x))  # the projection's output, or a part of a fused one
             if seed is not None:
                 self.seed_heads.setdefault(seed, s_out[b])
-            if x in self.part_range:
-                self.part_heads.setdefault(seed, {})[self.part_range[x]] = s_out[b]
+                self.parts.note_heads(seed, x, s_out[b])
         if x in self.bias_of and axis == -1 and b == len(s_out) - 1:  # [B*T, 3D] -> [B, T, 3D] before a fused Split
             self.bias_of[out] = self.bias_of[x]
         return None
@@ -475,15 +410,9 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str],
             r.transposed.append(candidates[s])
         if graph.node[s].input[1] != candidates[s]:
             r.nodes.append(walk.producers[graph.node[s].input[1]])
-        if walk.groups.get(s, 1) != 1:
-            r.groups[candidates[s]] = walk.groups[s]
         if s in walk.seed_heads:
             r.num_heads[candidates[s]] = walk.seed_heads[s]
-        if isinstance(walk.groups.get(s), tuple) and s in walk.part_heads:  # fused parts of their own widths
-            heads = walk.part_heads[s]
-            r.part_heads[candidates[s]] = tuple(heads.get(b, 0) for b in sorted(heads))
-            if len(heads) == len(walk.groups[s]):
-                r.num_heads[candidates[s]] = max(heads.values())
+        walk.parts.mark(r, s, candidates[s])
         x = graph.node[s].input[0]
         if x not in r.inputs:
             r.inputs.append(x)
@@ -499,9 +428,7 @@ def _regions(graph, walk: _Walk, seeds: set[int], candidates: dict[int, str],
             r.outputs.append(graph.node[i].output[0])
         if i in walk.biases:
             r.biases.append(walk.biases[i])
-            seed = walk.bias_of[graph.node[i].output[0]]
-            if walk.groups.get(seed, 1) != 1:
-                r.groups[walk.biases[i]] = walk.groups[seed]
+            walk.parts.mark(r, walk.bias_of[graph.node[i].output[0]], walk.biases[i], bias=True)
     for i, _, _, _, c in walk.slices:  # the replicated key/value projections whose heads the product reads
         by_root[walk.find(c)].replicated_kv.update({candidates[s]: kv[s] for s in sorted(products[i])})
     for r in by_root.values():
