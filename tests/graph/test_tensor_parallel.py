@@ -261,11 +261,13 @@ def test_a_shard_without_values_is_the_shard_with_its_slices_dims_only(gpt, size
 
 
 @pytest.mark.parametrize("name", ["phi3.onnx", "phi3-dynamo-noopt.onnx"])
-def test_phi3_fused_qkv_is_split_per_part_of_its_own_width_and_the_pieces_compute_the_unsplit_logits(name):
+def test_phi3_fused_projections_are_split_per_part_of_their_own_width_and_the_pieces_compute_the_unsplit_logits(name):
     """Phi-3's one ``qkv_proj`` Linear (4 query heads, then 2 key and 2 value heads of 16 rows, read by ``Slice``s of
     unequal widths): each rank keeps its block of every part (2 query heads and the key/value head they read), the
-    Slices' bounds rewritten to the local widths (the graph as exported: configure's passes turn the dynamo export's
-    ``SplitToSequence`` of ``gate_up_proj`` into a Split, which test_validate_split_plan.py shows split in halves)."""
+    Slices' bounds rewritten to the local widths. Its ``gate_up_proj`` (256 rows, read as two halves: by the TorchScript
+    export's ``chunk`` at ``(D + 1) / 2``, which is half of each rank's 128 columns too; by the dynamo export's
+    ``SplitToSequence``, which configure's passes turn into a Split: test_validate_split_plan.py) is a region of its
+    own: each rank keeps its block of the gate rows and of the up rows, ``down_proj`` the rows."""
     from tests.support.exports import export_path
 
     model = onnx.load(str(export_path(name)))
@@ -276,13 +278,36 @@ def test_phi3_fused_qkv_is_split_per_part_of_its_own_width_and_the_pieces_comput
         assert region.columns == [qkv] and region.rows == [f"model.model.layers.{layer}.self_attn.o_proj.weight"]
         assert region.groups[qkv] == (64, 32, 32) and region.part_heads[qkv] == (4, 2, 2)
         assert plan.slicing()[qkv] == (0, (64, 32, 32))  # [out, in]: rows
-        if name == "phi3.onnx":  # TorchScript computes the chunk's bounds as (D + 1) / 2: kept whole, with the reason
-            assert "bounds the split cannot follow" in plan.kept[f"model.model.layers.{layer}.mlp.gate_up_proj.weight"]
+        if name == "phi3.onnx":  # the dynamo export's SplitToSequence is not a split op before configure's passes
+            mlp = f"model.model.layers.{layer}.mlp"
+            (region,) = [r for r in plan.regions if f"{mlp}.gate_up_proj.weight" in r.columns]
+            assert region.rows == [f"{mlp}.down_proj.weight"] and region.groups[f"{mlp}.gate_up_proj.weight"] == 2
+            assert plan.slicing()[f"{mlp}.gate_up_proj.weight"] == (0, 2)
+    if name == "phi3.onnx":
+        assert plan.kept == {}
     whole = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    qkv = "model.model.layers.0.self_attn.qkv_proj.weight"
+    qkv, gate_up = "model.model.layers.0.self_attn.qkv_proj.weight", "model.model.layers.0.mlp.gate_up_proj.weight"
     rank1 = {t.name: numpy_helper.to_array(t) for t in shard_model(model, plan, 1).graph.initializer}
     np.testing.assert_array_equal(rank1[qkv], np.concatenate([whole[qkv][32:64], whole[qkv][80:96],
                                                               whole[qkv][112:128]]))
+    if name == "phi3.onnx":  # rank 1's block of the gate rows, then of the up rows
+        np.testing.assert_array_equal(rank1[gate_up], np.concatenate([whole[gate_up][64:128], whole[gate_up][192:]]))
     ids = np.random.default_rng(0).integers(0, 512, (2, 7))
     np.testing.assert_allclose(run_pieces(model, 2, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
                                atol=2e-6)
+
+
+def test_a_chunk_bound_of_half_the_width_plus_one_follows_only_an_even_local_width():
+    """TorchScript's ``chunk(2)`` bound ``(D + 1) / 2`` (integer division) is each rank's share of the whole bound
+    where the local width ``D / tp`` is even; at an odd local width it rounds up on every rank, so the projection
+    stays whole. Multiples of the width (``D / 2``, ``D * 3 / 4``) follow at any size that divides it."""
+    from ortflow.graph.tensor_parallel.tensor_shapes import Arithmetic
+
+    end = Arithmetic((("Add", 1), ("Div", 2), ("Mul", 2)))
+    start = Arithmetic((("Add", 1), ("Div", 2), ("Mul", 1)))
+    assert [start.of(256), end.of(256), start.of(7)] == [128, 256, 4]
+    assert start.follows(256, 2) and end.follows(256, 2) and start.follows(256, 4) and start.follows(12, 2)
+    assert not start.follows(6, 2) and not start.follows(10, 2) and not end.follows(6, 2)
+    assert start.formula() == "(D + 1) / 2" and end.formula() == "((D + 1) / 2) * 2"
+    plain = Arithmetic((("Mul", 3), ("Div", 4)))
+    assert plain.plain and plain.follows(8, 2) and plain.of(8) == 6

@@ -121,19 +121,20 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
 
 def assert_phi3_split_by_parts(cfg, regions: list[str]) -> None:
     """Phi-3: every layer's fused ``qkv_proj`` is a region split in its 3 parts of widths 64, 32, 32 (each rank keeps
-    2 of the 4 query heads and the key/value head they read: 32 + 16 + 16 rows) with ``o_proj`` the rows; the dynamo
-    exports' fused ``gate_up_proj`` in its two halves (the TorchScript export's stays whole: its chunk bounds are
-    ``(D + 1) / 2``)."""
-    dynamo = "dynamo" in cfg.model.path.name
-    for marker in (".self_attn.qkv_proj.", *((".mlp.gate_up_proj.",) if dynamo else ())):
+    2 of the 4 query heads and the key/value head they read: 32 + 16 + 16 rows) with ``o_proj`` the rows, and its fused
+    ``gate_up_proj`` one split in its two halves (each rank 64 gate and 64 up rows) with ``down_proj`` the rows: the
+    TorchScript export's bounds the halves at ``(D + 1) / 2``, half of each rank's 128 columns too."""
+    for marker in (".self_attn.qkv_proj.", ".mlp.gate_up_proj."):
         assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
+    assert not [line for line in regions if line.startswith("kept") and "gate_up_proj" in line], regions
     for rank in range(2):
         shapes = rank_parameter_shapes(cfg, rank)
         for layer in range(2):
             attn = f"model.model.layers.{layer}.self_attn"
             assert shapes[f"{attn}.qkv_proj.weight"] == [64, 64], (rank, shapes)
             assert shapes[f"{attn}.o_proj.weight"] == [64, 32]
-            assert shapes[f"model.model.layers.{layer}.mlp.gate_up_proj.weight"] == [128 if dynamo else 256, 64]
+            assert shapes[f"model.model.layers.{layer}.mlp.gate_up_proj.weight"] == [128, 64], (rank, shapes)
+            assert shapes[f"model.model.layers.{layer}.mlp.down_proj.weight"] == [64, 64]
 
 
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript exports (the dynamo exports' pp 2 x

@@ -4,10 +4,12 @@
 Each rank keeps its block of every part, so a rank's parts are its share of each part's heads or units. The parts are
 read either by a ``Split`` along the columns into equal parts (:func:`split_parts`; its sizes rewritten for the local
 widths), or by ``Slice``s of any widths (:func:`slice_part`; Phi-3's key and value parts have fewer heads than its
-query part under grouped-query attention): a Slice's bounds must be constants (rewritten to the local widths) or
-computed from the split tensor's own size where that gives each rank its share (they then follow by themselves:
-:meth:`ortflow.graph.tensor_parallel.tensor_shapes.DimOf.follows`), and the Slices must cover the columns once each
-(:meth:`FusedParts.cover`). The split walk (:mod:`ortflow.graph.tensor_parallel.tensor_split`) records the parts here
+query part under grouped-query attention). A Slice's bounds must be constants (rewritten to the local widths) or
+computed from the split tensor's own size where that gives each rank its share: they then follow by themselves
+(:meth:`ortflow.graph.tensor_parallel.tensor_shapes.DimOf.follows`). TorchScript's ``chunk(2, dim=-1)`` of Phi-3's
+``gate_up_proj`` bounds the halves at ``(D + 1) / 2``, half of the local width ``D / tp`` too where that is even; at an
+odd local width the projection stays whole, with the reason. The Slices must cover the columns once each
+(:meth:`FusedParts.cover`). The split's walk (:mod:`ortflow.graph.tensor_parallel.tensor_walk`) records the parts here
 as it meets them.
 """
 
@@ -21,7 +23,7 @@ from onnx import helper
 from ortflow.graph.onnx_tools import constant_values
 from ortflow.graph.tensor_parallel.tensor_axes import slice_keeps_axis
 from ortflow.graph.tensor_parallel.tensor_plan import Region
-from ortflow.graph.tensor_parallel.tensor_shapes import DimOf, shape_entry, static_ints
+from ortflow.graph.tensor_parallel.tensor_shapes import Arithmetic, DimOf, shape_entry, static_ints
 
 #: A constant to rewrite for the local size: (node, input, element, value).
 Rewrite = tuple[int, int, int, int]
@@ -135,11 +137,15 @@ def slice_part(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[
             full = shapes[t][split[t]]
             if full is None:
                 return "a Slice of a fused projection's columns at an unknown size"
-            bounds.append(int(round(full * spec.scale)))
+            if not spec.arithmetic.follows(full, size):
+                return _not_shared(spec.arithmetic, full, size)
+            bounds.append(spec.arithmetic.of(full))
             continue
         if isinstance(spec, str):
             return f"a Slice of a fused projection's columns whose bounds the split cannot follow ({spec})"
-        value = int(round(spec[3] * spec[4]))
+        if not spec[4].follows(spec[3], size):  # a constant (the width) rewritten to the local one
+            return _not_shared(spec[4], spec[3], size)
+        value = spec[4].of(spec[3])
         if value < 0 or (pos == 1 and value >= width):
             return "a Slice of a fused projection's columns from its end (negative bounds)"
         if value >= width:  # "to the end" (torch writes INT64_MAX): the local end too
@@ -149,3 +155,8 @@ def slice_part(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[
         if value:
             rewrites.append(spec[:4])
     return bounds[0], bounds[1], rewrites
+
+
+def _not_shared(math: Arithmetic, full: int, size: int) -> str:
+    return (f"a Slice of a fused projection's columns at {math.formula()}, {math.of(full)} for D = {full} but "
+            f"{math.of(full // size)} for each rank's D = {full // size}, not its share")

@@ -234,7 +234,7 @@ def _head_problems(model, plan: TensorParallelPlan, head_counts: list[tuple[int,
 
 
 # Integer shape arithmetic between a rewritten constant and the Reshape or Expand that reads the shape.
-_SHAPE_OPS = {"Concat", "Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape", "Where", "Mul", "Div", "Gather",
+_SHAPE_OPS = {"Add", "Concat", "Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape", "Where", "Mul", "Div", "Gather",
               "Slice", "Equal", "ConstantOfShape", "Shape"}
 
 

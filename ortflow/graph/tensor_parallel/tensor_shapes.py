@@ -122,13 +122,64 @@ def _symbolic_dims(model: onnx.ModelProto) -> dict[str, list]:
 
 
 @dataclass(frozen=True)
+class Arithmetic:
+    """What a computed shape entry does to the size (or constant) it is computed from, in the order the graph does it:
+    ``("Mul", c)``, ``("Div", c)`` (an integer Div rounds down) or ``("Add", c)`` steps."""
+
+    steps: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def scale(self) -> float:
+        """The factor the Mul and Div steps multiply the size by."""
+        scale = 1.0
+        for op, c in reversed(self.steps):
+            scale = scale * c if op == "Mul" else (scale / c if op == "Div" else scale)
+        return scale
+
+    @property
+    def plain(self) -> bool:
+        """Whether the entry is the size times a factor (no offset)."""
+        return all(op != "Add" for op, _ in self.steps)
+
+    def of(self, size: int) -> int:
+        """The entry for a size: the size times :attr:`scale`, or with an offset as the graph computes it."""
+        if self.plain:
+            return int(round(size * self.scale))
+        value: float = size
+        for op, c in self.steps:
+            if op == "Add":
+                value += c
+            elif op == "Mul":
+                value *= c
+            else:
+                value = value // c if float(value).is_integer() and float(c).is_integer() else value / c
+        return int(round(value))
+
+    def follows(self, full: int, size: int) -> bool:
+        """Whether the entry computed on each of ``size`` ranks' local size ``full / size`` is its share of the entry
+        on ``full``: always for multiples of the size (a size that does not divide is refused elsewhere); with an
+        offset a division rounds away (TorchScript's ``chunk`` bound ``(D + 1) / 2``) only where it rounds it away on
+        both sizes."""
+        return self.plain or full % size == 0 and self.of(full // size) * size == self.of(full)
+
+    def formula(self) -> str:
+        """The arithmetic on a size ``D``, written out (``(D + 1) / 2``)."""
+        text = "D"
+        for op, c in self.steps:
+            if not (op in ("Mul", "Div") and c == 1):
+                text = f"({text} {dict(Add='+', Mul='*', Div='/')[op]} {c:g})"
+        return text[1:-1] if text.startswith("(") else text
+
+
+@dataclass(frozen=True)
 class DimOf:
-    """A computed shape entry that is the runtime size of axis ``axis`` (>= 0) of ``tensor``, possibly times
-    constants: on each rank it is that tensor's local size, so it needs no rewriting when the axis is split."""
+    """A computed shape entry that is the runtime size of axis ``axis`` (>= 0) of ``tensor``, possibly with arithmetic
+    on it: on each rank it is computed from that tensor's local size, so it needs no rewriting when the axis is split
+    and the arithmetic gives the rank's share (:meth:`Arithmetic.follows`)."""
 
     tensor: str
     axis: int
-    scale: float = 1.0  # the constant factor the arithmetic multiplies the size by
+    arithmetic: Arithmetic = Arithmetic()
 
 
 def static_ints(graph: onnx.GraphProto, producers: dict[str, int], name: str, depth: int = 0) -> np.ndarray | None:
@@ -151,14 +202,15 @@ def static_ints(graph: onnx.GraphProto, producers: dict[str, int], name: str, de
 
 
 def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[str, int], reader: int, pos: int,
-                element: int, depth: int = 0, scale: float = 1.0):
+                element: int, depth: int = 0, steps: tuple = ()):
     """Where element ``element`` of input ``pos`` of node ``reader`` comes from, followed back through the shape
     arithmetic exports write (Concat, Unsqueeze, Squeeze, Reshape, Gather and Slice of 1-D int tensors, Cast, a
-    product with a constant, torch's ``expand`` rule ``Where(s == -1, 1, s)``) to a constant or a ``Shape``.
+    product with a constant, a sum with one on the way to a ``Shape``, torch's ``expand`` rule
+    ``Where(s == -1, 1, s)``) to a constant or a ``Shape``.
 
     Returns:
-        (the node reading the constant, its input, the element, the value, the factor the arithmetic multiplies it
-        by) for a constant; :class:`DimOf` for a tensor's runtime size; a string saying why the split cannot follow
+        (the node reading the constant, its input, the element, the value, the :class:`Arithmetic` on it) for a
+        constant; :class:`DimOf` for a tensor's runtime size; a string saying why the split cannot follow
         it otherwise.
 
     Args:
@@ -169,7 +221,7 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
         pos: Which of its inputs.
         element: Which element of that input (flat).
         depth: How many nodes were followed back so far.
-        scale: The factor the arithmetic followed so far multiplies the entry by.
+        steps: The arithmetic followed so far, in the order the graph computes it (:attr:`Arithmetic.steps`).
     """
     name = graph.node[reader].input[pos]
     values = constant_values(graph, name)
@@ -177,7 +229,7 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
         flat = values.reshape(-1)
         if element >= flat.size:
             return _CANNOT
-        return reader, pos, element, int(flat[element]), scale
+        return reader, pos, element, int(flat[element]), Arithmetic(steps)
     producer = producers.get(name)
     if producer is None or depth > 16:
         return "the new shape's split entry is computed, not a Constant"
@@ -186,12 +238,12 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
     if isinstance(follow, str):
         return follow
     if isinstance(follow, DimOf):
-        return DimOf(follow.tensor, follow.axis, scale)
+        return DimOf(follow.tensor, follow.axis, Arithmetic(steps))
     k, at = follow
-    if node.op_type in ("Mul", "Div"):
-        factor = float(static_ints(graph, producers, node.input[1 - k]).reshape(-1)[0])
-        scale = scale * factor if node.op_type == "Mul" else scale / factor
-    return shape_entry(graph, shapes, producers, producer, k, at, depth + 1, scale)
+    if node.op_type in ("Mul", "Div", "Add"):
+        constant = static_ints(graph, producers, node.input[1 - k]).reshape(-1)[0].item()
+        steps = ((node.op_type, constant), *steps)
+    return shape_entry(graph, shapes, producers, producer, k, at, depth + 1, steps)
 
 
 def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int):
@@ -207,13 +259,13 @@ def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int
         return 0, element
     if op == "Where" and _made_by(graph, producers, node.input[1]) == "ConstantOfShape":
         return 2, element  # torch's expand: -1 entries become 1, the others are the shape's own
-    if op in ("Mul", "Div"):  # a size times (or over) a constant: still that size's multiple on every rank
-        for k in ((0, 1) if op == "Mul" else (0,)):
+    if op in ("Mul", "Div", "Add"):  # a size times (over, plus) a constant: DimOf.follows says where it follows
+        for k in ((0,) if op == "Div" else (0, 1)):
             other = node.input[1 - k]
             if static_ints(graph, producers, other) is not None:
                 dims = shapes.get(node.input[k])
                 return k, (element if dims and dims[0] not in (None, 1) else 0)
-        return _CANNOT
+        return _CANNOT if op != "Add" else "the new shape's split entry is computed, not a Constant"
     if op == "Concat":
         at = 0
         for k, part in enumerate(node.input):
@@ -293,9 +345,10 @@ def target_dims(graph: onnx.GraphProto, shapes: dict[str, list], named: dict[str
         if isinstance(spec, DimOf):
             dims = named.get(spec.tensor) or []
             d = dims[spec.axis] if spec.axis < len(dims) else None
-            out.append(int(round(d * spec.scale)) if isinstance(d, int) else (d if spec.scale == 1 else None))
+            math = spec.arithmetic
+            out.append(math.of(d) if isinstance(d, int) else (d if math.plain and math.scale == 1 else None))
         else:
-            out.append(int(round(spec[3] * spec[4])) if isinstance(spec, tuple) else None)
+            out.append(spec[4].of(spec[3]) if isinstance(spec, tuple) else None)
     if node.op_type == "Expand":
         pad = [1] * (len(out) - len(dims_in)) + list(dims_in)
         return [b if t == 1 else (t if t is not None or b == 1 else None) for t, b in

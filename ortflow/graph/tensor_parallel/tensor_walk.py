@@ -251,17 +251,23 @@ class SplitWalk:
         if isinstance(spec, DimOf):
             t = spec.tensor
             if t in self.split and self._rank(t) + self.split[t] == spec.axis:
-                return None
+                math, size = spec.arithmetic, self._dim(t, self.split[t])
+                if math.plain or (size is not None and math.follows(size, self.size)):
+                    return None
+                return f"the new shape's split entry is {math.formula()} of the size D of a split axis, not its share"
             return f"the new shape's split entry is the size of axis {spec.axis} of '{t}', which is not split there"
         if isinstance(spec, str):
             return spec
-        value, scale = spec[3], spec[4]
-        if value == -1 or (value == 1 and copies is None):
+        value, math = spec[3], spec[4]
+        if math.plain and (value == -1 or (value == 1 and copies is None)):
             return None
-        if value == 0:
+        if math.plain and value == 0:
             return None if copies == element else "the new shape copies (0) the split axis from another position"
-        if isinstance(full, int) and value * scale != full:
-            return f"the new shape's split entry {value * scale:g} is not the split axis's size {full}"
+        entry = value * math.scale if math.plain else math.of(value)
+        if isinstance(full, int) and entry != full:
+            return f"the new shape's split entry {entry:g} is not the split axis's size {full}"
+        if not math.follows(value, self.size):
+            return f"the new shape's split entry is {math.formula()} of a constant D = {value}, not its share"
         self.rewrites.append((*spec[:4], root))
         return None
 
