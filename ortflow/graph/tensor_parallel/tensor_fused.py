@@ -4,11 +4,12 @@
 Each rank keeps its block of every part, so a rank's parts are its share of each part's heads or units. The parts are
 read either by a ``Split`` along the columns into equal parts (:func:`split_parts`; its sizes rewritten for the local
 widths), or by ``Slice``s of any widths (:func:`slice_part`; Phi-3's key and value parts have fewer heads than its
-query part under grouped-query attention). A Slice's bounds must be constants (rewritten to the local widths) or
-computed from the split tensor's own size where that gives each rank its share: they then follow by themselves
-(:meth:`ortflow.graph.tensor_parallel.tensor_shapes.DimOf.follows`). TorchScript's ``chunk(2, dim=-1)`` of Phi-3's
-``gate_up_proj`` bounds the halves at ``(D + 1) / 2``, half of the local width ``D / tp`` too where that is even; at an
-odd local width the projection stays whole, with the reason. The Slices must cover the columns once each
+query part under grouped-query attention). A Slice's bounds must be computed from constants (rewritten to the local
+widths) or from the split tensor's own size (which is the local one on each rank), by arithmetic that gives each rank
+its share (:meth:`ortflow.graph.tensor_parallel.tensor_shapes.Arithmetic.follows`). TorchScript's ``chunk(2, dim=-1)``
+of Phi-3's ``gate_up_proj`` bounds the halves at ``(D + 1) / 2`` of its width ``D`` (read from its ``Shape``, or the
+constant configure's passes write), half of the local width ``D / tp`` too where that is even; at an odd local width
+the projection stays whole, with the reason. The Slices must cover the columns once each
 (:meth:`FusedParts.cover`). The split's walk (:mod:`ortflow.graph.tensor_parallel.tensor_walk`) records the parts here
 as it meets them.
 """

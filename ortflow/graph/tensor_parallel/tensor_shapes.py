@@ -205,8 +205,8 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
                 element: int, depth: int = 0, steps: tuple = ()):
     """Where element ``element`` of input ``pos`` of node ``reader`` comes from, followed back through the shape
     arithmetic exports write (Concat, Unsqueeze, Squeeze, Reshape, Gather and Slice of 1-D int tensors, Cast, a
-    product with a constant, a sum with one on the way to a ``Shape``, torch's ``expand`` rule
-    ``Where(s == -1, 1, s)``) to a constant or a ``Shape``.
+    product, quotient or sum with a constant, torch's ``expand`` rule ``Where(s == -1, 1, s)``) to a constant or a
+    ``Shape``.
 
     Returns:
         (the node reading the constant, its input, the element, the value, the :class:`Arithmetic` on it) for a
