@@ -306,6 +306,28 @@ def gemma(out: Path) -> tuple[dict, dict]:
     return record, files
 
 
+#: The tiny GPT-NeoX's configuration (Pythia's architecture): no key/value head count of its own, so not ``DECODER``.
+NEOX = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 64, "rotary_pct": 0.25, "use_parallel_residual": True,
+        "tie_word_embeddings": False, "attn_implementation": "eager"}
+
+
+def neox(out: Path) -> tuple[dict, dict]:
+    """GPT-NeoX (the Pythia models): one fused ``query_key_value`` Linear laid out per head (its output viewed as
+    [batch, seq, heads, 3 * head_dim] and split into the query, key and value along the last axis), rotary embeddings
+    on a quarter of each head (``rotary_pct`` 0.25), attention and MLP in parallel on the same layer-normed input
+    (``use_parallel_residual``), LayerNorms with biases, an untied ``embed_out`` LM head."""
+    torch.manual_seed(0)
+    model = LogitsOnly(transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(use_cache=False, **NEOX)))
+    ids = torch.randint(0, 512, (2, 16))
+    files = both_exporters("neox", model, (ids,), out, ["input_ids"], ["logits"],
+                           {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    files.update(torch_gradients(model, out, "neox", {"input_ids": torch.randint(0, 512, (8, 16))},
+                                 torch.randint(0, 512, (8, 16))))
+    return {**NEOX, "inputs": {"input_ids": "int64 [batch, seq]"},
+            "outputs": {"logits": "float [batch, seq, 512]"}}, files
+
+
 def bert(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -450,7 +472,7 @@ def bnmlp(out: Path) -> tuple[dict, dict]:
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
             "bnmlp": bnmlp, "rnn": rnn, "qwen2": qwen2, "llama-mqa": llama_mqa,
-            "phi3": phi3, "gemma": gemma}
+            "phi3": phi3, "gemma": gemma, "neox": neox}
 
 
 def family_of(name: str) -> str:
