@@ -309,14 +309,16 @@ def gemma(out: Path) -> tuple[dict, dict]:
 #: The tiny GPT-NeoX's configuration (Pythia's architecture): no key/value head count of its own, so not ``DECODER``.
 NEOX = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 64, "rotary_pct": 0.25, "use_parallel_residual": True,
-        "tie_word_embeddings": False, "attn_implementation": "eager"}
+        "tie_word_embeddings": False, "attn_implementation": "sdpa"}
 
 
 def neox(out: Path) -> tuple[dict, dict]:
     """GPT-NeoX (the Pythia models): one fused ``query_key_value`` Linear laid out per head (its output viewed as
     [batch, seq, heads, 3 * head_dim] and split into the query, key and value along the last axis), rotary embeddings
     on a quarter of each head (``rotary_pct`` 0.25), attention and MLP in parallel on the same layer-normed input
-    (``use_parallel_residual``), LayerNorms with biases, an untied ``embed_out`` LM head."""
+    (``use_parallel_residual``), LayerNorms with biases, an untied ``embed_out`` LM head. The default attention
+    (``sdpa``), as a Pythia user loads it: the eager one multiplies the query and key as ``[batch * heads, seq,
+    head_dim]``, which the tensor-parallel split keeps whole."""
     torch.manual_seed(0)
     model = LogitsOnly(transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(use_cache=False, **NEOX)))
     ids = torch.randint(0, 512, (2, 16))
