@@ -161,7 +161,8 @@ def test_state_dict_of_a_configured_run_is_the_fixture_state_dict(tmp_path):
                         ("rnn-dynamo-noopt.onnx", "rnn"), ("gpt2.onnx", "gpt2"), ("llama.onnx", "llama"),
                         ("cnn.onnx", "cnn"), ("rnn.onnx", "rnn"), ("qwen2-dynamo.onnx", "qwen2"),
                         ("llama-mqa-dynamo.onnx", "llama-mqa"), ("phi3.onnx", "phi3"), ("phi3-dynamo.onnx", "phi3"),
-                        ("gemma-dynamo-noopt.onnx", "gemma"), ("gemma.onnx", "gemma")):
+                        ("gemma-dynamo-noopt.onnx", "gemma"), ("gemma.onnx", "gemma"), ("neox.onnx", "neox"),
+                        ("neox-dynamo.onnx", "neox"), ("neox-dynamo-noopt.onnx", "neox")):
         result = _configure_fixture(tmp_path, name)
         out = tmp_path / f"{state}.safetensors"
         export_state_dict(result.run_dir, out, checkpoint="initial")

@@ -191,7 +191,7 @@ def test_folded_batchnorm_export_is_refused_at_validate_and_configure(tmp_path, 
 #: torch's gradients of the mean cross-entropy on it, the model in training mode; Qwen2's over every token).
 GRADIENTS = ("cnn.onnx", "cnn-dynamo-noopt.onnx", "rnn.onnx", "rnn-dynamo-noopt.onnx", "qwen2.onnx",
              "qwen2-dynamo.onnx", "phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx",
-             "gemma.onnx", "gemma-dynamo-noopt.onnx")
+             "gemma.onnx", "gemma-dynamo-noopt.onnx", "neox.onnx", "neox-dynamo.onnx", "neox-dynamo-noopt.onnx")
 #: One SGD step of lr 1 moves each weight by its gradient: measured within 1.5e-7 of torch's on the CNN, 3e-8 on the
 #: LSTM + GRU, 1.2e-7 on Qwen2 and on Phi-3 (fp32 sums in other orders) where gradients reach 1e-1 (Qwen2's key
 #: biases 4e-4: RoPE rotates them by the key's position, so softmax does not cancel them); a wrong gradient is off by
