@@ -79,6 +79,34 @@ def test_validate_prints_the_phi3_fused_qkv_split_per_part_with_the_heads_of_eac
     assert problem.endswith("use one of [1, 2] (the sizes that divide every head count and the split layers' widths)")
 
 
+@pytest.mark.parametrize("export", ["neox.onnx", "neox-dynamo.onnx", "neox-dynamo-noopt.onnx"])
+def test_validate_prints_the_neox_per_head_qkv_split_by_whole_heads_or_kept_whole_with_the_reason(tmp_path, export):
+    """GPT-NeoX's ``query_key_value`` is laid out per head (viewed as [batch, seq, heads, 3 * head_dim], then split
+    into the query, key and value): the TorchScript export's is one region split by whole heads (2 of the 4 per rank,
+    no fused parts), ``dense`` the rows. The dynamo exports write the attention as products of [batch * heads, seq,
+    head_dim] tensors, which merge the head axis with the batch axis before it: validate says so and keeps the
+    attention whole on every rank (the MLP and the vocabulary still split)."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
+                                                                   horizontal_parallel_size=2))])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "split plan:" in text and text.rstrip().endswith("valid")
+    for layer in range(2):
+        attn, mlp = f"model.gpt_neox.layers.{layer}.attention", f"model.gpt_neox.layers.{layer}.mlp"
+        assert (f"columns ['{mlp}.dense_h_to_4h.weight'] (+ biases ['{mlp}.dense_h_to_4h.bias']), rows "
+                f"['{mlp}.dense_4h_to_h.weight']") in text
+        if export == "neox.onnx":
+            assert (f"columns ['{attn}.query_key_value.weight'] (+ biases ['{attn}.query_key_value.bias']), rows "
+                    f"['{attn}.dense.weight']") in text
+            assert f"heads: {attn}.query_key_value.weight 4 -> 2 per rank" in text
+        else:
+            assert re.search(rf"kept replicated: {attn}.query_key_value.weight \(Reshape '[^']+': the Reshape merges "
+                             r"the split axis with an axis before it\)", text), text
+    assert "fused parts" not in text
+    assert ("kept replicated" in text) == (export != "neox.onnx")
+    assert "vocabulary split of ['model.embed_out.weight'] (axis 0) in the LM head ['logits']" in text
+
+
 @pytest.mark.parametrize("export", ["llama.onnx", "llama-dynamo.onnx"])
 @pytest.mark.parametrize("recompute", ["auto", True])
 def test_validate_says_whether_pipeline_stages_keep_their_activations(tmp_path, recompute, export):
