@@ -68,17 +68,27 @@ REGIONS = {"gpt2": ((".attn.c_attn.", ".mlp.c_fc."), 4), "llama": ((".self_attn.
            "qwen2": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "phi3": ((".self_attn.qkv_proj.", ".mlp.gate_up_proj."), 2),
            "gemma": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
+           # GPT-NeoX's MLP: its attention is split by heads in the TorchScript export and kept whole in the dynamo
+           # exports (test_llama_parallel_mpi.py asserts which, export by export)
+           "neox": ((".mlp.dense_h_to_4h.",), 2),
            "bert": ((".attention.self.query.", ".intermediate.dense."), 2),
            "vit": ((".attention.attention.query.", ".intermediate.dense."), 2)}
 # dp 2 on the unsplit run's global batch: UPDATES updates of one micro-batch of 2 per rank (the unsplit run sums 2).
 DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": UPDATES}
 
 
-def key_bias(name: str, shape: tuple[int, ...]) -> slice | None:
-    """The entries of a parameter that are attention key biases: the middle third of GPT-2's fused c_attn bias,
-    all of BERT's and ViT's key bias."""
+#: GPT-NeoX's key bias entries that RoPE leaves alone, in its fused per-head ``query_key_value`` bias (4 heads of 48
+#: entries: 16 query, 16 key, 16 value; RoPE on the first 4 of each 16): softmax cancels them as it does GPT-2's.
+NEOX_KEY_BIAS = np.array([48 * head + 16 + d for head in range(4) for d in range(4, 16)])
+
+
+def key_bias(name: str, shape: tuple[int, ...]) -> slice | np.ndarray | None:
+    """The entries of a parameter that are attention key biases softmax cancels: the middle third of GPT-2's fused
+    c_attn bias, all of BERT's and ViT's key bias, GPT-NeoX's outside RoPE's dims (:data:`NEOX_KEY_BIAS`)."""
     if name.endswith("attn.c_attn.bias"):
         return slice(shape[0] // 3, 2 * shape[0] // 3)
+    if name.endswith("attention.query_key_value.bias"):
+        return NEOX_KEY_BIAS
     if name.endswith(("attention.self.key.bias", "attention.attention.key.bias")):
         return slice(None)
     return None

@@ -68,6 +68,11 @@ PHI3, PHI3_DYNAMO, PHI3_NOOPT = "phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-no
 #: the optimiser folded its norm weights into constants, tests/test_fixture_exports.py).
 GEMMA_NOOPT = "gemma-dynamo-noopt.onnx"
 GEMMA = ["gemma.onnx", GEMMA_NOOPT]
+#: The GPT-NeoX exports (one per-head fused query_key_value; attention and MLP in parallel on one LayerNorm'd input).
+NEOX_DYNAMO, NEOX_NOOPT = "neox-dynamo.onnx", "neox-dynamo-noopt.onnx"
+NEOX = ["neox.onnx", NEOX_DYNAMO, NEOX_NOOPT]
+#: The residual stream after the GPT-NeoX TorchScript export's first layer.
+NEOX_BLOCK_0_OUT = "/model/gpt_neox/layers.0/Add_1_output_0"
 
 # The residual stream after the TorchScript export's first decoder layer: each stage holds one layer's attention and
 # MLP (the dynamo exports' pp 2 x tp 2 runs cut automatically: test_stages_and_tensor_pieces_train_to_the_unsplit_
@@ -92,6 +97,9 @@ def assert_attention_split_by_heads(cfg, pp: int) -> None:
     half of the query heads, one of the two key/value heads and the output projection's columns that read them (and,
     in Qwen2, the query, key and value biases of those heads)."""
     regions = split_lines(cfg, pp)  # a stage's lines name the stage first
+    if cfg.model.path.name.startswith("neox"):
+        assert_neox_split_by_whole_heads(cfg, regions)
+        return
     assert not [line for line in regions if "kept replicated" in line and "self_attn" in line], regions
     if cfg.model.path.name.startswith("phi3"):
         assert_phi3_split_by_parts(cfg, regions)
@@ -137,12 +145,39 @@ def assert_phi3_split_by_parts(cfg, regions: list[str]) -> None:
             assert shapes[f"model.model.layers.{layer}.mlp.down_proj.weight"] == [64, 64]
 
 
+def assert_neox_split_by_whole_heads(cfg, regions: list[str]) -> None:
+    """GPT-NeoX: every layer's MLP is a region; the TorchScript export's per-head ``query_key_value`` is one too, each
+    rank holding 2 of the 4 heads whole (96 of its 192 rows and bias entries: each head's query, key and value rows;
+    which rows: test_tensor_parallel.py) and ``dense``'s 32 input columns that read them. The dynamo exports multiply
+    the attention's [batch * heads, seq, head_dim] tensors: their attention is kept whole on every rank, with the
+    reason."""
+    script = cfg.model.path.name == "neox.onnx"
+    markers = (".mlp.dense_h_to_4h.", *([".attention.query_key_value."] if script else []))
+    for marker in markers:
+        assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
+        assert not [line for line in regions if line.startswith("kept") and marker in line], regions
+    if not script:
+        kept = [line for line in regions if line.startswith("kept") and ".query_key_value.weight" in line]
+        assert len(kept) == 2 and all("merges the split axis with an axis before it" in line for line in kept), kept
+    for rank in range(2):
+        shapes = rank_parameter_shapes(cfg, rank)
+        for layer in range(2):
+            attn, mlp = f"model.gpt_neox.layers.{layer}.attention", f"model.gpt_neox.layers.{layer}.mlp"
+            assert shapes[f"{attn}.query_key_value.weight"] == [96 if script else 192, 64], (rank, shapes)
+            assert shapes[f"{attn}.query_key_value.bias"] == [96 if script else 192]
+            assert shapes[f"{attn}.dense.weight"] == [64, 32 if script else 64]
+            assert shapes[f"{mlp}.dense_h_to_4h.weight"] == [64, 64]
+            assert shapes[f"{mlp}.dense_4h_to_h.weight"] == [64, 64]
+
+
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript exports (the dynamo exports' pp 2 x
 # tp 2 runs, cut automatically, assert the same below).
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
             *[pytest.param(e, 2, id=f"pp2xtp2-blocks-{e}") for e in ("llama.onnx", "qwen2.onnx")],
             *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT, PHI3, PHI3_NOOPT, *GEMMA)],
-            pytest.param("gemma.onnx", 2, id="pp2xtp2-blocks-gemma.onnx")]
+            pytest.param("gemma.onnx", 2, id="pp2xtp2-blocks-gemma.onnx"),
+            *[pytest.param(e, 1, id=f"tp2-{e}") for e in NEOX],
+            pytest.param("neox.onnx", 2, id="pp2xtp2-blocks-neox.onnx")]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
 # configures them all, each training as soon as it is configured (exports_checks.start_layouts).
 DYNAMO_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1), "pp2tp2": (2, 2)}
@@ -153,7 +188,10 @@ LAYOUTS = {"llama.onnx": SCRIPT_LAYOUTS, **{e: DYNAMO_LAYOUTS for e in DYNAMO}, 
            **{e: {"pp2tp1": (2, 1)} for e in MQA},
            PHI3: {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1)}, PHI3_NOOPT: {"pp1tp2-by-layer": (1, 2)},
            PHI3_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)},
-           "gemma.onnx": SCRIPT_LAYOUTS, GEMMA_NOOPT: DYNAMO_LAYOUTS}
+           "gemma.onnx": SCRIPT_LAYOUTS, GEMMA_NOOPT: DYNAMO_LAYOUTS,
+           "neox.onnx": {**SCRIPT_LAYOUTS,
+                         "pp2tp2-by-layer": (2, 2, {"model_fields": {"pipeline_cuts": [NEOX_BLOCK_0_OUT]}})},
+           **{e: DYNAMO_LAYOUTS for e in (NEOX_DYNAMO, NEOX_NOOPT)}}
 
 
 @pytest.mark.parametrize("export_dp,pp", BY_HEADS, indirect=["export_dp"])
@@ -164,17 +202,19 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
     # Llama has no attention key bias, and Qwen2's is no softmax-invariant noise: RoPE rotates it by the key's
     # position, so it has a gradient of its own. Every parameter is held to the bound (its losses and evaluations too)
     assert_equal_to(export_dp, run.cfg, run.out, atol=LLAMA_TP_ATOL)
-    if export_dp.cfg.model.path.name.startswith("phi3"):  # each fused part's slices merged back where torch has them
-        assert_state_dict_holds_the_trained_values(run.cfg, read_params(newest(run.cfg)), torch_record("phi3"))
+    if export_dp.cfg.model.path.name.startswith(("phi3", "neox")):  # the slices merged back where torch has them
+        fam = export_dp.cfg.model.path.name.split("-")[0].removesuffix(".onnx")
+        assert_state_dict_holds_the_trained_values(run.cfg, read_params(newest(run.cfg)), torch_record(fam))
 
 
 # pp 2 and pp 2 x tp 2 on every dynamo export; pp 2 on the TorchScript exports (their pp 2 x tp 2 run is cut by hand:
 # BY_HEADS) and on every export of Llama with multi-query attention (its pp 2 x tp 2 runs, whose key/value heads are
 # replicated: test_llama_kv_replicated_mpi.py).
 STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, PHI3_DYNAMO,
-                                                             GEMMA_NOOPT]
+                                                             GEMMA_NOOPT, NEOX_DYNAMO, NEOX_NOOPT]
             for pp, tp, name in ((2, 1, "pp2"), (2, 2, "pp2xtp2"))],
-          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", PHI3, *MQA, "gemma.onnx")]]
+          *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", PHI3, *MQA, "gemma.onnx",
+                                                                "neox.onnx")]]
 
 
 @pytest.mark.parametrize("export_dp,pp,tp", STAGES, indirect=["export_dp"])
@@ -189,7 +229,7 @@ def test_stages_and_tensor_pieces_train_to_the_unsplit_parameters_with_attention
 
 
 @pytest.mark.parametrize("export_dp", [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, *MQA, PHI3_DYNAMO, PHI3_NOOPT,
-                                       GEMMA_NOOPT],
+                                       GEMMA_NOOPT, NEOX_DYNAMO, NEOX_NOOPT],
                          indirect=True)
 def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
     """Every dynamo export, and the TorchScript export of Llama with multi-query attention (Llama's, Qwen2's and
@@ -198,7 +238,8 @@ def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT, PHI3_NOOPT, GEMMA_NOOPT], indirect=True)
+@pytest.mark.parametrize("export_dp", ["llama-dynamo-noopt.onnx", QWEN2_NOOPT, PHI3_NOOPT, GEMMA_NOOPT,
+                                       NEOX_NOOPT], indirect=True)
 def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
                                                                                 export_dp2):
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
@@ -207,7 +248,7 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
 
 
 @pytest.mark.parametrize("export_dp", [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx", *QWEN2, *MQA, PHI3, PHI3_DYNAMO,
-                                       PHI3_NOOPT, *GEMMA], indirect=True)
+                                       PHI3_NOOPT, *GEMMA, *NEOX], indirect=True)
 def test_exports_train_with_zero1_and_adasum(export_dp):
     """On 2 ranks, on the torch parameters (the TorchScript, default dynamo and optimize=False dynamo exports of Llama,
     of Qwen2, of Llama with multi-query attention and of Phi-3, and the fresh Llama's default dynamo export): ZeRO-1
