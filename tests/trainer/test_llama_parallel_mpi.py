@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from ortflow.checkpoints.h5state import read_params
 from tests.support.exports import torch_record
@@ -90,6 +92,16 @@ def rank_parameter_shapes(cfg, rank: int) -> dict[str, list[int]]:
         shapes.update({i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input
                        if i.name.startswith("model.")})
     return shapes
+
+
+def rank_parameter_values(cfg, rank: int) -> dict[str, np.ndarray]:
+    """The values tensor-parallel rank ``rank``'s pieces start from (their configured checkpoints, every stage's)."""
+    from ortflow.engine import api
+
+    values = {}
+    for path in sorted(Path(cfg.artifacts_dir).glob(f"**/rank-{rank:02d}/piece-*/checkpoint")):
+        values.update({name: np.array(p.data) for name, p in api.CheckpointState.load_checkpoint(str(path)).parameters})
+    return values
 
 
 def assert_attention_split_by_heads(cfg, pp: int) -> None:
@@ -168,6 +180,14 @@ def assert_neox_split_by_whole_heads(cfg, regions: list[str]) -> None:
             assert shapes[f"{attn}.dense.weight"] == [64, 32 if script else 64]
             assert shapes[f"{mlp}.dense_h_to_4h.weight"] == [64, 64]
             assert shapes[f"{mlp}.dense_4h_to_h.weight"] == [64, 64]
+    if script:  # the rows each rank starts from: heads 2 r and 2 r + 1, each one's query, key and value together
+        whole = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(cfg.model.path)).graph.initializer}
+        qkv = [f"model.gpt_neox.layers.{layer}.attention.query_key_value.{p}" for layer in range(2)
+               for p in ("weight", "bias")]
+        for rank in range(2):
+            held = rank_parameter_values(cfg, rank)
+            for name in qkv:
+                np.testing.assert_array_equal(held[name], whole[name][96 * rank:96 * rank + 96], err_msg=name)
 
 
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript exports (the dynamo exports' pp 2 x
