@@ -1,7 +1,7 @@
 """``ortflow validate`` on a Llama and a Qwen2 export (grouped-query attention, RoPE), a Llama with multi-query
 attention (key/value heads replicated), Phi-3's exports (fused query, key and value parts of unequal widths) and on
-GPT-2's TorchScript and default dynamo exports (a fused QKV projection) with tensor parallelism: the split plan it
-prints, and the sizes it refuses."""
+GPT-2's TorchScript and default dynamo exports (a fused QKV projection) and GPT-NeoX's (a fused QKV projection laid
+out per head) with tensor parallelism: the split plan it prints, and the sizes it refuses."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The committed real exports (tools/export_fixtures.py), as users export them: Hugging Face GPT-2, Llama (and one with
-multi-query attention), Qwen2, Phi-3, Gemma, BERT and ViT, a torch CNN with BatchNorm and a torch LSTM + GRU
+multi-query attention), Qwen2, Phi-3, Gemma, GPT-NeoX, BERT and ViT, a torch CNN with BatchNorm and a torch LSTM + GRU
 classifier, from torch's TorchScript exporter and its dynamo exporter, a fresh tiny GPT-2 with sdpa attention and an
 MLP with BatchNorm1d, with the torch names and shapes of each model's tensors beside them."""
 

@@ -232,7 +232,8 @@ def sgd_steps(tmp_path_factory):
 def test_one_sgd_step_moves_every_torch_parameter_by_torchs_gradient(sgd_steps, name):
     """The engine's gradients of the CNN (Conv, BatchNorm with batch statistics), of the LSTM + GRU classifier
     (through the exporters' gate reordering), of Qwen2 (biased query, key and value projections, grouped-query
-    attention, RoPE) and of Phi-3 (fused query/key/value and gate/up projections), from both exporters, are torch's:
+    attention, RoPE), of Phi-3 (fused query/key/value and gate/up projections), of Gemma and of GPT-NeoX (a per-head
+    fused query/key/value projection, partial RoPE, parallel attention and MLP), from both exporters, are torch's:
     after one SGD step of learning rate 1 every torch parameter is its exported value less torch's gradient."""
     from safetensors.numpy import load_file
 

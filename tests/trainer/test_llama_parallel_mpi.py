@@ -16,7 +16,11 @@ the twin test on the optimize=False export, dp 2 on both dynamo exports, and ZeR
 runs' state dicts hold every fused weight whole, in torch's layout. The Gemma exports (TorchScript and optimize=False;
 Llama's attention shape, the embedding tied to the LM head, split by vocabulary in both uses and held by the first and
 the last stage) train in every layout as Qwen2's do, with ZeRO-1 and with Adasum; the optimize=False export's dp 2
-run writes its state dict with both tied keys.
+run writes its state dict with both tied keys. The GPT-NeoX exports (one fused query_key_value laid out per head,
+RoPE on a quarter of each head, attention and MLP in parallel) train in every layout and with ZeRO-1 and Adasum: the
+TorchScript export's attention split by whole heads (each rank starting from its heads' query, key and value rows),
+the dynamo exports' kept replicated (their attention multiplies [batch * heads, seq, head_dim] tensors); its tp 2
+runs' state dicts hold torch's layout.
 """
 
 from __future__ import annotations
