@@ -105,6 +105,12 @@ def test_validate_prints_the_neox_per_head_qkv_split_by_whole_heads_or_kept_whol
     assert "fused parts" not in text
     assert ("kept replicated" in text) == (export != "neox.onnx")
     assert "vocabulary split of ['model.embed_out.weight'] (axis 0) in the LM head ['logits']" in text
+    if export == "neox.onnx":  # whole heads or nothing: 8 ranks cannot share 4 heads
+        (problem,) = validate(lm_config(tmp_path, export, num_ranks=8, horizontal_parallel_size=8))
+        assert problem.startswith("distributed.horizontal_parallel_size 8 does not divide the 4 heads of "
+                                  "model.gpt_neox.layers.0.attention.query_key_value.weight"), problem
+        assert problem.endswith("use one of [1, 2, 4] (the sizes that divide every head count and the split layers' "
+                                "widths)")
 
 
 @pytest.mark.parametrize("export", ["llama.onnx", "llama-dynamo.onnx"])

@@ -313,17 +313,18 @@ def test_a_chunk_bound_of_half_the_width_plus_one_follows_only_an_even_local_wid
     assert plain.plain and plain.follows(8, 2) and plain.of(8) == 6
 
 
-def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces_compute_the_unsplit_logits():
+@pytest.mark.parametrize("size", [2, 4])
+def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces_compute_the_unsplit_logits(size):
     """GPT-NeoX's ``query_key_value`` (192 rows) is laid out per head: its output is viewed as [batch, seq, 4 heads,
     48] and each head's 48 columns are split into its query, key and value (16 each). Each rank keeps whole heads,
-    each with its query, key and value together: rank r holds rows [96 r, 96 r + 96), not a block of each third (the
-    layout of GPT-2's ``c_attn`` and Phi-3's ``qkv_proj``, which would give a rank the query rows of one head and the
-    key rows of another). RoPE on the first 4 of each head's 16 dims, the attention and the MLP in parallel on one
-    LayerNorm'd input."""
+    each with its query, key and value together: at tp 2 rank r holds rows [96 r, 96 r + 96) (heads 2 r and 2 r + 1),
+    at tp 4 rows [48 r, 48 r + 48) (head r), not a block of each third (the layout of GPT-2's ``c_attn`` and Phi-3's
+    ``qkv_proj``, which would give a rank the query rows of one head and the key rows of another). RoPE on the first
+    4 of each head's 16 dims, the attention and the MLP in parallel on one LayerNorm'd input."""
     from tests.support.exports import export_path
 
     model = onnx.load(str(export_path("neox.onnx")))
-    plan = plan_tensor_parallel_split(model, trainable(model), 2)
+    plan = plan_tensor_parallel_split(model, trainable(model), size)
     whole = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for layer in range(2):
         attn = f"model.gpt_neox.layers.{layer}.attention"
@@ -333,16 +334,17 @@ def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces
         assert f"{attn}.query_key_value.weight" not in region.groups  # one block of whole heads, no fused parts
         assert plan.slicing()[f"{attn}.query_key_value.weight"] == (0, 1)  # [out, in]: rows
     assert plan.kept == {}
-    qkv, bias = "model.gpt_neox.layers.0.attention.query_key_value.weight", \
-        "model.gpt_neox.layers.0.attention.query_key_value.bias"
-    for rank in range(2):
-        local = {t.name: numpy_helper.to_array(t) for t in shard_model(model, plan, rank).graph.initializer}
-        # heads 2 r and 2 r + 1, each one's 16 query, 16 key and 16 value rows together
-        np.testing.assert_array_equal(local[qkv].reshape(2, 48, 64),
-                                      whole[qkv].reshape(4, 48, 64)[2 * rank:2 * rank + 2])
-        np.testing.assert_array_equal(local[bias], whole[bias][96 * rank:96 * rank + 96])
-        dense = "model.gpt_neox.layers.0.attention.dense.weight"  # [out, in]: the columns that read those heads
-        np.testing.assert_array_equal(local[dense], whole[dense][:, 32 * rank:32 * rank + 32])
+    heads = 4 // size
+    for layer in range(2):
+        attn = f"model.gpt_neox.layers.{layer}.attention"
+        qkv, bias, dense = (f"{attn}.query_key_value.weight", f"{attn}.query_key_value.bias", f"{attn}.dense.weight")
+        for rank in range(size):
+            local = {t.name: numpy_helper.to_array(t) for t in shard_model(model, plan, rank).graph.initializer}
+            mine = slice(heads * rank, heads * rank + heads)  # each head's 16 query, 16 key and 16 value rows together
+            np.testing.assert_array_equal(local[qkv].reshape(heads, 48, 64), whole[qkv].reshape(4, 48, 64)[mine])
+            np.testing.assert_array_equal(local[bias].reshape(heads, 48), whole[bias].reshape(4, 48)[mine])
+            # [out, in]: the columns that read those heads
+            np.testing.assert_array_equal(local[dense], whole[dense][:, 16 * heads * rank:16 * heads * (rank + 1)])
     ids = np.random.default_rng(0).integers(0, 512, (2, 7))
-    np.testing.assert_allclose(run_pieces(model, 2, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
+    np.testing.assert_allclose(run_pieces(model, size, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
                                atol=2e-6)
