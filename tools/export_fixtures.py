@@ -331,6 +331,41 @@ def neox(out: Path) -> tuple[dict, dict]:
             "outputs": {"logits": "float [batch, seq, 512]"}}, files
 
 
+#: The tiny T5's configuration (T5 v1.0: ReLU MLP, the shared embedding tied to both stacks' embeddings and to the
+#: LM head, whose input is rescaled by d_model**-0.5); no dropout, so torch's training-mode gradients are the eval
+#: graph's.
+T5 = {"vocab_size": 512, "d_model": 64, "d_kv": 16, "num_heads": 4, "d_ff": 128, "num_layers": 2,
+      "num_decoder_layers": 2, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16,
+      "dropout_rate": 0.0, "feed_forward_proj": "relu", "tie_word_embeddings": True, "decoder_start_token_id": 0,
+      "pad_token_id": 0}
+
+
+def t5(out: Path) -> tuple[dict, dict]:
+    """Hugging Face ``T5ForConditionalGeneration`` as a user exports it for training: ``input_ids``,
+    ``attention_mask`` and ``decoder_input_ids`` in, the logits out (the loss is the trainer's). An encoder and a
+    decoder stack with cross-attention, one relative position bias table per stack (in its first layer, read by
+    every layer), T5LayerNorm (RMS, no bias), no biases anywhere. The batch of ``t5.grads.safetensors`` pads the ends
+    of some encoder rows (mask 0) and has decoder rows of another length (12) than the encoder's (16); its labels are
+    the decoder's next tokens."""
+    torch.manual_seed(0)
+    model = LogitsOnly(transformers.T5ForConditionalGeneration(transformers.T5Config(use_cache=False, **T5)))
+    ids, dec = torch.randint(1, 512, (2, 16)), torch.randint(1, 512, (2, 12))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    files = both_exporters("t5", model, (ids, mask, dec), out, ["input_ids", "attention_mask", "decoder_input_ids"],
+                           ["logits"], {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                                        "decoder_input_ids": {0: "batch", 1: "decoder_seq"},
+                                        "logits": {0: "batch", 1: "decoder_seq"}})
+    ids = torch.randint(1, 512, (8, 16))
+    mask = (torch.arange(16)[None, :] < torch.randint(10, 17, (8, 1))).to(torch.int64)
+    target = torch.randint(1, 512, (8, 12))
+    dec = torch.cat([torch.zeros(8, 1, dtype=torch.int64), target[:, :-1]], dim=1)  # shifted right, start token 0
+    files.update(torch_gradients(model, out, "t5", {"input_ids": ids * mask, "attention_mask": mask,
+                                                    "decoder_input_ids": dec}, target))
+    return {**T5, "inputs": {"input_ids": "int64 [batch, seq]", "attention_mask": "int64 [batch, seq]",
+                             "decoder_input_ids": "int64 [batch, decoder_seq]"},
+            "outputs": {"logits": "float [batch, decoder_seq, 512]"}}, files
+
+
 def bert(out: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -475,7 +510,7 @@ def bnmlp(out: Path) -> tuple[dict, dict]:
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "cnn": cnn, "gpt2-sdpa": gpt2_sdpa,
             "bnmlp": bnmlp, "rnn": rnn, "qwen2": qwen2, "llama-mqa": llama_mqa,
-            "phi3": phi3, "gemma": gemma, "neox": neox}
+            "phi3": phi3, "gemma": gemma, "neox": neox, "t5": t5}
 
 
 def family_of(name: str) -> str:
