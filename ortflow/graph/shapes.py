@@ -214,7 +214,24 @@ def _without_values(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.value_info[:]
     _shape_ranges_as_slices(graph)
     _constants_as_tensors(graph)
+    _reductions_as_sums(graph)
     return copy_model
+
+
+#: Reductions whose axes are an input from opset 18 on, which ONNX Runtime's symbolic shape inference has no rule for
+#: (it has ReduceSum's): the output's shape is ReduceSum's of the same input, axes and ``keepdims``.
+_REDUCTIONS = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
+               "ReduceSumSquare"}
+
+
+def _reductions_as_sums(graph: onnx.GraphProto) -> None:
+    """A reduction that reads its axes as an input (``ReduceMean(x, axes)``, the dynamo exporter's ``x.mean(-1,
+    keepdim=True)`` at opset 18 and later: T5's and Llama's RMS norms) as ``ReduceSum``, whose output has the same
+    shape: ONNX Runtime's symbolic shape inference has no rule for the others and stops at the first one, so no shape
+    after it would be known."""
+    for node in graph.node:
+        if node.op_type in _REDUCTIONS and node.domain in ("", "ai.onnx") and len(node.input) > 1:
+            node.op_type = "ReduceSum"
 
 
 _CONSTANT_FORMS = {"value_int": (np.int64, "i"), "value_ints": (np.int64, "ints"), "value_float": (np.float32, "f"),
@@ -266,6 +283,15 @@ def _known(value: onnx.ValueInfoProto, dims_of: dict[str, tuple[str, int]]) -> b
 _BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min"}
 
 
+def _adds_a_broadcast_axis(old: onnx.ValueInfoProto, dims: list[int | str | None]) -> bool:
+    """Whether ``dims``, known in part (None where the inference cannot tell a dim), name an axis of length 1 that
+    ``old`` does not: declared with the other dims left unknown, it is an axis the engine's gradient sums over (it
+    reads two unknown dims as equal, so an operand of unknown dims gets the broadcast output's gradient unsummed)."""
+    tensor = old.type.tensor_type
+    old_dims = list(tensor.shape.dim) if tensor.HasField("shape") else []
+    return any(d == 1 and (len(old_dims) != len(dims) or old_dims[k].dim_value != 1) for k, d in enumerate(dims))
+
+
 def declare_broadcast_shapes(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
     """Declare (``value_info``) the shapes of broadcast operands that onnx's inference leaves unknown but symbolic
     inference knows, so the engine's gradient of the broadcasting op sums over the broadcast axes.
@@ -303,11 +329,13 @@ def declare_broadcast_shapes(model: onnx.ModelProto, report: list[dict] | None =
     for name in unknown:
         dims = shapes.get(name)
         old = declared[name]
-        if dims is None or any(not isinstance(d, int) and d not in dims_of for d in dims):
+        if dims is None or any(d is not None and not isinstance(d, int) and d not in dims_of for d in dims):
             continue
         old_dims = old.type.tensor_type.shape.dim
         if len(old_dims) == len(dims) and all(d.HasField("dim_value") or d.dim_param in dims_of for d in old_dims):
             continue  # already known (a declaration without a shape, of a scalar)
+        if None in dims and not _adds_a_broadcast_axis(old, dims):
+            continue
         elem = old.type.tensor_type.elem_type
         for existing in [v for v in model.graph.value_info if v.name == name]:
             model.graph.value_info.remove(existing)

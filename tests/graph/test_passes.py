@@ -231,3 +231,58 @@ def test_broadcast_shapes_known_to_onnx_are_left_and_need_no_symbolic_inference(
     out = shapes.declare_broadcast_shapes(model, report)
     assert out.SerializeToString() == model.SerializeToString() and out is not model
     assert report == []
+
+
+def _bias_model(with_mask: bool):
+    """T5's shape of a broadcast table: RMS-normalise ``x [batch, seq, 4]`` (``ReduceMean`` with its axes an input,
+    opset 18, as the dynamo exporter writes it), add a ``[1, seq, 4]`` table read by position and sliced with bounds
+    computed from ``x``'s shape (onnx's inference knows none of the slice's dims); with ``with_mask``, scale by
+    ``mask [batch, seq2]``, whose length the symbolic inference must guess equal to ``seq``."""
+    table = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(16, 4), "table")
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n)
+              for n, v in (("zero", 0), ("one", 1), ("axes0", [0]), ("starts", [0]), ("axes1", [1]))]
+    nodes = [helper.make_node("Constant", [], ["last"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+             helper.make_node("Mul", ["x", "x"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "last"], ["ms"], keepdims=1),
+             helper.make_node("Mul", ["x", "ms"], ["xn"]),
+             helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["n"]),
+             helper.make_node("Range", ["zero", "n", "one"], ["positions"]),
+             helper.make_node("Unsqueeze", ["positions", "axes0"], ["ids"]),
+             helper.make_node("Gather", ["table", "ids"], ["rows"]),
+             helper.make_node("Unsqueeze", ["n", "axes0"], ["ends"]),
+             helper.make_node("Slice", ["rows", "starts", "ends", "axes1"], ["bias"]),
+             helper.make_node("Add", ["xn", "bias"], ["y0" if with_mask else "y"])]
+    inputs = [f32("x", ["batch", "seq", 4])]
+    if with_mask:
+        inputs.append(f32("mask", ["batch", "seq2"]))
+        nodes += [helper.make_node("Unsqueeze", ["mask", "last"], ["mask3"]),
+                  helper.make_node("Mul", ["y0", "mask3"], ["y"])]
+    return make_model(nodes, inputs, [f32("y", ["batch", "seq", 4])], [table, *consts], opset=18)
+
+
+def test_broadcast_operand_after_a_reduce_mean_with_axes_input_is_declared():
+    # ONNX Runtime's symbolic inference has no rule for ReduceMean reading its axes as an input (opset 18): it stopped
+    # there, nothing was declared, and the engine passed the [batch, seq, 4] gradient to the [1, seq, 4] table unsummed
+    from ortflow.graph import shapes
+
+    report = []
+    out = shapes.declare_broadcast_shapes(_bias_model(with_mask=False), report)
+    assert report[0]["changes"] == ["'bias' declared [1, 'seq', 4]"]
+    (bias,) = [v for v in out.graph.value_info if v.name == "bias"]
+    assert [d.dim_value or d.dim_param for d in bias.type.tensor_type.shape.dim] == [1, "seq", 4]
+    assert [n.op_type for n in out.graph.node] == [n.op_type for n in _bias_model(with_mask=False).graph.node]
+
+
+def test_broadcast_axis_is_declared_where_the_other_dims_are_a_guess():
+    # The mask's length is guessed equal to seq, so the inference reports seq unknown: the table's broadcast axis (1)
+    # is declared with the other dims left unknown, which the engine's gradient reads as equal to the output's
+    from ortflow.graph import shapes
+
+    report = []
+    out = shapes.declare_broadcast_shapes(_bias_model(with_mask=True), report)
+    assert "'bias' declared [1, None, 4]" in report[0]["changes"], report
+    (bias,) = [v for v in out.graph.value_info if v.name == "bias"]
+    dims = bias.type.tensor_type.shape.dim
+    assert dims[0].dim_value == 1 and dims[2].dim_value == 4
+    assert not dims[1].HasField("dim_value") and not dims[1].HasField("dim_param")

@@ -1,7 +1,8 @@
 """The committed real exports (tools/export_fixtures.py), as users export them: Hugging Face GPT-2, Llama (and one with
-multi-query attention), Qwen2, Phi-3, Gemma, GPT-NeoX, BERT and ViT, a torch CNN with BatchNorm and a torch LSTM + GRU
-classifier, from torch's TorchScript exporter and its dynamo exporter, a fresh tiny GPT-2 with sdpa attention and an
-MLP with BatchNorm1d, with the torch names and shapes of each model's tensors beside them."""
+multi-query attention), Qwen2, Phi-3, Gemma, GPT-NeoX, BERT, ViT and the encoder-decoder T5, a torch CNN with
+BatchNorm and a torch LSTM + GRU classifier, from torch's TorchScript exporter and its dynamo exporter, a fresh tiny
+GPT-2 with sdpa attention and an MLP with BatchNorm1d, with the torch names and shapes of each model's tensors beside
+them."""
 
 import hashlib
 import json
@@ -11,7 +12,7 @@ EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 VERSIONS = json.loads((EXPORTS / "versions.json").read_text())
 # TorchScript exports (dynamo=False, opset 17).
 NAMES = ("gpt2.onnx", "bert.onnx", "cnn.onnx", "llama.onnx", "vit.onnx", "rnn.onnx", "qwen2.onnx", "llama-mqa.onnx",
-         "phi3.onnx", "gemma.onnx", "neox.onnx")
+         "phi3.onnx", "gemma.onnx", "neox.onnx", "t5.onnx")
 # Dynamo exports (torch's default exporter): with the exporter's default optimisation, without it, and of the freshly
 # initialised model (whose equal-valued initializers the optimisation merges).
 DYNAMO_NAMES = ("gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "gpt2-fresh-dynamo.onnx",
@@ -20,7 +21,7 @@ DYNAMO_NAMES = ("gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "gpt2-fresh-dynamo
                 "cnn-dynamo.onnx", "cnn-dynamo-noopt.onnx", "rnn-dynamo.onnx", "rnn-dynamo-noopt.onnx",
                 "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx",
                 "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx", "gemma-dynamo.onnx", "gemma-dynamo-noopt.onnx",
-                "neox-dynamo.onnx", "neox-dynamo-noopt.onnx")
+                "neox-dynamo.onnx", "neox-dynamo-noopt.onnx", "t5-dynamo.onnx", "t5-dynamo-noopt.onnx")
 #: Dynamo exports with the exporter's defaults that configure refuses, naming ``optimize=False``: the optimisation
 #: dropped the fresh GPT-2's zero biases, folded the CNN's BatchNorms into its convolutions, wrote the LSTM's and
 #: GRU's weights in the ONNX ops' gate order as new tensors, and folded Gemma's RMSNorm weights into the constants

@@ -188,14 +188,17 @@ def test_folded_batchnorm_export_is_refused_at_validate_and_configure(tmp_path, 
 
 
 #: The exports whose first update is compared with torch's gradients (``<family>.grads.safetensors``: a batch and
-#: torch's gradients of the mean cross-entropy on it, the model in training mode; Qwen2's over every token).
+#: torch's gradients of the mean cross-entropy on it, the model in training mode; Qwen2's over every token, T5's over
+#: every decoder token).
 GRADIENTS = ("cnn.onnx", "cnn-dynamo-noopt.onnx", "rnn.onnx", "rnn-dynamo-noopt.onnx", "qwen2.onnx",
              "qwen2-dynamo.onnx", "phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx",
-             "gemma.onnx", "gemma-dynamo-noopt.onnx", "neox.onnx", "neox-dynamo.onnx", "neox-dynamo-noopt.onnx")
+             "gemma.onnx", "gemma-dynamo-noopt.onnx", "neox.onnx", "neox-dynamo.onnx", "neox-dynamo-noopt.onnx",
+             "t5.onnx", "t5-dynamo.onnx", "t5-dynamo-noopt.onnx")
 #: One SGD step of lr 1 moves each weight by its gradient: measured within 1.5e-7 of torch's on the CNN, 3e-8 on the
-#: LSTM + GRU, 1.2e-7 on Qwen2 and on Phi-3 (fp32 sums in other orders) where gradients reach 1e-1 (Qwen2's key
-#: biases 4e-4: RoPE rotates them by the key's position, so softmax does not cancel them); a wrong gradient is off by
-#: its own size.
+#: LSTM + GRU, 1.2e-7 on Qwen2, on Phi-3 and on T5 (fp32 sums in other orders) where gradients reach 1e-1 (Qwen2's key
+#: biases 4e-4: RoPE rotates them by the key's position, so softmax does not cancel them; T5's relative position
+#: bias tables 1e-2, read by every layer of their stack, broadcast over the batch); a wrong gradient is off by its
+#: own size.
 GRAD_ATOL = 1e-6
 
 
@@ -232,9 +235,12 @@ def sgd_steps(tmp_path_factory):
 def test_one_sgd_step_moves_every_torch_parameter_by_torchs_gradient(sgd_steps, name):
     """The engine's gradients of the CNN (Conv, BatchNorm with batch statistics), of the LSTM + GRU classifier
     (through the exporters' gate reordering), of Qwen2 (biased query, key and value projections, grouped-query
-    attention, RoPE), of Phi-3 (fused query/key/value and gate/up projections), of Gemma and of GPT-NeoX (a per-head
-    fused query/key/value projection, partial RoPE, parallel attention and MLP), from both exporters, are torch's:
-    after one SGD step of learning rate 1 every torch parameter is its exported value less torch's gradient."""
+    attention, RoPE), of Phi-3 (fused query/key/value and gate/up projections), of Gemma, of GPT-NeoX (a per-head
+    fused query/key/value projection, partial RoPE, parallel attention and MLP) and of T5 (an encoder and a decoder
+    with cross-attention fed by two inputs and an attention mask, one relative position bias table per stack, the
+    shared embedding read by both stacks and the LM head: torch's one parameter, trained with the sum of its uses'
+    gradients), from both exporters, are torch's: after one SGD step of learning rate 1 every torch parameter is its
+    exported value less torch's gradient."""
     from safetensors.numpy import load_file
 
     from tests.support.exports import EXPORTS

@@ -35,6 +35,12 @@ ORIGINAL = "pkg.torch.onnx.original_node_name"
 FX_NODE = "pkg.torch.onnx.fx_node"
 SCOPES = "pkg.torch.onnx.name_scopes"
 CLASSES = "pkg.torch.onnx.class_hierarchy"
+#: The graph's record of torch's program signature: one line per parameter and buffer, in torch's order, with its
+#: placeholder and its torch name (``p_model_encoder_block_0_layer_0_selfattention_q_weight: PARAMETER
+#: target='model.encoder.block.0.layer.0.SelfAttention.q.weight'``: the placeholder is lower case, the name is not),
+#: every name of a tied parameter included.
+SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+_SIGNED = re.compile(r"^(\w+): (PARAMETER|BUFFER) target='([^']+)'", re.MULTILINE)
 #: The onnxscript optimiser's record, on the value of a tensor it computed by constant folding, of the tensors it
 #: computed it from.
 FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
@@ -122,6 +128,11 @@ class _Reader:
                     self.persistent.add(value.name)
                 if ORIGINAL in meta:
                     self.names[meta[ORIGINAL]] = value.name
+        self.signed: list[str] = []  # the signature's parameter names, in torch's order
+        for placeholder, kind, target in _SIGNED.findall(_meta(self.graph).get(SIGNATURE, "")):
+            self.names.setdefault(placeholder, target)
+            if kind == "PARAMETER":
+                self.signed.append(target)
         self.uses: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
         for node in self.graph.node:
             for pos, name in enumerate(node.input):
@@ -245,8 +256,11 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
             + f". Export with `{NO_OPTIMIZE}`, which keeps every parameter under its torch name"
         )
     alias_lists = {}
-    for name, found in aliases.items():  # a tied parameter is trained under the name its first reader gives it
-        canonical = first[name] if first[name] not in holders else name
+    _unread_names_of_the_tie(reader, aliases, referenced | set(holders) | {t.name for t in out.graph.initializer})
+    for name, found in aliases.items():  # a tied parameter is trained under torch's name for it (the signature's
+        # first), else under the name its first reader gives it
+        signed = [n for n in reader.signed if n in found | {name}]
+        canonical = signed[0] if signed else first[name] if first[name] not in holders else name
         holders[canonical] = holders.pop(name)
         alias_lists[canonical] = sorted((found | {name}) - {canonical} - set(holders))
     trained, untied = _rewrite(out, holders)
@@ -255,6 +269,17 @@ def torch_parameters(model: onnx.ModelProto) -> TorchParameters | None:
     persistent = sorted(name for name in reader.persistent if name in frozen)
     return TorchParameters(out, trained, {k: v for k, v in sorted(alias_lists.items()) if v}, untied, frozen,
                            persistent, padding_rows(out.graph))
+
+
+def _unread_names_of_the_tie(reader: _Reader, aliases: dict[str, set[str]], read: set[str]) -> None:
+    """Add to the one tied parameter of ``aliases`` the signature's parameter names that no op reads and that
+    have no tensor (``read``: the names read or held; an unused parameter keeps a tensor of its own): torch's other
+    names of it, read by no module of their own (T5's ``shared.weight``, the module whose ``weight`` both stacks'
+    ``embed_tokens`` and the LM head read, and torch's name for all of them). With two tied parameters, which one
+    such a name belongs to is not recorded: none is added."""
+    unread = [n for n in reader.signed if n not in read and not any(n in found for found in aliases.values())]
+    if unread and len(aliases) == 1:
+        next(iter(aliases.values())).update(unread)
 
 
 def padding_rows(graph: onnx.GraphProto) -> dict[str, int]:
