@@ -243,3 +243,18 @@ def test_torchscript_tied_names_come_from_the_module_that_reads_the_weight():
         [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["b"])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", 6])], [emb, scale])
     assert tied_names(helper.make_model(graph)) == {"model.wte.weight": ["model.lm_head.weight"]}
+
+
+def test_torchscript_module_held_by_two_parents_gives_no_tied_name_of_its_first_name_under_another_scope():
+    # T5: the shared embedding is also each stack's embed_tokens; TorchScript names the module 'shared' in the
+    # encoder's scope too. model.encoder.shared.weight is no torch name: only the LM head's read gives one
+    from ortflow.graph.exports.torchscript import tied_names
+
+    emb = numpy_helper.from_array(np.ones((6, 4), np.float32), "model.shared.weight")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["model.shared.weight", "ids"], ["h"], name="/model/encoder/shared/Gather"),
+         helper.make_node("Transpose", ["model.shared.weight"], ["wt"], name="/model/lm_head/Transpose", perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "wt"], ["y"], name="/model/lm_head/MatMul")], "g",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["b"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", 6])], [emb])
+    assert tied_names(helper.make_model(graph)) == {"model.shared.weight": ["model.lm_head.weight"]}

@@ -105,7 +105,7 @@ def assert_export_equals_eval_graph(cfg, exported: Path, params: dict, feeds: di
     # alike.
     eval_proto = decompose_gelu(onnx.load(str(cfg.artifacts_dir / "eval_model.onnx")))
     eval_proto.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
-    first = next(iter(feeds.values()))
+    first = feeds.get("decoder_input_ids", next(iter(feeds.values())))  # an encoder-decoder's labels: the decoder's
     dims = {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in eval_proto.graph.input}
     all_feeds = {}
     for value in eval_proto.graph.input:
@@ -157,3 +157,33 @@ def bert_run(root: Path, name: str, export: str = "bert.onnx", **sections):
     return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer,
                     **sections)
 
+
+
+def t5_data(root: Path, num_rows: int = 240, seq: int = 16, target: int = 12) -> Path:
+    """Rows for the T5 encoder-decoder: encoder ids with an attention mask (padding at the end of most rows), the
+    decoder's ids (the target shifted right after the start token 0) and a label per decoder token: the target, the
+    first ``target`` tokens of the encoder's row (a copy task)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / "t5.parquet"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(seq // 2, seq + 1, num_rows)
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+        ids = rng.integers(1, 512, (num_rows, seq)) * mask
+        labels = ids[:, :target]
+        decoder = np.concatenate([np.zeros((num_rows, 1), np.int64), labels[:, :-1]], axis=1)
+        columns = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder, "labels": labels}
+        pq.write_table(pa.table({k: pa.array(list(v), type=pa.list_(pa.int64())) for k, v in columns.items()}), path)
+    return path
+
+
+def t5_run(root: Path, name: str, export: str = "t5.onnx", **sections):
+    """A run of the Hugging Face T5 export (TorchScript by default), unmodified: input_ids, attention_mask and
+    decoder_input_ids in, a label per decoder token."""
+    data = {"train": [str(t5_data(root))], "eval_fraction": 0.1}
+    train = {**TRAIN, **sections.pop("train", {})}
+    optimizer = {"learning_rate": 1e-3, **sections.pop("optimizer", {})}
+    return make_run(root, name, model=export_path(export), data=data, train=train, optimizer=optimizer, **sections)

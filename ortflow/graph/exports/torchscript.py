@@ -69,7 +69,10 @@ def tied_names(model: onnx.ModelProto) -> dict[str, list[str]]:
     TorchScript writes a tied parameter (a GPT-2's ``lm_head.weight`` that is ``transformer.wte.weight``) once, under
     the name of its first module; a leaf module that reads it as its own weight (Embedding's ``Gather``, Linear's
     ``MatMul``/``Gemm``/``Transpose``) under another module path gives the second name: that path and the
-    parameter's own attribute name. A module reading a parameter of one of its submodules is no tie.
+    parameter's own attribute name. A module reading a parameter of one of its submodules is no tie. A module that
+    two parents hold (T5's ``shared`` embedding, which is also each stack's ``embed_tokens``) is named in every
+    parent's scope by its first name (``/model/encoder/shared/Gather``): that path is no state-dict name, and the
+    export records no other, so it gives none.
     """
     floats = {t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES and "::" not in t.name}
     found: dict[str, set[str]] = {}
@@ -81,6 +84,8 @@ def tied_names(model: onnx.ModelProto) -> dict[str, list[str]]:
             if name not in floats or "." not in name:
                 continue
             module, attr = name.rsplit(".", 1)
+            if scope.rsplit(".", 1)[-1] == module.rsplit(".", 1)[-1]:
+                continue  # the module's own first name under another parent's scope: no torch name
             if scope and scope != module and not scope.startswith(module + ".") and not module.startswith(scope + "."):
                 found.setdefault(name, set()).add(f"{scope}.{attr}")
     return {name: sorted(others - floats) for name, others in sorted(found.items()) if others - floats}

@@ -1,0 +1,96 @@
+"""Data, pipeline and tensor parallelism, ZeRO-1 and Adasum on the Hugging Face T5 exports (an encoder and a decoder
+stack with cross-attention; three inputs, ``input_ids``, ``attention_mask`` and ``decoder_input_ids``, and a label per
+decoder token; one relative position bias table per stack; the shared embedding read by both stacks and the LM head),
+trained unmodified under mpiexec, each layout against the one unsplit run of its export on the same global batch (the
+``export_dp`` fixture; what is compared: tests/trainer/exports_checks.py). The TorchScript export and the dynamo
+exports (default and optimize=False) train their torch parameters at dp 2, the shared embedding as torch's one
+``shared.weight``, and write the state dict with its three tied aliases; the optimize=False export trains as its
+TorchScript twin. In two stages the automatic cut is where the encoder ends (its final norm's output, which every
+decoder layer's cross-attention reads). At tp 2 the MLPs are split and the shared table by vocabulary in its three
+uses; the attention is kept whole on every rank (the relative position bias, computed once per stack and added to
+every layer's scores, is not split by heads), with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ortflow.checkpoints.h5state import read_params
+from tests.support.exports import torch_record
+from tests.support.parallel_runs import newest
+from tests.trainer.exports_checks import (
+    TP_ATOL,
+    assert_equal_to,
+    assert_state_dict_holds_the_trained_values,
+    assert_trains_as_its_torchscript_twin,
+    assert_trains_its_torch_parameters_at_dp2,
+    assert_trains_with_zero1_and_adasum,
+    split_lines,
+    start_layouts,
+)
+
+pytestmark = pytest.mark.mpi
+
+SCRIPT, DYNAMO, NOOPT = "t5.onnx", "t5-dynamo.onnx", "t5-dynamo-noopt.onnx"
+#: The tied names of the shared table that the TorchScript export does not record.
+SCRIPT_UNNAMED = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+#: The end of the encoder, in each export's names: the automatic two-stage cut.
+ENCODER_OUT = {SCRIPT: "/model/encoder/final_layer_norm/Mul_1_output_0", NOOPT: "mul_397"}
+#: The layouts of each export's tests, by run name: (pp, tp). The first test of an export configures them all, each
+#: training as soon as it is configured (exports_checks.start_layouts).
+LAYOUTS = {SCRIPT: {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)}, NOOPT: {"pp2tp1": (2, 1)}}
+
+
+@pytest.mark.parametrize("export_dp", [SCRIPT, DYNAMO, NOOPT], indirect=True)
+def test_t5_trains_its_torch_parameters_at_dp2_and_writes_the_torch_state_dict(export_dp, export_dp2):
+    """Exactly torch's parameters are trained (``shared.weight`` once, with the sum of the gradients of its two
+    embeddings and the LM head), dp 2 ends where the unsplit run does, and ``ortflow export --state-dict`` writes
+    every torch key, ``encoder.embed_tokens.weight``, ``decoder.embed_tokens.weight`` and ``lm_head.weight`` holding
+    the trained shared table; from the TorchScript export all but the two ``embed_tokens`` names, which it does not
+    record (TorchScript names the shared module ``shared`` in both stacks' scopes)."""
+    assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
+    cfg = export_dp2[0]
+    unnamed = SCRIPT_UNNAMED if cfg.model.path.name == SCRIPT else ()
+    assert_state_dict_holds_the_trained_values(cfg, read_params(newest(cfg)), torch_record("t5"), unnamed)
+
+
+@pytest.mark.parametrize("export_dp", [NOOPT], indirect=True)
+def test_t5_dynamo_noopt_export_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2):
+    assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
+
+
+@pytest.mark.parametrize("export_dp", [SCRIPT, NOOPT], indirect=True)
+def test_t5_two_stages_cut_after_the_encoder_train_to_the_unsplit_parameters(export_dp):
+    """The automatic cut is the encoder's output (its final norm): the first stage holds the encoder, the second the
+    decoder, which reads the encoder's output in every layer's cross-attention; the shared table is held by both."""
+    export = export_dp.cfg.model.path.name
+    start_layouts(export_dp, LAYOUTS[export])
+    run = export_dp.layouts["pp2tp1"]
+    info = json.loads((run.cfg.output_dir / "configure.json").read_text())
+    assert info["pipeline_cuts"] == [ENCODER_OUT[export]], info["pipeline_cuts"]
+    assert_equal_to(export_dp, run.cfg, run.out)
+
+
+@pytest.mark.parametrize("export_dp", [SCRIPT], indirect=True)
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
+def test_t5_tensor_pieces_split_the_mlps_and_the_shared_table_and_train_to_the_unsplit_parameters(export_dp, pp):
+    """Every layer's MLP is split (``wi`` by columns, ``wo`` by rows) and the shared table by vocabulary in both
+    embeddings and the LM head; every attention projection is kept whole, named in the plan; the run ends where the
+    unsplit one does."""
+    start_layouts(export_dp, LAYOUTS[SCRIPT])
+    run = export_dp.layouts[f"pp{pp}tp2"]
+    split = split_lines(run.cfg, pp)
+    mlps = [line for line in split if line.startswith("region") and ".DenseReluDense.wi." in line.split(", rows")[0]]
+    assert len(mlps) == 4, split
+    vocab = [line for line in split if "vocabulary split of ['model.shared.weight']" in line]
+    assert len(vocab) == 3 and any("in the LM head ['logits']" in line for line in vocab), split
+    kept = [line for line in split if line.startswith("kept replicated") and "Attention." in line]
+    assert len(kept) == 24, split  # q, k, v, o of 2 encoder self-, 2 decoder self- and 2 cross-attentions
+    assert_equal_to(export_dp, run.cfg, run.out, atol=TP_ATOL)
+
+
+@pytest.mark.parametrize("export_dp", [SCRIPT, NOOPT], indirect=True)
+def test_t5_trains_with_zero1_and_adasum(export_dp):
+    assert_trains_with_zero1_and_adasum(export_dp)
