@@ -4,10 +4,12 @@ Models: Hugging Face GPT-2, Llama (RMSNorm, RoPE, SwiGLU, grouped-query attentio
 ``llama-mqa``), Qwen2 (Llama's shape with biases on the query, key and value projections), Phi-3 (Llama's shape with
 one fused query/key/value projection and one fused gate/up projection), Gemma (Llama's shape with the embedding tied
 to the LM head, ``(1 + weight)`` RMSNorm and GeGLU), GPT-NeoX (``neox``: one fused query/key/value projection laid
-out per head, partial RoPE, attention and MLP in parallel), BERT classifier and ViT classifier, a torch CNN with
-BatchNorm and a torch classifier of an LSTM and a GRU layer (``rnn``); and, exported as a user exports a model they
-train from scratch, a fresh tiny GPT-2 with torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP
-with BatchNorm1d (``bnmlp``). Run through ``tools/export_fixtures.sh``, which makes a
+out per head, partial RoPE, attention and MLP in parallel), the encoder-decoder T5 (``input_ids``, ``attention_mask``
+and ``decoder_input_ids`` in, cross-attention, relative position bias tables, the shared embedding tied to both stacks
+and the LM head), BERT classifier and ViT classifier, a torch CNN with BatchNorm and a torch classifier of an LSTM and
+a GRU layer (``rnn``); and, exported as a user exports a model they train from scratch, a fresh tiny GPT-2 with
+torch's ``scaled_dot_product_attention`` (``gpt2-sdpa``) and a small MLP with BatchNorm1d (``bnmlp``). Run through
+``tools/export_fixtures.sh``, which makes a
 throwaway virtual environment with the pinned torch and transformers; ortflow itself never imports torch.
 
 Each model is exported the way a user exports theirs:
@@ -26,8 +28,8 @@ the eval-mode BatchNorm into the Linear before it) and with ``optimize=False`` (
 
 Beside each model family, ``<family>.torch.json`` lists the torch parameters, buffers and state-dict keys with their
 shapes (so tests need no torch), and ``<family>.safetensors`` holds the torch state dict the exports were made from;
-for the CNN, the recurrent classifier, Qwen2, Phi-3, Gemma and GPT-NeoX, ``<family>.grads.safetensors`` holds a batch
-and torch's gradients on it.
+for the CNN, the recurrent classifier, Qwen2, Phi-3, Gemma, GPT-NeoX and T5, ``<family>.grads.safetensors`` holds a
+batch and torch's gradients on it.
 Weights come from a fixed seed, and the dynamo exports' metadata is stripped of what names the exporting environment
 (:func:`reproducible`), so a re-export with the same versions writes the same files byte for byte.
 
