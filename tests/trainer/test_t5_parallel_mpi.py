@@ -37,10 +37,11 @@ SCRIPT, DYNAMO, NOOPT = "t5.onnx", "t5-dynamo.onnx", "t5-dynamo-noopt.onnx"
 #: The tied names of the shared table that the TorchScript export does not record.
 SCRIPT_UNNAMED = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
 #: The end of the encoder, in each export's names: the automatic two-stage cut.
-ENCODER_OUT = {SCRIPT: "/model/encoder/final_layer_norm/Mul_1_output_0", NOOPT: "mul_397"}
+ENCODER_OUT = {SCRIPT: "/model/encoder/final_layer_norm/Mul_1_output_0", DYNAMO: "mul_397", NOOPT: "mul_397"}
 #: The layouts of each export's tests, by run name: (pp, tp). The first test of an export configures them all, each
 #: training as soon as it is configured (exports_checks.start_layouts).
-LAYOUTS = {SCRIPT: {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)}, NOOPT: {"pp2tp1": (2, 1)}}
+LAYOUTS = {SCRIPT: {"pp2tp1": (2, 1), "pp1tp2": (1, 2), "pp2tp2": (2, 2)}, DYNAMO: {"pp2tp1": (2, 1)},
+           NOOPT: {"pp2tp1": (2, 1), "pp1tp2": (1, 2)}}
 
 
 @pytest.mark.parametrize("export_dp", [SCRIPT, DYNAMO, NOOPT], indirect=True)
@@ -61,7 +62,7 @@ def test_t5_dynamo_noopt_export_trains_as_its_torchscript_twin(export_references
     assert_trains_as_its_torchscript_twin(export_references, export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", [SCRIPT, NOOPT], indirect=True)
+@pytest.mark.parametrize("export_dp", [SCRIPT, DYNAMO, NOOPT], indirect=True)
 def test_t5_two_stages_cut_after_the_encoder_train_to_the_unsplit_parameters(export_dp):
     """The automatic cut is the encoder's output (its final norm): the first stage holds the encoder, the second the
     decoder, which reads the encoder's output in every layer's cross-attention; the shared table is held by both."""
@@ -73,13 +74,17 @@ def test_t5_two_stages_cut_after_the_encoder_train_to_the_unsplit_parameters(exp
     assert_equal_to(export_dp, run.cfg, run.out)
 
 
-@pytest.mark.parametrize("export_dp", [SCRIPT], indirect=True)
-@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2xtp2"])
+#: tp 2 on the TorchScript and optimize=False exports, pp 2 x tp 2 on the TorchScript export.
+TENSOR = [pytest.param(SCRIPT, 1, id="tp2-t5.onnx"), pytest.param(SCRIPT, 2, id="pp2xtp2-t5.onnx"),
+          pytest.param(NOOPT, 1, id="tp2-t5-dynamo-noopt.onnx")]
+
+
+@pytest.mark.parametrize("export_dp,pp", TENSOR, indirect=["export_dp"])
 def test_t5_tensor_pieces_split_the_mlps_and_the_shared_table_and_train_to_the_unsplit_parameters(export_dp, pp):
     """Every layer's MLP is split (``wi`` by columns, ``wo`` by rows) and the shared table by vocabulary in both
     embeddings and the LM head; every attention projection is kept whole, named in the plan; the run ends where the
     unsplit one does."""
-    start_layouts(export_dp, LAYOUTS[SCRIPT])
+    start_layouts(export_dp, LAYOUTS[export_dp.cfg.model.path.name])
     run = export_dp.layouts[f"pp{pp}tp2"]
     split = split_lines(run.cfg, pp)
     mlps = [line for line in split if line.startswith("region") and ".DenseReluDense.wi." in line.split(", rows")[0]]
