@@ -78,6 +78,9 @@ KERNELS: dict[tuple[str, str], tuple[KernelRange, ...]] = {
     # Unary math of RMSNorm and RoPE (Llama): fp16 kernels only; Sin and Cos have no bf16 type before opset 22 either.
     **{("", op): _always(_FP16) for op in ("Neg", "Sqrt", "Reciprocal", "Sin", "Cos", "Exp", "Log")},
     ("", "Where"): (KernelRange(9, 15, _FP16), KernelRange(16, None, _BOTH)),
+    # ScatterND (TorchScript's T5 writes one): every fixed-size type, as the data-movement ops, at the opsets whose
+    # registrations read so; its opset-18 registration (with the reduction attribute) is not judged.
+    ("", "ScatterND"): (KernelRange(11, 17, _BOTH),),
     ("", "Equal"): (KernelRange(7, None, _FP16),),
     ("", "Dropout"): (KernelRange(7, 12, _FP16), KernelRange(13, None, _BOTH)),
     # Matrix products: cuBLAS in both types.
