@@ -12,18 +12,20 @@ from onnx import helper
 _BIG = 1 << 62  # torch writes "to the end" as INT64_MAX
 
 
-def reshape_axis(dims_in: list, dims_out: list, axis: int) -> int | str:
-    """The output axis that carries input axis ``axis`` (>= 0) of a Reshape, or why none does.
+def reshape_groups(dims_in: list, dims_out: list):
+    """The axes of a Reshape's input and output in groups of equal products, in order: ``(input axes, output axes)``
+    for each group (axes of size 1 belong to none), or a string saying why the dims cannot be matched, where the
+    matching stops.
 
     Dims are ints or names (a dynamic axis is named alike on both sides when the Reshape keeps it). The dims are
     matched in groups of equal products (``[B, T, 64] -> [B, T, 4, 16]``: ``64 <-> 4 x 16``; ``repeat_kv``'s
-    ``[B, 2, 2, T, 16] -> [B, 4, T, 16]``: ``2 x 2 <-> 4``). A block of rows along ``axis`` is a block of the
-    output's first axis of the group only when ``axis`` is the first (outermost) axis of its own group.
+    ``[B, 2, 2, T, 16] -> [B, 4, T, 16]``: ``2 x 2 <-> 4``).
     """
     a = [k for k, d in enumerate(dims_in) if d != 1]
     b = [k for k, d in enumerate(dims_out) if d != 1]
     if any(d is None for d in dims_in + dims_out):
-        return "shapes around the Reshape are not known (export with fixed sizes)"
+        yield "shapes around the Reshape are not known (export with fixed sizes)"
+        return
     i = j = 0
     while i < len(a) and j < len(b):
         i0, j0 = i, j
@@ -31,20 +33,35 @@ def reshape_axis(dims_in: list, dims_out: list, axis: int) -> int | str:
         i, j = i + 1, j + 1
         if isinstance(x, str) or isinstance(y, str):
             if x != y:
-                return f"the Reshape does not keep the dynamic axis {x} as {y}"
+                yield f"the Reshape does not keep the dynamic axis {x} as {y}"
+                return
         else:
             while x != y:
                 nxt = (dims_in[a[i]] if i < len(a) else None) if x < y else (dims_out[b[j]] if j < len(b) else None)
                 if not isinstance(nxt, int):
-                    return "the Reshape mixes the split axis with a dynamic axis"
+                    yield "the Reshape mixes the split axis with a dynamic axis"
+                    return
                 if x < y:
                     x, i = x * nxt, i + 1
                 else:
                     y, j = y * nxt, j + 1
-        if a[i0] <= axis <= a[i - 1]:
-            if a[i0] != axis:
+        yield a[i0:i], b[j0:j]
+
+
+def reshape_axis(dims_in: list, dims_out: list, axis: int) -> int | str:
+    """The output axis that carries input axis ``axis`` (>= 0) of a Reshape, or why none does.
+
+    The dims are matched in groups (:func:`reshape_groups`). A block of rows along ``axis`` is a block of the
+    output's first axis of the group only when ``axis`` is the first (outermost) axis of its own group.
+    """
+    for group in reshape_groups(dims_in, dims_out):
+        if isinstance(group, str):
+            return group
+        ins, outs = group
+        if ins[0] <= axis <= ins[-1]:
+            if ins[0] != axis:
                 return "the Reshape merges the split axis with an axis before it"
-            return b[j0]
+            return outs[0]
     return "the split axis does not map onto one axis of the new shape"
 
 

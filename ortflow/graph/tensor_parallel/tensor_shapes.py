@@ -310,8 +310,8 @@ def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodePr
     if (start is None or start.size != 1 or (axes is not None and axes.reshape(-1).tolist() not in ([0], [-1]))
             or (steps is not None and steps.reshape(-1).tolist() != [1])):
         return _CANNOT
-    first = int(start.reshape(-1)[0])
-    return (first + length if first < 0 else first) + element
+    first = int(start.reshape(-1)[0])  # clamped to the tensor as Slice does (torch writes INT64_MIN for "from 0")
+    return min(max(first + length if first < 0 else first, 0), length) + element
 
 
 def weight_of(graph: onnx.GraphProto, name: str, trainable: set[str]) -> tuple[str, bool] | None:

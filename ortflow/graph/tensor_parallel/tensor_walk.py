@@ -12,9 +12,10 @@ from __future__ import annotations
 from onnx import helper
 
 from ortflow.graph.onnx_tools import node_label
-from ortflow.graph.tensor_parallel.tensor_axes import moved_axis, reshape_axis
+from ortflow.graph.tensor_parallel.tensor_axes import moved_axis
 from ortflow.graph.tensor_parallel.tensor_fused import FusedParts, keeps_axis, slice_part, split_parts
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm
+from ortflow.graph.tensor_parallel.tensor_merged import batch_entries, merged_reshape
 from ortflow.graph.tensor_parallel.tensor_shapes import DimOf, shape_entry, static_ints, weight_of
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Identity", "Sqrt",
@@ -40,6 +41,7 @@ class SplitWalk:
                 self.readers.setdefault(x, []).append(i)
             self.producers.update(dict.fromkeys(n.output, i))
         self.split: dict[str, int] = {}  # tensor -> split axis (negative)
+        self.merged: dict[str, int] = {}  # tensor (or its Shape) split on heads merged with the batch -> the heads
         self.comp: dict[str, int] = {}  # tensor -> seed id (union-find root of its component)
         self.parent = {s: s for s in seeds}
         self.failed: dict[int, str] = {}
@@ -94,13 +96,17 @@ class SplitWalk:
                     self.failed.setdefault(root, self.failed[r])
                 self.parent[r] = root
         self.node_comp[i] = root
-        why = self._propagate(i, node)
+        merged = {self.merged.get(x) for x in ins}
+        why = (self._propagate(i, node) if len(merged) == 1 else
+               "its inputs are split on the heads in one and on the heads merged with the batch in another")
         if why:
             self.fail(root, f"{node.op_type} '{node_label(node)}': {why}")
             return
         for out in node.output:
             if out in self.split or out in self.shape_of:
                 self.comp[out] = root
+                if None not in merged and node.op_type != "Reshape":  # the merged axis carried (tensor_merged)
+                    self.merged[out] = next(iter(merged))
 
     def _rank(self, name: str) -> int | None:
         s = self.shapes.get(name)
@@ -119,7 +125,7 @@ class SplitWalk:
                 return "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
             weight = weight_of(self.g, b, self.trainable) if a in self.split and b not in self.split else None
             if weight is not None and self._rank(weight[0]) == 2:
-                if self.split[a] != -1:
+                if self.split[a] != -1 or a in self.merged:
                     return "a weight MatMul reads an activation split on another axis than the last"
                 if len(self.readers.get(weight[0], [])) > 1:
                     return f"the row weight '{weight[0]}' is also read elsewhere (tied)"
@@ -133,7 +139,8 @@ class SplitWalk:
                 self.split[node.output[0]] = self.split[a]
                 return None
             at = self.split.get(a, 0)
-            if i in self.products and b not in self.split and at <= -3 and self._dim(b, at) == self._dim(a, at):
+            if (i in self.products and b not in self.split and at <= -3 and self._dim(b, at) == self._dim(a, at)
+                    and a not in self.merged):
                 # replicated keys or values (tensor_kv): each rank reads its query heads' block of their head axis
                 self.slices.append((i, 1, at, self._dim(a, at), self.find(self.comp[a])))
                 self.split[node.output[0]] = at
@@ -226,14 +233,18 @@ class SplitWalk:
         s_in, s_out = self.named.get(x), self.named.get(out)
         if s_in is None or s_out is None:
             return "shapes around the Reshape are not known (export with fixed sizes)"
-        b = reshape_axis(s_in, s_out, len(s_in) + axis)
-        if isinstance(b, str):
-            return b
-        why = self._entry(i, b, s_out[b], self.find(self.comp[x]), copies=len(s_in) + axis)
+        found = merged_reshape(s_in, s_out, len(s_in) + axis, self.merged.get(x))
+        if isinstance(found, str):
+            return found
+        b, inner, batch = found
+        why = (self._entry(i, b, s_out[b], self.find(self.comp[x]), copies=len(s_in) + axis, merged=inner)
+               or batch_entries(self.g, self.shapes, self.producers, self.split, i, batch, len(s_in) + axis))
         if why:
             return why
         self.split[out] = b - len(s_out)
-        if b < len(s_out) - 1 and isinstance(s_out[b], int):  # a head axis: each rank needs whole heads
+        if inner is not None:
+            self.merged[out] = inner
+        elif b < len(s_out) - 1 and isinstance(s_out[b], int):  # a head axis: each rank needs whole heads
             self.head_counts.append((i, s_out[b]))
             seed = self.bias_of.get(x, self.part_of.get(x))  # the projection's output, or a part of a fused one
             if seed is not None:
@@ -243,14 +254,20 @@ class SplitWalk:
             self.bias_of[out] = self.bias_of[x]
         return None
 
-    def _entry(self, i: int, element: int, full, root: int, copies: int | None = None) -> str | None:
+    def _entry(self, i: int, element: int, full, root: int, copies: int | None = None,
+               merged: int | None = None) -> str | None:
         """Check the entry of node ``i``'s shape input that sets the split axis's size (``full`` on the whole
         model), and record the rewrite of the constant holding it: a tensor's runtime size follows the local size
-        by itself when that tensor is split on that axis; -1 (Reshape) and 1 (Expand) need nothing."""
+        by itself when that tensor is split on that axis, merged with the batch where the new axis is (``merged``:
+        its head count, :mod:`ortflow.graph.tensor_parallel.tensor_merged`); -1 (Reshape) and 1 (Expand) need
+        nothing."""
         spec = shape_entry(self.g, self.shapes, self.producers, i, 1, element)
         if isinstance(spec, DimOf):
             t = spec.tensor
             if t in self.split and self._rank(t) + self.split[t] == spec.axis:
+                if self.merged.get(t) != merged:
+                    return (f"the new shape's split entry is the size of axis {spec.axis} of '{t}', "
+                            + ("the heads merged with the batch" if merged is None else "not merged with the batch"))
                 math, size = spec.arithmetic, self._dim(t, self.split[t])
                 if math.plain or (size is not None and math.follows(size, self.size)):
                     return None
@@ -285,7 +302,8 @@ class SplitWalk:
         if not target or target[0] is None:
             return "an Expand to a shape of unknown length"
         if target[0] + axis >= 0:
-            why = self._entry(i, target[0] + axis, self._dim(x, axis), self.find(self.comp[x]))
+            why = self._entry(i, target[0] + axis, self._dim(x, axis), self.find(self.comp[x]),
+                              merged=self.merged.get(x))
             if why:
                 return why
         self.split[node.output[0]] = axis
