@@ -80,12 +80,12 @@ def test_validate_prints_the_phi3_fused_qkv_split_per_part_with_the_heads_of_eac
 
 
 @pytest.mark.parametrize("export", ["neox.onnx", "neox-dynamo.onnx", "neox-dynamo-noopt.onnx"])
-def test_validate_prints_the_neox_per_head_qkv_split_by_whole_heads_or_kept_whole_with_the_reason(tmp_path, export):
+def test_validate_prints_the_neox_per_head_qkv_split_by_whole_heads(tmp_path, export):
     """GPT-NeoX's ``query_key_value`` is laid out per head (viewed as [batch, seq, heads, 3 * head_dim], then split
-    into the query, key and value): the TorchScript export's is one region split by whole heads (2 of the 4 per rank,
-    no fused parts), ``dense`` the rows. The dynamo exports write the attention as products of [batch * heads, seq,
-    head_dim] tensors, which merge the head axis with the batch axis before it: validate says so and keeps the
-    attention whole on every rank (the MLP and the vocabulary still split)."""
+    into the query, key and value): it is one region split by whole heads (2 of the 4 per rank, no fused parts),
+    ``dense`` the rows, on every export: the dynamo exports transpose the keys as [batch * heads, seq, head_dim]
+    tensors (torch's sdpa decomposition), whose merged batch and head axis the split follows. 8 ranks cannot share
+    4 heads: refused, naming the sizes that fit."""
     result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
                                                                    horizontal_parallel_size=2))])
     assert result.exit_code == 0, result.output
@@ -95,22 +95,17 @@ def test_validate_prints_the_neox_per_head_qkv_split_by_whole_heads_or_kept_whol
         attn, mlp = f"model.gpt_neox.layers.{layer}.attention", f"model.gpt_neox.layers.{layer}.mlp"
         assert (f"columns ['{mlp}.dense_h_to_4h.weight'] (+ biases ['{mlp}.dense_h_to_4h.bias']), rows "
                 f"['{mlp}.dense_4h_to_h.weight']") in text
-        if export == "neox.onnx":
-            assert (f"columns ['{attn}.query_key_value.weight'] (+ biases ['{attn}.query_key_value.bias']), rows "
-                    f"['{attn}.dense.weight']") in text
-            assert f"heads: {attn}.query_key_value.weight 4 -> 2 per rank" in text
-        else:
-            assert re.search(rf"kept replicated: {attn}.query_key_value.weight \(Reshape '[^']+': the Reshape merges "
-                             r"the split axis with an axis before it\)", text), text
+        assert (f"columns ['{attn}.query_key_value.weight'] (+ biases ['{attn}.query_key_value.bias']), rows "
+                f"['{attn}.dense.weight']") in text
+        assert f"heads: {attn}.query_key_value.weight 4 -> 2 per rank" in text
     assert "fused parts" not in text
-    assert ("kept replicated" in text) == (export != "neox.onnx")
+    assert "kept replicated" not in text
     assert "vocabulary split of ['model.embed_out.weight'] (axis 0) in the LM head ['logits']" in text
-    if export == "neox.onnx":  # whole heads or nothing: 8 ranks cannot share 4 heads
-        (problem,) = validate(lm_config(tmp_path, export, num_ranks=8, horizontal_parallel_size=8))
-        assert problem.startswith("distributed.horizontal_parallel_size 8 does not divide the 4 heads of "
-                                  "model.gpt_neox.layers.0.attention.query_key_value.weight"), problem
-        assert problem.endswith("use one of [1, 2, 4] (the sizes that divide every head count and the split layers' "
-                                "widths)")
+    (problem,) = validate(lm_config(tmp_path, export, num_ranks=8, horizontal_parallel_size=8))
+    assert problem.startswith("distributed.horizontal_parallel_size 8 does not divide the 4 heads of "
+                              "model.gpt_neox.layers.0.attention.query_key_value.weight"), problem
+    assert problem.endswith("use one of [1, 2, 4] (the sizes that divide every head count and the split layers' "
+                            "widths)")
 
 
 @pytest.mark.parametrize("export", ["llama.onnx", "llama-dynamo.onnx"])

@@ -313,17 +313,24 @@ def test_a_chunk_bound_of_half_the_width_plus_one_follows_only_an_even_local_wid
     assert plain.plain and plain.follows(8, 2) and plain.of(8) == 6
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces_compute_the_unsplit_logits(size):
+@pytest.mark.parametrize(("name", "size"), [("neox.onnx", 2), ("neox.onnx", 4), ("neox-dynamo-noopt.onnx", 2),
+                                            ("neox-dynamo-noopt.onnx", 4), ("neox-dynamo.onnx", 2)])
+def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces_compute_the_unsplit_logits(name, size):
     """GPT-NeoX's ``query_key_value`` (192 rows) is laid out per head: its output is viewed as [batch, seq, 4 heads,
     48] and each head's 48 columns are split into its query, key and value (16 each). Each rank keeps whole heads,
     each with its query, key and value together: at tp 2 rank r holds rows [96 r, 96 r + 96) (heads 2 r and 2 r + 1),
     at tp 4 rows [48 r, 48 r + 48) (head r), not a block of each third (the layout of GPT-2's ``c_attn`` and Phi-3's
     ``qkv_proj``, which would give a rank the query rows of one head and the key rows of another). RoPE on the first
-    4 of each head's 16 dims, the attention and the MLP in parallel on one LayerNorm'd input."""
+    4 of each head's 16 dims, the attention and the MLP in parallel on one LayerNorm'd input. The dynamo exports
+    transpose the keys as [batch * heads, seq, head_dim] tensors (torch's sdpa decomposition), then view them as
+    [batch, heads, head_dim, seq] again: the split follows the heads through the merged axis (the default export as
+    configure reads it, its weights named and laid out as torch's)."""
+    from ortflow.graph.exports.torch_params import torch_parameters
     from tests.support.exports import export_path
 
-    model = onnx.load(str(export_path("neox.onnx")))
+    model = onnx.load(str(export_path(name)))
+    if name == "neox-dynamo.onnx":
+        model = torch_parameters(model).model
     plan = plan_tensor_parallel_split(model, trainable(model), size)
     whole = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for layer in range(2):
@@ -333,6 +340,7 @@ def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces
         assert region.biases == [f"{attn}.query_key_value.bias"]
         assert f"{attn}.query_key_value.weight" not in region.groups  # one block of whole heads, no fused parts
         assert plan.slicing()[f"{attn}.query_key_value.weight"] == (0, 1)  # [out, in]: rows
+        assert region.num_heads == {f"{attn}.query_key_value.weight": 4}  # 4 // size per rank
     assert plan.kept == {}
     heads = 4 // size
     for layer in range(2):
@@ -348,3 +356,46 @@ def test_neox_fused_qkv_laid_out_per_head_is_split_by_whole_heads_and_the_pieces
     ids = np.random.default_rng(0).integers(0, 512, (2, 7))
     np.testing.assert_allclose(run_pieces(model, size, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
                                atol=2e-6)
+
+
+def test_the_head_axis_merged_with_the_batch_is_followed_into_one_axis_and_split_back_into_the_heads():
+    """``[B, H, T, D] -> [B * H, T, D]``: the heads are the innermost factor of the merged axis (B * H / tp on each
+    rank, each batch row's block of heads), kept through a Reshape that keeps it whole and split back into
+    ``[B, H, ...]`` (tensor_merged.py). Merging the heads with an axis after them, merging the merged axis again or
+    splitting it into other factors than the batch and the heads is refused, with the reason."""
+    from ortflow.graph.tensor_parallel.tensor_merged import merged_reshape
+
+    b, t = 10007, 10009  # the probes' dynamic sizes
+    assert merged_reshape([b, 4, t, 16], [4 * b, t, 16], 1, None) == (0, 4, [])
+    assert merged_reshape([b, 1, 4, t, 16], [4 * b, t, 16], 2, None) == (0, 4, [])  # an axis of size 1 between
+    assert merged_reshape([4 * b, 16, t], [4 * b, 16, t], 0, 4) == (0, 4, [])
+    assert merged_reshape([4 * b, 16, t], [b, 4, 16, t], 0, 4) == (1, None, [0])
+    assert merged_reshape([b, t, 4, 16], [b, t, 64], 2, None) == (2, None, [])  # heads outermost: no merge
+    assert "and one after it" in merged_reshape([b, 4, 16, t], [b * 64, t], 1, None)
+    assert "with another axis" in merged_reshape([4 * b, t, 16], [4 * b * t, 16], 0, 4)
+    assert "not into the batch and the 4 heads" in merged_reshape([4 * b, t, 16], [2 * b, 2, t, 16], 0, 4)
+
+
+def test_gpt2_sdpa_dynamo_attention_is_split_by_heads_through_the_keys_merged_with_the_batch(tmp_path):
+    """GPT-2 with sdpa attention, exported by dynamo with ``optimize=False`` and read as configure reads it (its
+    ``c_attn`` a Gemm whose bias configure's passes take out): the sdpa decomposition transposes the keys as
+    [batch * heads, seq, head_dim] tensors; the split follows the heads through that merged axis, each rank keeping its
+    block of the query, key and value parts, and the pieces compute the unsplit logits."""
+    from ortflow.config import config_from_dict
+    from ortflow.configure.tensor_parallel_artifacts import plan_tensor_parallel
+    from ortflow.configure.torch_model import torch_source
+    from tests.support.exports import export_path
+
+    cfg = config_from_dict({"name": "t", "output_dir": str(tmp_path / "run"),
+                            "model": {"path": str(export_path("gpt2-sdpa-dynamo-noopt.onnx"))},
+                            "data": {"train": str(tmp_path / "train.parquet")},
+                            "train": {"batch_size": 2, "num_train_steps": 2},
+                            "distributed": {"num_ranks": 2, "horizontal_parallel_size": 2}})
+    model, plan, _, _ = plan_tensor_parallel(torch_source(cfg, tmp_path / "built")[0])
+    attn = "model.transformer.h.0.attn"
+    (region,) = [r for r in plan.regions if f"{attn}.c_attn.weight" in r.columns]
+    assert region.rows == [f"{attn}.c_proj.weight"] and region.groups[f"{attn}.c_attn.weight"] == 3
+    assert region.num_heads == {f"{attn}.c_attn.weight": 2} and plan.kept == {}
+    ids = np.random.default_rng(0).integers(0, 64, (2, 7))
+    np.testing.assert_allclose(run_pieces(model, 2, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
+                               atol=1e-6)

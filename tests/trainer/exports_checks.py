@@ -69,9 +69,7 @@ REGIONS = {"gpt2": ((".attn.c_attn.", ".mlp.c_fc."), 4), "llama": ((".self_attn.
            "qwen2": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "phi3": ((".self_attn.qkv_proj.", ".mlp.gate_up_proj."), 2),
            "gemma": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
-           # GPT-NeoX's MLP: its attention is split by heads in the TorchScript export and kept whole in the dynamo
-           # exports (test_llama_parallel_mpi.py asserts which, export by export)
-           "neox": ((".mlp.dense_h_to_4h.",), 2),
+           "neox": ((".attention.query_key_value.", ".mlp.dense_h_to_4h."), 2),
            "bert": ((".attention.self.query.", ".intermediate.dense."), 2),
            "vit": ((".attention.attention.query.", ".intermediate.dense."), 2)}
 # dp 2 on the unsplit run's global batch: UPDATES updates of one micro-batch of 2 per rank (the unsplit run sums 2).

@@ -17,10 +17,10 @@ runs' state dicts hold every fused weight whole, in torch's layout. The Gemma ex
 Llama's attention shape, the embedding tied to the LM head, split by vocabulary in both uses and held by the first and
 the last stage) train in every layout as Qwen2's do, with ZeRO-1 and with Adasum; the optimize=False export's dp 2
 run writes its state dict with both tied keys. The GPT-NeoX exports (one fused query_key_value laid out per head,
-RoPE on a quarter of each head, attention and MLP in parallel) train in every layout and with ZeRO-1 and Adasum: the
-TorchScript export's attention split by whole heads (each rank starting from its heads' query, key and value rows),
-the dynamo exports' kept replicated (their attention multiplies [batch * heads, seq, head_dim] tensors); its tp 2
-runs' state dicts hold torch's layout.
+RoPE on a quarter of each head, attention and MLP in parallel) train in every layout and with ZeRO-1 and Adasum, their
+attention split by whole heads (each rank starting from its heads' query, key and value rows; the dynamo exports'
+keys transposed as [batch * heads, seq, head_dim] tensors, whose merged axis the split follows); its tp 2 runs' state
+dicts hold torch's layout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 
 from ortflow.checkpoints.h5state import read_params
 from tests.support.exports import torch_record
@@ -44,6 +43,7 @@ from tests.trainer.exports_checks import (
     assert_trains_with_zero1_and_adasum,
     split_lines,
     start_layouts,
+    start_values,
 )
 from tests.trainer.exports_runs import LLAMA_EXPORTS
 
@@ -162,36 +162,28 @@ def assert_phi3_split_by_parts(cfg, regions: list[str]) -> None:
 
 
 def assert_neox_split_by_whole_heads(cfg, regions: list[str]) -> None:
-    """GPT-NeoX: every layer's MLP is a region; the TorchScript export's per-head ``query_key_value`` is one too, each
-    rank holding 2 of the 4 heads whole (96 of its 192 rows and bias entries: each head's query, key and value rows;
-    which rows: test_tensor_parallel.py) and ``dense``'s 32 input columns that read them. The dynamo exports multiply
-    the attention's [batch * heads, seq, head_dim] tensors: their attention is kept whole on every rank, with the
-    reason."""
-    script = cfg.model.path.name == "neox.onnx"
-    markers = (".mlp.dense_h_to_4h.", *([".attention.query_key_value."] if script else []))
-    for marker in markers:
+    """GPT-NeoX, on every export: every layer's MLP and its per-head ``query_key_value`` are regions, each rank holding
+    2 of the 4 heads whole (96 of its 192 rows and bias entries: each head's query, key and value rows, rank r rows
+    [96 r, 96 r + 96)) and ``dense``'s 32 input columns that read them; nothing is kept replicated."""
+    for marker in (".mlp.dense_h_to_4h.", ".attention.query_key_value."):
         assert len([line for line in regions if line.startswith("region") and marker in line.split(", rows")[0]]) == 2
-        assert not [line for line in regions if line.startswith("kept") and marker in line], regions
-    if not script:
-        kept = [line for line in regions if line.startswith("kept") and ".query_key_value.weight" in line]
-        assert len(kept) == 2 and all("merges the split axis with an axis before it" in line for line in kept), kept
+    assert not [line for line in regions if line.startswith("kept")], regions
     for rank in range(2):
         shapes = rank_parameter_shapes(cfg, rank)
         for layer in range(2):
             attn, mlp = f"model.gpt_neox.layers.{layer}.attention", f"model.gpt_neox.layers.{layer}.mlp"
-            assert shapes[f"{attn}.query_key_value.weight"] == [96 if script else 192, 64], (rank, shapes)
-            assert shapes[f"{attn}.query_key_value.bias"] == [96 if script else 192]
-            assert shapes[f"{attn}.dense.weight"] == [64, 32 if script else 64]
+            assert shapes[f"{attn}.query_key_value.weight"] == [96, 64], (rank, shapes)
+            assert shapes[f"{attn}.query_key_value.bias"] == [96]
+            assert shapes[f"{attn}.dense.weight"] == [64, 32]
             assert shapes[f"{mlp}.dense_h_to_4h.weight"] == [64, 64]
             assert shapes[f"{mlp}.dense_4h_to_h.weight"] == [64, 64]
-    if script:  # the rows each rank starts from: heads 2 r and 2 r + 1, each one's query, key and value together
-        whole = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(cfg.model.path)).graph.initializer}
-        qkv = [f"model.gpt_neox.layers.{layer}.attention.query_key_value.{p}" for layer in range(2)
-               for p in ("weight", "bias")]
-        for rank in range(2):
-            held = rank_parameter_values(cfg, rank)
-            for name in qkv:
-                np.testing.assert_array_equal(held[name], whole[name][96 * rank:96 * rank + 96], err_msg=name)
+    whole = start_values(cfg)  # the rows each rank starts from: heads 2 r and 2 r + 1, each one's q, k, v together
+    qkv = [f"model.gpt_neox.layers.{layer}.attention.query_key_value.{p}" for layer in range(2)
+           for p in ("weight", "bias")]
+    for rank in range(2):
+        held = rank_parameter_values(cfg, rank)
+        for name in qkv:
+            np.testing.assert_array_equal(held[name], whole[name][96 * rank:96 * rank + 96], err_msg=name)
 
 
 # tp 2 on every export; pp 2 x tp 2 with the stages cut by hand on the TorchScript exports (the dynamo exports' pp 2 x
