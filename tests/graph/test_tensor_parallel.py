@@ -399,3 +399,23 @@ def test_gpt2_sdpa_dynamo_attention_is_split_by_heads_through_the_keys_merged_wi
     ids = np.random.default_rng(0).integers(0, 64, (2, 7))
     np.testing.assert_allclose(run_pieces(model, 2, {"input_ids": ids}), run_whole(model, {"input_ids": ids}),
                                atol=1e-6)
+
+
+def test_an_output_projection_after_an_attention_kept_whole_says_its_input_is_not_split_because_of_it():
+    """GPT-NeoX with an op the split does not follow inside the attention (a Hardmax for the Softmax): the attention's
+    ``query_key_value`` is kept whole with that reason, and ``dense``, whose input only that attention computes, says
+    so rather than where its own activation stops (the residual add with the MLP's output)."""
+    from tests.support.exports import export_path
+
+    model = onnx.load(str(export_path("neox.onnx")))
+    for node in model.graph.node:
+        if node.op_type == "Softmax":
+            node.op_type = "Hardmax"
+    plan = plan_tensor_parallel_split(model, trainable(model), 2)
+    for layer in range(2):
+        attn = f"model.gpt_neox.layers.{layer}.attention"
+        assert plan.kept[f"{attn}.query_key_value.weight"].startswith("Hardmax "), plan.kept
+        assert plan.kept[f"{attn}.query_key_value.weight"].endswith(": not an op the split follows")
+        assert plan.kept[f"{attn}.dense.weight"] == (f"its input is not split: the layer before it "
+                                                     f"({attn}.query_key_value.weight) is kept whole")
+        assert [f"model.gpt_neox.layers.{layer}.mlp.dense_h_to_4h.weight"] in [r.columns for r in plan.regions]

@@ -7,16 +7,19 @@ partial sum that the ranks add: the forward all-reduce). In between the activati
 element-wise ops, Reshape/Transpose (Q/K/V by heads), Unsqueeze/Squeeze, Slice and Concat along another axis (RoPE's
 ``rotate_half`` of the head dim), Expand over another axis (grouped-query attention's ``repeat_kv``: each rank's
 key/value heads are those its query heads read), Softmax over another axis, MatMul of two split tensors over a batch
-axis (scores and context), the parts of a fused projection (QKV, gate and up) read by a ``Split`` or by ``Slice``s of
-its columns (each rank keeps its block of every part: :mod:`ortflow.graph.tensor_parallel.tensor_fused`), and Expand
-of a replicated tensor to a split tensor's ``Shape`` (the Where gradient fix on a causal mask's fill). The bias after a
+axis (scores and context), the head axis merged with the batch axis before it for such products (``[B * H, T,
+D]``: :mod:`ortflow.graph.tensor_parallel.tensor_merged`), the parts of a fused projection (QKV, gate and up) read by
+a ``Split`` or by ``Slice``s of its columns (each rank keeps its block of every part:
+:mod:`ortflow.graph.tensor_parallel.tensor_fused`), and Expand of a replicated tensor to a split tensor's ``Shape``
+(the Where gradient fix on a causal mask's fill). The bias after a
 row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
 
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
 (:mod:`ortflow.graph.tensor_parallel.tensor_shapes` follows the exporters' shape arithmetic); sizes read from a split
 tensor's ``Shape`` follow by themselves. A candidate whose activation reaches something else (a graph output, an unknown
-op, a parameter that would need slicing) stays replicated, with the reason (a WARNING). Key/value projections whose
-heads ``tp`` does not divide (multi-query attention) stay whole on every rank, before the region, whose attention
+op, a parameter that would need slicing) stays replicated, with the reason (a WARNING); one whose input only kept
+layers compute (the output projection of an attention kept whole) names them as the reason. Key/value projections
+whose heads ``tp`` does not divide (multi-query attention) stay whole on every rank, before the region, whose attention
 products read each rank's block of their heads (:mod:`ortflow.graph.tensor_parallel.tensor_kv`). A size ``tp`` that
 does not divide a width or the query heads (of each part of a fused QKV projection) is refused, naming the projections
 and the sizes that fit.
@@ -86,6 +89,11 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
     regions = _regions(model.graph, walk, seeds, candidates, kv, products)
     for r in walk.rows.values():
         kept.pop(r, None)
+    held = {s for s, w in candidates.items() if w in kept}
+    for s in sorted(held):  # an output projection after its attention was kept whole: say so, not where it stopped
+        before = _follow_on(model.graph, trainable, walk.producers, candidates, held - {s}, s)
+        if before:
+            kept[candidates[s]] = f"its input is not split: the layer before it ({', '.join(before)}) is kept whole"
     read = {w for r in regions for w in r.replicated_kv}
     kept.update({candidates[s]: f"key/value heads {tp_note(kv[s], size)}, and no split attention reads them"
                  for s in kv if candidates[s] not in read})
@@ -112,6 +120,31 @@ def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, l
             if weight is not None and len(shapes.get(weight[0], [])) == 2 and reads[weight[0]] == 1:
                 found[i] = weight[0]
     return found
+
+
+def _follow_on(graph: onnx.GraphProto, trainable: set[str], producers: dict[str, int], candidates: dict[int, str],
+               kept: set[int], node: int) -> list[str]:
+    """The kept candidates (``kept``: their nodes) whose outputs alone compute candidate ``node``'s input, with their
+    biases, constants and the model's inputs (an attention's output projection after the attention was kept whole:
+    its input is not split because of them); empty when another parameter or a split layer feeds it too."""
+    found, seen, todo = set(), set(), [graph.node[node].input[0]]
+    while todo:
+        x = todo.pop()
+        if x in seen or not x:
+            continue
+        seen.add(x)
+        i = producers.get(x)
+        if x in trainable or (i in candidates and i not in kept):
+            return []
+        if i is None or graph.node[i].op_type in ("Shape", "Size"):  # a size: the same whatever the values
+            continue
+        if i in candidates:
+            found.add(i)
+            continue
+        n = graph.node[i]
+        after = any(producers.get(y) in kept for y in n.input) and n.op_type == "Add"  # a bias added to its output
+        todo += [y for y in n.input if not (after and y in trainable)]
+    return sorted(candidates[i] for i in found)
 
 
 def _regions(graph, walk: SplitWalk, seeds: set[int], candidates: dict[int, str],
