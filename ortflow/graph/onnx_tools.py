@@ -70,6 +70,11 @@ def elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
+def attribute(node: onnx.NodeProto, name: str, default=None):
+    """The value of ``node``'s attribute ``name``, or ``default`` where the node has none."""
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
 def node_label(node: onnx.NodeProto) -> str:
     """How errors and logs name a node: its name, else its first output."""
     return node.name or (node.output[0] if node.output else node.op_type)

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortflow.graph.onnx_tools import Names, infer_shapes, int64_constant, node_label, report_change
+from ortflow.graph.onnx_tools import Names, attribute, infer_shapes, int64_constant, node_label, report_change
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,6 @@ def _guessed_merges(merges: dict, inputs: set[str]) -> set[str]:
     return {str(n) for group in groups.values() if len(group & inputs) >= 2 for n in group}
 
 
-def _attr(node: onnx.NodeProto, name: str) -> int | None:
-    return next((a.i for a in node.attribute if a.name == name), None)
-
-
 def shapes_from_inputs(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:
     """Replace ``Shape`` of computed tensors by the same shape read from the graph inputs (module docstring).
 
@@ -158,7 +154,7 @@ def shapes_from_inputs(model: onnx.ModelProto, report: list[dict] | None = None)
         dims = shapes.get(node.input[0])
         if dims is None:
             continue
-        start, end = _attr(node, "start"), _attr(node, "end")
+        start, end = attribute(node, "start"), attribute(node, "end")
         dims = dims[slice(start, end)]
         if not dims or any(not isinstance(d, int) and d not in dims_of for d in dims):
             continue
@@ -258,7 +254,7 @@ def _shape_ranges_as_slices(graph: onnx.GraphProto) -> None:
     names = Names(graph)
     rebuilt = []
     for node in graph.node:
-        start, end = _attr(node, "start"), _attr(node, "end")
+        start, end = attribute(node, "start"), attribute(node, "end")
         if node.op_type != "Shape" or (start is None and end is None):
             rebuilt.append(node)
             continue

@@ -18,13 +18,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.graph.onnx_tools import Names, constant_values, consumed_names, int64_constant, report_change
+from ortflow.graph.onnx_tools import Names, attribute, constant_values, consumed_names, int64_constant, report_change
 from ortflow.graph.shapes import symbolic_shapes
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    found = next((a for a in node.attribute if a.name == name), None)
-    return default if found is None else helper.get_attribute_value(found)
 
 
 def _bounds(graph: onnx.GraphProto, split: onnx.NodeProto, position: int) -> tuple[int, int] | None:
@@ -81,9 +76,9 @@ def _split_parts(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: 
         bounds = [None if p is None else _bounds(graph, split, int(p)) for p in positions]
         if any(b is None for b in bounds):
             continue
-        axis = int(_attr(split, "axis", 0))
+        axis = int(attribute(split, "axis", 0))
         squeeze = len(split.input) < 2 or not split.input[1]
-        squeeze = squeeze and not _attr(split, "keepdims", 1)
+        squeeze = squeeze and not attribute(split, "keepdims", 1)
         nodes = placed.setdefault(id(split), [])
         replaced.add(id(split))
         if not squeeze and _whole(bounds, axis_length(split.input[0], axis)):
@@ -127,10 +122,10 @@ def _concats(graph: onnx.GraphProto, all_nodes: list, names: Names, placed: dict
         build = producers.get(concat.input[0])
         if build is None or uses.get(build.output[0], 0) != 1 or build.output[0] in outputs:
             continue
-        axis = int(_attr(concat, "axis", 0))
+        axis = int(attribute(concat, "axis", 0))
         parts = list(build.input)
         nodes = placed.setdefault(id(concat), [])
-        if _attr(concat, "new_axis", 0):
+        if attribute(concat, "new_axis", 0):
             node, axes = int64_constant(names, f"{concat.output[0]}/axes", [axis])
             nodes.append(node)
             unsqueezed = []

@@ -43,6 +43,7 @@ from onnx import helper, shape_inference
 
 from ortflow.graph.onnx_tools import (
     Names,
+    attribute,
     constant_values,
     consumed_names,
     dims_only,
@@ -256,7 +257,7 @@ def batchnorm_inference_form(model: onnx.ModelProto, report: list[dict] | None =
     """``BatchNormalization(training_mode=1)`` whose extra outputs are unused -> the one-output inference form."""
     used = consumed_names(model.graph) | {o.name for o in model.graph.output}
     found = [i for i, n in enumerate(model.graph.node) if n.op_type == "BatchNormalization"
-             and n.domain in ("", "ai.onnx") and _attr(n, "training_mode", 0) == 1
+             and n.domain in ("", "ai.onnx") and attribute(n, "training_mode", 0) == 1
              and not any(o in used for o in n.output[1:] if o)]
     if not found:
         return model
@@ -272,10 +273,6 @@ def batchnorm_inference_form(model: onnx.ModelProto, report: list[dict] | None =
                        "trains it with batch statistics and updates the running ones)")
     report_change("batchnorm_inference_form", changes, report)
     return model
-
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def inference_dropouts(model: onnx.ModelProto, report: list[dict] | None = None) -> onnx.ModelProto:

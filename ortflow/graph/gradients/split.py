@@ -21,6 +21,7 @@ from onnx import helper
 from ortflow.graph.onnx_tools import (
     GraphError,
     Names,
+    attribute,
     constant_values,
     consumed_names,
     infer_shapes,
@@ -31,18 +32,11 @@ from ortflow.graph.onnx_tools import (
 )
 
 
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default
-
-
 def _static_sizes(graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, axis_len: int | None) -> list[int] | None:
     """Sizes of each part when they are known before running, else None."""
     count = len(node.output)
-    if opset < 13 and _attr(node, "split"):
-        return [int(s) for s in _attr(node, "split")]
+    if opset < 13 and attribute(node, "split"):
+        return [int(s) for s in attribute(node, "split")]
     if opset >= 13 and len(node.input) > 1 and node.input[1]:
         values = constant_values(graph, node.input[1])
         return None if values is None else [int(s) for s in values.reshape(-1)]
@@ -136,7 +130,7 @@ def split_to_slices(model: onnx.ModelProto, report: list[dict] | None = None) ->
         if node not in splits:
             new_nodes.append(node)
             continue
-        axis = int(_attr(node, "axis", 0))
+        axis = int(attribute(node, "axis", 0))
         wanted = [i for i, output in enumerate(node.output) if output and output in used]
         sizes = _static_sizes(graph, node, opset, _axis_length(shapes, node.input[0], axis))
         if sizes is not None and len(sizes) != len(node.output):

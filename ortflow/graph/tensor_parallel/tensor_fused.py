@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import onnx
-from onnx import helper
 
-from ortflow.graph.onnx_tools import constant_values
+from ortflow.graph.onnx_tools import attribute, constant_values
 from ortflow.graph.tensor_parallel.tensor_axes import slice_keeps_axis
 from ortflow.graph.tensor_parallel.tensor_plan import Region
 from ortflow.graph.tensor_parallel.tensor_shapes import Arithmetic, DimOf, shape_entry, static_ints
@@ -75,16 +74,12 @@ class FusedParts:
             region.num_heads[weight] = max(heads.values())
 
 
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-
 def split_parts(graph: onnx.GraphProto, shapes: dict[str, list], i: int, axis: int) -> list[Rewrite] | str:
     """A ``Split`` (node ``i``) of a projection's output split on ``axis`` (< 0) into equal parts along its columns: the
     constants holding its sizes, to rewrite for the local widths; or why the split cannot follow it."""
     node = graph.node[i]
     rank = len(shapes[node.input[0]]) if shapes.get(node.input[0]) is not None else None
-    if rank is None or (_attr(node, "axis", 0) % rank) != rank + axis:
+    if rank is None or (attribute(node, "axis", 0) % rank) != rank + axis:
         return "a Split of a split activation other than a projection's output, along its columns"
     sizes = constant_values(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else None
     if sizes is not None and len(set(sizes.tolist())) != 1:

@@ -15,25 +15,18 @@ import copy
 import onnx
 from onnx import helper
 
-from ortflow.graph.onnx_tools import Names, node_label, report_change
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+from ortflow.graph.onnx_tools import Names, attribute, node_label, report_change
 
 
 def is_plain_gemm(node: onnx.NodeProto) -> bool:
     """A Gemm the split can slice: ``x @ op(W)`` with no ``transA``, ``alpha`` 1 and no bias input."""
-    return (node.op_type == "Gemm" and _attr(node, "transA", 0) == 0 and _attr(node, "alpha", 1.0) == 1.0
+    return (node.op_type == "Gemm" and attribute(node, "transA", 0) == 0 and attribute(node, "alpha", 1.0) == 1.0
             and (len(node.input) < 3 or not node.input[2]))
 
 
 def transposed(node: onnx.NodeProto) -> bool:
     """Whether the node's weight is stored ``[out, in]`` (a Gemm with ``transB=1``, torch's ``nn.Linear``)."""
-    return node.op_type == "Gemm" and _attr(node, "transB", 0) == 1
+    return node.op_type == "Gemm" and attribute(node, "transB", 0) == 1
 
 
 def weight_axes(is_transposed: bool) -> tuple[int, int]:
@@ -53,14 +46,14 @@ def separate_gemm_biases(model: onnx.ModelProto, trainable, report: list[dict] |
     nodes, changes = [], []
     for node in graph.node:
         if (node.op_type != "Gemm" or len(node.input) < 3 or not node.input[2] or node.input[1] not in trainable
-                or _attr(node, "transA", 0) != 0 or _attr(node, "alpha", 1.0) != 1.0):
+                or attribute(node, "transA", 0) != 0 or attribute(node, "alpha", 1.0) != 1.0):
             nodes.append(node)
             continue
         label, bias, out = node_label(node), node.input[2], node.output[0]
         product = names.new(f"{out}.gemm")
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "beta"}
         nodes.append(helper.make_node("Gemm", list(node.input[:2]), [product], name=node.name, **attrs))
-        beta = _attr(node, "beta", 1.0)
+        beta = attribute(node, "beta", 1.0)
         if beta != 1.0:
             scale = names.new(f"{out}.beta")
             scaled = names.new(f"{out}.bias_scaled")

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortflow.graph.onnx_tools import constant_values, infer_shapes
+from ortflow.graph.onnx_tools import attribute, constant_values, infer_shapes
 from ortflow.graph.shapes import symbolic_shapes
 
 _CANNOT = "the new shape is computed in a way the split cannot follow"
@@ -251,7 +251,7 @@ def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int
     op = node.op_type
     if op == "Shape":
         rank = len(shapes.get(node.input[0]) or [])
-        start = _attr(node, "start", 0)
+        start = attribute(node, "start", 0)
         return DimOf(node.input[0], (start + rank if start < 0 else start) + element)
     if op in ("Unsqueeze", "Squeeze", "Cast", "Identity"):
         return 0, element
@@ -290,10 +290,6 @@ def _made_by(graph: onnx.GraphProto, producers: dict[str, int], name: str) -> st
     return graph.node[producers[name]].op_type if name in producers else None
 
 
-def _attr(node: onnx.NodeProto, name: str, default):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-
 def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodeProto, element: int) -> int | str:
     """For a Gather (axis 0, constant index) or Slice (constant start, axis 0, step 1) of a 1-D tensor: which element
     of its input its ``element`` is."""
@@ -303,7 +299,7 @@ def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodePr
     length = dims[0]
     if node.op_type == "Gather":
         index = constant_values(graph, node.input[1])
-        if index is None or index.size != 1 or _attr(node, "axis", 0) != 0:
+        if index is None or index.size != 1 or attribute(node, "axis", 0) != 0:
             return _CANNOT
         return int(index.reshape(-1)[0]) % length
     start, _, axes, steps = [constant_values(graph, x) if x else None for x in [*node.input[1:5], "", "", ""][:4]]

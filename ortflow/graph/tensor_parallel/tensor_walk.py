@@ -9,9 +9,7 @@ the reason.
 
 from __future__ import annotations
 
-from onnx import helper
-
-from ortflow.graph.onnx_tools import node_label
+from ortflow.graph.onnx_tools import attribute, node_label
 from ortflow.graph.tensor_parallel.tensor_axes import moved_axis
 from ortflow.graph.tensor_parallel.tensor_fused import FusedParts, keeps_axis, slice_part, split_parts
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm
@@ -21,10 +19,6 @@ from ortflow.graph.tensor_parallel.tensor_shapes import DimOf, shape_entry, stat
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Identity", "Sqrt",
                 "Neg", "Exp", "Log", "Cast", "Where", "FastGelu", "Abs", "Reciprocal", "LeakyRelu", "Elu",
                 "CastLike"}
-
-
-def _attr(node, name, default=None):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 class SplitWalk:
@@ -147,14 +141,14 @@ class SplitWalk:
                 return None
             return "its inputs are not split the same way over a batch axis"
         if op == "Shape":
-            if _attr(node, "start", 0) == 0 and _attr(node, "end") is None:
+            if attribute(node, "start", 0) == 0 and attribute(node, "end") is None:
                 self.shape_of[node.output[0]] = axis
             return None
         if op == "Transpose":
             rank = self._rank(x)
             if rank is None:
                 return "unknown rank"
-            perm = _attr(node, "perm") or list(range(rank))[::-1]
+            perm = attribute(node, "perm") or list(range(rank))[::-1]
             self.split[node.output[0]] = perm.index(rank + axis) - rank
             return None
         if op == "Reshape":
@@ -170,7 +164,7 @@ class SplitWalk:
             return self._split(i, node, axis)
         if op == "Softmax" or op == "LogSoftmax":
             rank = self._rank(x)
-            if rank is None or (_attr(node, "axis", -1) % rank) == rank + axis:
+            if rank is None or (attribute(node, "axis", -1) % rank) == rank + axis:
                 return "softmax over the split axis"
             self.split[node.output[0]] = axis
             return None
