@@ -199,12 +199,16 @@ def check_sizes(model: onnx.ModelProto, plan: TensorParallelPlan, shapes: dict[s
                                                            for w in part_widths(dim, parts))]
         more = f"; and {len(heads) - 3} more head count(s) like them" if len(heads) > 3 else ""
         named = "; ".join(heads[:3]) + more
+        # A fused projection's key/value part is split with its query part: it cannot stay whole on every rank.
+        fused = any("fused parts of" in h and "key/value" in h for h in heads)
         raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {named}: tensor parallelism gives each "
             "rank whole attention heads, so the size must divide the number of query heads (under grouped-query or "
             "multi-query attention each rank keeps the key/value heads its query heads read, whole on every rank "
-            f"where the size does not divide them); use one of {fits} (the sizes that divide every head count and "
-            "the split layers' widths)")
+            "where the size does not divide them"
+            + ("; not those of a projection that fuses them with the query heads, split with them, so there the size "
+               "must divide the key/value heads too" if fused else "")
+            + f"); use one of {fits} (the sizes that divide every head count and the split layers' widths)")
     if bad:
         raise TensorParallelError(
             f"distributed.horizontal_parallel_size {plan.size} does not divide {bad}: choose a size that divides "
