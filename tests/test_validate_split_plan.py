@@ -31,14 +31,21 @@ def lm_config(tmp_path: Path, export: str = "llama.onnx", **distributed) -> Path
     return path
 
 
+def validated_plan(tmp_path: Path, export: str, size: int = 2) -> str:
+    """``ortflow validate`` of ``export`` at tp ``size``: it passes and prints a split plan; its output on one line
+    (the console wraps long lines)."""
+    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=size,
+                                                                   horizontal_parallel_size=size))])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "split plan:" in text and text.rstrip().endswith("valid")
+    return text
+
+
 @pytest.mark.parametrize("export", ["llama.onnx", "qwen2-dynamo.onnx"])
 def test_validate_prints_the_llama_attention_split_by_heads(tmp_path, export):
     """Llama's, and Qwen2's of the same shape, whose query, key and value biases are split with their heads."""
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
-                                                                   horizontal_parallel_size=2))])
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())  # the console wraps long lines
-    assert "split plan:" in text and text.rstrip().endswith("valid")
+    text = validated_plan(tmp_path, export)
     for layer in range(2):
         attn = f"model.model.layers.{layer}.self_attn"
         biases = [f"{attn}.{p}_proj.bias" for p in "qkv"] if export.startswith("qwen2") else []
@@ -58,11 +65,7 @@ def test_validate_prints_the_phi3_fused_qkv_split_per_part_with_the_heads_of_eac
     rank keeps its block of every part; the fused ``gate_up_proj`` split in its two halves (the TorchScript export's
     chunk bounds are ``(D + 1) / 2`` of the width, a constant once configure's passes read the sequence from the
     inputs: each rank's ``(128 + 1) / 2`` is half of its columns)."""
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
-                                                                   horizontal_parallel_size=2))])
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "split plan:" in text and text.rstrip().endswith("valid")
+    text = validated_plan(tmp_path, export)
     for layer in range(2):
         qkv, mlp = f"model.model.layers.{layer}.self_attn.qkv_proj.weight", f"model.model.layers.{layer}.mlp"
         assert (f"columns ['{qkv}'] (+ biases []), rows ['model.model.layers.{layer}.self_attn.o_proj.weight']"
@@ -87,11 +90,7 @@ def test_validate_prints_the_neox_per_head_qkv_split_by_whole_heads(tmp_path, ex
     ``dense`` the rows, on every export: the dynamo exports transpose the keys as [batch * heads, seq, head_dim]
     tensors (torch's sdpa decomposition), whose merged batch and head axis the split follows. 8 ranks cannot share
     4 heads: refused, naming the sizes that fit."""
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
-                                                                   horizontal_parallel_size=2))])
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "split plan:" in text and text.rstrip().endswith("valid")
+    text = validated_plan(tmp_path, export)
     for layer in range(2):
         attn, mlp = f"model.gpt_neox.layers.{layer}.attention", f"model.gpt_neox.layers.{layer}.mlp"
         assert (f"columns ['{mlp}.dense_h_to_4h.weight'] (+ biases ['{mlp}.dense_h_to_4h.bias']), rows "
@@ -143,11 +142,7 @@ def test_validate_prints_the_key_value_heads_replicated_where_the_size_does_not_
     """Multi-query attention (1 key/value head, from both exporters) at tp 2, and the Llama export's 2 key/value heads
     at tp 4: the query heads are split, the key/value projections (and their RoPE) stay whole on every rank and each
     rank's query heads read the key/value heads they map to; nothing is kept replicated with a warning."""
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=size,
-                                                                   horizontal_parallel_size=size))])
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "split plan:" in text and text.rstrip().endswith("valid")
+    text = validated_plan(tmp_path, export, size)
     kv_heads = 1 if export.startswith("llama-mqa") else 2
     for layer in range(2):
         attn = f"model.model.layers.{layer}.self_attn"
@@ -195,11 +190,7 @@ def test_validate_prints_the_gpt2_split_of_every_block_with_the_heads_of_the_fus
     """Both exporters' GPT-2 (TorchScript: ``addmm`` Gemms, the sequence from ``Shape``; dynamo: flattened products, the
     sequence clamped by ``min(n_positions, T)``, the causal mask's ``Where``): each block's attention by heads (the
     fused QKV in its 3 parts, each part's 4 heads named on the line) and MLP, and the tied table."""
-    result = CliRunner().invoke(app, ["validate", str(lm_config(tmp_path, export, num_ranks=2,
-                                                                   horizontal_parallel_size=2))])
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "split plan:" in text and text.rstrip().endswith("valid")
+    text = validated_plan(tmp_path, export)
     for block in range(4):
         h = f"model.transformer.h.{block}"
         assert (f"columns ['{h}.attn.c_attn.weight'] (+ biases ['{h}.attn.c_attn.bias']), "

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ortflow.checkpoints import list_complete
 from ortflow.cli.shared import console, fail, load, say
-from ortflow.cli.stop_signals import STOP_SIGNALS, hand_back
+from ortflow.cli.stop_signals import STOP_SIGNALS, SayOnce, hand_back
 from ortflow.cli.terminal import disk_problem, failure_advice, follow_progress, next_steps, terminal
 from ortflow.config import RunConfig
 from ortflow.versions import EXPORTED_LOCAL_COPY, read_registry
@@ -116,7 +116,7 @@ class _FlowSignals:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.flow_ended = False  # the flow run has its final state: the exit status is decided
-        self._said: set[str] = set()
+        self._say_once = SayOnce()
 
     def handle(self, signum: int, _frame: object) -> None:
         # The first SIGINT/SIGTERM unwinds like Ctrl-C: the train task's launcher stops the ranks with a stop
@@ -131,11 +131,6 @@ class _FlowSignals:
         else:
             self.received.append(signum)
             raise KeyboardInterrupt
-
-    def _say_once(self, line: str) -> None:
-        if line not in self._said:  # a process manager may repeat a signal many times
-            self._said.add(line)
-            say(line)
 
 
 @contextlib.contextmanager

@@ -36,13 +36,25 @@ class StoppedBeforeJob(BaseException):  # noqa: N818 (not an error: a request, u
         self.signum = signum
 
 
+class SayOnce:
+    """Says each line once: a process manager may repeat a signal many times."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def __call__(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            say(line)
+
+
 class StopSignals:
     """The command's stop signals: :attr:`received` collects them, in order."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
         self.phase = "before"  # "job" once the job is being started, "after" once it has ended
-        self._said: set[str] = set()
+        self._say_once = SayOnce()
 
     def handle(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
@@ -54,11 +66,6 @@ class StopSignals:
         if self.received:
             self._say_once(f"{name} again: already stopping; the command exits once the ranks have stopped")
         self.received.append(signum)  # before the watcher took over: it stops the job as soon as it starts
-
-    def _say_once(self, line: str) -> None:
-        if line not in self._said:  # a process manager may repeat a signal many times
-            self._said.add(line)
-            say(line)
 
 
 @contextlib.contextmanager
