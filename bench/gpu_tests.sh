@@ -79,40 +79,11 @@ timeout -s INT -k 20 "$BUDGET_S" "$PY" -c "$PYTEST" "${ARGS[@]}" "${FILES[@]}" "
 status=${PIPESTATUS[0]}
 echo "pytest exit status $status after $(( $(date +%s) - start )) s" | tee -a "$LOG"
 
-"$PY" - "$XML" "$PLAN" "$PROGRESS" "$status" <<'EOF' | tee "$SUMMARY" | tee -a "$LOG"
-import json
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-xml, plan, progress, status = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-planned = [line.strip() for line in plan.read_text().splitlines() if "::" in line]
-seen = {}
-if xml.exists():
-    for case in ET.parse(xml).iter("testcase"):
-        if not case.get("name"):  # the placeholder an interrupted session leaves
-            continue
-        node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
-        status, why = "PASS", ""
-        for kind, label in (("failure", "FAIL"), ("error", "ERROR"), ("skipped", "SKIP")):
-            found = case.find(kind)
-            if found is not None:
-                status, why = label, (found.get("message") or "").splitlines()[0][:160] if found.get("message") else ""
-                break
-        seen[node] = (status, float(case.get("time", 0)), why)
-# A test that started and never finished: the test process died in it (the JUnit file is then missing or partial).
-events = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] if progress.exists() else []
-started = {e["node"] for e in events if e["event"] == "start"}
-finished = {e["node"] for e in events if e["event"] == "finish"}
-for node in started - finished:
-    seen[node] = ("CRASH", 0.0, f"the test process died in this test (pytest exit status {status})")
-counts = {}
-for node in planned + [n for n in seen if n not in planned]:
-    if node not in seen and node in finished and not xml.exists():
-        seen[node] = ("DONE", 0.0, "finished before the test process died (its result is in gpu-tests.log)")
-    status, seconds, why = seen.get(node, ("NOT RUN", 0.0, "time budget or an interrupted run"))
-    counts[status] = counts.get(status, 0) + 1
-    print(f"{status:8} {seconds:7.1f} s  {node}" + (f"  -- {why}" if why else ""))
-print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-EOF
+# The exit status is the summary's: 0 when every collected test passed or skipped (pytest's own status is 1 when its
+# session limit is reached as the last test ends), else pytest's status, or 1 where pytest returned 0.
+"$PY" bench/gpu_tests_summary.py "$XML" "$PLAN" "$PROGRESS" "$status" > "$SUMMARY"
+summary_status=$?
+tee -a "$LOG" < "$SUMMARY"
+if [ "$summary_status" = 0 ]; then exit 0; fi
+if [ "$status" = 0 ]; then exit 1; fi
 exit "$status"
