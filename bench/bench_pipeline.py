@@ -209,17 +209,20 @@ def _configure_as(shape: dict, *args, **kwargs) -> Path:
 
 
 def _configure(root: Path, name: str, ranks: int, stages: int, micro: int, batch: int = BATCH,
-               device: str = "cpu", recompute: bool = False, like: Path | None = None, cuts: tuple = ()) -> Path:
+               device: str = "cpu", recompute: bool = False, like: Path | None = None, cuts: tuple = (),
+               deterministic: bool = True) -> Path:
     """Configure and prepare the data of one contender's run folder ``root/name``; ``like``: a run folder with the
     same artifacts (same stage count), whose artifacts and shards it reuses (hard links) instead of building them;
-    ``cuts``: ``model.pipeline_cuts`` (default: the automatic cuts)."""
+    ``cuts``: ``model.pipeline_cuts`` (default: the automatic cuts); ``deterministic``:
+    ``distributed.deterministic_compute`` on GPUs."""
     from bench.common import link_configured
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
 
     model, corpus = _inputs(root)
-    gpu = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0} if device == "cuda" else {}
+    gpu = {"device": "cuda", "use_nccl": True, "collective_timeout_s": 60.0,
+           "deterministic_compute": deterministic} if device == "cuda" else {}
     cfg = config_from_dict({
         "name": name, "output_dir": str(root / name), "model": {"path": str(model), "pipeline_cuts": list(cuts)},
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": SHAPE["seq_len"]}},
@@ -378,15 +381,15 @@ GPU_DOC = """Pipeline parallelism on 2 GPUs: pp 2 keeping its activations vs pp 
 
 Run on a machine with 2 GPUs and the GPU engine (docs/gpu.md):
 ``python -m bench pipeline-gpu [--batch-size 16] [--rounds 3] [--steps 6] [--micro 2 8] [--d-model 128 ...]
-[--budget-s S]`` (writes bench/out/pipeline-gpu-<host>.json and .md, or into --out). The same GPT and the same worker
-as the CPU bench above (the trainer's own init_runtime, pipeline_step, NCCL exchange and device update), configured
-with ``device: cuda, use_nccl: true``, in four contenders: pp1 (one GPU, its memory only), dp2, pp2 (stage 0 runs
-each micro-batch's forward once and keeps its activations) and pp2-recompute (``distributed.recompute_forward: true``:
-stage 0 recomputes its forward inside the training call). Rounds alternate the contenders (reversed every other
-round); ``--budget-s`` starts no round after that many seconds (at least one runs). The unsplit runs share one
-configure's artifacts, the pp 2 runs another's (hard links: recompute_forward, the rank count and the micro-batch
-count are outside configure's fingerprint); the two configures that build run at once, each in a process of its
-own. Memory here is each rank's whole GPU as used after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL
+[--budget-s S] [--cuts NAME] [--nondeterministic]`` (writes bench/out/pipeline-gpu-<host>.json and .md, or into --out).
+The same GPT and the same worker as the CPU bench above (the trainer's own init_runtime, pipeline_step, NCCL exchange
+and device update), configured with ``device: cuda, use_nccl: true``, in four contenders: pp1 (one GPU, its memory
+only), dp2, pp2 (stage 0 runs each micro-batch's forward once and keeps its activations) and pp2-recompute
+(``distributed.recompute_forward: true``: stage 0 recomputes its forward inside the training call). Rounds alternate the
+contenders (reversed every other round); ``--budget-s`` starts no round after that many seconds (at least one runs). The
+unsplit runs share one configure's artifacts, the pp 2 runs another's (hard links: recompute_forward, the rank count and
+the micro-batch count are outside configure's fingerprint); the two configures that build run at once, each in a process
+of its own. Memory here is each rank's whole GPU as used after the steps (cudaMemGetInfo: the engine's CUDA arena, NCCL
 buffers and the CUDA context), for reference: the CPU bench measures the per-rank memory split.
 
 Each rank reports how its pipeline messages went: ``nccl`` (device to device,
@@ -448,7 +451,9 @@ def gpu_report(record: dict) -> str:
              f"GPT {record['shape']}, micro-batch {record['batch_size']} sequences, `device: cuda`, `use_nccl: true`; "
              f"medians of {rounds} rounds x {record['timed_steps']} timed updates. pp2: stage 0 keeps its "
              "activations; pp2-recompute: `recompute_forward: true`. Cut at "
-             + (f"`model.pipeline_cuts: {record['cuts']}`." if record.get("cuts") else "the automatic cut."), "",
+             + (f"`model.pipeline_cuts: {record['cuts']}`." if record.get("cuts") else "the automatic cut.")
+             + ("" if record.get("deterministic_compute", True) else
+                " Every contender with `distributed.deterministic_compute: false`."), "",
              "| m | contender | samples/s | vs dp2 | stage 0 update ms | stage 1 update ms | stage 0 engine ms | "
              "stage 1 engine ms | idle stage 0 | idle stage 1 | (P-1)/(m+P-1) | parts keeping (stage 0, 1) | "
              "messages (stage 0, 1) |",
@@ -473,21 +478,23 @@ def gpu_report(record: dict) -> str:
     return "\n".join(lines)
 
 
-def gpu_runs(root: Path, micro: list[int], batch: int, cuts: tuple = ()) -> dict:
+def gpu_runs(root: Path, micro: list[int], batch: int, cuts: tuple = (), deterministic: bool = True) -> dict:
     """The GPU bench's contenders, configured: (kind, m) -> (run folder, ranks). One configure builds the unsplit
     artifacts (pp1, every dp2), one the pp 2 stages (every pp2 and pp2-recompute, cut at ``cuts`` when given), both
-    at once in processes of their own; the others reuse them."""
-    first = micro[0]
+    at once in processes of their own; the others reuse them. ``deterministic``: every contender's
+    ``distributed.deterministic_compute``."""
+    first, det = micro[0], {"deterministic": deterministic}
     _inputs(root)
-    unsplit, stages = in_processes([partial(_configure_as, dict(SHAPE), root, "pp1", 1, 1, first, batch, "cuda"),
+    unsplit, stages = in_processes([partial(_configure_as, dict(SHAPE), root, "pp1", 1, 1, first, batch, "cuda",
+                                            **det),
                                     partial(_configure_as, dict(SHAPE), root, f"pp2-m{first}", 2, 2, first, batch,
-                                            "cuda", GPU_PIPELINES["pp2"], cuts=cuts)])
+                                            "cuda", GPU_PIPELINES["pp2"], cuts=cuts, **det)])
     runs = {("pp1", first): (unsplit, 1)}
     for m in micro:
-        runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, batch, "cuda", like=unsplit), 2)
+        runs[("dp2", m)] = (_configure(root, f"dp2-m{m}", 2, 1, m, batch, "cuda", like=unsplit, **det), 2)
         for kind, recompute in GPU_PIPELINES.items():
             runs[(kind, m)] = (_configure(root, f"{kind}-m{m}", 2, 2, m, batch, "cuda", recompute, like=stages,
-                                          cuts=cuts), 2)
+                                          cuts=cuts, **det), 2)
     return runs
 
 
@@ -504,13 +511,16 @@ def gpu_main(argv: list[str] | None = None, *, clock=time.perf_counter) -> None:
     parser.add_argument("--cuts", nargs="+", default=[],
                         help="model.pipeline_cuts of the pp 2 contenders (default: the automatic cut; `ortflow "
                              "validate` lists the places)")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="every contender with distributed.deterministic_compute false (the engine's faster, "
+                             "not repeatable kernels)")
     add_shape_options(parser, SHAPE)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="folder for the .json/.md")
     args = parser.parse_args(argv)
     set_shape(SHAPE, args)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-gpu-") as tmp:
         started = clock()
-        runs = gpu_runs(Path(tmp), args.micro, args.batch_size, tuple(args.cuts))
+        runs = gpu_runs(Path(tmp), args.micro, args.batch_size, tuple(args.cuts), not args.nondeterministic)
         print(f"configured {len(runs)} runs in {clock() - started:.1f} s", flush=True)
         results: dict = {f"{kind}-m{m}": [] for kind, m in runs}
         started, rounds_run = clock(), 0
@@ -527,7 +537,8 @@ def gpu_main(argv: list[str] | None = None, *, clock=time.perf_counter) -> None:
             rounds_run += 1
     command = "python -m bench pipeline-gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "platform": platform.platform(),
-              "shape": dict(SHAPE), "batch_size": args.batch_size, "cuts": args.cuts, "rounds": args.rounds,
+              "shape": dict(SHAPE), "batch_size": args.batch_size, "cuts": args.cuts,
+              "deterministic_compute": not args.nondeterministic, "rounds": args.rounds,
               "rounds_run": rounds_run, "timed_steps": args.steps, "load_average_1min": os.getloadavg()[0],
               "summary": gpu_summarize(results, args.micro), "raw": results}
     args.out.mkdir(parents=True, exist_ok=True)

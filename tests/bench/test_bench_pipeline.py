@@ -51,6 +51,19 @@ def test_the_gpu_bench_cuts_its_pipelines_where_it_is_told(tmp_path, monkeypatch
     assert yaml.safe_load((runs[("dp2", 2)][0] / "config.yaml").read_text())["model"]["pipeline_cuts"] == []
 
 
+def test_the_gpu_bench_configures_every_contender_nondeterministic_when_told(tmp_path, monkeypatch):
+    for key, value in {"d_model": 32, "num_heads": 2, "num_layers": 2, "seq_len": 16}.items():
+        monkeypatch.setitem(bench_pipeline.SHAPE, key, value)
+    for deterministic in (True, False):
+        root = tmp_path / str(deterministic)
+        root.mkdir()
+        (root / "corpus.txt").write_text("each stage reads the same text. " * 300)
+        runs = bench_pipeline.gpu_runs(root, [2], batch=2, deterministic=deterministic)
+        for run_dir, _ in runs.values():
+            config = yaml.safe_load((run_dir / "config.yaml").read_text())
+            assert config["distributed"]["deterministic_compute"] is deterministic, run_dir
+
+
 def _ranks(step0: float, engine0: float, step1: float = 0.0, samples: int = 32, kept: int = 0,
            messages: str | None = "nccl") -> list[dict]:
     return [{"rank": 0, "step_s": step0, "compute_s": engine0, "samples_per_step": samples, "kept_parts": kept,
