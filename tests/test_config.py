@@ -370,6 +370,32 @@ def test_validate_prints_every_problem_and_exits_1(tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", ["train", "evaluate", "export"])
+def test_a_command_that_takes_a_run_folder_given_the_config_file_names_the_steps_and_the_run_folder(tmp_path, command):
+    config = write(tmp_path)
+    result = CliRunner().invoke(app, [command, str(config)])
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert (f"{config} is a config file, not a run folder: run `ortflow configure {config}` and `ortflow prepare-data "
+            f"{config}`, then give its run folder {tmp_path / 'runs' / 'unit'}") in said, said
+    assert str(tmp_path / "runs" / "unit") in said and "Traceback" not in said, said
+    if command == "train":  # once configured, the run folder alone
+        (tmp_path / "runs" / "unit").mkdir(parents=True)
+        (tmp_path / "runs" / "unit" / "config.yaml").write_text(BASE)
+        said = " ".join(CliRunner().invoke(app, [command, str(config)]).output.split())
+        assert f"{config} is a config file, not a run folder: give its run folder {tmp_path / 'runs' / 'unit'}" in said
+        assert "ortflow configure" not in said, said
+
+
+def test_a_command_that_takes_a_run_folder_given_another_file_says_it_is_no_run_folder(tmp_path):
+    other = tmp_path / "notes.txt"
+    other.write_text("not a config: [")
+    result = CliRunner().invoke(app, ["train", str(other)])
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert f"{other} is a file, not a run folder" in said and "Traceback" not in said, said
+
+
 def test_validate_accepts_a_good_config(tmp_path):
     from tests.support.batch_models import sequence_logits_model
 

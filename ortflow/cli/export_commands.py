@@ -113,9 +113,11 @@ def _verify(model: Path) -> None:
 
 def _export_model(source: Path, out: Path | None, names: list[str], eval_model: Path | None, optimize: bool,
                   quantize: bool, tolerance: float, checkpoint: str | None) -> None:
-    from ortflow.config import RESOLVED_CONFIG_NAME, load_run_config
+    from ortflow.config import RESOLVED_CONFIG_NAME, config_file_given, load_run_config
     from ortflow.export import export_model
 
+    if source.is_file():
+        fail(config_file_given(source) + " or one of its checkpoint folders")
     if out is None:
         if not (source / RESOLVED_CONFIG_NAME).exists():
             fail(f"{source} is not a configured run folder: give the output path with -o model.onnx")

@@ -53,6 +53,7 @@ from ortflow.config.loading import (  # noqa: F401
     MAX_CONFIG_BYTES,
     DuplicateKeyError,
     apply_overrides,
+    config_file_given,
     config_from_dict,
     dump_config,
     load_config,

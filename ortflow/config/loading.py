@@ -380,6 +380,19 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path | None = None) -> Path:
     return target
 
 
+def config_file_given(path: Path) -> str:
+    """What to say where a command that takes a run folder (or one of its checkpoint folders) was given a file: the
+    steps and the run folder, when the file is a config."""
+    try:
+        cfg = load_config(path)
+    except (ConfigError, OSError, UnicodeDecodeError):
+        return f"{path} is a file, not a run folder: give the folder that `ortflow configure CONFIG` writes"
+    if (cfg.output_dir / RESOLVED_CONFIG_NAME).exists():
+        return f"{path} is a config file, not a run folder: give its run folder {cfg.output_dir}"
+    return (f"{path} is a config file, not a run folder: run `ortflow configure {path}` and `ortflow prepare-data "
+            f"{path}`, then give its run folder {cfg.output_dir}")
+
+
 def load_run_config(run_dir: Path | str, accept_changed: bool = False) -> RunConfig:
     """Load the resolved config a configured run folder holds (what every rank does at start), verified first
     against the record its writer left (:mod:`.sealed`).
@@ -393,6 +406,8 @@ def load_run_config(run_dir: Path | str, accept_changed: bool = False) -> RunCon
         ConfigError: no config.yaml, it differs from its record or the record is damaged (file, expected, fix), or the
             config is invalid.
     """
+    if Path(run_dir).is_file():
+        raise ConfigError([config_file_given(Path(run_dir))], str(run_dir))
     path = (Path(run_dir) / RESOLVED_CONFIG_NAME).resolve()
     if not path.exists():
         raise ConfigError([f"{Path(run_dir) / RESOLVED_CONFIG_NAME} does not exist: run `ortflow configure CONFIG` "

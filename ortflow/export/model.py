@@ -148,6 +148,10 @@ def resolve_source(
         CheckpointError: the checkpoint named is damaged.
     """
     source = Path(source)
+    if source.is_file():
+        from ortflow.config import config_file_given
+
+        raise ExportError(config_file_given(source) + " or one of its checkpoint folders")
     if not source.is_dir():
         raise ExportError(f"{source} does not exist or is not a folder; give a run folder or a checkpoint folder")
     if (source / META_FILE).exists():
