@@ -45,7 +45,8 @@ def replicated_kv(graph: onnx.GraphProto, shapes: dict[str, list], seeds: set[in
 
     An attention product is a MatMul of two activations over a head axis (``[..., H, T, x]``) whose second input is
     computed from projections its first is not (the keys of ``q @ k^T``, the values of ``p @ v``). Such a projection
-    has ``width * H / query width`` heads; it is replicated when ``size`` divides the ``H`` query heads but not its
+    has ``width * H / query width`` heads (the query: the projections its first input is computed from that feed no
+    other such projection); it is replicated when ``size`` divides the ``H`` query heads but not its
     heads (with ``size`` dividing both, the split keeps whole key/value heads with the query heads that read them).
 
     Returns:
@@ -67,6 +68,9 @@ def replicated_kv(graph: onnx.GraphProto, shapes: dict[str, list], seeds: set[in
             continue
         first, second = ({s for s in seeds if x in reach[s]} for x in (a, b))
         first, second = first - second - set(kv), second - first  # the earlier layers' projections reach both
+        # the query projections, not the layers that feed them (a cross-attention's keys come from another stack, so
+        # the earlier layers of the query's stack reach its queries alone: T5's decoder MLPs)
+        first = {s for s in first if not any(graph.node[t].input[0] in reach[s] for t in first if t != s)}
         widths = [(shapes.get(graph.node[s].output[0]) or [None])[-1] for s in first]
         query = max((w for w in widths if isinstance(w, int)), default=None)
         if not second or query is None:

@@ -48,6 +48,11 @@ class Region:
         replicated_kv: Key/value projections left whole on every rank because ``tp`` does not divide their heads
             (:mod:`ortflow.graph.tensor_parallel.tensor_kv`) -> (their key/value heads, the query heads): replicated
             nodes before the region, whose keys and values each rank's query heads read a block of.
+        position_bias: Relative position bias tables whose bias the region adds to its scores
+            (:mod:`ortflow.graph.tensor_parallel.tensor_bias`) -> the axis of their heads (1: each rank keeps its
+            heads' columns and computes the region's bias from them).
+        head_slices: Replicated biases computed from no trained parameter that the region adds to its scores: each
+            rank reads its heads' block (T5's cross-attention's zeros plus the mask).
     """
 
     columns: list[str] = field(default_factory=list)
@@ -64,6 +69,8 @@ class Region:
     num_heads: dict[str, int] = field(default_factory=dict)
     replicated_kv: dict[str, tuple[int, int]] = field(default_factory=dict)
     part_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # fused parts of their own widths -> heads
+    position_bias: dict[str, int] = field(default_factory=dict)
+    head_slices: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +83,9 @@ class TensorParallelPlan:
     kept: dict[str, str]  # candidate weight -> why it stays replicated
     # (node index, input index, axis, full length) of replicated keys/values each rank slices to its query heads' block
     slices: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # (Add of a region's scores, the bias path tensor it reads, the path's nodes, their outputs in the rank's copy)
+    bias_paths: list[tuple[int, str, tuple[int, ...], tuple[str, ...]]] = field(default_factory=list)
+    bias_nodes: list[int] = field(default_factory=list)  # the split tables' whole paths: not in the rank's model
 
     def slicing(self) -> dict[str, tuple[int, int]]:
         """Sliced parameter -> (axis, parts): axis 1 (columns) or 0 (rows / a bias's only axis); swapped for a
@@ -86,6 +96,7 @@ class TensorParallelPlan:
             out.update({b: (0, r.groups.get(b, 1)) for b in r.biases})
             out.update({w: (weight_axes(w in r.transposed)[1], 1) for w in r.rows})
             out.update({w: (axis, 1) for w, axis in r.vocab.items()})
+            out.update({w: (axis, 1) for w, axis in r.position_bias.items()})
         return out
 
 
@@ -117,6 +128,11 @@ def _heads_note(r: Region, size: int) -> str:
         note += (f"; key/value heads replicated: {list(r.replicated_kv)} whole on every rank ({kv_heads} key/value "
                  f"head(s), tensor-parallel size {size}; their gradients summed over the ranks): "
                  + reads_note(kv_heads, heads, size))
+    if r.position_bias:
+        note += (f"; relative position bias tables by their heads' columns {list(r.position_bias)} (each rank "
+                 "computes this region's bias from its columns)")
+    if r.head_slices:
+        note += f"; biases without parameters, each rank its heads' block: {r.head_slices}"
     return note
 
 

@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 
 from ortflow.graph.exports.gelu import declare_fused_types
 from ortflow.graph.onnx_tools import Names, constant_values
+from ortflow.graph.tensor_parallel.tensor_bias import clone_path
 from ortflow.graph.tensor_parallel.tensor_kv import slice_heads
 from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan, part_widths
 from ortflow.graph.tensor_parallel.tensor_vocab import shard_vocab
@@ -96,8 +97,13 @@ def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int,
         node.input[pos] = out
     for i, pos, axis, full in plan.slices:  # replicated keys/values: the block this rank's query heads read
         new_nodes.setdefault(i, []).extend(slice_heads(graph, names, graph.node[i], pos, axis, full, size, rank))
+    for i, x, path, outs in plan.bias_paths:  # each split attention's bias from the rank's columns of the table
+        new_nodes.setdefault(i, []).extend(clone_path(graph, names, path, outs, f"tp{size}"))
+        node = graph.node[i]
+        node.input[list(node.input).index(x)] = outs[-1]
+    replaced.update({i: [] for i in plan.bias_nodes})
     split = {out for r in plan.regions for i in r.nodes for out in graph.node[i].output} | {
-        m for r in plan.regions for m in r.members}
+        m for r in plan.regions for m in r.members} | {graph.node[i].output[0] for i in plan.bias_nodes}
     ordered = []
     for i, node in enumerate(graph.node):
         ordered += new_nodes.get(i, []) + replaced.get(i, [node])

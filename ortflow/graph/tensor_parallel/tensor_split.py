@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import onnx
 
+from ortflow.graph.onnx_tools import Names
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm, transposed
 from ortflow.graph.tensor_parallel.tensor_kv import replicated_kv, tp_note
 from ortflow.graph.tensor_parallel.tensor_plan import (
@@ -78,6 +79,7 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
         if downstream:  # fed by another seed's activation: a row-split MatMul, not a seed
             seeds -= downstream
             continue
+        _refuse_tables(model.graph, walk)
         failed = {s for s in seeds if walk.find(s) in walk.failed}
         ends = {walk.find(walk.node_comp[r]) for r in walk.rows}
         unended = {s for s in seeds if walk.find(s) not in ends} - failed
@@ -100,7 +102,8 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
     split_so_far = set(TensorParallelPlan(size, regions, [], {}).slicing())
     regions += plan_vocab(model, trainable, size, walk.shapes, split_so_far, kept, embedded)
     plan = TensorParallelPlan(size, regions, [w[:4] for w in walk.rewrites], kept,
-                              [x[:4] for x in walk.slices if walk.find(x[4]) not in walk.failed])
+                              [x[:4] for x in walk.slices if walk.find(x[4]) not in walk.failed],
+                              *_bias_copies(model.graph, walk, regions))
     check_sizes(model, plan, walk.shapes, walk.head_counts, unsplit)
     check_rewrites_private(model, plan, walk.readers)
     return plan
@@ -176,11 +179,56 @@ def _regions(graph, walk: SplitWalk, seeds: set[int], candidates: dict[int, str]
         if i in walk.biases:
             r.biases.append(walk.biases[i])
             walk.parts.mark(r, walk.bias_of[graph.node[i].output[0]], walk.biases[i], bias=True)
-    for i, _, _, _, c in walk.slices:  # the replicated key/value projections whose heads the product reads
-        by_root[walk.find(c)].replicated_kv.update({candidates[s]: kv[s] for s in sorted(products[i])})
+    for i, pos, _, _, c in walk.slices:  # the replicated key/value projections whose heads the product reads
+        if i in products:
+            by_root[walk.find(c)].replicated_kv.update({candidates[s]: kv[s] for s in sorted(products[i])})
+        elif graph.node[i].input[pos] not in by_root[walk.find(c)].head_slices:  # a bias without parameters
+            by_root[walk.find(c)].head_slices.append(graph.node[i].input[pos])
+    for _, x, c in walk.bias_reads:  # a relative position bias: the table's columns of the region's heads
+        by_root[walk.find(c)].position_bias[walk.bias.table[x]] = 1
     for r in by_root.values():
         r.nodes.sort()
     return [by_root[k] for k in sorted(by_root)]
+
+
+def _refuse_tables(graph: onnx.GraphProto, walk: SplitWalk) -> None:
+    """Keep whole every attention that adds the bias of a relative position bias table that cannot be split by its
+    columns (:mod:`ortflow.graph.tensor_parallel.tensor_bias`: a tensor of its path read by anything but the path and
+    the scores of attentions split by heads), until every table read is splittable or kept whole."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        accepted: dict[str, set[tuple[int, str]]] = {}
+        for i, x, c in walk.bias_reads:
+            if walk.find(c) not in walk.failed:
+                accepted.setdefault(walk.bias.table[x], set()).add((i, x))
+        refused = {t: walk.bias.problem(t, accepted[t], outputs, graph) for t in sorted(accepted)}
+        failing = [(c, t) for _, x, c in walk.bias_reads
+                   if refused.get(t := walk.bias.table[x]) and walk.find(c) not in walk.failed]
+        if not failing:
+            return
+        for c, t in failing:
+            walk.fail(c, f"the relative position bias table '{t}' cannot be split by its heads' columns: {refused[t]}")
+
+
+def _bias_copies(graph: onnx.GraphProto, walk: SplitWalk, regions: list[Region]) -> tuple[list, list[int]]:
+    """Each split attention's own copy of the bias path it reads (the names of the copies' outputs, which join the
+    region's members), and the nodes of the split tables' paths, which the ranks' models leave out."""
+    tables = {t for r in regions for t in r.position_bias}
+    if not tables:
+        return [], []
+    names, copies = Names(graph), []
+    by_root = {}
+    for r in regions:  # the region of each bias read: the one holding its Add
+        by_root.update(dict.fromkeys(r.nodes, r))
+    for i, x, _ in walk.bias_reads:
+        nodes = walk.bias.nodes[x]
+        outs = tuple(names.new(f"{graph.node[k].output[0]}.tp_bias") for k in nodes)
+        copies.append((i, x, nodes, outs))
+        r = by_root[i]
+        r.members = r.members or [graph.node[k].output[0] for k in r.nodes]
+        r.members += outs
+    dropped = sorted({walk.producers[x] for t in tables for x in walk.bias.outputs[t]})
+    return copies, dropped
 
 
 def split_for_rank(model: onnx.ModelProto, trainable, size: int, rank: int,

@@ -3,14 +3,16 @@ column-split projections (seeds) through the ops the split follows (:mod:`ortflo
 lists them) to the row-split products that end a region, with what each rank's piece needs on the way: the constants
 to rewrite for the local sizes, the head counts, the parts of fused projections
 (:mod:`ortflow.graph.tensor_parallel.tensor_fused`), the replicated keys and values each rank slices
-(:mod:`ortflow.graph.tensor_parallel.tensor_kv`); and, for a seed whose activation meets what the split cannot follow,
-the reason.
+(:mod:`ortflow.graph.tensor_parallel.tensor_kv`), the biases with a head axis added to the scores
+(:mod:`ortflow.graph.tensor_parallel.tensor_bias`); and, for a seed whose activation meets what the split cannot
+follow, the reason.
 """
 
 from __future__ import annotations
 
 from ortflow.graph.onnx_tools import attribute, node_label
 from ortflow.graph.tensor_parallel.tensor_axes import moved_axis
+from ortflow.graph.tensor_parallel.tensor_bias import BiasPaths, parameter_free
 from ortflow.graph.tensor_parallel.tensor_fused import FusedParts, keeps_axis, slice_part, split_parts
 from ortflow.graph.tensor_parallel.tensor_gemm import is_plain_gemm
 from ortflow.graph.tensor_parallel.tensor_merged import batch_entries, merged_reshape
@@ -34,6 +36,10 @@ class SplitWalk:
             for x in n.input:
                 self.readers.setdefault(x, []).append(i)
             self.producers.update(dict.fromkeys(n.output, i))
+        self.bias = BiasPaths(self.g, trainable, self.shapes, self.producers, self.readers,
+                              {x.name for x in self.g.input})
+        self.bias_reads: list[tuple[int, str, int]] = []  # (Add of the scores, bias path tensor it reads, component)
+        self.free: dict[str, bool] = {}  # tensor -> no trained parameter among its ancestors
         self.split: dict[str, int] = {}  # tensor -> split axis (negative)
         self.merged: dict[str, int] = {}  # tensor (or its Shape) split on heads merged with the batch -> the heads
         self.comp: dict[str, int] = {}  # tensor -> seed id (union-find root of its component)
@@ -190,10 +196,32 @@ class SplitWalk:
             if x in self.trainable:
                 return f"the parameter '{x}' would need slicing"
             dim = self._dim(x, axis)
-            if dim is not None and dim != 1:
+            if dim is not None and dim != 1 and not self._head_bias(i, node, x, axis, dim):
+                if x in self.bias.axis:
+                    return (f"'{x}' (the bias from '{self.bias.table[x]}') does not have its heads on the split axis"
+                            if self.bias.axis[x] != axis else
+                            f"'{x}' (the bias from '{self.bias.table[x]}') is not added to scores split by heads")
                 return f"'{x}' is not broadcast along the split axis"
         self.split[node.output[0]] = axis
         return None
+
+    def _head_bias(self, i: int, node, x: str, axis: int, dim: int) -> bool:
+        """Whether ``x``, as long as the split axis, is a bias added to scores split by heads that each rank reads its
+        heads' block of (:mod:`ortflow.graph.tensor_parallel.tensor_bias`): computed from a relative position bias
+        table (the rank computes it from its columns), or from no trained parameter (the rank slices it)."""
+        split = [y for y in node.input if y in self.split]
+        if node.op_type != "Add" or dim != self._dim(split[0], axis) or any(y in self.merged for y in split):
+            return False
+        root = self.find(self.comp[split[0]])
+        if x in self.bias.axis:
+            if self.bias.axis[x] != axis:
+                return False
+            self.bias_reads.append((i, x, root))
+            return True
+        if not parameter_free(self.g, self.trainable, self.producers, x, self.free):
+            return False
+        self.slices.append((i, list(node.input).index(x), axis, dim, root))
+        return True
 
     def _split(self, i: int, node, axis: int) -> str | None:
         seed = self.bias_of.get(node.input[0])
