@@ -11,7 +11,9 @@ axis (scores and context), the head axis merged with the batch axis before it fo
 D]``: :mod:`ortflow.graph.tensor_parallel.tensor_merged`), the parts of a fused projection (QKV, gate and up) read by
 a ``Split`` or by ``Slice``s of its columns (each rank keeps its block of every part:
 :mod:`ortflow.graph.tensor_parallel.tensor_fused`), and Expand of a replicated tensor to a split tensor's ``Shape``
-(the Where gradient fix on a causal mask's fill). The bias after a
+(the Where gradient fix on a causal mask's fill), and a bias as long as the heads added to the scores (T5's relative
+position bias, each rank computing it from its heads' columns of the table; a bias without parameters, each rank
+reading its heads' block: :mod:`ortflow.graph.tensor_parallel.tensor_bias`). The bias after a
 row-split MatMul is added once, after the all-reduce; it and everything outside a region stay replicated.
 
 Shape entries that carry a head count or width are rewritten for the local size where they are constants
