@@ -85,3 +85,14 @@ def test_a_bias_table_whose_bias_is_also_read_elsewhere_keeps_the_attentions_tha
         assert plan.kept[f"{attn}.q.weight"] == why and plan.kept[f"{attn}.k.weight"] == why, plan.kept
     assert not [w for w in plan.kept if ".decoder." in w], plan.kept
     assert TABLE.format("encoder") not in plan.slicing() and plan.slicing()[TABLE.format("decoder")] == (1, 1)
+
+
+def test_a_size_that_does_not_divide_the_t5_heads_is_refused_naming_them_and_the_sizes_that_fit(tmp_path):
+    """tp 8 on the 4 heads: refused before any engine call, naming the heads and the sizes 1, 2 and 4."""
+    from ortflow.configure.artifacts import ArtifactsError
+
+    with pytest.raises(ArtifactsError) as err:
+        configured(tmp_path, "t5.onnx", 8)
+    assert str(err.value).startswith("distributed.horizontal_parallel_size 8 does not divide the 4 heads of "
+                                     "model.encoder.block.0.layer.0.SelfAttention.q.weight; "), err.value
+    assert "use one of [1, 2, 4]" in str(err.value)
