@@ -109,7 +109,7 @@ def slice_heads(graph: onnx.GraphProto, names: Names, node: onnx.NodeProto, pos:
     """The nodes that give ``node``'s input ``pos`` (replicated, ``full`` long on ``axis``) as rank ``rank``'s block of
     ``full / size`` along ``axis``; ``node`` reads the block."""
     x, n = node.input[pos], full // size
-    out = names.new(f"{x}.tp{size}.rank{rank}")
+    out = names.new(f"{x}.tp{size}.heads")  # the same name on every rank: a piece may send it
     made = []
     inputs = [x]
     for what, value in (("starts", rank * n), ("ends", (rank + 1) * n), ("axes", axis)):
