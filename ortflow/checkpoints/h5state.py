@@ -20,6 +20,7 @@ import numpy as np
 
 from ortflow.checkpoints import tp as tpfiles
 from ortflow.checkpoints.folder import CHECKPOINT_FILE, PARAMS_FILE, CheckpointError, h5_file
+from ortflow.tensor_slices import parts_of
 
 log = logging.getLogger("ortflow.checkpoints")
 
@@ -97,7 +98,7 @@ def write_state(state: TrainState, folder: Path) -> None:
         if state.rank != 0 and not own:
             return
         params = state.parameters()
-        marks = {n: (int(a), tpfiles.parts_of(p), size, params[n].shape) for n, (a, p) in slicing.items()
+        marks = {n: (int(a), parts_of(p), size, params[n].shape) for n, (a, p) in slicing.items()
                  if n in params}
         if state.rank == 0:
             write_params(folder / tpfiles.tp_file("params", t, size, state.stage), params, set(state.trainable),

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ortflow.checkpoints.folder import CheckpointError, h5_file
+from ortflow.tensor_slices import merge_slices, parts_of
 
 
 def tp_file(kind: str, rank: int, size: int, stage: tuple[int, int] | None = None) -> str:
@@ -34,38 +35,6 @@ def tp_optimizer_files(folder: Path, rank: int, size: int, stage: tuple[int, int
     whole = Path(folder) / tp_file("optimizer", rank, size, stage)
     shards = sorted(Path(folder).glob(f"{whole.stem}-rank*.h5"))
     return shards if shards and not whole.exists() else [whole]
-
-
-def parts_of(value) -> int | list[int]:
-    """A weight's fused parts as recorded (JSON, an HDF5 attribute): their number, or their widths (parts of unequal
-    widths: Phi-3's fused query, key and value projection under grouped-query attention)."""
-    return int(value) if np.ndim(value) == 0 else [int(v) for v in np.asarray(value).reshape(-1)]
-
-
-def _split_parts(value: np.ndarray, parts: int | list[int], axis: int) -> list[np.ndarray]:
-    """``value`` cut along ``axis`` into its fused parts: equal ones, or in proportion to the recorded widths (a
-    rank's slice holds the same proportion of each part as the whole tensor)."""
-    if isinstance(parts, int):
-        return np.split(value, parts, axis=axis)
-    length, total = value.shape[axis], sum(parts)
-    return np.split(value, np.cumsum([length * p // total for p in parts])[:-1], axis=axis)
-
-
-def slice_tensor(value: np.ndarray, axis: int, parts: int | list[int], size: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``, their number or widths: its block of every
-    part, concatenated)."""
-    axis = axis if value.ndim > 1 else 0
-    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in _split_parts(value, parts_of(parts), axis)],
-                          axis=axis)
-
-
-def merge_slices(pieces: list[np.ndarray], axis: int, parts: int | list[int]) -> np.ndarray:
-    """The whole tensor from every rank's :func:`slice_tensor` (in rank order): its inverse."""
-    axis = axis if pieces[0].ndim > 1 else 0
-    parts = parts_of(parts)
-    per_rank = [_split_parts(p, parts, axis) for p in pieces]
-    return np.concatenate([np.concatenate([r[k] for r in per_rank], axis=axis) for k in range(len(per_rank[0]))],
-                          axis=axis)
 
 
 def tp_files(folder: Path, kind: str) -> list[Path]:

@@ -10,11 +10,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from ortflow.checkpoints.tp import merge_slices
 from ortflow.examples.gpt import build_gpt
 from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
-from ortflow.graph.tensor_parallel.tensor_shard import shard_model, slice_tensor
+from ortflow.graph.tensor_parallel.tensor_shard import shard_model
 from ortflow.graph.tensor_parallel.tensor_split import TensorParallelError, plan_tensor_parallel_split, split_for_rank
+from ortflow.tensor_slices import merge_slices, slice_tensor
 from tests.support.gpt import gpt2_style
 from tests.support.tensor_sim import run_pieces, run_whole, trainable
 
@@ -155,14 +155,11 @@ def test_a_model_without_a_splittable_layer_is_refused(tmp_path):
 
 @pytest.mark.parametrize("axis,parts", [(1, 1), (1, 3), (0, 1), (0, [8, 2, 2]), (1, [8, 16])])
 def test_slices_merge_back_to_the_whole_tensor(axis, parts):
-    """Equal fused parts by their number, unequal ones by their widths (Phi-3's query, key and value rows)."""
-    from ortflow.checkpoints.tp import slice_tensor as checkpoint_slice
-
+    """Equal fused parts by their number, unequal ones by their widths (Phi-3's query, key and value rows): one
+    slicing for configure's rank models, a resuming rank's checkpoint and merged checkpoints."""
     value = np.arange(12 * 24, dtype=np.float32).reshape(12, 24)
     pieces = [slice_tensor(value, axis, parts, 2, r) for r in range(2)]
     assert pieces[0].shape[axis] == value.shape[axis] // 2
-    for r in range(2):  # the checkpoints' slicing (a resumed rank's) is the graph pass's
-        np.testing.assert_array_equal(checkpoint_slice(value, axis, parts, 2, r), pieces[r])
     np.testing.assert_array_equal(merge_slices(pieces, axis, parts), value)
     if parts == [8, 2, 2]:  # rank 1: the second half of each part's rows
         np.testing.assert_array_equal(pieces[1], np.concatenate([value[4:8], value[9:10], value[11:12]]))

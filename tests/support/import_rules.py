@@ -12,19 +12,20 @@ from pathlib import Path
 #: leaves out). A part is a subpackage or a top-level module; "*" means any part. A part missing here is reported.
 LAYERS: dict[str, set[str]] = {
     "config": set(),
-    "graph": {"config"},
+    "graph": {"config", "tensor_slices"},
     "storage": {"config"},  # fsspec: remote folders, the sync of a run folder's local copy
     "dataprep": {"config", "storage"},
-    "checkpoints": {"config", "processes", "storage"},
+    "checkpoints": {"config", "processes", "storage", "tensor_slices"},
     "configure": {"config", "graph", "checkpoints", "engine", "artifacts_folder"},
     "trainer": {"config", "dataprep", "checkpoints", "engine", "processes", "gpus", "artifacts_folder", "cuda_libs",
-                "protocol", "storage"},
+                "protocol", "storage", "tensor_slices"},
     "launch": {"config", "processes", "gpus", "protocol"},
     "export": {"config", "checkpoints", "graph", "engine", "artifacts_folder"},
     "engine": {"cuda_libs"},  # the one module that imports onnxruntime.training; its CUDA libraries load first
     # Neutral homes below the stages: each imports nothing from ortflow but gpus (cuda_libs).
     "artifacts_folder": set(),  # the artifacts folder's on-disk format: configure writes it, ranks and export read it
     "cuda_libs": {"gpus"},  # the engine's CUDA libraries: the engine, the ranks and validate load or check them
+    "tensor_slices": set(),  # a tensor-parallel rank's slice of a weight, and the merge: graph passes, checkpoints
     # exit statuses, environment variables and output tags between launchers and ranks; the late bound between
     # `ortflow automations` and flow runs
     "protocol": set(),

@@ -16,11 +16,11 @@ import onnx
 import onnxruntime as ort
 
 from ortflow.artifacts_folder import GRAD_IN_SUFFIX, piece_dir, read_tensor_record
-from ortflow.checkpoints.tp import merge_slices
 from ortflow.engine import api
 from ortflow.graph.tensor_parallel.tensor_pieces import cut_pieces
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
 from ortflow.graph.tensor_parallel.tensor_split import plan_tensor_parallel_split
+from ortflow.tensor_slices import merge_slices
 
 
 def trainable(model: onnx.ModelProto) -> list[str]:

@@ -11,6 +11,7 @@ import onnx
 from ortflow.graph.onnx_tools import node_label
 from ortflow.graph.tensor_parallel.tensor_gemm import weight_axes
 from ortflow.graph.tensor_parallel.tensor_kv import reads_note
+from ortflow.tensor_slices import part_widths
 
 log = logging.getLogger("ortflow.graph.tensor_parallel.tensor_split")
 
@@ -103,15 +104,6 @@ class TensorParallelPlan:
 def num_parts(parts: int | tuple[int, ...] | list[int]) -> int:
     """How many fused parts a weight has (:attr:`Region.groups`: their number, or their widths)."""
     return parts if isinstance(parts, int) else len(parts)
-
-
-def part_widths(length: int, parts: int | tuple[int, ...] | list[int]) -> list[int]:
-    """The widths of a weight's fused parts along an axis of ``length``: equal, or in proportion to the widths the
-    plan recorded (a rank's block of every part is the same proportion of its slice)."""
-    if isinstance(parts, int):
-        return [length // parts] * parts
-    total = sum(parts)
-    return [length * p // total for p in parts]
 
 
 def _heads_note(r: Region, size: int) -> str:

@@ -1,6 +1,6 @@
 """Rank ``r``'s model of a tensor-parallel split: its slices of the split weights, local sizes in the shapes.
 
-The inverse (whole tensors from every rank's slices) is :func:`ortflow.checkpoints.tp.merge_slices`.
+The inverse (whole tensors from every rank's slices) is :func:`ortflow.tensor_slices.merge_slices`.
 """
 
 from __future__ import annotations
@@ -16,16 +16,9 @@ from ortflow.graph.exports.gelu import declare_fused_types
 from ortflow.graph.onnx_tools import Names, constant_values
 from ortflow.graph.tensor_parallel.tensor_bias import clone_path
 from ortflow.graph.tensor_parallel.tensor_kv import slice_heads
-from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan, part_widths
+from ortflow.graph.tensor_parallel.tensor_plan import TensorParallelPlan
 from ortflow.graph.tensor_parallel.tensor_vocab import shard_vocab
-
-
-def slice_tensor(value: np.ndarray, axis: int, parts: int | list[int], size: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s block of ``value`` along ``axis`` (with ``parts``, their number or their widths: its block of
-    every part, concatenated)."""
-    axis = axis if value.ndim > 1 else 0
-    split = np.split(value, np.cumsum(part_widths(value.shape[axis], parts))[:-1], axis=axis)
-    return np.concatenate([np.split(p, size, axis=axis)[rank] for p in split], axis=axis)
+from ortflow.tensor_slices import slice_tensor
 
 
 def weight_values(tensor: onnx.TensorProto, folder: Path | None) -> np.ndarray:

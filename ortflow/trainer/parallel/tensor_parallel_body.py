@@ -30,8 +30,8 @@ import numpy as np
 
 from ortflow.artifacts_folder import GRAD_IN_SUFFIX, piece_dir
 from ortflow.checkpoints import CheckpointError, h5state
-from ortflow.checkpoints.tp import merge_slices, slice_tensor
 from ortflow.engine import api
+from ortflow.tensor_slices import merge_slices, slice_tensor
 from ortflow.trainer.comm import Communicator
 from ortflow.trainer.comm.engine_buffers import DeviceBuffers, HostBuffers
 from ortflow.trainer.parallel.activations import DeviceTensors, HostTensors
