@@ -29,7 +29,8 @@ setup: $(STAMP)
 # The GPT example trains on the standard library's own source files (their folder differs between machines).
 STDLIB_GLOB = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/*.py
 
-# Everything the demo writes (its run folder, Prefect's run history) lives under .demo/; `make clean` removes it.
+# Everything the demo writes (its run folder, Prefect's run history) lives under .demo/, but for the model it builds,
+# examples/gpt/model.onnx; `make clean` removes both, with .venv.
 DEMO := .demo
 
 demo: setup
@@ -60,7 +61,7 @@ faults: setup
 	$(BIN)/python -m tests.faults.campaign $(FAULTS_ARGS)
 
 clean:
-	rm -rf $(VENV) $(DEMO) runs examples/*/runs
+	rm -rf $(VENV) $(DEMO) runs examples/*/runs examples/gpt/model.onnx
 
 docs: setup
 	$(BIN)/python tools/update_config_reference.py

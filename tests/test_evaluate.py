@@ -42,7 +42,10 @@ def cli(*args: str) -> dict:
 
 def test_initial_weights_evaluate_and_export_before_any_training(tmp_path):
     cfg = make_run(tmp_path, "run", train={"eval_batch_size": 5})  # 64 eval rows: the last batch is short
-    cli("export", str(cfg.output_dir), "--checkpoint", "initial", "-o", str(tmp_path / "initial.onnx"))
+    said = CliRunner().invoke(app, ["export", str(cfg.output_dir), "--checkpoint", "initial", "-o",
+                                    str(tmp_path / "initial.onnx")])
+    assert said.exit_code == 0, said.output
+    assert "(step 0, no eval loss recorded in training)" in said.output, said.output  # not "eval loss None"
     exported = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "initial.onnx")).graph.initializer}
     for tensor in onnx.load(str(cfg.model.path)).graph.initializer:  # the configured weights, bit for bit
         assert exported[tensor.name].tobytes() == numpy_helper.to_array(tensor).tobytes(), tensor.name

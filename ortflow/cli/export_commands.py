@@ -129,9 +129,11 @@ def _export_model(source: Path, out: Path | None, names: list[str], eval_model: 
     except ValueError as err:  # ExportError, CheckpointError, ConfigError: each message says what to do
         fail(str(err))
     ver = result.verification
+    recorded = ("no eval loss recorded in training" if result.eval_loss is None  # the initial weights
+                else f"eval loss {result.eval_loss} as training recorded it")
     console.print(
-        f"[green]exported[/] {result.path} from {result.checkpoint.name} (step {result.step}, eval loss "
-        f"{result.eval_loss} as training recorded it); outputs {list(result.outputs)}; max abs diff to the eval graph "
+        f"[green]exported[/] {result.path} from {result.checkpoint.name} (step {result.step}, {recorded}); "
+        f"outputs {list(result.outputs)}; max abs diff to the eval graph "
         f"{ver.max_abs_diff} "
         f"<= {ver.tolerance} on {ver.num_rows} rows ({ver.data}); sha256 {result.sha256}",
         highlight=False,
