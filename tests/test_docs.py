@@ -1,5 +1,6 @@
 """README and docs stay true to the code and to the repository: the commands it opens with, the generated config
-reference, the CLI commands they name, the example config, every link and path, and no development history."""
+reference, the CLI commands and options they name, the example config, every link, section link and path, and no
+development history."""
 
 import re
 import sys
@@ -101,3 +102,57 @@ def test_docs_hold_no_run_logs(page):
     reports = re.findall(r"bench/reports/[A-Za-z0-9_.-]*[A-Za-z0-9_]", text)
     missing = sorted({r for r in reports if not (ROOT / r).exists()})
     assert not missing, f"{page.name} cites reports that bench/reports/ lacks: {missing}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The section anchors GitHub gives a page's headings (lower case, punctuation dropped, spaces to hyphens)."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#{1,6} (.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_to_sections_exist(page):
+    """A link to `page.md#section` (or `#section` on the same page) names a heading the page has."""
+    missing = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+        linked = page.parent / target if target else page
+        if "://" not in target and linked.suffix == ".md" and linked.exists() and anchor not in _anchors(linked):
+            missing.append(f"{target}#{anchor}")
+    assert not missing, f"{page.name} links to sections that do not exist: {sorted(set(missing))}"
+
+
+def _options() -> dict[str, set[str]]:
+    """Every command's options (`checkpoint verify` for a subcommand), as the CLI defines them."""
+    import typer.main
+
+    found = {}
+
+    def walk(group, prefix):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                walk(command, f"{prefix}{name} ")
+            found[prefix + name] = {o for p in command.params for o in (*p.opts, *p.secondary_opts) if o[0] == "-"}
+
+    walk(typer.main.get_command(app), "")
+    return found
+
+
+def test_every_option_the_docs_give_a_command_exists():
+    """`ortflow CMD ... --option` in a page's code spans and shell blocks: CMD has that option (and a subcommand such as
+    `ortflow checkpoint verify` exists)."""
+    options = _options()
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        lines = [*re.findall(r"`([^`\n]+)`", text),
+                 *(line for block in re.findall(r"```(?:bash)?\n(.*?)```", text, re.S) for line in block.splitlines())]
+        for line in lines:
+            for command, rest in re.findall(r"\bortflow ((?:checkpoint )?[a-z-]+)([^|;#&`]*)", line):
+                rest = re.split(r"\s(?:ortflow|prefect|mpiexec|python)\s", rest)[0]
+                if command.startswith("checkpoint ") and command not in options:
+                    wrong.append(f"{page.name}: ortflow {command}")
+                wrong += [f"{page.name}: ortflow {command} {flag}"
+                          for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", rest)
+                          if command in options and flag not in options[command]]
+    assert not wrong, f"the docs give commands options they lack: {sorted(set(wrong))}"
