@@ -50,7 +50,7 @@ test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check ortflow tests bench
+	$(BIN)/ruff check ortflow tests bench tools
 
 bench: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev,text,bench]"
