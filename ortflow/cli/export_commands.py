@@ -21,7 +21,7 @@ def evaluate(
         min=1, help="Evaluate the eval split's first N rows (default: the run's train.max_eval_rows, else all)."
     )] = None,
 ) -> None:
-    """Eval loss (and accuracy for cross_entropy classifiers) of a checkpoint on the run's eval split.
+    """Eval loss (and, for loss cross_entropy, accuracy) of a checkpoint on the run's eval split.
 
     Uses the engine's eval graph with the run's eval batch size, counting every eval row once, so the loss equals
     what training records for the same checkpoint (the same rows: train.max_eval_rows counts rows of the whole split,

@@ -1,4 +1,4 @@
-"""``ortflow evaluate``: eval loss (and accuracy for classifiers) of any checkpoint of a run on its eval split.
+"""``ortflow evaluate``: eval loss (and accuracy with cross_entropy) of any checkpoint of a run on its eval split.
 
 The loss is the training engine's own eval graph run on the checkpoint's parameters, over the same batches and added
 by the same rule as the trainer's evaluations (``EvalLoader.weighted_batches``: every row once, padded batches of
