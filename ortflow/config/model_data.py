@@ -46,7 +46,7 @@ class ModelConfig(Section):
         description="Replace the elementwise GELU an exporter writes (erf or tanh form) by the engine's one-kernel "
         "Gelu / FastGelu before training (docs/your-model.md); on CPU ranks the tanh form becomes "
         "x * sigmoid(x * (a + b x^2)) instead, the same function with a faster CPU gradient "
-        "(docs/engine.md). The export writes it back as standard ops. Off with bf16 mixed precision.",
+        "(docs/engine.md). The export writes it back as standard ops. Applies in fp32, fp16 and bf16.",
     )
     pipeline_cuts: tuple[str, ...] = Field(
         (),
