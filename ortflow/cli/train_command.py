@@ -46,8 +46,8 @@ def train(
     status.
 
     SIGTERM/SIGINT stop every rank after the same update with a stop checkpoint (exit 143/130, however often the
-    signal is repeated); ranks that have not stopped after the grace period (30 s here, 60 s for a Slurm job) are
-    killed.
+    signal is repeated); ranks that have not stopped after the grace period (30 s here, 60 s for a Slurm job,
+    kubernetes.stop_grace_s + 30 s for an MPIJob) are killed.
     """
     local_paths(run_dir)
     with stop_signals() as stops:
