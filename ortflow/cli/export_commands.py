@@ -14,8 +14,9 @@ from ortflow.cli.shared import CheckpointOpt, console, fail, fetched, local_path
 
 
 def evaluate(
-    source: Annotated[Path, typer.Argument(help="Run folder, or a checkpoint folder of one (a path, or its s3:// / "
-                                           "gs:// / az:// URL: brought up to the store in its local copy first).")],
+    source: Annotated[Path, typer.Argument(help="Run folder, a checkpoint folder of one, or OUTPUT_DIR/latest (newest "
+                                           "version); a path, or its s3:// / gs:// / az:// URL (brought up to the "
+                                           "store in its local copy first).")],
     checkpoint: CheckpointOpt = None,
     max_rows: Annotated[int | None, typer.Option(
         min=1, help="Evaluate the eval split's first N rows (default: the run's train.max_eval_rows, else all)."
@@ -28,9 +29,11 @@ def evaluate(
     on any layout). `--checkpoint initial` evaluates the configured weights.
     """
     from ortflow.export.evaluate import evaluate_checkpoint
+    from ortflow.versions import resolve_run
 
     source = fetched(source)  # a run folder on object storage: its local copy, up to the store
     try:
+        source = resolve_run(source)  # OUTPUT_DIR/latest: the newest completed version
         result = evaluate_checkpoint(source, checkpoint, max_rows)
     except ValueError as err:  # ExportError, CheckpointError, DataError, ConfigError: each says what to do
         fail(str(err))

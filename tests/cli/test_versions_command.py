@@ -1,4 +1,4 @@
-"""The CLI's side of versions and the run-folder lock: ``ortflow runs``, ``latest`` for export and sample, and
+"""The CLI's side of versions and the run-folder lock: ``ortflow runs``, ``latest`` for export, evaluate and sample, and
 ``ortflow train`` refused while another process holds the folder."""
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def test_a_running_version_nobody_holds_shows_as_interrupted(tmp_path):
     assert "interrupted" in result.output
 
 
-def test_export_and_sample_of_latest_without_versions_say_what_to_do(tmp_path):
-    for args in (["export", str(tmp_path / "runs" / "latest")], ["sample", str(tmp_path / "runs" / "latest")]):
+def test_export_evaluate_and_sample_of_latest_without_versions_say_what_to_do(tmp_path):
+    latest = str(tmp_path / "runs" / "latest")
+    for args in (["export", latest], ["evaluate", latest], ["sample", latest]):
         result = runner.invoke(app, args, terminal_width=250)
         assert result.exit_code == 1 and "no completed version" in result.output, result.output
 
