@@ -64,14 +64,16 @@ TP_ATOL = 5e-4
 # a twentieth of one update's change (lr = 1e-3).
 EXPORTER_ATOL = 5e-5
 
-# Each family's attention and MLP projections (the first column-split weight of each region) and its blocks.
+# Each family's attention and MLP projections (the first column-split weight of each region) and its blocks (the
+# 1-layer GPT-2 with sdpa attention by its torch family's name).
 REGIONS = {"gpt2": ((".attn.c_attn.", ".mlp.c_fc."), 4), "llama": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "qwen2": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "phi3": ((".self_attn.qkv_proj.", ".mlp.gate_up_proj."), 2),
            "gemma": ((".self_attn.q_proj.", ".mlp.gate_proj."), 2),
            "neox": ((".attention.query_key_value.", ".mlp.dense_h_to_4h."), 2),
            "bert": ((".attention.self.query.", ".intermediate.dense."), 2),
-           "vit": ((".attention.attention.query.", ".intermediate.dense."), 2)}
+           "vit": ((".attention.attention.query.", ".intermediate.dense."), 2),
+           "gpt2-sdpa": ((".attn.c_attn.", ".mlp.c_fc."), 1)}
 # dp 2 on the unsplit run's global batch: UPDATES updates of one micro-batch of 2 per rank (the unsplit run sums 2).
 DP2_TRAIN = {"gradient_accumulation_steps": 1, "num_train_steps": UPDATES}
 
@@ -286,7 +288,10 @@ def assert_dynamo_layout_trains_to_the_unsplit_parameters(reference: Reference, 
     cfg = run.cfg
     if tp > 1:
         split = split_lines(cfg, pp)
-        markers, blocks = REGIONS[family(reference.cfg.model.path.name)]
+        from tests.support.exports import family as torch_family
+
+        export = reference.cfg.model.path.name
+        markers, blocks = REGIONS.get(torch_family(export)) or REGIONS[family(export)]
         for marker in markers:
             regions = [line for line in split if line.startswith("region") and line.split(", rows")[0].count(marker)]
             assert len(regions) == blocks, (marker, split)

@@ -88,25 +88,35 @@ def test_running_variance_follows_the_asked_rule_whatever_the_engines(on_device,
     np.testing.assert_allclose(params["v"].data, asked, rtol=2e-6)
 
 
-@pytest.mark.parametrize("export", ["cnn.onnx", "cnn-dynamo-noopt.onnx"])
-def test_tensor_parallel_pieces_of_a_batchnorm_model_are_refused_naming_the_running_statistics(tmp_path, export):
-    """Both exporters' CNN at tp 2: ``ortflow validate`` refuses it as the tensor-parallel ranks would, naming the first
-    BatchNorm, why (its running statistics are kept in data-parallel and pipeline layouts only) and the fix."""
+@pytest.mark.parametrize(("export", "pp"), [("cnn.onnx", 1), ("cnn-dynamo-noopt.onnx", 1),
+                                           ("bnmlp-dynamo-noopt.onnx", 1), ("bnmlp-dynamo-noopt.onnx", 2)],
+                         ids=["cnn-tp2", "cnn-dynamo-noopt-tp2", "bnmlp-dynamo-noopt-tp2",
+                              "bnmlp-dynamo-noopt-pp2xtp2"])
+def test_tensor_parallel_pieces_of_a_batchnorm_model_are_refused_naming_the_running_statistics(tmp_path, export, pp):
+    """Both exporters' CNN and the MLP with BatchNorm1d at tp 2 (the MLP also at pp 2 x tp 2): ``ortflow validate``
+    refuses it as the tensor-parallel ranks would, naming the first BatchNorm, why (its running statistics are kept in
+    data-parallel and pipeline layouts only) and the fix."""
     import yaml
 
     from ortflow.validate import validate
 
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "pixels.npz", pixels=rng.normal(size=(64, 1, 16, 16)).astype(np.float32),
-             labels=rng.integers(0, 10, 64))
+    if export.startswith("cnn"):
+        np.savez(tmp_path / "data.npz", pixels=rng.normal(size=(64, 1, 16, 16)).astype(np.float32),
+                 labels=rng.integers(0, 10, 64))
+    else:
+        np.savez(tmp_path / "data.npz", features=rng.normal(size=(64, 8)).astype(np.float32),
+                 labels=rng.integers(0, 3, 64))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({
         "name": "tp2", "output_dir": str(tmp_path / "run"), "model": {"path": str(export_path(export))},
-        "data": {"train": [str(tmp_path / "pixels.npz")], "eval_fraction": 0.25},
+        "data": {"train": [str(tmp_path / "data.npz")], "eval_fraction": 0.25},
         "train": {"batch_size": 2, "num_train_steps": 2},
-        "distributed": {"num_ranks": 2, "horizontal_parallel_size": 2},
+        "distributed": {"num_ranks": 2 * pp, "horizontal_parallel_size": 2, "pipeline_parallel_size": pp},
     }))
     (problem,) = validate(path)
+    first = "features.1" if export.startswith("cnn") else "bn"
     assert problem.startswith("BatchNormalization '") and problem.endswith(
         "': its running statistics are kept in data-parallel and pipeline layouts, not with "
         "distributed.horizontal_parallel_size > 1; set it to 1"), problem
+    assert first in problem, problem

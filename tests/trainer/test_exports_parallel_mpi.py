@@ -190,15 +190,27 @@ def test_dynamo_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_
     assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
 
 
-@pytest.mark.parametrize("export_dp", [*DYNAMO, "rnn-dynamo-noopt.onnx", "bert.onnx"], indirect=True)
+# The fresh 1-layer GPT-2 with sdpa attention (2 heads, the tied table), from TorchScript (its merged parameters
+# untied by configure) and from dynamo with optimize=False (its CastLike trained as Cast): automatic cuts, tp 2 by
+# heads (dynamo's keys split through their [batch * heads, seq, head_dim] transpose), dp 2, ZeRO-1 and Adasum.
+SDPA = ("gpt2-sdpa.onnx", "gpt2-sdpa-dynamo-noopt.onnx")
+
+
+@pytest.mark.parametrize("export_dp", SDPA, indirect=True)
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2), (1, 2)], ids=["pp2", "pp2xtp2", "tp2"])
+def test_sdpa_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
+    assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
+
+
+@pytest.mark.parametrize("export_dp", [*DYNAMO, "rnn-dynamo-noopt.onnx", "bert.onnx", *SDPA], indirect=True)
 def test_exports_train_their_torch_parameters_at_dp2_to_the_unsplit_ones(export_dp, export_dp2):
-    """Every dynamo export here, and BERT's TorchScript export (GPT-2's and the LSTM + GRU classifier's TorchScript
-    exports train as their optimize=False twins: test_dynamo_noopt_export_trains_the_torch_parameters_as_its_
-    torchscript_twin)."""
+    """Every dynamo export here, and BERT's and the sdpa GPT-2's TorchScript exports (GPT-2's and the LSTM + GRU
+    classifier's TorchScript exports train as their optimize=False twins: test_dynamo_noopt_export_trains_the_torch_
+    parameters_as_its_torchscript_twin)."""
     assert_trains_its_torch_parameters_at_dp2(export_dp, export_dp2)
 
 
-@pytest.mark.parametrize("export_dp", ["gpt2-dynamo-noopt.onnx", "rnn-dynamo-noopt.onnx"], indirect=True)
+@pytest.mark.parametrize("export_dp", ["gpt2-dynamo-noopt.onnx", "rnn-dynamo-noopt.onnx", SDPA[1]], indirect=True)
 def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin(export_references, export_dp,
                                                                                 export_dp2):
     """The optimize=False dynamo export and the TorchScript export of the same model, each trained unsplit on the same
@@ -211,7 +223,7 @@ def test_dynamo_noopt_export_trains_the_torch_parameters_as_its_torchscript_twin
 # design: test_batchnorm_mpi.py).
 ZERO1_ADASUM = ["gpt2.onnx", "gpt2-dynamo.onnx", "gpt2-dynamo-noopt.onnx", "bert.onnx", "bert-dynamo.onnx",
                 "bert-dynamo-noopt.onnx", "vit-dynamo.onnx", "vit-dynamo-noopt.onnx", "rnn.onnx",
-                "rnn-dynamo-noopt.onnx"]
+                "rnn-dynamo-noopt.onnx", *SDPA]
 
 
 @pytest.mark.parametrize("export_dp", ZERO1_ADASUM, indirect=True)

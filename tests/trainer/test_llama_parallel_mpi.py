@@ -191,7 +191,7 @@ def assert_neox_split_by_whole_heads(cfg, regions: list[str]) -> None:
 BY_HEADS = [*[pytest.param(e, 1, id=f"tp2-{e}") for e in [*LLAMA_EXPORTS, "llama-fresh-dynamo.onnx"]],
             *[pytest.param(e, 2, id=f"pp2xtp2-blocks-{e}") for e in ("llama.onnx", "qwen2.onnx")],
             *[pytest.param(e, 1, id=f"tp2-{e}") for e in ("qwen2.onnx", QWEN2_NOOPT, PHI3, PHI3_NOOPT, *GEMMA)],
-            pytest.param("gemma.onnx", 2, id="pp2xtp2-blocks-gemma.onnx"),
+            *[pytest.param(e, 2, id=f"pp2xtp2-blocks-{e}") for e in ("gemma.onnx", PHI3)],
             *[pytest.param(e, 1, id=f"tp2-{e}") for e in NEOX],
             pytest.param("neox.onnx", 2, id="pp2xtp2-blocks-neox.onnx")]
 # The layouts of each export's tests, by run name: (pp, tp) or (pp, tp, sections). The first test of an export
@@ -202,7 +202,7 @@ SCRIPT_LAYOUTS = {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1),
 LAYOUTS = {"llama.onnx": SCRIPT_LAYOUTS, **{e: DYNAMO_LAYOUTS for e in DYNAMO}, "qwen2.onnx": SCRIPT_LAYOUTS,
            QWEN2_NOOPT: DYNAMO_LAYOUTS, QWEN2_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)},
            **{e: {"pp2tp1": (2, 1)} for e in MQA},
-           PHI3: {"pp1tp2-by-layer": (1, 2), "pp2tp1": (2, 1)}, PHI3_NOOPT: {"pp1tp2-by-layer": (1, 2)},
+           PHI3: SCRIPT_LAYOUTS, PHI3_NOOPT: DYNAMO_LAYOUTS,
            PHI3_DYNAMO: {"pp2tp1": (2, 1), "pp2tp2": (2, 2)},
            "gemma.onnx": SCRIPT_LAYOUTS, GEMMA_NOOPT: DYNAMO_LAYOUTS,
            "neox.onnx": {**SCRIPT_LAYOUTS,
@@ -227,7 +227,7 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
 # BY_HEADS) and on every export of Llama with multi-query attention (its pp 2 x tp 2 runs, whose key/value heads are
 # replicated: test_llama_kv_replicated_mpi.py).
 STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, PHI3_DYNAMO,
-                                                             GEMMA_NOOPT, NEOX_DYNAMO, NEOX_NOOPT]
+                                                             PHI3_NOOPT, GEMMA_NOOPT, NEOX_DYNAMO, NEOX_NOOPT]
             for pp, tp, name in ((2, 1, "pp2"), (2, 2, "pp2xtp2"))],
           *[pytest.param(e, 2, 1, id=f"pp2-{e}") for e in ("llama.onnx", "qwen2.onnx", PHI3, *MQA, "gemma.onnx",
                                                                 "neox.onnx")]]
