@@ -1,7 +1,8 @@
 """BatchNorm under mpiexec, on the committed torch CNN exports (Conv-BN-ReLU x 2; TorchScript, and dynamo
-``optimize=False`` for dp 2, pp 2, ZeRO-1 and Adasum): running statistics follow torch's rule (float64 reference),
-every rank holds the same ones (rank 0's, or their mean), Adasum trains as the mean does, and ``ortflow evaluate`` on a
-checkpoint equals the eval loss training recorded for it on 1, 2 and 3 ranks."""
+``optimize=False`` for dp 2, pp 2, ZeRO-1 and Adasum) and the MLP with BatchNorm1d (dynamo ``optimize=False``: dp 2,
+pp 2, ZeRO-1 and Adasum): running statistics follow torch's rule (float64 reference), every rank holds the same ones
+(rank 0's, or their mean), Adasum trains as the mean does, and ``ortflow evaluate`` on a checkpoint equals the eval
+loss training recorded for it on 1, 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -29,18 +30,34 @@ LAYERS = (("features.0", "features.1", 1), ("features.3", "features.4", 2))  # (
 
 #: The dynamo exporter's optimize=False CNN (the same torch parameters and BatchNorm buffers, by their torch names).
 DYNAMO = "cnn-dynamo-noopt.onnx"
+#: The MLP with BatchNorm1d (Linear(8->16), BatchNorm1d(16), ReLU, Linear(16->3)), dynamo's optimize=False export.
+MLP = "bnmlp-dynamo-noopt.onnx"
+#: Each export's BatchNorm layers, and the input they read.
+BATCHNORMS = {"cnn.onnx": ("features.1", "features.4"), DYNAMO: ("features.1", "features.4"), MLP: ("bn",)}
+FEATURE = {"cnn.onnx": "pixels", DYNAMO: "pixels", MLP: "features"}
+
+
+def _data(root, export):
+    """256 random 16x16 images with 10 classes for the CNN, 256 random rows of 8 features with 3 classes for the
+    MLP."""
+    data = root / f"{FEATURE[export]}.npz"
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        if export == MLP:
+            features = rng.normal(size=(256, 8)).astype(np.float32)
+            labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
+            np.savez(data, features=features, labels=labels)
+        else:
+            pixels = rng.normal(size=(256, 1, 16, 16)).astype(np.float32)
+            labels = (pixels.mean(axis=(1, 2, 3)) * 40).astype(np.int64).clip(-5, 4) + 5
+            np.savez(data, pixels=pixels, labels=labels)
+    return data
 
 
 def cnn_run(root, name, ranks, checkpoint=None, distributed=None, optimizer=None, export="cnn.onnx", **train):
-    """A run of the torch CNN export (TorchScript by default) on random 16x16 images with 10 classes."""
-    data = root / "pixels.npz"
-    if not data.exists():
-        rng = np.random.default_rng(0)
-        pixels = rng.normal(size=(256, 1, 16, 16)).astype(np.float32)
-        labels = (pixels.mean(axis=(1, 2, 3)) * 40).astype(np.int64).clip(-5, 4) + 5
-        np.savez(data, pixels=pixels, labels=labels)
+    """A run of the torch CNN export (TorchScript by default) or of the MLP with BatchNorm1d on its random data."""
     return make_run(root, name, model=export_path(export),
-                    data={"train": [str(data)], "eval_fraction": 0.25},
+                    data={"train": [str(_data(root, export))], "eval_fraction": 0.25},
                     distributed={"num_ranks": ranks, **(distributed or {})},
                     train={"batch_size": B, "gradient_accumulation_steps": K, "num_train_steps": K * UPDATES,
                            "evaluation_period": 2, **train},
@@ -57,9 +74,11 @@ def conv(x, w, b, stride):
     return np.einsum("nckhw,ock->nohw", cols, w.reshape(w.shape[0], w.shape[1], 9)) + b[None, :, None, None]
 
 
-def batchnorm_inputs(params, pixels):
+def batchnorm_inputs(params, batch, export):
     """Each BatchNorm's input in training mode (normalised with the batch's biased statistics), float64."""
-    x, seen = pixels.astype(np.float64), []
+    if export == MLP:  # fc1's output
+        return [batch["features"].astype(np.float64) @ params["fc1.weight"].T + params["fc1.bias"]]
+    x, seen = batch["pixels"].astype(np.float64), []
     for conv_name, bn, stride in LAYERS:
         x = conv(x, params[f"{conv_name}.weight"], params[f"{conv_name}.bias"], stride)
         seen.append(x)
@@ -72,9 +91,10 @@ def batchnorm_inputs(params, pixels):
 def torch_update(stats, x, ddof=1):
     """torch's BatchNorm running-statistics rule (torch.nn.BatchNorm2d, momentum 0.1):
     running = (1 - momentum) * running + momentum * statistic, with the unbiased batch variance for running_var
-    (``ddof=0``: ONNX's BatchNormalization rule, the biased variance)."""
-    mean = x.mean(axis=(0, 2, 3))
-    var = x.var(axis=(0, 2, 3), ddof=ddof)
+    (``ddof=0``: ONNX's BatchNormalization rule, the biased variance), over every axis but the channels'."""
+    axes = tuple(a for a in range(x.ndim) if a != 1)
+    mean = x.mean(axis=axes)
+    var = x.var(axis=axes, ddof=ddof)
     keep = 1 - TORCH_MOMENTUM
     return keep * stats[0] + TORCH_MOMENTUM * mean, keep * stats[1] + TORCH_MOMENTUM * var
 
@@ -98,7 +118,7 @@ def _two_ranks(sync, variance):
 #: The module's finished runs, by name: (ranks, settings). They evaluate the first EVAL_ROWS rows, so that each serves
 #: the statistics, evaluate and layout tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
 #: rule, ZeRO-1 and Adasum), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks (ZeRO-1
-#: and Adasum too) and pp 2.
+#: and Adasum too) and pp 2; the MLP's (``mlp-``) 1 rank, 2 ranks (ZeRO-1 and Adasum too) and pp 2.
 RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiased"), _two_ranks("broadcast", "biased"),
              ("dp1", (1, {"batchnorm_sync": "average"})), ("dp3", (3, {})),
              ("dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED})),
@@ -111,7 +131,13 @@ RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiase
              ("dynamo-dp2-average-unbiased", (2, {"batchnorm_sync": "average", "batchnorm_variance": "unbiased",
                                                   "export": DYNAMO})),
              ("dynamo-pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average",
-                                     "export": DYNAMO}))])
+                                     "export": DYNAMO})),
+             ("mlp-dp1", (1, {"batchnorm_sync": "average", "export": MLP})),
+             ("mlp-dp2-average-unbiased", (2, {**AVERAGED, "export": MLP})),
+             ("mlp-dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED, "export": MLP})),
+             ("mlp-dp2-adasum", (2, {"distributed": {"enable_adasum": True}, **AVERAGED, "export": MLP})),
+             ("mlp-pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average",
+                                  "export": MLP}))])
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +161,7 @@ def trained(tmp_path_factory):
 
 
 def _prefix(export):
-    return "dynamo-" if export == DYNAMO else ""
+    return {DYNAMO: "dynamo-", MLP: "mlp-"}.get(export, "")
 
 
 def two_ranks(trained, sync="average", variance="unbiased", export="cnn.onnx", exchange=""):
@@ -153,7 +179,8 @@ def one_rank(trained, export="cnn.onnx"):
 @pytest.mark.parametrize(("export", "sync", "variance", "exchange"),
                          [("cnn.onnx", "broadcast", "unbiased", ""), ("cnn.onnx", "average", "unbiased", ""),
                           ("cnn.onnx", "broadcast", "biased", ""), (DYNAMO, "average", "unbiased", ""),
-                          ("cnn.onnx", "average", "unbiased", "adasum"), (DYNAMO, "average", "unbiased", "adasum")])
+                          ("cnn.onnx", "average", "unbiased", "adasum"), (DYNAMO, "average", "unbiased", "adasum"),
+                          (MLP, "average", "unbiased", ""), (MLP, "average", "unbiased", "adasum")])
 def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trained, export, sync, variance, exchange):
     """dp 2 (each rank's BatchNorms normalise by its own micro-batches, so dp 2 differs from one rank by design): the
     running statistics after every update equal torch's rule applied to each rank's batches, synced as asked; with
@@ -165,7 +192,8 @@ def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trai
     assert sorted(saved) == list(range(1, UPDATES + 1))
     params = {t.name: numpy_helper.to_array(t).astype(np.float64)
               for t in onnx.load(str(export_path(export))).graph.initializer}
-    stats = {bn: (params[f"{bn}.running_mean"], params[f"{bn}.running_var"]) for _, bn, _ in LAYERS}
+    bns = BATCHNORMS[export]
+    stats = {bn: (params[f"{bn}.running_mean"], params[f"{bn}.running_var"]) for bn in bns}
     batches = [TrainLoader(cfg.data_dir, B, r, 2, prefetch=0).iter_from(0) for r in range(2)]
     checked = 0
     for step in range(1, UPDATES + 1):
@@ -173,8 +201,8 @@ def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trai
         for it in batches:  # each rank updates the common statistics with its own K micro-batches
             mine = dict(stats)
             for _ in range(K):
-                inputs = batchnorm_inputs(params, next(it)["pixels"])
-                mine = {bn: torch_update(mine[bn], x, ddof) for (_, bn, _), x in zip(LAYERS, inputs, strict=True)}
+                inputs = batchnorm_inputs(params, next(it), export)
+                mine = {bn: torch_update(mine[bn], x, ddof) for bn, x in zip(bns, inputs, strict=True)}
             per_rank.append(mine)
         if sync == "broadcast":
             stats = per_rank[0]
@@ -182,13 +210,13 @@ def test_running_statistics_equal_a_float64_reference_of_torch_on_two_ranks(trai
             stats = {bn: tuple((a + b) / 2 for a, b in zip(per_rank[0][bn], per_rank[1][bn], strict=True))
                      for bn in stats}
         params = saved[step]  # the next update's forward uses the parameters this update wrote
-        for _, bn, _ in LAYERS:
+        for bn in bns:
             # float32 rounding: the engine's activations and sums are float32 (relative error ~1e-6); the biased
             # (ONNX) rule is 1/(n-1) = 2e-3 .. 8e-3 of an update's increment away, above 1e-4 after one update.
             np.testing.assert_allclose(params[f"{bn}.running_mean"], stats[bn][0], rtol=2e-5, atol=1e-6)
             np.testing.assert_allclose(params[f"{bn}.running_var"], stats[bn][1], rtol=2e-5, atol=1e-6)
             checked += 1
-    assert checked == 2 * UPDATES
+    assert checked == len(bns) * UPDATES
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
@@ -226,10 +254,13 @@ def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize(("export", "layout"), [("cnn.onnx", "pp2xdp1"), ("cnn.onnx", "pp2xdp2"), (DYNAMO, "pp2xdp1"),
-                                               ("cnn.onnx", "dp2-zero1"), (DYNAMO, "dp2-zero1")],
-                         ids=["pp2", "pp2xdp2", "dynamo-noopt-pp2", "zero1", "dynamo-noopt-zero1"])
+                                               ("cnn.onnx", "dp2-zero1"), (DYNAMO, "dp2-zero1"), (MLP, "pp2xdp1"),
+                                               (MLP, "dp2-zero1")],
+                         ids=["pp2", "pp2xdp2", "dynamo-noopt-pp2", "zero1", "dynamo-noopt-zero1", "mlp-pp2",
+                              "mlp-zero1"])
 def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_statistics(trained, export, layout):
-    """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut), or on 2 ranks with ZeRO-1, ends
+    """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut; the MLP's automatic cut), or on 2
+    ranks with ZeRO-1, ends
     every checkpoint where the unsplit run on as many data-parallel ranks (averaged statistics) does: weights, running
     statistics (averaged over the replicas of each stage), losses and eval losses. The first stage's forward passes
     normalise by the micro-batch, as its training call does; its eval passes by the running statistics. Each ZeRO-1
@@ -246,7 +277,7 @@ def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_stat
     worst = 0.0
     for a, b in zip(list_complete(unsplit.checkpoints_dir), list_complete(staged.checkpoints_dir), strict=True):
         p, q = read_params(a.path), read_params(b.path)
-        assert sorted(p) == sorted(q) and sum("running_mean" in n for n in p) == 2
+        assert sorted(p) == sorted(q) and sum("running_mean" in n for n in p) == len(BATCHNORMS[export])
         worst = max(worst, max(float(np.abs(p[n] - q[n]).max()) for n in p))
     if layout == "dp2-zero1":  # each rank updates its shard of the parameters and writes its optimizer state
         files = sorted(f.name for f in list_complete(staged.checkpoints_dir)[-1].path.glob("optimizer*.h5"))
@@ -257,10 +288,10 @@ def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_stat
     evals = [[float(x) for x in re.findall(r"eval_loss ([0-9.e+-]+)", out.stdout)] for out in outs]
     assert len(evals[0]) == 2
     np.testing.assert_allclose(evals[1], evals[0], rtol=1e-6)
-    _assert_exports_agree(unsplit, staged)
+    _assert_exports_agree(unsplit, staged, export)
 
 
-@pytest.mark.parametrize("export", ["cnn.onnx", DYNAMO], ids=["torchscript", "dynamo-noopt"])
+@pytest.mark.parametrize("export", ["cnn.onnx", DYNAMO, MLP], ids=["torchscript", "dynamo-noopt", "mlp"])
 def test_adasum_trains_as_the_mean_does(trained, export):
     """On 2 ranks with Adasum (averaged statistics), against the same export's 2-rank run that averages the ranks'
     gradients: each rank keeps its own optimizer state, the first update's loss is the mean run's (same start, same
@@ -284,19 +315,20 @@ def test_adasum_trains_as_the_mean_does(trained, export):
                                     read_params(list_complete(mean_cfg.checkpoints_dir)[-1].path), trainable)
 
 
-def _assert_exports_agree(unsplit, staged):
+def _assert_exports_agree(unsplit, staged, export):
     """The inference models exported from the two runs carry the same running statistics and compute the same logits
     (the statistics of a stage come from its checkpoint files)."""
     import onnxruntime as ort
 
     from ortflow.export.model import export_model
 
-    pixels = np.random.default_rng(3).normal(size=(5, 1, 16, 16)).astype(np.float32)
+    shape = (5, 8) if export == MLP else (5, 1, 16, 16)
+    feeds = {FEATURE[export]: np.random.default_rng(3).normal(size=shape).astype(np.float32)}
     logits = []
     for cfg in (unsplit, staged):
         out = cfg.output_dir / "exported.onnx"
         export_model(cfg.output_dir, out, config=cfg)
-        logits.append(ort.InferenceSession(str(out)).run(["logits"], {"pixels": pixels})[0])
+        logits.append(ort.InferenceSession(str(out)).run(["logits"], feeds)[0])
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-6, atol=1e-6)
 
 

@@ -199,7 +199,13 @@ SDPA = ("gpt2-sdpa.onnx", "gpt2-sdpa-dynamo-noopt.onnx")
 @pytest.mark.parametrize("export_dp", SDPA, indirect=True)
 @pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2), (1, 2)], ids=["pp2", "pp2xtp2", "tp2"])
 def test_sdpa_stages_and_tensor_pieces_train_to_the_unsplit_parameters(export_dp, pp, tp):
-    assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
+    """At tp 2 the block's attention (by heads) and MLP are split, and the tied table by vocabulary in the embedding
+    and the LM head, on both exporters' graphs."""
+    cfg = assert_dynamo_layout_trains_to_the_unsplit_parameters(export_dp, pp, tp)
+    if tp > 1:
+        vocab = [line for line in split_lines(cfg, pp)
+                 if "vocabulary split of ['model.transformer.wte.weight']" in line]
+        assert len(vocab) == 2 and any("LM head ['logits']" in line for line in vocab), vocab
 
 
 @pytest.mark.parametrize("export_dp", [*DYNAMO, "rnn-dynamo-noopt.onnx", "bert.onnx", *SDPA], indirect=True)
