@@ -147,11 +147,13 @@ def recorded_layers(run_dir: Path, model_path: Path) -> list[dict]:
 
 
 def refuse_tensor_parallel(layers: list[dict]) -> None:
-    """Tensor-parallel pieces keep no BatchNormalization statistics of their own: refuse such a model by name."""
+    """Tensor-parallel pieces keep no BatchNormalization statistics of their own: refuse such a model by name (the
+    node's, and its running mean's: a dynamo export's node names say only the op, its tensor names are torch's)."""
     if layers:
         raise ValueError(
-            f"BatchNormalization '{layers[0]['node']}': its running statistics are kept in data-parallel and pipeline "
-            "layouts, not with distributed.horizontal_parallel_size > 1; set it to 1"
+            f"BatchNormalization '{layers[0]['node']}' (running mean '{layers[0]['mean']}'): its running statistics "
+            "are kept in data-parallel and pipeline layouts, not with distributed.horizontal_parallel_size > 1; set "
+            "it to 1"
         )
 
 

@@ -54,9 +54,10 @@ def _data(root, export):
     return data
 
 
-def cnn_run(root, name, ranks, checkpoint=None, distributed=None, optimizer=None, export="cnn.onnx", **train):
+def cnn_run(root, name, ranks, checkpoint=None, distributed=None, optimizer=None, export="cnn.onnx",
+            model_fields=None, **train):
     """A run of the torch CNN export (TorchScript by default) or of the MLP with BatchNorm1d on its random data."""
-    return make_run(root, name, model=export_path(export),
+    return make_run(root, name, model=export_path(export), model_fields=model_fields,
                     data={"train": [str(_data(root, export))], "eval_fraction": 0.25},
                     distributed={"num_ranks": ranks, **(distributed or {})},
                     train={"batch_size": B, "gradient_accumulation_steps": K, "num_train_steps": K * UPDATES,
@@ -118,7 +119,8 @@ def _two_ranks(sync, variance):
 #: The module's finished runs, by name: (ranks, settings). They evaluate the first EVAL_ROWS rows, so that each serves
 #: the statistics, evaluate and layout tests alike: 1 rank (averaged statistics), 2 ranks (each sync and variance
 #: rule, ZeRO-1 and Adasum), 3 ranks, pp 2 and pp 2 x dp 2; the dynamo export's (``dynamo-``) 1 rank, 2 ranks (ZeRO-1
-#: and Adasum too) and pp 2; the MLP's (``mlp-``) 1 rank, 2 ranks (ZeRO-1 and Adasum too) and pp 2.
+#: and Adasum too) and pp 2; the MLP's (``mlp-``) 1 rank, 2 ranks (ZeRO-1 and Adasum too) and pp 2 (the automatic
+#: cut, fc1's output, puts the BatchNorm in the second stage; the cut by hand after the ReLU, in the first).
 RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiased"), _two_ranks("broadcast", "biased"),
              ("dp1", (1, {"batchnorm_sync": "average"})), ("dp3", (3, {})),
              ("dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED})),
@@ -137,7 +139,9 @@ RUNS = dict([_two_ranks("broadcast", "unbiased"), _two_ranks("average", "unbiase
              ("mlp-dp2-zero1", (2, {"distributed": {"zero_stage": 1}, **AVERAGED, "export": MLP})),
              ("mlp-dp2-adasum", (2, {"distributed": {"enable_adasum": True}, **AVERAGED, "export": MLP})),
              ("mlp-pp2xdp1", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average",
-                                  "export": MLP}))])
+                                  "export": MLP})),
+             ("mlp-pp2xdp1-relu", (2, {"distributed": {"pipeline_parallel_size": 2}, "batchnorm_sync": "average",
+                                       "export": MLP, "model_fields": {"pipeline_cuts": ["relu"]}}))])
 
 
 @pytest.fixture(scope="module")
@@ -255,22 +259,24 @@ def test_a_killed_batchnorm_run_resumes_bitwise(tmp_path):
 
 @pytest.mark.parametrize(("export", "layout"), [("cnn.onnx", "pp2xdp1"), ("cnn.onnx", "pp2xdp2"), (DYNAMO, "pp2xdp1"),
                                                ("cnn.onnx", "dp2-zero1"), (DYNAMO, "dp2-zero1"), (MLP, "pp2xdp1"),
-                                               (MLP, "dp2-zero1")],
+                                               (MLP, "pp2xdp1-relu"), (MLP, "dp2-zero1")],
                          ids=["pp2", "pp2xdp2", "dynamo-noopt-pp2", "zero1", "dynamo-noopt-zero1", "mlp-pp2",
-                              "mlp-zero1"])
+                              "mlp-pp2-cut-after-batchnorm", "mlp-zero1"])
 def test_pipeline_stages_and_zero1_train_to_the_unsplit_weights_and_running_statistics(trained, export, layout):
-    """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut; the MLP's automatic cut), or on 2
-    ranks with ZeRO-1, ends
-    every checkpoint where the unsplit run on as many data-parallel ranks (averaged statistics) does: weights, running
-    statistics (averaged over the replicas of each stage), losses and eval losses. The first stage's forward passes
+    """The CNN cut into two pipeline stages (a BatchNorm on each side of the cut), the MLP in two (its BatchNorm in the
+    second stage, or by a cut after its ReLU in the first), or either on 2 ranks with ZeRO-1, ends every checkpoint
+    where the unsplit run on as many data-parallel ranks (averaged statistics) does: weights, running statistics
+    (averaged over the replicas of each stage), losses and eval losses. The first stage's forward passes
     normalise by the micro-batch, as its training call does; its eval passes by the running statistics. Each ZeRO-1
     rank updates its shard of the parameters; the running statistics, which no optimizer updates, are synced as at
     dp 2."""
     from ortflow.checkpoints.h5state import read_params
     from tests.support.parallel_runs import losses
 
-    unsplit, out_unsplit = (one_rank if layout == "pp2xdp1" else two_ranks)(trained, export=export)
+    unsplit, out_unsplit = (one_rank if layout.startswith("pp2xdp1") else two_ranks)(trained, export=export)
     staged, out_staged = trained(f"{_prefix(export)}{layout}")
+    if layout.endswith("-relu"):  # the cut by hand, the BatchNorm before it
+        assert json.loads((staged.output_dir / "configure.json").read_text())["pipeline_cuts"] == ["relu"]
     outs = [out_unsplit, out_staged]
     steps = [[info.step for info in list_complete(cfg.checkpoints_dir)] for cfg in (unsplit, staged)]
     assert steps[0] == steps[1] and len(steps[0]) == UPDATES

@@ -94,8 +94,8 @@ def test_running_variance_follows_the_asked_rule_whatever_the_engines(on_device,
                               "bnmlp-dynamo-noopt-pp2xtp2"])
 def test_tensor_parallel_pieces_of_a_batchnorm_model_are_refused_naming_the_running_statistics(tmp_path, export, pp):
     """Both exporters' CNN and the MLP with BatchNorm1d at tp 2 (the MLP also at pp 2 x tp 2): ``ortflow validate``
-    refuses it as the tensor-parallel ranks would, naming the first BatchNorm, why (its running statistics are kept in
-    data-parallel and pipeline layouts only) and the fix."""
+    refuses it as the tensor-parallel ranks would, naming the first BatchNorm and its running mean (by torch's name),
+    why (its running statistics are kept in data-parallel and pipeline layouts only) and the fix."""
     import yaml
 
     from ortflow.validate import validate
@@ -117,6 +117,5 @@ def test_tensor_parallel_pieces_of_a_batchnorm_model_are_refused_naming_the_runn
     (problem,) = validate(path)
     first = "features.1" if export.startswith("cnn") else "bn"
     assert problem.startswith("BatchNormalization '") and problem.endswith(
-        "': its running statistics are kept in data-parallel and pipeline layouts, not with "
-        "distributed.horizontal_parallel_size > 1; set it to 1"), problem
-    assert first in problem, problem
+        f" (running mean '{first}.running_mean'): its running statistics are kept in data-parallel and pipeline "
+        "layouts, not with distributed.horizontal_parallel_size > 1; set it to 1"), problem
