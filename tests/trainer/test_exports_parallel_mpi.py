@@ -1,8 +1,8 @@
-"""Pipeline and tensor parallelism, ZeRO-1 and Adasum on the real GPT-2, BERT, ViT and LSTM + GRU exports
-(tests/fixtures/exports), trained unmodified under mpiexec: each layout ends where the unsplit run on the same global
-batch ends (one unsplit run per export, the ``export_dp`` fixture), and tensor pieces compute the unsplit model's
-gradients. The Llama exports'
-layouts are test_llama_parallel_mpi.py's; what both files assert is tests/trainer/exports_checks.py."""
+"""Pipeline and tensor parallelism, ZeRO-1 and Adasum on the real GPT-2 (and the fresh 1-layer GPT-2 with sdpa
+attention), BERT, ViT and LSTM + GRU exports (tests/fixtures/exports), trained unmodified under mpiexec: each layout
+ends where the unsplit run on the same global batch ends (one unsplit run per export, the ``export_dp`` fixture), and
+tensor pieces compute the unsplit model's gradients. The Llama exports' layouts are test_llama_parallel_mpi.py's;
+what both files assert is tests/trainer/exports_checks.py."""
 
 from __future__ import annotations
 
