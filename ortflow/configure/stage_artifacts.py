@@ -48,6 +48,7 @@ from ortflow.configure.artifacts import (
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import engine_input, prepare_cut, split_source
 from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
+from ortflow.configure.training_graph import mask_padding_gradients, torch_padding_rows
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
@@ -211,9 +212,11 @@ def generate_part(cfg: RunConfig, prepared, folder: Path, proto_limit: int, scal
 
 
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path,
-               proto_limit: int = PROTO_LIMIT) -> tuple[str, ...]:
+               proto_limit: int = PROTO_LIMIT, padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], bool]:
     """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through (a stage of
-    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`)."""
+    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`) and whether its
+    training model masks a padding row's lookup gradient (``padding``: table -> torch's padding row,
+    :func:`ortflow.configure.training_graph.mask_padding_gradients`)."""
     folder.mkdir(parents=True)
     prepared, scale = prepare_part(cfg, stage, last)
     held = frozen | set(stage.frozen) | set(prepared.frozen)
@@ -222,10 +225,11 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
                   requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
                   frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in held))
     finish_part(folder, scale, sends, stage.receives)
+    masked = bool(mask_padding_gradients(folder / "training_model.onnx", padding or {}))
     if not last:
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
         forward_with_batch_statistics(folder / "eval_model.onnx")
-    return prepared.passes
+    return prepared.passes, masked
 
 
 class PipelinePlan(NamedTuple):
@@ -304,12 +308,15 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePla
     num = cfg.distributed.pipeline_parallel_size
     cuts, stages, _ = plan or plan_stages(cfg, proto_limit)
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    padding = torch_padding_rows(cfg)
     with building(artifacts_dir, STAGES_DIR) as scratch:
-        passes = []
+        passes, masked = [], []
         for stage in stages:
             try:
-                passes.append(list(_build_one(cfg, stage, stage.index == num - 1, set(frozen),
-                                              scratch / f"stage-{stage.index:02d}", proto_limit)))
+                ran, masks = _build_one(cfg, stage, stage.index == num - 1, set(frozen),
+                                        scratch / f"stage-{stage.index:02d}", proto_limit, padding)
+                passes.append(list(ran))
+                masked.append(masks)
             except ArtifactsError:
                 raise
             except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
@@ -322,7 +329,8 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePla
             "stages": [
                 {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
                  "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
-                 "shared": {name: list(holders) for name, holders in s.shared.items()}, "passes": passes[s.index]}
+                 "shared": {name: list(holders) for name, holders in s.shared.items()}, "passes": passes[s.index],
+                 "masks_padding_rows": masked[s.index]}
                 for s in stages
             ],
         }

@@ -34,6 +34,8 @@ from ortflow.configure.artifacts import (
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import split_source
 from ortflow.configure.stage_artifacts import finish_part, generate_part, prepare_part
+from ortflow.configure.training_graph import mask_padding_gradients, torch_padding_rows
+from ortflow.graph.gradients.padding_rows import local_padding_rows
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, SplitError, check_random_ops
 from ortflow.graph.precision.noop_casts import drop_noop_casts
 from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
@@ -89,8 +91,11 @@ def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
 
 
 def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
-                where: str, proto_limit: int = PROTO_LIMIT) -> tuple[str, ...]:
-    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through.
+                where: str, proto_limit: int = PROTO_LIMIT,
+                padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], bool]:
+    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through and whether
+    its training model masks a padding row's lookup gradient (``padding``: table -> torch's padding row in this
+    rank's rows of it, :func:`rank_padding_rows`; :func:`ortflow.configure.training_graph.mask_padding_gradients`).
 
     A piece of a model past ``proto_limit`` reaches the engine as a pipeline stage does
     (:func:`ortflow.configure.stage_artifacts.generate_part`): its slices written to a data file in ``folder``, its
@@ -101,7 +106,7 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
             (e.g. "piece 1 of tensor-parallel rank 0").
     """
     try:
-        return _build_piece(cfg, piece, last, frozen, folder, proto_limit)
+        return _build_piece(cfg, piece, last, frozen, folder, proto_limit, padding or {})
     except ArtifactsError:
         raise
     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
@@ -109,7 +114,7 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
 
 
 def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
-                 proto_limit: int) -> tuple[str, ...]:
+                 proto_limit: int, padding: dict[str, int]) -> tuple[tuple[str, ...], bool]:
     folder.mkdir(parents=True)
     stage = piece.stage
     prepared, scale = prepare_part(cfg, stage, last)
@@ -121,7 +126,16 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
                   requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
                   frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in frozen))
     finish_part(folder, scale, sends, piece.float_receives)
-    return prepared.passes
+    return prepared.passes, bool(mask_padding_gradients(folder / "training_model.onnx", padding))
+
+
+def rank_padding_rows(cfg: RunConfig, model: onnx.ModelProto, plan: TensorParallelPlan, rank: int) -> dict[str, int]:
+    """Torch's padding rows of ``model`` (the whole model or a pipeline stage, before the split) as tensor-parallel
+    rank ``rank`` holds them (:func:`ortflow.graph.gradients.padding_rows.local_padding_rows`)."""
+    rows = torch_padding_rows(cfg)
+    tables = {t.name: t.dims[0] for t in model.graph.initializer if t.name in rows}
+    return local_padding_rows({t: r for t, r in rows.items() if t in tables}, plan.slicing(), tables,
+                              cfg.distributed.horizontal_parallel_size, rank)
 
 
 def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
@@ -149,18 +163,23 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg, proto_limit)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
-    ranks, ran_by_piece = [], {}
+    ranks, ran_by_piece, masked = [], {}, set()
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
             pieces = cut_pieces(shard_model(model, plan, rank, weights_folder(cfg)), plan, model, trainable)
             passes = []
             for piece in pieces:
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
-                passes.append(build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
-                                          f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit))
+                ran, masks = build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
+                                         f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit,
+                                         rank_padding_rows(cfg, model, plan, rank))
+                passes.append(ran)
+                masked |= {piece.index} if masks else set()
             ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
             ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                  for p, ran in zip(pieces, passes, strict=True)})
+        for info in ranks[0]:  # one record for every rank: a piece masked on any rank recomputes on all
+            info["masks_padding_rows"] = info["index"] in masked
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
                   "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))

@@ -73,9 +73,8 @@ def torch_source(cfg: RunConfig, folder: Path) -> tuple[RunConfig, TorchParamete
     if found.frozen:
         log.info("model.path: not trained (not torch parameters): %s", ", ".join(sorted(found.frozen)))
     for table, row in found.padding.items():
-        log.warning("model.path: the embedding reading '%s' has torch's padding_idx %d, which ONNX does not carry: "
-                    "input ids equal to %d give that row a gradient here where torch gives it none; keep them out "
-                    "of the inputs where that row must not train from them", table, row, row)
+        log.info("model.path: the embedding reading '%s' has torch's padding_idx %d: its lookup gives that row no "
+                 "gradient from ids equal to %d, as torch's does", table, row, row)
     kept = {t.name for t in model.graph.initializer}  # buffers; computed constants became Constant nodes
     frozen = (*cfg.model.frozen, *(_escaped(name) for name in sorted(found.frozen) if name in kept))
     model = cfg.model.model_copy(update={"path": target, "frozen": frozen})

@@ -1,5 +1,12 @@
 """Rewrites of the engine's generated training model: run by configure after the engine wrote the artifacts.
 
+For a dynamo export whose embeddings have torch's ``padding_idx``, every training model (the whole model's, each
+pipeline stage's, each tensor-parallel piece's) gets :func:`ortflow.graph.gradients.padding_rows.mask_padding_rows`:
+the lookup gives the padding row no gradient from the positions holding its id, as torch's does
+(:func:`mask_padding_gradients`). The forward-once calls of a pipeline stage or piece build their gradient graph at
+run time from the eval model, without it: a stage or piece whose training model masks a lookup is recorded
+(``masks_padding_rows``) and recomputes its forward in the training call instead.
+
 The passes in :mod:`ortflow.graph` rewrite the user's model before the engine sees it; some costs only show in what
 the engine generates (its gradient ops). Two such passes, both for GPU runs:
 :func:`ortflow.graph.gradients.leading_sums.sums_as_matmul`, with ``distributed.deterministic_compute`` (the
@@ -20,7 +27,9 @@ import onnx
 from ortflow.artifacts_folder import CAPTURE_HEAD, CAPTURE_TAIL
 from ortflow.config import RunConfig
 from ortflow.graph.capture import split_for_capture
+from ortflow.graph.exports.torch_params import is_dynamo_export, padding_rows
 from ortflow.graph.gradients.leading_sums import LeadingSumReport, sums_as_matmul
+from ortflow.graph.gradients.padding_rows import mask_padding_rows
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +56,7 @@ def rewrite_training_model(cfg: RunConfig, path: Path) -> list[dict]:
     External data (a model over 2 GB) is neither loaded nor rewritten: the passes add nodes and small constants only,
     and the tensors keep their references to the data file beside ``path``.
     """
-    report: list[dict] = []
+    report = mask_padding_gradients(path, torch_padding_rows(cfg))
     if not (sums_as_matmul_applies(cfg) or capture_applies(cfg)):
         return report
     model = onnx.load(str(path), load_external_data=False)
@@ -55,6 +64,30 @@ def rewrite_training_model(cfg: RunConfig, path: Path) -> list[dict]:
         model = _sums_as_matmul(model, path, report)
     if capture_applies(cfg):
         _write_capture_split(model, path.parent)
+    return report
+
+
+def torch_padding_rows(cfg: RunConfig) -> dict[str, int]:
+    """Table -> torch's ``padding_idx`` of the embeddings of ``model.path`` where the dynamo exporter recorded it
+    (:func:`ortflow.graph.exports.torch_params.padding_rows`); empty for other exports, which do not record it."""
+    proto = onnx.load(str(cfg.model.path), load_external_data=False)
+    return padding_rows(proto.graph) if is_dynamo_export(proto) else {}
+
+
+def mask_padding_gradients(path: Path, rows: dict[str, int]) -> list[dict]:
+    """Apply :func:`~ortflow.graph.gradients.padding_rows.mask_padding_rows` to the training model at ``path`` in
+    place (``rows``: table -> padding row in that graph's table); returns its report entries. Warns for each trained
+    lookup of a padding table whose gradient it does not recognise (that lookup trains the row as the engine wrote)."""
+    report: list[dict] = []
+    if not rows:
+        return report
+    model = onnx.load(str(path), load_external_data=False)
+    model, unmasked = mask_padding_rows(model, rows, report)
+    for line in unmasked:
+        log.warning("training graph: the gradient of %s is not one this pass knows; ids equal to torch's padding_idx "
+                    "give the padding row a gradient there where torch gives it none", line)
+    if report:
+        onnx.save(model, str(path))
     return report
 
 

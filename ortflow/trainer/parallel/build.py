@@ -67,7 +67,8 @@ def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, 
     stage = None
     if dims.pp > 1:
         stage = PipelineStage(body, comm, where.stage, dims.pp, groups.pp, tuple(info["receives"]),
-                              tuple(info["sends"]), info.get("shared", {}))
+                              tuple(info["sends"]), info.get("shared", {}),
+                              masks_padding_rows=info.get("masks_padding_rows", False))
         stage.device_pipe = pipeline_messages(groups.pp, body, buffers)  # Sync point (collective): the NCCL links
     data = replica_part(cfg, groups, where, dims, body, stage, threads, resume)
     scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
@@ -187,8 +188,9 @@ def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDim
 def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, threads: int) -> KeptActivations | None:
     """The forward-once calls of a stage that is not the last (on the CPU or its GPU), unless it recomputes
     (``DistributedConfig.recomputes_forward``); stages whose forward switches BatchNorm to batch statistics (its eval
-    model's extra input) recompute."""
-    if stage.last or cfg.distributed.recomputes_forward():
+    model's extra input) recompute, and so do stages whose training model masks an embedding's padding row (the
+    gradient graph built from the eval model would not: ortflow/configure/training_graph.py)."""
+    if stage.last or cfg.distributed.recomputes_forward() or stage.masks_padding_rows:
         return None
     if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
         return None

@@ -233,7 +233,8 @@ def keep_piece_activations(pieces: list, last_stage: bool, options, recompute: t
                            buffers=None) -> None:
     """Give each tensor-parallel piece that is not the model's last (every piece of a middle pipeline stage) its
     forward-once calls (``piece.kept``); a piece that sends integer tensors keeps recomputing (the engine's backward
-    takes a gradient for every output of the forward).
+    takes a gradient for every output of the forward), and so does a piece whose training model masks an embedding's
+    padding row (``masks_padding_rows``: the gradient graph built here from the eval model would not).
 
     Args:
         pieces: The rank's ``PieceRun`` s (``state``, ``folder``, ``info`` with its ``tensor.json`` entry).
@@ -245,7 +246,7 @@ def keep_piece_activations(pieces: list, last_stage: bool, options, recompute: t
     """
     for piece in pieces[: -1 if last_stage else None]:
         info = piece.info
-        if list(info["sends"]) != list(info["float_sends"]):
+        if list(info["sends"]) != list(info["float_sends"]) or info.get("masks_padding_rows"):
             continue
         trainable = sorted(n for n, p in piece.state.parameters if p.requires_grad)
         piece.kept = KeptActivations(piece.folder / "eval_model.onnx", piece.state, trainable,
