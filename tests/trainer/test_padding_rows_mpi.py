@@ -1,14 +1,17 @@
-"""Torch's ``padding_idx``: Gemma's embedding (row 0, tied to the LM head) trains as torch's does on a batch whose ids
-hold the padding id at several positions, on one rank, split by vocabulary over 2 tensor-parallel ranks and cut into 2
-pipeline stages (the table in the first).
+"""Torch's ``padding_idx``: Gemma's embedding (row 0, tied to the LM head) and BERT's word embedding (row 0, untied)
+train as torch's do on a batch whose ids hold the padding id at several positions: on one rank (read with ``GatherND``
+and with ``Gather``), split by vocabulary over 2 tensor-parallel ranks, cut into 2 pipeline stages (the table in the
+first) and both.
 
 The reference is torch's rule written into the graph: the same export with the padding positions reading a frozen
 copy of the table (``Where(ids == 0, Gather(copy, ids), Gather(table, ids))``: the same values, and the lookup's
-gradient reaches the table from the other positions only, the LM head's in full), its Gather's torch record without
-``padding_idx`` so configure's masking does not apply to it. Every other gradient of the Gemma export is torch's
-(tests/trainer/test_exporter_patterns.py)."""
+gradient reaches the table from the other positions only, a tied LM head's in full), its Gather's torch record
+without ``padding_idx`` so configure's masking does not apply to it. Every other gradient of the Gemma export is
+torch's (tests/trainer/test_exporter_patterns.py)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx
@@ -23,18 +26,23 @@ from tests.support.runs import make_run, run_ranks_together
 
 pytestmark = pytest.mark.mpi
 
-EXPORT = "gemma-dynamo-noopt.onnx"
-TABLE = "model.model.embed_tokens.weight"
 PAD = 0
-#: Layouts that must train to the reference, by run name.
-LAYOUTS = {"dp1": {}, "tp2": {"num_ranks": 2, "horizontal_parallel_size": 2},
-           "pp2": {"num_ranks": 2, "pipeline_parallel_size": 2}}
+#: The exports with torch's padding_idx 0, by family: Gemma's table is tied to its LM head, BERT's is not.
+EXPORTS_BY_FAMILY = {"gemma": "gemma-dynamo-noopt.onnx", "bert": "bert-dynamo.onnx"}
+TABLES = {"gemma": "model.model.embed_tokens.weight", "bert": "model.bert.embeddings.word_embeddings.weight"}
+#: Runs that must train to their family's reference, by name: (family, distributed section). ``gather`` reads the
+#: table with ``Gather`` (gradient ``GatherGrad``), the others with the CPU's repeatable ``GatherND``.
+RUNS = {"gemma-dp1": ("gemma", {}), "gemma-gather": ("gemma", {"deterministic_compute": False}),
+        "gemma-tp2": ("gemma", {"num_ranks": 2, "horizontal_parallel_size": 2}),
+        "gemma-pp2": ("gemma", {"num_ranks": 2, "pipeline_parallel_size": 2}),
+        "gemma-pp2tp2": ("gemma", {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}),
+        "bert-dp1": ("bert", {}), "bert-tp2": ("bert", {"num_ranks": 2, "horizontal_parallel_size": 2})}
 #: One SGD step of lr 1 in other summation orders (test_exporter_patterns.py's bound); the padding positions'
-#: gradient of row 0 is 100 times it (asserted below).
+#: gradient of the padding row is far above it (asserted below).
 ATOL = 1e-6
 
 
-def _batch(root):
+def _gemma_batch(root):
     """Gemma's torch batch (8 rows of 16 tokens) with the padding id at the ends of the rows and once inside one."""
     from safetensors.numpy import load_file
 
@@ -42,21 +50,35 @@ def _batch(root):
     ids = batch["input.input_ids"].copy()
     ids[:, -3:] = PAD
     ids[0, 2] = PAD
-    path = root / "padded.npz"
+    path = root / "gemma.npz"
     np.savez(path, input_ids=ids, labels=batch["labels"])
     return path
 
 
-def _frozen_copy_model(root):
+def _bert_batch(root):
+    """8 rows of 16 tokens for the BERT classifier: the padding id at attended positions (their gradient reaches the
+    table) and at the masked ends of some rows."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 512, (8, 16))
+    ids[:, 3] = PAD
+    mask = np.ones_like(ids)
+    mask[:4, -4:] = 0
+    ids[:4, -4:] = PAD
+    path = root / "bert.npz"
+    np.savez(path, input_ids=ids, attention_mask=mask, labels=rng.integers(0, 3, 8))
+    return path
+
+
+def _frozen_copy_model(root, export):
     """The export with the padding positions' lookup reading a frozen copy of the table (module docstring)."""
-    model = onnx.load(str(export_path(EXPORT)))
+    model = onnx.load(str(export_path(export)))
     graph = model.graph
-    (lookup,) = [n for n in graph.node if n.op_type == "Gather"
-                 and any(p.key == FX_NODE and "aten.embedding" in p.value for p in n.metadata_props)]
+    (lookup,) = [n for n in graph.node if n.op_type == "Gather" and any(
+        p.key == FX_NODE and "aten.embedding" in p.value and f", {PAD}), kwargs" in p.value for p in n.metadata_props)]
     for prop in lookup.metadata_props:  # torch's record without padding_idx (-1): configure does not mask it
         if prop.key == FX_NODE:
             prop.value = prop.value.replace(f", {PAD}), kwargs", ", -1), kwargs")
-    table = next(t for t in graph.initializer if t.name == lookup.input[0])  # the export's name of the tied table
+    table = next(t for t in graph.initializer if t.name == lookup.input[0])  # the export's name of the table
     graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(table), "padding_copy"))
     y, ids = lookup.output[0], lookup.input[1]
     lookup.output[0] = "trained_rows"
@@ -70,41 +92,54 @@ def _frozen_copy_model(root):
     nodes = [*graph.node[:at], *added, *graph.node[at:]]
     del graph.node[:]
     graph.node.extend(nodes)
-    path = root / "gemma-frozen-copy.onnx"
+    path = root / export.replace("-dynamo", "-frozen-copy")
     onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
     return path
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    """One SGD step of lr 1 on the padded batch: the reference and each layout of :data:`LAYOUTS`; name -> (config,
-    the job's output)."""
+    """One SGD step of lr 1 on each family's batch: its reference and each run of :data:`RUNS`; name -> config."""
     root = tmp_path_factory.mktemp("padding-rows")
-    data = _batch(root)
-    common = {"data": {"train": [str(data)], "test": [str(data)]},
-              "train": {"batch_size": 8, "num_train_steps": 1, "gradient_accumulation_steps": 1,
-                        "evaluation_period": 0},
-              "optimizer": {"name": "sgd", "learning_rate": 1.0}, "checkpoint": {"period": 1}}
-    # not a torch parameter: configure freezes the copy (asserted below)
-    cfgs = {"reference": make_run(root, "reference", model=_frozen_copy_model(root), **common)}
-    cfgs.update({name: make_run(root, name, model=export_path(EXPORT), distributed=dist, **common)
-                 for name, dist in LAYOUTS.items()})
+    batches = {"gemma": _gemma_batch(root), "bert": _bert_batch(root)}
+
+    def common(family):
+        data = str(batches[family])
+        return {"data": {"train": [data], "test": [data]},
+                "train": {"batch_size": 8, "num_train_steps": 1, "gradient_accumulation_steps": 1,
+                          "evaluation_period": 0},
+                "optimizer": {"name": "sgd", "learning_rate": 1.0}, "checkpoint": {"period": 1}}
+
+    # the copy is no torch parameter: configure makes it a constant (asserted below)
+    cfgs = {f"{family}-reference": make_run(root, f"{family}-reference", model=_frozen_copy_model(root, export),
+                                            **common(family))
+            for family, export in EXPORTS_BY_FAMILY.items()}
+    cfgs.update({name: make_run(root, name, model=export_path(EXPORTS_BY_FAMILY[family]), distributed=dist,
+                                **common(family)) for name, (family, dist) in RUNS.items()})
     outs = run_ranks_together(*cfgs.values())
     for out in outs:
         assert out.returncode == 0, out.stdout[-3000:]
-    return {name: (cfg, out) for (name, cfg), out in zip(cfgs.items(), outs, strict=True)}
+    return cfgs
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_padding_row_gets_no_gradient_from_the_padding_positions_as_in_torch(steps, layout):
+@pytest.mark.parametrize("run", RUNS)
+def test_the_padding_row_gets_no_gradient_from_the_padding_positions_as_in_torch(steps, run):
     from safetensors.numpy import load_file
 
-    start = load_file(str(EXPORTS / "gemma.safetensors"))
-    reference = read_params(newest(steps["reference"][0]))
-    trained = read_params(newest(steps[layout][0]))
+    family = RUNS[run][0]
+    table = TABLES[family]
+    reference_cfg = steps[f"{family}-reference"]
+    record = json.loads((reference_cfg.output_dir / "configure.json").read_text())
+    assert "padding_copy" in record["torch"]["frozen"] and "padding_copy" not in record["trainable"]
+    start = load_file(str(EXPORTS / f"{family}.safetensors"))
+    reference = read_params(newest(reference_cfg))
+    trained = read_params(newest(steps[run]))
+    assert table in trained
     for name in start:
         if name in trained:
             np.testing.assert_allclose(trained[name], reference[name], rtol=0, atol=ATOL, err_msg=name)
-    assert TABLE in trained
-    # row 0 still trains from the tied LM head (and that step is far from the padding positions' own gradient)
-    assert np.abs(trained[TABLE][PAD] - start[TABLE][PAD]).max() > 100 * ATOL
+    moved = np.abs(trained[table][PAD] - start[table][PAD]).max()
+    if family == "gemma":  # row 0 still trains from the tied LM head
+        assert moved > 100 * ATOL
+    else:  # the lookup is the table's only use: its padding row does not move
+        assert moved == 0
