@@ -96,7 +96,8 @@ def test_parameters_folded_into_computed_constants_are_refused_naming_each():
 
 def test_embedding_padding_rows_are_found_from_the_torch_op():
     """Gemma's and BERT's embeddings have torch's ``padding_idx`` 0 (their ``pad_token_id``), which the ``Gather``
-    does not carry: configure names the table and the row (and warns), under the name the table is trained by."""
+    does not carry: configure names the table and the row (and masks their lookup gradient), under the name the table
+    is trained by."""
     found = {name: torch_parameters(onnx.load(str(export_path(name)))).padding
              for name in ("gemma-dynamo-noopt.onnx", "bert-dynamo.onnx", "llama-dynamo-noopt.onnx")}
     assert found == {"gemma-dynamo-noopt.onnx": {"model.model.embed_tokens.weight": 0},
