@@ -121,6 +121,19 @@ def test_validate_says_whether_pipeline_stages_keep_their_activations(tmp_path, 
         in text.lower()
 
 
+@pytest.mark.parametrize("export", ["gemma-dynamo-noopt.onnx", "llama-dynamo.onnx"])
+def test_validate_says_the_parts_reading_a_padding_embedding_recompute(tmp_path, export):
+    """Gemma's embedding has torch's padding_idx: its stage's training model masks the lookup gradient, which the
+    forward-once calls would not, so it runs the forward again; Llama's has none."""
+    config = lm_config(tmp_path, export, num_ranks=2, pipeline_parallel_size=2)
+    result = CliRunner().invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    line = ("the parts reading an embedding with torch's padding_idx run the forward again in the backward call (its "
+            "padding row's gradient is masked there)")
+    assert (line in text) == export.startswith("gemma"), text
+
+
 def replicated_kv_line(layer: int, kv_heads: int, size: int, reads: str) -> str:
     """validate's words for a layer whose key/value projections stay whole on every rank."""
     attn = f"model.model.layers.{layer}.self_attn"
