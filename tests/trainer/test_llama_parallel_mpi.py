@@ -1,26 +1,29 @@
 """Data, pipeline and tensor parallelism on the Hugging Face Llama exports (grouped-query attention: 4 query heads, 2
-key/value heads; RoPE; SwiGLU) and the Qwen2 exports of the same shape (biases on the query, key and value
-projections, split with their heads), trained unmodified under mpiexec, each layout against the one unsplit run of
-its export on the same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one
-key/value head with the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the
-TorchScript exports' stages cut by hand between their layers, the dynamo exports' cut automatically, inside the second
-layer); every export trains in pp 2 with automatic cuts, and the dynamo exports (the fresh model's too) at dp 2 on
-their torch parameters, Llama's, Qwen2's, Phi-3's and Gemma's optimize=False ones as their TorchScript twins; every
-export trains with ZeRO-1 and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the LSTM +
-GRU classifier: tests/trainer/exports_checks.py). The exports of Llama with multi-query attention (1 key/value head)
-train at dp 2, in pp 2, with ZeRO-1 and with Adasum here, and in their tensor-parallel layouts in
-test_llama_kv_replicated_mpi.py; Qwen2's optimize=False export's dp 2 run also writes its state dict. Phi-3 (the same
-shape with one fused query/key/value projection and one fused gate/up projection, each rank keeping its block of every
-fused part) runs tp 2, pp 2 and pp 2 x tp 2 on the TorchScript export and on both dynamo exports, the twin test on
-the optimize=False export, dp 2 on both dynamo exports, and ZeRO-1 and Adasum on all three; its tp 2
-runs' state dicts hold every fused weight whole, in torch's layout. The Gemma exports (TorchScript and optimize=False;
-Llama's attention shape, the embedding tied to the LM head, split by vocabulary in both uses and held by the first and
-the last stage) train in every layout as Qwen2's do, with ZeRO-1 and with Adasum; the optimize=False export's dp 2
-run writes its state dict with both tied keys. The GPT-NeoX exports (one fused query_key_value laid out per head,
-RoPE on a quarter of each head, attention and MLP in parallel) train in every layout and with ZeRO-1 and Adasum, their
-attention split by whole heads (each rank starting from its heads' query, key and value rows; the dynamo exports'
-keys transposed as [batch * heads, seq, head_dim] tensors, whose merged axis the split follows); its tp 2 runs' state
-dicts hold torch's layout.
+key/value heads; RoPE; SwiGLU) and the Qwen2 exports of the same shape (biases on the query, key and value projections,
+split with their heads), trained unmodified under mpiexec, each layout against the one unsplit run of its export on the
+same global batch (the ``export_dp`` fixture): attention is split by heads, each rank holding one key/value head with
+the two query heads that read it, and tp 2 and pp 2 x tp 2 end where the unsplit run ends (the TorchScript exports'
+stages cut by hand between their layers, the dynamo exports' cut automatically, inside the second layer); every export
+trains in pp 2 with automatic cuts, and the dynamo exports (the fresh model's too) at dp 2 on their torch parameters,
+Llama's, Qwen2's, Phi-3's and Gemma's optimize=False ones as their TorchScript twins; every export trains with ZeRO-1
+and with Adasum (what test_exports_parallel_mpi.py asserts on GPT-2, BERT, ViT and the LSTM + GRU classifier:
+tests/trainer/exports_checks.py). The exports of Llama with multi-query attention (1 key/value head, as Falcon and
+StarCoder have) train at dp 2, in pp 2, with ZeRO-1 and with Adasum, and at tp 2 and pp 2 x tp 2 (cut automatically)
+with their key/value heads replicated, as the Llama export's 2 key/value heads are at tp 4: the query heads are split,
+the key/value projections and their RoPE run whole on every rank, each rank's query heads read the key/value heads they
+map to, and the key/value weights' gradients are summed over the ranks, so every rank holds the same key/value weights,
+bit for bit, and the run ends within the tensor-parallel bound. Qwen2's optimize=False export's dp 2 run also writes its
+state dict. Phi-3 (the same shape with one fused query/key/value projection and one fused gate/up projection, each rank
+keeping its block of every fused part) runs tp 2, pp 2 and pp 2 x tp 2 on the TorchScript export and on both dynamo
+exports, the twin test on the optimize=False export, dp 2 on both dynamo exports, and ZeRO-1 and Adasum on all three;
+its tp 2 runs' state dicts hold every fused weight whole, in torch's layout. The Gemma exports (TorchScript and
+optimize=False; Llama's attention shape, the embedding tied to the LM head, split by vocabulary in both uses and held by
+the first and the last stage) train in every layout as Qwen2's do, with ZeRO-1 and with Adasum; the optimize=False
+export's dp 2 run writes its state dict with both tied keys. The GPT-NeoX exports (one fused query_key_value laid out
+per head, RoPE on a quarter of each head, attention and MLP in parallel) train in every layout and with ZeRO-1 and
+Adasum, their attention split by whole heads (each rank starting from its heads' query, key and value rows; the dynamo
+exports' keys transposed as [batch * heads, seq, head_dim] tensors, whose merged axis the split follows); its tp 2 runs'
+state dicts hold torch's layout.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import onnx
 import pytest
 
 from ortflow.checkpoints.h5state import read_params
+from ortflow.checkpoints.tp import tp_file
 from tests.support.exports import torch_record
 from tests.support.parallel_runs import newest
 from tests.trainer.exports_checks import (
@@ -53,7 +57,8 @@ pytestmark = pytest.mark.mpi
 # gradients differ from the unsplit ones by a few ulps, and AdamW turns a few ulps of a near-zero gradient into larger
 # steps: measured 2.2e-6 to 9.5e-6 (TorchScript export) and 1.01e-5 (dynamo exports) after 20 updates, tp 2 and pp 2 x
 # tp 2; after the 4 updates the test trains, up to 5.0e-6 (dynamo exports; 6.5e-6 on the TorchScript export of Llama
-# with multi-query attention at pp 2 x tp 2: test_llama_kv_replicated_mpi.py), and on Qwen2 2.3e-5 (TorchScript, tp 2
+# with multi-query attention at pp 2 x tp 2: test_key_value_heads_replicated_on_every_rank_train_to_the_unsplit_
+# parameters), and on Qwen2 2.3e-5 (TorchScript, tp 2
 # and pp 2 x tp 2) and 2.1e-5 (dynamo exports), on MLP weights (its attention biases within 1.9e-6), and on Phi-3
 # 3.6e-6 (TorchScript, tp 2), 3.8e-6 (TorchScript, pp 2 x tp 2), 6.1e-7 (both dynamo exports, tp 2) and 1.2e-6 (both
 # dynamo exports, pp 2 x tp 2). The bound, 1e-4, is a tenth of one update's change (lr = 1e-3): a wrong gradient (a
@@ -66,7 +71,8 @@ DYNAMO = [*(e for e in LLAMA_EXPORTS if "dynamo" in e), "llama-fresh-dynamo.onnx
 #: The Qwen2 exports.
 QWEN2_DYNAMO, QWEN2_NOOPT = "qwen2-dynamo.onnx", "qwen2-dynamo-noopt.onnx"
 QWEN2 = ["qwen2.onnx", QWEN2_DYNAMO, QWEN2_NOOPT]
-#: The exports of Llama with multi-query attention (their tensor-parallel layouts: test_llama_kv_replicated_mpi.py).
+#: The exports of Llama with multi-query attention (their tensor-parallel layouts, key/value heads replicated:
+#: test_key_value_heads_replicated_on_every_rank_train_to_the_unsplit_parameters).
 MQA = ["llama-mqa.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx"]
 #: The Phi-3 exports.
 PHI3, PHI3_DYNAMO, PHI3_NOOPT = "phi3.onnx", "phi3-dynamo.onnx", "phi3-dynamo-noopt.onnx"
@@ -226,7 +232,7 @@ def test_llama_attention_split_by_heads_trains_to_the_unsplit_parameters(export_
 
 # pp 2 and pp 2 x tp 2 on every dynamo export; pp 2 on the TorchScript exports (their pp 2 x tp 2 run is cut by hand:
 # BY_HEADS) and on every export of Llama with multi-query attention (its pp 2 x tp 2 runs, whose key/value heads are
-# replicated: test_llama_kv_replicated_mpi.py).
+# replicated: test_key_value_heads_replicated_on_every_rank_train_to_the_unsplit_parameters).
 STAGES = [*[pytest.param(e, pp, tp, id=f"{name}-{e}") for e in [*DYNAMO, QWEN2_DYNAMO, QWEN2_NOOPT, PHI3_DYNAMO,
                                                              PHI3_NOOPT, GEMMA_NOOPT, NEOX_DYNAMO, NEOX_NOOPT]
             for pp, tp, name in ((2, 1, "pp2"), (2, 2, "pp2xtp2"))],
@@ -272,3 +278,56 @@ def test_exports_train_with_zero1_and_adasum(export_dp):
     ends where
     the unsplit run (and so plain data parallelism) does; Adasum trains as the mean does."""
     assert_trains_with_zero1_and_adasum(export_dp)
+
+
+def rank_params(folder, rank: int, size: int, pp: int = 1) -> dict[str, np.ndarray]:
+    """The parameters tensor-parallel rank ``rank`` wrote into a checkpoint (its slices, the replicated ones whole),
+    every pipeline stage's."""
+    import h5py
+
+    params = {}
+    for stage in [(s, pp) for s in range(pp)] if pp > 1 else [None]:
+        with h5py.File(folder / tp_file("params", rank, size, stage), "r") as f:
+            params.update({str(ds.attrs["name"]): ds[()] for ds in f["parameters"].values()})
+    return params
+
+
+# (export, pp, tp, key/value heads); pp 2 x tp 2 cut automatically (inside the second layer)
+CASES = [*[pytest.param(export, pp, 2, 1, id=f"{export.removeprefix('llama-').removesuffix('.onnx')}-{layout}")
+           for export in ("llama-mqa.onnx", "llama-mqa-dynamo.onnx", "llama-mqa-dynamo-noopt.onnx")
+           for pp, layout in ((1, "tp2"), (2, "pp2xtp2"))],
+         pytest.param("llama.onnx", 1, 4, 2, id="gqa-tp4")]
+
+
+@pytest.mark.parametrize("export_dp,pp,tp,kv_heads", CASES, indirect=["export_dp"])
+def test_key_value_heads_replicated_on_every_rank_train_to_the_unsplit_parameters(export_dp, pp, tp, kv_heads):
+    """Key/value heads the tensor-parallel size does not divide (Llama with multi-query attention at tp 2 and pp 2 x
+    tp 2, Llama's 2 at tp 4): the query heads are split, every key/value head is held whole by every rank, the run
+    ends within the tensor-parallel bound of the unsplit run, and the ranks hold bitwise the same key/value weights,
+    trained with the whole gradient."""
+    export = export_dp.cfg.model.path.name
+    # the export's layouts of every case, started together (each trains as soon as it is configured)
+    start_layouts(export_dp, {f"pp{p}tp{t}-kv-replicated": (p, t) for e, p, t, _ in (c.values for c in CASES)
+                              if e == export})
+    run = export_dp.layouts[f"pp{pp}tp{tp}-kv-replicated"]
+    lines = split_lines(run.cfg, pp)
+    assert not [line for line in lines if line.startswith("kept replicated")], lines
+    assert len([line for line in lines if "key/value heads replicated" in line]) == 2, lines  # one per layer
+    for rank in range(tp):
+        shapes = rank_parameter_shapes(run.cfg, rank)
+        for layer in range(2):
+            attn = f"model.model.layers.{layer}.self_attn"
+            # [out, in] Linear weights: 4 / tp query heads of 16 rows, every key/value head whole, and the output
+            # projection's input columns that read this rank's query heads
+            assert shapes[f"{attn}.q_proj.weight"] == [64 // tp, 64], (rank, shapes)
+            assert shapes[f"{attn}.k_proj.weight"] == [16 * kv_heads, 64] == shapes[f"{attn}.v_proj.weight"]
+            assert shapes[f"{attn}.o_proj.weight"] == [64, 64 // tp]
+    assert_equal_to(export_dp, run.cfg, run.out, atol=LLAMA_TP_ATOL)
+    folder, start = newest(run.cfg), start_values(run.cfg)
+    held = [rank_params(folder, rank, tp, pp) for rank in range(tp)]
+    for layer in range(2):
+        for proj in ("k_proj", "v_proj"):
+            name = f"model.model.layers.{layer}.self_attn.{proj}.weight"
+            assert np.abs(held[0][name] - start[name]).max() > 1e-4, name  # trained, with the whole gradient
+            for rank in range(1, tp):  # the sum over the ranks gives every rank the same gradient and update
+                assert held[rank][name].tobytes() == held[0][name].tobytes(), (name, rank)
