@@ -193,7 +193,8 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     """A CUDA stage that is not the last keeps its activations with ``recompute_forward: false`` and ``auto`` (the
     default): its buffers go with the calls (the engine then runs on the rank's stream; its calls return device
     tensors where its messages go over NCCL); ``true`` recomputes, as do a BatchNorm switched to batch statistics
-    before its cut and the last stage; ``auto`` keeps on a CPU stage."""
+    before its cut, a stage whose training model masks an embedding's padding row, and the last stage; ``auto``
+    keeps on a CPU stage."""
     from types import SimpleNamespace
 
     from ortflow.config.distributed import DistributedConfig
@@ -207,10 +208,11 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     def config(recompute_forward, device="cuda"):
         return SimpleNamespace(distributed=DistributedConfig(recompute_forward=recompute_forward, device=device))
 
-    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None)
+    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, masks_padding_rows=False)
     assert build.keep_activations(config(False), body, middle, 1) == "kept"
     assert made[-1]["buffers"] is body.buffers and made[-1]["host_sends"]  # messages as host arrays
-    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object())
+    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object(),
+                                masks_padding_rows=False)
     assert build.keep_activations(config(False), body, over_nccl, 1) == "kept"
     assert made.pop()["host_sends"] is False  # its sends leave from the GPU
     assert build.keep_activations(config("auto"), body, over_nccl, 1) == "kept"
@@ -218,7 +220,10 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     assert build.keep_activations(config(True), body, middle, 1) is None
     assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
     assert build.keep_activations(config("auto"), _stage_body(batch_statistics=True), middle, 1) is None
-    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None)
+    masking = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, masks_padding_rows=True)
+    assert build.keep_activations(config(False), body, masking, 1) is None
+    assert build.keep_activations(config("auto"), body, masking, 1) is None
+    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None, masks_padding_rows=False)
     assert build.keep_activations(config(False), body, last, 1) is None
     assert build.keep_activations(config("auto"), body, last, 1) is None
     assert len(made) == 1
