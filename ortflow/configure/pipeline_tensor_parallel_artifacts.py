@@ -44,6 +44,7 @@ from ortflow.configure.tensor_parallel_artifacts import (
     split_input,
     weights_folder,
 )
+from ortflow.configure.training_graph import torch_padding_rows
 from ortflow.graph.pipeline_parallel.pipeline_cuts import CutPlace, Stage
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
@@ -180,6 +181,7 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     stages = []
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
+        padding = torch_padding_rows(cfg)
         for sp in plans:
             s = sp.stage.index
             log_plan(sp.plan, f" (pipeline stage {s})")
@@ -192,7 +194,7 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     where = f"piece {piece.index} of tensor-parallel rank {rank} of pipeline stage {s}"
                     ran, masks = build_piece(cfg, piece, last, set(frozen), folder, where, proto_limit,
-                                             rank_padding_rows(cfg, sp.model, sp.plan, rank))
+                                             rank_padding_rows(padding, sp.model, sp.plan, rank))
                     passes.append(ran)
                     masked |= {piece.index} if masks else set()
                 records.append([piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])

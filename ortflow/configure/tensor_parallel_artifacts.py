@@ -129,13 +129,13 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
     return prepared.passes, bool(mask_padding_gradients(folder / "training_model.onnx", padding))
 
 
-def rank_padding_rows(cfg: RunConfig, model: onnx.ModelProto, plan: TensorParallelPlan, rank: int) -> dict[str, int]:
-    """Torch's padding rows of ``model`` (the whole model or a pipeline stage, before the split) as tensor-parallel
-    rank ``rank`` holds them (:func:`ortflow.graph.gradients.padding_rows.local_padding_rows`)."""
-    rows = torch_padding_rows(cfg)
+def rank_padding_rows(rows: dict[str, int], model: onnx.ModelProto, plan: TensorParallelPlan,
+                      rank: int) -> dict[str, int]:
+    """Torch's padding rows (``rows``: :func:`ortflow.configure.training_graph.torch_padding_rows`) of the tables of
+    ``model`` (the whole model or a pipeline stage, before the split) as tensor-parallel rank ``rank`` holds them
+    (:func:`ortflow.graph.gradients.padding_rows.local_padding_rows`)."""
     tables = {t.name: t.dims[0] for t in model.graph.initializer if t.name in rows}
-    return local_padding_rows({t: r for t, r in rows.items() if t in tables}, plan.slicing(), tables,
-                              cfg.distributed.horizontal_parallel_size, rank)
+    return local_padding_rows({t: r for t, r in rows.items() if t in tables}, plan.slicing(), tables, plan.size, rank)
 
 
 def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
@@ -164,6 +164,7 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
     model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg, proto_limit)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
     ranks, ran_by_piece, masked = [], {}, set()
+    padding = torch_padding_rows(cfg)
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
             pieces = cut_pieces(shard_model(model, plan, rank, weights_folder(cfg)), plan, model, trainable)
@@ -172,7 +173,7 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                 ran, masks = build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
                                          f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit,
-                                         rank_padding_rows(cfg, model, plan, rank))
+                                         rank_padding_rows(padding, model, plan, rank))
                 passes.append(ran)
                 masked |= {piece.index} if masks else set()
             ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])

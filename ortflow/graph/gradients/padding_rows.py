@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortflow.graph.onnx_tools import Names, attribute, opset_version, report_change
+from ortflow.graph.onnx_tools import Names, attribute, int64_constant, opset_version, report_change
 
 #: Name prefix of the nodes this pass adds.
 PREFIX = "padding_rows/"
@@ -121,14 +121,14 @@ def _mask_nodes(grad: onnx.NodeProto, row: int, dtype: int, names: Names, new_op
         out = names.new(f"{base}/{op.lower()}")
         return helper.make_node(op, inputs, [out], name=names.new(f"{base}/{op}"), **attrs), out
 
-    row_node, row_name = const("row", np.asarray(row, np.int64))
+    row_node, row_name = int64_constant(names, f"{base}/row", row)
     zero_node, zero_name = const("zero", np.zeros((), helper.tensor_dtype_to_np_dtype(dtype)))
     cast, ids64 = make("Cast", [ids], to=onnx.TensorProto.INT64)
     equal, padding = make("Equal", [ids64, row_name])
     out = [row_node, zero_node, cast, equal]
     if grad.op_type == "GatherGrad":  # ids without the embedding axis: broadcast over it
         if new_opset:
-            axes_node, axes = const("axes", np.asarray([-1], np.int64))
+            axes_node, axes = int64_constant(names, f"{base}/axes", [-1])
             unsqueeze, padding = make("Unsqueeze", [padding, axes])
             out += [axes_node, unsqueeze]
         else:
