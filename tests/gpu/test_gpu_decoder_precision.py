@@ -1,6 +1,12 @@
-"""The Hugging Face Llama exports (RoPE, RMSNorm, SwiGLU, grouped-query attention) in fp16 and bf16 on one GPU: 60
-updates through the real trainer under mpiexec, against the same 60 updates in fp32. Needs the GPU engine, CuPy and
-one CUDA GPU (skipped otherwise).
+"""The Hugging Face decoder exports in fp16 and bf16 on one GPU: 60 updates through the real trainer under mpiexec,
+against the same 60 updates in fp32; and split over two GPUs (pp 2 in fp16, tp 2 in bf16) against one GPU in that
+precision. The Llama exports of all three exporters (RoPE, RMSNorm, SwiGLU, grouped-query attention), and one export
+per other family from torch's default exporter (dynamo): Phi-3 (fused query/key/value and gate/up projections of
+unequal parts), Gemma (the embedding tied to the LM head and scaled, `1 + weight` norms, GeGLU, torch's padding_idx
+masked; its `optimize=False` export, the default one being refused for its folded norm weights), GPT-NeoX (a per-head
+fused query/key/value, partial RoPE, attention with batch and heads merged), Qwen2 (query/key/value biases) and the
+multi-query Llama (its key/value projections kept whole on every tensor-parallel rank). Needs the GPU engine, CuPy
+and one CUDA GPU; the splits two (skipped otherwise).
 
 What autocast keeps in fp32 here (docs/gpu.md): RoPE's Cos and Sin in bf16 (no bf16 type in their schema
 at the exports' opsets), Pow, Sqrt, Reciprocal and Neg in bf16 (fp16 CUDA kernels only), a SiLU's Sigmoid and Mul in
@@ -12,7 +18,7 @@ then separating chaotically; the fp32 baseline itself runs its matmuls in TF32).
 corpus the windows differ by 2.7%, 2.3% and 0.7% on an H200; on another text of the same kind the first window
 differed by 3.4%.
 
-Run: ``.venv/bin/python -m pytest -v -s tests/gpu/test_gpu_llama_precision.py``; each test prints its windows.
+Run: ``.venv/bin/python -m pytest -v -s tests/gpu/test_gpu_decoder_precision.py``; each test prints its windows.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ import pytest
 
 from ortflow import cuda_libs
 from tests.trainer.exports_runs import LLAMA_EXPORTS
+
+#: One export per other decoder family (dynamo; Gemma's optimize=False).
+FAMILIES = ["phi3-dynamo.onnx", "gemma-dynamo-noopt.onnx", "neox-dynamo.onnx", "qwen2-dynamo.onnx",
+            "llama-mqa-dynamo.onnx"]  # fmt: skip
 
 UPDATES = 60
 WINDOW = 20
@@ -82,9 +92,9 @@ def _train(root: Path, export: str, kind: str, layout: str | None = None) -> np.
     return np.array(losses)
 
 
-@pytest.fixture(scope="module", params=LLAMA_EXPORTS)
+@pytest.fixture(scope="module", params=[*LLAMA_EXPORTS, *FAMILIES])
 def fp32_losses(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama")
+    root = tmp_path_factory.mktemp("decoder")
     losses = _train(root, request.param, "fp32")
     assert np.isfinite(losses).all()
     assert losses[-WINDOW:].mean() < losses[:WINDOW].mean() - 0.3, losses  # the reference learns
@@ -108,7 +118,7 @@ def _windows(got: np.ndarray, ref: np.ndarray, label: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_llama_in_half_precision_follows_the_fp32_losses(fp32_losses, kind):
+def test_decoder_export_in_half_precision_follows_the_fp32_losses(fp32_losses, kind):
     root, export, ref = fp32_losses
     windows = _windows(_one_gpu(root, export, kind), ref, f"{export} {kind} against fp32")
     assert windows.max() < TOLERANCE[kind], windows
@@ -116,7 +126,9 @@ def test_llama_in_half_precision_follows_the_fp32_losses(fp32_losses, kind):
 
 @pytest.mark.skipif(cuda_libs.gpu_count()[0] < 2, reason="a split over 2 GPUs needs 2 GPUs")
 @pytest.mark.parametrize(("layout", "kind"), [("pp2", "fp16"), ("tp2", "bf16")])
-def test_llama_split_over_two_gpus_in_half_precision_follows_one_gpu_in_that_precision(fp32_losses, layout, kind):
+def test_decoder_export_split_over_two_gpus_in_half_precision_follows_one_gpu_in_that_precision(
+    fp32_losses, layout, kind
+):
     """The stages (or tensor-parallel ranks) autocast each alone, the loss scale divided out of every stage's
     gradients: the same bound against the one-GPU run of the same precision as that run has against fp32."""
     root, export, _ = fp32_losses
