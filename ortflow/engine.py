@@ -163,10 +163,12 @@ class ForwardBackward:
         recompute: Memory-optimizer plans (``SUBGRAPH:1:COUNT``): those subgraphs' outputs are recomputed in the
             backward instead of kept. The engine finds them in this gradient graph (its forward/backward boundary is
             marked as ORTModule's is), not in the training API's training model.
+        rewrite: A pass over the engine's gradient graph (``ModelProto -> ModelProto``) run before its session is
+            made; it keeps the graph's inputs and outputs (a padding row's masked lookup gradient).
     """
 
     def __init__(self, model: bytes, parameters: list[str], trainable: list[str], input_grads: list[str], options,
-                 providers: list, device: str = "cpu", recompute: tuple[str, ...] = ()):
+                 providers: list, device: str = "cpu", recompute: tuple[str, ...] = (), rewrite=None):
         import onnx  # graph inspection only
         import onnxruntime
 
@@ -180,7 +182,11 @@ class ForwardBackward:
         builder.initialize(model, config)
         builder.build(binding.TrainingGraphTransformerConfiguration())
         gradient_model = builder.get_gradient_model()
-        graph = onnx.load_model_from_string(gradient_model).graph
+        proto = onnx.load_model_from_string(gradient_model)
+        if rewrite is not None:
+            proto = rewrite(proto)
+            gradient_model = proto.SerializeToString()
+        graph = proto.graph
         self.feed_names = [i.name for i in graph.input]
         self.output_names = list(builder.get_graph_info().user_output_names)
         built = [o.name for o in graph.output]  # the input gradients in graph input order, then the parameters'

@@ -149,12 +149,10 @@ class DistributedConfig(Section):
         NCCL: docs/gpu.md)."""
         return self.recompute_forward is True
 
-    def activations_line(self, batchnorm_stages: list[int] = (), padding_rows: bool = False) -> str | None:
+    def activations_line(self, batchnorm_stages: list[int] = ()) -> str | None:
         """What the split layout's parts do with their activations, in words (``ortflow validate``'s plan); None for
         an unsplit model. ``batchnorm_stages``: the pipeline stages before the last whose forward switches BatchNorm
-        to batch statistics, which recompute whatever ``recompute_forward`` says; ``padding_rows``: whether the model
-        has embeddings with torch's ``padding_idx``, whose parts recompute too (their lookup gradient is masked in the
-        training call only)."""
+        to batch statistics, which recompute whatever ``recompute_forward`` says."""
         pp, tp = self.pipeline_parallel_size, self.horizontal_parallel_size
         if pp == 1 and tp == 1:
             return None
@@ -166,9 +164,6 @@ class DistributedConfig(Section):
         if batchnorm_stages and not recompute:
             line += (f", except stage(s) {list(batchnorm_stages)}, whose forward switches BatchNorm to batch "
                      "statistics: they run the forward again in the backward call")
-        if padding_rows and not recompute:
-            line += ("; the parts reading an embedding with torch's padding_idx run the forward again in the backward "
-                     "call (its padding row's gradient is masked there)")
         return line
 
     @field_validator("recompute_subgraphs")

@@ -54,7 +54,7 @@ from ortflow.configure.pipeline_tensor_parallel_artifacts import (
 from ortflow.configure.stage_artifacts import build_stage_artifacts, cut_lines, plan_stages
 from ortflow.configure.tensor_parallel_artifacts import build_tensor_parallel_artifacts, plan_tensor_parallel
 from ortflow.configure.torch_model import TORCH_MODEL_DIR, torch_source
-from ortflow.configure.training_graph import capture_applies, sums_as_matmul_applies, torch_padding_rows
+from ortflow.configure.training_graph import capture_applies, sums_as_matmul_applies
 from ortflow.engine import ORT_VERSION
 from ortflow.graph.exports.batchnorm_stats import running_statistics, to_record
 from ortflow.graph.tensor_parallel.tensor_plan import describe
@@ -68,7 +68,9 @@ CONFIGURE_RECORD_NAME = "configure.json"
 # 2: the batch-dimension pass and the model-preparation pass (ortflow.graph) rewrite the graph before the engine.
 # 3: pipeline stages hold BatchNorm running statistics as state, and a middle stage's eval model carries the batch form.
 # 4: dynamo exports are built from their torch-named model (ortflow/configure/torch_model.py).
-_ARTIFACTS_FORMAT = 4
+# 5: training models mask torch's padding rows, and the stage and piece records name them (ortflow/configure/
+#    training_graph.py).
+_ARTIFACTS_FORMAT = 5
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def plan_layout(cfg: RunConfig, described: list[str] | None = None, proto_limit:
                                                                   for n in s.model.graph.node)]
     if pp > 1:
         refuse_tied_zero1(cfg, plan.stages if tp == 1 else [sp.stage for sp in plan.plans])
-    activations = cfg.distributed.activations_line(batchnorm_stages, bool(torch_padding_rows(cfg)))
+    activations = cfg.distributed.activations_line(batchnorm_stages)
     if lines and activations:
         lines.append(activations)
     if described is not None:

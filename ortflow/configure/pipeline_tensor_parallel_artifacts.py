@@ -185,7 +185,7 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
         for sp in plans:
             s = sp.stage.index
             log_plan(sp.plan, f" (pipeline stage {s})")
-            records, ran_by_piece, masked = [], {}, set()
+            records, ran_by_piece, masked = [], {}, {}
             for rank in range(size):
                 mine = pieces(sp, rank)
                 passes = []
@@ -193,15 +193,15 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     where = f"piece {piece.index} of tensor-parallel rank {rank} of pipeline stage {s}"
-                    ran, masks = build_piece(cfg, piece, last, set(frozen), folder, where, proto_limit,
-                                             rank_padding_rows(padding, sp.model, sp.plan, rank))
+                    ran, rows = build_piece(cfg, piece, last, set(frozen), folder, where, proto_limit,
+                                            rank_padding_rows(padding, sp.model, sp.plan, rank))
                     passes.append(ran)
-                    masked |= {piece.index} if masks else set()
+                    masked.setdefault(piece.index, []).append(rows)
                 records.append([piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])
                 ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                      for p, ran in zip(mine, passes, strict=True)})
-            for info in records[0]:  # one record for every rank: a piece masked on any rank recomputes on all
-                info["masks_padding_rows"] = info["index"] in masked
+            for info in records[0]:  # one record for every rank: each rank's padding rows, in rank order
+                info["padding_rows"] = masked[info["index"]]
             stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
                            "parameters": list(sp.stage.parameters),
                            "shared": {name: list(holders) for name, holders in sp.stage.shared.items()},

@@ -212,11 +212,12 @@ def generate_part(cfg: RunConfig, prepared, folder: Path, proto_limit: int, scal
 
 
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path,
-               proto_limit: int = PROTO_LIMIT, padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], bool]:
+               proto_limit: int = PROTO_LIMIT,
+               padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], dict[str, int]]:
     """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through (a stage of
-    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`) and whether its
-    training model masks a padding row's lookup gradient (``padding``: table -> torch's padding row,
-    :func:`ortflow.configure.training_graph.mask_padding_gradients`)."""
+    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`) and the padding
+    rows of its tables where its training model masks a lookup gradient (``padding``: table -> torch's padding row,
+    :func:`ortflow.configure.training_graph.mask_padding_gradients`; empty where it masks none)."""
     folder.mkdir(parents=True)
     prepared, scale = prepare_part(cfg, stage, last)
     held = frozen | set(stage.frozen) | set(prepared.frozen)
@@ -225,7 +226,8 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
                   requires_grad=[*(p for p in stage.parameters if p not in prepared.frozen), *stage.receives],
                   frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in held))
     finish_part(folder, scale, sends, stage.receives)
-    masked = bool(mask_padding_gradients(folder / "training_model.onnx", padding or {}))
+    rows = {t: r for t, r in (padding or {}).items() if t in stage.parameters}
+    masked = rows if mask_padding_gradients(folder / "training_model.onnx", rows) else {}
     if not last:
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
         forward_with_batch_statistics(folder / "eval_model.onnx")
@@ -330,7 +332,7 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePla
                 {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
                  "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
                  "shared": {name: list(holders) for name, holders in s.shared.items()}, "passes": passes[s.index],
-                 "masks_padding_rows": masked[s.index]}
+                 "padding_rows": masked[s.index]}
                 for s in stages
             ],
         }

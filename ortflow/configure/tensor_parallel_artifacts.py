@@ -92,10 +92,11 @@ def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
 
 def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
                 where: str, proto_limit: int = PROTO_LIMIT,
-                padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], bool]:
-    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through and whether
-    its training model masks a padding row's lookup gradient (``padding``: table -> torch's padding row in this
-    rank's rows of it, :func:`rank_padding_rows`; :func:`ortflow.configure.training_graph.mask_padding_gradients`).
+                padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], dict[str, int]]:
+    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through and the
+    padding rows of its tables where its training model masks a lookup gradient (``padding``: table -> torch's padding
+    row in this rank's rows of it, :func:`rank_padding_rows`; :func:`ortflow.configure.training_graph.
+    mask_padding_gradients`; empty where it masks none).
 
     A piece of a model past ``proto_limit`` reaches the engine as a pipeline stage does
     (:func:`ortflow.configure.stage_artifacts.generate_part`): its slices written to a data file in ``folder``, its
@@ -114,7 +115,7 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
 
 
 def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
-                 proto_limit: int, padding: dict[str, int]) -> tuple[tuple[str, ...], bool]:
+                 proto_limit: int, padding: dict[str, int]) -> tuple[tuple[str, ...], dict[str, int]]:
     folder.mkdir(parents=True)
     stage = piece.stage
     prepared, scale = prepare_part(cfg, stage, last)
@@ -126,7 +127,8 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
                   requires_grad=[*(p for p in stage.parameters if p not in frozen), *piece.float_receives],
                   frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in frozen))
     finish_part(folder, scale, sends, piece.float_receives)
-    return prepared.passes, bool(mask_padding_gradients(folder / "training_model.onnx", padding))
+    rows = {t: r for t, r in padding.items() if t in stage.parameters}
+    return prepared.passes, rows if mask_padding_gradients(folder / "training_model.onnx", rows) else {}
 
 
 def rank_padding_rows(rows: dict[str, int], model: onnx.ModelProto, plan: TensorParallelPlan,
@@ -163,7 +165,7 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg, proto_limit)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
-    ranks, ran_by_piece, masked = [], {}, set()
+    ranks, ran_by_piece, masked = [], {}, {}
     padding = torch_padding_rows(cfg)
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
@@ -171,16 +173,16 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
             passes = []
             for piece in pieces:
                 folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
-                ran, masks = build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
-                                         f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit,
-                                         rank_padding_rows(padding, model, plan, rank))
+                ran, rows = build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
+                                        f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit,
+                                        rank_padding_rows(padding, model, plan, rank))
                 passes.append(ran)
-                masked |= {piece.index} if masks else set()
+                masked.setdefault(piece.index, []).append(rows)
             ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
             ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                  for p, ran in zip(pieces, passes, strict=True)})
-        for info in ranks[0]:  # one record for every rank: a piece masked on any rank recomputes on all
-            info["masks_padding_rows"] = info["index"] in masked
+        for info in ranks[0]:  # one record for every rank: each rank's padding rows, in rank order
+            info["padding_rows"] = masked[info["index"]]
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
                   "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))

@@ -4,8 +4,9 @@ For a dynamo export whose embeddings have torch's ``padding_idx``, every trainin
 pipeline stage's, each tensor-parallel piece's) gets :func:`ortflow.graph.gradients.padding_rows.mask_padding_rows`:
 the lookup gives the padding row no gradient from the positions holding its id, as torch's does
 (:func:`mask_padding_gradients`). The forward-once calls of a pipeline stage or piece build their gradient graph at
-run time from the eval model, without it: a stage or piece whose training model masks a lookup is recorded
-(``masks_padding_rows``) and recomputes its forward in the training call instead.
+run time from the eval model: the stage's or piece's record names the padding rows its training model masks
+(``padding_rows``; a piece's for each tensor-parallel rank), and the rank masks that gradient graph the same way
+(:mod:`ortflow.trainer.parallel.kept_activations`).
 
 The passes in :mod:`ortflow.graph` rewrite the user's model before the engine sees it; some costs only show in what
 the engine generates (its gradient ops). Two such passes, both for GPU runs:

@@ -51,6 +51,8 @@ EXTRA_EDGES: dict[tuple[str, str], str] = {
     ("export", "ortflow.dataprep.loader"): "evaluate reads the eval split's shards",
     ("validate", "ortflow.trainer.batchnorm"): "the refusal of a BatchNorm model that tensor-parallel ranks raise",
     ("sample", "ortflow.export.checksum"): "the exported model's checksum sidecar, checked before it is loaded",
+    ("trainer", "ortflow.graph.gradients.padding_rows"): "the padding-row mask of a forward-once gradient graph, "
+                                                         "built at rank start, as configure's training models have it",
 }
 
 #: Private names imported across modules that are known and owned elsewhere: (importer, name) -> why.

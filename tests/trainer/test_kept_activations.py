@@ -169,6 +169,61 @@ def test_recomputed_subgraphs_change_the_graph_and_not_the_gradients(two_stages,
         assert plain.tobytes() == recomputed.tobytes()
 
 
+def test_a_stage_with_a_masked_padding_row_keeps_its_micro_batches_bitwise_as_its_masked_training_call(two_stages,
+                                                                                                       tmp_path):
+    """A stage whose training model masks a padding row's lookup gradient (configure's pass, here on the GPT's token
+    table with its most frequent id as the padding row) keeps its activations with the same mask in its gradient
+    graph: its summed gradients are the masked training call's, bitwise, and the padding row's differs from the
+    unmasked one's. Rows naming no lookup of the graph are refused, naming the way out."""
+    import shutil
+
+    from ortflow.configure.training_graph import mask_padding_gradients
+
+    cfg = two_stages
+    sends = tuple(read_stages_record(cfg.artifacts_dir)["stages"][0]["sends"])
+    folder = tmp_path / "stage-00"
+    shutil.copytree(stage_dir(cfg.artifacts_dir, 0), folder)
+    graph = onnx.load(str(folder / "eval_model.onnx")).graph
+    (table,) = {n.input[0] for n in graph.node if n.op_type in ("Gather", "GatherND")
+                and n.input[0] in {i.name for i in graph.input}}
+    batches = _batches(cfg, 3)
+    ids = np.concatenate([b["input_ids"].ravel() for b in batches])
+    row = int(np.bincount(ids).argmax())
+    state, module = _module(folder)
+    trainable = sorted(n for n, p in state.parameters if p.requires_grad)
+    module.eval()
+    rng = np.random.default_rng(0)
+    arriving = [[rng.standard_normal(y.shape).astype(np.float32)
+                 for y in _listed(module(*(b[n] for n in module.input_names())))[: len(sends)]] for b in batches]
+
+    def kept_sums(padding_rows):
+        kept_state, _ = _module(folder)
+        kept = KeptActivations(folder / "eval_model.onnx", kept_state, trainable, (), sends, session_options(1, True),
+                               padding_rows=padding_rows)
+        for b in batches:
+            kept.forward(b)
+        for grads in arriving:
+            kept.backward(grads)
+        return kept, dict(zip(trainable, _grads(kept_state, trainable), strict=True))
+
+    _, unmasked = kept_sums(None)
+    assert mask_padding_gradients(folder / "training_model.onnx", {table: row})
+    state, module = _module(folder)  # the masked training call, recomputing its forward
+    for b, grads in zip(batches, arriving, strict=True):
+        feeds = {**b, **{n + GRAD_IN_SUFFIX: g for n, g in zip(sends, grads, strict=True)}}
+        module(*(feeds[n] for n in module.input_names()))
+    expected = dict(zip(trainable, _grads(state, trainable), strict=True))
+    kept, masked = kept_sums({table: row})
+    assert len(kept.masked) == 1 and f"no gradient from ids equal to {row}" in str(kept.masked)
+    for name in trainable:
+        assert masked[name].tobytes() == expected[name].tobytes(), name
+    assert np.abs(masked[table][row] - unmasked[table][row]).max() > 1e-3
+    others = np.arange(len(masked[table])) != row
+    assert masked[table][others].tobytes() == unmasked[table][others].tobytes()
+    with pytest.raises(RuntimeError, match="no lookup gradient of \\['not_a_table'\\].*recompute_forward: true"):
+        kept_sums({"not_a_table": 0})
+
+
 class _DeviceBuffers:
     """A CUDA rank's buffers as the start of a rank sees them (the calls are recorded, not made)."""
 
@@ -193,8 +248,8 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     """A CUDA stage that is not the last keeps its activations with ``recompute_forward: false`` and ``auto`` (the
     default): its buffers go with the calls (the engine then runs on the rank's stream; its calls return device
     tensors where its messages go over NCCL); ``true`` recomputes, as do a BatchNorm switched to batch statistics
-    before its cut, a stage whose training model masks an embedding's padding row, and the last stage; ``auto``
-    keeps on a CPU stage."""
+    before its cut and the last stage; ``auto`` keeps on a CPU stage. A stage whose training model masks an
+    embedding's padding row keeps too, its padding rows handed to the calls (their gradient graph is masked)."""
     from types import SimpleNamespace
 
     from ortflow.config.distributed import DistributedConfig
@@ -208,11 +263,11 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     def config(recompute_forward, device="cuda"):
         return SimpleNamespace(distributed=DistributedConfig(recompute_forward=recompute_forward, device=device))
 
-    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, masks_padding_rows=False)
+    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, padding_rows={})
     assert build.keep_activations(config(False), body, middle, 1) == "kept"
     assert made[-1]["buffers"] is body.buffers and made[-1]["host_sends"]  # messages as host arrays
-    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object(),
-                                masks_padding_rows=False)
+    assert made[-1]["padding_rows"] == {}
+    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object(), padding_rows={})
     assert build.keep_activations(config(False), body, over_nccl, 1) == "kept"
     assert made.pop()["host_sends"] is False  # its sends leave from the GPU
     assert build.keep_activations(config("auto"), body, over_nccl, 1) == "kept"
@@ -220,10 +275,13 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     assert build.keep_activations(config(True), body, middle, 1) is None
     assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
     assert build.keep_activations(config("auto"), _stage_body(batch_statistics=True), middle, 1) is None
-    masking = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, masks_padding_rows=True)
-    assert build.keep_activations(config(False), body, masking, 1) is None
-    assert build.keep_activations(config("auto"), body, masking, 1) is None
-    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None, masks_padding_rows=False)
+    masking = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, padding_rows={"emb": 0})
+    assert build.keep_activations(config(False), body, masking, 1) == "kept"
+    assert made.pop()["padding_rows"] == {"emb": 0}
+    assert build.keep_activations(config("auto"), body, masking, 1) == "kept"
+    assert made.pop()["padding_rows"] == {"emb": 0}
+    assert build.keep_activations(config(True), body, masking, 1) is None
+    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None, padding_rows={})
     assert build.keep_activations(config(False), body, last, 1) is None
     assert build.keep_activations(config("auto"), body, last, 1) is None
     assert len(made) == 1
@@ -264,7 +322,9 @@ def test_recompute_forward_auto_keeps_on_cpu_ranks_and_on_gpus():
 
 def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_and_the_loss(monkeypatch, tmp_path):
     """Tensor-parallel pieces on a GPU keep their activations with their sent tensors left on the device; a piece
-    that sends an integer tensor and the last stage's last piece (its training call computes the loss) recompute."""
+    that sends an integer tensor and the last stage's last piece (its training call computes the loss) recompute. A
+    piece whose training model masks an embedding's padding row keeps, with this rank's padding rows (a vocabulary
+    split: the rank holding the row masks its local index, the other none)."""
     from types import SimpleNamespace
 
     from ortflow.trainer.parallel import kept_activations
@@ -274,13 +334,25 @@ def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_an
                         lambda *args, **kwargs: made.append((args, kwargs)) or "kept")
     state = SimpleNamespace(parameters=[("w", SimpleNamespace(requires_grad=True))])
 
-    def piece(sends, float_sends):
+    def piece(sends, float_sends, padding_rows=None):
         info = {"sends": sends, "float_sends": float_sends, "float_receives": ["x"]}
+        if padding_rows is not None:
+            info["padding_rows"] = padding_rows
         return SimpleNamespace(info=info, state=state, folder=tmp_path, kept=None)
 
-    pieces = [piece(["a"], ["a"]), piece(["ids", "b"], ["b"]), piece(["c"], ["c"]), piece(["loss"], ["loss"])]
+    def pieces():
+        return [piece(["a"], ["a"], [{"emb": 3}, {}]), piece(["ids", "b"], ["b"]), piece(["c"], ["c"], [{}, {}]),
+                piece(["loss"], ["loss"])]
+
     buffers = _DeviceBuffers()
-    kept_activations.keep_piece_activations(pieces, True, None, (), buffers)
-    assert [p.kept for p in pieces] == ["kept", None, "kept", None]
-    assert all(kwargs == {"buffers": buffers, "host_sends": False} for _, kwargs in made)
+    first = pieces()
+    kept_activations.keep_piece_activations(first, 0, True, None, (), buffers)
+    assert [p.kept for p in first] == ["kept", None, "kept", None]
+    assert [kwargs for _, kwargs in made] == [{"buffers": buffers, "host_sends": False, "padding_rows": rows}
+                                              for rows in ({"emb": 3}, {})]
     assert made[0][0][3:5] == (("x",), ("a",))  # receives (float), sends
+    made.clear()
+    second = pieces()
+    kept_activations.keep_piece_activations(second, 1, True, None, (), buffers)
+    assert [p.kept for p in second] == ["kept", None, "kept", None]
+    assert [kwargs["padding_rows"] for _, kwargs in made] == [{}, {}]

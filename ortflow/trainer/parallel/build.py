@@ -68,7 +68,7 @@ def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, 
     if dims.pp > 1:
         stage = PipelineStage(body, comm, where.stage, dims.pp, groups.pp, tuple(info["receives"]),
                               tuple(info["sends"]), info.get("shared", {}),
-                              masks_padding_rows=info.get("masks_padding_rows", False))
+                              padding_rows=info.get("padding_rows", {}))
         stage.device_pipe = pipeline_messages(groups.pp, body, buffers)  # Sync point (collective): the NCCL links
     data = replica_part(cfg, groups, where, dims, body, stage, threads, resume)
     scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
@@ -150,9 +150,8 @@ def tensor_body(cfg: RunConfig, record: dict, base: Path, where: Place, groups: 
     body.tensors = activation_store(buffers, groups.tp, where.tp_rank, size)
     body.gradient_buffers()  # pinned now: the tied-gradient sums and a profiling module read these
     if not cfg.distributed.recomputes_forward():
-        keep_piece_activations(pieces, last, stage_session_options(threads, buffers,
-                                                                   cfg.distributed.deterministic_compute),
-                               cfg.distributed.recompute_subgraphs, buffers)
+        options = stage_session_options(threads, buffers, cfg.distributed.deterministic_compute)
+        keep_piece_activations(pieces, where.tp_rank, last, options, cfg.distributed.recompute_subgraphs, buffers)
     return body
 
 
@@ -188,9 +187,9 @@ def replica_part(cfg: RunConfig, groups: Groups, where: Place, dims: ParallelDim
 def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, threads: int) -> KeptActivations | None:
     """The forward-once calls of a stage that is not the last (on the CPU or its GPU), unless it recomputes
     (``DistributedConfig.recomputes_forward``); stages whose forward switches BatchNorm to batch statistics (its eval
-    model's extra input) recompute, and so do stages whose training model masks an embedding's padding row (the
-    gradient graph built from the eval model would not: ortflow/configure/training_graph.py)."""
-    if stage.last or cfg.distributed.recomputes_forward() or stage.masks_padding_rows:
+    model's extra input) recompute. A stage whose training model masks an embedding's padding row has the same mask
+    applied to its gradient graph (``stage.padding_rows``)."""
+    if stage.last or cfg.distributed.recomputes_forward():
         return None
     if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
         return None
@@ -198,7 +197,7 @@ def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, thr
     options = stage_session_options(threads, body.buffers, cfg.distributed.deterministic_compute)
     return KeptActivations(body.folder / "eval_model.onnx", body.state, body.trainable, stage.receives, stage.sends,
                            options, cfg.distributed.recompute_subgraphs, buffers=body.buffers,
-                           host_sends=stage.device_pipe is None)
+                           host_sends=stage.device_pipe is None, padding_rows=stage.padding_rows)
 
 
 def pipeline_messages(pipe: Communicator, body, buffers) -> DevicePipe | None:
@@ -227,6 +226,9 @@ def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
                  where.replica, dims.dp, f" of pipeline stage {where.stage}/{dims.pp}" if dims.pp > 1 else "",
                  len(body.pieces), sum(p.kept is not None for p in body.pieces), len(body.trainable),
                  len(set(body.trainable) & set(body.slicing)))
+        masking = {p.info["index"]: p.kept.padding_rows for p in body.pieces if p.kept is not None and p.kept.masked}
+        if masking:
+            log.info("rank %d: kept pieces whose gradient graphs mask torch's padding rows: %s", comm.rank, masking)
     elif model.stage is not None:
         log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s",
                  comm.rank, where.stage, dims.pp, where.replica, dims.dp, len(body.trainable), info["receives"],
@@ -234,3 +236,6 @@ def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
         if not model.stage.last:
             log.info("rank %d stage %d: %s", comm.rank, where.stage, "forward once, activations kept until the "
                      "backward" if body.kept is not None else "forward recomputed inside the backward call")
+        if body.kept is not None and body.kept.masked:
+            log.info("rank %d stage %d: its gradient graph masks torch's padding rows %s", comm.rank, where.stage,
+                     body.kept.padding_rows)

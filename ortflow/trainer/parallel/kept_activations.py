@@ -14,7 +14,13 @@ forwards plus one), and its backwards come in forward order, so the states form 
 The sums are bitwise those of the training call: the engine's gradient graph of the forward graph computes each
 micro-batch's gradients with the same kernels in the same order as the training model's, and the first micro-batch
 after an update is copied, later ones added in float32, as the engine's accumulators do (tests/trainer/
-test_kept_activations.py).
+test_kept_activations.py, on a GPT stage; other exports' gradient graphs may round differently from their training
+models, docs/engine.md).
+
+A stage or piece whose training model masks an embedding's padding row (torch's ``padding_idx``: configure's
+:func:`ortflow.graph.gradients.padding_rows.mask_padding_rows`, with the rank's local row of a vocabulary split) has
+the same mask applied to the gradient graph built here, before its session is made (``padding_rows``): its lookup's
+gradient takes zero at the padding positions, as the training call's does.
 
 On a CUDA rank the gradient graph's session runs on a stream the rank owns (the CUDA provider's user compute stream,
 :class:`~ortflow.trainer.comm.nccl.EngineStream`): the parameters enter as the engine's own device tensors, the
@@ -56,14 +62,19 @@ class KeptActivations:
         host_sends: Whether :meth:`forward` and :meth:`backward` return host arrays (a stage whose messages are host
             arrays) or, on a GPU, device tensors (a piece: its tensor-parallel sums and the next pieces read them
             there; a stage whose messages go over NCCL: the pipeline sends them from there).
+        padding_rows: Table -> the padding row (in this rank's rows of it) whose lookup gradient its training model
+            masks; the gradient graph gets the same mask.
     """
 
     def __init__(self, eval_model: Path, state, trainable: list[str], receives: tuple[str, ...],
                  sends: tuple[str, ...], options, recompute: tuple[str, ...] = (), buffers=None,
-                 host_sends: bool = True):
+                 host_sends: bool = True, padding_rows: dict[str, int] | None = None):
         import onnx  # here: only pipeline stages read a graph, and a data-parallel rank starts without onnx
 
         model = onnx.load(str(eval_model))
+        self._eval_model = eval_model
+        self.padding_rows = dict(padding_rows or {})
+        self.masked: list[dict] = []  # the mask's report entries (the lookup gradients it rewrote)
         inputs = {i.name for i in model.graph.input}
         parameters = [name for name, _ in state.parameters if name in inputs]
         self._build = (model.SerializeToString(), parameters, list(trainable), list(receives))
@@ -98,7 +109,21 @@ class KeptActivations:
 
     def _engine(self, options) -> ForwardBackward:
         return ForwardBackward(*self._build, options, self._providers, device=self._device,
-                               recompute=self._recompute)
+                               recompute=self._recompute, rewrite=self._mask if self.padding_rows else None)
+
+    def _mask(self, model):
+        """The gradient graph with its padding rows' lookup gradients masked, as the training model's are."""
+        from ortflow.graph.gradients.padding_rows import mask_padding_rows
+
+        report: list[dict] = []
+        model, unmasked = mask_padding_rows(model, self.padding_rows, report)
+        if unmasked or not report:
+            found = unmasked or [f"no lookup gradient of {sorted(self.padding_rows)}"]
+            raise RuntimeError(f"the gradient graph built from {self._eval_model} has {found} where its training "
+                               "model masks torch's padding row: set distributed.recompute_forward: true (the training "
+                               "call then runs the forward again and masks it)")
+        self.masked = report
+        return model
 
     def _tensor(self, value, kept: list):
         """A feed as the engine's tensor: an engine tensor on this rank's GPU as it is, else a host array (kept in
@@ -229,15 +254,16 @@ class KeptActivations:
         self._fresh = True
 
 
-def keep_piece_activations(pieces: list, last_stage: bool, options, recompute: tuple[str, ...] = (),
+def keep_piece_activations(pieces: list, tp_rank: int, last_stage: bool, options, recompute: tuple[str, ...] = (),
                            buffers=None) -> None:
     """Give each tensor-parallel piece that is not the model's last (every piece of a middle pipeline stage) its
     forward-once calls (``piece.kept``); a piece that sends integer tensors keeps recomputing (the engine's backward
-    takes a gradient for every output of the forward), and so does a piece whose training model masks an embedding's
-    padding row (``masks_padding_rows``: the gradient graph built here from the eval model would not).
+    takes a gradient for every output of the forward). A piece whose training model masks an embedding's padding row
+    on this rank (``padding_rows[tp_rank]`` of its entry) has its gradient graph masked the same way.
 
     Args:
         pieces: The rank's ``PieceRun`` s (``state``, ``folder``, ``info`` with its ``tensor.json`` entry).
+        tp_rank: This rank's tensor-parallel rank (the padding rows of a vocabulary split are its own).
         last_stage: Whether they hold the model's loss (the last piece's training call computes it).
         options: Session options of the gradient graphs' sessions.
         recompute: Memory-optimizer plans (``distributed.recompute_subgraphs``).
@@ -246,9 +272,10 @@ def keep_piece_activations(pieces: list, last_stage: bool, options, recompute: t
     """
     for piece in pieces[: -1 if last_stage else None]:
         info = piece.info
-        if list(info["sends"]) != list(info["float_sends"]) or info.get("masks_padding_rows"):
+        if list(info["sends"]) != list(info["float_sends"]):
             continue
         trainable = sorted(n for n, p in piece.state.parameters if p.requires_grad)
+        rows = info.get("padding_rows")
         piece.kept = KeptActivations(piece.folder / "eval_model.onnx", piece.state, trainable,
                                      tuple(info["float_receives"]), tuple(info["sends"]), options, recompute,
-                                     buffers=buffers, host_sends=False)
+                                     buffers=buffers, host_sends=False, padding_rows=rows[tp_rank] if rows else None)

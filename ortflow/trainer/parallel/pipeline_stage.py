@@ -54,8 +54,8 @@ class PipelineStage:
     receives: tuple[str, ...]
     sends: tuple[str, ...]
     shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
-    #: Whether its training model masks an embedding's padding row (then it recomputes its forward: build.py).
-    masks_padding_rows: bool = False
+    #: Table -> the padding row whose lookup gradient its training model masks (its forward-once calls mask it too).
+    padding_rows: dict[str, int] = field(default_factory=dict)
     #: The activations and gradients over NCCL, device to device (a DevicePipe); None: host arrays over ``pipe_comm``.
     device_pipe: object | None = None
     _timing: list[tuple[float, float]] = field(default_factory=list)  # (update s, engine s) of each update
