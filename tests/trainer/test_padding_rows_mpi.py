@@ -1,7 +1,9 @@
 """Torch's ``padding_idx``: Gemma's embedding (row 0, tied to the LM head) and BERT's word embedding (row 0, untied)
 train as torch's do on a batch whose ids hold the padding id at several positions: on one rank (read with ``GatherND``
 and with ``Gather``), split by vocabulary over 2 tensor-parallel ranks, cut into 2 pipeline stages (the table in the
-first) and both.
+first) and both. The stage or piece reading the table runs its forward once and keeps its activations, its gradient
+graph masked as its training model is; the pipeline run that recomputes the forward instead
+(``recompute_forward: true``) trains to the same parameters.
 
 The reference is torch's rule written into the graph: the same export with the padding positions reading a frozen
 copy of the table (``Where(ids == 0, Gather(copy, ids), Gather(table, ids))``: the same values, and the lookup's
@@ -35,11 +37,20 @@ TABLES = {"gemma": "model.model.embed_tokens.weight", "bert": "model.bert.embedd
 RUNS = {"gemma-dp1": ("gemma", {}), "gemma-gather": ("gemma", {"deterministic_compute": False}),
         "gemma-tp2": ("gemma", {"num_ranks": 2, "horizontal_parallel_size": 2}),
         "gemma-pp2": ("gemma", {"num_ranks": 2, "pipeline_parallel_size": 2}),
+        "gemma-pp2-gather": ("gemma", {"num_ranks": 2, "pipeline_parallel_size": 2, "deterministic_compute": False}),
+        "gemma-pp2-recompute": ("gemma", {"num_ranks": 2, "pipeline_parallel_size": 2, "recompute_forward": True}),
         "gemma-pp2tp2": ("gemma", {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}),
         "bert-dp1": ("bert", {}), "bert-tp2": ("bert", {"num_ranks": 2, "horizontal_parallel_size": 2})}
 #: One SGD step of lr 1 in other summation orders (test_exporter_patterns.py's bound); the padding positions'
 #: gradient of the padding row is far above it (asserted below).
 ATOL = 1e-6
+#: The runs whose part reading the table (pipeline stage 0, or tensor-parallel piece 1 of rank 0) keeps its
+#: activations: its gradient graph, built at rank start, is masked.
+KEEPING = ["gemma-tp2", "gemma-pp2", "gemma-pp2-gather", "gemma-pp2tp2", "bert-tp2"]
+#: Gemma's stage 0 keeping its activations against recomputing its forward: not bitwise (the forward-once gradient
+#: graph is the engine's gradient of the eval model, whose kernels round differently from the training model's; the
+#: unmasked frozen-copy export differs by the same 7.5e-9 at pp 2), at most an ulp of the largest values (0.12).
+KEEP_VS_RECOMPUTE = 1e-7
 
 
 def _gemma_batch(root):
@@ -119,7 +130,7 @@ def steps(tmp_path_factory):
     outs = run_ranks_together(*cfgs.values())
     for out in outs:
         assert out.returncode == 0, out.stdout[-3000:]
-    return cfgs
+    return {name: (cfg, out.stdout) for (name, cfg), out in zip(cfgs.items(), outs, strict=True)}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -128,12 +139,12 @@ def test_the_padding_row_gets_no_gradient_from_the_padding_positions_as_in_torch
 
     family = RUNS[run][0]
     table = TABLES[family]
-    reference_cfg = steps[f"{family}-reference"]
+    reference_cfg = steps[f"{family}-reference"][0]
     record = json.loads((reference_cfg.output_dir / "configure.json").read_text())
     assert "padding_copy" in record["torch"]["frozen"] and "padding_copy" not in record["trainable"]
     start = load_file(str(EXPORTS / f"{family}.safetensors"))
     reference = read_params(newest(reference_cfg))
-    trained = read_params(newest(steps[run]))
+    trained = read_params(newest(steps[run][0]))
     assert table in trained
     for name in start:
         if name in trained:
@@ -143,3 +154,47 @@ def test_the_padding_row_gets_no_gradient_from_the_padding_positions_as_in_torch
         assert moved > 100 * ATOL
     else:  # the lookup is the table's only use: its padding row does not move
         assert moved == 0
+
+
+
+def _piece_records(cfg, run):
+    """The tensor-parallel pieces' records of the part holding the table (stage 0 of a pp x tp run)."""
+    dist = RUNS[run][1]
+    if dist.get("pipeline_parallel_size", 1) > 1:
+        return json.loads((cfg.artifacts_dir / "pipetensor" / "pipetensor.json").read_text())["stages"][0]["pieces"]
+    return json.loads((cfg.artifacts_dir / "tensor" / "tensor.json").read_text())["pieces"]
+
+
+@pytest.mark.parametrize("run", KEEPING)
+def test_the_part_reading_the_table_keeps_its_activations_with_its_gradient_graph_masked(steps, run):
+    """The stage or piece holding the lookup runs its forward once (its gradient graph masked at rank start, as its
+    training model is; the trained values are checked above), instead of recomputing it in the backward call."""
+    family = RUNS[run][0]
+    cfg, log = steps[run]
+    rows = {TABLES[family]: PAD}
+    if RUNS[run][1].get("horizontal_parallel_size", 1) == 1:
+        record = json.loads((cfg.artifacts_dir / "stages" / "stages.json").read_text())
+        assert record["stages"][0]["padding_rows"] == rows and record["stages"][1]["padding_rows"] == {}
+        assert "rank 0 stage 0: forward once, activations kept until the backward" in log, log[-3000:]
+        assert f"rank 0 stage 0: its gradient graph masks torch's padding rows {rows}" in log, log[-3000:]
+        return
+    pieces = _piece_records(cfg, run)
+    # the vocabulary split: tensor-parallel rank 0 holds row 0 (its local row 0), rank 1 none of the padding rows
+    masking = {info["index"]: info["padding_rows"] for info in pieces if any(info["padding_rows"])}
+    assert masking == {1: [rows, {}]}, masking
+    assert pieces[-1]["index"] != 1  # not the loss's piece, which trains in one call
+    assert f"rank 0: kept pieces whose gradient graphs mask torch's padding rows: {{1: {rows}}}" in log, log[-3000:]
+
+
+def test_a_stage_keeping_its_activations_trains_as_the_one_recomputing_its_forward(steps):
+    """Gemma at pp 2: stage 0 keeping its activations (its gradient graph masked) and recomputing its forward in the
+    training call (its training model masked) train to the same parameters, to float32 rounding
+    (:data:`KEEP_VS_RECOMPUTE`)."""
+    kept_cfg, kept_log = steps["gemma-pp2"]
+    cfg, log = steps["gemma-pp2-recompute"]
+    assert "rank 0 stage 0: forward recomputed inside the backward call" in log, log[-3000:]
+    assert "gradient graph masks" not in log  # no forward-once calls: the training call masks
+    kept, recomputed = read_params(newest(kept_cfg)), read_params(newest(cfg))
+    assert sorted(kept) == sorted(recomputed)
+    for name in kept:
+        np.testing.assert_allclose(kept[name], recomputed[name], rtol=0, atol=KEEP_VS_RECOMPUTE, err_msg=name)
