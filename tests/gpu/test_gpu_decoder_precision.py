@@ -12,7 +12,9 @@ What autocast keeps in fp32 here (docs/gpu.md): RoPE's Cos and Sin in bf16 (no b
 at the exports' opsets), Pow, Sqrt, Reciprocal and Neg in bf16 (fp16 CUDA kernels only), a SiLU's Sigmoid and Mul in
 bf16 (the engine fuses them into QuickGelu, without a bf16 kernel), and the default list (ReduceMean of RMSNorm,
 Softmax, the loss) in both. Each run must start (a node without a CUDA kernel stops the rank at session start), stay
-finite, and follow fp32: the mean loss of every window of 20 updates within 3% (fp16) and 5% (bf16) of fp32's, the
+finite, and follow fp32: the mean loss of every window of 20 updates within 3% (fp16) and 5% (bf16) of fp32's (fp16's
+losses against fp32's after as many applied updates: the dynamic loss scale starts at 2^16 and skips the updates it
+overflows, which on some exports' first updates put the raw windows 3.1% apart), the
 bounds of tests/gpu/test_gpu_mixed_precision.py (activations rounded to 11 or 8 significant bits, the trajectories
 then separating chaotically; the fp32 baseline itself runs its matmuls in TF32). The fp16 bound is close: on the test
 corpus the windows differ by 2.7%, 2.3% and 0.7% on an H200; on another text of the same kind the first window
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ import numpy as np
 import pytest
 
 from ortflow import cuda_libs
+from tests.gpu.test_gpu_mixed_precision import _progress
 from tests.trainer.exports_runs import LLAMA_EXPORTS
 
 #: One export per other decoder family (dynamo; Gemma's optimize=False).
@@ -68,8 +70,9 @@ SPLITS = {"pp2": {"pipeline_parallel_size": 2}, "tp2": {"horizontal_parallel_siz
 _ONE_GPU: dict[tuple[str, str], np.ndarray] = {}
 
 
-def _train(root: Path, export: str, kind: str, layout: str | None = None) -> np.ndarray:
-    """The losses of ``UPDATES`` updates of one run on one GPU (or two, split by ``layout``), in order."""
+def _train(root: Path, export: str, kind: str, layout: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The losses of ``UPDATES`` updates of one run on one GPU (or two, split by ``layout``), in order, and the number
+    of updates fp16's loss scaling skipped before each (0 without loss scaling)."""
     from ortflow.launch.local import launcher_flavor
     from tests.support.runs import MPIEXEC
     from tests.trainer.exports_runs import llama_run
@@ -87,21 +90,23 @@ def _train(root: Path, export: str, kind: str, layout: str | None = None) -> np.
     out = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
-    losses = [float(x) for x in re.findall(r"step \d+/\d+ \| loss ([-+0-9.e]+|nan|inf)", out.stdout)]
-    assert len(losses) == UPDATES, out.stdout[-2000:]
-    return np.array(losses)
+    progress = _progress(out.stdout)
+    assert sorted(progress) == list(range(1, UPDATES + 1)), out.stdout[-2000:]
+    losses = np.array([progress[step]["loss"] for step in sorted(progress)])
+    skipped = np.array([progress[step].get("skipped_updates", 0) for step in sorted(progress)], dtype=np.int64)
+    return losses, np.concatenate([[0], skipped[:-1]])
 
 
 @pytest.fixture(scope="module", params=[*LLAMA_EXPORTS, *FAMILIES])
 def fp32_losses(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("decoder")
-    losses = _train(root, request.param, "fp32")
+    losses, _ = _train(root, request.param, "fp32")
     assert np.isfinite(losses).all()
     assert losses[-WINDOW:].mean() < losses[:WINDOW].mean() - 0.3, losses  # the reference learns
     return root, request.param, losses
 
 
-def _one_gpu(root: Path, export: str, kind: str) -> np.ndarray:
+def _one_gpu(root: Path, export: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """The one-GPU run of ``kind`` on ``export``, trained once per session (both tests read it)."""
     if (export, kind) not in _ONE_GPU:
         _ONE_GPU[export, kind] = _train(root, export, kind)
@@ -120,7 +125,11 @@ def _windows(got: np.ndarray, ref: np.ndarray, label: str) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 def test_decoder_export_in_half_precision_follows_the_fp32_losses(fp32_losses, kind):
     root, export, ref = fp32_losses
-    windows = _windows(_one_gpu(root, export, kind), ref, f"{export} {kind} against fp32")
+    losses, skipped = _one_gpu(root, export, kind)
+    # an update fp16's loss scaling skips (the scale starts high and halves on each overflow) leaves the weights as they
+    # were: each loss is compared with fp32's after as many applied updates
+    print(f"{export} {kind}: updates skipped by the loss scale {int(skipped[-1])} before the last")
+    windows = _windows(losses, ref[np.arange(UPDATES) - skipped], f"{export} {kind} against fp32, by applied updates")
     assert windows.max() < TOLERANCE[kind], windows
 
 
@@ -132,6 +141,6 @@ def test_decoder_export_split_over_two_gpus_in_half_precision_follows_one_gpu_in
     """The stages (or tensor-parallel ranks) autocast each alone, the loss scale divided out of every stage's
     gradients: the same bound against the one-GPU run of the same precision as that run has against fp32."""
     root, export, _ = fp32_losses
-    windows = _windows(_train(root, export, kind, layout), _one_gpu(root, export, kind),
+    windows = _windows(_train(root, export, kind, layout)[0], _one_gpu(root, export, kind)[0],
                        f"{export} {kind} {layout} against one GPU")
     assert windows.max() < TOLERANCE[kind], windows

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+import pytest
+from onnx import TensorProto, helper, shape_inference
 
 from ortflow.graph.gradients.padding_rows import local_padding_rows, mask_padding_rows
 
@@ -60,3 +61,20 @@ def test_a_lookup_whose_gradient_the_pass_does_not_know_is_named():
     model.graph.node[3].input[2] = "ids"
     _, unmasked = mask_padding_rows(model, {"W": 2})
     assert unmasked == ["Gather '' of 'W'"]
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_a_half_precision_lookup_gradient_is_masked_with_a_zero_of_its_type(dtype):
+    """Mixed precision casts the table before its lookup: the gradient, and the mask's zero, are fp16 or bf16 (numpy
+    has no bfloat16, so a zero built through numpy would be float32, and the engine refuses the Where at load)."""
+    model = _gradient_graph()
+    cast = model.graph.node[0]
+    cast.op_type = "Cast"
+    cast.attribute.append(helper.make_attribute("to", dtype))
+    for value in (model.graph.input[2], *model.graph.output):
+        value.type.tensor_type.elem_type = dtype
+    masked, unmasked = mask_padding_rows(model, {"W": 2})
+    assert unmasked == []
+    (zero,) = [n for n in masked.graph.node if n.name.endswith("/zero_const")]
+    assert zero.attribute[0].t.data_type == dtype
+    shape_inference.infer_shapes(masked, check_type=True, strict_mode=True)  # the Where's types agree

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ortflow.graph.onnx_tools import Names, attribute, int64_constant, opset_version, report_change
 
@@ -112,17 +111,15 @@ def _mask_nodes(grad: onnx.NodeProto, row: int, dtype: int, names: Names, new_op
     base = f"{PREFIX}{grad.name}"
     ids, dy = grad.input[1], grad.input[2]
 
-    def const(suffix: str, value: np.ndarray) -> tuple[onnx.NodeProto, str]:
-        out = names.new(f"{base}/{suffix}")
-        return helper.make_node("Constant", [], [out], name=names.new(f"{base}/{suffix}_const"),
-                                value=numpy_helper.from_array(value, out)), out
-
     def make(op: str, inputs: list[str], **attrs) -> tuple[onnx.NodeProto, str]:
         out = names.new(f"{base}/{op.lower()}")
         return helper.make_node(op, inputs, [out], name=names.new(f"{base}/{op}"), **attrs), out
 
     row_node, row_name = int64_constant(names, f"{base}/row", row)
-    zero_node, zero_name = const("zero", np.zeros((), helper.tensor_dtype_to_np_dtype(dtype)))
+    # the zero in the gradient's own type, bfloat16 included (numpy has no bfloat16: onnx maps it to float32)
+    zero_name = names.new(f"{base}/zero")
+    zero_node = helper.make_node("Constant", [], [zero_name], name=names.new(f"{base}/zero_const"),
+                                 value=helper.make_tensor(zero_name, dtype, [], [0]))
     cast, ids64 = make("Cast", [ids], to=onnx.TensorProto.INT64)
     equal, padding = make("Equal", [ids64, row_name])
     out = [row_node, zero_node, cast, equal]
