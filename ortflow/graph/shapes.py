@@ -18,6 +18,7 @@ is left as it was. No value the model computes changes, and no initializer is re
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 from collections import OrderedDict
@@ -87,6 +88,7 @@ def _infer_symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str |
     named = {d.dim_param for value in model.graph.input for d in value.type.tensor_type.shape.dim if d.dim_param}
     try:
         inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank, verbose
+        inference.dispatcher_["ConstantOfShape"] = functools.partial(_constant_of_shape, inference)
         done = False
         inference._preprocess(model)
         while inference.run_:
@@ -105,6 +107,30 @@ def _infer_symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str |
             shapes[value.name] = [(None if d.dim_param in guessed else d.dim_param) if d.HasField("dim_param") else (
                 int(d.dim_value) if d.HasField("dim_value") else None) for d in tensor.shape.dim]
     return shapes
+
+
+def _constant_of_shape(inference, node: onnx.NodeProto) -> None:
+    """ONNX Runtime's inference of a ``ConstantOfShape`` (``SymbolicShapeInference._infer_ConstantOfShape``), with the
+    int64 tensor of a known shape that it records for later shape arithmetic held as a read-only broadcast of its one
+    value instead of a new array: the same values, dtype and shape, without the memory. The tensor-parallel split's
+    probes (:mod:`ortflow.graph.tensor_parallel.tensor_shapes`) set the sequence to 10007, where T5's ``[T, T]``
+    relative position buckets would be 800 MB each."""
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute, get_shape_from_sympy_shape, is_literal
+
+    sympy_shape = inference._get_int_or_float_values(node)[0]
+    info = inference.known_vi_[node.output[0]]
+    if sympy_shape is not None:
+        if not isinstance(sympy_shape, list):
+            sympy_shape = [sympy_shape]
+        inference._update_computed_dims(sympy_shape)
+        if info.type.tensor_type.elem_type == onnx.TensorProto.INT64 and all(is_literal(x) for x in sympy_shape):
+            shape = [int(x) for x in sympy_shape]
+            one = np.ones([1] * len(shape), dtype=np.int64) * numpy_helper.to_array(get_attribute(node, "value", 0))
+            inference.sympy_data_[node.output[0]] = np.broadcast_to(one, np.broadcast_shapes(shape, one.shape))
+    else:  # a new symbolic shape, as long as the shape input
+        sympy_shape = inference._new_symbolic_shape(inference._get_shape(node, 0)[0], node)
+    info.CopyFrom(helper.make_tensor_value_info(node.output[0], info.type.tensor_type.elem_type,
+                                                get_shape_from_sympy_shape(sympy_shape)))
 
 
 def _guessed_merges(merges: dict, inputs: set[str]) -> set[str]:
