@@ -165,21 +165,38 @@ def holds_values(tensor: onnx.TensorProto) -> bool:
     return size == 0 or any(len(x) for x in stored)
 
 
-def constant_values(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+def constant_values(graph: onnx.GraphProto, name: str, producers: dict[str, int] | None = None) -> np.ndarray | None:
     """The value of ``name`` when it is an initializer or a Constant node's ``value``, else None (also for an
-    initializer whose values are not in the proto: external data, or a weight of the passes' skeleton)."""
+    initializer whose values are not in the proto: external data, or a weight of the passes' skeleton).
+
+    ``producers`` (tensor -> index of the node that makes it), where the caller holds them, answers for a tensor a
+    node makes without a scan of the graph: in a graph in single static assignment form (as onnx and the engine require)
+    a tensor is made by one node or is an initializer, never both.
+    """
+    if producers is not None and name in producers:
+        return _constant_node_values(graph.node[producers[name]])
     for tensor in graph.initializer:
         if tensor.name == name:
             return numpy_helper.to_array(tensor) if holds_values(tensor) else None
+    if producers is not None:  # made by no node
+        return None
     for node in graph.node:
         if node.op_type == "Constant" and node.output and node.output[0] == name:
-            for attr in node.attribute:
-                if attr.name == "value":
-                    return numpy_helper.to_array(attr.t)
-                if attr.name == "value_ints":
-                    return np.asarray(list(attr.ints), dtype=np.int64)
-                if attr.name == "value_int":
-                    return np.asarray(attr.i, dtype=np.int64)
+            return _constant_node_values(node)
+    return None
+
+
+def _constant_node_values(node: onnx.NodeProto) -> np.ndarray | None:
+    """A Constant node's ``value`` (``value_ints``, ``value_int``); None for any other node."""
+    if node.op_type != "Constant":
+        return None
+    for attr in node.attribute:
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name == "value_ints":
+            return np.asarray(list(attr.ints), dtype=np.int64)
+        if attr.name == "value_int":
+            return np.asarray(attr.i, dtype=np.int64)
     return None
 
 

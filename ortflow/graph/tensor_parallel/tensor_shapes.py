@@ -185,7 +185,7 @@ class DimOf:
 def static_ints(graph: onnx.GraphProto, producers: dict[str, int], name: str, depth: int = 0) -> np.ndarray | None:
     """The value of a small integer tensor computed from constants only (a Constant or initializer, through the Cast,
     Reshape, Unsqueeze, Squeeze, Identity and Concat the exporters wrap them in), else None."""
-    values = constant_values(graph, name)
+    values = constant_values(graph, name, producers)
     if values is not None or depth > 8 or name not in producers:
         return values
     node = graph.node[producers[name]]
@@ -224,7 +224,7 @@ def shape_entry(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict
         steps: The arithmetic followed so far, in the order the graph computes it (:attr:`Arithmetic.steps`).
     """
     name = graph.node[reader].input[pos]
-    values = constant_values(graph, name)
+    values = constant_values(graph, name, producers)
     if values is not None:
         flat = values.reshape(-1)
         if element >= flat.size:
@@ -281,7 +281,7 @@ def _followed_input(graph, shapes, producers, node: onnx.NodeProto, element: int
             at += length
         return _CANNOT
     if op in ("Gather", "Slice"):
-        index = _index_in(graph, shapes, node, element)
+        index = _index_in(graph, shapes, producers, node, element)
         return index if isinstance(index, str) else (0, index)
     return "the new shape's split entry is computed, not a Constant"
 
@@ -290,7 +290,8 @@ def _made_by(graph: onnx.GraphProto, producers: dict[str, int], name: str) -> st
     return graph.node[producers[name]].op_type if name in producers else None
 
 
-def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodeProto, element: int) -> int | str:
+def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[str, int], node: onnx.NodeProto,
+              element: int) -> int | str:
     """For a Gather (axis 0, constant index) or Slice (constant start, axis 0, step 1) of a 1-D tensor: which element
     of its input its ``element`` is."""
     dims = shapes.get(node.input[0])
@@ -298,11 +299,12 @@ def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], node: onnx.NodePr
         return _CANNOT
     length = dims[0]
     if node.op_type == "Gather":
-        index = constant_values(graph, node.input[1])
+        index = constant_values(graph, node.input[1], producers)
         if index is None or index.size != 1 or attribute(node, "axis", 0) != 0:
             return _CANNOT
         return int(index.reshape(-1)[0]) % length
-    start, _, axes, steps = [constant_values(graph, x) if x else None for x in [*node.input[1:5], "", "", ""][:4]]
+    start, _, axes, steps = [constant_values(graph, x, producers) if x else None
+                             for x in [*node.input[1:5], "", "", ""][:4]]
     if (start is None or start.size != 1 or (axes is not None and axes.reshape(-1).tolist() not in ([0], [-1]))
             or (steps is not None and steps.reshape(-1).tolist() != [1])):
         return _CANNOT
