@@ -67,9 +67,10 @@ def shard_model(model: onnx.ModelProto, plan: TensorParallelPlan, rank: int,
             t.CopyFrom(numpy_helper.from_array(slice_tensor(whole, axis, parts, size, rank), t.name))
             del whole
     names = Names(graph)
+    made = {n.output[0] for n in graph.node} if any(r.members for r in plan.regions) else set()
     for r in plan.regions:  # names the plan chose for the nodes a vocabulary split adds
         for m in r.members:
-            assert names.new(m) == m or m in {n.output[0] for n in graph.node}, m
+            assert names.new(m) == m or m in made, m
     dims = {t.name: list(t.dims) for t in graph.initializer}
     replaced: dict[int, list] = {}
     for r in plan.regions:
