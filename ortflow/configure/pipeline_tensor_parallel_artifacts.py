@@ -35,6 +35,7 @@ from ortflow.artifacts_folder import PIPE_TENSOR_DIR, PIPE_TENSOR_RECORD, TENSOR
 from ortflow.config import RunConfig
 from ortflow.configure.artifacts import PROTO_LIMIT, ArtifactsError, inspect_model, split_parameters
 from ortflow.configure.building import building
+from ortflow.configure.engine_input import split_source
 from ortflow.configure.stage_artifacts import plan_stages
 from ortflow.configure.tensor_parallel_artifacts import (
     build_piece,
@@ -46,6 +47,7 @@ from ortflow.configure.tensor_parallel_artifacts import (
 )
 from ortflow.configure.training_graph import torch_padding_rows
 from ortflow.graph.pipeline_parallel.pipeline_cuts import CutPlace, Stage
+from ortflow.graph.prepare import PreparedModel
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
 from ortflow.graph.tensor_parallel.tensor_shard import shard_model
@@ -69,12 +71,13 @@ class StagePlan:
     weights: Path
 
 
-def _check_cuts(cfg: RunConfig, stages: list[Stage], proto_limit: int) -> frozenset[str]:
-    """Refuse cuts crossed by a tensor made inside a split region of the whole model; returns the tables the whole
-    model splits by vocabulary (its embeddings and LM heads: a stage holding one splits it so, though the stage's graph
-    alone does not show the vocabulary, as the last stage's LM head whose embedding is in the first stage)."""
+def _check_cuts(cfg: RunConfig, stages: list[Stage], source: PreparedModel, proto_limit: int) -> frozenset[str]:
+    """Refuse cuts crossed by a tensor made inside a split region of the whole model (``source``, the model the stages
+    were cut from); returns the tables the whole model splits by vocabulary (its embeddings and LM heads: a stage
+    holding one splits it so, though the stage's graph alone does not show the vocabulary, as the last stage's LM head
+    whose embedding is in the first stage)."""
     size = cfg.distributed.horizontal_parallel_size
-    whole, trainable, _ = split_input(cfg, proto_limit)
+    whole, trainable, _ = split_input(cfg, proto_limit, source)
     try:
         plan = plan_tensor_parallel_split(whole, trainable, size)
     except TensorParallelError as err:
@@ -130,8 +133,11 @@ def plan_pipeline_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
         ArtifactsError: The stages or a stage's split are refused.
     """
     size = cfg.distributed.horizontal_parallel_size
-    cuts, stages, places = plan_stages(cfg, proto_limit)  # past proto_limit the stages' weights stay in data files
-    embedded = _check_cuts(cfg, stages, proto_limit)
+    # The whole model prepared once: the stages are cut from it, and its own split checks the cuts
+    trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
+    source = split_source(cfg, trainable, proto_limit)
+    cuts, stages, places = plan_stages(cfg, proto_limit, source)  # past proto_limit the stages' weights stay in files
+    embedded = _check_cuts(cfg, stages, source, proto_limit)
     plans = []
     for stage in stages:
         model = export_fixes(stage.model, stage.parameters)

@@ -53,6 +53,7 @@ from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
 from ortflow.graph.pipeline_parallel.pipeline_cuts import CutEstimate, CutPlace, Stage, split_model
+from ortflow.graph.prepare import PreparedModel
 
 log = logging.getLogger(__name__)
 
@@ -260,12 +261,13 @@ def cut_lines(cuts: list[str], stages: list[Stage], places: list[CutPlace]) -> l
     return lines
 
 
-def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> PipelinePlan:
+def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT, source: PreparedModel | None = None) -> PipelinePlan:
     """The cuts (``model.pipeline_cuts`` or balanced), the stages with their estimated shares of the compute and the
     places to cut (:class:`PipelinePlan`), or the refusal: fast, no engine call.
 
     ``proto_limit``: model bytes from which the stages are cut with their weights left in the data files
-    (:func:`ortflow.configure.engine_input.split_source`); 2 GiB, lowered by tests.
+    (:func:`ortflow.configure.engine_input.split_source`); 2 GiB, lowered by tests. ``source``: what
+    :func:`~ortflow.configure.engine_input.split_source` returned for ``cfg``, where the caller has it (left unchanged).
 
     Raises:
         ArtifactsError: The split is refused (names the tensors/nodes and the fix).
@@ -276,7 +278,7 @@ def plan_stages(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> PipelinePlan:
     trainable, _ = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     # The whole model through the batch pass and the preparation passes first: stages compute what it computes,
     # inherit its symbolic batch, and read their shape arithmetic from the inputs (graph/shapes.py).
-    source = split_source(cfg, trainable, proto_limit)
+    source = source or split_source(cfg, trainable, proto_limit)
     model = source.model
     trainable = [n for n in trainable if n not in source.frozen]
     estimate = CutEstimate(model, trainable)

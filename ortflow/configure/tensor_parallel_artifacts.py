@@ -38,6 +38,7 @@ from ortflow.configure.training_graph import mask_padding_gradients, torch_paddi
 from ortflow.graph.gradients.padding_rows import local_padding_rows
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, SplitError, check_random_ops
 from ortflow.graph.precision.noop_casts import drop_noop_casts
+from ortflow.graph.prepare import PreparedModel
 from ortflow.graph.tensor_parallel.tensor_gemm import separate_gemm_biases
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
 from ortflow.graph.tensor_parallel.tensor_plan import log_plan
@@ -58,12 +59,13 @@ def export_fixes(model: onnx.ModelProto, trainable) -> onnx.ModelProto:
     return separate_gemm_biases(drop_noop_casts(model), trainable)
 
 
-def split_input(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> tuple[onnx.ModelProto, list[str], list[str]]:
-    """The whole model prepared for a tensor-parallel split (:func:`ortflow.configure.engine_input.split_source`, then
-    the Gemm biases apart), its trained and its frozen parameters; past ``proto_limit`` its weights stay in the data
-    files (:func:`weights_folder` says where)."""
+def split_input(cfg: RunConfig, proto_limit: int = PROTO_LIMIT, source: PreparedModel | None = None
+                ) -> tuple[onnx.ModelProto, list[str], list[str]]:
+    """The whole model prepared for a tensor-parallel split (:func:`ortflow.configure.engine_input.split_source`, or
+    ``source`` where the caller has made it, left unchanged; then the Gemm biases apart), its trained and its frozen
+    parameters; past ``proto_limit`` its weights stay in the data files (:func:`weights_folder` says where)."""
     trainable, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
-    source = split_source(cfg, trainable, proto_limit)
+    source = source or split_source(cfg, trainable, proto_limit)
     trainable = [n for n in trainable if n not in source.frozen]
     return export_fixes(source.model, trainable), trainable, sorted({*frozen, *source.frozen})
 
