@@ -312,18 +312,19 @@ def _index_in(graph: onnx.GraphProto, shapes: dict[str, list], producers: dict[s
     return min(max(first + length if first < 0 else first, 0), length) + element
 
 
-def weight_of(graph: onnx.GraphProto, name: str, trainable: set[str]) -> tuple[str, bool] | None:
+def weight_of(graph: onnx.GraphProto, name: str, trainable: set[str], producers: dict[str, int],
+              readers: dict[str, list[int]]) -> tuple[str, bool] | None:
     """The trained 2-D weight a MatMul reads as ``name``: the initializer itself, or (torch's ``nn.Linear`` on 3-D
     inputs) ``Transpose(W)`` of a ``[out, in]`` weight ``W`` whose only reader is that Transpose, read once; with
-    whether it is read transposed. None otherwise."""
+    whether it is read transposed. None otherwise. ``producers``: tensor -> the node making it; ``readers``: tensor ->
+    the nodes reading it."""
     if name in trainable:
         return name, False
-    maker = next((n for n in graph.node if name in n.output), None)
+    maker = graph.node[producers[name]] if name in producers else None
     if maker is None or maker.op_type != "Transpose" or maker.input[0] not in trainable:
         return None
     perm = next((list(a.ints) for a in maker.attribute if a.name == "perm"), [1, 0])
-    readers = [n for n in graph.node if name in n.input or maker.input[0] in n.input]
-    if perm != [1, 0] or len(readers) != 2:
+    if perm != [1, 0] or len({*readers.get(name, []), *readers.get(maker.input[0], [])}) != 2:
         return None
     return maker.input[0], True
 

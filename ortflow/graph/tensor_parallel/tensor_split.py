@@ -114,15 +114,17 @@ def plan_tensor_parallel_split(model: onnx.ModelProto, trainable: list[str] | se
 def _candidates(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, list]) -> dict[int, str]:
     """MatMul (or bias-free Gemm) nodes whose second input is a 2-D trainable weight read only there: node index ->
     weight."""
-    reads: dict[str, int] = {}
-    for n in graph.node:
+    readers: dict[str, list[int]] = {}
+    producers: dict[str, int] = {}
+    for i, n in enumerate(graph.node):
         for x in n.input:
-            reads[x] = reads.get(x, 0) + 1
+            readers.setdefault(x, []).append(i)
+        producers.update(dict.fromkeys(n.output, i))
     found = {}
     for i, n in enumerate(graph.node):
         if n.op_type == "MatMul" or is_plain_gemm(n):
-            weight = weight_of(graph, n.input[1], trainable)
-            if weight is not None and len(shapes.get(weight[0], [])) == 2 and reads[weight[0]] == 1:
+            weight = weight_of(graph, n.input[1], trainable, producers, readers)
+            if weight is not None and len(shapes.get(weight[0], [])) == 2 and len(readers[weight[0]]) == 1:
                 found[i] = weight[0]
     return found
 

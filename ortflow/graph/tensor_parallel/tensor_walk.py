@@ -123,7 +123,8 @@ class SplitWalk:
             a, b = node.input[:2]
             if op == "Gemm" and not is_plain_gemm(node):
                 return "a Gemm with transA, alpha or a bias input (separate_gemm_biases takes biases out first)"
-            weight = weight_of(self.g, b, self.trainable) if a in self.split and b not in self.split else None
+            weight = (weight_of(self.g, b, self.trainable, self.producers, self.readers)
+                      if a in self.split and b not in self.split else None)
             if weight is not None and self._rank(weight[0]) == 2:
                 if self.split[a] != -1 or a in self.merged:
                     return "a weight MatMul reads an activation split on another axis than the last"
