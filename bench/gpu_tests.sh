@@ -6,7 +6,7 @@
 #
 # ORTFLOW_PY: the Python with ortflow's GPU environment (onnxruntime-training, CuPy, mpi4py, pytest; with
 # pytest-timeout each test gets its own limit); ORTFLOW_PYTHONPATH: put before the repository on its PYTHONPATH;
-# MPIEXEC: the MPI launcher, when the one on PATH is not it; BUDGET_S: seconds for the whole run (default 450);
+# MPIEXEC: the MPI launcher, when the one on PATH is not it; BUDGET_S: seconds for the whole run (default 1500);
 # TEST_S: seconds per test (default 170); OUT: where gpu-tests.log, gpu-tests.xml (JUnit) and gpu-tests-summary.txt
 # go (default bench/out/gpu-tests).
 #
@@ -17,7 +17,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${ORTFLOW_PY:-python3}
 OUT=${OUT:-bench/out/gpu-tests}
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-1500}
 TEST_S=${TEST_S:-170}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-tests.log XML=$OUT/gpu-tests.xml SUMMARY=$OUT/gpu-tests-summary.txt PLAN=$OUT/gpu-tests-plan.txt
