@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ortflow import cuda_libs
-from tests.gpu.test_gpu_mixed_precision import _progress
+from tests.gpu.test_gpu_mixed_precision import _mpiexec, _progress
 from tests.trainer.exports_runs import LLAMA_EXPORTS
 
 #: One export per other decoder family (dynamo; Gemma's optimize=False).
@@ -67,14 +65,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"need
 
 #: The split layouts on 2 GPUs (the model cut into two stages at the automatic cut, or split over two ranks).
 SPLITS = {"pp2": {"pipeline_parallel_size": 2}, "tp2": {"horizontal_parallel_size": 2}}
-_ONE_GPU: dict[tuple[str, str], np.ndarray] = {}
+_ONE_GPU: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _train(root: Path, export: str, kind: str, layout: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The losses of ``UPDATES`` updates of one run on one GPU (or two, split by ``layout``), in order, and the number
     of updates fp16's loss scaling skipped before each (0 without loss scaling)."""
-    from ortflow.launch.local import launcher_flavor
-    from tests.support.runs import MPIEXEC
     from tests.trainer.exports_runs import llama_run
 
     ranks = 2 if layout else 1
@@ -84,11 +80,9 @@ def _train(root: Path, export: str, kind: str, layout: str | None = None) -> tup
                     train={"batch_size": 16, "num_train_steps": UPDATES, "gradient_accumulation_steps": 1,
                            "evaluation_period": 0},
                     checkpoint={"period": 1000, "max_num_checkpoints": 1})
-    mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
-    tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
-    command = [mpiexec, "-n", str(ranks), tag, sys.executable, "-u", "-m", "ortflow.trainer", str(cfg.output_dir)]
-    out = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
+    out = subprocess.run([*_mpiexec(ranks), "-m", "ortflow.trainer", str(cfg.output_dir)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
     progress = _progress(out.stdout)
     assert sorted(progress) == list(range(1, UPDATES + 1)), out.stdout[-2000:]

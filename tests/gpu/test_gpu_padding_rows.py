@@ -1,8 +1,8 @@
 """Torch's ``padding_idx`` on CUDA: Gemma's embedding (row 0, tied to the LM head) and BERT's word embedding (row 0,
 untied) take one SGD step on GPUs as the reference built as torch's rule does, on one GPU and split over two
 (Gemma: 2 pipeline stages and 2 tensor-parallel ranks; BERT: 2 tensor-parallel ranks). The CUDA provider reads the
-table with ``Gather`` (its gradient ``GatherGrad``), the node configure masks; the batches, the reference model and
-the CPU bound are tests/trainer/test_padding_rows_mpi.py's.
+table with ``Gather`` (its gradient ``GatherGrad``), the node configure masks; the batches and the reference model are
+tests/support/padding_rows.py's, as the CPU test's (tests/trainer/test_padding_rows_mpi.py).
 
 Bounds: on one GPU the masked run and the reference run the same kernels but the mask's ``Where`` and the reference's
 frozen copy, so their parameters agree to 1e-6 after one step of lr 1 (0 measured on an H200); the split runs sum in
@@ -14,16 +14,14 @@ head trains it: 2.9e-3) and BERT's does not move at all.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.gpu.test_gpu_decoder_precision import WHY
-from tests.trainer import test_padding_rows_mpi as cpu
+from tests.gpu.test_gpu_mixed_precision import _mpiexec
+from tests.support import padding_rows as padding
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"needs 1 GPU ({WHY})")]
 
@@ -35,14 +33,8 @@ RUNS = {"gemma-1gpu": ("gemma", {}, 1e-6), "bert-1gpu": ("bert", {}, 1e-6),
 
 
 def _train(cfg) -> None:
-    from ortflow.launch.local import launcher_flavor
-    from tests.support.runs import MPIEXEC
-
-    mpiexec = MPIEXEC if Path(MPIEXEC).exists() else shutil.which("mpiexec")
-    tag = "--tag-output" if launcher_flavor(Path(mpiexec)) == "openmpi" else "-prepend-rank"
-    command = [mpiexec, "-n", str(cfg.distributed.num_ranks), tag, sys.executable, "-u", "-m", "ortflow.trainer",
-               str(cfg.output_dir)]
-    out = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    out = subprocess.run([*_mpiexec(cfg.distributed.num_ranks), "-m", "ortflow.trainer", str(cfg.output_dir)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
 
@@ -55,7 +47,7 @@ def steps(tmp_path_factory):
     from tests.support.runs import make_run
 
     root = tmp_path_factory.mktemp("padding-rows-gpu")
-    batches = {"gemma": cpu._gemma_batch(root), "bert": cpu._bert_batch(root)}
+    batches = {"gemma": padding.gemma_batch(root), "bert": padding.bert_batch(root)}
     gpus = cuda_libs.gpu_count()[0]
 
     def run(name, family, model, dist):
@@ -66,11 +58,11 @@ def steps(tmp_path_factory):
                                "evaluation_period": 0},
                         optimizer={"name": "sgd", "learning_rate": 1.0}, checkpoint={"period": 1})
 
-    cfgs = {f"{family}-reference": run(f"{family}-reference", family, cpu._frozen_copy_model(root, export), {})
-            for family, export in cpu.EXPORTS_BY_FAMILY.items()}
+    cfgs = {f"{family}-reference": run(f"{family}-reference", family, padding.frozen_copy_model(root, export), {})
+            for family, export in padding.EXPORTS_BY_FAMILY.items()}
     for name, (family, dist, _) in RUNS.items():
         if dist.get("num_ranks", 1) <= gpus:
-            cfgs[name] = run(name, family, export_path(cpu.EXPORTS_BY_FAMILY[family]), dist)
+            cfgs[name] = run(name, family, export_path(padding.EXPORTS_BY_FAMILY[family]), dist)
     for cfg in cfgs.values():
         _train(cfg)
     return cfgs
@@ -87,14 +79,15 @@ def test_the_padding_row_gets_no_gradient_from_the_padding_positions_on_gpus(ste
     family, _, bound = RUNS[run]
     if run not in steps:
         pytest.skip("a split over 2 GPUs needs 2 GPUs")
-    table = cpu.TABLES[family]
+    table = padding.TABLES[family]
     start = load_file(str(EXPORTS / f"{family}.safetensors"))
     reference = read_params(newest(steps[f"{family}-reference"]))
     trained = read_params(newest(steps[run]))
     assert table in trained
     worst = max((float(np.abs(trained[n] - reference[n]).max()), n) for n in start if n in trained)
-    moved = float(np.abs(trained[table][cpu.PAD] - start[table][cpu.PAD]).max())
-    print(f"{run}: largest difference from the reference {worst[0]:.3g} ({worst[1]}), row {cpu.PAD} moved {moved:.3g}")
+    moved = float(np.abs(trained[table][padding.PAD] - start[table][padding.PAD]).max())
+    print(f"{run}: largest difference from the reference {worst[0]:.3g} ({worst[1]}), row {padding.PAD} moved "
+          f"{moved:.3g}")
     assert worst[0] <= bound, worst
     if family == "gemma":  # row 0 still trains from the tied LM head
         assert moved > 10 * bound

@@ -5,33 +5,24 @@ first) and both. The stage or piece reading the table runs its forward once and 
 graph masked as its training model is; the pipeline run that recomputes the forward instead
 (``recompute_forward: true``) trains to the same parameters.
 
-The reference is torch's rule written into the graph: the same export with the padding positions reading a frozen
-copy of the table (``Where(ids == 0, Gather(copy, ids), Gather(table, ids))``: the same values, and the lookup's
-gradient reaches the table from the other positions only, a tied LM head's in full), its Gather's torch record
-without ``padding_idx`` so configure's masking does not apply to it. Every other gradient of the Gemma export is
-torch's (tests/trainer/test_exporter_patterns.py)."""
+The reference is torch's rule written into the graph (tests/support/padding_rows.py). Every other gradient of the
+Gemma export is torch's (tests/trainer/test_exporter_patterns.py)."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
-import onnx
 import pytest
-from onnx import helper, numpy_helper
 
 from ortflow.checkpoints.h5state import read_params
-from ortflow.graph.exports.torch_params import FX_NODE
 from tests.support.exports import EXPORTS, export_path
+from tests.support.padding_rows import EXPORTS_BY_FAMILY, PAD, TABLES, bert_batch, frozen_copy_model, gemma_batch
 from tests.support.parallel_runs import newest
 from tests.support.runs import make_run, run_ranks_together
 
 pytestmark = pytest.mark.mpi
 
-PAD = 0
-#: The exports with torch's padding_idx 0, by family: Gemma's table is tied to its LM head, BERT's is not.
-EXPORTS_BY_FAMILY = {"gemma": "gemma-dynamo-noopt.onnx", "bert": "bert-dynamo.onnx"}
-TABLES = {"gemma": "model.model.embed_tokens.weight", "bert": "model.bert.embeddings.word_embeddings.weight"}
 #: Runs that must train to their family's reference, by name: (family, distributed section). ``gather`` reads the
 #: table with ``Gather`` (gradient ``GatherGrad``), the others with the CPU's repeatable ``GatherND``.
 RUNS = {"gemma-dp1": ("gemma", {}), "gemma-gather": ("gemma", {"deterministic_compute": False}),
@@ -53,66 +44,11 @@ KEEPING = ["gemma-tp2", "gemma-pp2", "gemma-pp2-gather", "gemma-pp2tp2", "bert-t
 KEEP_VS_RECOMPUTE = 1e-7
 
 
-def _gemma_batch(root):
-    """Gemma's torch batch (8 rows of 16 tokens) with the padding id at the ends of the rows and once inside one."""
-    from safetensors.numpy import load_file
-
-    batch = load_file(str(EXPORTS / "gemma.grads.safetensors"))
-    ids = batch["input.input_ids"].copy()
-    ids[:, -3:] = PAD
-    ids[0, 2] = PAD
-    path = root / "gemma.npz"
-    np.savez(path, input_ids=ids, labels=batch["labels"])
-    return path
-
-
-def _bert_batch(root):
-    """8 rows of 16 tokens for the BERT classifier: the padding id at attended positions (their gradient reaches the
-    table) and at the masked ends of some rows."""
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, 512, (8, 16))
-    ids[:, 3] = PAD
-    mask = np.ones_like(ids)
-    mask[:4, -4:] = 0
-    ids[:4, -4:] = PAD
-    path = root / "bert.npz"
-    np.savez(path, input_ids=ids, attention_mask=mask, labels=rng.integers(0, 3, 8))
-    return path
-
-
-def _frozen_copy_model(root, export):
-    """The export with the padding positions' lookup reading a frozen copy of the table (module docstring)."""
-    model = onnx.load(str(export_path(export)))
-    graph = model.graph
-    (lookup,) = [n for n in graph.node if n.op_type == "Gather" and any(
-        p.key == FX_NODE and "aten.embedding" in p.value and f", {PAD}), kwargs" in p.value for p in n.metadata_props)]
-    for prop in lookup.metadata_props:  # torch's record without padding_idx (-1): configure does not mask it
-        if prop.key == FX_NODE:
-            prop.value = prop.value.replace(f", {PAD}), kwargs", ", -1), kwargs")
-    table = next(t for t in graph.initializer if t.name == lookup.input[0])  # the export's name of the table
-    graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(table), "padding_copy"))
-    y, ids = lookup.output[0], lookup.input[1]
-    lookup.output[0] = "trained_rows"
-    consts = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.asarray(v, np.int64), n))
-              for n, v in (("pad_id", PAD), ("pad_axes", [-1]))]
-    added = [*consts, helper.make_node("Gather", ["padding_copy", ids], ["copied_rows"], axis=0),
-             helper.make_node("Equal", [ids, "pad_id"], ["is_pad"]),
-             helper.make_node("Unsqueeze", ["is_pad", "pad_axes"], ["is_pad_row"]),
-             helper.make_node("Where", ["is_pad_row", "copied_rows", "trained_rows"], [y])]
-    at = list(graph.node).index(lookup) + 1
-    nodes = [*graph.node[:at], *added, *graph.node[at:]]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    path = root / export.replace("-dynamo", "-frozen-copy")
-    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
-    return path
-
-
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """One SGD step of lr 1 on each family's batch: its reference and each run of :data:`RUNS`; name -> config."""
     root = tmp_path_factory.mktemp("padding-rows")
-    batches = {"gemma": _gemma_batch(root), "bert": _bert_batch(root)}
+    batches = {"gemma": gemma_batch(root), "bert": bert_batch(root)}
 
     def common(family):
         data = str(batches[family])
@@ -122,7 +58,7 @@ def steps(tmp_path_factory):
                 "optimizer": {"name": "sgd", "learning_rate": 1.0}, "checkpoint": {"period": 1}}
 
     # the copy is no torch parameter: configure makes it a constant (asserted below)
-    cfgs = {f"{family}-reference": make_run(root, f"{family}-reference", model=_frozen_copy_model(root, export),
+    cfgs = {f"{family}-reference": make_run(root, f"{family}-reference", model=frozen_copy_model(root, export),
                                             **common(family))
             for family, export in EXPORTS_BY_FAMILY.items()}
     cfgs.update({name: make_run(root, name, model=export_path(EXPORTS_BY_FAMILY[family]), distributed=dist,
