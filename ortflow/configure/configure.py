@@ -70,7 +70,9 @@ CONFIGURE_RECORD_NAME = "configure.json"
 # 4: dynamo exports are built from their torch-named model (ortflow/configure/torch_model.py).
 # 5: training models mask torch's padding rows, and the stage and piece records name them (ortflow/configure/
 #    training_graph.py).
-_ARTIFACTS_FORMAT = 5
+# 6: stages' and pieces' training models get the leading-axis sums as MatMuls too, and their records say so
+#    (``sums_as_matmul``) with each part's rewrites (``rewrites``).
+_ARTIFACTS_FORMAT = 6
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,21 @@ def graph_passes(model: tuple[str, ...], stages: dict | None, tensor: dict | Non
             found[f"stage-{stage['index']:02d}"] = stage.get("passes", [])
     found.update((tensor or {}).get("passes", {}))
     return found
+
+
+def split_graph_rewrites(stages: dict | None, tensor: dict | None) -> dict[str, list[dict]]:
+    """What the passes over each pipeline stage's and tensor-parallel piece's training model changed (``graph_rewrites``
+    of the whole model's, :func:`ortflow.configure.training_graph.rewrite_part_training_model`), by graph as in
+    :func:`graph_passes`; graphs no pass changed are left out."""
+    found: dict[str, list[dict]] = {}
+    for stage in (stages or {}).get("stages", []):
+        rewrites = stage.get("rewrites", [])
+        if isinstance(rewrites, dict):
+            found.update({f"stage-{stage['index']:02d}/{key}": changed for key, changed in rewrites.items()})
+        else:
+            found[f"stage-{stage['index']:02d}"] = rewrites
+    found.update((tensor or {}).get("rewrites", {}))
+    return {key: changed for key, changed in found.items() if changed}
 def _refuse_bad_groups(cfg: RunConfig, trainable: list[str]) -> None:
     """optimizer.groups against the trained parameters (the artifacts do not depend on it, so also when reused)."""
     problems = param_group_problems(trainable, cfg.optimizer)
@@ -380,6 +397,7 @@ def configure(cfg: RunConfig, proto_limit: int = PROTO_LIMIT) -> ConfigureResult
         "pipeline_cuts": stages["cuts"] if stages else [],
         "tensor_parallel_split": tensor_record["split"] if tensor_record else [],
         "graph_passes": graph_passes(built.passes, stages, tensor_record),
+        "split_graph_rewrites": split_graph_rewrites(stages, tensor_record),
         "batchnorm": to_record(running_statistics(cfg.model.path)),  # read by the ranks (trainer/batchnorm.py)
         "op_types": op_types(cfg.model.path),  # the GPU ranks check the libraries they need (trainer/startup.py)
         # input -> [table, rows] of the embeddings it indexes: prepare-data refuses a tokenizer with more ids

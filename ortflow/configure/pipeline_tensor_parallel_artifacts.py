@@ -45,7 +45,7 @@ from ortflow.configure.tensor_parallel_artifacts import (
     split_input,
     weights_folder,
 )
-from ortflow.configure.training_graph import torch_padding_rows
+from ortflow.configure.training_graph import sums_as_matmul_applies, torch_padding_rows
 from ortflow.graph.pipeline_parallel.pipeline_cuts import CutPlace, Stage
 from ortflow.graph.prepare import PreparedModel
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
@@ -187,11 +187,11 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     stages = []
     with building(artifacts_dir, PIPE_TENSOR_DIR) as scratch:
-        padding = torch_padding_rows(cfg)
+        padding, sums = torch_padding_rows(cfg), sums_as_matmul_applies(cfg)
         for sp in plans:
             s = sp.stage.index
             log_plan(sp.plan, f" (pipeline stage {s})")
-            records, ran_by_piece, masked = [], {}, {}
+            records, ran_by_piece, masked, rewrites = [], {}, {}, {}
             for rank in range(size):
                 mine = pieces(sp, rank)
                 passes = []
@@ -199,11 +199,12 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
                     last = s == len(plans) - 1 and piece is mine[-1]
                     folder = scratch / f"stage-{s:02d}" / TENSOR_DIR / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
                     where = f"piece {piece.index} of tensor-parallel rank {rank} of pipeline stage {s}"
-                    ran, rows = build_piece(cfg, piece, last, set(frozen), folder, where, proto_limit,
-                                            rank_padding_rows(padding, sp.model, sp.plan, rank))
+                    ran, rows, changed = build_piece(cfg, piece, last, set(frozen), folder, where, proto_limit,
+                                                     rank_padding_rows(padding, sp.model, sp.plan, rank))
                     passes.append(ran)
                     masked.setdefault(piece.index, []).append(rows)
-                records.append([piece_record(p, p.stage.model, ran) for p, ran in zip(mine, passes, strict=True)])
+                    rewrites[f"rank-{rank:02d}/piece-{piece.index:02d}"] = changed
+                records.append([piece_record(p, p.stage.model, ran, sums) for p, ran in zip(mine, passes, strict=True)])
                 ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                      for p, ran in zip(mine, passes, strict=True)})
             for info in records[0]:  # one record for every rank: each rank's padding rows, in rank order
@@ -212,7 +213,8 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
                            "parameters": list(sp.stage.parameters),
                            "shared": {name: list(holders) for name, holders in sp.stage.shared.items()},
                            "slicing": {n: list(v) for n, v in sp.plan.slicing().items()},
-                           "split": describe(sp.plan), "pieces": records[0], "passes": ran_by_piece})
+                           "split": describe(sp.plan), "pieces": records[0], "passes": ran_by_piece,
+                           "rewrites": rewrites})
         record = {"size": size, "num_stages": len(plans), "cuts": cuts, "stages": stages}
         (scratch / PIPE_TENSOR_RECORD).write_text(json.dumps(record, indent=1))  # last: vouches for the pieces
     log.info("built %d pipeline stages x %d tensor-parallel ranks (cuts %s)", len(plans), size, cuts)

@@ -48,7 +48,7 @@ from ortflow.configure.artifacts import (
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import engine_input, prepare_cut, split_source
 from ortflow.configure.mixed_precision import scale_input, unscale_eval_model
-from ortflow.configure.training_graph import mask_padding_gradients, torch_padding_rows
+from ortflow.configure.training_graph import rewrite_part_training_model, sums_as_matmul_applies, torch_padding_rows
 from ortflow.engine import artifacts as engine_artifacts
 from ortflow.engine import onnxblock
 from ortflow.graph.pipeline_parallel.batchnorm_forward import switch_to_batch_statistics
@@ -214,11 +214,12 @@ def generate_part(cfg: RunConfig, prepared, folder: Path, proto_limit: int, scal
 
 def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folder: Path,
                proto_limit: int = PROTO_LIMIT,
-               padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], dict[str, int]]:
+               padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], dict[str, int], list[dict]]:
     """Build one stage's artifacts into ``folder``; returns the preparation passes its graph went through (a stage of
-    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`) and the padding
-    rows of its tables where its training model masks a lookup gradient (``padding``: table -> torch's padding row,
-    :func:`ortflow.configure.training_graph.mask_padding_gradients`; empty where it masks none)."""
+    a model past ``proto_limit`` reaches the engine as the whole model does: :func:`generate_part`), the padding
+    rows of its tables where its training model masks a lookup gradient (``padding``: table -> torch's padding row;
+    empty where it masks none) and the report entries of the passes over its training model
+    (:func:`ortflow.configure.training_graph.rewrite_part_training_model`)."""
     folder.mkdir(parents=True)
     prepared, scale = prepare_part(cfg, stage, last)
     held = frozen | set(stage.frozen) | set(prepared.frozen)
@@ -228,11 +229,12 @@ def _build_one(cfg: RunConfig, stage: Stage, last: bool, frozen: set[str], folde
                   frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in held))
     finish_part(folder, scale, sends, stage.receives)
     rows = {t: r for t, r in (padding or {}).items() if t in stage.parameters}
-    masked = rows if mask_padding_gradients(folder / "training_model.onnx", rows) else {}
+    masked, rewrites = rewrite_part_training_model(cfg, folder / "training_model.onnx", rows,
+                                                   f"pipeline stage {stage.index}")
     if not last:
         drop_sends_from_training(folder / "training_model.onnx", stage.sends)
         forward_with_batch_statistics(folder / "eval_model.onnx")
-    return prepared.passes, masked
+    return prepared.passes, masked, rewrites
 
 
 class PipelinePlan(NamedTuple):
@@ -314,13 +316,14 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePla
     _, frozen = split_parameters(inspect_model(cfg.model.path), cfg.model.frozen)
     padding = torch_padding_rows(cfg)
     with building(artifacts_dir, STAGES_DIR) as scratch:
-        passes, masked = [], []
+        passes, masked, rewrites = [], [], []
         for stage in stages:
             try:
-                ran, masks = _build_one(cfg, stage, stage.index == num - 1, set(frozen),
-                                        scratch / f"stage-{stage.index:02d}", proto_limit, padding)
+                ran, masks, changed = _build_one(cfg, stage, stage.index == num - 1, set(frozen),
+                                                 scratch / f"stage-{stage.index:02d}", proto_limit, padding)
                 passes.append(list(ran))
                 masked.append(masks)
+                rewrites.append(changed)
             except ArtifactsError:
                 raise
             except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
@@ -334,7 +337,8 @@ def build_stage_artifacts(cfg: RunConfig, artifacts_dir: Path, plan: PipelinePla
                 {"index": s.index, "receives": list(s.receives), "sends": list(s.sends),
                  "data_inputs": list(s.data_inputs), "parameters": list(s.parameters),
                  "shared": {name: list(holders) for name, holders in s.shared.items()}, "passes": passes[s.index],
-                 "padding_rows": masked[s.index]}
+                 "padding_rows": masked[s.index], "sums_as_matmul": sums_as_matmul_applies(cfg),
+                 "rewrites": rewrites[s.index]}
                 for s in stages
             ],
         }

@@ -34,7 +34,7 @@ from ortflow.configure.artifacts import (
 from ortflow.configure.building import building
 from ortflow.configure.engine_input import split_source
 from ortflow.configure.stage_artifacts import finish_part, generate_part, prepare_part
-from ortflow.configure.training_graph import mask_padding_gradients, torch_padding_rows
+from ortflow.configure.training_graph import rewrite_part_training_model, sums_as_matmul_applies, torch_padding_rows
 from ortflow.graph.gradients.padding_rows import local_padding_rows
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, SplitError, check_random_ops
 from ortflow.graph.precision.noop_casts import drop_noop_casts
@@ -94,11 +94,11 @@ def plan_tensor_parallel(cfg: RunConfig, proto_limit: int = PROTO_LIMIT
 
 def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
                 where: str, proto_limit: int = PROTO_LIMIT,
-                padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], dict[str, int]]:
-    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through and the
+                padding: dict[str, int] | None = None) -> tuple[tuple[str, ...], dict[str, int], list[dict]]:
+    """Build one piece's artifacts into ``folder``; returns the preparation passes its graph went through, the
     padding rows of its tables where its training model masks a lookup gradient (``padding``: table -> torch's padding
-    row in this rank's rows of it, :func:`rank_padding_rows`; :func:`ortflow.configure.training_graph.
-    mask_padding_gradients`; empty where it masks none).
+    row in this rank's rows of it, :func:`rank_padding_rows`; empty where it masks none) and the report entries of the
+    passes over its training model (:func:`ortflow.configure.training_graph.rewrite_part_training_model`).
 
     A piece of a model past ``proto_limit`` reaches the engine as a pipeline stage does
     (:func:`ortflow.configure.stage_artifacts.generate_part`): its slices written to a data file in ``folder``, its
@@ -109,7 +109,7 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
             (e.g. "piece 1 of tensor-parallel rank 0").
     """
     try:
-        return _build_piece(cfg, piece, last, frozen, folder, proto_limit, padding or {})
+        return _build_piece(cfg, piece, last, frozen, folder, proto_limit, padding or {}, where)
     except ArtifactsError:
         raise
     except Exception as err:  # noqa: BLE001 - the engine raises bare RuntimeErrors and C++ errors
@@ -117,7 +117,8 @@ def build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fold
 
 
 def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], folder: Path,
-                 proto_limit: int, padding: dict[str, int]) -> tuple[tuple[str, ...], dict[str, int]]:
+                 proto_limit: int, padding: dict[str, int],
+                 where: str) -> tuple[tuple[str, ...], dict[str, int], list[dict]]:
     folder.mkdir(parents=True)
     stage = piece.stage
     prepared, scale = prepare_part(cfg, stage, last)
@@ -130,7 +131,8 @@ def _build_piece(cfg: RunConfig, piece: Piece, last: bool, frozen: set[str], fol
                   frozen_params=sorted(t.name for t in prepared.model.graph.initializer if t.name in frozen))
     finish_part(folder, scale, sends, piece.float_receives)
     rows = {t: r for t, r in padding.items() if t in stage.parameters}
-    return prepared.passes, rows if mask_padding_gradients(folder / "training_model.onnx", rows) else {}
+    masked, rewrites = rewrite_part_training_model(cfg, folder / "training_model.onnx", rows, where)
+    return prepared.passes, masked, rewrites
 
 
 def rank_padding_rows(rows: dict[str, int], model: onnx.ModelProto, plan: TensorParallelPlan,
@@ -142,14 +144,17 @@ def rank_padding_rows(rows: dict[str, int], model: onnx.ModelProto, plan: Tensor
     return local_padding_rows({t: r for t, r in rows.items() if t in tables}, plan.slicing(), tables, plan.size, rank)
 
 
-def piece_record(piece: Piece, model: onnx.ModelProto, passes=()) -> dict:
+def piece_record(piece: Piece, model: onnx.ModelProto, passes=(), sums_as_matmul: bool = False) -> dict:
+    """A piece's ``tensor.json`` entry (``sums_as_matmul``: its training model's leading-axis sums are MatMuls, and
+    its forward-once gradient graph gets the same rewrite at rank start)."""
     types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
     stage = piece.stage
     return {"index": stage.index, "parallel": piece.parallel, "receives": list(stage.receives),
             "float_receives": list(piece.float_receives), "sends": list(stage.sends),
             "float_sends": [n for n in stage.sends if types.get(n) in FLOAT_TYPES],
             "partial_sends": list(piece.partial_sends), "replicated_parameters": list(piece.replicated_parameters),
-            "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters), "passes": list(passes)}
+            "data_inputs": list(stage.data_inputs), "parameters": list(stage.parameters), "passes": list(passes),
+            "sums_as_matmul": sums_as_matmul}
 
 
 def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
@@ -167,26 +172,26 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg, proto_limit)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
-    ranks, ran_by_piece, masked = [], {}, {}
-    padding = torch_padding_rows(cfg)
+    ranks, ran_by_piece, masked, rewrites = [], {}, {}, {}
+    padding, sums = torch_padding_rows(cfg), sums_as_matmul_applies(cfg)
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
             pieces = cut_pieces(shard_model(model, plan, rank, weights_folder(cfg)), plan, model, trainable)
             passes = []
             for piece in pieces:
-                folder = scratch / f"rank-{rank:02d}" / f"piece-{piece.index:02d}"
-                ran, rows = build_piece(cfg, piece, piece is pieces[-1], set(frozen), folder,
-                                        f"tensor-parallel piece {piece.index} of rank {rank}", proto_limit,
-                                        rank_padding_rows(padding, model, plan, rank))
+                key = f"rank-{rank:02d}/piece-{piece.index:02d}"
+                ran, rows, rewrites[key] = build_piece(cfg, piece, piece is pieces[-1], set(frozen), scratch / key,
+                                                       f"tensor-parallel piece {piece.index} of rank {rank}",
+                                                       proto_limit, rank_padding_rows(padding, model, plan, rank))
                 passes.append(ran)
                 masked.setdefault(piece.index, []).append(rows)
-            ranks.append([piece_record(p, p.stage.model, ran) for p, ran in zip(pieces, passes, strict=True)])
+            ranks.append([piece_record(p, p.stage.model, ran, sums) for p, ran in zip(pieces, passes, strict=True)])
             ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                  for p, ran in zip(pieces, passes, strict=True)})
         for info in ranks[0]:  # one record for every rank: each rank's padding rows, in rank order
             info["padding_rows"] = masked[info["index"]]
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
-                  "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece}
+                  "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece, "rewrites": rewrites}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))
     log.info("built %d tensor-parallel ranks of %d pieces each", size, len(record["pieces"]))
     return record

@@ -12,8 +12,10 @@ The passes in :mod:`ortflow.graph` rewrite the user's model before the engine se
 the engine generates (its gradient ops). Two such passes, both for GPU runs:
 :func:`ortflow.graph.gradients.leading_sums.sums_as_matmul`, with ``distributed.deterministic_compute`` (the
 engine's deterministic CUDA ReduceSum is slow; a MatMul with a ones vector gives the same sums, deterministically,
-through cuBLAS), and :func:`ortflow.graph.capture.split_for_capture`, with ``distributed.cuda_graphs``: the training
-graph cut into the part the CUDA provider records and replays and the part it cannot record, written beside it
+through cuBLAS), on every training model (the whole model's, each stage's, each piece's: the stage's or piece's
+record says so with ``sums_as_matmul``, and the rank rewrites its forward-once gradient graph the same way), and
+:func:`ortflow.graph.capture.split_for_capture`, with ``distributed.cuda_graphs``: the whole model's training graph cut
+into the part the CUDA provider records and replays and the part it cannot record, written beside it
 (:data:`~ortflow.artifacts_folder.CAPTURE_HEAD`, :data:`~ortflow.artifacts_folder.CAPTURE_TAIL`). The eval model is
 left as it is; the checkpoint and every parameter and gradient name are unchanged.
 """
@@ -68,6 +70,24 @@ def rewrite_training_model(cfg: RunConfig, path: Path) -> list[dict]:
     return report
 
 
+def rewrite_part_training_model(cfg: RunConfig, path: Path, rows: dict[str, int],
+                                where: str) -> tuple[dict[str, int], list[dict]]:
+    """Apply the training-model passes of a pipeline stage or tensor-parallel piece to its training model at ``path``
+    in place: the padding rows' mask (``rows``, :func:`mask_padding_gradients`) and, where
+    :func:`sums_as_matmul_applies`, the leading-axis sums as MatMuls (logged as the whole model's, naming ``where``,
+    e.g. "pipeline stage 0"). The forward-once gradient graph the rank builds from the part's eval model gets the same
+    passes (its record's ``padding_rows`` and ``sums_as_matmul``: :mod:`ortflow.trainer.parallel.kept_activations`).
+
+    Returns:
+        The padding rows its training model masks (empty where it masks none) and the passes' report entries.
+    """
+    report = mask_padding_gradients(path, rows)
+    masked = rows if report else {}
+    if sums_as_matmul_applies(cfg):
+        _sums_as_matmul(onnx.load(str(path), load_external_data=False), path, report, f"training graph of {where}")
+    return masked, report
+
+
 def torch_padding_rows(cfg: RunConfig) -> dict[str, int]:
     """Table -> torch's ``padding_idx`` of the embeddings of ``model.path`` where the dynamo exporter recorded it
     (:func:`ortflow.graph.exports.torch_params.padding_rows`); empty for other exports, which do not record it."""
@@ -92,12 +112,11 @@ def mask_padding_gradients(path: Path, rows: dict[str, int]) -> list[dict]:
     return report
 
 
-def _sums_as_matmul(model: onnx.ModelProto, path: Path, report: list[dict]) -> onnx.ModelProto:
+def _sums_as_matmul(model: onnx.ModelProto, path: Path, report: list[dict],
+                    what: str = "training graph") -> onnx.ModelProto:
     details = LeadingSumReport()
     model = sums_as_matmul(model, report, details)
-    total = len(details.rewritten) + len(details.kept)
-    log.info("training graph: %d of %d ReduceSum node(s) rewritten as MatMul with ones (distributed."
-             "reduce_sum_as_matmul; %d kept)", len(details.rewritten), total, len(details.kept))  # fmt: skip
+    log.info("%s: %s", what, details.line())
     if details.rewritten:
         onnx.save(model, str(path))
     return model

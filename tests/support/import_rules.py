@@ -53,6 +53,9 @@ EXTRA_EDGES: dict[tuple[str, str], str] = {
     ("sample", "ortflow.export.checksum"): "the exported model's checksum sidecar, checked before it is loaded",
     ("trainer", "ortflow.graph.gradients.padding_rows"): "the padding-row mask of a forward-once gradient graph, "
                                                          "built at rank start, as configure's training models have it",
+    ("trainer", "ortflow.graph.gradients.leading_sums"): "the leading-axis sums as MatMuls of a forward-once gradient "
+                                                           "graph, built at rank start, as configure's training models "
+                                                           "have them",
 }
 
 #: Private names imported across modules that are known and owned elsewhere: (importer, name) -> why.

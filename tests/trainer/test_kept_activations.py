@@ -249,7 +249,8 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     default): its buffers go with the calls (the engine then runs on the rank's stream; its calls return device
     tensors where its messages go over NCCL); ``true`` recomputes, as do a BatchNorm switched to batch statistics
     before its cut and the last stage; ``auto`` keeps on a CPU stage. A stage whose training model masks an
-    embedding's padding row keeps too, its padding rows handed to the calls (their gradient graph is masked)."""
+    embedding's padding row keeps too, its padding rows handed to the calls (their gradient graph is masked), and one
+    whose training model's leading-axis sums are MatMuls hands that on (their gradient graph's sums are rewritten)."""
     from types import SimpleNamespace
 
     from ortflow.config.distributed import DistributedConfig
@@ -263,11 +264,16 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     def config(recompute_forward, device="cuda"):
         return SimpleNamespace(distributed=DistributedConfig(recompute_forward=recompute_forward, device=device))
 
-    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, padding_rows={})
+    middle = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, padding_rows={},
+                             sums_as_matmul=False)
     assert build.keep_activations(config(False), body, middle, 1) == "kept"
     assert made[-1]["buffers"] is body.buffers and made[-1]["host_sends"]  # messages as host arrays
-    assert made[-1]["padding_rows"] == {}
-    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object(), padding_rows={})
+    assert made[-1]["padding_rows"] == {} and made[-1]["sums_as_matmul"] is False
+    summing = SimpleNamespace(**{**vars(middle), "sums_as_matmul": True})
+    assert build.keep_activations(config(False), body, summing, 1) == "kept"
+    assert made.pop()["sums_as_matmul"] is True
+    over_nccl = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=object(), padding_rows={},
+                                sums_as_matmul=False)
     assert build.keep_activations(config(False), body, over_nccl, 1) == "kept"
     assert made.pop()["host_sends"] is False  # its sends leave from the GPU
     assert build.keep_activations(config("auto"), body, over_nccl, 1) == "kept"
@@ -275,13 +281,16 @@ def test_cuda_stages_keep_their_activations_unless_told_or_batchnorm_or_the_last
     assert build.keep_activations(config(True), body, middle, 1) is None
     assert build.keep_activations(config(False), _stage_body(batch_statistics=True), middle, 1) is None
     assert build.keep_activations(config("auto"), _stage_body(batch_statistics=True), middle, 1) is None
-    masking = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, padding_rows={"emb": 0})
+    masking = SimpleNamespace(last=False, receives=("h",), sends=("y",), device_pipe=None, padding_rows={"emb": 0},
+                              sums_as_matmul=True)
     assert build.keep_activations(config(False), body, masking, 1) == "kept"
-    assert made.pop()["padding_rows"] == {"emb": 0}
+    assert [made[-1][k] for k in ("padding_rows", "sums_as_matmul")] == [{"emb": 0}, True]  # both rewrites
+    made.pop()
     assert build.keep_activations(config("auto"), body, masking, 1) == "kept"
     assert made.pop()["padding_rows"] == {"emb": 0}
     assert build.keep_activations(config(True), body, masking, 1) is None
-    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None, padding_rows={})
+    last = SimpleNamespace(last=True, receives=("h",), sends=(), device_pipe=None, padding_rows={},
+                           sums_as_matmul=True)
     assert build.keep_activations(config(False), body, last, 1) is None
     assert build.keep_activations(config("auto"), body, last, 1) is None
     assert len(made) == 1
@@ -324,7 +333,8 @@ def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_an
     """Tensor-parallel pieces on a GPU keep their activations with their sent tensors left on the device; a piece
     that sends an integer tensor and the last stage's last piece (its training call computes the loss) recompute. A
     piece whose training model masks an embedding's padding row keeps, with this rank's padding rows (a vocabulary
-    split: the rank holding the row masks its local index, the other none)."""
+    split: the rank holding the row masks its local index, the other none); one whose entry says its training model's
+    leading-axis sums are MatMuls has its gradient graph's rewritten too."""
     from types import SimpleNamespace
 
     from ortflow.trainer.parallel import kept_activations
@@ -334,22 +344,25 @@ def test_cuda_pieces_keep_their_activations_on_the_gpu_except_integer_senders_an
                         lambda *args, **kwargs: made.append((args, kwargs)) or "kept")
     state = SimpleNamespace(parameters=[("w", SimpleNamespace(requires_grad=True))])
 
-    def piece(sends, float_sends, padding_rows=None):
+    def piece(sends, float_sends, padding_rows=None, sums=None):
         info = {"sends": sends, "float_sends": float_sends, "float_receives": ["x"]}
+        if sums is not None:
+            info["sums_as_matmul"] = sums
         if padding_rows is not None:
             info["padding_rows"] = padding_rows
         return SimpleNamespace(info=info, state=state, folder=tmp_path, kept=None)
 
     def pieces():
-        return [piece(["a"], ["a"], [{"emb": 3}, {}]), piece(["ids", "b"], ["b"]), piece(["c"], ["c"], [{}, {}]),
-                piece(["loss"], ["loss"])]
+        return [piece(["a"], ["a"], [{"emb": 3}, {}], True), piece(["ids", "b"], ["b"]),
+                piece(["c"], ["c"], [{}, {}]), piece(["loss"], ["loss"])]
 
     buffers = _DeviceBuffers()
     first = pieces()
     kept_activations.keep_piece_activations(first, 0, True, None, (), buffers)
     assert [p.kept for p in first] == ["kept", None, "kept", None]
-    assert [kwargs for _, kwargs in made] == [{"buffers": buffers, "host_sends": False, "padding_rows": rows}
-                                              for rows in ({"emb": 3}, {})]
+    assert [kwargs for _, kwargs in made] == [
+        {"buffers": buffers, "host_sends": False, "padding_rows": rows, "sums_as_matmul": sums}
+        for rows, sums in (({"emb": 3}, True), ({}, False))]
     assert made[0][0][3:5] == (("x",), ("a",))  # receives (float), sends
     made.clear()
     second = pieces()

@@ -23,8 +23,12 @@ engine's parameter and gradient names are untouched. Left alone, with the reason
 (not a leading run, or every axis), axes known only at run time (``ReduceSumTraining`` after
 ``BroadcastGradientArgs``), inputs of unknown rank, unknown trailing dims, and non-float types.
 
-Applied by configure to the engine's *training* model (:func:`ortflow.configure.artifacts.build_artifacts`) on
-``device: cuda`` with ``distributed.deterministic_compute`` and ``distributed.reduce_sum_as_matmul`` (default on).
+Applied by configure to the engine's *training* models (the whole model's, each pipeline stage's and each
+tensor-parallel piece's: :mod:`ortflow.configure.training_graph`) on ``device: cuda`` with
+``distributed.deterministic_compute`` and ``distributed.reduce_sum_as_matmul`` (default on), and by a stage's or
+piece's rank to the gradient graph of its forward-once calls (:mod:`ortflow.trainer.parallel.kept_activations`). That
+graph may declare fewer shapes than a training model: onnx's shape inference fills in what it can, and a sum whose
+input's rank or kept dims stay unknown is left as it is (the reasons above).
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ class LeadingSumReport:
 
     rewritten: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """What the pass did, in the words of configure's and the ranks' logs."""
+        total = len(self.rewritten) + len(self.kept)
+        return (f"{len(self.rewritten)} of {total} ReduceSum node(s) rewritten as MatMul with ones "
+                f"(distributed.reduce_sum_as_matmul; {len(self.kept)} kept)")
 
 
 @dataclass(frozen=True)

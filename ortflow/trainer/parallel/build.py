@@ -68,7 +68,8 @@ def init_layout(run_dir: Path, cfg: RunConfig, comm: Communicator, device: str, 
     if dims.pp > 1:
         stage = PipelineStage(body, comm, where.stage, dims.pp, groups.pp, tuple(info["receives"]),
                               tuple(info["sends"]), info.get("shared", {}),
-                              padding_rows=info.get("padding_rows", {}))
+                              padding_rows=info.get("padding_rows", {}),
+                              sums_as_matmul=bool(info.get("sums_as_matmul")))
         stage.device_pipe = pipeline_messages(groups.pp, body, buffers)  # Sync point (collective): the NCCL links
     data = replica_part(cfg, groups, where, dims, body, stage, threads, resume)
     scaler = loss_scale.from_config(cfg.precision, loss_scale.saved_state(resume.meta) if resume else None)
@@ -188,7 +189,8 @@ def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, thr
     """The forward-once calls of a stage that is not the last (on the CPU or its GPU), unless it recomputes
     (``DistributedConfig.recomputes_forward``); stages whose forward switches BatchNorm to batch statistics (its eval
     model's extra input) recompute. A stage whose training model masks an embedding's padding row has the same mask
-    applied to its gradient graph (``stage.padding_rows``)."""
+    applied to its gradient graph (``stage.padding_rows``), and one whose training model's leading-axis sums are
+    MatMuls the same rewrite (``stage.sums_as_matmul``)."""
     if stage.last or cfg.distributed.recomputes_forward():
         return None
     if BATCH_STATISTICS_INPUT in body.engine_parts()[0].prepared(False).input_names():
@@ -197,7 +199,8 @@ def keep_activations(cfg: RunConfig, body: WholeModel, stage: PipelineStage, thr
     options = stage_session_options(threads, body.buffers, cfg.distributed.deterministic_compute)
     return KeptActivations(body.folder / "eval_model.onnx", body.state, body.trainable, stage.receives, stage.sends,
                            options, cfg.distributed.recompute_subgraphs, buffers=body.buffers,
-                           host_sends=stage.device_pipe is None, padding_rows=stage.padding_rows)
+                           host_sends=stage.device_pipe is None, padding_rows=stage.padding_rows,
+                           sums_as_matmul=stage.sums_as_matmul)
 
 
 def pipeline_messages(pipe: Communicator, body, buffers) -> DevicePipe | None:
@@ -229,6 +232,10 @@ def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
         masking = {p.info["index"]: p.kept.padding_rows for p in body.pieces if p.kept is not None and p.kept.masked}
         if masking:
             log.info("rank %d: kept pieces whose gradient graphs mask torch's padding rows: %s", comm.rank, masking)
+        sums = {p.info["index"]: p.kept.sums.line() for p in body.pieces
+                if p.kept is not None and p.kept.sums is not None}
+        if sums:
+            log.info("rank %d: kept pieces' gradient graphs: %s", comm.rank, sums)
     elif model.stage is not None:
         log.info("rank %d: pipeline stage %d/%d of replica %d/%d, %d parameter tensors, receives %s, sends %s",
                  comm.rank, where.stage, dims.pp, where.replica, dims.dp, len(body.trainable), info["receives"],
@@ -239,3 +246,5 @@ def log_start(model: LayoutModel, where: Place, info: dict, start: str) -> None:
         if body.kept is not None and body.kept.masked:
             log.info("rank %d stage %d: its gradient graph masks torch's padding rows %s", comm.rank, where.stage,
                      body.kept.padding_rows)
+        if body.kept is not None and body.kept.sums is not None:
+            log.info("rank %d stage %d: its gradient graph: %s", comm.rank, where.stage, body.kept.sums.line())

@@ -20,7 +20,12 @@ models, docs/engine.md).
 A stage or piece whose training model masks an embedding's padding row (torch's ``padding_idx``: configure's
 :func:`ortflow.graph.gradients.padding_rows.mask_padding_rows`, with the rank's local row of a vocabulary split) has
 the same mask applied to the gradient graph built here, before its session is made (``padding_rows``): its lookup's
-gradient takes zero at the padding positions, as the training call's does.
+gradient takes zero at the padding positions, as the training call's does. A stage or piece whose training model
+has its leading-axis sums as MatMuls (configure's :func:`ortflow.graph.gradients.leading_sums.sums_as_matmul`, on
+``device: cuda`` with ``distributed.deterministic_compute`` and ``reduce_sum_as_matmul``; its record's
+``sums_as_matmul``) has the gradient graph's rewritten the same way, after the mask: the same sums through a MatMul
+with a ones vector instead of the engine's deterministic CUDA ``ReduceSum``. The pass reads the graph's shapes from
+its declared types and onnx's shape inference, and leaves a sum whose kept dims it cannot read as the engine wrote it.
 
 On a CUDA rank the gradient graph's session runs on a stream the rank owns (the CUDA provider's user compute stream,
 :class:`~ortflow.trainer.comm.nccl.EngineStream`): the parameters enter as the engine's own device tensors, the
@@ -64,17 +69,21 @@ class KeptActivations:
             there; a stage whose messages go over NCCL: the pipeline sends them from there).
         padding_rows: Table -> the padding row (in this rank's rows of it) whose lookup gradient its training model
             masks; the gradient graph gets the same mask.
+        sums_as_matmul: Whether its training model's leading-axis sums are MatMuls with ones; the gradient graph's
+            get the same rewrite.
     """
 
     def __init__(self, eval_model: Path, state, trainable: list[str], receives: tuple[str, ...],
                  sends: tuple[str, ...], options, recompute: tuple[str, ...] = (), buffers=None,
-                 host_sends: bool = True, padding_rows: dict[str, int] | None = None):
+                 host_sends: bool = True, padding_rows: dict[str, int] | None = None, sums_as_matmul: bool = False):
         import onnx  # here: only pipeline stages read a graph, and a data-parallel rank starts without onnx
 
         model = onnx.load(str(eval_model))
         self._eval_model = eval_model
         self.padding_rows = dict(padding_rows or {})
         self.masked: list[dict] = []  # the mask's report entries (the lookup gradients it rewrote)
+        self.sums_as_matmul = sums_as_matmul
+        self.sums = None  # with sums_as_matmul: the LeadingSumReport of the gradient graph (rewritten and kept sums)
         inputs = {i.name for i in model.graph.input}
         parameters = [name for name, _ in state.parameters if name in inputs]
         self._build = (model.SerializeToString(), parameters, list(trainable), list(receives))
@@ -108,8 +117,21 @@ class KeptActivations:
         self.most_in_flight = 0
 
     def _engine(self, options) -> ForwardBackward:
+        rewrite = self._rewrite if self.padding_rows or self.sums_as_matmul else None
         return ForwardBackward(*self._build, options, self._providers, device=self._device,
-                               recompute=self._recompute, rewrite=self._mask if self.padding_rows else None)
+                               recompute=self._recompute, rewrite=rewrite)
+
+    def _rewrite(self, model):
+        """The gradient graph with the passes its training model went through: the padding rows' mask, then the
+        leading-axis sums as MatMuls."""
+        if self.padding_rows:
+            model = self._mask(model)
+        if self.sums_as_matmul:
+            from ortflow.graph.gradients.leading_sums import LeadingSumReport, sums_as_matmul
+
+            self.sums = LeadingSumReport()
+            model = sums_as_matmul(model, details=self.sums)
+        return model
 
     def _mask(self, model):
         """The gradient graph with its padding rows' lookup gradients masked, as the training model's are."""
@@ -259,7 +281,8 @@ def keep_piece_activations(pieces: list, tp_rank: int, last_stage: bool, options
     """Give each tensor-parallel piece that is not the model's last (every piece of a middle pipeline stage) its
     forward-once calls (``piece.kept``); a piece that sends integer tensors keeps recomputing (the engine's backward
     takes a gradient for every output of the forward). A piece whose training model masks an embedding's padding row
-    on this rank (``padding_rows[tp_rank]`` of its entry) has its gradient graph masked the same way.
+    on this rank (``padding_rows[tp_rank]`` of its entry) has its gradient graph masked the same way, and one whose
+    training model's leading-axis sums are MatMuls (``sums_as_matmul`` of its entry) has its gradient graph's too.
 
     Args:
         pieces: The rank's ``PieceRun`` s (``state``, ``folder``, ``info`` with its ``tensor.json`` entry).
@@ -278,4 +301,5 @@ def keep_piece_activations(pieces: list, tp_rank: int, last_stage: bool, options
         rows = info.get("padding_rows")
         piece.kept = KeptActivations(piece.folder / "eval_model.onnx", piece.state, trainable,
                                      tuple(info["float_receives"]), tuple(info["sends"]), options, recompute,
-                                     buffers=buffers, host_sends=False, padding_rows=rows[tp_rank] if rows else None)
+                                     buffers=buffers, host_sends=False, padding_rows=rows[tp_rank] if rows else None,
+                                     sums_as_matmul=bool(info.get("sums_as_matmul")))

@@ -56,6 +56,8 @@ class PipelineStage:
     shared: dict[str, list[int]] = field(default_factory=dict)  # tied parameters it holds -> every holding stage
     #: Table -> the padding row whose lookup gradient its training model masks (its forward-once calls mask it too).
     padding_rows: dict[str, int] = field(default_factory=dict)
+    #: Whether its training model's leading-axis sums are MatMuls (its forward-once calls' gradient graph's too).
+    sums_as_matmul: bool = False
     #: The activations and gradients over NCCL, device to device (a DevicePipe); None: host arrays over ``pipe_comm``.
     device_pipe: object | None = None
     _timing: list[tuple[float, float]] = field(default_factory=list)  # (update s, engine s) of each update
