@@ -83,9 +83,10 @@ class DistributedConfig(Section):
     )
     reduce_sum_as_matmul: bool = Field(
         True,
-        description="With device cuda and deterministic_compute: configure rewrites the training graph's sums over "
-        "leading axes (bias gradients) as MatMuls with a ones vector, deterministic and fast on CUDA where the "
-        "engine's deterministic ReduceSum is slow; false keeps the engine's ReduceSum (docs/gpu.md).",
+        description="With device cuda and deterministic_compute: configure rewrites the training graphs' sums over "
+        "leading axes (bias gradients; the whole model's, each pipeline stage's and tensor-parallel piece's, and the "
+        "ranks their forward-once gradient graphs) as MatMuls with a ones vector, deterministic and fast on CUDA "
+        "where the engine's deterministic ReduceSum is slow; false keeps the engine's ReduceSum (docs/gpu.md).",
     )
     allreduce_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
