@@ -12,7 +12,14 @@ import numpy as np
 import onnx
 import pytest
 
-from ortflow.artifacts_folder import piece_dir, read_stages_record, read_tensor_record, stage_dir
+from ortflow.artifacts_folder import (
+    piece_dir,
+    read_pipe_tensor_record,
+    read_stages_record,
+    read_tensor_record,
+    stage_base,
+    stage_dir,
+)
 from ortflow.config import config_from_dict
 from ortflow.configure.configure import configure
 from ortflow.dataprep.loader import TrainLoader
@@ -23,7 +30,8 @@ from ortflow.trainer.startup import session_options
 from tests.trainer.exports_runs import gpt2_run
 
 GPU = {"num_ranks": 2, "device": "cuda", "use_nccl": True}
-LAYOUTS = {"pp2": {"pipeline_parallel_size": 2}, "tp2": {"horizontal_parallel_size": 2}}
+LAYOUTS = {"pp2": {"pipeline_parallel_size": 2}, "tp2": {"horizontal_parallel_size": 2},
+           "pp2tp2": {"num_ranks": 4, "pipeline_parallel_size": 2, "horizontal_parallel_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +45,22 @@ def _training_models(artifacts_dir, layout: str) -> dict:
     """Graph key (as configure.json's ``graph_passes``) -> path of its training model."""
     if layout == "pp2":
         return {f"stage-{s:02d}": stage_dir(artifacts_dir, s) / "training_model.onnx" for s in (0, 1)}
-    pieces = len(read_tensor_record(artifacts_dir)["pieces"])
-    return {f"rank-{r:02d}/piece-{p:02d}": piece_dir(artifacts_dir, r, p) / "training_model.onnx"
-            for r in (0, 1) for p in range(pieces)}
+    if layout == "tp2":
+        pieces = len(read_tensor_record(artifacts_dir)["pieces"])
+        return {f"rank-{r:02d}/piece-{p:02d}": piece_dir(artifacts_dir, r, p) / "training_model.onnx"
+                for r in (0, 1) for p in range(pieces)}
+    return {f"stage-{s['index']:02d}/rank-{r:02d}/piece-{p['index']:02d}":
+            piece_dir(stage_base(artifacts_dir, s["index"]), r, p["index"]) / "training_model.onnx"
+            for s in read_pipe_tensor_record(artifacts_dir)["stages"] for r in (0, 1) for p in s["pieces"]}
 
 
 def _entries(artifacts_dir, layout: str) -> list[dict]:
     """The stages' or pieces' records, whose ``sums_as_matmul`` tells the ranks to rewrite their gradient graphs."""
-    return (read_stages_record(artifacts_dir)["stages"] if layout == "pp2"
-            else read_tensor_record(artifacts_dir)["pieces"])
+    if layout == "pp2":
+        return read_stages_record(artifacts_dir)["stages"]
+    if layout == "tp2":
+        return read_tensor_record(artifacts_dir)["pieces"]
+    return [piece for stage in read_pipe_tensor_record(artifacts_dir)["stages"] for piece in stage["pieces"]]
 
 
 def _graph(path) -> onnx.GraphProto:
@@ -91,9 +106,12 @@ def test_every_stage_and_piece_training_model_has_its_leading_sums_as_matmuls_on
         assert count["off"] - count["on"] == marked[key], key
     if layout == "pp2":
         assert all(n > 0 for n in marked.values()), marked
-    else:  # the embeddings' pieces and the loss's piece hold no bias or gain gradient: no sum over leading axes
+    elif layout == "tp2":  # the embeddings' pieces and the loss's piece hold no bias gradient: no sum over leading axes
         assert sorted(k for k, n in marked.items() if n) == [f"rank-{r:02d}/piece-{p:02d}" for r in (0, 1)
                                                              for p in range(2, 7)], marked
+    else:  # each stage's pieces of each rank hold some
+        assert {k.rsplit("/", 1)[0] for k, n in marked.items() if n} == {f"stage-{s:02d}/rank-{r:02d}" for s in (0, 1)
+                                                                          for r in (0, 1)}, marked
     assert all(entry["sums_as_matmul"] is True for entry in _entries(on.artifacts_dir, layout))
     record = json.loads((on.output_dir / "configure.json").read_text())["split_graph_rewrites"]
     assert sorted(record) == sorted(k for k, n in marked.items() if n)
