@@ -23,7 +23,9 @@ reads what the call wrote); ``--nondeterministic`` turns the engine's determinis
 sessions. The memory column is then
 the GPU memory taken over the calls (used memory after them minus before them: the engine's arena keeps its peak),
 and a third model, ``gpt_1024`` (d 1024, 8 layers, vocab 8192, T 256; 8 sequences per micro-batch), shows a size
-where the GPU is busy rather than waiting on launches.
+where the GPU is busy rather than waiting on launches. Where configure rewrites the training graph's leading-axis
+sums as MatMuls (``device: cuda`` with deterministic compute), the forward+backward contender's gradient graph has
+its sums rewritten the same way, as a CUDA rank's kept stage or piece has (the table's last column counts them).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
            device: str = "cpu", deterministic: bool = True) -> None:
     """One contender in this process: warm-up + ``reps`` updates of ``micro`` micro-batches; prints one JSON line."""
     from ortflow.config import load_run_config
+    from ortflow.configure.training_graph import sums_as_matmul_applies
     from ortflow.dataprep.loader import TrainLoader
     from ortflow.engine import ForwardBackward, api
+    from ortflow.graph.gradients.leading_sums import LeadingSumReport
     from ortflow.trainer.comm.engine_buffers import HostBuffers
     from ortflow.trainer.parallel.pipeline_stage import stage_session_options
     from ortflow.trainer.startup import session_options
@@ -108,6 +112,8 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
 
     cuda = device == "cuda"
     cfg = load_run_config(run_dir)
+    sums = LeadingSumReport()
+    sums_rewritten = None  # the training call's graph: configure's record
     folder = cfg.artifacts_dir
     state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
@@ -135,8 +141,16 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
 
             stream = EngineStream(cupy, 0)
             providers = [("CUDAExecutionProvider", stream.provider_options()), "CPUExecutionProvider"]
+        rewrite = None
+        if sums_as_matmul_applies(cfg):  # as a CUDA rank rewrites a kept stage's or piece's gradient graph
+            from ortflow.graph.gradients.leading_sums import sums_as_matmul
+
+            def rewrite(model):
+                return sums_as_matmul(model, details=sums)
         engine = ForwardBackward((folder / "eval_model.onnx").read_bytes(), [n for n, _ in state.parameters],
-                                 trainable, [], options(), providers, device="cuda:0" if cuda else "cpu")
+                                 trainable, [], options(), providers, device="cuda:0" if cuda else "cpu",
+                                 rewrite=rewrite)
+        sums_rewritten = None if rewrite is None else len(sums.rewritten)
         if cuda:  # the engine's own device tensors, and gradient sums on the GPU
             params = {n: state._state.get_parameter(n).data for n, _ in state.parameters}
             buffers = [cupy.empty(state.parameters[n].data.shape, cupy.float32) for n in trainable]
@@ -190,7 +204,8 @@ def worker(run_dir: Path, method: str, reps: int, micro: int, grads_out: Path, s
         times.append(time.perf_counter() - started)
     grown = _gpu_used() - before if cuda else 1024 * (_rss_kb("VmHWM") - before)
     np.savez(grads_out, *gradients())
-    print(json.dumps({"update_s": statistics.median(times), "times": times, "rss_growth": grown}), flush=True)
+    print(json.dumps({"update_s": statistics.median(times), "times": times, "rss_growth": grown,
+                      "sums_rewritten": sums_rewritten}), flush=True)
 
 
 def _run(run_dir: Path, method: str, reps: int, micro: int, grads: Path, stage_options: bool, device: str,
@@ -239,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(float(np.abs(a[k] - b[k]).max()) for k in a.files) / scale
             rows[model] = {m: {"update_s": statistics.median(x["update_s"] for x in runs[m]),
                                "rss_growth": max(x["rss_growth"] for x in runs[m])} for m in METHODS}
-            rows[model].update(bitwise_equal=equal, max_relative_difference=worst, tensors=len(a.files))
+            rows[model].update(bitwise_equal=equal, max_relative_difference=worst, tensors=len(a.files),
+                               gradient_graph_sums_as_matmul=runs["forward_backward"][0]["sums_rewritten"])
     record = {"micro_batches": args.micro, "reps": args.reps, "rounds": args.rounds, "models": rows,
               "stage_options": args.stage_options, "device": args.device,
               "deterministic_compute": not args.nondeterministic}
@@ -247,14 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Training call against separate forward and backward calls ({where})", "",
              f"Medians over {args.rounds} interleaved rounds of {args.reps} updates of {args.micro} micro-batches; "
              f"session options {'of a pipeline stage' if args.stage_options else 'of an unsplit replica'}, "
-             f"deterministic compute {'off' if args.nondeterministic else 'on'}.", "",
+             f"deterministic compute {'off' if args.nondeterministic else 'on'}. Where configure rewrites the "
+             "training graph's leading-axis sums as MatMuls (`device: cuda` with deterministic compute), the "
+             "forward+backward contender's gradient graph has them rewritten too, as a CUDA rank's kept stage or "
+             "piece has (the count below).", "",
              f"| model | training call s/update | forward+backward s/update | ratio | {memory} training call MiB | "
-             f"{memory} forward+backward MiB | gradients |", "|---|---|---|---|---|---|---|"]
+             f"{memory} forward+backward MiB | gradients | gradient graph's sums as MatMuls |",
+             "|---|---|---|---|---|---|---|---|"]
     for model, row in rows.items():
         t, f = row["training_call"], row["forward_backward"]
         same = "bitwise equal" if row["bitwise_equal"] else f"max rel diff {row['max_relative_difference']:.2g}"
+        rewritten = row["gradient_graph_sums_as_matmul"]
         lines.append(f"| {model} | {t['update_s']:.4f} | {f['update_s']:.4f} | {f['update_s'] / t['update_s']:.2f} | "
-                     f"{t['rss_growth'] / 2**20:.1f} | {f['rss_growth'] / 2**20:.1f} | {same} ({row['tensors']}) |")
+                     f"{t['rss_growth'] / 2**20:.1f} | {f['rss_growth'] / 2**20:.1f} | {same} ({row['tensors']}) | "
+                     f"{'-' if rewritten is None else rewritten} |")
     stem = (f"engine-calls-{socket.gethostname()}{'-cuda' if args.device == 'cuda' else ''}"
             f"{'-stage-options' if args.stage_options else ''}{'-nondeterministic' if args.nondeterministic else ''}")
     write_result(ROOT / "bench" / "out" / stem, record, "\n".join(lines))
