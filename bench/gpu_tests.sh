@@ -2,7 +2,7 @@
 # Every GPU test (tests/gpu) under one time budget, on a host with the GPU engine installed (docs/gpu.md "Testing on
 # GPUs"). From the repository root:
 #
-#   ORTFLOW_PY=/path/to/python3.11 bash bench/gpu_tests.sh [extra pytest arguments]
+#   ORTFLOW_PY=/path/to/python3.11 bash bench/gpu_tests.sh [tests/gpu files or tests] [extra pytest arguments]
 #
 # ORTFLOW_PY: the Python with ortflow's GPU environment (onnxruntime-training, CuPy, mpi4py, pytest; with
 # pytest-timeout each test gets its own limit); ORTFLOW_PYTHONPATH: put before the repository on its PYTHONPATH;
@@ -40,6 +40,23 @@ for name in $FIRST; do [ -f "tests/gpu/$name.py" ] && FILES+=("tests/gpu/$name.p
 for file in tests/gpu/test_*.py; do
   case " ${FILES[*]} " in *" $file "*) ;; *) FILES+=("$file") ;; esac
 done
+
+# Arguments naming files or tests under tests/gpu run only those (in the order above); the others go to pytest.
+PICKED=() EXTRA=()
+for arg in "$@"; do
+  case "$arg" in tests/gpu/test_*) PICKED+=("$arg") ;; *) EXTRA+=("$arg") ;; esac
+done
+if [ ${#PICKED[@]} -gt 0 ]; then
+  ORDERED=()
+  for file in "${FILES[@]}"; do
+    for arg in "${PICKED[@]}"; do [ "${arg%%::*}" = "$file" ] && ORDERED+=("$arg"); done
+  done
+  for arg in "${PICKED[@]}"; do
+    [ -f "${arg%%::*}" ] || { echo "no such GPU test file: ${arg%%::*}" >&2; exit 2; }
+  done
+  FILES=("${ORDERED[@]}")
+fi
+set -- ${EXTRA[@]+"${EXTRA[@]}"}
 
 ARGS=(-q -rA --durations=20 -p no:cacheprovider -p tests.gpu.progress --junitxml="$XML" -o junit_family=xunit1)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then

@@ -74,3 +74,19 @@ def test_a_run_that_collected_nothing_fails(tmp_path, capsys):
     args = [str(tmp_path / "absent.xml"), str(tmp_path / "plan.txt"), str(tmp_path / "none.jsonl"), "5"]
     assert gpu_tests_summary.main(args) == 1
     assert capsys.readouterr().out.strip() == "totals:"
+
+
+def test_named_gpu_test_files_run_alone_and_an_unknown_one_is_refused(tmp_path):
+    """Files or tests under tests/gpu given as arguments select what runs; other arguments go to pytest."""
+    env = {**os.environ, "ORTFLOW_PY": sys.executable, "OUT": str(tmp_path / "out"), "BUDGET_S": "120",
+           "TEST_S": "60", "PYTHONPATH": str(REPO)}  # fmt: skip
+    picked = "tests/gpu/test_gpu_setup.py"
+    result = subprocess.run(["bash", "bench/gpu_tests.sh", picked, "-p", "no:xdist"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    plan = (tmp_path / "out" / "gpu-tests-plan.txt").read_text().split()
+    assert plan and all(test.startswith(picked + "::") for test in plan), plan
+    assert f"order: {picked}\n" in result.stdout
+    refused = subprocess.run(["bash", "bench/gpu_tests.sh", "tests/gpu/test_gpu_absent.py"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2
+    assert "no such GPU test file: tests/gpu/test_gpu_absent.py" in refused.stderr
