@@ -2,7 +2,8 @@
 
 Run: ``python -m bench tensor [--steps 4] [--rounds 3]`` (writes bench/out/tensor-<host>.json and
 .md); on GPUs ``--device cuda`` with a model where splitting pays, e.g. ``--device cuda --d-model 2048 --num-layers 4
---seq-len 256 --batch 16 --vocab-size 8192``. The driver configures four runs of one GPT (hp1: 1 rank; dp2: 2 ranks
+--seq-len 256 --batch 16 --vocab-size 8192`` (``--nondeterministic``: every contender without the engine's
+deterministic compute). The driver configures four runs of one GPT (hp1: 1 rank; dp2: 2 ranks
 data-parallel; hp2: 2 ranks, tensor parallel, every piece but the last running its forward once and keeping its
 activations; hp2-recompute: hp2 with ``distributed.recompute_forward: true``, the pieces recomputing their forward
 inside the training call) and starts each under mpiexec with this module's worker, which runs the trainer's own pieces
@@ -42,7 +43,7 @@ from bench.common import add_shape_options, in_processes, set_shape, write_resul
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 256, "seq_len": 64, "d_model": 256, "num_layers": 2, "num_heads": 8}
 BATCH, MICRO = 4, 2
-RUN = {"device": "cpu", "mpiexec": str(Path(sys.executable).parent / "mpiexec"), "batch": BATCH}
+RUN = {"device": "cpu", "mpiexec": str(Path(sys.executable).parent / "mpiexec"), "batch": BATCH, "deterministic": True}
 #: The tensor bench's contenders: name -> (ranks, tensor-parallel size, distributed.recompute_forward).
 CONTENDERS = {"hp1": (1, 1, False), "dp2": (2, 1, False), "hp2": (2, 2, False), "hp2-recompute": (2, 2, True)}
 
@@ -166,7 +167,8 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1, recomput
         "optimizer": {"learning_rate": 1e-3},
         "distributed": {"num_ranks": ranks, "horizontal_parallel_size": hp, "pipeline_parallel_size": pp,
                         "threads_per_rank": 1, "device": RUN["device"], "use_nccl": RUN["device"] == "cuda",
-                        "recompute_forward": recompute},
+                        "recompute_forward": recompute,
+                        **({"deterministic_compute": RUN["deterministic"]} if RUN["device"] == "cuda" else {})},
     })
     linked = like is not None and link_configured(cfg, like)
     built, data = configure(cfg), prepare_data(cfg)
@@ -241,7 +243,9 @@ def report(record: dict) -> str:
     where = "GPUs" if record.get("device") == "cuda" else "CPU ranks"
     lines = [f"# Tensor parallelism on {where} ({record['host']}, {record['cores']} cores)", "",
              f"GPT {record['shape']}, batch {record['batch_size']} x "
-             f"{record.get('micro', MICRO)} micro-batches per update, 1 thread per rank, AdamW (ortflow's update).",
+             f"{record.get('micro', MICRO)} micro-batches per update, 1 thread per rank, AdamW (ortflow's update)."
+             + ("" if record.get("deterministic_compute", True) else
+                " Every contender with `distributed.deterministic_compute: false`."),
              f"GPUs: {record.get('gpus') or '-'}", "",
              "| rank | split-layer params MiB | their AdamW state MiB | all params MiB | split params vs hp1 | "
              "all params vs hp1 |", "|---|---|---|---|---|---|"]
@@ -288,10 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", type=Path, help="configure the four runs here and keep them (default: a temporary "
                         "folder); runs already configured there are reused")
     parser.add_argument("--tag", default="", help="suffix of the result files (tensor-<host>[-tag].json/.md)")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="with --device cuda: every contender with distributed.deterministic_compute false (the "
+                        "engine's faster kernels, no bitwise resume)")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.names_from, args.warmup, args.steps)
-    RUN.update(device=args.device, mpiexec=args.mpiexec, batch=args.batch)
+    if args.nondeterministic and args.device != "cuda":
+        parser.error("--nondeterministic applies to --device cuda (CPU ranks keep deterministic_compute)")
+    RUN.update(device=args.device, mpiexec=args.mpiexec, batch=args.batch, deterministic=not args.nondeterministic)
     set_shape(SHAPE, args)
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
         root = args.root or Path(tmp)
@@ -314,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),
               "platform": platform.platform(), "shape": SHAPE, "batch_size": RUN["batch"], "micro": MICRO,
               "device": args.device, "gpus": _gpus() if args.device == "cuda" else None, "rounds": args.rounds,
+              "deterministic_compute": RUN["deterministic"],
               "rounds_run": rounds_run, "summary": summarize(results),
               "split_names": split_names, "raw": results}
     out = ROOT / "bench" / "out" / f"tensor-{socket.gethostname()}{'-' + args.tag if args.tag else ''}"

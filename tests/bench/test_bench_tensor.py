@@ -3,6 +3,8 @@ rounds of the slowest rank, samples/s, and what a GPU record says."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -40,6 +42,24 @@ def test_summary_takes_each_rounds_slowest_rank_and_the_median_round():
     assert summary["timing"]["hp2"]["engine_calls_s"] == pytest.approx(0.043)  # each round's slowest rank's median
     assert "| hp2 | 0.056 | 285.7 | 0.009 | 0.043 |" in text and "hp2 step time / hp1: 1.70" in text
     assert report({**record, "device": "cpu", "gpus": None}).startswith("# Tensor parallelism on CPU ranks")
+    assert "deterministic_compute: false" not in text
+    assert "Every contender with `distributed.deterministic_compute: false`." in report(
+        {**record, "deterministic_compute": False})
+
+
+def test_nondeterministic_is_for_gpus_and_configures_every_contender_without_deterministic_compute(monkeypatch):
+    with pytest.raises(SystemExit) as refused:
+        bench_tensor.main(["--nondeterministic"])
+    assert refused.value.code == 2
+    configs = []
+    monkeypatch.setattr(bench_tensor, "_inputs", lambda root: (root / "gpt.onnx", root / "corpus.txt"))
+    monkeypatch.setattr("ortflow.configure.configure.configure", lambda cfg: configs.append(cfg))
+    monkeypatch.setattr("ortflow.dataprep.prepare_data", lambda cfg: None)
+    monkeypatch.setitem(bench_tensor.RUN, "device", "cuda")
+    for deterministic in (True, False):
+        monkeypatch.setitem(bench_tensor.RUN, "deterministic", deterministic)
+        bench_tensor._configure(Path("/nonexistent-root"), "hp2", 2, 2)
+        assert configs[-1].distributed.deterministic_compute is deterministic
 
 
 def test_hp2_keeping_is_set_against_hp2_recomputing_round_by_round():
