@@ -57,10 +57,17 @@ def _die_with_parent() -> None:  # runs in the forked child, before exec
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
+def _listening_socket() -> socket.socket:
+    """A socket bound to a free local port, handed to the server process: asking for a free port and giving the
+    server its number would leave a moment in which another process (another ``ortflow run``) takes it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _healthy(url: str) -> bool:
@@ -73,7 +80,8 @@ def _healthy(url: str) -> bool:
 
 def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float], None] | None = None,
                  every_s: float = 10.0) -> tuple[subprocess.Popen, str]:
-    """Start Prefect's API and UI on a free local port in its own session; returns the process and API URL.
+    """Start Prefect's API and UI on a free local port in its own session; returns the process and API URL. The port
+    is bound here and the socket handed to the server, so concurrent starts never race for a port.
 
     Args:
         timeout_s: Seconds to wait for it to answer.
@@ -86,7 +94,8 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     import prefect
     from prefect.settings import get_current_settings
 
-    port = _free_port()
+    listener = _listening_socket()
+    port = listener.getsockname()[1]
     env = {
         **os.environ,
         **get_current_settings().to_environment_variables(exclude_unset=True),
@@ -108,11 +117,14 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     for names in checks:
         if not any(name in env for name in names):
             env[names[0]] = "false"
+    # --fd: the server serves on the socket bound here (uvicorn's option for a socket a process manager passes).
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
-               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+               "prefect.server.api.server:create_app", "--fd", str(listener.fileno()),
                "--log-level", "error", "--lifespan", "on"]
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_die_with_parent)  # noqa: PLW1509 - only prctl runs before exec
+    with listener:  # the server process holds its own copy
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                pass_fds=(listener.fileno(),),
+                                preexec_fn=_die_with_parent)  # noqa: PLW1509 - only prctl runs before exec
     url = env["PREFECT_UI_API_URL"]
     start = time.monotonic()
     deadline, next_report = start + timeout_s, start + every_s

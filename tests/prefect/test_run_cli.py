@@ -76,6 +76,41 @@ def _flow_runs(database: Path) -> int:
         return db.execute("SELECT count(*) FROM flow_run").fetchone()[0]
 
 
+def test_the_temporary_servers_port_is_held_from_its_choice_until_the_server_serves_on_it(tmp_path, cache_home,
+                                                                                         monkeypatch):
+    """Concurrent ``ortflow run`` starts never race for a port: when the server process starts, its port is already
+    bound (another process binding it fails), and the server answers on it."""
+    import errno
+    import socket
+
+    from ortflow.deployments import local_server
+
+    for name, value in _temporary_server_env(tmp_path, cache_home).items():
+        monkeypatch.setenv(name, value)
+    for name in [n for n in os.environ if n.startswith("PREFECT_") and n not in ("PREFECT_HOME",
+                 "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_UI_ENABLED")]:  # fmt: skip
+        monkeypatch.delenv(name)
+    taken = []
+    popen = subprocess.Popen
+
+    def start(command, **kwargs):
+        port = int(kwargs["env"]["PREFECT_UI_API_URL"].rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as other:  # another process asking for the same port before the server starts
+            try:
+                other.bind(("127.0.0.1", port))
+            except OSError as err:
+                taken.append(err.errno)
+        return popen(command, **kwargs)
+
+    monkeypatch.setattr(local_server.subprocess, "Popen", start)
+    proc, url = local_server.start_server(timeout_s=120)
+    try:
+        assert taken == [errno.EADDRINUSE]
+        assert local_server._healthy(url)
+    finally:
+        local_server.stop_server(proc)
+
+
 def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_database_leaves_and_one_at_its_schema_skips_migrations(  # noqa: E501
     tmp_path, monkeypatch
 ):
