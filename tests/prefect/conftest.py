@@ -46,8 +46,6 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     )
 
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -77,8 +75,16 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         "OMP_NUM_THREADS": "1",
     }
     env.pop("PREFECT_API_URL", None)
-    with _empty_database(home / "prefect.db") as start_settings:
-        server, log = _start(port, {**env, **start_settings}, home, url)
+    for attempt in range(3):  # the free port may be taken before the server binds it (another worker's server)
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}/api"
+        try:
+            with _empty_database(home / "prefect.db") as start_settings:
+                server, log = _start(port, {**env, **start_settings}, home, url)
+            break
+        except RuntimeError as err:
+            if "address already in use" not in str(err) or attempt == 2:
+                raise
     try:
         client_env = {**env, "PREFECT_API_URL": url}
         with temporary_settings(
