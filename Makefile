@@ -5,8 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 # Test files spread over this many processes (pytest-xdist, whole files per process, the slowest first:
-# tests/conftest.py, docs/design.md).
-TEST_WORKERS ?= 2
+# tests/conftest.py, docs/design.md). Three on two cores: a process waiting on a server or a schedule leaves its core
+# to the others' compute.
+TEST_WORKERS ?= 3
 
 .PHONY: setup demo test lint bench clean docs faults
 

@@ -1,8 +1,8 @@
 """The slowest test files run first.
 
-`make test` gives whole files to its two processes (`--dist loadfile --no-loadscope-reorder`), one after another in
+`make test` gives whole files to its processes (`--dist loadfile --no-loadscope-reorder`), one after another in
 the order collected here: longest first, from tests/durations.json (seconds per file, written by
-tools/test_durations.py), so that no long file starts last while the other process sits idle. A file missing from the
+tools/test_durations.py), so that no long file starts last while the other processes sit idle. A file missing from the
 table counts as short; tests inside a file keep their order.
 """
 
