@@ -92,36 +92,13 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
         RuntimeError: the server exited or did not answer within ``timeout_s``.
     """
     import prefect
-    from prefect.settings import get_current_settings
 
-    listener = _listening_socket()
-    port = listener.getsockname()[1]
-    env = {
-        **os.environ,
-        **get_current_settings().to_environment_variables(exclude_unset=True),
-        "PREFECT__SERVER_EPHEMERAL": "1",
-        "PREFECT__SERVER_FINAL": "1",
-        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",  # the UI's calls go to this port, not the default
-    }
-    env.pop("PREFECT_API_URL", None)
-    # Prefect's server sends an anonymous usage heartbeat when it starts; offline it logs an error for it into the
-    # terminal of `ortflow run`. The temporary server sends none, unless the environment asks for it.
-    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    database = _sqlite_file(get_current_settings())
-    fresh = database is not None and not database.exists()
-    seeded = fresh and _seed(database)
-    new_database = fresh and not seeded
-    # A copy is at this Prefect version's schema with its blocks registered: nothing to check or write. An existing
-    # database at that schema has nothing to migrate (Prefect remembers the blocks it registered there).
-    checks = _START_CHECKS if seeded else _START_CHECKS[:1] if not fresh and _at_current_schema(database) else ()
-    for names in checks:
-        if not any(name in env for name in names):
-            env[names[0]] = "false"
-    # --fd: the server serves on the socket bound here (uvicorn's option for a socket a process manager passes).
-    command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
-               "prefect.server.api.server:create_app", "--fd", str(listener.fileno()),
-               "--log-level", "error", "--lifespan", "on"]
-    with listener:  # the server process holds its own copy
+    with _listening_socket() as listener:  # the server process gets its own copy
+        env, database, new_database = _server_environment(listener.getsockname()[1])
+        # --fd: the server serves on the socket bound here (uvicorn's option for a socket a process manager passes).
+        command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+                   "--factory", "prefect.server.api.server:create_app", "--fd", str(listener.fileno()),
+                   "--log-level", "error", "--lifespan", "on"]
         proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                 pass_fds=(listener.fileno(),),
                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - only prctl runs before exec
@@ -146,6 +123,35 @@ def start_server(timeout_s: float = STARTUP_TIMEOUT_S, on_wait: Callable[[float]
     if new_database:  # migrated and its blocks registered; nothing else is written before a flow runs
         _keep_empty(database)
     return proc, url
+
+
+def _server_environment(port: int) -> tuple[dict[str, str], Path | None, bool]:
+    """The temporary server's environment for ``port``, its SQLite database file (None for another database) and
+    whether that database is new and not seeded from the cached empty one (then kept as that cache once it started)."""
+    from prefect.settings import get_current_settings
+
+    env = {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",  # the UI's calls go to this port, not the default
+    }
+    env.pop("PREFECT_API_URL", None)
+    # Prefect's server sends an anonymous usage heartbeat when it starts; offline it logs an error for it into the
+    # terminal of `ortflow run`. The temporary server sends none, unless the environment asks for it.
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    database = _sqlite_file(get_current_settings())
+    fresh = database is not None and not database.exists()
+    seeded = fresh and _seed(database)
+    new_database = fresh and not seeded
+    # A copy is at this Prefect version's schema with its blocks registered: nothing to check or write. An existing
+    # database at that schema has nothing to migrate (Prefect remembers the blocks it registered there).
+    checks = _START_CHECKS if seeded else _START_CHECKS[:1] if not fresh and _at_current_schema(database) else ()
+    for names in checks:
+        if not any(name in env for name in names):
+            env[names[0]] = "false"
+    return env, database, new_database
 
 
 def empty_database_cache() -> Path:
