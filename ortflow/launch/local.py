@@ -143,10 +143,14 @@ class LocalJob:
             finally:
                 os.close(write_fd)  # only the job writes: its end of output is the end of the job
             self._stream = os.fdopen(read_fd, "r", errors="replace")
-        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._news = threading.Event()
-        self._eof = threading.Event()
-        threading.Thread(target=self._read, name="ortflow-launcher-output", daemon=True).start()
+        try:  # the job runs: an interruption from here on stops it (launch's watch does not own it yet)
+            self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+            self._news = threading.Event()
+            self._eof = threading.Event()
+            threading.Thread(target=self._read, name="ortflow-launcher-output", daemon=True).start()
+        except BaseException:
+            _stop_unwatched(self.proc)
+            raise
 
     def _read(self) -> None:
         for line in self._stream or ():
@@ -196,6 +200,21 @@ class LocalJob:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _stop_unwatched(proc: subprocess.Popen) -> None:
+    """Stop a job whose launch was interrupted before it was watched, as the watch stops one: SIGTERM to its process
+    group (the ranks stop after their current update), SIGKILL to its process tree after ``STOP_GRACE_S``."""
+    grace_s = STOP_GRACE_S
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
 
 
 def launch(
@@ -261,16 +280,29 @@ def launch(
             os.close(guard.read_fd)
             guard.release()
         raise
-    if guard is not None:
-        guard.job_started(job.proc.pid)
-    write_record(run_dir, job.launcher, job.job_id)
-    if on_start is not None:
-        on_start(job.proc)
-    stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
-    watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
+    # Until the watch below owns the job, an interruption (a task timeout arrives as an exception at any line) stops
+    # the job here: none is left running unwatched.
+    try:
+        if guard is not None:
+            guard.job_started(job.proc.pid)
+        write_record(run_dir, job.launcher, job.job_id)
+        if on_start is not None:
+            on_start(job.proc)
+        stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
+        watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
+    except BaseException:
+        _stop_unwatched(job.proc)
+        restore_pause()
+        if guard is not None:
+            guard.release()
+        raise
     try:
         result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals,
                        sleep=job.wait, deadline=deadline, received=received)
+    except BaseException:
+        if job.proc.poll() is None:  # interrupted before the watch took the job (it stops the jobs it watches)
+            _stop_unwatched(job.proc)
+        raise
     finally:
         watcher.set()
         restore_pause()
