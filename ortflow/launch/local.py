@@ -280,31 +280,26 @@ def launch(
             os.close(guard.read_fd)
             guard.release()
         raise
-    # Until the watch below owns the job, an interruption (a task timeout arrives as an exception at any line) stops
-    # the job here: none is left running unwatched.
+    # A task timeout arrives as an exception at any line: one that lands before the watch owns the job (which stops
+    # the jobs it watches) stops the job here, so none is left running unwatched.
+    stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
+    watcher = None
     try:
         if guard is not None:
             guard.job_started(job.proc.pid)
         write_record(run_dir, job.launcher, job.job_id)
         if on_start is not None:
             on_start(job.proc)
-        stuck: list[str] = []  # a launcher process stopped longer than the collective timeout
         watcher = _watch_stopped_launchers(job.proc, _collective_timeout(Path(run_dir)), stuck)
-    except BaseException:
-        _stop_unwatched(job.proc)
-        restore_pause()
-        if guard is not None:
-            guard.release()
-        raise
-    try:
         result = watch(job, on_line, poll_s=1.0, grace_s=STOP_GRACE_S, forward_signals=forward_signals,
                        sleep=job.wait, deadline=deadline, received=received)
     except BaseException:
-        if job.proc.poll() is None:  # interrupted before the watch took the job (it stops the jobs it watches)
+        if job.proc.poll() is None:
             _stop_unwatched(job.proc)
         raise
     finally:
-        watcher.set()
+        if watcher is not None:
+            watcher.set()
         restore_pause()
         if guard is not None:
             guard.release()
