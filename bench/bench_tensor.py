@@ -77,6 +77,51 @@ def _timed(call, seconds: list[float]):
     return timed
 
 
+class GpuTimeline:
+    """Where a CUDA hp rank's GPU time goes: a CUDA event on the rank's engine stream before and after each piece's
+    separate forward, its backward and each tensor-parallel sum (the work the rank queues there runs in that order;
+    a sum's event completes when the sum has), read once per step after the host waited for the stream. Recording
+    an event costs the host microseconds and the GPU nothing, so the step runs as it does without the timeline.
+
+    Per step: the GPU milliseconds of each kind of work (``fw``/``bw`` per piece, ``sum``), and ``span``: from the
+    first recorded start to the last end. ``span`` less the work is the engine stream's idle time: the training
+    calls of the loss's piece (on the module's own stream, host-timed as ``module``) and the gaps where the GPU
+    waited for the host to queue work.
+    """
+
+    def __init__(self, stream):
+        self.stream, self.marks = stream, []  # (kind, start event, end event)
+
+    def wrap(self, call, kind: str):
+        def timed(*args, **kwargs):
+            start = self.stream.record()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.marks.append((kind, start, self.stream.record()))
+        return timed
+
+    def take(self, elapsed_ms) -> dict[str, float]:
+        """This step's milliseconds per kind (and ``span``); ``elapsed_ms(a, b)``: GPU time between two events that
+        completed. Clears the marks."""
+        self.stream.synchronize()
+        ms = timeline_ms([(kind, elapsed_ms(self.marks[0][1], a), elapsed_ms(self.marks[0][1], b))
+                          for kind, a, b in self.marks]) if self.marks else {}
+        self.marks = []
+        return ms
+
+
+def timeline_ms(intervals: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Milliseconds per kind from (kind, start, end) intervals on one stream (ms from a common origin), ``span``
+    from the first start to the last end, and ``work``: the sum of every interval."""
+    out: dict[str, float] = {}
+    for kind, start, end in intervals:
+        out[kind] = out.get(kind, 0.0) + (end - start)
+    out["work"] = sum(end - start for _, start, end in intervals)
+    out["span"] = max(end for _, _, end in intervals) - min(start for _, start, _ in intervals)
+    return out
+
+
 def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     """Under mpiexec: warm-up + timed steps with the trainer's own pieces; one JSON per rank."""
     from ortflow.dataprep.loader import TrainLoader
@@ -88,22 +133,34 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     shard, shards = rt.data_shard()
     batches = TrainLoader(cfg.data_dir, cfg.train.batch_size, shard, shards, prefetch=0).iter_from(0)
     tensor, body = rt.dims.tp > 1, rt.body
-    reduce_s, engine_s = [0.0], [0.0]
+    reduce_s, engine_s, module_s = [0.0], [0.0], [0.0]
+    engine_stream = getattr(getattr(body, "tensors", None), "engine", None) if tensor else None
+    timeline = GpuTimeline(engine_stream.stream) if engine_stream is not None else None
     if tensor:  # the seconds spent in the tensor-parallel sums and in the pieces' engine calls
-        body.tp_sum, body.tensors.call = _timed(body.tp_sum, reduce_s), _timed(body.tensors.call, engine_s)
-        for piece in body.pieces:  # where a piece keeps its activations: its separate forward and backward calls
+        body.tp_sum = _timed(body.tp_sum, reduce_s)
+        body.tensors.call = _timed(_timed(body.tensors.call, engine_s), module_s)
+        if timeline is not None:
+            body.tp_sum = timeline.wrap(body.tp_sum, "sum")
+        for k, piece in enumerate(body.pieces):  # a piece keeping its activations: separate forward and backward
             if piece.kept is not None:
                 piece.kept.forward = _timed(piece.kept.forward, engine_s)
                 piece.kept.backward = _timed(piece.kept.backward, engine_s)
+                if timeline is not None:
+                    piece.kept.forward = timeline.wrap(piece.kept.forward, f"fw{k}")
+                    piece.kept.backward = timeline.wrap(piece.kept.backward, f"bw{k}")
     grads = rt.gradient_buffers()
-    times, reduces, engines = [], [], []
+    times, reduces, engines, gpu = [], [], [], []
     for step in range(warmup + steps):
         comm.barrier("bench step")
-        reduce_s[0] = engine_s[0] = 0.0
+        reduce_s[0] = engine_s[0] = module_s[0] = 0.0
         started = time.perf_counter()
         if tensor:
             for _ in range(k):
                 body.micro_step(next(batches))
+            if timeline is not None:  # the micro-steps' GPU time (the host waited for the stream at their end)
+                ms = timeline.take(_elapsed_ms)
+                if step >= warmup:
+                    gpu.append({**ms, "module": module_s[0] * 1e3})
             body.sum_tied_gradients()  # as the trainer's reduce: replicated-parameter sums over tp, tied sums
             divisor = k * rt.data.num_replicas
         else:
@@ -122,11 +179,30 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
     kept = sum(getattr(p, "kept", None) is not None for p in rt.engine_parts()) if tensor else 0
     record = {"rank": comm.rank, "step_s": statistics.median(times), "allreduce_s": statistics.median(reduces),
               "engine_calls_s": statistics.median(engines), "kept_parts": kept,
+              "gpu_ms": {key: statistics.median(g.get(key, 0.0) for g in gpu) for key in gpu[0]} if gpu else None,
               "samples_per_step": k * cfg.train.batch_size * (comm.size // cfg.distributed.horizontal_parallel_size),
               "memory": _memory(rt, _split_names(names_from))}
     (run_dir / f"bench-rank{comm.rank}.json").write_text(json.dumps(record))
     comm.barrier("bench done")
     comm.close()
+
+
+def gpu_line(ms: dict[str, float] | None) -> str:
+    """One rank's GPU timeline per step, in words (forwards and backwards summed over the pieces)."""
+    if not ms:
+        return ""
+    fw = sum(v for key, v in ms.items() if key.startswith("fw"))
+    bw = sum(v for key, v in ms.items() if key.startswith("bw"))
+    idle = ms["span"] - ms["work"]
+    return (f"GPU ms: forwards {fw:.1f}, backwards {bw:.1f}, sums {ms.get('sum', 0.0):.1f}, engine stream idle "
+            f"{idle:.1f} of a {ms['span']:.1f} span (the loss piece's training calls: {ms.get('module', 0.0):.1f} "
+            "on the host)")
+
+
+def _elapsed_ms(start, end) -> float:
+    import cupy
+
+    return cupy.cuda.get_elapsed_time(start, end)
 
 
 def _inputs(root: Path) -> tuple[Path, Path]:
@@ -265,6 +341,11 @@ def report(record: dict) -> str:
         r = s["hp2_kept_vs_recompute"]
         lines.append(f"hp2 (keeping) / hp2-recompute, paired within each of {r['rounds']} rounds, median: step time "
                      f"{r['step_s']:.2f}x, engine calls {r['engine_calls_s']:.2f}x")
+    timelines = [(kind, r) for kind in ("hp2", "hp2-recompute") for r in record.get("raw", {}).get(kind, [[]])[-1]
+                 if r.get("gpu_ms")]
+    if timelines:
+        lines += ["", "GPU timeline of the last round (CUDA events on each rank's engine stream, per step):"]
+        lines += [f"- {kind} rank {r['rank']}: {gpu_line(r['gpu_ms'])}" for kind, r in timelines]
     lines += ["", f"Split by hp 2 (tensor.json): {record.get('split_names', '(not recorded)')}"]
     return "\n".join(lines) + "\n"
 
@@ -318,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
                                               f"{r['allreduce_s'] * 1e3:.1f}, engine calls "
                                               f"{r['engine_calls_s'] * 1e3:.1f})" for r in results[kind][-1]),
                       flush=True)
+                for r in results[kind][-1]:
+                    if r.get("gpu_ms"):
+                        print(f"  rank {r['rank']} {gpu_line(r['gpu_ms'])}", flush=True)
             rounds_run += 1
     command = "python -m bench tensor " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command.strip(), "host": socket.gethostname(), "cores": os.cpu_count(),

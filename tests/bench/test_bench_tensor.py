@@ -110,3 +110,49 @@ def test_hp2_recompute_is_hp2_with_recompute_forward_on_hp2s_artifacts(tmp_path,
     record = yaml.safe_load((runs["hp2-recompute"][0] / "configure.json").read_text())
     assert record["artifacts_dir"] == str(runs["hp2-recompute"][0] / "artifacts")  # configure recorded its place
     assert bench_tensor.configure_contenders(tmp_path) == runs  # configured folders are reused as they are
+
+
+class _Clock:
+    """A stream whose events carry the GPU time at which they would complete (set by the test)."""
+
+    def __init__(self):
+        self.now, self.synchronized = 0.0, 0
+
+    def record(self):
+        return self.now
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_gpu_timeline_sums_each_kinds_intervals_and_counts_the_streams_idle_time():
+    clock = _Clock()
+    timeline = bench_tensor.GpuTimeline(clock)
+
+    def work(ms):
+        def call():
+            clock.now += ms
+            return ms
+        return call
+
+    fw, bw, total = timeline.wrap(work(5.0), "fw0"), timeline.wrap(work(7.0), "bw0"), timeline.wrap(work(2.0), "sum")
+    assert fw() == 5.0 and total() == 2.0  # the wrapped calls return what they return
+    clock.now += 10.0  # the stream idles: the loss piece's training call, on the module's own stream
+    assert bw() == 7.0 and total() == 2.0
+    ms = timeline.take(lambda a, b: b - a)
+    assert ms == {"fw0": 5.0, "sum": 4.0, "bw0": 7.0, "work": 16.0, "span": 26.0}
+    assert clock.synchronized == 1 and timeline.marks == []  # read after the stream's work is done, then cleared
+    line = bench_tensor.gpu_line({**ms, "fw1": 1.0, "module": 9.5})
+    assert line.startswith("GPU ms: forwards 6.0, backwards 7.0, sums 4.0, engine stream idle 10.0 of a 26.0 span")
+    assert "9.5 on the host" in line and bench_tensor.gpu_line(None) == ""
+
+
+def test_the_report_gives_each_hp2_ranks_gpu_timeline_when_recorded():
+    rank = {**_rank(0.05, memory=HALF), "rank": 1, "gpu_ms": {"fw0": 3.0, "bw0": 4.0, "sum": 1.0, "work": 8.0,
+                                                                "span": 9.0, "module": 0.5}}
+    results = {"hp1": [[_rank(0.04)]], "hp2": [[{**rank, "rank": 0}, rank]]}
+    record = {"command": "c", "host": "h", "cores": 2, "shape": {}, "batch_size": 8, "device": "cuda", "gpus": "g",
+              "summary": summarize(results), "raw": results}
+    text = report(record)
+    assert "- hp2 rank 1: GPU ms: forwards 3.0, backwards 4.0, sums 1.0, engine stream idle 1.0 of a 9.0 span" in text
+    assert "GPU timeline" not in report({**record, "raw": {"hp1": results["hp1"], "hp2": [[_rank(0.05)]]}})
