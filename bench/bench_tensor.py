@@ -141,13 +141,13 @@ def worker(run_dir: Path, names_from: Path, warmup: int, steps: int) -> None:
         body.tensors.call = _timed(_timed(body.tensors.call, engine_s), module_s)
         if timeline is not None:
             body.tp_sum = timeline.wrap(body.tp_sum, "sum")
-        for k, piece in enumerate(body.pieces):  # a piece keeping its activations: separate forward and backward
+        for index, piece in enumerate(body.pieces):  # a piece keeping its activations: separate forward, backward
             if piece.kept is not None:
                 piece.kept.forward = _timed(piece.kept.forward, engine_s)
                 piece.kept.backward = _timed(piece.kept.backward, engine_s)
                 if timeline is not None:
-                    piece.kept.forward = timeline.wrap(piece.kept.forward, f"fw{k}")
-                    piece.kept.backward = timeline.wrap(piece.kept.backward, f"bw{k}")
+                    piece.kept.forward = timeline.wrap(piece.kept.forward, f"fw{index}")
+                    piece.kept.backward = timeline.wrap(piece.kept.backward, f"bw{index}")
     grads = rt.gradient_buffers()
     times, reduces, engines, gpu = [], [], [], []
     for step in range(warmup + steps):
