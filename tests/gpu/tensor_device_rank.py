@@ -2,10 +2,11 @@
 
 Usage: mpiexec -n 2 python tensor_device_rank.py RUN_DIR (an hp 2 run on CUDA). Every engine call of the rank's pieces
 is recorded with the devices where the engine wrote its outputs, and so are the sent tensors of the pieces that keep
-their activations (the engine's separate calls on the rank's stream). After three micro-batches the rank sums a random
-tensor of its own over the tensor-parallel group (also in place, as a replicated parameter's gradient buffer), adds two
-tensors and halves one on the GPU, and prints one ``RESULT`` line: the devices per micro-batch, and whether the sums,
-the add and the product have the bits of the host's rank-order float32 adds and float32 product.
+their activations (the engine's separate calls on the rank's stream). After three micro-batches the rank sums random
+tensors of its own over the tensor-parallel group (a small one, an 8 MiB one for NCCL's bulk protocols, and the small
+one in place, as a replicated parameter's gradient buffer), adds two tensors and halves one on the GPU, and prints one
+``RESULT`` line: the devices per micro-batch, and whether the sums, the add and the product have the bits of the
+host's rank-order float32 adds and float32 product.
 """
 
 import json
@@ -65,6 +66,13 @@ expected = every[0].copy()
 for part in every[1:]:
     expected += part
 total = tensors.sum(tensors.to_device(mine), "test sum")
+# Large enough for NCCL's bulk protocols (a small sum goes through its low-latency one)
+big = (rng.normal(size=(2, 1 << 20)) * 10.0 ** rng.integers(-8, 8, (2, 1 << 20))).astype(np.float32)
+bigs = rt.tp_comm.broadcast(rt.tp_comm.gather_object(big, "test parts"), "test parts")
+big_expected = bigs[0].copy()
+for part in bigs[1:]:
+    big_expected += part
+big_total = tensors.sum(tensors.to_device(big), "test large sum")
 added = tensors.add(tensors.to_device(every[0]), tensors.to_device(every[1]))
 halved = tensors.scale(tensors.to_device(mine), 0.5)  # a replicated send's arriving gradient at tp 2
 buffer = tensors.to_device(mine)  # an engine gradient buffer summed in place (a replicated parameter's)
@@ -73,6 +81,7 @@ print("RESULT " + json.dumps({
     "rank": comm.rank, "devices": [sorted(d) for d in devices], "sum_device": total.device_name(),
     "kept_pieces": sum(p.kept is not None for p in rt.pieces), "kept_devices": sorted(kept_devices),
     "sum_bits_equal": tensors.host(total).tobytes() == expected.tobytes(),
+    "large_sum_bits_equal": tensors.host(big_total).tobytes() == big_expected.tobytes(),
     "add_bits_equal": tensors.host(added).tobytes() == (every[0] + every[1]).tobytes(),
     "scale_bits_equal": tensors.host(halved).tobytes() == (mine * np.float32(0.5)).tobytes(),
     "sum_into_bits_equal": tensors.host(buffer).tobytes() == expected.tobytes(),

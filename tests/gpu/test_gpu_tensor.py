@@ -91,5 +91,5 @@ def test_pieces_keep_activations_and_their_sums_on_the_gpu(tmp_path):
         assert r["devices"][1:] == [["cuda"], ["cuda"]], r["devices"]
         assert r["sum_device"] == "cuda"
         assert r["kept_pieces"] > 0 and r["kept_devices"] == ["cuda"], r  # kept pieces' sends stay on the GPU
-        assert r["sum_bits_equal"] and r["add_bits_equal"], r
+        assert r["sum_bits_equal"] and r["large_sum_bits_equal"] and r["add_bits_equal"], r
         assert r["scale_bits_equal"] and r["sum_into_bits_equal"], r

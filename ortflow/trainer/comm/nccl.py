@@ -599,7 +599,13 @@ class NCCLComm:
         """``count`` float32 at device address ``src_ptr`` summed over the group into ``dst_ptr``, the ranks' parts
         added in rank order: bitwise the same on every rank (tensor parallelism's activation and input-gradient sums).
 
-        The all-gather and the sum are queued on the NCCL stream; nothing leaves the GPU. With the rank's ``engine``
+        Two ranks: one NCCL all-reduce. Each element is then one float32 add of the two parts, and a float add is
+        commutative (``a + b`` and ``b + a`` round alike), so it has the bits of the rank-order add while moving what an
+        all-gather moves without the gathered copy and the add's pass over it (0.26 against 0.37 ms for 64 MiB on two
+        H200s). More ranks: an all-gather, then the parts added in rank order (an all-reduce's order of adds is NCCL's
+        to choose).
+
+        The collective and the adds are queued on the NCCL stream; nothing leaves the GPU. With the rank's ``engine``
         stream, on which ``src`` was written and ``dst`` is read next, the GPU orders the three: the NCCL stream waits
         for an event of the engine stream, and the engine stream for one of the NCCL stream, with no host wait (a stall
         shows where the host next waits for the engine stream, under the watchdog). Without it, ``src`` is complete
@@ -613,19 +619,25 @@ class NCCLComm:
         def run() -> None:
             if engine is not None:
                 stream.wait_event(engine.record())  # src was written on the engine's stream
+            flat = None
             with stream:
-                flat = cp.empty(self.size * count, dtype=cp.float32)
-                self.comm.allGather(src_ptr, flat.data.ptr, count, self._nccl.NCCL_FLOAT32, stream.ptr)
-                parts = flat.reshape(self.size, count)
-                if self.size == 1:
-                    cp.copyto(out, parts[0])
+                if self.size == 2:
+                    nccl = self._nccl
+                    self.comm.allReduce(src_ptr, dst_ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
                 else:
-                    cp.add(parts[0], parts[1], out=out)
-                for part in parts[2:]:
-                    cp.add(out, part, out=out)
+                    flat = cp.empty(self.size * count, dtype=cp.float32)
+                    self.comm.allGather(src_ptr, flat.data.ptr, count, self._nccl.NCCL_FLOAT32, stream.ptr)
+                    parts = flat.reshape(self.size, count)
+                    if self.size == 1:
+                        cp.copyto(out, parts[0])
+                    else:
+                        cp.add(parts[0], parts[1], out=out)
+                    for part in parts[2:]:
+                        cp.add(out, part, out=out)
             if engine is not None:
                 engine.stream.wait_event(stream.record())  # the engine's next work reads dst
-                engine.hold(flat)  # read by the NCCL stream after this returns
+                if flat is not None:
+                    engine.hold(flat)  # read by the NCCL stream after this returns
             else:
                 stream.synchronize()  # Sync point: the engine's next call reads the sum on its own stream
 
