@@ -194,6 +194,10 @@ class ForwardBackward:
         if sorted(built) != sorted(self.grad_names):
             raise RuntimeError(f"the engine's gradient graph returns {built}, not {self.grad_names}")
         self._order = [built.index(n) for n in self.grad_names]
+        from ortflow.graph.gradients.same_gradients import same_gradients
+
+        #: Input -> an earlier input whose gradient is the same tensor of the graph (its copy, bit for bit).
+        self.same_input_grads = same_gradients(graph, {n: f"{n}_grad" for n in input_grads})
         self._binding = binding
         self._session = _session(gradient_model, options, providers, recompute)
         kind, _, index = device.partition(":")

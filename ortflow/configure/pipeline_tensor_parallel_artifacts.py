@@ -42,10 +42,12 @@ from ortflow.configure.tensor_parallel_artifacts import (
     export_fixes,
     piece_record,
     rank_padding_rows,
+    same_input_gradients,
     split_input,
     weights_folder,
 )
 from ortflow.configure.training_graph import sums_as_matmul_applies, torch_padding_rows
+from ortflow.graph.gradients.same_gradients import agreed
 from ortflow.graph.pipeline_parallel.pipeline_cuts import CutPlace, Stage
 from ortflow.graph.prepare import PreparedModel
 from ortflow.graph.tensor_parallel.tensor_pieces import Piece, cut_pieces
@@ -191,7 +193,7 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
         for sp in plans:
             s = sp.stage.index
             log_plan(sp.plan, f" (pipeline stage {s})")
-            records, ran_by_piece, masked, rewrites = [], {}, {}, {}
+            records, ran_by_piece, masked, rewrites, same = [], {}, {}, {}, {}
             for rank in range(size):
                 mine = pieces(sp, rank)
                 passes = []
@@ -203,12 +205,14 @@ def build_pipeline_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path
                                                      rank_padding_rows(padding, sp.model, sp.plan, rank))
                     passes.append(ran)
                     masked.setdefault(piece.index, []).append(rows)
+                    same.setdefault(piece.index, []).append(same_input_gradients(folder, piece))
                     rewrites[f"rank-{rank:02d}/piece-{piece.index:02d}"] = changed
                 records.append([piece_record(p, p.stage.model, ran, sums) for p, ran in zip(mine, passes, strict=True)])
                 ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                      for p, ran in zip(mine, passes, strict=True)})
             for info in records[0]:  # one record for every rank: each rank's padding rows, in rank order
                 info["padding_rows"] = masked[info["index"]]
+                info["same_gradient"] = agreed(same[info["index"]])
             stages.append({"index": s, "receives": list(sp.stage.receives), "sends": list(sp.stage.sends),
                            "parameters": list(sp.stage.parameters),
                            "shared": {name: list(holders) for name, holders in sp.stage.shared.items()},

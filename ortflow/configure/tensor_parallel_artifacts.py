@@ -23,7 +23,7 @@ from pathlib import Path
 
 import onnx
 
-from ortflow.artifacts_folder import TENSOR_DIR, TENSOR_RECORD
+from ortflow.artifacts_folder import BACKPROP_SUFFIX, TENSOR_DIR, TENSOR_RECORD
 from ortflow.config import RunConfig
 from ortflow.configure.artifacts import (
     PROTO_LIMIT,
@@ -36,6 +36,7 @@ from ortflow.configure.engine_input import split_source
 from ortflow.configure.stage_artifacts import finish_part, generate_part, prepare_part
 from ortflow.configure.training_graph import rewrite_part_training_model, sums_as_matmul_applies, torch_padding_rows
 from ortflow.graph.gradients.padding_rows import local_padding_rows
+from ortflow.graph.gradients.same_gradients import agreed, same_gradients
 from ortflow.graph.pipeline_parallel.pipeline_cuts import FLOAT_TYPES, SplitError, check_random_ops
 from ortflow.graph.precision.noop_casts import drop_noop_casts
 from ortflow.graph.prepare import PreparedModel
@@ -144,6 +145,16 @@ def rank_padding_rows(rows: dict[str, int], model: onnx.ModelProto, plan: Tensor
     return local_padding_rows({t: r for t, r in rows.items() if t in tables}, plan.slicing(), tables, plan.size, rank)
 
 
+def same_input_gradients(folder: Path, piece: Piece) -> dict[str, str]:
+    """A parallel piece's received tensors whose gradients its training model (built in ``folder``) computes as one
+    tensor (:func:`ortflow.graph.gradients.same_gradients.same_gradients`): the backward sums that gradient over the
+    tensor-parallel ranks once for all of them."""
+    if not piece.parallel or len(piece.float_receives) < 2:
+        return {}
+    graph = onnx.load(str(folder / "training_model.onnx"), load_external_data=False).graph
+    return same_gradients(graph, {name: name + BACKPROP_SUFFIX for name in piece.float_receives})
+
+
 def piece_record(piece: Piece, model: onnx.ModelProto, passes=(), sums_as_matmul: bool = False) -> dict:
     """A piece's ``tensor.json`` entry (``sums_as_matmul``: its training model's leading-axis sums are MatMuls, and
     its forward-once gradient graph gets the same rewrite at rank start)."""
@@ -172,7 +183,7 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
     size = cfg.distributed.horizontal_parallel_size
     model, plan, trainable, frozen = planned or plan_tensor_parallel(cfg, proto_limit)
     log_plan(plan)  # what was split and what was kept (a WARNING each), with the reason
-    ranks, ran_by_piece, masked, rewrites = [], {}, {}, {}
+    ranks, ran_by_piece, masked, rewrites, same = [], {}, {}, {}, {}
     padding, sums = torch_padding_rows(cfg), sums_as_matmul_applies(cfg)
     with building(artifacts_dir, TENSOR_DIR) as scratch:
         for rank in range(size):
@@ -185,11 +196,13 @@ def build_tensor_parallel_artifacts(cfg: RunConfig, artifacts_dir: Path,
                                                        proto_limit, rank_padding_rows(padding, model, plan, rank))
                 passes.append(ran)
                 masked.setdefault(piece.index, []).append(rows)
+                same.setdefault(piece.index, []).append(same_input_gradients(scratch / key, piece))
             ranks.append([piece_record(p, p.stage.model, ran, sums) for p, ran in zip(pieces, passes, strict=True)])
             ran_by_piece.update({f"rank-{rank:02d}/piece-{p.index:02d}": list(ran)
                                  for p, ran in zip(pieces, passes, strict=True)})
         for info in ranks[0]:  # one record for every rank: each rank's padding rows, in rank order
             info["padding_rows"] = masked[info["index"]]
+            info["same_gradient"] = agreed(same[info["index"]])
         record = {"size": size, "slicing": {n: list(v) for n, v in plan.slicing().items()},
                   "split": describe(plan), "pieces": ranks[0], "passes": ran_by_piece, "rewrites": rewrites}
         (scratch / TENSOR_RECORD).write_text(json.dumps(record, indent=1))

@@ -23,6 +23,7 @@ import numpy as np
 
 from ortflow.engine import OrtValue, call_module
 from ortflow.trainer.comm import Communicator
+from ortflow.trainer.comm.nccl import DeviceBuffer
 from ortflow.trainer.rank_model import EnginePart
 
 
@@ -64,6 +65,10 @@ class HostTensors:
         for b in buffers:
             b[...] = total[start : start + b.size].reshape(b.shape)
             start += b.size
+
+    def reshaped_like(self, x: np.ndarray, like: np.ndarray) -> np.ndarray:
+        """``x``'s values in ``like``'s shape (row-major order)."""
+        return x.reshape(like.shape)
 
     def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
         """``x * factor`` in ``x``'s float type, a new array."""
@@ -175,6 +180,25 @@ class DeviceTensors:
         self.comm.tensor_sum(packed.data_ptr(), packed.data_ptr(), total, label, self.engine)
         self.engine.unpack(packed.data_ptr(), buffers)
         self.settle()  # Sync point: the update reads the sums on other streams (and packed is read until then)
+
+    def reshaped_like(self, x: OrtValue, like: OrtValue) -> OrtValue:
+        """``x``'s values in ``like``'s shape (row-major order): ``x`` itself where the shapes agree, else a copy on
+        the GPU (an engine tensor has no view in another shape)."""
+        x = self.to_device(x)
+        shape = list(like.shape())
+        if list(x.shape()) == shape:
+            return x
+        if x.data_type() != "tensor(float)":
+            raise TypeError(f"tensor-parallel gradients are float32 tensors, not {x.data_type()}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if count != int(np.prod(x.shape(), dtype=np.int64)):
+            raise ValueError(f"gradients of one tensor hold {x.shape()} and {shape} values")
+        out = self._new(shape)
+        if self.engine is not None:
+            self.engine.pack([DeviceBuffer(x.data_ptr(), count, "reshaped gradient")], out.data_ptr())
+        else:
+            self.comm.scale_device(x.data_ptr(), out.data_ptr(), count, 1.0)  # x * 1 is x, bit for bit
+        return out
 
     def scale(self, x: OrtValue, factor: float) -> OrtValue:
         """``x * factor`` in float32 on the GPU: a new device tensor."""

@@ -151,7 +151,9 @@ class TensorParallel:
             driven = piece is not self.pieces[-1] or arriving is not None
             if piece.kept is not None and piece.kept.in_flight():  # its forward kept the activations
                 back = piece.kept.backward([self._arriving(info, n, grads, env) for n in info["sends"]])
+                same = piece.kept.engine.same_input_grads  # of the gradient graph that computed them
             else:
+                same = info.get("same_gradient", {})  # of its training model (configure's record)
                 if driven:  # by the summed gradients of what it sent (zeros if unread)
                     given = {n + GRAD_IN_SUFFIX: self._arriving(info, n, grads, env) for n in info["float_sends"]}
                     feeds = {**env, **given}
@@ -160,11 +162,23 @@ class TensorParallel:
                     loss = self.tensors.scalar(outputs[0])
                 back = outputs[1 : 1 + len(info["float_receives"])]
             if info["parallel"]:  # Sync point (f): a split region's input gradients are partial
-                back = [self.tp_sum(g, "tensor-parallel input-gradient sum") for g in back]
+                back = self._summed(info["float_receives"], back, same)
             for name, g in zip(info["float_receives"], back, strict=True):
                 grads[name] = self.tensors.add(grads[name], g) if name in grads else self.tensors.own(g)
         self.tensors.settle()  # Sync point (once per micro-batch): the exchange and the update read on other streams
         return loss, grads
+
+    def _summed(self, receives: list[str], back: list, same: dict[str, str]) -> list:
+        """A parallel piece's input gradients ``back`` (in ``receives`` order), each summed over the tensor-parallel
+        ranks; a received tensor whose gradient is the same tensor as an earlier one's (``same``: the residual stream
+        and the product added to it) takes that one's sum instead of a second sum of the same values."""
+        sums: dict[str, object] = {}
+        for name, g in zip(receives, back, strict=True):
+            if name in same:  # the same values (possibly in another shape: a Gemm's flattened tokens)
+                sums[name] = self.tensors.reshaped_like(sums[same[name]], g)
+            else:
+                sums[name] = self.tp_sum(g, "tensor-parallel input-gradient sum")
+        return [sums[name] for name in receives]
 
     def _arriving(self, info: dict, name: str, grads: dict, env: dict):
         """The gradient a piece's backward is fed for its send ``name`` (zeros if nothing read it): a parallel
