@@ -58,7 +58,7 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def _configure(root: Path, name: str, micro: int, device: str):
+def _configure(root: Path, name: str, micro: int, device: str, deterministic: bool = True):
     from ortflow.config import config_from_dict
     from ortflow.configure.configure import configure
     from ortflow.dataprep import prepare_data
@@ -79,7 +79,8 @@ def _configure(root: Path, name: str, micro: int, device: str):
         "data": {"train": [str(corpus)], "format": "text", "text": {"seq_len": seq, **text}, "eval_fraction": 0.02},
         "train": {"batch_size": 8, "gradient_accumulation_steps": micro, "num_train_steps": micro},
         "optimizer": {"learning_rate": 1e-3},
-        "distributed": {"device": device, "use_nccl": device == "cuda"},
+        "distributed": {"device": device, "use_nccl": device == "cuda",
+                        **({} if device == "cpu" else {"deterministic_compute": deterministic})},
     })
     configure(cfg)
     prepare_data(cfg)
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-engine-calls-") as tmp:
         root = Path(tmp)
         for model in ("gpt2", "bench_gpt") + (("gpt_1024",) if args.device == "cuda" else ()):
-            run_dir = _configure(root, model, args.micro, args.device)
+            run_dir = _configure(root, model, args.micro, args.device, not args.nondeterministic)
             runs = {m: [] for m in METHODS}
             for r in range(args.rounds):
                 for method in (METHODS if r % 2 == 0 else tuple(reversed(METHODS))):

@@ -156,3 +156,20 @@ def test_the_report_gives_each_hp2_ranks_gpu_timeline_when_recorded():
     text = report(record)
     assert "- hp2 rank 1: GPU ms: forwards 3.0, backwards 4.0, sums 1.0, engine stream idle 1.0 of a 9.0 span" in text
     assert "GPU timeline" not in report({**record, "raw": {"hp1": results["hp1"], "hp2": [[_rank(0.05)]]}})
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_engine_calls_configures_its_gpu_runs_as_the_flag_says(tmp_path, monkeypatch, deterministic):
+    """``bench engine-calls --device cuda --nondeterministic`` measures what a run without deterministic compute
+    trains: configured with ``deterministic_compute: false``, so its training graph keeps the engine's ReduceSums
+    (no MatMul rewrite in either contender)."""
+    from bench import engine_calls
+    from ortflow.configure.training_graph import sums_as_matmul_applies
+
+    configs = []
+    monkeypatch.setattr("ortflow.configure.configure.configure", lambda cfg: configs.append(cfg))
+    monkeypatch.setattr("ortflow.dataprep.prepare_data", lambda cfg: None)
+    engine_calls._configure(tmp_path, "gpt2", 2, "cuda", deterministic)
+    (cfg,) = configs
+    assert cfg.distributed.deterministic_compute is deterministic
+    assert sums_as_matmul_applies(cfg) is deterministic
