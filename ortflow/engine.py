@@ -165,10 +165,11 @@ class ForwardBackward:
             marked as ORTModule's is), not in the training API's training model.
         rewrite: A pass over the engine's gradient graph (``ModelProto -> ModelProto``) run before its session is
             made; it keeps the graph's inputs and outputs (a padding row's masked lookup gradient).
+        inspect: Called with the gradient graph the session runs (after ``rewrite``), to read it.
     """
 
     def __init__(self, model: bytes, parameters: list[str], trainable: list[str], input_grads: list[str], options,
-                 providers: list, device: str = "cpu", recompute: tuple[str, ...] = (), rewrite=None):
+                 providers: list, device: str = "cpu", recompute: tuple[str, ...] = (), rewrite=None, inspect=None):
         import onnx  # graph inspection only
         import onnxruntime
 
@@ -194,10 +195,8 @@ class ForwardBackward:
         if sorted(built) != sorted(self.grad_names):
             raise RuntimeError(f"the engine's gradient graph returns {built}, not {self.grad_names}")
         self._order = [built.index(n) for n in self.grad_names]
-        from ortflow.graph.gradients.same_gradients import same_gradients
-
-        #: Input -> an earlier input whose gradient is the same tensor of the graph (its copy, bit for bit).
-        self.same_input_grads = same_gradients(graph, {n: f"{n}_grad" for n in input_grads})
+        if inspect is not None:
+            inspect(proto)
         self._binding = binding
         self._session = _session(gradient_model, options, providers, recompute)
         kind, _, index = device.partition(":")

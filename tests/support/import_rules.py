@@ -56,6 +56,9 @@ EXTRA_EDGES: dict[tuple[str, str], str] = {
     ("trainer", "ortflow.graph.gradients.leading_sums"): "the leading-axis sums as MatMuls of a forward-once gradient "
                                                            "graph, built at rank start, as configure's training models "
                                                            "have them",
+    ("trainer", "ortflow.graph.gradients.same_gradients"): "which received tensors' gradients a forward-once gradient "
+                                                            "graph, built at rank start, computes as one tensor, as "
+                                                            "configure records them for the training models",
 }
 
 #: Private names imported across modules that are known and owned elsewhere: (importer, name) -> why.

@@ -95,6 +95,9 @@ class KeptActivations:
             self._providers = [("CUDAExecutionProvider", self._stream.provider_options()), "CPUExecutionProvider"]
             self._device = f"cuda:{self._stream.device_index}"
         self.host_sends = host_sends or self._stream is None
+        #: Received tensor -> an earlier one whose gradient is the same tensor of the gradient graph (its copy, bit for
+        #: bit, possibly reshaped: :func:`ortflow.graph.gradients.same_gradients.same_gradients`).
+        self.same_input_grads: dict[str, str] = {}
         self.engine = self._engine(options)
         self._plain: ForwardBackward | None = None  # the trainer's calls while a profiling twin runs them
         self.seconds, self.calls = 0.0, 0  # time and calls of the profiled updates
@@ -119,7 +122,14 @@ class KeptActivations:
     def _engine(self, options) -> ForwardBackward:
         rewrite = self._rewrite if self.padding_rows or self.sums_as_matmul else None
         return ForwardBackward(*self._build, options, self._providers, device=self._device,
-                               recompute=self._recompute, rewrite=rewrite)
+                               recompute=self._recompute, rewrite=rewrite, inspect=self._inspect)
+
+    def _inspect(self, model) -> None:
+        """Which received tensors' gradients the gradient graph computes as one tensor."""
+        from ortflow.graph.gradients.same_gradients import same_gradients
+
+        receives = self._build[3]
+        self.same_input_grads = same_gradients(model.graph, {name: f"{name}_grad" for name in receives})
 
     def _rewrite(self, model):
         """The gradient graph with the passes its training model went through: the padding rows' mask, then the

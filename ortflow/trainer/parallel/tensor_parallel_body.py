@@ -151,7 +151,7 @@ class TensorParallel:
             driven = piece is not self.pieces[-1] or arriving is not None
             if piece.kept is not None and piece.kept.in_flight():  # its forward kept the activations
                 back = piece.kept.backward([self._arriving(info, n, grads, env) for n in info["sends"]])
-                same = piece.kept.engine.same_input_grads  # of the gradient graph that computed them
+                same = piece.kept.same_input_grads  # of the gradient graph that computed them
             else:
                 same = info.get("same_gradient", {})  # of its training model (configure's record)
                 if driven:  # by the summed gradients of what it sent (zeros if unread)
