@@ -18,7 +18,9 @@ Memory of the split layers on a rank (the weights that hp 2 slices, named by the
 parameter values read from the rank's engine state (4 bytes each), gradient buffers (the same count), and the
 optimizer state that ortflow's update allocated for them (AdamW's two moments, counted from its segments). Time:
 median step seconds; for hp 2 also the seconds spent in the activation/input-gradient all-reduces (``tp_sum``) and
-in the pieces' engine calls; hp2 / hp2-recompute ratios are paired within a round, the median over rounds.
+in the pieces' engine calls; hp2 / hp2-recompute ratios are paired within a round, the median over rounds. On GPUs
+each hp rank also records CUDA events on its engine stream around every piece's forward, backward and sum
+(:class:`GpuTimeline`): the GPU milliseconds of each per step, and the stream's idle time, in the log and the report.
 """
 
 from __future__ import annotations
