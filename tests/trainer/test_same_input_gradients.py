@@ -90,3 +90,21 @@ def test_the_backward_sums_a_shared_gradient_once_and_hands_both_received_tensor
     assert summed[1].tolist() == [0, 2, 4, 6] and summed[0].reshape(-1).tolist() == [0, 2, 4, 6]
     assert summed[2].tolist() == [2, 4, 6, 8]
     assert len(body._summed(["mm", "resid"], [g, g], {})) == 2 and len(body.tp_sum.calls) == 4  # no record: one each
+
+
+def test_pipeline_by_tensor_pieces_record_their_shared_gradients_too(tmp_path):
+    """pp 2 x tp 2 on GPT-2: each stage's pieces between two row-split products record the product's and the
+    residual's shared gradient, as the pieces of tp 2 alone do."""
+    from ortflow.artifacts_folder import read_pipe_tensor_record
+
+    cfg = gpt2_run(tmp_path, "pp2tp2", distributed={"num_ranks": 4, "pipeline_parallel_size": 2,
+                                                    "horizontal_parallel_size": 2})
+    stages = read_pipe_tensor_record(cfg.artifacts_dir)["stages"]
+    assert len(stages) == 2
+    for stage in stages:
+        shared = [p for p in stage["pieces"] if p["same_gradient"]]
+        assert shared, [(p["index"], p["float_receives"]) for p in stage["pieces"]]
+        for p in shared:
+            (other, first), = p["same_gradient"].items()
+            assert p["parallel"] and {first, other} <= set(p["float_receives"])
+            assert p["float_receives"].index(first) < p["float_receives"].index(other)
