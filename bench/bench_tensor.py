@@ -255,20 +255,20 @@ def _configure(root: Path, name: str, ranks: int, hp: int, pp: int = 1, recomput
     return cfg.output_dir
 
 
-def configure_contenders(root: Path) -> dict[str, tuple[Path, int]]:
-    """The contenders' run folders under ``root`` (configured there, or reused from an earlier call): name -> (run
-    folder, ranks). Two configures build artifacts, at once in processes of their own: hp1's (dp2 reuses them) and
-    hp2's (hp2-recompute reuses them)."""
+def configure_contenders(root: Path, names=tuple(CONTENDERS)) -> dict[str, tuple[Path, int]]:
+    """The run folders of the contenders ``names`` (hp1 and hp2 always) under ``root`` (configured there, or reused
+    from an earlier call): name -> (run folder, ranks). Two configures build artifacts, at once in processes of their
+    own: hp1's (dp2 reuses them) and hp2's (hp2-recompute reuses them)."""
     _inputs(root)
     builders = {name: (ranks, hp) for name, (ranks, hp, _) in CONTENDERS.items() if name in ("hp1", "hp2")}
     built = in_processes([partial(_configure_as, dict(SHAPE), dict(RUN), root, name, ranks, hp)
                           for name, (ranks, hp) in builders.items()])
     runs = {name: (run_dir, builders[name][0]) for name, run_dir in zip(builders, built, strict=True)}
     for name, (ranks, hp, recompute) in CONTENDERS.items():
-        if name not in runs:
+        if name not in runs and name in names:
             like = next(runs[other][0] for other, (_, h) in builders.items() if h == hp)
             runs[name] = (_configure(root, name, ranks, hp, recompute=recompute, like=like), ranks)
-    return {name: runs[name] for name in CONTENDERS}
+    return {name: runs[name] for name in CONTENDERS if name in runs}
 
 
 def _launch(run_dir: Path, names_from: Path, ranks: int, warmup: int, steps: int,
@@ -378,16 +378,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nondeterministic", action="store_true",
                         help="with --device cuda: every contender with distributed.deterministic_compute false (the "
                         "engine's faster kernels, no bitwise resume)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="which contenders run, comma-separated (hp1 and hp2 always run; e.g. hp1,hp2 leaves out "
+                        "dp2 and hp2-recompute)")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.names_from, args.warmup, args.steps)
+    names = {"hp1", "hp2", *(n.strip() for n in args.contenders.split(",") if n.strip())}
+    if names - set(CONTENDERS):
+        parser.error(f"--contenders: unknown {sorted(names - set(CONTENDERS))}; choose from {', '.join(CONTENDERS)}")
     if args.nondeterministic and args.device != "cuda":
         parser.error("--nondeterministic applies to --device cuda (CPU ranks keep deterministic_compute)")
     RUN.update(device=args.device, mpiexec=args.mpiexec, batch=args.batch, deterministic=not args.nondeterministic)
     set_shape(SHAPE, args)
     with tempfile.TemporaryDirectory(prefix="bench-tensor-") as tmp:
         root = args.root or Path(tmp)
-        runs = configure_contenders(root)
+        runs = configure_contenders(root, names)
         hp2 = runs["hp2"][0]
         split_names = _split_names(hp2 / "artifacts")
         results: dict = {kind: [] for kind in runs}

@@ -110,6 +110,20 @@ def test_hp2_recompute_is_hp2_with_recompute_forward_on_hp2s_artifacts(tmp_path,
     record = yaml.safe_load((runs["hp2-recompute"][0] / "configure.json").read_text())
     assert record["artifacts_dir"] == str(runs["hp2-recompute"][0] / "artifacts")  # configure recorded its place
     assert bench_tensor.configure_contenders(tmp_path) == runs  # configured folders are reused as they are
+    # --contenders hp1,hp2: only those two (a shorter call on a lent GPU machine)
+    assert bench_tensor.configure_contenders(tmp_path, {"hp1", "hp2"}) == {k: runs[k] for k in ("hp1", "hp2")}
+
+
+def test_contenders_names_the_unknown_and_runs_hp1_and_hp2_always(monkeypatch):
+    with pytest.raises(SystemExit) as refused:
+        bench_tensor.main(["--contenders", "hp1,hp3"])
+    assert refused.value.code == 2
+    seen = []
+    monkeypatch.setattr(bench_tensor, "configure_contenders", lambda root, names: seen.append(names) or {})
+    monkeypatch.setattr(bench_tensor, "_split_names", lambda folder: [])
+    with pytest.raises(KeyError):  # no run folders came back: the stub stops the call after configuring
+        bench_tensor.main(["--contenders", "dp2", "--rounds", "0"])
+    assert seen == [{"hp1", "hp2", "dp2"}]
 
 
 class _Clock:
