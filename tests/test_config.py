@@ -232,6 +232,27 @@ def test_zero_stage_above_1_is_refused_and_stage_1_accepted_on_cpu(tmp_path):
     assert not problems_of(tmp_path, "distributed.zero_stage=1")
 
 
+@pytest.mark.parametrize("layout,why", [
+    ((), "an unsplit model trains in the engine's training call"),
+    (("distributed.num_ranks=2", "distributed.pipeline_parallel_size=2", "distributed.recompute_forward=true"),
+     "recompute_forward true runs every forward again"),
+    (("distributed.num_ranks=2", "distributed.horizontal_parallel_size=2", "distributed.recompute_forward=true"),
+     "recompute_forward true runs every forward again"),
+])
+def test_recompute_subgraphs_where_no_forward_keeps_its_activations_is_refused_with_why(tmp_path, layout, why):
+    (problem,) = problems_of(tmp_path, *layout, "distributed.recompute_subgraphs=['Gelu+:1:-1']")
+    assert problem.startswith("distributed.recompute_subgraphs ['Gelu+:1:-1'] would recompute nothing: " + why)
+    assert "remove recompute_subgraphs" in problem
+
+
+@pytest.mark.parametrize("layout", [("distributed.pipeline_parallel_size=2",),
+                                    ("distributed.horizontal_parallel_size=2",),
+                                    ("distributed.pipeline_parallel_size=2", "distributed.recompute_forward=false")])
+def test_recompute_subgraphs_is_accepted_where_stages_or_pieces_keep_their_activations(tmp_path, layout):
+    assert problems_of(tmp_path, "distributed.num_ranks=2", *layout,
+                       "distributed.recompute_subgraphs=['Gelu+:1:-1']") == []
+
+
 def test_mixed_precision_on_the_cpu_is_refused_with_why_and_what_instead(tmp_path):
     (problem,) = problems_of(tmp_path, "precision.use_mixed_precision=true")
     assert "needs distributed.device: cuda" in problem and "no fp16/bf16 training kernels" in problem

@@ -225,6 +225,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if dist.zero_stage > 1:
         problems.append(f"distributed.zero_stage {dist.zero_stage} is not supported; use 0 or 1 (state sharding)")
+    if dist.recompute_subgraphs and (max(dist.pipeline_parallel_size, dist.horizontal_parallel_size) == 1
+                                     or dist.recomputes_forward()):
+        problems.append(_recompute_subgraphs_problem(dist))
     if cfg.train.profile_steps and dist.device == "cuda":
         problems.append("train.profile_steps traces CPU ranks only (the engine's GPU trace is not wired up): profile "
                         "with distributed.device cpu, or remove train.profile_steps")
@@ -274,6 +277,21 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"update(s): the rate would never reach its peak; use fewer warm-up steps or train longer"
         )
     return problems
+
+
+def _recompute_subgraphs_problem(dist: DistributedConfig) -> str:
+    """Why ``recompute_subgraphs`` would change nothing, and the fix: its plans apply where a forward runs once and
+    keeps its activations until the backward (the engine's memory optimizer works on the separate forward and backward
+    calls' gradient graph, not on the training call's model)."""
+    if dist.recomputes_forward():
+        why = "recompute_forward true runs every forward again in the backward call and keeps nothing"
+    else:
+        why = ("an unsplit model trains in the engine's training call, whose activations the memory optimizer does "
+               "not plan")
+    return (f"distributed.recompute_subgraphs {list(dist.recompute_subgraphs)} would recompute nothing: {why}. Its "
+            "plans apply to pipeline stages but the last and tensor-parallel pieces but the loss's, which keep their "
+            "activations (recompute_forward auto or false); remove recompute_subgraphs, or split the model with "
+            "pipeline_parallel_size or horizontal_parallel_size > 1")
 
 
 def _others(dist) -> bool:
