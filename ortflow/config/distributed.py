@@ -57,8 +57,8 @@ class DistributedConfig(Section):
         description="Where a forward runs once and its activations are kept (see recompute_forward): the engine's "
         "memory-optimizer plans, 'SUBGRAPH:1:COUNT' (e.g. 'Gelu+:1:-1': every GELU's output recomputed in the "
         "backward instead of kept; COUNT -1 = all), trading compute for activation memory; the subgraphs a model "
-        "offers are those the engine's memory optimizer lists; refused where no forward keeps its activations (an unsplit "
-        "model, recompute_forward true) (docs/layouts.md).",
+        "offers are those the engine's memory optimizer lists. Refused where no forward keeps its activations: an "
+        "unsplit model, or recompute_forward true (docs/layouts.md).",
     )
     use_nccl: bool = Field(False, description="All-reduce gradients with NCCL on the GPU (needs CuPy and NCCL).")
     deterministic_compute: bool = Field(
