@@ -17,6 +17,9 @@ flow waits on client retries. A ``kill -9`` of ``ortflow run`` leaves Prefect's 
   on such a copy neither checks its migrations nor registers its blocks at start (unless
   ``PREFECT_SERVER_DATABASE_MIGRATE_ON_START`` or ``PREFECT_SERVER_REGISTER_BLOCKS_ON_START`` is set), which takes
   a fifth off the CPU of its start;
+* is given the database file whose state it reads, seeds and keeps (``PREFECT_SERVER_DATABASE_CONNECTION_URL``), and
+  keeps or copies only a migrated database: a server on a copy of anything else would skip its migrations and find
+  no tables;
 * skips the migration check on an existing database already at the schema of that cached empty database (every
   later run in the same ``PREFECT_HOME``): its migrations would change nothing (about 2 s of CPU per start);
 * sends no usage heartbeat to Prefect (``PREFECT_SERVER_ANALYTICS_ENABLED=false`` unless set), so an offline run
@@ -49,6 +52,10 @@ _PR_SET_PDEATHSIG = 1
 #: Prefect's own): its schema migrations and its block registrations, seconds of CPU per start.
 _START_CHECKS = (("PREFECT_SERVER_DATABASE_MIGRATE_ON_START", "PREFECT_API_DATABASE_MIGRATE_ON_START"),
                  ("PREFECT_SERVER_REGISTER_BLOCKS_ON_START", "PREFECT_API_BLOCKS_REGISTER_ON_START"))
+
+
+#: The prefix of a SQLite database's connection URL.
+SQLITE_URL = "sqlite+aiosqlite:///"
 
 
 def _die_with_parent() -> None:  # runs in the forked child, before exec
@@ -142,6 +149,9 @@ def _server_environment(port: int) -> tuple[dict[str, str], Path | None, bool]:
     # terminal of `ortflow run`. The temporary server sends none, unless the environment asks for it.
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     database = _sqlite_file(get_current_settings())
+    if database is not None:  # the server's database is the one checked, seeded and kept here, whatever else names one
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"{SQLITE_URL}{database}"
+        env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # the setting's former name
     fresh = database is not None and not database.exists()
     seeded = fresh and _seed(database)
     new_database = fresh and not seeded
@@ -167,8 +177,7 @@ def _sqlite_file(settings) -> Path | None:
     """The server's SQLite database file (None for another database)."""
     url = settings.server.database.connection_url
     url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
-    prefix = "sqlite+aiosqlite:///"
-    return Path(url[len(prefix):]) if url.startswith(prefix) and ":memory:" not in url else None
+    return Path(url[len(SQLITE_URL):]) if url.startswith(SQLITE_URL) and ":memory:" not in url else None
 
 
 def _at_current_schema(database: Path | None) -> bool:
@@ -185,15 +194,25 @@ def _at_current_schema(database: Path | None) -> bool:
 
 
 def _schema_revisions(database: Path) -> set[str]:
-    """The schema revisions (Alembic's) a SQLite database records, read only."""
+    """The schema revisions (Alembic's) a SQLite database records, read only (a missing file is an error, not a new
+    database)."""
     with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as db:
         return {row[0] for row in db.execute("SELECT version_num FROM alembic_version")}
 
 
+def _migrated(database: Path) -> bool:
+    """Whether ``database`` is a SQLite database that records a schema revision (a server migrated it)."""
+    try:
+        return bool(_schema_revisions(database))
+    except sqlite3.Error:
+        return False
+
+
 def _seed(database: Path) -> bool:
-    """Copy the cached empty database to ``database`` (a new one); False when there is none to copy."""
+    """Copy the cached empty database to ``database`` (a new one); False when there is none to copy, or only a file
+    that is no migrated database (a server on a copy of it would neither migrate nor find its tables)."""
     cached = empty_database_cache()
-    if not cached.is_file():
+    if not cached.is_file() or not _migrated(cached):
         return False
     database.parent.mkdir(parents=True, exist_ok=True)
     partial = database.with_name(f".{database.name}.{os.getpid()}")
@@ -209,13 +228,16 @@ def _seed(database: Path) -> bool:
 
 def _keep_empty(database: Path) -> None:
     """Keep a consistent copy of the just-created ``database`` as this Prefect version's empty database (best
-    effort: a cache)."""
+    effort: a cache). Only a migrated database is kept, and ``database`` is read, never created."""
+    if not _migrated(database):
+        log.debug("not keeping %s as the empty Prefect database: it is no migrated database", database)
+        return
     cached = empty_database_cache()
     partial = cached.with_name(f".{cached.name}.{os.getpid()}")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.closing(sqlite3.connect(database)) as source, contextlib.closing(
-                sqlite3.connect(partial)) as copy:
+        with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as source, \
+                contextlib.closing(sqlite3.connect(partial)) as copy:
             source.backup(copy)
         os.replace(partial, cached)
     except (OSError, sqlite3.Error) as err:

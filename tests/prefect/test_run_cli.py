@@ -83,6 +83,8 @@ def test_the_temporary_servers_port_is_held_from_its_choice_until_the_server_ser
     import errno
     import socket
 
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
     from ortflow.deployments import local_server
 
     for name, value in _temporary_server_env(tmp_path, cache_home).items():
@@ -103,12 +105,17 @@ def test_the_temporary_servers_port_is_held_from_its_choice_until_the_server_ser
         return popen(command, **kwargs)
 
     monkeypatch.setattr(local_server.subprocess, "Popen", start)
-    proc, url = local_server.start_server(timeout_s=120)
+    home = tmp_path / "prefect-home"
+    # This process read its Prefect settings when it first imported Prefect: they must name the home set above.
+    with temporary_settings(updates={PREFECT_HOME: home}):
+        proc, url = local_server.start_server(timeout_s=120)
     try:
         assert taken == [errno.EADDRINUSE]
         assert local_server._healthy(url)
     finally:
         local_server.stop_server(proc)
+    # the server migrated the new database in that home, and that database is the empty one kept for later servers
+    assert local_server._migrated(home / "prefect.db") and local_server._migrated(local_server.empty_database_cache())
 
 
 def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_database_leaves_and_one_at_its_schema_skips_migrations(  # noqa: E501
@@ -139,6 +146,47 @@ def test_a_new_database_starts_from_the_cached_empty_one_which_the_first_new_dat
         db.execute("UPDATE alembic_version SET version_num = 'older'")
     assert not local_server._at_current_schema(first)
     assert not local_server._at_current_schema(tmp_path / "home-3" / "prefect.db")  # none there
+
+
+def test_only_a_migrated_database_is_kept_or_copied_as_the_empty_one_and_none_is_created(tmp_path, monkeypatch):
+    """A database that is missing or was never migrated (what a server that used another file leaves) is neither
+    kept as the cached empty database nor created; a cached file that is no migrated database seeds nothing: a
+    server on such a copy would skip its migrations and find no tables, and every later run would wait on it."""
+    import sqlite3
+
+    from ortflow.deployments import local_server
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cached = local_server.empty_database_cache()
+    missing = tmp_path / "home-1" / "prefect.db"
+    local_server._keep_empty(missing)
+    assert not missing.exists() and not missing.parent.exists() and not cached.exists()
+    bare = tmp_path / "bare.db"
+    sqlite3.connect(bare).close()  # a SQLite file without a schema
+    local_server._keep_empty(bare)
+    assert not cached.exists()
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"")  # a cache left empty
+    fresh = tmp_path / "home-2" / "prefect.db"
+    assert not local_server._seed(fresh) and not fresh.exists()
+
+
+def test_the_temporary_server_is_given_the_database_ortflow_checks_seeds_and_keeps(tmp_path, monkeypatch):
+    """The server's environment names the SQLite database whose state ortflow reads, seeds and keeps, also where the
+    environment names another home than this process's settings (read when Prefect was first imported): else the
+    server would migrate one file while ortflow kept another, never migrated, as the empty database."""
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    from ortflow.deployments import local_server
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # empty: nothing is seeded anywhere
+    with temporary_settings(restore_defaults={PREFECT_HOME}):  # this process's settings: the default home
+        monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "elsewhere"))  # set after they were read
+        monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
+        env, database, _ = local_server._server_environment(4200)
+    assert database is not None and not str(database).startswith(str(tmp_path))
+    assert env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] == f"sqlite+aiosqlite:///{database}"
+    assert "PREFECT_API_DATABASE_CONNECTION_URL" not in env  # the setting's former name, naming another file
 
 
 def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path, server_env: dict[str, str] | None = None,
