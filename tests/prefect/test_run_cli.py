@@ -5,6 +5,7 @@ tests/prefect/test_run_terminal.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -211,7 +212,16 @@ def _start_training(tmp_path: Path, mlp_sources, name: str, cache_home: Path, se
             len(rank_pids(folder)) == 2 and (folder / "progress.json").exists()
             for folder in cfg.output_dir.glob("versions/*"))
 
-    wait_for(training, 300, "two ranks training")
+    try:
+        wait_for(training, 300, "two ranks training")
+    except AssertionError as err:  # no run left behind, and what it printed
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its server dies with it (PR_SET_PDEATHSIG)
+        try:
+            printed = proc.communicate(timeout=30)[0].decode()[-3000:]
+        except subprocess.TimeoutExpired:
+            printed = "(its output stayed open)"
+        raise AssertionError(f"{err}; ortflow run printed:\n{printed}") from None
     assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
     family = _descendants(proc.pid)
     servers = [p for p in family if "uvicorn" in _cmdline(p) and "prefect.server" in _cmdline(p)]
