@@ -9,7 +9,9 @@ them. Runs somebody created by hand (``prefect deployment run``, the UI) are nev
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from uuid import UUID
@@ -53,6 +55,27 @@ async def drop_scheduled_runs(client, deployment_ids: Iterable[UUID], before: da
         except ObjectNotFound:  # it started, or the server deleted it, meanwhile
             continue
         dropped.append(run.name)
+    return dropped
+
+
+async def drop_late_inserts(client, deployment_ids: Iterable[UUID], quiet_s: float = 2.0, limit_s: float = 15.0,
+                            poll_s: float = 0.5) -> list[str]:
+    """After paused deployments' scheduled runs were dropped: drop the runs the server's scheduler still inserts.
+
+    Prefect's scheduler services read which deployments are active in one transaction and insert those deployments'
+    next runs in another, without reading them again: a cycle that read a deployment before it was paused inserts its
+    runs after the pause (and after any drop), once per cycle under way. Polls until no scheduled run has appeared
+    for ``quiet_s`` seconds (or ``limit_s`` have passed); returns the names of the runs deleted.
+    """
+    ids = list(deployment_ids)
+    dropped: list[str] = []
+    start = quiet_since = time.monotonic()
+    while ids and time.monotonic() - quiet_since < quiet_s and time.monotonic() - start < limit_s:
+        await asyncio.sleep(poll_s)
+        found = await drop_scheduled_runs(client, ids)
+        if found:
+            dropped += found
+            quiet_since = time.monotonic()
     return dropped
 
 

@@ -26,7 +26,7 @@ from prefect.schedules import Cron, Interval, Schedule
 
 from ortflow.config import RunConfig
 from ortflow.deployments.alerts import HEARTBEAT_S
-from ortflow.deployments.backlog import drop_backlog, drop_scheduled_runs
+from ortflow.deployments.backlog import drop_backlog, drop_late_inserts, drop_scheduled_runs
 from ortflow.deployments.run_console import write_logging_config
 from ortflow.flows import export_only, train_pipeline
 from ortflow.processes import process_alive
@@ -264,6 +264,11 @@ class StoppingRunner(Runner):
             dropped = await drop_scheduled_runs(self._client, ids)  # the ones waiting for the concurrency slot
             if dropped:  # shown in serve's terminal: runs the schedule owed are gone
                 log.warning("dropped %d queued scheduled run(s): %s", len(dropped), ", ".join(dropped))
+            # Next runs the server's scheduler inserts after the pause (it read the deployments as active before):
+            # the schedule makes them again when serving resumes it, so they are dropped without a warning.
+            late = await drop_late_inserts(self._client, ids)
+            if late:
+                log.info("dropped %d scheduled run(s) the server's scheduler added after the pause", len(late))
         except Exception as err:  # noqa: BLE001 - the server may be gone; the runner must still stop
             log.warning("could not pause the schedules of %d deployment(s): %s", len(ids), err)
         # A submission already under way when polling stopped may have started its process since: stop it too.

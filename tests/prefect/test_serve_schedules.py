@@ -5,6 +5,7 @@ serving again resumes the schedules, and drops the scheduled runs whose time pas
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from datetime import UTC, datetime, timedelta
@@ -94,3 +95,37 @@ def test_serve_pauses_its_schedules_on_sigterm_and_drops_the_backlog_on_restart(
         proc.wait()
     assert not _deployment("train-pipeline/schedules").paused
     assert Path(cfg.output_dir / "registry.json").exists()
+
+
+def test_runs_the_scheduler_inserts_after_the_pause_are_dropped_too(prefect_server):
+    """The server's scheduler reads the active deployments and inserts their next runs in separate transactions: a
+    cycle that read a deployment before serve paused it inserts runs after serve dropped the queued ones. Serve's stop
+    keeps dropping until none has appeared for a while; here the late insert is the server's own schedule endpoint."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    from ortflow.deployments.backlog import drop_late_inserts, scheduled_runs
+
+    async def scenario():
+        async with get_client() as client:
+            flow_id = await client.create_flow_from_name("late-inserts")
+            deployment_id = await client.create_deployment(flow_id, "late-inserts", schedules=[
+                DeploymentScheduleCreate(schedule=IntervalSchedule(interval=timedelta(hours=1)), active=True)])
+            await client.pause_deployment(deployment_id)
+
+            async def late_cycle():  # what a scheduler cycle that read the deployment while active inserts
+                await asyncio.sleep(0.6)
+                now = datetime.now(UTC)
+                await client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment_id},
+                                     json={"start_time": now.isoformat(),
+                                           "end_time": (now + timedelta(hours=3)).isoformat(), "max_runs": 3})
+                return [r.name for r in await scheduled_runs(client, [deployment_id])]
+
+            inserted, dropped = await asyncio.gather(late_cycle(), drop_late_inserts(client, [deployment_id],
+                                                                                       quiet_s=1.5))
+            return inserted, dropped, await scheduled_runs(client, [deployment_id])
+
+    inserted, dropped, left = asyncio.run(scenario())
+    assert len(inserted) == 3 and sorted(dropped) == sorted(inserted)
+    assert left == []
