@@ -10,6 +10,7 @@ job keeps its id and starts again from the run folder's newest complete checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -18,7 +19,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -246,11 +247,16 @@ def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
     log.warning("%s", _stop_words(job, last, f" ({grace_s:.0f} s grace)"))
     job.cancel()
     deadline = clock() + grace_s
-    state = despite_repeated_stops(
-        lambda: _stream_until_ended(job, deadline, min(1.0, grace_s), on_line, clock, sleep),
-        on_repeat=lambda: log.warning("already stopping: the ranks are writing their stop checkpoint"))
-    for line in job.read_output():
-        on_line(line)
+    pending: deque[str] = deque()  # lines read from the job and not yet passed on: kept across an interruption
+
+    def repeated() -> None:
+        log.warning("already stopping: the ranks are writing their stop checkpoint")
+
+    with _said_not_raised(repeated):
+        state = despite_repeated_stops(
+            lambda: _stream_until_ended(job, deadline, min(1.0, grace_s), on_line, clock, sleep, pending),
+            on_repeat=repeated)
+        despite_repeated_stops(lambda: _pass_on(job, pending, on_line), on_repeat=repeated)
     if state.phase is not Phase.ENDED:
         log.error("%s job%s did not stop within %.0f s: ending it", job.launcher,
                   f" {job.job_id}" if job.job_id else "", grace_s)
@@ -260,15 +266,39 @@ def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
 
 
 def _stream_until_ended(job: Job, deadline: float, poll_s: float, on_line: Callable[[str], None],
-                        clock: Callable[[], float], sleep: Callable[[float], None]) -> JobState:
+                        clock: Callable[[], float], sleep: Callable[[float], None], pending: deque[str]) -> JobState:
     """Poll ``job`` every ``poll_s`` and stream its lines until it ended or ``deadline`` passed; its last state."""
     state = job.poll()
     while state.phase is not Phase.ENDED and clock() < deadline:
-        for line in job.read_output():
-            on_line(line)
+        _pass_on(job, pending, on_line)
         sleep(poll_s)
         state = job.poll()
     return state
+
+
+def _pass_on(job: Job, pending: deque[str], on_line: Callable[[str], None]) -> None:
+    """Pass the job's new lines to ``on_line``, each dropped from ``pending`` once passed: a call interrupted half-way
+    (a repeated stop request raised as an exception) leaves the rest to the next call instead of losing them."""
+    pending.extend(job.read_output())
+    while pending:
+        on_line(pending[0])
+        pending.popleft()
+
+
+@contextlib.contextmanager
+def _said_not_raised(on_repeat: Callable[[], None]) -> Iterator[None]:
+    """In the main thread: SIGTERM and SIGINT call ``on_repeat`` instead of the installed handlers (Prefect's raises
+    an exception during a flow run, Python's default KeyboardInterrupt) until the block ends, so that a repeated stop
+    request cannot cut the job's last lines short wherever it lands. Elsewhere (no handler can be set): nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda _signum, _frame: on_repeat()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
 
 
 #: Signals repeated within this many seconds of the first are one stop request (the ranks count the same way).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 
 import pytest
@@ -191,6 +193,58 @@ def test_a_repeated_interruption_while_the_job_stops_neither_cuts_the_wait_nor_i
     assert not interruptions and state.phase is Phase.ENDED and state.returncode == 143
     assert job.calls == ["cancel"]  # stopped by itself, once asked: no kill, no second cancel
     assert seen == ["[1] stop requested", "[0] stop requested", "[0] saved checkpoint"]
+
+
+class BatchJob(FakeJob):
+    """A fake job whose lines all come in one read, as a local job's do when its ranks print them between two polls."""
+
+    def read_output(self) -> list[str]:
+        lines, self.pending = self.pending, []
+        return lines
+
+
+LAST_LINES = ["[0] saved checkpoint step-29", "[0] peak resident memory 160 MiB", "[0] stop requested"]
+
+
+def test_an_interruption_while_the_last_lines_are_passed_on_loses_none_of_them():
+    job = BatchJob(lines=LAST_LINES, run_polls=100, stop_polls=3)
+    seen: list[str] = []
+    interruptions = [KeyboardInterrupt()]
+
+    def on_line(line: str) -> None:
+        if line == LAST_LINES[1] and interruptions:  # raised before the line is shown, with one left behind it
+            raise interruptions.pop()
+        seen.append(line)
+
+    state = stop(job, grace_s=30, on_line=on_line, clock=lambda: 0.0, sleep=lambda _s: None)
+    assert not interruptions and state.returncode == 143
+    assert seen == LAST_LINES
+
+
+def test_a_repeated_stop_signal_while_the_job_stops_is_said_not_raised_and_the_handlers_come_back(caplog):
+    """A process manager repeating SIGTERM during a flow run: Prefect's handler would raise it wherever it lands.
+    While the job stops, a repeat is a warning; afterwards the handler installed before is back."""
+    job = BatchJob(lines=LAST_LINES, run_polls=100, stop_polls=3)
+    seen: list[str] = []
+
+    def raising(_signum, _frame):
+        raise KeyboardInterrupt
+
+    def on_line(line: str) -> None:
+        if line == LAST_LINES[1]:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line is passed on
+        seen.append(line)
+
+    before = {sig: signal.signal(sig, raising) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with caplog.at_level(logging.WARNING, logger="ortflow"):
+            state = stop(job, grace_s=30, on_line=on_line, clock=lambda: 0.0, sleep=lambda _s: None)
+        assert signal.getsignal(signal.SIGTERM) is raising and signal.getsignal(signal.SIGINT) is raising
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert state.returncode == 143 and seen == LAST_LINES
+    assert "already stopping: the ranks are writing their stop checkpoint" in caplog.text
 
 
 def test_an_error_while_the_job_stops_is_not_taken_for_a_repeated_interruption():
