@@ -4,7 +4,8 @@ Pausing a deployment deletes its future scheduled runs, except those already wai
 (``AwaitingConcurrencySlot``); a serving process killed without a word (``kill -9``, a lost host) pauses nothing,
 and the server's scheduler keeps adding runs whose start time passes. ``ortflow serve`` drops both kinds: the
 waiting ones when it stops (and the next runs a scheduler pass that began before the pause still adds), the overdue
-ones when it starts (unless ``--catch-up``), so a restart does not replay them. Runs somebody created by hand (``prefect deployment run``, the UI) are never dropped.
+ones when it starts (unless ``--catch-up``), so a restart does not replay them. Runs somebody created by hand
+(``prefect deployment run``, the UI) are never dropped.
 """
 
 from __future__ import annotations
