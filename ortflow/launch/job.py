@@ -178,14 +178,18 @@ def watch(
     cancelled_at: list[float] = []
 
     pending_since: list[float] = []
+    lines: deque[str] = deque()  # read from the job, not yet passed on: a stop request raised meanwhile loses none
 
     def drain() -> None:
-        for line in job.read_output():
+        lines.extend(job.read_output())
+        while lines:
+            line = lines[0]
+            on_line(line)
             if ATTEMPT_LINE.match(line):
                 errors.clear()  # the failure summary quotes the current attempt only
             if is_error_line(line):
                 errors.append(line)
-            on_line(line)
+            lines.popleft()
 
     seen: list[JobState] = []  # the newest state polled: a stop request says what it does to a pending job
     restore = _cancel_on_signals(job, received, seen) if forward_signals else (lambda: None)
@@ -210,7 +214,7 @@ def watch(
         drain()
         signum = received[0] if received else 0  # a signal after the job ended does not make it a stopped one
     except BaseException:  # a cancelled flow, a timeout, Ctrl-C: the job must not outlive its watcher unasked
-        stop(job, grace_s, on_line, clock, sleep, last=_known(job, seen))
+        stop(job, grace_s, on_line, clock, sleep, last=_known(job, seen), pending=lines)
         raise
     finally:
         restore()
@@ -236,18 +240,19 @@ def _report_pending(job: Job, state: JobState, since: list[float], on_line: Call
 
 def stop(job: Job, grace_s: float, on_line: Callable[[str], None] = print,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-         last: JobState | None = None) -> JobState:
+         last: JobState | None = None, pending: deque[str] | None = None) -> JobState:
     """Cancel ``job`` (stop checkpoint), stream its last lines while it ends, kill it if ``grace_s`` runs out.
 
     A repeated stop request while it waits (a second Ctrl-C, a process manager repeating its SIGTERM, which Prefect
     raises as an exception during a flow run) neither cuts the wait nor the ranks' last lines short: the grace
     bounds the wait. ``last``: the job's newest polled state, which the warning follows (a pending job is removed, no
     rank runs; a job whose state the scheduler has not said gets the stop signal); None: a running job.
+    ``pending``: lines the interrupted watch read from the job and had not passed on yet; they come first.
     """
     log.warning("%s", _stop_words(job, last, f" ({grace_s:.0f} s grace)"))
     job.cancel()
     deadline = clock() + grace_s
-    pending: deque[str] = deque()  # lines read from the job and not yet passed on: kept across an interruption
+    pending = deque() if pending is None else pending  # read from the job, not yet passed on: kept across retries
 
     def repeated() -> None:
         log.warning("already stopping: the ranks are writing their stop checkpoint")

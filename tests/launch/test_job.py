@@ -221,6 +221,24 @@ def test_an_interruption_while_the_last_lines_are_passed_on_loses_none_of_them()
     assert seen == LAST_LINES
 
 
+def test_a_stop_request_raised_while_the_watch_passes_lines_on_loses_none_of_them():
+    """The first stop request raised as an exception (Prefect's SIGTERM during a flow run) in the middle of a batch of
+    lines: the job is stopped, the rest of the batch comes first, then the job's last lines, then the request goes
+    on."""
+    job = BatchJob(lines=LAST_LINES, run_polls=100, stop_polls=3)
+    seen: list[str] = []
+    interruptions = [KeyboardInterrupt()]
+
+    def on_line(line: str) -> None:
+        if line == LAST_LINES[1] and interruptions:
+            raise interruptions.pop()
+        seen.append(line)
+
+    with pytest.raises(KeyboardInterrupt):
+        watch(job, on_line=on_line, clock=lambda: 0.0, sleep=lambda _s: None)
+    assert job.calls == ["cancel"] and seen == LAST_LINES
+
+
 def test_a_repeated_stop_signal_while_the_job_stops_is_said_not_raised_and_the_handlers_come_back(caplog):
     """A process manager repeating SIGTERM during a flow run: Prefect's handler would raise it wherever it lands.
     While the job stops, a repeat is a warning; afterwards the handler installed before is back."""
