@@ -180,16 +180,15 @@ def watch(
     pending_since: list[float] = []
     lines: deque[str] = deque()  # read from the job, not yet passed on: a stop request raised meanwhile loses none
 
+    def show(line: str) -> None:
+        on_line(line)
+        if ATTEMPT_LINE.match(line):
+            errors.clear()  # the failure summary quotes the current attempt only
+        if is_error_line(line):
+            errors.append(line)
+
     def drain() -> None:
-        lines.extend(job.read_output())
-        while lines:
-            line = lines[0]
-            on_line(line)
-            if ATTEMPT_LINE.match(line):
-                errors.clear()  # the failure summary quotes the current attempt only
-            if is_error_line(line):
-                errors.append(line)
-            lines.popleft()
+        _pass_on(job, lines, show)
 
     seen: list[JobState] = []  # the newest state polled: a stop request says what it does to a pending job
     restore = _cancel_on_signals(job, received, seen) if forward_signals else (lambda: None)

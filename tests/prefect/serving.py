@@ -99,22 +99,19 @@ def slots_in_use(deployment_id) -> int:
 def wait_for_failed_run_line(log: Path, run_id, where: str) -> list:
     """Wait until the output in ``log`` holds a failed flow run's one line (it comes from the flow-run process as it
     ends; Prefect's own last line of the run where the one line is missing), then return the run's log entries on the
-    server once they hold a traceback, or as they are after 60 s (the flow-run process sends its log entries in
-    batches, the last as it exits: they reach a loaded server after the line reaches the terminal)."""
-    import time
-
+    server once they hold its traceback (the flow-run process sends its log entries in batches, the last as it exits:
+    they reach a loaded server after the line reaches the terminal)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     wait_for(lambda: any(end in log.read_text() for end in (f"flow-run logs {run_id}", "Finished in state Failed")),
              60, f"the failed run's line in {where}", 0.5)
-    deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
-        while True:
+        def with_traceback() -> list | None:
             entries = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-            if time.monotonic() > deadline or any("Traceback (most recent call last)" in e.message for e in entries):
-                return entries
-            time.sleep(0.5)
+            return entries if any("Traceback (most recent call last)" in e.message for e in entries) else None
+
+        return wait_for(with_traceback, 60, "the failed run's traceback in its log on the server", 0.5)
 
 
 def assert_bad_batch_size_is_one_line(state, output: str, logs: list, run, deployment: str,
